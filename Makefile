@@ -1,0 +1,147 @@
+# pipegoose — build, test, benchmark, install.
+#
+#   make            optimised for this machine (-O3 -march=native, OpenMP)
+#   make PORTABLE=1 a generic x86-64 build
+#   make debug      -O0 -g into build-debug/
+#   make asan       AddressSanitizer + UBSan build into build-asan/, then the suite under it
+#   make test       the whole suite (busted specs + distributed runs); last line "N passed, N failed"
+#   make run        install deps, build, prepare the default corpus, train the default model
+#   make bench      training-step benchmarks (tokens/s, MFU against OpenBLAS sgemm)
+#   make bench-comm collective bandwidth against raw MPI
+#   make install PREFIX=/usr/local
+#   make CUDA=0     never build the CUDA kernels (default: auto-detect nvcc)
+
+VERSION  := 0.1.0
+BUILD    ?= build
+PREFIX   ?= /usr/local
+PORTABLE ?= 0
+DEBUG    ?= 0
+SAN      ?= 0
+CUDA     ?= auto
+
+CC       := mpicc
+DEPS_OK  := $(BUILD)/.deps-ok
+
+# Recursive (=) so pkg-config runs after scripts/install-deps.sh has run.
+PKG_CFLAGS = $(shell pkg-config --cflags lua5.4 openblas)
+PKG_LIBS   = $(shell pkg-config --libs lua5.4 openblas)
+
+ifeq ($(SAN),1)
+  OPTFLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
+  SANLD    := -fsanitize=address,undefined
+else ifeq ($(DEBUG),1)
+  OPTFLAGS := -O0 -g
+else ifeq ($(PORTABLE),1)
+  OPTFLAGS := -O3 -mtune=generic
+else
+  OPTFLAGS := -O3 -march=native
+endif
+
+# CUDA: auto-detected from nvcc on the PATH or under CUDA_HOME (or /usr/local/cuda).
+CUDA_HOME ?= /usr/local/cuda
+NVCC_FOUND := $(or $(shell command -v nvcc 2>/dev/null),$(wildcard $(CUDA_HOME)/bin/nvcc))
+ifeq ($(CUDA),0)
+  NVCC :=
+else
+  NVCC := $(NVCC_FOUND)
+endif
+CUDA_SRCS := $(wildcard kernels/cuda/*.cu)
+ifneq ($(and $(NVCC),$(CUDA_SRCS)),)
+  CUDA_ROOT  := $(patsubst %/bin/nvcc,%,$(NVCC))
+  CUDA_OBJS  := $(CUDA_SRCS:kernels/cuda/%.cu=$(BUILD)/cuda/%.o)
+  CUDA_DEFS  := -DPG_WITH_CUDA=1 -I$(CUDA_ROOT)/include
+  CUDA_LIBS  := -L$(CUDA_ROOT)/lib64 -Wl,-rpath,$(CUDA_ROOT)/lib64 -lcudart -lcublas -lnccl
+  NVCCFLAGS  := -O3 -std=c++17 -Xcompiler -fPIC -Ikernels -Isrc --generate-code arch=compute_90,code=sm_90 \
+                --generate-code arch=compute_80,code=sm_80 -Wno-deprecated-gpu-targets
+endif
+
+CFLAGS   = -std=c11 -Wall -Wextra -fPIC -fopenmp $(OPTFLAGS) -Isrc -Ikernels -DPG_VERSION='"$(VERSION)"' \
+           $(CUDA_DEFS) $(PKG_CFLAGS)
+LDLIBS   = $(PKG_LIBS) $(CUDA_LIBS) -lm -ldl
+LDFLAGS  = -fopenmp $(SANLD)
+
+RUNTIME_SRCS  := $(filter-out src/lua_% src/pglua.c,$(wildcard src/*.c)) $(wildcard kernels/cpu/*.c)
+BINDING_SRCS  := $(wildcard src/lua_*.c)
+RUNTIME_OBJS  := $(RUNTIME_SRCS:%.c=$(BUILD)/obj/%.o) $(CUDA_OBJS)
+BINDING_OBJS  := $(BINDING_SRCS:%.c=$(BUILD)/obj/%.o)
+HEADERS       := $(wildcard src/*.h kernels/*.h)
+
+PGLUA      := $(BUILD)/pglua
+CORE_SO    := $(BUILD)/lua/pipegoose/core.so
+LIB_A      := $(BUILD)/libpipegoose.a
+LIB_SO     := $(BUILD)/libpipegoose.so
+
+.PHONY: all deps debug asan test test-unit run bench bench-comm install uninstall clean
+
+all: $(PGLUA) $(CORE_SO) $(LIB_A) $(LIB_SO)
+ifeq ($(BUILD),build)
+all: pglua
+pglua: $(PGLUA)
+	ln -sf $(PGLUA) pglua
+endif
+
+deps: $(DEPS_OK)
+$(DEPS_OK): scripts/install-deps.sh
+	@mkdir -p $(BUILD)
+	scripts/install-deps.sh
+	@touch $@
+
+$(BUILD)/obj/%.o: %.c $(HEADERS) | $(DEPS_OK)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/cuda/%.o: kernels/cuda/%.cu $(HEADERS) | $(DEPS_OK)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+
+$(LIB_A): $(RUNTIME_OBJS)
+	ar rcs $@ $^
+
+$(LIB_SO): $(RUNTIME_OBJS)
+	$(CC) -shared $(LDFLAGS) -o $@ $^ $(filter-out -llua5.4,$(LDLIBS))
+
+$(PGLUA): $(BUILD)/obj/src/pglua.o $(BINDING_OBJS) $(RUNTIME_OBJS)
+	$(CC) $(LDFLAGS) -rdynamic -o $@ $^ $(LDLIBS)
+
+# The Lua C module for a plain lua5.4: no liblua (the interpreter provides it).
+$(CORE_SO): $(BINDING_OBJS) $(RUNTIME_OBJS)
+	@mkdir -p $(dir $@)
+	$(CC) -shared $(LDFLAGS) -o $@ $^ $(filter-out -llua5.4,$(LDLIBS))
+
+debug:
+	$(MAKE) BUILD=build-debug DEBUG=1 all
+
+ASAN_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:allocator_may_return_null=1 \
+            LSAN_OPTIONS=suppressions=$(CURDIR)/spec/support/lsan.supp:print_suppressions=0 \
+            UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+asan:
+	$(MAKE) BUILD=build-asan SAN=1 all
+	$(ASAN_ENV) PG_SANITIZE=1 PGLUA=build-asan/pglua scripts/run_tests.sh
+
+test: all
+	PGLUA=$(PGLUA) scripts/run_tests.sh
+
+# Only the plain busted specs (fast, no mpirun).
+test-unit: all
+	PGLUA=$(PGLUA) PG_TEST_ONLY=unit scripts/run_tests.sh
+
+bench-comm: all
+	scripts/mpirun.sh -np 2 $(PGLUA) scripts/bench_comm.lua
+
+install: all
+	install -d $(PREFIX)/bin $(PREFIX)/lib $(PREFIX)/lib/pkgconfig $(PREFIX)/include/pipegoose \
+	  $(PREFIX)/share/lua/5.4/pipegoose $(PREFIX)/lib/lua/5.4/pipegoose
+	install -m 755 $(PGLUA) $(PREFIX)/bin/pglua
+	install -m 644 $(LIB_A) $(PREFIX)/lib/
+	install -m 755 $(LIB_SO) $(PREFIX)/lib/
+	install -m 755 $(CORE_SO) $(PREFIX)/lib/lua/5.4/pipegoose/core.so
+	install -m 644 $(filter-out src/lua_util.h,$(wildcard src/pg_*.h)) kernels/kernels.h $(PREFIX)/include/pipegoose/
+	cp -R lua/pipegoose/. $(PREFIX)/share/lua/5.4/pipegoose/
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' scripts/pipegoose.pc.in > $(PREFIX)/lib/pkgconfig/pipegoose.pc
+
+uninstall:
+	rm -rf $(PREFIX)/bin/pglua $(PREFIX)/lib/libpipegoose.* $(PREFIX)/include/pipegoose \
+	  $(PREFIX)/share/lua/5.4/pipegoose $(PREFIX)/lib/lua/5.4/pipegoose $(PREFIX)/lib/pkgconfig/pipegoose.pc
+
+clean:
+	rm -rf build build-debug build-asan pglua

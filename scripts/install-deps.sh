@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs the Debian packages pipegoose needs, when missing. Safe to re-run:
+# it only calls apt-get when something is absent.
+set -euo pipefail
+
+PKGS=(
+  gcc make pkg-config
+  lua5.4 liblua5.4-dev lua-busted lua-cjson   # interpreter headers, test runner, JSON
+  libopenmpi-dev openmpi-bin                   # MPI
+  libopenblas-openmp-dev                       # sgemm (OpenMP flavour: one thread pool with ours)
+  fortunes                                     # the default training corpus (/usr/share/games/fortunes)
+)
+# Optional extras (plots), installed when asked: PG_WITH_PLOTS=1.
+[ "${PG_WITH_PLOTS:-0}" = 1 ] && PKGS+=(gnuplot-nox)
+
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+echo "install-deps: installing ${missing[*]}"
+if [ "$(id -u)" -eq 0 ]; then SUDO=(); elif command -v sudo >/dev/null; then SUDO=(sudo); else
+  echo "install-deps: need root to install: ${missing[*]}" >&2; exit 1; fi
+export DEBIAN_FRONTEND=noninteractive
+"${SUDO[@]}" apt-get update -qq
+"${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,55 @@
+-- Shared helpers for the specs: running commands (pglua, mpirun) and
+-- capturing their output and exit status.
+local M = {}
+
+M.root = os.getenv("PG_ROOT") or "."
+M.pglua = os.getenv("PGLUA") or "./pglua"
+M.build = M.pglua:match("^(.*)/pglua$") or "build"
+if M.build == "." then M.build = "build" end
+
+local function quote(s)
+  return "'" .. tostring(s):gsub("'", "'\\''") .. "'"
+end
+M.quote = quote
+
+--- Runs a shell command; returns exit status, stdout+stderr text.
+function M.sh(cmd)
+  local f = assert(io.popen("( " .. cmd .. " ) 2>&1; echo \"__rc=$?\""))
+  local out = f:read("a")
+  f:close()
+  local rc = tonumber(out:match("__rc=(%d+)%s*$"))
+  return rc, (out:gsub("__rc=%d+%s*$", ""))
+end
+
+--- pglua with arguments (a list of strings).
+function M.pglua_cmd(args)
+  local parts = { quote(M.pglua) }
+  for _, a in ipairs(args) do parts[#parts + 1] = quote(a) end
+  return table.concat(parts, " ")
+end
+
+--- mpirun -np n pglua args... ; a hang guard (not a timing assertion) kills it after `limit` seconds.
+function M.mpirun_cmd(n, args, limit)
+  return ("timeout -k 5 %d scripts/mpirun.sh -x PG_ABORT_GRACE -np %d %s"):format(limit or 60, n, M.pglua_cmd(args))
+end
+
+--- Writes text to a fresh temporary file and returns its path.
+function M.tmpfile(text, suffix)
+  local path = os.tmpname() .. (suffix or ".lua")
+  local f = assert(io.open(path, "w"))
+  f:write(text)
+  f:close()
+  return path
+end
+
+--- Counts non-overlapping occurrences of a plain substring.
+function M.count(haystack, needle)
+  local n, i = 0, 1
+  while true do
+    local s, e = haystack:find(needle, i, true)
+    if not s then return n end
+    n, i = n + 1, e + 1
+  end
+end
+
+return M

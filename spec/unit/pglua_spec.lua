@@ -1,0 +1,65 @@
+-- The pglua command line behaves like lua and ends the job on errors.
+local h = require "helpers"
+
+describe("pglua", function()
+  it("prints its version with -v and usage with --help", function()
+    local rc, out = h.sh(h.pglua_cmd{ "-v" })
+    assert.equal(0, rc)
+    assert.matches("pipegoose %d+%.%d+%.%d+ on Lua 5%.4", out)
+    rc, out = h.sh(h.pglua_cmd{ "--help" })
+    assert.equal(0, rc)
+    assert.matches("usage: .* %[options%] %[script %[args%]%]", out)
+  end)
+
+  it("runs -e code, scripts with arg, and stdin", function()
+    local rc, out = h.sh(h.pglua_cmd{ "-e", "print(1 + 1)" })
+    assert.equal(0, rc)
+    assert.equal("2\n", out)
+    local script = h.tmpfile("print(arg[0] ~= nil, #arg, arg[-1] ~= nil, ...)")
+    rc, out = h.sh(h.pglua_cmd{ script, "a", "b" })
+    assert.equal(0, rc)
+    assert.equal("true\t2\ttrue\ta\tb\n", out)
+    rc, out = h.sh("echo 'print(\"from stdin\", ...)' | " .. h.pglua_cmd{ "-", "x" })
+    assert.equal(0, rc)
+    assert.equal("from stdin\tx\n", out)
+    os.remove(script)
+  end)
+
+  it("loads pipegoose with no setup and requires modules with -l", function()
+    local rc, out = h.sh(h.pglua_cmd{ "-l", "pg=pipegoose", "-e", "print(pg.version, pg.tensor{1}:numel())" })
+    assert.equal(0, rc)
+    assert.matches("^%d+%.%d+%.%d+\t1\n$", out)
+  end)
+
+  it("reports an error with the rank and a traceback, exit status 1", function()
+    local script = h.tmpfile("local function inner() error('something broke') end\ninner()\n")
+    local rc, out = h.sh(h.pglua_cmd{ script })
+    assert.equal(1, rc)
+    assert.matches("%[rank 0%] .-something broke", out)
+    assert.matches("stack traceback:", out)
+    assert.matches("in local 'inner'", out)
+    os.remove(script)
+  end)
+
+  it("passes os.exit codes through", function()
+    local rc = h.sh(h.pglua_cmd{ "-e", "os.exit(3)" })
+    assert.equal(3, rc)
+    rc = h.sh(h.pglua_cmd{ "-e", "os.exit(true)" })
+    assert.equal(0, rc)
+  end)
+
+  it("rejects unknown options", function()
+    local rc, out = h.sh(h.pglua_cmd{ "-Q" })
+    assert.equal(1, rc)
+    assert.matches("unrecognized option '%-Q'", out)
+  end)
+
+  -- A sanitizer build's module cannot load into an uninstrumented lua5.4.
+  local plain_it = os.getenv("PG_SANITIZE") and pending or it
+  plain_it("leaves the C module usable from a plain lua5.4", function()
+    local rc, out = h.sh("lua5.4 -e 'package.cpath=\"" .. h.build .. "/lua/?.so;\"..package.cpath; package.path=\"lua/?.lua;lua/?/init.lua;\"..package.path' "
+      .. "-e 'local pg=require\"pipegoose\"; print(pg.tensor{1,2}:sum(), pg.ParallelContext{}:world_size())'")
+    assert.equal(0, rc, out)
+    assert.matches("3%.0\t1", out)
+  end)
+end)

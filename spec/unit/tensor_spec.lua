@@ -1,0 +1,102 @@
+local pg = require "pipegoose"
+
+describe("tensors", function()
+  it("are built from nested tables and read back", function()
+    local t = pg.tensor{ { 1, 2, 3 }, { 4, 5, 6 } }
+    assert.same({ 2, 3 }, t:shape())
+    assert.equal(6, t:numel())
+    assert.equal("float32", t:dtype())
+    assert.equal("cpu", t:device())
+    assert.same({ { 1, 2, 3 }, { 4, 5, 6 } }, t:totable())
+    assert.equal(21, t:sum())
+    assert.equal(6, t:get(2, 3))
+    local i = pg.tensor({ 1, -2 }, { dtype = "int32" })
+    assert.equal("int32", i:dtype())
+    assert.same({ 1, -2 }, i:totable())
+    assert.is_true(math.type(i:get(1)) == "integer")
+  end)
+
+  it("has zeros, ones, full, arange and seeded randn", function()
+    assert.same({ 0, 0 }, pg.zeros{ 2 }:totable())
+    assert.same({ { 1 }, { 1 } }, pg.ones(2, 1):totable())
+    assert.same({ 7, 7, 7 }, pg.full({ 3 }, 7):totable())
+    assert.same({ 0, 1, 2, 3 }, pg.arange(4):totable())
+    assert.equal("int32", pg.arange(4):dtype())
+    assert.same({ 2, 4 }, pg.arange(2, 6, 2):totable())
+    assert.same({ 0.5, 1.5 }, pg.arange(0.5, 2):totable())
+    local a, b, c = pg.randn({ 1000 }, { seed = 3 }), pg.randn({ 1000 }, { seed = 3 }), pg.randn({ 1000 }, { seed = 4 })
+    assert.is_true(a:equal(b))
+    assert.is_false(a:equal(c))
+    local mean = a:sum() / 1000
+    local var = a:mul(a):sum() / 1000 - mean * mean
+    -- 1000 standard normals: mean within 4 sigma (0.13), variance within 0.3 of 1
+    assert.is_true(math.abs(mean) < 0.13, "mean " .. mean)
+    assert.is_true(math.abs(var - 1) < 0.3, "variance " .. var)
+    -- a prefix of a longer draw is the shorter draw: values depend on (seed, index) only
+    assert.is_true(pg.randn({ 10 }, { seed = 3 }):equal(a:narrow(1, 1, 10)))
+  end)
+
+  it("does elementwise arithmetic, in place or not", function()
+    local a, b = pg.tensor{ 1, 2, 3 }, pg.tensor{ 4, 5, 6 }
+    assert.same({ 5, 7, 9 }, a:add(b):totable())
+    assert.same({ -3, -3, -3 }, a:sub(b):totable())
+    assert.same({ 4, 10, 18 }, a:mul(b):totable())
+    assert.same({ 4, 2.5, 2 }, b:div(a):totable())
+    assert.same({ 2, 4, 6 }, a:scale(2):totable())
+    assert.same({ 11, 12, 13 }, a:add(10):totable())
+    assert.same({ 1, 2, 3 }, a:totable(), "non-in-place ops leave the operand alone")
+    a:add_(b):scale_(0.5)
+    assert.same({ 2.5, 3.5, 4.5 }, a:totable())
+    a:fill_(1):copy_(b)
+    assert.same({ 4, 5, 6 }, a:totable())
+  end)
+
+  it("narrows as a view along the first dimension and as a copy elsewhere", function()
+    local t = pg.tensor{ { 1, 2, 3 }, { 4, 5, 6 }, { 7, 8, 9 } }
+    local rows = t:narrow(1, 2, 2)
+    assert.same({ { 4, 5, 6 }, { 7, 8, 9 } }, rows:totable())
+    rows:set(1, 1, 40)
+    assert.equal(40, t:get(2, 1), "a first-dimension narrow shares memory")
+    local cols = t:narrow(2, 2, 1)
+    assert.same({ { 2 }, { 5 }, { 8 } }, cols:totable())
+    assert.same({ 9 }, t:reshape{ 9 }:shape())
+    local c = t:clone()
+    c:set(1, 1, -1)
+    assert.equal(1, t:get(1, 1), "clone copies")
+  end)
+
+  it("compares with max_abs_diff, max_rel_diff, allclose and equal", function()
+    local a, b = pg.tensor{ 1, 2, 3 }, pg.tensor{ 1, 2.5, 3 }
+    assert.near(0.5, a:max_abs_diff(b), 1e-7)
+    assert.near(0.2, a:max_rel_diff(b), 1e-6)
+    assert.is_true(a:allclose(a:clone()))
+    assert.is_false(a:allclose(b, 1e-3, 1e-3))
+    assert.is_true(a:allclose(b, 0, 0.5))
+    assert.is_false(a:equal(b))
+    assert.is_true(a:equal(a:clone()))
+  end)
+
+  it("frees memory explicitly and refuses to use a freed tensor", function()
+    local t = pg.zeros{ 4 }
+    t:free()
+    assert.matches("freed", tostring(t))
+    assert.has_error(function() t:sum() end, "bad argument #1: the tensor was freed")
+  end)
+
+  it("names both sides when shapes or dtypes differ", function()
+    local a, b = pg.zeros{ 2, 3 }, pg.zeros{ 3, 2 }
+    assert.has_error(function() a:add(b) end, "shapes differ: [2, 3] float32 vs [3, 2] float32")
+    assert.has_error(function() a:add(pg.zeros({ 2, 3 }, { dtype = "int32" })) end,
+      "shapes differ: [2, 3] float32 vs [2, 3] int32")
+    assert.has_error(function() a:copy_(pg.zeros{ 5 }) end,
+      "copy: destination [2, 3] float32 and source [5] float32 differ")
+    assert.has_error(function() a:narrow(1, 2, 5) end, "narrow: elements 2..6 out of range for dimension 1 of size 2")
+    assert.has_error(function() a:reshape{ 5 } end, "reshape: 6 elements cannot be viewed as 5 (tensor [2, 3] float32)")
+    assert.has_error(function() a:get(3, 1) end, "index 3 out of range for dimension 1 of size 2")
+    assert.has_error(function() pg.zeros({ 2 }, { dtype = "float64" }) end,
+      "unknown dtype 'float64' (expected float32, int32 or bfloat16)")
+    assert.has_error(function() pg.tensor{ { 1, 2 }, { 3 } } end,
+      "pg.tensor: ragged table: 1 entries where 2 expected at depth 2")
+    assert.has_error(function() pg.zeros{ 2, -1 } end, "shape entry 2 must be a non-negative integer, got -1")
+  end)
+end)

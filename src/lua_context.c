@@ -1,0 +1,254 @@
+/* Lua bindings for the parallel context: pg.ParallelContext{...} and its
+ * methods. Ranks are 0-based, as in MPI. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lua_util.h"
+#include "pg_comm.h"
+
+/* Registry key of the default context used by pg.dist when no ctx= is given. */
+static const char default_ctx_key = 'c';
+
+static int started_mpi_here = 0;
+
+static void finalize_at_exit(void) { pg_mpi_finalize(); }
+
+/* In pglua MPI is up before any script runs; under a plain lua5.4 it starts
+ * here, on first use, as a world of one (singleton) or under mpirun. */
+static void ensure_mpi(lua_State *L) {
+  int inited = 0;
+  MPI_Initialized(&inited);
+  if (inited) return;
+  if (pg_mpi_init(NULL, NULL)) luaL_error(L, "%s", pg_error());
+  pg_setup_threads();
+  if (!started_mpi_here) atexit(finalize_at_exit);
+  started_mpi_here = 1;
+}
+
+pg_context *pg_lua_check_context(lua_State *L, int idx) {
+  pg_context *c = luaL_checkudata(L, idx, PG_CONTEXT_MT);
+  if (c->destroyed) luaL_error(L, "the parallel context was destroyed");
+  return c;
+}
+
+static int size_field(lua_State *L, const char *key, int world) {
+  if (lua_getfield(L, 1, key) == LUA_TNIL) {
+    lua_pop(L, 1);
+    return 1;
+  }
+  int isint = 0;
+  lua_Integer v = lua_tointegerx(L, -1, &isint);
+  if (!isint || v < 1 || v > 1 << 20)
+    luaL_error(L, "ParallelContext: %s=%s must be a positive integer (world size %d)", key, luaL_tolstring(L, -1, NULL), world);
+  lua_pop(L, 1);
+  return (int)v;
+}
+
+static int l_new(lua_State *L) {
+  if (lua_isnoneornil(L, 1)) lua_newtable(L);
+  luaL_checktype(L, 1, LUA_TTABLE);
+  static const char *const keys[] = {"tensor", "pipeline", "data", "seed", NULL};
+  pg_lua_check_keys(L, 1, "ParallelContext", keys);
+  ensure_mpi(L);
+  int world = pg_mpi_world_size();
+  int tp = size_field(L, "tensor", world), pp = size_field(L, "pipeline", world), dp = size_field(L, "data", world);
+  uint64_t seed = (uint64_t)pg_lua_opt_int(L, 1, "seed", 1234);
+  pg_context *c = lua_newuserdatauv(L, sizeof *c, 0);
+  memset(c, 0, sizeof *c);
+  c->destroyed = 1;
+  luaL_setmetatable(L, PG_CONTEXT_MT);
+  if (pg_context_init(c, MPI_COMM_WORLD, tp, pp, dp, seed)) return luaL_error(L, "ParallelContext: %s", pg_error());
+  lua_pushvalue(L, -1);
+  lua_rawsetp(L, LUA_REGISTRYINDEX, &default_ctx_key);
+  return 1;
+}
+
+pg_context *pg_lua_default_context(lua_State *L) {
+  lua_rawgetp(L, LUA_REGISTRYINDEX, &default_ctx_key);
+  pg_context *c = luaL_testudata(L, -1, PG_CONTEXT_MT);
+  lua_pop(L, 1); /* kept alive by the registry */
+  if (!c || c->destroyed) luaL_error(L, "no parallel context: create one with pg.ParallelContext{...} or pass ctx=");
+  return c;
+}
+
+static pg_mode check_mode(lua_State *L, int idx, const char *def) {
+  const char *name = def ? luaL_optstring(L, idx, def) : luaL_checkstring(L, idx);
+  pg_mode m;
+  PG_LUA_CHECK(L, pg_mode_from_name(name, &m));
+  return m;
+}
+
+static int l_rank(lua_State *L) {
+  lua_pushinteger(L, pg_lua_check_context(L, 1)->rank);
+  return 1;
+}
+
+static int l_world_size(lua_State *L) {
+  pg_context *c = pg_lua_check_context(L, 1);
+  lua_pushinteger(L, c->group[check_mode(L, 2, "global")].size);
+  return 1;
+}
+
+static int l_local_rank(lua_State *L) {
+  pg_context *c = pg_lua_check_context(L, 1);
+  lua_pushinteger(L, c->group[check_mode(L, 2, "global")].rank);
+  return 1;
+}
+
+static int l_ranks(lua_State *L) {
+  pg_context *c = pg_lua_check_context(L, 1);
+  pg_group *g = &c->group[check_mode(L, 2, "global")];
+  lua_createtable(L, g->size, 0);
+  for (int i = 0; i < g->size; i++) {
+    lua_pushinteger(L, g->ranks[i]);
+    lua_rawseti(L, -2, i + 1);
+  }
+  return 1;
+}
+
+static int l_next_rank(lua_State *L) {
+  pg_context *c = pg_lua_check_context(L, 1);
+  lua_pushinteger(L, pg_context_ring_rank(c, check_mode(L, 2, "global"), 1));
+  return 1;
+}
+
+static int l_prev_rank(lua_State *L) {
+  pg_context *c = pg_lua_check_context(L, 1);
+  lua_pushinteger(L, pg_context_ring_rank(c, check_mode(L, 2, "global"), -1));
+  return 1;
+}
+
+static int l_is_first(lua_State *L) {
+  pg_context *c = pg_lua_check_context(L, 1);
+  lua_pushboolean(L, c->group[check_mode(L, 2, "global")].rank == 0);
+  return 1;
+}
+
+static int l_is_last(lua_State *L) {
+  pg_context *c = pg_lua_check_context(L, 1);
+  pg_group *g = &c->group[check_mode(L, 2, "global")];
+  lua_pushboolean(L, g->rank == g->size - 1);
+  return 1;
+}
+
+static int l_barrier(lua_State *L) {
+  pg_context *c = pg_lua_check_context(L, 1);
+  PG_LUA_CHECK(L, pg_barrier(c, check_mode(L, 2, "global")));
+  return 0;
+}
+
+static int l_sizes(lua_State *L) {
+  pg_context *c = pg_lua_check_context(L, 1);
+  lua_createtable(L, 0, 4);
+  lua_pushinteger(L, c->tensor);
+  lua_setfield(L, -2, "tensor");
+  lua_pushinteger(L, c->pipeline);
+  lua_setfield(L, -2, "pipeline");
+  lua_pushinteger(L, c->data);
+  lua_setfield(L, -2, "data");
+  lua_pushinteger(L, c->world_size);
+  lua_setfield(L, -2, "world");
+  return 1;
+}
+
+static int l_seed(lua_State *L) {
+  lua_pushinteger(L, (lua_Integer)pg_lua_check_context(L, 1)->seed);
+  return 1;
+}
+
+/* stream_seed(name): the derived seed of a random stream (see pg_context.h). */
+static int l_stream_seed(lua_State *L) {
+  pg_context *c = pg_lua_check_context(L, 1);
+  static const char *const names[] = {"weights", "replicated", "sharded", "data", NULL};
+  int s = luaL_checkoption(L, 2, NULL, names);
+  lua_pushinteger(L, (lua_Integer)pg_context_stream_seed(c, (pg_stream)s));
+  return 1;
+}
+
+/* comm_stats() -> { [mode] = { [kind] = {calls=, bytes=, seconds=} } } for kinds with calls. */
+static int l_comm_stats(lua_State *L) {
+  pg_context *c = pg_lua_check_context(L, 1);
+  lua_newtable(L);
+  for (int m = 0; m < PG_NUM_MODES; m++) {
+    lua_newtable(L);
+    for (int k = 0; k < PG_NUM_COLLS; k++) {
+      lua_createtable(L, 0, 3);
+      lua_pushinteger(L, c->stats.calls[m][k]);
+      lua_setfield(L, -2, "calls");
+      lua_pushnumber(L, c->stats.bytes[m][k]);
+      lua_setfield(L, -2, "bytes");
+      lua_pushnumber(L, c->stats.seconds[m][k]);
+      lua_setfield(L, -2, "seconds");
+      lua_setfield(L, -2, pg_coll_name((pg_coll)k));
+    }
+    lua_setfield(L, -2, pg_mode_name((pg_mode)m));
+  }
+  return 1;
+}
+
+static int l_reset_comm_stats(lua_State *L) {
+  pg_context *c = pg_lua_check_context(L, 1);
+  memset(&c->stats, 0, sizeof c->stats);
+  return 0;
+}
+
+static int l_destroy(lua_State *L) {
+  pg_context *c = luaL_checkudata(L, 1, PG_CONTEXT_MT);
+  pg_context_destroy(c);
+  return 0;
+}
+
+static int l_tostring(lua_State *L) {
+  pg_context *c = luaL_checkudata(L, 1, PG_CONTEXT_MT);
+  if (c->destroyed) {
+    lua_pushstring(L, "ParallelContext(destroyed)");
+    return 1;
+  }
+  lua_pushfstring(L, "ParallelContext(rank %d of %d: tensor %d/%d, pipeline %d/%d, data %d/%d, seed %I)", c->rank,
+                  c->world_size, c->tp_rank, c->tensor, c->pp_rank, c->pipeline, c->dp_rank, c->data,
+                  (lua_Integer)c->seed);
+  return 1;
+}
+
+static const luaL_Reg context_methods[] = {
+    {"rank", l_rank}, {"world_size", l_world_size}, {"local_rank", l_local_rank}, {"ranks", l_ranks},
+    {"next_rank", l_next_rank}, {"prev_rank", l_prev_rank}, {"is_first", l_is_first}, {"is_last", l_is_last},
+    {"barrier", l_barrier}, {"sizes", l_sizes}, {"seed", l_seed}, {"stream_seed", l_stream_seed},
+    {"comm_stats", l_comm_stats}, {"reset_comm_stats", l_reset_comm_stats}, {"destroy", l_destroy},
+    {NULL, NULL}};
+
+static int l_mpi_rank(lua_State *L) {
+  lua_pushinteger(L, pg_mpi_world_rank());
+  return 1;
+}
+
+static int l_mpi_size(lua_State *L) {
+  lua_pushinteger(L, pg_mpi_world_size());
+  return 1;
+}
+
+static int l_num_threads(lua_State *L) {
+  lua_pushinteger(L, pg_num_threads());
+  return 1;
+}
+
+void pg_lua_open_context(lua_State *L) {
+  if (luaL_newmetatable(L, PG_CONTEXT_MT)) {
+    luaL_newlib(L, context_methods);
+    lua_setfield(L, -2, "__index");
+    lua_pushcfunction(L, l_destroy);
+    lua_setfield(L, -2, "__gc");
+    lua_pushcfunction(L, l_tostring);
+    lua_setfield(L, -2, "__tostring");
+  }
+  lua_pop(L, 1);
+  lua_pushcfunction(L, l_new);
+  lua_setfield(L, -2, "ParallelContext");
+  lua_pushcfunction(L, l_mpi_rank);
+  lua_setfield(L, -2, "world_rank");
+  lua_pushcfunction(L, l_mpi_size);
+  lua_setfield(L, -2, "world_size");
+  lua_pushcfunction(L, l_num_threads);
+  lua_setfield(L, -2, "num_threads");
+}

@@ -1,0 +1,127 @@
+/* Lua bindings for collectives: pg.dist.*. Each takes an options table with
+ * group= (a mode name, default "global"), and ctx= (default: the last
+ * ParallelContext created). Peers (src, dst) are local ranks in the group. */
+#include "lua_util.h"
+#include "pg_comm.h"
+
+pg_context *pg_lua_default_context(lua_State *L);
+
+static pg_context *opt_ctx(lua_State *L, int idx) {
+  if (!lua_isnoneornil(L, idx)) {
+    luaL_checktype(L, idx, LUA_TTABLE);
+    if (lua_getfield(L, idx, "ctx") != LUA_TNIL) {
+      pg_context *c = pg_lua_check_context(L, -1);
+      lua_pop(L, 1); /* referenced by the options table */
+      return c;
+    }
+    lua_pop(L, 1);
+  }
+  return pg_lua_default_context(L);
+}
+
+static pg_mode opt_mode(lua_State *L, int idx) {
+  pg_mode m;
+  PG_LUA_CHECK(L, pg_mode_from_name(pg_lua_opt_string(L, idx, "group", "global"), &m));
+  return m;
+}
+
+static pg_reduce_op opt_op(lua_State *L, int idx) {
+  pg_reduce_op op;
+  PG_LUA_CHECK(L, pg_reduce_op_from_name(pg_lua_opt_string(L, idx, "op", "sum"), &op));
+  return op;
+}
+
+static int opt_dim(lua_State *L, int idx, const pg_tensor *t) {
+  lua_Integer d = pg_lua_opt_int(L, idx, "dim", 1);
+  if (d < 1 || d > t->ndim) luaL_error(L, "dim=%d out of range for a %d-d tensor", (int)d, t->ndim);
+  return (int)d - 1;
+}
+
+static const char *const coll_keys[] = {"group", "ctx", "op", "dim", "src", "dst", "tag", NULL};
+
+static int l_all_reduce(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1);
+  pg_lua_check_keys(L, 2, "all_reduce", coll_keys);
+  pg_context *c = opt_ctx(L, 2);
+  PG_LUA_CHECK(L, pg_all_reduce(c, opt_mode(L, 2), t, opt_op(L, 2)));
+  lua_settop(L, 1);
+  return 1;
+}
+
+static int l_all_gather(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1), out;
+  pg_lua_check_keys(L, 2, "all_gather", coll_keys);
+  pg_context *c = opt_ctx(L, 2);
+  PG_LUA_CHECK(L, pg_all_gather(c, opt_mode(L, 2), t, &out, opt_dim(L, 2, t)));
+  pg_lua_push_tensor(L, &out);
+  return 1;
+}
+
+static int l_reduce_scatter(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1), out;
+  pg_lua_check_keys(L, 2, "reduce_scatter", coll_keys);
+  pg_context *c = opt_ctx(L, 2);
+  PG_LUA_CHECK(L, pg_reduce_scatter(c, opt_mode(L, 2), t, &out, opt_dim(L, 2, t), opt_op(L, 2)));
+  pg_lua_push_tensor(L, &out);
+  return 1;
+}
+
+static int l_broadcast(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1);
+  pg_lua_check_keys(L, 2, "broadcast", coll_keys);
+  pg_context *c = opt_ctx(L, 2);
+  PG_LUA_CHECK(L, pg_broadcast(c, opt_mode(L, 2), t, (int)pg_lua_opt_int(L, 2, "src", 0)));
+  lua_settop(L, 1);
+  return 1;
+}
+
+static int peer(lua_State *L, int idx, const char *key) {
+  lua_Integer p = pg_lua_opt_int(L, idx, key, -1);
+  if (p < 0) luaL_error(L, "option '%s' (a local rank in the group) is required", key);
+  return (int)p;
+}
+
+static int l_send(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1);
+  pg_lua_check_keys(L, 2, "send", coll_keys);
+  pg_context *c = opt_ctx(L, 2);
+  PG_LUA_CHECK(L, pg_send(c, opt_mode(L, 2), t, peer(L, 2, "dst"), (int)pg_lua_opt_int(L, 2, "tag", 0)));
+  return 0;
+}
+
+static int l_recv(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1);
+  pg_lua_check_keys(L, 2, "recv", coll_keys);
+  pg_context *c = opt_ctx(L, 2);
+  PG_LUA_CHECK(L, pg_recv(c, opt_mode(L, 2), t, peer(L, 2, "src"), (int)pg_lua_opt_int(L, 2, "tag", 0)));
+  lua_settop(L, 1);
+  return 1;
+}
+
+/* sendrecv(send_tensor, recv_tensor, {dst=, src=}) */
+static int l_sendrecv(lua_State *L) {
+  pg_tensor *s = pg_lua_check_tensor(L, 1), *r = pg_lua_check_tensor(L, 2);
+  pg_lua_check_keys(L, 3, "sendrecv", coll_keys);
+  pg_context *c = opt_ctx(L, 3);
+  PG_LUA_CHECK(L, pg_sendrecv(c, opt_mode(L, 3), s, peer(L, 3, "dst"), r, peer(L, 3, "src"),
+                              (int)pg_lua_opt_int(L, 3, "tag", 0)));
+  lua_settop(L, 2);
+  return 1;
+}
+
+static int l_barrier(lua_State *L) {
+  pg_lua_check_keys(L, 1, "barrier", coll_keys);
+  pg_context *c = opt_ctx(L, 1);
+  PG_LUA_CHECK(L, pg_barrier(c, opt_mode(L, 1)));
+  return 0;
+}
+
+static const luaL_Reg dist_functions[] = {{"all_reduce", l_all_reduce}, {"all_gather", l_all_gather},
+                                          {"reduce_scatter", l_reduce_scatter}, {"broadcast", l_broadcast},
+                                          {"send", l_send}, {"recv", l_recv}, {"sendrecv", l_sendrecv},
+                                          {"barrier", l_barrier}, {NULL, NULL}};
+
+void pg_lua_open_dist(lua_State *L) {
+  luaL_newlib(L, dist_functions);
+  lua_setfield(L, -2, "dist");
+}

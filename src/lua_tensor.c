@@ -1,0 +1,453 @@
+/* Lua bindings for pg_tensor: creation, inspection, elementwise arithmetic
+ * and the comparison helpers used by the specs. Dimensions and element
+ * indices are 1-based, as in Lua and Lua Torch. */
+#include <math.h>
+#include <string.h>
+
+#include "lua_util.h"
+#include "pg_rng.h"
+
+static pg_dtype opt_dtype(lua_State *L, int idx, pg_dtype def) {
+  const char *name = pg_lua_opt_string(L, idx, "dtype", NULL);
+  if (!name) return def;
+  pg_dtype d;
+  PG_LUA_CHECK(L, pg_dtype_from_name(name, &d));
+  return d;
+}
+
+/* Shape from either a table {2, 3} at idx or integers idx, idx+1, ... up to
+ * the first non-number. Returns ndim and sets *next to the next argument. */
+static int read_shape(lua_State *L, int idx, int64_t *shape, int *next) {
+  if (lua_istable(L, idx) && !pg_lua_test_tensor(L, idx)) {
+    *next = idx + 1;
+    return pg_lua_check_shape(L, idx, shape);
+  }
+  int n = 0;
+  while (lua_type(L, idx + n) == LUA_TNUMBER) {
+    if (n == PG_MAX_DIMS) luaL_error(L, "at most %d dimensions are supported", PG_MAX_DIMS);
+    int isint = 0;
+    lua_Integer v = lua_tointegerx(L, idx + n, &isint);
+    if (!isint || v < 0) luaL_error(L, "bad argument #%d: sizes must be non-negative integers", idx + n);
+    shape[n++] = v;
+  }
+  *next = idx + n;
+  return n;
+}
+
+/* ---- constructors ---- */
+
+static void infer_shape(lua_State *L, int idx, int depth, int *ndim, int64_t *shape) {
+  if (depth >= PG_MAX_DIMS) luaL_error(L, "pg.tensor: nested deeper than %d levels", PG_MAX_DIMS);
+  int64_t n = (int64_t)luaL_len(L, idx);
+  shape[depth] = n;
+  *ndim = depth + 1;
+  if (n > 0) {
+    lua_geti(L, idx, 1);
+    if (lua_istable(L, -1)) infer_shape(L, lua_gettop(L), depth + 1, ndim, shape);
+    lua_pop(L, 1);
+  }
+}
+
+static void fill_from_table(lua_State *L, int idx, int depth, int ndim, const int64_t *shape, pg_tensor *t,
+                            int64_t *pos) {
+  int64_t n = (int64_t)luaL_len(L, idx);
+  if (n != shape[depth]) luaL_error(L, "pg.tensor: ragged table: %I entries where %I expected at depth %d", (lua_Integer)n,
+                                    (lua_Integer)shape[depth], depth + 1);
+  for (int64_t i = 1; i <= n; i++) {
+    lua_geti(L, idx, i);
+    if (depth + 1 < ndim) {
+      if (!lua_istable(L, -1)) luaL_error(L, "pg.tensor: ragged table: a number where a table was expected at depth %d", depth + 2);
+      fill_from_table(L, lua_gettop(L), depth + 1, ndim, shape, t, pos);
+    } else {
+      int isnum = 0;
+      lua_Number v = lua_tonumberx(L, -1, &isnum);
+      if (!isnum) luaL_error(L, "pg.tensor: entry %I at depth %d is a %s, not a number", (lua_Integer)i, depth + 1, luaL_typename(L, -1));
+      pg_tensor_set_flat(t, (*pos)++, v);
+    }
+    lua_pop(L, 1);
+  }
+}
+
+static int l_tensor(lua_State *L) {
+  luaL_checktype(L, 1, LUA_TTABLE);
+  pg_dtype dtype = opt_dtype(L, 2, PG_FLOAT32);
+  int64_t shape[PG_MAX_DIMS];
+  int ndim = 0;
+  infer_shape(L, 1, 0, &ndim, shape);
+  pg_tensor *t = pg_lua_new_tensor(L, dtype, ndim, shape);
+  int64_t pos = 0;
+  fill_from_table(L, 1, 0, ndim, shape, t, &pos);
+  return 1;
+}
+
+static int make_filled(lua_State *L, double value, int has_value_arg) {
+  int64_t shape[PG_MAX_DIMS];
+  int next;
+  int ndim = read_shape(L, 1, shape, &next);
+  if (has_value_arg) value = luaL_checknumber(L, next++);
+  pg_dtype dtype = opt_dtype(L, next, PG_FLOAT32);
+  pg_tensor *t = pg_lua_new_tensor(L, dtype, ndim, shape);
+  if (value != 0) pg_tensor_fill(t, value);
+  return 1;
+}
+
+static int l_zeros(lua_State *L) { return make_filled(L, 0, 0); }
+static int l_ones(lua_State *L) { return make_filled(L, 1, 0); }
+static int l_full(lua_State *L) { return make_filled(L, 0, 1); }
+
+static int l_randn(lua_State *L) {
+  int64_t shape[PG_MAX_DIMS];
+  int next;
+  int ndim = read_shape(L, 1, shape, &next);
+  uint64_t seed = (uint64_t)pg_lua_opt_int(L, next, "seed", 0);
+  double mean = pg_lua_opt_number(L, next, "mean", 0), std = pg_lua_opt_number(L, next, "std", 1);
+  pg_tensor *t = pg_lua_new_tensor(L, PG_FLOAT32, ndim, shape);
+  uint64_t key = pg_rng_key(seed, "pg.randn");
+  float *x = pg_tensor_f32(t);
+  for (int64_t i = 0; i < t->numel; i++) x[i] = (float)(mean + std * pg_normal_at(key, (uint64_t)i));
+  return 1;
+}
+
+static int l_arange(lua_State *L) {
+  int nargs = 0;
+  while (lua_type(L, nargs + 1) == LUA_TNUMBER) nargs++;
+  if (nargs < 1 || nargs > 3) return luaL_error(L, "pg.arange(stop) or pg.arange(start, stop[, step])");
+  int all_int = 1;
+  for (int i = 1; i <= nargs; i++) all_int &= lua_isinteger(L, i);
+  double start = nargs == 1 ? 0 : lua_tonumber(L, 1);
+  double stop = nargs == 1 ? lua_tonumber(L, 1) : lua_tonumber(L, 2);
+  double step = nargs == 3 ? lua_tonumber(L, 3) : 1;
+  if (step == 0) return luaL_error(L, "pg.arange: step must not be zero");
+  pg_dtype dtype = opt_dtype(L, nargs + 1, all_int ? PG_INT32 : PG_FLOAT32);
+  int64_t n = (int64_t)ceil((stop - start) / step);
+  if (n < 0) n = 0;
+  pg_tensor *t = pg_lua_new_tensor(L, dtype, 1, &n);
+  for (int64_t i = 0; i < n; i++) pg_tensor_set_flat(t, i, start + (double)i * step);
+  return 1;
+}
+
+/* ---- methods ---- */
+
+static int l_shape(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1);
+  lua_createtable(L, t->ndim, 0);
+  for (int i = 0; i < t->ndim; i++) {
+    lua_pushinteger(L, t->shape[i]);
+    lua_rawseti(L, -2, i + 1);
+  }
+  return 1;
+}
+
+static int l_size(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1);
+  if (lua_isnoneornil(L, 2)) return l_shape(L);
+  lua_Integer d = luaL_checkinteger(L, 2);
+  if (d < 1 || d > t->ndim) return luaL_error(L, "size: dimension %d out of range for a %d-d tensor", (int)d, t->ndim);
+  lua_pushinteger(L, t->shape[d - 1]);
+  return 1;
+}
+
+static int l_dim(lua_State *L) {
+  lua_pushinteger(L, pg_lua_check_tensor(L, 1)->ndim);
+  return 1;
+}
+
+static int l_numel(lua_State *L) {
+  lua_pushinteger(L, pg_lua_check_tensor(L, 1)->numel);
+  return 1;
+}
+
+static int l_dtype(lua_State *L) {
+  lua_pushstring(L, pg_dtype_name(pg_lua_check_tensor(L, 1)->dtype));
+  return 1;
+}
+
+static int l_device(lua_State *L) {
+  lua_pushstring(L, pg_device_name(pg_lua_check_tensor(L, 1)->device));
+  return 1;
+}
+
+static void push_element(lua_State *L, const pg_tensor *t, int64_t i) {
+  if (t->dtype == PG_INT32) lua_pushinteger(L, pg_tensor_i32(t)[i]);
+  else lua_pushnumber(L, pg_tensor_get_flat(t, i));
+}
+
+static void totable_rec(lua_State *L, const pg_tensor *t, int depth, int64_t *pos) {
+  lua_createtable(L, (int)t->shape[depth], 0);
+  for (int64_t i = 0; i < t->shape[depth]; i++) {
+    if (depth + 1 < t->ndim) totable_rec(L, t, depth + 1, pos);
+    else push_element(L, t, (*pos)++);
+    lua_rawseti(L, -2, i + 1);
+  }
+}
+
+static int l_totable(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1);
+  int64_t pos = 0;
+  if (t->ndim == 0) push_element(L, t, 0);
+  else totable_rec(L, t, 0, &pos);
+  return 1;
+}
+
+static int l_clone(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1), out;
+  PG_LUA_CHECK(L, pg_tensor_clone(&out, t));
+  pg_lua_push_tensor(L, &out);
+  return 1;
+}
+
+/* narrow(dim, start, len): 1-based dim and start. A view sharing memory when
+ * the slice is contiguous (dim 1, or all earlier dims of size 1), else a copy. */
+static int l_narrow(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1), out;
+  lua_Integer dim = luaL_checkinteger(L, 2), start = luaL_checkinteger(L, 3), len = luaL_checkinteger(L, 4);
+  if (dim < 1 || dim > t->ndim) return luaL_error(L, "narrow: dimension %d out of range for a %d-d tensor", (int)dim, t->ndim);
+  int contiguous = 1;
+  for (int i = 0; i < dim - 1; i++) contiguous &= t->shape[i] == 1;
+  int rc = contiguous ? pg_tensor_narrow_view(&out, t, (int)dim - 1, start - 1, len)
+                      : pg_tensor_narrow_copy(&out, t, (int)dim - 1, start - 1, len);
+  PG_LUA_CHECK(L, rc);
+  pg_lua_push_tensor(L, &out);
+  return 1;
+}
+
+static int l_reshape(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1), out;
+  int64_t shape[PG_MAX_DIMS];
+  int next;
+  int ndim = read_shape(L, 2, shape, &next);
+  PG_LUA_CHECK(L, pg_tensor_reshape_view(&out, t, ndim, shape));
+  pg_lua_push_tensor(L, &out);
+  return 1;
+}
+
+/* Second operand: a tensor, or a number broadcast to the first's shape. */
+static const pg_tensor *operand(lua_State *L, int idx, const pg_tensor *like, pg_tensor *tmp) {
+  if (lua_type(L, idx) == LUA_TNUMBER) {
+    if (pg_tensor_init(tmp, like->dtype, like->ndim, like->shape)) luaL_error(L, "%s", pg_error());
+    pg_tensor_fill(tmp, lua_tonumber(L, idx));
+    return tmp;
+  }
+  return pg_lua_check_tensor(L, idx);
+}
+
+static int binop(lua_State *L, pg_binop op, int inplace) {
+  pg_tensor *a = pg_lua_check_tensor(L, 1), tmp = {0};
+  const pg_tensor *b = operand(L, 2, a, &tmp);
+  pg_tensor *out = a;
+  if (!inplace) out = pg_lua_new_tensor(L, a->dtype, a->ndim, a->shape);
+  int rc = pg_tensor_binop(out, a, b, op);
+  pg_tensor_release(&tmp);
+  if (rc) return luaL_error(L, "%s", pg_error());
+  if (inplace) lua_settop(L, 1);
+  return 1;
+}
+
+static int l_add(lua_State *L) { return binop(L, PG_OP_ADD, 0); }
+static int l_sub(lua_State *L) { return binop(L, PG_OP_SUB, 0); }
+static int l_mul(lua_State *L) { return binop(L, PG_OP_MUL, 0); }
+static int l_div(lua_State *L) { return binop(L, PG_OP_DIV, 0); }
+static int l_add_(lua_State *L) { return binop(L, PG_OP_ADD, 1); }
+static int l_sub_(lua_State *L) { return binop(L, PG_OP_SUB, 1); }
+static int l_mul_(lua_State *L) { return binop(L, PG_OP_MUL, 1); }
+static int l_div_(lua_State *L) { return binop(L, PG_OP_DIV, 1); }
+
+static int l_scale(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1), out;
+  double s = luaL_checknumber(L, 2);
+  PG_LUA_CHECK(L, pg_tensor_clone(&out, t));
+  pg_tensor *u = pg_lua_push_tensor(L, &out);
+  PG_LUA_CHECK(L, pg_tensor_scale(u, s));
+  return 1;
+}
+
+static int l_scale_(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1);
+  PG_LUA_CHECK(L, pg_tensor_scale(t, luaL_checknumber(L, 2)));
+  lua_settop(L, 1);
+  return 1;
+}
+
+static int l_fill_(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1);
+  pg_tensor_fill(t, luaL_checknumber(L, 2));
+  lua_settop(L, 1);
+  return 1;
+}
+
+static int l_copy_(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1), *src = pg_lua_check_tensor(L, 2);
+  PG_LUA_CHECK(L, pg_tensor_copy(t, src));
+  lua_settop(L, 1);
+  return 1;
+}
+
+static int l_sum(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1);
+  double s = pg_tensor_sum(t);
+  if (t->dtype == PG_INT32) lua_pushinteger(L, (lua_Integer)s);
+  else lua_pushnumber(L, s);
+  return 1;
+}
+
+static int l_max_abs_diff(lua_State *L) {
+  pg_tensor *a = pg_lua_check_tensor(L, 1), *b = pg_lua_check_tensor(L, 2);
+  double d;
+  PG_LUA_CHECK(L, pg_tensor_max_abs_diff(a, b, &d));
+  lua_pushnumber(L, d);
+  return 1;
+}
+
+/* max |a-b| / max(|b|, tiny), elementwise; the worst relative error. */
+static int l_max_rel_diff(lua_State *L) {
+  pg_tensor *a = pg_lua_check_tensor(L, 1), *b = pg_lua_check_tensor(L, 2);
+  double d;
+  PG_LUA_CHECK(L, pg_tensor_max_abs_diff(a, b, &d)); /* checks shapes */
+  double m = 0;
+  for (int64_t i = 0; i < a->numel; i++) {
+    double x = pg_tensor_get_flat(a, i), y = pg_tensor_get_flat(b, i), den = fabs(y) > 1e-30 ? fabs(y) : 1e-30;
+    double r = fabs(x - y) / den;
+    if (x == y) r = 0;
+    if (r > m || r != r) m = r;
+  }
+  lua_pushnumber(L, m);
+  return 1;
+}
+
+/* allclose(other, rtol=1e-5, atol=1e-8): |a-b| <= atol + rtol*|b| everywhere. */
+static int l_allclose(lua_State *L) {
+  pg_tensor *a = pg_lua_check_tensor(L, 1), *b = pg_lua_check_tensor(L, 2);
+  double rtol = luaL_optnumber(L, 3, 1e-5), atol = luaL_optnumber(L, 4, 1e-8), d;
+  PG_LUA_CHECK(L, pg_tensor_max_abs_diff(a, b, &d));
+  int ok = 1;
+  for (int64_t i = 0; i < a->numel && ok; i++) {
+    double x = pg_tensor_get_flat(a, i), y = pg_tensor_get_flat(b, i);
+    ok = fabs(x - y) <= atol + rtol * fabs(y);
+  }
+  lua_pushboolean(L, ok);
+  return 1;
+}
+
+/* equal(other): same shape, dtype and bytes (bitwise). */
+static int l_equal(lua_State *L) {
+  pg_tensor *a = pg_lua_check_tensor(L, 1), *b = pg_lua_check_tensor(L, 2);
+  int ok = pg_shape_equal(a, b) && a->dtype == b->dtype &&
+           !memcmp(pg_tensor_data(a), pg_tensor_data(b), (size_t)a->numel * pg_dtype_size(a->dtype));
+  lua_pushboolean(L, ok);
+  return 1;
+}
+
+static int64_t flat_index(lua_State *L, pg_tensor *t, int first, int count) {
+  if (count != t->ndim && !(count == 1 && t->ndim == 0))
+    luaL_error(L, "index: %d indices given for a %d-d tensor", count, t->ndim);
+  int64_t flat = 0;
+  for (int i = 0; i < t->ndim; i++) {
+    lua_Integer k = luaL_checkinteger(L, first + i);
+    if (k < 1 || k > t->shape[i])
+      luaL_error(L, "index %I out of range for dimension %d of size %I", (lua_Integer)k, i + 1, (lua_Integer)t->shape[i]);
+    flat = flat * t->shape[i] + (k - 1);
+  }
+  return flat;
+}
+
+static int l_get(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1);
+  push_element(L, t, flat_index(L, t, 2, lua_gettop(L) - 1));
+  return 1;
+}
+
+/* set(i, j, ..., value) */
+static int l_set(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1);
+  int top = lua_gettop(L);
+  double v = luaL_checknumber(L, top);
+  pg_tensor_set_flat(t, flat_index(L, t, 2, top - 2), v);
+  lua_settop(L, 1);
+  return 1;
+}
+
+static int l_item(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1);
+  if (t->numel != 1) return luaL_error(L, "item: tensor has %I elements, not 1", (lua_Integer)t->numel);
+  push_element(L, t, 0);
+  return 1;
+}
+
+static int l_free(lua_State *L) {
+  pg_tensor *t = luaL_checkudata(L, 1, PG_TENSOR_MT);
+  pg_tensor_release(t);
+  return 0;
+}
+
+static int l_tostring(lua_State *L) {
+  pg_tensor *t = luaL_checkudata(L, 1, PG_TENSOR_MT);
+  if (!t->storage) {
+    lua_pushstring(L, "pg.Tensor(freed)");
+    return 1;
+  }
+  luaL_Buffer b;
+  luaL_buffinit(L, &b);
+  char d[160];
+  lua_pushfstring(L, "pg.Tensor(%s", pg_tensor_describe(t, d, sizeof d));
+  luaL_addvalue(&b);
+  if (t->numel <= 16) {
+    luaL_addstring(&b, ": ");
+    for (int64_t i = 0; i < t->numel; i++) {
+      char num[40];
+      if (t->dtype == PG_INT32) snprintf(num, sizeof num, "%s%d", i ? " " : "", pg_tensor_i32(t)[i]);
+      else snprintf(num, sizeof num, "%s%.6g", i ? " " : "", pg_tensor_get_flat(t, i));
+      luaL_addstring(&b, num);
+    }
+  }
+  luaL_addstring(&b, ")");
+  luaL_pushresult(&b);
+  return 1;
+}
+
+static int l_len(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1);
+  lua_pushinteger(L, t->ndim ? t->shape[0] : 1);
+  return 1;
+}
+
+static const luaL_Reg tensor_methods[] = {
+    {"shape", l_shape}, {"size", l_size}, {"dim", l_dim}, {"numel", l_numel}, {"dtype", l_dtype},
+    {"device", l_device}, {"totable", l_totable}, {"clone", l_clone}, {"narrow", l_narrow},
+    {"reshape", l_reshape}, {"view", l_reshape}, {"add", l_add}, {"sub", l_sub}, {"mul", l_mul},
+    {"div", l_div}, {"add_", l_add_}, {"sub_", l_sub_}, {"mul_", l_mul_}, {"div_", l_div_},
+    {"scale", l_scale}, {"scale_", l_scale_}, {"fill_", l_fill_}, {"copy_", l_copy_}, {"sum", l_sum},
+    {"max_abs_diff", l_max_abs_diff}, {"max_rel_diff", l_max_rel_diff}, {"allclose", l_allclose},
+    {"equal", l_equal}, {"get", l_get}, {"set", l_set}, {"item", l_item}, {"free", l_free},
+    {NULL, NULL}};
+
+static int l_gc(lua_State *L) {
+  pg_tensor *t = luaL_checkudata(L, 1, PG_TENSOR_MT);
+  pg_tensor_release(t);
+  return 0;
+}
+
+static int l_is_tensor(lua_State *L) {
+  lua_pushboolean(L, pg_lua_test_tensor(L, 1) != NULL);
+  return 1;
+}
+
+static const luaL_Reg tensor_functions[] = {{"tensor", l_tensor}, {"zeros", l_zeros}, {"ones", l_ones},
+                                            {"full", l_full}, {"randn", l_randn}, {"arange", l_arange},
+                                            {"is_tensor", l_is_tensor}, {NULL, NULL}};
+
+void pg_lua_open_tensor(lua_State *L) {
+  if (luaL_newmetatable(L, PG_TENSOR_MT)) {
+    luaL_newlib(L, tensor_methods);
+    lua_setfield(L, -2, "__index");
+    lua_pushcfunction(L, l_gc);
+    lua_setfield(L, -2, "__gc");
+    lua_pushcfunction(L, l_tostring);
+    lua_setfield(L, -2, "__tostring");
+    lua_pushcfunction(L, l_len);
+    lua_setfield(L, -2, "__len");
+    lua_pushstring(L, "pg.Tensor");
+    lua_setfield(L, -2, "__name");
+  }
+  lua_pop(L, 1);
+  luaL_setfuncs(L, tensor_functions, 0);
+}

@@ -1,0 +1,133 @@
+#include "lua_util.h"
+
+#include <string.h>
+
+pg_tensor *pg_lua_test_tensor(lua_State *L, int idx) { return luaL_testudata(L, idx, PG_TENSOR_MT); }
+
+pg_tensor *pg_lua_check_tensor(lua_State *L, int idx) {
+  pg_tensor *t = luaL_testudata(L, idx, PG_TENSOR_MT);
+  if (!t) luaL_typeerror(L, idx, "pg tensor");
+  if (!t->storage) luaL_error(L, "bad argument #%d: the tensor was freed", idx);
+  return t;
+}
+
+pg_tensor *pg_lua_push_tensor(lua_State *L, const pg_tensor *t) {
+  pg_tensor *u = lua_newuserdatauv(L, sizeof *u, 0);
+  *u = *t;
+  luaL_setmetatable(L, PG_TENSOR_MT);
+  return u;
+}
+
+pg_tensor *pg_lua_new_tensor(lua_State *L, pg_dtype dtype, int ndim, const int64_t *shape) {
+  pg_tensor *u = lua_newuserdatauv(L, sizeof *u, 0);
+  memset(u, 0, sizeof *u);
+  luaL_setmetatable(L, PG_TENSOR_MT);
+  if (pg_tensor_init(u, dtype, ndim, shape)) luaL_error(L, "%s", pg_error());
+  return u;
+}
+
+pg_tensor *pg_lua_check_tensor_shape(lua_State *L, int idx, const char *name, pg_dtype dtype, int ndim,
+                                     const int64_t *shape) {
+  pg_tensor *t = pg_lua_check_tensor(L, idx);
+  int ok = t->dtype == dtype && t->ndim == ndim;
+  for (int i = 0; ok && i < ndim; i++) ok = shape[i] < 0 || t->shape[i] == shape[i];
+  if (!ok) {
+    char got[128], want[160];
+    size_t k = 0;
+    k += snprintf(want + k, sizeof want - k, "[");
+    for (int i = 0; i < ndim; i++) {
+      if (shape[i] < 0) k += snprintf(want + k, sizeof want - k, i ? ", *" : "*");
+      else k += snprintf(want + k, sizeof want - k, i ? ", %lld" : "%lld", (long long)shape[i]);
+    }
+    snprintf(want + k, sizeof want - k, "] %s", pg_dtype_name(dtype));
+    luaL_error(L, "%s: expected a %s tensor, got %s", name, want, pg_tensor_describe(t, got, sizeof got));
+  }
+  return t;
+}
+
+int pg_lua_check_shape(lua_State *L, int idx, int64_t *shape) {
+  luaL_checktype(L, idx, LUA_TTABLE);
+  int n = (int)luaL_len(L, idx);
+  if (n > PG_MAX_DIMS) luaL_error(L, "shape has %d dimensions; at most %d are supported", n, PG_MAX_DIMS);
+  for (int i = 0; i < n; i++) {
+    lua_geti(L, idx, i + 1);
+    int isint = 0;
+    lua_Integer v = lua_tointegerx(L, -1, &isint);
+    if (!isint || v < 0) luaL_error(L, "shape entry %d must be a non-negative integer, got %s", i + 1, luaL_tolstring(L, -1, NULL));
+    shape[i] = v;
+    lua_pop(L, 1);
+  }
+  return n;
+}
+
+static int opt_field(lua_State *L, int idx, const char *key) {
+  if (lua_isnoneornil(L, idx)) return 0;
+  luaL_checktype(L, idx, LUA_TTABLE);
+  if (lua_getfield(L, idx, key) == LUA_TNIL) {
+    lua_pop(L, 1);
+    return 0;
+  }
+  return 1;
+}
+
+lua_Integer pg_lua_opt_int(lua_State *L, int idx, const char *key, lua_Integer def) {
+  idx = lua_absindex(L, idx);
+  if (!opt_field(L, idx, key)) return def;
+  int isint = 0;
+  lua_Integer v = lua_tointegerx(L, -1, &isint);
+  if (!isint) luaL_error(L, "option '%s' must be an integer, got %s", key, luaL_tolstring(L, -1, NULL));
+  lua_pop(L, 1);
+  return v;
+}
+
+lua_Number pg_lua_opt_number(lua_State *L, int idx, const char *key, lua_Number def) {
+  idx = lua_absindex(L, idx);
+  if (!opt_field(L, idx, key)) return def;
+  int isnum = 0;
+  lua_Number v = lua_tonumberx(L, -1, &isnum);
+  if (!isnum) luaL_error(L, "option '%s' must be a number, got %s", key, luaL_tolstring(L, -1, NULL));
+  lua_pop(L, 1);
+  return v;
+}
+
+const char *pg_lua_opt_string(lua_State *L, int idx, const char *key, const char *def) {
+  idx = lua_absindex(L, idx);
+  if (!opt_field(L, idx, key)) return def;
+  if (lua_type(L, -1) != LUA_TSTRING) luaL_error(L, "option '%s' must be a string, got %s", key, luaL_typename(L, -1));
+  const char *s = lua_tostring(L, -1);
+  lua_pop(L, 1); /* the string stays alive: it is still referenced by the options table */
+  return s;
+}
+
+int pg_lua_opt_bool(lua_State *L, int idx, const char *key, int def) {
+  idx = lua_absindex(L, idx);
+  if (!opt_field(L, idx, key)) return def;
+  if (!lua_isboolean(L, -1)) luaL_error(L, "option '%s' must be a boolean, got %s", key, luaL_typename(L, -1));
+  int v = lua_toboolean(L, -1);
+  lua_pop(L, 1);
+  return v;
+}
+
+void pg_lua_check_keys(lua_State *L, int idx, const char *fname, const char *const *allowed) {
+  if (lua_isnoneornil(L, idx)) return;
+  idx = lua_absindex(L, idx);
+  luaL_checktype(L, idx, LUA_TTABLE);
+  lua_pushnil(L);
+  while (lua_next(L, idx)) {
+    lua_pop(L, 1);
+    if (lua_type(L, -1) != LUA_TSTRING) luaL_error(L, "%s: option keys must be strings", fname);
+    const char *k = lua_tostring(L, -1);
+    int ok = 0;
+    for (const char *const *a = allowed; *a && !ok; a++) ok = !strcmp(*a, k);
+    if (!ok) {
+      luaL_Buffer b;
+      luaL_buffinit(L, &b);
+      for (const char *const *a = allowed; *a; a++) {
+        if (a != allowed) luaL_addstring(&b, ", ");
+        luaL_addstring(&b, *a);
+      }
+      luaL_pushresult(&b);
+      luaL_error(L, "%s: unknown option '%s' (known: %s)", fname, k, lua_tostring(L, -1));
+    }
+  }
+}

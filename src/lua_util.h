@@ -1,0 +1,50 @@
+/* lua_util: what every binding file shares. Argument checking that names the
+ * argument and what was expected; pushing runtime errors as Lua errors. */
+#ifndef PG_LUA_UTIL_H
+#define PG_LUA_UTIL_H
+
+#include <lauxlib.h>
+#include <lua.h>
+
+#include "pg_context.h"
+#include "pg_error.h"
+#include "pg_tensor.h"
+
+#define PG_TENSOR_MT "pg.Tensor"
+#define PG_CONTEXT_MT "pg.ParallelContext"
+
+/* Raise the runtime's last message as a Lua error when rc != PG_OK. */
+#define PG_LUA_CHECK(L, rc)                                                                                \
+  do {                                                                                                     \
+    if ((rc) != PG_OK) return luaL_error((L), "%s", pg_error());                                           \
+  } while (0)
+
+/* Tensors: the userdata is a pg_tensor. */
+pg_tensor *pg_lua_check_tensor(lua_State *L, int idx);
+pg_tensor *pg_lua_test_tensor(lua_State *L, int idx); /* NULL if not a tensor */
+/* New userdata taking over `t` (its storage reference moves into Lua). */
+pg_tensor *pg_lua_push_tensor(lua_State *L, const pg_tensor *t);
+/* New zeroed tensor pushed on the stack. Raises on failure. */
+pg_tensor *pg_lua_new_tensor(lua_State *L, pg_dtype dtype, int ndim, const int64_t *shape);
+/* A float32 (or int32) tensor argument with an exact shape; name says which argument. */
+pg_tensor *pg_lua_check_tensor_shape(lua_State *L, int idx, const char *name, pg_dtype dtype, int ndim,
+                                     const int64_t *shape);
+/* Reads a shape from a table of positive integers at idx. Returns ndim. */
+int pg_lua_check_shape(lua_State *L, int idx, int64_t *shape);
+
+pg_context *pg_lua_check_context(lua_State *L, int idx);
+
+/* Options table at idx (absent or nil is an empty table). */
+lua_Integer pg_lua_opt_int(lua_State *L, int idx, const char *key, lua_Integer def);
+lua_Number pg_lua_opt_number(lua_State *L, int idx, const char *key, lua_Number def);
+const char *pg_lua_opt_string(lua_State *L, int idx, const char *key, const char *def);
+int pg_lua_opt_bool(lua_State *L, int idx, const char *key, int def);
+/* Rejects keys not in `allowed` (NULL-terminated), naming the function. */
+void pg_lua_check_keys(lua_State *L, int idx, const char *fname, const char *const *allowed);
+
+/* Registration of each binding area into the table on top of the stack. */
+void pg_lua_open_tensor(lua_State *L);
+void pg_lua_open_context(lua_State *L);
+void pg_lua_open_dist(lua_State *L);
+
+#endif

@@ -1,0 +1,284 @@
+#include "pg_comm.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "pg_error.h"
+
+/* MPI counts are int: larger buffers go in chunks of this many elements. */
+#define PG_MPI_CHUNK ((int64_t)1 << 30)
+
+int pg_reduce_op_from_name(const char *name, pg_reduce_op *out) {
+  if (!strcmp(name, "sum")) *out = PG_REDUCE_SUM;
+  else if (!strcmp(name, "max")) *out = PG_REDUCE_MAX;
+  else if (!strcmp(name, "min")) *out = PG_REDUCE_MIN;
+  else if (!strcmp(name, "avg")) *out = PG_REDUCE_AVG;
+  else return pg_fail("unknown reduce op '%s' (expected sum, max, min or avg)", name);
+  return PG_OK;
+}
+
+static MPI_Datatype mpi_type(pg_dtype d) {
+  switch (d) {
+  case PG_FLOAT32: return MPI_FLOAT;
+  case PG_INT32: return MPI_INT32_T;
+  default: return MPI_DATATYPE_NULL;
+  }
+}
+
+static MPI_Op mpi_op(pg_reduce_op op) {
+  switch (op) {
+  case PG_REDUCE_MAX: return MPI_MAX;
+  case PG_REDUCE_MIN: return MPI_MIN;
+  default: return MPI_SUM;
+  }
+}
+
+static int mpi_fail(int rc, const char *what, pg_mode m) {
+  char msg[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, msg, &len);
+  return pg_fail("%s over the %s group failed: %s", what, pg_mode_name(m), msg);
+}
+
+static int check_ctx(pg_context *ctx) {
+  if (!ctx || ctx->destroyed) return pg_fail("the parallel context was destroyed");
+  return PG_OK;
+}
+
+static int check_dtype(const pg_tensor *t, pg_reduce_op op, int reducing) {
+  if (!t->storage) return pg_fail("the tensor was freed");
+  if (mpi_type(t->dtype) == MPI_DATATYPE_NULL)
+    return pg_fail("collectives support float32 and int32, not %s", pg_dtype_name(t->dtype));
+  if (reducing && op == PG_REDUCE_AVG && t->dtype != PG_FLOAT32)
+    return pg_fail("op avg needs a float32 tensor, not %s", pg_dtype_name(t->dtype));
+  return PG_OK;
+}
+
+static void count(pg_context *ctx, pg_mode m, pg_coll c, double bytes, double t0) {
+  ctx->stats.calls[m][c]++;
+  ctx->stats.bytes[m][c] += bytes;
+  ctx->stats.seconds[m][c] += MPI_Wtime() - t0;
+}
+
+static void scale_avg(void *buf, int64_t n, int size) {
+  float *x = buf, s = 1.0f / (float)size;
+  for (int64_t i = 0; i < n; i++) x[i] *= s;
+}
+
+int pg_all_reduce_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype, pg_reduce_op op) {
+  if (check_ctx(ctx)) return PG_ERR;
+  pg_group *g = &ctx->group[m];
+  if (g->size == 1 || n == 0) return PG_OK;
+  double t0 = MPI_Wtime();
+  size_t es = pg_dtype_size(dtype);
+  for (int64_t off = 0; off < n; off += PG_MPI_CHUNK) {
+    int64_t c = n - off < PG_MPI_CHUNK ? n - off : PG_MPI_CHUNK;
+    int rc = MPI_Allreduce(MPI_IN_PLACE, (char *)buf + off * es, (int)c, mpi_type(dtype), mpi_op(op), g->comm);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "all_reduce", m);
+  }
+  if (op == PG_REDUCE_AVG) scale_avg(buf, n, g->size);
+  count(ctx, m, PG_COLL_ALL_REDUCE, (double)n * es, t0);
+  return PG_OK;
+}
+
+int pg_all_reduce(pg_context *ctx, pg_mode m, pg_tensor *t, pg_reduce_op op) {
+  if (check_dtype(t, op, 1)) return PG_ERR;
+  return pg_all_reduce_buf(ctx, m, pg_tensor_data(t), t->numel, t->dtype, op);
+}
+
+static int check_dim(const pg_tensor *t, int dim) {
+  if (dim < 0 || dim >= t->ndim) return pg_fail("dimension %d out of range for a %d-d tensor", dim + 1, t->ndim);
+  return PG_OK;
+}
+
+int pg_all_gather_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype) {
+  if (check_ctx(ctx)) return PG_ERR;
+  pg_group *g = &ctx->group[m];
+  if (g->size == 1 || n == 0) return PG_OK;
+  if (n > PG_MPI_CHUNK) return pg_fail("all_gather of %lld elements per member is too large", (long long)n);
+  double t0 = MPI_Wtime();
+  int rc = MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, (int)n, mpi_type(dtype), g->comm);
+  if (rc != MPI_SUCCESS) return mpi_fail(rc, "all_gather", m);
+  count(ctx, m, PG_COLL_ALL_GATHER, (double)n * pg_dtype_size(dtype) * g->size, t0);
+  return PG_OK;
+}
+
+int pg_all_gather(pg_context *ctx, pg_mode m, const pg_tensor *in, pg_tensor *out, int dim) {
+  if (check_ctx(ctx) || check_dtype(in, PG_REDUCE_SUM, 0) || check_dim(in, dim)) return PG_ERR;
+  pg_group *g = &ctx->group[m];
+  int64_t shape[PG_MAX_DIMS];
+  memcpy(shape, in->shape, sizeof shape);
+  shape[dim] *= g->size;
+  if (pg_tensor_init(out, in->dtype, in->ndim, shape)) return PG_ERR;
+  size_t es = pg_dtype_size(in->dtype), bytes = (size_t)in->numel * es;
+  if (g->size == 1) {
+    memcpy(pg_tensor_data(out), pg_tensor_data(in), bytes);
+    return PG_OK;
+  }
+  int inner_dim0 = 1; /* gathering along dim 0 (or after leading 1s) needs no reordering */
+  for (int i = 0; i < dim; i++) inner_dim0 &= in->shape[i] == 1;
+  void *tmp = inner_dim0 ? pg_tensor_data(out) : malloc(bytes * g->size);
+  if (!tmp) return pg_fail("out of memory in all_gather");
+  memcpy((char *)tmp + bytes * g->rank, pg_tensor_data(in), bytes);
+  if (pg_all_gather_buf(ctx, m, tmp, in->numel, in->dtype)) {
+    if (!inner_dim0) free(tmp);
+    return PG_ERR;
+  }
+  if (!inner_dim0) {
+    pg_tensor_blocks_to_dim(pg_tensor_data(out), tmp, es, in->ndim, in->shape, dim, g->size);
+    free(tmp);
+  }
+  return PG_OK;
+}
+
+int pg_reduce_scatter_buf(pg_context *ctx, pg_mode m, const void *in, void *out, int64_t n, pg_dtype dtype,
+                          pg_reduce_op op) {
+  if (check_ctx(ctx)) return PG_ERR;
+  pg_group *g = &ctx->group[m];
+  size_t es = pg_dtype_size(dtype);
+  if (g->size == 1) {
+    if (out != in) memmove(out, in, (size_t)n * es);
+    return PG_OK;
+  }
+  if (n > PG_MPI_CHUNK) return pg_fail("reduce_scatter of %lld elements per member is too large", (long long)n);
+  double t0 = MPI_Wtime();
+  int rc = MPI_Reduce_scatter_block(in, out, (int)n, mpi_type(dtype), mpi_op(op), g->comm);
+  if (rc != MPI_SUCCESS) return mpi_fail(rc, "reduce_scatter", m);
+  if (op == PG_REDUCE_AVG) scale_avg(out, n, g->size);
+  count(ctx, m, PG_COLL_REDUCE_SCATTER, (double)n * es * g->size, t0);
+  return PG_OK;
+}
+
+int pg_reduce_scatter(pg_context *ctx, pg_mode m, const pg_tensor *in, pg_tensor *out, int dim, pg_reduce_op op) {
+  if (check_ctx(ctx) || check_dtype(in, op, 1) || check_dim(in, dim)) return PG_ERR;
+  pg_group *g = &ctx->group[m];
+  if (in->shape[dim] % g->size)
+    return pg_fail("reduce_scatter: dimension %d of size %lld is not divisible by the %s group size %d", dim + 1,
+                   (long long)in->shape[dim], pg_mode_name(m), g->size);
+  int64_t shape[PG_MAX_DIMS];
+  memcpy(shape, in->shape, sizeof shape);
+  shape[dim] /= g->size;
+  if (pg_tensor_init(out, in->dtype, in->ndim, shape)) return PG_ERR;
+  size_t es = pg_dtype_size(in->dtype);
+  int leading = 1;
+  for (int i = 0; i < dim; i++) leading &= in->shape[i] == 1;
+  const void *src = pg_tensor_data(in);
+  void *tmp = NULL;
+  if (!leading && g->size > 1) {
+    tmp = malloc((size_t)in->numel * es);
+    if (!tmp) return pg_fail("out of memory in reduce_scatter");
+    pg_tensor_dim_to_blocks(tmp, src, es, in->ndim, shape, dim, g->size);
+    src = tmp;
+  }
+  int rc = pg_reduce_scatter_buf(ctx, m, src, pg_tensor_data(out), out->numel, in->dtype, op);
+  free(tmp);
+  return rc;
+}
+
+int pg_broadcast_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype, int src) {
+  if (check_ctx(ctx)) return PG_ERR;
+  pg_group *g = &ctx->group[m];
+  if (src < 0 || src >= g->size)
+    return pg_fail("broadcast source %d is not a local rank of the %s group (size %d)", src, pg_mode_name(m), g->size);
+  if (g->size == 1 || n == 0) return PG_OK;
+  double t0 = MPI_Wtime();
+  size_t es = pg_dtype_size(dtype);
+  for (int64_t off = 0; off < n; off += PG_MPI_CHUNK) {
+    int64_t c = n - off < PG_MPI_CHUNK ? n - off : PG_MPI_CHUNK;
+    int rc = MPI_Bcast((char *)buf + off * es, (int)c, mpi_type(dtype), src, g->comm);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "broadcast", m);
+  }
+  count(ctx, m, PG_COLL_BROADCAST, (double)n * es, t0);
+  return PG_OK;
+}
+
+int pg_broadcast(pg_context *ctx, pg_mode m, pg_tensor *t, int src) {
+  if (check_dtype(t, PG_REDUCE_SUM, 0)) return PG_ERR;
+  return pg_broadcast_buf(ctx, m, pg_tensor_data(t), t->numel, t->dtype, src);
+}
+
+static int check_peer(pg_context *ctx, pg_mode m, int peer, const char *what) {
+  pg_group *g = &ctx->group[m];
+  if (peer < 0 || peer >= g->size)
+    return pg_fail("%s peer %d is not a local rank of the %s group (size %d)", what, peer, pg_mode_name(m), g->size);
+  if (peer == g->rank) return pg_fail("%s to itself (local rank %d of the %s group); use sendrecv", what, peer, pg_mode_name(m));
+  return PG_OK;
+}
+
+static int check_count(const pg_tensor *t) {
+  if (t->numel > PG_MPI_CHUNK) return pg_fail("point-to-point transfer of %lld elements is too large", (long long)t->numel);
+  return PG_OK;
+}
+
+int pg_send(pg_context *ctx, pg_mode m, const pg_tensor *t, int dst, int tag) {
+  if (check_ctx(ctx) || check_dtype(t, PG_REDUCE_SUM, 0) || check_peer(ctx, m, dst, "send") || check_count(t)) return PG_ERR;
+  double t0 = MPI_Wtime();
+  int rc = MPI_Send(pg_tensor_data(t), (int)t->numel, mpi_type(t->dtype), dst, tag, ctx->group[m].comm);
+  if (rc != MPI_SUCCESS) return mpi_fail(rc, "send", m);
+  count(ctx, m, PG_COLL_SEND, (double)t->numel * pg_dtype_size(t->dtype), t0);
+  return PG_OK;
+}
+
+int pg_recv(pg_context *ctx, pg_mode m, pg_tensor *t, int src, int tag) {
+  if (check_ctx(ctx) || check_dtype(t, PG_REDUCE_SUM, 0) || check_peer(ctx, m, src, "recv") || check_count(t)) return PG_ERR;
+  double t0 = MPI_Wtime();
+  MPI_Status st;
+  int rc = MPI_Recv(pg_tensor_data(t), (int)t->numel, mpi_type(t->dtype), src, tag, ctx->group[m].comm, &st);
+  if (rc != MPI_SUCCESS) return mpi_fail(rc, "recv", m);
+  int got = 0;
+  MPI_Get_count(&st, mpi_type(t->dtype), &got);
+  if (got != t->numel)
+    return pg_fail("recv: expected %lld elements from local rank %d of the %s group, got %d", (long long)t->numel, src,
+                   pg_mode_name(m), got);
+  count(ctx, m, PG_COLL_RECV, (double)t->numel * pg_dtype_size(t->dtype), t0);
+  return PG_OK;
+}
+
+int pg_sendrecv(pg_context *ctx, pg_mode m, const pg_tensor *send, int dst, pg_tensor *recv, int src, int tag) {
+  if (check_ctx(ctx) || check_dtype(send, PG_REDUCE_SUM, 0) || check_dtype(recv, PG_REDUCE_SUM, 0) ||
+      check_count(send) || check_count(recv))
+    return PG_ERR;
+  pg_group *g = &ctx->group[m];
+  if (dst < 0 || dst >= g->size || src < 0 || src >= g->size)
+    return pg_fail("sendrecv peers %d and %d must be local ranks of the %s group (size %d)", dst, src, pg_mode_name(m), g->size);
+  if (g->size == 1) return pg_tensor_copy(recv, send);
+  double t0 = MPI_Wtime();
+  MPI_Status st;
+  int rc = MPI_Sendrecv(pg_tensor_data(send), (int)send->numel, mpi_type(send->dtype), dst, tag, pg_tensor_data(recv),
+                        (int)recv->numel, mpi_type(recv->dtype), src, tag, g->comm, &st);
+  if (rc != MPI_SUCCESS) return mpi_fail(rc, "sendrecv", m);
+  count(ctx, m, PG_COLL_SEND, (double)send->numel * pg_dtype_size(send->dtype), t0);
+  ctx->stats.calls[m][PG_COLL_RECV]++;
+  return PG_OK;
+}
+
+int pg_barrier(pg_context *ctx, pg_mode m) {
+  if (check_ctx(ctx)) return PG_ERR;
+  pg_group *g = &ctx->group[m];
+  if (g->size == 1) return PG_OK;
+  double t0 = MPI_Wtime();
+  int rc = MPI_Barrier(g->comm);
+  if (rc != MPI_SUCCESS) return mpi_fail(rc, "barrier", m);
+  count(ctx, m, PG_COLL_BARRIER, 0, t0);
+  return PG_OK;
+}
+
+int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t n, int dst, int tag, MPI_Request *req) {
+  if (check_ctx(ctx)) return PG_ERR;
+  if (n > PG_MPI_CHUNK) return pg_fail("isend of %lld elements is too large", (long long)n);
+  double t0 = MPI_Wtime();
+  int rc = MPI_Isend(buf, (int)n, MPI_FLOAT, dst, tag, ctx->group[m].comm, req);
+  if (rc != MPI_SUCCESS) return mpi_fail(rc, "isend", m);
+  count(ctx, m, PG_COLL_SEND, (double)n * 4, t0);
+  return PG_OK;
+}
+
+int pg_recv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, int src, int tag) {
+  if (check_ctx(ctx)) return PG_ERR;
+  if (n > PG_MPI_CHUNK) return pg_fail("recv of %lld elements is too large", (long long)n);
+  double t0 = MPI_Wtime();
+  int rc = MPI_Recv(buf, (int)n, MPI_FLOAT, src, tag, ctx->group[m].comm, MPI_STATUS_IGNORE);
+  if (rc != MPI_SUCCESS) return mpi_fail(rc, "recv", m);
+  count(ctx, m, PG_COLL_RECV, (double)n * 4, t0);
+  return PG_OK;
+}

@@ -1,0 +1,43 @@
+/* pg_comm: collectives on tensors over a context's groups.
+ *
+ * Every function here is collective over the named group: all its members
+ * call it in the same order with matching shapes. A group of size 1 makes no
+ * MPI call. CPU tensors go through MPI; the device field leaves room for NCCL
+ * on CUDA tensors. Calls are counted in ctx->stats. */
+#ifndef PG_COMM_H
+#define PG_COMM_H
+
+#include "pg_context.h"
+#include "pg_tensor.h"
+
+typedef enum { PG_REDUCE_SUM = 0, PG_REDUCE_MAX, PG_REDUCE_MIN, PG_REDUCE_AVG } pg_reduce_op;
+
+int pg_reduce_op_from_name(const char *name, pg_reduce_op *out);
+
+/* In place. avg needs float32. */
+int pg_all_reduce(pg_context *ctx, pg_mode m, pg_tensor *t, pg_reduce_op op);
+/* The same on a raw buffer (the runtime's flat gradient buffer). */
+int pg_all_reduce_buf(pg_context *ctx, pg_mode m, void *buf, int64_t count, pg_dtype dtype, pg_reduce_op op);
+/* out (initialised here) = the members' tensors concatenated along `dim`, in local-rank order. */
+int pg_all_gather(pg_context *ctx, pg_mode m, const pg_tensor *in, pg_tensor *out, int dim);
+/* out (initialised here) = my block along `dim` of the reduction of everyone's `in`. */
+int pg_reduce_scatter(pg_context *ctx, pg_mode m, const pg_tensor *in, pg_tensor *out, int dim, pg_reduce_op op);
+/* Raw-buffer forms used by ZeRO: count = elements per member. */
+int pg_reduce_scatter_buf(pg_context *ctx, pg_mode m, const void *in, void *out, int64_t count, pg_dtype dtype,
+                          pg_reduce_op op);
+int pg_all_gather_buf(pg_context *ctx, pg_mode m, void *buf, int64_t count, pg_dtype dtype); /* in place */
+/* src is a local rank in the group. */
+int pg_broadcast(pg_context *ctx, pg_mode m, pg_tensor *t, int src);
+int pg_broadcast_buf(pg_context *ctx, pg_mode m, void *buf, int64_t count, pg_dtype dtype, int src);
+/* Blocking point-to-point; peers are local ranks in the group and must not be self. */
+int pg_send(pg_context *ctx, pg_mode m, const pg_tensor *t, int dst, int tag);
+int pg_recv(pg_context *ctx, pg_mode m, pg_tensor *t, int src, int tag);
+/* Send one tensor and receive another in one deadlock-free call (rings, self included). */
+int pg_sendrecv(pg_context *ctx, pg_mode m, const pg_tensor *send, int dst, pg_tensor *recv, int src, int tag);
+int pg_barrier(pg_context *ctx, pg_mode m);
+
+/* Non-blocking raw transfers for the pipeline engine (float32; peers local ranks). */
+int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t count, int dst, int tag, MPI_Request *req);
+int pg_recv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t count, int src, int tag);
+
+#endif

@@ -1,0 +1,191 @@
+#define _GNU_SOURCE
+#include "pg_context.h"
+
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "pg_error.h"
+#include "pg_rng.h"
+
+static const char *mode_names[PG_NUM_MODES] = {"global", "tensor", "pipeline", "data", "embedding"};
+static const char *coll_names[PG_NUM_COLLS] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast",
+                                               "send", "recv", "barrier"};
+
+const char *pg_mode_name(pg_mode m) { return (unsigned)m < PG_NUM_MODES ? mode_names[m] : "?"; }
+const char *pg_coll_name(pg_coll c) { return (unsigned)c < PG_NUM_COLLS ? coll_names[c] : "?"; }
+
+int pg_mode_from_name(const char *name, pg_mode *out) {
+  for (int i = 0; i < PG_NUM_MODES; i++)
+    if (!strcmp(name, mode_names[i])) {
+      *out = (pg_mode)i;
+      return PG_OK;
+    }
+  return pg_fail("unknown group '%s' (expected global, tensor, pipeline, data or embedding)", name);
+}
+
+static int make_group(pg_group *g, MPI_Comm world, int color, int key) {
+  if (MPI_Comm_split(world, color, key, &g->comm) != MPI_SUCCESS) return pg_fail("MPI_Comm_split failed");
+  MPI_Comm_set_errhandler(g->comm, MPI_ERRORS_RETURN);
+  MPI_Comm_size(g->comm, &g->size);
+  MPI_Comm_rank(g->comm, &g->rank);
+  g->ranks = calloc((size_t)g->size, sizeof(int));
+  if (!g->ranks) return pg_fail("out of memory");
+  int me;
+  MPI_Comm_rank(world, &me);
+  MPI_Allgather(&me, 1, MPI_INT, g->ranks, 1, MPI_INT, g->comm);
+  return PG_OK;
+}
+
+int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, int data, uint64_t seed) {
+  memset(ctx, 0, sizeof *ctx);
+  for (int m = 0; m < PG_NUM_MODES; m++) ctx->group[m].comm = MPI_COMM_NULL;
+  ctx->destroyed = 1;
+  MPI_Comm_size(world, &ctx->world_size);
+  MPI_Comm_rank(world, &ctx->rank);
+  if (tensor < 1 || pipeline < 1 || data < 1)
+    return pg_fail("parallel sizes must be positive integers: tensor=%d pipeline=%d data=%d", tensor, pipeline, data);
+  if ((long)tensor * pipeline * data != ctx->world_size)
+    return pg_fail("tensor=%d x pipeline=%d x data=%d = %ld ranks, but the world has %d", tensor, pipeline, data,
+                   (long)tensor * pipeline * data, ctx->world_size);
+  ctx->tensor = tensor;
+  ctx->pipeline = pipeline;
+  ctx->data = data;
+  ctx->seed = seed;
+  int r = ctx->rank;
+  ctx->tp_rank = r % tensor;
+  ctx->dp_rank = (r / tensor) % data;
+  ctx->pp_rank = r / (tensor * data);
+  int tp = ctx->tp_rank, dp = ctx->dp_rank, pp = ctx->pp_rank;
+  int ok = make_group(&ctx->group[PG_MODE_GLOBAL], world, 0, r) == PG_OK &&
+           make_group(&ctx->group[PG_MODE_TENSOR], world, pp * data + dp, tp) == PG_OK &&
+           make_group(&ctx->group[PG_MODE_DATA], world, pp * tensor + tp, dp) == PG_OK &&
+           make_group(&ctx->group[PG_MODE_PIPELINE], world, dp * tensor + tp, pp) == PG_OK;
+  /* Embedding group: first and last stage of each pipeline group; every
+   * middle stage sits alone (colour unique to it). */
+  int edge = (pp == 0 || pp == pipeline - 1);
+  int ecolor = edge ? dp * tensor + tp : tensor * data + r;
+  ok = ok && make_group(&ctx->group[PG_MODE_EMBEDDING], world, ecolor, pp) == PG_OK;
+  if (!ok) {
+    ctx->destroyed = 0;
+    pg_context_destroy(ctx);
+    return PG_ERR;
+  }
+  ctx->destroyed = 0;
+  return PG_OK;
+}
+
+void pg_context_destroy(pg_context *ctx) {
+  if (ctx->destroyed) return;
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  for (int m = 0; m < PG_NUM_MODES; m++) {
+    pg_group *g = &ctx->group[m];
+    if (g->comm != MPI_COMM_NULL && !finalized) MPI_Comm_free(&g->comm);
+    g->comm = MPI_COMM_NULL;
+    free(g->ranks);
+    g->ranks = NULL;
+  }
+  ctx->destroyed = 1;
+}
+
+int pg_context_ring_rank(const pg_context *ctx, pg_mode m, int step) {
+  const pg_group *g = &ctx->group[m];
+  int i = ((g->rank + step) % g->size + g->size) % g->size;
+  return g->ranks[i];
+}
+
+uint64_t pg_context_stream_seed(const pg_context *ctx, pg_stream s) {
+  switch (s) {
+  case PG_STREAM_WEIGHTS: return pg_rng_key(ctx->seed, "stream:weights");
+  case PG_STREAM_DATA: return pg_rng_key(ctx->seed, "stream:data");
+  case PG_STREAM_REPLICATED:
+    return pg_rng_subkey(pg_rng_subkey(pg_rng_key(ctx->seed, "stream:replicated"), (uint64_t)ctx->pp_rank),
+                         (uint64_t)ctx->dp_rank);
+  case PG_STREAM_SHARDED:
+    return pg_rng_subkey(pg_rng_subkey(pg_rng_subkey(pg_rng_key(ctx->seed, "stream:sharded"), (uint64_t)ctx->pp_rank),
+                                       (uint64_t)ctx->dp_rank),
+                         (uint64_t)ctx->tp_rank);
+  }
+  return pg_rng_key(ctx->seed, "stream:?");
+}
+
+/* ---- process set-up ---- */
+
+int pg_mpi_init(int *argc, char ***argv) {
+  int inited = 0, provided = 0;
+  MPI_Initialized(&inited);
+  if (inited) return PG_OK;
+  if (MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) return pg_fail("MPI_Init_thread failed");
+  if (provided < MPI_THREAD_FUNNELED) return pg_fail("MPI provides thread level %d, below MPI_THREAD_FUNNELED", provided);
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  return PG_OK;
+}
+
+void pg_mpi_finalize(void) {
+  int inited = 0, finalized = 0;
+  MPI_Initialized(&inited);
+  MPI_Finalized(&finalized);
+  if (inited && !finalized) MPI_Finalize();
+}
+
+int pg_mpi_world_rank(void) {
+  int inited = 0, finalized = 0, r = 0;
+  MPI_Initialized(&inited);
+  MPI_Finalized(&finalized);
+  if (inited && !finalized) MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+int pg_mpi_world_size(void) {
+  int inited = 0, finalized = 0, n = 1;
+  MPI_Initialized(&inited);
+  MPI_Finalized(&finalized);
+  if (inited && !finalized) MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+/* openblas_set_num_threads is OpenBLAS's own call; declared here so the
+ * runtime does not need cblas.h. */
+void openblas_set_num_threads(int);
+
+static int pg_threads = 1;
+
+int pg_num_threads(void) { return pg_threads; }
+
+int pg_setup_threads(void) {
+  int n = 0;
+  const char *env = getenv("OMP_NUM_THREADS");
+  if (env && *env) n = atoi(env);
+  if (n < 1) {
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    if (online < 1) online = 1;
+    int local = 1, inited = 0, finalized = 0;
+    MPI_Initialized(&inited);
+    MPI_Finalized(&finalized);
+    if (inited && !finalized) {
+      MPI_Comm node;
+      if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
+        MPI_Comm_size(node, &local);
+        MPI_Comm_free(&node);
+      }
+    }
+    n = (int)(online / local);
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) {
+      int allowed = CPU_COUNT(&set);
+      if (allowed > 0 && allowed < n) n = allowed;
+    }
+    if (n < 1) n = 1;
+  }
+  pg_threads = n;
+#ifdef _OPENMP
+  omp_set_num_threads(n);
+#endif
+  openblas_set_num_threads(n);
+  return n;
+}

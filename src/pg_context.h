@@ -1,0 +1,103 @@
+/* pg_context: the parallel context (process groups for tensor, pipeline and
+ * data parallelism) and the process-level set-up (MPI, compute threads).
+ *
+ * Layout, tensor-fastest as in Megatron:
+ *   global = pp_rank * (tp * dp) + dp_rank * tp + tp_rank
+ * Each group is an MPI communicator made with MPI_Comm_split; a group's local
+ * ranks follow the global order. The "embedding" group joins the first and
+ * last pipeline stage that share (tp_rank, dp_rank); it holds the two copies
+ * of a tied embedding (size 1 when pipeline = 1).
+ *
+ * pg_context_init and pg_context_destroy are collective over `world`. */
+#ifndef PG_CONTEXT_H
+#define PG_CONTEXT_H
+
+#include <mpi.h>
+#include <stdint.h>
+
+typedef enum {
+  PG_MODE_GLOBAL = 0,
+  PG_MODE_TENSOR,
+  PG_MODE_PIPELINE,
+  PG_MODE_DATA,
+  PG_MODE_EMBEDDING,
+  PG_NUM_MODES
+} pg_mode;
+
+typedef enum {
+  PG_COLL_ALL_REDUCE = 0,
+  PG_COLL_ALL_GATHER,
+  PG_COLL_REDUCE_SCATTER,
+  PG_COLL_BROADCAST,
+  PG_COLL_SEND,
+  PG_COLL_RECV,
+  PG_COLL_BARRIER,
+  PG_NUM_COLLS
+} pg_coll;
+
+typedef struct pg_group {
+  MPI_Comm comm; /* MPI_COMM_NULL once destroyed */
+  int size, rank;
+  int *ranks; /* global ranks of the members, ascending */
+} pg_group;
+
+/* Counters of communication, per mode and kind: calls that reached MPI (a
+ * group of one makes no call and is not counted), bytes and wall seconds. */
+typedef struct pg_comm_stats {
+  long calls[PG_NUM_MODES][PG_NUM_COLLS];
+  double bytes[PG_NUM_MODES][PG_NUM_COLLS];
+  double seconds[PG_NUM_MODES][PG_NUM_COLLS];
+} pg_comm_stats;
+
+/* Which random stream; see pg_context_stream_seed. */
+typedef enum { PG_STREAM_WEIGHTS = 0, PG_STREAM_REPLICATED, PG_STREAM_SHARDED, PG_STREAM_DATA } pg_stream;
+
+typedef struct pg_context {
+  int world_size, rank;
+  int tensor, pipeline, data; /* sizes */
+  int tp_rank, pp_rank, dp_rank;
+  uint64_t seed;
+  pg_group group[PG_NUM_MODES];
+  pg_comm_stats stats;
+  int destroyed;
+} pg_context;
+
+const char *pg_mode_name(pg_mode m);
+int pg_mode_from_name(const char *name, pg_mode *out);
+const char *pg_coll_name(pg_coll c);
+
+/* Collective over `world`. Fails (on every rank alike) when a size is not
+ * positive or tp*pp*dp differs from the size of `world`. */
+int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, int data, uint64_t seed);
+void pg_context_destroy(pg_context *ctx);
+
+/* Global rank of the member at position `local` (ring order, wraps). */
+int pg_context_ring_rank(const pg_context *ctx, pg_mode m, int step);
+
+/* Seeds of the per-rank random streams (the rule, also in the README):
+ *   weights    = f(seed)                       same on every rank: init is a
+ *                                              function of (seed, name, index)
+ *   replicated = f(seed, pp_rank, dp_rank)      shared inside a tensor group
+ *                                              (dropout on replicated activations)
+ *   sharded    = f(seed, pp_rank, dp_rank, tp)  different on every rank
+ *                                              (dropout inside tensor-parallel regions)
+ *   data       = f(seed)                       same on every rank: all agree on
+ *                                              the global batch order */
+uint64_t pg_context_stream_seed(const pg_context *ctx, pg_stream s);
+
+/* Process set-up. pg_mpi_init initialises MPI with MPI_THREAD_FUNNELED once
+ * (no-op if done); pg_mpi_finalize finalises if initialised and not yet
+ * finalised. pg_mpi_world_rank/size work before any context exists. */
+int pg_mpi_init(int *argc, char ***argv);
+void pg_mpi_finalize(void);
+int pg_mpi_world_rank(void);
+int pg_mpi_world_size(void);
+
+/* Compute threads per rank: OMP_NUM_THREADS when the user set it, else the
+ * node's cores divided by the ranks on this node (at least 1, at most the
+ * cores this process may run on). Applies it to OpenMP and OpenBLAS and
+ * returns it. Call after pg_mpi_init. */
+int pg_setup_threads(void);
+int pg_num_threads(void);
+
+#endif

@@ -1,0 +1,299 @@
+#include "pg_tensor.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pg_error.h"
+
+size_t pg_dtype_size(pg_dtype d) { return d == PG_BFLOAT16 ? 2 : 4; }
+
+const char *pg_dtype_name(pg_dtype d) {
+  switch (d) {
+  case PG_FLOAT32: return "float32";
+  case PG_INT32: return "int32";
+  case PG_BFLOAT16: return "bfloat16";
+  }
+  return "?";
+}
+
+int pg_dtype_from_name(const char *name, pg_dtype *out) {
+  if (!strcmp(name, "float32") || !strcmp(name, "float")) *out = PG_FLOAT32;
+  else if (!strcmp(name, "int32") || !strcmp(name, "int")) *out = PG_INT32;
+  else if (!strcmp(name, "bfloat16")) *out = PG_BFLOAT16;
+  else return pg_fail("unknown dtype '%s' (expected float32, int32 or bfloat16)", name);
+  return PG_OK;
+}
+
+const char *pg_device_name(pg_device d) { return d == PG_CUDA ? "cuda" : "cpu"; }
+
+pg_storage *pg_storage_new(size_t bytes, pg_device device) {
+  if (device != PG_CPU) return pg_fail_null("device %s storage is not available in this build", pg_device_name(device));
+  pg_storage *s = calloc(1, sizeof *s);
+  if (!s) return pg_fail_null("out of memory allocating a storage header");
+  size_t rounded = (bytes + 63) & ~(size_t)63; /* aligned_alloc wants a multiple of the alignment */
+  if (rounded == 0) rounded = 64;
+  s->data = aligned_alloc(64, rounded);
+  if (!s->data) {
+    free(s);
+    return pg_fail_null("out of memory allocating %zu bytes", bytes);
+  }
+  memset(s->data, 0, rounded);
+  s->bytes = bytes;
+  s->refcount = 1;
+  s->owns_data = 1;
+  s->device = device;
+  return s;
+}
+
+void pg_storage_retain(pg_storage *s) { s->refcount++; }
+
+void pg_storage_release(pg_storage *s) {
+  if (!s || --s->refcount > 0) return;
+  if (s->owns_data) free(s->data);
+  free(s);
+}
+
+int64_t pg_shape_numel(int ndim, const int64_t *shape) {
+  int64_t n = 1;
+  for (int i = 0; i < ndim; i++) n *= shape[i];
+  return n;
+}
+
+static int check_shape(int ndim, const int64_t *shape) {
+  if (ndim < 0 || ndim > PG_MAX_DIMS) return pg_fail("a tensor has 0 to %d dimensions, not %d", PG_MAX_DIMS, ndim);
+  for (int i = 0; i < ndim; i++)
+    if (shape[i] < 0) return pg_fail("dimension %d has negative size %lld", i + 1, (long long)shape[i]);
+  return PG_OK;
+}
+
+static void set_shape(pg_tensor *t, pg_dtype dtype, int ndim, const int64_t *shape) {
+  t->dtype = dtype;
+  t->ndim = ndim;
+  for (int i = 0; i < ndim; i++) t->shape[i] = shape[i];
+  for (int i = ndim; i < PG_MAX_DIMS; i++) t->shape[i] = 1;
+  t->numel = pg_shape_numel(ndim, shape);
+}
+
+int pg_tensor_init(pg_tensor *t, pg_dtype dtype, int ndim, const int64_t *shape) {
+  memset(t, 0, sizeof *t);
+  if (check_shape(ndim, shape)) return PG_ERR;
+  set_shape(t, dtype, ndim, shape);
+  t->storage = pg_storage_new((size_t)t->numel * pg_dtype_size(dtype), PG_CPU);
+  if (!t->storage) return PG_ERR;
+  t->device = PG_CPU;
+  return PG_OK;
+}
+
+int pg_tensor_init_view(pg_tensor *t, pg_storage *s, size_t offset, pg_dtype dtype, int ndim,
+                        const int64_t *shape) {
+  memset(t, 0, sizeof *t);
+  if (check_shape(ndim, shape)) return PG_ERR;
+  set_shape(t, dtype, ndim, shape);
+  if ((offset + (size_t)t->numel) * pg_dtype_size(dtype) > s->bytes)
+    return pg_fail("view of %lld elements at offset %zu overruns a storage of %zu bytes", (long long)t->numel,
+                   offset, s->bytes);
+  pg_storage_retain(s);
+  t->storage = s;
+  t->offset = offset;
+  t->device = s->device;
+  return PG_OK;
+}
+
+void pg_tensor_release(pg_tensor *t) {
+  if (t->storage) pg_storage_release(t->storage);
+  t->storage = NULL;
+}
+
+const char *pg_tensor_describe(const pg_tensor *t, char *buf, size_t n) {
+  size_t k = 0;
+  k += snprintf(buf + k, n - k, "[");
+  for (int i = 0; i < t->ndim && k < n; i++) k += snprintf(buf + k, n - k, i ? ", %lld" : "%lld", (long long)t->shape[i]);
+  if (k < n) snprintf(buf + k, n - k, "] %s", pg_dtype_name(t->dtype));
+  return buf;
+}
+
+int pg_shape_equal(const pg_tensor *a, const pg_tensor *b) {
+  if (a->ndim != b->ndim) return 0;
+  for (int i = 0; i < a->ndim; i++)
+    if (a->shape[i] != b->shape[i]) return 0;
+  return 1;
+}
+
+static int check_narrow(const pg_tensor *t, int dim, int64_t start, int64_t len) {
+  if (dim < 0 || dim >= t->ndim) return pg_fail("narrow: dimension %d out of range for a %d-d tensor", dim + 1, t->ndim);
+  if (start < 0 || len < 0 || start + len > t->shape[dim])
+    return pg_fail("narrow: elements %lld..%lld out of range for dimension %d of size %lld", (long long)start + 1,
+                   (long long)(start + len), dim + 1, (long long)t->shape[dim]);
+  return PG_OK;
+}
+
+int pg_tensor_narrow_view(pg_tensor *out, const pg_tensor *t, int dim, int64_t start, int64_t len) {
+  if (check_narrow(t, dim, start, len)) return PG_ERR;
+  for (int i = 0; i < dim; i++)
+    if (t->shape[i] != 1) return pg_fail("narrow along dimension %d is not contiguous", dim + 1);
+  int64_t inner = 1;
+  for (int i = dim + 1; i < t->ndim; i++) inner *= t->shape[i];
+  int64_t shape[PG_MAX_DIMS];
+  memcpy(shape, t->shape, sizeof shape);
+  shape[dim] = len;
+  return pg_tensor_init_view(out, t->storage, t->offset + (size_t)(start * inner), t->dtype, t->ndim, shape);
+}
+
+int pg_tensor_narrow_copy(pg_tensor *out, const pg_tensor *t, int dim, int64_t start, int64_t len) {
+  if (check_narrow(t, dim, start, len)) return PG_ERR;
+  int64_t shape[PG_MAX_DIMS];
+  memcpy(shape, t->shape, sizeof shape);
+  shape[dim] = len;
+  if (pg_tensor_init(out, t->dtype, t->ndim, shape)) return PG_ERR;
+  int64_t outer = 1, inner = 1;
+  for (int i = 0; i < dim; i++) outer *= t->shape[i];
+  for (int i = dim + 1; i < t->ndim; i++) inner *= t->shape[i];
+  size_t es = pg_dtype_size(t->dtype);
+  const char *src = pg_tensor_data(t);
+  char *dst = pg_tensor_data(out);
+  for (int64_t o = 0; o < outer; o++)
+    memcpy(dst + (size_t)(o * len * inner) * es, src + (size_t)((o * t->shape[dim] + start) * inner) * es,
+           (size_t)(len * inner) * es);
+  return PG_OK;
+}
+
+int pg_tensor_reshape_view(pg_tensor *out, const pg_tensor *t, int ndim, const int64_t *shape) {
+  if (check_shape(ndim, shape)) return PG_ERR;
+  if (pg_shape_numel(ndim, shape) != t->numel) {
+    char b[128];
+    return pg_fail("reshape: %lld elements cannot be viewed as %lld (tensor %s)", (long long)t->numel,
+                   (long long)pg_shape_numel(ndim, shape), pg_tensor_describe(t, b, sizeof b));
+  }
+  return pg_tensor_init_view(out, t->storage, t->offset, t->dtype, ndim, shape);
+}
+
+int pg_tensor_clone(pg_tensor *out, const pg_tensor *t) {
+  if (pg_tensor_init(out, t->dtype, t->ndim, t->shape)) return PG_ERR;
+  memcpy(pg_tensor_data(out), pg_tensor_data(t), (size_t)t->numel * pg_dtype_size(t->dtype));
+  return PG_OK;
+}
+
+int pg_tensor_copy(pg_tensor *dst, const pg_tensor *src) {
+  if (dst->numel != src->numel || dst->dtype != src->dtype) {
+    char a[128], b[128];
+    return pg_fail("copy: destination %s and source %s differ", pg_tensor_describe(dst, a, sizeof a),
+                   pg_tensor_describe(src, b, sizeof b));
+  }
+  memmove(pg_tensor_data(dst), pg_tensor_data(src), (size_t)src->numel * pg_dtype_size(src->dtype));
+  return PG_OK;
+}
+
+#define BINOP_LOOP(T, o, a, b, n, op)                                                                      \
+  do {                                                                                                     \
+    switch (op) {                                                                                          \
+    case PG_OP_ADD: for (int64_t i = 0; i < n; i++) o[i] = a[i] + b[i]; break;                             \
+    case PG_OP_SUB: for (int64_t i = 0; i < n; i++) o[i] = a[i] - b[i]; break;                             \
+    case PG_OP_MUL: for (int64_t i = 0; i < n; i++) o[i] = a[i] * b[i]; break;                             \
+    case PG_OP_DIV: for (int64_t i = 0; i < n; i++) o[i] = a[i] / b[i]; break;                             \
+    case PG_OP_MAX: for (int64_t i = 0; i < n; i++) o[i] = a[i] > b[i] ? a[i] : b[i]; break;               \
+    case PG_OP_MIN: for (int64_t i = 0; i < n; i++) o[i] = a[i] < b[i] ? a[i] : b[i]; break;               \
+    }                                                                                                      \
+  } while (0)
+
+int pg_tensor_binop(pg_tensor *out, const pg_tensor *a, const pg_tensor *b, pg_binop op) {
+  char da[128], db[128];
+  if (!pg_shape_equal(a, b) || a->dtype != b->dtype)
+    return pg_fail("shapes differ: %s vs %s", pg_tensor_describe(a, da, sizeof da), pg_tensor_describe(b, db, sizeof db));
+  if (!pg_shape_equal(out, a) || out->dtype != a->dtype)
+    return pg_fail("output %s does not match inputs %s", pg_tensor_describe(out, da, sizeof da),
+                   pg_tensor_describe(a, db, sizeof db));
+  int64_t n = a->numel;
+  if (a->dtype == PG_FLOAT32) {
+    float *o = pg_tensor_f32(out);
+    const float *x = pg_tensor_f32(a), *y = pg_tensor_f32(b);
+    BINOP_LOOP(float, o, x, y, n, op);
+  } else if (a->dtype == PG_INT32) {
+    int32_t *o = pg_tensor_i32(out);
+    const int32_t *x = pg_tensor_i32(a), *y = pg_tensor_i32(b);
+    if (op == PG_OP_DIV)
+      for (int64_t i = 0; i < n; i++)
+        if (y[i] == 0) return pg_fail("integer division by zero at element %lld", (long long)i + 1);
+    BINOP_LOOP(int32_t, o, x, y, n, op);
+  } else {
+    return pg_fail("elementwise ops support float32 and int32, not %s", pg_dtype_name(a->dtype));
+  }
+  return PG_OK;
+}
+
+double pg_tensor_get_flat(const pg_tensor *t, int64_t i) {
+  if (t->dtype == PG_INT32) return pg_tensor_i32(t)[i];
+  if (t->dtype == PG_FLOAT32) return pg_tensor_f32(t)[i];
+  uint16_t h = ((const uint16_t *)pg_tensor_data(t))[i];
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+void pg_tensor_set_flat(pg_tensor *t, int64_t i, double v) {
+  if (t->dtype == PG_INT32) pg_tensor_i32(t)[i] = (int32_t)v;
+  else if (t->dtype == PG_FLOAT32) pg_tensor_f32(t)[i] = (float)v;
+  else {
+    float f = (float)v;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fff + ((u >> 16) & 1); /* round to nearest even */
+    ((uint16_t *)pg_tensor_data(t))[i] = (uint16_t)(u >> 16);
+  }
+}
+
+int pg_tensor_scale(pg_tensor *t, double s) {
+  if (t->dtype != PG_FLOAT32) return pg_fail("scale needs a float32 tensor, not %s", pg_dtype_name(t->dtype));
+  float *x = pg_tensor_f32(t), f = (float)s;
+  for (int64_t i = 0; i < t->numel; i++) x[i] *= f;
+  return PG_OK;
+}
+
+int pg_tensor_fill(pg_tensor *t, double v) {
+  for (int64_t i = 0; i < t->numel; i++) pg_tensor_set_flat(t, i, v);
+  return PG_OK;
+}
+
+double pg_tensor_sum(const pg_tensor *t) {
+  double s = 0;
+  for (int64_t i = 0; i < t->numel; i++) s += pg_tensor_get_flat(t, i);
+  return s;
+}
+
+int pg_tensor_max_abs_diff(const pg_tensor *a, const pg_tensor *b, double *out) {
+  char da[128], db[128];
+  if (!pg_shape_equal(a, b) || a->dtype != b->dtype)
+    return pg_fail("shapes differ: %s vs %s", pg_tensor_describe(a, da, sizeof da), pg_tensor_describe(b, db, sizeof db));
+  double m = 0;
+  for (int64_t i = 0; i < a->numel; i++) {
+    double d = fabs(pg_tensor_get_flat(a, i) - pg_tensor_get_flat(b, i));
+    if (d > m || d != d) m = d; /* NaN propagates */
+    if (m != m) break;
+  }
+  *out = m;
+  return PG_OK;
+}
+
+void pg_tensor_blocks_to_dim(void *dst, const void *src, size_t esize, int ndim, const int64_t *block, int dim,
+                             int n) {
+  int64_t outer = 1, inner = 1;
+  for (int i = 0; i < dim; i++) outer *= block[i];
+  for (int i = dim; i < ndim; i++) inner *= block[i]; /* one block's row of length block[dim]*rest */
+  size_t row = (size_t)inner * esize, bsize = (size_t)(outer * inner) * esize;
+  for (int r = 0; r < n; r++)
+    for (int64_t o = 0; o < outer; o++)
+      memcpy((char *)dst + ((size_t)o * n + r) * row, (const char *)src + r * bsize + o * row, row);
+}
+
+void pg_tensor_dim_to_blocks(void *dst, const void *src, size_t esize, int ndim, const int64_t *block, int dim,
+                             int n) {
+  int64_t outer = 1, inner = 1;
+  for (int i = 0; i < dim; i++) outer *= block[i];
+  for (int i = dim; i < ndim; i++) inner *= block[i];
+  size_t row = (size_t)inner * esize, bsize = (size_t)(outer * inner) * esize;
+  for (int r = 0; r < n; r++)
+    for (int64_t o = 0; o < outer; o++)
+      memcpy((char *)dst + r * bsize + o * row, (const char *)src + ((size_t)o * n + r) * row, row);
+}

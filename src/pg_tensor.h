@@ -1,0 +1,101 @@
+/* pg_tensor: contiguous n-dimensional arrays.
+ *
+ * A tensor is a small value struct (dtype, device, shape, offset) that points
+ * at a reference-counted storage. Views (narrow along the first dimension,
+ * reshape, the engine's parameter views into its flat buffers) share the
+ * storage; it is freed when the last tensor that uses it is released.
+ *
+ * Ownership: pg_tensor_init_* give the tensor one storage reference;
+ * pg_tensor_release() drops it. Copying the struct does not add a reference:
+ * use pg_tensor_view() for that. */
+#ifndef PG_TENSOR_H
+#define PG_TENSOR_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum { PG_FLOAT32 = 0, PG_INT32 = 1, PG_BFLOAT16 = 2 } pg_dtype;
+typedef enum { PG_CPU = 0, PG_CUDA = 1 } pg_device;
+
+#define PG_MAX_DIMS 8
+
+typedef struct pg_storage {
+  void *data;
+  size_t bytes;
+  int refcount;
+  int owns_data; /* 0: data belongs to someone else who outlives us */
+  pg_device device;
+} pg_storage;
+
+typedef struct pg_tensor {
+  pg_storage *storage; /* NULL once released */
+  size_t offset;       /* in elements from storage->data */
+  pg_dtype dtype;
+  pg_device device;
+  int ndim;
+  int64_t shape[PG_MAX_DIMS];
+  int64_t numel;
+} pg_tensor;
+
+size_t pg_dtype_size(pg_dtype d);
+const char *pg_dtype_name(pg_dtype d);
+int pg_dtype_from_name(const char *name, pg_dtype *out); /* PG_OK or PG_ERR */
+const char *pg_device_name(pg_device d);
+
+/* A storage of `bytes` zeroed bytes, refcount 1. NULL + pg_error() on failure. */
+pg_storage *pg_storage_new(size_t bytes, pg_device device);
+void pg_storage_retain(pg_storage *s);
+void pg_storage_release(pg_storage *s);
+
+/* New zeroed tensor with its own storage. */
+int pg_tensor_init(pg_tensor *t, pg_dtype dtype, int ndim, const int64_t *shape);
+/* A tensor over an existing storage at `offset` elements (adds a reference). */
+int pg_tensor_init_view(pg_tensor *t, pg_storage *s, size_t offset, pg_dtype dtype, int ndim,
+                        const int64_t *shape);
+void pg_tensor_release(pg_tensor *t);
+
+static inline void *pg_tensor_data(const pg_tensor *t) {
+  return (char *)t->storage->data + t->offset * pg_dtype_size(t->dtype);
+}
+static inline float *pg_tensor_f32(const pg_tensor *t) { return (float *)pg_tensor_data(t); }
+static inline int32_t *pg_tensor_i32(const pg_tensor *t) { return (int32_t *)pg_tensor_data(t); }
+
+/* Writes "[2, 3] float32" into buf. */
+const char *pg_tensor_describe(const pg_tensor *t, char *buf, size_t n);
+int pg_shape_equal(const pg_tensor *a, const pg_tensor *b);
+int64_t pg_shape_numel(int ndim, const int64_t *shape);
+
+/* out = a view of rows [start, start+len) along `dim` when that is contiguous
+ * in memory (dim 0, or every earlier dim has size 1), else PG_ERR. */
+int pg_tensor_narrow_view(pg_tensor *out, const pg_tensor *t, int dim, int64_t start, int64_t len);
+/* out = new contiguous copy of that slice, any dim. */
+int pg_tensor_narrow_copy(pg_tensor *out, const pg_tensor *t, int dim, int64_t start, int64_t len);
+/* out = view with another shape of the same numel. */
+int pg_tensor_reshape_view(pg_tensor *out, const pg_tensor *t, int ndim, const int64_t *shape);
+/* out = new tensor, same contents. */
+int pg_tensor_clone(pg_tensor *out, const pg_tensor *t);
+/* dst <- src (same numel and dtype). */
+int pg_tensor_copy(pg_tensor *dst, const pg_tensor *src);
+
+/* Elementwise on float32 or int32 of equal shape: out may alias a or b. */
+typedef enum { PG_OP_ADD, PG_OP_SUB, PG_OP_MUL, PG_OP_DIV, PG_OP_MAX, PG_OP_MIN } pg_binop;
+int pg_tensor_binop(pg_tensor *out, const pg_tensor *a, const pg_tensor *b, pg_binop op);
+int pg_tensor_scale(pg_tensor *t, double s);
+int pg_tensor_fill(pg_tensor *t, double v);
+double pg_tensor_sum(const pg_tensor *t);
+/* Largest |a-b|; both same shape and dtype. */
+int pg_tensor_max_abs_diff(const pg_tensor *a, const pg_tensor *b, double *out);
+/* Element `i` (flat index) as a double; set likewise. */
+double pg_tensor_get_flat(const pg_tensor *t, int64_t i);
+void pg_tensor_set_flat(pg_tensor *t, int64_t i, double v);
+
+/* Concatenate `n` blocks laid out one after another in `src` (each block is a
+ * tensor of shape `block`) along dimension `dim` into `dst`. Used by
+ * all_gather/reduce_scatter along dims other than 0. */
+void pg_tensor_blocks_to_dim(void *dst, const void *src, size_t esize, int ndim, const int64_t *block,
+                             int dim, int n);
+/* The inverse: split `src` (shape block with block[dim]*n) into n blocks. */
+void pg_tensor_dim_to_blocks(void *dst, const void *src, size_t esize, int ndim, const int64_t *block,
+                             int dim, int n);
+
+#endif
