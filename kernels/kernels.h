@@ -1,0 +1,108 @@
+/* kernels.h — the arithmetic border.
+ *
+ * One function per op and direction. Every array is float32 (token ids
+ * int32), row-major and contiguous. N is the number of token rows (batch x
+ * time), C a feature width, OC an output width, V a vocabulary width.
+ * No MPI, no Lua, no allocation: scratch is passed in by the caller.
+ *
+ * Conventions, for every backward:
+ *   - input gradients (dinp, dqkv, dx...) are OVERWRITTEN;
+ *   - parameter gradients (dweight, dbias...) are ACCUMULATED (+=), so
+ *     micro-batches add up in the same buffer;
+ *   - a NULL gradient pointer means "not needed": skip that product.
+ * Results are deterministic for a given thread count (static partitions,
+ * fixed reduction order), so replicas on different ranks agree bitwise. */
+#ifndef PG_KERNELS_H
+#define PG_KERNELS_H
+
+#include <stdint.h>
+
+#define PG_LAYERNORM_EPS 1e-5f
+
+/* ---- embeddings ---- */
+
+/* out[n,:] = weight[tokens[n] - row_start, :] when row_start <= tokens[n] <
+ * row_start + rows, else 0 (vocab-parallel: each rank holds `rows` rows). */
+void pg_embedding_forward(float *out, const int32_t *tokens, const float *weight, int N, int C, int row_start,
+                          int rows);
+/* dweight[tokens[n] - row_start, :] += dout[n, :] for in-range tokens. */
+void pg_embedding_backward(float *dweight, const float *dout, const int32_t *tokens, int N, int C, int row_start,
+                           int rows);
+/* out[b*T + t, :] += wpe[t, :] for N = B*T rows. */
+void pg_position_forward(float *out, const float *wpe, int N, int T, int C);
+/* dwpe[t, :] += sum over b of dout[b*T + t, :]. */
+void pg_position_backward(float *dwpe, const float *dout, int N, int T, int C);
+
+/* ---- layer norm (eps PG_LAYERNORM_EPS) ---- */
+
+/* out = (inp - mean) * rstd * weight + bias, per row; saves mean[N], rstd[N]. */
+void pg_layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *weight,
+                          const float *bias, int N, int C);
+void pg_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout, const float *inp,
+                           const float *weight, const float *mean, const float *rstd, int N, int C);
+
+/* ---- matmul (OpenBLAS sgemm) ---- */
+
+/* out[N,OC] = inp[N,C] @ weight[OC,C]^T (+ bias[OC] if not NULL). */
+void pg_matmul_forward(float *out, const float *inp, const float *weight, const float *bias, int N, int C, int OC);
+/* dinp = dout @ weight; dweight += dout^T @ inp; dbias += column sums of dout. */
+void pg_matmul_backward(float *dinp, float *dweight, float *dbias, const float *dout, const float *inp,
+                        const float *weight, int N, int C, int OC);
+
+/* ---- causal multi-head self-attention ----
+ * qkv is [B, T, 3C]: queries in columns [0, C), keys [C, 2C), values [2C, 3C);
+ * head h uses columns [h*hs, (h+1)*hs) of each part, hs = C/NH. Scores are
+ * scaled by 1/sqrt(hs) and masked causally. The heads go through sgemm. */
+
+/* out[B,T,C]; att[B,NH,T,T] keeps the softmax probabilities for backward. */
+void pg_attention_forward(float *out, float *att, const float *qkv, int B, int T, int C, int NH);
+/* dqkv[B,T,3C] (overwritten); scratch holds at least pg_attention_scratch_floats(T, threads) floats. */
+void pg_attention_backward(float *dqkv, float *scratch, const float *dout, const float *qkv, const float *att, int B,
+                           int T, int C, int NH);
+int64_t pg_attention_scratch_floats(int T, int threads);
+
+/* ---- pointwise ---- */
+
+/* GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
+void pg_gelu_forward(float *out, const float *inp, int64_t n);
+void pg_gelu_backward(float *dinp, const float *inp, const float *dout, int64_t n);
+/* out = a + b (residual). Backward is the identity for both inputs. */
+void pg_residual_forward(float *out, const float *a, const float *b, int64_t n);
+/* da += dout; db += dout (either may be NULL). */
+void pg_residual_backward(float *da, float *db, const float *dout, int64_t n);
+
+/* ---- fused softmax + cross-entropy over a vocabulary (slice) ----
+ * logits is [N, V]: this rank's slice of the vocabulary, global columns
+ * [vocab_start, vocab_start + V). Only the first `valid` columns of the slice
+ * are real tokens (the rest is padding: never predicted, gradient 0).
+ * targets hold global token ids. Vocab-parallel use: reduce row_max with max
+ * across the slices, then sumexp and target_logit with sum, then finish. */
+
+/* row_max[n] = max over the valid columns. */
+void pg_xent_row_max(float *row_max, const float *logits, int N, int V, int valid);
+/* sumexp[n] = sum exp(logit - row_max[n]) over valid columns; target_logit[n]
+ * = the target's logit when it falls in this slice, else 0. */
+void pg_xent_sumexp(float *sumexp, float *target_logit, const float *logits, const float *row_max,
+                    const int32_t *targets, int N, int V, int valid, int vocab_start);
+/* losses[n] = log(sumexp[n]) + row_max[n] - target_logit[n] (may be NULL).
+ * When dlogits is not NULL: dlogits = (softmax - onehot(target)) * dloss,
+ * padded columns 0; dlogits may alias logits (the probabilities are never
+ * kept). Returns the sum of losses over the N rows (in double). */
+double pg_xent_finish(float *losses, float *dlogits, const float *logits, const float *row_max, const float *sumexp,
+                      const float *target_logit, const int32_t *targets, int N, int V, int valid, int vocab_start,
+                      float dloss);
+
+/* ---- optimizer ---- */
+
+/* AdamW (torch.optim.AdamW semantics) on n elements:
+ *   g = grad * grad_scale (clipping factor)
+ *   m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
+ *   param -= lr * (weight_decay * param + (m / (1-b1^step)) / (sqrt(v / (1-b2^step)) + eps))
+ * (decay is decoupled: param *= 1 - lr*wd, then the Adam step). step >= 1. */
+void pg_adamw_update(float *param, const float *grad, float *m, float *v, int64_t n, float lr, float beta1,
+                     float beta2, float eps, float weight_decay, int step, float grad_scale);
+
+/* Sum of squares in double, deterministic (fixed chunking). */
+double pg_sum_squares(const float *x, int64_t n);
+
+#endif
