@@ -55,7 +55,7 @@ ifneq ($(and $(NVCC),$(CUDA_SRCS)),)
                 --generate-code arch=compute_80,code=sm_80 -Wno-deprecated-gpu-targets
 endif
 
-CFLAGS   = -std=c11 -Wall -Wextra -fPIC -fopenmp $(OPTFLAGS) -Isrc -Ikernels -DPG_VERSION='"$(VERSION)"' \
+CFLAGS   = -std=c11 -D_POSIX_C_SOURCE=200809L -Wall -Wextra -fPIC -fopenmp $(OPTFLAGS) -Isrc -Ikernels -DPG_VERSION='"$(VERSION)"' \
            $(CUDA_DEFS) $(PKG_CFLAGS)
 LDLIBS   = $(PKG_LIBS) $(CUDA_LIBS) -lm -ldl
 LDFLAGS  = -fopenmp $(SANLD)

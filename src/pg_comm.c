@@ -142,7 +142,8 @@ int pg_reduce_scatter_buf(pg_context *ctx, pg_mode m, const void *in, void *out,
   }
   if (n > PG_MPI_CHUNK) return pg_fail("reduce_scatter of %lld elements per member is too large", (long long)n);
   double t0 = MPI_Wtime();
-  int rc = MPI_Reduce_scatter_block(in, out, (int)n, mpi_type(dtype), mpi_op(op), g->comm);
+  /* in == out: in place (the member's block lands at the front of the buffer) */
+  int rc = MPI_Reduce_scatter_block(in == out ? MPI_IN_PLACE : in, out, (int)n, mpi_type(dtype), mpi_op(op), g->comm);
   if (rc != MPI_SUCCESS) return mpi_fail(rc, "reduce_scatter", m);
   if (op == PG_REDUCE_AVG) scale_avg(out, n, g->size);
   count(ctx, m, PG_COLL_REDUCE_SCATTER, (double)n * es * g->size, t0);

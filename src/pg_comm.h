@@ -22,7 +22,8 @@ int pg_all_reduce_buf(pg_context *ctx, pg_mode m, void *buf, int64_t count, pg_d
 int pg_all_gather(pg_context *ctx, pg_mode m, const pg_tensor *in, pg_tensor *out, int dim);
 /* out (initialised here) = my block along `dim` of the reduction of everyone's `in`. */
 int pg_reduce_scatter(pg_context *ctx, pg_mode m, const pg_tensor *in, pg_tensor *out, int dim, pg_reduce_op op);
-/* Raw-buffer forms used by ZeRO: count = elements per member. */
+/* Raw-buffer forms used by ZeRO: count = elements per member. reduce_scatter
+ * with in == out works in place: the result is the first count elements. */
 int pg_reduce_scatter_buf(pg_context *ctx, pg_mode m, const void *in, void *out, int64_t count, pg_dtype dtype,
                           pg_reduce_op op);
 int pg_all_gather_buf(pg_context *ctx, pg_mode m, void *buf, int64_t count, pg_dtype dtype); /* in place */

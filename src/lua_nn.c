@@ -1,0 +1,517 @@
+/* Lua bindings for building a stage and running the engine:
+ *   core.Engine(ctx, stage_desc, opts) -> engine userdata
+ * stage_desc is a tree of plain tables made by lua/pipegoose/parallel.lua
+ * ({kind=, name=, ...}); this file turns it into pg_modules. Modules written
+ * in Lua (kind "lua") are called back through pg_custom_new. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "lua_util.h"
+#include "pg_engine.h"
+
+#define PG_ENGINE_MT "pg.Engine"
+
+typedef struct engine_ud {
+  pg_engine *e;
+  lua_State *current; /* the thread calling into the engine: Lua modules run on it */
+} engine_ud;
+
+/* ---------------------------------------------------------------- Lua modules */
+
+typedef struct lua_module_ud {
+  lua_State **current; /* -> engine_ud.current (userdata memory does not move) */
+  lua_State *owner;    /* the state holding the registry reference */
+  int ref;             /* the Lua module table */
+  int in_w, out_w;
+} lua_module_ud;
+
+/* Calls module:method(slot, x) with x copied into a [rows, in] tensor; copies the
+ * returned [rows, out] tensor to y. */
+static int call_lua_module(lua_module_ud *u, const char *method, int slot, const float *x, int rows, int in_w,
+                           float *y, int out_w) {
+  lua_State *L = *u->current;
+  int top = lua_gettop(L);
+  lua_rawgeti(L, LUA_REGISTRYINDEX, u->ref);
+  if (lua_getfield(L, -1, method) != LUA_TFUNCTION) {
+    lua_settop(L, top);
+    return pg_fail("module written in Lua has no %s method", method);
+  }
+  lua_pushvalue(L, -2);
+  lua_pushinteger(L, slot + 1);
+  int64_t shape[2] = {rows, in_w};
+  pg_tensor *t = lua_newuserdatauv(L, sizeof *t, 0);
+  memset(t, 0, sizeof *t);
+  luaL_setmetatable(L, PG_TENSOR_MT);
+  if (pg_tensor_init(t, PG_FLOAT32, 2, shape)) {
+    lua_settop(L, top);
+    return PG_ERR;
+  }
+  memcpy(pg_tensor_data(t), x, (size_t)rows * in_w * sizeof(float));
+  if (lua_pcall(L, 3, 1, 0) != LUA_OK) {
+    int rc = pg_fail("%s", lua_tostring(L, -1));
+    lua_settop(L, top);
+    return rc;
+  }
+  pg_tensor *r = pg_lua_test_tensor(L, -1);
+  int ok = r && r->storage && r->dtype == PG_FLOAT32 && r->numel == (int64_t)rows * out_w;
+  if (!ok) {
+    char d[128] = "a non-tensor";
+    if (r && r->storage) pg_tensor_describe(r, d, sizeof d);
+    lua_settop(L, top);
+    return pg_fail("module written in Lua: %s returned %s, expected %d x %d float32 values", method, d, rows, out_w);
+  }
+  memcpy(y, pg_tensor_data(r), (size_t)rows * out_w * sizeof(float));
+  lua_settop(L, top);
+  return PG_OK;
+}
+
+static int lua_module_forward(void *ud, int slot, const pg_io *io, const float *x, int rows, float *y) {
+  (void)io;
+  lua_module_ud *u = ud;
+  return call_lua_module(u, "forward", slot, x, rows, u->in_w, y, u->out_w);
+}
+
+static int lua_module_backward(void *ud, int slot, const pg_io *io, const float *dy, int rows, float *dx) {
+  (void)io;
+  lua_module_ud *u = ud;
+  return call_lua_module(u, "backward", slot, dy, rows, u->out_w, dx, u->in_w);
+}
+
+static void lua_module_release(void *ud) {
+  lua_module_ud *u = ud;
+  luaL_unref(u->owner, LUA_REGISTRYINDEX, u->ref);
+  free(u);
+}
+
+/* ---------------------------------------------------------------- building */
+
+typedef struct build_state {
+  lua_State *L;
+  lua_State **current;
+  pg_context *ctx;
+  pg_module *embeddings[8]; /* built so far in this stage, for tying a head */
+  int nembeddings;
+} build_state;
+
+static int field_int(lua_State *L, int idx, const char *key, int def) {
+  return (int)pg_lua_opt_int(L, idx, key, def);
+}
+
+static pg_module *build(build_state *b, int idx);
+
+static pg_module *build_children(build_state *b, int idx, const char *name) {
+  lua_State *L = b->L;
+  if (lua_getfield(L, idx, "children") != LUA_TTABLE) {
+    lua_pop(L, 1);
+    return pg_fail_null("%s: a sequential description needs children", name);
+  }
+  int n = (int)luaL_len(L, -1), ci = lua_gettop(L);
+  pg_module **kids = calloc((size_t)(n > 0 ? n : 1), sizeof *kids);
+  if (!kids) return pg_fail_null("out of memory");
+  pg_module *m = NULL;
+  int ok = 1;
+  for (int i = 0; i < n && ok; i++) {
+    lua_geti(L, ci, i + 1);
+    kids[i] = build(b, lua_gettop(L));
+    lua_pop(L, 1);
+    ok = kids[i] != NULL;
+  }
+  if (ok) m = pg_sequential_new(b->ctx, name, kids, n);
+  if (!m)
+    for (int i = 0; i < n; i++) pg_module_free(kids[i]);
+  free(kids);
+  lua_pop(L, 1);
+  return m;
+}
+
+static pg_module *build_lua(build_state *b, int idx, const char *name) {
+  lua_State *L = b->L;
+  int in_w = field_int(L, idx, "in_width", 0), out_w = field_int(L, idx, "out_width", 0);
+  int np = 0;
+  pg_param *params[32];
+  if (lua_getfield(L, idx, "params") == LUA_TTABLE) {
+    int n = (int)luaL_len(L, -1);
+    if (n > 32) {
+      lua_pop(L, 1);
+      return pg_fail_null("%s: at most 32 parameters per Lua module", name);
+    }
+    for (int i = 0; i < n; i++) {
+      lua_geti(L, -1, i + 1);
+      int pi = lua_gettop(L);
+      const char *pname = pg_lua_opt_string(L, pi, "name", "weight");
+      const char *init = pg_lua_opt_string(L, pi, "init", "normal");
+      float std = (float)pg_lua_opt_number(L, pi, "std", 0.02);
+      int64_t shape[PG_PARAM_MAX_DIMS];
+      lua_getfield(L, pi, "shape");
+      int nd = lua_istable(L, -1) ? pg_lua_check_shape(L, lua_gettop(L), shape) : 0;
+      lua_pop(L, 1);
+      char full[512];
+      snprintf(full, sizeof full, "%s%s%s", name, *name ? "." : "", pname);
+      pg_init_kind k = !strcmp(init, "zeros") ? PG_INIT_ZEROS : !strcmp(init, "ones") ? PG_INIT_ONES : PG_INIT_NORMAL;
+      params[np] = nd > 0 && nd <= PG_PARAM_MAX_DIMS ? pg_param_new(full, nd, shape, k, std) : NULL;
+      lua_pop(L, 1);
+      if (!params[np]) {
+        for (int k2 = 0; k2 < np; k2++) pg_param_free(params[k2]);
+        lua_pop(L, 1);
+        return nd ? NULL : pg_fail_null("%s: parameter '%s' needs a shape", name, pname);
+      }
+      np++;
+    }
+  }
+  lua_pop(L, 1);
+  lua_module_ud *u = calloc(1, sizeof *u);
+  if (!u) return pg_fail_null("out of memory");
+  u->current = b->current;
+  u->owner = L;
+  u->in_w = in_w;
+  u->out_w = out_w;
+  lua_getfield(L, idx, "module");
+  u->ref = luaL_ref(L, LUA_REGISTRYINDEX);
+  pg_custom_fns fns = {lua_module_forward, lua_module_backward, lua_module_release, u};
+  pg_module *m = pg_custom_new(b->ctx, name, in_w, out_w, &fns, params, np);
+  if (!m) lua_module_release(u);
+  return m;
+}
+
+static pg_module *build(build_state *b, int idx) {
+  lua_State *L = b->L;
+  if (!lua_istable(L, idx)) return pg_fail_null("a module description must be a table");
+  const char *kind = pg_lua_opt_string(L, idx, "kind", "?");
+  const char *name = pg_lua_opt_string(L, idx, "name", "");
+  float std = (float)pg_lua_opt_number(L, idx, "init_std", 0.02);
+  if (!strcmp(kind, "sequential")) return build_children(b, idx, name);
+  if (!strcmp(kind, "residual")) {
+    lua_getfield(L, idx, "inner");
+    pg_module *inner = build(b, lua_gettop(L));
+    lua_pop(L, 1);
+    if (!inner) return NULL;
+    pg_module *m = pg_residual_new(b->ctx, name, inner);
+    if (!m) pg_module_free(inner);
+    return m;
+  }
+  if (!strcmp(kind, "linear")) {
+    const char *mode = pg_lua_opt_string(L, idx, "mode", "plain");
+    pg_linear_opts o = {.in = field_int(L, idx, "in", 0), .out = field_int(L, idx, "out", 0),
+                        .bias = pg_lua_opt_bool(L, idx, "bias", 1), .blocks = field_int(L, idx, "blocks", 1),
+                        .gather_output = pg_lua_opt_bool(L, idx, "gather_output", 0),
+                        .input_is_parallel = pg_lua_opt_bool(L, idx, "input_is_parallel", 0), .init_std = std};
+    o.mode = !strcmp(mode, "column") ? PG_LINEAR_COLUMN : !strcmp(mode, "row") ? PG_LINEAR_ROW : PG_LINEAR_PLAIN;
+    return pg_linear_new(b->ctx, name, &o);
+  }
+  if (!strcmp(kind, "layernorm")) return pg_layernorm_new(b->ctx, name, field_int(L, idx, "width", 0));
+  if (!strcmp(kind, "gelu")) return pg_gelu_new(b->ctx, name, field_int(L, idx, "width", 0));
+  if (!strcmp(kind, "attention"))
+    return pg_attention_new(b->ctx, name, field_int(L, idx, "width", 0), field_int(L, idx, "heads", 0),
+                            field_int(L, idx, "max_seq", 0));
+  if (!strcmp(kind, "embedding")) {
+    pg_module *m = pg_embedding_new(b->ctx, name, field_int(L, idx, "vocab", 0), field_int(L, idx, "padded_vocab", 0),
+                                    field_int(L, idx, "width", 0), field_int(L, idx, "positions", 0), std);
+    if (m && b->nembeddings < 8) b->embeddings[b->nembeddings++] = m;
+    return m;
+  }
+  if (!strcmp(kind, "lm_head")) {
+    const char *tie = pg_lua_opt_string(L, idx, "tie", NULL);
+    pg_param *w = NULL;
+    for (int i = 0; tie && i < b->nembeddings && !w; i++) {
+      pg_param *p = pg_embedding_weight(b->embeddings[i]);
+      if (p && !strcmp(p->name, tie)) w = p;
+    }
+    char own[512];
+    snprintf(own, sizeof own, "%s%sweight", name, *name ? "." : "");
+    return pg_lm_head_new(b->ctx, name, field_int(L, idx, "vocab", 0), field_int(L, idx, "padded_vocab", 0),
+                          field_int(L, idx, "width", 0), w, tie ? tie : own, tie != NULL, std);
+  }
+  if (!strcmp(kind, "lua")) return build_lua(b, idx, name);
+  return pg_fail_null("%s: unknown module kind '%s'", name, kind);
+}
+
+/* core.Engine(ctx, stage_desc, {micro_batches=, schedule=, vocab=, width=, seed=,
+ *   is_first=, is_last=, tied_name=, bucket_mb=}) */
+static int l_engine_new(lua_State *L) {
+  pg_context *ctx = pg_lua_check_context(L, 1);
+  luaL_checktype(L, 2, LUA_TTABLE);
+  luaL_checktype(L, 3, LUA_TTABLE);
+  pg_engine_opts o = {0};
+  o.micro_batches = (int)pg_lua_opt_int(L, 3, "micro_batches", 1);
+  PG_LUA_CHECK(L, pg_schedule_from_name(pg_lua_opt_string(L, 3, "schedule", "1f1b"), &o.schedule));
+  o.vocab = (int)pg_lua_opt_int(L, 3, "vocab", 0);
+  o.width = (int)pg_lua_opt_int(L, 3, "width", 0);
+  o.bucket_elems = (int64_t)(pg_lua_opt_number(L, 3, "bucket_mb", 25) * 1024 * 1024 / 4);
+  o.tied_name = pg_lua_opt_string(L, 3, "tied_name", NULL);
+  uint64_t seed = (uint64_t)pg_lua_opt_int(L, 3, "seed", (lua_Integer)ctx->seed);
+  int is_first = pg_lua_opt_bool(L, 3, "is_first", 1), is_last = pg_lua_opt_bool(L, 3, "is_last", 1);
+  engine_ud *u = lua_newuserdatauv(L, sizeof *u, 1);
+  u->e = NULL;
+  u->current = L;
+  luaL_setmetatable(L, PG_ENGINE_MT);
+  lua_pushvalue(L, 1);
+  lua_setiuservalue(L, -2, 1); /* the engine uses the context: keep it alive */
+  build_state b = {.L = L, .current = &u->current, .ctx = ctx};
+  pg_module *stage = build(&b, 2);
+  if (!stage) return luaL_error(L, "%s", pg_error());
+  u->e = pg_engine_new(ctx, stage, is_first, is_last, seed, &o);
+  if (!u->e) return luaL_error(L, "%s", pg_error());
+  return 1;
+}
+
+static pg_engine *check_engine(lua_State *L, int idx) {
+  engine_ud *u = luaL_checkudata(L, idx, PG_ENGINE_MT);
+  if (!u->e) luaL_error(L, "the engine was freed");
+  u->current = L;
+  return u->e;
+}
+
+pg_engine *pg_lua_check_engine(lua_State *L, int idx) { return check_engine(L, idx); }
+
+/* Checks a [B, T] int32 batch tensor; sets B and T. */
+static const int32_t *check_batch(lua_State *L, int idx, const char *what, int *B, int *T) {
+  pg_tensor *t = pg_lua_check_tensor(L, idx);
+  char d[128];
+  if (t->dtype != PG_INT32 || t->ndim != 2)
+    luaL_error(L, "%s: expected an int32 tensor [batch, seq_len], got %s", what, pg_tensor_describe(t, d, sizeof d));
+  if (*B >= 0 && (t->shape[0] != *B || t->shape[1] != *T))
+    luaL_error(L, "%s: shape %s differs from the inputs' [%d, %d]", what, pg_tensor_describe(t, d, sizeof d), *B, *T);
+  *B = (int)t->shape[0];
+  *T = (int)t->shape[1];
+  return pg_tensor_i32(t);
+}
+
+/* engine:forward_backward(inputs, targets, grad_scale, sync) -> loss */
+static int l_forward_backward(lua_State *L) {
+  pg_engine *e = check_engine(L, 1);
+  int B = -1, T = -1;
+  const int32_t *x = check_batch(L, 2, "inputs", &B, &T);
+  const int32_t *y = check_batch(L, 3, "targets", &B, &T);
+  float scale = (float)luaL_optnumber(L, 4, 1.0);
+  int sync = lua_isnoneornil(L, 5) ? 1 : lua_toboolean(L, 5);
+  double loss;
+  PG_LUA_CHECK(L, pg_engine_forward_backward(e, x, y, B, T, scale, sync, &loss));
+  lua_pushnumber(L, loss);
+  return 1;
+}
+
+/* engine:evaluate(inputs, targets_or_nil, want_logits) -> loss_or_nil, logits_or_nil */
+static int l_evaluate(lua_State *L) {
+  pg_engine *e = check_engine(L, 1);
+  int B = -1, T = -1;
+  const int32_t *x = check_batch(L, 2, "inputs", &B, &T);
+  const int32_t *y = lua_isnoneornil(L, 3) ? NULL : check_batch(L, 3, "targets", &B, &T);
+  int want_logits = lua_toboolean(L, 4);
+  pg_tensor *logits = NULL;
+  if (want_logits) {
+    int64_t shape[3] = {B, T, e->opts.vocab};
+    logits = pg_lua_new_tensor(L, PG_FLOAT32, 3, shape);
+  }
+  double loss = 0;
+  PG_LUA_CHECK(L, pg_engine_evaluate(e, x, y, B, T, y ? &loss : NULL, logits ? pg_tensor_f32(logits) : NULL));
+  if (y) lua_pushnumber(L, loss);
+  else lua_pushnil(L);
+  if (logits) lua_pushvalue(L, -2);
+  else lua_pushnil(L);
+  return 2;
+}
+
+static int l_zero_grad(lua_State *L) {
+  pg_engine_zero_grad(check_engine(L, 1));
+  return 0;
+}
+
+static int l_sync_grads(lua_State *L) {
+  PG_LUA_CHECK(L, pg_engine_sync_grads(check_engine(L, 1)));
+  return 0;
+}
+
+static void push_shape(lua_State *L, int ndim, const int64_t *shape) {
+  lua_createtable(L, ndim, 0);
+  for (int i = 0; i < ndim; i++) {
+    lua_pushinteger(L, shape[i]);
+    lua_rawseti(L, -2, i + 1);
+  }
+}
+
+/* engine:params() -> list of {name=, shape=, full_shape=, split={dim=, blocks=, parts=, index=},
+ *   valid_rows=, replicated=, tied_copy=, weight_decay=, offset=, tensor=, grad=} */
+static int l_params(lua_State *L) {
+  pg_engine *e = check_engine(L, 1);
+  lua_createtable(L, e->nparams, 0);
+  for (int i = 0; i < e->nparams; i++) {
+    pg_param *p = e->params[i];
+    lua_createtable(L, 0, 12);
+    lua_pushstring(L, p->name);
+    lua_setfield(L, -2, "name");
+    push_shape(L, p->ndim, p->shape);
+    lua_setfield(L, -2, "shape");
+    push_shape(L, p->ndim, p->full_shape);
+    lua_setfield(L, -2, "full_shape");
+    lua_createtable(L, 0, 4);
+    lua_pushinteger(L, p->split_dim >= 0 ? p->split_dim + 1 : 0);
+    lua_setfield(L, -2, "dim");
+    lua_pushinteger(L, p->split_blocks);
+    lua_setfield(L, -2, "blocks");
+    lua_pushinteger(L, p->split_parts);
+    lua_setfield(L, -2, "parts");
+    lua_pushinteger(L, p->split_index);
+    lua_setfield(L, -2, "index");
+    lua_setfield(L, -2, "split");
+    lua_pushinteger(L, p->valid_rows);
+    lua_setfield(L, -2, "valid_rows");
+    lua_pushboolean(L, p->replicated);
+    lua_setfield(L, -2, "replicated");
+    lua_pushboolean(L, p->tied_copy);
+    lua_setfield(L, -2, "tied_copy");
+    lua_pushboolean(L, p->weight_decay);
+    lua_setfield(L, -2, "weight_decay");
+    lua_pushinteger(L, p->offset);
+    lua_setfield(L, -2, "offset");
+    pg_tensor t;
+    if (pg_tensor_init_view(&t, e->param_store, (size_t)p->offset, PG_FLOAT32, p->ndim, p->shape)) return luaL_error(L, "%s", pg_error());
+    pg_lua_push_tensor(L, &t);
+    lua_setfield(L, -2, "tensor");
+    if (pg_tensor_init_view(&t, e->grad_store, (size_t)p->offset, PG_FLOAT32, p->ndim, p->shape)) return luaL_error(L, "%s", pg_error());
+    pg_lua_push_tensor(L, &t);
+    lua_setfield(L, -2, "grad");
+    lua_rawseti(L, -2, i + 1);
+  }
+  return 1;
+}
+
+/* engine:flat() -> params, grads: views of the whole flat buffers */
+static int l_flat(lua_State *L) {
+  pg_engine *e = check_engine(L, 1);
+  int64_t n = e->flat_padded;
+  pg_tensor t;
+  PG_LUA_CHECK(L, pg_tensor_init_view(&t, e->param_store, 0, PG_FLOAT32, 1, &n));
+  pg_lua_push_tensor(L, &t);
+  PG_LUA_CHECK(L, pg_tensor_init_view(&t, e->grad_store, 0, PG_FLOAT32, 1, &n));
+  pg_lua_push_tensor(L, &t);
+  return 2;
+}
+
+static int l_num_parameters(lua_State *L) {
+  int64_t n;
+  PG_LUA_CHECK(L, pg_engine_num_parameters(check_engine(L, 1), &n));
+  lua_pushinteger(L, n);
+  return 1;
+}
+
+static void set_num(lua_State *L, const char *k, double v) {
+  lua_pushnumber(L, v);
+  lua_setfield(L, -2, k);
+}
+
+static void set_int(lua_State *L, const char *k, lua_Integer v) {
+  lua_pushinteger(L, v);
+  lua_setfield(L, -2, k);
+}
+
+/* engine:info() -> sizes, slots, memory and timing counters of this rank */
+static int l_info(lua_State *L) {
+  pg_engine *e = check_engine(L, 1);
+  lua_newtable(L);
+  set_int(L, "nparams", e->nparams);
+  set_int(L, "flat_numel", e->flat_numel);
+  set_int(L, "flat_padded", e->flat_padded);
+  set_int(L, "slots", e->nslots);
+  set_int(L, "capacity_rows", e->capacity_rows);
+  set_int(L, "slot_bytes", (lua_Integer)pg_engine_slot_bytes(e));
+  set_int(L, "peak_in_flight", e->peak_in_flight);
+  set_int(L, "zero", e->zero);
+  set_int(L, "steps", e->stats.steps);
+  set_num(L, "step_seconds", e->stats.step_seconds);
+  set_num(L, "recv_wait_seconds", e->stats.recv_wait_seconds);
+  set_num(L, "send_wait_seconds", e->stats.send_wait_seconds);
+  set_num(L, "grad_sync_seconds", e->stats.grad_sync_seconds);
+  set_num(L, "compute_seconds", e->stats.compute_seconds);
+  lua_pushboolean(L, e->is_first);
+  lua_setfield(L, -2, "is_first");
+  lua_pushboolean(L, e->is_last);
+  lua_setfield(L, -2, "is_last");
+  return 1;
+}
+
+static int l_reset_stats(lua_State *L) {
+  pg_engine *e = check_engine(L, 1);
+  memset(&e->stats, 0, sizeof e->stats);
+  return 0;
+}
+
+static int l_schedule(lua_State *L) {
+  pg_engine *e = check_engine(L, 1);
+  lua_createtable(L, e->nactions, 0);
+  for (int i = 0; i < e->nactions; i++) {
+    lua_createtable(L, 2, 0);
+    lua_pushstring(L, pg_action_name(e->actions[i].kind));
+    lua_rawseti(L, -2, 1);
+    lua_pushinteger(L, e->actions[i].mb + 1);
+    lua_rawseti(L, -2, 2);
+    lua_rawseti(L, -2, i + 1);
+  }
+  return 1;
+}
+
+static int l_free(lua_State *L) {
+  engine_ud *u = luaL_checkudata(L, 1, PG_ENGINE_MT);
+  pg_engine_free(u->e);
+  u->e = NULL;
+  return 0;
+}
+
+/* core.schedule(name, P, M, stage) -> { {action, mb}, ... } (mb 1-based) */
+static int l_schedule_build(lua_State *L) {
+  pg_schedule_kind k;
+  PG_LUA_CHECK(L, pg_schedule_from_name(luaL_checkstring(L, 1), &k));
+  int P = (int)luaL_checkinteger(L, 2), M = (int)luaL_checkinteger(L, 3), s = (int)luaL_checkinteger(L, 4);
+  pg_action *a;
+  int n;
+  PG_LUA_CHECK(L, pg_schedule_build(k, P, M, s, &a, &n));
+  lua_createtable(L, n, 0);
+  for (int i = 0; i < n; i++) {
+    lua_createtable(L, 2, 0);
+    lua_pushstring(L, pg_action_name(a[i].kind));
+    lua_rawseti(L, -2, 1);
+    lua_pushinteger(L, a[i].mb + 1);
+    lua_rawseti(L, -2, 2);
+    lua_rawseti(L, -2, i + 1);
+  }
+  free(a);
+  return 1;
+}
+
+/* core.schedule_validate(name, P, M) -> true, or false and the message */
+static int l_schedule_validate(lua_State *L) {
+  pg_schedule_kind k;
+  PG_LUA_CHECK(L, pg_schedule_from_name(luaL_checkstring(L, 1), &k));
+  int P = (int)luaL_checkinteger(L, 2), M = (int)luaL_checkinteger(L, 3);
+  if (P < 1 || P > 1024 || M < 1) return luaL_error(L, "schedule_validate: bad sizes P=%d M=%d", P, M);
+  pg_action **st = calloc((size_t)P, sizeof *st);
+  int *lens = calloc((size_t)P, sizeof *lens), rc = PG_OK;
+  for (int s = 0; s < P && rc == PG_OK; s++) rc = pg_schedule_build(k, P, M, s, &st[s], &lens[s]);
+  if (rc == PG_OK) rc = pg_schedule_validate(st, lens, P, M);
+  for (int s = 0; s < P; s++) free(st[s]);
+  free(st);
+  free(lens);
+  lua_pushboolean(L, rc == PG_OK);
+  if (rc != PG_OK) lua_pushstring(L, pg_error());
+  return rc == PG_OK ? 1 : 2;
+}
+
+static const luaL_Reg engine_methods[] = {
+    {"forward_backward", l_forward_backward}, {"evaluate", l_evaluate}, {"zero_grad", l_zero_grad},
+    {"sync_grads", l_sync_grads}, {"params", l_params}, {"flat", l_flat}, {"num_parameters", l_num_parameters},
+    {"info", l_info}, {"reset_stats", l_reset_stats}, {"schedule", l_schedule}, {"free", l_free}, {NULL, NULL}};
+
+void pg_lua_open_nn(lua_State *L) {
+  if (luaL_newmetatable(L, PG_ENGINE_MT)) {
+    luaL_newlib(L, engine_methods);
+    lua_setfield(L, -2, "__index");
+    lua_pushcfunction(L, l_free);
+    lua_setfield(L, -2, "__gc");
+  }
+  lua_pop(L, 1);
+  lua_pushcfunction(L, l_engine_new);
+  lua_setfield(L, -2, "Engine");
+  lua_pushcfunction(L, l_schedule_build);
+  lua_setfield(L, -2, "schedule");
+  lua_pushcfunction(L, l_schedule_validate);
+  lua_setfield(L, -2, "schedule_validate");
+}

@@ -1,0 +1,136 @@
+/* Lua bindings for the optimizer: core.AdamW(engine, {lr=, beta1=, beta2=, eps=,
+ * weight_decay=}, zero) -> optimizer userdata. lua/pipegoose/optim.lua wraps it. */
+#include "lua_util.h"
+#include "pg_optim.h"
+
+#define PG_ADAMW_MT "pg.AdamW"
+
+pg_engine *pg_lua_check_engine(lua_State *L, int idx);
+
+typedef struct adamw_ud {
+  pg_adamw *o;
+} adamw_ud;
+
+static pg_adamw *check_opt(lua_State *L, int idx) {
+  adamw_ud *u = luaL_checkudata(L, idx, PG_ADAMW_MT);
+  if (!u->o) luaL_error(L, "the optimizer was freed");
+  return u->o;
+}
+
+static void read_hparams(lua_State *L, int idx, pg_adamw_hparams *h) {
+  h->lr = (float)pg_lua_opt_number(L, idx, "lr", h->lr);
+  h->beta1 = (float)pg_lua_opt_number(L, idx, "beta1", h->beta1);
+  h->beta2 = (float)pg_lua_opt_number(L, idx, "beta2", h->beta2);
+  h->eps = (float)pg_lua_opt_number(L, idx, "eps", h->eps);
+  h->weight_decay = (float)pg_lua_opt_number(L, idx, "weight_decay", h->weight_decay);
+}
+
+static int l_new(lua_State *L) {
+  pg_engine *e = pg_lua_check_engine(L, 1);
+  pg_adamw_hparams h = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f};
+  read_hparams(L, 2, &h);
+  int zero = (int)luaL_optinteger(L, 3, 0);
+  adamw_ud *u = lua_newuserdatauv(L, sizeof *u, 1);
+  u->o = NULL;
+  luaL_setmetatable(L, PG_ADAMW_MT);
+  lua_pushvalue(L, 1);
+  lua_setiuservalue(L, -2, 1); /* keep the engine alive */
+  u->o = pg_adamw_new(e, &h, zero);
+  if (!u->o) return luaL_error(L, "%s", pg_error());
+  return 1;
+}
+
+static int l_step(lua_State *L) {
+  PG_LUA_CHECK(L, pg_adamw_step(check_opt(L, 1)));
+  return 0;
+}
+
+static int l_grad_norm(lua_State *L) {
+  double n;
+  PG_LUA_CHECK(L, pg_adamw_grad_norm(check_opt(L, 1), &n));
+  lua_pushnumber(L, n);
+  return 1;
+}
+
+static int l_clip(lua_State *L) {
+  double n;
+  PG_LUA_CHECK(L, pg_adamw_clip(check_opt(L, 1), luaL_checknumber(L, 2), &n));
+  lua_pushnumber(L, n);
+  return 1;
+}
+
+/* opt:hparams([table]) -> the current values (sets the given ones first) */
+static int l_hparams(lua_State *L) {
+  pg_adamw *o = check_opt(L, 1);
+  if (!lua_isnoneornil(L, 2)) read_hparams(L, 2, &o->h);
+  lua_createtable(L, 0, 5);
+  lua_pushnumber(L, o->h.lr);
+  lua_setfield(L, -2, "lr");
+  lua_pushnumber(L, o->h.beta1);
+  lua_setfield(L, -2, "beta1");
+  lua_pushnumber(L, o->h.beta2);
+  lua_setfield(L, -2, "beta2");
+  lua_pushnumber(L, o->h.eps);
+  lua_setfield(L, -2, "eps");
+  lua_pushnumber(L, o->h.weight_decay);
+  lua_setfield(L, -2, "weight_decay");
+  return 1;
+}
+
+/* opt:state() -> { step=, lo=, hi= (0-based flat range), m=tensor view, v=tensor view } */
+static int l_state(lua_State *L) {
+  pg_adamw *o = check_opt(L, 1);
+  lua_createtable(L, 0, 5);
+  lua_pushinteger(L, o->step);
+  lua_setfield(L, -2, "step");
+  lua_pushinteger(L, o->lo);
+  lua_setfield(L, -2, "lo");
+  lua_pushinteger(L, o->hi);
+  lua_setfield(L, -2, "hi");
+  int64_t n = o->hi - o->lo;
+  pg_tensor t;
+  PG_LUA_CHECK(L, pg_tensor_init_view(&t, o->m, 0, PG_FLOAT32, 1, &n));
+  pg_lua_push_tensor(L, &t);
+  lua_setfield(L, -2, "m");
+  PG_LUA_CHECK(L, pg_tensor_init_view(&t, o->v, 0, PG_FLOAT32, 1, &n));
+  pg_lua_push_tensor(L, &t);
+  lua_setfield(L, -2, "v");
+  return 1;
+}
+
+static int l_set_step(lua_State *L) {
+  pg_adamw *o = check_opt(L, 1);
+  lua_Integer s = luaL_checkinteger(L, 2);
+  if (s < 0) return luaL_error(L, "optimizer step must be >= 0, not %I", s);
+  o->step = (long)s;
+  return 0;
+}
+
+static int l_state_bytes(lua_State *L) {
+  pg_adamw *o = check_opt(L, 1);
+  lua_pushinteger(L, (lua_Integer)(o->m->bytes + o->v->bytes));
+  return 1;
+}
+
+static int l_free(lua_State *L) {
+  adamw_ud *u = luaL_checkudata(L, 1, PG_ADAMW_MT);
+  pg_adamw_free(u->o);
+  u->o = NULL;
+  return 0;
+}
+
+static const luaL_Reg methods[] = {{"step", l_step}, {"grad_norm", l_grad_norm}, {"clip", l_clip},
+                                   {"hparams", l_hparams}, {"state", l_state}, {"set_step", l_set_step},
+                                   {"state_bytes", l_state_bytes}, {"free", l_free}, {NULL, NULL}};
+
+void pg_lua_open_optim(lua_State *L) {
+  if (luaL_newmetatable(L, PG_ADAMW_MT)) {
+    luaL_newlib(L, methods);
+    lua_setfield(L, -2, "__index");
+    lua_pushcfunction(L, l_free);
+    lua_setfield(L, -2, "__gc");
+  }
+  lua_pop(L, 1);
+  lua_pushcfunction(L, l_new);
+  lua_setfield(L, -2, "AdamW");
+}

@@ -1,0 +1,350 @@
+#include "pg_engine.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "pg_comm.h"
+#include "pg_error.h"
+
+#define FLAT_ALIGN 16 /* floats: every parameter starts on a 64-byte boundary */
+
+static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+static int pp_size(const pg_engine *e) { return e->ctx->pipeline; }
+static int pp_rank(const pg_engine *e) { return e->ctx->pp_rank; }
+
+/* ---------------------------------------------------------------- construction */
+
+static int bind_params(pg_engine *e, uint64_t seed) {
+  e->params = pg_module_collect_params(e->stage, &e->nparams);
+  if (!e->params) return PG_ERR;
+  int64_t off = 0;
+  for (int i = 0; i < e->nparams; i++) {
+    e->params[i]->offset = off;
+    off = round_up(off + e->params[i]->numel, FLAT_ALIGN);
+  }
+  e->flat_numel = off;
+  e->flat_padded = round_up(off > 0 ? off : FLAT_ALIGN, (int64_t)FLAT_ALIGN * e->ctx->data);
+  size_t bytes = (size_t)e->flat_padded * sizeof(float);
+  if (!(e->param_store = pg_storage_new(bytes, PG_CPU)) || !(e->grad_store = pg_storage_new(bytes, PG_CPU)))
+    return PG_ERR;
+  float *pd = e->param_store->data, *gd = e->grad_store->data;
+  for (int i = 0; i < e->nparams; i++) {
+    pg_param *p = e->params[i];
+    p->data = pd + p->offset;
+    p->grad = gd + p->offset;
+    pg_param_init(p, seed);
+  }
+  return PG_OK;
+}
+
+pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is_last, uint64_t seed,
+                         const pg_engine_opts *opts) {
+  pg_engine *e = calloc(1, sizeof *e);
+  if (!e) {
+    pg_module_free(stage);
+    return pg_fail_null("out of memory");
+  }
+  e->ctx = ctx;
+  e->stage = stage;
+  e->is_first = is_first;
+  e->is_last = is_last;
+  e->opts = *opts;
+  if (e->opts.micro_batches < 1) {
+    pg_engine_free(e);
+    return pg_fail_null("micro_batches must be at least 1, not %d", opts->micro_batches);
+  }
+  if (e->opts.bucket_elems <= 0) e->opts.bucket_elems = (int64_t)25 * 1024 * 1024 / 4;
+  if (opts->tied_name) e->opts.tied_name = strdup(opts->tied_name);
+  if ((is_first && stage->in_width != 0) || (!is_first && stage->in_width != opts->width) ||
+      (is_last && stage->out_width != 0) || (!is_last && stage->out_width != opts->width)) {
+    pg_fail("stage %d: its modules take width %d and produce width %d; a %s stage must take %s and produce %s",
+            ctx->pp_rank, stage->in_width, stage->out_width, is_first ? "first" : is_last ? "last" : "middle",
+            is_first ? "token ids" : "the hidden width", is_last ? "the loss" : "the hidden width");
+    pg_engine_free(e);
+    return NULL;
+  }
+  if (pg_schedule_build(e->opts.schedule, ctx->pipeline, e->opts.micro_batches, ctx->pp_rank, &e->actions,
+                        &e->nactions) ||
+      bind_params(e, seed)) {
+    pg_engine_free(e);
+    return NULL;
+  }
+  e->nslots = pg_schedule_max_in_flight(e->actions, e->nactions);
+  if (e->nslots < 1) e->nslots = 1;
+  e->act_req = malloc((size_t)e->nslots * sizeof *e->act_req);
+  e->grad_req = malloc((size_t)e->nslots * sizeof *e->grad_req);
+  e->stage_out = calloc((size_t)e->nslots, sizeof *e->stage_out);
+  e->ios = calloc((size_t)e->opts.micro_batches, sizeof *e->ios);
+  if (!e->act_req || !e->grad_req || !e->stage_out || !e->ios) {
+    pg_engine_free(e);
+    return pg_fail_null("out of memory");
+  }
+  for (int i = 0; i < e->nslots; i++) e->act_req[i] = e->grad_req[i] = MPI_REQUEST_NULL;
+  return e;
+}
+
+void pg_engine_free(pg_engine *e) {
+  if (!e) return;
+  for (int i = 0; e->act_req && i < e->nslots; i++) {
+    if (e->act_req[i] != MPI_REQUEST_NULL) MPI_Wait(&e->act_req[i], MPI_STATUS_IGNORE);
+    if (e->grad_req[i] != MPI_REQUEST_NULL) MPI_Wait(&e->grad_req[i], MPI_STATUS_IGNORE);
+  }
+  pg_module_free(e->stage);
+  free(e->params);
+  pg_storage_release(e->param_store);
+  pg_storage_release(e->grad_store);
+  free(e->actions);
+  free(e->stage_in);
+  free(e->grad_send);
+  free(e->grad_recv);
+  free(e->act_req);
+  free(e->grad_req);
+  free(e->ios);
+  free(e->stage_out);
+  free((char *)e->opts.tied_name);
+  free(e);
+}
+
+static int ensure_capacity(pg_engine *e, int rows) {
+  if (rows <= e->capacity_rows) return PG_OK;
+  size_t w = (size_t)e->opts.width, n = (size_t)e->nslots * rows * w;
+  if (pg_module_alloc(e->stage, e->nslots, rows)) return PG_ERR;
+  free(e->stage_in);
+  free(e->grad_send);
+  free(e->grad_recv);
+  e->stage_in = e->grad_send = e->grad_recv = NULL;
+  if (!e->is_first && (!(e->stage_in = calloc(n, sizeof(float))) || !(e->grad_send = calloc(n, sizeof(float)))))
+    return pg_fail("out of memory for pipeline buffers");
+  if (!e->is_last && !(e->grad_recv = calloc((size_t)rows * w, sizeof(float))))
+    return pg_fail("out of memory for pipeline buffers");
+  e->capacity_rows = rows;
+  return PG_OK;
+}
+
+size_t pg_engine_slot_bytes(const pg_engine *e) {
+  size_t b = pg_module_saved_bytes(e->stage);
+  if (!e->is_first) b += (size_t)e->capacity_rows * e->opts.width * sizeof(float);
+  return b;
+}
+
+/* ---------------------------------------------------------------- the step */
+
+static int check_tokens(const pg_engine *e, const int32_t *ids, int64_t n, const char *what) {
+  for (int64_t i = 0; i < n; i++)
+    if (ids[i] < 0 || ids[i] >= e->opts.vocab)
+      return pg_fail("%s id %d at position %lld is outside the vocabulary [0, %d)", what, ids[i], (long long)i + 1,
+                     e->opts.vocab);
+  return PG_OK;
+}
+
+static int wait_req(pg_engine *e, MPI_Request *r) {
+  if (*r == MPI_REQUEST_NULL) return PG_OK;
+  double t0 = MPI_Wtime();
+  int rc = MPI_Wait(r, MPI_STATUS_IGNORE);
+  e->stats.send_wait_seconds += MPI_Wtime() - t0;
+  return rc == MPI_SUCCESS ? PG_OK : pg_fail("pipeline send failed");
+}
+
+static int wait_all_sends(pg_engine *e) {
+  for (int s = 0; s < e->nslots; s++)
+    if (wait_req(e, &e->act_req[s]) || wait_req(e, &e->grad_req[s])) return PG_ERR;
+  return PG_OK;
+}
+
+static int recv_timed(pg_engine *e, float *buf, int64_t n, int src, int tag) {
+  double t0 = MPI_Wtime();
+  int rc = pg_recv_buf(e->ctx, PG_MODE_PIPELINE, buf, n, src, tag);
+  e->stats.recv_wait_seconds += MPI_Wtime() - t0;
+  return rc;
+}
+
+static int run_action(pg_engine *e, pg_action a) {
+  int slot = a.mb % e->nslots, me = pp_rank(e);
+  pg_io *io = &e->ios[a.mb];
+  int64_t n = (int64_t)io->B * io->T * e->opts.width;
+  float *in_buf = e->stage_in ? e->stage_in + (size_t)slot * e->capacity_rows * e->opts.width : NULL;
+  switch (a.kind) {
+  case PG_ACT_RECV_ACT:
+    return recv_timed(e, in_buf, n, me - 1, 2 * a.mb);
+  case PG_ACT_FORWARD: {
+    if (wait_req(e, &e->act_req[slot])) return PG_ERR; /* the slot's outputs may still be on their way */
+    double t0 = MPI_Wtime();
+    int rc = pg_module_forward(e->stage, slot, io, in_buf, &e->stage_out[slot]);
+    e->stats.compute_seconds += MPI_Wtime() - t0;
+    return rc;
+  }
+  case PG_ACT_SEND_ACT:
+    return pg_isend_buf(e->ctx, PG_MODE_PIPELINE, e->stage_out[slot], n, me + 1, 2 * a.mb, &e->act_req[slot]);
+  case PG_ACT_RECV_GRAD:
+    return recv_timed(e, e->grad_recv, n, me + 1, 2 * a.mb + 1);
+  case PG_ACT_BACKWARD: {
+    const float *dx = NULL;
+    double t0 = MPI_Wtime();
+    int rc = pg_module_backward(e->stage, slot, io, e->is_last ? NULL : e->grad_recv, &dx);
+    e->stats.compute_seconds += MPI_Wtime() - t0;
+    if (rc || e->is_first) return rc;
+    if (wait_req(e, &e->grad_req[slot])) return PG_ERR;
+    memcpy(e->grad_send + (size_t)slot * e->capacity_rows * e->opts.width, dx, (size_t)n * sizeof(float));
+    return PG_OK;
+  }
+  case PG_ACT_SEND_GRAD:
+    return pg_isend_buf(e->ctx, PG_MODE_PIPELINE, e->grad_send + (size_t)slot * e->capacity_rows * e->opts.width, n,
+                        me - 1, 2 * a.mb + 1, &e->grad_req[slot]);
+  }
+  return pg_fail("unknown pipeline action %d", (int)a.kind);
+}
+
+/* The mean loss of the last stage, made the same on every rank: broadcast down
+ * the pipeline group, then averaged over the data group (equal shares). */
+static int share_loss(pg_engine *e, double *loss) {
+  int rc = MPI_SUCCESS;
+  if (pp_size(e) > 1) rc = MPI_Bcast(loss, 1, MPI_DOUBLE, pp_size(e) - 1, e->ctx->group[PG_MODE_PIPELINE].comm);
+  if (rc == MPI_SUCCESS && e->ctx->data > 1) {
+    rc = MPI_Allreduce(MPI_IN_PLACE, loss, 1, MPI_DOUBLE, MPI_SUM, e->ctx->group[PG_MODE_DATA].comm);
+    *loss /= e->ctx->data;
+  }
+  return rc == MPI_SUCCESS ? PG_OK : pg_fail("sharing the loss across ranks failed");
+}
+
+static int check_batch(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T, int chunks_of_m) {
+  if (B < 1 || T < 1) return pg_fail("batch shape must be positive, got %d x %d", B, T);
+  if (chunks_of_m && B % e->opts.micro_batches)
+    return pg_fail("batch %d is not divisible by micro_batches=%d", B, e->opts.micro_batches);
+  if (check_tokens(e, tokens, (int64_t)B * T, "input token")) return PG_ERR;
+  if (targets && check_tokens(e, targets, (int64_t)B * T, "target token")) return PG_ERR;
+  return PG_OK;
+}
+
+int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T,
+                               float grad_scale, int sync, double *loss) {
+  double t0 = MPI_Wtime();
+  if (check_batch(e, tokens, targets, B, T, 1)) return PG_ERR;
+  int M = e->opts.micro_batches, Bm = B / M;
+  if (ensure_capacity(e, Bm * T)) return PG_ERR;
+  float dloss = grad_scale / (float)((int64_t)B * T);
+  for (int i = 0; i < M; i++) {
+    size_t off = (size_t)i * Bm * T;
+    e->ios[i] = (pg_io){.B = Bm, .T = T, .tokens = tokens + off, .targets = targets + off, .dloss = dloss,
+                        .want_grad = 1, .loss_sum = 0, .logits = NULL};
+  }
+  for (int k = 0; k < e->nactions; k++)
+    if (run_action(e, e->actions[k])) return PG_ERR;
+  if (wait_all_sends(e)) return PG_ERR;
+  int live = pg_schedule_max_in_flight(e->actions, e->nactions);
+  if (live > e->peak_in_flight) e->peak_in_flight = live;
+  e->grads_pending = 1;
+  double sum = 0;
+  for (int i = 0; i < M; i++) sum += e->ios[i].loss_sum;
+  *loss = e->is_last ? sum / ((double)B * T) : 0;
+  if (share_loss(e, loss)) return PG_ERR;
+  if (sync && pg_engine_sync_grads(e)) return PG_ERR;
+  e->stats.steps++;
+  e->stats.step_seconds += MPI_Wtime() - t0;
+  return PG_OK;
+}
+
+int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T, double *loss,
+                       float *logits) {
+  if (check_batch(e, tokens, targets, B, T, 0)) return PG_ERR;
+  /* Chunks of at most one micro-batch's rows go down the pipeline. */
+  int rows_cap = e->capacity_rows > 0 ? e->capacity_rows : T;
+  if (rows_cap < T) rows_cap = T;
+  if (ensure_capacity(e, rows_cap)) return PG_ERR;
+  int Bc = rows_cap / T;
+  if (Bc > B) Bc = B;
+  int chunks = (B + Bc - 1) / Bc, me = pp_rank(e);
+  double sum = 0;
+  for (int c = 0; c < chunks; c++) {
+    int b0 = c * Bc, nb = B - b0 < Bc ? B - b0 : Bc, slot = c % e->nslots;
+    size_t off = (size_t)b0 * T;
+    pg_io io = {.B = nb, .T = T, .tokens = tokens + off, .targets = targets ? targets + off : NULL, .dloss = 0,
+                .want_grad = 0, .loss_sum = 0, .logits = logits && e->is_last ? logits + off * e->opts.vocab : NULL};
+    int64_t n = (int64_t)nb * T * e->opts.width;
+    float *in_buf = e->stage_in ? e->stage_in + (size_t)slot * e->capacity_rows * e->opts.width : NULL;
+    if (!e->is_first && recv_timed(e, in_buf, n, me - 1, 2 * c)) return PG_ERR;
+    if (wait_req(e, &e->act_req[slot])) return PG_ERR;
+    if (pg_module_forward(e->stage, slot, &io, in_buf, &e->stage_out[slot])) return PG_ERR;
+    if (!e->is_last &&
+        pg_isend_buf(e->ctx, PG_MODE_PIPELINE, e->stage_out[slot], n, me + 1, 2 * c, &e->act_req[slot]))
+      return PG_ERR;
+    sum += io.loss_sum;
+  }
+  if (wait_all_sends(e)) return PG_ERR;
+  if (loss) {
+    *loss = e->is_last ? sum / ((double)B * T) : 0;
+    if (share_loss(e, loss)) return PG_ERR;
+  }
+  if (logits && pp_size(e) > 1 &&
+      pg_broadcast_buf(e->ctx, PG_MODE_PIPELINE, logits, (int64_t)B * T * e->opts.vocab, PG_FLOAT32, pp_size(e) - 1))
+    return PG_ERR;
+  return PG_OK;
+}
+
+void pg_engine_zero_grad(pg_engine *e) {
+  memset(e->grad_store->data, 0, (size_t)e->flat_padded * sizeof(float));
+  e->grads_pending = 0;
+}
+
+void pg_engine_shard(const pg_engine *e, int64_t *lo, int64_t *hi) {
+  if (e->zero && e->ctx->data > 1) {
+    int64_t per = e->flat_padded / e->ctx->data;
+    *lo = per * e->ctx->dp_rank;
+    *hi = *lo + per;
+  } else {
+    *lo = 0;
+    *hi = e->flat_padded;
+  }
+}
+
+int pg_engine_sync_grads(pg_engine *e) {
+  if (!e->grads_pending) return PG_OK;
+  double t0 = MPI_Wtime();
+  float *g = e->grad_store->data;
+  /* 1. tied embedding: the first stage's weight and the last stage's copy. */
+  if (e->opts.tied_name && pp_size(e) > 1 && (e->is_first || e->is_last)) {
+    pg_param *p = NULL;
+    for (int i = 0; i < e->nparams && !p; i++)
+      if (!strcmp(e->params[i]->name, e->opts.tied_name)) p = e->params[i];
+    if (!p) return pg_fail("stage %d holds no parameter '%s' to tie", pp_rank(e), e->opts.tied_name);
+    if (pg_all_reduce_buf(e->ctx, PG_MODE_EMBEDDING, p->grad, p->numel, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
+  }
+  /* 2. data parallel: the average over the replicas. */
+  int D = e->ctx->data;
+  if (D > 1 && !e->zero) {
+    for (int64_t off = 0; off < e->flat_padded; off += e->opts.bucket_elems) {
+      int64_t n = e->flat_padded - off < e->opts.bucket_elems ? e->flat_padded - off : e->opts.bucket_elems;
+      if (pg_all_reduce_buf(e->ctx, PG_MODE_DATA, g + off, n, PG_FLOAT32, PG_REDUCE_AVG)) return PG_ERR;
+    }
+  } else if (D > 1) {
+    int64_t lo, hi;
+    pg_engine_shard(e, &lo, &hi);
+    /* In place: the reduced shard lands at the front, then moves to its place. */
+    if (pg_reduce_scatter_buf(e->ctx, PG_MODE_DATA, g, g, hi - lo, PG_FLOAT32, PG_REDUCE_AVG)) return PG_ERR;
+    if (lo) memmove(g + lo, g, (size_t)(hi - lo) * sizeof(float));
+  }
+  e->grads_pending = 0;
+  e->stats.grad_sync_seconds += MPI_Wtime() - t0;
+  return PG_OK;
+}
+
+int pg_engine_num_parameters(pg_engine *e, int64_t *n) {
+  int64_t local = 0;
+  for (int i = 0; i < e->nparams; i++) {
+    pg_param *p = e->params[i];
+    if (p->tied_copy || (p->replicated && e->ctx->tp_rank != 0)) continue;
+    if (p->valid_rows < 0) {
+      local += p->numel;
+      continue;
+    }
+    int64_t row = p->numel / p->shape[0];
+    for (int64_t r = 0; r < p->shape[0]; r++)
+      if (pg_param_full_index(p, r * row) / row < p->valid_rows) local += row;
+  }
+  MPI_Datatype t = MPI_INT64_T;
+  int rc = MPI_Allreduce(MPI_IN_PLACE, &local, 1, t, MPI_SUM, e->ctx->group[PG_MODE_TENSOR].comm);
+  if (rc == MPI_SUCCESS) rc = MPI_Allreduce(MPI_IN_PLACE, &local, 1, t, MPI_SUM, e->ctx->group[PG_MODE_PIPELINE].comm);
+  if (rc != MPI_SUCCESS) return pg_fail("counting parameters across ranks failed");
+  *n = local;
+  return PG_OK;
+}

@@ -1,0 +1,97 @@
+/* pg_engine: one rank's share of a model and the training step.
+ *
+ * The engine owns this rank's pipeline stage (a module tree), places every
+ * parameter of the stage in one flat parameter buffer and one flat gradient
+ * buffer, initialises them, and runs a step: the micro-batches of a batch
+ * through the pipeline schedule, then the gradient reductions that make the
+ * result equal the serial model's:
+ *   1. the two copies of a tied embedding (first and last stage) get the sum
+ *      of their gradients (embedding group);
+ *   2. data parallel: gradients are averaged over the data group (zero = 0:
+ *      all-reduce in buckets; zero = 1: reduce-scatter, each rank keeps the
+ *      average for its contiguous shard of the flat buffer).
+ * The loss is computed on the last stage, broadcast to the pipeline group and
+ * averaged over the data group, so every rank returns the same number.
+ *
+ * Every call below is collective over the whole context (all ranks call it
+ * with the same shapes) unless it says otherwise. */
+#ifndef PG_ENGINE_H
+#define PG_ENGINE_H
+
+#include <mpi.h>
+
+#include "pg_context.h"
+#include "pg_module.h"
+#include "pg_schedule.h"
+#include "pg_tensor.h"
+
+typedef struct pg_engine_opts {
+  int micro_batches;
+  pg_schedule_kind schedule;
+  int vocab;            /* token ids must be < vocab */
+  int width;            /* hidden width at stage boundaries */
+  int64_t bucket_elems; /* data-parallel all-reduce bucket (floats) */
+  const char *tied_name; /* name of a weight whose copies live on the first and last stage, or NULL */
+} pg_engine_opts;
+
+typedef struct pg_engine_stats {
+  long steps;
+  double step_seconds;      /* wall time inside forward_backward */
+  double recv_wait_seconds; /* blocked in pipeline receives (bubble + transfer) */
+  double send_wait_seconds; /* waiting for pipeline sends to complete */
+  double grad_sync_seconds; /* tied-embedding and data-parallel gradient reductions */
+  double compute_seconds;   /* forward and backward of the stage's modules */
+} pg_engine_stats;
+
+typedef struct pg_engine {
+  pg_context *ctx;
+  pg_module *stage;
+  int is_first, is_last;
+  pg_param **params;
+  int nparams;
+  pg_storage *param_store, *grad_store;
+  int64_t flat_numel;  /* used elements */
+  int64_t flat_padded; /* buffer length: a multiple of the data size (ZeRO shards) */
+  pg_engine_opts opts;
+  pg_action *actions;
+  int nactions, nslots;
+  int capacity_rows;   /* rows per micro-batch the buffers hold */
+  float *stage_in;     /* [nslots][rows * width] received activations */
+  float *grad_send;    /* [nslots][rows * width] */
+  float *grad_recv;    /* [rows * width] */
+  MPI_Request *act_req, *grad_req; /* per slot */
+  pg_io *ios;          /* per micro-batch */
+  const float **stage_out; /* per slot: forward outputs to send */
+  int zero;            /* 0: replicated optimizer; 1: ZeRO-1 (gradient shards) */
+  int grads_pending;   /* gradients added since the last reduction */
+  int peak_in_flight;
+  pg_engine_stats stats;
+} pg_engine;
+
+/* Takes ownership of `stage` (freed by pg_engine_free, also on failure).
+ * is_first/is_last: this rank's stage position in the pipeline. */
+pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is_last, uint64_t seed,
+                         const pg_engine_opts *opts);
+void pg_engine_free(pg_engine *e);
+
+/* Adds the gradients of grad_scale * (mean token loss over the global batch);
+ * tokens/targets [B*T] are this data rank's share. sync: run the gradient
+ * reductions at the end (0 while accumulating; reductions then run when the
+ * optimizer needs the gradients). *loss: mean token loss of the batch. */
+int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T,
+                               float grad_scale, int sync, double *loss);
+/* Evaluation: mean loss (if targets) and/or logits [B*T, vocab] (if logits) on every rank. */
+int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T, double *loss,
+                       float *logits);
+void pg_engine_zero_grad(pg_engine *e);
+/* Runs the pending gradient reductions (no-op when none are pending). */
+int pg_engine_sync_grads(pg_engine *e);
+/* This rank's ZeRO shard of the flat buffers: [*lo, *hi) (the whole buffer without ZeRO). */
+void pg_engine_shard(const pg_engine *e, int64_t *lo, int64_t *hi);
+/* Total parameters of the full (unsharded) model, computed from this rank's
+ * shards: collective over the tensor and pipeline groups. */
+int pg_engine_num_parameters(pg_engine *e, int64_t *n);
+/* Saved activation bytes per micro-batch on this rank. */
+size_t pg_engine_slot_bytes(const pg_engine *e);
+
+#endif

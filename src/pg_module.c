@@ -1,0 +1,939 @@
+#include "pg_module.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "kernels.h"
+#include "pg_comm.h"
+#include "pg_error.h"
+#include "pg_rng.h"
+
+/* ---------------------------------------------------------------- helpers */
+
+static int tp_size(const pg_context *ctx) { return ctx ? ctx->tensor : 1; }
+static int tp_rank(const pg_context *ctx) { return ctx ? ctx->tp_rank : 0; }
+
+static char *join_name(const char *prefix, const char *suffix) {
+  size_t a = prefix ? strlen(prefix) : 0, b = strlen(suffix);
+  char *s = malloc(a + b + 2);
+  if (!s) return NULL;
+  if (a) {
+    memcpy(s, prefix, a);
+    s[a] = '.';
+    memcpy(s + a + 1, suffix, b + 1);
+  } else {
+    memcpy(s, suffix, b + 1);
+  }
+  return s;
+}
+
+static pg_module *module_new(const pg_module_ops *ops, pg_context *ctx, const char *name, int in_w, int out_w,
+                             size_t state_size) {
+  pg_module *m = calloc(1, sizeof *m);
+  if (!m) return pg_fail_null("out of memory");
+  m->ops = ops;
+  m->ctx = ctx;
+  m->name = strdup(name ? name : "");
+  m->in_width = in_w;
+  m->out_width = out_w;
+  if (state_size) m->state = calloc(1, state_size);
+  if (!m->name || (state_size && !m->state)) {
+    free(m->name);
+    free(m->state);
+    free(m);
+    return pg_fail_null("out of memory");
+  }
+  return m;
+}
+
+static pg_param *param_make(const char *module_name, const char *suffix, int ndim, const int64_t *full_shape,
+                            int split_dim, int blocks, int parts, int index, pg_init_kind init, float std) {
+  pg_param *p = calloc(1, sizeof *p);
+  if (!p) return NULL;
+  p->name = join_name(module_name, suffix);
+  if (!p->name) {
+    free(p);
+    return NULL;
+  }
+  p->ndim = ndim;
+  p->numel = 1;
+  for (int i = 0; i < ndim; i++) {
+    p->full_shape[i] = full_shape[i];
+    p->shape[i] = full_shape[i];
+  }
+  if (parts > 1) p->shape[split_dim] = full_shape[split_dim] / parts;
+  for (int i = 0; i < ndim; i++) p->numel *= p->shape[i];
+  p->split_dim = parts > 1 ? split_dim : -1;
+  p->split_blocks = blocks > 0 ? blocks : 1;
+  p->split_parts = parts;
+  p->split_index = index;
+  p->valid_rows = -1;
+  p->init = init;
+  p->init_std = std;
+  p->weight_decay = ndim >= 2;
+  p->replicated = parts == 1;
+  return p;
+}
+
+pg_param *pg_param_new(const char *name, int ndim, const int64_t *shape, pg_init_kind init, float std) {
+  if (ndim < 1 || ndim > PG_PARAM_MAX_DIMS) return pg_fail_null("parameter '%s': 1 to %d dimensions, not %d", name, PG_PARAM_MAX_DIMS, ndim);
+  for (int i = 0; i < ndim; i++)
+    if (shape[i] < 1) return pg_fail_null("parameter '%s': dimension %d has size %lld", name, i + 1, (long long)shape[i]);
+  pg_param *p = param_make(NULL, name, ndim, shape, 0, 1, 1, 0, init, std);
+  if (!p) return pg_fail_null("out of memory");
+  return p;
+}
+
+void pg_param_free(pg_param *p) {
+  if (!p) return;
+  free(p->name);
+  free(p);
+}
+
+static int add_param(pg_module *m, pg_param *p) {
+  if (!p) return pg_fail("out of memory");
+  pg_param **np = realloc(m->params, (size_t)(m->nparams + 1) * sizeof *np);
+  if (!np) {
+    pg_param_free(p);
+    return pg_fail("out of memory");
+  }
+  m->params = np;
+  m->params[m->nparams++] = p;
+  return PG_OK;
+}
+
+int64_t pg_param_full_index(const pg_param *p, int64_t local) {
+  int64_t coord[PG_PARAM_MAX_DIMS];
+  for (int d = p->ndim - 1; d >= 0; d--) {
+    coord[d] = local % p->shape[d];
+    local /= p->shape[d];
+  }
+  if (p->split_dim >= 0) {
+    int d = p->split_dim;
+    int64_t piece = p->full_shape[d] / ((int64_t)p->split_blocks * p->split_parts);
+    int64_t block = coord[d] / piece, within = coord[d] % piece;
+    coord[d] = block * (p->full_shape[d] / p->split_blocks) + p->split_index * piece + within;
+  }
+  int64_t full = 0;
+  for (int d = 0; d < p->ndim; d++) full = full * p->full_shape[d] + coord[d];
+  return full;
+}
+
+void pg_param_init(pg_param *p, uint64_t seed) {
+  float *x = p->data;
+  if (p->init == PG_INIT_ZEROS) {
+    memset(x, 0, (size_t)p->numel * sizeof *x);
+    return;
+  }
+  if (p->init == PG_INIT_ONES) {
+    for (int64_t i = 0; i < p->numel; i++) x[i] = 1.0f;
+    return;
+  }
+  uint64_t key = pg_rng_key(seed, p->name);
+  int64_t row_elems = p->numel / p->shape[0], full_row_elems = 1;
+  for (int d = 1; d < p->ndim; d++) full_row_elems *= p->full_shape[d];
+  (void)row_elems;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < p->numel; i++) {
+    int64_t f = pg_param_full_index(p, i);
+    if (p->valid_rows >= 0 && f / full_row_elems >= p->valid_rows) x[i] = 0.0f;
+    else x[i] = p->init_std * pg_normal_at(key, (uint64_t)f);
+  }
+}
+
+/* Output per slot and one input-gradient buffer, plus the saved-input table. */
+typedef struct io_buffers {
+  const float **inputs; /* [nslots] the x each forward saw */
+} io_buffers;
+
+static int alloc_leaf(pg_module *m, int nslots, int max_rows) {
+  free(m->out);
+  free(m->dinp);
+  m->out = NULL;
+  m->dinp = NULL;
+  m->nslots = nslots;
+  m->max_rows = max_rows;
+  size_t out_n = (size_t)nslots * max_rows * m->out_width, din_n = (size_t)max_rows * m->in_width;
+  if (out_n && !(m->out = calloc(out_n, sizeof(float)))) return pg_fail("out of memory for %s outputs", m->name);
+  if (din_n && !(m->dinp = calloc(din_n, sizeof(float)))) return pg_fail("out of memory for %s gradients", m->name);
+  m->saved_bytes_per_slot = (size_t)max_rows * m->out_width * sizeof(float);
+  return PG_OK;
+}
+
+static float *slot_out(pg_module *m, int slot) { return m->out + (size_t)slot * m->max_rows * m->out_width; }
+
+static int check_rows(pg_module *m, int slot, const pg_io *io) {
+  if (slot < 0 || slot >= m->nslots) return pg_fail("%s: slot %d out of range (%d slots)", m->name, slot, m->nslots);
+  if ((int64_t)io->B * io->T > m->max_rows)
+    return pg_fail("%s: %d x %d rows exceed the %d allocated", m->name, io->B, io->T, m->max_rows);
+  return PG_OK;
+}
+
+/* A saved pointer per slot: kept in a small array reallocated at alloc. */
+static int alloc_ptrs(const float ***arr, int nslots) {
+  free(*arr);
+  *arr = calloc((size_t)nslots, sizeof **arr);
+  return *arr ? PG_OK : pg_fail("out of memory");
+}
+
+static float *alloc_floats(float **arr, size_t n) {
+  free(*arr);
+  *arr = n ? calloc(n, sizeof(float)) : NULL;
+  return *arr;
+}
+
+/* ---------------------------------------------------------------- linear */
+
+typedef struct linear_state {
+  pg_linear_opts o;
+  int in_l, out_l;          /* local widths of the matmul */
+  pg_param *w, *b;
+  const float **saved_x;    /* [nslots] input rows of the local matmul */
+  float *x_local;           /* row mode, input split here: [nslots][rows*in_l] */
+  float *scratch;           /* column gather: [T][rows*out_l]; row split: dx_local [rows*in_l]; column gather bwd: dy_local */
+} linear_state;
+
+static int linear_alloc(pg_module *m, int nslots, int max_rows) {
+  linear_state *s = m->state;
+  if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
+  int T = tp_size(m->ctx);
+  size_t rows = (size_t)max_rows;
+  if (s->o.mode == PG_LINEAR_ROW && !s->o.input_is_parallel && T > 1) {
+    if (!alloc_floats(&s->x_local, (size_t)nslots * rows * s->in_l)) return pg_fail("out of memory");
+    m->saved_bytes_per_slot += rows * s->in_l * sizeof(float);
+  }
+  size_t scratch = 0;
+  if (s->o.mode == PG_LINEAR_COLUMN && s->o.gather_output && T > 1) scratch = (size_t)T * rows * s->out_l;
+  if (s->o.mode == PG_LINEAR_ROW && !s->o.input_is_parallel && T > 1) scratch = (size_t)T * rows * s->in_l;
+  if (scratch && !alloc_floats(&s->scratch, scratch)) return pg_fail("out of memory");
+  return PG_OK;
+}
+
+static void add_bias_rows(float *y, const float *b, int N, int OC) {
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; n++)
+    for (int o = 0; o < OC; o++) y[(size_t)n * OC + o] += b[o];
+}
+
+/* Columns [off, off+w) of an [N, width] matrix into a contiguous [N, w] one. */
+static void take_columns(float *dst, const float *src, int N, int width, int off, int w) {
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; n++) memcpy(dst + (size_t)n * w, src + (size_t)n * width + off, (size_t)w * sizeof(float));
+}
+
+/* Gathers [N, w] pieces of every tensor rank into [N, T*w] (piece r at columns r*w). */
+static int gather_columns(pg_module *m, float *dst, const float *mine, float *scratch, int N, int w) {
+  int T = tp_size(m->ctx), r = tp_rank(m->ctx);
+  size_t piece = (size_t)N * w;
+  if (scratch + (size_t)r * piece != mine) memcpy(scratch + (size_t)r * piece, mine, piece * sizeof(float));
+  if (pg_all_gather_buf(m->ctx, PG_MODE_TENSOR, scratch, (int64_t)piece, PG_FLOAT32)) return PG_ERR;
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; n++)
+    for (int k = 0; k < T; k++)
+      memcpy(dst + (size_t)n * T * w + (size_t)k * w, scratch + (size_t)k * piece + (size_t)n * w, (size_t)w * sizeof(float));
+  return PG_OK;
+}
+
+static int linear_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
+  linear_state *s = m->state;
+  if (check_rows(m, slot, io)) return PG_ERR;
+  int N = io->B * io->T, T = tp_size(m->ctx);
+  float *out = slot_out(m, slot);
+  const float *b = s->b ? s->b->data : NULL;
+  switch (s->o.mode) {
+  case PG_LINEAR_PLAIN:
+    pg_matmul_forward(out, x, s->w->data, b, N, s->in_l, s->out_l);
+    break;
+  case PG_LINEAR_COLUMN:
+    if (s->o.gather_output && T > 1) {
+      float *local = s->scratch + (size_t)tp_rank(m->ctx) * N * s->out_l; /* computed in place in the gather slot */
+      pg_matmul_forward(local, x, s->w->data, b, N, s->in_l, s->out_l);
+      if (gather_columns(m, out, local, s->scratch, N, s->out_l)) return PG_ERR;
+    } else {
+      pg_matmul_forward(out, x, s->w->data, b, N, s->in_l, s->out_l);
+    }
+    break;
+  case PG_LINEAR_ROW: {
+    const float *xl = x;
+    if (!s->o.input_is_parallel && T > 1) {
+      float *dst = s->x_local + (size_t)slot * m->max_rows * s->in_l;
+      take_columns(dst, x, N, s->o.in, tp_rank(m->ctx) * s->in_l, s->in_l);
+      xl = dst;
+    }
+    x = xl;
+    pg_matmul_forward(out, xl, s->w->data, NULL, N, s->in_l, s->out_l);
+    if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, out, (int64_t)N * s->out_l, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
+    if (b) add_bias_rows(out, b, N, s->out_l); /* once, after the reduce */
+    break;
+  }
+  }
+  s->saved_x[slot] = x;
+  *y = out;
+  return PG_OK;
+}
+
+static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
+  linear_state *s = m->state;
+  int N = io->B * io->T, T = tp_size(m->ctx);
+  const float *x = s->saved_x[slot];
+  float *db = s->b ? s->b->grad : NULL;
+  float *dinp = m->in_width ? m->dinp : NULL;
+  switch (s->o.mode) {
+  case PG_LINEAR_PLAIN:
+    pg_matmul_backward(dinp, s->w->grad, db, dy, x, s->w->data, N, s->in_l, s->out_l);
+    break;
+  case PG_LINEAR_COLUMN: {
+    const float *dyl = dy;
+    if (s->o.gather_output && T > 1) {
+      take_columns(s->scratch, dy, N, s->o.out, tp_rank(m->ctx) * s->out_l, s->out_l);
+      dyl = s->scratch;
+    }
+    pg_matmul_backward(dinp, s->w->grad, db, dyl, x, s->w->data, N, s->in_l, s->out_l);
+    /* Each rank saw all of x but produced only its output columns: the input
+     * gradient is a sum over the group. */
+    if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, dinp, (int64_t)N * s->in_l, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
+    break;
+  }
+  case PG_LINEAR_ROW:
+    if (!s->o.input_is_parallel && T > 1) {
+      float *dxl = s->scratch + (size_t)tp_rank(m->ctx) * N * s->in_l;
+      pg_matmul_backward(dxl, s->w->grad, db, dy, x, s->w->data, N, s->in_l, s->out_l);
+      if (gather_columns(m, dinp, dxl, s->scratch, N, s->in_l)) return PG_ERR;
+    } else {
+      pg_matmul_backward(dinp, s->w->grad, db, dy, x, s->w->data, N, s->in_l, s->out_l);
+    }
+    break;
+  }
+  *dx = dinp;
+  return PG_OK;
+}
+
+static void linear_destroy(pg_module *m) {
+  linear_state *s = m->state;
+  free(s->saved_x);
+  free(s->x_local);
+  free(s->scratch);
+}
+
+static const pg_module_ops linear_ops = {"linear", linear_alloc, linear_forward, linear_backward, linear_destroy};
+
+pg_module *pg_linear_new(pg_context *ctx, const char *name, const pg_linear_opts *o) {
+  int T = tp_size(ctx), r = tp_rank(ctx), blocks = o->blocks > 0 ? o->blocks : 1;
+  if (o->in < 1 || o->out < 1) return pg_fail_null("%s: Linear widths must be positive (in=%d, out=%d)", name, o->in, o->out);
+  if (o->mode == PG_LINEAR_COLUMN && o->out % (blocks * T))
+    return pg_fail_null("%s: column-parallel output width %d is not divisible by tensor=%d%s", name, o->out, T,
+                        blocks > 1 ? " times its blocks" : "");
+  if (o->mode == PG_LINEAR_ROW && o->in % T)
+    return pg_fail_null("%s: row-parallel input width %d is not divisible by tensor=%d", name, o->in, T);
+  int in_l = o->mode == PG_LINEAR_ROW ? o->in / T : o->in;
+  int out_l = o->mode == PG_LINEAR_COLUMN ? o->out / T : o->out;
+  int in_w = (o->mode == PG_LINEAR_ROW && o->input_is_parallel) ? in_l : o->in;
+  int out_w = (o->mode == PG_LINEAR_COLUMN && !o->gather_output) ? out_l : o->out;
+  pg_module *m = module_new(&linear_ops, ctx, name, in_w, out_w, sizeof(linear_state));
+  if (!m) return NULL;
+  linear_state *s = m->state;
+  s->o = *o;
+  s->o.blocks = blocks;
+  s->in_l = in_l;
+  s->out_l = out_l;
+  int64_t wshape[2] = {o->out, o->in}, bshape[1] = {o->out};
+  int wsplit = o->mode == PG_LINEAR_COLUMN ? 0 : 1;
+  int parts = o->mode == PG_LINEAR_PLAIN ? 1 : T;
+  if (add_param(m, param_make(name, "weight", 2, wshape, wsplit, o->mode == PG_LINEAR_COLUMN ? blocks : 1, parts, r,
+                              PG_INIT_NORMAL, o->init_std))) {
+    pg_module_free(m);
+    return NULL;
+  }
+  s->w = m->params[0];
+  if (o->bias) {
+    int bparts = o->mode == PG_LINEAR_COLUMN ? T : 1; /* a row-parallel bias is added after the reduce: replicated */
+    if (add_param(m, param_make(name, "bias", 1, bshape, 0, blocks, bparts, r, PG_INIT_ZEROS, 0))) {
+      pg_module_free(m);
+      return NULL;
+    }
+    s->b = m->params[1];
+  }
+  return m;
+}
+
+/* ---------------------------------------------------------------- layernorm */
+
+typedef struct layernorm_state {
+  pg_param *w, *b;
+  float *mean, *rstd; /* [nslots][rows] */
+  const float **saved_x;
+} layernorm_state;
+
+static int layernorm_alloc(pg_module *m, int nslots, int max_rows) {
+  layernorm_state *s = m->state;
+  if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
+  if (!alloc_floats(&s->mean, (size_t)nslots * max_rows) || !alloc_floats(&s->rstd, (size_t)nslots * max_rows))
+    return pg_fail("out of memory");
+  m->saved_bytes_per_slot += 2 * (size_t)max_rows * sizeof(float);
+  return PG_OK;
+}
+
+static int layernorm_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
+  layernorm_state *s = m->state;
+  if (check_rows(m, slot, io)) return PG_ERR;
+  int N = io->B * io->T, C = m->in_width;
+  size_t off = (size_t)slot * m->max_rows;
+  pg_layernorm_forward(slot_out(m, slot), s->mean + off, s->rstd + off, x, s->w->data, s->b->data, N, C);
+  s->saved_x[slot] = x;
+  *y = slot_out(m, slot);
+  return PG_OK;
+}
+
+static int layernorm_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
+  layernorm_state *s = m->state;
+  int N = io->B * io->T, C = m->in_width;
+  size_t off = (size_t)slot * m->max_rows;
+  pg_layernorm_backward(m->dinp, s->w->grad, s->b->grad, dy, s->saved_x[slot], s->w->data, s->mean + off,
+                        s->rstd + off, N, C);
+  *dx = m->dinp;
+  return PG_OK;
+}
+
+static void layernorm_destroy(pg_module *m) {
+  layernorm_state *s = m->state;
+  free(s->mean);
+  free(s->rstd);
+  free(s->saved_x);
+}
+
+static const pg_module_ops layernorm_ops = {"layernorm", layernorm_alloc, layernorm_forward, layernorm_backward,
+                                            layernorm_destroy};
+
+pg_module *pg_layernorm_new(pg_context *ctx, const char *name, int width) {
+  if (width < 1) return pg_fail_null("%s: LayerNorm width must be positive, not %d", name, width);
+  pg_module *m = module_new(&layernorm_ops, ctx, name, width, width, sizeof(layernorm_state));
+  if (!m) return NULL;
+  int64_t shape[1] = {width};
+  if (add_param(m, param_make(name, "weight", 1, shape, 0, 1, 1, 0, PG_INIT_ONES, 0)) ||
+      add_param(m, param_make(name, "bias", 1, shape, 0, 1, 1, 0, PG_INIT_ZEROS, 0))) {
+    pg_module_free(m);
+    return NULL;
+  }
+  layernorm_state *s = m->state;
+  s->w = m->params[0];
+  s->b = m->params[1];
+  return m;
+}
+
+/* ---------------------------------------------------------------- gelu */
+
+typedef struct gelu_state {
+  const float **saved_x;
+} gelu_state;
+
+static int gelu_alloc(pg_module *m, int nslots, int max_rows) {
+  gelu_state *s = m->state;
+  return alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots) ? PG_ERR : PG_OK;
+}
+
+static int gelu_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
+  gelu_state *s = m->state;
+  if (check_rows(m, slot, io)) return PG_ERR;
+  pg_gelu_forward(slot_out(m, slot), x, (int64_t)io->B * io->T * m->in_width);
+  s->saved_x[slot] = x;
+  *y = slot_out(m, slot);
+  return PG_OK;
+}
+
+static int gelu_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
+  gelu_state *s = m->state;
+  pg_gelu_backward(m->dinp, s->saved_x[slot], dy, (int64_t)io->B * io->T * m->in_width);
+  *dx = m->dinp;
+  return PG_OK;
+}
+
+static void gelu_destroy(pg_module *m) { free(((gelu_state *)m->state)->saved_x); }
+
+static const pg_module_ops gelu_ops = {"gelu", gelu_alloc, gelu_forward, gelu_backward, gelu_destroy};
+
+pg_module *pg_gelu_new(pg_context *ctx, const char *name, int width) {
+  if (width < 1) return pg_fail_null("%s: GELU width must be positive, not %d", name, width);
+  return module_new(&gelu_ops, ctx, name, width, width, sizeof(gelu_state));
+}
+
+/* ---------------------------------------------------------------- attention */
+
+typedef struct attention_state {
+  int width_l, heads_l, max_seq;
+  float *att;     /* [nslots][rows * heads_l * max_seq] probabilities */
+  float *scratch; /* backward */
+  const float **saved_x;
+} attention_state;
+
+static int attention_alloc(pg_module *m, int nslots, int max_rows) {
+  attention_state *s = m->state;
+  if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
+  size_t per_slot = (size_t)max_rows * s->heads_l * s->max_seq;
+  int threads = 1;
+#ifdef _OPENMP
+  threads = omp_get_max_threads();
+#endif
+  if (!alloc_floats(&s->att, (size_t)nslots * per_slot) ||
+      !alloc_floats(&s->scratch, (size_t)pg_attention_scratch_floats(s->max_seq, threads)))
+    return pg_fail("out of memory for %s (attention probabilities)", m->name);
+  m->saved_bytes_per_slot += per_slot * sizeof(float);
+  return PG_OK;
+}
+
+static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
+  attention_state *s = m->state;
+  if (check_rows(m, slot, io)) return PG_ERR;
+  if (io->T > s->max_seq) return pg_fail("%s: sequence length %d exceeds the model's %d", m->name, io->T, s->max_seq);
+  float *att = s->att + (size_t)slot * m->max_rows * s->heads_l * s->max_seq;
+  pg_attention_forward(slot_out(m, slot), att, x, io->B, io->T, s->width_l, s->heads_l);
+  s->saved_x[slot] = x;
+  *y = slot_out(m, slot);
+  return PG_OK;
+}
+
+static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
+  attention_state *s = m->state;
+  const float *att = s->att + (size_t)slot * m->max_rows * s->heads_l * s->max_seq;
+  pg_attention_backward(m->dinp, s->scratch, dy, s->saved_x[slot], att, io->B, io->T, s->width_l, s->heads_l);
+  *dx = m->dinp;
+  return PG_OK;
+}
+
+static void attention_destroy(pg_module *m) {
+  attention_state *s = m->state;
+  free(s->att);
+  free(s->scratch);
+  free(s->saved_x);
+}
+
+static const pg_module_ops attention_ops = {"attention", attention_alloc, attention_forward, attention_backward,
+                                            attention_destroy};
+
+pg_module *pg_attention_new(pg_context *ctx, const char *name, int width, int heads, int max_seq) {
+  int T = tp_size(ctx);
+  if (width < 1 || heads < 1 || width % heads)
+    return pg_fail_null("%s: attention width %d is not divisible by heads=%d", name, width, heads);
+  if (heads % T) return pg_fail_null("%s: tensor=%d does not divide heads=%d", name, T, heads);
+  if (max_seq < 1) return pg_fail_null("%s: attention needs a positive maximum sequence length, not %d", name, max_seq);
+  pg_module *m = module_new(&attention_ops, ctx, name, 3 * width / T, width / T, sizeof(attention_state));
+  if (!m) return NULL;
+  attention_state *s = m->state;
+  s->width_l = width / T;
+  s->heads_l = heads / T;
+  s->max_seq = max_seq;
+  return m;
+}
+
+/* ---------------------------------------------------------------- embedding */
+
+typedef struct embedding_state {
+  int vocab, padded_l, row_start, positions;
+  pg_param *wte, *wpe;
+} embedding_state;
+
+static int embedding_alloc(pg_module *m, int nslots, int max_rows) { return alloc_leaf(m, nslots, max_rows); }
+
+static int embedding_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
+  (void)x;
+  embedding_state *s = m->state;
+  if (check_rows(m, slot, io)) return PG_ERR;
+  if (s->positions && io->T > s->positions)
+    return pg_fail("%s: sequence length %d exceeds the %d positions", m->name, io->T, s->positions);
+  int N = io->B * io->T, C = m->out_width;
+  float *out = slot_out(m, slot);
+  pg_embedding_forward(out, io->tokens, s->wte->data, N, C, s->row_start, s->padded_l);
+  /* Each rank looked up only the ids in its vocabulary slice (others are 0). */
+  if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, out, (int64_t)N * C, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
+  if (s->wpe) pg_position_forward(out, s->wpe->data, N, io->T, C);
+  *y = out;
+  return PG_OK;
+}
+
+static int embedding_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
+  (void)slot;
+  embedding_state *s = m->state;
+  int N = io->B * io->T, C = m->out_width;
+  pg_embedding_backward(s->wte->grad, dy, io->tokens, N, C, s->row_start, s->padded_l);
+  if (s->wpe) pg_position_backward(s->wpe->grad, dy, N, io->T, C);
+  *dx = NULL;
+  return PG_OK;
+}
+
+static const pg_module_ops embedding_ops = {"embedding", embedding_alloc, embedding_forward, embedding_backward, NULL};
+
+static int check_vocab(const char *name, int vocab, int padded, int T) {
+  if (vocab < 1) return pg_fail("%s: vocabulary size must be positive, not %d", name, vocab);
+  if (padded < vocab) return pg_fail("%s: padded vocabulary %d is smaller than the vocabulary %d", name, padded, vocab);
+  if (padded % T) return pg_fail("%s: padded vocabulary %d is not divisible by tensor=%d", name, padded, T);
+  return PG_OK;
+}
+
+pg_module *pg_embedding_new(pg_context *ctx, const char *name, int vocab, int padded_vocab, int width, int positions,
+                            float init_std) {
+  int T = tp_size(ctx), r = tp_rank(ctx);
+  if (check_vocab(name, vocab, padded_vocab, T)) return NULL;
+  if (width < 1) return pg_fail_null("%s: embedding width must be positive, not %d", name, width);
+  pg_module *m = module_new(&embedding_ops, ctx, name, 0, width, sizeof(embedding_state));
+  if (!m) return NULL;
+  embedding_state *s = m->state;
+  s->vocab = vocab;
+  s->padded_l = padded_vocab / T;
+  s->row_start = r * s->padded_l;
+  s->positions = positions;
+  int64_t wshape[2] = {padded_vocab, width}, pshape[2] = {positions, width};
+  if (add_param(m, param_make(name, "wte", 2, wshape, 0, 1, T, r, PG_INIT_NORMAL, init_std))) goto fail;
+  s->wte = m->params[0];
+  s->wte->valid_rows = vocab;
+  s->wte->replicated = 0;
+  if (positions > 0) {
+    if (add_param(m, param_make(name, "wpe", 2, pshape, 0, 1, 1, 0, PG_INIT_NORMAL, init_std))) goto fail;
+    s->wpe = m->params[1];
+  }
+  return m;
+fail:
+  pg_module_free(m);
+  return NULL;
+}
+
+pg_param *pg_embedding_weight(pg_module *m) {
+  if (!m || m->ops != &embedding_ops) return NULL;
+  return ((embedding_state *)m->state)->wte;
+}
+
+/* ---------------------------------------------------------------- lm head + cross-entropy */
+
+typedef struct lm_head_state {
+  int vocab, padded_l, vocab_start, valid;
+  pg_param *w;
+  int owns_w;
+  float *stats;   /* [nslots][3][rows]: row max, sum of exp, target logit */
+  float *logits;  /* [rows * padded_l] scratch: logits, then dlogits in place */
+  int logits_slot; /* which slot's dlogits the scratch holds (-1: none) */
+  float *gather;  /* eval logits gather: [T][rows * padded_l] */
+  float *red;     /* [2 * rows] reduction buffer */
+  const float **saved_x;
+} lm_head_state;
+
+static int lm_head_alloc(pg_module *m, int nslots, int max_rows) {
+  lm_head_state *s = m->state;
+  if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
+  int T = tp_size(m->ctx);
+  if (!alloc_floats(&s->stats, (size_t)nslots * 3 * max_rows) ||
+      !alloc_floats(&s->logits, (size_t)max_rows * s->padded_l) || !alloc_floats(&s->red, 2 * (size_t)max_rows) ||
+      (T > 1 && !alloc_floats(&s->gather, (size_t)T * max_rows * s->padded_l)))
+    return pg_fail("out of memory for %s (logits)", m->name);
+  s->logits_slot = -1;
+  m->saved_bytes_per_slot += 3 * (size_t)max_rows * sizeof(float);
+  return PG_OK;
+}
+
+/* Global softmax statistics for the rows, reduced over the vocabulary slices. */
+static int lm_head_stats(pg_module *m, lm_head_state *s, float *st, const int32_t *targets, int N) {
+  float *rmax = st, *sumexp = st + m->max_rows, *tlogit = st + 2 * (size_t)m->max_rows;
+  pg_xent_row_max(rmax, s->logits, N, s->padded_l, s->valid);
+  if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, rmax, N, PG_FLOAT32, PG_REDUCE_MAX)) return PG_ERR;
+  pg_xent_sumexp(sumexp, tlogit, s->logits, rmax, targets, N, s->padded_l, s->valid, s->vocab_start);
+  if (tp_size(m->ctx) > 1) { /* one reduction for both sums */
+    memcpy(s->red, sumexp, (size_t)N * sizeof(float));
+    memcpy(s->red + N, tlogit, (size_t)N * sizeof(float));
+    if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, s->red, 2 * (int64_t)N, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
+    memcpy(sumexp, s->red, (size_t)N * sizeof(float));
+    memcpy(tlogit, s->red + N, (size_t)N * sizeof(float));
+  }
+  return PG_OK;
+}
+
+static int lm_head_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
+  lm_head_state *s = m->state;
+  if (check_rows(m, slot, io)) return PG_ERR;
+  int N = io->B * io->T, C = m->in_width, T = tp_size(m->ctx);
+  pg_matmul_forward(s->logits, x, s->w->data, NULL, N, C, s->padded_l);
+  s->saved_x[slot] = x;
+  s->logits_slot = -1;
+  *y = NULL;
+  if (io->logits) { /* evaluation: full logits, real vocabulary columns only */
+    const float *full = s->logits;
+    int width = s->padded_l;
+    if (T > 1) {
+      memcpy(s->gather + (size_t)tp_rank(m->ctx) * N * s->padded_l, s->logits, (size_t)N * s->padded_l * sizeof(float));
+      if (pg_all_gather_buf(m->ctx, PG_MODE_TENSOR, s->gather, (int64_t)N * s->padded_l, PG_FLOAT32)) return PG_ERR;
+    }
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++)
+      for (int v = 0; v < s->vocab; v++) {
+        int k = v / width, c = v % width;
+        io->logits[(size_t)n * s->vocab + v] =
+            T > 1 ? s->gather[(size_t)k * N * width + (size_t)n * width + c] : full[(size_t)n * width + v];
+      }
+  }
+  if (!io->targets) return PG_OK;
+  float *st = s->stats + (size_t)slot * 3 * m->max_rows;
+  if (lm_head_stats(m, s, st, io->targets, N)) return PG_ERR;
+  float *dl = io->want_grad ? s->logits : NULL;
+  io->loss_sum += pg_xent_finish(NULL, dl, s->logits, st, st + m->max_rows, st + 2 * (size_t)m->max_rows, io->targets,
+                                 N, s->padded_l, s->valid, s->vocab_start, io->dloss);
+  if (dl) s->logits_slot = slot;
+  return PG_OK;
+}
+
+static int lm_head_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
+  (void)dy;
+  lm_head_state *s = m->state;
+  int N = io->B * io->T, C = m->in_width;
+  const float *x = s->saved_x[slot];
+  if (s->logits_slot != slot) { /* another micro-batch ran since: recompute from the saved statistics */
+    float *st = s->stats + (size_t)slot * 3 * m->max_rows;
+    pg_matmul_forward(s->logits, x, s->w->data, NULL, N, C, s->padded_l);
+    pg_xent_finish(NULL, s->logits, s->logits, st, st + m->max_rows, st + 2 * (size_t)m->max_rows, io->targets, N,
+                   s->padded_l, s->valid, s->vocab_start, io->dloss);
+  }
+  s->logits_slot = -1;
+  pg_matmul_backward(m->dinp, s->w->grad, NULL, s->logits, x, s->w->data, N, C, s->padded_l);
+  /* x met every vocabulary slice: its gradient is the sum over the group. */
+  if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, m->dinp, (int64_t)N * C, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
+  *dx = m->dinp;
+  return PG_OK;
+}
+
+static void lm_head_destroy(pg_module *m) {
+  lm_head_state *s = m->state;
+  free(s->stats);
+  free(s->logits);
+  free(s->gather);
+  free(s->red);
+  free(s->saved_x);
+}
+
+static const pg_module_ops lm_head_ops = {"lm_head", lm_head_alloc, lm_head_forward, lm_head_backward, lm_head_destroy};
+
+pg_module *pg_lm_head_new(pg_context *ctx, const char *name, int vocab, int padded_vocab, int width, pg_param *weight,
+                          const char *weight_name, int tied_copy, float init_std) {
+  int T = tp_size(ctx), r = tp_rank(ctx);
+  if (check_vocab(name, vocab, padded_vocab, T)) return NULL;
+  if (weight && (weight->ndim != 2 || weight->shape[0] != padded_vocab / T || weight->shape[1] != width))
+    return pg_fail_null("%s: tied weight %s has shape [%lld, %lld], expected [%d, %d]", name, weight->name,
+                        (long long)weight->shape[0], (long long)weight->shape[1], padded_vocab / T, width);
+  pg_module *m = module_new(&lm_head_ops, ctx, name, width, 0, sizeof(lm_head_state));
+  if (!m) return NULL;
+  lm_head_state *s = m->state;
+  s->vocab = vocab;
+  s->padded_l = padded_vocab / T;
+  s->vocab_start = r * s->padded_l;
+  s->valid = vocab - s->vocab_start;
+  if (s->valid < 0) s->valid = 0;
+  if (s->valid > s->padded_l) s->valid = s->padded_l;
+  if (weight) {
+    s->w = weight;
+  } else {
+    int64_t wshape[2] = {padded_vocab, width};
+    pg_param *p = param_make(NULL, weight_name, 2, wshape, 0, 1, T, r, PG_INIT_NORMAL, init_std);
+    if (add_param(m, p)) {
+      pg_module_free(m);
+      return NULL;
+    }
+    s->w = p;
+    s->owns_w = 1;
+    p->valid_rows = vocab;
+    p->replicated = 0;
+    p->tied_copy = tied_copy;
+  }
+  return m;
+}
+
+/* ---------------------------------------------------------------- sequential, residual */
+
+static int sequential_alloc(pg_module *m, int nslots, int max_rows) {
+  m->nslots = nslots;
+  m->max_rows = max_rows;
+  for (int i = 0; i < m->nchildren; i++)
+    if (pg_module_alloc(m->children[i], nslots, max_rows)) return PG_ERR;
+  return PG_OK;
+}
+
+static int sequential_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
+  for (int i = 0; i < m->nchildren; i++) {
+    const float *next = NULL;
+    if (pg_module_forward(m->children[i], slot, io, x, &next)) return PG_ERR;
+    x = next;
+  }
+  *y = x;
+  return PG_OK;
+}
+
+static int sequential_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
+  for (int i = m->nchildren - 1; i >= 0; i--) {
+    const float *prev = NULL;
+    if (pg_module_backward(m->children[i], slot, io, dy, &prev)) return PG_ERR;
+    dy = prev;
+  }
+  *dx = dy;
+  return PG_OK;
+}
+
+static const pg_module_ops sequential_ops = {"sequential", sequential_alloc, sequential_forward, sequential_backward,
+                                             NULL};
+
+static int adopt_children(pg_module *m, pg_module **children, int n) {
+  m->children = calloc((size_t)(n > 0 ? n : 1), sizeof *m->children);
+  if (!m->children) return pg_fail("out of memory");
+  memcpy(m->children, children, (size_t)n * sizeof *children);
+  m->nchildren = n;
+  return PG_OK;
+}
+
+pg_module *pg_sequential_new(pg_context *ctx, const char *name, pg_module **children, int n) {
+  if (n < 1) return pg_fail_null("%s: a Sequential needs at least one module", name);
+  for (int i = 1; i < n; i++)
+    if (children[i]->in_width != children[i - 1]->out_width)
+      return pg_fail_null("%s: module %d (%s) produces width %d but module %d (%s) takes width %d", name, i,
+                          children[i - 1]->name, children[i - 1]->out_width, i + 1, children[i]->name,
+                          children[i]->in_width);
+  pg_module *m = module_new(&sequential_ops, ctx, name, children[0]->in_width, children[n - 1]->out_width, 0);
+  if (!m) return NULL;
+  if (adopt_children(m, children, n)) {
+    m->nchildren = 0;
+    pg_module_free(m);
+    return NULL;
+  }
+  return m;
+}
+
+static int residual_alloc(pg_module *m, int nslots, int max_rows) {
+  return alloc_leaf(m, nslots, max_rows) || pg_module_alloc(m->children[0], nslots, max_rows) ? PG_ERR : PG_OK;
+}
+
+static int residual_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
+  if (check_rows(m, slot, io)) return PG_ERR;
+  const float *f = NULL;
+  if (pg_module_forward(m->children[0], slot, io, x, &f)) return PG_ERR;
+  pg_residual_forward(slot_out(m, slot), x, f, (int64_t)io->B * io->T * m->out_width);
+  *y = slot_out(m, slot);
+  return PG_OK;
+}
+
+static int residual_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
+  const float *dinner = NULL;
+  if (pg_module_backward(m->children[0], slot, io, dy, &dinner)) return PG_ERR;
+  pg_residual_forward(m->dinp, dy, dinner, (int64_t)io->B * io->T * m->in_width); /* dx = dy + d(inner)/dx */
+  *dx = m->dinp;
+  return PG_OK;
+}
+
+static const pg_module_ops residual_ops = {"residual", residual_alloc, residual_forward, residual_backward, NULL};
+
+pg_module *pg_residual_new(pg_context *ctx, const char *name, pg_module *inner) {
+  if (inner->in_width != inner->out_width || inner->in_width < 1)
+    return pg_fail_null("%s: a Residual needs a module with equal input and output widths (%s: %d -> %d)", name,
+                        inner->name, inner->in_width, inner->out_width);
+  pg_module *m = module_new(&residual_ops, ctx, name, inner->in_width, inner->out_width, 0);
+  if (!m) return NULL;
+  if (adopt_children(m, &inner, 1)) {
+    pg_module_free(m);
+    return NULL;
+  }
+  return m;
+}
+
+/* ---------------------------------------------------------------- custom (Lua) */
+
+typedef struct custom_state {
+  pg_custom_fns fns;
+} custom_state;
+
+static int custom_alloc(pg_module *m, int nslots, int max_rows) { return alloc_leaf(m, nslots, max_rows); }
+
+static int custom_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
+  custom_state *s = m->state;
+  if (check_rows(m, slot, io)) return PG_ERR;
+  if (s->fns.forward(s->fns.ud, slot, io, x, io->B * io->T, slot_out(m, slot))) return PG_ERR;
+  *y = slot_out(m, slot);
+  return PG_OK;
+}
+
+static int custom_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
+  custom_state *s = m->state;
+  if (s->fns.backward(s->fns.ud, slot, io, dy, io->B * io->T, m->dinp)) return PG_ERR;
+  *dx = m->dinp;
+  return PG_OK;
+}
+
+static void custom_destroy(pg_module *m) {
+  custom_state *s = m->state;
+  if (s->fns.release) s->fns.release(s->fns.ud);
+}
+
+static const pg_module_ops custom_ops = {"custom", custom_alloc, custom_forward, custom_backward, custom_destroy};
+
+pg_module *pg_custom_new(pg_context *ctx, const char *name, int in_width, int out_width, const pg_custom_fns *fns,
+                         pg_param **params, int nparams) {
+  if (in_width < 1 || out_width < 1)
+    return pg_fail_null("%s: a module written in Lua needs positive widths (in=%d, out=%d)", name, in_width, out_width);
+  pg_module *m = module_new(&custom_ops, ctx, name, in_width, out_width, sizeof(custom_state));
+  if (!m) return NULL;
+  ((custom_state *)m->state)->fns = *fns;
+  for (int i = 0; i < nparams; i++)
+    if (add_param(m, params[i])) {
+      for (int k = i + 1; k < nparams; k++) pg_param_free(params[k]);
+      pg_module_free(m);
+      return NULL;
+    }
+  return m;
+}
+
+/* ---------------------------------------------------------------- tree */
+
+void pg_module_free(pg_module *m) {
+  if (!m) return;
+  for (int i = 0; i < m->nchildren; i++) pg_module_free(m->children[i]);
+  if (m->ops->destroy && m->state) m->ops->destroy(m);
+  for (int i = 0; i < m->nparams; i++) pg_param_free(m->params[i]);
+  free(m->params);
+  free(m->children);
+  free(m->out);
+  free(m->dinp);
+  free(m->state);
+  free(m->name);
+  free(m);
+}
+
+int pg_module_alloc(pg_module *m, int nslots, int max_rows) {
+  if (nslots < 1 || max_rows < 1) return pg_fail("%s: cannot allocate %d slots of %d rows", m->name, nslots, max_rows);
+  return m->ops->alloc(m, nslots, max_rows);
+}
+
+static int collect(pg_module *m, pg_param ***arr, int *n, int *cap) {
+  for (int i = 0; i < m->nparams; i++) {
+    if (*n == *cap) {
+      *cap = *cap ? *cap * 2 : 16;
+      pg_param **na = realloc(*arr, (size_t)*cap * sizeof *na);
+      if (!na) return pg_fail("out of memory");
+      *arr = na;
+    }
+    (*arr)[(*n)++] = m->params[i];
+  }
+  for (int i = 0; i < m->nchildren; i++)
+    if (collect(m->children[i], arr, n, cap)) return PG_ERR;
+  return PG_OK;
+}
+
+pg_param **pg_module_collect_params(pg_module *m, int *n) {
+  pg_param **arr = NULL;
+  int cap = 0;
+  *n = 0;
+  if (collect(m, &arr, n, &cap)) {
+    free(arr);
+    return NULL;
+  }
+  if (!arr) arr = calloc(1, sizeof *arr);
+  return arr;
+}
+
+size_t pg_module_saved_bytes(const pg_module *m) {
+  size_t b = m->saved_bytes_per_slot;
+  for (int i = 0; i < m->nchildren; i++) b += pg_module_saved_bytes(m->children[i]);
+  return b;
+}

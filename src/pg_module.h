@@ -1,0 +1,169 @@
+/* pg_module: runtime modules — the pieces a model stage is built from.
+ *
+ * A module has forward(slot) and backward(slot). `slot` is the micro-batch in
+ * flight: a module keeps its output and whatever its backward needs per slot,
+ * so several micro-batches can be in flight (pipeline schedules). Backward
+ * runs one micro-batch at a time, so the input gradient has one buffer.
+ *
+ * Pointers passed between modules:
+ *   - forward(x) may keep x until backward of the same slot: every producer
+ *     (a module's per-slot output, the engine's per-slot stage input) keeps
+ *     its buffer intact until that backward has run.
+ *   - backward returns its input gradient in its own buffer, valid until its
+ *     next backward.
+ *
+ * Tensor parallelism lives inside the modules: a module built with a
+ * context whose tensor group has T > 1 holds its shard and calls the
+ * collectives it needs (pg_comm.h) on the tensor group. Every member of the
+ * group runs the same module sequence, so the collectives match.
+ *
+ * Parameters: a module creates its pg_params (shard shape and where the
+ * shard sits in the full tensor); the engine places them in one flat buffer
+ * and sets data/grad. Composite modules (sequential, residual) own children. */
+#ifndef PG_MODULE_H
+#define PG_MODULE_H
+
+#include <stdint.h>
+
+#include "pg_context.h"
+
+#define PG_PARAM_MAX_DIMS 4
+
+typedef enum { PG_INIT_ZEROS = 0, PG_INIT_ONES, PG_INIT_NORMAL } pg_init_kind;
+
+typedef struct pg_param {
+  char *name;                            /* full path, e.g. "blocks.3.attn.qkv.weight" */
+  int ndim;
+  int64_t shape[PG_PARAM_MAX_DIMS];      /* this rank's shard */
+  int64_t full_shape[PG_PARAM_MAX_DIMS]; /* the serial tensor */
+  int64_t numel;
+  /* Shard: the full tensor's dimension split_dim is seen as split_blocks equal
+   * blocks (3 for a fused q|k|v), each cut into split_parts pieces; this rank
+   * holds piece split_index of every block. split_parts == 1: whole tensor. */
+  int split_dim, split_blocks, split_parts, split_index;
+  int64_t valid_rows; /* rows (dim 0) of the full tensor that are real; later rows are padding, kept 0 */
+  pg_init_kind init;
+  float init_std;
+  int weight_decay;  /* AdamW decay applies (tensors of 2+ dimensions) */
+  int replicated;    /* the same on every tensor rank: counted once in the gradient norm */
+  int tied_copy;     /* second copy of a tied weight on another pipeline stage: not counted in the
+                        norm; its gradient is summed with the original's over the embedding group */
+  int64_t offset;    /* in the engine's flat buffers (elements) */
+  float *data, *grad;
+} pg_param;
+
+/* Per micro-batch information passed down a stage. */
+typedef struct pg_io {
+  int B, T;                /* micro-batch shape: rows = B*T */
+  const int32_t *tokens;   /* [B*T] inputs (read by the embedding) */
+  const int32_t *targets;  /* [B*T] or NULL (read by the head) */
+  float dloss;             /* d objective / d each token's loss */
+  int want_grad;           /* 0: evaluation (the head skips dlogits) */
+  double loss_sum;         /* out: the head adds the sum of token losses */
+  float *logits;           /* out when not NULL: the head writes full logits [B*T, vocab] */
+} pg_io;
+
+typedef struct pg_module pg_module;
+
+typedef struct pg_module_ops {
+  const char *kind;
+  /* Size per-slot buffers for nslots micro-batches of at most max_rows rows. */
+  int (*alloc)(pg_module *m, int nslots, int max_rows);
+  int (*forward)(pg_module *m, int slot, pg_io *io, const float *x, const float **y);
+  int (*backward)(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx);
+  void (*destroy)(pg_module *m); /* frees kind-specific state (not params, not children) */
+} pg_module_ops;
+
+struct pg_module {
+  const pg_module_ops *ops;
+  char *name;
+  pg_context *ctx;          /* NULL: serial */
+  int in_width, out_width;  /* features per row; in 0 = token ids, out 0 = the loss */
+  int nslots, max_rows;
+  pg_param **params;        /* owned parameters (a tied head refers to another's: not owned) */
+  int nparams;
+  pg_module **children;
+  int nchildren;
+  float *out;               /* [nslots][max_rows * out_width] */
+  float *dinp;              /* [max_rows * in_width] */
+  size_t saved_bytes_per_slot; /* activations kept per micro-batch (outputs + saved statistics) */
+  void *state;              /* kind-specific */
+};
+
+/* ---- constructors (NULL + pg_error() on bad arguments) ---- */
+
+typedef enum { PG_LINEAR_PLAIN = 0, PG_LINEAR_COLUMN, PG_LINEAR_ROW } pg_linear_mode;
+
+typedef struct pg_linear_opts {
+  int in, out;           /* full (serial) widths */
+  int bias;
+  pg_linear_mode mode;
+  int blocks;            /* column: output blocks sharded separately (3 for q|k|v); default 1 */
+  int gather_output;     /* column: all-gather the output to full width */
+  int input_is_parallel; /* row: input arrives split (in/T wide); else it is split here */
+  float init_std;        /* weight init std (GPT-2: 0.02, residual projections scaled) */
+} pg_linear_opts;
+
+pg_module *pg_linear_new(pg_context *ctx, const char *name, const pg_linear_opts *o);
+pg_module *pg_layernorm_new(pg_context *ctx, const char *name, int width);
+pg_module *pg_gelu_new(pg_context *ctx, const char *name, int width);
+/* Causal self-attention core on a split q|k|v input: heads/T heads per rank. */
+pg_module *pg_attention_new(pg_context *ctx, const char *name, int width, int heads, int max_seq);
+/* Token (+ position, if positions > 0) embedding, vocab-parallel over the tensor group. */
+pg_module *pg_embedding_new(pg_context *ctx, const char *name, int vocab, int padded_vocab, int width, int positions,
+                            float init_std);
+/* LM head + fused cross-entropy. weight: a parameter of shape [padded_vocab/T, width]
+ * (the embedding's, when tied on the same stage) or NULL to create one named
+ * `weight_name` (tied_copy says whether it is a copy of a tied weight). */
+pg_module *pg_lm_head_new(pg_context *ctx, const char *name, int vocab, int padded_vocab, int width,
+                          pg_param *weight, const char *weight_name, int tied_copy, float init_std);
+pg_module *pg_sequential_new(pg_context *ctx, const char *name, pg_module **children, int n);
+pg_module *pg_residual_new(pg_context *ctx, const char *name, pg_module *inner);
+
+/* A module computed by someone else (the Lua bindings run a Lua table):
+ * callbacks get the row count and contiguous buffers. */
+typedef struct pg_custom_fns {
+  int (*forward)(void *ud, int slot, const pg_io *io, const float *x, int rows, float *y);
+  int (*backward)(void *ud, int slot, const pg_io *io, const float *dy, int rows, float *dx);
+  void (*release)(void *ud);
+  void *ud;
+} pg_custom_fns;
+/* params: specs created with pg_param_new, owned by the module afterwards. */
+pg_module *pg_custom_new(pg_context *ctx, const char *name, int in_width, int out_width, const pg_custom_fns *fns,
+                         pg_param **params, int nparams);
+
+/* A parameter of a replicated (unsharded) tensor; for pg_custom_new. */
+pg_param *pg_param_new(const char *name, int ndim, const int64_t *shape, pg_init_kind init, float std);
+
+void pg_param_free(pg_param *p);
+
+/* The embedding module's token weight (to tie a head to it). */
+pg_param *pg_embedding_weight(pg_module *m);
+
+/* Frees the tree (children, owned params, buffers). */
+void pg_module_free(pg_module *m);
+
+/* Allocates per-slot buffers in the whole tree. */
+int pg_module_alloc(pg_module *m, int nslots, int max_rows);
+
+/* Every parameter in the tree, each once, in tree order; *n set. Caller frees the array. */
+pg_param **pg_module_collect_params(pg_module *m, int *n);
+
+/* Saved activation bytes per slot, whole tree. */
+size_t pg_module_saved_bytes(const pg_module *m);
+
+/* Calls dispatch. */
+static inline int pg_module_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
+  return m->ops->forward(m, slot, io, x, y);
+}
+static inline int pg_module_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
+  return m->ops->backward(m, slot, io, dy, dx);
+}
+
+/* Fills a parameter's shard from the init rule: the value of full-tensor
+ * element i is a pure function of (seed, name, i). */
+void pg_param_init(pg_param *p, uint64_t seed);
+/* Index into the full tensor of the shard's local element i. */
+int64_t pg_param_full_index(const pg_param *p, int64_t local);
+
+#endif

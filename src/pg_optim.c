@@ -1,0 +1,90 @@
+#include "pg_optim.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+#include "kernels.h"
+#include "pg_comm.h"
+#include "pg_error.h"
+
+pg_adamw *pg_adamw_new(pg_engine *e, const pg_adamw_hparams *h, int zero) {
+  if (zero != 0 && zero != 1)
+    return pg_fail_null("zero=%d is not built: ZeRO stage 1 (zero = 1) or none (zero = 0)", zero);
+  if (!(h->lr >= 0) || !(h->beta1 >= 0 && h->beta1 < 1) || !(h->beta2 >= 0 && h->beta2 < 1) || !(h->eps > 0) ||
+      !(h->weight_decay >= 0))
+    return pg_fail_null("AdamW: need lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0 (got lr=%g betas={%g, %g} eps=%g "
+                        "weight_decay=%g)",
+                        h->lr, h->beta1, h->beta2, h->eps, h->weight_decay);
+  pg_adamw *o = calloc(1, sizeof *o);
+  if (!o) return pg_fail_null("out of memory");
+  o->engine = e;
+  o->h = *h;
+  o->zero = zero;
+  o->clip_scale = 1.0f;
+  e->zero = zero;
+  pg_engine_shard(e, &o->lo, &o->hi);
+  size_t bytes = (size_t)(o->hi - o->lo) * sizeof(float);
+  if (!(o->m = pg_storage_new(bytes, PG_CPU)) || !(o->v = pg_storage_new(bytes, PG_CPU))) {
+    pg_adamw_free(o);
+    return NULL;
+  }
+  return o;
+}
+
+void pg_adamw_free(pg_adamw *o) {
+  if (!o) return;
+  pg_storage_release(o->m);
+  pg_storage_release(o->v);
+  free(o);
+}
+
+/* Calls fn on every [a, b) piece of a parameter inside this rank's range. */
+#define FOR_OWNED_PIECES(o, p, a, b, body)                                                                   \
+  for (int _i = 0; _i < (o)->engine->nparams; _i++) {                                                        \
+    pg_param *p = (o)->engine->params[_i];                                                                   \
+    int64_t a = p->offset > (o)->lo ? p->offset : (o)->lo;                                                   \
+    int64_t b = p->offset + p->numel < (o)->hi ? p->offset + p->numel : (o)->hi;                             \
+    if (a >= b) continue;                                                                                    \
+    body                                                                                                     \
+  }
+
+int pg_adamw_grad_norm(pg_adamw *o, double *norm) {
+  pg_engine *e = o->engine;
+  if (pg_engine_sync_grads(e)) return PG_ERR;
+  const float *g = e->grad_store->data;
+  double sq = 0;
+  FOR_OWNED_PIECES(o, p, a, b, {
+    if (p->tied_copy || (p->replicated && e->ctx->tp_rank != 0)) continue;
+    sq += pg_sum_squares(g + a, b - a);
+  })
+  MPI_Comm groups[3] = {e->ctx->group[PG_MODE_TENSOR].comm, e->ctx->group[PG_MODE_PIPELINE].comm,
+                        o->zero ? e->ctx->group[PG_MODE_DATA].comm : MPI_COMM_NULL};
+  for (int k = 0; k < 3; k++)
+    if (groups[k] != MPI_COMM_NULL && MPI_Allreduce(MPI_IN_PLACE, &sq, 1, MPI_DOUBLE, MPI_SUM, groups[k]) != MPI_SUCCESS)
+      return pg_fail("reducing the gradient norm failed");
+  *norm = sqrt(sq);
+  return PG_OK;
+}
+
+int pg_adamw_clip(pg_adamw *o, double max_norm, double *norm) {
+  if (!(max_norm > 0)) return pg_fail("clip_grad_norm: max norm must be positive, not %g", max_norm);
+  if (pg_adamw_grad_norm(o, norm)) return PG_ERR;
+  double f = max_norm / (*norm + 1e-6);
+  o->clip_scale = f < 1 ? (float)f : 1.0f;
+  return PG_OK;
+}
+
+int pg_adamw_step(pg_adamw *o) {
+  pg_engine *e = o->engine;
+  if (pg_engine_sync_grads(e)) return PG_ERR;
+  o->step++;
+  float *w = e->param_store->data, *g = e->grad_store->data, *m = o->m->data, *v = o->v->data;
+  FOR_OWNED_PIECES(o, p, a, b, {
+    pg_adamw_update(w + a, g + a, m + (a - o->lo), v + (a - o->lo), b - a, o->h.lr, o->h.beta1, o->h.beta2, o->h.eps,
+                    p->weight_decay ? o->h.weight_decay : 0.0f, (int)o->step, o->clip_scale);
+  })
+  o->clip_scale = 1.0f;
+  if (o->zero && e->ctx->data > 1)
+    return pg_all_gather_buf(e->ctx, PG_MODE_DATA, w, o->hi - o->lo, PG_FLOAT32);
+  return PG_OK;
+}

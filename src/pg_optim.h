@@ -1,0 +1,43 @@
+/* pg_optim: AdamW over an engine's flat buffers, replicated or ZeRO-1.
+ *
+ * zero = 0: every data replica holds the whole optimizer state and updates
+ * every parameter (the gradients were all-reduced).
+ * zero = 1: the flat buffer is cut into D contiguous shards; this rank's
+ * gradients are the reduce-scattered average for its shard, its AdamW state
+ * (m, v) exists only for that shard, it updates only that shard, and the
+ * updated parameters are all-gathered back over the data group.
+ *
+ * The global gradient norm counts every element of the full model once:
+ * sharded tensors summed over the tensor group, replicated tensors (LayerNorm,
+ * row-parallel biases, position embedding) on tensor rank 0 only, the second
+ * copy of a tied embedding not at all, ZeRO shards summed over the data group.
+ *
+ * step, grad_norm and clip are collective over the whole context. */
+#ifndef PG_OPTIM_H
+#define PG_OPTIM_H
+
+#include "pg_engine.h"
+
+typedef struct pg_adamw_hparams {
+  float lr, beta1, beta2, eps, weight_decay;
+} pg_adamw_hparams;
+
+typedef struct pg_adamw {
+  pg_engine *engine;
+  pg_adamw_hparams h;
+  int zero;
+  int64_t lo, hi;  /* the flat range this rank updates */
+  pg_storage *m, *v; /* [hi - lo] */
+  long step;       /* updates done */
+  float clip_scale; /* gradient factor for the next step (from clipping) */
+} pg_adamw;
+
+pg_adamw *pg_adamw_new(pg_engine *e, const pg_adamw_hparams *h, int zero);
+void pg_adamw_free(pg_adamw *o);
+int pg_adamw_step(pg_adamw *o);
+/* Global L2 norm of the gradients (runs pending gradient reductions). */
+int pg_adamw_grad_norm(pg_adamw *o, double *norm);
+/* norm as above; when norm > max_norm the next step scales gradients by max_norm / (norm + 1e-6). */
+int pg_adamw_clip(pg_adamw *o, double max_norm, double *norm);
+
+#endif
