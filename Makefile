@@ -64,7 +64,7 @@ RUNTIME_SRCS  := $(filter-out src/lua_% src/pglua.c,$(wildcard src/*.c)) $(wildc
 BINDING_SRCS  := $(wildcard src/lua_*.c)
 RUNTIME_OBJS  := $(RUNTIME_SRCS:%.c=$(BUILD)/obj/%.o) $(CUDA_OBJS)
 BINDING_OBJS  := $(BINDING_SRCS:%.c=$(BUILD)/obj/%.o)
-HEADERS       := $(wildcard src/*.h kernels/*.h)
+HEADERS       := $(wildcard src/*.h kernels/*.h kernels/cpu/*.h)
 
 PGLUA      := $(BUILD)/pglua
 CORE_SO    := $(BUILD)/lua/pipegoose/core.so

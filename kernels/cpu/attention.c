@@ -1,0 +1,123 @@
+/* Causal multi-head self-attention over the fused qkv layout [B, T, 3C].
+ *
+ * Every (batch, head) pair is independent: one OpenMP thread takes a pair and
+ * runs its products through sgemm, reading Q, K, V in place with leading
+ * dimension 3C (OpenBLAS's OpenMP build runs single-threaded inside a
+ * parallel region, which is what we want here). Rows are processed in blocks
+ * of PG_ATT_BLOCK so that the products skip most of the masked upper
+ * triangle: query block [r0, r1) only needs keys [0, r1). Each pair is
+ * computed entirely by one thread, so results do not depend on the thread
+ * count. */
+#include <cblas.h>
+#include <math.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "pg_cpu.h"
+
+#define PG_ATT_BLOCK 64
+
+/* One (b, h) pair. q points at the head's query columns of row 0 (ld 3C);
+ * P is its [T, T] probability matrix; o its output columns (ld C). */
+static void att_forward_head(float *o, float *P, const float *q, int T, int C, int hs, float scale) {
+  const int ld = 3 * C;
+  const float *k = q + C, *v = q + 2 * C;
+  for (int r0 = 0; r0 < T; r0 += PG_ATT_BLOCK) {
+    int r1 = pg_cpu_min(r0 + PG_ATT_BLOCK, T);
+    /* scores S[r0:r1, 0:r1] = scale * Q K^T */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r1 - r0, r1, hs, scale, q + (int64_t)r0 * ld, ld, k, ld,
+                0.0f, P + (int64_t)r0 * T, T);
+    for (int t = r0; t < r1; t++) {
+      float *p = P + (int64_t)t * T;
+      float mx = p[0];
+      for (int j = 1; j <= t; j++) mx = p[j] > mx ? p[j] : mx;
+      float sum = 0.0f;
+      for (int j = 0; j <= t; j++) {
+        p[j] = expf(p[j] - mx);
+        sum += p[j];
+      }
+      float inv = 1.0f / sum;
+      for (int j = 0; j <= t; j++) p[j] *= inv;
+      /* exact zeros above the diagonal: backward and the P V products read them */
+      memset(p + t + 1, 0, (size_t)(T - t - 1) * sizeof(float));
+    }
+    /* out[r0:r1] = P[r0:r1, 0:r1] V[0:r1] */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r1 - r0, hs, r1, 1.0f, P + (int64_t)r0 * T, T, v, ld,
+                0.0f, o + (int64_t)r0 * C, C);
+  }
+}
+
+void pg_attention_forward(float *out, float *att, const float *qkv, int B, int T, int C, int NH) {
+  if (B <= 0 || T <= 0 || C <= 0 || NH <= 0) return;
+  const int hs = C / NH;
+  const float scale = 1.0f / sqrtf((float)hs);
+#pragma omp parallel for schedule(static)
+  for (int bh = 0; bh < B * NH; bh++) {
+    int b = bh / NH, h = bh % NH;
+    att_forward_head(out + (int64_t)b * T * C + h * hs, att + (int64_t)bh * T * T,
+                     qkv + (int64_t)b * T * 3 * C + h * hs, T, C, hs, scale);
+  }
+}
+
+int64_t pg_attention_scratch_floats(int T, int threads) {
+  /* one [T, T] matrix (dP, then dS in place) per thread */
+  return (int64_t)T * T * (threads > 0 ? threads : 1);
+}
+
+/* One (b, h) pair; dS is this thread's [T, T] scratch. Pointers as in
+ * att_forward_head, plus dq (ld 3C; dk = dq + C, dv = dq + 2C) and dout (ld C). */
+static void att_backward_head(float *dq, float *dS, const float *dout, const float *q, const float *P, int T, int C,
+                              int hs, float scale) {
+  const int ld = 3 * C;
+  const float *k = q + C, *v = q + 2 * C;
+  float *dk = dq + C, *dv = dq + 2 * C;
+  for (int r0 = 0; r0 < T; r0 += PG_ATT_BLOCK) {
+    int r1 = pg_cpu_min(r0 + PG_ATT_BLOCK, T);
+    /* dP[r0:r1, 0:r1] = dO V^T */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r1 - r0, r1, hs, 1.0f, dout + (int64_t)r0 * C, C, v, ld,
+                0.0f, dS + (int64_t)r0 * T, T);
+    /* softmax backward, with the score scale folded in:
+     * dS = scale * P (dP - sum_j P dP), zero above the diagonal up to r1
+     * (the dK product reads those columns; columns >= r1 are never read). */
+    for (int t = r0; t < r1; t++) {
+      const float *p = P + (int64_t)t * T;
+      float *d = dS + (int64_t)t * T;
+      float dot = 0.0f;
+      for (int j = 0; j <= t; j++) dot += p[j] * d[j];
+      for (int j = 0; j <= t; j++) d[j] = scale * p[j] * (d[j] - dot);
+      for (int j = t + 1; j < r1; j++) d[j] = 0.0f;
+    }
+    /* dQ[r0:r1] = dS[r0:r1, 0:r1] K[0:r1] */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r1 - r0, hs, r1, 1.0f, dS + (int64_t)r0 * T, T, k, ld,
+                0.0f, dq + (int64_t)r0 * ld, ld);
+  }
+  /* dK and dV by key blocks [k0, k1): only queries t >= k0 see those keys.
+   * dV = P^T dO, dK = dS^T Q. */
+  for (int k0 = 0; k0 < T; k0 += PG_ATT_BLOCK) {
+    int k1 = pg_cpu_min(k0 + PG_ATT_BLOCK, T);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, k1 - k0, hs, T - k0, 1.0f, P + (int64_t)k0 * T + k0, T,
+                dout + (int64_t)k0 * C, C, 0.0f, dv + (int64_t)k0 * ld, ld);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, k1 - k0, hs, T - k0, 1.0f, dS + (int64_t)k0 * T + k0, T,
+                q + (int64_t)k0 * ld, ld, 0.0f, dk + (int64_t)k0 * ld, ld);
+  }
+}
+
+void pg_attention_backward(float *dqkv, float *scratch, const float *dout, const float *qkv, const float *att, int B,
+                           int T, int C, int NH) {
+  if (B <= 0 || T <= 0 || C <= 0 || NH <= 0) return;
+  const int hs = C / NH;
+  const float scale = 1.0f / sqrtf((float)hs);
+  /* The caller sized scratch for omp_get_max_threads() threads; this region
+   * has at most that many, and each uses its own [T, T] slice. */
+#pragma omp parallel
+  {
+    float *dS = scratch + (int64_t)omp_get_thread_num() * T * T;
+#pragma omp for schedule(static)
+    for (int bh = 0; bh < B * NH; bh++) {
+      int b = bh / NH, h = bh % NH;
+      int64_t base = (int64_t)b * T * 3 * C + h * hs;
+      att_backward_head(dqkv + base, dS, dout + (int64_t)b * T * C + h * hs, qkv + base, att + (int64_t)bh * T * T,
+                        T, C, hs, scale);
+    }
+  }
+}

@@ -1,0 +1,75 @@
+/* Layer normalisation over the last dimension (eps PG_LAYERNORM_EPS). */
+#include <math.h>
+
+#include "kernels.h"
+#include "pg_cpu.h"
+
+void pg_layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *weight,
+                          const float *bias, int N, int C) {
+#pragma omp parallel for schedule(static) if ((int64_t)N * C > PG_PAR_MIN)
+  for (int n = 0; n < N; n++) {
+    const float *x = inp + (int64_t)n * C;
+    /* Two passes, accumulated in double: the variance of the centred values
+     * does not cancel catastrophically when |mean| >> std. */
+    double s = 0;
+    for (int c = 0; c < C; c++) s += x[c];
+    float m = (float)(s / C);
+    double v = 0;
+    for (int c = 0; c < C; c++) {
+      double d = (double)x[c] - m;
+      v += d * d;
+    }
+    float r = (float)(1.0 / sqrt(v / C + (double)PG_LAYERNORM_EPS));
+    float *o = out + (int64_t)n * C;
+    for (int c = 0; c < C; c++) o[c] = (x[c] - m) * r * weight[c] + bias[c];
+    mean[n] = m;
+    rstd[n] = r;
+  }
+}
+
+void pg_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout, const float *inp,
+                           const float *weight, const float *mean, const float *rstd, int N, int C) {
+#pragma omp parallel if ((int64_t)N * C > PG_PAR_MIN)
+  {
+    /* dinp, per row: with xh = (x - mean) rstd and g = dout * weight,
+     * dx = rstd (g - mean(g) - xh mean(g xh)). */
+    if (dinp) {
+#pragma omp for schedule(static) nowait
+      for (int n = 0; n < N; n++) {
+        const float *x = inp + (int64_t)n * C, *dy = dout + (int64_t)n * C;
+        float m = mean[n], r = rstd[n];
+        double sg = 0, sgx = 0;
+        for (int c = 0; c < C; c++) {
+          float g = dy[c] * weight[c];
+          sg += g;
+          sgx += (double)g * ((x[c] - m) * r);
+        }
+        float mg = (float)(sg / C), mgx = (float)(sgx / C);
+        float *dx = dinp + (int64_t)n * C;
+        for (int c = 0; c < C; c++) dx[c] = r * (dy[c] * weight[c] - mg - (x[c] - m) * r * mgx);
+      }
+    }
+    /* dweight, dbias: sums over rows, split by columns (deterministic, no
+     * scratch). Partial sums per 64-column block, then added once. */
+    if (dweight || dbias) {
+      int c0, c1;
+      pg_cpu_cols(C, omp_get_thread_num(), omp_get_num_threads(), &c0, &c1);
+      for (int b0 = c0; b0 < c1; b0 += 64) {
+        int b1 = pg_cpu_min(b0 + 64, c1), w = b1 - b0;
+        float aw[64] = {0}, ab[64] = {0};
+        for (int n = 0; n < N; n++) {
+          const float *x = inp + (int64_t)n * C + b0, *dy = dout + (int64_t)n * C + b0;
+          float m = mean[n], r = rstd[n];
+          for (int j = 0; j < w; j++) {
+            aw[j] += dy[j] * ((x[j] - m) * r);
+            ab[j] += dy[j];
+          }
+        }
+        for (int j = 0; j < w; j++) {
+          if (dweight) dweight[b0 + j] += aw[j];
+          if (dbias) dbias[b0 + j] += ab[j];
+        }
+      }
+    }
+  }
+}

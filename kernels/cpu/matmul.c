@@ -1,0 +1,54 @@
+/* Linear layers through OpenBLAS sgemm. weight is [OC, C] (torch layout). */
+#include <cblas.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "pg_cpu.h"
+
+void pg_matmul_forward(float *out, const float *inp, const float *weight, const float *bias, int N, int C, int OC) {
+  if (N <= 0 || OC <= 0) return;
+  float beta = 0.0f;
+  if (bias) {
+    /* Start from the bias and let sgemm add the product (beta = 1): no second pass. */
+#pragma omp parallel for schedule(static) if ((int64_t)N * OC > PG_PAR_MIN)
+    for (int n = 0; n < N; n++) memcpy(out + (int64_t)n * OC, bias, (size_t)OC * sizeof(float));
+    beta = 1.0f;
+  }
+  if (C <= 0) {
+    if (!bias) memset(out, 0, (size_t)N * OC * sizeof(float));
+    return;
+  }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, C, 1.0f, inp, C, weight, C, beta, out, OC);
+}
+
+void pg_matmul_backward(float *dinp, float *dweight, float *dbias, const float *dout, const float *inp,
+                        const float *weight, int N, int C, int OC) {
+  if (N <= 0 || OC <= 0) {
+    if (dinp && N > 0 && C > 0) memset(dinp, 0, (size_t)N * C * sizeof(float));
+    return;
+  }
+  if (C > 0) {
+    /* dinp[N,C] = dout[N,OC] @ weight[OC,C] */
+    if (dinp) cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, weight, C, 0.0f, dinp, C);
+    /* dweight[OC,C] += dout^T @ inp (beta = 1 accumulates micro-batches) */
+    if (dweight)
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f, dweight, C);
+  }
+  if (dbias) {
+    /* Column sums of dout, split by columns: each thread adds all rows in order. */
+#pragma omp parallel if ((int64_t)N * OC > PG_PAR_MIN)
+    {
+      int c0, c1;
+      pg_cpu_cols(OC, omp_get_thread_num(), omp_get_num_threads(), &c0, &c1);
+      for (int b0 = c0; b0 < c1; b0 += 64) {
+        int w = pg_cpu_min(b0 + 64, c1) - b0;
+        float acc[64] = {0};
+        for (int n = 0; n < N; n++) {
+          const float *d = dout + (int64_t)n * OC + b0;
+          for (int j = 0; j < w; j++) acc[j] += d[j];
+        }
+        for (int j = 0; j < w; j++) dbias[b0 + j] += acc[j];
+      }
+    }
+  }
+}

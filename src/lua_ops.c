@@ -1,0 +1,464 @@
+/* Lua bindings for the CPU kernels: pg.ops.*, functional style (every call
+ * returns new tensors; backward functions return fresh, zero-started
+ * parameter gradients). Leading dimensions of activations flatten to rows,
+ * so x may be [N, C] or [B, T, C]. Each argument is checked, and a mismatch
+ * names the function, the argument, and both shapes. */
+#include <limits.h>
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "lua_util.h"
+
+/* ---- argument checks ---- */
+
+/* A CPU tensor of dtype `dtype` and exactly `shape` (entries < 0: any). */
+static pg_tensor *expect(lua_State *L, int idx, const char *fn, const char *name, pg_dtype dtype, int ndim,
+                         const int64_t *shape) {
+  char label[96];
+  snprintf(label, sizeof label, "%s: %s", fn, name);
+  pg_tensor *t = pg_lua_check_tensor_shape(L, idx, label, dtype, ndim, shape);
+  if (t->device != PG_CPU) luaL_error(L, "%s: expected a cpu tensor, got a %s one", label, pg_device_name(t->device));
+  return t;
+}
+
+/* Rows of features: a float32 tensor with at least 2 dimensions and last
+ * dimension `last` (< 0: any). *rows = the product of the leading ones. */
+static pg_tensor *rows_arg(lua_State *L, int idx, const char *fn, const char *name, int64_t last, int64_t *rows) {
+  pg_tensor *t = pg_lua_check_tensor(L, idx);
+  if (t->dtype != PG_FLOAT32 || t->ndim < 2 || (last >= 0 && t->shape[t->ndim - 1] != last)) {
+    char got[128], want[48];
+    if (last >= 0) snprintf(want, sizeof want, "%lld", (long long)last);
+    else snprintf(want, sizeof want, "*");
+    luaL_error(L, "%s: %s: expected a [..., %s] float32 tensor (2 or more dimensions), got %s", fn, name, want,
+               pg_tensor_describe(t, got, sizeof got));
+  }
+  if (t->device != PG_CPU) luaL_error(L, "%s: %s: expected a cpu tensor, got a %s one", fn, name, pg_device_name(t->device));
+  int64_t c = t->shape[t->ndim - 1], n = c ? t->numel / c : 0;
+  if (n > INT_MAX || c > INT_MAX)
+    luaL_error(L, "%s: %s: %I rows of %I exceed the kernels' int range", fn, name, (lua_Integer)n, (lua_Integer)c);
+  if (rows) *rows = n;
+  return t;
+}
+
+/* An argument shaped like `like` with its last dimension replaced by `last`. */
+static pg_tensor *like_arg(lua_State *L, int idx, const char *fn, const char *name, const pg_tensor *like,
+                           int64_t last, pg_dtype dtype) {
+  int64_t shape[PG_MAX_DIMS];
+  memcpy(shape, like->shape, sizeof shape);
+  shape[like->ndim - 1] = last;
+  return expect(L, idx, fn, name, dtype, like->ndim, shape);
+}
+
+/* An argument shaped like the leading dimensions of `like` (one value per row). */
+static pg_tensor *lead_arg(lua_State *L, int idx, const char *fn, const char *name, const pg_tensor *like,
+                           pg_dtype dtype) {
+  return expect(L, idx, fn, name, dtype, like->ndim - 1, like->shape);
+}
+
+/* New zeroed float32 tensor: `like`'s shape with the last dimension `last`. */
+static pg_tensor *new_like(lua_State *L, const pg_tensor *like, int64_t last) {
+  int64_t shape[PG_MAX_DIMS];
+  memcpy(shape, like->shape, sizeof shape);
+  shape[like->ndim - 1] = last;
+  return pg_lua_new_tensor(L, PG_FLOAT32, like->ndim, shape);
+}
+
+/* New zeroed float32 tensor of `like`'s leading dimensions. */
+static pg_tensor *new_lead(lua_State *L, const pg_tensor *like) {
+  return pg_lua_new_tensor(L, PG_FLOAT32, like->ndim - 1, like->shape);
+}
+
+static pg_tensor *new_2d(lua_State *L, int64_t a, int64_t b) {
+  int64_t shape[2] = {a, b};
+  return pg_lua_new_tensor(L, PG_FLOAT32, 2, shape);
+}
+
+static int int_arg(lua_State *L, int idx, const char *fn, const char *name, lua_Integer lo, lua_Integer def,
+                   int optional) {
+  if (optional && lua_isnoneornil(L, idx)) return (int)def;
+  int isint = 0;
+  lua_Integer v = lua_tointegerx(L, idx, &isint);
+  if (!isint) luaL_error(L, "%s: %s: expected an integer, got %s", fn, name, luaL_typename(L, idx));
+  if (v < lo || v > INT_MAX) luaL_error(L, "%s: %s: expected an integer >= %I, got %I", fn, name, lo, v);
+  return (int)v;
+}
+
+static int opt_int_range(lua_State *L, int idx, const char *fn, const char *key, lua_Integer def, lua_Integer lo,
+                         lua_Integer hi) {
+  lua_Integer v = pg_lua_opt_int(L, idx, key, def);
+  if (v < lo || v > hi) luaL_error(L, "%s: %s=%I out of range [%I, %I]", fn, key, v, lo, hi);
+  return (int)v;
+}
+
+/* ---- embeddings ---- */
+
+/* embedding(tokens_i32[...], weight[rows, C] [, row_start=0]) -> out[..., C] */
+static int l_embedding(lua_State *L) {
+  const char *fn = "ops.embedding";
+  pg_tensor *tok = pg_lua_check_tensor(L, 1);
+  int64_t any[PG_MAX_DIMS];
+  for (int i = 0; i < PG_MAX_DIMS; i++) any[i] = -1;
+  expect(L, 1, fn, "tokens", PG_INT32, tok->ndim, any);
+  pg_tensor *w = expect(L, 2, fn, "weight", PG_FLOAT32, 2, any);
+  int row_start = int_arg(L, 3, fn, "row_start", 0, 0, 1);
+  if (tok->ndim >= PG_MAX_DIMS) return luaL_error(L, "%s: tokens: too many dimensions", fn);
+  if (tok->numel > INT_MAX || w->shape[0] > INT_MAX || w->shape[1] > INT_MAX)
+    return luaL_error(L, "%s: sizes exceed the kernels' int range", fn);
+  int64_t shape[PG_MAX_DIMS];
+  memcpy(shape, tok->shape, sizeof shape);
+  shape[tok->ndim] = w->shape[1];
+  pg_tensor *out = pg_lua_new_tensor(L, PG_FLOAT32, tok->ndim + 1, shape);
+  pg_embedding_forward(pg_tensor_f32(out), pg_tensor_i32(tok), pg_tensor_f32(w), (int)tok->numel, (int)w->shape[1],
+                       row_start, (int)w->shape[0]);
+  return 1;
+}
+
+/* embedding_backward(dout[..., C], tokens[...], rows [, row_start=0]) -> dweight[rows, C] */
+static int l_embedding_backward(lua_State *L) {
+  const char *fn = "ops.embedding_backward";
+  int64_t C;
+  pg_tensor *dout = rows_arg(L, 1, fn, "dout", -1, NULL);
+  C = dout->shape[dout->ndim - 1];
+  pg_tensor *tok = expect(L, 2, fn, "tokens", PG_INT32, dout->ndim - 1, dout->shape);
+  int rows = int_arg(L, 3, fn, "rows", 0, 0, 0);
+  int row_start = int_arg(L, 4, fn, "row_start", 0, 0, 1);
+  pg_tensor *dw = new_2d(L, rows, C);
+  pg_embedding_backward(pg_tensor_f32(dw), pg_tensor_f32(dout), pg_tensor_i32(tok), (int)tok->numel, (int)C,
+                        row_start, rows);
+  return 1;
+}
+
+/* T for position ops: x is [B, T, C] (T must match) or [N, C] (T must divide N). */
+static int position_T(lua_State *L, int idx, const char *fn, const pg_tensor *x, int64_t N) {
+  int T = int_arg(L, idx, fn, "T", 1, 0, 0);
+  if (x->ndim == 3 && x->shape[1] != T)
+    luaL_error(L, "%s: T=%d but the input is [B, T, C] with T=%I", fn, T, (lua_Integer)x->shape[1]);
+  if (N % T) luaL_error(L, "%s: T=%d does not divide the %I rows of the input", fn, T, (lua_Integer)N);
+  return T;
+}
+
+/* position(x[B,T,C] or [N,C], wpe[Tmax, C], T) -> x + wpe[t] on each row */
+static int l_position(lua_State *L) {
+  const char *fn = "ops.position";
+  int64_t N;
+  pg_tensor *x = rows_arg(L, 1, fn, "x", -1, &N);
+  int64_t C = x->shape[x->ndim - 1];
+  pg_tensor *wpe = expect(L, 2, fn, "wpe", PG_FLOAT32, 2, (int64_t[]){-1, C});
+  int T = position_T(L, 3, fn, x, N);
+  if (T > wpe->shape[0]) return luaL_error(L, "%s: T=%d exceeds the %I positions of wpe", fn, T, (lua_Integer)wpe->shape[0]);
+  pg_tensor *out = new_like(L, x, C);
+  memcpy(pg_tensor_f32(out), pg_tensor_f32(x), (size_t)x->numel * sizeof(float));
+  pg_position_forward(pg_tensor_f32(out), pg_tensor_f32(wpe), (int)N, T, (int)C);
+  return 1;
+}
+
+/* position_backward(dout, T) -> dwpe[T, C] */
+static int l_position_backward(lua_State *L) {
+  const char *fn = "ops.position_backward";
+  int64_t N;
+  pg_tensor *dout = rows_arg(L, 1, fn, "dout", -1, &N);
+  int64_t C = dout->shape[dout->ndim - 1];
+  int T = position_T(L, 2, fn, dout, N);
+  pg_tensor *dw = new_2d(L, T, C);
+  pg_position_backward(pg_tensor_f32(dw), pg_tensor_f32(dout), (int)N, T, (int)C);
+  return 1;
+}
+
+/* ---- layer norm ---- */
+
+/* layernorm(x, w[C], b[C]) -> y, mean, rstd (mean and rstd: x's leading shape) */
+static int l_layernorm(lua_State *L) {
+  const char *fn = "ops.layernorm";
+  int64_t N;
+  pg_tensor *x = rows_arg(L, 1, fn, "x", -1, &N);
+  int64_t C = x->shape[x->ndim - 1];
+  pg_tensor *w = expect(L, 2, fn, "w", PG_FLOAT32, 1, &C);
+  pg_tensor *b = expect(L, 3, fn, "b", PG_FLOAT32, 1, &C);
+  pg_tensor *y = new_like(L, x, C), *mean = new_lead(L, x), *rstd = new_lead(L, x);
+  pg_layernorm_forward(pg_tensor_f32(y), pg_tensor_f32(mean), pg_tensor_f32(rstd), pg_tensor_f32(x), pg_tensor_f32(w),
+                       pg_tensor_f32(b), (int)N, (int)C);
+  return 3;
+}
+
+/* layernorm_backward(dy, x, w, mean, rstd) -> dx, dw, db */
+static int l_layernorm_backward(lua_State *L) {
+  const char *fn = "ops.layernorm_backward";
+  int64_t N;
+  pg_tensor *x = rows_arg(L, 2, fn, "x", -1, &N);
+  int64_t C = x->shape[x->ndim - 1];
+  pg_tensor *dy = like_arg(L, 1, fn, "dy", x, C, PG_FLOAT32);
+  pg_tensor *w = expect(L, 3, fn, "w", PG_FLOAT32, 1, &C);
+  pg_tensor *mean = lead_arg(L, 4, fn, "mean", x, PG_FLOAT32);
+  pg_tensor *rstd = lead_arg(L, 5, fn, "rstd", x, PG_FLOAT32);
+  pg_tensor *dx = new_like(L, x, C);
+  pg_tensor *dw = pg_lua_new_tensor(L, PG_FLOAT32, 1, &C), *db = pg_lua_new_tensor(L, PG_FLOAT32, 1, &C);
+  pg_layernorm_backward(pg_tensor_f32(dx), pg_tensor_f32(dw), pg_tensor_f32(db), pg_tensor_f32(dy), pg_tensor_f32(x),
+                        pg_tensor_f32(w), pg_tensor_f32(mean), pg_tensor_f32(rstd), (int)N, (int)C);
+  return 3;
+}
+
+/* ---- linear ---- */
+
+/* linear(x[..., C], w[OC, C] [, b[OC]]) -> y[..., OC] */
+static int l_linear(lua_State *L) {
+  const char *fn = "ops.linear";
+  int64_t N;
+  pg_tensor *x = rows_arg(L, 1, fn, "x", -1, &N);
+  int64_t C = x->shape[x->ndim - 1];
+  pg_tensor *w = expect(L, 2, fn, "w", PG_FLOAT32, 2, (int64_t[]){-1, C});
+  int64_t OC = w->shape[0];
+  if (OC > INT_MAX) return luaL_error(L, "%s: w: %I output features exceed the kernels' int range", fn, (lua_Integer)OC);
+  pg_tensor *b = lua_isnoneornil(L, 3) ? NULL : expect(L, 3, fn, "b", PG_FLOAT32, 1, &OC);
+  pg_tensor *y = new_like(L, x, OC);
+  pg_matmul_forward(pg_tensor_f32(y), pg_tensor_f32(x), pg_tensor_f32(w), b ? pg_tensor_f32(b) : NULL, (int)N, (int)C,
+                    (int)OC);
+  return 1;
+}
+
+/* linear_backward(dy, x, w [, with_bias=true]) -> dx, dw, db (or nil) */
+static int l_linear_backward(lua_State *L) {
+  const char *fn = "ops.linear_backward";
+  int64_t N;
+  pg_tensor *x = rows_arg(L, 2, fn, "x", -1, &N);
+  int64_t C = x->shape[x->ndim - 1];
+  pg_tensor *w = expect(L, 3, fn, "w", PG_FLOAT32, 2, (int64_t[]){-1, C});
+  int64_t OC = w->shape[0];
+  pg_tensor *dy = like_arg(L, 1, fn, "dy", x, OC, PG_FLOAT32);
+  int with_bias = lua_isnoneornil(L, 4) ? 1 : lua_toboolean(L, 4);
+  pg_tensor *dx = new_like(L, x, C), *dw = new_2d(L, OC, C);
+  pg_tensor *db = NULL;
+  if (with_bias) db = pg_lua_new_tensor(L, PG_FLOAT32, 1, &OC);
+  else lua_pushnil(L);
+  pg_matmul_backward(pg_tensor_f32(dx), pg_tensor_f32(dw), db ? pg_tensor_f32(db) : NULL, pg_tensor_f32(dy),
+                     pg_tensor_f32(x), pg_tensor_f32(w), (int)N, (int)C, (int)OC);
+  return 3;
+}
+
+/* ---- attention ---- */
+
+/* qkv[B, T, 3C] and heads: fills B, T, C, NH. */
+static pg_tensor *qkv_arg(lua_State *L, int idx, int heads_idx, const char *fn, int *B, int *T, int *C, int *NH) {
+  pg_tensor *qkv = expect(L, idx, fn, "qkv", PG_FLOAT32, 3, (int64_t[]){-1, -1, -1});
+  *NH = int_arg(L, heads_idx, fn, "heads", 1, 0, 0);
+  int64_t C3 = qkv->shape[2];
+  if (C3 % 3) luaL_error(L, "%s: qkv: last dimension %I is not 3C", fn, (lua_Integer)C3);
+  if ((C3 / 3) % *NH) luaL_error(L, "%s: heads=%d does not divide C=%I", fn, *NH, (lua_Integer)(C3 / 3));
+  if (qkv->numel > INT_MAX) luaL_error(L, "%s: qkv: too large for the kernels' int range", fn);
+  *B = (int)qkv->shape[0];
+  *T = (int)qkv->shape[1];
+  *C = (int)(C3 / 3);
+  return qkv;
+}
+
+/* attention(qkv[B,T,3C], heads) -> out[B,T,C], att[B,NH,T,T] */
+static int l_attention(lua_State *L) {
+  const char *fn = "ops.attention";
+  int B, T, C, NH;
+  pg_tensor *qkv = qkv_arg(L, 1, 2, fn, &B, &T, &C, &NH);
+  pg_tensor *out = pg_lua_new_tensor(L, PG_FLOAT32, 3, (int64_t[]){B, T, C});
+  pg_tensor *att = pg_lua_new_tensor(L, PG_FLOAT32, 4, (int64_t[]){B, NH, T, T});
+  pg_attention_forward(pg_tensor_f32(out), pg_tensor_f32(att), pg_tensor_f32(qkv), B, T, C, NH);
+  return 2;
+}
+
+/* attention_backward(dout[B,T,C], qkv[B,T,3C], att[B,NH,T,T], heads) -> dqkv */
+static int l_attention_backward(lua_State *L) {
+  const char *fn = "ops.attention_backward";
+  int B, T, C, NH;
+  pg_tensor *qkv = qkv_arg(L, 2, 4, fn, &B, &T, &C, &NH);
+  pg_tensor *dout = expect(L, 1, fn, "dout", PG_FLOAT32, 3, (int64_t[]){B, T, C});
+  pg_tensor *att = expect(L, 3, fn, "att", PG_FLOAT32, 4, (int64_t[]){B, NH, T, T});
+  /* the kernel's parallel region has at most omp_get_max_threads() threads */
+  int64_t ns = pg_attention_scratch_floats(T, omp_get_max_threads());
+  pg_tensor *scratch = pg_lua_new_tensor(L, PG_FLOAT32, 1, &ns);
+  pg_tensor *dqkv = pg_lua_new_tensor(L, PG_FLOAT32, 3, qkv->shape);
+  pg_attention_backward(pg_tensor_f32(dqkv), pg_tensor_f32(scratch), pg_tensor_f32(dout), pg_tensor_f32(qkv),
+                        pg_tensor_f32(att), B, T, C, NH);
+  return 1;
+}
+
+/* ---- pointwise ---- */
+
+static pg_tensor *f32_arg(lua_State *L, int idx, const char *fn, const char *name) {
+  pg_tensor *t = pg_lua_check_tensor(L, idx);
+  int64_t any[PG_MAX_DIMS];
+  for (int i = 0; i < PG_MAX_DIMS; i++) any[i] = -1;
+  return expect(L, idx, fn, name, PG_FLOAT32, t->ndim, any);
+}
+
+static int l_gelu(lua_State *L) {
+  pg_tensor *x = f32_arg(L, 1, "ops.gelu", "x");
+  pg_tensor *y = pg_lua_new_tensor(L, PG_FLOAT32, x->ndim, x->shape);
+  pg_gelu_forward(pg_tensor_f32(y), pg_tensor_f32(x), x->numel);
+  return 1;
+}
+
+/* gelu_backward(dy, x) -> dx */
+static int l_gelu_backward(lua_State *L) {
+  pg_tensor *x = f32_arg(L, 2, "ops.gelu_backward", "x");
+  pg_tensor *dy = expect(L, 1, "ops.gelu_backward", "dy", PG_FLOAT32, x->ndim, x->shape);
+  pg_tensor *dx = pg_lua_new_tensor(L, PG_FLOAT32, x->ndim, x->shape);
+  pg_gelu_backward(pg_tensor_f32(dx), pg_tensor_f32(x), pg_tensor_f32(dy), x->numel);
+  return 1;
+}
+
+static int l_residual(lua_State *L) {
+  pg_tensor *a = f32_arg(L, 1, "ops.residual", "a");
+  pg_tensor *b = expect(L, 2, "ops.residual", "b", PG_FLOAT32, a->ndim, a->shape);
+  pg_tensor *out = pg_lua_new_tensor(L, PG_FLOAT32, a->ndim, a->shape);
+  pg_residual_forward(pg_tensor_f32(out), pg_tensor_f32(a), pg_tensor_f32(b), a->numel);
+  return 1;
+}
+
+/* ---- cross-entropy ---- */
+
+typedef struct {
+  int valid, vocab_start;
+  float dloss;
+} xent_opts;
+
+static xent_opts read_xent_opts(lua_State *L, int idx, const char *fn, int V) {
+  static const char *const keys[] = {"valid", "vocab_start", "dloss", NULL};
+  pg_lua_check_keys(L, idx, fn, keys);
+  xent_opts o;
+  o.valid = opt_int_range(L, idx, fn, "valid", V, 0, V);
+  o.vocab_start = opt_int_range(L, idx, fn, "vocab_start", 0, 0, INT_MAX);
+  o.dloss = (float)pg_lua_opt_number(L, idx, "dloss", 1.0);
+  return o;
+}
+
+/* cross_entropy(logits[..., V], targets_i32[...] [, {valid=V, vocab_start=0, dloss=1}])
+ *   -> losses[...], dlogits[..., V], loss_sum */
+static int l_cross_entropy(lua_State *L) {
+  const char *fn = "ops.cross_entropy";
+  int64_t N;
+  pg_tensor *logits = rows_arg(L, 1, fn, "logits", -1, &N);
+  int V = (int)logits->shape[logits->ndim - 1];
+  pg_tensor *tg = lead_arg(L, 2, fn, "targets", logits, PG_INT32);
+  xent_opts o = read_xent_opts(L, 3, fn, V);
+  const int32_t *t = pg_tensor_i32(tg);
+  /* one slice holds the whole vocabulary: every target must be one of its real columns */
+  for (int64_t n = 0; n < N; n++)
+    if (t[n] < o.vocab_start || (int64_t)t[n] >= (int64_t)o.vocab_start + o.valid)
+      return luaL_error(L, "%s: targets: id %d at row %I is outside the vocabulary [%d, %d)", fn, t[n],
+                        (lua_Integer)(n + 1), o.vocab_start, o.vocab_start + o.valid);
+  pg_tensor *losses = new_lead(L, logits), *dlogits = new_like(L, logits, V);
+  int64_t three_n = 3 * N;
+  pg_tensor *stats = pg_lua_new_tensor(L, PG_FLOAT32, 1, &three_n); /* row_max, sumexp, target_logit */
+  float *rmax = pg_tensor_f32(stats), *sumexp = rmax + N, *tl = rmax + 2 * N;
+  const float *x = pg_tensor_f32(logits);
+  pg_xent_row_max(rmax, x, (int)N, V, o.valid);
+  pg_xent_sumexp(sumexp, tl, x, rmax, t, (int)N, V, o.valid, o.vocab_start);
+  double total = pg_xent_finish(pg_tensor_f32(losses), pg_tensor_f32(dlogits), x, rmax, sumexp, tl, t, (int)N, V,
+                                o.valid, o.vocab_start, o.dloss);
+  lua_pop(L, 1); /* stats */
+  lua_pushnumber(L, total);
+  return 3;
+}
+
+/* xent_row_max(logits[..., V] [, {valid=V}]) -> row_max[...] */
+static int l_xent_row_max(lua_State *L) {
+  const char *fn = "ops.xent_row_max";
+  int64_t N;
+  pg_tensor *logits = rows_arg(L, 1, fn, "logits", -1, &N);
+  int V = (int)logits->shape[logits->ndim - 1];
+  xent_opts o = read_xent_opts(L, 2, fn, V);
+  pg_tensor *rmax = new_lead(L, logits);
+  pg_xent_row_max(pg_tensor_f32(rmax), pg_tensor_f32(logits), (int)N, V, o.valid);
+  return 1;
+}
+
+/* xent_sumexp(logits, row_max, targets [, {valid=, vocab_start=}]) -> sumexp, target_logit */
+static int l_xent_sumexp(lua_State *L) {
+  const char *fn = "ops.xent_sumexp";
+  int64_t N;
+  pg_tensor *logits = rows_arg(L, 1, fn, "logits", -1, &N);
+  int V = (int)logits->shape[logits->ndim - 1];
+  pg_tensor *rmax = lead_arg(L, 2, fn, "row_max", logits, PG_FLOAT32);
+  pg_tensor *tg = lead_arg(L, 3, fn, "targets", logits, PG_INT32);
+  xent_opts o = read_xent_opts(L, 4, fn, V);
+  pg_tensor *sumexp = new_lead(L, logits), *tl = new_lead(L, logits);
+  pg_xent_sumexp(pg_tensor_f32(sumexp), pg_tensor_f32(tl), pg_tensor_f32(logits), pg_tensor_f32(rmax),
+                 pg_tensor_i32(tg), (int)N, V, o.valid, o.vocab_start);
+  return 2;
+}
+
+/* xent_finish(logits, row_max, sumexp, target_logit, targets [, {valid=, vocab_start=, dloss=}])
+ *   -> losses, dlogits, loss_sum */
+static int l_xent_finish(lua_State *L) {
+  const char *fn = "ops.xent_finish";
+  int64_t N;
+  pg_tensor *logits = rows_arg(L, 1, fn, "logits", -1, &N);
+  int V = (int)logits->shape[logits->ndim - 1];
+  pg_tensor *rmax = lead_arg(L, 2, fn, "row_max", logits, PG_FLOAT32);
+  pg_tensor *sumexp = lead_arg(L, 3, fn, "sumexp", logits, PG_FLOAT32);
+  pg_tensor *tl = lead_arg(L, 4, fn, "target_logit", logits, PG_FLOAT32);
+  pg_tensor *tg = lead_arg(L, 5, fn, "targets", logits, PG_INT32);
+  xent_opts o = read_xent_opts(L, 6, fn, V);
+  pg_tensor *losses = new_lead(L, logits), *dlogits = new_like(L, logits, V);
+  double total = pg_xent_finish(pg_tensor_f32(losses), pg_tensor_f32(dlogits), pg_tensor_f32(logits),
+                                pg_tensor_f32(rmax), pg_tensor_f32(sumexp), pg_tensor_f32(tl), pg_tensor_i32(tg), (int)N,
+                                V, o.valid, o.vocab_start, o.dloss);
+  lua_pushnumber(L, total);
+  return 3;
+}
+
+/* ---- optimizer ---- */
+
+/* adamw_(param, grad, m, v, {lr=, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=, grad_scale=1})
+ * updates param, m and v in place; returns param. */
+static int l_adamw_(lua_State *L) {
+  const char *fn = "ops.adamw_";
+  static const char *const keys[] = {"lr", "beta1", "beta2", "eps", "weight_decay", "step", "grad_scale", NULL};
+  pg_tensor *p = f32_arg(L, 1, fn, "param");
+  pg_tensor *g = expect(L, 2, fn, "grad", PG_FLOAT32, p->ndim, p->shape);
+  pg_tensor *m = expect(L, 3, fn, "m", PG_FLOAT32, p->ndim, p->shape);
+  pg_tensor *v = expect(L, 4, fn, "v", PG_FLOAT32, p->ndim, p->shape);
+  luaL_checktype(L, 5, LUA_TTABLE);
+  pg_lua_check_keys(L, 5, fn, keys);
+  double lr = pg_lua_opt_number(L, 5, "lr", NAN);
+  if (isnan(lr)) return luaL_error(L, "%s: option 'lr' is required", fn);
+  int step = opt_int_range(L, 5, fn, "step", 0, 1, INT_MAX);
+  pg_adamw_update(pg_tensor_f32(p), pg_tensor_f32(g), pg_tensor_f32(m), pg_tensor_f32(v), p->numel, (float)lr,
+                  (float)pg_lua_opt_number(L, 5, "beta1", 0.9), (float)pg_lua_opt_number(L, 5, "beta2", 0.999),
+                  (float)pg_lua_opt_number(L, 5, "eps", 1e-8), (float)pg_lua_opt_number(L, 5, "weight_decay", 0.01),
+                  step, (float)pg_lua_opt_number(L, 5, "grad_scale", 1.0));
+  lua_settop(L, 1);
+  return 1;
+}
+
+static int l_sum_squares(lua_State *L) {
+  pg_tensor *x = f32_arg(L, 1, "ops.sum_squares", "x");
+  lua_pushnumber(L, pg_sum_squares(pg_tensor_f32(x), x->numel));
+  return 1;
+}
+
+static const luaL_Reg ops_functions[] = {
+    {"embedding", l_embedding},
+    {"embedding_backward", l_embedding_backward},
+    {"position", l_position},
+    {"position_backward", l_position_backward},
+    {"layernorm", l_layernorm},
+    {"layernorm_backward", l_layernorm_backward},
+    {"linear", l_linear},
+    {"linear_backward", l_linear_backward},
+    {"attention", l_attention},
+    {"attention_backward", l_attention_backward},
+    {"gelu", l_gelu},
+    {"gelu_backward", l_gelu_backward},
+    {"residual", l_residual},
+    {"cross_entropy", l_cross_entropy},
+    {"xent_row_max", l_xent_row_max},
+    {"xent_sumexp", l_xent_sumexp},
+    {"xent_finish", l_xent_finish},
+    {"adamw_", l_adamw_},
+    {"sum_squares", l_sum_squares},
+    {NULL, NULL}};
+
+void pg_lua_open_ops(lua_State *L) {
+  luaL_newlib(L, ops_functions);
+  lua_setfield(L, -2, "ops");
+}
