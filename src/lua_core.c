@@ -16,12 +16,9 @@ int luaopen_pipegoose_core(lua_State *L) {
   pg_lua_open_tensor(L);
   pg_lua_open_context(L);
   pg_lua_open_dist(L);
-<<<<<<< HEAD
   pg_lua_open_nn(L);
   pg_lua_open_optim(L);
-=======
   pg_lua_open_ops(L);
->>>>>>> kernels
   lua_pushstring(L, PG_VERSION);
   lua_setfield(L, -2, "version");
   return 1;
