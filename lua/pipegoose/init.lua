@@ -8,4 +8,9 @@ local pg = {}
 for k, v in pairs(core) do pg[k] = v end
 pg.core = core
 
+pg.nn = require "pipegoose.nn"
+local parallel = require "pipegoose.parallel"
+pg.parallelize = parallel.parallelize
+pg.optim = require "pipegoose.optim"
+
 return pg

@@ -1,0 +1,77 @@
+--- pg.optim: AdamW over the engine's flat buffers (torch.optim.AdamW
+-- semantics: decoupled weight decay, bias correction; decay only on tensors of
+-- two or more dimensions), replicated (zero = 0) or ZeRO-1 sharded over the
+-- data group (zero = 1).
+local core = require "pipegoose.core"
+
+local optim = {}
+
+local AdamW = {}
+AdamW.__index = AdamW
+
+local known = { lr = true, betas = true, eps = true, weight_decay = true, zero = true }
+
+function optim.AdamW(engine, o)
+  o = o or {}
+  for k in pairs(o) do
+    if not known[k] then error(("AdamW: unknown option '%s'"):format(tostring(k)), 2) end
+  end
+  local zero = o.zero or 0
+  if zero == 2 or zero == 3 then
+    error(("AdamW: zero=%d is not built; pipegoose has ZeRO stage 1 (zero = 1) and none (zero = 0)"):format(zero), 2)
+  elseif zero ~= 0 and zero ~= 1 then
+    error(("AdamW: zero must be 0 or 1, got %s"):format(tostring(zero)), 2)
+  end
+  local betas = o.betas or { 0.9, 0.999 }
+  if type(betas) ~= "table" or #betas ~= 2 then error("AdamW: betas must be a table {beta1, beta2}", 2) end
+  local c = engine.c or error("AdamW: needs an engine made by pg.parallelize", 2)
+  local ok, opt = pcall(core.AdamW, c, { lr = o.lr or 1e-3, beta1 = betas[1], beta2 = betas[2], eps = o.eps or 1e-8,
+                                         weight_decay = o.weight_decay or 0.01 }, zero)
+  if not ok then error(opt, 2) end
+  local self = setmetatable({ c = opt, engine = engine, zero = zero }, AdamW)
+  engine.optimizer = self
+  return self
+end
+
+function AdamW:step() self.c:step() end
+function AdamW:zero_grad() self.engine:zero_grad() end
+function AdamW:grad_norm() return self.c:grad_norm() end
+
+--- Global gradient norm before clipping; the next step scales gradients by
+-- max_norm / (norm + 1e-6) when the norm exceeds max_norm (torch's rule).
+function AdamW:clip_grad_norm(max_norm) return self.c:clip(max_norm) end
+
+function AdamW:set_lr(lr) self.c:hparams{ lr = lr } end
+function AdamW:get_lr() return self.c:hparams().lr end
+function AdamW:hparams() return self.c:hparams() end
+
+--- State of this rank's shard: which slice of the flat buffer it holds
+-- (0-based [lo, hi)), the step count, hyperparameters, and copies of m and v.
+function AdamW:state_dict()
+  local s = self.c:state()
+  local ctx = self.engine.ctx
+  return {
+    step = s.step, zero = self.zero, lo = s.lo, hi = s.hi, hparams = self.c:hparams(),
+    data_rank = ctx:local_rank("data"), data = ctx:world_size("data"),
+    m = s.m:clone(), v = s.v:clone(),
+  }
+end
+
+function AdamW:load_state_dict(sd)
+  local s = self.c:state()
+  if sd.lo ~= s.lo or sd.hi ~= s.hi then
+    error(("AdamW:load_state_dict: the state holds flat slice [%d, %d), this rank owns [%d, %d)"):format(
+      sd.lo, sd.hi, s.lo, s.hi), 2)
+  end
+  s.m:copy_(sd.m)
+  s.v:copy_(sd.v)
+  self.c:set_step(sd.step)
+  if sd.hparams then self.c:hparams(sd.hparams) end
+end
+
+--- Bytes of optimizer state on this rank (m and v), measured from the buffers.
+function AdamW:memory()
+  return { state_bytes = self.c:state_bytes() }
+end
+
+return optim

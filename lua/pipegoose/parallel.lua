@@ -1,0 +1,251 @@
+--- pg.parallelize(model, ctx, opts) -> engine.
+-- Cuts the model's top-level sequence into pipeline stages, describes this
+-- rank's stage (sharded for tensor parallelism) and builds it in C. The
+-- engine object here is a thin Lua face over the C engine.
+local core = require "pipegoose.core"
+local nn = require "pipegoose.nn"
+
+local M = {}
+
+local Engine = {}
+Engine.__index = Engine
+
+---------------------------------------------------------------- partitioning
+
+--- Contiguous cut of `costs` into P stages minimising the most expensive
+-- stage (dynamic programming over cut points). Returns stage sizes.
+function M.balance(costs, P)
+  local n = #costs
+  local prefix = { [0] = 0 }
+  for i = 1, n do prefix[i] = prefix[i - 1] + costs[i] end
+  -- best[p][i]: smallest max-stage cost splitting the first i modules into p stages
+  local best, cut = {}, {}
+  for p = 1, P do
+    best[p], cut[p] = {}, {}
+    for i = p, n - (P - p) do
+      if p == 1 then
+        best[1][i], cut[1][i] = prefix[i], 0
+      else
+        local b, c = math.huge, nil
+        for j = p - 1, i - 1 do
+          local v = math.max(best[p - 1][j], prefix[i] - prefix[j])
+          if v < b then b, c = v, j end
+        end
+        best[p][i], cut[p][i] = b, c
+      end
+    end
+  end
+  local sizes, i = {}, n
+  for p = P, 1, -1 do
+    local j = cut[p][i]
+    sizes[p] = i - j
+    i = j
+  end
+  return sizes
+end
+
+local function partition(top, P, seq_len, stages)
+  if P > #top then
+    error(("pipeline=%d is larger than the model's %d top-level modules"):format(P, #top), 0)
+  end
+  local sizes
+  if stages then
+    if #stages ~= P then error(("stages lists %d stages, but pipeline=%d"):format(#stages, P), 0) end
+    local total = 0
+    for i, s in ipairs(stages) do
+      if math.type(s) ~= "integer" or s < 1 then
+        error(("stages[%d] = %s: each stage needs a positive number of modules"):format(i, tostring(s)), 0)
+      end
+      total = total + s
+    end
+    if total ~= #top then error(("stages cover %d modules, but the model has %d top-level modules"):format(total, #top), 0) end
+    sizes = stages
+  else
+    local costs = {}
+    for i, m in ipairs(top) do costs[i] = 3 * m:flops(seq_len) + 1 end -- forward + backward; +1 keeps every module weighed
+    sizes = M.balance(costs, P)
+  end
+  local ranges, first = {}, 1
+  for p = 1, P do
+    ranges[p] = { first, first + sizes[p] - 1 }
+    first = first + sizes[p]
+  end
+  return ranges
+end
+
+---------------------------------------------------------------- parallelize
+
+local known_opts = { micro_batches = true, schedule = true, stages = true, bucket_mb = true, seed = true }
+
+function M.parallelize(model, ctx, opts)
+  opts = opts or {}
+  for k in pairs(opts) do
+    if not known_opts[k] then error(("parallelize: unknown option '%s'"):format(tostring(k)), 2) end
+  end
+  if not nn.is_spec(model) then error("parallelize: the model must be a pg.nn module", 2) end
+  if ctx == nil then ctx = core.ParallelContext{} end
+  local sizes = ctx:sizes()
+  local T, P = sizes.tensor, sizes.pipeline
+  local schedule = opts.schedule or "1f1b"
+  if schedule ~= "gpipe" and schedule ~= "1f1b" then
+    error(("parallelize: unknown schedule '%s' (expected gpipe or 1f1b)"):format(tostring(schedule)), 2)
+  end
+  local micro = opts.micro_batches or 1
+  if math.type(micro) ~= "integer" or micro < 1 then
+    error(("parallelize: micro_batches must be a positive integer, got %s"):format(tostring(micro)), 2)
+  end
+  local config = model.config or {}
+  local top = model:top_level()
+  local seq_len = config.seq_len or 1
+  local ok, ranges = pcall(partition, top, P, seq_len, opts.stages)
+  if not ok then error("parallelize: " .. ranges, 2) end
+
+  -- Describe every stage (this checks widths for the whole model on every
+  -- rank, so a bad model fails everywhere alike), keep this rank's.
+  local me = ctx:local_rank("pipeline")
+  local flow = { width = 0, split = false }
+  local stage_desc, stage_flow_in, width, tie, head_tied
+  local partition_report = {}
+  local lua_modules = {}
+  for p = 1, P do
+    local kids, names, nparams = {}, {}, 0
+    local flow_in = flow
+    for i = ranges[p][1], ranges[p][2] do
+      local m = top[i]
+      local ok2, d, out = pcall(m.describe, m, "", flow, T)
+      if not ok2 then error("parallelize: " .. tostring(d), 2) end
+      kids[#kids + 1], flow = d, out
+      names[#names + 1] = d.name ~= "" and d.name or (m.label or m.kind)
+      nparams = nparams + m:num_params()
+      if d.kind == "lm_head" and d.tie then tie, head_tied = d.tie, true end
+    end
+    partition_report[p] = { modules = names, params = nparams, first = ranges[p][1], last = ranges[p][2] }
+    if p < P then
+      if flow.width <= 0 or flow.split then
+        error(("parallelize: stage %d ends with %s; a pipeline stage must hand over full activations"):format(
+          p - 1, flow.width < 0 and "the loss" or "a split tensor"), 2)
+      end
+      width = width or flow.width
+      if flow.width ~= width then error("parallelize: stages hand over different widths", 2) end
+    end
+    if p - 1 == me then stage_desc, stage_flow_in = { kind = "sequential", name = "", children = kids }, flow_in end
+  end
+  if flow.width ~= -1 then error("parallelize: the model must end with an LMHead (it computes the loss)", 2) end
+  width = width or (config.dim or 0)
+  local vocab = config.vocab
+  for _, m in ipairs(top) do if m.kind == "lm_head" then vocab = vocab or m.vocab end end
+
+  -- Collect the Lua modules of this stage to hand them their parameter views.
+  local function find_lua(d)
+    if d.kind == "lua" then lua_modules[#lua_modules + 1] = d end
+    for _, c in ipairs(d.children or {}) do find_lua(c) end
+    if d.inner then find_lua(d.inner) end
+  end
+  find_lua(stage_desc)
+
+  local c = core.Engine(ctx, stage_desc, {
+    micro_batches = micro, schedule = schedule, vocab = vocab, width = width, seed = opts.seed or ctx:seed(),
+    is_first = me == 0, is_last = me == P - 1, tied_name = (P > 1 and head_tied) and tie or nil,
+    bucket_mb = opts.bucket_mb or 25,
+  })
+  local e = setmetatable({
+    c = c, ctx = ctx, config = config, model = model, micro_batches = micro, schedule = schedule,
+    stage = me, stages = P, partition_report = partition_report, vocab = vocab, _ = { stage_flow_in = stage_flow_in },
+  }, Engine)
+  local by_name = {}
+  for _, p in ipairs(c:params()) do by_name[p.name] = p end
+  for _, d in ipairs(lua_modules) do
+    local m = d.module
+    m.params, m.grads = {}, {}
+    for _, p in ipairs(d.params) do
+      local full = d.name == "" and p.name or (d.name .. "." .. p.name)
+      m.params[p.name], m.grads[p.name] = by_name[full].tensor, by_name[full].grad
+    end
+  end
+  if model.weights then e:load_weights(model.weights) end
+  return e
+end
+
+---------------------------------------------------------------- the engine's face
+
+--- engine:forward_backward(inputs, targets [, {grad_scale = 1, sync = true}]) -> loss
+function Engine:forward_backward(inputs, targets, opts)
+  local scale, sync = 1, true
+  if opts then
+    scale = opts.grad_scale or 1
+    if opts.sync == false then sync = false end
+  end
+  return self.c:forward_backward(inputs, targets, scale, sync)
+end
+
+--- engine:loss(inputs, targets) -> mean token loss (no gradients)
+function Engine:loss(inputs, targets)
+  return (self.c:evaluate(inputs, targets, false))
+end
+
+--- engine:forward(inputs) -> logits [B, T, vocab] on every rank
+function Engine:forward(inputs)
+  local _, logits = self.c:evaluate(inputs, nil, true)
+  return logits
+end
+
+function Engine:zero_grad() self.c:zero_grad() end
+function Engine:sync_grads() self.c:sync_grads() end
+
+--- This rank's parameters: { name=, shape=, full_shape=, split=, tensor=, grad=, ... } in flat order.
+function Engine:parameters()
+  if not self._.params then self._.params = self.c:params() end
+  return self._.params
+end
+
+function Engine:grads()
+  local out = {}
+  for i, p in ipairs(self:parameters()) do out[i] = { name = p.name, shape = p.shape, tensor = p.grad } end
+  return out
+end
+
+function Engine:parameter(name)
+  for _, p in ipairs(self:parameters()) do if p.name == name then return p end end
+end
+
+function Engine:num_parameters()
+  if not self._.nparams then self._.nparams = self.c:num_parameters() end
+  return self._.nparams
+end
+
+--- What this rank holds, in bytes.
+function Engine:memory()
+  local info = self.c:info()
+  local local_params = 0
+  for _, p in ipairs(self:parameters()) do
+    local n = 1
+    for _, d in ipairs(p.shape) do n = n * d end
+    local_params = local_params + n
+  end
+  local m = {
+    params_bytes = 4 * info.flat_padded, grads_bytes = 4 * info.flat_padded,
+    slot_bytes = info.slot_bytes, slots = info.slots,
+    activation_bytes = info.slot_bytes * info.slots,
+    peak_activation_bytes = info.slot_bytes * info.peak_in_flight,
+    peak_in_flight = info.peak_in_flight,
+    local_parameters = local_params,
+  }
+  if self.optimizer then
+    m.optimizer_bytes = self.optimizer:memory().state_bytes
+    m.bytes_per_parameter = (m.params_bytes + m.grads_bytes + m.optimizer_bytes) / local_params
+  end
+  return m
+end
+
+--- Which modules and how many parameters sit on each stage.
+function Engine:partition() return self.partition_report end
+
+--- Timing counters of this rank (seconds) and the step count.
+function Engine:stats() return self.c:info() end
+function Engine:reset_stats() self.c:reset_stats() end
+
+--- The schedule this rank runs: { {"forward", 1}, {"send_act", 1}, ... }
+function Engine:schedule_actions() return self.c:schedule() end
+
+M.Engine = Engine
+return M
