@@ -57,7 +57,7 @@ endif
 
 CFLAGS   = -std=c11 -D_POSIX_C_SOURCE=200809L -Wall -Wextra -fPIC -fopenmp $(OPTFLAGS) -Isrc -Ikernels -DPG_VERSION='"$(VERSION)"' \
            $(CUDA_DEFS) $(PKG_CFLAGS)
-LDLIBS   = $(PKG_LIBS) $(CUDA_LIBS) -lm -ldl
+LDLIBS   = $(PKG_LIBS) $(CUDA_LIBS) -lz -lm -ldl
 LDFLAGS  = -fopenmp $(SANLD)
 
 RUNTIME_SRCS  := $(filter-out src/lua_% src/pglua.c,$(wildcard src/*.c)) $(wildcard kernels/cpu/*.c)

@@ -8,6 +8,7 @@ PKGS=(
   lua5.4 liblua5.4-dev lua-busted lua-cjson   # interpreter headers, test runner, JSON
   libopenmpi-dev openmpi-bin                   # MPI
   libopenblas-openmp-dev                       # sgemm (OpenMP flavour: one thread pool with ours)
+  zlib1g-dev                                   # crc32 for checkpoint checksums
   fortunes                                     # the default training corpus (/usr/share/games/fortunes)
 )
 # Optional extras (plots), installed when asked: PG_WITH_PLOTS=1.

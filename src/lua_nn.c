@@ -387,6 +387,43 @@ static int l_flat(lua_State *L) {
   return 2;
 }
 
+static pg_param *check_param(lua_State *L, pg_engine *e, int idx) {
+  const char *name = luaL_checkstring(L, idx);
+  pg_param *p = pg_engine_find_param(e, name);
+  if (!p) luaL_error(L, "this rank holds no parameter '%s'", name);
+  return p;
+}
+
+/* engine:load_param(name, full) : this rank's shard from a full tensor (rows may
+ * be fewer than the padded full shape: the rest is padding, set to 0). */
+static int l_load_param(lua_State *L) {
+  pg_engine *e = check_engine(L, 1);
+  pg_param *p = check_param(L, e, 2);
+  pg_tensor *t = pg_lua_check_tensor(L, 3);
+  int64_t row = 1;
+  for (int d = 1; d < p->ndim; d++) row *= p->full_shape[d];
+  if (t->dtype != PG_FLOAT32 || t->numel % row || t->numel / row > p->full_shape[0]) {
+    char d[128];
+    return luaL_error(L, "load_param %s: a tensor of %s does not fit the full shape (rows of %I values, at most %I rows)",
+                      p->name, pg_tensor_describe(t, d, sizeof d), (lua_Integer)row, (lua_Integer)p->full_shape[0]);
+  }
+  pg_param_load_full(p, pg_tensor_f32(t), t->numel / row);
+  return 0;
+}
+
+/* engine:gather_param(name [, grad]) -> the full tensor, or its gradient
+ * (collective over the tensor group) */
+static int l_gather_param(lua_State *L) {
+  pg_engine *e = check_engine(L, 1);
+  pg_param *p = check_param(L, e, 2);
+  int grad = lua_toboolean(L, 3);
+  pg_tensor *t = pg_lua_new_tensor(L, PG_FLOAT32, p->ndim, p->full_shape);
+  pg_param view = *p;
+  if (grad) view.data = p->grad;
+  PG_LUA_CHECK(L, pg_engine_gather_param(e, &view, pg_tensor_f32(t)));
+  return 1;
+}
+
 static int l_num_parameters(lua_State *L) {
   int64_t n;
   PG_LUA_CHECK(L, pg_engine_num_parameters(check_engine(L, 1), &n));
@@ -498,7 +535,7 @@ static int l_schedule_validate(lua_State *L) {
 static const luaL_Reg engine_methods[] = {
     {"forward_backward", l_forward_backward}, {"evaluate", l_evaluate}, {"zero_grad", l_zero_grad},
     {"sync_grads", l_sync_grads}, {"params", l_params}, {"flat", l_flat}, {"num_parameters", l_num_parameters},
-    {"info", l_info}, {"reset_stats", l_reset_stats}, {"schedule", l_schedule}, {"free", l_free}, {NULL, NULL}};
+    {"info", l_info}, {"load_param", l_load_param}, {"gather_param", l_gather_param}, {"reset_stats", l_reset_stats}, {"schedule", l_schedule}, {"free", l_free}, {NULL, NULL}};
 
 void pg_lua_open_nn(lua_State *L) {
   if (luaL_newmetatable(L, PG_ENGINE_MT)) {

@@ -48,6 +48,7 @@ void pg_lua_open_context(lua_State *L);
 void pg_lua_open_dist(lua_State *L);
 void pg_lua_open_nn(lua_State *L);
 void pg_lua_open_optim(lua_State *L);
+void pg_lua_open_file(lua_State *L);
 void pg_lua_open_ops(lua_State *L); /* sets field `ops` */
 
 #endif

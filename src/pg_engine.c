@@ -348,3 +348,28 @@ int pg_engine_num_parameters(pg_engine *e, int64_t *n) {
   *n = local;
   return PG_OK;
 }
+
+pg_param *pg_engine_find_param(const pg_engine *e, const char *name) {
+  for (int i = 0; i < e->nparams; i++)
+    if (!strcmp(e->params[i]->name, name)) return e->params[i];
+  return NULL;
+}
+
+int pg_engine_gather_param(pg_engine *e, pg_param *p, float *full) {
+  if (p->split_parts == 1) {
+    memcpy(full, p->data, (size_t)p->numel * sizeof(float));
+    return PG_OK;
+  }
+  int T = p->split_parts;
+  float *all = malloc((size_t)T * p->numel * sizeof(float));
+  if (!all) return pg_fail("out of memory gathering %s", p->name);
+  memcpy(all + (size_t)e->ctx->tp_rank * p->numel, p->data, (size_t)p->numel * sizeof(float));
+  if (pg_all_gather_buf(e->ctx, PG_MODE_TENSOR, all, p->numel, PG_FLOAT32)) {
+    free(all);
+    return PG_ERR;
+  }
+  for (int r = 0; r < T; r++)
+    for (int64_t i = 0; i < p->numel; i++) full[pg_param_full_index_of(p, i, r)] = all[(size_t)r * p->numel + i];
+  free(all);
+  return PG_OK;
+}

@@ -91,6 +91,12 @@ void pg_engine_shard(const pg_engine *e, int64_t *lo, int64_t *hi);
 /* Total parameters of the full (unsharded) model, computed from this rank's
  * shards: collective over the tensor and pipeline groups. */
 int pg_engine_num_parameters(pg_engine *e, int64_t *n);
+/* The parameter of that name on this rank, or NULL. */
+pg_param *pg_engine_find_param(const pg_engine *e, const char *name);
+/* The full tensor of a parameter, assembled from the shards of the tensor
+ * group into `full` (p->full_shape). Collective over the tensor group. */
+int pg_engine_gather_param(pg_engine *e, pg_param *p, float *full);
+
 /* Saved activation bytes per micro-batch on this rank. */
 size_t pg_engine_slot_bytes(const pg_engine *e);
 

@@ -107,6 +107,10 @@ static int add_param(pg_module *m, pg_param *p) {
 }
 
 int64_t pg_param_full_index(const pg_param *p, int64_t local) {
+  return pg_param_full_index_of(p, local, p->split_index);
+}
+
+int64_t pg_param_full_index_of(const pg_param *p, int64_t local, int index) {
   int64_t coord[PG_PARAM_MAX_DIMS];
   for (int d = p->ndim - 1; d >= 0; d--) {
     coord[d] = local % p->shape[d];
@@ -116,7 +120,7 @@ int64_t pg_param_full_index(const pg_param *p, int64_t local) {
     int d = p->split_dim;
     int64_t piece = p->full_shape[d] / ((int64_t)p->split_blocks * p->split_parts);
     int64_t block = coord[d] / piece, within = coord[d] % piece;
-    coord[d] = block * (p->full_shape[d] / p->split_blocks) + p->split_index * piece + within;
+    coord[d] = block * (p->full_shape[d] / p->split_blocks) + index * piece + within;
   }
   int64_t full = 0;
   for (int d = 0; d < p->ndim; d++) full = full * p->full_shape[d] + coord[d];
@@ -142,6 +146,16 @@ void pg_param_init(pg_param *p, uint64_t seed) {
     int64_t f = pg_param_full_index(p, i);
     if (p->valid_rows >= 0 && f / full_row_elems >= p->valid_rows) x[i] = 0.0f;
     else x[i] = p->init_std * pg_normal_at(key, (uint64_t)f);
+  }
+}
+
+void pg_param_load_full(pg_param *p, const float *full, int64_t full_rows) {
+  int64_t row = 1;
+  for (int d = 1; d < p->ndim; d++) row *= p->full_shape[d];
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < p->numel; i++) {
+    int64_t f = pg_param_full_index(p, i);
+    p->data[i] = f / row < full_rows ? full[f] : 0.0f;
   }
 }
 

@@ -165,5 +165,10 @@ static inline int pg_module_backward(pg_module *m, int slot, pg_io *io, const fl
 void pg_param_init(pg_param *p, uint64_t seed);
 /* Index into the full tensor of the shard's local element i. */
 int64_t pg_param_full_index(const pg_param *p, int64_t local);
+/* The same for the shard held by tensor rank `index`. */
+int64_t pg_param_full_index_of(const pg_param *p, int64_t local, int index);
+/* Fills the shard from a full tensor of `full_rows` rows (dim 0) laid out as
+ * p->full_shape otherwise; rows past full_rows (padding) become 0. */
+void pg_param_load_full(pg_param *p, const float *full, int64_t full_rows);
 
 #endif

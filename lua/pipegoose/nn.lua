@@ -172,7 +172,7 @@ end
 -- padded_vocab: rows of the embedding (>= vocab); tensor parallelism pads
 -- further to a multiple of T. Init is GPT-2's: N(0, 0.02), residual
 -- projections N(0, 0.02/sqrt(2*layers)), LayerNorm 1/0, biases 0.
-function nn.GPT(o)
+local function build_gpt(o)
   for _, k in ipairs{ "vocab", "seq_len", "dim", "heads", "layers" } do check_positive_int("GPT", k, o[k]) end
   if o.dim % o.heads ~= 0 then error(("GPT: dim=%d is not divisible by heads=%d"):format(o.dim, o.heads), 2) end
   local padded = o.padded_vocab or o.vocab
@@ -190,6 +190,18 @@ function nn.GPT(o)
   model.config = { vocab = o.vocab, padded_vocab = padded, seq_len = o.seq_len, dim = o.dim, heads = o.heads,
                    layers = o.layers, hidden = o.hidden or 4 * o.dim, tie = o.tie ~= false }
   return model
+end
+
+nn.GPT = setmetatable({}, { __call = function(_, o) return build_gpt(o) end })
+
+--- pg.nn.GPT.load_llmc(path): a GPT-2 spec with the config and weights of an
+-- llm.c model file (the weights are loaded by pg.parallelize, each rank its shards).
+function nn.GPT.load_llmc(path)
+  local cfg = require("pipegoose.llmc").read_header(path)
+  local m = nn.GPT{ vocab = cfg.vocab, padded_vocab = cfg.padded_vocab, seq_len = cfg.seq_len, dim = cfg.dim,
+                    heads = cfg.heads, layers = cfg.layers }
+  m.weights = { format = "llmc", path = path }
+  return m
 end
 
 ---------------------------------------------------------------- analysis

@@ -1,0 +1,132 @@
+--- llm.c's GPT-2 model file: import into an engine, export from one.
+-- Header of 256 int32: magic 20240326, version 3 (fp32), max_seq_len, vocab,
+-- layers, heads, channels, padded_vocab; then the 16 tensors below, each
+-- stacked over layers where it has a layer dimension.
+local core = require "pipegoose.core"
+
+local M = {}
+
+M.MAGIC, M.VERSION = 20240326, 3
+
+-- llm.c's tensor order, the matching pipegoose parameter name (%d = layer)
+-- and the shape of one layer's slice.
+local function layout(cfg)
+  local V, T, C, L = cfg.padded_vocab, cfg.seq_len, cfg.dim, cfg.layers
+  local H = cfg.hidden or 4 * C
+  return {
+    { "wte", "embed.wte", { V, C } },
+    { "wpe", "embed.wpe", { T, C } },
+    { "ln1w", "blocks.%d.ln1.weight", { C }, L },
+    { "ln1b", "blocks.%d.ln1.bias", { C }, L },
+    { "qkvw", "blocks.%d.attn.qkv.weight", { 3 * C, C }, L },
+    { "qkvb", "blocks.%d.attn.qkv.bias", { 3 * C }, L },
+    { "attprojw", "blocks.%d.attn.proj.weight", { C, C }, L },
+    { "attprojb", "blocks.%d.attn.proj.bias", { C }, L },
+    { "ln2w", "blocks.%d.ln2.weight", { C }, L },
+    { "ln2b", "blocks.%d.ln2.bias", { C }, L },
+    { "fcw", "blocks.%d.mlp.fc.weight", { H, C }, L },
+    { "fcb", "blocks.%d.mlp.fc.bias", { H }, L },
+    { "fcprojw", "blocks.%d.mlp.proj.weight", { C, H }, L },
+    { "fcprojb", "blocks.%d.mlp.proj.bias", { C }, L },
+    { "lnfw", "ln_f.weight", { C } },
+    { "lnfb", "ln_f.bias", { C } },
+  }
+end
+
+local function numel(shape)
+  local n = 1
+  for _, d in ipairs(shape) do n = n * d end
+  return n
+end
+
+--- Every (file tensor, layer, parameter name, byte offset, element count), in file order.
+function M.entries(cfg)
+  local out, off = {}, 1024
+  for _, t in ipairs(layout(cfg)) do
+    local n = numel(t[3])
+    for l = 0, (t[4] or 1) - 1 do
+      out[#out + 1] = { file_name = t[1], layer = t[4] and l or nil, name = t[2]:format(l), offset = off, count = n,
+                        shape = t[3] }
+      off = off + 4 * n
+    end
+  end
+  return out, off
+end
+
+--- Reads and checks the header; returns the model config.
+function M.read_header(path)
+  local h = core.file.read(path, 0, 256, "int32"):totable()
+  if h[1] ~= M.MAGIC then
+    error(("%s: not an llm.c GPT-2 model file (magic %d, expected %d)"):format(path, h[1], M.MAGIC), 0)
+  end
+  if h[2] ~= M.VERSION then
+    error(("%s: llm.c model version %d is not supported (expected %d: fp32)"):format(path, h[2], M.VERSION), 0)
+  end
+  local cfg = { seq_len = h[3], vocab = h[4], layers = h[5], heads = h[6], dim = h[7], padded_vocab = h[8] }
+  local _, size = M.entries(cfg)
+  local actual = core.file.size(path)
+  if actual ~= size then
+    error(("%s: %s: the header's model needs %d bytes, the file has %d"):format(path,
+      actual < size and "truncated" or "trailing bytes", size, actual), 0)
+  end
+  return cfg
+end
+
+--- Loads the weights of an llm.c file into the engine (each rank its shards).
+function M.load_into(engine, path)
+  local cfg = M.read_header(path)
+  local have = {}
+  for _, p in ipairs(engine:parameters()) do have[p.name] = true end
+  for _, e in ipairs(M.entries(cfg)) do
+    if have[e.name] then
+      engine.c:load_param(e.name, core.file.read(path, e.offset, e.count))
+    end
+  end
+end
+
+local function owner_stage(engine, name)
+  -- The first stage that holds the parameter (the tied embedding's original).
+  local top = name:match("^blocks%.%d+") or name:match("^[^.]+")
+  for p, part in ipairs(engine:partition()) do
+    for _, m in ipairs(part.modules) do
+      if m == top then return p - 1 end
+    end
+  end
+  error("no stage holds " .. name)
+end
+
+--- Writes the model in llm.c's format (rank 0 writes; collective over all ranks).
+function M.save_from(engine, path)
+  local cfg = engine.config
+  local ctx = engine.ctx
+  local sizes = ctx:sizes()
+  local me, stage = ctx:rank(), ctx:local_rank("pipeline")
+  local header = {}
+  for i = 1, 256 do header[i] = 0 end
+  header[1], header[2], header[3], header[4] = M.MAGIC, M.VERSION, cfg.seq_len, cfg.vocab
+  header[5], header[6], header[7], header[8] = cfg.layers, cfg.heads, cfg.dim, cfg.padded_vocab
+  local parts = { core.tensor(header, { dtype = "int32" }) }
+  for _, e in ipairs(M.entries(cfg)) do
+    local owner = owner_stage(engine, e.name)
+    local src = owner * sizes.tensor * sizes.data -- (pp = owner, dp = 0, tp = 0)
+    local buf
+    if stage == owner then
+      -- every rank of the owning stage takes part in its tensor group's gather;
+      -- the file keeps the first rows (padding for T is not written)
+      local full = engine.c:gather_param(e.name)
+      buf = full:reshape{ full:numel() }:narrow(1, 1, e.count):clone()
+    end
+    if src ~= 0 then
+      if me == src then core.dist.send(buf, { ctx = ctx, dst = 0, tag = 7 })
+      elseif me == 0 then
+        buf = core.zeros{ e.count }
+        core.dist.recv(buf, { ctx = ctx, src = src, tag = 7 })
+      end
+    end
+    if me == 0 then parts[#parts + 1] = buf end
+  end
+  if me == 0 then core.file.write(path, parts) end
+  ctx:barrier()
+end
+
+return M

@@ -1,0 +1,109 @@
+-- Checks pipegoose's GPT-2 against a PyTorch reference (files made by
+-- scripts/make_reference.py, in llm.c's model and debug-state formats).
+--
+--   [mpirun -np N] pglua scripts/gpt2_check.lua MODEL STATE [--steps=K] [--lr=] [--beta1=] [--beta2=]
+--       [--eps=] [--weight-decay=] [--clip=] [--tensor=T] [--pipeline=P] [--data=D]
+--       [--micro-batches=M] [--schedule=gpipe|1f1b] [--zero=0|1]
+--
+-- Prints on rank 0: loss, logits_max_abs_diff, grad <tensor> <max_abs_diff> for
+-- the 16 tensors, grads_max_abs_diff, then "step k loss v" for k = 1..K (the
+-- loss before update k, same batch every step). Exit 0 when the loss matches
+-- to 1e-5 relative, logits to 1e-4 and gradients to 1e-4 absolute, else 1.
+local pg = require "pipegoose"
+local llmc = require "pipegoose.llmc"
+
+local positional, opt = {}, {}
+for _, a in ipairs(arg) do
+  local k, v = a:match("^%-%-([%w-]+)=(.*)$")
+  if k then opt[k] = v else positional[#positional + 1] = a end
+end
+local model_path, state_path = positional[1], positional[2]
+if not model_path or not state_path then
+  io.stderr:write("usage: gpt2_check.lua MODEL STATE [--steps=K] [--tensor=T] [--pipeline=P] [--data=D] ...\n")
+  os.exit(2)
+end
+local function num(k, d) return opt[k] and assert(tonumber(opt[k]), "--" .. k .. " needs a number") or d end
+local function int(k, d) return math.tointeger(num(k, d)) or error("--" .. k .. " needs an integer") end
+
+local ctx = pg.ParallelContext{ tensor = int("tensor", 1), pipeline = int("pipeline", 1), data = int("data", 1), seed = 1 }
+local rank, D, dp = ctx:rank(), ctx:world_size("data"), ctx:local_rank("data")
+local model = pg.nn.GPT.load_llmc(model_path)
+local cfg = model.config
+local engine = pg.parallelize(model, ctx, { micro_batches = int("micro-batches", 1), schedule = opt.schedule or "1f1b" })
+
+-- The debug state: header, x, y, logits [B, T, V], loss, gradients.
+local h = pg.file.read(state_path, 0, 256, "int32"):totable()
+if h[1] ~= 20240327 or h[2] ~= 2 then error(state_path .. ": not a debug state file (magic/version)") end
+local B, T, V = h[3], h[4], cfg.vocab
+if B % D ~= 0 then error(("batch %d is not divisible by data=%d"):format(B, D)) end
+local off = 1024
+local function read(count, dtype)
+  local t = pg.file.read(state_path, off, count, dtype)
+  off = off + 4 * count
+  return t
+end
+local x = read(B * T, "int32"):reshape{ B, T }
+local y = read(B * T, "int32"):reshape{ B, T }
+local ref_logits = read(B * T * V):reshape{ B, T, V }
+local ref_loss = read(1):item()
+local ref_grads = {}
+for _, e in ipairs(llmc.entries(cfg)) do ref_grads[#ref_grads + 1] = { entry = e, values = read(e.count) } end
+
+-- This data rank's share of the batch.
+local Bl = B // D
+local xs, ys = x:narrow(1, dp * Bl + 1, Bl), y:narrow(1, dp * Bl + 1, Bl)
+
+local function say(...) if rank == 0 then print(...) end end
+local function global_max(v)
+  local t = pg.tensor{ v }
+  pg.dist.all_reduce(t, { ctx = ctx, op = "max" })
+  return t:item()
+end
+
+engine:zero_grad()
+local loss = engine:forward_backward(xs, ys)
+local logits = engine:forward(xs)
+local logit_diff = global_max(logits:max_abs_diff(ref_logits:narrow(1, dp * Bl + 1, Bl)))
+
+-- Gradients, per llm.c tensor: the owner stage gathers its tensor group's shards.
+local held = {}
+for _, p in ipairs(engine:parameters()) do if not p.tied_copy then held[p.name] = true end end
+local per_tensor, order = {}, {}
+for _, g in ipairs(ref_grads) do
+  local e = g.entry
+  local d = 0
+  if held[e.name] then
+    local full = engine.c:gather_param(e.name, true)
+    d = full:reshape{ full:numel() }:narrow(1, 1, e.count):max_abs_diff(g.values)
+  end
+  if not per_tensor[e.file_name] then per_tensor[e.file_name], order[#order + 1] = 0, e.file_name end
+  per_tensor[e.file_name] = math.max(per_tensor[e.file_name], d)
+end
+local worst = 0
+say(("loss %.9g"):format(loss))
+say(("logits_max_abs_diff %.3g"):format(logit_diff))
+for _, name in ipairs(order) do
+  local d = global_max(per_tensor[name])
+  worst = math.max(worst, d)
+  say(("grad %s %.3g"):format(name, d))
+end
+say(("grads_max_abs_diff %.3g"):format(worst))
+
+local ok = math.abs(loss - ref_loss) <= 1e-5 * math.abs(ref_loss) and logit_diff <= 1e-4 and worst <= 1e-4
+if not ok then say(("reference loss %.9g"):format(ref_loss)) end
+
+-- K AdamW steps on the same batch.
+local K = int("steps", 0)
+if K > 0 then
+  local optimizer = pg.optim.AdamW(engine, { lr = num("lr", 1e-3), betas = { num("beta1", 0.9), num("beta2", 0.95) },
+    eps = num("eps", 1e-8), weight_decay = num("weight-decay", 0.1), zero = int("zero", 0) })
+  local clip = num("clip", 0)
+  for k = 1, K do
+    engine:zero_grad()
+    local l = engine:forward_backward(xs, ys)
+    if clip > 0 then optimizer:clip_grad_norm(clip) end
+    optimizer:step()
+    say(("step %d loss %.9g"):format(k, l))
+  end
+end
+os.exit(ok and 0 or 1)
