@@ -329,47 +329,51 @@ static void push_shape(lua_State *L, int ndim, const int64_t *shape) {
   }
 }
 
-/* engine:params() -> list of {name=, shape=, full_shape=, split={dim=, blocks=, parts=, index=},
- *   valid_rows=, replicated=, tied_copy=, weight_decay=, offset=, tensor=, grad=} */
+/* {name=, shape=, full_shape=, split={dim=, blocks=, parts=, index=}, valid_rows=,
+ *  replicated=, tied_copy=, weight_decay=, offset=, tensor=, grad=} for one parameter */
+static void push_param(lua_State *L, pg_param *p, pg_storage *pstore, pg_storage *gstore) {
+  lua_createtable(L, 0, 12);
+  lua_pushstring(L, p->name);
+  lua_setfield(L, -2, "name");
+  push_shape(L, p->ndim, p->shape);
+  lua_setfield(L, -2, "shape");
+  push_shape(L, p->ndim, p->full_shape);
+  lua_setfield(L, -2, "full_shape");
+  lua_createtable(L, 0, 4);
+  lua_pushinteger(L, p->split_dim >= 0 ? p->split_dim + 1 : 0);
+  lua_setfield(L, -2, "dim");
+  lua_pushinteger(L, p->split_blocks);
+  lua_setfield(L, -2, "blocks");
+  lua_pushinteger(L, p->split_parts);
+  lua_setfield(L, -2, "parts");
+  lua_pushinteger(L, p->split_index);
+  lua_setfield(L, -2, "index");
+  lua_setfield(L, -2, "split");
+  lua_pushinteger(L, p->valid_rows);
+  lua_setfield(L, -2, "valid_rows");
+  lua_pushboolean(L, p->replicated);
+  lua_setfield(L, -2, "replicated");
+  lua_pushboolean(L, p->tied_copy);
+  lua_setfield(L, -2, "tied_copy");
+  lua_pushboolean(L, p->weight_decay);
+  lua_setfield(L, -2, "weight_decay");
+  lua_pushinteger(L, p->offset);
+  lua_setfield(L, -2, "offset");
+  pg_tensor t;
+  if (pg_tensor_init_view(&t, pstore, (size_t)p->offset, PG_FLOAT32, p->ndim, p->shape)) luaL_error(L, "%s", pg_error());
+  pg_lua_push_tensor(L, &t);
+  lua_setfield(L, -2, "tensor");
+  if (pg_tensor_init_view(&t, gstore, (size_t)p->offset, PG_FLOAT32, p->ndim, p->shape)) luaL_error(L, "%s", pg_error());
+  pg_lua_push_tensor(L, &t);
+  lua_setfield(L, -2, "grad");
+}
+
+/* engine:params() -> list of parameter tables (push_param), in flat order */
 static int l_params(lua_State *L) {
   pg_engine *e = check_engine(L, 1);
   lua_createtable(L, e->nparams, 0);
   for (int i = 0; i < e->nparams; i++) {
-    pg_param *p = e->params[i];
-    lua_createtable(L, 0, 12);
-    lua_pushstring(L, p->name);
-    lua_setfield(L, -2, "name");
-    push_shape(L, p->ndim, p->shape);
-    lua_setfield(L, -2, "shape");
-    push_shape(L, p->ndim, p->full_shape);
-    lua_setfield(L, -2, "full_shape");
-    lua_createtable(L, 0, 4);
-    lua_pushinteger(L, p->split_dim >= 0 ? p->split_dim + 1 : 0);
-    lua_setfield(L, -2, "dim");
-    lua_pushinteger(L, p->split_blocks);
-    lua_setfield(L, -2, "blocks");
-    lua_pushinteger(L, p->split_parts);
-    lua_setfield(L, -2, "parts");
-    lua_pushinteger(L, p->split_index);
-    lua_setfield(L, -2, "index");
-    lua_setfield(L, -2, "split");
-    lua_pushinteger(L, p->valid_rows);
-    lua_setfield(L, -2, "valid_rows");
-    lua_pushboolean(L, p->replicated);
-    lua_setfield(L, -2, "replicated");
-    lua_pushboolean(L, p->tied_copy);
-    lua_setfield(L, -2, "tied_copy");
-    lua_pushboolean(L, p->weight_decay);
-    lua_setfield(L, -2, "weight_decay");
-    lua_pushinteger(L, p->offset);
-    lua_setfield(L, -2, "offset");
-    pg_tensor t;
-    if (pg_tensor_init_view(&t, e->param_store, (size_t)p->offset, PG_FLOAT32, p->ndim, p->shape)) return luaL_error(L, "%s", pg_error());
-    pg_lua_push_tensor(L, &t);
-    lua_setfield(L, -2, "tensor");
-    if (pg_tensor_init_view(&t, e->grad_store, (size_t)p->offset, PG_FLOAT32, p->ndim, p->shape)) return luaL_error(L, "%s", pg_error());
-    pg_lua_push_tensor(L, &t);
-    lua_setfield(L, -2, "grad");
+    push_param(L, e->params[i], e->param_store, e->grad_store);
     lua_rawseti(L, -2, i + 1);
   }
   return 1;
@@ -532,6 +536,176 @@ static int l_schedule_validate(lua_State *L) {
   return rc == PG_OK ? 1 : 2;
 }
 
+/* ---------------------------------------------------------------- a single module
+ *
+ * core.Layer(ctx, desc, {seed=}) -> layer: one module on its own, for tests and
+ * for users composing their own loops. It owns flat parameter buffers like an
+ * engine (same init rule), runs one micro-batch at a time (slot 1):
+ *   layer:forward(x [, targets]) -> y        x: [B, T, W] float32, or [B, T] int32 ids
+ *                                            for an embedding; a head returns the mean loss
+ *   layer:backward([dy]) -> dx or nil        dy: [B, T, W_out]; none for a head
+ *   layer:params(), layer:gather_param(name [, grad]), layer:zero_grad() */
+#define PG_LAYER_MT "pg.Layer"
+
+typedef struct layer_ud {
+  pg_module *m;
+  pg_param **params;
+  int nparams;
+  pg_storage *pstore, *gstore;
+  pg_context *ctx;
+  lua_State *current;
+  pg_io io;
+  int B, T, rows;
+} layer_ud;
+
+static layer_ud *check_layer(lua_State *L, int idx) {
+  layer_ud *u = luaL_checkudata(L, idx, PG_LAYER_MT);
+  if (!u->m) luaL_error(L, "the layer was freed");
+  u->current = L;
+  return u;
+}
+
+static int l_layer_new(lua_State *L) {
+  pg_context *ctx = pg_lua_check_context(L, 1);
+  luaL_checktype(L, 2, LUA_TTABLE);
+  uint64_t seed = (uint64_t)pg_lua_opt_int(L, 3, "seed", (lua_Integer)ctx->seed);
+  layer_ud *u = lua_newuserdatauv(L, sizeof *u, 3); /* 1: ctx, 2: last input, 3: last targets */
+  memset(u, 0, sizeof *u);
+  u->ctx = ctx;
+  u->current = L;
+  luaL_setmetatable(L, PG_LAYER_MT);
+  lua_pushvalue(L, 1);
+  lua_setiuservalue(L, -2, 1);
+  build_state b = {.L = L, .current = &u->current, .ctx = ctx};
+  u->m = build(&b, 2);
+  if (!u->m) return luaL_error(L, "%s", pg_error());
+  u->params = pg_module_collect_params(u->m, &u->nparams);
+  if (!u->params) return luaL_error(L, "%s", pg_error());
+  int64_t off = 0;
+  for (int i = 0; i < u->nparams; i++) {
+    u->params[i]->offset = off;
+    off += (u->params[i]->numel + 15) / 16 * 16;
+  }
+  if (!(u->pstore = pg_storage_new((size_t)(off ? off : 16) * 4, PG_CPU)) ||
+      !(u->gstore = pg_storage_new((size_t)(off ? off : 16) * 4, PG_CPU)))
+    return luaL_error(L, "%s", pg_error());
+  for (int i = 0; i < u->nparams; i++) {
+    pg_param *p = u->params[i];
+    p->data = (float *)u->pstore->data + p->offset;
+    p->grad = (float *)u->gstore->data + p->offset;
+    pg_param_init(p, seed);
+  }
+  return 1;
+}
+
+static int l_layer_forward(lua_State *L) {
+  layer_ud *u = check_layer(L, 1);
+  pg_tensor *x = pg_lua_check_tensor(L, 2);
+  char d[128];
+  int tokens = u->m->in_width == 0;
+  if (x->ndim != (tokens ? 2 : 3) || x->dtype != (tokens ? PG_INT32 : PG_FLOAT32) ||
+      (!tokens && x->shape[2] != u->m->in_width))
+    return luaL_error(L, "%s: expected input %s, got %s", u->m->name,
+                      tokens ? "int32 [batch, seq_len]" : "float32 [batch, seq_len, width]",
+                      pg_tensor_describe(x, d, sizeof d));
+  if (!tokens && x->shape[2] != u->m->in_width)
+    return luaL_error(L, "%s: expected width %d, got %s", u->m->name, u->m->in_width, pg_tensor_describe(x, d, sizeof d));
+  int B = (int)x->shape[0], T = (int)x->shape[1];
+  const int32_t *targets = NULL;
+  if (u->m->out_width == 0) {
+    pg_tensor *y = pg_lua_check_tensor(L, 3);
+    if (y->dtype != PG_INT32 || y->numel != (int64_t)B * T)
+      return luaL_error(L, "%s: targets must be int32 [%d, %d], got %s", u->m->name, B, T, pg_tensor_describe(y, d, sizeof d));
+    targets = pg_tensor_i32(y);
+    lua_pushvalue(L, 3);
+    lua_setiuservalue(L, 1, 3); /* backward reads them */
+  }
+  if (B * T > u->rows) {
+    PG_LUA_CHECK(L, pg_module_alloc(u->m, 1, B * T));
+    u->rows = B * T;
+  }
+  lua_pushvalue(L, 2);
+  lua_setiuservalue(L, 1, 2); /* modules keep pointers into the input until backward */
+  u->io = (pg_io){.B = B, .T = T, .tokens = tokens ? pg_tensor_i32(x) : NULL, .targets = targets,
+                  .dloss = 1.0f / (float)(B * T), .want_grad = 1};
+  const float *y = NULL;
+  PG_LUA_CHECK(L, pg_module_forward(u->m, 0, &u->io, tokens ? NULL : pg_tensor_f32(x), &y));
+  u->B = B;
+  u->T = T;
+  if (u->m->out_width == 0) {
+    lua_pushnumber(L, u->io.loss_sum / ((double)B * T));
+    return 1;
+  }
+  int64_t shape[3] = {B, T, u->m->out_width};
+  pg_tensor *out = pg_lua_new_tensor(L, PG_FLOAT32, 3, shape);
+  memcpy(pg_tensor_f32(out), y, (size_t)out->numel * sizeof(float));
+  return 1;
+}
+
+static int l_layer_backward(lua_State *L) {
+  layer_ud *u = check_layer(L, 1);
+  if (!u->B) return luaL_error(L, "%s: backward before forward", u->m->name);
+  const float *dy = NULL;
+  if (u->m->out_width > 0) {
+    int64_t shape[3] = {u->B, u->T, u->m->out_width};
+    dy = pg_tensor_f32(pg_lua_check_tensor_shape(L, 2, "dy", PG_FLOAT32, 3, shape));
+  }
+  const float *dx = NULL;
+  PG_LUA_CHECK(L, pg_module_backward(u->m, 0, &u->io, dy, &dx));
+  if (!dx || u->m->in_width == 0) return 0;
+  int64_t shape[3] = {u->B, u->T, u->m->in_width};
+  pg_tensor *out = pg_lua_new_tensor(L, PG_FLOAT32, 3, shape);
+  memcpy(pg_tensor_f32(out), dx, (size_t)out->numel * sizeof(float));
+  return 1;
+}
+
+static int l_layer_params(lua_State *L) {
+  layer_ud *u = check_layer(L, 1);
+  lua_createtable(L, u->nparams, 0);
+  for (int i = 0; i < u->nparams; i++) {
+    push_param(L, u->params[i], u->pstore, u->gstore);
+    lua_rawseti(L, -2, i + 1);
+  }
+  return 1;
+}
+
+static int l_layer_zero_grad(lua_State *L) {
+  layer_ud *u = check_layer(L, 1);
+  memset(u->gstore->data, 0, u->gstore->bytes);
+  return 0;
+}
+
+static int l_layer_gather(lua_State *L) {
+  layer_ud *u = check_layer(L, 1);
+  const char *name = luaL_checkstring(L, 2);
+  pg_param *p = NULL;
+  for (int i = 0; i < u->nparams && !p; i++)
+    if (!strcmp(u->params[i]->name, name)) p = u->params[i];
+  if (!p) return luaL_error(L, "the layer has no parameter '%s'", name);
+  pg_tensor *t = pg_lua_new_tensor(L, PG_FLOAT32, p->ndim, p->full_shape);
+  pg_param view = *p;
+  if (lua_toboolean(L, 3)) view.data = p->grad;
+  pg_engine fake = {.ctx = u->ctx};
+  PG_LUA_CHECK(L, pg_engine_gather_param(&fake, &view, pg_tensor_f32(t)));
+  return 1;
+}
+
+static int l_layer_free(lua_State *L) {
+  layer_ud *u = luaL_checkudata(L, 1, PG_LAYER_MT);
+  pg_module_free(u->m);
+  free(u->params);
+  pg_storage_release(u->pstore);
+  pg_storage_release(u->gstore);
+  u->m = NULL;
+  u->params = NULL;
+  u->pstore = u->gstore = NULL;
+  return 0;
+}
+
+static const luaL_Reg layer_methods[] = {{"forward", l_layer_forward}, {"backward", l_layer_backward},
+                                         {"params", l_layer_params}, {"zero_grad", l_layer_zero_grad},
+                                         {"gather_param", l_layer_gather}, {"free", l_layer_free}, {NULL, NULL}};
+
 static const luaL_Reg engine_methods[] = {
     {"forward_backward", l_forward_backward}, {"evaluate", l_evaluate}, {"zero_grad", l_zero_grad},
     {"sync_grads", l_sync_grads}, {"params", l_params}, {"flat", l_flat}, {"num_parameters", l_num_parameters},
@@ -545,6 +719,15 @@ void pg_lua_open_nn(lua_State *L) {
     lua_setfield(L, -2, "__gc");
   }
   lua_pop(L, 1);
+  if (luaL_newmetatable(L, PG_LAYER_MT)) {
+    luaL_newlib(L, layer_methods);
+    lua_setfield(L, -2, "__index");
+    lua_pushcfunction(L, l_layer_free);
+    lua_setfield(L, -2, "__gc");
+  }
+  lua_pop(L, 1);
+  lua_pushcfunction(L, l_layer_new);
+  lua_setfield(L, -2, "Layer");
   lua_pushcfunction(L, l_engine_new);
   lua_setfield(L, -2, "Engine");
   lua_pushcfunction(L, l_schedule_build);

@@ -282,13 +282,48 @@ static int l_copy_(lua_State *L) {
   return 1;
 }
 
+static int reduce_dim(lua_State *L, int mean) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1), out;
+  lua_Integer d = luaL_checkinteger(L, 2);
+  if (d < 0) d = t->ndim + 1 + d; /* -1: the last dimension */
+  PG_LUA_CHECK(L, pg_tensor_reduce_dim(&out, t, (int)d - 1, mean));
+  pg_lua_push_tensor(L, &out);
+  return 1;
+}
+
+/* sum() -> number; sum(dim) -> tensor with that dimension reduced to size 1 (dim -1: the last) */
 static int l_sum(lua_State *L) {
+  if (!lua_isnoneornil(L, 2)) return reduce_dim(L, 0);
   pg_tensor *t = pg_lua_check_tensor(L, 1);
   double s = pg_tensor_sum(t);
   if (t->dtype == PG_INT32) lua_pushinteger(L, (lua_Integer)s);
   else lua_pushnumber(L, s);
   return 1;
 }
+
+static int l_mean(lua_State *L) {
+  if (!lua_isnoneornil(L, 2)) return reduce_dim(L, 1);
+  pg_tensor *t = pg_lua_check_tensor(L, 1);
+  lua_pushnumber(L, t->numel ? pg_tensor_sum(t) / (double)t->numel : 0);
+  return 1;
+}
+
+static int unary(lua_State *L, pg_unop op) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1), out;
+  double arg = op == PG_UN_POW ? luaL_checknumber(L, 2) : 0;
+  PG_LUA_CHECK(L, pg_tensor_unary(&out, t, op, arg));
+  pg_lua_push_tensor(L, &out);
+  return 1;
+}
+
+static int l_sqrt(lua_State *L) { return unary(L, PG_UN_SQRT); }
+static int l_rsqrt(lua_State *L) { return unary(L, PG_UN_RSQRT); }
+static int l_exp(lua_State *L) { return unary(L, PG_UN_EXP); }
+static int l_log(lua_State *L) { return unary(L, PG_UN_LOG); }
+static int l_tanh(lua_State *L) { return unary(L, PG_UN_TANH); }
+static int l_neg(lua_State *L) { return unary(L, PG_UN_NEG); }
+static int l_abs(lua_State *L) { return unary(L, PG_UN_ABS); }
+static int l_pow(lua_State *L) { return unary(L, PG_UN_POW); }
 
 static int l_max_abs_diff(lua_State *L) {
   pg_tensor *a = pg_lua_check_tensor(L, 1), *b = pg_lua_check_tensor(L, 2);
@@ -415,7 +450,8 @@ static const luaL_Reg tensor_methods[] = {
     {"device", l_device}, {"totable", l_totable}, {"clone", l_clone}, {"narrow", l_narrow},
     {"reshape", l_reshape}, {"view", l_reshape}, {"add", l_add}, {"sub", l_sub}, {"mul", l_mul},
     {"div", l_div}, {"add_", l_add_}, {"sub_", l_sub_}, {"mul_", l_mul_}, {"div_", l_div_},
-    {"scale", l_scale}, {"scale_", l_scale_}, {"fill_", l_fill_}, {"copy_", l_copy_}, {"sum", l_sum},
+    {"scale", l_scale}, {"scale_", l_scale_}, {"mean", l_mean}, {"sqrt", l_sqrt}, {"rsqrt", l_rsqrt},
+    {"exp", l_exp}, {"log", l_log}, {"tanh", l_tanh}, {"neg", l_neg}, {"abs", l_abs}, {"pow", l_pow}, {"fill_", l_fill_}, {"copy_", l_copy_}, {"sum", l_sum},
     {"max_abs_diff", l_max_abs_diff}, {"max_rel_diff", l_max_rel_diff}, {"allclose", l_allclose},
     {"equal", l_equal}, {"get", l_get}, {"set", l_set}, {"item", l_item}, {"free", l_free},
     {NULL, NULL}};

@@ -18,6 +18,10 @@ static int pp_rank(const pg_engine *e) { return e->ctx->pp_rank; }
 static int bind_params(pg_engine *e, uint64_t seed) {
   e->params = pg_module_collect_params(e->stage, &e->nparams);
   if (!e->params) return PG_ERR;
+  for (int i = 0; i < e->nparams; i++)
+    for (int j = 0; j < i; j++)
+      if (!strcmp(e->params[i]->name, e->params[j]->name))
+        return pg_fail("two parameters are named '%s': give the modules distinct names", e->params[i]->name);
   int64_t off = 0;
   for (int i = 0; i < e->nparams; i++) {
     e->params[i]->offset = off;

@@ -197,14 +197,59 @@ int pg_tensor_copy(pg_tensor *dst, const pg_tensor *src) {
     }                                                                                                      \
   } while (0)
 
+/* b broadcasts to a's shape (numpy rules, aligned right, size-1 dims repeat):
+ * fills per-dimension strides of b over a's index space. */
+static int broadcast_strides(const pg_tensor *a, const pg_tensor *b, int64_t *bstride) {
+  if (b->ndim > a->ndim) return PG_ERR;
+  int64_t st = 1;
+  for (int d = a->ndim - 1; d >= 0; d--) {
+    int bd = d - (a->ndim - b->ndim);
+    int64_t size = bd >= 0 ? b->shape[bd] : 1;
+    if (size == a->shape[d]) bstride[d] = st;
+    else if (size == 1) bstride[d] = 0;
+    else return PG_ERR;
+    st *= size;
+  }
+  return PG_OK;
+}
+
+static double apply_op(pg_binop op, double x, double y) {
+  switch (op) {
+  case PG_OP_ADD: return x + y;
+  case PG_OP_SUB: return x - y;
+  case PG_OP_MUL: return x * y;
+  case PG_OP_DIV: return x / y;
+  case PG_OP_MAX: return x > y ? x : y;
+  case PG_OP_MIN: return x < y ? x : y;
+  }
+  return 0;
+}
+
 int pg_tensor_binop(pg_tensor *out, const pg_tensor *a, const pg_tensor *b, pg_binop op) {
   char da[128], db[128];
-  if (!pg_shape_equal(a, b) || a->dtype != b->dtype)
+  if (a->dtype != b->dtype)
     return pg_fail("shapes differ: %s vs %s", pg_tensor_describe(a, da, sizeof da), pg_tensor_describe(b, db, sizeof db));
   if (!pg_shape_equal(out, a) || out->dtype != a->dtype)
     return pg_fail("output %s does not match inputs %s", pg_tensor_describe(out, da, sizeof da),
                    pg_tensor_describe(a, db, sizeof db));
   int64_t n = a->numel;
+  if (!pg_shape_equal(a, b)) {
+    int64_t bstride[PG_MAX_DIMS];
+    if (broadcast_strides(a, b, bstride))
+      return pg_fail("shapes differ: %s vs %s", pg_tensor_describe(a, da, sizeof da), pg_tensor_describe(b, db, sizeof db));
+    if (a->dtype == PG_INT32 && op == PG_OP_DIV)
+      for (int64_t i = 0; i < b->numel; i++)
+        if (pg_tensor_i32(b)[i] == 0) return pg_fail("integer division by zero at element %lld", (long long)i + 1);
+    for (int64_t i = 0; i < n; i++) {
+      int64_t rem = i, bi = 0;
+      for (int d = a->ndim - 1; d >= 0; d--) {
+        bi += (rem % a->shape[d]) * bstride[d];
+        rem /= a->shape[d];
+      }
+      pg_tensor_set_flat(out, i, apply_op(op, pg_tensor_get_flat(a, i), pg_tensor_get_flat(b, bi)));
+    }
+    return PG_OK;
+  }
   if (a->dtype == PG_FLOAT32) {
     float *o = pg_tensor_f32(out);
     const float *x = pg_tensor_f32(a), *y = pg_tensor_f32(b);
@@ -218,6 +263,46 @@ int pg_tensor_binop(pg_tensor *out, const pg_tensor *a, const pg_tensor *b, pg_b
     BINOP_LOOP(int32_t, o, x, y, n, op);
   } else {
     return pg_fail("elementwise ops support float32 and int32, not %s", pg_dtype_name(a->dtype));
+  }
+  return PG_OK;
+}
+
+int pg_tensor_reduce_dim(pg_tensor *out, const pg_tensor *t, int dim, int mean) {
+  if (dim < 0 || dim >= t->ndim) return pg_fail("dimension %d out of range for a %d-d tensor", dim + 1, t->ndim);
+  int64_t shape[PG_MAX_DIMS];
+  memcpy(shape, t->shape, sizeof shape);
+  shape[dim] = 1;
+  if (pg_tensor_init(out, t->dtype == PG_INT32 && !mean ? PG_INT32 : PG_FLOAT32, t->ndim, shape)) return PG_ERR;
+  int64_t outer = 1, inner = 1, len = t->shape[dim];
+  for (int i = 0; i < dim; i++) outer *= t->shape[i];
+  for (int i = dim + 1; i < t->ndim; i++) inner *= t->shape[i];
+  for (int64_t o = 0; o < outer; o++)
+    for (int64_t k = 0; k < inner; k++) {
+      double acc = 0;
+      for (int64_t j = 0; j < len; j++) acc += pg_tensor_get_flat(t, (o * len + j) * inner + k);
+      pg_tensor_set_flat(out, o * inner + k, mean && len ? acc / (double)len : acc);
+    }
+  return PG_OK;
+}
+
+int pg_tensor_unary(pg_tensor *out, const pg_tensor *t, pg_unop op, double arg) {
+  if (t->dtype != PG_FLOAT32) return pg_fail("%s needs a float32 tensor, not %s", "this op", pg_dtype_name(t->dtype));
+  if (pg_tensor_init(out, PG_FLOAT32, t->ndim, t->shape)) return PG_ERR;
+  const float *x = pg_tensor_f32(t);
+  float *y = pg_tensor_f32(out);
+  for (int64_t i = 0; i < t->numel; i++) {
+    double v = x[i];
+    switch (op) {
+    case PG_UN_SQRT: v = sqrt(v); break;
+    case PG_UN_RSQRT: v = 1.0 / sqrt(v); break;
+    case PG_UN_EXP: v = exp(v); break;
+    case PG_UN_LOG: v = log(v); break;
+    case PG_UN_TANH: v = tanh(v); break;
+    case PG_UN_NEG: v = -v; break;
+    case PG_UN_ABS: v = fabs(v); break;
+    case PG_UN_POW: v = pow(v, arg); break;
+    }
+    y[i] = (float)v;
   }
   return PG_OK;
 }

@@ -77,10 +77,17 @@ int pg_tensor_clone(pg_tensor *out, const pg_tensor *t);
 /* dst <- src (same numel and dtype). */
 int pg_tensor_copy(pg_tensor *dst, const pg_tensor *src);
 
-/* Elementwise on float32 or int32 of equal shape: out may alias a or b. */
+/* Elementwise on float32 or int32; b has a's shape or broadcasts to it (numpy
+ * rules: aligned right, size-1 dimensions repeat); out has a's shape and may
+ * alias a or b. */
 typedef enum { PG_OP_ADD, PG_OP_SUB, PG_OP_MUL, PG_OP_DIV, PG_OP_MAX, PG_OP_MIN } pg_binop;
 int pg_tensor_binop(pg_tensor *out, const pg_tensor *a, const pg_tensor *b, pg_binop op);
 int pg_tensor_scale(pg_tensor *t, double s);
+/* out (initialised here) = sum (or mean) along dim, which is kept with size 1. */
+int pg_tensor_reduce_dim(pg_tensor *out, const pg_tensor *t, int dim, int mean);
+typedef enum { PG_UN_SQRT, PG_UN_RSQRT, PG_UN_EXP, PG_UN_LOG, PG_UN_TANH, PG_UN_NEG, PG_UN_ABS, PG_UN_POW } pg_unop;
+/* out (initialised here) = op(t) elementwise, float32; arg is the exponent of pow. */
+int pg_tensor_unary(pg_tensor *out, const pg_tensor *t, pg_unop op, double arg);
 int pg_tensor_fill(pg_tensor *t, double v);
 double pg_tensor_sum(const pg_tensor *t);
 /* Largest |a-b|; both same shape and dtype. */

@@ -86,7 +86,7 @@ function nn.LayerNorm(dim, opts)
 end
 
 function nn.GELU(opts)
-  return spec("gelu", { name = opts and opts.name, label = "GELU" })
+  return spec("gelu", { name = opts and opts.name, width = opts and opts.width, label = "GELU" })
 end
 
 --- The attention core: causal softmax(QK^T/sqrt(hs))V over a fused q|k|v input.
@@ -358,6 +358,47 @@ function Spec:flops(T, width_in)
   elseif k == "lua" then return 10 * (width_in or 1)
   end
   return 0
+end
+
+--- The flow a spec takes as input when it stands alone (see nn.Layer).
+function Spec:input_flow(T)
+  local k = self.kind
+  if k == "sequential" then return self.children[1]:input_flow(T)
+  elseif k == "residual" then return self.inner:input_flow(T)
+  elseif k == "embedding" then return { width = 0, split = false }
+  elseif k == "linear" then
+    return { width = self["in"], split = self.parallel == "row" and T > 1 and not self.split_input }
+  elseif k == "attention" then return { width = 3 * self.width, split = T > 1 }
+  elseif k == "lua" then return { width = self.module.in_width, split = false }
+  elseif k == "gelu" then return { width = self.width, split = false }
+  end
+  return { width = self.width, split = false }
+end
+
+--- nn.Layer(spec, ctx [, {seed=, input={width=, split=}}]): one module on its own
+-- (this rank's shard under tensor parallelism), with flat parameters like an
+-- engine's: layer:forward(x [, targets]), layer:backward([dy]), layer:params(),
+-- layer:gather_param(name [, grad]), layer:zero_grad().
+function nn.Layer(s, ctx, opts)
+  local core = require "pipegoose.core"
+  opts = opts or {}
+  s = as_spec(s, "Layer")
+  ctx = ctx or core.ParallelContext{}
+  local T = ctx:world_size("tensor")
+  local flow = opts.input or s:input_flow(T)
+  if flow.width == nil then error("Layer: give the input width: opts.input = {width = ...}", 2) end
+  local ok, desc = pcall(s.describe, s, "", flow, T)
+  if not ok then error("Layer: " .. tostring(desc), 2) end
+  local layer = core.Layer(ctx, desc, { seed = opts.seed })
+  if desc.kind == "lua" then
+    local m = s.module
+    m.params, m.grads = {}, {}
+    for _, p in ipairs(layer:params()) do
+      local short = p.name:match("([^.]+)$")
+      m.params[short], m.grads[short] = p.tensor, p.grad
+    end
+  end
+  return layer
 end
 
 --- The top-level modules a pipeline cuts between.

@@ -112,7 +112,9 @@ function M.parallelize(model, ctx, opts)
     local flow_in = flow
     for i = ranges[p][1], ranges[p][2] do
       local m = top[i]
-      local ok2, d, out = pcall(m.describe, m, "", flow, T)
+      -- an unnamed top-level module is named by its position, as in a Sequential
+      local path = (m.name == nil and not m.transparent) and tostring(i) or ""
+      local ok2, d, out = pcall(m.describe, m, path, flow, T)
       if not ok2 then error("parallelize: " .. tostring(d), 2) end
       kids[#kids + 1], flow = d, out
       names[#names + 1] = d.name ~= "" and d.name or (m.label or m.kind)
