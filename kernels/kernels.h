@@ -56,7 +56,8 @@ void pg_matmul_backward(float *dinp, float *dweight, float *dbias, const float *
 
 /* out[B,T,C]; att[B,NH,T,T] keeps the softmax probabilities for backward. */
 void pg_attention_forward(float *out, float *att, const float *qkv, int B, int T, int C, int NH);
-/* dqkv[B,T,3C] (overwritten); scratch holds at least pg_attention_scratch_floats(T, threads) floats. */
+/* dqkv[B,T,3C] (overwritten); scratch holds at least pg_attention_scratch_floats(T, threads) floats,
+ * threads = omp_get_max_threads() at the call (one [T, T] block per OpenMP thread). */
 void pg_attention_backward(float *dqkv, float *scratch, const float *dout, const float *qkv, const float *att, int B,
                            int T, int C, int NH);
 int64_t pg_attention_scratch_floats(int T, int threads);

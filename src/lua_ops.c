@@ -316,17 +316,20 @@ static int l_residual(lua_State *L) {
 /* ---- cross-entropy ---- */
 
 typedef struct {
-  int valid, vocab_start;
+  int valid, vocab_start, inplace;
   float dloss;
 } xent_opts;
 
-static xent_opts read_xent_opts(lua_State *L, int idx, const char *fn, int V) {
+/* `inplace` is known to xent_finish only. */
+static xent_opts read_xent_opts(lua_State *L, int idx, const char *fn, int V, int allow_inplace) {
   static const char *const keys[] = {"valid", "vocab_start", "dloss", NULL};
-  pg_lua_check_keys(L, idx, fn, keys);
+  static const char *const keys_inplace[] = {"valid", "vocab_start", "dloss", "inplace", NULL};
+  pg_lua_check_keys(L, idx, fn, allow_inplace ? keys_inplace : keys);
   xent_opts o;
   o.valid = opt_int_range(L, idx, fn, "valid", V, 0, V);
   o.vocab_start = opt_int_range(L, idx, fn, "vocab_start", 0, 0, INT_MAX);
   o.dloss = (float)pg_lua_opt_number(L, idx, "dloss", 1.0);
+  o.inplace = pg_lua_opt_bool(L, idx, "inplace", 0);
   return o;
 }
 
@@ -338,7 +341,7 @@ static int l_cross_entropy(lua_State *L) {
   pg_tensor *logits = rows_arg(L, 1, fn, "logits", -1, &N);
   int V = (int)logits->shape[logits->ndim - 1];
   pg_tensor *tg = lead_arg(L, 2, fn, "targets", logits, PG_INT32);
-  xent_opts o = read_xent_opts(L, 3, fn, V);
+  xent_opts o = read_xent_opts(L, 3, fn, V, 0);
   const int32_t *t = pg_tensor_i32(tg);
   /* one slice holds the whole vocabulary: every target must be one of its real columns */
   for (int64_t n = 0; n < N; n++)
@@ -365,7 +368,7 @@ static int l_xent_row_max(lua_State *L) {
   int64_t N;
   pg_tensor *logits = rows_arg(L, 1, fn, "logits", -1, &N);
   int V = (int)logits->shape[logits->ndim - 1];
-  xent_opts o = read_xent_opts(L, 2, fn, V);
+  xent_opts o = read_xent_opts(L, 2, fn, V, 0);
   pg_tensor *rmax = new_lead(L, logits);
   pg_xent_row_max(pg_tensor_f32(rmax), pg_tensor_f32(logits), (int)N, V, o.valid);
   return 1;
@@ -379,15 +382,16 @@ static int l_xent_sumexp(lua_State *L) {
   int V = (int)logits->shape[logits->ndim - 1];
   pg_tensor *rmax = lead_arg(L, 2, fn, "row_max", logits, PG_FLOAT32);
   pg_tensor *tg = lead_arg(L, 3, fn, "targets", logits, PG_INT32);
-  xent_opts o = read_xent_opts(L, 4, fn, V);
+  xent_opts o = read_xent_opts(L, 4, fn, V, 0);
   pg_tensor *sumexp = new_lead(L, logits), *tl = new_lead(L, logits);
   pg_xent_sumexp(pg_tensor_f32(sumexp), pg_tensor_f32(tl), pg_tensor_f32(logits), pg_tensor_f32(rmax),
                  pg_tensor_i32(tg), (int)N, V, o.valid, o.vocab_start);
   return 2;
 }
 
-/* xent_finish(logits, row_max, sumexp, target_logit, targets [, {valid=, vocab_start=, dloss=}])
- *   -> losses, dlogits, loss_sum */
+/* xent_finish(logits, row_max, sumexp, target_logit, targets [, {valid=, vocab_start=, dloss=, inplace=false}])
+ *   -> losses, dlogits, loss_sum. inplace=true writes dlogits over logits (the
+ *   kernel's aliasing case, as the engine uses it) and returns logits. */
 static int l_xent_finish(lua_State *L) {
   const char *fn = "ops.xent_finish";
   int64_t N;
@@ -397,8 +401,10 @@ static int l_xent_finish(lua_State *L) {
   pg_tensor *sumexp = lead_arg(L, 3, fn, "sumexp", logits, PG_FLOAT32);
   pg_tensor *tl = lead_arg(L, 4, fn, "target_logit", logits, PG_FLOAT32);
   pg_tensor *tg = lead_arg(L, 5, fn, "targets", logits, PG_INT32);
-  xent_opts o = read_xent_opts(L, 6, fn, V);
-  pg_tensor *losses = new_lead(L, logits), *dlogits = new_like(L, logits, V);
+  xent_opts o = read_xent_opts(L, 6, fn, V, 1);
+  pg_tensor *losses = new_lead(L, logits), *dlogits = logits;
+  if (o.inplace) lua_pushvalue(L, 1);
+  else dlogits = new_like(L, logits, V);
   double total = pg_xent_finish(pg_tensor_f32(losses), pg_tensor_f32(dlogits), pg_tensor_f32(logits),
                                 pg_tensor_f32(rmax), pg_tensor_f32(sumexp), pg_tensor_f32(tl), pg_tensor_i32(tg), (int)N,
                                 V, o.valid, o.vocab_start, o.dloss);
@@ -436,7 +442,21 @@ static int l_sum_squares(lua_State *L) {
   return 1;
 }
 
+/* num_threads() -> the OpenMP team size the kernels (and OpenBLAS) use next. */
+static int l_num_threads(lua_State *L) {
+  lua_pushinteger(L, omp_get_max_threads());
+  return 1;
+}
+
+/* set_num_threads(n): for the specs' thread-count checks and for benchmarks. */
+static int l_set_num_threads(lua_State *L) {
+  omp_set_num_threads(int_arg(L, 1, "ops.set_num_threads", "n", 1, 0, 0));
+  return 0;
+}
+
 static const luaL_Reg ops_functions[] = {
+    {"num_threads", l_num_threads},
+    {"set_num_threads", l_set_num_threads},
     {"embedding", l_embedding},
     {"embedding_backward", l_embedding_backward},
     {"position", l_position},

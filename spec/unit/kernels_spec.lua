@@ -1,0 +1,683 @@
+-- The CPU kernels through pg.ops, against naive double-precision references
+-- written here in plain Lua.
+--
+-- Forward: the float32 kernel against the double reference evaluated at the
+-- same (float32) inputs.
+-- Backward: L = sum(out * R) with R a fixed random tensor; the kernel's
+-- analytic gradient (fed dout = R) against central finite differences of the
+-- double reference's L (step H below). The reference is double, so the
+-- numeric gradient is accurate to ~1e-8; the tolerances cover float32
+-- rounding in the kernels. PG_SHOW_MARGIN=1 prints how close each check comes.
+local pg = require "pipegoose"
+local ops = pg.ops
+
+-- sizes: B batches of T steps, C features, NH heads, V vocabulary
+local B, T, C, NH, V = 2, 5, 8, 2, 11
+local N = B * T
+
+-- forward tolerance, elementwise |got - want| <= FWD_ATOL + FWD_RTOL |want|
+local FWD_RTOL, FWD_ATOL = 1e-5, 1e-6
+-- gradient tolerance (float32 kernels show ~1e-6 here), elementwise |analytic - numeric| <= GRAD_ATOL + GRAD_RTOL |numeric|
+local GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-5
+-- finite-difference step (central differences on the double reference)
+local H = 1e-4
+
+---- helpers ----
+
+local function flat(t)
+  if pg.is_tensor(t) then t = t:totable() end
+  if type(t) ~= "table" then return { t } end
+  local out = {}
+  local function rec(x)
+    if type(x) == "table" then
+      for _, v in ipairs(x) do rec(v) end
+    else
+      out[#out + 1] = x
+    end
+  end
+  rec(t)
+  return out
+end
+
+local function from_flat(vals, shape, dtype)
+  local pos = 0
+  local function build(d)
+    local t = {}
+    for i = 1, shape[d] do
+      if d == #shape then
+        pos = pos + 1
+        t[i] = vals[pos]
+      else
+        t[i] = build(d + 1)
+      end
+    end
+    return t
+  end
+  local t = pg.tensor(build(1), dtype and { dtype = dtype } or nil)
+  assert(pos == #vals, "from_flat: " .. #vals .. " values for " .. pos .. " elements")
+  return t
+end
+
+local function randn(shape, seed, std)
+  return pg.randn(shape, { seed = seed, std = std or 1 })
+end
+
+-- Elementwise |got - want| <= atol + rtol |want|; names the worst element.
+local function assert_close(got, want, rtol, atol, what)
+  got, want = flat(got), flat(want)
+  assert.equal(#want, #got, what .. ": element count")
+  local worst, wi = -math.huge, 1
+  for i = 1, #want do
+    assert(got[i] == got[i], what .. ": NaN at element " .. i)
+    local excess = math.abs(got[i] - want[i]) - (atol + rtol * math.abs(want[i]))
+    if excess > worst then worst, wi = excess, i end
+  end
+  if os.getenv("PG_SHOW_MARGIN") then io.stderr:write(string.format("%-40s worst excess %.3g (atol %g)\n", what, worst, atol)) end
+  assert(worst <= 0, string.format("%s: element %d: got %.9g, want %.9g (rtol %g, atol %g)", what, wi,
+    got[wi] or 0 / 0, want[wi] or 0 / 0, rtol, atol))
+end
+
+local function max_abs(vals)
+  local m = 0
+  for _, v in ipairs(flat(vals)) do m = math.max(m, math.abs(v)) end
+  return m
+end
+
+local function dot(a, b)
+  local s = 0
+  for i = 1, #a do s = s + a[i] * b[i] end
+  return s
+end
+
+-- Central differences of the scalar f at vals (perturbed in place, restored).
+local function numgrad(f, vals)
+  local g = {}
+  for i = 1, #vals do
+    local v = vals[i]
+    vals[i] = v + H
+    local up = f(vals)
+    vals[i] = v - H
+    local down = f(vals)
+    vals[i] = v
+    g[i] = (up - down) / (2 * H)
+  end
+  return g
+end
+
+-- Analytic vs numeric, refusing a vacuous check (an all-zero gradient).
+local function assert_grad(analytic, numeric, what)
+  assert(max_abs(numeric) > 1e-2, what .. ": numeric gradient is (nearly) zero; the check would be vacuous")
+  assert_close(analytic, numeric, GRAD_RTOL, GRAD_ATOL, what)
+end
+
+local function tanh(u)
+  local e = math.exp(-2 * math.abs(u))
+  local t = (1 - e) / (1 + e)
+  return u < 0 and -t or t
+end
+
+---- double-precision references (flat, 1-based arrays; 0-based row/col loops) ----
+
+local function embedding_ref(tokens, w, n_rows, c, row_start, rows)
+  local out = {}
+  for n = 0, n_rows - 1 do
+    local r = tokens[n + 1] - row_start
+    for j = 1, c do out[n * c + j] = (r >= 0 and r < rows) and w[r * c + j] or 0 end
+  end
+  return out
+end
+
+local function position_ref(x, wpe, n_rows, t_len, c)
+  local out = {}
+  for n = 0, n_rows - 1 do
+    local t = n % t_len
+    for j = 1, c do out[n * c + j] = x[n * c + j] + wpe[t * c + j] end
+  end
+  return out
+end
+
+local function layernorm_ref(x, w, b, n_rows, c)
+  local y, mean, rstd = {}, {}, {}
+  for n = 0, n_rows - 1 do
+    local s = 0
+    for j = 1, c do s = s + x[n * c + j] end
+    local m = s / c
+    local v = 0
+    for j = 1, c do v = v + (x[n * c + j] - m) ^ 2 end
+    local r = 1 / math.sqrt(v / c + 1e-5)
+    for j = 1, c do y[n * c + j] = (x[n * c + j] - m) * r * w[j] + b[j] end
+    mean[n + 1], rstd[n + 1] = m, r
+  end
+  return y, mean, rstd
+end
+
+local function linear_ref(x, w, b, n_rows, c, oc)
+  local y = {}
+  for n = 0, n_rows - 1 do
+    for o = 0, oc - 1 do
+      local s = b and b[o + 1] or 0
+      for j = 1, c do s = s + x[n * c + j] * w[o * c + j] end
+      y[n * oc + o + 1] = s
+    end
+  end
+  return y
+end
+
+local function attention_ref(qkv, b_len, t_len, c, nh)
+  local hs = c // nh
+  local scale = 1 / math.sqrt(hs)
+  local out, att = {}, {}
+  for b = 0, b_len - 1 do
+    for h = 0, nh - 1 do
+      for t = 0, t_len - 1 do
+        local q = (b * t_len + t) * 3 * c + h * hs
+        local p, mx = {}, -math.huge
+        for j = 0, t do
+          local k = (b * t_len + j) * 3 * c + c + h * hs
+          local s = 0
+          for d = 1, hs do s = s + qkv[q + d] * qkv[k + d] end
+          p[j] = s * scale
+          mx = math.max(mx, p[j])
+        end
+        local sum = 0
+        for j = 0, t do
+          p[j] = math.exp(p[j] - mx)
+          sum = sum + p[j]
+        end
+        local a = ((b * nh + h) * t_len + t) * t_len
+        for j = 0, t_len - 1 do att[a + j + 1] = j <= t and p[j] / sum or 0 end
+        for d = 1, hs do
+          local o = 0
+          for j = 0, t do o = o + att[a + j + 1] * qkv[(b * t_len + j) * 3 * c + 2 * c + h * hs + d] end
+          out[(b * t_len + t) * c + h * hs + d] = o
+        end
+      end
+    end
+  end
+  return out, att
+end
+
+local function gelu_ref(x)
+  local y = {}
+  for i, v in ipairs(x) do y[i] = 0.5 * v * (1 + tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v ^ 3))) end
+  return y
+end
+
+-- losses over the first `valid` columns of each row; targets are global ids
+local function xent_ref(logits, targets, n_rows, v, valid, vocab_start)
+  local losses = {}
+  for n = 0, n_rows - 1 do
+    local mx = -math.huge
+    for j = 1, valid do mx = math.max(mx, logits[n * v + j]) end
+    local s = 0
+    for j = 1, valid do s = s + math.exp(logits[n * v + j] - mx) end
+    losses[n + 1] = math.log(s) + mx - logits[n * v + targets[n + 1] - vocab_start + 1]
+  end
+  return losses
+end
+
+-- token ids with repeats (rows of the same token accumulate in backward)
+local TOKENS = { 3, 0, 7, 3, 10, 1, 7, 7, 2, 9 }
+
+describe("pg.ops kernels", function()
+  describe("embedding", function()
+    it("gathers rows (exact) and its backward matches finite differences", function()
+      local tok = from_flat(TOKENS, { B, T }, "int32")
+      local w = randn({ V, C }, 1)
+      local out = ops.embedding(tok, w)
+      assert.same({ B, T, C }, out:shape())
+      -- a gather copies floats: exact equality (tolerance 0)
+      assert_close(out, embedding_ref(TOKENS, flat(w), N, C, 0, V), 0, 0, "embedding forward")
+
+      local R = randn({ B, T, C }, 2)
+      local r = flat(R)
+      local dw = ops.embedding_backward(R, tok, V)
+      assert.same({ V, C }, dw:shape())
+      local num = numgrad(function(wv) return dot(embedding_ref(TOKENS, wv, N, C, 0, V), r) end, flat(w))
+      assert_grad(dw, num, "embedding dweight")
+    end)
+
+    it("masks ids outside the shard [row_start, row_start + rows) to zero, in both directions", function()
+      local tok = from_flat(TOKENS, { N }, "int32")
+      local full = randn({ V, C }, 3)
+      local row_start, rows = 3, 4 -- this shard holds ids 3..6
+      local shard = full:narrow(1, row_start + 1, rows):clone()
+      local out, fo = flat(ops.embedding(tok, shard, row_start)), flat(ops.embedding(tok, full))
+      local in_shard, zero_rows = 0, 0
+      for n = 0, N - 1 do
+        local id = TOKENS[n + 1]
+        for j = 1, C do
+          if id >= row_start and id < row_start + rows then
+            assert.equal(fo[n * C + j], out[n * C + j]) -- a copy: exact
+          else
+            assert.equal(0, out[n * C + j])
+          end
+        end
+        if id >= row_start and id < row_start + rows then in_shard = in_shard + 1 else zero_rows = zero_rows + 1 end
+      end
+      assert.is_true(in_shard > 0 and zero_rows > 0, "the ids must exercise both cases")
+
+      -- backward: the shard's gradient is exactly the full gradient's rows 3..6
+      -- (same additions in the same order), and other ids are dropped
+      local R = randn({ N, C }, 4)
+      local dfull = ops.embedding_backward(R, tok, V)
+      local dshard = ops.embedding_backward(R, tok, rows, row_start)
+      assert.same({ rows, C }, dshard:shape())
+      assert.is_true(dshard:equal(dfull:narrow(1, row_start + 1, rows):clone()))
+    end)
+  end)
+
+  describe("position", function()
+    it("adds wpe per time step, for [B,T,C] and [N,C], and its backward matches finite differences", function()
+      local x, wpe = randn({ B, T, C }, 5), randn({ T + 2, C }, 6) -- wpe holds more positions than used
+      local want = position_ref(flat(x), flat(wpe), N, T, C)
+      -- one float addition: within FWD tolerance of the double sum
+      assert_close(ops.position(x, wpe, T), want, FWD_RTOL, FWD_ATOL, "position forward [B,T,C]")
+      assert.is_true(ops.position(x:reshape{ N, C }, wpe, T):equal(ops.position(x, wpe, T):reshape{ N, C }))
+
+      local R = randn({ B, T, C }, 7)
+      local r = flat(R)
+      local dwpe = ops.position_backward(R, T)
+      assert.same({ T, C }, dwpe:shape())
+      local wv = flat(wpe:narrow(1, 1, T))
+      local num = numgrad(function(w) return dot(position_ref(flat(x), w, N, T, C), r) end, wv)
+      assert_grad(dwpe, num, "position dwpe")
+    end)
+  end)
+
+  describe("layernorm", function()
+    it("matches the double reference forward, mean and rstd", function()
+      -- an offset mean exercises the centred variance
+      local x, w, b = randn({ B, T, C }, 8, 2):add(3), randn({ C }, 9), randn({ C }, 10)
+      local y, mean, rstd = ops.layernorm(x, w, b)
+      local ry, rm, rr = layernorm_ref(flat(x), flat(w), flat(b), N, C)
+      assert.same({ B, T }, mean:shape())
+      assert_close(y, ry, FWD_RTOL, FWD_ATOL, "layernorm y")
+      assert_close(mean, rm, FWD_RTOL, FWD_ATOL, "layernorm mean")
+      assert_close(rstd, rr, FWD_RTOL, FWD_ATOL, "layernorm rstd")
+    end)
+
+    it("backward (dx, dw, db) matches finite differences", function()
+      local x, w, b = randn({ B, T, C }, 11), randn({ C }, 12), randn({ C }, 13)
+      local xv, wv, bv = flat(x), flat(w), flat(b)
+      local R = randn({ B, T, C }, 14)
+      local r = flat(R)
+      local _, mean, rstd = ops.layernorm(x, w, b)
+      local dx, dw, db = ops.layernorm_backward(R, x, w, mean, rstd)
+      assert_grad(dx, numgrad(function(v) return dot((layernorm_ref(v, wv, bv, N, C)), r) end, xv), "layernorm dx")
+      assert_grad(dw, numgrad(function(v) return dot((layernorm_ref(xv, v, bv, N, C)), r) end, wv), "layernorm dw")
+      assert_grad(db, numgrad(function(v) return dot((layernorm_ref(xv, wv, v, N, C)), r) end, bv), "layernorm db")
+    end)
+  end)
+
+  describe("linear", function()
+    local OC = 6
+
+    it("matches the double reference with and without bias", function()
+      local x, w, b = randn({ B, T, C }, 15), randn({ OC, C }, 16), randn({ OC }, 17)
+      local y = ops.linear(x, w, b)
+      assert.same({ B, T, OC }, y:shape())
+      assert_close(y, linear_ref(flat(x), flat(w), flat(b), N, C, OC), FWD_RTOL, FWD_ATOL, "linear with bias")
+      assert_close(ops.linear(x:reshape{ N, C }, w), linear_ref(flat(x), flat(w), nil, N, C, OC), FWD_RTOL, FWD_ATOL,
+        "linear without bias")
+    end)
+
+    it("backward (dx, dw, db) matches finite differences; db is nil without bias", function()
+      local x, w, b = randn({ B, T, C }, 18), randn({ OC, C }, 19), randn({ OC }, 20)
+      local xv, wv, bv = flat(x), flat(w), flat(b)
+      local R = randn({ B, T, OC }, 21)
+      local r = flat(R)
+      local dx, dw, db = ops.linear_backward(R, x, w)
+      assert.same({ B, T, C }, dx:shape())
+      assert_grad(dx, numgrad(function(v) return dot(linear_ref(v, wv, bv, N, C, OC), r) end, xv), "linear dx")
+      assert_grad(dw, numgrad(function(v) return dot(linear_ref(xv, v, bv, N, C, OC), r) end, wv), "linear dw")
+      assert_grad(db, numgrad(function(v) return dot(linear_ref(xv, wv, v, N, C, OC), r) end, bv), "linear db")
+      local dx2, dw2, db2 = ops.linear_backward(R, x, w, false)
+      assert.is_nil(db2)
+      assert.is_true(dx2:equal(dx) and dw2:equal(dw), "the bias flag changes only db")
+    end)
+  end)
+
+  describe("attention", function()
+    it("matches the double reference; att is causal with exact zeros and rows summing to 1", function()
+      local qkv = randn({ B, T, 3 * C }, 22)
+      local out, att = ops.attention(qkv, NH)
+      assert.same({ B, T, C }, out:shape())
+      assert.same({ B, NH, T, T }, att:shape())
+      local rout, ratt = attention_ref(flat(qkv), B, T, C, NH)
+      assert_close(out, rout, FWD_RTOL, FWD_ATOL, "attention out")
+      assert_close(att, ratt, FWD_RTOL, FWD_ATOL, "attention probabilities")
+      local a = att:totable()
+      for b = 1, B do
+        for h = 1, NH do
+          for t = 1, T do
+            local s = 0
+            for j = 1, T do
+              if j > t then assert.equal(0, a[b][h][t][j]) end -- masked: exactly zero
+              s = s + a[b][h][t][j]
+            end
+            assert.near(1, s, 1e-6) -- a float32 softmax row sums to 1 within 1e-6
+          end
+        end
+      end
+    end)
+
+    it("is causal: changing step t leaves the outputs of earlier steps bit for bit", function()
+      local qkv = randn({ B, T, 3 * C }, 23)
+      local out = ops.attention(qkv, NH):totable()
+      local t0 = 3 -- perturb step 3 (1-based) of batch 2: queries, keys and values
+      local q2 = qkv:totable()
+      for j = 1, 3 * C do q2[2][t0][j] = q2[2][t0][j] + 0.5 end
+      local out2 = ops.attention(pg.tensor(q2), NH):totable()
+      local changed = false
+      for b = 1, B do
+        for t = 1, T do
+          for j = 1, C do
+            if b == 1 or t < t0 then
+              assert.equal(out[b][t][j], out2[b][t][j])
+            elseif out[b][t][j] ~= out2[b][t][j] then
+              changed = true
+            end
+          end
+        end
+      end
+      assert.is_true(changed, "the perturbed step must change its own and later outputs")
+    end)
+
+    it("backward matches finite differences", function()
+      local qkv = randn({ B, T, 3 * C }, 24)
+      local R = randn({ B, T, C }, 25)
+      local r = flat(R)
+      local _, att = ops.attention(qkv, NH)
+      local dqkv = ops.attention_backward(R, qkv, att, NH)
+      assert.same({ B, T, 3 * C }, dqkv:shape())
+      local num = numgrad(function(v) return dot((attention_ref(v, B, T, C, NH)), r) end, flat(qkv))
+      assert_grad(dqkv, num, "attention dqkv")
+    end)
+
+    it("handles sequences longer than one 64-row block (T = 70) against the reference", function()
+      local b, t, c, nh = 1, 70, 8, 2
+      local qkv = randn({ b, t, 3 * c }, 26)
+      local out, att = ops.attention(qkv, nh)
+      local rout = attention_ref(flat(qkv), b, t, c, nh)
+      assert_close(out, rout, FWD_RTOL, FWD_ATOL, "attention out, T=70")
+      -- backward: compare with finite differences on a few entries of each of
+      -- q, k, v at early and late steps (the blocks' boundaries), not all 1680
+      local R = randn({ b, t, c }, 27)
+      local r = flat(R)
+      local dq = flat(ops.attention_backward(R, qkv, att, nh))
+      local v = flat(qkv)
+      local f = function(vals) return dot((attention_ref(vals, b, t, c, nh)), r) end
+      local checked = 0
+      for _, step in ipairs({ 1, 63, 64, 65, 70 }) do
+        for _, col in ipairs({ 1, c + 2, 2 * c + 7 }) do
+          local i = (step - 1) * 3 * c + col
+          local old = v[i]
+          v[i] = old + H
+          local up = f(v)
+          v[i] = old - H
+          local down = f(v)
+          v[i] = old
+          local num = (up - down) / (2 * H)
+          assert(math.abs(dq[i] - num) <= GRAD_ATOL + GRAD_RTOL * math.abs(num),
+            ("dqkv step %d col %d: analytic %.9g numeric %.9g"):format(step, col, dq[i], num))
+          checked = checked + 1
+        end
+      end
+      assert.equal(15, checked)
+    end)
+  end)
+
+  describe("gelu and residual", function()
+    it("gelu matches the tanh formula and its backward matches finite differences", function()
+      local x = randn({ B, T, C }, 28, 2)
+      assert_close(ops.gelu(x), gelu_ref(flat(x)), FWD_RTOL, FWD_ATOL, "gelu forward")
+      local R = randn({ B, T, C }, 29)
+      local r = flat(R)
+      local dx = ops.gelu_backward(R, x)
+      assert_grad(dx, numgrad(function(v) return dot(gelu_ref(v), r) end, flat(x)), "gelu dx")
+    end)
+
+    it("residual adds exactly", function()
+      local a, b = randn({ B, T, C }, 30), randn({ B, T, C }, 31)
+      -- float32 a + b is one rounding of the double sum: exact against tensor add
+      assert.is_true(ops.residual(a, b):equal(a:add(b)))
+      assert_close(ops.residual(a, b), (function()
+        local av, bv, s = flat(a), flat(b), {}
+        for i = 1, #av do s[i] = av[i] + bv[i] end
+        return s
+      end)(), FWD_RTOL, FWD_ATOL, "residual vs double sum")
+    end)
+  end)
+
+  describe("cross-entropy", function()
+    local TARGETS = { 0, 10, 5, 6, 3, 9, 1, 7, 4, 8 } -- both halves of a 6 + 5 split
+
+    it("matches the reference losses, and dlogits matches finite differences of dloss * sum(losses)", function()
+      local logits = randn({ B, T, V }, 32, 2)
+      local tg = from_flat(TARGETS, { B, T }, "int32")
+      local dloss = 0.37
+      local losses, dlogits, total = ops.cross_entropy(logits, tg, { dloss = dloss })
+      assert.same({ B, T }, losses:shape())
+      local ref = xent_ref(flat(logits), TARGETS, N, V, V, 0)
+      assert_close(losses, ref, FWD_RTOL, FWD_ATOL, "xent losses")
+      local rs = 0
+      for _, l in ipairs(ref) do rs = rs + l end
+      assert.near(rs, total, 1e-5 * math.abs(rs)) -- sum of float losses: 1e-5 relative
+      local num = numgrad(function(v)
+        local s = 0
+        for _, l in ipairs(xent_ref(v, TARGETS, N, V, V, 0)) do s = s + l end
+        return dloss * s
+      end, flat(logits))
+      assert_grad(dlogits, num, "xent dlogits")
+    end)
+
+    it("ignores padded columns: zero gradient there, and the same loss as without them", function()
+      local valid = V
+      local real = randn({ N, V }, 33)
+      -- three padding columns holding large values that would dominate a softmax
+      local padded = {}
+      local rv = real:totable()
+      for n = 1, N do
+        padded[n] = {}
+        for j = 1, V do padded[n][j] = rv[n][j] end
+        for j = V + 1, V + 3 do padded[n][j] = 50 end
+      end
+      padded = pg.tensor(padded)
+      local tg = from_flat(TARGETS, { N }, "int32")
+      local l1, d1, s1 = ops.cross_entropy(real, tg)
+      local l2, d2, s2 = ops.cross_entropy(padded, tg, { valid = valid })
+      -- the kernels read only the valid columns: bitwise the same results
+      assert.is_true(l1:equal(l2))
+      assert.equal(s1, s2)
+      assert.is_true(d2:narrow(2, 1, V):equal(d1))
+      assert.same(flat(pg.zeros{ N, 3 }), flat(d2:narrow(2, V + 1, 3)))
+      assert_close(l2, xent_ref(flat(real), TARGETS, N, V, V, 0), FWD_RTOL, FWD_ATOL, "padded xent losses")
+    end)
+
+    it("a vocabulary split in two slices, combined by hand, equals the one-slice result", function()
+      local logits = randn({ N, V }, 34, 3)
+      local tg = from_flat(TARGETS, { N }, "int32")
+      local lv = logits:totable()
+      -- slice A: ids 0..5 (6 columns); slice B: ids 6..10 plus one padding column
+      local A, Bs = {}, {}
+      for n = 1, N do
+        A[n], Bs[n] = {}, {}
+        for j = 1, 6 do A[n][j] = lv[n][j] end
+        for j = 1, 5 do Bs[n][j] = lv[n][6 + j] end
+        Bs[n][6] = 1e3 -- padding: must never count
+      end
+      A, Bs = pg.tensor(A), pg.tensor(Bs)
+      local oa, ob = { vocab_start = 0 }, { valid = 5, vocab_start = 6 }
+      local ma, mb = flat(ops.xent_row_max(A, oa)), flat(ops.xent_row_max(Bs, ob))
+      local sa, ta = ops.xent_sumexp(A, from_flat(ma, { N }), tg, oa)
+      local sb, tb = ops.xent_sumexp(Bs, from_flat(mb, { N }), tg, ob)
+      sa, ta, sb, tb = flat(sa), flat(ta), flat(sb), flat(tb)
+      -- the cross-rank reductions, by hand: max of maxes, sums rescaled to it, target logits summed
+      local g, s, tl = {}, {}, {}
+      for n = 1, N do
+        g[n] = math.max(ma[n], mb[n])
+        s[n] = sa[n] * math.exp(ma[n] - g[n]) + sb[n] * math.exp(mb[n] - g[n])
+        tl[n] = ta[n] + tb[n]
+        -- the target is in exactly one slice; the other reports 0
+        assert.is_true((ta[n] == 0) ~= (tb[n] == 0) or lv[n][TARGETS[n] + 1] == 0)
+      end
+      local G, S, TL = from_flat(g, { N }), from_flat(s, { N }), from_flat(tl, { N })
+      local la, da, suma = ops.xent_finish(A, G, S, TL, tg, oa)
+      local lb, db, sumb = ops.xent_finish(Bs, G, S, TL, tg, ob)
+      assert.is_true(la:equal(lb), "both slices compute the same losses from the same statistics")
+      assert.equal(suma, sumb)
+
+      local l1, d1, s1 = ops.cross_entropy(logits, tg)
+      -- the rescaled sums differ from the one-slice sums by float rounding only: 1e-6 relative
+      assert_close(la, l1, 1e-6, 1e-6, "split losses")
+      assert.near(s1, suma, 1e-6 * math.abs(s1))
+      local joined, dav, dbv = {}, da:totable(), db:totable()
+      for n = 1, N do
+        joined[n] = {}
+        for j = 1, 6 do joined[n][j] = dav[n][j] end
+        for j = 1, 5 do joined[n][6 + j] = dbv[n][j] end
+        assert.equal(0, dbv[n][6]) -- padding: exactly zero
+      end
+      assert_close(joined, d1, 1e-6, 1e-7, "split dlogits")
+
+      -- in place (dlogits aliasing logits, as the engine runs it): the same bits
+      local Bc = Bs:clone()
+      local lc, dc = ops.xent_finish(Bc, G, S, TL, tg, { valid = 5, vocab_start = 6, inplace = true })
+      assert.equal(Bc, dc)
+      assert.is_true(Bc:equal(db) and lc:equal(lb))
+    end)
+  end)
+
+  describe("optimizer", function()
+    it("adamw_ over 3 steps equals a transcription of torch.optim.AdamW", function()
+      local n = 64
+      local o = { lr = 1e-2, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1, grad_scale = 0.5 }
+      local p, m, v = randn({ n }, 35), pg.zeros{ n }, pg.zeros{ n }
+      local rp, rm, rv = flat(p), {}, {}
+      for i = 1, n do rm[i], rv[i] = 0, 0 end
+      for step = 1, 3 do
+        local grad = randn({ n }, 40 + step)
+        local gv = flat(grad)
+        o.step = step
+        assert.equal(p, ops.adamw_(p, grad, m, v, o))
+        -- torch: p *= 1 - lr wd; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+        -- denom = sqrt(v) / sqrt(1 - b2^t) + eps; p -= lr / (1 - b1^t) * m / denom
+        for i = 1, n do
+          local g = gv[i] * o.grad_scale
+          rp[i] = rp[i] * (1 - o.lr * o.weight_decay)
+          rm[i] = o.beta1 * rm[i] + (1 - o.beta1) * g
+          rv[i] = o.beta2 * rv[i] + (1 - o.beta2) * g * g
+          local denom = math.sqrt(rv[i]) / math.sqrt(1 - o.beta2 ^ step) + o.eps
+          rp[i] = rp[i] - (o.lr / (1 - o.beta1 ^ step)) * rm[i] / denom
+        end
+      end
+      -- float32 state against double: 1e-6 relative / 1e-7 absolute on p and m,
+      -- 1e-5 relative on v (squares of small gradients)
+      assert_close(p, rp, 1e-6, 1e-7, "adamw param")
+      assert_close(m, rm, 1e-6, 1e-7, "adamw m")
+      assert_close(v, rv, 1e-5, 1e-10, "adamw v")
+      -- the update moved every parameter (not a vacuous comparison)
+      local moved = flat(p:sub(randn({ n }, 35)))
+      for i = 1, n do assert.is_true(math.abs(moved[i]) > 1e-4) end
+    end)
+
+    it("sum_squares equals the double sum, deterministically", function()
+      local x = randn({ 1003 }, 36) -- not a multiple of the 64 chunks or 8 lanes
+      local s = 0
+      for _, v in ipairs(flat(x)) do s = s + v * v end
+      -- double accumulation in another order: 1e-12 relative
+      assert.near(s, ops.sum_squares(x), 1e-12 * s)
+      assert.equal(ops.sum_squares(x), ops.sum_squares(x:clone()))
+      assert.equal(0, ops.sum_squares(pg.zeros{ 0 }))
+    end)
+  end)
+
+  describe("determinism", function()
+    -- The row reductions split by columns and the per-head attention are
+    -- independent of the thread count; sizes here exceed the threshold under
+    -- which the kernels run on one thread.
+    it("gives the same bits on 1 thread and on several", function()
+      local saved = ops.num_threads()
+      local function run()
+        local x, w, b = randn({ 128, 512 }, 50), randn({ 512 }, 51), randn({ 512 }, 52)
+        local dy = randn({ 128, 512 }, 53)
+        local _, mean, rstd = ops.layernorm(x, w, b)
+        local dx, dw, db = ops.layernorm_backward(dy, x, w, mean, rstd)
+        local tok = pg.arange(0, 128):reshape{ 128 }
+        local demb = ops.embedding_backward(dy, pg.tensor(flat(tok), { dtype = "int32" }), 64)
+        local dpos = ops.position_backward(dy, 16)
+        local qkv = randn({ 2, 48, 96 }, 54)
+        local out, att = ops.attention(qkv, 4)
+        local dqkv = ops.attention_backward(randn({ 2, 48, 32 }, 55), qkv, att, 4)
+        local big = randn({ 100000 }, 56)
+        local logits = randn({ 64, 600 }, 57)
+        local tg = pg.tensor(flat(pg.arange(0, 64)), { dtype = "int32" })
+        local l, dl, ls = ops.cross_entropy(logits, tg)
+        return { dx, dw, db, demb, dpos, out, att, dqkv, dl, l }, { ops.sum_squares(big), ls }
+      end
+      ops.set_num_threads(1)
+      local ok1, one, one_s = pcall(run)
+      ops.set_num_threads(math.max(2, saved))
+      local ok2, many, many_s = pcall(run)
+      ops.set_num_threads(saved)
+      assert(ok1, one)
+      assert(ok2, many)
+      for i = 1, #one do assert.is_true(one[i]:equal(many[i]), "result " .. i .. " differs") end
+      assert.same(one_s, many_s)
+    end)
+  end)
+
+  describe("argument checks", function()
+    local x = pg.zeros{ B, T, C }
+    it("name the function, the argument and both shapes", function()
+      assert.has_error(function() ops.linear(x, pg.zeros{ 6, 7 }) end,
+        "ops.linear: w: expected a [*, 8] float32 tensor, got [6, 7] float32")
+      assert.has_error(function() ops.linear(pg.zeros{ C }, pg.zeros{ 6, C }) end,
+        "ops.linear: x: expected a [..., *] float32 tensor (2 or more dimensions), got [8] float32")
+      assert.has_error(function() ops.linear(x, pg.zeros{ 6, C }, pg.zeros{ 5 }) end,
+        "ops.linear: b: expected a [6] float32 tensor, got [5] float32")
+      assert.has_error(function() ops.linear_backward(x, x, pg.zeros{ 6, C }) end,
+        "ops.linear_backward: dy: expected a [2, 5, 6] float32 tensor, got [2, 5, 8] float32")
+      assert.has_error(function() ops.layernorm(x, pg.zeros{ 7 }, pg.zeros{ C }) end,
+        "ops.layernorm: w: expected a [8] float32 tensor, got [7] float32")
+      assert.has_error(function() ops.layernorm_backward(x, x, pg.zeros{ C }, pg.zeros{ N }, pg.zeros{ B, T }) end,
+        "ops.layernorm_backward: mean: expected a [2, 5] float32 tensor, got [10] float32")
+      assert.has_error(function() ops.embedding(pg.zeros{ B, T }, pg.zeros{ V, C }) end,
+        "ops.embedding: tokens: expected a [*, *] int32 tensor, got [2, 5] float32")
+      assert.has_error(function() ops.position(x, pg.zeros{ 3, C }, T) end,
+        "ops.position: T=5 exceeds the 3 positions of wpe")
+      assert.has_error(function() ops.position(x, pg.zeros{ T, C }, 4) end,
+        "ops.position: T=4 but the input is [B, T, C] with T=5")
+      local qkv = pg.zeros{ B, T, 3 * C }
+      assert.has_error(function() ops.attention(qkv, 3) end, "ops.attention: heads=3 does not divide C=8")
+      assert.has_error(function() ops.attention(pg.zeros{ B, T, 10 }, 2) end,
+        "ops.attention: qkv: last dimension 10 is not 3C")
+      local _, att = ops.attention(qkv, NH)
+      assert.has_error(function() ops.attention_backward(pg.zeros{ B, 4, C }, qkv, att, NH) end,
+        "ops.attention_backward: dout: expected a [2, 5, 8] float32 tensor, got [2, 4, 8] float32")
+      assert.has_error(function() ops.attention_backward(x, qkv, pg.zeros{ B, NH, T, 4 }, NH) end,
+        "ops.attention_backward: att: expected a [2, 2, 5, 5] float32 tensor, got [2, 2, 5, 4] float32")
+      assert.has_error(function() ops.gelu_backward(pg.zeros{ 3 }, x) end,
+        "ops.gelu_backward: dy: expected a [2, 5, 8] float32 tensor, got [3] float32")
+      assert.has_error(function() ops.residual(x, pg.zeros{ N, C }) end,
+        "ops.residual: b: expected a [2, 5, 8] float32 tensor, got [10, 8] float32")
+      local logits = pg.zeros{ B, T, V }
+      assert.has_error(function() ops.cross_entropy(logits, pg.zeros({ N }, { dtype = "int32" })) end,
+        "ops.cross_entropy: targets: expected a [2, 5] int32 tensor, got [10] int32")
+      assert.has_error(function() ops.cross_entropy(logits, pg.full({ B, T }, 11, { dtype = "int32" })) end,
+        "ops.cross_entropy: targets: id 11 at row 1 is outside the vocabulary [0, 11)")
+      assert.has_error(function() ops.cross_entropy(logits, pg.zeros({ B, T }, { dtype = "int32" }), { valid = 12 }) end,
+        "ops.cross_entropy: valid=12 out of range [0, 11]")
+      assert.has_error(function() ops.xent_sumexp(logits, pg.zeros{ B, T }, pg.zeros({ B, T }, { dtype = "int32" }),
+        { inplace = true }) end, "ops.xent_sumexp: unknown option 'inplace' (known: valid, vocab_start, dloss)")
+      local p = pg.zeros{ 4 }
+      assert.has_error(function() ops.adamw_(p, pg.zeros{ 5 }, p:clone(), p:clone(), { lr = 1, step = 1 }) end,
+        "ops.adamw_: grad: expected a [4] float32 tensor, got [5] float32")
+      assert.has_error(function() ops.adamw_(p, p:clone(), p:clone(), p:clone(), { step = 1 }) end,
+        "ops.adamw_: option 'lr' is required")
+      assert.has_error(function() ops.adamw_(p, p:clone(), p:clone(), p:clone(), { lr = 1, step = 0 }) end,
+        "ops.adamw_: step=0 out of range [1, 2147483647]")
+    end)
+  end)
+end)
