@@ -16,6 +16,7 @@ int luaopen_pipegoose_core(lua_State *L) {
   pg_lua_open_tensor(L);
   pg_lua_open_context(L);
   pg_lua_open_dist(L);
+  pg_lua_open_data(L);
   lua_pushstring(L, PG_VERSION);
   lua_setfield(L, -2, "version");
   return 1;

@@ -46,5 +46,6 @@ void pg_lua_check_keys(lua_State *L, int idx, const char *fname, const char *con
 void pg_lua_open_tensor(lua_State *L);
 void pg_lua_open_context(lua_State *L);
 void pg_lua_open_dist(lua_State *L);
+void pg_lua_open_data(lua_State *L);
 
 #endif

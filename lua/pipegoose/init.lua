@@ -7,5 +7,6 @@ local core = require "pipegoose.core"
 local pg = {}
 for k, v in pairs(core) do pg[k] = v end
 pg.core = core
+pg.data = require("pipegoose.data")
 
 return pg
