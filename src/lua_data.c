@@ -139,6 +139,7 @@ static int l_loader(lua_State *L) {
   cfg.seed = (uint64_t)pg_lua_opt_int(L, 1, "seed", 0);
   cfg.shuffle = pg_lua_opt_bool(L, 1, "shuffle", 1);
   cfg.vocab = pg_lua_opt_int(L, 1, "vocab", 0);
+  if (cfg.vocab < 0) return luaL_error(L, "TokenShards: vocab=%I must be positive (or nil: no check)", (lua_Integer)cfg.vocab);
   cfg.dp_rank = 0;
   cfg.dp_size = 1;
   if (lua_getfield(L, 1, "ctx") != LUA_TNIL) {

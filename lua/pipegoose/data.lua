@@ -73,17 +73,18 @@ function M.TokenShards(opts)
   local files = C.expand_paths(opts.path)
   local shuffle = opts.shuffle
   if shuffle == nil then shuffle = true end
-  local seed = opts.seed or 0
+  local seed = math.tointeger(opts.seed or 0) or opts.seed -- C.loader rejects a non-integer
   local loader = C.loader{ files = files, batch = opts.batch, seq_len = opts.seq_len, seed = seed,
                            shuffle = shuffle, vocab = opts.vocab, ctx = opts.ctx }
   local D, d = 1, 0
   if opts.ctx then D, d = opts.ctx:world_size("data"), opts.ctx:local_rank("data") end
+  local batch, seq_len = math.tointeger(opts.batch), math.tointeger(opts.seq_len) -- 8.0 -> 8
   return setmetatable({
     loader = loader,
     files = files,
-    batch = opts.batch,
-    seq_len = opts.seq_len,
-    local_batch = opts.batch // D,
+    batch = batch,
+    seq_len = seq_len,
+    local_batch = batch // D,
     seed = seed,
     shuffle = shuffle,
     data_size = D,
