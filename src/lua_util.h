@@ -50,5 +50,6 @@ void pg_lua_open_nn(lua_State *L);
 void pg_lua_open_optim(lua_State *L);
 void pg_lua_open_file(lua_State *L);
 void pg_lua_open_ops(lua_State *L); /* sets field `ops` */
+void pg_lua_open_data(lua_State *L);
 
 #endif

@@ -7,6 +7,7 @@ local core = require "pipegoose.core"
 local pg = {}
 for k, v in pairs(core) do pg[k] = v end
 pg.core = core
+pg.data = require("pipegoose.data")
 
 pg.nn = require "pipegoose.nn"
 local parallel = require "pipegoose.parallel"
