@@ -125,6 +125,14 @@ test: all
 test-unit: all
 	PGLUA=$(PGLUA) PG_TEST_ONLY=unit scripts/run_tests.sh
 
+# The default corpus, prepared once (scripts/prepare_corpus.lua, fortunes from Debian).
+data/fortunes_train.bin data/fortunes_val.bin: | $(PGLUA)
+	$(PGLUA) scripts/prepare_corpus.lua --out=data
+
+RUN_ARGS ?=
+run: all data/fortunes_train.bin
+	$(PGLUA) examples/train_gpt.lua $(RUN_ARGS)
+
 bench-comm: all
 	scripts/mpirun.sh -np 2 $(PGLUA) scripts/bench_comm.lua
 

@@ -13,5 +13,6 @@ pg.nn = require "pipegoose.nn"
 local parallel = require "pipegoose.parallel"
 pg.parallelize = parallel.parallelize
 pg.optim = require "pipegoose.optim"
+pg.sample = require "pipegoose.sample"
 
 return pg

@@ -1,0 +1,71 @@
+--- pg.sample: text generation from an engine (greedy or temperature sampling).
+-- Recomputes the whole window for every new token (no key/value cache): fine
+-- for the short samples a training run prints.
+local core = require "pipegoose.core"
+
+local M = {}
+
+-- splitmix64: a small seeded generator, so that samples are reproducible and
+-- do not disturb math.random.
+local function generator(seed)
+  local state = seed or 0
+  return function()
+    state = state + 0x9e3779b97f4a7c15
+    local z = state
+    z = (z ~ (z >> 30)) * 0xbf58476d1ce4e5b9
+    z = (z ~ (z >> 27)) * 0x94d049bb133111eb
+    z = z ~ (z >> 31)
+    return (z >> 11) * (1.0 / 9007199254740992.0) -- [0, 1)
+  end
+end
+
+--- M.generate(engine, prompt, n, {temperature = 0, seed = 0, top_k = nil}) -> list of ids
+-- prompt: a list of token ids (at least one). temperature 0 is greedy.
+-- Collective: every rank of the engine must call it with the same arguments.
+function M.generate(engine, prompt, n, opts)
+  opts = opts or {}
+  local temperature, top_k = opts.temperature or 0, opts.top_k
+  local rand = generator(opts.seed or 0)
+  local window = engine.config.seq_len or #prompt + n
+  local ids = {}
+  for i, t in ipairs(prompt) do ids[i] = t end
+  if #ids == 0 then error("generate: the prompt needs at least one token", 2) end
+  local out = {}
+  for _ = 1, n do
+    local first = math.max(1, #ids - window + 1)
+    local ctx_ids = table.move(ids, first, #ids, 1, {})
+    local logits = engine:forward(core.tensor({ ctx_ids }, { dtype = "int32" }))
+    local V = logits:size(3)
+    local row = logits:narrow(2, #ctx_ids, 1):reshape{ V }:totable()
+    local pick
+    if temperature <= 0 then
+      pick = 1
+      for v = 2, V do if row[v] > row[pick] then pick = v end end
+    else
+      local order = {}
+      for v = 1, V do order[v] = v end
+      if top_k and top_k < V then
+        table.sort(order, function(a, b) return row[a] > row[b] end)
+        for v = #order, top_k + 1, -1 do order[v] = nil end
+      end
+      local mx = -math.huge
+      for _, v in ipairs(order) do mx = math.max(mx, row[v]) end
+      local total, w = 0, {}
+      for i, v in ipairs(order) do
+        w[i] = math.exp((row[v] - mx) / temperature)
+        total = total + w[i]
+      end
+      local r = rand() * total
+      pick = order[#order]
+      for i, v in ipairs(order) do
+        r = r - w[i]
+        if r <= 0 then pick = v; break end
+      end
+    end
+    ids[#ids + 1] = pick - 1
+    out[#out + 1] = pick - 1
+  end
+  return out
+end
+
+return M
