@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "lua_util.h"
 #include "pg_comm.h"
@@ -228,6 +229,20 @@ static int l_mpi_size(lua_State *L) {
   return 1;
 }
 
+/* Wall-clock seconds (MPI_Wtime; a monotonic clock when MPI is not up). */
+static int l_wtime(lua_State *L) {
+  int inited = 0, finalized = 0;
+  MPI_Initialized(&inited);
+  MPI_Finalized(&finalized);
+  if (inited && !finalized) lua_pushnumber(L, MPI_Wtime());
+  else {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    lua_pushnumber(L, (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec);
+  }
+  return 1;
+}
+
 static int l_num_threads(lua_State *L) {
   lua_pushinteger(L, pg_num_threads());
   return 1;
@@ -251,4 +266,6 @@ void pg_lua_open_context(lua_State *L) {
   lua_setfield(L, -2, "world_size");
   lua_pushcfunction(L, l_num_threads);
   lua_setfield(L, -2, "num_threads");
+  lua_pushcfunction(L, l_wtime);
+  lua_setfield(L, -2, "wtime");
 }
