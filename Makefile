@@ -111,7 +111,7 @@ $(CORE_SO): $(BINDING_OBJS) $(RUNTIME_OBJS)
 debug:
 	$(MAKE) BUILD=build-debug DEBUG=1 all
 
-ASAN_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:allocator_may_return_null=1 \
+ASAN_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:allocator_may_return_null=1:fast_unwind_on_malloc=0:malloc_context_size=30 \
             LSAN_OPTIONS=suppressions=$(CURDIR)/spec/support/lsan.supp:print_suppressions=0 \
             UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 asan:

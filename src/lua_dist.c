@@ -116,7 +116,19 @@ static int l_barrier(lua_State *L) {
   return 0;
 }
 
-static const luaL_Reg dist_functions[] = {{"all_reduce", l_all_reduce}, {"all_gather", l_all_gather},
+/* mpi_allreduce(t, {ctx=, group=}): the bare MPI_Allreduce (sum, in place) with
+ * no checks or counters — the peer that benchmarks compare all_reduce against. */
+static int l_mpi_allreduce(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1);
+  pg_context *c = opt_ctx(L, 2);
+  pg_mode m = opt_mode(L, 2);
+  if (t->dtype != PG_FLOAT32) return luaL_error(L, "mpi_allreduce: float32 only");
+  if (MPI_Allreduce(MPI_IN_PLACE, pg_tensor_data(t), (int)t->numel, MPI_FLOAT, MPI_SUM, c->group[m].comm) != MPI_SUCCESS)
+    return luaL_error(L, "MPI_Allreduce failed");
+  return 0;
+}
+
+static const luaL_Reg dist_functions[] = {{"mpi_allreduce", l_mpi_allreduce},{"all_reduce", l_all_reduce}, {"all_gather", l_all_gather},
                                           {"reduce_scatter", l_reduce_scatter}, {"broadcast", l_broadcast},
                                           {"send", l_send}, {"recv", l_recv}, {"sendrecv", l_sendrecv},
                                           {"barrier", l_barrier}, {NULL, NULL}};
