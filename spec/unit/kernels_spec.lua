@@ -110,12 +110,6 @@ local function assert_grad(analytic, numeric, what)
   assert_close(analytic, numeric, GRAD_RTOL, GRAD_ATOL, what)
 end
 
-local function tanh(u)
-  local e = math.exp(-2 * math.abs(u))
-  local t = (1 - e) / (1 + e)
-  return u < 0 and -t or t
-end
-
 ---- double-precision references (flat, 1-based arrays; 0-based row/col loops) ----
 
 local function embedding_ref(tokens, w, n_rows, c, row_start, rows)
@@ -197,9 +191,15 @@ local function attention_ref(qkv, b_len, t_len, c, nh)
   return out, att
 end
 
+-- 0.5 x (1 + tanh u), u = sqrt(2/pi) (x + 0.044715 x^3), written with the
+-- identity 0.5 (1 + tanh u) = 1 / (1 + e^(-2u)): computing 1 + tanh u near
+-- tanh u = -1 would cancel even in double (GELU(-7) ~ -2.3e-15).
 local function gelu_ref(x)
   local y = {}
-  for i, v in ipairs(x) do y[i] = 0.5 * v * (1 + tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v ^ 3))) end
+  for i, v in ipairs(x) do
+    local u = math.sqrt(2 / math.pi) * (v + 0.044715 * v ^ 3)
+    y[i] = v / (1 + math.exp(-2 * u))
+  end
   return y
 end
 
@@ -436,6 +436,19 @@ describe("pg.ops kernels", function()
       local r = flat(R)
       local dx = ops.gelu_backward(R, x)
       assert_grad(dx, numgrad(function(v) return dot(gelu_ref(v), r) end, flat(x)), "gelu dx")
+    end)
+
+    it("gelu stays accurate in the tails, relative to tiny values", function()
+      -- the kernel's exp-based form must not cancel where tanh u is near -1
+      local xs = { -9, -7, -5, -3, -1, -0.1, 0, 0.1, 1, 3, 5, 7, 9 }
+      local x = pg.tensor(xs)
+      local want = gelu_ref(flat(x))
+      -- 1e-5 relative, and an absolute floor far below the smallest value (GELU(-9) ~ -4e-33)
+      assert_close(ops.gelu(x), want, FWD_RTOL, 1e-40, "gelu tails")
+      assert.is_true(math.abs(want[1]) > 0 and math.abs(flat(ops.gelu(x))[1]) > 0, "the tail value must be nonzero")
+      local num = numgrad(function(v) return dot(gelu_ref(v), flat(pg.ones{ #xs })) end, flat(x))
+      -- derivative: 1e-5 relative, 1e-9 absolute (finite differences resolve ~1e-12 here)
+      assert_close(ops.gelu_backward(pg.ones{ #xs }, x), num, 1e-5, 1e-9, "gelu' tails")
     end)
 
     it("residual adds exactly", function()
