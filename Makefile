@@ -86,6 +86,11 @@ $(DEPS_OK): scripts/install-deps.sh
 	scripts/install-deps.sh
 	@touch $@
 
+# Kernels: let GCC turn float selects into blends (vectorised exp, GELU, softmax)
+# and sqrtf into vsqrtps (AdamW). Values are unchanged; only FP exception flags
+# and errno may differ.
+$(BUILD)/obj/kernels/cpu/%.o: CFLAGS += -fno-trapping-math -fno-math-errno
+
 $(BUILD)/obj/%.o: %.c $(HEADERS) | $(DEPS_OK)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@

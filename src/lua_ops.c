@@ -1,6 +1,7 @@
 /* Lua bindings for the CPU kernels: pg.ops.*, functional style (every call
  * returns new tensors; backward functions return fresh, zero-started
- * parameter gradients). Leading dimensions of activations flatten to rows,
+ * parameter gradients, or add into the buffers of an optional trailing
+ * table such as {dw=, db=}, the kernels' += contract). Leading dimensions of activations flatten to rows,
  * so x may be [N, C] or [B, T, C]. Each argument is checked, and a mismatch
  * names the function, the argument, and both shapes. */
 #include <limits.h>
@@ -71,11 +72,6 @@ static pg_tensor *new_lead(lua_State *L, const pg_tensor *like) {
   return pg_lua_new_tensor(L, PG_FLOAT32, like->ndim - 1, like->shape);
 }
 
-static pg_tensor *new_2d(lua_State *L, int64_t a, int64_t b) {
-  int64_t shape[2] = {a, b};
-  return pg_lua_new_tensor(L, PG_FLOAT32, 2, shape);
-}
-
 static int int_arg(lua_State *L, int idx, const char *fn, const char *name, lua_Integer lo, lua_Integer def,
                    int optional) {
   if (optional && lua_isnoneornil(L, idx)) return (int)def;
@@ -91,6 +87,24 @@ static int opt_int_range(lua_State *L, int idx, const char *fn, const char *key,
   lua_Integer v = pg_lua_opt_int(L, idx, key, def);
   if (v < lo || v > hi) luaL_error(L, "%s: %s=%I out of range [%I, %I]", fn, key, v, lo, hi);
   return (int)v;
+}
+
+/* A parameter gradient to write: acc[key] when the optional table at idx holds
+ * it (the kernel then ACCUMULATES into it, its += contract), else a new zeroed
+ * tensor. Either way the tensor is left on the stack. */
+static pg_tensor *grad_out(lua_State *L, int idx, const char *fn, const char *key, int ndim, const int64_t *shape) {
+  if (!lua_isnoneornil(L, idx)) {
+    if (lua_getfield(L, idx, key) != LUA_TNIL) return expect(L, lua_gettop(L), fn, key, PG_FLOAT32, ndim, shape);
+    lua_pop(L, 1);
+  }
+  return pg_lua_new_tensor(L, PG_FLOAT32, ndim, shape);
+}
+
+static void check_acc(lua_State *L, int idx, const char *fn, const char *const *keys) {
+  if (lua_isnoneornil(L, idx)) return;
+  if (!lua_istable(L, idx)) luaL_error(L, "%s: argument %d: expected a table of gradients to accumulate into, got %s", fn, idx,
+                                       luaL_typename(L, idx));
+  pg_lua_check_keys(L, idx, fn, keys);
 }
 
 /* ---- embeddings ---- */
@@ -116,16 +130,19 @@ static int l_embedding(lua_State *L) {
   return 1;
 }
 
-/* embedding_backward(dout[..., C], tokens[...], rows [, row_start=0]) -> dweight[rows, C] */
+/* embedding_backward(dout[..., C], tokens[...], rows [, row_start=0 [, {dweight=}]]) -> dweight[rows, C] */
 static int l_embedding_backward(lua_State *L) {
   const char *fn = "ops.embedding_backward";
+  lua_settop(L, 5); /* results are pushed above the (optional) gradient table */
   int64_t C;
   pg_tensor *dout = rows_arg(L, 1, fn, "dout", -1, NULL);
   C = dout->shape[dout->ndim - 1];
   pg_tensor *tok = expect(L, 2, fn, "tokens", PG_INT32, dout->ndim - 1, dout->shape);
   int rows = int_arg(L, 3, fn, "rows", 0, 0, 0);
   int row_start = int_arg(L, 4, fn, "row_start", 0, 0, 1);
-  pg_tensor *dw = new_2d(L, rows, C);
+  static const char *const keys[] = {"dweight", NULL};
+  check_acc(L, 5, fn, keys);
+  pg_tensor *dw = grad_out(L, 5, fn, "dweight", 2, (int64_t[]){rows, C});
   pg_embedding_backward(pg_tensor_f32(dw), pg_tensor_f32(dout), pg_tensor_i32(tok), (int)tok->numel, (int)C,
                         row_start, rows);
   return 1;
@@ -155,14 +172,17 @@ static int l_position(lua_State *L) {
   return 1;
 }
 
-/* position_backward(dout, T) -> dwpe[T, C] */
+/* position_backward(dout, T [, {dwpe=}]) -> dwpe[T, C] */
 static int l_position_backward(lua_State *L) {
   const char *fn = "ops.position_backward";
+  lua_settop(L, 3); /* results are pushed above the (optional) gradient table */
   int64_t N;
   pg_tensor *dout = rows_arg(L, 1, fn, "dout", -1, &N);
   int64_t C = dout->shape[dout->ndim - 1];
   int T = position_T(L, 2, fn, dout, N);
-  pg_tensor *dw = new_2d(L, T, C);
+  static const char *const keys[] = {"dwpe", NULL};
+  check_acc(L, 3, fn, keys);
+  pg_tensor *dw = grad_out(L, 3, fn, "dwpe", 2, (int64_t[]){T, C});
   pg_position_backward(pg_tensor_f32(dw), pg_tensor_f32(dout), (int)N, T, (int)C);
   return 1;
 }
@@ -183,9 +203,10 @@ static int l_layernorm(lua_State *L) {
   return 3;
 }
 
-/* layernorm_backward(dy, x, w, mean, rstd) -> dx, dw, db */
+/* layernorm_backward(dy, x, w, mean, rstd [, {dw=, db=}]) -> dx, dw, db */
 static int l_layernorm_backward(lua_State *L) {
   const char *fn = "ops.layernorm_backward";
+  lua_settop(L, 6); /* results are pushed above the (optional) gradient table */
   int64_t N;
   pg_tensor *x = rows_arg(L, 2, fn, "x", -1, &N);
   int64_t C = x->shape[x->ndim - 1];
@@ -194,7 +215,9 @@ static int l_layernorm_backward(lua_State *L) {
   pg_tensor *mean = lead_arg(L, 4, fn, "mean", x, PG_FLOAT32);
   pg_tensor *rstd = lead_arg(L, 5, fn, "rstd", x, PG_FLOAT32);
   pg_tensor *dx = new_like(L, x, C);
-  pg_tensor *dw = pg_lua_new_tensor(L, PG_FLOAT32, 1, &C), *db = pg_lua_new_tensor(L, PG_FLOAT32, 1, &C);
+  static const char *const keys[] = {"dw", "db", NULL};
+  check_acc(L, 6, fn, keys);
+  pg_tensor *dw = grad_out(L, 6, fn, "dw", 1, &C), *db = grad_out(L, 6, fn, "db", 1, &C);
   pg_layernorm_backward(pg_tensor_f32(dx), pg_tensor_f32(dw), pg_tensor_f32(db), pg_tensor_f32(dy), pg_tensor_f32(x),
                         pg_tensor_f32(w), pg_tensor_f32(mean), pg_tensor_f32(rstd), (int)N, (int)C);
   return 3;
@@ -218,9 +241,10 @@ static int l_linear(lua_State *L) {
   return 1;
 }
 
-/* linear_backward(dy, x, w [, with_bias=true]) -> dx, dw, db (or nil) */
+/* linear_backward(dy, x, w [, with_bias=true [, {dw=, db=}]]) -> dx, dw, db (or nil) */
 static int l_linear_backward(lua_State *L) {
   const char *fn = "ops.linear_backward";
+  lua_settop(L, 5); /* results are pushed above the (optional) gradient table */
   int64_t N;
   pg_tensor *x = rows_arg(L, 2, fn, "x", -1, &N);
   int64_t C = x->shape[x->ndim - 1];
@@ -228,9 +252,11 @@ static int l_linear_backward(lua_State *L) {
   int64_t OC = w->shape[0];
   pg_tensor *dy = like_arg(L, 1, fn, "dy", x, OC, PG_FLOAT32);
   int with_bias = lua_isnoneornil(L, 4) ? 1 : lua_toboolean(L, 4);
-  pg_tensor *dx = new_like(L, x, C), *dw = new_2d(L, OC, C);
+  static const char *const keys[] = {"dw", "db", NULL};
+  check_acc(L, 5, fn, keys);
+  pg_tensor *dx = new_like(L, x, C), *dw = grad_out(L, 5, fn, "dw", 2, (int64_t[]){OC, C});
   pg_tensor *db = NULL;
-  if (with_bias) db = pg_lua_new_tensor(L, PG_FLOAT32, 1, &OC);
+  if (with_bias) db = grad_out(L, 5, fn, "db", 1, &OC);
   else lua_pushnil(L);
   pg_matmul_backward(pg_tensor_f32(dx), pg_tensor_f32(dw), db ? pg_tensor_f32(db) : NULL, pg_tensor_f32(dy),
                      pg_tensor_f32(x), pg_tensor_f32(w), (int)N, (int)C, (int)OC);
@@ -311,6 +337,19 @@ static int l_residual(lua_State *L) {
   pg_tensor *out = pg_lua_new_tensor(L, PG_FLOAT32, a->ndim, a->shape);
   pg_residual_forward(pg_tensor_f32(out), pg_tensor_f32(a), pg_tensor_f32(b), a->numel);
   return 1;
+}
+
+/* residual_backward(dout [, {da=, db=}]) -> da, db (both dout, or added to the given ones) */
+static int l_residual_backward(lua_State *L) {
+  const char *fn = "ops.residual_backward";
+  lua_settop(L, 2); /* results are pushed above the (optional) gradient table */
+  pg_tensor *dout = f32_arg(L, 1, fn, "dout");
+  static const char *const keys[] = {"da", "db", NULL};
+  check_acc(L, 2, fn, keys);
+  pg_tensor *da = grad_out(L, 2, fn, "da", dout->ndim, dout->shape);
+  pg_tensor *db = grad_out(L, 2, fn, "db", dout->ndim, dout->shape);
+  pg_residual_backward(pg_tensor_f32(da), pg_tensor_f32(db), pg_tensor_f32(dout), dout->numel);
+  return 2;
 }
 
 /* ---- cross-entropy ---- */
@@ -454,7 +493,14 @@ static int l_set_num_threads(lua_State *L) {
   return 0;
 }
 
+/* wtime() -> wall-clock seconds (omp_get_wtime), for benchmarks. */
+static int l_wtime(lua_State *L) {
+  lua_pushnumber(L, omp_get_wtime());
+  return 1;
+}
+
 static const luaL_Reg ops_functions[] = {
+    {"wtime", l_wtime},
     {"num_threads", l_num_threads},
     {"set_num_threads", l_set_num_threads},
     {"embedding", l_embedding},
@@ -470,6 +516,7 @@ static const luaL_Reg ops_functions[] = {
     {"gelu", l_gelu},
     {"gelu_backward", l_gelu_backward},
     {"residual", l_residual},
+    {"residual_backward", l_residual_backward},
     {"cross_entropy", l_cross_entropy},
     {"xent_row_max", l_xent_row_max},
     {"xent_sumexp", l_xent_sumexp},

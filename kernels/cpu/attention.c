@@ -29,14 +29,11 @@ static void att_forward_head(float *o, float *P, const float *q, int T, int C, i
                 0.0f, P + (int64_t)r0 * T, T);
     for (int t = r0; t < r1; t++) {
       float *p = P + (int64_t)t * T;
-      float mx = p[0];
-      for (int j = 1; j <= t; j++) mx = p[j] > mx ? p[j] : mx;
-      float sum = 0.0f;
-      for (int j = 0; j <= t; j++) {
-        p[j] = expf(p[j] - mx);
-        sum += p[j];
-      }
-      float inv = 1.0f / sum;
+      float mx = pg_cpu_maxf(p, t + 1);
+#pragma omp simd
+      for (int j = 0; j <= t; j++) p[j] = pg_cpu_expf(p[j] - mx);
+      float inv = 1.0f / pg_cpu_sumf(p, t + 1);
+#pragma omp simd
       for (int j = 0; j <= t; j++) p[j] *= inv;
       /* exact zeros above the diagonal: backward and the P V products read them */
       memset(p + t + 1, 0, (size_t)(T - t - 1) * sizeof(float));
@@ -82,8 +79,8 @@ static void att_backward_head(float *dq, float *dS, const float *dout, const flo
     for (int t = r0; t < r1; t++) {
       const float *p = P + (int64_t)t * T;
       float *d = dS + (int64_t)t * T;
-      float dot = 0.0f;
-      for (int j = 0; j <= t; j++) dot += p[j] * d[j];
+      float dot = pg_cpu_dotf(p, d, t + 1);
+#pragma omp simd
       for (int j = 0; j <= t; j++) d[j] = scale * p[j] * (d[j] - dot);
       for (int j = t + 1; j < r1; j++) d[j] = 0.0f;
     }

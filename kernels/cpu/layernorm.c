@@ -4,6 +4,36 @@
 #include "kernels.h"
 #include "pg_cpu.h"
 
+/* Row sums in 8 double lanes, fixed order (vectorisable, same bits everywhere). */
+static inline double sum_f64(const float *x, int n) {
+  double lane[PG_LANES] = {0};
+  int i = 0;
+  for (; i + PG_LANES <= n; i += PG_LANES)
+    for (int l = 0; l < PG_LANES; l++) lane[l] += x[i + l];
+  for (; i < n; i++) lane[0] += x[i];
+  double s = 0;
+  for (int l = 0; l < PG_LANES; l++) s += lane[l];
+  return s;
+}
+
+/* Sum of (x - m)^2, likewise. */
+static inline double centred_sq_f64(const float *x, float m, int n) {
+  double lane[PG_LANES] = {0};
+  int i = 0;
+  for (; i + PG_LANES <= n; i += PG_LANES)
+    for (int l = 0; l < PG_LANES; l++) {
+      double d = (double)x[i + l] - m;
+      lane[l] += d * d;
+    }
+  for (; i < n; i++) {
+    double d = (double)x[i] - m;
+    lane[0] += d * d;
+  }
+  double s = 0;
+  for (int l = 0; l < PG_LANES; l++) s += lane[l];
+  return s;
+}
+
 void pg_layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *weight,
                           const float *bias, int N, int C) {
 #pragma omp parallel for schedule(static) if ((int64_t)N * C > PG_PAR_MIN)
@@ -11,15 +41,8 @@ void pg_layernorm_forward(float *out, float *mean, float *rstd, const float *inp
     const float *x = inp + (int64_t)n * C;
     /* Two passes, accumulated in double: the variance of the centred values
      * does not cancel catastrophically when |mean| >> std. */
-    double s = 0;
-    for (int c = 0; c < C; c++) s += x[c];
-    float m = (float)(s / C);
-    double v = 0;
-    for (int c = 0; c < C; c++) {
-      double d = (double)x[c] - m;
-      v += d * d;
-    }
-    float r = (float)(1.0 / sqrt(v / C + (double)PG_LAYERNORM_EPS));
+    float m = (float)(sum_f64(x, C) / C);
+    float r = (float)(1.0 / sqrt(centred_sq_f64(x, m, C) / C + (double)PG_LAYERNORM_EPS));
     float *o = out + (int64_t)n * C;
     for (int c = 0; c < C; c++) o[c] = (x[c] - m) * r * weight[c] + bias[c];
     mean[n] = m;
@@ -38,11 +61,24 @@ void pg_layernorm_backward(float *dinp, float *dweight, float *dbias, const floa
       for (int n = 0; n < N; n++) {
         const float *x = inp + (int64_t)n * C, *dy = dout + (int64_t)n * C;
         float m = mean[n], r = rstd[n];
-        double sg = 0, sgx = 0;
-        for (int c = 0; c < C; c++) {
+        /* sums of g and g xh in 8 double lanes each */
+        double lg[PG_LANES] = {0}, lgx[PG_LANES] = {0};
+        int c = 0;
+        for (; c + PG_LANES <= C; c += PG_LANES)
+          for (int l = 0; l < PG_LANES; l++) {
+            float g = dy[c + l] * weight[c + l];
+            lg[l] += g;
+            lgx[l] += (double)g * ((x[c + l] - m) * r);
+          }
+        for (; c < C; c++) {
           float g = dy[c] * weight[c];
-          sg += g;
-          sgx += (double)g * ((x[c] - m) * r);
+          lg[0] += g;
+          lgx[0] += (double)g * ((x[c] - m) * r);
+        }
+        double sg = 0, sgx = 0;
+        for (int l = 0; l < PG_LANES; l++) {
+          sg += lg[l];
+          sgx += lgx[l];
         }
         float mg = (float)(sg / C), mgx = (float)(sgx / C);
         float *dx = dinp + (int64_t)n * C;

@@ -7,23 +7,32 @@
 #define PG_GELU_K 0.7978845608028654f /* sqrt(2/pi) */
 #define PG_GELU_A 0.044715f
 
+/* 0.5 (1 + tanh u) = 1 / (1 + e^(-2u)): the logistic form has no
+ * cancellation when tanh u is near -1, and runs on the vectorised exp
+ * (glibc's tanhf costs ~50 ns here and does not vectorise). */
+
 void pg_gelu_forward(float *out, const float *inp, int64_t n) {
-#pragma omp parallel for schedule(static) if (n > PG_PAR_MIN)
+#pragma omp parallel for simd schedule(static) if (n > PG_PAR_MIN)
   for (int64_t i = 0; i < n; i++) {
     float x = inp[i];
-    out[i] = 0.5f * x * (1.0f + tanhf(PG_GELU_K * (x + PG_GELU_A * x * x * x)));
+    float u = PG_GELU_K * (x + PG_GELU_A * x * x * x);
+    out[i] = x / (1.0f + pg_cpu_expf(-2.0f * u)); /* e = inf for very negative u: x / inf = 0 */
   }
 }
 
 void pg_gelu_backward(float *dinp, const float *inp, const float *dout, int64_t n) {
-  /* d/dx [x/2 (1 + tanh u)] = (1 + tanh u)/2 + x/2 (1 - tanh^2 u) u',
-   * u = k (x + a x^3), u' = k (1 + 3 a x^2). */
-#pragma omp parallel for schedule(static) if (n > PG_PAR_MIN)
+  /* With s = 0.5 (1 + tanh u) = 1 / (1 + e), e = e^(-2u):
+   * d/dx [x s] = s + 2 x s (1 - s) u',  u' = k (1 + 3 a x^2).
+   * 1 - s = e s when e < 1 (s near 1: no cancellation), else 1 - s. */
+#pragma omp parallel for simd schedule(static) if (n > PG_PAR_MIN)
   for (int64_t i = 0; i < n; i++) {
     float x = inp[i];
-    float th = tanhf(PG_GELU_K * (x + PG_GELU_A * x * x * x));
+    float u = PG_GELU_K * (x + PG_GELU_A * x * x * x);
     float du = PG_GELU_K * (1.0f + 3.0f * PG_GELU_A * x * x);
-    dinp[i] = dout[i] * (0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * du);
+    float e = pg_cpu_expf(-2.0f * u);
+    float s = 1.0f / (1.0f + e);
+    float one_s = e < 1.0f ? e * s : 1.0f - s;
+    dinp[i] = dout[i] * (s + 2.0f * x * s * one_s * du);
   }
 }
 

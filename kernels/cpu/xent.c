@@ -6,13 +6,13 @@
 #include "kernels.h"
 #include "pg_cpu.h"
 
+#define PG_XENT_BLOCK 256
+
 void pg_xent_row_max(float *row_max, const float *logits, int N, int V, int valid) {
 #pragma omp parallel for schedule(static) if ((int64_t)N * valid > PG_PAR_MIN)
   for (int n = 0; n < N; n++) {
-    const float *x = logits + (int64_t)n * V;
-    float mx = -INFINITY; /* a slice without valid columns never wins the max */
-    for (int c = 0; c < valid; c++) mx = x[c] > mx ? x[c] : mx;
-    row_max[n] = mx;
+    /* a slice without valid columns never wins the max */
+    row_max[n] = valid > 0 ? pg_cpu_maxf(logits + (int64_t)n * V, valid) : -INFINITY;
   }
 }
 
@@ -28,8 +28,20 @@ void pg_xent_sumexp(float *sumexp, float *target_logit, const float *logits, con
   for (int n = 0; n < N; n++) {
     const float *x = logits + (int64_t)n * V;
     float mx = row_max[n];
-    double s = 0; /* double: tens of thousands of terms */
-    for (int c = 0; c < valid; c++) s += expf(x[c] - mx);
+    /* exps vectorised into a block buffer, then added into 8 double lanes
+     * (double: tens of thousands of terms; fixed lanes: fixed rounding) */
+    float buf[PG_XENT_BLOCK];
+    double lane[PG_LANES] = {0};
+    for (int c0 = 0; c0 < valid; c0 += PG_XENT_BLOCK) {
+      int w = pg_cpu_min(PG_XENT_BLOCK, valid - c0), j = 0;
+#pragma omp simd
+      for (int c = 0; c < w; c++) buf[c] = pg_cpu_expf(x[c0 + c] - mx);
+      for (; j + PG_LANES <= w; j += PG_LANES)
+        for (int l = 0; l < PG_LANES; l++) lane[l] += buf[j + l];
+      for (; j < w; j++) lane[0] += buf[j];
+    }
+    double s = 0;
+    for (int l = 0; l < PG_LANES; l++) s += lane[l];
     sumexp[n] = (float)s;
     int64_t tc = target_col(targets[n], valid, vocab_start);
     target_logit[n] = tc >= 0 ? x[tc] : 0.0f;
@@ -51,7 +63,8 @@ double pg_xent_finish(float *losses, float *dlogits, const float *logits, const 
     const float *x = logits + (int64_t)n * V;
     float *d = dlogits + (int64_t)n * V;
     float mx = row_max[n], scale = dloss / sumexp[n];
-    for (int c = 0; c < valid; c++) d[c] = expf(x[c] - mx) * scale;
+#pragma omp simd
+    for (int c = 0; c < valid; c++) d[c] = pg_cpu_expf(x[c] - mx) * scale;
     for (int c = valid; c < V; c++) d[c] = 0.0f; /* padding: never predicted */
     int64_t tc = target_col(targets[n], valid, vocab_start);
     if (tc >= 0) d[tc] -= dloss;

@@ -110,12 +110,6 @@ local function assert_grad(analytic, numeric, what)
   assert_close(analytic, numeric, GRAD_RTOL, GRAD_ATOL, what)
 end
 
-local function tanh(u)
-  local e = math.exp(-2 * math.abs(u))
-  local t = (1 - e) / (1 + e)
-  return u < 0 and -t or t
-end
-
 ---- double-precision references (flat, 1-based arrays; 0-based row/col loops) ----
 
 local function embedding_ref(tokens, w, n_rows, c, row_start, rows)
@@ -197,9 +191,15 @@ local function attention_ref(qkv, b_len, t_len, c, nh)
   return out, att
 end
 
+-- 0.5 x (1 + tanh u), u = sqrt(2/pi) (x + 0.044715 x^3), written with the
+-- identity 0.5 (1 + tanh u) = 1 / (1 + e^(-2u)): computing 1 + tanh u near
+-- tanh u = -1 would cancel even in double (GELU(-7) ~ -2.3e-15).
 local function gelu_ref(x)
   local y = {}
-  for i, v in ipairs(x) do y[i] = 0.5 * v * (1 + tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v ^ 3))) end
+  for i, v in ipairs(x) do
+    local u = math.sqrt(2 / math.pi) * (v + 0.044715 * v ^ 3)
+    y[i] = v / (1 + math.exp(-2 * u))
+  end
   return y
 end
 
@@ -438,6 +438,19 @@ describe("pg.ops kernels", function()
       assert_grad(dx, numgrad(function(v) return dot(gelu_ref(v), r) end, flat(x)), "gelu dx")
     end)
 
+    it("gelu stays accurate in the tails, relative to tiny values", function()
+      -- the kernel's exp-based form must not cancel where tanh u is near -1
+      local xs = { -9, -7, -5, -3, -1, -0.1, 0, 0.1, 1, 3, 5, 7, 9 }
+      local x = pg.tensor(xs)
+      local want = gelu_ref(flat(x))
+      -- 1e-5 relative, and an absolute floor far below the smallest value (GELU(-9) ~ -4e-33)
+      assert_close(ops.gelu(x), want, FWD_RTOL, 1e-40, "gelu tails")
+      assert.is_true(math.abs(want[1]) > 0 and math.abs(flat(ops.gelu(x))[1]) > 0, "the tail value must be nonzero")
+      local num = numgrad(function(v) return dot(gelu_ref(v), flat(pg.ones{ #xs })) end, flat(x))
+      -- derivative: 1e-5 relative, 1e-9 absolute (finite differences resolve ~1e-12 here)
+      assert_close(ops.gelu_backward(pg.ones{ #xs }, x), num, 1e-5, 1e-9, "gelu' tails")
+    end)
+
     it("residual adds exactly", function()
       local a, b = randn({ B, T, C }, 30), randn({ B, T, C }, 31)
       -- float32 a + b is one rounding of the double sum: exact against tensor add
@@ -447,6 +460,21 @@ describe("pg.ops kernels", function()
         for i = 1, #av do s[i] = av[i] + bv[i] end
         return s
       end)(), FWD_RTOL, FWD_ATOL, "residual vs double sum")
+    end)
+
+    it("residual backward passes dout to both inputs, matching finite differences", function()
+      local a, b = randn({ B, T, C }, 37), randn({ B, T, C }, 38)
+      local R = randn({ B, T, C }, 39)
+      local r, av, bv = flat(R), flat(a), flat(b)
+      local da, db = ops.residual_backward(R)
+      local function sum_ref(x, y)
+        local s = {}
+        for i = 1, #x do s[i] = x[i] + y[i] end
+        return s
+      end
+      assert_grad(da, numgrad(function(v) return dot(sum_ref(v, bv), r) end, av), "residual da")
+      assert_grad(db, numgrad(function(v) return dot(sum_ref(av, v), r) end, bv), "residual db")
+      assert.is_true(da:equal(R) and db:equal(R)) -- a copy of dout: exact
     end)
   end)
 
@@ -590,6 +618,67 @@ describe("pg.ops kernels", function()
       assert.near(s, ops.sum_squares(x), 1e-12 * s)
       assert.equal(ops.sum_squares(x), ops.sum_squares(x:clone()))
       assert.equal(0, ops.sum_squares(pg.zeros{ 0 }))
+    end)
+  end)
+
+  describe("gradient accumulation", function()
+    -- Parameter gradients are ADDED to what the buffer holds (micro-batches
+    -- add up); the bindings take the buffers in a trailing table. Expected:
+    -- the first call's result plus the second's, within float rounding of one
+    -- addition (1e-6 relative, 1e-6 absolute). The input gradients (dx) are
+    -- overwritten: the same bits as a fresh call.
+    local function check_acc(first, second, sum_of, what)
+      local f, g, acc = flat(first), flat(second), flat(sum_of)
+      local want = {}
+      for i = 1, #f do want[i] = f[i] + g[i] end
+      assert(max_abs(g) > 1e-2, what .. ": vacuous (zero gradient)")
+      assert_close(acc, want, 1e-6, 1e-6, what)
+    end
+
+    it("linear, layernorm, embedding, position and residual add into the given buffers", function()
+      local OC = 6
+      local x, w = randn({ B, T, C }, 60), randn({ OC, C }, 61)
+      local dy1, dy2 = randn({ B, T, OC }, 62), randn({ B, T, OC }, 63)
+      local _, w1, b1 = ops.linear_backward(dy1, x, w)
+      local dx2, w2, b2 = ops.linear_backward(dy2, x, w)
+      local gw, gb = w1:clone(), b1:clone()
+      local dx, rw, rb = ops.linear_backward(dy2, x, w, true, { dw = gw, db = gb })
+      assert.equal(gw, rw)
+      assert.equal(gb, rb)
+      assert.is_true(dx:equal(dx2), "dx is overwritten, not accumulated")
+      check_acc(w1, w2, gw, "linear dw +=")
+      check_acc(b1, b2, gb, "linear db +=")
+
+      local lw, lb = randn({ C }, 64), randn({ C }, 65)
+      local _, mean, rstd = ops.layernorm(x, lw, lb)
+      local e1, e2 = randn({ B, T, C }, 66), randn({ B, T, C }, 67)
+      local _, lw1, lb1 = ops.layernorm_backward(e1, x, lw, mean, rstd)
+      local _, lw2, lb2 = ops.layernorm_backward(e2, x, lw, mean, rstd)
+      local gw2, gb2 = lw1:clone(), lb1:clone()
+      ops.layernorm_backward(e2, x, lw, mean, rstd, { dw = gw2, db = gb2 })
+      check_acc(lw1, lw2, gw2, "layernorm dw +=")
+      check_acc(lb1, lb2, gb2, "layernorm db +=")
+
+      local tok = from_flat(TOKENS, { B, T }, "int32")
+      local m1, m2 = ops.embedding_backward(e1, tok, V), ops.embedding_backward(e2, tok, V)
+      local gm = m1:clone()
+      assert.equal(gm, ops.embedding_backward(e2, tok, V, 0, { dweight = gm }))
+      check_acc(m1, m2, gm, "embedding dweight +=")
+
+      local p1, p2 = ops.position_backward(e1, T), ops.position_backward(e2, T)
+      local gp = p1:clone()
+      ops.position_backward(e2, T, { dwpe = gp })
+      check_acc(p1, p2, gp, "position dwpe +=")
+
+      local ga, gb3 = e1:clone(), e1:clone()
+      ops.residual_backward(e2, { da = ga, db = gb3 })
+      check_acc(e1, e2, ga, "residual da +=")
+      check_acc(e1, e2, gb3, "residual db +=")
+
+      assert.has_error(function() ops.linear_backward(dy1, x, w, true, { dw = pg.zeros{ C, OC } }) end,
+        "ops.linear_backward: dw: expected a [6, 8] float32 tensor, got [8, 6] float32")
+      assert.has_error(function() ops.layernorm_backward(e1, x, lw, mean, rstd, { dweight = gw2 }) end,
+        "ops.layernorm_backward: unknown option 'dweight' (known: dw, db)")
     end)
   end)
 

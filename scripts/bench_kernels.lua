@@ -1,0 +1,39 @@
+-- Kernel micro-benchmarks: ./pglua scripts/bench_kernels.lua [threads]
+-- Prints sgemm GFLOP/s through ops.linear ([256,768] x [768,2304], the GPT-2
+-- small qkv projection of 256 tokens), the linear backward, and the
+-- attention forward + backward time for B=4, T=64, C=768, NH=12.
+local pg = require "pipegoose"
+local ops = pg.ops
+
+if arg[1] then ops.set_num_threads(tonumber(arg[1])) end
+
+-- best of `reps` timings after one warm-up call
+local function time(reps, f)
+  f()
+  local best = math.huge
+  for _ = 1, reps do
+    local t0 = ops.wtime()
+    f()
+    best = math.min(best, ops.wtime() - t0)
+  end
+  return best
+end
+
+print(("threads: %d"):format(ops.num_threads()))
+
+local N, C, OC = 256, 768, 2304
+local x, w, b = pg.randn({ N, C }, { seed = 1 }), pg.randn({ OC, C }, { seed = 2, std = 0.02 }), pg.zeros{ OC }
+local s = time(20, function() ops.linear(x, w, b) end)
+print(("linear forward  [%d,%d]x[%d,%d]: %8.3f ms  %7.1f GFLOP/s"):format(N, C, C, OC, s * 1e3, 2 * N * C * OC / s / 1e9))
+local dy = pg.randn({ N, OC }, { seed = 3 })
+s = time(10, function() ops.linear_backward(dy, x, w) end)
+print(("linear backward (dx, dw, db):      %8.3f ms  %7.1f GFLOP/s"):format(s * 1e3, 4 * N * C * OC / s / 1e9))
+
+local B, T, Ca, NH = 4, 64, 768, 12
+local qkv = pg.randn({ B, T, 3 * Ca }, { seed = 4 })
+local dout = pg.randn({ B, T, Ca }, { seed = 5 })
+local _, att = ops.attention(qkv, NH)
+local f = time(20, function() ops.attention(qkv, NH) end)
+local bw = time(20, function() ops.attention_backward(dout, qkv, att, NH) end)
+print(("attention B=%d T=%d C=%d NH=%d: forward %.3f ms, backward %.3f ms, total %.3f ms"):format(B, T, Ca, NH,
+  f * 1e3, bw * 1e3, (f + bw) * 1e3))
