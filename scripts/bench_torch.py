@@ -1,0 +1,112 @@
+#!/usr/bin/python3
+"""Time a full GPT-2 training step in PyTorch on the CPU (fp32).
+
+Run (from the repository root; needs torch):
+
+    /usr/bin/python3 scripts/bench_torch.py                   # GPT-2 124M, 4 x 64 tokens
+    /usr/bin/python3 scripts/bench_torch.py --threads 1
+    /usr/bin/python3 scripts/bench_torch.py --small --batch 8 # pipegoose's default small model
+
+A step is forward, backward, AdamW step and zero_grad (gradients zeroed in
+place, as pipegoose zeroes its flat gradient buffer), on random tokens, with
+the model of scripts/gpt2_torch.py (the reference model). After --warmup
+untimed steps, the median of --steps timed steps is reported as
+machine-readable lines:
+
+    torch_tokens_per_s <v>
+    torch_step_ms <v>
+    torch_threads <n>
+    torch_version <v>
+
+(plus informational lines starting with '#').
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpt2_torch as g  # noqa: E402
+
+
+def available_cores():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="PyTorch CPU training-step benchmark")
+    p.add_argument("--small", action="store_true",
+                   help="pipegoose's default small model (vocab 256, seq 256, dim 384, 6 heads, 6 layers)")
+    p.add_argument("--batch", type=int, default=None, help="batch rows (default 4, or 8 with --small)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 64, or 256 with --small)")
+    p.add_argument("--threads", type=int, default=available_cores())
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+
+    if a.small:
+        cfg = g.GPTConfig(max_seq_len=256, vocab_size=256, padded_vocab_size=256,
+                          num_layers=6, num_heads=6, channels=384)
+        batch, seq_len = a.batch or 8, a.seq_len or 256
+    else:
+        # GPT-2 124M; only the first 64 of its 1024 positions are used.
+        cfg = g.GPTConfig(max_seq_len=1024, vocab_size=50257, padded_vocab_size=50304,
+                          num_layers=12, num_heads=12, channels=768)
+        batch, seq_len = a.batch or 4, a.seq_len or 64
+
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    model = g.GPT(cfg)
+    g.init_weights(model, perturb=0.0)
+    opt = g.make_adamw(model)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq_len))
+    y = torch.randint(0, cfg.vocab_size, (batch, seq_len))
+
+    phases = {"forward": [], "backward": [], "optimizer": []}
+
+    def step():
+        t0 = time.perf_counter()
+        _, loss = model(x, y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        t3 = time.perf_counter()
+        for name, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
+            phases[name].append(dt)
+        return loss.item()
+
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"# model {cfg} params {n_params} batch {batch} seq_len {seq_len}", flush=True)
+    for _ in range(a.warmup):
+        step()
+    for times in phases.values():
+        times.clear()
+    times = []
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    print(f"# step times ms: {' '.join(f'{t * 1e3:.1f}' for t in times)}; last loss {loss:.4f}")
+    # The minimum is the better estimate on a machine shared with other work.
+    print(f"# min step ms {min(times) * 1e3:.1f}")
+    print("# median phase ms: " + ", ".join(
+        f"{name} {statistics.median(ts) * 1e3:.1f}" for name, ts in phases.items()))
+    print(f"torch_tokens_per_s {batch * seq_len / step_s:.1f}")
+    print(f"torch_step_ms {step_s * 1e3:.2f}")
+    print(f"torch_threads {torch.get_num_threads()}")
+    print(f"torch_version {torch.__version__}")
+
+
+if __name__ == "__main__":
+    main()
