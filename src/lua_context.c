@@ -49,19 +49,25 @@ static int size_field(lua_State *L, const char *key, int world) {
 static int l_new(lua_State *L) {
   if (lua_isnoneornil(L, 1)) lua_newtable(L);
   luaL_checktype(L, 1, LUA_TTABLE);
-  static const char *const keys[] = {"tensor", "pipeline", "data", "seed", NULL};
+  static const char *const keys[] = {"tensor", "pipeline", "data", "seed", "self", NULL};
   pg_lua_check_keys(L, 1, "ParallelContext", keys);
   ensure_mpi(L);
-  int world = pg_mpi_world_size();
+  /* self = true: a world of this process alone (a serial reference inside a job). */
+  int self = pg_lua_opt_bool(L, 1, "self", 0);
+  MPI_Comm world_comm = self ? MPI_COMM_SELF : MPI_COMM_WORLD;
+  int world = 1;
+  MPI_Comm_size(world_comm, &world);
   int tp = size_field(L, "tensor", world), pp = size_field(L, "pipeline", world), dp = size_field(L, "data", world);
   uint64_t seed = (uint64_t)pg_lua_opt_int(L, 1, "seed", 1234);
   pg_context *c = lua_newuserdatauv(L, sizeof *c, 0);
   memset(c, 0, sizeof *c);
   c->destroyed = 1;
   luaL_setmetatable(L, PG_CONTEXT_MT);
-  if (pg_context_init(c, MPI_COMM_WORLD, tp, pp, dp, seed)) return luaL_error(L, "ParallelContext: %s", pg_error());
-  lua_pushvalue(L, -1);
-  lua_rawsetp(L, LUA_REGISTRYINDEX, &default_ctx_key);
+  if (pg_context_init(c, world_comm, tp, pp, dp, seed)) return luaL_error(L, "ParallelContext: %s", pg_error());
+  if (!self) { /* the default for pg.dist stays the job-wide one */
+    lua_pushvalue(L, -1);
+    lua_rawsetp(L, LUA_REGISTRYINDEX, &default_ctx_key);
+  }
   return 1;
 }
 

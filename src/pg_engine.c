@@ -213,8 +213,13 @@ static int share_loss(pg_engine *e, double *loss) {
 
 static int check_batch(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T, int chunks_of_m) {
   if (B < 1 || T < 1) return pg_fail("batch shape must be positive, got %d x %d", B, T);
-  if (chunks_of_m && B % e->opts.micro_batches)
+  if (chunks_of_m && B % e->opts.micro_batches) {
+    if (e->ctx->data > 1)
+      return pg_fail("batch %d per data rank (global batch %d over data=%d) is not divisible by micro_batches=%d: the "
+                     "global batch must be a multiple of data x micro_batches = %d",
+                     B, B * e->ctx->data, e->ctx->data, e->opts.micro_batches, e->ctx->data * e->opts.micro_batches);
     return pg_fail("batch %d is not divisible by micro_batches=%d", B, e->opts.micro_batches);
+  }
   if (check_tokens(e, tokens, (int64_t)B * T, "input token")) return PG_ERR;
   if (targets && check_tokens(e, targets, (int64_t)B * T, "target token")) return PG_ERR;
   return PG_OK;
