@@ -758,17 +758,17 @@ function Trainer:_resume(spec)
   elseif type(spec) ~= "string" then
     fail(0, "resume must be a checkpoint directory or \"last\", got a %s", type(spec))
   end
-  ckpt.load(self, path)
-  self.state.resumed_from = path
-  self:print(("Trainer: resumed from %s at step %d (epoch %d)"):format(path, self.state.step, self.state.epoch))
+  local _, dir = ckpt.load(self, path)
+  self.state.resumed_from = dir
+  self:print(("Trainer: resumed from %s at step %d (epoch %d)"):format(dir, self.state.step, self.state.epoch))
 end
 
 --- Loads a checkpoint into this trainer outside fit (counters, callback,
 -- data, optimizer and engine state). fit{resume=} does this itself.
 function Trainer:load_checkpoint(path, train_data)
   if train_data then self.train_data = train_data end
-  require("pipegoose.checkpoint").load(self, path)
-  self.state.resumed_from = path
+  local _, dir = require("pipegoose.checkpoint").load(self, path)
+  self.state.resumed_from = dir
 end
 
 return Trainer

@@ -57,11 +57,11 @@ function ModelCheckpoint.new(opts)
   return self
 end
 
--- a better than b
+-- a better than b (without a monitor the score is the step: newer is better)
 function ModelCheckpoint:_better(a, b)
   if not finite(a) then return false end
   if not finite(b) then return true end
-  if self.mode == "min" then return a < b end
+  if self.mode == "min" and self.monitor ~= nil then return a < b end
   return a > b
 end
 
