@@ -207,7 +207,7 @@ function Trainer:_init_callbacks(list)
     for _, h in ipairs(callbacks.HOOKS) do
       local fn = cb[h]
       if fn ~= nil then
-        local e = setmetatable({ fn = fn }, { __index = entry })
+        local e = setmetatable({ fn = fn, hook = h }, { __index = entry })
         table.insert(self._hooks[h], e)
       end
     end
@@ -261,7 +261,7 @@ function Trainer:_call(hook, ...)
   local prev = self._in_hook
   for i = 1, #list do
     local e = list[i]
-    self._in_hook = { hook = hook, entry = e }
+    self._in_hook = e
     e.fn(e.cb, self, ...)
   end
   self._in_hook = prev
@@ -338,7 +338,7 @@ function Trainer:_run(stage, body)
     local at = self._in_hook
     self._in_hook = nil
     if at and type(err) == "string" then
-      err = ("Trainer: %s of %s failed: %s"):format(at.hook, callbacks.describe(at.entry.cb, at.entry.index), err)
+      err = ("Trainer: %s of %s failed: %s"):format(at.hook, callbacks.describe(at.cb, at.index), err)
     end
     return err
   end)
@@ -464,7 +464,7 @@ function Trainer:_estimate_total_steps()
 end
 
 function Trainer:_train_loop()
-  local st, flags = self.state, self._flags
+  local st = self.state
   while true do
     if self.max_steps and st.step >= self.max_steps then
       self._stop_reason = self._stop_reason or "max_steps"
