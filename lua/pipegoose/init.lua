@@ -15,4 +15,12 @@ pg.parallelize = parallel.parallelize
 pg.optim = require "pipegoose.optim"
 pg.sample = require "pipegoose.sample"
 
+-- Trainer, callbacks, LR schedules, checkpoints and test fakes (plain Lua).
+local callbacks = require "pipegoose.callbacks"
+pg.Trainer = require "pipegoose.trainer"
+pg.Callback, pg.callbacks, pg.rank_zero_only = callbacks.Callback, callbacks.builtins, callbacks.rank_zero_only
+pg.lr = require "pipegoose.lr"
+pg.checkpoint = require "pipegoose.checkpoint"
+pg.testing = require "pipegoose.testing"
+
 return pg

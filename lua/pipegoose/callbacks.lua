@@ -1,0 +1,241 @@
+--- Callbacks for pg.Trainer: the hook list, `pg.Callback{...}`, the checks the
+-- Trainer runs on every callback, `pg.rank_zero_only`, and the built-in
+-- callbacks (`pg.callbacks.ProgressBar`, ...), each loaded on first use from
+-- lua/pipegoose/callbacks/<name>.lua.
+--
+-- This module needs nothing but plain Lua: callbacks are unit-tested under
+-- busted against pg.testing's fake engine, with no MPI.
+local M = {}
+
+--- Every hook, in the order the trainer reaches them in a fit (docs/TRAINER.md).
+M.HOOKS = {
+  "setup", "on_fit_start", "on_train_start", "on_train_epoch_start",
+  "on_train_batch_start", "on_before_backward", "on_after_backward",
+  "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end",
+  "on_validation_start", "on_validation_batch_start", "on_validation_batch_end", "on_validation_end",
+  "on_train_epoch_end", "on_save_checkpoint", "on_checkpoint_saved", "on_load_checkpoint",
+  "on_train_end", "on_fit_end",
+  "on_test_start", "on_test_batch_start", "on_test_batch_end", "on_test_end",
+  "on_exception", "teardown",
+}
+M.IS_HOOK = {}
+for _, h in ipairs(M.HOOKS) do M.IS_HOOK[h] = true end
+
+-- Function-valued fields that are part of the callback protocol but not hooks.
+M.MEMBERS = { state_dict = true, load_state_dict = true }
+
+--- Levenshtein distance, for "did you mean" suggestions.
+local function distance(a, b)
+  local prev = {}
+  for j = 0, #b do prev[j] = j end
+  for i = 1, #a do
+    local cur = { [0] = i }
+    local ca = a:byte(i)
+    for j = 1, #b do
+      local cost = (ca == b:byte(j)) and 0 or 1
+      cur[j] = math.min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + cost)
+    end
+    prev = cur
+  end
+  return prev[#b]
+end
+M.distance = distance
+
+--- The closest name in `names` to `name` and its distance.
+function M.closest(name, names)
+  local best, bestd
+  for _, n in ipairs(names) do
+    local d = distance(name, n)
+    if not bestd or d < bestd then best, bestd = n, d end
+  end
+  return best, bestd
+end
+
+--- " (did you mean 'x'?)" when some name is close enough to be a likely typo.
+function M.suggestion(name, names)
+  local best, d = M.closest(name, names)
+  if best and d <= math.max(2, #name // 3) then return (" (did you mean '%s'?)"):format(best) end
+  return ""
+end
+
+--- A readable name for a callback: its `name` field, else its class name.
+function M.name_of(cb)
+  if type(cb) ~= "table" then return nil end
+  local name = cb.name
+  if type(name) == "string" then return name end
+  local mt = getmetatable(cb)
+  if type(mt) == "table" and type(mt.__name) == "string" then return mt.__name end
+  return nil
+end
+
+-- All string keys of a callback: its own fields and those of its classes
+-- (tables reached through __index), nearest first.
+local function each_field(cb, fn)
+  local seen, t, depth = {}, cb, 0
+  while type(t) == "table" and depth < 16 do
+    for k, v in pairs(t) do
+      if type(k) == "string" and not seen[k] then
+        seen[k] = true
+        fn(k, cb[k] ~= nil and cb[k] or v)
+      end
+    end
+    local mt = getmetatable(t)
+    t = type(mt) == "table" and rawget(mt, "__index") or nil
+    depth = depth + 1
+  end
+end
+
+-- A function field that looks like an attempt at a hook: it starts with
+-- "on_", or it is a near miss of a hook name (setup/teardown typos). Other
+-- function fields are helper methods and are allowed.
+local function hook_like(k)
+  if k:sub(1, 3) == "on_" then return true end
+  local _, d = M.closest(k, M.HOOKS)
+  return d <= 2
+end
+
+--- Checks one callback; returns nil or an error message (without prefix).
+function M.problem(cb)
+  if type(cb) ~= "table" then
+    return ("is a %s, not a table of hooks"):format(type(cb))
+  end
+  local msg
+  each_field(cb, function(k, v)
+    if msg or k:sub(1, 1) == "_" then return end
+    if M.IS_HOOK[k] or M.MEMBERS[k] then
+      if type(v) ~= "function" and not (type(v) == "table" and getmetatable(v) and getmetatable(v).__call) then
+        msg = ("has hook '%s' set to a %s, not a function"):format(k, type(v))
+      end
+    elseif type(v) == "function" and hook_like(k) then
+      msg = ("has unknown hook '%s'%s"):format(k, M.suggestion(k, M.HOOKS))
+    end
+  end)
+  if msg then return msg end
+  if cb.state_key ~= nil and type(cb.state_key) ~= "string" then
+    return ("has state_key of type %s (expected a string)"):format(type(cb.state_key))
+  end
+  return nil
+end
+
+--- Describes callback `i` for messages: "callback 3 (EarlyStopping)".
+function M.describe(cb, i)
+  local name = M.name_of(cb)
+  return name and ("callback %d (%s)"):format(i, name) or ("callback %d"):format(i)
+end
+
+------------------------------------------------------------------------------
+-- pg.Callback{...}: a plain table of hooks, checked now rather than later.
+
+local instance_mt = {
+  __name = "Callback",
+  __tostring = function(cb) return "Callback(" .. (M.name_of(cb) or "?") .. ")" end,
+}
+
+M.Callback = setmetatable({ HOOKS = M.HOOKS, IS_HOOK = M.IS_HOOK }, {
+  __call = function(_, fields)
+    if type(fields) ~= "table" then
+      error(("pg.Callback: expects a table of hooks, got a %s"):format(type(fields)), 2)
+    end
+    local msg = M.problem(fields)
+    if msg then error("pg.Callback: callback " .. (M.name_of(fields) and ("(" .. M.name_of(fields) .. ") ") or "") .. msg, 2) end
+    if getmetatable(fields) == nil then setmetatable(fields, instance_mt) end
+    return fields
+  end,
+})
+
+--- A class for built-in (or user) callbacks: `local C = callbacks.class("C")`,
+-- methods on C, instances from `C{opts}` via C.new.
+function M.class(name)
+  local cls = {}
+  cls.__index = cls
+  cls.__name = name
+  cls.__tostring = function(self) return name .. "(" .. (self.state_key or "") .. ")" end
+  return setmetatable(cls, {
+    __call = function(c, opts) return c.new(opts or {}) end,
+    __name = name .. " class",
+  })
+end
+
+--- Rejects option names a built-in does not know, suggesting the closest.
+function M.check_options(cls_name, opts, known)
+  if type(opts) ~= "table" then
+    error(("pg.callbacks.%s: expects a table of options, got a %s"):format(cls_name, type(opts)), 3)
+  end
+  local list = {}
+  for k in pairs(known) do list[#list + 1] = k end
+  table.sort(list)
+  for k in pairs(opts) do
+    if not known[k] then
+      error(("pg.callbacks.%s: unknown option '%s'%s"):format(cls_name, tostring(k),
+        type(k) == "string" and M.suggestion(k, list) or ""), 3)
+    end
+  end
+end
+
+------------------------------------------------------------------------------
+-- Rank 0 side effects.
+
+--- This process's global rank: from the C module when it is loaded (pglua),
+-- else from the launcher's environment, else 0 (plain lua).
+function M.process_rank()
+  local core = package.loaded["pipegoose.core"]
+  if type(core) == "table" and core.world_rank then
+    local ok, r = pcall(core.world_rank)
+    if ok and r then return r end
+  end
+  return tonumber(os.getenv("OMPI_COMM_WORLD_RANK") or os.getenv("PMIX_RANK") or os.getenv("PMI_RANK") or "0") or 0
+end
+
+local function is_trainer(x)
+  return type(x) == "table" and type(rawget(x, "state")) == "table" and x.state.is_global_zero ~= nil
+end
+
+--- Wraps fn so that it runs only on global rank 0. Used on a hook
+-- (`on_train_end = pg.rank_zero_only(function(self, trainer) ... end)`) it
+-- asks the trainer (so fake multi-rank trainers behave); elsewhere it asks
+-- the process. Returns fn's results on rank 0, nothing elsewhere.
+function M.rank_zero_only(fn)
+  if type(fn) ~= "function" then
+    error(("pg.rank_zero_only: expects a function, got a %s"):format(type(fn)), 2)
+  end
+  return function(...)
+    local a, b = ...
+    local t = (is_trainer(b) and b) or (is_trainer(a) and a) or nil
+    local zero
+    if t then zero = t.state.is_global_zero else zero = M.process_rank() == 0 end
+    if zero then return fn(...) end
+  end
+end
+
+------------------------------------------------------------------------------
+-- Built-ins, loaded on first use.
+
+local BUILTINS = {
+  ProgressBar = "pipegoose.callbacks.progress_bar",
+  MetricsLogger = "pipegoose.callbacks.metrics_logger",
+  ModelCheckpoint = "pipegoose.callbacks.model_checkpoint",
+  EarlyStopping = "pipegoose.callbacks.early_stopping",
+  LearningRateMonitor = "pipegoose.callbacks.lr_monitor",
+  Timer = "pipegoose.callbacks.timer",
+  GradientAccumulationScheduler = "pipegoose.callbacks.accumulation",
+  TextSampler = "pipegoose.callbacks.text_sampler",
+  LambdaCallback = "pipegoose.callbacks.lambda",
+}
+M.BUILTIN_NAMES = {}
+for k in pairs(BUILTINS) do M.BUILTIN_NAMES[#M.BUILTIN_NAMES + 1] = k end
+table.sort(M.BUILTIN_NAMES)
+
+M.builtins = setmetatable({}, {
+  __index = function(t, k)
+    local mod = BUILTINS[k]
+    if not mod then
+      error(("pg.callbacks has no '%s'%s (built-ins: %s)"):format(tostring(k),
+        type(k) == "string" and M.suggestion(k, M.BUILTIN_NAMES) or "", table.concat(M.BUILTIN_NAMES, ", ")), 2)
+    end
+    local v = require(mod)
+    rawset(t, k, v)
+    return v
+  end,
+})
+
+return M

@@ -1,0 +1,119 @@
+--- ProgressBar{tty = nil, every_n_steps = nil}: one line per logged step on
+-- rank 0: step/total, loss, lr, tokens/s, ETA; and a line per validation.
+--
+-- tty: rewrite one line in place with "\r" (true) or print plain lines
+-- (false). Lua cannot ask isatty(), so the default is true when $TERM is set
+-- and not "dumb" and $PG_PROGRESS is not "plain"; pass tty=false when stdout
+-- goes to a file. every_n_steps: print every n optimizer steps (counter
+-- trainer.state.step); default: the steps where trainer.control.should_log
+-- is set (the trainer's log_every_n_steps).
+local callbacks = require "pipegoose.callbacks"
+
+local ProgressBar = callbacks.class("ProgressBar")
+
+local function default_tty()
+  local term = os.getenv("TERM")
+  return term ~= nil and term ~= "" and term ~= "dumb" and os.getenv("PG_PROGRESS") ~= "plain"
+end
+
+function ProgressBar.new(opts)
+  callbacks.check_options("ProgressBar", opts, { tty = true, every_n_steps = true })
+  local every = opts.every_n_steps and math.tointeger(opts.every_n_steps)
+  if opts.every_n_steps ~= nil and (every == nil or every < 1) then
+    error(("pg.callbacks.ProgressBar: every_n_steps=%s must be a positive integer"):format(tostring(opts.every_n_steps)), 3)
+  end
+  local tty = opts.tty
+  if tty == nil then tty = default_tty() end
+  return setmetatable({ tty = tty, every_n_steps = every, width = 0, open_line = false }, ProgressBar)
+end
+
+--- 12345 -> "12.3k".
+function ProgressBar.human(n)
+  if n == nil then return "?" end
+  local a = math.abs(n)
+  if a >= 1e9 then return ("%.2fG"):format(n / 1e9) end
+  if a >= 1e6 then return ("%.2fM"):format(n / 1e6) end
+  if a >= 1e3 then return ("%.1fk"):format(n / 1e3) end
+  return ("%.0f"):format(n)
+end
+
+--- 133 -> "2m13s".
+function ProgressBar.duration(s)
+  if s == nil or s ~= s or s == math.huge or s < 0 then return "?" end
+  s = math.floor(s + 0.5)
+  if s >= 3600 then return ("%dh%02dm"):format(s // 3600, (s % 3600) // 60) end
+  if s >= 60 then return ("%dm%02ds"):format(s // 60, s % 60) end
+  return ("%ds"):format(s)
+end
+
+local function num(x)
+  if x == nil then return "?" end
+  if x ~= x then return "nan" end
+  return ("%.4f"):format(x)
+end
+
+--- The progress line for the trainer's current state.
+function ProgressBar:line(trainer)
+  local st = trainer.state
+  local m = st.metrics
+  local parts = {}
+  parts[#parts + 1] = st.total_steps and ("step %d/%d"):format(st.step, st.total_steps) or ("step %d"):format(st.step)
+  parts[#parts + 1] = "loss " .. num(m.loss)
+  if st.lr then parts[#parts + 1] = ("lr %.2e"):format(st.lr) end
+  if m.tokens_per_s then parts[#parts + 1] = ProgressBar.human(m.tokens_per_s) .. " tok/s" end
+  if st.total_steps then
+    local done = st.step - (self.start_step or 0)
+    local eta = done > 0 and st.elapsed / done * (st.total_steps - st.step) or nil
+    parts[#parts + 1] = "ETA " .. ProgressBar.duration(eta)
+  end
+  return table.concat(parts, " | ")
+end
+
+function ProgressBar:_emit(trainer, line)
+  if self.tty then
+    local pad = self.width > #line and (" "):rep(self.width - #line) or ""
+    trainer:write("\r" .. line .. pad)
+    self.width = #line
+    self.open_line = true
+  else
+    trainer:print(line)
+  end
+end
+
+function ProgressBar:_close_line(trainer)
+  if self.open_line then
+    trainer:write("\n")
+    self.open_line, self.width = false, 0
+  end
+end
+
+function ProgressBar:on_train_start(trainer)
+  self.start_step = trainer.state.step
+end
+
+function ProgressBar:on_train_batch_end(trainer, outputs)
+  if not outputs.step_end then return end
+  local due
+  if self.every_n_steps then due = trainer.state.step % self.every_n_steps == 0 else due = trainer.control.should_log end
+  if due then self:_emit(trainer, self:line(trainer)) end
+end
+
+function ProgressBar:on_validation_end(trainer)
+  self:_close_line(trainer)
+  trainer:print(("step %d | val_loss %s"):format(trainer.state.step, num(trainer.state.metrics.val_loss)))
+end
+
+function ProgressBar:on_test_end(trainer)
+  self:_close_line(trainer)
+  trainer:print(("test_loss %s"):format(num(trainer.state.metrics.test_loss)))
+end
+
+function ProgressBar:on_train_end(trainer)
+  self:_close_line(trainer)
+end
+
+function ProgressBar:on_exception(trainer)
+  self:_close_line(trainer)
+end
+
+return ProgressBar

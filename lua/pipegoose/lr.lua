@@ -1,0 +1,95 @@
+--- Learning-rate schedules: pg.lr.constant, pg.lr.linear{...}, pg.lr.cosine{...}.
+--
+-- A schedule is any function `schedule(step, info) -> lr`. The Trainer calls
+-- it once per optimizer step, before the step's first batch, with
+--   step  the 1-based number of the step about to be taken (= trainer.state.step + 1;
+--         after the step completes, state.step equals it), and
+--   info  { base_lr = the optimizer's lr when fit started (kept in checkpoints),
+--           total_steps = max_steps, or an estimate from max_epochs (may be nil) }.
+-- Plain user functions `function(step) return ... end` may ignore `info`.
+--
+-- Warmup is linear: step n <= warmup gets base_lr * n / warmup, so the first
+-- step uses base_lr / warmup and step `warmup` uses base_lr exactly.
+local M = {}
+
+local function check_options(name, opts, known)
+  if type(opts) ~= "table" then
+    error(("pg.lr.%s: expects a table of options, got a %s"):format(name, type(opts)), 4)
+  end
+  for k, v in pairs(opts) do
+    if not known[k] then error(("pg.lr.%s: unknown option '%s'"):format(name, tostring(k)), 4) end
+    if type(v) ~= "number" or v ~= v or v < 0 then
+      error(("pg.lr.%s: %s=%s must be a non-negative number"):format(name, k, tostring(v)), 4)
+    end
+  end
+  if opts.warmup and math.tointeger(opts.warmup) == nil then
+    error(("pg.lr.%s: warmup=%s must be an integer number of steps"):format(name, tostring(opts.warmup)), 4)
+  end
+  if opts.total and opts.total <= (opts.warmup or 0) then
+    error(("pg.lr.%s: total=%s must be greater than warmup=%s"):format(name, tostring(opts.total),
+      tostring(opts.warmup or 0)), 4)
+  end
+end
+
+local function base_of(name, cfg, info)
+  local base = cfg.lr or (info and info.base_lr)
+  if type(base) ~= "number" then
+    error(("pg.lr.%s: no base learning rate (give lr=, or an optimizer whose get_lr() gives one)"):format(name), 3)
+  end
+  return base
+end
+
+-- Each schedule is a callable table: `pg.lr.cosine{...}` configures one, and
+-- `pg.lr.constant` (not called) can be passed as a schedule directly.
+local function schedule(name, known, build)
+  return setmetatable({}, {
+    __name = "pg.lr." .. name,
+    __tostring = function() return "pg.lr." .. name end,
+    __call = function(_, a, b)
+      if type(a) == "number" then return build({})(a, b) end
+      local cfg = a or {}
+      check_options(name, cfg, known)
+      return build(cfg)
+    end,
+  })
+end
+
+--- The optimizer's lr (or lr=) at every step.
+M.constant = schedule("constant", { lr = true }, function(cfg)
+  return function(_, info) return base_of("constant", cfg, info) end
+end)
+
+--- Linear warmup over `warmup` steps, then linear decay to `min_lr` (default
+-- 0) reached at step `total` (default: the trainer's total_steps) and held
+-- after. With no total known, the rate stays at base_lr after warmup.
+M.linear = schedule("linear", { lr = true, warmup = true, min_lr = true, total = true }, function(cfg)
+  local warmup, min_lr = cfg.warmup or 0, cfg.min_lr or 0
+  return function(step, info)
+    local base = base_of("linear", cfg, info)
+    if step <= warmup then return base * step / warmup end
+    local total = cfg.total or (info and info.total_steps)
+    if not total then return base end
+    if step >= total or total <= warmup then return min_lr end
+    return base + (min_lr - base) * (step - warmup) / (total - warmup)
+  end
+end)
+
+--- Linear warmup over `warmup` steps, then half a cosine from base_lr down to
+-- `min_lr` (default 0), reached exactly at step `total` (default: the
+-- trainer's total_steps) and held after.
+M.cosine = schedule("cosine", { lr = true, warmup = true, min_lr = true, total = true }, function(cfg)
+  local warmup, min_lr = cfg.warmup or 0, cfg.min_lr or 0
+  return function(step, info)
+    local base = base_of("cosine", cfg, info)
+    if step <= warmup then return base * step / warmup end
+    local total = cfg.total or (info and info.total_steps)
+    if not total then
+      error("pg.lr.cosine: needs a horizon: give total= or the trainer's max_steps", 2)
+    end
+    if step >= total or total <= warmup then return min_lr end
+    local progress = (step - warmup) / (total - warmup)
+    return min_lr + (base - min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+  end
+end)
+
+return M

@@ -1,0 +1,774 @@
+--- pg.Trainer: the fit / validate / test loops over any engine, optimizer and
+-- token data with the interfaces of docs/DESIGN.md, calling callbacks at
+-- Lightning's hook points. docs/TRAINER.md is the reference for every option,
+-- state field, control flag and hook; keep the two in step.
+--
+-- Plain Lua: the C module is needed only to combine control flags across
+-- ranks (one all_reduce per step when the engine has a context with more
+-- than one rank), so the trainer runs under busted with pg.testing's fakes.
+local callbacks = require "pipegoose.callbacks"
+
+local Trainer = {}
+Trainer.__index = Trainer
+Trainer.__name = "Trainer"
+
+local OPTION_LIST = {
+  "engine", "optimizer", "lr_schedule", "max_steps", "max_epochs", "max_time", "accumulate",
+  "clip_grad_norm", "track_grad_norm", "val_every_n_steps", "val_batches", "log_every_n_steps",
+  "callbacks", "seed", "out_dir", "on_nan", "clock", "out", "combine",
+}
+local OPTIONS = {}
+for _, k in ipairs(OPTION_LIST) do OPTIONS[k] = true end
+
+--- Control flags, in the order they travel in the cross-rank combination.
+Trainer.FLAGS = { "should_stop", "should_save", "should_validate", "should_log" }
+local FLAG_INDEX = {}
+for i, f in ipairs(Trainer.FLAGS) do FLAG_INDEX[f] = i end
+
+-- level: as error()'s, counted from fail's caller; 0 = no position (runtime
+-- conditions such as a NaN loss are not about a line of code).
+local function fail(level, fmt, ...)
+  error("Trainer: " .. fmt:format(...), level > 0 and level + 1 or 0)
+end
+
+local function positive_int(name, v, allow_zero)
+  if v == nil then return nil end
+  local i = math.tointeger(v)
+  if i == nil or i < (allow_zero and 0 or 1) then
+    fail(4, "%s=%s must be a %s integer", name, tostring(v), allow_zero and "non-negative" or "positive")
+  end
+  return i
+end
+
+local function positive_number(name, v)
+  if v == nil then return nil end
+  if type(v) ~= "number" or v ~= v or v <= 0 then
+    fail(4, "%s=%s must be a positive number", name, tostring(v))
+  end
+  return v
+end
+
+local function finite(x) return x == x and x ~= math.huge and x ~= -math.huge end
+
+local function number_name(x)
+  if x ~= x then return "nan" end
+  if x == math.huge then return "inf" end
+  if x == -math.huge then return "-inf" end
+  return tostring(x)
+end
+
+--- The default clock: seconds from /proc/uptime (monotonic, 10 ms steps) on
+-- Linux, else os.time() (wall clock, 1 s steps). Lua has no monotonic clock
+-- of its own and os.clock() is CPU time (wrong with OpenMP threads).
+local function default_clock()
+  local f = io.open("/proc/uptime", "r")
+  if f then
+    local t = f:read("n")
+    f:close()
+    if t then return t end
+  end
+  return os.time()
+end
+Trainer.default_clock = default_clock
+
+------------------------------------------------------------------------------
+-- trainer.control: four booleans that callbacks may set to true. Assigning a
+-- false value is ignored (flags are OR-combined within a rank: one callback
+-- cannot cancel another's request); only the trainer clears them. Unknown
+-- names are errors, so a typo cannot silently do nothing.
+
+local function new_control()
+  local values = {}
+  for _, f in ipairs(Trainer.FLAGS) do values[f] = false end
+  local function unknown(k)
+    error(("trainer.control has no flag '%s'%s (flags: %s)"):format(tostring(k),
+      type(k) == "string" and callbacks.suggestion(k, Trainer.FLAGS) or "", table.concat(Trainer.FLAGS, ", ")), 3)
+  end
+  local control = setmetatable({}, {
+    __index = function(_, k)
+      local v = values[k]
+      if v == nil then unknown(k) end
+      return v
+    end,
+    __newindex = function(_, k, v)
+      if values[k] == nil then unknown(k) end
+      if v then values[k] = true end
+    end,
+    __pairs = function() return next, values, nil end,
+    __tostring = function()
+      local parts = {}
+      for _, f in ipairs(Trainer.FLAGS) do parts[#parts + 1] = f .. "=" .. tostring(values[f]) end
+      return "control{" .. table.concat(parts, ", ") .. "}"
+    end,
+  })
+  return control, values
+end
+
+------------------------------------------------------------------------------
+-- Construction
+
+local function engine_rank(ctx)
+  if not ctx then return 0, 1 end
+  return ctx:rank(), ctx:world_size()
+end
+
+--- pg.Trainer{...}: see docs/TRAINER.md for every option.
+function Trainer.new(opts)
+  if type(opts) ~= "table" then fail(3, "expects a table of options, got a %s", type(opts)) end
+  for k in pairs(opts) do
+    if not OPTIONS[k] then
+      fail(3, "unknown option '%s'%s", tostring(k), type(k) == "string" and callbacks.suggestion(k, OPTION_LIST) or "")
+    end
+  end
+  local engine = opts.engine
+  if type(engine) ~= "table" and type(engine) ~= "userdata" then
+    fail(3, "engine= is required (what pg.parallelize returns, or pg.testing.fake_engine{})")
+  end
+  local self = setmetatable({}, Trainer)
+  self.engine = engine
+  self.optimizer = opts.optimizer
+  self.ctx = engine.ctx
+  self.lr_schedule = opts.lr_schedule
+  if self.lr_schedule ~= nil and type(self.lr_schedule) ~= "function" then
+    local mt = getmetatable(self.lr_schedule)
+    if not (type(mt) == "table" and mt.__call) then
+      fail(3, "lr_schedule must be a function step -> lr (or pg.lr.*), got a %s", type(self.lr_schedule))
+    end
+  end
+  self.max_steps = positive_int("max_steps", opts.max_steps)
+  self.max_epochs = positive_int("max_epochs", opts.max_epochs)
+  self.max_time = positive_number("max_time", opts.max_time)
+  if not (self.max_steps or self.max_epochs or self.max_time) then self.max_epochs = 1 end
+  self.accumulate = positive_int("accumulate", opts.accumulate) or 1
+  self.clip_grad_norm = positive_number("clip_grad_norm", opts.clip_grad_norm)
+  self.track_grad_norm = opts.track_grad_norm ~= false
+  self.val_every_n_steps = positive_int("val_every_n_steps", opts.val_every_n_steps)
+  self.val_batches = positive_int("val_batches", opts.val_batches)
+  self.log_every_n_steps = positive_int("log_every_n_steps", opts.log_every_n_steps) or 10
+  self.seed = opts.seed
+  if self.seed ~= nil and math.tointeger(self.seed) == nil then
+    fail(3, "seed=%s must be an integer", tostring(self.seed))
+  end
+  self.out_dir = opts.out_dir or "runs"
+  if type(self.out_dir) ~= "string" then fail(3, "out_dir must be a string path") end
+  self.on_nan = opts.on_nan or "error"
+  if self.on_nan ~= "error" and self.on_nan ~= "skip" then
+    fail(3, "on_nan='%s' must be 'error' (stop with an error) or 'skip' (skip the step)", tostring(self.on_nan))
+  end
+  self.clock = opts.clock or default_clock
+  if type(self.clock) ~= "function" and not (type(self.clock) == "table" and getmetatable(self.clock)
+      and getmetatable(self.clock).__call) then
+    fail(3, "clock must be a function returning seconds")
+  end
+  self.out = opts.out or io.stdout
+  self.combine = opts.combine
+  if self.combine ~= nil and type(self.combine) ~= "function" then
+    fail(3, "combine must be a function(values, trainer) -> values")
+  end
+
+  self:_init_callbacks(opts.callbacks or {})
+
+  local rank, world = engine_rank(self.ctx)
+  self.state = {
+    step = 0, epoch = 0, batch_in_epoch = 0, micro_batches = 0, tokens_seen = 0, skipped_steps = 0,
+    accumulate = self.accumulate, lr = nil, grad_norm = nil, metrics = {}, elapsed = 0,
+    total_steps = self.max_steps, stage = nil, stop_reason = nil, resumed_from = nil,
+    rank = rank, world_size = world, is_global_zero = rank == 0,
+  }
+  self.control, self._flags = new_control()
+  self.combines = 0 -- how many times control flags were combined (for tests and logs)
+  return self
+end
+
+setmetatable(Trainer, {
+  __call = function(_, opts) return Trainer.new(opts) end,
+})
+
+-- Checks every callback, builds the per-hook call lists, the state keys and
+-- the checkpoint directory.
+function Trainer:_init_callbacks(list)
+  if type(list) ~= "table" then fail(4, "callbacks must be a list of callbacks, got a %s", type(list)) end
+  local n = #list
+  for k in pairs(list) do
+    if math.type(k) ~= "integer" or k < 1 or k > n then
+      fail(4, "callbacks must be a list (1..n), found key '%s'", tostring(k))
+    end
+  end
+  self.callbacks = {}
+  self._hooks = {}
+  for _, h in ipairs(callbacks.HOOKS) do self._hooks[h] = {} end
+  local keys = {}
+  local ckpt_dir, ckpt_owner
+  for i, cb in ipairs(list) do
+    local msg = callbacks.problem(cb)
+    if msg then fail(4, "%s %s", callbacks.describe(cb, i), msg) end
+    local entry = { cb = cb, index = i, name = callbacks.name_of(cb) or ("callback " .. i) }
+    self.callbacks[i] = cb
+    for _, h in ipairs(callbacks.HOOKS) do
+      local fn = cb[h]
+      if fn ~= nil then
+        local e = setmetatable({ fn = fn, hook = h }, { __index = entry })
+        table.insert(self._hooks[h], e)
+      end
+    end
+    if cb.state_dict or cb.load_state_dict or cb.state_key ~= nil then
+      local key = cb.state_key or callbacks.name_of(cb)
+      if key == nil then
+        fail(4, "%s has state_dict/load_state_dict but no state_key (or name) to save its state under",
+          callbacks.describe(cb, i))
+      end
+      if keys[key] then
+        local j = keys[key]
+        fail(4, "%s and %s share state_key '%s'; give one of them a distinct state_key=",
+          callbacks.describe(list[j], j), callbacks.describe(cb, i), key)
+      end
+      keys[key] = i
+      entry.state_key = key
+    end
+    if type(cb.checkpoint_dir) == "string" then
+      if ckpt_dir and ckpt_dir ~= cb.checkpoint_dir then
+        fail(4, "%s and %s want checkpoints in different directories ('%s', '%s'); the trainer writes one",
+          callbacks.describe(list[ckpt_owner], ckpt_owner), callbacks.describe(cb, i), ckpt_dir, cb.checkpoint_dir)
+      end
+      ckpt_dir, ckpt_owner = cb.checkpoint_dir, i
+    end
+  end
+  self._state_keys = keys -- state_key -> callback index
+  self.checkpoint_dir = ckpt_dir
+end
+
+--- Where agreed saves go: a callback's checkpoint_dir (ModelCheckpoint's dir),
+-- else <out_dir>/checkpoints.
+function Trainer:get_checkpoint_dir()
+  return self.checkpoint_dir or (self.out_dir .. "/checkpoints")
+end
+
+--- The path of the checkpoint for optimizer step `step`.
+function Trainer:checkpoint_path(step)
+  return ("%s/step-%08d"):format(self:get_checkpoint_dir(), step or self.state.step)
+end
+
+------------------------------------------------------------------------------
+-- Hooks
+
+-- Calls `hook` on every callback that implements it, in the given order.
+-- _in_hook remembers which callback is running so that an error can name it;
+-- it is a stack because a hook may call back into the trainer
+-- (ModelCheckpoint saves from on_train_end, which runs on_save_checkpoint).
+function Trainer:_call(hook, ...)
+  local list = self._hooks[hook]
+  if #list == 0 then return end
+  local prev = self._in_hook
+  for i = 1, #list do
+    local e = list[i]
+    self._in_hook = e
+    e.fn(e.cb, self, ...)
+  end
+  self._in_hook = prev
+end
+
+--- The callbacks that implement `hook`, in call order (the trainer calls
+-- only these).
+function Trainer:callbacks_for(hook)
+  if not callbacks.IS_HOOK[hook] then
+    fail(2, "callbacks_for: '%s' is not a hook%s", tostring(hook), callbacks.suggestion(tostring(hook), callbacks.HOOKS))
+  end
+  local out = {}
+  for i, e in ipairs(self._hooks[hook]) do out[i] = e.cb end
+  return out
+end
+
+--- Prints on global rank 0 only (to the `out` option, default io.stdout).
+function Trainer:print(...)
+  if not self.state.is_global_zero then return end
+  local n = select("#", ...)
+  local parts = {}
+  for i = 1, n do parts[i] = tostring((select(i, ...))) end
+  self.out:write(table.concat(parts, "\t"), "\n")
+  if self.out.flush then self.out:flush() end
+end
+
+--- Writes raw text on global rank 0 (no newline added): ProgressBar's "\r" lines.
+function Trainer:write(s)
+  if not self.state.is_global_zero then return end
+  self.out:write(s)
+  if self.out.flush then self.out:flush() end
+end
+
+--- Adds a metric to trainer.state.metrics (local to this rank; loggers
+-- record it). The sanctioned way for callbacks to publish numbers.
+function Trainer:log(name, value)
+  if type(name) ~= "string" then fail(2, "log: metric name must be a string") end
+  self.state.metrics[name] = value
+end
+
+--- Sets the number of batches per optimizer step from the next step on
+-- (never mid-step). Must be called identically on every rank (it is, when
+-- it depends only on trainer.state, as GradientAccumulationScheduler does).
+function Trainer:set_accumulate(n)
+  local i = math.tointeger(n)
+  if i == nil or i < 1 then fail(2, "set_accumulate(%s): expected a positive integer", tostring(n)) end
+  self.accumulate = i
+  self.state.accumulate = i
+end
+
+------------------------------------------------------------------------------
+-- Running a stage with on_exception / teardown on error
+
+function Trainer:_reset_run(stage)
+  for _, f in ipairs(Trainer.FLAGS) do self._flags[f] = false end
+  self._stop_reason = nil
+  self._torn_down = false
+  self.state.stage = stage
+  self.state.stop_reason = nil
+end
+
+function Trainer:_teardown(stage)
+  self._torn_down = true
+  self:_call("teardown", stage)
+end
+
+-- Runs body; on error: on_exception on every callback that has it, then
+-- teardown, then the error propagates (pglua then ends the whole job).
+-- Errors inside those hooks are reported on stderr and do not hide the
+-- original error.
+function Trainer:_run(stage, body)
+  self:_reset_run(stage)
+  local ok, result = xpcall(body, function(err)
+    local at = self._in_hook
+    self._in_hook = nil
+    if at and type(err) == "string" then
+      err = ("Trainer: %s of %s failed: %s"):format(at.hook, callbacks.describe(at.cb, at.index), err)
+    end
+    return err
+  end)
+  if ok then return result end
+  local err = result
+  local function guarded(hook, ...)
+    for _, e in ipairs(self._hooks[hook]) do
+      local ok2, err2 = pcall(e.fn, e.cb, self, ...)
+      if not ok2 then
+        io.stderr:write(("Trainer: %s of %s failed while handling an error: %s\n"):format(hook,
+          callbacks.describe(e.cb, e.index), tostring(err2)))
+      end
+    end
+  end
+  guarded("on_exception", err)
+  if not self._torn_down then
+    self._torn_down = true
+    guarded("teardown", stage)
+  end
+  error(err, 0)
+end
+
+------------------------------------------------------------------------------
+-- Combining control flags across ranks
+
+-- values: { stop, save, validate, log } as 0/1; returns them combined with
+-- max over the global group of the engine's context. Nothing to do (and no
+-- collective) without a context or on one rank.
+function Trainer:_all_reduce_max(values)
+  local ctx = self.ctx
+  -- pg.testing.fake_context has ranks but no communication
+  if not ctx or ctx.fake or self.state.world_size <= 1 then return values end
+  local core = require "pipegoose.core"
+  local t = self._flag_tensor
+  if not t then
+    t = core.zeros({ #Trainer.FLAGS }, { dtype = "int32" })
+    self._flag_tensor = t
+  end
+  for i, v in ipairs(values) do t:set(i, v) end
+  core.dist.all_reduce(t, { ctx = ctx, group = "global", op = "max" })
+  for i = 1, #values do values[i] = t:get(i) end
+  return values
+end
+
+-- The one combination point: every flag is combined (OR across ranks) in a
+-- single all_reduce; afterwards trainer.control is the same on every rank.
+function Trainer:_combine()
+  local flags = self._flags
+  local values = {}
+  for i, f in ipairs(Trainer.FLAGS) do values[i] = flags[f] and 1 or 0 end
+  if self.combine then
+    values = self.combine(values, self) or values
+  else
+    values = self:_all_reduce_max(values)
+  end
+  for i, f in ipairs(Trainer.FLAGS) do flags[f] = values[i] ~= 0 and values[i] ~= false end
+  self.combines = self.combines + 1
+  if flags.should_stop and not self._stop_reason then self._stop_reason = "should_stop" end
+end
+
+------------------------------------------------------------------------------
+-- fit
+
+local function check_data(name, data, need)
+  if data == nil then return end
+  if type(data) ~= "table" and type(data) ~= "userdata" then
+    fail(4, "%s must be a data object with next_batch(), got a %s", name, type(data))
+  end
+  for _, m in ipairs(need) do
+    if data[m] == nil then fail(4, "%s has no %s() method", name, m) end
+  end
+end
+
+--- Trains: trainer:fit(train_data [, val_data] [, {resume = path | "last"}]).
+-- Returns trainer.state.
+function Trainer:fit(train_data, val_data, opts)
+  opts = opts or {}
+  if type(opts) ~= "table" then fail(2, "fit: the third argument is a table of options ({resume=})") end
+  for k in pairs(opts) do
+    if k ~= "resume" then fail(2, "fit: unknown option '%s' (known: resume)", tostring(k)) end
+  end
+  if train_data == nil then fail(2, "fit: needs training data (pg.data.TokenShards{...})") end
+  check_data("fit: the training data", train_data, { "next_batch" })
+  check_data("fit: the validation data", val_data, { "next_batch" })
+  local opt = self.optimizer
+  if opt == nil then fail(2, "fit needs optimizer= (e.g. pg.optim.AdamW(engine, {lr = 3e-4}))") end
+  for _, m in ipairs{ "step", "zero_grad", "set_lr", "get_lr" } do
+    if opt[m] == nil then fail(2, "the optimizer has no %s() method", m) end
+  end
+  if self.engine.forward_backward == nil then fail(2, "the engine has no forward_backward() method") end
+  return self:_run("fit", function() return self:_fit(train_data, val_data, opts) end)
+end
+
+function Trainer:_fit(train_data, val_data, opts)
+  local st = self.state
+  self.train_data, self.val_data = train_data, val_data
+  if self.seed then math.randomseed(self.seed) end
+  self:_call("setup", "fit")
+  if opts.resume then self:_resume(opts.resume) end
+  if self._base_lr == nil then self._base_lr = self.optimizer:get_lr() end
+  self._tokens_per_batch = train_data.tokens_per_batch and train_data:tokens_per_batch() or nil
+  st.total_steps = self:_estimate_total_steps()
+  self._t0, self._tokens0 = self.clock(), st.tokens_seen
+  st.elapsed = 0
+  self:_call("on_fit_start")
+  self:_call("on_train_start")
+  self:_train_loop()
+  st.stop_reason = self._stop_reason
+  self:_call("on_train_end")
+  self:_call("on_fit_end")
+  self:_teardown("fit")
+  return st
+end
+
+function Trainer:_estimate_total_steps()
+  if self.max_steps then return self.max_steps end
+  local data = self.train_data
+  if self.max_epochs and data.batches_per_epoch then
+    local per_epoch = math.ceil(data:batches_per_epoch() / self.accumulate)
+    return per_epoch * self.max_epochs
+  end
+  return nil
+end
+
+function Trainer:_train_loop()
+  local st = self.state
+  while true do
+    if self.max_steps and st.step >= self.max_steps then
+      self._stop_reason = self._stop_reason or "max_steps"
+      break
+    end
+    if self.max_epochs and st.epoch >= self.max_epochs then
+      self._stop_reason = self._stop_reason or "max_epochs"
+      break
+    end
+    self:_call("on_train_epoch_start")
+    local exhausted, stop = self:_train_epoch()
+    if exhausted and not stop and self.val_data and not self.val_every_n_steps then
+      -- epoch-end validation (no val_every_n_steps): the same on every rank
+      -- because the data ends on every rank at the same batch.
+      stop = self:_validate_and_settle()
+    end
+    self:_call("on_train_epoch_end")
+    if exhausted then
+      st.epoch = st.epoch + 1
+      st.batch_in_epoch = 0
+    end
+    if stop then break end
+  end
+end
+
+-- One epoch (or what is left of it after a resume). Returns exhausted (the
+-- data returned nil) and stop (the agreed should_stop).
+function Trainer:_train_epoch()
+  local st, data = self.state, self.train_data
+  local inputs, targets = data:next_batch()
+  if inputs == nil then
+    if st.batch_in_epoch == 0 then
+      fail(0, "the training data produced no batches in epoch %d", st.epoch)
+    end
+    return true, false
+  end
+  while true do
+    local exhausted = self:_train_step(inputs, targets)
+    local stop = self:_end_of_step()
+    if stop then return exhausted, true end
+    if exhausted then return true, false end
+    inputs, targets = data:next_batch()
+    if inputs == nil then return true, false end
+  end
+end
+
+-- Step numbers in messages are 1-based: the step being computed is state.step + 1.
+function Trainer:_set_lr(step)
+  local st, opt = self.state, self.optimizer
+  if self.lr_schedule then
+    local lr = self.lr_schedule(step, { base_lr = self._base_lr, total_steps = st.total_steps })
+    if type(lr) ~= "number" or not finite(lr) then
+      fail(0, "lr_schedule returned %s for step %d (expected a finite number)", tostring(lr), step)
+    end
+    opt:set_lr(lr)
+    st.lr = lr
+  else
+    st.lr = opt:get_lr()
+  end
+end
+
+function Trainer:_batch_tokens(inputs)
+  if self._tokens_per_batch then return self._tokens_per_batch end
+  local rows, cols
+  if type(inputs) == "table" then
+    rows = #inputs
+    cols = type(inputs[1]) == "table" and #inputs[1] or 1
+  elseif inputs.shape then
+    local s = inputs:shape()
+    rows, cols = s[1], s[2] or 1
+  else
+    return 0
+  end
+  local dp = 1
+  if self.ctx and self.ctx.world_size then dp = self.ctx:world_size("data") end
+  return rows * cols * dp
+end
+
+-- Takes one optimizer step's worth of batches, starting with the batch
+-- already fetched. Returns true when the data ran out during the step.
+function Trainer:_train_step(inputs, targets)
+  local st, flags, data, engine = self.state, self._flags, self.train_data, self.engine
+  local step = st.step + 1
+  local k = self.accumulate
+  if data.batches_per_epoch then
+    -- the last step of an epoch averages over the batches that are left
+    local left = data:batches_per_epoch() - st.batch_in_epoch
+    if left >= 1 and left < k then k = left end
+  end
+  flags.should_save = false
+  flags.should_log = step % self.log_every_n_steps == 0
+  flags.should_validate = self.val_every_n_steps ~= nil and step % self.val_every_n_steps == 0
+  self:_set_lr(step)
+  local fb_opts = { grad_scale = 1 / k }
+  local loss_sum, done, bad = 0, 0, nil
+  local exhausted = false
+  for i = 1, k do
+    st.batch_in_epoch = st.batch_in_epoch + 1
+    local idx = st.batch_in_epoch
+    self:_call("on_train_batch_start", { inputs = inputs, targets = targets }, idx)
+    self:_call("on_before_backward", idx)
+    local loss = engine:forward_backward(inputs, targets, fb_opts)
+    st.micro_batches = st.micro_batches + 1
+    st.tokens_seen = st.tokens_seen + self:_batch_tokens(inputs)
+    if type(loss) ~= "number" then
+      fail(0, "engine:forward_backward returned a %s at step %d, expected the loss (a number)", type(loss), step)
+    end
+    if not finite(loss) then
+      if self.on_nan == "error" then
+        error(("Trainer: loss is %s at step %d (epoch %d, batch %d); on_nan='skip' skips such steps")
+          :format(number_name(loss), step, st.epoch, idx), 0)
+      end
+      bad = bad or loss
+    end
+    loss_sum, done = loss_sum + loss, done + 1
+    self:_call("on_after_backward", loss, idx)
+    local last = i == k
+    if not last then
+      inputs, targets = data:next_batch()
+      if inputs == nil then exhausted, last = true, true end
+    end
+    if last then self:_optimizer_step(step, loss_sum / done, bad) end
+    self:_call("on_train_batch_end", { loss = loss, step_end = last, skipped = last and bad ~= nil }, idx)
+    if last then break end
+  end
+  return exhausted
+end
+
+function Trainer:_optimizer_step(step, step_loss, bad)
+  local st, opt = self.state, self.optimizer
+  st.metrics.loss = step_loss
+  if bad == nil then
+    self:_call("on_before_optimizer_step", opt)
+    local norm
+    if self.clip_grad_norm then
+      norm = opt:clip_grad_norm(self.clip_grad_norm)
+    elseif self.track_grad_norm and opt.grad_norm then
+      norm = opt:grad_norm()
+    end
+    st.grad_norm = norm
+    st.metrics.grad_norm = norm
+    opt:step()
+  else
+    st.skipped_steps = st.skipped_steps + 1
+    self:print(("Trainer: loss is %s at step %d; skipping the step (on_nan='skip')"):format(number_name(bad), step))
+  end
+  st.step = step
+  self:_call("on_before_zero_grad", opt)
+  opt:zero_grad()
+  st.elapsed = self.clock() - self._t0
+  if st.elapsed > 0 then
+    st.metrics.tokens_per_s = (st.tokens_seen - self._tokens0) / st.elapsed
+  end
+end
+
+-- After a step's last on_train_batch_end: the trainer's own stop reasons,
+-- the combination, then validation and saving as agreed. Returns the agreed
+-- should_stop.
+function Trainer:_end_of_step()
+  local st, flags = self.state, self._flags
+  if self.max_steps and st.step >= self.max_steps then
+    flags.should_stop = true
+    self._stop_reason = self._stop_reason or "max_steps"
+  end
+  if self.max_time and st.elapsed >= self.max_time then
+    flags.should_stop = true
+    self._stop_reason = self._stop_reason or "max_time"
+  end
+  self:_combine()
+  if flags.should_validate and self.val_data then
+    return self:_validate_and_settle()
+  end
+  flags.should_validate = false
+  if flags.should_save then self:_save_agreed() end
+  return flags.should_stop
+end
+
+-- Validation during fit, then a second combination (validation hooks may
+-- request a stop or a save, e.g. EarlyStopping / ModelCheckpoint on
+-- val_loss), then the agreed save. Returns the agreed should_stop.
+function Trainer:_validate_and_settle()
+  local flags = self._flags
+  self:_eval_loop("validation", self.val_data, self.val_batches)
+  self:_combine()
+  flags.should_validate = false
+  if flags.should_save then self:_save_agreed() end
+  return flags.should_stop
+end
+
+function Trainer:_save_agreed()
+  self:save_checkpoint(self:checkpoint_path(self.state.step))
+  self._flags.should_save = false
+end
+
+------------------------------------------------------------------------------
+-- validate / test
+
+-- kind: "validation" or "test". Metric: val_loss / test_loss (mean of the
+-- per-batch losses, each the same on every rank).
+function Trainer:_eval_loop(kind, data, max_batches)
+  local st = self.state
+  local pre = kind == "validation" and "on_validation" or "on_test"
+  local metric = kind == "validation" and "val_loss" or "test_loss"
+  self._flags.should_validate = false
+  self:_call(pre .. "_start")
+  if data.reset then data:reset() end
+  local sum, n = 0, 0
+  while not max_batches or n < max_batches do
+    local inputs, targets = data:next_batch()
+    if inputs == nil then break end
+    n = n + 1
+    self:_call(pre .. "_batch_start", { inputs = inputs, targets = targets }, n)
+    local loss = self.engine:loss(inputs, targets)
+    if type(loss) ~= "number" then
+      fail(0, "engine:loss returned a %s, expected a number", type(loss))
+    end
+    sum = sum + loss
+    self:_call(pre .. "_batch_end", { loss = loss }, n)
+  end
+  if n == 0 then fail(0, "the %s data produced no batches", kind) end
+  st.metrics[metric] = sum / n
+  self:_call(pre .. "_end")
+  return sum / n
+end
+
+--- Evaluates on val_data (at most val_batches batches): returns {val_loss=}.
+function Trainer:validate(val_data)
+  check_data("validate: the data", val_data, { "next_batch" })
+  if val_data == nil then fail(2, "validate needs data") end
+  return self:_run("validate", function()
+    self:_call("setup", "validate")
+    local loss = self:_eval_loop("validation", val_data, self.val_batches)
+    self:_teardown("validate")
+    return { val_loss = loss }
+  end)
+end
+
+--- Evaluates on every batch of data (one epoch): returns {test_loss=}.
+function Trainer:test(data)
+  check_data("test: the data", data, { "next_batch" })
+  if data == nil then fail(2, "test needs data") end
+  return self:_run("test", function()
+    self:_call("setup", "test")
+    local loss = self:_eval_loop("test", data, nil)
+    self:_teardown("test")
+    return { test_loss = loss }
+  end)
+end
+
+------------------------------------------------------------------------------
+-- Checkpoints
+
+--- Saves a checkpoint directory now (every rank must call it at the same
+-- point: the trainer does so for agreed saves; callbacks may call it from
+-- hooks that run at the same point on every rank, like on_train_end).
+-- Runs on_save_checkpoint before writing and on_checkpoint_saved after the
+-- directory is complete. Returns the path.
+function Trainer:save_checkpoint(path)
+  path = path or self:checkpoint_path(self.state.step)
+  require("pipegoose.checkpoint").save(self, path)
+  self:_call("on_checkpoint_saved", path)
+  return path
+end
+
+-- The counters a checkpoint keeps (and _restore_counters puts back).
+function Trainer:_counters()
+  local st = self.state
+  return {
+    step = st.step, epoch = st.epoch, batch_in_epoch = st.batch_in_epoch, micro_batches = st.micro_batches,
+    tokens_seen = st.tokens_seen, skipped_steps = st.skipped_steps, accumulate = self.accumulate,
+  }
+end
+
+function Trainer:_restore_counters(c)
+  local st = self.state
+  for _, k in ipairs{ "step", "epoch", "batch_in_epoch", "micro_batches", "tokens_seen", "skipped_steps" } do
+    if c[k] ~= nil then st[k] = c[k] end
+  end
+  if c.accumulate then self:set_accumulate(c.accumulate) end
+end
+
+function Trainer:_resume(spec)
+  local ckpt = require "pipegoose.checkpoint"
+  local path = spec
+  if spec == "last" then
+    path = ckpt.latest(self:get_checkpoint_dir())
+    if not path then
+      self:print(("Trainer: resume='last': no checkpoint in %s yet; starting from step 0"):format(self:get_checkpoint_dir()))
+      return
+    end
+  elseif type(spec) ~= "string" then
+    fail(0, "resume must be a checkpoint directory or \"last\", got a %s", type(spec))
+  end
+  local _, dir = ckpt.load(self, path)
+  self.state.resumed_from = dir
+  self:print(("Trainer: resumed from %s at step %d (epoch %d)"):format(dir, self.state.step, self.state.epoch))
+end
+
+--- Loads a checkpoint into this trainer outside fit (counters, callback,
+-- data, optimizer and engine state). fit{resume=} does this itself.
+function Trainer:load_checkpoint(path, train_data)
+  if train_data then self.train_data = train_data end
+  local _, dir = require("pipegoose.checkpoint").load(self, path)
+  self.state.resumed_from = dir
+end
+
+return Trainer
