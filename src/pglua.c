@@ -125,7 +125,8 @@ static void add_lua_path(lua_State *L) {
   if (!*root && n > 0) {
     exe[n] = 0;
     char *dir = dirname(exe);
-    const char *cands[] = {"%s/lua", "%s/../lua", "%s/../share/pipegoose/lua"};
+    /* in the source tree (./pglua, build/pglua) or installed (PREFIX/bin/pglua) */
+    const char *cands[] = {"%s/lua", "%s/../lua", "%s/../share/lua/5.4"};
     for (int i = 0; i < 3 && !*root; i++) {
       char c[PATH_MAX * 2];
       snprintf(c, sizeof c, cands[i], dir);
