@@ -518,15 +518,71 @@ static int l_schedule_build(lua_State *L) {
   return 1;
 }
 
-/* core.schedule_validate(name, P, M) -> true, or false and the message */
+/* Reads one stage's action list { {"forward", 1}, ... } (mb 1-based) at idx. */
+static pg_action *read_actions(lua_State *L, int idx, int stage, int *n) {
+  luaL_checktype(L, idx, LUA_TTABLE);
+  *n = (int)luaL_len(L, idx);
+  pg_action *a = calloc((size_t)(*n > 0 ? *n : 1), sizeof *a);
+  if (!a) return NULL;
+  for (int i = 0; i < *n; i++) {
+    lua_geti(L, idx, i + 1);
+    int ok = lua_istable(L, -1);
+    const char *name = NULL;
+    lua_Integer mb = 0;
+    if (ok) {
+      lua_geti(L, -1, 1);
+      name = lua_tostring(L, -1);
+      lua_geti(L, -2, 2);
+      mb = lua_tointeger(L, -1);
+      lua_pop(L, 2);
+    }
+    lua_pop(L, 1);
+    int k = -1;
+    for (int j = 0; name && j < 6; j++)
+      if (!strcmp(name, pg_action_name((pg_action_kind)j))) k = j;
+    if (k < 0) {
+      free(a);
+      luaL_error(L, "schedule_validate: stage %d action %d is not {action, micro-batch} with a known action", stage, i + 1);
+    }
+    a[i] = (pg_action){(pg_action_kind)k, (int)mb - 1};
+  }
+  return a;
+}
+
+/* core.schedule_validate(name, P, M) -> true, or false and the message.
+ * core.schedule_validate(stages, M): the same checks on given lists, one per
+ * stage (stages[1] is stage 0), in core.schedule's format: lets specs show
+ * that the checker rejects broken schedules. */
 static int l_schedule_validate(lua_State *L) {
   pg_schedule_kind k;
-  PG_LUA_CHECK(L, pg_schedule_from_name(luaL_checkstring(L, 1), &k));
-  int P = (int)luaL_checkinteger(L, 2), M = (int)luaL_checkinteger(L, 3);
+  int given = lua_istable(L, 1);
+  int P, M;
+  if (given) {
+    P = (int)luaL_len(L, 1);
+    M = (int)luaL_checkinteger(L, 2);
+  } else {
+    PG_LUA_CHECK(L, pg_schedule_from_name(luaL_checkstring(L, 1), &k));
+    P = (int)luaL_checkinteger(L, 2);
+    M = (int)luaL_checkinteger(L, 3);
+  }
   if (P < 1 || P > 1024 || M < 1) return luaL_error(L, "schedule_validate: bad sizes P=%d M=%d", P, M);
   pg_action **st = calloc((size_t)P, sizeof *st);
   int *lens = calloc((size_t)P, sizeof *lens), rc = PG_OK;
-  for (int s = 0; s < P && rc == PG_OK; s++) rc = pg_schedule_build(k, P, M, s, &st[s], &lens[s]);
+  if (!st || !lens) {
+    free(st);
+    free(lens);
+    return luaL_error(L, "out of memory");
+  }
+  for (int s = 0; s < P && rc == PG_OK; s++) {
+    if (given) {
+      lua_geti(L, 1, s + 1);
+      st[s] = read_actions(L, lua_gettop(L), s, &lens[s]); /* raises on a malformed entry (leaks the lists read so far) */
+      lua_pop(L, 1);
+      if (!st[s]) rc = pg_fail("out of memory");
+    } else {
+      rc = pg_schedule_build(k, P, M, s, &st[s], &lens[s]);
+    }
+  }
   if (rc == PG_OK) rc = pg_schedule_validate(st, lens, P, M);
   for (int s = 0; s < P; s++) free(st[s]);
   free(st);
