@@ -738,9 +738,13 @@ static int l_layer_gather(lua_State *L) {
   for (int i = 0; i < u->nparams && !p; i++)
     if (!strcmp(u->params[i]->name, name)) p = u->params[i];
   if (!p) return luaL_error(L, "the layer has no parameter '%s'", name);
+  /* Read the flag before pushing the result: called as gather_param(name),
+   * the new tensor lands at index 3 and used to read as grad = true, so the
+   * values came back as the gradient. */
+  int grad = lua_toboolean(L, 3);
   pg_tensor *t = pg_lua_new_tensor(L, PG_FLOAT32, p->ndim, p->full_shape);
   pg_param view = *p;
-  if (lua_toboolean(L, 3)) view.data = p->grad;
+  if (grad) view.data = p->grad;
   pg_engine fake = {.ctx = u->ctx};
   PG_LUA_CHECK(L, pg_engine_gather_param(&fake, &view, pg_tensor_f32(t)));
   return 1;
