@@ -659,13 +659,21 @@ static int l_layer_forward(lua_State *L) {
   pg_tensor *x = pg_lua_check_tensor(L, 2);
   char d[128];
   int tokens = u->m->in_width == 0;
-  if (x->ndim != (tokens ? 2 : 3) || x->dtype != (tokens ? PG_INT32 : PG_FLOAT32) ||
-      (!tokens && x->shape[2] != u->m->in_width))
+  if (x->ndim != (tokens ? 2 : 3) || x->dtype != (tokens ? PG_INT32 : PG_FLOAT32))
     return luaL_error(L, "%s: expected input %s, got %s", u->m->name,
                       tokens ? "int32 [batch, seq_len]" : "float32 [batch, seq_len, width]",
                       pg_tensor_describe(x, d, sizeof d));
-  if (!tokens && x->shape[2] != u->m->in_width)
-    return luaL_error(L, "%s: expected width %d, got %s", u->m->name, u->m->in_width, pg_tensor_describe(x, d, sizeof d));
+  /* A wrong width gets its own message naming the widths (it used to fall
+   * into the generic one above, which named none). */
+  if (!tokens && x->shape[2] != u->m->in_width) {
+    int Tp = u->ctx->tensor;
+    if (Tp > 1 && x->shape[2] == (int64_t)u->m->in_width * Tp)
+      return luaL_error(L, "%s: expects this rank's split input of width %d, got the unsplit width %d = %d x tensor=%d (%s)",
+                        u->m->name, u->m->in_width, (int)x->shape[2], u->m->in_width, Tp,
+                        pg_tensor_describe(x, d, sizeof d));
+    return luaL_error(L, "%s: expects input of width %d, got width %d (%s)", u->m->name, u->m->in_width,
+                      (int)x->shape[2], pg_tensor_describe(x, d, sizeof d));
+  }
   int B = (int)x->shape[0], T = (int)x->shape[1];
   const int32_t *targets = NULL;
   if (u->m->out_width == 0) {
