@@ -518,15 +518,71 @@ static int l_schedule_build(lua_State *L) {
   return 1;
 }
 
-/* core.schedule_validate(name, P, M) -> true, or false and the message */
+/* Reads one stage's action list { {"forward", 1}, ... } (mb 1-based) at idx. */
+static pg_action *read_actions(lua_State *L, int idx, int stage, int *n) {
+  luaL_checktype(L, idx, LUA_TTABLE);
+  *n = (int)luaL_len(L, idx);
+  pg_action *a = calloc((size_t)(*n > 0 ? *n : 1), sizeof *a);
+  if (!a) return NULL;
+  for (int i = 0; i < *n; i++) {
+    lua_geti(L, idx, i + 1);
+    int ok = lua_istable(L, -1);
+    const char *name = NULL;
+    lua_Integer mb = 0;
+    if (ok) {
+      lua_geti(L, -1, 1);
+      name = lua_tostring(L, -1);
+      lua_geti(L, -2, 2);
+      mb = lua_tointeger(L, -1);
+      lua_pop(L, 2);
+    }
+    lua_pop(L, 1);
+    int k = -1;
+    for (int j = 0; name && j < 6; j++)
+      if (!strcmp(name, pg_action_name((pg_action_kind)j))) k = j;
+    if (k < 0) {
+      free(a);
+      luaL_error(L, "schedule_validate: stage %d action %d is not {action, micro-batch} with a known action", stage, i + 1);
+    }
+    a[i] = (pg_action){(pg_action_kind)k, (int)mb - 1};
+  }
+  return a;
+}
+
+/* core.schedule_validate(name, P, M) -> true, or false and the message.
+ * core.schedule_validate(stages, M): the same checks on given lists, one per
+ * stage (stages[1] is stage 0), in core.schedule's format: lets specs show
+ * that the checker rejects broken schedules. */
 static int l_schedule_validate(lua_State *L) {
   pg_schedule_kind k;
-  PG_LUA_CHECK(L, pg_schedule_from_name(luaL_checkstring(L, 1), &k));
-  int P = (int)luaL_checkinteger(L, 2), M = (int)luaL_checkinteger(L, 3);
+  int given = lua_istable(L, 1);
+  int P, M;
+  if (given) {
+    P = (int)luaL_len(L, 1);
+    M = (int)luaL_checkinteger(L, 2);
+  } else {
+    PG_LUA_CHECK(L, pg_schedule_from_name(luaL_checkstring(L, 1), &k));
+    P = (int)luaL_checkinteger(L, 2);
+    M = (int)luaL_checkinteger(L, 3);
+  }
   if (P < 1 || P > 1024 || M < 1) return luaL_error(L, "schedule_validate: bad sizes P=%d M=%d", P, M);
   pg_action **st = calloc((size_t)P, sizeof *st);
   int *lens = calloc((size_t)P, sizeof *lens), rc = PG_OK;
-  for (int s = 0; s < P && rc == PG_OK; s++) rc = pg_schedule_build(k, P, M, s, &st[s], &lens[s]);
+  if (!st || !lens) {
+    free(st);
+    free(lens);
+    return luaL_error(L, "out of memory");
+  }
+  for (int s = 0; s < P && rc == PG_OK; s++) {
+    if (given) {
+      lua_geti(L, 1, s + 1);
+      st[s] = read_actions(L, lua_gettop(L), s, &lens[s]); /* raises on a malformed entry (leaks the lists read so far) */
+      lua_pop(L, 1);
+      if (!st[s]) rc = pg_fail("out of memory");
+    } else {
+      rc = pg_schedule_build(k, P, M, s, &st[s], &lens[s]);
+    }
+  }
   if (rc == PG_OK) rc = pg_schedule_validate(st, lens, P, M);
   for (int s = 0; s < P; s++) free(st[s]);
   free(st);
@@ -603,13 +659,21 @@ static int l_layer_forward(lua_State *L) {
   pg_tensor *x = pg_lua_check_tensor(L, 2);
   char d[128];
   int tokens = u->m->in_width == 0;
-  if (x->ndim != (tokens ? 2 : 3) || x->dtype != (tokens ? PG_INT32 : PG_FLOAT32) ||
-      (!tokens && x->shape[2] != u->m->in_width))
+  if (x->ndim != (tokens ? 2 : 3) || x->dtype != (tokens ? PG_INT32 : PG_FLOAT32))
     return luaL_error(L, "%s: expected input %s, got %s", u->m->name,
                       tokens ? "int32 [batch, seq_len]" : "float32 [batch, seq_len, width]",
                       pg_tensor_describe(x, d, sizeof d));
-  if (!tokens && x->shape[2] != u->m->in_width)
-    return luaL_error(L, "%s: expected width %d, got %s", u->m->name, u->m->in_width, pg_tensor_describe(x, d, sizeof d));
+  /* A wrong width gets its own message naming the widths (it used to fall
+   * into the generic one above, which named none). */
+  if (!tokens && x->shape[2] != u->m->in_width) {
+    int Tp = u->ctx->tensor;
+    if (Tp > 1 && x->shape[2] == (int64_t)u->m->in_width * Tp)
+      return luaL_error(L, "%s: expects this rank's split input of width %d, got the unsplit width %d = %d x tensor=%d (%s)",
+                        u->m->name, u->m->in_width, (int)x->shape[2], u->m->in_width, Tp,
+                        pg_tensor_describe(x, d, sizeof d));
+    return luaL_error(L, "%s: expects input of width %d, got width %d (%s)", u->m->name, u->m->in_width,
+                      (int)x->shape[2], pg_tensor_describe(x, d, sizeof d));
+  }
   int B = (int)x->shape[0], T = (int)x->shape[1];
   const int32_t *targets = NULL;
   if (u->m->out_width == 0) {
@@ -682,9 +746,13 @@ static int l_layer_gather(lua_State *L) {
   for (int i = 0; i < u->nparams && !p; i++)
     if (!strcmp(u->params[i]->name, name)) p = u->params[i];
   if (!p) return luaL_error(L, "the layer has no parameter '%s'", name);
+  /* Read the flag before pushing the result: called as gather_param(name),
+   * the new tensor lands at index 3 and used to read as grad = true, so the
+   * values came back as the gradient. */
+  int grad = lua_toboolean(L, 3);
   pg_tensor *t = pg_lua_new_tensor(L, PG_FLOAT32, p->ndim, p->full_shape);
   pg_param view = *p;
-  if (lua_toboolean(L, 3)) view.data = p->grad;
+  if (grad) view.data = p->grad;
   pg_engine fake = {.ctx = u->ctx};
   PG_LUA_CHECK(L, pg_engine_gather_param(&fake, &view, pg_tensor_f32(t)));
   return 1;

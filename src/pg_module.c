@@ -239,17 +239,37 @@ static void take_columns(float *dst, const float *src, int N, int width, int off
   for (int n = 0; n < N; n++) memcpy(dst + (size_t)n * w, src + (size_t)n * width + off, (size_t)w * sizeof(float));
 }
 
-/* Gathers [N, w] pieces of every tensor rank into [N, T*w] (piece r at columns r*w). */
-static int gather_columns(pg_module *m, float *dst, const float *mine, float *scratch, int N, int w) {
-  int T = tp_size(m->ctx), r = tp_rank(m->ctx);
+/* Gathers [N, w] pieces of every tensor rank into [N, T*w]. Each piece is
+ * `blocks` sub-pieces of w/blocks columns (a fused q|k|v: rank k holds the
+ * k-th slice of q, of k and of v), and the full row is block-major: block b
+ * of rank k lands at columns b*(T*w/blocks) + k*(w/blocks). With blocks = 1
+ * piece k simply sits at columns k*w.
+ * Bug fix: this used to ignore the blocks, so a column-parallel Linear with
+ * blocks = 3 and gather_output returned q0|k0|v0|q1|k1|v1 instead of q|k|v
+ * (and took the wrong columns of dy in backward, see take_block_columns). */
+static int gather_columns(pg_module *m, float *dst, const float *mine, float *scratch, int N, int w, int blocks) {
+  int T = tp_size(m->ctx), r = tp_rank(m->ctx), bw = w / blocks;
   size_t piece = (size_t)N * w;
   if (scratch + (size_t)r * piece != mine) memcpy(scratch + (size_t)r * piece, mine, piece * sizeof(float));
   if (pg_all_gather_buf(m->ctx, PG_MODE_TENSOR, scratch, (int64_t)piece, PG_FLOAT32)) return PG_ERR;
 #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; n++)
     for (int k = 0; k < T; k++)
-      memcpy(dst + (size_t)n * T * w + (size_t)k * w, scratch + (size_t)k * piece + (size_t)n * w, (size_t)w * sizeof(float));
+      for (int b = 0; b < blocks; b++)
+        memcpy(dst + (size_t)n * T * w + (size_t)b * T * bw + (size_t)k * bw,
+               scratch + (size_t)k * piece + (size_t)n * w + (size_t)b * bw, (size_t)bw * sizeof(float));
   return PG_OK;
+}
+
+/* The inverse of gather_columns for this rank: its w columns (in `blocks`
+ * sub-pieces) of a full [N, T*w] matrix, into a contiguous [N, w] one. */
+static void take_block_columns(float *dst, const float *src, int N, int T, int w, int blocks, int r) {
+  int bw = w / blocks;
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; n++)
+    for (int b = 0; b < blocks; b++)
+      memcpy(dst + (size_t)n * w + (size_t)b * bw, src + (size_t)n * T * w + (size_t)b * T * bw + (size_t)r * bw,
+             (size_t)bw * sizeof(float));
 }
 
 static int linear_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
@@ -266,7 +286,7 @@ static int linear_forward(pg_module *m, int slot, pg_io *io, const float *x, con
     if (s->o.gather_output && T > 1) {
       float *local = s->scratch + (size_t)tp_rank(m->ctx) * N * s->out_l; /* computed in place in the gather slot */
       pg_matmul_forward(local, x, s->w->data, b, N, s->in_l, s->out_l);
-      if (gather_columns(m, out, local, s->scratch, N, s->out_l)) return PG_ERR;
+      if (gather_columns(m, out, local, s->scratch, N, s->out_l, s->o.blocks)) return PG_ERR;
     } else {
       pg_matmul_forward(out, x, s->w->data, b, N, s->in_l, s->out_l);
     }
@@ -303,7 +323,7 @@ static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, c
   case PG_LINEAR_COLUMN: {
     const float *dyl = dy;
     if (s->o.gather_output && T > 1) {
-      take_columns(s->scratch, dy, N, s->o.out, tp_rank(m->ctx) * s->out_l, s->out_l);
+      take_block_columns(s->scratch, dy, N, T, s->out_l, s->o.blocks, tp_rank(m->ctx));
       dyl = s->scratch;
     }
     pg_matmul_backward(dinp, s->w->grad, db, dyl, x, s->w->data, N, s->in_l, s->out_l);
@@ -316,7 +336,7 @@ static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, c
     if (!s->o.input_is_parallel && T > 1) {
       float *dxl = s->scratch + (size_t)tp_rank(m->ctx) * N * s->in_l;
       pg_matmul_backward(dxl, s->w->grad, db, dy, x, s->w->data, N, s->in_l, s->out_l);
-      if (gather_columns(m, dinp, dxl, s->scratch, N, s->in_l)) return PG_ERR;
+      if (gather_columns(m, dinp, dxl, s->scratch, N, s->in_l, 1)) return PG_ERR;
     } else {
       pg_matmul_backward(dinp, s->w->grad, db, dy, x, s->w->data, N, s->in_l, s->out_l);
     }

@@ -1,5 +1,6 @@
 #include "pg_schedule.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -101,31 +102,38 @@ int pg_schedule_validate(pg_action **stages, const int *lens, int P, int M) {
       while (pos[s] < lens[s]) {
         pg_action a = stages[s][pos[s]];
         if (a.mb < 0 || a.mb >= M) {
-          rc = pg_fail("stage %d: micro-batch %d out of range", s, a.mb);
+          rc = pg_fail("stage %d: micro-batch %d out of range 1..%d", s, a.mb + 1, M);
           goto done;
         }
         size_t k = (size_t)s * M + a.mb;
         if (a.kind == PG_ACT_RECV_ACT) {
           if (s == 0) { rc = pg_fail("stage 0 receives an activation"); goto done; }
+          /* Each send feeds one receive: a second receive of the same
+           * micro-batch would block forever under MPI (it used to pass). */
+          if (have_act[k]) { rc = pg_fail("stage %d receives activation %d twice", s, a.mb + 1); goto done; }
           if (!act_sent[(size_t)(s - 1) * M + a.mb]) break;
           have_act[k] = 1;
         } else if (a.kind == PG_ACT_RECV_GRAD) {
           if (s == P - 1) { rc = pg_fail("the last stage receives a gradient"); goto done; }
+          if (have_grad[k]) { rc = pg_fail("stage %d receives gradient %d twice", s, a.mb + 1); goto done; }
           if (!grad_sent[(size_t)(s + 1) * M + a.mb]) break;
           have_grad[k] = 1;
         } else if (a.kind == PG_ACT_FORWARD) {
-          if (fwd[k]) { rc = pg_fail("stage %d forwards micro-batch %d twice", s, a.mb); goto done; }
-          if (s > 0 && !have_act[k]) { rc = pg_fail("stage %d forwards micro-batch %d before receiving it", s, a.mb); goto done; }
+          if (fwd[k]) { rc = pg_fail("stage %d forwards micro-batch %d twice", s, a.mb + 1); goto done; }
+          if (s > 0 && !have_act[k]) { rc = pg_fail("stage %d forwards micro-batch %d before receiving it", s, a.mb + 1); goto done; }
           fwd[k] = 1;
         } else if (a.kind == PG_ACT_BACKWARD) {
-          if (!fwd[k] || bwd[k]) { rc = pg_fail("stage %d: backward of micro-batch %d out of order", s, a.mb); goto done; }
-          if (s < P - 1 && !have_grad[k]) { rc = pg_fail("stage %d backwards micro-batch %d before its gradient", s, a.mb); goto done; }
+          if (!fwd[k] || bwd[k]) { rc = pg_fail("stage %d: backward of micro-batch %d out of order", s, a.mb + 1); goto done; }
+          if (s < P - 1 && !have_grad[k]) { rc = pg_fail("stage %d backwards micro-batch %d before its gradient", s, a.mb + 1); goto done; }
           bwd[k] = 1;
         } else if (a.kind == PG_ACT_SEND_ACT) {
-          if (s == P - 1 || !fwd[k]) { rc = pg_fail("stage %d sends activation %d wrongly", s, a.mb); goto done; }
+          if (s == P - 1 || !fwd[k]) { rc = pg_fail("stage %d sends activation %d wrongly", s, a.mb + 1); goto done; }
+          /* a second send would never be received */
+          if (act_sent[k]) { rc = pg_fail("stage %d sends activation %d twice", s, a.mb + 1); goto done; }
           act_sent[k] = 1;
         } else {
-          if (s == 0 || !bwd[k]) { rc = pg_fail("stage %d sends gradient %d wrongly", s, a.mb); goto done; }
+          if (s == 0 || !bwd[k]) { rc = pg_fail("stage %d sends gradient %d wrongly", s, a.mb + 1); goto done; }
+          if (grad_sent[k]) { rc = pg_fail("stage %d sends gradient %d twice", s, a.mb + 1); goto done; }
           grad_sent[k] = 1;
         }
         pos[s]++;
@@ -135,17 +143,25 @@ int pg_schedule_validate(pg_action **stages, const int *lens, int P, int M) {
     }
     if (finished) break;
     if (!progress) {
-      rc = pg_fail("schedule deadlocks: stage 0 stops at action %d of %d", pos[0], lens[0]);
+      /* Name where every unfinished stage waits (1-based positions, as the
+       * lists read in Lua), not just stage 0's 0-based index. */
+      char msg[512];
+      int len = snprintf(msg, sizeof msg, "schedule deadlocks:");
+      for (int s = 0; s < P && len < (int)sizeof msg; s++)
+        if (pos[s] < lens[s])
+          len += snprintf(msg + len, sizeof msg - (size_t)len, " stage %d waits at action %d of %d (%s %d);", s,
+                          pos[s] + 1, lens[s], pg_action_name(stages[s][pos[s]].kind), stages[s][pos[s]].mb + 1);
+      rc = pg_fail("%s", msg);
       goto done;
     }
   }
   for (int s = 0; s < P && !rc; s++)
     for (int i = 0; i < M && !rc; i++) {
       size_t k = (size_t)s * M + i;
-      if (!fwd[k] || !bwd[k]) rc = pg_fail("stage %d never runs micro-batch %d both ways", s, i);
-      if (s < P - 1 && !act_sent[k]) rc = pg_fail("stage %d never sends activation %d", s, i);
-      if (s > 0 && !grad_sent[k]) rc = pg_fail("stage %d never sends gradient %d", s, i);
-      if (s > 0 && !have_act[k]) rc = pg_fail("stage %d never receives activation %d", s, i);
+      if (!fwd[k] || !bwd[k]) rc = pg_fail("stage %d never runs micro-batch %d both ways", s, i + 1);
+      if (s < P - 1 && !act_sent[k]) rc = pg_fail("stage %d never sends activation %d", s, i + 1);
+      if (s > 0 && !grad_sent[k]) rc = pg_fail("stage %d never sends gradient %d", s, i + 1);
+      if (s > 0 && !have_act[k]) rc = pg_fail("stage %d never receives activation %d", s, i + 1);
     }
 done:
   free(pos);

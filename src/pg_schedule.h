@@ -42,7 +42,8 @@ int pg_schedule_max_in_flight(const pg_action *a, int n);
 /* Checks a whole schedule (all P stages): every micro-batch forwarded and
  * backwarded once per stage in a valid order, every send matched by a
  * receive, and that executing it with non-blocking sends and blocking
- * receives cannot deadlock (simulated). PG_ERR with a message otherwise. */
+ * receives cannot deadlock (simulated), each send received exactly once.
+ * PG_ERR with a message otherwise (micro-batches numbered from 1, as in Lua). */
 int pg_schedule_validate(pg_action **stages, const int *lens, int P, int M);
 
 #endif

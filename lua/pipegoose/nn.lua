@@ -271,7 +271,9 @@ function Spec:describe(path, flow, T)
     if self.parallel == "column" then
       need_full(inw)
       if outw % (self.blocks * T) ~= 0 then
-        fail("tensor=%d does not divide the output width %d%s", T, outw, self.blocks > 1 and (" in %d blocks"):format(self.blocks) or "")
+        -- with blocks (q|k|v), name the block width too: it is the model's channels
+        fail("tensor=%d does not divide the output width %d%s", T, outw,
+          self.blocks > 1 and (" in %d blocks of %d"):format(self.blocks, outw // self.blocks) or "")
       end
       d.mode, d.gather_output = "column", self.gather_output or false
       return d, { width = outw, split = T > 1 and not self.gather_output }
@@ -281,6 +283,7 @@ function Spec:describe(path, flow, T)
         if flow.split and T > 1 then
           fail("row-parallel with in=%d receives a split tensor of width %d/%d", inw, flow.width, T)
         end
+        if T == 1 then fail("row-parallel with in=%d receives width %d", inw, flow.width) end
         fail("row-parallel with in=%d receives an unsplit tensor of width %d (expected %d, or its split %d/%d = %d from a column-parallel layer)",
           inw, flow.width, inw, inw, T, inw // T)
       end

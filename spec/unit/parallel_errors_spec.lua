@@ -1,0 +1,107 @@
+-- Bad tensor- and pipeline-parallel configurations, each run as a whole job
+-- under mpirun: the job ends with exit status 1, every rank prints the error
+-- (the "[rank r]" prefix of pglua) and the message names the numbers.
+--
+-- `timeout -k 2 20` is a hang guard, not a timing assertion: a job that hangs
+-- is killed and then fails on its exit status (124 or 137 instead of 1).
+local h = require "helpers"
+
+local function job(n, code)
+  local rc, out = h.sh(("timeout -k 2 20 scripts/mpirun.sh -x PG_ABORT_GRACE -np %d %s"):format(
+    n, h.pglua_cmd{ "-e", "local pg = require 'pipegoose'\n" .. code }))
+  return rc, out
+end
+
+-- Exit 1, and a line "[rank r] ..." containing `message` (plain text) for every rank.
+local function assert_fails_everywhere(n, code, message)
+  local rc, out = job(n, code)
+  assert.equal(1, rc, out)
+  for r = 0, n - 1 do
+    local found = false
+    for line in out:gmatch("[^\n]+") do
+      if line:find("[rank " .. r .. "]", 1, true) == 1 and line:find(message, 1, true) then found = true end
+    end
+    assert.is_true(found, ("rank %d did not print %q:\n%s"):format(r, message, out))
+  end
+end
+
+local GPT = "pg.nn.GPT{ vocab = 61, seq_len = 8, layers = 1, %s }"
+
+describe("tensor parallelism rejects", function()
+  it("heads not divisible by T", function()
+    assert_fails_everywhere(2, ([[
+      local ctx = pg.ParallelContext{ tensor = 2 }
+      pg.parallelize(]] .. GPT .. [[, ctx)]]):format("dim = 12, heads = 3"),
+      "Attention 'blocks.0.attn.core': tensor=2 does not divide heads=3")
+  end)
+
+  it("channels not divisible by T (the q|k|v blocks of the channels)", function()
+    -- T = 4 must split each of q, k and v: 6 channels do not divide (checked
+    -- before the heads, by the q|k|v Linear that comes first)
+    assert_fails_everywhere(4, ([[
+      local ctx = pg.ParallelContext{ tensor = 4 }
+      pg.parallelize(]] .. GPT .. [[, ctx)]]):format("dim = 6, heads = 2"),
+      "Linear 'blocks.0.attn.qkv': tensor=4 does not divide the output width 18 in 3 blocks of 6")
+  end)
+
+  it("an MLP width not divisible by T", function()
+    assert_fails_everywhere(4, ([[
+      local ctx = pg.ParallelContext{ tensor = 4 }
+      pg.parallelize(]] .. GPT .. [[, ctx)]]):format("dim = 8, heads = 4, hidden = 10"),
+      "Linear 'blocks.0.mlp.fc': tensor=4 does not divide the output width 10")
+  end)
+
+  it("T larger than the world", function()
+    assert_fails_everywhere(2, "pg.ParallelContext{ tensor = 4 }",
+      "ParallelContext: tensor=4 x pipeline=1 x data=1 = 4 ranks, but the world has 2")
+  end)
+
+  it("a row-parallel Linear given an unsplit tensor of the wrong width (model check)", function()
+    assert_fails_everywhere(2, [[
+      local ctx = pg.ParallelContext{ tensor = 2 }
+      pg.parallelize(pg.nn.Sequential{
+        pg.nn.Embedding{ vocab = 61, dim = 12, name = "embed" },
+        pg.nn.Linear{ ["in"] = 16, out = 12, parallel = "row", name = "proj" },
+        pg.nn.LMHead{ vocab = 61, dim = 12, tie = false, name = "head" },
+      }, ctx)]],
+      "Linear 'proj': row-parallel with in=16 receives an unsplit tensor of width 12 (expected 16, or its split 16/2 = 8")
+  end)
+
+  it("a row-parallel Linear expecting its split share given the unsplit tensor (run time)", function()
+    assert_fails_everywhere(2, [[
+      local ctx = pg.ParallelContext{ tensor = 2 }
+      local l = pg.nn.Layer(pg.nn.Linear{ ["in"] = 16, out = 8, parallel = "row", name = "proj" }, ctx,
+        { input = { width = 16, split = true } })
+      l:forward(pg.randn({ 2, 4, 16 }, { seed = 1 }))]],
+      "proj: expects this rank's split input of width 8, got the unsplit width 16 = 8 x tensor=2")
+  end)
+end)
+
+describe("pipeline parallelism rejects", function()
+  it("P larger than the number of top-level modules", function()
+    assert_fails_everywhere(4, [[
+      local ctx = pg.ParallelContext{ pipeline = 4 }
+      pg.parallelize(pg.nn.Sequential{
+        pg.nn.Embedding{ vocab = 61, dim = 8, name = "embed" },
+        pg.nn.LayerNorm(8, { name = "ln" }),
+        pg.nn.LMHead{ vocab = 61, dim = 8, name = "head" },
+      }, ctx)]],
+      "pipeline=4 is larger than the model's 3 top-level modules")
+  end)
+
+  it("a batch not divisible by the micro-batches", function()
+    assert_fails_everywhere(2, ([[
+      local ctx = pg.ParallelContext{ pipeline = 2 }
+      local e = pg.parallelize(]] .. GPT .. [[, ctx, { micro_batches = 4 })
+      local x = pg.zeros({ 6, 8 }, { dtype = "int32" })
+      e:forward_backward(x, x)]]):format("dim = 8, heads = 2"),
+      "batch 6 is not divisible by micro_batches=4")
+  end)
+
+  it("an unknown schedule name", function()
+    assert_fails_everywhere(2, ([[
+      local ctx = pg.ParallelContext{ pipeline = 2 }
+      pg.parallelize(]] .. GPT .. [[, ctx, { schedule = "zigzag" })]]):format("dim = 8, heads = 2"),
+      "parallelize: unknown schedule 'zigzag' (expected gpipe or 1f1b)")
+  end)
+end)
