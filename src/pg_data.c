@@ -29,7 +29,8 @@ static void put_le32(uint8_t *p, uint32_t v) {
  * against the token count. */
 static int check_header(const char *path, const uint8_t *hdr, long long file_bytes, int *version, int64_t *n) {
   int32_t magic = le32(hdr), ver = le32(hdr + 4), count = le32(hdr + 8);
-  if (magic != PG_SHARD_MAGIC)
+  /* llm.c itself writes its uint32 (version 7) shards with a later magic: read both. */
+  if (magic != PG_SHARD_MAGIC && !(magic == PG_SHARD_MAGIC_U32 && ver == 7))
     return pg_fail("%s: bad magic number %d (expected %d): not an llm.c token shard", path, magic, PG_SHARD_MAGIC);
   if (ver != 1 && ver != 7)
     return pg_fail("%s: unknown version %d (expected 1 for uint16 tokens or 7 for uint32 tokens)", path, ver);

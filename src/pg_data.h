@@ -21,6 +21,7 @@
 #include <stdint.h>
 
 #define PG_SHARD_MAGIC 20240520
+#define PG_SHARD_MAGIC_U32 20240801 /* llm.c's magic for its version 7 (uint32) shards */
 #define PG_SHARD_HEADER_INTS 256
 #define PG_SHARD_HEADER_BYTES (PG_SHARD_HEADER_INTS * 4)
 
