@@ -150,7 +150,7 @@ function Engine:_loss_grad(inputs)
   return loss, grad
 end
 
-local FB_KEYS = { grad_scale = true }
+local FB_KEYS = { grad_scale = true, sync = true } -- sync: the real engine defers cross-rank reductions
 
 function Engine:forward_backward(inputs, targets, opts)
   if inputs == nil or targets == nil then error("fake_engine:forward_backward: needs inputs and targets", 2) end

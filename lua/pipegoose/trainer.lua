@@ -558,7 +558,9 @@ function Trainer:_train_step(inputs, targets)
   flags.should_log = step % self.log_every_n_steps == 0
   flags.should_validate = self.val_every_n_steps ~= nil and step % self.val_every_n_steps == 0
   self:_set_lr(step)
-  local fb_opts = { grad_scale = 1 / k }
+  -- gradient reductions across ranks (data parallel, tied embedding) run once,
+  -- after the step's last batch (sync = false before it, as DDP's no_sync)
+  local fb_opts = { grad_scale = 1 / k, sync = k == 1 }
   local loss_sum, done, bad = 0, 0, nil
   local exhausted = false
   for i = 1, k do
@@ -566,6 +568,7 @@ function Trainer:_train_step(inputs, targets)
     local idx = st.batch_in_epoch
     self:_call("on_train_batch_start", { inputs = inputs, targets = targets }, idx)
     self:_call("on_before_backward", idx)
+    fb_opts.sync = i == k
     local loss = engine:forward_backward(inputs, targets, fb_opts)
     st.micro_batches = st.micro_batches + 1
     st.tokens_seen = st.tokens_seen + self:_batch_tokens(inputs)
