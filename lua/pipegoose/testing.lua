@@ -121,6 +121,7 @@ function M.fake_engine(opts)
   -- calls made, by method (state_dict keeps them: nan_at counts forward_backward calls)
   self.calls = { forward_backward = 0, loss = 0, forward = 0, zero_grad = 0 }
   self.grad_scales = {} -- grad_scale of every forward_backward call, in order
+  self.syncs = {}       -- and its sync flag (true when not given)
   return self
 end
 
@@ -163,6 +164,7 @@ function Engine:forward_backward(inputs, targets, opts)
   end
   self.calls.forward_backward = self.calls.forward_backward + 1
   self.grad_scales[#self.grad_scales + 1] = scale
+  self.syncs[#self.syncs + 1] = not (opts and opts.sync == false)
   local n = self.calls.forward_backward
   local loss, grad = self:_loss_grad(inputs)
   local values = { loss }

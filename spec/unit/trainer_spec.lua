@@ -121,6 +121,8 @@ describe("pg.Trainer:fit", function()
     assert.equal("max_epochs", st.stop_reason)
     -- the last step of an epoch averages over the one batch it has
     assert.same({ 0.5, 0.5, 0.5, 0.5, 1, 0.5, 0.5, 0.5, 0.5, 1 }, engine.grad_scales)
+    -- cross-rank gradient reductions wait for the last batch of each step
+    assert.same({ false, true, false, true, true, false, true, false, true, true }, engine.syncs)
   end)
 
   it("scales by 1/accumulate when the data cannot tell its length", function()
