@@ -257,8 +257,8 @@ int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targe
                        float *logits) {
   if (check_batch(e, tokens, targets, B, T, 0)) return PG_ERR;
   /* Chunks of at most one micro-batch's rows go down the pipeline. */
-  int rows_cap = e->capacity_rows > 0 ? e->capacity_rows : T;
-  if (rows_cap < T) rows_cap = T;
+  int rows_cap = e->capacity_rows;
+  if (rows_cap < T) rows_cap = T * (B < 8 ? B : 8); /* nothing trained yet: chunks of up to 8 rows */
   if (ensure_capacity(e, rows_cap)) return PG_ERR;
   int Bc = rows_cap / T;
   if (Bc > B) Bc = B;
