@@ -72,9 +72,17 @@ describe("pg.checkpoint save / load", function()
     assert.is_true(exists(path .. "/rank-00000.json"))
     assert.equal(path, ckpt.latest(dir .. "/checkpoints"))
     local m = ckpt.decode(io.open(path .. "/manifest.json"):read("a"))
-    assert.same({ 1, 2, 0, 1, 0.5 }, { m.format_version, m.step, m.epoch, m.world_size, m.lr.base_lr }) -- the fake optimizer's lr is 0.5
+    assert.same({ 2, 2, 0, 1, 0.5 }, { m.format_version, m.step, m.epoch, m.world_size, m.lr.base_lr }) -- the fake optimizer's lr is 0.5
+    assert.equal("pipegoose-checkpoint", m.format)
     assert.same({ epoch = 0, pos = 2 }, m.data)
-    assert.same({ format = "json-per-rank", pattern = "rank-%05d.json", world_size = 1 }, m.tensor_state)
+    assert.same({ { epoch = 0, pos = 2 } }, m.data_ranks)
+    assert.same({ vocab = 256, seq_len = 16, dim = 4 }, m.model)
+    -- an engine written in Lua keeps exact JSON per rank, listed with its size and crc32
+    assert.equal("json-per-rank", m.tensor_state.format)
+    local rec = m.tensor_state.files[1]
+    assert.same({ "rank-00000.json", "rank", 0 }, { rec.file, rec.kind, rec.rank })
+    local crc, bytes = pg.file.crc32(path .. "/rank-00000.json")
+    assert.same({ crc, bytes }, { rec.crc32, rec.bytes })
     assert.equal(2 * 2 * 16, m.counters.tokens_seen)
   end)
 
@@ -114,6 +122,40 @@ describe("pg.checkpoint save / load", function()
     f:write(ckpt.encode{ format_version = 9 })
     f:close()
     assert.has_error(function() trainer(1):load_checkpoint(path) end,
-      "checkpoint: " .. path .. " has format_version 9; this version reads 1")
+      "checkpoint: " .. path .. "/manifest.json: format_version 9 is not supported (this version reads 2)")
+  end)
+
+  it("refuses a model config that differs, naming each difference", function()
+    local path = trainer(1):save_checkpoint()
+    local engine = T.fake_engine{ dim = 6, seq_len = 8 }
+    local other = pg.Trainer{ engine = engine, optimizer = T.fake_optimizer(engine), out = T.capture() }
+    assert.has_error(function() other:load_checkpoint(path) end,
+      "checkpoint: " .. path .. "/manifest.json: the model differs from the one being trained: dim is 4 in the "
+        .. "checkpoint, 6 here; seq_len is 16 in the checkpoint, 8 here")
+  end)
+
+  it("refuses a state file whose checksum differs from the manifest's", function()
+    local path = trainer(1):save_checkpoint()
+    local file = path .. "/rank-00000.json"
+    local text = io.open(file):read("a")
+    local f = io.open(file, "w")
+    local at = #text // 2 -- one byte changed: the check runs before the JSON is read
+    f:write(text:sub(1, at - 1), text:sub(at, at) == "x" and "y" or "x", text:sub(at + 1))
+    f:close()
+    local engine = T.fake_engine{}
+    local fresh = pg.Trainer{ engine = engine, optimizer = T.fake_optimizer(engine), out = T.capture() }
+    local ok, err = pcall(fresh.load_checkpoint, fresh, path)
+    assert.is_false(ok)
+    assert.matches("checkpoint: " .. path:gsub("%p", "%%%0") .. "/rank%-00000%.json: checksum mismatch: crc32 %x+ on disk, %x+ in the manifest", err)
+  end)
+
+  it("removes temporary directories left by interrupted saves, and only after a complete save", function()
+    local t = trainer(2)
+    local parent = dir .. "/checkpoints"
+    os.execute("mkdir -p '" .. parent .. "/step-00000009.tmp-4242' '" .. parent .. "/step-00000001.old-77'")
+    io.open(parent .. "/latest.tmp.99", "w"):close()
+    io.open(parent .. "/notes.txt", "w"):close()
+    t:save_checkpoint()
+    assert.equal("latest\nnotes.txt\nstep-00000002\n", io.popen("ls '" .. parent .. "'"):read("a"))
   end)
 end)
