@@ -108,6 +108,19 @@ describe("train_gpt.lua across jobs", function()
     assert.equal(3, n) -- params-tp0-pp0, optim-tp0-pp0-dp0, optim-tp0-pp0-dp1
   end)
 
+  it("stopped cleanly with --stop-after=6 (a checkpoint of step 6) and resumed, ends bitwise the same", function()
+    local D = root .. "/d"
+    local rc1, out1 = train{ "--out=" .. D, "--stop-after=6" }
+    assert.equal(0, rc1, out1)
+    assert.equal(D .. "/checkpoints/step-00000006", ckpt.latest(D .. "/checkpoints"))
+    local rc2, out2 = train{ "--out=" .. D, "--resume=last" }
+    assert.equal(0, rc2, out2)
+    assert.matches("resumed from " .. D .. "/checkpoints/step-00000006 at step 6", out2, 1, true)
+    local want, got = train_records(A .. "/metrics.jsonl"), train_records(D .. "/metrics.jsonl")
+    for s = 1, 12 do assert.equal(want[s], got[s], "loss at step " .. s) end
+    assert.same(crcs(A .. "/checkpoints/step-00000012"), crcs(D .. "/checkpoints/step-00000012"))
+  end)
+
   it("a corrupt checkpoint ends the resume with exit 1, the message on every rank, and nothing written", function()
     local C = root .. "/c"
     os.execute(("mkdir -p '%s' && cp -r '%s/checkpoints' '%s/'"):format(C, A, C))
