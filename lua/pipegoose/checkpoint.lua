@@ -686,7 +686,7 @@ local function load_sharded(trainer, dir, manifest)
     local p = step.p
     if step.what == "param" then
       if step.direct then
-        p.tensor:copy_(read_piece(header_of, step.direct, p.name, 0 - step.direct.slice.lo, numel(p.shape)))
+        p.tensor:copy_(read_piece(header_of, step.direct, p.name, 0, numel(p.shape)))
       else
         resliced = true
         local full = full_of("", step)

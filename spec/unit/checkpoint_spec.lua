@@ -159,3 +159,84 @@ describe("pg.checkpoint save / load", function()
     assert.equal("latest\nnotes.txt\nstep-00000002\n", io.popen("ls '" .. parent .. "'"):read("a"))
   end)
 end)
+
+describe("pipegoose.safetensors", function()
+  local st = require "pipegoose.safetensors"
+  local path
+  before_each(function() path = os.tmpname() end)
+  after_each(function() os.remove(path) end)
+
+  it("writes the safetensors layout: length, a padded JSON header, data back to back", function()
+    local a = pg.tensor({ { 1, 2, 3 }, { 4, 5, 6 } })
+    local b = pg.tensor({ 7, 8 }, { dtype = "int32" })
+    local crc, bytes = st.write(path, { { name = "a", tensor = a }, { name = "m/b", tensor = b } }, { note = "x\"y" })
+    local raw = io.open(path, "rb"):read("a")
+    local n = string.unpack("<I8", raw)
+    assert.equal(0, n % 8)
+    assert.equal(8 + n + 6 * 4 + 2 * 4, #raw)
+    assert.same({ crc, bytes }, { pg.file.crc32(path) })
+    local header = require("cjson").decode(raw:sub(9, 8 + n))
+    assert.same({ dtype = "F32", shape = { 2, 3 }, data_offsets = { 0, 24 } }, header.a)
+    assert.same({ dtype = "I32", shape = { 2 }, data_offsets = { 24, 32 } }, header["m/b"])
+    assert.same({ note = "x\"y" }, header.__metadata__)
+    assert.equal(string.pack("<f", 4), raw:sub(8 + n + 13, 8 + n + 16)) -- a[2][1], little-endian
+    local h = st.read_header(path)
+    assert.same({ "a", "m/b" }, h.names)
+    assert.is_true(a:equal(st.read(h, "a")))
+    assert.is_true(b:equal(st.read(h, "m/b")))
+    assert.same({ 5, 6 }, st.read(h, "a", 4, 2):totable())
+  end)
+
+  it("names the file and the problem for a short file, a bad length and a truncated tensor", function()
+    st.write(path, { { name = "w", tensor = pg.zeros{ 16 } } })
+    local raw = io.open(path, "rb"):read("a")
+    local function with(bytes)
+      local f = io.open(path, "wb")
+      f:write(bytes)
+      f:close()
+      local ok, err = pcall(st.read_header, path)
+      assert.is_false(ok)
+      return err
+    end
+    assert.equal(path .. ": truncated: 3 bytes, too short for a safetensors header", with(raw:sub(1, 3)))
+    assert.matches("^" .. path:gsub("%p", "%%%0") .. ": truncated: the header length is %d+ bytes but the file has 20 bytes$",
+      with(raw:sub(1, 20)))
+    assert.matches("truncated: 'w' ends at data byte 64, but the file holds 60 data bytes", with(raw:sub(1, -5)), 1, true)
+    assert.matches("missing or unreadable", select(2, pcall(st.read_header, path .. ".none")), 1, true)
+  end)
+end)
+
+describe("core.shard_copy", function()
+  -- a fused q|k|v weight [12, 2]: 3 blocks of 4 rows, each cut into 2 parts of 2 rows
+  local values = {}
+  for i = 1, 24 do values[i] = i - 1 end
+  local full = pg.tensor(values):reshape{ 12, 2 }
+  local function spec(index, lo) return { full_shape = { 12, 2 }, split = { dim = 1, blocks = 3, parts = 2, index = index }, lo = lo } end
+
+  it("cuts a shard out of a full tensor, piece `index` of every block", function()
+    local shard = pg.zeros{ 6, 2 }
+    pg.shard_copy(full, shard, spec(1, 0), "from_full")
+    -- rows 2-3 of each block of 4: full rows 2, 3, 6, 7, 10, 11 (0-based)
+    assert.same({ { 4, 5 }, { 6, 7 }, { 12, 13 }, { 14, 15 }, { 20, 21 }, { 22, 23 } }, shard:totable())
+    local part = pg.zeros{ 3 }
+    pg.shard_copy(full, part, spec(1, 5), "from_full") -- local elements [5, 8)
+    assert.same({ 13, 14, 15 }, part:totable())
+  end)
+
+  it("assembles the full tensor from all shards, and reads missing padding rows as 0", function()
+    local back = pg.zeros{ 12, 2 }
+    for index = 0, 1 do
+      local shard = pg.zeros{ 6, 2 }
+      pg.shard_copy(full, shard, spec(index, 0), "from_full")
+      pg.shard_copy(back, shard, spec(index, 0), "to_full")
+    end
+    assert.is_true(back:equal(full))
+    -- a full tensor with fewer rows (a layout padded less): the rows past it are 0
+    local short = full:narrow(1, 1, 11)
+    local shard = pg.full({ 6, 2 }, -1)
+    pg.shard_copy(short, shard, spec(1, 0), "from_full")
+    assert.same({ 20, 21, 0, 0 }, { shard:get(5, 1), shard:get(5, 2), shard:get(6, 1), shard:get(6, 2) })
+    assert.has_error(function() pg.shard_copy(full, pg.zeros{ 13 }, spec(0, 0), "to_full") end,
+      "shard_copy: elements [0, 13) are outside the shard's 12 elements")
+  end)
+end)
