@@ -238,6 +238,20 @@ if world == 4 then
       assert.same({ 63, 32 }, ref.entries["embed.wte"].shape)
     end)
 
+    it("exports the 2/2/1 shards as llm.c weights that load back identical (fused q|k|v reassembled)", function()
+      if me ~= 0 then return end
+      local st = require "pipegoose.safetensors"
+      local model = dir .. "/model.bin"
+      ckpt.export_llmc(dir .. "/saved", model)
+      local engine = pg.parallelize(pg.nn.GPT.load_llmc(model), pg.ParallelContext{ self = true })
+      ckpt.consolidate(dir .. "/saved", dir .. "/saved-params.safetensors")
+      local ref = st.read_header(dir .. "/saved-params.safetensors")
+      for _, p in ipairs(engine:parameters()) do
+        assert.is_true(p.tensor:equal(st.read(ref, p.name)), p.name)
+      end
+      assert.equal(28, #engine:parameters())
+    end)
+
     it("loads only the weights, with a message, when the optimizer is not AdamW", function()
       local e = pg.parallelize(pg.nn.GPT(CFG), dst, { micro_batches = 2 })
       local t = pg.Trainer{ engine = e, optimizer = { step = function() end, zero_grad = function() end,
