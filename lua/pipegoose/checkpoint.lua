@@ -924,12 +924,26 @@ end
 
 --- The checkpoint directory for a path: the path itself when it has a
 -- manifest, else the one its `latest` file names.
+-- A save that replaces a checkpoint of the same name moves the old one to
+-- <dir>.old-<pid> for a moment; a crash right then leaves only that.
+local function moved_aside(dir)
+  local base = fs.basename(dir)
+  for _, name in ipairs(fs.list(fs.dirname(dir))) do
+    if name:sub(1, #base + 5) == base .. ".old-" and name:sub(#base + 6):match("^%d+$") then
+      local p = fs.dirname(dir) .. "/" .. name
+      if fs.exists(p .. "/" .. M.MANIFEST) then return p end
+    end
+  end
+end
+
 function M.resolve(path)
   if type(path) ~= "string" then error("checkpoint: needs a directory path", 2) end
   path = path:gsub("/+$", "")
   if fs.exists(path .. "/" .. M.MANIFEST) then return path end
   local latest = M.latest(path)
   if latest and fs.exists(latest .. "/" .. M.MANIFEST) then return latest end
+  local aside = moved_aside(latest or path)
+  if aside then return aside end
   error(("checkpoint: %s is not a checkpoint (no %s%s)"):format(path, M.MANIFEST,
     latest and (", and its latest file names " .. latest .. " which has none") or ""), 0)
 end

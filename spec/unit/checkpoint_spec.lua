@@ -97,6 +97,19 @@ describe("pg.checkpoint save / load", function()
     assert.equal("ck\nlatest\n", listing)
   end)
 
+  it("finds a checkpoint that a crash left moved aside while it was being replaced", function()
+    local t = trainer(2)
+    t:save_checkpoint(dir .. "/ck")
+    -- the moment between moving the old directory aside and renaming the new one into place
+    assert(os.rename(dir .. "/ck", dir .. "/ck.old-123"))
+    os.execute("mkdir '" .. dir .. "/ck.tmp-123'")
+    assert.equal(dir .. "/ck.old-123", ckpt.resolve(dir))
+    local engine = T.fake_engine{}
+    local fresh = pg.Trainer{ engine = engine, optimizer = T.fake_optimizer(engine), out = T.capture() }
+    fresh:load_checkpoint(dir)
+    assert.equal(2, fresh.state.step)
+  end)
+
   it("loads into a fresh trainer: counters, lr position, engine, optimizer and data", function()
     local t = trainer(4)
     local path = t:save_checkpoint()
