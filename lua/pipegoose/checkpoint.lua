@@ -400,15 +400,16 @@ local function copy(t)
   return out
 end
 
--- What a file entry holds: local elements [lo, hi) (0-based, row-major) of
--- the shard of a tensor of full_shape that split describes (dim 1-based, 0:
--- not split; the dimension is seen as `blocks` equal blocks, each cut into
--- `parts` pieces, and the shard holds piece `index` of every block).
 -- A split with one part is no split (the runtime leaves the rank's index in it).
 local function norm_split(s)
   if s == nil or (s.parts or 1) <= 1 then return { dim = 0, blocks = 1, parts = 1, index = 0 } end
   return { dim = s.dim, blocks = s.blocks, parts = s.parts, index = s.index }
 end
+
+-- What a file entry holds: local elements [lo, hi) (0-based, row-major) of
+-- the shard of a tensor of full_shape that split describes (dim 1-based, 0:
+-- not split; the dimension is seen as `blocks` equal blocks, each cut into
+-- `parts` pieces, and the shard holds piece `index` of every block).
 
 local function slice_of(p, lo, hi)
   return {
