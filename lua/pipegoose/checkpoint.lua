@@ -675,12 +675,7 @@ local function load_sharded(trainer, dir, manifest)
   agree_error(trainer, problem)
 
   local header_of = header_reader(dir)
-  local cache = {}
-  local function full_of(prefix, step)
-    local key = prefix .. step.p.name
-    if not cache[key] then cache[key] = assemble(dir, step.pieces, prefix, step.p.name, header_of) end
-    return cache[key]
-  end
+  local function full_of(prefix, step) return assemble(dir, step.pieces, prefix, step.p.name, header_of) end
   local s = real_optimizer(opt) and opt.c:state() or nil
   local resliced = false
   for _, step in ipairs(plan) do
@@ -692,6 +687,7 @@ local function load_sharded(trainer, dir, manifest)
         resliced = true
         local full = full_of("", step)
         engine.c:load_param(p.name, first_rows(full, math.min(full:size(1), p.full_shape[1])))
+        full:free() -- full tensors can be large: do not wait for the collector
       end
     else
       local count = step.hi - step.lo
@@ -704,6 +700,7 @@ local function load_sharded(trainer, dir, manifest)
           local full = full_of(which .. "/", step)
           core.shard_copy(first_rows(full, math.min(full:size(1), p.full_shape[1])), dst,
             { full_shape = p.full_shape, split = norm_split(p.split), lo = step.lo }, "from_full")
+          full:free()
         end
       end
     end
