@@ -7,7 +7,9 @@
 -- --layers=4 --lr=1e-3 --warmup=30 --clip=1.0 --seed=42 --eval-every=100 --accumulate=1
 -- --train=data/fortunes_train.bin --val=data/fortunes_val.bin --sample=200 --prompt="Q: "
 -- --out=runs/train_gpt (metrics.jsonl and checkpoints/ go there) --ckpt-every=0 (steps; 0: none)
--- --resume=DIR|last
+-- --keep-last=0 (keep only the newest N checkpoints; 0: all) --resume=DIR|last (a checkpoint
+-- directory, or the newest one under --out) --stop-after=N (end this run after step N, saving
+-- a checkpoint, as if preempted: continue with --resume=last) --log-every=10 --val-batches=8
 local pg = require "pipegoose"
 
 local opt = {}
@@ -40,20 +42,27 @@ local val = pg.data.TokenShards{ path = opt.val or "data/fortunes_val.bin", batc
                                  shuffle = false, ctx = ctx, vocab = 256 }
 
 local out = opt.out or "runs/train_gpt"
-local steps, ckpt_every = int("steps", 300), int("ckpt-every", 0)
+local steps, ckpt_every, keep_last = int("steps", 300), int("ckpt-every", 0), int("keep-last", 0)
+local stop_after = opt["stop-after"] and int("stop-after")
 local callbacks = {
   pg.callbacks.ProgressBar{},
   pg.callbacks.MetricsLogger{ path = out .. "/metrics.jsonl" },
 }
-if ckpt_every > 0 then
-  callbacks[#callbacks + 1] = pg.callbacks.ModelCheckpoint{ every_n_steps = ckpt_every, save_last = true }
+if ckpt_every > 0 or stop_after then
+  callbacks[#callbacks + 1] = pg.callbacks.ModelCheckpoint{ every_n_steps = ckpt_every > 0 and ckpt_every or nil,
+    save_last = true, keep_last = keep_last > 0 and keep_last or nil }
+end
+if stop_after then
+  callbacks[#callbacks + 1] = pg.callbacks.LambdaCallback{ name = "StopAfter", on_train_batch_end = function(t, o)
+    if o.step_end and t.state.step >= stop_after then t.control.should_stop = true end
+  end }
 end
 
 local trainer = pg.Trainer{
   engine = engine, optimizer = optimizer, max_steps = steps, accumulate = int("accumulate", 1),
   lr_schedule = pg.lr.cosine{ warmup = int("warmup", 30), min_lr = num("lr", 1e-3) / 10 },
-  clip_grad_norm = num("clip", 1.0), val_every_n_steps = int("eval-every", 100), val_batches = 8,
-  log_every_n_steps = 10, seed = seed, out_dir = out, callbacks = callbacks,
+  clip_grad_norm = num("clip", 1.0), val_every_n_steps = int("eval-every", 100), val_batches = int("val-batches", 8),
+  log_every_n_steps = int("log-every", 10), seed = seed, out_dir = out, callbacks = callbacks,
 }
 trainer:print(("pipegoose: %d parameters, %s, %d threads per rank"):format(engine:num_parameters(), tostring(ctx),
   pg.num_threads()))

@@ -497,6 +497,71 @@ static int l_free(lua_State *L) {
   return 0;
 }
 
+/* core.shard_copy(full, piece, spec, "to_full" | "from_full"): copies between
+ * the local elements [spec.lo, spec.lo + piece:numel()) of a shard and a full
+ * tensor (pg_param_shard_copy). spec = {full_shape=, split = {dim=, blocks=,
+ * parts=, index=} (dim 1-based, 0: not split), lo = 0}: the description
+ * engine:parameters() gives and checkpoints record. The full tensor may hold
+ * fewer rows than full_shape (padding rows are skipped / read as 0). */
+static int l_shard_copy(lua_State *L) {
+  pg_tensor *full = pg_lua_check_tensor(L, 1), *piece = pg_lua_check_tensor(L, 2);
+  luaL_checktype(L, 3, LUA_TTABLE);
+  const char *dir = luaL_checkstring(L, 4);
+  int to_full = !strcmp(dir, "to_full");
+  if (!to_full && strcmp(dir, "from_full"))
+    return luaL_error(L, "shard_copy: direction must be 'to_full' or 'from_full', not '%s'", dir);
+  if (full->dtype != PG_FLOAT32 || piece->dtype != PG_FLOAT32)
+    return luaL_error(L, "shard_copy: full and piece must be float32 tensors");
+  pg_param p;
+  memset(&p, 0, sizeof p);
+  if (lua_getfield(L, 3, "full_shape") != LUA_TTABLE) return luaL_error(L, "shard_copy: spec.full_shape must be a table");
+  int64_t shape[PG_MAX_DIMS];
+  p.ndim = pg_lua_check_shape(L, lua_gettop(L), shape);
+  lua_pop(L, 1);
+  if (p.ndim < 1 || p.ndim > PG_PARAM_MAX_DIMS)
+    return luaL_error(L, "shard_copy: full_shape must have 1 to %d dimensions, not %d", PG_PARAM_MAX_DIMS, p.ndim);
+  int64_t full_numel = 1;
+  for (int d = 0; d < p.ndim; d++) {
+    if (shape[d] < 1) return luaL_error(L, "shard_copy: full_shape[%d] = %I", d + 1, (lua_Integer)shape[d]);
+    p.full_shape[d] = p.shape[d] = shape[d];
+    full_numel *= shape[d];
+  }
+  int dim = 0, blocks = 1, parts = 1, index = 0;
+  if (lua_getfield(L, 3, "split") == LUA_TTABLE) {
+    int s = lua_gettop(L);
+    dim = (int)pg_lua_opt_int(L, s, "dim", 0);
+    blocks = (int)pg_lua_opt_int(L, s, "blocks", 1);
+    parts = (int)pg_lua_opt_int(L, s, "parts", 1);
+    index = (int)pg_lua_opt_int(L, s, "index", 0);
+  }
+  lua_pop(L, 1);
+  if (dim < 0 || dim > p.ndim || blocks < 1 || parts < 1 || index < 0 || index >= parts)
+    return luaL_error(L, "shard_copy: bad split {dim=%d, blocks=%d, parts=%d, index=%d} for %d dimensions", dim, blocks,
+                      parts, index, p.ndim);
+  p.split_dim = -1;
+  p.split_blocks = blocks;
+  p.split_parts = parts;
+  p.split_index = index;
+  if (dim > 0 && parts > 1) {
+    if (p.full_shape[dim - 1] % ((int64_t)blocks * parts))
+      return luaL_error(L, "shard_copy: dimension %d of size %I is not divisible into %d blocks of %d parts", dim,
+                        (lua_Integer)p.full_shape[dim - 1], blocks, parts);
+    p.split_dim = dim - 1;
+    p.shape[dim - 1] = p.full_shape[dim - 1] / parts;
+  }
+  p.numel = 1;
+  for (int d = 0; d < p.ndim; d++) p.numel *= p.shape[d];
+  lua_Integer lo = pg_lua_opt_int(L, 3, "lo", 0);
+  if (lo < 0 || lo + piece->numel > p.numel)
+    return luaL_error(L, "shard_copy: elements [%I, %I) are outside the shard's %I elements", lo,
+                      lo + (lua_Integer)piece->numel, (lua_Integer)p.numel);
+  if (full->numel > full_numel)
+    return luaL_error(L, "shard_copy: the full tensor has %I elements, more than full_shape's %I",
+                      (lua_Integer)full->numel, (lua_Integer)full_numel);
+  pg_param_shard_copy(&p, pg_tensor_f32(full), full->numel, pg_tensor_f32(piece), lo, piece->numel, to_full);
+  return 0;
+}
+
 /* core.schedule(name, P, M, stage) -> { {action, mb}, ... } (mb 1-based) */
 static int l_schedule_build(lua_State *L) {
   pg_schedule_kind k;
@@ -800,6 +865,8 @@ void pg_lua_open_nn(lua_State *L) {
   lua_setfield(L, -2, "Engine");
   lua_pushcfunction(L, l_schedule_build);
   lua_setfield(L, -2, "schedule");
+  lua_pushcfunction(L, l_shard_copy);
+  lua_setfield(L, -2, "shard_copy");
   lua_pushcfunction(L, l_schedule_validate);
   lua_setfield(L, -2, "schedule_validate");
 }

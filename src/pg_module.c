@@ -159,6 +159,19 @@ void pg_param_load_full(pg_param *p, const float *full, int64_t full_rows) {
   }
 }
 
+void pg_param_shard_copy(const pg_param *p, float *full, int64_t full_numel, float *piece, int64_t lo, int64_t n,
+                         int to_full) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; i++) {
+    int64_t f = pg_param_full_index(p, lo + i);
+    if (to_full) {
+      if (f < full_numel) full[f] = piece[i];
+    } else {
+      piece[i] = f < full_numel ? full[f] : 0.0f;
+    }
+  }
+}
+
 /* Output per slot and one input-gradient buffer, plus the saved-input table. */
 typedef struct io_buffers {
   const float **inputs; /* [nslots] the x each forward saw */

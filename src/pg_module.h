@@ -170,5 +170,14 @@ int64_t pg_param_full_index_of(const pg_param *p, int64_t local, int index);
 /* Fills the shard from a full tensor of `full_rows` rows (dim 0) laid out as
  * p->full_shape otherwise; rows past full_rows (padding) become 0. */
 void pg_param_load_full(pg_param *p, const float *full, int64_t full_rows);
+/* Copies local elements [lo, lo + n) of the shard described by p (ndim,
+ * shape, full_shape, split_*; data is not used) to or from a full tensor of
+ * full_numel elements laid out as p->full_shape (fewer rows are allowed).
+ * to_full: full[f(lo + i)] = piece[i], skipping elements past full_numel;
+ * else piece[i] = full[f(lo + i)], or 0 past full_numel (padding rows).
+ * Checkpoints use it to assemble full tensors from shards and to cut a
+ * layout's shard (or a ZeRO range of it) out of a full tensor. */
+void pg_param_shard_copy(const pg_param *p, float *full, int64_t full_numel, float *piece, int64_t lo, int64_t n,
+                         int to_full);
 
 #endif

@@ -199,6 +199,24 @@ describe("pg.callbacks.ModelCheckpoint", function()
     assert.equal(step_dir(5), pg.checkpoint.latest(dir))
   end)
 
+  it("with keep_last keeps the newest n (and the best k), deleting older ones after a new one is complete", function()
+    local during = {}
+    local spy = { name = "Spy", on_save_checkpoint = function(_, t)
+      during[t.state.step] = exists(step_dir(t.state.step - 2)) end }
+    local mc = cb.ModelCheckpoint{ dir = dir, every_n_steps = 1, keep_last = 2 }
+    trainer_with{ max_steps = 5, callbacks = { spy, mc } }:fit(T.fake_data{ batches = 10 })
+    for n = 1, 5 do assert.equal(n >= 4, exists(step_dir(n)), "step " .. n) end
+    assert.is_true(during[3] and during[4] and during[5], "the oldest was still there while the next was written")
+    assert.same({ step_dir(5), step_dir(4) }, { mc.recent[1].path, mc.recent[2].path })
+    -- with a monitor: the best (max loss: step 1) stays as well
+    rm(dir)
+    local best = cb.ModelCheckpoint{ dir = dir, every_n_steps = 1, monitor = "loss", mode = "max", keep_last = 2 }
+    trainer_with{ max_steps = 5, callbacks = { best } }:fit(T.fake_data{ batches = 10 })
+    for n = 1, 5 do assert.equal(n == 1 or n >= 4, exists(step_dir(n)), "step " .. n) end
+    assert.has_error(function() cb.ModelCheckpoint{ keep_last = -1 } end,
+      "pg.callbacks.ModelCheckpoint: keep_last=-1 must be a non-negative integer")
+  end)
+
   it("is restored on resume, including the checkpoint it resumed from", function()
     local function run(steps, resume)
       local mc = cb.ModelCheckpoint{ dir = dir, every_n_steps = 1, monitor = "loss", keep_top_k = 2 }

@@ -1,6 +1,6 @@
 --- ModelCheckpoint{dir = nil, every_n_steps = nil, monitor = nil, mode = "min",
--- keep_top_k = nil, save_last = false}: asks for checkpoints and keeps the
--- best k of them.
+-- keep_top_k = nil, keep_last = nil, save_last = false}: asks for checkpoints
+-- and keeps the best k of them and/or the newest ones.
 --
 -- When: at the end of every n-th optimizer step with every_n_steps (counter
 -- trainer.state.step), else after every validation run during fit. The
@@ -15,6 +15,10 @@
 -- out of the top k are deleted (rank 0). save_last = true additionally keeps
 -- the newest checkpoint whatever its score, requests one at every check, and
 -- saves the final state in on_train_end if that step has none yet.
+-- keep_last = n additionally keeps the newest n checkpoints whatever their
+-- score and requests one at every check (save_last means at least 1); without
+-- a monitor and without keep_top_k it is the whole retention rule: the newest
+-- n are kept, older ones deleted once a new one is complete.
 -- Checkpoints this callback did not request are never deleted by it.
 local callbacks = require "pipegoose.callbacks"
 
@@ -24,8 +28,8 @@ local function finite(x) return type(x) == "number" and x == x and x ~= math.hug
 
 function ModelCheckpoint.new(opts)
   callbacks.check_options("ModelCheckpoint", opts, {
-    dir = true, every_n_steps = true, monitor = true, mode = true, keep_top_k = true, save_last = true,
-    state_key = true, verbose = true,
+    dir = true, every_n_steps = true, monitor = true, mode = true, keep_top_k = true, keep_last = true,
+    save_last = true, state_key = true, verbose = true,
   })
   local mode = opts.mode or "min"
   if mode ~= "min" and mode ~= "max" then
@@ -39,18 +43,27 @@ function ModelCheckpoint.new(opts)
   if k ~= nil and (math.tointeger(k) == nil or k < -1) then
     error(("pg.callbacks.ModelCheckpoint: keep_top_k=%s must be an integer >= -1"):format(tostring(k)), 3)
   end
-  if k == nil then k = opts.monitor and 1 or -1 end
+  local keep_last = opts.keep_last
+  if keep_last ~= nil and (math.tointeger(keep_last) == nil or keep_last < 0) then
+    error(("pg.callbacks.ModelCheckpoint: keep_last=%s must be a non-negative integer"):format(tostring(keep_last)), 3)
+  end
+  keep_last = math.tointeger(keep_last or 0)
+  if opts.save_last and keep_last < 1 then keep_last = 1 end
+  if k == nil then
+    if opts.monitor then k = 1 elseif (opts.keep_last or 0) > 0 then k = 0 else k = -1 end
+  end
   if opts.dir ~= nil and type(opts.dir) ~= "string" then
     error("pg.callbacks.ModelCheckpoint: dir must be a string path", 3)
   end
   local self = setmetatable({
     checkpoint_dir = opts.dir and (opts.dir:gsub("/+$", "")) or nil,
     every_n_steps = every, monitor = opts.monitor, mode = mode, keep_top_k = k,
-    save_last = opts.save_last or false, verbose = opts.verbose ~= false,
+    save_last = opts.save_last or false, keep_last = keep_last, verbose = opts.verbose ~= false,
     state_key = opts.state_key or ("ModelCheckpoint{monitor=%s,mode=%s,every_n_steps=%s}")
       :format(tostring(opts.monitor), mode, tostring(every)),
     best = {},      -- kept checkpoints, best first: {path=, step=, score=}
-    last = nil,     -- {path=, step=}: the newest (save_last)
+    recent = {},    -- the newest keep_last checkpoints, newest first: {path=, step=}
+    last = nil,     -- {path=, step=}: the newest (recent[1])
     pending = nil,  -- {step=, score=}: what this callback asked for
     warned = false,
   }, ModelCheckpoint)
@@ -95,7 +108,7 @@ function ModelCheckpoint:consider(trainer)
       :format(self.monitor, st.step, table.concat(names, ", ")))
   end
   local keep = score ~= nil and self:qualifies(score)
-  if keep or self.save_last then
+  if keep or self.keep_last > 0 then
     trainer.control.should_save = true
     self.pending = { step = st.step, score = keep and score or nil }
   end
@@ -127,9 +140,9 @@ end
 -- complete (a resumed run must know about the checkpoint it resumed from).
 function ModelCheckpoint:_after_save(path, step)
   local p = self.pending
-  local best, last, evicted = copy_list(self.best), self.last, {}
-  local function in_best(x)
-    for _, e in ipairs(best) do if e.path == x then return true end end
+  local best, recent, evicted = copy_list(self.best), copy_list(self.recent), {}
+  local function in_list(list, x)
+    for _, e in ipairs(list) do if e.path == x then return true end end
     return false
   end
   if p and p.step == step and p.score ~= nil then
@@ -145,21 +158,23 @@ function ModelCheckpoint:_after_save(path, step)
       evicted[#evicted + 1] = table.remove(best).path
     end
   end
-  if self.save_last then
-    local old = last
-    last = { path = path, step = step }
-    if old and old.path ~= path and not in_best(old.path) then evicted[#evicted + 1] = old.path end
+  if self.keep_last > 0 then
+    for i = #recent, 1, -1 do
+      if recent[i].path == path then table.remove(recent, i) end
+    end
+    table.insert(recent, 1, { path = path, step = step })
+    while #recent > self.keep_last do evicted[#evicted + 1] = table.remove(recent).path end
   end
   local delete = {}
   for _, old in ipairs(evicted) do
-    if old ~= path and not (last and last.path == old) then delete[#delete + 1] = old end
+    if old ~= path and not in_list(best, old) and not in_list(recent, old) then delete[#delete + 1] = old end
   end
-  return best, last, delete
+  return best, recent, delete
 end
 
 function ModelCheckpoint:on_save_checkpoint(trainer, checkpoint, path)
-  local best, last = self:_after_save(path, trainer.state.step)
-  checkpoint.callbacks[self.state_key] = { best = best, last = last }
+  local best, recent = self:_after_save(path, trainer.state.step)
+  checkpoint.callbacks[self.state_key] = { best = best, last = recent[1], recent = recent }
 end
 
 -- After a complete save (every rank): update the top k and the newest, and
@@ -167,10 +182,10 @@ end
 -- mid-save never leaves fewer than k good checkpoints.
 function ModelCheckpoint:on_checkpoint_saved(trainer, path)
   local p = self.pending
-  local best, last, delete = self:_after_save(path, trainer.state.step)
-  self.best, self.last, self.pending = best, last, nil
+  local best, recent, delete = self:_after_save(path, trainer.state.step)
+  self.best, self.recent, self.last, self.pending = best, recent, recent[1], nil
   for _, old in ipairs(delete) do remove(trainer, old) end
-  if self.verbose and (p or self.save_last) then
+  if self.verbose and (p or self.keep_last > 0) then
     local score = p and p.score
     trainer:print(("ModelCheckpoint: saved %s%s"):format(path,
       score ~= nil and self.monitor and ((" (%s %.6g)"):format(self.monitor, score)) or ""))
@@ -194,12 +209,13 @@ function ModelCheckpoint:best_path()
 end
 
 function ModelCheckpoint:state_dict()
-  return { best = self.best, last = self.last }
+  return { best = self.best, last = self.last, recent = self.recent }
 end
 
 function ModelCheckpoint:load_state_dict(sd)
   self.best = sd.best or {}
-  self.last = sd.last
+  self.recent = sd.recent or (sd.last and { sd.last } or {})
+  self.last = self.recent[1]
 end
 
 return ModelCheckpoint

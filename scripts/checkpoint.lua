@@ -1,0 +1,68 @@
+-- Checkpoint tools, on one process (no mpirun):
+--
+--   pglua scripts/checkpoint.lua info DIR                  the manifest in short, and the files
+--   pglua scripts/checkpoint.lua verify DIR                every file's size and crc32 (exit 1 naming the bad file)
+--   pglua scripts/checkpoint.lua consolidate DIR OUT [--optimizer]
+--                                                          one safetensors file of full tensors
+--                                                          (with --optimizer also m/<name>, v/<name>)
+--   pglua scripts/checkpoint.lua export-llmc DIR OUT       GPT-2 weights as an llm.c model file
+--
+-- DIR is a checkpoint directory, or a directory with a `latest` file (the
+-- newest checkpoint in it). docs/FORMATS.md ("Checkpoints") describes the files.
+local ckpt = require "pipegoose.checkpoint"
+
+local USAGE = "usage: pglua scripts/checkpoint.lua info|verify|consolidate|export-llmc DIR [OUT] [--optimizer]"
+
+local args, flags = {}, {}
+for _, a in ipairs(arg) do
+  if a:match("^%-%-") then flags[a] = true else args[#args + 1] = a end
+end
+local cmd, dir, out = args[1], args[2], args[3]
+
+local function die(msg)
+  io.stderr:write(msg, "\n")
+  os.exit(1)
+end
+
+for f in pairs(flags) do
+  if f ~= "--optimizer" then die(("checkpoint.lua: unknown flag %s\n%s"):format(f, USAGE)) end
+end
+if not cmd or not dir then die(USAGE) end
+
+local commands = {}
+
+function commands.info()
+  local lines = ckpt.info(dir)
+  print(table.concat(lines, "\n"))
+end
+
+function commands.verify()
+  local path = ckpt.resolve(dir)
+  local problems, manifest = ckpt.verify(path)
+  if #problems > 0 then
+    for _, p in ipairs(problems) do io.stderr:write(p, "\n") end
+    os.exit(1)
+  end
+  local n, bytes = 0, 0
+  for _, f in ipairs(manifest.tensor_state.files) do
+    n, bytes = n + 1, bytes + (f.bytes or 0)
+  end
+  print(("OK: %s (step %d): the manifest and %d files (%d bytes) verified"):format(path, manifest.step, n, bytes))
+end
+
+function commands.consolidate()
+  if not out then die("checkpoint.lua consolidate: needs an output path\n" .. USAGE) end
+  local n, crc, bytes = ckpt.consolidate(dir, out, { optimizer = flags["--optimizer"] })
+  print(("wrote %s: %d tensors, %d bytes, crc32 %08x"):format(out, n, bytes, crc))
+end
+
+commands["export-llmc"] = function()
+  if not out then die("checkpoint.lua export-llmc: needs an output path\n" .. USAGE) end
+  local crc, bytes = ckpt.export_llmc(dir, out)
+  print(("wrote %s: llm.c GPT-2 model, %d bytes, crc32 %08x"):format(out, bytes, crc))
+end
+
+local fn = commands[cmd]
+if not fn then die(("checkpoint.lua: unknown command '%s'\n%s"):format(cmd, USAGE)) end
+local ok, err = pcall(fn)
+if not ok then die(tostring(err)) end
