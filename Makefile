@@ -9,6 +9,7 @@
 #   make bench      training-step benchmarks (tokens/s, MFU against OpenBLAS sgemm)
 #   make bench-comm collective bandwidth against raw MPI
 #   make install PREFIX=/usr/local
+#   make cuda-emu   the CUDA kernels' self-test on the CPU emulator (no GPU needed)
 #   make CUDA=0     never build the CUDA kernels (default: auto-detect nvcc; CUDA=1 requires it)
 
 VERSION  := 0.1.0
@@ -83,7 +84,7 @@ CORE_SO    := $(BUILD)/lua/pipegoose/core.so
 LIB_A      := $(BUILD)/libpipegoose.a
 LIB_SO     := $(BUILD)/libpipegoose.so
 
-.PHONY: all deps debug asan test test-unit run bench bench-comm install uninstall clean
+.PHONY: all deps debug asan test test-unit cuda-emu run bench bench-comm install uninstall clean
 
 all: $(PGLUA) $(CORE_SO) $(LIB_A) $(LIB_SO)
 ifeq ($(BUILD),build)
@@ -156,6 +157,10 @@ test: all
 # Only the plain busted specs (fast, no mpirun).
 test-unit: all
 	PGLUA=$(PGLUA) PG_CUDA=$(CUDA) PG_TEST_ONLY=unit scripts/run_tests.sh
+
+# The CUDA kernels against the CPU kernels, on the CPU (spec/support/cuda_emu).
+cuda-emu: | $(DEPS_OK)
+	scripts/cuda_emu_test.sh $(BUILD)/cuda-emu
 
 # The default corpus, prepared once (scripts/prepare_corpus.lua, fortunes from Debian).
 data/fortunes_train.bin data/fortunes_val.bin: | $(PGLUA)

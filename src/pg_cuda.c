@@ -78,8 +78,15 @@ int pg_cuda_available(char *reason, size_t n) {
   cudaError_t e = cudaGetDeviceCount(&c);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
-    if (reason && n) snprintf(reason, n, "no usable CUDA driver or device: %s (%s)", cudaGetErrorString(e),
-                              cudaGetErrorName(e));
+    int driver = 0;
+    if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+    (void)cudaGetLastError();
+    if (reason && n) {
+      if (driver == 0)
+        snprintf(reason, n, "no CUDA driver on this machine (%s: %s)", cudaGetErrorName(e), cudaGetErrorString(e));
+      else
+        snprintf(reason, n, "no usable CUDA device (%s: %s)", cudaGetErrorName(e), cudaGetErrorString(e));
+    }
     return 0;
   }
   if (c <= 0) {
