@@ -11,6 +11,8 @@
 # calls' layouts; not speed, not the device compiler.
 #
 #   scripts/cuda_emu_test.sh [OUTDIR]     (default build/cuda-emu)
+#   EMU_FLAGS="-fsanitize=address"        extra compile and link flags (e.g. to catch
+#                                         out-of-bounds accesses in the kernels)
 # Prints the self-test report; exit status 0 when every check passed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +23,8 @@ CC=${CC:-gcc}
 mkdir -p "$OUT"
 BLAS_CFLAGS=$(pkg-config --cflags openblas)
 BLAS_LIBS=$(pkg-config --libs openblas)
-COMMON=(-O1 -g -fPIC -ffp-contract=off -DPG_WITH_CUDA=1 -I"$EMU" -Ikernels -Ikernels/cuda -Isrc)
+EXTRA=(${EMU_FLAGS:-})
+COMMON=(-O1 -g -fPIC -ffp-contract=off -DPG_WITH_CUDA=1 -I"$EMU" -Ikernels -Ikernels/cuda -Isrc "${EXTRA[@]}")
 
 pids=()
 objs=()
@@ -49,5 +52,5 @@ done
 status=0
 for p in "${pids[@]}"; do wait "$p" || status=1; done
 [ $status = 0 ] || { echo "cuda_emu_test: compilation failed" >&2; exit 1; }
-$CXX -fopenmp -o "$OUT/selftest" "${objs[@]}" $BLAS_LIBS -lm
+$CXX -fopenmp "${EXTRA[@]}" -o "$OUT/selftest" "${objs[@]}" $BLAS_LIBS -lm
 "$OUT/selftest"

@@ -98,6 +98,7 @@ int pg_cuda_available(char *reason, size_t n) {
 }
 
 int pg_cuda_get_versions(pg_cuda_versions *v) {
+  if (!v) return pg_fail("pg_cuda_get_versions: NULL");
   memset(v, 0, sizeof *v);
   if (cudaRuntimeGetVersion(&v->runtime) != cudaSuccess) v->runtime = 0;
   if (cudaDriverGetVersion(&v->driver) != cudaSuccess) v->driver = 0; /* 0: no driver */
@@ -581,7 +582,8 @@ static void test_xent(selftest *st) {
   if (launched(st, "xent_row_max", pg_cuda_xent_row_max(ctx, d_mx, d_logits, N, V, valid)))
     check_f(st, "xent_row_max", d_mx, mx, N, 0, 0);
   if (!reload(st, d_mx, mx, N)) return;
-  if (launched(st, "xent_sumexp", pg_cuda_xent_sumexp(ctx, d_se, d_tl, d_logits, d_mx, d_tgt, N, V, valid, vocab_start))) {
+  if (launched(st, "xent_sumexp",
+               pg_cuda_xent_sumexp(ctx, d_se, d_tl, d_logits, d_mx, d_tgt, N, V, valid, vocab_start))) {
     check_f(st, "xent_sumexp.sumexp", d_se, se, N, TOL_REDUCE);
     check_f(st, "xent_sumexp.target_logit", d_tl, tl, N, 0, 0);
   }

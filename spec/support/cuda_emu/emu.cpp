@@ -37,7 +37,12 @@ struct Fiber {
 
 constexpr size_t STACK = 128 * 1024;
 std::vector<Fiber> fibers;
-std::vector<char *> stacks; // never freed: reused by every launch
+// fiber stacks, reused by every launch, freed at exit
+struct Stacks : std::vector<char *> {
+  ~Stacks() {
+    for (char *p : *this) free(p);
+  }
+} stacks;
 ucontext_t scheduler;
 int current = -1;
 pg_emu_body cur_body;
