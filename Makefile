@@ -9,7 +9,8 @@
 #   make bench      training-step benchmarks (tokens/s, MFU against OpenBLAS sgemm)
 #   make bench-comm collective bandwidth against raw MPI
 #   make install PREFIX=/usr/local
-#   make CUDA=0     never build the CUDA kernels (default: auto-detect nvcc)
+#   make cuda-emu   the CUDA kernels' self-test on the CPU emulator (no GPU needed)
+#   make CUDA=0     never build the CUDA kernels (default: auto-detect nvcc; CUDA=1 requires it)
 
 VERSION  := 0.1.0
 BUILD    ?= build
@@ -38,21 +39,33 @@ else
 endif
 
 # CUDA: auto-detected from nvcc on the PATH or under CUDA_HOME (or /usr/local/cuda).
+# CUDA=1 insists (an error without nvcc); CUDA=0 never compiles anything CUDA.
 CUDA_HOME ?= /usr/local/cuda
 NVCC_FOUND := $(or $(shell command -v nvcc 2>/dev/null),$(wildcard $(CUDA_HOME)/bin/nvcc))
 ifeq ($(CUDA),0)
   NVCC :=
 else
   NVCC := $(NVCC_FOUND)
+  ifeq ($(CUDA)$(NVCC),1)
+    $(error CUDA=1 but no nvcc on the PATH or at $(CUDA_HOME)/bin/nvcc; set CUDA_HOME, or build with CUDA=0)
+  endif
 endif
 CUDA_SRCS := $(wildcard kernels/cuda/*.cu)
 ifneq ($(and $(NVCC),$(CUDA_SRCS)),)
   CUDA_ROOT  := $(patsubst %/bin/nvcc,%,$(NVCC))
   CUDA_OBJS  := $(CUDA_SRCS:kernels/cuda/%.cu=$(BUILD)/cuda/%.o)
   CUDA_DEFS  := -DPG_WITH_CUDA=1 -I$(CUDA_ROOT)/include
-  CUDA_LIBS  := -L$(CUDA_ROOT)/lib64 -Wl,-rpath,$(CUDA_ROOT)/lib64 -lcudart -lcublas -lnccl
-  NVCCFLAGS  := -O3 -std=c++17 -Xcompiler -fPIC -Ikernels -Isrc --generate-code arch=compute_90,code=sm_90 \
-                --generate-code arch=compute_80,code=sm_80 -Wno-deprecated-gpu-targets
+  CUDA_LIBS  := -L$(CUDA_ROOT)/lib64 -Wl,-rpath,$(CUDA_ROOT)/lib64 -lcudart -lcublas -lnccl -lstdc++
+  CUDA_OK    := $(BUILD)/.cuda-ok
+  NVCCFLAGS  := -O3 -std=c++17 -DPG_WITH_CUDA=1 -Xcompiler -fPIC,-Wall,-Wextra -Ikernels -Isrc \
+                --generate-code arch=compute_90,code=sm_90 --generate-code arch=compute_80,code=sm_80 \
+                -Wno-deprecated-gpu-targets
+endif
+# Objects remember whether they were compiled with CUDA: switching CUDA= in
+# one BUILD folder recompiles the C files whose code depends on it.
+CUDA_STAMP := $(BUILD)/.cuda-config
+ifeq ($(filter clean,$(MAKECMDGOALS)),)
+  $(shell mkdir -p $(BUILD) && { echo '$(CUDA_DEFS) $(CUDA_LIBS)' | cmp -s - $(CUDA_STAMP) || echo '$(CUDA_DEFS) $(CUDA_LIBS)' > $(CUDA_STAMP); })
 endif
 
 CFLAGS   = -std=c11 -D_POSIX_C_SOURCE=200809L -Wall -Wextra -fPIC -fopenmp $(OPTFLAGS) -Isrc -Ikernels -DPG_VERSION='"$(VERSION)"' \
@@ -71,7 +84,7 @@ CORE_SO    := $(BUILD)/lua/pipegoose/core.so
 LIB_A      := $(BUILD)/libpipegoose.a
 LIB_SO     := $(BUILD)/libpipegoose.so
 
-.PHONY: all deps debug asan test test-unit run bench bench-comm install uninstall clean
+.PHONY: all deps debug asan test test-unit cuda-emu run bench bench-comm install uninstall clean
 
 all: $(PGLUA) $(CORE_SO) $(LIB_A) $(LIB_SO)
 ifeq ($(BUILD),build)
@@ -91,13 +104,28 @@ $(DEPS_OK): scripts/install-deps.sh
 # and errno may differ.
 $(BUILD)/obj/kernels/cpu/%.o: CFLAGS += -fno-trapping-math -fno-math-errno
 
-$(BUILD)/obj/%.o: %.c $(HEADERS) | $(DEPS_OK)
+$(BUILD)/obj/%.o: %.c $(HEADERS) $(CUDA_STAMP) | $(DEPS_OK) $(CUDA_OK)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 
-$(BUILD)/cuda/%.o: kernels/cuda/%.cu $(HEADERS) | $(DEPS_OK)
+$(BUILD)/cuda/%.o: kernels/cuda/%.cu kernels/cuda/common.cuh $(HEADERS) | $(DEPS_OK) $(CUDA_OK)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+
+# nvcc alone is not enough: the CUDA runtime, cuBLAS and NCCL headers and
+# libraries must be there too. Checked once, before anything compiles, with a
+# message that says what to do (rather than a link error at the end).
+ifneq ($(CUDA_OK),)
+$(CUDA_OK): $(CUDA_STAMP) | $(DEPS_OK)
+	@printf '#include <cuda_runtime.h>\n#include <cublas_v2.h>\n#include <nccl.h>\nint main(void) { int v; cudaRuntimeGetVersion(&v); cublasGetProperty(MAJOR_VERSION, &v); ncclGetVersion(&v); return 0; }\n' > $(BUILD)/cuda-check.c
+	@$(CC) $(CUDA_DEFS) $(BUILD)/cuda-check.c -o $(BUILD)/cuda-check $(CUDA_LIBS) > $(BUILD)/cuda-check.log 2>&1 || { \
+	  cat $(BUILD)/cuda-check.log; \
+	  echo "error: nvcc was found ($(NVCC)) but a program using the CUDA runtime, cuBLAS and NCCL does not build"; \
+	  echo "       with $(CUDA_DEFS) $(CUDA_LIBS) (log above)."; \
+	  echo "       Install the missing headers/libraries, point CUDA_HOME at a complete toolkit, or build with make CUDA=0."; \
+	  exit 1; }
+	@touch $@
+endif
 
 $(LIB_A): $(RUNTIME_OBJS)
 	ar rcs $@ $^
@@ -124,11 +152,15 @@ asan:
 	$(ASAN_ENV) PG_SANITIZE=1 PGLUA=build-asan/pglua scripts/run_tests.sh
 
 test: all
-	PGLUA=$(PGLUA) scripts/run_tests.sh
+	PGLUA=$(PGLUA) PG_CUDA=$(CUDA) scripts/run_tests.sh
 
 # Only the plain busted specs (fast, no mpirun).
 test-unit: all
-	PGLUA=$(PGLUA) PG_TEST_ONLY=unit scripts/run_tests.sh
+	PGLUA=$(PGLUA) PG_CUDA=$(CUDA) PG_TEST_ONLY=unit scripts/run_tests.sh
+
+# The CUDA kernels against the CPU kernels, on the CPU (spec/support/cuda_emu).
+cuda-emu: | $(DEPS_OK)
+	scripts/cuda_emu_test.sh $(BUILD)/cuda-emu
 
 # The default corpus, prepared once (scripts/prepare_corpus.lua, fortunes from Debian).
 data/fortunes_train.bin data/fortunes_val.bin: | $(PGLUA)
@@ -150,7 +182,7 @@ install: all
 	install -m 755 $(CORE_SO) $(PREFIX)/lib/lua/5.4/pipegoose/core.so
 	install -m 644 $(filter-out src/lua_util.h,$(wildcard src/pg_*.h)) kernels/kernels.h $(PREFIX)/include/pipegoose/
 	cp -R lua/pipegoose/. $(PREFIX)/share/lua/5.4/pipegoose/
-	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' scripts/pipegoose.pc.in > $(PREFIX)/lib/pkgconfig/pipegoose.pc
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' -e 's|@CUDA_LIBS@|$(CUDA_LIBS)|g' scripts/pipegoose.pc.in > $(PREFIX)/lib/pkgconfig/pipegoose.pc
 
 uninstall:
 	rm -rf $(PREFIX)/bin/pglua $(PREFIX)/lib/libpipegoose.* $(PREFIX)/include/pipegoose \

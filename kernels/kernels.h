@@ -17,6 +17,10 @@
 
 #include <stdint.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #define PG_LAYERNORM_EPS 1e-5f
 
 /* ---- embeddings ---- */
@@ -105,5 +109,91 @@ void pg_adamw_update(float *param, const float *grad, float *m, float *v, int64_
 
 /* Sum of squares in double, deterministic (fixed chunking). */
 double pg_sum_squares(const float *x, int64_t n);
+
+#ifdef PG_WITH_CUDA
+/* ---- CUDA (kernels/cuda/, one .cu per family; built when nvcc is found, see the Makefile) ----
+ *
+ * The same ops with the same contracts (overwrite input gradients, accumulate
+ * parameter gradients, NULL gradient = skip), on DEVICE pointers. Work is
+ * queued on ctx->stream and is asynchronous: results are there once the
+ * stream is synchronised. Every function returns 0 on success, else an error
+ * code for pg_cuda_strerror() (launch and cuBLAS errors; errors of the kernels
+ * themselves surface at the next synchronisation).
+ *
+ * Determinism: no float atomics anywhere; every reduction has a fixed
+ * partition and order, so a run repeats bitwise on the same GPU model. sgemm
+ * runs in full FP32 (the runtime creates the cuBLAS handle with TF32 off). */
+
+/* What every CUDA kernel needs: a cudaStream_t and a cublasHandle_t already
+ * bound to that stream (pg_cuda_ctx_init in src/pg_cuda.h creates both). Kept
+ * as void * so that this header needs no CUDA header. */
+typedef struct pg_cuda_ctx {
+  void *stream; /* cudaStream_t; NULL = the legacy default stream */
+  void *cublas; /* cublasHandle_t; needed by matmul and attention */
+} pg_cuda_ctx;
+
+/* Error codes: 1..999 a cudaError_t, PG_CUDA_CUBLAS_ERR + s a cublasStatus_t s,
+ * PG_CUDA_EINVAL a missing context, handle or argument. */
+#define PG_CUDA_CUBLAS_ERR 1000
+#define PG_CUDA_EINVAL 2000
+const char *pg_cuda_strerror(int code);
+
+int pg_cuda_embedding_forward(const pg_cuda_ctx *ctx, float *out, const int32_t *tokens, const float *weight, int N,
+                              int C, int row_start, int rows);
+/* Deterministic without atomics: one block per first occurrence of a token,
+ * adding that token's rows in order (the CPU kernel's order, so the same bits). */
+int pg_cuda_embedding_backward(const pg_cuda_ctx *ctx, float *dweight, const float *dout, const int32_t *tokens,
+                               int N, int C, int row_start, int rows);
+int pg_cuda_position_forward(const pg_cuda_ctx *ctx, float *out, const float *wpe, int N, int T, int C);
+int pg_cuda_position_backward(const pg_cuda_ctx *ctx, float *dwpe, const float *dout, int N, int T, int C);
+
+int pg_cuda_layernorm_forward(const pg_cuda_ctx *ctx, float *out, float *mean, float *rstd, const float *inp,
+                              const float *weight, const float *bias, int N, int C);
+int pg_cuda_layernorm_backward(const pg_cuda_ctx *ctx, float *dinp, float *dweight, float *dbias, const float *dout,
+                               const float *inp, const float *weight, const float *mean, const float *rstd, int N,
+                               int C);
+
+int pg_cuda_matmul_forward(const pg_cuda_ctx *ctx, float *out, const float *inp, const float *weight,
+                           const float *bias, int N, int C, int OC);
+int pg_cuda_matmul_backward(const pg_cuda_ctx *ctx, float *dinp, float *dweight, float *dbias, const float *dout,
+                            const float *inp, const float *weight, int N, int C, int OC);
+
+/* att[B,NH,T,T] as on the CPU (probabilities, exact zeros above the diagonal). */
+int pg_cuda_attention_forward(const pg_cuda_ctx *ctx, float *out, float *att, const float *qkv, int B, int T, int C,
+                              int NH);
+/* scratch: at least pg_cuda_attention_scratch_floats(T, NH) device floats. */
+int pg_cuda_attention_backward(const pg_cuda_ctx *ctx, float *dqkv, float *scratch, const float *dout,
+                               const float *qkv, const float *att, int B, int T, int C, int NH);
+int64_t pg_cuda_attention_scratch_floats(int T, int NH);
+
+int pg_cuda_gelu_forward(const pg_cuda_ctx *ctx, float *out, const float *inp, int64_t n);
+int pg_cuda_gelu_backward(const pg_cuda_ctx *ctx, float *dinp, const float *inp, const float *dout, int64_t n);
+int pg_cuda_residual_forward(const pg_cuda_ctx *ctx, float *out, const float *a, const float *b, int64_t n);
+int pg_cuda_residual_backward(const pg_cuda_ctx *ctx, float *da, float *db, const float *dout, int64_t n);
+
+int pg_cuda_xent_row_max(const pg_cuda_ctx *ctx, float *row_max, const float *logits, int N, int V, int valid);
+int pg_cuda_xent_sumexp(const pg_cuda_ctx *ctx, float *sumexp, float *target_logit, const float *logits,
+                        const float *row_max, const int32_t *targets, int N, int V, int valid, int vocab_start);
+/* As pg_xent_finish; the sum of the row losses (double, fixed order) goes to
+ * the device double *loss_sum instead of a return value (may be NULL). */
+int pg_cuda_xent_finish(const pg_cuda_ctx *ctx, float *losses, float *dlogits, const float *logits,
+                        const float *row_max, const float *sumexp, const float *target_logit, const int32_t *targets,
+                        int N, int V, int valid, int vocab_start, float dloss, double *loss_sum);
+
+/* The CPU kernel's arithmetic, operation for operation (no FMA contraction):
+ * the same bits as pg_adamw_update. */
+int pg_cuda_adamw_update(const pg_cuda_ctx *ctx, float *param, const float *grad, float *m, float *v, int64_t n,
+                         float lr, float beta1, float beta2, float eps, float weight_decay, int step,
+                         float grad_scale);
+
+/* *out (a device double) = sum of squares of x, in PG_CUDA_SUMSQ_BLOCKS fixed
+ * chunks; scratch holds PG_CUDA_SUMSQ_BLOCKS device doubles. */
+#define PG_CUDA_SUMSQ_BLOCKS 256
+int pg_cuda_sum_squares(const pg_cuda_ctx *ctx, double *out, const float *x, int64_t n, double *scratch);
+#endif /* PG_WITH_CUDA */
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -5,6 +5,7 @@ set -euo pipefail
 
 PKGS=(
   gcc make pkg-config
+  g++                                          # the CUDA kernels run on the CPU emulator (scripts/cuda_emu_test.sh)
   lua5.4 liblua5.4-dev lua-busted lua-cjson   # interpreter headers, test runner, JSON
   libopenmpi-dev openmpi-bin                   # MPI
   libopenblas-openmp-dev                       # sgemm (OpenMP flavour: one thread pool with ours)

@@ -1,0 +1,108 @@
+// common.cuh — what the CUDA kernels share (private to kernels/cuda).
+//
+// Conventions: kernels use fixed block sizes (constants below), so the
+// partition of every reduction, and therefore its rounding, depends only on
+// the problem size. No float atomics. Block reductions go warp by warp with
+// __shfl_xor_sync (a fixed butterfly) and then across warps through shared
+// memory in warp order. Every thread of a block calls them.
+#pragma once
+
+#ifndef PG_WITH_CUDA
+#define PG_WITH_CUDA 1
+#endif
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "kernels.h"
+
+namespace pgcu {
+
+constexpr int WARP = 32;
+constexpr int BLOCK = 256;             // threads per block of the 1-D kernels
+constexpr int ROWS_PER_BLOCK = BLOCK / WARP; // one warp per row kernels
+constexpr int64_t MAX_GRID = 1 << 20;  // grid-stride kernels launch at most this many blocks
+
+inline cudaStream_t stream_of(const pg_cuda_ctx *ctx) { return ctx ? (cudaStream_t)ctx->stream : (cudaStream_t)0; }
+
+// 0, or the launch error (the error of an earlier asynchronous failure too).
+inline int launch_status() {
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : (int)e;
+}
+
+inline int cublas_status(cublasStatus_t s) { return s == CUBLAS_STATUS_SUCCESS ? 0 : PG_CUDA_CUBLAS_ERR + (int)s; }
+
+// Blocks for a grid-stride loop over n elements.
+inline unsigned grid_for(int64_t n, int per_block) {
+  int64_t b = (n + per_block - 1) / per_block;
+  return (unsigned)(b < 1 ? 1 : (b > MAX_GRID ? MAX_GRID : b));
+}
+
+template <typename T> __device__ __forceinline__ T warp_sum(T v) {
+  for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = WARP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over a 1-D block (blockDim.x a multiple of 32, at most 1024); every
+// thread gets the result. The leading barrier lets a kernel call it twice.
+template <typename T> __device__ T block_sum(T v) {
+  __shared__ T part[WARP];
+  const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP, nw = blockDim.x / WARP;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) part[wid] = v;
+  __syncthreads();
+  T r = lane < nw ? part[lane] : T(0);
+  return warp_sum(r);
+}
+
+__device__ inline float block_max(float v) {
+  __shared__ float part[WARP];
+  const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP, nw = blockDim.x / WARP;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) part[wid] = v;
+  __syncthreads();
+  float r = lane < nw ? part[lane] : -INFINITY;
+  return warp_max(r);
+}
+
+// Row-major sgemm in cblas's terms (CblasRowMajor, the CPU kernels' calls
+// verbatim): C[M,N] = alpha op(A) op(B) + beta C. cuBLAS is column-major and a
+// row-major matrix is its transpose, so this computes C^T = op(B)^T op(A)^T:
+// operands swapped, M and N swapped, the transpose flags unchanged.
+inline int gemm_rm(cublasHandle_t h, bool ta, bool tb, int M, int N, int K, float alpha, const float *A, int lda,
+                   const float *B, int ldb, float beta, float *C, int ldc) {
+  return cublas_status(cublasSgemm(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha,
+                                   B, ldb, A, lda, &beta, C, ldc));
+}
+
+// The same over `batch` matrices at fixed strides (in floats).
+inline int gemm_rm_batched(cublasHandle_t h, bool ta, bool tb, int M, int N, int K, float alpha, const float *A,
+                           int lda, long long sa, const float *B, int ldb, long long sb, float beta, float *C, int ldc,
+                           long long sc, int batch) {
+  return cublas_status(cublasSgemmStridedBatched(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N,
+                                                 M, K, &alpha, B, ldb, sb, A, lda, sa, &beta, C, ldc, sc, batch));
+}
+
+// The context's cuBLAS handle bound to its stream, or NULL (PG_CUDA_EINVAL).
+inline cublasHandle_t blas_of(const pg_cuda_ctx *ctx) {
+  if (!ctx || !ctx->cublas) return nullptr;
+  cublasHandle_t h = (cublasHandle_t)ctx->cublas;
+  if (cublasSetStream(h, stream_of(ctx)) != CUBLAS_STATUS_SUCCESS) return nullptr;
+  return h;
+}
+
+// dst[c] += sum over r of src[r*ld + c], c < cols (matmul.cu): columns in
+// blocks of 32, rows split over 16 thread rows, partials added in row order.
+int col_sum_add(cudaStream_t s, float *dst, const float *src, int rows, int64_t cols, int64_t ld);
+
+} // namespace pgcu

@@ -1,0 +1,83 @@
+// Linear layers through cuBLAS sgemm. weight is [OC, C] (torch layout); the
+// products are the CPU kernel's cblas calls, translated by gemm_rm.
+#include "common.cuh"
+
+using namespace pgcu;
+
+namespace pgcu {
+
+constexpr int CS_COLS = WARP; // columns per block (one warp wide: coalesced rows)
+constexpr int CS_ROWS = 16;   // thread rows per block
+
+// dst[c] += sum_r src[r*ld + c]. Thread (x, y) adds rows y, y + 16, ... of its
+// column; thread row 0 then adds the 16 partials in order.
+__global__ void col_sum_add_kernel(float *dst, const float *src, int rows, int64_t cols, int64_t ld) {
+  __shared__ float part[CS_ROWS][CS_COLS + 1];
+  const int64_t c = (int64_t)blockIdx.x * CS_COLS + threadIdx.x;
+  float acc = 0.0f;
+  if (c < cols)
+    for (int r = threadIdx.y; r < rows; r += CS_ROWS) acc += src[(int64_t)r * ld + c];
+  part[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float s = 0.0f;
+    for (int y = 0; y < CS_ROWS; y++) s += part[y][threadIdx.x];
+    dst[c] += s;
+  }
+}
+
+int col_sum_add(cudaStream_t s, float *dst, const float *src, int rows, int64_t cols, int64_t ld) {
+  if (rows <= 0 || cols <= 0) return 0;
+  const int64_t blocks = (cols + CS_COLS - 1) / CS_COLS;
+  if (blocks > 0x7fffffff) return PG_CUDA_EINVAL;
+  col_sum_add_kernel<<<(unsigned)blocks, dim3(CS_COLS, CS_ROWS), 0, s>>>(dst, src, rows, cols, ld);
+  return launch_status();
+}
+
+} // namespace pgcu
+
+// out[n, :] = bias, flat over N*OC elements (then sgemm adds the product, beta = 1).
+__global__ void bias_rows_kernel(float *out, const float *bias, int64_t total, int OC) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x)
+    out[i] = bias[i % OC];
+}
+
+extern "C" int pg_cuda_matmul_forward(const pg_cuda_ctx *ctx, float *out, const float *inp, const float *weight,
+                                      const float *bias, int N, int C, int OC) {
+  if (N <= 0 || OC <= 0) return 0;
+  cudaStream_t s = stream_of(ctx);
+  float beta = 0.0f;
+  if (bias) {
+    const int64_t total = (int64_t)N * OC;
+    bias_rows_kernel<<<grid_for(total, BLOCK), BLOCK, 0, s>>>(out, bias, total, OC);
+    if (int rc = launch_status()) return rc;
+    beta = 1.0f;
+  }
+  if (C <= 0) return bias ? 0 : (int)cudaMemsetAsync(out, 0, (size_t)N * OC * sizeof(float), s);
+  cublasHandle_t h = blas_of(ctx);
+  if (!h) return PG_CUDA_EINVAL;
+  // out[N,OC] = inp[N,C] @ weight[OC,C]^T
+  return gemm_rm(h, false, true, N, OC, C, 1.0f, inp, C, weight, C, beta, out, OC);
+}
+
+extern "C" int pg_cuda_matmul_backward(const pg_cuda_ctx *ctx, float *dinp, float *dweight, float *dbias,
+                                       const float *dout, const float *inp, const float *weight, int N, int C,
+                                       int OC) {
+  cudaStream_t s = stream_of(ctx);
+  if (N <= 0 || OC <= 0) {
+    if (dinp && N > 0 && C > 0) return (int)cudaMemsetAsync(dinp, 0, (size_t)N * C * sizeof(float), s);
+    return 0;
+  }
+  if (C > 0 && (dinp || dweight)) {
+    cublasHandle_t h = blas_of(ctx);
+    if (!h) return PG_CUDA_EINVAL;
+    // dinp[N,C] = dout[N,OC] @ weight[OC,C]
+    if (dinp)
+      if (int rc = gemm_rm(h, false, false, N, C, OC, 1.0f, dout, OC, weight, C, 0.0f, dinp, C)) return rc;
+    // dweight[OC,C] += dout^T @ inp (beta = 1 accumulates micro-batches)
+    if (dweight)
+      if (int rc = gemm_rm(h, true, false, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f, dweight, C)) return rc;
+  }
+  if (dbias) return col_sum_add(s, dbias, dout, N, OC, OC);
+  return 0;
+}

@@ -1,0 +1,77 @@
+// Elementwise ops on the GPU: GELU (tanh approximation) and the residual add.
+// The CPU kernel's formulas, with CUDA's expf (within 2 ulp).
+#include "common.cuh"
+
+using namespace pgcu;
+
+#define PG_GELU_K 0.7978845608028654f // sqrt(2/pi)
+#define PG_GELU_A 0.044715f
+
+#define GRID_STRIDE(i, n) \
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
+
+// 0.5 (1 + tanh u) = 1 / (1 + e^(-2u)): no cancellation when tanh u is near -1.
+__global__ void gelu_forward_kernel(float *out, const float *inp, int64_t n) {
+  GRID_STRIDE(i, n) {
+    const float x = inp[i];
+    const float u = PG_GELU_K * (x + PG_GELU_A * x * x * x);
+    out[i] = x / (1.0f + expf(-2.0f * u)); // e = inf for very negative u: x / inf = 0
+  }
+}
+
+// d/dx [x s] = s + 2 x s (1 - s) u', s = 1 / (1 + e), e = e^(-2u), u' = k (1 + 3 a x^2);
+// 1 - s = e s when e < 1 (s near 1: no cancellation).
+__global__ void gelu_backward_kernel(float *dinp, const float *inp, const float *dout, int64_t n) {
+  GRID_STRIDE(i, n) {
+    const float x = inp[i];
+    const float u = PG_GELU_K * (x + PG_GELU_A * x * x * x);
+    const float du = PG_GELU_K * (1.0f + 3.0f * PG_GELU_A * x * x);
+    const float e = expf(-2.0f * u);
+    const float s = 1.0f / (1.0f + e);
+    const float one_s = e < 1.0f ? e * s : 1.0f - s;
+    dinp[i] = dout[i] * (s + 2.0f * x * s * one_s * du);
+  }
+}
+
+__global__ void residual_forward_kernel(float *out, const float *a, const float *b, int64_t n) {
+  GRID_STRIDE(i, n) out[i] = a[i] + b[i];
+}
+
+// acc += dout (acc: da or db).
+__global__ void accumulate_kernel(float *acc, const float *dout, int64_t n) {
+  GRID_STRIDE(i, n) acc[i] += dout[i];
+}
+
+extern "C" int pg_cuda_gelu_forward(const pg_cuda_ctx *ctx, float *out, const float *inp, int64_t n) {
+  if (n <= 0) return 0;
+  gelu_forward_kernel<<<grid_for(n, BLOCK), BLOCK, 0, stream_of(ctx)>>>(out, inp, n);
+  return launch_status();
+}
+
+extern "C" int pg_cuda_gelu_backward(const pg_cuda_ctx *ctx, float *dinp, const float *inp, const float *dout,
+                                     int64_t n) {
+  if (n <= 0) return 0;
+  gelu_backward_kernel<<<grid_for(n, BLOCK), BLOCK, 0, stream_of(ctx)>>>(dinp, inp, dout, n);
+  return launch_status();
+}
+
+extern "C" int pg_cuda_residual_forward(const pg_cuda_ctx *ctx, float *out, const float *a, const float *b,
+                                        int64_t n) {
+  if (n <= 0) return 0;
+  residual_forward_kernel<<<grid_for(n, BLOCK), BLOCK, 0, stream_of(ctx)>>>(out, a, b, n);
+  return launch_status();
+}
+
+extern "C" int pg_cuda_residual_backward(const pg_cuda_ctx *ctx, float *da, float *db, const float *dout,
+                                         int64_t n) {
+  if (n <= 0) return 0;
+  if (da) {
+    accumulate_kernel<<<grid_for(n, BLOCK), BLOCK, 0, stream_of(ctx)>>>(da, dout, n);
+    if (int rc = launch_status()) return rc;
+  }
+  if (db) {
+    accumulate_kernel<<<grid_for(n, BLOCK), BLOCK, 0, stream_of(ctx)>>>(db, dout, n);
+    return launch_status();
+  }
+  return 0;
+}

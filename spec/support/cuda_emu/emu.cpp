@@ -1,0 +1,386 @@
+// emu.cpp — the CPU stand-in for the CUDA runtime, cuBLAS and NCCL that
+// scripts/cuda_emu_test.sh links the CUDA kernels and src/pg_cuda.c against
+// (see cuda_runtime.h here).
+//
+// A launch runs its blocks one after another. A block's threads are fibers
+// (ucontext) on one OS thread: a fiber runs until it reaches a barrier or
+// returns. Barriers are exact: __syncthreads and __syncthreads_or release when
+// every live thread of the block waits there; warp collectives (__shfl_xor_sync,
+// __ballot_sync) when every live thread of the warp does. Anything else
+// (threads of one warp in different collectives, some threads of a block at
+// __syncthreads forever) is reported as a deadlock and aborts.
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <ucontext.h>
+
+#include <map>
+#include <vector>
+
+#include "cublas_v2.h"
+#include "cuda_runtime.h"
+#include "nccl.h"
+
+uint3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+
+namespace {
+
+enum State { RUNNABLE, AT_BLOCK_BARRIER, AT_WARP_BARRIER, DONE };
+
+struct Fiber {
+  ucontext_t ctx;
+  State state;
+  uint3 tid;
+};
+
+constexpr size_t STACK = 128 * 1024;
+std::vector<Fiber> fibers;
+// fiber stacks, reused by every launch, freed at exit
+struct Stacks : std::vector<char *> {
+  ~Stacks() {
+    for (char *p : *this) free(p);
+  }
+} stacks;
+ucontext_t scheduler;
+int current = -1;
+pg_emu_body cur_body;
+void *cur_arg;
+const char *cur_name = "";
+cudaError_t last_error = cudaSuccess;
+
+// per-thread slots of the collectives
+std::vector<uint64_t> slots;
+std::vector<int> flags;
+
+std::map<uintptr_t, size_t> allocations; // device "memory": start -> bytes
+
+void wait_at(State s) {
+  if (current < 0) {
+    fprintf(stderr, "cuda_emu: a barrier outside a kernel\n");
+    abort();
+  }
+  Fiber &f = fibers[current];
+  f.state = s;
+  swapcontext(&f.ctx, &scheduler);
+  threadIdx = f.tid; // resumed: this fiber's index again
+}
+
+void trampoline() {
+  cur_body(cur_arg);
+  fibers[current].state = DONE; // uc_link returns to the scheduler
+}
+
+void run_block(int nthreads) {
+  if ((int)fibers.size() < nthreads) fibers.resize(nthreads);
+  while ((int)stacks.size() < nthreads) {
+    char *st = (char *)malloc(STACK);
+    if (!st) {
+      fprintf(stderr, "cuda_emu: out of memory for fiber stacks\n");
+      abort();
+    }
+    stacks.push_back(st);
+  }
+  for (int i = 0; i < nthreads; i++) {
+    Fiber &f = fibers[i];
+    f.tid = uint3{i % blockDim.x, (i / blockDim.x) % blockDim.y, i / (blockDim.x * blockDim.y)};
+    f.state = RUNNABLE;
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = stacks[i];
+    f.ctx.uc_stack.ss_size = STACK;
+    f.ctx.uc_link = &scheduler;
+    makecontext(&f.ctx, trampoline, 0);
+  }
+  const int warps = (nthreads + 31) / 32;
+  for (;;) {
+    for (int i = 0; i < nthreads; i++) {
+      if (fibers[i].state != RUNNABLE) continue;
+      current = i;
+      threadIdx = fibers[i].tid;
+      swapcontext(&scheduler, &fibers[i].ctx);
+    }
+    current = -1;
+    // everyone waits or is done: release what can be released
+    int live = 0, at_block = 0;
+    bool released = false;
+    for (int w = 0; w < warps; w++) {
+      int wl = 0, ww = 0;
+      for (int i = w * 32; i < nthreads && i < (w + 1) * 32; i++) {
+        if (fibers[i].state == DONE) continue;
+        wl++;
+        if (fibers[i].state == AT_WARP_BARRIER) ww++;
+        if (fibers[i].state == AT_BLOCK_BARRIER) at_block++;
+      }
+      live += wl;
+      if (ww && ww == wl) {
+        for (int i = w * 32; i < nthreads && i < (w + 1) * 32; i++)
+          if (fibers[i].state == AT_WARP_BARRIER) fibers[i].state = RUNNABLE;
+        released = true;
+      }
+    }
+    if (live == 0) return;
+    if (released) continue;
+    if (at_block == live) {
+      for (int i = 0; i < nthreads; i++)
+        if (fibers[i].state == AT_BLOCK_BARRIER) fibers[i].state = RUNNABLE;
+      continue;
+    }
+    fprintf(stderr, "cuda_emu: deadlock in %s, block (%u, %u, %u): %d live threads, %d at __syncthreads\n", cur_name,
+            blockIdx.x, blockIdx.y, blockIdx.z, live, at_block);
+    abort();
+  }
+}
+
+int linear_tid() { return (int)(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)); }
+
+bool inside(const void *p, size_t bytes) {
+  uintptr_t a = (uintptr_t)p;
+  auto it = allocations.upper_bound(a);
+  if (it == allocations.begin()) return false;
+  --it;
+  return a >= it->first && a + bytes <= it->first + it->second;
+}
+
+} // namespace
+
+// ---- device side ----
+
+void __syncthreads(void) { wait_at(AT_BLOCK_BARRIER); }
+
+int __syncthreads_or(int p) {
+  const int me = linear_tid();
+  flags[me] = p != 0;
+  wait_at(AT_BLOCK_BARRIER);
+  int any = 0;
+  for (int i = 0, n = (int)(blockDim.x * blockDim.y * blockDim.z); i < n; i++)
+    if (fibers[i].state != DONE) any |= flags[i];
+  wait_at(AT_BLOCK_BARRIER);
+  return any;
+}
+
+unsigned __ballot_sync(unsigned mask, int p) {
+  (void)mask;
+  const int me = linear_tid(), base = me / 32 * 32;
+  flags[me] = p != 0;
+  wait_at(AT_WARP_BARRIER);
+  unsigned bits = 0;
+  const int n = (int)(blockDim.x * blockDim.y * blockDim.z);
+  for (int i = base; i < base + 32 && i < n; i++)
+    if (fibers[i].state != DONE && flags[i]) bits |= 1u << (i - base);
+  wait_at(AT_WARP_BARRIER);
+  return bits;
+}
+
+uint64_t pg_emu_shfl_xor(uint64_t v, int m) {
+  const int me = linear_tid(), partner = (me / 32 * 32) | ((me % 32) ^ m);
+  slots[me] = v;
+  wait_at(AT_WARP_BARRIER);
+  if (partner >= (int)(blockDim.x * blockDim.y * blockDim.z) || fibers[partner].state == DONE) {
+    fprintf(stderr, "cuda_emu: %s: shuffle with an absent lane %d\n", cur_name, partner);
+    abort();
+  }
+  const uint64_t r = slots[partner];
+  wait_at(AT_WARP_BARRIER);
+  return r;
+}
+
+void pg_emu_run(dim3 grid, dim3 block, const char *name, pg_emu_body body, void *arg) {
+  const long long nthreads = (long long)block.x * block.y * block.z;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || nthreads <= 0 || nthreads > 1024 || block.z > 64 ||
+      grid.y > 65535 || grid.z > 65535) {
+    fprintf(stderr, "cuda_emu: %s: invalid launch configuration grid (%u, %u, %u) block (%u, %u, %u)\n", name, grid.x,
+            grid.y, grid.z, block.x, block.y, block.z);
+    last_error = cudaErrorInvalidConfiguration;
+    return;
+  }
+  gridDim = grid;
+  blockDim = block;
+  cur_body = body;
+  cur_arg = arg;
+  cur_name = name;
+  slots.assign(nthreads, 0);
+  flags.assign(nthreads, 0);
+  for (unsigned z = 0; z < grid.z; z++)
+    for (unsigned y = 0; y < grid.y; y++)
+      for (unsigned x = 0; x < grid.x; x++) {
+        blockIdx = uint3{x, y, z};
+        run_block((int)nthreads);
+      }
+}
+
+// ---- runtime ----
+
+extern "C" {
+
+int pg_emu_is_device(const void *p, size_t bytes) { return inside(p, bytes); }
+
+cudaError_t cudaGetDeviceCount(int *count) {
+  *count = 1;
+  return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int *dev) {
+  *dev = 0;
+  return cudaSuccess;
+}
+cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *prop, int dev) {
+  (void)dev;
+  memset(prop, 0, sizeof *prop);
+  snprintf(prop->name, sizeof prop->name, "cuda_emu (CPU emulation)");
+  return cudaSuccess;
+}
+cudaError_t cudaRuntimeGetVersion(int *v) {
+  *v = 0;
+  return cudaSuccess;
+}
+cudaError_t cudaDriverGetVersion(int *v) {
+  *v = 0;
+  return cudaSuccess;
+}
+cudaError_t cudaGetLastError(void) {
+  cudaError_t e = last_error;
+  last_error = cudaSuccess;
+  return e;
+}
+const char *cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+  case cudaSuccess: return "no error";
+  case cudaErrorInvalidValue: return "invalid argument";
+  case cudaErrorMemoryAllocation: return "out of memory";
+  case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+  case cudaErrorInvalidDevicePointer: return "invalid device pointer";
+  default: return "unspecified launch failure";
+  }
+}
+const char *cudaGetErrorName(cudaError_t e) { return e == cudaSuccess ? "cudaSuccess" : "cudaError (emulated)"; }
+
+cudaError_t cudaMalloc(void **p, size_t bytes) {
+  *p = malloc(bytes ? bytes : 1);
+  if (!*p) return cudaErrorMemoryAllocation;
+  memset(*p, 0xA5, bytes); // not zero: kernels must write what they claim to
+  allocations[(uintptr_t)*p] = bytes;
+  return cudaSuccess;
+}
+cudaError_t cudaFree(void *p) {
+  if (!p) return cudaSuccess;
+  if (!allocations.erase((uintptr_t)p)) return cudaErrorInvalidDevicePointer;
+  free(p);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind) {
+  const bool dst_dev = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
+  const bool src_dev = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
+  if ((dst_dev && !inside(dst, bytes)) || (src_dev && !inside(src, bytes)) || (!dst_dev && inside(dst, 1)) ||
+      (!src_dev && inside(src, 1))) {
+    fprintf(stderr, "cuda_emu: cudaMemcpy of %zu bytes: a pointer on the wrong side\n", bytes);
+    return cudaErrorInvalidValue;
+  }
+  memmove(dst, src, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t s) {
+  (void)s;
+  if (!inside(p, bytes)) return cudaErrorInvalidValue;
+  memset(p, value, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags) {
+  (void)flags;
+  *s = (cudaStream_t)malloc(1);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  free(s);
+  return cudaSuccess;
+}
+
+// ---- cuBLAS ----
+
+struct cublasContext {
+  cudaStream_t stream;
+};
+
+cublasStatus_t cublasCreate(cublasHandle_t *h) {
+  *h = (cublasHandle_t)calloc(1, sizeof(struct cublasContext));
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasDestroy(cublasHandle_t h) {
+  free(h);
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s) {
+  if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
+  h->stream = s;
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasSetMathMode(cublasHandle_t h, cublasMath_t mode) {
+  (void)mode;
+  return h ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_INITIALIZED;
+}
+cublasStatus_t cublasGetProperty(libraryPropertyType type, int *value) {
+  *value = type == MAJOR_VERSION ? 0 : 0;
+  return CUBLAS_STATUS_SUCCESS;
+}
+const char *cublasGetStatusString(cublasStatus_t s) {
+  return s == CUBLAS_STATUS_SUCCESS ? "CUBLAS_STATUS_SUCCESS" : "cuBLAS error (emulated)";
+}
+
+// Extent in floats of a column-major rows x cols matrix with leading dimension ld.
+static long long extent(int rows, int cols, int ld) { return rows && cols ? (long long)(cols - 1) * ld + rows : 0; }
+
+cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                                         int k, const float *alpha, const float *A, int lda, long long sa,
+                                         const float *B, int ldb, long long sb, const float *beta, float *C, int ldc,
+                                         long long sc, int batch) {
+  if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
+  // cuBLAS's own checks
+  const int ar = ta == CUBLAS_OP_N ? m : k, ac = ta == CUBLAS_OP_N ? k : m;
+  const int br = tb == CUBLAS_OP_N ? k : n, bc = tb == CUBLAS_OP_N ? n : k;
+  if (m < 0 || n < 0 || k < 0 || batch < 0 || lda < (ar > 1 ? ar : 1) || ldb < (br > 1 ? br : 1) ||
+      ldc < (m > 1 ? m : 1)) {
+    fprintf(stderr, "cuda_emu: sgemm: invalid value (m %d n %d k %d lda %d ldb %d ldc %d)\n", m, n, k, lda, ldb, ldc);
+    return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  if (m == 0 || n == 0 || batch == 0) return CUBLAS_STATUS_SUCCESS;
+  // every matrix inside device memory
+  const long long ea = extent(ar, ac, lda) + (long long)(batch - 1) * sa;
+  const long long eb = extent(br, bc, ldb) + (long long)(batch - 1) * sb;
+  const long long ec = extent(m, n, ldc) + (long long)(batch - 1) * sc;
+  if ((k > 0 && (!inside(A, ea * sizeof(float)) || !inside(B, eb * sizeof(float)))) || !inside(C, ec * sizeof(float))) {
+    fprintf(stderr, "cuda_emu: sgemm: a matrix outside device memory (m %d n %d k %d batch %d)\n", m, n, k, batch);
+    return CUBLAS_STATUS_EXECUTION_FAILED;
+  }
+  for (int b = 0; b < batch; b++) {
+    const float *Ab = A + b * sa, *Bb = B + b * sb;
+    float *Cb = C + b * sc;
+    for (int j = 0; j < n; j++)
+      for (int i = 0; i < m; i++) {
+        double s = 0;
+        for (int p = 0; p < k; p++) {
+          const float a = ta == CUBLAS_OP_N ? Ab[i + (long long)p * lda] : Ab[p + (long long)i * lda];
+          const float bv = tb == CUBLAS_OP_N ? Bb[p + (long long)j * ldb] : Bb[j + (long long)p * ldb];
+          s += (double)a * bv;
+        }
+        float *c = Cb + i + (long long)j * ldc;
+        // beta = 0: C is not read (it may hold anything)
+        *c = (float)(*alpha * s + (*beta == 0.0f ? 0.0 : (double)*beta * *c));
+      }
+  }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasSgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                           const float *alpha, const float *A, int lda, const float *B, int ldb, const float *beta,
+                           float *C, int ldc) {
+  return cublasSgemmStridedBatched(h, ta, tb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
+}
+
+// ---- NCCL ----
+
+ncclResult_t ncclGetVersion(int *version) {
+  *version = 0;
+  return ncclSuccess;
+}
+
+} // extern "C"

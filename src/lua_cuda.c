@@ -1,0 +1,76 @@
+/* Lua bindings for the GPU entry points: pg.cuda.*. Every function answers
+ * on any build and any machine (no CUDA call happens before one is used):
+ *   pg.cuda.built              true when the CUDA kernels are compiled in
+ *   pg.cuda.available()     -> true | false, reason
+ *   pg.cuda.device_count()  -> n (0 without a driver or device; 0, reason when not built)
+ *   pg.cuda.versions()      -> {runtime=, driver=, cublas=, nccl=} | nil, reason
+ *   pg.cuda.selftest()      -> ok, report (every CUDA kernel against the CPU kernels) */
+#include <stdlib.h>
+
+#include "lua_util.h"
+#include "pg_cuda.h"
+
+static int l_available(lua_State *L) {
+  char reason[512];
+  if (pg_cuda_available(reason, sizeof reason)) {
+    lua_pushboolean(L, 1);
+    return 1;
+  }
+  lua_pushboolean(L, 0);
+  lua_pushstring(L, reason);
+  return 2;
+}
+
+static int l_device_count(lua_State *L) {
+  int n = 0;
+  if (pg_cuda_device_count(&n) != PG_OK) {
+    lua_pushinteger(L, 0);
+    lua_pushstring(L, pg_error());
+    return 2;
+  }
+  lua_pushinteger(L, n);
+  return 1;
+}
+
+static int l_versions(lua_State *L) {
+  pg_cuda_versions v;
+  if (pg_cuda_get_versions(&v) != PG_OK) {
+    lua_pushnil(L);
+    lua_pushstring(L, pg_error());
+    return 2;
+  }
+  lua_createtable(L, 0, 4);
+  lua_pushinteger(L, v.runtime);
+  lua_setfield(L, -2, "runtime");
+  lua_pushinteger(L, v.driver);
+  lua_setfield(L, -2, "driver");
+  lua_pushinteger(L, v.cublas);
+  lua_setfield(L, -2, "cublas");
+  lua_pushinteger(L, v.nccl);
+  lua_setfield(L, -2, "nccl");
+  return 1;
+}
+
+static int l_selftest(lua_State *L) {
+  size_t cap = 16384;
+  char *report = malloc(cap);
+  if (!report) return luaL_error(L, "pg.cuda.selftest: out of memory");
+  int rc = pg_cuda_selftest(report, cap);
+  lua_pushboolean(L, rc == PG_OK);
+  lua_pushstring(L, report);
+  free(report);
+  return 2;
+}
+
+static const luaL_Reg cuda_functions[] = {{"available", l_available},
+                                          {"device_count", l_device_count},
+                                          {"versions", l_versions},
+                                          {"selftest", l_selftest},
+                                          {NULL, NULL}};
+
+void pg_lua_open_cuda(lua_State *L) {
+  luaL_newlib(L, cuda_functions);
+  lua_pushboolean(L, pg_cuda_built());
+  lua_setfield(L, -2, "built");
+  lua_setfield(L, -2, "cuda");
+}
