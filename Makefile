@@ -54,8 +54,11 @@ CUDA_SRCS := $(wildcard kernels/cuda/*.cu)
 ifneq ($(and $(NVCC),$(CUDA_SRCS)),)
   CUDA_ROOT  := $(patsubst %/bin/nvcc,%,$(NVCC))
   CUDA_OBJS  := $(CUDA_SRCS:kernels/cuda/%.cu=$(BUILD)/cuda/%.o)
-  CUDA_DEFS  := -DPG_WITH_CUDA=1 -I$(CUDA_ROOT)/include
-  CUDA_LIBS  := -L$(CUDA_ROOT)/lib64 -Wl,-rpath,$(CUDA_ROOT)/lib64 -lcudart -lcublas -lnccl -lstdc++
+  # cuBLAS is not linked: src/pg_cublas.c opens it on first use (its start-up
+  # costs every process ~0.2 s); the soname's major version comes from the toolkit.
+  CUBLAS_MAJOR := $(shell ls $(CUDA_ROOT)/lib64/libcublas.so.* 2>/dev/null | sed -n 's/.*libcublas\.so\.\([0-9]*\)$$/\1/p' | head -n 1)
+  CUDA_DEFS  := -DPG_WITH_CUDA=1 -I$(CUDA_ROOT)/include -DPG_CUBLAS_SONAME_MAJOR='"$(or $(CUBLAS_MAJOR),13)"'
+  CUDA_LIBS  := -L$(CUDA_ROOT)/lib64 -Wl,-rpath,$(CUDA_ROOT)/lib64 -lcudart -lnccl -lstdc++
   CUDA_OK    := $(BUILD)/.cuda-ok
   NVCCFLAGS  := -O3 -std=c++17 -DPG_WITH_CUDA=1 -Xcompiler -fPIC,-Wall,-Wextra -Ikernels -Isrc \
                 --generate-code arch=compute_90,code=sm_90 --generate-code arch=compute_80,code=sm_80 \
@@ -118,7 +121,7 @@ $(BUILD)/cuda/%.o: kernels/cuda/%.cu kernels/cuda/common.cuh $(HEADERS) | $(DEPS
 ifneq ($(CUDA_OK),)
 $(CUDA_OK): $(CUDA_STAMP) | $(DEPS_OK)
 	@printf '#include <cuda_runtime.h>\n#include <cublas_v2.h>\n#include <nccl.h>\nint main(void) { int v; cudaRuntimeGetVersion(&v); cublasGetProperty(MAJOR_VERSION, &v); ncclGetVersion(&v); return 0; }\n' > $(BUILD)/cuda-check.c
-	@$(CC) $(CUDA_DEFS) $(BUILD)/cuda-check.c -o $(BUILD)/cuda-check $(CUDA_LIBS) > $(BUILD)/cuda-check.log 2>&1 || { \
+	@$(CC) $(CUDA_DEFS) $(BUILD)/cuda-check.c -o $(BUILD)/cuda-check $(CUDA_LIBS) -lcublas > $(BUILD)/cuda-check.log 2>&1 || { \
 	  cat $(BUILD)/cuda-check.log; \
 	  echo "error: nvcc was found ($(NVCC)) but a program using the CUDA runtime, cuBLAS and NCCL does not build"; \
 	  echo "       with $(CUDA_DEFS) $(CUDA_LIBS) (log above)."; \

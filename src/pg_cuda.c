@@ -52,6 +52,8 @@ int pg_cuda_selftest(char *report, size_t n) {
 #else /* PG_WITH_CUDA */
 
 #include <cublas_v2.h>
+
+#include "pg_cublas.h"
 #include <cuda_runtime.h>
 #include <math.h>
 #include <nccl.h>
@@ -104,9 +106,10 @@ int pg_cuda_get_versions(pg_cuda_versions *v) {
   if (cudaDriverGetVersion(&v->driver) != cudaSuccess) v->driver = 0; /* 0: no driver */
   (void)cudaGetLastError();
   int major = 0, minor = 0, patch = 0;
-  if (cublasGetProperty(MAJOR_VERSION, &major) == CUBLAS_STATUS_SUCCESS &&
-      cublasGetProperty(MINOR_VERSION, &minor) == CUBLAS_STATUS_SUCCESS &&
-      cublasGetProperty(PATCH_LEVEL, &patch) == CUBLAS_STATUS_SUCCESS)
+  const pg_cublas_api *b = pg_cublas(); /* loads cuBLAS: 0 when it cannot */
+  if (b && b->GetProperty(MAJOR_VERSION, &major) == CUBLAS_STATUS_SUCCESS &&
+      b->GetProperty(MINOR_VERSION, &minor) == CUBLAS_STATUS_SUCCESS &&
+      b->GetProperty(PATCH_LEVEL, &patch) == CUBLAS_STATUS_SUCCESS)
     v->cublas = major * 10000 + minor * 100 + patch;
   if (ncclGetVersion(&v->nccl) != ncclSuccess) v->nccl = 0;
   return PG_OK;
@@ -147,18 +150,23 @@ int pg_cuda_ctx_init(pg_cuda_ctx *ctx) {
   cudaStream_t s = NULL;
   cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
   if (e != cudaSuccess) return pg_fail("cudaStreamCreate failed: %s", cudaGetErrorString(e));
+  const pg_cublas_api *b = pg_cublas();
+  if (!b) {
+    cudaStreamDestroy(s);
+    return PG_ERR; /* pg_cublas said why */
+  }
   cublasHandle_t h = NULL;
-  cublasStatus_t st = cublasCreate(&h);
+  cublasStatus_t st = b->Create(&h);
   if (st != CUBLAS_STATUS_SUCCESS) {
     cudaStreamDestroy(s);
-    return pg_fail("cublasCreate failed: %s", cublasGetStatusString(st));
+    return pg_fail("cublasCreate failed: %s", b->GetStatusString(st));
   }
   /* Full FP32 products: no TF32 (its 10-bit mantissa would break the CPU parity). */
-  if ((st = cublasSetMathMode(h, CUBLAS_DEFAULT_MATH)) != CUBLAS_STATUS_SUCCESS ||
-      (st = cublasSetStream(h, s)) != CUBLAS_STATUS_SUCCESS) {
-    cublasDestroy(h);
+  if ((st = b->SetMathMode(h, CUBLAS_DEFAULT_MATH)) != CUBLAS_STATUS_SUCCESS ||
+      (st = b->SetStream(h, s)) != CUBLAS_STATUS_SUCCESS) {
+    b->Destroy(h);
     cudaStreamDestroy(s);
-    return pg_fail("cuBLAS set-up failed: %s", cublasGetStatusString(st));
+    return pg_fail("cuBLAS set-up failed: %s", b->GetStatusString(st));
   }
   ctx->stream = s;
   ctx->cublas = h;
@@ -167,7 +175,8 @@ int pg_cuda_ctx_init(pg_cuda_ctx *ctx) {
 
 void pg_cuda_ctx_destroy(pg_cuda_ctx *ctx) {
   if (!ctx) return;
-  if (ctx->cublas) cublasDestroy((cublasHandle_t)ctx->cublas);
+  const pg_cublas_api *b = ctx->cublas ? pg_cublas() : NULL;
+  if (b) b->Destroy((cublasHandle_t)ctx->cublas);
   if (ctx->stream) cudaStreamDestroy((cudaStream_t)ctx->stream);
   ctx->cublas = ctx->stream = NULL;
 }

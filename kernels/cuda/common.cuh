@@ -12,6 +12,8 @@
 #endif
 
 #include <cublas_v2.h>
+
+#include "pg_cublas.h" // cuBLAS is opened on first use (see src/pg_cublas.h)
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
@@ -81,7 +83,9 @@ __device__ inline float block_max(float v) {
 // operands swapped, M and N swapped, the transpose flags unchanged.
 inline int gemm_rm(cublasHandle_t h, bool ta, bool tb, int M, int N, int K, float alpha, const float *A, int lda,
                    const float *B, int ldb, float beta, float *C, int ldc) {
-  return cublas_status(cublasSgemm(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha,
+  const pg_cublas_api *b = pg_cublas();
+  if (!b) return cublas_status(CUBLAS_STATUS_NOT_INITIALIZED);
+  return cublas_status(b->Sgemm(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha,
                                    B, ldb, A, lda, &beta, C, ldc));
 }
 
@@ -89,7 +93,9 @@ inline int gemm_rm(cublasHandle_t h, bool ta, bool tb, int M, int N, int K, floa
 inline int gemm_rm_batched(cublasHandle_t h, bool ta, bool tb, int M, int N, int K, float alpha, const float *A,
                            int lda, long long sa, const float *B, int ldb, long long sb, float beta, float *C, int ldc,
                            long long sc, int batch) {
-  return cublas_status(cublasSgemmStridedBatched(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N,
+  const pg_cublas_api *b = pg_cublas();
+  if (!b) return cublas_status(CUBLAS_STATUS_NOT_INITIALIZED);
+  return cublas_status(b->SgemmStridedBatched(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N,
                                                  M, K, &alpha, B, ldb, sb, A, lda, sa, &beta, C, ldc, sc, batch));
 }
 
@@ -97,7 +103,8 @@ inline int gemm_rm_batched(cublasHandle_t h, bool ta, bool tb, int M, int N, int
 inline cublasHandle_t blas_of(const pg_cuda_ctx *ctx) {
   if (!ctx || !ctx->cublas) return nullptr;
   cublasHandle_t h = (cublasHandle_t)ctx->cublas;
-  if (cublasSetStream(h, stream_of(ctx)) != CUBLAS_STATUS_SUCCESS) return nullptr;
+  const pg_cublas_api *b = pg_cublas();
+  if (!b || b->SetStream(h, stream_of(ctx)) != CUBLAS_STATUS_SUCCESS) return nullptr;
   return h;
 }
 

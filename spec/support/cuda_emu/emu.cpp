@@ -384,3 +384,12 @@ ncclResult_t ncclGetVersion(int *version) {
 }
 
 } // extern "C"
+
+// pipegoose opens cuBLAS on first use through a table (src/pg_cublas.h); on
+// the emulator the table holds the stand-ins above.
+#include "pg_cublas.h"
+extern "C" const pg_cublas_api *pg_cublas(void) {
+  static const pg_cublas_api api = {cublasCreate,      cublasDestroy,         cublasSetStream, cublasSetMathMode,
+                                    cublasGetProperty, cublasGetStatusString, cublasSgemm,     cublasSgemmStridedBatched};
+  return &api;
+}
