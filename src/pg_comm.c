@@ -62,7 +62,126 @@ static void count(pg_context *ctx, pg_mode m, pg_coll c, double bytes, double t0
 
 static void scale_avg(void *buf, int64_t n, int size) {
   float *x = buf, s = 1.0f / (float)size;
+#pragma omp parallel for simd schedule(static) if (n > 32768)
   for (int64_t i = 0; i < n; i++) x[i] *= s;
+}
+
+/* ---- chunked ring collectives (float32) ----
+ *
+ * Large float reductions go round the ring in chunks instead of through
+ * MPI_Allreduce: each step is one MPI_Sendrecv of a chunk (a single copy with
+ * Open MPI's shared-memory transport) and one pass that folds it into the
+ * local buffer, so the whole operation moves each byte the minimum number of
+ * times, needs no buffer as large as the data (Open MPI's in-place
+ * reduce_scatter allocates one), and the ZeRO shard ends up in place. Every
+ * block is reduced along one fixed path and then copied, so all members get
+ * the same bits, and the result does not depend on timing. For two members
+ * the sum is a + b, the same bits as MPI_Allreduce's. */
+
+#define PG_RING_CHUNK ((int64_t)1 << 18) /* floats per transfer (1 MiB) */
+#define PG_RING_TAG 0x5067               /* collectives are blocking: no user message can be in flight */
+#define PG_RING_MIN ((int64_t)1 << 18)   /* below this, MPI_Allreduce's latency-optimised algorithms win */
+
+static int64_t block_start(int64_t n, int size, int b) { return n * b / size; }
+
+/* Elements of a block of `len` in the transfer that starts at `off` (0 past its end). */
+static int piece(int64_t len, int64_t off) {
+  int64_t c = len - off;
+  return (int)(c <= 0 ? 0 : c < PG_RING_CHUNK ? c : PG_RING_CHUNK);
+}
+
+static int ring_scratch(pg_context *ctx) {
+  if (!ctx->ring_scratch && !(ctx->ring_scratch = malloc((size_t)PG_RING_CHUNK * sizeof(float))))
+    return pg_fail("out of memory for the ring collectives' buffer");
+  return PG_OK;
+}
+
+/* x = op(x, t) over n floats; the last step of an average also scales. */
+static void fold(float *x, const float *t, int64_t n, pg_reduce_op op, float scale) {
+  switch (op) {
+  case PG_REDUCE_MAX:
+#pragma omp parallel for simd schedule(static) if (n > 32768)
+    for (int64_t i = 0; i < n; i++) x[i] = t[i] > x[i] ? t[i] : x[i];
+    break;
+  case PG_REDUCE_MIN:
+#pragma omp parallel for simd schedule(static) if (n > 32768)
+    for (int64_t i = 0; i < n; i++) x[i] = t[i] < x[i] ? t[i] : x[i];
+    break;
+  default:
+    if (scale != 1.0f) {
+#pragma omp parallel for simd schedule(static) if (n > 32768)
+      for (int64_t i = 0; i < n; i++) x[i] = (x[i] + t[i]) * scale;
+    } else {
+#pragma omp parallel for simd schedule(static) if (n > 32768)
+      for (int64_t i = 0; i < n; i++) x[i] += t[i];
+    }
+  }
+}
+
+/* In place: buf holds `size` blocks (block b = [n b / size, n (b+1) / size));
+ * afterwards this member's block holds the reduction over the group (the
+ * other blocks hold partial sums). */
+static int ring_reduce_scatter(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op) {
+  pg_group *g = &ctx->group[m];
+  int D = g->size, r = g->rank, next = (r + 1) % D, prev = (r + D - 1) % D;
+  if (ring_scratch(ctx)) return PG_ERR;
+  float *tmp = ctx->ring_scratch;
+  /* Step k: send block r-1-k (our partial sum of it) on, receive block
+   * r-2-k from the previous member and fold ours in. After D-1 steps the
+   * last block received is our own, complete. */
+  for (int k = 0; k < D - 1; k++) {
+    int sb = ((r - 1 - k) % D + D) % D, rb = ((r - 2 - k) % D + D) % D;
+    int64_t s0 = block_start(n, D, sb), slen = block_start(n, D, sb + 1) - s0;
+    int64_t r0 = block_start(n, D, rb), rlen = block_start(n, D, rb + 1) - r0;
+    float scale = (op == PG_REDUCE_AVG && k == D - 2) ? 1.0f / (float)D : 1.0f;
+    for (int64_t off = 0; off < slen || off < rlen; off += PG_RING_CHUNK) {
+      int sc = piece(slen, off), rcv = piece(rlen, off);
+      int rc = MPI_Sendrecv(buf + s0 + off, sc, MPI_FLOAT, next, PG_RING_TAG, tmp, rcv, MPI_FLOAT, prev, PG_RING_TAG,
+                            g->comm, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return mpi_fail(rc, "reduce_scatter", m);
+      fold(buf + r0 + off, tmp, rcv, op, scale);
+    }
+  }
+  return PG_OK;
+}
+
+/* In place: every member's block (as above) copied to all the others. */
+static int ring_all_gather(pg_context *ctx, pg_mode m, float *buf, int64_t n) {
+  pg_group *g = &ctx->group[m];
+  int D = g->size, r = g->rank, next = (r + 1) % D, prev = (r + D - 1) % D;
+  /* Step k: pass on block r-k (ours first), receive block r-1-k. */
+  for (int k = 0; k < D - 1; k++) {
+    int sb = ((r - k) % D + D) % D, rb = ((r - 1 - k) % D + D) % D;
+    int64_t s0 = block_start(n, D, sb), slen = block_start(n, D, sb + 1) - s0;
+    int64_t r0 = block_start(n, D, rb), rlen = block_start(n, D, rb + 1) - r0;
+    for (int64_t off = 0; off < slen || off < rlen; off += PG_RING_CHUNK) {
+      int sc = piece(slen, off), rcv = piece(rlen, off);
+      int rc = MPI_Sendrecv(buf + s0 + off, sc, MPI_FLOAT, next, PG_RING_TAG + 1, buf + r0 + off, rcv, MPI_FLOAT, prev,
+                            PG_RING_TAG + 1, g->comm, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return mpi_fail(rc, "all_gather", m);
+    }
+  }
+  return PG_OK;
+}
+
+int pg_reduce_scatter_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op) {
+  if (check_ctx(ctx)) return PG_ERR;
+  pg_group *g = &ctx->group[m];
+  if (g->size == 1 || n == 0) return PG_OK;
+  double t0 = MPI_Wtime();
+  if (ring_reduce_scatter(ctx, m, buf, n, op)) return PG_ERR;
+  count(ctx, m, PG_COLL_REDUCE_SCATTER, (double)n * sizeof(float), t0);
+  return PG_OK;
+}
+
+int pg_all_gather_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n) {
+  if (check_ctx(ctx)) return PG_ERR;
+  pg_group *g = &ctx->group[m];
+  if (g->size == 1 || n == 0) return PG_OK;
+  double t0 = MPI_Wtime();
+  if (ring_all_gather(ctx, m, buf, n)) return PG_ERR;
+  count(ctx, m, PG_COLL_ALL_GATHER, (double)n * sizeof(float), t0);
+  return PG_OK;
 }
 
 int pg_all_reduce_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype, pg_reduce_op op) {
@@ -71,6 +190,12 @@ int pg_all_reduce_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype
   if (g->size == 1 || n == 0) return PG_OK;
   double t0 = MPI_Wtime();
   size_t es = pg_dtype_size(dtype);
+  if (dtype == PG_FLOAT32 && n >= PG_RING_MIN) {
+    /* reduce-scatter + all-gather round the ring (the average folded into the last step) */
+    if (ring_reduce_scatter(ctx, m, buf, n, op) || ring_all_gather(ctx, m, buf, n)) return PG_ERR;
+    count(ctx, m, PG_COLL_ALL_REDUCE, (double)n * es, t0);
+    return PG_OK;
+  }
   for (int64_t off = 0; off < n; off += PG_MPI_CHUNK) {
     int64_t c = n - off < PG_MPI_CHUNK ? n - off : PG_MPI_CHUNK;
     int rc = MPI_Allreduce(MPI_IN_PLACE, (char *)buf + off * es, (int)c, mpi_type(dtype), mpi_op(op), g->comm);

@@ -316,16 +316,12 @@ int pg_engine_sync_grads(pg_engine *e) {
   /* 2. data parallel: the average over the replicas. */
   int D = e->ctx->data;
   if (D > 1 && !e->zero) {
-    for (int64_t off = 0; off < e->flat_padded; off += e->opts.bucket_elems) {
-      int64_t n = e->flat_padded - off < e->opts.bucket_elems ? e->flat_padded - off : e->opts.bucket_elems;
-      if (pg_all_reduce_buf(e->ctx, PG_MODE_DATA, g + off, n, PG_FLOAT32, PG_REDUCE_AVG)) return PG_ERR;
-    }
+    /* One ring all-reduce over the whole flat buffer (chunked inside). */
+    if (pg_all_reduce_buf(e->ctx, PG_MODE_DATA, g, e->flat_padded, PG_FLOAT32, PG_REDUCE_AVG)) return PG_ERR;
   } else if (D > 1) {
-    int64_t lo, hi;
-    pg_engine_shard(e, &lo, &hi);
-    /* In place: the reduced shard lands at the front, then moves to its place. */
-    if (pg_reduce_scatter_buf(e->ctx, PG_MODE_DATA, g, g, hi - lo, PG_FLOAT32, PG_REDUCE_AVG)) return PG_ERR;
-    if (lo) memmove(g + lo, g, (size_t)(hi - lo) * sizeof(float));
+    /* Ring reduce-scatter: flat_padded is a multiple of D, so the ring's
+     * blocks are the ZeRO shards and ours is reduced in place. */
+    if (pg_reduce_scatter_inplace(e->ctx, PG_MODE_DATA, g, e->flat_padded, PG_REDUCE_AVG)) return PG_ERR;
   }
   e->grads_pending = 0;
   e->stats.grad_sync_seconds += MPI_Wtime() - t0;

@@ -85,6 +85,6 @@ int pg_adamw_step(pg_adamw *o) {
   })
   o->clip_scale = 1.0f;
   if (o->zero && e->ctx->data > 1)
-    return pg_all_gather_buf(e->ctx, PG_MODE_DATA, w, o->hi - o->lo, PG_FLOAT32);
+    return pg_all_gather_inplace(e->ctx, PG_MODE_DATA, w, e->flat_padded); /* the shards are the ring's blocks */
   return PG_OK;
 }
