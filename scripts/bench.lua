@@ -317,7 +317,10 @@ local function driver()
   local have_torch = os.execute("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") == true
   local function torch_run(args)
     if not have_torch or not want("torch") then return nil end
-    local res, lines, rc = run("/usr/bin/python3 scripts/bench_torch.py " .. args)
+    -- PyTorch runs with the environment it was given: pglua's own OpenMP
+    -- wait-policy default (see src/pglua.c) is not passed on to it.
+    local env = os.getenv("PG_DEFAULT_WAIT_POLICY") and "env -u OMP_WAIT_POLICY -u PG_DEFAULT_WAIT_POLICY " or ""
+    local res, lines, rc = run(env .. "/usr/bin/python3 scripts/bench_torch.py " .. args)
     if not check_run("PyTorch " .. args, res, lines, rc, "torch_tokens_per_s") then return nil end
     return res.torch_tokens_per_s
   end
