@@ -8,6 +8,7 @@
 #define PG_COMM_H
 
 #include "pg_context.h"
+#include "pg_shm.h"
 #include "pg_tensor.h"
 
 typedef enum { PG_REDUCE_SUM = 0, PG_REDUCE_MAX, PG_REDUCE_MIN, PG_REDUCE_AVG } pg_reduce_op;
@@ -35,6 +36,13 @@ int pg_all_gather_buf(pg_context *ctx, pg_mode m, void *buf, int64_t count, pg_d
  * bits. pg_all_reduce_buf uses them for large float buffers. */
 int pg_reduce_scatter_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op);
 int pg_all_gather_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n);
+/* The same over buffers every member maps (pg_shm.h; same blocks): one pass
+ * over memory, no copies through MPI. all_reduce writes the result into every
+ * member's buffer; reduce_scatter only into this member's block (sum or avg);
+ * all_gather copies the other members' blocks of their buffers into ours. */
+int pg_shm_all_reduce(pg_context *ctx, const pg_shm *s, int64_t n, pg_reduce_op op);
+int pg_shm_reduce_scatter(pg_context *ctx, const pg_shm *s, int64_t n, pg_reduce_op op);
+int pg_shm_all_gather(pg_context *ctx, const pg_shm *s, int64_t n);
 /* src is a local rank in the group. */
 int pg_broadcast(pg_context *ctx, pg_mode m, pg_tensor *t, int src);
 int pg_broadcast_buf(pg_context *ctx, pg_mode m, void *buf, int64_t count, pg_dtype dtype, int src);
