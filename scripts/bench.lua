@@ -61,6 +61,20 @@ local function vm_hwm()
   return 0
 end
 
+--- Proportional set size in bytes (smaps_rollup): pages shared with other
+-- processes count for their share only. 0 where it is missing.
+local function pss()
+  local f = io.open("/proc/self/smaps_rollup")
+  if not f then return 0 end
+  local total = 0
+  for line in f:lines() do
+    local kb = line:match("^Pss:%s+(%d+)")
+    if kb then total = tonumber(kb) * 1024 end
+  end
+  f:close()
+  return total
+end
+
 local MODELS = {
   -- GPT-2 124M: llm.c's padded vocabulary; only 64 of its positions are used.
   gpt2 = { vocab = 50257, padded_vocab = 50304, seq_len = 64, dim = 768, heads = 12, layers = 12, batch = 4 },
@@ -135,7 +149,7 @@ local function worker_step(o)
       end
     end
   end
-  local hwm = allmax(vm_hwm())
+  local hwm, pss_bytes = allmax(vm_hwm()), allmax(pss())
   local nparams = engine:num_parameters()
   if ctx:rank() == 0 then
     local step = median(times)
@@ -143,7 +157,7 @@ local function worker_step(o)
       params = nparams, ranks = pg.world_size(), threads = pg.num_threads(), tokens_per_step = B * T * data,
       step_ms = step * 1e3, step_ms_min = math.min(table.unpack(times)) * 1e3,
       tokens_per_s = B * T * data / step, compute_ms = median(computes) * 1e3, grad_sync_ms = median(syncs) * 1e3,
-      peak_rss_mb = hwm / 2 ^ 20, loss = loss,
+      peak_rss_mb = hwm / 2 ^ 20, pss_mb = pss_bytes / 2 ^ 20, loss = loss,
       layers = cfg.layers, dim = cfg.dim, seq_len = T,
     }
     for mode, v in pairs(comms) do
@@ -378,69 +392,86 @@ local function driver()
   end
 
   ------------------------------------------------ tensor and data parallel, 1 thread per rank
-  local base
-  local function baseline()
-    if base == nil then
+  -- The 1 rank x 1 thread baseline runs before and after the multi-rank runs
+  -- and they are compared with the mean of the two, so that a slow drift of
+  -- the machine's speed (other work starting or ending) does not land on one
+  -- side of the ratio only.
+  if want("tp") or want("dp") then
+    local function one_rank()
       local res, lines, rc = run(worker_cmd(1, 1, { "--worker=step", "--model=gpt2", "--steps=" .. steps(3) }))
-      base = check_run("gpt2_124m 1 rank x 1 thread", res, lines, rc, "tokens_per_s") and res or false
-      if base then
-        emit("gpt2_1x1", "tokens_per_s", base.tokens_per_s, "%.2f")
-        emit("gpt2_1x1", "step_ms", base.step_ms, "%.1f")
-        emit("gpt2_1x1", "mfu_1thread", base.tokens_per_s * flops_per_token(base) / (peak[1] * 1e9), "%.3f")
-        emit("gpt2_1x1", "peak_rss_mb", base.peak_rss_mb, "%.0f")
+      return check_run("gpt2_124m 1 rank x 1 thread", res, lines, rc, "tokens_per_s") and res or nil
+    end
+    local function multi(label, args)
+      local a = { "--worker=step", "--model=gpt2", "--steps=" .. steps(3) }
+      for _, x in ipairs(args) do a[#a + 1] = x end
+      local res, lines, rc = run(worker_cmd(2, 1, a))
+      return check_run(label, res, lines, rc, "tokens_per_s") and res or nil
+    end
+    local b1 = one_rank()
+    local tp = want("tp") and multi("gpt2_124m tensor=2", { "--tensor=2" }) or nil
+    local dp = {}
+    if want("dp") then
+      for _, zero in ipairs{ 0, 1 } do dp[zero] = multi("gpt2_124m data=2 zero=" .. zero, { "--data=2", "--zero=" .. zero }) end
+    end
+    local b2 = one_rank()
+    if b1 and b2 then
+      local tps = (b1.tokens_per_s + b2.tokens_per_s) / 2
+      local b = { tokens_per_s = tps, step_ms = (b1.step_ms + b2.step_ms) / 2,
+                  peak_rss_mb = math.max(b1.peak_rss_mb, b2.peak_rss_mb) }
+      emit("gpt2_1x1", "tokens_per_s", tps, "%.2f")
+      emit("gpt2_1x1", "tokens_per_s_before", b1.tokens_per_s, "%.2f")
+      emit("gpt2_1x1", "tokens_per_s_after", b2.tokens_per_s, "%.2f")
+      emit("gpt2_1x1", "step_ms", b.step_ms, "%.1f")
+      emit("gpt2_1x1", "mfu_1thread", tps * flops_per_token(b1) / (peak[1] * 1e9), "%.3f")
+      emit("gpt2_1x1", "peak_rss_mb", b.peak_rss_mb, "%.0f")
+      local function row_line(label, r, speed, comm_ms, extra)
+        print(("  %-22s %9.2f %9.1f %8s %10.1f %8.0f %s"):format(label, r.tokens_per_s, r.step_ms,
+          speed and ("%.2fx"):format(speed) or "1.00x", comm_ms or 0, r.peak_rss_mb, extra or ""))
       end
-    end
-    return base
-  end
-  local function row_line(label, r, speed, comm_ms, extra)
-    print(("  %-22s %9.2f %9.1f %8s %10.1f %8.0f %s"):format(label, r.tokens_per_s, r.step_ms,
-      speed and ("%.2fx"):format(speed) or "1.00x", comm_ms or 0, r.peak_rss_mb, extra or ""))
-  end
-  if want("tp") then
-    local b = baseline()
-    local res, lines, rc = run(worker_cmd(2, 1, { "--worker=step", "--model=gpt2", "--tensor=2", "--steps=" .. steps(3) }))
-    if b and check_run("gpt2_124m tensor=2", res, lines, rc, "tokens_per_s") then
-      local sp = res.tokens_per_s / b.tokens_per_s
-      emit("gpt2_tp2", "tokens_per_s", res.tokens_per_s, "%.2f")
-      emit("gpt2_tp2", "step_ms", res.step_ms, "%.1f")
-      emit("gpt2_tp2", "speedup", sp, "%.3f")
-      emit("gpt2_tp2", "comm_ms_per_step", res.comm_ms_tensor or 0, "%.1f")
-      emit("gpt2_tp2", "comm_fraction", (res.comm_ms_tensor or 0) / res.step_ms, "%.3f")
-      emit("gpt2_tp2", "peak_rss_mb_per_rank", res.peak_rss_mb, "%.0f")
-      print()
-      print("== tensor parallel, GPT-2 124M, batch 4 x 64, 1 thread per rank (target: speedup >= 1.6)")
-      print(("  %-22s %9s %9s %8s %10s %8s"):format("layout", "tokens/s", "step ms", "speedup", "comm ms", "peak MB"))
-      row_line("T=1 (1 rank)", b)
-      row_line("T=2 (2 ranks)", res, sp, res.comm_ms_tensor)
-    end
-  end
-  if want("dp") then
-    local b = baseline()
-    local out = {}
-    for _, zero in ipairs{ 0, 1 } do
-      local res, lines, rc = run(worker_cmd(2, 1, { "--worker=step", "--model=gpt2", "--data=2", "--zero=" .. zero,
-                                                    "--steps=" .. steps(3) }))
-      if b and check_run("gpt2_124m data=2 zero=" .. zero, res, lines, rc, "tokens_per_s") then
-        local key = "gpt2_dp2_zero" .. zero
-        local sp = res.tokens_per_s / b.tokens_per_s
-        emit(key, "tokens_per_s", res.tokens_per_s, "%.2f")
-        emit(key, "step_ms", res.step_ms, "%.1f")
-        emit(key, "scaling", sp, "%.3f")
-        emit(key, "grad_sync_ms_per_step", res.grad_sync_ms, "%.1f")
-        emit(key, "comm_ms_per_step", res.comm_ms_data or 0, "%.1f")
-        emit(key, "grad_sync_fraction", res.grad_sync_ms / res.step_ms, "%.3f")
-        emit(key, "peak_rss_mb_per_rank", res.peak_rss_mb, "%.0f")
-        out[#out + 1] = { zero, res, sp }
+      local drift = ("  (1 rank x 1 thread: %.2f tokens/s before, %.2f after; the mean is the baseline)"):format(
+        b1.tokens_per_s, b2.tokens_per_s)
+      if tp then
+        local sp = tp.tokens_per_s / tps
+        emit("gpt2_tp2", "tokens_per_s", tp.tokens_per_s, "%.2f")
+        emit("gpt2_tp2", "step_ms", tp.step_ms, "%.1f")
+        emit("gpt2_tp2", "speedup", sp, "%.3f")
+        emit("gpt2_tp2", "comm_ms_per_step", tp.comm_ms_tensor or 0, "%.1f")
+        emit("gpt2_tp2", "comm_fraction", (tp.comm_ms_tensor or 0) / tp.step_ms, "%.3f")
+        emit("gpt2_tp2", "peak_rss_mb_per_rank", tp.peak_rss_mb, "%.0f")
+        print()
+        print("== tensor parallel, GPT-2 124M, batch 4 x 64, 1 thread per rank (target: speedup >= 1.6)")
+        print(("  %-22s %9s %9s %8s %10s %8s"):format("layout", "tokens/s", "step ms", "speedup", "comm ms", "peak MB"))
+        row_line("T=1 (1 rank)", b)
+        row_line("T=2 (2 ranks)", tp, sp, tp.comm_ms_tensor)
+        print(drift)
       end
-    end
-    if #out > 0 then
-      print()
-      print("== data parallel, GPT-2 124M, 4 x 64 per rank, 1 thread per rank (target: scaling >= 1.8)")
-      print(("  %-22s %9s %9s %8s %10s %8s %s"):format("layout", "tokens/s", "step ms", "scaling", "sync ms", "peak MB",
-        "data comm ms"))
-      row_line("D=1 (1 rank)", b)
-      for _, r in ipairs(out) do
-        row_line(("D=2 zero=%d"):format(r[1]), r[2], r[3], r[2].grad_sync_ms, ("%10.1f"):format(r[2].comm_ms_data or 0))
+      if dp[0] or dp[1] then
+        print()
+        print("== data parallel, GPT-2 124M, 4 x 64 per rank, 1 thread per rank (target: scaling >= 1.8)")
+        print(("  %-22s %9s %9s %8s %10s %8s %8s"):format("layout", "tokens/s", "step ms", "scaling", "sync ms", "peak MB",
+          "PSS MB"))
+        row_line("D=1 (1 rank)", b)
+        for _, zero in ipairs{ 0, 1 } do
+          local r = dp[zero]
+          if r then
+            local key = "gpt2_dp2_zero" .. zero
+            local sp = r.tokens_per_s / tps
+            emit(key, "tokens_per_s", r.tokens_per_s, "%.2f")
+            emit(key, "step_ms", r.step_ms, "%.1f")
+            emit(key, "scaling", sp, "%.3f")
+            emit(key, "grad_sync_ms_per_step", r.grad_sync_ms, "%.1f")
+            emit(key, "data_comm_ms_per_step", r.comm_ms_data or 0, "%.1f")
+            emit(key, "grad_sync_fraction", r.grad_sync_ms / r.step_ms, "%.3f")
+            emit(key, "peak_rss_mb_per_rank", r.peak_rss_mb, "%.0f")
+            emit(key, "pss_mb_per_rank", r.pss_mb, "%.0f")
+            row_line(("D=2 zero=%d"):format(zero), r, sp, r.grad_sync_ms, ("%8.0f %s"):format(r.pss_mb,
+              zero == 1 and ("(+ %.1f ms parameter all-gather)"):format((r.comm_ms_data or 0) - r.grad_sync_ms) or ""))
+          end
+        end
+        print(drift)
+        print("  sync ms: the gradient reduction per step (engine:stats().grad_sync_seconds). Peak RSS (VmHWM)")
+        print("  counts the pages of the other replica's shared buffers that this rank touched; PSS (at the end)")
+        print("  counts shared pages once, split between the ranks that map them.")
       end
     end
   end
