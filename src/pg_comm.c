@@ -81,7 +81,7 @@ static void scale_avg(void *buf, int64_t n, int size) {
 
 #define PG_RING_CHUNK ((int64_t)1 << 18) /* floats per transfer (1 MiB) */
 #define PG_RING_TAG 0x5067               /* collectives are blocking: no user message can be in flight */
-#define PG_RING_MIN ((int64_t)1 << 18)   /* below this, MPI_Allreduce's latency-optimised algorithms win */
+#define PG_RING_MIN ((int64_t)1 << 18)   /* floats: at 1 MiB ring and MPI_Allreduce were even (bench_comm); below, MPI's latency-optimised algorithms */
 
 static int64_t block_start(int64_t n, int size, int b) { return n * b / size; }
 
@@ -97,24 +97,24 @@ static int ring_scratch(pg_context *ctx) {
   return PG_OK;
 }
 
-/* x = op(x, t) over n floats; the last step of an average also scales. */
-static void fold(float *x, const float *t, int64_t n, pg_reduce_op op, float scale) {
+/* y = op(x, t) over n floats (y may be x); the last step of an average also scales. */
+static void fold(float *y, const float *x, const float *t, int64_t n, pg_reduce_op op, float scale) {
   switch (op) {
   case PG_REDUCE_MAX:
 #pragma omp parallel for simd schedule(static) if (n > 32768)
-    for (int64_t i = 0; i < n; i++) x[i] = t[i] > x[i] ? t[i] : x[i];
+    for (int64_t i = 0; i < n; i++) y[i] = t[i] > x[i] ? t[i] : x[i];
     break;
   case PG_REDUCE_MIN:
 #pragma omp parallel for simd schedule(static) if (n > 32768)
-    for (int64_t i = 0; i < n; i++) x[i] = t[i] < x[i] ? t[i] : x[i];
+    for (int64_t i = 0; i < n; i++) y[i] = t[i] < x[i] ? t[i] : x[i];
     break;
   default:
     if (scale != 1.0f) {
 #pragma omp parallel for simd schedule(static) if (n > 32768)
-      for (int64_t i = 0; i < n; i++) x[i] = (x[i] + t[i]) * scale;
+      for (int64_t i = 0; i < n; i++) y[i] = (x[i] + t[i]) * scale;
     } else {
 #pragma omp parallel for simd schedule(static) if (n > 32768)
-      for (int64_t i = 0; i < n; i++) x[i] += t[i];
+      for (int64_t i = 0; i < n; i++) y[i] = x[i] + t[i];
     }
   }
 }
@@ -140,7 +140,32 @@ static int ring_reduce_scatter(pg_context *ctx, pg_mode m, float *buf, int64_t n
       int rc = MPI_Sendrecv(buf + s0 + off, sc, MPI_FLOAT, next, PG_RING_TAG, tmp, rcv, MPI_FLOAT, prev, PG_RING_TAG,
                             g->comm, MPI_STATUS_IGNORE);
       if (rc != MPI_SUCCESS) return mpi_fail(rc, "reduce_scatter", m);
-      fold(buf + r0 + off, tmp, rcv, op, scale);
+      fold(buf + r0 + off, buf + r0 + off, tmp, rcv, op, scale);
+    }
+  }
+  return PG_OK;
+}
+
+/* The same steps with the input left alone: `in` holds the size blocks of
+ * `per` floats, `out` (per floats) receives this member's reduced block and
+ * holds the partial sum passed on at each step in the meantime (it is sent
+ * before it is overwritten, chunk by chunk). */
+static int ring_reduce_scatter_to(pg_context *ctx, pg_mode m, const float *in, float *out, int64_t per,
+                                  pg_reduce_op op) {
+  pg_group *g = &ctx->group[m];
+  int D = g->size, r = g->rank, next = (r + 1) % D, prev = (r + D - 1) % D;
+  if (ring_scratch(ctx)) return PG_ERR;
+  float *tmp = ctx->ring_scratch;
+  for (int k = 0; k < D - 1; k++) {
+    int sb = ((r - 1 - k) % D + D) % D, rb = ((r - 2 - k) % D + D) % D;
+    const float *send = k == 0 ? in + (int64_t)sb * per : out; /* out: last step's block rb = this step's sb */
+    float scale = (op == PG_REDUCE_AVG && k == D - 2) ? 1.0f / (float)D : 1.0f;
+    for (int64_t off = 0; off < per; off += PG_RING_CHUNK) {
+      int c = piece(per, off);
+      int rc = MPI_Sendrecv(send + off, c, MPI_FLOAT, next, PG_RING_TAG, tmp, c, MPI_FLOAT, prev, PG_RING_TAG, g->comm,
+                            MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return mpi_fail(rc, "reduce_scatter", m);
+      fold(out + off, in + (int64_t)rb * per + off, tmp, c, op, scale);
     }
   }
   return PG_OK;
@@ -223,8 +248,12 @@ int pg_all_gather_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype
   if (g->size == 1 || n == 0) return PG_OK;
   if (n > PG_MPI_CHUNK) return pg_fail("all_gather of %lld elements per member is too large", (long long)n);
   double t0 = MPI_Wtime();
-  int rc = MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, (int)n, mpi_type(dtype), g->comm);
-  if (rc != MPI_SUCCESS) return mpi_fail(rc, "all_gather", m);
+  if (dtype == PG_FLOAT32 && n * g->size >= PG_RING_MIN) {
+    if (ring_all_gather(ctx, m, buf, n * g->size)) return PG_ERR; /* member r's block is [r n, (r+1) n) */
+  } else {
+    int rc = MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, (int)n, mpi_type(dtype), g->comm);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "all_gather", m);
+  }
   count(ctx, m, PG_COLL_ALL_GATHER, (double)n * pg_dtype_size(dtype) * g->size, t0);
   return PG_OK;
 }
@@ -268,10 +297,19 @@ int pg_reduce_scatter_buf(pg_context *ctx, pg_mode m, const void *in, void *out,
   }
   if (n > PG_MPI_CHUNK) return pg_fail("reduce_scatter of %lld elements per member is too large", (long long)n);
   double t0 = MPI_Wtime();
-  /* in == out: in place (the member's block lands at the front of the buffer) */
-  int rc = MPI_Reduce_scatter_block(in == out ? MPI_IN_PLACE : in, out, (int)n, mpi_type(dtype), mpi_op(op), g->comm);
-  if (rc != MPI_SUCCESS) return mpi_fail(rc, "reduce_scatter", m);
-  if (op == PG_REDUCE_AVG) scale_avg(out, n, g->size);
+  if (dtype == PG_FLOAT32 && n * g->size >= PG_RING_MIN) {
+    if (in == out) { /* in place: the ring leaves our block at r n; the contract puts it in front */
+      if (ring_reduce_scatter(ctx, m, out, n * g->size, op)) return PG_ERR;
+      if (g->rank) memmove(out, (float *)out + n * g->rank, (size_t)n * es);
+    } else if (ring_reduce_scatter_to(ctx, m, in, out, n, op)) {
+      return PG_ERR;
+    }
+  } else {
+    /* in == out: in place (the member's block lands at the front of the buffer) */
+    int rc = MPI_Reduce_scatter_block(in == out ? MPI_IN_PLACE : in, out, (int)n, mpi_type(dtype), mpi_op(op), g->comm);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "reduce_scatter", m);
+    if (op == PG_REDUCE_AVG) scale_avg(out, n, g->size);
+  }
   count(ctx, m, PG_COLL_REDUCE_SCATTER, (double)n * es * g->size, t0);
   return PG_OK;
 }
