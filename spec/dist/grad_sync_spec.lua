@@ -39,7 +39,8 @@ local function train(zero, shared)
     if s == 1 then first = grads end
     opt:step()
   end
-  return (engine.c:flat()):clone(), grads, engine, first
+  local sd = opt:state_dict()
+  return (engine.c:flat()):clone(), grads, engine, first, sd
 end
 
 --- max over the group of |a - b| element by element is 0 on every member: the same bits everywhere
@@ -51,8 +52,8 @@ local function same_everywhere(t)
 end
 
 describe(("data-parallel gradient sync on %d ranks"):format(world), function()
-  local p_shm0, g_shm0, _, f_shm0 = train(0, true)
-  local p_mpi0, g_mpi0, _, f_mpi0 = train(0, false)
+  local p_shm0, g_shm0, _, f_shm0, sd_shm0 = train(0, true)
+  local p_mpi0, g_mpi0, _, f_mpi0, sd_mpi0 = train(0, false)
   local p_shm1, g_shm1, e1 = train(1, true)
   local p_mpi1, g_mpi1 = train(1, false)
 
@@ -62,6 +63,15 @@ describe(("data-parallel gradient sync on %d ranks"):format(world), function()
     assert.is_true(same_everywhere(p_mpi0), "MPI ring, zero = 0")
     assert.is_true(same_everywhere(p_shm1), "shared memory, zero = 1")
     assert.is_true(same_everywhere(p_mpi1), "MPI ring, zero = 1")
+  end)
+
+  it("keeps the replicated optimizer state (zero = 0) the same on every replica", function()
+    -- with shared buffers each member updates its block and writes it everywhere
+    assert.is_true(same_everywhere(sd_shm0.m) and same_everywhere(sd_shm0.v), "shared memory")
+    assert.is_true(same_everywhere(sd_mpi0.m) and same_everywhere(sd_mpi0.v), "MPI ring")
+    if D == 2 then
+      assert.is_true(sd_shm0.m:equal(sd_mpi0.m) and sd_shm0.v:equal(sd_mpi0.v), "the same bits either way")
+    end
   end)
 
   it("agrees between shared memory and the MPI ring (two members: the same bits)", function()
