@@ -63,7 +63,7 @@ static void count(pg_context *ctx, pg_mode m, pg_coll c, double bytes, double t0
 
 static void scale_avg(void *buf, int64_t n, int size) {
   float *x = buf, s = 1.0f / (float)size;
-#pragma omp parallel for simd schedule(static) if (n > 32768)
+#pragma omp parallel for simd schedule(static) if (parallel : n > 32768)
   for (int64_t i = 0; i < n; i++) x[i] *= s;
 }
 
@@ -101,19 +101,19 @@ static int ring_scratch(pg_context *ctx) {
 static void fold(float *y, const float *x, const float *t, int64_t n, pg_reduce_op op, float scale) {
   switch (op) {
   case PG_REDUCE_MAX:
-#pragma omp parallel for simd schedule(static) if (n > 32768)
+#pragma omp parallel for simd schedule(static) if (parallel : n > 32768)
     for (int64_t i = 0; i < n; i++) y[i] = t[i] > x[i] ? t[i] : x[i];
     break;
   case PG_REDUCE_MIN:
-#pragma omp parallel for simd schedule(static) if (n > 32768)
+#pragma omp parallel for simd schedule(static) if (parallel : n > 32768)
     for (int64_t i = 0; i < n; i++) y[i] = t[i] < x[i] ? t[i] : x[i];
     break;
   default:
     if (scale != 1.0f) {
-#pragma omp parallel for simd schedule(static) if (n > 32768)
+#pragma omp parallel for simd schedule(static) if (parallel : n > 32768)
       for (int64_t i = 0; i < n; i++) y[i] = (x[i] + t[i]) * scale;
     } else {
-#pragma omp parallel for simd schedule(static) if (n > 32768)
+#pragma omp parallel for simd schedule(static) if (parallel : n > 32768)
       for (int64_t i = 0; i < n; i++) y[i] = x[i] + t[i];
     }
   }
