@@ -1,9 +1,7 @@
 #include "pg_optim.h"
 
 #include <math.h>
-#include <stdatomic.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "kernels.h"
 #include "pg_comm.h"
@@ -26,33 +24,15 @@ pg_adamw *pg_adamw_new(pg_engine *e, const pg_adamw_hparams *h, int zero) {
   e->zero = zero;
   pg_engine_shard(e, &o->lo, &o->hi);
   size_t bytes = (size_t)(o->hi - o->lo) * sizeof(float);
-  /* Replicated state next to shared parameters: share m and v too, so that
-   * each member can update its block everywhere (collective: every member
-   * has the same zero and the same kind of buffers). */
-  if (!zero && e->param_shm.size &&
-      (pg_shm_create(e->ctx, PG_MODE_DATA, bytes, &o->m_shm, &o->m) ||
-       pg_shm_create(e->ctx, PG_MODE_DATA, bytes, &o->v_shm, &o->v))) {
+  if (!(o->m = pg_storage_new(bytes, PG_CPU)) || !(o->v = pg_storage_new(bytes, PG_CPU))) {
     pg_adamw_free(o);
     return NULL;
-  }
-  if (!o->m_shm.size || !o->v_shm.size) { /* not shared (or only one of them): private state */
-    pg_shm_close(&o->m_shm);
-    pg_shm_close(&o->v_shm);
-    pg_storage_release(o->m);
-    pg_storage_release(o->v);
-    o->m = o->v = NULL;
-    if (!(o->m = pg_storage_new(bytes, PG_CPU)) || !(o->v = pg_storage_new(bytes, PG_CPU))) {
-      pg_adamw_free(o);
-      return NULL;
-    }
   }
   return o;
 }
 
 void pg_adamw_free(pg_adamw *o) {
   if (!o) return;
-  pg_shm_close(&o->m_shm);
-  pg_shm_close(&o->v_shm);
   pg_storage_release(o->m);
   pg_storage_release(o->v);
   free(o);
@@ -94,53 +74,10 @@ int pg_adamw_clip(pg_adamw *o, double max_norm, double *norm) {
   return PG_OK;
 }
 
-#define SHARED_TILE 4096 /* floats updated, then copied to the other members while in cache */
-
-/* zero = 0 with shared buffers: this member updates block dp_rank of the flat
- * buffer (the collectives' blocks) and writes the results into every
- * member's parameters, m and v. The barriers: nobody reads its copies while
- * others write them, and nobody goes on before all blocks are written. */
-static int step_shared(pg_adamw *o) {
-  pg_engine *e = o->engine;
-  const pg_shm *ps = &e->param_shm, *ms = &o->m_shm, *vs = &o->v_shm;
-  MPI_Comm comm = e->ctx->group[PG_MODE_DATA].comm;
-  int64_t n = e->flat_padded, D = ps->size, r = ps->rank;
-  int64_t blo = n * r / D, bhi = n * (r + 1) / D;
-  if (MPI_Barrier(comm) != MPI_SUCCESS) return pg_fail("AdamW: barrier failed");
-  const float *g = e->grad_store->data;
-  for (int i = 0; i < e->nparams; i++) {
-    pg_param *p = e->params[i];
-    int64_t a = p->offset > blo ? p->offset : blo, b = p->offset + p->numel < bhi ? p->offset + p->numel : bhi;
-    if (a >= b) continue;
-    float wd = p->weight_decay ? o->h.weight_decay : 0.0f;
-#pragma omp parallel for schedule(static) if (b - a > 32768)
-    for (int64_t t = a; t < b; t += SHARED_TILE) {
-      int64_t len = b - t < SHARED_TILE ? b - t : SHARED_TILE;
-      float *w = ps->base[r] + t, *m = ms->base[r] + t, *v = vs->base[r] + t;
-      pg_adamw_update(w, g + t, m, v, len, o->h.lr, o->h.beta1, o->h.beta2, o->h.eps, wd, (int)o->step, o->clip_scale);
-      for (int k = 0; k < D; k++) {
-        if (k == r) continue;
-        memcpy(ps->base[k] + t, w, (size_t)len * sizeof(float));
-        memcpy(ms->base[k] + t, m, (size_t)len * sizeof(float));
-        memcpy(vs->base[k] + t, v, (size_t)len * sizeof(float));
-      }
-    }
-  }
-  atomic_thread_fence(memory_order_seq_cst);
-  if (MPI_Barrier(comm) != MPI_SUCCESS) return pg_fail("AdamW: barrier failed");
-  atomic_thread_fence(memory_order_seq_cst);
-  return PG_OK;
-}
-
 int pg_adamw_step(pg_adamw *o) {
   pg_engine *e = o->engine;
   if (pg_engine_sync_grads(e)) return PG_ERR;
   o->step++;
-  if (o->m_shm.size) {
-    int rc = step_shared(o);
-    o->clip_scale = 1.0f;
-    return rc;
-  }
   float *w = e->param_store->data, *g = e->grad_store->data, *m = o->m->data, *v = o->v->data;
   FOR_OWNED_PIECES(o, p, a, b, {
     pg_adamw_update(w + a, g + a, m + (a - o->lo), v + (a - o->lo), b - a, o->h.lr, o->h.beta1, o->h.beta2, o->h.eps,

@@ -1,11 +1,7 @@
 /* pg_optim: AdamW over an engine's flat buffers, replicated or ZeRO-1.
  *
- * zero = 0: every data replica holds the whole optimizer state and ends each
- * step with every parameter updated (the gradients were all-reduced). When the
- * replicas share their buffers on one node (pg_shm.h), member r computes the
- * update of block r only and writes it into every member's parameters, m and
- * v: the same bits as every member updating everything, for less memory
- * traffic (the update runs at memory bandwidth, which the members share).
+ * zero = 0: every data replica holds the whole optimizer state and updates
+ * every parameter (the gradients were all-reduced).
  * zero = 1: the flat buffer is cut into D contiguous shards; this rank's
  * gradients are the reduce-scattered average for its shard, its AdamW state
  * (m, v) exists only for that shard, it updates only that shard, and the
@@ -32,7 +28,6 @@ typedef struct pg_adamw {
   int zero;
   int64_t lo, hi;  /* the flat range this rank updates */
   pg_storage *m, *v; /* [hi - lo] */
-  pg_shm m_shm, v_shm; /* zero = 0 on one node: every member's m and v (see above); size 0 otherwise */
   long step;       /* updates done */
   float clip_scale; /* gradient factor for the next step (from clipping) */
 } pg_adamw;

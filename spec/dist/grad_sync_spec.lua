@@ -66,7 +66,6 @@ describe(("data-parallel gradient sync on %d ranks"):format(world), function()
   end)
 
   it("keeps the replicated optimizer state (zero = 0) the same on every replica", function()
-    -- with shared buffers each member updates its block and writes it everywhere
     assert.is_true(same_everywhere(sd_shm0.m) and same_everywhere(sd_shm0.v), "shared memory")
     assert.is_true(same_everywhere(sd_mpi0.m) and same_everywhere(sd_mpi0.v), "MPI ring")
     if D == 2 then
