@@ -173,6 +173,12 @@ RUN_ARGS ?=
 run: all data/fortunes_train.bin
 	$(PGLUA) examples/train_gpt.lua $(RUN_ARGS)
 
+# Training-step benchmarks with ratios against peers measured in the same run
+# (sgemm peak, PyTorch CPU, one rank); BENCH_ONLY=peak,gpt2,small,torch,tp,dp,pp,comm
+# runs some parts (scripts/bench.lua says what each does).
+bench: all
+	$(PGLUA) scripts/bench.lua
+
 bench-comm: all
 	scripts/mpirun.sh -np 2 $(PGLUA) scripts/bench_comm.lua
 

@@ -5,7 +5,7 @@ Run (from the repository root; needs torch):
 
     /usr/bin/python3 scripts/bench_torch.py                   # GPT-2 124M, 4 x 64 tokens
     /usr/bin/python3 scripts/bench_torch.py --threads 1
-    /usr/bin/python3 scripts/bench_torch.py --small --batch 8 # pipegoose's default small model
+    /usr/bin/python3 scripts/bench_torch.py --small           # examples/train_gpt.lua's default model, 16 x 128
 
 A step is forward, backward, AdamW step and zero_grad (gradients zeroed in
 place, as pipegoose zeroes its flat gradient buffer), on random tokens, with
@@ -43,9 +43,9 @@ def available_cores():
 def main(argv=None):
     p = argparse.ArgumentParser(description="PyTorch CPU training-step benchmark")
     p.add_argument("--small", action="store_true",
-                   help="pipegoose's default small model (vocab 256, seq 256, dim 384, 6 heads, 6 layers)")
-    p.add_argument("--batch", type=int, default=None, help="batch rows (default 4, or 8 with --small)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 64, or 256 with --small)")
+                   help="examples/train_gpt.lua's default model (vocab 256, seq 128, dim 256, 4 heads, 4 layers)")
+    p.add_argument("--batch", type=int, default=None, help="batch rows (default 4, or 16 with --small)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 64, or 128 with --small)")
     p.add_argument("--threads", type=int, default=available_cores())
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
@@ -53,9 +53,9 @@ def main(argv=None):
     a = p.parse_args(argv)
 
     if a.small:
-        cfg = g.GPTConfig(max_seq_len=256, vocab_size=256, padded_vocab_size=256,
-                          num_layers=6, num_heads=6, channels=384)
-        batch, seq_len = a.batch or 8, a.seq_len or 256
+        cfg = g.GPTConfig(max_seq_len=128, vocab_size=256, padded_vocab_size=256,
+                          num_layers=4, num_heads=4, channels=256)
+        batch, seq_len = a.batch or 16, a.seq_len or 128
     else:
         # GPT-2 124M; only the first 64 of its 1024 positions are used.
         cfg = g.GPTConfig(max_seq_len=1024, vocab_size=50257, padded_vocab_size=50304,

@@ -1,5 +1,6 @@
 #include "pg_comm.h"
 
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -62,7 +63,151 @@ static void count(pg_context *ctx, pg_mode m, pg_coll c, double bytes, double t0
 
 static void scale_avg(void *buf, int64_t n, int size) {
   float *x = buf, s = 1.0f / (float)size;
+#pragma omp parallel for simd schedule(static) if (parallel : n > 32768)
   for (int64_t i = 0; i < n; i++) x[i] *= s;
+}
+
+/* ---- chunked ring collectives (float32) ----
+ *
+ * Large float reductions go round the ring in chunks instead of through
+ * MPI_Allreduce: each step is one MPI_Sendrecv of a chunk (a single copy with
+ * Open MPI's shared-memory transport) and one pass that folds it into the
+ * local buffer, so the whole operation moves each byte the minimum number of
+ * times, needs no buffer as large as the data (Open MPI's in-place
+ * reduce_scatter allocates one), and the ZeRO shard ends up in place. Every
+ * block is reduced along one fixed path and then copied, so all members get
+ * the same bits, and the result does not depend on timing. For two members
+ * the sum is a + b, the same bits as MPI_Allreduce's. */
+
+#define PG_RING_CHUNK ((int64_t)1 << 18) /* floats per transfer (1 MiB) */
+#define PG_RING_TAG 0x5067               /* collectives are blocking: no user message can be in flight */
+#define PG_RING_MIN ((int64_t)1 << 18)   /* floats: at 1 MiB ring and MPI_Allreduce were even (bench_comm); below, MPI's latency-optimised algorithms */
+
+static int64_t block_start(int64_t n, int size, int b) { return n * b / size; }
+
+/* Elements of a block of `len` in the transfer that starts at `off` (0 past its end). */
+static int piece(int64_t len, int64_t off) {
+  int64_t c = len - off;
+  return (int)(c <= 0 ? 0 : c < PG_RING_CHUNK ? c : PG_RING_CHUNK);
+}
+
+static int ring_scratch(pg_context *ctx) {
+  if (!ctx->ring_scratch && !(ctx->ring_scratch = malloc((size_t)PG_RING_CHUNK * sizeof(float))))
+    return pg_fail("out of memory for the ring collectives' buffer");
+  return PG_OK;
+}
+
+/* y = op(x, t) over n floats (y may be x); the last step of an average also scales. */
+static void fold(float *y, const float *x, const float *t, int64_t n, pg_reduce_op op, float scale) {
+  switch (op) {
+  case PG_REDUCE_MAX:
+#pragma omp parallel for simd schedule(static) if (parallel : n > 32768)
+    for (int64_t i = 0; i < n; i++) y[i] = t[i] > x[i] ? t[i] : x[i];
+    break;
+  case PG_REDUCE_MIN:
+#pragma omp parallel for simd schedule(static) if (parallel : n > 32768)
+    for (int64_t i = 0; i < n; i++) y[i] = t[i] < x[i] ? t[i] : x[i];
+    break;
+  default:
+    if (scale != 1.0f) {
+#pragma omp parallel for simd schedule(static) if (parallel : n > 32768)
+      for (int64_t i = 0; i < n; i++) y[i] = (x[i] + t[i]) * scale;
+    } else {
+#pragma omp parallel for simd schedule(static) if (parallel : n > 32768)
+      for (int64_t i = 0; i < n; i++) y[i] = x[i] + t[i];
+    }
+  }
+}
+
+/* In place: buf holds `size` blocks (block b = [n b / size, n (b+1) / size));
+ * afterwards this member's block holds the reduction over the group (the
+ * other blocks hold partial sums). */
+static int ring_reduce_scatter(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op) {
+  pg_group *g = &ctx->group[m];
+  int D = g->size, r = g->rank, next = (r + 1) % D, prev = (r + D - 1) % D;
+  if (ring_scratch(ctx)) return PG_ERR;
+  float *tmp = ctx->ring_scratch;
+  /* Step k: send block r-1-k (our partial sum of it) on, receive block
+   * r-2-k from the previous member and fold ours in. After D-1 steps the
+   * last block received is our own, complete. */
+  for (int k = 0; k < D - 1; k++) {
+    int sb = ((r - 1 - k) % D + D) % D, rb = ((r - 2 - k) % D + D) % D;
+    int64_t s0 = block_start(n, D, sb), slen = block_start(n, D, sb + 1) - s0;
+    int64_t r0 = block_start(n, D, rb), rlen = block_start(n, D, rb + 1) - r0;
+    float scale = (op == PG_REDUCE_AVG && k == D - 2) ? 1.0f / (float)D : 1.0f;
+    for (int64_t off = 0; off < slen || off < rlen; off += PG_RING_CHUNK) {
+      int sc = piece(slen, off), rcv = piece(rlen, off);
+      int rc = MPI_Sendrecv(buf + s0 + off, sc, MPI_FLOAT, next, PG_RING_TAG, tmp, rcv, MPI_FLOAT, prev, PG_RING_TAG,
+                            g->comm, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return mpi_fail(rc, "reduce_scatter", m);
+      fold(buf + r0 + off, buf + r0 + off, tmp, rcv, op, scale);
+    }
+  }
+  return PG_OK;
+}
+
+/* The same steps with the input left alone: `in` holds the size blocks of
+ * `per` floats, `out` (per floats) receives this member's reduced block and
+ * holds the partial sum passed on at each step in the meantime (it is sent
+ * before it is overwritten, chunk by chunk). */
+static int ring_reduce_scatter_to(pg_context *ctx, pg_mode m, const float *in, float *out, int64_t per,
+                                  pg_reduce_op op) {
+  pg_group *g = &ctx->group[m];
+  int D = g->size, r = g->rank, next = (r + 1) % D, prev = (r + D - 1) % D;
+  if (ring_scratch(ctx)) return PG_ERR;
+  float *tmp = ctx->ring_scratch;
+  for (int k = 0; k < D - 1; k++) {
+    int sb = ((r - 1 - k) % D + D) % D, rb = ((r - 2 - k) % D + D) % D;
+    const float *send = k == 0 ? in + (int64_t)sb * per : out; /* out: last step's block rb = this step's sb */
+    float scale = (op == PG_REDUCE_AVG && k == D - 2) ? 1.0f / (float)D : 1.0f;
+    for (int64_t off = 0; off < per; off += PG_RING_CHUNK) {
+      int c = piece(per, off);
+      int rc = MPI_Sendrecv(send + off, c, MPI_FLOAT, next, PG_RING_TAG, tmp, c, MPI_FLOAT, prev, PG_RING_TAG, g->comm,
+                            MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return mpi_fail(rc, "reduce_scatter", m);
+      fold(out + off, in + (int64_t)rb * per + off, tmp, c, op, scale);
+    }
+  }
+  return PG_OK;
+}
+
+/* In place: every member's block (as above) copied to all the others. */
+static int ring_all_gather(pg_context *ctx, pg_mode m, float *buf, int64_t n) {
+  pg_group *g = &ctx->group[m];
+  int D = g->size, r = g->rank, next = (r + 1) % D, prev = (r + D - 1) % D;
+  /* Step k: pass on block r-k (ours first), receive block r-1-k. */
+  for (int k = 0; k < D - 1; k++) {
+    int sb = ((r - k) % D + D) % D, rb = ((r - 1 - k) % D + D) % D;
+    int64_t s0 = block_start(n, D, sb), slen = block_start(n, D, sb + 1) - s0;
+    int64_t r0 = block_start(n, D, rb), rlen = block_start(n, D, rb + 1) - r0;
+    for (int64_t off = 0; off < slen || off < rlen; off += PG_RING_CHUNK) {
+      int sc = piece(slen, off), rcv = piece(rlen, off);
+      int rc = MPI_Sendrecv(buf + s0 + off, sc, MPI_FLOAT, next, PG_RING_TAG + 1, buf + r0 + off, rcv, MPI_FLOAT, prev,
+                            PG_RING_TAG + 1, g->comm, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return mpi_fail(rc, "all_gather", m);
+    }
+  }
+  return PG_OK;
+}
+
+int pg_reduce_scatter_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op) {
+  if (check_ctx(ctx)) return PG_ERR;
+  pg_group *g = &ctx->group[m];
+  if (g->size == 1 || n == 0) return PG_OK;
+  double t0 = MPI_Wtime();
+  if (ring_reduce_scatter(ctx, m, buf, n, op)) return PG_ERR;
+  count(ctx, m, PG_COLL_REDUCE_SCATTER, (double)n * sizeof(float), t0);
+  return PG_OK;
+}
+
+int pg_all_gather_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n) {
+  if (check_ctx(ctx)) return PG_ERR;
+  pg_group *g = &ctx->group[m];
+  if (g->size == 1 || n == 0) return PG_OK;
+  double t0 = MPI_Wtime();
+  if (ring_all_gather(ctx, m, buf, n)) return PG_ERR;
+  count(ctx, m, PG_COLL_ALL_GATHER, (double)n * sizeof(float), t0);
+  return PG_OK;
 }
 
 int pg_all_reduce_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype, pg_reduce_op op) {
@@ -71,6 +216,12 @@ int pg_all_reduce_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype
   if (g->size == 1 || n == 0) return PG_OK;
   double t0 = MPI_Wtime();
   size_t es = pg_dtype_size(dtype);
+  if (dtype == PG_FLOAT32 && n >= PG_RING_MIN) {
+    /* reduce-scatter + all-gather round the ring (the average folded into the last step) */
+    if (ring_reduce_scatter(ctx, m, buf, n, op) || ring_all_gather(ctx, m, buf, n)) return PG_ERR;
+    count(ctx, m, PG_COLL_ALL_REDUCE, (double)n * es, t0);
+    return PG_OK;
+  }
   for (int64_t off = 0; off < n; off += PG_MPI_CHUNK) {
     int64_t c = n - off < PG_MPI_CHUNK ? n - off : PG_MPI_CHUNK;
     int rc = MPI_Allreduce(MPI_IN_PLACE, (char *)buf + off * es, (int)c, mpi_type(dtype), mpi_op(op), g->comm);
@@ -97,8 +248,12 @@ int pg_all_gather_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype
   if (g->size == 1 || n == 0) return PG_OK;
   if (n > PG_MPI_CHUNK) return pg_fail("all_gather of %lld elements per member is too large", (long long)n);
   double t0 = MPI_Wtime();
-  int rc = MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, (int)n, mpi_type(dtype), g->comm);
-  if (rc != MPI_SUCCESS) return mpi_fail(rc, "all_gather", m);
+  if (dtype == PG_FLOAT32 && n * g->size >= PG_RING_MIN) {
+    if (ring_all_gather(ctx, m, buf, n * g->size)) return PG_ERR; /* member r's block is [r n, (r+1) n) */
+  } else {
+    int rc = MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, (int)n, mpi_type(dtype), g->comm);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "all_gather", m);
+  }
   count(ctx, m, PG_COLL_ALL_GATHER, (double)n * pg_dtype_size(dtype) * g->size, t0);
   return PG_OK;
 }
@@ -142,10 +297,19 @@ int pg_reduce_scatter_buf(pg_context *ctx, pg_mode m, const void *in, void *out,
   }
   if (n > PG_MPI_CHUNK) return pg_fail("reduce_scatter of %lld elements per member is too large", (long long)n);
   double t0 = MPI_Wtime();
-  /* in == out: in place (the member's block lands at the front of the buffer) */
-  int rc = MPI_Reduce_scatter_block(in == out ? MPI_IN_PLACE : in, out, (int)n, mpi_type(dtype), mpi_op(op), g->comm);
-  if (rc != MPI_SUCCESS) return mpi_fail(rc, "reduce_scatter", m);
-  if (op == PG_REDUCE_AVG) scale_avg(out, n, g->size);
+  if (dtype == PG_FLOAT32 && n * g->size >= PG_RING_MIN) {
+    if (in == out) { /* in place: the ring leaves our block at r n; the contract puts it in front */
+      if (ring_reduce_scatter(ctx, m, out, n * g->size, op)) return PG_ERR;
+      if (g->rank) memmove(out, (float *)out + n * g->rank, (size_t)n * es);
+    } else if (ring_reduce_scatter_to(ctx, m, in, out, n, op)) {
+      return PG_ERR;
+    }
+  } else {
+    /* in == out: in place (the member's block lands at the front of the buffer) */
+    int rc = MPI_Reduce_scatter_block(in == out ? MPI_IN_PLACE : in, out, (int)n, mpi_type(dtype), mpi_op(op), g->comm);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "reduce_scatter", m);
+    if (op == PG_REDUCE_AVG) scale_avg(out, n, g->size);
+  }
   count(ctx, m, PG_COLL_REDUCE_SCATTER, (double)n * es * g->size, t0);
   return PG_OK;
 }
@@ -281,5 +445,100 @@ int pg_recv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, int src, int 
   int rc = MPI_Recv(buf, (int)n, MPI_FLOAT, src, tag, ctx->group[m].comm, MPI_STATUS_IGNORE);
   if (rc != MPI_SUCCESS) return mpi_fail(rc, "recv", m);
   count(ctx, m, PG_COLL_RECV, (double)n * 4, t0);
+  return PG_OK;
+}
+
+/* ---- shared-memory collectives (pg_shm.h) ----
+ *
+ * Every member's buffer is mapped here, so a reduction is one pass: member r
+ * adds up block r of every buffer (members in order 0, 1, ...: the same bits
+ * whoever computes it, and for two members the a + b of the other paths) and
+ * writes the result where it is needed. MPI_Barrier orders the passes: all
+ * members have finished writing their buffers before anyone reads them, and
+ * nobody returns before everyone has finished writing. */
+
+#define PG_SHM_TILE 2048 /* floats summed in a stack buffer (vectorised loops over members) */
+
+static int shm_barrier(pg_context *ctx, pg_mode m) {
+  atomic_thread_fence(memory_order_seq_cst);
+  int rc = MPI_Barrier(ctx->group[m].comm);
+  atomic_thread_fence(memory_order_seq_cst);
+  return rc == MPI_SUCCESS ? PG_OK : mpi_fail(rc, "barrier", m);
+}
+
+/* Block `rank` of the members' buffers reduced; written to every member's
+ * buffer (everyone = 1) or to ours only. */
+static void shm_reduce_block(const pg_shm *s, int64_t n, pg_reduce_op op, int everyone) {
+  const int D = s->size;
+  const int64_t lo = block_start(n, D, s->rank), hi = block_start(n, D, s->rank + 1);
+  const float scale = op == PG_REDUCE_AVG ? 1.0f / (float)D : 1.0f;
+  float *const *b = s->base;
+#pragma omp parallel for schedule(static) if (hi - lo > 32768)
+  for (int64_t t0 = lo; t0 < hi; t0 += PG_SHM_TILE) {
+    int w = (int)(hi - t0 < PG_SHM_TILE ? hi - t0 : PG_SHM_TILE);
+    float acc[PG_SHM_TILE];
+    const float *x0 = b[0] + t0;
+#pragma omp simd
+    for (int j = 0; j < w; j++) acc[j] = x0[j];
+    for (int m = 1; m < D; m++) {
+      const float *x = b[m] + t0;
+#pragma omp simd
+      for (int j = 0; j < w; j++) acc[j] += x[j];
+    }
+    if (scale != 1.0f) {
+#pragma omp simd
+      for (int j = 0; j < w; j++) acc[j] *= scale;
+    }
+    for (int m = 0; m < D; m++) {
+      if (!everyone && m != s->rank) continue;
+      memcpy(b[m] + t0, acc, (size_t)w * sizeof(float));
+    }
+  }
+}
+
+static int check_shm(const pg_shm *s, pg_reduce_op op) {
+  if (op != PG_REDUCE_SUM && op != PG_REDUCE_AVG) return pg_fail("shared-memory reductions are sum or avg");
+  if (s->size < 2 || !s->base) return pg_fail("the buffers are not shared");
+  return PG_OK;
+}
+
+int pg_shm_all_reduce(pg_context *ctx, const pg_shm *s, int64_t n, pg_reduce_op op) {
+  if (check_ctx(ctx) || check_shm(s, op)) return PG_ERR;
+  double t0 = MPI_Wtime();
+  if (shm_barrier(ctx, s->mode)) return PG_ERR;
+  shm_reduce_block(s, n, op, 1);
+  if (shm_barrier(ctx, s->mode)) return PG_ERR;
+  count(ctx, s->mode, PG_COLL_ALL_REDUCE, (double)n * sizeof(float), t0);
+  return PG_OK;
+}
+
+int pg_shm_reduce_scatter(pg_context *ctx, const pg_shm *s, int64_t n, pg_reduce_op op) {
+  if (check_ctx(ctx) || check_shm(s, op)) return PG_ERR;
+  double t0 = MPI_Wtime();
+  /* the trailing barrier: nobody may change its buffer (zero_grad, the next
+   * backward) while another member still reads it */
+  if (shm_barrier(ctx, s->mode)) return PG_ERR;
+  shm_reduce_block(s, n, op, 0);
+  if (shm_barrier(ctx, s->mode)) return PG_ERR;
+  count(ctx, s->mode, PG_COLL_REDUCE_SCATTER, (double)n * sizeof(float), t0);
+  return PG_OK;
+}
+
+int pg_shm_all_gather(pg_context *ctx, const pg_shm *s, int64_t n) {
+  if (check_ctx(ctx) || check_shm(s, PG_REDUCE_SUM)) return PG_ERR;
+  double t0 = MPI_Wtime();
+  if (shm_barrier(ctx, s->mode)) return PG_ERR;
+  float *mine = s->base[s->rank];
+  for (int m = 0; m < s->size; m++) {
+    if (m == s->rank) continue;
+    int64_t lo = block_start(n, s->size, m), len = block_start(n, s->size, m + 1) - lo;
+#pragma omp parallel for schedule(static) if (len > 32768)
+    for (int64_t t = 0; t < len; t += 65536) {
+      int64_t w = len - t < 65536 ? len - t : 65536;
+      memcpy(mine + lo + t, s->base[m] + lo + t, (size_t)w * sizeof(float));
+    }
+  }
+  if (shm_barrier(ctx, s->mode)) return PG_ERR;
+  count(ctx, s->mode, PG_COLL_ALL_GATHER, (double)n * sizeof(float), t0);
   return PG_OK;
 }

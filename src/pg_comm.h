@@ -8,6 +8,7 @@
 #define PG_COMM_H
 
 #include "pg_context.h"
+#include "pg_shm.h"
 #include "pg_tensor.h"
 
 typedef enum { PG_REDUCE_SUM = 0, PG_REDUCE_MAX, PG_REDUCE_MIN, PG_REDUCE_AVG } pg_reduce_op;
@@ -27,6 +28,21 @@ int pg_reduce_scatter(pg_context *ctx, pg_mode m, const pg_tensor *in, pg_tensor
 int pg_reduce_scatter_buf(pg_context *ctx, pg_mode m, const void *in, void *out, int64_t count, pg_dtype dtype,
                           pg_reduce_op op);
 int pg_all_gather_buf(pg_context *ctx, pg_mode m, void *buf, int64_t count, pg_dtype dtype); /* in place */
+/* Ring forms for large float buffers (chunked MPI_Sendrecv, no scratch the
+ * size of the data): buf holds n floats cut into `group size` blocks, block b
+ * = [n b / size, n (b+1) / size). reduce_scatter leaves the reduction of this
+ * member's block in place (the other blocks hold partial results); all_gather
+ * copies every member's block to all the others. All members get the same
+ * bits. pg_all_reduce_buf uses them for large float buffers. */
+int pg_reduce_scatter_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op);
+int pg_all_gather_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n);
+/* The same over buffers every member maps (pg_shm.h; same blocks): one pass
+ * over memory, no copies through MPI. all_reduce writes the result into every
+ * member's buffer; reduce_scatter only into this member's block (sum or avg);
+ * all_gather copies the other members' blocks of their buffers into ours. */
+int pg_shm_all_reduce(pg_context *ctx, const pg_shm *s, int64_t n, pg_reduce_op op);
+int pg_shm_reduce_scatter(pg_context *ctx, const pg_shm *s, int64_t n, pg_reduce_op op);
+int pg_shm_all_gather(pg_context *ctx, const pg_shm *s, int64_t n);
 /* src is a local rank in the group. */
 int pg_broadcast(pg_context *ctx, pg_mode m, pg_tensor *t, int src);
 int pg_broadcast_buf(pg_context *ctx, pg_mode m, void *buf, int64_t count, pg_dtype dtype, int src);

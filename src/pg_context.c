@@ -90,6 +90,8 @@ void pg_context_destroy(pg_context *ctx) {
     free(g->ranks);
     g->ranks = NULL;
   }
+  free(ctx->ring_scratch);
+  ctx->ring_scratch = NULL;
   ctx->destroyed = 1;
 }
 

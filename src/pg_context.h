@@ -59,6 +59,7 @@ typedef struct pg_context {
   uint64_t seed;
   pg_group group[PG_NUM_MODES];
   pg_comm_stats stats;
+  float *ring_scratch; /* receive buffer of the chunked ring collectives (pg_comm.c), made on first use */
   int destroyed;
 } pg_context;
 

@@ -30,7 +30,13 @@ static int bind_params(pg_engine *e, uint64_t seed) {
   e->flat_numel = off;
   e->flat_padded = round_up(off > 0 ? off : FLAT_ALIGN, (int64_t)FLAT_ALIGN * e->ctx->data);
   size_t bytes = (size_t)e->flat_padded * sizeof(float);
-  if (!(e->param_store = pg_storage_new(bytes, PG_CPU)) || !(e->grad_store = pg_storage_new(bytes, PG_CPU)))
+  /* Data-parallel replicas on one node share their buffers (single-pass
+   * reductions); anything else, or no room in /dev/shm: private memory. */
+  if (!e->opts.private_buffers && (pg_shm_create(e->ctx, PG_MODE_DATA, bytes, &e->param_shm, &e->param_store) ||
+                                   pg_shm_create(e->ctx, PG_MODE_DATA, bytes, &e->grad_shm, &e->grad_store)))
+    return PG_ERR;
+  if ((!e->param_store && !(e->param_store = pg_storage_new(bytes, PG_CPU))) ||
+      (!e->grad_store && !(e->grad_store = pg_storage_new(bytes, PG_CPU))))
     return PG_ERR;
   float *pd = e->param_store->data, *gd = e->grad_store->data;
   for (int i = 0; i < e->nparams; i++) {
@@ -96,6 +102,8 @@ void pg_engine_free(pg_engine *e) {
   }
   pg_module_free(e->stage);
   free(e->params);
+  pg_shm_close(&e->param_shm);
+  pg_shm_close(&e->grad_shm);
   pg_storage_release(e->param_store);
   pg_storage_release(e->grad_store);
   free(e->actions);
@@ -320,17 +328,20 @@ int pg_engine_sync_grads(pg_engine *e) {
   }
   /* 2. data parallel: the average over the replicas. */
   int D = e->ctx->data;
+  /* flat_padded is a multiple of D, so the collectives' blocks are the ZeRO
+   * shards: with zero = 1 ours is reduced in place. */
+  const pg_shm *sh = e->grad_shm.size ? &e->grad_shm : NULL;
   if (D > 1 && !e->zero) {
-    for (int64_t off = 0; off < e->flat_padded; off += e->opts.bucket_elems) {
-      int64_t n = e->flat_padded - off < e->opts.bucket_elems ? e->flat_padded - off : e->opts.bucket_elems;
-      if (pg_all_reduce_buf(e->ctx, PG_MODE_DATA, g + off, n, PG_FLOAT32, PG_REDUCE_AVG)) return PG_ERR;
-    }
+    /* without shared memory: the ring's reduce-scatter and all-gather, at any
+     * size, so that zero = 0 and zero = 1 reduce in the same order */
+    if (sh ? pg_shm_all_reduce(e->ctx, sh, e->flat_padded, PG_REDUCE_AVG)
+           : pg_reduce_scatter_inplace(e->ctx, PG_MODE_DATA, g, e->flat_padded, PG_REDUCE_AVG) ||
+                 pg_all_gather_inplace(e->ctx, PG_MODE_DATA, g, e->flat_padded))
+      return PG_ERR;
   } else if (D > 1) {
-    int64_t lo, hi;
-    pg_engine_shard(e, &lo, &hi);
-    /* In place: the reduced shard lands at the front, then moves to its place. */
-    if (pg_reduce_scatter_buf(e->ctx, PG_MODE_DATA, g, g, hi - lo, PG_FLOAT32, PG_REDUCE_AVG)) return PG_ERR;
-    if (lo) memmove(g + lo, g, (size_t)(hi - lo) * sizeof(float));
+    if (sh ? pg_shm_reduce_scatter(e->ctx, sh, e->flat_padded, PG_REDUCE_AVG)
+           : pg_reduce_scatter_inplace(e->ctx, PG_MODE_DATA, g, e->flat_padded, PG_REDUCE_AVG))
+      return PG_ERR;
   }
   e->grads_pending = 0;
   e->stats.grad_sync_seconds += MPI_Wtime() - t0;

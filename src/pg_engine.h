@@ -8,8 +8,11 @@
  *   1. the two copies of a tied embedding (first and last stage) get the sum
  *      of their gradients (embedding group);
  *   2. data parallel: gradients are averaged over the data group (zero = 0:
- *      all-reduce in buckets; zero = 1: reduce-scatter, each rank keeps the
- *      average for its contiguous shard of the flat buffer).
+ *      all-reduce; zero = 1: reduce-scatter, each rank keeps the average for
+ *      its contiguous shard of the flat buffer). When the data group runs on
+ *      one node the flat buffers live in shared memory and these are single
+ *      passes over the members' buffers; otherwise chunked ring collectives
+ *      (pg_comm.h).
  * The loss is computed on the last stage, broadcast to the pipeline group and
  * averaged over the data group, so every rank returns the same number.
  *
@@ -23,6 +26,7 @@
 #include "pg_context.h"
 #include "pg_module.h"
 #include "pg_schedule.h"
+#include "pg_shm.h"
 #include "pg_tensor.h"
 
 typedef struct pg_engine_opts {
@@ -30,8 +34,9 @@ typedef struct pg_engine_opts {
   pg_schedule_kind schedule;
   int vocab;            /* token ids must be < vocab */
   int width;            /* hidden width at stage boundaries */
-  int64_t bucket_elems; /* data-parallel all-reduce bucket (floats) */
+  int64_t bucket_elems; /* reserved: data-parallel bucket size (floats); the reductions now run in one call */
   const char *tied_name; /* name of a weight whose copies live on the first and last stage, or NULL */
+  int private_buffers;   /* 1: never share the flat buffers with the data group (collectives through MPI) */
 } pg_engine_opts;
 
 typedef struct pg_engine_stats {
@@ -50,6 +55,7 @@ typedef struct pg_engine {
   pg_param **params;
   int nparams;
   pg_storage *param_store, *grad_store;
+  pg_shm param_shm, grad_shm; /* the data group's copies of both, when shared (pg_shm.h) */
   int64_t flat_numel;  /* used elements */
   int64_t flat_padded; /* buffer length: a multiple of the data size (ZeRO shards) */
   pg_engine_opts opts;

@@ -240,15 +240,9 @@ static int linear_alloc(pg_module *m, int nslots, int max_rows) {
   return PG_OK;
 }
 
-static void add_bias_rows(float *y, const float *b, int N, int OC) {
-#pragma omp parallel for schedule(static)
-  for (int n = 0; n < N; n++)
-    for (int o = 0; o < OC; o++) y[(size_t)n * OC + o] += b[o];
-}
-
 /* Columns [off, off+w) of an [N, width] matrix into a contiguous [N, w] one. */
 static void take_columns(float *dst, const float *src, int N, int width, int off, int w) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if ((int64_t)N * w > 32768)
   for (int n = 0; n < N; n++) memcpy(dst + (size_t)n * w, src + (size_t)n * width + off, (size_t)w * sizeof(float));
 }
 
@@ -265,7 +259,7 @@ static int gather_columns(pg_module *m, float *dst, const float *mine, float *sc
   size_t piece = (size_t)N * w;
   if (scratch + (size_t)r * piece != mine) memcpy(scratch + (size_t)r * piece, mine, piece * sizeof(float));
   if (pg_all_gather_buf(m->ctx, PG_MODE_TENSOR, scratch, (int64_t)piece, PG_FLOAT32)) return PG_ERR;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if ((int64_t)N * T * w > 32768)
   for (int n = 0; n < N; n++)
     for (int k = 0; k < T; k++)
       for (int b = 0; b < blocks; b++)
@@ -312,9 +306,11 @@ static int linear_forward(pg_module *m, int slot, pg_io *io, const float *x, con
       xl = dst;
     }
     x = xl;
-    pg_matmul_forward(out, xl, s->w->data, NULL, N, s->in_l, s->out_l);
+    /* The bias goes into one member's partial product (its sgemm starts from
+     * the bias rows), so the sum over the group holds it once and no extra
+     * pass over the output is needed; with T = 1 this is the plain layer. */
+    pg_matmul_forward(out, xl, s->w->data, tp_rank(m->ctx) == 0 ? b : NULL, N, s->in_l, s->out_l);
     if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, out, (int64_t)N * s->out_l, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
-    if (b) add_bias_rows(out, b, N, s->out_l); /* once, after the reduce */
     break;
   }
   }
@@ -709,7 +705,7 @@ static int lm_head_forward(pg_module *m, int slot, pg_io *io, const float *x, co
       memcpy(s->gather + (size_t)tp_rank(m->ctx) * N * s->padded_l, s->logits, (size_t)N * s->padded_l * sizeof(float));
       if (pg_all_gather_buf(m->ctx, PG_MODE_TENSOR, s->gather, (int64_t)N * s->padded_l, PG_FLOAT32)) return PG_ERR;
     }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if ((int64_t)N * s->vocab > 32768)
     for (int n = 0; n < N; n++)
       for (int v = 0; v < s->vocab; v++) {
         int k = v / width, c = v % width;

@@ -85,6 +85,8 @@ int pg_adamw_step(pg_adamw *o) {
   })
   o->clip_scale = 1.0f;
   if (o->zero && e->ctx->data > 1)
-    return pg_all_gather_buf(e->ctx, PG_MODE_DATA, w, o->hi - o->lo, PG_FLOAT32);
+    /* the shards are the collectives' blocks */
+    return e->param_shm.size ? pg_shm_all_gather(e->ctx, &e->param_shm, e->flat_padded)
+                             : pg_all_gather_inplace(e->ctx, PG_MODE_DATA, w, e->flat_padded);
   return PG_OK;
 }

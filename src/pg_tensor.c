@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "pg_error.h"
 
@@ -51,7 +52,8 @@ void pg_storage_retain(pg_storage *s) { s->refcount++; }
 
 void pg_storage_release(pg_storage *s) {
   if (!s || --s->refcount > 0) return;
-  if (s->owns_data) free(s->data);
+  if (s->owns_data && s->mapped_bytes) munmap(s->data, s->mapped_bytes);
+  else if (s->owns_data) free(s->data);
   free(s);
 }
 

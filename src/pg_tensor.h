@@ -25,6 +25,7 @@ typedef struct pg_storage {
   int refcount;
   int owns_data; /* 0: data belongs to someone else who outlives us */
   pg_device device;
+  size_t mapped_bytes; /* > 0: data is a mapping of this many bytes (munmap instead of free) */
 } pg_storage;
 
 typedef struct pg_tensor {

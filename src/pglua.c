@@ -243,7 +243,27 @@ static void print_version(void) {
   fflush(stdout);
 }
 
+/* OpenMP threads waiting at the end of a parallel region spin by default
+ * (libgomp: ~300k iterations) before they sleep. On a machine shared with
+ * other jobs a spinning thread holds a core that the thread it waits for
+ * needs: the default model's training step ran 1.95x slower than with
+ * sleeping threads (2 cores, 2 other busy processes; scripts/bench.lua's
+ * step, median of 5 paired runs), while sleeping costs one futex wake per
+ * region (a few microseconds, a few hundred regions per step). libgomp reads
+ * the policy when it loads, before main, so pglua sets it and executes itself
+ * again, once. A policy the user chose (OMP_WAIT_POLICY or GOMP_SPINCOUNT) is
+ * kept; PG_DEFAULT_WAIT_POLICY=1 tells child processes that pglua chose it. */
+static void default_wait_policy(char **argv) {
+  if (getenv("OMP_WAIT_POLICY") || getenv("GOMP_SPINCOUNT")) return;
+  if (setenv("OMP_WAIT_POLICY", "passive", 1) || setenv("PG_DEFAULT_WAIT_POLICY", "1", 1)) return;
+  execv("/proc/self/exe", argv);
+  /* no /proc or no exec: run on with libgomp's default */
+  unsetenv("OMP_WAIT_POLICY");
+  unsetenv("PG_DEFAULT_WAIT_POLICY");
+}
+
 int main(int argc, char **argv) {
+  default_wait_policy(argv);
   if (argv[0] && argv[0][0]) progname = argv[0];
   if (pg_mpi_init(&argc, &argv)) {
     fprintf(stderr, "%s: %s\n", progname, "could not initialise MPI");

@@ -17,6 +17,18 @@
 
 #define PG_ATT_BLOCK 64
 
+/* C[M, N] (leading dimension ldc) = alpha op(A) op(B), for the small
+ * products here. OpenBLAS clears C itself when beta = 0, in a pass that took
+ * 10-25% of a 64 x 64 x 64 product (scripts/bench_kernels.lua's attention
+ * shapes; 19% of the attention's profile): clearing the rows with memset and
+ * accumulating (beta = 1) gives the same values faster (0 + x = x; only the
+ * sign of an exact zero can differ). */
+static void gemm_into_zero(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int M, int N, int K, float alpha, const float *A,
+                           int lda, const float *B, int ldb, float *C, int ldc) {
+  for (int i = 0; i < M; i++) memset(C + (int64_t)i * ldc, 0, (size_t)N * sizeof(float));
+  cblas_sgemm(CblasRowMajor, ta, tb, M, N, K, alpha, A, lda, B, ldb, 1.0f, C, ldc);
+}
+
 /* One (b, h) pair. q points at the head's query columns of row 0 (ld 3C);
  * P is its [T, T] probability matrix; o its output columns (ld C). */
 static void att_forward_head(float *o, float *P, const float *q, int T, int C, int hs, float scale) {
@@ -25,8 +37,8 @@ static void att_forward_head(float *o, float *P, const float *q, int T, int C, i
   for (int r0 = 0; r0 < T; r0 += PG_ATT_BLOCK) {
     int r1 = pg_cpu_min(r0 + PG_ATT_BLOCK, T);
     /* scores S[r0:r1, 0:r1] = scale * Q K^T */
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r1 - r0, r1, hs, scale, q + (int64_t)r0 * ld, ld, k, ld,
-                0.0f, P + (int64_t)r0 * T, T);
+    gemm_into_zero(CblasNoTrans, CblasTrans, r1 - r0, r1, hs, scale, q + (int64_t)r0 * ld, ld, k, ld,
+                   P + (int64_t)r0 * T, T);
     for (int t = r0; t < r1; t++) {
       float *p = P + (int64_t)t * T;
       float mx = pg_cpu_maxf(p, t + 1);
@@ -39,8 +51,8 @@ static void att_forward_head(float *o, float *P, const float *q, int T, int C, i
       memset(p + t + 1, 0, (size_t)(T - t - 1) * sizeof(float));
     }
     /* out[r0:r1] = P[r0:r1, 0:r1] V[0:r1] */
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r1 - r0, hs, r1, 1.0f, P + (int64_t)r0 * T, T, v, ld,
-                0.0f, o + (int64_t)r0 * C, C);
+    gemm_into_zero(CblasNoTrans, CblasNoTrans, r1 - r0, hs, r1, 1.0f, P + (int64_t)r0 * T, T, v, ld,
+                   o + (int64_t)r0 * C, C);
   }
 }
 
@@ -71,8 +83,8 @@ static void att_backward_head(float *dq, float *dS, const float *dout, const flo
   for (int r0 = 0; r0 < T; r0 += PG_ATT_BLOCK) {
     int r1 = pg_cpu_min(r0 + PG_ATT_BLOCK, T);
     /* dP[r0:r1, 0:r1] = dO V^T */
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r1 - r0, r1, hs, 1.0f, dout + (int64_t)r0 * C, C, v, ld,
-                0.0f, dS + (int64_t)r0 * T, T);
+    gemm_into_zero(CblasNoTrans, CblasTrans, r1 - r0, r1, hs, 1.0f, dout + (int64_t)r0 * C, C, v, ld,
+                   dS + (int64_t)r0 * T, T);
     /* softmax backward, with the score scale folded in:
      * dS = scale * P (dP - sum_j P dP), zero above the diagonal up to r1
      * (the dK product reads those columns; columns >= r1 are never read). */
@@ -85,17 +97,17 @@ static void att_backward_head(float *dq, float *dS, const float *dout, const flo
       for (int j = t + 1; j < r1; j++) d[j] = 0.0f;
     }
     /* dQ[r0:r1] = dS[r0:r1, 0:r1] K[0:r1] */
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r1 - r0, hs, r1, 1.0f, dS + (int64_t)r0 * T, T, k, ld,
-                0.0f, dq + (int64_t)r0 * ld, ld);
+    gemm_into_zero(CblasNoTrans, CblasNoTrans, r1 - r0, hs, r1, 1.0f, dS + (int64_t)r0 * T, T, k, ld,
+                   dq + (int64_t)r0 * ld, ld);
   }
   /* dK and dV by key blocks [k0, k1): only queries t >= k0 see those keys.
    * dV = P^T dO, dK = dS^T Q. */
   for (int k0 = 0; k0 < T; k0 += PG_ATT_BLOCK) {
     int k1 = pg_cpu_min(k0 + PG_ATT_BLOCK, T);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, k1 - k0, hs, T - k0, 1.0f, P + (int64_t)k0 * T + k0, T,
-                dout + (int64_t)k0 * C, C, 0.0f, dv + (int64_t)k0 * ld, ld);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, k1 - k0, hs, T - k0, 1.0f, dS + (int64_t)k0 * T + k0, T,
-                q + (int64_t)k0 * ld, ld, 0.0f, dk + (int64_t)k0 * ld, ld);
+    gemm_into_zero(CblasTrans, CblasNoTrans, k1 - k0, hs, T - k0, 1.0f, P + (int64_t)k0 * T + k0, T,
+                   dout + (int64_t)k0 * C, C, dv + (int64_t)k0 * ld, ld);
+    gemm_into_zero(CblasTrans, CblasNoTrans, k1 - k0, hs, T - k0, 1.0f, dS + (int64_t)k0 * T + k0, T,
+                   q + (int64_t)k0 * ld, ld, dk + (int64_t)k0 * ld, ld);
   }
 }
 

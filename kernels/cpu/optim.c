@@ -13,7 +13,7 @@ void pg_adamw_update(float *param, const float *grad, float *m, float *v, int64_
   const float step_size = (float)((double)lr / bc1);
   const float bc2_sqrt = (float)sqrt(bc2);
   const float one_b1 = (float)(1.0 - beta1), one_b2 = (float)(1.0 - beta2);
-#pragma omp parallel for simd schedule(static) if (n > PG_PAR_MIN)
+#pragma omp parallel for simd schedule(static) if (parallel : n > PG_PAR_MIN)
   for (int64_t i = 0; i < n; i++) {
     float g = grad[i] * grad_scale;
     float p = param[i] * decay;

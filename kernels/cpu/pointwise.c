@@ -12,7 +12,7 @@
  * (glibc's tanhf costs ~50 ns here and does not vectorise). */
 
 void pg_gelu_forward(float *out, const float *inp, int64_t n) {
-#pragma omp parallel for simd schedule(static) if (n > PG_PAR_MIN)
+#pragma omp parallel for simd schedule(static) if (parallel : n > PG_PAR_MIN)
   for (int64_t i = 0; i < n; i++) {
     float x = inp[i];
     float u = PG_GELU_K * (x + PG_GELU_A * x * x * x);
@@ -24,7 +24,7 @@ void pg_gelu_backward(float *dinp, const float *inp, const float *dout, int64_t 
   /* With s = 0.5 (1 + tanh u) = 1 / (1 + e), e = e^(-2u):
    * d/dx [x s] = s + 2 x s (1 - s) u',  u' = k (1 + 3 a x^2).
    * 1 - s = e s when e < 1 (s near 1: no cancellation), else 1 - s. */
-#pragma omp parallel for simd schedule(static) if (n > PG_PAR_MIN)
+#pragma omp parallel for simd schedule(static) if (parallel : n > PG_PAR_MIN)
   for (int64_t i = 0; i < n; i++) {
     float x = inp[i];
     float u = PG_GELU_K * (x + PG_GELU_A * x * x * x);
@@ -37,17 +37,17 @@ void pg_gelu_backward(float *dinp, const float *inp, const float *dout, int64_t 
 }
 
 void pg_residual_forward(float *out, const float *a, const float *b, int64_t n) {
-#pragma omp parallel for simd schedule(static) if (n > PG_PAR_MIN)
+#pragma omp parallel for simd schedule(static) if (parallel : n > PG_PAR_MIN)
   for (int64_t i = 0; i < n; i++) out[i] = a[i] + b[i];
 }
 
 void pg_residual_backward(float *da, float *db, const float *dout, int64_t n) {
   if (da) {
-#pragma omp parallel for simd schedule(static) if (n > PG_PAR_MIN)
+#pragma omp parallel for simd schedule(static) if (parallel : n > PG_PAR_MIN)
     for (int64_t i = 0; i < n; i++) da[i] += dout[i];
   }
   if (db) {
-#pragma omp parallel for simd schedule(static) if (n > PG_PAR_MIN)
+#pragma omp parallel for simd schedule(static) if (parallel : n > PG_PAR_MIN)
     for (int64_t i = 0; i < n; i++) db[i] += dout[i];
   }
 }

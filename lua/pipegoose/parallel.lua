@@ -75,7 +75,8 @@ end
 
 ---------------------------------------------------------------- parallelize
 
-local known_opts = { micro_batches = true, schedule = true, stages = true, bucket_mb = true, seed = true }
+local known_opts = { micro_batches = true, schedule = true, stages = true, bucket_mb = true, seed = true,
+                     shared_memory = true }
 
 function M.parallelize(model, ctx, opts)
   opts = opts or {}
@@ -149,6 +150,8 @@ function M.parallelize(model, ctx, opts)
     micro_batches = micro, schedule = schedule, vocab = vocab, width = width, seed = opts.seed or ctx:seed(),
     is_first = me == 0, is_last = me == P - 1, tied_name = (P > 1 and head_tied) and tie or nil,
     bucket_mb = opts.bucket_mb or 25,
+    -- data-parallel replicas on one node share their flat buffers unless told not to
+    shared_memory = opts.shared_memory ~= false,
   })
   local e = setmetatable({
     c = c, ctx = ctx, config = config, model = model, micro_batches = micro, schedule = schedule,

@@ -111,6 +111,34 @@ for _, L in ipairs(layouts) do
           assert.same({ s, n }, ints:totable())
         end)
 
+        it("all_reduces large float buffers (the chunked ring), every member getting the same bits", function()
+          -- 3 chunks and a bit: blocks of unequal length, a partial last chunk
+          local N = 3 * 262144 + 7
+          for _, op in ipairs{ "sum", "avg", "max", "min" } do
+            -- small integers: every sum is exact, whatever the order
+            local t = pg.arange(0.0, N):add(me):sub(N // 2) -- float32 (a float argument)
+            pg.dist.all_reduce(t, { group = mode, op = op, ctx = ctx })
+            for _, i in ipairs{ 1, 2, N // 3, N // 2 + 1, N - 1, N } do
+              local acc
+              for _, r in ipairs(members) do
+                local v = (i - 1) + r - N // 2
+                if op == "max" then acc = acc and math.max(acc, v) or v
+                elseif op == "min" then acc = acc and math.min(acc, v) or v
+                else acc = (acc or 0) + v end
+              end
+              if op == "avg" then acc = acc / n end
+              assert.equal(acc, t:get(i), op .. " at " .. i)
+            end
+          end
+          -- rounding: the same bits everywhere (max and min over the members agree element by element)
+          local t = pg.randn({ N }, { seed = 100 + me })
+          pg.dist.all_reduce(t, { group = mode, op = "avg", ctx = ctx })
+          local hi, lo = t:clone(), t:clone()
+          pg.dist.all_reduce(hi, { group = mode, op = "max", ctx = ctx })
+          pg.dist.all_reduce(lo, { group = mode, op = "min", ctx = ctx })
+          assert.is_true(hi:equal(t) and lo:equal(t), "members agree bitwise")
+        end)
+
         it("all_gathers along the first and the second dimension", function()
           local t = pg.tensor{ { value(me, 1), value(me, 2) }, { value(me, 3), value(me, 4) } }
           local g1 = pg.dist.all_gather(t, { group = mode, dim = 1 })
