@@ -20,8 +20,12 @@
 -- "<config> <metric> <value>" (e.g. "gpt2_124m mfu 0.55"), all from this one
 -- process; each configuration runs in its own pglua (or mpirun) process so
 -- that peak memory (VmHWM) is its own. Timings are medians of several steps
--- after a warm-up step; on a shared machine they still move by several
--- percent from run to run, the ratios less so.
+-- after a warm-up step. Peers are measured next to what they are compared
+-- with (one rank before and after the multi-rank runs, ours before and after
+-- PyTorch) so that a change in the machine's load lands on both sides; still,
+-- on a machine shared with other jobs single figures move by 10% and more
+-- from run to run (multi-rank ones most). `chrt -f 10 make bench` (root)
+-- keeps other work off the cores while it runs.
 local pg = require "pipegoose"
 
 ---------------------------------------------------------------- helpers
