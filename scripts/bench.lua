@@ -200,7 +200,11 @@ local function worker_pp(o)
       local engine = pg.parallelize(pg.nn.GPT(spec), ctx, { micro_batches = M, schedule = schedule })
       local x, y = batch_tensors(cfg.batch * M, cfg.seq_len, cfg.vocab)
       local walls, idles, recvs, bubbles = {}, {}, {}, {}
-      for s = 1, 1 + steps do
+      -- at least `steps` timed steps, more (up to 15) for short steps: about 3 s of them
+      local total = 1 + steps
+      local s = 0
+      while s < total do
+        s = s + 1
         ctx:barrier()
         local st0 = engine:stats()
         local t0 = pg.wtime()
@@ -212,6 +216,7 @@ local function worker_pp(o)
         local c = pg.dist.all_gather(pg.tensor{ compute }, { group = "pipeline" }):totable()
         local busiest = 1
         for i = 2, #c do if c[i] > c[busiest] then busiest = i end end
+        if s == 1 then total = 1 + math.max(steps, math.min(15, math.floor(3 / wall))) end
         if s > 1 then
           walls[#walls + 1] = wall
           idles[#idles + 1] = (wall - compute) / wall
@@ -318,7 +323,9 @@ local function driver()
   ------------------------------------------------ sgemm peak
   local peak = {}
   if want("peak") or want("gpt2") or want("small") or want("tp") or want("dp") then
-    local shapes = { { 1024, 1024, 4096 }, { 2048, 768, 3072 }, { 1536, 1536, 1536 } }
+    -- deep products (large C): ops.linear allocates and clears its output on
+    -- every call, which must stay small next to the arithmetic
+    local shapes = { { 1024, 4096, 1024 }, { 2048, 2048, 2048 }, { 1536, 3072, 1536 } }
     local function best_gflops(threads)
       pg.ops.set_num_threads(threads)
       local best = 0
@@ -499,7 +506,7 @@ local function driver()
 
   ------------------------------------------------ pipeline bubbles
   if want("pp") then
-    local res, lines, rc = run(worker_cmd(2, 1, { "--worker=pp", "--steps=" .. steps(5) }))
+    local res, lines, rc = run(worker_cmd(2, 1, { "--worker=pp", "--steps=" .. steps(7) }))
     if check_run("pipeline bubbles", res, lines, rc, "pp_1f1b_m16.theory") then
       local cfg = MODELS.pp
       print()
