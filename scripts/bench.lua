@@ -21,8 +21,9 @@
 -- process; each configuration runs in its own pglua (or mpirun) process so
 -- that peak memory (VmHWM) is its own. Timings are medians of several steps
 -- after a warm-up step. Peers are measured next to what they are compared
--- with (one rank before and after the multi-rank runs, ours before and after
--- PyTorch) so that a change in the machine's load lands on both sides; still,
+-- with (the one-rank and multi-rank runs twice each in mirrored order, ours
+-- before and after PyTorch) so that a change in the machine's load lands on
+-- both sides; still,
 -- on a machine shared with other jobs single figures move by 10% and more
 -- from run to run (multi-rank ones most). `chrt -f 10 make bench` (root)
 -- keeps other work off the cores while it runs.
@@ -420,10 +421,11 @@ local function driver()
   end
 
   ------------------------------------------------ tensor and data parallel, 1 thread per rank
-  -- The 1 rank x 1 thread baseline runs before and after the multi-rank runs
-  -- and they are compared with the mean of the two, so that a slow drift of
-  -- the machine's speed (other work starting or ending) does not land on one
-  -- side of the ratio only.
+  -- Every configuration (the 1 rank x 1 thread baseline included) runs
+  -- twice, in the order base, T=2, D=2 zero 0, zero 1 and then the reverse,
+  -- and each keeps its faster run: interference from other work on the
+  -- machine only ever slows a run down, and the mirrored order spreads a
+  -- drift of the machine's speed evenly over the configurations.
   if want("tp") or want("dp") then
     local function one_rank()
       local res, lines, rc = run(worker_cmd(1, 1, { "--worker=step", "--model=gpt2", "--steps=" .. steps(3) }))
@@ -435,29 +437,52 @@ local function driver()
       local res, lines, rc = run(worker_cmd(2, 1, a))
       return check_run(label, res, lines, rc, "tokens_per_s") and res or nil
     end
-    local b1 = one_rank()
-    local tp = want("tp") and multi("gpt2_124m tensor=2", { "--tensor=2" }) or nil
-    local dp = {}
-    if want("dp") then
-      for _, zero in ipairs{ 0, 1 } do dp[zero] = multi("gpt2_124m data=2 zero=" .. zero, { "--data=2", "--zero=" .. zero }) end
+    local configs = { { key = "base", fn = one_rank } }
+    if want("tp") then
+      configs[#configs + 1] = { key = "tp", fn = function() return multi("gpt2_124m tensor=2", { "--tensor=2" }) end }
     end
-    local b2 = one_rank()
-    if b1 and b2 then
-      local tps = (b1.tokens_per_s + b2.tokens_per_s) / 2
-      local b = { tokens_per_s = tps, step_ms = (b1.step_ms + b2.step_ms) / 2,
-                  peak_rss_mb = math.max(b1.peak_rss_mb, b2.peak_rss_mb) }
+    if want("dp") then
+      for _, zero in ipairs{ 0, 1 } do
+        configs[#configs + 1] = { key = "dp" .. zero, fn = function()
+          return multi("gpt2_124m data=2 zero=" .. zero, { "--data=2", "--zero=" .. zero })
+        end }
+      end
+    end
+    local runs = {}
+    for round = 1, 2 do
+      for i = 1, #configs do
+        local c = configs[round == 1 and i or #configs + 1 - i]
+        runs[c.key] = runs[c.key] or {}
+        local r = c.fn()
+        if r then table.insert(runs[c.key], r) end
+      end
+    end
+    local function best(key)
+      local list, b = runs[key] or {}, nil
+      for _, r in ipairs(list) do if not b or r.tokens_per_s > b.tokens_per_s then b = r end end
+      return b
+    end
+    local function both(key)
+      local t = {}
+      for _, r in ipairs(runs[key] or {}) do t[#t + 1] = ("%.2f"):format(r.tokens_per_s) end
+      return table.concat(t, " / ")
+    end
+    local b, tp, dp = best("base"), best("tp"), { [0] = best("dp0"), [1] = best("dp1") }
+    if b then
+      local tps = b.tokens_per_s
       emit("gpt2_1x1", "tokens_per_s", tps, "%.2f")
-      emit("gpt2_1x1", "tokens_per_s_before", b1.tokens_per_s, "%.2f")
-      emit("gpt2_1x1", "tokens_per_s_after", b2.tokens_per_s, "%.2f")
       emit("gpt2_1x1", "step_ms", b.step_ms, "%.1f")
-      emit("gpt2_1x1", "mfu_1thread", tps * flops_per_token(b1) / (peak[1] * 1e9), "%.3f")
+      emit("gpt2_1x1", "mfu_1thread", tps * flops_per_token(b) / (peak[1] * 1e9), "%.3f")
       emit("gpt2_1x1", "peak_rss_mb", b.peak_rss_mb, "%.0f")
+      local drift = ("  (tokens/s of the two runs, the faster kept: 1 rank %s"):format(both("base"))
+      for _, k in ipairs{ "tp", "dp0", "dp1" } do
+        if runs[k] then drift = drift .. ("; %s %s"):format(k == "tp" and "T=2" or ("D=2 zero=" .. k:sub(3)), both(k)) end
+      end
+      drift = drift .. ")"
       local function row_line(label, r, speed, comm_ms, extra)
         print(("  %-22s %9.2f %9.1f %8s %10.1f %8.0f %s"):format(label, r.tokens_per_s, r.step_ms,
           speed and ("%.2fx"):format(speed) or "1.00x", comm_ms or 0, r.peak_rss_mb, extra or ""))
       end
-      local drift = ("  (1 rank x 1 thread: %.2f tokens/s before, %.2f after; the mean is the baseline)"):format(
-        b1.tokens_per_s, b2.tokens_per_s)
       if tp then
         local sp = tp.tokens_per_s / tps
         emit("gpt2_tp2", "tokens_per_s", tp.tokens_per_s, "%.2f")
