@@ -185,8 +185,9 @@ static int alloc_leaf(pg_module *m, int nslots, int max_rows) {
   m->nslots = nslots;
   m->max_rows = max_rows;
   size_t out_n = (size_t)nslots * max_rows * m->out_width, din_n = (size_t)max_rows * m->in_width;
-  if (out_n && !(m->out = calloc(out_n, sizeof(float)))) return pg_fail("out of memory for %s outputs", m->name);
-  if (din_n && !(m->dinp = calloc(din_n, sizeof(float)))) return pg_fail("out of memory for %s gradients", m->name);
+  if (out_n && !(m->out = pg_alloc_zeroed(out_n * sizeof(float)))) return pg_fail("out of memory for %s outputs", m->name);
+  if (din_n && !(m->dinp = pg_alloc_zeroed(din_n * sizeof(float))))
+    return pg_fail("out of memory for %s gradients", m->name);
   m->saved_bytes_per_slot = (size_t)max_rows * m->out_width * sizeof(float);
   return PG_OK;
 }
@@ -209,7 +210,7 @@ static int alloc_ptrs(const float ***arr, int nslots) {
 
 static float *alloc_floats(float **arr, size_t n) {
   free(*arr);
-  *arr = n ? calloc(n, sizeof(float)) : NULL;
+  *arr = n ? pg_alloc_zeroed(n * sizeof(float)) : NULL;
   return *arr;
 }
 

@@ -43,6 +43,11 @@ const char *pg_dtype_name(pg_dtype d);
 int pg_dtype_from_name(const char *name, pg_dtype *out); /* PG_OK or PG_ERR */
 const char *pg_device_name(pg_device d);
 
+/* `bytes` zeroed bytes for a large runtime buffer (free() releases them):
+ * 2 MiB-aligned from 4 MiB up, so that the kernel can back them with huge
+ * pages. NULL when out of memory. */
+void *pg_alloc_zeroed(size_t bytes);
+
 /* A storage of `bytes` zeroed bytes, refcount 1. NULL + pg_error() on failure. */
 pg_storage *pg_storage_new(size_t bytes, pg_device device);
 void pg_storage_retain(pg_storage *s);
