@@ -52,4 +52,17 @@ function M.count(haystack, needle)
   end
 end
 
+--- A fresh path under the system's temporary directory (not created).
+function M.tmpdir()
+  local p = os.tmpname()
+  os.remove(p)
+  return p
+end
+
+--- Removes a directory tree.
+function M.rm(dir) os.execute("rm -rf " .. quote(dir)) end
+
+--- Whether a file or directory exists.
+function M.exists(path) return os.rename(path, path) ~= nil end
+
 return M

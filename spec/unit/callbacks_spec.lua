@@ -5,14 +5,10 @@ local cjson = require "cjson"
 local T = pg.testing
 local cb = pg.callbacks
 
-local function tmpdir()
-  local p = os.tmpname()
-  os.remove(p)
-  return p
-end
-
-local function rm(dir) os.execute("rm -rf '" .. dir .. "'") end
-local function exists(path) return os.rename(path, path) ~= nil end
+local h = require "helpers"
+local tmpdir = h.tmpdir
+local rm = h.rm
+local exists = h.exists
 
 local function read_lines(path)
   local lines = {}

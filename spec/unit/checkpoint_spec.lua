@@ -4,14 +4,10 @@ local pg = require "pipegoose"
 local ckpt = pg.checkpoint
 local T = pg.testing
 
-local function tmpdir()
-  local p = os.tmpname()
-  os.remove(p)
-  return p
-end
-
-local function rm(dir) os.execute("rm -rf '" .. dir .. "'") end
-local function exists(path) return os.rename(path, path) ~= nil end
+local h = require "helpers"
+local tmpdir = h.tmpdir
+local rm = h.rm
+local exists = h.exists
 
 describe("pg.checkpoint encode / decode", function()
   it("restores plain Lua values exactly, integers and floats kept apart", function()

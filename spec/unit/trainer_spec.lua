@@ -5,13 +5,9 @@
 local pg = require "pipegoose"
 local T = pg.testing
 
-local function tmpdir()
-  local p = os.tmpname()
-  os.remove(p)
-  return p
-end
-
-local function rm(dir) os.execute("rm -rf '" .. dir .. "'") end
+local h = require "helpers"
+local tmpdir = h.tmpdir
+local rm = h.rm
 
 -- A trainer over fresh fakes; o.engine / o.optimizer / o.data are their
 -- options, the rest are Trainer options.

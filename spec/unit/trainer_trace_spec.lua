@@ -4,11 +4,8 @@
 local pg = require "pipegoose"
 local T = pg.testing
 
-local function tmpdir()
-  local p = os.tmpname()
-  os.remove(p)
-  return p
-end
+local h = require "helpers"
+local tmpdir = h.tmpdir
 
 -- Records every hook with the arguments that identify the call.
 local function recorder(trace, opts)
