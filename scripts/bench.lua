@@ -2,7 +2,8 @@
 --
 -- Every figure is set against a peer measured in the same run: MFU against
 -- the OpenBLAS sgemm peak measured first, tokens/s against PyTorch CPU on the
--- same step (when /usr/bin/python3 has torch), T = 2 and D = 2 against one
+-- same step (when /usr/bin/python3 has torch) and llm.c's CPU trainer (when
+-- LLMC_DIR is set), T = 2 and D = 2 against one
 -- rank with one thread, measured pipeline bubbles against (P-1)/(M+P-1).
 --
 -- Parts (BENCH_ONLY=peak,gpt2,small,torch,tp,dp,pp,comm picks some; default all):
@@ -10,6 +11,9 @@
 --   gpt2   GPT-2 124M (padded vocab 50304, 12 x 768, seq 64), batch 4 x 64, fp32, all cores
 --   small  the default model of examples/train_gpt.lua, batch 16 x 128, all cores
 --   torch  the same two steps in PyTorch (scripts/bench_torch.py), skipped without torch
+--   llmc   GPT-2 124M's step in llm.c's CPU trainer (train_gpt2.c, same B = 4, T = 64),
+--          when LLMC_DIR names a checkout of github.com/karpathy/llm.c (built here
+--          with its own `make train_gpt2` if needed; nothing of it is in this repository)
 --   tp     GPT-2 124M: tensor = 2 (2 ranks x 1 thread) against 1 rank x 1 thread
 --   dp     GPT-2 124M, 4 x 64 per rank: data = 2 (zero 0 and 1) against 1 rank x 1 thread
 --   pp     pipeline = 2, M = 1..16 micro-batches: bubble and activation peak, GPipe and 1F1B
@@ -365,12 +369,59 @@ local function driver()
     return res.torch_tokens_per_s
   end
 
+  -- llm.c's CPU trainer as a peer: its train_gpt2 reads gpt2_124M.bin and the
+  -- tinyshakespeare shards from its working directory, trains at B = 4,
+  -- T = 64 and prints "step n: train loss x (took t ms)". We give it our
+  -- GPT-2 124M (exported in its format) and the fortunes shards, read steps
+  -- 1..5 (step 0 warms up) and stop it.
+  local LLMC_DIR = os.getenv("LLMC_DIR")
+  local function llmc_run()
+    if not LLMC_DIR or LLMC_DIR == "" or not want("llmc") then return nil end
+    local bin = LLMC_DIR .. "/train_gpt2"
+    if not io.open(bin) then
+      local _, lines, rc = run("make -C " .. shell_quote(LLMC_DIR) .. " train_gpt2")
+      if not check_run("llm.c build (make -C $LLMC_DIR train_gpt2)", {}, lines, rc) then return nil end
+    end
+    local dir = "build/llmc-bench"
+    os.execute("mkdir -p " .. dir .. "/dev/data/tinyshakespeare")
+    if not io.open(dir .. "/gpt2_124M.bin") then
+      local res, lines, rc = run(worker_cmd(1, ncores, { "--worker=llmc-model", "--out=" .. dir .. "/gpt2_124M.bin" }))
+      if not check_run("llm.c model file", res, lines, rc, "written") then return nil end
+    end
+    if not io.open("data/fortunes_train.bin") or not io.open("data/fortunes_val.bin") then
+      local _, lines, rc = run(PGLUA .. " scripts/prepare_corpus.lua")
+      if not check_run("scripts/prepare_corpus.lua", {}, lines, rc) then return nil end
+    end
+    local here = os.getenv("PWD") or "."
+    for _, split in ipairs{ "train", "val" } do
+      os.execute(("ln -sf %s %s"):format(shell_quote(here .. "/data/fortunes_" .. split .. ".bin"),
+        shell_quote(dir .. "/dev/data/tinyshakespeare/tiny_shakespeare_" .. split .. ".bin")))
+    end
+    -- as for PyTorch, llm.c gets the OpenMP environment the user gave us
+    local env = os.getenv("PG_DEFAULT_WAIT_POLICY") and "env -u OMP_WAIT_POLICY -u PG_DEFAULT_WAIT_POLICY " or ""
+    local abs = LLMC_DIR:sub(1, 1) == "/" and LLMC_DIR or (here .. "/" .. LLMC_DIR)
+    -- sed ends the pipe after step 5 (-u: it reads no further ahead than
+    -- that line); train_gpt2 then dies of SIGPIPE at its next line
+    local _, lines, rc = run(("cd %s && %sOMP_NUM_THREADS=%d stdbuf -oL %s | sed -u '/^step 5:/q'")
+      :format(shell_quote(dir), env, ncores, shell_quote(abs .. "/train_gpt2")))
+    local ms = {}
+    for _, l in ipairs(lines) do
+      local n, t = l:match("^step (%d+): train loss %S+ %(took (%S+) ms%)")
+      if n and tonumber(n) >= 1 then ms[#ms + 1] = tonumber(t) end
+    end
+    if #ms == 0 then
+      check_run("llm.c train_gpt2", {}, lines, rc ~= 0 and rc or 1)
+      return nil
+    end
+    return 4 * 64 / (median(ms) / 1000)
+  end
+
   ------------------------------------------------ single-process steps, all cores
   local rows = {}
   -- With PyTorch the order is ours, PyTorch, ours again, and ours is the mean
   -- of the two: a change in the machine's load during the part then weighs
   -- on both sides of the ratio.
-  local function step_part(name, model, torch_args)
+  local function step_part(name, model, torch_args, with_llmc)
     local function ours()
       local res, lines, rc = run(worker_cmd(1, ncores, { "--worker=step", "--model=" .. model, "--steps=" .. steps(4) }))
       return check_run(name, res, lines, rc, "tokens_per_s") and res or nil
@@ -378,11 +429,12 @@ local function driver()
     local res = ours()
     if not res then return end
     local torch = torch_run(("--threads %d --warmup 1 --steps 3 %s"):format(ncores, torch_args))
-    if torch then
+    local llmc = with_llmc and llmc_run() or nil
+    if torch or llmc then
       local again = ours()
       if again then
-        emit(name, "tokens_per_s_before_torch", res.tokens_per_s, "%.1f")
-        emit(name, "tokens_per_s_after_torch", again.tokens_per_s, "%.1f")
+        emit(name, "tokens_per_s_before_peers", res.tokens_per_s, "%.1f")
+        emit(name, "tokens_per_s_after_peers", again.tokens_per_s, "%.1f")
         res.tokens_per_s = (res.tokens_per_s + again.tokens_per_s) / 2
         res.step_ms = (res.step_ms + again.step_ms) / 2
         res.peak_rss_mb = math.max(res.peak_rss_mb, again.peak_rss_mb)
@@ -402,21 +454,28 @@ local function driver()
     else
       emit(name, "torch_tokens_per_s", "n/a")
     end
-    rows[#rows + 1] = { name, res, mfu, torch }
+    if llmc then
+      emit(name, "llmc_tokens_per_s", llmc, "%.1f")
+      emit(name, "vs_llmc", res.tokens_per_s / llmc, "%.2f")
+    end
+    rows[#rows + 1] = { name, res, mfu, torch, llmc }
   end
-  if want("gpt2") then step_part("gpt2_124m", "gpt2", "") end
+  if want("gpt2") then step_part("gpt2_124m", "gpt2", "", true) end
   if want("small") then step_part("small", "small", "--small") end
   if #rows > 0 then
     print()
     print(("== training step, 1 rank x %d threads (fp32; MFU = (6N + 6LCT) x tokens/s / sgemm peak)"):format(ncores))
-    print(("  %-10s %11s %9s %9s %6s %8s %11s %8s"):format("model", "params", "tokens/s", "step ms", "MFU", "peak MB",
-      "torch tok/s", "vs torch"))
+    print(("  %-10s %11s %9s %9s %6s %8s %11s %8s %10s %8s"):format("model", "params", "tokens/s", "step ms", "MFU",
+      "peak MB", "torch tok/s", "vs torch", "llm.c t/s", "vs llm.c"))
+    local function ratio(x, peer) return peer and ("%.2fx"):format(x / peer) or "-" end
     for _, r in ipairs(rows) do
-      local name, res, mfu, torch = r[1], r[2], r[3], r[4]
-      print(("  %-10s %11d %9.1f %9.1f %6.3f %8.0f %11s %8s"):format(name, res.params, res.tokens_per_s, res.step_ms, mfu,
-        res.peak_rss_mb, torch and ("%.1f"):format(torch) or "n/a", torch and ("%.2fx"):format(res.tokens_per_s / torch) or "-"))
+      local name, res, mfu, torch, llmc = r[1], r[2], r[3], r[4], r[5]
+      print(("  %-10s %11d %9.1f %9.1f %6.3f %8.0f %11s %8s %10s %8s"):format(name, res.params, res.tokens_per_s,
+        res.step_ms, mfu, res.peak_rss_mb, torch and ("%.1f"):format(torch) or "n/a", ratio(res.tokens_per_s, torch),
+        llmc and ("%.1f"):format(llmc) or "n/a", ratio(res.tokens_per_s, llmc)))
     end
     if not have_torch then print("  (PyTorch: /usr/bin/python3 has no torch here; the torch column is skipped)") end
+    if not LLMC_DIR then print("  (llm.c: set LLMC_DIR to a checkout of karpathy/llm.c for its column)") end
     print("  targets (issue 3): gpt2_124m MFU >= 0.5, >= 1.5x PyTorch")
   end
 
@@ -591,8 +650,19 @@ local function driver()
   if #failures > 0 then os.exit(1) end
 end
 
+--- Writes a GPT-2 124M of our initialisation in llm.c's model format (the
+--- input of llm.c's train_gpt2: 1024 positions, padded vocabulary 50304).
+local function worker_llmc_model(o)
+  local cfg = MODELS.gpt2
+  local engine = pg.parallelize(pg.nn.GPT{ vocab = cfg.vocab, padded_vocab = cfg.padded_vocab, seq_len = 1024,
+    dim = cfg.dim, heads = cfg.heads, layers = cfg.layers }, pg.ParallelContext{ seed = 1 })
+  engine:save_llmc(o.out)
+  print("result written 1")
+end
+
 local o = parse_args(arg)
 if o.worker == "step" then worker_step(o)
+elseif o.worker == "llmc-model" then worker_llmc_model(o)
 elseif o.worker == "pp" then worker_pp(o)
 elseif o.worker then error("bench.lua: unknown worker " .. o.worker)
 else driver() end
