@@ -174,7 +174,8 @@ run: all data/fortunes_train.bin
 	$(PGLUA) examples/train_gpt.lua $(RUN_ARGS)
 
 # Training-step benchmarks with ratios against peers measured in the same run
-# (sgemm peak, PyTorch CPU, one rank); BENCH_ONLY=peak,gpt2,small,torch,tp,dp,pp,comm
+# (sgemm peak, PyTorch CPU, llm.c with LLMC_DIR=checkout, one rank);
+# BENCH_ONLY=peak,gpt2,small,torch,llmc,tp,dp,pp,comm
 # runs some parts (scripts/bench.lua says what each does).
 bench: all
 	$(PGLUA) scripts/bench.lua

@@ -6,7 +6,7 @@
 -- LLMC_DIR is set), T = 2 and D = 2 against one
 -- rank with one thread, measured pipeline bubbles against (P-1)/(M+P-1).
 --
--- Parts (BENCH_ONLY=peak,gpt2,small,torch,tp,dp,pp,comm picks some; default all):
+-- Parts (BENCH_ONLY=peak,gpt2,small,torch,llmc,tp,dp,pp,comm picks some; default all):
 --   peak   sgemm GFLOP/s through pg.ops.linear, all cores and one thread
 --   gpt2   GPT-2 124M (padded vocab 50304, 12 x 768, seq 64), batch 4 x 64, fp32, all cores
 --   small  the default model of examples/train_gpt.lua, batch 16 x 128, all cores
