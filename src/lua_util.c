@@ -11,10 +11,21 @@ pg_tensor *pg_lua_check_tensor(lua_State *L, int idx) {
   return t;
 }
 
+/* Lua's collector sees only the small userdata, not the tensor memory behind
+ * it: a loop making large tensors without :free() piled up gigabytes between
+ * cycles (300 tensors of 16 MiB: 3.2 GB resident). A fresh storage of our
+ * own therefore advances the collector as if Lua had allocated its bytes. */
+static void account(lua_State *L, const pg_tensor *t) {
+  const pg_storage *s = t->storage;
+  if (s && s->refcount == 1 && s->owns_data && s->bytes >= ((size_t)64 << 10))
+    lua_gc(L, LUA_GCSTEP, (int)(s->bytes < ((size_t)1 << 40) ? s->bytes >> 10 : (size_t)1 << 30));
+}
+
 pg_tensor *pg_lua_push_tensor(lua_State *L, const pg_tensor *t) {
   pg_tensor *u = lua_newuserdatauv(L, sizeof *u, 0);
   *u = *t;
   luaL_setmetatable(L, PG_TENSOR_MT);
+  account(L, u);
   return u;
 }
 
@@ -23,6 +34,7 @@ pg_tensor *pg_lua_new_tensor(lua_State *L, pg_dtype dtype, int ndim, const int64
   memset(u, 0, sizeof *u);
   luaL_setmetatable(L, PG_TENSOR_MT);
   if (pg_tensor_init(u, dtype, ndim, shape)) luaL_error(L, "%s", pg_error());
+  account(L, u);
   return u;
 }
 
