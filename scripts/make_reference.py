@@ -15,6 +15,11 @@ Writes, for a small random GPT-2 (defaults: max_seq_len 16, vocab 61 padded to
   spec/fixtures/gpt2_tiny_steps.json  hyperparameters and the losses of 10
                                       AdamW steps on that same batch
 
+The committed gpt2_tiny_b8_state.bin / gpt2_tiny_b8_steps.json are the same
+model on an 8-row batch (for 8 micro-batches):
+  make_reference.py --batch=8 --state-out spec/fixtures/gpt2_tiny_b8_state.bin \
+      --steps-out spec/fixtures/gpt2_tiny_b8_steps.json --model-out /tmp/same_model.bin
+
 Byte layouts: docs/FORMATS.md. The model is scripts/gpt2_torch.py.
 
 Weights: N(0, 0.02) for embeddings and weight matrices, zero biases, LayerNorm

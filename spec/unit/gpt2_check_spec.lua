@@ -12,15 +12,24 @@
 local h = require "helpers"
 local cjson = require "cjson"
 
-local MODEL, STATE = "spec/fixtures/gpt2_tiny_model.bin", "spec/fixtures/gpt2_tiny_state.bin"
-local f = assert(io.open("spec/fixtures/gpt2_tiny_steps.json"))
-local ref = cjson.decode(f:read("a"))
-f:close()
-local STEPS = #ref.losses -- 10: losses[k] is the loss before update k
+-- Two batches of the same model: 4 rows (gpt2_tiny_state.bin) and 8 rows
+-- (gpt2_tiny_b8_state.bin, for 8 micro-batches); both made by
+-- scripts/make_reference.py (--batch=8 for the second).
+local MODEL = "spec/fixtures/gpt2_tiny_model.bin"
+local function load_ref(state, steps)
+  local f = assert(io.open(steps))
+  local r = cjson.decode(f:read("a"))
+  f:close()
+  r.state = state
+  return r
+end
+local REF4 = load_ref("spec/fixtures/gpt2_tiny_state.bin", "spec/fixtures/gpt2_tiny_steps.json")
+local REF8 = load_ref("spec/fixtures/gpt2_tiny_b8_state.bin", "spec/fixtures/gpt2_tiny_b8_steps.json")
+local STEPS = #REF4.losses -- 10: losses[k] is the loss before update k
 
 -- Hang guard (not a timing assertion): a stuck job is killed and fails on its status.
-local function run(n, flags)
-  local args = { "scripts/gpt2_check.lua", MODEL, STATE, "--steps=" .. STEPS,
+local function run(n, flags, ref)
+  local args = { "scripts/gpt2_check.lua", MODEL, ref.state, "--steps=" .. STEPS,
                  "--lr=" .. ref.optimizer.lr, "--beta1=" .. ref.optimizer.betas[1],
                  "--beta2=" .. ref.optimizer.betas[2], "--eps=" .. ref.optimizer.eps,
                  "--weight-decay=" .. ref.optimizer.weight_decay }
@@ -29,8 +38,9 @@ local function run(n, flags)
   return h.sh(h.mpirun_cmd(n, args, 60))
 end
 
-local function check(n, flags)
-  local rc, out = run(n, flags)
+local function check(n, flags, ref)
+  ref = ref or REF4
+  local rc, out = run(n, flags, ref)
   assert.equal(0, rc, out)
   local seen = 0
   for k, v in out:gmatch("step (%d+) loss (%S+)") do
@@ -45,7 +55,7 @@ local function check(n, flags)
   assert.matches("grads_max_abs_diff", out)
 end
 
-local B = ref.batch -- 4 rows: micro_batches must divide it
+local B = REF4.batch -- 4 rows: micro_batches must divide it
 
 describe("gpt2_check.lua on the PyTorch fixtures", function()
   for _, T in ipairs{ 1, 2, 4 } do
@@ -64,8 +74,12 @@ describe("gpt2_check.lua on the PyTorch fixtures", function()
         end)
       end
     end
-    pending(("--pipeline=%d --micro-batches=8: the fixture's batch is %d rows, and micro_batches must divide it " ..
-      "(pipeline_spec runs M = 8 on a batch of 8 against the serial model)"):format(P, B))
+    for _, sched in ipairs{ "gpipe", "1f1b" } do
+      it(("--pipeline=%d --micro-batches=8 --schedule=%s (the 8-row batch)"):format(P, sched), function()
+        assert.equal(8, REF8.batch)
+        check(P, { "--pipeline=" .. P, "--micro-batches=8", "--schedule=" .. sched }, REF8)
+      end)
+    end
   end
 
   it("--pipeline=2 --tensor=2 (4 ranks), 1f1b with 2 micro-batches", function()
