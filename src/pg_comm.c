@@ -502,26 +502,25 @@ static int check_shm(const pg_shm *s, pg_reduce_op op) {
   return PG_OK;
 }
 
-int pg_shm_all_reduce(pg_context *ctx, const pg_shm *s, int64_t n, pg_reduce_op op) {
+/* Both reductions: barrier, reduce our block (into every member's buffer or
+ * ours), barrier. The trailing barrier also keeps everyone from changing its
+ * buffer (zero_grad, the next backward) while another member still reads it. */
+static int shm_reduce(pg_context *ctx, const pg_shm *s, int64_t n, pg_reduce_op op, int everyone, pg_coll coll) {
   if (check_ctx(ctx) || check_shm(s, op)) return PG_ERR;
   double t0 = MPI_Wtime();
   if (shm_barrier(ctx, s->mode)) return PG_ERR;
-  shm_reduce_block(s, n, op, 1);
+  shm_reduce_block(s, n, op, everyone);
   if (shm_barrier(ctx, s->mode)) return PG_ERR;
-  count(ctx, s->mode, PG_COLL_ALL_REDUCE, (double)n * sizeof(float), t0);
+  count(ctx, s->mode, coll, (double)n * sizeof(float), t0);
   return PG_OK;
 }
 
+int pg_shm_all_reduce(pg_context *ctx, const pg_shm *s, int64_t n, pg_reduce_op op) {
+  return shm_reduce(ctx, s, n, op, 1, PG_COLL_ALL_REDUCE);
+}
+
 int pg_shm_reduce_scatter(pg_context *ctx, const pg_shm *s, int64_t n, pg_reduce_op op) {
-  if (check_ctx(ctx) || check_shm(s, op)) return PG_ERR;
-  double t0 = MPI_Wtime();
-  /* the trailing barrier: nobody may change its buffer (zero_grad, the next
-   * backward) while another member still reads it */
-  if (shm_barrier(ctx, s->mode)) return PG_ERR;
-  shm_reduce_block(s, n, op, 0);
-  if (shm_barrier(ctx, s->mode)) return PG_ERR;
-  count(ctx, s->mode, PG_COLL_REDUCE_SCATTER, (double)n * sizeof(float), t0);
-  return PG_OK;
+  return shm_reduce(ctx, s, n, op, 0, PG_COLL_REDUCE_SCATTER);
 }
 
 int pg_shm_all_gather(pg_context *ctx, const pg_shm *s, int64_t n) {

@@ -156,10 +156,13 @@ function M.class(name)
   })
 end
 
+-- The option checks below are called from a built-in's constructor: error
+-- level 4 points at the user's line that called it.
+
 --- Rejects option names a built-in does not know, suggesting the closest.
 function M.check_options(cls_name, opts, known)
   if type(opts) ~= "table" then
-    error(("pg.callbacks.%s: expects a table of options, got a %s"):format(cls_name, type(opts)), 3)
+    error(("pg.callbacks.%s: expects a table of options, got a %s"):format(cls_name, type(opts)), 4)
   end
   local list = {}
   for k in pairs(known) do list[#list + 1] = k end
@@ -167,9 +170,31 @@ function M.check_options(cls_name, opts, known)
   for k in pairs(opts) do
     if not known[k] then
       error(("pg.callbacks.%s: unknown option '%s'%s"):format(cls_name, tostring(k),
-        type(k) == "string" and M.suggestion(k, list) or ""), 3)
+        type(k) == "string" and M.suggestion(k, list) or ""), 4)
     end
   end
+end
+
+--- opts[key] (else `default`) as a positive integer; nil when both are nil.
+function M.positive_int(cls_name, opts, key, default)
+  local v = opts[key]
+  if v == nil then v = default end
+  if v == nil then return nil end
+  local i = math.tointeger(v)
+  if i == nil or i < 1 then
+    error(("pg.callbacks.%s: %s=%s must be a positive integer"):format(cls_name, key, tostring(v)), 4)
+  end
+  return i
+end
+
+--- opts[key] (else `default`) as a number >= 0.
+function M.non_negative(cls_name, opts, key, default)
+  local v = opts[key]
+  if v == nil then v = default end
+  if type(v) ~= "number" or v < 0 then
+    error(("pg.callbacks.%s: %s=%s must be a number >= 0"):format(cls_name, key, tostring(v)), 4)
+  end
+  return v
 end
 
 ------------------------------------------------------------------------------

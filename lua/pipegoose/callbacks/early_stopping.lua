@@ -24,18 +24,9 @@ function EarlyStopping.new(opts)
   if mode ~= "min" and mode ~= "max" then
     error(("pg.callbacks.EarlyStopping: mode='%s' must be 'min' or 'max'"):format(tostring(mode)), 3)
   end
-  local patience = math.tointeger(opts.patience or 3)
-  if patience == nil or patience < 1 then
-    error(("pg.callbacks.EarlyStopping: patience=%s must be a positive integer"):format(tostring(opts.patience)), 3)
-  end
-  local every = opts.every_n_steps and math.tointeger(opts.every_n_steps)
-  if opts.every_n_steps ~= nil and (every == nil or every < 1) then
-    error(("pg.callbacks.EarlyStopping: every_n_steps=%s must be a positive integer"):format(tostring(opts.every_n_steps)), 3)
-  end
-  local min_delta = opts.min_delta or 0
-  if type(min_delta) ~= "number" or min_delta < 0 then
-    error(("pg.callbacks.EarlyStopping: min_delta=%s must be a number >= 0"):format(tostring(min_delta)), 3)
-  end
+  local patience = callbacks.positive_int("EarlyStopping", opts, "patience", 3)
+  local every = callbacks.positive_int("EarlyStopping", opts, "every_n_steps")
+  local min_delta = callbacks.non_negative("EarlyStopping", opts, "min_delta", 0)
   local monitor = opts.monitor or "val_loss"
   return setmetatable({
     monitor = monitor, patience = patience, min_delta = min_delta, mode = mode, every_n_steps = every,

@@ -29,10 +29,7 @@ function MetricsLogger.new(opts)
   if format ~= "jsonl" and format ~= "csv" then
     error(("pg.callbacks.MetricsLogger: format='%s' must be 'jsonl' or 'csv'"):format(tostring(format)), 3)
   end
-  local every = opts.every_n_steps and math.tointeger(opts.every_n_steps)
-  if opts.every_n_steps ~= nil and (every == nil or every < 1) then
-    error(("pg.callbacks.MetricsLogger: every_n_steps=%s must be a positive integer"):format(tostring(opts.every_n_steps)), 3)
-  end
+  local every = callbacks.positive_int("MetricsLogger", opts, "every_n_steps")
   return setmetatable({
     path = opts.path, format = format, columns = opts.columns or MetricsLogger.DEFAULT_COLUMNS,
     every_n_steps = every, file = nil,

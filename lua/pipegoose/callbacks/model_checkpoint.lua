@@ -35,10 +35,7 @@ function ModelCheckpoint.new(opts)
   if mode ~= "min" and mode ~= "max" then
     error(("pg.callbacks.ModelCheckpoint: mode='%s' must be 'min' or 'max'"):format(tostring(mode)), 3)
   end
-  local every = opts.every_n_steps and math.tointeger(opts.every_n_steps)
-  if opts.every_n_steps ~= nil and (every == nil or every < 1) then
-    error(("pg.callbacks.ModelCheckpoint: every_n_steps=%s must be a positive integer"):format(tostring(opts.every_n_steps)), 3)
-  end
+  local every = callbacks.positive_int("ModelCheckpoint", opts, "every_n_steps")
   local k = opts.keep_top_k
   if k ~= nil and (math.tointeger(k) == nil or k < -1) then
     error(("pg.callbacks.ModelCheckpoint: keep_top_k=%s must be an integer >= -1"):format(tostring(k)), 3)

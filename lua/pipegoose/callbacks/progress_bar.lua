@@ -18,10 +18,7 @@ end
 
 function ProgressBar.new(opts)
   callbacks.check_options("ProgressBar", opts, { tty = true, every_n_steps = true })
-  local every = opts.every_n_steps and math.tointeger(opts.every_n_steps)
-  if opts.every_n_steps ~= nil and (every == nil or every < 1) then
-    error(("pg.callbacks.ProgressBar: every_n_steps=%s must be a positive integer"):format(tostring(opts.every_n_steps)), 3)
-  end
+  local every = callbacks.positive_int("ProgressBar", opts, "every_n_steps")
   local tty = opts.tty
   if tty == nil then tty = default_tty() end
   return setmetatable({ tty = tty, every_n_steps = every, width = 0, open_line = false }, ProgressBar)

@@ -42,18 +42,9 @@ function TextSampler.new(opts)
     every_n_steps = true, prompt = true, tokens = true, temperature = true, top_k = true, seed = true,
     decode = true, encode = true, print = true, state_key = true,
   })
-  local every = math.tointeger(opts.every_n_steps or 100)
-  if every == nil or every < 1 then
-    error(("pg.callbacks.TextSampler: every_n_steps=%s must be a positive integer"):format(tostring(opts.every_n_steps)), 3)
-  end
-  local tokens = math.tointeger(opts.tokens or 32)
-  if tokens == nil or tokens < 1 then
-    error(("pg.callbacks.TextSampler: tokens=%s must be a positive integer"):format(tostring(opts.tokens)), 3)
-  end
-  local temperature = opts.temperature or 0
-  if type(temperature) ~= "number" or temperature < 0 then
-    error(("pg.callbacks.TextSampler: temperature=%s must be a number >= 0"):format(tostring(temperature)), 3)
-  end
+  local every = callbacks.positive_int("TextSampler", opts, "every_n_steps", 100)
+  local tokens = callbacks.positive_int("TextSampler", opts, "tokens", 32)
+  local temperature = callbacks.non_negative("TextSampler", opts, "temperature", 0)
   local prompt = opts.prompt or "\n"
   if type(prompt) ~= "string" or prompt == "" then
     error("pg.callbacks.TextSampler: prompt must be a non-empty string", 3)
