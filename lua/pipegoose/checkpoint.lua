@@ -382,11 +382,7 @@ local function real_optimizer(opt)
   return type(opt) == "table" and opt.c ~= nil and opt.zero ~= nil and type(opt.c) == "userdata"
 end
 
-local function numel(shape)
-  local n = 1
-  for _, d in ipairs(shape) do n = n * d end
-  return n
-end
+local numel = safetensors.numel
 
 local function copy_list(t)
   local out = {}

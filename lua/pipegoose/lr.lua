@@ -59,37 +59,37 @@ M.constant = schedule("constant", { lr = true }, function(cfg)
   return function(_, info) return base_of("constant", cfg, info) end
 end)
 
+-- Linear warmup over cfg.warmup steps; then, from base_lr down to min_lr,
+-- `decay(base, min_lr, progress)` with progress 0 → 1 between the end of
+-- warmup and step `total` (cfg.total, else the trainer's total_steps);
+-- min_lr held after. With no total known: `no_total(base)`.
+local function warmup_then(name, cfg, decay, no_total)
+  local warmup, min_lr = cfg.warmup or 0, cfg.min_lr or 0
+  return function(step, info)
+    local base = base_of(name, cfg, info)
+    if step <= warmup then return base * step / warmup end
+    local total = cfg.total or (info and info.total_steps)
+    if not total then return no_total(base) end
+    if step >= total or total <= warmup then return min_lr end
+    return decay(base, min_lr, (step - warmup) / (total - warmup))
+  end
+end
+
 --- Linear warmup over `warmup` steps, then linear decay to `min_lr` (default
 -- 0) reached at step `total` (default: the trainer's total_steps) and held
 -- after. With no total known, the rate stays at base_lr after warmup.
 M.linear = schedule("linear", { lr = true, warmup = true, min_lr = true, total = true }, function(cfg)
-  local warmup, min_lr = cfg.warmup or 0, cfg.min_lr or 0
-  return function(step, info)
-    local base = base_of("linear", cfg, info)
-    if step <= warmup then return base * step / warmup end
-    local total = cfg.total or (info and info.total_steps)
-    if not total then return base end
-    if step >= total or total <= warmup then return min_lr end
-    return base + (min_lr - base) * (step - warmup) / (total - warmup)
-  end
+  return warmup_then("linear", cfg, function(base, min_lr, p) return base + (min_lr - base) * p end,
+    function(base) return base end)
 end)
 
 --- Linear warmup over `warmup` steps, then half a cosine from base_lr down to
 -- `min_lr` (default 0), reached exactly at step `total` (default: the
 -- trainer's total_steps) and held after.
 M.cosine = schedule("cosine", { lr = true, warmup = true, min_lr = true, total = true }, function(cfg)
-  local warmup, min_lr = cfg.warmup or 0, cfg.min_lr or 0
-  return function(step, info)
-    local base = base_of("cosine", cfg, info)
-    if step <= warmup then return base * step / warmup end
-    local total = cfg.total or (info and info.total_steps)
-    if not total then
-      error("pg.lr.cosine: needs a horizon: give total= or the trainer's max_steps", 2)
-    end
-    if step >= total or total <= warmup then return min_lr end
-    local progress = (step - warmup) / (total - warmup)
-    return min_lr + (base - min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
-  end
+  return warmup_then("cosine", cfg,
+    function(base, min_lr, p) return min_lr + (base - min_lr) * 0.5 * (1 + math.cos(math.pi * p)) end,
+    function() error("pg.lr.cosine: needs a horizon: give total= or the trainer's max_steps", 3) end)
 end)
 
 return M

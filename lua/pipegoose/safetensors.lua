@@ -34,11 +34,13 @@ local MAX_HEADER = 100 * 1024 * 1024
 
 local function core() return require "pipegoose.core" end
 
+--- Elements in a tensor of this shape (a list of sizes).
 local function numel(shape)
   local n = 1
   for _, d in ipairs(shape) do n = n * d end
   return n
 end
+M.numel = numel
 
 local function fail(path, fmt, ...)
   error(("%s: " .. fmt):format(path, ...), 0)
