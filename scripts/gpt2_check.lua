@@ -6,9 +6,11 @@
 --       [--micro-batches=M] [--schedule=gpipe|1f1b] [--zero=0|1]
 --
 -- Prints on rank 0: loss, logits_max_abs_diff, grad <tensor> <max_abs_diff> for
--- the 16 tensors, grads_max_abs_diff, then "step k loss v" for k = 1..K (the
--- loss before update k, same batch every step). Exit 0 when the loss matches
--- to 1e-5 relative, logits to 1e-4 and gradients to 1e-4 absolute, else 1.
+-- the 16 tensors, grads_max_abs_diff, then "step k loss v grad_norm n" for
+-- k = 1..K (the loss before update k, same batch every step, and the global
+-- gradient norm before clipping, which --clip=C clips to C). Exit 0 when the
+-- loss matches to 1e-5 relative, logits to 1e-4 and gradients to 1e-4
+-- absolute, else 1.
 local pg = require "pipegoose"
 local llmc = require "pipegoose.llmc"
 
@@ -101,9 +103,9 @@ if K > 0 then
   for k = 1, K do
     engine:zero_grad()
     local l = engine:forward_backward(xs, ys)
-    if clip > 0 then optimizer:clip_grad_norm(clip) end
+    local norm = clip > 0 and optimizer:clip_grad_norm(clip) or optimizer:grad_norm()
     optimizer:step()
-    say(("step %d loss %.9g"):format(k, l))
+    say(("step %d loss %.9g grad_norm %.9g"):format(k, l, norm))
   end
 end
 os.exit(ok and 0 or 1)

@@ -19,6 +19,13 @@ The committed gpt2_tiny_b8_state.bin / gpt2_tiny_b8_steps.json are the same
 model on an 8-row batch (for 8 micro-batches):
   make_reference.py --batch=8 --state-out spec/fixtures/gpt2_tiny_b8_state.bin \
       --steps-out spec/fixtures/gpt2_tiny_b8_steps.json --model-out /tmp/same_model.bin
+and gpt2_tiny_clip_steps.json the 4-row steps with the gradient norm clipped
+to 0.05 (about 1/15 of its value) before every step:
+  make_reference.py --clip=0.05 --steps-only --steps-out spec/fixtures/gpt2_tiny_clip_steps.json
+Every steps file also lists the global gradient norm before each step
+(before clipping). --steps-only rewrites a steps file and leaves the model and
+state files alone: logits written on another machine can differ in the last
+bit, and the committed ones are what the specs compare with.
 
 Byte layouts: docs/FORMATS.md. The model is scripts/gpt2_torch.py.
 
@@ -64,6 +71,11 @@ def parse_args(argv=None):
     p.add_argument("--beta2", type=float, default=0.95)
     p.add_argument("--eps", type=float, default=1e-8)
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=None,
+                   help="clip the global gradient norm to this before each step "
+                        "(torch.nn.utils.clip_grad_norm_)")
+    p.add_argument("--steps-only", action="store_true",
+                   help="write only the steps file (the model and state files named stay as they are)")
     p.add_argument("--model-out", default="spec/fixtures/gpt2_tiny_model.bin")
     p.add_argument("--state-out", default="spec/fixtures/gpt2_tiny_state.bin")
     p.add_argument("--steps-out", default="spec/fixtures/gpt2_tiny_steps.json")
@@ -89,19 +101,25 @@ def main(argv=None):
     tokens = torch.randint(0, cfg.vocab_size, (a.batch, a.seq_len + 1), generator=data_gen)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
-    for path in (a.model_out, a.state_out, a.steps_out):
+    outputs = (a.steps_out,) if a.steps_only else (a.model_out, a.state_out, a.steps_out)
+    for path in outputs:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    g.write_model_file(a.model_out, model)
+    if not a.steps_only:
+        g.write_model_file(a.model_out, model)
 
     opt = g.make_adamw(model, lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps,
                        weight_decay=a.weight_decay)
-    losses = []
+    losses, grad_norms = [], []
     for step in range(a.steps):
         opt.zero_grad(set_to_none=True)
         logits, loss = model(x, y)
         loss.backward()
         losses.append(loss.item())
-        if step == 0:
+        # the global norm before clipping (what clip_grad_norm_ returns);
+        # max_norm = inf measures without changing the gradients
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip or float("inf"))
+        grad_norms.append(norm.item())
+        if step == 0 and not a.steps_only:
             # The state file is the untouched model's forward/backward.
             g.write_state_file(a.state_out, x, y, logits[..., : cfg.vocab_size],
                                loss.item(), g.llmc_tensors(model, grads=True))
@@ -129,11 +147,12 @@ def main(argv=None):
             "decay_tensors": ["wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw"],
             "no_decay_tensors": ["ln1w", "ln1b", "qkvb", "attprojb", "ln2w", "ln2b",
                                  "fcb", "fcprojb", "lnfw", "lnfb"],
-            "grad_clip": None,
+            "grad_clip": a.clip,
             "lr_schedule": "constant",
         },
         "num_steps": a.steps,
         "losses": losses,
+        "grad_norms": grad_norms,
         "loss_after_last_step": final_loss.item(),
         "torch_version": torch.__version__,
     }
@@ -143,7 +162,7 @@ def main(argv=None):
 
     print(f"reference loss {losses[0]:.7f}  (ln V = {torch.tensor(float(cfg.vocab_size)).log().item():.7f})")
     print("losses " + " ".join(f"{v:.6f}" for v in losses) + f" -> {final_loss.item():.6f}")
-    for path in (a.model_out, a.state_out, a.steps_out):
+    for path in outputs:
         print(f"wrote {path} ({os.path.getsize(path)} bytes)")
 
 

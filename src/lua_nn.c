@@ -468,6 +468,9 @@ static int l_info(lua_State *L) {
   lua_setfield(L, -2, "is_first");
   lua_pushboolean(L, e->is_last);
   lua_setfield(L, -2, "is_last");
+  /* which data-parallel reduction path runs: shared buffers or the MPI ring */
+  lua_pushboolean(L, pg_engine_shares_buffers(e));
+  lua_setfield(L, -2, "shared_memory");
   return 1;
 }
 

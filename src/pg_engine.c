@@ -298,6 +298,8 @@ int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targe
   return PG_OK;
 }
 
+int pg_engine_shares_buffers(const pg_engine *e) { return e->param_shm.size > 0 && e->grad_shm.size > 0; }
+
 void pg_engine_zero_grad(pg_engine *e) {
   memset(e->grad_store->data, 0, (size_t)e->flat_padded * sizeof(float));
   e->grads_pending = 0;

@@ -89,6 +89,9 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
 /* Evaluation: mean loss (if targets) and/or logits [B*T, vocab] (if logits) on every rank. */
 int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T, double *loss,
                        float *logits);
+/* 1 when the data-parallel replicas share their flat buffers (pg_shm.h): the
+ * reductions are single passes over shared memory; 0: the MPI ring. */
+int pg_engine_shares_buffers(const pg_engine *e);
 void pg_engine_zero_grad(pg_engine *e);
 /* Runs the pending gradient reductions (no-op when none are pending). */
 int pg_engine_sync_grads(pg_engine *e);

@@ -2,7 +2,9 @@
 -- The data-parallel gradient reductions: shared-memory buffers (the default
 -- on one node) and the chunked MPI ring (shared_memory = false) give the
 -- same bits, zero = 0 and zero = 1 give the same bits, every replica holds
--- the same bits, and the averaged gradients are those of the whole batch.
+-- the same bits, and the averaged gradients are those of the whole batch
+-- computed by one process alone. engine:stats().shared_memory says which
+-- path ran, so the two paths are really compared with each other.
 local pg = require "pipegoose"
 
 local world = pg.world_size()
@@ -52,10 +54,18 @@ local function same_everywhere(t)
 end
 
 describe(("data-parallel gradient sync on %d ranks"):format(world), function()
-  local p_shm0, g_shm0, _, f_shm0, sd_shm0 = train(0, true)
-  local p_mpi0, g_mpi0, _, f_mpi0, sd_mpi0 = train(0, false)
+  local p_shm0, g_shm0, e_shm0, f_shm0, sd_shm0 = train(0, true)
+  local p_mpi0, g_mpi0, e_mpi0, f_mpi0, sd_mpi0 = train(0, false)
   local p_shm1, g_shm1, e1 = train(1, true)
-  local p_mpi1, g_mpi1 = train(1, false)
+  local p_mpi1, g_mpi1, e_mpi1 = train(1, false)
+
+  it("runs the path it was asked for: shared buffers by default, the MPI ring with shared_memory = false", function()
+    -- one node with /dev/shm (as in CI): the default shares the buffers
+    assert.is_true(e_shm0:stats().shared_memory, "zero = 0, default")
+    assert.is_true(e1:stats().shared_memory, "zero = 1, default")
+    assert.is_false(e_mpi0:stats().shared_memory, "zero = 0, shared_memory = false")
+    assert.is_false(e_mpi1:stats().shared_memory, "zero = 1, shared_memory = false")
+  end)
 
   it("gives every replica the same parameters and (zero = 0) gradients, bit for bit", function()
     assert.is_true(same_everywhere(p_shm0), "shared memory, zero = 0")
@@ -102,20 +112,25 @@ describe(("data-parallel gradient sync on %d ranks"):format(world), function()
     assert.is_true(g_shm1:narrow(1, lo + 1, hi - lo):equal(g_shm0:narrow(1, lo + 1, hi - lo)))
   end)
 
-  it("averages to the gradients of the whole batch", function()
-    -- every replica running the whole batch averages to the whole batch's
-    -- gradients (up to the rounding of adding D equal terms)
-    local engine = pg.parallelize(pg.nn.GPT(CFG), ctx, {})
-    engine:zero_grad()
-    engine:forward_backward(X, Y)
-    local _, whole = engine.c:flat()
-    local e2 = pg.parallelize(pg.nn.GPT(CFG), ctx, {})
-    e2:zero_grad()
-    e2:forward_backward(x, y) -- each rank its share
-    local _, shares = e2.c:flat()
-    local scale = math.max(1, whole:max_abs_diff(pg.zeros(whole:shape())))
-    assert.is_true(shares:allclose(whole, 1e-5, 1e-6 * scale), ("max |diff| %.3g"):format(shares:max_abs_diff(whole)))
-  end)
+  for _, shared in ipairs{ true, false } do
+    it(("averages to the gradients of the whole batch on one process (%s)"):format(
+      shared and "shared memory" or "MPI ring"), function()
+      -- the reference: this process alone (no data group) on the whole batch,
+      -- the same initial weights (a pure function of seed and name)
+      local alone = pg.parallelize(pg.nn.GPT(CFG), pg.ParallelContext{ self = true, seed = 3 }, {})
+      alone:zero_grad()
+      alone:forward_backward(X, Y)
+      local _, whole = alone.c:flat()
+      local e2 = pg.parallelize(pg.nn.GPT(CFG), ctx, { shared_memory = shared })
+      e2:zero_grad()
+      e2:forward_backward(x, y) -- each rank its share, then the average over the replicas
+      local _, avg = e2.c:flat()
+      -- D means of BATCH/D rows each, averaged, against one mean of BATCH rows:
+      -- the same terms summed in another order (float32, 1e-6 relative)
+      local scale = math.max(1, whole:max_abs_diff(pg.zeros(whole:shape())))
+      assert.is_true(avg:allclose(whole, 1e-5, 1e-6 * scale), ("max |diff| %.3g"):format(avg:max_abs_diff(whole)))
+    end)
+  end
 
   it("leaves nothing in /dev/shm", function()
     local f = io.popen("ls /dev/shm 2>/dev/null")

@@ -82,6 +82,38 @@ describe(("Trainer on %d ranks"):format(world), function()
     assert.same(mx:totable(), mn:totable())
   end)
 
+  it("validates on every rank after the step in which one rank set should_validate", function()
+    local validated, after = 0, nil
+    local trainer = build{ max_steps = 4, val_batches = 2, callbacks = { {
+      on_train_batch_end = function(_, t, o)
+        if o.step_end and me == last and t.state.step == 2 then t.control.should_validate = true end
+      end,
+      on_validation_end = function(_, t) validated, after = validated + 1, t.state.step end,
+    } } }
+    ctx:reset_comm_stats()
+    trainer:fit(data(), data(3))
+    -- no val_every_n_steps: the last rank's request alone, agreed by the combination
+    assert.is_true(all_equal_to(1, gather(validated)), "one validation on every rank")
+    assert.is_true(all_equal_to(2, gather(after or -1)), "after step 2")
+    assert.equal(4 + 1, ctx:comm_stats().global.all_reduce.calls, "a combination per step, one after the validation")
+  end)
+
+  it("agrees on should_log when one rank sets it", function()
+    local seen_before = {}
+    local trainer = build{ max_steps = 3, log_every_n_steps = 1000, callbacks = { {
+      on_train_batch_end = function(_, t, o)
+        if not o.step_end then return end
+        if me == last and t.state.step == 3 then t.control.should_log = true end
+        seen_before[t.state.step] = t.control.should_log
+      end,
+    } } }
+    trainer:fit(data())
+    -- before the combination the flag is rank-local; after it (the fit ends
+    -- with the last step's combination) the same on every rank
+    assert.equal(me == last, seen_before[3])
+    assert.is_true(all_equal_to(1, gather(trainer.control.should_log and 1 or 0)), "should_log set on every rank")
+  end)
+
   it("saves on every rank when one rank asks, and every rank resumes from it identically", function()
     local dir = shared_dir()
     local function run(max_steps, resume, ask_at)

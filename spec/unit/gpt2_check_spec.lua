@@ -1,7 +1,13 @@
--- scripts/gpt2_check.lua against the PyTorch fixtures under tensor and
--- pipeline parallelism: exit status 0 (loss to 1e-5 relative, logits and
--- every gradient to 1e-4, checked by the script) and the losses of 10 AdamW
--- steps equal to the fixture's `losses` to 1e-5 relative.
+-- scripts/gpt2_check.lua against the PyTorch fixtures under tensor, pipeline
+-- and data parallelism: exit status 0 (loss to 1e-5 relative, logits and
+-- every gradient to 1e-4, checked by the script), the losses of 10 AdamW
+-- steps equal to the fixture's `losses` to 1e-5 relative, and the global
+-- gradient norm before each step equal to the fixture's `grad_norms` to
+-- 1e-5 relative (every layout reduces the norm over all of its groups).
+-- With --clip the fixture is torch.nn.utils.clip_grad_norm_'s trajectory at
+-- a max norm of 0.05, about 1/15 of the real norm: without clipping its
+-- losses differ from that trajectory by 1e-4 relative at step 6 and 1e-3 at
+-- step 10 (measured in PyTorch), far outside the tolerance.
 --
 -- 1e-5 relative: float32 against PyTorch's float32 on a different summation
 -- order; the fixture's own per-step losses carry ~1e-7 of rounding, and ten
@@ -25,6 +31,8 @@ local function load_ref(state, steps)
 end
 local REF4 = load_ref("spec/fixtures/gpt2_tiny_state.bin", "spec/fixtures/gpt2_tiny_steps.json")
 local REF8 = load_ref("spec/fixtures/gpt2_tiny_b8_state.bin", "spec/fixtures/gpt2_tiny_b8_steps.json")
+local CLIP = load_ref("spec/fixtures/gpt2_tiny_state.bin",
+  "spec/fixtures/gpt2_tiny_clip_steps.json")
 local STEPS = #REF4.losses -- 10: losses[k] is the loss before update k
 
 -- Hang guard (not a timing assertion): a stuck job is killed and fails on its status.
@@ -33,6 +41,7 @@ local function run(n, flags, ref)
                  "--lr=" .. ref.optimizer.lr, "--beta1=" .. ref.optimizer.betas[1],
                  "--beta2=" .. ref.optimizer.betas[2], "--eps=" .. ref.optimizer.eps,
                  "--weight-decay=" .. ref.optimizer.weight_decay }
+  if ref.optimizer.grad_clip ~= cjson.null then args[#args + 1] = "--clip=" .. ref.optimizer.grad_clip end
   for _, a in ipairs(flags) do args[#args + 1] = a end
   if n == 1 then return h.sh("timeout -k 2 60 " .. h.pglua_cmd(args)) end
   return h.sh(h.mpirun_cmd(n, args, 60))
@@ -43,13 +52,16 @@ local function check(n, flags, ref)
   local rc, out = run(n, flags, ref)
   assert.equal(0, rc, out)
   local seen = 0
-  for k, v in out:gmatch("step (%d+) loss (%S+)") do
-    k, v = tonumber(k), tonumber(v)
+  for k, v, norm in out:gmatch("step (%d+) loss (%S+) grad_norm (%S+)") do
+    k, v, norm = tonumber(k), tonumber(v), tonumber(norm)
     seen = seen + 1
     assert.equal(seen, k, "steps in order, printed once (rank 0):\n" .. out)
     local want = ref.losses[k]
     assert.is_true(math.abs(v - want) <= 1e-5 * math.abs(want),
       ("step %d: loss %.9g, PyTorch %.9g\n%s"):format(k, v, want, out))
+    want = ref.grad_norms[k]
+    assert.is_true(math.abs(norm - want) <= 1e-5 * want,
+      ("step %d: gradient norm %.9g, PyTorch %.9g\n%s"):format(k, norm, want, out))
   end
   assert.equal(STEPS, seen, out)
   assert.matches("grads_max_abs_diff", out)
@@ -88,5 +100,24 @@ describe("gpt2_check.lua on the PyTorch fixtures", function()
 
   it("--pipeline=2 --tensor=2 (4 ranks), gpipe with 4 micro-batches", function()
     check(4, { "--pipeline=2", "--tensor=2", "--micro-batches=4", "--schedule=gpipe" })
+  end)
+
+  for _, zero in ipairs{ 0, 1 } do
+    it(("--data=2 --zero=%d"):format(zero), function() check(2, { "--data=2", "--zero=" .. zero }) end)
+  end
+end)
+
+describe("gpt2_check.lua --clip against PyTorch's clipped trajectory", function()
+  assert.equal(0.05, CLIP.optimizer.grad_clip)
+  it("serial", function() check(1, {}, CLIP) end)
+  it("--tensor=2", function() check(2, { "--tensor=2" }, CLIP) end)
+  for _, sched in ipairs{ "gpipe", "1f1b" } do
+    it(("--pipeline=2 --micro-batches=2 --schedule=%s"):format(sched), function()
+      check(2, { "--pipeline=2", "--micro-batches=2", "--schedule=" .. sched }, CLIP)
+    end)
+  end
+  it("--data=2 --zero=1", function() check(2, { "--data=2", "--zero=1" }, CLIP) end)
+  it("--tensor=2 --pipeline=2 --data=2 --zero=1 (8 ranks)", function()
+    check(8, { "--tensor=2", "--pipeline=2", "--data=2", "--zero=1", "--micro-batches=2" }, CLIP)
   end)
 end)
