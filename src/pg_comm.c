@@ -22,6 +22,8 @@ static MPI_Datatype mpi_type(pg_dtype d) {
   switch (d) {
   case PG_FLOAT32: return MPI_FLOAT;
   case PG_INT32: return MPI_INT32_T;
+  case PG_FLOAT64: return MPI_DOUBLE;
+  case PG_INT64: return MPI_INT64_T;
   default: return MPI_DATATYPE_NULL;
   }
 }
@@ -212,6 +214,8 @@ int pg_all_gather_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n) {
 
 int pg_all_reduce_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype, pg_reduce_op op) {
   if (check_ctx(ctx)) return PG_ERR;
+  if (mpi_type(dtype) == MPI_DATATYPE_NULL) return pg_fail("all_reduce of %s is not supported", pg_dtype_name(dtype));
+  if (op == PG_REDUCE_AVG && dtype != PG_FLOAT32) return pg_fail("op avg needs float32, not %s", pg_dtype_name(dtype));
   pg_group *g = &ctx->group[m];
   if (g->size == 1 || n == 0) return PG_OK;
   double t0 = MPI_Wtime();
@@ -428,15 +432,40 @@ int pg_barrier(pg_context *ctx, pg_mode m) {
   return PG_OK;
 }
 
-int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t n, int dst, int tag, MPI_Request *req) {
+struct pg_request {
+  MPI_Request mpi;
+  pg_mode mode; /* for messages */
+};
+
+int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t n, int dst, int tag, pg_request **req) {
   if (check_ctx(ctx)) return PG_ERR;
   if (n > PG_MPI_CHUNK) return pg_fail("isend of %lld elements is too large", (long long)n);
+  if (*req) return pg_fail("isend: the previous transfer of this request was not waited for");
+  pg_request *r = malloc(sizeof *r);
+  if (!r) return pg_fail("out of memory for a send request");
+  r->mode = m;
   double t0 = MPI_Wtime();
-  int rc = MPI_Isend(buf, (int)n, MPI_FLOAT, dst, tag, ctx->group[m].comm, req);
-  if (rc != MPI_SUCCESS) return mpi_fail(rc, "isend", m);
+  int rc = MPI_Isend(buf, (int)n, MPI_FLOAT, dst, tag, ctx->group[m].comm, &r->mpi);
+  if (rc != MPI_SUCCESS) {
+    free(r);
+    return mpi_fail(rc, "isend", m);
+  }
+  *req = r;
   count(ctx, m, PG_COLL_SEND, (double)n * 4, t0);
   return PG_OK;
 }
+
+int pg_wait(pg_request **req) {
+  pg_request *r = *req;
+  if (!r) return PG_OK;
+  *req = NULL;
+  int rc = MPI_Wait(&r->mpi, MPI_STATUS_IGNORE);
+  pg_mode m = r->mode;
+  free(r);
+  return rc == MPI_SUCCESS ? PG_OK : mpi_fail(rc, "waiting for a send", m);
+}
+
+double pg_wtime(void) { return MPI_Wtime(); }
 
 int pg_recv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, int src, int tag) {
   if (check_ctx(ctx)) return PG_ERR;

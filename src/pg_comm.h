@@ -3,7 +3,9 @@
  * Every function here is collective over the named group: all its members
  * call it in the same order with matching shapes. A group of size 1 makes no
  * MPI call. CPU tensors go through MPI; the device field leaves room for NCCL
- * on CUDA tensors. Calls are counted in ctx->stats. */
+ * on CUDA tensors. Calls are counted in ctx->stats. The runtime (engine,
+ * optimizer) communicates only through here: no MPI type or call outside
+ * pg_comm and pg_context. */
 #ifndef PG_COMM_H
 #define PG_COMM_H
 
@@ -15,7 +17,8 @@ typedef enum { PG_REDUCE_SUM = 0, PG_REDUCE_MAX, PG_REDUCE_MIN, PG_REDUCE_AVG } 
 
 int pg_reduce_op_from_name(const char *name, pg_reduce_op *out);
 
-/* In place. avg needs float32. */
+/* In place. avg needs float32 (the raw form also reduces the runtime's
+ * float64 / int64 scalars with sum, max or min). */
 int pg_all_reduce(pg_context *ctx, pg_mode m, pg_tensor *t, pg_reduce_op op);
 /* The same on a raw buffer (the runtime's flat gradient buffer). */
 int pg_all_reduce_buf(pg_context *ctx, pg_mode m, void *buf, int64_t count, pg_dtype dtype, pg_reduce_op op);
@@ -53,8 +56,17 @@ int pg_recv(pg_context *ctx, pg_mode m, pg_tensor *t, int src, int tag);
 int pg_sendrecv(pg_context *ctx, pg_mode m, const pg_tensor *send, int dst, pg_tensor *recv, int src, int tag);
 int pg_barrier(pg_context *ctx, pg_mode m);
 
-/* Non-blocking raw transfers for the pipeline engine (float32; peers local ranks). */
-int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t count, int dst, int tag, MPI_Request *req);
+/* A transfer in flight, opaque; NULL when there is none. */
+typedef struct pg_request pg_request;
+
+/* Non-blocking raw transfers for the pipeline engine (float32; peers local
+ * ranks). *req must be NULL (the slot's last send waited for); pg_wait
+ * completes it and sets it back to NULL (nothing to do on NULL). */
+int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t count, int dst, int tag, pg_request **req);
+int pg_wait(pg_request **req);
 int pg_recv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t count, int src, int tag);
+
+/* Wall-clock seconds, the clock comm_stats uses. */
+double pg_wtime(void);
 
 #endif

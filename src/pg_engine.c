@@ -82,23 +82,22 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is
   }
   e->nslots = pg_schedule_max_in_flight(e->actions, e->nactions);
   if (e->nslots < 1) e->nslots = 1;
-  e->act_req = malloc((size_t)e->nslots * sizeof *e->act_req);
-  e->grad_req = malloc((size_t)e->nslots * sizeof *e->grad_req);
+  e->act_req = calloc((size_t)e->nslots, sizeof *e->act_req);
+  e->grad_req = calloc((size_t)e->nslots, sizeof *e->grad_req);
   e->stage_out = calloc((size_t)e->nslots, sizeof *e->stage_out);
   e->ios = calloc((size_t)e->opts.micro_batches, sizeof *e->ios);
   if (!e->act_req || !e->grad_req || !e->stage_out || !e->ios) {
     pg_engine_free(e);
     return pg_fail_null("out of memory");
   }
-  for (int i = 0; i < e->nslots; i++) e->act_req[i] = e->grad_req[i] = MPI_REQUEST_NULL;
   return e;
 }
 
 void pg_engine_free(pg_engine *e) {
   if (!e) return;
-  for (int i = 0; e->act_req && i < e->nslots; i++) {
-    if (e->act_req[i] != MPI_REQUEST_NULL) MPI_Wait(&e->act_req[i], MPI_STATUS_IGNORE);
-    if (e->grad_req[i] != MPI_REQUEST_NULL) MPI_Wait(&e->grad_req[i], MPI_STATUS_IGNORE);
+  for (int i = 0; e->act_req && e->grad_req && i < e->nslots; i++) {
+    pg_wait(&e->act_req[i]);
+    pg_wait(&e->grad_req[i]);
   }
   pg_module_free(e->stage);
   free(e->params);
@@ -150,12 +149,12 @@ static int check_tokens(const pg_engine *e, const int32_t *ids, int64_t n, const
   return PG_OK;
 }
 
-static int wait_req(pg_engine *e, MPI_Request *r) {
-  if (*r == MPI_REQUEST_NULL) return PG_OK;
-  double t0 = MPI_Wtime();
-  int rc = MPI_Wait(r, MPI_STATUS_IGNORE);
-  e->stats.send_wait_seconds += MPI_Wtime() - t0;
-  return rc == MPI_SUCCESS ? PG_OK : pg_fail("pipeline send failed");
+static int wait_req(pg_engine *e, pg_request **r) {
+  if (!*r) return PG_OK;
+  double t0 = pg_wtime();
+  int rc = pg_wait(r);
+  e->stats.send_wait_seconds += pg_wtime() - t0;
+  return rc;
 }
 
 static int wait_all_sends(pg_engine *e) {
@@ -165,9 +164,9 @@ static int wait_all_sends(pg_engine *e) {
 }
 
 static int recv_timed(pg_engine *e, float *buf, int64_t n, int src, int tag) {
-  double t0 = MPI_Wtime();
+  double t0 = pg_wtime();
   int rc = pg_recv_buf(e->ctx, PG_MODE_PIPELINE, buf, n, src, tag);
-  e->stats.recv_wait_seconds += MPI_Wtime() - t0;
+  e->stats.recv_wait_seconds += pg_wtime() - t0;
   return rc;
 }
 
@@ -181,9 +180,9 @@ static int run_action(pg_engine *e, pg_action a) {
     return recv_timed(e, in_buf, n, me - 1, 2 * a.mb);
   case PG_ACT_FORWARD: {
     if (wait_req(e, &e->act_req[slot])) return PG_ERR; /* the slot's outputs may still be on their way */
-    double t0 = MPI_Wtime();
+    double t0 = pg_wtime();
     int rc = pg_module_forward(e->stage, slot, io, in_buf, &e->stage_out[slot]);
-    e->stats.compute_seconds += MPI_Wtime() - t0;
+    e->stats.compute_seconds += pg_wtime() - t0;
     return rc;
   }
   case PG_ACT_SEND_ACT:
@@ -192,9 +191,9 @@ static int run_action(pg_engine *e, pg_action a) {
     return recv_timed(e, e->grad_recv, n, me + 1, 2 * a.mb + 1);
   case PG_ACT_BACKWARD: {
     const float *dx = NULL;
-    double t0 = MPI_Wtime();
+    double t0 = pg_wtime();
     int rc = pg_module_backward(e->stage, slot, io, e->is_last ? NULL : e->grad_recv, &dx);
-    e->stats.compute_seconds += MPI_Wtime() - t0;
+    e->stats.compute_seconds += pg_wtime() - t0;
     if (rc || e->is_first) return rc;
     if (wait_req(e, &e->grad_req[slot])) return PG_ERR;
     memcpy(e->grad_send + (size_t)slot * e->capacity_rows * e->opts.width, dx, (size_t)n * sizeof(float));
@@ -210,13 +209,11 @@ static int run_action(pg_engine *e, pg_action a) {
 /* The mean loss of the last stage, made the same on every rank: broadcast down
  * the pipeline group, then averaged over the data group (equal shares). */
 static int share_loss(pg_engine *e, double *loss) {
-  int rc = MPI_SUCCESS;
-  if (pp_size(e) > 1) rc = MPI_Bcast(loss, 1, MPI_DOUBLE, pp_size(e) - 1, e->ctx->group[PG_MODE_PIPELINE].comm);
-  if (rc == MPI_SUCCESS && e->ctx->data > 1) {
-    rc = MPI_Allreduce(MPI_IN_PLACE, loss, 1, MPI_DOUBLE, MPI_SUM, e->ctx->group[PG_MODE_DATA].comm);
-    *loss /= e->ctx->data;
-  }
-  return rc == MPI_SUCCESS ? PG_OK : pg_fail("sharing the loss across ranks failed");
+  if (pg_broadcast_buf(e->ctx, PG_MODE_PIPELINE, loss, 1, PG_FLOAT64, pp_size(e) - 1) ||
+      pg_all_reduce_buf(e->ctx, PG_MODE_DATA, loss, 1, PG_FLOAT64, PG_REDUCE_SUM))
+    return PG_ERR;
+  *loss /= e->ctx->data;
+  return PG_OK;
 }
 
 static int check_batch(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T, int chunks_of_m) {
@@ -235,7 +232,7 @@ static int check_batch(pg_engine *e, const int32_t *tokens, const int32_t *targe
 
 int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T,
                                float grad_scale, int sync, double *loss) {
-  double t0 = MPI_Wtime();
+  double t0 = pg_wtime();
   if (check_batch(e, tokens, targets, B, T, 1)) return PG_ERR;
   int M = e->opts.micro_batches, Bm = B / M;
   if (ensure_capacity(e, Bm * T)) return PG_ERR;
@@ -257,7 +254,7 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
   if (share_loss(e, loss)) return PG_ERR;
   if (sync && pg_engine_sync_grads(e)) return PG_ERR;
   e->stats.steps++;
-  e->stats.step_seconds += MPI_Wtime() - t0;
+  e->stats.step_seconds += pg_wtime() - t0;
   return PG_OK;
 }
 
@@ -318,7 +315,7 @@ void pg_engine_shard(const pg_engine *e, int64_t *lo, int64_t *hi) {
 
 int pg_engine_sync_grads(pg_engine *e) {
   if (!e->grads_pending) return PG_OK;
-  double t0 = MPI_Wtime();
+  double t0 = pg_wtime();
   float *g = e->grad_store->data;
   /* 1. tied embedding: the first stage's weight and the last stage's copy. */
   if (e->opts.tied_name && pp_size(e) > 1 && (e->is_first || e->is_last)) {
@@ -346,7 +343,7 @@ int pg_engine_sync_grads(pg_engine *e) {
       return PG_ERR;
   }
   e->grads_pending = 0;
-  e->stats.grad_sync_seconds += MPI_Wtime() - t0;
+  e->stats.grad_sync_seconds += pg_wtime() - t0;
   return PG_OK;
 }
 
@@ -363,10 +360,9 @@ int pg_engine_num_parameters(pg_engine *e, int64_t *n) {
     for (int64_t r = 0; r < p->shape[0]; r++)
       if (pg_param_full_index(p, r * row) / row < p->valid_rows) local += row;
   }
-  MPI_Datatype t = MPI_INT64_T;
-  int rc = MPI_Allreduce(MPI_IN_PLACE, &local, 1, t, MPI_SUM, e->ctx->group[PG_MODE_TENSOR].comm);
-  if (rc == MPI_SUCCESS) rc = MPI_Allreduce(MPI_IN_PLACE, &local, 1, t, MPI_SUM, e->ctx->group[PG_MODE_PIPELINE].comm);
-  if (rc != MPI_SUCCESS) return pg_fail("counting parameters across ranks failed");
+  if (pg_all_reduce_buf(e->ctx, PG_MODE_TENSOR, &local, 1, PG_INT64, PG_REDUCE_SUM) ||
+      pg_all_reduce_buf(e->ctx, PG_MODE_PIPELINE, &local, 1, PG_INT64, PG_REDUCE_SUM))
+    return PG_ERR;
   *n = local;
   return PG_OK;
 }

@@ -21,8 +21,7 @@
 #ifndef PG_ENGINE_H
 #define PG_ENGINE_H
 
-#include <mpi.h>
-
+#include "pg_comm.h"
 #include "pg_context.h"
 #include "pg_module.h"
 #include "pg_schedule.h"
@@ -65,7 +64,7 @@ typedef struct pg_engine {
   float *stage_in;     /* [nslots][rows * width] received activations */
   float *grad_send;    /* [nslots][rows * width] */
   float *grad_recv;    /* [rows * width] */
-  MPI_Request *act_req, *grad_req; /* per slot */
+  pg_request **act_req, **grad_req; /* per slot: the send in flight, or NULL */
   pg_io *ios;          /* per micro-batch */
   const float **stage_out; /* per slot: forward outputs to send */
   int zero;            /* 0: replicated optimizer; 1: ZeRO-1 (gradient shards) */

@@ -57,11 +57,12 @@ int pg_adamw_grad_norm(pg_adamw *o, double *norm) {
     if (p->tied_copy || (p->replicated && e->ctx->tp_rank != 0)) continue;
     sq += pg_sum_squares(g + a, b - a);
   })
-  MPI_Comm groups[3] = {e->ctx->group[PG_MODE_TENSOR].comm, e->ctx->group[PG_MODE_PIPELINE].comm,
-                        o->zero ? e->ctx->group[PG_MODE_DATA].comm : MPI_COMM_NULL};
-  for (int k = 0; k < 3; k++)
-    if (groups[k] != MPI_COMM_NULL && MPI_Allreduce(MPI_IN_PLACE, &sq, 1, MPI_DOUBLE, MPI_SUM, groups[k]) != MPI_SUCCESS)
-      return pg_fail("reducing the gradient norm failed");
+  /* every rank holds a disjoint part of the model's gradients: its tensor
+   * shard, its pipeline stage, and with ZeRO-1 its data shard */
+  if (pg_all_reduce_buf(e->ctx, PG_MODE_TENSOR, &sq, 1, PG_FLOAT64, PG_REDUCE_SUM) ||
+      pg_all_reduce_buf(e->ctx, PG_MODE_PIPELINE, &sq, 1, PG_FLOAT64, PG_REDUCE_SUM) ||
+      (o->zero && pg_all_reduce_buf(e->ctx, PG_MODE_DATA, &sq, 1, PG_FLOAT64, PG_REDUCE_SUM)))
+    return PG_ERR;
   *norm = sqrt(sq);
   return PG_OK;
 }

@@ -9,13 +9,15 @@
 
 #include "pg_error.h"
 
-size_t pg_dtype_size(pg_dtype d) { return d == PG_BFLOAT16 ? 2 : 4; }
+size_t pg_dtype_size(pg_dtype d) { return d == PG_BFLOAT16 ? 2 : d == PG_FLOAT64 || d == PG_INT64 ? 8 : 4; }
 
 const char *pg_dtype_name(pg_dtype d) {
   switch (d) {
   case PG_FLOAT32: return "float32";
   case PG_INT32: return "int32";
   case PG_BFLOAT16: return "bfloat16";
+  case PG_FLOAT64: return "float64";
+  case PG_INT64: return "int64";
   }
   return "?";
 }
