@@ -10,6 +10,7 @@
 #   make bench-comm collective bandwidth against raw MPI
 #   make install PREFIX=/usr/local
 #   make cuda-emu   the CUDA kernels' self-test on the CPU emulator (no GPU needed)
+#   make mutate     one-line bugs (scripts/mutations.lua), each must make a spec fail; MUTATE_ARGS=--only=a,b
 #   make CUDA=0     never build the CUDA kernels (default: auto-detect nvcc; CUDA=1 requires it)
 
 VERSION  := 0.1.0
@@ -87,7 +88,7 @@ CORE_SO    := $(BUILD)/lua/pipegoose/core.so
 LIB_A      := $(BUILD)/libpipegoose.a
 LIB_SO     := $(BUILD)/libpipegoose.so
 
-.PHONY: all deps debug asan test test-unit cuda-emu run bench bench-comm install uninstall clean
+.PHONY: all deps debug asan test test-unit mutate cuda-emu run bench bench-comm install uninstall clean
 
 all: $(PGLUA) $(CORE_SO) $(LIB_A) $(LIB_SO)
 ifeq ($(BUILD),build)
@@ -160,6 +161,12 @@ test: all
 # Only the plain busted specs (fast, no mpirun).
 test-unit: all
 	PGLUA=$(PGLUA) PG_CUDA=$(CUDA) PG_TEST_ONLY=unit scripts/run_tests.sh
+
+# Mutation check (not in CI: minutes per mutation): prints caught / not caught
+# per mutation of scripts/mutations.lua; exit 1 unless all are caught.
+MUTATE_ARGS ?=
+mutate: all
+	$(PGLUA) scripts/mutate.lua $(MUTATE_ARGS)
 
 # The CUDA kernels against the CPU kernels, on the CPU (spec/support/cuda_emu).
 cuda-emu: | $(DEPS_OK)

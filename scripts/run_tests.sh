@@ -5,7 +5,9 @@
 #      its first line ("-- worlds: 1 2 4 8"), every rank running busted;
 #   3. a merged summary: a test passes when it passed on every rank.
 # The last line is "N passed, N failed, N skipped"; the exit status is 1 on any failure.
-# PG_TEST_ONLY=unit|dist runs one part; PG_TEST_FILTER=pattern keeps matching dist files.
+# PG_TEST_ONLY=unit|dist runs one part; PG_TEST_FILTER=pattern keeps matching dist files;
+# PG_TEST_UNIT="files" runs those unit spec files instead of the folders;
+# PG_TEST_BUSTED_FILTER=pattern keeps the tests whose names match (busted --filter).
 set -u
 cd "$(dirname "$0")/.."
 PGLUA=${PGLUA:-./pglua}
@@ -18,13 +20,19 @@ DIST_TIMEOUT=${PG_DIST_TIMEOUT:-900}
 export PG_ABORT_GRACE=${PG_ABORT_GRACE:-1}
 
 only=${PG_TEST_ONLY:-all}
+filter=()
+[ -n "${PG_TEST_BUSTED_FILTER:-}" ] && filter=(--filter "$PG_TEST_BUSTED_FILTER")
 status=0
 
 if [ "$only" != dist ]; then
-  dirs=(spec/unit)
-  [ -d spec/examples ] && dirs+=(spec/examples)
+  if [ -n "${PG_TEST_UNIT:-}" ]; then
+    read -r -a dirs <<< "$PG_TEST_UNIT"
+  else
+    dirs=(spec/unit)
+    [ -d spec/examples ] && dirs+=(spec/examples)
+  fi
   echo "== busted ${dirs[*]}"
-  PG_TEST_SUMMARY="$OUT/unit" "$PGLUA" "$BUSTED" -o "$HANDLER" "${dirs[@]}" || status=1
+  PG_TEST_SUMMARY="$OUT/unit" "$PGLUA" "$BUSTED" -o "$HANDLER" "${filter[@]}" "${dirs[@]}" || status=1
   [ -f "$OUT/unit.0" ] || echo "unit specs: no summary written (crash?)" > "$OUT/unit.crashed"
 fi
 
@@ -40,7 +48,7 @@ if [ "$only" != unit ]; then
       start=$SECONDS
       PG_TEST_SUMMARY="$OUT/$name" PG_TEST_WORLD=$n timeout -k 10 "$DIST_TIMEOUT" \
         scripts/mpirun.sh -np "$n" -x PG_TEST_SUMMARY -x PG_TEST_WORLD -x PG_ABORT_GRACE \
-        "$PGLUA" "$BUSTED" -o "$HANDLER" "$spec"
+        "$PGLUA" "$BUSTED" -o "$HANDLER" "${filter[@]}" "$spec"
       rc=$?
       echo "   (${n} ranks, $((SECONDS - start)) s, exit $rc)"
       for ((r = 0; r < n; r++)); do

@@ -218,6 +218,44 @@ describe("AdamW", function()
     assert.near(math.sqrt(sq), opt:clip_grad_norm(1e-3), 1e-5 * math.sqrt(sq))
   end)
 
+  it("clips the update of the step that clipped, and only that step", function()
+    -- betas = 0: m = g, v = g^2, no bias correction, so an element moves by
+    -- exactly lr * g / (|g| + eps); with eps = lr = 1e4 that is g (to 1e-6):
+    -- the update shows the gradient as the optimizer saw it, clipped or not
+    local engine = tiny()
+    local lr, eps = 1e4, 1e4
+    local opt = pg.optim.AdamW(engine, { lr = lr, betas = { 0, 0 }, eps = eps, weight_decay = 0 })
+    local function step(max_norm)
+      engine:zero_grad()
+      engine:forward_backward(xs, ys)
+      local before, grads = {}, {}
+      for i, p in ipairs(engine:parameters()) do before[i] = p.tensor:clone() end
+      for i, g in ipairs(engine:grads()) do grads[i] = g.tensor:clone() end
+      local norm = max_norm and opt:clip_grad_norm(max_norm) or opt:grad_norm()
+      opt:step()
+      local c = max_norm and math.min(1, max_norm / (norm + 1e-6)) or 1
+      local worst = 0
+      for i, p in ipairs(engine:parameters()) do
+        local moved = before[i]:sub(p.tensor):reshape{ p.tensor:numel() }:totable()
+        local g = grads[i]:reshape{ p.tensor:numel() }:totable()
+        local w = before[i]:reshape{ p.tensor:numel() }:totable()
+        for j, d in ipairs(moved) do
+          local sg = c * g[j]
+          local want = lr * sg / (math.abs(sg) + eps)
+          -- float32: a few roundings of the update (1e-6 relative) and one
+          -- of the new parameter (one unit in the last place of |w|)
+          worst = math.max(worst, math.abs(d - want) / (1e-6 * math.abs(want) + 2 ^ -23 * math.abs(w[j])))
+        end
+      end
+      return norm, worst
+    end
+    local norm1, worst1 = step(1e-3) -- the norm is about 100 times that
+    assert.is_true(norm1 > 0.05, "the clip fires: norm " .. norm1)
+    assert.is_true(worst1 <= 1, ("clipped step: the update is c * g to the tolerance (worst %.3g of it)"):format(worst1))
+    local _, worst2 = step(nil)
+    assert.is_true(worst2 <= 1, ("next step, not clipped: the update is g (worst %.3g of the tolerance)"):format(worst2))
+  end)
+
   it("saves and restores its state: training continues identically", function()
     local a = tiny()
     local oa = pg.optim.AdamW(a, { lr = 1e-2 })
@@ -254,6 +292,16 @@ describe("bad input to the model", function()
       "batch 1 is not divisible by micro_batches=2")
     assert.has_error(function() engine:forward_backward(ids{ { 1, 40 }, { 1, 2 } }, ids{ { 1, 2 }, { 1, 2 } }) end,
       "input token id 40 at position 2 is outside the vocabulary [0, 32)")
+    -- the edges: vocab itself (a padded row of a 61-token vocabulary) and -1
+    local padded = pg.parallelize(pg.nn.GPT{ vocab = 61, padded_vocab = 64, seq_len = 8, dim = 16, heads = 2, layers = 1 })
+    assert.equal(64, padded.config.padded_vocab)
+    assert.has_error(function() padded:loss(ids{ { 1, 61 } }, ids{ { 1, 2 } }) end,
+      "input token id 61 at position 2 is outside the vocabulary [0, 61)")
+    assert.has_error(function() padded:loss(ids{ { 1, 2 } }, ids{ { 61, 2 } }) end,
+      "target token id 61 at position 1 is outside the vocabulary [0, 61)")
+    assert.has_error(function() padded:loss(ids{ { -1, 2 } }, ids{ { 1, 2 } }) end,
+      "input token id -1 at position 1 is outside the vocabulary [0, 61)")
+    assert.is_number(padded:loss(ids{ { 60, 0 } }, ids{ { 0, 60 } }), "the last real id is accepted")
     local long = {}
     for i = 1, 9 do long[i] = 1 end
     assert.has_error(function() engine:loss(ids{ long }, ids{ long }) end, "embed: sequence length 9 exceeds the 8 positions")
