@@ -1,7 +1,7 @@
 -- Mutation check: do the specs catch one-line bugs?
 --
 --   make mutate [MUTATE_ARGS="--only=name,name --baseline --stop"]
---   pglua scripts/mutate.lua [--only=...] [--baseline] [--stop] [--list]
+--   pglua scripts/mutate.lua [--only=...] [--baseline] [--stop] [--list] [--check]
 --
 -- Copies the working tree (tracked and untracked, not ignored files) to
 -- build/mutate/tree, builds it there (CUDA=0), and for each mutation of
@@ -10,7 +10,8 @@
 -- A mutation is caught when a spec fails (or hangs and is killed by the
 -- dist timeout). Prints a table and "N of M caught"; exit 1 when any is not
 -- caught, does not build, or its `from` text is not in the file exactly once.
--- --baseline first runs every named spec on the unmutated copy (they must
+-- --check only checks that every `from` text is in its file once (quick:
+-- run it after a refactor). --baseline first runs every named spec on the unmutated copy (they must
 -- pass, or "caught" would mean nothing). Not part of `make test`: it takes
 -- minutes per mutation on a small machine.
 local list = dofile("scripts/mutations.lua")
@@ -82,6 +83,10 @@ for _, m in ipairs(selected) do
   end
 end
 if bad > 0 then os.exit(1) end
+if opts.check then
+  print(("%d mutations, each text found once"):format(#selected))
+  os.exit(0)
+end
 
 assert(sh(("rm -rf %s && mkdir -p %s %s/build"):format(q(TREE), q(TREE), q(TREE))) == 0)
 assert(sh(("git ls-files -z -co --exclude-standard | xargs -0 tar cf - | tar xf - -C %s"):format(q(TREE))) == 0,

@@ -313,7 +313,7 @@ static int l_evaluate(lua_State *L) {
 }
 
 static int l_zero_grad(lua_State *L) {
-  pg_engine_zero_grad(check_engine(L, 1));
+  PG_LUA_CHECK(L, pg_engine_zero_grad(check_engine(L, 1)));
   return 0;
 }
 
@@ -822,7 +822,7 @@ static int l_layer_gather(lua_State *L) {
   pg_tensor *t = pg_lua_new_tensor(L, PG_FLOAT32, p->ndim, p->full_shape);
   pg_param view = *p;
   if (grad) view.data = p->grad;
-  pg_engine fake = {.ctx = u->ctx};
+  pg_engine fake = {.ctx = u->ctx, .be = u->m->be};
   PG_LUA_CHECK(L, pg_engine_gather_param(&fake, &view, pg_tensor_f32(t)));
   return 1;
 }

@@ -35,8 +35,8 @@ static int bind_params(pg_engine *e, uint64_t seed) {
   if (!e->opts.private_buffers && (pg_shm_create(e->ctx, PG_MODE_DATA, bytes, &e->param_shm, &e->param_store) ||
                                    pg_shm_create(e->ctx, PG_MODE_DATA, bytes, &e->grad_shm, &e->grad_store)))
     return PG_ERR;
-  if ((!e->param_store && !(e->param_store = pg_storage_new(bytes, PG_CPU))) ||
-      (!e->grad_store && !(e->grad_store = pg_storage_new(bytes, PG_CPU))))
+  if ((!e->param_store && !(e->param_store = pg_storage_new(bytes, e->be->device))) ||
+      (!e->grad_store && !(e->grad_store = pg_storage_new(bytes, e->be->device))))
     return PG_ERR;
   float *pd = e->param_store->data, *gd = e->grad_store->data;
   for (int i = 0; i < e->nparams; i++) {
@@ -57,6 +57,7 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is
   }
   e->ctx = ctx;
   e->stage = stage;
+  e->be = pg_backend_cpu();
   e->is_first = is_first;
   e->is_last = is_last;
   e->opts = *opts;
@@ -74,7 +75,8 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is
     pg_engine_free(e);
     return NULL;
   }
-  if (pg_schedule_build(e->opts.schedule, ctx->pipeline, e->opts.micro_batches, ctx->pp_rank, &e->actions,
+  if (pg_module_set_backend(stage, e->be) ||
+      pg_schedule_build(e->opts.schedule, ctx->pipeline, e->opts.micro_batches, ctx->pp_rank, &e->actions,
                         &e->nactions) ||
       bind_params(e, seed)) {
     pg_engine_free(e);
@@ -106,9 +108,9 @@ void pg_engine_free(pg_engine *e) {
   pg_storage_release(e->param_store);
   pg_storage_release(e->grad_store);
   free(e->actions);
-  free(e->stage_in);
-  free(e->grad_send);
-  free(e->grad_recv);
+  pg_be_release(e->be, e->stage_in);
+  pg_be_release(e->be, e->grad_send);
+  pg_be_release(e->be, e->grad_recv);
   free(e->act_req);
   free(e->grad_req);
   free(e->ios);
@@ -121,14 +123,13 @@ static int ensure_capacity(pg_engine *e, int rows) {
   if (rows <= e->capacity_rows) return PG_OK;
   size_t w = (size_t)e->opts.width, n = (size_t)e->nslots * rows * w;
   if (pg_module_alloc(e->stage, e->nslots, rows)) return PG_ERR;
-  free(e->stage_in);
-  free(e->grad_send);
-  free(e->grad_recv);
+  pg_be_release(e->be, e->stage_in);
+  pg_be_release(e->be, e->grad_send);
+  pg_be_release(e->be, e->grad_recv);
   e->stage_in = e->grad_send = e->grad_recv = NULL;
-  if (!e->is_first && (!(e->stage_in = calloc(n, sizeof(float))) || !(e->grad_send = calloc(n, sizeof(float)))))
-    return pg_fail("out of memory for pipeline buffers");
-  if (!e->is_last && !(e->grad_recv = calloc((size_t)rows * w, sizeof(float))))
-    return pg_fail("out of memory for pipeline buffers");
+  if ((!e->is_first && (!(e->stage_in = pg_be_floats(e->be, n)) || !(e->grad_send = pg_be_floats(e->be, n)))) ||
+      (!e->is_last && !(e->grad_recv = pg_be_floats(e->be, (size_t)rows * w))))
+    return pg_fail("pipeline buffers: %s", pg_error());
   e->capacity_rows = rows;
   return PG_OK;
 }
@@ -196,8 +197,8 @@ static int run_action(pg_engine *e, pg_action a) {
     e->stats.compute_seconds += pg_wtime() - t0;
     if (rc || e->is_first) return rc;
     if (wait_req(e, &e->grad_req[slot])) return PG_ERR;
-    memcpy(e->grad_send + (size_t)slot * e->capacity_rows * e->opts.width, dx, (size_t)n * sizeof(float));
-    return PG_OK;
+    return e->be->ops->copy(e->be, e->grad_send + (size_t)slot * e->capacity_rows * e->opts.width, dx,
+                            (size_t)n * sizeof(float), PG_COPY_DEVICE_TO_DEVICE);
   }
   case PG_ACT_SEND_GRAD:
     return pg_isend_buf(e->ctx, PG_MODE_PIPELINE, e->grad_send + (size_t)slot * e->capacity_rows * e->opts.width, n,
@@ -297,9 +298,9 @@ int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targe
 
 int pg_engine_shares_buffers(const pg_engine *e) { return e->param_shm.size > 0 && e->grad_shm.size > 0; }
 
-void pg_engine_zero_grad(pg_engine *e) {
-  memset(e->grad_store->data, 0, (size_t)e->flat_padded * sizeof(float));
+int pg_engine_zero_grad(pg_engine *e) {
   e->grads_pending = 0;
+  return e->be->ops->zero(e->be, e->grad_store->data, (size_t)e->flat_padded * sizeof(float));
 }
 
 void pg_engine_shard(const pg_engine *e, int64_t *lo, int64_t *hi) {
@@ -374,14 +375,15 @@ pg_param *pg_engine_find_param(const pg_engine *e, const char *name) {
 }
 
 int pg_engine_gather_param(pg_engine *e, pg_param *p, float *full) {
-  if (p->split_parts == 1) {
-    memcpy(full, p->data, (size_t)p->numel * sizeof(float));
-    return PG_OK;
-  }
+  size_t bytes = (size_t)p->numel * sizeof(float);
+  if (p->split_parts == 1) return e->be->ops->copy(e->be, full, p->data, bytes, PG_COPY_DEVICE_TO_HOST);
   int T = p->split_parts;
-  float *all = malloc((size_t)T * p->numel * sizeof(float));
+  float *all = malloc((size_t)T * bytes); /* host: the gathered shards */
   if (!all) return pg_fail("out of memory gathering %s", p->name);
-  memcpy(all + (size_t)e->ctx->tp_rank * p->numel, p->data, (size_t)p->numel * sizeof(float));
+  if (e->be->ops->copy(e->be, all + (size_t)e->ctx->tp_rank * p->numel, p->data, bytes, PG_COPY_DEVICE_TO_HOST)) {
+    free(all);
+    return PG_ERR;
+  }
   if (pg_all_gather_buf(e->ctx, PG_MODE_TENSOR, all, p->numel, PG_FLOAT32)) {
     free(all);
     return PG_ERR;

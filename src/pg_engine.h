@@ -50,6 +50,7 @@ typedef struct pg_engine_stats {
 typedef struct pg_engine {
   pg_context *ctx;
   pg_module *stage;
+  const pg_backend *be; /* where the stage's buffers, the flat buffers and the optimizer state live */
   int is_first, is_last;
   pg_param **params;
   int nparams;
@@ -91,7 +92,7 @@ int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targe
 /* 1 when the data-parallel replicas share their flat buffers (pg_shm.h): the
  * reductions are single passes over shared memory; 0: the MPI ring. */
 int pg_engine_shares_buffers(const pg_engine *e);
-void pg_engine_zero_grad(pg_engine *e);
+int pg_engine_zero_grad(pg_engine *e);
 /* Runs the pending gradient reductions (no-op when none are pending). */
 int pg_engine_sync_grads(pg_engine *e);
 /* This rank's ZeRO shard of the flat buffers: [*lo, *hi) (the whole buffer without ZeRO). */

@@ -3,11 +3,8 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
-#include "kernels.h"
+#include "pg_backend.h"
 #include "pg_comm.h"
 #include "pg_error.h"
 #include "pg_rng.h"
@@ -15,6 +12,10 @@
 /* ---------------------------------------------------------------- helpers */
 
 static int tp_size(const pg_context *ctx) { return ctx ? ctx->tensor : 1; }
+
+/* The module's backend: every buffer, copy and kernel goes through it. */
+#define BE(m) ((m)->be)
+#define KERNEL(m, op, ...) ((m)->be->ops->op((m)->be, __VA_ARGS__))
 static int tp_rank(const pg_context *ctx) { return ctx ? ctx->tp_rank : 0; }
 
 static char *join_name(const char *prefix, const char *suffix) {
@@ -37,6 +38,7 @@ static pg_module *module_new(const pg_module_ops *ops, pg_context *ctx, const ch
   if (!m) return pg_fail_null("out of memory");
   m->ops = ops;
   m->ctx = ctx;
+  m->be = pg_backend_cpu();
   m->name = strdup(name ? name : "");
   m->in_width = in_w;
   m->out_width = out_w;
@@ -178,16 +180,17 @@ typedef struct io_buffers {
 } io_buffers;
 
 static int alloc_leaf(pg_module *m, int nslots, int max_rows) {
-  free(m->out);
-  free(m->dinp);
+  pg_be_release(BE(m), m->out);
+  pg_be_release(BE(m), m->dinp);
   m->out = NULL;
   m->dinp = NULL;
   m->nslots = nslots;
   m->max_rows = max_rows;
   size_t out_n = (size_t)nslots * max_rows * m->out_width, din_n = (size_t)max_rows * m->in_width;
-  if (out_n && !(m->out = pg_alloc_zeroed(out_n * sizeof(float)))) return pg_fail("out of memory for %s outputs", m->name);
-  if (din_n && !(m->dinp = pg_alloc_zeroed(din_n * sizeof(float))))
-    return pg_fail("out of memory for %s gradients", m->name);
+  if (out_n && !(m->out = pg_be_floats(BE(m), out_n)))
+    return pg_fail("%s outputs (%zu floats on %s): %s", m->name, out_n, BE(m)->name, pg_error());
+  if (din_n && !(m->dinp = pg_be_floats(BE(m), din_n)))
+    return pg_fail("%s gradients (%zu floats on %s): %s", m->name, din_n, BE(m)->name, pg_error());
   m->saved_bytes_per_slot = (size_t)max_rows * m->out_width * sizeof(float);
   return PG_OK;
 }
@@ -208,9 +211,10 @@ static int alloc_ptrs(const float ***arr, int nslots) {
   return *arr ? PG_OK : pg_fail("out of memory");
 }
 
-static float *alloc_floats(float **arr, size_t n) {
-  free(*arr);
-  *arr = n ? pg_alloc_zeroed(n * sizeof(float)) : NULL;
+/* A working buffer of n floats on the module's backend (replacing *arr). */
+static float *alloc_floats(pg_module *m, float **arr, size_t n) {
+  pg_be_release(BE(m), *arr);
+  *arr = n ? pg_be_floats(BE(m), n) : NULL;
   return *arr;
 }
 
@@ -231,20 +235,20 @@ static int linear_alloc(pg_module *m, int nslots, int max_rows) {
   int T = tp_size(m->ctx);
   size_t rows = (size_t)max_rows;
   if (s->o.mode == PG_LINEAR_ROW && !s->o.input_is_parallel && T > 1) {
-    if (!alloc_floats(&s->x_local, (size_t)nslots * rows * s->in_l)) return pg_fail("out of memory");
+    if (!alloc_floats(m, &s->x_local, (size_t)nslots * rows * s->in_l)) return pg_fail("out of memory");
     m->saved_bytes_per_slot += rows * s->in_l * sizeof(float);
   }
   size_t scratch = 0;
   if (s->o.mode == PG_LINEAR_COLUMN && s->o.gather_output && T > 1) scratch = (size_t)T * rows * s->out_l;
   if (s->o.mode == PG_LINEAR_ROW && !s->o.input_is_parallel && T > 1) scratch = (size_t)T * rows * s->in_l;
-  if (scratch && !alloc_floats(&s->scratch, scratch)) return pg_fail("out of memory");
+  if (scratch && !alloc_floats(m, &s->scratch, scratch)) return pg_fail("out of memory");
   return PG_OK;
 }
 
 /* Columns [off, off+w) of an [N, width] matrix into a contiguous [N, w] one. */
-static void take_columns(float *dst, const float *src, int N, int width, int off, int w) {
-#pragma omp parallel for schedule(static) if ((int64_t)N * w > 32768)
-  for (int n = 0; n < N; n++) memcpy(dst + (size_t)n * w, src + (size_t)n * width + off, (size_t)w * sizeof(float));
+static int take_columns(pg_module *m, float *dst, const float *src, int N, int width, int off, int w) {
+  return BE(m)->ops->copy2d(BE(m), dst, (size_t)w * sizeof(float), src + off, (size_t)width * sizeof(float),
+                            (size_t)w * sizeof(float), (size_t)N, PG_COPY_DEVICE_TO_DEVICE);
 }
 
 /* Gathers [N, w] pieces of every tensor rank into [N, T*w]. Each piece is
@@ -257,27 +261,30 @@ static void take_columns(float *dst, const float *src, int N, int width, int off
  * (and took the wrong columns of dy in backward, see take_block_columns). */
 static int gather_columns(pg_module *m, float *dst, const float *mine, float *scratch, int N, int w, int blocks) {
   int T = tp_size(m->ctx), r = tp_rank(m->ctx), bw = w / blocks;
-  size_t piece = (size_t)N * w;
-  if (scratch + (size_t)r * piece != mine) memcpy(scratch + (size_t)r * piece, mine, piece * sizeof(float));
+  size_t piece = (size_t)N * w, f = sizeof(float);
+  if (scratch + (size_t)r * piece != mine &&
+      BE(m)->ops->copy(BE(m), scratch + (size_t)r * piece, mine, piece * f, PG_COPY_DEVICE_TO_DEVICE))
+    return PG_ERR;
   if (pg_all_gather_buf(m->ctx, PG_MODE_TENSOR, scratch, (int64_t)piece, PG_FLOAT32)) return PG_ERR;
-#pragma omp parallel for schedule(static) if ((int64_t)N * T * w > 32768)
-  for (int n = 0; n < N; n++)
-    for (int k = 0; k < T; k++)
-      for (int b = 0; b < blocks; b++)
-        memcpy(dst + (size_t)n * T * w + (size_t)b * T * bw + (size_t)k * bw,
-               scratch + (size_t)k * piece + (size_t)n * w + (size_t)b * bw, (size_t)bw * sizeof(float));
+  for (int k = 0; k < T; k++)
+    for (int b = 0; b < blocks; b++)
+      if (BE(m)->ops->copy2d(BE(m), dst + (size_t)b * T * bw + (size_t)k * bw, (size_t)T * w * f,
+                             scratch + (size_t)k * piece + (size_t)b * bw, (size_t)w * f, (size_t)bw * f, (size_t)N,
+                             PG_COPY_DEVICE_TO_DEVICE))
+        return PG_ERR;
   return PG_OK;
 }
 
 /* The inverse of gather_columns for this rank: its w columns (in `blocks`
  * sub-pieces) of a full [N, T*w] matrix, into a contiguous [N, w] one. */
-static void take_block_columns(float *dst, const float *src, int N, int T, int w, int blocks, int r) {
+static int take_block_columns(pg_module *m, float *dst, const float *src, int N, int T, int w, int blocks, int r) {
   int bw = w / blocks;
-#pragma omp parallel for schedule(static)
-  for (int n = 0; n < N; n++)
-    for (int b = 0; b < blocks; b++)
-      memcpy(dst + (size_t)n * w + (size_t)b * bw, src + (size_t)n * T * w + (size_t)b * T * bw + (size_t)r * bw,
-             (size_t)bw * sizeof(float));
+  size_t f = sizeof(float);
+  for (int b = 0; b < blocks; b++)
+    if (BE(m)->ops->copy2d(BE(m), dst + (size_t)b * bw, (size_t)w * f, src + (size_t)b * T * bw + (size_t)r * bw,
+                           (size_t)T * w * f, (size_t)bw * f, (size_t)N, PG_COPY_DEVICE_TO_DEVICE))
+      return PG_ERR;
+  return PG_OK;
 }
 
 static int linear_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
@@ -288,29 +295,31 @@ static int linear_forward(pg_module *m, int slot, pg_io *io, const float *x, con
   const float *b = s->b ? s->b->data : NULL;
   switch (s->o.mode) {
   case PG_LINEAR_PLAIN:
-    pg_matmul_forward(out, x, s->w->data, b, N, s->in_l, s->out_l);
+    if (KERNEL(m, matmul_forward, out, x, s->w->data, b, N, s->in_l, s->out_l)) return PG_ERR;
     break;
   case PG_LINEAR_COLUMN:
     if (s->o.gather_output && T > 1) {
       float *local = s->scratch + (size_t)tp_rank(m->ctx) * N * s->out_l; /* computed in place in the gather slot */
-      pg_matmul_forward(local, x, s->w->data, b, N, s->in_l, s->out_l);
-      if (gather_columns(m, out, local, s->scratch, N, s->out_l, s->o.blocks)) return PG_ERR;
-    } else {
-      pg_matmul_forward(out, x, s->w->data, b, N, s->in_l, s->out_l);
+      if (KERNEL(m, matmul_forward, local, x, s->w->data, b, N, s->in_l, s->out_l) ||
+          gather_columns(m, out, local, s->scratch, N, s->out_l, s->o.blocks))
+        return PG_ERR;
+    } else if (KERNEL(m, matmul_forward, out, x, s->w->data, b, N, s->in_l, s->out_l)) {
+      return PG_ERR;
     }
     break;
   case PG_LINEAR_ROW: {
     const float *xl = x;
     if (!s->o.input_is_parallel && T > 1) {
       float *dst = s->x_local + (size_t)slot * m->max_rows * s->in_l;
-      take_columns(dst, x, N, s->o.in, tp_rank(m->ctx) * s->in_l, s->in_l);
+      if (take_columns(m, dst, x, N, s->o.in, tp_rank(m->ctx) * s->in_l, s->in_l)) return PG_ERR;
       xl = dst;
     }
     x = xl;
     /* The bias goes into one member's partial product (its sgemm starts from
      * the bias rows), so the sum over the group holds it once and no extra
      * pass over the output is needed; with T = 1 this is the plain layer. */
-    pg_matmul_forward(out, xl, s->w->data, tp_rank(m->ctx) == 0 ? b : NULL, N, s->in_l, s->out_l);
+    if (KERNEL(m, matmul_forward, out, xl, s->w->data, tp_rank(m->ctx) == 0 ? b : NULL, N, s->in_l, s->out_l))
+      return PG_ERR;
     if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, out, (int64_t)N * s->out_l, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
     break;
   }
@@ -328,15 +337,15 @@ static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, c
   float *dinp = m->in_width ? m->dinp : NULL;
   switch (s->o.mode) {
   case PG_LINEAR_PLAIN:
-    pg_matmul_backward(dinp, s->w->grad, db, dy, x, s->w->data, N, s->in_l, s->out_l);
+    if (KERNEL(m, matmul_backward, dinp, s->w->grad, db, dy, x, s->w->data, N, s->in_l, s->out_l)) return PG_ERR;
     break;
   case PG_LINEAR_COLUMN: {
     const float *dyl = dy;
     if (s->o.gather_output && T > 1) {
-      take_block_columns(s->scratch, dy, N, T, s->out_l, s->o.blocks, tp_rank(m->ctx));
+      if (take_block_columns(m, s->scratch, dy, N, T, s->out_l, s->o.blocks, tp_rank(m->ctx))) return PG_ERR;
       dyl = s->scratch;
     }
-    pg_matmul_backward(dinp, s->w->grad, db, dyl, x, s->w->data, N, s->in_l, s->out_l);
+    if (KERNEL(m, matmul_backward, dinp, s->w->grad, db, dyl, x, s->w->data, N, s->in_l, s->out_l)) return PG_ERR;
     /* Each rank saw all of x but produced only its output columns: the input
      * gradient is a sum over the group. */
     if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, dinp, (int64_t)N * s->in_l, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
@@ -345,10 +354,11 @@ static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, c
   case PG_LINEAR_ROW:
     if (!s->o.input_is_parallel && T > 1) {
       float *dxl = s->scratch + (size_t)tp_rank(m->ctx) * N * s->in_l;
-      pg_matmul_backward(dxl, s->w->grad, db, dy, x, s->w->data, N, s->in_l, s->out_l);
-      if (gather_columns(m, dinp, dxl, s->scratch, N, s->in_l, 1)) return PG_ERR;
-    } else {
-      pg_matmul_backward(dinp, s->w->grad, db, dy, x, s->w->data, N, s->in_l, s->out_l);
+      if (KERNEL(m, matmul_backward, dxl, s->w->grad, db, dy, x, s->w->data, N, s->in_l, s->out_l) ||
+          gather_columns(m, dinp, dxl, s->scratch, N, s->in_l, 1))
+        return PG_ERR;
+    } else if (KERNEL(m, matmul_backward, dinp, s->w->grad, db, dy, x, s->w->data, N, s->in_l, s->out_l)) {
+      return PG_ERR;
     }
     break;
   }
@@ -359,8 +369,8 @@ static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, c
 static void linear_destroy(pg_module *m) {
   linear_state *s = m->state;
   free(s->saved_x);
-  free(s->x_local);
-  free(s->scratch);
+  pg_be_release(BE(m), s->x_local);
+  pg_be_release(BE(m), s->scratch);
 }
 
 static const pg_module_ops linear_ops = {"linear", linear_alloc, linear_forward, linear_backward, linear_destroy};
@@ -415,7 +425,7 @@ typedef struct layernorm_state {
 static int layernorm_alloc(pg_module *m, int nslots, int max_rows) {
   layernorm_state *s = m->state;
   if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
-  if (!alloc_floats(&s->mean, (size_t)nslots * max_rows) || !alloc_floats(&s->rstd, (size_t)nslots * max_rows))
+  if (!alloc_floats(m, &s->mean, (size_t)nslots * max_rows) || !alloc_floats(m, &s->rstd, (size_t)nslots * max_rows))
     return pg_fail("out of memory");
   m->saved_bytes_per_slot += 2 * (size_t)max_rows * sizeof(float);
   return PG_OK;
@@ -426,7 +436,8 @@ static int layernorm_forward(pg_module *m, int slot, pg_io *io, const float *x, 
   if (check_rows(m, slot, io)) return PG_ERR;
   int N = io->B * io->T, C = m->in_width;
   size_t off = (size_t)slot * m->max_rows;
-  pg_layernorm_forward(slot_out(m, slot), s->mean + off, s->rstd + off, x, s->w->data, s->b->data, N, C);
+  if (KERNEL(m, layernorm_forward, slot_out(m, slot), s->mean + off, s->rstd + off, x, s->w->data, s->b->data, N, C))
+    return PG_ERR;
   s->saved_x[slot] = x;
   *y = slot_out(m, slot);
   return PG_OK;
@@ -436,16 +447,17 @@ static int layernorm_backward(pg_module *m, int slot, pg_io *io, const float *dy
   layernorm_state *s = m->state;
   int N = io->B * io->T, C = m->in_width;
   size_t off = (size_t)slot * m->max_rows;
-  pg_layernorm_backward(m->dinp, s->w->grad, s->b->grad, dy, s->saved_x[slot], s->w->data, s->mean + off,
-                        s->rstd + off, N, C);
+  if (KERNEL(m, layernorm_backward, m->dinp, s->w->grad, s->b->grad, dy, s->saved_x[slot], s->w->data, s->mean + off,
+             s->rstd + off, N, C))
+    return PG_ERR;
   *dx = m->dinp;
   return PG_OK;
 }
 
 static void layernorm_destroy(pg_module *m) {
   layernorm_state *s = m->state;
-  free(s->mean);
-  free(s->rstd);
+  pg_be_release(BE(m), s->mean);
+  pg_be_release(BE(m), s->rstd);
   free(s->saved_x);
 }
 
@@ -482,7 +494,7 @@ static int gelu_alloc(pg_module *m, int nslots, int max_rows) {
 static int gelu_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   gelu_state *s = m->state;
   if (check_rows(m, slot, io)) return PG_ERR;
-  pg_gelu_forward(slot_out(m, slot), x, (int64_t)io->B * io->T * m->in_width);
+  if (KERNEL(m, gelu_forward, slot_out(m, slot), x, (int64_t)io->B * io->T * m->in_width)) return PG_ERR;
   s->saved_x[slot] = x;
   *y = slot_out(m, slot);
   return PG_OK;
@@ -490,7 +502,7 @@ static int gelu_forward(pg_module *m, int slot, pg_io *io, const float *x, const
 
 static int gelu_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   gelu_state *s = m->state;
-  pg_gelu_backward(m->dinp, s->saved_x[slot], dy, (int64_t)io->B * io->T * m->in_width);
+  if (KERNEL(m, gelu_backward, m->dinp, s->saved_x[slot], dy, (int64_t)io->B * io->T * m->in_width)) return PG_ERR;
   *dx = m->dinp;
   return PG_OK;
 }
@@ -517,12 +529,8 @@ static int attention_alloc(pg_module *m, int nslots, int max_rows) {
   attention_state *s = m->state;
   if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
   size_t per_slot = (size_t)max_rows * s->heads_l * s->max_seq;
-  int threads = 1;
-#ifdef _OPENMP
-  threads = omp_get_max_threads();
-#endif
-  if (!alloc_floats(&s->att, (size_t)nslots * per_slot) ||
-      !alloc_floats(&s->scratch, (size_t)pg_attention_scratch_floats(s->max_seq, threads)))
+  if (!alloc_floats(m, &s->att, (size_t)nslots * per_slot) ||
+      !alloc_floats(m, &s->scratch, (size_t)KERNEL(m, attention_scratch_floats, s->max_seq, s->heads_l)))
     return pg_fail("out of memory for %s (attention probabilities)", m->name);
   m->saved_bytes_per_slot += per_slot * sizeof(float);
   return PG_OK;
@@ -533,7 +541,7 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
   if (check_rows(m, slot, io)) return PG_ERR;
   if (io->T > s->max_seq) return pg_fail("%s: sequence length %d exceeds the model's %d", m->name, io->T, s->max_seq);
   float *att = s->att + (size_t)slot * m->max_rows * s->heads_l * s->max_seq;
-  pg_attention_forward(slot_out(m, slot), att, x, io->B, io->T, s->width_l, s->heads_l);
+  if (KERNEL(m, attention_forward, slot_out(m, slot), att, x, io->B, io->T, s->width_l, s->heads_l)) return PG_ERR;
   s->saved_x[slot] = x;
   *y = slot_out(m, slot);
   return PG_OK;
@@ -542,15 +550,17 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
 static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   attention_state *s = m->state;
   const float *att = s->att + (size_t)slot * m->max_rows * s->heads_l * s->max_seq;
-  pg_attention_backward(m->dinp, s->scratch, dy, s->saved_x[slot], att, io->B, io->T, s->width_l, s->heads_l);
+  if (KERNEL(m, attention_backward, m->dinp, s->scratch, dy, s->saved_x[slot], att, io->B, io->T, s->width_l,
+             s->heads_l))
+    return PG_ERR;
   *dx = m->dinp;
   return PG_OK;
 }
 
 static void attention_destroy(pg_module *m) {
   attention_state *s = m->state;
-  free(s->att);
-  free(s->scratch);
+  pg_be_release(BE(m), s->att);
+  pg_be_release(BE(m), s->scratch);
   free(s->saved_x);
 }
 
@@ -589,10 +599,10 @@ static int embedding_forward(pg_module *m, int slot, pg_io *io, const float *x, 
     return pg_fail("%s: sequence length %d exceeds the %d positions", m->name, io->T, s->positions);
   int N = io->B * io->T, C = m->out_width;
   float *out = slot_out(m, slot);
-  pg_embedding_forward(out, io->tokens, s->wte->data, N, C, s->row_start, s->padded_l);
+  if (KERNEL(m, embedding_forward, out, io->tokens, s->wte->data, N, C, s->row_start, s->padded_l)) return PG_ERR;
   /* Each rank looked up only the ids in its vocabulary slice (others are 0). */
   if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, out, (int64_t)N * C, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
-  if (s->wpe) pg_position_forward(out, s->wpe->data, N, io->T, C);
+  if (s->wpe && KERNEL(m, position_forward, out, s->wpe->data, N, io->T, C)) return PG_ERR;
   *y = out;
   return PG_OK;
 }
@@ -601,8 +611,9 @@ static int embedding_backward(pg_module *m, int slot, pg_io *io, const float *dy
   (void)slot;
   embedding_state *s = m->state;
   int N = io->B * io->T, C = m->out_width;
-  pg_embedding_backward(s->wte->grad, dy, io->tokens, N, C, s->row_start, s->padded_l);
-  if (s->wpe) pg_position_backward(s->wpe->grad, dy, N, io->T, C);
+  if (KERNEL(m, embedding_backward, s->wte->grad, dy, io->tokens, N, C, s->row_start, s->padded_l) ||
+      (s->wpe && KERNEL(m, position_backward, s->wpe->grad, dy, N, io->T, C)))
+    return PG_ERR;
   *dx = NULL;
   return PG_OK;
 }
@@ -666,9 +677,9 @@ static int lm_head_alloc(pg_module *m, int nslots, int max_rows) {
   lm_head_state *s = m->state;
   if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
   int T = tp_size(m->ctx);
-  if (!alloc_floats(&s->stats, (size_t)nslots * 3 * max_rows) ||
-      !alloc_floats(&s->logits, (size_t)max_rows * s->padded_l) || !alloc_floats(&s->red, 2 * (size_t)max_rows) ||
-      (T > 1 && !alloc_floats(&s->gather, (size_t)T * max_rows * s->padded_l)))
+  if (!alloc_floats(m, &s->stats, (size_t)nslots * 3 * max_rows) ||
+      !alloc_floats(m, &s->logits, (size_t)max_rows * s->padded_l) || !alloc_floats(m, &s->red, 2 * (size_t)max_rows) ||
+      (T > 1 && !alloc_floats(m, &s->gather, (size_t)T * max_rows * s->padded_l)))
     return pg_fail("out of memory for %s (logits)", m->name);
   s->logits_slot = -1;
   m->saved_bytes_per_slot += 3 * (size_t)max_rows * sizeof(float);
@@ -678,15 +689,17 @@ static int lm_head_alloc(pg_module *m, int nslots, int max_rows) {
 /* Global softmax statistics for the rows, reduced over the vocabulary slices. */
 static int lm_head_stats(pg_module *m, lm_head_state *s, float *st, const int32_t *targets, int N) {
   float *rmax = st, *sumexp = st + m->max_rows, *tlogit = st + 2 * (size_t)m->max_rows;
-  pg_xent_row_max(rmax, s->logits, N, s->padded_l, s->valid);
-  if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, rmax, N, PG_FLOAT32, PG_REDUCE_MAX)) return PG_ERR;
-  pg_xent_sumexp(sumexp, tlogit, s->logits, rmax, targets, N, s->padded_l, s->valid, s->vocab_start);
+  if (KERNEL(m, xent_row_max, rmax, s->logits, N, s->padded_l, s->valid) ||
+      pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, rmax, N, PG_FLOAT32, PG_REDUCE_MAX) ||
+      KERNEL(m, xent_sumexp, sumexp, tlogit, s->logits, rmax, targets, N, s->padded_l, s->valid, s->vocab_start))
+    return PG_ERR;
   if (tp_size(m->ctx) > 1) { /* one reduction for both sums */
-    memcpy(s->red, sumexp, (size_t)N * sizeof(float));
-    memcpy(s->red + N, tlogit, (size_t)N * sizeof(float));
-    if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, s->red, 2 * (int64_t)N, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
-    memcpy(sumexp, s->red, (size_t)N * sizeof(float));
-    memcpy(tlogit, s->red + N, (size_t)N * sizeof(float));
+    size_t bytes = (size_t)N * sizeof(float);
+    const pg_copy_kind on = PG_COPY_DEVICE_TO_DEVICE;
+    if (KERNEL(m, copy, s->red, sumexp, bytes, on) || KERNEL(m, copy, s->red + N, tlogit, bytes, on) ||
+        pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, s->red, 2 * (int64_t)N, PG_FLOAT32, PG_REDUCE_SUM) ||
+        KERNEL(m, copy, sumexp, s->red, bytes, on) || KERNEL(m, copy, tlogit, s->red + N, bytes, on))
+      return PG_ERR;
   }
   return PG_OK;
 }
@@ -695,31 +708,35 @@ static int lm_head_forward(pg_module *m, int slot, pg_io *io, const float *x, co
   lm_head_state *s = m->state;
   if (check_rows(m, slot, io)) return PG_ERR;
   int N = io->B * io->T, C = m->in_width, T = tp_size(m->ctx);
-  pg_matmul_forward(s->logits, x, s->w->data, NULL, N, C, s->padded_l);
+  if (KERNEL(m, matmul_forward, s->logits, x, s->w->data, NULL, N, C, s->padded_l)) return PG_ERR;
   s->saved_x[slot] = x;
   s->logits_slot = -1;
   *y = NULL;
-  if (io->logits) { /* evaluation: full logits, real vocabulary columns only */
-    const float *full = s->logits;
+  if (io->logits) { /* evaluation: full logits (host), real vocabulary columns only */
     int width = s->padded_l;
-    if (T > 1) {
-      memcpy(s->gather + (size_t)tp_rank(m->ctx) * N * s->padded_l, s->logits, (size_t)N * s->padded_l * sizeof(float));
-      if (pg_all_gather_buf(m->ctx, PG_MODE_TENSOR, s->gather, (int64_t)N * s->padded_l, PG_FLOAT32)) return PG_ERR;
+    size_t f = sizeof(float), piece = (size_t)N * width;
+    if (T > 1 && (KERNEL(m, copy, s->gather + (size_t)tp_rank(m->ctx) * piece, s->logits, piece * f,
+                         PG_COPY_DEVICE_TO_DEVICE) ||
+                  pg_all_gather_buf(m->ctx, PG_MODE_TENSOR, s->gather, (int64_t)piece, PG_FLOAT32)))
+      return PG_ERR;
+    /* slice k holds vocabulary columns [k width, (k+1) width), the real ones first */
+    for (int k = 0; k < T && k * width < s->vocab; k++) {
+      int cols = s->vocab - k * width < width ? s->vocab - k * width : width;
+      const float *src = T > 1 ? s->gather + (size_t)k * piece : s->logits;
+      if (KERNEL(m, copy2d, io->logits + (size_t)k * width, (size_t)s->vocab * f, src, (size_t)width * f,
+                 (size_t)cols * f, (size_t)N, PG_COPY_DEVICE_TO_HOST))
+        return PG_ERR;
     }
-#pragma omp parallel for schedule(static) if ((int64_t)N * s->vocab > 32768)
-    for (int n = 0; n < N; n++)
-      for (int v = 0; v < s->vocab; v++) {
-        int k = v / width, c = v % width;
-        io->logits[(size_t)n * s->vocab + v] =
-            T > 1 ? s->gather[(size_t)k * N * width + (size_t)n * width + c] : full[(size_t)n * width + v];
-      }
   }
   if (!io->targets) return PG_OK;
   float *st = s->stats + (size_t)slot * 3 * m->max_rows;
   if (lm_head_stats(m, s, st, io->targets, N)) return PG_ERR;
   float *dl = io->want_grad ? s->logits : NULL;
-  io->loss_sum += pg_xent_finish(NULL, dl, s->logits, st, st + m->max_rows, st + 2 * (size_t)m->max_rows, io->targets,
-                                 N, s->padded_l, s->valid, s->vocab_start, io->dloss);
+  double loss_sum = 0;
+  if (KERNEL(m, xent_finish, NULL, dl, s->logits, st, st + m->max_rows, st + 2 * (size_t)m->max_rows, io->targets, N,
+             s->padded_l, s->valid, s->vocab_start, io->dloss, &loss_sum))
+    return PG_ERR;
+  io->loss_sum += loss_sum;
   if (dl) s->logits_slot = slot;
   return PG_OK;
 }
@@ -731,12 +748,14 @@ static int lm_head_backward(pg_module *m, int slot, pg_io *io, const float *dy, 
   const float *x = s->saved_x[slot];
   if (s->logits_slot != slot) { /* another micro-batch ran since: recompute from the saved statistics */
     float *st = s->stats + (size_t)slot * 3 * m->max_rows;
-    pg_matmul_forward(s->logits, x, s->w->data, NULL, N, C, s->padded_l);
-    pg_xent_finish(NULL, s->logits, s->logits, st, st + m->max_rows, st + 2 * (size_t)m->max_rows, io->targets, N,
-                   s->padded_l, s->valid, s->vocab_start, io->dloss);
+    if (KERNEL(m, matmul_forward, s->logits, x, s->w->data, NULL, N, C, s->padded_l) ||
+        KERNEL(m, xent_finish, NULL, s->logits, s->logits, st, st + m->max_rows, st + 2 * (size_t)m->max_rows,
+               io->targets, N, s->padded_l, s->valid, s->vocab_start, io->dloss, NULL))
+      return PG_ERR;
   }
   s->logits_slot = -1;
-  pg_matmul_backward(m->dinp, s->w->grad, NULL, s->logits, x, s->w->data, N, C, s->padded_l);
+  if (KERNEL(m, matmul_backward, m->dinp, s->w->grad, NULL, s->logits, x, s->w->data, N, C, s->padded_l))
+    return PG_ERR;
   /* x met every vocabulary slice: its gradient is the sum over the group. */
   if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, m->dinp, (int64_t)N * C, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
   *dx = m->dinp;
@@ -745,10 +764,10 @@ static int lm_head_backward(pg_module *m, int slot, pg_io *io, const float *dy, 
 
 static void lm_head_destroy(pg_module *m) {
   lm_head_state *s = m->state;
-  free(s->stats);
-  free(s->logits);
-  free(s->gather);
-  free(s->red);
+  pg_be_release(BE(m), s->stats);
+  pg_be_release(BE(m), s->logits);
+  pg_be_release(BE(m), s->gather);
+  pg_be_release(BE(m), s->red);
   free(s->saved_x);
 }
 
@@ -854,7 +873,7 @@ static int residual_forward(pg_module *m, int slot, pg_io *io, const float *x, c
   if (check_rows(m, slot, io)) return PG_ERR;
   const float *f = NULL;
   if (pg_module_forward(m->children[0], slot, io, x, &f)) return PG_ERR;
-  pg_residual_forward(slot_out(m, slot), x, f, (int64_t)io->B * io->T * m->out_width);
+  if (KERNEL(m, residual_forward, slot_out(m, slot), x, f, (int64_t)io->B * io->T * m->out_width)) return PG_ERR;
   *y = slot_out(m, slot);
   return PG_OK;
 }
@@ -862,7 +881,8 @@ static int residual_forward(pg_module *m, int slot, pg_io *io, const float *x, c
 static int residual_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   const float *dinner = NULL;
   if (pg_module_backward(m->children[0], slot, io, dy, &dinner)) return PG_ERR;
-  pg_residual_forward(m->dinp, dy, dinner, (int64_t)io->B * io->T * m->in_width); /* dx = dy + d(inner)/dx */
+  /* dx = dy + d(inner)/dx */
+  if (KERNEL(m, residual_forward, m->dinp, dy, dinner, (int64_t)io->B * io->T * m->in_width)) return PG_ERR;
   *dx = m->dinp;
   return PG_OK;
 }
@@ -888,7 +908,12 @@ typedef struct custom_state {
   pg_custom_fns fns;
 } custom_state;
 
-static int custom_alloc(pg_module *m, int nslots, int max_rows) { return alloc_leaf(m, nslots, max_rows); }
+static int custom_alloc(pg_module *m, int nslots, int max_rows) {
+  /* the Lua callbacks read and write host memory */
+  if (BE(m)->device != PG_CPU)
+    return pg_fail("%s: a module written in Lua runs on the cpu backend only, not %s", m->name, BE(m)->name);
+  return alloc_leaf(m, nslots, max_rows);
+}
 
 static int custom_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   custom_state *s = m->state;
@@ -937,11 +962,20 @@ void pg_module_free(pg_module *m) {
   for (int i = 0; i < m->nparams; i++) pg_param_free(m->params[i]);
   free(m->params);
   free(m->children);
-  free(m->out);
-  free(m->dinp);
+  pg_be_release(BE(m), m->out);
+  pg_be_release(BE(m), m->dinp);
   free(m->state);
   free(m->name);
   free(m);
+}
+
+int pg_module_set_backend(pg_module *m, const pg_backend *be) {
+  if (m->be != be && (m->out || m->dinp || m->nslots))
+    return pg_fail("%s: the backend must be chosen before the buffers are allocated", m->name);
+  m->be = be;
+  for (int i = 0; i < m->nchildren; i++)
+    if (pg_module_set_backend(m->children[i], be)) return PG_ERR;
+  return PG_OK;
 }
 
 int pg_module_alloc(pg_module *m, int nslots, int max_rows) {

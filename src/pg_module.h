@@ -17,6 +17,9 @@
  * collectives it needs (pg_comm.h) on the tensor group. Every member of the
  * group runs the same module sequence, so the collectives match.
  *
+ * Memory and arithmetic go through the module's backend (pg_backend.h): its
+ * buffers are that backend's memory, its kernels that backend's kernels.
+ *
  * Parameters: a module creates its pg_params (shard shape and where the
  * shard sits in the full tensor); the engine places them in one flat buffer
  * and sets data/grad. Composite modules (sequential, residual) own children. */
@@ -25,6 +28,7 @@
 
 #include <stdint.h>
 
+#include "pg_backend.h"
 #include "pg_context.h"
 
 #define PG_PARAM_MAX_DIMS 4
@@ -78,6 +82,7 @@ struct pg_module {
   const pg_module_ops *ops;
   char *name;
   pg_context *ctx;          /* NULL: serial */
+  const pg_backend *be;     /* where its buffers live and its kernels run (cpu unless set) */
   int in_width, out_width;  /* features per row; in 0 = token ids, out 0 = the loss */
   int nslots, max_rows;
   pg_param **params;        /* owned parameters (a tied head refers to another's: not owned) */
@@ -142,6 +147,9 @@ pg_param *pg_embedding_weight(pg_module *m);
 
 /* Frees the tree (children, owned params, buffers). */
 void pg_module_free(pg_module *m);
+
+/* Puts the whole tree on a backend (before its buffers are allocated). */
+int pg_module_set_backend(pg_module *m, const pg_backend *be);
 
 /* Allocates per-slot buffers in the whole tree. */
 int pg_module_alloc(pg_module *m, int nslots, int max_rows);

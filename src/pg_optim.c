@@ -3,7 +3,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "kernels.h"
+#include "pg_backend.h"
 #include "pg_comm.h"
 #include "pg_error.h"
 
@@ -24,7 +24,7 @@ pg_adamw *pg_adamw_new(pg_engine *e, const pg_adamw_hparams *h, int zero) {
   e->zero = zero;
   pg_engine_shard(e, &o->lo, &o->hi);
   size_t bytes = (size_t)(o->hi - o->lo) * sizeof(float);
-  if (!(o->m = pg_storage_new(bytes, PG_CPU)) || !(o->v = pg_storage_new(bytes, PG_CPU))) {
+  if (!(o->m = pg_storage_new(bytes, e->be->device)) || !(o->v = pg_storage_new(bytes, e->be->device))) {
     pg_adamw_free(o);
     return NULL;
   }
@@ -55,7 +55,9 @@ int pg_adamw_grad_norm(pg_adamw *o, double *norm) {
   double sq = 0;
   FOR_OWNED_PIECES(o, p, a, b, {
     if (p->tied_copy || (p->replicated && e->ctx->tp_rank != 0)) continue;
-    sq += pg_sum_squares(g + a, b - a);
+    double piece;
+    if (e->be->ops->sum_squares(e->be, g + a, b - a, &piece)) return PG_ERR;
+    sq += piece;
   })
   /* every rank holds a disjoint part of the model's gradients: its tensor
    * shard, its pipeline stage, and with ZeRO-1 its data shard */
@@ -81,8 +83,10 @@ int pg_adamw_step(pg_adamw *o) {
   o->step++;
   float *w = e->param_store->data, *g = e->grad_store->data, *m = o->m->data, *v = o->v->data;
   FOR_OWNED_PIECES(o, p, a, b, {
-    pg_adamw_update(w + a, g + a, m + (a - o->lo), v + (a - o->lo), b - a, o->h.lr, o->h.beta1, o->h.beta2, o->h.eps,
-                    p->weight_decay ? o->h.weight_decay : 0.0f, (int)o->step, o->clip_scale);
+    if (e->be->ops->adamw_update(e->be, w + a, g + a, m + (a - o->lo), v + (a - o->lo), b - a, o->h.lr, o->h.beta1,
+                                 o->h.beta2, o->h.eps, p->weight_decay ? o->h.weight_decay : 0.0f, (int)o->step,
+                                 o->clip_scale))
+      return PG_ERR;
   })
   o->clip_scale = 1.0f;
   if (o->zero && e->ctx->data > 1)

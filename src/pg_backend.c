@@ -1,0 +1,221 @@
+/* The CPU backend: host memory (huge-page aligned for large buffers) and the
+ * kernels of kernels/cpu, called exactly as the runtime called them before
+ * the seam, so results are bit for bit what they were. */
+#include "pg_backend.h"
+
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "kernels.h"
+#include "pg_error.h"
+
+static void *cpu_alloc(const pg_backend *b, size_t bytes) {
+  (void)b;
+  void *p = pg_alloc_zeroed(bytes ? bytes : 1);
+  if (!p) return pg_fail_null("out of memory allocating %zu bytes on the CPU", bytes);
+  return p;
+}
+
+static void cpu_release(const pg_backend *b, void *p) {
+  (void)b;
+  free(p);
+}
+
+static int cpu_zero(const pg_backend *b, void *p, size_t bytes) {
+  (void)b;
+  if (bytes) memset(p, 0, bytes);
+  return PG_OK;
+}
+
+static int cpu_copy(const pg_backend *b, void *dst, const void *src, size_t bytes, pg_copy_kind kind) {
+  (void)b;
+  (void)kind;
+  if (bytes && dst != src) memmove(dst, src, bytes);
+  return PG_OK;
+}
+
+static int cpu_copy2d(const pg_backend *b, void *dst, size_t dpitch, const void *src, size_t spitch,
+                      size_t width_bytes, size_t rows, pg_copy_kind kind) {
+  (void)b;
+  (void)kind;
+  char *d = dst;
+  const char *s = src;
+#pragma omp parallel for schedule(static) if ((int64_t)(rows * width_bytes) > 131072)
+  for (size_t r = 0; r < rows; r++) memcpy(d + r * dpitch, s + r * spitch, width_bytes);
+  return PG_OK;
+}
+
+static int cpu_sync(const pg_backend *b) {
+  (void)b;
+  return PG_OK;
+}
+
+static int cpu_embedding_forward(const pg_backend *b, float *out, const int32_t *tokens, const float *weight, int N,
+                                 int C, int row_start, int rows) {
+  (void)b;
+  pg_embedding_forward(out, tokens, weight, N, C, row_start, rows);
+  return PG_OK;
+}
+
+static int cpu_embedding_backward(const pg_backend *b, float *dweight, const float *dout, const int32_t *tokens,
+                                  int N, int C, int row_start, int rows) {
+  (void)b;
+  pg_embedding_backward(dweight, dout, tokens, N, C, row_start, rows);
+  return PG_OK;
+}
+
+static int cpu_position_forward(const pg_backend *b, float *out, const float *wpe, int N, int T, int C) {
+  (void)b;
+  pg_position_forward(out, wpe, N, T, C);
+  return PG_OK;
+}
+
+static int cpu_position_backward(const pg_backend *b, float *dwpe, const float *dout, int N, int T, int C) {
+  (void)b;
+  pg_position_backward(dwpe, dout, N, T, C);
+  return PG_OK;
+}
+
+static int cpu_layernorm_forward(const pg_backend *b, float *out, float *mean, float *rstd, const float *inp,
+                                 const float *weight, const float *bias, int N, int C) {
+  (void)b;
+  pg_layernorm_forward(out, mean, rstd, inp, weight, bias, N, C);
+  return PG_OK;
+}
+
+static int cpu_layernorm_backward(const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout,
+                                  const float *inp, const float *weight, const float *mean, const float *rstd, int N,
+                                  int C) {
+  (void)b;
+  pg_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+  return PG_OK;
+}
+
+static int cpu_matmul_forward(const pg_backend *b, float *out, const float *inp, const float *weight,
+                              const float *bias, int N, int C, int OC) {
+  (void)b;
+  pg_matmul_forward(out, inp, weight, bias, N, C, OC);
+  return PG_OK;
+}
+
+static int cpu_matmul_backward(const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout,
+                               const float *inp, const float *weight, int N, int C, int OC) {
+  (void)b;
+  pg_matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
+  return PG_OK;
+}
+
+static int cpu_attention_forward(const pg_backend *b, float *out, float *att, const float *qkv, int B, int T, int C,
+                                 int NH) {
+  (void)b;
+  pg_attention_forward(out, att, qkv, B, T, C, NH);
+  return PG_OK;
+}
+
+static int cpu_attention_backward(const pg_backend *b, float *dqkv, float *scratch, const float *dout,
+                                  const float *qkv, const float *att, int B, int T, int C, int NH) {
+  (void)b;
+  pg_attention_backward(dqkv, scratch, dout, qkv, att, B, T, C, NH);
+  return PG_OK;
+}
+
+static int64_t cpu_attention_scratch_floats(const pg_backend *b, int T, int NH) {
+  (void)b;
+  (void)NH;
+  int threads = 1;
+#ifdef _OPENMP
+  threads = omp_get_max_threads(); /* one [T, T] block per OpenMP thread */
+#endif
+  return pg_attention_scratch_floats(T, threads);
+}
+
+static int cpu_gelu_forward(const pg_backend *b, float *out, const float *inp, int64_t n) {
+  (void)b;
+  pg_gelu_forward(out, inp, n);
+  return PG_OK;
+}
+
+static int cpu_gelu_backward(const pg_backend *b, float *dinp, const float *inp, const float *dout, int64_t n) {
+  (void)b;
+  pg_gelu_backward(dinp, inp, dout, n);
+  return PG_OK;
+}
+
+static int cpu_residual_forward(const pg_backend *b, float *out, const float *a, const float *x, int64_t n) {
+  (void)b;
+  pg_residual_forward(out, a, x, n);
+  return PG_OK;
+}
+
+static int cpu_xent_row_max(const pg_backend *b, float *row_max, const float *logits, int N, int V, int valid) {
+  (void)b;
+  pg_xent_row_max(row_max, logits, N, V, valid);
+  return PG_OK;
+}
+
+static int cpu_xent_sumexp(const pg_backend *b, float *sumexp, float *target_logit, const float *logits,
+                           const float *row_max, const int32_t *targets, int N, int V, int valid, int vocab_start) {
+  (void)b;
+  pg_xent_sumexp(sumexp, target_logit, logits, row_max, targets, N, V, valid, vocab_start);
+  return PG_OK;
+}
+
+static int cpu_xent_finish(const pg_backend *b, float *losses, float *dlogits, const float *logits,
+                           const float *row_max, const float *sumexp, const float *target_logit,
+                           const int32_t *targets, int N, int V, int valid, int vocab_start, float dloss,
+                           double *loss_sum) {
+  (void)b;
+  double s = pg_xent_finish(losses, dlogits, logits, row_max, sumexp, target_logit, targets, N, V, valid, vocab_start,
+                            dloss);
+  if (loss_sum) *loss_sum = s;
+  return PG_OK;
+}
+
+static int cpu_adamw_update(const pg_backend *b, float *param, const float *grad, float *m, float *v, int64_t n,
+                            float lr, float beta1, float beta2, float eps, float weight_decay, int step,
+                            float grad_scale) {
+  (void)b;
+  pg_adamw_update(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale);
+  return PG_OK;
+}
+
+static int cpu_sum_squares(const pg_backend *b, const float *x, int64_t n, double *out) {
+  (void)b;
+  *out = pg_sum_squares(x, n);
+  return PG_OK;
+}
+
+static const pg_backend_ops cpu_ops = {
+    .alloc = cpu_alloc,
+    .release = cpu_release,
+    .zero = cpu_zero,
+    .copy = cpu_copy,
+    .copy2d = cpu_copy2d,
+    .sync = cpu_sync,
+    .embedding_forward = cpu_embedding_forward,
+    .embedding_backward = cpu_embedding_backward,
+    .position_forward = cpu_position_forward,
+    .position_backward = cpu_position_backward,
+    .layernorm_forward = cpu_layernorm_forward,
+    .layernorm_backward = cpu_layernorm_backward,
+    .matmul_forward = cpu_matmul_forward,
+    .matmul_backward = cpu_matmul_backward,
+    .attention_forward = cpu_attention_forward,
+    .attention_backward = cpu_attention_backward,
+    .attention_scratch_floats = cpu_attention_scratch_floats,
+    .gelu_forward = cpu_gelu_forward,
+    .gelu_backward = cpu_gelu_backward,
+    .residual_forward = cpu_residual_forward,
+    .xent_row_max = cpu_xent_row_max,
+    .xent_sumexp = cpu_xent_sumexp,
+    .xent_finish = cpu_xent_finish,
+    .adamw_update = cpu_adamw_update,
+    .sum_squares = cpu_sum_squares,
+};
+
+static const pg_backend cpu_backend = {.name = "cpu", .device = PG_CPU, .ordinal = 0, .ops = &cpu_ops, .impl = NULL};
+
+const pg_backend *pg_backend_cpu(void) { return &cpu_backend; }

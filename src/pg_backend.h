@@ -1,0 +1,98 @@
+/* pg_backend: where the runtime's memory lives and what computes on it.
+ *
+ * The modules, the engine and the optimizer never allocate, clear or copy
+ * their working memory themselves and never call a kernel directly: they go
+ * through a backend. A backend is a table of operations on memory of one
+ * device: allocate / free / clear / copy (plain and strided, between host
+ * and device), synchronise, and the kernels of kernels.h with the contracts
+ * written there, all returning PG_OK or PG_ERR with pg_error() set.
+ *
+ * Backends: "cpu" (kernels/cpu: today's arithmetic, bit for bit) and, in a
+ * build with CUDA, "cuda" (kernels/cuda on one device and one stream).
+ * Pointers handed to a backend's kernels are that backend's memory; host
+ * pointers go in and out only through copy/copy2d. Scalars that the runtime
+ * reads on the host (a loss sum, a sum of squares) are returned in host
+ * doubles. */
+#ifndef PG_BACKEND_H
+#define PG_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pg_tensor.h"
+
+typedef enum {
+  PG_COPY_HOST_TO_DEVICE = 0,
+  PG_COPY_DEVICE_TO_HOST,
+  PG_COPY_DEVICE_TO_DEVICE
+} pg_copy_kind;
+
+typedef struct pg_backend pg_backend;
+
+typedef struct pg_backend_ops {
+  /* ---- memory ---- */
+  /* `bytes` zeroed bytes (NULL and pg_error() when there is no room). */
+  void *(*alloc)(const pg_backend *b, size_t bytes);
+  void (*release)(const pg_backend *b, void *p); /* NULL: nothing */
+  int (*zero)(const pg_backend *b, void *p, size_t bytes);
+  int (*copy)(const pg_backend *b, void *dst, const void *src, size_t bytes, pg_copy_kind kind);
+  /* rows x width_bytes, rows dpitch / spitch bytes apart (column blocks of matrices). */
+  int (*copy2d)(const pg_backend *b, void *dst, size_t dpitch, const void *src, size_t spitch, size_t width_bytes,
+                size_t rows, pg_copy_kind kind);
+  /* Everything queued so far has finished (and its errors are reported). */
+  int (*sync)(const pg_backend *b);
+
+  /* ---- kernels (kernels.h) ---- */
+  int (*embedding_forward)(const pg_backend *b, float *out, const int32_t *tokens, const float *weight, int N, int C,
+                           int row_start, int rows);
+  int (*embedding_backward)(const pg_backend *b, float *dweight, const float *dout, const int32_t *tokens, int N,
+                            int C, int row_start, int rows);
+  int (*position_forward)(const pg_backend *b, float *out, const float *wpe, int N, int T, int C);
+  int (*position_backward)(const pg_backend *b, float *dwpe, const float *dout, int N, int T, int C);
+  int (*layernorm_forward)(const pg_backend *b, float *out, float *mean, float *rstd, const float *inp,
+                           const float *weight, const float *bias, int N, int C);
+  int (*layernorm_backward)(const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout,
+                            const float *inp, const float *weight, const float *mean, const float *rstd, int N, int C);
+  int (*matmul_forward)(const pg_backend *b, float *out, const float *inp, const float *weight, const float *bias,
+                        int N, int C, int OC);
+  int (*matmul_backward)(const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout,
+                         const float *inp, const float *weight, int N, int C, int OC);
+  int (*attention_forward)(const pg_backend *b, float *out, float *att, const float *qkv, int B, int T, int C, int NH);
+  int (*attention_backward)(const pg_backend *b, float *dqkv, float *scratch, const float *dout, const float *qkv,
+                            const float *att, int B, int T, int C, int NH);
+  /* floats of scratch attention_backward needs for sequences of up to T and NH heads */
+  int64_t (*attention_scratch_floats)(const pg_backend *b, int T, int NH);
+  int (*gelu_forward)(const pg_backend *b, float *out, const float *inp, int64_t n);
+  int (*gelu_backward)(const pg_backend *b, float *dinp, const float *inp, const float *dout, int64_t n);
+  int (*residual_forward)(const pg_backend *b, float *out, const float *a, const float *x, int64_t n);
+  int (*xent_row_max)(const pg_backend *b, float *row_max, const float *logits, int N, int V, int valid);
+  int (*xent_sumexp)(const pg_backend *b, float *sumexp, float *target_logit, const float *logits,
+                     const float *row_max, const int32_t *targets, int N, int V, int valid, int vocab_start);
+  /* *loss_sum (host) = the sum of the row losses */
+  int (*xent_finish)(const pg_backend *b, float *losses, float *dlogits, const float *logits, const float *row_max,
+                     const float *sumexp, const float *target_logit, const int32_t *targets, int N, int V, int valid,
+                     int vocab_start, float dloss, double *loss_sum);
+  int (*adamw_update)(const pg_backend *b, float *param, const float *grad, float *m, float *v, int64_t n, float lr,
+                      float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale);
+  /* *out (host) = sum of squares, deterministic */
+  int (*sum_squares)(const pg_backend *b, const float *x, int64_t n, double *out);
+} pg_backend_ops;
+
+struct pg_backend {
+  const char *name;   /* "cpu" or "cuda" */
+  pg_device device;
+  int ordinal;        /* device number (0 on the CPU) */
+  const pg_backend_ops *ops;
+  void *impl;         /* the backend's own state (CUDA: stream and cuBLAS handle) */
+};
+
+/* The CPU backend (one, shared; never freed). */
+const pg_backend *pg_backend_cpu(void);
+
+/* Memory of `bytes` zeroed floats etc. with a clear message: shorthands. */
+static inline float *pg_be_floats(const pg_backend *b, size_t n) { return b->ops->alloc(b, n * sizeof(float)); }
+static inline void pg_be_release(const pg_backend *b, void *p) {
+  if (p) b->ops->release(b, p);
+}
+
+#endif
