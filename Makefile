@@ -10,6 +10,7 @@
 #   make bench-comm collective bandwidth against raw MPI
 #   make install PREFIX=/usr/local
 #   make cuda-emu   the CUDA kernels' self-test on the CPU emulator (no GPU needed)
+#   make emu        build-emu/pglua: the runtime on an emulated CUDA device (device = "cuda" without a GPU)
 #   make mutate     one-line bugs (scripts/mutations.lua), each must make a spec fail; MUTATE_ARGS=--only=a,b
 #   make CUDA=0     never build the CUDA kernels (default: auto-detect nvcc; CUDA=1 requires it)
 
@@ -22,6 +23,7 @@ SAN      ?= 0
 CUDA     ?= auto
 
 CC       := mpicc
+MPICXX   := mpicxx
 DEPS_OK  := $(BUILD)/.deps-ok
 
 # Recursive (=) so pkg-config runs after scripts/install-deps.sh has run.
@@ -88,7 +90,7 @@ CORE_SO    := $(BUILD)/lua/pipegoose/core.so
 LIB_A      := $(BUILD)/libpipegoose.a
 LIB_SO     := $(BUILD)/libpipegoose.so
 
-.PHONY: all deps debug asan test test-unit mutate cuda-emu run bench bench-comm install uninstall clean
+.PHONY: all deps debug asan test test-unit mutate emu cuda-emu run bench bench-comm install uninstall clean
 
 all: $(PGLUA) $(CORE_SO) $(LIB_A) $(LIB_SO)
 ifeq ($(BUILD),build)
@@ -162,6 +164,45 @@ test: all
 test-unit: all
 	PGLUA=$(PGLUA) PG_CUDA=$(CUDA) PG_TEST_ONLY=unit scripts/run_tests.sh
 
+# The emulated device: build-emu/pglua is the whole runtime with CUDA on,
+# where the CUDA runtime, cuBLAS and NCCL are the CPU stand-ins of
+# spec/support/cuda_emu (device memory is host memory, block threads are
+# fibers). kernels/cuda/*.cu are compiled as C++ with each kernel<<<...>>>(
+# launch rewritten as a call. For CI without a GPU: device = "cuda" runs the
+# real CUDA kernels' logic here, slowly. PG_EMU_STATS=1 prints what ran.
+EMU_BUILD   := build-emu
+EMU_DIR     := spec/support/cuda_emu
+EMU_FLAGS   ?=
+EMU_CFLAGS   = -std=c11 -D_POSIX_C_SOURCE=200809L -Wall -Wextra -fPIC -fopenmp -O2 -g -ffp-contract=off \
+               -Isrc -Ikernels -I$(EMU_DIR) -DPG_WITH_CUDA=1 -DPG_VERSION='"$(VERSION)"' $(PKG_CFLAGS) $(EMU_FLAGS)
+EMU_CXXFLAGS = -std=c++17 -Wall -Wextra -Wno-unused-parameter -fPIC -O2 -g -ffp-contract=off \
+               -Isrc -Ikernels -Ikernels/cuda -I$(EMU_DIR) -DPG_WITH_CUDA=1 $(EMU_FLAGS)
+EMU_C_SRCS  := $(filter-out src/pg_cublas.c,$(wildcard src/*.c)) $(wildcard kernels/cpu/*.c)
+EMU_OBJS    := $(EMU_C_SRCS:%.c=$(EMU_BUILD)/obj/%.o) $(CUDA_SRCS:kernels/cuda/%.cu=$(EMU_BUILD)/cuda/%.o) \
+               $(EMU_BUILD)/emu.o
+EMU_HEADERS := $(HEADERS) $(wildcard $(EMU_DIR)/*.h) kernels/cuda/common.cuh
+
+emu: $(EMU_BUILD)/pglua
+
+$(EMU_BUILD)/pglua: $(EMU_OBJS)
+	$(CC) -fopenmp $(EMU_FLAGS) -rdynamic -o $@ $^ $(PKG_LIBS) -lstdc++ -lz -lm -ldl
+
+$(EMU_BUILD)/obj/%.o: %.c $(EMU_HEADERS) | $(DEPS_OK)
+	@mkdir -p $(dir $@)
+	$(CC) $(EMU_CFLAGS) -c $< -o $@
+
+$(EMU_BUILD)/cuda/%.cpp: kernels/cuda/%.cu
+	@mkdir -p $(dir $@)
+	sed -E 's/([A-Za-z_][A-Za-z0-9_]*)<<<(.*)>>>\(/pg_emu_launch(\1, \2)(/' $< > $@
+	@! grep -n '<<<' $@ || { echo "$<: a launch the emulator's rewrite does not understand (one line: kernel<<<...>>>()"; rm -f $@; exit 1; }
+
+$(EMU_BUILD)/cuda/%.o: $(EMU_BUILD)/cuda/%.cpp $(EMU_HEADERS) | $(DEPS_OK)
+	$(MPICXX) $(EMU_CXXFLAGS) -c $< -o $@
+
+$(EMU_BUILD)/emu.o: $(EMU_DIR)/emu.cpp $(EMU_HEADERS) | $(DEPS_OK)
+	@mkdir -p $(dir $@)
+	$(MPICXX) $(EMU_CXXFLAGS) -c $< -o $@
+
 # Mutation check (not in CI: minutes per mutation): prints caught / not caught
 # per mutation of scripts/mutations.lua; exit 1 unless all are caught.
 MUTATE_ARGS ?=
@@ -206,4 +247,4 @@ uninstall:
 	  $(PREFIX)/share/lua/5.4/pipegoose $(PREFIX)/lib/lua/5.4/pipegoose $(PREFIX)/lib/pkgconfig/pipegoose.pc
 
 clean:
-	rm -rf build build-debug build-asan pglua
+	rm -rf build build-debug build-asan build-emu pglua

@@ -3,7 +3,7 @@
 --
 --   [mpirun -np N] pglua scripts/gpt2_check.lua MODEL STATE [--steps=K] [--lr=] [--beta1=] [--beta2=]
 --       [--eps=] [--weight-decay=] [--clip=] [--tensor=T] [--pipeline=P] [--data=D]
---       [--micro-batches=M] [--schedule=gpipe|1f1b] [--zero=0|1]
+--       [--micro-batches=M] [--schedule=gpipe|1f1b] [--zero=0|1] [--device=cpu|cuda|cuda:N]
 --
 -- Prints on rank 0: loss, logits_max_abs_diff, grad <tensor> <max_abs_diff> for
 -- the 16 tensors, grads_max_abs_diff, then "step k loss v grad_norm n" for
@@ -31,7 +31,8 @@ local ctx = pg.ParallelContext{ tensor = int("tensor", 1), pipeline = int("pipel
 local rank, D, dp = ctx:rank(), ctx:world_size("data"), ctx:local_rank("data")
 local model = pg.nn.GPT.load_llmc(model_path)
 local cfg = model.config
-local engine = pg.parallelize(model, ctx, { micro_batches = int("micro-batches", 1), schedule = opt.schedule or "1f1b" })
+local engine = pg.parallelize(model, ctx, { micro_batches = int("micro-batches", 1), schedule = opt.schedule or "1f1b",
+  device = opt.device or "cpu" })
 
 -- The debug state: header, x, y, logits [B, T, V], loss, gradients.
 local h = pg.file.read(state_path, 0, 256, "int32"):totable()

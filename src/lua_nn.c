@@ -226,7 +226,7 @@ static pg_module *build(build_state *b, int idx) {
 }
 
 /* core.Engine(ctx, stage_desc, {micro_batches=, schedule=, vocab=, width=, seed=,
- *   is_first=, is_last=, tied_name=, bucket_mb=, shared_memory=}) */
+ *   is_first=, is_last=, tied_name=, bucket_mb=, shared_memory=, device=}) */
 static int l_engine_new(lua_State *L) {
   pg_context *ctx = pg_lua_check_context(L, 1);
   luaL_checktype(L, 2, LUA_TTABLE);
@@ -239,6 +239,8 @@ static int l_engine_new(lua_State *L) {
   o.bucket_elems = (int64_t)(pg_lua_opt_number(L, 3, "bucket_mb", 25) * 1024 * 1024 / 4);
   o.tied_name = pg_lua_opt_string(L, 3, "tied_name", NULL);
   o.private_buffers = !pg_lua_opt_bool(L, 3, "shared_memory", 1);
+  if (!(o.backend = pg_backend_named(pg_lua_opt_string(L, 3, "device", "cpu"))))
+    return luaL_error(L, "parallelize: %s", pg_error());
   uint64_t seed = (uint64_t)pg_lua_opt_int(L, 3, "seed", (lua_Integer)ctx->seed);
   int is_first = pg_lua_opt_bool(L, 3, "is_first", 1), is_last = pg_lua_opt_bool(L, 3, "is_last", 1);
   engine_ud *u = lua_newuserdatauv(L, sizeof *u, 1);
@@ -468,6 +470,8 @@ static int l_info(lua_State *L) {
   lua_setfield(L, -2, "is_first");
   lua_pushboolean(L, e->is_last);
   lua_setfield(L, -2, "is_last");
+  lua_pushfstring(L, e->be->device == PG_CPU ? "%s" : "%s:%d", e->be->name, e->be->ordinal);
+  lua_setfield(L, -2, "device");
   /* which data-parallel reduction path runs: shared buffers or the MPI ring */
   lua_pushboolean(L, pg_engine_shares_buffers(e));
   lua_setfield(L, -2, "shared_memory");

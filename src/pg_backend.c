@@ -3,6 +3,7 @@
  * the seam, so results are bit for bit what they were. */
 #include "pg_backend.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -10,6 +11,8 @@
 #endif
 
 #include "kernels.h"
+#include "pg_context.h"
+#include "pg_cuda.h"
 #include "pg_error.h"
 
 static void *cpu_alloc(const pg_backend *b, size_t bytes) {
@@ -216,6 +219,31 @@ static const pg_backend_ops cpu_ops = {
     .sum_squares = cpu_sum_squares,
 };
 
+static void release_on(void *data, void *backend) { pg_be_release(backend, data); }
+
+pg_storage *pg_backend_storage(const pg_backend *b, size_t bytes) {
+  if (b->device == PG_CPU) return pg_storage_new(bytes, PG_CPU); /* huge-page policy of pg_tensor.c */
+  void *p = b->ops->alloc(b, bytes);
+  if (!p) return NULL;
+  pg_storage *s = pg_storage_wrap(p, bytes, b->device, b->ordinal, release_on, (void *)b);
+  if (!s) b->ops->release(b, p);
+  return s;
+}
+
 static const pg_backend cpu_backend = {.name = "cpu", .device = PG_CPU, .ordinal = 0, .ops = &cpu_ops, .impl = NULL};
 
 const pg_backend *pg_backend_cpu(void) { return &cpu_backend; }
+
+const pg_backend *pg_backend_named(const char *device) {
+  if (!strcmp(device, "cpu")) return pg_backend_cpu();
+  if (!strcmp(device, "cuda")) {
+    int count = 0;
+    char why[256];
+    if (!pg_cuda_available(why, sizeof why)) return pg_fail_null("device = 'cuda': %s", why);
+    if (pg_cuda_device_count(&count)) return NULL;
+    return pg_backend_cuda(pg_node_rank() % count);
+  }
+  int n = -1, used = 0;
+  if (sscanf(device, "cuda:%d%n", &n, &used) == 1 && device[used] == 0 && n >= 0) return pg_backend_cuda(n);
+  return pg_fail_null("device must be 'cpu', 'cuda' or 'cuda:N', not '%s'", device);
+}

@@ -88,8 +88,20 @@ struct pg_backend {
 
 /* The CPU backend (one, shared; never freed). */
 const pg_backend *pg_backend_cpu(void);
+/* The backend of CUDA device `ordinal` (created on first use, one per device
+ * and process, never freed: a stream and a cuBLAS handle); NULL and
+ * pg_error() when the build has no CUDA or the device cannot be used. */
+const pg_backend *pg_backend_cuda(int ordinal);
+/* By name: "cpu"; "cuda" (device node-rank mod the node's devices, so ranks
+ * on a node spread over its GPUs); "cuda:N". NULL and pg_error() otherwise. */
+const pg_backend *pg_backend_named(const char *device);
 
-/* Memory of `bytes` zeroed floats etc. with a clear message: shorthands. */
+/* A storage (pg_tensor.h) of `bytes` zeroed bytes in the backend's memory,
+ * released there when its last reference goes: what tensors of the runtime's
+ * buffers (flat parameters and gradients, optimizer state) view. */
+pg_storage *pg_backend_storage(const pg_backend *b, size_t bytes);
+
+/* Zeroed working memory, and its release: shorthands. */
 static inline float *pg_be_floats(const pg_backend *b, size_t n) { return b->ops->alloc(b, n * sizeof(float)); }
 static inline void pg_be_release(const pg_backend *b, void *p) {
   if (p) b->ops->release(b, p);

@@ -159,6 +159,19 @@ static int pg_threads = 1;
 
 int pg_num_threads(void) { return pg_threads; }
 
+int pg_node_rank(void) {
+  int inited = 0, finalized = 0, rank = 0;
+  MPI_Initialized(&inited);
+  MPI_Finalized(&finalized);
+  if (!inited || finalized) return 0;
+  MPI_Comm node;
+  if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
+    MPI_Comm_rank(node, &rank);
+    MPI_Comm_free(&node);
+  }
+  return rank;
+}
+
 int pg_setup_threads(void) {
   int n = 0;
   const char *env = getenv("OMP_NUM_THREADS");

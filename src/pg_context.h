@@ -101,4 +101,8 @@ int pg_mpi_world_size(void);
 int pg_setup_threads(void);
 int pg_num_threads(void);
 
+/* This process's rank among the ranks on its node (0 without MPI): the
+ * device a rank uses is its node rank modulo the node's devices. */
+int pg_node_rank(void);
+
 #endif

@@ -35,15 +35,24 @@ static int bind_params(pg_engine *e, uint64_t seed) {
   if (!e->opts.private_buffers && (pg_shm_create(e->ctx, PG_MODE_DATA, bytes, &e->param_shm, &e->param_store) ||
                                    pg_shm_create(e->ctx, PG_MODE_DATA, bytes, &e->grad_shm, &e->grad_store)))
     return PG_ERR;
-  if ((!e->param_store && !(e->param_store = pg_storage_new(bytes, e->be->device))) ||
-      (!e->grad_store && !(e->grad_store = pg_storage_new(bytes, e->be->device))))
-    return PG_ERR;
+  if ((!e->param_store && !(e->param_store = pg_backend_storage(e->be, bytes))) ||
+      (!e->grad_store && !(e->grad_store = pg_backend_storage(e->be, bytes))))
+    return pg_fail("the flat parameter and gradient buffers (2 x %zu bytes on %s): %s", bytes, e->be->name, pg_error());
+  /* the init rule runs on the host; a device engine copies the result over */
   float *pd = e->param_store->data, *gd = e->grad_store->data;
+  float *init = e->be->device == PG_CPU ? pd : calloc((size_t)e->flat_padded, sizeof(float));
+  if (!init) return pg_fail("out of memory initialising the parameters on the host");
   for (int i = 0; i < e->nparams; i++) {
     pg_param *p = e->params[i];
+    p->data = init + p->offset;
+    pg_param_init(p, seed);
     p->data = pd + p->offset;
     p->grad = gd + p->offset;
-    pg_param_init(p, seed);
+  }
+  if (init != pd) {
+    int rc = e->be->ops->copy(e->be, pd, init, bytes, PG_COPY_HOST_TO_DEVICE);
+    free(init);
+    if (rc) return PG_ERR;
   }
   return PG_OK;
 }
@@ -57,10 +66,18 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is
   }
   e->ctx = ctx;
   e->stage = stage;
-  e->be = pg_backend_cpu();
+  e->be = opts->backend ? opts->backend : pg_backend_cpu();
   e->is_first = is_first;
   e->is_last = is_last;
   e->opts = *opts;
+  if (e->be->device != PG_CPU && ctx->world_size > 1) {
+    pg_fail("device = '%s' runs on one rank for now (this context has tensor=%d, pipeline=%d, data=%d): collectives "
+            "on device memory (NCCL) are not built yet",
+            e->be->name, ctx->tensor, ctx->pipeline, ctx->data);
+    pg_engine_free(e);
+    return NULL;
+  }
+  if (e->be->device != PG_CPU) e->opts.private_buffers = 1; /* shared memory is host memory */
   if (e->opts.micro_batches < 1) {
     pg_engine_free(e);
     return pg_fail_null("micro_batches must be at least 1, not %d", opts->micro_batches);
@@ -111,6 +128,7 @@ void pg_engine_free(pg_engine *e) {
   pg_be_release(e->be, e->stage_in);
   pg_be_release(e->be, e->grad_send);
   pg_be_release(e->be, e->grad_recv);
+  pg_be_release(e->be, e->device_ids);
   free(e->act_req);
   free(e->grad_req);
   free(e->ios);
@@ -231,10 +249,30 @@ static int check_batch(pg_engine *e, const int32_t *tokens, const int32_t *targe
   return PG_OK;
 }
 
+/* A device engine's embedding and head read the ids on the device: the
+ * batch (checked on the host) is copied over once per call. */
+static int ids_on_backend(pg_engine *e, const int32_t **tokens, const int32_t **targets, int64_t n) {
+  if (e->be->device == PG_CPU) return PG_OK;
+  if (n > e->device_ids_cap) {
+    pg_be_release(e->be, e->device_ids);
+    e->device_ids_cap = 0;
+    if (!(e->device_ids = e->be->ops->alloc(e->be, 2 * (size_t)n * sizeof(int32_t))))
+      return pg_fail("token ids on %s: %s", e->be->name, pg_error());
+    e->device_ids_cap = n;
+  }
+  size_t bytes = (size_t)n * sizeof(int32_t);
+  if (e->be->ops->copy(e->be, e->device_ids, *tokens, bytes, PG_COPY_HOST_TO_DEVICE) ||
+      (*targets && e->be->ops->copy(e->be, e->device_ids + n, *targets, bytes, PG_COPY_HOST_TO_DEVICE)))
+    return PG_ERR;
+  *tokens = e->device_ids;
+  if (*targets) *targets = e->device_ids + n;
+  return PG_OK;
+}
+
 int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T,
                                float grad_scale, int sync, double *loss) {
   double t0 = pg_wtime();
-  if (check_batch(e, tokens, targets, B, T, 1)) return PG_ERR;
+  if (check_batch(e, tokens, targets, B, T, 1) || ids_on_backend(e, &tokens, &targets, (int64_t)B * T)) return PG_ERR;
   int M = e->opts.micro_batches, Bm = B / M;
   if (ensure_capacity(e, Bm * T)) return PG_ERR;
   float dloss = grad_scale / (float)((int64_t)B * T);
@@ -261,7 +299,7 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
 
 int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T, double *loss,
                        float *logits) {
-  if (check_batch(e, tokens, targets, B, T, 0)) return PG_ERR;
+  if (check_batch(e, tokens, targets, B, T, 0) || ids_on_backend(e, &tokens, &targets, (int64_t)B * T)) return PG_ERR;
   /* Chunks of at most one micro-batch's rows go down the pipeline. */
   int rows_cap = e->capacity_rows;
   if (rows_cap < T) rows_cap = T * (B < 8 ? B : 8); /* nothing trained yet: chunks of up to 8 rows */

@@ -36,6 +36,7 @@ typedef struct pg_engine_opts {
   int64_t bucket_elems; /* reserved: data-parallel bucket size (floats); the reductions now run in one call */
   const char *tied_name; /* name of a weight whose copies live on the first and last stage, or NULL */
   int private_buffers;   /* 1: never share the flat buffers with the data group (collectives through MPI) */
+  const pg_backend *backend; /* where the engine runs (pg_backend.h); NULL: the cpu backend */
 } pg_engine_opts;
 
 typedef struct pg_engine_stats {
@@ -65,6 +66,8 @@ typedef struct pg_engine {
   float *stage_in;     /* [nslots][rows * width] received activations */
   float *grad_send;    /* [nslots][rows * width] */
   float *grad_recv;    /* [rows * width] */
+  int32_t *device_ids; /* device backends: [2][rows * micro-batches] the batch's token ids and targets */
+  int64_t device_ids_cap;
   pg_request **act_req, **grad_req; /* per slot: the send in flight, or NULL */
   pg_io *ios;          /* per micro-batch */
   const float **stage_out; /* per slot: forward outputs to send */

@@ -24,7 +24,7 @@ pg_adamw *pg_adamw_new(pg_engine *e, const pg_adamw_hparams *h, int zero) {
   e->zero = zero;
   pg_engine_shard(e, &o->lo, &o->hi);
   size_t bytes = (size_t)(o->hi - o->lo) * sizeof(float);
-  if (!(o->m = pg_storage_new(bytes, e->be->device)) || !(o->v = pg_storage_new(bytes, e->be->device))) {
+  if (!(o->m = pg_backend_storage(e->be, bytes)) || !(o->v = pg_backend_storage(e->be, bytes))) {
     pg_adamw_free(o);
     return NULL;
   }

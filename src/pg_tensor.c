@@ -71,9 +71,25 @@ pg_storage *pg_storage_new(size_t bytes, pg_device device) {
 
 void pg_storage_retain(pg_storage *s) { s->refcount++; }
 
+pg_storage *pg_storage_wrap(void *data, size_t bytes, pg_device device, int device_index,
+                            void (*free_data)(void *data, void *arg), void *free_arg) {
+  pg_storage *s = calloc(1, sizeof *s);
+  if (!s) return pg_fail_null("out of memory allocating a storage header");
+  s->data = data;
+  s->bytes = bytes;
+  s->refcount = 1;
+  s->owns_data = 1;
+  s->device = device;
+  s->device_index = device_index;
+  s->free_data = free_data;
+  s->free_arg = free_arg;
+  return s;
+}
+
 void pg_storage_release(pg_storage *s) {
   if (!s || --s->refcount > 0) return;
-  if (s->owns_data && s->mapped_bytes) munmap(s->data, s->mapped_bytes);
+  if (s->owns_data && s->free_data) s->free_data(s->data, s->free_arg);
+  else if (s->owns_data && s->mapped_bytes) munmap(s->data, s->mapped_bytes);
   else if (s->owns_data) free(s->data);
   free(s);
 }

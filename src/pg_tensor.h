@@ -28,7 +28,10 @@ typedef struct pg_storage {
   int refcount;
   int owns_data; /* 0: data belongs to someone else who outlives us */
   pg_device device;
+  int device_index;    /* which device of its kind (cuda:N) */
   size_t mapped_bytes; /* > 0: data is a mapping of this many bytes (munmap instead of free) */
+  void (*free_data)(void *data, void *arg); /* set: how owned data is released (device memory) */
+  void *free_arg;
 } pg_storage;
 
 typedef struct pg_tensor {
@@ -53,6 +56,10 @@ void *pg_alloc_zeroed(size_t bytes);
 
 /* A storage of `bytes` zeroed bytes, refcount 1. NULL + pg_error() on failure. */
 pg_storage *pg_storage_new(size_t bytes, pg_device device);
+/* A storage around memory allocated elsewhere (a backend's device memory),
+ * released with free_data(data, free_arg) when the last reference goes. */
+pg_storage *pg_storage_wrap(void *data, size_t bytes, pg_device device, int device_index,
+                            void (*free_data)(void *data, void *arg), void *free_arg);
 void pg_storage_retain(pg_storage *s);
 void pg_storage_release(pg_storage *s);
 

@@ -76,7 +76,7 @@ end
 ---------------------------------------------------------------- parallelize
 
 local known_opts = { micro_batches = true, schedule = true, stages = true, bucket_mb = true, seed = true,
-                     shared_memory = true }
+                     shared_memory = true, device = true }
 
 function M.parallelize(model, ctx, opts)
   opts = opts or {}
@@ -152,9 +152,11 @@ function M.parallelize(model, ctx, opts)
     bucket_mb = opts.bucket_mb or 25,
     -- data-parallel replicas on one node share their flat buffers unless told not to
     shared_memory = opts.shared_memory ~= false,
+    device = opts.device, -- "cpu" (default), "cuda" (the node's device of this rank), "cuda:N"
   })
   local e = setmetatable({
     c = c, ctx = ctx, config = config, model = model, micro_batches = micro, schedule = schedule,
+    device = c:info().device,
     stage = me, stages = P, partition_report = partition_report, vocab = vocab, _ = { stage_flow_in = stage_flow_in },
   }, Engine)
   local by_name = {}

@@ -50,6 +50,16 @@ void *cur_arg;
 const char *cur_name = "";
 cudaError_t last_error = cudaSuccess;
 
+// PG_EMU_STATS=1: one line at exit with what the process asked of the "device"
+static long long n_launches, n_cublas, n_nccl;
+static struct emu_stats {
+  ~emu_stats() {
+    const char *v = getenv("PG_EMU_STATS");
+    if (v && *v && strcmp(v, "0"))
+      fprintf(stderr, "emu: %lld kernel launches, %lld cublas calls, %lld nccl calls\n", n_launches, n_cublas, n_nccl);
+  }
+} emu_stats_at_exit;
+
 // per-thread slots of the collectives
 std::vector<uint64_t> slots;
 std::vector<int> flags;
@@ -186,6 +196,7 @@ uint64_t pg_emu_shfl_xor(uint64_t v, int m) {
 }
 
 void pg_emu_run(dim3 grid, dim3 block, const char *name, pg_emu_body body, void *arg) {
+  n_launches++;
   const long long nthreads = (long long)block.x * block.y * block.z;
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || nthreads <= 0 || nthreads > 1024 || block.z > 64 ||
       grid.y > 65535 || grid.z > 65535) {
@@ -278,6 +289,25 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, enum cudaMemcpy
   memmove(dst, src, bytes);
   return cudaSuccess;
 }
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind, cudaStream_t s) {
+  (void)s; // one stream at a time, in order: work is done when it is queued
+  return cudaMemcpy(dst, src, bytes, kind);
+}
+cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
+                              enum cudaMemcpyKind kind, cudaStream_t s) {
+  (void)s;
+  if (width > dpitch || width > spitch) return cudaErrorInvalidValue;
+  for (size_t r = 0; r < height; r++) {
+    cudaError_t e = cudaMemcpy((char *)dst + r * dpitch, (const char *)src + r * spitch, width, kind);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  (void)s;
+  return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int dev) { return dev == 0 ? cudaSuccess : cudaErrorInvalidValue; }
 cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t s) {
   (void)s;
   if (!inside(p, bytes)) return cudaErrorInvalidValue;
@@ -333,6 +363,7 @@ cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
                                          int k, const float *alpha, const float *A, int lda, long long sa,
                                          const float *B, int ldb, long long sb, const float *beta, float *C, int ldc,
                                          long long sc, int batch) {
+  n_cublas++;
   if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
   // cuBLAS's own checks
   const int ar = ta == CUBLAS_OP_N ? m : k, ac = ta == CUBLAS_OP_N ? k : m;
@@ -373,6 +404,7 @@ cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
 cublasStatus_t cublasSgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
                            const float *alpha, const float *A, int lda, const float *B, int ldb, const float *beta,
                            float *C, int ldc) {
+  n_cublas--; // counted once, by the batched form
   return cublasSgemmStridedBatched(h, ta, tb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
 }
 
