@@ -155,14 +155,15 @@ ASAN_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:allocator_may_return_nu
             UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 asan:
 	$(MAKE) BUILD=build-asan SAN=1 all
+	$(MAKE) emu
 	$(ASAN_ENV) PG_SANITIZE=1 PGLUA=build-asan/pglua scripts/run_tests.sh
 
-test: all
-	PGLUA=$(PGLUA) PG_CUDA=$(CUDA) scripts/run_tests.sh
+test: all emu
+	PGLUA=$(PGLUA) PG_CUDA=$(CUDA) PG_EMU_PGLUA=$(EMU_BUILD)/pglua scripts/run_tests.sh
 
 # Only the plain busted specs (fast, no mpirun).
-test-unit: all
-	PGLUA=$(PGLUA) PG_CUDA=$(CUDA) PG_TEST_ONLY=unit scripts/run_tests.sh
+test-unit: all emu
+	PGLUA=$(PGLUA) PG_CUDA=$(CUDA) PG_EMU_PGLUA=$(EMU_BUILD)/pglua PG_TEST_ONLY=unit scripts/run_tests.sh
 
 # The emulated device: build-emu/pglua is the whole runtime with CUDA on,
 # where the CUDA runtime, cuBLAS and NCCL are the CPU stand-ins of

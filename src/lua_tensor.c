@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "lua_util.h"
+#include "pg_backend.h"
 #include "pg_rng.h"
 
 static pg_dtype opt_dtype(lua_State *L, int idx, pg_dtype def) {
@@ -129,7 +130,7 @@ static int l_arange(lua_State *L) {
 /* ---- methods ---- */
 
 static int l_shape(lua_State *L) {
-  pg_tensor *t = pg_lua_check_tensor(L, 1);
+  pg_tensor *t = pg_lua_check_any_tensor(L, 1);
   lua_createtable(L, t->ndim, 0);
   for (int i = 0; i < t->ndim; i++) {
     lua_pushinteger(L, t->shape[i]);
@@ -139,7 +140,7 @@ static int l_shape(lua_State *L) {
 }
 
 static int l_size(lua_State *L) {
-  pg_tensor *t = pg_lua_check_tensor(L, 1);
+  pg_tensor *t = pg_lua_check_any_tensor(L, 1);
   if (lua_isnoneornil(L, 2)) return l_shape(L);
   lua_Integer d = luaL_checkinteger(L, 2);
   if (d < 1 || d > t->ndim) return luaL_error(L, "size: dimension %d out of range for a %d-d tensor", (int)d, t->ndim);
@@ -148,22 +149,71 @@ static int l_size(lua_State *L) {
 }
 
 static int l_dim(lua_State *L) {
-  lua_pushinteger(L, pg_lua_check_tensor(L, 1)->ndim);
+  lua_pushinteger(L, pg_lua_check_any_tensor(L, 1)->ndim);
   return 1;
 }
 
 static int l_numel(lua_State *L) {
-  lua_pushinteger(L, pg_lua_check_tensor(L, 1)->numel);
+  lua_pushinteger(L, pg_lua_check_any_tensor(L, 1)->numel);
   return 1;
 }
 
 static int l_dtype(lua_State *L) {
-  lua_pushstring(L, pg_dtype_name(pg_lua_check_tensor(L, 1)->dtype));
+  lua_pushstring(L, pg_dtype_name(pg_lua_check_any_tensor(L, 1)->dtype));
   return 1;
 }
 
+/* "cpu" or "cuda:N": where the data is */
+static void push_device(lua_State *L, const pg_storage *s) {
+  if (s->device == PG_CPU) lua_pushstring(L, "cpu");
+  else lua_pushfstring(L, "%s:%d", pg_device_name(s->device), s->device_index);
+}
+
 static int l_device(lua_State *L) {
-  lua_pushstring(L, pg_device_name(pg_lua_check_tensor(L, 1)->device));
+  push_device(L, pg_lua_check_any_tensor(L, 1)->storage);
+  return 1;
+}
+
+/* A new tensor of t's shape and dtype in the memory of backend b. */
+static pg_tensor *new_on(lua_State *L, const pg_tensor *t, const pg_backend *b) {
+  pg_storage *s = pg_backend_storage(b, (size_t)t->numel * pg_dtype_size(t->dtype));
+  if (!s) luaL_error(L, "%s", pg_error());
+  pg_tensor out;
+  int rc = pg_tensor_init_view(&out, s, 0, t->dtype, t->ndim, t->shape);
+  pg_storage_release(s); /* the view holds it */
+  if (rc) luaL_error(L, "%s", pg_error());
+  return pg_lua_push_tensor(L, &out);
+}
+
+/* dst = src element for element, on any devices (the device side's backend copies). */
+static int copy_across(const pg_tensor *dst, const pg_tensor *src) {
+  if (dst->numel != src->numel || dst->dtype != src->dtype) {
+    char a[128], b[128];
+    return pg_fail("copy: destination %s and source %s differ", pg_tensor_describe(dst, a, sizeof a),
+                   pg_tensor_describe(src, b, sizeof b));
+  }
+  const pg_storage *ds = dst->storage, *ss = src->storage;
+  pg_copy_kind kind = ss->device == PG_CPU   ? PG_COPY_HOST_TO_DEVICE
+                      : ds->device == PG_CPU ? PG_COPY_DEVICE_TO_HOST
+                                             : PG_COPY_DEVICE_TO_DEVICE;
+  const pg_backend *b = pg_backend_of(ds->device != PG_CPU ? ds : ss);
+  if (!b) return PG_ERR;
+  return b->ops->copy(b, pg_tensor_data(dst), pg_tensor_data(src), (size_t)src->numel * pg_dtype_size(src->dtype),
+                      kind);
+}
+
+/* t:to(device) -> t itself when already there, else a copy there
+ * ("cpu", "cuda" = this rank's device, "cuda:N"), as torch.Tensor.to. */
+static int l_to(lua_State *L) {
+  pg_tensor *t = pg_lua_check_any_tensor(L, 1);
+  const pg_backend *b = pg_backend_named(luaL_checkstring(L, 2));
+  if (!b) return luaL_error(L, "to: %s", pg_error());
+  if (t->storage->device == b->device && (b->device == PG_CPU || t->storage->device_index == b->ordinal)) {
+    lua_settop(L, 1);
+    return 1;
+  }
+  pg_tensor *out = new_on(L, t, b);
+  PG_LUA_CHECK(L, copy_across(out, t));
   return 1;
 }
 
@@ -190,7 +240,13 @@ static int l_totable(lua_State *L) {
 }
 
 static int l_clone(lua_State *L) {
-  pg_tensor *t = pg_lua_check_tensor(L, 1), out;
+  pg_tensor *t = pg_lua_check_any_tensor(L, 1), out;
+  if (t->storage->device != PG_CPU) { /* a copy on the same device */
+    const pg_backend *b = pg_backend_of(t->storage);
+    if (!b) return luaL_error(L, "%s", pg_error());
+    PG_LUA_CHECK(L, copy_across(new_on(L, t, b), t));
+    return 1;
+  }
   PG_LUA_CHECK(L, pg_tensor_clone(&out, t));
   pg_lua_push_tensor(L, &out);
   return 1;
@@ -199,11 +255,12 @@ static int l_clone(lua_State *L) {
 /* narrow(dim, start, len): 1-based dim and start. A view sharing memory when
  * the slice is contiguous (dim 1, or all earlier dims of size 1), else a copy. */
 static int l_narrow(lua_State *L) {
-  pg_tensor *t = pg_lua_check_tensor(L, 1), out;
+  pg_tensor *t = pg_lua_check_any_tensor(L, 1), out;
   lua_Integer dim = luaL_checkinteger(L, 2), start = luaL_checkinteger(L, 3), len = luaL_checkinteger(L, 4);
   if (dim < 1 || dim > t->ndim) return luaL_error(L, "narrow: dimension %d out of range for a %d-d tensor", (int)dim, t->ndim);
   int contiguous = 1;
   for (int i = 0; i < dim - 1; i++) contiguous &= t->shape[i] == 1;
+  if (!contiguous) pg_lua_check_tensor(L, 1); /* the copy reads the data: host only */
   int rc = contiguous ? pg_tensor_narrow_view(&out, t, (int)dim - 1, start - 1, len)
                       : pg_tensor_narrow_copy(&out, t, (int)dim - 1, start - 1, len);
   PG_LUA_CHECK(L, rc);
@@ -212,7 +269,7 @@ static int l_narrow(lua_State *L) {
 }
 
 static int l_reshape(lua_State *L) {
-  pg_tensor *t = pg_lua_check_tensor(L, 1), out;
+  pg_tensor *t = pg_lua_check_any_tensor(L, 1), out;
   int64_t shape[PG_MAX_DIMS];
   int next;
   int ndim = read_shape(L, 2, shape, &next);
@@ -276,8 +333,9 @@ static int l_fill_(lua_State *L) {
 }
 
 static int l_copy_(lua_State *L) {
-  pg_tensor *t = pg_lua_check_tensor(L, 1), *src = pg_lua_check_tensor(L, 2);
-  PG_LUA_CHECK(L, pg_tensor_copy(t, src));
+  pg_tensor *t = pg_lua_check_any_tensor(L, 1), *src = pg_lua_check_any_tensor(L, 2);
+  if (t->storage->device == PG_CPU && src->storage->device == PG_CPU) PG_LUA_CHECK(L, pg_tensor_copy(t, src));
+  else PG_LUA_CHECK(L, copy_across(t, src));
   lua_settop(L, 1);
   return 1;
 }
@@ -425,7 +483,11 @@ static int l_tostring(lua_State *L) {
   char d[160];
   lua_pushfstring(L, "pg.Tensor(%s", pg_tensor_describe(t, d, sizeof d));
   luaL_addvalue(&b);
-  if (t->numel <= 16) {
+  if (t->storage->device != PG_CPU) { /* values stay where they are: printing does not copy */
+    luaL_addstring(&b, ", ");
+    push_device(L, t->storage);
+    luaL_addvalue(&b);
+  } else if (t->numel <= 16) {
     luaL_addstring(&b, ": ");
     for (int64_t i = 0; i < t->numel; i++) {
       char num[40];
@@ -440,14 +502,14 @@ static int l_tostring(lua_State *L) {
 }
 
 static int l_len(lua_State *L) {
-  pg_tensor *t = pg_lua_check_tensor(L, 1);
+  pg_tensor *t = pg_lua_check_any_tensor(L, 1);
   lua_pushinteger(L, t->ndim ? t->shape[0] : 1);
   return 1;
 }
 
 static const luaL_Reg tensor_methods[] = {
     {"shape", l_shape}, {"size", l_size}, {"dim", l_dim}, {"numel", l_numel}, {"dtype", l_dtype},
-    {"device", l_device}, {"totable", l_totable}, {"clone", l_clone}, {"narrow", l_narrow},
+    {"device", l_device}, {"to", l_to}, {"totable", l_totable}, {"clone", l_clone}, {"narrow", l_narrow},
     {"reshape", l_reshape}, {"view", l_reshape}, {"add", l_add}, {"sub", l_sub}, {"mul", l_mul},
     {"div", l_div}, {"add_", l_add_}, {"sub_", l_sub_}, {"mul_", l_mul_}, {"div_", l_div_},
     {"scale", l_scale}, {"scale_", l_scale_}, {"mean", l_mean}, {"sqrt", l_sqrt}, {"rsqrt", l_rsqrt},

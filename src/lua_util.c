@@ -4,10 +4,18 @@
 
 pg_tensor *pg_lua_test_tensor(lua_State *L, int idx) { return luaL_testudata(L, idx, PG_TENSOR_MT); }
 
-pg_tensor *pg_lua_check_tensor(lua_State *L, int idx) {
+pg_tensor *pg_lua_check_any_tensor(lua_State *L, int idx) {
   pg_tensor *t = luaL_testudata(L, idx, PG_TENSOR_MT);
   if (!t) luaL_typeerror(L, idx, "pg tensor");
   if (!t->storage) luaL_error(L, "bad argument #%d: the tensor was freed", idx);
+  return t;
+}
+
+pg_tensor *pg_lua_check_tensor(lua_State *L, int idx) {
+  pg_tensor *t = pg_lua_check_any_tensor(L, idx);
+  if (t->storage->device != PG_CPU)
+    luaL_error(L, "bad argument #%d: the tensor is on %s:%d (device memory); copy it to the host with :to(\"cpu\")",
+               idx, pg_device_name(t->storage->device), t->storage->device_index);
   return t;
 }
 

@@ -19,8 +19,12 @@
     if ((rc) != PG_OK) return luaL_error((L), "%s", pg_error());                                           \
   } while (0)
 
-/* Tensors: the userdata is a pg_tensor. */
+/* Tensors: the userdata is a pg_tensor. pg_lua_check_tensor wants its data
+ * on the host (almost every operation reads it): a device tensor is refused
+ * with a message that says to copy it with :to("cpu"). pg_lua_check_any_tensor
+ * takes a tensor on any device (shape queries, views, copies between devices). */
 pg_tensor *pg_lua_check_tensor(lua_State *L, int idx);
+pg_tensor *pg_lua_check_any_tensor(lua_State *L, int idx);
 pg_tensor *pg_lua_test_tensor(lua_State *L, int idx); /* NULL if not a tensor */
 /* New userdata taking over `t` (its storage reference moves into Lua). */
 pg_tensor *pg_lua_push_tensor(lua_State *L, const pg_tensor *t);

@@ -234,6 +234,10 @@ static const pg_backend cpu_backend = {.name = "cpu", .device = PG_CPU, .ordinal
 
 const pg_backend *pg_backend_cpu(void) { return &cpu_backend; }
 
+const pg_backend *pg_backend_of(const pg_storage *s) {
+  return s->device == PG_CPU ? pg_backend_cpu() : pg_backend_cuda(s->device_index);
+}
+
 const pg_backend *pg_backend_named(const char *device) {
   if (!strcmp(device, "cpu")) return pg_backend_cpu();
   if (!strcmp(device, "cuda")) {

@@ -101,6 +101,9 @@ const pg_backend *pg_backend_named(const char *device);
  * buffers (flat parameters and gradients, optimizer state) view. */
 pg_storage *pg_backend_storage(const pg_backend *b, size_t bytes);
 
+/* The backend whose memory holds a storage (cpu, or cuda of its device). */
+const pg_backend *pg_backend_of(const pg_storage *s);
+
 /* Zeroed working memory, and its release: shorthands. */
 static inline float *pg_be_floats(const pg_backend *b, size_t n) { return b->ops->alloc(b, n * sizeof(float)); }
 static inline void pg_be_release(const pg_backend *b, void *p) {

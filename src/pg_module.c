@@ -908,12 +908,7 @@ typedef struct custom_state {
   pg_custom_fns fns;
 } custom_state;
 
-static int custom_alloc(pg_module *m, int nslots, int max_rows) {
-  /* the Lua callbacks read and write host memory */
-  if (BE(m)->device != PG_CPU)
-    return pg_fail("%s: a module written in Lua runs on the cpu backend only, not %s", m->name, BE(m)->name);
-  return alloc_leaf(m, nslots, max_rows);
-}
+static int custom_alloc(pg_module *m, int nslots, int max_rows) { return alloc_leaf(m, nslots, max_rows); }
 
 static int custom_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   custom_state *s = m->state;
@@ -972,6 +967,8 @@ void pg_module_free(pg_module *m) {
 int pg_module_set_backend(pg_module *m, const pg_backend *be) {
   if (m->be != be && (m->out || m->dinp || m->nslots))
     return pg_fail("%s: the backend must be chosen before the buffers are allocated", m->name);
+  if (m->ops == &custom_ops && be->device != PG_CPU) /* its Lua callbacks read and write host memory */
+    return pg_fail("%s: a module written in Lua runs on the cpu backend only, not %s", m->name, be->name);
   m->be = be;
   for (int i = 0; i < m->nchildren; i++)
     if (pg_module_set_backend(m->children[i], be)) return PG_ERR;

@@ -10,7 +10,8 @@
 --
 --   safetensors.write(path, entries, metadata) -> crc32, bytes
 --       entries: list of {name=, tensor=, shape= (default: the tensor's)}; the
---       tensor must be contiguous (parameter views and narrow(1, ...) are).
+--       tensor must be contiguous (parameter views and narrow(1, ...) are);
+--       one on a device is copied to the host first.
 --       metadata: table of string values. Written through pg.file.write: a
 --       temporary name, fsync, rename, fsync of the directory.
 --   safetensors.read_header(path) -> header
@@ -84,7 +85,8 @@ end
 function M.write(path, entries, metadata)
   local text = M.header_text(entries, metadata)
   local parts = { string.pack("<I8", #text) .. text }
-  for _, e in ipairs(entries) do parts[#parts + 1] = e.tensor end
+  -- a device tensor (engine:parameters() of a device engine) is copied to the host
+  for _, e in ipairs(entries) do parts[#parts + 1] = e.tensor:device() == "cpu" and e.tensor or e.tensor:to("cpu") end
   return core().file.write(path, parts)
 end
 

@@ -3,8 +3,11 @@
 // (see cuda_runtime.h here).
 //
 // A launch runs its blocks one after another. A block's threads are fibers
-// (ucontext) on one OS thread: a fiber runs until it reaches a barrier or
-// returns. Barriers are exact: __syncthreads and __syncthreads_or release when
+// on one OS thread: a fiber runs until it reaches a barrier or returns. On
+// x86-64 a fiber switch is a few instructions (callee-saved registers and the
+// stack pointer: glibc's swapcontext makes a system call per switch, which
+// made a small GPT step take minutes); elsewhere, and under AddressSanitizer
+// (which must see stack switches), ucontext. Barriers are exact: __syncthreads and __syncthreads_or release when
 // every live thread of the block waits there; warp collectives (__shfl_xor_sync,
 // __ballot_sync) when every live thread of the warp does. Anything else
 // (threads of one warp in different collectives, some threads of a block at
@@ -25,12 +28,35 @@
 uint3 threadIdx, blockIdx;
 dim3 blockDim, gridDim;
 
+#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
+#define PG_EMU_FAST_SWITCH 1
+// pg_emu_switch(&save, to): pushes the callee-saved registers, stores the
+// stack pointer in save, continues on the stack `to` (popping its registers).
+extern "C" void pg_emu_switch(void **save, void *to);
+__asm__(".text\n"
+        ".globl pg_emu_switch\n"
+        ".type pg_emu_switch, @function\n"
+        "pg_emu_switch:\n"
+        "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+        "  movq %rsp, (%rdi)\n"
+        "  movq %rsi, %rsp\n"
+        "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
+        "  ret\n"
+        ".size pg_emu_switch, .-pg_emu_switch\n");
+#else
+#define PG_EMU_FAST_SWITCH 0
+#endif
+
 namespace {
 
 enum State { RUNNABLE, AT_BLOCK_BARRIER, AT_WARP_BARRIER, DONE };
 
 struct Fiber {
+#if PG_EMU_FAST_SWITCH
+  void *sp;
+#else
   ucontext_t ctx;
+#endif
   State state;
   uint3 tid;
 };
@@ -43,7 +69,11 @@ struct Stacks : std::vector<char *> {
     for (char *p : *this) free(p);
   }
 } stacks;
+#if PG_EMU_FAST_SWITCH
+void *scheduler_sp;
+#else
 ucontext_t scheduler;
+#endif
 int current = -1;
 pg_emu_body cur_body;
 void *cur_arg;
@@ -73,13 +103,23 @@ void wait_at(State s) {
   }
   Fiber &f = fibers[current];
   f.state = s;
+#if PG_EMU_FAST_SWITCH
+  pg_emu_switch(&f.sp, scheduler_sp);
+#else
   swapcontext(&f.ctx, &scheduler);
+#endif
   threadIdx = f.tid; // resumed: this fiber's index again
 }
 
 void trampoline() {
   cur_body(cur_arg);
-  fibers[current].state = DONE; // uc_link returns to the scheduler
+  fibers[current].state = DONE;
+#if PG_EMU_FAST_SWITCH
+  void *dead;
+  pg_emu_switch(&dead, scheduler_sp); // never resumed
+  abort();
+#endif
+  // ucontext: uc_link returns to the scheduler
 }
 
 void run_block(int nthreads) {
@@ -96,11 +136,23 @@ void run_block(int nthreads) {
     Fiber &f = fibers[i];
     f.tid = uint3{i % blockDim.x, (i / blockDim.x) % blockDim.y, i / (blockDim.x * blockDim.y)};
     f.state = RUNNABLE;
+#if PG_EMU_FAST_SWITCH
+    // a stack that pg_emu_switch "returns" into trampoline from: six zero
+    // registers, trampoline's address, and a zero return address above it
+    // so that trampoline starts with the stack aligned as after a call
+    uintptr_t top = ((uintptr_t)stacks[i] + STACK) & ~(uintptr_t)15;
+    void **sp = (void **)top;
+    *--sp = nullptr;
+    *--sp = (void *)trampoline;
+    for (int r = 0; r < 6; r++) *--sp = nullptr;
+    f.sp = sp;
+#else
     getcontext(&f.ctx);
     f.ctx.uc_stack.ss_sp = stacks[i];
     f.ctx.uc_stack.ss_size = STACK;
     f.ctx.uc_link = &scheduler;
     makecontext(&f.ctx, trampoline, 0);
+#endif
   }
   const int warps = (nthreads + 31) / 32;
   for (;;) {
@@ -108,7 +160,11 @@ void run_block(int nthreads) {
       if (fibers[i].state != RUNNABLE) continue;
       current = i;
       threadIdx = fibers[i].tid;
+#if PG_EMU_FAST_SWITCH
+      pg_emu_switch(&scheduler_sp, fibers[i].sp);
+#else
       swapcontext(&scheduler, &fibers[i].ctx);
+#endif
     }
     current = -1;
     // everyone waits or is done: release what can be released

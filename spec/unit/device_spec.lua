@@ -1,0 +1,183 @@
+-- device = "cuda" on the emulated device (make emu: build-emu/pglua, the
+-- whole runtime with the CUDA runtime, cuBLAS and NCCL replaced by the CPU
+-- stand-ins of spec/support/cuda_emu): the real kernels/cuda code paths of a
+-- training step, checked without a GPU.
+--
+-- Tolerances. Against PyTorch: scripts/gpt2_check.lua's own (loss 1e-5
+-- relative, logits and gradients 1e-4) and this spec's 1e-5 relative on every
+-- step's loss and gradient norm. Device against CPU in one process: the
+-- emulated cuBLAS sums each product in double and rounds once, OpenBLAS sums
+-- in float32, so one step's gradients differ by float32 rounding of sums of
+-- up to 64 terms: |cuda - cpu| <= 1e-5 |cpu| + 1e-6 max |cpu| (measured: a
+-- few 1e-8), and the losses by 1e-6 relative (measured ~1e-7).
+local h = require "helpers"
+local cjson = require "cjson"
+
+local EMU = os.getenv("PG_EMU_PGLUA") or "build-emu/pglua"
+local MODEL = "spec/fixtures/gpt2_tiny_model.bin"
+
+-- Runs a Lua chunk with the emulated pglua; returns status and output.
+local function emu(code, env)
+  local path = h.tmpfile(code)
+  local rc, out = h.sh(("%s timeout -k 2 300 %s %s"):format(env or "", h.quote(EMU), h.quote(path)))
+  os.remove(path)
+  return rc, out
+end
+
+describe("device = 'cuda' on the emulated device", function()
+  it("has the emulated build (make emu, which make test runs first)", function()
+    assert.is_true(h.exists(EMU), EMU .. " is missing: run make emu")
+  end)
+
+  it("trains the PyTorch fixture with clipping: gpt2_check --device=cuda, and counts what ran", function()
+    local f = assert(io.open("spec/fixtures/gpt2_tiny_clip_steps.json"))
+    local ref = cjson.decode(f:read("a"))
+    f:close()
+    local steps = 4
+    local rc, out = h.sh(("PG_EMU_STATS=1 timeout -k 2 300 %s scripts/gpt2_check.lua %s %s --steps=%d --clip=%s --device=cuda")
+      :format(h.quote(EMU), MODEL, "spec/fixtures/gpt2_tiny_state.bin", steps, ref.optimizer.grad_clip))
+    assert.equal(0, rc, out)
+    local seen = 0
+    for k, loss, norm in out:gmatch("step (%d+) loss (%S+) grad_norm (%S+)") do
+      k, loss, norm = tonumber(k), tonumber(loss), tonumber(norm)
+      seen = seen + 1
+      assert.is_true(math.abs(loss - ref.losses[k]) <= 1e-5 * ref.losses[k], ("step %d loss %.9g, PyTorch %.9g"):format(
+        k, loss, ref.losses[k]))
+      assert.is_true(math.abs(norm - ref.grad_norms[k]) <= 1e-5 * ref.grad_norms[k],
+        ("step %d gradient norm %.9g, PyTorch %.9g"):format(k, norm, ref.grad_norms[k]))
+    end
+    assert.equal(steps, seen, out)
+    local launches, cublas, nccl = out:match("emu: (%d+) kernel launches, (%d+) cublas calls, (%d+) nccl calls")
+    assert.truthy(launches, "PG_EMU_STATS=1 prints the counts at exit:\n" .. out)
+    -- every op of the step ran as a device kernel: forward, backward and AdamW per step
+    assert.is_true(tonumber(launches) >= 20 * steps, out)
+    assert.is_true(tonumber(cublas) >= 10 * steps, out)
+    assert.equal(0, tonumber(nccl)) -- one rank: no collective
+  end)
+
+  it("computes one step's loss and gradients as the cpu backend does, to float32 rounding", function()
+    local rc, out = emu([[
+local pg = require "pipegoose"
+local CFG = { vocab = 61, padded_vocab = 64, seq_len = 16, dim = 32, heads = 4, layers = 2 }
+local x = pg.randn({ 4, 17 }, { seed = 3 })
+local ids = {}
+for b = 1, 4 do ids[b] = {} for t = 1, 17 do ids[b][t] = math.floor(math.abs(x:get(b, t)) * 1000) % 61 end end
+local all = pg.tensor(ids, { dtype = "int32" })
+local xs, ys = all:narrow(2, 1, 16), all:narrow(2, 2, 16)
+local function step(device, M)
+  local e = pg.parallelize(pg.nn.GPT(CFG), nil, { device = device, micro_batches = M, seed = 5 })
+  e:zero_grad()
+  local loss = e:forward_backward(xs, ys)
+  local _, g = e.c:flat()
+  return loss, g:to("cpu"), e
+end
+for _, M in ipairs{ 1, 2 } do
+  local lc, gc = step("cpu", M)
+  local ld, gd, e = step("cuda", M)
+  assert(e.device == "cuda:0", e.device)
+  local scale = math.max(1, gc:max_abs_diff(pg.zeros(gc:shape())))
+  assert(scale > 0)
+  assert(math.abs(ld - lc) <= 1e-6 * lc, ("M=%d loss cuda %.9g cpu %.9g"):format(M, ld, lc))
+  assert(gd:allclose(gc, 1e-5, 1e-6 * scale), ("M=%d gradients: max |diff| %.3g"):format(M, gd:max_abs_diff(gc)))
+  print(("M=%d loss %.9g vs %.9g, gradients max |diff| %.3g"):format(M, ld, lc, gd:max_abs_diff(gc)))
+end
+print("agree")
+]])
+    assert.equal(0, rc, out)
+    assert.matches("agree", out)
+  end)
+
+  it("keeps device tensors on the device: to(), clone(), copy_(), printing, and a clear refusal elsewhere", function()
+    local rc, out = emu([[
+local pg = require "pipegoose"
+local t = pg.tensor{ { 1, 2, 3 }, { 4, 5, 6 } }
+local d = t:to("cuda")
+assert(d:device() == "cuda:0" and t:device() == "cpu")
+assert(t:to("cpu") == t and d:to("cuda:0") == d, "to() returns the tensor itself when it is already there")
+assert(tostring(d) == "pg.Tensor([2, 3] float32, cuda:0)", tostring(d))
+assert(d:numel() == 6 and d:shape()[2] == 3 and d:reshape{ 6 }:device() == "cuda:0")
+assert(d:to("cpu"):equal(t))
+assert(d:clone():device() == "cuda:0" and d:clone():to("cpu"):equal(t))
+local z = pg.zeros{ 2, 3 }:to("cuda")
+z:copy_(t)
+assert(z:to("cpu"):equal(t))
+local back = pg.zeros{ 2, 3 }
+back:copy_(z)
+assert(back:equal(t))
+local ok, err = pcall(function() return d:sum() end)
+assert(not ok and err:find('the tensor is on cuda:0 %(device memory%); copy it to the host with :to%("cpu"%)'), err)
+ok, err = pcall(function() return d:narrow(2, 1, 1) end)
+assert(not ok and err:find("cuda:0"), err)
+ok, err = pcall(function() return t:to("tpu") end)
+assert(not ok and err:find("device must be 'cpu', 'cuda' or 'cuda:N', not 'tpu'"), err)
+print("device tensors ok")
+]])
+    assert.equal(0, rc, out)
+    assert.matches("device tensors ok", out)
+  end)
+
+  it("saves a checkpoint on the device that loads on the cpu and back, bit for bit", function()
+    local dir = h.tmpdir()
+    local rc, out = emu(([[
+local pg = require "pipegoose"
+local dir = %q
+os.execute("mkdir -p " .. dir)
+local CFG = { vocab = 61, seq_len = 8, dim = 16, heads = 2, layers = 1 }
+local ids = {}
+for i = 1, 400 do ids[i] = (i * 7 + 3) %% 61 end
+pg.data.write_shard(dir .. "/tokens.bin", ids)
+local function build(device)
+  local e = pg.parallelize(pg.nn.GPT(CFG), nil, { device = device, seed = 9 })
+  local o = pg.optim.AdamW(e, { lr = 1e-2 })
+  local data = pg.data.TokenShards{ path = dir .. "/tokens.bin", batch = 2, seq_len = 8, seed = 1 }
+  local t = pg.Trainer{ engine = e, optimizer = o, max_steps = 2, out = pg.testing.capture(), out_dir = dir }
+  return t, data
+end
+local function flat_of(t) local p = t.engine.c:flat() return p:to("cpu") end
+local function state_of(t) local sd = t.optimizer:state_dict() return sd.m:to("cpu"), sd.v:to("cpu") end
+local gpu, data = build("cuda")
+gpu:fit(data)
+local path = dir .. "/ckpt"
+gpu:save_checkpoint(path)
+local want = flat_of(gpu)
+local wm, wv = state_of(gpu)
+local cpu = build("cpu")
+pg.checkpoint.load(cpu, path)
+assert(flat_of(cpu):equal(want), "parameters on the cpu")
+local m, v = state_of(cpu)
+assert(m:equal(wm) and v:equal(wv), "AdamW state on the cpu")
+assert(cpu.optimizer:state_dict().step == 2)
+local again = build("cuda")
+pg.checkpoint.load(again, path)
+assert(flat_of(again):equal(want), "parameters back on the device")
+print("checkpoint ok")
+]]):format(dir))
+    h.rm(dir)
+    assert.equal(0, rc, out)
+    assert.matches("checkpoint ok", out)
+  end)
+
+  it("says what is not built yet: several ranks, and modules written in Lua, on a device", function()
+    local rc, out = h.sh(("timeout -k 2 60 scripts/mpirun.sh -np 2 %s -e %s"):format(h.quote(EMU), h.quote(
+      [[local pg = require "pipegoose"
+        pg.parallelize(pg.nn.GPT{ vocab = 32, seq_len = 8, dim = 16, heads = 2, layers = 1 },
+                       pg.ParallelContext{ data = 2 }, { device = "cuda" })]])))
+    assert.is_true(rc ~= 0 and rc ~= 124, out)
+    assert.matches("device = 'cuda' runs on one rank for now %(this context has tensor=1, pipeline=1, data=2%)", out)
+    local rc2, out2 = emu([[
+local pg = require "pipegoose"
+local ident = { in_width = 16, out_width = 16 }
+function ident:forward(slot, x) return x end
+function ident:backward(slot, dy) return dy end
+local m = pg.nn.Sequential{ name = "" }
+m:add(pg.nn.Embedding{ vocab = 20, dim = 16, positions = 8, name = "embed" })
+m:add(ident)
+m:add(pg.nn.LMHead{ vocab = 20, dim = 16 })
+m.config = { vocab = 20, seq_len = 8, dim = 16 }
+local ok, err = pcall(pg.parallelize, m, nil, { device = "cuda" })
+print(ok, err)
+]])
+    assert.equal(0, rc2, out2)
+    assert.matches("a module written in Lua runs on the cpu backend only, not cuda", out2)
+  end)
+end)
