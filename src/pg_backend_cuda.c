@@ -226,6 +226,7 @@ const pg_backend *pg_backend_cuda(int ordinal) {
   cudaError_t e = cudaSetDevice(ordinal);
   if (e != cudaSuccess) return pg_fail_null("selecting cuda:%d: %s", ordinal, cudaGetErrorString(e));
   if (pg_cuda_ctx_init(&impls[ordinal].ctx)) return pg_fail_null("cuda:%d: %s", ordinal, pg_error());
+  pg_cuda_in_use();
   backends[ordinal] = (pg_backend){.name = "cuda", .device = PG_CUDA, .ordinal = ordinal, .ops = &cuda_ops,
                                    .impl = &impls[ordinal]};
   return &backends[ordinal];

@@ -1,9 +1,11 @@
 #include "pg_comm.h"
 
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "pg_cuda.h"
 #include "pg_error.h"
 
 /* MPI counts are int: larger buffers go in chunks of this many elements. */
@@ -46,6 +48,49 @@ static int mpi_fail(int rc, const char *what, pg_mode m) {
 static int check_ctx(pg_context *ctx) {
   if (!ctx || ctx->destroyed) return pg_fail("the parallel context was destroyed");
   return PG_OK;
+}
+
+/* ---- device memory, staged through the host ----
+ *
+ * A device engine's modules hand device buffers to these collectives. Until
+ * they go to NCCL, such a buffer is copied to host memory (after the device
+ * has finished writing it), reduced or moved there by the MPI algorithms
+ * below, and copied back: the same arithmetic in the same order as for host
+ * memory, so results equal the cpu backend's reductions. Said once per
+ * process, on stderr. */
+typedef struct staged {
+  void *dev, *host;
+  size_t bytes;
+} staged;
+
+static int stage(pg_context *ctx, pg_mode m, void **buf, size_t bytes, int copy_in, staged *s) {
+  s->dev = s->host = NULL;
+  s->bytes = bytes;
+  if (ctx->group[m].size == 1 || !bytes || !pg_cuda_is_device_memory(*buf)) return PG_OK;
+  static int said;
+  if (!said && ctx->rank == 0) {
+    fprintf(stderr, "pipegoose: collectives on device memory go through host buffers over MPI (NCCL is not used yet)\n");
+    said = 1;
+  }
+  if (!(s->host = malloc(bytes))) return pg_fail("out of memory staging %zu bytes of device memory", bytes);
+  s->dev = *buf;
+  if (copy_in && (pg_cuda_synchronize() || pg_cuda_memcpy(s->host, s->dev, bytes, PG_CUDA_DEVICE_TO_HOST))) {
+    free(s->host);
+    s->dev = s->host = NULL;
+    return PG_ERR;
+  }
+  *buf = s->host;
+  return PG_OK;
+}
+
+/* Back to the device (when copy_out and the collective succeeded); rc passes through. */
+static int unstage(staged *s, int rc, int copy_out) {
+  if (!s->dev) return rc;
+  if (rc == PG_OK && copy_out &&
+      (pg_cuda_memcpy(s->dev, s->host, s->bytes, PG_CUDA_HOST_TO_DEVICE) || pg_cuda_synchronize()))
+    rc = PG_ERR;
+  free(s->host);
+  return rc;
 }
 
 static int check_dtype(const pg_tensor *t, pg_reduce_op op, int reducing) {
@@ -196,24 +241,36 @@ int pg_reduce_scatter_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n,
   if (check_ctx(ctx)) return PG_ERR;
   pg_group *g = &ctx->group[m];
   if (g->size == 1 || n == 0) return PG_OK;
+  staged s;
+  if (stage(ctx, m, (void **)&buf, (size_t)n * sizeof(float), 1, &s)) return PG_ERR;
   double t0 = MPI_Wtime();
-  if (ring_reduce_scatter(ctx, m, buf, n, op)) return PG_ERR;
-  count(ctx, m, PG_COLL_REDUCE_SCATTER, (double)n * sizeof(float), t0);
-  return PG_OK;
+  int rc = ring_reduce_scatter(ctx, m, buf, n, op);
+  if (!rc) count(ctx, m, PG_COLL_REDUCE_SCATTER, (double)n * sizeof(float), t0);
+  return unstage(&s, rc, 1);
 }
 
 int pg_all_gather_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n) {
   if (check_ctx(ctx)) return PG_ERR;
   pg_group *g = &ctx->group[m];
   if (g->size == 1 || n == 0) return PG_OK;
+  staged s;
+  if (stage(ctx, m, (void **)&buf, (size_t)n * sizeof(float), 1, &s)) return PG_ERR;
   double t0 = MPI_Wtime();
-  if (ring_all_gather(ctx, m, buf, n)) return PG_ERR;
-  count(ctx, m, PG_COLL_ALL_GATHER, (double)n * sizeof(float), t0);
-  return PG_OK;
+  int rc = ring_all_gather(ctx, m, buf, n);
+  if (!rc) count(ctx, m, PG_COLL_ALL_GATHER, (double)n * sizeof(float), t0);
+  return unstage(&s, rc, 1);
 }
+
+static int all_reduce_host(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype, pg_reduce_op op);
 
 int pg_all_reduce_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype, pg_reduce_op op) {
   if (check_ctx(ctx)) return PG_ERR;
+  staged s;
+  if (stage(ctx, m, &buf, (size_t)n * pg_dtype_size(dtype), 1, &s)) return PG_ERR;
+  return unstage(&s, all_reduce_host(ctx, m, buf, n, dtype, op), 1);
+}
+
+static int all_reduce_host(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype, pg_reduce_op op) {
   if (mpi_type(dtype) == MPI_DATATYPE_NULL) return pg_fail("all_reduce of %s is not supported", pg_dtype_name(dtype));
   if (op == PG_REDUCE_AVG && dtype != PG_FLOAT32) return pg_fail("op avg needs float32, not %s", pg_dtype_name(dtype));
   pg_group *g = &ctx->group[m];
@@ -246,8 +303,16 @@ static int check_dim(const pg_tensor *t, int dim) {
   return PG_OK;
 }
 
+static int all_gather_host(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype);
+
 int pg_all_gather_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype) {
   if (check_ctx(ctx)) return PG_ERR;
+  staged s;
+  if (stage(ctx, m, &buf, (size_t)n * ctx->group[m].size * pg_dtype_size(dtype), 1, &s)) return PG_ERR;
+  return unstage(&s, all_gather_host(ctx, m, buf, n, dtype), 1);
+}
+
+static int all_gather_host(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype) {
   pg_group *g = &ctx->group[m];
   if (g->size == 1 || n == 0) return PG_OK;
   if (n > PG_MPI_CHUNK) return pg_fail("all_gather of %lld elements per member is too large", (long long)n);
@@ -350,15 +415,18 @@ int pg_broadcast_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype 
   if (src < 0 || src >= g->size)
     return pg_fail("broadcast source %d is not a local rank of the %s group (size %d)", src, pg_mode_name(m), g->size);
   if (g->size == 1 || n == 0) return PG_OK;
-  double t0 = MPI_Wtime();
   size_t es = pg_dtype_size(dtype);
-  for (int64_t off = 0; off < n; off += PG_MPI_CHUNK) {
+  staged s;
+  if (stage(ctx, m, &buf, (size_t)n * es, g->rank == src, &s)) return PG_ERR;
+  double t0 = MPI_Wtime();
+  int rc = MPI_SUCCESS;
+  for (int64_t off = 0; off < n && rc == MPI_SUCCESS; off += PG_MPI_CHUNK) {
     int64_t c = n - off < PG_MPI_CHUNK ? n - off : PG_MPI_CHUNK;
-    int rc = MPI_Bcast((char *)buf + off * es, (int)c, mpi_type(dtype), src, g->comm);
-    if (rc != MPI_SUCCESS) return mpi_fail(rc, "broadcast", m);
+    rc = MPI_Bcast((char *)buf + off * es, (int)c, mpi_type(dtype), src, g->comm);
   }
+  if (rc != MPI_SUCCESS) return unstage(&s, mpi_fail(rc, "broadcast", m), 0);
   count(ctx, m, PG_COLL_BROADCAST, (double)n * es, t0);
-  return PG_OK;
+  return unstage(&s, PG_OK, 1);
 }
 
 int pg_broadcast(pg_context *ctx, pg_mode m, pg_tensor *t, int src) {
@@ -435,6 +503,7 @@ int pg_barrier(pg_context *ctx, pg_mode m) {
 struct pg_request {
   MPI_Request mpi;
   pg_mode mode; /* for messages */
+  void *host;   /* a device buffer's host copy, in flight until the wait */
 };
 
 int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t n, int dst, int tag, pg_request **req) {
@@ -444,9 +513,16 @@ int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t n, int ds
   pg_request *r = malloc(sizeof *r);
   if (!r) return pg_fail("out of memory for a send request");
   r->mode = m;
+  staged s;
+  if (stage(ctx, m, (void **)&buf, (size_t)n * sizeof(float), 1, &s)) {
+    free(r);
+    return PG_ERR;
+  }
+  r->host = s.host; /* NULL for host memory */
   double t0 = MPI_Wtime();
   int rc = MPI_Isend(buf, (int)n, MPI_FLOAT, dst, tag, ctx->group[m].comm, &r->mpi);
   if (rc != MPI_SUCCESS) {
+    free(r->host);
     free(r);
     return mpi_fail(rc, "isend", m);
   }
@@ -461,6 +537,7 @@ int pg_wait(pg_request **req) {
   *req = NULL;
   int rc = MPI_Wait(&r->mpi, MPI_STATUS_IGNORE);
   pg_mode m = r->mode;
+  free(r->host);
   free(r);
   return rc == MPI_SUCCESS ? PG_OK : mpi_fail(rc, "waiting for a send", m);
 }
@@ -470,11 +547,13 @@ double pg_wtime(void) { return MPI_Wtime(); }
 int pg_recv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, int src, int tag) {
   if (check_ctx(ctx)) return PG_ERR;
   if (n > PG_MPI_CHUNK) return pg_fail("recv of %lld elements is too large", (long long)n);
+  staged s;
+  if (stage(ctx, m, (void **)&buf, (size_t)n * sizeof(float), 0, &s)) return PG_ERR;
   double t0 = MPI_Wtime();
   int rc = MPI_Recv(buf, (int)n, MPI_FLOAT, src, tag, ctx->group[m].comm, MPI_STATUS_IGNORE);
-  if (rc != MPI_SUCCESS) return mpi_fail(rc, "recv", m);
+  if (rc != MPI_SUCCESS) return unstage(&s, mpi_fail(rc, "recv", m), 0);
   count(ctx, m, PG_COLL_RECV, (double)n * 4, t0);
-  return PG_OK;
+  return unstage(&s, PG_OK, 1);
 }
 
 /* ---- shared-memory collectives (pg_shm.h) ----

@@ -43,6 +43,11 @@ int pg_cuda_memcpy(void *dst, const void *src, size_t bytes, pg_cuda_copy_kind k
 }
 
 int pg_cuda_synchronize(void) { return pg_fail("%s", PG_NO_CUDA); }
+int pg_cuda_is_device_memory(const void *p) {
+  (void)p;
+  return 0;
+}
+void pg_cuda_in_use(void) {}
 
 int pg_cuda_selftest(char *report, size_t n) {
   if (report && n) snprintf(report, n, "%s", PG_NO_CUDA);
@@ -143,6 +148,20 @@ int pg_cuda_synchronize(void) {
   if (e == cudaSuccess) e = cudaGetLastError();
   if (e != cudaSuccess) return pg_fail("CUDA error: %s", cudaGetErrorString(e));
   return PG_OK;
+}
+
+static int cuda_used;
+
+void pg_cuda_in_use(void) { cuda_used = 1; }
+
+int pg_cuda_is_device_memory(const void *p) {
+  if (!cuda_used || !p) return 0;
+  struct cudaPointerAttributes a;
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError(); /* host memory unknown to CUDA: not an error */
+    return 0;
+  }
+  return a.type == cudaMemoryTypeDevice;
 }
 
 int pg_cuda_ctx_init(pg_cuda_ctx *ctx) {

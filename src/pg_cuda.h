@@ -46,6 +46,12 @@ int pg_cuda_memcpy(void *dst, const void *src, size_t bytes, pg_cuda_copy_kind k
 /* Waits for all work on the current device; reports errors of earlier kernels. */
 int pg_cuda_synchronize(void);
 
+/* 1 when p points into device memory. Always 0 until pg_cuda_in_use() was
+ * called (by the cuda backend): a process that never used a GPU makes no
+ * CUDA call for it. */
+int pg_cuda_is_device_memory(const void *p);
+void pg_cuda_in_use(void);
+
 #ifdef PG_WITH_CUDA
 /* A new stream and a cuBLAS handle bound to it, on the current device, with
  * full FP32 sgemm (TF32 off). */

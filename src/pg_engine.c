@@ -70,13 +70,6 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is
   e->is_first = is_first;
   e->is_last = is_last;
   e->opts = *opts;
-  if (e->be->device != PG_CPU && ctx->world_size > 1) {
-    pg_fail("device = '%s' runs on one rank for now (this context has tensor=%d, pipeline=%d, data=%d): collectives "
-            "on device memory (NCCL) are not built yet",
-            e->be->name, ctx->tensor, ctx->pipeline, ctx->data);
-    pg_engine_free(e);
-    return NULL;
-  }
   if (e->be->device != PG_CPU) e->opts.private_buffers = 1; /* shared memory is host memory */
   if (e->opts.micro_batches < 1) {
     pg_engine_free(e);

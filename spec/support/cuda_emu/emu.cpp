@@ -364,6 +364,12 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   return cudaSuccess;
 }
 cudaError_t cudaSetDevice(int dev) { return dev == 0 ? cudaSuccess : cudaErrorInvalidValue; }
+cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p) {
+  memset(a, 0, sizeof *a);
+  a->type = inside(p, 1) ? cudaMemoryTypeDevice : cudaMemoryTypeUnregistered;
+  a->devicePointer = a->type == cudaMemoryTypeDevice ? (void *)p : nullptr;
+  return cudaSuccess;
+}
 cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t s) {
   (void)s;
   if (!inside(p, bytes)) return cudaErrorInvalidValue;
