@@ -176,7 +176,7 @@ EMU_DIR     := spec/support/cuda_emu
 EMU_FLAGS   ?=
 EMU_CFLAGS   = -std=c11 -D_POSIX_C_SOURCE=200809L -Wall -Wextra -fPIC -fopenmp -O2 -g -ffp-contract=off \
                -Isrc -Ikernels -I$(EMU_DIR) -DPG_WITH_CUDA=1 -DPG_VERSION='"$(VERSION)"' $(PKG_CFLAGS) $(EMU_FLAGS)
-EMU_CXXFLAGS = -std=c++17 -Wall -Wextra -Wno-unused-parameter -fPIC -O2 -g -ffp-contract=off \
+EMU_CXXFLAGS = -std=c++17 -Wall -Wextra -Wno-unused-parameter -fPIC -O2 -g -ffp-contract=off -DPG_EMU_MPI=1 \
                -Isrc -Ikernels -Ikernels/cuda -I$(EMU_DIR) -DPG_WITH_CUDA=1 $(EMU_FLAGS)
 EMU_C_SRCS  := $(filter-out src/pg_cublas.c,$(wildcard src/*.c)) $(wildcard kernels/cpu/*.c)
 EMU_OBJS    := $(EMU_C_SRCS:%.c=$(EMU_BUILD)/obj/%.o) $(CUDA_SRCS:kernels/cuda/%.cu=$(EMU_BUILD)/cuda/%.o) \

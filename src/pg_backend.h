@@ -84,6 +84,7 @@ struct pg_backend {
   int ordinal;        /* device number (0 on the CPU) */
   const pg_backend_ops *ops;
   void *impl;         /* the backend's own state (CUDA: stream and cuBLAS handle) */
+  void *stream;       /* the device's queue (cudaStream_t) its work and collectives go on; NULL on the CPU */
 };
 
 /* The CPU backend (one, shared; never freed). */

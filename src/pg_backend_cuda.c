@@ -228,7 +228,7 @@ const pg_backend *pg_backend_cuda(int ordinal) {
   if (pg_cuda_ctx_init(&impls[ordinal].ctx)) return pg_fail_null("cuda:%d: %s", ordinal, pg_error());
   pg_cuda_in_use();
   backends[ordinal] = (pg_backend){.name = "cuda", .device = PG_CUDA, .ordinal = ordinal, .ops = &cuda_ops,
-                                   .impl = &impls[ordinal]};
+                                   .impl = &impls[ordinal], .stream = impls[ordinal].ctx.stream};
   return &backends[ordinal];
 }
 

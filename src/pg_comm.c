@@ -63,15 +63,18 @@ typedef struct staged {
   size_t bytes;
 } staged;
 
+static void say_staged(pg_context *ctx, const char *why) {
+  static int said;
+  if (!said && ctx->rank == 0) fprintf(stderr, "pipegoose: %s\n", why);
+  said = 1;
+}
+
 static int stage(pg_context *ctx, pg_mode m, void **buf, size_t bytes, int copy_in, staged *s) {
   s->dev = s->host = NULL;
   s->bytes = bytes;
   if (ctx->group[m].size == 1 || !bytes || !pg_cuda_is_device_memory(*buf)) return PG_OK;
-  static int said;
-  if (!said && ctx->rank == 0) {
-    fprintf(stderr, "pipegoose: collectives on device memory go through host buffers over MPI (NCCL is not used yet)\n");
-    said = 1;
-  }
+  say_staged(ctx, "some collectives on device memory go through host buffers over MPI (pipeline and "
+                  "tied-embedding transfers; all of them where ranks share a GPU)");
   if (!(s->host = malloc(bytes))) return pg_fail("out of memory staging %zu bytes of device memory", bytes);
   s->dev = *buf;
   if (copy_in && (pg_cuda_synchronize() || pg_cuda_memcpy(s->host, s->dev, bytes, PG_CUDA_DEVICE_TO_HOST))) {
@@ -81,6 +84,96 @@ static int stage(pg_context *ctx, pg_mode m, void **buf, size_t bytes, int copy_
   }
   *buf = s->host;
   return PG_OK;
+}
+
+/* ---- NCCL: collectives on device memory, queued on the device engine's stream ---- */
+
+#ifdef PG_WITH_CUDA
+#include <nccl.h>
+
+static ncclDataType_t nccl_type(pg_dtype d) {
+  switch (d) {
+  case PG_INT32: return ncclInt32;
+  case PG_INT64: return ncclInt64;
+  case PG_FLOAT64: return ncclFloat64;
+  default: return ncclFloat32;
+  }
+}
+
+static ncclRedOp_t nccl_op(pg_reduce_op op) {
+  return op == PG_REDUCE_MAX ? ncclMax : op == PG_REDUCE_MIN ? ncclMin : op == PG_REDUCE_AVG ? ncclAvg : ncclSum;
+}
+
+static int nccl_done(ncclResult_t r, const char *what, pg_mode m) {
+  if (r == ncclSuccess) return PG_OK;
+  int dev = -1;
+  cudaGetDevice(&dev);
+  return pg_fail("%s over the %s group failed on cuda:%d: %s", what, pg_mode_name(m), dev, ncclGetErrorString(r));
+}
+
+/* The group's NCCL communicator when buf is device memory and there is one. */
+static ncclComm_t nccl_for(pg_context *ctx, pg_mode m, const void *buf) {
+  return ctx->group[m].nccl && pg_cuda_is_device_memory(buf) ? (ncclComm_t)ctx->group[m].nccl : NULL;
+}
+#define NCCL_STREAM(ctx) ((cudaStream_t)(ctx)->device_stream)
+#endif
+
+int pg_comm_attach_device(pg_context *ctx, void *stream, int devices_on_node) {
+  if (check_ctx(ctx)) return PG_ERR;
+  if (ctx->device_attached) {
+    if (ctx->device_stream != stream)
+      return pg_fail("this parallel context already serves an engine on another device: one context per device");
+    return PG_OK;
+  }
+  ctx->device_stream = stream;
+  ctx->device_attached = 1;
+#ifdef PG_WITH_CUDA
+  /* NCCL needs a GPU per rank: if any node has more ranks than GPUs, every
+   * rank stages (the same transport everywhere) */
+  int local = 1, crowded = 0;
+  MPI_Comm node;
+  if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
+    MPI_Comm_size(node, &local);
+    MPI_Comm_free(&node);
+  }
+  crowded = local > devices_on_node;
+  if (MPI_Allreduce(MPI_IN_PLACE, &crowded, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD) != MPI_SUCCESS)
+    return pg_fail("agreeing on the device transport failed");
+  if (crowded) {
+    say_staged(ctx, "ranks outnumber the GPUs of a node: collectives on device memory go through host buffers over "
+                    "MPI instead of NCCL");
+    return PG_OK;
+  }
+  /* one communicator per tensor and data group (every rank in one of each,
+   * all created in the same order); pipeline and embedding transfers stage */
+  const pg_mode modes[] = {PG_MODE_TENSOR, PG_MODE_DATA};
+  for (size_t i = 0; i < sizeof modes / sizeof *modes; i++) {
+    pg_group *g = &ctx->group[modes[i]];
+    if (g->size == 1) continue;
+    ncclUniqueId id;
+    memset(&id, 0, sizeof id);
+    if (g->rank == 0 && nccl_done(ncclGetUniqueId(&id), "creating an NCCL id", modes[i])) return PG_ERR;
+    if (MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, g->comm) != MPI_SUCCESS)
+      return pg_fail("sharing the NCCL id of the %s group failed", pg_mode_name(modes[i]));
+    ncclComm_t c = NULL;
+    if (nccl_done(ncclCommInitRank(&c, g->size, id, g->rank), "creating the NCCL communicator", modes[i]))
+      return PG_ERR;
+    g->nccl = c;
+  }
+#else
+  (void)devices_on_node;
+#endif
+  return PG_OK;
+}
+
+void pg_comm_detach_device(pg_context *ctx) {
+#ifdef PG_WITH_CUDA
+  for (int m = 0; m < PG_NUM_MODES; m++)
+    if (ctx->group[m].nccl) ncclCommDestroy((ncclComm_t)ctx->group[m].nccl);
+#endif
+  for (int m = 0; m < PG_NUM_MODES; m++) ctx->group[m].nccl = NULL;
+  ctx->device_attached = 0;
+  ctx->device_stream = NULL;
 }
 
 /* Back to the device (when copy_out and the collective succeeded); rc passes through. */
@@ -241,9 +334,21 @@ int pg_reduce_scatter_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n,
   if (check_ctx(ctx)) return PG_ERR;
   pg_group *g = &ctx->group[m];
   if (g->size == 1 || n == 0) return PG_OK;
+  double t0 = MPI_Wtime();
+#ifdef PG_WITH_CUDA
+  ncclComm_t nc = n % g->size ? NULL : nccl_for(ctx, m, buf); /* NCCL's blocks are equal */
+  if (nc) {
+    int64_t blk = n / g->size;
+    if (nccl_done(ncclReduceScatter(buf, buf + (size_t)g->rank * blk, (size_t)blk, ncclFloat32, nccl_op(op), nc,
+                                    NCCL_STREAM(ctx)),
+                  "reduce_scatter", m))
+      return PG_ERR;
+    count(ctx, m, PG_COLL_REDUCE_SCATTER, (double)n * sizeof(float), t0);
+    return PG_OK;
+  }
+#endif
   staged s;
   if (stage(ctx, m, (void **)&buf, (size_t)n * sizeof(float), 1, &s)) return PG_ERR;
-  double t0 = MPI_Wtime();
   int rc = ring_reduce_scatter(ctx, m, buf, n, op);
   if (!rc) count(ctx, m, PG_COLL_REDUCE_SCATTER, (double)n * sizeof(float), t0);
   return unstage(&s, rc, 1);
@@ -253,9 +358,20 @@ int pg_all_gather_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n) {
   if (check_ctx(ctx)) return PG_ERR;
   pg_group *g = &ctx->group[m];
   if (g->size == 1 || n == 0) return PG_OK;
+  double t0 = MPI_Wtime();
+#ifdef PG_WITH_CUDA
+  ncclComm_t nc = n % g->size ? NULL : nccl_for(ctx, m, buf);
+  if (nc) {
+    int64_t blk = n / g->size;
+    if (nccl_done(ncclAllGather(buf + (size_t)g->rank * blk, buf, (size_t)blk, ncclFloat32, nc, NCCL_STREAM(ctx)),
+                  "all_gather", m))
+      return PG_ERR;
+    count(ctx, m, PG_COLL_ALL_GATHER, (double)n * sizeof(float), t0);
+    return PG_OK;
+  }
+#endif
   staged s;
   if (stage(ctx, m, (void **)&buf, (size_t)n * sizeof(float), 1, &s)) return PG_ERR;
-  double t0 = MPI_Wtime();
   int rc = ring_all_gather(ctx, m, buf, n);
   if (!rc) count(ctx, m, PG_COLL_ALL_GATHER, (double)n * sizeof(float), t0);
   return unstage(&s, rc, 1);
@@ -265,6 +381,20 @@ static int all_reduce_host(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_
 
 int pg_all_reduce_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype, pg_reduce_op op) {
   if (check_ctx(ctx)) return PG_ERR;
+#ifdef PG_WITH_CUDA
+  ncclComm_t nc = ctx->group[m].size > 1 && n > 0 && mpi_type(dtype) != MPI_DATATYPE_NULL &&
+                          (op != PG_REDUCE_AVG || dtype == PG_FLOAT32)
+                      ? nccl_for(ctx, m, buf)
+                      : NULL;
+  if (nc) {
+    double t0 = MPI_Wtime();
+    if (nccl_done(ncclAllReduce(buf, buf, (size_t)n, nccl_type(dtype), nccl_op(op), nc, NCCL_STREAM(ctx)),
+                  "all_reduce", m))
+      return PG_ERR;
+    count(ctx, m, PG_COLL_ALL_REDUCE, (double)n * pg_dtype_size(dtype), t0);
+    return PG_OK;
+  }
+#endif
   staged s;
   if (stage(ctx, m, &buf, (size_t)n * pg_dtype_size(dtype), 1, &s)) return PG_ERR;
   return unstage(&s, all_reduce_host(ctx, m, buf, n, dtype, op), 1);
@@ -307,6 +437,19 @@ static int all_gather_host(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_
 
 int pg_all_gather_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype) {
   if (check_ctx(ctx)) return PG_ERR;
+#ifdef PG_WITH_CUDA
+  ncclComm_t nc = ctx->group[m].size > 1 && n > 0 ? nccl_for(ctx, m, buf) : NULL;
+  if (nc) { /* member r's block is [r n, (r+1) n): in place */
+    double t0 = MPI_Wtime();
+    size_t es = pg_dtype_size(dtype);
+    if (nccl_done(ncclAllGather((char *)buf + (size_t)ctx->group[m].rank * n * es, buf, (size_t)n, nccl_type(dtype), nc,
+                                NCCL_STREAM(ctx)),
+                  "all_gather", m))
+      return PG_ERR;
+    count(ctx, m, PG_COLL_ALL_GATHER, (double)n * es * ctx->group[m].size, t0);
+    return PG_OK;
+  }
+#endif
   staged s;
   if (stage(ctx, m, &buf, (size_t)n * ctx->group[m].size * pg_dtype_size(dtype), 1, &s)) return PG_ERR;
   return unstage(&s, all_gather_host(ctx, m, buf, n, dtype), 1);

@@ -9,6 +9,7 @@
 #include <omp.h>
 #endif
 
+#include "pg_comm.h"
 #include "pg_error.h"
 #include "pg_rng.h"
 
@@ -83,6 +84,7 @@ void pg_context_destroy(pg_context *ctx) {
   if (ctx->destroyed) return;
   int finalized = 0;
   MPI_Finalized(&finalized);
+  pg_comm_detach_device(ctx);
   for (int m = 0; m < PG_NUM_MODES; m++) {
     pg_group *g = &ctx->group[m];
     if (g->comm != MPI_COMM_NULL && !finalized) MPI_Comm_free(&g->comm);

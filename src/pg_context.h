@@ -39,6 +39,7 @@ typedef struct pg_group {
   MPI_Comm comm; /* MPI_COMM_NULL once destroyed */
   int size, rank;
   int *ranks; /* global ranks of the members, ascending */
+  void *nccl; /* the group's NCCL communicator once a device engine uses the context (pg_comm.c), or NULL */
 } pg_group;
 
 /* Counters of communication, per mode and kind: calls that reached MPI (a
@@ -60,6 +61,8 @@ typedef struct pg_context {
   pg_group group[PG_NUM_MODES];
   pg_comm_stats stats;
   float *ring_scratch; /* receive buffer of the chunked ring collectives (pg_comm.c), made on first use */
+  void *device_stream; /* the device engine's stream its NCCL collectives are queued on (pg_comm_attach_device) */
+  int device_attached;
   int destroyed;
 } pg_context;
 

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pg_cuda.h"
 #include "pg_comm.h"
 #include "pg_error.h"
 
@@ -70,7 +71,14 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is
   e->is_first = is_first;
   e->is_last = is_last;
   e->opts = *opts;
-  if (e->be->device != PG_CPU) e->opts.private_buffers = 1; /* shared memory is host memory */
+  if (e->be->device != PG_CPU) {
+    e->opts.private_buffers = 1; /* shared memory is host memory */
+    int devices = 0;
+    if (ctx->world_size > 1 && (pg_cuda_device_count(&devices) || pg_comm_attach_device(ctx, e->be->stream, devices))) {
+      pg_engine_free(e);
+      return NULL;
+    }
+  }
   if (e->opts.micro_batches < 1) {
     pg_engine_free(e);
     return pg_fail_null("micro_batches must be at least 1, not %d", opts->micro_batches);

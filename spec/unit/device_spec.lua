@@ -4,8 +4,10 @@
 -- training step, checked without a GPU.
 --
 -- One rank and every layout gpt2_check.lua knows (T, P with both schedules,
--- D with ZeRO-1, 2 x 2 x 2) train the clipped PyTorch fixture; collectives on
--- device memory are staged through the host over MPI (said once).
+-- D with ZeRO-1, 2 x 2 x 2) train the clipped PyTorch fixture. Tensor and data
+-- groups reduce with NCCL (the emulated NCCL: MPI underneath); pipeline and
+-- tied-embedding transfers, and everything when ranks share a GPU
+-- (PG_EMU_DEVICES=1), are staged through host memory over MPI, said once.
 --
 -- Tolerances. Against PyTorch: scripts/gpt2_check.lua's own (loss 1e-5
 -- relative, logits and gradients 1e-4) and this spec's 1e-5 relative on every
@@ -40,15 +42,15 @@ describe("device = 'cuda' on the emulated device", function()
 
   -- gpt2_check.lua --device=cuda on n ranks with the clipped PyTorch fixture;
   -- returns its output (rank 0) after checking every step's loss and norm.
-  local function check(n, flags)
+  local function check(n, flags, env)
     local args = { "scripts/gpt2_check.lua", MODEL, "spec/fixtures/gpt2_tiny_state.bin", "--steps=" .. STEPS,
                    "--clip=" .. CLIP.optimizer.grad_clip, "--device=cuda" }
     for _, a in ipairs(flags) do args[#args + 1] = a end
     local quoted = {}
     for i, a in ipairs(args) do quoted[i] = h.quote(a) end
     local cmd = n == 1 and ("PG_EMU_STATS=1 timeout -k 2 300 %s %s"):format(h.quote(EMU), table.concat(quoted, " "))
-      or ("PG_EMU_STATS=1 timeout -k 2 300 scripts/mpirun.sh -x PG_EMU_STATS -np %d %s %s"):format(n, h.quote(EMU),
-        table.concat(quoted, " "))
+      or ("%s PG_EMU_STATS=1 timeout -k 2 300 scripts/mpirun.sh -x PG_EMU_STATS -x PG_EMU_DEVICES -np %d %s %s"):format(
+        env or "", n, h.quote(EMU), table.concat(quoted, " "))
     local rc, out = h.sh(cmd)
     assert.equal(0, rc, out)
     local seen = 0
@@ -62,13 +64,14 @@ describe("device = 'cuda' on the emulated device", function()
     end
     assert.equal(STEPS, seen, out)
     -- PG_EMU_STATS=1: every rank counts what it asked of its device
-    local ranks = 0
-    for launches, cublas in out:gmatch("emu: (%d+) kernel launches, (%d+) cublas calls, %d+ nccl calls") do
+    local ranks, nccl = 0, 0
+    for launches, cublas, calls in out:gmatch("emu: (%d+) kernel launches, (%d+) cublas calls, (%d+) nccl calls") do
       ranks = ranks + 1
       assert.is_true(tonumber(launches) >= 10 * STEPS and tonumber(cublas) >= 4 * STEPS, out)
+      nccl = nccl + tonumber(calls)
     end
     assert.equal(n, ranks, out)
-    return out
+    return out, nccl
   end
 
   it("trains the PyTorch fixture with clipping on one rank (gpt2_check --device=cuda)", function()
@@ -76,19 +79,29 @@ describe("device = 'cuda' on the emulated device", function()
     assert.is_nil(out:find("host buffers"), "one rank: no collective, nothing staged")
   end)
 
+  -- { ranks, flags, NCCL used (tensor or data group), staged (pipeline transfers) }
   for _, layout in ipairs{
-    { 2, { "--tensor=2" } },
-    { 2, { "--pipeline=2", "--micro-batches=2", "--schedule=gpipe" } },
-    { 2, { "--pipeline=2", "--micro-batches=2", "--schedule=1f1b" } },
-    { 2, { "--data=2", "--zero=1" } },
-    { 8, { "--tensor=2", "--pipeline=2", "--data=2", "--zero=1", "--micro-batches=2" } },
+    { 2, { "--tensor=2" }, true, false },
+    { 2, { "--pipeline=2", "--micro-batches=2", "--schedule=gpipe" }, false, true },
+    { 2, { "--pipeline=2", "--micro-batches=2", "--schedule=1f1b" }, false, true },
+    { 2, { "--data=2", "--zero=1" }, true, false },
+    { 8, { "--tensor=2", "--pipeline=2", "--data=2", "--zero=1", "--micro-batches=2" }, true, true },
   } do
     it(("trains it on %d ranks: %s"):format(layout[1], table.concat(layout[2], " ")), function()
-      local out = check(layout[1], layout[2])
-      -- the collectives on device memory go through the host, said once
-      assert.equal(1, h.count(out, "pipegoose: collectives on device memory go through host buffers over MPI"), out)
+      local out, nccl = check(layout[1], layout[2])
+      if layout[3] then assert.is_true(nccl > 0, "tensor and data collectives are NCCL calls:\n" .. out)
+      else assert.equal(0, nccl, out) end
+      assert.equal(layout[4] and 1 or 0, h.count(out, "pipegoose: some collectives on device memory go through host"),
+        "staged transfers are said once:\n" .. out)
     end)
   end
+
+  it("stages every collective through the host when ranks outnumber the node's GPUs (NCCL refuses that)", function()
+    local out, nccl = check(2, { "--data=2", "--zero=1" }, "PG_EMU_DEVICES=1")
+    assert.equal(0, nccl, out)
+    assert.equal(1, h.count(out, "pipegoose: ranks outnumber the GPUs of a node: collectives on device memory go "
+      .. "through host buffers over MPI instead of NCCL"), out)
+  end)
 
   it("computes one step's loss and gradients as the cpu backend does, to float32 rounding", function()
     local rc, out = emu([[

@@ -282,12 +282,20 @@ extern "C" {
 
 int pg_emu_is_device(const void *p, size_t bytes) { return inside(p, bytes); }
 
+// The emulated node has PG_EMU_DEVICES devices (default 8: a GPU per rank of
+// the usual test layouts), all backed by this process's memory.
+static int emu_devices() {
+  const char *v = getenv("PG_EMU_DEVICES");
+  int n = v && *v ? atoi(v) : 8;
+  return n > 0 ? n : 1;
+}
+static int emu_current_device;
 cudaError_t cudaGetDeviceCount(int *count) {
-  *count = 1;
+  *count = emu_devices();
   return cudaSuccess;
 }
 cudaError_t cudaGetDevice(int *dev) {
-  *dev = 0;
+  *dev = emu_current_device;
   return cudaSuccess;
 }
 cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *prop, int dev) {
@@ -363,7 +371,11 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   (void)s;
   return cudaSuccess;
 }
-cudaError_t cudaSetDevice(int dev) { return dev == 0 ? cudaSuccess : cudaErrorInvalidValue; }
+cudaError_t cudaSetDevice(int dev) {
+  if (dev < 0 || dev >= emu_devices()) return cudaErrorInvalidValue;
+  emu_current_device = dev;
+  return cudaSuccess;
+}
 cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p) {
   memset(a, 0, sizeof *a);
   a->type = inside(p, 1) ? cudaMemoryTypeDevice : cudaMemoryTypeUnregistered;
@@ -476,6 +488,145 @@ ncclResult_t ncclGetVersion(int *version) {
   *version = 0;
   return ncclSuccess;
 }
+
+const char *ncclGetErrorString(ncclResult_t r) { return r == ncclSuccess ? "no error" : "NCCL error (emulated)"; }
+
+#ifdef PG_EMU_MPI
+} // extern "C"
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+extern "C" {
+
+struct ncclComm {
+  MPI_Comm comm;
+  int rank, size;
+};
+
+static MPI_Datatype mpi_of(ncclDataType_t t) {
+  switch (t) {
+  case ncclInt32: return MPI_INT32_T;
+  case ncclInt64: return MPI_INT64_T;
+  case ncclFloat64: return MPI_DOUBLE;
+  default: return MPI_FLOAT;
+  }
+}
+
+static MPI_Op op_of(ncclRedOp_t op) { return op == ncclMax ? MPI_MAX : op == ncclMin ? MPI_MIN : MPI_SUM; }
+
+// the average: MPI's sum, then each element divided by the ranks (float32 only here)
+static void average(void *buf, size_t n, ncclDataType_t t, ncclRedOp_t op, int size) {
+  if (op != ncclAvg) return;
+  if (t == ncclFloat32)
+    for (size_t i = 0; i < n; i++) ((float *)buf)[i] /= (float)size;
+  else if (t == ncclFloat64)
+    for (size_t i = 0; i < n; i++) ((double *)buf)[i] /= size;
+}
+
+static bool on_device(const void *p, size_t bytes) {
+  if (inside(p, bytes)) return true;
+  fprintf(stderr, "cuda_emu: an NCCL call with a buffer outside device memory\n");
+  return false;
+}
+
+static size_t size_of(ncclDataType_t t) { return t == ncclInt64 || t == ncclFloat64 ? 8 : 4; }
+
+// The id names the group by its first member's world rank: ncclCommInitRank
+// splits MPI_COMM_WORLD by it, so every world rank must create its
+// communicator of a kind at the same time (pipegoose creates them for all
+// groups together, when a device engine is built).
+ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
+  memset(id, 0, sizeof *id);
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  memcpy(id->internal, &r, sizeof r);
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank) {
+  int color;
+  memcpy(&color, id.internal, sizeof color);
+  ncclComm_t c = (ncclComm_t)calloc(1, sizeof *c);
+  if (!c) return ncclSystemError;
+  if (MPI_Comm_split(MPI_COMM_WORLD, color, rank, &c->comm) != MPI_SUCCESS) {
+    free(c);
+    return ncclSystemError;
+  }
+  MPI_Comm_rank(c->comm, &c->rank);
+  MPI_Comm_size(c->comm, &c->size);
+  if (c->rank != rank || c->size != nranks) {
+    fprintf(stderr, "cuda_emu: ncclCommInitRank: rank %d of %d, the group has %d of %d\n", rank, nranks, c->rank,
+            c->size);
+    MPI_Comm_free(&c->comm);
+    free(c);
+    return ncclInvalidUsage;
+  }
+  *comm = c;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+  if (!comm) return ncclSuccess;
+  MPI_Comm_free(&comm->comm);
+  free(comm);
+  return ncclSuccess;
+}
+
+ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t type, ncclRedOp_t op,
+                           ncclComm_t comm, cudaStream_t stream) {
+  (void)stream;
+  n_nccl++;
+  size_t bytes = count * size_of(type);
+  if (!on_device(send, bytes) || !on_device(recv, bytes)) return ncclInvalidArgument;
+  if (MPI_Allreduce(send == recv ? MPI_IN_PLACE : send, recv, (int)count, mpi_of(type), op_of(op), comm->comm))
+    return ncclSystemError;
+  average(recv, count, type, op, comm->size);
+  return ncclSuccess;
+}
+
+ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t recvcount, ncclDataType_t type, ncclRedOp_t op,
+                               ncclComm_t comm, cudaStream_t stream) {
+  (void)stream;
+  n_nccl++;
+  size_t es = size_of(type);
+  if (!on_device(send, recvcount * es * comm->size) || !on_device(recv, recvcount * es)) return ncclInvalidArgument;
+  // in place as NCCL defines it: recv = send + rank * recvcount
+  const bool in_place = (const char *)recv == (const char *)send + (size_t)comm->rank * recvcount * es;
+  void *tmp = in_place ? malloc(recvcount * es) : recv;
+  if (!tmp) return ncclSystemError;
+  int rc = MPI_Reduce_scatter_block(send, tmp, (int)recvcount, mpi_of(type), op_of(op), comm->comm);
+  if (in_place) {
+    memcpy(recv, tmp, recvcount * es);
+    free(tmp);
+  }
+  if (rc) return ncclSystemError;
+  average(recv, recvcount, type, op, comm->size);
+  return ncclSuccess;
+}
+
+ncclResult_t ncclAllGather(const void *send, void *recv, size_t sendcount, ncclDataType_t type, ncclComm_t comm,
+                           cudaStream_t stream) {
+  (void)stream;
+  n_nccl++;
+  size_t es = size_of(type);
+  if (!on_device(send, sendcount * es) || !on_device(recv, sendcount * es * comm->size)) return ncclInvalidArgument;
+  const bool in_place = (const char *)send == (const char *)recv + (size_t)comm->rank * sendcount * es;
+  if (MPI_Allgather(in_place ? MPI_IN_PLACE : send, (int)sendcount, mpi_of(type), recv, (int)sendcount, mpi_of(type),
+                    comm->comm))
+    return ncclSystemError;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataType_t type, int root,
+                           ncclComm_t comm, cudaStream_t stream) {
+  (void)stream;
+  n_nccl++;
+  size_t bytes = count * size_of(type);
+  if (!on_device(recv, bytes) || (comm->rank == root && !on_device(send, bytes))) return ncclInvalidArgument;
+  if (comm->rank == root && send != recv) memmove(recv, send, bytes);
+  return MPI_Bcast(recv, (int)count, mpi_of(type), root, comm->comm) ? ncclSystemError : ncclSuccess;
+}
+#endif // PG_EMU_MPI
 
 } // extern "C"
 
