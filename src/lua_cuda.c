@@ -62,7 +62,24 @@ static int l_selftest(lua_State *L) {
   return 2;
 }
 
+/* sgemm_gflops(n [, reps]) -> GFLOP/s of cuBLAS FP32 n x n x n products on this rank's device */
+static int l_sgemm_gflops(lua_State *L) {
+  int n = (int)luaL_checkinteger(L, 1), reps = (int)luaL_optinteger(L, 2, 10);
+  double g = 0;
+  if (pg_cuda_sgemm_gflops(n, reps, &g)) return luaL_error(L, "pg.cuda.sgemm_gflops: %s", pg_error());
+  lua_pushnumber(L, g);
+  return 1;
+}
+
+/* synchronize(): waits for the device's queued work (timing) */
+static int l_synchronize(lua_State *L) {
+  if (pg_cuda_synchronize()) return luaL_error(L, "pg.cuda.synchronize: %s", pg_error());
+  return 0;
+}
+
 static const luaL_Reg cuda_functions[] = {{"available", l_available},
+                                          {"sgemm_gflops", l_sgemm_gflops},
+                                          {"synchronize", l_synchronize},
                                           {"device_count", l_device_count},
                                           {"versions", l_versions},
                                           {"selftest", l_selftest},

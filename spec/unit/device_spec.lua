@@ -205,6 +205,19 @@ print("checkpoint ok")
     assert.matches("checkpoint ok", out)
   end)
 
+  it("ends the job with what failed on which device when the model does not fit (no hang)", function()
+    -- a 1 MB emulated device; the model needs 2 x 3.7 MB of flat buffers
+    local rc, out = h.sh(("PG_EMU_MEMORY=1000000 timeout -k 2 60 scripts/mpirun.sh -x PG_EMU_MEMORY -np 2 %s -e %s")
+      :format(h.quote(EMU), h.quote([[local pg = require "pipegoose"
+        pg.parallelize(pg.nn.GPT{ vocab = 1000, seq_len = 64, dim = 128, heads = 4, layers = 4 },
+                       pg.ParallelContext{ data = 2 }, { device = "cuda" })
+        print("fitted")]])))
+    assert.is_true(rc ~= 0 and rc ~= 124, out)
+    assert.is_nil(out:find("fitted"), out)
+    assert.matches("%[rank %d%] [^\n]*the flat parameter and gradient buffers %(2 x 3718144 bytes on cuda%): allocating "
+      .. "device memory on cuda:%d: out of memory %(3718144 bytes%)", out)
+  end)
+
   it("refuses a module written in Lua on a device, at parallelize", function()
     local rc2, out2 = emu([[
 local pg = require "pipegoose"

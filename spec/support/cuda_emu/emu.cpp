@@ -329,16 +329,29 @@ const char *cudaGetErrorString(cudaError_t e) {
 }
 const char *cudaGetErrorName(cudaError_t e) { return e == cudaSuccess ? "cudaSuccess" : "cudaError (emulated)"; }
 
+// PG_EMU_MEMORY=bytes: the emulated device's memory (default: unlimited), so
+// that "the model does not fit" can be tested
+static size_t emu_in_use;
 cudaError_t cudaMalloc(void **p, size_t bytes) {
+  const char *limit = getenv("PG_EMU_MEMORY");
+  if (limit && *limit && emu_in_use + bytes > (size_t)strtoull(limit, nullptr, 10)) {
+    *p = nullptr;
+    last_error = cudaErrorMemoryAllocation;
+    return cudaErrorMemoryAllocation;
+  }
   *p = malloc(bytes ? bytes : 1);
   if (!*p) return cudaErrorMemoryAllocation;
   memset(*p, 0xA5, bytes); // not zero: kernels must write what they claim to
   allocations[(uintptr_t)*p] = bytes;
+  emu_in_use += bytes;
   return cudaSuccess;
 }
 cudaError_t cudaFree(void *p) {
   if (!p) return cudaSuccess;
-  if (!allocations.erase((uintptr_t)p)) return cudaErrorInvalidDevicePointer;
+  auto it = allocations.find((uintptr_t)p);
+  if (it == allocations.end()) return cudaErrorInvalidDevicePointer;
+  emu_in_use -= it->second;
+  allocations.erase(it);
   free(p);
   return cudaSuccess;
 }

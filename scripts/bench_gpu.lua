@@ -1,0 +1,71 @@
+-- Training-step benchmark on a GPU: GPT-2 tokens/s and MFU against the cuBLAS
+-- FP32 sgemm rate measured in the same run on the same device.
+--
+--   pglua scripts/bench_gpu.lua [--model=124m|small|tiny] [--batch=B] [--seq=T] [--steps=N] [--warmup=W]
+--       [--peak-n=N]
+--
+-- Prints, one per line (rank 0):
+--   gpu cuda runtime R driver D cuBLAS C NCCL N   (library versions)
+--   peak sgemm_fp32 <GFLOP/s> (n = N)
+--   gpt2-<model> BxT tokens_per_s <v> step_ms <v> mfu_vs_sgemm <v> (fp32, TF32 off)
+-- MFU = 6 x parameters x tokens/s (the matmul FLOPs of forward and
+-- backward, attention's own products left out as in the CPU bench) over the
+-- sgemm rate. On the emulated device (build-emu) use --model=tiny: it checks
+-- the script, not the speed.
+local pg = require "pipegoose"
+
+local opt = {}
+for _, a in ipairs(arg) do
+  local k, v = a:match("^%-%-([%w-]+)=(.*)$")
+  if not k then error("bench_gpu.lua: unexpected argument " .. a, 0) end
+  opt[k] = v
+end
+local function int(k, d) return math.tointeger(tonumber(opt[k] or d)) or error("--" .. k .. " needs an integer", 0) end
+
+local MODELS = {
+  ["124m"] = { vocab = 50257, padded_vocab = 50304, seq_len = 1024, dim = 768, heads = 12, layers = 12 },
+  small = { vocab = 8192, padded_vocab = 8192, seq_len = 256, dim = 384, heads = 6, layers = 6 },
+  tiny = { vocab = 61, padded_vocab = 64, seq_len = 16, dim = 32, heads = 4, layers = 2 },
+}
+local name = opt.model or "124m"
+local cfg = MODELS[name] or error("bench_gpu.lua: --model is 124m, small or tiny", 0)
+local B, T = int("batch", name == "124m" and 8 or 4), int("seq", cfg.seq_len)
+local steps, warmup = int("steps", 10), int("warmup", 2)
+
+local ok, why = pg.cuda.available()
+if not ok then error("bench_gpu.lua: no GPU: " .. tostring(why), 0) end
+local v = pg.cuda.versions()
+print(("gpu cuda runtime %d driver %d cuBLAS %d NCCL %d"):format(v.runtime, v.driver, v.cublas, v.nccl))
+
+local n = int("peak-n", name == "tiny" and 64 or 8192)
+local peak = pg.cuda.sgemm_gflops(n, name == "tiny" and 2 or 20)
+print(("peak sgemm_fp32 %.1f GFLOP/s (n = %d)"):format(peak, n))
+
+local engine = pg.parallelize(pg.nn.GPT(cfg), nil, { device = "cuda", seed = 1 })
+local optim = pg.optim.AdamW(engine, { lr = 1e-4, weight_decay = 0.1 })
+local ids = {}
+for b = 1, B do
+  ids[b] = {}
+  for t = 1, T + 1 do ids[b][t] = (b * 7919 + t * 104729) % cfg.vocab end
+end
+local all = pg.tensor(ids, { dtype = "int32" })
+local x, y = all:narrow(2, 1, T), all:narrow(2, 2, T)
+local function step()
+  engine:zero_grad()
+  local loss = engine:forward_backward(x, y)
+  optim:clip_grad_norm(1.0)
+  optim:step()
+  return loss
+end
+for _ = 1, warmup do step() end
+pg.cuda.synchronize()
+
+local t0 = pg.wtime()
+local loss
+for _ = 1, steps do loss = step() end
+pg.cuda.synchronize()
+local dt = (pg.wtime() - t0) / steps
+local params = engine:num_parameters()
+local tps = B * T / dt
+print(("gpt2-%s %dx%d tokens_per_s %.0f step_ms %.2f mfu_vs_sgemm %.3f loss %.4f (fp32, TF32 off, %d parameters)")
+  :format(name, B, T, tps, dt * 1e3, 6 * params * tps / (peak * 1e9), loss, params))

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The GPU checks in one command, for a machine with an NVIDIA GPU (never CI):
+#   1. builds with CUDA (make CUDA=1) unless BUILD_DONE=1;
+#   2. pg.cuda.selftest(): every CUDA kernel against its CPU kernel;
+#   3. scripts/gpt2_check.lua --device=cuda against the clipped PyTorch fixture
+#      (10 steps: loss and gradient norm of every step to 1e-5 relative, plus
+#      the script's own loss / logits / gradient checks): one rank, then two
+#      ranks with --tensor=2 and with --data=2 --zero=1 (NCCL when the node has
+#      two GPUs; staged through the host when the ranks share one);
+#   4. scripts/bench_gpu.lua: GPT-2 124M tokens/s and MFU against the cuBLAS
+#      FP32 sgemm rate measured in the same run (BENCH_ARGS to change it).
+# Everything it prints also goes to $OUT/gpu_check.log (OUT defaults to
+# build/gpu-check). Exit status 0 when every check passed.
+#
+# The machine needs the build's Debian packages (scripts/install-deps.sh) and
+# the CUDA toolkit with cuBLAS and NCCL (CUDA_HOME, default /usr/local/cuda).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-build/gpu-check}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+: > "$LOG"
+say() { echo "$@" | tee -a "$LOG"; }
+run() { "$@" 2>&1 | tee -a "$LOG"; return "${PIPESTATUS[0]}"; }
+failed=0
+
+say "== gpu_check $(date -u +%FT%TZ) on $(hostname)"
+command -v nvidia-smi > /dev/null && run nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+if [ "${BUILD_DONE:-0}" != 1 ]; then
+  say "== build"
+  run make -j"$(nproc)" CUDA=1 all || { say "build failed"; exit 1; }
+fi
+PGLUA=${PGLUA:-build/pglua}
+GPUS=$(nvidia-smi -L 2> /dev/null | wc -l)
+say "== $GPUS GPU(s)"
+
+say "== pg.cuda.selftest()"
+run "$PGLUA" -e 'local pg = require "pipegoose"
+  local ok, report = pg.cuda.selftest()
+  io.write(report)
+  os.exit(ok and 0 or 1)' || failed=1
+
+# gpt2_check on n ranks against the clipped fixture; the comparison in Lua
+cat > "$OUT/compare.lua" <<'LUA'
+local cjson = require "cjson"
+local f = assert(io.open("spec/fixtures/gpt2_tiny_clip_steps.json"))
+local ref = cjson.decode(f:read("a"))
+f:close()
+f = assert(io.open(arg[1]))
+local out = f:read("a")
+f:close()
+local seen, worst = 0, 0
+for k, l, g in out:gmatch("step (%d+) loss (%S+) grad_norm (%S+)") do
+  k, seen = tonumber(k), seen + 1
+  worst = math.max(worst, math.abs(l - ref.losses[k]) / ref.losses[k], math.abs(g - ref.grad_norms[k]) / ref.grad_norms[k])
+end
+print(("   %d steps, worst relative difference from PyTorch %.3g (tolerance 1e-5)"):format(seen, worst))
+os.exit(seen == 10 and worst <= 1e-5 and 0 or 1)
+LUA
+check() {
+  local n=$1; shift
+  say "== gpt2_check --device=cuda on $n rank(s) $*"
+  local cmd=("$PGLUA" scripts/gpt2_check.lua spec/fixtures/gpt2_tiny_model.bin spec/fixtures/gpt2_tiny_state.bin
+             --steps=10 --clip=0.05 --device=cuda "$@")
+  [ "$n" -gt 1 ] && cmd=(scripts/mpirun.sh -np "$n" "${cmd[@]}")
+  timeout -k 5 600 "${cmd[@]}" > "$OUT/check.out" 2>&1
+  local rc=$?
+  cat "$OUT/check.out" | tee -a "$LOG"
+  "$PGLUA" "$OUT/compare.lua" "$OUT/check.out" 2>&1 | tee -a "$LOG"
+  local cmp=${PIPESTATUS[0]}
+  [ $rc = 0 ] && [ "$cmp" = 0 ] || { say "   FAILED (exit $rc)"; failed=1; }
+}
+check 1
+check 2 --tensor=2
+check 2 --data=2 --zero=1
+
+say "== bench_gpu.lua ${BENCH_ARGS:-}"
+# shellcheck disable=SC2086
+run "$PGLUA" scripts/bench_gpu.lua ${BENCH_ARGS:-} || failed=1
+
+say "== gpu_check: $([ $failed = 0 ] && echo passed || echo FAILED)"
+exit $failed
