@@ -4,7 +4,7 @@
 --   pglua scripts/mutate.lua [--only=...] [--baseline] [--stop] [--list] [--check]
 --
 -- Copies the working tree (tracked and untracked, not ignored files) to
--- build/mutate/tree, builds it there (CUDA=0), and for each mutation of
+-- build/mutate/tree, builds it there (CUDA=0, and the emulated device), and for each mutation of
 -- scripts/mutations.lua: applies it, rebuilds, runs the specs it names
 -- (through scripts/run_tests.sh, first failure wins), restores the file.
 -- A mutation is caught when a spec fails (or hangs and is killed by the
@@ -95,7 +95,8 @@ assert(sh(("git ls-files -z -co --exclude-standard | xargs -0 tar cf - | tar xf 
 sh(("cp -p build/.deps-ok %s/build/ 2>/dev/null"):format(q(TREE)))
 
 local function build()
-  return sh(("make -C %s -j2 CUDA=0 all > %s 2>&1"):format(q(TREE), q(LOG))) == 0
+  -- emu: the device specs run build-emu/pglua of the copy
+  return sh(("make -C %s -j2 CUDA=0 all emu > %s 2>&1"):format(q(TREE), q(LOG))) == 0
 end
 
 -- Runs one spec ("unit/NAME[#filter]" or "dist/NAME[#filter]") in the copy.

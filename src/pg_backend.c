@@ -40,14 +40,15 @@ static int cpu_copy(const pg_backend *b, void *dst, const void *src, size_t byte
   return PG_OK;
 }
 
-static int cpu_copy2d(const pg_backend *b, void *dst, size_t dpitch, const void *src, size_t spitch,
-                      size_t width_bytes, size_t rows, pg_copy_kind kind) {
+static int cpu_copy2d(const pg_backend *b, void *dst, size_t dpitch, const void *src, size_t spitch, size_t width_bytes,
+                      size_t rows, pg_copy_kind kind) {
   (void)b;
   (void)kind;
   char *d = dst;
   const char *s = src;
 #pragma omp parallel for schedule(static) if ((int64_t)(rows * width_bytes) > 131072)
-  for (size_t r = 0; r < rows; r++) memcpy(d + r * dpitch, s + r * spitch, width_bytes);
+  for (size_t r = 0; r < rows; r++)
+    memcpy(d + r * dpitch, s + r * spitch, width_bytes);
   return PG_OK;
 }
 
@@ -56,74 +57,49 @@ static int cpu_sync(const pg_backend *b) {
   return PG_OK;
 }
 
-static int cpu_embedding_forward(const pg_backend *b, float *out, const int32_t *tokens, const float *weight, int N,
-                                 int C, int row_start, int rows) {
-  (void)b;
-  pg_embedding_forward(out, tokens, weight, N, C, row_start, rows);
-  return PG_OK;
-}
+/* One adapter per kernel: the kernel of kernels/cpu, called as it is, and PG_OK. */
+#define CPU_KERNEL(name, params, args)                                                                                 \
+  static int cpu_##name params {                                                                                       \
+    (void)b;                                                                                                           \
+    pg_##name args;                                                                                                    \
+    return PG_OK;                                                                                                      \
+  }
 
-static int cpu_embedding_backward(const pg_backend *b, float *dweight, const float *dout, const int32_t *tokens,
-                                  int N, int C, int row_start, int rows) {
-  (void)b;
-  pg_embedding_backward(dweight, dout, tokens, N, C, row_start, rows);
-  return PG_OK;
-}
-
-static int cpu_position_forward(const pg_backend *b, float *out, const float *wpe, int N, int T, int C) {
-  (void)b;
-  pg_position_forward(out, wpe, N, T, C);
-  return PG_OK;
-}
-
-static int cpu_position_backward(const pg_backend *b, float *dwpe, const float *dout, int N, int T, int C) {
-  (void)b;
-  pg_position_backward(dwpe, dout, N, T, C);
-  return PG_OK;
-}
-
-static int cpu_layernorm_forward(const pg_backend *b, float *out, float *mean, float *rstd, const float *inp,
-                                 const float *weight, const float *bias, int N, int C) {
-  (void)b;
-  pg_layernorm_forward(out, mean, rstd, inp, weight, bias, N, C);
-  return PG_OK;
-}
-
-static int cpu_layernorm_backward(const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout,
-                                  const float *inp, const float *weight, const float *mean, const float *rstd, int N,
-                                  int C) {
-  (void)b;
-  pg_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
-  return PG_OK;
-}
-
-static int cpu_matmul_forward(const pg_backend *b, float *out, const float *inp, const float *weight,
-                              const float *bias, int N, int C, int OC) {
-  (void)b;
-  pg_matmul_forward(out, inp, weight, bias, N, C, OC);
-  return PG_OK;
-}
-
-static int cpu_matmul_backward(const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout,
-                               const float *inp, const float *weight, int N, int C, int OC) {
-  (void)b;
-  pg_matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
-  return PG_OK;
-}
-
-static int cpu_attention_forward(const pg_backend *b, float *out, float *att, const float *qkv, int B, int T, int C,
-                                 int NH) {
-  (void)b;
-  pg_attention_forward(out, att, qkv, B, T, C, NH);
-  return PG_OK;
-}
-
-static int cpu_attention_backward(const pg_backend *b, float *dqkv, float *scratch, const float *dout,
-                                  const float *qkv, const float *att, int B, int T, int C, int NH) {
-  (void)b;
-  pg_attention_backward(dqkv, scratch, dout, qkv, att, B, T, C, NH);
-  return PG_OK;
-}
+CPU_KERNEL(embedding_forward,
+           (const pg_backend *b, float *out, const int32_t *tokens, const float *weight, int N, int C, int row_start,
+            int rows),
+           (out, tokens, weight, N, C, row_start, rows))
+CPU_KERNEL(embedding_backward,
+           (const pg_backend *b, float *dweight, const float *dout, const int32_t *tokens, int N, int C, int row_start,
+            int rows),
+           (dweight, dout, tokens, N, C, row_start, rows))
+CPU_KERNEL(position_forward, (const pg_backend *b, float *out, const float *wpe, int N, int T, int C),
+           (out, wpe, N, T, C))
+CPU_KERNEL(position_backward, (const pg_backend *b, float *dwpe, const float *dout, int N, int T, int C),
+           (dwpe, dout, N, T, C))
+CPU_KERNEL(layernorm_forward,
+           (const pg_backend *b, float *out, float *mean, float *rstd, const float *inp, const float *weight,
+            const float *bias, int N, int C),
+           (out, mean, rstd, inp, weight, bias, N, C))
+CPU_KERNEL(layernorm_backward,
+           (const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout, const float *inp,
+            const float *weight, const float *mean, const float *rstd, int N, int C),
+           (dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C))
+CPU_KERNEL(matmul_forward,
+           (const pg_backend *b, float *out, const float *inp, const float *weight, const float *bias, int N, int C,
+            int OC),
+           (out, inp, weight, bias, N, C, OC))
+CPU_KERNEL(matmul_backward,
+           (const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout, const float *inp,
+            const float *weight, int N, int C, int OC),
+           (dinp, dweight, dbias, dout, inp, weight, N, C, OC))
+CPU_KERNEL(attention_forward,
+           (const pg_backend *b, float *out, float *att, const float *qkv, int B, int T, int C, int NH),
+           (out, att, qkv, B, T, C, NH))
+CPU_KERNEL(attention_backward,
+           (const pg_backend *b, float *dqkv, float *scratch, const float *dout, const float *qkv, const float *att,
+            int B, int T, int C, int NH),
+           (dqkv, scratch, dout, qkv, att, B, T, C, NH))
 
 static int64_t cpu_attention_scratch_floats(const pg_backend *b, int T, int NH) {
   (void)b;
@@ -135,55 +111,32 @@ static int64_t cpu_attention_scratch_floats(const pg_backend *b, int T, int NH) 
   return pg_attention_scratch_floats(T, threads);
 }
 
-static int cpu_gelu_forward(const pg_backend *b, float *out, const float *inp, int64_t n) {
-  (void)b;
-  pg_gelu_forward(out, inp, n);
-  return PG_OK;
-}
-
-static int cpu_gelu_backward(const pg_backend *b, float *dinp, const float *inp, const float *dout, int64_t n) {
-  (void)b;
-  pg_gelu_backward(dinp, inp, dout, n);
-  return PG_OK;
-}
-
-static int cpu_residual_forward(const pg_backend *b, float *out, const float *a, const float *x, int64_t n) {
-  (void)b;
-  pg_residual_forward(out, a, x, n);
-  return PG_OK;
-}
-
-static int cpu_xent_row_max(const pg_backend *b, float *row_max, const float *logits, int N, int V, int valid) {
-  (void)b;
-  pg_xent_row_max(row_max, logits, N, V, valid);
-  return PG_OK;
-}
-
-static int cpu_xent_sumexp(const pg_backend *b, float *sumexp, float *target_logit, const float *logits,
-                           const float *row_max, const int32_t *targets, int N, int V, int valid, int vocab_start) {
-  (void)b;
-  pg_xent_sumexp(sumexp, target_logit, logits, row_max, targets, N, V, valid, vocab_start);
-  return PG_OK;
-}
+CPU_KERNEL(gelu_forward, (const pg_backend *b, float *out, const float *inp, int64_t n), (out, inp, n))
+CPU_KERNEL(gelu_backward, (const pg_backend *b, float *dinp, const float *inp, const float *dout, int64_t n),
+           (dinp, inp, dout, n))
+CPU_KERNEL(residual_forward, (const pg_backend *b, float *out, const float *a, const float *x, int64_t n),
+           (out, a, x, n))
+CPU_KERNEL(xent_row_max, (const pg_backend *b, float *row_max, const float *logits, int N, int V, int valid),
+           (row_max, logits, N, V, valid))
+CPU_KERNEL(xent_sumexp,
+           (const pg_backend *b, float *sumexp, float *target_logit, const float *logits, const float *row_max,
+            const int32_t *targets, int N, int V, int valid, int vocab_start),
+           (sumexp, target_logit, logits, row_max, targets, N, V, valid, vocab_start))
 
 static int cpu_xent_finish(const pg_backend *b, float *losses, float *dlogits, const float *logits,
-                           const float *row_max, const float *sumexp, const float *target_logit,
-                           const int32_t *targets, int N, int V, int valid, int vocab_start, float dloss,
-                           double *loss_sum) {
+                           const float *row_max, const float *sumexp, const float *target_logit, const int32_t *targets,
+                           int N, int V, int valid, int vocab_start, float dloss, double *loss_sum) {
   (void)b;
-  double s = pg_xent_finish(losses, dlogits, logits, row_max, sumexp, target_logit, targets, N, V, valid, vocab_start,
-                            dloss);
+  double s =
+      pg_xent_finish(losses, dlogits, logits, row_max, sumexp, target_logit, targets, N, V, valid, vocab_start, dloss);
   if (loss_sum) *loss_sum = s;
   return PG_OK;
 }
 
-static int cpu_adamw_update(const pg_backend *b, float *param, const float *grad, float *m, float *v, int64_t n,
-                            float lr, float beta1, float beta2, float eps, float weight_decay, int step,
-                            float grad_scale) {
-  (void)b;
-  pg_adamw_update(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale);
-  return PG_OK;
-}
+CPU_KERNEL(adamw_update,
+           (const pg_backend *b, float *param, const float *grad, float *m, float *v, int64_t n, float lr, float beta1,
+            float beta2, float eps, float weight_decay, int step, float grad_scale),
+           (param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale))
 
 static int cpu_sum_squares(const pg_backend *b, const float *x, int64_t n, double *out) {
   (void)b;

@@ -89,8 +89,8 @@ static int cu_copy(const pg_backend *b, void *dst, const void *src, size_t bytes
   return kind == PG_COPY_DEVICE_TO_DEVICE ? PG_OK : wait_stream(b, "copying memory");
 }
 
-static int cu_copy2d(const pg_backend *b, void *dst, size_t dpitch, const void *src, size_t spitch,
-                     size_t width_bytes, size_t rows, pg_copy_kind kind) {
+static int cu_copy2d(const pg_backend *b, void *dst, size_t dpitch, const void *src, size_t spitch, size_t width_bytes,
+                     size_t rows, pg_copy_kind kind) {
   if (!rows || !width_bytes) return PG_OK;
   cudaError_t e = cudaMemcpy2DAsync(dst, dpitch, src, spitch, width_bytes, rows, kind_of(kind), stream_of(b));
   if (e != cudaSuccess) return cuda_failed(b, "copying a strided block", e);
@@ -100,7 +100,7 @@ static int cu_copy2d(const pg_backend *b, void *dst, size_t dpitch, const void *
 static int cu_sync(const pg_backend *b) { return wait_stream(b, "synchronising"); }
 
 /* One adapter per kernel: the kernel's return code becomes PG_OK / pg_error. */
-#define CUDA_KERNEL(name, params, args)                                                                              \
+#define CUDA_KERNEL(name, params, args)                                                                                \
   static int cu_##name params { return kernel_rc(b, #name, pg_cuda_##name args); }
 
 CUDA_KERNEL(embedding_forward,
@@ -108,8 +108,8 @@ CUDA_KERNEL(embedding_forward,
              int rows),
             (ctx_of(b), out, tokens, weight, N, C, row_start, rows))
 CUDA_KERNEL(embedding_backward,
-            (const pg_backend *b, float *dweight, const float *dout, const int32_t *tokens, int N, int C,
-             int row_start, int rows),
+            (const pg_backend *b, float *dweight, const float *dout, const int32_t *tokens, int N, int C, int row_start,
+             int rows),
             (ctx_of(b), dweight, dout, tokens, N, C, row_start, rows))
 CUDA_KERNEL(position_forward, (const pg_backend *b, float *out, const float *wpe, int N, int T, int C),
             (ctx_of(b), out, wpe, N, T, C))
@@ -150,8 +150,8 @@ CUDA_KERNEL(xent_sumexp,
              const int32_t *targets, int N, int V, int valid, int vocab_start),
             (ctx_of(b), sumexp, target_logit, logits, row_max, targets, N, V, valid, vocab_start))
 CUDA_KERNEL(adamw_update,
-            (const pg_backend *b, float *param, const float *grad, float *m, float *v, int64_t n, float lr,
-             float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale),
+            (const pg_backend *b, float *param, const float *grad, float *m, float *v, int64_t n, float lr, float beta1,
+             float beta2, float eps, float weight_decay, int step, float grad_scale),
             (ctx_of(b), param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale))
 
 static int64_t cu_attention_scratch_floats(const pg_backend *b, int T, int NH) {
@@ -166,9 +166,9 @@ static double *scalars(const pg_backend *b) {
   return im->scalars;
 }
 
-static int cu_xent_finish(const pg_backend *b, float *losses, float *dlogits, const float *logits,
-                          const float *row_max, const float *sumexp, const float *target_logit, const int32_t *targets,
-                          int N, int V, int valid, int vocab_start, float dloss, double *loss_sum) {
+static int cu_xent_finish(const pg_backend *b, float *losses, float *dlogits, const float *logits, const float *row_max,
+                          const float *sumexp, const float *target_logit, const int32_t *targets, int N, int V,
+                          int valid, int vocab_start, float dloss, double *loss_sum) {
   double *d = loss_sum ? scalars(b) : NULL;
   if (loss_sum && !d) return PG_ERR;
   if (kernel_rc(b, "xent_finish",
@@ -227,8 +227,12 @@ const pg_backend *pg_backend_cuda(int ordinal) {
   if (e != cudaSuccess) return pg_fail_null("selecting cuda:%d: %s", ordinal, cudaGetErrorString(e));
   if (pg_cuda_ctx_init(&impls[ordinal].ctx)) return pg_fail_null("cuda:%d: %s", ordinal, pg_error());
   pg_cuda_in_use();
-  backends[ordinal] = (pg_backend){.name = "cuda", .device = PG_CUDA, .ordinal = ordinal, .ops = &cuda_ops,
-                                   .impl = &impls[ordinal], .stream = impls[ordinal].ctx.stream};
+  backends[ordinal] = (pg_backend){.name = "cuda",
+                                   .device = PG_CUDA,
+                                   .ordinal = ordinal,
+                                   .ops = &cuda_ops,
+                                   .impl = &impls[ordinal],
+                                   .stream = impls[ordinal].ctx.stream};
   return &backends[ordinal];
 }
 

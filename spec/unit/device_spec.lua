@@ -103,7 +103,7 @@ describe("device = 'cuda' on the emulated device", function()
       .. "through host buffers over MPI instead of NCCL"), out)
   end)
 
-  it("computes one step's loss and gradients as the cpu backend does, to float32 rounding", function()
+  it("starts from the cpu engine's bits and computes one step's loss and gradients as the cpu backend does, to float32 rounding", function()
     local rc, out = emu([[
 local pg = require "pipegoose"
 local CFG = { vocab = 61, padded_vocab = 64, seq_len = 16, dim = 32, heads = 4, layers = 2 }
@@ -112,8 +112,13 @@ local ids = {}
 for b = 1, 4 do ids[b] = {} for t = 1, 17 do ids[b][t] = math.floor(math.abs(x:get(b, t)) * 1000) % 61 end end
 local all = pg.tensor(ids, { dtype = "int32" })
 local xs, ys = all:narrow(2, 1, 16), all:narrow(2, 2, 16)
+local init
 local function step(device, M)
   local e = pg.parallelize(pg.nn.GPT(CFG), nil, { device = device, micro_batches = M, seed = 5 })
+  -- the same initial bits on either backend (the init rule runs on the host)
+  local w = e.c:flat():to("cpu")
+  if init then assert(w:equal(init), device .. ": initial parameters differ from the cpu engine's") end
+  init = init or w
   e:zero_grad()
   local loss = e:forward_backward(xs, ys)
   local _, g = e.c:flat()
