@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "lua_util.h"
+#include "pg_backend.h"
 #include "pg_cuda.h"
 
 static int l_available(lua_State *L) {
@@ -66,7 +67,8 @@ static int l_selftest(lua_State *L) {
 static int l_sgemm_gflops(lua_State *L) {
   int n = (int)luaL_checkinteger(L, 1), reps = (int)luaL_optinteger(L, 2, 10);
   double g = 0;
-  if (pg_cuda_sgemm_gflops(n, reps, &g)) return luaL_error(L, "pg.cuda.sgemm_gflops: %s", pg_error());
+  const pg_backend *b = pg_backend_named("cuda");
+  if (!b || pg_backend_sgemm_gflops(b, n, reps, &g)) return luaL_error(L, "pg.cuda.sgemm_gflops: %s", pg_error());
   lua_pushnumber(L, g);
   return 1;
 }

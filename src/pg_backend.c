@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -186,6 +187,31 @@ pg_storage *pg_backend_storage(const pg_backend *b, size_t bytes) {
 static const pg_backend cpu_backend = {.name = "cpu", .device = PG_CPU, .ordinal = 0, .ops = &cpu_ops, .impl = NULL};
 
 const pg_backend *pg_backend_cpu(void) { return &cpu_backend; }
+
+static double now_seconds(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+int pg_backend_sgemm_gflops(const pg_backend *b, int n, int reps, double *gflops) {
+  if (n < 1 || reps < 1) return pg_fail("sgemm_gflops: n and reps must be positive (n=%d, reps=%d)", n, reps);
+  size_t bytes = (size_t)n * n * sizeof(float);
+  float *x = b->ops->alloc(b, bytes), *y = x ? b->ops->alloc(b, bytes) : NULL, *z = y ? b->ops->alloc(b, bytes) : NULL;
+  int rc = z ? PG_OK : PG_ERR;
+  double t0 = 0; /* product 0 warms up */
+  for (int i = 0; rc == PG_OK && i <= reps; i++) {
+    if (i == 1 && (rc = b->ops->sync(b))) break;
+    if (i == 1) t0 = now_seconds();
+    rc = b->ops->matmul_forward(b, z, x, y, NULL, n, n, n);
+    if (rc == PG_OK && i == reps && (rc = b->ops->sync(b)) == PG_OK)
+      *gflops = 2.0 * n * (double)n * n * reps / (now_seconds() - t0) / 1e9;
+  }
+  pg_be_release(b, x);
+  pg_be_release(b, y);
+  pg_be_release(b, z);
+  return rc;
+}
 
 const pg_backend *pg_backend_of(const pg_storage *s) {
   return s->device == PG_CPU ? pg_backend_cpu() : pg_backend_cuda(s->device_index);

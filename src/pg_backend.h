@@ -102,6 +102,12 @@ const pg_backend *pg_backend_named(const char *device);
  * buffers (flat parameters and gradients, optimizer state) view. */
 pg_storage *pg_backend_storage(const pg_backend *b, size_t bytes);
 
+/* The backend's FP32 product rate, the peak the benchmarks compare with:
+ * `reps` products of n x n matrices (its matmul_forward: cuBLAS with TF32
+ * off, or OpenBLAS) after one warm-up, timed on the host around a
+ * synchronisation; *gflops set. */
+int pg_backend_sgemm_gflops(const pg_backend *b, int n, int reps, double *gflops);
+
 /* The backend whose memory holds a storage (cpu, or cuda of its device). */
 const pg_backend *pg_backend_of(const pg_storage *s);
 

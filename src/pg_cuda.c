@@ -54,10 +54,6 @@ int pg_cuda_selftest(char *report, size_t n) {
   return pg_fail("%s", PG_NO_CUDA);
 }
 
-int pg_cuda_sgemm_gflops(int n, int reps, double *gflops) {
-  (void)n, (void)reps, (void)gflops;
-  return pg_fail("%s", PG_NO_CUDA);
-}
 
 #else /* PG_WITH_CUDA */
 
@@ -706,40 +702,4 @@ int pg_cuda_selftest(char *report, size_t n) {
   return PG_OK;
 }
 
-
-/* ---- the sgemm peak the benchmarks compare with ---- */
-
-#include <time.h>
-
-#include "pg_backend.h"
-
-static double now_seconds(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-int pg_cuda_sgemm_gflops(int n, int reps, double *gflops) {
-  if (n < 1 || reps < 1) return pg_fail("sgemm_gflops: n and reps must be positive (n=%d, reps=%d)", n, reps);
-  int count = 0;
-  if (pg_cuda_device_count(&count) || count < 1) return pg_fail("sgemm_gflops: no CUDA device");
-  const pg_backend *b = pg_backend_named("cuda");
-  if (!b) return PG_ERR;
-  size_t bytes = (size_t)n * n * sizeof(float);
-  float *x = b->ops->alloc(b, bytes), *y = b->ops->alloc(b, bytes), *z = b->ops->alloc(b, bytes);
-  int rc = x && y && z ? PG_OK : PG_ERR;
-  /* the kernels' own product (row-major out = inp @ weight^T); product 0 warms up */
-  double t0 = 0;
-  for (int i = 0; rc == PG_OK && i <= reps; i++) {
-    if (i == 1 && (rc = b->ops->sync(b))) break;
-    if (i == 1) t0 = now_seconds();
-    rc = b->ops->matmul_forward(b, z, x, y, NULL, n, n, n);
-    if (rc == PG_OK && i == reps && (rc = b->ops->sync(b)) == PG_OK)
-      *gflops = 2.0 * n * (double)n * n * reps / (now_seconds() - t0) / 1e9;
-  }
-  pg_be_release(b, x);
-  pg_be_release(b, y);
-  pg_be_release(b, z);
-  return rc;
-}
 #endif /* PG_WITH_CUDA */

@@ -59,11 +59,6 @@ int pg_cuda_ctx_init(pg_cuda_ctx *ctx);
 void pg_cuda_ctx_destroy(pg_cuda_ctx *ctx);
 #endif
 
-/* The cuBLAS FP32 sgemm rate on this rank's device (pg_backend_cuda's
- * stream and handle, TF32 off): `reps` products of n x n matrices after one
- * warm-up, timed on the host around a synchronisation; *gflops set. */
-int pg_cuda_sgemm_gflops(int n, int reps, double *gflops);
-
 /* Runs every CUDA kernel of kernels.h on small random inputs and compares
  * with the CPU kernels (tolerances in the report). PG_OK when all pass;
  * PG_ERR when one fails or no device is available (the report says which). */
