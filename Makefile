@@ -192,6 +192,8 @@ $(EMU_BUILD)/obj/%.o: %.c $(EMU_HEADERS) | $(DEPS_OK)
 	@mkdir -p $(dir $@)
 	$(CC) $(EMU_CFLAGS) -c $< -o $@
 
+# kept: the rewritten sources are what a debugger and the emulator's messages point at
+.PRECIOUS: $(EMU_BUILD)/cuda/%.cpp
 $(EMU_BUILD)/cuda/%.cpp: kernels/cuda/%.cu
 	@mkdir -p $(dir $@)
 	sed -E 's/([A-Za-z_][A-Za-z0-9_]*)<<<(.*)>>>\(/pg_emu_launch(\1, \2)(/' $< > $@
