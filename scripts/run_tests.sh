@@ -2,7 +2,9 @@
 # The whole test suite, as `make test` and CI run it:
 #   1. the busted specs under spec/unit and spec/examples, in one pglua process;
 #   2. every spec/dist/*_spec.lua under mpirun, once per world size listed in
-#      its first line ("-- worlds: 1 2 4 8"), every rank running busted;
+#      its first line ("-- worlds: 1 2 4 8"), every rank running busted; and
+#      again with PG_TEST_DEVICE=cuda on the emulated device (PG_EMU_PGLUA)
+#      at the sizes its second line lists ("-- device worlds: 2 8");
 #   3. a merged summary: a test passes when it passed on every rank.
 # The last line is "N passed, N failed, N skipped"; the exit status is 1 on any failure.
 # PG_TEST_ONLY=unit|dist runs one part; PG_TEST_FILTER=pattern keeps matching dist files;
@@ -36,25 +38,37 @@ if [ "$only" != dist ]; then
   [ -f "$OUT/unit.0" ] || echo "unit specs: no summary written (crash?)" > "$OUT/unit.crashed"
 fi
 
+# One mpirun of a dist spec: run_dist SPEC N NAME PGLUA [VAR=value...]
+run_dist() {
+  local spec=$1 n=$2 name=$3 pglua=$4
+  shift 4
+  echo "== mpirun -np $n busted $spec${*:+ ($*)}"
+  local start=$SECONDS
+  env "$@" PG_TEST_SUMMARY="$OUT/$name" PG_TEST_WORLD=$n timeout -k 10 "$DIST_TIMEOUT" \
+    scripts/mpirun.sh -np "$n" -x PG_TEST_SUMMARY -x PG_TEST_WORLD -x PG_ABORT_GRACE -x PG_TEST_DEVICE \
+    "$pglua" "$BUSTED" -o "$HANDLER" "${filter[@]}" "$spec"
+  local rc=$?
+  echo "   (${n} ranks, $((SECONDS - start)) s, exit $rc)"
+  for ((r = 0; r < n; r++)); do
+    [ -f "$OUT/$name.$r" ] || { echo "$spec on $n ranks: rank $r wrote no summary (exit $rc)" >> "$OUT/$name.crashed"; }
+  done
+}
+
 if [ "$only" != unit ]; then
   for spec in spec/dist/*_spec.lua; do
     [ -e "$spec" ] || continue
     [ -n "${PG_TEST_FILTER:-}" ] && [[ "$spec" != *${PG_TEST_FILTER}* ]] && continue
     worlds=$(sed -n '1s/^-- worlds:[[:space:]]*//p' "$spec")
     [ -n "$worlds" ] || worlds=2
-    for n in $worlds; do
-      name=$(basename "$spec" .lua).np$n
-      echo "== mpirun -np $n busted $spec"
-      start=$SECONDS
-      PG_TEST_SUMMARY="$OUT/$name" PG_TEST_WORLD=$n timeout -k 10 "$DIST_TIMEOUT" \
-        scripts/mpirun.sh -np "$n" -x PG_TEST_SUMMARY -x PG_TEST_WORLD -x PG_ABORT_GRACE \
-        "$PGLUA" "$BUSTED" -o "$HANDLER" "${filter[@]}" "$spec"
-      rc=$?
-      echo "   (${n} ranks, $((SECONDS - start)) s, exit $rc)"
-      for ((r = 0; r < n; r++)); do
-        [ -f "$OUT/$name.$r" ] || { echo "$spec on $n ranks: rank $r wrote no summary (exit $rc)" >> "$OUT/$name.crashed"; }
+    for n in $worlds; do run_dist "$spec" "$n" "$(basename "$spec" .lua).np$n" "$PGLUA" PG_TEST_DEVICE=cpu; done
+    # a second time on the emulated device (PG_EMU_PGLUA, make emu), at the
+    # world sizes its second line lists ("-- device worlds: 2 8")
+    dworlds=$(sed -n '2s/^-- device worlds:[[:space:]]*//p' "$spec")
+    if [ -n "$dworlds" ] && [ -n "${PG_EMU_PGLUA:-}" ]; then
+      for n in $dworlds; do
+        run_dist "$spec" "$n" "$(basename "$spec" .lua).cuda.np$n" "$PG_EMU_PGLUA" PG_TEST_DEVICE=cuda
       done
-    done
+    fi
   done
 fi
 

@@ -1,11 +1,15 @@
 -- worlds: 2 4 8
+-- device worlds: 2 8
 -- Data parallelism and ZeRO-1 against the serial model on the whole batch,
--- and all three dimensions together on 8 ranks.
+-- and all three dimensions together on 8 ranks. With PG_TEST_DEVICE=cuda
+-- (make test runs it so on the emulated device) the parallel engines run on
+-- the device and are compared with the same serial run on the CPU.
 local pg = require "pipegoose"
 
 local world = pg.world_size()
 local CFG = { vocab = 61, padded_vocab = 64, seq_len = 16, dim = 32, heads = 4, layers = 2 }
 local GLOBAL_BATCH, STEPS = 8, 20
+local DEVICE = os.getenv("PG_TEST_DEVICE") or "cpu"
 
 -- A fixed global batch of random ids, the same on every rank.
 local function batch()
@@ -45,6 +49,7 @@ end
 local serial_losses, serial_params = serial_run()
 
 local function run(ctx, opts, zero)
+  opts.device = DEVICE
   local engine = pg.parallelize(pg.nn.GPT(CFG), ctx, opts)
   local opt = adamw(engine, zero)
   local D, d = ctx:world_size("data"), ctx:local_rank("data")
@@ -89,7 +94,7 @@ local function assert_matches_serial(engine, losses, ctx)
 end
 
 local function assert_replicas_identical(engine, ctx)
-  local flat = engine.c:flat()
+  local flat = engine.c:flat():to("cpu")
   local all = pg.dist.all_gather(flat, { ctx = ctx, group = "data" })
   local n = flat:numel()
   for r = 2, ctx:world_size("data") do
@@ -132,7 +137,7 @@ if world <= 4 then
 
   describe("bad input under data parallelism", function()
     local ctx = pg.ParallelContext{ data = world }
-    local engine = pg.parallelize(pg.nn.GPT(CFG), ctx, { micro_batches = 2 })
+    local engine = pg.parallelize(pg.nn.GPT(CFG), ctx, { micro_batches = 2, device = DEVICE })
     it("names the global batch, data and micro_batches when they do not divide", function()
       local x = X:narrow(1, 1, 1)
       assert.has_error(function() engine:forward_backward(x, x) end,
