@@ -1,4 +1,5 @@
 -- worlds: 2 4
+-- device worlds: 2 4
 -- Pipeline parallelism, P = world size (and P = 2 x T = 2 on 4 ranks): both
 -- schedules and several micro-batch counts give the serial model's loss and
 -- gradients; training matches the serial run; the tied embedding's two
@@ -23,6 +24,14 @@ local P = W
 local RTOL, ATOL = 1e-5, 1e-6
 local MODEL = "spec/fixtures/gpt2_tiny_model.bin"
 local cfg = llmc.read_header(MODEL)
+
+-- PG_TEST_DEVICE=cuda (make test, on the emulated device): the pipelined
+-- engines run on the device, the serial reference stays on the CPU.
+local DEVICE = os.getenv("PG_TEST_DEVICE") or "cpu"
+local function on_device(opts)
+  opts.device = DEVICE
+  return opts
+end
 
 local ser = pg.ParallelContext{ data = W, seed = 3 }
 local pipe = pg.ParallelContext{ pipeline = P, seed = 3 }
@@ -105,7 +114,7 @@ describe(("pipeline=%d"):format(P), function()
   for _, c in ipairs(schedules(Ms)) do
     local name, M = c[1], c[2]
     it(("%s, %d micro-batches: the serial loss and every gradient; in flight within the bound"):format(name, M), function()
-      local e = pg.parallelize(model(), pipe, { micro_batches = M, schedule = name })
+      local e = pg.parallelize(model(), pipe, on_device({ micro_batches = M, schedule = name }))
       assert.same(pg.core.schedule(name, P, M, stage), e:schedule_actions())
       e:zero_grad()
       assert_loss(e:forward_backward(x, y), serial_loss, name .. " M=" .. M)
@@ -121,8 +130,8 @@ describe(("pipeline=%d"):format(P), function()
   end
 
   it("1F1B holds fewer activations than GPipe on the first stage (M = 4)", function()
-    local g = pg.parallelize(model(), pipe, { micro_batches = 4, schedule = "gpipe" })
-    local f = pg.parallelize(model(), pipe, { micro_batches = 4, schedule = "1f1b" })
+    local g = pg.parallelize(model(), pipe, on_device({ micro_batches = 4, schedule = "gpipe" }))
+    local f = pg.parallelize(model(), pipe, on_device({ micro_batches = 4, schedule = "1f1b" }))
     g:forward_backward(x, y)
     f:forward_backward(x, y)
     local mg, mf = g:memory(), f:memory()
@@ -139,7 +148,7 @@ describe(("pipeline=%d"):format(P), function()
     -- lr, so the ~1e-7 rounding differences do not grow into 1e-5 in 20 steps.
     local hp = { lr = 1e-3, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 }
     local es = pg.parallelize(model(), ser, { micro_batches = 1 })
-    local ep = pg.parallelize(model(), pipe, { micro_batches = 4, schedule = "1f1b" })
+    local ep = pg.parallelize(model(), pipe, on_device({ micro_batches = 4, schedule = "1f1b" }))
     local os_, op = pg.optim.AdamW(es, hp), pg.optim.AdamW(ep, hp)
     local first_loss, last_loss
     for k = 1, 20 do
@@ -160,16 +169,17 @@ describe(("pipeline=%d"):format(P), function()
     if is_last then assert.is_true(wte.tied_copy) end
     if is_first or is_last then
       assert.equal(2, pipe:world_size("embedding"))
-      local both = pg.dist.all_gather(wte.tensor:reshape{ 1, wte.tensor:numel() }, { group = "embedding", ctx = pipe })
+      local both = pg.dist.all_gather(wte.tensor:to("cpu"):reshape{ 1, wte.tensor:numel() }, { group = "embedding", ctx = pipe })
       assert.is_true(both:narrow(1, 1, 1):equal(both:narrow(1, 2, 1)), "the two copies of embed.wte are bitwise equal")
       -- and both equal the serial model's trained embedding
-      assert_close(wte.tensor:narrow(1, 1, cfg.vocab), es:parameter("embed.wte").tensor:narrow(1, 1, cfg.vocab), "trained wte")
+      assert_close(wte.tensor:to("cpu"):narrow(1, 1, cfg.vocab), es:parameter("embed.wte").tensor:narrow(1, 1, cfg.vocab),
+        "trained wte")
     end
   end)
 
   it("reports every top-level module once, with parameter counts summing to the model's", function()
     local m = model()
-    local e = pg.parallelize(m, pipe, { micro_batches = 2 })
+    local e = pg.parallelize(m, pipe, on_device({ micro_batches = 2 }))
     local part = e:partition()
     assert.equal(P, #part)
     local order, total = {}, 0
@@ -198,7 +208,7 @@ describe(("pipeline=%d"):format(P), function()
 
   it("obeys an explicit stages = {...}", function()
     local stages = P == 2 and { 1, 4 } or { 2, 1, 1, 1 }
-    local e = pg.parallelize(model(), pipe, { micro_batches = 2, stages = stages, schedule = "gpipe" })
+    local e = pg.parallelize(model(), pipe, on_device({ micro_batches = 2, stages = stages, schedule = "gpipe" }))
     local part = e:partition()
     local first = 1
     for p = 1, P do
@@ -210,7 +220,7 @@ describe(("pipeline=%d"):format(P), function()
     if P == 2 then assert.same({ "embed" }, part[1].modules) end
     if P == 4 then assert.same({ "embed", "blocks.0" }, part[1].modules) end
     -- the default balance differs, so the option really changed the cut
-    local d = pg.parallelize(model(), pipe, { micro_batches = 2 }):partition()
+    local d = pg.parallelize(model(), pipe, on_device({ micro_batches = 2 })):partition()
     assert.are_not.same(#d[1].modules, #part[1].modules)
     e:zero_grad()
     assert_loss(e:forward_backward(x, y), serial_loss, "explicit stages")
@@ -223,7 +233,7 @@ if W == 4 then
     local ctx = pg.ParallelContext{ pipeline = 2, tensor = 2, seed = 3 }
     for _, name in ipairs{ "gpipe", "1f1b" } do
       it(name .. ", 4 micro-batches: the serial loss and every gradient (gathered)", function()
-        local e = pg.parallelize(model(), ctx, { micro_batches = 4, schedule = name })
+        local e = pg.parallelize(model(), ctx, on_device({ micro_batches = 4, schedule = name }))
         e:zero_grad()
         assert_loss(e:forward_backward(x, y), serial_loss, name)
         check_grads(e, ctx, name)
@@ -233,7 +243,7 @@ if W == 4 then
     it("trains 20 AdamW steps to the serial losses; tied copies identical", function()
       local hp = { lr = 1e-3, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 }
       local es = pg.parallelize(model(), ser, { micro_batches = 1 })
-      local ep = pg.parallelize(model(), ctx, { micro_batches = 2, schedule = "1f1b" })
+      local ep = pg.parallelize(model(), ctx, on_device({ micro_batches = 2, schedule = "1f1b" }))
       local os_, op = pg.optim.AdamW(es, hp), pg.optim.AdamW(ep, hp)
       for k = 1, 20 do
         es:zero_grad()
@@ -244,7 +254,7 @@ if W == 4 then
       end
       local wte = ep:parameter("embed.wte")
       assert.truthy(wte, "both stages hold a copy")
-      local both = pg.dist.all_gather(wte.tensor:reshape{ 1, wte.tensor:numel() }, { group = "embedding", ctx = ctx })
+      local both = pg.dist.all_gather(wte.tensor:to("cpu"):reshape{ 1, wte.tensor:numel() }, { group = "embedding", ctx = ctx })
       assert.is_true(both:narrow(1, 1, 1):equal(both:narrow(1, 2, 1)), "this tensor rank's shard of both copies")
     end)
   end)
