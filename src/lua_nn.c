@@ -414,17 +414,7 @@ static int l_load_param(lua_State *L) {
     return luaL_error(L, "load_param %s: a tensor of %s does not fit the full shape (rows of %I values, at most %I rows)",
                       p->name, pg_tensor_describe(t, d, sizeof d), (lua_Integer)row, (lua_Integer)p->full_shape[0]);
   }
-  if (e->be->device == PG_CPU) {
-    pg_param_load_full(p, pg_tensor_f32(t), t->numel / row);
-    return 0;
-  }
-  /* a device engine: cut the shard on the host, then copy it over */
-  pg_param host = *p;
-  if (!(host.data = malloc((size_t)p->numel * sizeof(float)))) return luaL_error(L, "out of memory loading %s", p->name);
-  pg_param_load_full(&host, pg_tensor_f32(t), t->numel / row);
-  int rc = e->be->ops->copy(e->be, p->data, host.data, (size_t)p->numel * sizeof(float), PG_COPY_HOST_TO_DEVICE);
-  free(host.data);
-  PG_LUA_CHECK(L, rc);
+  PG_LUA_CHECK(L, pg_engine_load_param(e, p, pg_tensor_f32(t), t->numel / row));
   return 0;
 }
 

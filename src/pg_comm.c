@@ -52,12 +52,12 @@ static int check_ctx(pg_context *ctx) {
 
 /* ---- device memory, staged through the host ----
  *
- * A device engine's modules hand device buffers to these collectives. Until
- * they go to NCCL, such a buffer is copied to host memory (after the device
- * has finished writing it), reduced or moved there by the MPI algorithms
- * below, and copied back: the same arithmetic in the same order as for host
- * memory, so results equal the cpu backend's reductions. Said once per
- * process, on stderr. */
+ * A device engine's modules hand device buffers to these collectives. Where
+ * no NCCL communicator serves the group (pg_comm_attach_device), such a
+ * buffer is copied to host memory (after the device has finished writing
+ * it), reduced or moved there by the MPI algorithms below, and copied back:
+ * the same arithmetic in the same order as for host memory, so results equal
+ * the cpu backend's reductions. Said once per process, on stderr. */
 typedef struct staged {
   void *dev, *host;
   size_t bytes;
@@ -118,7 +118,7 @@ static ncclComm_t nccl_for(pg_context *ctx, pg_mode m, const void *buf) {
 #define NCCL_STREAM(ctx) ((cudaStream_t)(ctx)->device_stream)
 #endif
 
-int pg_comm_attach_device(pg_context *ctx, void *stream, int devices_on_node) {
+int pg_comm_attach_device(pg_context *ctx, void *stream) {
   if (check_ctx(ctx)) return PG_ERR;
   if (ctx->device_attached) {
     if (ctx->device_stream != stream)
@@ -130,13 +130,9 @@ int pg_comm_attach_device(pg_context *ctx, void *stream, int devices_on_node) {
 #ifdef PG_WITH_CUDA
   /* NCCL needs a GPU per rank: if any node has more ranks than GPUs, every
    * rank stages (the same transport everywhere) */
-  int local = 1, crowded = 0;
-  MPI_Comm node;
-  if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
-    MPI_Comm_size(node, &local);
-    MPI_Comm_free(&node);
-  }
-  crowded = local > devices_on_node;
+  int devices = 0;
+  if (pg_cuda_device_count(&devices)) return PG_ERR;
+  int crowded = pg_node_size() > devices;
   if (MPI_Allreduce(MPI_IN_PLACE, &crowded, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD) != MPI_SUCCESS)
     return pg_fail("agreeing on the device transport failed");
   if (crowded) {
@@ -160,8 +156,6 @@ int pg_comm_attach_device(pg_context *ctx, void *stream, int devices_on_node) {
       return PG_ERR;
     g->nccl = c;
   }
-#else
-  (void)devices_on_node;
 #endif
   return PG_OK;
 }
@@ -381,11 +375,10 @@ static int all_reduce_host(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_
 
 int pg_all_reduce_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype, pg_reduce_op op) {
   if (check_ctx(ctx)) return PG_ERR;
+  if (mpi_type(dtype) == MPI_DATATYPE_NULL) return pg_fail("all_reduce of %s is not supported", pg_dtype_name(dtype));
+  if (op == PG_REDUCE_AVG && dtype != PG_FLOAT32) return pg_fail("op avg needs float32, not %s", pg_dtype_name(dtype));
 #ifdef PG_WITH_CUDA
-  ncclComm_t nc = ctx->group[m].size > 1 && n > 0 && mpi_type(dtype) != MPI_DATATYPE_NULL &&
-                          (op != PG_REDUCE_AVG || dtype == PG_FLOAT32)
-                      ? nccl_for(ctx, m, buf)
-                      : NULL;
+  ncclComm_t nc = ctx->group[m].size > 1 && n > 0 ? nccl_for(ctx, m, buf) : NULL;
   if (nc) {
     double t0 = MPI_Wtime();
     if (nccl_done(ncclAllReduce(buf, buf, (size_t)n, nccl_type(dtype), nccl_op(op), nc, NCCL_STREAM(ctx)),
@@ -401,8 +394,6 @@ int pg_all_reduce_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype
 }
 
 static int all_reduce_host(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype, pg_reduce_op op) {
-  if (mpi_type(dtype) == MPI_DATATYPE_NULL) return pg_fail("all_reduce of %s is not supported", pg_dtype_name(dtype));
-  if (op == PG_REDUCE_AVG && dtype != PG_FLOAT32) return pg_fail("op avg needs float32, not %s", pg_dtype_name(dtype));
   pg_group *g = &ctx->group[m];
   if (g->size == 1 || n == 0) return PG_OK;
   double t0 = MPI_Wtime();

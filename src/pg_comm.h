@@ -70,13 +70,12 @@ int pg_recv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t count, int src, 
 double pg_wtime(void);
 
 /* Device memory. A device engine attaches its stream to the context
- * (collective over the world, once per context; devices_on_node: the node's
- * GPUs). With one GPU per rank the tensor and data groups get NCCL
+ * (collective over the world, once per context). With one GPU per rank the tensor and data groups get NCCL
  * communicators and their collectives on device memory run as NCCL calls on
  * that stream; when ranks share a GPU (NCCL refuses that) they, like the
  * pipeline and embedding groups' transfers, are staged through host memory
  * over MPI. Said once, on rank 0. */
-int pg_comm_attach_device(pg_context *ctx, void *stream, int devices_on_node);
+int pg_comm_attach_device(pg_context *ctx, void *stream);
 /* Frees the NCCL communicators (pg_context_destroy calls it). */
 void pg_comm_detach_device(pg_context *ctx);
 

@@ -161,37 +161,36 @@ static int pg_threads = 1;
 
 int pg_num_threads(void) { return pg_threads; }
 
-int pg_node_rank(void) {
-  int inited = 0, finalized = 0, rank = 0;
+/* This process's place on its node, found once by pg_setup_threads (a
+ * collective over the world at start-up): later callers (t:to("cuda") on
+ * one rank) must not run a collective. */
+static int node_rank, node_size = 1;
+
+int pg_node_rank(void) { return node_rank; }
+int pg_node_size(void) { return node_size; }
+
+static void find_node_place(void) {
+  int inited = 0, finalized = 0;
   MPI_Initialized(&inited);
   MPI_Finalized(&finalized);
-  if (!inited || finalized) return 0;
+  if (!inited || finalized) return;
   MPI_Comm node;
   if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
-    MPI_Comm_rank(node, &rank);
+    MPI_Comm_rank(node, &node_rank);
+    MPI_Comm_size(node, &node_size);
     MPI_Comm_free(&node);
   }
-  return rank;
 }
 
 int pg_setup_threads(void) {
+  find_node_place();
   int n = 0;
   const char *env = getenv("OMP_NUM_THREADS");
   if (env && *env) n = atoi(env);
   if (n < 1) {
     long online = sysconf(_SC_NPROCESSORS_ONLN);
     if (online < 1) online = 1;
-    int local = 1, inited = 0, finalized = 0;
-    MPI_Initialized(&inited);
-    MPI_Finalized(&finalized);
-    if (inited && !finalized) {
-      MPI_Comm node;
-      if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
-        MPI_Comm_size(node, &local);
-        MPI_Comm_free(&node);
-      }
-    }
-    n = (int)(online / local);
+    n = (int)(online / node_size);
     cpu_set_t set;
     if (sched_getaffinity(0, sizeof set, &set) == 0) {
       int allowed = CPU_COUNT(&set);

@@ -104,8 +104,10 @@ int pg_mpi_world_size(void);
 int pg_setup_threads(void);
 int pg_num_threads(void);
 
-/* This process's rank among the ranks on its node (0 without MPI): the
- * device a rank uses is its node rank modulo the node's devices. */
+/* This process's rank among the ranks on its node, and how many there are
+ * (0 and 1 without MPI), as pg_setup_threads found them: the device a rank
+ * uses is its node rank modulo the node's devices. */
 int pg_node_rank(void);
+int pg_node_size(void);
 
 #endif

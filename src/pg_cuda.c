@@ -54,7 +54,6 @@ int pg_cuda_selftest(char *report, size_t n) {
   return pg_fail("%s", PG_NO_CUDA);
 }
 
-
 #else /* PG_WITH_CUDA */
 
 #include <cublas_v2.h>

@@ -3,7 +3,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "pg_cuda.h"
 #include "pg_comm.h"
 #include "pg_error.h"
 
@@ -73,8 +72,7 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is
   e->opts = *opts;
   if (e->be->device != PG_CPU) {
     e->opts.private_buffers = 1; /* shared memory is host memory */
-    int devices = 0;
-    if (ctx->world_size > 1 && (pg_cuda_device_count(&devices) || pg_comm_attach_device(ctx, e->be->stream, devices))) {
+    if (ctx->world_size > 1 && pg_comm_attach_device(ctx, e->be->stream)) {
       pg_engine_free(e);
       return NULL;
     }
@@ -411,6 +409,21 @@ pg_param *pg_engine_find_param(const pg_engine *e, const char *name) {
   for (int i = 0; i < e->nparams; i++)
     if (!strcmp(e->params[i]->name, name)) return e->params[i];
   return NULL;
+}
+
+int pg_engine_load_param(pg_engine *e, pg_param *p, const float *full, int64_t full_rows) {
+  if (e->be->device == PG_CPU) {
+    pg_param_load_full(p, full, full_rows);
+    return PG_OK;
+  }
+  /* a device engine: cut the shard on the host, then copy it over */
+  size_t bytes = (size_t)p->numel * sizeof(float);
+  pg_param host = *p;
+  if (!(host.data = malloc(bytes))) return pg_fail("out of memory loading %s", p->name);
+  pg_param_load_full(&host, full, full_rows);
+  int rc = e->be->ops->copy(e->be, p->data, host.data, bytes, PG_COPY_HOST_TO_DEVICE);
+  free(host.data);
+  return rc;
 }
 
 int pg_engine_gather_param(pg_engine *e, pg_param *p, float *full) {

@@ -105,6 +105,9 @@ void pg_engine_shard(const pg_engine *e, int64_t *lo, int64_t *hi);
 int pg_engine_num_parameters(pg_engine *e, int64_t *n);
 /* The parameter of that name on this rank, or NULL. */
 pg_param *pg_engine_find_param(const pg_engine *e, const char *name);
+/* Fills this rank's shard of p from a full (host) tensor of full_rows rows
+ * (pg_param_load_full), wherever the engine keeps its parameters. */
+int pg_engine_load_param(pg_engine *e, pg_param *p, const float *full, int64_t full_rows);
 /* The full tensor of a parameter, assembled from the shards of the tensor
  * group into `full` (p->full_shape). Collective over the tensor group. */
 int pg_engine_gather_param(pg_engine *e, pg_param *p, float *full);

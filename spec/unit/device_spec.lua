@@ -169,6 +169,15 @@ print("device tensors ok")
     assert.matches("device tensors ok", out)
   end)
 
+  it("copies to the device on one rank alone, to that rank's device (no collective)", function()
+    -- the rank -> device rule uses the rank's place on its node, found at start-up
+    local rc, out = h.sh(("timeout -k 2 60 scripts/mpirun.sh -np 2 %s -e %s"):format(h.quote(EMU), h.quote(
+      [[local pg = require "pipegoose"
+        if pg.world_rank() == 1 then print("rank 1: " .. pg.tensor{ 1, 2 }:to("cuda"):device()) end]])))
+    assert.equal(0, rc, out)
+    assert.matches("rank 1: cuda:1", out)
+  end)
+
   it("saves a checkpoint on the device that loads on the cpu and back, bit for bit", function()
     local dir = h.tmpdir()
     local rc, out = emu(([[
