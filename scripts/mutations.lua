@@ -131,7 +131,7 @@ return {
   { name = "nccl-average-is-sum", file = "src/pg_comm.c",
     from = "(size_t)blk, ncclFloat32, nccl_op(op), nc,", to = "(size_t)blk, ncclFloat32, ncclSum, nc,",
     specs = { "unit/device#data" }, why = "the NCCL reduce-scatter of gradients sums where it should average" },
-  { name = "device-copy-wrong-direction", file = "src/lua_tensor.c",
+  { name = "device-copy-wrong-direction", file = "src/pg_backend.c",
     from = "pg_copy_kind kind = ss->device == PG_CPU   ? PG_COPY_HOST_TO_DEVICE",
     to = "pg_copy_kind kind = ss->device == PG_CPU   ? PG_COPY_DEVICE_TO_DEVICE",
     specs = { "unit/device#device tensors" }, why = "host-to-device copies declared device-to-device" },

@@ -174,32 +174,12 @@ static int l_device(lua_State *L) {
   return 1;
 }
 
-/* A new tensor of t's shape and dtype in the memory of backend b. */
-static pg_tensor *new_on(lua_State *L, const pg_tensor *t, const pg_backend *b) {
-  pg_storage *s = pg_backend_storage(b, (size_t)t->numel * pg_dtype_size(t->dtype));
-  if (!s) luaL_error(L, "%s", pg_error());
+/* Pushes a copy of t in the memory of backend b; returns 1 (results pushed). */
+static int copy_to(lua_State *L, const pg_tensor *t, const pg_backend *b) {
   pg_tensor out;
-  int rc = pg_tensor_init_view(&out, s, 0, t->dtype, t->ndim, t->shape);
-  pg_storage_release(s); /* the view holds it */
-  if (rc) luaL_error(L, "%s", pg_error());
-  return pg_lua_push_tensor(L, &out);
-}
-
-/* dst = src element for element, on any devices (the device side's backend copies). */
-static int copy_across(const pg_tensor *dst, const pg_tensor *src) {
-  if (dst->numel != src->numel || dst->dtype != src->dtype) {
-    char a[128], b[128];
-    return pg_fail("copy: destination %s and source %s differ", pg_tensor_describe(dst, a, sizeof a),
-                   pg_tensor_describe(src, b, sizeof b));
-  }
-  const pg_storage *ds = dst->storage, *ss = src->storage;
-  pg_copy_kind kind = ss->device == PG_CPU   ? PG_COPY_HOST_TO_DEVICE
-                      : ds->device == PG_CPU ? PG_COPY_DEVICE_TO_HOST
-                                             : PG_COPY_DEVICE_TO_DEVICE;
-  const pg_backend *b = pg_backend_of(ds->device != PG_CPU ? ds : ss);
-  if (!b) return PG_ERR;
-  return b->ops->copy(b, pg_tensor_data(dst), pg_tensor_data(src), (size_t)src->numel * pg_dtype_size(src->dtype),
-                      kind);
+  PG_LUA_CHECK(L, pg_backend_tensor(b, &out, t->dtype, t->ndim, t->shape));
+  PG_LUA_CHECK(L, pg_backend_copy_tensor(pg_lua_push_tensor(L, &out), t));
+  return 1;
 }
 
 /* t:to(device) -> t itself when already there, else a copy there
@@ -212,9 +192,7 @@ static int l_to(lua_State *L) {
     lua_settop(L, 1);
     return 1;
   }
-  pg_tensor *out = new_on(L, t, b);
-  PG_LUA_CHECK(L, copy_across(out, t));
-  return 1;
+  return copy_to(L, t, b);
 }
 
 static void push_element(lua_State *L, const pg_tensor *t, int64_t i) {
@@ -244,8 +222,7 @@ static int l_clone(lua_State *L) {
   if (t->storage->device != PG_CPU) { /* a copy on the same device */
     const pg_backend *b = pg_backend_of(t->storage);
     if (!b) return luaL_error(L, "%s", pg_error());
-    PG_LUA_CHECK(L, copy_across(new_on(L, t, b), t));
-    return 1;
+    return copy_to(L, t, b);
   }
   PG_LUA_CHECK(L, pg_tensor_clone(&out, t));
   pg_lua_push_tensor(L, &out);
@@ -334,8 +311,7 @@ static int l_fill_(lua_State *L) {
 
 static int l_copy_(lua_State *L) {
   pg_tensor *t = pg_lua_check_any_tensor(L, 1), *src = pg_lua_check_any_tensor(L, 2);
-  if (t->storage->device == PG_CPU && src->storage->device == PG_CPU) PG_LUA_CHECK(L, pg_tensor_copy(t, src));
-  else PG_LUA_CHECK(L, copy_across(t, src));
+  PG_LUA_CHECK(L, pg_backend_copy_tensor(t, src));
   lua_settop(L, 1);
   return 1;
 }

@@ -217,6 +217,32 @@ const pg_backend *pg_backend_of(const pg_storage *s) {
   return s->device == PG_CPU ? pg_backend_cpu() : pg_backend_cuda(s->device_index);
 }
 
+int pg_backend_tensor(const pg_backend *b, pg_tensor *out, pg_dtype dtype, int ndim, const int64_t *shape) {
+  if (b->device == PG_CPU) return pg_tensor_init(out, dtype, ndim, shape);
+  pg_storage *s = pg_backend_storage(b, (size_t)pg_shape_numel(ndim, shape) * pg_dtype_size(dtype));
+  if (!s) return PG_ERR;
+  int rc = pg_tensor_init_view(out, s, 0, dtype, ndim, shape);
+  pg_storage_release(s); /* the view holds it */
+  return rc;
+}
+
+int pg_backend_copy_tensor(pg_tensor *dst, const pg_tensor *src) {
+  const pg_storage *ds = dst->storage, *ss = src->storage;
+  if (ds->device == PG_CPU && ss->device == PG_CPU) return pg_tensor_copy(dst, src);
+  if (dst->numel != src->numel || dst->dtype != src->dtype) {
+    char a[128], b[128];
+    return pg_fail("copy: destination %s and source %s differ", pg_tensor_describe(dst, a, sizeof a),
+                   pg_tensor_describe(src, b, sizeof b));
+  }
+  pg_copy_kind kind = ss->device == PG_CPU   ? PG_COPY_HOST_TO_DEVICE
+                      : ds->device == PG_CPU ? PG_COPY_DEVICE_TO_HOST
+                                             : PG_COPY_DEVICE_TO_DEVICE;
+  const pg_backend *b = pg_backend_of(ds->device != PG_CPU ? ds : ss);
+  if (!b) return PG_ERR;
+  return b->ops->copy(b, pg_tensor_data(dst), pg_tensor_data(src), (size_t)src->numel * pg_dtype_size(src->dtype),
+                      kind);
+}
+
 const pg_backend *pg_backend_named(const char *device) {
   if (!strcmp(device, "cpu")) return pg_backend_cpu();
   if (!strcmp(device, "cuda")) {

@@ -111,6 +111,12 @@ int pg_backend_sgemm_gflops(const pg_backend *b, int n, int reps, double *gflops
 /* The backend whose memory holds a storage (cpu, or cuda of its device). */
 const pg_backend *pg_backend_of(const pg_storage *s);
 
+/* A new zeroed tensor (own storage) in backend b's memory. */
+int pg_backend_tensor(const pg_backend *b, pg_tensor *out, pg_dtype dtype, int ndim, const int64_t *shape);
+/* dst = src element for element, each on any device (pg_tensor_copy between
+ * host tensors; otherwise the device side's backend copies). */
+int pg_backend_copy_tensor(pg_tensor *dst, const pg_tensor *src);
+
 /* Zeroed working memory, and its release: shorthands. */
 static inline float *pg_be_floats(const pg_backend *b, size_t n) { return b->ops->alloc(b, n * sizeof(float)); }
 static inline void pg_be_release(const pg_backend *b, void *p) {
