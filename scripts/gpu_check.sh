@@ -8,12 +8,18 @@
 #      ranks with --tensor=2 and with --data=2 --zero=1 (NCCL when the node has
 #      two GPUs; staged through the host when the ranks share one);
 #   4. scripts/bench_gpu.lua: GPT-2 124M tokens/s and MFU against the cuBLAS
-#      FP32 sgemm rate measured in the same run (BENCH_ARGS to change it).
+#      FP32 sgemm rate measured in the same run (BENCH_ARGS to change it);
+#   5. unless SPECS=0: the dist specs marked '-- device worlds:' at those
+#      sizes with PG_TEST_DEVICE=cuda (run_tests.sh), on this GPU: each layout
+#      against the serial CPU run. (spec/unit/device_spec.lua is the emulator's:
+#      it counts the emulated device's calls.)
 # Everything it prints also goes to $OUT/gpu_check.log (OUT defaults to
 # build/gpu-check). Exit status 0 when every check passed.
 #
 # The machine needs the build's Debian packages (scripts/install-deps.sh) and
 # the CUDA toolkit with cuBLAS and NCCL (CUDA_HOME, default /usr/local/cuda).
+# A machine without the Debian packages takes scripts/gpu_bundle.sh's
+# .gpu/bundle.tar.xz: when it is there, it is unpacked and used (no build).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu-check}
@@ -25,6 +31,12 @@ run() { "$@" 2>&1 | tee -a "$LOG"; return "${PIPESTATUS[0]}"; }
 failed=0
 
 say "== gpu_check $(date -u +%FT%TZ) on $(hostname)"
+if [ -f .gpu/bundle.tar.xz ]; then
+  [ -f .gpu/env.sh ] || tar -xJf .gpu/bundle.tar.xz -C .gpu || exit 1
+  . .gpu/env.sh
+  BUILD_DONE=1 PGLUA=.gpu/bin/pglua
+  run ldd "$PGLUA" | grep -E 'not found|cudart|nccl|lua|mpi\.'
+fi
 command -v nvidia-smi > /dev/null && run nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 if [ "${BUILD_DONE:-0}" != 1 ]; then
   say "== build"
@@ -63,7 +75,7 @@ check() {
   local cmd=("$PGLUA" scripts/gpt2_check.lua spec/fixtures/gpt2_tiny_model.bin spec/fixtures/gpt2_tiny_state.bin
              --steps=10 --clip=0.05 --device=cuda "$@")
   [ "$n" -gt 1 ] && cmd=(scripts/mpirun.sh -np "$n" "${cmd[@]}")
-  timeout -k 5 600 "${cmd[@]}" > "$OUT/check.out" 2>&1
+  timeout -k 5 "${CHECK_TIMEOUT:-600}" "${cmd[@]}" > "$OUT/check.out" 2>&1
   local rc=$?
   cat "$OUT/check.out" | tee -a "$LOG"
   "$PGLUA" "$OUT/compare.lua" "$OUT/check.out" 2>&1 | tee -a "$LOG"
@@ -76,7 +88,16 @@ check 2 --data=2 --zero=1
 
 say "== bench_gpu.lua ${BENCH_ARGS:-}"
 # shellcheck disable=SC2086
-run "$PGLUA" scripts/bench_gpu.lua ${BENCH_ARGS:-} || failed=1
+run timeout -k 5 "${BENCH_TIMEOUT:-300}" "$PGLUA" scripts/bench_gpu.lua ${BENCH_ARGS:-} || failed=1
+
+if [ "${SPECS:-1}" = 1 ]; then
+  say "== the dist specs' device worlds on this GPU"
+  BUSTED=${BUSTED:-$(command -v busted || echo /usr/bin/busted)}
+  for spec in $(grep -l '^-- device worlds:' spec/dist/*_spec.lua); do
+    run env PGLUA="$PGLUA" PG_EMU_PGLUA="$PGLUA" BUSTED="$BUSTED" PG_TEST_ONLY=dist PG_TEST_DEVICE_ONLY=1 PG_DIST_TIMEOUT="${DIST_TIMEOUT:-300}" \
+      PG_TEST_FILTER="$(basename "$spec")" scripts/run_tests.sh || failed=1
+  done
+fi
 
 say "== gpu_check: $([ $failed = 0 ] && echo passed || echo FAILED)"
 exit $failed

@@ -9,7 +9,8 @@
 # The last line is "N passed, N failed, N skipped"; the exit status is 1 on any failure.
 # PG_TEST_ONLY=unit|dist runs one part; PG_TEST_FILTER=pattern keeps matching dist files;
 # PG_TEST_UNIT="files" runs those unit spec files instead of the folders;
-# PG_TEST_BUSTED_FILTER=pattern keeps the tests whose names match (busted --filter).
+# PG_TEST_BUSTED_FILTER=pattern keeps the tests whose names match (busted --filter);
+# PG_TEST_DEVICE_ONLY=1 runs only the dist specs' device worlds (scripts/gpu_check.sh).
 set -u
 cd "$(dirname "$0")/.."
 PGLUA=${PGLUA:-./pglua}
@@ -60,6 +61,7 @@ if [ "$only" != unit ]; then
     [ -n "${PG_TEST_FILTER:-}" ] && [[ "$spec" != *${PG_TEST_FILTER}* ]] && continue
     worlds=$(sed -n '1s/^-- worlds:[[:space:]]*//p' "$spec")
     [ -n "$worlds" ] || worlds=2
+    [ "${PG_TEST_DEVICE_ONLY:-0}" = 1 ] && worlds=
     for n in $worlds; do run_dist "$spec" "$n" "$(basename "$spec" .lua).np$n" "$PGLUA" PG_TEST_DEVICE=cpu; done
     # a second time on the emulated device (PG_EMU_PGLUA, make emu), at the
     # world sizes its second line lists ("-- device worlds: 2 8")
