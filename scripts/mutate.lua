@@ -104,7 +104,7 @@ end
 local function run_spec(spec)
   local kind, name, filter = spec:match("^(%a+)/([%w_]+)#?(.*)$")
   assert(kind == "unit" or kind == "dist", "bad spec " .. spec)
-  local env = { "PGLUA=build/pglua", "PG_TEST_ONLY=" .. kind, "PG_DIST_TIMEOUT=150" }
+  local env = { "PGLUA=build/pglua", "PG_EMU_PGLUA=build-emu/pglua", "PG_TEST_ONLY=" .. kind, "PG_DIST_TIMEOUT=150" }
   if kind == "unit" then
     env[#env + 1] = "PG_TEST_UNIT=spec/unit/" .. name .. "_spec.lua"
   else

@@ -77,7 +77,12 @@ static int stage(pg_context *ctx, pg_mode m, void **buf, size_t bytes, int copy_
                   "tied-embedding transfers; all of them where ranks share a GPU)");
   if (!(s->host = malloc(bytes))) return pg_fail("out of memory staging %zu bytes of device memory", bytes);
   s->dev = *buf;
-  if (copy_in && (pg_cuda_synchronize() || pg_cuda_memcpy(s->host, s->dev, bytes, PG_CUDA_DEVICE_TO_HOST))) {
+  /* The device must be done with the buffer before the host reads it (copy_in)
+   * or unstage overwrites it: the engine's stream does not wait for the legacy
+   * stream's cudaMemcpy, so a kernel still reading the previous micro-batch's
+   * activation would see the next one (seen on an H200; the emulator's
+   * deferred streams now show it too). */
+  if (pg_cuda_synchronize() || (copy_in && pg_cuda_memcpy(s->host, s->dev, bytes, PG_CUDA_DEVICE_TO_HOST))) {
     free(s->host);
     s->dev = s->host = NULL;
     return PG_ERR;

@@ -2,9 +2,11 @@
  * CUDA kernels on the CPU where no GPU exists (scripts/cuda_emu_test.sh).
  * Only what kernels/cuda and src/pg_cuda.c use. Device memory is host memory;
  * a launch runs its blocks one after another, each block's threads as fibers
- * that switch at __syncthreads and warp collectives (see emu.cpp). It checks
- * logic, indexing and barriers; it says nothing about speed. Not the real
- * API: never installed, never linked into the library. */
+ * that switch at __syncthreads and warp collectives (see emu.cpp). Work on a
+ * non-blocking stream waits in the stream's queue until something the CUDA
+ * runtime would make wait for it does (see emu.cpp: "streams"). It checks
+ * logic, indexing, barriers and stream order; it says nothing about speed.
+ * Not the real API: never installed, never linked into the library. */
 #ifndef PG_CUDA_EMU_RUNTIME_H
 #define PG_CUDA_EMU_RUNTIME_H
 
@@ -72,6 +74,8 @@ int pg_emu_is_device(const void *p, size_t bytes);
 #include <stdint.h>
 #include <string.h>
 
+#include <functional>
+#include <memory>
 #include <tuple>
 #include <utility>
 
@@ -122,21 +126,34 @@ typedef void (*pg_emu_body)(void *);
 /* Runs body(arg) for every thread of every block; sets the last error on a bad configuration. */
 void pg_emu_run(dim3 grid, dim3 block, const char *name, pg_emu_body body, void *arg);
 
+/* Is the configuration launchable? (sets the last error when not, as a launch does) */
+bool pg_emu_launchable(dim3 grid, dim3 block, const char *name);
+/* Runs work now, or queues it on a non-blocking stream s (emu.cpp: "streams"). */
+void pg_emu_submit(cudaStream_t s, std::function<void()> work);
+
 template <typename... P> struct pg_emu_launcher {
   void (*kernel)(P...);
   dim3 grid, block;
   const char *name;
+  cudaStream_t stream;
   template <typename... A> void operator()(A... a) {
-    std::tuple<P...> args(static_cast<P>(a)...);
-    struct call {
-      void (*kernel)(P...);
-      std::tuple<P...> *args;
-      static void run(void *self) {
-        call *c = (call *)self;
-        std::apply(c->kernel, *c->args);
-      }
-    } c{kernel, &args};
-    pg_emu_run(grid, block, name, &call::run, &c);
+    if (!pg_emu_launchable(grid, block, name)) return;
+    /* the arguments are copied at the launch, as CUDA copies them */
+    auto args = std::make_shared<std::tuple<P...>>(static_cast<P>(a)...);
+    void (*k)(P...) = kernel;
+    dim3 g = grid, b = block;
+    const char *n = name;
+    pg_emu_submit(stream, [k, args, g, b, n] {
+      struct call {
+        void (*kernel)(P...);
+        std::tuple<P...> *args;
+        static void run(void *self) {
+          call *c = (call *)self;
+          std::apply(c->kernel, *c->args);
+        }
+      } c{k, args.get()};
+      pg_emu_run(g, b, n, &call::run, &c);
+    });
   }
 };
 
@@ -145,8 +162,8 @@ template <typename... P> struct pg_emu_launcher {
 template <typename... P>
 pg_emu_launcher<P...> pg_emu_launch_named(const char *name, void (*kernel)(P...), dim3 grid, dim3 block,
                                          size_t smem = 0, cudaStream_t s = 0) {
-  (void)smem, (void)s;
-  return pg_emu_launcher<P...>{kernel, grid, block, name};
+  (void)smem;
+  return pg_emu_launcher<P...>{kernel, grid, block, name, s};
 }
 #define pg_emu_launch(kernel, ...) pg_emu_launch_named(#kernel, kernel, __VA_ARGS__)
 

@@ -12,12 +12,27 @@
 // __ballot_sync) when every live thread of the warp does. Anything else
 // (threads of one warp in different collectives, some threads of a block at
 // __syncthreads forever) is reported as a deadlock and aborts.
+//
+// Streams. Work queued on a stream made with cudaStreamNonBlocking (kernels,
+// cuBLAS, cudaMemsetAsync, device-bound cudaMemcpyAsync) is not done when it
+// is queued: it waits, in order, until the host waits for it as the CUDA
+// runtime would: cudaStreamSynchronize of that stream, cudaDeviceSynchronize,
+// cudaFree (an implicit device synchronisation), a cudaMemcpyAsync to host
+// memory on that stream (pageable memory: it returns when the copy is done),
+// and an NCCL call on that stream (which then runs at once: NCCL's own
+// progress never waits for the host). cudaMemcpy on the legacy default stream
+// does not wait for a non-blocking stream, here as on a GPU, so a host that
+// copies a buffer the stream is still writing or reading sees the stale data
+// deterministically instead of now and then. A cudaMemcpyAsync from host
+// memory reads its source when it is called (CUDA stages pageable memory).
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <ucontext.h>
 
+#include <deque>
+#include <functional>
 #include <map>
 #include <vector>
 
@@ -251,16 +266,22 @@ uint64_t pg_emu_shfl_xor(uint64_t v, int m) {
   return r;
 }
 
-void pg_emu_run(dim3 grid, dim3 block, const char *name, pg_emu_body body, void *arg) {
-  n_launches++;
+bool pg_emu_launchable(dim3 grid, dim3 block, const char *name) {
   const long long nthreads = (long long)block.x * block.y * block.z;
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || nthreads <= 0 || nthreads > 1024 || block.z > 64 ||
       grid.y > 65535 || grid.z > 65535) {
     fprintf(stderr, "cuda_emu: %s: invalid launch configuration grid (%u, %u, %u) block (%u, %u, %u)\n", name, grid.x,
             grid.y, grid.z, block.x, block.y, block.z);
     last_error = cudaErrorInvalidConfiguration;
-    return;
+    return false;
   }
+  return true;
+}
+
+void pg_emu_run(dim3 grid, dim3 block, const char *name, pg_emu_body body, void *arg) {
+  n_launches++;
+  if (!pg_emu_launchable(grid, block, name)) return;
+  const long long nthreads = (long long)block.x * block.y * block.z;
   gridDim = grid;
   blockDim = block;
   cur_body = body;
@@ -274,6 +295,35 @@ void pg_emu_run(dim3 grid, dim3 block, const char *name, pg_emu_body body, void 
         blockIdx = uint3{x, y, z};
         run_block((int)nthreads);
       }
+}
+
+// ---- streams ----
+
+struct CUstream_st {
+  unsigned flags;
+  std::deque<std::function<void()>> queue;
+};
+namespace {
+std::vector<cudaStream_t> live_streams;
+bool deferred(cudaStream_t s) { return s && (s->flags & cudaStreamNonBlocking); }
+// Does the queued work of s (every stream when s is null), in order.
+void drain(cudaStream_t s) {
+  for (cudaStream_t t : live_streams) {
+    if (s && t != s) continue;
+    while (!t->queue.empty()) {
+      std::function<void()> w = std::move(t->queue.front());
+      t->queue.pop_front();
+      w();
+    }
+  }
+}
+} // namespace
+
+void pg_emu_submit(cudaStream_t s, std::function<void()> work) {
+  if (deferred(s))
+    s->queue.push_back(std::move(work));
+  else
+    work();
 }
 
 // ---- runtime ----
@@ -348,6 +398,7 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
 }
 cudaError_t cudaFree(void *p) {
   if (!p) return cudaSuccess;
+  drain(nullptr); // cudaFree synchronises the device
   auto it = allocations.find((uintptr_t)p);
   if (it == allocations.end()) return cudaErrorInvalidDevicePointer;
   emu_in_use -= it->second;
@@ -366,22 +417,40 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, enum cudaMemcpy
   memmove(dst, src, bytes);
   return cudaSuccess;
 }
-cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind, cudaStream_t s) {
-  (void)s; // one stream at a time, in order: work is done when it is queued
-  return cudaMemcpy(dst, src, bytes, kind);
-}
 cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
                               enum cudaMemcpyKind kind, cudaStream_t s) {
-  (void)s;
   if (width > dpitch || width > spitch) return cudaErrorInvalidValue;
-  for (size_t r = 0; r < height; r++) {
-    cudaError_t e = cudaMemcpy((char *)dst + r * dpitch, (const char *)src + r * spitch, width, kind);
-    if (e != cudaSuccess) return e;
+  const bool dst_dev = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
+  const bool src_dev = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
+  const size_t span = height ? (height - 1) * dpitch + width : 0, sspan = height ? (height - 1) * spitch + width : 0;
+  if ((dst_dev && !inside(dst, span)) || (src_dev && !inside(src, sspan)) || (!dst_dev && inside(dst, 1)) ||
+      (!src_dev && inside(src, 1))) {
+    fprintf(stderr, "cuda_emu: cudaMemcpyAsync of %zu x %zu bytes: a pointer on the wrong side\n", height, width);
+    return cudaErrorInvalidValue;
   }
+  if (!dst_dev) { // to host memory: done when it returns, after the stream's earlier work
+    drain(s);
+    for (size_t r = 0; r < height; r++) memmove((char *)dst + r * dpitch, (const char *)src + r * spitch, width);
+    return cudaSuccess;
+  }
+  if (!src_dev) { // from host memory: read now
+    auto rows = std::make_shared<std::vector<char>>(height * width);
+    for (size_t r = 0; r < height; r++) memcpy(rows->data() + r * width, (const char *)src + r * spitch, width);
+    pg_emu_submit(s, [=] {
+      for (size_t r = 0; r < height; r++) memcpy((char *)dst + r * dpitch, rows->data() + r * width, width);
+    });
+    return cudaSuccess;
+  }
+  pg_emu_submit(s, [=] {
+    for (size_t r = 0; r < height; r++) memmove((char *)dst + r * dpitch, (const char *)src + r * spitch, width);
+  });
   return cudaSuccess;
 }
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind, cudaStream_t s) {
+  return cudaMemcpy2DAsync(dst, bytes, src, bytes, bytes, 1, kind, s);
+}
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
-  (void)s;
+  if (s) drain(s); // the legacy stream's own work is done when it is queued
   return cudaSuccess;
 }
 cudaError_t cudaSetDevice(int dev) {
@@ -396,19 +465,24 @@ cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void
   return cudaSuccess;
 }
 cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t s) {
-  (void)s;
   if (!inside(p, bytes)) return cudaErrorInvalidValue;
-  memset(p, value, bytes);
+  pg_emu_submit(s, [=] { memset(p, value, bytes); });
   return cudaSuccess;
 }
-cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize(void) {
+  drain(nullptr);
+  return cudaSuccess;
+}
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags) {
-  (void)flags;
-  *s = (cudaStream_t)malloc(1);
+  *s = new CUstream_st{flags, {}};
+  live_streams.push_back(*s);
   return cudaSuccess;
 }
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
-  free(s);
+  drain(s); // the stream's work finishes first
+  for (size_t i = 0; i < live_streams.size(); i++)
+    if (live_streams[i] == s) live_streams.erase(live_streams.begin() + (long)i);
+  delete s;
   return cudaSuccess;
 }
 
@@ -469,22 +543,26 @@ cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
     fprintf(stderr, "cuda_emu: sgemm: a matrix outside device memory (m %d n %d k %d batch %d)\n", m, n, k, batch);
     return CUBLAS_STATUS_EXECUTION_FAILED;
   }
-  for (int b = 0; b < batch; b++) {
-    const float *Ab = A + b * sa, *Bb = B + b * sb;
-    float *Cb = C + b * sc;
-    for (int j = 0; j < n; j++)
-      for (int i = 0; i < m; i++) {
-        double s = 0;
-        for (int p = 0; p < k; p++) {
-          const float a = ta == CUBLAS_OP_N ? Ab[i + (long long)p * lda] : Ab[p + (long long)i * lda];
-          const float bv = tb == CUBLAS_OP_N ? Bb[p + (long long)j * ldb] : Bb[j + (long long)p * ldb];
-          s += (double)a * bv;
+  // queued on the handle's stream; alpha and beta are host values, read now
+  const float al = *alpha, be = *beta;
+  pg_emu_submit(h->stream, [=] {
+    for (int b = 0; b < batch; b++) {
+      const float *Ab = A + b * sa, *Bb = B + b * sb;
+      float *Cb = C + b * sc;
+      for (int j = 0; j < n; j++)
+        for (int i = 0; i < m; i++) {
+          double s = 0;
+          for (int p = 0; p < k; p++) {
+            const float a = ta == CUBLAS_OP_N ? Ab[i + (long long)p * lda] : Ab[p + (long long)i * lda];
+            const float bv = tb == CUBLAS_OP_N ? Bb[p + (long long)j * ldb] : Bb[j + (long long)p * ldb];
+            s += (double)a * bv;
+          }
+          float *c = Cb + i + (long long)j * ldc;
+          // beta = 0: C is not read (it may hold anything)
+          *c = (float)(al * s + (be == 0.0f ? 0.0 : (double)be * *c));
         }
-        float *c = Cb + i + (long long)j * ldc;
-        // beta = 0: C is not read (it may hold anything)
-        *c = (float)(*alpha * s + (*beta == 0.0f ? 0.0 : (double)*beta * *c));
-      }
-  }
+    }
+  });
   return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -587,7 +665,7 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
 
 ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t type, ncclRedOp_t op,
                            ncclComm_t comm, cudaStream_t stream) {
-  (void)stream;
+  drain(stream); // in stream order, then at once (see "Streams" above)
   n_nccl++;
   size_t bytes = count * size_of(type);
   if (!on_device(send, bytes) || !on_device(recv, bytes)) return ncclInvalidArgument;
@@ -599,7 +677,7 @@ ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataT
 
 ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t recvcount, ncclDataType_t type, ncclRedOp_t op,
                                ncclComm_t comm, cudaStream_t stream) {
-  (void)stream;
+  drain(stream); // in stream order, then at once (see "Streams" above)
   n_nccl++;
   size_t es = size_of(type);
   if (!on_device(send, recvcount * es * comm->size) || !on_device(recv, recvcount * es)) return ncclInvalidArgument;
@@ -619,7 +697,7 @@ ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t recvcount, n
 
 ncclResult_t ncclAllGather(const void *send, void *recv, size_t sendcount, ncclDataType_t type, ncclComm_t comm,
                            cudaStream_t stream) {
-  (void)stream;
+  drain(stream); // in stream order, then at once (see "Streams" above)
   n_nccl++;
   size_t es = size_of(type);
   if (!on_device(send, sendcount * es) || !on_device(recv, sendcount * es * comm->size)) return ncclInvalidArgument;
@@ -632,7 +710,7 @@ ncclResult_t ncclAllGather(const void *send, void *recv, size_t sendcount, ncclD
 
 ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataType_t type, int root,
                            ncclComm_t comm, cudaStream_t stream) {
-  (void)stream;
+  drain(stream); // in stream order, then at once (see "Streams" above)
   n_nccl++;
   size_t bytes = count * size_of(type);
   if (!on_device(recv, bytes) || (comm->rank == root && !on_device(send, bytes))) return ncclInvalidArgument;
