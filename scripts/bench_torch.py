@@ -1,11 +1,15 @@
 #!/usr/bin/python3
-"""Time a full GPT-2 training step in PyTorch on the CPU (fp32).
+"""Time a full GPT-2 training step in PyTorch on the CPU, or a GPU (fp32).
 
 Run (from the repository root; needs torch):
 
     /usr/bin/python3 scripts/bench_torch.py                   # GPT-2 124M, 4 x 64 tokens
     /usr/bin/python3 scripts/bench_torch.py --threads 1
     /usr/bin/python3 scripts/bench_torch.py --small           # examples/train_gpt.lua's default model, 16 x 128
+    python3 scripts/bench_torch.py --device cuda --batch 8 --seq-len 1024   # scripts/gpu_check.sh's peer
+
+On a GPU, TF32 is off (as in pipegoose's fp32 path and scripts/bench_gpu.lua)
+and every phase ends with torch.cuda.synchronize().
 
 A step is forward, backward, AdamW step and zero_grad (gradients zeroed in
 place, as pipegoose zeroes its flat gradient buffer), on random tokens, with
@@ -41,7 +45,7 @@ def available_cores():
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="PyTorch CPU training-step benchmark")
+    p = argparse.ArgumentParser(description="PyTorch training-step benchmark")
     p.add_argument("--small", action="store_true",
                    help="examples/train_gpt.lua's default model (vocab 256, seq 128, dim 256, 4 heads, 4 layers)")
     p.add_argument("--batch", type=int, default=None, help="batch rows (default 4, or 16 with --small)")
@@ -50,7 +54,17 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ to this before each step (0: none)")
     a = p.parse_args(argv)
+    dev = torch.device(a.device)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
 
     if a.small:
         cfg = g.GPTConfig(max_seq_len=128, vocab_size=256, padded_vocab_size=256,
@@ -66,20 +80,26 @@ def main(argv=None):
     torch.manual_seed(a.seed)
     model = g.GPT(cfg)
     g.init_weights(model, perturb=0.0)
+    model.to(dev)
     opt = g.make_adamw(model)
-    x = torch.randint(0, cfg.vocab_size, (batch, seq_len))
-    y = torch.randint(0, cfg.vocab_size, (batch, seq_len))
+    x = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=dev)
+    y = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=dev)
 
     phases = {"forward": [], "backward": [], "optimizer": []}
 
     def step():
         t0 = time.perf_counter()
         _, loss = model(x, y)
+        sync()
         t1 = time.perf_counter()
         loss.backward()
+        sync()
         t2 = time.perf_counter()
+        if a.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
         opt.step()
         opt.zero_grad(set_to_none=False)
+        sync()
         t3 = time.perf_counter()
         for name, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
             phases[name].append(dt)
@@ -106,6 +126,7 @@ def main(argv=None):
     print(f"torch_step_ms {step_s * 1e3:.2f}")
     print(f"torch_threads {torch.get_num_threads()}")
     print(f"torch_version {torch.__version__}")
+    print(f"torch_device {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}")
 
 
 if __name__ == "__main__":

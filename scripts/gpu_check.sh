@@ -8,7 +8,9 @@
 #      ranks with --tensor=2 and with --data=2 --zero=1 (NCCL when the node has
 #      two GPUs; staged through the host when the ranks share one);
 #   4. scripts/bench_gpu.lua: GPT-2 124M tokens/s and MFU against the cuBLAS
-#      FP32 sgemm rate measured in the same run (BENCH_ARGS to change it);
+#      FP32 sgemm rate measured in the same run (BENCH_ARGS to change it), and
+#      where python3 has torch, the same step in PyTorch on the same GPU
+#      (scripts/bench_torch.py --device cuda, fp32, TF32 off) and the ratio;
 #   5. unless SPECS=0: the dist specs marked '-- device worlds:' at those
 #      sizes with PG_TEST_DEVICE=cuda (run_tests.sh), on this GPU: each layout
 #      against the serial CPU run. (spec/unit/device_spec.lua is the emulator's:
@@ -31,6 +33,7 @@ run() { "$@" 2>&1 | tee -a "$LOG"; return "${PIPESTATUS[0]}"; }
 failed=0
 
 say "== gpu_check $(date -u +%FT%TZ) on $(hostname)"
+LD_BEFORE=${LD_LIBRARY_PATH:-} # python3 and torch get the machine's own libraries
 if [ -f .gpu/bundle.tar.xz ]; then
   [ -f .gpu/env.sh ] || tar -xJf .gpu/bundle.tar.xz -C .gpu || exit 1
   . .gpu/env.sh
@@ -88,7 +91,16 @@ check 2 --data=2 --zero=1
 
 say "== bench_gpu.lua ${BENCH_ARGS:-}"
 # shellcheck disable=SC2086
-run timeout -k 5 "${BENCH_TIMEOUT:-300}" "$PGLUA" scripts/bench_gpu.lua ${BENCH_ARGS:-} || failed=1
+run timeout -k 5 "${BENCH_TIMEOUT:-300}" "$PGLUA" scripts/bench_gpu.lua ${BENCH_ARGS:-} | tee "$OUT/bench.out" || failed=1
+if [ -z "${BENCH_ARGS:-}" ] && LD_LIBRARY_PATH=$LD_BEFORE python3 -c 'import torch; assert torch.cuda.is_available()' 2> /dev/null; then
+  say "== PyTorch on the same GPU: scripts/bench_torch.py --device cuda --batch 8 --seq-len 1024 --clip 1.0"
+  LD_LIBRARY_PATH=$LD_BEFORE run timeout -k 5 "${BENCH_TIMEOUT:-300}" python3 scripts/bench_torch.py --device cuda \
+    --batch 8 --seq-len 1024 --clip 1.0 | tee "$OUT/torch.out"
+  ours=$(sed -n 's/.*tokens_per_s \([0-9.]*\).*/\1/p' "$OUT/bench.out" | head -n 1)
+  theirs=$(sed -n 's/^torch_tokens_per_s \([0-9.]*\)/\1/p' "$OUT/torch.out")
+  [ -n "$ours" ] && [ -n "$theirs" ] &&
+    say "   pipegoose / PyTorch tokens/s: $(awk -v a="$ours" -v b="$theirs" 'BEGIN { printf "%.3f", a / b }')"
+fi
 
 if [ "${SPECS:-1}" = 1 ]; then
   say "== the dist specs' device worlds on this GPU"
