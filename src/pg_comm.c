@@ -8,6 +8,11 @@
 #include "pg_cuda.h"
 #include "pg_error.h"
 
+#ifdef PG_WITH_CUDA
+#include <cuda_runtime.h>
+#include <nccl.h>
+#endif
+
 /* MPI counts are int: larger buffers go in chunks of this many elements. */
 #define PG_MPI_CHUNK ((int64_t)1 << 30)
 
@@ -69,13 +74,74 @@ static void say_staged(pg_context *ctx, const char *why) {
   said = 1;
 }
 
+/* Staging buffers are page-locked (pinned) host memory, which the GPU copies
+ * at full speed without a bounce buffer; they are kept for reuse, since
+ * cudaMallocHost costs milliseconds, until the last device context detaches.
+ * Past PG_PINNED_BLOCKS buffers in use at once, plain malloc. */
+#define PG_PINNED_BLOCKS 16
+static struct {
+  void *p;
+  size_t bytes;
+  int busy;
+} pinned[PG_PINNED_BLOCKS];
+static int attached_contexts;
+
+static void *host_take(size_t bytes) {
+#ifdef PG_WITH_CUDA
+  int fit = -1, empty = -1, small = -1;
+  for (int i = 0; i < PG_PINNED_BLOCKS; i++) {
+    if (!pinned[i].p) empty = empty < 0 ? i : empty;
+    else if (pinned[i].busy) continue;
+    else if (pinned[i].bytes >= bytes) fit = fit < 0 || pinned[i].bytes < pinned[fit].bytes ? i : fit;
+    else small = i;
+  }
+  if (fit < 0 && empty < 0 && small >= 0) { /* a free block too small: make it big enough */
+    cudaFreeHost(pinned[small].p);
+    pinned[small].p = NULL;
+    empty = small;
+  }
+  if (fit < 0 && empty >= 0 && cudaMallocHost(&pinned[empty].p, bytes) == cudaSuccess) {
+    pinned[empty].bytes = bytes;
+    fit = empty;
+  } else if (fit < 0 && empty >= 0) {
+    pinned[empty].p = NULL;
+    (void)cudaGetLastError();
+  }
+  if (fit >= 0) {
+    pinned[fit].busy = 1;
+    return pinned[fit].p;
+  }
+#endif
+  return malloc(bytes);
+}
+
+static void host_give(void *p) {
+  if (!p) return;
+  for (int i = 0; i < PG_PINNED_BLOCKS; i++)
+    if (pinned[i].p == p) {
+      pinned[i].busy = 0;
+      return;
+    }
+  free(p);
+}
+
+static void host_release_all(void) {
+#ifdef PG_WITH_CUDA
+  for (int i = 0; i < PG_PINNED_BLOCKS; i++)
+    if (pinned[i].p && !pinned[i].busy) {
+      cudaFreeHost(pinned[i].p);
+      pinned[i].p = NULL;
+    }
+#endif
+}
+
 static int stage(pg_context *ctx, pg_mode m, void **buf, size_t bytes, int copy_in, staged *s) {
   s->dev = s->host = NULL;
   s->bytes = bytes;
   if (ctx->group[m].size == 1 || !bytes || !pg_cuda_is_device_memory(*buf)) return PG_OK;
-  say_staged(ctx, "some collectives on device memory go through host buffers over MPI (pipeline and "
-                  "tied-embedding transfers; all of them where ranks share a GPU)");
-  if (!(s->host = malloc(bytes))) return pg_fail("out of memory staging %zu bytes of device memory", bytes);
+  say_staged(ctx, "some collectives on device memory go through host buffers over MPI (blocks NCCL cannot "
+                  "split evenly, transfers other than to a pipeline neighbour)");
+  if (!(s->host = host_take(bytes))) return pg_fail("out of memory staging %zu bytes of device memory", bytes);
   s->dev = *buf;
   /* The device must be done with the buffer before the host reads it (copy_in)
    * or unstage overwrites it: the engine's stream does not wait for the legacy
@@ -83,7 +149,7 @@ static int stage(pg_context *ctx, pg_mode m, void **buf, size_t bytes, int copy_
    * activation would see the next one (seen on an H200; the emulator's
    * deferred streams now show it too). */
   if (pg_cuda_synchronize() || (copy_in && pg_cuda_memcpy(s->host, s->dev, bytes, PG_CUDA_DEVICE_TO_HOST))) {
-    free(s->host);
+    host_give(s->host);
     s->dev = s->host = NULL;
     return PG_ERR;
   }
@@ -94,7 +160,6 @@ static int stage(pg_context *ctx, pg_mode m, void **buf, size_t bytes, int copy_
 /* ---- NCCL: collectives on device memory, queued on the device engine's stream ---- */
 
 #ifdef PG_WITH_CUDA
-#include <nccl.h>
 
 static ncclDataType_t nccl_type(pg_dtype d) {
   switch (d) {
@@ -121,6 +186,33 @@ static ncclComm_t nccl_for(pg_context *ctx, pg_mode m, const void *buf) {
   return ctx->group[m].nccl && pg_cuda_is_device_memory(buf) ? (ncclComm_t)ctx->group[m].nccl : NULL;
 }
 #define NCCL_STREAM(ctx) ((cudaStream_t)(ctx)->device_stream)
+
+/* A communicator split from the world's: every rank of the world calls it,
+ * members with their colour, the others with NCCL_SPLIT_NOCOLOR. */
+static int split(pg_context *ctx, int color, int key, void **out, const char *what) {
+  ncclComm_t c = NULL;
+  ncclResult_t r = ncclCommSplit((ncclComm_t)ctx->nccl_world, color, key, &c, NULL);
+  int dev = -1;
+  cudaGetDevice(&dev);
+  if (r != ncclSuccess)
+    return pg_fail("creating the NCCL communicator of %s failed on cuda:%d: %s", what, dev, ncclGetErrorString(r));
+  *out = c;
+  return PG_OK;
+}
+
+/* The pipeline link that carries a transfer to or from pipeline rank `peer`
+ * when it is a neighbour (NULL otherwise), and the peer's rank in it (a link's
+ * rank 0 is its lower stage). Activations go up, gradients down, each
+ * direction on its own communicator. NCCL has no tags: each direction's
+ * transfers are received in the order they are sent, the schedule's order on
+ * both sides. */
+static ncclComm_t pipeline_link(pg_context *ctx, int peer, int sending, int *peer_in_link) {
+  int me = ctx->group[PG_MODE_PIPELINE].rank;
+  *peer_in_link = peer == me + 1 ? 1 : 0;
+  if (peer == me + 1) return (ncclComm_t)ctx->nccl_next[sending ? 0 : 1];
+  if (peer == me - 1) return (ncclComm_t)ctx->nccl_prev[sending ? 1 : 0];
+  return NULL;
+}
 #endif
 
 int pg_comm_attach_device(pg_context *ctx, void *stream) {
@@ -132,6 +224,7 @@ int pg_comm_attach_device(pg_context *ctx, void *stream) {
   }
   ctx->device_stream = stream;
   ctx->device_attached = 1;
+  attached_contexts++;
 #ifdef PG_WITH_CUDA
   /* NCCL needs a GPU per rank: if any node has more ranks than GPUs, every
    * rank stages (the same transport everywhere) */
@@ -145,21 +238,41 @@ int pg_comm_attach_device(pg_context *ctx, void *stream) {
                     "MPI instead of NCCL");
     return PG_OK;
   }
-  /* one communicator per tensor and data group (every rank in one of each,
-   * all created in the same order); pipeline and embedding transfers stage */
-  const pg_mode modes[] = {PG_MODE_TENSOR, PG_MODE_DATA};
+  /* The world's communicator (its id from rank 0 over MPI), and the others
+   * split from it: a communicator per tensor, data and embedding group of
+   * more than one rank, and per pipeline link and direction. */
+  pg_group *w = &ctx->group[PG_MODE_GLOBAL];
+  ncclUniqueId id;
+  memset(&id, 0, sizeof id);
+  if (w->rank == 0 && nccl_done(ncclGetUniqueId(&id), "creating an NCCL id", PG_MODE_GLOBAL)) return PG_ERR;
+  if (MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, w->comm) != MPI_SUCCESS)
+    return pg_fail("sharing the NCCL id of the world failed");
+  ncclComm_t world = NULL;
+  if (nccl_done(ncclCommInitRank(&world, w->size, id, w->rank), "creating the NCCL communicator", PG_MODE_GLOBAL))
+    return PG_ERR;
+  ctx->nccl_world = world;
+  const pg_mode modes[] = {PG_MODE_TENSOR, PG_MODE_DATA, PG_MODE_EMBEDDING};
   for (size_t i = 0; i < sizeof modes / sizeof *modes; i++) {
     pg_group *g = &ctx->group[modes[i]];
-    if (g->size == 1) continue;
-    ncclUniqueId id;
-    memset(&id, 0, sizeof id);
-    if (g->rank == 0 && nccl_done(ncclGetUniqueId(&id), "creating an NCCL id", modes[i])) return PG_ERR;
-    if (MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, g->comm) != MPI_SUCCESS)
-      return pg_fail("sharing the NCCL id of the %s group failed", pg_mode_name(modes[i]));
-    ncclComm_t c = NULL;
-    if (nccl_done(ncclCommInitRank(&c, g->size, id, g->rank), "creating the NCCL communicator", modes[i]))
+    if (split(ctx, g->size > 1 ? g->ranks[0] : NCCL_SPLIT_NOCOLOR, g->rank, &g->nccl, pg_mode_name(modes[i])))
       return PG_ERR;
-    g->nccl = c;
+  }
+  /* Link (s, s + 1) of a pipeline group is named by its lower member's
+   * global rank; in two rounds (even s, then odd s) so that a rank is in at
+   * most one link per split. */
+  pg_group *p = &ctx->group[PG_MODE_PIPELINE];
+  for (int round = 0; round < 2; round++)
+    for (int dir = 0; dir < 2; dir++) {
+      int lower = p->rank % 2 == round ? p->rank : p->rank - 1, member = lower >= 0 && lower + 1 < p->size;
+      void *c = NULL;
+      if (split(ctx, member ? p->ranks[lower] : NCCL_SPLIT_NOCOLOR, p->rank, &c, "a pipeline link")) return PG_ERR;
+      if (member) *(lower == p->rank ? &ctx->nccl_next[dir] : &ctx->nccl_prev[dir]) = c;
+    }
+  if (p->size > 1) {
+    cudaStream_t st = NULL;
+    cudaError_t e = cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+    if (e != cudaSuccess) return pg_fail("creating the pipeline's send stream failed: %s", cudaGetErrorString(e));
+    ctx->send_stream = st;
   }
 #endif
   return PG_OK;
@@ -169,8 +282,17 @@ void pg_comm_detach_device(pg_context *ctx) {
 #ifdef PG_WITH_CUDA
   for (int m = 0; m < PG_NUM_MODES; m++)
     if (ctx->group[m].nccl) ncclCommDestroy((ncclComm_t)ctx->group[m].nccl);
+  for (int d = 0; d < 2; d++) {
+    if (ctx->nccl_next[d]) ncclCommDestroy((ncclComm_t)ctx->nccl_next[d]);
+    if (ctx->nccl_prev[d]) ncclCommDestroy((ncclComm_t)ctx->nccl_prev[d]);
+  }
+  if (ctx->nccl_world) ncclCommDestroy((ncclComm_t)ctx->nccl_world);
+  if (ctx->send_stream) cudaStreamDestroy((cudaStream_t)ctx->send_stream);
 #endif
   for (int m = 0; m < PG_NUM_MODES; m++) ctx->group[m].nccl = NULL;
+  for (int d = 0; d < 2; d++) ctx->nccl_next[d] = ctx->nccl_prev[d] = NULL;
+  ctx->nccl_world = ctx->send_stream = NULL;
+  if (ctx->device_attached && --attached_contexts == 0) host_release_all();
   ctx->device_attached = 0;
   ctx->device_stream = NULL;
 }
@@ -181,7 +303,7 @@ static int unstage(staged *s, int rc, int copy_out) {
   if (rc == PG_OK && copy_out &&
       (pg_cuda_memcpy(s->dev, s->host, s->bytes, PG_CUDA_HOST_TO_DEVICE) || pg_cuda_synchronize()))
     rc = PG_ERR;
-  free(s->host);
+  host_give(s->host);
   return rc;
 }
 
@@ -641,17 +763,48 @@ int pg_barrier(pg_context *ctx, pg_mode m) {
 
 struct pg_request {
   MPI_Request mpi;
-  pg_mode mode; /* for messages */
-  void *host;   /* a device buffer's host copy, in flight until the wait */
+  pg_mode mode;       /* for messages */
+  void *host;         /* a device buffer's host copy, in flight until the wait */
+  void *sent, *after; /* an NCCL send: its completion event, and the stream that waits for it */
 };
 
 int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t n, int dst, int tag, pg_request **req) {
   if (check_ctx(ctx)) return PG_ERR;
   if (n > PG_MPI_CHUNK) return pg_fail("isend of %lld elements is too large", (long long)n);
   if (*req) return pg_fail("isend: the previous transfer of this request was not waited for");
-  pg_request *r = malloc(sizeof *r);
+  pg_request *r = calloc(1, sizeof *r);
   if (!r) return pg_fail("out of memory for a send request");
   r->mode = m;
+#ifdef PG_WITH_CUDA
+  /* To a pipeline neighbour, device to device: queued on the send stream once
+   * the engine's stream has made the buffer; the wait makes the engine's
+   * stream wait for the send, so the host never blocks. */
+  int peer = 0;
+  ncclComm_t link = m == PG_MODE_PIPELINE && n > 0 ? pipeline_link(ctx, dst, 1, &peer) : NULL;
+  if (link && pg_cuda_is_device_memory(buf)) {
+    cudaEvent_t made = NULL, sent = NULL;
+    double t0 = MPI_Wtime();
+    cudaError_t e = cudaEventCreateWithFlags(&made, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&sent, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventRecord(made, NCCL_STREAM(ctx));
+    if (e == cudaSuccess) e = cudaStreamWaitEvent((cudaStream_t)ctx->send_stream, made, 0);
+    ncclResult_t nr = e == cudaSuccess ? ncclSend(buf, (size_t)n, ncclFloat32, peer, link, ctx->send_stream)
+                                       : ncclSuccess;
+    if (e == cudaSuccess && nr == ncclSuccess) e = cudaEventRecord(sent, (cudaStream_t)ctx->send_stream);
+    if (made) cudaEventDestroy(made);
+    if (e != cudaSuccess || nr != ncclSuccess) {
+      if (sent) cudaEventDestroy(sent);
+      free(r);
+      return e != cudaSuccess ? pg_fail("queueing a send over the pipeline group failed: %s", cudaGetErrorString(e))
+                              : nccl_done(nr, "send", m);
+    }
+    r->sent = sent;
+    r->after = ctx->device_stream;
+    *req = r;
+    count(ctx, m, PG_COLL_SEND, (double)n * 4, t0);
+    return PG_OK;
+  }
+#endif
   staged s;
   if (stage(ctx, m, (void **)&buf, (size_t)n * sizeof(float), 1, &s)) {
     free(r);
@@ -661,7 +814,7 @@ int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t n, int ds
   double t0 = MPI_Wtime();
   int rc = MPI_Isend(buf, (int)n, MPI_FLOAT, dst, tag, ctx->group[m].comm, &r->mpi);
   if (rc != MPI_SUCCESS) {
-    free(r->host);
+    host_give(r->host);
     free(r);
     return mpi_fail(rc, "isend", m);
   }
@@ -674,9 +827,20 @@ int pg_wait(pg_request **req) {
   pg_request *r = *req;
   if (!r) return PG_OK;
   *req = NULL;
+#ifdef PG_WITH_CUDA
+  if (r->sent) {
+    cudaError_t e = cudaStreamWaitEvent((cudaStream_t)r->after, (cudaEvent_t)r->sent, 0);
+    cudaEventDestroy((cudaEvent_t)r->sent);
+    pg_mode m = r->mode;
+    free(r);
+    return e == cudaSuccess ? PG_OK
+                            : pg_fail("waiting for a send over the %s group failed: %s", pg_mode_name(m),
+                                      cudaGetErrorString(e));
+  }
+#endif
   int rc = MPI_Wait(&r->mpi, MPI_STATUS_IGNORE);
   pg_mode m = r->mode;
-  free(r->host);
+  host_give(r->host);
   free(r);
   return rc == MPI_SUCCESS ? PG_OK : mpi_fail(rc, "waiting for a send", m);
 }
@@ -686,6 +850,17 @@ double pg_wtime(void) { return MPI_Wtime(); }
 int pg_recv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, int src, int tag) {
   if (check_ctx(ctx)) return PG_ERR;
   if (n > PG_MPI_CHUNK) return pg_fail("recv of %lld elements is too large", (long long)n);
+#ifdef PG_WITH_CUDA
+  /* from a pipeline neighbour into device memory: queued on the engine's stream */
+  int peer = 0;
+  ncclComm_t link = m == PG_MODE_PIPELINE && n > 0 ? pipeline_link(ctx, src, 0, &peer) : NULL;
+  if (link && pg_cuda_is_device_memory(buf)) {
+    double t0 = MPI_Wtime();
+    if (nccl_done(ncclRecv(buf, (size_t)n, ncclFloat32, peer, link, NCCL_STREAM(ctx)), "recv", m)) return PG_ERR;
+    count(ctx, m, PG_COLL_RECV, (double)n * 4, t0);
+    return PG_OK;
+  }
+#endif
   staged s;
   if (stage(ctx, m, (void **)&buf, (size_t)n * sizeof(float), 0, &s)) return PG_ERR;
   double t0 = MPI_Wtime();

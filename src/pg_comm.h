@@ -2,8 +2,8 @@
  *
  * Every function here is collective over the named group: all its members
  * call it in the same order with matching shapes. A group of size 1 makes no
- * MPI call. CPU tensors go through MPI; the device field leaves room for NCCL
- * on CUDA tensors. Calls are counted in ctx->stats. The runtime (engine,
+ * MPI call. Host memory goes through MPI; device memory through NCCL once a
+ * device engine attached its stream (below). Calls are counted in ctx->stats. The runtime (engine,
  * optimizer) communicates only through here: no MPI type or call outside
  * pg_comm and pg_context. */
 #ifndef PG_COMM_H
@@ -70,11 +70,14 @@ int pg_recv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t count, int src, 
 double pg_wtime(void);
 
 /* Device memory. A device engine attaches its stream to the context
- * (collective over the world, once per context). With one GPU per rank the tensor and data groups get NCCL
- * communicators and their collectives on device memory run as NCCL calls on
- * that stream; when ranks share a GPU (NCCL refuses that) they, like the
- * pipeline and embedding groups' transfers, are staged through host memory
- * over MPI. Said once, on rank 0. */
+ * (collective over the world, once per context). With one GPU per rank, the
+ * tensor, data and embedding groups and each pipeline link get NCCL
+ * communicators: collectives on device memory and receives from a pipeline
+ * neighbour are NCCL calls on that stream, sends to a neighbour on a send
+ * stream that waits for it (their pg_wait makes the engine's stream wait, the
+ * host does not). When ranks share a GPU (NCCL refuses that), and for what NCCL
+ * cannot do (uneven blocks, other peers), transfers are staged through pinned
+ * host memory over MPI. Said once, on rank 0. */
 int pg_comm_attach_device(pg_context *ctx, void *stream);
 /* Frees the NCCL communicators (pg_context_destroy calls it). */
 void pg_comm_detach_device(pg_context *ctx);

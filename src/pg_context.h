@@ -63,6 +63,11 @@ typedef struct pg_context {
   float *ring_scratch; /* receive buffer of the chunked ring collectives (pg_comm.c), made on first use */
   void *device_stream; /* the device engine's stream its NCCL collectives are queued on (pg_comm_attach_device) */
   int device_attached;
+  /* NCCL beyond the groups' communicators (pg_comm.c): the world's, which the
+   * others are split from; per pipeline neighbour one communicator for each
+   * direction ([0] activations, forward; [1] gradients, backward), so that
+   * each carries its transfers in one order; the stream sends are queued on */
+  void *nccl_world, *nccl_next[2], *nccl_prev[2], *send_stream;
   int destroyed;
 } pg_context;
 

@@ -29,6 +29,8 @@ enum cudaMemcpyKind { cudaMemcpyHostToHost, cudaMemcpyHostToDevice, cudaMemcpyDe
 
 typedef struct CUstream_st *cudaStream_t;
 #define cudaStreamNonBlocking 0x01
+typedef struct CUevent_st *cudaEvent_t;
+#define cudaEventDisableTiming 0x02
 
 struct cudaDeviceProp {
   char name[256];
@@ -62,6 +64,12 @@ cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void
 cudaError_t cudaDeviceSynchronize(void);
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags);
 cudaError_t cudaStreamDestroy(cudaStream_t s);
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags);
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags);
+cudaError_t cudaEventDestroy(cudaEvent_t e);
+cudaError_t cudaMallocHost(void **p, size_t bytes);
+cudaError_t cudaFreeHost(void *p);
 
 /* emulator's own: is [p, p + bytes) inside one live device allocation? */
 int pg_emu_is_device(const void *p, size_t bytes);

@@ -478,6 +478,37 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags) {
   live_streams.push_back(*s);
   return cudaSuccess;
 }
+// An event stands for everything queued on its stream when it was recorded;
+// waiting for it does the whole queue (earlier than a GPU might: allowed).
+struct CUevent_st {
+  cudaStream_t stream;
+};
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
+  (void)flags;
+  *e = new CUevent_st{nullptr};
+  return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  e->stream = s;
+  return cudaSuccess;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags) {
+  (void)s, (void)flags;
+  if (e->stream) drain(e->stream);
+  return cudaSuccess;
+}
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  delete e;
+  return cudaSuccess;
+}
+cudaError_t cudaMallocHost(void **p, size_t bytes) { // page-locked host memory: host memory here
+  *p = malloc(bytes ? bytes : 1);
+  return *p ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+cudaError_t cudaFreeHost(void *p) {
+  free(p);
+  return cudaSuccess;
+}
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
   drain(s); // the stream's work finishes first
   for (size_t i = 0; i < live_streams.size(); i++)
@@ -592,6 +623,9 @@ extern "C" {
 struct ncclComm {
   MPI_Comm comm;
   int rank, size;
+  // ncclSend's copies in flight (MPI_Isend of a snapshot: the sender never
+  // waits for the receiver, as a GPU's host does not), done by the destroy
+  std::vector<std::pair<MPI_Request, std::vector<char> *>> *sends;
 };
 
 static MPI_Datatype mpi_of(ncclDataType_t t) {
@@ -645,7 +679,9 @@ ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int
   }
   MPI_Comm_rank(c->comm, &c->rank);
   MPI_Comm_size(c->comm, &c->size);
+  c->sends = new std::vector<std::pair<MPI_Request, std::vector<char> *>>();
   if (c->rank != rank || c->size != nranks) {
+    delete c->sends;
     fprintf(stderr, "cuda_emu: ncclCommInitRank: rank %d of %d, the group has %d of %d\n", rank, nranks, c->rank,
             c->size);
     MPI_Comm_free(&c->comm);
@@ -656,8 +692,69 @@ ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int
   return ncclSuccess;
 }
 
+// Sends that the receivers have taken are released as later ones start.
+static void reap(ncclComm_t c, bool all) {
+  for (size_t i = 0; i < c->sends->size();) {
+    int done = 0;
+    if (all)
+      MPI_Wait(&(*c->sends)[i].first, MPI_STATUS_IGNORE), done = 1;
+    else
+      MPI_Test(&(*c->sends)[i].first, &done, MPI_STATUS_IGNORE);
+    if (done) {
+      delete (*c->sends)[i].second;
+      c->sends->erase(c->sends->begin() + (long)i);
+    } else {
+      i++;
+    }
+  }
+}
+
+ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *config) {
+  (void)config;
+  *newcomm = nullptr;
+  MPI_Comm sub;
+  if (MPI_Comm_split(comm->comm, color < 0 ? MPI_UNDEFINED : color, key, &sub) != MPI_SUCCESS) return ncclSystemError;
+  if (sub == MPI_COMM_NULL) return ncclSuccess;
+  ncclComm_t c = (ncclComm_t)calloc(1, sizeof *c);
+  if (!c) return ncclSystemError;
+  c->comm = sub;
+  MPI_Comm_rank(sub, &c->rank);
+  MPI_Comm_size(sub, &c->size);
+  c->sends = new std::vector<std::pair<MPI_Request, std::vector<char> *>>();
+  *newcomm = c;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclSend(const void *send, size_t count, ncclDataType_t type, int peer, ncclComm_t comm,
+                      cudaStream_t stream) {
+  drain(stream); // in stream order, then at once (see "Streams" above)
+  n_nccl++;
+  size_t bytes = count * size_of(type);
+  if (!on_device(send, bytes) || peer < 0 || peer >= comm->size || count > (size_t)1 << 30) return ncclInvalidArgument;
+  reap(comm, false);
+  auto *copy = new std::vector<char>((const char *)send, (const char *)send + bytes);
+  MPI_Request r;
+  if (MPI_Isend(copy->data(), (int)count, mpi_of(type), peer, 0, comm->comm, &r)) {
+    delete copy;
+    return ncclSystemError;
+  }
+  comm->sends->push_back({r, copy});
+  return ncclSuccess;
+}
+
+ncclResult_t ncclRecv(void *recv, size_t count, ncclDataType_t type, int peer, ncclComm_t comm, cudaStream_t stream) {
+  drain(stream); // in stream order, then at once: the host waits here, the GPU would not
+  n_nccl++;
+  if (!on_device(recv, count * size_of(type)) || peer < 0 || peer >= comm->size || count > (size_t)1 << 30)
+    return ncclInvalidArgument;
+  return MPI_Recv(recv, (int)count, mpi_of(type), peer, 0, comm->comm, MPI_STATUS_IGNORE) ? ncclSystemError
+                                                                                          : ncclSuccess;
+}
+
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   if (!comm) return ncclSuccess;
+  reap(comm, true);
+  delete comm->sends;
   MPI_Comm_free(&comm->comm);
   free(comm);
   return ncclSuccess;

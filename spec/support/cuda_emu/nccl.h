@@ -2,7 +2,8 @@
  * pipegoose makes, with NCCL's signatures. In the emulated runtime
  * (build-emu, compiled with PG_EMU_MPI) each communicator is an MPI
  * communicator and each collective the matching MPI call on the (host)
- * "device" memory, done when it is queued (one stream, in order). */
+ * "device" memory, done when it is called, after the work queued before it
+ * on its stream (emu.cpp: "Streams"). */
 #ifndef PG_CUDA_EMU_NCCL_H
 #define PG_CUDA_EMU_NCCL_H
 
@@ -23,12 +24,18 @@ typedef struct {
   char internal[NCCL_UNIQUE_ID_BYTES];
 } ncclUniqueId;
 typedef struct ncclComm *ncclComm_t;
+#define NCCL_SPLIT_NOCOLOR -1
+typedef struct ncclConfig_v21700 ncclConfig_t; /* only NULL is passed */
 
 ncclResult_t ncclGetVersion(int *version);
 const char *ncclGetErrorString(ncclResult_t r);
 ncclResult_t ncclGetUniqueId(ncclUniqueId *id);
 ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank);
 ncclResult_t ncclCommDestroy(ncclComm_t comm);
+ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *config);
+ncclResult_t ncclSend(const void *send, size_t count, ncclDataType_t type, int peer, ncclComm_t comm,
+                      cudaStream_t stream);
+ncclResult_t ncclRecv(void *recv, size_t count, ncclDataType_t type, int peer, ncclComm_t comm, cudaStream_t stream);
 ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t type, ncclRedOp_t op,
                            ncclComm_t comm, cudaStream_t stream);
 ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t recvcount, ncclDataType_t type, ncclRedOp_t op,
