@@ -245,6 +245,16 @@ static int l_narrow(lua_State *L) {
   return 1;
 }
 
+static int l_transpose(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1), out; /* the copy reads the data: host only */
+  lua_Integer a = luaL_optinteger(L, 2, 1), b = luaL_optinteger(L, 3, 2);
+  if (a < 1 || b < 1 || a > t->ndim || b > t->ndim)
+    return luaL_error(L, "transpose: dimensions %d and %d out of range for a %d-d tensor", (int)a, (int)b, t->ndim);
+  PG_LUA_CHECK(L, pg_tensor_transpose(&out, t, (int)a - 1, (int)b - 1));
+  pg_lua_push_tensor(L, &out);
+  return 1;
+}
+
 static int l_reshape(lua_State *L) {
   pg_tensor *t = pg_lua_check_any_tensor(L, 1), out;
   int64_t shape[PG_MAX_DIMS];
@@ -486,7 +496,7 @@ static int l_len(lua_State *L) {
 static const luaL_Reg tensor_methods[] = {
     {"shape", l_shape}, {"size", l_size}, {"dim", l_dim}, {"numel", l_numel}, {"dtype", l_dtype},
     {"device", l_device}, {"to", l_to}, {"totable", l_totable}, {"clone", l_clone}, {"narrow", l_narrow},
-    {"reshape", l_reshape}, {"view", l_reshape}, {"add", l_add}, {"sub", l_sub}, {"mul", l_mul},
+    {"reshape", l_reshape}, {"view", l_reshape}, {"transpose", l_transpose}, {"add", l_add}, {"sub", l_sub}, {"mul", l_mul},
     {"div", l_div}, {"add_", l_add_}, {"sub_", l_sub_}, {"mul_", l_mul_}, {"div_", l_div_},
     {"scale", l_scale}, {"scale_", l_scale_}, {"mean", l_mean}, {"sqrt", l_sqrt}, {"rsqrt", l_rsqrt},
     {"exp", l_exp}, {"log", l_log}, {"tanh", l_tanh}, {"neg", l_neg}, {"abs", l_abs}, {"pow", l_pow}, {"fill_", l_fill_}, {"copy_", l_copy_}, {"sum", l_sum},

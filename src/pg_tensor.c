@@ -208,6 +208,36 @@ int pg_tensor_reshape_view(pg_tensor *out, const pg_tensor *t, int ndim, const i
   return pg_tensor_init_view(out, t->storage, t->offset, t->dtype, ndim, shape);
 }
 
+int pg_tensor_transpose(pg_tensor *out, const pg_tensor *t, int a, int b) {
+  if (a < 0 || b < 0 || a >= t->ndim || b >= t->ndim)
+    return pg_fail("transpose: dimensions %d and %d out of range for a %d-d tensor", a + 1, b + 1, t->ndim);
+  if (a > b) {
+    int x = a;
+    a = b;
+    b = x;
+  }
+  int64_t shape[PG_MAX_DIMS];
+  memcpy(shape, t->shape, sizeof shape);
+  shape[a] = t->shape[b];
+  shape[b] = t->shape[a];
+  if (pg_tensor_init(out, t->dtype, t->ndim, shape)) return PG_ERR;
+  /* [outer, na, mid, nb, inner] -> [outer, nb, mid, na, inner] */
+  int64_t outer = 1, mid = 1, inner = 1, na = t->shape[a], nb = t->shape[b];
+  for (int i = 0; i < a; i++) outer *= t->shape[i];
+  for (int i = a + 1; i < b; i++) mid *= t->shape[i];
+  for (int i = b + 1; i < t->ndim; i++) inner *= t->shape[i];
+  size_t es = pg_dtype_size(t->dtype), run = (size_t)inner * es;
+  const char *src = pg_tensor_data(t);
+  char *dst = pg_tensor_data(out);
+  for (int64_t o = 0; o < outer; o++)
+    for (int64_t i = 0; i < na; i++)
+      for (int64_t m = 0; m < mid; m++)
+        for (int64_t j = 0; j < nb; j++)
+          memcpy(dst + (size_t)((((o * nb + j) * mid + m) * na + i) * inner) * es,
+                 src + (size_t)((((o * na + i) * mid + m) * nb + j) * inner) * es, run);
+  return PG_OK;
+}
+
 int pg_tensor_clone(pg_tensor *out, const pg_tensor *t) {
   if (pg_tensor_init(out, t->dtype, t->ndim, t->shape)) return PG_ERR;
   memcpy(pg_tensor_data(out), pg_tensor_data(t), (size_t)t->numel * pg_dtype_size(t->dtype));

@@ -88,6 +88,9 @@ int pg_tensor_narrow_view(pg_tensor *out, const pg_tensor *t, int dim, int64_t s
 int pg_tensor_narrow_copy(pg_tensor *out, const pg_tensor *t, int dim, int64_t start, int64_t len);
 /* out = view with another shape of the same numel. */
 int pg_tensor_reshape_view(pg_tensor *out, const pg_tensor *t, int ndim, const int64_t *shape);
+/* out = new contiguous tensor with dims a and b swapped (0-based; torch's
+ * t.transpose(a, b).contiguous()). */
+int pg_tensor_transpose(pg_tensor *out, const pg_tensor *t, int a, int b);
 /* out = new tensor, same contents. */
 int pg_tensor_clone(pg_tensor *out, const pg_tensor *t);
 /* dst <- src (same numel and dtype). */

@@ -204,6 +204,18 @@ function nn.GPT.load_llmc(path)
   return m
 end
 
+--- pg.nn.from_hf(dir): the model of a Hugging Face `transformers` directory
+-- (config.json + model.safetensors, or the sharded index) with its weights,
+-- loaded by pg.parallelize (each rank its shards). GPT2LMHeadModel for now;
+-- lua/pipegoose/hf.lua has the conventions.
+function nn.from_hf(dir)
+  local o = require("pipegoose.hf").read_config(dir)
+  local m = nn.GPT(o)
+  m.weights = { format = "hf", path = dir }
+  return m
+end
+nn.GPT.from_hf = nn.from_hf
+
 ---------------------------------------------------------------- analysis
 
 local function round_up(x, m) return (x + m - 1) // m * m end

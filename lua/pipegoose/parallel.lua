@@ -254,14 +254,19 @@ function Engine:reset_stats() self.c:reset_stats() end
 --- The schedule this rank runs: { {"forward", 1}, {"send_act", 1}, ... }
 function Engine:schedule_actions() return self.c:schedule() end
 
---- Loads weights given by the model spec (pg.nn.GPT.load_llmc sets them).
+--- Loads weights given by the model spec (pg.nn.GPT.load_llmc and pg.nn.from_hf set them).
 function Engine:load_weights(w)
   if w.format == "llmc" then require("pipegoose.llmc").load_into(self, w.path)
+  elseif w.format == "hf" then require("pipegoose.hf").load_into(self, w.path)
   else error("unknown weights format " .. tostring(w.format)) end
 end
 
 --- Writes the model as an llm.c GPT-2 file (collective; rank 0 writes).
 function Engine:save_llmc(path) require("pipegoose.llmc").save_from(self, path) end
+
+--- Writes the model as a Hugging Face directory that transformers'
+-- from_pretrained loads (collective; rank 0 writes).
+function Engine:save_hf(dir) require("pipegoose.hf").save_from(self, dir) end
 
 M.Engine = Engine
 return M

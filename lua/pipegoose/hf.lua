@@ -1,0 +1,235 @@
+--- Hugging Face `transformers` layout: import into an engine, export from one.
+--
+-- A model directory holds config.json and the weights, in model.safetensors or
+-- sharded (model.safetensors.index.json: {"weight_map": {tensor: file}}).
+-- Supported: GPT2LMHeadModel (model_type "gpt2"). Conventions as
+-- `transformers` has them: GPT-2's linear layers are Conv1D, weights stored
+-- [in, out] (pipegoose's are [out, in]: transposed both ways); c_attn's
+-- columns are q | k | v, heads in order (pipegoose's qkv rows); the tied
+-- lm_head is not stored; the embedding has `vocab_size` rows (pipegoose pads
+-- to a multiple of 64: padding rows are zero and are not written). Names may
+-- carry the "transformer." prefix or not (the hub's gpt2 files have none);
+-- the attention-mask buffers ("attn.bias", "attn.masked_bias") are ignored.
+--
+--   hf.read_config(dir) -> the pg.nn.GPT options
+--   hf.load_into(engine, dir)      each rank loads its shards
+--   hf.save_from(engine, dir)      collective; rank 0 writes config.json and
+--                                  model.safetensors (atomically)
+local cjson = require("cjson").new()
+local core = require "pipegoose.core"
+local safetensors = require "pipegoose.safetensors"
+
+local M = {}
+
+M.PAD_MULTIPLE = 64
+
+local function fail(dir, fmt, ...) error(("%s: " .. fmt):format(dir, ...), 0) end
+
+local function read_json(path, dir)
+  local f = io.open(path, "rb")
+  if not f then fail(dir, "no %s (a Hugging Face model directory has config.json and model.safetensors)", path) end
+  local text = f:read("a")
+  f:close()
+  local ok, v = pcall(cjson.decode, text)
+  if not ok or type(v) ~= "table" then fail(dir, "%s is not a JSON object (%s)", path, tostring(v)) end
+  return v
+end
+
+local function value(v) if v == cjson.null then return nil end return v end
+
+local function positive_int(dir, cfg, key)
+  local v = math.tointeger(value(cfg[key])) -- cjson reads every number as a float
+  if not v or v < 1 then
+    fail(dir, "config.json: %s must be a positive integer, got %s", key, tostring(v))
+  end
+  return v
+end
+
+--- The pg.nn.GPT options of a GPT2LMHeadModel directory; refuses what pipegoose's GPT does not compute.
+function M.read_config(dir)
+  local cfg = read_json(dir .. "/config.json", dir)
+  if cfg.model_type ~= "gpt2" then
+    fail(dir, "config.json: model_type is %s; pipegoose reads GPT2LMHeadModel (\"gpt2\")", tostring(value(cfg.model_type)))
+  end
+  local act = value(cfg.activation_function) or "gelu_new"
+  if act ~= "gelu_new" and act ~= "gelu_pytorch_tanh" then
+    fail(dir, "config.json: activation_function %s is not supported (pipegoose's GPT uses gelu_new)", tostring(act))
+  end
+  local eps = value(cfg.layer_norm_epsilon) or 1e-5
+  if math.abs(eps - 1e-5) > 1e-12 then
+    fail(dir, "config.json: layer_norm_epsilon %g is not supported (pipegoose's GPT uses 1e-5)", eps)
+  end
+  for _, k in ipairs{ "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn" } do
+    if value(cfg[k]) then fail(dir, "config.json: %s = true is not supported", k) end
+  end
+  if value(cfg.scale_attn_weights) == false then fail(dir, "config.json: scale_attn_weights = false is not supported") end
+  local o = {
+    vocab = positive_int(dir, cfg, "vocab_size"), seq_len = positive_int(dir, cfg, "n_positions"),
+    dim = positive_int(dir, cfg, "n_embd"), heads = positive_int(dir, cfg, "n_head"),
+    layers = positive_int(dir, cfg, "n_layer"), tie = value(cfg.tie_word_embeddings) ~= false,
+  }
+  o.hidden = value(cfg.n_inner) and positive_int(dir, cfg, "n_inner") or 4 * o.dim
+  o.padded_vocab = (o.vocab + M.PAD_MULTIPLE - 1) // M.PAD_MULTIPLE * M.PAD_MULTIPLE
+  return o
+end
+
+-- (pipegoose name, transformers name without "transformer.", transposed) of every parameter.
+local function layout(o)
+  local out = {
+    { "embed.wte", "wte.weight" }, { "embed.wpe", "wpe.weight" },
+  }
+  local per_layer = {
+    { "ln1.weight", "ln_1.weight" }, { "ln1.bias", "ln_1.bias" },
+    { "attn.qkv.weight", "attn.c_attn.weight", true }, { "attn.qkv.bias", "attn.c_attn.bias" },
+    { "attn.proj.weight", "attn.c_proj.weight", true }, { "attn.proj.bias", "attn.c_proj.bias" },
+    { "ln2.weight", "ln_2.weight" }, { "ln2.bias", "ln_2.bias" },
+    { "mlp.fc.weight", "mlp.c_fc.weight", true }, { "mlp.fc.bias", "mlp.c_fc.bias" },
+    { "mlp.proj.weight", "mlp.c_proj.weight", true }, { "mlp.proj.bias", "mlp.c_proj.bias" },
+  }
+  for l = 0, o.layers - 1 do
+    for _, e in ipairs(per_layer) do
+      out[#out + 1] = { ("blocks.%d.%s"):format(l, e[1]), ("h.%d.%s"):format(l, e[2]), e[3] }
+    end
+  end
+  out[#out + 1] = { "ln_f.weight", "ln_f.weight" }
+  out[#out + 1] = { "ln_f.bias", "ln_f.bias" }
+  if not o.tie then out[#out + 1] = { "head.weight", "lm_head.weight", false, top = true } end
+  return out
+end
+
+-- name -> safetensors header of the file that holds it, for a directory.
+local function open_weights(dir)
+  local index = dir .. "/model.safetensors.index.json"
+  local f = io.open(index, "rb")
+  local where = {}
+  if f then
+    f:close()
+    local map = read_json(index, dir).weight_map
+    if type(map) ~= "table" then fail(dir, "%s has no weight_map", index) end
+    local headers = {}
+    for name, file in pairs(map) do
+      headers[file] = headers[file] or safetensors.read_header(dir .. "/" .. file)
+      where[name] = headers[file]
+    end
+  else
+    local h = safetensors.read_header(dir .. "/model.safetensors")
+    for name in pairs(h.entries) do where[name] = h end
+  end
+  return where
+end
+
+local function shape_text(s) return "[" .. table.concat(s, ", ") .. "]" end
+
+--- Loads a GPT2LMHeadModel directory's weights into the engine (each rank its shards).
+function M.load_into(engine, dir)
+  local o = M.read_config(dir)
+  local where = open_weights(dir)
+  local have = {}
+  for _, p in ipairs(engine:parameters()) do have[p.name] = p end
+  for _, e in ipairs(layout(o)) do
+    local pg_name, hf_name, transposed = e[1], e[2], e[3]
+    local file_name = (not e.top and where["transformer." .. hf_name]) and "transformer." .. hf_name or hf_name
+    local h = where[file_name]
+    if not h then fail(dir, "the weights have no tensor %s (nor transformer.%s)", hf_name, hf_name) end
+    local p = have[pg_name]
+    if p then
+      if h.entries[file_name].dtype ~= "float32" then
+        fail(dir, "%s is %s; pipegoose reads float32 weights (save the model with torch_dtype=float32)", file_name,
+          h.entries[file_name].dtype)
+      end
+      local t = safetensors.read(h, file_name)
+      local want = p.full_shape
+      local shape = t:shape()
+      local rows, cols = shape[1], shape[2]
+      if transposed then rows, cols = cols, rows end
+      local ok = #shape == #want and (#want == 1 and shape[1] == want[1] or
+        (cols == want[2] and (rows == want[1] or ((pg_name == "embed.wte" or pg_name == "head.weight") and rows == o.vocab))))
+      if not ok then
+        fail(dir, "%s has shape %s; the config needs %s", file_name, shape_text(shape), shape_text(transposed and
+          { want[2], want[1] } or want))
+      end
+      engine.c:load_param(pg_name, transposed and t:transpose(1, 2) or t)
+    end
+  end
+end
+
+local function owner_stage(engine, name)
+  -- The first stage that holds the parameter (the tied embedding's original).
+  local top = name:match("^blocks%.%d+") or name:match("^[^.]+")
+  for p, part in ipairs(engine:partition()) do
+    for _, m in ipairs(part.modules) do
+      if m == top then return p - 1 end
+    end
+  end
+  error("no stage holds " .. name)
+end
+
+-- The shape a parameter has in the transformers file.
+local function hf_shape(cfg, pg_name)
+  local C, H = cfg.dim, cfg.hidden or 4 * cfg.dim
+  local suffix = pg_name:gsub("^blocks%.%d+%.", "")
+  local shapes = {
+    ["embed.wte"] = { cfg.vocab, C }, ["head.weight"] = { cfg.vocab, C }, ["embed.wpe"] = { cfg.seq_len, C },
+    ["attn.qkv.weight"] = { C, 3 * C }, ["attn.qkv.bias"] = { 3 * C }, ["attn.proj.weight"] = { C, C },
+    ["mlp.fc.weight"] = { C, H }, ["mlp.fc.bias"] = { H }, ["mlp.proj.weight"] = { H, C },
+  }
+  return shapes[suffix] or { C }
+end
+
+local function config_json(cfg)
+  -- the keys transformers' GPT2Config writes, with pipegoose's fixed choices
+  local c = {
+    architectures = { "GPT2LMHeadModel" }, model_type = "gpt2", vocab_size = cfg.vocab, n_positions = cfg.seq_len,
+    n_embd = cfg.dim, n_head = cfg.heads, n_layer = cfg.layers, n_inner = cfg.hidden,
+    activation_function = "gelu_new", layer_norm_epsilon = 1e-5, initializer_range = 0.02,
+    resid_pdrop = 0.0, embd_pdrop = 0.0, attn_pdrop = 0.0, scale_attn_weights = true, use_cache = true,
+    tie_word_embeddings = cfg.tie ~= false, torch_dtype = "float32", bos_token_id = cfg.vocab - 1,
+    eos_token_id = cfg.vocab - 1,
+  }
+  local keys = {}
+  for k in pairs(c) do keys[#keys + 1] = k end
+  table.sort(keys)
+  local lines = {}
+  for _, k in ipairs(keys) do lines[#lines + 1] = ("  %s: %s"):format(cjson.encode(k), cjson.encode(c[k])) end
+  return "{\n" .. table.concat(lines, ",\n") .. "\n}\n"
+end
+
+--- Writes the engine's model as a GPT2LMHeadModel directory (collective; rank 0 writes).
+function M.save_from(engine, dir)
+  local cfg = engine.config
+  if not (cfg and cfg.heads and cfg.padded_vocab) then error("save_hf: only GPT-2 models (pg.nn.GPT) are written", 2) end
+  local ctx = engine.ctx
+  local sizes = ctx:sizes()
+  local me, stage = ctx:rank(), ctx:local_rank("pipeline")
+  local entries = {}
+  for _, e in ipairs(layout(cfg)) do
+    local pg_name, hf_name, transposed = e[1], e[2], e[3]
+    local owner = owner_stage(engine, pg_name)
+    local src = owner * sizes.tensor * sizes.data -- (pp = owner, dp = 0, tp = 0)
+    local buf
+    if stage == owner then
+      -- every rank of the owning stage takes part in its tensor group's gather
+      local full = engine.c:gather_param(pg_name)
+      if pg_name == "embed.wte" or pg_name == "head.weight" then full = full:narrow(1, 1, cfg.vocab) end
+      buf = transposed and full:transpose(1, 2) or full:clone()
+    end
+    if src ~= 0 then
+      if me == src then core.dist.send(buf, { ctx = ctx, dst = 0, tag = 8 })
+      elseif me == 0 then
+        buf = core.zeros(hf_shape(cfg, pg_name))
+        core.dist.recv(buf, { ctx = ctx, src = src, tag = 8 })
+      end
+    end
+    if me == 0 then
+      entries[#entries + 1] = { name = e.top and hf_name or "transformer." .. hf_name, tensor = buf }
+    end
+  end
+  if me == 0 then
+    require("pipegoose.checkpoint").fs.mkdir_p(dir)
+    safetensors.write(dir .. "/model.safetensors", entries, { format = "pt" })
+    require("pipegoose.checkpoint").fs.write_atomic(dir .. "/config.json", config_json(cfg))
+  end
+  ctx:barrier()
+end
+
+return M
