@@ -143,6 +143,13 @@ return {
     from = "pg_copy_kind kind = ss->device == PG_CPU   ? PG_COPY_HOST_TO_DEVICE",
     to = "pg_copy_kind kind = ss->device == PG_CPU   ? PG_COPY_DEVICE_TO_DEVICE",
     specs = { "unit/device#device tensors" }, why = "host-to-device copies declared device-to-device" },
+  ------------------------------------------------------------------ Hugging Face interop
+  { name = "hf-conv1d-not-transposed", file = "lua/pipegoose/hf.lua",
+    from = "engine.c:load_param(pg_name, transposed and t:transpose(1, 2) or t)", to = "engine.c:load_param(pg_name, t)",
+    specs = { "unit/hf#transformers' loss" }, why = "GPT-2's Conv1D weights loaded as if they were [out, in]" },
+  { name = "hf-export-keeps-padding", file = "lua/pipegoose/hf.lua",
+    from = "then full = full:narrow(1, 1, cfg.vocab) end", to = "then end",
+    specs = { "unit/hf#bit for bit" }, why = "the exported embedding keeps pipegoose's padding rows" },
   ------------------------------------------------------------------ checkpoints
   { name = "checksum-not-checked", file = "lua/pipegoose/checkpoint.lua",
     from = "if crc ~= rec.crc32 then", to = "if false then",
