@@ -6,12 +6,13 @@
 --                                                          one safetensors file of full tensors
 --                                                          (with --optimizer also m/<name>, v/<name>)
 --   pglua scripts/checkpoint.lua export-llmc DIR OUT       GPT-2 weights as an llm.c model file
+--   pglua scripts/checkpoint.lua export-hf DIR OUTDIR      GPT-2 as a Hugging Face directory (from_pretrained loads it)
 --
 -- DIR is a checkpoint directory, or a directory with a `latest` file (the
 -- newest checkpoint in it). docs/FORMATS.md ("Checkpoints") describes the files.
 local ckpt = require "pipegoose.checkpoint"
 
-local USAGE = "usage: pglua scripts/checkpoint.lua info|verify|consolidate|export-llmc DIR [OUT] [--optimizer]"
+local USAGE = "usage: pglua scripts/checkpoint.lua info|verify|consolidate|export-llmc|export-hf DIR [OUT] [--optimizer]"
 
 local args, flags = {}, {}
 for _, a in ipairs(arg) do
@@ -60,6 +61,12 @@ commands["export-llmc"] = function()
   if not out then die("checkpoint.lua export-llmc: needs an output path\n" .. USAGE) end
   local crc, bytes = ckpt.export_llmc(dir, out)
   print(("wrote %s: llm.c GPT-2 model, %d bytes, crc32 %08x"):format(out, bytes, crc))
+end
+
+commands["export-hf"] = function()
+  if not out then die("checkpoint.lua export-hf: needs an output directory\n" .. USAGE) end
+  ckpt.export_hf(dir, out)
+  print(("wrote %s: config.json and model.safetensors (GPT2LMHeadModel)"):format(out))
 end
 
 local fn = commands[cmd]

@@ -148,7 +148,8 @@ return {
     from = "engine.c:load_param(pg_name, transposed and t:transpose(1, 2) or t)", to = "engine.c:load_param(pg_name, t)",
     specs = { "unit/hf#transformers' loss" }, why = "GPT-2's Conv1D weights loaded as if they were [out, in]" },
   { name = "hf-export-keeps-padding", file = "lua/pipegoose/hf.lua",
-    from = "then full = full:narrow(1, 1, cfg.vocab) end", to = "then end",
+    from = "full = full:reshape{ full:numel() // cfg.dim, cfg.dim }:narrow(1, 1, cfg.vocab)",
+    to = "full = full:reshape{ full:numel() // cfg.dim, cfg.dim }",
     specs = { "unit/hf#bit for bit" }, why = "the exported embedding keeps pipegoose's padding rows" },
   ------------------------------------------------------------------ checkpoints
   { name = "checksum-not-checked", file = "lua/pipegoose/checkpoint.lua",

@@ -1239,4 +1239,15 @@ function M.export_llmc(dir, out)
   return core.file.write(out, parts)
 end
 
+--- Writes the checkpoint's GPT-2 weights as a Hugging Face GPT2LMHeadModel
+-- directory (config.json + model.safetensors, lua/pipegoose/hf.lua).
+function M.export_hf(dir, out)
+  local manifest
+  dir, manifest = verified(M.resolve(dir))
+  local header_of = header_reader(dir)
+  require("pipegoose.hf").write_checkpoint(manifest.model or {}, out, function(name)
+    return full_tensor(dir, manifest, header_of, "params", "", name)
+  end, "checkpoint: " .. dir)
+end
+
 return M

@@ -194,42 +194,69 @@ local function config_json(cfg)
   return "{\n" .. table.concat(lines, ",\n") .. "\n}\n"
 end
 
+-- A full pipegoose parameter as transformers stores it: the vocabulary's
+-- padding rows dropped, Conv1D weights transposed.
+local function to_hf(cfg, e, full)
+  local pg_name, transposed = e[1], e[3]
+  local shape = hf_shape(cfg, pg_name)
+  if pg_name == "embed.wte" or pg_name == "head.weight" then
+    full = full:reshape{ full:numel() // cfg.dim, cfg.dim }:narrow(1, 1, cfg.vocab)
+  end
+  if transposed then return full:reshape{ shape[2], shape[1] }:transpose(1, 2) end
+  return full:reshape(shape):clone()
+end
+
+local function file_name(e) return e.top and e[2] or "transformer." .. e[2] end
+
+-- Writes config.json and model.safetensors (each atomically); `tensor(e)` gives an entry's tensor as transformers stores it.
+local function write_dir(cfg, dir, tensor)
+  local entries = {}
+  for _, e in ipairs(layout(cfg)) do entries[#entries + 1] = { name = file_name(e), tensor = tensor(e) } end
+  local fs = require("pipegoose.checkpoint").fs
+  fs.mkdir_p(dir)
+  safetensors.write(dir .. "/model.safetensors", entries, { format = "pt" })
+  fs.write_atomic(dir .. "/config.json", config_json(cfg))
+end
+
+local function check_gpt(cfg, what)
+  for _, k in ipairs{ "vocab", "seq_len", "dim", "heads", "layers" } do
+    if math.tointeger(cfg[k]) == nil then error(("%s: the model config has no %s; the Hugging Face export writes "
+      .. "GPT-2 models (pg.nn.GPT)"):format(what, k), 0) end
+  end
+end
+
 --- Writes the engine's model as a GPT2LMHeadModel directory (collective; rank 0 writes).
 function M.save_from(engine, dir)
   local cfg = engine.config
-  if not (cfg and cfg.heads and cfg.padded_vocab) then error("save_hf: only GPT-2 models (pg.nn.GPT) are written", 2) end
+  check_gpt(cfg or {}, "save_hf")
   local ctx = engine.ctx
   local sizes = ctx:sizes()
   local me, stage = ctx:rank(), ctx:local_rank("pipeline")
-  local entries = {}
+  local converted = {}
   for _, e in ipairs(layout(cfg)) do
-    local pg_name, hf_name, transposed = e[1], e[2], e[3]
-    local owner = owner_stage(engine, pg_name)
+    local owner = owner_stage(engine, e[1])
     local src = owner * sizes.tensor * sizes.data -- (pp = owner, dp = 0, tp = 0)
     local buf
-    if stage == owner then
-      -- every rank of the owning stage takes part in its tensor group's gather
-      local full = engine.c:gather_param(pg_name)
-      if pg_name == "embed.wte" or pg_name == "head.weight" then full = full:narrow(1, 1, cfg.vocab) end
-      buf = transposed and full:transpose(1, 2) or full:clone()
-    end
+    -- every rank of the owning stage takes part in its tensor group's gather
+    if stage == owner then buf = to_hf(cfg, e, engine.c:gather_param(e[1])) end
     if src ~= 0 then
       if me == src then core.dist.send(buf, { ctx = ctx, dst = 0, tag = 8 })
       elseif me == 0 then
-        buf = core.zeros(hf_shape(cfg, pg_name))
+        buf = core.zeros(hf_shape(cfg, e[1]))
         core.dist.recv(buf, { ctx = ctx, src = src, tag = 8 })
       end
     end
-    if me == 0 then
-      entries[#entries + 1] = { name = e.top and hf_name or "transformer." .. hf_name, tensor = buf }
-    end
+    converted[file_name(e)] = buf
   end
-  if me == 0 then
-    require("pipegoose.checkpoint").fs.mkdir_p(dir)
-    safetensors.write(dir .. "/model.safetensors", entries, { format = "pt" })
-    require("pipegoose.checkpoint").fs.write_atomic(dir .. "/config.json", config_json(cfg))
-  end
+  if me == 0 then write_dir(cfg, dir, function(e) return converted[file_name(e)] end) end
   ctx:barrier()
+end
+
+--- Writes a checkpoint's GPT-2 weights as a GPT2LMHeadModel directory;
+-- `full(name)` reads a parameter's full tensor from the checkpoint (checkpoint.lua).
+function M.write_checkpoint(cfg, dir, full, what)
+  check_gpt(cfg, what)
+  write_dir(cfg, dir, function(e) return to_hf(cfg, e, full(e[1])) end)
 end
 
 return M

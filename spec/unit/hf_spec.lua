@@ -155,6 +155,20 @@ describe("pg.nn.from_hf / engine:save_hf (GPT2LMHeadModel)", function()
     h.rm(sharded)
   end)
 
+  it("exports a checkpoint as transformers' file (scripts/checkpoint.lua export-hf), bit for bit", function()
+    local ck, out = h.tmpdir(), h.tmpdir()
+    local engine = pg.parallelize(pg.nn.from_hf(FIXTURE), nil, {})
+    local t = pg.Trainer{ engine = engine, optimizer = pg.optim.AdamW(engine, { lr = 1e-3 }), out = pg.testing.capture() }
+    t:save_checkpoint(ck)
+    local rc, text = h.sh(h.pglua_cmd{ "scripts/checkpoint.lua", "export-hf", ck, out })
+    assert.equal(0, rc, text)
+    assert.matches("wrote " .. out .. ": config.json and model.safetensors (GPT2LMHeadModel)", text, 1, true)
+    local want, got = tensors_of(FIXTURE .. "/model.safetensors"), tensors_of(out .. "/model.safetensors")
+    for name, x in pairs(want) do assert.is_true(x.bytes == got[name].bytes, name .. " differs") end
+    h.rm(ck)
+    h.rm(out)
+  end)
+
   it("reads an untied head (lm_head.weight) and writes it back", function()
     local dir = model_dir(function(cfg) cfg.tie_word_embeddings = false end, function(d)
       local list = entries(function(n) return n end)
