@@ -16,7 +16,6 @@
 --   hf.save_from(engine, dir)      collective; rank 0 writes config.json and
 --                                  model.safetensors (atomically)
 local cjson = require("cjson").new()
-local core = require "pipegoose.core"
 local safetensors = require "pipegoose.safetensors"
 
 local M = {}
@@ -153,17 +152,6 @@ function M.load_into(engine, dir)
   end
 end
 
-local function owner_stage(engine, name)
-  -- The first stage that holds the parameter (the tied embedding's original).
-  local top = name:match("^blocks%.%d+") or name:match("^[^.]+")
-  for p, part in ipairs(engine:partition()) do
-    for _, m in ipairs(part.modules) do
-      if m == top then return p - 1 end
-    end
-  end
-  error("no stage holds " .. name)
-end
-
 -- The shape a parameter has in the transformers file.
 local function hf_shape(cfg, pg_name)
   local C, H = cfg.dim, cfg.hidden or 4 * cfg.dim
@@ -229,27 +217,13 @@ end
 function M.save_from(engine, dir)
   local cfg = engine.config
   check_gpt(cfg or {}, "save_hf")
-  local ctx = engine.ctx
-  local sizes = ctx:sizes()
-  local me, stage = ctx:rank(), ctx:local_rank("pipeline")
   local converted = {}
   for _, e in ipairs(layout(cfg)) do
-    local owner = owner_stage(engine, e[1])
-    local src = owner * sizes.tensor * sizes.data -- (pp = owner, dp = 0, tp = 0)
-    local buf
-    -- every rank of the owning stage takes part in its tensor group's gather
-    if stage == owner then buf = to_hf(cfg, e, engine.c:gather_param(e[1])) end
-    if src ~= 0 then
-      if me == src then core.dist.send(buf, { ctx = ctx, dst = 0, tag = 8 })
-      elseif me == 0 then
-        buf = core.zeros(hf_shape(cfg, e[1]))
-        core.dist.recv(buf, { ctx = ctx, src = src, tag = 8 })
-      end
-    end
-    converted[file_name(e)] = buf
+    converted[file_name(e)] = engine:gather_to_root(e[1], function(full) return to_hf(cfg, e, full) end,
+      hf_shape(cfg, e[1]))
   end
-  if me == 0 then write_dir(cfg, dir, function(e) return converted[file_name(e)] end) end
-  ctx:barrier()
+  if engine.ctx:rank() == 0 then write_dir(cfg, dir, function(e) return converted[file_name(e)] end) end
+  engine.ctx:barrier()
 end
 
 --- Writes a checkpoint's GPT-2 weights as a GPT2LMHeadModel directory;

@@ -84,45 +84,21 @@ function M.load_into(engine, path)
   end
 end
 
-local function owner_stage(engine, name)
-  -- The first stage that holds the parameter (the tied embedding's original).
-  local top = name:match("^blocks%.%d+") or name:match("^[^.]+")
-  for p, part in ipairs(engine:partition()) do
-    for _, m in ipairs(part.modules) do
-      if m == top then return p - 1 end
-    end
-  end
-  error("no stage holds " .. name)
-end
-
 --- Writes the model in llm.c's format (rank 0 writes; collective over all ranks).
 function M.save_from(engine, path)
   local cfg = engine.config
   local ctx = engine.ctx
-  local sizes = ctx:sizes()
-  local me, stage = ctx:rank(), ctx:local_rank("pipeline")
+  local me = ctx:rank()
   local header = {}
   for i = 1, 256 do header[i] = 0 end
   header[1], header[2], header[3], header[4] = M.MAGIC, M.VERSION, cfg.seq_len, cfg.vocab
   header[5], header[6], header[7], header[8] = cfg.layers, cfg.heads, cfg.dim, cfg.padded_vocab
   local parts = { core.tensor(header, { dtype = "int32" }) }
   for _, e in ipairs(M.entries(cfg)) do
-    local owner = owner_stage(engine, e.name)
-    local src = owner * sizes.tensor * sizes.data -- (pp = owner, dp = 0, tp = 0)
-    local buf
-    if stage == owner then
-      -- every rank of the owning stage takes part in its tensor group's gather;
-      -- the file keeps the first rows (padding for T is not written)
-      local full = engine.c:gather_param(e.name)
-      buf = full:reshape{ full:numel() }:narrow(1, 1, e.count):clone()
-    end
-    if src ~= 0 then
-      if me == src then core.dist.send(buf, { ctx = ctx, dst = 0, tag = 7 })
-      elseif me == 0 then
-        buf = core.zeros{ e.count }
-        core.dist.recv(buf, { ctx = ctx, src = src, tag = 7 })
-      end
-    end
+    -- the file keeps the first rows (padding for T is not written)
+    local buf = engine:gather_to_root(e.name, function(full)
+      return full:reshape{ full:numel() }:narrow(1, 1, e.count):clone()
+    end, { e.count })
     if me == 0 then parts[#parts + 1] = buf end
   end
   if me == 0 then core.file.write(path, parts) end

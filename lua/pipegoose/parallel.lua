@@ -254,6 +254,35 @@ function Engine:reset_stats() self.c:reset_stats() end
 --- The schedule this rank runs: { {"forward", 1}, {"send_act", 1}, ... }
 function Engine:schedule_actions() return self.c:schedule() end
 
+--- engine:gather_to_root(name, convert, shape) -> on rank 0, convert(the full
+-- parameter), a tensor of `shape`; nil elsewhere. Collective over all ranks:
+-- the first stage that holds the parameter (the tied embedding's original)
+-- gathers it over its tensor group, converts it, and its (dp = 0, tp = 0)
+-- rank sends it to rank 0. For writers of whole-model files (llmc, hf).
+function Engine:gather_to_root(name, convert, shape)
+  local top = name:match("^blocks%.%d+") or name:match("^[^.]+")
+  local owner
+  for p, part in ipairs(self:partition()) do
+    for _, m in ipairs(part.modules) do
+      if m == top and not owner then owner = p - 1 end
+    end
+  end
+  if not owner then error("no stage holds " .. name) end
+  local ctx, sizes = self.ctx, self.ctx:sizes()
+  local me = ctx:rank()
+  local src = owner * sizes.tensor * sizes.data -- (pp = owner, dp = 0, tp = 0)
+  local buf
+  if ctx:local_rank("pipeline") == owner then buf = convert(self.c:gather_param(name)) end
+  if src ~= 0 then
+    if me == src then core.dist.send(buf, { ctx = ctx, dst = 0, tag = 7 })
+    elseif me == 0 then
+      buf = core.zeros(shape)
+      core.dist.recv(buf, { ctx = ctx, src = src, tag = 7 })
+    end
+  end
+  if me == 0 then return buf end
+end
+
 --- Loads weights given by the model spec (pg.nn.GPT.load_llmc and pg.nn.from_hf set them).
 function Engine:load_weights(w)
   if w.format == "llmc" then require("pipegoose.llmc").load_into(self, w.path)

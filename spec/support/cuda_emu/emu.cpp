@@ -620,13 +620,26 @@ const char *ncclGetErrorString(ncclResult_t r) { return r == ncclSuccess ? "no e
 #include <mpi.h>
 extern "C" {
 
+// ncclSend's copy in flight (MPI_Isend of a snapshot: the sender never waits
+// for the receiver, as a GPU's host does not)
+struct InFlight {
+  MPI_Request request;
+  std::vector<char> data;
+};
+
 struct ncclComm {
   MPI_Comm comm;
   int rank, size;
-  // ncclSend's copies in flight (MPI_Isend of a snapshot: the sender never
-  // waits for the receiver, as a GPU's host does not), done by the destroy
-  std::vector<std::pair<MPI_Request, std::vector<char> *>> *sends;
+  std::vector<InFlight> sends; // done by the destroy at the latest
 };
+
+// A communicator over an MPI communicator it now owns.
+static ncclComm_t comm_over(MPI_Comm mc) {
+  ncclComm_t c = new ncclComm{mc, 0, 0, {}};
+  MPI_Comm_rank(mc, &c->rank);
+  MPI_Comm_size(mc, &c->size);
+  return c;
+}
 
 static MPI_Datatype mpi_of(ncclDataType_t t) {
   switch (t) {
@@ -671,41 +684,26 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
 ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank) {
   int color;
   memcpy(&color, id.internal, sizeof color);
-  ncclComm_t c = (ncclComm_t)calloc(1, sizeof *c);
-  if (!c) return ncclSystemError;
-  if (MPI_Comm_split(MPI_COMM_WORLD, color, rank, &c->comm) != MPI_SUCCESS) {
-    free(c);
-    return ncclSystemError;
-  }
-  MPI_Comm_rank(c->comm, &c->rank);
-  MPI_Comm_size(c->comm, &c->size);
-  c->sends = new std::vector<std::pair<MPI_Request, std::vector<char> *>>();
+  MPI_Comm mc;
+  if (MPI_Comm_split(MPI_COMM_WORLD, color, rank, &mc) != MPI_SUCCESS) return ncclSystemError;
+  ncclComm_t c = comm_over(mc);
   if (c->rank != rank || c->size != nranks) {
-    delete c->sends;
     fprintf(stderr, "cuda_emu: ncclCommInitRank: rank %d of %d, the group has %d of %d\n", rank, nranks, c->rank,
             c->size);
-    MPI_Comm_free(&c->comm);
-    free(c);
+    ncclCommDestroy(c);
     return ncclInvalidUsage;
   }
   *comm = c;
   return ncclSuccess;
 }
 
-// Sends that the receivers have taken are released as later ones start.
+// Releases the sends that the receivers have taken (all of them, waiting, when `all`).
 static void reap(ncclComm_t c, bool all) {
-  for (size_t i = 0; i < c->sends->size();) {
-    int done = 0;
-    if (all)
-      MPI_Wait(&(*c->sends)[i].first, MPI_STATUS_IGNORE), done = 1;
-    else
-      MPI_Test(&(*c->sends)[i].first, &done, MPI_STATUS_IGNORE);
-    if (done) {
-      delete (*c->sends)[i].second;
-      c->sends->erase(c->sends->begin() + (long)i);
-    } else {
-      i++;
-    }
+  for (auto it = c->sends.begin(); it != c->sends.end();) {
+    int done = 1;
+    if (all) MPI_Wait(&it->request, MPI_STATUS_IGNORE);
+    else MPI_Test(&it->request, &done, MPI_STATUS_IGNORE);
+    it = done ? c->sends.erase(it) : it + 1;
   }
 }
 
@@ -714,14 +712,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newc
   *newcomm = nullptr;
   MPI_Comm sub;
   if (MPI_Comm_split(comm->comm, color < 0 ? MPI_UNDEFINED : color, key, &sub) != MPI_SUCCESS) return ncclSystemError;
-  if (sub == MPI_COMM_NULL) return ncclSuccess;
-  ncclComm_t c = (ncclComm_t)calloc(1, sizeof *c);
-  if (!c) return ncclSystemError;
-  c->comm = sub;
-  MPI_Comm_rank(sub, &c->rank);
-  MPI_Comm_size(sub, &c->size);
-  c->sends = new std::vector<std::pair<MPI_Request, std::vector<char> *>>();
-  *newcomm = c;
+  if (sub != MPI_COMM_NULL) *newcomm = comm_over(sub);
   return ncclSuccess;
 }
 
@@ -732,13 +723,13 @@ ncclResult_t ncclSend(const void *send, size_t count, ncclDataType_t type, int p
   size_t bytes = count * size_of(type);
   if (!on_device(send, bytes) || peer < 0 || peer >= comm->size || count > (size_t)1 << 30) return ncclInvalidArgument;
   reap(comm, false);
-  auto *copy = new std::vector<char>((const char *)send, (const char *)send + bytes);
-  MPI_Request r;
-  if (MPI_Isend(copy->data(), (int)count, mpi_of(type), peer, 0, comm->comm, &r)) {
-    delete copy;
+  // the snapshot's heap buffer stays put while the list grows or shrinks (moving a vector keeps its buffer)
+  InFlight &f = comm->sends.emplace_back();
+  f.data.assign((const char *)send, (const char *)send + bytes);
+  if (MPI_Isend(f.data.data(), (int)count, mpi_of(type), peer, 0, comm->comm, &f.request)) {
+    comm->sends.pop_back();
     return ncclSystemError;
   }
-  comm->sends->push_back({r, copy});
   return ncclSuccess;
 }
 
@@ -754,9 +745,8 @@ ncclResult_t ncclRecv(void *recv, size_t count, ncclDataType_t type, int peer, n
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   if (!comm) return ncclSuccess;
   reap(comm, true);
-  delete comm->sends;
   MPI_Comm_free(&comm->comm);
-  free(comm);
+  delete comm;
   return ncclSuccess;
 }
 
