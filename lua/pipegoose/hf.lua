@@ -119,39 +119,6 @@ end
 
 local function shape_text(s) return "[" .. table.concat(s, ", ") .. "]" end
 
---- Loads a GPT2LMHeadModel directory's weights into the engine (each rank its shards).
-function M.load_into(engine, dir)
-  local o = M.read_config(dir)
-  local where = open_weights(dir)
-  local have = {}
-  for _, p in ipairs(engine:parameters()) do have[p.name] = p end
-  for _, e in ipairs(layout(o)) do
-    local pg_name, hf_name, transposed = e[1], e[2], e[3]
-    local file_name = (not e.top and where["transformer." .. hf_name]) and "transformer." .. hf_name or hf_name
-    local h = where[file_name]
-    if not h then fail(dir, "the weights have no tensor %s (nor transformer.%s)", hf_name, hf_name) end
-    local p = have[pg_name]
-    if p then
-      if h.entries[file_name].dtype ~= "float32" then
-        fail(dir, "%s is %s; pipegoose reads float32 weights (save the model with torch_dtype=float32)", file_name,
-          h.entries[file_name].dtype)
-      end
-      local t = safetensors.read(h, file_name)
-      local want = p.full_shape
-      local shape = t:shape()
-      local rows, cols = shape[1], shape[2]
-      if transposed then rows, cols = cols, rows end
-      local ok = #shape == #want and (#want == 1 and shape[1] == want[1] or
-        (cols == want[2] and (rows == want[1] or ((pg_name == "embed.wte" or pg_name == "head.weight") and rows == o.vocab))))
-      if not ok then
-        fail(dir, "%s has shape %s; the config needs %s", file_name, shape_text(shape), shape_text(transposed and
-          { want[2], want[1] } or want))
-      end
-      engine.c:load_param(pg_name, transposed and t:transpose(1, 2) or t)
-    end
-  end
-end
-
 -- The shape a parameter has in the transformers file.
 local function hf_shape(cfg, pg_name)
   local C, H = cfg.dim, cfg.hidden or 4 * cfg.dim
@@ -162,6 +129,32 @@ local function hf_shape(cfg, pg_name)
     ["mlp.fc.weight"] = { C, H }, ["mlp.fc.bias"] = { H }, ["mlp.proj.weight"] = { H, C },
   }
   return shapes[suffix] or { C }
+end
+
+--- Loads a GPT2LMHeadModel directory's weights into the engine (each rank its shards).
+function M.load_into(engine, dir)
+  local o = M.read_config(dir)
+  local where = open_weights(dir)
+  local have = {}
+  for _, p in ipairs(engine:parameters()) do have[p.name] = true end
+  for _, e in ipairs(layout(o)) do
+    local pg_name, hf_name, transposed = e[1], e[2], e[3]
+    local stored = (not e.top and where["transformer." .. hf_name]) and "transformer." .. hf_name or hf_name
+    local h = where[stored]
+    if not h then fail(dir, "the weights have no tensor %s (nor transformer.%s)", hf_name, hf_name) end
+    if have[pg_name] then
+      local entry, want = h.entries[stored], hf_shape(o, pg_name)
+      if entry.dtype ~= "float32" then
+        fail(dir, "%s is %s; pipegoose reads float32 weights (save the model with torch_dtype=float32)", stored,
+          entry.dtype)
+      end
+      if shape_text(entry.shape) ~= shape_text(want) then
+        fail(dir, "%s has shape %s; the config needs %s", stored, shape_text(entry.shape), shape_text(want))
+      end
+      local t = safetensors.read(h, stored)
+      engine.c:load_param(pg_name, transposed and t:transpose(1, 2) or t)
+    end
+  end
 end
 
 local function config_json(cfg)
