@@ -189,13 +189,10 @@ static ncclComm_t nccl_for(pg_context *ctx, pg_mode m, const void *buf) {
 
 /* A communicator split from the world's: every rank of the world calls it,
  * members with their colour, the others with NCCL_SPLIT_NOCOLOR. */
-static int split(pg_context *ctx, int color, int key, void **out, const char *what) {
+static int split(pg_context *ctx, int color, int key, void **out, pg_mode m) {
   ncclComm_t c = NULL;
-  ncclResult_t r = ncclCommSplit((ncclComm_t)ctx->nccl_world, color, key, &c, NULL);
-  int dev = -1;
-  cudaGetDevice(&dev);
-  if (r != ncclSuccess)
-    return pg_fail("creating the NCCL communicator of %s failed on cuda:%d: %s", what, dev, ncclGetErrorString(r));
+  if (nccl_done(ncclCommSplit((ncclComm_t)ctx->nccl_world, color, key, &c, NULL), "creating the NCCL communicator", m))
+    return PG_ERR;
   *out = c;
   return PG_OK;
 }
@@ -254,7 +251,7 @@ int pg_comm_attach_device(pg_context *ctx, void *stream) {
   const pg_mode modes[] = {PG_MODE_TENSOR, PG_MODE_DATA, PG_MODE_EMBEDDING};
   for (size_t i = 0; i < sizeof modes / sizeof *modes; i++) {
     pg_group *g = &ctx->group[modes[i]];
-    if (split(ctx, g->size > 1 ? g->ranks[0] : NCCL_SPLIT_NOCOLOR, g->rank, &g->nccl, pg_mode_name(modes[i])))
+    if (split(ctx, g->size > 1 ? g->ranks[0] : NCCL_SPLIT_NOCOLOR, g->rank, &g->nccl, modes[i]))
       return PG_ERR;
   }
   /* Link (s, s + 1) of a pipeline group is named by its lower member's
@@ -265,7 +262,7 @@ int pg_comm_attach_device(pg_context *ctx, void *stream) {
     for (int dir = 0; dir < 2; dir++) {
       int lower = p->rank % 2 == round ? p->rank : p->rank - 1, member = lower >= 0 && lower + 1 < p->size;
       void *c = NULL;
-      if (split(ctx, member ? p->ranks[lower] : NCCL_SPLIT_NOCOLOR, p->rank, &c, "a pipeline link")) return PG_ERR;
+      if (split(ctx, member ? p->ranks[lower] : NCCL_SPLIT_NOCOLOR, p->rank, &c, PG_MODE_PIPELINE)) return PG_ERR;
       if (member) *(lower == p->rank ? &ctx->nccl_next[dir] : &ctx->nccl_prev[dir]) = c;
     }
   if (p->size > 1) {
