@@ -406,28 +406,32 @@ cudaError_t cudaFree(void *p) {
   free(p);
   return cudaSuccess;
 }
-cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind) {
-  const bool dst_dev = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
-  const bool src_dev = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
-  if ((dst_dev && !inside(dst, bytes)) || (src_dev && !inside(src, bytes)) || (!dst_dev && inside(dst, 1)) ||
-      (!src_dev && inside(src, 1))) {
-    fprintf(stderr, "cuda_emu: cudaMemcpy of %zu bytes: a pointer on the wrong side\n", bytes);
-    return cudaErrorInvalidValue;
+// Does each pointer lie on the side the kind says, and a device range inside one allocation?
+static bool sides_ok(void *dst, size_t dst_span, const void *src, size_t src_span, enum cudaMemcpyKind kind,
+                     bool *dst_dev, bool *src_dev) {
+  *dst_dev = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
+  *src_dev = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
+  if ((*dst_dev && !inside(dst, dst_span)) || (*src_dev && !inside(src, src_span)) || (!*dst_dev && inside(dst, 1)) ||
+      (!*src_dev && inside(src, 1))) {
+    fprintf(stderr, "cuda_emu: a copy of %zu bytes: a pointer on the wrong side\n", src_span);
+    return false;
   }
-  memmove(dst, src, bytes);
+  return true;
+}
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind) {
+  bool dst_dev, src_dev;
+  if (!sides_ok(dst, bytes, src, bytes, kind, &dst_dev, &src_dev)) return cudaErrorInvalidValue;
+  memmove(dst, src, bytes); // the legacy stream: waits for no non-blocking stream
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
                               enum cudaMemcpyKind kind, cudaStream_t s) {
   if (width > dpitch || width > spitch) return cudaErrorInvalidValue;
-  const bool dst_dev = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
-  const bool src_dev = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
-  const size_t span = height ? (height - 1) * dpitch + width : 0, sspan = height ? (height - 1) * spitch + width : 0;
-  if ((dst_dev && !inside(dst, span)) || (src_dev && !inside(src, sspan)) || (!dst_dev && inside(dst, 1)) ||
-      (!src_dev && inside(src, 1))) {
-    fprintf(stderr, "cuda_emu: cudaMemcpyAsync of %zu x %zu bytes: a pointer on the wrong side\n", height, width);
+  bool dst_dev, src_dev;
+  if (!sides_ok(dst, height ? (height - 1) * dpitch + width : 0, src, height ? (height - 1) * spitch + width : 0, kind,
+                &dst_dev, &src_dev))
     return cudaErrorInvalidValue;
-  }
   if (!dst_dev) { // to host memory: done when it returns, after the stream's earlier work
     drain(s);
     for (size_t r = 0; r < height; r++) memmove((char *)dst + r * dpitch, (const char *)src + r * spitch, width);
