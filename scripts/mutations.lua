@@ -145,7 +145,7 @@ return {
     specs = { "unit/device#device tensors" }, why = "host-to-device copies declared device-to-device" },
   ------------------------------------------------------------------ Hugging Face interop
   { name = "hf-conv1d-not-transposed", file = "lua/pipegoose/hf.lua",
-    from = "engine.c:load_param(pg_name, transposed and t:transpose(1, 2) or t)", to = "engine.c:load_param(pg_name, t)",
+    from = "engine.c:load_param(e.pg, e.conv1d and t:transpose(1, 2) or t)", to = "engine.c:load_param(e.pg, t)",
     specs = { "unit/hf#transformers' loss" }, why = "GPT-2's Conv1D weights loaded as if they were [out, in]" },
   { name = "hf-export-keeps-padding", file = "lua/pipegoose/hf.lua",
     from = "full = full:reshape{ full:numel() // cfg.dim, cfg.dim }:narrow(1, 1, cfg.vocab)",

@@ -39,7 +39,7 @@ local function value(v) if v == cjson.null then return nil end return v end
 local function positive_int(dir, cfg, key)
   local v = math.tointeger(value(cfg[key])) -- cjson reads every number as a float
   if not v or v < 1 then
-    fail(dir, "config.json: %s must be a positive integer, got %s", key, tostring(v))
+    fail(dir, "config.json: %s must be a positive integer, got %s", key, tostring(value(cfg[key])))
   end
   return v
 end
@@ -72,27 +72,34 @@ function M.read_config(dir)
   return o
 end
 
--- (pipegoose name, transformers name without "transformer.", transposed) of every parameter.
+-- Every parameter: {pg = pipegoose name, hf = transformers name without
+-- "transformer.", shape = its shape in the file, conv1d = stored transposed,
+-- top = outside "transformer." (lm_head)}.
 local function layout(o)
-  local out = {
-    { "embed.wte", "wte.weight" }, { "embed.wpe", "wpe.weight" },
-  }
-  local per_layer = {
-    { "ln1.weight", "ln_1.weight" }, { "ln1.bias", "ln_1.bias" },
-    { "attn.qkv.weight", "attn.c_attn.weight", true }, { "attn.qkv.bias", "attn.c_attn.bias" },
-    { "attn.proj.weight", "attn.c_proj.weight", true }, { "attn.proj.bias", "attn.c_proj.bias" },
-    { "ln2.weight", "ln_2.weight" }, { "ln2.bias", "ln_2.bias" },
-    { "mlp.fc.weight", "mlp.c_fc.weight", true }, { "mlp.fc.bias", "mlp.c_fc.bias" },
-    { "mlp.proj.weight", "mlp.c_proj.weight", true }, { "mlp.proj.bias", "mlp.c_proj.bias" },
-  }
+  local V, T, C, H = o.vocab, o.seq_len, o.dim, o.hidden or 4 * o.dim
+  local function p(pg, hf, shape, conv1d) return { pg = pg, hf = hf, shape = shape, conv1d = conv1d } end
+  local out = { p("embed.wte", "wte.weight", { V, C }), p("embed.wpe", "wpe.weight", { T, C }) }
   for l = 0, o.layers - 1 do
-    for _, e in ipairs(per_layer) do
-      out[#out + 1] = { ("blocks.%d.%s"):format(l, e[1]), ("h.%d.%s"):format(l, e[2]), e[3] }
+    local b, h = "blocks." .. l .. ".", "h." .. l .. "."
+    for _, e in ipairs{
+      p("ln1.weight", "ln_1.weight", { C }), p("ln1.bias", "ln_1.bias", { C }),
+      p("attn.qkv.weight", "attn.c_attn.weight", { C, 3 * C }, true), p("attn.qkv.bias", "attn.c_attn.bias", { 3 * C }),
+      p("attn.proj.weight", "attn.c_proj.weight", { C, C }, true), p("attn.proj.bias", "attn.c_proj.bias", { C }),
+      p("ln2.weight", "ln_2.weight", { C }), p("ln2.bias", "ln_2.bias", { C }),
+      p("mlp.fc.weight", "mlp.c_fc.weight", { C, H }, true), p("mlp.fc.bias", "mlp.c_fc.bias", { H }),
+      p("mlp.proj.weight", "mlp.c_proj.weight", { H, C }, true), p("mlp.proj.bias", "mlp.c_proj.bias", { C }),
+    } do
+      e.pg, e.hf = b .. e.pg, h .. e.hf
+      out[#out + 1] = e
     end
   end
-  out[#out + 1] = { "ln_f.weight", "ln_f.weight" }
-  out[#out + 1] = { "ln_f.bias", "ln_f.bias" }
-  if not o.tie then out[#out + 1] = { "head.weight", "lm_head.weight", false, top = true } end
+  out[#out + 1] = p("ln_f.weight", "ln_f.weight", { C })
+  out[#out + 1] = p("ln_f.bias", "ln_f.bias", { C })
+  if not o.tie then
+    local head = p("head.weight", "lm_head.weight", { V, C })
+    head.top = true
+    out[#out + 1] = head
+  end
   return out
 end
 
@@ -119,18 +126,6 @@ end
 
 local function shape_text(s) return "[" .. table.concat(s, ", ") .. "]" end
 
--- The shape a parameter has in the transformers file.
-local function hf_shape(cfg, pg_name)
-  local C, H = cfg.dim, cfg.hidden or 4 * cfg.dim
-  local suffix = pg_name:gsub("^blocks%.%d+%.", "")
-  local shapes = {
-    ["embed.wte"] = { cfg.vocab, C }, ["head.weight"] = { cfg.vocab, C }, ["embed.wpe"] = { cfg.seq_len, C },
-    ["attn.qkv.weight"] = { C, 3 * C }, ["attn.qkv.bias"] = { 3 * C }, ["attn.proj.weight"] = { C, C },
-    ["mlp.fc.weight"] = { C, H }, ["mlp.fc.bias"] = { H }, ["mlp.proj.weight"] = { H, C },
-  }
-  return shapes[suffix] or { C }
-end
-
 --- Loads a GPT2LMHeadModel directory's weights into the engine (each rank its shards).
 function M.load_into(engine, dir)
   local o = M.read_config(dir)
@@ -138,21 +133,20 @@ function M.load_into(engine, dir)
   local have = {}
   for _, p in ipairs(engine:parameters()) do have[p.name] = true end
   for _, e in ipairs(layout(o)) do
-    local pg_name, hf_name, transposed = e[1], e[2], e[3]
-    local stored = (not e.top and where["transformer." .. hf_name]) and "transformer." .. hf_name or hf_name
+    local stored = (not e.top and where["transformer." .. e.hf]) and "transformer." .. e.hf or e.hf
     local h = where[stored]
-    if not h then fail(dir, "the weights have no tensor %s (nor transformer.%s)", hf_name, hf_name) end
-    if have[pg_name] then
-      local entry, want = h.entries[stored], hf_shape(o, pg_name)
+    if not h then fail(dir, "the weights have no tensor %s (nor transformer.%s)", e.hf, e.hf) end
+    if have[e.pg] then
+      local entry = h.entries[stored]
       if entry.dtype ~= "float32" then
         fail(dir, "%s is %s; pipegoose reads float32 weights (save the model with torch_dtype=float32)", stored,
           entry.dtype)
       end
-      if shape_text(entry.shape) ~= shape_text(want) then
-        fail(dir, "%s has shape %s; the config needs %s", stored, shape_text(entry.shape), shape_text(want))
+      if shape_text(entry.shape) ~= shape_text(e.shape) then
+        fail(dir, "%s has shape %s; the config needs %s", stored, shape_text(entry.shape), shape_text(e.shape))
       end
       local t = safetensors.read(h, stored)
-      engine.c:load_param(pg_name, transposed and t:transpose(1, 2) or t)
+      engine.c:load_param(e.pg, e.conv1d and t:transpose(1, 2) or t)
     end
   end
 end
@@ -178,16 +172,14 @@ end
 -- A full pipegoose parameter as transformers stores it: the vocabulary's
 -- padding rows dropped, Conv1D weights transposed.
 local function to_hf(cfg, e, full)
-  local pg_name, transposed = e[1], e[3]
-  local shape = hf_shape(cfg, pg_name)
-  if pg_name == "embed.wte" or pg_name == "head.weight" then
+  if e.pg == "embed.wte" or e.pg == "head.weight" then
     full = full:reshape{ full:numel() // cfg.dim, cfg.dim }:narrow(1, 1, cfg.vocab)
   end
-  if transposed then return full:reshape{ shape[2], shape[1] }:transpose(1, 2) end
-  return full:reshape(shape):clone()
+  if e.conv1d then return full:reshape{ e.shape[2], e.shape[1] }:transpose(1, 2) end
+  return full:reshape(e.shape):clone()
 end
 
-local function file_name(e) return e.top and e[2] or "transformer." .. e[2] end
+local function file_name(e) return e.top and e.hf or "transformer." .. e.hf end
 
 -- Writes config.json and model.safetensors (each atomically); `tensor(e)` gives an entry's tensor as transformers stores it.
 local function write_dir(cfg, dir, tensor)
@@ -212,8 +204,7 @@ function M.save_from(engine, dir)
   check_gpt(cfg or {}, "save_hf")
   local converted = {}
   for _, e in ipairs(layout(cfg)) do
-    converted[file_name(e)] = engine:gather_to_root(e[1], function(full) return to_hf(cfg, e, full) end,
-      hf_shape(cfg, e[1]))
+    converted[file_name(e)] = engine:gather_to_root(e.pg, function(full) return to_hf(cfg, e, full) end, e.shape)
   end
   if engine.ctx:rank() == 0 then write_dir(cfg, dir, function(e) return converted[file_name(e)] end) end
   engine.ctx:barrier()
@@ -223,7 +214,7 @@ end
 -- `full(name)` reads a parameter's full tensor from the checkpoint (checkpoint.lua).
 function M.write_checkpoint(cfg, dir, full, what)
   check_gpt(cfg, what)
-  write_dir(cfg, dir, function(e) return to_hf(cfg, e, full(e[1])) end)
+  write_dir(cfg, dir, function(e) return to_hf(cfg, e, full(e.pg)) end)
 end
 
 return M
