@@ -368,6 +368,65 @@ static int l_tanh(lua_State *L) { return unary(L, PG_UN_TANH); }
 static int l_neg(lua_State *L) { return unary(L, PG_UN_NEG); }
 static int l_abs(lua_State *L) { return unary(L, PG_UN_ABS); }
 static int l_pow(lua_State *L) { return unary(L, PG_UN_POW); }
+static int l_sigmoid(lua_State *L) { return unary(L, PG_UN_SIGMOID); }
+static int l_silu(lua_State *L) { return unary(L, PG_UN_SILU); }
+
+/* A 1-based dimension argument (-1: the last) as 0-based. */
+static int dim_arg(lua_State *L, int idx, const pg_tensor *t) {
+  lua_Integer d = luaL_checkinteger(L, idx);
+  if (d < 0) d = t->ndim + 1 + d;
+  return (int)d - 1;
+}
+
+/* t:softmax(dim) */
+static int l_softmax(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1), out;
+  PG_LUA_CHECK(L, pg_tensor_softmax(&out, t, dim_arg(L, 2, t)));
+  pg_lua_push_tensor(L, &out);
+  return 1;
+}
+
+/* t:max(dim) -> values, indices (1-based int32), the dimension kept with size 1 as in sum(dim) */
+static int l_max(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1), values, indices;
+  PG_LUA_CHECK(L, pg_tensor_max_dim(&values, &indices, t, dim_arg(L, 2, t)));
+  int32_t *ix = pg_tensor_i32(&indices);
+  for (int64_t i = 0; i < indices.numel; i++) ix[i] += 1;
+  pg_lua_push_tensor(L, &values);
+  pg_lua_push_tensor(L, &indices);
+  return 2;
+}
+
+/* t:argmax(dim) -> the indices of max(dim) */
+static int l_argmax(lua_State *L) {
+  l_max(L);
+  return 1;
+}
+
+/* a:matmul(b) */
+static int l_matmul(lua_State *L) {
+  pg_tensor *a = pg_lua_check_tensor(L, 1), *b = pg_lua_check_tensor(L, 2), out;
+  PG_LUA_CHECK(L, pg_tensor_matmul(&out, a, b));
+  pg_lua_push_tensor(L, &out);
+  return 1;
+}
+
+/* pg.cat({t1, t2, ...}, dim) */
+static int l_cat(lua_State *L) {
+  luaL_checktype(L, 1, LUA_TTABLE);
+  lua_Integer n = luaL_len(L, 1);
+  if (n < 1 || n > 4096) return luaL_error(L, "cat: a list of 1 to 4096 tensors, got %I", n);
+  const pg_tensor *ts[4096];
+  for (lua_Integer i = 1; i <= n; i++) {
+    lua_geti(L, 1, i);
+    ts[i - 1] = pg_lua_check_tensor(L, -1);
+    lua_pop(L, 1); /* the list keeps it alive */
+  }
+  pg_tensor out;
+  PG_LUA_CHECK(L, pg_tensor_cat(&out, ts, (int)n, dim_arg(L, 2, ts[0])));
+  pg_lua_push_tensor(L, &out);
+  return 1;
+}
 
 static int l_max_abs_diff(lua_State *L) {
   pg_tensor *a = pg_lua_check_tensor(L, 1), *b = pg_lua_check_tensor(L, 2);
@@ -499,7 +558,9 @@ static const luaL_Reg tensor_methods[] = {
     {"reshape", l_reshape}, {"view", l_reshape}, {"transpose", l_transpose}, {"add", l_add}, {"sub", l_sub}, {"mul", l_mul},
     {"div", l_div}, {"add_", l_add_}, {"sub_", l_sub_}, {"mul_", l_mul_}, {"div_", l_div_},
     {"scale", l_scale}, {"scale_", l_scale_}, {"mean", l_mean}, {"sqrt", l_sqrt}, {"rsqrt", l_rsqrt},
-    {"exp", l_exp}, {"log", l_log}, {"tanh", l_tanh}, {"neg", l_neg}, {"abs", l_abs}, {"pow", l_pow}, {"fill_", l_fill_}, {"copy_", l_copy_}, {"sum", l_sum},
+    {"exp", l_exp}, {"log", l_log}, {"tanh", l_tanh}, {"neg", l_neg}, {"abs", l_abs}, {"pow", l_pow},
+    {"sigmoid", l_sigmoid}, {"silu", l_silu}, {"softmax", l_softmax}, {"max", l_max}, {"argmax", l_argmax},
+    {"matmul", l_matmul}, {"bmm", l_matmul}, {"fill_", l_fill_}, {"copy_", l_copy_}, {"sum", l_sum},
     {"max_abs_diff", l_max_abs_diff}, {"max_rel_diff", l_max_rel_diff}, {"allclose", l_allclose},
     {"equal", l_equal}, {"get", l_get}, {"set", l_set}, {"item", l_item}, {"free", l_free},
     {NULL, NULL}};
@@ -517,7 +578,7 @@ static int l_is_tensor(lua_State *L) {
 
 static const luaL_Reg tensor_functions[] = {{"tensor", l_tensor}, {"zeros", l_zeros}, {"ones", l_ones},
                                             {"full", l_full}, {"randn", l_randn}, {"arange", l_arange},
-                                            {"is_tensor", l_is_tensor}, {NULL, NULL}};
+                                            {"is_tensor", l_is_tensor}, {"cat", l_cat}, {NULL, NULL}};
 
 void pg_lua_open_tensor(lua_State *L) {
   if (luaL_newmetatable(L, PG_TENSOR_MT)) {

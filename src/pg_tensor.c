@@ -7,6 +7,8 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#include <cblas.h>
+
 #include "pg_error.h"
 
 size_t pg_dtype_size(pg_dtype d) { return d == PG_BFLOAT16 ? 2 : d == PG_FLOAT64 || d == PG_INT64 ? 8 : 4; }
@@ -238,6 +240,121 @@ int pg_tensor_transpose(pg_tensor *out, const pg_tensor *t, int a, int b) {
   return PG_OK;
 }
 
+/* outer x len x inner around dim */
+static void split_at(const pg_tensor *t, int dim, int64_t *outer, int64_t *len, int64_t *inner) {
+  *outer = *inner = 1;
+  for (int i = 0; i < dim; i++) *outer *= t->shape[i];
+  for (int i = dim + 1; i < t->ndim; i++) *inner *= t->shape[i];
+  *len = t->shape[dim];
+}
+
+int pg_tensor_softmax(pg_tensor *out, const pg_tensor *t, int dim) {
+  if (t->dtype != PG_FLOAT32) return pg_fail("softmax needs a float32 tensor, not %s", pg_dtype_name(t->dtype));
+  if (dim < 0 || dim >= t->ndim) return pg_fail("softmax: dimension %d out of range for a %d-d tensor", dim + 1, t->ndim);
+  if (pg_tensor_init(out, PG_FLOAT32, t->ndim, t->shape)) return PG_ERR;
+  int64_t outer, len, inner;
+  split_at(t, dim, &outer, &len, &inner);
+  const float *x = pg_tensor_f32(t);
+  float *y = pg_tensor_f32(out);
+  for (int64_t o = 0; o < outer; o++)
+    for (int64_t k = 0; k < inner; k++) {
+      const float *xs = x + o * len * inner + k;
+      float *ys = y + o * len * inner + k;
+      float m = -INFINITY;
+      for (int64_t j = 0; j < len; j++) m = xs[j * inner] > m ? xs[j * inner] : m;
+      double sum = 0;
+      for (int64_t j = 0; j < len; j++) sum += exp((double)xs[j * inner] - m);
+      for (int64_t j = 0; j < len; j++) ys[j * inner] = (float)(exp((double)xs[j * inner] - m) / sum);
+    }
+  return PG_OK;
+}
+
+int pg_tensor_max_dim(pg_tensor *values, pg_tensor *indices, const pg_tensor *t, int dim) {
+  if (dim < 0 || dim >= t->ndim) return pg_fail("max: dimension %d out of range for a %d-d tensor", dim + 1, t->ndim);
+  if (t->shape[dim] == 0) return pg_fail("max: dimension %d is empty", dim + 1);
+  int64_t shape[PG_MAX_DIMS];
+  memcpy(shape, t->shape, sizeof shape);
+  shape[dim] = 1;
+  if (pg_tensor_init(values, t->dtype, t->ndim, shape)) return PG_ERR;
+  if (pg_tensor_init(indices, PG_INT32, t->ndim, shape)) {
+    pg_tensor_release(values);
+    return PG_ERR;
+  }
+  int64_t outer, len, inner;
+  split_at(t, dim, &outer, &len, &inner);
+  for (int64_t o = 0; o < outer; o++)
+    for (int64_t k = 0; k < inner; k++) {
+      int64_t best = 0;
+      double bv = pg_tensor_get_flat(t, o * len * inner + k);
+      for (int64_t j = 1; j < len; j++) {
+        double v = pg_tensor_get_flat(t, (o * len + j) * inner + k);
+        if (v > bv || (isnan(v) && !isnan(bv))) best = j, bv = v; /* NaN propagates, as in torch */
+      }
+      pg_tensor_set_flat(values, o * inner + k, bv);
+      pg_tensor_i32(indices)[o * inner + k] = (int32_t)best;
+    }
+  return PG_OK;
+}
+
+int pg_tensor_cat(pg_tensor *out, const pg_tensor *const *ts, int n, int dim) {
+  if (n < 1) return pg_fail("cat needs at least one tensor");
+  const pg_tensor *f = ts[0];
+  if (dim < 0 || dim >= f->ndim) return pg_fail("cat: dimension %d out of range for a %d-d tensor", dim + 1, f->ndim);
+  int64_t shape[PG_MAX_DIMS];
+  memcpy(shape, f->shape, sizeof shape);
+  shape[dim] = 0;
+  for (int i = 0; i < n; i++) {
+    const pg_tensor *t = ts[i];
+    int same = t->ndim == f->ndim && t->dtype == f->dtype;
+    for (int d = 0; same && d < f->ndim; d++) same = d == dim || t->shape[d] == f->shape[d];
+    if (!same) {
+      char a[128], b[128];
+      return pg_fail("cat: tensor %d is %s, tensor 1 is %s (all alike but along dimension %d)", i + 1,
+                     pg_tensor_describe(t, a, sizeof a), pg_tensor_describe(f, b, sizeof b), dim + 1);
+    }
+    if (__builtin_add_overflow(shape[dim], t->shape[dim], &shape[dim])) return pg_fail("cat: the result is too large");
+  }
+  if (pg_tensor_init(out, f->dtype, f->ndim, shape)) return PG_ERR;
+  int64_t outer, len, inner;
+  split_at(out, dim, &outer, &len, &inner);
+  size_t es = pg_dtype_size(f->dtype);
+  char *dst = pg_tensor_data(out);
+  for (int64_t o = 0; o < outer; o++)
+    for (int i = 0; i < n; i++) {
+      size_t run = (size_t)(ts[i]->shape[dim] * inner) * es;
+      memcpy(dst, (const char *)pg_tensor_data(ts[i]) + (size_t)o * run, run);
+      dst += run;
+    }
+  return PG_OK;
+}
+
+int pg_tensor_matmul(pg_tensor *out, const pg_tensor *a, const pg_tensor *b) {
+  char da[128], db[128];
+  if (a->dtype != PG_FLOAT32 || b->dtype != PG_FLOAT32)
+    return pg_fail("matmul needs float32 tensors, not %s and %s", pg_dtype_name(a->dtype), pg_dtype_name(b->dtype));
+  int batched = a->ndim == 3;
+  int ok = (a->ndim == 2 && b->ndim == 2) || (batched && (b->ndim == 2 || (b->ndim == 3 && b->shape[0] == a->shape[0])));
+  if (!ok || a->shape[a->ndim - 1] != b->shape[b->ndim - 2])
+    return pg_fail("matmul: %s @ %s (want [M, K] @ [K, N], [B, M, K] @ [B, K, N] or [B, M, K] @ [K, N])",
+                   pg_tensor_describe(a, da, sizeof da), pg_tensor_describe(b, db, sizeof db));
+  int64_t B = batched ? a->shape[0] : 1, M = a->shape[a->ndim - 2], K = a->shape[a->ndim - 1], N = b->shape[b->ndim - 1];
+  if (M > INT32_MAX || K > INT32_MAX || N > INT32_MAX) return pg_fail("matmul: a dimension exceeds what sgemm takes");
+  int64_t shape[3] = {B, M, N};
+  if (pg_tensor_init(out, PG_FLOAT32, batched ? 3 : 2, batched ? shape : shape + 1)) return PG_ERR;
+  for (int64_t i = 0; i < B; i++) {
+    const float *x = pg_tensor_f32(a) + i * M * K, *y = pg_tensor_f32(b) + (b->ndim == 3 ? i * K * N : 0);
+    float *z = pg_tensor_f32(out) + i * M * N;
+    if (K == 0) {
+      memset(z, 0, (size_t)(M * N) * sizeof(float));
+      continue;
+    }
+    if (M && N)
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)N, (int)K, 1.0f, x, (int)K, y, (int)N, 0.0f, z,
+                  (int)N);
+  }
+  return PG_OK;
+}
+
 int pg_tensor_clone(pg_tensor *out, const pg_tensor *t) {
   if (pg_tensor_init(out, t->dtype, t->ndim, t->shape)) return PG_ERR;
   memcpy(pg_tensor_data(out), pg_tensor_data(t), (size_t)t->numel * pg_dtype_size(t->dtype));
@@ -370,6 +487,8 @@ int pg_tensor_unary(pg_tensor *out, const pg_tensor *t, pg_unop op, double arg) 
     case PG_UN_NEG: v = -v; break;
     case PG_UN_ABS: v = fabs(v); break;
     case PG_UN_POW: v = pow(v, arg); break;
+    case PG_UN_SIGMOID: v = 1.0 / (1.0 + exp(-v)); break;
+    case PG_UN_SILU: v = v / (1.0 + exp(-v)); break;
     }
     y[i] = (float)v;
   }

@@ -91,6 +91,16 @@ int pg_tensor_reshape_view(pg_tensor *out, const pg_tensor *t, int ndim, const i
 /* out = new contiguous tensor with dims a and b swapped (0-based; torch's
  * t.transpose(a, b).contiguous()). */
 int pg_tensor_transpose(pg_tensor *out, const pg_tensor *t, int a, int b);
+/* out = softmax of t along dim (0-based; float32; max-subtracted, sums in double). */
+int pg_tensor_softmax(pg_tensor *out, const pg_tensor *t, int dim);
+/* values = max of t along dim, kept as a size-1 dim (as pg_tensor_reduce_dim);
+ * indices = int32, 0-based, the first maximum's position. */
+int pg_tensor_max_dim(pg_tensor *values, pg_tensor *indices, const pg_tensor *t, int dim);
+/* out = the n tensors joined along dim (same dtype, same sizes elsewhere). */
+int pg_tensor_cat(pg_tensor *out, const pg_tensor *const *ts, int n, int dim);
+/* out = a @ b (float32): [M, K] @ [K, N], or batched [B, M, K] @ [B, K, N] or
+ * @ [K, N] (b broadcast over the batch); sgemm per batch. */
+int pg_tensor_matmul(pg_tensor *out, const pg_tensor *a, const pg_tensor *b);
 /* out = new tensor, same contents. */
 int pg_tensor_clone(pg_tensor *out, const pg_tensor *t);
 /* dst <- src (same numel and dtype). */
@@ -104,7 +114,18 @@ int pg_tensor_binop(pg_tensor *out, const pg_tensor *a, const pg_tensor *b, pg_b
 int pg_tensor_scale(pg_tensor *t, double s);
 /* out (initialised here) = sum (or mean) along dim, which is kept with size 1. */
 int pg_tensor_reduce_dim(pg_tensor *out, const pg_tensor *t, int dim, int mean);
-typedef enum { PG_UN_SQRT, PG_UN_RSQRT, PG_UN_EXP, PG_UN_LOG, PG_UN_TANH, PG_UN_NEG, PG_UN_ABS, PG_UN_POW } pg_unop;
+typedef enum {
+  PG_UN_SQRT,
+  PG_UN_RSQRT,
+  PG_UN_EXP,
+  PG_UN_LOG,
+  PG_UN_TANH,
+  PG_UN_NEG,
+  PG_UN_ABS,
+  PG_UN_POW,
+  PG_UN_SIGMOID,
+  PG_UN_SILU
+} pg_unop;
 /* out (initialised here) = op(t) elementwise, float32; arg is the exponent of pow. */
 int pg_tensor_unary(pg_tensor *out, const pg_tensor *t, pg_unop op, double arg);
 int pg_tensor_fill(pg_tensor *t, double v);

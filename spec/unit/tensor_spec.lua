@@ -119,3 +119,72 @@ describe("tensors", function()
     assert.has_error(function() pg.zeros{ 2, -1 } end, "shape entry 2 must be a non-negative integer, got -1")
   end)
 end)
+
+describe("tensor ops for module authors", function()
+  local function close(a, b, tol) return math.abs(a - b) <= tol * math.max(1, math.abs(b)) end
+
+  it("computes sigmoid, silu and softmax along any dimension as their formulas", function()
+    local t = pg.tensor{ { -3, 0, 2.5 }, { 40, -40, 1 } }
+    local sg, si = t:sigmoid(), t:silu()
+    for r = 1, 2 do
+      for c = 1, 3 do
+        local x = t:get(r, c)
+        assert.is_true(close(sg:get(r, c), 1 / (1 + math.exp(-x)), 1e-6))
+        assert.is_true(close(si:get(r, c), x / (1 + math.exp(-x)), 1e-6))
+      end
+    end
+    for _, dim in ipairs{ 1, 2, -1 } do
+      local sm = t:softmax(dim)
+      local d = dim < 0 and 2 or dim
+      for r = 1, 2 do
+        for c = 1, 3 do
+          local z, m = 0, -math.huge
+          for j = 1, (d == 1 and 2 or 3) do m = math.max(m, d == 1 and t:get(j, c) or t:get(r, j)) end
+          for j = 1, (d == 1 and 2 or 3) do z = z + math.exp((d == 1 and t:get(j, c) or t:get(r, j)) - m) end
+          assert.is_true(close(sm:get(r, c), math.exp(t:get(r, c) - m) / z, 1e-6), ("dim %d (%d, %d)"):format(dim, r, c))
+        end
+      end
+    end
+    assert.has_error(function() t:softmax(3) end, "softmax: dimension 3 out of range for a 2-d tensor")
+  end)
+
+  it("multiplies matrices, batched or with the right side broadcast over the batch, as the sums say", function()
+    local a, b, w = pg.randn({ 3, 4, 5 }, { seed = 1 }), pg.randn({ 3, 5, 2 }, { seed = 2 }), pg.randn({ 5, 2 }, { seed = 3 })
+    local ab, aw = a:bmm(b), a:matmul(w)
+    assert.same({ 3, 4, 2 }, ab:shape())
+    for i = 1, 3 do
+      for m = 1, 4 do
+        for n = 1, 2 do
+          local s1, s2 = 0, 0
+          for k = 1, 5 do
+            s1 = s1 + a:get(i, m, k) * b:get(i, k, n)
+            s2 = s2 + a:get(i, m, k) * w:get(k, n)
+          end
+          assert.is_true(close(ab:get(i, m, n), s1, 1e-5) and close(aw:get(i, m, n), s2, 1e-5))
+        end
+      end
+    end
+    assert.same({ 4, 2 }, a:narrow(1, 1, 1):reshape{ 4, 5 }:matmul(w):shape())
+    assert.has_error(function() a:matmul(b:transpose(2, 3)) end,
+      "matmul: [3, 4, 5] float32 @ [3, 2, 5] float32 (want [M, K] @ [K, N], [B, M, K] @ [B, K, N] or [B, M, K] @ [K, N])")
+  end)
+
+  it("takes max / argmax along a dimension (1-based indices, the first maximum, NaN wins) and cats tensors", function()
+    local t = pg.tensor{ { 1, 7, 7 }, { 0 / 0, 2, 3 } }
+    local v, i = t:max(2)
+    assert.same({ 2, 1 }, v:shape())
+    assert.equal(7, v:get(1, 1))
+    assert.equal(2, i:get(1, 1))
+    assert.is_true(v:get(2, 1) ~= v:get(2, 1))
+    assert.equal(1, i:get(2, 1))
+    assert.same({ { 1, 1, 1 } }, t:narrow(1, 1, 1):argmax(1):totable())
+    local a, b = pg.tensor{ { 1, 2 }, { 3, 4 } }, pg.tensor{ { 5 }, { 6 } }
+    assert.same({ { 1, 2, 5 }, { 3, 4, 6 } }, pg.cat({ a, b }, 2):totable())
+    assert.same({ { 1, 2 }, { 3, 4 }, { 1, 2 }, { 3, 4 } }, pg.cat({ a, a }, 1):totable())
+    assert.has_error(function() pg.cat({ a, b }, 1) end,
+      "cat: tensor 2 is [2, 1] float32, tensor 1 is [2, 2] float32 (all alike but along dimension 1)")
+    local x = pg.arange(24):reshape{ 2, 3, 4 }
+    assert.same(x:transpose(1, 3):transpose(1, 3):totable(), x:totable())
+    assert.equal(x:get(2, 3, 1), x:transpose(2, 3):get(2, 1, 3))
+  end)
+end)
