@@ -275,13 +275,26 @@ static const pg_tensor *operand(lua_State *L, int idx, const pg_tensor *like, pg
   return pg_lua_check_tensor(L, idx);
 }
 
+/* Both operands broadcast (numpy rules); an in-place op keeps the first's shape, as in torch. */
 static int binop(lua_State *L, pg_binop op, int inplace) {
-  pg_tensor *a = pg_lua_check_tensor(L, 1), tmp = {0};
+  pg_tensor *a = pg_lua_check_tensor(L, 1), tmp = {0}, wide = {0};
   const pg_tensor *b = operand(L, 2, a, &tmp);
   pg_tensor *out = a;
-  if (!inplace) out = pg_lua_new_tensor(L, a->dtype, a->ndim, a->shape);
-  int rc = pg_tensor_binop(out, a, b, op);
+  int64_t shape[PG_MAX_DIMS];
+  int ndim, rc = PG_OK;
+  if (!inplace && lua_type(L, 2) != LUA_TNUMBER && !pg_shape_equal(a, b)) {
+    rc = pg_tensor_broadcast_shape(a, b, &ndim, shape);
+    if (!rc && (ndim != a->ndim || pg_shape_numel(ndim, shape) != a->numel)) {
+      rc = pg_tensor_expand(&wide, a, ndim, shape); /* a is the smaller one: widen it first */
+      if (!rc) a = &wide;
+    }
+  }
+  if (!rc) {
+    if (!inplace) out = pg_lua_new_tensor(L, a->dtype, a->ndim, a->shape);
+    rc = pg_tensor_binop(out, a, b, op);
+  }
   pg_tensor_release(&tmp);
+  pg_tensor_release(&wide);
   if (rc) return luaL_error(L, "%s", pg_error());
   if (inplace) lua_settop(L, 1);
   return 1;
@@ -409,6 +422,52 @@ static int l_matmul(lua_State *L) {
   PG_LUA_CHECK(L, pg_tensor_matmul(&out, a, b));
   pg_lua_push_tensor(L, &out);
   return 1;
+}
+
+/* Indices given to Lua are 1-based: a 0-based int32 copy of an int32 tensor argument. */
+static void zero_based(lua_State *L, int idx, pg_tensor *out, const char *what) {
+  pg_tensor *t = pg_lua_check_tensor(L, idx);
+  if (t->dtype != PG_INT32) luaL_error(L, "%s: indices must be an int32 tensor, not %s", what, pg_dtype_name(t->dtype));
+  if (pg_tensor_clone(out, t)) luaL_error(L, "%s", pg_error());
+  for (int64_t i = 0; i < out->numel; i++) pg_tensor_i32(out)[i] -= 1;
+}
+
+/* t:permute(d1, d2, ...) */
+static int l_permute(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1), out;
+  if (lua_gettop(L) - 1 != t->ndim) return luaL_error(L, "permute: %d dimensions given for a %d-d tensor", lua_gettop(L) - 1, t->ndim);
+  int perm[PG_MAX_DIMS];
+  for (int i = 0; i < t->ndim; i++) perm[i] = dim_arg(L, i + 2, t);
+  PG_LUA_CHECK(L, pg_tensor_permute(&out, t, perm));
+  pg_lua_push_tensor(L, &out);
+  return 1;
+}
+
+/* t:index_select(dim, idx) and t:gather(dim, idx): idx an int32 tensor of 1-based indices */
+static int select_or_gather(lua_State *L, int gather) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1), idx, out;
+  int dim = dim_arg(L, 2, t);
+  zero_based(L, 3, &idx, gather ? "gather" : "index_select");
+  int rc = gather ? pg_tensor_gather(&out, t, dim, &idx) : pg_tensor_index_select(&out, t, dim, &idx);
+  pg_tensor_release(&idx);
+  PG_LUA_CHECK(L, rc);
+  pg_lua_push_tensor(L, &out);
+  return 1;
+}
+static int l_index_select(lua_State *L) { return select_or_gather(L, 0); }
+static int l_gather(lua_State *L) { return select_or_gather(L, 1); }
+
+/* t:topk(k [, dim = -1]) -> values, indices (1-based int32), largest first */
+static int l_topk(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1), values, indices;
+  lua_Integer k = luaL_checkinteger(L, 2);
+  int dim = lua_isnoneornil(L, 3) ? t->ndim - 1 : dim_arg(L, 3, t);
+  if (k < 0 || k > INT32_MAX) return luaL_error(L, "topk: k = %I is out of range", k);
+  PG_LUA_CHECK(L, pg_tensor_topk(&values, &indices, t, (int)k, dim));
+  for (int64_t i = 0; i < indices.numel; i++) pg_tensor_i32(&indices)[i] += 1;
+  pg_lua_push_tensor(L, &values);
+  pg_lua_push_tensor(L, &indices);
+  return 2;
 }
 
 /* pg.cat({t1, t2, ...}, dim) */
@@ -560,7 +619,8 @@ static const luaL_Reg tensor_methods[] = {
     {"scale", l_scale}, {"scale_", l_scale_}, {"mean", l_mean}, {"sqrt", l_sqrt}, {"rsqrt", l_rsqrt},
     {"exp", l_exp}, {"log", l_log}, {"tanh", l_tanh}, {"neg", l_neg}, {"abs", l_abs}, {"pow", l_pow},
     {"sigmoid", l_sigmoid}, {"silu", l_silu}, {"softmax", l_softmax}, {"max", l_max}, {"argmax", l_argmax},
-    {"matmul", l_matmul}, {"bmm", l_matmul}, {"fill_", l_fill_}, {"copy_", l_copy_}, {"sum", l_sum},
+    {"matmul", l_matmul}, {"bmm", l_matmul}, {"permute", l_permute}, {"index_select", l_index_select},
+    {"gather", l_gather}, {"topk", l_topk}, {"fill_", l_fill_}, {"copy_", l_copy_}, {"sum", l_sum},
     {"max_abs_diff", l_max_abs_diff}, {"max_rel_diff", l_max_rel_diff}, {"allclose", l_allclose},
     {"equal", l_equal}, {"get", l_get}, {"set", l_set}, {"item", l_item}, {"free", l_free},
     {NULL, NULL}};

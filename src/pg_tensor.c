@@ -355,6 +355,112 @@ int pg_tensor_matmul(pg_tensor *out, const pg_tensor *a, const pg_tensor *b) {
   return PG_OK;
 }
 
+int pg_tensor_permute(pg_tensor *out, const pg_tensor *t, const int *perm) {
+  int64_t shape[PG_MAX_DIMS], stride[PG_MAX_DIMS], from[PG_MAX_DIMS];
+  int seen[PG_MAX_DIMS] = {0};
+  for (int i = 0; i < t->ndim; i++) {
+    if (perm[i] < 0 || perm[i] >= t->ndim || seen[perm[i]]++)
+      return pg_fail("permute: the order must name each of the %d dimensions once", t->ndim);
+    shape[i] = t->shape[perm[i]];
+  }
+  for (int64_t d = t->ndim - 1, st = 1; d >= 0; st *= t->shape[d--]) stride[d] = st;
+  for (int i = 0; i < t->ndim; i++) from[i] = stride[perm[i]];
+  if (pg_tensor_init(out, t->dtype, t->ndim, shape)) return PG_ERR;
+  size_t es = pg_dtype_size(t->dtype);
+  const char *src = pg_tensor_data(t);
+  char *dst = pg_tensor_data(out);
+  for (int64_t i = 0; i < out->numel; i++) {
+    int64_t rem = i, at = 0;
+    for (int d = t->ndim - 1; d >= 0; d--) {
+      at += (rem % shape[d]) * from[d];
+      rem /= shape[d];
+    }
+    memcpy(dst + (size_t)i * es, src + (size_t)at * es, es);
+  }
+  return PG_OK;
+}
+
+static int check_index(const pg_tensor *idx, int64_t limit, const char *what) {
+  if (idx->dtype != PG_INT32) return pg_fail("%s: indices must be int32, not %s", what, pg_dtype_name(idx->dtype));
+  for (int64_t i = 0; i < idx->numel; i++)
+    if (pg_tensor_i32(idx)[i] < 0 || pg_tensor_i32(idx)[i] >= limit)
+      return pg_fail("%s: index %d at position %lld is outside 1..%lld", what, pg_tensor_i32(idx)[i] + 1,
+                     (long long)i + 1, (long long)limit);
+  return PG_OK;
+}
+
+int pg_tensor_index_select(pg_tensor *out, const pg_tensor *t, int dim, const pg_tensor *idx) {
+  if (dim < 0 || dim >= t->ndim) return pg_fail("index_select: dimension %d out of range for a %d-d tensor", dim + 1, t->ndim);
+  if (idx->ndim != 1) return pg_fail("index_select: the indices must be 1-d, not %d-d", idx->ndim);
+  if (check_index(idx, t->shape[dim], "index_select")) return PG_ERR;
+  int64_t shape[PG_MAX_DIMS], outer, len, inner;
+  memcpy(shape, t->shape, sizeof shape);
+  shape[dim] = idx->numel;
+  if (pg_tensor_init(out, t->dtype, t->ndim, shape)) return PG_ERR;
+  split_at(t, dim, &outer, &len, &inner);
+  size_t run = (size_t)inner * pg_dtype_size(t->dtype);
+  const char *src = pg_tensor_data(t);
+  char *dst = pg_tensor_data(out);
+  for (int64_t o = 0; o < outer; o++)
+    for (int64_t j = 0; j < idx->numel; j++, dst += run)
+      memcpy(dst, src + (size_t)(o * len + pg_tensor_i32(idx)[j]) * run, run);
+  return PG_OK;
+}
+
+int pg_tensor_gather(pg_tensor *out, const pg_tensor *t, int dim, const pg_tensor *idx) {
+  char a[128], b[128];
+  if (dim < 0 || dim >= t->ndim) return pg_fail("gather: dimension %d out of range for a %d-d tensor", dim + 1, t->ndim);
+  int fits = idx->ndim == t->ndim;
+  for (int d = 0; fits && d < t->ndim; d++) fits = d == dim || idx->shape[d] <= t->shape[d];
+  if (!fits)
+    return pg_fail("gather: indices %s do not fit %s (same dimensions, no larger except along %d)",
+                   pg_tensor_describe(idx, a, sizeof a), pg_tensor_describe(t, b, sizeof b), dim + 1);
+  if (check_index(idx, t->shape[dim], "gather")) return PG_ERR;
+  if (pg_tensor_init(out, t->dtype, idx->ndim, idx->shape)) return PG_ERR;
+  int64_t stride[PG_MAX_DIMS];
+  for (int64_t d = t->ndim - 1, st = 1; d >= 0; st *= t->shape[d--]) stride[d] = st;
+  for (int64_t i = 0; i < out->numel; i++) {
+    int64_t rem = i, at = 0;
+    for (int d = idx->ndim - 1; d >= 0; d--) {
+      int64_t c = rem % idx->shape[d];
+      rem /= idx->shape[d];
+      at += (d == dim ? pg_tensor_i32(idx)[i] : c) * stride[d];
+    }
+    pg_tensor_set_flat(out, i, pg_tensor_get_flat(t, at));
+  }
+  return PG_OK;
+}
+
+int pg_tensor_topk(pg_tensor *values, pg_tensor *indices, const pg_tensor *t, int k, int dim) {
+  if (dim < 0 || dim >= t->ndim) return pg_fail("topk: dimension %d out of range for a %d-d tensor", dim + 1, t->ndim);
+  if (k < 0 || k > t->shape[dim])
+    return pg_fail("topk: k = %d, but dimension %d has %lld entries", k, dim + 1, (long long)t->shape[dim]);
+  int64_t shape[PG_MAX_DIMS], outer, len, inner;
+  memcpy(shape, t->shape, sizeof shape);
+  shape[dim] = k;
+  if (pg_tensor_init(values, t->dtype, t->ndim, shape)) return PG_ERR;
+  if (pg_tensor_init(indices, PG_INT32, t->ndim, shape)) {
+    pg_tensor_release(values);
+    return PG_ERR;
+  }
+  split_at(t, dim, &outer, &len, &inner);
+  for (int64_t o = 0; o < outer; o++)
+    for (int64_t c = 0; c < inner; c++)
+      for (int j = 0; j < k; j++) { /* selection: k passes, each the largest not yet taken */
+        int64_t best = -1;
+        double bv = 0;
+        for (int64_t m = 0; m < len; m++) {
+          int taken = 0;
+          for (int q = 0; q < j && !taken; q++) taken = pg_tensor_i32(indices)[(o * k + q) * inner + c] == m;
+          double v = pg_tensor_get_flat(t, (o * len + m) * inner + c);
+          if (!taken && (best < 0 || v > bv || (isnan(v) && !isnan(bv)))) best = m, bv = v;
+        }
+        pg_tensor_set_flat(values, (o * k + j) * inner + c, bv);
+        pg_tensor_i32(indices)[(o * k + j) * inner + c] = (int32_t)best;
+      }
+  return PG_OK;
+}
+
 int pg_tensor_clone(pg_tensor *out, const pg_tensor *t) {
   if (pg_tensor_init(out, t->dtype, t->ndim, t->shape)) return PG_ERR;
   memcpy(pg_tensor_data(out), pg_tensor_data(t), (size_t)t->numel * pg_dtype_size(t->dtype));
@@ -399,6 +505,45 @@ static int broadcast_strides(const pg_tensor *a, const pg_tensor *b, int64_t *bs
   return PG_OK;
 }
 
+/* Flat index into b (strides from broadcast_strides) of element i of a tensor of a's shape. */
+static int64_t broadcast_index(const pg_tensor *a, const int64_t *bstride, int64_t i) {
+  int64_t bi = 0;
+  for (int d = a->ndim - 1; d >= 0; d--) {
+    bi += (i % a->shape[d]) * bstride[d];
+    i /= a->shape[d];
+  }
+  return bi;
+}
+
+int pg_tensor_broadcast_shape(const pg_tensor *a, const pg_tensor *b, int *ndim, int64_t *shape) {
+  int n = a->ndim > b->ndim ? a->ndim : b->ndim;
+  for (int d = 0; d < n; d++) {
+    int ad = d - (n - a->ndim), bd = d - (n - b->ndim);
+    int64_t x = ad >= 0 ? a->shape[ad] : 1, y = bd >= 0 ? b->shape[bd] : 1;
+    if (x != y && x != 1 && y != 1) {
+      char da[128], db[128];
+      return pg_fail("shapes do not broadcast: %s vs %s (dimension %d from the right: %lld vs %lld)",
+                     pg_tensor_describe(a, da, sizeof da), pg_tensor_describe(b, db, sizeof db), n - d,
+                     (long long)x, (long long)y);
+    }
+    shape[d] = x == 1 ? y : x;
+  }
+  *ndim = n;
+  return PG_OK;
+}
+
+int pg_tensor_expand(pg_tensor *out, const pg_tensor *t, int ndim, const int64_t *shape) {
+  if (pg_tensor_init(out, t->dtype, ndim, shape)) return PG_ERR;
+  int64_t st[PG_MAX_DIMS];
+  if (broadcast_strides(out, t, st)) {
+    char d[128];
+    pg_tensor_release(out);
+    return pg_fail("expand: %s does not broadcast to that shape", pg_tensor_describe(t, d, sizeof d));
+  }
+  for (int64_t i = 0; i < out->numel; i++) pg_tensor_set_flat(out, i, pg_tensor_get_flat(t, broadcast_index(out, st, i)));
+  return PG_OK;
+}
+
 static double apply_op(pg_binop op, double x, double y) {
   switch (op) {
   case PG_OP_ADD: return x + y;
@@ -426,14 +571,8 @@ int pg_tensor_binop(pg_tensor *out, const pg_tensor *a, const pg_tensor *b, pg_b
     if (a->dtype == PG_INT32 && op == PG_OP_DIV)
       for (int64_t i = 0; i < b->numel; i++)
         if (pg_tensor_i32(b)[i] == 0) return pg_fail("integer division by zero at element %lld", (long long)i + 1);
-    for (int64_t i = 0; i < n; i++) {
-      int64_t rem = i, bi = 0;
-      for (int d = a->ndim - 1; d >= 0; d--) {
-        bi += (rem % a->shape[d]) * bstride[d];
-        rem /= a->shape[d];
-      }
-      pg_tensor_set_flat(out, i, apply_op(op, pg_tensor_get_flat(a, i), pg_tensor_get_flat(b, bi)));
-    }
+    for (int64_t i = 0; i < n; i++)
+      pg_tensor_set_flat(out, i, apply_op(op, pg_tensor_get_flat(a, i), pg_tensor_get_flat(b, broadcast_index(a, bstride, i))));
     return PG_OK;
   }
   if (a->dtype == PG_FLOAT32) {

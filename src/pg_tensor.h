@@ -101,6 +101,15 @@ int pg_tensor_cat(pg_tensor *out, const pg_tensor *const *ts, int n, int dim);
 /* out = a @ b (float32): [M, K] @ [K, N], or batched [B, M, K] @ [B, K, N] or
  * @ [K, N] (b broadcast over the batch); sgemm per batch. */
 int pg_tensor_matmul(pg_tensor *out, const pg_tensor *a, const pg_tensor *b);
+/* out = new contiguous tensor with dims in the order perm (0-based; out dim i is t's dim perm[i]). */
+int pg_tensor_permute(pg_tensor *out, const pg_tensor *t, const int *perm);
+/* out = the entries idx (int32, 0-based) of t along dim. */
+int pg_tensor_index_select(pg_tensor *out, const pg_tensor *t, int dim, const pg_tensor *idx);
+/* out[.., j, ..] = t[.., idx[.., j, ..], ..] along dim (torch.gather; idx int32, 0-based, same ndim,
+ * no larger than t in the other dims). */
+int pg_tensor_gather(pg_tensor *out, const pg_tensor *t, int dim, const pg_tensor *idx);
+/* The k largest along dim, largest first (ties: the lower index first); indices int32, 0-based. */
+int pg_tensor_topk(pg_tensor *values, pg_tensor *indices, const pg_tensor *t, int k, int dim);
 /* out = new tensor, same contents. */
 int pg_tensor_clone(pg_tensor *out, const pg_tensor *t);
 /* dst <- src (same numel and dtype). */
@@ -111,6 +120,10 @@ int pg_tensor_copy(pg_tensor *dst, const pg_tensor *src);
  * alias a or b. */
 typedef enum { PG_OP_ADD, PG_OP_SUB, PG_OP_MUL, PG_OP_DIV, PG_OP_MAX, PG_OP_MIN } pg_binop;
 int pg_tensor_binop(pg_tensor *out, const pg_tensor *a, const pg_tensor *b, pg_binop op);
+/* The shape a and b broadcast to together (numpy rules), or PG_ERR naming both. */
+int pg_tensor_broadcast_shape(const pg_tensor *a, const pg_tensor *b, int *ndim, int64_t *shape);
+/* out = new tensor of that shape, t repeated along its size-1 and missing dims. */
+int pg_tensor_expand(pg_tensor *out, const pg_tensor *t, int ndim, const int64_t *shape);
 int pg_tensor_scale(pg_tensor *t, double s);
 /* out (initialised here) = sum (or mean) along dim, which is kept with size 1. */
 int pg_tensor_reduce_dim(pg_tensor *out, const pg_tensor *t, int dim, int mean);

@@ -104,7 +104,9 @@ describe("tensors", function()
 
   it("names both sides when shapes or dtypes differ", function()
     local a, b = pg.zeros{ 2, 3 }, pg.zeros{ 3, 2 }
-    assert.has_error(function() a:add(b) end, "shapes differ: [2, 3] float32 vs [3, 2] float32")
+    assert.has_error(function() a:add(b) end,
+      "shapes do not broadcast: [2, 3] float32 vs [3, 2] float32 (dimension 2 from the right: 2 vs 3)")
+    assert.has_error(function() a:add_(b) end, "shapes differ: [2, 3] float32 vs [3, 2] float32")
     assert.has_error(function() a:add(pg.zeros({ 2, 3 }, { dtype = "int32" })) end,
       "shapes differ: [2, 3] float32 vs [2, 3] int32")
     assert.has_error(function() a:copy_(pg.zeros{ 5 }) end,
@@ -186,5 +188,38 @@ describe("tensor ops for module authors", function()
     local x = pg.arange(24):reshape{ 2, 3, 4 }
     assert.same(x:transpose(1, 3):transpose(1, 3):totable(), x:totable())
     assert.equal(x:get(2, 3, 1), x:transpose(2, 3):get(2, 1, 3))
+  end)
+  it("permutes, selects and gathers by 1-based int32 indices, and takes the top k, as torch does", function()
+    local x = pg.arange(24):reshape{ 2, 3, 4 }
+    local p = x:permute(3, 1, 2)
+    assert.same({ 4, 2, 3 }, p:shape())
+    for a = 1, 2 do for b = 1, 3 do for c = 1, 4 do assert.equal(x:get(a, b, c), p:get(c, a, b)) end end end
+    assert.same({ { { 2, 0 }, { 6, 4 }, { 10, 8 } }, { { 14, 12 }, { 18, 16 }, { 22, 20 } } },
+      x:index_select(3, pg.tensor({ 3, 1 }, { dtype = "int32" })):totable())
+    local m = pg.tensor{ { 1, 2 }, { 3, 4 } }
+    -- torch.gather(m, 1, [[0, 0], [1, 0]]) = [[1, 1], [4, 3]]
+    assert.same({ { 1, 1 }, { 4, 3 } }, m:gather(2, pg.tensor({ { 1, 1 }, { 2, 1 } }, { dtype = "int32" })):totable())
+    assert.same({ { 3, 2 } }, m:gather(1, pg.tensor({ { 2, 1 } }, { dtype = "int32" })):totable())
+    local v, i = pg.tensor{ { 1, 5, 3, 5 }, { 0, -1, 9, 2 } }:topk(3)
+    assert.same({ { 5, 5, 3 }, { 9, 2, 0 } }, v:totable())
+    assert.same({ { 2, 4, 3 }, { 3, 4, 1 } }, i:totable())
+    local v1, i1 = m:topk(1, 1)
+    assert.same({ { 3, 4 } }, v1:totable())
+    assert.same({ { 2, 2 } }, i1:totable())
+    assert.has_error(function() m:gather(2, pg.tensor({ { 3, 1 }, { 1, 1 } }, { dtype = "int32" })) end,
+      "gather: index 3 at position 1 is outside 1..2")
+    assert.has_error(function() m:index_select(1, pg.tensor{ 1 }) end, "index_select: indices must be an int32 tensor, not float32")
+    assert.has_error(function() m:topk(3, 1) end, "topk: k = 3, but dimension 1 has 2 entries")
+    assert.has_error(function() x:permute(1, 1, 2) end, "permute: the order must name each of the 3 dimensions once")
+  end)
+
+  it("broadcasts both operands (numpy rules); an in-place op keeps its own shape", function()
+    local col, row = pg.tensor{ { 1 }, { 2 } }, pg.tensor{ 10, 20, 30 }
+    assert.same({ { 11, 21, 31 }, { 12, 22, 32 } }, col:add(row):totable())
+    assert.same({ { 10, 20, 30 }, { 20, 40, 60 } }, row:mul(col):totable())
+    assert.same({ { 11, 21, 31 }, { 12, 22, 32 } }, row:add(col):totable())
+    assert.has_error(function() pg.tensor{ 1, 2 }:add(row) end,
+      "shapes do not broadcast: [2] float32 vs [3] float32 (dimension 1 from the right: 2 vs 3)")
+    assert.has_error(function() col:add_(row) end)
   end)
 end)
