@@ -6,7 +6,7 @@
 -- LLMC_DIR is set), T = 2 and D = 2 against one
 -- rank with one thread, measured pipeline bubbles against (P-1)/(M+P-1).
 --
--- Parts (BENCH_ONLY=peak,gpt2,small,torch,llmc,tp,dp,pp,comm picks some; default all):
+-- Parts (BENCH_ONLY=peak,gpt2,small,torch,llmc,tp,dp,pp,comm,gpu picks some; default all):
 --   peak   sgemm GFLOP/s through pg.ops.linear, all cores and one thread
 --   gpt2   GPT-2 124M (padded vocab 50304, 12 x 768, seq 64), batch 4 x 64, fp32, all cores
 --   small  the default model of examples/train_gpt.lua, batch 16 x 128, all cores
@@ -18,6 +18,8 @@
 --   dp     GPT-2 124M, 4 x 64 per rank: data = 2 (zero 0 and 1) against 1 rank x 1 thread
 --   pp     pipeline = 2, M = 1..16 micro-batches: bubble and activation peak, GPipe and 1F1B
 --   comm   scripts/bench_comm.lua (collectives against bare MPI)
+--   gpu    scripts/bench_gpu.lua on this rank's GPU (GPT-2 124M tokens/s and MFU against
+--          the cuBLAS FP32 sgemm rate measured in the same run), skipped without a GPU
 -- BENCH_STEPS=n overrides the timed steps of each configuration.
 --
 -- Output: a readable table per part, and machine-readable lines
@@ -642,6 +644,20 @@ local function driver()
     print("== collectives (scripts/bench_comm.lua, 2 ranks)")
     for _, l in ipairs(lines) do print("  " .. l) end
     if rc ~= 0 then failures[#failures + 1] = "comm" end
+  end
+
+  ------------------------------------------------ GPU
+  if want("gpu") then
+    print()
+    local ok, why = pg.cuda.available()
+    if not ok then
+      print("== GPU: skipped (" .. tostring(why) .. ")")
+    else
+      local _, lines, rc = run(("%s scripts/bench_gpu.lua"):format(PGLUA))
+      print("== GPU (scripts/bench_gpu.lua)")
+      for _, l in ipairs(lines) do print("  " .. l) end
+      if rc ~= 0 then failures[#failures + 1] = "gpu" end
+    end
   end
 
   print()
