@@ -53,24 +53,55 @@ void pg_matmul_forward(float *out, const float *inp, const float *weight, const 
 void pg_matmul_backward(float *dinp, float *dweight, float *dbias, const float *dout, const float *inp,
                         const float *weight, int N, int C, int OC);
 
-/* ---- causal multi-head self-attention ----
- * qkv is [B, T, 3C]: queries in columns [0, C), keys [C, 2C), values [2C, 3C);
- * head h uses columns [h*hs, (h+1)*hs) of each part, hs = C/NH. Scores are
- * scaled by 1/sqrt(hs) and masked causally. The heads go through sgemm. */
+/* ---- causal self-attention, multi-head / grouped-query ----
+ * qkv is [B, T, (NH + 2 NKV) HS]: NH query heads, then NKV key heads, then
+ * NKV value heads, HS columns each (head h of a part at columns h*HS of that
+ * part). Query head h attends with key/value head h / (NH / NKV) (NKV
+ * divides NH; NKV = NH is multi-head attention, NKV = 1 multi-query).
+ * Scores are scaled by 1/sqrt(HS) and masked causally. out is [B, T, NH HS].
+ * The heads go through sgemm. */
 
-/* out[B,T,C]; att[B,NH,T,T] keeps the softmax probabilities for backward. */
-void pg_attention_forward(float *out, float *att, const float *qkv, int B, int T, int C, int NH);
-/* dqkv[B,T,3C] (overwritten); scratch holds at least pg_attention_scratch_floats(T, threads) floats,
- * threads = omp_get_max_threads() at the call (one [T, T] block per OpenMP thread). */
+/* att[B,NH,T,T] keeps the softmax probabilities for backward. */
+void pg_attention_forward(float *out, float *att, const float *qkv, int B, int T, int NH, int NKV, int HS);
+/* dqkv[B,T,(NH+2NKV)HS] (overwritten); scratch holds at least pg_attention_scratch_floats(T, threads)
+ * floats, threads = omp_get_max_threads() at the call (one [T, T] block per OpenMP thread). */
 void pg_attention_backward(float *dqkv, float *scratch, const float *dout, const float *qkv, const float *att, int B,
-                           int T, int C, int NH);
+                           int T, int NH, int NKV, int HS);
 int64_t pg_attention_scratch_floats(int T, int threads);
+
+/* ---- rotary position embeddings (transformers' rotate_half convention) ----
+ * For a head vector v of HS (even) values at sequence position t and
+ * i < HS/2: (v[i], v[i + HS/2]) is rotated by the angle t * inv_freq[i],
+ * inv_freq[i] = 1 / theta^(2i / HS):
+ *   v[i]        = v[i] cos - v[i + HS/2] sin
+ *   v[i + HS/2] = v[i + HS/2] cos + v[i] sin.
+ * Tables cos, sin are [max_T, HS/2] (pg_rope_table). Row n of x is at
+ * position n % T (rows are B sequences of T); heads [0, heads) of a row are
+ * the ones rotated, HS columns each, starting at column 0, rows ld floats
+ * apart. In place. Backward rotates by the opposite angle (the transpose). */
+
+/* The tables, on the host, in float32 arithmetic as transformers computes them
+ * (inv_freq = 1 / theta^(float(2i) / HS), angle = float(t) * inv_freq). */
+void pg_rope_table(float *cos_t, float *sin_t, int max_T, int HS, double theta);
+void pg_rope_forward(float *x, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS, int ld);
+void pg_rope_backward(float *dx, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS, int ld);
+
+/* ---- RMS normalisation (LLaMA) ----
+ * out = inp * rstd * weight per row, rstd = 1 / sqrt(mean(inp^2) + eps)
+ * (the sum in double); saves rstd[N]. */
+void pg_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight, int N, int C, float eps);
+void pg_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp, const float *weight,
+                         const float *rstd, int N, int C);
 
 /* ---- pointwise ---- */
 
 /* GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
 void pg_gelu_forward(float *out, const float *inp, int64_t n);
 void pg_gelu_backward(float *dinp, const float *inp, const float *dout, int64_t n);
+/* SwiGLU: inp is [N, 2H], gate columns [0, H), up columns [H, 2H);
+ * out[N, H] = silu(gate) * up, silu(g) = g / (1 + e^-g). */
+void pg_swiglu_forward(float *out, const float *inp, int N, int H);
+void pg_swiglu_backward(float *dinp, const float *inp, const float *dout, int N, int H);
 /* out = a + b (residual). Backward is the identity for both inputs. */
 void pg_residual_forward(float *out, const float *a, const float *b, int64_t n);
 /* da += dout; db += dout (either may be NULL). */
@@ -159,12 +190,24 @@ int pg_cuda_matmul_backward(const pg_cuda_ctx *ctx, float *dinp, float *dweight,
                             const float *inp, const float *weight, int N, int C, int OC);
 
 /* att[B,NH,T,T] as on the CPU (probabilities, exact zeros above the diagonal). */
-int pg_cuda_attention_forward(const pg_cuda_ctx *ctx, float *out, float *att, const float *qkv, int B, int T, int C,
-                              int NH);
+int pg_cuda_attention_forward(const pg_cuda_ctx *ctx, float *out, float *att, const float *qkv, int B, int T, int NH,
+                              int NKV, int HS);
 /* scratch: at least pg_cuda_attention_scratch_floats(T, NH) device floats. */
 int pg_cuda_attention_backward(const pg_cuda_ctx *ctx, float *dqkv, float *scratch, const float *dout,
-                               const float *qkv, const float *att, int B, int T, int C, int NH);
+                               const float *qkv, const float *att, int B, int T, int NH, int NKV, int HS);
 int64_t pg_cuda_attention_scratch_floats(int T, int NH);
+
+/* cos_t, sin_t: device copies of pg_rope_table's tables. */
+int pg_cuda_rope_forward(const pg_cuda_ctx *ctx, float *x, const float *cos_t, const float *sin_t, int N, int T,
+                         int heads, int HS, int ld);
+int pg_cuda_rope_backward(const pg_cuda_ctx *ctx, float *dx, const float *cos_t, const float *sin_t, int N, int T,
+                          int heads, int HS, int ld);
+int pg_cuda_rmsnorm_forward(const pg_cuda_ctx *ctx, float *out, float *rstd, const float *inp, const float *weight,
+                            int N, int C, float eps);
+int pg_cuda_rmsnorm_backward(const pg_cuda_ctx *ctx, float *dinp, float *dweight, const float *dout, const float *inp,
+                             const float *weight, const float *rstd, int N, int C);
+int pg_cuda_swiglu_forward(const pg_cuda_ctx *ctx, float *out, const float *inp, int N, int H);
+int pg_cuda_swiglu_backward(const pg_cuda_ctx *ctx, float *dinp, const float *inp, const float *dout, int N, int H);
 
 int pg_cuda_gelu_forward(const pg_cuda_ctx *ctx, float *out, const float *inp, int64_t n);
 int pg_cuda_gelu_backward(const pg_cuda_ctx *ctx, float *dinp, const float *inp, const float *dout, int64_t n);

@@ -196,13 +196,32 @@ static pg_module *build(build_state *b, int idx) {
                         .gather_output = pg_lua_opt_bool(L, idx, "gather_output", 0),
                         .input_is_parallel = pg_lua_opt_bool(L, idx, "input_is_parallel", 0), .init_std = std};
     o.mode = !strcmp(mode, "column") ? PG_LINEAR_COLUMN : !strcmp(mode, "row") ? PG_LINEAR_ROW : PG_LINEAR_PLAIN;
+    if (lua_getfield(L, idx, "block_sizes") == LUA_TTABLE) {
+      int n = (int)luaL_len(L, -1);
+      if (n != o.blocks || n > PG_PARAM_MAX_BLOCKS) {
+        lua_pop(L, 1);
+        return pg_fail_null("%s: %d block sizes for %d blocks", name, n, o.blocks);
+      }
+      for (int i = 0; i < n; i++) {
+        lua_geti(L, -1, i + 1);
+        o.block_sizes[i] = (int)lua_tointeger(L, -1);
+        lua_pop(L, 1);
+      }
+    }
+    lua_pop(L, 1);
     return pg_linear_new(b->ctx, name, &o);
   }
   if (!strcmp(kind, "layernorm")) return pg_layernorm_new(b->ctx, name, field_int(L, idx, "width", 0));
+  if (!strcmp(kind, "rmsnorm"))
+    return pg_rmsnorm_new(b->ctx, name, field_int(L, idx, "width", 0), (float)pg_lua_opt_number(L, idx, "eps", 1e-5));
   if (!strcmp(kind, "gelu")) return pg_gelu_new(b->ctx, name, field_int(L, idx, "width", 0));
-  if (!strcmp(kind, "attention"))
-    return pg_attention_new(b->ctx, name, field_int(L, idx, "width", 0), field_int(L, idx, "heads", 0),
-                            field_int(L, idx, "max_seq", 0));
+  if (!strcmp(kind, "swiglu")) return pg_swiglu_new(b->ctx, name, field_int(L, idx, "width", 0));
+  if (!strcmp(kind, "attention")) {
+    pg_attention_opts o = {.heads = field_int(L, idx, "heads", 0), .kv_heads = field_int(L, idx, "kv_heads", 0),
+                           .head_dim = field_int(L, idx, "head_dim", 0), .max_seq = field_int(L, idx, "max_seq", 0),
+                           .rope_theta = pg_lua_opt_number(L, idx, "rope_theta", 0)};
+    return pg_attention_new(b->ctx, name, &o);
+  }
   if (!strcmp(kind, "embedding")) {
     pg_module *m = pg_embedding_new(b->ctx, name, field_int(L, idx, "vocab", 0), field_int(L, idx, "padded_vocab", 0),
                                     field_int(L, idx, "width", 0), field_int(L, idx, "positions", 0), std);

@@ -265,45 +265,111 @@ static int l_linear_backward(lua_State *L) {
 
 /* ---- attention ---- */
 
-/* qkv[B, T, 3C] and heads: fills B, T, C, NH. */
-static pg_tensor *qkv_arg(lua_State *L, int idx, int heads_idx, const char *fn, int *B, int *T, int *C, int *NH) {
+/* qkv[B, T, (NH + 2 NKV) HS], heads and optional kv_heads (default heads): fills B, T, NH, NKV, HS. */
+static pg_tensor *qkv_arg(lua_State *L, int idx, int heads_idx, const char *fn, int *B, int *T, int *NH, int *NKV,
+                          int *HS) {
   pg_tensor *qkv = expect(L, idx, fn, "qkv", PG_FLOAT32, 3, (int64_t[]){-1, -1, -1});
   *NH = int_arg(L, heads_idx, fn, "heads", 1, 0, 0);
-  int64_t C3 = qkv->shape[2];
-  if (C3 % 3) luaL_error(L, "%s: qkv: last dimension %I is not 3C", fn, (lua_Integer)C3);
-  if ((C3 / 3) % *NH) luaL_error(L, "%s: heads=%d does not divide C=%I", fn, *NH, (lua_Integer)(C3 / 3));
+  *NKV = int_arg(L, heads_idx + 1, fn, "kv_heads", 1, *NH, 1);
+  if (*NH % *NKV) luaL_error(L, "%s: kv_heads=%d does not divide heads=%d", fn, *NKV, *NH);
+  int64_t W = qkv->shape[2], parts = *NH + 2 * (int64_t)*NKV;
+  if (W % parts)
+    luaL_error(L, "%s: qkv: last dimension %I is not (heads + 2 kv_heads) = %I head widths", fn, (lua_Integer)W,
+               (lua_Integer)parts);
   if (qkv->numel > INT_MAX) luaL_error(L, "%s: qkv: too large for the kernels' int range", fn);
   *B = (int)qkv->shape[0];
   *T = (int)qkv->shape[1];
-  *C = (int)(C3 / 3);
+  *HS = (int)(W / parts);
   return qkv;
 }
 
-/* attention(qkv[B,T,3C], heads) -> out[B,T,C], att[B,NH,T,T] */
+/* attention(qkv[B,T,(NH+2NKV)HS], heads [, kv_heads]) -> out[B,T,NH HS], att[B,NH,T,T] */
 static int l_attention(lua_State *L) {
   const char *fn = "ops.attention";
-  int B, T, C, NH;
-  pg_tensor *qkv = qkv_arg(L, 1, 2, fn, &B, &T, &C, &NH);
-  pg_tensor *out = pg_lua_new_tensor(L, PG_FLOAT32, 3, (int64_t[]){B, T, C});
+  int B, T, NH, NKV, HS;
+  pg_tensor *qkv = qkv_arg(L, 1, 2, fn, &B, &T, &NH, &NKV, &HS);
+  pg_tensor *out = pg_lua_new_tensor(L, PG_FLOAT32, 3, (int64_t[]){B, T, (int64_t)NH * HS});
   pg_tensor *att = pg_lua_new_tensor(L, PG_FLOAT32, 4, (int64_t[]){B, NH, T, T});
-  pg_attention_forward(pg_tensor_f32(out), pg_tensor_f32(att), pg_tensor_f32(qkv), B, T, C, NH);
+  pg_attention_forward(pg_tensor_f32(out), pg_tensor_f32(att), pg_tensor_f32(qkv), B, T, NH, NKV, HS);
   return 2;
 }
 
-/* attention_backward(dout[B,T,C], qkv[B,T,3C], att[B,NH,T,T], heads) -> dqkv */
+/* attention_backward(dout[B,T,NH HS], qkv, att[B,NH,T,T], heads [, kv_heads]) -> dqkv */
 static int l_attention_backward(lua_State *L) {
   const char *fn = "ops.attention_backward";
-  int B, T, C, NH;
-  pg_tensor *qkv = qkv_arg(L, 2, 4, fn, &B, &T, &C, &NH);
-  pg_tensor *dout = expect(L, 1, fn, "dout", PG_FLOAT32, 3, (int64_t[]){B, T, C});
+  int B, T, NH, NKV, HS;
+  pg_tensor *qkv = qkv_arg(L, 2, 4, fn, &B, &T, &NH, &NKV, &HS);
+  pg_tensor *dout = expect(L, 1, fn, "dout", PG_FLOAT32, 3, (int64_t[]){B, T, (int64_t)NH * HS});
   pg_tensor *att = expect(L, 3, fn, "att", PG_FLOAT32, 4, (int64_t[]){B, NH, T, T});
   /* the kernel's parallel region has at most omp_get_max_threads() threads */
   int64_t ns = pg_attention_scratch_floats(T, omp_get_max_threads());
   pg_tensor *scratch = pg_lua_new_tensor(L, PG_FLOAT32, 1, &ns);
   pg_tensor *dqkv = pg_lua_new_tensor(L, PG_FLOAT32, 3, qkv->shape);
   pg_attention_backward(pg_tensor_f32(dqkv), pg_tensor_f32(scratch), pg_tensor_f32(dout), pg_tensor_f32(qkv),
-                        pg_tensor_f32(att), B, T, C, NH);
+                        pg_tensor_f32(att), B, T, NH, NKV, HS);
   return 1;
+}
+
+/* ---- rotary position embeddings ---- */
+
+/* rope(x[B, T, heads*HS], heads, theta) -> x with every head rotated (rope_backward: by the opposite angle) */
+static int rope_call(lua_State *L, const char *fn, int backward) {
+  pg_tensor *x = expect(L, 1, fn, "x", PG_FLOAT32, 3, (int64_t[]){-1, -1, -1});
+  int heads = int_arg(L, 2, fn, "heads", 1, 0, 0);
+  lua_Number theta = luaL_checknumber(L, 3);
+  if (!(theta > 1)) return luaL_error(L, "%s: theta must be > 1, got %f", fn, (double)theta);
+  int64_t W = x->shape[2];
+  if (W % heads || (W / heads) % 2)
+    return luaL_error(L, "%s: x: width %I is not heads=%d heads of an even size", fn, (lua_Integer)W, heads);
+  if (x->numel > INT_MAX) return luaL_error(L, "%s: x: too large for the kernels' int range", fn);
+  int B = (int)x->shape[0], T = (int)x->shape[1], HS = (int)(W / heads);
+  int64_t table = (int64_t)T * (HS / 2);
+  pg_tensor *cos_t = pg_lua_new_tensor(L, PG_FLOAT32, 1, &table), *sin_t = pg_lua_new_tensor(L, PG_FLOAT32, 1, &table);
+  pg_rope_table(pg_tensor_f32(cos_t), pg_tensor_f32(sin_t), T, HS, (double)theta);
+  pg_tensor *y = pg_lua_new_tensor(L, PG_FLOAT32, 3, x->shape);
+  memcpy(pg_tensor_f32(y), pg_tensor_f32(x), (size_t)x->numel * sizeof(float));
+  (backward ? pg_rope_backward : pg_rope_forward)(pg_tensor_f32(y), pg_tensor_f32(cos_t), pg_tensor_f32(sin_t), B * T,
+                                                  T, heads, HS, (int)W);
+  return 1;
+}
+
+static int l_rope(lua_State *L) { return rope_call(L, "ops.rope", 0); }
+static int l_rope_backward(lua_State *L) { return rope_call(L, "ops.rope_backward", 1); }
+
+/* ---- RMS norm ---- */
+
+/* rmsnorm(x, w[C] [, eps=1e-5]) -> y, rstd (x's leading shape) */
+static int l_rmsnorm(lua_State *L) {
+  const char *fn = "ops.rmsnorm";
+  int64_t N;
+  pg_tensor *x = rows_arg(L, 1, fn, "x", -1, &N);
+  int64_t C = x->shape[x->ndim - 1];
+  pg_tensor *w = expect(L, 2, fn, "w", PG_FLOAT32, 1, &C);
+  lua_Number eps = luaL_optnumber(L, 3, 1e-5);
+  if (!(eps >= 0)) return luaL_error(L, "%s: eps must be >= 0, got %f", fn, (double)eps);
+  pg_tensor *y = new_like(L, x, C), *rstd = new_lead(L, x);
+  pg_rmsnorm_forward(pg_tensor_f32(y), pg_tensor_f32(rstd), pg_tensor_f32(x), pg_tensor_f32(w), (int)N, (int)C,
+                     (float)eps);
+  return 2;
+}
+
+/* rmsnorm_backward(dy, x, w, rstd [, {dw=}]) -> dx, dw */
+static int l_rmsnorm_backward(lua_State *L) {
+  const char *fn = "ops.rmsnorm_backward";
+  lua_settop(L, 5); /* results are pushed above the (optional) gradient table */
+  int64_t N;
+  pg_tensor *x = rows_arg(L, 2, fn, "x", -1, &N);
+  int64_t C = x->shape[x->ndim - 1];
+  pg_tensor *dy = like_arg(L, 1, fn, "dy", x, C, PG_FLOAT32);
+  pg_tensor *w = expect(L, 3, fn, "w", PG_FLOAT32, 1, &C);
+  pg_tensor *rstd = lead_arg(L, 4, fn, "rstd", x, PG_FLOAT32);
+  static const char *const keys[] = {"dw", NULL};
+  check_acc(L, 5, fn, keys);
+  pg_tensor *dx = new_like(L, x, C);
+  pg_tensor *dw = grad_out(L, 5, fn, "dw", 1, &C);
+  pg_rmsnorm_backward(pg_tensor_f32(dx), pg_tensor_f32(dw), pg_tensor_f32(dy), pg_tensor_f32(x), pg_tensor_f32(w),
+                      pg_tensor_f32(rstd), (int)N, (int)C);
+  return 2;
 }
 
 /* ---- pointwise ---- */
@@ -328,6 +394,31 @@ static int l_gelu_backward(lua_State *L) {
   pg_tensor *dy = expect(L, 1, "ops.gelu_backward", "dy", PG_FLOAT32, x->ndim, x->shape);
   pg_tensor *dx = pg_lua_new_tensor(L, PG_FLOAT32, x->ndim, x->shape);
   pg_gelu_backward(pg_tensor_f32(dx), pg_tensor_f32(x), pg_tensor_f32(dy), x->numel);
+  return 1;
+}
+
+/* swiglu(x[..., 2H]) -> silu(x[..., :H]) * x[..., H:] */
+static int l_swiglu(lua_State *L) {
+  const char *fn = "ops.swiglu";
+  int64_t N;
+  pg_tensor *x = rows_arg(L, 1, fn, "x", -1, &N);
+  int64_t W = x->shape[x->ndim - 1];
+  if (W % 2) return luaL_error(L, "%s: x: last dimension %I is not even (gate | up)", fn, (lua_Integer)W);
+  pg_tensor *y = new_like(L, x, W / 2);
+  pg_swiglu_forward(pg_tensor_f32(y), pg_tensor_f32(x), (int)N, (int)(W / 2));
+  return 1;
+}
+
+/* swiglu_backward(dy[..., H], x[..., 2H]) -> dx */
+static int l_swiglu_backward(lua_State *L) {
+  const char *fn = "ops.swiglu_backward";
+  int64_t N;
+  pg_tensor *x = rows_arg(L, 2, fn, "x", -1, &N);
+  int64_t W = x->shape[x->ndim - 1];
+  if (W % 2) return luaL_error(L, "%s: x: last dimension %I is not even (gate | up)", fn, (lua_Integer)W);
+  pg_tensor *dy = like_arg(L, 1, fn, "dy", x, W / 2, PG_FLOAT32);
+  pg_tensor *dx = new_like(L, x, W);
+  pg_swiglu_backward(pg_tensor_f32(dx), pg_tensor_f32(x), pg_tensor_f32(dy), (int)N, (int)(W / 2));
   return 1;
 }
 
@@ -513,6 +604,12 @@ static const luaL_Reg ops_functions[] = {
     {"linear_backward", l_linear_backward},
     {"attention", l_attention},
     {"attention_backward", l_attention_backward},
+    {"rope", l_rope},
+    {"rope_backward", l_rope_backward},
+    {"rmsnorm", l_rmsnorm},
+    {"rmsnorm_backward", l_rmsnorm_backward},
+    {"swiglu", l_swiglu},
+    {"swiglu_backward", l_swiglu_backward},
     {"gelu", l_gelu},
     {"gelu_backward", l_gelu_backward},
     {"residual", l_residual},

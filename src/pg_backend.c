@@ -95,12 +95,31 @@ CPU_KERNEL(matmul_backward,
             const float *weight, int N, int C, int OC),
            (dinp, dweight, dbias, dout, inp, weight, N, C, OC))
 CPU_KERNEL(attention_forward,
-           (const pg_backend *b, float *out, float *att, const float *qkv, int B, int T, int C, int NH),
-           (out, att, qkv, B, T, C, NH))
+           (const pg_backend *b, float *out, float *att, const float *qkv, int B, int T, int NH, int NKV, int HS),
+           (out, att, qkv, B, T, NH, NKV, HS))
 CPU_KERNEL(attention_backward,
            (const pg_backend *b, float *dqkv, float *scratch, const float *dout, const float *qkv, const float *att,
-            int B, int T, int C, int NH),
-           (dqkv, scratch, dout, qkv, att, B, T, C, NH))
+            int B, int T, int NH, int NKV, int HS),
+           (dqkv, scratch, dout, qkv, att, B, T, NH, NKV, HS))
+CPU_KERNEL(rope_forward,
+           (const pg_backend *b, float *x, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS,
+            int ld),
+           (x, cos_t, sin_t, N, T, heads, HS, ld))
+CPU_KERNEL(rope_backward,
+           (const pg_backend *b, float *dx, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS,
+            int ld),
+           (dx, cos_t, sin_t, N, T, heads, HS, ld))
+CPU_KERNEL(rmsnorm_forward,
+           (const pg_backend *b, float *out, float *rstd, const float *inp, const float *weight, int N, int C,
+            float eps),
+           (out, rstd, inp, weight, N, C, eps))
+CPU_KERNEL(rmsnorm_backward,
+           (const pg_backend *b, float *dinp, float *dweight, const float *dout, const float *inp, const float *weight,
+            const float *rstd, int N, int C),
+           (dinp, dweight, dout, inp, weight, rstd, N, C))
+CPU_KERNEL(swiglu_forward, (const pg_backend *b, float *out, const float *inp, int N, int H), (out, inp, N, H))
+CPU_KERNEL(swiglu_backward, (const pg_backend *b, float *dinp, const float *inp, const float *dout, int N, int H),
+           (dinp, inp, dout, N, H))
 
 static int64_t cpu_attention_scratch_floats(const pg_backend *b, int T, int NH) {
   (void)b;
@@ -163,6 +182,12 @@ static const pg_backend_ops cpu_ops = {
     .attention_forward = cpu_attention_forward,
     .attention_backward = cpu_attention_backward,
     .attention_scratch_floats = cpu_attention_scratch_floats,
+    .rope_forward = cpu_rope_forward,
+    .rope_backward = cpu_rope_backward,
+    .rmsnorm_forward = cpu_rmsnorm_forward,
+    .rmsnorm_backward = cpu_rmsnorm_backward,
+    .swiglu_forward = cpu_swiglu_forward,
+    .swiglu_backward = cpu_swiglu_backward,
     .gelu_forward = cpu_gelu_forward,
     .gelu_backward = cpu_gelu_backward,
     .residual_forward = cpu_residual_forward,

@@ -57,11 +57,23 @@ typedef struct pg_backend_ops {
                         int N, int C, int OC);
   int (*matmul_backward)(const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout,
                          const float *inp, const float *weight, int N, int C, int OC);
-  int (*attention_forward)(const pg_backend *b, float *out, float *att, const float *qkv, int B, int T, int C, int NH);
+  int (*attention_forward)(const pg_backend *b, float *out, float *att, const float *qkv, int B, int T, int NH, int NKV,
+                           int HS);
   int (*attention_backward)(const pg_backend *b, float *dqkv, float *scratch, const float *dout, const float *qkv,
-                            const float *att, int B, int T, int C, int NH);
+                            const float *att, int B, int T, int NH, int NKV, int HS);
   /* floats of scratch attention_backward needs for sequences of up to T and NH heads */
   int64_t (*attention_scratch_floats)(const pg_backend *b, int T, int NH);
+  /* cos_t, sin_t: pg_rope_table's tables in this backend's memory */
+  int (*rope_forward)(const pg_backend *b, float *x, const float *cos_t, const float *sin_t, int N, int T, int heads,
+                      int HS, int ld);
+  int (*rope_backward)(const pg_backend *b, float *dx, const float *cos_t, const float *sin_t, int N, int T, int heads,
+                       int HS, int ld);
+  int (*rmsnorm_forward)(const pg_backend *b, float *out, float *rstd, const float *inp, const float *weight, int N,
+                         int C, float eps);
+  int (*rmsnorm_backward)(const pg_backend *b, float *dinp, float *dweight, const float *dout, const float *inp,
+                          const float *weight, const float *rstd, int N, int C);
+  int (*swiglu_forward)(const pg_backend *b, float *out, const float *inp, int N, int H);
+  int (*swiglu_backward)(const pg_backend *b, float *dinp, const float *inp, const float *dout, int N, int H);
   int (*gelu_forward)(const pg_backend *b, float *out, const float *inp, int64_t n);
   int (*gelu_backward)(const pg_backend *b, float *dinp, const float *inp, const float *dout, int64_t n);
   int (*residual_forward)(const pg_backend *b, float *out, const float *a, const float *x, int64_t n);

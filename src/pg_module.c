@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "pg_backend.h"
 #include "pg_comm.h"
 #include "pg_error.h"
@@ -52,8 +53,10 @@ static pg_module *module_new(const pg_module_ops *ops, pg_context *ctx, const ch
   return m;
 }
 
-static pg_param *param_make(const char *module_name, const char *suffix, int ndim, const int64_t *full_shape,
-                            int split_dim, int blocks, int parts, int index, pg_init_kind init, float std) {
+/* sizes: the blocks' lengths along split_dim (NULL: `blocks` equal blocks). */
+static pg_param *param_make_blocks(const char *module_name, const char *suffix, int ndim, const int64_t *full_shape,
+                                   int split_dim, int blocks, const int64_t *sizes, int parts, int index,
+                                   pg_init_kind init, float std) {
   pg_param *p = calloc(1, sizeof *p);
   if (!p) return NULL;
   p->name = join_name(module_name, suffix);
@@ -71,6 +74,8 @@ static pg_param *param_make(const char *module_name, const char *suffix, int ndi
   for (int i = 0; i < ndim; i++) p->numel *= p->shape[i];
   p->split_dim = parts > 1 ? split_dim : -1;
   p->split_blocks = blocks > 0 ? blocks : 1;
+  for (int b = 0; b < p->split_blocks; b++)
+    p->split_sizes[b] = sizes ? sizes[b] : full_shape[split_dim] / p->split_blocks;
   p->split_parts = parts;
   p->split_index = index;
   p->valid_rows = -1;
@@ -79,6 +84,11 @@ static pg_param *param_make(const char *module_name, const char *suffix, int ndi
   p->weight_decay = ndim >= 2;
   p->replicated = parts == 1;
   return p;
+}
+
+static pg_param *param_make(const char *module_name, const char *suffix, int ndim, const int64_t *full_shape,
+                            int split_dim, int blocks, int parts, int index, pg_init_kind init, float std) {
+  return param_make_blocks(module_name, suffix, ndim, full_shape, split_dim, blocks, NULL, parts, index, init, std);
 }
 
 pg_param *pg_param_new(const char *name, int ndim, const int64_t *shape, pg_init_kind init, float std) {
@@ -118,11 +128,18 @@ int64_t pg_param_full_index_of(const pg_param *p, int64_t local, int index) {
     coord[d] = local % p->shape[d];
     local /= p->shape[d];
   }
-  if (p->split_dim >= 0) {
+  if (p->split_dim >= 0) { /* the shard is piece `index` of each block, one after the other */
     int d = p->split_dim;
-    int64_t piece = p->full_shape[d] / ((int64_t)p->split_blocks * p->split_parts);
-    int64_t block = coord[d] / piece, within = coord[d] % piece;
-    coord[d] = block * (p->full_shape[d] / p->split_blocks) + index * piece + within;
+    int64_t local_start = 0, full_start = 0;
+    for (int b = 0; b < p->split_blocks; b++) {
+      int64_t piece = p->split_sizes[b] / p->split_parts;
+      if (coord[d] < local_start + piece || b == p->split_blocks - 1) {
+        coord[d] = full_start + index * piece + (coord[d] - local_start);
+        break;
+      }
+      local_start += piece;
+      full_start += p->split_sizes[b];
+    }
   }
   int64_t full = 0;
   for (int d = 0; d < p->ndim; d++) full = full * p->full_shape[d] + coord[d];
@@ -223,6 +240,7 @@ static float *alloc_floats(pg_module *m, float **arr, size_t n) {
 typedef struct linear_state {
   pg_linear_opts o;
   int in_l, out_l;          /* local widths of the matmul */
+  int block_l[PG_PARAM_MAX_BLOCKS]; /* column: this rank's width of each output block */
   pg_param *w, *b;
   const float **saved_x;    /* [nslots] input rows of the local matmul */
   float *x_local;           /* row mode, input split here: [nslots][rows*in_l] */
@@ -252,37 +270,39 @@ static int take_columns(pg_module *m, float *dst, const float *src, int N, int w
 }
 
 /* Gathers [N, w] pieces of every tensor rank into [N, T*w]. Each piece is
- * `blocks` sub-pieces of w/blocks columns (a fused q|k|v: rank k holds the
- * k-th slice of q, of k and of v), and the full row is block-major: block b
- * of rank k lands at columns b*(T*w/blocks) + k*(w/blocks). With blocks = 1
- * piece k simply sits at columns k*w.
+ * `blocks` sub-pieces, bw[b] columns each (a fused q|k|v: rank k holds the
+ * k-th slice of q, of k and of v, and k and v are narrower than q when there
+ * are fewer key/value heads), and the full row is block-major: sub-piece b
+ * of rank k lands at columns T*(bw[0] + ... + bw[b-1]) + k*bw[b]. With one
+ * block piece k simply sits at columns k*w.
  * Bug fix: this used to ignore the blocks, so a column-parallel Linear with
  * blocks = 3 and gather_output returned q0|k0|v0|q1|k1|v1 instead of q|k|v
  * (and took the wrong columns of dy in backward, see take_block_columns). */
-static int gather_columns(pg_module *m, float *dst, const float *mine, float *scratch, int N, int w, int blocks) {
-  int T = tp_size(m->ctx), r = tp_rank(m->ctx), bw = w / blocks;
+static int gather_columns(pg_module *m, float *dst, const float *mine, float *scratch, int N, int w, int blocks,
+                          const int *bw) {
+  int T = tp_size(m->ctx), r = tp_rank(m->ctx);
   size_t piece = (size_t)N * w, f = sizeof(float);
   if (scratch + (size_t)r * piece != mine &&
       BE(m)->ops->copy(BE(m), scratch + (size_t)r * piece, mine, piece * f, PG_COPY_DEVICE_TO_DEVICE))
     return PG_ERR;
   if (pg_all_gather_buf(m->ctx, PG_MODE_TENSOR, scratch, (int64_t)piece, PG_FLOAT32)) return PG_ERR;
   for (int k = 0; k < T; k++)
-    for (int b = 0; b < blocks; b++)
-      if (BE(m)->ops->copy2d(BE(m), dst + (size_t)b * T * bw + (size_t)k * bw, (size_t)T * w * f,
-                             scratch + (size_t)k * piece + (size_t)b * bw, (size_t)w * f, (size_t)bw * f, (size_t)N,
+    for (int b = 0, local = 0; b < blocks; local += bw[b], b++)
+      if (BE(m)->ops->copy2d(BE(m), dst + (size_t)T * local + (size_t)k * bw[b], (size_t)T * w * f,
+                             scratch + (size_t)k * piece + local, (size_t)w * f, (size_t)bw[b] * f, (size_t)N,
                              PG_COPY_DEVICE_TO_DEVICE))
         return PG_ERR;
   return PG_OK;
 }
 
 /* The inverse of gather_columns for this rank: its w columns (in `blocks`
- * sub-pieces) of a full [N, T*w] matrix, into a contiguous [N, w] one. */
-static int take_block_columns(pg_module *m, float *dst, const float *src, int N, int T, int w, int blocks, int r) {
-  int bw = w / blocks;
+ * sub-pieces of bw[b]) of a full [N, T*w] matrix, into a contiguous [N, w] one. */
+static int take_block_columns(pg_module *m, float *dst, const float *src, int N, int T, int w, int blocks,
+                              const int *bw, int r) {
   size_t f = sizeof(float);
-  for (int b = 0; b < blocks; b++)
-    if (BE(m)->ops->copy2d(BE(m), dst + (size_t)b * bw, (size_t)w * f, src + (size_t)b * T * bw + (size_t)r * bw,
-                           (size_t)T * w * f, (size_t)bw * f, (size_t)N, PG_COPY_DEVICE_TO_DEVICE))
+  for (int b = 0, local = 0; b < blocks; local += bw[b], b++)
+    if (BE(m)->ops->copy2d(BE(m), dst + local, (size_t)w * f, src + (size_t)T * local + (size_t)r * bw[b],
+                           (size_t)T * w * f, (size_t)bw[b] * f, (size_t)N, PG_COPY_DEVICE_TO_DEVICE))
       return PG_ERR;
   return PG_OK;
 }
@@ -301,7 +321,7 @@ static int linear_forward(pg_module *m, int slot, pg_io *io, const float *x, con
     if (s->o.gather_output && T > 1) {
       float *local = s->scratch + (size_t)tp_rank(m->ctx) * N * s->out_l; /* computed in place in the gather slot */
       if (KERNEL(m, matmul_forward, local, x, s->w->data, b, N, s->in_l, s->out_l) ||
-          gather_columns(m, out, local, s->scratch, N, s->out_l, s->o.blocks))
+          gather_columns(m, out, local, s->scratch, N, s->out_l, s->o.blocks, s->block_l))
         return PG_ERR;
     } else if (KERNEL(m, matmul_forward, out, x, s->w->data, b, N, s->in_l, s->out_l)) {
       return PG_ERR;
@@ -342,7 +362,8 @@ static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, c
   case PG_LINEAR_COLUMN: {
     const float *dyl = dy;
     if (s->o.gather_output && T > 1) {
-      if (take_block_columns(m, s->scratch, dy, N, T, s->out_l, s->o.blocks, tp_rank(m->ctx))) return PG_ERR;
+      if (take_block_columns(m, s->scratch, dy, N, T, s->out_l, s->o.blocks, s->block_l, tp_rank(m->ctx)))
+        return PG_ERR;
       dyl = s->scratch;
     }
     if (KERNEL(m, matmul_backward, dinp, s->w->grad, db, dyl, x, s->w->data, N, s->in_l, s->out_l)) return PG_ERR;
@@ -355,7 +376,7 @@ static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, c
     if (!s->o.input_is_parallel && T > 1) {
       float *dxl = s->scratch + (size_t)tp_rank(m->ctx) * N * s->in_l;
       if (KERNEL(m, matmul_backward, dxl, s->w->grad, db, dy, x, s->w->data, N, s->in_l, s->out_l) ||
-          gather_columns(m, dinp, dxl, s->scratch, N, s->in_l, 1))
+          gather_columns(m, dinp, dxl, s->scratch, N, s->in_l, 1, &s->in_l))
         return PG_ERR;
     } else if (KERNEL(m, matmul_backward, dinp, s->w->grad, db, dy, x, s->w->data, N, s->in_l, s->out_l)) {
       return PG_ERR;
@@ -378,9 +399,23 @@ static const pg_module_ops linear_ops = {"linear", linear_alloc, linear_forward,
 pg_module *pg_linear_new(pg_context *ctx, const char *name, const pg_linear_opts *o) {
   int T = tp_size(ctx), r = tp_rank(ctx), blocks = o->blocks > 0 ? o->blocks : 1;
   if (o->in < 1 || o->out < 1) return pg_fail_null("%s: Linear widths must be positive (in=%d, out=%d)", name, o->in, o->out);
-  if (o->mode == PG_LINEAR_COLUMN && o->out % (blocks * T))
-    return pg_fail_null("%s: column-parallel output width %d is not divisible by tensor=%d%s", name, o->out, T,
-                        blocks > 1 ? " times its blocks" : "");
+  if (blocks > PG_PARAM_MAX_BLOCKS) return pg_fail_null("%s: at most %d output blocks, not %d", name, PG_PARAM_MAX_BLOCKS, blocks);
+  int64_t sizes[PG_PARAM_MAX_BLOCKS];
+  int given = o->block_sizes[0] > 0;
+  int64_t total = 0;
+  for (int b = 0; b < blocks; b++) {
+    sizes[b] = given ? o->block_sizes[b] : o->out / blocks;
+    if (sizes[b] < 1) return pg_fail_null("%s: output block %d has width %lld", name, b + 1, (long long)sizes[b]);
+    total += sizes[b];
+  }
+  if (given && total != o->out)
+    return pg_fail_null("%s: output blocks add up to %lld columns, not out=%d", name, (long long)total, o->out);
+  if (!given && o->out % blocks)
+    return pg_fail_null("%s: output width %d is not divisible into %d blocks", name, o->out, blocks);
+  for (int b = 0; o->mode == PG_LINEAR_COLUMN && b < blocks; b++)
+    if (sizes[b] % T)
+      return pg_fail_null("%s: column-parallel output width %d is not divisible by tensor=%d%s", name, o->out, T,
+                          blocks > 1 ? " in each of its blocks" : "");
   if (o->mode == PG_LINEAR_ROW && o->in % T)
     return pg_fail_null("%s: row-parallel input width %d is not divisible by tensor=%d", name, o->in, T);
   int in_l = o->mode == PG_LINEAR_ROW ? o->in / T : o->in;
@@ -394,18 +429,19 @@ pg_module *pg_linear_new(pg_context *ctx, const char *name, const pg_linear_opts
   s->o.blocks = blocks;
   s->in_l = in_l;
   s->out_l = out_l;
+  for (int b = 0; b < blocks; b++) s->block_l[b] = (int)(sizes[b] / (o->mode == PG_LINEAR_COLUMN ? T : 1));
   int64_t wshape[2] = {o->out, o->in}, bshape[1] = {o->out};
-  int wsplit = o->mode == PG_LINEAR_COLUMN ? 0 : 1;
+  int column = o->mode == PG_LINEAR_COLUMN;
   int parts = o->mode == PG_LINEAR_PLAIN ? 1 : T;
-  if (add_param(m, param_make(name, "weight", 2, wshape, wsplit, o->mode == PG_LINEAR_COLUMN ? blocks : 1, parts, r,
-                              PG_INIT_NORMAL, o->init_std))) {
+  if (add_param(m, param_make_blocks(name, "weight", 2, wshape, column ? 0 : 1, column ? blocks : 1,
+                                     column ? sizes : NULL, parts, r, PG_INIT_NORMAL, o->init_std))) {
     pg_module_free(m);
     return NULL;
   }
   s->w = m->params[0];
   if (o->bias) {
     int bparts = o->mode == PG_LINEAR_COLUMN ? T : 1; /* a row-parallel bias is added after the reduce: replicated */
-    if (add_param(m, param_make(name, "bias", 1, bshape, 0, blocks, bparts, r, PG_INIT_ZEROS, 0))) {
+    if (add_param(m, param_make_blocks(name, "bias", 1, bshape, 0, blocks, sizes, bparts, r, PG_INIT_ZEROS, 0))) {
       pg_module_free(m);
       return NULL;
     }
@@ -519,9 +555,12 @@ pg_module *pg_gelu_new(pg_context *ctx, const char *name, int width) {
 /* ---------------------------------------------------------------- attention */
 
 typedef struct attention_state {
-  int width_l, heads_l, max_seq;
+  pg_attention_opts o;
+  int heads_l, kv_l, max_seq;
   float *att;     /* [nslots][rows * heads_l * max_seq] probabilities */
   float *scratch; /* backward */
+  float *rotated; /* with RoPE: [nslots][rows * in_width], q|k rotated, v copied */
+  float *cos_t, *sin_t; /* with RoPE: [max_seq, head_dim / 2] on the backend */
   const float **saved_x;
 } attention_state;
 
@@ -533,6 +572,20 @@ static int attention_alloc(pg_module *m, int nslots, int max_rows) {
       !alloc_floats(m, &s->scratch, (size_t)KERNEL(m, attention_scratch_floats, s->max_seq, s->heads_l)))
     return pg_fail("out of memory for %s (attention probabilities)", m->name);
   m->saved_bytes_per_slot += per_slot * sizeof(float);
+  if (s->o.rope_theta > 0) {
+    size_t rot = (size_t)max_rows * m->in_width, table = (size_t)s->max_seq * (s->o.head_dim / 2);
+    if (!alloc_floats(m, &s->rotated, (size_t)nslots * rot) || !alloc_floats(m, &s->cos_t, table) ||
+        !alloc_floats(m, &s->sin_t, table))
+      return pg_fail("out of memory for %s (rotary embeddings)", m->name);
+    m->saved_bytes_per_slot += rot * sizeof(float);
+    float *host = malloc(2 * table * sizeof(float));
+    if (!host) return pg_fail("out of memory");
+    pg_rope_table(host, host + table, s->max_seq, s->o.head_dim, s->o.rope_theta);
+    int rc = KERNEL(m, copy, s->cos_t, host, table * sizeof(float), PG_COPY_HOST_TO_DEVICE) ||
+             KERNEL(m, copy, s->sin_t, host + table, table * sizeof(float), PG_COPY_HOST_TO_DEVICE);
+    free(host);
+    if (rc) return PG_ERR;
+  }
   return PG_OK;
 }
 
@@ -540,8 +593,17 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
   attention_state *s = m->state;
   if (check_rows(m, slot, io)) return PG_ERR;
   if (io->T > s->max_seq) return pg_fail("%s: sequence length %d exceeds the model's %d", m->name, io->T, s->max_seq);
+  int N = io->B * io->T, hd = s->o.head_dim;
   float *att = s->att + (size_t)slot * m->max_rows * s->heads_l * s->max_seq;
-  if (KERNEL(m, attention_forward, slot_out(m, slot), att, x, io->B, io->T, s->width_l, s->heads_l)) return PG_ERR;
+  if (s->rotated) { /* q and k rotated by their positions, in a copy (x belongs to its producer) */
+    float *rot = s->rotated + (size_t)slot * m->max_rows * m->in_width;
+    if (KERNEL(m, copy, rot, x, (size_t)N * m->in_width * sizeof(float), PG_COPY_DEVICE_TO_DEVICE) ||
+        KERNEL(m, rope_forward, rot, s->cos_t, s->sin_t, N, io->T, s->heads_l, hd, m->in_width) ||
+        KERNEL(m, rope_forward, rot + (size_t)s->heads_l * hd, s->cos_t, s->sin_t, N, io->T, s->kv_l, hd, m->in_width))
+      return PG_ERR;
+    x = rot;
+  }
+  if (KERNEL(m, attention_forward, slot_out(m, slot), att, x, io->B, io->T, s->heads_l, s->kv_l, hd)) return PG_ERR;
   s->saved_x[slot] = x;
   *y = slot_out(m, slot);
   return PG_OK;
@@ -549,9 +611,16 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
 
 static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   attention_state *s = m->state;
+  int N = io->B * io->T, hd = s->o.head_dim;
   const float *att = s->att + (size_t)slot * m->max_rows * s->heads_l * s->max_seq;
-  if (KERNEL(m, attention_backward, m->dinp, s->scratch, dy, s->saved_x[slot], att, io->B, io->T, s->width_l,
-             s->heads_l))
+  if (KERNEL(m, attention_backward, m->dinp, s->scratch, dy, s->saved_x[slot], att, io->B, io->T, s->heads_l, s->kv_l,
+             hd))
+    return PG_ERR;
+  /* the gradient of the rotated q and k, rotated back */
+  if (s->rotated &&
+      (KERNEL(m, rope_backward, m->dinp, s->cos_t, s->sin_t, N, io->T, s->heads_l, hd, m->in_width) ||
+       KERNEL(m, rope_backward, m->dinp + (size_t)s->heads_l * hd, s->cos_t, s->sin_t, N, io->T, s->kv_l, hd,
+              m->in_width)))
     return PG_ERR;
   *dx = m->dinp;
   return PG_OK;
@@ -561,25 +630,133 @@ static void attention_destroy(pg_module *m) {
   attention_state *s = m->state;
   pg_be_release(BE(m), s->att);
   pg_be_release(BE(m), s->scratch);
+  pg_be_release(BE(m), s->rotated);
+  pg_be_release(BE(m), s->cos_t);
+  pg_be_release(BE(m), s->sin_t);
   free(s->saved_x);
 }
 
 static const pg_module_ops attention_ops = {"attention", attention_alloc, attention_forward, attention_backward,
                                             attention_destroy};
 
-pg_module *pg_attention_new(pg_context *ctx, const char *name, int width, int heads, int max_seq) {
-  int T = tp_size(ctx);
-  if (width < 1 || heads < 1 || width % heads)
-    return pg_fail_null("%s: attention width %d is not divisible by heads=%d", name, width, heads);
-  if (heads % T) return pg_fail_null("%s: tensor=%d does not divide heads=%d", name, T, heads);
-  if (max_seq < 1) return pg_fail_null("%s: attention needs a positive maximum sequence length, not %d", name, max_seq);
-  pg_module *m = module_new(&attention_ops, ctx, name, 3 * width / T, width / T, sizeof(attention_state));
+pg_module *pg_attention_new(pg_context *ctx, const char *name, const pg_attention_opts *o) {
+  int T = tp_size(ctx), H = o->heads, KV = o->kv_heads > 0 ? o->kv_heads : o->heads, hd = o->head_dim;
+  if (H < 1 || hd < 1) return pg_fail_null("%s: attention needs positive heads and head_dim (%d, %d)", name, H, hd);
+  if (H % KV) return pg_fail_null("%s: kv_heads=%d does not divide heads=%d", name, KV, H);
+  if (H % T) return pg_fail_null("%s: tensor=%d does not divide heads=%d", name, T, H);
+  /* Key/value heads are split over the tensor group, never replicated. */
+  if (KV % T)
+    return pg_fail_null("%s: tensor=%d does not divide kv_heads=%d (key/value heads are split over the tensor group, "
+                        "not replicated)", name, T, KV);
+  if (o->max_seq < 1) return pg_fail_null("%s: attention needs a positive maximum sequence length, not %d", name, o->max_seq);
+  if (o->rope_theta > 0 && hd % 2) return pg_fail_null("%s: rotary embeddings need an even head_dim, not %d", name, hd);
+  if ((int64_t)(H + 2 * KV) * hd > INT32_MAX / 2) return pg_fail_null("%s: attention width overflows", name);
+  pg_module *m = module_new(&attention_ops, ctx, name, (H + 2 * KV) / T * hd, H / T * hd, sizeof(attention_state));
   if (!m) return NULL;
   attention_state *s = m->state;
-  s->width_l = width / T;
-  s->heads_l = heads / T;
-  s->max_seq = max_seq;
+  s->o = *o;
+  s->o.kv_heads = KV;
+  s->heads_l = H / T;
+  s->kv_l = KV / T;
+  s->max_seq = o->max_seq;
   return m;
+}
+
+/* ---------------------------------------------------------------- rmsnorm */
+
+typedef struct rmsnorm_state {
+  float eps;
+  pg_param *w;
+  float *rstd; /* [nslots][rows] */
+  const float **saved_x;
+} rmsnorm_state;
+
+static int rmsnorm_alloc(pg_module *m, int nslots, int max_rows) {
+  rmsnorm_state *s = m->state;
+  if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
+  if (!alloc_floats(m, &s->rstd, (size_t)nslots * max_rows)) return pg_fail("out of memory");
+  m->saved_bytes_per_slot += (size_t)max_rows * sizeof(float);
+  return PG_OK;
+}
+
+static int rmsnorm_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
+  rmsnorm_state *s = m->state;
+  if (check_rows(m, slot, io)) return PG_ERR;
+  if (KERNEL(m, rmsnorm_forward, slot_out(m, slot), s->rstd + (size_t)slot * m->max_rows, x, s->w->data,
+             io->B * io->T, m->in_width, s->eps))
+    return PG_ERR;
+  s->saved_x[slot] = x;
+  *y = slot_out(m, slot);
+  return PG_OK;
+}
+
+static int rmsnorm_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
+  rmsnorm_state *s = m->state;
+  if (KERNEL(m, rmsnorm_backward, m->dinp, s->w->grad, dy, s->saved_x[slot], s->w->data,
+             s->rstd + (size_t)slot * m->max_rows, io->B * io->T, m->in_width))
+    return PG_ERR;
+  *dx = m->dinp;
+  return PG_OK;
+}
+
+static void rmsnorm_destroy(pg_module *m) {
+  rmsnorm_state *s = m->state;
+  pg_be_release(BE(m), s->rstd);
+  free(s->saved_x);
+}
+
+static const pg_module_ops rmsnorm_ops = {"rmsnorm", rmsnorm_alloc, rmsnorm_forward, rmsnorm_backward, rmsnorm_destroy};
+
+pg_module *pg_rmsnorm_new(pg_context *ctx, const char *name, int width, float eps) {
+  if (width < 1) return pg_fail_null("%s: RMSNorm width must be positive, not %d", name, width);
+  if (!(eps >= 0)) return pg_fail_null("%s: RMSNorm eps must be >= 0, not %g", name, (double)eps);
+  pg_module *m = module_new(&rmsnorm_ops, ctx, name, width, width, sizeof(rmsnorm_state));
+  if (!m) return NULL;
+  int64_t shape[1] = {width};
+  if (add_param(m, param_make(name, "weight", 1, shape, 0, 1, 1, 0, PG_INIT_ONES, 0))) {
+    pg_module_free(m);
+    return NULL;
+  }
+  rmsnorm_state *s = m->state;
+  s->eps = eps;
+  s->w = m->params[0];
+  return m;
+}
+
+/* ---------------------------------------------------------------- swiglu */
+
+typedef struct swiglu_state {
+  const float **saved_x;
+} swiglu_state;
+
+static int swiglu_alloc(pg_module *m, int nslots, int max_rows) {
+  swiglu_state *s = m->state;
+  return alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots) ? PG_ERR : PG_OK;
+}
+
+static int swiglu_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
+  swiglu_state *s = m->state;
+  if (check_rows(m, slot, io)) return PG_ERR;
+  if (KERNEL(m, swiglu_forward, slot_out(m, slot), x, io->B * io->T, m->out_width)) return PG_ERR;
+  s->saved_x[slot] = x;
+  *y = slot_out(m, slot);
+  return PG_OK;
+}
+
+static int swiglu_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
+  swiglu_state *s = m->state;
+  if (KERNEL(m, swiglu_backward, m->dinp, s->saved_x[slot], dy, io->B * io->T, m->out_width)) return PG_ERR;
+  *dx = m->dinp;
+  return PG_OK;
+}
+
+static void swiglu_destroy(pg_module *m) { free(((swiglu_state *)m->state)->saved_x); }
+
+static const pg_module_ops swiglu_ops = {"swiglu", swiglu_alloc, swiglu_forward, swiglu_backward, swiglu_destroy};
+
+pg_module *pg_swiglu_new(pg_context *ctx, const char *name, int width) {
+  if (width < 1) return pg_fail_null("%s: SwiGLU width must be positive, not %d", name, width);
+  return module_new(&swiglu_ops, ctx, name, 2 * width, width, sizeof(swiglu_state));
 }
 
 /* ---------------------------------------------------------------- embedding */

@@ -32,6 +32,7 @@
 #include "pg_context.h"
 
 #define PG_PARAM_MAX_DIMS 4
+#define PG_PARAM_MAX_BLOCKS 8
 
 typedef enum { PG_INIT_ZEROS = 0, PG_INIT_ONES, PG_INIT_NORMAL } pg_init_kind;
 
@@ -41,10 +42,13 @@ typedef struct pg_param {
   int64_t shape[PG_PARAM_MAX_DIMS];      /* this rank's shard */
   int64_t full_shape[PG_PARAM_MAX_DIMS]; /* the serial tensor */
   int64_t numel;
-  /* Shard: the full tensor's dimension split_dim is seen as split_blocks equal
-   * blocks (3 for a fused q|k|v), each cut into split_parts pieces; this rank
-   * holds piece split_index of every block. split_parts == 1: whole tensor. */
+  /* Shard: the full tensor's dimension split_dim is seen as split_blocks
+   * blocks of split_sizes[b] rows each (3 for a fused q|k|v, unequal when
+   * there are fewer key/value heads than query heads), each cut into
+   * split_parts pieces; this rank holds piece split_index of every block,
+   * the pieces one after the other. split_parts == 1: whole tensor. */
   int split_dim, split_blocks, split_parts, split_index;
+  int64_t split_sizes[PG_PARAM_MAX_BLOCKS];
   int64_t valid_rows; /* rows (dim 0) of the full tensor that are real; later rows are padding, kept 0 */
   pg_init_kind init;
   float init_std;
@@ -104,6 +108,7 @@ typedef struct pg_linear_opts {
   int bias;
   pg_linear_mode mode;
   int blocks;            /* column: output blocks sharded separately (3 for q|k|v); default 1 */
+  int block_sizes[PG_PARAM_MAX_BLOCKS]; /* their widths (all 0: equal blocks) */
   int gather_output;     /* column: all-gather the output to full width */
   int input_is_parallel; /* row: input arrives split (in/T wide); else it is split here */
   float init_std;        /* weight init std (GPT-2: 0.02, residual projections scaled) */
@@ -111,9 +116,21 @@ typedef struct pg_linear_opts {
 
 pg_module *pg_linear_new(pg_context *ctx, const char *name, const pg_linear_opts *o);
 pg_module *pg_layernorm_new(pg_context *ctx, const char *name, int width);
+/* RMS normalisation (LLaMA): x / sqrt(mean(x^2) + eps) * weight. */
+pg_module *pg_rmsnorm_new(pg_context *ctx, const char *name, int width, float eps);
 pg_module *pg_gelu_new(pg_context *ctx, const char *name, int width);
-/* Causal self-attention core on a split q|k|v input: heads/T heads per rank. */
-pg_module *pg_attention_new(pg_context *ctx, const char *name, int width, int heads, int max_seq);
+/* silu(gate) * up on a [gate | up] input of 2 * width (this rank's columns). */
+pg_module *pg_swiglu_new(pg_context *ctx, const char *name, int width);
+
+typedef struct pg_attention_opts {
+  int heads, kv_heads; /* query heads; key/value heads (kv_heads divides heads; 0 = heads) */
+  int head_dim;
+  int max_seq;
+  double rope_theta;   /* > 0: rotary position embeddings on q and k (rotate_half); 0: none */
+} pg_attention_opts;
+/* Causal self-attention core on a split q|k|v input (heads/T query and
+ * kv_heads/T key/value heads per rank: both must divide by T). */
+pg_module *pg_attention_new(pg_context *ctx, const char *name, const pg_attention_opts *o);
 /* Token (+ position, if positions > 0) embedding, vocab-parallel over the tensor group. */
 pg_module *pg_embedding_new(pg_context *ctx, const char *name, int vocab, int padded_vocab, int width, int positions,
                             float init_std);

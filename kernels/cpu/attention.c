@@ -1,13 +1,14 @@
-/* Causal multi-head self-attention over the fused qkv layout [B, T, 3C].
+/* Causal self-attention (multi-head or grouped-query) over the fused
+ * q|k|v layout [B, T, (NH + 2 NKV) HS] (kernels.h).
  *
  * Every (batch, head) pair is independent: one OpenMP thread takes a pair and
  * runs its products through sgemm, reading Q, K, V in place with leading
- * dimension 3C (OpenBLAS's OpenMP build runs single-threaded inside a
+ * dimension (NH + 2 NKV) HS (OpenBLAS's OpenMP build runs single-threaded inside a
  * parallel region, which is what we want here). Rows are processed in blocks
  * of PG_ATT_BLOCK so that the products skip most of the masked upper
  * triangle: query block [r0, r1) only needs keys [0, r1). Each pair is
- * computed entirely by one thread, so results do not depend on the thread
- * count. */
+ * computed entirely by one thread (backward: each key/value head with its
+ * query heads), so results do not depend on the thread count. */
 #include <cblas.h>
 #include <math.h>
 #include <string.h>
@@ -29,11 +30,10 @@ static void gemm_into_zero(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int M, int N,
   cblas_sgemm(CblasRowMajor, ta, tb, M, N, K, alpha, A, lda, B, ldb, 1.0f, C, ldc);
 }
 
-/* One (b, h) pair. q points at the head's query columns of row 0 (ld 3C);
- * P is its [T, T] probability matrix; o its output columns (ld C). */
-static void att_forward_head(float *o, float *P, const float *q, int T, int C, int hs, float scale) {
-  const int ld = 3 * C;
-  const float *k = q + C, *v = q + 2 * C;
+/* One (b, h) pair. q, k, v point at the head's columns of row 0 (all ld
+ * apart); P is its [T, T] probability matrix; o its output columns (ld ldo). */
+static void att_forward_head(float *o, float *P, const float *q, const float *k, const float *v, int T, int ld,
+                             int ldo, int hs, float scale) {
   for (int r0 = 0; r0 < T; r0 += PG_ATT_BLOCK) {
     int r1 = pg_cpu_min(r0 + PG_ATT_BLOCK, T);
     /* scores S[r0:r1, 0:r1] = scale * Q K^T */
@@ -52,19 +52,20 @@ static void att_forward_head(float *o, float *P, const float *q, int T, int C, i
     }
     /* out[r0:r1] = P[r0:r1, 0:r1] V[0:r1] */
     gemm_into_zero(CblasNoTrans, CblasNoTrans, r1 - r0, hs, r1, 1.0f, P + (int64_t)r0 * T, T, v, ld,
-                   o + (int64_t)r0 * C, C);
+                   o + (int64_t)r0 * ldo, ldo);
   }
 }
 
-void pg_attention_forward(float *out, float *att, const float *qkv, int B, int T, int C, int NH) {
-  if (B <= 0 || T <= 0 || C <= 0 || NH <= 0) return;
-  const int hs = C / NH;
-  const float scale = 1.0f / sqrtf((float)hs);
+void pg_attention_forward(float *out, float *att, const float *qkv, int B, int T, int NH, int NKV, int HS) {
+  if (B <= 0 || T <= 0 || NH <= 0 || NKV <= 0 || HS <= 0 || NH % NKV) return;
+  const int ld = (NH + 2 * NKV) * HS, ldo = NH * HS, group = NH / NKV;
+  const float scale = 1.0f / sqrtf((float)HS);
 #pragma omp parallel for schedule(static)
   for (int bh = 0; bh < B * NH; bh++) {
-    int b = bh / NH, h = bh % NH;
-    att_forward_head(out + (int64_t)b * T * C + h * hs, att + (int64_t)bh * T * T,
-                     qkv + (int64_t)b * T * 3 * C + h * hs, T, C, hs, scale);
+    int b = bh / NH, h = bh % NH, kvh = h / group;
+    const float *row0 = qkv + (int64_t)b * T * ld;
+    att_forward_head(out + (int64_t)b * T * ldo + h * HS, att + (int64_t)bh * T * T, row0 + h * HS,
+                     row0 + (NH + kvh) * HS, row0 + (NH + NKV + kvh) * HS, T, ld, ldo, HS, scale);
   }
 }
 
@@ -73,17 +74,24 @@ int64_t pg_attention_scratch_floats(int T, int threads) {
   return (int64_t)T * T * (threads > 0 ? threads : 1);
 }
 
+/* C[M, N] (+)= alpha op(A) op(B): the first head of a group writes its key
+ * and value gradients, the others add theirs. */
+static void gemm_maybe_add(int add, CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int M, int N, int K, float alpha,
+                           const float *A, int lda, const float *B, int ldb, float *C, int ldc) {
+  if (add) cblas_sgemm(CblasRowMajor, ta, tb, M, N, K, alpha, A, lda, B, ldb, 1.0f, C, ldc);
+  else gemm_into_zero(ta, tb, M, N, K, alpha, A, lda, B, ldb, C, ldc);
+}
+
 /* One (b, h) pair; dS is this thread's [T, T] scratch. Pointers as in
- * att_forward_head, plus dq (ld 3C; dk = dq + C, dv = dq + 2C) and dout (ld C). */
-static void att_backward_head(float *dq, float *dS, const float *dout, const float *q, const float *P, int T, int C,
-                              int hs, float scale) {
-  const int ld = 3 * C;
-  const float *k = q + C, *v = q + 2 * C;
-  float *dk = dq + C, *dv = dq + 2 * C;
+ * att_forward_head, plus dq, dk, dv (ld) and dout (ld ldo). add: dk and dv
+ * already hold another query head's share (grouped-query attention). */
+static void att_backward_head(float *dq, float *dk, float *dv, int add, float *dS, const float *dout, const float *q,
+                              const float *k, const float *v, const float *P, int T, int ld, int ldo, int hs,
+                              float scale) {
   for (int r0 = 0; r0 < T; r0 += PG_ATT_BLOCK) {
     int r1 = pg_cpu_min(r0 + PG_ATT_BLOCK, T);
     /* dP[r0:r1, 0:r1] = dO V^T */
-    gemm_into_zero(CblasNoTrans, CblasTrans, r1 - r0, r1, hs, 1.0f, dout + (int64_t)r0 * C, C, v, ld,
+    gemm_into_zero(CblasNoTrans, CblasTrans, r1 - r0, r1, hs, 1.0f, dout + (int64_t)r0 * ldo, ldo, v, ld,
                    dS + (int64_t)r0 * T, T);
     /* softmax backward, with the score scale folded in:
      * dS = scale * P (dP - sum_j P dP), zero above the diagonal up to r1
@@ -104,29 +112,36 @@ static void att_backward_head(float *dq, float *dS, const float *dout, const flo
    * dV = P^T dO, dK = dS^T Q. */
   for (int k0 = 0; k0 < T; k0 += PG_ATT_BLOCK) {
     int k1 = pg_cpu_min(k0 + PG_ATT_BLOCK, T);
-    gemm_into_zero(CblasTrans, CblasNoTrans, k1 - k0, hs, T - k0, 1.0f, P + (int64_t)k0 * T + k0, T,
-                   dout + (int64_t)k0 * C, C, dv + (int64_t)k0 * ld, ld);
-    gemm_into_zero(CblasTrans, CblasNoTrans, k1 - k0, hs, T - k0, 1.0f, dS + (int64_t)k0 * T + k0, T,
+    gemm_maybe_add(add, CblasTrans, CblasNoTrans, k1 - k0, hs, T - k0, 1.0f, P + (int64_t)k0 * T + k0, T,
+                   dout + (int64_t)k0 * ldo, ldo, dv + (int64_t)k0 * ld, ld);
+    gemm_maybe_add(add, CblasTrans, CblasNoTrans, k1 - k0, hs, T - k0, 1.0f, dS + (int64_t)k0 * T + k0, T,
                    q + (int64_t)k0 * ld, ld, dk + (int64_t)k0 * ld, ld);
   }
 }
 
 void pg_attention_backward(float *dqkv, float *scratch, const float *dout, const float *qkv, const float *att, int B,
-                           int T, int C, int NH) {
-  if (B <= 0 || T <= 0 || C <= 0 || NH <= 0) return;
-  const int hs = C / NH;
-  const float scale = 1.0f / sqrtf((float)hs);
+                           int T, int NH, int NKV, int HS) {
+  if (B <= 0 || T <= 0 || NH <= 0 || NKV <= 0 || HS <= 0 || NH % NKV) return;
+  const int ld = (NH + 2 * NKV) * HS, ldo = NH * HS, group = NH / NKV;
+  const float scale = 1.0f / sqrtf((float)HS);
   /* The caller sized scratch for omp_get_max_threads() threads; this region
-   * has at most that many, and each uses its own [T, T] slice. */
+   * has at most that many, and each uses its own [T, T] slice. A thread
+   * takes a (batch row, key/value head) pair and its query heads in order,
+   * so the key and value gradients are summed over the group in a fixed
+   * order without atomics. */
 #pragma omp parallel
   {
     float *dS = scratch + (int64_t)omp_get_thread_num() * T * T;
 #pragma omp for schedule(static)
-    for (int bh = 0; bh < B * NH; bh++) {
-      int b = bh / NH, h = bh % NH;
-      int64_t base = (int64_t)b * T * 3 * C + h * hs;
-      att_backward_head(dqkv + base, dS, dout + (int64_t)b * T * C + h * hs, qkv + base, att + (int64_t)bh * T * T,
-                        T, C, hs, scale);
+    for (int bk = 0; bk < B * NKV; bk++) {
+      int b = bk / NKV, kvh = bk % NKV;
+      int64_t row0 = (int64_t)b * T * ld, kcol = (int64_t)(NH + kvh) * HS, vcol = (int64_t)(NH + NKV + kvh) * HS;
+      for (int g = 0; g < group; g++) {
+        int h = kvh * group + g;
+        att_backward_head(dqkv + row0 + h * HS, dqkv + row0 + kcol, dqkv + row0 + vcol, g > 0, dS,
+                          dout + (int64_t)b * T * ldo + h * HS, qkv + row0 + h * HS, qkv + row0 + kcol,
+                          qkv + row0 + vcol, att + ((int64_t)b * NH + h) * T * T, T, ld, ldo, HS, scale);
+      }
     }
   }
 }

@@ -1,4 +1,4 @@
-/* Elementwise ops: GELU (tanh approximation) and the residual add. */
+/* Elementwise ops: GELU (tanh approximation), SwiGLU and the residual add. */
 #include <math.h>
 
 #include "kernels.h"
@@ -49,5 +49,31 @@ void pg_residual_backward(float *da, float *db, const float *dout, int64_t n) {
   if (db) {
 #pragma omp parallel for simd schedule(static) if (parallel : n > PG_PAR_MIN)
     for (int64_t i = 0; i < n; i++) db[i] += dout[i];
+  }
+}
+
+/* SwiGLU: silu(g) u with silu(g) = g s, s = 1 / (1 + e^-g) (torch's form). */
+void pg_swiglu_forward(float *out, const float *inp, int N, int H) {
+#pragma omp parallel for schedule(static) if ((int64_t)N * H > PG_PAR_MIN)
+  for (int n = 0; n < N; n++) {
+    const float *g = inp + (int64_t)n * 2 * H, *u = g + H;
+    float *o = out + (int64_t)n * H;
+#pragma omp simd
+    for (int i = 0; i < H; i++) o[i] = (g[i] / (1.0f + pg_cpu_expf(-g[i]))) * u[i];
+  }
+}
+
+void pg_swiglu_backward(float *dinp, const float *inp, const float *dout, int N, int H) {
+  /* d silu(g) / dg = s (1 + g (1 - s)); d/du = silu(g). */
+#pragma omp parallel for schedule(static) if ((int64_t)N * H > PG_PAR_MIN)
+  for (int n = 0; n < N; n++) {
+    const float *g = inp + (int64_t)n * 2 * H, *u = g + H, *dy = dout + (int64_t)n * H;
+    float *dg = dinp + (int64_t)n * 2 * H, *du = dg + H;
+#pragma omp simd
+    for (int i = 0; i < H; i++) {
+      float s = 1.0f / (1.0f + pg_cpu_expf(-g[i]));
+      du[i] = dy[i] * (g[i] * s);
+      dg[i] = dy[i] * u[i] * (s * (1.0f + g[i] * (1.0f - s)));
+    }
   }
 }

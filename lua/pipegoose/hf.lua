@@ -16,6 +16,7 @@
 --   hf.save_from(engine, dir)      collective; rank 0 writes config.json and
 --                                  model.safetensors (atomically)
 local cjson = require("cjson").new()
+local core = require "pipegoose.core"
 local safetensors = require "pipegoose.safetensors"
 
 local M = {}
@@ -44,12 +45,25 @@ local function positive_int(dir, cfg, key)
   return v
 end
 
---- The pg.nn.GPT options of a GPT2LMHeadModel directory; refuses what pipegoose's GPT does not compute.
-function M.read_config(dir)
-  local cfg = read_json(dir .. "/config.json", dir)
-  if cfg.model_type ~= "gpt2" then
-    fail(dir, "config.json: model_type is %s; pipegoose reads GPT2LMHeadModel (\"gpt2\")", tostring(value(cfg.model_type)))
-  end
+local function number_or(dir, cfg, key, default)
+  local v = value(cfg[key])
+  if v == nil then return default end
+  if type(v) ~= "number" then fail(dir, "config.json: %s must be a number, got %s", key, tostring(v)) end
+  return v
+end
+
+-- One entry per architecture: what config.json must say, how its fields map
+-- to pg.nn options, the tensors (layout) and the config.json written back.
+-- A layout entry: {pg = pipegoose name, parts = {{hf =, shape =}, ...} (the
+-- file tensors whose rows, concatenated, make the parameter: LLaMA's q|k|v
+-- and gate|up are fused in pipegoose), conv1d = stored transposed (GPT-2),
+-- top = outside the model prefix (lm_head)}.
+local ARCH = {}
+
+ARCH.gpt2 = { class = "GPT2LMHeadModel", prefix = "transformer." }
+
+--- The pg.nn.GPT options of a GPT2LMHeadModel config; refuses what pipegoose's GPT does not compute.
+function ARCH.gpt2.options(dir, cfg)
   local act = value(cfg.activation_function) or "gelu_new"
   if act ~= "gelu_new" and act ~= "gelu_pytorch_tanh" then
     fail(dir, "config.json: activation_function %s is not supported (pipegoose's GPT uses gelu_new)", tostring(act))
@@ -68,16 +82,19 @@ function M.read_config(dir)
     layers = positive_int(dir, cfg, "n_layer"), tie = value(cfg.tie_word_embeddings) ~= false,
   }
   o.hidden = value(cfg.n_inner) and positive_int(dir, cfg, "n_inner") or 4 * o.dim
-  o.padded_vocab = (o.vocab + M.PAD_MULTIPLE - 1) // M.PAD_MULTIPLE * M.PAD_MULTIPLE
   return o
 end
 
--- Every parameter: {pg = pipegoose name, hf = transformers name without
--- "transformer.", shape = its shape in the file, conv1d = stored transposed,
--- top = outside "transformer." (lm_head)}.
-local function layout(o)
+local function entry(pg, parts, conv1d)
+  local e = { pg = pg, parts = {}, conv1d = conv1d }
+  for i, p in ipairs(parts) do e.parts[i] = { hf = p[1], shape = p[2] } end
+  e.shape = #parts == 1 and parts[1][2] or nil
+  return e
+end
+
+function ARCH.gpt2.layout(o)
   local V, T, C, H = o.vocab, o.seq_len, o.dim, o.hidden or 4 * o.dim
-  local function p(pg, hf, shape, conv1d) return { pg = pg, hf = hf, shape = shape, conv1d = conv1d } end
+  local function p(pg, hf, shape, conv1d) return entry(pg, { { hf, shape } }, conv1d) end
   local out = { p("embed.wte", "wte.weight", { V, C }), p("embed.wpe", "wpe.weight", { T, C }) }
   for l = 0, o.layers - 1 do
     local b, h = "blocks." .. l .. ".", "h." .. l .. "."
@@ -89,7 +106,7 @@ local function layout(o)
       p("mlp.fc.weight", "mlp.c_fc.weight", { C, H }, true), p("mlp.fc.bias", "mlp.c_fc.bias", { H }),
       p("mlp.proj.weight", "mlp.c_proj.weight", { H, C }, true), p("mlp.proj.bias", "mlp.c_proj.bias", { C }),
     } do
-      e.pg, e.hf = b .. e.pg, h .. e.hf
+      e.pg, e.parts[1].hf = b .. e.pg, h .. e.parts[1].hf
       out[#out + 1] = e
     end
   end
@@ -101,6 +118,117 @@ local function layout(o)
     out[#out + 1] = head
   end
   return out
+end
+
+function ARCH.gpt2.config(cfg)
+  -- the keys transformers' GPT2Config writes, with pipegoose's fixed choices
+  return {
+    architectures = { "GPT2LMHeadModel" }, model_type = "gpt2", vocab_size = cfg.vocab, n_positions = cfg.seq_len,
+    n_embd = cfg.dim, n_head = cfg.heads, n_layer = cfg.layers, n_inner = cfg.hidden,
+    activation_function = "gelu_new", layer_norm_epsilon = 1e-5, initializer_range = 0.02,
+    resid_pdrop = 0.0, embd_pdrop = 0.0, attn_pdrop = 0.0, scale_attn_weights = true, use_cache = true,
+    tie_word_embeddings = cfg.tie ~= false, torch_dtype = "float32", bos_token_id = cfg.vocab - 1,
+    eos_token_id = cfg.vocab - 1,
+  }
+end
+
+ARCH.llama = { class = "LlamaForCausalLM", prefix = "model." }
+
+--- The pg.nn.Llama options of a LlamaForCausalLM config; refuses what pipegoose's Llama does not compute.
+function ARCH.llama.options(dir, cfg)
+  local act = value(cfg.hidden_act) or "silu"
+  if act ~= "silu" then fail(dir, "config.json: hidden_act %s is not supported (pipegoose's Llama uses silu)", tostring(act)) end
+  for _, k in ipairs{ "attention_bias", "mlp_bias" } do
+    if value(cfg[k]) then fail(dir, "config.json: %s = true is not supported (pipegoose's Llama has no biases)", k) end
+  end
+  if value(cfg.rope_scaling) ~= nil then
+    fail(dir, "config.json: rope_scaling is not supported (pipegoose applies plain rotary embeddings)")
+  end
+  local o = {
+    vocab = positive_int(dir, cfg, "vocab_size"), seq_len = positive_int(dir, cfg, "max_position_embeddings"),
+    dim = positive_int(dir, cfg, "hidden_size"), heads = positive_int(dir, cfg, "num_attention_heads"),
+    layers = positive_int(dir, cfg, "num_hidden_layers"), hidden = positive_int(dir, cfg, "intermediate_size"),
+    rope_theta = number_or(dir, cfg, "rope_theta", 10000), eps = number_or(dir, cfg, "rms_norm_eps", 1e-6),
+    tie = value(cfg.tie_word_embeddings) == true,
+  }
+  o.kv_heads = value(cfg.num_key_value_heads) and positive_int(dir, cfg, "num_key_value_heads") or o.heads
+  if value(cfg.head_dim) ~= nil then o.head_dim = positive_int(dir, cfg, "head_dim")
+  elseif o.dim % o.heads ~= 0 then
+    fail(dir, "config.json: hidden_size %d is not divisible by num_attention_heads %d", o.dim, o.heads)
+  end
+  if o.heads % o.kv_heads ~= 0 then
+    fail(dir, "config.json: num_key_value_heads %d does not divide num_attention_heads %d", o.kv_heads, o.heads)
+  end
+  return o
+end
+
+function ARCH.llama.layout(o)
+  local V, C, I = o.vocab, o.dim, o.hidden
+  local hd = o.head_dim or C // o.heads
+  local Q, K = o.heads * hd, (o.kv_heads or o.heads) * hd
+  local out = { entry("embed.wte", { { "embed_tokens.weight", { V, C } } }) }
+  for l = 0, o.layers - 1 do
+    local b, h = "blocks." .. l .. ".", "layers." .. l .. "."
+    out[#out + 1] = entry(b .. "ln1.weight", { { h .. "input_layernorm.weight", { C } } })
+    out[#out + 1] = entry(b .. "attn.qkv.weight", { { h .. "self_attn.q_proj.weight", { Q, C } },
+      { h .. "self_attn.k_proj.weight", { K, C } }, { h .. "self_attn.v_proj.weight", { K, C } } })
+    out[#out + 1] = entry(b .. "attn.proj.weight", { { h .. "self_attn.o_proj.weight", { C, Q } } })
+    out[#out + 1] = entry(b .. "ln2.weight", { { h .. "post_attention_layernorm.weight", { C } } })
+    out[#out + 1] = entry(b .. "mlp.fc.weight", { { h .. "mlp.gate_proj.weight", { I, C } },
+      { h .. "mlp.up_proj.weight", { I, C } } })
+    out[#out + 1] = entry(b .. "mlp.proj.weight", { { h .. "mlp.down_proj.weight", { C, I } } })
+  end
+  out[#out + 1] = entry("ln_f.weight", { { "norm.weight", { C } } })
+  if not o.tie then
+    local head = entry("head.weight", { { "lm_head.weight", { V, C } } })
+    head.top = true
+    out[#out + 1] = head
+  end
+  return out
+end
+
+function ARCH.llama.config(cfg)
+  -- the keys transformers' LlamaConfig writes, with pipegoose's fixed choices
+  return {
+    architectures = { "LlamaForCausalLM" }, model_type = "llama", vocab_size = cfg.vocab,
+    max_position_embeddings = cfg.seq_len, hidden_size = cfg.dim, intermediate_size = cfg.hidden,
+    num_hidden_layers = cfg.layers, num_attention_heads = cfg.heads, num_key_value_heads = cfg.kv_heads,
+    head_dim = cfg.head_dim, hidden_act = "silu", rms_norm_eps = cfg.eps, rope_theta = cfg.rope_theta,
+    rope_scaling = cjson.null, attention_bias = false, attention_dropout = 0.0, mlp_bias = false,
+    initializer_range = 0.02, pretraining_tp = 1, use_cache = true, tie_word_embeddings = cfg.tie == true,
+    torch_dtype = "float32", bos_token_id = cfg.vocab - 1, eos_token_id = cfg.vocab - 1,
+  }
+end
+
+M.ARCHITECTURES = ARCH
+
+-- The architecture of a model config (pg.nn's model.config; GPT-2's has no arch).
+local function arch_of(cfg, what)
+  local a = ARCH[cfg.arch or "gpt2"]
+  if not a then error(("%s: no Hugging Face layout for architecture %s"):format(what, tostring(cfg.arch)), 0) end
+  local keys = cfg.arch == "llama" and { "vocab", "seq_len", "dim", "heads", "kv_heads", "layers", "hidden" }
+    or { "vocab", "seq_len", "dim", "heads", "layers" }
+  for _, k in ipairs(keys) do
+    if math.tointeger(cfg[k]) == nil then
+      error(("%s: the model config has no %s; the Hugging Face export writes pg.nn.GPT and pg.nn.Llama models")
+        :format(what, k), 0)
+    end
+  end
+  return a
+end
+
+--- The architecture ("gpt2" | "llama") and pg.nn options of a directory;
+-- refuses what pipegoose does not compute, naming the config field.
+function M.read_config(dir)
+  local cfg = read_json(dir .. "/config.json", dir)
+  local arch = type(cfg.model_type) == "string" and ARCH[cfg.model_type]
+  if not arch then
+    fail(dir, "config.json: model_type is %s; pipegoose reads GPT2LMHeadModel (\"gpt2\") and LlamaForCausalLM (\"llama\")",
+      tostring(value(cfg.model_type)))
+  end
+  local o = arch.options(dir, cfg)
+  o.padded_vocab = (o.vocab + M.PAD_MULTIPLE - 1) // M.PAD_MULTIPLE * M.PAD_MULTIPLE
+  return o, cfg.model_type
 end
 
 -- name -> safetensors header of the file that holds it, for a directory.
@@ -126,41 +254,40 @@ end
 
 local function shape_text(s) return "[" .. table.concat(s, ", ") .. "]" end
 
---- Loads a GPT2LMHeadModel directory's weights into the engine (each rank its shards).
+local function layout_of(arch, o) return arch.layout(o) end
+
+--- Loads a model directory's weights into the engine (each rank its shards).
 function M.load_into(engine, dir)
-  local o = M.read_config(dir)
+  local o, model_type = M.read_config(dir)
+  local arch = ARCH[model_type]
   local where = open_weights(dir)
   local have = {}
   for _, p in ipairs(engine:parameters()) do have[p.name] = true end
-  for _, e in ipairs(layout(o)) do
-    local stored = (not e.top and where["transformer." .. e.hf]) and "transformer." .. e.hf or e.hf
-    local h = where[stored]
-    if not h then fail(dir, "the weights have no tensor %s (nor transformer.%s)", e.hf, e.hf) end
+  for _, e in ipairs(layout_of(arch, o)) do
     if have[e.pg] then
-      local entry = h.entries[stored]
-      if entry.dtype ~= "float32" then
-        fail(dir, "%s is %s; pipegoose reads float32 weights (save the model with torch_dtype=float32)", stored,
-          entry.dtype)
+      local pieces = {}
+      for i, part in ipairs(e.parts) do
+        local stored = (not e.top and where[arch.prefix .. part.hf]) and arch.prefix .. part.hf or part.hf
+        local h = where[stored]
+        if not h then fail(dir, "the weights have no tensor %s (nor %s%s)", part.hf, arch.prefix, part.hf) end
+        local info = h.entries[stored]
+        if info.dtype ~= "float32" then
+          fail(dir, "%s is %s; pipegoose reads float32 weights (save the model with torch_dtype=float32)", stored,
+            info.dtype)
+        end
+        if shape_text(info.shape) ~= shape_text(part.shape) then
+          fail(dir, "%s has shape %s; the config needs %s", stored, shape_text(info.shape), shape_text(part.shape))
+        end
+        local t = safetensors.read(h, stored)
+        pieces[i] = e.conv1d and t:transpose(1, 2) or t
       end
-      if shape_text(entry.shape) ~= shape_text(e.shape) then
-        fail(dir, "%s has shape %s; the config needs %s", stored, shape_text(entry.shape), shape_text(e.shape))
-      end
-      local t = safetensors.read(h, stored)
-      engine.c:load_param(e.pg, e.conv1d and t:transpose(1, 2) or t)
+      engine.c:load_param(e.pg, #pieces == 1 and pieces[1] or core.cat(pieces, 1))
     end
   end
 end
 
-local function config_json(cfg)
-  -- the keys transformers' GPT2Config writes, with pipegoose's fixed choices
-  local c = {
-    architectures = { "GPT2LMHeadModel" }, model_type = "gpt2", vocab_size = cfg.vocab, n_positions = cfg.seq_len,
-    n_embd = cfg.dim, n_head = cfg.heads, n_layer = cfg.layers, n_inner = cfg.hidden,
-    activation_function = "gelu_new", layer_norm_epsilon = 1e-5, initializer_range = 0.02,
-    resid_pdrop = 0.0, embd_pdrop = 0.0, attn_pdrop = 0.0, scale_attn_weights = true, use_cache = true,
-    tie_word_embeddings = cfg.tie ~= false, torch_dtype = "float32", bos_token_id = cfg.vocab - 1,
-    eos_token_id = cfg.vocab - 1,
-  }
+local function config_json(arch, cfg)
+  local c = arch.config(cfg)
   local keys = {}
   for k in pairs(c) do keys[#keys + 1] = k end
   table.sort(keys)
@@ -169,52 +296,69 @@ local function config_json(cfg)
   return "{\n" .. table.concat(lines, ",\n") .. "\n}\n"
 end
 
--- A full pipegoose parameter as transformers stores it: the vocabulary's
--- padding rows dropped, Conv1D weights transposed.
+-- A full pipegoose parameter as transformers stores it, one tensor per part:
+-- the vocabulary's padding rows dropped, Conv1D weights transposed, fused
+-- tensors cut back into their parts.
 local function to_hf(cfg, e, full)
   if e.pg == "embed.wte" or e.pg == "head.weight" then
     full = full:reshape{ full:numel() // cfg.dim, cfg.dim }:narrow(1, 1, cfg.vocab)
   end
-  if e.conv1d then return full:reshape{ e.shape[2], e.shape[1] }:transpose(1, 2) end
-  return full:reshape(e.shape):clone()
+  if e.conv1d then
+    local s = e.parts[1].shape
+    return { full:reshape{ s[2], s[1] }:transpose(1, 2) }
+  end
+  local out, row = {}, 1
+  local cols = #e.parts[1].shape == 2 and e.parts[1].shape[2] or nil
+  if cols then full = full:reshape{ full:numel() // cols, cols } end
+  for i, part in ipairs(e.parts) do
+    out[i] = (cols and full:narrow(1, row, part.shape[1]) or full):reshape(part.shape):clone()
+    row = row + part.shape[1]
+  end
+  return out
 end
 
-local function file_name(e) return e.top and e.hf or "transformer." .. e.hf end
+local function file_name(arch, e, part) return e.top and part.hf or arch.prefix .. part.hf end
 
--- Writes config.json and model.safetensors (each atomically); `tensor(e)` gives an entry's tensor as transformers stores it.
-local function write_dir(cfg, dir, tensor)
+-- Writes config.json and model.safetensors (each atomically); `tensors(e)`
+-- gives an entry's tensors as transformers stores them (one per part).
+local function write_dir(arch, cfg, dir, tensors)
   local entries = {}
-  for _, e in ipairs(layout(cfg)) do entries[#entries + 1] = { name = file_name(e), tensor = tensor(e) } end
+  for _, e in ipairs(layout_of(arch, cfg)) do
+    local ts = tensors(e)
+    for i, part in ipairs(e.parts) do entries[#entries + 1] = { name = file_name(arch, e, part), tensor = ts[i] } end
+  end
   local fs = require("pipegoose.checkpoint").fs
   fs.mkdir_p(dir)
   safetensors.write(dir .. "/model.safetensors", entries, { format = "pt" })
-  fs.write_atomic(dir .. "/config.json", config_json(cfg))
+  fs.write_atomic(dir .. "/config.json", config_json(arch, cfg))
 end
 
-local function check_gpt(cfg, what)
-  for _, k in ipairs{ "vocab", "seq_len", "dim", "heads", "layers" } do
-    if math.tointeger(cfg[k]) == nil then error(("%s: the model config has no %s; the Hugging Face export writes "
-      .. "GPT-2 models (pg.nn.GPT)"):format(what, k), 0) end
-  end
-end
-
---- Writes the engine's model as a GPT2LMHeadModel directory (collective; rank 0 writes).
+--- Writes the engine's model as a Hugging Face directory (collective; rank 0 writes).
 function M.save_from(engine, dir)
-  local cfg = engine.config
-  check_gpt(cfg or {}, "save_hf")
+  local cfg = engine.config or {}
+  local arch = arch_of(cfg, "save_hf")
   local converted = {}
-  for _, e in ipairs(layout(cfg)) do
-    converted[file_name(e)] = engine:gather_to_root(e.pg, function(full) return to_hf(cfg, e, full) end, e.shape)
+  for _, e in ipairs(layout_of(arch, cfg)) do
+    -- one tensor crosses to rank 0: the parts concatenated (as pipegoose holds them), cut there
+    local rows = 0
+    for _, part in ipairs(e.parts) do rows = rows + part.shape[1] end
+    local shape = #e.parts == 1 and (e.conv1d and e.parts[1].shape or e.parts[1].shape)
+      or { rows, e.parts[1].shape[2] }
+    local full = engine:gather_to_root(e.pg, function(t)
+      local parts = to_hf(cfg, e, t)
+      return #parts == 1 and parts[1] or core.cat(parts, 1)
+    end, shape)
+    if full then converted[e.pg] = #e.parts == 1 and { full } or to_hf(cfg, e, full) end
   end
-  if engine.ctx:rank() == 0 then write_dir(cfg, dir, function(e) return converted[file_name(e)] end) end
+  if engine.ctx:rank() == 0 then write_dir(arch, cfg, dir, function(e) return converted[e.pg] end) end
   engine.ctx:barrier()
 end
 
---- Writes a checkpoint's GPT-2 weights as a GPT2LMHeadModel directory;
--- `full(name)` reads a parameter's full tensor from the checkpoint (checkpoint.lua).
+--- Writes a checkpoint's weights as a Hugging Face directory; `full(name)`
+-- reads a parameter's full tensor from the checkpoint (checkpoint.lua).
 function M.write_checkpoint(cfg, dir, full, what)
-  check_gpt(cfg, what)
-  write_dir(cfg, dir, function(e) return to_hf(cfg, e, full(e.pg)) end)
+  local arch = arch_of(cfg, what)
+  write_dir(arch, cfg, dir, function(e) return to_hf(cfg, e, full(e.pg)) end)
 end
 
 return M

@@ -65,13 +65,22 @@ end
 ---------------------------------------------------------------- layers
 
 --- nn.Linear(in, out [, opts]) or nn.Linear{ ["in"] =, out =, bias =, parallel = "column"|"row",
--- gather_output =, blocks =, init_std =, name = }.
+-- gather_output =, blocks =, block_sizes =, init_std =, name = }. A column-parallel
+-- Linear with blocks = k splits each of its k output blocks (q|k|v, gate|up)
+-- over the tensor group separately; block_sizes gives unequal blocks' widths.
 function nn.Linear(a, b, opts)
   local o = type(a) == "table" and a or setmetatable({ ["in"] = a, out = b }, { __index = opts or {} })
   local s = spec("linear", {
     ["in"] = o["in"], out = o.out, bias = o.bias ~= false, parallel = o.parallel, gather_output = o.gather_output,
-    blocks = o.blocks or 1, init_std = o.init_std or 0.02, name = o.name, label = "Linear",
+    blocks = o.blocks or 1, block_sizes = o.block_sizes, init_std = o.init_std or 0.02, name = o.name, label = "Linear",
   })
+  if s.block_sizes then
+    local sum = 0
+    for i, b in ipairs(s.block_sizes) do check_positive_int("Linear", "block_sizes[" .. i .. "]", b); sum = sum + b end
+    if #s.block_sizes ~= s.blocks or sum ~= s.out then
+      error(("Linear: block_sizes must list %d widths adding up to out=%d"):format(s.blocks, s.out), 2)
+    end
+  end
   check_positive_int("Linear", "in", s["in"])
   check_positive_int("Linear", "out", s.out)
   if s.parallel ~= nil and s.parallel ~= "column" and s.parallel ~= "row" then
@@ -85,19 +94,56 @@ function nn.LayerNorm(dim, opts)
   return spec("layernorm", { width = dim, name = opts and opts.name, label = "LayerNorm" })
 end
 
+--- nn.RMSNorm(dim [, {eps=, name=}]) or nn.RMSNorm{dim=, eps=1e-5, name=}:
+-- x / sqrt(mean(x^2) + eps) * weight (LLaMA's norm; no bias, no centring).
+function nn.RMSNorm(a, opts)
+  local o = type(a) == "table" and a or setmetatable({ dim = a }, { __index = opts or {} })
+  check_positive_int("RMSNorm", "dim", o.dim)
+  local eps = o.eps or 1e-5
+  if type(eps) ~= "number" or eps < 0 then error(("RMSNorm: eps must be a number >= 0, got %s"):format(tostring(eps)), 2) end
+  return spec("rmsnorm", { width = o.dim, eps = eps, name = o.name, label = "RMSNorm" })
+end
+
+--- The SwiGLU gate: silu(gate) * up on a [gate | up] input (split over the
+-- tensor group when it comes from a column-parallel Linear with blocks = 2).
+function nn.GatedSiLU(opts)
+  return spec("swiglu", { name = opts and opts.name, label = "GatedSiLU" })
+end
+
 function nn.GELU(opts)
   return spec("gelu", { name = opts and opts.name, width = opts and opts.width, label = "GELU" })
 end
 
---- The attention core: causal softmax(QK^T/sqrt(hs))V over a fused q|k|v input.
+--- The attention core: causal softmax(QK^T/sqrt(hd))V over a fused q|k|v
+-- input of (heads + 2 kv_heads) * head_dim columns. nn.Attention{dim=,
+-- heads=, seq_len=, kv_heads= (default heads: grouped-query when fewer),
+-- head_dim= (default dim/heads), rope_theta= (rotary embeddings on q and k,
+-- transformers' rotate_half convention; default none), name=}. Under tensor
+-- parallelism query and key/value heads are both split over the group:
+-- tensor must divide heads and kv_heads (key/value heads are not replicated).
 function nn.Attention(o)
-  check_positive_int("Attention", "dim", o.dim)
   check_positive_int("Attention", "heads", o.heads)
   check_positive_int("Attention", "seq_len", o.seq_len)
-  if o.dim % o.heads ~= 0 then
-    error(("Attention: dim=%d is not divisible by heads=%d"):format(o.dim, o.heads), 2)
+  local kv = o.kv_heads or o.heads
+  check_positive_int("Attention", "kv_heads", kv)
+  local hd = o.head_dim
+  if hd == nil then
+    check_positive_int("Attention", "dim", o.dim)
+    if o.dim % o.heads ~= 0 then
+      error(("Attention: dim=%d is not divisible by heads=%d"):format(o.dim, o.heads), 2)
+    end
+    hd = o.dim // o.heads
   end
-  return spec("attention", { width = o.dim, heads = o.heads, max_seq = o.seq_len, name = o.name, label = "Attention" })
+  check_positive_int("Attention", "head_dim", hd)
+  if o.heads % kv ~= 0 then error(("Attention: kv_heads=%d does not divide heads=%d"):format(kv, o.heads), 2) end
+  if o.rope_theta ~= nil then
+    if type(o.rope_theta) ~= "number" or o.rope_theta <= 1 then
+      error(("Attention: rope_theta must be a number > 1, got %s"):format(tostring(o.rope_theta)), 2)
+    end
+    if hd % 2 ~= 0 then error(("Attention: rotary embeddings need an even head_dim, got %d"):format(hd), 2) end
+  end
+  return spec("attention", { width = o.heads * hd, heads = o.heads, kv_heads = kv, head_dim = hd, max_seq = o.seq_len,
+                             rope_theta = o.rope_theta, name = o.name, label = "Attention" })
 end
 
 --- Token (+ position) embedding; vocab-parallel under tensor parallelism.
@@ -124,6 +170,18 @@ end
 
 ---------------------------------------------------------------- composites
 
+-- The tensor-parallel sizes an attention's heads allow, checked before its
+-- layers so that the message names heads, not a Linear's width.
+local function heads_rule(heads, kv_heads)
+  return function(T)
+    if heads % T ~= 0 then return ("tensor=%d does not divide heads=%d"):format(T, heads) end
+    if kv_heads % T ~= 0 then
+      return ("tensor=%d does not divide kv_heads=%d (key/value heads are split over the tensor group, not replicated)")
+        :format(T, kv_heads)
+    end
+  end
+end
+
 function nn.CausalSelfAttention(o)
   local proj_std = o.proj_std or 0.02
   local s = nn.Sequential{
@@ -133,6 +191,44 @@ function nn.CausalSelfAttention(o)
     name = o.name,
   }
   s.label = "CausalSelfAttention"
+  s.tensor_rule = heads_rule(o.heads, o.heads)
+  return s
+end
+
+--- LLaMA's attention: bias-free fused q|k|v (unequal blocks when kv_heads <
+-- heads), rotary embeddings, grouped-query attention, bias-free output.
+-- nn.LlamaAttention{dim=, heads=, kv_heads=, head_dim=, seq_len=, rope_theta=10000, init_std=, name=}
+function nn.LlamaAttention(o)
+  check_positive_int("LlamaAttention", "dim", o.dim)
+  check_positive_int("LlamaAttention", "heads", o.heads)
+  local kv, hd = o.kv_heads or o.heads, o.head_dim or o.dim // o.heads
+  local q_w, kv_w = o.heads * hd, kv * hd
+  local s = nn.Sequential{
+    nn.Linear{ ["in"] = o.dim, out = q_w + 2 * kv_w, bias = false, parallel = "column", blocks = 3,
+               block_sizes = { q_w, kv_w, kv_w }, init_std = o.init_std, name = "qkv" },
+    nn.Attention{ heads = o.heads, kv_heads = kv, head_dim = hd, seq_len = o.seq_len,
+                  rope_theta = o.rope_theta or 10000, name = "core" },
+    nn.Linear{ ["in"] = q_w, out = o.dim, bias = false, parallel = "row", init_std = o.init_std, name = "proj" },
+    name = o.name,
+  }
+  s.label = "LlamaAttention"
+  s.tensor_rule = heads_rule(o.heads, kv)
+  return s
+end
+
+--- The SwiGLU MLP: down(silu(gate(x)) * up(x)), gate|up fused into one
+-- bias-free column-parallel Linear ("fc", blocks = 2), down row-parallel ("proj").
+function nn.SwiGLU(o)
+  check_positive_int("SwiGLU", "dim", o.dim)
+  check_positive_int("SwiGLU", "hidden", o.hidden)
+  local s = nn.Sequential{
+    nn.Linear{ ["in"] = o.dim, out = 2 * o.hidden, bias = false, parallel = "column", blocks = 2,
+               init_std = o.init_std, name = "fc" },
+    nn.GatedSiLU{ name = "act" },
+    nn.Linear{ ["in"] = o.hidden, out = o.dim, bias = false, parallel = "row", init_std = o.init_std, name = "proj" },
+    name = o.name,
+  }
+  s.label = "SwiGLU"
   return s
 end
 
@@ -194,6 +290,65 @@ end
 
 nn.GPT = setmetatable({}, { __call = function(_, o) return build_gpt(o) end })
 
+--- Pre-RMSNorm LLaMA block: x + attn(ln1(x)), then x + mlp(ln2(x)).
+function nn.LlamaBlock(o)
+  local function wrap(first, second)
+    local inner = nn.Sequential{ first, second }
+    inner.transparent = true
+    local r = nn.Residual(inner)
+    r.transparent = true
+    return r
+  end
+  local s = nn.Sequential{
+    wrap(nn.RMSNorm{ dim = o.dim, eps = o.eps, name = "ln1" },
+      nn.LlamaAttention{ dim = o.dim, heads = o.heads, kv_heads = o.kv_heads, head_dim = o.head_dim,
+                         seq_len = o.seq_len, rope_theta = o.rope_theta, name = "attn" }),
+    wrap(nn.RMSNorm{ dim = o.dim, eps = o.eps, name = "ln2" }, nn.SwiGLU{ dim = o.dim, hidden = o.hidden, name = "mlp" }),
+    name = o.name,
+  }
+  s.label = "LlamaBlock"
+  return s
+end
+
+--- LLaMA: embed (no positions), blocks.0 .. blocks.L-1 (RMSNorm, grouped-query
+-- attention with rotary embeddings, SwiGLU MLP, no biases), ln_f (RMSNorm),
+-- head (untied unless tie = true). Options: vocab, dim, layers, heads,
+-- kv_heads (default heads), hidden, seq_len, rope_theta (10000), eps (1e-5),
+-- tie (false), padded_vocab, head_dim (dim / heads). Init as transformers':
+-- N(0, 0.02) for every matrix, norm weights 1.
+local function build_llama(o)
+  for _, k in ipairs{ "vocab", "seq_len", "dim", "heads", "layers", "hidden" } do check_positive_int("Llama", k, o[k]) end
+  local kv = o.kv_heads or o.heads
+  check_positive_int("Llama", "kv_heads", kv)
+  if o.head_dim == nil and o.dim % o.heads ~= 0 then
+    error(("Llama: dim=%d is not divisible by heads=%d"):format(o.dim, o.heads), 2)
+  end
+  local hd = o.head_dim or o.dim // o.heads
+  check_positive_int("Llama", "head_dim", hd)
+  if hd % 2 ~= 0 then error(("Llama: rotary embeddings need an even head_dim, got %d"):format(hd), 2) end
+  if o.heads % kv ~= 0 then error(("Llama: kv_heads=%d does not divide heads=%d"):format(kv, o.heads), 2) end
+  local theta = o.rope_theta or 10000
+  if type(theta) ~= "number" or theta <= 1 then error(("Llama: rope_theta must be > 1, got %s"):format(tostring(theta)), 2) end
+  local padded = o.padded_vocab or o.vocab
+  if padded < o.vocab then error(("Llama: padded_vocab=%d is smaller than vocab=%d"):format(padded, o.vocab), 2) end
+  local eps, tie = o.eps or 1e-5, o.tie == true
+  local model = nn.Sequential{ name = "" }
+  model:add(nn.Embedding{ vocab = o.vocab, padded_vocab = padded, dim = o.dim, name = "embed" })
+  for i = 0, o.layers - 1 do
+    model:add(nn.LlamaBlock{ dim = o.dim, heads = o.heads, kv_heads = kv, head_dim = hd, hidden = o.hidden,
+                             seq_len = o.seq_len, rope_theta = theta, eps = eps, name = "blocks." .. i })
+  end
+  model:add(nn.RMSNorm{ dim = o.dim, eps = eps, name = "ln_f" })
+  model:add(nn.LMHead{ vocab = o.vocab, padded_vocab = padded, dim = o.dim, tie = tie, name = "head" })
+  model.label = "Llama"
+  model.config = { arch = "llama", vocab = o.vocab, padded_vocab = padded, seq_len = o.seq_len, dim = o.dim,
+                   heads = o.heads, kv_heads = kv, head_dim = hd, layers = o.layers, hidden = o.hidden,
+                   rope_theta = theta, eps = eps, tie = tie }
+  return model
+end
+
+nn.Llama = setmetatable({}, { __call = function(_, o) return build_llama(o) end })
+
 --- pg.nn.GPT.load_llmc(path): a GPT-2 spec with the config and weights of an
 -- llm.c model file (the weights are loaded by pg.parallelize, each rank its shards).
 function nn.GPT.load_llmc(path)
@@ -206,11 +361,12 @@ end
 
 --- pg.nn.from_hf(dir): the model of a Hugging Face `transformers` directory
 -- (config.json + model.safetensors, or the sharded index) with its weights,
--- loaded by pg.parallelize (each rank its shards). GPT2LMHeadModel for now;
--- lua/pipegoose/hf.lua has the conventions.
+-- loaded by pg.parallelize (each rank its shards): GPT2LMHeadModel (a
+-- pg.nn.GPT) or LlamaForCausalLM (a pg.nn.Llama); lua/pipegoose/hf.lua has
+-- the conventions.
 function nn.from_hf(dir)
-  local o = require("pipegoose.hf").read_config(dir)
-  local m = nn.GPT(o)
+  local o, model_type = require("pipegoose.hf").read_config(dir)
+  local m = model_type == "llama" and nn.Llama(o) or nn.GPT(o)
   m.weights = { format = "hf", path = dir }
   return m
 end
@@ -238,6 +394,10 @@ function Spec:describe(path, flow, T)
     if flow.width ~= width then fail("expects width %d, receives width %s", width, tostring(flow.width)) end
   end
   local k = self.kind
+  if self.tensor_rule then
+    local msg = self.tensor_rule(T)
+    if msg then fail("%s", msg) end
+  end
   if k == "sequential" then
     local kids = {}
     for i, c in ipairs(self.children) do
@@ -265,30 +425,55 @@ function Spec:describe(path, flow, T)
   elseif k == "layernorm" then
     need_full(self.width)
     return { kind = "layernorm", name = me, width = self.width }, flow
+  elseif k == "rmsnorm" then
+    need_full(self.width)
+    return { kind = "rmsnorm", name = me, width = self.width, eps = self.eps }, flow
+  elseif k == "swiglu" then
+    if flow.width == 0 then fail("needs activations, receives token ids") end
+    local split = flow.split and T > 1
+    if flow.width % (split and 2 * T or 2) ~= 0 then fail("needs an even gate|up width, receives %d", flow.width) end
+    if split and flow.blocks ~= 2 then
+      fail("needs gate|up split block by block over tensor=%d (from a column-parallel Linear with blocks = 2)", T)
+    end
+    local local_w = split and flow.width // T or flow.width
+    return { kind = "swiglu", name = me, width = local_w // 2 }, { width = flow.width // 2, split = flow.split }
   elseif k == "gelu" then
     if flow.width == 0 then fail("needs activations, receives token ids") end
     local local_w = (flow.split and T > 1) and flow.width // T or flow.width
     return { kind = "gelu", name = me, width = local_w }, flow
   elseif k == "attention" then
-    if self.heads % T ~= 0 then fail("tensor=%d does not divide heads=%d", T, self.heads) end
-    if self.width % T ~= 0 then fail("tensor=%d does not divide dim=%d", T, self.width) end
-    if flow.width ~= 3 * self.width then fail("expects the fused q|k|v of width %d, receives width %s", 3 * self.width, tostring(flow.width)) end
-    if T > 1 and not flow.split then fail("needs q|k|v split over tensor=%d (from a column-parallel Linear with blocks = 3)", T) end
-    return { kind = "attention", name = me, width = self.width, heads = self.heads, max_seq = self.max_seq },
+    local rule = heads_rule(self.heads, self.kv_heads)(T)
+    if rule then fail("%s", rule) end
+    local qkv_w = (self.heads + 2 * self.kv_heads) * self.head_dim
+    if flow.width ~= qkv_w then
+      fail("expects the fused q|k|v of width %d, receives width %s", qkv_w, tostring(flow.width))
+    end
+    if T > 1 and not (flow.split and flow.blocks == 3) then
+      fail("needs q|k|v split over tensor=%d block by block (from a column-parallel Linear with blocks = 3)", T)
+    end
+    return { kind = "attention", name = me, heads = self.heads, kv_heads = self.kv_heads, head_dim = self.head_dim,
+             max_seq = self.max_seq, rope_theta = self.rope_theta },
            { width = self.width, split = T > 1 }
   elseif k == "linear" then
     local inw, outw = self["in"], self.out
     local d = { kind = "linear", name = me, ["in"] = inw, out = outw, bias = self.bias, blocks = self.blocks,
-                init_std = self.init_std, mode = "plain" }
+                block_sizes = self.block_sizes, init_std = self.init_std, mode = "plain" }
     if self.parallel == "column" then
       need_full(inw)
-      if outw % (self.blocks * T) ~= 0 then
-        -- with blocks (q|k|v), name the block width too: it is the model's channels
-        fail("tensor=%d does not divide the output width %d%s", T, outw,
-          self.blocks > 1 and (" in %d blocks of %d"):format(self.blocks, outw // self.blocks) or "")
+      local sizes, ok = self.block_sizes, outw % (self.blocks * T) == 0
+      if sizes then
+        ok = true
+        for _, w in ipairs(sizes) do ok = ok and w % T == 0 end
+      end
+      if not ok then
+        -- with blocks (q|k|v), name the block widths too: they are the model's channels
+        fail("tensor=%d does not divide the output width %d%s", T, outw, self.blocks > 1
+          and (" in %d blocks of %s"):format(self.blocks, sizes and table.concat(sizes, ", ") or tostring(outw // self.blocks))
+          or "")
       end
       d.mode, d.gather_output = "column", self.gather_output or false
-      return d, { width = outw, split = T > 1 and not self.gather_output }
+      local split = T > 1 and not self.gather_output
+      return d, { width = outw, split = split, blocks = split and self.blocks or nil }
     elseif self.parallel == "row" then
       if inw % T ~= 0 then fail("tensor=%d does not divide the input width %d", T, inw) end
       if flow.width ~= inw then
@@ -339,6 +524,7 @@ function Spec:num_params()
   elseif k == "residual" then return self.inner:num_params()
   elseif k == "embedding" then return self.vocab * self.width + self.positions * self.width
   elseif k == "layernorm" then return 2 * self.width
+  elseif k == "rmsnorm" then return self.width
   elseif k == "linear" then return self["in"] * self.out + (self.bias and self.out or 0)
   elseif k == "lm_head" then return self.tie and 0 or self.vocab * self.width
   elseif k == "lua" then
@@ -366,7 +552,8 @@ function Spec:flops(T, width_in)
   elseif k == "residual" then return self.inner:flops(T) + 1
   elseif k == "embedding" then return 2 * self.width
   elseif k == "layernorm" then return 8 * self.width
-  elseif k == "gelu" then return 0 -- elementwise, priced with the Linear before it
+  elseif k == "rmsnorm" then return 4 * self.width
+  elseif k == "gelu" or k == "swiglu" then return 0 -- elementwise, priced with the Linear before it
   elseif k == "linear" then return 2 * self["in"] * self.out
   elseif k == "attention" then return 2 * T * self.width -- QK^T and PV over the causal half
   elseif k == "lm_head" then return 2 * self.width * self.padded_vocab + 6 * self.padded_vocab
@@ -383,7 +570,8 @@ function Spec:input_flow(T)
   elseif k == "embedding" then return { width = 0, split = false }
   elseif k == "linear" then
     return { width = self["in"], split = self.parallel == "row" and T > 1 and not self.split_input }
-  elseif k == "attention" then return { width = 3 * self.width, split = T > 1 }
+  elseif k == "attention" then
+    return { width = (self.heads + 2 * self.kv_heads) * self.head_dim, split = T > 1, blocks = 3 }
   elseif k == "lua" then return { width = self.module.in_width, split = false }
   elseif k == "gelu" then return { width = self.width, split = false }
   end

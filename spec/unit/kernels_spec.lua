@@ -216,6 +216,80 @@ local function xent_ref(logits, targets, n_rows, v, valid, vocab_start)
   return losses
 end
 
+-- Grouped-query attention on qkv rows [nh*hs | nkv*hs | nkv*hs]: query head h
+-- uses key/value head h // (nh / nkv). Written separately from attention_ref
+-- (which is the multi-head layout as the kernel first had it).
+local function gqa_ref(qkv, b_len, t_len, nh, nkv, hs)
+  local w, scale, group = (nh + 2 * nkv) * hs, 1 / math.sqrt(hs), nh // nkv
+  local out = {}
+  for b = 0, b_len - 1 do
+    for h = 0, nh - 1 do
+      local kh = h // group
+      for t = 0, t_len - 1 do
+        local q = (b * t_len + t) * w + h * hs
+        local p, mx = {}, -math.huge
+        for j = 0, t do
+          local k = (b * t_len + j) * w + (nh + kh) * hs
+          local sc = 0
+          for d = 1, hs do sc = sc + qkv[q + d] * qkv[k + d] end
+          p[j] = sc * scale
+          mx = math.max(mx, p[j])
+        end
+        local sum = 0
+        for j = 0, t do p[j] = math.exp(p[j] - mx); sum = sum + p[j] end
+        for d = 1, hs do
+          local o = 0
+          for j = 0, t do o = o + p[j] / sum * qkv[(b * t_len + j) * w + (nh + nkv + kh) * hs + d] end
+          out[(b * t_len + t) * nh * hs + h * hs + d] = o
+        end
+      end
+    end
+  end
+  return out
+end
+
+-- transformers' rotary embedding of every head of x [B*T rows, heads*hs]:
+-- rotate_half pairs (i, i + hs/2) by t / theta^(2i/hs), t = row % T.
+local function rope_ref(x, n_rows, t_len, heads, hs, theta, sign)
+  local y, half = {}, hs // 2
+  for n = 0, n_rows - 1 do
+    local t = n % t_len
+    for h = 0, heads - 1 do
+      local base = n * heads * hs + h * hs
+      for i = 1, half do
+        local a = t / theta ^ (2 * (i - 1) / hs)
+        local c, sn = math.cos(a), (sign or 1) * math.sin(a)
+        local x1, x2 = x[base + i], x[base + i + half]
+        y[base + i] = x1 * c - x2 * sn
+        y[base + i + half] = x2 * c + x1 * sn
+      end
+    end
+  end
+  return y
+end
+
+local function rmsnorm_ref(x, w, n_rows, c, eps)
+  local y = {}
+  for n = 0, n_rows - 1 do
+    local ss = 0
+    for j = 1, c do ss = ss + x[n * c + j] ^ 2 end
+    local r = 1 / math.sqrt(ss / c + eps)
+    for j = 1, c do y[n * c + j] = x[n * c + j] * r * w[j] end
+  end
+  return y
+end
+
+local function swiglu_ref(x, n_rows, hid)
+  local y = {}
+  for n = 0, n_rows - 1 do
+    for i = 1, hid do
+      local g, u = x[n * 2 * hid + i], x[n * 2 * hid + hid + i]
+      y[n * hid + i] = g / (1 + math.exp(-g)) * u
+    end
+  end
+  return y
+end
+
 -- token ids with repeats (rows of the same token accumulate in backward)
 local TOKENS = { 3, 0, 7, 3, 10, 1, 7, 7, 2, 9 }
 
@@ -425,6 +499,81 @@ describe("pg.ops kernels", function()
         end
       end
       assert.equal(15, checked)
+    end)
+  end)
+
+  describe("grouped-query attention", function()
+    for _, c in ipairs({ { nh = 4, nkv = 2 }, { nh = 4, nkv = 1 }, { nh = 2, nkv = 2 } }) do
+      it(("matches the reference and finite differences with heads=%d, kv_heads=%d"):format(c.nh, c.nkv), function()
+        local hs = 4
+        local w = (c.nh + 2 * c.nkv) * hs
+        local qkv = randn({ B, T, w }, 40 + c.nkv)
+        local out, att = ops.attention(qkv, c.nh, c.nkv)
+        assert.same({ B, T, c.nh * hs }, out:shape())
+        assert_close(out, gqa_ref(flat(qkv), B, T, c.nh, c.nkv, hs), FWD_RTOL, FWD_ATOL, "gqa out")
+        local R = randn({ B, T, c.nh * hs }, 50 + c.nkv)
+        local r = flat(R)
+        local dqkv = ops.attention_backward(R, qkv, att, c.nh, c.nkv)
+        local num = numgrad(function(v) return dot(gqa_ref(v, B, T, c.nh, c.nkv, hs), r) end, flat(qkv))
+        assert_grad(dqkv, num, "gqa dqkv")
+      end)
+    end
+
+    it("with kv_heads = heads is the multi-head kernel, bit for bit", function()
+      local qkv = randn({ B, T, 3 * C }, 60)
+      local o1, a1 = ops.attention(qkv, NH)
+      local o2, a2 = ops.attention(qkv, NH, NH)
+      assert.is_true(o1:equal(o2) and a1:equal(a2))
+      local R = randn({ B, T, C }, 61)
+      assert.is_true(ops.attention_backward(R, qkv, a1, NH):equal(ops.attention_backward(R, qkv, a1, NH, NH)))
+    end)
+  end)
+
+  describe("rotary embeddings, RMSNorm, SwiGLU", function()
+    it("rope rotates pairs (i, i + hs/2) by t / theta^(2i/hs); backward is the transpose (finite differences)", function()
+      local heads, hs, theta = 2, 6, 10000
+      local x = randn({ B, T, heads * hs }, 70)
+      local y = ops.rope(x, heads, theta)
+      assert_close(y, rope_ref(flat(x), N, T, heads, hs, theta), FWD_RTOL, FWD_ATOL, "rope forward")
+      -- position 0 is the identity, bit for bit
+      local xt, yt = x:totable(), y:totable()
+      for b = 1, B do assert.same(xt[b][1], yt[b][1]) end
+      local R = randn({ B, T, heads * hs }, 71)
+      local r = flat(R)
+      local num = numgrad(function(v) return dot(rope_ref(v, N, T, heads, hs, theta), r) end, flat(x))
+      assert_grad(ops.rope_backward(R, heads, theta), num, "rope backward")
+      -- a large theta on a long sequence still matches (angles up to 69 radians)
+      local xl = randn({ 1, 70, 8 }, 72)
+      assert_close(ops.rope(xl, 1, 500000), rope_ref(flat(xl), 70, 70, 1, 8, 500000), 1e-5, 2e-5, "rope T = 70")
+    end)
+
+    it("rmsnorm matches x / sqrt(mean(x^2) + eps) * w and its backward (dx, dw) matches finite differences", function()
+      local x, w, eps = randn({ B, T, C }, 80), randn({ C }, 81), 1e-5
+      local y, rstd = ops.rmsnorm(x, w, eps)
+      assert.same({ B, T }, rstd:shape())
+      local xs, ws = flat(x), flat(w)
+      assert_close(y, rmsnorm_ref(xs, ws, N, C, eps), FWD_RTOL, FWD_ATOL, "rmsnorm forward")
+      local R = randn({ B, T, C }, 82)
+      local r = flat(R)
+      local dx, dw = ops.rmsnorm_backward(R, x, w, rstd)
+      assert_grad(dx, numgrad(function(v) return dot(rmsnorm_ref(v, ws, N, C, eps), r) end, xs), "rmsnorm dx")
+      assert_grad(dw, numgrad(function(v) return dot(rmsnorm_ref(xs, v, N, C, eps), r) end, ws), "rmsnorm dw")
+      -- dw accumulates (+=) into a given buffer
+      local acc = dw:clone()
+      ops.rmsnorm_backward(R, x, w, rstd, { dw = acc })
+      assert_close(acc, dw:add(dw), 1e-6, 0, "rmsnorm dw accumulates")
+    end)
+
+    it("swiglu is silu(gate) * up and its backward matches finite differences", function()
+      local hid = 5
+      local x = randn({ B, T, 2 * hid }, 90, 2)
+      local y = ops.swiglu(x)
+      assert.same({ B, T, hid }, y:shape())
+      assert_close(y, swiglu_ref(flat(x), N, hid), FWD_RTOL, FWD_ATOL, "swiglu forward")
+      local R = randn({ B, T, hid }, 91)
+      local r = flat(R)
+      assert_grad(ops.swiglu_backward(R, x), numgrad(function(v) return dot(swiglu_ref(v, N, hid), r) end, flat(x)),
+        "swiglu backward")
     end)
   end)
 
@@ -739,9 +888,11 @@ describe("pg.ops kernels", function()
       assert.has_error(function() ops.position(x, pg.zeros{ T, C }, 4) end,
         "ops.position: T=4 but the input is [B, T, C] with T=5")
       local qkv = pg.zeros{ B, T, 3 * C }
-      assert.has_error(function() ops.attention(qkv, 3) end, "ops.attention: heads=3 does not divide C=8")
+      assert.has_error(function() ops.attention(qkv, 3) end,
+        "ops.attention: qkv: last dimension 24 is not (heads + 2 kv_heads) = 9 head widths")
       assert.has_error(function() ops.attention(pg.zeros{ B, T, 10 }, 2) end,
-        "ops.attention: qkv: last dimension 10 is not 3C")
+        "ops.attention: qkv: last dimension 10 is not (heads + 2 kv_heads) = 6 head widths")
+      assert.has_error(function() ops.attention(qkv, 4, 3) end, "ops.attention: kv_heads=3 does not divide heads=4")
       local _, att = ops.attention(qkv, NH)
       assert.has_error(function() ops.attention_backward(pg.zeros{ B, 4, C }, qkv, att, NH) end,
         "ops.attention_backward: dout: expected a [2, 5, 8] float32 tensor, got [2, 4, 8] float32")
