@@ -132,12 +132,32 @@ CUDA_KERNEL(matmul_backward,
              const float *weight, int N, int C, int OC),
             (ctx_of(b), dinp, dweight, dbias, dout, inp, weight, N, C, OC))
 CUDA_KERNEL(attention_forward,
-            (const pg_backend *b, float *out, float *att, const float *qkv, int B, int T, int C, int NH),
-            (ctx_of(b), out, att, qkv, B, T, C, NH))
+            (const pg_backend *b, float *out, float *att, const float *qkv, int B, int T, int NH, int NKV, int HS),
+            (ctx_of(b), out, att, qkv, B, T, NH, NKV, HS))
 CUDA_KERNEL(attention_backward,
             (const pg_backend *b, float *dqkv, float *scratch, const float *dout, const float *qkv, const float *att,
-             int B, int T, int C, int NH),
-            (ctx_of(b), dqkv, scratch, dout, qkv, att, B, T, C, NH))
+             int B, int T, int NH, int NKV, int HS),
+            (ctx_of(b), dqkv, scratch, dout, qkv, att, B, T, NH, NKV, HS))
+CUDA_KERNEL(rope_forward,
+            (const pg_backend *b, float *x, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS,
+             int ld),
+            (ctx_of(b), x, cos_t, sin_t, N, T, heads, HS, ld))
+CUDA_KERNEL(rope_backward,
+            (const pg_backend *b, float *dx, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS,
+             int ld),
+            (ctx_of(b), dx, cos_t, sin_t, N, T, heads, HS, ld))
+CUDA_KERNEL(rmsnorm_forward,
+            (const pg_backend *b, float *out, float *rstd, const float *inp, const float *weight, int N, int C,
+             float eps),
+            (ctx_of(b), out, rstd, inp, weight, N, C, eps))
+CUDA_KERNEL(rmsnorm_backward,
+            (const pg_backend *b, float *dinp, float *dweight, const float *dout, const float *inp,
+             const float *weight, const float *rstd, int N, int C),
+            (ctx_of(b), dinp, dweight, dout, inp, weight, rstd, N, C))
+CUDA_KERNEL(swiglu_forward, (const pg_backend *b, float *out, const float *inp, int N, int H),
+            (ctx_of(b), out, inp, N, H))
+CUDA_KERNEL(swiglu_backward, (const pg_backend *b, float *dinp, const float *inp, const float *dout, int N, int H),
+            (ctx_of(b), dinp, inp, dout, N, H))
 CUDA_KERNEL(gelu_forward, (const pg_backend *b, float *out, const float *inp, int64_t n), (ctx_of(b), out, inp, n))
 CUDA_KERNEL(gelu_backward, (const pg_backend *b, float *dinp, const float *inp, const float *dout, int64_t n),
             (ctx_of(b), dinp, inp, dout, n))
@@ -203,6 +223,12 @@ static const pg_backend_ops cuda_ops = {
     .attention_forward = cu_attention_forward,
     .attention_backward = cu_attention_backward,
     .attention_scratch_floats = cu_attention_scratch_floats,
+    .rope_forward = cu_rope_forward,
+    .rope_backward = cu_rope_backward,
+    .rmsnorm_forward = cu_rmsnorm_forward,
+    .rmsnorm_backward = cu_rmsnorm_backward,
+    .swiglu_forward = cu_swiglu_forward,
+    .swiglu_backward = cu_swiglu_backward,
     .gelu_forward = cu_gelu_forward,
     .gelu_backward = cu_gelu_backward,
     .residual_forward = cu_residual_forward,

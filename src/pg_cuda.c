@@ -520,36 +520,132 @@ static void test_matmul(selftest *st) {
   }
 }
 
-static void test_attention(selftest *st) {
-  const int B = ST_B, T = ST_T, C = ST_C, NH = ST_NH, N = ST_N;
+/* One attention shape: NH query heads, NKV key/value heads of HS columns. */
+static void attention_case(selftest *st, int NH, int NKV, int HS) {
+  const int B = ST_B, T = ST_T, N = ST_N, W = (NH + 2 * NKV) * HS, C = NH * HS;
   const pg_cuda_ctx *ctx = &st->ctx;
-  const int64_t nqkv = (int64_t)N * 3 * C, natt = (int64_t)B * NH * T * T;
+  const int64_t nqkv = (int64_t)N * W, natt = (int64_t)B * NH * T * T;
+  char what[32] = "", name[96];
+  if (NKV != NH) snprintf(what, sizeof what, " (%d/%d heads)", NH, NKV);
+#define ST_NAME(s) (snprintf(name, sizeof name, "attention_%s%.31s", s, what), name)
   float *qkv = h_rand(st, nqkv, -1, 1), *garbage = h_rand(st, nqkv > natt ? nqkv : natt, 100, 200);
   float *out = h_alloc(st, (size_t)N * C * sizeof(float)), *att = h_alloc(st, (size_t)natt * sizeof(float));
   if (!qkv || !garbage || !out || !att) return;
-  pg_attention_forward(out, att, qkv, B, T, C, NH);
+  pg_attention_forward(out, att, qkv, B, T, NH, NKV, HS);
   float *d_qkv = d_floats(st, qkv, nqkv), *d_out = d_floats(st, garbage, (int64_t)N * C);
   float *d_att = d_floats(st, garbage, natt);
   if (st->broken) return;
-  if (launched(st, "attention_forward", pg_cuda_attention_forward(ctx, d_out, d_att, d_qkv, B, T, C, NH))) {
-    check_f(st, "attention_forward.out", d_out, out, (int64_t)N * C, TOL_GEMM);
-    check_f(st, "attention_forward.att", d_att, att, natt, TOL_GEMM);
+  if (launched(st, ST_NAME("forward"), pg_cuda_attention_forward(ctx, d_out, d_att, d_qkv, B, T, NH, NKV, HS))) {
+    check_f(st, ST_NAME("forward.out"), d_out, out, (int64_t)N * C, TOL_GEMM);
+    check_f(st, ST_NAME("forward.att"), d_att, att, natt, TOL_GEMM);
   }
   float *dout = h_rand(st, (int64_t)N * C, -1, 1), *dqkv = h_alloc(st, (size_t)nqkv * sizeof(float));
   float *scratch = h_alloc(st, (size_t)pg_attention_scratch_floats(T, omp_get_max_threads()) * sizeof(float));
   float *d_scratch = d_floats(st, garbage, pg_cuda_attention_scratch_floats(T, NH));
   if (!dout || !dqkv || !scratch || !d_scratch) return;
-  pg_attention_backward(dqkv, scratch, dout, qkv, att, B, T, C, NH);
+  pg_attention_backward(dqkv, scratch, dout, qkv, att, B, T, NH, NKV, HS);
   float *d_dout = d_floats(st, dout, (int64_t)N * C), *d_dqkv = d_floats(st, garbage, nqkv);
   if (!reload(st, d_att, att, natt)) return; /* the CPU's probabilities: the same inputs */
-  if (launched(st, "attention_backward",
-               pg_cuda_attention_backward(ctx, d_dqkv, d_scratch, d_dout, d_qkv, d_att, B, T, C, NH)))
-    check_f(st, "attention_backward.dqkv", d_dqkv, dqkv, nqkv, TOL_GEMM);
+  if (launched(st, ST_NAME("backward"),
+               pg_cuda_attention_backward(ctx, d_dqkv, d_scratch, d_dout, d_qkv, d_att, B, T, NH, NKV, HS)))
+    check_f(st, ST_NAME("backward.dqkv"), d_dqkv, dqkv, nqkv, TOL_GEMM);
   float *first = d_get(st, d_dqkv, nqkv);
   if (!first || !reload(st, d_dqkv, garbage, nqkv)) return;
-  if (launched(st, "attention_backward (repeat)",
-               pg_cuda_attention_backward(ctx, d_dqkv, d_scratch, d_dout, d_qkv, d_att, B, T, C, NH)))
-    check_f(st, "attention_backward.dqkv (repeat)", d_dqkv, first, nqkv, 0, 0);
+  if (launched(st, ST_NAME("backward (repeat)"),
+               pg_cuda_attention_backward(ctx, d_dqkv, d_scratch, d_dout, d_qkv, d_att, B, T, NH, NKV, HS)))
+    check_f(st, ST_NAME("backward.dqkv (repeat)"), d_dqkv, first, nqkv, 0, 0);
+#undef ST_NAME
+}
+
+/* Multi-head, grouped-query (two query heads per key/value head) and
+ * multi-query attention. */
+static void test_attention(selftest *st) {
+  attention_case(st, ST_NH, ST_NH, ST_C / ST_NH);
+  attention_case(st, 4, 2, 12);
+  attention_case(st, 4, 1, 12);
+}
+
+/* RoPE over the query and key heads of a grouped-query qkv block (the value
+ * heads and the row tails stay as they are); tables longer than T. The CPU's
+ * operations, separately rounded: the same values. */
+static void test_rope(selftest *st) {
+  const int N = ST_N, T = ST_T, NH = 4, NKV = 2, HS = 12, heads = NH + NKV, ld = (NH + 2 * NKV) * HS + 3;
+  const int max_T = T + 5, half = HS / 2;
+  const pg_cuda_ctx *ctx = &st->ctx;
+  const int64_t n = (int64_t)N * ld;
+  float *cos_t = h_alloc(st, (size_t)max_T * half * sizeof(float));
+  float *sin_t = h_alloc(st, (size_t)max_T * half * sizeof(float));
+  float *x0 = h_rand(st, n, -2, 2), *dx0 = h_rand(st, n, -2, 2);
+  float *x = h_copy(st, x0, n), *dx = h_copy(st, dx0, n);
+  if (!cos_t || !sin_t || !x || !dx) return;
+  pg_rope_table(cos_t, sin_t, max_T, HS, 10000.0);
+  pg_rope_forward(x, cos_t, sin_t, N, T, heads, HS, ld);
+  pg_rope_backward(dx, cos_t, sin_t, N, T, heads, HS, ld);
+  float *d_cos = d_floats(st, cos_t, (int64_t)max_T * half), *d_sin = d_floats(st, sin_t, (int64_t)max_T * half);
+  float *d_x = d_floats(st, x0, n), *d_dx = d_floats(st, dx0, n);
+  if (st->broken) return;
+  if (launched(st, "rope_forward", pg_cuda_rope_forward(ctx, d_x, d_cos, d_sin, N, T, heads, HS, ld)))
+    check_f(st, "rope_forward (in place)", d_x, x, n, 0, 0);
+  if (launched(st, "rope_backward", pg_cuda_rope_backward(ctx, d_dx, d_cos, d_sin, N, T, heads, HS, ld)))
+    check_f(st, "rope_backward (in place)", d_dx, dx, n, 0, 0);
+}
+
+static void test_rmsnorm(selftest *st) {
+  const int N = ST_N, C = ST_C;
+  const float eps = 1e-6f;
+  const pg_cuda_ctx *ctx = &st->ctx;
+  float *x = h_rand(st, (int64_t)N * C, -2, 2), *w = h_rand(st, C, 0.5f, 1.5f);
+  float *out = h_alloc(st, (size_t)N * C * sizeof(float)), *rstd = h_alloc(st, N * sizeof(float));
+  float *garbage = h_rand(st, (int64_t)N * C, 100, 200);
+  if (!x || !w || !out || !rstd || !garbage) return;
+  pg_rmsnorm_forward(out, rstd, x, w, N, C, eps);
+  float *d_x = d_floats(st, x, (int64_t)N * C), *d_w = d_floats(st, w, C);
+  float *d_out = d_floats(st, garbage, (int64_t)N * C), *d_rstd = d_floats(st, garbage, N);
+  if (st->broken) return;
+  if (launched(st, "rmsnorm_forward", pg_cuda_rmsnorm_forward(ctx, d_out, d_rstd, d_x, d_w, N, C, eps))) {
+    check_f(st, "rmsnorm_forward.out", d_out, out, (int64_t)N * C, TOL_REDUCE);
+    check_f(st, "rmsnorm_forward.rstd", d_rstd, rstd, N, TOL_REDUCE);
+  }
+  /* backward from the CPU's rstd; dweight accumulates onto what is there */
+  float *dout = h_rand(st, (int64_t)N * C, -1, 1), *dw0 = h_rand(st, C, -1, 1);
+  float *dx = h_alloc(st, (size_t)N * C * sizeof(float)), *dw = h_copy(st, dw0, C);
+  if (!dout || !dx || !dw) return;
+  pg_rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C);
+  float *d_dout = d_floats(st, dout, (int64_t)N * C), *d_dx = d_floats(st, garbage, (int64_t)N * C);
+  float *d_dw = d_floats(st, dw0, C);
+  if (!reload(st, d_rstd, rstd, N)) return;
+  if (launched(st, "rmsnorm_backward",
+               pg_cuda_rmsnorm_backward(ctx, d_dx, d_dw, d_dout, d_x, d_w, d_rstd, N, C))) {
+    check_f(st, "rmsnorm_backward.dinp", d_dx, dx, (int64_t)N * C, TOL_REDUCE);
+    check_f(st, "rmsnorm_backward.dweight (+=)", d_dw, dw, C, TOL_REDUCE);
+  }
+  /* determinism, and dinp = NULL: only the weight's gradient */
+  float *first = d_get(st, d_dw, C);
+  if (!first || !reload(st, d_dw, dw0, C)) return;
+  if (launched(st, "rmsnorm_backward (repeat)",
+               pg_cuda_rmsnorm_backward(ctx, NULL, d_dw, d_dout, d_x, d_w, d_rstd, N, C)))
+    check_f(st, "rmsnorm_backward.dweight (repeat)", d_dw, first, C, 0, 0);
+}
+
+/* gate values out to -12..12 (silu's tails), H odd */
+static void test_swiglu(selftest *st) {
+  const int N = ST_N, H = 101;
+  const int64_t n = (int64_t)N * H;
+  const pg_cuda_ctx *ctx = &st->ctx;
+  float *inp = h_rand(st, 2 * n, -2, 2), *dout = h_rand(st, n, -1, 1), *garbage = h_rand(st, 2 * n, 100, 200);
+  float *out = h_alloc(st, (size_t)n * sizeof(float)), *dinp = h_alloc(st, (size_t)2 * n * sizeof(float));
+  if (!inp || !dout || !garbage || !out || !dinp) return;
+  for (int r = 0; r < N; r++)
+    for (int c = 0; c < H; c++) inp[(int64_t)r * 2 * H + c] *= 6.0f;
+  pg_swiglu_forward(out, inp, N, H);
+  pg_swiglu_backward(dinp, inp, dout, N, H);
+  float *d_inp = d_floats(st, inp, 2 * n), *d_dout = d_floats(st, dout, n);
+  float *d_out = d_floats(st, garbage, n), *d_dinp = d_floats(st, garbage, 2 * n);
+  if (st->broken) return;
+  if (launched(st, "swiglu_forward", pg_cuda_swiglu_forward(ctx, d_out, d_inp, N, H)))
+    check_f(st, "swiglu_forward", d_out, out, n, TOL_POINT);
+  if (launched(st, "swiglu_backward", pg_cuda_swiglu_backward(ctx, d_dinp, d_inp, d_dout, N, H)))
+    check_f(st, "swiglu_backward", d_dinp, dinp, 2 * n, TOL_POINT);
 }
 
 static void test_pointwise(selftest *st) {
@@ -686,8 +782,8 @@ int pg_cuda_selftest(char *report, size_t n) {
   if (pg_cuda_ctx_init(&st->ctx) != PG_OK) {
     broken(st, "context", pg_error());
   } else {
-    void (*tests[])(selftest *) = {test_embedding, test_layernorm, test_matmul, test_attention,
-                                   test_pointwise, test_xent,      test_optim};
+    void (*tests[])(selftest *) = {test_embedding, test_layernorm, test_rmsnorm, test_matmul, test_attention,
+                                   test_rope,      test_pointwise, test_swiglu,  test_xent,   test_optim};
     for (size_t i = 0; i < sizeof tests / sizeof tests[0] && !st->broken; i++) tests[i](st);
     (void)pg_cuda_synchronize();
     pg_cuda_ctx_destroy(&st->ctx);

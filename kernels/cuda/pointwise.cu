@@ -1,4 +1,4 @@
-// Elementwise ops on the GPU: GELU (tanh approximation) and the residual add.
+// Elementwise ops on the GPU: GELU (tanh approximation), SwiGLU and the residual add.
 // The CPU kernel's formulas, with CUDA's expf (within 2 ulp).
 #include "common.cuh"
 
@@ -33,6 +33,27 @@ __global__ void gelu_backward_kernel(float *dinp, const float *inp, const float 
   }
 }
 
+// SwiGLU over rows of [gate | up] (H columns each): out = silu(g) u, silu(g) =
+// g / (1 + e^-g) (e^-g = inf for very negative g: silu = -0, as on the CPU).
+__global__ void swiglu_forward_kernel(float *out, const float *inp, int64_t n, int H) {
+  GRID_STRIDE(i, n) {
+    const int64_t r = i / H, c = i % H;
+    const float g = inp[2 * r * H + c], u = inp[2 * r * H + H + c];
+    out[i] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+  }
+}
+
+// s = 1 / (1 + e^-g): d/dg = dout u s (1 + g (1 - s)), d/du = dout g s.
+__global__ void swiglu_backward_kernel(float *dinp, const float *inp, const float *dout, int64_t n, int H) {
+  GRID_STRIDE(i, n) {
+    const int64_t r = i / H, c = i % H, gi = 2 * r * H + c, ui = gi + H;
+    const float g = inp[gi], u = inp[ui], dy = dout[i];
+    const float s = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)));
+    dinp[ui] = __fmul_rn(dy, __fmul_rn(g, s));
+    dinp[gi] = __fmul_rn(__fmul_rn(dy, u), __fmul_rn(s, __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, s)))));
+  }
+}
+
 __global__ void residual_forward_kernel(float *out, const float *a, const float *b, int64_t n) {
   GRID_STRIDE(i, n) out[i] = a[i] + b[i];
 }
@@ -52,6 +73,21 @@ extern "C" int pg_cuda_gelu_backward(const pg_cuda_ctx *ctx, float *dinp, const 
                                      int64_t n) {
   if (n <= 0) return 0;
   gelu_backward_kernel<<<grid_for(n, BLOCK), BLOCK, 0, stream_of(ctx)>>>(dinp, inp, dout, n);
+  return launch_status();
+}
+
+extern "C" int pg_cuda_swiglu_forward(const pg_cuda_ctx *ctx, float *out, const float *inp, int N, int H) {
+  if (N <= 0 || H <= 0) return 0;
+  const int64_t n = (int64_t)N * H;
+  swiglu_forward_kernel<<<grid_for(n, BLOCK), BLOCK, 0, stream_of(ctx)>>>(out, inp, n, H);
+  return launch_status();
+}
+
+extern "C" int pg_cuda_swiglu_backward(const pg_cuda_ctx *ctx, float *dinp, const float *inp, const float *dout, int N,
+                                       int H) {
+  if (N <= 0 || H <= 0) return 0;
+  const int64_t n = (int64_t)N * H;
+  swiglu_backward_kernel<<<grid_for(n, BLOCK), BLOCK, 0, stream_of(ctx)>>>(dinp, inp, dout, n, H);
   return launch_status();
 }
 
