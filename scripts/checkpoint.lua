@@ -6,7 +6,7 @@
 --                                                          one safetensors file of full tensors
 --                                                          (with --optimizer also m/<name>, v/<name>)
 --   pglua scripts/checkpoint.lua export-llmc DIR OUT       GPT-2 weights as an llm.c model file
---   pglua scripts/checkpoint.lua export-hf DIR OUTDIR      GPT-2 as a Hugging Face directory (from_pretrained loads it)
+--   pglua scripts/checkpoint.lua export-hf DIR OUTDIR      GPT-2 or LLaMA as a Hugging Face directory (from_pretrained loads it)
 --
 -- DIR is a checkpoint directory, or a directory with a `latest` file (the
 -- newest checkpoint in it). docs/FORMATS.md ("Checkpoints") describes the files.
@@ -65,8 +65,8 @@ end
 
 commands["export-hf"] = function()
   if not out then die("checkpoint.lua export-hf: needs an output directory\n" .. USAGE) end
-  ckpt.export_hf(dir, out)
-  print(("wrote %s: config.json and model.safetensors (GPT2LMHeadModel)"):format(out))
+  local class = ckpt.export_hf(dir, out)
+  print(("wrote %s: config.json and model.safetensors (%s)"):format(out, class))
 end
 
 local fn = commands[cmd]

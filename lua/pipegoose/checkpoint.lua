@@ -1204,6 +1204,9 @@ function M.export_llmc(dir, out)
   local manifest
   dir, manifest = verified(M.resolve(dir))
   local cfg = manifest.model or {}
+  if cfg.arch ~= nil and cfg.arch ~= "gpt2" then
+    error(("checkpoint: %s: the model is %s; llm.c's format holds GPT-2 models only"):format(dir, tostring(cfg.arch)), 0)
+  end
   for _, k in ipairs{ "vocab", "padded_vocab", "seq_len", "dim", "heads", "layers" } do
     if math.tointeger(cfg[k]) == nil then
       error(("checkpoint: %s: the model config has no %s; llm.c's format holds GPT-2 models only"):format(dir, k), 0)
@@ -1239,13 +1242,14 @@ function M.export_llmc(dir, out)
   return core.file.write(out, parts)
 end
 
---- Writes the checkpoint's GPT-2 weights as a Hugging Face GPT2LMHeadModel
--- directory (config.json + model.safetensors, lua/pipegoose/hf.lua).
+--- Writes the checkpoint's weights as a Hugging Face directory
+-- (config.json + model.safetensors, lua/pipegoose/hf.lua): GPT2LMHeadModel
+-- or LlamaForCausalLM. Returns the class written.
 function M.export_hf(dir, out)
   local manifest
   dir, manifest = verified(M.resolve(dir))
   local header_of = header_reader(dir)
-  require("pipegoose.hf").write_checkpoint(manifest.model or {}, out, function(name)
+  return require("pipegoose.hf").write_checkpoint(manifest.model or {}, out, function(name)
     return full_tensor(dir, manifest, header_of, "params", "", name)
   end, "checkpoint: " .. dir)
 end

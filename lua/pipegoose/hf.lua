@@ -359,6 +359,7 @@ end
 function M.write_checkpoint(cfg, dir, full, what)
   local arch = arch_of(cfg, what)
   write_dir(arch, cfg, dir, function(e) return to_hf(cfg, e, full(e.pg)) end)
+  return arch.class
 end
 
 return M

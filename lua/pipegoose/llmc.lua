@@ -87,6 +87,10 @@ end
 --- Writes the model in llm.c's format (rank 0 writes; collective over all ranks).
 function M.save_from(engine, path)
   local cfg = engine.config
+  if cfg.arch ~= nil and cfg.arch ~= "gpt2" then
+    error(("save_llmc: the model is %s; llm.c's format holds GPT-2 models only (engine:save_hf writes it)")
+      :format(tostring(cfg.arch)), 2)
+  end
   local ctx = engine.ctx
   local me = ctx:rank()
   local header = {}
