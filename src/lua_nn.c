@@ -25,10 +25,11 @@ typedef struct lua_module_ud {
   int in_w, out_w;
 } lua_module_ud;
 
-/* Calls module:method(slot, x) with x copied into a [rows, in] tensor; copies the
+/* Calls module:method(slot, x, info) with x copied into a [rows, in] tensor
+ * (rows = B*T, batch-major) and info = {batch = B, seq_len = T}; copies the
  * returned [rows, out] tensor to y. */
-static int call_lua_module(lua_module_ud *u, const char *method, int slot, const float *x, int rows, int in_w,
-                           float *y, int out_w) {
+static int call_lua_module(lua_module_ud *u, const char *method, int slot, const pg_io *io, const float *x, int rows,
+                           int in_w, float *y, int out_w) {
   lua_State *L = *u->current;
   int top = lua_gettop(L);
   lua_rawgeti(L, LUA_REGISTRYINDEX, u->ref);
@@ -47,7 +48,12 @@ static int call_lua_module(lua_module_ud *u, const char *method, int slot, const
     return PG_ERR;
   }
   memcpy(pg_tensor_data(t), x, (size_t)rows * in_w * sizeof(float));
-  if (lua_pcall(L, 3, 1, 0) != LUA_OK) {
+  lua_createtable(L, 0, 2);
+  lua_pushinteger(L, io->B);
+  lua_setfield(L, -2, "batch");
+  lua_pushinteger(L, io->T);
+  lua_setfield(L, -2, "seq_len");
+  if (lua_pcall(L, 4, 1, 0) != LUA_OK) {
     int rc = pg_fail("%s", lua_tostring(L, -1));
     lua_settop(L, top);
     return rc;
@@ -66,15 +72,13 @@ static int call_lua_module(lua_module_ud *u, const char *method, int slot, const
 }
 
 static int lua_module_forward(void *ud, int slot, const pg_io *io, const float *x, int rows, float *y) {
-  (void)io;
   lua_module_ud *u = ud;
-  return call_lua_module(u, "forward", slot, x, rows, u->in_w, y, u->out_w);
+  return call_lua_module(u, "forward", slot, io, x, rows, u->in_w, y, u->out_w);
 }
 
 static int lua_module_backward(void *ud, int slot, const pg_io *io, const float *dy, int rows, float *dx) {
-  (void)io;
   lua_module_ud *u = ud;
-  return call_lua_module(u, "backward", slot, dy, rows, u->out_w, dx, u->in_w);
+  return call_lua_module(u, "backward", slot, io, dy, rows, u->out_w, dx, u->in_w);
 }
 
 static void lua_module_release(void *ud) {
@@ -148,7 +152,30 @@ static pg_module *build_lua(build_state *b, int idx, const char *name) {
       char full[512];
       snprintf(full, sizeof full, "%s%s%s", name, *name ? "." : "", pname);
       pg_init_kind k = !strcmp(init, "zeros") ? PG_INIT_ZEROS : !strcmp(init, "ones") ? PG_INIT_ONES : PG_INIT_NORMAL;
-      params[np] = nd > 0 && nd <= PG_PARAM_MAX_DIMS ? pg_param_new(full, nd, shape, k, std) : NULL;
+      /* split = {dim = d (1-based), blocks = k, sizes = {...}}: sharded over the tensor group */
+      int split_dim = 0, blocks = 1, nsizes = 0;
+      int64_t sizes[PG_PARAM_MAX_BLOCKS];
+      if (lua_getfield(L, pi, "split") == LUA_TTABLE) {
+        int si = lua_gettop(L);
+        split_dim = (int)pg_lua_opt_int(L, si, "dim", 0);
+        blocks = (int)pg_lua_opt_int(L, si, "blocks", 1);
+        if (lua_getfield(L, si, "sizes") == LUA_TTABLE) {
+          nsizes = (int)luaL_len(L, -1);
+          for (int j = 0; j < nsizes && j < PG_PARAM_MAX_BLOCKS; j++) {
+            lua_geti(L, -1, j + 1);
+            sizes[j] = lua_tointeger(L, -1);
+            lua_pop(L, 1);
+          }
+        }
+        lua_pop(L, 1);
+      }
+      lua_pop(L, 1);
+      if (nd < 1 || nd > PG_PARAM_MAX_DIMS) params[np] = NULL;
+      else if (split_dim > 0 && (nsizes == 0 || nsizes == blocks))
+        params[np] = pg_param_new_split(b->ctx, full, nd, shape, split_dim - 1, blocks, nsizes ? sizes : NULL, k, std);
+      else if (split_dim > 0)
+        params[np] = pg_fail_null("parameter '%s': %d sizes for %d blocks", full, nsizes, blocks);
+      else params[np] = pg_param_new(full, nd, shape, k, std);
       lua_pop(L, 1);
       if (!params[np]) {
         for (int k2 = 0; k2 < np; k2++) pg_param_free(params[k2]);
@@ -168,7 +195,10 @@ static pg_module *build_lua(build_state *b, int idx, const char *name) {
   lua_getfield(L, idx, "module");
   u->ref = luaL_ref(L, LUA_REGISTRYINDEX);
   pg_custom_fns fns = {lua_module_forward, lua_module_backward, lua_module_release, u};
-  pg_module *m = pg_custom_new(b->ctx, name, in_w, out_w, &fns, params, np);
+  const char *in_r = pg_lua_opt_string(L, idx, "input", "replicated"), *out_r = pg_lua_opt_string(L, idx, "output", "replicated");
+  pg_tp_region input = !strcmp(in_r, "copy") ? PG_TP_COPY : !strcmp(in_r, "split") ? PG_TP_SPLIT : PG_TP_REPLICATED;
+  pg_tp_region output = !strcmp(out_r, "reduce") ? PG_TP_REDUCE : !strcmp(out_r, "split") ? PG_TP_SPLIT : PG_TP_REPLICATED;
+  pg_module *m = pg_custom_new(b->ctx, name, in_w, out_w, input, output, &fns, params, np);
   if (!m) lua_module_release(u);
   return m;
 }
@@ -351,7 +381,7 @@ static void push_shape(lua_State *L, int ndim, const int64_t *shape) {
   }
 }
 
-/* {name=, shape=, full_shape=, split={dim=, blocks=, parts=, index=}, valid_rows=,
+/* {name=, shape=, full_shape=, split={dim=, blocks=, parts=, index= [, sizes=]}, valid_rows=,
  *  replicated=, tied_copy=, weight_decay=, offset=, tensor=, grad=} for one parameter */
 static void push_param(lua_State *L, pg_param *p, pg_storage *pstore, pg_storage *gstore) {
   lua_createtable(L, 0, 12);
@@ -370,6 +400,16 @@ static void push_param(lua_State *L, pg_param *p, pg_storage *pstore, pg_storage
   lua_setfield(L, -2, "parts");
   lua_pushinteger(L, p->split_index);
   lua_setfield(L, -2, "index");
+  int equal = 1;
+  for (int b = 1; b < p->split_blocks; b++) equal = equal && p->split_sizes[b] == p->split_sizes[0];
+  if (!equal) { /* unequal blocks (q|k|v with fewer key/value heads): their lengths */
+    lua_createtable(L, p->split_blocks, 0);
+    for (int b = 0; b < p->split_blocks; b++) {
+      lua_pushinteger(L, p->split_sizes[b]);
+      lua_rawseti(L, -2, b + 1);
+    }
+    lua_setfield(L, -2, "sizes");
+  }
   lua_setfield(L, -2, "split");
   lua_pushinteger(L, p->valid_rows);
   lua_setfield(L, -2, "valid_rows");
@@ -527,7 +567,8 @@ static int l_free(lua_State *L) {
 /* core.shard_copy(full, piece, spec, "to_full" | "from_full"): copies between
  * the local elements [spec.lo, spec.lo + piece:numel()) of a shard and a full
  * tensor (pg_param_shard_copy). spec = {full_shape=, split = {dim=, blocks=,
- * parts=, index=} (dim 1-based, 0: not split), lo = 0}: the description
+ * parts=, index= [, sizes=]} (dim 1-based, 0: not split; sizes: the blocks'
+ * lengths when unequal), lo = 0}: the description
  * engine:parameters() gives and checkpoints record. The full tensor may hold
  * fewer rows than full_shape (padding rows are skipped / read as 0). */
 static int l_shard_copy(lua_State *L) {
@@ -553,26 +594,45 @@ static int l_shard_copy(lua_State *L) {
     p.full_shape[d] = p.shape[d] = shape[d];
     full_numel *= shape[d];
   }
-  int dim = 0, blocks = 1, parts = 1, index = 0;
+  int dim = 0, blocks = 1, parts = 1, index = 0, nsizes = 0;
+  int64_t sizes[PG_PARAM_MAX_BLOCKS];
   if (lua_getfield(L, 3, "split") == LUA_TTABLE) {
     int s = lua_gettop(L);
     dim = (int)pg_lua_opt_int(L, s, "dim", 0);
     blocks = (int)pg_lua_opt_int(L, s, "blocks", 1);
     parts = (int)pg_lua_opt_int(L, s, "parts", 1);
     index = (int)pg_lua_opt_int(L, s, "index", 0);
+    if (lua_getfield(L, s, "sizes") == LUA_TTABLE) {
+      nsizes = (int)luaL_len(L, -1);
+      for (int b = 0; b < nsizes && b < PG_PARAM_MAX_BLOCKS; b++) {
+        lua_geti(L, -1, b + 1);
+        sizes[b] = lua_tointeger(L, -1);
+        lua_pop(L, 1);
+      }
+    }
+    lua_pop(L, 1);
   }
   lua_pop(L, 1);
-  if (dim < 0 || dim > p.ndim || blocks < 1 || parts < 1 || index < 0 || index >= parts)
-    return luaL_error(L, "shard_copy: bad split {dim=%d, blocks=%d, parts=%d, index=%d} for %d dimensions", dim, blocks,
-                      parts, index, p.ndim);
+  if (dim < 0 || dim > p.ndim || blocks < 1 || blocks > PG_PARAM_MAX_BLOCKS || parts < 1 || index < 0 ||
+      index >= parts || (nsizes && nsizes != blocks))
+    return luaL_error(L, "shard_copy: bad split {dim=%d, blocks=%d, parts=%d, index=%d, %d sizes} for %d dimensions",
+                      dim, blocks, parts, index, nsizes, p.ndim);
   p.split_dim = -1;
   p.split_blocks = blocks;
   p.split_parts = parts;
   p.split_index = index;
   if (dim > 0 && parts > 1) {
-    if (p.full_shape[dim - 1] % ((int64_t)blocks * parts))
-      return luaL_error(L, "shard_copy: dimension %d of size %I is not divisible into %d blocks of %d parts", dim,
-                        (lua_Integer)p.full_shape[dim - 1], blocks, parts);
+    int64_t total = 0;
+    for (int b = 0; b < blocks; b++) {
+      p.split_sizes[b] = nsizes ? sizes[b] : p.full_shape[dim - 1] / blocks;
+      if (p.split_sizes[b] < 1 || p.split_sizes[b] % parts)
+        return luaL_error(L, "shard_copy: block %d of dimension %d has %I rows, not divisible into %d parts", b + 1, dim,
+                          (lua_Integer)p.split_sizes[b], parts);
+      total += p.split_sizes[b];
+    }
+    if (total != p.full_shape[dim - 1])
+      return luaL_error(L, "shard_copy: the blocks of dimension %d add up to %I, not its size %I", dim,
+                        (lua_Integer)total, (lua_Integer)p.full_shape[dim - 1]);
     p.split_dim = dim - 1;
     p.shape[dim - 1] = p.full_shape[dim - 1] / parts;
   }

@@ -100,6 +100,33 @@ pg_param *pg_param_new(const char *name, int ndim, const int64_t *shape, pg_init
   return p;
 }
 
+pg_param *pg_param_new_split(pg_context *ctx, const char *name, int ndim, const int64_t *full_shape, int split_dim,
+                             int blocks, const int64_t *sizes, pg_init_kind init, float std) {
+  int T = tp_size(ctx);
+  if (ndim < 1 || ndim > PG_PARAM_MAX_DIMS) return pg_fail_null("parameter '%s': 1 to %d dimensions, not %d", name, PG_PARAM_MAX_DIMS, ndim);
+  if (split_dim < 0 || split_dim >= ndim)
+    return pg_fail_null("parameter '%s': split dimension %d of %d", name, split_dim + 1, ndim);
+  if (blocks < 1 || blocks > PG_PARAM_MAX_BLOCKS)
+    return pg_fail_null("parameter '%s': 1 to %d blocks, not %d", name, PG_PARAM_MAX_BLOCKS, blocks);
+  int64_t total = 0;
+  for (int d = 0; d < ndim; d++)
+    if (full_shape[d] < 1) return pg_fail_null("parameter '%s': dimension %d has size %lld", name, d + 1, (long long)full_shape[d]);
+  for (int b = 0; b < blocks; b++) {
+    int64_t n = sizes ? sizes[b] : full_shape[split_dim] / blocks;
+    if (n < 1 || n % T)
+      return pg_fail_null("parameter '%s': block %d of dimension %d has %lld rows, not divisible by tensor=%d", name, b + 1,
+                          split_dim + 1, (long long)n, T);
+    total += n;
+  }
+  if (total != full_shape[split_dim])
+    return pg_fail_null("parameter '%s': its blocks add up to %lld, not the %lld of dimension %d", name, (long long)total,
+                        (long long)full_shape[split_dim], split_dim + 1);
+  pg_param *p = param_make_blocks(NULL, name, ndim, full_shape, split_dim, blocks, sizes, T, tp_rank(ctx), init, std);
+  if (!p) return pg_fail_null("out of memory");
+  p->replicated = T == 1;
+  return p;
+}
+
 void pg_param_free(pg_param *p) {
   if (!p) return;
   free(p->name);
@@ -235,6 +262,47 @@ static float *alloc_floats(pg_module *m, float **arr, size_t n) {
   return *arr;
 }
 
+/* ---------------------------------------------------------------- tensor-parallel pieces */
+
+int pg_tp_reduce_forward(pg_module *m, float *y, int64_t n) {
+  return pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, y, n, PG_FLOAT32, PG_REDUCE_SUM);
+}
+
+int pg_tp_copy_backward(pg_module *m, float *dx, int64_t n) {
+  return pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, dx, n, PG_FLOAT32, PG_REDUCE_SUM);
+}
+
+/* Bug fix (kept from the Linear this came from): the gather used to ignore
+ * the blocks, so a column-parallel Linear with blocks = 3 and gather_output
+ * returned q0|k0|v0|q1|k1|v1 instead of q|k|v (and took the wrong columns of
+ * dy in backward). */
+int pg_tp_gather_forward(pg_module *m, float *full, const float *mine, float *scratch, int N, int w, int blocks,
+                         const int *bw) {
+  int T = tp_size(m->ctx), r = tp_rank(m->ctx);
+  size_t piece = (size_t)N * w, f = sizeof(float);
+  if (scratch + (size_t)r * piece != mine &&
+      BE(m)->ops->copy(BE(m), scratch + (size_t)r * piece, mine, piece * f, PG_COPY_DEVICE_TO_DEVICE))
+    return PG_ERR;
+  if (pg_all_gather_buf(m->ctx, PG_MODE_TENSOR, scratch, (int64_t)piece, PG_FLOAT32)) return PG_ERR;
+  for (int k = 0; k < T; k++)
+    for (int b = 0, local = 0; b < blocks; local += bw[b], b++)
+      if (BE(m)->ops->copy2d(BE(m), full + (size_t)T * local + (size_t)k * bw[b], (size_t)T * w * f,
+                             scratch + (size_t)k * piece + local, (size_t)w * f, (size_t)bw[b] * f, (size_t)N,
+                             PG_COPY_DEVICE_TO_DEVICE))
+        return PG_ERR;
+  return PG_OK;
+}
+
+int pg_tp_scatter_forward(pg_module *m, float *mine, const float *full, int N, int w, int blocks, const int *bw) {
+  int T = tp_size(m->ctx), r = tp_rank(m->ctx);
+  size_t f = sizeof(float);
+  for (int b = 0, local = 0; b < blocks; local += bw[b], b++)
+    if (BE(m)->ops->copy2d(BE(m), mine + local, (size_t)w * f, full + (size_t)T * local + (size_t)r * bw[b],
+                           (size_t)T * w * f, (size_t)bw[b] * f, (size_t)N, PG_COPY_DEVICE_TO_DEVICE))
+      return PG_ERR;
+  return PG_OK;
+}
+
 /* ---------------------------------------------------------------- linear */
 
 typedef struct linear_state {
@@ -263,50 +331,6 @@ static int linear_alloc(pg_module *m, int nslots, int max_rows) {
   return PG_OK;
 }
 
-/* Columns [off, off+w) of an [N, width] matrix into a contiguous [N, w] one. */
-static int take_columns(pg_module *m, float *dst, const float *src, int N, int width, int off, int w) {
-  return BE(m)->ops->copy2d(BE(m), dst, (size_t)w * sizeof(float), src + off, (size_t)width * sizeof(float),
-                            (size_t)w * sizeof(float), (size_t)N, PG_COPY_DEVICE_TO_DEVICE);
-}
-
-/* Gathers [N, w] pieces of every tensor rank into [N, T*w]. Each piece is
- * `blocks` sub-pieces, bw[b] columns each (a fused q|k|v: rank k holds the
- * k-th slice of q, of k and of v, and k and v are narrower than q when there
- * are fewer key/value heads), and the full row is block-major: sub-piece b
- * of rank k lands at columns T*(bw[0] + ... + bw[b-1]) + k*bw[b]. With one
- * block piece k simply sits at columns k*w.
- * Bug fix: this used to ignore the blocks, so a column-parallel Linear with
- * blocks = 3 and gather_output returned q0|k0|v0|q1|k1|v1 instead of q|k|v
- * (and took the wrong columns of dy in backward, see take_block_columns). */
-static int gather_columns(pg_module *m, float *dst, const float *mine, float *scratch, int N, int w, int blocks,
-                          const int *bw) {
-  int T = tp_size(m->ctx), r = tp_rank(m->ctx);
-  size_t piece = (size_t)N * w, f = sizeof(float);
-  if (scratch + (size_t)r * piece != mine &&
-      BE(m)->ops->copy(BE(m), scratch + (size_t)r * piece, mine, piece * f, PG_COPY_DEVICE_TO_DEVICE))
-    return PG_ERR;
-  if (pg_all_gather_buf(m->ctx, PG_MODE_TENSOR, scratch, (int64_t)piece, PG_FLOAT32)) return PG_ERR;
-  for (int k = 0; k < T; k++)
-    for (int b = 0, local = 0; b < blocks; local += bw[b], b++)
-      if (BE(m)->ops->copy2d(BE(m), dst + (size_t)T * local + (size_t)k * bw[b], (size_t)T * w * f,
-                             scratch + (size_t)k * piece + local, (size_t)w * f, (size_t)bw[b] * f, (size_t)N,
-                             PG_COPY_DEVICE_TO_DEVICE))
-        return PG_ERR;
-  return PG_OK;
-}
-
-/* The inverse of gather_columns for this rank: its w columns (in `blocks`
- * sub-pieces of bw[b]) of a full [N, T*w] matrix, into a contiguous [N, w] one. */
-static int take_block_columns(pg_module *m, float *dst, const float *src, int N, int T, int w, int blocks,
-                              const int *bw, int r) {
-  size_t f = sizeof(float);
-  for (int b = 0, local = 0; b < blocks; local += bw[b], b++)
-    if (BE(m)->ops->copy2d(BE(m), dst + local, (size_t)w * f, src + (size_t)T * local + (size_t)r * bw[b],
-                           (size_t)T * w * f, (size_t)bw[b] * f, (size_t)N, PG_COPY_DEVICE_TO_DEVICE))
-      return PG_ERR;
-  return PG_OK;
-}
-
 static int linear_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   linear_state *s = m->state;
   if (check_rows(m, slot, io)) return PG_ERR;
@@ -321,7 +345,7 @@ static int linear_forward(pg_module *m, int slot, pg_io *io, const float *x, con
     if (s->o.gather_output && T > 1) {
       float *local = s->scratch + (size_t)tp_rank(m->ctx) * N * s->out_l; /* computed in place in the gather slot */
       if (KERNEL(m, matmul_forward, local, x, s->w->data, b, N, s->in_l, s->out_l) ||
-          gather_columns(m, out, local, s->scratch, N, s->out_l, s->o.blocks, s->block_l))
+          pg_tp_gather_forward(m, out, local, s->scratch, N, s->out_l, s->o.blocks, s->block_l))
         return PG_ERR;
     } else if (KERNEL(m, matmul_forward, out, x, s->w->data, b, N, s->in_l, s->out_l)) {
       return PG_ERR;
@@ -331,7 +355,7 @@ static int linear_forward(pg_module *m, int slot, pg_io *io, const float *x, con
     const float *xl = x;
     if (!s->o.input_is_parallel && T > 1) {
       float *dst = s->x_local + (size_t)slot * m->max_rows * s->in_l;
-      if (take_columns(m, dst, x, N, s->o.in, tp_rank(m->ctx) * s->in_l, s->in_l)) return PG_ERR;
+      if (pg_tp_scatter_forward(m, dst, x, N, s->in_l, 1, &s->in_l)) return PG_ERR;
       xl = dst;
     }
     x = xl;
@@ -340,7 +364,7 @@ static int linear_forward(pg_module *m, int slot, pg_io *io, const float *x, con
      * pass over the output is needed; with T = 1 this is the plain layer. */
     if (KERNEL(m, matmul_forward, out, xl, s->w->data, tp_rank(m->ctx) == 0 ? b : NULL, N, s->in_l, s->out_l))
       return PG_ERR;
-    if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, out, (int64_t)N * s->out_l, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
+    if (pg_tp_reduce_forward(m, out, (int64_t)N * s->out_l)) return PG_ERR;
     break;
   }
   }
@@ -362,21 +386,20 @@ static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, c
   case PG_LINEAR_COLUMN: {
     const float *dyl = dy;
     if (s->o.gather_output && T > 1) {
-      if (take_block_columns(m, s->scratch, dy, N, T, s->out_l, s->o.blocks, s->block_l, tp_rank(m->ctx)))
-        return PG_ERR;
+      if (pg_tp_scatter_forward(m, s->scratch, dy, N, s->out_l, s->o.blocks, s->block_l)) return PG_ERR;
       dyl = s->scratch;
     }
     if (KERNEL(m, matmul_backward, dinp, s->w->grad, db, dyl, x, s->w->data, N, s->in_l, s->out_l)) return PG_ERR;
     /* Each rank saw all of x but produced only its output columns: the input
      * gradient is a sum over the group. */
-    if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, dinp, (int64_t)N * s->in_l, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
+    if (pg_tp_copy_backward(m, dinp, (int64_t)N * s->in_l)) return PG_ERR;
     break;
   }
   case PG_LINEAR_ROW:
     if (!s->o.input_is_parallel && T > 1) {
       float *dxl = s->scratch + (size_t)tp_rank(m->ctx) * N * s->in_l;
       if (KERNEL(m, matmul_backward, dxl, s->w->grad, db, dy, x, s->w->data, N, s->in_l, s->out_l) ||
-          gather_columns(m, dinp, dxl, s->scratch, N, s->in_l, 1, &s->in_l))
+          pg_tp_gather_forward(m, dinp, dxl, s->scratch, N, s->in_l, 1, &s->in_l))
         return PG_ERR;
     } else if (KERNEL(m, matmul_backward, dinp, s->w->grad, db, dy, x, s->w->data, N, s->in_l, s->out_l)) {
       return PG_ERR;
@@ -778,7 +801,7 @@ static int embedding_forward(pg_module *m, int slot, pg_io *io, const float *x, 
   float *out = slot_out(m, slot);
   if (KERNEL(m, embedding_forward, out, io->tokens, s->wte->data, N, C, s->row_start, s->padded_l)) return PG_ERR;
   /* Each rank looked up only the ids in its vocabulary slice (others are 0). */
-  if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, out, (int64_t)N * C, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
+  if (pg_tp_reduce_forward(m, out, (int64_t)N * C)) return PG_ERR;
   if (s->wpe && KERNEL(m, position_forward, out, s->wpe->data, N, io->T, C)) return PG_ERR;
   *y = out;
   return PG_OK;
@@ -934,7 +957,7 @@ static int lm_head_backward(pg_module *m, int slot, pg_io *io, const float *dy, 
   if (KERNEL(m, matmul_backward, m->dinp, s->w->grad, NULL, s->logits, x, s->w->data, N, C, s->padded_l))
     return PG_ERR;
   /* x met every vocabulary slice: its gradient is the sum over the group. */
-  if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, m->dinp, (int64_t)N * C, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
+  if (pg_tp_copy_backward(m, m->dinp, (int64_t)N * C)) return PG_ERR;
   *dx = m->dinp;
   return PG_OK;
 }
@@ -1083,6 +1106,7 @@ pg_module *pg_residual_new(pg_context *ctx, const char *name, pg_module *inner) 
 
 typedef struct custom_state {
   pg_custom_fns fns;
+  pg_tp_region input, output;
 } custom_state;
 
 static int custom_alloc(pg_module *m, int nslots, int max_rows) { return alloc_leaf(m, nslots, max_rows); }
@@ -1090,14 +1114,19 @@ static int custom_alloc(pg_module *m, int nslots, int max_rows) { return alloc_l
 static int custom_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   custom_state *s = m->state;
   if (check_rows(m, slot, io)) return PG_ERR;
-  if (s->fns.forward(s->fns.ud, slot, io, x, io->B * io->T, slot_out(m, slot))) return PG_ERR;
+  int rows = io->B * io->T;
+  if (s->fns.forward(s->fns.ud, slot, io, x, rows, slot_out(m, slot))) return PG_ERR;
+  if (s->output == PG_TP_REDUCE && pg_tp_reduce_forward(m, slot_out(m, slot), (int64_t)rows * m->out_width))
+    return PG_ERR;
   *y = slot_out(m, slot);
   return PG_OK;
 }
 
 static int custom_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   custom_state *s = m->state;
-  if (s->fns.backward(s->fns.ud, slot, io, dy, io->B * io->T, m->dinp)) return PG_ERR;
+  int rows = io->B * io->T;
+  if (s->fns.backward(s->fns.ud, slot, io, dy, rows, m->dinp)) return PG_ERR;
+  if (s->input == PG_TP_COPY && pg_tp_copy_backward(m, m->dinp, (int64_t)rows * m->in_width)) return PG_ERR;
   *dx = m->dinp;
   return PG_OK;
 }
@@ -1109,13 +1138,18 @@ static void custom_destroy(pg_module *m) {
 
 static const pg_module_ops custom_ops = {"custom", custom_alloc, custom_forward, custom_backward, custom_destroy};
 
-pg_module *pg_custom_new(pg_context *ctx, const char *name, int in_width, int out_width, const pg_custom_fns *fns,
-                         pg_param **params, int nparams) {
+pg_module *pg_custom_new(pg_context *ctx, const char *name, int in_width, int out_width, pg_tp_region input,
+                         pg_tp_region output, const pg_custom_fns *fns, pg_param **params, int nparams) {
   if (in_width < 1 || out_width < 1)
     return pg_fail_null("%s: a module written in Lua needs positive widths (in=%d, out=%d)", name, in_width, out_width);
+  if (input == PG_TP_REDUCE || output == PG_TP_COPY)
+    return pg_fail_null("%s: input is replicated, copy or split; output replicated, reduce or split", name);
   pg_module *m = module_new(&custom_ops, ctx, name, in_width, out_width, sizeof(custom_state));
   if (!m) return NULL;
-  ((custom_state *)m->state)->fns = *fns;
+  custom_state *s = m->state;
+  s->fns = *fns;
+  s->input = input;
+  s->output = output;
   for (int i = 0; i < nparams; i++)
     if (add_param(m, params[i])) {
       for (int k = i + 1; k < nparams; k++) pg_param_free(params[k]);

@@ -150,17 +150,63 @@ typedef struct pg_custom_fns {
   void (*release)(void *ud);
   void *ud;
 } pg_custom_fns;
-/* params: specs created with pg_param_new, owned by the module afterwards. */
-pg_module *pg_custom_new(pg_context *ctx, const char *name, int in_width, int out_width, const pg_custom_fns *fns,
-                         pg_param **params, int nparams);
+
+/* How a module's input and output relate to the tensor group (the regions
+ * of Megatron's tensor parallelism, named once here; every module that
+ * shards uses these pieces rather than its own collectives):
+ *   input  REPLICATED  the full activation, the same on every rank, and the
+ *                      module's input gradient is complete on every rank;
+ *          COPY        the full activation, but the module holds a shard of
+ *                      the computation: its input gradient is a partial sum,
+ *                      all-reduced over the tensor group in backward
+ *                      (Megatron's copy-to-region);
+ *          SPLIT       this rank's columns of a split activation.
+ *   output REPLICATED  the full activation, the same on every rank;
+ *          REDUCE      a partial sum, all-reduced over the tensor group in
+ *                      forward (reduce-from-region; the gradient passes as is);
+ *          SPLIT       this rank's columns. */
+typedef enum { PG_TP_REPLICATED = 0, PG_TP_COPY, PG_TP_REDUCE, PG_TP_SPLIT } pg_tp_region;
+
+/* in_width, out_width: this rank's widths (split ones already divided). params:
+ * made with pg_param_new / pg_param_new_split, owned by the module afterwards. */
+pg_module *pg_custom_new(pg_context *ctx, const char *name, int in_width, int out_width, pg_tp_region input,
+                         pg_tp_region output, const pg_custom_fns *fns, pg_param **params, int nparams);
 
 /* A parameter of a replicated (unsharded) tensor; for pg_custom_new. */
 pg_param *pg_param_new(const char *name, int ndim, const int64_t *shape, pg_init_kind init, float std);
+/* A parameter sharded over the tensor group of ctx: dimension split_dim
+ * (0-based) of the full shape seen as `blocks` blocks of sizes[b] (NULL:
+ * equal), each cut into T pieces; this rank holds piece tp_rank of each. */
+pg_param *pg_param_new_split(pg_context *ctx, const char *name, int ndim, const int64_t *full_shape, int split_dim,
+                             int blocks, const int64_t *sizes, pg_init_kind init, float std);
 
 void pg_param_free(pg_param *p);
 
 /* The embedding module's token weight (to tie a head to it). */
 pg_param *pg_embedding_weight(pg_module *m);
+
+/* ---- tensor-parallel pieces ----
+ * The communication of Megatron's regions, named once; the modules that
+ * shard (column/row Linear, vocabulary-parallel embedding and head, modules
+ * written in Lua) are built from these instead of their own collectives.
+ * Each works on the module's backend memory over its context's tensor group
+ * and is a no-op (or a plain copy) when T = 1. */
+
+/* reduce-from-region, forward: y (n floats) = its sum over the tensor group, in place. */
+int pg_tp_reduce_forward(pg_module *m, float *y, int64_t n);
+/* copy-to-region, backward: dx = its sum over the tensor group, in place. */
+int pg_tp_copy_backward(pg_module *m, float *dx, int64_t n);
+/* gather-from-region, forward (and scatter-to-region's backward): every rank's
+ * [N, w] columns into the full [N, T*w] matrix. Each rank's w columns are
+ * `blocks` sub-blocks of bw[b] columns (a fused q|k|v, gate|up), and the
+ * full row is block-major: rank k's sub-block b lands at columns
+ * T*(bw[0] + ... + bw[b-1]) + k*bw[b]. scratch: T*N*w floats (mine may
+ * already sit at rank r's place in it). */
+int pg_tp_gather_forward(pg_module *m, float *full, const float *mine, float *scratch, int N, int w, int blocks,
+                         const int *bw);
+/* scatter-to-region, forward (and gather-from-region's backward): this rank's
+ * [N, w] columns of the full [N, T*w] matrix, in the layout above. */
+int pg_tp_scatter_forward(pg_module *m, float *mine, const float *full, int N, int w, int blocks, const int *bw);
 
 /* Frees the tree (children, owned params, buffers). */
 void pg_module_free(pg_module *m);

@@ -399,13 +399,14 @@ end
 -- A split with one part is no split (the runtime leaves the rank's index in it).
 local function norm_split(s)
   if s == nil or (s.parts or 1) <= 1 then return { dim = 0, blocks = 1, parts = 1, index = 0 } end
-  return { dim = s.dim, blocks = s.blocks, parts = s.parts, index = s.index }
+  return { dim = s.dim, blocks = s.blocks, parts = s.parts, index = s.index, sizes = s.sizes and copy_list(s.sizes) }
 end
 
 -- What a file entry holds: local elements [lo, hi) (0-based, row-major) of
 -- the shard of a tensor of full_shape that split describes (dim 1-based, 0:
--- not split; the dimension is seen as `blocks` equal blocks, each cut into
--- `parts` pieces, and the shard holds piece `index` of every block).
+-- not split; the dimension is seen as `blocks` blocks, equal or of `sizes`
+-- rows, each cut into `parts` pieces, and the shard holds piece `index` of
+-- every block).
 
 local function slice_of(p, lo, hi)
   return {
@@ -541,7 +542,8 @@ local function same_shard(s, p)
   if #s.full_shape ~= #p.full_shape then return false end
   for i, d in ipairs(p.full_shape) do if s.full_shape[i] ~= d then return false end end
   local a, b = norm_split(s.split), norm_split(p.split)
-  return a.dim == b.dim and a.parts == b.parts and a.index == b.index and a.blocks == b.blocks
+  local sa, sb = table.concat(a.sizes or {}, ","), table.concat(b.sizes or {}, ",")
+  return a.dim == b.dim and a.parts == b.parts and a.index == b.index and a.blocks == b.blocks and sa == sb
 end
 
 -- A saved piece of the very shard p holds that covers its local elements [lo, hi).

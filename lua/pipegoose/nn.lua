@@ -35,7 +35,7 @@ nn.is_lua_module = is_lua_module
 
 local function as_spec(x, where)
   if is_spec(x) then return x end
-  if is_lua_module(x) then return spec("lua", { module = x }) end
+  if is_lua_module(x) then return spec("lua", { module = x, name = x.name, label = "Lua module" }) end
   error(("%s: expected a pg.nn module or a Lua table with forward and backward, got %s"):format(where, type(x)), 3)
 end
 
@@ -377,6 +377,74 @@ nn.GPT.from_hf = nn.from_hf
 local function round_up(x, m) return (x + m - 1) // m * m end
 nn.round_up = round_up
 
+local REGIONS_IN = { replicated = true, copy = true, split = true }
+local REGIONS_OUT = { replicated = true, reduce = true, split = true }
+
+-- A module written in Lua: its widths, its tensor-parallel regions and its
+-- parameters' shards (see nn.Lua module conventions in the README):
+--   m.in_width, m.out_width      full widths (default: the incoming width, then in_width)
+--   m.tensor_parallel = {input = "replicated" | "copy" | "split",
+--                        output = "replicated" | "reduce" | "split", output_blocks = k}
+--   m:parameters() -> { {name=, shape= (full), init=, std=, split = {dim=, blocks=, sizes=}}, ... }
+--   m.flops                      forward FLOPs per token (pipeline balancing; default 10 x width)
+local function describe_lua(self, me, flow, T, fail, need_full)
+  local m = self.module
+  local tp = m.tensor_parallel or {}
+  local input, output = tp.input or "replicated", tp.output or "replicated"
+  if not REGIONS_IN[input] then fail("tensor_parallel.input must be replicated, copy or split, not %s", tostring(input)) end
+  if not REGIONS_OUT[output] then fail("tensor_parallel.output must be replicated, reduce or split, not %s", tostring(output)) end
+  local inw = m.in_width or flow.width
+  if flow.width == 0 then fail("needs activations, receives token ids") end
+  local local_in = inw
+  if input == "split" then
+    if flow.width ~= inw then fail("expects width %d, receives width %s", inw, tostring(flow.width)) end
+    if T > 1 and not flow.split then fail("takes a split input (tensor_parallel.input = \"split\") but receives the full activation") end
+    if inw % T ~= 0 then fail("tensor=%d does not divide its input width %d", T, inw) end
+    if T > 1 then local_in = inw // T end
+  else
+    if flow.split and T > 1 then
+      fail("needs the full activation, not one split over tensor=%d (or declare tensor_parallel.input = \"split\")", T)
+    end
+    need_full(inw)
+  end
+  local outw = m.out_width or inw
+  local local_out = outw
+  if output == "split" and T > 1 then
+    if outw % T ~= 0 then fail("tensor=%d does not divide its output width %d", T, outw) end
+    local_out = outw // T
+  end
+  local params = {}
+  if m.parameters then
+    for i, p in ipairs(m:parameters()) do
+      local d = { name = p.name or ("p" .. i), shape = p.shape, init = p.init or "normal", std = p.std or 0.02 }
+      if p.split then
+        local dim, shape = p.split.dim, p.shape
+        if math.type(dim) ~= "integer" or dim < 1 or dim > #shape then
+          fail("parameter %s: split.dim must be one of its %d dimensions, got %s", d.name, #shape, tostring(dim))
+        end
+        local sizes = p.split.sizes
+        local blocks = sizes and #sizes or p.split.blocks or 1
+        local rows = sizes or {}
+        if not sizes then for b = 1, blocks do rows[b] = shape[dim] // blocks end end
+        local total = 0
+        for b, n in ipairs(rows) do
+          if n % T ~= 0 then
+            fail("parameter %s: tensor=%d does not divide block %d (%d rows) of dimension %d", d.name, T, b, n, dim)
+          end
+          total = total + n
+        end
+        if total ~= shape[dim] then fail("parameter %s: its blocks add up to %d, not the %d of dimension %d", d.name, total, shape[dim], dim) end
+        d.split = { dim = dim, blocks = blocks, sizes = sizes }
+      end
+      params[i] = d
+    end
+  end
+  self.path = me
+  return { kind = "lua", name = me, in_width = local_in, out_width = local_out, input = input, output = output,
+           params = params, module = m },
+         { width = outw, split = output == "split" and T > 1, blocks = output == "split" and T > 1 and (tp.output_blocks or 1) or nil }
+end
+
 --- Resolves the spec against a tensor-parallel size T and an input flow
 -- {width=, split=} (split: the activation is cut over the tensor group).
 -- Returns the runtime description (for core.Engine) and the output flow.
@@ -496,20 +564,7 @@ function Spec:describe(path, flow, T)
     return { kind = "lm_head", name = me, vocab = self.vocab, padded_vocab = round_up(self.padded_vocab, T),
              width = self.width, tie = self.tie, init_std = self.init_std }, { width = -1, split = false }
   elseif k == "lua" then
-    local m = self.module
-    if flow.split and T > 1 then fail("a module written in Lua needs the full activation, not a split one") end
-    local inw = m.in_width or flow.width
-    local outw = m.out_width or inw
-    if inw ~= flow.width then fail("expects width %d, receives width %s", inw, tostring(flow.width)) end
-    local params = {}
-    if m.parameters then
-      for i, p in ipairs(m:parameters()) do
-        params[i] = { name = p.name or ("p" .. i), shape = p.shape, init = p.init or "normal", std = p.std or 0.02 }
-      end
-    end
-    self.path = me
-    return { kind = "lua", name = me, in_width = inw, out_width = outw, params = params, module = m },
-           { width = outw, split = false }
+    return describe_lua(self, me, flow, T, fail, need_full)
   end
   error("unknown spec kind " .. tostring(k))
 end
@@ -557,7 +612,10 @@ function Spec:flops(T, width_in)
   elseif k == "linear" then return 2 * self["in"] * self.out
   elseif k == "attention" then return 2 * T * self.width -- QK^T and PV over the causal half
   elseif k == "lm_head" then return 2 * self.width * self.padded_vocab + 6 * self.padded_vocab
-  elseif k == "lua" then return 10 * (width_in or 1)
+  elseif k == "lua" then
+    local f = self.module.flops
+    if type(f) == "function" then return f(T) end
+    return f or 10 * (width_in or self.module.in_width or 1)
   end
   return 0
 end
@@ -597,7 +655,7 @@ function nn.Layer(s, ctx, opts)
     local m = s.module
     m.params, m.grads = {}, {}
     for _, p in ipairs(layer:params()) do
-      local short = p.name:match("([^.]+)$")
+      local short = desc.name == "" and p.name or p.name:sub(#desc.name + 2)
       m.params[short], m.grads[short] = p.tensor, p.grad
     end
   end

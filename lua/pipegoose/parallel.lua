@@ -108,6 +108,21 @@ function M.parallelize(model, ctx, opts)
   local stage_desc, stage_flow_in, width, tie, head_tied
   local partition_report = {}
   local lua_modules = {}
+  -- One Lua table per position: the runtime hands each position its own
+  -- parameters through the table (m.params), so a table used twice would
+  -- compute both positions with the second one's.
+  local lua_paths = {}
+  local function check_lua_tables(d)
+    if d.kind == "lua" then
+      if lua_paths[d.module] then
+        error(("parallelize: one Lua module table is used at '%s' and at '%s'; give each position its own table")
+          :format(lua_paths[d.module], d.name), 3)
+      end
+      lua_paths[d.module] = d.name
+    end
+    for _, c in ipairs(d.children or {}) do check_lua_tables(c) end
+    if d.inner then check_lua_tables(d.inner) end
+  end
   for p = 1, P do
     local kids, names, nparams = {}, {}, 0
     local flow_in = flow
@@ -118,6 +133,7 @@ function M.parallelize(model, ctx, opts)
       local ok2, d, out = pcall(m.describe, m, path, flow, T)
       if not ok2 then error("parallelize: " .. tostring(d), 2) end
       kids[#kids + 1], flow = d, out
+      check_lua_tables(d)
       names[#names + 1] = d.name ~= "" and d.name or (m.label or m.kind)
       nparams = nparams + m:num_params()
       if d.kind == "lm_head" and d.tie then tie, head_tied = d.tie, true end

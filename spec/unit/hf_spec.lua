@@ -200,7 +200,7 @@ describe("pg.nn.from_hf / engine:save_hf (GPT2LMHeadModel)", function()
   end
 
   it("refuses what it does not compute, naming the file and the field", function()
-    refused(function(c) c.model_type = "llama" end, nil, "model_type is llama")
+    refused(function(c) c.model_type = "bert" end, nil, "model_type is bert; pipegoose reads GPT2LMHeadModel")
     refused(function(c) c.activation_function = "relu" end, nil, "activation_function relu is not supported")
     refused(function(c) c.layer_norm_epsilon = 1e-6 end, nil, "layer_norm_epsilon 1e-06 is not supported")
     refused(function(c) c.n_head = 0 end, nil, "n_head must be a positive integer")

@@ -32,16 +32,24 @@ describe("tensor parallelism rejects", function()
     assert_fails_everywhere(2, ([[
       local ctx = pg.ParallelContext{ tensor = 2 }
       pg.parallelize(]] .. GPT .. [[, ctx)]]):format("dim = 12, heads = 3"),
-      "Attention 'blocks.0.attn.core': tensor=2 does not divide heads=3")
+      "CausalSelfAttention 'blocks.0.attn': tensor=2 does not divide heads=3")
   end)
 
-  it("channels not divisible by T (the q|k|v blocks of the channels)", function()
-    -- T = 4 must split each of q, k and v: 6 channels do not divide (checked
-    -- before the heads, by the q|k|v Linear that comes first)
+  it("heads not divisible by T, named before the q|k|v Linear's width", function()
+    -- 2 heads of 3 channels at T = 4: the q|k|v Linear that comes first cannot
+    -- split its blocks either, but the message names the heads
     assert_fails_everywhere(4, ([[
       local ctx = pg.ParallelContext{ tensor = 4 }
       pg.parallelize(]] .. GPT .. [[, ctx)]]):format("dim = 6, heads = 2"),
-      "Linear 'blocks.0.attn.qkv': tensor=4 does not divide the output width 18 in 3 blocks of 6")
+      "CausalSelfAttention 'blocks.0.attn': tensor=4 does not divide heads=2")
+  end)
+
+  it("a fused Linear whose blocks are not divisible by T (a Linear of its own)", function()
+    assert_fails_everywhere(4, [[
+      local ctx = pg.ParallelContext{ tensor = 4 }
+      pg.parallelize(pg.nn.Sequential{ pg.nn.Embedding{ vocab = 61, dim = 6, name = "embed" },
+        pg.nn.Linear{ ["in"] = 6, out = 18, parallel = "column", blocks = 3, name = "qkv" } }, ctx)]],
+      "Linear 'qkv': tensor=4 does not divide the output width 18 in 3 blocks of 6")
   end)
 
   it("an MLP width not divisible by T", function()
