@@ -342,8 +342,7 @@ function M.save_from(engine, dir)
     -- one tensor crosses to rank 0: the parts concatenated (as pipegoose holds them), cut there
     local rows = 0
     for _, part in ipairs(e.parts) do rows = rows + part.shape[1] end
-    local shape = #e.parts == 1 and (e.conv1d and e.parts[1].shape or e.parts[1].shape)
-      or { rows, e.parts[1].shape[2] }
+    local shape = #e.parts == 1 and e.parts[1].shape or { rows, e.parts[1].shape[2] }
     local full = engine:gather_to_root(e.pg, function(t)
       local parts = to_hf(cfg, e, t)
       return #parts == 1 and parts[1] or core.cat(parts, 1)

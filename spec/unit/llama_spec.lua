@@ -206,6 +206,34 @@ describe("pg.nn.Llama (LlamaForCausalLM) against PyTorch", function()
     h.rm(out)
   end)
 
+  it("a checkpoint saved at T = 2 (q|k|v in unequal blocks) exports transformers' bits and resumes at T = 1", function()
+    local ck, out = h.tmpdir(), h.tmpdir()
+    local script = h.tmpfile(([[
+      local pg = require "pipegoose"
+      local ctx = pg.ParallelContext{ tensor = 2 }
+      local engine = pg.parallelize(pg.nn.from_hf("%s"), ctx, {})
+      local t = pg.Trainer{ engine = engine, optimizer = pg.optim.AdamW(engine, { lr = 1e-3 }), out = pg.testing.capture() }
+      t:save_checkpoint("%s")
+    ]]):format(TINY, ck))
+    local rc, text = h.sh(h.mpirun_cmd(2, { script }, 120))
+    os.remove(script)
+    assert.equal(0, rc, text)
+    rc, text = h.sh(h.pglua_cmd{ "scripts/checkpoint.lua", "export-hf", ck, out })
+    assert.equal(0, rc, text)
+    local want, got = tensors_of(TINY .. "/model.safetensors"), tensors_of(out .. "/model.safetensors")
+    for name, x in pairs(want) do assert.is_true(x.bytes == got[name].bytes, name .. " differs") end
+    -- and a serial trainer loads the T = 2 checkpoint into the same weights
+    local engine = pg.parallelize(pg.nn.Llama(require("pipegoose.hf").read_config(TINY)), nil, { seed = 3 })
+    local t = pg.Trainer{ engine = engine, optimizer = pg.optim.AdamW(engine, { lr = 1e-3 }), out = pg.testing.capture() }
+    t:load_checkpoint(ck)
+    local ref = pg.parallelize(pg.nn.from_hf(TINY), nil, {})
+    for _, p in ipairs(ref:parameters()) do
+      assert.is_true(p.tensor:equal(engine:parameter(p.name).tensor), p.name .. " differs after the reload")
+    end
+    h.rm(ck)
+    h.rm(out)
+  end)
+
   it("refuses configs it does not compute, naming the field", function()
     for _, c in ipairs{
       { function(cfg) cfg.hidden_act = "gelu" end, "hidden_act gelu is not supported" },

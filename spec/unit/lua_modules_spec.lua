@@ -1,0 +1,152 @@
+-- Modules written in Lua as first-class citizens: examples/lua_llama.lua
+-- builds a LLaMA whose attention and MLP are Lua tables over pg.ops that
+-- declare their tensor-parallel regions and parameter splits. It must train
+-- as pg.nn.Llama does on the same weights (spec/fixtures/hf_llama_tiny),
+-- serially and at T = 2, where each rank computes its own heads. Tolerance:
+-- 1e-6 relative on every loss (measured: the same bits; both run the same
+-- kernels in the same order).
+local pg = require "pipegoose"
+local h = require "helpers"
+
+local TINY = "spec/fixtures/hf_llama_tiny"
+
+-- Trains the built-in and the Lua model for 3 clipped AdamW steps; prints "k builtin lua".
+local SCRIPT = [[
+local pg = require "pipegoose"
+local L = dofile("examples/lua_llama.lua")
+local D = "spec/fixtures/hf_llama_tiny"
+local ctx = pg.ParallelContext{ tensor = tonumber(arg[1]), pipeline = tonumber(arg[2]) }
+local o = require("pipegoose.hf").read_config(D)
+local function run(model)
+  model.weights = { format = "hf", path = D }
+  local e = pg.parallelize(model, ctx, { micro_batches = 2 })
+  local data = pg.data.TokenShards{ path = D .. "/tokens.bin", batch = 4, seq_len = 16, shuffle = false, ctx = ctx }
+  local x, y = data:next_batch()
+  local opt = pg.optim.AdamW(e, { lr = 1e-3, betas = { 0.9, 0.95 }, weight_decay = 0.1 })
+  local out = {}
+  for k = 1, 3 do
+    e:zero_grad()
+    out[k] = e:forward_backward(x, y)
+    opt:clip_grad_norm(1.8)
+    opt:step()
+  end
+  return out, e
+end
+local a = run(pg.nn.Llama(o))
+local b, e = run(L.Llama(o))
+-- the Lua model's shards are the built-in's names and shapes
+local shapes = {}
+for _, p in ipairs(e:parameters()) do shapes[#shapes + 1] = p.name .. "=" .. table.concat(p.shape, "x") end
+if ctx:rank() == 0 then
+  for k = 1, 3 do print(("step %d %.17g %.17g"):format(k, a[k], b[k])) end
+  print("params " .. table.concat(shapes, " "))
+end
+]]
+
+local function run(ranks, T, P)
+  local path = h.tmpfile(SCRIPT)
+  local args = { path, tostring(T), tostring(P) }
+  local rc, out = h.sh(ranks > 1 and h.mpirun_cmd(ranks, args, 120) or h.pglua_cmd(args))
+  os.remove(path)
+  assert.equal(0, rc, out)
+  local n = 0
+  for k, a, b in out:gmatch("step (%d) (%S+) (%S+)") do
+    a, b = tonumber(a), tonumber(b)
+    assert(math.abs(a - b) <= 1e-6 * a, ("T=%d P=%d step %s: built-in %.9g, Lua %.9g"):format(T, P, k, a, b))
+    n = n + 1
+  end
+  assert.equal(3, n, out)
+  return out
+end
+
+describe("modules written in Lua", function()
+  it("a LLaMA with Lua attention and MLP trains as pg.nn.Llama, serially", function()
+    run(1, 1, 1)
+  end)
+
+  it("shards at T = 2 (its own heads, column and row splits) and matches the built-in; also with P = 2", function()
+    local out = run(2, 2, 1)
+    -- rank 0's shards: half the query and key/value heads, half the MLP
+    assert.matches("blocks.0.attn.qkv.weight=32x32 ", out, 1, true)
+    assert.matches("blocks.0.attn.proj.weight=32x16 ", out, 1, true)
+    assert.matches("blocks.1.mlp.fc.weight=48x32 ", out, 1, true)
+    run(2, 1, 2)
+  end)
+
+  it("see the batch and sequence length of their rows", function()
+    local seen = {}
+    local m = { in_width = 8, out_width = 8 }
+    function m:forward(_, x, info)
+      seen[#seen + 1] = { info.batch, info.seq_len, x:shape()[1] }
+      return x
+    end
+    function m:backward(_, dy) return dy end
+    local model = pg.nn.Sequential{ pg.nn.Embedding{ vocab = 16, dim = 8, name = "embed" }, m,
+      pg.nn.LMHead{ vocab = 16, dim = 8, tie = false, name = "head" } }
+    local e = pg.parallelize(model, nil, {})
+    local x = pg.tensor({ { 1, 2, 3 }, { 4, 5, 6 } }, { dtype = "int32" })
+    e:loss(x, x)
+    assert.same({ 2, 3, 6 }, seen[#seen])
+  end)
+
+  it("honour name=, and refuse one table at two positions", function()
+    local function ident(name)
+      local m = { name = name, in_width = 8 }
+      function m:parameters() return { { name = "scale", shape = { 8 }, init = "ones" } } end
+      function m:forward(_, x) return x end
+      function m:backward(_, dy) return dy end
+      return m
+    end
+    local function model(a, b)
+      return pg.nn.Sequential{ pg.nn.Embedding{ vocab = 16, dim = 8, name = "embed" }, a, b,
+        pg.nn.LMHead{ vocab = 16, dim = 8, name = "head" } }
+    end
+    local names = {}
+    for _, p in ipairs(pg.parallelize(model(ident("first"), ident("second"))):parameters()) do names[p.name] = true end
+    assert.is_true(names["first.scale"] and names["second.scale"])
+    local one = ident(nil)
+    local ok, err = pcall(pg.parallelize, model(one, one))
+    assert.is_false(ok)
+    assert.matches("one Lua module table is used at '2' and at '3'; give each position its own table", err, 1, true)
+  end)
+
+  it("check their declarations: regions, split dimensions and divisibility, with the module's name", function()
+    local function mod(fields)
+      local m = { name = "custom", in_width = 8 }
+      for k, v in pairs(fields) do m[k] = v end
+      m.forward = function(_, _, x) return x end
+      m.backward = function(_, _, dy) return dy end
+      return m
+    end
+    local function fails(m, T, msg)
+      local s = pg.nn.Sequential{ pg.nn.Embedding{ vocab = 16, dim = 8, name = "embed" }, m }
+      local ok, err = pcall(s.describe, s, "", { width = 0, split = false }, T)
+      assert.is_false(ok)
+      assert.matches(msg, err, 1, true)
+    end
+    fails(mod{ tensor_parallel = { input = "scatter" } }, 1,
+      "Lua module 'custom': tensor_parallel.input must be replicated, copy or split, not scatter")
+    fails(mod{ tensor_parallel = { output = "copy" } }, 1, "tensor_parallel.output must be replicated, reduce or split")
+    fails(mod{ tensor_parallel = { input = "split" } }, 2,
+      "takes a split input (tensor_parallel.input = \"split\") but receives the full activation")
+    fails(mod{ parameters = function() return { { name = "w", shape = { 6, 8 }, split = { dim = 1, blocks = 2 } } } end },
+      2, "parameter w: tensor=2 does not divide block 1 (3 rows) of dimension 1")
+    fails(mod{ parameters = function() return { { name = "w", shape = { 6, 8 }, split = { dim = 3 } } } end }, 2,
+      "parameter w: split.dim must be one of its 2 dimensions, got 3")
+    fails(mod{ parameters = function() return { { name = "w", shape = { 6, 8 }, split = { dim = 1, sizes = { 2, 2 } } } } end },
+      1, "parameter w: its blocks add up to 4, not the 6 of dimension 1")
+  end)
+
+  it("tell the pipeline partitioner their FLOPs", function()
+    local function heavy(flops)
+      local m = { in_width = 8, flops = flops }
+      m.forward = function(_, _, x) return x end
+      m.backward = function(_, _, dy) return dy end
+      return m
+    end
+    local spec = pg.nn.Sequential{ heavy(1e6) }
+    assert.equal(1e6, spec:flops(16))
+    assert.equal(80, pg.nn.Sequential{ heavy(nil) }:flops(16)) -- default: 10 per input feature
+    assert.equal(7 * 16, pg.nn.Sequential{ heavy(function(T) return 7 * T end) }:flops(16))
+  end)
+end)
