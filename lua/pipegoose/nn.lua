@@ -39,6 +39,160 @@ local function as_spec(x, where)
   error(("%s: expected a pg.nn module or a Lua table with forward and backward, got %s"):format(where, type(x)), 3)
 end
 
+
+local function round_up(x, m) return (x + m - 1) // m * m end
+nn.round_up = round_up
+
+-- Module kinds: one class per kind of runtime module, defined next to its
+-- constructor below (its C twin is registered under the same name in
+-- src/pg_module.c's kind table). A class has
+--   describe(s, c) -> the runtime description (for core.Engine) and the output flow,
+--                     c = {me = its full name, flow = the input flow, T = tensor size,
+--                          fail(fmt, ...), need_full(width)}
+--   params(s)      -> its parameters in the full model (padding excluded; default 0)
+--   flops(s, T)    -> forward FLOPs per token at sequence length T (default 0)
+--   input_flow(s, T) -> the flow it takes standing alone (default: s.width, not split)
+-- Adding a kind: a constructor and its class here, a builder in pg_module.c.
+local KINDS = {}
+nn.kinds = KINDS
+
+--- Resolves the spec against a tensor-parallel size T and an input flow
+-- {width=, split=, blocks=} (split: the activation is cut over the tensor
+-- group, blocks: sub-blocks each cut separately, as a fused q|k|v). Returns
+-- the runtime description and the output flow. `path` is the name prefix;
+-- errors name the module and the numbers.
+function Spec:describe(path, flow, T)
+  local me = path
+  if self.name ~= nil and self.name ~= "" then me = path == "" and self.name or (path .. "." .. self.name) end
+  local where = ("%s%s"):format(module_kind_name(self), me ~= "" and (" '" .. me .. "'") or "")
+  local c = { me = me, flow = flow, T = T }
+  function c.fail(fmt, ...) error(where .. ": " .. fmt:format(...), 0) end
+  function c.need_full(width)
+    if flow.split and T > 1 then c.fail("needs the full activation of width %d, but receives a tensor split over tensor=%d (add gather_output to the column-parallel Linear before it)", width, T) end
+    if flow.width ~= width then c.fail("expects width %d, receives width %s", width, tostring(flow.width)) end
+  end
+  if self.tensor_rule then
+    local msg = self.tensor_rule(T)
+    if msg then c.fail("%s", msg) end
+  end
+  local class = KINDS[self.kind]
+  if not class then error("unknown spec kind " .. tostring(self.kind), 0) end
+  return class.describe(self, c)
+end
+
+--- Parameters of the full model under this spec (padding excluded).
+function Spec:num_params()
+  local f = KINDS[self.kind].params
+  return f and f(self) or 0
+end
+
+--- Forward FLOPs per token (multiply-adds count 2), for stage balancing.
+-- `T` is the sequence length (attention's cost grows with it).
+function Spec:flops(T)
+  local f = KINDS[self.kind].flops
+  return f and f(self, T) or 0
+end
+
+--- The flow a spec takes as input when it stands alone (see nn.Layer).
+function Spec:input_flow(T)
+  local f = KINDS[self.kind].input_flow
+  if f then return f(self, T) end
+  return { width = self.width, split = false }
+end
+
+---------------------------------------------------------------- modules written in Lua
+
+local REGIONS_IN = { replicated = true, copy = true, split = true }
+local REGIONS_OUT = { replicated = true, reduce = true, split = true }
+
+-- A module written in Lua: its widths, its tensor-parallel regions and its
+-- parameters' shards (the README's "Modules written in Lua"):
+--   m.in_width, m.out_width      full widths (default: the incoming width, then in_width)
+--   m.tensor_parallel = {input = "replicated" | "copy" | "split",
+--                        output = "replicated" | "reduce" | "split", output_blocks = k}
+--   m:parameters() -> { {name=, shape= (full), init=, std=, split = {dim=, blocks=, sizes=}}, ... }
+--   m.flops                      forward FLOPs per token (pipeline balancing; default 10 x width)
+KINDS.lua = {}
+function KINDS.lua.describe(self, c)
+  local me, flow, T, fail, need_full = c.me, c.flow, c.T, c.fail, c.need_full
+  local m = self.module
+  local tp = m.tensor_parallel or {}
+  local input, output = tp.input or "replicated", tp.output or "replicated"
+  if not REGIONS_IN[input] then fail("tensor_parallel.input must be replicated, copy or split, not %s", tostring(input)) end
+  if not REGIONS_OUT[output] then fail("tensor_parallel.output must be replicated, reduce or split, not %s", tostring(output)) end
+  local inw = m.in_width or flow.width
+  if flow.width == 0 then fail("needs activations, receives token ids") end
+  local local_in = inw
+  if input == "split" then
+    if flow.width ~= inw then fail("expects width %d, receives width %s", inw, tostring(flow.width)) end
+    if T > 1 and not flow.split then fail("takes a split input (tensor_parallel.input = \"split\") but receives the full activation") end
+    if inw % T ~= 0 then fail("tensor=%d does not divide its input width %d", T, inw) end
+    if T > 1 then local_in = inw // T end
+  else
+    if flow.split and T > 1 then
+      fail("needs the full activation, not one split over tensor=%d (or declare tensor_parallel.input = \"split\")", T)
+    end
+    need_full(inw)
+  end
+  local outw = m.out_width or inw
+  local local_out = outw
+  if output == "split" and T > 1 then
+    if outw % T ~= 0 then fail("tensor=%d does not divide its output width %d", T, outw) end
+    local_out = outw // T
+  end
+  local params = {}
+  if m.parameters then
+    for i, p in ipairs(m:parameters()) do
+      local d = { name = p.name or ("p" .. i), shape = p.shape, init = p.init or "normal", std = p.std or 0.02 }
+      if p.split then
+        local dim, shape = p.split.dim, p.shape
+        if math.type(dim) ~= "integer" or dim < 1 or dim > #shape then
+          fail("parameter %s: split.dim must be one of its %d dimensions, got %s", d.name, #shape, tostring(dim))
+        end
+        local sizes = p.split.sizes
+        local blocks = sizes and #sizes or p.split.blocks or 1
+        local rows = sizes or {}
+        if not sizes then for b = 1, blocks do rows[b] = shape[dim] // blocks end end
+        local total = 0
+        for b, n in ipairs(rows) do
+          if n % T ~= 0 then
+            fail("parameter %s: tensor=%d does not divide block %d (%d rows) of dimension %d", d.name, T, b, n, dim)
+          end
+          total = total + n
+        end
+        if total ~= shape[dim] then fail("parameter %s: its blocks add up to %d, not the %d of dimension %d", d.name, total, shape[dim], dim) end
+        d.split = { dim = dim, blocks = blocks, sizes = sizes }
+      end
+      params[i] = d
+    end
+  end
+  self.path = me
+  return { kind = "lua", name = me, in_width = local_in, out_width = local_out, input = input, output = output,
+           params = params, module = m },
+         { width = outw, split = output == "split" and T > 1, blocks = output == "split" and T > 1 and (tp.output_blocks or 1) or nil }
+end
+
+
+function KINDS.lua.params(s)
+  local n = 0
+  if s.module.parameters then
+    for _, p in ipairs(s.module:parameters()) do
+      local count = 1
+      for _, d in ipairs(p.shape) do count = count * d end
+      n = n + count
+    end
+  end
+  return n
+end
+
+function KINDS.lua.flops(s, T)
+  local f = s.module.flops
+  if type(f) == "function" then return f(T) end
+  return f or 10 * (s.module.in_width or 1)
+end
+
+function KINDS.lua.input_flow(s) return { width = s.module.in_width, split = false } end
+
 ---------------------------------------------------------------- containers
 
 --- nn.Sequential{ m1, m2, ..., name = } (or nn.Sequential() then :add(m)).
@@ -51,6 +205,32 @@ function nn.Sequential(list)
   return s
 end
 
+KINDS.sequential = {
+  describe = function(s, c)
+    local kids, flow, me = {}, c.flow, c.me
+    for i, child in ipairs(s.children) do
+      if child.name == nil and not child.transparent then -- unnamed: named by position, as torch's Sequential does
+        kids[i], flow = child:describe(me == "" and tostring(i) or (me .. "." .. i), flow, c.T)
+      else
+        kids[i], flow = child:describe(me, flow, c.T)
+      end
+    end
+    if #kids == 0 then c.fail("is empty") end
+    return { kind = "sequential", name = me, children = kids }, flow
+  end,
+  params = function(s)
+    local n = 0
+    for _, child in ipairs(s.children) do n = n + child:num_params() end
+    return n
+  end,
+  flops = function(s, T)
+    local f = 0
+    for _, child in ipairs(s.children) do f = f + child:flops(T) end
+    return f
+  end,
+  input_flow = function(s, T) return s.children[1]:input_flow(T) end,
+}
+
 function Spec:add(m, where)
   assert(self.kind == "sequential", "add: only a Sequential takes children")
   self.children[#self.children + 1] = as_spec(m, where or "Sequential:add")
@@ -62,7 +242,34 @@ function nn.Residual(inner, opts)
   return spec("residual", { inner = as_spec(inner, "Residual"), name = opts and opts.name, label = "Residual" })
 end
 
+KINDS.residual = {
+  describe = function(s, c)
+    local d, out = s.inner:describe(c.me, c.flow, c.T)
+    if out.width ~= c.flow.width or out.split ~= c.flow.split then
+      c.fail("its inner module maps width %s to %s: a residual needs the same width", tostring(c.flow.width),
+        tostring(out.width))
+    end
+    return { kind = "residual", name = c.me, inner = d }, c.flow
+  end,
+  params = function(s) return s.inner:num_params() end,
+  flops = function(s, T) return s.inner:flops(T) + 1 end,
+  input_flow = function(s, T) return s.inner:input_flow(T) end,
+}
+
 ---------------------------------------------------------------- layers
+
+-- The tensor-parallel sizes an attention's heads allow, checked before its
+-- layers so that the message names heads, not a Linear's width.
+local function heads_rule(heads, kv_heads)
+  return function(T)
+    if heads % T ~= 0 then return ("tensor=%d does not divide heads=%d"):format(T, heads) end
+    if kv_heads % T ~= 0 then
+      return ("tensor=%d does not divide kv_heads=%d (key/value heads are split over the tensor group, not replicated)")
+        :format(T, kv_heads)
+    end
+  end
+end
+
 
 --- nn.Linear(in, out [, opts]) or nn.Linear{ ["in"] =, out =, bias =, parallel = "column"|"row",
 -- gather_output =, blocks =, block_sizes =, init_std =, name = }. A column-parallel
@@ -89,10 +296,61 @@ function nn.Linear(a, b, opts)
   return s
 end
 
+KINDS.linear = {
+  describe = function(s, c)
+    local inw, outw, flow, T, fail = s["in"], s.out, c.flow, c.T, c.fail
+    local d = { kind = "linear", name = c.me, ["in"] = inw, out = outw, bias = s.bias, blocks = s.blocks,
+                block_sizes = s.block_sizes, init_std = s.init_std, mode = "plain" }
+    if s.parallel == "column" then
+      c.need_full(inw)
+      local sizes, ok = s.block_sizes, outw % (s.blocks * T) == 0
+      if sizes then
+        ok = true
+        for _, w in ipairs(sizes) do ok = ok and w % T == 0 end
+      end
+      if not ok then
+        -- with blocks (q|k|v), name the block widths too: they are the model's channels
+        fail("tensor=%d does not divide the output width %d%s", T, outw, s.blocks > 1
+          and (" in %d blocks of %s"):format(s.blocks, sizes and table.concat(sizes, ", ") or tostring(outw // s.blocks))
+          or "")
+      end
+      d.mode, d.gather_output = "column", s.gather_output or false
+      local split = T > 1 and not s.gather_output
+      return d, { width = outw, split = split, blocks = split and s.blocks or nil }
+    elseif s.parallel == "row" then
+      if inw % T ~= 0 then fail("tensor=%d does not divide the input width %d", T, inw) end
+      if flow.width ~= inw then
+        if flow.split and T > 1 then
+          fail("row-parallel with in=%d receives a split tensor of width %d/%d", inw, flow.width, T)
+        end
+        if T == 1 then fail("row-parallel with in=%d receives width %d", inw, flow.width) end
+        fail("row-parallel with in=%d receives an unsplit tensor of width %d (expected %d, or its split %d/%d = %d from a column-parallel layer)",
+          inw, flow.width, inw, inw, T, inw // T)
+      end
+      d.mode, d.input_is_parallel = "row", (flow.split and T > 1) or false
+      return d, { width = outw, split = false }
+    end
+    c.need_full(inw)
+    return d, { width = outw, split = false }
+  end,
+  params = function(s) return s["in"] * s.out + (s.bias and s.out or 0) end,
+  flops = function(s) return 2 * s["in"] * s.out end,
+  input_flow = function(s, T) return { width = s["in"], split = s.parallel == "row" and T > 1 } end,
+}
+
 function nn.LayerNorm(dim, opts)
   check_positive_int("LayerNorm", "dim", dim)
   return spec("layernorm", { width = dim, name = opts and opts.name, label = "LayerNorm" })
 end
+
+KINDS.layernorm = {
+  describe = function(s, c)
+    c.need_full(s.width)
+    return { kind = "layernorm", name = c.me, width = s.width }, c.flow
+  end,
+  params = function(s) return 2 * s.width end,
+  flops = function(s) return 8 * s.width end,
+}
 
 --- nn.RMSNorm(dim [, {eps=, name=}]) or nn.RMSNorm{dim=, eps=1e-5, name=}:
 -- x / sqrt(mean(x^2) + eps) * weight (LLaMA's norm; no bias, no centring).
@@ -104,15 +362,47 @@ function nn.RMSNorm(a, opts)
   return spec("rmsnorm", { width = o.dim, eps = eps, name = o.name, label = "RMSNorm" })
 end
 
+KINDS.rmsnorm = {
+  describe = function(s, c)
+    c.need_full(s.width)
+    return { kind = "rmsnorm", name = c.me, width = s.width, eps = s.eps }, c.flow
+  end,
+  params = function(s) return s.width end,
+  flops = function(s) return 4 * s.width end,
+}
+
 --- The SwiGLU gate: silu(gate) * up on a [gate | up] input (split over the
 -- tensor group when it comes from a column-parallel Linear with blocks = 2).
 function nn.GatedSiLU(opts)
   return spec("swiglu", { name = opts and opts.name, label = "GatedSiLU" })
 end
 
+KINDS.swiglu = { -- elementwise: its FLOPs are priced with the Linear before it
+  describe = function(s, c)
+    local flow, T = c.flow, c.T
+    if flow.width == 0 then c.fail("needs activations, receives token ids") end
+    local split = flow.split and T > 1
+    if flow.width % (split and 2 * T or 2) ~= 0 then c.fail("needs an even gate|up width, receives %d", flow.width) end
+    if split and flow.blocks ~= 2 then
+      c.fail("needs gate|up split block by block over tensor=%d (from a column-parallel Linear with blocks = 2)", T)
+    end
+    local local_w = split and flow.width // T or flow.width
+    return { kind = "swiglu", name = c.me, width = local_w // 2 }, { width = flow.width // 2, split = flow.split }
+  end,
+}
+
 function nn.GELU(opts)
   return spec("gelu", { name = opts and opts.name, width = opts and opts.width, label = "GELU" })
 end
+
+KINDS.gelu = { -- elementwise: its FLOPs are priced with the Linear before it
+  describe = function(s, c)
+    local flow, T = c.flow, c.T
+    if flow.width == 0 then c.fail("needs activations, receives token ids") end
+    local local_w = (flow.split and T > 1) and flow.width // T or flow.width
+    return { kind = "gelu", name = c.me, width = local_w }, flow
+  end,
+}
 
 --- The attention core: causal softmax(QK^T/sqrt(hd))V over a fused q|k|v
 -- input of (heads + 2 kv_heads) * head_dim columns. nn.Attention{dim=,
@@ -146,6 +436,28 @@ function nn.Attention(o)
                              rope_theta = o.rope_theta, name = o.name, label = "Attention" })
 end
 
+KINDS.attention = {
+  describe = function(s, c)
+    local flow, T = c.flow, c.T
+    local rule = heads_rule(s.heads, s.kv_heads)(T)
+    if rule then c.fail("%s", rule) end
+    local qkv_w = (s.heads + 2 * s.kv_heads) * s.head_dim
+    if flow.width ~= qkv_w then
+      c.fail("expects the fused q|k|v of width %d, receives width %s", qkv_w, tostring(flow.width))
+    end
+    if T > 1 and not (flow.split and flow.blocks == 3) then
+      c.fail("needs q|k|v split over tensor=%d block by block (from a column-parallel Linear with blocks = 3)", T)
+    end
+    return { kind = "attention", name = c.me, heads = s.heads, kv_heads = s.kv_heads, head_dim = s.head_dim,
+             max_seq = s.max_seq, rope_theta = s.rope_theta },
+           { width = s.width, split = T > 1 }
+  end,
+  flops = function(s, T) return 2 * T * s.width end, -- QK^T and PV over the causal half
+  input_flow = function(s, T)
+    return { width = (s.heads + 2 * s.kv_heads) * s.head_dim, split = T > 1, blocks = 3 }
+  end,
+}
+
 --- Token (+ position) embedding; vocab-parallel under tensor parallelism.
 function nn.Embedding(o)
   check_positive_int("Embedding", "vocab", o.vocab)
@@ -155,6 +467,18 @@ function nn.Embedding(o)
     init_std = o.init_std or 0.02, name = o.name, label = "Embedding",
   })
 end
+
+KINDS.embedding = {
+  describe = function(s, c)
+    if c.flow.width ~= 0 then c.fail("takes token ids, but receives activations of width %d", c.flow.width) end
+    return { kind = "embedding", name = c.me, vocab = s.vocab, padded_vocab = round_up(s.padded_vocab, c.T),
+             width = s.width, positions = s.positions, init_std = s.init_std },
+           { width = s.width, split = false }
+  end,
+  params = function(s) return s.vocab * s.width + s.positions * s.width end,
+  flops = function(s) return 2 * s.width end,
+  input_flow = function() return { width = 0, split = false } end,
+}
 
 --- LM head with the fused softmax cross-entropy. tie = true: the weight is the
 -- embedding's (`tie_name`, default "embed.wte").
@@ -168,19 +492,17 @@ function nn.LMHead(o)
   })
 end
 
----------------------------------------------------------------- composites
+KINDS.lm_head = {
+  describe = function(s, c)
+    c.need_full(s.width)
+    return { kind = "lm_head", name = c.me, vocab = s.vocab, padded_vocab = round_up(s.padded_vocab, c.T),
+             width = s.width, tie = s.tie, init_std = s.init_std }, { width = -1, split = false }
+  end,
+  params = function(s) return s.tie and 0 or s.vocab * s.width end,
+  flops = function(s) return 2 * s.width * s.padded_vocab + 6 * s.padded_vocab end,
+}
 
--- The tensor-parallel sizes an attention's heads allow, checked before its
--- layers so that the message names heads, not a Linear's width.
-local function heads_rule(heads, kv_heads)
-  return function(T)
-    if heads % T ~= 0 then return ("tensor=%d does not divide heads=%d"):format(T, heads) end
-    if kv_heads % T ~= 0 then
-      return ("tensor=%d does not divide kv_heads=%d (key/value heads are split over the tensor group, not replicated)")
-        :format(T, kv_heads)
-    end
-  end
-end
+---------------------------------------------------------------- composites
 
 function nn.CausalSelfAttention(o)
   local proj_std = o.proj_std or 0.02
@@ -372,269 +694,7 @@ function nn.from_hf(dir)
 end
 nn.GPT.from_hf = nn.from_hf
 
----------------------------------------------------------------- analysis
-
-local function round_up(x, m) return (x + m - 1) // m * m end
-nn.round_up = round_up
-
-local REGIONS_IN = { replicated = true, copy = true, split = true }
-local REGIONS_OUT = { replicated = true, reduce = true, split = true }
-
--- A module written in Lua: its widths, its tensor-parallel regions and its
--- parameters' shards (see nn.Lua module conventions in the README):
---   m.in_width, m.out_width      full widths (default: the incoming width, then in_width)
---   m.tensor_parallel = {input = "replicated" | "copy" | "split",
---                        output = "replicated" | "reduce" | "split", output_blocks = k}
---   m:parameters() -> { {name=, shape= (full), init=, std=, split = {dim=, blocks=, sizes=}}, ... }
---   m.flops                      forward FLOPs per token (pipeline balancing; default 10 x width)
-local function describe_lua(self, me, flow, T, fail, need_full)
-  local m = self.module
-  local tp = m.tensor_parallel or {}
-  local input, output = tp.input or "replicated", tp.output or "replicated"
-  if not REGIONS_IN[input] then fail("tensor_parallel.input must be replicated, copy or split, not %s", tostring(input)) end
-  if not REGIONS_OUT[output] then fail("tensor_parallel.output must be replicated, reduce or split, not %s", tostring(output)) end
-  local inw = m.in_width or flow.width
-  if flow.width == 0 then fail("needs activations, receives token ids") end
-  local local_in = inw
-  if input == "split" then
-    if flow.width ~= inw then fail("expects width %d, receives width %s", inw, tostring(flow.width)) end
-    if T > 1 and not flow.split then fail("takes a split input (tensor_parallel.input = \"split\") but receives the full activation") end
-    if inw % T ~= 0 then fail("tensor=%d does not divide its input width %d", T, inw) end
-    if T > 1 then local_in = inw // T end
-  else
-    if flow.split and T > 1 then
-      fail("needs the full activation, not one split over tensor=%d (or declare tensor_parallel.input = \"split\")", T)
-    end
-    need_full(inw)
-  end
-  local outw = m.out_width or inw
-  local local_out = outw
-  if output == "split" and T > 1 then
-    if outw % T ~= 0 then fail("tensor=%d does not divide its output width %d", T, outw) end
-    local_out = outw // T
-  end
-  local params = {}
-  if m.parameters then
-    for i, p in ipairs(m:parameters()) do
-      local d = { name = p.name or ("p" .. i), shape = p.shape, init = p.init or "normal", std = p.std or 0.02 }
-      if p.split then
-        local dim, shape = p.split.dim, p.shape
-        if math.type(dim) ~= "integer" or dim < 1 or dim > #shape then
-          fail("parameter %s: split.dim must be one of its %d dimensions, got %s", d.name, #shape, tostring(dim))
-        end
-        local sizes = p.split.sizes
-        local blocks = sizes and #sizes or p.split.blocks or 1
-        local rows = sizes or {}
-        if not sizes then for b = 1, blocks do rows[b] = shape[dim] // blocks end end
-        local total = 0
-        for b, n in ipairs(rows) do
-          if n % T ~= 0 then
-            fail("parameter %s: tensor=%d does not divide block %d (%d rows) of dimension %d", d.name, T, b, n, dim)
-          end
-          total = total + n
-        end
-        if total ~= shape[dim] then fail("parameter %s: its blocks add up to %d, not the %d of dimension %d", d.name, total, shape[dim], dim) end
-        d.split = { dim = dim, blocks = blocks, sizes = sizes }
-      end
-      params[i] = d
-    end
-  end
-  self.path = me
-  return { kind = "lua", name = me, in_width = local_in, out_width = local_out, input = input, output = output,
-           params = params, module = m },
-         { width = outw, split = output == "split" and T > 1, blocks = output == "split" and T > 1 and (tp.output_blocks or 1) or nil }
-end
-
---- Resolves the spec against a tensor-parallel size T and an input flow
--- {width=, split=} (split: the activation is cut over the tensor group).
--- Returns the runtime description (for core.Engine) and the output flow.
--- `path` is the name prefix; errors name the module and the numbers.
-function Spec:describe(path, flow, T)
-  local function join(name)
-    if name == nil or name == "" then return path end
-    return path == "" and name or (path .. "." .. name)
-  end
-  local me = join(self.name)
-  local where = ("%s%s"):format(module_kind_name(self), me ~= "" and (" '" .. me .. "'") or "")
-  local function fail(fmt, ...) error(where .. ": " .. fmt:format(...), 0) end
-  local function need_full(width)
-    if flow.split and T > 1 then fail("needs the full activation of width %d, but receives a tensor split over tensor=%d (add gather_output to the column-parallel Linear before it)", width, T) end
-    if flow.width ~= width then fail("expects width %d, receives width %s", width, tostring(flow.width)) end
-  end
-  local k = self.kind
-  if self.tensor_rule then
-    local msg = self.tensor_rule(T)
-    if msg then fail("%s", msg) end
-  end
-  if k == "sequential" then
-    local kids = {}
-    for i, c in ipairs(self.children) do
-      local d
-      if c.name == nil and not c.transparent then -- unnamed: named by position, as torch's Sequential does
-        d, flow = c:describe(me == "" and tostring(i) or (me .. "." .. i), flow, T)
-      else
-        d, flow = c:describe(me, flow, T)
-      end
-      kids[i] = d
-    end
-    if #kids == 0 then fail("is empty") end
-    return { kind = "sequential", name = me, children = kids }, flow
-  elseif k == "residual" then
-    local d, out = self.inner:describe(me, flow, T)
-    if out.width ~= flow.width or out.split ~= flow.split then
-      fail("its inner module maps width %s to %s: a residual needs the same width", tostring(flow.width), tostring(out.width))
-    end
-    return { kind = "residual", name = me, inner = d }, flow
-  elseif k == "embedding" then
-    if flow.width ~= 0 then fail("takes token ids, but receives activations of width %d", flow.width) end
-    return { kind = "embedding", name = me, vocab = self.vocab, padded_vocab = round_up(self.padded_vocab, T),
-             width = self.width, positions = self.positions, init_std = self.init_std },
-           { width = self.width, split = false }
-  elseif k == "layernorm" then
-    need_full(self.width)
-    return { kind = "layernorm", name = me, width = self.width }, flow
-  elseif k == "rmsnorm" then
-    need_full(self.width)
-    return { kind = "rmsnorm", name = me, width = self.width, eps = self.eps }, flow
-  elseif k == "swiglu" then
-    if flow.width == 0 then fail("needs activations, receives token ids") end
-    local split = flow.split and T > 1
-    if flow.width % (split and 2 * T or 2) ~= 0 then fail("needs an even gate|up width, receives %d", flow.width) end
-    if split and flow.blocks ~= 2 then
-      fail("needs gate|up split block by block over tensor=%d (from a column-parallel Linear with blocks = 2)", T)
-    end
-    local local_w = split and flow.width // T or flow.width
-    return { kind = "swiglu", name = me, width = local_w // 2 }, { width = flow.width // 2, split = flow.split }
-  elseif k == "gelu" then
-    if flow.width == 0 then fail("needs activations, receives token ids") end
-    local local_w = (flow.split and T > 1) and flow.width // T or flow.width
-    return { kind = "gelu", name = me, width = local_w }, flow
-  elseif k == "attention" then
-    local rule = heads_rule(self.heads, self.kv_heads)(T)
-    if rule then fail("%s", rule) end
-    local qkv_w = (self.heads + 2 * self.kv_heads) * self.head_dim
-    if flow.width ~= qkv_w then
-      fail("expects the fused q|k|v of width %d, receives width %s", qkv_w, tostring(flow.width))
-    end
-    if T > 1 and not (flow.split and flow.blocks == 3) then
-      fail("needs q|k|v split over tensor=%d block by block (from a column-parallel Linear with blocks = 3)", T)
-    end
-    return { kind = "attention", name = me, heads = self.heads, kv_heads = self.kv_heads, head_dim = self.head_dim,
-             max_seq = self.max_seq, rope_theta = self.rope_theta },
-           { width = self.width, split = T > 1 }
-  elseif k == "linear" then
-    local inw, outw = self["in"], self.out
-    local d = { kind = "linear", name = me, ["in"] = inw, out = outw, bias = self.bias, blocks = self.blocks,
-                block_sizes = self.block_sizes, init_std = self.init_std, mode = "plain" }
-    if self.parallel == "column" then
-      need_full(inw)
-      local sizes, ok = self.block_sizes, outw % (self.blocks * T) == 0
-      if sizes then
-        ok = true
-        for _, w in ipairs(sizes) do ok = ok and w % T == 0 end
-      end
-      if not ok then
-        -- with blocks (q|k|v), name the block widths too: they are the model's channels
-        fail("tensor=%d does not divide the output width %d%s", T, outw, self.blocks > 1
-          and (" in %d blocks of %s"):format(self.blocks, sizes and table.concat(sizes, ", ") or tostring(outw // self.blocks))
-          or "")
-      end
-      d.mode, d.gather_output = "column", self.gather_output or false
-      local split = T > 1 and not self.gather_output
-      return d, { width = outw, split = split, blocks = split and self.blocks or nil }
-    elseif self.parallel == "row" then
-      if inw % T ~= 0 then fail("tensor=%d does not divide the input width %d", T, inw) end
-      if flow.width ~= inw then
-        if flow.split and T > 1 then
-          fail("row-parallel with in=%d receives a split tensor of width %d/%d", inw, flow.width, T)
-        end
-        if T == 1 then fail("row-parallel with in=%d receives width %d", inw, flow.width) end
-        fail("row-parallel with in=%d receives an unsplit tensor of width %d (expected %d, or its split %d/%d = %d from a column-parallel layer)",
-          inw, flow.width, inw, inw, T, inw // T)
-      end
-      d.mode, d.input_is_parallel = "row", (flow.split and T > 1) or false
-      if T == 1 then d.mode = "row" end
-      return d, { width = outw, split = false }
-    else
-      need_full(inw)
-      return d, { width = outw, split = false }
-    end
-  elseif k == "lm_head" then
-    need_full(self.width)
-    return { kind = "lm_head", name = me, vocab = self.vocab, padded_vocab = round_up(self.padded_vocab, T),
-             width = self.width, tie = self.tie, init_std = self.init_std }, { width = -1, split = false }
-  elseif k == "lua" then
-    return describe_lua(self, me, flow, T, fail, need_full)
-  end
-  error("unknown spec kind " .. tostring(k))
-end
-
---- Parameters of the full model under this spec (padding excluded).
-function Spec:num_params()
-  local k = self.kind
-  if k == "sequential" then
-    local n = 0
-    for _, c in ipairs(self.children) do n = n + c:num_params() end
-    return n
-  elseif k == "residual" then return self.inner:num_params()
-  elseif k == "embedding" then return self.vocab * self.width + self.positions * self.width
-  elseif k == "layernorm" then return 2 * self.width
-  elseif k == "rmsnorm" then return self.width
-  elseif k == "linear" then return self["in"] * self.out + (self.bias and self.out or 0)
-  elseif k == "lm_head" then return self.tie and 0 or self.vocab * self.width
-  elseif k == "lua" then
-    local n = 0
-    if self.module.parameters then
-      for _, p in ipairs(self.module:parameters()) do
-        local c = 1
-        for _, d in ipairs(p.shape) do c = c * d end
-        n = n + c
-      end
-    end
-    return n
-  end
-  return 0
-end
-
---- Forward FLOPs per token (multiply-adds count 2), for stage balancing.
--- `T` is the sequence length (attention's cost grows with it).
-function Spec:flops(T, width_in)
-  local k = self.kind
-  if k == "sequential" then
-    local f = 0
-    for _, c in ipairs(self.children) do f = f + c:flops(T) end
-    return f
-  elseif k == "residual" then return self.inner:flops(T) + 1
-  elseif k == "embedding" then return 2 * self.width
-  elseif k == "layernorm" then return 8 * self.width
-  elseif k == "rmsnorm" then return 4 * self.width
-  elseif k == "gelu" or k == "swiglu" then return 0 -- elementwise, priced with the Linear before it
-  elseif k == "linear" then return 2 * self["in"] * self.out
-  elseif k == "attention" then return 2 * T * self.width -- QK^T and PV over the causal half
-  elseif k == "lm_head" then return 2 * self.width * self.padded_vocab + 6 * self.padded_vocab
-  elseif k == "lua" then
-    local f = self.module.flops
-    if type(f) == "function" then return f(T) end
-    return f or 10 * (width_in or self.module.in_width or 1)
-  end
-  return 0
-end
-
---- The flow a spec takes as input when it stands alone (see nn.Layer).
-function Spec:input_flow(T)
-  local k = self.kind
-  if k == "sequential" then return self.children[1]:input_flow(T)
-  elseif k == "residual" then return self.inner:input_flow(T)
-  elseif k == "embedding" then return { width = 0, split = false }
-  elseif k == "linear" then
-    return { width = self["in"], split = self.parallel == "row" and T > 1 and not self.split_input }
-  elseif k == "attention" then
-    return { width = (self.heads + 2 * self.kv_heads) * self.head_dim, split = T > 1, blocks = 3 }
-  elseif k == "lua" then return { width = self.module.in_width, split = false }
-  elseif k == "gelu" then return { width = self.width, split = false }
-  end
-  return { width = self.width, split = false }
-end
+---------------------------------------------------------------- standalone layers
 
 --- nn.Layer(spec, ctx [, {seed=, input={width=, split=}}]): one module on its own
 -- (this rank's shard under tensor parallelism), with flat parameters like an
