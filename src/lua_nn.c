@@ -1,8 +1,10 @@
 /* Lua bindings for building a stage and running the engine:
  *   core.Engine(ctx, stage_desc, opts) -> engine userdata
  * stage_desc is a tree of plain tables made by lua/pipegoose/parallel.lua
- * ({kind=, name=, ...}); this file turns it into pg_modules. Modules written
- * in Lua (kind "lua") are called back through pg_custom_new. */
+ * ({kind=, name=, ...}). This file walks the tree: containers (sequential,
+ * residual) it assembles, modules written in Lua (kind "lua") it calls back
+ * through pg_custom_new, and every other kind it hands to the runtime's
+ * registry (pg_module_build) through a pg_desc that reads the table. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -93,9 +95,54 @@ typedef struct build_state {
   lua_State *L;
   lua_State **current;
   pg_context *ctx;
-  pg_module *embeddings[8]; /* built so far in this stage, for tying a head */
-  int nembeddings;
+  pg_module_env env; /* what the runtime's kind builders share (a tied head's embedding) */
 } build_state;
+
+/* pg_desc over a Lua table at a stack index: the runtime's kind builders read
+ * a module description through it. */
+typedef struct lua_desc {
+  lua_State *L;
+  int idx;
+} lua_desc;
+
+static int64_t desc_integer(const pg_desc *d, const char *key, int64_t def) {
+  const lua_desc *u = d->ud;
+  return (int64_t)pg_lua_opt_int(u->L, u->idx, key, (lua_Integer)def);
+}
+
+static double desc_number(const pg_desc *d, const char *key, double def) {
+  const lua_desc *u = d->ud;
+  return (double)pg_lua_opt_number(u->L, u->idx, key, def);
+}
+
+static const char *desc_string(const pg_desc *d, const char *key, const char *def) {
+  const lua_desc *u = d->ud; /* the string stays referenced by the description table */
+  return pg_lua_opt_string(u->L, u->idx, key, def);
+}
+
+static int desc_boolean(const pg_desc *d, const char *key, int def) {
+  const lua_desc *u = d->ud;
+  return pg_lua_opt_bool(u->L, u->idx, key, def);
+}
+
+static int desc_integers(const pg_desc *d, const char *key, int64_t *out, int max) {
+  const lua_desc *u = d->ud;
+  lua_State *L = u->L;
+  if (lua_getfield(L, u->idx, key) != LUA_TTABLE) {
+    lua_pop(L, 1);
+    return -1;
+  }
+  int n = (int)luaL_len(L, -1);
+  for (int i = 0; i < n && i < max; i++) {
+    lua_geti(L, -1, i + 1);
+    out[i] = (int64_t)lua_tointeger(L, -1);
+    lua_pop(L, 1);
+  }
+  lua_pop(L, 1);
+  return n;
+}
+
+static const pg_desc_ops lua_desc_ops = {desc_integer, desc_number, desc_string, desc_boolean, desc_integers};
 
 static int field_int(lua_State *L, int idx, const char *key, int def) {
   return (int)pg_lua_opt_int(L, idx, key, def);
@@ -208,7 +255,6 @@ static pg_module *build(build_state *b, int idx) {
   if (!lua_istable(L, idx)) return pg_fail_null("a module description must be a table");
   const char *kind = pg_lua_opt_string(L, idx, "kind", "?");
   const char *name = pg_lua_opt_string(L, idx, "name", "");
-  float std = (float)pg_lua_opt_number(L, idx, "init_std", 0.02);
   if (!strcmp(kind, "sequential")) return build_children(b, idx, name);
   if (!strcmp(kind, "residual")) {
     lua_getfield(L, idx, "inner");
@@ -219,59 +265,10 @@ static pg_module *build(build_state *b, int idx) {
     if (!m) pg_module_free(inner);
     return m;
   }
-  if (!strcmp(kind, "linear")) {
-    const char *mode = pg_lua_opt_string(L, idx, "mode", "plain");
-    pg_linear_opts o = {.in = field_int(L, idx, "in", 0), .out = field_int(L, idx, "out", 0),
-                        .bias = pg_lua_opt_bool(L, idx, "bias", 1), .blocks = field_int(L, idx, "blocks", 1),
-                        .gather_output = pg_lua_opt_bool(L, idx, "gather_output", 0),
-                        .input_is_parallel = pg_lua_opt_bool(L, idx, "input_is_parallel", 0), .init_std = std};
-    o.mode = !strcmp(mode, "column") ? PG_LINEAR_COLUMN : !strcmp(mode, "row") ? PG_LINEAR_ROW : PG_LINEAR_PLAIN;
-    if (lua_getfield(L, idx, "block_sizes") == LUA_TTABLE) {
-      int n = (int)luaL_len(L, -1);
-      if (n != o.blocks || n > PG_PARAM_MAX_BLOCKS) {
-        lua_pop(L, 1);
-        return pg_fail_null("%s: %d block sizes for %d blocks", name, n, o.blocks);
-      }
-      for (int i = 0; i < n; i++) {
-        lua_geti(L, -1, i + 1);
-        o.block_sizes[i] = (int)lua_tointeger(L, -1);
-        lua_pop(L, 1);
-      }
-    }
-    lua_pop(L, 1);
-    return pg_linear_new(b->ctx, name, &o);
-  }
-  if (!strcmp(kind, "layernorm")) return pg_layernorm_new(b->ctx, name, field_int(L, idx, "width", 0));
-  if (!strcmp(kind, "rmsnorm"))
-    return pg_rmsnorm_new(b->ctx, name, field_int(L, idx, "width", 0), (float)pg_lua_opt_number(L, idx, "eps", 1e-5));
-  if (!strcmp(kind, "gelu")) return pg_gelu_new(b->ctx, name, field_int(L, idx, "width", 0));
-  if (!strcmp(kind, "swiglu")) return pg_swiglu_new(b->ctx, name, field_int(L, idx, "width", 0));
-  if (!strcmp(kind, "attention")) {
-    pg_attention_opts o = {.heads = field_int(L, idx, "heads", 0), .kv_heads = field_int(L, idx, "kv_heads", 0),
-                           .head_dim = field_int(L, idx, "head_dim", 0), .max_seq = field_int(L, idx, "max_seq", 0),
-                           .rope_theta = pg_lua_opt_number(L, idx, "rope_theta", 0)};
-    return pg_attention_new(b->ctx, name, &o);
-  }
-  if (!strcmp(kind, "embedding")) {
-    pg_module *m = pg_embedding_new(b->ctx, name, field_int(L, idx, "vocab", 0), field_int(L, idx, "padded_vocab", 0),
-                                    field_int(L, idx, "width", 0), field_int(L, idx, "positions", 0), std);
-    if (m && b->nembeddings < 8) b->embeddings[b->nembeddings++] = m;
-    return m;
-  }
-  if (!strcmp(kind, "lm_head")) {
-    const char *tie = pg_lua_opt_string(L, idx, "tie", NULL);
-    pg_param *w = NULL;
-    for (int i = 0; tie && i < b->nembeddings && !w; i++) {
-      pg_param *p = pg_embedding_weight(b->embeddings[i]);
-      if (p && !strcmp(p->name, tie)) w = p;
-    }
-    char own[512];
-    snprintf(own, sizeof own, "%s%sweight", name, *name ? "." : "");
-    return pg_lm_head_new(b->ctx, name, field_int(L, idx, "vocab", 0), field_int(L, idx, "padded_vocab", 0),
-                          field_int(L, idx, "width", 0), w, tie ? tie : own, tie != NULL, std);
-  }
   if (!strcmp(kind, "lua")) return build_lua(b, idx, name);
-  return pg_fail_null("%s: unknown module kind '%s'", name, kind);
+  lua_desc u = {L, lua_absindex(L, idx)};
+  pg_desc d = {&lua_desc_ops, &u};
+  return pg_module_build(b->ctx, kind, name, &d, &b->env);
 }
 
 /* core.Engine(ctx, stage_desc, {micro_batches=, schedule=, vocab=, width=, seed=,

@@ -1,6 +1,7 @@
 #include "pg_module.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -1157,6 +1158,97 @@ pg_module *pg_custom_new(pg_context *ctx, const char *name, int in_width, int ou
       return NULL;
     }
   return m;
+}
+
+/* ---------------------------------------------------------------- the registry of kinds */
+
+#define DESC_INT(d, key, def) ((int)(d)->ops->integer((d), (key), (def)))
+
+static pg_module *build_linear(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
+  (void)env;
+  const char *mode = d->ops->string(d, "mode", "plain");
+  pg_linear_opts o = {.in = DESC_INT(d, "in", 0), .out = DESC_INT(d, "out", 0), .bias = d->ops->boolean(d, "bias", 1),
+                      .blocks = DESC_INT(d, "blocks", 1), .gather_output = d->ops->boolean(d, "gather_output", 0),
+                      .input_is_parallel = d->ops->boolean(d, "input_is_parallel", 0),
+                      .init_std = (float)d->ops->number(d, "init_std", 0.02)};
+  o.mode = !strcmp(mode, "column") ? PG_LINEAR_COLUMN : !strcmp(mode, "row") ? PG_LINEAR_ROW : PG_LINEAR_PLAIN;
+  int64_t sizes[PG_PARAM_MAX_BLOCKS];
+  int n = d->ops->integers(d, "block_sizes", sizes, PG_PARAM_MAX_BLOCKS);
+  if (n >= 0 && (n != o.blocks || n > PG_PARAM_MAX_BLOCKS))
+    return pg_fail_null("%s: %d block sizes for %d blocks", name, n, o.blocks);
+  for (int i = 0; i < n; i++) {
+    if (sizes[i] < 1 || sizes[i] > INT32_MAX) return pg_fail_null("%s: block %d has width %lld", name, i + 1, (long long)sizes[i]);
+    o.block_sizes[i] = (int)sizes[i];
+  }
+  return pg_linear_new(ctx, name, &o);
+}
+
+static pg_module *build_layernorm(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
+  (void)env;
+  return pg_layernorm_new(ctx, name, DESC_INT(d, "width", 0));
+}
+
+static pg_module *build_rmsnorm(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
+  (void)env;
+  return pg_rmsnorm_new(ctx, name, DESC_INT(d, "width", 0), (float)d->ops->number(d, "eps", 1e-5));
+}
+
+static pg_module *build_gelu(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
+  (void)env;
+  return pg_gelu_new(ctx, name, DESC_INT(d, "width", 0));
+}
+
+static pg_module *build_swiglu(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
+  (void)env;
+  return pg_swiglu_new(ctx, name, DESC_INT(d, "width", 0));
+}
+
+static pg_module *build_attention(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
+  (void)env;
+  pg_attention_opts o = {.heads = DESC_INT(d, "heads", 0), .kv_heads = DESC_INT(d, "kv_heads", 0),
+                         .head_dim = DESC_INT(d, "head_dim", 0), .max_seq = DESC_INT(d, "max_seq", 0),
+                         .rope_theta = d->ops->number(d, "rope_theta", 0)};
+  return pg_attention_new(ctx, name, &o);
+}
+
+static pg_module *build_embedding(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
+  pg_module *m = pg_embedding_new(ctx, name, DESC_INT(d, "vocab", 0), DESC_INT(d, "padded_vocab", 0),
+                                  DESC_INT(d, "width", 0), DESC_INT(d, "positions", 0),
+                                  (float)d->ops->number(d, "init_std", 0.02));
+  if (m && env && env->nembeddings < 8) env->embeddings[env->nembeddings++] = m;
+  return m;
+}
+
+/* tie = the name of an embedding weight built earlier in this stage, or none
+ * (the head then owns "<name>.weight", or the tied name on a later stage). */
+static pg_module *build_lm_head(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
+  const char *tie = d->ops->string(d, "tie", NULL);
+  pg_param *w = NULL;
+  for (int i = 0; tie && env && i < env->nembeddings && !w; i++) {
+    pg_param *p = pg_embedding_weight(env->embeddings[i]);
+    if (p && !strcmp(p->name, tie)) w = p;
+  }
+  char own[512];
+  snprintf(own, sizeof own, "%s%sweight", name, *name ? "." : "");
+  return pg_lm_head_new(ctx, name, DESC_INT(d, "vocab", 0), DESC_INT(d, "padded_vocab", 0), DESC_INT(d, "width", 0), w,
+                        tie ? tie : own, tie != NULL, (float)d->ops->number(d, "init_std", 0.02));
+}
+
+typedef pg_module *(*kind_builder)(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env);
+
+static const struct {
+  const char *kind;
+  kind_builder build;
+} kinds[] = {
+    {"linear", build_linear},       {"layernorm", build_layernorm}, {"rmsnorm", build_rmsnorm},
+    {"gelu", build_gelu},           {"swiglu", build_swiglu},       {"attention", build_attention},
+    {"embedding", build_embedding}, {"lm_head", build_lm_head},
+};
+
+pg_module *pg_module_build(pg_context *ctx, const char *kind, const char *name, const pg_desc *d, pg_module_env *env) {
+  for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++)
+    if (!strcmp(kinds[i].kind, kind)) return kinds[i].build(ctx, name, d, env);
+  return pg_fail_null("%s: unknown module kind '%s'", name, kind);
 }
 
 /* ---------------------------------------------------------------- tree */

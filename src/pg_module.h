@@ -185,6 +185,36 @@ void pg_param_free(pg_param *p);
 /* The embedding module's token weight (to tie a head to it). */
 pg_param *pg_embedding_weight(pg_module *m);
 
+/* ---- the registry of module kinds ----
+ * Every kind of leaf module is built by name from a description's fields
+ * (pg.nn's describe output, read through pg_desc: the Lua bindings read a
+ * Lua table; a C caller can read anything else). Adding a kind: its
+ * constructor and one entry in pg_module.c's table (and its class in
+ * lua/pipegoose/nn.lua). Containers (sequential, residual) and modules
+ * written in Lua are assembled by the caller from the modules it built. */
+typedef struct pg_desc pg_desc;
+typedef struct pg_desc_ops {
+  int64_t (*integer)(const pg_desc *d, const char *key, int64_t def);
+  double (*number)(const pg_desc *d, const char *key, double def);
+  const char *(*string)(const pg_desc *d, const char *key, const char *def); /* valid while building */
+  int (*boolean)(const pg_desc *d, const char *key, int def);
+  /* A list of integers: its length (at most max read into out), or -1 when absent. */
+  int (*integers)(const pg_desc *d, const char *key, int64_t *out, int max);
+} pg_desc_ops;
+struct pg_desc {
+  const pg_desc_ops *ops;
+  void *ud;
+};
+
+/* What the builders of one stage share: the embeddings built so far (a tied head finds its weight there). */
+typedef struct pg_module_env {
+  pg_module *embeddings[8];
+  int nembeddings;
+} pg_module_env;
+
+/* The module of kind `kind` named `name`; NULL and pg_error() for an unknown kind or bad fields. */
+pg_module *pg_module_build(pg_context *ctx, const char *kind, const char *name, const pg_desc *d, pg_module_env *env);
+
 /* ---- tensor-parallel pieces ----
  * The communication of Megatron's regions, named once; the modules that
  * shard (column/row Linear, vocabulary-parallel embedding and head, modules
