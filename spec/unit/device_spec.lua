@@ -240,6 +240,34 @@ print("checkpoint ok")
       .. "device memory on cuda:%d: out of memory %(3718144 bytes%)", out)
   end)
 
+  it("trains the LLaMA fixture (GQA, RoPE, RMSNorm, SwiGLU) on one rank and at T = 2 and P = 2 (model_check --device=cuda)", function()
+    -- spec/unit/llama_spec.lua's fixture and tolerance (1e-5 relative on the losses and the first gradient norm)
+    local dir = "spec/fixtures/hf_llama_tiny"
+    local ef = assert(io.open(dir .. "/expected.json"))
+    local e = cjson.decode(ef:read("a"))
+    ef:close()
+    for _, c in ipairs{ { 1, {} }, { 2, { "--tensor=2" } }, { 2, { "--pipeline=2", "--micro-batches=2" } } } do
+      local args = { "scripts/model_check.lua", "--hf=" .. dir, "--tokens=" .. dir .. "/tokens.bin", "--steps=4",
+                     "--clip=" .. e.clip, "--device=cuda" }
+      for _, a in ipairs(c[2]) do args[#args + 1] = a end
+      local quoted = {}
+      for i, a in ipairs(args) do quoted[i] = h.quote(a) end
+      local cmd = c[1] == 1 and ("timeout -k 2 300 %s %s"):format(h.quote(EMU), table.concat(quoted, " "))
+        or ("timeout -k 2 300 scripts/mpirun.sh -np %d %s %s"):format(c[1], h.quote(EMU), table.concat(quoted, " "))
+      local rc, out = h.sh(cmd)
+      assert.equal(0, rc, out)
+      local seen = 0
+      for k, loss, norm in out:gmatch("step (%d+) loss (%S+) grad_norm (%S+)") do
+        k, loss, norm = tonumber(k), tonumber(loss), tonumber(norm)
+        seen = seen + 1
+        assert.is_true(math.abs(loss - e.step_losses[k]) <= 1e-5 * e.step_losses[k],
+          ("%s step %d loss %.9g, PyTorch %.9g"):format(table.concat(c[2], " "), k, loss, e.step_losses[k]))
+        if k == 1 then assert.is_true(math.abs(norm - e.grad_norms[1]) <= 1e-5 * e.grad_norms[1], out) end
+      end
+      assert.equal(4, seen, out)
+    end
+  end)
+
   it("refuses a module written in Lua on a device, at parallelize", function()
     local rc2, out2 = emu([[
 local pg = require "pipegoose"
