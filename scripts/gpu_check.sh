@@ -7,6 +7,8 @@
 #      the script's own loss / logits / gradient checks): one rank, then two
 #      ranks with --tensor=2 and with --data=2 --zero=1 (NCCL when the node has
 #      two GPUs; staged through the host when the ranks share one);
+#      Then scripts/model_check.lua --device=cuda on the LLaMA fixture (GQA,
+#      RoPE, RMSNorm, SwiGLU), one rank and --tensor=2: 10 steps' losses to 1e-5;
 #   4. scripts/bench_gpu.lua: GPT-2 124M tokens/s and MFU against the cuBLAS
 #      FP32 sgemm rate measured in the same run (BENCH_ARGS to change it), and
 #      where python3 has torch, the same step in PyTorch on the same GPU
@@ -88,6 +90,39 @@ check() {
 check 1
 check 2 --tensor=2
 check 2 --data=2 --zero=1
+
+# LLaMA (GQA, RoPE, RMSNorm, SwiGLU kernels): the fixture's losses to 1e-5 relative
+cat > "$OUT/compare_llama.lua" <<'LUA'
+local cjson = require "cjson"
+local f = assert(io.open("spec/fixtures/hf_llama_tiny/expected.json"))
+local ref = cjson.decode(f:read("a"))
+f:close()
+f = assert(io.open(arg[1]))
+local out = f:read("a")
+f:close()
+local seen, worst = 0, 0
+for k, l in out:gmatch("step (%d+) loss (%S+)") do
+  k, seen = tonumber(k), seen + 1
+  worst = math.max(worst, math.abs(l - ref.step_losses[k]) / ref.step_losses[k])
+end
+print(("   %d steps, worst relative loss difference from PyTorch %.3g (tolerance 1e-5)"):format(seen, worst))
+os.exit(seen == 10 and worst <= 1e-5 and 0 or 1)
+LUA
+llama() {
+  local n=$1; shift
+  say "== model_check --device=cuda (LLaMA fixture) on $n rank(s) $*"
+  local cmd=("$PGLUA" scripts/model_check.lua --hf=spec/fixtures/hf_llama_tiny
+             --tokens=spec/fixtures/hf_llama_tiny/tokens.bin --clip=1.8 --device=cuda "$@")
+  [ "$n" -gt 1 ] && cmd=(scripts/mpirun.sh -np "$n" "${cmd[@]}")
+  timeout -k 5 "${CHECK_TIMEOUT:-600}" "${cmd[@]}" > "$OUT/llama.out" 2>&1
+  local rc=$?
+  cat "$OUT/llama.out" | tee -a "$LOG"
+  "$PGLUA" "$OUT/compare_llama.lua" "$OUT/llama.out" 2>&1 | tee -a "$LOG"
+  local cmp=${PIPESTATUS[0]}
+  [ $rc = 0 ] && [ "$cmp" = 0 ] || { say "   FAILED (exit $rc)"; failed=1; }
+}
+llama 1
+llama 2 --tensor=2
 
 say "== bench_gpu.lua ${BENCH_ARGS:-}"
 # shellcheck disable=SC2086
