@@ -13,7 +13,8 @@
 -- AdamW has torch semantics (decay on tensors of 2 or more dimensions;
 -- --clip=C clips the global gradient norm to C first). Prints on rank 0:
 --   loss <v>              the objective at the loaded weights
---   step <k> loss <v>     the objective before the k-th update, k = 1..N (with grad_norm, before clipping)
+--   step <k> loss <v>     the objective before the k-th update, k = 1..N
+--   grad_norm <k> <v>     the global gradient norm of that step, before clipping
 --   final loss <v>        with --save-hf: the objective after the N updates,
 --                         whose weights are written to that directory
 -- Defaults: B = 4, T = the model's positions, N = 10, lr 1e-3, betas 0.9 / 0.95,
@@ -72,7 +73,8 @@ for k = 1, int("steps", 10) do
   local l = engine:forward_backward(x, y)
   local norm = clip > 0 and optimizer:clip_grad_norm(clip) or optimizer:grad_norm()
   optimizer:step()
-  say(("step %d loss %.9g grad_norm %.9g"):format(k, l, norm))
+  say(("step %d loss %.9g"):format(k, l))
+  say(("grad_norm %d %.9g"):format(k, norm))
 end
 if opt["save-hf"] then
   say(("final loss %.9g"):format(engine:loss(x, y)))
