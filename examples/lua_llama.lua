@@ -107,20 +107,13 @@ end
 function L.Llama(o)
   local nn = pg.nn
   local kv = o.kv_heads or o.heads
-  local function branch(norm, inner)
-    local s = nn.Sequential{ norm, inner }
-    s.transparent = true
-    local r = nn.Residual(s)
-    r.transparent = true
-    return r
-  end
   local model = nn.Sequential{ name = "" }
   model:add(nn.Embedding{ vocab = o.vocab, padded_vocab = o.padded_vocab, dim = o.dim, name = "embed" })
   for i = 0, o.layers - 1 do
     model:add(nn.Sequential{
-      branch(nn.RMSNorm{ dim = o.dim, eps = o.eps, name = "ln1" },
+      nn.PreNorm(nn.RMSNorm{ dim = o.dim, eps = o.eps, name = "ln1" },
         L.Attention{ dim = o.dim, heads = o.heads, kv_heads = kv, rope_theta = o.rope_theta, name = "attn" }),
-      branch(nn.RMSNorm{ dim = o.dim, eps = o.eps, name = "ln2" }, L.MLP{ dim = o.dim, hidden = o.hidden, name = "mlp" }),
+      nn.PreNorm(nn.RMSNorm{ dim = o.dim, eps = o.eps, name = "ln2" }, L.MLP{ dim = o.dim, hidden = o.hidden, name = "mlp" }),
       name = "blocks." .. i,
     })
   end

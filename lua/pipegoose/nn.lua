@@ -566,20 +566,25 @@ function nn.MLP(o)
   return s
 end
 
+--- nn.PreNorm(norm, inner): the pre-norm residual branch x + inner(norm(x)).
+-- Its wrappers are transparent: parameter names read blocks.3.ln1.weight and
+-- blocks.3.attn.qkv.weight, not blocks.3.1.2.attn...
+function nn.PreNorm(norm, inner)
+  local seq = nn.Sequential{ norm, inner }
+  seq.transparent = true
+  local r = nn.Residual(seq)
+  r.transparent = true
+  r.label = "PreNorm"
+  return r
+end
+
 --- Pre-LayerNorm block: x + attn(ln1(x)), then x + mlp(ln2(x)).
 function nn.TransformerBlock(o)
-  -- The wrappers are transparent: parameter names read blocks.3.attn.qkv.weight.
-  local function wrap(first, second)
-    local inner = nn.Sequential{ first, second }
-    inner.transparent = true
-    local r = nn.Residual(inner)
-    r.transparent = true
-    return r
-  end
   local s = nn.Sequential{
-    wrap(nn.LayerNorm(o.dim, { name = "ln1" }),
+    nn.PreNorm(nn.LayerNorm(o.dim, { name = "ln1" }),
       nn.CausalSelfAttention{ dim = o.dim, heads = o.heads, seq_len = o.seq_len, proj_std = o.proj_std, name = "attn" }),
-    wrap(nn.LayerNorm(o.dim, { name = "ln2" }), nn.MLP{ dim = o.dim, hidden = o.hidden, proj_std = o.proj_std, name = "mlp" }),
+    nn.PreNorm(nn.LayerNorm(o.dim, { name = "ln2" }),
+      nn.MLP{ dim = o.dim, hidden = o.hidden, proj_std = o.proj_std, name = "mlp" }),
     name = o.name,
   }
   s.label = "TransformerBlock"
@@ -614,18 +619,11 @@ nn.GPT = setmetatable({}, { __call = function(_, o) return build_gpt(o) end })
 
 --- Pre-RMSNorm LLaMA block: x + attn(ln1(x)), then x + mlp(ln2(x)).
 function nn.LlamaBlock(o)
-  local function wrap(first, second)
-    local inner = nn.Sequential{ first, second }
-    inner.transparent = true
-    local r = nn.Residual(inner)
-    r.transparent = true
-    return r
-  end
   local s = nn.Sequential{
-    wrap(nn.RMSNorm{ dim = o.dim, eps = o.eps, name = "ln1" },
+    nn.PreNorm(nn.RMSNorm{ dim = o.dim, eps = o.eps, name = "ln1" },
       nn.LlamaAttention{ dim = o.dim, heads = o.heads, kv_heads = o.kv_heads, head_dim = o.head_dim,
                          seq_len = o.seq_len, rope_theta = o.rope_theta, name = "attn" }),
-    wrap(nn.RMSNorm{ dim = o.dim, eps = o.eps, name = "ln2" }, nn.SwiGLU{ dim = o.dim, hidden = o.hidden, name = "mlp" }),
+    nn.PreNorm(nn.RMSNorm{ dim = o.dim, eps = o.eps, name = "ln2" }, nn.SwiGLU{ dim = o.dim, hidden = o.hidden, name = "mlp" }),
     name = o.name,
   }
   s.label = "LlamaBlock"

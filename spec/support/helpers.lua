@@ -59,6 +59,19 @@ function M.tmpdir()
   return p
 end
 
+--- name -> {shape = "AxB", bytes = raw data} of every tensor in a safetensors file.
+function M.safetensors_tensors(path)
+  local hd = require("pipegoose.safetensors").read_header(path)
+  local f = assert(io.open(path, "rb"))
+  local out = {}
+  for name, e in pairs(hd.entries) do
+    f:seek("set", e.offset)
+    out[name] = { shape = table.concat(e.shape, "x"), bytes = f:read(e.bytes) }
+  end
+  f:close()
+  return out
+end
+
 --- Removes a directory tree.
 function M.rm(dir) os.execute("rm -rf " .. quote(dir)) end
 

@@ -26,18 +26,7 @@ local function loss_of(dir)
   return engine:loss(all:narrow(2, 1, T), all:narrow(2, 2, T)), engine
 end
 
--- name -> {shape, raw bytes} of every tensor in a safetensors file
-local function tensors_of(path)
-  local hd = safetensors.read_header(path)
-  local f = assert(io.open(path, "rb"))
-  local out = {}
-  for name, e in pairs(hd.entries) do
-    f:seek("set", e.offset)
-    out[name] = { shape = table.concat(e.shape, "x"), bytes = f:read(e.bytes) }
-  end
-  f:close()
-  return out
-end
+local tensors_of = h.safetensors_tensors
 
 local function copy_file(from, to)
   local f = assert(io.open(from, "rb"))

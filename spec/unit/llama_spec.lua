@@ -17,7 +17,6 @@
 local pg = require "pipegoose"
 local h = require "helpers"
 local cjson = require "cjson"
-local safetensors = require "pipegoose.safetensors"
 
 local TINY, T4 = "spec/fixtures/hf_llama_tiny", "spec/fixtures/hf_llama_tiny_t4"
 local RTOL = 1e-5
@@ -73,18 +72,7 @@ local function assert_losses(out, dir, what)
   if final then assert_rel(tonumber(final), e.final_loss, what .. " final loss") end
 end
 
--- name -> {shape, raw bytes} of every tensor in a safetensors file
-local function tensors_of(path)
-  local hd = safetensors.read_header(path)
-  local f = assert(io.open(path, "rb"))
-  local out = {}
-  for name, e in pairs(hd.entries) do
-    f:seek("set", e.offset)
-    out[name] = { shape = table.concat(e.shape, "x"), bytes = f:read(e.bytes) }
-  end
-  f:close()
-  return out
-end
+local tensors_of = h.safetensors_tensors
 
 -- A copy of a fixture directory with config.json edited.
 local function edited(dir, edit)
