@@ -3,62 +3,74 @@
 --   ./pglua examples/train_gpt.lua [--steps=300] [--batch=16] ...
 --   mpirun -np 4 ./pglua examples/train_gpt.lua --tensor=2 --pipeline=2 --micro-batches=4
 -- --model=llama trains a LLaMA instead (examples/train_llama.lua says so).
--- Options (defaults in brackets): --model=gpt|llama --tensor=1 --pipeline=1 --data=1
--- --micro-batches=1 --schedule=1f1b --zero=0 --steps=300 --batch=16 --seq-len=128 --dim=256
--- --heads=4 (llama: 8) --layers=4; llama only: --kv-heads=2 --hidden=688 --rope-theta=10000;
--- --lr=1e-3 --warmup=30 --clip=1.0 --seed=42 --eval-every=100 --accumulate=1
--- --train=data/fortunes_train.bin --val=data/fortunes_val.bin --sample=200 --prompt="Q: "
--- --out=runs/train_<model> (metrics.jsonl and checkpoints/ go there) --ckpt-every=0 (steps; 0: none)
--- --keep-last=0 (keep only the newest N checkpoints; 0: all) --resume=DIR|last (a checkpoint
--- directory, or the newest one under --out) --stop-after=N (end this run after step N, saving
--- a checkpoint, as if preempted: continue with --resume=last) --log-every=10 --val-batches=8
--- --save-hf=DIR (at the end, the model as a transformers directory: from_pretrained loads it)
+-- Options: ./pglua examples/train_gpt.lua --help (unknown options are errors).
+-- --resume=last continues the newest checkpoint under --out; --stop-after=N ends
+-- the run after step N with a checkpoint, as if preempted.
 local pg = require "pipegoose"
+local argparse = require "argparse"
 
-local opt = {}
-for _, a in ipairs(arg) do
-  local k, v = a:match("^%-%-([%w-]+)=(.*)$")
-  if not k then error("unknown argument " .. a .. " (options look like --steps=100)") end
-  opt[k] = v
-end
-local function num(k, d)
-  if opt[k] == nil then return d end
-  return tonumber(opt[k]) or error(("--%s=%s is not a number"):format(k, opt[k]))
-end
-local function int(k, d)
-  local v = num(k, d)
-  return math.tointeger(v) or error(("--%s=%s is not an integer"):format(k, tostring(v)))
-end
+local p = argparse("train_gpt.lua", "Train a small GPT (or --model=llama) on the default corpus with the Trainer.")
+local function to_int(s) return math.tointeger(tonumber(s)) end
+local function int(name, default, help) p:option(name, help, default and tostring(default)):convert(to_int) end
+local function num(name, default, help) p:option(name, help, default and tostring(default)):convert(tonumber) end
+p:option("--model", "gpt or llama.", "gpt"):choices{ "gpt", "llama" }
+int("--tensor", 1, "Tensor-parallel size.")
+int("--pipeline", 1, "Pipeline stages.")
+int("--data", 1, "Data-parallel size.")
+int("--micro-batches", 1, "Micro-batches per step.")
+p:option("--schedule", "Pipeline schedule.", "1f1b"):choices{ "1f1b", "gpipe" }
+int("--zero", 0, "ZeRO stage (0 or 1).")
+int("--steps", 300, "Optimizer steps.")
+int("--batch", 16, "Global batch (sequences).")
+int("--seq-len", 128, "Tokens per sequence.")
+int("--dim", 256, "Model width.")
+int("--heads", nil, "Attention heads (default 4; llama 8).")
+int("--layers", 4, "Blocks.")
+int("--kv-heads", 2, "Key/value heads (llama).")
+int("--hidden", 688, "SwiGLU width (llama).")
+num("--rope-theta", 10000, "Rotary base (llama).")
+num("--lr", 1e-3, "Peak learning rate.")
+int("--warmup", 30, "Warm-up steps.")
+num("--clip", 1.0, "Gradient norm clip.")
+int("--seed", 42, "Seed of the weights and the data order.")
+int("--eval-every", 100, "Validate every N steps.")
+int("--accumulate", 1, "Micro-steps per optimizer step.")
+p:option("--train", "Training shards.", "data/fortunes_train.bin")
+p:option("--val", "Validation shards.", "data/fortunes_val.bin")
+int("--sample", 200, "Bytes to sample at the end.")
+p:option("--prompt", "Prompt of the sample.", "Q: ")
+p:option("--out", "Output directory (metrics.jsonl, checkpoints/); default runs/train_<model>.")
+int("--ckpt-every", 0, "Checkpoint every N steps (0: none).")
+int("--keep-last", 0, "Keep only the newest N checkpoints (0: all).")
+p:option("--resume", "A checkpoint directory, or 'last' (the newest under --out).")
+int("--stop-after", nil, "End this run after step N, saving a checkpoint, as if preempted.")
+int("--log-every", 10, "Log every N steps.")
+int("--val-batches", 8, "Validation batches.")
+p:option("--save-hf", "At the end, write the model as a Hugging Face transformers directory.")
+local opt = p:parse()
 
-local seed = int("seed", 42)
-local ctx = pg.ParallelContext{ tensor = int("tensor", 1), pipeline = int("pipeline", 1), data = int("data", 1),
-                                seed = seed }
-local seq_len, batch = int("seq-len", 128), int("batch", 16)
-local arch = opt.model or "gpt"
+local seed = opt.seed
+local ctx = pg.ParallelContext{ tensor = opt.tensor, pipeline = opt.pipeline, data = opt.data, seed = seed }
+local seq_len, batch = opt.seq_len, opt.batch
+local arch = opt.model
 local model
 if arch == "gpt" then
-  model = pg.nn.GPT{ vocab = 256, seq_len = seq_len, dim = int("dim", 256), heads = int("heads", 4),
-                     layers = int("layers", 4) }
-elseif arch == "llama" then
-  model = pg.nn.Llama{ vocab = 256, seq_len = seq_len, dim = int("dim", 256), heads = int("heads", 8),
-                       kv_heads = int("kv-heads", 2), hidden = int("hidden", 688), layers = int("layers", 4),
-                       rope_theta = num("rope-theta", 10000) }
+  model = pg.nn.GPT{ vocab = 256, seq_len = seq_len, dim = opt.dim, heads = opt.heads or 4, layers = opt.layers }
 else
-  error(("--model=%s: expected gpt or llama"):format(arch))
+  model = pg.nn.Llama{ vocab = 256, seq_len = seq_len, dim = opt.dim, heads = opt.heads or 8, kv_heads = opt.kv_heads,
+                       hidden = opt.hidden, layers = opt.layers, rope_theta = opt.rope_theta }
 end
-local engine = pg.parallelize(model, ctx, { micro_batches = int("micro-batches", 1), schedule = opt.schedule or "1f1b" })
-local optimizer = pg.optim.AdamW(engine, { lr = num("lr", 1e-3), betas = { 0.9, 0.95 }, weight_decay = 0.1,
-                                           zero = int("zero", 0) })
-local train = pg.data.TokenShards{ path = opt.train or "data/fortunes_train.bin", batch = batch, seq_len = seq_len,
-                                   seed = seed, ctx = ctx, vocab = 256 }
-local val = pg.data.TokenShards{ path = opt.val or "data/fortunes_val.bin", batch = batch, seq_len = seq_len,
-                                 shuffle = false, ctx = ctx, vocab = 256 }
+local engine = pg.parallelize(model, ctx, { micro_batches = opt.micro_batches, schedule = opt.schedule })
+local optimizer = pg.optim.AdamW(engine, { lr = opt.lr, betas = { 0.9, 0.95 }, weight_decay = 0.1, zero = opt.zero })
+local train = pg.data.TokenShards{ path = opt.train, batch = batch, seq_len = seq_len, seed = seed, ctx = ctx, vocab = 256 }
+local val = pg.data.TokenShards{ path = opt.val, batch = batch, seq_len = seq_len, shuffle = false, ctx = ctx, vocab = 256 }
 
 local out = opt.out or ("runs/train_" .. arch)
-local steps, ckpt_every, keep_last = int("steps", 300), int("ckpt-every", 0), int("keep-last", 0)
-local stop_after = opt["stop-after"] and int("stop-after")
+local steps, ckpt_every, keep_last = opt.steps, opt.ckpt_every, opt.keep_last
+local stop_after = opt.stop_after
 local callbacks = {
   pg.callbacks.ProgressBar{},
+  pg.callbacks.LearningRateMonitor{},
   pg.callbacks.MetricsLogger{ path = out .. "/metrics.jsonl" },
 }
 if ckpt_every > 0 or stop_after then
@@ -72,21 +84,20 @@ if stop_after then
 end
 
 local trainer = pg.Trainer{
-  engine = engine, optimizer = optimizer, max_steps = steps, accumulate = int("accumulate", 1),
-  lr_schedule = pg.lr.cosine{ warmup = int("warmup", 30), min_lr = num("lr", 1e-3) / 10 },
-  clip_grad_norm = num("clip", 1.0), val_every_n_steps = int("eval-every", 100), val_batches = int("val-batches", 8),
-  log_every_n_steps = int("log-every", 10), seed = seed, out_dir = out, callbacks = callbacks,
+  engine = engine, optimizer = optimizer, max_steps = steps, accumulate = opt.accumulate,
+  lr_schedule = pg.lr.cosine{ warmup = opt.warmup, min_lr = opt.lr / 10 },
+  clip_grad_norm = opt.clip, val_every_n_steps = opt.eval_every, val_batches = opt.val_batches,
+  log_every_n_steps = opt.log_every, seed = seed, out_dir = out, callbacks = callbacks,
 }
 trainer:print(("pipegoose: %d parameters, %s, %d threads per rank"):format(engine:num_parameters(), tostring(ctx),
   pg.num_threads()))
 trainer:fit(train, val, { resume = opt.resume })
 
-local prompt = opt.prompt or "Q: "
-local sample = pg.sample.generate(engine, pg.data.bytes.encode(prompt):totable(), int("sample", 200),
-                                  { temperature = 0.8, seed = 1 })
+local prompt = opt.prompt
+local sample = pg.sample.generate(engine, pg.data.bytes.encode(prompt), opt.sample, { temperature = 0.8, seed = 1 })
 trainer:print("sample:\n" .. prompt .. pg.data.bytes.decode(sample))
 
-if opt["save-hf"] then
-  engine:save_hf(opt["save-hf"])
-  trainer:print("wrote " .. opt["save-hf"] .. " (transformers' from_pretrained loads it)")
+if opt.save_hf then
+  engine:save_hf(opt.save_hf)
+  trainer:print("wrote " .. opt.save_hf .. " (transformers' from_pretrained loads it)")
 end

@@ -12,9 +12,9 @@ local function time(reps, f)
   f()
   local best = math.huge
   for _ = 1, reps do
-    local t0 = ops.wtime()
+    local t0 = pg.wtime()
     f()
-    best = math.min(best, ops.wtime() - t0)
+    best = math.min(best, pg.wtime() - t0)
   end
   return best
 end

@@ -14,25 +14,34 @@
 local pg = require "pipegoose"
 local llmc = require "pipegoose.llmc"
 
-local positional, opt = {}, {}
-for _, a in ipairs(arg) do
-  local k, v = a:match("^%-%-([%w-]+)=(.*)$")
-  if k then opt[k] = v else positional[#positional + 1] = a end
-end
-local model_path, state_path = positional[1], positional[2]
-if not model_path or not state_path then
-  io.stderr:write("usage: gpt2_check.lua MODEL STATE [--steps=K] [--tensor=T] [--pipeline=P] [--data=D] ...\n")
-  os.exit(2)
-end
-local function num(k, d) return opt[k] and assert(tonumber(opt[k]), "--" .. k .. " needs a number") or d end
-local function int(k, d) return math.tointeger(num(k, d)) or error("--" .. k .. " needs an integer") end
+local argparse = require "argparse"
+local p = argparse("gpt2_check.lua", "Check pipegoose's GPT-2 against a PyTorch reference (llm.c files).")
+local function to_int(s) return math.tointeger(tonumber(s)) end
+p:argument("model", "llm.c model file.")
+p:argument("state", "llm.c debug state file.")
+p:option("--steps", "AdamW steps on the same batch.", "0"):convert(to_int)
+p:option("--lr", "Learning rate.", "1e-3"):convert(tonumber)
+p:option("--beta1", "AdamW beta1.", "0.9"):convert(tonumber)
+p:option("--beta2", "AdamW beta2.", "0.95"):convert(tonumber)
+p:option("--eps", "AdamW eps.", "1e-8"):convert(tonumber)
+p:option("--weight-decay", "Decoupled weight decay.", "0.1"):convert(tonumber)
+p:option("--clip", "Clip the global gradient norm to this (0: none).", "0"):convert(tonumber)
+p:option("--tensor", "Tensor-parallel size.", "1"):convert(to_int)
+p:option("--pipeline", "Pipeline stages.", "1"):convert(to_int)
+p:option("--data", "Data-parallel size.", "1"):convert(to_int)
+p:option("--micro-batches", "Micro-batches per step.", "1"):convert(to_int)
+p:option("--schedule", "Pipeline schedule.", "1f1b"):choices{ "1f1b", "gpipe" }
+p:option("--zero", "ZeRO stage.", "0"):convert(to_int)
+p:option("--device", "cpu, cuda or cuda:N.", "cpu")
+local opt = p:parse()
+local model_path, state_path = opt.model, opt.state
 
-local ctx = pg.ParallelContext{ tensor = int("tensor", 1), pipeline = int("pipeline", 1), data = int("data", 1), seed = 1 }
+local ctx = pg.ParallelContext{ tensor = opt.tensor, pipeline = opt.pipeline, data = opt.data, seed = 1 }
 local rank, D, dp = ctx:rank(), ctx:world_size("data"), ctx:local_rank("data")
 local model = pg.nn.GPT.load_llmc(model_path)
 local cfg = model.config
-local engine = pg.parallelize(model, ctx, { micro_batches = int("micro-batches", 1), schedule = opt.schedule or "1f1b",
-  device = opt.device or "cpu" })
+local engine = pg.parallelize(model, ctx, { micro_batches = opt.micro_batches, schedule = opt.schedule,
+  device = opt.device })
 
 -- The debug state: header, x, y, logits [B, T, V], loss, gradients.
 local h = pg.file.read(state_path, 0, 256, "int32"):totable()
@@ -96,11 +105,11 @@ local ok = math.abs(loss - ref_loss) <= 1e-5 * math.abs(ref_loss) and logit_diff
 if not ok then say(("reference loss %.9g"):format(ref_loss)) end
 
 -- K AdamW steps on the same batch.
-local K = int("steps", 0)
+local K = opt.steps
 if K > 0 then
-  local optimizer = pg.optim.AdamW(engine, { lr = num("lr", 1e-3), betas = { num("beta1", 0.9), num("beta2", 0.95) },
-    eps = num("eps", 1e-8), weight_decay = num("weight-decay", 0.1), zero = int("zero", 0) })
-  local clip = num("clip", 0)
+  local optimizer = pg.optim.AdamW(engine, { lr = opt.lr, betas = { opt.beta1, opt.beta2 }, eps = opt.eps,
+    weight_decay = opt.weight_decay, zero = opt.zero })
+  local clip = opt.clip
   for k = 1, K do
     engine:zero_grad()
     local l = engine:forward_backward(xs, ys)

@@ -13,19 +13,24 @@
 local pg = require "pipegoose"
 local cjson = require "cjson"
 
-local positional, opt = {}, {}
-for _, a in ipairs(arg) do
-  local k, v = a:match("^%-%-([%w-]+)=(.*)$")
-  if k then opt[k] = v else positional[#positional + 1] = a end
-end
-local dir = positional[1] or error("usage: hf_check.lua DIR [--tensor=T] [--pipeline=P] [--data=D] [--steps=K] [--save-hf=OUT]", 0)
-local function int(k, d) return math.tointeger(tonumber(opt[k] or d)) or error("--" .. k .. " needs an integer", 0) end
+local argparse = require "argparse"
+local p = argparse("hf_check.lua", "Check pg.nn.from_hf / engine:save_hf against transformers' numbers.")
+local function to_int(s) return math.tointeger(tonumber(s)) end
+p:argument("dir", "A transformers GPT2LMHeadModel directory with expected.json.")
+p:option("--tensor", "Tensor-parallel size.", "1"):convert(to_int)
+p:option("--pipeline", "Pipeline stages.", "1"):convert(to_int)
+p:option("--data", "Data-parallel size.", "1"):convert(to_int)
+p:option("--steps", "AdamW steps after the check.", "0"):convert(to_int)
+p:option("--save-hf", "Write the model there and print its final loss.")
+p:option("--device", "cpu, cuda or cuda:N.", "cpu")
+local opt = p:parse()
+local dir = opt.dir
 
 local f = assert(io.open(dir .. "/expected.json"))
 local expected = cjson.decode(f:read("a"))
 f:close()
-local ctx = pg.ParallelContext{ tensor = int("tensor", 1), pipeline = int("pipeline", 1), data = int("data", 1), seed = 1 }
-local engine = pg.parallelize(pg.nn.from_hf(dir), ctx, { device = opt.device or "cpu" })
+local ctx = pg.ParallelContext{ tensor = opt.tensor, pipeline = opt.pipeline, data = opt.data, seed = 1 }
+local engine = pg.parallelize(pg.nn.from_hf(dir), ctx, { device = opt.device })
 local all = pg.tensor(expected.tokens, { dtype = "int32" })
 local T = all:shape()[2] - 1
 local x, y = all:narrow(2, 1, T), all:narrow(2, 2, T)
@@ -37,7 +42,7 @@ local loss = engine:loss(x, y)
 local rel = math.abs(loss - expected.loss) / expected.loss
 if ctx:rank() == 0 then print(("loss %.9g (transformers %.9g, relative difference %.2g)"):format(loss, expected.loss, rel)) end
 local ok = rel <= 1e-5
-local steps = int("steps", 0)
+local steps = opt.steps
 if steps > 0 then
   local optim = pg.optim.AdamW(engine, { lr = 1e-3, weight_decay = 0.1 })
   for _ = 1, steps do
@@ -46,11 +51,11 @@ if steps > 0 then
     optim:step()
   end
 end
-if opt["save-hf"] then
-  engine:save_hf(opt["save-hf"])
+if opt.save_hf then
+  engine:save_hf(opt.save_hf)
   local final = engine:loss(x, y)
   if ctx:rank() == 0 then
-    local out = assert(io.open(opt["save-hf"] .. "/tokens.json", "w"))
+    local out = assert(io.open(opt.save_hf .. "/tokens.json", "w"))
     out:write(cjson.encode({ tokens = expected.tokens }))
     out:close()
     print(("final loss %.9g"):format(final))

@@ -11,9 +11,9 @@ PKGS=(
   libopenblas-openmp-dev                       # sgemm (OpenMP flavour: one thread pool with ours)
   zlib1g-dev                                   # crc32 for checkpoint checksums
   fortunes                                     # the default training corpus (/usr/share/games/fortunes)
+  lua-argparse                                 # command-line options of the examples and scripts
+  gnuplot-nox                                  # scripts/plot.lua
 )
-# Optional extras (plots), installed when asked: PG_WITH_PLOTS=1.
-[ "${PG_WITH_PLOTS:-0}" = 1 ] && PKGS+=(gnuplot-nox)
 
 missing=()
 for p in "${PKGS[@]}"; do

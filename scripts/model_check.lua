@@ -20,44 +20,37 @@
 -- Defaults: B = 4, T = the model's positions, N = 10, lr 1e-3, betas 0.9 / 0.95,
 -- eps 1e-8, weight decay 0.1, no clipping.
 local pg = require "pipegoose"
+local argparse = require "argparse"
 
-local opt = {}
-for _, a in ipairs(arg) do
-  local k, v = a:match("^%-%-([%w-]+)=(.*)$")
-  if not k then
-    io.stderr:write("model_check.lua: unexpected argument '" .. a .. "' (options are --name=value)\n")
-    os.exit(2)
-  end
-  opt[k] = v
-end
-local known = { hf = 1, tokens = 1, batch = 1, ["seq-len"] = 1, steps = 1, lr = 1, beta1 = 1, beta2 = 1, eps = 1,
-  ["weight-decay"] = 1, clip = 1, tensor = 1, pipeline = 1, data = 1, ["micro-batches"] = 1, schedule = 1, zero = 1,
-  device = 1, ["save-hf"] = 1 }
-for k in pairs(opt) do
-  if not known[k] then
-    io.stderr:write("model_check.lua: unknown option --" .. k .. "\n")
-    os.exit(2)
-  end
-end
-if not opt.hf or not opt.tokens then
-  io.stderr:write("usage: model_check.lua --hf=DIR --tokens=SHARD [--batch=B] [--seq-len=T] [--steps=N] ...\n")
-  os.exit(2)
-end
-local function num(k, d)
-  if opt[k] == nil then return d end
-  return tonumber(opt[k]) or error("--" .. k .. " needs a number, got " .. opt[k], 0)
-end
-local function int(k, d)
-  local v = num(k, d)
-  return math.tointeger(v) or error("--" .. k .. " needs an integer, got " .. tostring(opt[k]), 0)
-end
+local p = argparse("model_check.lua", "Train a Hugging Face model directory on one fixed batch; print the losses.")
+local function to_int(s) return math.tointeger(tonumber(s)) end
+p:option("--hf", "A transformers model directory."):count(1)
+p:option("--tokens", "An llm.c token shard."):count(1)
+p:option("--batch", "B windows of T + 1 tokens.", "4"):convert(to_int)
+p:option("--seq-len", "T (default: the model's positions)."):convert(to_int)
+p:option("--steps", "AdamW steps.", "10"):convert(to_int)
+p:option("--lr", "Learning rate.", "1e-3"):convert(tonumber)
+p:option("--beta1", "AdamW beta1.", "0.9"):convert(tonumber)
+p:option("--beta2", "AdamW beta2.", "0.95"):convert(tonumber)
+p:option("--eps", "AdamW eps.", "1e-8"):convert(tonumber)
+p:option("--weight-decay", "Decoupled weight decay (tensors of 2+ dimensions).", "0.1"):convert(tonumber)
+p:option("--clip", "Clip the global gradient norm to this (0: no clipping).", "0"):convert(tonumber)
+p:option("--tensor", "Tensor-parallel size.", "1"):convert(to_int)
+p:option("--pipeline", "Pipeline stages.", "1"):convert(to_int)
+p:option("--data", "Data-parallel size.", "1"):convert(to_int)
+p:option("--micro-batches", "Micro-batches per step.", "1"):convert(to_int)
+p:option("--schedule", "Pipeline schedule.", "1f1b"):choices{ "1f1b", "gpipe" }
+p:option("--zero", "ZeRO stage.", "0"):convert(to_int)
+p:option("--device", "cpu, cuda or cuda:N.", "cpu")
+p:option("--save-hf", "Write the trained model there and print its final loss.")
+local opt = p:parse()
 
-local ctx = pg.ParallelContext{ tensor = int("tensor", 1), pipeline = int("pipeline", 1), data = int("data", 1), seed = 1 }
+local ctx = pg.ParallelContext{ tensor = opt.tensor, pipeline = opt.pipeline, data = opt.data, seed = 1 }
 local model = pg.nn.from_hf(opt.hf)
 local cfg = model.config
-local B, T = int("batch", 4), int("seq-len", cfg.seq_len)
-local engine = pg.parallelize(model, ctx, { micro_batches = int("micro-batches", 1), schedule = opt.schedule or "1f1b",
-  device = opt.device or "cpu" })
+local B, T = opt.batch, opt.seq_len or cfg.seq_len
+local engine = pg.parallelize(model, ctx, { micro_batches = opt.micro_batches, schedule = opt.schedule,
+  device = opt.device })
 local data = pg.data.TokenShards{ path = opt.tokens, batch = B, seq_len = T, shuffle = false, ctx = ctx, vocab = cfg.vocab }
 local x, y = data:next_batch()
 if not x then error(opt.tokens .. ": fewer than " .. B .. " windows of " .. (T + 1) .. " tokens", 0) end
@@ -65,10 +58,10 @@ if not x then error(opt.tokens .. ": fewer than " .. B .. " windows of " .. (T +
 local function say(...) if ctx:rank() == 0 then print(...) end end
 
 say(("loss %.9g"):format(engine:loss(x, y)))
-local optimizer = pg.optim.AdamW(engine, { lr = num("lr", 1e-3), betas = { num("beta1", 0.9), num("beta2", 0.95) },
-  eps = num("eps", 1e-8), weight_decay = num("weight-decay", 0.1), zero = int("zero", 0) })
-local clip = num("clip", 0)
-for k = 1, int("steps", 10) do
+local optimizer = pg.optim.AdamW(engine, { lr = opt.lr, betas = { opt.beta1, opt.beta2 }, eps = opt.eps,
+  weight_decay = opt.weight_decay, zero = opt.zero })
+local clip = opt.clip
+for k = 1, opt.steps do
   engine:zero_grad()
   local l = engine:forward_backward(x, y)
   local norm = clip > 0 and optimizer:clip_grad_norm(clip) or optimizer:grad_norm()
@@ -76,7 +69,7 @@ for k = 1, int("steps", 10) do
   say(("step %d loss %.9g"):format(k, l))
   say(("grad_norm %d %.9g"):format(k, norm))
 end
-if opt["save-hf"] then
+if opt.save_hf then
   say(("final loss %.9g"):format(engine:loss(x, y)))
-  engine:save_hf(opt["save-hf"])
+  engine:save_hf(opt.save_hf)
 end

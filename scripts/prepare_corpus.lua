@@ -23,33 +23,23 @@
 -- (either may be empty) and prints the counts.
 local pg = require "pipegoose"
 
-local usage = "usage: pglua scripts/prepare_corpus.lua [--out=data] [--name=fortunes] [--val-fraction=0.1] " ..
-  "[--seed=0] [--separator=%] [files...]"
 local default_dir = "/usr/share/games/fortunes"
-
-local opts = { out = "data", name = "fortunes", ["val-fraction"] = "0.1", seed = "0", separator = "%" }
-local files = {}
-for _, a in ipairs(arg) do
-  local k, v = a:match("^%-%-([%w%-]+)=(.*)$")
-  if a == "-h" or a == "--help" then
-    print(usage)
-    os.exit(0)
-  elseif k then
-    if opts[k] == nil then error(("prepare_corpus: unknown option --%s\n%s"):format(k, usage), 0) end
-    opts[k] = v
-  elseif a:sub(1, 2) == "--" then
-    error(("prepare_corpus: options are written --name=value, got %s\n%s"):format(a, usage), 0)
-  else
-    files[#files + 1] = a
-  end
+local argparse = require "argparse"
+local p = argparse("prepare_corpus.lua", "Byte-level token shards from text files (default: the fortunes).")
+p:argument("files", "Text files (default: every fortune file in " .. default_dir .. ")."):args("*")
+p:option("--out", "Output directory.", "data")
+p:option("--name", "Shard name prefix.", "fortunes")
+p:option("--val-fraction", "Fraction of documents for validation.", "0.1"):convert(tonumber)
+p:option("--seed", "Seed of the train/val split.", "0"):convert(function(s) return math.tointeger(tonumber(s)) end)
+p:option("--separator", "Line that separates documents.", "%")
+local args = p:parse()
+local opts = { out = args.out, name = args.name, separator = args.separator }
+local files = args.files
+local val_fraction = args.val_fraction
+if val_fraction < 0 or val_fraction > 1 then
+  p:error("--val-fraction must be a number from 0 to 1, got " .. tostring(val_fraction))
 end
-
-local val_fraction = tonumber(opts["val-fraction"])
-if not val_fraction or val_fraction < 0 or val_fraction > 1 then
-  error("prepare_corpus: --val-fraction must be a number from 0 to 1, got " .. opts["val-fraction"], 0)
-end
-local seed = math.tointeger(tonumber(opts.seed))
-if not seed then error("prepare_corpus: --seed must be an integer, got " .. opts.seed, 0) end
+local seed = args.seed
 local C = pg.core.token_data
 
 if #files == 0 then

@@ -19,6 +19,7 @@ int luaopen_pipegoose_core(lua_State *L) {
   pg_lua_open_nn(L);
   pg_lua_open_optim(L);
   pg_lua_open_file(L);
+  pg_lua_open_fs(L);
   pg_lua_open_ops(L);
   pg_lua_open_data(L);
   pg_lua_open_cuda(L);

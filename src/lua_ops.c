@@ -584,14 +584,7 @@ static int l_set_num_threads(lua_State *L) {
   return 0;
 }
 
-/* wtime() -> wall-clock seconds (omp_get_wtime), for benchmarks. */
-static int l_wtime(lua_State *L) {
-  lua_pushnumber(L, omp_get_wtime());
-  return 1;
-}
-
 static const luaL_Reg ops_functions[] = {
-    {"wtime", l_wtime},
     {"num_threads", l_num_threads},
     {"set_num_threads", l_set_num_threads},
     {"embedding", l_embedding},

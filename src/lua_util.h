@@ -53,6 +53,7 @@ void pg_lua_open_dist(lua_State *L);
 void pg_lua_open_nn(lua_State *L);
 void pg_lua_open_optim(lua_State *L);
 void pg_lua_open_file(lua_State *L);
+void pg_lua_open_fs(lua_State *L);
 void pg_lua_open_ops(lua_State *L); /* sets field `ops` */
 void pg_lua_open_data(lua_State *L);
 void pg_lua_open_cuda(lua_State *L); /* sets field `cuda` */

@@ -1256,4 +1256,17 @@ function M.export_hf(dir, out)
   end, "checkpoint: " .. dir)
 end
 
+--- Loads a checkpoint's parameters (not the optimizer or the counters) into
+-- an engine of any layout: each rank cuts its shards out of the full tensors.
+-- The checkpoint is verified first. Returns the manifest.
+function M.load_weights(engine, path)
+  local dir, manifest = verified(M.resolve(path))
+  local header_of = header_reader(dir)
+  -- a tied head's copy (last stage) takes the original's values, as the loaders of llmc.lua and hf.lua do
+  for _, p in ipairs(engine:parameters()) do
+    engine.c:load_param(p.name, full_tensor(dir, manifest, header_of, "params", "", p.name))
+  end
+  return manifest
+end
+
 return M

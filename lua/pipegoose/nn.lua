@@ -692,6 +692,20 @@ function nn.from_hf(dir)
 end
 nn.GPT.from_hf = nn.from_hf
 
+--- pg.nn.from_config(cfg): the model a config table describes (an engine's
+-- `config`, a checkpoint's `model` record): pg.nn.Llama when cfg.arch is
+-- "llama", pg.nn.GPT otherwise (GPT-2's config has no arch).
+function nn.from_config(cfg)
+  if type(cfg) ~= "table" then error("from_config: needs a model config table", 2) end
+  local o = {}
+  for k, v in pairs(cfg) do if k ~= "arch" then o[k] = v end end
+  if cfg.arch == "llama" then return nn.Llama(o) end
+  if cfg.arch ~= nil and cfg.arch ~= "gpt2" then
+    error(("from_config: unknown architecture '%s' (gpt2, llama)"):format(tostring(cfg.arch)), 2)
+  end
+  return nn.GPT(o)
+end
+
 ---------------------------------------------------------------- standalone layers
 
 --- nn.Layer(spec, ctx [, {seed=, input={width=, split=}}]): one module on its own

@@ -19,17 +19,48 @@ local function generator(seed)
   end
 end
 
+local KNOWN = { temperature = true, seed = true, top_k = true }
+
 --- M.generate(engine, prompt, n, {temperature = 0, seed = 0, top_k = nil}) -> list of ids
--- prompt: a list of token ids (at least one). temperature 0 is greedy.
+-- prompt: token ids, as a list or a 1-D int32 tensor (what pg.data.bytes.encode
+-- returns), at least one. temperature 0 is greedy; top_k keeps the k likeliest.
 -- Collective: every rank of the engine must call it with the same arguments.
 function M.generate(engine, prompt, n, opts)
   opts = opts or {}
+  if type(opts) ~= "table" then error("generate: options must be a table", 2) end
+  for k in pairs(opts) do
+    if not KNOWN[k] then error(("generate: unknown option '%s' (temperature, seed, top_k)"):format(tostring(k)), 2) end
+  end
+  if math.type(n) ~= "integer" or n < 0 then error(("generate: n must be an integer >= 0, got %s"):format(tostring(n)), 2) end
   local temperature, top_k = opts.temperature or 0, opts.top_k
+  if type(temperature) ~= "number" or not (temperature >= 0) then
+    error(("generate: temperature must be a number >= 0, got %s"):format(tostring(temperature)), 2)
+  end
+  if top_k ~= nil and (math.type(top_k) ~= "integer" or top_k < 1) then
+    error(("generate: top_k must be a positive integer, got %s"):format(tostring(top_k)), 2)
+  end
+  if opts.seed ~= nil and math.type(opts.seed) ~= "integer" then
+    error(("generate: seed must be an integer, got %s"):format(tostring(opts.seed)), 2)
+  end
   local rand = generator(opts.seed or 0)
-  local window = engine.config.seq_len or #prompt + n
+  if core.is_tensor(prompt) then
+    if prompt:dim() ~= 1 or prompt:dtype() ~= "int32" then
+      error(("generate: a prompt tensor must be 1-D int32 token ids, got %s"):format(tostring(prompt)), 2)
+    end
+    prompt = prompt:totable()
+  elseif type(prompt) ~= "table" then
+    error(("generate: the prompt must be a list or a tensor of token ids, got %s"):format(type(prompt)), 2)
+  end
+  local vocab = engine.config.vocab
   local ids = {}
-  for i, t in ipairs(prompt) do ids[i] = t end
+  for i, t in ipairs(prompt) do
+    if math.type(t) ~= "integer" or t < 0 or (vocab and t >= vocab) then
+      error(("generate: prompt token %d is %s, not an id in [0, %s)"):format(i, tostring(t), tostring(vocab)), 2)
+    end
+    ids[i] = t
+  end
   if #ids == 0 then error("generate: the prompt needs at least one token", 2) end
+  local window = engine.config.seq_len or #ids + n
   local out = {}
   for _ = 1, n do
     local first = math.max(1, #ids - window + 1)

@@ -1,0 +1,71 @@
+/* Lua bindings for pg_fs (pg.fs): directories without a shell, and terminals.
+ *   fs.exists(path), fs.is_dir(path) -> boolean
+ *   fs.mkdir_p(path), fs.remove_tree(path)           errors name the path
+ *   fs.list(dir) -> sorted names (no . and ..)        an error when dir cannot be read
+ *   fs.isatty("stdout" | "stderr" | "stdin" | fd) -> boolean
+ *   fs.getpid() -> this process's id
+ * Atomic writes are pg.file.write (src/lua_file.c). */
+#include <string.h>
+#include <unistd.h>
+
+#include "lua_util.h"
+#include "pg_fs.h"
+
+static int l_exists(lua_State *L) {
+  lua_pushboolean(L, pg_fs_exists(luaL_checkstring(L, 1)));
+  return 1;
+}
+
+static int l_is_dir(lua_State *L) {
+  lua_pushboolean(L, pg_fs_is_dir(luaL_checkstring(L, 1)));
+  return 1;
+}
+
+static int l_mkdir_p(lua_State *L) {
+  PG_LUA_CHECK(L, pg_fs_mkdir_p(luaL_checkstring(L, 1)));
+  return 0;
+}
+
+static int l_remove_tree(lua_State *L) {
+  PG_LUA_CHECK(L, pg_fs_remove_tree(luaL_checkstring(L, 1)));
+  return 0;
+}
+
+static int l_list(lua_State *L) {
+  char **names;
+  int n;
+  PG_LUA_CHECK(L, pg_fs_list(luaL_checkstring(L, 1), &names, &n));
+  lua_createtable(L, n, 0);
+  for (int i = 0; i < n; i++) {
+    lua_pushstring(L, names[i]);
+    lua_rawseti(L, -2, i + 1);
+  }
+  pg_fs_free_list(names, n);
+  return 1;
+}
+
+static int l_isatty(lua_State *L) {
+  int fd;
+  if (lua_type(L, 1) == LUA_TNUMBER) {
+    fd = (int)luaL_checkinteger(L, 1);
+  } else {
+    static const char *const names[] = {"stdin", "stdout", "stderr", NULL};
+    fd = luaL_checkoption(L, 1, "stdout", names);
+  }
+  lua_pushboolean(L, pg_fs_isatty(fd));
+  return 1;
+}
+
+static int l_getpid(lua_State *L) {
+  lua_pushinteger(L, (lua_Integer)getpid());
+  return 1;
+}
+
+static const luaL_Reg fns[] = {{"exists", l_exists}, {"is_dir", l_is_dir}, {"mkdir_p", l_mkdir_p},
+                               {"remove_tree", l_remove_tree}, {"list", l_list}, {"isatty", l_isatty},
+                               {"getpid", l_getpid}, {NULL, NULL}};
+
+void pg_lua_open_fs(lua_State *L) {
+  luaL_newlib(L, fns);
+  lua_setfield(L, -2, "fs");
+}

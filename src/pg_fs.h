@@ -1,0 +1,25 @@
+/* pg_fs: directories and the process's terminal, for the library's Lua code
+ * (checkpoints, metrics, callbacks) so that nothing shells out: a path with a
+ * quote, a space or a leading dash is just a path.
+ *
+ * Errors name the path and the system's reason (PG_ERR + pg_error()). */
+#ifndef PG_FS_H
+#define PG_FS_H
+
+/* 1 when something exists at path (a dangling link counts), else 0. */
+int pg_fs_exists(const char *path);
+/* 1 when path is a directory (following links), else 0. */
+int pg_fs_is_dir(const char *path);
+/* Creates path and its missing parents (mode 0777 & ~umask); an existing directory is fine. */
+int pg_fs_mkdir_p(const char *path);
+/* Removes path and everything below it, not following links; a missing path is fine.
+ * Refuses "", "/", "." and ".." (and paths ending in "/." or "/.."). */
+int pg_fs_remove_tree(const char *path);
+/* The names in directory dir (no "." or ".."), sorted bytewise: *names is a
+ * malloc'd array of malloc'd strings, *n its length; pg_fs_free_list frees it. */
+int pg_fs_list(const char *dir, char ***names, int *n);
+void pg_fs_free_list(char **names, int n);
+/* 1 when the file descriptor is a terminal. */
+int pg_fs_isatty(int fd);
+
+#endif
