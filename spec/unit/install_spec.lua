@@ -35,6 +35,26 @@ int main(void) {
     assert.equal(0, rc, out)
     assert.equal("9\n", out)
     os.remove(src); os.remove(exe)
+    -- a plain lua5.4 finds it through the prefix's paths (the defaults when PREFIX=/usr/local)
+    rc, out = h.sh(("cd / && LUA_PATH='%s/share/lua/5.4/?.lua;%s/share/lua/5.4/?/init.lua;;' LUA_CPATH='%s/lib/lua/5.4/?.so;;' "
+      .. "lua5.4 -e 'print(require(\"pipegoose\").tensor{1, 2}:sum())'"):format(prefix, prefix, prefix))
+    assert.equal(0, rc, out)
+    assert.matches("3%.0\n$", out)
+    -- another project's specs run with busted under the installed pglua (README, "Testing your own code")
+    local proj = os.tmpname() .. ".proj"
+    h.sh(("mkdir -p %s/spec"):format(proj))
+    local f = assert(io.open(proj .. "/spec/mine_spec.lua", "w"))
+    f:write([[
+local pg = require "pipegoose"
+describe("a callback of my own", function()
+  it("sees pipegoose", function() assert.equal(3, pg.tensor{ 1, 2 }:sum()) end)
+end)
+]])
+    f:close()
+    rc, out = h.sh(("cd %s && %s/bin/pglua /usr/bin/busted spec"):format(proj, prefix))
+    assert.equal(0, rc, out)
+    assert.matches("1 success / 0 failures", out, 1, true)
+    h.sh("rm -rf " .. proj)
     h.sh("rm -rf " .. prefix)
   end)
 end)
