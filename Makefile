@@ -12,6 +12,7 @@
 #   make cuda-emu   the CUDA kernels' self-test on the CPU emulator (no GPU needed)
 #   make emu        build-emu/pglua: the runtime on an emulated CUDA device (device = "cuda" without a GPU)
 #   make mutate     one-line bugs (scripts/mutations.lua), each must make a spec fail; MUTATE_ARGS=--only=a,b
+#   make fuzz       libFuzzer (clang) on the file readers, FUZZ_SECONDS each (fuzz/; the corpus replays in make test)
 #   make CUDA=0     never build the CUDA kernels (default: auto-detect nvcc; CUDA=1 requires it)
 
 VERSION  := 0.1.0
@@ -30,7 +31,12 @@ DEPS_OK  := $(BUILD)/.deps-ok
 PKG_CFLAGS = $(shell pkg-config --cflags lua5.4 openblas)
 PKG_LIBS   = $(shell pkg-config --libs lua5.4 openblas)
 
-ifeq ($(SAN),1)
+ifeq ($(FUZZ),1)
+  # make fuzz: clang through Open MPI's wrapper, coverage for libFuzzer, sanitizers on
+  export OMPI_CC := clang
+  OPTFLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined,fuzzer-no-link -fno-sanitize-recover=undefined
+  SANLD    := -fsanitize=address,undefined
+else ifeq ($(SAN),1)
   OPTFLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
   SANLD    := -fsanitize=address,undefined
 else ifeq ($(DEBUG),1)
@@ -90,7 +96,8 @@ CORE_SO    := $(BUILD)/lua/pipegoose/core.so
 LIB_A      := $(BUILD)/libpipegoose.a
 LIB_SO     := $(BUILD)/libpipegoose.so
 
-.PHONY: all deps debug asan test test-unit mutate emu cuda-emu run bench bench-comm install uninstall clean
+.PHONY: all deps debug asan test test-unit mutate emu cuda-emu run bench bench-comm install uninstall clean fuzz \
+        fuzz-replay fuzz-build
 
 all: $(PGLUA) $(CORE_SO) $(LIB_A) $(LIB_SO)
 ifeq ($(BUILD),build)
@@ -150,15 +157,50 @@ $(CORE_SO): $(BINDING_OBJS) $(RUNTIME_OBJS)
 debug:
 	$(MAKE) BUILD=build-debug DEBUG=1 all
 
+# Fuzz targets (fuzz/targets.c: safetensors, manifest, shard, llmc). The
+# replay binaries run each target once on every file of its seed corpus
+# (fuzz/corpus/<target>/) and are built with the suite (spec/unit/fuzz_spec.lua
+# runs them); `make fuzz` builds the libFuzzer binaries with clang into
+# build-fuzz/ and fuzzes each target FUZZ_SECONDS (default 60), new inputs
+# going to build-fuzz/corpus/<target>/ (copy the interesting ones into fuzz/corpus).
+FUZZ_TARGETS := safetensors manifest shard llmc
+FUZZ_SECONDS ?= 60
+FUZZ_REPLAY  := $(FUZZ_TARGETS:%=$(BUILD)/fuzz/replay_%)
+FUZZ_CFLAGS   = $(CFLAGS) -Ifuzz -DPG_FUZZ_ROOT='"$(CURDIR)"'
+
+fuzz-replay: $(FUZZ_REPLAY)
+
+$(BUILD)/fuzz/replay_%: fuzz/targets.c fuzz/main_replay.c fuzz/fuzz.h $(BINDING_OBJS) $(RUNTIME_OBJS)
+	@mkdir -p $(dir $@)
+	$(CC) $(FUZZ_CFLAGS) -DPG_FUZZ_TARGET=fuzz_$* $(LDFLAGS) -o $@ fuzz/targets.c fuzz/main_replay.c \
+	  $(BINDING_OBJS) $(RUNTIME_OBJS) $(LDLIBS)
+
+$(BUILD)/fuzz/fuzz_%: fuzz/targets.c fuzz/main_libfuzzer.c fuzz/fuzz.h $(BINDING_OBJS) $(RUNTIME_OBJS)
+	@mkdir -p $(dir $@)
+	$(CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer -DPG_FUZZ_TARGET=fuzz_$* $(LDFLAGS) -o $@ fuzz/targets.c \
+	  fuzz/main_libfuzzer.c $(BINDING_OBJS) $(RUNTIME_OBJS) $(LDLIBS)
+
+fuzz-build: $(FUZZ_TARGETS:%=$(BUILD)/fuzz/fuzz_%)
+
+fuzz: | $(DEPS_OK)
+	@command -v clang > /dev/null || { echo "make fuzz needs clang (apt-get install clang)"; exit 1; }
+	$(MAKE) BUILD=build-fuzz FUZZ=1 CUDA=0 fuzz-build
+	@for t in $(FUZZ_TARGETS); do \
+	  mkdir -p build-fuzz/corpus/$$t; \
+	  echo "== fuzz $$t ($(FUZZ_SECONDS) s)"; \
+	  $(ASAN_ENV) build-fuzz/fuzz/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 -malloc_limit_mb=1024 \
+	    -timeout=10 build-fuzz/corpus/$$t fuzz/corpus/$$t || exit 1; \
+	done
+
 ASAN_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:allocator_may_return_null=1:fast_unwind_on_malloc=0:malloc_context_size=30 \
             LSAN_OPTIONS=suppressions=$(CURDIR)/spec/support/lsan.supp:print_suppressions=0 \
             UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 asan:
-	$(MAKE) BUILD=build-asan SAN=1 all
+	$(MAKE) BUILD=build-asan SAN=1 all fuzz-replay
 	$(MAKE) emu
 	$(ASAN_ENV) PG_SANITIZE=1 PGLUA=build-asan/pglua scripts/run_tests.sh
 
-test: all emu
+test: all emu fuzz-replay
 	PGLUA=$(PGLUA) PG_CUDA=$(CUDA) PG_EMU_PGLUA=$(EMU_BUILD)/pglua scripts/run_tests.sh
 
 # Only the plain busted specs (fast, no mpirun).
@@ -250,4 +292,4 @@ uninstall:
 	  $(PREFIX)/share/lua/5.4/pipegoose $(PREFIX)/lib/lua/5.4/pipegoose $(PREFIX)/lib/pkgconfig/pipegoose.pc
 
 clean:
-	rm -rf build build-debug build-asan build-emu pglua
+	rm -rf build build-debug build-asan build-emu build-fuzz pglua

@@ -33,11 +33,7 @@ local function layout(cfg)
   }
 end
 
-local function numel(shape)
-  local n = 1
-  for _, d in ipairs(shape) do n = n * d end
-  return n
-end
+local numel = require("pipegoose.safetensors").numel
 
 --- Every (file tensor, layer, parameter name, byte offset, element count), in file order.
 function M.entries(cfg)
@@ -63,8 +59,26 @@ function M.read_header(path)
     error(("%s: llm.c model version %d is not supported (expected %d: fp32)"):format(path, h[2], M.VERSION), 0)
   end
   local cfg = { seq_len = h[3], vocab = h[4], layers = h[5], heads = h[6], dim = h[7], padded_vocab = h[8] }
-  local _, size = M.entries(cfg)
+  for _, k in ipairs{ "seq_len", "vocab", "layers", "heads", "dim", "padded_vocab" } do
+    if cfg[k] < 1 then error(("%s: the header's %s is %d, not a positive size"):format(path, k, cfg[k]), 0) end
+  end
+  if cfg.padded_vocab < cfg.vocab then
+    error(("%s: the header's padded_vocab %d is below its vocab %d"):format(path, cfg.padded_vocab, cfg.vocab), 0)
+  end
+  if cfg.dim % cfg.heads ~= 0 then
+    error(("%s: the header's channels %d are not divisible by its heads %d"):format(path, cfg.dim, cfg.heads), 0)
+  end
   local actual = core.file.size(path)
+  -- The size the header implies, in floating point first: sizes from a
+  -- damaged header can overflow integers, and listing the entries of 2^30
+  -- layers would take forever before the size check could fail.
+  local V, T, C, L = cfg.padded_vocab, cfg.seq_len, cfg.dim, cfg.layers
+  local approx = 1024 + 4 * ((V + T) * C + L * (12.0 * C * C + 13.0 * C) + 2.0 * C)
+  if approx >= 2 ^ 53 then
+    error(("%s: truncated: the header's model needs about %.3g bytes, the file has %d"):format(path, approx, actual), 0)
+  end
+  -- exact now (every term below 2^53): 12 C^2 + 13 C per layer, as M.entries lays them out
+  local size = 1024 + 4 * ((V + T) * C + L * (12 * C * C + 13 * C) + 2 * C)
   if actual ~= size then
     error(("%s: %s: the header's model needs %d bytes, the file has %d"):format(path,
       actual < size and "truncated" or "trailing bytes", size, actual), 0)

@@ -35,10 +35,15 @@ local MAX_HEADER = 100 * 1024 * 1024
 
 local function core() return require "pipegoose.core" end
 
---- Elements in a tensor of this shape (a list of sizes).
+--- Elements in a tensor of this shape (a list of sizes); nil when the count
+-- does not fit 2^53 (a header that lies: 2^32 x 2^32 would wrap to 0 in
+-- integer arithmetic and pass for an empty tensor).
 local function numel(shape)
-  local n = 1
-  for _, d in ipairs(shape) do n = n * d end
+  local n, approx = 1, 1.0
+  for _, d in ipairs(shape) do
+    n, approx = n * d, approx * d
+  end
+  if approx >= 2 ^ 53 then return nil end
   return n
 end
 M.numel = numel
@@ -54,8 +59,8 @@ function M.header_text(entries, metadata)
     local t = e.tensor
     local code = CODES[t:dtype()] or error(("safetensors: %s has dtype %s, which has no code"):format(e.name, t:dtype()))
     local shape = e.shape or t:shape()
-    if numel(shape) ~= t:numel() then
-      error(("safetensors: %s: shape of %d elements for a tensor of %d"):format(e.name, numel(shape), t:numel()))
+    if (numel(shape) or -1) ~= t:numel() then
+      error(("safetensors: %s: shape [%s] for a tensor of %d elements"):format(e.name, table.concat(shape, ", "), t:numel()))
     end
     local dims = {}
     for i, d in ipairs(shape) do dims[i] = ("%d"):format(d) end
@@ -135,6 +140,7 @@ function M.read_header(path)
       local shape = int_list(path, name, "shape", e.shape)
       local offs = int_list(path, name, "data_offsets", e.data_offsets)
       local count = numel(shape)
+      if not count then fail(path, "bad header: '%s' has shape [%s], too large to be real", name, table.concat(shape, ", ")) end
       if #offs ~= 2 or offs[2] - offs[1] ~= count * dt.size then
         fail(path, "bad header: '%s' has data_offsets that do not hold %d %s values", name, count, e.dtype)
       end
