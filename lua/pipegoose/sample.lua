@@ -5,19 +5,9 @@ local core = require "pipegoose.core"
 
 local M = {}
 
--- splitmix64: a small seeded generator, so that samples are reproducible and
--- do not disturb math.random.
-local function generator(seed)
-  local state = seed or 0
-  return function()
-    state = state + 0x9e3779b97f4a7c15
-    local z = state
-    z = (z ~ (z >> 30)) * 0xbf58476d1ce4e5b9
-    z = (z ~ (z >> 27)) * 0x94d049bb133111eb
-    z = z ~ (z >> 31)
-    return (z >> 11) * (1.0 / 9007199254740992.0) -- [0, 1)
-  end
-end
+-- A seeded generator of its own (pipegoose.rng), so that samples are
+-- reproducible and do not disturb math.random.
+local generator = require("pipegoose.rng").generator
 
 local KNOWN = { temperature = true, seed = true, top_k = true }
 

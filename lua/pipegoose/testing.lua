@@ -39,17 +39,8 @@ local function core()
   return require "pipegoose.core"
 end
 
--- A 64-bit mix of integers (splitmix64 steps); integer arithmetic wraps in Lua 5.4.
-local function mix(...)
-  local h = 0x9E3779B97F4A7C15
-  for i = 1, select("#", ...) do
-    h = (h ~ select(i, ...)) * 0xBF58476D1CE4E5B9
-    h = h ~ (h >> 31)
-    h = h * 0x94D049BB133111EB
-    h = h ~ (h >> 29)
-  end
-  return h
-end
+-- A 64-bit mix of integers (pipegoose.rng's splitmix64).
+local mix = require("pipegoose.rng").mix
 M.mix = mix
 
 --- Token ids of inputs as nested Lua tables (inputs: tensor or tables).
