@@ -1,0 +1,628 @@
+/* pg_cuda_selftest: every CUDA kernel (kernels/cuda) against its CPU kernel
+ * (kernels/cpu) on random inputs, with stated tolerances (pg_cuda.h). On a
+ * GPU through pg.cuda.selftest(); on the CPU emulator through
+ * scripts/cuda_emu_test.sh (make cuda-emu). */
+#include "pg_cuda.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "pg_error.h"
+
+#ifndef PG_WITH_CUDA
+
+int pg_cuda_selftest(char *report, size_t n) {
+  const char *why = "built without CUDA (nvcc was not found, or make CUDA=0)";
+  if (report && n) snprintf(report, n, "%s", why);
+  return pg_fail("%s", why);
+}
+
+#else /* PG_WITH_CUDA */
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <omp.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "kernels.h"
+
+/* ---- the self-test ---- */
+
+#define ST_MAX_BUFS 256
+
+typedef struct selftest {
+  char *out;
+  size_t cap, len;
+  int checks, failed, broken; /* broken: a CUDA call failed, stop testing */
+  pg_cuda_ctx ctx;
+  void *dev[ST_MAX_BUFS], *host[ST_MAX_BUFS];
+  int ndev, nhost;
+  uint64_t rng;
+} selftest;
+
+static void say(selftest *st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void say(selftest *st, const char *fmt, ...) {
+  if (!st->out || st->len + 1 >= st->cap) return;
+  va_list ap;
+  va_start(ap, fmt);
+  int w = vsnprintf(st->out + st->len, st->cap - st->len, fmt, ap);
+  va_end(ap);
+  if (w > 0) st->len = st->len + (size_t)w < st->cap ? st->len + (size_t)w : st->cap - 1;
+}
+
+static void broken(selftest *st, const char *what, const char *why) {
+  if (!st->broken) say(st, "  FAIL  %s: %s\n", what, why);
+  st->broken = 1;
+  st->failed++;
+}
+
+/* xorshift64*: uniform floats in [lo, hi) */
+static float st_uniform(selftest *st, float lo, float hi) {
+  st->rng ^= st->rng >> 12;
+  st->rng ^= st->rng << 25;
+  st->rng ^= st->rng >> 27;
+  uint64_t r = st->rng * 2685821657736338717ull;
+  return lo + (hi - lo) * (float)((r >> 40) * (1.0 / 16777216.0));
+}
+
+static void *h_alloc(selftest *st, size_t bytes) {
+  if (st->nhost >= ST_MAX_BUFS) {
+    broken(st, "host buffer", "too many buffers");
+    return NULL;
+  }
+  void *p = calloc(1, bytes ? bytes : 1);
+  if (p) st->host[st->nhost++] = p;
+  else broken(st, "host", "out of memory");
+  return p;
+}
+
+static float *h_rand(selftest *st, int64_t n, float lo, float hi) {
+  float *p = h_alloc(st, (size_t)n * sizeof(float));
+  if (p)
+    for (int64_t i = 0; i < n; i++) p[i] = st_uniform(st, lo, hi);
+  return p;
+}
+
+static float *h_copy(selftest *st, const float *src, int64_t n) {
+  float *p = h_alloc(st, (size_t)n * sizeof(float));
+  if (p && src) memcpy(p, src, (size_t)n * sizeof(float));
+  return p;
+}
+
+static int32_t *h_tokens(selftest *st, int64_t n, int32_t below) {
+  int32_t *p = h_alloc(st, (size_t)n * sizeof(int32_t));
+  if (p)
+    for (int64_t i = 0; i < n; i++) p[i] = (int32_t)(st_uniform(st, 0.0f, 1.0f) * (float)below) % below;
+  return p;
+}
+
+/* A device copy of host memory (NULL and `broken` on failure). */
+static void *d_put(selftest *st, const void *h, size_t bytes) {
+  if (st->broken || !h) return NULL; /* already reported */
+  if (st->ndev >= ST_MAX_BUFS) {
+    broken(st, "device buffer", "too many buffers");
+    return NULL;
+  }
+  void *d = pg_cuda_malloc(bytes);
+  if (!d) {
+    broken(st, "cudaMalloc", pg_error());
+    return NULL;
+  }
+  st->dev[st->ndev++] = d;
+  if (pg_cuda_memcpy(d, h, bytes, PG_CUDA_HOST_TO_DEVICE) != PG_OK) {
+    broken(st, "copy to device", pg_error());
+    return NULL;
+  }
+  return d;
+}
+
+static float *d_floats(selftest *st, const float *h, int64_t n) { return d_put(st, h, (size_t)n * sizeof(float)); }
+
+/* A kernel's return code: 1 when fine. */
+static int launched(selftest *st, const char *name, int rc) {
+  if (rc == 0) return 1;
+  char why[256];
+  snprintf(why, sizeof why, "launch failed: %s (code %d)", pg_cuda_strerror(rc), rc);
+  broken(st, name, why);
+  return 0;
+}
+
+/* Synchronises, copies n values back and compares elementwise:
+ * |got - want| <= atol + rtol |want| (rtol = atol = 0: equal values). */
+static void check_f(selftest *st, const char *name, const float *dev, const float *want, int64_t n, double rtol,
+                    double atol) {
+  if (st->broken || !dev || !want) return;
+  if (pg_cuda_synchronize() != PG_OK) {
+    broken(st, name, pg_error());
+    return;
+  }
+  float *got = h_alloc(st, (size_t)n * sizeof(float));
+  if (!got) return;
+  if (pg_cuda_memcpy(got, dev, (size_t)n * sizeof(float), PG_CUDA_DEVICE_TO_HOST) != PG_OK) {
+    broken(st, name, pg_error());
+    return;
+  }
+  const int exact = rtol == 0 && atol == 0;
+  double worst = 0, max_err = 0;
+  int64_t wi = -1;
+  for (int64_t i = 0; i < n; i++) {
+    const float g = got[i], w = want[i];
+    double err = 0;
+    int bad = 0;
+    if (g == w || (isnan(g) && isnan(w))) {
+      /* equal (or NaN where the CPU has NaN) */
+    } else if (isnan(g) || isnan(w) || isinf(g) || isinf(w)) {
+      bad = 1, err = INFINITY;
+    } else {
+      err = fabs((double)g - (double)w);
+      bad = exact || !(err <= atol + rtol * fabs((double)w));
+    }
+    if (err > max_err) max_err = err;
+    if (bad && (wi < 0 || err > worst)) worst = err, wi = i;
+  }
+  st->checks++;
+  char tol[64];
+  if (exact) snprintf(tol, sizeof tol, "exact");
+  else snprintf(tol, sizeof tol, "rtol %.0e, atol %.0e", rtol, atol);
+  if (wi < 0) {
+    say(st, "  ok    %-34s max |err| %-9.2g (%s, %lld values)\n", name, max_err, tol, (long long)n);
+  } else {
+    st->failed++;
+    say(st, "  FAIL  %-34s element %lld: got %.9g, want %.9g (%s)\n", name, (long long)wi, (double)got[wi],
+        (double)want[wi], tol);
+  }
+}
+
+static void check_d(selftest *st, const char *name, const double *dev, double want, double rtol) {
+  if (st->broken || !dev) return;
+  double got = 0;
+  if (pg_cuda_synchronize() != PG_OK || pg_cuda_memcpy(&got, dev, sizeof got, PG_CUDA_DEVICE_TO_HOST) != PG_OK) {
+    broken(st, name, pg_error());
+    return;
+  }
+  st->checks++;
+  double err = fabs(got - want);
+  if (err <= rtol * fabs(want)) {
+    say(st, "  ok    %-34s |err| %-9.2g     (rtol %.0e)\n", name, err, rtol);
+  } else {
+    st->failed++;
+    say(st, "  FAIL  %-34s got %.17g, want %.17g (rtol %.0e)\n", name, got, want, rtol);
+  }
+}
+
+/* Pulls n floats of a device buffer to a new host array (for repeat checks). */
+static float *d_get(selftest *st, const float *dev, int64_t n) {
+  if (st->broken || !dev) return NULL;
+  float *h = h_alloc(st, (size_t)n * sizeof(float));
+  if (!h) return NULL;
+  if (pg_cuda_synchronize() != PG_OK || pg_cuda_memcpy(h, dev, (size_t)n * sizeof(float), PG_CUDA_DEVICE_TO_HOST)) {
+    broken(st, "copy to host", pg_error());
+    return NULL;
+  }
+  return h;
+}
+
+static int reload(selftest *st, float *dev, const float *h, int64_t n) {
+  if (st->broken || !dev || !h) return 0;
+  if (pg_cuda_memcpy(dev, h, (size_t)n * sizeof(float), PG_CUDA_HOST_TO_DEVICE) != PG_OK) {
+    broken(st, "copy to device", pg_error());
+    return 0;
+  }
+  return 1;
+}
+
+/* Sizes: odd and not multiples of 32, so that every tail path runs. */
+enum { ST_B = 2, ST_T = 37, ST_C = 48, ST_NH = 3, ST_OC = 80, ST_N = ST_B * ST_T };
+#define TOL_POINT 1e-5, 1e-6 /* pointwise: rtol, atol */
+#define TOL_REDUCE 1e-5, 1e-5 /* row and column reductions */
+#define TOL_GEMM 1e-4, 1e-5   /* sgemm-based */
+
+static void test_embedding(selftest *st) {
+  const int N = ST_N, C = ST_C, rows = 30, row_start = 20;
+  const pg_cuda_ctx *ctx = &st->ctx;
+  int32_t *tok = h_tokens(st, N, 60); /* about half in [20, 50), with repeats */
+  float *w = h_rand(st, (int64_t)rows * C, -1, 1), *garbage = h_rand(st, (int64_t)N * C, 100, 200);
+  float *out = h_alloc(st, (size_t)N * C * sizeof(float));
+  if (!tok || !w || !garbage || !out) return;
+  pg_embedding_forward(out, tok, w, N, C, row_start, rows);
+  int32_t *d_tok = d_put(st, tok, (size_t)N * sizeof(int32_t));
+  float *d_w = d_floats(st, w, (int64_t)rows * C), *d_out = d_floats(st, garbage, (int64_t)N * C);
+  if (st->broken) return;
+  if (launched(st, "embedding_forward", pg_cuda_embedding_forward(ctx, d_out, d_tok, d_w, N, C, row_start, rows)))
+    check_f(st, "embedding_forward", d_out, out, (int64_t)N * C, 0, 0);
+
+  /* backward: the CPU's order of additions, so the same values */
+  float *dout = h_rand(st, (int64_t)N * C, -1, 1), *dw0 = h_rand(st, (int64_t)rows * C, -1, 1);
+  float *dw = h_copy(st, dw0, (int64_t)rows * C);
+  if (!dout || !dw) return;
+  pg_embedding_backward(dw, dout, tok, N, C, row_start, rows);
+  float *d_dout = d_floats(st, dout, (int64_t)N * C), *d_dw = d_floats(st, dw0, (int64_t)rows * C);
+  if (st->broken) return;
+  if (launched(st, "embedding_backward", pg_cuda_embedding_backward(ctx, d_dw, d_dout, d_tok, N, C, row_start, rows)))
+    check_f(st, "embedding_backward", d_dw, dw, (int64_t)rows * C, 0, 0);
+
+  /* many repeats over several scan tiles */
+  const int N2 = 2100, C2 = 8, rows2 = 16;
+  int32_t *tok2 = h_tokens(st, N2, 20);
+  float *dout2 = h_rand(st, (int64_t)N2 * C2, -1, 1), *dw2_0 = h_rand(st, (int64_t)rows2 * C2, -1, 1);
+  float *dw2 = h_copy(st, dw2_0, (int64_t)rows2 * C2);
+  if (!tok2 || !dout2 || !dw2) return;
+  pg_embedding_backward(dw2, dout2, tok2, N2, C2, 0, rows2);
+  int32_t *d_tok2 = d_put(st, tok2, (size_t)N2 * sizeof(int32_t));
+  float *d_dout2 = d_floats(st, dout2, (int64_t)N2 * C2), *d_dw2 = d_floats(st, dw2_0, (int64_t)rows2 * C2);
+  if (st->broken) return;
+  if (launched(st, "embedding_backward (2100 tokens)",
+               pg_cuda_embedding_backward(ctx, d_dw2, d_dout2, d_tok2, N2, C2, 0, rows2)))
+    check_f(st, "embedding_backward (2100 tokens)", d_dw2, dw2, (int64_t)rows2 * C2, 0, 0);
+
+  /* positions */
+  const int T = ST_T;
+  float *wpe = h_rand(st, (int64_t)T * C, -1, 1), *o0 = h_rand(st, (int64_t)N * C, -1, 1);
+  float *o = h_copy(st, o0, (int64_t)N * C), *dwpe0 = h_rand(st, (int64_t)T * C, -1, 1);
+  float *dwpe = h_copy(st, dwpe0, (int64_t)T * C);
+  if (!wpe || !o || !dwpe) return;
+  pg_position_forward(o, wpe, N, T, C);
+  pg_position_backward(dwpe, dout, N, T, C);
+  float *d_wpe = d_floats(st, wpe, (int64_t)T * C), *d_o = d_floats(st, o0, (int64_t)N * C);
+  float *d_dwpe = d_floats(st, dwpe0, (int64_t)T * C);
+  if (st->broken) return;
+  if (launched(st, "position_forward", pg_cuda_position_forward(ctx, d_o, d_wpe, N, T, C)))
+    check_f(st, "position_forward", d_o, o, (int64_t)N * C, 0, 0);
+  if (launched(st, "position_backward", pg_cuda_position_backward(ctx, d_dwpe, d_dout, N, T, C)))
+    check_f(st, "position_backward", d_dwpe, dwpe, (int64_t)T * C, TOL_REDUCE);
+}
+
+static void test_layernorm(selftest *st) {
+  const int N = ST_N, C = ST_C;
+  const pg_cuda_ctx *ctx = &st->ctx;
+  float *x = h_rand(st, (int64_t)N * C, 2, 4); /* mean far from 0: the two-pass variance matters */
+  float *w = h_rand(st, C, 0.5f, 1.5f), *b = h_rand(st, C, -0.5f, 0.5f);
+  float *out = h_alloc(st, (size_t)N * C * sizeof(float)), *mean = h_alloc(st, N * sizeof(float));
+  float *rstd = h_alloc(st, N * sizeof(float)), *garbage = h_rand(st, (int64_t)N * C, 100, 200);
+  if (!x || !w || !b || !out || !mean || !rstd || !garbage) return;
+  pg_layernorm_forward(out, mean, rstd, x, w, b, N, C);
+  float *d_x = d_floats(st, x, (int64_t)N * C), *d_w = d_floats(st, w, C), *d_b = d_floats(st, b, C);
+  float *d_out = d_floats(st, garbage, (int64_t)N * C), *d_mean = d_floats(st, garbage, N);
+  float *d_rstd = d_floats(st, garbage, N);
+  if (st->broken) return;
+  if (launched(st, "layernorm_forward",
+               pg_cuda_layernorm_forward(ctx, d_out, d_mean, d_rstd, d_x, d_w, d_b, N, C))) {
+    check_f(st, "layernorm_forward.out", d_out, out, (int64_t)N * C, TOL_REDUCE);
+    check_f(st, "layernorm_forward.mean", d_mean, mean, N, TOL_REDUCE);
+    check_f(st, "layernorm_forward.rstd", d_rstd, rstd, N, TOL_REDUCE);
+  }
+  /* backward from the CPU's statistics (the same inputs on both sides) */
+  float *dout = h_rand(st, (int64_t)N * C, -1, 1), *dw0 = h_rand(st, C, -1, 1), *db0 = h_rand(st, C, -1, 1);
+  float *dx = h_alloc(st, (size_t)N * C * sizeof(float)), *dw = h_copy(st, dw0, C), *db = h_copy(st, db0, C);
+  if (!dout || !dx || !dw || !db) return;
+  pg_layernorm_backward(dx, dw, db, dout, x, w, mean, rstd, N, C);
+  float *d_dout = d_floats(st, dout, (int64_t)N * C), *d_dx = d_floats(st, garbage, (int64_t)N * C);
+  float *d_dw = d_floats(st, dw0, C), *d_db = d_floats(st, db0, C);
+  if (!reload(st, d_mean, mean, N) || !reload(st, d_rstd, rstd, N)) return;
+  if (launched(st, "layernorm_backward",
+               pg_cuda_layernorm_backward(ctx, d_dx, d_dw, d_db, d_dout, d_x, d_w, d_mean, d_rstd, N, C))) {
+    check_f(st, "layernorm_backward.dinp", d_dx, dx, (int64_t)N * C, TOL_REDUCE);
+    check_f(st, "layernorm_backward.dweight", d_dw, dw, C, TOL_REDUCE);
+    check_f(st, "layernorm_backward.dbias", d_db, db, C, TOL_REDUCE);
+  }
+  /* determinism: a second run from the same state gives the same values */
+  float *first = d_get(st, d_dw, C);
+  if (!first || !reload(st, d_dw, dw0, C)) return;
+  if (launched(st, "layernorm_backward (repeat)",
+               pg_cuda_layernorm_backward(ctx, NULL, d_dw, NULL, d_dout, d_x, d_w, d_mean, d_rstd, N, C)))
+    check_f(st, "layernorm_backward.dweight (repeat)", d_dw, first, C, 0, 0);
+}
+
+static void test_matmul(selftest *st) {
+  const int N = ST_N, C = ST_C, OC = ST_OC;
+  const pg_cuda_ctx *ctx = &st->ctx;
+  float *x = h_rand(st, (int64_t)N * C, -1, 1), *w = h_rand(st, (int64_t)OC * C, -1, 1);
+  float *b = h_rand(st, OC, -1, 1), *garbage = h_rand(st, (int64_t)N * (C > OC ? C : OC), 100, 200);
+  float *out = h_alloc(st, (size_t)N * OC * sizeof(float)), *out_nb = h_alloc(st, (size_t)N * OC * sizeof(float));
+  if (!x || !w || !b || !garbage || !out || !out_nb) return;
+  pg_matmul_forward(out, x, w, b, N, C, OC);
+  pg_matmul_forward(out_nb, x, w, NULL, N, C, OC);
+  float *d_x = d_floats(st, x, (int64_t)N * C), *d_w = d_floats(st, w, (int64_t)OC * C), *d_b = d_floats(st, b, OC);
+  float *d_out = d_floats(st, garbage, (int64_t)N * OC);
+  if (st->broken) return;
+  if (launched(st, "matmul_forward", pg_cuda_matmul_forward(ctx, d_out, d_x, d_w, d_b, N, C, OC)))
+    check_f(st, "matmul_forward (bias)", d_out, out, (int64_t)N * OC, TOL_GEMM);
+  if (!reload(st, d_out, garbage, (int64_t)N * OC)) return;
+  if (launched(st, "matmul_forward", pg_cuda_matmul_forward(ctx, d_out, d_x, d_w, NULL, N, C, OC)))
+    check_f(st, "matmul_forward (no bias)", d_out, out_nb, (int64_t)N * OC, TOL_GEMM);
+
+  float *dout = h_rand(st, (int64_t)N * OC, -1, 1), *dw0 = h_rand(st, (int64_t)OC * C, -1, 1);
+  float *db0 = h_rand(st, OC, -1, 1), *dx = h_alloc(st, (size_t)N * C * sizeof(float));
+  float *dw = h_copy(st, dw0, (int64_t)OC * C), *db = h_copy(st, db0, OC);
+  if (!dout || !dx || !dw || !db) return;
+  pg_matmul_backward(dx, dw, db, dout, x, w, N, C, OC);
+  float *d_dout = d_floats(st, dout, (int64_t)N * OC), *d_dx = d_floats(st, garbage, (int64_t)N * C);
+  float *d_dw = d_floats(st, dw0, (int64_t)OC * C), *d_db = d_floats(st, db0, OC);
+  if (st->broken) return;
+  if (launched(st, "matmul_backward", pg_cuda_matmul_backward(ctx, d_dx, d_dw, d_db, d_dout, d_x, d_w, N, C, OC))) {
+    check_f(st, "matmul_backward.dinp", d_dx, dx, (int64_t)N * C, TOL_GEMM);
+    check_f(st, "matmul_backward.dweight", d_dw, dw, (int64_t)OC * C, TOL_GEMM);
+    check_f(st, "matmul_backward.dbias", d_db, db, OC, TOL_REDUCE);
+  }
+}
+
+/* One attention shape: NH query heads, NKV key/value heads of HS columns. */
+static void attention_case(selftest *st, int NH, int NKV, int HS) {
+  const int B = ST_B, T = ST_T, N = ST_N, W = (NH + 2 * NKV) * HS, C = NH * HS;
+  const pg_cuda_ctx *ctx = &st->ctx;
+  const int64_t nqkv = (int64_t)N * W, natt = (int64_t)B * NH * T * T;
+  char what[32] = "", name[96];
+  if (NKV != NH) snprintf(what, sizeof what, " (%d/%d heads)", NH, NKV);
+#define ST_NAME(s) (snprintf(name, sizeof name, "attention_%s%.31s", s, what), name)
+  float *qkv = h_rand(st, nqkv, -1, 1), *garbage = h_rand(st, nqkv > natt ? nqkv : natt, 100, 200);
+  float *out = h_alloc(st, (size_t)N * C * sizeof(float)), *att = h_alloc(st, (size_t)natt * sizeof(float));
+  if (!qkv || !garbage || !out || !att) return;
+  pg_attention_forward(out, att, qkv, B, T, NH, NKV, HS);
+  float *d_qkv = d_floats(st, qkv, nqkv), *d_out = d_floats(st, garbage, (int64_t)N * C);
+  float *d_att = d_floats(st, garbage, natt);
+  if (st->broken) return;
+  if (launched(st, ST_NAME("forward"), pg_cuda_attention_forward(ctx, d_out, d_att, d_qkv, B, T, NH, NKV, HS))) {
+    check_f(st, ST_NAME("forward.out"), d_out, out, (int64_t)N * C, TOL_GEMM);
+    check_f(st, ST_NAME("forward.att"), d_att, att, natt, TOL_GEMM);
+  }
+  float *dout = h_rand(st, (int64_t)N * C, -1, 1), *dqkv = h_alloc(st, (size_t)nqkv * sizeof(float));
+  float *scratch = h_alloc(st, (size_t)pg_attention_scratch_floats(T, omp_get_max_threads()) * sizeof(float));
+  float *d_scratch = d_floats(st, garbage, pg_cuda_attention_scratch_floats(T, NH));
+  if (!dout || !dqkv || !scratch || !d_scratch) return;
+  pg_attention_backward(dqkv, scratch, dout, qkv, att, B, T, NH, NKV, HS);
+  float *d_dout = d_floats(st, dout, (int64_t)N * C), *d_dqkv = d_floats(st, garbage, nqkv);
+  if (!reload(st, d_att, att, natt)) return; /* the CPU's probabilities: the same inputs */
+  if (launched(st, ST_NAME("backward"),
+               pg_cuda_attention_backward(ctx, d_dqkv, d_scratch, d_dout, d_qkv, d_att, B, T, NH, NKV, HS)))
+    check_f(st, ST_NAME("backward.dqkv"), d_dqkv, dqkv, nqkv, TOL_GEMM);
+  float *first = d_get(st, d_dqkv, nqkv);
+  if (!first || !reload(st, d_dqkv, garbage, nqkv)) return;
+  if (launched(st, ST_NAME("backward (repeat)"),
+               pg_cuda_attention_backward(ctx, d_dqkv, d_scratch, d_dout, d_qkv, d_att, B, T, NH, NKV, HS)))
+    check_f(st, ST_NAME("backward.dqkv (repeat)"), d_dqkv, first, nqkv, 0, 0);
+#undef ST_NAME
+}
+
+/* Multi-head, grouped-query (two query heads per key/value head) and
+ * multi-query attention. */
+static void test_attention(selftest *st) {
+  attention_case(st, ST_NH, ST_NH, ST_C / ST_NH);
+  attention_case(st, 4, 2, 12);
+  attention_case(st, 4, 1, 12);
+}
+
+/* RoPE over the query and key heads of a grouped-query qkv block (the value
+ * heads and the row tails stay as they are); tables longer than T. The CPU's
+ * operations, separately rounded: the same values. */
+static void test_rope(selftest *st) {
+  const int N = ST_N, T = ST_T, NH = 4, NKV = 2, HS = 12, heads = NH + NKV, ld = (NH + 2 * NKV) * HS + 3;
+  const int max_T = T + 5, half = HS / 2;
+  const pg_cuda_ctx *ctx = &st->ctx;
+  const int64_t n = (int64_t)N * ld;
+  float *cos_t = h_alloc(st, (size_t)max_T * half * sizeof(float));
+  float *sin_t = h_alloc(st, (size_t)max_T * half * sizeof(float));
+  float *x0 = h_rand(st, n, -2, 2), *dx0 = h_rand(st, n, -2, 2);
+  float *x = h_copy(st, x0, n), *dx = h_copy(st, dx0, n);
+  if (!cos_t || !sin_t || !x || !dx) return;
+  pg_rope_table(cos_t, sin_t, max_T, HS, 10000.0);
+  pg_rope_forward(x, cos_t, sin_t, N, T, heads, HS, ld);
+  pg_rope_backward(dx, cos_t, sin_t, N, T, heads, HS, ld);
+  float *d_cos = d_floats(st, cos_t, (int64_t)max_T * half), *d_sin = d_floats(st, sin_t, (int64_t)max_T * half);
+  float *d_x = d_floats(st, x0, n), *d_dx = d_floats(st, dx0, n);
+  if (st->broken) return;
+  if (launched(st, "rope_forward", pg_cuda_rope_forward(ctx, d_x, d_cos, d_sin, N, T, heads, HS, ld)))
+    check_f(st, "rope_forward (in place)", d_x, x, n, 0, 0);
+  if (launched(st, "rope_backward", pg_cuda_rope_backward(ctx, d_dx, d_cos, d_sin, N, T, heads, HS, ld)))
+    check_f(st, "rope_backward (in place)", d_dx, dx, n, 0, 0);
+}
+
+static void test_rmsnorm(selftest *st) {
+  const int N = ST_N, C = ST_C;
+  const float eps = 1e-6f;
+  const pg_cuda_ctx *ctx = &st->ctx;
+  float *x = h_rand(st, (int64_t)N * C, -2, 2), *w = h_rand(st, C, 0.5f, 1.5f);
+  float *out = h_alloc(st, (size_t)N * C * sizeof(float)), *rstd = h_alloc(st, N * sizeof(float));
+  float *garbage = h_rand(st, (int64_t)N * C, 100, 200);
+  if (!x || !w || !out || !rstd || !garbage) return;
+  pg_rmsnorm_forward(out, rstd, x, w, N, C, eps);
+  float *d_x = d_floats(st, x, (int64_t)N * C), *d_w = d_floats(st, w, C);
+  float *d_out = d_floats(st, garbage, (int64_t)N * C), *d_rstd = d_floats(st, garbage, N);
+  if (st->broken) return;
+  if (launched(st, "rmsnorm_forward", pg_cuda_rmsnorm_forward(ctx, d_out, d_rstd, d_x, d_w, N, C, eps))) {
+    check_f(st, "rmsnorm_forward.out", d_out, out, (int64_t)N * C, TOL_REDUCE);
+    check_f(st, "rmsnorm_forward.rstd", d_rstd, rstd, N, TOL_REDUCE);
+  }
+  /* backward from the CPU's rstd; dweight accumulates onto what is there */
+  float *dout = h_rand(st, (int64_t)N * C, -1, 1), *dw0 = h_rand(st, C, -1, 1);
+  float *dx = h_alloc(st, (size_t)N * C * sizeof(float)), *dw = h_copy(st, dw0, C);
+  if (!dout || !dx || !dw) return;
+  pg_rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C);
+  float *d_dout = d_floats(st, dout, (int64_t)N * C), *d_dx = d_floats(st, garbage, (int64_t)N * C);
+  float *d_dw = d_floats(st, dw0, C);
+  if (!reload(st, d_rstd, rstd, N)) return;
+  if (launched(st, "rmsnorm_backward",
+               pg_cuda_rmsnorm_backward(ctx, d_dx, d_dw, d_dout, d_x, d_w, d_rstd, N, C))) {
+    check_f(st, "rmsnorm_backward.dinp", d_dx, dx, (int64_t)N * C, TOL_REDUCE);
+    check_f(st, "rmsnorm_backward.dweight (+=)", d_dw, dw, C, TOL_REDUCE);
+  }
+  /* determinism, and dinp = NULL: only the weight's gradient */
+  float *first = d_get(st, d_dw, C);
+  if (!first || !reload(st, d_dw, dw0, C)) return;
+  if (launched(st, "rmsnorm_backward (repeat)",
+               pg_cuda_rmsnorm_backward(ctx, NULL, d_dw, d_dout, d_x, d_w, d_rstd, N, C)))
+    check_f(st, "rmsnorm_backward.dweight (repeat)", d_dw, first, C, 0, 0);
+}
+
+/* gate values out to -12..12 (silu's tails), H odd */
+static void test_swiglu(selftest *st) {
+  const int N = ST_N, H = 101;
+  const int64_t n = (int64_t)N * H;
+  const pg_cuda_ctx *ctx = &st->ctx;
+  float *inp = h_rand(st, 2 * n, -2, 2), *dout = h_rand(st, n, -1, 1), *garbage = h_rand(st, 2 * n, 100, 200);
+  float *out = h_alloc(st, (size_t)n * sizeof(float)), *dinp = h_alloc(st, (size_t)2 * n * sizeof(float));
+  if (!inp || !dout || !garbage || !out || !dinp) return;
+  for (int r = 0; r < N; r++)
+    for (int c = 0; c < H; c++) inp[(int64_t)r * 2 * H + c] *= 6.0f;
+  pg_swiglu_forward(out, inp, N, H);
+  pg_swiglu_backward(dinp, inp, dout, N, H);
+  float *d_inp = d_floats(st, inp, 2 * n), *d_dout = d_floats(st, dout, n);
+  float *d_out = d_floats(st, garbage, n), *d_dinp = d_floats(st, garbage, 2 * n);
+  if (st->broken) return;
+  if (launched(st, "swiglu_forward", pg_cuda_swiglu_forward(ctx, d_out, d_inp, N, H)))
+    check_f(st, "swiglu_forward", d_out, out, n, TOL_POINT);
+  if (launched(st, "swiglu_backward", pg_cuda_swiglu_backward(ctx, d_dinp, d_inp, d_dout, N, H)))
+    check_f(st, "swiglu_backward", d_dinp, dinp, 2 * n, TOL_POINT);
+}
+
+static void test_pointwise(selftest *st) {
+  const int64_t n = 10007;
+  const pg_cuda_ctx *ctx = &st->ctx;
+  float *x = h_rand(st, n, -6, 6), *y = h_rand(st, n, -1, 1), *dout = h_rand(st, n, -1, 1);
+  float *garbage = h_rand(st, n, 100, 200), *r = h_alloc(st, (size_t)n * sizeof(float));
+  float *da0 = h_rand(st, n, -1, 1), *db0 = h_rand(st, n, -1, 1);
+  float *da = h_copy(st, da0, n), *db = h_copy(st, db0, n);
+  if (!x || !y || !dout || !garbage || !r || !da || !db) return;
+  float *d_x = d_floats(st, x, n), *d_y = d_floats(st, y, n), *d_dout = d_floats(st, dout, n);
+  float *d_r = d_floats(st, garbage, n), *d_da = d_floats(st, da0, n), *d_db = d_floats(st, db0, n);
+  if (st->broken) return;
+  pg_gelu_forward(r, x, n);
+  if (launched(st, "gelu_forward", pg_cuda_gelu_forward(ctx, d_r, d_x, n)))
+    check_f(st, "gelu_forward", d_r, r, n, TOL_POINT);
+  pg_gelu_backward(r, x, dout, n);
+  if (!reload(st, d_r, garbage, n)) return;
+  if (launched(st, "gelu_backward", pg_cuda_gelu_backward(ctx, d_r, d_x, d_dout, n)))
+    check_f(st, "gelu_backward", d_r, r, n, TOL_POINT);
+  pg_residual_forward(r, x, y, n);
+  if (!reload(st, d_r, garbage, n)) return;
+  if (launched(st, "residual_forward", pg_cuda_residual_forward(ctx, d_r, d_x, d_y, n)))
+    check_f(st, "residual_forward", d_r, r, n, 0, 0);
+  pg_residual_backward(da, db, dout, n);
+  if (launched(st, "residual_backward", pg_cuda_residual_backward(ctx, d_da, d_db, d_dout, n))) {
+    check_f(st, "residual_backward.da", d_da, da, n, 0, 0);
+    check_f(st, "residual_backward.db", d_db, db, n, 0, 0);
+  }
+}
+
+static void test_xent(selftest *st) {
+  /* a vocabulary slice: global columns [300, 1300), the last 10 padding; targets
+   * over [0, 1600), so some rows' targets are in another slice */
+  const int N = ST_N, V = 1000, valid = 990, vocab_start = 300;
+  const pg_cuda_ctx *ctx = &st->ctx;
+  const float dloss = 1.0f / N;
+  float *logits = h_rand(st, (int64_t)N * V, -4, 4);
+  int32_t *tgt = h_tokens(st, N, 1600);
+  float *mx = h_alloc(st, N * sizeof(float)), *se = h_alloc(st, N * sizeof(float));
+  float *tl = h_alloc(st, N * sizeof(float)), *loss = h_alloc(st, N * sizeof(float));
+  float *garbage = h_rand(st, N, 100, 200);
+  if (!logits || !tgt || !mx || !se || !tl || !loss || !garbage) return;
+  for (int n = 0; n < N; n++)
+    for (int c = valid; c < V; c++) logits[(int64_t)n * V + c] = 1e30f; /* padding must be ignored */
+  pg_xent_row_max(mx, logits, N, V, valid);
+  pg_xent_sumexp(se, tl, logits, mx, tgt, N, V, valid, vocab_start);
+  float *dlogits = h_copy(st, logits, (int64_t)N * V);
+  if (!dlogits) return;
+  double total = pg_xent_finish(loss, dlogits, dlogits, mx, se, tl, tgt, N, V, valid, vocab_start, dloss);
+
+  float *d_logits = d_floats(st, logits, (int64_t)N * V);
+  int32_t *d_tgt = d_put(st, tgt, (size_t)N * sizeof(int32_t));
+  float *d_mx = d_floats(st, garbage, N), *d_se = d_floats(st, garbage, N), *d_tl = d_floats(st, garbage, N);
+  float *d_loss = d_floats(st, garbage, N);
+  double *d_total = d_put(st, &(double){-1.0}, sizeof(double));
+  if (st->broken) return;
+  if (launched(st, "xent_row_max", pg_cuda_xent_row_max(ctx, d_mx, d_logits, N, V, valid)))
+    check_f(st, "xent_row_max", d_mx, mx, N, 0, 0);
+  if (!reload(st, d_mx, mx, N)) return;
+  if (launched(st, "xent_sumexp",
+               pg_cuda_xent_sumexp(ctx, d_se, d_tl, d_logits, d_mx, d_tgt, N, V, valid, vocab_start))) {
+    check_f(st, "xent_sumexp.sumexp", d_se, se, N, TOL_REDUCE);
+    check_f(st, "xent_sumexp.target_logit", d_tl, tl, N, 0, 0);
+  }
+  /* finish from the CPU's statistics, dlogits in place over the logits */
+  if (!reload(st, d_se, se, N) || !reload(st, d_tl, tl, N)) return;
+  if (launched(st, "xent_finish", pg_cuda_xent_finish(ctx, d_loss, d_logits, d_logits, d_mx, d_se, d_tl, d_tgt, N, V,
+                                                      valid, vocab_start, dloss, d_total))) {
+    check_f(st, "xent_finish.losses", d_loss, loss, N, TOL_REDUCE);
+    check_f(st, "xent_finish.dlogits (in place)", d_logits, dlogits, (int64_t)N * V, 1e-5, 1e-7);
+    check_d(st, "xent_finish.loss_sum", d_total, total, 1e-9);
+  }
+}
+
+static void test_optim(selftest *st) {
+  const int64_t n = 10007;
+  const pg_cuda_ctx *ctx = &st->ctx;
+  float *p0 = h_rand(st, n, -1, 1), *g = h_rand(st, n, -1, 1), *m0 = h_rand(st, n, -0.1f, 0.1f);
+  float *v0 = h_rand(st, n, 0, 0.01f);
+  float *p = h_copy(st, p0, n), *m = h_copy(st, m0, n), *v = h_copy(st, v0, n);
+  if (!p0 || !g || !m0 || !v0 || !p || !m || !v) return;
+  pg_adamw_update(p, g, m, v, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3, 0.7f);
+  float *d_p = d_floats(st, p0, n), *d_g = d_floats(st, g, n), *d_m = d_floats(st, m0, n), *d_v = d_floats(st, v0, n);
+  if (st->broken) return;
+  if (launched(st, "adamw_update", pg_cuda_adamw_update(ctx, d_p, d_g, d_m, d_v, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f,
+                                                        3, 0.7f))) {
+    /* the CPU's operations in its order: the same values */
+    check_f(st, "adamw_update.param", d_p, p, n, 0, 0);
+    check_f(st, "adamw_update.m", d_m, m, n, 0, 0);
+    check_f(st, "adamw_update.v", d_v, v, n, 0, 0);
+  }
+  const int64_t big = 100003;
+  float *x = h_rand(st, big, -2, 2);
+  double zero = 0;
+  if (!x) return;
+  double want = pg_sum_squares(x, big);
+  float *d_x = d_floats(st, x, big);
+  double *d_out = d_put(st, &zero, sizeof zero);
+  double *d_scratch = d_put(st, (double[PG_CUDA_SUMSQ_BLOCKS]){0}, PG_CUDA_SUMSQ_BLOCKS * sizeof(double));
+  if (st->broken) return;
+  if (launched(st, "sum_squares", pg_cuda_sum_squares(ctx, d_out, d_x, big, d_scratch)))
+    check_d(st, "sum_squares", d_out, want, 1e-12);
+}
+
+int pg_cuda_selftest(char *report, size_t n) {
+  selftest *st = calloc(1, sizeof *st);
+  if (!st) return pg_fail("pg_cuda_selftest: out of memory");
+  st->out = report;
+  st->cap = n;
+  st->rng = 0x9E3779B97F4A7C15ull;
+  if (report && n) report[0] = '\0';
+
+  char why[256];
+  if (!pg_cuda_available(why, sizeof why)) {
+    say(st, "%s\n", why);
+    free(st);
+    return pg_fail("%s", why);
+  }
+  int dev = 0, count = 0;
+  struct cudaDeviceProp prop;
+  pg_cuda_versions ver;
+  pg_cuda_device_count(&count);
+  pg_cuda_get_versions(&ver);
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&prop, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    snprintf(prop.name, sizeof prop.name, "unknown device");
+    prop.major = prop.minor = 0;
+  }
+  say(st, "CUDA self-test on %s (device %d of %d, sm_%d%d; runtime %d, driver %d, cuBLAS %d, NCCL %d)\n", prop.name,
+      dev, count, prop.major, prop.minor, ver.runtime, ver.driver, ver.cublas, ver.nccl);
+  say(st, "each CUDA kernel against its CPU kernel: |gpu - cpu| <= atol + rtol |cpu|, or exact\n");
+
+  if (pg_cuda_ctx_init(&st->ctx) != PG_OK) {
+    broken(st, "context", pg_error());
+  } else {
+    void (*tests[])(selftest *) = {test_embedding, test_layernorm, test_rmsnorm, test_matmul, test_attention,
+                                   test_rope,      test_pointwise, test_swiglu,  test_xent,   test_optim};
+    for (size_t i = 0; i < sizeof tests / sizeof tests[0] && !st->broken; i++) tests[i](st);
+    (void)pg_cuda_synchronize();
+    pg_cuda_ctx_destroy(&st->ctx);
+  }
+  for (int i = 0; i < st->ndev; i++) pg_cuda_free(st->dev[i]);
+  for (int i = 0; i < st->nhost; i++) free(st->host[i]);
+  say(st, "%d checks, %d failed%s\n", st->checks, st->failed, st->broken ? " (stopped at a CUDA error)" : "");
+  int failed = st->failed;
+  free(st);
+  if (failed) return pg_fail("CUDA self-test: %d check(s) failed", failed);
+  return PG_OK;
+}
+
+#endif /* PG_WITH_CUDA */
