@@ -43,12 +43,12 @@ local seed = args.seed
 local C = pg.core.token_data
 
 if #files == 0 then
-  if C.file_kind(default_dir) ~= "directory" then
+  if pg.fs.kind(default_dir) ~= "directory" then
     error(("prepare_corpus: no input files given and %s is missing (install Debian's fortunes package, " ..
       "or name text files)"):format(default_dir), 0)
   end
   for _, p in ipairs(C.expand_paths(default_dir .. "/*")) do
-    if not p:match("%.dat$") and not p:match("%.u8$") and C.file_kind(p) == "file" then files[#files + 1] = p end
+    if not p:match("%.dat$") and not p:match("%.u8$") and pg.fs.kind(p) == "file" then files[#files + 1] = p end
   end
   table.sort(files)
 end
@@ -90,7 +90,7 @@ for _, path in ipairs(files) do
   end
 end
 
-C.mkdirs(opts.out)
+pg.fs.mkdir_p(opts.out)
 local eot = string.char(pg.data.bytes.eot)
 print(("prepare_corpus: %d files, %d documents, byte tokens (vocab 256), end-of-text token %d before each document")
   :format(#files, ndocs, pg.data.bytes.eot))

@@ -284,27 +284,10 @@ static int l_hash_unit(lua_State *L) {
   return 1;
 }
 
-/* file_kind(path) -> "file", "link", "directory", "other" or nil (lstat). */
-static int l_file_kind(lua_State *L) {
-  switch (pg_data_file_kind(luaL_checkstring(L, 1))) {
-  case 'f': lua_pushstring(L, "file"); break;
-  case 'l': lua_pushstring(L, "link"); break;
-  case 'd': lua_pushstring(L, "directory"); break;
-  case 'o': lua_pushstring(L, "other"); break;
-  default: lua_pushnil(L);
-  }
-  return 1;
-}
-
-static int l_mkdirs(lua_State *L) {
-  PG_LUA_CHECK(L, pg_data_mkdirs(luaL_checkstring(L, 1)));
-  return 0;
-}
-
 static const luaL_Reg data_functions[] = {
     {"write_shard", l_write_shard}, {"read_shard", l_read_shard}, {"shard_info", l_shard_info},
     {"expand_paths", l_expand_paths}, {"loader", l_loader}, {"bytes_encode", l_bytes_encode},
-    {"bytes_decode", l_bytes_decode}, {"hash_unit", l_hash_unit}, {"file_kind", l_file_kind}, {"mkdirs", l_mkdirs}, {NULL, NULL}};
+    {"bytes_decode", l_bytes_decode}, {"hash_unit", l_hash_unit}, {NULL, NULL}};
 
 void pg_lua_open_data(lua_State *L) {
   if (luaL_newmetatable(L, PG_LOADER_MT)) {

@@ -1,5 +1,6 @@
 /* Lua bindings for pg_fs (pg.fs): directories without a shell, and terminals.
  *   fs.exists(path), fs.is_dir(path) -> boolean
+ *   fs.kind(path) -> "file" | "link" | "directory" | "other", or nil (nothing there; lstat)
  *   fs.mkdir_p(path), fs.remove_tree(path)           errors name the path
  *   fs.list(dir) -> sorted names (no . and ..)        an error when dir cannot be read
  *   fs.isatty("stdout" | "stderr" | "stdin" | fd) -> boolean
@@ -18,6 +19,17 @@ static int l_exists(lua_State *L) {
 
 static int l_is_dir(lua_State *L) {
   lua_pushboolean(L, pg_fs_is_dir(luaL_checkstring(L, 1)));
+  return 1;
+}
+
+static int l_kind(lua_State *L) {
+  switch (pg_fs_kind(luaL_checkstring(L, 1))) {
+  case 'f': lua_pushliteral(L, "file"); break;
+  case 'l': lua_pushliteral(L, "link"); break;
+  case 'd': lua_pushliteral(L, "directory"); break;
+  case 'o': lua_pushliteral(L, "other"); break;
+  default: lua_pushnil(L);
+  }
   return 1;
 }
 
@@ -61,7 +73,7 @@ static int l_getpid(lua_State *L) {
   return 1;
 }
 
-static const luaL_Reg fns[] = {{"exists", l_exists}, {"is_dir", l_is_dir}, {"mkdir_p", l_mkdir_p},
+static const luaL_Reg fns[] = {{"exists", l_exists}, {"is_dir", l_is_dir}, {"kind", l_kind}, {"mkdir_p", l_mkdir_p},
                                {"remove_tree", l_remove_tree}, {"list", l_list}, {"isatty", l_isatty},
                                {"getpid", l_getpid}, {NULL, NULL}};
 

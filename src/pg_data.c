@@ -262,38 +262,6 @@ void pg_data_free_paths(char **paths, int n) {
   free(paths);
 }
 
-char pg_data_file_kind(const char *path) {
-  struct stat st;
-  if (lstat(path, &st)) return 0;
-  if (S_ISLNK(st.st_mode)) return 'l';
-  if (S_ISREG(st.st_mode)) return 'f';
-  if (S_ISDIR(st.st_mode)) return 'd';
-  return 'o';
-}
-
-int pg_data_mkdirs(const char *path) {
-  size_t n = strlen(path);
-  char *p = malloc(n + 1);
-  if (!p) return pg_fail("%s: out of memory", path);
-  memcpy(p, path, n + 1);
-  /* Create each prefix ending before a '/', then the whole path. */
-  for (size_t i = 1; i <= n; i++) {
-    if (i < n && p[i] != '/') continue;
-    char saved = p[i];
-    p[i] = 0;
-    if (mkdir(p, 0755) && errno != EEXIST) {
-      pg_fail("%s: cannot create directory %s: %s", path, p, strerror(errno));
-      free(p);
-      return PG_ERR;
-    }
-    p[i] = saved;
-  }
-  free(p);
-  if (pg_data_file_kind(path) != 'd' && pg_data_file_kind(path) != 'l')
-    return pg_fail("%s: exists and is not a directory", path);
-  return PG_OK;
-}
-
 uint64_t pg_data_hash(const void *bytes, size_t n, uint64_t seed) {
   const uint8_t *p = bytes;
   uint64_t h = 0xcbf29ce484222325ULL ^ pg_mix64(seed);

@@ -71,12 +71,6 @@ void pg_data_free_paths(char **paths, int n);
 /* Whether `s` has glob characters (* ? [). */
 int pg_data_is_glob(const char *s);
 
-/* What is at `path`, without following a symlink: 'f' regular file, 'l'
- * symlink, 'd' directory, 'o' other, 0 nothing (or not readable). */
-char pg_data_file_kind(const char *path);
-/* mkdir -p: creates `path` and its missing parents (mode 0755). */
-int pg_data_mkdirs(const char *path);
-
 /* A 64-bit hash of bytes under a seed (documents to train/val splits). */
 uint64_t pg_data_hash(const void *bytes, size_t n, uint64_t seed);
 

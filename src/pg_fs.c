@@ -17,6 +17,15 @@ int pg_fs_exists(const char *path) {
   return lstat(path, &st) == 0;
 }
 
+char pg_fs_kind(const char *path) {
+  struct stat st;
+  if (lstat(path, &st)) return 0;
+  if (S_ISLNK(st.st_mode)) return 'l';
+  if (S_ISREG(st.st_mode)) return 'f';
+  if (S_ISDIR(st.st_mode)) return 'd';
+  return 'o';
+}
+
 int pg_fs_is_dir(const char *path) {
   struct stat st;
   return stat(path, &st) == 0 && S_ISDIR(st.st_mode);

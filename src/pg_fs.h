@@ -8,6 +8,9 @@
 
 /* 1 when something exists at path (a dangling link counts), else 0. */
 int pg_fs_exists(const char *path);
+/* What is at path, without following a link: 'f' regular file, 'l' link,
+ * 'd' directory, 'o' other, 0 nothing (or not readable). */
+char pg_fs_kind(const char *path);
 /* 1 when path is a directory (following links), else 0. */
 int pg_fs_is_dir(const char *path);
 /* Creates path and its missing parents (mode 0777 & ~umask); an existing directory is fine. */

@@ -45,7 +45,7 @@ end
 setup(function()
   dir = os.tmpname()
   os.remove(dir)
-  C.mkdirs(dir)
+  pg.fs.mkdir_p(dir)
 end)
 
 teardown(function()
