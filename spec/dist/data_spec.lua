@@ -18,7 +18,7 @@ local B, L = 8, 5 -- windows of 6 tokens
 -- on). Token i of file f is f*100000 + i: a token names its file and place.
 local dir = os.tmpname()
 os.remove(dir)
-pg.core.token_data.mkdirs(dir)
+pg.fs.mkdir_p(dir)
 local files = {}
 for f = 1, 2 do
   local t = {}
