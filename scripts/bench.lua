@@ -6,10 +6,11 @@
 -- LLMC_DIR is set), T = 2 and D = 2 against one
 -- rank with one thread, measured pipeline bubbles against (P-1)/(M+P-1).
 --
--- Parts (BENCH_ONLY=peak,gpt2,small,torch,llmc,tp,dp,pp,comm,gpu picks some; default all):
+-- Parts (BENCH_ONLY=peak,gpt2,small,llama,torch,llmc,tp,dp,pp,comm,gpu picks some; default all):
 --   peak   sgemm GFLOP/s through pg.ops.linear, all cores and one thread
 --   gpt2   GPT-2 124M (padded vocab 50304, 12 x 768, seq 64), batch 4 x 64, fp32, all cores
 --   small  the default model of examples/train_gpt.lua, batch 16 x 128, all cores
+--   llama  a LLaMA of GPT-2 124M's shape (GQA 12/4 heads, RoPE, SwiGLU 2048, vocab 32000), batch 4 x 64
 --   torch  the same two steps in PyTorch (scripts/bench_torch.py), skipped without torch
 --   llmc   GPT-2 124M's step in llm.c's CPU trainer (train_gpt2.c, same B = 4, T = 64),
 --          when LLMC_DIR names a checkout of github.com/karpathy/llm.c (built here
@@ -91,6 +92,10 @@ local MODELS = {
   gpt2 = { vocab = 50257, padded_vocab = 50304, seq_len = 64, dim = 768, heads = 12, layers = 12, batch = 4 },
   -- examples/train_gpt.lua's defaults.
   small = { vocab = 256, seq_len = 128, dim = 256, heads = 4, layers = 4, batch = 16 },
+  -- a LLaMA of GPT-2 124M's width and depth: grouped-query attention (12 heads over 4 key/value heads),
+  -- rotary embeddings, SwiGLU 2048, RMSNorm, untied head, LLaMA-2's vocabulary of 32000
+  llama = { arch = "llama", vocab = 32000, seq_len = 64, dim = 768, heads = 12, kv_heads = 4, hidden = 2048,
+            layers = 12, batch = 4 },
   -- pipeline part: small enough that 16 micro-batches take seconds
   pp = { vocab = 256, seq_len = 128, dim = 256, heads = 4, layers = 8, batch = 2 },
 }
@@ -133,7 +138,7 @@ local function worker_step(o)
   local ctx = pg.ParallelContext{ tensor = tensor, data = data, pipeline = 1, seed = 1 }
   local spec = {}
   for k, v in pairs(cfg) do if k ~= "batch" then spec[k] = v end end
-  local engine = pg.parallelize(pg.nn.GPT(spec), ctx, { micro_batches = 1 })
+  local engine = pg.parallelize(pg.nn.from_config(spec), ctx, { micro_batches = 1 })
   local opt = pg.optim.AdamW(engine, { lr = 1e-4, betas = { 0.9, 0.95 }, weight_decay = 0.1,
                                        zero = tonumber(o.zero or 0) })
   local B, T = cfg.batch, cfg.seq_len
@@ -329,7 +334,7 @@ local function driver()
 
   ------------------------------------------------ sgemm peak
   local peak = {}
-  if want("peak") or want("gpt2") or want("small") or want("tp") or want("dp") then
+  if want("peak") or want("gpt2") or want("small") or want("llama") or want("tp") or want("dp") then
     -- deep products (large C): ops.linear allocates and clears its output on
     -- every call, which must stay small next to the arithmetic
     local shapes = { { 1024, 4096, 1024 }, { 2048, 2048, 2048 }, { 1536, 3072, 1536 } }
@@ -464,6 +469,7 @@ local function driver()
   end
   if want("gpt2") then step_part("gpt2_124m", "gpt2", "", true) end
   if want("small") then step_part("small", "small", "--small") end
+  if want("llama") then step_part("llama_124m", "llama", "--llama") end
   if #rows > 0 then
     print()
     print(("== training step, 1 rank x %d threads (fp32; MFU = (6N + 6LCT) x tokens/s / sgemm peak)"):format(ncores))

@@ -1,11 +1,12 @@
 #!/usr/bin/python3
-"""Time a full GPT-2 training step in PyTorch on the CPU, or a GPU (fp32).
+"""Time a full GPT-2 (or LLaMA) training step in PyTorch on the CPU, or a GPU (fp32).
 
 Run (from the repository root; needs torch):
 
     /usr/bin/python3 scripts/bench_torch.py                   # GPT-2 124M, 4 x 64 tokens
     /usr/bin/python3 scripts/bench_torch.py --threads 1
     /usr/bin/python3 scripts/bench_torch.py --small           # examples/train_gpt.lua's default model, 16 x 128
+    /usr/bin/python3 scripts/bench_torch.py --llama           # scripts/bench.lua's llama (scripts/llama_torch.py)
     python3 scripts/bench_torch.py --device cuda --batch 8 --seq-len 1024   # scripts/gpu_check.sh's peer
 
 On a GPU, TF32 is off (as in pipegoose's fp32 path and scripts/bench_gpu.lua)
@@ -35,6 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt2_torch as g  # noqa: E402
+import llama_torch as lt  # noqa: E402
 
 
 def available_cores():
@@ -48,6 +50,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="PyTorch training-step benchmark")
     p.add_argument("--small", action="store_true",
                    help="examples/train_gpt.lua's default model (vocab 256, seq 128, dim 256, 4 heads, 4 layers)")
+    p.add_argument("--llama", action="store_true",
+                   help="scripts/bench.lua's llama model (dim 768, 12 layers, 12/4 heads, SwiGLU 2048, vocab 32000)")
     p.add_argument("--batch", type=int, default=None, help="batch rows (default 4, or 16 with --small)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 64, or 128 with --small)")
     p.add_argument("--threads", type=int, default=available_cores())
@@ -66,7 +70,11 @@ def main(argv=None):
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    if a.small:
+    if a.llama:
+        cfg = lt.LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                             num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=64)
+        batch, seq_len = a.batch or 4, a.seq_len or 64
+    elif a.small:
         cfg = g.GPTConfig(max_seq_len=128, vocab_size=256, padded_vocab_size=256,
                           num_layers=4, num_heads=4, channels=256)
         batch, seq_len = a.batch or 16, a.seq_len or 128
@@ -78,10 +86,14 @@ def main(argv=None):
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
-    model = g.GPT(cfg)
-    g.init_weights(model, perturb=0.0)
+    if a.llama:
+        model = lt.LlamaForCausalLM(cfg)
+        lt.init_weights(model, std=0.02, embed_std=0.02, norm_perturb=0.0)
+    else:
+        model = g.GPT(cfg)
+        g.init_weights(model, perturb=0.0)
     model.to(dev)
-    opt = g.make_adamw(model)
+    opt = lt.make_adamw(model) if a.llama else g.make_adamw(model)
     x = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=dev)
     y = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=dev)
 
@@ -89,7 +101,7 @@ def main(argv=None):
 
     def step():
         t0 = time.perf_counter()
-        _, loss = model(x, y)
+        _, loss = model(x, y)  # both models return (logits, mean loss)
         sync()
         t1 = time.perf_counter()
         loss.backward()
