@@ -330,7 +330,13 @@ local function driver()
   local function steps(n) return tostring(steps_override or n) end
   local ncores = cores()
   local t_start = pg.wtime()
+  local machine = pg.machine()
   print(("pipegoose bench: %d cores, OpenBLAS sgemm + OpenMP, %s"):format(ncores, os.date("!%Y-%m-%d %H:%M UTC")))
+  -- which kernels ran: OpenBLAS's core (pglua forces one from the CPU's features when OpenBLAS
+  -- fell back to its generic kernels, src/pg_machine.h; the PyTorch peer gets the same setting)
+  print(("  CPU features: %s; OpenBLAS core: %s%s"):format(machine.features, machine.blas_core,
+    machine.blas_core_chosen and " (chosen by pglua from the features: OpenBLAS's own detection fell back to generic)" or ""))
+  emit("machine", "blas_core", machine.blas_core)
 
   ------------------------------------------------ sgemm peak
   local peak = {}
@@ -369,7 +375,9 @@ local function driver()
   local function torch_run(args)
     if not have_torch or not want("torch") then return nil end
     -- PyTorch runs with the environment it was given: pglua's own OpenMP
-    -- wait-policy default (see src/pglua.c) is not passed on to it.
+    -- wait-policy default (see src/pglua.c) is not passed on to it. The
+    -- OpenBLAS core pglua chose is (PyTorch's products go through the same
+    -- OpenBLAS here): both sides then run the same sgemm kernels.
     local env = os.getenv("PG_DEFAULT_WAIT_POLICY") and "env -u OMP_WAIT_POLICY -u PG_DEFAULT_WAIT_POLICY " or ""
     local res, lines, rc = run(env .. "/usr/bin/python3 scripts/bench_torch.py " .. args)
     if not check_run("PyTorch " .. args, res, lines, rc, "torch_tokens_per_s") then return nil end

@@ -4,9 +4,29 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 
+#include <stdlib.h>
+#include <string.h>
+
 #include "lua_util.h"
+#include "pg_machine.h"
 
 int luaopen_pipegoose_core(lua_State *L);
+
+/* core.machine() -> {features = "avx2 fma ...", blas_core = OpenBLAS's kernels in use,
+ *                   blas_core_chosen = true when pglua set OPENBLAS_CORETYPE (pg_machine.h)} */
+static int l_machine(lua_State *L) {
+  char features[128];
+  pg_machine_features(features, sizeof features);
+  lua_createtable(L, 0, 3);
+  lua_pushstring(L, features);
+  lua_setfield(L, -2, "features");
+  lua_pushstring(L, pg_machine_blas_running());
+  lua_setfield(L, -2, "blas_core");
+  const char *chosen = getenv("PG_DEFAULT_BLAS_CORE"), *set = getenv("OPENBLAS_CORETYPE");
+  lua_pushboolean(L, chosen && set && !strcmp(chosen, set));
+  lua_setfield(L, -2, "blas_core_chosen");
+  return 1;
+}
 
 int luaopen_pipegoose_core(lua_State *L) {
   /* Lua loads C modules with RTLD_LOCAL; Open MPI's plugins need libmpi's
@@ -25,5 +45,7 @@ int luaopen_pipegoose_core(lua_State *L) {
   pg_lua_open_cuda(L);
   lua_pushstring(L, PG_VERSION);
   lua_setfield(L, -2, "version");
+  lua_pushcfunction(L, l_machine);
+  lua_setfield(L, -2, "machine");
   return 1;
 }

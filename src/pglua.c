@@ -20,6 +20,7 @@
 #include <lua.h>
 #include <lualib.h>
 
+#include "pg_machine.h"
 #include "pg_context.h"
 
 int luaopen_pipegoose_core(lua_State *L);
@@ -253,17 +254,30 @@ static void print_version(void) {
  * the policy when it loads, before main, so pglua sets it and executes itself
  * again, once. A policy the user chose (OMP_WAIT_POLICY or GOMP_SPINCOUNT) is
  * kept; PG_DEFAULT_WAIT_POLICY=1 tells child processes that pglua chose it. */
-static void default_wait_policy(char **argv) {
-  if (getenv("OMP_WAIT_POLICY") || getenv("GOMP_SPINCOUNT")) return;
-  if (setenv("OMP_WAIT_POLICY", "passive", 1) || setenv("PG_DEFAULT_WAIT_POLICY", "1", 1)) return;
+/* The same restart sets OPENBLAS_CORETYPE when OpenBLAS fell back to its
+ * generic kernels on a CPU that can do better (pg_machine.h);
+ * PG_DEFAULT_BLAS_CORE=<core> says pglua chose it (a child whose
+ * OPENBLAS_CORETYPE differs was given another by its caller). */
+static void restart_with_defaults(char **argv) {
+  int policy = !getenv("OMP_WAIT_POLICY") && !getenv("GOMP_SPINCOUNT");
+  const char *core = getenv("OPENBLAS_CORETYPE") ? NULL : pg_machine_blas_core();
+  if (!policy && !core) return;
+  if (policy && (setenv("OMP_WAIT_POLICY", "passive", 1) || setenv("PG_DEFAULT_WAIT_POLICY", "1", 1))) return;
+  if (core && (setenv("OPENBLAS_CORETYPE", core, 1) || setenv("PG_DEFAULT_BLAS_CORE", core, 1))) return;
   execv("/proc/self/exe", argv);
-  /* no /proc or no exec: run on with libgomp's default */
-  unsetenv("OMP_WAIT_POLICY");
-  unsetenv("PG_DEFAULT_WAIT_POLICY");
+  /* no /proc or no exec: run on with the libraries' defaults */
+  if (policy) {
+    unsetenv("OMP_WAIT_POLICY");
+    unsetenv("PG_DEFAULT_WAIT_POLICY");
+  }
+  if (core) {
+    unsetenv("OPENBLAS_CORETYPE");
+    unsetenv("PG_DEFAULT_BLAS_CORE");
+  }
 }
 
 int main(int argc, char **argv) {
-  default_wait_policy(argv);
+  restart_with_defaults(argv);
   if (argv[0] && argv[0][0]) progname = argv[0];
   if (pg_mpi_init(&argc, &argv)) {
     fprintf(stderr, "%s: %s\n", progname, "could not initialise MPI");

@@ -170,3 +170,21 @@ describe("scripts/plot.lua", function()
     os.remove(empty)
   end)
 end)
+
+describe("pg.machine", function()
+  it("says which OpenBLAS kernels run and keeps a core the user chose", function()
+    local rc, out = h.sh(h.pglua_cmd{ "-e", [[local m = require("pipegoose").machine()
+      print(m.blas_core, m.blas_core_chosen, m.features ~= nil)]] })
+    assert.equal(0, rc, out)
+    local core, chosen = out:match("^(%S+)\t(%S+)\ttrue")
+    assert.is_not_nil(core, out)
+    -- pglua only steps in when OpenBLAS fell back to its generic kernels
+    if chosen == "true" then
+      assert.is_nil(({ Prescott = 1, Core2 = 1, Nehalem = 1, Katmai = 1 })[core], out)
+    end
+    rc, out = h.sh("OPENBLAS_CORETYPE=Prescott " .. h.pglua_cmd{ "-e", [[local m = require("pipegoose").machine()
+      print(m.blas_core, m.blas_core_chosen)]] })
+    assert.equal(0, rc, out)
+    assert.matches("^Prescott\tfalse", out)
+  end)
+end)
