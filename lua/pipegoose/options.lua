@@ -17,7 +17,8 @@
 --     parallel = opt.enum{ "column", "row" },
 --     betas = opt.list(opt.number{ min = 0, lt = 1 }, { len = 2 }),
 --     path = opt.either(opt.string, opt.list(opt.string)),
---     ctx = opt.check_with("a pg.ParallelContext", is_context),
+--     ctx = opt.context,                        -- a pg.ParallelContext (opt.userdata(mt_name, what))
+--     engine = opt.check_with("an engine", function(v) ... end),
 --     name = "string",                          -- shorthand: "string", "boolean", "table", "function", "any"
 --   }
 --   local o = opt.check("GPT", user_options, SCHEMA)
@@ -76,6 +77,14 @@ function M.suggestion(name, names)
   return ""
 end
 
+-- error's level, counted from the function that called check or value: 0
+-- stays 0 (no position: the check runs later than the user's line, say while
+-- parallelize describes the model).
+local function level_of(level)
+  if level == 0 then return 0 end
+  return (level or 2) + 1
+end
+
 --- How a value reads in a message: strings quoted, NaN without its sign, tables by kind.
 function M.show(v)
   local t = type(v)
@@ -94,14 +103,25 @@ local function show_key(k)
 end
 
 --- The message for an unknown key: "where: unknown option 'k' (did you mean 'x'?)",
--- or the known names when none is close. `known`: a list of names.
-function M.unknown_message(where, key, known)
+-- or the known names when none is close. `known`: a list of names; `prefix`
+-- (optional) is put before every name shown (a nested table's "split.").
+function M.unknown_message(where, key, known, prefix)
+  prefix = prefix or ""
   local sorted = {}
   for i, k in ipairs(known) do sorted[i] = k end
   table.sort(sorted)
-  local hint = type(key) == "string" and M.suggestion(key, sorted) or ""
-  if hint == "" then hint = (" (known: %s)"):format(table.concat(sorted, ", ")) end
-  return ("%s: unknown option %s%s"):format(where, show_key(key), hint)
+  local hint = ""
+  if type(key) == "string" then
+    local best, d = M.closest(key, sorted)
+    if best and d <= math.max(2, #key // 3) then hint = (" (did you mean '%s%s'?)"):format(prefix, best) end
+  end
+  if hint == "" then
+    local shown = {}
+    for i, k in ipairs(sorted) do shown[i] = prefix .. k end
+    hint = (" (known: %s)"):format(table.concat(shown, ", "))
+  end
+  local k = type(key) == "string" and ("'%s%s'"):format(prefix, key) or show_key(key)
+  return ("%s: unknown option %s%s"):format(where, k, hint)
 end
 
 ---------------------------------------------------------------- validators
@@ -137,9 +157,9 @@ function M.integer(spec)
   elseif lo and spec.max then what = ("an integer in [%s, %s]"):format(fmt_num(lo), fmt_num(hi))
   elseif lo then what = ("an integer >= %s"):format(fmt_num(lo))
   else what = "an integer" end
+  what = spec.what or what
   -- too large: say the bound (it is not in `what` when it is only the C int's)
-  local too_big = spec.max and what or (what .. " below 2^31")
-  if spec.max == math.maxinteger then too_big = what end
+  local too_big = (spec.max or spec.what) and what or (what .. " below 2^31")
   return validator(what, function(v)
     local i = type(v) == "number" and math.tointeger(v) or nil
     if i == nil then return false, what end
@@ -150,6 +170,7 @@ function M.integer(spec)
 end
 
 --- Numbers: opt.number{min= (>=), gt= (>), max= (<=), lt= (<), finite = true, required=, default=}.
+-- finite = false with no bounds is a type check only (NaN and infinities pass: their values are checked elsewhere).
 function M.number(spec)
   spec = spec or {}
   local finite = spec.finite ~= false
@@ -160,8 +181,10 @@ function M.number(spec)
     what = ("%s in %s%s, %s%s"):format(what, lo_open and "(" or "[", fmt_num(lo), fmt_num(hi), hi_open and ")" or "]")
   elseif lo then what = ("%s %s %s"):format(what, lo_open and ">" or ">=", fmt_num(lo))
   elseif hi then what = ("%s %s %s"):format(what, hi_open and "<" or "<=", fmt_num(hi)) end
+  what = spec.what or what
   return validator(what, function(v)
-    if type(v) ~= "number" or v ~= v then return false, what end
+    if type(v) ~= "number" then return false, what end
+    if v ~= v and (finite or lo or hi) then return false, what end
     if finite and (v == math.huge or v == -math.huge) then return false, what end
     if lo and (v < lo or (lo_open and v == lo)) then return false, what end
     if hi and (v > hi or (hi_open and v == hi)) then return false, what end
@@ -270,6 +293,17 @@ function M.check_with(what, pred, spec)
   end, spec)
 end
 
+--- A userdata of the C module by its metatable's name: opt.userdata("pg.ParallelContext", "a pg.ParallelContext").
+function M.userdata(mt_name, what, spec)
+  return M.check_with(what, function(v)
+    local mt = type(v) == "userdata" and getmetatable(v)
+    return type(mt) == "table" and mt.__name == mt_name
+  end, spec)
+end
+
+--- A ParallelContext (the validator every ctx= option uses).
+M.context = M.userdata("pg.ParallelContext", "a pg.ParallelContext")
+
 --- Returns a copy of a validator with `required = true` (or with a default).
 function M.required(v)
   v = as_validator(v)
@@ -297,7 +331,7 @@ end
 -- the function that called value (default 2: its caller).
 function M.value(where, name, v, vd, level)
   local msg, res = problem(name, v, as_validator(vd))
-  if msg then error(where .. ": " .. msg, (level or 2) + 1) end
+  if msg then error(where .. ": " .. msg, level_of(level)) end
   return res
 end
 
@@ -306,10 +340,11 @@ end
 --   how.level       error level as error's, counted from the function that called
 --                   check (default 2: its caller, the user's line)
 --   how.positional  integer keys 1..#o are positional arguments: copied unchecked
+--   how.prefix      put before the keys in messages ("tensor_parallel." for a nested table)
 -- A nil `o` is an empty table, unless the schema has required keys.
 function M.check(where, o, schema, how)
   how = how or {}
-  local level = (how.level or 2) + 1
+  local level, prefix = level_of(how.level), how.prefix or ""
   local known, required = {}, {}
   for k, v in pairs(schema) do
     known[#known + 1] = k
@@ -321,7 +356,8 @@ function M.check(where, o, schema, how)
   if o == nil and #required == 0 then o = {} end
   if type(o) ~= "table" then
     local need = #required > 0 and (" (%s=, ...)"):format(table.concat(required, "=, ")) or ""
-    error(("%s: expects a table of options%s, got %s"):format(where, need, o == nil and "nothing" or M.show(o)), level)
+    local what = prefix ~= "" and (prefix:gsub("%.$", "") .. " must be a table") or "expects a table of options"
+    error(("%s: %s%s, got %s"):format(where, what, need, o == nil and "nothing" or M.show(o)), level)
   end
   local n = how.positional and #o or 0
   local unknown = {}
@@ -331,12 +367,12 @@ function M.check(where, o, schema, how)
   end
   if #unknown > 0 then
     table.sort(unknown, function(a, b) return tostring(a) < tostring(b) end)
-    error(M.unknown_message(where, unknown[1], known), level)
+    error(M.unknown_message(where, unknown[1], known, prefix), level)
   end
   local out = {}
   for i = 1, n do out[i] = o[i] end
   for _, k in ipairs(known) do
-    local msg, res = problem(k, o[k], schema[k])
+    local msg, res = problem(prefix .. k, o[k], schema[k])
     if msg then error(where .. ": " .. msg, level) end
     out[k] = res
   end
