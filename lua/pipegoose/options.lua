@@ -151,15 +151,19 @@ end
 function M.integer(spec)
   spec = spec or {}
   local lo, hi = spec.min, spec.max or INT_MAX
+  if lo == math.mininteger then lo = nil end
+  local bounded = spec.max ~= nil and spec.max ~= math.maxinteger -- a bound of the option's own
   local what
-  if lo == 1 then what = "a positive integer"
-  elseif lo == 0 then what = "a non-negative integer"
-  elseif lo and spec.max then what = ("an integer in [%s, %s]"):format(fmt_num(lo), fmt_num(hi))
+  if lo == 1 or lo == 0 then what = lo == 1 and "a positive integer" or "a non-negative integer"
+  elseif lo and bounded then what = ("an integer in [%s, %s]"):format(fmt_num(lo), fmt_num(hi))
   elseif lo then what = ("an integer >= %s"):format(fmt_num(lo))
+  elseif bounded then what = ("an integer <= %s"):format(fmt_num(hi))
   else what = "an integer" end
-  what = spec.what or what
-  -- too large: say the bound (it is not in `what` when it is only the C int's)
-  local too_big = (spec.max or spec.what) and what or (what .. " below 2^31")
+  -- too large: say the bound where `what` does not
+  local too_big = what
+  if spec.what then what, too_big = spec.what, spec.what
+  elseif spec.max == nil then too_big = what .. " below 2^31" -- the C int's bound
+  elseif bounded and (lo == 0 or lo == 1) then too_big = ("%s <= %s"):format(what, fmt_num(hi)) end
   return validator(what, function(v)
     local i = type(v) == "number" and math.tointeger(v) or nil
     if i == nil then return false, what end
