@@ -127,8 +127,10 @@ local TP_SCHEMA = {
   output_blocks = opt.integer{ min = 1, default = 1 },
 }
 -- m:parameters() entries. init names are parsed by the runtime (pg_init_from_name), the one list of them.
-local PARAM_SCHEMA = { name = NAME, shape = opt.required(opt.list(POS, { min_len = 1, what = "a list of positive sizes" })),
-                       init = opt.string{ default = "normal" }, std = STD, split = "table" }
+local PARAM_SCHEMA = {
+  name = NAME, shape = opt.required(opt.list(POS, { min_len = 1, what = "a list of positive sizes" })),
+  init = opt.string{ default = "normal" }, std = STD, split = "table",
+}
 local SPLIT_SCHEMA = { dim = opt.required(POS), blocks = POS, sizes = opt.list(POS) }
 
 -- A module written in Lua: its widths, its tensor-parallel regions and its
@@ -172,7 +174,8 @@ function KINDS.lua.describe(self, c)
       p = opt.check(("%s: parameter %d"):format(where, i), p, PARAM_SCHEMA, { level = 0 })
       local d = { name = p.name or ("p" .. i), shape = p.shape, init = p.init, std = p.std }
       if p.split then
-        p.split = opt.check(("%s: parameter %s"):format(where, d.name), p.split, SPLIT_SCHEMA, { level = 0, prefix = "split." })
+        p.split = opt.check(("%s: parameter %s"):format(where, d.name), p.split, SPLIT_SCHEMA,
+          { level = 0, prefix = "split." })
         local dim, shape = p.split.dim, p.shape
         if dim > #shape then
           fail("parameter %s: split.dim must be one of its %d dimensions, got %s", d.name, #shape, tostring(dim))
@@ -197,7 +200,8 @@ function KINDS.lua.describe(self, c)
   self.path = me
   return { kind = "lua", name = me, in_width = local_in, out_width = local_out, input = input, output = output,
            params = params, module = m },
-         { width = outw, split = output == "split" and T > 1, blocks = output == "split" and T > 1 and tp.output_blocks or nil }
+         { width = outw, split = output == "split" and T > 1,
+           blocks = output == "split" and T > 1 and tp.output_blocks or nil }
 end
 
 
@@ -552,7 +556,9 @@ KINDS.lm_head = {
 function nn.CausalSelfAttention(o)
   o = opt.check("CausalSelfAttention", o, { dim = NEED, heads = NEED, seq_len = NEED, proj_std = STD, name = NAME })
   local proj_std = o.proj_std
-  if o.dim % o.heads ~= 0 then error(("CausalSelfAttention: dim=%d is not divisible by heads=%d"):format(o.dim, o.heads), 2) end
+  if o.dim % o.heads ~= 0 then
+    error(("CausalSelfAttention: dim=%d is not divisible by heads=%d"):format(o.dim, o.heads), 2)
+  end
   local s = nn.Sequential{
     nn.Linear{ ["in"] = o.dim, out = 3 * o.dim, parallel = "column", blocks = 3, name = "qkv" },
     nn.Attention{ dim = o.dim, heads = o.heads, seq_len = o.seq_len, name = "core" },
@@ -699,8 +705,8 @@ end
 -- tie (false), padded_vocab, head_dim (dim / heads). Init as transformers':
 -- N(0, 0.02) for every matrix, norm weights 1.
 local LLAMA = { vocab = NEED, padded_vocab = POS, seq_len = NEED, dim = NEED, heads = NEED, kv_heads = POS,
-                head_dim = POS, layers = NEED, hidden = NEED, rope_theta = opt.number{ gt = 1, default = 10000 }, eps = EPS,
-                tie = opt.boolean{ default = false }, arch = opt.enum{ "llama" } }
+                head_dim = POS, layers = NEED, hidden = NEED, rope_theta = opt.number{ gt = 1, default = 10000 },
+                eps = EPS, tie = opt.boolean{ default = false }, arch = opt.enum{ "llama" } }
 
 local function build_llama(o)
   o = opt.check("Llama", o, LLAMA)

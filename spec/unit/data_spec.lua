@@ -345,7 +345,8 @@ describe("TokenShards", function()
       "TokenShards: path[2] must be a string, got 5")
     has(err_of(function() pg.data.TokenShards{ path = a, batch = 1, seq_len = 4, ctx = "x" } end),
       "TokenShards: ctx must be a pg.ParallelContext, got 'x'")
-    has(err_of(function() pg.data.TokenShards() end), "TokenShards: expects a table of options (batch=, path=, seq_len=, ...), got nothing")
+    has(err_of(function() pg.data.TokenShards() end),
+      "TokenShards: expects a table of options (batch=, path=, seq_len=, ...), got nothing")
     has(err_of(function() pg.data.TokenShards{ path = a, seq_len = 4 } end), "TokenShards: batch= is required")
     has(err_of(function() pg.data.TokenShards{ batch = 1, seq_len = 4 } end), "TokenShards: path= is required")
     has(err_of(function() pg.data.TokenShards{ path = a, batch = 1, seq_len = 4, shufle = false } end),

@@ -46,7 +46,8 @@ describe("a failing job", function()
     assert.matches("[ranks 0,2] ", out, 1, true)
   end)
 
-  it("reports a rank that fails alone within seconds while the others wait in a collective, and ends the job", function()
+  it("reports a rank that fails alone within seconds while the others wait in a collective, and ends the job",
+    function()
     local t0 = os.time()
     local rc, out = job(4, "pg.ParallelContext{ data = 4 }\nif me == 1 then error('one rank gives up', 0) end\n"
       .. "pg.dist.all_reduce(pg.ones{ 4 })\nprint('unreachable')")
@@ -55,7 +56,8 @@ describe("a failing job", function()
     assert.is_true(os.time() - t0 < 15, "ended in seconds")
     assert.is_nil(out:find("unreachable", 1, true))
     -- three alike, one blocked: no agreement is possible; each of the three says it
-    rc, out = job(4, "pg.ParallelContext{ data = 4 }\nif me ~= 3 then error('three give up', 0) end\npg.dist.all_reduce(pg.ones{ 4 })")
+    rc, out = job(4, "pg.ParallelContext{ data = 4 }\nif me ~= 3 then error('three give up', 0) end\n"
+      .. "pg.dist.all_reduce(pg.ones{ 4 })")
     assert.equal(1, rc, out)
     assert.equal(3, #h.reports(out), out)
     for r = 0, 2 do assert.is_true(h.reported_by(out, r, "three give up"), out) end

@@ -52,8 +52,10 @@ describe("pg.lr", function()
       "pg.lr.cosine: warmup must be a whole number of steps >= 0, got 1.5")
     assert.has_error(function() pg.lr.linear{ warmpu = 3 } end,
       "pg.lr.linear: unknown option 'warmpu' (did you mean 'warmup'?)")
-    assert.has_error(function() pg.lr.cosine{ min_lr = -1 } end, "pg.lr.cosine: min_lr must be a finite number >= 0, got -1")
-    assert.has_error(function() pg.lr.cosine{ lr = math.huge } end, "pg.lr.cosine: lr must be a finite number >= 0, got inf")
+    assert.has_error(function() pg.lr.cosine{ min_lr = -1 } end,
+      "pg.lr.cosine: min_lr must be a finite number >= 0, got -1")
+    assert.has_error(function() pg.lr.cosine{ lr = math.huge } end,
+      "pg.lr.cosine: lr must be a finite number >= 0, got inf")
     assert.has_error(function() pg.lr.linear{ lr = 0 / 0 } end, "pg.lr.linear: lr must be a finite number >= 0, got nan")
     assert.has_error(function() pg.lr.linear{ total = "10" } end,
       "pg.lr.linear: total must be a whole number of steps >= 1, got '10'")

@@ -163,7 +163,8 @@ describe("modules written in Lua", function()
     for _, bad in ipairs{ "zero", "Normal", "" } do
       local ok, err = pcall(pg.parallelize, model(bad))
       assert.is_false(ok)
-      assert.matches(("parameter 'custom.w': init must be 'normal', 'zeros' or 'ones', got '%s'"):format(bad), err, 1, true)
+      assert.matches(("parameter 'custom.w': init must be 'normal', 'zeros' or 'ones', got '%s'"):format(bad), err, 1,
+        true)
     end
     local ok, err = pcall(pg.parallelize, model(7))
     assert.is_false(ok)

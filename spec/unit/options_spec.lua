@@ -30,7 +30,8 @@ describe("pipegoose.options", function()
   local S = {
     vocab = opt.integer{ min = 1, required = true }, eps = opt.number{ gt = 0, default = 1e-5 }, tie = "boolean",
     parallel = opt.enum{ "column", "row" }, betas = opt.list(opt.number{ min = 0, lt = 1 }, { len = 2 }),
-    path = opt.either(opt.string, opt.list(opt.string)), seed = opt.integer{ min = math.mininteger, max = math.maxinteger },
+    path = opt.either(opt.string, opt.list(opt.string)),
+    seed = opt.integer{ min = math.mininteger, max = math.maxinteger },
   }
 
   it("returns a new table with integral floats made integers and defaults filled in", function()
@@ -63,13 +64,16 @@ describe("pipegoose.options", function()
   it("rejects wrong types, non-integers, out-of-range and non-finite numbers, naming the value", function()
     rejects("X: vocab must be a positive integer, got 65.5", opt.check, "X", { vocab = 65.5 }, S)
     rejects("X: vocab must be a positive integer, got '8'", opt.check, "X", { vocab = "8" }, S)
-    rejects("X: vocab must be a positive integer below 2^31, got 4294967360", opt.check, "X", { vocab = (1 << 32) + 64 }, S)
+    rejects("X: vocab must be a positive integer below 2^31, got 4294967360",
+      opt.check, "X", { vocab = (1 << 32) + 64 }, S)
     rejects("X: vocab must be a positive integer, got nan", opt.check, "X", { vocab = 0 / 0 }, S)
     rejects("X: eps must be a finite number > 0, got 0", opt.check, "X", { vocab = 1, eps = 0 }, S)
     rejects("X: eps must be a finite number > 0, got inf", opt.check, "X", { vocab = 1, eps = math.huge }, S)
     rejects("X: tie must be a boolean, got 'yes'", opt.check, "X", { vocab = 1, tie = "yes" }, S)
-    rejects("X: betas[2] must be a finite number in [0, 1), got 1", opt.check, "X", { vocab = 1, betas = { 0.9, 1 } }, S)
-    rejects("X: betas must be a list of 2 values, got a list of 3", opt.check, "X", { vocab = 1, betas = { 0, 0, 0 } }, S)
+    rejects("X: betas[2] must be a finite number in [0, 1), got 1",
+      opt.check, "X", { vocab = 1, betas = { 0.9, 1 } }, S)
+    rejects("X: betas must be a list of 2 values, got a list of 3",
+      opt.check, "X", { vocab = 1, betas = { 0, 0, 0 } }, S)
     rejects("X: path[2] must be a string, got 5", opt.check, "X", { vocab = 1, path = { "a", 5 } }, S)
     rejects("X: path must be a string or a list, got true", opt.check, "X", { vocab = 1, path = true }, S)
     rejects("X: vocab= is required (a positive integer)", opt.check, "X", { tie = true }, S)
@@ -78,7 +82,8 @@ describe("pipegoose.options", function()
   end)
 
   it("parses enums exactly", function()
-    rejects("X: parallel must be 'column' or 'row', got 'Column'", opt.check, "X", { vocab = 1, parallel = "Column" }, S)
+    rejects("X: parallel must be 'column' or 'row', got 'Column'",
+      opt.check, "X", { vocab = 1, parallel = "Column" }, S)
     assert.equal("row", opt.check("X", { vocab = 1, parallel = "row" }, S).parallel)
   end)
 
@@ -134,18 +139,22 @@ describe("pg.nn constructors", function()
     rejects("Embedding: unknown option 'positon' (did you mean 'positions'?)", pg.nn.Embedding,
       { vocab = 8, dim = 4, positon = 2 })
     rejects("LMHead: unknown option 'tied' (did you mean 'tie'?)", pg.nn.LMHead, { vocab = 8, dim = 4, tied = false })
-    rejects("Attention: unknown option 'head' (did you mean 'heads'?)", pg.nn.Attention, { dim = 8, heads = 2, seq_len = 4, head = 1 })
+    rejects("Attention: unknown option 'head' (did you mean 'heads'?)",
+      pg.nn.Attention, { dim = 8, heads = 2, seq_len = 4, head = 1 })
     rejects("LayerNorm: unknown option 'nam' (did you mean 'name'?)", pg.nn.LayerNorm, 4, { nam = "x" })
     rejects("RMSNorm: unknown option 'epsilon' (known: dim, eps, name)", pg.nn.RMSNorm, { dim = 4, epsilon = 1e-5 })
     rejects("GELU: unknown option 'nmae'", pg.nn.GELU, { nmae = "g" })
     rejects("GatedSiLU: unknown option 'nmae'", pg.nn.GatedSiLU, { nmae = "g" })
     rejects("MLP: unknown option 'hiden'", pg.nn.MLP, { dim = 4, hiden = 8 })
     rejects("SwiGLU: unknown option 'hiden'", pg.nn.SwiGLU, { dim = 4, hidden = 8, hiden = 8 })
-    rejects("TransformerBlock: unknown option 'layers'", pg.nn.TransformerBlock, { dim = 8, heads = 2, seq_len = 4, layers = 2 })
+    rejects("TransformerBlock: unknown option 'layers'",
+      pg.nn.TransformerBlock, { dim = 8, heads = 2, seq_len = 4, layers = 2 })
     rejects("LlamaBlock: unknown option 'kv_head' (did you mean 'kv_heads'?)", pg.nn.LlamaBlock,
       { dim = 8, heads = 2, seq_len = 4, hidden = 8, kv_head = 1 })
-    rejects("CausalSelfAttention: unknown option 'head'", pg.nn.CausalSelfAttention, { dim = 8, heads = 2, seq_len = 4, head = 1 })
-    rejects("LlamaAttention: unknown option 'theta'", pg.nn.LlamaAttention, { dim = 8, heads = 2, seq_len = 4, theta = 1e4 })
+    rejects("CausalSelfAttention: unknown option 'head'",
+      pg.nn.CausalSelfAttention, { dim = 8, heads = 2, seq_len = 4, head = 1 })
+    rejects("LlamaAttention: unknown option 'theta'",
+      pg.nn.LlamaAttention, { dim = 8, heads = 2, seq_len = 4, theta = 1e4 })
     rejects("Residual: unknown option 'nmae'", pg.nn.Residual, pg.nn.GELU(), { nmae = "r" })
     rejects("Sequential: unknown option 'nmae'", pg.nn.Sequential, { pg.nn.GELU(), nmae = "x" })
     rejects("Layer: unknown option 'sed' (did you mean 'seed'?)", pg.nn.Layer, pg.nn.GELU(), nil, { sed = 1 })
@@ -153,21 +162,26 @@ describe("pg.nn constructors", function()
 
   it("reject invalid values: non-integers, numbers past a C int, wrong types, infinities", function()
     rejects("GPT: padded_vocab must be a positive integer, got 65.5", pg.nn.GPT, with(G, "padded_vocab", 65.5))
-    rejects("GPT: vocab must be a positive integer below 2^31, got 4294967360", pg.nn.GPT, with(G, "vocab", (1 << 32) + 64))
+    rejects("GPT: vocab must be a positive integer below 2^31, got 4294967360",
+      pg.nn.GPT, with(G, "vocab", (1 << 32) + 64))
     rejects("GPT: tie must be a boolean, got 'yes'", pg.nn.GPT, with(G, "tie", "yes"))
     rejects("GPT: heads must be a positive integer, got nan", pg.nn.GPT, with(G, "heads", 0 / 0))
     rejects("GPT: arch must be 'gpt2', got 'llama'", pg.nn.GPT, with(G, "arch", "llama"))
     rejects("Llama: rope_theta must be a finite number > 1, got inf", pg.nn.Llama, with(L, "rope_theta", math.huge))
     rejects("Llama: eps must be a finite number >= 0, got nan", pg.nn.Llama, with(L, "eps", 0 / 0))
     rejects("Llama: tie must be a boolean, got 1", pg.nn.Llama, with(L, "tie", 1))
-    rejects("Linear: parallel must be 'column' or 'row', got 'col'", pg.nn.Linear, { ["in"] = 4, out = 4, parallel = "col" })
+    rejects("Linear: parallel must be 'column' or 'row', got 'col'",
+      pg.nn.Linear, { ["in"] = 4, out = 4, parallel = "col" })
     rejects("Linear: bias must be a boolean, got 'no'", pg.nn.Linear, { ["in"] = 4, out = 4, bias = "no" })
     rejects("Linear: blocks=3 does not divide out=4", pg.nn.Linear, { ["in"] = 4, out = 4, blocks = 3 })
-    rejects("Linear: init_std must be a finite number >= 0, got -1", pg.nn.Linear, { ["in"] = 4, out = 4, init_std = -1 })
+    rejects("Linear: init_std must be a finite number >= 0, got -1",
+      pg.nn.Linear, { ["in"] = 4, out = 4, init_std = -1 })
     rejects("Linear: in must be a positive integer, got 4.5", pg.nn.Linear, 4.5, 4)
     rejects("Linear: in is given twice, as an argument and as an option", pg.nn.Linear, 4, 4, { ["in"] = 4 })
-    rejects("Embedding: padded_vocab=5 is smaller than vocab=10", pg.nn.Embedding, { vocab = 10, padded_vocab = 5, dim = 4 })
-    rejects("Embedding: positions must be a non-negative integer, got -1", pg.nn.Embedding, { vocab = 10, dim = 4, positions = -1 })
+    rejects("Embedding: padded_vocab=5 is smaller than vocab=10",
+      pg.nn.Embedding, { vocab = 10, padded_vocab = 5, dim = 4 })
+    rejects("Embedding: positions must be a non-negative integer, got -1",
+      pg.nn.Embedding, { vocab = 10, dim = 4, positions = -1 })
     rejects("LMHead: tie must be a boolean, got 'yes'", pg.nn.LMHead, { vocab = 10, dim = 4, tie = "yes" })
     rejects("RMSNorm: eps must be a finite number >= 0, got inf", pg.nn.RMSNorm, { dim = 4, eps = math.huge })
     rejects("Layer: ctx must be a pg.ParallelContext, got 'ctx'", pg.nn.Layer, pg.nn.GELU(), "ctx")
@@ -189,12 +203,16 @@ describe("pg.parallelize and the engine", function()
 
   it("reject bad parallelize options", function()
     local m = pg.nn.GPT(G)
-    rejects("parallelize: bucket_mb must be a finite number in (0, 1048576], got -1", pg.parallelize, m, nil, { bucket_mb = -1 })
-    rejects("parallelize: bucket_mb must be a finite number in (0, 1048576], got nan", pg.parallelize, m, nil, { bucket_mb = 0 / 0 })
-    rejects("parallelize: shared_memory must be a boolean, got 'yes'", pg.parallelize, m, nil, { shared_memory = "yes" })
+    rejects("parallelize: bucket_mb must be a finite number in (0, 1048576], got -1",
+      pg.parallelize, m, nil, { bucket_mb = -1 })
+    rejects("parallelize: bucket_mb must be a finite number in (0, 1048576], got nan",
+      pg.parallelize, m, nil, { bucket_mb = 0 / 0 })
+    rejects("parallelize: shared_memory must be a boolean, got 'yes'",
+      pg.parallelize, m, nil, { shared_memory = "yes" })
     rejects("parallelize: unknown option 'micro_batch' (did you mean 'micro_batches'?)", pg.parallelize, m, nil,
       { micro_batch = 2 })
-    rejects("parallelize: schedule must be '1f1b' or 'gpipe', got '1F1B'", pg.parallelize, m, nil, { schedule = "1F1B" })
+    rejects("parallelize: schedule must be '1f1b' or 'gpipe', got '1F1B'",
+      pg.parallelize, m, nil, { schedule = "1F1B" })
     rejects("parallelize: stages must be a list, got '2'", pg.parallelize, m, nil, { stages = "2" })
     rejects("parallelize: seed must be an integer, got 1.5", pg.parallelize, m, nil, { seed = 1.5 })
     rejects("parallelize: device must be a string, got 5", pg.parallelize, m, nil, { device = 5 })
@@ -208,8 +226,10 @@ describe("pg.parallelize and the engine", function()
       function() return engine:forward_backward(x, x, { grad_scal = 2 }) end)
     rejects("forward_backward: grad_scale must be a finite number, got nan",
       function() return engine:forward_backward(x, x, { grad_scale = 0 / 0 }) end)
-    rejects("forward_backward: sync must be a boolean, got 'no'", function() return engine:forward_backward(x, x, { sync = "no" }) end)
-    rejects("inputs: expected an int32 tensor [batch, seq_len], got nil", function() return engine:forward_backward() end)
+    rejects("forward_backward: sync must be a boolean, got 'no'",
+      function() return engine:forward_backward(x, x, { sync = "no" }) end)
+    rejects("inputs: expected an int32 tensor [batch, seq_len], got nil",
+      function() return engine:forward_backward() end)
     assert.is_number(engine:forward_backward(x, x, { grad_scale = 2, sync = true }))
   end)
 
