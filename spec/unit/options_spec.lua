@@ -107,6 +107,13 @@ describe("pipegoose.options", function()
     rejects("pg.randn: unknown option 'sed' (did you mean 'seed'?)", pg.randn, { 2 }, { sed = 1 })
     rejects("pg.randn: mean and std must be finite", pg.randn, { 2 }, { std = 0 / 0 })
   end)
+
+  it("words the test fakes' unknown keys the same way", function()
+    rejects("pg.testing.fake_engine: unknown option 'dimm' (did you mean 'dim'?)", pg.testing.fake_engine, { dimm = 4 })
+    local e = pg.testing.fake_engine{}
+    rejects("fake_engine:forward_backward: unknown option 'grad_scal' (did you mean 'grad_scale'?)",
+      function() return e:forward_backward({}, {}, { grad_scal = 2 }) end)
+  end)
 end)
 
 describe("pg.nn constructors", function()
