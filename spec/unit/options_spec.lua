@@ -136,7 +136,8 @@ describe("pg.nn constructors", function()
     rejects("from_hf: dir= is required (a string)", pg.nn.from_hf)
     rejects("GPT.load_llmc: path= is required (a string)", pg.nn.GPT.load_llmc)
     -- a missing file is named, not the library line that opened it
-    assert.equal("/nonexistent/model.bin: No such file or directory", err_of(pg.nn.GPT.load_llmc, "/nonexistent/model.bin"))
+    assert.equal("/nonexistent/model.bin: No such file or directory",
+      err_of(pg.nn.GPT.load_llmc, "/nonexistent/model.bin"))
   end)
 
   it("reject unknown keys, naming the closest known one", function()
