@@ -47,10 +47,13 @@ static int size_field(lua_State *L, const char *key, int world) {
 }
 
 static int l_new(lua_State *L) {
-  if (lua_isnoneornil(L, 1)) lua_newtable(L);
-  luaL_checktype(L, 1, LUA_TTABLE);
   static const char *const keys[] = {"tensor", "pipeline", "data", "seed", "self", NULL};
-  pg_lua_check_keys(L, 1, "ParallelContext", keys);
+  pg_lua_check_keys(L, 1, "ParallelContext", keys); /* and that it is a table */
+  lua_settop(L, 1);
+  if (lua_isnil(L, 1)) {
+    lua_newtable(L);
+    lua_replace(L, 1);
+  }
   ensure_mpi(L);
   /* self = true: a world of this process alone (a serial reference inside a job). */
   int self = pg_lua_opt_bool(L, 1, "self", 0);

@@ -138,8 +138,10 @@ static int l_loader(lua_State *L) {
   cfg.seq_len = req_int(L, 1, "seq_len");
   cfg.seed = (uint64_t)pg_lua_opt_int(L, 1, "seed", 0);
   cfg.shuffle = pg_lua_opt_bool(L, 1, "shuffle", 1);
-  cfg.vocab = pg_lua_opt_int(L, 1, "vocab", 0);
-  if (cfg.vocab < 0) return luaL_error(L, "TokenShards: vocab=%I must be positive (or nil: no check)", (lua_Integer)cfg.vocab);
+  cfg.vocab = pg_lua_opt_int(L, 1, "vocab", -1); /* absent: -1, then 0 (the runtime's "no check") */
+  if (cfg.vocab == -1) cfg.vocab = 0;
+  else if (cfg.vocab < 1)
+    return luaL_error(L, "TokenShards: vocab=%I must be a positive integer (or nil: no check)", (lua_Integer)cfg.vocab);
   cfg.dp_rank = 0;
   cfg.dp_size = 1;
   if (lua_getfield(L, 1, "ctx") != LUA_TNIL) {

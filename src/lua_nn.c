@@ -178,6 +178,10 @@ static pg_module *build_children(build_state *b, int idx, const char *name) {
 static pg_module *build_lua(build_state *b, int idx, const char *name) {
   lua_State *L = b->L;
   int in_w = field_int(L, idx, "in_width", 0), out_w = field_int(L, idx, "out_width", 0);
+  const char *in_r = pg_lua_opt_string(L, idx, "input", "replicated"), *out_r = pg_lua_opt_string(L, idx, "output", "replicated");
+  pg_tp_region input, output;
+  if (pg_tp_region_from_name(in_r, 1, &input) || pg_tp_region_from_name(out_r, 0, &output))
+    return pg_fail_null("%s: %s", name, pg_error());
   int np = 0;
   pg_param *params[32];
   if (lua_getfield(L, idx, "params") == LUA_TTABLE) {
@@ -198,7 +202,12 @@ static pg_module *build_lua(build_state *b, int idx, const char *name) {
       lua_pop(L, 1);
       char full[512];
       snprintf(full, sizeof full, "%s%s%s", name, *name ? "." : "", pname);
-      pg_init_kind k = !strcmp(init, "zeros") ? PG_INIT_ZEROS : !strcmp(init, "ones") ? PG_INIT_ONES : PG_INIT_NORMAL;
+      pg_init_kind k;
+      if (pg_init_from_name(init, &k)) {
+        for (int k2 = 0; k2 < np; k2++) pg_param_free(params[k2]);
+        lua_pop(L, 2);
+        return pg_fail_null("parameter '%s': %s", full, pg_error());
+      }
       /* split = {dim = d (1-based), blocks = k, sizes = {...}}: sharded over the tensor group */
       int split_dim = 0, blocks = 1, nsizes = 0;
       int64_t sizes[PG_PARAM_MAX_BLOCKS];
@@ -242,9 +251,6 @@ static pg_module *build_lua(build_state *b, int idx, const char *name) {
   lua_getfield(L, idx, "module");
   u->ref = luaL_ref(L, LUA_REGISTRYINDEX);
   pg_custom_fns fns = {lua_module_forward, lua_module_backward, lua_module_release, u};
-  const char *in_r = pg_lua_opt_string(L, idx, "input", "replicated"), *out_r = pg_lua_opt_string(L, idx, "output", "replicated");
-  pg_tp_region input = !strcmp(in_r, "copy") ? PG_TP_COPY : !strcmp(in_r, "split") ? PG_TP_SPLIT : PG_TP_REPLICATED;
-  pg_tp_region output = !strcmp(out_r, "reduce") ? PG_TP_REDUCE : !strcmp(out_r, "split") ? PG_TP_SPLIT : PG_TP_REPLICATED;
   pg_module *m = pg_custom_new(b->ctx, name, in_w, out_w, input, output, &fns, params, np);
   if (!m) lua_module_release(u);
   return m;
@@ -314,6 +320,8 @@ pg_engine *pg_lua_check_engine(lua_State *L, int idx) { return check_engine(L, i
 
 /* Checks a [B, T] int32 batch tensor; sets B and T. */
 static const int32_t *check_batch(lua_State *L, int idx, const char *what, int *B, int *T) {
+  if (!pg_lua_test_tensor(L, idx))
+    luaL_error(L, "%s: expected an int32 tensor [batch, seq_len], got %s", what, luaL_typename(L, idx));
   pg_tensor *t = pg_lua_check_tensor(L, idx);
   char d[128];
   if (t->dtype != PG_INT32 || t->ndim != 2)

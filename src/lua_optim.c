@@ -1,5 +1,8 @@
 /* Lua bindings for the optimizer: core.AdamW(engine, {lr=, beta1=, beta2=, eps=,
  * weight_decay=}, zero) -> optimizer userdata. lua/pipegoose/optim.lua wraps it. */
+#include <float.h>
+#include <math.h>
+
 #include "lua_util.h"
 #include "pg_optim.h"
 
@@ -17,12 +20,23 @@ static pg_adamw *check_opt(lua_State *L, int idx) {
   return u->o;
 }
 
+/* A hyperparameter as float32: a finite value beyond float32's range is an
+ * error here (converting it is undefined behaviour); the runtime checks ranges. */
+static float hparam(lua_State *L, int idx, const char *key, float def) {
+  lua_Number v = pg_lua_opt_number(L, idx, key, def);
+  if (isfinite(v) && fabs(v) > FLT_MAX) luaL_error(L, "AdamW: %s=%f is beyond the range of float32", key, v);
+  return (float)v;
+}
+
+/* Reads the hyperparameters given in the table at idx over *h; the runtime checks their values. */
 static void read_hparams(lua_State *L, int idx, pg_adamw_hparams *h) {
-  h->lr = (float)pg_lua_opt_number(L, idx, "lr", h->lr);
-  h->beta1 = (float)pg_lua_opt_number(L, idx, "beta1", h->beta1);
-  h->beta2 = (float)pg_lua_opt_number(L, idx, "beta2", h->beta2);
-  h->eps = (float)pg_lua_opt_number(L, idx, "eps", h->eps);
-  h->weight_decay = (float)pg_lua_opt_number(L, idx, "weight_decay", h->weight_decay);
+  static const char *const keys[] = {"lr", "beta1", "beta2", "eps", "weight_decay", NULL};
+  pg_lua_check_keys(L, idx, "AdamW", keys);
+  h->lr = hparam(L, idx, "lr", h->lr);
+  h->beta1 = hparam(L, idx, "beta1", h->beta1);
+  h->beta2 = hparam(L, idx, "beta2", h->beta2);
+  h->eps = hparam(L, idx, "eps", h->eps);
+  h->weight_decay = hparam(L, idx, "weight_decay", h->weight_decay);
 }
 
 static int l_new(lua_State *L) {
@@ -62,7 +76,11 @@ static int l_clip(lua_State *L) {
 /* opt:hparams([table]) -> the current values (sets the given ones first) */
 static int l_hparams(lua_State *L) {
   pg_adamw *o = check_opt(L, 1);
-  if (!lua_isnoneornil(L, 2)) read_hparams(L, 2, &o->h);
+  if (!lua_isnoneornil(L, 2)) {
+    pg_adamw_hparams h = o->h;
+    read_hparams(L, 2, &h);
+    PG_LUA_CHECK(L, pg_adamw_set_hparams(o, &h));
+  }
   lua_createtable(L, 0, 5);
   lua_pushnumber(L, o->h.lr);
   lua_setfield(L, -2, "lr");

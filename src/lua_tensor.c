@@ -8,7 +8,10 @@
 #include "pg_backend.h"
 #include "pg_rng.h"
 
-static pg_dtype opt_dtype(lua_State *L, int idx, pg_dtype def) {
+/* The options table {dtype=} of a constructor (fname names it in errors). */
+static pg_dtype opt_dtype(lua_State *L, int idx, pg_dtype def, const char *fname) {
+  static const char *const keys[] = {"dtype", NULL};
+  pg_lua_check_keys(L, idx, fname, keys);
   const char *name = pg_lua_opt_string(L, idx, "dtype", NULL);
   if (!name) return def;
   pg_dtype d;
@@ -71,7 +74,7 @@ static void fill_from_table(lua_State *L, int idx, int depth, int ndim, const in
 
 static int l_tensor(lua_State *L) {
   luaL_checktype(L, 1, LUA_TTABLE);
-  pg_dtype dtype = opt_dtype(L, 2, PG_FLOAT32);
+  pg_dtype dtype = opt_dtype(L, 2, PG_FLOAT32, "pg.tensor");
   int64_t shape[PG_MAX_DIMS];
   int ndim = 0;
   infer_shape(L, 1, 0, &ndim, shape);
@@ -81,27 +84,30 @@ static int l_tensor(lua_State *L) {
   return 1;
 }
 
-static int make_filled(lua_State *L, double value, int has_value_arg) {
+static int make_filled(lua_State *L, double value, int has_value_arg, const char *fname) {
   int64_t shape[PG_MAX_DIMS];
   int next;
   int ndim = read_shape(L, 1, shape, &next);
   if (has_value_arg) value = luaL_checknumber(L, next++);
-  pg_dtype dtype = opt_dtype(L, next, PG_FLOAT32);
+  pg_dtype dtype = opt_dtype(L, next, PG_FLOAT32, fname);
   pg_tensor *t = pg_lua_new_tensor(L, dtype, ndim, shape);
   if (value != 0) pg_tensor_fill(t, value);
   return 1;
 }
 
-static int l_zeros(lua_State *L) { return make_filled(L, 0, 0); }
-static int l_ones(lua_State *L) { return make_filled(L, 1, 0); }
-static int l_full(lua_State *L) { return make_filled(L, 0, 1); }
+static int l_zeros(lua_State *L) { return make_filled(L, 0, 0, "pg.zeros"); }
+static int l_ones(lua_State *L) { return make_filled(L, 1, 0, "pg.ones"); }
+static int l_full(lua_State *L) { return make_filled(L, 0, 1, "pg.full"); }
 
 static int l_randn(lua_State *L) {
   int64_t shape[PG_MAX_DIMS];
   int next;
   int ndim = read_shape(L, 1, shape, &next);
+  static const char *const keys[] = {"seed", "mean", "std", NULL};
+  pg_lua_check_keys(L, next, "pg.randn", keys);
   uint64_t seed = (uint64_t)pg_lua_opt_int(L, next, "seed", 0);
   double mean = pg_lua_opt_number(L, next, "mean", 0), std = pg_lua_opt_number(L, next, "std", 1);
+  if (!isfinite(mean) || !isfinite(std)) return luaL_error(L, "pg.randn: mean and std must be finite, got %f and %f", mean, std);
   pg_tensor *t = pg_lua_new_tensor(L, PG_FLOAT32, ndim, shape);
   uint64_t key = pg_rng_key(seed, "pg.randn");
   float *x = pg_tensor_f32(t);
@@ -119,7 +125,7 @@ static int l_arange(lua_State *L) {
   double stop = nargs == 1 ? lua_tonumber(L, 1) : lua_tonumber(L, 2);
   double step = nargs == 3 ? lua_tonumber(L, 3) : 1;
   if (step == 0) return luaL_error(L, "pg.arange: step must not be zero");
-  pg_dtype dtype = opt_dtype(L, nargs + 1, all_int ? PG_INT32 : PG_FLOAT32);
+  pg_dtype dtype = opt_dtype(L, nargs + 1, all_int ? PG_INT32 : PG_FLOAT32, "pg.arange");
   int64_t n = (int64_t)ceil((stop - start) / step);
   if (n < 0) n = 0;
   pg_tensor *t = pg_lua_new_tensor(L, dtype, 1, &n);

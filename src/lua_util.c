@@ -128,26 +128,57 @@ int pg_lua_opt_bool(lua_State *L, int idx, const char *key, int def) {
   return v;
 }
 
+/* The message for an unknown key comes from pipegoose.options (Lua), the one
+ * place that words it and finds the closest known name, so a suggestion reads
+ * the same from C and Lua. Without the Lua files (the C module alone) the
+ * known names are listed. Leaves the message on the stack. */
+static void push_unknown_message(lua_State *L, const char *fname, int key, const char *const *allowed) {
+  int top = lua_gettop(L);
+  lua_getglobal(L, "require");
+  lua_pushliteral(L, "pipegoose.options");
+  if (lua_isfunction(L, -2) && lua_pcall(L, 1, 1, 0) == LUA_OK && lua_istable(L, -1) &&
+      lua_getfield(L, -1, "unknown_message") == LUA_TFUNCTION) {
+    lua_pushstring(L, fname);
+    lua_pushvalue(L, key);
+    lua_newtable(L);
+    for (int i = 0; allowed[i]; i++) {
+      lua_pushstring(L, allowed[i]);
+      lua_rawseti(L, -2, i + 1);
+    }
+    if (lua_pcall(L, 3, 1, 0) == LUA_OK && lua_type(L, -1) == LUA_TSTRING) {
+      lua_replace(L, top + 1);
+      lua_settop(L, top + 1);
+      return;
+    }
+  }
+  lua_settop(L, top);
+  const char *k = luaL_tolstring(L, key, NULL);
+  lua_pushfstring(L, "%s: unknown option '%s' (known: ", fname, k);
+  int n = 1;
+  for (const char *const *a = allowed; *a; a++, n++) lua_pushfstring(L, "%s%s", a == allowed ? "" : ", ", *a);
+  lua_pushliteral(L, ")");
+  lua_concat(L, n + 1);
+  lua_replace(L, top + 1); /* over the tolstring copy */
+}
+
 void pg_lua_check_keys(lua_State *L, int idx, const char *fname, const char *const *allowed) {
   if (lua_isnoneornil(L, idx)) return;
   idx = lua_absindex(L, idx);
-  luaL_checktype(L, idx, LUA_TTABLE);
+  if (!lua_istable(L, idx)) luaL_error(L, "%s: expects a table of options, got %s", fname, luaL_typename(L, idx));
   lua_pushnil(L);
   while (lua_next(L, idx)) {
     lua_pop(L, 1);
-    if (lua_type(L, -1) != LUA_TSTRING) luaL_error(L, "%s: option keys must be strings", fname);
-    const char *k = lua_tostring(L, -1);
     int ok = 0;
-    for (const char *const *a = allowed; *a && !ok; a++) ok = !strcmp(*a, k);
+    if (lua_type(L, -1) == LUA_TSTRING) {
+      const char *k = lua_tostring(L, -1);
+      for (const char *const *a = allowed; *a && !ok; a++) ok = !strcmp(*a, k);
+    }
     if (!ok) {
-      luaL_Buffer b;
-      luaL_buffinit(L, &b);
-      for (const char *const *a = allowed; *a; a++) {
-        if (a != allowed) luaL_addstring(&b, ", ");
-        luaL_addstring(&b, *a);
-      }
-      luaL_pushresult(&b);
-      luaL_error(L, "%s: unknown option '%s' (known: %s)", fname, k, lua_tostring(L, -1));
+      push_unknown_message(L, fname, lua_gettop(L), allowed);
+      luaL_where(L, 1); /* the Lua line that called, as luaL_error says it */
+      lua_insert(L, -2);
+      lua_concat(L, 2);
+      lua_error(L);
     }
   }
 }

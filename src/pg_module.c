@@ -92,6 +92,16 @@ static pg_param *param_make(const char *module_name, const char *suffix, int ndi
   return param_make_blocks(module_name, suffix, ndim, full_shape, split_dim, blocks, NULL, parts, index, init, std);
 }
 
+int pg_init_from_name(const char *name, pg_init_kind *out) {
+  static const char *const names[] = {[PG_INIT_ZEROS] = "zeros", [PG_INIT_ONES] = "ones", [PG_INIT_NORMAL] = "normal"};
+  for (int i = 0; i < 3; i++)
+    if (name && !strcmp(name, names[i])) {
+      *out = (pg_init_kind)i;
+      return PG_OK;
+    }
+  return pg_fail("init must be 'normal', 'zeros' or 'ones', got '%s'", name ? name : "(none)");
+}
+
 pg_param *pg_param_new(const char *name, int ndim, const int64_t *shape, pg_init_kind init, float std) {
   if (ndim < 1 || ndim > PG_PARAM_MAX_DIMS) return pg_fail_null("parameter '%s': 1 to %d dimensions, not %d", name, PG_PARAM_MAX_DIMS, ndim);
   for (int i = 0; i < ndim; i++)
@@ -1138,6 +1148,18 @@ static void custom_destroy(pg_module *m) {
 }
 
 static const pg_module_ops custom_ops = {"custom", custom_alloc, custom_forward, custom_backward, custom_destroy};
+
+int pg_tp_region_from_name(const char *name, int is_input, pg_tp_region *out) {
+  /* the middle name differs: an input may be "copy" (copy-to), an output "reduce" (reduce-from) */
+  const char *middle = is_input ? "copy" : "reduce";
+  if (name && !strcmp(name, "replicated")) *out = PG_TP_REPLICATED;
+  else if (name && !strcmp(name, middle)) *out = is_input ? PG_TP_COPY : PG_TP_REDUCE;
+  else if (name && !strcmp(name, "split")) *out = PG_TP_SPLIT;
+  else
+    return pg_fail("tensor_parallel.%s must be 'replicated', '%s' or 'split', got '%s'", is_input ? "input" : "output",
+                   middle, name ? name : "(none)");
+  return PG_OK;
+}
 
 pg_module *pg_custom_new(pg_context *ctx, const char *name, int in_width, int out_width, pg_tp_region input,
                          pg_tp_region output, const pg_custom_fns *fns, pg_param **params, int nparams) {

@@ -35,6 +35,8 @@
 #define PG_PARAM_MAX_BLOCKS 8
 
 typedef enum { PG_INIT_ZEROS = 0, PG_INIT_ONES, PG_INIT_NORMAL } pg_init_kind;
+/* "zeros", "ones", "normal" (exactly): PG_OK, else PG_ERR naming the known ones. */
+int pg_init_from_name(const char *name, pg_init_kind *out);
 
 typedef struct pg_param {
   char *name;                            /* full path, e.g. "blocks.3.attn.qkv.weight" */
@@ -166,6 +168,9 @@ typedef struct pg_custom_fns {
  *                      forward (reduce-from-region; the gradient passes as is);
  *          SPLIT       this rank's columns. */
 typedef enum { PG_TP_REPLICATED = 0, PG_TP_COPY, PG_TP_REDUCE, PG_TP_SPLIT } pg_tp_region;
+/* An input region ("replicated", "copy", "split") when is_input, else an output
+ * region ("replicated", "reduce", "split"); PG_ERR for any other name. */
+int pg_tp_region_from_name(const char *name, int is_input, pg_tp_region *out);
 
 /* in_width, out_width: this rank's widths (split ones already divided). params:
  * made with pg_param_new / pg_param_new_split, owned by the module afterwards. */

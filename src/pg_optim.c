@@ -7,14 +7,33 @@
 #include "pg_comm.h"
 #include "pg_error.h"
 
+/* %g prints NaN with its sign bit ("-nan" for 0/0); messages say "nan". */
+static double shown(float x) { return isnan(x) ? NAN : (double)x; }
+
+int pg_adamw_check_hparams(const pg_adamw_hparams *h) {
+  /* torch.optim.AdamW's ranges, and finite: an infinite rate or decay turns every parameter into inf or nan */
+  if (!isfinite(h->lr) || h->lr < 0) return pg_fail("AdamW: lr must be a finite number >= 0, got %g", shown(h->lr));
+  if (!(h->beta1 >= 0 && h->beta1 < 1))
+    return pg_fail("AdamW: betas[1] must be a number in [0, 1), got %g", shown(h->beta1));
+  if (!(h->beta2 >= 0 && h->beta2 < 1))
+    return pg_fail("AdamW: betas[2] must be a number in [0, 1), got %g", shown(h->beta2));
+  if (!isfinite(h->eps) || !(h->eps > 0))
+    return pg_fail("AdamW: eps must be a finite number > 0, got %g", shown(h->eps));
+  if (!isfinite(h->weight_decay) || h->weight_decay < 0)
+    return pg_fail("AdamW: weight_decay must be a finite number >= 0, got %g", shown(h->weight_decay));
+  return PG_OK;
+}
+
+int pg_adamw_set_hparams(pg_adamw *o, const pg_adamw_hparams *h) {
+  if (pg_adamw_check_hparams(h)) return PG_ERR;
+  o->h = *h;
+  return PG_OK;
+}
+
 pg_adamw *pg_adamw_new(pg_engine *e, const pg_adamw_hparams *h, int zero) {
   if (zero != 0 && zero != 1)
     return pg_fail_null("zero=%d is not built: ZeRO stage 1 (zero = 1) or none (zero = 0)", zero);
-  if (!(h->lr >= 0) || !(h->beta1 >= 0 && h->beta1 < 1) || !(h->beta2 >= 0 && h->beta2 < 1) || !(h->eps > 0) ||
-      !(h->weight_decay >= 0))
-    return pg_fail_null("AdamW: need lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0 (got lr=%g betas={%g, %g} eps=%g "
-                        "weight_decay=%g)",
-                        h->lr, h->beta1, h->beta2, h->eps, h->weight_decay);
+  if (pg_adamw_check_hparams(h)) return NULL;
   pg_adamw *o = calloc(1, sizeof *o);
   if (!o) return pg_fail_null("out of memory");
   o->engine = e;
@@ -70,7 +89,8 @@ int pg_adamw_grad_norm(pg_adamw *o, double *norm) {
 }
 
 int pg_adamw_clip(pg_adamw *o, double max_norm, double *norm) {
-  if (!(max_norm > 0)) return pg_fail("clip_grad_norm: max norm must be positive, not %g", max_norm);
+  if (!(max_norm > 0))
+    return pg_fail("clip_grad_norm: max_norm must be a number > 0, got %g", isnan(max_norm) ? NAN : max_norm);
   if (pg_adamw_grad_norm(o, norm)) return PG_ERR;
   double f = max_norm / (*norm + 1e-6);
   o->clip_scale = f < 1 ? (float)f : 1.0f;

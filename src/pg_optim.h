@@ -33,6 +33,11 @@ typedef struct pg_adamw {
 } pg_adamw;
 
 pg_adamw *pg_adamw_new(pg_engine *e, const pg_adamw_hparams *h, int zero);
+/* PG_OK when every hyperparameter is in range (finite lr >= 0, betas in [0, 1), finite eps > 0,
+ * finite weight_decay >= 0); else PG_ERR and a message naming the first that is not. */
+int pg_adamw_check_hparams(const pg_adamw_hparams *h);
+/* Replaces the hyperparameters after checking them (unchanged on error). */
+int pg_adamw_set_hparams(pg_adamw *o, const pg_adamw_hparams *h);
 void pg_adamw_free(pg_adamw *o);
 int pg_adamw_step(pg_adamw *o);
 /* Global L2 norm of the gradients (runs pending gradient reductions). */

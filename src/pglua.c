@@ -3,13 +3,15 @@
  *   pglua [options] [script [args]]     (options as lua's: -e -l -i -v -E -W -- -)
  *
  * MPI starts before the script and finalises at exit. Any uncaught error
- * prints "[rank N] message" and a traceback on stderr, then ends the whole
- * job: MPI_Abort under mpirun (other ranks may be blocked in a collective),
- * exit status 1 alone. */
+ * prints "[rank N] message" on stderr ("[ranks 0-3] message" once when every
+ * rank fails alike; a traceback for internal errors and under PG_DEBUG=1),
+ * then ends the whole job: MPI_Abort under mpirun (other ranks may be blocked
+ * in a collective), exit status 1 alone. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <libgen.h>
 #include <limits.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,7 +47,31 @@ static void usage(FILE *f) {
           progname, progname);
 }
 
-/* ---- ending the job on error ---- */
+/* ---- ending the job on error ----
+ *
+ * One report per job: a failing rank first agrees with the others, for up to
+ * the grace period (PG_ABORT_GRACE seconds, default 1), on whether they all
+ * failed and with which message: a hash of it, gathered without blocking over
+ * a communicator of its own (the others may be blocked in a collective on
+ * theirs). Each group of ranks with one message is then reported once, by its
+ * lowest rank, as "[ranks 0-3] message". A rank whose peers do not all fail
+ * in time (blocked, or still running) reports alone, "[rank 2] message", when
+ * the grace period ends, and ends the job.
+ *
+ * Tracebacks: an error raised on purpose (error(), assert(), a binding's
+ * luaL_error: pipegoose's checks, a missing file) prints its message only.
+ * An error Lua raises itself (attempt to index/call/compare a wrong value, a
+ * built-in's "bad argument", a stack overflow), even when re-raised by a
+ * pcall handler, is a bug somewhere and prints the traceback too; so does
+ * every error under PG_DEBUG=1. */
+
+static MPI_Comm report_comm = MPI_COMM_NULL; /* a duplicate of the world, for reports only */
+
+/* What the message handler learned about the error being reported. */
+static struct {
+  int internal;
+  char *traceback;
+} failure;
 
 static void sleep_seconds(double s) {
   struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
@@ -53,35 +79,144 @@ static void sleep_seconds(double s) {
   }
 }
 
-/* Ends the job with `code`. Alone: finalise and exit. Under mpirun: a short
- * grace period lets other ranks that hit the same error print it too, then
- * MPI_Abort takes every rank down (some may be blocked in a collective). */
-static _Noreturn void end_job(int code) {
+static double grace_seconds(void) {
+  const char *g = getenv("PG_ABORT_GRACE");
+  double v = g ? atof(g) : 1.0;
+  return v >= 0 ? v : 0;
+}
+
+static int debug_mode(void) {
+  const char *d = getenv("PG_DEBUG");
+  return d && *d && strcmp(d, "0") != 0;
+}
+
+/* Polls a request until it completes (1) or `seconds` pass (0). */
+static int wait_request(MPI_Request *req, double seconds) {
+  double end = MPI_Wtime() + seconds;
+  for (;;) {
+    int done = 0;
+    if (MPI_Test(req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return 0;
+    if (done) return 1;
+    if (MPI_Wtime() >= end) return 0;
+    sleep_seconds(1e-3);
+  }
+}
+
+/* Ends the job with `code`. Alone: finalise and exit. Under mpirun: MPI_Abort
+ * takes every rank down (some may be blocked in a collective). */
+static _Noreturn void abort_job(int code) {
   fflush(stdout);
   fflush(stderr);
-  if (pg_mpi_world_size() > 1) {
-    const char *g = getenv("PG_ABORT_GRACE");
-    sleep_seconds(g ? atof(g) : 0.5);
-    MPI_Abort(MPI_COMM_WORLD, code);
-  }
+  if (pg_mpi_world_size() > 1) MPI_Abort(MPI_COMM_WORLD, code);
   pg_mpi_finalize();
   exit(code);
 }
 
+/* A failure with no message to agree on (os.exit(code), a bad command line):
+ * the grace period lets other ranks that fail too print theirs first. */
+static _Noreturn void end_job(int code) {
+  fflush(stdout);
+  fflush(stderr);
+  if (pg_mpi_world_size() > 1) sleep_seconds(grace_seconds());
+  abort_job(code);
+}
+
+static uint64_t fnv1a(const char *s, uint64_t h) {
+  for (; *s; s++) h = (h ^ (unsigned char)*s) * 0x100000001b3ull;
+  return h;
+}
+
+/* The ranks r with hashes[r] == h as "0-3", "0,2", "0-2,5" in buf; returns how many. */
+static int rank_list(const uint64_t *hashes, int n, uint64_t h, char *buf, size_t size) {
+  int count = 0;
+  size_t k = 0;
+  buf[0] = 0;
+  for (int r = 0; r < n; r++) {
+    if (hashes[r] != h) continue;
+    int last = r;
+    while (last + 1 < n && hashes[last + 1] == h) last++;
+    if (k < size) {
+      int w = last > r ? snprintf(buf + k, size - k, "%s%d-%d", count ? "," : "", r, last)
+                       : snprintf(buf + k, size - k, "%s%d", count ? "," : "", r);
+      k += w > 0 ? (size_t)w : 0;
+    }
+    count += last - r + 1;
+    r = last;
+  }
+  return count;
+}
+
+static void print_report(const char *who, const char *msg, int with_traceback) {
+  fflush(stdout);
+  fprintf(stderr, "[%s] %s: %s\n", who, progname, msg);
+  if (with_traceback && failure.traceback) fprintf(stderr, "%s\n", failure.traceback);
+  fflush(stderr);
+}
+
+/* Reports the error on top of the stack (once per group of ranks that failed alike) and ends the job. */
+static _Noreturn void report_and_abort(lua_State *L) {
+  const char *msg = lua_tostring(L, -1);
+  if (!msg) msg = "(no message)";
+  int tb = failure.internal || debug_mode(), n = pg_mpi_world_size(), me = pg_mpi_world_rank();
+  char who[256];
+  snprintf(who, sizeof who, "rank %d", me);
+  if (n == 1 || report_comm == MPI_COMM_NULL) {
+    print_report(who, msg, tb);
+    end_job(1);
+  }
+  static uint64_t *all; /* static: still reachable when the job ends, for leak checkers */
+  uint64_t mine = fnv1a(msg, 0xcbf29ce484222325ull) ^ (uint64_t)tb;
+  all = calloc((size_t)n, sizeof *all);
+  MPI_Request req;
+  if (!all || MPI_Iallgather(&mine, 1, MPI_UINT64_T, all, 1, MPI_UINT64_T, report_comm, &req) != MPI_SUCCESS ||
+      !wait_request(&req, grace_seconds())) {
+    /* not every rank failed in time: say it alone (the request stays pending; the job ends) */
+    print_report(who, msg, tb);
+    abort_job(1);
+  }
+  /* Every rank failed: the lowest rank of each group with one message reports it. */
+  char list[200];
+  int count = rank_list(all, n, mine, list, sizeof list);
+  if (me == atoi(list)) {
+    snprintf(who, sizeof who, "%s %s", count > 1 ? "ranks" : "rank", list);
+    print_report(who, msg, tb);
+  }
+  /* Every report is out before any rank ends the job, and one rank aborts it (one notice from mpirun). */
+  if (MPI_Ibarrier(report_comm, &req) == MPI_SUCCESS) wait_request(&req, 5.0);
+  if (me != 0) sleep_seconds(10); /* rank 0's abort ends this process; if it does not, end it here */
+  abort_job(1);
+}
+
+/* Lua's own wordings of the errors it raises (and of its libraries' argument
+ * checks): a message carrying one is internal wherever it was raised or re-raised. */
+static int lua_wording(const char *msg) {
+  static const char *const words[] = {"attempt to ", "bad argument #", "stack overflow", "table index is ",
+                                      "number has no integer representation", "'for' initial value", "'for' limit",
+                                      "'for' step", "object length is not", "error in error handling", NULL};
+  for (const char *const *w = words; *w; w++)
+    if (strstr(msg, *w)) return 1;
+  return 0;
+}
+
+/* Runs at the error, with its stack intact: records whether the error is
+ * internal (see above) and the traceback; returns the message. */
 static int msghandler(lua_State *L) {
   const char *msg = lua_tostring(L, 1);
   if (msg == NULL) {
-    if (luaL_callmeta(L, 1, "__tostring") && lua_type(L, -1) == LUA_TSTRING) return 1;
-    msg = lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
+    if (luaL_callmeta(L, 1, "__tostring") && lua_type(L, -1) == LUA_TSTRING) msg = lua_tostring(L, -1);
+    else msg = lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
+    failure.internal = 1; /* not a message: nobody meant to report it */
+  } else {
+    lua_Debug ar; /* level 1 raised it: a C function (error, assert, a binding) raises on purpose, the VM does not */
+    int by_c = lua_getstack(L, 1, &ar) && lua_getinfo(L, "S", &ar) && ar.what[0] == 'C';
+    failure.internal = !by_c || lua_wording(msg);
   }
-  luaL_traceback(L, L, msg, 1);
+  luaL_traceback(L, L, NULL, 1);
+  free(failure.traceback);
+  failure.traceback = strdup(lua_tostring(L, -1));
+  lua_pop(L, 1);
+  lua_pushstring(L, msg);
   return 1;
-}
-
-static void report_and_abort(lua_State *L) {
-  const char *msg = lua_tostring(L, -1);
-  fprintf(stderr, "[rank %d] %s: %s\n", pg_mpi_world_rank(), progname, msg ? msg : "(no message)");
-  end_job(1);
 }
 
 static int docall(lua_State *L, int narg, int nres) {
@@ -93,8 +228,16 @@ static int docall(lua_State *L, int narg, int nres) {
   return status;
 }
 
+/* A chunk that does not load (a syntax error, no such file) is the user's error: no traceback. */
+static void load_failed(void) {
+  failure.internal = 0;
+  free(failure.traceback);
+  failure.traceback = NULL;
+}
+
 static void run_or_abort(lua_State *L, int status) {
   if (status == LUA_OK) status = docall(L, 0, 0);
+  else load_failed();
   if (status != LUA_OK) report_and_abort(L);
 }
 
@@ -179,6 +322,8 @@ static void run_script(lua_State *L, const char *fname) {
   if (status == LUA_OK) {
     int n = push_script_args(L);
     status = docall(L, n, LUA_MULTRET);
+  } else {
+    load_failed();
   }
   if (status != LUA_OK) report_and_abort(L);
 }
@@ -222,6 +367,8 @@ static void repl(lua_State *L) {
     if (status == LUA_OK) status = docall(L, 0, LUA_MULTRET);
     if (status != LUA_OK) {
       fprintf(stderr, "%s\n", lua_tostring(L, -1));
+      if ((failure.internal || debug_mode()) && failure.traceback) fprintf(stderr, "%s\n", failure.traceback);
+      load_failed(); /* the next line's syntax error has no traceback */
       lua_settop(L, base - 1);
       continue;
     }
@@ -284,6 +431,8 @@ int main(int argc, char **argv) {
     return 1;
   }
   pg_setup_threads();
+  /* collective, so here while every rank runs the same code: the communicator error reports agree over */
+  if (pg_mpi_world_size() > 1 && MPI_Comm_dup(MPI_COMM_WORLD, &report_comm) != MPI_SUCCESS) report_comm = MPI_COMM_NULL;
 
   lua_State *L = luaL_newstate();
   if (!L) {

@@ -33,6 +33,7 @@
 --     counts. The data-parallel size is not part of it: a state saved with D = 4
 --     resumes with D = 2.
 local core = require "pipegoose.core"
+local opt = require "pipegoose.options"
 local C = core.token_data
 
 local M = {}
@@ -60,25 +61,27 @@ M.hash_unit = C.hash_unit
 local TokenShards = {}
 TokenShards.__index = TokenShards
 
-local known = { path = true, batch = true, seq_len = true, seed = true, shuffle = true, ctx = true, vocab = true }
+local TOKEN_SHARDS = {
+  path = opt.required(opt.either(opt.string, opt.list(opt.string, { what = "a list of paths" }))),
+  batch = opt.integer{ min = 1, required = true }, seq_len = opt.integer{ min = 1, required = true },
+  seed = opt.integer{ min = math.mininteger, max = math.maxinteger, default = 0 },
+  shuffle = opt.boolean{ default = true }, ctx = opt.context,
+  vocab = opt.integer{ min = 1 }, -- nil: token ids are not checked
+}
 
 function M.TokenShards(opts)
-  if type(opts) ~= "table" then error("TokenShards: expected an options table {path=, batch=, seq_len=, ...}", 2) end
-  for k in pairs(opts) do
-    if not known[k] then
-      error(("TokenShards: unknown option '%s' (known: path, batch, seq_len, seed, shuffle, ctx, vocab)"):format(tostring(k)), 2)
-    end
-  end
-  if opts.path == nil then error("TokenShards: path= is required (a file, a glob, or a list of files)", 2) end
-  local files = C.expand_paths(opts.path)
-  local shuffle = opts.shuffle
-  if shuffle == nil then shuffle = true end
-  local seed = math.tointeger(opts.seed or 0) or opts.seed -- C.loader rejects a non-integer
-  local loader = C.loader{ files = files, batch = opts.batch, seq_len = opts.seq_len, seed = seed,
-                           shuffle = shuffle, vocab = opts.vocab, ctx = opts.ctx }
+  opts = opt.check("TokenShards", opts, TOKEN_SHARDS)
+  local shuffle, seed = opts.shuffle, opts.seed
+  -- called through pcall so that an error (no file matches, a short file) names the user's line, not this one
+  local ok, files = pcall(C.expand_paths, opts.path)
+  if not ok then error(files, 2) end
+  local loader
+  ok, loader = pcall(C.loader, { files = files, batch = opts.batch, seq_len = opts.seq_len, seed = seed,
+                                 shuffle = shuffle, vocab = opts.vocab, ctx = opts.ctx })
+  if not ok then error(loader, 2) end
   local D, d = 1, 0
   if opts.ctx then D, d = opts.ctx:world_size("data"), opts.ctx:local_rank("data") end
-  local batch, seq_len = math.tointeger(opts.batch), math.tointeger(opts.seq_len) -- 8.0 -> 8
+  local batch, seq_len = opts.batch, opts.seq_len
   return setmetatable({
     loader = loader,
     files = files,

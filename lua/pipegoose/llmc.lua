@@ -51,7 +51,9 @@ end
 
 --- Reads and checks the header; returns the model config.
 function M.read_header(path)
-  local h = core.file.read(path, 0, 256, "int32"):totable()
+  local ok, t = pcall(core.file.read, path, 0, 256, "int32") -- its message names the file, not this line
+  if not ok then error(t, 0) end
+  local h = t:totable()
   if h[1] ~= M.MAGIC then
     error(("%s: not an llm.c GPT-2 model file (magic %d, expected %d)"):format(path, h[1], M.MAGIC), 0)
   end

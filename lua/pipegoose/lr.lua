@@ -12,23 +12,25 @@
 -- step uses base_lr / warmup and step `warmup` uses base_lr exactly.
 local M = {}
 
+local opt = require "pipegoose.options"
+
+-- The options of every schedule; each schedule knows a subset (`known`).
+local OPTIONS = {
+  lr = opt.number{ min = 0 }, min_lr = opt.number{ min = 0 },
+  warmup = opt.integer{ min = 0, what = "a whole number of steps >= 0" },
+  total = opt.integer{ min = 1, what = "a whole number of steps >= 1" },
+}
+
+-- Errors name the user's line that called pg.lr.<name>{...} (check_options <- __call <- the user).
 local function check_options(name, opts, known)
-  if type(opts) ~= "table" then
-    error(("pg.lr.%s: expects a table of options, got a %s"):format(name, type(opts)), 4)
+  local schema = {}
+  for k in pairs(known) do schema[k] = OPTIONS[k] end
+  local o = opt.check("pg.lr." .. name, opts, schema, { level = 3 })
+  if o.total and o.total <= (o.warmup or 0) then
+    error(("pg.lr.%s: total=%s must be greater than warmup=%s"):format(name, tostring(o.total),
+      tostring(o.warmup or 0)), 3)
   end
-  for k, v in pairs(opts) do
-    if not known[k] then error(("pg.lr.%s: unknown option '%s'"):format(name, tostring(k)), 4) end
-    if type(v) ~= "number" or v ~= v or v < 0 then
-      error(("pg.lr.%s: %s=%s must be a non-negative number"):format(name, k, tostring(v)), 4)
-    end
-  end
-  if opts.warmup and math.tointeger(opts.warmup) == nil then
-    error(("pg.lr.%s: warmup=%s must be an integer number of steps"):format(name, tostring(opts.warmup)), 4)
-  end
-  if opts.total and opts.total <= (opts.warmup or 0) then
-    error(("pg.lr.%s: total=%s must be greater than warmup=%s"):format(name, tostring(opts.total),
-      tostring(opts.warmup or 0)), 4)
-  end
+  return o
 end
 
 local function base_of(name, cfg, info)
@@ -47,9 +49,7 @@ local function schedule(name, known, build)
     __tostring = function() return "pg.lr." .. name end,
     __call = function(_, a, b)
       if type(a) == "number" then return build({})(a, b) end
-      local cfg = a or {}
-      check_options(name, cfg, known)
-      return build(cfg)
+      return build(check_options(name, a, known))
     end,
   })
 end

@@ -4,6 +4,8 @@
 -- know their parameter count and forward FLOPs per token (for stage
 -- balancing) and check that widths fit together, with or without tensor
 -- parallelism.
+local opt = require "pipegoose.options"
+
 local nn = {}
 
 local Spec = {}
@@ -17,10 +19,25 @@ end
 local function is_spec(x) return getmetatable(x) == Spec end
 nn.is_spec = is_spec
 
-local function check_positive_int(where, key, v)
-  if math.type(v) ~= "integer" or v < 1 then
-    error(("%s: %s must be a positive integer, got %s"):format(where, key, tostring(v)), 3)
+-- The validators the constructors' schemas share (pipegoose.options).
+local POS = opt.integer{ min = 1 }             -- widths, heads, sizes
+local NEED = opt.required(POS)
+local STD = opt.number{ min = 0, default = 0.02 } -- standard deviations of the initial values
+local NAME = opt.string
+
+-- The options of a constructor that also takes leading arguments, C(a [, b], opts):
+-- the arguments (`fields`) joined with the options table.
+local function with_args(where, fields, opts)
+  if opts ~= nil and type(opts) ~= "table" then
+    error(("%s: expects a table of options, got %s"):format(where, opt.show(opts)), 3)
   end
+  local t = {}
+  for k, v in pairs(opts or {}) do t[k] = v end
+  for k, v in pairs(fields) do
+    if t[k] ~= nil then error(("%s: %s is given twice, as an argument and as an option"):format(where, k), 3) end
+    t[k] = v
+  end
+  return t
 end
 
 local function module_kind_name(s)
@@ -33,10 +50,12 @@ local function is_lua_module(x)
 end
 nn.is_lua_module = is_lua_module
 
-local function as_spec(x, where)
+-- level: error's, counted from as_spec (default 3: the caller of the function that called it).
+local function as_spec(x, where, level)
   if is_spec(x) then return x end
   if is_lua_module(x) then return spec("lua", { module = x, name = x.name, label = "Lua module" }) end
-  error(("%s: expected a pg.nn module or a Lua table with forward and backward, got %s"):format(where, type(x)), 3)
+  error(("%s: expected a pg.nn module or a Lua table with forward and backward, got %s"):format(where, type(x)),
+    level or 3)
 end
 
 
@@ -102,8 +121,17 @@ end
 
 ---------------------------------------------------------------- modules written in Lua
 
-local REGIONS_IN = { replicated = true, copy = true, split = true }
-local REGIONS_OUT = { replicated = true, reduce = true, split = true }
+local TP_SCHEMA = {
+  input = opt.enum({ "replicated", "copy", "split" }, { default = "replicated" }),
+  output = opt.enum({ "replicated", "reduce", "split" }, { default = "replicated" }),
+  output_blocks = opt.integer{ min = 1, default = 1 },
+}
+-- m:parameters() entries. init names are parsed by the runtime (pg_init_from_name), the one list of them.
+local PARAM_SCHEMA = {
+  name = NAME, shape = opt.required(opt.list(POS, { min_len = 1, what = "a list of positive sizes" })),
+  init = opt.string{ default = "normal" }, std = STD, split = "table",
+}
+local SPLIT_SCHEMA = { dim = opt.required(POS), blocks = POS, sizes = opt.list(POS) }
 
 -- A module written in Lua: its widths, its tensor-parallel regions and its
 -- parameters' shards (the README's "Modules written in Lua"):
@@ -116,10 +144,10 @@ KINDS.lua = {}
 function KINDS.lua.describe(self, c)
   local me, flow, T, fail, need_full = c.me, c.flow, c.T, c.fail, c.need_full
   local m = self.module
-  local tp = m.tensor_parallel or {}
-  local input, output = tp.input or "replicated", tp.output or "replicated"
-  if not REGIONS_IN[input] then fail("tensor_parallel.input must be replicated, copy or split, not %s", tostring(input)) end
-  if not REGIONS_OUT[output] then fail("tensor_parallel.output must be replicated, reduce or split, not %s", tostring(output)) end
+  local where = "Lua module" .. (me ~= "" and (" '" .. me .. "'") or "")
+  local tp = opt.check(where, m.tensor_parallel, TP_SCHEMA, { level = 0, prefix = "tensor_parallel." })
+  local input, output = tp.input, tp.output
+  for k, v in pairs{ in_width = m.in_width, out_width = m.out_width } do opt.value(where, k, v, POS, 0) end
   local inw = m.in_width or flow.width
   if flow.width == 0 then fail("needs activations, receives token ids") end
   local local_in = inw
@@ -143,10 +171,13 @@ function KINDS.lua.describe(self, c)
   local params = {}
   if m.parameters then
     for i, p in ipairs(m:parameters()) do
-      local d = { name = p.name or ("p" .. i), shape = p.shape, init = p.init or "normal", std = p.std or 0.02 }
+      p = opt.check(("%s: parameter %d"):format(where, i), p, PARAM_SCHEMA, { level = 0 })
+      local d = { name = p.name or ("p" .. i), shape = p.shape, init = p.init, std = p.std }
       if p.split then
+        p.split = opt.check(("%s: parameter %s"):format(where, d.name), p.split, SPLIT_SCHEMA,
+          { level = 0, prefix = "split." })
         local dim, shape = p.split.dim, p.shape
-        if math.type(dim) ~= "integer" or dim < 1 or dim > #shape then
+        if dim > #shape then
           fail("parameter %s: split.dim must be one of its %d dimensions, got %s", d.name, #shape, tostring(dim))
         end
         local sizes = p.split.sizes
@@ -169,7 +200,8 @@ function KINDS.lua.describe(self, c)
   self.path = me
   return { kind = "lua", name = me, in_width = local_in, out_width = local_out, input = input, output = output,
            params = params, module = m },
-         { width = outw, split = output == "split" and T > 1, blocks = output == "split" and T > 1 and (tp.output_blocks or 1) or nil }
+         { width = outw, split = output == "split" and T > 1,
+           blocks = output == "split" and T > 1 and tp.output_blocks or nil }
 end
 
 
@@ -197,11 +229,9 @@ function KINDS.lua.input_flow(s) return { width = s.module.in_width, split = fal
 
 --- nn.Sequential{ m1, m2, ..., name = } (or nn.Sequential() then :add(m)).
 function nn.Sequential(list)
-  local s = spec("sequential", { children = {}, label = "Sequential" })
-  if list then
-    s.name = list.name
-    for i, m in ipairs(list) do s:add(m, "Sequential child " .. i) end
-  end
+  list = opt.check("Sequential", list, { name = NAME }, { positional = true })
+  local s = spec("sequential", { children = {}, label = "Sequential", name = list.name })
+  for i, m in ipairs(list) do s.children[i] = as_spec(m, "Sequential child " .. i, 3) end
   return s
 end
 
@@ -239,7 +269,8 @@ end
 
 --- nn.Residual(inner): x + inner(x).
 function nn.Residual(inner, opts)
-  return spec("residual", { inner = as_spec(inner, "Residual"), name = opts and opts.name, label = "Residual" })
+  opts = opt.check("Residual", opts, { name = NAME })
+  return spec("residual", { inner = as_spec(inner, "Residual"), name = opts.name, label = "Residual" })
 end
 
 KINDS.residual = {
@@ -275,23 +306,28 @@ end
 -- gather_output =, blocks =, block_sizes =, init_std =, name = }. A column-parallel
 -- Linear with blocks = k splits each of its k output blocks (q|k|v, gate|up)
 -- over the tensor group separately; block_sizes gives unequal blocks' widths.
+local LINEAR = {
+  ["in"] = NEED, out = NEED, bias = opt.boolean{ default = true }, parallel = opt.enum{ "column", "row" },
+  gather_output = opt.boolean, blocks = opt.integer{ min = 1, default = 1 }, block_sizes = opt.list(POS),
+  init_std = STD, name = NAME,
+}
+
 function nn.Linear(a, b, opts)
-  local o = type(a) == "table" and a or setmetatable({ ["in"] = a, out = b }, { __index = opts or {} })
+  if type(a) ~= "table" then a = with_args("Linear", { ["in"] = a, out = b }, opts)
+  elseif b ~= nil or opts ~= nil then error("Linear: give Linear(in, out [, opts]) or Linear{in=, out=, ...}", 2) end
+  local o = opt.check("Linear", a, LINEAR)
   local s = spec("linear", {
-    ["in"] = o["in"], out = o.out, bias = o.bias ~= false, parallel = o.parallel, gather_output = o.gather_output,
-    blocks = o.blocks or 1, block_sizes = o.block_sizes, init_std = o.init_std or 0.02, name = o.name, label = "Linear",
+    ["in"] = o["in"], out = o.out, bias = o.bias, parallel = o.parallel, gather_output = o.gather_output,
+    blocks = o.blocks, block_sizes = o.block_sizes, init_std = o.init_std, name = o.name, label = "Linear",
   })
   if s.block_sizes then
     local sum = 0
-    for i, b in ipairs(s.block_sizes) do check_positive_int("Linear", "block_sizes[" .. i .. "]", b); sum = sum + b end
+    for _, w in ipairs(s.block_sizes) do sum = sum + w end
     if #s.block_sizes ~= s.blocks or sum ~= s.out then
       error(("Linear: block_sizes must list %d widths adding up to out=%d"):format(s.blocks, s.out), 2)
     end
-  end
-  check_positive_int("Linear", "in", s["in"])
-  check_positive_int("Linear", "out", s.out)
-  if s.parallel ~= nil and s.parallel ~= "column" and s.parallel ~= "row" then
-    error(("Linear: parallel must be \"column\" or \"row\", got %q"):format(tostring(s.parallel)), 2)
+  elseif s.out % s.blocks ~= 0 then
+    error(("Linear: blocks=%d does not divide out=%d (give block_sizes for unequal blocks)"):format(s.blocks, s.out), 2)
   end
   return s
 end
@@ -338,9 +374,11 @@ KINDS.linear = {
   input_flow = function(s, T) return { width = s["in"], split = s.parallel == "row" and T > 1 } end,
 }
 
-function nn.LayerNorm(dim, opts)
-  check_positive_int("LayerNorm", "dim", dim)
-  return spec("layernorm", { width = dim, name = opts and opts.name, label = "LayerNorm" })
+--- nn.LayerNorm(dim [, {name=}]) or nn.LayerNorm{dim=, name=}.
+function nn.LayerNorm(a, opts)
+  if type(a) ~= "table" then a = with_args("LayerNorm", { dim = a }, opts) end
+  local o = opt.check("LayerNorm", a, { dim = NEED, name = NAME })
+  return spec("layernorm", { width = o.dim, name = o.name, label = "LayerNorm" })
 end
 
 KINDS.layernorm = {
@@ -354,12 +392,12 @@ KINDS.layernorm = {
 
 --- nn.RMSNorm(dim [, {eps=, name=}]) or nn.RMSNorm{dim=, eps=1e-5, name=}:
 -- x / sqrt(mean(x^2) + eps) * weight (LLaMA's norm; no bias, no centring).
+local EPS = opt.number{ min = 0, default = 1e-5 }
+
 function nn.RMSNorm(a, opts)
-  local o = type(a) == "table" and a or setmetatable({ dim = a }, { __index = opts or {} })
-  check_positive_int("RMSNorm", "dim", o.dim)
-  local eps = o.eps or 1e-5
-  if type(eps) ~= "number" or eps < 0 then error(("RMSNorm: eps must be a number >= 0, got %s"):format(tostring(eps)), 2) end
-  return spec("rmsnorm", { width = o.dim, eps = eps, name = o.name, label = "RMSNorm" })
+  if type(a) ~= "table" then a = with_args("RMSNorm", { dim = a }, opts) end
+  local o = opt.check("RMSNorm", a, { dim = NEED, eps = EPS, name = NAME })
+  return spec("rmsnorm", { width = o.dim, eps = o.eps, name = o.name, label = "RMSNorm" })
 end
 
 KINDS.rmsnorm = {
@@ -374,7 +412,8 @@ KINDS.rmsnorm = {
 --- The SwiGLU gate: silu(gate) * up on a [gate | up] input (split over the
 -- tensor group when it comes from a column-parallel Linear with blocks = 2).
 function nn.GatedSiLU(opts)
-  return spec("swiglu", { name = opts and opts.name, label = "GatedSiLU" })
+  opts = opt.check("GatedSiLU", opts, { name = NAME })
+  return spec("swiglu", { name = opts.name, label = "GatedSiLU" })
 end
 
 KINDS.swiglu = { -- elementwise: its FLOPs are priced with the Linear before it
@@ -392,7 +431,8 @@ KINDS.swiglu = { -- elementwise: its FLOPs are priced with the Linear before it
 }
 
 function nn.GELU(opts)
-  return spec("gelu", { name = opts and opts.name, width = opts and opts.width, label = "GELU" })
+  opts = opt.check("GELU", opts, { name = NAME, width = POS })
+  return spec("gelu", { name = opts.name, width = opts.width, label = "GELU" })
 end
 
 KINDS.gelu = { -- elementwise: its FLOPs are priced with the Linear before it
@@ -411,26 +451,25 @@ KINDS.gelu = { -- elementwise: its FLOPs are priced with the Linear before it
 -- transformers' rotate_half convention; default none), name=}. Under tensor
 -- parallelism query and key/value heads are both split over the group:
 -- tensor must divide heads and kv_heads (key/value heads are not replicated).
+local THETA = opt.number{ gt = 1 }
+
+local ATTENTION = { dim = POS, heads = NEED, seq_len = NEED, kv_heads = POS, head_dim = POS, rope_theta = THETA,
+                    name = NAME }
+
 function nn.Attention(o)
-  check_positive_int("Attention", "heads", o.heads)
-  check_positive_int("Attention", "seq_len", o.seq_len)
+  o = opt.check("Attention", o, ATTENTION)
   local kv = o.kv_heads or o.heads
-  check_positive_int("Attention", "kv_heads", kv)
   local hd = o.head_dim
   if hd == nil then
-    check_positive_int("Attention", "dim", o.dim)
+    if o.dim == nil then error("Attention: give dim= or head_dim=", 2) end
     if o.dim % o.heads ~= 0 then
       error(("Attention: dim=%d is not divisible by heads=%d"):format(o.dim, o.heads), 2)
     end
     hd = o.dim // o.heads
   end
-  check_positive_int("Attention", "head_dim", hd)
   if o.heads % kv ~= 0 then error(("Attention: kv_heads=%d does not divide heads=%d"):format(kv, o.heads), 2) end
-  if o.rope_theta ~= nil then
-    if type(o.rope_theta) ~= "number" or o.rope_theta <= 1 then
-      error(("Attention: rope_theta must be a number > 1, got %s"):format(tostring(o.rope_theta)), 2)
-    end
-    if hd % 2 ~= 0 then error(("Attention: rotary embeddings need an even head_dim, got %d"):format(hd), 2) end
+  if o.rope_theta ~= nil and hd % 2 ~= 0 then
+    error(("Attention: rotary embeddings need an even head_dim, got %d"):format(hd), 2)
   end
   return spec("attention", { width = o.heads * hd, heads = o.heads, kv_heads = kv, head_dim = hd, max_seq = o.seq_len,
                              rope_theta = o.rope_theta, name = o.name, label = "Attention" })
@@ -459,12 +498,21 @@ KINDS.attention = {
 }
 
 --- Token (+ position) embedding; vocab-parallel under tensor parallelism.
+-- padded_vocab: rows of the table (>= vocab; tensor parallelism pads further to a multiple of T).
+local function padded_of(where, o)
+  local padded = o.padded_vocab or o.vocab
+  if padded < o.vocab then error(("%s: padded_vocab=%d is smaller than vocab=%d"):format(where, padded, o.vocab), 3) end
+  return padded
+end
+
+local EMBEDDING = { vocab = NEED, padded_vocab = POS, dim = NEED, positions = opt.integer{ min = 0, default = 0 },
+                    init_std = STD, name = NAME }
+
 function nn.Embedding(o)
-  check_positive_int("Embedding", "vocab", o.vocab)
-  check_positive_int("Embedding", "dim", o.dim)
+  o = opt.check("Embedding", o, EMBEDDING)
   return spec("embedding", {
-    vocab = o.vocab, padded_vocab = o.padded_vocab or o.vocab, width = o.dim, positions = o.positions or 0,
-    init_std = o.init_std or 0.02, name = o.name, label = "Embedding",
+    vocab = o.vocab, padded_vocab = padded_of("Embedding", o), width = o.dim, positions = o.positions,
+    init_std = o.init_std, name = o.name, label = "Embedding",
   })
 end
 
@@ -482,13 +530,14 @@ KINDS.embedding = {
 
 --- LM head with the fused softmax cross-entropy. tie = true: the weight is the
 -- embedding's (`tie_name`, default "embed.wte").
+local LMHEAD = { vocab = NEED, padded_vocab = POS, dim = NEED, tie = opt.boolean{ default = true },
+                 tie_name = opt.string{ default = "embed.wte" }, init_std = STD, name = NAME }
+
 function nn.LMHead(o)
-  check_positive_int("LMHead", "vocab", o.vocab)
-  check_positive_int("LMHead", "dim", o.dim)
-  local tie = o.tie ~= false
+  o = opt.check("LMHead", o, LMHEAD)
   return spec("lm_head", {
-    vocab = o.vocab, padded_vocab = o.padded_vocab or o.vocab, width = o.dim,
-    tie = tie and (o.tie_name or "embed.wte") or nil, init_std = o.init_std or 0.02, name = o.name, label = "LMHead",
+    vocab = o.vocab, padded_vocab = padded_of("LMHead", o), width = o.dim,
+    tie = o.tie and o.tie_name or nil, init_std = o.init_std, name = o.name, label = "LMHead",
   })
 end
 
@@ -505,7 +554,11 @@ KINDS.lm_head = {
 ---------------------------------------------------------------- composites
 
 function nn.CausalSelfAttention(o)
-  local proj_std = o.proj_std or 0.02
+  o = opt.check("CausalSelfAttention", o, { dim = NEED, heads = NEED, seq_len = NEED, proj_std = STD, name = NAME })
+  local proj_std = o.proj_std
+  if o.dim % o.heads ~= 0 then
+    error(("CausalSelfAttention: dim=%d is not divisible by heads=%d"):format(o.dim, o.heads), 2)
+  end
   local s = nn.Sequential{
     nn.Linear{ ["in"] = o.dim, out = 3 * o.dim, parallel = "column", blocks = 3, name = "qkv" },
     nn.Attention{ dim = o.dim, heads = o.heads, seq_len = o.seq_len, name = "core" },
@@ -520,9 +573,14 @@ end
 --- LLaMA's attention: bias-free fused q|k|v (unequal blocks when kv_heads <
 -- heads), rotary embeddings, grouped-query attention, bias-free output.
 -- nn.LlamaAttention{dim=, heads=, kv_heads=, head_dim=, seq_len=, rope_theta=10000, init_std=, name=}
+local LLAMA_ATTENTION = { dim = NEED, heads = NEED, kv_heads = POS, head_dim = POS, seq_len = NEED, rope_theta = THETA,
+                          init_std = STD, name = NAME }
+
 function nn.LlamaAttention(o)
-  check_positive_int("LlamaAttention", "dim", o.dim)
-  check_positive_int("LlamaAttention", "heads", o.heads)
+  o = opt.check("LlamaAttention", o, LLAMA_ATTENTION)
+  if o.head_dim == nil and o.dim % o.heads ~= 0 then
+    error(("LlamaAttention: dim=%d is not divisible by heads=%d"):format(o.dim, o.heads), 2)
+  end
   local kv, hd = o.kv_heads or o.heads, o.head_dim or o.dim // o.heads
   local q_w, kv_w = o.heads * hd, kv * hd
   local s = nn.Sequential{
@@ -541,8 +599,7 @@ end
 --- The SwiGLU MLP: down(silu(gate(x)) * up(x)), gate|up fused into one
 -- bias-free column-parallel Linear ("fc", blocks = 2), down row-parallel ("proj").
 function nn.SwiGLU(o)
-  check_positive_int("SwiGLU", "dim", o.dim)
-  check_positive_int("SwiGLU", "hidden", o.hidden)
+  o = opt.check("SwiGLU", o, { dim = NEED, hidden = NEED, init_std = STD, name = NAME })
   local s = nn.Sequential{
     nn.Linear{ ["in"] = o.dim, out = 2 * o.hidden, bias = false, parallel = "column", blocks = 2,
                init_std = o.init_std, name = "fc" },
@@ -555,11 +612,12 @@ function nn.SwiGLU(o)
 end
 
 function nn.MLP(o)
+  o = opt.check("MLP", o, { dim = NEED, hidden = POS, proj_std = STD, name = NAME })
   local hidden = o.hidden or 4 * o.dim
   local s = nn.Sequential{
     nn.Linear{ ["in"] = o.dim, out = hidden, parallel = "column", name = "fc" },
     nn.GELU{ name = "gelu" },
-    nn.Linear{ ["in"] = hidden, out = o.dim, parallel = "row", init_std = o.proj_std or 0.02, name = "proj" },
+    nn.Linear{ ["in"] = hidden, out = o.dim, parallel = "row", init_std = o.proj_std, name = "proj" },
     name = o.name,
   }
   s.label = "MLP"
@@ -570,7 +628,7 @@ end
 -- Its wrappers are transparent: parameter names read blocks.3.ln1.weight and
 -- blocks.3.attn.qkv.weight, not blocks.3.1.2.attn...
 function nn.PreNorm(norm, inner)
-  local seq = nn.Sequential{ norm, inner }
+  local seq = nn.Sequential{ as_spec(norm, "PreNorm: the norm"), as_spec(inner, "PreNorm: the inner module") }
   seq.transparent = true
   local r = nn.Residual(seq)
   r.transparent = true
@@ -580,6 +638,8 @@ end
 
 --- Pre-LayerNorm block: x + attn(ln1(x)), then x + mlp(ln2(x)).
 function nn.TransformerBlock(o)
+  o = opt.check("TransformerBlock", o, { dim = NEED, heads = NEED, seq_len = NEED, hidden = POS, proj_std = STD,
+                                         name = NAME })
   local s = nn.Sequential{
     nn.PreNorm(nn.LayerNorm(o.dim, { name = "ln1" }),
       nn.CausalSelfAttention{ dim = o.dim, heads = o.heads, seq_len = o.seq_len, proj_std = o.proj_std, name = "attn" }),
@@ -595,11 +655,15 @@ end
 -- padded_vocab: rows of the embedding (>= vocab); tensor parallelism pads
 -- further to a multiple of T. Init is GPT-2's: N(0, 0.02), residual
 -- projections N(0, 0.02/sqrt(2*layers)), LayerNorm 1/0, biases 0.
+-- arch: the model config's own field (a Llama's says "llama"), so that a
+-- config passes back in (pg.nn.GPT(engine.config)).
+local GPT = { vocab = NEED, padded_vocab = POS, seq_len = NEED, dim = NEED, heads = NEED, layers = NEED, hidden = POS,
+              tie = opt.boolean{ default = true }, arch = opt.enum{ "gpt2" } }
+
 local function build_gpt(o)
-  for _, k in ipairs{ "vocab", "seq_len", "dim", "heads", "layers" } do check_positive_int("GPT", k, o[k]) end
+  o = opt.check("GPT", o, GPT)
   if o.dim % o.heads ~= 0 then error(("GPT: dim=%d is not divisible by heads=%d"):format(o.dim, o.heads), 2) end
-  local padded = o.padded_vocab or o.vocab
-  if padded < o.vocab then error(("GPT: padded_vocab=%d is smaller than vocab=%d"):format(padded, o.vocab), 2) end
+  local padded = padded_of("GPT", o)
   local proj_std = 0.02 / math.sqrt(2 * o.layers)
   local model = nn.Sequential{ name = "" }
   model:add(nn.Embedding{ vocab = o.vocab, padded_vocab = padded, dim = o.dim, positions = o.seq_len, name = "embed" })
@@ -611,14 +675,18 @@ local function build_gpt(o)
   model:add(nn.LMHead{ vocab = o.vocab, padded_vocab = padded, dim = o.dim, tie = o.tie, name = "head" })
   model.label = "GPT"
   model.config = { vocab = o.vocab, padded_vocab = padded, seq_len = o.seq_len, dim = o.dim, heads = o.heads,
-                   layers = o.layers, hidden = o.hidden or 4 * o.dim, tie = o.tie ~= false }
+                   layers = o.layers, hidden = o.hidden or 4 * o.dim, tie = o.tie }
   return model
 end
 
 nn.GPT = setmetatable({}, { __call = function(_, o) return build_gpt(o) end })
 
 --- Pre-RMSNorm LLaMA block: x + attn(ln1(x)), then x + mlp(ln2(x)).
+local LLAMA_BLOCK = { dim = NEED, heads = NEED, kv_heads = POS, head_dim = POS, seq_len = NEED, hidden = NEED,
+                      rope_theta = THETA, eps = EPS, name = NAME }
+
 function nn.LlamaBlock(o)
+  o = opt.check("LlamaBlock", o, LLAMA_BLOCK)
   local s = nn.Sequential{
     nn.PreNorm(nn.RMSNorm{ dim = o.dim, eps = o.eps, name = "ln1" },
       nn.LlamaAttention{ dim = o.dim, heads = o.heads, kv_heads = o.kv_heads, head_dim = o.head_dim,
@@ -636,22 +704,22 @@ end
 -- kv_heads (default heads), hidden, seq_len, rope_theta (10000), eps (1e-5),
 -- tie (false), padded_vocab, head_dim (dim / heads). Init as transformers':
 -- N(0, 0.02) for every matrix, norm weights 1.
+local LLAMA = { vocab = NEED, padded_vocab = POS, seq_len = NEED, dim = NEED, heads = NEED, kv_heads = POS,
+                head_dim = POS, layers = NEED, hidden = NEED, rope_theta = opt.number{ gt = 1, default = 10000 },
+                eps = EPS, tie = opt.boolean{ default = false }, arch = opt.enum{ "llama" } }
+
 local function build_llama(o)
-  for _, k in ipairs{ "vocab", "seq_len", "dim", "heads", "layers", "hidden" } do check_positive_int("Llama", k, o[k]) end
+  o = opt.check("Llama", o, LLAMA)
   local kv = o.kv_heads or o.heads
-  check_positive_int("Llama", "kv_heads", kv)
   if o.head_dim == nil and o.dim % o.heads ~= 0 then
     error(("Llama: dim=%d is not divisible by heads=%d"):format(o.dim, o.heads), 2)
   end
   local hd = o.head_dim or o.dim // o.heads
-  check_positive_int("Llama", "head_dim", hd)
   if hd % 2 ~= 0 then error(("Llama: rotary embeddings need an even head_dim, got %d"):format(hd), 2) end
   if o.heads % kv ~= 0 then error(("Llama: kv_heads=%d does not divide heads=%d"):format(kv, o.heads), 2) end
-  local theta = o.rope_theta or 10000
-  if type(theta) ~= "number" or theta <= 1 then error(("Llama: rope_theta must be > 1, got %s"):format(tostring(theta)), 2) end
-  local padded = o.padded_vocab or o.vocab
-  if padded < o.vocab then error(("Llama: padded_vocab=%d is smaller than vocab=%d"):format(padded, o.vocab), 2) end
-  local eps, tie = o.eps or 1e-5, o.tie == true
+  local theta = o.rope_theta
+  local padded = padded_of("Llama", o)
+  local eps, tie = o.eps, o.tie
   local model = nn.Sequential{ name = "" }
   model:add(nn.Embedding{ vocab = o.vocab, padded_vocab = padded, dim = o.dim, name = "embed" })
   for i = 0, o.layers - 1 do
@@ -672,6 +740,7 @@ nn.Llama = setmetatable({}, { __call = function(_, o) return build_llama(o) end 
 --- pg.nn.GPT.load_llmc(path): a GPT-2 spec with the config and weights of an
 -- llm.c model file (the weights are loaded by pg.parallelize, each rank its shards).
 function nn.GPT.load_llmc(path)
+  opt.value("GPT.load_llmc", "path", path, opt.required(opt.string))
   local cfg = require("pipegoose.llmc").read_header(path)
   local m = nn.GPT{ vocab = cfg.vocab, padded_vocab = cfg.padded_vocab, seq_len = cfg.seq_len, dim = cfg.dim,
                     heads = cfg.heads, layers = cfg.layers }
@@ -685,6 +754,7 @@ end
 -- pg.nn.GPT) or LlamaForCausalLM (a pg.nn.Llama); lua/pipegoose/hf.lua has
 -- the conventions.
 function nn.from_hf(dir)
+  opt.value("from_hf", "dir", dir, opt.required(opt.string))
   local o, model_type = require("pipegoose.hf").read_config(dir)
   local m = model_type == "llama" and nn.Llama(o) or nn.GPT(o)
   m.weights = { format = "hf", path = dir }
@@ -712,11 +782,14 @@ end
 -- (this rank's shard under tensor parallelism), with flat parameters like an
 -- engine's: layer:forward(x [, targets]), layer:backward([dy]), layer:params(),
 -- layer:gather_param(name [, grad]), layer:zero_grad().
+local LAYER = { seed = opt.integer{ min = math.mininteger, max = math.maxinteger },
+                input = opt.check_with("a flow {width=, split=, blocks=}", function(v) return type(v) == "table" end) }
+
 function nn.Layer(s, ctx, opts)
   local core = require "pipegoose.core"
-  opts = opts or {}
+  opts = opt.check("Layer", opts, LAYER)
   s = as_spec(s, "Layer")
-  ctx = ctx or core.ParallelContext{}
+  ctx = opt.value("Layer", "ctx", ctx, opt.context) or core.ParallelContext{}
   local T = ctx:world_size("tensor")
   local flow = opts.input or s:input_flow(T)
   if flow.width == nil then error("Layer: give the input width: opts.input = {width = ...}", 2) end

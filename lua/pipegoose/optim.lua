@@ -3,32 +3,37 @@
 -- two or more dimensions), replicated (zero = 0) or ZeRO-1 sharded over the
 -- data group (zero = 1).
 local core = require "pipegoose.core"
+local opt = require "pipegoose.options"
 
 local optim = {}
 
 local AdamW = {}
 AdamW.__index = AdamW
 
-local known = { lr = true, betas = true, eps = true, weight_decay = true, zero = true }
+-- Types here; the runtime checks the values' ranges (pg_adamw_check_hparams),
+-- for construction, set_lr and load_state_dict alike.
+local NUMBER = opt.number{ finite = false }
+local ADAMW = {
+  lr = opt.number{ finite = false, default = 1e-3 }, betas = opt.list(NUMBER, { len = 2, default = { 0.9, 0.999 } }),
+  eps = opt.number{ finite = false, default = 1e-8 }, weight_decay = opt.number{ finite = false, default = 0.01 },
+  zero = opt.integer{ default = 0 },
+}
+local ENGINE = opt.required(opt.check_with("an engine made by pg.parallelize",
+  function(e) return type(e) == "table" and type(e.c) == "userdata" end))
 
 function optim.AdamW(engine, o)
-  o = o or {}
-  for k in pairs(o) do
-    if not known[k] then error(("AdamW: unknown option '%s'"):format(tostring(k)), 2) end
-  end
-  local zero = o.zero or 0
+  opt.value("AdamW", "engine", engine, ENGINE)
+  o = opt.check("AdamW", o, ADAMW)
+  local zero = o.zero
   if zero == 2 or zero == 3 then
     error(("AdamW: zero=%d is not built; pipegoose has ZeRO stage 1 (zero = 1) and none (zero = 0)"):format(zero), 2)
   elseif zero ~= 0 and zero ~= 1 then
-    error(("AdamW: zero must be 0 or 1, got %s"):format(tostring(zero)), 2)
+    error(("AdamW: zero must be 0 or 1, got %s"):format(opt.show(zero)), 2)
   end
-  local betas = o.betas or { 0.9, 0.999 }
-  if type(betas) ~= "table" or #betas ~= 2 then error("AdamW: betas must be a table {beta1, beta2}", 2) end
-  local c = engine.c or error("AdamW: needs an engine made by pg.parallelize", 2)
-  local ok, opt = pcall(core.AdamW, c, { lr = o.lr or 1e-3, beta1 = betas[1], beta2 = betas[2], eps = o.eps or 1e-8,
-                                         weight_decay = o.weight_decay or 0.01 }, zero)
-  if not ok then error(opt, 2) end
-  local self = setmetatable({ c = opt, engine = engine, zero = zero }, AdamW)
+  local ok, c = pcall(core.AdamW, engine.c, { lr = o.lr, beta1 = o.betas[1], beta2 = o.betas[2], eps = o.eps,
+                                              weight_decay = o.weight_decay }, zero)
+  if not ok then error(c, 2) end
+  local self = setmetatable({ c = c, engine = engine, zero = zero }, AdamW)
   engine.optimizer = self
   return self
 end
@@ -39,9 +44,18 @@ function AdamW:grad_norm() return self.c:grad_norm() end
 
 --- Global gradient norm before clipping; the next step scales gradients by
 -- max_norm / (norm + 1e-6) when the norm exceeds max_norm (torch's rule).
-function AdamW:clip_grad_norm(max_norm) return self.c:clip(max_norm) end
+function AdamW:clip_grad_norm(max_norm)
+  opt.value("AdamW:clip_grad_norm", "max_norm", max_norm, opt.required(NUMBER))
+  local ok, norm = pcall(self.c.clip, self.c, max_norm)
+  if not ok then error(norm, 2) end
+  return norm
+end
 
-function AdamW:set_lr(lr) self.c:hparams{ lr = lr } end
+function AdamW:set_lr(lr)
+  opt.value("AdamW:set_lr", "lr", lr, opt.required(NUMBER)) -- the runtime says which values
+  local ok, err = pcall(self.c.hparams, self.c, { lr = lr })
+  if not ok then error(err, 2) end
+end
 function AdamW:get_lr() return self.c:hparams().lr end
 function AdamW:hparams() return self.c:hparams() end
 

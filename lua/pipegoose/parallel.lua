@@ -4,6 +4,7 @@
 -- engine object here is a thin Lua face over the C engine.
 local core = require "pipegoose.core"
 local nn = require "pipegoose.nn"
+local opt = require "pipegoose.options"
 
 local M = {}
 
@@ -52,12 +53,7 @@ local function partition(top, P, seq_len, stages)
   if stages then
     if #stages ~= P then error(("stages lists %d stages, but pipeline=%d"):format(#stages, P), 0) end
     local total = 0
-    for i, s in ipairs(stages) do
-      if math.type(s) ~= "integer" or s < 1 then
-        error(("stages[%d] = %s: each stage needs a positive number of modules"):format(i, tostring(s)), 0)
-      end
-      total = total + s
-    end
+    for _, s in ipairs(stages) do total = total + s end -- positive integers (parallelize's options)
     if total ~= #top then error(("stages cover %d modules, but the model has %d top-level modules"):format(total, #top), 0) end
     sizes = stages
   else
@@ -75,26 +71,26 @@ end
 
 ---------------------------------------------------------------- parallelize
 
-local known_opts = { micro_batches = true, schedule = true, stages = true, bucket_mb = true, seed = true,
-                     shared_memory = true, device = true }
+local PARALLELIZE = {
+  micro_batches = opt.integer{ min = 1, default = 1 },
+  schedule = opt.enum({ "1f1b", "gpipe" }, { default = "1f1b" }),
+  stages = opt.list(opt.integer{ min = 1 }),
+  bucket_mb = opt.number{ gt = 0, max = 1 << 20, default = 25 }, -- up to 1 TiB: the element count fits an int64
+  seed = opt.integer{ min = math.mininteger, max = math.maxinteger },
+  -- data-parallel replicas on one node share their flat buffers unless told not to
+  shared_memory = opt.boolean{ default = true },
+  device = opt.string, -- "cpu" (default), "cuda" (the node's device of this rank), "cuda:N": parsed by the runtime
+}
 
 function M.parallelize(model, ctx, opts)
-  opts = opts or {}
-  for k in pairs(opts) do
-    if not known_opts[k] then error(("parallelize: unknown option '%s'"):format(tostring(k)), 2) end
+  opts = opt.check("parallelize", opts, PARALLELIZE)
+  if not nn.is_spec(model) then
+    error(("parallelize: the model must be a pg.nn module, got %s"):format(opt.show(model)), 2)
   end
-  if not nn.is_spec(model) then error("parallelize: the model must be a pg.nn module", 2) end
-  if ctx == nil then ctx = core.ParallelContext{} end
+  ctx = opt.value("parallelize", "ctx", ctx, opt.context) or core.ParallelContext{}
   local sizes = ctx:sizes()
   local T, P = sizes.tensor, sizes.pipeline
-  local schedule = opts.schedule or "1f1b"
-  if schedule ~= "gpipe" and schedule ~= "1f1b" then
-    error(("parallelize: unknown schedule '%s' (expected gpipe or 1f1b)"):format(tostring(schedule)), 2)
-  end
-  local micro = opts.micro_batches or 1
-  if math.type(micro) ~= "integer" or micro < 1 then
-    error(("parallelize: micro_batches must be a positive integer, got %s"):format(tostring(micro)), 2)
-  end
+  local schedule, micro = opts.schedule, opts.micro_batches
   local config = model.config or {}
   local top = model:top_level()
   local seq_len = config.seq_len or 1
@@ -162,14 +158,13 @@ function M.parallelize(model, ctx, opts)
   end
   find_lua(stage_desc)
 
-  local c = core.Engine(ctx, stage_desc, {
+  -- through pcall: an error of the runtime (a bad device, no memory) names the user's line, not this one
+  local ok_engine, c = pcall(core.Engine, ctx, stage_desc, {
     micro_batches = micro, schedule = schedule, vocab = vocab, width = width, seed = opts.seed or ctx:seed(),
     is_first = me == 0, is_last = me == P - 1, tied_name = (P > 1 and head_tied) and tie or nil,
-    bucket_mb = opts.bucket_mb or 25,
-    -- data-parallel replicas on one node share their flat buffers unless told not to
-    shared_memory = opts.shared_memory ~= false,
-    device = opts.device, -- "cpu" (default), "cuda" (the node's device of this rank), "cuda:N"
+    bucket_mb = opts.bucket_mb, shared_memory = opts.shared_memory, device = opts.device,
   })
+  if not ok_engine then error(c, 2) end
   local e = setmetatable({
     c = c, ctx = ctx, config = config, model = model, micro_batches = micro, schedule = schedule,
     device = c:info().device,
@@ -191,24 +186,28 @@ end
 
 ---------------------------------------------------------------- the engine's face
 
+local FORWARD_BACKWARD = { grad_scale = opt.number{ default = 1 }, sync = opt.boolean{ default = true } }
+
 --- engine:forward_backward(inputs, targets [, {grad_scale = 1, sync = true}]) -> loss
 function Engine:forward_backward(inputs, targets, opts)
-  local scale, sync = 1, true
-  if opts then
-    scale = opts.grad_scale or 1
-    if opts.sync == false then sync = false end
-  end
-  return self.c:forward_backward(inputs, targets, scale, sync)
+  opts = opt.check("forward_backward", opts, FORWARD_BACKWARD)
+  -- C calls through pcall: their errors (a bad batch) name the user's line, not this file's
+  local ok, loss = pcall(self.c.forward_backward, self.c, inputs, targets, opts.grad_scale, opts.sync)
+  if not ok then error(loss, 2) end
+  return loss
 end
 
 --- engine:loss(inputs, targets) -> mean token loss (no gradients)
 function Engine:loss(inputs, targets)
-  return (self.c:evaluate(inputs, targets, false))
+  local ok, loss = pcall(self.c.evaluate, self.c, inputs, targets, false)
+  if not ok then error(loss, 2) end
+  return loss
 end
 
 --- engine:forward(inputs) -> logits [B, T, vocab] on every rank
 function Engine:forward(inputs)
-  local _, logits = self.c:evaluate(inputs, nil, true)
+  local ok, res, logits = pcall(self.c.evaluate, self.c, inputs, nil, true)
+  if not ok then error(res, 2) end
   return logits
 end
 

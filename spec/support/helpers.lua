@@ -52,6 +52,33 @@ function M.count(haystack, needle)
   end
 end
 
+--- The error reports of pglua in a job's output: { {ranks = {[r] = true, ...}, text = "..."}, ... } for
+-- each line "[rank 2] ..." or "[ranks 0-3,5] ..." (one report for several ranks that failed alike).
+function M.reports(out)
+  local list = {}
+  for line in out:gmatch("[^\n]+") do
+    local spec, text = line:match("^%[ranks? ([%d,%-]+)%] (.*)$")
+    if spec then
+      local ranks = {}
+      for part in spec:gmatch("[^,]+") do
+        local a, b = part:match("^(%d+)%-(%d+)$")
+        a, b = tonumber(a or part), tonumber(b or part)
+        for r = a, b do ranks[r] = true end
+      end
+      list[#list + 1] = { ranks = ranks, text = text }
+    end
+  end
+  return list
+end
+
+--- Whether rank r's error report in `out` contains `text` (plain), alone or in a report for several ranks.
+function M.reported_by(out, r, text)
+  for _, rep in ipairs(M.reports(out)) do
+    if rep.ranks[r] and rep.text:find(text, 1, true) then return true end
+  end
+  return false
+end
+
 --- A fresh path under the system's temporary directory (not created).
 function M.tmpdir()
   local p = os.tmpname()

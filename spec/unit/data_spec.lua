@@ -329,13 +329,28 @@ describe("TokenShards", function()
 
   it("rejects bad options with messages naming them", function()
     has(err_of(function() pg.data.TokenShards{ path = a, batch = B, seq_len = 0 } end),
-      "TokenShards: seq_len must be a positive integer below 2^31, got 0")
+      "TokenShards: seq_len must be a positive integer, got 0")
     has(err_of(function() pg.data.TokenShards{ path = a, batch = 0, seq_len = 4 } end),
-      "TokenShards: batch must be a positive integer below 2^31, got 0")
+      "TokenShards: batch must be a positive integer, got 0")
+    has(err_of(function() pg.data.TokenShards{ path = a, batch = 2 ^ 31, seq_len = 4 } end),
+      "TokenShards: batch must be a positive integer below 2^31, got 2147483648.0")
+    -- vocab = 0 used to mean "no check" silently; nil is "no check", 0 is an error
+    has(err_of(function() pg.data.TokenShards{ path = a, batch = 1, seq_len = 4, vocab = 0 } end),
+      "TokenShards: vocab must be a positive integer, got 0")
+    has(err_of(function() C.loader{ files = { a }, batch = 1, seq_len = 4, vocab = 0 } end),
+      "TokenShards: vocab=0 must be a positive integer (or nil: no check)")
+    has(err_of(function() pg.data.TokenShards{ path = a, batch = 1, seq_len = 4, shuffle = "no" } end),
+      "TokenShards: shuffle must be a boolean, got 'no'")
+    has(err_of(function() pg.data.TokenShards{ path = { a, 5 }, batch = 1, seq_len = 4 } end),
+      "TokenShards: path[2] must be a string, got 5")
+    has(err_of(function() pg.data.TokenShards{ path = a, batch = 1, seq_len = 4, ctx = "x" } end),
+      "TokenShards: ctx must be a pg.ParallelContext, got 'x'")
+    has(err_of(function() pg.data.TokenShards() end),
+      "TokenShards: expects a table of options (batch=, path=, seq_len=, ...), got nothing")
     has(err_of(function() pg.data.TokenShards{ path = a, seq_len = 4 } end), "TokenShards: batch= is required")
     has(err_of(function() pg.data.TokenShards{ batch = 1, seq_len = 4 } end), "TokenShards: path= is required")
     has(err_of(function() pg.data.TokenShards{ path = a, batch = 1, seq_len = 4, shufle = false } end),
-      "TokenShards: unknown option 'shufle'")
+      "TokenShards: unknown option 'shufle' (did you mean 'shuffle'?)")
     -- b.bin has 96 tokens: 12 windows of 8, not the 13 a batch of 13 needs
     has(err_of(function() pg.data.TokenShards{ path = { a, b }, batch = 13, seq_len = L } end),
       b .. ": too short for one batch: it has 96 tokens, but one batch of 13 rows of seq_len + 1 = 8 tokens needs 104")

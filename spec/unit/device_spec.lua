@@ -236,7 +236,7 @@ print("checkpoint ok")
         print("fitted")]])))
     assert.is_true(rc ~= 0 and rc ~= 124, out)
     assert.is_nil(out:find("fitted"), out)
-    assert.matches("%[rank %d%] [^\n]*the flat parameter and gradient buffers %(2 x 3718144 bytes on cuda%): allocating "
+    assert.matches("%[ranks? [%d,%-]+%] [^\n]*the flat parameter and gradient buffers %(2 x 3718144 bytes on cuda%): allocating "
       .. "device memory on cuda:%d: out of memory %(3718144 bytes%)", out)
   end)
 

@@ -127,7 +127,8 @@ describe("pg.nn.Llama (LlamaForCausalLM) against PyTorch", function()
     assert.is_not.equal(0, rc)
     assert.matches("tensor=4 does not divide kv_heads=2 (key/value heads are split over the tensor group, not replicated)",
       out, 1, true)
-    assert.equal(1, h.count(out, "[rank 0] "), "rank 0 says it once")
+    assert.equal(1, h.count(out, "does not divide kv_heads=2"), "said once for the whole job")
+    assert.equal(1, h.count(out, "[ranks 0-3] "), "by one report for the four ranks")
     local six = h.tmpfile([[
       local pg = require "pipegoose"
       local ctx = pg.ParallelContext{ tensor = 4 }
@@ -255,7 +256,7 @@ describe("pg.nn.Llama (LlamaForCausalLM) against PyTorch", function()
       { "kv_heads", 3, "Llama: kv_heads=3 does not divide heads=4" },
       { "dim", 30, "Llama: dim=30 is not divisible by heads=4" },
       { "head_dim", 5, "Llama: rotary embeddings need an even head_dim, got 5" },
-      { "rope_theta", 1, "Llama: rope_theta must be > 1, got 1" },
+      { "rope_theta", 1, "Llama: rope_theta must be a finite number > 1, got 1" },
       { "hidden", 0, "Llama: hidden must be a positive integer, got 0" },
     } do
       local ok, err = pcall(pg.nn.Llama, with(c[1], c[2]))

@@ -49,9 +49,19 @@ describe("pg.lr", function()
 
   it("rejects bad options and a missing horizon with messages", function()
     assert.has_error(function() pg.lr.cosine{ warmup = 1.5 } end,
-      "pg.lr.cosine: warmup=1.5 must be an integer number of steps")
-    assert.has_error(function() pg.lr.linear{ warmpu = 3 } end, "pg.lr.linear: unknown option 'warmpu'")
-    assert.has_error(function() pg.lr.cosine{ min_lr = -1 } end, "pg.lr.cosine: min_lr=-1 must be a non-negative number")
+      "pg.lr.cosine: warmup must be a whole number of steps >= 0, got 1.5")
+    assert.has_error(function() pg.lr.linear{ warmpu = 3 } end,
+      "pg.lr.linear: unknown option 'warmpu' (did you mean 'warmup'?)")
+    assert.has_error(function() pg.lr.cosine{ min_lr = -1 } end,
+      "pg.lr.cosine: min_lr must be a finite number >= 0, got -1")
+    assert.has_error(function() pg.lr.cosine{ lr = math.huge } end,
+      "pg.lr.cosine: lr must be a finite number >= 0, got inf")
+    assert.has_error(function() pg.lr.linear{ lr = 0 / 0 } end, "pg.lr.linear: lr must be a finite number >= 0, got nan")
+    assert.has_error(function() pg.lr.linear{ total = "10" } end,
+      "pg.lr.linear: total must be a whole number of steps >= 1, got '10'")
+    assert.has_error(function() pg.lr.constant{ warmup = 3 } end, "pg.lr.constant: unknown option 'warmup' (known: lr)")
+    assert.has_error(function() pg.lr.cosine("fast") end, "pg.lr.cosine: expects a table of options, got 'fast'")
+    assert.equal(0.25, pg.lr.linear{ warmup = 4.0 }(1, info)) -- 4.0 steps are 4 steps
     assert.has_error(function() pg.lr.cosine{ warmup = 10, total = 5 } end,
       "pg.lr.cosine: total=5 must be greater than warmup=10")
     assert.has_error(function() pg.lr.cosine{}(3, { base_lr = 1 }) end,

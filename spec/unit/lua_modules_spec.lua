@@ -125,8 +125,17 @@ describe("modules written in Lua", function()
       assert.matches(msg, err, 1, true)
     end
     fails(mod{ tensor_parallel = { input = "scatter" } }, 1,
-      "Lua module 'custom': tensor_parallel.input must be replicated, copy or split, not scatter")
-    fails(mod{ tensor_parallel = { output = "copy" } }, 1, "tensor_parallel.output must be replicated, reduce or split")
+      "Lua module 'custom': tensor_parallel.input must be 'replicated', 'copy' or 'split', got 'scatter'")
+    fails(mod{ tensor_parallel = { output = "copy" } }, 1,
+      "tensor_parallel.output must be 'replicated', 'reduce' or 'split', got 'copy'")
+    fails(mod{ tensor_parallel = { inputs = "split" } }, 1,
+      "Lua module 'custom': unknown option 'tensor_parallel.inputs' (did you mean 'tensor_parallel.input'?)")
+    fails(mod{ parameters = function() return { { name = "w", shape = { 8 }, stdev = 1 } } end }, 1,
+      "Lua module 'custom': parameter 1: unknown option 'stdev' (did you mean 'std'?)")
+    fails(mod{ parameters = function() return { { name = "w", shape = { 8, 0 } } } end }, 1,
+      "Lua module 'custom': parameter 1: shape[2] must be a positive integer, got 0")
+    fails(mod{ parameters = function() return { { name = "w", shape = { 6, 8 }, split = { dims = 1 } } } end }, 1,
+      "Lua module 'custom': parameter w: unknown option 'split.dims' (did you mean 'split.dim'?)")
     fails(mod{ tensor_parallel = { input = "split" } }, 2,
       "takes a split input (tensor_parallel.input = \"split\") but receives the full activation")
     fails(mod{ parameters = function() return { { name = "w", shape = { 6, 8 }, split = { dim = 1, blocks = 2 } } } end },
@@ -135,6 +144,31 @@ describe("modules written in Lua", function()
       "parameter w: split.dim must be one of its 2 dimensions, got 3")
     fails(mod{ parameters = function() return { { name = "w", shape = { 6, 8 }, split = { dim = 1, sizes = { 2, 2 } } } } end },
       1, "parameter w: its blocks add up to 4, not the 6 of dimension 1")
+  end)
+
+  it("name their parameters' init exactly: 'zero' is an error, not the normal init", function()
+    local function model(init)
+      local m = { name = "custom", in_width = 8 }
+      function m:parameters() return { { name = "w", shape = { 8 }, init = init } } end
+      m.forward = function(_, _, x) return x end
+      m.backward = function(_, _, dy) return dy end
+      return pg.nn.Sequential{ pg.nn.Embedding{ vocab = 16, dim = 8, name = "embed" }, m,
+        pg.nn.LMHead{ vocab = 16, dim = 8, name = "head" } }
+    end
+    for init, want in pairs{ zeros = 0, ones = 1 } do
+      local w = pg.parallelize(model(init)):parameter("custom.w").tensor
+      assert.equal(want, w:get(1))
+      assert.equal(want, w:get(8))
+    end
+    for _, bad in ipairs{ "zero", "Normal", "" } do
+      local ok, err = pcall(pg.parallelize, model(bad))
+      assert.is_false(ok)
+      assert.matches(("parameter 'custom.w': init must be 'normal', 'zeros' or 'ones', got '%s'"):format(bad), err, 1,
+        true)
+    end
+    local ok, err = pcall(pg.parallelize, model(7))
+    assert.is_false(ok)
+    assert.matches("Lua module 'custom': parameter 1: init must be a string, got 7", err, 1, true)
   end)
 
   it("tell the pipeline partitioner their FLOPs", function()

@@ -275,7 +275,8 @@ describe("AdamW", function()
     end
     assert.has_error(function() pg.optim.AdamW(tiny(), { zero = 2 }) end,
       "AdamW: zero=2 is not built; pipegoose has ZeRO stage 1 (zero = 1) and none (zero = 0)")
-    assert.has_error(function() pg.optim.AdamW(tiny(), { learning_rate = 1 }) end, "AdamW: unknown option 'learning_rate'")
+    assert.has_error(function() pg.optim.AdamW(tiny(), { learning_rate = 1 }) end,
+      "AdamW: unknown option 'learning_rate' (known: betas, eps, lr, weight_decay, zero)")
   end)
 end)
 

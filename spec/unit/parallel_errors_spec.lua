@@ -1,6 +1,8 @@
 -- Bad tensor- and pipeline-parallel configurations, each run as a whole job
--- under mpirun: the job ends with exit status 1, every rank prints the error
--- (the "[rank r]" prefix of pglua) and the message names the numbers.
+-- under mpirun: the job ends with exit status 1, and the error, the same on
+-- every rank, is reported once for all of them ("[ranks 0-3] ..." from
+-- pglua) with a message that names the numbers and no Lua traceback (it is
+-- the user's error, not pipegoose's).
 --
 -- `timeout -k 2 20` is a hang guard, not a timing assertion: a job that hangs
 -- is killed and then fails on its exit status (124 or 137 instead of 1).
@@ -12,17 +14,16 @@ local function job(n, code)
   return rc, out
 end
 
--- Exit 1, and a line "[rank r] ..." containing `message` (plain text) for every rank.
+-- Exit 1, and one report "[ranks 0-(n-1)] ..." containing `message` (plain text), said once.
 local function assert_fails_everywhere(n, code, message)
   local rc, out = job(n, code)
   assert.equal(1, rc, out)
-  for r = 0, n - 1 do
-    local found = false
-    for line in out:gmatch("[^\n]+") do
-      if line:find("[rank " .. r .. "]", 1, true) == 1 and line:find(message, 1, true) then found = true end
-    end
-    assert.is_true(found, ("rank %d did not print %q:\n%s"):format(r, message, out))
-  end
+  local reports = h.reports(out)
+  assert.equal(1, #reports, "one report for the job:\n" .. out)
+  for r = 0, n - 1 do assert.is_true(reports[1].ranks[r], ("rank %d is not in the report:\n%s"):format(r, out)) end
+  assert.truthy(reports[1].text:find(message, 1, true), ("the report does not say %q:\n%s"):format(message, out))
+  assert.equal(1, h.count(out, message), "said once:\n" .. out)
+  assert.is_nil(out:find("stack traceback", 1, true), "a user error has no traceback:\n" .. out)
 end
 
 local GPT = "pg.nn.GPT{ vocab = 61, seq_len = 8, layers = 1, %s }"
@@ -110,6 +111,6 @@ describe("pipeline parallelism rejects", function()
     assert_fails_everywhere(2, ([[
       local ctx = pg.ParallelContext{ pipeline = 2 }
       pg.parallelize(]] .. GPT .. [[, ctx, { schedule = "zigzag" })]]):format("dim = 8, heads = 2"),
-      "parallelize: unknown schedule 'zigzag' (expected gpipe or 1f1b)")
+      "parallelize: schedule must be '1f1b' or 'gpipe', got 'zigzag'")
   end)
 end)

@@ -31,13 +31,38 @@ describe("pglua", function()
     assert.matches("^%d+%.%d+%.%d+\t1\n$", out)
   end)
 
-  it("reports an error with the rank and a traceback, exit status 1", function()
+  it("reports an error raised on purpose with the rank and no traceback, exit status 1", function()
     local script = h.tmpfile("local function inner() error('something broke') end\ninner()\n")
     local rc, out = h.sh(h.pglua_cmd{ script })
     assert.equal(1, rc)
-    assert.matches("%[rank 0%] .-something broke", out)
-    assert.matches("stack traceback:", out)
+    assert.matches("^%[rank 0%] [^\n]-:1: something broke\n$", out)
+    -- the same error under PG_DEBUG=1: with the traceback
+    rc, out = h.sh("PG_DEBUG=1 " .. h.pglua_cmd{ script })
+    assert.equal(1, rc)
+    assert.matches("%[rank 0%] .-something broke\nstack traceback:", out)
     assert.matches("in local 'inner'", out)
+    os.remove(script)
+  end)
+
+  it("reports an internal error (one Lua raises itself) with its traceback", function()
+    local script = h.tmpfile("local function inner(t) return t.field end\ninner(nil)\n")
+    local rc, out = h.sh(h.pglua_cmd{ script })
+    assert.equal(1, rc)
+    assert.matches("%[rank 0%] .-attempt to index a nil value %(local 't'%)\nstack traceback:", out)
+    assert.matches("in local 'inner'", out)
+    -- re-raised by a handler, it is still internal; a built-in's argument error too
+    rc, out = h.sh(h.pglua_cmd{ "-e", "local ok, e = pcall(function() return nil + 1 end); error('wrapped: ' .. e, 0)" })
+    assert.equal(1, rc)
+    assert.matches("wrapped: .-attempt to perform arithmetic on a nil value\nstack traceback:", out)
+    rc, out = h.sh(h.pglua_cmd{ "-e", "string.rep()" })
+    assert.equal(1, rc)
+    assert.matches("bad argument #1 to 'rep'.-\nstack traceback:", out)
+    -- a pipegoose argument check, a missing file and a syntax error are the user's: no traceback
+    for _, args in ipairs{ { "-e", "require('pipegoose').nn.GPT()" }, { "/nonexistent/script.lua" }, { "-e", "x = = 1" } } do
+      rc, out = h.sh(h.pglua_cmd(args))
+      assert.equal(1, rc, out)
+      assert.matches("^%[rank 0%] [^\n]*\n$", out)
+    end
     os.remove(script)
   end)
 

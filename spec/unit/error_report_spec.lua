@@ -1,0 +1,80 @@
+-- How a failing job reports (src/pglua.c): ranks that fail with one message
+-- are reported once ("[ranks 0-3] ..."), ranks that fail differently each say
+-- theirs, a rank that fails alone still reports within seconds and ends the
+-- job, and tracebacks come with internal errors and under PG_DEBUG=1 only.
+--
+-- `timeout -k 2 20` is a hang guard, not a timing assertion: a job that hangs
+-- is killed and then fails on its exit status (124 or 137 instead of 1).
+local h = require "helpers"
+
+local function job(n, code, env)
+  local rc, out = h.sh(("%stimeout -k 2 20 scripts/mpirun.sh -x PG_ABORT_GRACE -x PG_DEBUG -np %d %s"):format(
+    env or "", n, h.pglua_cmd{ "-e", "local pg = require 'pipegoose'\nlocal me = pg.world_rank()\n" .. code }))
+  return rc, out
+end
+
+-- The reports as "ranks: text" strings, sorted: {"0,2: even", "1,3: odd"}.
+local function summary(out)
+  local list = {}
+  for _, rep in ipairs(h.reports(out)) do
+    local ranks = {}
+    for r in pairs(rep.ranks) do ranks[#ranks + 1] = r end
+    table.sort(ranks)
+    list[#list + 1] = table.concat(ranks, ",") .. ": " .. rep.text:gsub("^[^:]*pglua: ", "")
+  end
+  table.sort(list)
+  return list
+end
+
+describe("a failing job", function()
+  it("reports an error every rank raised alike once, for all of them, without a traceback", function()
+    local rc, out = job(4, "error('the same everywhere', 0)")
+    assert.equal(1, rc, out)
+    assert.same({ "0,1,2,3: the same everywhere" }, summary(out))
+    assert.matches("[ranks 0-3] ", out, 1, true)
+    assert.equal(1, h.count(out, "the same everywhere"), out)
+    assert.is_nil(out:find("stack traceback", 1, true), out)
+  end)
+
+  it("reports each rank's own message when they differ, and groups those that agree", function()
+    local rc, out = job(4, "error('rank ' .. me .. ' differs', 0)")
+    assert.equal(1, rc, out)
+    assert.same({ "0: rank 0 differs", "1: rank 1 differs", "2: rank 2 differs", "3: rank 3 differs" }, summary(out))
+    rc, out = job(4, "error(me % 2 == 0 and 'even' or 'odd', 0)")
+    assert.equal(1, rc, out)
+    assert.same({ "0,2: even", "1,3: odd" }, summary(out))
+    assert.matches("[ranks 0,2] ", out, 1, true)
+  end)
+
+  it("reports a rank that fails alone within seconds while the others wait in a collective, and ends the job",
+    function()
+    local t0 = os.time()
+    local rc, out = job(4, "pg.ParallelContext{ data = 4 }\nif me == 1 then error('one rank gives up', 0) end\n"
+      .. "pg.dist.all_reduce(pg.ones{ 4 })\nprint('unreachable')")
+    assert.equal(1, rc, out)
+    assert.same({ "1: one rank gives up" }, summary(out))
+    assert.is_true(os.time() - t0 < 15, "ended in seconds")
+    assert.is_nil(out:find("unreachable", 1, true))
+    -- three alike, one blocked: no agreement is possible; each of the three says it
+    rc, out = job(4, "pg.ParallelContext{ data = 4 }\nif me ~= 3 then error('three give up', 0) end\n"
+      .. "pg.dist.all_reduce(pg.ones{ 4 })")
+    assert.equal(1, rc, out)
+    assert.equal(3, #h.reports(out), out)
+    for r = 0, 2 do assert.is_true(h.reported_by(out, r, "three give up"), out) end
+  end)
+
+  it("adds the traceback to an internal error (once), and to any error under PG_DEBUG=1", function()
+    local rc, out = job(2, "local function f(t) return t.x end\nf(nil)")
+    assert.equal(1, rc, out)
+    assert.same({ "0,1: (command line):3: attempt to index a nil value (local 't')" }, summary(out))
+    assert.equal(1, h.count(out, "stack traceback:"), out)
+    assert.matches("in local 'f'", out)
+    rc, out = job(2, "pg.nn.GPT{ vocab = 8, seq_len = 4, dim = 8, heads = 2, layers = 1, lyers = 2 }", "PG_DEBUG=1 ")
+    assert.equal(1, rc, out)
+    assert.same({ "0,1: (command line):3: GPT: unknown option 'lyers' (did you mean 'layers'?)" }, summary(out))
+    assert.equal(1, h.count(out, "stack traceback:"), out)
+    rc, out = job(2, "pg.nn.GPT{ vocab = 8, seq_len = 4, dim = 8, heads = 2, layers = 1, lyers = 2 }")
+    assert.equal(1, rc, out)
+    assert.is_nil(out:find("stack traceback", 1, true), out)
+  end)
+end)
