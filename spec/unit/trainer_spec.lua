@@ -397,7 +397,7 @@ describe("pg.Trainer errors", function()
     assert.has_error(function() pg.Trainer{ engine = engine }:fit(T.fake_data{}) end,
       "Trainer: fit needs optimizer= (e.g. pg.optim.AdamW(engine, {lr = 3e-4}))")
     assert.has_error(function() build{}:fit(T.fake_data{}, nil, { resum = "last" }) end,
-      "Trainer: fit: unknown option 'resum' (known: resume)")
+      "Trainer: fit: unknown option 'resum' (did you mean 'resume'?)")
   end)
 end)
 
