@@ -836,7 +836,7 @@ end
 -- the seal, then every field (M.manifest_problem). Raises the first problem.
 -- opts.unsealed accepts a manifest without a seal, opts.reseal one whose
 -- seal does not match (scripts/checkpoint.lua seal); the manifest's own
--- seal is returned second (nil when it has none).
+-- seal is returned second (nil when it has none), and whether it matched.
 function M.read_manifest(dir, opts)
   opts = opts or {}
   local path = dir .. "/" .. M.MANIFEST
@@ -855,7 +855,7 @@ function M.read_manifest(dir, opts)
   if raw.format ~= M.FORMAT then
     error(("checkpoint: %s: format %s is not '%s'"):format(path, show(raw.format), M.FORMAT), 0)
   end
-  local sealed = raw[M.SEAL_KEY]
+  local sealed, matched = raw[M.SEAL_KEY], false
   if sealed == nil then
     if not opts.unsealed then
       error(("checkpoint: %s: has no %s, so its contents cannot be checked (saved before pipegoose sealed "
@@ -868,7 +868,8 @@ function M.read_manifest(dir, opts)
       error(("checkpoint: %s: %s is %s, not a crc32"):format(path, M.SEAL_KEY, show(sealed)), 0)
     end
     local crc = seal_crc(raw)
-    if crc ~= n and not opts.reseal then
+    matched = crc == n
+    if not matched and not opts.reseal then
       error(("checkpoint: %s: checksum mismatch: the contents have crc32 %08x, %s says %08x (the manifest is "
         .. "corrupt or was edited; `pglua scripts/checkpoint.lua seal --force %s` re-seals a deliberate edit)")
         :format(path, crc or 0, M.SEAL_KEY, n, dir), 0)
@@ -880,7 +881,7 @@ function M.read_manifest(dir, opts)
   if not ok2 then error(("checkpoint: %s: %s"):format(path, tostring(manifest):gsub("^checkpoint: ", "")), 0) end
   local problem = M.manifest_problem(dir, manifest)
   if problem then error(problem, 0) end
-  return manifest, sealed
+  return manifest, sealed, matched
 end
 
 -- A safetensors file's header against the manifest's slices: every entry
@@ -1713,6 +1714,24 @@ end
 -- (M.validate). Returns the problems (empty: good) and the manifest.
 function M.verify(dir)
   return M.validate(dir)
+end
+
+--- Seals a checkpoint's manifest (scripts/checkpoint.lua seal): validates
+-- the manifest's fields and every file as loading does, then writes the
+-- manifest back with its seal. A manifest whose seal does not match its
+-- contents is refused unless opts.force: an edit made on purpose. Returns
+-- the directory, the new crc32, the seal it had (nil: none) and whether
+-- that one matched.
+function M.seal_dir(dir, opts)
+  opts = opts or {}
+  dir = M.resolve(dir)
+  local how = { unsealed = true, reseal = opts.force }
+  local problems = M.validate(dir, how)
+  if #problems > 0 then error(problems[1], 0) end
+  local manifest, old, matched = M.read_manifest(dir, how)
+  local text, crc = M.seal(manifest)
+  fs.write(dir .. "/" .. M.MANIFEST, text)
+  return dir, crc, old, matched
 end
 
 local function verified(dir)
