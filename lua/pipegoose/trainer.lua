@@ -444,16 +444,25 @@ function Trainer:fit(train_data, val_data, opts)
     if opt[m] == nil then fail(2, "the optimizer has no %s() method", m) end
   end
   if self.engine.forward_backward == nil then fail(2, "the engine has no forward_backward() method") end
+  -- One job per output directory, settled before any hook runs (MetricsLogger
+  -- truncates its file in setup): a refused fit has not started, so no hook
+  -- (on_exception, teardown) runs for it.
+  self._in_fit = true
+  local ok, err = pcall(function()
+    if self._lock_out_dir then self:_lock(self.out_dir, "Trainer: out_dir") end
+    if self.checkpoint_dir then self:_lock(self.checkpoint_dir, "Trainer: the checkpoint directory") end
+  end)
+  if not ok then
+    self._in_fit = false
+    self:_unlock_all()
+    error(err, 0)
+  end
   return self:_run("fit", function() return self:_fit(train_data, val_data, opts) end)
 end
 
 function Trainer:_fit(train_data, val_data, opts)
   local st = self.state
   self.train_data, self.val_data = train_data, val_data
-  self._in_fit = true
-  -- before any hook writes (MetricsLogger truncates its file in setup)
-  if self._lock_out_dir then self:_lock(self.out_dir, "Trainer: out_dir") end
-  if self.checkpoint_dir then self:_lock(self.checkpoint_dir, "Trainer: the checkpoint directory") end
   if self.seed then math.randomseed(self.seed) end
   self:_call("setup", "fit")
   if opts.resume then self:_resume(opts.resume) end

@@ -11,7 +11,8 @@ local h = require "helpers"
 
 -- A job: trains a fake engine for 3 steps with a checkpoint per step in
 -- out_dir (arg[1]); before the first step it waits for the file arg[2] to
--- exist, so that the spec decides how long it runs.
+-- exist, so that the spec decides how long it runs (at most 120 s: a failed
+-- spec never leaves a job behind).
 local JOB = [[
 local pg = require "pipegoose"
 local out, go = arg[1], arg[2]
@@ -21,11 +22,12 @@ local trainer = pg.Trainer{ engine = engine, optimizer = pg.testing.fake_optimiz
     { name = "Wait", on_train_start = function()
       io.stdout:write("waiting\n")
       io.stdout:flush()
-      while true do
+      for _ = 1, 2400 do
         local f = io.open(go)
-        if f then f:close() break end
+        if f then f:close() return end
         os.execute("sleep 0.05")
       end
+      error("no go file after 120 s")
     end } } }
 trainer:fit(pg.testing.fake_data{ batches = 10 })
 print("done at step " .. trainer.state.step)
@@ -48,11 +50,14 @@ local function read(path)
   return s
 end
 
+local spawned = {} -- pid -> its go file, until the spec has seen it end
+
 -- Starts a job in the background (its output in log); returns its pid.
 local function spawn(out_dir, go, log)
   local p = assert(io.popen(("%s > %s 2>&1 & echo $!"):format(h.pglua_cmd{ script, out_dir, go }, h.quote(log))))
   local pid = math.tointeger(tonumber(p:read("a")))
   p:close()
+  spawned[pid] = go
   return pid
 end
 
@@ -71,6 +76,15 @@ local function wait_for(cond, limit)
 end
 
 local function touch(path) io.open(path, "w"):close() end
+
+-- after a failed test: the jobs it started are let go, and ended if they linger
+after_each(function()
+  for pid, go in pairs(spawned) do
+    touch(go)
+    if not wait_for(function() return ckpt.pid_running(pid) == false end, 10) then os.execute("kill -9 " .. pid) end
+    spawned[pid] = nil
+  end
+end)
 
 describe("two jobs with one out_dir", function()
   local out = root .. "/run"
