@@ -668,7 +668,9 @@ local function check_records(m)
     if seen[r.file] then fail_check("%s.file '%s' is listed twice (also tensor_state.files[%d])", field, r.file, seen[r.file]) end
     seen[r.file] = i
     field = ("%s (%s)"):format(field, r.file)
-    nonneg_int(field .. ": bytes", r.bytes)
+    -- every file pipegoose writes has content (and an empty "file" could
+    -- be a FIFO, which opening would wait on forever)
+    pos_int(field .. ": bytes", r.bytes)
     must(is_int(r.crc32) and r.crc32 >= 0 and r.crc32 <= 0xFFFFFFFF, field .. ": crc32", r.crc32,
       "a crc32 (an integer from 0 to 0xffffffff)")
     if sharded then
@@ -686,7 +688,9 @@ local function check_records(m)
       if r.kind == "optim" then has_optim = true end
       for _, name in ipairs(sorted_keys(r.slices)) do
         local f = ("%s: slices[%s]"):format(field, show(name))
-        must(type(name) == "string" and name ~= "", f, name, "named by a parameter name")
+        if type(name) ~= "string" or name == "" then
+          fail_check("%s: slices has the key %s; its keys are parameter names", field, show(name))
+        end
         local s = r.slices[name]
         check_slice(f, s, r.kind)
         local key = r.kind .. "\0" .. name
@@ -925,11 +929,20 @@ function M.check_file(dir, rec)
       return ("checkpoint: %s: is a link to %s, outside the checkpoint directory %s"):format(path, real, home)
     end
   end
-  local f = io.open(path, "rb")
-  if not f then return ("checkpoint: %s: missing (the manifest lists it with %d bytes)"):format(path, rec.bytes) end
-  local size = f:seek("end")
-  f:close()
-  if size == nil then return ("checkpoint: %s: not a regular file"):format(path) end
+  -- the size from stat(2) before anything opens the file: a FIFO or a
+  -- device in its place shows as a wrong size instead of blocking a read
+  local size
+  if core and core.file and core.file.size then
+    local ok, n = pcall(core.file.size, path)
+    if not ok then return ("checkpoint: %s: missing (the manifest lists it with %d bytes)"):format(path, rec.bytes) end
+    size = n
+  else
+    local f = io.open(path, "rb")
+    if not f then return ("checkpoint: %s: missing (the manifest lists it with %d bytes)"):format(path, rec.bytes) end
+    size = f:seek("end")
+    f:close()
+    if size == nil then return ("checkpoint: %s: not a regular file"):format(path) end
+  end
   if size ~= rec.bytes then
     return ("checkpoint: %s: %s: %d bytes on disk, the manifest says %d"):format(path,
       size < rec.bytes and "truncated" or "wrong size", size, rec.bytes)

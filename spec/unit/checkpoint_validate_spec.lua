@@ -113,7 +113,7 @@ local CASES = {
     "%s/manifest.json: tensor_state.files[1] (optim-tp0-pp0.safetensors): crc32 is missing; it must be a crc32 (an "
       .. "integer from 0 to 0xffffffff)" },
   { "no sizes", "real", function(d) edit(d, function(m) record(m, "params").bytes = nil end) end,
-    "%s/manifest.json: tensor_state.files[2] (params-tp0-pp0.safetensors): bytes is missing; it must be a non-negative integer" },
+    "%s/manifest.json: tensor_state.files[2] (params-tp0-pp0.safetensors): bytes is missing; it must be a positive integer" },
   { "split.parts = 0", "real", function(d) edit(d, function(m) slice(m).split = { dim = 1, blocks = 1, parts = 0, index = 0 } end) end,
     P .. ".split.parts is 0; it must be an integer >= 1" },
   { "split.index = parts", "real",
