@@ -1,7 +1,12 @@
 -- Checkpoint tools, on one process (no mpirun):
 --
 --   pglua scripts/checkpoint.lua info DIR                  the manifest in short, and the files
---   pglua scripts/checkpoint.lua verify DIR                every file's size and crc32 (exit 1 naming the bad file)
+--   pglua scripts/checkpoint.lua verify DIR                what loading checks: the manifest's seal and fields, every
+--                                                          file's name, size, crc32 and header (exit 1 naming the
+--                                                          file and the field)
+--   pglua scripts/checkpoint.lua seal DIR [--force]        validates, then seals the manifest (manifest_crc32): for
+--                                                          checkpoints saved before manifests were sealed; --force
+--                                                          re-seals a manifest edited on purpose
 --   pglua scripts/checkpoint.lua consolidate DIR OUT [--optimizer]
 --                                                          one safetensors file of full tensors
 --                                                          (with --optimizer also m/<name>, v/<name>)
@@ -12,7 +17,8 @@
 -- newest checkpoint in it). docs/FORMATS.md ("Checkpoints") describes the files.
 local ckpt = require "pipegoose.checkpoint"
 
-local USAGE = "usage: pglua scripts/checkpoint.lua info|verify|consolidate|export-llmc|export-hf DIR [OUT] [--optimizer]"
+local USAGE = "usage: pglua scripts/checkpoint.lua info|verify|seal|consolidate|export-llmc|export-hf DIR [OUT] "
+  .. "[--optimizer] [--force]"
 
 local args, flags = {}, {}
 for _, a in ipairs(arg) do
@@ -26,7 +32,7 @@ local function die(msg)
 end
 
 for f in pairs(flags) do
-  if f ~= "--optimizer" then die(("checkpoint.lua: unknown flag %s\n%s"):format(f, USAGE)) end
+  if f ~= "--optimizer" and f ~= "--force" then die(("checkpoint.lua: unknown flag %s\n%s"):format(f, USAGE)) end
 end
 if not cmd or not dir then die(USAGE) end
 
@@ -49,6 +55,13 @@ function commands.verify()
     n, bytes = n + 1, bytes + (f.bytes or 0)
   end
   print(("OK: %s (step %d): the manifest and %d files (%d bytes) verified"):format(path, manifest.step, n, bytes))
+end
+
+function commands.seal()
+  local path, crc, old, matched = ckpt.seal_dir(dir, { force = flags["--force"] })
+  local before = old == nil and "it had no seal" or matched and "it was sealed already"
+    or ("it had %08x, which did not match its contents"):format(old)
+  print(("sealed %s/manifest.json: manifest_crc32 %08x (%s)"):format(path, crc, before))
 end
 
 function commands.consolidate()

@@ -3,7 +3,11 @@
  *   core.file.size(path) -> bytes
  *   core.file.write(path, parts) : parts is a list of strings and tensors,
  *       written in order to path atomically; returns crc32, bytes
- *   core.file.crc32(path) -> crc32, bytes */
+ *   core.file.crc32(path) -> crc32, bytes
+ *   core.file.create_exclusive(path, text) -> true (created), false (it existed)
+ *   core.file.realpath(path) -> absolute path, or nil, message */
+#include <limits.h>
+
 #include "lua_util.h"
 #include "pg_file.h"
 
@@ -90,8 +94,33 @@ static int l_fsync_dir(lua_State *L) {
   return 0;
 }
 
+/* Lock files (lua/pipegoose/checkpoint.lua): O_EXCL, which Lua's io cannot ask for. */
+static int l_create_exclusive(lua_State *L) {
+  const char *path = luaL_checkstring(L, 1);
+  size_t len;
+  const char *text = luaL_checklstring(L, 2, &len);
+  int exists;
+  PG_LUA_CHECK(L, pg_file_create_exclusive(path, text, len, &exists));
+  lua_pushboolean(L, !exists);
+  return 1;
+}
+
+/* nil + message (not an error) for a path that does not resolve: callers
+ * report a missing file in their own words. */
+static int l_realpath(lua_State *L) {
+  char out[PATH_MAX];
+  if (pg_file_realpath(luaL_checkstring(L, 1), out) != PG_OK) {
+    lua_pushnil(L);
+    lua_pushstring(L, pg_error());
+    return 2;
+  }
+  lua_pushstring(L, out);
+  return 1;
+}
+
 static const luaL_Reg fns[] = {{"read", l_read}, {"size", l_size}, {"write", l_write}, {"crc32", l_crc32},
-                               {"crc32_of", l_crc32_of}, {"fsync_dir", l_fsync_dir}, {NULL, NULL}};
+                               {"crc32_of", l_crc32_of}, {"fsync_dir", l_fsync_dir},
+                               {"create_exclusive", l_create_exclusive}, {"realpath", l_realpath}, {NULL, NULL}};
 
 void pg_lua_open_file(lua_State *L) {
   luaL_newlib(L, fns);

@@ -1,3 +1,4 @@
+#define _DEFAULT_SOURCE /* realpath */
 #include "pg_file.h"
 
 #include <errno.h>
@@ -143,4 +144,47 @@ int pg_file_writer_commit(pg_file_writer *w) {
   free(w->tmp);
   memset(w, 0, sizeof *w);
   return rc;
+}
+
+/* Lock files need O_EXCL, which C's fopen and Lua's io.open do not offer:
+ * the file either did not exist and is now ours, or it existed and is left
+ * untouched (*exists = 1, no error). The text is fsynced before returning so
+ * that a reader after a crash sees the whole record or an empty file. */
+int pg_file_create_exclusive(const char *path, const void *data, size_t bytes, int *exists) {
+  *exists = 0;
+  int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    if (errno == EEXIST) {
+      *exists = 1;
+      return PG_OK;
+    }
+    return pg_fail("%s: cannot create: %s", path, strerror(errno));
+  }
+  size_t done = 0;
+  while (done < bytes) {
+    ssize_t n = write(fd, (const char *)data + done, bytes - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      int rc = pg_fail("%s: write failed: %s", path, strerror(errno));
+      close(fd);
+      unlink(path);
+      return rc;
+    }
+    done += (size_t)n;
+  }
+  if (fsync(fd) != 0) {
+    int rc = pg_fail("%s: fsync: %s", path, strerror(errno));
+    close(fd);
+    unlink(path);
+    return rc;
+  }
+  close(fd);
+  return PG_OK;
+}
+
+/* realpath(3) into out (PATH_MAX bytes): every link and ".." resolved, so
+ * that a checkpoint's file can be confined to its directory. */
+int pg_file_realpath(const char *path, char *out) {
+  if (!realpath(path, out)) return pg_fail("%s: %s", path, strerror(errno));
+  return PG_OK;
 }

@@ -36,4 +36,11 @@ int pg_file_crc32(const char *path, uint32_t *crc, int64_t *size);
 /* fsync a directory (after renames inside it). */
 int pg_fsync_dir(const char *dir);
 
+/* Creates path exclusively (O_EXCL) holding `bytes` of data, fsynced; when
+ * the file already exists nothing is written and *exists = 1 (PG_OK). */
+int pg_file_create_exclusive(const char *path, const void *data, size_t bytes, int *exists);
+/* The absolute path with every symbolic link and ".." resolved (realpath(3));
+ * out holds PATH_MAX bytes. */
+int pg_file_realpath(const char *path, char *out);
+
 #endif

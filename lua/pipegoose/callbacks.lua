@@ -58,6 +58,19 @@ function M.suggestion(name, names)
   return ""
 end
 
+--- The message for an unknown option key: the closest known key when one
+-- is close enough to be a typo, else the list of known keys, so that the
+-- message always says what would have been right. Shared by the Trainer's
+-- and the built-ins' option checks.
+function M.unknown_option(key, names)
+  local sorted = {}
+  for i, n in ipairs(names) do sorted[i] = n end
+  table.sort(sorted)
+  local hint = type(key) == "string" and M.suggestion(key, sorted) or ""
+  if hint == "" then hint = (" (known: %s)"):format(table.concat(sorted, ", ")) end
+  return ("unknown option %s%s"):format(type(key) == "string" and ("'" .. key .. "'") or ("key " .. tostring(key)), hint)
+end
+
 --- A readable name for a callback: its `name` field, else its class name.
 function M.name_of(cb)
   if type(cb) ~= "table" then return nil end
@@ -166,12 +179,8 @@ function M.check_options(cls_name, opts, known)
   end
   local list = {}
   for k in pairs(known) do list[#list + 1] = k end
-  table.sort(list)
   for k in pairs(opts) do
-    if not known[k] then
-      error(("pg.callbacks.%s: unknown option '%s'%s"):format(cls_name, tostring(k),
-        type(k) == "string" and M.suggestion(k, list) or ""), 4)
-    end
+    if not known[k] then error(("pg.callbacks.%s: %s"):format(cls_name, M.unknown_option(k, list)), 4) end
   end
 end
 

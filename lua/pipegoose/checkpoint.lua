@@ -22,12 +22,19 @@
 -- the previous checkpoint and `latest` as they were; leftover temporary
 -- directories are ignored and removed by the next successful save.
 --
--- Loading checks the manifest (format version, model config), verifies the
--- size and crc32 of every file a rank reads, agrees on any problem across
--- ranks (every rank raises the same error, naming the file and the problem),
--- and only then copies.
+-- Loading validates before it trusts anything (the "Validation" section:
+-- the manifest's seal and every field, every file's name, size, crc32 and
+-- header, the same checks scripts/checkpoint.lua verify runs), agrees on any
+-- problem across ranks (every rank raises the same error, naming the file
+-- and the field), and only then copies.
+--
+-- A job locks the directories it writes (M.lock: <dir>/.pipegoose.lock,
+-- created with O_EXCL), so that two jobs never share one.
 local cjson = require("cjson").new()
 if cjson.encode_escape_forward_slash then cjson.encode_escape_forward_slash(false) end
+-- strict JSON: NaN, Infinity and hex numbers in a manifest are corruption
+-- (pipegoose writes them as "#f:nan" strings), not values
+if cjson.decode_invalid_numbers then cjson.decode_invalid_numbers(false) end
 local safetensors = require "pipegoose.safetensors"
 
 local M = {}
@@ -140,6 +147,29 @@ function M.getpid()
     if pid then return math.tointeger(pid) end
   end
   return os.time() % 1000000
+end
+
+-- CRC-32 (zlib's) of a string: the C module's, or this table-driven one
+-- under plain Lua (the fakes of pg.testing save and load without it).
+local crc_table
+local function lua_crc32(s)
+  if not crc_table then
+    crc_table = {}
+    for i = 0, 255 do
+      local c = i
+      for _ = 1, 8 do c = (c & 1 ~= 0) and (0xEDB88320 ~ (c >> 1)) or (c >> 1) end
+      crc_table[i] = c
+    end
+  end
+  local c = 0xFFFFFFFF
+  for i = 1, #s do c = crc_table[(c ~ s:byte(i)) & 0xFF] ~ (c >> 8) end
+  return c ~ 0xFFFFFFFF
+end
+
+function M.crc32_of(s)
+  local core = core_module()
+  if core and core.file and core.file.crc32_of then return core.file.crc32_of(s) end
+  return lua_crc32(s)
 end
 
 ------------------------------------------------------------------------------
@@ -361,6 +391,7 @@ local function agree_error(trainer, err)
     error(err, 0)
   end
 end
+M.agree_error = agree_error
 
 ------------------------------------------------------------------------------
 -- Sharded tensor files
@@ -441,6 +472,683 @@ local function describe_layout(l)
   return ("tensor=%d pipeline=%d data=%d zero=%d"):format(l.tensor or 1, l.pipeline or 1, l.data or 1, l.zero or 0)
 end
 
+------------------------------------------------------------------------------
+-- Validation: the one place that decides whether a checkpoint may be read.
+--
+-- M.read_manifest (the manifest's JSON, format, seal and every field, by
+-- M.manifest_problem) and M.check_file (one file: confined to the
+-- directory, size, crc32, its safetensors header against the manifest) are
+-- all there is; M.validate runs both over every file. scripts/checkpoint.lua
+-- verify, the tools and M.load call them and nothing else decides: a check
+-- added here holds for all of them. Messages name the file and the field.
+
+M.SEAL_KEY = "manifest_crc32"
+-- Far beyond any tensor, and small enough that element and byte counts stay
+-- exact integers: a checkpoint that claims more is corrupt.
+local MAX_NUMEL = 1 << 48
+
+-- A value as messages show it: strings quoted, lists of a few scalars
+-- spelled out, nil as "missing".
+local function show(v)
+  local tv = type(v)
+  if v == nil then return "missing" end
+  if tv == "string" then return ("'%s'"):format(v) end
+  if tv == "number" then
+    if v ~= v then return "nan" end
+    return math.type(v) == "integer" and ("%d"):format(v) or ("%.17g"):format(v)
+  end
+  if tv == "table" then
+    local n, parts = 0, {}
+    for _ in pairs(v) do n = n + 1 end
+    if n == #v and n <= 8 then
+      for i = 1, n do
+        if type(v[i]) == "table" then return "a table" end
+        parts[i] = show(v[i])
+      end
+      return "{" .. table.concat(parts, ", ") .. "}"
+    end
+    return "a table"
+  end
+  return tostring(v)
+end
+M.show = show
+
+--- A file name the manifest may use: one name inside the checkpoint
+-- directory, nothing that leaves it (no '/', no '..', not hidden).
+function M.plain_name(name)
+  return type(name) == "string" and #name <= 255 and name:match("^[%w_][%w_%.%-]*$") ~= nil and not name:find("..", 1, true)
+end
+
+-- Problems travel as a tagged table through error(), so that the checks
+-- below read as a list of rules and the first failure ends them.
+local Problem = {}
+local function fail_check(fmt, ...) error(setmetatable({ msg = fmt:format(...) }, Problem), 0) end
+local function must(ok, field, v, what)
+  if not ok then fail_check("%s is %s; it must be %s", field, show(v), what) end
+end
+
+local function is_int(v) return math.type(v) == "integer" end
+local function nonneg_int(field, v) must(is_int(v) and v >= 0, field, v, "a non-negative integer") end
+local function pos_int(field, v) must(is_int(v) and v >= 1, field, v, "a positive integer") end
+local function finite_number(field, v, what)
+  must(type(v) == "number" and v == v and v ~= math.huge and v ~= -math.huge, field, v, what or "a finite number")
+end
+local function object(field, v) must(type(v) == "table", field, v, "a JSON object") end
+local function optional(check, field, v) if v ~= nil then check(field, v) end end
+local function list(field, v)
+  object(field, v)
+  local n = 0
+  for _ in pairs(v) do n = n + 1 end
+  must(n == #v, field, v, "a list")
+end
+
+-- A list of positive integer sizes; returns their product (checked
+-- against MAX_NUMEL as it grows, so that it cannot overflow).
+local function shape(field, v)
+  list(field, v)
+  must(#v >= 1, field, v, "a list of at least one size")
+  local n = 1
+  for i, d in ipairs(v) do
+    pos_int(("%s[%d]"):format(field, i), d)
+    must(d <= MAX_NUMEL // n, field, v, ("a shape of at most 2^48 elements"))
+    n = n * d
+  end
+  return n
+end
+
+local function same_list(a, b)
+  if #a ~= #b then return false end
+  for i = 1, #a do if a[i] ~= b[i] then return false end end
+  return true
+end
+
+local function sorted_keys(t)
+  local keys = {}
+  for k in pairs(t) do keys[#keys + 1] = k end
+  table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
+  return keys
+end
+
+local COUNTERS = { "step", "epoch", "batch_in_epoch", "micro_batches", "tokens_seen", "skipped_steps" }
+
+-- One slice record (FORMATS.md, "Tensor files"): the shard within its full
+-- tensor, the split table, the entry's elements within the shard.
+local function check_slice(field, s, kind)
+  object(field, s)
+  shape(field .. ".full_shape", s.full_shape)
+  local n = shape(field .. ".shape", s.shape)
+  local full, sh = s.full_shape, s.shape
+  must(#sh == #full, field .. ".shape", sh, ("a shape of as many dimensions as full_shape (%d)"):format(#full))
+  local sp = s.split
+  object(field .. ".split", sp)
+  local f = field .. ".split"
+  must(is_int(sp.dim) and sp.dim >= 0 and sp.dim <= #full, f .. ".dim", sp.dim,
+    ("an integer from 0 (not split) to %d (the dimensions of full_shape)"):format(#full))
+  must(is_int(sp.parts) and sp.parts >= 1, f .. ".parts", sp.parts, "an integer >= 1")
+  must(is_int(sp.blocks) and sp.blocks >= 1, f .. ".blocks", sp.blocks, "an integer >= 1")
+  must(is_int(sp.index) and sp.index >= 0 and sp.index < sp.parts, f .. ".index", sp.index,
+    ("an integer from 0 to parts - 1 = %d"):format(sp.parts - 1))
+  must(sp.dim >= 1 or sp.parts == 1, f .. ".parts", sp.parts, "1 when dim is 0 (not split)")
+  local d = sp.dim
+  if sp.sizes ~= nil then
+    list(f .. ".sizes", sp.sizes)
+    must(d >= 1, f .. ".dim", d, "a dimension (>= 1) when sizes are given")
+    must(#sp.sizes == sp.blocks, f .. ".sizes", sp.sizes, ("a list of blocks = %d sizes"):format(sp.blocks))
+    local sum = 0
+    for i, b in ipairs(sp.sizes) do
+      pos_int(("%s.sizes[%d]"):format(f, i), b)
+      must(b % sp.parts == 0, ("%s.sizes[%d]"):format(f, i), b, ("divisible by parts = %d"):format(sp.parts))
+      sum = sum + b
+    end
+    must(sum == full[d], f .. ".sizes", sp.sizes, ("sizes that add up to full_shape[%d] = %d"):format(d, full[d]))
+  elseif d >= 1 and sp.parts > 1 then
+    must(full[d] % (sp.blocks * sp.parts) == 0, field .. ".full_shape", full,
+      ("divisible along dimension %d into blocks x parts = %d pieces"):format(d, sp.blocks * sp.parts))
+  end
+  for i = 1, #full do
+    local want = (i == d and sp.parts > 1) and full[i] // sp.parts or full[i]
+    must(sh[i] == want, ("%s.shape[%d]"):format(field, i), sh[i],
+      ("%d (full_shape[%d]%s)"):format(want, i, want ~= full[i] and (" / parts = %d / %d"):format(full[i], sp.parts) or ""))
+  end
+  must(is_int(s.lo) and s.lo >= 0 and s.lo < n, field .. ".lo", s.lo,
+    ("an element of the shard: an integer from 0 to %d"):format(n - 1))
+  must(is_int(s.hi) and s.hi > s.lo and s.hi <= n, field .. ".hi", s.hi,
+    ("an integer from lo + 1 = %d to the shard's %d elements"):format(s.lo + 1, n))
+  if kind == "params" then
+    must(s.lo == 0 and s.hi == n, field .. ".hi", s.hi, ("%d with lo = 0: a params file holds whole shards"):format(n))
+  end
+  optional(function(k, v) must(is_int(v) and v >= 1 and v <= full[1], k, v,
+    ("an integer from 1 to full_shape[1] = %d"):format(full[1])) end, field .. ".valid_rows", s.valid_rows)
+  for _, k in ipairs{ "tied_copy", "replicated" } do
+    must(s[k] == nil or type(s[k]) == "boolean", field .. "." .. k, s[k], "true or false")
+  end
+end
+
+-- Every element of every shard of each tensor comes from some file: the
+-- pieces of (kind, name, shard index) cover [0, numel) without a gap.
+local function check_coverage(pieces)
+  for _, key in ipairs(sorted_keys(pieces)) do
+    local t = pieces[key]
+    for index = 0, t.parts - 1 do
+      local spans = t.spans[index] or {}
+      table.sort(spans, function(a, b) return a[1] < b[1] end)
+      local at = 0
+      for _, sp in ipairs(spans) do
+        if sp[1] > at then break end
+        if sp[2] > at then at = sp[2] end
+      end
+      if at < t.numel then
+        local shard = t.parts > 1 and (" (shard %d of %d)"):format(index, t.parts) or ""
+        fail_check("tensor_state: no %s file holds elements [%d, %d) of '%s'%s", t.kind, at, t.numel, t.name, shard)
+      end
+    end
+  end
+end
+
+local function check_records(m)
+  local ts = m.tensor_state
+  object("tensor_state", ts)
+  local sharded = ts.format == M.SHARDED
+  must(sharded or ts.format == M.JSON_PER_RANK, "tensor_state.format", ts.format,
+    ("'%s' or '%s'"):format(M.SHARDED, M.JSON_PER_RANK))
+  list("tensor_state.files", ts.files)
+  must(#ts.files >= 1, "tensor_state.files", ts.files, "a list of at least one file")
+  local l = m.layout
+  if sharded then
+    object("model", m.model)
+    must(l.tensor * l.pipeline * l.data == m.world_size, "world_size", m.world_size,
+      ("layout.tensor x pipeline x data = %d"):format(l.tensor * l.pipeline * l.data))
+  end
+  local seen, ranks, pieces, optim_names, has_optim = {}, {}, {}, {}, false
+  for i, r in ipairs(ts.files) do
+    local field = ("tensor_state.files[%d]"):format(i)
+    object(field, r)
+    must(M.plain_name(r.file), field .. ".file", r.file,
+      "the name of a file in the checkpoint directory (letters, digits, '_', '.', '-'; no '/', no '..')")
+    if seen[r.file] then fail_check("%s.file '%s' is listed twice (also tensor_state.files[%d])", field, r.file, seen[r.file]) end
+    seen[r.file] = i
+    field = ("%s (%s)"):format(field, r.file)
+    -- every file pipegoose writes has content (and an empty "file" could
+    -- be a FIFO, which opening would wait on forever)
+    pos_int(field .. ": bytes", r.bytes)
+    must(is_int(r.crc32) and r.crc32 >= 0 and r.crc32 <= 0xFFFFFFFF, field .. ": crc32", r.crc32,
+      "a crc32 (an integer from 0 to 0xffffffff)")
+    if sharded then
+      must(r.kind == "params" or r.kind == "optim", field .. ": kind", r.kind, "'params' or 'optim'")
+      for _, k in ipairs{ { "tp", "tensor" }, { "pp", "pipeline" }, { "dp", "data" } } do
+        local v, size = r[k[1]], l[k[2]]
+        must(is_int(v) and v >= 0 and v < size, field .. ": " .. k[1], v,
+          ("an integer from 0 to layout.%s - 1 = %d"):format(k[2], size - 1))
+      end
+      local want = r.kind == "params" and M.params_file(r.tp, r.pp)
+        or M.optim_file(r.tp, r.pp, l.zero == 1 and r.dp or nil)
+      must(r.file == want, field .. ".file", r.file, ("'%s' (its kind, tp, pp%s)"):format(want,
+        r.kind == "optim" and l.zero == 1 and ", dp" or ""))
+      object(field .. ": slices", r.slices)
+      if r.kind == "optim" then has_optim = true end
+      for _, name in ipairs(sorted_keys(r.slices)) do
+        local f = ("%s: slices[%s]"):format(field, show(name))
+        if type(name) ~= "string" or name == "" then
+          fail_check("%s: slices has the key %s; its keys are parameter names", field, show(name))
+        end
+        local s = r.slices[name]
+        check_slice(f, s, r.kind)
+        local key = r.kind .. "\0" .. name
+        local t = pieces[key]
+        if not t then
+          t = { kind = r.kind, name = name, full = s.full_shape, split = s.split, parts = s.split.parts,
+                numel = safetensors.numel(s.shape), spans = {}, field = f }
+          pieces[key] = t
+        else
+          must(same_list(s.full_shape, t.full), f .. ".full_shape", s.full_shape,
+            ("%s, as in %s"):format(show(t.full), t.field))
+          local a, b = s.split, t.split
+          must(a.dim == b.dim and a.parts == b.parts and a.blocks == b.blocks
+            and table.concat(a.sizes or {}, ",") == table.concat(b.sizes or {}, ","), f .. ".split", a,
+            ("the split of %s (all but index)"):format(t.field))
+        end
+        t.spans[s.split.index] = t.spans[s.split.index] or {}
+        table.insert(t.spans[s.split.index], { s.lo, s.hi })
+        if r.kind == "optim" then optim_names[name] = true end
+      end
+    else
+      must(r.kind == "rank", field .. ": kind", r.kind, "'rank'")
+      must(is_int(r.rank) and r.rank >= 0 and r.rank < m.world_size, field .. ": rank", r.rank,
+        ("an integer from 0 to world_size - 1 = %d"):format(m.world_size - 1))
+      must(r.file == ("rank-%05d.json"):format(r.rank), field .. ".file", r.file,
+        ("'rank-%05d.json' (its rank)"):format(r.rank))
+      ranks[r.rank] = true
+    end
+  end
+  if sharded then
+    check_coverage(pieces)
+    if has_optim then
+      for _, key in ipairs(sorted_keys(pieces)) do
+        local t = pieces[key]
+        if t.kind == "params" and not optim_names[t.name] then
+          fail_check("tensor_state: no optim file holds the state of '%s'", t.name)
+        end
+      end
+    end
+  else
+    for r = 0, m.world_size - 1 do
+      if not ranks[r] then fail_check("tensor_state.files has no file for rank %d (world_size %d)", r, m.world_size) end
+    end
+  end
+end
+
+local function check_manifest(m)
+  nonneg_int("step", m.step)
+  nonneg_int("epoch", m.epoch)
+  pos_int("world_size", m.world_size)
+  optional(nonneg_int, "saved_at", m.saved_at)
+  local c = m.counters
+  object("counters", c)
+  for _, k in ipairs(COUNTERS) do nonneg_int("counters." .. k, c[k]) end
+  pos_int("counters.accumulate", c.accumulate)
+  must(c.step == m.step, "counters.step", c.step, ("step = %d"):format(m.step))
+  must(c.epoch == m.epoch, "counters.epoch", c.epoch, ("epoch = %d"):format(m.epoch))
+  must(c.skipped_steps <= c.step, "counters.skipped_steps", c.skipped_steps, ("at most counters.step = %d"):format(c.step))
+  local lr = m.lr
+  object("lr", lr)
+  local function rate(k, v) finite_number(k, v); must(v >= 0, k, v, "a learning rate >= 0") end
+  optional(rate, "lr.base_lr", lr.base_lr)
+  optional(rate, "lr.last_lr", lr.last_lr)
+  optional(nonneg_int, "lr.schedule_step", lr.schedule_step)
+  optional(nonneg_int, "lr.total_steps", lr.total_steps)
+  object("metrics", m.metrics)
+  object("callbacks", m.callbacks)
+  optional(object, "data", m.data)
+  if m.data_ranks ~= nil then
+    list("data_ranks", m.data_ranks)
+    for i, d in ipairs(m.data_ranks) do object(("data_ranks[%d]"):format(i), d) end
+  end
+  optional(object, "model", m.model)
+  if m.rng ~= nil then
+    object("rng", m.rng)
+    for _, k in ipairs{ "trainer_seed", "context_seed" } do
+      must(m.rng[k] == nil or is_int(m.rng[k]), "rng." .. k, m.rng[k], "an integer")
+    end
+  end
+  local l = m.layout
+  object("layout", l)
+  for _, k in ipairs{ "tensor", "pipeline", "data", "world_size" } do pos_int("layout." .. k, l[k]) end
+  must(l.zero == 0 or l.zero == 1, "layout.zero", l.zero, "0 or 1")
+  must(l.world_size == m.world_size, "layout.world_size", l.world_size, ("world_size = %d"):format(m.world_size))
+  optional(pos_int, "layout.micro_batches", l.micro_batches)
+  local o = m.optimizer
+  if o ~= nil then
+    object("optimizer", o)
+    must(type(o.type) == "string", "optimizer.type", o.type, "a string ('AdamW' or 'lua')")
+    if o.type == "AdamW" then
+      nonneg_int("optimizer.step", o.step)
+      must(o.zero == l.zero, "optimizer.zero", o.zero, ("layout.zero = %s"):format(show(l.zero)))
+      local h = o.hparams
+      object("optimizer.hparams", h)
+      local function range(k, lo, hi, what)
+        local v = h[k]
+        finite_number("optimizer.hparams." .. k, v, what)
+        must(v >= lo and v < hi, "optimizer.hparams." .. k, v, what)
+      end
+      range("lr", 0, math.huge, "a learning rate >= 0")
+      range("beta1", 0, 1, "in [0, 1)")
+      range("beta2", 0, 1, "in [0, 1)")
+      range("eps", 0, math.huge, "a finite number >= 0")
+      range("weight_decay", 0, math.huge, "a finite number >= 0")
+    end
+  end
+  check_records(m)
+end
+
+--- The first problem of a decoded manifest (every field FORMATS.md
+-- describes, the file records and their slices), as a message naming the
+-- manifest and the field; nil when it is sound.
+function M.manifest_problem(dir, manifest)
+  local ok, err = pcall(check_manifest, manifest)
+  if ok then return nil end
+  if getmetatable(err) == Problem then return ("checkpoint: %s/%s: %s"):format(dir, M.MANIFEST, err.msg) end
+  error(err, 0) -- a bug in the checks themselves, not a bad manifest
+end
+
+-- emit() is defined with the JSON code above; the seal is the crc32 of the
+-- text it makes for the manifest without the seal key.
+local function seal_crc(raw)
+  local saved = raw[M.SEAL_KEY]
+  raw[M.SEAL_KEY] = nil
+  local ok, out = pcall(function()
+    local parts = {}
+    emit(raw, parts, 0)
+    return table.concat(parts)
+  end)
+  raw[M.SEAL_KEY] = saved
+  if not ok then return nil end
+  return M.crc32_of(out)
+end
+
+--- The text to write for a manifest: its JSON with manifest_crc32, the
+-- crc32 of the JSON of everything else (keys sorted, as M.encode writes).
+-- Returns the text and the crc32.
+function M.seal(manifest)
+  local body = {}
+  for k, v in pairs(manifest) do if k ~= M.SEAL_KEY then body[k] = v end end
+  local crc = M.crc32_of(M.encode(body, "manifest"))
+  body[M.SEAL_KEY] = crc
+  return M.encode(body, "manifest"), crc
+end
+
+--- Reads and validates a checkpoint's manifest: JSON, format and version,
+-- the seal, then every field (M.manifest_problem). Raises the first problem.
+-- opts.unsealed accepts a manifest without a seal, opts.reseal one whose
+-- seal does not match (scripts/checkpoint.lua seal); the manifest's own
+-- seal is returned second (nil when it has none), and whether it matched.
+function M.read_manifest(dir, opts)
+  opts = opts or {}
+  local path = dir .. "/" .. M.MANIFEST
+  local text = fs.read(path)
+  if not text then error(("checkpoint: %s: missing (not a complete checkpoint)"):format(path), 0) end
+  local ok, raw = pcall(cjson.decode, text)
+  if not ok then error(("checkpoint: %s: not valid JSON (%s)"):format(path, tostring(raw)), 0) end
+  if type(raw) ~= "table" or (next(raw) ~= nil and #raw > 0) then
+    error(("checkpoint: %s: not a manifest (a JSON object)"):format(path), 0)
+  end
+  -- the version first: another version may seal its manifests otherwise
+  if raw.format_version ~= M.FORMAT_VERSION then
+    error(("checkpoint: %s: format_version %s is not supported (this version reads %d)"):format(path,
+      show(raw.format_version), M.FORMAT_VERSION), 0)
+  end
+  if raw.format ~= M.FORMAT then
+    error(("checkpoint: %s: format %s is not '%s'"):format(path, show(raw.format), M.FORMAT), 0)
+  end
+  local sealed, matched = raw[M.SEAL_KEY], false
+  if sealed == nil then
+    if not opts.unsealed then
+      error(("checkpoint: %s: has no %s, so its contents cannot be checked (saved before pipegoose sealed "
+        .. "manifests, or written by hand); `pglua scripts/checkpoint.lua seal %s` validates the checkpoint and seals it")
+        :format(path, M.SEAL_KEY, dir), 0)
+    end
+  else
+    local n = math.tointeger(sealed)
+    if n == nil or n < 0 or n > 0xFFFFFFFF then
+      error(("checkpoint: %s: %s is %s, not a crc32"):format(path, M.SEAL_KEY, show(sealed)), 0)
+    end
+    local crc = seal_crc(raw)
+    matched = crc == n
+    if not matched and not opts.reseal then
+      error(("checkpoint: %s: checksum mismatch: the contents have crc32 %08x, %s says %08x (the manifest is "
+        .. "corrupt or was edited; `pglua scripts/checkpoint.lua seal --force %s` re-seals a deliberate edit)")
+        :format(path, crc or 0, M.SEAL_KEY, n, dir), 0)
+    end
+    sealed = n
+  end
+  raw[M.SEAL_KEY] = nil
+  local ok2, manifest = pcall(unpack, raw)
+  if not ok2 then error(("checkpoint: %s: %s"):format(path, tostring(manifest):gsub("^checkpoint: ", "")), 0) end
+  local problem = M.manifest_problem(dir, manifest)
+  if problem then error(problem, 0) end
+  return manifest, sealed, matched
+end
+
+-- A safetensors file's header against the manifest's slices: every entry
+-- there, float32, shaped as the slice says, and nothing else in the file.
+local function header_problem(path, rec)
+  local ok, h = pcall(safetensors.read_header, path)
+  if not ok then return "checkpoint: " .. tostring(h) end
+  local listed = {}
+  for _, name in ipairs(sorted_keys(rec.slices)) do
+    local s = rec.slices[name]
+    local whole = s.lo == 0 and s.hi == safetensors.numel(s.shape)
+    local want = whole and s.shape or { s.hi - s.lo }
+    for _, e in ipairs(rec.kind == "optim" and { "m/" .. name, "v/" .. name } or { name }) do
+      listed[e] = true
+      local got = h.entries[e]
+      if not got then return ("checkpoint: %s: has no tensor '%s' (the manifest lists it)"):format(path, e) end
+      if got.dtype ~= "float32" then
+        return ("checkpoint: %s: '%s' is %s; checkpoints hold float32 (F32) tensors"):format(path, e, got.dtype)
+      end
+      if not same_list(got.shape, want) then
+        return ("checkpoint: %s: '%s' has shape %s, the manifest says %s"):format(path, e, show(got.shape), show(want))
+      end
+    end
+  end
+  for _, e in ipairs(h.names) do
+    if not listed[e] then return ("checkpoint: %s: holds '%s', which the manifest does not list"):format(path, e) end
+  end
+  return nil
+end
+
+--- One file the manifest lists (rec, from a manifest read_manifest passed):
+-- inside the checkpoint directory once links are resolved, its size and
+-- crc32, and for safetensors files the header against the manifest's
+-- slices. nil when good, else a message naming the file and the problem.
+function M.check_file(dir, rec)
+  local path = dir .. "/" .. rec.file
+  local core = core_module()
+  if core and core.file and core.file.realpath then
+    local real, home = core.file.realpath(path), core.file.realpath(dir)
+    if real and home and real:sub(1, #home + 1) ~= home .. "/" then
+      return ("checkpoint: %s: is a link to %s, outside the checkpoint directory %s"):format(path, real, home)
+    end
+  end
+  -- the size from stat(2) before anything opens the file: a FIFO or a
+  -- device in its place shows as a wrong size instead of blocking a read
+  local size
+  if core and core.file and core.file.size then
+    local ok, n = pcall(core.file.size, path)
+    if not ok then return ("checkpoint: %s: missing (the manifest lists it with %d bytes)"):format(path, rec.bytes) end
+    size = n
+  else
+    local f = io.open(path, "rb")
+    if not f then return ("checkpoint: %s: missing (the manifest lists it with %d bytes)"):format(path, rec.bytes) end
+    size = f:seek("end")
+    f:close()
+    if size == nil then return ("checkpoint: %s: not a regular file"):format(path) end
+  end
+  if size ~= rec.bytes then
+    return ("checkpoint: %s: %s: %d bytes on disk, the manifest says %d"):format(path,
+      size < rec.bytes and "truncated" or "wrong size", size, rec.bytes)
+  end
+  local crc = core and core.file and core.file.crc32(path) or M.crc32_of(fs.read(path) or "")
+  if crc ~= rec.crc32 then
+    return ("checkpoint: %s: checksum mismatch: crc32 %08x on disk, %08x in the manifest (the file is corrupt)")
+      :format(path, crc, rec.crc32)
+  end
+  if rec.kind == "params" or rec.kind == "optim" then return header_problem(path, rec) end
+  return nil
+end
+
+--- Validates a checkpoint directory: the manifest (M.read_manifest) and the
+-- files it lists (M.check_file; opts.files: a set of names to check, else
+-- all). Returns the problems (a list of messages, empty when good; a bad
+-- manifest is the only one) and the manifest.
+function M.validate(dir, opts)
+  opts = opts or {}
+  dir = dir:gsub("/+$", "")
+  local ok, manifest = pcall(M.read_manifest, dir, opts)
+  if not ok then return { tostring(manifest) } end
+  local problems = {}
+  for _, rec in ipairs(manifest.tensor_state.files) do
+    if opts.files == nil or opts.files[rec.file] then
+      problems[#problems + 1] = M.check_file(dir, rec)
+    end
+  end
+  return problems, manifest
+end
+
+------------------------------------------------------------------------------
+-- Processes, and one job per output directory
+
+-- /proc/<pid>/stat: the process's state letter and start time (clock ticks
+-- after boot), or nil when there is no such process.
+local function proc_stat(pid)
+  local f = io.open(("/proc/%d/stat"):format(pid), "r")
+  if not f then return nil end
+  local text = f:read("a") or ""
+  f:close()
+  -- field 2, the command, is in parentheses and may hold anything: the
+  -- other fields resume after the last ')'
+  local rest = text:match("^.*%)%s+(.*)$")
+  if not rest then return nil end
+  local fields = {}
+  for w in rest:gmatch("%S+") do fields[#fields + 1] = w end
+  return fields[1], math.tointeger(tonumber(fields[20]))
+end
+
+local function first_line(path)
+  local text = fs.read(path)
+  return text and text:match("^%s*(.-)%s*$") or nil
+end
+
+--- Whether process `pid` is running on this machine: true or false, or nil
+-- when this system cannot tell (no /proc). A zombie has ended.
+function M.pid_running(pid)
+  local state = proc_stat(pid)
+  if state then return state ~= "Z" and state ~= "X" end
+  local f = io.open("/proc/self/stat", "r")
+  if not f then return nil end
+  f:close()
+  return false
+end
+
+local function host_name()
+  return first_line("/proc/sys/kernel/hostname") or os.getenv("HOSTNAME") or "unknown host"
+end
+
+--- This process as a lock holder: pid, host, its start time and the boot
+-- (so that a pid reused by another process, or a reboot, shows), the time
+-- and the command line (for the message another job prints).
+function M.lock_owner()
+  local pid = M.getpid()
+  local _, start = proc_stat(pid)
+  local cmd = fs.read("/proc/self/cmdline")
+  cmd = cmd and cmd:gsub("%z$", ""):gsub("%z", " "):sub(1, 200) or nil
+  return { pid = pid, host = host_name(), start = start, boot = first_line("/proc/sys/kernel/random/boot_id"),
+           time = os.time(), command = cmd }
+end
+
+-- Whether the holder `o` of a lock may still run: false only when this
+-- machine can tell it ended (same host: the pid is gone, is another
+-- process now, or the machine rebooted since).
+local function holder_alive(o, me)
+  if o.host ~= me.host then return true end
+  if o.boot ~= nil and me.boot ~= nil and o.boot ~= me.boot then return false end
+  if math.type(o.pid) ~= "integer" then return true end
+  local state, start = proc_stat(o.pid)
+  if state == nil then return M.pid_running(o.pid) ~= false end
+  if state == "Z" or state == "X" then return false end
+  return o.start == nil or start == nil or o.start == start
+end
+
+local function describe_holder(o)
+  return ("pid %s on %s%s%s"):format(tostring(o.pid), tostring(o.host),
+    math.type(o.time) == "integer" and (", since " .. os.date("%Y-%m-%d %H:%M:%S", o.time)) or "",
+    type(o.command) == "string" and (": " .. o.command) or "")
+end
+
+M.LOCK = ".pipegoose.lock"
+local held = {} -- lock path -> how many times this process took it
+
+-- Busy wait (Lua has no sleep; this path runs only while another job is
+-- in the middle of creating its lock file).
+local function pause(seconds)
+  local t = os.clock()
+  while os.clock() - t < seconds do end
+end
+
+--- Locks directory `dir` (created when missing) for this process:
+-- <dir>/.pipegoose.lock, created with O_EXCL, holds M.lock_owner() as JSON.
+-- A lock this process holds is taken again (counted); one whose holder has
+-- ended on this machine is taken over; any other is an error naming the
+-- job that holds it. `label` starts the messages ("Trainer: out_dir").
+-- Returns the lock's path and, after a takeover, a warning to print.
+-- Rank-local: the Trainer takes locks on rank 0 and agrees on the outcome.
+function M.lock(dir, label)
+  fs.mkdir_p(dir)
+  local path = dir .. "/" .. M.LOCK
+  if held[path] then
+    held[path] = held[path] + 1
+    return path
+  end
+  local core = core_module()
+  local me = M.lock_owner()
+  local text = M.encode(me, "lock")
+  local warning
+  for attempt = 1, 20 do
+    local created
+    if core and core.file and core.file.create_exclusive then
+      created = core.file.create_exclusive(path, text)
+    else -- plain Lua has no O_EXCL: check, then write (racy, tests only)
+      created = not fs.exists(path)
+      if created then fs.write(path, text) end
+    end
+    if created then
+      held[path] = 1
+      return path, warning
+    end
+    local other_text = fs.read(path)
+    local ok, other = pcall(M.decode, other_text or "", path)
+    if not ok or type(other) ~= "table" then
+      -- another job between creating its lock file and filling it: wait for it
+      if attempt == 20 then
+        error(("%s %s is locked by another job (%s is not readable: %s); remove it if no job uses %s"):format(label,
+          dir, path, tostring(other), dir), 0)
+      end
+      pause(0.05)
+    elseif other.pid == me.pid and other.host == me.host and other.start == me.start then
+      held[path] = 1 -- this process's own lock, left by a Trainer that ended without releasing it
+      return path, warning
+    elseif holder_alive(other, me) then
+      error(("%s %s is in use by another job (%s); two jobs writing one directory delete each other's "
+        .. "checkpoints. Wait for it to end or choose another directory; if that job is gone, remove %s")
+        :format(label, dir, describe_holder(other), path), 0)
+    else
+      -- Take over: move the stale lock aside and make sure what moved is
+      -- what was judged stale; a job taking it over at the same moment may
+      -- have replaced it, and gets it back (exclusively: never over a third).
+      local aside = ("%s.stale-%d"):format(path, me.pid)
+      if os.rename(path, aside) then
+        local moved = fs.read(aside)
+        if moved == other_text then
+          warning = ("%s %s: took over the lock of a job that ended without releasing it (%s)"):format(label, dir,
+            describe_holder(other))
+        elseif moved and core and core.file and core.file.create_exclusive then
+          core.file.create_exclusive(path, moved)
+        end
+        os.remove(aside)
+      end
+    end
+  end
+  error(("%s %s: could not take %s"):format(label, dir, path), 0)
+end
+
+--- Releases a lock M.lock returned (the file goes when this process has
+-- released it as many times as it took it, and only if it still names this
+-- process).
+function M.unlock(path)
+  local n = held[path]
+  if n == nil then return end
+  if n > 1 then
+    held[path] = n - 1
+    return
+  end
+  held[path] = nil
+  local ok, rec = pcall(M.decode, fs.read(path) or "", path)
+  if ok and type(rec) == "table" and rec.pid == M.getpid() and rec.host == host_name() then os.remove(path) end
+end
+
+--- The path with every link resolved, also when its last parts do not
+-- exist yet: locks and the directories they cover compare by it.
+function M.canonical(path)
+  path = path:gsub("/+$", "")
+  if path == "" then return "/" end
+  local core = core_module()
+  local real = core and core.file and core.file.realpath and core.file.realpath(path)
+  if real then return real end
+  local parent, base = fs.dirname(path), fs.basename(path)
+  if parent == path or base == "" or base == "." then return path end
+  local p = M.canonical(parent)
+  return (p == "/" and "" or p) .. "/" .. base
+end
+
 -- This rank's engine and optimizer state as safetensors files in dir;
 -- returns the records of the files it wrote.
 local function write_sharded(trainer, dir)
@@ -482,29 +1190,6 @@ local function write_sharded(trainer, dir)
       { optimizer_step = s.step, flat_lo = s.lo, flat_hi = s.hi })
   end
   return records
-end
-
---- The size and crc32 check of one file the manifest lists: nil when good,
--- else a message naming the file and the problem.
-function M.check_file(dir, rec)
-  local path = dir .. "/" .. rec.file
-  local f = io.open(path, "rb")
-  if not f then return ("checkpoint: %s: missing (the manifest lists it with %d bytes)"):format(path, rec.bytes or -1) end
-  local size = f:seek("end")
-  f:close()
-  if rec.bytes and size ~= rec.bytes then
-    return ("checkpoint: %s: %s: %d bytes on disk, the manifest says %d"):format(path,
-      size < rec.bytes and "truncated" or "wrong size", size, rec.bytes)
-  end
-  local core = core_module()
-  if rec.crc32 ~= nil and core and core.file then
-    local crc = core.file.crc32(path)
-    if crc ~= rec.crc32 then
-      return ("checkpoint: %s: checksum mismatch: crc32 %08x on disk, %08x in the manifest (the file is corrupt)")
-        :format(path, crc, rec.crc32)
-    end
-  end
-  return nil
 end
 
 -- Every saved piece of tensor `name` in files of `kind`: { {rec=, slice=}, ... }.
@@ -609,6 +1294,24 @@ local function first_rows(full, rows)
   return full
 end
 
+-- Before anything is copied: every rank checks the files it reads and its
+-- share of the others (file i on rank i mod world size), so that the ranks
+-- together check every file once (a corrupt file is refused even when no
+-- rank reads it: the optimizer files of a weights-only load), then they
+-- agree, and every rank raises the same first problem. `planned` is one
+-- found while planning (the checkpoint lacks a tensor): a bad file is
+-- reported before it.
+local function check_files(trainer, dir, manifest, reads, planned)
+  local world, rank = 1, 0
+  if multi_rank(trainer) then world, rank = trainer.state.world_size, trainer.state.rank end
+  local problem
+  for i, rec in ipairs(manifest.tensor_state.files) do
+    if problem then break end
+    if reads[rec.file] or (i - 1) % world == rank then problem = M.check_file(dir, rec) end
+  end
+  agree_error(trainer, problem or planned)
+end
+
 -- Loads the sharded files into this rank's engine and optimizer: pieces of
 -- the same shard are copied as they are, anything else is assembled into the
 -- full tensor and cut for this layout. Returns nil, or why only the weights
@@ -662,15 +1365,7 @@ local function load_sharded(trainer, dir, manifest)
       end
     end
   end
-  -- verify every file this rank reads, then agree: every rank stops alike
-  local names = {}
-  for f in pairs(need) do names[#names + 1] = f end
-  table.sort(names)
-  for _, f in ipairs(names) do
-    if problem then break end
-    problem = M.check_file(dir, need[f])
-  end
-  agree_error(trainer, problem)
+  check_files(trainer, dir, manifest, need, problem)
 
   local header_of = header_reader(dir)
   local function full_of(prefix, step) return assemble(dir, step.pieces, prefix, step.p.name, header_of) end
@@ -736,7 +1431,6 @@ end
 -- Returns nil, or why only the weights were loaded (sharded files).
 function M.load_tensor_state(trainer, dir, manifest)
   local desc = manifest.tensor_state
-  if desc == nil then return end
   if desc.format == M.SHARDED then
     local weights_only, resliced = load_sharded(trainer, dir, manifest)
     local saved, now = manifest.layout or {}, M.layout(trainer)
@@ -750,15 +1444,12 @@ function M.load_tensor_state(trainer, dir, manifest)
     end
     return weights_only
   end
-  if desc.format ~= M.JSON_PER_RANK then
-    error(("checkpoint: %s/%s: tensor state in format '%s', which this version cannot read"):format(dir, M.MANIFEST,
-      tostring(desc.format)), 0)
-  end
+  -- json-per-rank (M.manifest_problem allows no other format)
   local rank = trainer.state.rank
   local rec
-  for _, r in ipairs(desc.files or {}) do if r.rank == rank then rec = r end end
-  if not rec then error(("checkpoint: %s/%s: lists no state file for rank %d"):format(dir, M.MANIFEST, rank), 0) end
-  agree_error(trainer, M.check_file(dir, rec))
+  for _, r in ipairs(desc.files) do if r.rank == rank then rec = r end end
+  check_files(trainer, dir, manifest, { [rec and rec.file or ""] = true },
+    not rec and ("checkpoint: %s/%s: lists no state file for rank %d"):format(dir, M.MANIFEST, rank) or nil)
   local file = dir .. "/" .. rec.file
   local body = M.decode(assert(fs.read(file)), file)
   local engine, opt = trainer.engine, trainer.optimizer
@@ -801,7 +1492,7 @@ function M.manifest(trainer)
     step = st.step,
     epoch = st.epoch,
     counters = trainer:_counters(),
-    lr = { base_lr = trainer._base_lr, last_lr = st.lr, schedule_step = st.step },
+    lr = { base_lr = trainer._base_lr, last_lr = st.lr, schedule_step = st.step, total_steps = st.lr_total_steps },
     metrics = copy(st.metrics),
     callbacks = cbs,
     data = data and data.state_dict and data:state_dict() or nil,
@@ -832,11 +1523,18 @@ local function test_kill_point(trainer)
 end
 
 --- Removes what interrupted saves left in a checkpoint directory's parent:
--- <name>.tmp-<pid> and <name>.old-<pid> directories and latest.tmp.<pid> files.
+-- <name>.tmp-<pid> and <name>.old-<pid> directories and latest.tmp.<pid>
+-- files of this process or of processes that have ended. Those of a running
+-- process are left alone: they may be another job's save in progress (the
+-- lock should keep a second job out of the directory; this holds without it).
 function M.cleanup(parent)
   local removed = {}
+  local me = M.getpid()
   for _, name in ipairs(fs.list(parent)) do
-    if name:match("^.+%.tmp%-%d+$") or name:match("^.+%.old%-%d+$") or name:match("^" .. M.LATEST .. "%.tmp%.%d+$") then
+    local pid = name:match("^.+%.tmp%-(%d+)$") or name:match("^.+%.old%-(%d+)$")
+      or name:match("^" .. M.LATEST .. "%.tmp%.(%d+)$")
+    pid = pid and math.tointeger(tonumber(pid))
+    if pid and (pid == me or M.pid_running(pid) == false) then
       fs.rm_rf(parent .. "/" .. name)
       removed[#removed + 1] = name
     end
@@ -885,7 +1583,11 @@ function M.save(trainer, dir)
     table.sort(files, function(a, b) return a.file < b.file end)
     manifest.tensor_state = { format = desc.format, files = files }
     manifest.data_ranks = data_ranks
-    fs.write(tmp .. "/" .. M.MANIFEST, M.encode(manifest, "manifest"))
+    -- never write what loading would refuse: a failure here is a bug in
+    -- the writer (or in the checks), found at the save instead of the resume
+    local problem = M.manifest_problem(tmp, M.decode(M.encode(manifest, "manifest"), "manifest"))
+    if problem then error(problem .. " (in the manifest being saved)", 0) end
+    fs.write(tmp .. "/" .. M.MANIFEST, (M.seal(manifest)))
     if fs.exists(dir) then
       local old = ("%s.old-%d"):format(dir, pid)
       fs.rm_rf(old)
@@ -915,6 +1617,10 @@ function M.latest(parent)
   if not text then return nil end
   local name = text:match("^%s*(.-)%s*$")
   if name == "" then return nil end
+  if not M.plain_name(name) then
+    error(("checkpoint: %s/%s names %s, which is not a checkpoint directory inside %s"):format(parent, M.LATEST,
+      show(name), parent), 0)
+  end
   return parent .. "/" .. name
 end
 
@@ -944,24 +1650,6 @@ function M.resolve(path)
     latest and (", and its latest file names " .. latest .. " which has none") or ""), 0)
 end
 
---- Reads and checks a checkpoint's manifest (format and version).
-function M.read_manifest(dir)
-  local path = dir .. "/" .. M.MANIFEST
-  local text = fs.read(path)
-  if not text then error(("checkpoint: %s: missing (not a complete checkpoint)"):format(path), 0) end
-  local ok, manifest = pcall(M.decode, text, path)
-  if not ok then error(("checkpoint: %s: not valid JSON (%s)"):format(path, tostring(manifest)), 0) end
-  if type(manifest) ~= "table" then error(("checkpoint: %s: not a manifest"):format(path), 0) end
-  if manifest.format_version ~= M.FORMAT_VERSION then
-    error(("checkpoint: %s: format_version %s is not supported (this version reads %d)"):format(path,
-      tostring(manifest.format_version), M.FORMAT_VERSION), 0)
-  end
-  if manifest.format ~= M.FORMAT then
-    error(("checkpoint: %s: format '%s' is not '%s'"):format(path, tostring(manifest.format), M.FORMAT), 0)
-  end
-  return manifest
-end
-
 --- Differences between a saved model config and this one, as a message, or nil.
 function M.config_difference(saved, mine)
   if type(saved) ~= "table" or type(mine) ~= "table" then return nil end
@@ -986,25 +1674,30 @@ end
 -- Returns the manifest and the directory.
 function M.load(trainer, path)
   if type(path) ~= "string" then error("checkpoint.load: needs a directory path", 2) end
-  local dir = M.resolve(path)
-  local manifest = M.read_manifest(dir)
+  -- every rank reads and validates the manifest; they agree before going on
+  local dir, manifest
+  local ok, err = pcall(function()
+    dir = M.resolve(path)
+    manifest = M.read_manifest(dir)
+  end)
+  agree_error(trainer, not ok and tostring(err) or nil)
   local st = trainer.state
   local diff = M.config_difference(manifest.model, trainer.engine.config)
   if diff then
     error(("checkpoint: %s/%s: the model differs from the one being trained: %s"):format(dir, M.MANIFEST, diff), 0)
   end
-  local ts = manifest.tensor_state or {}
+  local ts = manifest.tensor_state
   if ts.format == M.JSON_PER_RANK and manifest.world_size ~= st.world_size then
     error(("checkpoint: %s was saved by %s ranks; this job has %d"):format(dir, tostring(manifest.world_size),
       st.world_size), 0)
   end
   M.load_tensor_state(trainer, dir, manifest)
-  trainer:_restore_counters(manifest.counters or {})
-  if manifest.lr then
-    trainer._base_lr = manifest.lr.base_lr
-    st.lr = manifest.lr.last_lr
-  end
-  st.metrics = manifest.metrics or {}
+  trainer:_restore_counters(manifest.counters)
+  trainer._base_lr = manifest.lr.base_lr
+  st.lr = manifest.lr.last_lr
+  -- the schedule's horizon when it was saved (the Trainer's lr_horizon decides)
+  trainer._checkpoint_lr_total = manifest.lr.total_steps
+  st.metrics = manifest.metrics
   local data = trainer.train_data
   local dstate = manifest.data
   local ranks, ctx = manifest.data_ranks, trainer.ctx
@@ -1030,43 +1723,28 @@ end
 -- Tools on one process (scripts/checkpoint.lua): verify, info, consolidate,
 -- export to llm.c. They read the files, never a running job.
 
---- Checks a checkpoint directory: the manifest, and every file it lists
--- (present, size, crc32, a readable safetensors header holding the entries
--- the manifest describes). Returns the list of problems (empty: good) and
--- the manifest.
+--- Checks a checkpoint directory as loading does, every file included
+-- (M.validate). Returns the problems (empty: good) and the manifest.
 function M.verify(dir)
-  dir = dir:gsub("/+$", "")
-  local ok, manifest = pcall(M.read_manifest, dir)
-  if not ok then return { tostring(manifest) } end
-  local problems = {}
-  local ts = manifest.tensor_state
-  if type(ts) ~= "table" or type(ts.files) ~= "table" then
-    return { ("checkpoint: %s/%s: lists no tensor files"):format(dir, M.MANIFEST) }, manifest
-  end
-  for _, rec in ipairs(ts.files) do
-    local err = M.check_file(dir, rec)
-    if not err and rec.file:match("%.safetensors$") then
-      local ok2, h = pcall(safetensors.read_header, dir .. "/" .. rec.file)
-      if not ok2 then
-        err = "checkpoint: " .. tostring(h)
-      else
-        for name, s in pairs(rec.slices or {}) do
-          local entries = rec.kind == "optim" and { "m/" .. name, "v/" .. name } or { name }
-          for _, e in ipairs(entries) do
-            local got = h.entries[e]
-            if not got then
-              err = err or ("checkpoint: %s/%s: has no tensor '%s'"):format(dir, rec.file, e)
-            elseif got.numel ~= s.hi - s.lo then
-              err = err or ("checkpoint: %s/%s: '%s' has %d elements, the manifest says %d"):format(dir, rec.file, e,
-                got.numel, s.hi - s.lo)
-            end
-          end
-        end
-      end
-    end
-    if err then problems[#problems + 1] = err end
-  end
-  return problems, manifest
+  return M.validate(dir)
+end
+
+--- Seals a checkpoint's manifest (scripts/checkpoint.lua seal): validates
+-- the manifest's fields and every file as loading does, then writes the
+-- manifest back with its seal. A manifest whose seal does not match its
+-- contents is refused unless opts.force: an edit made on purpose. Returns
+-- the directory, the new crc32, the seal it had (nil: none) and whether
+-- that one matched.
+function M.seal_dir(dir, opts)
+  opts = opts or {}
+  dir = M.resolve(dir)
+  local how = { unsealed = true, reseal = opts.force }
+  local problems = M.validate(dir, how)
+  if #problems > 0 then error(problems[1], 0) end
+  local manifest, old, matched = M.read_manifest(dir, how)
+  local text, crc = M.seal(manifest)
+  fs.write(dir .. "/" .. M.MANIFEST, text)
+  return dir, crc, old, matched
 end
 
 local function verified(dir)

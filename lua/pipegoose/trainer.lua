@@ -13,12 +13,11 @@ Trainer.__index = Trainer
 Trainer.__name = "Trainer"
 
 local OPTION_LIST = {
-  "engine", "optimizer", "lr_schedule", "max_steps", "max_epochs", "max_time", "accumulate",
+  "engine", "optimizer", "lr_schedule", "lr_horizon", "max_steps", "max_epochs", "max_time", "accumulate",
   "clip_grad_norm", "track_grad_norm", "val_every_n_steps", "val_batches", "log_every_n_steps",
   "callbacks", "seed", "out_dir", "on_nan", "clock", "out", "combine",
 }
-local OPTIONS = {}
-for _, k in ipairs(OPTION_LIST) do OPTIONS[k] = true end
+local FIT_OPTIONS = { "resume" }
 
 --- Control flags, in the order they travel in the cross-rank combination.
 Trainer.FLAGS = { "should_stop", "should_save", "should_validate", "should_log" }
@@ -49,6 +48,17 @@ local function positive_number(name, v)
 end
 
 local function finite(x) return x == x and x ~= math.huge and x ~= -math.huge end
+
+-- The one check of option tables in this file (Trainer{...}, fit{...}): a
+-- key not in `known` is an error naming the closest known key (or listing
+-- them). `level` as fail's.
+local function check_options(level, where, opts, known)
+  local set = {}
+  for _, k in ipairs(known) do set[k] = true end
+  for k in pairs(opts) do
+    if not set[k] then fail(level + 1, "%s%s", where, callbacks.unknown_option(k, known)) end
+  end
+end
 
 local function number_name(x)
   if x ~= x then return "nan" end
@@ -115,11 +125,7 @@ end
 --- pg.Trainer{...}: see docs/TRAINER.md for every option.
 function Trainer.new(opts)
   if type(opts) ~= "table" then fail(3, "expects a table of options, got a %s", type(opts)) end
-  for k in pairs(opts) do
-    if not OPTIONS[k] then
-      fail(3, "unknown option '%s'%s", tostring(k), type(k) == "string" and callbacks.suggestion(k, OPTION_LIST) or "")
-    end
-  end
+  check_options(3, "", opts, OPTION_LIST)
   local engine = opts.engine
   if type(engine) ~= "table" and type(engine) ~= "userdata" then
     fail(3, "engine= is required (what pg.parallelize returns, or pg.testing.fake_engine{})")
@@ -134,6 +140,11 @@ function Trainer.new(opts)
     if not (type(mt) == "table" and mt.__call) then
       fail(3, "lr_schedule must be a function step -> lr (or pg.lr.*), got a %s", type(self.lr_schedule))
     end
+  end
+  self.lr_horizon = opts.lr_horizon or "checkpoint"
+  if self.lr_horizon ~= "checkpoint" and self.lr_horizon ~= "max_steps" then
+    fail(3, "lr_horizon='%s' must be 'checkpoint' (a resumed schedule keeps the horizon it was saved with) or "
+      .. "'max_steps' (it is stretched to this fit's total steps)", tostring(self.lr_horizon))
   end
   self.max_steps = positive_int("max_steps", opts.max_steps)
   self.max_epochs = positive_int("max_epochs", opts.max_epochs)
@@ -151,6 +162,8 @@ function Trainer.new(opts)
   end
   self.out_dir = opts.out_dir or "runs"
   if type(self.out_dir) ~= "string" then fail(3, "out_dir must be a string path") end
+  -- fit locks an out_dir the user named (the default is locked by the first save)
+  self._lock_out_dir = opts.out_dir ~= nil
   self.on_nan = opts.on_nan or "error"
   if self.on_nan ~= "error" and self.on_nan ~= "skip" then
     fail(3, "on_nan='%s' must be 'error' (stop with an error) or 'skip' (skip the step)", tostring(self.on_nan))
@@ -172,11 +185,12 @@ function Trainer.new(opts)
   self.state = {
     step = 0, epoch = 0, batch_in_epoch = 0, micro_batches = 0, tokens_seen = 0, skipped_steps = 0,
     accumulate = self.accumulate, lr = nil, grad_norm = nil, metrics = {}, elapsed = 0,
-    total_steps = self.max_steps, stage = nil, stop_reason = nil, resumed_from = nil,
+    total_steps = self.max_steps, lr_total_steps = self.max_steps, stage = nil, stop_reason = nil, resumed_from = nil,
     rank = rank, world_size = world, is_global_zero = rank == 0,
   }
   self.control, self._flags = new_control()
   self.combines = 0 -- how many times control flags were combined (for tests and logs)
+  self._locks = {} -- canonical directory -> lock path (rank 0) or true: the directories this trainer holds
   return self
 end
 
@@ -358,6 +372,9 @@ function Trainer:_run(stage, body)
     self._torn_down = true
     guarded("teardown", stage)
   end
+  -- rank-local (no collective: the other ranks may not be here)
+  self._in_fit = false
+  pcall(self._unlock_all, self)
   error(err, 0)
 end
 
@@ -417,9 +434,7 @@ end
 function Trainer:fit(train_data, val_data, opts)
   opts = opts or {}
   if type(opts) ~= "table" then fail(2, "fit: the third argument is a table of options ({resume=})") end
-  for k in pairs(opts) do
-    if k ~= "resume" then fail(2, "fit: unknown option '%s' (known: resume)", tostring(k)) end
-  end
+  check_options(2, "fit: ", opts, FIT_OPTIONS)
   if train_data == nil then fail(2, "fit: needs training data (pg.data.TokenShards{...})") end
   check_data("fit: the training data", train_data, { "next_batch" })
   check_data("fit: the validation data", val_data, { "next_batch" })
@@ -429,6 +444,19 @@ function Trainer:fit(train_data, val_data, opts)
     if opt[m] == nil then fail(2, "the optimizer has no %s() method", m) end
   end
   if self.engine.forward_backward == nil then fail(2, "the engine has no forward_backward() method") end
+  -- One job per output directory, settled before any hook runs (MetricsLogger
+  -- truncates its file in setup): a refused fit has not started, so no hook
+  -- (on_exception, teardown) runs for it.
+  self._in_fit = true
+  local ok, err = pcall(function()
+    if self._lock_out_dir then self:_lock(self.out_dir, "Trainer: out_dir") end
+    if self.checkpoint_dir then self:_lock(self.checkpoint_dir, "Trainer: the checkpoint directory") end
+  end)
+  if not ok then
+    self._in_fit = false
+    self:_unlock_all()
+    error(err, 0)
+  end
   return self:_run("fit", function() return self:_fit(train_data, val_data, opts) end)
 end
 
@@ -441,6 +469,7 @@ function Trainer:_fit(train_data, val_data, opts)
   if self._base_lr == nil then self._base_lr = self.optimizer:get_lr() end
   self._tokens_per_batch = train_data.tokens_per_batch and train_data:tokens_per_batch() or nil
   st.total_steps = self:_estimate_total_steps()
+  st.lr_total_steps = self:_lr_horizon()
   self._t0, self._tokens0 = self.clock(), st.tokens_seen
   st.elapsed = 0
   self:_call("on_fit_start")
@@ -450,7 +479,23 @@ function Trainer:_fit(train_data, val_data, opts)
   self:_call("on_train_end")
   self:_call("on_fit_end")
   self:_teardown("fit")
+  self._in_fit = false
+  self:_unlock_all()
   return st
+end
+
+-- The horizon the lr schedule sees (info.total_steps): this fit's
+-- total_steps, except that a resumed schedule keeps the one it was saved
+-- with (lr_horizon = "checkpoint"), so that extending max_steps on resume
+-- does not stretch a cosine that is half done.
+function Trainer:_lr_horizon()
+  local st, saved = self.state, self._checkpoint_lr_total
+  if self.lr_horizon ~= "checkpoint" or saved == nil or saved == st.total_steps then return st.total_steps end
+  if self.lr_schedule then
+    self:print(("Trainer: the lr schedule keeps the horizon of %d steps it was saved with (this fit's total is %s; "
+      .. "lr_horizon='max_steps' stretches it to that)"):format(saved, tostring(st.total_steps)))
+  end
+  return saved
 end
 
 function Trainer:_estimate_total_steps()
@@ -515,7 +560,7 @@ end
 function Trainer:_set_lr(step)
   local st, opt = self.state, self.optimizer
   if self.lr_schedule then
-    local lr = self.lr_schedule(step, { base_lr = self._base_lr, total_steps = st.total_steps })
+    local lr = self.lr_schedule(step, { base_lr = self._base_lr, total_steps = st.lr_total_steps })
     if type(lr) ~= "number" or not finite(lr) then
       fail(0, "lr_schedule returned %s for step %d (expected a finite number)", tostring(lr), step)
     end
@@ -726,10 +771,51 @@ end
 -- Runs on_save_checkpoint before writing and on_checkpoint_saved after the
 -- directory is complete. Returns the path.
 function Trainer:save_checkpoint(path)
+  local ckpt = require "pipegoose.checkpoint"
   path = path or self:checkpoint_path(self.state.step)
-  require("pipegoose.checkpoint").save(self, path)
+  -- the directory the save writes into (and cleans up) is this job's: a
+  -- lock taken here lasts for the fit, or for this save outside fit
+  local parent = ckpt.fs.dirname((path:gsub("/+$", "")))
+  local took = self:_lock(parent, "Trainer: the checkpoint directory")
+  local ok, err = pcall(ckpt.save, self, path)
+  if took and not self._in_fit then self:_unlock(took) end
+  if not ok then error(err, 0) end
   self:_call("on_checkpoint_saved", path)
   return path
+end
+
+------------------------------------------------------------------------------
+-- One job per output directory: locks (lua/pipegoose/checkpoint.lua M.lock)
+
+-- Locks dir for this job unless a directory it holds already covers it.
+-- Collective with a context of several ranks (rank 0 holds the lock file;
+-- every rank raises its refusal). Returns the key to _unlock when it took a
+-- new lock, else nil.
+function Trainer:_lock(dir, label)
+  local ckpt = require "pipegoose.checkpoint"
+  local key = ckpt.canonical(dir)
+  for held in pairs(self._locks) do
+    if key == held or key:sub(1, #held + 1) == held .. "/" then return nil end
+  end
+  local path, warning, err
+  if self.state.is_global_zero then
+    local ok, a, b = pcall(ckpt.lock, dir, label)
+    if ok then path, warning = a, b else err = tostring(a) end
+  end
+  ckpt.agree_error(self, err)
+  if warning then self:print(warning) end
+  self._locks[key] = path or true
+  return key
+end
+
+function Trainer:_unlock(key)
+  local path = self._locks[key]
+  self._locks[key] = nil
+  if type(path) == "string" then require("pipegoose.checkpoint").unlock(path) end
+end
+
+function Trainer:_unlock_all()
+  for key in pairs(self._locks) do self:_unlock(key) end
 end
 
 -- The counters a checkpoint keeps (and _restore_counters puts back).

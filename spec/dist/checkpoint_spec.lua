@@ -293,9 +293,11 @@ if world == 2 or world == 4 then
     end
 
     -- Loads path on every rank; returns this rank's error, and whether all ranks had that same one.
-    local function load_error(path, cfg)
+    -- optimizer: a function engine -> optimizer (default AdamW).
+    local function load_error(path, cfg, optimizer)
       local engine = pg.parallelize(pg.nn.GPT(cfg or CFG), ctx, { micro_batches = 2 })
-      local t = pg.Trainer{ engine = engine, optimizer = pg.optim.AdamW(engine, {}), out = pg.testing.capture() }
+      local opt = optimizer and optimizer(engine) or pg.optim.AdamW(engine, {})
+      local t = pg.Trainer{ engine = engine, optimizer = opt, out = pg.testing.capture() }
       local ok, err = pcall(t.load_checkpoint, t, path)
       local all = ckpt.all_gather_strings(root_ctx, ok and "" or tostring(err))
       local same = true
@@ -365,6 +367,85 @@ if world == 2 or world == 4 then
       assert.equal("checkpoint: " .. path .. "/manifest.json: format_version 99 is not supported (this version reads 2)",
         err)
       assert.is_true(same)
+    end)
+
+    -- Edits the manifest of a copy (decoded) and re-seals it: the field's own check is what refuses it.
+    local function edited(fn)
+      return damaged(function(p)
+        local m = ckpt.decode(io.open(p .. "/manifest.json"):read("a"))
+        fn(m)
+        local f = io.open(p .. "/manifest.json", "w")
+        f:write((ckpt.seal(m)))
+        f:close()
+      end)
+    end
+
+    it("a split table with parts = 0 (re-sealed): refused on every rank before anything is read", function()
+      local path = edited(function(m)
+        for _, r in ipairs(m.tensor_state.files) do
+          if r.file == "params-tp1-pp0.safetensors" then r.slices["blocks.0.attn.qkv.weight"].split.parts = 0 end
+        end
+      end)
+      local err, same = load_error(path)
+      assert.matches("^checkpoint: " .. path:gsub("%p", "%%%0") .. "/manifest%.json: tensor_state%.files%[%d+%] %(params%-tp1%-pp0"
+        .. "%.safetensors%): slices%['blocks%.0%.attn%.qkv%.weight'%]%.split%.parts is 0; it must be an integer >= 1$", err)
+      assert.is_true(same)
+      assert.equal(err, ckpt.verify(path)[1])
+    end)
+
+    it("a file name that leaves the directory (re-sealed)", function()
+      local path = edited(function(m) m.tensor_state.files[1].file = "../../../etc/passwd" end)
+      local err, same = load_error(path)
+      assert.matches("tensor_state.files[1].file is '../../../etc/passwd'; it must be the name of a file in the "
+        .. "checkpoint directory", err, 1, true)
+      assert.is_true(same)
+    end)
+
+    it("a manifest edited without re-sealing: its checksum", function()
+      local path = damaged(function(p)
+        local text = io.open(p .. "/manifest.json"):read("a")
+        local f = io.open(p .. "/manifest.json", "w")
+        f:write((text:gsub('"step":2', '"step":1')))
+        f:close()
+      end)
+      local err, same = load_error(path)
+      assert.matches("^checkpoint: " .. path:gsub("%p", "%%%0") .. "/manifest%.json: checksum mismatch: the contents have "
+        .. "crc32 %x+, manifest_crc32 says %x+", err)
+      assert.is_true(same)
+    end)
+
+    it("a corrupt file that no rank reads (the optimizer's, for a weights-only load)", function()
+      local path = damaged(function(p)
+        local f = io.open(p .. "/optim-tp1-pp0.safetensors", "r+b")
+        f:seek("set", 3000)
+        f:write("\255\255\255\255")
+        f:close()
+      end)
+      local err, same = load_error(path, nil, function()
+        return { step = function() end, zero_grad = function() end, set_lr = function() end, get_lr = function() return 1 end }
+      end)
+      assert.matches("^checkpoint: " .. path:gsub("%p", "%%%0") .. "/optim%-tp1%-pp0%.safetensors: checksum mismatch", err)
+      assert.is_true(same)
+    end)
+
+    it("an out_dir that another job holds: every rank refuses to start, naming it", function()
+      local out = dir .. "/held"
+      if me == 0 then
+        os.execute("mkdir -p '" .. out .. "'")
+        local owner = ckpt.lock_owner()
+        local f = io.open(out .. "/.pipegoose.lock", "w")
+        f:write(ckpt.encode({ pid = 1, host = owner.host, boot = owner.boot, time = 0, command = "init" }, "lock"))
+        f:close()
+      end
+      ctx:barrier()
+      local engine = pg.testing.fake_engine{ ctx = ctx }
+      local t = pg.Trainer{ engine = engine, optimizer = pg.testing.fake_optimizer(engine), max_steps = 1, out_dir = out,
+        out = pg.testing.capture() }
+      local ok, err = pcall(t.fit, t, pg.testing.fake_data{ ctx = ctx })
+      local all = ckpt.all_gather_strings(root_ctx, ok and "" or tostring(err))
+      assert.is_false(ok)
+      assert.matches("Trainer: out_dir " .. out .. " is in use by another job (pid 1 on ", err, 1, true)
+      for _, e in ipairs(all) do assert.equal(all[1], e) end
     end)
 
     it("a model config that differs from the one being trained", function()

@@ -158,14 +158,33 @@ describe("pg.checkpoint save / load", function()
     assert.matches("checkpoint: " .. path:gsub("%p", "%%%0") .. "/rank%-00000%.json: checksum mismatch: crc32 %x+ on disk, %x+ in the manifest", err)
   end)
 
+  -- the pid of a process that has ended (a shell that printed its own pid)
+  local function dead_pid()
+    local p = io.popen("sh -c 'echo $$'")
+    local pid = math.tointeger(tonumber(p:read("a")))
+    p:close()
+    return pid
+  end
+
   it("removes temporary directories left by interrupted saves, and only after a complete save", function()
     local t = trainer(2)
     local parent = dir .. "/checkpoints"
-    os.execute("mkdir -p '" .. parent .. "/step-00000009.tmp-4242' '" .. parent .. "/step-00000001.old-77'")
-    io.open(parent .. "/latest.tmp.99", "w"):close()
+    local a, b, c = dead_pid(), dead_pid(), dead_pid()
+    os.execute(("mkdir -p '%s/step-00000009.tmp-%d' '%s/step-00000001.old-%d'"):format(parent, a, parent, b))
+    io.open(("%s/latest.tmp.%d"):format(parent, c), "w"):close()
     io.open(parent .. "/notes.txt", "w"):close()
     t:save_checkpoint()
     assert.equal("latest\nnotes.txt\nstep-00000002\n", io.popen("ls '" .. parent .. "'"):read("a"))
+  end)
+
+  it("leaves the temporary directories of running processes alone (another job's save in progress)", function()
+    local t = trainer(2)
+    local parent = dir .. "/checkpoints"
+    -- pid 1 always runs and is never this process
+    os.execute("mkdir -p '" .. parent .. "/step-00000009.tmp-1' '" .. parent .. "/step-00000003.old-1'")
+    t:save_checkpoint()
+    assert.equal("latest\nstep-00000002\nstep-00000003.old-1\nstep-00000009.tmp-1\n",
+      io.popen("ls '" .. parent .. "'"):read("a"))
   end)
 end)
 

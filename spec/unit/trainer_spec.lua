@@ -47,6 +47,26 @@ describe("pg.Trainer construction", function()
       "Trainer: max_time=-1 must be a positive number")
   end)
 
+  it("names the closest known option, or lists them all when none is close (the Trainer's and the built-ins')", function()
+    assert.has_error(function() pg.Trainer{ engine = engine, lr_horizn = "checkpoint" } end,
+      "Trainer: unknown option 'lr_horizn' (did you mean 'lr_horizon'?)")
+    assert.has_error(function() pg.Trainer{ engine = engine, zzzz = 1 } end,
+      "Trainer: unknown option 'zzzz' (known: accumulate, callbacks, clip_grad_norm, clock, combine, engine, "
+        .. "log_every_n_steps, lr_horizon, lr_schedule, max_epochs, max_steps, max_time, on_nan, optimizer, out, "
+        .. "out_dir, seed, track_grad_norm, val_batches, val_every_n_steps)")
+    assert.has_error(function() pg.Trainer{ engine = engine, [1] = true } end,
+      "Trainer: unknown option key 1 (known: accumulate, callbacks, clip_grad_norm, clock, combine, engine, "
+        .. "log_every_n_steps, lr_horizon, lr_schedule, max_epochs, max_steps, max_time, on_nan, optimizer, out, "
+        .. "out_dir, seed, track_grad_norm, val_batches, val_every_n_steps)")
+    assert.has_error(function() pg.Trainer{ engine = engine, lr_horizon = "forever" } end,
+      "Trainer: lr_horizon='forever' must be 'checkpoint' (a resumed schedule keeps the horizon it was saved with) "
+        .. "or 'max_steps' (it is stretched to this fit's total steps)")
+    assert.has_error(function() pg.callbacks.ModelCheckpoint{ every_n_step = 5 } end,
+      "pg.callbacks.ModelCheckpoint: unknown option 'every_n_step' (did you mean 'every_n_steps'?)")
+    assert.has_error(function() pg.callbacks.ProgressBar{ colour = true } end,
+      "pg.callbacks.ProgressBar: unknown option 'colour' (known: every_n_steps, tty)")
+  end)
+
   it("rejects an unknown hook, naming the callback, the key and the closest hook", function()
     local es = pg.callbacks.EarlyStopping{}
     es.on_train_batch_ended = function() end
@@ -397,7 +417,56 @@ describe("pg.Trainer errors", function()
     assert.has_error(function() pg.Trainer{ engine = engine }:fit(T.fake_data{}) end,
       "Trainer: fit needs optimizer= (e.g. pg.optim.AdamW(engine, {lr = 3e-4}))")
     assert.has_error(function() build{}:fit(T.fake_data{}, nil, { resum = "last" }) end,
-      "Trainer: fit: unknown option 'resum' (known: resume)")
+      "Trainer: fit: unknown option 'resum' (did you mean 'resume'?)")
+  end)
+end)
+
+describe("pg.Trainer lr schedule horizon on resume", function()
+  local dir
+  before_each(function() dir = tmpdir() end)
+  after_each(function() rm(dir) end)
+
+  -- A cosine schedule whose horizon is the trainer's (no total=); o.stop_at
+  -- saves a checkpoint and stops there. Returns the trainer and the lr of
+  -- every step it took (in order).
+  local function run(max_steps, o)
+    o = o or {}
+    local cbs = { pg.callbacks.ModelCheckpoint{ every_n_steps = o.stop_at or 1000 } }
+    if o.stop_at then
+      cbs[2] = { name = "Stop", on_train_batch_end = function(_, t, out)
+        if out.step_end and t.state.step == o.stop_at then t.control.should_stop = true end
+      end }
+    end
+    local trainer, _, opt, data = build{ max_steps = max_steps, data = { batches = 100 }, optimizer = { lr = 1.0 },
+      lr_schedule = pg.lr.cosine{ warmup = 2, min_lr = 0.1 }, out_dir = dir, lr_horizon = o.horizon, callbacks = cbs }
+    trainer:fit(data, nil, o.resume and { resume = o.resume } or nil)
+    return trainer, opt.lrs
+  end
+
+  it("keeps the horizon the checkpoint was saved with when max_steps grows (lr_horizon = 'checkpoint', the default)", function()
+    local _, want = run(10)
+    run(10, { stop_at = 6 })
+    local resumed, got = run(20, { resume = "last" })
+    assert.equal(14, #got)
+    for step = 7, 10 do assert.equal(want[step], got[step - 6], "lr at step " .. step) end
+    for step = 11, 20 do assert.equal(0.1, got[step - 6], "min_lr held after the horizon, step " .. step) end
+    assert.same({ 20, 10 }, { resumed.state.total_steps, resumed.state.lr_total_steps })
+    assert.matches("Trainer: the lr schedule keeps the horizon of 10 steps it was saved with (this fit's total is 20; "
+      .. "lr_horizon='max_steps' stretches it to that)", resumed.out:text(), 1, true)
+    -- and the checkpoints of the resumed run keep it too
+    local m = pg.checkpoint.read_manifest(resumed:save_checkpoint())
+    assert.equal(10, m.lr.total_steps)
+  end)
+
+  it("stretches the schedule to the new max_steps with lr_horizon = 'max_steps'", function()
+    run(10, { stop_at = 6 })
+    local resumed, got = run(20, { resume = "last", horizon = "max_steps" })
+    local cosine = pg.lr.cosine{ warmup = 2, min_lr = 0.1 }
+    for step = 7, 20 do
+      assert.equal(cosine(step, { base_lr = 1.0, total_steps = 20 }), got[step - 6], "lr at step " .. step)
+    end
+    assert.same({ 20, 20 }, { resumed.state.total_steps, resumed.state.lr_total_steps })
+    assert.is_nil(resumed.out:text():find("keeps the horizon", 1, true))
   end)
 end)
 
