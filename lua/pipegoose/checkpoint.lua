@@ -60,17 +60,35 @@ local function core_module()
   return ok and mod or nil
 end
 
+-- Directories go through pg.fs (src/pg_fs.c: no shell, so a path with a
+-- quote or a leading dash is just a path). Without the C module (callback
+-- tests under a plain lua5.4 that cannot load it) a shell fallback remains.
+local function cfs()
+  local core = core_module()
+  return core and core.fs
+end
+
 --- True when a file or directory exists at path.
 function fs.exists(path)
+  local c = cfs()
+  if c then return c.exists(path) end
   return os.rename(path, path) ~= nil
 end
 
 function fs.is_dir(path)
+  local c = cfs()
+  if c then return c.is_dir(path) end
   local ok = os.rename(path .. "/.", path .. "/.")
   return ok ~= nil
 end
 
 function fs.mkdir_p(path)
+  local c = cfs()
+  if c then
+    local ok, err = pcall(c.mkdir_p, path)
+    if not ok then error(("checkpoint: cannot create directory %s (%s)"):format(path, tostring(err)), 0) end
+    return
+  end
   if fs.exists(path) then return end
   local ok = os.execute("mkdir -p " .. quote(path))
   if not ok then error(("checkpoint: cannot create directory %s"):format(path), 0) end
@@ -80,6 +98,8 @@ function fs.rm_rf(path)
   if path == nil or path == "" or path == "/" or path == "." then
     error("checkpoint: refusing to remove '" .. tostring(path) .. "'")
   end
+  local c = cfs()
+  if c then return c.remove_tree(path) end
   if fs.exists(path) then os.execute("rm -rf " .. quote(path)) end
 end
 
@@ -93,6 +113,11 @@ end
 
 --- Names in a directory (not . and ..), sorted; {} when it cannot be listed.
 function fs.list(dir)
+  local c = cfs()
+  if c then
+    local ok, names = pcall(c.list, dir)
+    return ok and names or {}
+  end
   local p = io.popen("ls -1A " .. quote(dir) .. " 2>/dev/null")
   if not p then return {} end
   local out = {}
@@ -138,8 +163,10 @@ function fs.basename(path)
   return (path:gsub("/+$", ""):match("([^/]*)$"))
 end
 
---- This process's id (Lua has no getpid: /proc/self is the reading process).
+--- This process's id (pg.fs.getpid; under plain Lua /proc/self/stat, whose reader is this process).
 function M.getpid()
+  local c = cfs()
+  if c then return c.getpid() end
   local f = io.open("/proc/self/stat", "r")
   if f then
     local pid = f:read("n")
