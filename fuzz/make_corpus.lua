@@ -48,11 +48,19 @@ local t = pg.Trainer{ engine = engine, optimizer = pg.optim.AdamW(engine, { lr =
 t:save_checkpoint(dir)
 local manifest = read(dir .. "/manifest.json")
 pg.fs.remove_tree(dir)
+-- Edits are re-sealed (manifest_crc32 recomputed), so that the checks behind the seal are reached.
+local ck = require "pipegoose.checkpoint"
+local function resealed(text)
+  local m = ck.decode(text, "manifest")
+  m[ck.SEAL_KEY] = nil
+  return ck.seal(m)
+end
 write("manifest", "valid", manifest)
 write("manifest", "truncated", manifest:sub(1, #manifest // 2))
-write("manifest", "escaping_file_name", (manifest:gsub('"params%-tp0%-pp0%.safetensors"', '"../../../etc/passwd"')))
-write("manifest", "negative_step", (manifest:gsub('"step":%s*%d+', '"step": -5')))
-write("manifest", "zero_parts", (manifest:gsub('"parts":%s*1', '"parts": 0')))
+write("manifest", "unsealed_edit", (manifest:gsub('"step":%s*%d+', '"step":7')))
+write("manifest", "escaping_file_name", resealed((manifest:gsub('"params%-tp0%-pp0%.safetensors"', '"../../../etc/passwd"'))))
+write("manifest", "negative_step", resealed((manifest:gsub('"step":%s*%d+', '"step":-5'))))
+write("manifest", "zero_parts", resealed((manifest:gsub('"parts":%s*1', '"parts":0'))))
 write("manifest", "empty_object", "{}")
 write("manifest", "array", "[1, 2, 3]")
 write("manifest", "deep", string.rep("[", 5000) .. string.rep("]", 5000))
