@@ -24,51 +24,16 @@ for _, h in ipairs(M.HOOKS) do M.IS_HOOK[h] = true end
 -- Function-valued fields that are part of the callback protocol but not hooks.
 M.MEMBERS = { state_dict = true, load_state_dict = true }
 
---- Levenshtein distance, for "did you mean" suggestions.
-local function distance(a, b)
-  local prev = {}
-  for j = 0, #b do prev[j] = j end
-  for i = 1, #a do
-    local cur = { [0] = i }
-    local ca = a:byte(i)
-    for j = 1, #b do
-      local cost = (ca == b:byte(j)) and 0 or 1
-      cur[j] = math.min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + cost)
-    end
-    prev = cur
-  end
-  return prev[#b]
-end
-M.distance = distance
+-- "Did you mean" and unknown-key messages: pipegoose.options' (one place for
+-- the wording), re-exported for the callbacks that use them.
+local options = require "pipegoose.options"
+M.distance, M.closest, M.suggestion = options.distance, options.closest, options.suggestion
 
---- The closest name in `names` to `name` and its distance.
-function M.closest(name, names)
-  local best, bestd
-  for _, n in ipairs(names) do
-    local d = distance(name, n)
-    if not bestd or d < bestd then best, bestd = n, d end
-  end
-  return best, bestd
-end
-
---- " (did you mean 'x'?)" when some name is close enough to be a likely typo.
-function M.suggestion(name, names)
-  local best, d = M.closest(name, names)
-  if best and d <= math.max(2, #name // 3) then return (" (did you mean '%s'?)"):format(best) end
-  return ""
-end
-
---- The message for an unknown option key: the closest known key when one
--- is close enough to be a typo, else the list of known keys, so that the
--- message always says what would have been right. Shared by the Trainer's
--- and the built-ins' option checks.
+--- The message for an unknown option key: the closest known key when one is
+-- close enough to be a typo, else the list of known keys (options.unknown_message
+-- without its "where: " prefix, which the callers put themselves).
 function M.unknown_option(key, names)
-  local sorted = {}
-  for i, n in ipairs(names) do sorted[i] = n end
-  table.sort(sorted)
-  local hint = type(key) == "string" and M.suggestion(key, sorted) or ""
-  if hint == "" then hint = (" (known: %s)"):format(table.concat(sorted, ", ")) end
-  return ("unknown option %s%s"):format(type(key) == "string" and ("'" .. key .. "'") or ("key " .. tostring(key)), hint)
+  return (options.unknown_message("", key, names):gsub("^: ", ""))
 end
 
 --- A readable name for a callback: its `name` field, else its class name.

@@ -67,10 +67,12 @@ local function number_name(x)
   return tostring(x)
 end
 
---- The default clock: seconds from /proc/uptime (monotonic, 10 ms steps) on
--- Linux, else os.time() (wall clock, 1 s steps). Lua has no monotonic clock
--- of its own and os.clock() is CPU time (wrong with OpenMP threads).
+--- The default clock: pg.wtime (monotonic seconds, from C) when the C module
+-- is loaded; else /proc/uptime (monotonic, 10 ms steps), else os.time()
+-- (wall clock, 1 s steps). os.clock() is CPU time (wrong with OpenMP threads).
 local function default_clock()
+  local core = package.loaded["pipegoose.core"]
+  if core and core.wtime then return core.wtime() end
   local f = io.open("/proc/uptime", "r")
   if f then
     local t = f:read("n")

@@ -188,3 +188,23 @@ describe("pg.machine", function()
     assert.matches("^Prescott\tfalse", out)
   end)
 end)
+
+describe("ProgressBar", function()
+  it("rewrites its line only on a terminal: a log redirected to a file or a pipe gets plain lines", function()
+    local script = h.tmpfile([[
+      local pg = require "pipegoose"
+      local engine = pg.testing.fake_engine{}
+      local t = pg.Trainer{ engine = engine, optimizer = pg.testing.fake_optimizer(engine), max_steps = 3,
+        log_every_n_steps = 1, callbacks = { pg.callbacks.ProgressBar{} } }
+      t:fit(pg.testing.fake_data{})
+    ]])
+    local rc, out = h.sh(h.pglua_cmd{ script } .. " | cat")
+    assert.equal(0, rc, out)
+    assert.matches("step 3/3", out, 1, true)
+    assert.is_nil(out:find("\r", 1, true), "no carriage return in a piped log")
+    rc, out = h.sh("PG_PROGRESS=tty " .. h.pglua_cmd{ script } .. " | cat")
+    assert.equal(0, rc, out)
+    assert.is_not_nil(out:find("\r", 1, true), "PG_PROGRESS=tty forces the one-line display")
+    os.remove(script)
+  end)
+end)

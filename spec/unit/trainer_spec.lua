@@ -55,7 +55,7 @@ describe("pg.Trainer construction", function()
         .. "log_every_n_steps, lr_horizon, lr_schedule, max_epochs, max_steps, max_time, on_nan, optimizer, out, "
         .. "out_dir, seed, track_grad_norm, val_batches, val_every_n_steps)")
     assert.has_error(function() pg.Trainer{ engine = engine, [1] = true } end,
-      "Trainer: unknown option key 1 (known: accumulate, callbacks, clip_grad_norm, clock, combine, engine, "
+      "Trainer: unknown option [1] (known: accumulate, callbacks, clip_grad_norm, clock, combine, engine, "
         .. "log_every_n_steps, lr_horizon, lr_schedule, max_epochs, max_steps, max_time, on_nan, optimizer, out, "
         .. "out_dir, seed, track_grad_norm, val_batches, val_every_n_steps)")
     assert.has_error(function() pg.Trainer{ engine = engine, lr_horizon = "forever" } end,

@@ -2,9 +2,10 @@
 -- rank 0: step/total, loss, lr, tokens/s, ETA; and a line per validation.
 --
 -- tty: rewrite one line in place with "\r" (true) or print plain lines
--- (false). Lua cannot ask isatty(), so the default is true when $TERM is set
--- and not "dumb" and $PG_PROGRESS is not "plain"; pass tty=false when stdout
--- goes to a file. every_n_steps: print every n optimizer steps (counter
+-- (false). Default: whether stdout is a terminal (pg.fs.isatty; under mpirun
+-- a rank's stdout is a pipe, so plain lines), unless $PG_PROGRESS says
+-- "plain" or "tty"; without the C module (plain Lua), $TERM set and not
+-- "dumb". every_n_steps: print every n optimizer steps (counter
 -- trainer.state.step); default: the steps where trainer.control.should_log
 -- is set (the trainer's log_every_n_steps).
 local callbacks = require "pipegoose.callbacks"
@@ -12,8 +13,13 @@ local callbacks = require "pipegoose.callbacks"
 local ProgressBar = callbacks.class("ProgressBar")
 
 local function default_tty()
+  local forced = os.getenv("PG_PROGRESS")
+  if forced == "plain" then return false end
+  if forced == "tty" then return true end
+  local core = package.loaded["pipegoose.core"]
+  if core and core.fs then return core.fs.isatty("stdout") end
   local term = os.getenv("TERM")
-  return term ~= nil and term ~= "" and term ~= "dumb" and os.getenv("PG_PROGRESS") ~= "plain"
+  return term ~= nil and term ~= "" and term ~= "dumb"
 end
 
 function ProgressBar.new(opts)
