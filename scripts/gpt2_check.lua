@@ -85,7 +85,7 @@ for _, g in ipairs(ref_grads) do
   local e = g.entry
   local d = 0
   if held[e.name] then
-    local full = engine.c:gather_param(e.name, true)
+    local full = engine:gather_param(e.name, true)
     d = full:reshape{ full:numel() }:narrow(1, 1, e.count):max_abs_diff(g.values)
   end
   if not per_tensor[e.file_name] then per_tensor[e.file_name], order[#order + 1] = 0, e.file_name end

@@ -1406,7 +1406,7 @@ local function load_sharded(trainer, dir, manifest)
       else
         resliced = true
         local full = full_of("", step)
-        engine.c:load_param(p.name, first_rows(full, math.min(full:size(1), p.full_shape[1])))
+        engine:load_param(p.name, first_rows(full, math.min(full:size(1), p.full_shape[1])))
         full:free() -- full tensors can be large: do not wait for the collector
       end
     else
@@ -1927,11 +1927,7 @@ function M.export_llmc(dir, out)
   end
   local core = require "pipegoose.core"
   local llmc = require "pipegoose.llmc"
-  local header = {}
-  for i = 1, 256 do header[i] = 0 end
-  header[1], header[2], header[3], header[4] = llmc.MAGIC, llmc.VERSION, cfg.seq_len, cfg.vocab
-  header[5], header[6], header[7], header[8] = cfg.layers, cfg.heads, cfg.dim, cfg.padded_vocab
-  local parts = { core.tensor(header, { dtype = "int32" }) }
+  local parts = { llmc.header(cfg) }
   local header_of = header_reader(dir)
   local cache = {}
   for _, e in ipairs(llmc.entries(cfg)) do
@@ -1969,7 +1965,7 @@ function M.load_weights(engine, path)
   local header_of = header_reader(dir)
   -- a tied head's copy (last stage) takes the original's values, as the loaders of llmc.lua and hf.lua do
   for _, p in ipairs(engine:parameters()) do
-    engine.c:load_param(p.name, full_tensor(dir, manifest, header_of, "params", "", p.name))
+    engine:load_param(p.name, full_tensor(dir, manifest, header_of, "params", "", p.name))
   end
   return manifest
 end

@@ -281,7 +281,7 @@ function M.load_into(engine, dir)
         local t = safetensors.read(h, stored)
         pieces[i] = e.conv1d and t:transpose(1, 2) or t
       end
-      engine.c:load_param(e.pg, #pieces == 1 and pieces[1] or core.cat(pieces, 1))
+      engine:load_param(e.pg, #pieces == 1 and pieces[1] or core.cat(pieces, 1))
     end
   end
 end

@@ -49,6 +49,16 @@ function M.entries(cfg)
   return out, off
 end
 
+--- The file's header for a model config: 256 int32 (magic, version, the sizes).
+-- The one writer of it (engine:save_llmc, scripts/checkpoint.lua export-llmc).
+function M.header(cfg)
+  local header = {}
+  for i = 1, 256 do header[i] = 0 end
+  header[1], header[2], header[3], header[4] = M.MAGIC, M.VERSION, cfg.seq_len, cfg.vocab
+  header[5], header[6], header[7], header[8] = cfg.layers, cfg.heads, cfg.dim, cfg.padded_vocab
+  return core.tensor(header, { dtype = "int32" })
+end
+
 --- Reads and checks the header; returns the model config.
 function M.read_header(path)
   local ok, t = pcall(core.file.read, path, 0, 256, "int32") -- its message names the file, not this line
@@ -95,7 +105,7 @@ function M.load_into(engine, path)
   for _, p in ipairs(engine:parameters()) do have[p.name] = true end
   for _, e in ipairs(M.entries(cfg)) do
     if have[e.name] then
-      engine.c:load_param(e.name, core.file.read(path, e.offset, e.count))
+      engine:load_param(e.name, core.file.read(path, e.offset, e.count))
     end
   end
 end
@@ -109,11 +119,7 @@ function M.save_from(engine, path)
   end
   local ctx = engine.ctx
   local me = ctx:rank()
-  local header = {}
-  for i = 1, 256 do header[i] = 0 end
-  header[1], header[2], header[3], header[4] = M.MAGIC, M.VERSION, cfg.seq_len, cfg.vocab
-  header[5], header[6], header[7], header[8] = cfg.layers, cfg.heads, cfg.dim, cfg.padded_vocab
-  local parts = { core.tensor(header, { dtype = "int32" }) }
+  local parts = { M.header(cfg) }
   for _, e in ipairs(M.entries(cfg)) do
     -- the file keeps the first rows (padding for T is not written)
     local buf = engine:gather_to_root(e.name, function(full)

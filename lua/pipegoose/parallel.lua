@@ -269,6 +269,16 @@ function Engine:reset_stats() self.c:reset_stats() end
 --- The schedule this rank runs: { {"forward", 1}, {"send_act", 1}, ... }
 function Engine:schedule_actions() return self.c:schedule() end
 
+--- engine:load_param(name, full): this rank's shard of parameter `name` from
+-- its full tensor (fewer rows than the padded full shape: the rest is padding,
+-- set to 0). Local: each rank cuts its own shard. For loaders of model files
+-- (llmc.lua, hf.lua) and checkpoints.
+function Engine:load_param(name, full) self.c:load_param(name, full) end
+
+--- engine:gather_param(name [, grad]) -> the full tensor (or its gradient).
+-- Collective over the tensor group of the stage that holds it.
+function Engine:gather_param(name, grad) return self.c:gather_param(name, grad) end
+
 --- engine:gather_to_root(name, convert, shape) -> on rank 0, convert(the full
 -- parameter), a tensor of `shape`; nil elsewhere. Collective over all ranks:
 -- the first stage that holds the parameter (the tied embedding's original)
