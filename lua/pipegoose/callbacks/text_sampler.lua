@@ -59,23 +59,14 @@ function TextSampler.new(opts)
 end
 
 ------------------------------------------------------------------------------
--- A seeded generator of its own (splitmix64), so sampling neither disturbs
--- nor depends on math.random.
-
-local function splitmix(state)
-  state = state + 0x9E3779B97F4A7C15
-  local z = state
-  z = (z ~ (z >> 30)) * 0xBF58476D1CE4E5B9
-  z = (z ~ (z >> 27)) * 0x94D049BB133111EB
-  z = z ~ (z >> 31)
-  return state, z
-end
+-- A seeded generator of its own (pipegoose.rng's splitmix64), so sampling
+-- neither disturbs nor depends on math.random; its state is saved.
 
 --- A uniform number in [0, 1).
 function TextSampler:uniform()
-  local z
-  self.rng, z = splitmix(self.rng)
-  return (z >> 11) * (1.0 / 9007199254740992.0)
+  local u
+  self.rng, u = require("pipegoose.rng").uniform(self.rng)
+  return u
 end
 
 function TextSampler:setup(trainer)
