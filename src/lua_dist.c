@@ -1,6 +1,8 @@
 /* Lua bindings for collectives: pg.dist.*. Each takes an options table with
  * group= (a mode name, default "global"), and ctx= (default: the last
  * ParallelContext created). Peers (src, dst) are local ranks in the group. */
+#include <limits.h>
+
 #include "lua_util.h"
 #include "pg_comm.h"
 
@@ -33,7 +35,7 @@ static pg_reduce_op opt_op(lua_State *L, int idx) {
 
 static int opt_dim(lua_State *L, int idx, const pg_tensor *t) {
   lua_Integer d = pg_lua_opt_int(L, idx, "dim", 1);
-  if (d < 1 || d > t->ndim) luaL_error(L, "dim=%d out of range for a %d-d tensor", (int)d, t->ndim);
+  if (d < 1 || d > t->ndim) luaL_error(L, "dim=%I out of range for a %d-d tensor", d, t->ndim);
   return (int)d - 1;
 }
 
@@ -70,7 +72,7 @@ static int l_broadcast(lua_State *L) {
   pg_tensor *t = pg_lua_check_tensor(L, 1);
   pg_lua_check_keys(L, 2, "broadcast", coll_keys);
   pg_context *c = opt_ctx(L, 2);
-  PG_LUA_CHECK(L, pg_broadcast(c, opt_mode(L, 2), t, (int)pg_lua_opt_int(L, 2, "src", 0)));
+  PG_LUA_CHECK(L, pg_broadcast(c, opt_mode(L, 2), t, (int)pg_lua_opt_int_in(L, 2, "src", 0, 0, INT_MAX)));
   lua_settop(L, 1);
   return 1;
 }
@@ -78,6 +80,7 @@ static int l_broadcast(lua_State *L) {
 static int peer(lua_State *L, int idx, const char *key) {
   lua_Integer p = pg_lua_opt_int(L, idx, key, -1);
   if (p < 0) luaL_error(L, "option '%s' (a local rank in the group) is required", key);
+  if (p > INT_MAX) luaL_error(L, "option '%s' must be an integer from 0 to %d, got %I", key, INT_MAX, p);
   return (int)p;
 }
 
@@ -85,7 +88,7 @@ static int l_send(lua_State *L) {
   pg_tensor *t = pg_lua_check_tensor(L, 1);
   pg_lua_check_keys(L, 2, "send", coll_keys);
   pg_context *c = opt_ctx(L, 2);
-  PG_LUA_CHECK(L, pg_send(c, opt_mode(L, 2), t, peer(L, 2, "dst"), (int)pg_lua_opt_int(L, 2, "tag", 0)));
+  PG_LUA_CHECK(L, pg_send(c, opt_mode(L, 2), t, peer(L, 2, "dst"), (int)pg_lua_opt_int_in(L, 2, "tag", 0, 0, INT_MAX)));
   return 0;
 }
 
@@ -93,7 +96,7 @@ static int l_recv(lua_State *L) {
   pg_tensor *t = pg_lua_check_tensor(L, 1);
   pg_lua_check_keys(L, 2, "recv", coll_keys);
   pg_context *c = opt_ctx(L, 2);
-  PG_LUA_CHECK(L, pg_recv(c, opt_mode(L, 2), t, peer(L, 2, "src"), (int)pg_lua_opt_int(L, 2, "tag", 0)));
+  PG_LUA_CHECK(L, pg_recv(c, opt_mode(L, 2), t, peer(L, 2, "src"), (int)pg_lua_opt_int_in(L, 2, "tag", 0, 0, INT_MAX)));
   lua_settop(L, 1);
   return 1;
 }
@@ -104,7 +107,7 @@ static int l_sendrecv(lua_State *L) {
   pg_lua_check_keys(L, 3, "sendrecv", coll_keys);
   pg_context *c = opt_ctx(L, 3);
   PG_LUA_CHECK(L, pg_sendrecv(c, opt_mode(L, 3), s, peer(L, 3, "dst"), r, peer(L, 3, "src"),
-                              (int)pg_lua_opt_int(L, 3, "tag", 0)));
+                              (int)pg_lua_opt_int_in(L, 3, "tag", 0, 0, INT_MAX)));
   lua_settop(L, 2);
   return 1;
 }

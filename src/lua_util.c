@@ -1,5 +1,6 @@
 #include "lua_util.h"
 
+#include <limits.h>
 #include <string.h>
 
 pg_tensor *pg_lua_test_tensor(lua_State *L, int idx) { return luaL_testudata(L, idx, PG_TENSOR_MT); }
@@ -97,6 +98,39 @@ lua_Integer pg_lua_opt_int(lua_State *L, int idx, const char *key, lua_Integer d
   lua_Integer v = lua_tointegerx(L, -1, &isint);
   if (!isint) luaL_error(L, "option '%s' must be an integer, got %s", key, luaL_tolstring(L, -1, NULL));
   lua_pop(L, 1);
+  return v;
+}
+
+lua_Integer pg_lua_opt_int_in(lua_State *L, int idx, const char *key, lua_Integer def, lua_Integer lo, lua_Integer hi) {
+  lua_Integer v = pg_lua_opt_int(L, idx, key, def);
+  if (v < lo || v > hi) luaL_error(L, "option '%s' must be an integer from %I to %I, got %I", key, lo, hi, v);
+  return v;
+}
+
+int pg_lua_opt_cint(lua_State *L, int idx, const char *key, int def) {
+  return (int)pg_lua_opt_int_in(L, idx, key, def, INT_MIN, INT_MAX);
+}
+
+int pg_lua_int_list(lua_State *L, int idx, const char *what, int64_t *out, int max) {
+  idx = lua_absindex(L, idx);
+  lua_Integer n = luaL_len(L, idx);
+  if (n < 0 || n > INT_MAX) luaL_error(L, "%s: a list of %I entries", what, n);
+  for (int i = 0; i < n && i < max; i++) {
+    lua_geti(L, idx, i + 1);
+    int isint = 0;
+    lua_Integer v = lua_tointegerx(L, -1, &isint);
+    if (!isint) luaL_error(L, "%s: entry %d must be an integer, got %s", what, i + 1, luaL_tolstring(L, -1, NULL));
+    out[i] = (int64_t)v;
+    lua_pop(L, 1);
+  }
+  return (int)n;
+}
+
+lua_Integer pg_lua_check_int_in(lua_State *L, int arg, const char *what, lua_Integer lo, lua_Integer hi) {
+  int isint = 0;
+  lua_Integer v = lua_tointegerx(L, arg, &isint);
+  if (!isint) luaL_error(L, "bad argument #%d (%s): an integer expected, got %s", arg, what, luaL_tolstring(L, arg, NULL));
+  if (v < lo || v > hi) luaL_error(L, "bad argument #%d (%s): an integer from %I to %I expected, got %I", arg, what, lo, hi, v);
   return v;
 }
 

@@ -5,6 +5,7 @@
 
 #include "pg_comm.h"
 #include "pg_error.h"
+#include "pg_size.h"
 
 #define FLAT_ALIGN 16 /* floats: every parameter starts on a 64-byte boundary */
 
@@ -25,7 +26,10 @@ static int bind_params(pg_engine *e, uint64_t seed) {
   int64_t off = 0;
   for (int i = 0; i < e->nparams; i++) {
     e->params[i]->offset = off;
+    /* each numel is at most PG_MAX_NUMEL (2^59), so the sum cannot wrap before it is compared */
     off = round_up(off + e->params[i]->numel, FLAT_ALIGN);
+    if (off > PG_MAX_NUMEL)
+      return pg_fail("the parameters of this stage have more than 2^59 elements (at '%s')", e->params[i]->name);
   }
   e->flat_numel = off;
   e->flat_padded = round_up(off > 0 ? off : FLAT_ALIGN, (int64_t)FLAT_ALIGN * e->ctx->data);
@@ -138,6 +142,10 @@ void pg_engine_free(pg_engine *e) {
 
 static int ensure_capacity(pg_engine *e, int rows) {
   if (rows <= e->capacity_rows) return PG_OK;
+  int64_t sizes[3] = {e->nslots, rows, e->opts.width};
+  if (pg_size_product(3, sizes) < 0)
+    return pg_fail("pipeline buffers of %d slots x %d rows x width %d have more than 2^59 elements", e->nslots, rows,
+                   e->opts.width);
   size_t w = (size_t)e->opts.width, n = (size_t)e->nslots * rows * w;
   if (pg_module_alloc(e->stage, e->nslots, rows)) return PG_ERR;
   pg_be_release(e->be, e->stage_in);
@@ -236,11 +244,13 @@ static int share_loss(pg_engine *e, double *loss) {
 
 static int check_batch(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T, int chunks_of_m) {
   if (B < 1 || T < 1) return pg_fail("batch shape must be positive, got %d x %d", B, T);
+  if ((int64_t)B * T > INT32_MAX) return pg_fail("a batch of %d x %d tokens: at most 2^31 - 1 tokens", B, T);
   if (chunks_of_m && B % e->opts.micro_batches) {
     if (e->ctx->data > 1)
-      return pg_fail("batch %d per data rank (global batch %d over data=%d) is not divisible by micro_batches=%d: the "
-                     "global batch must be a multiple of data x micro_batches = %d",
-                     B, B * e->ctx->data, e->ctx->data, e->opts.micro_batches, e->ctx->data * e->opts.micro_batches);
+      return pg_fail("batch %d per data rank (global batch %lld over data=%d) is not divisible by micro_batches=%d: "
+                     "the global batch must be a multiple of data x micro_batches = %lld",
+                     B, (long long)B * e->ctx->data, e->ctx->data, e->opts.micro_batches,
+                     (long long)e->ctx->data * e->opts.micro_batches);
     return pg_fail("batch %d is not divisible by micro_batches=%d", B, e->opts.micro_batches);
   }
   if (check_tokens(e, tokens, (int64_t)B * T, "input token")) return PG_ERR;
