@@ -478,9 +478,7 @@ static int l_gather_param(lua_State *L) {
 }
 
 static int l_num_parameters(lua_State *L) {
-  int64_t n;
-  PG_LUA_CHECK(L, pg_engine_num_parameters(check_engine(L, 1), &n));
-  lua_pushinteger(L, n);
+  lua_pushinteger(L, pg_engine_num_parameters(check_engine(L, 1)));
   return 1;
 }
 

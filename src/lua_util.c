@@ -3,6 +3,8 @@
 #include <limits.h>
 #include <string.h>
 
+#include "pg_comm.h"
+
 pg_tensor *pg_lua_test_tensor(lua_State *L, int idx) { return luaL_testudata(L, idx, PG_TENSOR_MT); }
 
 pg_tensor *pg_lua_check_any_tensor(lua_State *L, int idx) {
@@ -79,6 +81,21 @@ int pg_lua_check_shape(lua_State *L, int idx, int64_t *shape) {
     lua_pop(L, 1);
   }
   return n;
+}
+
+void pg_lua_from_caller(lua_State *L, pg_context *c) {
+  luaL_where(L, 1);
+  size_t n = 0;
+  const char *w = lua_tolstring(L, -1, &n);
+  char site[96];
+  snprintf(site, sizeof site, "%.*s", (int)(n >= 2 && w[n - 2] == ':' ? n - 2 : n), w); /* "spec.lua:10: " */
+  pg_comm_call_site(c, site);
+  lua_pop(L, 1);
+}
+
+void pg_lua_comm_done(lua_State *L, pg_context *c, int rc) {
+  pg_comm_call_site(c, NULL);
+  if (rc != PG_OK) luaL_error(L, "%s", pg_error());
 }
 
 static int opt_field(lua_State *L, int idx, const char *key) {

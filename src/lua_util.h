@@ -37,6 +37,13 @@ pg_tensor *pg_lua_check_tensor_shape(lua_State *L, int idx, const char *name, pg
 int pg_lua_check_shape(lua_State *L, int idx, int64_t *shape);
 
 pg_context *pg_lua_check_context(lua_State *L, int idx);
+/* Around a call on c's groups from Lua: from_caller gives the call the Lua
+ * caller's "file:line" for its agreement step (pg_comm_call_site);
+ * comm_done forgets it (a call that failed before agreeing did not consume
+ * it) and raises rc's error. Read the options before from_caller: an option
+ * error in between would leave the site to the runtime's next call. */
+void pg_lua_from_caller(lua_State *L, pg_context *c);
+void pg_lua_comm_done(lua_State *L, pg_context *c, int rc);
 
 /* Options table at idx (absent or nil is an empty table). */
 lua_Integer pg_lua_opt_int(lua_State *L, int idx, const char *key, lua_Integer def);

@@ -61,6 +61,8 @@ static int bind_params(pg_engine *e, uint64_t seed) {
   return PG_OK;
 }
 
+static int count_parameters(pg_engine *e, int64_t *n);
+
 pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is_last, uint64_t seed,
                          const pg_engine_opts *opts) {
   pg_engine *e = calloc(1, sizeof *e);
@@ -111,6 +113,10 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is
   if (!e->act_req || !e->grad_req || !e->stage_out || !e->ios) {
     pg_engine_free(e);
     return pg_fail_null("out of memory");
+  }
+  if (count_parameters(e, &e->num_parameters)) {
+    pg_engine_free(e);
+    return NULL;
   }
   return e;
 }
@@ -395,7 +401,8 @@ int pg_engine_sync_grads(pg_engine *e) {
   return PG_OK;
 }
 
-int pg_engine_num_parameters(pg_engine *e, int64_t *n) {
+/* Every rank builds its engine, so the sum is collective here and nowhere else. */
+static int count_parameters(pg_engine *e, int64_t *n) {
   int64_t local = 0;
   for (int i = 0; i < e->nparams; i++) {
     pg_param *p = e->params[i];
@@ -414,6 +421,8 @@ int pg_engine_num_parameters(pg_engine *e, int64_t *n) {
   *n = local;
   return PG_OK;
 }
+
+int64_t pg_engine_num_parameters(const pg_engine *e) { return e->num_parameters; }
 
 pg_param *pg_engine_find_param(const pg_engine *e, const char *name) {
   for (int i = 0; i < e->nparams; i++)
