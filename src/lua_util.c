@@ -83,14 +83,23 @@ int pg_lua_check_shape(lua_State *L, int idx, int64_t *shape) {
   return n;
 }
 
+/* luaL_where's "file:line" without its string formatting (a small
+ * all_reduce's agreement step is a few microseconds; formatting was a good
+ * part of it). */
 void pg_lua_from_caller(lua_State *L, pg_context *c) {
-  luaL_where(L, 1);
-  size_t n = 0;
-  const char *w = lua_tolstring(L, -1, &n);
-  char site[96];
-  snprintf(site, sizeof site, "%.*s", (int)(n >= 2 && w[n - 2] == ':' ? n - 2 : n), w); /* "spec.lua:10: " */
+  lua_Debug ar;
+  char site[PG_SITE_MAX] = "";
+  if (lua_getstack(L, 1, &ar) && lua_getinfo(L, "Sl", &ar) && ar.currentline > 0) {
+    char line[24], *p = line + sizeof line;
+    *--p = 0;
+    for (int v = ar.currentline; v > 0; v /= 10) *--p = (char)('0' + v % 10);
+    size_t a = strnlen(ar.short_src, sizeof site - 1), b = strlen(p);
+    if (a + 1 + b >= sizeof site) a = sizeof site - 2 - b;
+    memcpy(site, ar.short_src, a);
+    site[a] = ':';
+    memcpy(site + a + 1, p, b + 1);
+  }
   pg_comm_call_site(c, site);
-  lua_pop(L, 1);
 }
 
 void pg_lua_comm_done(lua_State *L, pg_context *c, int rc) {
