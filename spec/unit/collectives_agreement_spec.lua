@@ -44,7 +44,7 @@ end
 local CTX = "local ctx = pg.ParallelContext{ data = pg.world_size() }\n"
 
 describe("pg.dist calls that disagree", function()
-  it("different counts: an error on every rank naming both sides (it hung)", function()
+  it("different counts: an error on every rank naming both sides (an MPI error on one rank, or a hang)", function()
     assert_fails(2, { 0, 1 }, CTX .. "pg.dist.all_reduce(pg.ones{ me == 0 and 8 or 12 })", {
       "all_reduce over the global group: rank 1 called all_reduce of 12 float32 values (op sum, ", ":4",
       "rank 0 called all_reduce of 8 float32 values" })
