@@ -83,9 +83,10 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is
       return NULL;
     }
   }
-  if (e->opts.micro_batches < 1) {
+  /* the schedule and the per-micro-batch state are made here, O(micro_batches) */
+  if (e->opts.micro_batches < 1 || e->opts.micro_batches > PG_MAX_MICRO_BATCHES) {
     pg_engine_free(e);
-    return pg_fail_null("micro_batches must be at least 1, not %d", opts->micro_batches);
+    return pg_fail_null("micro_batches must be from 1 to %d, not %d", PG_MAX_MICRO_BATCHES, opts->micro_batches);
   }
   if (e->opts.bucket_elems <= 0) e->opts.bucket_elems = (int64_t)25 * 1024 * 1024 / 4;
   if (opts->tied_name) e->opts.tied_name = strdup(opts->tied_name);

@@ -28,6 +28,8 @@
 #include "pg_shm.h"
 #include "pg_tensor.h"
 
+#define PG_MAX_MICRO_BATCHES (1 << 20) /* each needs a row of the batch; the schedule is made at construction */
+
 typedef struct pg_engine_opts {
   int micro_batches;
   pg_schedule_kind schedule;
