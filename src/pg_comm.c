@@ -102,6 +102,8 @@ typedef struct call_rec {
   int32_t pad;
   int64_t count;        /* elements sent or reduced (per member for all_gather and reduce_scatter) */
   int64_t recv_count;   /* elements received */
+  int32_t ndim, dim;    /* all_gather and reduce_scatter of a tensor: its shape and the dimension (0-based); else 0 */
+  int64_t shape[PG_MAX_DIMS]; /* ([2, 3] against [3, 2] along dimension 2: one count, different blocks) */
   char site[PG_SITE_MAX]; /* "spec.lua:10"; "": the runtime */
 } call_rec;
 
@@ -166,7 +168,7 @@ static void describe(const pg_group *g, const call_rec *c, char *buf, size_t n) 
   case PG_COLL_REDUCE_SCATTER:
   case PG_COLL_ALL_GATHER:
     k = snprintf(buf, n, "%s of %lld %s values%s", kind_name(c->kind), (long long)c->count, dt,
-                 c->kind == PG_COLL_ALL_REDUCE ? "" : " per rank");
+                 c->kind == PG_COLL_ALL_GATHER ? " per rank" : "");
     break;
   case PG_COLL_BROADCAST:
     k = snprintf(buf, n, "broadcast of %lld %s values from rank %d", (long long)c->count, dt, global_rank(g, c->root));
@@ -191,6 +193,9 @@ static void describe(const pg_group *g, const call_rec *c, char *buf, size_t n) 
   size_t e = 0;
   if (c->op >= 0 && c->op < 4) e += (size_t)snprintf(extra + e, sizeof extra - e, "op %s, ", ops[c->op]);
   if (c->dst >= 0 || c->src >= 0) e += (size_t)snprintf(extra + e, sizeof extra - e, "tag %d, ", c->tag);
+  for (int i = 0; i < c->ndim && i < PG_MAX_DIMS && e < sizeof extra; i++)
+    e += (size_t)snprintf(extra + e, sizeof extra - e, i ? ", %lld" : "[%lld", (long long)c->shape[i]);
+  if (c->ndim > 0 && e < sizeof extra) e += (size_t)snprintf(extra + e, sizeof extra - e, "] along dimension %d, ", c->dim + 1);
   snprintf(extra + e, sizeof extra - e, "%s", c->site[0] ? c->site : "in the runtime");
   snprintf(buf + k, n - (size_t)k, " (%s)", extra);
 }
@@ -275,6 +280,7 @@ static void pending_ranks(const pg_group *g, int n, const MPI_Request *reqs, con
 
 static int same_call(const call_rec *a, const call_rec *b) {
   return a->kind == b->kind && a->dtype == b->dtype && a->op == b->op && a->root == b->root && a->count == b->count &&
+         a->ndim == b->ndim && a->dim == b->dim && !memcmp(a->shape, b->shape, sizeof a->shape) &&
          !strcmp(a->site, b->site);
 }
 
@@ -375,6 +381,19 @@ static int agree_pair(pg_context *ctx, pg_mode m, call_rec *c) {
     if (peers[i] == c->src && !pair_matches(p, c)) return pair_message(ctx, g, m, p, c);
   }
   return PG_OK;
+}
+
+/* The agreement step of a gather or scatter of tensor t along dim: the shapes agree too. */
+static int agree_shape(pg_context *ctx, pg_mode m, pg_coll kind, const pg_tensor *t, int dim, int op) {
+  if (ctx->group[m].size == 1) {
+    ctx->site[0] = 0;
+    return PG_OK;
+  }
+  call_rec c = make_rec(ctx, m, kind, t->dtype, op, t->numel);
+  c.ndim = t->ndim;
+  c.dim = dim;
+  memcpy(c.shape, t->shape, sizeof c.shape);
+  return agree(ctx, m, &c);
 }
 
 /* The agreement step of a collective on group m (none for a group of one). */
@@ -884,8 +903,8 @@ static int check_dim(const pg_tensor *t, int dim) {
 
 static int all_gather_host(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype);
 
-int pg_all_gather_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype) {
-  if (check_ctx(ctx) || agree_coll(ctx, m, PG_COLL_ALL_GATHER, dtype, -1, -1, n)) return PG_ERR;
+/* pg_all_gather_buf once the members agreed. */
+static int all_gather_agreed(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype) {
 #ifdef PG_WITH_CUDA
   ncclComm_t nc = ctx->group[m].size > 1 && n > 0 ? nccl_for(ctx, m, buf) : NULL;
   if (nc) { /* member r's block is [r n, (r+1) n): in place */
@@ -904,6 +923,11 @@ int pg_all_gather_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype
   return unstage(&s, all_gather_host(ctx, m, buf, n, dtype), 1);
 }
 
+int pg_all_gather_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype) {
+  if (check_ctx(ctx) || agree_coll(ctx, m, PG_COLL_ALL_GATHER, dtype, -1, -1, n)) return PG_ERR;
+  return all_gather_agreed(ctx, m, buf, n, dtype);
+}
+
 static int all_gather_host(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype) {
   pg_group *g = &ctx->group[m];
   if (g->size == 1 || n == 0) return PG_OK;
@@ -920,7 +944,9 @@ static int all_gather_host(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_
 }
 
 int pg_all_gather(pg_context *ctx, pg_mode m, const pg_tensor *in, pg_tensor *out, int dim) {
-  if (check_ctx(ctx) || check_dtype(in, PG_REDUCE_SUM, 0) || check_dim(in, dim)) return PG_ERR;
+  if (check_ctx(ctx) || check_dtype(in, PG_REDUCE_SUM, 0) || check_dim(in, dim) ||
+      agree_shape(ctx, m, PG_COLL_ALL_GATHER, in, dim, -1))
+    return PG_ERR;
   pg_group *g = &ctx->group[m];
   int64_t shape[PG_MAX_DIMS];
   memcpy(shape, in->shape, sizeof shape);
@@ -936,7 +962,7 @@ int pg_all_gather(pg_context *ctx, pg_mode m, const pg_tensor *in, pg_tensor *ou
   void *tmp = inner_dim0 ? pg_tensor_data(out) : malloc(bytes * g->size);
   if (!tmp) return pg_fail("out of memory in all_gather");
   memcpy((char *)tmp + bytes * g->rank, pg_tensor_data(in), bytes);
-  if (pg_all_gather_buf(ctx, m, tmp, in->numel, in->dtype)) {
+  if (all_gather_agreed(ctx, m, tmp, in->numel, in->dtype)) {
     if (!inner_dim0) free(tmp);
     return PG_ERR;
   }
@@ -947,9 +973,9 @@ int pg_all_gather(pg_context *ctx, pg_mode m, const pg_tensor *in, pg_tensor *ou
   return PG_OK;
 }
 
-int pg_reduce_scatter_buf(pg_context *ctx, pg_mode m, const void *in, void *out, int64_t n, pg_dtype dtype,
-                          pg_reduce_op op) {
-  if (check_ctx(ctx) || agree_coll(ctx, m, PG_COLL_REDUCE_SCATTER, dtype, op, -1, n)) return PG_ERR;
+/* pg_reduce_scatter_buf once the members agreed. */
+static int reduce_scatter_agreed(pg_context *ctx, pg_mode m, const void *in, void *out, int64_t n, pg_dtype dtype,
+                                 pg_reduce_op op) {
   pg_group *g = &ctx->group[m];
   size_t es = pg_dtype_size(dtype);
   if (g->size == 1) {
@@ -975,8 +1001,18 @@ int pg_reduce_scatter_buf(pg_context *ctx, pg_mode m, const void *in, void *out,
   return PG_OK;
 }
 
+int pg_reduce_scatter_buf(pg_context *ctx, pg_mode m, const void *in, void *out, int64_t n, pg_dtype dtype,
+                          pg_reduce_op op) {
+  /* the record counts what each member puts in, as pg_reduce_scatter's does */
+  if (check_ctx(ctx) || agree_coll(ctx, m, PG_COLL_REDUCE_SCATTER, dtype, op, -1, n * ctx->group[m].size)) return PG_ERR;
+  return reduce_scatter_agreed(ctx, m, in, out, n, dtype, op);
+}
+
 int pg_reduce_scatter(pg_context *ctx, pg_mode m, const pg_tensor *in, pg_tensor *out, int dim, pg_reduce_op op) {
-  if (check_ctx(ctx) || check_dtype(in, op, 1) || check_dim(in, dim)) return PG_ERR;
+  /* agreed first: the divisibility below is then the same test on every member */
+  if (check_ctx(ctx) || check_dtype(in, op, 1) || check_dim(in, dim) ||
+      agree_shape(ctx, m, PG_COLL_REDUCE_SCATTER, in, dim, op))
+    return PG_ERR;
   pg_group *g = &ctx->group[m];
   if (in->shape[dim] % g->size)
     return pg_fail("reduce_scatter: dimension %d of size %lld is not divisible by the %s group size %d", dim + 1,
@@ -996,7 +1032,7 @@ int pg_reduce_scatter(pg_context *ctx, pg_mode m, const pg_tensor *in, pg_tensor
     pg_tensor_dim_to_blocks(tmp, src, es, in->ndim, shape, dim, g->size);
     src = tmp;
   }
-  int rc = pg_reduce_scatter_buf(ctx, m, src, pg_tensor_data(out), out->numel, in->dtype, op);
+  int rc = reduce_scatter_agreed(ctx, m, src, pg_tensor_data(out), out->numel, in->dtype, op);
   free(tmp);
   return rc;
 }
