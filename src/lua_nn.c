@@ -201,7 +201,8 @@ static pg_module *build_lua(build_state *b, int idx, const char *name) {
         int si = lua_gettop(L);
         split_dim = pg_lua_opt_cint(L, si, "dim", 0);
         blocks = pg_lua_opt_cint(L, si, "blocks", 1);
-        if (lua_getfield(L, si, "sizes") == LUA_TTABLE) nsizes = pg_lua_int_list(L, -1, "sizes", sizes, PG_PARAM_MAX_BLOCKS);
+        if (lua_getfield(L, si, "sizes") == LUA_TTABLE)
+          nsizes = pg_lua_int_list(L, -1, "sizes", sizes, PG_PARAM_MAX_BLOCKS);
         lua_pop(L, 1);
       }
       lua_pop(L, 1);
@@ -587,7 +588,8 @@ static int l_shard_copy(lua_State *L) {
     blocks = pg_lua_opt_cint(L, s, "blocks", 1);
     parts = pg_lua_opt_cint(L, s, "parts", 1);
     index = pg_lua_opt_cint(L, s, "index", 0);
-    if (lua_getfield(L, s, "sizes") == LUA_TTABLE) nsizes = pg_lua_int_list(L, -1, "shard_copy: split.sizes", sizes, PG_PARAM_MAX_BLOCKS);
+    if (lua_getfield(L, s, "sizes") == LUA_TTABLE)
+      nsizes = pg_lua_int_list(L, -1, "shard_copy: split.sizes", sizes, PG_PARAM_MAX_BLOCKS);
     lua_pop(L, 1);
   }
   lua_pop(L, 1);
@@ -632,7 +634,8 @@ static int l_schedule_build(lua_State *L) {
   pg_schedule_kind k;
   PG_LUA_CHECK(L, pg_schedule_from_name(luaL_checkstring(L, 1), &k));
   /* the runtime judges the sizes; here they must only fit an int */
-  int P = (int)pg_lua_check_int_in(L, 2, "P", INT_MIN, INT_MAX), M = (int)pg_lua_check_int_in(L, 3, "M", INT_MIN, INT_MAX);
+  int P = (int)pg_lua_check_int_in(L, 2, "P", INT_MIN, INT_MAX);
+  int M = (int)pg_lua_check_int_in(L, 3, "M", INT_MIN, INT_MAX);
   int s = (int)pg_lua_check_int_in(L, 4, "stage", INT_MIN, INT_MAX);
   pg_action *a;
   int n;

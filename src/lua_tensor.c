@@ -249,7 +249,8 @@ static int l_clone(lua_State *L) {
 static int l_narrow(lua_State *L) {
   pg_tensor *t = pg_lua_check_any_tensor(L, 1), out;
   lua_Integer dim = luaL_checkinteger(L, 2), start = luaL_checkinteger(L, 3), len = luaL_checkinteger(L, 4);
-  if (dim < 1 || dim > t->ndim) return luaL_error(L, "narrow: dimension %I out of range for a %d-d tensor", dim, t->ndim);
+  if (dim < 1 || dim > t->ndim)
+    return luaL_error(L, "narrow: dimension %I out of range for a %d-d tensor", dim, t->ndim);
   if (start < 1) /* before start - 1, which wraps for math.mininteger */
     return luaL_error(L, "narrow: start %I out of range for dimension %I of size %I", start, dim,
                       (lua_Integer)t->shape[dim - 1]);

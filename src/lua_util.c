@@ -155,8 +155,10 @@ int pg_lua_int_list(lua_State *L, int idx, const char *what, int64_t *out, int m
 lua_Integer pg_lua_check_int_in(lua_State *L, int arg, const char *what, lua_Integer lo, lua_Integer hi) {
   int isint = 0;
   lua_Integer v = lua_tointegerx(L, arg, &isint);
-  if (!isint) luaL_error(L, "bad argument #%d (%s): an integer expected, got %s", arg, what, luaL_tolstring(L, arg, NULL));
-  if (v < lo || v > hi) luaL_error(L, "bad argument #%d (%s): an integer from %I to %I expected, got %I", arg, what, lo, hi, v);
+  if (!isint)
+    luaL_error(L, "bad argument #%d (%s): an integer expected, got %s", arg, what, luaL_tolstring(L, arg, NULL));
+  if (v < lo || v > hi)
+    luaL_error(L, "bad argument #%d (%s): an integer from %I to %I expected, got %I", arg, what, lo, hi, v);
   return v;
 }
 

@@ -129,7 +129,9 @@ static double collective_timeout(int *bad) {
 static int timeout_ok(double *limit) {
   int bad = 0;
   *limit = collective_timeout(&bad);
-  if (bad) return pg_fail("PG_COLLECTIVE_TIMEOUT=%s is not a number of seconds (0: no limit)", getenv("PG_COLLECTIVE_TIMEOUT"));
+  if (bad)
+    return pg_fail("PG_COLLECTIVE_TIMEOUT=%s is not a number of seconds (0: no limit)",
+                   getenv("PG_COLLECTIVE_TIMEOUT"));
   return PG_OK;
 }
 
@@ -195,7 +197,8 @@ static void describe(const pg_group *g, const call_rec *c, char *buf, size_t n) 
   if (c->dst >= 0 || c->src >= 0) e += (size_t)snprintf(extra + e, sizeof extra - e, "tag %d, ", c->tag);
   for (int i = 0; i < c->ndim && i < PG_MAX_DIMS && e < sizeof extra; i++)
     e += (size_t)snprintf(extra + e, sizeof extra - e, i ? ", %lld" : "[%lld", (long long)c->shape[i]);
-  if (c->ndim > 0 && e < sizeof extra) e += (size_t)snprintf(extra + e, sizeof extra - e, "] along dimension %d, ", c->dim + 1);
+  if (c->ndim > 0 && e < sizeof extra)
+    e += (size_t)snprintf(extra + e, sizeof extra - e, "] along dimension %d, ", c->dim + 1);
   snprintf(extra + e, sizeof extra - e, "%s", c->site[0] ? c->site : "in the runtime");
   snprintf(buf + k, n - (size_t)k, " (%s)", extra);
 }
@@ -266,7 +269,8 @@ static int disagree(pg_context *ctx, const char *msg) {
 
 /* "ranks 1, 3" of the members whose record (request i of reqs, member
  * members[i]) is still pending. */
-static void pending_ranks(const pg_group *g, int n, const MPI_Request *reqs, const int *members, char *buf, size_t len) {
+static void pending_ranks(const pg_group *g, int n, const MPI_Request *reqs, const int *members, char *buf,
+                          size_t len) {
   size_t k = 0;
   int count = 0;
   for (int i = 0; i < n; i++) count += reqs[i] != MPI_REQUEST_NULL;
@@ -302,7 +306,8 @@ static int agree(pg_context *ctx, pg_mode m, call_rec *c) {
     reqs[i] = reqs[n + i] = MPI_REQUEST_NULL;
     if (i == g->rank) continue;
     int rc = MPI_Irecv(&recs[i], (int)sizeof *recs, MPI_BYTE, i, PG_AGREE_TAG, g->agree, &reqs[i]);
-    if (rc == MPI_SUCCESS) rc = MPI_Isend(&recs[g->rank], (int)sizeof *recs, MPI_BYTE, i, PG_AGREE_TAG, g->agree, &reqs[n + i]);
+    if (rc == MPI_SUCCESS)
+      rc = MPI_Isend(&recs[g->rank], (int)sizeof *recs, MPI_BYTE, i, PG_AGREE_TAG, g->agree, &reqs[n + i]);
     if (rc != MPI_SUCCESS) return mpi_fail(rc, kind_name(c->kind), m);
   }
   int late = poll_all(2 * n, reqs, idx, NULL, limit > 0 ? MPI_Wtime() + limit : 0, kind_name(c->kind), m);
@@ -362,7 +367,8 @@ static int agree_pair(pg_context *ctx, pg_mode m, call_rec *c) {
   for (int i = 0; i < 4; i++) reqs[i] = MPI_REQUEST_NULL;
   for (int i = 0; i < np; i++) {
     int rc = MPI_Irecv(&recs[i], (int)sizeof *recs, MPI_BYTE, peers[i], PG_AGREE_TAG, g->agree, &reqs[i]);
-    if (rc == MPI_SUCCESS) rc = MPI_Isend(&recs[2], (int)sizeof *recs, MPI_BYTE, peers[i], PG_AGREE_TAG, g->agree, &reqs[2 + i]);
+    if (rc == MPI_SUCCESS)
+      rc = MPI_Isend(&recs[2], (int)sizeof *recs, MPI_BYTE, peers[i], PG_AGREE_TAG, g->agree, &reqs[2 + i]);
     if (rc != MPI_SUCCESS) return mpi_fail(rc, kind_name(c->kind), m);
   }
   int late = poll_all(4, reqs, idx, NULL, limit > 0 ? MPI_Wtime() + limit : 0, kind_name(c->kind), m);
@@ -1004,7 +1010,8 @@ static int reduce_scatter_agreed(pg_context *ctx, pg_mode m, const void *in, voi
 int pg_reduce_scatter_buf(pg_context *ctx, pg_mode m, const void *in, void *out, int64_t n, pg_dtype dtype,
                           pg_reduce_op op) {
   /* the record counts what each member puts in, as pg_reduce_scatter's does */
-  if (check_ctx(ctx) || agree_coll(ctx, m, PG_COLL_REDUCE_SCATTER, dtype, op, -1, n * ctx->group[m].size)) return PG_ERR;
+  if (check_ctx(ctx) || agree_coll(ctx, m, PG_COLL_REDUCE_SCATTER, dtype, op, -1, n * ctx->group[m].size))
+    return PG_ERR;
   return reduce_scatter_agreed(ctx, m, in, out, n, dtype, op);
 }
 
@@ -1265,8 +1272,9 @@ int pg_wait(pg_request **req) {
     char what[256], msg[512];
     const pg_group *g = &r->ctx->group[m];
     describe(g, &r->rec, what, sizeof what);
-    snprintf(msg, sizeof msg, "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but rank %d never received it",
-             what, pg_mode_name(m), limit, global_rank(g, r->rec.dst));
+    snprintf(msg, sizeof msg,
+             "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but rank %d never received it", what,
+             pg_mode_name(m), limit, global_rank(g, r->rec.dst));
     return give_up(r->ctx, 2, two, msg);
   }
   host_give(r->host);
@@ -1291,8 +1299,8 @@ static int check_shipped(pg_context *ctx, pg_mode m, const call_rec *mine, doubl
   if (late) {
     char what[256], msg[512];
     describe(g, mine, what, sizeof what);
-    snprintf(msg, sizeof msg, "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but rank %d never sent it", what,
-             pg_mode_name(m), limit, global_rank(g, mine->src));
+    snprintf(msg, sizeof msg, "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but rank %d never sent it",
+             what, pg_mode_name(m), limit, global_rank(g, mine->src));
     return give_up(ctx, 1, reqs, msg);
   }
   return pair_matches(recs, mine) ? PG_OK : pair_message(ctx, g, m, recs, mine);
@@ -1333,8 +1341,8 @@ int pg_recv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, int src, int 
   if (late) { /* a staged host buffer stays allocated: MPI may still write into it */
     char what[256], msg[512];
     describe(&ctx->group[m], &mine, what, sizeof what);
-    snprintf(msg, sizeof msg, "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but rank %d never sent it", what,
-             pg_mode_name(m), limit, global_rank(&ctx->group[m], src));
+    snprintf(msg, sizeof msg, "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but rank %d never sent it",
+             what, pg_mode_name(m), limit, global_rank(&ctx->group[m], src));
     return give_up(ctx, 1, &q, msg);
   }
   count(ctx, m, PG_COLL_RECV, (double)n * 4, t0);
@@ -1399,7 +1407,8 @@ static int check_shm(const pg_shm *s, pg_reduce_op op) {
  * ours), barrier. The trailing barrier also keeps everyone from changing its
  * buffer (zero_grad, the next backward) while another member still reads it. */
 static int shm_reduce(pg_context *ctx, const pg_shm *s, int64_t n, pg_reduce_op op, int everyone, pg_coll coll) {
-  if (check_ctx(ctx) || check_shm(s, op) || agree_coll(ctx, s->mode, coll, PG_FLOAT32, op, -1, n)) return PG_ERR;
+  if (check_ctx(ctx) || check_shm(s, op) || agree_coll(ctx, s->mode, coll, PG_FLOAT32, op, -1, n))
+    return PG_ERR;
   double t0 = MPI_Wtime();
   if (shm_barrier(ctx, s->mode)) return PG_ERR;
   shm_reduce_block(s, n, op, everyone);
@@ -1417,7 +1426,8 @@ int pg_shm_reduce_scatter(pg_context *ctx, const pg_shm *s, int64_t n, pg_reduce
 }
 
 int pg_shm_all_gather(pg_context *ctx, const pg_shm *s, int64_t n) {
-  if (check_ctx(ctx) || check_shm(s, PG_REDUCE_SUM) || agree_coll(ctx, s->mode, PG_COLL_ALL_GATHER, PG_FLOAT32, -1, -1, n))
+  if (check_ctx(ctx) || check_shm(s, PG_REDUCE_SUM) ||
+      agree_coll(ctx, s->mode, PG_COLL_ALL_GATHER, PG_FLOAT32, -1, -1, n))
     return PG_ERR;
   double t0 = MPI_Wtime();
   if (shm_barrier(ctx, s->mode)) return PG_ERR;

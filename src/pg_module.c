@@ -63,8 +63,8 @@ static pg_param *param_make_blocks(const char *module_name, const char *suffix, 
   /* Widths reach here as ints, a product of two or more can outgrow every
    * buffer (and the engine adds them up): too many elements is an error. */
   if (pg_size_product(ndim, full_shape) < 0)
-    return pg_fail_null("parameter '%s%s%s': its sizes multiply to more than 2^59 elements", module_name ? module_name : "",
-                        module_name && *module_name ? "." : "", suffix);
+    return pg_fail_null("parameter '%s%s%s': its sizes multiply to more than 2^59 elements",
+                        module_name ? module_name : "", module_name && *module_name ? "." : "", suffix);
   pg_param *p = calloc(1, sizeof *p);
   if (!p) return pg_fail_null("out of memory");
   p->name = join_name(module_name, suffix);
@@ -121,7 +121,8 @@ pg_param *pg_param_new_split(pg_context *ctx, const char *name, int ndim, const 
     if (n < 1 || n % T)
       return pg_fail_null("parameter '%s': block %d of dimension %d has %lld rows, not divisible by tensor=%d", name, b + 1,
                           split_dim + 1, (long long)n, T);
-    if (pg_add_overflows(total, n, &total)) return pg_fail_null("parameter '%s': its blocks add up to more than 2^63", name);
+    if (pg_add_overflows(total, n, &total))
+      return pg_fail_null("parameter '%s': its blocks add up to more than 2^63", name);
   }
   if (total != full_shape[split_dim])
     return pg_fail_null("parameter '%s': its blocks add up to %lld, not the %lld of dimension %d", name, (long long)total,
@@ -1173,7 +1174,8 @@ pg_module *pg_custom_new(pg_context *ctx, const char *name, int in_width, int ou
 static int desc_int(const pg_desc *d, const char *name, const char *key, int def, int *bad) {
   int64_t v = d->ops->integer(d, key, def);
   if (v >= INT_MIN && v <= INT_MAX) return (int)v;
-  if (!*bad) pg_fail("%s: %s = %lld does not fit a C int (at most %d)", *name ? name : "module", key, (long long)v, INT_MAX);
+  if (!*bad)
+    pg_fail("%s: %s = %lld does not fit a C int (at most %d)", *name ? name : "module", key, (long long)v, INT_MAX);
   *bad = 1;
   return 0;
 }
@@ -1237,7 +1239,8 @@ static pg_module *build_embedding(pg_context *ctx, const char *name, const pg_de
   int bad = 0, vocab = DESC_INT(d, "vocab", 0), padded = DESC_INT(d, "padded_vocab", 0);
   int width = DESC_INT(d, "width", 0), positions = DESC_INT(d, "positions", 0);
   if (bad) return NULL;
-  pg_module *m = pg_embedding_new(ctx, name, vocab, padded, width, positions, (float)d->ops->number(d, "init_std", 0.02));
+  pg_module *m =
+      pg_embedding_new(ctx, name, vocab, padded, width, positions, (float)d->ops->number(d, "init_std", 0.02));
   if (m && env && env->nembeddings < 8) env->embeddings[env->nembeddings++] = m;
   return m;
 }
@@ -1253,7 +1256,8 @@ static pg_module *build_lm_head(pg_context *ctx, const char *name, const pg_desc
   }
   char own[512];
   snprintf(own, sizeof own, "%s%sweight", name, *name ? "." : "");
-  int bad = 0, vocab = DESC_INT(d, "vocab", 0), padded = DESC_INT(d, "padded_vocab", 0), width = DESC_INT(d, "width", 0);
+  int bad = 0, vocab = DESC_INT(d, "vocab", 0), padded = DESC_INT(d, "padded_vocab", 0);
+  int width = DESC_INT(d, "width", 0);
   if (bad) return NULL;
   return pg_lm_head_new(ctx, name, vocab, padded, width, w, tie ? tie : own, tie != NULL,
                         (float)d->ops->number(d, "init_std", 0.02));

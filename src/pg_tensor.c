@@ -102,7 +102,8 @@ int64_t pg_shape_numel(int ndim, const int64_t *shape) { return pg_size_product(
 /* "[2, 3]" */
 static const char *describe_shape(int ndim, const int64_t *shape, char *buf, size_t n) {
   size_t k = (size_t)snprintf(buf, n, "[");
-  for (int i = 0; i < ndim && k < n; i++) k += (size_t)snprintf(buf + k, n - k, i ? ", %lld" : "%lld", (long long)shape[i]);
+  for (int i = 0; i < ndim && k < n; i++)
+    k += (size_t)snprintf(buf + k, n - k, i ? ", %lld" : "%lld", (long long)shape[i]);
   if (k < n) snprintf(buf + k, n - k, "]");
   return buf;
 }
