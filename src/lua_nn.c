@@ -619,9 +619,14 @@ static int l_shard_copy(lua_State *L) {
   }
   p.numel = pg_shape_numel(p.ndim, p.shape); /* no larger than full_numel, which fits */
   lua_Integer lo = pg_lua_opt_int(L, 3, "lo", 0);
-  if (lo < 0 || lo > p.numel || piece->numel > p.numel - lo)
-    return luaL_error(L, "shard_copy: elements [%I, %I) are outside the shard's %I elements", lo,
-                      lo + (lua_Integer)piece->numel, (lua_Integer)p.numel);
+  int64_t end;
+  if (lo < 0 || lo > p.numel || piece->numel > p.numel - lo) {
+    if (pg_add_overflows(lo, piece->numel, &end)) /* lo = math.maxinteger passed the old lo + numel check */
+      return luaL_error(L, "shard_copy: %I elements from element %I are outside the shard's %I elements",
+                        (lua_Integer)piece->numel, lo, (lua_Integer)p.numel);
+    return luaL_error(L, "shard_copy: elements [%I, %I) are outside the shard's %I elements", lo, (lua_Integer)end,
+                      (lua_Integer)p.numel);
+  }
   if (full->numel > full_numel)
     return luaL_error(L, "shard_copy: the full tensor has %I elements, more than full_shape's %I",
                       (lua_Integer)full->numel, (lua_Integer)full_numel);

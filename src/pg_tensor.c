@@ -183,6 +183,7 @@ static int check_narrow(const pg_tensor *t, int dim, int64_t start, int64_t len)
   /* start + len could wrap around (len = math.maxinteger): compare with what is left after start */
   int64_t end;
   if (start < 0 || len < 0 || start > t->shape[dim] || len > t->shape[dim] - start) {
+    if (len < 0) return pg_fail("narrow: length %lld is negative (dimension %d)", (long long)len, dim + 1);
     if (pg_add_overflows(start, len, &end)) /* start + 1 fits: start + len overflowed with len > 0 */
       return pg_fail("narrow: %lld elements from element %lld out of range for dimension %d of size %lld",
                      (long long)len, (long long)start + 1, dim + 1, (long long)t->shape[dim]);

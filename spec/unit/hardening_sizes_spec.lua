@@ -145,6 +145,11 @@ describe("other integer arguments", function()
     os.remove(path)
   end)
 
+  it("a shard copy whose offset and length wrap around is refused (it copied past the shard)", function()
+    assert_error("pg.core.shard_copy(pg.ones{ 4 }, pg.ones{ 2 }, { full_shape = { 4 }, lo = math.maxinteger }, 'to_full')",
+      "shard_copy: 2 elements from element 9223372036854775807 are outside the shard's 4 elements")
+  end)
+
   it("an optimizer's zero option is 0 or 1", function()
     assert_error([[
       local e = pg.parallelize(pg.nn.GPT{ vocab = 61, seq_len = 8, dim = 8, heads = 2, layers = 1 }, pg.ParallelContext{})
