@@ -9,8 +9,8 @@
  *
  * Agreement and the watchdog (pg_comm.c explains the design): before any
  * data moves, the members of a call exchange what they are calling (kind,
- * dtype, reduction, count, root or peers, tag, call site, and for
- * collectives their call count on the group) and wait for each other at
+ * dtype, reduction, count, root or peers, tag, call site, and the shape
+ * of a gathered or scattered tensor) and wait for each other at
  * most PG_COLLECTIVE_TIMEOUT seconds (default 600, 0: no limit). Records
  * that differ are an error naming both sides; records that never come, a
  * pipeline receive whose sender never sends and a send nobody takes are an
@@ -68,7 +68,8 @@ int pg_shm_all_gather(pg_context *ctx, const pg_shm *s, int64_t n);
 /* src is a local rank in the group. */
 int pg_broadcast(pg_context *ctx, pg_mode m, pg_tensor *t, int src);
 int pg_broadcast_buf(pg_context *ctx, pg_mode m, void *buf, int64_t count, pg_dtype dtype, int src);
-/* Blocking point-to-point; peers are local ranks in the group and must not be self. */
+/* Blocking point-to-point; peers are local ranks in the group and must not be self. A send returns once its
+ * receiver has arrived (the agreement step), as an MPI synchronous send: two ranks that both send first fail. */
 int pg_send(pg_context *ctx, pg_mode m, const pg_tensor *t, int dst, int tag);
 int pg_recv(pg_context *ctx, pg_mode m, pg_tensor *t, int src, int tag);
 /* Send one tensor and receive another in one deadlock-free call (rings, self included). */
