@@ -144,7 +144,9 @@ static int l_is_last(lua_State *L) {
 
 static int l_barrier(lua_State *L) {
   pg_context *c = pg_lua_check_context(L, 1);
-  PG_LUA_CHECK(L, pg_barrier(c, check_mode(L, 2, "global")));
+  pg_mode m = check_mode(L, 2, "global");
+  pg_lua_from_caller(L, c);
+  pg_lua_comm_done(L, c, pg_barrier(c, m));
   return 0;
 }
 

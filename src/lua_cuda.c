@@ -5,6 +5,7 @@
  *   pg.cuda.device_count()  -> n (0 without a driver or device; 0, reason when not built)
  *   pg.cuda.versions()      -> {runtime=, driver=, cublas=, nccl=} | nil, reason
  *   pg.cuda.selftest()      -> ok, report (every CUDA kernel against the CPU kernels) */
+#include <limits.h>
 #include <stdlib.h>
 
 #include "lua_util.h"
@@ -65,7 +66,8 @@ static int l_selftest(lua_State *L) {
 
 /* sgemm_gflops(n [, reps]) -> GFLOP/s of cuBLAS FP32 n x n x n products on this rank's device */
 static int l_sgemm_gflops(lua_State *L) {
-  int n = (int)luaL_checkinteger(L, 1), reps = (int)luaL_optinteger(L, 2, 10);
+  int n = (int)pg_lua_check_int_in(L, 1, "n", 1, 1 << 16);
+  int reps = lua_isnoneornil(L, 2) ? 10 : (int)pg_lua_check_int_in(L, 2, "reps", 1, INT_MAX);
   double g = 0;
   const pg_backend *b = pg_backend_named("cuda");
   if (!b || pg_backend_sgemm_gflops(b, n, reps, &g)) return luaL_error(L, "pg.cuda.sgemm_gflops: %s", pg_error());

@@ -2,6 +2,7 @@
  * pg.data.TokenShards (lua/pipegoose/data.lua), and the byte tokenizer.
  * Everything lives in the core module's `token_data` table; pg.data is the
  * documented face. */
+#include <limits.h>
 #include <string.h>
 
 #include "lua_util.h"
@@ -39,7 +40,7 @@ static const int32_t *check_tokens(lua_State *L, int idx, int64_t *n) {
 /* write_shard(path, tokens [, version]) */
 static int l_write_shard(lua_State *L) {
   const char *path = luaL_checkstring(L, 1);
-  lua_Integer version = luaL_optinteger(L, 3, 0);
+  lua_Integer version = lua_isnoneornil(L, 3) ? 0 : pg_lua_check_int_in(L, 3, "version", INT_MIN, INT_MAX);
   int64_t n;
   const int32_t *tok = check_tokens(L, 2, &n);
   PG_LUA_CHECK(L, pg_shard_write(path, tok, n, (int)version));

@@ -1,6 +1,15 @@
 /* Lua bindings for collectives: pg.dist.*. Each takes an options table with
  * group= (a mode name, default "global"), and ctx= (default: the last
- * ParallelContext created). Peers (src, dst) are local ranks in the group. */
+ * ParallelContext created). Peers (src, dst) are local ranks in the group.
+ *
+ * Every one is collective over its group (send, recv and sendrecv over the
+ * two ends) and agrees with the other members first (pg_comm.h): the call
+ * carries its Lua call site, so a mismatch names the lines on both sides, and
+ * a member that never arrives ends the call after PG_COLLECTIVE_TIMEOUT
+ * seconds. Options are read before the site is set: an option error must
+ * not leave a site behind for the runtime's next call. */
+#include <limits.h>
+
 #include "lua_util.h"
 #include "pg_comm.h"
 
@@ -33,17 +42,25 @@ static pg_reduce_op opt_op(lua_State *L, int idx) {
 
 static int opt_dim(lua_State *L, int idx, const pg_tensor *t) {
   lua_Integer d = pg_lua_opt_int(L, idx, "dim", 1);
-  if (d < 1 || d > t->ndim) luaL_error(L, "dim=%d out of range for a %d-d tensor", (int)d, t->ndim);
+  if (d < 1 || d > t->ndim) luaL_error(L, "dim=%I out of range for a %d-d tensor", d, t->ndim);
   return (int)d - 1;
 }
 
 static const char *const coll_keys[] = {"group", "ctx", "op", "dim", "src", "dst", "tag", NULL};
 
+#define from_caller pg_lua_from_caller
+#define done pg_lua_comm_done
+
+static int tag_opt(lua_State *L, int idx) { return (int)pg_lua_opt_int_in(L, idx, "tag", 0, 0, 32766); }
+
 static int l_all_reduce(lua_State *L) {
   pg_tensor *t = pg_lua_check_tensor(L, 1);
   pg_lua_check_keys(L, 2, "all_reduce", coll_keys);
   pg_context *c = opt_ctx(L, 2);
-  PG_LUA_CHECK(L, pg_all_reduce(c, opt_mode(L, 2), t, opt_op(L, 2)));
+  pg_mode m = opt_mode(L, 2);
+  pg_reduce_op op = opt_op(L, 2);
+  from_caller(L, c);
+  done(L, c, pg_all_reduce(c, m, t, op));
   lua_settop(L, 1);
   return 1;
 }
@@ -52,7 +69,10 @@ static int l_all_gather(lua_State *L) {
   pg_tensor *t = pg_lua_check_tensor(L, 1), out;
   pg_lua_check_keys(L, 2, "all_gather", coll_keys);
   pg_context *c = opt_ctx(L, 2);
-  PG_LUA_CHECK(L, pg_all_gather(c, opt_mode(L, 2), t, &out, opt_dim(L, 2, t)));
+  pg_mode m = opt_mode(L, 2);
+  int dim = opt_dim(L, 2, t);
+  from_caller(L, c);
+  done(L, c, pg_all_gather(c, m, t, &out, dim));
   pg_lua_push_tensor(L, &out);
   return 1;
 }
@@ -61,7 +81,11 @@ static int l_reduce_scatter(lua_State *L) {
   pg_tensor *t = pg_lua_check_tensor(L, 1), out;
   pg_lua_check_keys(L, 2, "reduce_scatter", coll_keys);
   pg_context *c = opt_ctx(L, 2);
-  PG_LUA_CHECK(L, pg_reduce_scatter(c, opt_mode(L, 2), t, &out, opt_dim(L, 2, t), opt_op(L, 2)));
+  pg_mode m = opt_mode(L, 2);
+  int dim = opt_dim(L, 2, t);
+  pg_reduce_op op = opt_op(L, 2);
+  from_caller(L, c);
+  done(L, c, pg_reduce_scatter(c, m, t, &out, dim, op));
   pg_lua_push_tensor(L, &out);
   return 1;
 }
@@ -70,7 +94,10 @@ static int l_broadcast(lua_State *L) {
   pg_tensor *t = pg_lua_check_tensor(L, 1);
   pg_lua_check_keys(L, 2, "broadcast", coll_keys);
   pg_context *c = opt_ctx(L, 2);
-  PG_LUA_CHECK(L, pg_broadcast(c, opt_mode(L, 2), t, (int)pg_lua_opt_int(L, 2, "src", 0)));
+  pg_mode m = opt_mode(L, 2);
+  int src = (int)pg_lua_opt_int_in(L, 2, "src", 0, 0, INT_MAX);
+  from_caller(L, c);
+  done(L, c, pg_broadcast(c, m, t, src));
   lua_settop(L, 1);
   return 1;
 }
@@ -78,6 +105,7 @@ static int l_broadcast(lua_State *L) {
 static int peer(lua_State *L, int idx, const char *key) {
   lua_Integer p = pg_lua_opt_int(L, idx, key, -1);
   if (p < 0) luaL_error(L, "option '%s' (a local rank in the group) is required", key);
+  if (p > INT_MAX) luaL_error(L, "option '%s' must be an integer from 0 to %d, got %I", key, INT_MAX, p);
   return (int)p;
 }
 
@@ -85,7 +113,10 @@ static int l_send(lua_State *L) {
   pg_tensor *t = pg_lua_check_tensor(L, 1);
   pg_lua_check_keys(L, 2, "send", coll_keys);
   pg_context *c = opt_ctx(L, 2);
-  PG_LUA_CHECK(L, pg_send(c, opt_mode(L, 2), t, peer(L, 2, "dst"), (int)pg_lua_opt_int(L, 2, "tag", 0)));
+  pg_mode m = opt_mode(L, 2);
+  int dst = peer(L, 2, "dst"), tag = tag_opt(L, 2);
+  from_caller(L, c);
+  done(L, c, pg_send(c, m, t, dst, tag));
   return 0;
 }
 
@@ -93,7 +124,10 @@ static int l_recv(lua_State *L) {
   pg_tensor *t = pg_lua_check_tensor(L, 1);
   pg_lua_check_keys(L, 2, "recv", coll_keys);
   pg_context *c = opt_ctx(L, 2);
-  PG_LUA_CHECK(L, pg_recv(c, opt_mode(L, 2), t, peer(L, 2, "src"), (int)pg_lua_opt_int(L, 2, "tag", 0)));
+  pg_mode m = opt_mode(L, 2);
+  int src = peer(L, 2, "src"), tag = tag_opt(L, 2);
+  from_caller(L, c);
+  done(L, c, pg_recv(c, m, t, src, tag));
   lua_settop(L, 1);
   return 1;
 }
@@ -103,8 +137,10 @@ static int l_sendrecv(lua_State *L) {
   pg_tensor *s = pg_lua_check_tensor(L, 1), *r = pg_lua_check_tensor(L, 2);
   pg_lua_check_keys(L, 3, "sendrecv", coll_keys);
   pg_context *c = opt_ctx(L, 3);
-  PG_LUA_CHECK(L, pg_sendrecv(c, opt_mode(L, 3), s, peer(L, 3, "dst"), r, peer(L, 3, "src"),
-                              (int)pg_lua_opt_int(L, 3, "tag", 0)));
+  pg_mode m = opt_mode(L, 3);
+  int dst = peer(L, 3, "dst"), src = peer(L, 3, "src"), tag = tag_opt(L, 3);
+  from_caller(L, c);
+  done(L, c, pg_sendrecv(c, m, s, dst, r, src, tag));
   lua_settop(L, 2);
   return 1;
 }
@@ -112,7 +148,9 @@ static int l_sendrecv(lua_State *L) {
 static int l_barrier(lua_State *L) {
   pg_lua_check_keys(L, 1, "barrier", coll_keys);
   pg_context *c = opt_ctx(L, 1);
-  PG_LUA_CHECK(L, pg_barrier(c, opt_mode(L, 1)));
+  pg_mode m = opt_mode(L, 1);
+  from_caller(L, c);
+  done(L, c, pg_barrier(c, m));
   return 0;
 }
 

@@ -10,6 +10,7 @@
 
 #include "lua_util.h"
 #include "pg_file.h"
+#include "pg_size.h"
 
 static int l_read(lua_State *L) {
   const char *path = luaL_checkstring(L, 1);
@@ -17,6 +18,16 @@ static int l_read(lua_State *L) {
   pg_dtype dt = PG_FLOAT32;
   if (!lua_isnoneornil(L, 4)) PG_LUA_CHECK(L, pg_dtype_from_name(luaL_checkstring(L, 4), &dt));
   if (off < 0 || n < 0) return luaL_error(L, "file.read: offset and count must be >= 0");
+  /* The range must lie in the file before a tensor of n elements is made: a
+   * count from a corrupt header would otherwise allocate (and zero) it first. */
+  int64_t bytes, end, size;
+  if (pg_mul_overflows(n, (int64_t)pg_dtype_size(dt), &bytes) || pg_add_overflows(off, bytes, &end))
+    return luaL_error(L, "file.read: %s: %I %s values at offset %I run past 2^63 bytes", path, n, pg_dtype_name(dt),
+                      off);
+  PG_LUA_CHECK(L, pg_file_size(path, &size));
+  if (end > size)
+    return luaL_error(L, "%s: truncated: needs %I bytes at offset %I, but the file has %I bytes", path,
+                      (lua_Integer)bytes, off, (lua_Integer)size);
   int64_t shape[1] = {n};
   pg_tensor *t = pg_lua_new_tensor(L, dt, 1, shape);
   PG_LUA_CHECK(L, pg_file_read_at(path, off, pg_tensor_data(t), (size_t)n * pg_dtype_size(dt)));

@@ -5,11 +5,13 @@
  * residual) it assembles, modules written in Lua (kind "lua") it calls back
  * through pg_custom_new, and every other kind it hands to the runtime's
  * registry (pg_module_build) through a pg_desc that reads the table. */
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "lua_util.h"
 #include "pg_engine.h"
+#include "pg_size.h"
 
 #define PG_ENGINE_MT "pg.Engine"
 
@@ -132,21 +134,14 @@ static int desc_integers(const pg_desc *d, const char *key, int64_t *out, int ma
     lua_pop(L, 1);
     return -1;
   }
-  int n = (int)luaL_len(L, -1);
-  for (int i = 0; i < n && i < max; i++) {
-    lua_geti(L, -1, i + 1);
-    out[i] = (int64_t)lua_tointeger(L, -1);
-    lua_pop(L, 1);
-  }
+  int n = pg_lua_int_list(L, -1, key, out, max); /* 65.5 used to be read as 0 */
   lua_pop(L, 1);
   return n;
 }
 
 static const pg_desc_ops lua_desc_ops = {desc_integer, desc_number, desc_string, desc_boolean, desc_integers};
 
-static int field_int(lua_State *L, int idx, const char *key, int def) {
-  return (int)pg_lua_opt_int(L, idx, key, def);
-}
+static int field_int(lua_State *L, int idx, const char *key, int def) { return pg_lua_opt_cint(L, idx, key, def); }
 
 static pg_module *build(build_state *b, int idx);
 
@@ -213,16 +208,10 @@ static pg_module *build_lua(build_state *b, int idx, const char *name) {
       int64_t sizes[PG_PARAM_MAX_BLOCKS];
       if (lua_getfield(L, pi, "split") == LUA_TTABLE) {
         int si = lua_gettop(L);
-        split_dim = (int)pg_lua_opt_int(L, si, "dim", 0);
-        blocks = (int)pg_lua_opt_int(L, si, "blocks", 1);
-        if (lua_getfield(L, si, "sizes") == LUA_TTABLE) {
-          nsizes = (int)luaL_len(L, -1);
-          for (int j = 0; j < nsizes && j < PG_PARAM_MAX_BLOCKS; j++) {
-            lua_geti(L, -1, j + 1);
-            sizes[j] = lua_tointeger(L, -1);
-            lua_pop(L, 1);
-          }
-        }
+        split_dim = pg_lua_opt_cint(L, si, "dim", 0);
+        blocks = pg_lua_opt_cint(L, si, "blocks", 1);
+        if (lua_getfield(L, si, "sizes") == LUA_TTABLE)
+          nsizes = pg_lua_int_list(L, -1, "sizes", sizes, PG_PARAM_MAX_BLOCKS);
         lua_pop(L, 1);
       }
       lua_pop(L, 1);
@@ -284,10 +273,10 @@ static int l_engine_new(lua_State *L) {
   luaL_checktype(L, 2, LUA_TTABLE);
   luaL_checktype(L, 3, LUA_TTABLE);
   pg_engine_opts o = {0};
-  o.micro_batches = (int)pg_lua_opt_int(L, 3, "micro_batches", 1);
+  o.micro_batches = pg_lua_opt_cint(L, 3, "micro_batches", 1);
   PG_LUA_CHECK(L, pg_schedule_from_name(pg_lua_opt_string(L, 3, "schedule", "1f1b"), &o.schedule));
-  o.vocab = (int)pg_lua_opt_int(L, 3, "vocab", 0);
-  o.width = (int)pg_lua_opt_int(L, 3, "width", 0);
+  o.vocab = pg_lua_opt_cint(L, 3, "vocab", 0);
+  o.width = pg_lua_opt_cint(L, 3, "width", 0);
   o.bucket_elems = (int64_t)(pg_lua_opt_number(L, 3, "bucket_mb", 25) * 1024 * 1024 / 4);
   o.tied_name = pg_lua_opt_string(L, 3, "tied_name", NULL);
   o.private_buffers = !pg_lua_opt_bool(L, 3, "shared_memory", 1);
@@ -328,6 +317,8 @@ static const int32_t *check_batch(lua_State *L, int idx, const char *what, int *
     luaL_error(L, "%s: expected an int32 tensor [batch, seq_len], got %s", what, pg_tensor_describe(t, d, sizeof d));
   if (*B >= 0 && (t->shape[0] != *B || t->shape[1] != *T))
     luaL_error(L, "%s: shape %s differs from the inputs' [%d, %d]", what, pg_tensor_describe(t, d, sizeof d), *B, *T);
+  if (t->shape[0] * t->shape[1] > INT_MAX) /* the engine counts rows (B x T) in an int */
+    luaL_error(L, "%s: %s has more than 2^31 - 1 tokens", what, pg_tensor_describe(t, d, sizeof d));
   *B = (int)t->shape[0];
   *T = (int)t->shape[1];
   return pg_tensor_i32(t);
@@ -496,9 +487,7 @@ static int l_gather_param(lua_State *L) {
 }
 
 static int l_num_parameters(lua_State *L) {
-  int64_t n;
-  PG_LUA_CHECK(L, pg_engine_num_parameters(check_engine(L, 1), &n));
-  lua_pushinteger(L, n);
+  lua_pushinteger(L, pg_engine_num_parameters(check_engine(L, 1)));
   return 1;
 }
 
@@ -593,28 +582,22 @@ static int l_shard_copy(lua_State *L) {
   lua_pop(L, 1);
   if (p.ndim < 1 || p.ndim > PG_PARAM_MAX_DIMS)
     return luaL_error(L, "shard_copy: full_shape must have 1 to %d dimensions, not %d", PG_PARAM_MAX_DIMS, p.ndim);
-  int64_t full_numel = 1;
   for (int d = 0; d < p.ndim; d++) {
     if (shape[d] < 1) return luaL_error(L, "shard_copy: full_shape[%d] = %I", d + 1, (lua_Integer)shape[d]);
     p.full_shape[d] = p.shape[d] = shape[d];
-    full_numel *= shape[d];
   }
+  int64_t full_numel = pg_shape_numel(p.ndim, shape);
+  if (full_numel < 0) return luaL_error(L, "shard_copy: full_shape has too many elements");
   int dim = 0, blocks = 1, parts = 1, index = 0, nsizes = 0;
   int64_t sizes[PG_PARAM_MAX_BLOCKS];
   if (lua_getfield(L, 3, "split") == LUA_TTABLE) {
     int s = lua_gettop(L);
-    dim = (int)pg_lua_opt_int(L, s, "dim", 0);
-    blocks = (int)pg_lua_opt_int(L, s, "blocks", 1);
-    parts = (int)pg_lua_opt_int(L, s, "parts", 1);
-    index = (int)pg_lua_opt_int(L, s, "index", 0);
-    if (lua_getfield(L, s, "sizes") == LUA_TTABLE) {
-      nsizes = (int)luaL_len(L, -1);
-      for (int b = 0; b < nsizes && b < PG_PARAM_MAX_BLOCKS; b++) {
-        lua_geti(L, -1, b + 1);
-        sizes[b] = lua_tointeger(L, -1);
-        lua_pop(L, 1);
-      }
-    }
+    dim = pg_lua_opt_cint(L, s, "dim", 0);
+    blocks = pg_lua_opt_cint(L, s, "blocks", 1);
+    parts = pg_lua_opt_cint(L, s, "parts", 1);
+    index = pg_lua_opt_cint(L, s, "index", 0);
+    if (lua_getfield(L, s, "sizes") == LUA_TTABLE)
+      nsizes = pg_lua_int_list(L, -1, "shard_copy: split.sizes", sizes, PG_PARAM_MAX_BLOCKS);
     lua_pop(L, 1);
   }
   lua_pop(L, 1);
@@ -633,7 +616,8 @@ static int l_shard_copy(lua_State *L) {
       if (p.split_sizes[b] < 1 || p.split_sizes[b] % parts)
         return luaL_error(L, "shard_copy: block %d of dimension %d has %I rows, not divisible into %d parts", b + 1, dim,
                           (lua_Integer)p.split_sizes[b], parts);
-      total += p.split_sizes[b];
+      if (pg_add_overflows(total, p.split_sizes[b], &total))
+        return luaL_error(L, "shard_copy: the blocks of dimension %d add up to more than 2^63", dim);
     }
     if (total != p.full_shape[dim - 1])
       return luaL_error(L, "shard_copy: the blocks of dimension %d add up to %I, not its size %I", dim,
@@ -641,12 +625,16 @@ static int l_shard_copy(lua_State *L) {
     p.split_dim = dim - 1;
     p.shape[dim - 1] = p.full_shape[dim - 1] / parts;
   }
-  p.numel = 1;
-  for (int d = 0; d < p.ndim; d++) p.numel *= p.shape[d];
+  p.numel = pg_shape_numel(p.ndim, p.shape); /* no larger than full_numel, which fits */
   lua_Integer lo = pg_lua_opt_int(L, 3, "lo", 0);
-  if (lo < 0 || lo + piece->numel > p.numel)
-    return luaL_error(L, "shard_copy: elements [%I, %I) are outside the shard's %I elements", lo,
-                      lo + (lua_Integer)piece->numel, (lua_Integer)p.numel);
+  int64_t end;
+  if (lo < 0 || lo > p.numel || piece->numel > p.numel - lo) {
+    if (pg_add_overflows(lo, piece->numel, &end)) /* lo = math.maxinteger passed the old lo + numel check */
+      return luaL_error(L, "shard_copy: %I elements from element %I are outside the shard's %I elements",
+                        (lua_Integer)piece->numel, lo, (lua_Integer)p.numel);
+    return luaL_error(L, "shard_copy: elements [%I, %I) are outside the shard's %I elements", lo, (lua_Integer)end,
+                      (lua_Integer)p.numel);
+  }
   if (full->numel > full_numel)
     return luaL_error(L, "shard_copy: the full tensor has %I elements, more than full_shape's %I",
                       (lua_Integer)full->numel, (lua_Integer)full_numel);
@@ -658,7 +646,10 @@ static int l_shard_copy(lua_State *L) {
 static int l_schedule_build(lua_State *L) {
   pg_schedule_kind k;
   PG_LUA_CHECK(L, pg_schedule_from_name(luaL_checkstring(L, 1), &k));
-  int P = (int)luaL_checkinteger(L, 2), M = (int)luaL_checkinteger(L, 3), s = (int)luaL_checkinteger(L, 4);
+  /* the runtime judges the sizes; here they must only fit an int */
+  int P = (int)pg_lua_check_int_in(L, 2, "P", INT_MIN, INT_MAX);
+  int M = (int)pg_lua_check_int_in(L, 3, "M", INT_MIN, INT_MAX);
+  int s = (int)pg_lua_check_int_in(L, 4, "stage", INT_MIN, INT_MAX);
   pg_action *a;
   int n;
   PG_LUA_CHECK(L, pg_schedule_build(k, P, M, s, &a, &n));
@@ -690,14 +681,16 @@ static pg_action *read_actions(lua_State *L, int idx, int stage, int *n) {
       lua_geti(L, -1, 1);
       name = lua_tostring(L, -1);
       lua_geti(L, -2, 2);
-      mb = lua_tointeger(L, -1);
+      int isint = 0;
+      mb = lua_tointegerx(L, -1, &isint);
+      ok = isint && mb > INT_MIN && mb <= INT_MAX; /* the checker judges the value; the cast must not cut it */
       lua_pop(L, 2);
     }
     lua_pop(L, 1);
     int k = -1;
     for (int j = 0; name && j < 6; j++)
       if (!strcmp(name, pg_action_name((pg_action_kind)j))) k = j;
-    if (k < 0) {
+    if (k < 0 || !ok) {
       free(a);
       luaL_error(L, "schedule_validate: stage %d action %d is not {action, micro-batch} with a known action", stage, i + 1);
     }
@@ -716,11 +709,11 @@ static int l_schedule_validate(lua_State *L) {
   int P, M;
   if (given) {
     P = (int)luaL_len(L, 1);
-    M = (int)luaL_checkinteger(L, 2);
+    M = (int)pg_lua_check_int_in(L, 2, "M", INT_MIN, INT_MAX);
   } else {
     PG_LUA_CHECK(L, pg_schedule_from_name(luaL_checkstring(L, 1), &k));
-    P = (int)luaL_checkinteger(L, 2);
-    M = (int)luaL_checkinteger(L, 3);
+    P = (int)pg_lua_check_int_in(L, 2, "P", INT_MIN, INT_MAX);
+    M = (int)pg_lua_check_int_in(L, 3, "M", INT_MIN, INT_MAX);
   }
   if (P < 1 || P > 1024 || M < 1) return luaL_error(L, "schedule_validate: bad sizes P=%d M=%d", P, M);
   pg_action **st = calloc((size_t)P, sizeof *st);

@@ -7,6 +7,7 @@
 #include "lua_util.h"
 #include "pg_backend.h"
 #include "pg_rng.h"
+#include "pg_size.h"
 
 /* The options table {dtype=} of a constructor (fname names it in errors). */
 static pg_dtype opt_dtype(lua_State *L, int idx, pg_dtype def, const char *fname) {
@@ -38,6 +39,13 @@ static int read_shape(lua_State *L, int idx, int64_t *shape, int *next) {
   return n;
 }
 
+/* A number to store in a tensor of dtype d: an int32 element needs an integer
+ * that fits (1e20 or 2.5 used to be cast, which C leaves undefined). */
+static double check_value(lua_State *L, pg_dtype d, double v, const char *what) {
+  if (pg_dtype_check_value(d, v)) luaL_error(L, "%s: %s", what, pg_error());
+  return v;
+}
+
 /* ---- constructors ---- */
 
 static void infer_shape(lua_State *L, int idx, int depth, int *ndim, int64_t *shape) {
@@ -66,7 +74,7 @@ static void fill_from_table(lua_State *L, int idx, int depth, int ndim, const in
       int isnum = 0;
       lua_Number v = lua_tonumberx(L, -1, &isnum);
       if (!isnum) luaL_error(L, "pg.tensor: entry %I at depth %d is a %s, not a number", (lua_Integer)i, depth + 1, luaL_typename(L, -1));
-      pg_tensor_set_flat(t, (*pos)++, v);
+      pg_tensor_set_flat(t, (*pos)++, check_value(L, t->dtype, v, "pg.tensor"));
     }
     lua_pop(L, 1);
   }
@@ -90,6 +98,7 @@ static int make_filled(lua_State *L, double value, int has_value_arg, const char
   int ndim = read_shape(L, 1, shape, &next);
   if (has_value_arg) value = luaL_checknumber(L, next++);
   pg_dtype dtype = opt_dtype(L, next, PG_FLOAT32, fname);
+  check_value(L, dtype, value, fname);
   pg_tensor *t = pg_lua_new_tensor(L, dtype, ndim, shape);
   if (value != 0) pg_tensor_fill(t, value);
   return 1;
@@ -126,8 +135,14 @@ static int l_arange(lua_State *L) {
   double step = nargs == 3 ? lua_tonumber(L, 3) : 1;
   if (step == 0) return luaL_error(L, "pg.arange: step must not be zero");
   pg_dtype dtype = opt_dtype(L, nargs + 1, all_int ? PG_INT32 : PG_FLOAT32, "pg.arange");
-  int64_t n = (int64_t)ceil((stop - start) / step);
-  if (n < 0) n = 0;
+  double count = ceil((stop - start) / step); /* NaN or past int64 when an end is inf or huge */
+  if (count != count || count > (double)PG_MAX_NUMEL)
+    return luaL_error(L, "pg.arange(%f, %f, %f): %f elements is not a tensor size", start, stop, step, count);
+  int64_t n = count > 0 ? (int64_t)count : 0;
+  if (n > 0) { /* the first and last values must fit the dtype (int32) */
+    check_value(L, dtype, start, "pg.arange");
+    check_value(L, dtype, start + (double)(n - 1) * step, "pg.arange");
+  }
   pg_tensor *t = pg_lua_new_tensor(L, dtype, 1, &n);
   for (int64_t i = 0; i < n; i++) pg_tensor_set_flat(t, i, start + (double)i * step);
   return 1;
@@ -149,7 +164,7 @@ static int l_size(lua_State *L) {
   pg_tensor *t = pg_lua_check_any_tensor(L, 1);
   if (lua_isnoneornil(L, 2)) return l_shape(L);
   lua_Integer d = luaL_checkinteger(L, 2);
-  if (d < 1 || d > t->ndim) return luaL_error(L, "size: dimension %d out of range for a %d-d tensor", (int)d, t->ndim);
+  if (d < 1 || d > t->ndim) return luaL_error(L, "size: dimension %I out of range for a %d-d tensor", d, t->ndim);
   lua_pushinteger(L, t->shape[d - 1]);
   return 1;
 }
@@ -240,7 +255,11 @@ static int l_clone(lua_State *L) {
 static int l_narrow(lua_State *L) {
   pg_tensor *t = pg_lua_check_any_tensor(L, 1), out;
   lua_Integer dim = luaL_checkinteger(L, 2), start = luaL_checkinteger(L, 3), len = luaL_checkinteger(L, 4);
-  if (dim < 1 || dim > t->ndim) return luaL_error(L, "narrow: dimension %d out of range for a %d-d tensor", (int)dim, t->ndim);
+  if (dim < 1 || dim > t->ndim)
+    return luaL_error(L, "narrow: dimension %I out of range for a %d-d tensor", dim, t->ndim);
+  if (start < 1) /* before start - 1, which wraps for math.mininteger */
+    return luaL_error(L, "narrow: start %I out of range for dimension %I of size %I", start, dim,
+                      (lua_Integer)t->shape[dim - 1]);
   int contiguous = 1;
   for (int i = 0; i < dim - 1; i++) contiguous &= t->shape[i] == 1;
   if (!contiguous) pg_lua_check_tensor(L, 1); /* the copy reads the data: host only */
@@ -255,7 +274,7 @@ static int l_transpose(lua_State *L) {
   pg_tensor *t = pg_lua_check_tensor(L, 1), out; /* the copy reads the data: host only */
   lua_Integer a = luaL_optinteger(L, 2, 1), b = luaL_optinteger(L, 3, 2);
   if (a < 1 || b < 1 || a > t->ndim || b > t->ndim)
-    return luaL_error(L, "transpose: dimensions %d and %d out of range for a %d-d tensor", (int)a, (int)b, t->ndim);
+    return luaL_error(L, "transpose: dimensions %I and %I out of range for a %d-d tensor", a, b, t->ndim);
   PG_LUA_CHECK(L, pg_tensor_transpose(&out, t, (int)a - 1, (int)b - 1));
   pg_lua_push_tensor(L, &out);
   return 1;
@@ -274,8 +293,9 @@ static int l_reshape(lua_State *L) {
 /* Second operand: a tensor, or a number broadcast to the first's shape. */
 static const pg_tensor *operand(lua_State *L, int idx, const pg_tensor *like, pg_tensor *tmp) {
   if (lua_type(L, idx) == LUA_TNUMBER) {
+    double v = check_value(L, like->dtype, lua_tonumber(L, idx), "operand");
     if (pg_tensor_init(tmp, like->dtype, like->ndim, like->shape)) luaL_error(L, "%s", pg_error());
-    pg_tensor_fill(tmp, lua_tonumber(L, idx));
+    pg_tensor_fill(tmp, v);
     return tmp;
   }
   return pg_lua_check_tensor(L, idx);
@@ -333,7 +353,7 @@ static int l_scale_(lua_State *L) {
 
 static int l_fill_(lua_State *L) {
   pg_tensor *t = pg_lua_check_tensor(L, 1);
-  pg_tensor_fill(t, luaL_checknumber(L, 2));
+  pg_tensor_fill(t, check_value(L, t->dtype, luaL_checknumber(L, 2), "fill_"));
   lua_settop(L, 1);
   return 1;
 }
@@ -345,11 +365,11 @@ static int l_copy_(lua_State *L) {
   return 1;
 }
 
+static int dim_arg(lua_State *L, int idx, const pg_tensor *t);
+
 static int reduce_dim(lua_State *L, int mean) {
   pg_tensor *t = pg_lua_check_tensor(L, 1), out;
-  lua_Integer d = luaL_checkinteger(L, 2);
-  if (d < 0) d = t->ndim + 1 + d; /* -1: the last dimension */
-  PG_LUA_CHECK(L, pg_tensor_reduce_dim(&out, t, (int)d - 1, mean));
+  PG_LUA_CHECK(L, pg_tensor_reduce_dim(&out, t, dim_arg(L, 2, t), mean));
   pg_lua_push_tensor(L, &out);
   return 1;
 }
@@ -390,9 +410,13 @@ static int l_pow(lua_State *L) { return unary(L, PG_UN_POW); }
 static int l_sigmoid(lua_State *L) { return unary(L, PG_UN_SIGMOID); }
 static int l_silu(lua_State *L) { return unary(L, PG_UN_SILU); }
 
-/* A 1-based dimension argument (-1: the last) as 0-based. */
+/* A 1-based dimension argument (-1: the last) as 0-based. The runtime names a
+ * dimension out of range with its operation; one far out of range is refused
+ * here, before the cast to int would cut it (2^32 + 1 became dimension 1). */
 static int dim_arg(lua_State *L, int idx, const pg_tensor *t) {
   lua_Integer d = luaL_checkinteger(L, idx);
+  if (d < -PG_MAX_DIMS - 1 || d > PG_MAX_DIMS + 1)
+    luaL_error(L, "dimension %I out of range for a %d-d tensor", d, t->ndim);
   if (d < 0) d = t->ndim + 1 + d;
   return (int)d - 1;
 }
@@ -563,7 +587,7 @@ static int l_get(lua_State *L) {
 static int l_set(lua_State *L) {
   pg_tensor *t = pg_lua_check_tensor(L, 1);
   int top = lua_gettop(L);
-  double v = luaL_checknumber(L, top);
+  double v = check_value(L, t->dtype, luaL_checknumber(L, top), "set");
   pg_tensor_set_flat(t, flat_index(L, t, 2, top - 2), v);
   lua_settop(L, 1);
   return 1;

@@ -1,6 +1,9 @@
 #include "lua_util.h"
 
+#include <limits.h>
 #include <string.h>
+
+#include "pg_comm.h"
 
 pg_tensor *pg_lua_test_tensor(lua_State *L, int idx) { return luaL_testudata(L, idx, PG_TENSOR_MT); }
 
@@ -80,6 +83,30 @@ int pg_lua_check_shape(lua_State *L, int idx, int64_t *shape) {
   return n;
 }
 
+/* luaL_where's "file:line" without its string formatting (a small
+ * all_reduce's agreement step is a few microseconds; formatting was a good
+ * part of it). */
+void pg_lua_from_caller(lua_State *L, pg_context *c) {
+  lua_Debug ar;
+  char site[PG_SITE_MAX] = "";
+  if (lua_getstack(L, 1, &ar) && lua_getinfo(L, "Sl", &ar) && ar.currentline > 0) {
+    char line[24], *p = line + sizeof line;
+    *--p = 0;
+    for (int v = ar.currentline; v > 0; v /= 10) *--p = (char)('0' + v % 10);
+    size_t a = strnlen(ar.short_src, sizeof site - 1), b = strlen(p);
+    if (a + 1 + b >= sizeof site) a = sizeof site - 2 - b;
+    memcpy(site, ar.short_src, a);
+    site[a] = ':';
+    memcpy(site + a + 1, p, b + 1);
+  }
+  pg_comm_call_site(c, site);
+}
+
+void pg_lua_comm_done(lua_State *L, pg_context *c, int rc) {
+  pg_comm_call_site(c, NULL);
+  if (rc != PG_OK) luaL_error(L, "%s", pg_error());
+}
+
 static int opt_field(lua_State *L, int idx, const char *key) {
   if (lua_isnoneornil(L, idx)) return 0;
   luaL_checktype(L, idx, LUA_TTABLE);
@@ -97,6 +124,41 @@ lua_Integer pg_lua_opt_int(lua_State *L, int idx, const char *key, lua_Integer d
   lua_Integer v = lua_tointegerx(L, -1, &isint);
   if (!isint) luaL_error(L, "option '%s' must be an integer, got %s", key, luaL_tolstring(L, -1, NULL));
   lua_pop(L, 1);
+  return v;
+}
+
+lua_Integer pg_lua_opt_int_in(lua_State *L, int idx, const char *key, lua_Integer def, lua_Integer lo, lua_Integer hi) {
+  lua_Integer v = pg_lua_opt_int(L, idx, key, def);
+  if (v < lo || v > hi) luaL_error(L, "option '%s' must be an integer from %I to %I, got %I", key, lo, hi, v);
+  return v;
+}
+
+int pg_lua_opt_cint(lua_State *L, int idx, const char *key, int def) {
+  return (int)pg_lua_opt_int_in(L, idx, key, def, INT_MIN, INT_MAX);
+}
+
+int pg_lua_int_list(lua_State *L, int idx, const char *what, int64_t *out, int max) {
+  idx = lua_absindex(L, idx);
+  lua_Integer n = luaL_len(L, idx);
+  if (n < 0 || n > INT_MAX) luaL_error(L, "%s: a list of %I entries", what, n);
+  for (int i = 0; i < n && i < max; i++) {
+    lua_geti(L, idx, i + 1);
+    int isint = 0;
+    lua_Integer v = lua_tointegerx(L, -1, &isint);
+    if (!isint) luaL_error(L, "%s: entry %d must be an integer, got %s", what, i + 1, luaL_tolstring(L, -1, NULL));
+    out[i] = (int64_t)v;
+    lua_pop(L, 1);
+  }
+  return (int)n;
+}
+
+lua_Integer pg_lua_check_int_in(lua_State *L, int arg, const char *what, lua_Integer lo, lua_Integer hi) {
+  int isint = 0;
+  lua_Integer v = lua_tointegerx(L, arg, &isint);
+  if (!isint)
+    luaL_error(L, "bad argument #%d (%s): an integer expected, got %s", arg, what, luaL_tolstring(L, arg, NULL));
+  if (v < lo || v > hi)
+    luaL_error(L, "bad argument #%d (%s): an integer from %I to %I expected, got %I", arg, what, lo, hi, v);
   return v;
 }
 

@@ -37,9 +37,27 @@ pg_tensor *pg_lua_check_tensor_shape(lua_State *L, int idx, const char *name, pg
 int pg_lua_check_shape(lua_State *L, int idx, int64_t *shape);
 
 pg_context *pg_lua_check_context(lua_State *L, int idx);
+/* Around a call on c's groups from Lua: from_caller gives the call the Lua
+ * caller's "file:line" for its agreement step (pg_comm_call_site);
+ * comm_done forgets it (a call that failed before agreeing did not consume
+ * it) and raises rc's error. Read the options before from_caller: an option
+ * error in between would leave the site to the runtime's next call. */
+void pg_lua_from_caller(lua_State *L, pg_context *c);
+void pg_lua_comm_done(lua_State *L, pg_context *c, int rc);
 
 /* Options table at idx (absent or nil is an empty table). */
 lua_Integer pg_lua_opt_int(lua_State *L, int idx, const char *key, lua_Integer def);
+/* An integer option that must lie in [lo, hi] (absent: def). A non-integer,
+ * or a value outside the range, is an error naming the key and the value,
+ * never a cast that cuts it (2^32 + 64 became 64 in an int field). */
+lua_Integer pg_lua_opt_int_in(lua_State *L, int idx, const char *key, lua_Integer def, lua_Integer lo, lua_Integer hi);
+/* The same for a C int field: [INT_MIN, INT_MAX]. */
+int pg_lua_opt_cint(lua_State *L, int idx, const char *key, int def);
+/* A list of integers (the table at idx): its length, the first `max` entries
+ * read into out; an entry that is not an integer is an error naming `what`. */
+int pg_lua_int_list(lua_State *L, int idx, const char *what, int64_t *out, int max);
+/* A positional integer argument in [lo, hi]; `what` names it in the error. */
+lua_Integer pg_lua_check_int_in(lua_State *L, int arg, const char *what, lua_Integer lo, lua_Integer hi);
 lua_Number pg_lua_opt_number(lua_State *L, int idx, const char *key, lua_Number def);
 const char *pg_lua_opt_string(lua_State *L, int idx, const char *key, const char *def);
 int pg_lua_opt_bool(lua_State *L, int idx, const char *key, int def);

@@ -5,7 +5,20 @@
  * MPI call. Host memory goes through MPI; device memory through NCCL once a
  * device engine attached its stream (below). Calls are counted in ctx->stats. The runtime (engine,
  * optimizer) communicates only through here: no MPI type or call outside
- * pg_comm and pg_context. */
+ * pg_comm and pg_context.
+ *
+ * Agreement and the watchdog (pg_comm.c explains the design): before any
+ * data moves, the members of a call exchange what they are calling (kind,
+ * dtype, reduction, count, root or peers, tag, call site, and the shape
+ * of a gathered or scattered tensor) and wait for each other at
+ * most PG_COLLECTIVE_TIMEOUT seconds (default 600, 0: no limit). Records
+ * that differ are an error naming both sides; records that never come, a
+ * pipeline receive whose sender never sends and a send nobody takes are an
+ * error naming the operation and the ranks that never arrived. Either marks
+ * the context broken: every later call on it fails with that message. A send
+ * (pg_send, pg_sendrecv) waits for its receiver to arrive; the pipeline's
+ * pg_isend_buf does not, and under PG_DEBUG=1 ships its record ahead of the
+ * data for pg_recv_buf to check (set PG_DEBUG alike on every rank). */
 #ifndef PG_COMM_H
 #define PG_COMM_H
 
@@ -16,6 +29,12 @@
 typedef enum { PG_REDUCE_SUM = 0, PG_REDUCE_MAX, PG_REDUCE_MIN, PG_REDUCE_AVG } pg_reduce_op;
 
 int pg_reduce_op_from_name(const char *name, pg_reduce_op *out);
+
+/* The next call on ctx comes from `site` ("spec.lua:10"; NULL or "": the
+ * runtime), which its record carries: pg.dist's bindings say where their Lua
+ * caller is, so that ranks calling from different lines disagree. The call
+ * consumes it; set it again, or to NULL, around every call. */
+void pg_comm_call_site(pg_context *ctx, const char *site);
 
 /* In place. avg needs float32 (the raw form also reduces the runtime's
  * float64 / int64 scalars with sum, max or min). */
@@ -49,7 +68,8 @@ int pg_shm_all_gather(pg_context *ctx, const pg_shm *s, int64_t n);
 /* src is a local rank in the group. */
 int pg_broadcast(pg_context *ctx, pg_mode m, pg_tensor *t, int src);
 int pg_broadcast_buf(pg_context *ctx, pg_mode m, void *buf, int64_t count, pg_dtype dtype, int src);
-/* Blocking point-to-point; peers are local ranks in the group and must not be self. */
+/* Blocking point-to-point; peers are local ranks in the group and must not be self. A send returns once its
+ * receiver has arrived (the agreement step), as an MPI synchronous send: two ranks that both send first fail. */
 int pg_send(pg_context *ctx, pg_mode m, const pg_tensor *t, int dst, int tag);
 int pg_recv(pg_context *ctx, pg_mode m, pg_tensor *t, int src, int tag);
 /* Send one tensor and receive another in one deadlock-free call (rings, self included). */

@@ -32,6 +32,8 @@ int pg_mode_from_name(const char *name, pg_mode *out) {
 static int make_group(pg_group *g, MPI_Comm world, int color, int key) {
   if (MPI_Comm_split(world, color, key, &g->comm) != MPI_SUCCESS) return pg_fail("MPI_Comm_split failed");
   MPI_Comm_set_errhandler(g->comm, MPI_ERRORS_RETURN);
+  if (MPI_Comm_dup(g->comm, &g->agree) != MPI_SUCCESS) return pg_fail("MPI_Comm_dup failed");
+  MPI_Comm_set_errhandler(g->agree, MPI_ERRORS_RETURN);
   MPI_Comm_size(g->comm, &g->size);
   MPI_Comm_rank(g->comm, &g->rank);
   g->ranks = calloc((size_t)g->size, sizeof(int));
@@ -44,7 +46,7 @@ static int make_group(pg_group *g, MPI_Comm world, int color, int key) {
 
 int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, int data, uint64_t seed) {
   memset(ctx, 0, sizeof *ctx);
-  for (int m = 0; m < PG_NUM_MODES; m++) ctx->group[m].comm = MPI_COMM_NULL;
+  for (int m = 0; m < PG_NUM_MODES; m++) ctx->group[m].comm = ctx->group[m].agree = MPI_COMM_NULL;
   ctx->destroyed = 1;
   MPI_Comm_size(world, &ctx->world_size);
   MPI_Comm_rank(world, &ctx->rank);
@@ -88,12 +90,19 @@ void pg_context_destroy(pg_context *ctx) {
   for (int m = 0; m < PG_NUM_MODES; m++) {
     pg_group *g = &ctx->group[m];
     if (g->comm != MPI_COMM_NULL && !finalized) MPI_Comm_free(&g->comm);
-    g->comm = MPI_COMM_NULL;
+    if (g->agree != MPI_COMM_NULL && !finalized) MPI_Comm_free(&g->agree);
+    g->comm = g->agree = MPI_COMM_NULL;
     free(g->ranks);
     g->ranks = NULL;
   }
   free(ctx->ring_scratch);
   ctx->ring_scratch = NULL;
+  /* A call that timed out may have left records in flight from this scratch:
+   * it is kept (leaked) then, as MPI may still write into it. */
+  if (!ctx->broken) free(ctx->agree_scratch);
+  free(ctx->broken);
+  ctx->agree_scratch = NULL;
+  ctx->broken = NULL;
   ctx->destroyed = 1;
 }
 

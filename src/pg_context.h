@@ -35,11 +35,16 @@ typedef enum {
   PG_NUM_COLLS
 } pg_coll;
 
+#define PG_SITE_MAX 96 /* bytes of a call site ("spec.lua:10"), the terminating 0 included */
+
 typedef struct pg_group {
   MPI_Comm comm; /* MPI_COMM_NULL once destroyed */
   int size, rank;
   int *ranks; /* global ranks of the members, ascending */
   void *nccl; /* the group's NCCL communicator once a device engine uses the context (pg_comm.c), or NULL */
+  /* The agreement step before each call (pg_comm.c): a copy of comm that
+   * carries only the members' call records, so they never match data. */
+  MPI_Comm agree;
 } pg_group;
 
 /* Counters of communication, per mode and kind: calls that reached MPI (a
@@ -68,6 +73,15 @@ typedef struct pg_context {
    * direction ([0] activations, forward; [1] gradients, backward), so that
    * each carries its transfers in one order; the stream sends are queued on */
   void *nccl_world, *nccl_next[2], *nccl_prev[2], *send_stream;
+  /* The agreement step and the watchdog (pg_comm.c): where the next call
+   * comes from (pg.dist's bindings set it: "spec.lua:10"), the records of a
+   * call's members (scratch, grown as needed), and the message of a call that
+   * timed out or disagreed: once set, every later call on the context fails
+   * with it (records or data may still be in flight). */
+  char site[PG_SITE_MAX];
+  void *agree_scratch;
+  size_t agree_scratch_bytes;
+  char *broken;
   int destroyed;
 } pg_context;
 

@@ -126,9 +126,9 @@ void pg_shard_close(pg_shard *s) {
 }
 
 int pg_shard_read(const pg_shard *s, int64_t start, int64_t n, int32_t *out) {
-  if (start < 0 || n < 0 || start + n > s->ntokens)
-    return pg_fail("%s: tokens [%lld, %lld) are out of range (the shard has %lld)", s->path, (long long)start,
-                   (long long)(start + n), (long long)s->ntokens);
+  if (start < 0 || n < 0 || start > s->ntokens || n > s->ntokens - start) /* start + n could wrap */
+    return pg_fail("%s: %lld tokens from %lld are out of range (the shard has %lld)", s->path, (long long)n,
+                   (long long)start, (long long)s->ntokens);
   for (int64_t i = 0; i < n; i++) out[i] = (int32_t)pg_shard_token(s, start + i);
   return PG_OK;
 }

@@ -5,6 +5,7 @@
 
 #include "pg_comm.h"
 #include "pg_error.h"
+#include "pg_size.h"
 
 #define FLAT_ALIGN 16 /* floats: every parameter starts on a 64-byte boundary */
 
@@ -25,7 +26,10 @@ static int bind_params(pg_engine *e, uint64_t seed) {
   int64_t off = 0;
   for (int i = 0; i < e->nparams; i++) {
     e->params[i]->offset = off;
+    /* each numel is at most PG_MAX_NUMEL (2^59), so the sum cannot wrap before it is compared */
     off = round_up(off + e->params[i]->numel, FLAT_ALIGN);
+    if (off > PG_MAX_NUMEL)
+      return pg_fail("the parameters of this stage have more than 2^59 elements (at '%s')", e->params[i]->name);
   }
   e->flat_numel = off;
   e->flat_padded = round_up(off > 0 ? off : FLAT_ALIGN, (int64_t)FLAT_ALIGN * e->ctx->data);
@@ -57,6 +61,8 @@ static int bind_params(pg_engine *e, uint64_t seed) {
   return PG_OK;
 }
 
+static int count_parameters(pg_engine *e, int64_t *n);
+
 pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is_last, uint64_t seed,
                          const pg_engine_opts *opts) {
   pg_engine *e = calloc(1, sizeof *e);
@@ -77,9 +83,10 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is
       return NULL;
     }
   }
-  if (e->opts.micro_batches < 1) {
+  /* the schedule and the per-micro-batch state are made here, O(micro_batches) */
+  if (e->opts.micro_batches < 1 || e->opts.micro_batches > PG_MAX_MICRO_BATCHES) {
     pg_engine_free(e);
-    return pg_fail_null("micro_batches must be at least 1, not %d", opts->micro_batches);
+    return pg_fail_null("micro_batches must be from 1 to %d, not %d", PG_MAX_MICRO_BATCHES, opts->micro_batches);
   }
   if (e->opts.bucket_elems <= 0) e->opts.bucket_elems = (int64_t)25 * 1024 * 1024 / 4;
   if (opts->tied_name) e->opts.tied_name = strdup(opts->tied_name);
@@ -107,6 +114,10 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is
   if (!e->act_req || !e->grad_req || !e->stage_out || !e->ios) {
     pg_engine_free(e);
     return pg_fail_null("out of memory");
+  }
+  if (count_parameters(e, &e->num_parameters)) {
+    pg_engine_free(e);
+    return NULL;
   }
   return e;
 }
@@ -138,6 +149,10 @@ void pg_engine_free(pg_engine *e) {
 
 static int ensure_capacity(pg_engine *e, int rows) {
   if (rows <= e->capacity_rows) return PG_OK;
+  int64_t sizes[3] = {e->nslots, rows, e->opts.width};
+  if (pg_size_product(3, sizes) < 0)
+    return pg_fail("pipeline buffers of %d slots x %d rows x width %d have more than 2^59 elements", e->nslots, rows,
+                   e->opts.width);
   size_t w = (size_t)e->opts.width, n = (size_t)e->nslots * rows * w;
   if (pg_module_alloc(e->stage, e->nslots, rows)) return PG_ERR;
   pg_be_release(e->be, e->stage_in);
@@ -236,11 +251,13 @@ static int share_loss(pg_engine *e, double *loss) {
 
 static int check_batch(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T, int chunks_of_m) {
   if (B < 1 || T < 1) return pg_fail("batch shape must be positive, got %d x %d", B, T);
+  if ((int64_t)B * T > INT32_MAX) return pg_fail("a batch of %d x %d tokens: at most 2^31 - 1 tokens", B, T);
   if (chunks_of_m && B % e->opts.micro_batches) {
     if (e->ctx->data > 1)
-      return pg_fail("batch %d per data rank (global batch %d over data=%d) is not divisible by micro_batches=%d: the "
-                     "global batch must be a multiple of data x micro_batches = %d",
-                     B, B * e->ctx->data, e->ctx->data, e->opts.micro_batches, e->ctx->data * e->opts.micro_batches);
+      return pg_fail("batch %d per data rank (global batch %lld over data=%d) is not divisible by micro_batches=%d: "
+                     "the global batch must be a multiple of data x micro_batches = %lld",
+                     B, (long long)B * e->ctx->data, e->ctx->data, e->opts.micro_batches,
+                     (long long)e->ctx->data * e->opts.micro_batches);
     return pg_fail("batch %d is not divisible by micro_batches=%d", B, e->opts.micro_batches);
   }
   if (check_tokens(e, tokens, (int64_t)B * T, "input token")) return PG_ERR;
@@ -385,7 +402,8 @@ int pg_engine_sync_grads(pg_engine *e) {
   return PG_OK;
 }
 
-int pg_engine_num_parameters(pg_engine *e, int64_t *n) {
+/* Every rank builds its engine, so the sum is collective here and nowhere else. */
+static int count_parameters(pg_engine *e, int64_t *n) {
   int64_t local = 0;
   for (int i = 0; i < e->nparams; i++) {
     pg_param *p = e->params[i];
@@ -404,6 +422,8 @@ int pg_engine_num_parameters(pg_engine *e, int64_t *n) {
   *n = local;
   return PG_OK;
 }
+
+int64_t pg_engine_num_parameters(const pg_engine *e) { return e->num_parameters; }
 
 pg_param *pg_engine_find_param(const pg_engine *e, const char *name) {
   for (int i = 0; i < e->nparams; i++)

@@ -28,6 +28,8 @@
 #include "pg_shm.h"
 #include "pg_tensor.h"
 
+#define PG_MAX_MICRO_BATCHES (1 << 20) /* each needs a row of the batch; the schedule is made at construction */
+
 typedef struct pg_engine_opts {
   int micro_batches;
   pg_schedule_kind schedule;
@@ -74,6 +76,7 @@ typedef struct pg_engine {
   int zero;            /* 0: replicated optimizer; 1: ZeRO-1 (gradient shards) */
   int grads_pending;   /* gradients added since the last reduction */
   int peak_in_flight;
+  int64_t num_parameters; /* of the full model, counted at construction */
   pg_engine_stats stats;
 } pg_engine;
 
@@ -100,9 +103,11 @@ int pg_engine_zero_grad(pg_engine *e);
 int pg_engine_sync_grads(pg_engine *e);
 /* This rank's ZeRO shard of the flat buffers: [*lo, *hi) (the whole buffer without ZeRO). */
 void pg_engine_shard(const pg_engine *e, int64_t *lo, int64_t *hi);
-/* Total parameters of the full (unsharded) model, computed from this rank's
- * shards: collective over the tensor and pipeline groups. */
-int pg_engine_num_parameters(pg_engine *e, int64_t *n);
+/* Total parameters of the full (unsharded) model. Not collective: counted
+ * once, when the engine is made (a sum over the tensor and pipeline groups
+ * there); a rank that asked alone used to leave the others' next collective
+ * facing this sum. */
+int64_t pg_engine_num_parameters(const pg_engine *e);
 /* The parameter of that name on this rank, or NULL. */
 pg_param *pg_engine_find_param(const pg_engine *e, const char *name);
 /* Fills this rank's shard of p from a full (host) tensor of full_rows rows

@@ -12,6 +12,7 @@
 #include <zlib.h>
 
 #include "pg_error.h"
+#include "pg_size.h"
 
 int pg_file_size(const char *path, int64_t *size) {
   struct stat st;
@@ -21,6 +22,9 @@ int pg_file_size(const char *path, int64_t *size) {
 }
 
 int pg_file_read_at(const char *path, int64_t offset, void *buf, size_t bytes) {
+  int64_t end;
+  if (offset < 0 || bytes > (size_t)INT64_MAX || pg_add_overflows(offset, (int64_t)bytes, &end))
+    return pg_fail("%s: %zu bytes at offset %lld are past any file's end", path, bytes, (long long)offset);
   int fd = open(path, O_RDONLY);
   if (fd < 0) return pg_fail("%s: %s", path, strerror(errno));
   size_t done = 0;

@@ -1,5 +1,6 @@
 #include "pg_module.h"
 
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,6 +11,7 @@
 #include "pg_comm.h"
 #include "pg_error.h"
 #include "pg_rng.h"
+#include "pg_size.h"
 
 /* ---------------------------------------------------------------- helpers */
 
@@ -58,21 +60,25 @@ static pg_module *module_new(const pg_module_ops *ops, pg_context *ctx, const ch
 static pg_param *param_make_blocks(const char *module_name, const char *suffix, int ndim, const int64_t *full_shape,
                                    int split_dim, int blocks, const int64_t *sizes, int parts, int index,
                                    pg_init_kind init, float std) {
+  /* Widths reach here as ints, a product of two or more can outgrow every
+   * buffer (and the engine adds them up): too many elements is an error. */
+  if (pg_size_product(ndim, full_shape) < 0)
+    return pg_fail_null("parameter '%s%s%s': its sizes multiply to more than 2^59 elements",
+                        module_name ? module_name : "", module_name && *module_name ? "." : "", suffix);
   pg_param *p = calloc(1, sizeof *p);
-  if (!p) return NULL;
+  if (!p) return pg_fail_null("out of memory");
   p->name = join_name(module_name, suffix);
   if (!p->name) {
     free(p);
-    return NULL;
+    return pg_fail_null("out of memory");
   }
   p->ndim = ndim;
-  p->numel = 1;
   for (int i = 0; i < ndim; i++) {
     p->full_shape[i] = full_shape[i];
     p->shape[i] = full_shape[i];
   }
   if (parts > 1) p->shape[split_dim] = full_shape[split_dim] / parts;
-  for (int i = 0; i < ndim; i++) p->numel *= p->shape[i];
+  p->numel = pg_size_product(ndim, p->shape); /* no more than the full shape's */
   p->split_dim = parts > 1 ? split_dim : -1;
   p->split_blocks = blocks > 0 ? blocks : 1;
   for (int b = 0; b < p->split_blocks; b++)
@@ -106,9 +112,7 @@ pg_param *pg_param_new(const char *name, int ndim, const int64_t *shape, pg_init
   if (ndim < 1 || ndim > PG_PARAM_MAX_DIMS) return pg_fail_null("parameter '%s': 1 to %d dimensions, not %d", name, PG_PARAM_MAX_DIMS, ndim);
   for (int i = 0; i < ndim; i++)
     if (shape[i] < 1) return pg_fail_null("parameter '%s': dimension %d has size %lld", name, i + 1, (long long)shape[i]);
-  pg_param *p = param_make(NULL, name, ndim, shape, 0, 1, 1, 0, init, std);
-  if (!p) return pg_fail_null("out of memory");
-  return p;
+  return param_make(NULL, name, ndim, shape, 0, 1, 1, 0, init, std); /* NULL: pg_error() says why */
 }
 
 pg_param *pg_param_new_split(pg_context *ctx, const char *name, int ndim, const int64_t *full_shape, int split_dim,
@@ -127,13 +131,14 @@ pg_param *pg_param_new_split(pg_context *ctx, const char *name, int ndim, const 
     if (n < 1 || n % T)
       return pg_fail_null("parameter '%s': block %d of dimension %d has %lld rows, not divisible by tensor=%d", name, b + 1,
                           split_dim + 1, (long long)n, T);
-    total += n;
+    if (pg_add_overflows(total, n, &total))
+      return pg_fail_null("parameter '%s': its blocks add up to more than 2^63", name);
   }
   if (total != full_shape[split_dim])
     return pg_fail_null("parameter '%s': its blocks add up to %lld, not the %lld of dimension %d", name, (long long)total,
                         (long long)full_shape[split_dim], split_dim + 1);
   pg_param *p = param_make_blocks(NULL, name, ndim, full_shape, split_dim, blocks, sizes, T, tp_rank(ctx), init, std);
-  if (!p) return pg_fail_null("out of memory");
+  if (!p) return NULL;
   p->replicated = T == 1;
   return p;
 }
@@ -145,7 +150,7 @@ void pg_param_free(pg_param *p) {
 }
 
 static int add_param(pg_module *m, pg_param *p) {
-  if (!p) return pg_fail("out of memory");
+  if (!p) return PG_ERR; /* its maker said why */
   pg_param **np = realloc(m->params, (size_t)(m->nparams + 1) * sizeof *np);
   if (!np) {
     pg_param_free(p);
@@ -1184,15 +1189,29 @@ pg_module *pg_custom_new(pg_context *ctx, const char *name, int in_width, int ou
 
 /* ---------------------------------------------------------------- the registry of kinds */
 
-#define DESC_INT(d, key, def) ((int)(d)->ops->integer((d), (key), (def)))
+/* An int field of a description. A value that does not fit an int is an
+ * error naming the module, the key and the value (a vocab of 2^32 + 64 was
+ * cast to 64 and built 64 rows); the first one is kept and *bad set, so that
+ * a builder reads all its fields and then returns NULL once. */
+static int desc_int(const pg_desc *d, const char *name, const char *key, int def, int *bad) {
+  int64_t v = d->ops->integer(d, key, def);
+  if (v >= INT_MIN && v <= INT_MAX) return (int)v;
+  if (!*bad)
+    pg_fail("%s: %s = %lld does not fit a C int (at most %d)", *name ? name : "module", key, (long long)v, INT_MAX);
+  *bad = 1;
+  return 0;
+}
+#define DESC_INT(d, key, def) desc_int((d), name, (key), (def), &bad)
 
 static pg_module *build_linear(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
   (void)env;
   const char *mode = d->ops->string(d, "mode", "plain");
+  int bad = 0;
   pg_linear_opts o = {.in = DESC_INT(d, "in", 0), .out = DESC_INT(d, "out", 0), .bias = d->ops->boolean(d, "bias", 1),
                       .blocks = DESC_INT(d, "blocks", 1), .gather_output = d->ops->boolean(d, "gather_output", 0),
                       .input_is_parallel = d->ops->boolean(d, "input_is_parallel", 0),
                       .init_std = (float)d->ops->number(d, "init_std", 0.02)};
+  if (bad) return NULL;
   o.mode = !strcmp(mode, "column") ? PG_LINEAR_COLUMN : !strcmp(mode, "row") ? PG_LINEAR_ROW : PG_LINEAR_PLAIN;
   int64_t sizes[PG_PARAM_MAX_BLOCKS];
   int n = d->ops->integers(d, "block_sizes", sizes, PG_PARAM_MAX_BLOCKS);
@@ -1207,36 +1226,43 @@ static pg_module *build_linear(pg_context *ctx, const char *name, const pg_desc 
 
 static pg_module *build_layernorm(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
   (void)env;
-  return pg_layernorm_new(ctx, name, DESC_INT(d, "width", 0));
+  int bad = 0, width = DESC_INT(d, "width", 0);
+  return bad ? NULL : pg_layernorm_new(ctx, name, width);
 }
 
 static pg_module *build_rmsnorm(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
   (void)env;
-  return pg_rmsnorm_new(ctx, name, DESC_INT(d, "width", 0), (float)d->ops->number(d, "eps", 1e-5));
+  int bad = 0, width = DESC_INT(d, "width", 0);
+  return bad ? NULL : pg_rmsnorm_new(ctx, name, width, (float)d->ops->number(d, "eps", 1e-5));
 }
 
 static pg_module *build_gelu(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
   (void)env;
-  return pg_gelu_new(ctx, name, DESC_INT(d, "width", 0));
+  int bad = 0, width = DESC_INT(d, "width", 0);
+  return bad ? NULL : pg_gelu_new(ctx, name, width);
 }
 
 static pg_module *build_swiglu(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
   (void)env;
-  return pg_swiglu_new(ctx, name, DESC_INT(d, "width", 0));
+  int bad = 0, width = DESC_INT(d, "width", 0);
+  return bad ? NULL : pg_swiglu_new(ctx, name, width);
 }
 
 static pg_module *build_attention(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
   (void)env;
+  int bad = 0;
   pg_attention_opts o = {.heads = DESC_INT(d, "heads", 0), .kv_heads = DESC_INT(d, "kv_heads", 0),
                          .head_dim = DESC_INT(d, "head_dim", 0), .max_seq = DESC_INT(d, "max_seq", 0),
                          .rope_theta = d->ops->number(d, "rope_theta", 0)};
-  return pg_attention_new(ctx, name, &o);
+  return bad ? NULL : pg_attention_new(ctx, name, &o);
 }
 
 static pg_module *build_embedding(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
-  pg_module *m = pg_embedding_new(ctx, name, DESC_INT(d, "vocab", 0), DESC_INT(d, "padded_vocab", 0),
-                                  DESC_INT(d, "width", 0), DESC_INT(d, "positions", 0),
-                                  (float)d->ops->number(d, "init_std", 0.02));
+  int bad = 0, vocab = DESC_INT(d, "vocab", 0), padded = DESC_INT(d, "padded_vocab", 0);
+  int width = DESC_INT(d, "width", 0), positions = DESC_INT(d, "positions", 0);
+  if (bad) return NULL;
+  pg_module *m =
+      pg_embedding_new(ctx, name, vocab, padded, width, positions, (float)d->ops->number(d, "init_std", 0.02));
   if (m && env && env->nembeddings < 8) env->embeddings[env->nembeddings++] = m;
   return m;
 }
@@ -1252,8 +1278,11 @@ static pg_module *build_lm_head(pg_context *ctx, const char *name, const pg_desc
   }
   char own[512];
   snprintf(own, sizeof own, "%s%sweight", name, *name ? "." : "");
-  return pg_lm_head_new(ctx, name, DESC_INT(d, "vocab", 0), DESC_INT(d, "padded_vocab", 0), DESC_INT(d, "width", 0), w,
-                        tie ? tie : own, tie != NULL, (float)d->ops->number(d, "init_std", 0.02));
+  int bad = 0, vocab = DESC_INT(d, "vocab", 0), padded = DESC_INT(d, "padded_vocab", 0);
+  int width = DESC_INT(d, "width", 0);
+  if (bad) return NULL;
+  return pg_lm_head_new(ctx, name, vocab, padded, width, w, tie ? tie : own, tie != NULL,
+                        (float)d->ops->number(d, "init_std", 0.02));
 }
 
 typedef pg_module *(*kind_builder)(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env);

@@ -1,5 +1,7 @@
 #include "pg_schedule.h"
 
+#include <limits.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,6 +53,8 @@ static int backward_step(builder *b, int P, int s, int i) {
 
 int pg_schedule_build(pg_schedule_kind kind, int P, int M, int s, pg_action **out, int *n) {
   if (P < 1 || M < 1 || s < 0 || s >= P) return pg_fail("schedule: bad sizes (P=%d, M=%d, stage %d)", P, M, s);
+  /* at most 6 actions per micro-batch, counted in an int (push doubles its capacity) */
+  if ((int64_t)M > INT_MAX / 8) return pg_fail("schedule: %d micro-batches are more than a schedule holds", M);
   builder b = {0};
   int rc = PG_OK;
   if (kind == PG_SCHEDULE_GPIPE) {

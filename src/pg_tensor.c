@@ -10,6 +10,7 @@
 #include <cblas.h>
 
 #include "pg_error.h"
+#include "pg_size.h"
 
 size_t pg_dtype_size(pg_dtype d) { return d == PG_BFLOAT16 ? 2 : d == PG_FLOAT64 || d == PG_INT64 ? 8 : 4; }
 
@@ -96,16 +97,26 @@ void pg_storage_release(pg_storage *s) {
   free(s);
 }
 
-int64_t pg_shape_numel(int ndim, const int64_t *shape) {
-  int64_t n = 1;
-  for (int i = 0; i < ndim; i++) n *= shape[i];
-  return n;
+int64_t pg_shape_numel(int ndim, const int64_t *shape) { return pg_size_product(ndim, shape); }
+
+/* "[2, 3]" */
+static const char *describe_shape(int ndim, const int64_t *shape, char *buf, size_t n) {
+  size_t k = (size_t)snprintf(buf, n, "[");
+  for (int i = 0; i < ndim && k < n; i++)
+    k += (size_t)snprintf(buf + k, n - k, i ? ", %lld" : "%lld", (long long)shape[i]);
+  if (k < n) snprintf(buf + k, n - k, "]");
+  return buf;
 }
 
 static int check_shape(int ndim, const int64_t *shape) {
   if (ndim < 0 || ndim > PG_MAX_DIMS) return pg_fail("a tensor has 0 to %d dimensions, not %d", PG_MAX_DIMS, ndim);
   for (int i = 0; i < ndim; i++)
     if (shape[i] < 0) return pg_fail("dimension %d has negative size %lld", i + 1, (long long)shape[i]);
+  if (pg_size_product(ndim, shape) < 0) {
+    char b[256];
+    return pg_fail("a tensor of shape %s is too large: its sizes (other than 0) multiply to more than 2^59 elements",
+                   describe_shape(ndim, shape, b, sizeof b));
+  }
   return PG_OK;
 }
 
@@ -122,7 +133,11 @@ int pg_tensor_init(pg_tensor *t, pg_dtype dtype, int ndim, const int64_t *shape)
   if (check_shape(ndim, shape)) return PG_ERR;
   set_shape(t, dtype, ndim, shape);
   t->storage = pg_storage_new((size_t)t->numel * pg_dtype_size(dtype), PG_CPU);
-  if (!t->storage) return PG_ERR;
+  if (!t->storage) {
+    char b[256], m[512];
+    snprintf(m, sizeof m, "%s", pg_error());
+    return pg_fail("a tensor of shape %s %s: %s", describe_shape(ndim, shape, b, sizeof b), pg_dtype_name(dtype), m);
+  }
   t->device = PG_CPU;
   return PG_OK;
 }
@@ -132,7 +147,8 @@ int pg_tensor_init_view(pg_tensor *t, pg_storage *s, size_t offset, pg_dtype dty
   memset(t, 0, sizeof *t);
   if (check_shape(ndim, shape)) return PG_ERR;
   set_shape(t, dtype, ndim, shape);
-  if ((offset + (size_t)t->numel) * pg_dtype_size(dtype) > s->bytes)
+  size_t room = s->bytes / pg_dtype_size(dtype); /* elements; compared without adding, which could wrap */
+  if (offset > room || (size_t)t->numel > room - offset)
     return pg_fail("view of %lld elements at offset %zu overruns a storage of %zu bytes", (long long)t->numel,
                    offset, s->bytes);
   pg_storage_retain(s);
@@ -164,9 +180,16 @@ int pg_shape_equal(const pg_tensor *a, const pg_tensor *b) {
 
 static int check_narrow(const pg_tensor *t, int dim, int64_t start, int64_t len) {
   if (dim < 0 || dim >= t->ndim) return pg_fail("narrow: dimension %d out of range for a %d-d tensor", dim + 1, t->ndim);
-  if (start < 0 || len < 0 || start + len > t->shape[dim])
+  /* start + len could wrap around (len = math.maxinteger): compare with what is left after start */
+  int64_t end;
+  if (start < 0 || len < 0 || start > t->shape[dim] || len > t->shape[dim] - start) {
+    if (len < 0) return pg_fail("narrow: length %lld is negative (dimension %d)", (long long)len, dim + 1);
+    if (pg_add_overflows(start, len, &end)) /* start + 1 fits: start + len overflowed with len > 0 */
+      return pg_fail("narrow: %lld elements from element %lld out of range for dimension %d of size %lld",
+                     (long long)len, (long long)start + 1, dim + 1, (long long)t->shape[dim]);
     return pg_fail("narrow: elements %lld..%lld out of range for dimension %d of size %lld", (long long)start + 1,
-                   (long long)(start + len), dim + 1, (long long)t->shape[dim]);
+                   (long long)end, dim + 1, (long long)t->shape[dim]);
+  }
   return PG_OK;
 }
 
@@ -202,10 +225,11 @@ int pg_tensor_narrow_copy(pg_tensor *out, const pg_tensor *t, int dim, int64_t s
 
 int pg_tensor_reshape_view(pg_tensor *out, const pg_tensor *t, int ndim, const int64_t *shape) {
   if (check_shape(ndim, shape)) return PG_ERR;
-  if (pg_shape_numel(ndim, shape) != t->numel) {
+  int64_t n = pg_shape_numel(ndim, shape); /* -1: too many to count (check_shape said so) */
+  if (n != t->numel) {
     char b[128];
-    return pg_fail("reshape: %lld elements cannot be viewed as %lld (tensor %s)", (long long)t->numel,
-                   (long long)pg_shape_numel(ndim, shape), pg_tensor_describe(t, b, sizeof b));
+    return pg_fail("reshape: %lld elements cannot be viewed as %lld (tensor %s)", (long long)t->numel, (long long)n,
+                   pg_tensor_describe(t, b, sizeof b));
   }
   return pg_tensor_init_view(out, t->storage, t->offset, t->dtype, ndim, shape);
 }
@@ -489,6 +513,28 @@ int pg_tensor_copy(pg_tensor *dst, const pg_tensor *src) {
     }                                                                                                      \
   } while (0)
 
+/* int32 arithmetic wraps around modulo 2^32, as torch's and numpy's do: the
+ * sums are taken in uint32_t (signed overflow is undefined in C). */
+static int32_t i32_op(pg_binop op, int32_t x, int32_t y) {
+  switch (op) {
+  case PG_OP_ADD: return (int32_t)((uint32_t)x + (uint32_t)y);
+  case PG_OP_SUB: return (int32_t)((uint32_t)x - (uint32_t)y);
+  case PG_OP_MUL: return (int32_t)((uint32_t)x * (uint32_t)y);
+  case PG_OP_DIV: return x / y; /* the caller refused y == 0 and INT32_MIN / -1 */
+  case PG_OP_MAX: return x > y ? x : y;
+  case PG_OP_MIN: return x < y ? x : y;
+  }
+  return 0;
+}
+
+/* Integer division that C leaves undefined (x86 traps on both: SIGFPE). */
+static int check_i32_div(int32_t x, int32_t y, int64_t i) {
+  if (y == 0) return pg_fail("integer division by zero at element %lld", (long long)i + 1);
+  if (y == -1 && x == INT32_MIN)
+    return pg_fail("integer division overflow at element %lld: %d / -1 does not fit an int32", (long long)i + 1, x);
+  return PG_OK;
+}
+
 /* b broadcasts to a's shape (numpy rules, aligned right, size-1 dims repeat):
  * fills per-dimension strides of b over a's index space. */
 static int broadcast_strides(const pg_tensor *a, const pg_tensor *b, int64_t *bstride) {
@@ -568,9 +614,15 @@ int pg_tensor_binop(pg_tensor *out, const pg_tensor *a, const pg_tensor *b, pg_b
     int64_t bstride[PG_MAX_DIMS];
     if (broadcast_strides(a, b, bstride))
       return pg_fail("shapes differ: %s vs %s", pg_tensor_describe(a, da, sizeof da), pg_tensor_describe(b, db, sizeof db));
-    if (a->dtype == PG_INT32 && op == PG_OP_DIV)
-      for (int64_t i = 0; i < b->numel; i++)
-        if (pg_tensor_i32(b)[i] == 0) return pg_fail("integer division by zero at element %lld", (long long)i + 1);
+    if (a->dtype == PG_INT32) {
+      const int32_t *x = pg_tensor_i32(a), *y = pg_tensor_i32(b);
+      if (op == PG_OP_DIV)
+        for (int64_t i = 0; i < n; i++)
+          if (check_i32_div(x[i], y[broadcast_index(a, bstride, i)], i)) return PG_ERR;
+      int32_t *o = pg_tensor_i32(out);
+      for (int64_t i = 0; i < n; i++) o[i] = i32_op(op, x[i], y[broadcast_index(a, bstride, i)]);
+      return PG_OK;
+    }
     for (int64_t i = 0; i < n; i++)
       pg_tensor_set_flat(out, i, apply_op(op, pg_tensor_get_flat(a, i), pg_tensor_get_flat(b, broadcast_index(a, bstride, i))));
     return PG_OK;
@@ -584,8 +636,10 @@ int pg_tensor_binop(pg_tensor *out, const pg_tensor *a, const pg_tensor *b, pg_b
     const int32_t *x = pg_tensor_i32(a), *y = pg_tensor_i32(b);
     if (op == PG_OP_DIV)
       for (int64_t i = 0; i < n; i++)
-        if (y[i] == 0) return pg_fail("integer division by zero at element %lld", (long long)i + 1);
-    BINOP_LOOP(int32_t, o, x, y, n, op);
+        if (check_i32_div(x[i], y[i], i)) return PG_ERR;
+    if (op == PG_OP_MAX || op == PG_OP_MIN) BINOP_LOOP(int32_t, o, x, y, n, op);
+    else
+      for (int64_t i = 0; i < n; i++) o[i] = i32_op(op, x[i], y[i]);
   } else {
     return pg_fail("elementwise ops support float32 and int32, not %s", pg_dtype_name(a->dtype));
   }
@@ -644,8 +698,24 @@ double pg_tensor_get_flat(const pg_tensor *t, int64_t i) {
   return f;
 }
 
+/* A double as int32 without undefined behaviour: truncated toward zero, then
+ * wrapped modulo 2^32 as int32 arithmetic wraps (an int32 sum that outgrew
+ * the type); NaN and magnitudes past 2^63 become 0. Values from users are
+ * checked before they get here (pg_dtype_check_value). */
+static int32_t i32_from_double(double v) {
+  if (!(v > -9.2e18 && v < 9.2e18)) return 0;
+  return (int32_t)(uint32_t)(uint64_t)(int64_t)v;
+}
+
+int pg_dtype_check_value(pg_dtype d, double v) {
+  if (d != PG_INT32) return PG_OK; /* floats take any number: out-of-range values round to inf, as in torch */
+  if (v != v || v != floor(v)) return pg_fail("%.15g is not an integer: an int32 element needs one", v);
+  if (v < INT32_MIN || v > INT32_MAX) return pg_fail("%.15g does not fit an int32 element (-2^31 to 2^31 - 1)", v);
+  return PG_OK;
+}
+
 void pg_tensor_set_flat(pg_tensor *t, int64_t i, double v) {
-  if (t->dtype == PG_INT32) pg_tensor_i32(t)[i] = (int32_t)v;
+  if (t->dtype == PG_INT32) pg_tensor_i32(t)[i] = i32_from_double(v);
   else if (t->dtype == PG_FLOAT32) pg_tensor_f32(t)[i] = (float)v;
   else {
     float f = (float)v;

@@ -47,6 +47,9 @@ typedef struct pg_tensor {
 size_t pg_dtype_size(pg_dtype d);
 const char *pg_dtype_name(pg_dtype d);
 int pg_dtype_from_name(const char *name, pg_dtype *out); /* PG_OK or PG_ERR */
+/* Whether v can be stored as an element of dtype d: an int32 element needs an
+ * integer in [-2^31, 2^31); floats take any number. PG_ERR names the value. */
+int pg_dtype_check_value(pg_dtype d, double v);
 const char *pg_device_name(pg_device d);
 
 /* `bytes` zeroed bytes for a large runtime buffer (free() releases them):
@@ -63,7 +66,8 @@ pg_storage *pg_storage_wrap(void *data, size_t bytes, pg_device device, int devi
 void pg_storage_retain(pg_storage *s);
 void pg_storage_release(pg_storage *s);
 
-/* New zeroed tensor with its own storage. */
+/* New zeroed tensor with its own storage; a shape too large (pg_shape_numel)
+ * or memory that cannot be had is an error naming the shape. */
 int pg_tensor_init(pg_tensor *t, pg_dtype dtype, int ndim, const int64_t *shape);
 /* A tensor over an existing storage at `offset` elements (adds a reference). */
 int pg_tensor_init_view(pg_tensor *t, pg_storage *s, size_t offset, pg_dtype dtype, int ndim,
@@ -79,6 +83,10 @@ static inline int32_t *pg_tensor_i32(const pg_tensor *t) { return (int32_t *)pg_
 /* Writes "[2, 3] float32" into buf. */
 const char *pg_tensor_describe(const pg_tensor *t, char *buf, size_t n);
 int pg_shape_equal(const pg_tensor *a, const pg_tensor *b);
+/* Elements of a shape, or -1 when it is too large for a tensor (pg_size.h:
+ * more than PG_MAX_NUMEL, counting the nonzero sizes). Every tensor has a
+ * shape that passed this, so products of its sizes and indices below its
+ * numel fit int64 and size_t. */
 int64_t pg_shape_numel(int ndim, const int64_t *shape);
 
 /* out = a view of rows [start, start+len) along `dim` when that is contiguous

@@ -38,6 +38,10 @@ function optim.AdamW(engine, o)
   return self
 end
 
+-- Collective (every rank of the context): step, grad_norm, clip_grad_norm
+-- (they run pending gradient reductions and sum the norm over the groups).
+-- Local: the constructor, zero_grad, set_lr, get_lr, hparams, state_dict,
+-- load_state_dict, memory.
 function AdamW:step() self.c:step() end
 function AdamW:zero_grad() self.engine:zero_grad() end
 function AdamW:grad_norm() return self.c:grad_norm() end

@@ -2,6 +2,16 @@
 -- Cuts the model's top-level sequence into pipeline stages, describes this
 -- rank's stage (sharded for tensor parallelism) and builds it in C. The
 -- engine object here is a thin Lua face over the C engine.
+--
+-- Collective methods (every rank of the context calls them, in the same
+-- order): pg.parallelize itself, forward_backward, loss, forward,
+-- sync_grads, gather_to_root, save_llmc, save_hf. Every other method is
+-- local to the rank and may be called on one rank alone: zero_grad,
+-- parameters, grads, parameter, num_parameters (counted when the engine is
+-- built), memory, partition, stats, reset_stats, schedule_actions and
+-- load_weights (each rank reads the file itself). A rank that skips a
+-- collective leaves the others waiting: they end the job after
+-- PG_COLLECTIVE_TIMEOUT seconds, naming it.
 local core = require "pipegoose.core"
 local nn = require "pipegoose.nn"
 local opt = require "pipegoose.options"
@@ -188,7 +198,7 @@ end
 
 local FORWARD_BACKWARD = { grad_scale = opt.number{ default = 1 }, sync = opt.boolean{ default = true } }
 
---- engine:forward_backward(inputs, targets [, {grad_scale = 1, sync = true}]) -> loss
+--- engine:forward_backward(inputs, targets [, {grad_scale = 1, sync = true}]) -> loss  (collective)
 function Engine:forward_backward(inputs, targets, opts)
   opts = opt.check("forward_backward", opts, FORWARD_BACKWARD)
   -- C calls through pcall: their errors (a bad batch) name the user's line, not this file's
@@ -197,22 +207,22 @@ function Engine:forward_backward(inputs, targets, opts)
   return loss
 end
 
---- engine:loss(inputs, targets) -> mean token loss (no gradients)
+--- engine:loss(inputs, targets) -> mean token loss (no gradients)  (collective)
 function Engine:loss(inputs, targets)
   local ok, loss = pcall(self.c.evaluate, self.c, inputs, targets, false)
   if not ok then error(loss, 2) end
   return loss
 end
 
---- engine:forward(inputs) -> logits [B, T, vocab] on every rank
+--- engine:forward(inputs) -> logits [B, T, vocab] on every rank  (collective)
 function Engine:forward(inputs)
   local ok, res, logits = pcall(self.c.evaluate, self.c, inputs, nil, true)
   if not ok then error(res, 2) end
   return logits
 end
 
-function Engine:zero_grad() self.c:zero_grad() end
-function Engine:sync_grads() self.c:sync_grads() end
+function Engine:zero_grad() self.c:zero_grad() end -- local
+function Engine:sync_grads() self.c:sync_grads() end -- collective (data and embedding groups)
 
 --- This rank's parameters: { name=, shape=, full_shape=, split=, tensor=, grad=, ... } in flat order.
 function Engine:parameters()
@@ -230,10 +240,9 @@ function Engine:parameter(name)
   for _, p in ipairs(self:parameters()) do if p.name == name then return p end end
 end
 
-function Engine:num_parameters()
-  if not self._.nparams then self._.nparams = self.c:num_parameters() end
-  return self._.nparams
-end
+--- Parameters of the whole (unsharded) model. Local: counted when the engine
+-- was built (printing it on rank 0 alone used to break the next step).
+function Engine:num_parameters() return self.c:num_parameters() end
 
 --- What this rank holds, in bytes.
 function Engine:memory()
@@ -279,7 +288,7 @@ function Engine:load_param(name, full) self.c:load_param(name, full) end
 -- Collective over the tensor group of the stage that holds it.
 function Engine:gather_param(name, grad) return self.c:gather_param(name, grad) end
 
---- engine:gather_to_root(name, convert, shape) -> on rank 0, convert(the full
+--- (collective) engine:gather_to_root(name, convert, shape) -> on rank 0, convert(the full
 -- parameter), a tensor of `shape`; nil elsewhere. Collective over all ranks:
 -- the first stage that holds the parameter (the tied embedding's original)
 -- gathers it over its tensor group, converts it, and its (dp = 0, tp = 0)
@@ -309,6 +318,7 @@ function Engine:gather_to_root(name, convert, shape)
 end
 
 --- Loads weights given by the model spec (pg.nn.GPT.load_llmc and pg.nn.from_hf set them).
+-- Local: each rank reads the file and keeps its shard.
 function Engine:load_weights(w)
   if w.format == "llmc" then require("pipegoose.llmc").load_into(self, w.path)
   elseif w.format == "hf" then require("pipegoose.hf").load_into(self, w.path)
@@ -318,7 +328,7 @@ end
 --- Writes the model as an llm.c GPT-2 file (collective; rank 0 writes).
 function Engine:save_llmc(path) require("pipegoose.llmc").save_from(self, path) end
 
---- Writes the model as a Hugging Face directory that transformers'
+--- (collective) Writes the model as a Hugging Face directory that transformers'
 -- from_pretrained loads (collective; rank 0 writes).
 function Engine:save_hf(dir) require("pipegoose.hf").save_from(self, dir) end
 
