@@ -18,12 +18,13 @@ local function job(n, code, env)
   return rc, out, path
 end
 
--- A line "[rank r] ..." containing every string of `parts` (plain text).
+-- Rank r's error report ("[rank r] ..." or "[ranks 0-1] ..." for ranks that
+-- failed alike, pglua's one report per job) contains every string of `parts`.
 local function printed(out, r, parts)
-  for line in out:gmatch("[^\n]+") do
-    if line:find("[rank " .. r .. "]", 1, true) == 1 then
+  for _, rep in ipairs(h.reports(out)) do
+    if rep.ranks[r] then
       local all = true
-      for _, p in ipairs(parts) do all = all and line:find(p, 1, true) ~= nil end
+      for _, p in ipairs(parts) do all = all and rep.text:find(p, 1, true) ~= nil end
       if all then return true end
     end
   end
