@@ -125,7 +125,7 @@ describe("model options", function()
 
   it("engine options past int are refused", function()
     assert_error("pg.parallelize(" .. GPT:format("61") .. ", pg.ParallelContext{}, { micro_batches = (1 << 32) + 1 })",
-      "micro_batches' must be an integer from")
+      "micro_batches must be a positive integer below 2^31, got 4294967297")
     -- fits an int, but the schedule of 2^31 - 1 micro-batches was built at construction (it ran for ever)
     assert_error("pg.parallelize(" .. GPT:format("61") .. ", pg.ParallelContext{}, { micro_batches = (1 << 31) - 1 })",
       "micro_batches must be from 1 to 1048576, not 2147483647")
