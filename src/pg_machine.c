@@ -34,22 +34,17 @@ const char *pg_machine_blas_core(void) {
 }
 
 void pg_machine_features(char *buf, size_t n) {
-  static const char *const names[] = {"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512bf16", NULL};
   __builtin_cpu_init();
+  /* __builtin_cpu_supports takes a string literal: one row per feature */
+  const struct {
+    const char *name;
+    int has;
+  } f[] = {{"avx", __builtin_cpu_supports("avx")},           {"avx2", __builtin_cpu_supports("avx2")},
+           {"fma", __builtin_cpu_supports("fma")},           {"avx512f", __builtin_cpu_supports("avx512f")},
+           {"avx512bw", __builtin_cpu_supports("avx512bw")}, {"avx512vl", __builtin_cpu_supports("avx512vl")},
+           {"avx512bf16", __builtin_cpu_supports("avx512bf16")}};
   size_t len = 0;
   if (n) buf[0] = '\0';
-  for (int i = 0; names[i]; i++) {
-    int has = 0;
-    /* __builtin_cpu_supports takes a string literal */
-    switch (i) {
-    case 0: has = __builtin_cpu_supports("avx"); break;
-    case 1: has = __builtin_cpu_supports("avx2"); break;
-    case 2: has = __builtin_cpu_supports("fma"); break;
-    case 3: has = __builtin_cpu_supports("avx512f"); break;
-    case 4: has = __builtin_cpu_supports("avx512bw"); break;
-    case 5: has = __builtin_cpu_supports("avx512vl"); break;
-    case 6: has = __builtin_cpu_supports("avx512bf16"); break;
-    }
-    if (has && len < n) len += (size_t)snprintf(buf + len, n - len, "%s%s", len ? " " : "", names[i]);
-  }
+  for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
+    if (f[i].has && len < n) len += (size_t)snprintf(buf + len, n - len, "%s%s", len ? " " : "", f[i].name);
 }

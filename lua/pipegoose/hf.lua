@@ -254,7 +254,6 @@ end
 
 local function shape_text(s) return "[" .. table.concat(s, ", ") .. "]" end
 
-local function layout_of(arch, o) return arch.layout(o) end
 
 --- Loads a model directory's weights into the engine (each rank its shards).
 function M.load_into(engine, dir)
@@ -263,7 +262,7 @@ function M.load_into(engine, dir)
   local where = open_weights(dir)
   local have = {}
   for _, p in ipairs(engine:parameters()) do have[p.name] = true end
-  for _, e in ipairs(layout_of(arch, o)) do
+  for _, e in ipairs(arch.layout(o)) do
     if have[e.pg] then
       local pieces = {}
       for i, part in ipairs(e.parts) do
@@ -323,7 +322,7 @@ local function file_name(arch, e, part) return e.top and part.hf or arch.prefix 
 -- gives an entry's tensors as transformers stores them (one per part).
 local function write_dir(arch, cfg, dir, tensors)
   local entries = {}
-  for _, e in ipairs(layout_of(arch, cfg)) do
+  for _, e in ipairs(arch.layout(cfg)) do
     local ts = tensors(e)
     for i, part in ipairs(e.parts) do entries[#entries + 1] = { name = file_name(arch, e, part), tensor = ts[i] } end
   end
@@ -338,7 +337,7 @@ function M.save_from(engine, dir)
   local cfg = engine.config or {}
   local arch = arch_of(cfg, "save_hf")
   local converted = {}
-  for _, e in ipairs(layout_of(arch, cfg)) do
+  for _, e in ipairs(arch.layout(cfg)) do
     -- one tensor crosses to rank 0: the parts concatenated (as pipegoose holds them), cut there
     local rows = 0
     for _, part in ipairs(e.parts) do rows = rows + part.shape[1] end
