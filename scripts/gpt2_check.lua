@@ -16,23 +16,9 @@ local llmc = require "pipegoose.llmc"
 
 local argparse = require "argparse"
 local p = argparse("gpt2_check.lua", "Check pipegoose's GPT-2 against a PyTorch reference (llm.c files).")
-local function to_int(s) return math.tointeger(tonumber(s)) end
 p:argument("model", "llm.c model file.")
 p:argument("state", "llm.c debug state file.")
-p:option("--steps", "AdamW steps on the same batch.", "0"):convert(to_int)
-p:option("--lr", "Learning rate.", "1e-3"):convert(tonumber)
-p:option("--beta1", "AdamW beta1.", "0.9"):convert(tonumber)
-p:option("--beta2", "AdamW beta2.", "0.95"):convert(tonumber)
-p:option("--eps", "AdamW eps.", "1e-8"):convert(tonumber)
-p:option("--weight-decay", "Decoupled weight decay.", "0.1"):convert(tonumber)
-p:option("--clip", "Clip the global gradient norm to this (0: none).", "0"):convert(tonumber)
-p:option("--tensor", "Tensor-parallel size.", "1"):convert(to_int)
-p:option("--pipeline", "Pipeline stages.", "1"):convert(to_int)
-p:option("--data", "Data-parallel size.", "1"):convert(to_int)
-p:option("--micro-batches", "Micro-batches per step.", "1"):convert(to_int)
-p:option("--schedule", "Pipeline schedule.", "1f1b"):choices{ "1f1b", "gpipe" }
-p:option("--zero", "ZeRO stage.", "0"):convert(to_int)
-p:option("--device", "cpu, cuda or cuda:N.", "cpu")
+dofile((arg[0]:match("^(.*/)") or "./") .. "check_options.lua")(p)
 local opt = p:parse()
 local model_path, state_path = opt.model, opt.state
 

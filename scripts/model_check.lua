@@ -23,25 +23,11 @@ local pg = require "pipegoose"
 local argparse = require "argparse"
 
 local p = argparse("model_check.lua", "Train a Hugging Face model directory on one fixed batch; print the losses.")
-local function to_int(s) return math.tointeger(tonumber(s)) end
+local to_int = dofile((arg[0]:match("^(.*/)") or "./") .. "check_options.lua")(p, { steps = "10" })
 p:option("--hf", "A transformers model directory."):count(1)
 p:option("--tokens", "An llm.c token shard."):count(1)
 p:option("--batch", "B windows of T + 1 tokens.", "4"):convert(to_int)
 p:option("--seq-len", "T (default: the model's positions)."):convert(to_int)
-p:option("--steps", "AdamW steps.", "10"):convert(to_int)
-p:option("--lr", "Learning rate.", "1e-3"):convert(tonumber)
-p:option("--beta1", "AdamW beta1.", "0.9"):convert(tonumber)
-p:option("--beta2", "AdamW beta2.", "0.95"):convert(tonumber)
-p:option("--eps", "AdamW eps.", "1e-8"):convert(tonumber)
-p:option("--weight-decay", "Decoupled weight decay (tensors of 2+ dimensions).", "0.1"):convert(tonumber)
-p:option("--clip", "Clip the global gradient norm to this (0: no clipping).", "0"):convert(tonumber)
-p:option("--tensor", "Tensor-parallel size.", "1"):convert(to_int)
-p:option("--pipeline", "Pipeline stages.", "1"):convert(to_int)
-p:option("--data", "Data-parallel size.", "1"):convert(to_int)
-p:option("--micro-batches", "Micro-batches per step.", "1"):convert(to_int)
-p:option("--schedule", "Pipeline schedule.", "1f1b"):choices{ "1f1b", "gpipe" }
-p:option("--zero", "ZeRO stage.", "0"):convert(to_int)
-p:option("--device", "cpu, cuda or cuda:N.", "cpu")
 p:option("--save-hf", "Write the trained model there and print its final loss.")
 local opt = p:parse()
 

@@ -1,0 +1,23 @@
+-- The options the check scripts share (gpt2_check.lua, model_check.lua): the
+-- AdamW steps on one batch and the parallel layout they run in.
+--   dofile(dir .. "check_options.lua")(parser, {steps = "10", weight_decay_help = "..."})
+-- adds them to a lua-argparse parser.
+return function(p, o)
+  o = o or {}
+  local function to_int(s) return math.tointeger(tonumber(s)) end
+  p:option("--steps", "AdamW steps on the same batch.", o.steps or "0"):convert(to_int)
+  p:option("--lr", "Learning rate.", "1e-3"):convert(tonumber)
+  p:option("--beta1", "AdamW beta1.", "0.9"):convert(tonumber)
+  p:option("--beta2", "AdamW beta2.", "0.95"):convert(tonumber)
+  p:option("--eps", "AdamW eps.", "1e-8"):convert(tonumber)
+  p:option("--weight-decay", "Decoupled weight decay (tensors of 2+ dimensions).", "0.1"):convert(tonumber)
+  p:option("--clip", "Clip the global gradient norm to this (0: no clipping).", "0"):convert(tonumber)
+  p:option("--tensor", "Tensor-parallel size.", "1"):convert(to_int)
+  p:option("--pipeline", "Pipeline stages.", "1"):convert(to_int)
+  p:option("--data", "Data-parallel size.", "1"):convert(to_int)
+  p:option("--micro-batches", "Micro-batches per step.", "1"):convert(to_int)
+  p:option("--schedule", "Pipeline schedule.", "1f1b"):choices{ "1f1b", "gpipe" }
+  p:option("--zero", "ZeRO stage.", "0"):convert(to_int)
+  p:option("--device", "cpu, cuda or cuda:N.", "cpu")
+  return to_int
+end
