@@ -156,7 +156,7 @@ return {
     from = "if crc ~= rec.crc32 then", to = "if false then",
     specs = { "unit/checkpoint" }, why = "a corrupt file is loaded" },
   { name = "optimizer-step-not-restored", file = "lua/pipegoose/checkpoint.lua",
-    from = "    opt.c:set_step(manifest.optimizer.step)\n", to = "",
+    from = "    opt:set_step(manifest.optimizer.step)\n", to = "",
     specs = { "unit/checkpoint", "dist/checkpoint" }, why = "resumed AdamW restarts its bias correction" },
   ------------------------------------------------------------------ Trainer and callbacks
   { name = "should-validate-not-combined", file = "lua/pipegoose/trainer.lua",

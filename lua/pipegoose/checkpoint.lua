@@ -1201,7 +1201,7 @@ local function write_sharded(trainer, dir)
     write(M.params_file(tp, pp), "params", entries, slices)
   end
   if real_optimizer(opt) and (opt.zero == 1 or dp == 0) then
-    local s = opt.c:state()
+    local s = opt:shard_state()
     local entries, slices = {}, {}
     for _, p in ipairs(params) do
       local n = numel(p.shape)
@@ -1373,7 +1373,7 @@ local function load_sharded(trainer, dir, manifest)
   elseif not has_optim or not manifest.optimizer or manifest.optimizer.type ~= "AdamW" then
     weights_only = "the checkpoint holds no AdamW state"
   else
-    local s = opt.c:state()
+    local s = opt:shard_state()
     for _, p in ipairs(params) do
       local n = numel(p.shape)
       local a, b = math.max(p.offset, s.lo), math.min(p.offset + n, s.hi)
@@ -1396,7 +1396,7 @@ local function load_sharded(trainer, dir, manifest)
 
   local header_of = header_reader(dir)
   local function full_of(prefix, step) return assemble(dir, step.pieces, prefix, step.p.name, header_of) end
-  local s = real_optimizer(opt) and opt.c:state() or nil
+  local s = real_optimizer(opt) and opt:shard_state() or nil
   local resliced = false
   for _, step in ipairs(plan) do
     local p = step.p
@@ -1426,8 +1426,8 @@ local function load_sharded(trainer, dir, manifest)
     end
   end
   if not weights_only then
-    opt.c:set_step(manifest.optimizer.step)
-    opt.c:hparams(manifest.optimizer.hparams)
+    opt:set_step(manifest.optimizer.step)
+    opt:set_hparams(manifest.optimizer.hparams)
   end
   return weights_only, resliced
 end
@@ -1495,8 +1495,8 @@ end
 
 local function optimizer_info(opt)
   if real_optimizer(opt) then
-    local s = opt.c:state()
-    return { type = "AdamW", step = s.step, zero = opt.zero, hparams = opt.c:hparams() }
+    local s = opt:shard_state()
+    return { type = "AdamW", step = s.step, zero = opt.zero, hparams = opt:hparams() }
   end
   if opt ~= nil then return { type = "lua" } end
   return nil
@@ -1506,11 +1506,6 @@ end
 -- tensor_state and data_ranks are added by save()).
 function M.manifest(trainer)
   local st = trainer.state
-  local cbs = {}
-  for key, i in pairs(trainer._state_keys or {}) do
-    local cb = trainer.callbacks[i]
-    if cb.state_dict then cbs[key] = cb:state_dict() end
-  end
   local data = trainer.train_data
   local ctx = trainer.ctx
   return {
@@ -1518,10 +1513,10 @@ function M.manifest(trainer)
     format_version = M.FORMAT_VERSION,
     step = st.step,
     epoch = st.epoch,
-    counters = trainer:_counters(),
-    lr = { base_lr = trainer._base_lr, last_lr = st.lr, schedule_step = st.step, total_steps = st.lr_total_steps },
+    counters = trainer:counters(),
+    lr = trainer:lr_state(),
     metrics = copy(st.metrics),
-    callbacks = cbs,
+    callbacks = trainer.callback_handler:state_dict(),
     data = data and data.state_dict and data:state_dict() or nil,
     model = type(trainer.engine.config) == "table" and copy(trainer.engine.config) or nil,
     layout = M.layout(trainer),
@@ -1583,7 +1578,7 @@ function M.save(trainer, dir)
   end
   barrier(trainer)
   local manifest = M.manifest(trainer)
-  trainer:_call("on_save_checkpoint", manifest, dir)
+  trainer:call_hook("on_save_checkpoint", manifest, dir)
   local desc = M.save_tensor_state(trainer, tmp)
   test_kill_point(trainer)
   -- every rank's file records and data position to rank 0 (pg.file.write
@@ -1719,11 +1714,8 @@ function M.load(trainer, path)
       st.world_size), 0)
   end
   M.load_tensor_state(trainer, dir, manifest)
-  trainer:_restore_counters(manifest.counters)
-  trainer._base_lr = manifest.lr.base_lr
-  st.lr = manifest.lr.last_lr
-  -- the schedule's horizon when it was saved (the Trainer's lr_horizon decides)
-  trainer._checkpoint_lr_total = manifest.lr.total_steps
+  trainer:restore_counters(manifest.counters)
+  trainer:load_lr_state(manifest.lr)
   st.metrics = manifest.metrics
   local data = trainer.train_data
   local dstate = manifest.data
@@ -1737,12 +1729,8 @@ function M.load(trainer, path)
     trainer:print(("checkpoint: %s was saved with seed=%s; this trainer has seed=%s"):format(dir,
       tostring(rng.trainer_seed), tostring(trainer.seed)))
   end
-  trainer:_call("on_load_checkpoint", manifest)
-  local states = manifest.callbacks or {}
-  for key, i in pairs(trainer._state_keys or {}) do
-    local cb = trainer.callbacks[i]
-    if states[key] ~= nil and cb.load_state_dict then cb:load_state_dict(states[key]) end
-  end
+  trainer:call_hook("on_load_checkpoint", manifest)
+  trainer.callback_handler:load_state_dict(manifest.callbacks or {})
   return manifest, dir
 end
 

@@ -18,6 +18,7 @@ pg.sample = require "pipegoose.sample"
 -- Trainer, callbacks, LR schedules, checkpoints and test fakes (plain Lua).
 local callbacks = require "pipegoose.callbacks"
 pg.Trainer = require "pipegoose.trainer"
+pg.CallbackHandler = require "pipegoose.callback_handler"
 pg.Callback, pg.callbacks, pg.rank_zero_only = callbacks.Callback, callbacks.builtins, callbacks.rank_zero_only
 pg.lr = require "pipegoose.lr"
 pg.checkpoint = require "pipegoose.checkpoint"

@@ -63,6 +63,25 @@ end
 function AdamW:get_lr() return self.c:hparams().lr end
 function AdamW:hparams() return self.c:hparams() end
 
+--- Sets hyperparameters (any of lr, beta1, beta2, eps, weight_decay).
+function AdamW:set_hparams(h)
+  local ok, err = pcall(self.c.hparams, self.c, h)
+  if not ok then error(err, 2) end
+end
+
+--- Sets the step count (bias correction continues from it).
+function AdamW:set_step(step)
+  local ok, err = pcall(self.c.set_step, self.c, step)
+  if not ok then error(err, 2) end
+end
+
+--- This rank's shard as it lives in the optimizer: { lo, hi (0-based flat
+-- slice [lo, hi)), step, m, v } with m and v views of the live moments
+-- (writing them changes the optimizer; state_dict() gives copies).
+function AdamW:shard_state()
+  return self.c:state()
+end
+
 --- State of this rank's shard: which slice of the flat buffer it holds
 -- (0-based [lo, hi)), the step count, hyperparameters, and copies of m and v.
 function AdamW:state_dict()

@@ -230,6 +230,10 @@ function Engine:parameters()
   return self._.params
 end
 
+--- This rank's flat buffers: parameters and gradients, one tensor each
+-- (views: every parameter's tensor and grad is a piece of them, in flat order).
+function Engine:flat() return self.c:flat() end
+
 function Engine:grads()
   local out = {}
   for i, p in ipairs(self:parameters()) do out[i] = { name = p.name, shape = p.shape, tensor = p.grad } end

@@ -7,6 +7,7 @@
 -- ranks (one all_reduce per step when the engine has a context with more
 -- than one rank), so the trainer runs under busted with pg.testing's fakes.
 local callbacks = require "pipegoose.callbacks"
+local CallbackHandler = require "pipegoose.callback_handler"
 
 local Trainer = {}
 Trainer.__index = Trainer
@@ -181,7 +182,10 @@ function Trainer.new(opts)
     fail(3, "combine must be a function(values, trainer) -> values")
   end
 
-  self:_init_callbacks(opts.callbacks or {})
+  -- Hooks go through the handler (its own file); trainer.callbacks is the list it checked.
+  self.callback_handler = CallbackHandler.new(opts.callbacks or {}, 3)
+  self.callbacks = self.callback_handler:list()
+  self.checkpoint_dir = self.callback_handler:checkpoint_dir()
 
   local rank, world = engine_rank(self.ctx)
   self.state = {
@@ -200,59 +204,6 @@ setmetatable(Trainer, {
   __call = function(_, opts) return Trainer.new(opts) end,
 })
 
--- Checks every callback, builds the per-hook call lists, the state keys and
--- the checkpoint directory.
-function Trainer:_init_callbacks(list)
-  if type(list) ~= "table" then fail(4, "callbacks must be a list of callbacks, got a %s", type(list)) end
-  local n = #list
-  for k in pairs(list) do
-    if math.type(k) ~= "integer" or k < 1 or k > n then
-      fail(4, "callbacks must be a list (1..n), found key '%s'", tostring(k))
-    end
-  end
-  self.callbacks = {}
-  self._hooks = {}
-  for _, h in ipairs(callbacks.HOOKS) do self._hooks[h] = {} end
-  local keys = {}
-  local ckpt_dir, ckpt_owner
-  for i, cb in ipairs(list) do
-    local msg = callbacks.problem(cb)
-    if msg then fail(4, "%s %s", callbacks.describe(cb, i), msg) end
-    local entry = { cb = cb, index = i, name = callbacks.name_of(cb) or ("callback " .. i) }
-    self.callbacks[i] = cb
-    for _, h in ipairs(callbacks.HOOKS) do
-      local fn = cb[h]
-      if fn ~= nil then
-        local e = setmetatable({ fn = fn, hook = h }, { __index = entry })
-        table.insert(self._hooks[h], e)
-      end
-    end
-    if cb.state_dict or cb.load_state_dict or cb.state_key ~= nil then
-      local key = cb.state_key or callbacks.name_of(cb)
-      if key == nil then
-        fail(4, "%s has state_dict/load_state_dict but no state_key (or name) to save its state under",
-          callbacks.describe(cb, i))
-      end
-      if keys[key] then
-        local j = keys[key]
-        fail(4, "%s and %s share state_key '%s'; give one of them a distinct state_key=",
-          callbacks.describe(list[j], j), callbacks.describe(cb, i), key)
-      end
-      keys[key] = i
-      entry.state_key = key
-    end
-    if type(cb.checkpoint_dir) == "string" then
-      if ckpt_dir and ckpt_dir ~= cb.checkpoint_dir then
-        fail(4, "%s and %s want checkpoints in different directories ('%s', '%s'); the trainer writes one",
-          callbacks.describe(list[ckpt_owner], ckpt_owner), callbacks.describe(cb, i), ckpt_dir, cb.checkpoint_dir)
-      end
-      ckpt_dir, ckpt_owner = cb.checkpoint_dir, i
-    end
-  end
-  self._state_keys = keys -- state_key -> callback index
-  self.checkpoint_dir = ckpt_dir
-end
-
 --- Where agreed saves go: a callback's checkpoint_dir (ModelCheckpoint's dir),
 -- else <out_dir>/checkpoints.
 function Trainer:get_checkpoint_dir()
@@ -267,31 +218,16 @@ end
 ------------------------------------------------------------------------------
 -- Hooks
 
--- Calls `hook` on every callback that implements it, in the given order.
--- _in_hook remembers which callback is running so that an error can name it;
--- it is a stack because a hook may call back into the trainer
--- (ModelCheckpoint saves from on_train_end, which runs on_save_checkpoint).
-function Trainer:_call(hook, ...)
-  local list = self._hooks[hook]
-  if #list == 0 then return end
-  local prev = self._in_hook
-  for i = 1, #list do
-    local e = list[i]
-    self._in_hook = e
-    e.fn(e.cb, self, ...)
-  end
-  self._in_hook = prev
+--- Calls `hook` on every callback that implements it, in list order
+-- (through the callback handler, which names the callback when one fails).
+function Trainer:call_hook(hook, ...)
+  self.callback_handler:call(self, hook, ...)
 end
 
 --- The callbacks that implement `hook`, in call order (the trainer calls
 -- only these).
 function Trainer:callbacks_for(hook)
-  if not callbacks.IS_HOOK[hook] then
-    fail(2, "callbacks_for: '%s' is not a hook%s", tostring(hook), callbacks.suggestion(tostring(hook), callbacks.HOOKS))
-  end
-  local out = {}
-  for i, e in ipairs(self._hooks[hook]) do out[i] = e.cb end
-  return out
+  return self.callback_handler:callbacks_for(hook)
 end
 
 --- Prints on global rank 0 only (to the `out` option, default io.stdout).
@@ -341,7 +277,7 @@ end
 
 function Trainer:_teardown(stage)
   self._torn_down = true
-  self:_call("teardown", stage)
+  self:call_hook("teardown", stage)
 end
 
 -- Runs body; on error: on_exception on every callback that has it, then
@@ -350,29 +286,14 @@ end
 -- original error.
 function Trainer:_run(stage, body)
   self:_reset_run(stage)
-  local ok, result = xpcall(body, function(err)
-    local at = self._in_hook
-    self._in_hook = nil
-    if at and type(err) == "string" then
-      err = ("Trainer: %s of %s failed: %s"):format(at.hook, callbacks.describe(at.cb, at.index), err)
-    end
-    return err
-  end)
+  local handler = self.callback_handler
+  local ok, result = xpcall(body, function(err) return handler:attribute(err) end)
   if ok then return result end
   local err = result
-  local function guarded(hook, ...)
-    for _, e in ipairs(self._hooks[hook]) do
-      local ok2, err2 = pcall(e.fn, e.cb, self, ...)
-      if not ok2 then
-        io.stderr:write(("Trainer: %s of %s failed while handling an error: %s\n"):format(hook,
-          callbacks.describe(e.cb, e.index), tostring(err2)))
-      end
-    end
-  end
-  guarded("on_exception", err)
+  handler:call_guarded(self, "on_exception", err)
   if not self._torn_down then
     self._torn_down = true
-    guarded("teardown", stage)
+    handler:call_guarded(self, "teardown", stage)
   end
   -- rank-local (no collective: the other ranks may not be here)
   self._in_fit = false
@@ -466,7 +387,7 @@ function Trainer:_fit(train_data, val_data, opts)
   local st = self.state
   self.train_data, self.val_data = train_data, val_data
   if self.seed then math.randomseed(self.seed) end
-  self:_call("setup", "fit")
+  self:call_hook("setup", "fit")
   if opts.resume then self:_resume(opts.resume) end
   if self._base_lr == nil then self._base_lr = self.optimizer:get_lr() end
   self._tokens_per_batch = train_data.tokens_per_batch and train_data:tokens_per_batch() or nil
@@ -474,12 +395,12 @@ function Trainer:_fit(train_data, val_data, opts)
   st.lr_total_steps = self:_lr_horizon()
   self._t0, self._tokens0 = self.clock(), st.tokens_seen
   st.elapsed = 0
-  self:_call("on_fit_start")
-  self:_call("on_train_start")
+  self:call_hook("on_fit_start")
+  self:call_hook("on_train_start")
   self:_train_loop()
   st.stop_reason = self._stop_reason
-  self:_call("on_train_end")
-  self:_call("on_fit_end")
+  self:call_hook("on_train_end")
+  self:call_hook("on_fit_end")
   self:_teardown("fit")
   self._in_fit = false
   self:_unlock_all()
@@ -521,14 +442,14 @@ function Trainer:_train_loop()
       self._stop_reason = self._stop_reason or "max_epochs"
       break
     end
-    self:_call("on_train_epoch_start")
+    self:call_hook("on_train_epoch_start")
     local exhausted, stop = self:_train_epoch()
     if exhausted and not stop and self.val_data and not self.val_every_n_steps then
       -- epoch-end validation (no val_every_n_steps): the same on every rank
       -- because the data ends on every rank at the same batch.
       stop = self:_validate_and_settle()
     end
-    self:_call("on_train_epoch_end")
+    self:call_hook("on_train_epoch_end")
     if exhausted then
       st.epoch = st.epoch + 1
       st.batch_in_epoch = 0
@@ -613,8 +534,8 @@ function Trainer:_train_step(inputs, targets)
   for i = 1, k do
     st.batch_in_epoch = st.batch_in_epoch + 1
     local idx = st.batch_in_epoch
-    self:_call("on_train_batch_start", { inputs = inputs, targets = targets }, idx)
-    self:_call("on_before_backward", idx)
+    self:call_hook("on_train_batch_start", { inputs = inputs, targets = targets }, idx)
+    self:call_hook("on_before_backward", idx)
     fb_opts.sync = i == k
     local loss = engine:forward_backward(inputs, targets, fb_opts)
     st.micro_batches = st.micro_batches + 1
@@ -630,14 +551,14 @@ function Trainer:_train_step(inputs, targets)
       bad = bad or loss
     end
     loss_sum, done = loss_sum + loss, done + 1
-    self:_call("on_after_backward", loss, idx)
+    self:call_hook("on_after_backward", loss, idx)
     local last = i == k
     if not last then
       inputs, targets = data:next_batch()
       if inputs == nil then exhausted, last = true, true end
     end
     if last then self:_optimizer_step(step, loss_sum / done, bad) end
-    self:_call("on_train_batch_end", { loss = loss, step_end = last, skipped = last and bad ~= nil }, idx)
+    self:call_hook("on_train_batch_end", { loss = loss, step_end = last, skipped = last and bad ~= nil }, idx)
     if last then break end
   end
   return exhausted
@@ -647,7 +568,7 @@ function Trainer:_optimizer_step(step, step_loss, bad)
   local st, opt = self.state, self.optimizer
   st.metrics.loss = step_loss
   if bad == nil then
-    self:_call("on_before_optimizer_step", opt)
+    self:call_hook("on_before_optimizer_step", opt)
     local norm
     if self.clip_grad_norm then
       norm = opt:clip_grad_norm(self.clip_grad_norm)
@@ -662,7 +583,7 @@ function Trainer:_optimizer_step(step, step_loss, bad)
     self:print(("Trainer: loss is %s at step %d; skipping the step (on_nan='skip')"):format(number_name(bad), step))
   end
   st.step = step
-  self:_call("on_before_zero_grad", opt)
+  self:call_hook("on_before_zero_grad", opt)
   opt:zero_grad()
   st.elapsed = self.clock() - self._t0
   if st.elapsed > 0 then
@@ -719,24 +640,24 @@ function Trainer:_eval_loop(kind, data, max_batches)
   local pre = kind == "validation" and "on_validation" or "on_test"
   local metric = kind == "validation" and "val_loss" or "test_loss"
   self._flags.should_validate = false
-  self:_call(pre .. "_start")
+  self:call_hook(pre .. "_start")
   if data.reset then data:reset() end
   local sum, n = 0, 0
   while not max_batches or n < max_batches do
     local inputs, targets = data:next_batch()
     if inputs == nil then break end
     n = n + 1
-    self:_call(pre .. "_batch_start", { inputs = inputs, targets = targets }, n)
+    self:call_hook(pre .. "_batch_start", { inputs = inputs, targets = targets }, n)
     local loss = self.engine:loss(inputs, targets)
     if type(loss) ~= "number" then
       fail(0, "engine:loss returned a %s, expected a number", type(loss))
     end
     sum = sum + loss
-    self:_call(pre .. "_batch_end", { loss = loss }, n)
+    self:call_hook(pre .. "_batch_end", { loss = loss }, n)
   end
   if n == 0 then fail(0, "the %s data produced no batches", kind) end
   st.metrics[metric] = sum / n
-  self:_call(pre .. "_end")
+  self:call_hook(pre .. "_end")
   return sum / n
 end
 
@@ -745,7 +666,7 @@ function Trainer:validate(val_data)
   check_data("validate: the data", val_data, { "next_batch" })
   if val_data == nil then fail(2, "validate needs data") end
   return self:_run("validate", function()
-    self:_call("setup", "validate")
+    self:call_hook("setup", "validate")
     local loss = self:_eval_loop("validation", val_data, self.val_batches)
     self:_teardown("validate")
     return { val_loss = loss }
@@ -757,7 +678,7 @@ function Trainer:test(data)
   check_data("test: the data", data, { "next_batch" })
   if data == nil then fail(2, "test needs data") end
   return self:_run("test", function()
-    self:_call("setup", "test")
+    self:call_hook("setup", "test")
     local loss = self:_eval_loop("test", data, nil)
     self:_teardown("test")
     return { test_loss = loss }
@@ -782,7 +703,7 @@ function Trainer:save_checkpoint(path)
   local ok, err = pcall(ckpt.save, self, path)
   if took and not self._in_fit then self:_unlock(took) end
   if not ok then error(err, 0) end
-  self:_call("on_checkpoint_saved", path)
+  self:call_hook("on_checkpoint_saved", path)
   return path
 end
 
@@ -820,8 +741,8 @@ function Trainer:_unlock_all()
   for key in pairs(self._locks) do self:_unlock(key) end
 end
 
--- The counters a checkpoint keeps (and _restore_counters puts back).
-function Trainer:_counters()
+--- The counters a checkpoint keeps (restore_counters puts them back).
+function Trainer:counters()
   local st = self.state
   return {
     step = st.step, epoch = st.epoch, batch_in_epoch = st.batch_in_epoch, micro_batches = st.micro_batches,
@@ -829,12 +750,27 @@ function Trainer:_counters()
   }
 end
 
-function Trainer:_restore_counters(c)
+function Trainer:restore_counters(c)
   local st = self.state
   for _, k in ipairs{ "step", "epoch", "batch_in_epoch", "micro_batches", "tokens_seen", "skipped_steps" } do
     if c[k] ~= nil then st[k] = c[k] end
   end
   if c.accumulate then self:set_accumulate(c.accumulate) end
+end
+
+--- The learning-rate record a checkpoint keeps: the schedule's base rate,
+-- the last rate set, the step the schedule was at and its horizon.
+function Trainer:lr_state()
+  local st = self.state
+  return { base_lr = self._base_lr, last_lr = st.lr, schedule_step = st.step, total_steps = st.lr_total_steps }
+end
+
+--- Puts back what lr_state() returned; the saved horizon is kept for
+-- lr_horizon = "checkpoint" (see _lr_horizon).
+function Trainer:load_lr_state(rec)
+  self._base_lr = rec.base_lr
+  self.state.lr = rec.last_lr
+  self._checkpoint_lr_total = rec.total_steps
 end
 
 function Trainer:_resume(spec)

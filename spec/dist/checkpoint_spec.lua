@@ -92,13 +92,13 @@ local function describe_resume(layout)
         assert.equal(r.want[s], r.got[s], ("step %d: %.17g uninterrupted, %.17g resumed"):format(s, r.want[s] or -1,
           r.got[s] or -1))
       end
-      assert.same(r.straight:_counters(), r.resumed:_counters())
+      assert.same(r.straight:counters(), r.resumed:counters())
     end)
     it("ends with the uninterrupted run's parameters and optimizer state, bitwise", function()
       local e1, e2 = r.straight.engine, r.resumed.engine
-      local f1, f2 = e1.c:flat(), e2.c:flat()
+      local f1, f2 = e1:flat(), e2:flat()
       assert.is_true(f1:equal(f2), "flat parameter buffers")
-      local s1, s2 = r.straight.optimizer.c:state(), r.resumed.optimizer.c:state()
+      local s1, s2 = r.straight.optimizer:shard_state(), r.resumed.optimizer:shard_state()
       assert.same({ s1.step, s1.lo, s1.hi }, { s2.step, s2.lo, s2.hi })
       assert.is_true(s1.m:equal(s2.m) and s1.v:equal(s2.v), "m and v")
     end)
@@ -182,7 +182,7 @@ if world == 4 then
     local loader, data2 = build(dst, { zero = 1 })
     loader:load_checkpoint(dir .. "/saved", data2)
     local got_loss = loader.engine:loss(rows_of(dst))
-    local loaded = { step = loader.state.step, opt_step = loader.optimizer.c:state().step,
+    local loaded = { step = loader.state.step, opt_step = loader.optimizer:shard_state().step,
                      batch = data2:state_dict().batch_index }
     loader:save_checkpoint(dir .. "/as-1-2-2")
     local got_after = step_then_loss(loader, dst)

@@ -81,7 +81,7 @@ local function assert_matches_serial(engine, losses, ctx)
   for s = 1, STEPS do assert.near(serial_losses[s], losses[s], LOSS_RTOL * serial_losses[s], "step " .. s) end
   for _, p in ipairs(engine:parameters()) do
     if not p.tied_copy then
-      local full = engine.c:gather_param(p.name)
+      local full = engine:gather_param(p.name)
       local ref = serial_params[p.name]
       if ref:numel() ~= full:numel() then -- padded rows for T: compare the real ones
         full = full:narrow(1, 1, ref:size(1))
@@ -94,7 +94,7 @@ local function assert_matches_serial(engine, losses, ctx)
 end
 
 local function assert_replicas_identical(engine, ctx)
-  local flat = engine.c:flat():to("cpu")
+  local flat = engine:flat():to("cpu")
   local all = pg.dist.all_gather(flat, { ctx = ctx, group = "data" })
   local n = flat:numel()
   for r = 2, ctx:world_size("data") do
@@ -119,7 +119,7 @@ if world <= 4 then
       it("keeps optimizer state and memory per rank as the layout says", function()
         local mem = engine:memory()
         local state = opt:memory().state_bytes
-        local full_state = 8 * engine.c:info().flat_padded -- m and v over the whole flat buffer
+        local full_state = 8 * engine:stats().flat_padded -- m and v over the whole flat buffer
         if zero == 1 then
           assert.equal(full_state // world, state) -- measured from the buffers: 1/D of replicated
           -- 4 (param) + 4 (grad) + 8/D (m, v) bytes per parameter; alignment padding adds < 1%
@@ -129,7 +129,7 @@ if world <= 4 then
           assert.near(16, mem.bytes_per_parameter, 0.16)
         end
         local sd = opt:state_dict()
-        assert.equal(zero == 1 and world or 1, (sd.hi - sd.lo) > 0 and (engine.c:info().flat_padded // (sd.hi - sd.lo)) or 0)
+        assert.equal(zero == 1 and world or 1, (sd.hi - sd.lo) > 0 and (engine:stats().flat_padded // (sd.hi - sd.lo)) or 0)
         assert.equal(ctx:local_rank("data"), sd.data_rank)
       end)
     end)

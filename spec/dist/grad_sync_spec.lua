@@ -36,13 +36,13 @@ local function train(zero, shared)
     engine:zero_grad()
     engine:forward_backward(x, y)
     opt:clip_grad_norm(1.0)
-    local _, g = engine.c:flat()
+    local _, g = engine:flat()
     grads = g:clone()
     if s == 1 then first = grads end
     opt:step()
   end
   local sd = opt:state_dict()
-  return (engine.c:flat()):clone(), grads, engine, first, sd
+  return (engine:flat()):clone(), grads, engine, first, sd
 end
 
 --- max over the group of |a - b| element by element is 0 on every member: the same bits everywhere
@@ -86,7 +86,7 @@ describe(("data-parallel gradient sync on %d ranks"):format(world), function()
   it("agrees between shared memory and the MPI ring (two members: the same bits)", function()
     -- shared memory adds the members in order, the ring in ring order: for
     -- two members both are a + b; for more, sums of the same terms
-    local n = e1.c:info().flat_padded
+    local n = e1:stats().flat_padded
     local lo, hi = n * d // D, n * (d + 1) // D
     local pairs_ = { { p_shm0, p_mpi0, "zero = 0 parameters" }, { g_shm0, g_mpi0, "zero = 0 gradients" },
                      { p_shm1, p_mpi1, "zero = 1 parameters" },
@@ -107,7 +107,7 @@ describe(("data-parallel gradient sync on %d ranks"):format(world), function()
     assert.is_true(p_shm0:equal(p_shm1), "shared memory")
     assert.is_true(p_mpi0:equal(p_mpi1), "MPI ring")
     -- any D: the shard a rank reduced under ZeRO-1 is what zero = 0 averaged there
-    local n = e1.c:info().flat_padded
+    local n = e1:stats().flat_padded
     local lo, hi = n * d // D, n * (d + 1) // D
     assert.is_true(g_shm1:narrow(1, lo + 1, hi - lo):equal(g_shm0:narrow(1, lo + 1, hi - lo)))
   end)
@@ -120,11 +120,11 @@ describe(("data-parallel gradient sync on %d ranks"):format(world), function()
       local alone = pg.parallelize(pg.nn.GPT(CFG), pg.ParallelContext{ self = true, seed = 3 }, {})
       alone:zero_grad()
       alone:forward_backward(X, Y)
-      local _, whole = alone.c:flat()
+      local _, whole = alone:flat()
       local e2 = pg.parallelize(pg.nn.GPT(CFG), ctx, { shared_memory = shared })
       e2:zero_grad()
       e2:forward_backward(x, y) -- each rank its share, then the average over the replicas
-      local _, avg = e2.c:flat()
+      local _, avg = e2:flat()
       -- D means of BATCH/D rows each, averaged, against one mean of BATCH rows:
       -- the same terms summed in another order (float32, 1e-6 relative)
       local scale = math.max(1, whole:max_abs_diff(pg.zeros(whole:shape())))

@@ -75,7 +75,7 @@ serial:zero_grad()
 local serial_loss = serial:forward_backward(x, y)
 local serial_grads, serial_names = {}, {}
 for _, p in ipairs(serial:parameters()) do
-  serial_grads[p.name] = serial.c:gather_param(p.name, true)
+  serial_grads[p.name] = serial:gather_param(p.name, true)
   serial_names[#serial_names + 1] = p.name
 end
 
@@ -86,7 +86,7 @@ local function check_grads(e, ctx, what)
   for _, p in ipairs(e:parameters()) do
     local want = serial_grads[p.name]
     assert.truthy(want, what .. ": unknown parameter " .. p.name)
-    local got = e.c:gather_param(p.name, true)
+    local got = e:gather_param(p.name, true)
     local rows = math.min(got:shape()[1], want:shape()[1])
     if p.name == "embed.wte" then rows = cfg.vocab end
     -- a tied copy's gradient is the sum of both uses: the serial gradient

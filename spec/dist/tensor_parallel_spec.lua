@@ -277,8 +277,8 @@ describe(("a whole GPT, T=%d against T=1"):format(T), function()
     assert.is_true(math.abs(lp - ls) <= RTOL * math.abs(ls), ("loss %.9g vs %.9g"):format(lp, ls))
     local n = 0
     for _, p in ipairs(es:parameters()) do
-      local gs = es.c:gather_param(p.name, true)
-      local gp = ep.c:gather_param(p.name, true)
+      local gs = es:gather_param(p.name, true)
+      local gp = ep:gather_param(p.name, true)
       local rows = math.min(gs:shape()[1], gp:shape()[1])
       if p.name == "embed.wte" then rows = cfg.vocab end -- padding rows: 0 in both
       assert_close(gp:narrow(1, 1, rows), gs:narrow(1, 1, rows), "grad " .. p.name)
@@ -301,11 +301,11 @@ describe(("a whole GPT, T=%d against T=1"):format(T), function()
     assert.is_true(math.abs(lb - la) <= RTOL * math.abs(la), ("loss %.9g vs %.9g"):format(lb, la))
     assert_close(b:forward(x), a:forward(x), "logits [B, S, 61]")
     for _, p in ipairs(a:parameters()) do
-      local ga, gb = a.c:gather_param(p.name, true), b.c:gather_param(p.name, true)
+      local ga, gb = a:gather_param(p.name, true), b:gather_param(p.name, true)
       if p.name == "embed.wte" then
         if gb:shape()[1] > 61 then
           assert.equal(0, gb:narrow(1, 62, gb:shape()[1] - 61):abs():sum(), "padding rows get no gradient")
-          assert.equal(0, b.c:gather_param(p.name):narrow(1, 62, gb:shape()[1] - 61):abs():sum(), "padding rows are 0")
+          assert.equal(0, b:gather_param(p.name):narrow(1, 62, gb:shape()[1] - 61):abs():sum(), "padding rows are 0")
         end
         gb = gb:narrow(1, 1, 61)
       end

@@ -114,7 +114,7 @@ describe("pg.checkpoint save / load", function()
     local data = T.fake_data{ batches = 3 }
     local fresh = pg.Trainer{ engine = engine, optimizer = opt, out = T.capture() }
     fresh:load_checkpoint(dir .. "/checkpoints", data) -- a parent directory: follows `latest`
-    assert.same(t:_counters(), fresh:_counters())
+    assert.same(t:counters(), fresh:counters())
     assert.same(t.engine.w, engine.w)
     assert.same(t.optimizer.m, opt.m)
     assert.same(t.train_data:state_dict(), data:state_dict())

@@ -124,12 +124,12 @@ local init
 local function step(device, M)
   local e = pg.parallelize(pg.nn.GPT(CFG), nil, { device = device, micro_batches = M, seed = 5 })
   -- the same initial bits on either backend (the init rule runs on the host)
-  local w = e.c:flat():to("cpu")
+  local w = e:flat():to("cpu")
   if init then assert(w:equal(init), device .. ": initial parameters differ from the cpu engine's") end
   init = init or w
   e:zero_grad()
   local loss = e:forward_backward(xs, ys)
-  local _, g = e.c:flat()
+  local _, g = e:flat()
   return loss, g:to("cpu"), e
 end
 for _, M in ipairs{ 1, 2 } do
@@ -203,7 +203,7 @@ local function build(device)
   local t = pg.Trainer{ engine = e, optimizer = o, max_steps = 2, out = pg.testing.capture(), out_dir = dir }
   return t, data
 end
-local function flat_of(t) local p = t.engine.c:flat() return p:to("cpu") end
+local function flat_of(t) local p = t.engine:flat() return p:to("cpu") end
 local function state_of(t) local sd = t.optimizer:state_dict() return sd.m:to("cpu"), sd.v:to("cpu") end
 local gpu, data = build("cuda")
 gpu:fit(data)

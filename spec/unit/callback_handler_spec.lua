@@ -1,0 +1,87 @@
+-- pg.CallbackHandler driven alone (no Trainer): the checks at construction,
+-- dispatch order, error attribution, guarded calls, callback state.
+local pg = require "pipegoose"
+local Handler = pg.CallbackHandler
+
+describe("pg.CallbackHandler", function()
+  it("dispatches a hook to the callbacks that define it, in list order, with the trainer and the arguments", function()
+    local calls = {}
+    local function rec(tag) return function(_, trainer, ...) calls[#calls + 1] = { tag, trainer, ... } end end
+    local a = pg.Callback{ name = "A", on_fit_start = rec("a"), on_train_batch_end = rec("a") }
+    local b = pg.Callback{ name = "B", on_train_batch_end = rec("b") }
+    local h = Handler{ a, b }
+    local trainer = {}
+    h:call(trainer, "on_train_batch_end", { loss = 1 }, 3)
+    h:call(trainer, "on_fit_start")
+    h:call(trainer, "teardown", "fit") -- no callback has it: nothing happens
+    assert.equal(3, #calls)
+    assert.same({ "a", "b", "a" }, { calls[1][1], calls[2][1], calls[3][1] })
+    assert.equal(trainer, calls[1][2])
+    assert.equal(3, calls[1][4])
+    assert.same({ a, b }, h:callbacks_for("on_train_batch_end"))
+    assert.same({ a, b }, h:list())
+  end)
+
+  it("refuses a non-hook name in call and callbacks_for, with the closest hook", function()
+    local h = Handler{}
+    assert.has_error(function() h:call({}, "on_fit_strat") end,
+      "Trainer: call: 'on_fit_strat' is not a hook (did you mean 'on_fit_start'?)")
+    assert.has_error(function() h:callbacks_for("on_fit_strat") end,
+      "Trainer: callbacks_for: 'on_fit_strat' is not a hook (did you mean 'on_fit_start'?)")
+  end)
+
+  it("checks callbacks at construction: a list, valid callbacks, distinct state keys, one checkpoint directory", function()
+    assert.has_error(function() Handler("x") end, "Trainer: callbacks must be a list of callbacks, got a string")
+    assert.has_error(function() Handler{ x = 1 } end, "Trainer: callbacks must be a list (1..n), found key 'x'")
+    local s1 = { name = "S", state_dict = function() return {} end }
+    local s2 = { name = "S", state_dict = function() return {} end }
+    local ok, err = pcall(Handler, { s1, s2 })
+    assert.is_false(ok)
+    assert.truthy(err:find("share state_key 'S'", 1, true))
+    ok, err = pcall(Handler, { { checkpoint_dir = "a" }, { checkpoint_dir = "b" } })
+    assert.is_false(ok)
+    assert.truthy(err:find("different directories ('a', 'b')", 1, true))
+    assert.equal("a", Handler{ { checkpoint_dir = "a" } }:checkpoint_dir())
+    assert.is_nil(Handler{}:checkpoint_dir())
+  end)
+
+  it("names the hook and the callback of an error raised inside a hook, once", function()
+    local h = Handler{ pg.Callback{ name = "Ok", on_fit_start = function() end },
+                       pg.Callback{ name = "Bad", on_fit_start = function() error("boom", 0) end } }
+    local ok, err = xpcall(function() h:call({}, "on_fit_start") end, function(e) return h:attribute(e) end)
+    assert.is_false(ok)
+    assert.equal("Trainer: on_fit_start of callback 2 (Bad) failed: boom", err)
+    -- the running callback was forgotten: an error outside hooks is not attributed
+    assert.equal("plain", h:attribute("plain"))
+  end)
+
+  it("call_guarded runs every callback even when one fails, and reports failures on stderr", function()
+    local ran = {}
+    local h = Handler{ pg.Callback{ name = "A", teardown = function() error("first", 0) end },
+                       pg.Callback{ name = "B", teardown = function() ran[#ran + 1] = "B" end } }
+    local stderr, written = io.stderr, {}
+    io.stderr = { write = function(_, s) written[#written + 1] = s end } -- luacheck: ignore
+    local ok = pcall(h.call_guarded, h, {}, "teardown", "fit")
+    io.stderr = stderr -- luacheck: ignore
+    assert.is_true(ok)
+    assert.same({ "B" }, ran)
+    assert.equal("Trainer: teardown of callback 1 (A) failed while handling an error: first\n", table.concat(written))
+  end)
+
+  it("collects every stateful callback's state under its key and gives it back", function()
+    local Counter = { }
+    Counter.__index = Counter
+    local function counter(key, n)
+      return setmetatable({ state_key = key, n = n,
+        state_dict = function(self) return { n = self.n } end,
+        load_state_dict = function(self, s) self.n = s.n end }, Counter)
+    end
+    local a, b = counter("a", 1), counter("b", 2)
+    local plain = pg.Callback{ name = "Plain", on_fit_start = function() end }
+    local h = Handler{ a, plain, b }
+    assert.same({ a = { n = 1 }, b = { n = 2 } }, h:state_dict())
+    h:load_state_dict({ a = { n = 10 }, other = { n = 5 } })
+    assert.equal(10, a.n)
+    assert.equal(2, b.n) -- no saved state: left alone
+  end)
+end)
