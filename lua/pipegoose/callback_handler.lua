@@ -150,6 +150,7 @@ end
 --- Gives each stateful callback its saved state (keys without a callback,
 -- and callbacks without saved state, are left alone).
 function Handler:load_state_dict(states)
+  if type(states) ~= "table" then fail(2, "load_state_dict: expects a table {[state_key] = state}, got a %s", type(states)) end
   for key, i in pairs(self._keys) do
     local cb = self._list[i]
     if states[key] ~= nil and cb.load_state_dict then cb:load_state_dict(states[key]) end

@@ -70,7 +70,9 @@ function AdamW:set_hparams(h)
 end
 
 --- Sets the step count (bias correction continues from it).
+local STEP = opt.required(opt.integer{ min = 0, max = math.maxinteger })
 function AdamW:set_step(step)
+  opt.value("AdamW:set_step", "step", step, STEP)
   local ok, err = pcall(self.c.set_step, self.c, step)
   if not ok then error(err, 2) end
 end

@@ -221,6 +221,9 @@ end
 --- Calls `hook` on every callback that implements it, in list order
 -- (through the callback handler, which names the callback when one fails).
 function Trainer:call_hook(hook, ...)
+  if not callbacks.IS_HOOK[hook] then
+    fail(2, "call_hook: '%s' is not a hook%s", tostring(hook), callbacks.suggestion(tostring(hook), callbacks.HOOKS))
+  end
   self.callback_handler:call(self, hook, ...)
 end
 
@@ -751,6 +754,7 @@ function Trainer:counters()
 end
 
 function Trainer:restore_counters(c)
+  if type(c) ~= "table" then fail(2, "restore_counters: expects the table counters() returned, got a %s", type(c)) end
   local st = self.state
   for _, k in ipairs{ "step", "epoch", "batch_in_epoch", "micro_batches", "tokens_seen", "skipped_steps" } do
     if c[k] ~= nil then st[k] = c[k] end
@@ -768,6 +772,7 @@ end
 --- Puts back what lr_state() returned; the saved horizon is kept for
 -- lr_horizon = "checkpoint" (see _lr_horizon).
 function Trainer:load_lr_state(rec)
+  if type(rec) ~= "table" then fail(2, "load_lr_state: expects the table lr_state() returned, got a %s", type(rec)) end
   self._base_lr = rec.base_lr
   self.state.lr = rec.last_lr
   self._checkpoint_lr_total = rec.total_steps

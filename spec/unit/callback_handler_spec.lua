@@ -83,5 +83,30 @@ describe("pg.CallbackHandler", function()
     h:load_state_dict({ a = { n = 10 }, other = { n = 5 } })
     assert.equal(10, a.n)
     assert.equal(2, b.n) -- no saved state: left alone
+    assert.has_error(function() h:load_state_dict(nil) end,
+      "Trainer: load_state_dict: expects a table {[state_key] = state}, got a nil")
+  end)
+
+  it("is what the Trainer dispatches through; its public checkpoint methods refuse wrong arguments", function()
+    local engine = pg.testing.fake_engine()
+    local seen = {}
+    local t = pg.Trainer{ engine = engine, optimizer = pg.testing.fake_optimizer(engine), out = pg.testing.capture(),
+      callbacks = { pg.Callback{ name = "C", on_load_checkpoint = function(_, tr, m) seen[#seen + 1] = { tr, m } end } } }
+    assert.equal("CallbackHandler", getmetatable(t.callback_handler).__name)
+    t:call_hook("on_load_checkpoint", "m")
+    assert.same({ { t, "m" } }, seen)
+    assert.has_error(function() t:call_hook("on_load_checkpiont") end,
+      "Trainer: call_hook: 'on_load_checkpiont' is not a hook (did you mean 'on_load_checkpoint'?)")
+    assert.has_error(function() t:restore_counters(nil) end,
+      "Trainer: restore_counters: expects the table counters() returned, got a nil")
+    assert.has_error(function() t:load_lr_state(7) end,
+      "Trainer: load_lr_state: expects the table lr_state() returned, got a number")
+    local c = t:counters()
+    c.step, c.tokens_seen = 5, 40
+    t:restore_counters(c)
+    assert.same({ 5, 40 }, { t.state.step, t.state.tokens_seen })
+    t:load_lr_state{ base_lr = 0.1, last_lr = 0.05, schedule_step = 5, total_steps = 9 }
+    local lr = t:lr_state() -- total_steps: this fit's horizon, settled when fit starts (lr_horizon)
+    assert.same({ 0.1, 0.05, 5 }, { lr.base_lr, lr.last_lr, lr.schedule_step })
   end)
 end)
