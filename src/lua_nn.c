@@ -18,6 +18,8 @@
 typedef struct engine_ud {
   pg_engine *e;
   lua_State *current; /* the thread calling into the engine: Lua modules run on it */
+  lua_State *owner;   /* the state holding objective_ref */
+  int objective_ref;  /* the Lua objective the stage's objective module calls (LUA_NOREF: none set) */
 } engine_ud;
 
 /* ---------------------------------------------------------------- Lua modules */
@@ -89,6 +91,81 @@ static void lua_module_release(void *ud) {
   lua_module_ud *u = ud;
   luaL_unref(u->owner, LUA_REGISTRYINDEX, u->ref);
   free(u);
+}
+
+/* ---------------------------------------------------------------- the objective written in Lua */
+
+/* Calls objective(out, batch) for one micro-batch: out is the stage's last
+ * output [rows, width] (a copy), batch = {targets = [B, T] int32 (a copy; nil
+ * without targets), batch = B, seq_len = T, micro_batch = i, first_row = r,
+ * want_grad = bool} (1-based). It returns the micro-batch's loss and, when
+ * want_grad, d loss / d out [rows, width]; dx gets it times the step's
+ * scale (grad_scale / micro_batches: the engine's per-row dloss x rows). */
+static int call_objective(void *ud, const pg_io *io, const float *x, int rows, int width, float *dx, double *loss) {
+  engine_ud *u = ud;
+  lua_State *L = u->current;
+  int top = lua_gettop(L);
+  if (u->objective_ref == LUA_NOREF || u->objective_ref == LUA_REFNIL)
+    return pg_fail("the model ends without a loss (its last module outputs width %d): give an objective "
+                   "(pg.parallelize{objective = fn} or forward_backward's objective=)", width);
+  lua_rawgeti(L, LUA_REGISTRYINDEX, u->objective_ref);
+  int64_t shape[2] = {rows, width};
+  pg_tensor *out = pg_lua_new_tensor(L, PG_FLOAT32, 2, shape);
+  memcpy(pg_tensor_f32(out), x, (size_t)rows * width * sizeof(float));
+  lua_createtable(L, 0, 6);
+  if (io->host_targets) {
+    int64_t tshape[2] = {io->B, io->T};
+    pg_tensor *t = pg_lua_new_tensor(L, PG_INT32, 2, tshape);
+    memcpy(pg_tensor_i32(t), io->host_targets, (size_t)rows * sizeof(int32_t));
+    lua_setfield(L, -2, "targets");
+  }
+  lua_pushinteger(L, io->B);
+  lua_setfield(L, -2, "batch");
+  lua_pushinteger(L, io->T);
+  lua_setfield(L, -2, "seq_len");
+  lua_pushinteger(L, io->mb + 1);
+  lua_setfield(L, -2, "micro_batch");
+  lua_pushinteger(L, (lua_Integer)io->row0 + 1);
+  lua_setfield(L, -2, "first_row");
+  lua_pushboolean(L, dx != NULL);
+  lua_setfield(L, -2, "want_grad");
+  if (lua_pcall(L, 2, 2, 0) != LUA_OK) {
+    int rc = pg_fail("%s", lua_tostring(L, -1));
+    lua_settop(L, top);
+    return rc;
+  }
+  if (lua_type(L, -2) != LUA_TNUMBER) {
+    int rc = pg_fail("the objective returned %s, expected the loss (a number) and its gradient", luaL_typename(L, -2));
+    lua_settop(L, top);
+    return rc;
+  }
+  *loss = lua_tonumber(L, -2);
+  if (dx) {
+    pg_tensor *g = pg_lua_test_tensor(L, -1);
+    if (!(g && g->storage && g->dtype == PG_FLOAT32 && g->numel == (int64_t)rows * width)) {
+      char d[128] = "no tensor";
+      if (g && g->storage) pg_tensor_describe(g, d, sizeof d);
+      lua_settop(L, top);
+      return pg_fail("the objective returned %s as the gradient, expected %d x %d float32 values (the shape of out)",
+                     d, rows, width);
+    }
+    const float *gd = pg_tensor_data(g);
+    float scale = io->dloss * (float)rows;
+    for (int64_t i = 0; i < (int64_t)rows * width; i++) dx[i] = gd[i] * scale;
+  }
+  lua_settop(L, top);
+  return PG_OK;
+}
+
+/* engine:set_objective(fn | nil): what the objective module calls from now on. */
+static int l_set_objective(lua_State *L) {
+  engine_ud *u = luaL_checkudata(L, 1, PG_ENGINE_MT);
+  if (!lua_isnoneornil(L, 2)) luaL_checktype(L, 2, LUA_TFUNCTION);
+  lua_settop(L, 2);
+  if (u->objective_ref != LUA_NOREF) luaL_unref(u->owner, LUA_REGISTRYINDEX, u->objective_ref);
+  u->objective_ref = lua_isnil(L, 2) ? LUA_NOREF : luaL_ref(L, LUA_REGISTRYINDEX);
+  u->owner = L;
+  return 0;
 }
 
 /* ---------------------------------------------------------------- building */
@@ -284,15 +361,30 @@ static int l_engine_new(lua_State *L) {
     return luaL_error(L, "parallelize: %s", pg_error());
   uint64_t seed = (uint64_t)pg_lua_opt_int(L, 3, "seed", (lua_Integer)ctx->seed);
   int is_first = pg_lua_opt_bool(L, 3, "is_first", 1), is_last = pg_lua_opt_bool(L, 3, "is_last", 1);
+  int with_objective = pg_lua_opt_bool(L, 3, "objective", 0);
+  o.objective = with_objective;
   engine_ud *u = lua_newuserdatauv(L, sizeof *u, 1);
   u->e = NULL;
   u->current = L;
+  u->owner = L;
+  u->objective_ref = LUA_NOREF;
   luaL_setmetatable(L, PG_ENGINE_MT);
   lua_pushvalue(L, 1);
   lua_setiuservalue(L, -2, 1); /* the engine uses the context: keep it alive */
   build_state b = {.L = L, .current = &u->current, .ctx = ctx};
   pg_module *stage = build(&b, 2);
   if (!stage) return luaL_error(L, "%s", pg_error());
+  if (with_objective && is_last) { /* the stage ends in the objective: [stage, objective] */
+    pg_objective_fns fns = {call_objective, NULL, u};
+    pg_module *kids[2] = {stage, pg_objective_new(ctx, "objective", stage->out_width, &fns)};
+    pg_module *seq = kids[1] ? pg_sequential_new(ctx, "", kids, 2) : NULL;
+    if (!seq) {
+      pg_module_free(kids[0]);
+      pg_module_free(kids[1]);
+      return luaL_error(L, "%s", pg_error());
+    }
+    stage = seq;
+  }
   u->e = pg_engine_new(ctx, stage, is_first, is_last, seed, &o);
   if (!u->e) return luaL_error(L, "%s", pg_error());
   return 1;
@@ -555,6 +647,8 @@ static int l_free(lua_State *L) {
   engine_ud *u = luaL_checkudata(L, 1, PG_ENGINE_MT);
   pg_engine_free(u->e);
   u->e = NULL;
+  if (u->objective_ref != LUA_NOREF) luaL_unref(u->owner, LUA_REGISTRYINDEX, u->objective_ref);
+  u->objective_ref = LUA_NOREF;
   return 0;
 }
 
@@ -927,7 +1021,8 @@ static const luaL_Reg layer_methods[] = {{"forward", l_layer_forward}, {"backwar
 static const luaL_Reg engine_methods[] = {
     {"forward_backward", l_forward_backward}, {"evaluate", l_evaluate}, {"zero_grad", l_zero_grad},
     {"sync_grads", l_sync_grads}, {"params", l_params}, {"flat", l_flat}, {"num_parameters", l_num_parameters},
-    {"info", l_info}, {"load_param", l_load_param}, {"gather_param", l_gather_param}, {"reset_stats", l_reset_stats}, {"schedule", l_schedule}, {"free", l_free}, {NULL, NULL}};
+    {"info", l_info}, {"load_param", l_load_param}, {"gather_param", l_gather_param}, {"reset_stats", l_reset_stats}, {"schedule", l_schedule}, {"free", l_free},
+    {"set_objective", l_set_objective}, {NULL, NULL}};
 
 void pg_lua_open_nn(lua_State *L) {
   if (luaL_newmetatable(L, PG_ENGINE_MT)) {

@@ -75,5 +75,6 @@ void pg_lua_open_fs(lua_State *L);
 void pg_lua_open_ops(lua_State *L); /* sets field `ops` */
 void pg_lua_open_data(lua_State *L);
 void pg_lua_open_cuda(lua_State *L); /* sets field `cuda` */
+void pg_lua_open_loss(lua_State *L); /* sets field `loss` */
 
 #endif

@@ -261,7 +261,8 @@ static int check_batch(pg_engine *e, const int32_t *tokens, const int32_t *targe
     return pg_fail("batch %d is not divisible by micro_batches=%d", B, e->opts.micro_batches);
   }
   if (check_tokens(e, tokens, (int64_t)B * T, "input token")) return PG_ERR;
-  if (targets && check_tokens(e, targets, (int64_t)B * T, "target token")) return PG_ERR;
+  /* an objective gives targets its own meaning (class labels, ignored positions) and checks them */
+  if (targets && !e->opts.objective && check_tokens(e, targets, (int64_t)B * T, "target token")) return PG_ERR;
   return PG_OK;
 }
 
@@ -288,6 +289,7 @@ static int ids_on_backend(pg_engine *e, const int32_t **tokens, const int32_t **
 int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T,
                                float grad_scale, int sync, double *loss) {
   double t0 = pg_wtime();
+  const int32_t *host_targets = targets;
   if (check_batch(e, tokens, targets, B, T, 1) || ids_on_backend(e, &tokens, &targets, (int64_t)B * T)) return PG_ERR;
   int M = e->opts.micro_batches, Bm = B / M;
   if (ensure_capacity(e, Bm * T)) return PG_ERR;
@@ -295,7 +297,8 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
   for (int i = 0; i < M; i++) {
     size_t off = (size_t)i * Bm * T;
     e->ios[i] = (pg_io){.B = Bm, .T = T, .tokens = tokens + off, .targets = targets + off, .dloss = dloss,
-                        .want_grad = 1, .loss_sum = 0, .logits = NULL};
+                        .want_grad = 1, .loss_sum = 0, .logits = NULL, .mb = i, .row0 = (int64_t)off,
+                        .host_targets = host_targets + off};
   }
   for (int k = 0; k < e->nactions; k++)
     if (run_action(e, e->actions[k])) return PG_ERR;
@@ -315,6 +318,7 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
 
 int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T, double *loss,
                        float *logits) {
+  const int32_t *host_targets = targets;
   if (check_batch(e, tokens, targets, B, T, 0) || ids_on_backend(e, &tokens, &targets, (int64_t)B * T)) return PG_ERR;
   /* Chunks of at most one micro-batch's rows go down the pipeline. */
   int rows_cap = e->capacity_rows;
@@ -328,7 +332,8 @@ int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targe
     int b0 = c * Bc, nb = B - b0 < Bc ? B - b0 : Bc, slot = c % e->nslots;
     size_t off = (size_t)b0 * T;
     pg_io io = {.B = nb, .T = T, .tokens = tokens + off, .targets = targets ? targets + off : NULL, .dloss = 0,
-                .want_grad = 0, .loss_sum = 0, .logits = logits && e->is_last ? logits + off * e->opts.vocab : NULL};
+                .want_grad = 0, .loss_sum = 0, .logits = logits && e->is_last ? logits + off * e->opts.vocab : NULL,
+                .mb = c, .row0 = (int64_t)off, .host_targets = host_targets ? host_targets + off : NULL};
     int64_t n = (int64_t)nb * T * e->opts.width;
     float *in_buf = e->stage_in ? e->stage_in + (size_t)slot * e->capacity_rows * e->opts.width : NULL;
     if (!e->is_first && recv_timed(e, in_buf, n, me - 1, 2 * c)) return PG_ERR;

@@ -39,6 +39,7 @@ typedef struct pg_engine_opts {
   const char *tied_name; /* name of a weight whose copies live on the first and last stage, or NULL */
   int private_buffers;   /* 1: never share the flat buffers with the data group (collectives through MPI) */
   const pg_backend *backend; /* where the engine runs (pg_backend.h); NULL: the cpu backend */
+  int objective;         /* the last stage ends in an objective (pg_objective_new): targets are its to read */
 } pg_engine_opts;
 
 typedef struct pg_engine_stats {

@@ -879,6 +879,7 @@ pg_param *pg_embedding_weight(pg_module *m) {
 
 typedef struct lm_head_state {
   int vocab, padded_l, vocab_start, valid;
+  int logits_out; /* pg_lm_logits_new: the logits slice is the output, no loss */
   pg_param *w;
   int owns_w;
   float *stats;   /* [nslots][3][rows]: row max, sum of exp, target logit */
@@ -893,11 +894,17 @@ static int lm_head_alloc(pg_module *m, int nslots, int max_rows) {
   lm_head_state *s = m->state;
   if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
   int T = tp_size(m->ctx);
+  s->logits_slot = -1;
+  /* the logits output lives in the per-slot outputs (alloc_leaf); only evaluation gathers */
+  if (s->logits_out) {
+    if (T > 1 && !alloc_floats(m, &s->gather, (size_t)T * max_rows * s->padded_l))
+      return pg_fail("out of memory for %s (logits)", m->name);
+    return PG_OK;
+  }
   if (!alloc_floats(m, &s->stats, (size_t)nslots * 3 * max_rows) ||
       !alloc_floats(m, &s->logits, (size_t)max_rows * s->padded_l) || !alloc_floats(m, &s->red, 2 * (size_t)max_rows) ||
       (T > 1 && !alloc_floats(m, &s->gather, (size_t)T * max_rows * s->padded_l)))
     return pg_fail("out of memory for %s (logits)", m->name);
-  s->logits_slot = -1;
   m->saved_bytes_per_slot += 3 * (size_t)max_rows * sizeof(float);
   return PG_OK;
 }
@@ -920,31 +927,37 @@ static int lm_head_stats(pg_module *m, lm_head_state *s, float *st, const int32_
   return PG_OK;
 }
 
+/* Evaluation: the full logits (host), real vocabulary columns only, from
+ * every rank's slice `mine`. */
+static int lm_head_full_logits(pg_module *m, lm_head_state *s, const float *mine, float *out, int N) {
+  int width = s->padded_l, T = tp_size(m->ctx);
+  size_t f = sizeof(float), piece = (size_t)N * width;
+  if (T > 1 && (KERNEL(m, copy, s->gather + (size_t)tp_rank(m->ctx) * piece, mine, piece * f,
+                       PG_COPY_DEVICE_TO_DEVICE) ||
+                pg_all_gather_buf(m->ctx, PG_MODE_TENSOR, s->gather, (int64_t)piece, PG_FLOAT32)))
+    return PG_ERR;
+  /* slice k holds vocabulary columns [k width, (k+1) width), the real ones first */
+  for (int k = 0; k < T && k * width < s->vocab; k++) {
+    int cols = s->vocab - k * width < width ? s->vocab - k * width : width;
+    const float *src = T > 1 ? s->gather + (size_t)k * piece : mine;
+    if (KERNEL(m, copy2d, out + (size_t)k * width, (size_t)s->vocab * f, src, (size_t)width * f, (size_t)cols * f,
+               (size_t)N, PG_COPY_DEVICE_TO_HOST))
+      return PG_ERR;
+  }
+  return PG_OK;
+}
+
 static int lm_head_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   lm_head_state *s = m->state;
   if (check_rows(m, slot, io)) return PG_ERR;
-  int N = io->B * io->T, C = m->in_width, T = tp_size(m->ctx);
-  if (KERNEL(m, matmul_forward, s->logits, x, s->w->data, NULL, N, C, s->padded_l)) return PG_ERR;
+  int N = io->B * io->T, C = m->in_width;
+  float *logits = s->logits_out ? slot_out(m, slot) : s->logits;
+  if (KERNEL(m, matmul_forward, logits, x, s->w->data, NULL, N, C, s->padded_l)) return PG_ERR;
   s->saved_x[slot] = x;
   s->logits_slot = -1;
-  *y = NULL;
-  if (io->logits) { /* evaluation: full logits (host), real vocabulary columns only */
-    int width = s->padded_l;
-    size_t f = sizeof(float), piece = (size_t)N * width;
-    if (T > 1 && (KERNEL(m, copy, s->gather + (size_t)tp_rank(m->ctx) * piece, s->logits, piece * f,
-                         PG_COPY_DEVICE_TO_DEVICE) ||
-                  pg_all_gather_buf(m->ctx, PG_MODE_TENSOR, s->gather, (int64_t)piece, PG_FLOAT32)))
-      return PG_ERR;
-    /* slice k holds vocabulary columns [k width, (k+1) width), the real ones first */
-    for (int k = 0; k < T && k * width < s->vocab; k++) {
-      int cols = s->vocab - k * width < width ? s->vocab - k * width : width;
-      const float *src = T > 1 ? s->gather + (size_t)k * piece : s->logits;
-      if (KERNEL(m, copy2d, io->logits + (size_t)k * width, (size_t)s->vocab * f, src, (size_t)width * f,
-                 (size_t)cols * f, (size_t)N, PG_COPY_DEVICE_TO_HOST))
-        return PG_ERR;
-    }
-  }
-  if (!io->targets) return PG_OK;
+  *y = s->logits_out ? logits : NULL;
+  if (io->logits && lm_head_full_logits(m, s, logits, io->logits, N)) return PG_ERR;
+  if (s->logits_out || !io->targets) return PG_OK;
   float *st = s->stats + (size_t)slot * 3 * m->max_rows;
   if (lm_head_stats(m, s, st, io->targets, N)) return PG_ERR;
   float *dl = io->want_grad ? s->logits : NULL;
@@ -958,10 +971,16 @@ static int lm_head_forward(pg_module *m, int slot, pg_io *io, const float *x, co
 }
 
 static int lm_head_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
-  (void)dy;
   lm_head_state *s = m->state;
   int N = io->B * io->T, C = m->in_width;
   const float *x = s->saved_x[slot];
+  if (s->logits_out) { /* dy: the objective's gradient of this rank's logits slice */
+    if (KERNEL(m, matmul_backward, m->dinp, s->w->grad, NULL, dy, x, s->w->data, N, C, s->padded_l) ||
+        pg_tp_copy_backward(m, m->dinp, (int64_t)N * C))
+      return PG_ERR;
+    *dx = m->dinp;
+    return PG_OK;
+  }
   if (s->logits_slot != slot) { /* another micro-batch ran since: recompute from the saved statistics */
     float *st = s->stats + (size_t)slot * 3 * m->max_rows;
     if (KERNEL(m, matmul_forward, s->logits, x, s->w->data, NULL, N, C, s->padded_l) ||
@@ -989,16 +1008,19 @@ static void lm_head_destroy(pg_module *m) {
 
 static const pg_module_ops lm_head_ops = {"lm_head", lm_head_alloc, lm_head_forward, lm_head_backward, lm_head_destroy};
 
-pg_module *pg_lm_head_new(pg_context *ctx, const char *name, int vocab, int padded_vocab, int width, pg_param *weight,
-                          const char *weight_name, int tied_copy, float init_std) {
+static pg_module *lm_head_make(pg_context *ctx, const char *name, int vocab, int padded_vocab, int width,
+                               pg_param *weight, const char *weight_name, int tied_copy, float init_std,
+                               int logits_out) {
   int T = tp_size(ctx), r = tp_rank(ctx);
   if (check_vocab(name, vocab, padded_vocab, T)) return NULL;
   if (weight && (weight->ndim != 2 || weight->shape[0] != padded_vocab / T || weight->shape[1] != width))
     return pg_fail_null("%s: tied weight %s has shape [%lld, %lld], expected [%d, %d]", name, weight->name,
                         (long long)weight->shape[0], (long long)weight->shape[1], padded_vocab / T, width);
-  pg_module *m = module_new(&lm_head_ops, ctx, name, width, 0, sizeof(lm_head_state));
+  pg_module *m = module_new(&lm_head_ops, ctx, name, width, logits_out ? padded_vocab / T : 0,
+                           sizeof(lm_head_state));
   if (!m) return NULL;
   lm_head_state *s = m->state;
+  s->logits_out = logits_out;
   s->vocab = vocab;
   s->padded_l = padded_vocab / T;
   s->vocab_start = r * s->padded_l;
@@ -1021,6 +1043,16 @@ pg_module *pg_lm_head_new(pg_context *ctx, const char *name, int vocab, int padd
     p->tied_copy = tied_copy;
   }
   return m;
+}
+
+pg_module *pg_lm_head_new(pg_context *ctx, const char *name, int vocab, int padded_vocab, int width, pg_param *weight,
+                          const char *weight_name, int tied_copy, float init_std) {
+  return lm_head_make(ctx, name, vocab, padded_vocab, width, weight, weight_name, tied_copy, init_std, 0);
+}
+
+pg_module *pg_lm_logits_new(pg_context *ctx, const char *name, int vocab, int padded_vocab, int width,
+                            pg_param *weight, const char *weight_name, int tied_copy, float init_std) {
+  return lm_head_make(ctx, name, vocab, padded_vocab, width, weight, weight_name, tied_copy, init_std, 1);
 }
 
 /* ---------------------------------------------------------------- sequential, residual */
@@ -1154,6 +1186,59 @@ static void custom_destroy(pg_module *m) {
 
 static const pg_module_ops custom_ops = {"custom", custom_alloc, custom_forward, custom_backward, custom_destroy};
 
+/* ---------------------------------------------------------------- objective (Lua) */
+
+typedef struct objective_state {
+  pg_objective_fns fns;
+  const float **saved_x; /* per slot: the stage output the loss is taken of */
+} objective_state;
+
+static int objective_alloc(pg_module *m, int nslots, int max_rows) {
+  objective_state *s = m->state;
+  return alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots) ? PG_ERR : PG_OK;
+}
+
+/* Training calls the objective once, in backward (loss and gradient
+ * together: nothing to keep between the two); evaluation in forward. */
+static int objective_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
+  objective_state *s = m->state;
+  if (check_rows(m, slot, io)) return PG_ERR;
+  s->saved_x[slot] = x;
+  *y = NULL;
+  if (io->want_grad || io->logits) return PG_OK;
+  double loss = 0;
+  if (s->fns.call(s->fns.ud, io, x, io->B * io->T, m->in_width, NULL, &loss)) return PG_ERR;
+  io->loss_sum += loss * io->B * io->T; /* the engine averages loss_sum over the batch's rows */
+  return PG_OK;
+}
+
+static int objective_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
+  (void)dy;
+  objective_state *s = m->state;
+  double loss = 0;
+  if (s->fns.call(s->fns.ud, io, s->saved_x[slot], io->B * io->T, m->in_width, m->dinp, &loss)) return PG_ERR;
+  io->loss_sum += loss * io->B * io->T;
+  *dx = m->dinp;
+  return PG_OK;
+}
+
+static void objective_destroy(pg_module *m) {
+  objective_state *s = m->state;
+  if (s->fns.release) s->fns.release(s->fns.ud);
+  free(s->saved_x);
+}
+
+static const pg_module_ops objective_ops = {"objective", objective_alloc, objective_forward, objective_backward,
+                                            objective_destroy};
+
+pg_module *pg_objective_new(pg_context *ctx, const char *name, int width, const pg_objective_fns *fns) {
+  if (width < 1) return pg_fail_null("%s: an objective needs the stage's output width, not %d", name, width);
+  pg_module *m = module_new(&objective_ops, ctx, name, width, 0, sizeof(objective_state));
+  if (!m) return NULL;
+  ((objective_state *)m->state)->fns = *fns;
+  return m;
+}
+
 int pg_tp_region_from_name(const char *name, int is_input, pg_tp_region *out) {
   /* the middle name differs: an input may be "copy" (copy-to), an output "reduce" (reduce-from) */
   const char *middle = is_input ? "copy" : "reduce";
@@ -1281,8 +1366,11 @@ static pg_module *build_lm_head(pg_context *ctx, const char *name, const pg_desc
   int bad = 0, vocab = DESC_INT(d, "vocab", 0), padded = DESC_INT(d, "padded_vocab", 0);
   int width = DESC_INT(d, "width", 0);
   if (bad) return NULL;
-  return pg_lm_head_new(ctx, name, vocab, padded, width, w, tie ? tie : own, tie != NULL,
-                        (float)d->ops->number(d, "init_std", 0.02));
+  const char *output = d->ops->string(d, "output", "loss");
+  float std = (float)d->ops->number(d, "init_std", 0.02);
+  if (!strcmp(output, "logits")) return pg_lm_logits_new(ctx, name, vocab, padded, width, w, tie ? tie : own, tie != NULL, std);
+  if (strcmp(output, "loss")) return pg_fail_null("%s: output must be 'loss' or 'logits', not '%s'", name, output);
+  return pg_lm_head_new(ctx, name, vocab, padded, width, w, tie ? tie : own, tie != NULL, std);
 }
 
 typedef pg_module *(*kind_builder)(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env);
@@ -1321,8 +1409,10 @@ void pg_module_free(pg_module *m) {
 int pg_module_set_backend(pg_module *m, const pg_backend *be) {
   if (m->be != be && (m->out || m->dinp || m->nslots))
     return pg_fail("%s: the backend must be chosen before the buffers are allocated", m->name);
-  if (m->ops == &custom_ops && be->device != PG_CPU) /* its Lua callbacks read and write host memory */
-    return pg_fail("%s: a module written in Lua runs on the cpu backend only, not %s", m->name, be->name);
+  /* their Lua callbacks read and write host memory */
+  if ((m->ops == &custom_ops || m->ops == &objective_ops) && be->device != PG_CPU)
+    return pg_fail("%s: a %s written in Lua runs on the cpu backend only, not %s", m->name,
+                   m->ops == &custom_ops ? "module" : "objective", be->name);
   m->be = be;
   for (int i = 0; i < m->nchildren; i++)
     if (pg_module_set_backend(m->children[i], be)) return PG_ERR;

@@ -71,6 +71,9 @@ typedef struct pg_io {
   int want_grad;           /* 0: evaluation (the head skips dlogits) */
   double loss_sum;         /* out: the head adds the sum of token losses */
   float *logits;           /* out when not NULL: the head writes full logits [B*T, vocab] */
+  int mb;                  /* which micro-batch (0-based) of the call */
+  int64_t row0;            /* its first row in this rank's batch */
+  const int32_t *host_targets; /* targets in host memory (an objective written in Lua reads them) */
 } pg_io;
 
 typedef struct pg_module pg_module;
@@ -141,6 +144,10 @@ pg_module *pg_embedding_new(pg_context *ctx, const char *name, int vocab, int pa
  * `weight_name` (tied_copy says whether it is a copy of a tied weight). */
 pg_module *pg_lm_head_new(pg_context *ctx, const char *name, int vocab, int padded_vocab, int width,
                           pg_param *weight, const char *weight_name, int tied_copy, float init_std);
+/* The same head without the loss: it outputs this rank's vocabulary slice of
+ * the logits, [B*T, padded_vocab/T] (a split output), for an objective. */
+pg_module *pg_lm_logits_new(pg_context *ctx, const char *name, int vocab, int padded_vocab, int width,
+                            pg_param *weight, const char *weight_name, int tied_copy, float init_std);
 pg_module *pg_sequential_new(pg_context *ctx, const char *name, pg_module **children, int n);
 pg_module *pg_residual_new(pg_context *ctx, const char *name, pg_module *inner);
 
@@ -152,6 +159,18 @@ typedef struct pg_custom_fns {
   void (*release)(void *ud);
   void *ud;
 } pg_custom_fns;
+
+/* The end of a stage whose loss someone else computes (an objective written
+ * in Lua): it takes the stage's last output ([rows, width] per micro-batch)
+ * and produces the loss. call() gets the rows in host memory and returns the
+ * micro-batch's loss in *loss; with dx (training) it also writes d loss / d x
+ * there, already scaled by the step (the engine's dloss times rows). */
+typedef struct pg_objective_fns {
+  int (*call)(void *ud, const pg_io *io, const float *x, int rows, int width, float *dx, double *loss);
+  void (*release)(void *ud);
+  void *ud;
+} pg_objective_fns;
+pg_module *pg_objective_new(pg_context *ctx, const char *name, int width, const pg_objective_fns *fns);
 
 /* How a module's input and output relate to the tensor group (the regions
  * of Megatron's tensor parallelism, named once here; every module that

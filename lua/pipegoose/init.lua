@@ -14,6 +14,7 @@ local parallel = require "pipegoose.parallel"
 pg.parallelize = parallel.parallelize
 pg.optim = require "pipegoose.optim"
 pg.sample = require "pipegoose.sample"
+pg.loss = require "pipegoose.loss"
 
 -- Trainer, callbacks, LR schedules, checkpoints and test fakes (plain Lua).
 local callbacks = require "pipegoose.callbacks"

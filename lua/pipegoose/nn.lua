@@ -529,14 +529,18 @@ KINDS.embedding = {
 }
 
 --- LM head with the fused softmax cross-entropy. tie = true: the weight is the
--- embedding's (`tie_name`, default "embed.wte").
+-- embedding's (`tie_name`, default "embed.wte"). output = "logits": no loss;
+-- it outputs the logits, split over the tensor group by vocabulary (each
+-- rank its padded_vocab/T columns), for an objective written in Lua
+-- (pg.parallelize's objective=).
 local LMHEAD = { vocab = NEED, padded_vocab = POS, dim = NEED, tie = opt.boolean{ default = true },
-                 tie_name = opt.string{ default = "embed.wte" }, init_std = STD, name = NAME }
+                 tie_name = opt.string{ default = "embed.wte" }, init_std = STD, name = NAME,
+                 output = opt.enum({ "loss", "logits" }, { default = "loss" }) }
 
 function nn.LMHead(o)
   o = opt.check("LMHead", o, LMHEAD)
   return spec("lm_head", {
-    vocab = o.vocab, padded_vocab = padded_of("LMHead", o), width = o.dim,
+    vocab = o.vocab, padded_vocab = padded_of("LMHead", o), width = o.dim, output = o.output,
     tie = o.tie and o.tie_name or nil, init_std = o.init_std, name = o.name, label = "LMHead",
   })
 end
@@ -544,8 +548,10 @@ end
 KINDS.lm_head = {
   describe = function(s, c)
     c.need_full(s.width)
-    return { kind = "lm_head", name = c.me, vocab = s.vocab, padded_vocab = round_up(s.padded_vocab, c.T),
-             width = s.width, tie = s.tie, init_std = s.init_std }, { width = -1, split = false }
+    local padded = round_up(s.padded_vocab, c.T)
+    local out = s.output == "logits" and { width = padded, split = true } or { width = -1, split = false }
+    return { kind = "lm_head", name = c.me, vocab = s.vocab, padded_vocab = padded, output = s.output,
+             width = s.width, tie = s.tie, init_std = s.init_std }, out
   end,
   params = function(s) return s.tie and 0 or s.vocab * s.width end,
   flops = function(s) return 2 * s.width * s.padded_vocab + 6 * s.padded_vocab end,
@@ -657,8 +663,20 @@ end
 -- projections N(0, 0.02/sqrt(2*layers)), LayerNorm 1/0, biases 0.
 -- arch: the model config's own field (a Llama's says "llama"), so that a
 -- config passes back in (pg.nn.GPT(engine.config)).
+-- head: "loss" (the LM head with the fused cross-entropy), "logits" (the
+-- head's logits, for an objective written in Lua) or "none" (the model ends
+-- with ln_f: add a head of your own, e.g. a classifier).
+local HEAD = opt.enum({ "loss", "logits", "none" }, { default = "loss" })
 local GPT = { vocab = NEED, padded_vocab = POS, seq_len = NEED, dim = NEED, heads = NEED, layers = NEED, hidden = POS,
-              tie = opt.boolean{ default = true }, arch = opt.enum{ "gpt2" } }
+              tie = opt.boolean{ default = true }, arch = opt.enum{ "gpt2" }, head = HEAD }
+
+-- The model's head as o.head asks; the config records head only when it is not the default.
+local function add_head(model, o, padded, tie)
+  if o.head ~= "none" then
+    model:add(nn.LMHead{ vocab = o.vocab, padded_vocab = padded, dim = o.dim, tie = tie, name = "head", output = o.head })
+  end
+  if o.head ~= "loss" then model.config.head = o.head end
+end
 
 local function build_gpt(o)
   o = opt.check("GPT", o, GPT)
@@ -672,10 +690,10 @@ local function build_gpt(o)
       proj_std = proj_std, name = "blocks." .. i })
   end
   model:add(nn.LayerNorm(o.dim, { name = "ln_f" }))
-  model:add(nn.LMHead{ vocab = o.vocab, padded_vocab = padded, dim = o.dim, tie = o.tie, name = "head" })
   model.label = "GPT"
   model.config = { vocab = o.vocab, padded_vocab = padded, seq_len = o.seq_len, dim = o.dim, heads = o.heads,
                    layers = o.layers, hidden = o.hidden or 4 * o.dim, tie = o.tie }
+  add_head(model, o, padded, o.tie)
   return model
 end
 
@@ -706,7 +724,7 @@ end
 -- N(0, 0.02) for every matrix, norm weights 1.
 local LLAMA = { vocab = NEED, padded_vocab = POS, seq_len = NEED, dim = NEED, heads = NEED, kv_heads = POS,
                 head_dim = POS, layers = NEED, hidden = NEED, rope_theta = opt.number{ gt = 1, default = 10000 },
-                eps = EPS, tie = opt.boolean{ default = false }, arch = opt.enum{ "llama" } }
+                eps = EPS, tie = opt.boolean{ default = false }, arch = opt.enum{ "llama" }, head = HEAD }
 
 local function build_llama(o)
   o = opt.check("Llama", o, LLAMA)
@@ -727,11 +745,11 @@ local function build_llama(o)
                              seq_len = o.seq_len, rope_theta = theta, eps = eps, name = "blocks." .. i })
   end
   model:add(nn.RMSNorm{ dim = o.dim, eps = eps, name = "ln_f" })
-  model:add(nn.LMHead{ vocab = o.vocab, padded_vocab = padded, dim = o.dim, tie = tie, name = "head" })
   model.label = "Llama"
   model.config = { arch = "llama", vocab = o.vocab, padded_vocab = padded, seq_len = o.seq_len, dim = o.dim,
                    heads = o.heads, kv_heads = kv, head_dim = hd, layers = o.layers, hidden = o.hidden,
                    rope_theta = theta, eps = eps, tie = tie }
+  add_head(model, o, padded, tie)
   return model
 end
 
@@ -739,11 +757,12 @@ nn.Llama = setmetatable({}, { __call = function(_, o) return build_llama(o) end 
 
 --- pg.nn.GPT.load_llmc(path): a GPT-2 spec with the config and weights of an
 -- llm.c model file (the weights are loaded by pg.parallelize, each rank its shards).
-function nn.GPT.load_llmc(path)
+function nn.GPT.load_llmc(path, opts)
   opt.value("GPT.load_llmc", "path", path, opt.required(opt.string))
+  opts = opt.check("GPT.load_llmc", opts, { head = HEAD })
   local cfg = require("pipegoose.llmc").read_header(path)
   local m = nn.GPT{ vocab = cfg.vocab, padded_vocab = cfg.padded_vocab, seq_len = cfg.seq_len, dim = cfg.dim,
-                    heads = cfg.heads, layers = cfg.layers }
+                    heads = cfg.heads, layers = cfg.layers, head = opts.head }
   m.weights = { format = "llmc", path = path }
   return m
 end

@@ -90,6 +90,8 @@ local PARALLELIZE = {
   -- data-parallel replicas on one node share their flat buffers unless told not to
   shared_memory = opt.boolean{ default = true },
   device = opt.string, -- "cpu" (default), "cuda" (the node's device of this rank), "cuda:N": parsed by the runtime
+  -- the loss of a model that does not end with one (an LMHead with output = "logits", a head of your own)
+  objective = opt.func,
 }
 
 function M.parallelize(model, ctx, opts)
@@ -111,7 +113,7 @@ function M.parallelize(model, ctx, opts)
   -- rank, so a bad model fails everywhere alike), keep this rank's.
   local me = ctx:local_rank("pipeline")
   local flow = { width = 0, split = false }
-  local stage_desc, stage_flow_in, width, tie, head_tied
+  local stage_desc, stage_flow_in, width, tie, head_tied, logits_head
   local partition_report = {}
   local lua_modules = {}
   -- One Lua table per position: the runtime hands each position its own
@@ -143,6 +145,7 @@ function M.parallelize(model, ctx, opts)
       names[#names + 1] = d.name ~= "" and d.name or (m.label or m.kind)
       nparams = nparams + m:num_params()
       if d.kind == "lm_head" and d.tie then tie, head_tied = d.tie, true end
+      if d.kind == "lm_head" then logits_head = d.output == "logits" and d or nil end
     end
     partition_report[p] = { modules = names, params = nparams, first = ranges[p][1], last = ranges[p][2] }
     if p < P then
@@ -155,7 +158,21 @@ function M.parallelize(model, ctx, opts)
     end
     if p - 1 == me then stage_desc, stage_flow_in = { kind = "sequential", name = "", children = kids }, flow_in end
   end
-  if flow.width ~= -1 then error("parallelize: the model must end with an LMHead (it computes the loss)", 2) end
+  -- The model ends with its loss (an LMHead), or with an output an objective
+  -- written in Lua turns into the loss (the engine's last stage then ends in
+  -- an objective module that calls it).
+  local with_objective = flow.width ~= -1
+  if with_objective and flow.width <= 0 then
+    error("parallelize: the model must end with an LMHead (it computes the loss) or with an output for an objective", 2)
+  end
+  if not with_objective and opts.objective then
+    error("parallelize: the model computes its own loss (its LMHead has output = \"loss\"); objective= needs a model "
+      .. "that ends with an output (LMHead{output = \"logits\"}, GPT{head = \"logits\" | \"none\"})", 2)
+  end
+  if with_objective and flow.split and not logits_head then
+    error("parallelize: the model ends with a tensor split over the tensor group; an objective takes the full output "
+      .. "(gather_output on the last Linear) or an LMHead's logits", 2)
+  end
   width = width or (config.dim or 0)
   local vocab = config.vocab
   for _, m in ipairs(top) do if m.kind == "lm_head" then vocab = vocab or m.vocab end end
@@ -172,7 +189,7 @@ function M.parallelize(model, ctx, opts)
   local ok_engine, c = pcall(core.Engine, ctx, stage_desc, {
     micro_batches = micro, schedule = schedule, vocab = vocab, width = width, seed = opts.seed or ctx:seed(),
     is_first = me == 0, is_last = me == P - 1, tied_name = (P > 1 and head_tied) and tie or nil,
-    bucket_mb = opts.bucket_mb, shared_memory = opts.shared_memory, device = opts.device,
+    bucket_mb = opts.bucket_mb, shared_memory = opts.shared_memory, device = opts.device, objective = with_objective,
   })
   if not ok_engine then error(c, 2) end
   local e = setmetatable({
@@ -180,6 +197,17 @@ function M.parallelize(model, ctx, opts)
     device = c:info().device,
     stage = me, stages = P, partition_report = partition_report, vocab = vocab, _ = { stage_flow_in = stage_flow_in },
   }, Engine)
+  if with_objective then
+    e._.objective = opts.objective
+    -- what an objective needs to read the output: the context (its tensor group) and,
+    -- for an LMHead's logits, which vocabulary columns this rank holds
+    e.objective_info = { ctx = ctx, width = flow.width }
+    if logits_head then
+      local per = logits_head.padded_vocab // T
+      e.objective_info.vocab = { size = logits_head.vocab, padded = logits_head.padded_vocab,
+                                 first = ctx:local_rank("tensor") * per + 1, count = per }
+    end
+  end
   local by_name = {}
   for _, p in ipairs(c:params()) do by_name[p.name] = p end
   for _, d in ipairs(lua_modules) do
@@ -196,19 +224,41 @@ end
 
 ---------------------------------------------------------------- the engine's face
 
-local FORWARD_BACKWARD = { grad_scale = opt.number{ default = 1 }, sync = opt.boolean{ default = true } }
+local FORWARD_BACKWARD = { grad_scale = opt.number{ default = 1 }, sync = opt.boolean{ default = true },
+                          objective = opt.func }
+local LOSS = { objective = opt.func }
 
---- engine:forward_backward(inputs, targets [, {grad_scale = 1, sync = true}]) -> loss  (collective)
+-- Sets the objective the engine's objective module calls for this call:
+-- the call's own, else parallelize's. objective(out, batch) gets batch's
+-- fields from the runtime (targets, batch, seq_len, micro_batch, first_row,
+-- want_grad) and ctx / vocab from the engine (objective_info).
+function Engine:_use_objective(fn, where)
+  if not self.objective_info then
+    if fn then error(("%s: objective= needs a model that ends with an output, not its own loss"):format(where), 3) end
+    return
+  end
+  fn = fn or self._.objective
+  local info = self.objective_info
+  self.c:set_objective(fn and function(out, batch)
+    batch.ctx, batch.vocab = info.ctx, info.vocab
+    return fn(out, batch)
+  end or nil)
+end
+
+--- engine:forward_backward(inputs, targets [, {grad_scale = 1, sync = true, objective = fn}]) -> loss  (collective)
 function Engine:forward_backward(inputs, targets, opts)
   opts = opt.check("forward_backward", opts, FORWARD_BACKWARD)
+  self:_use_objective(opts.objective, "forward_backward")
   -- C calls through pcall: their errors (a bad batch) name the user's line, not this file's
   local ok, loss = pcall(self.c.forward_backward, self.c, inputs, targets, opts.grad_scale, opts.sync)
   if not ok then error(loss, 2) end
   return loss
 end
 
---- engine:loss(inputs, targets) -> mean token loss (no gradients)  (collective)
-function Engine:loss(inputs, targets)
+--- engine:loss(inputs, targets [, {objective = fn}]) -> mean loss (no gradients)  (collective)
+function Engine:loss(inputs, targets, opts)
+  opts = opt.check("loss", opts, LOSS)
+  self:_use_objective(opts.objective, "loss")
   local ok, loss = pcall(self.c.evaluate, self.c, inputs, targets, false)
   if not ok then error(loss, 2) end
   return loss
