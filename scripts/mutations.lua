@@ -8,6 +8,27 @@
 -- Grow the list with each subsystem: a refactor that moves code updates the
 -- `from` texts, and a new feature adds the one-line bugs it could have.
 return {
+  ------------------------------------------------------------------ objectives written in Lua
+  { name = "objective-grad-unscaled", file = "src/lua_nn.c",
+    from = "float scale = io->dloss * (float)rows;", to = "float scale = 1.0f;",
+    specs = { "unit/loss", "dist/objectives" }, why = "the objective's gradient is not divided among the micro-batches" },
+  { name = "objective-loss-per-row", file = "src/pg_module.c",
+    from = "  io->loss_sum += loss * io->B * io->T;\n  *dx = m->dinp;", to = "  io->loss_sum += loss;\n  *dx = m->dinp;",
+    specs = { "unit/loss" }, why = "the engine reports the objective's loss divided by the rows" },
+  { name = "logits-head-no-tp-backward", file = "src/pg_module.c",
+    from = "    if (KERNEL(m, matmul_backward, m->dinp, s->w->grad, NULL, dy, x, s->w->data, N, C, s->padded_l) ||\n        pg_tp_copy_backward(m, m->dinp, (int64_t)N * C))",
+    to = "    if (KERNEL(m, matmul_backward, m->dinp, s->w->grad, NULL, dy, x, s->w->data, N, C, s->padded_l))",
+    specs = { "dist/objectives" }, why = "the vocabulary-split logits' input gradient is not summed over the tensor group" },
+  { name = "ce-smoothing-grad-dropped", file = "src/pg_loss.c",
+    from = "double g = exp(z[c] - lse) * pc_scale - ls / C - (c == t ? 1 - ls : 0);",
+    to = "double g = exp(z[c] - lse) * pc_scale - (c == t ? 1 - ls : 0);",
+    specs = { "unit/loss", "dist/objectives" }, why = "label smoothing's gradient term is missing" },
+  { name = "ce-stats-not-reduced", file = "src/pg_loss.c",
+    from = "  if (!rc) rc = reduce(ctx, sums, 3 * N, PG_REDUCE_SUM);", to = "",
+    specs = { "dist/objectives" }, why = "the softmax sums of a split vocabulary stay per rank" },
+  { name = "kl-grad-missing-tau", file = "src/pg_loss.c",
+    from = "(float)(tau * (exp(logps) - pt) / (double)(N > 0 ? N : 1))", to = "(float)((exp(logps) - pt) / (double)(N > 0 ? N : 1))",
+    specs = { "unit/loss", "dist/objectives" }, why = "KL's gradient misses the temperature factor" },
   ------------------------------------------------------------------ optimizer
   { name = "clip-not-applied", file = "src/pg_optim.c",
     from = "o->clip_scale = f < 1 ? (float)f : 1.0f;", to = "o->clip_scale = 1.0f;",
@@ -117,7 +138,7 @@ return {
     from = "memcpy(d + r * dpitch, s + r * spitch, width_bytes);", to = "memcpy(d + r * dpitch, s + r * dpitch, width_bytes);",
     specs = { "dist/tensor_parallel" }, why = "strided copies read the source with the destination's pitch" },
   { name = "eval-logits-padded-columns", file = "src/pg_module.c",
-    from = "(size_t)cols * f, (size_t)N, PG_COPY_DEVICE_TO_HOST))", to = "(size_t)width * f, (size_t)N, PG_COPY_DEVICE_TO_HOST))",
+    from = "(size_t)width * f, (size_t)cols * f,", to = "(size_t)width * f, (size_t)width * f,",
     specs = { "unit/gpt2_check#tensor" }, why = "evaluation logits copy the padded vocabulary columns too" },
   { name = "device-params-not-initialised", file = "src/pg_engine.c",
     from = "int rc = e->be->ops->copy(e->be, pd, init, bytes, PG_COPY_HOST_TO_DEVICE);", to = "int rc = PG_OK;",

@@ -57,7 +57,7 @@ static int l_cross_entropy(lua_State *L) {
   pg_tensor *tg = pg_lua_check_tensor(L, 2);
   char d[128];
   if (tg->dtype != PG_INT32 || tg->numel != N)
-    luaL_error(L, "%s: targets must be %lld int32 values (one per row), got %s", fn, (long long)N,
+    luaL_error(L, "%s: targets must be %I int32 values (one per row), got %s", fn, (lua_Integer)N,
                pg_tensor_describe(tg, d, sizeof d));
   if (lua_isnoneornil(L, 3)) {
     lua_settop(L, 2);
@@ -99,7 +99,7 @@ static int l_kl_div(lua_State *L) {
   int64_t N, W, tN, tW;
   const float *s = float_rows(L, 1, fn, "student", &N, &W);
   const float *t = float_rows(L, 2, fn, "teacher", &tN, &tW);
-  if (tN != N) return luaL_error(L, "%s: the teacher has %lld rows, the student %lld", fn, (long long)tN, (long long)N);
+  if (tN != N) return luaL_error(L, "%s: the teacher has %I rows, the student %I", fn, (lua_Integer)tN, (lua_Integer)N);
   if (lua_isnoneornil(L, 3)) {
     lua_settop(L, 2);
     lua_newtable(L);
@@ -113,8 +113,8 @@ static int l_kl_div(lua_State *L) {
   /* the teacher holds this rank's slice (same width) or the whole vocabulary */
   int64_t teacher_first = tW == W ? cols.first : 0;
   if (tW != W && tW < cols.size)
-    return luaL_error(L, "%s: the teacher has %lld columns: give this rank's %lld or the vocabulary's %lld", fn,
-                      (long long)tW, (long long)W, (long long)cols.size);
+    return luaL_error(L, "%s: the teacher has %I columns: give this rank's %I or the vocabulary's %I", fn,
+                      (lua_Integer)tW, (lua_Integer)W, (lua_Integer)cols.size);
   int64_t shape[2] = {N, W};
   pg_tensor *g = pg_lua_new_tensor(L, PG_FLOAT32, 2, shape);
   double loss = 0;
