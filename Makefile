@@ -268,8 +268,8 @@ run: all data/fortunes_train.bin
 
 # Training-step benchmarks with ratios against peers measured in the same run
 # (sgemm peak, PyTorch CPU, llm.c with LLMC_DIR=checkout, one rank);
-# BENCH_ONLY=peak,gpt2,small,torch,llmc,tp,dp,pp,comm,gpu
-# runs some parts (scripts/bench.lua says what each does).
+# BENCH_ONLY=peak,gpt2,... runs some parts (`./pglua scripts/bench.lua --help`
+# lists them and what each does).
 bench: all
 	$(PGLUA) scripts/bench.lua
 

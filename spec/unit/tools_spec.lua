@@ -73,6 +73,17 @@ describe("command-line options", function()
       assert.matches("Usage: ", out, 1, true)
     end
   end)
+
+  it("bench.lua lists its parts with --help and refuses a BENCH_ONLY part it does not know, naming them", function()
+    local rc, out = h.sh(h.pglua_cmd{ "scripts/bench.lua", "--help" })
+    assert.equal(0, rc, out)
+    assert.matches("Usage: ", out, 1, true)
+    assert.matches("\n  pp     pipeline = 2", out, 1, true)
+    rc, out = h.sh("BENCH_ONLY=peak,bogus " .. h.pglua_cmd{ "scripts/bench.lua" })
+    assert.is_not.equal(0, rc)
+    assert.matches("no part named bogus; the parts are peak, gpt2, small,", out, 1, true)
+    assert.is_nil(out:find("pipegoose bench:", 1, true), out) -- refused before anything ran
+  end)
 end)
 
 describe("scripts/generate.lua", function()

@@ -1,0 +1,65 @@
+-- The parts of scripts/bench.lua, in the order they run. A part is
+--   name         what BENCH_ONLY calls it
+--   description  a line or more ("\n") for --help
+--   needs        parts that must run first when this one runs, selected or
+--                not (their figures are this one's reference: the sgemm peak)
+--   run(ctx)     measures and prints; figures later parts use go into ctx.results
+--   finish(ctx)  shared by neighbouring parts that print one table together:
+--                called once, after the last of them that runs
+-- A part without run is a peer that other parts measure next to their own
+-- figures when it is selected (ctx.want).
+-- ctx: ncores, want(name), steps(n) (BENCH_STEPS or n, as a worker's --steps),
+-- results (figures passed from part to part).
+local pg = require "pipegoose"
+local common = require "bench.common"
+local steps = require "bench.steps"
+local scaling = require "bench.scaling"
+
+--- Prints the lines of a script that measures on its own (its figures are its own peers).
+local function external(title, cmd, failure)
+  local _, lines, rc = common.run(cmd)
+  print(title)
+  for _, l in ipairs(lines) do print("  " .. l) end
+  if rc ~= 0 then common.failures[#common.failures + 1] = failure end
+end
+
+return {
+  { name = "peak", description = "sgemm GFLOP/s through pg.ops.linear, all cores and one thread",
+    run = require "bench.peak" },
+  { name = "gpt2", description = "GPT-2 124M (padded vocab 50304, 12 x 768, seq 64), batch 4 x 64, fp32, all cores",
+    needs = { "peak" }, run = steps.part("gpt2_124m", "gpt2", "", true), finish = steps.table },
+  { name = "small", description = "the default model of examples/train_gpt.lua, batch 16 x 128, all cores",
+    needs = { "peak" }, run = steps.part("small", "small", "--small"), finish = steps.table },
+  { name = "llama", description = "a LLaMA of GPT-2 124M's shape (GQA 12/4 heads, RoPE, SwiGLU 2048, vocab 32000), "
+      .. "batch 4 x 64",
+    needs = { "peak" }, run = steps.part("llama_124m", "llama", "--llama"), finish = steps.table },
+  { name = "torch", description = "the same steps (gpt2, small, llama) in PyTorch (scripts/bench_torch.py), "
+      .. "skipped without torch" },
+  { name = "llmc", description = "GPT-2 124M's step in llm.c's CPU trainer (train_gpt2.c, same B = 4, T = 64),\n"
+      .. "when LLMC_DIR names a checkout of github.com/karpathy/llm.c (built here\n"
+      .. "with its own `make train_gpt2` if needed; nothing of it is in this repository)" },
+  { name = "tp", description = "GPT-2 124M: tensor = 2 (2 ranks x 1 thread) against 1 rank x 1 thread",
+    needs = { "peak" }, run = scaling.tp, finish = scaling.finish },
+  { name = "dp", description = "GPT-2 124M, 4 x 64 per rank: data = 2 (zero 0 and 1) against 1 rank x 1 thread",
+    needs = { "peak" }, run = scaling.dp, finish = scaling.finish },
+  { name = "pp", description = "pipeline = 2, M = 1..16 micro-batches: bubble and activation peak, GPipe and 1F1B",
+    run = require "bench.pp" },
+  { name = "comm", description = "scripts/bench_comm.lua (collectives against bare MPI)",
+    run = function()
+      print()
+      external("== collectives (scripts/bench_comm.lua, 2 ranks)",
+        ("OMP_NUM_THREADS=1 scripts/mpirun.sh -np 2 -x OMP_NUM_THREADS %s scripts/bench_comm.lua"):format(common.PGLUA),
+        "comm")
+    end },
+  { name = "gpu", description = "scripts/bench_gpu.lua on this rank's GPU (GPT-2 124M tokens/s and MFU against\n"
+      .. "the cuBLAS FP32 sgemm rate measured in the same run), skipped without a GPU",
+    run = function()
+      print()
+      local ok, why = pg.cuda.available()
+      if not ok then
+        print("== GPU: skipped (" .. tostring(why) .. ")")
+        return
+      end
+      external("== GPU (scripts/bench_gpu.lua)", ("%s scripts/bench_gpu.lua"):format(common.PGLUA), "gpu")
+    end },
+}

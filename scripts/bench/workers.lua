@@ -1,0 +1,213 @@
+-- The workers of scripts/bench.lua: each measures one configuration in a
+-- process of its own (pglua, or mpirun of pglua for several ranks), started
+-- by the driver as `pglua scripts/bench.lua --worker=<name> --k=v ...`
+-- (common.worker_cmd), and prints "result <key> <value>" lines on rank 0.
+local pg = require "pipegoose"
+local common = require "bench.common"
+
+local median, MODELS = common.median, common.MODELS
+
+--- Peak resident set of this process in bytes (VmHWM), or 0 where /proc is missing.
+local function vm_hwm()
+  local f = io.open("/proc/self/status")
+  if not f then return 0 end
+  for line in f:lines() do
+    local kb = line:match("^VmHWM:%s+(%d+)")
+    if kb then
+      f:close()
+      return tonumber(kb) * 1024
+    end
+  end
+  f:close()
+  return 0
+end
+
+--- Proportional set size in bytes (smaps_rollup): pages shared with other
+-- processes count for their share only. 0 where it is missing.
+local function pss()
+  local f = io.open("/proc/self/smaps_rollup")
+  if not f then return 0 end
+  local total = 0
+  for line in f:lines() do
+    local kb = line:match("^Pss:%s+(%d+)")
+    if kb then total = tonumber(kb) * 1024 end
+  end
+  f:close()
+  return total
+end
+
+--- Deterministic token batches [B, T] (a fixed pattern: timing does not depend on the ids).
+local function batch_tensors(B, T, vocab, offset)
+  local xs, ys = {}, {}
+  for i = 1, B * T do
+    local k = i + (offset or 0) * B * T
+    xs[i] = (k * 7919) % vocab
+    ys[i] = (k * 104729 + 17) % vocab
+  end
+  return pg.tensor(xs, { dtype = "int32" }):reshape{ B, T }, pg.tensor(ys, { dtype = "int32" }):reshape{ B, T }
+end
+
+--- Seconds per group (tensor, data, pipeline, embedding) summed over every kind of call.
+local function comm_seconds(ctx)
+  local out = {}
+  for mode, kinds in pairs(ctx:comm_stats()) do
+    local s = 0
+    for _, k in pairs(kinds) do s = s + k.seconds end
+    out[mode] = s
+  end
+  return out
+end
+
+local function allmax(x)
+  local t = pg.tensor{ x }
+  pg.dist.all_reduce(t, { op = "max" })
+  return t:item()
+end
+
+-- A training step: zero_grad, forward_backward (with the gradient reductions),
+-- AdamW step. Prints "result <key> <value>" lines on rank 0.
+local function worker_step(o)
+  local cfg = MODELS[o.model] or error("bench.lua: unknown model " .. tostring(o.model))
+  local tensor, data = tonumber(o.tensor or 1), tonumber(o.data or 1)
+  local ctx = pg.ParallelContext{ tensor = tensor, data = data, pipeline = 1, seed = 1 }
+  local spec = {}
+  for k, v in pairs(cfg) do if k ~= "batch" then spec[k] = v end end
+  local engine = pg.parallelize(pg.nn.from_config(spec), ctx, { micro_batches = 1 })
+  local opt = pg.optim.AdamW(engine, { lr = 1e-4, betas = { 0.9, 0.95 }, weight_decay = 0.1,
+                                       zero = tonumber(o.zero or 0) })
+  local B, T = cfg.batch, cfg.seq_len
+  local x, y = batch_tensors(B, T, cfg.vocab, ctx:local_rank("data"))
+  local warmup, steps = tonumber(o.warmup or 1), tonumber(o.steps or 4)
+  local times, computes, syncs, comms = {}, {}, {}, {}
+  local loss
+  for s = 1, warmup + steps do
+    ctx:barrier()
+    local st0, c0 = engine:stats(), comm_seconds(ctx)
+    local t0 = pg.wtime()
+    engine:zero_grad()
+    loss = engine:forward_backward(x, y)
+    opt:step()
+    local dt = allmax(pg.wtime() - t0)
+    local st1, c1 = engine:stats(), comm_seconds(ctx)
+    if s > warmup then
+      times[#times + 1] = dt
+      computes[#computes + 1] = st1.compute_seconds - st0.compute_seconds
+      syncs[#syncs + 1] = st1.grad_sync_seconds - st0.grad_sync_seconds
+      for mode, v in pairs(c1) do
+        comms[mode] = comms[mode] or {}
+        table.insert(comms[mode], v - (c0[mode] or 0))
+      end
+    end
+  end
+  local hwm, pss_bytes = allmax(vm_hwm()), allmax(pss())
+  local nparams = engine:num_parameters()
+  if ctx:rank() == 0 then
+    local step = median(times)
+    local r = {
+      params = nparams, ranks = pg.world_size(), threads = pg.num_threads(), tokens_per_step = B * T * data,
+      step_ms = step * 1e3, step_ms_min = math.min(table.unpack(times)) * 1e3,
+      tokens_per_s = B * T * data / step, compute_ms = median(computes) * 1e3, grad_sync_ms = median(syncs) * 1e3,
+      peak_rss_mb = hwm / 2 ^ 20, pss_mb = pss_bytes / 2 ^ 20, loss = loss,
+      layers = cfg.layers, dim = cfg.dim, seq_len = T,
+    }
+    for mode, v in pairs(comms) do
+      if mode ~= "global" then r["comm_ms_" .. mode] = median(v) * 1e3 end
+    end
+    for k, v in pairs(r) do
+      print(math.type(v) == "integer" and ("result %s %d"):format(k, v) or ("result %s %.8g"):format(k, v))
+    end
+  end
+  ctx:barrier()
+end
+
+-- Pipeline bubbles: P = 2, for each schedule and M, a few steps of
+-- forward_backward with M micro-batches of a fixed size. The idle time of a
+-- stage is the step's wall time (barrier to barrier, the slowest rank's) minus
+-- the stage's own forward/backward compute: blocked receives, send waits and
+-- the wait at the end of the step. (P-1)/(M+P-1) is the idle fraction of
+-- stages that take equal time per micro-batch. When they do not (the last
+-- stage also runs the head; other work on the machine slows one rank or the
+-- other), the stage with the most compute still idles (P-1)/(M+P-1) of the
+-- step: the fill and drain of the pipeline, the schedule's bubble. The others
+-- idle that much plus M times their per-micro-batch deficit: imbalance, not
+-- schedule. So each step's bubble is the idle fraction of that step's busiest
+-- stage; reported: its median over the steps, and the per-stage idle
+-- fractions (median), and recv-wait alone (engine:stats()).
+local function worker_pp(o)
+  local cfg = MODELS.pp
+  local P = pg.world_size()
+  local ctx = pg.ParallelContext{ pipeline = P, seed = 1 }
+  local me = ctx:local_rank("pipeline")
+  local spec = {}
+  for k, v in pairs(cfg) do if k ~= "batch" then spec[k] = v end end
+  local steps = tonumber(o.steps or 5)
+  for _, schedule in ipairs{ "gpipe", "1f1b" } do
+    for _, M in ipairs{ 1, 2, 4, 8, 16 } do
+      local engine = pg.parallelize(pg.nn.GPT(spec), ctx, { micro_batches = M, schedule = schedule })
+      local x, y = batch_tensors(cfg.batch * M, cfg.seq_len, cfg.vocab)
+      local walls, idles, recvs, bubbles = {}, {}, {}, {}
+      -- at least `steps` timed steps, more (up to 15) for short steps: about 3 s of them
+      local total = 1 + steps
+      local s = 0
+      while s < total do
+        s = s + 1
+        ctx:barrier()
+        local st0 = engine:stats()
+        local t0 = pg.wtime()
+        engine:forward_backward(x, y)
+        local wall = allmax(pg.wtime() - t0)
+        local st1 = engine:stats()
+        local compute = st1.compute_seconds - st0.compute_seconds
+        -- every stage's compute this step: the busiest one's idle fraction is the step's bubble
+        local c = pg.dist.all_gather(pg.tensor{ compute }, { group = "pipeline" }):totable()
+        local busiest = 1
+        for i = 2, #c do if c[i] > c[busiest] then busiest = i end end
+        if s == 1 then total = 1 + math.max(steps, math.min(15, math.floor(3 / wall))) end
+        if s > 1 then
+          walls[#walls + 1] = wall
+          idles[#idles + 1] = (wall - compute) / wall
+          recvs[#recvs + 1] = (st1.recv_wait_seconds - st0.recv_wait_seconds) / wall
+          bubbles[#bubbles + 1] = (wall - c[busiest]) / wall
+        end
+      end
+      local mem = engine:memory()
+      -- every stage's figures to rank 0
+      local mine = pg.tensor{ median(idles), median(recvs), mem.peak_activation_bytes }
+      local all = pg.dist.all_gather(mine, { group = "pipeline" })
+      if me == 0 then
+        local v = all:totable()
+        local key = ("pp_%s_m%d"):format(schedule, M)
+        print(("result %s.step_ms %.8g"):format(key, median(walls) * 1e3))
+        print(("result %s.theory %.8g"):format(key, (P - 1) / (M + P - 1)))
+        print(("result %s.bubble %.8g"):format(key, median(bubbles)))
+        for st = 0, P - 1 do
+          local b = st * 3
+          print(("result %s.idle_stage%d %.8g"):format(key, st, v[b + 1]))
+          print(("result %s.recv_wait_stage%d %.8g"):format(key, st, v[b + 2]))
+          print(("result %s.peak_activation_bytes_stage%d %d"):format(key, st, math.tointeger(v[b + 3])))
+        end
+      end
+      engine = nil
+      collectgarbage()
+      collectgarbage()
+    end
+  end
+  ctx:barrier()
+end
+
+--- Writes a GPT-2 124M of our initialisation in llm.c's model format (the
+--- input of llm.c's train_gpt2: 1024 positions, padded vocabulary 50304).
+local function worker_llmc_model(o)
+  local cfg = MODELS.gpt2
+  local engine = pg.parallelize(pg.nn.GPT{ vocab = cfg.vocab, padded_vocab = cfg.padded_vocab, seq_len = 1024,
+    dim = cfg.dim, heads = cfg.heads, layers = cfg.layers }, pg.ParallelContext{ seed = 1 })
+  engine:save_llmc(o.out)
+  print("result written 1")
+end
+
+-- by the name --worker=<name> gives
+return {
+  step = worker_step,
+  pp = worker_pp,
+  ["llmc-model"] = worker_llmc_model,
+}
