@@ -4,6 +4,12 @@
 -- define it in list order, remembers which callback is running so an error
 -- can name it, and collects and restores callback state for checkpoints.
 --
+-- The TrainingModule and the DataModule being run take part the same way
+-- (set_module, set_datamodule): in Lightning's order a hook goes to the
+-- DataModule (setup and teardown only), then the callbacks, then the
+-- TrainingModule; errors name them, and their state is saved beside the
+-- callbacks' under the keys "TrainingModule" and "DataModule".
+--
 -- The Trainer owns one (trainer.callback_handler) and goes through it for
 -- every hook. A handler needs nothing but plain Lua: a spec can build one
 -- and drive it with any table as the trainer.
@@ -31,17 +37,18 @@ function Handler.new(list, level)
       fail(level, "callbacks must be a list (1..n), found key '%s'", tostring(k))
     end
   end
-  local self = setmetatable({ _list = {}, _hooks = {}, _keys = {}, _running = nil }, Handler)
+  local self = setmetatable({ _list = {}, _hooks = {}, _calls = {}, _keys = {}, _running = nil,
+    _module = nil, _datamodule = nil }, Handler)
   for _, h in ipairs(callbacks.HOOKS) do self._hooks[h] = {} end
   local keys, ckpt_owner = self._keys, nil
   for i, cb in ipairs(list) do
     local msg = callbacks.problem(cb)
     if msg then fail(level, "%s %s", callbacks.describe(cb, i), msg) end
-    local entry = { cb = cb, index = i }
     self._list[i] = cb
+    local who = callbacks.describe(cb, i)
     for _, h in ipairs(callbacks.HOOKS) do
       local fn = cb[h]
-      if fn ~= nil then table.insert(self._hooks[h], setmetatable({ fn = fn, hook = h }, { __index = entry })) end
+      if fn ~= nil then table.insert(self._hooks[h], { fn = fn, hook = h, obj = cb, who = who, with_trainer = true }) end
     end
     if cb.state_dict or cb.load_state_dict or cb.state_key ~= nil then
       local key = cb.state_key or callbacks.name_of(cb)
@@ -65,7 +72,60 @@ function Handler.new(list, level)
       self._checkpoint_dir, ckpt_owner = cb.checkpoint_dir, i
     end
   end
+  self:_build_calls()
   return self
+end
+
+-- Each hook's call list: the DataModule's, the callbacks' in list order,
+-- the TrainingModule's (a module's hook is called as module:hook(...), with
+-- the arguments after the trainer: Lightning's signatures).
+function Handler:_build_calls()
+  for _, h in ipairs(callbacks.HOOKS) do
+    local calls = {}
+    local dm, m = self._datamodule, self._module
+    if dm and dm.hooks[h] then calls[#calls + 1] = dm.hooks[h] end
+    for _, e in ipairs(self._hooks[h]) do calls[#calls + 1] = e end
+    if m and m.hooks[h] then calls[#calls + 1] = m.hooks[h] end
+    self._calls[h] = calls
+  end
+end
+
+-- A module's participant record: checked against the hooks of its kind,
+-- its state key free of callbacks. nil for none.
+function Handler:_participant(obj, of, level)
+  if obj == nil then return nil end
+  local who = callbacks.describe_module(obj, of)
+  local msg = callbacks.problem(obj, of)
+  if msg then fail(level + 1, "%s %s", who, msg) end
+  local key = of.name
+  if (obj.state_dict or obj.load_state_dict) and self._keys[key] then
+    local i = self._keys[key]
+    fail(level + 1, "%s has state_key '%s', the key %s's state is saved under; give it another state_key=",
+      callbacks.describe(self._list[i], i), key, who)
+  end
+  local hooks = {}
+  for _, h in ipairs(of.hooks) do
+    local fn = obj[h]
+    if fn ~= nil then hooks[h] = { fn = fn, hook = h, obj = obj, who = who, with_trainer = false } end
+  end
+  return { obj = obj, who = who, key = key, hooks = hooks }
+end
+
+--- Makes `module` (a pg.TrainingModule; nil: none) the participant called
+-- after the callbacks at every hook it defines, as module:hook(...) with the
+-- callbacks' arguments after the trainer, and whose state_dict goes into
+-- checkpoints under "TrainingModule". It replaces the previous one. `level`
+-- is where errors point (error()'s level, default the caller).
+function Handler:set_module(module, level)
+  self._module = self:_participant(module, callbacks.TRAINING_MODULE, (level or 1) + 1)
+  self:_build_calls()
+end
+
+--- The same for a pg.DataModule (nil: none): called before the callbacks,
+-- at setup and teardown only; its state goes under "DataModule".
+function Handler:set_datamodule(datamodule, level)
+  self._datamodule = self:_participant(datamodule, callbacks.DATA_MODULE, (level or 1) + 1)
+  self:_build_calls()
 end
 
 setmetatable(Handler, {
@@ -82,78 +142,97 @@ function Handler:list()
   return out
 end
 
---- The callbacks that implement `hook`, in call order.
+--- The callbacks that implement `hook`, in call order (modules not included).
 function Handler:callbacks_for(hook)
   if not callbacks.IS_HOOK[hook] then
     fail(2, "callbacks_for: '%s' is not a hook%s", tostring(hook), callbacks.suggestion(tostring(hook), callbacks.HOOKS))
   end
   local out = {}
-  for i, e in ipairs(self._hooks[hook]) do out[i] = e.cb end
+  for i, e in ipairs(self._hooks[hook]) do out[i] = e.obj end
   return out
 end
 
 --- The checkpoint directory a callback asked for (ModelCheckpoint's dir), or nil.
 function Handler:checkpoint_dir() return self._checkpoint_dir end
 
---- Calls `hook` as cb:hook(trainer, ...) on every callback that implements
--- it, in list order. The running callback is remembered (a stack: a hook may
+--- Calls `hook` on every participant that implements it: the DataModule,
+-- the callbacks in list order (cb:hook(trainer, ...)), the TrainingModule
+-- (module:hook(...)). The running one is remembered (a stack: a hook may
 -- call back into the trainer, as ModelCheckpoint saving from on_train_end
 -- runs on_save_checkpoint) so that attribute() can name it.
 function Handler:call(trainer, hook, ...)
-  local list = self._hooks[hook]
+  local list = self._calls[hook]
   if list == nil then fail(2, "call: '%s' is not a hook%s", tostring(hook), callbacks.suggestion(tostring(hook), callbacks.HOOKS)) end
   if #list == 0 then return end
   local prev = self._running
   for i = 1, #list do
     local e = list[i]
     self._running = e
-    e.fn(e.cb, trainer, ...)
+    if e.with_trainer then e.fn(e.obj, trainer, ...) else e.fn(e.obj, ...) end
   end
   self._running = prev
 end
 
---- An error raised while a hook ran, prefixed with the hook and the callback
--- ("Trainer: on_train_batch_end of callback 2 (Logger) failed: ..."); other
--- errors unchanged. Forgets the running callback (the stack unwound).
+--- An error raised while a hook ran, prefixed with the hook and who ran it
+-- ("Trainer: on_train_batch_end of callback 2 (Logger) failed: ...", "...
+-- of the TrainingModule (Classifier) failed: ..."); other errors unchanged.
+-- Forgets the running participant (the stack unwound).
 function Handler:attribute(err)
   local at = self._running
   self._running = nil
   if at and type(err) == "string" then
-    return ("Trainer: %s of %s failed: %s"):format(at.hook, callbacks.describe(at.cb, at.index), err)
+    return ("Trainer: %s of %s failed: %s"):format(at.hook, at.who, err)
   end
   return err
 end
 
---- Calls `hook` on every callback while an error is being handled: each
--- callback runs even when an earlier one fails, and failures go to stderr
--- (they must not hide the error being handled).
+--- Calls `hook` on every participant while an error is being handled: each
+-- runs even when an earlier one fails, and failures go to stderr (they must
+-- not hide the error being handled).
 function Handler:call_guarded(trainer, hook, ...)
-  for _, e in ipairs(self._hooks[hook] or {}) do
-    local ok, err = pcall(e.fn, e.cb, trainer, ...)
+  for _, e in ipairs(self._calls[hook] or {}) do
+    local ok, err
+    if e.with_trainer then ok, err = pcall(e.fn, e.obj, trainer, ...) else ok, err = pcall(e.fn, e.obj, ...) end
     if not ok then
-      io.stderr:write(("Trainer: %s of %s failed while handling an error: %s\n"):format(hook,
-        callbacks.describe(e.cb, e.index), tostring(err)))
+      io.stderr:write(("Trainer: %s of %s failed while handling an error: %s\n"):format(hook, e.who, tostring(err)))
     end
   end
 end
 
---- Every stateful callback's state: { [state_key] = cb:state_dict() }.
+-- The modules taking part, in the order their state is restored (after the
+-- callbacks): the TrainingModule, then the DataModule.
+function Handler:_modules()
+  local out = {}
+  if self._module then out[#out + 1] = self._module end
+  if self._datamodule then out[#out + 1] = self._datamodule end
+  return out
+end
+
+--- Every stateful callback's state, { [state_key] = cb:state_dict() }, and
+-- the modules': ["TrainingModule"] = module:state_dict(), ["DataModule"] = ...
 function Handler:state_dict()
   local out = {}
   for key, i in pairs(self._keys) do
     local cb = self._list[i]
     if cb.state_dict then out[key] = cb:state_dict() end
   end
+  for _, p in ipairs(self:_modules()) do
+    if p.obj.state_dict then out[p.key] = p.obj:state_dict() end
+  end
   return out
 end
 
---- Gives each stateful callback its saved state (keys without a callback,
--- and callbacks without saved state, are left alone).
+--- Gives each stateful callback, then the TrainingModule and the DataModule,
+-- its saved state (keys nobody has, and participants without saved state,
+-- are left alone).
 function Handler:load_state_dict(states)
   if type(states) ~= "table" then fail(2, "load_state_dict: expects a table {[state_key] = state}, got a %s", type(states)) end
   for key, i in pairs(self._keys) do
     local cb = self._list[i]
     if states[key] ~= nil and cb.load_state_dict then cb:load_state_dict(states[key]) end
+  end
+  for _, p in ipairs(self:_modules()) do
+    if states[p.key] ~= nil and p.obj.load_state_dict then p.obj:load_state_dict(states[p.key]) end
   end
 end
 

@@ -24,6 +24,24 @@ for _, h in ipairs(M.HOOKS) do M.IS_HOOK[h] = true end
 -- Function-valued fields that are part of the callback protocol but not hooks.
 M.MEMBERS = { state_dict = true, load_state_dict = true }
 
+--- Who gets which hooks, as in Lightning: a callback every hook; a
+-- TrainingModule every hook but on_exception and on_checkpoint_saved (hooks
+-- of callbacks only); a DataModule setup and teardown. `name` labels the
+-- kind in messages and is the key its state is saved under in checkpoints.
+local function kind(name, hooks)
+  local is_hook = {}
+  for _, h in ipairs(hooks) do is_hook[h] = true end
+  return { name = name, hooks = hooks, is_hook = is_hook }
+end
+M.CALLBACK = kind("callback", M.HOOKS)
+local CALLBACK_ONLY = { on_exception = true, on_checkpoint_saved = true }
+local module_hooks = {}
+for _, h in ipairs(M.HOOKS) do
+  if not CALLBACK_ONLY[h] then module_hooks[#module_hooks + 1] = h end
+end
+M.TRAINING_MODULE = kind("TrainingModule", module_hooks)
+M.DATA_MODULE = kind("DataModule", { "setup", "teardown" })
+
 -- "Did you mean" and unknown-key messages: pipegoose.options' (one place for
 -- the wording), re-exported for the callbacks that use them.
 local options = require "pipegoose.options"
@@ -66,26 +84,41 @@ end
 -- A function field that looks like an attempt at a hook: it starts with
 -- "on_", or it is a near miss of a hook name (setup/teardown typos). Other
 -- function fields are helper methods and are allowed.
+-- Remembered per name: a module's class methods are checked at every fit.
+local hook_like_seen = {}
 local function hook_like(k)
   if k:sub(1, 3) == "on_" then return true end
-  local _, d = M.closest(k, M.HOOKS)
-  return d <= 2
+  local known = hook_like_seen[k]
+  if known ~= nil then return known end
+  local near = false
+  for _, h in ipairs(M.HOOKS) do
+    -- the distance is at least the difference in length: most hooks need no distance computed
+    if math.abs(#h - #k) <= 2 and M.distance(k, h) <= 2 then near = true break end
+  end
+  hook_like_seen[k] = near
+  return near
 end
 
---- Checks one callback; returns nil or an error message (without prefix).
-function M.problem(cb)
+--- Checks one callback (or, with `of` = M.TRAINING_MODULE / M.DATA_MODULE,
+-- one module: only the hooks of its kind are allowed); returns nil or an
+-- error message (without prefix).
+function M.problem(cb, of)
+  of = of or M.CALLBACK
   if type(cb) ~= "table" then
     return ("is a %s, not a table of hooks"):format(type(cb))
   end
   local msg
   each_field(cb, function(k, v)
     if msg or k:sub(1, 1) == "_" then return end
-    if M.IS_HOOK[k] or M.MEMBERS[k] then
+    if of.is_hook[k] or M.MEMBERS[k] then
       if type(v) ~= "function" and not (type(v) == "table" and getmetatable(v) and getmetatable(v).__call) then
         msg = ("has hook '%s' set to a %s, not a function"):format(k, type(v))
       end
+    elseif type(v) == "function" and M.IS_HOOK[k] then
+      msg = ("has '%s', a hook that a %s does not get (%s); put it in a callback"):format(k, of.name,
+        of == M.DATA_MODULE and "its hooks are setup and teardown" or "callbacks only")
     elseif type(v) == "function" and hook_like(k) then
-      msg = ("has unknown hook '%s'%s"):format(k, M.suggestion(k, M.HOOKS))
+      msg = ("has unknown hook '%s'%s"):format(k, M.suggestion(k, of.hooks))
     end
   end)
   if msg then return msg end
@@ -99,6 +132,13 @@ end
 function M.describe(cb, i)
   local name = M.name_of(cb)
   return name and ("callback %d (%s)"):format(i, name) or ("callback %d"):format(i)
+end
+
+--- Describes a module of kind `of` for messages: "the TrainingModule (Classifier)".
+function M.describe_module(obj, of)
+  local name = M.name_of(obj)
+  if name == nil or name == of.name then return "the " .. of.name end
+  return ("the %s (%s)"):format(of.name, name)
 end
 
 ------------------------------------------------------------------------------
@@ -191,15 +231,17 @@ end
 
 --- Wraps fn so that it runs only on global rank 0. Used on a hook
 -- (`on_train_end = pg.rank_zero_only(function(self, trainer) ... end)`) it
--- asks the trainer (so fake multi-rank trainers behave); elsewhere it asks
--- the process. Returns fn's results on rank 0, nothing elsewhere.
+-- asks the trainer (so fake multi-rank trainers behave), also on a
+-- TrainingModule's hook (its self.trainer); elsewhere it asks the process.
+-- Returns fn's results on rank 0, nothing elsewhere.
 function M.rank_zero_only(fn)
   if type(fn) ~= "function" then
     error(("pg.rank_zero_only: expects a function, got a %s"):format(type(fn)), 2)
   end
   return function(...)
     local a, b = ...
-    local t = (is_trainer(b) and b) or (is_trainer(a) and a) or nil
+    local owner = type(a) == "table" and rawget(a, "trainer") or nil
+    local t = (is_trainer(b) and b) or (is_trainer(a) and a) or (is_trainer(owner) and owner) or nil
     local zero
     if t then zero = t.state.is_global_zero else zero = M.process_rank() == 0 end
     if zero then return fn(...) end

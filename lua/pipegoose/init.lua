@@ -16,9 +16,12 @@ pg.optim = require "pipegoose.optim"
 pg.sample = require "pipegoose.sample"
 pg.loss = require "pipegoose.loss"
 
--- Trainer, callbacks, LR schedules, checkpoints and test fakes (plain Lua).
+-- Trainer, training and data modules, callbacks, LR schedules, checkpoints and
+-- test fakes (plain Lua).
 local callbacks = require "pipegoose.callbacks"
 pg.Trainer = require "pipegoose.trainer"
+pg.TrainingModule = require "pipegoose.training_module"
+pg.DataModule = require "pipegoose.data_module"
 pg.CallbackHandler = require "pipegoose.callback_handler"
 pg.Callback, pg.callbacks, pg.rank_zero_only = callbacks.Callback, callbacks.builtins, callbacks.rank_zero_only
 pg.lr = require "pipegoose.lr"

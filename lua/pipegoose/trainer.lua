@@ -1,20 +1,25 @@
 --- pg.Trainer: the fit / validate / test loops over any engine, optimizer and
 -- token data with the interfaces of docs/DESIGN.md, calling callbacks at
--- Lightning's hook points. docs/TRAINER.md is the reference for every option,
--- state field, control flag and hook; keep the two in step.
+-- Lightning's hook points. What a batch does is the TrainingModule's
+-- (training_step, validation_step, test_step); the data may come from a
+-- DataModule. docs/TRAINER.md is the reference for every option, state
+-- field, control flag and hook; keep the two in step.
 --
 -- Plain Lua: the C module is needed only to combine control flags across
 -- ranks (one all_reduce per step when the engine has a context with more
 -- than one rank), so the trainer runs under busted with pg.testing's fakes.
 local callbacks = require "pipegoose.callbacks"
 local CallbackHandler = require "pipegoose.callback_handler"
+local TrainingModule = require "pipegoose.training_module"
+local DataModule = require "pipegoose.data_module"
+local class = require "pipegoose.class"
 
 local Trainer = {}
 Trainer.__index = Trainer
 Trainer.__name = "Trainer"
 
 local OPTION_LIST = {
-  "engine", "optimizer", "lr_schedule", "lr_horizon", "max_steps", "max_epochs", "max_time", "accumulate",
+  "engine", "ctx", "optimizer", "lr_schedule", "lr_horizon", "max_steps", "max_epochs", "max_time", "accumulate",
   "clip_grad_norm", "track_grad_norm", "val_every_n_steps", "val_batches", "log_every_n_steps",
   "callbacks", "seed", "out_dir", "on_nan", "clock", "out", "combine",
 }
@@ -30,6 +35,10 @@ for i, f in ipairs(Trainer.FLAGS) do FLAG_INDEX[f] = i end
 local function fail(level, fmt, ...)
   error("Trainer: " .. fmt:format(...), level > 0 and level + 1 or 0)
 end
+
+-- The level a helper given `level` (as fail's, counted from the helper's
+-- caller) passes on from its own frame; 0 stays 0.
+local function up(level) return level > 0 and level + 1 or 0 end
 
 local function positive_int(name, v, allow_zero)
   if v == nil then return nil end
@@ -125,25 +134,37 @@ local function engine_rank(ctx)
   return ctx:rank(), ctx:world_size()
 end
 
+local function is_object(v) return type(v) == "table" or type(v) == "userdata" end
+
+-- lr_schedule= and the one configure_optimizers returns. `level` as fail's.
+local function check_schedule(level, schedule)
+  if schedule ~= nil and type(schedule) ~= "function" then
+    local mt = getmetatable(schedule)
+    if not (type(mt) == "table" and mt.__call) then
+      fail(up(level), "lr_schedule must be a function step -> lr (or pg.lr.*), got a %s", type(schedule))
+    end
+  end
+  return schedule
+end
+
 --- pg.Trainer{...}: see docs/TRAINER.md for every option.
 function Trainer.new(opts)
   if type(opts) ~= "table" then fail(3, "expects a table of options, got a %s", type(opts)) end
   check_options(3, "", opts, OPTION_LIST)
-  local engine = opts.engine
-  if type(engine) ~= "table" and type(engine) ~= "userdata" then
-    fail(3, "engine= is required (what pg.parallelize returns, or pg.testing.fake_engine{})")
+  local engine, ctx = opts.engine, opts.ctx
+  if engine ~= nil and not is_object(engine) then
+    fail(3, "engine= must be an engine (what pg.parallelize returns, or pg.testing.fake_engine{}), got a %s", type(engine))
+  end
+  if ctx ~= nil and not (is_object(ctx) and ctx.rank and ctx.world_size) then
+    fail(3, "ctx= must be a pg.ParallelContext (or pg.testing.fake_context{}), got a %s", type(ctx))
+  end
+  if ctx ~= nil and engine ~= nil and engine.ctx ~= nil and engine.ctx ~= ctx then
+    fail(3, "ctx= is not the engine's context (engine.ctx); give one of them")
   end
   local self = setmetatable({}, Trainer)
-  self.engine = engine
   self.optimizer = opts.optimizer
-  self.ctx = engine.ctx
-  self.lr_schedule = opts.lr_schedule
-  if self.lr_schedule ~= nil and type(self.lr_schedule) ~= "function" then
-    local mt = getmetatable(self.lr_schedule)
-    if not (type(mt) == "table" and mt.__call) then
-      fail(3, "lr_schedule must be a function step -> lr (or pg.lr.*), got a %s", type(self.lr_schedule))
-    end
-  end
+  self.ctx = ctx or (engine and engine.ctx)
+  self.lr_schedule = check_schedule(3, opts.lr_schedule)
   self.lr_horizon = opts.lr_horizon or "checkpoint"
   if self.lr_horizon ~= "checkpoint" and self.lr_horizon ~= "max_steps" then
     fail(3, "lr_horizon='%s' must be 'checkpoint' (a resumed schedule keeps the horizon it was saved with) or "
@@ -197,6 +218,11 @@ function Trainer.new(opts)
   self.control, self._flags = new_control()
   self.combines = 0 -- how many times control flags were combined (for tests and logs)
   self._locks = {} -- canonical directory -> lock path (rank 0) or true: the directories this trainer holds
+  -- engine= means today's objective: the default module, trained by fit(train_data, ...)
+  if engine ~= nil then
+    self._default_module = TrainingModule.language_model(engine)
+    self:_attach(self._default_module, nil, 3)
+  end
   return self
 end
 
@@ -267,11 +293,188 @@ function Trainer:set_accumulate(n)
   self.state.accumulate = i
 end
 
+--- The options engine:forward_backward takes for the current training
+-- batch (a new table): grad_scale = 1/k for a step of k batches, sync = true
+-- on the step's last batch only. nil outside a training step.
+-- TrainingModule:forward_backward passes them on.
+function Trainer:forward_backward_options()
+  local o = self._fb_opts
+  if o == nil then return nil end
+  return { grad_scale = o.grad_scale, sync = o.sync }
+end
+
+------------------------------------------------------------------------------
+-- The TrainingModule and the DataModule being run
+
+-- Makes module (and datamodule, or none) the ones fit / validate / test
+-- run: hooks and state go through the callback handler (errors there point
+-- `level` up, as fail's); trainer.engine is the module's engine, which may
+-- come later from configure_model.
+function Trainer:_attach(module, datamodule, level)
+  self.callback_handler:set_module(module, up(level))
+  self.callback_handler:set_datamodule(datamodule, up(level))
+  module.trainer = self
+  self.module, self.datamodule = module, datamodule
+  self.engine = nil
+  if module.engine ~= nil then self:_use_engine(module.engine, up(level)) end
+end
+
+-- trainer.engine = engine, and its context the trainer's when ctx= gave
+-- none. `level` as fail's; 0 once hooks have run (configure_model), when a
+-- context of several ranks comes too late: fit has locked directories and
+-- run hooks thinking it was alone.
+function Trainer:_use_engine(engine, level)
+  local who = callbacks.describe_module(self.module, callbacks.TRAINING_MODULE)
+  if not is_object(engine) then
+    fail(up(level), "the engine of %s is a %s; expected what pg.parallelize returns", who, type(engine))
+  end
+  local ctx = engine.ctx
+  if ctx ~= nil and self.ctx ~= nil and ctx ~= self.ctx then
+    fail(up(level), "the engine of %s runs on another context than the Trainer's (ctx=, or the engine it was built with)", who)
+  end
+  if ctx ~= nil and self.ctx == nil then
+    local rank, world = engine_rank(ctx)
+    if level == 0 and world > 1 then
+      fail(0, "configure_model of %s made an engine on %d ranks, but the Trainer has no ctx=: give pg.Trainer{ctx = ctx} "
+        .. "the context configure_model gets, so that every rank knows its rank before fit runs a hook", who, world)
+    end
+    local st = self.state
+    self.ctx = ctx
+    st.rank, st.world_size, st.is_global_zero = rank, world, rank == 0
+  end
+  self.engine = engine
+end
+
+-- What fit / validate / test were given, when it is a TrainingModule and a
+-- DataModule: returns them (nil when the first argument is something else:
+-- data for the trainer's own module). Shapes that mix the two are errors.
+-- `level` as fail's.
+local function module_arguments(level, what, a, b)
+  local usage = ("%s(module, datamodule)"):format(what)
+  local function describe(x)
+    if TrainingModule.is_instance(x) then return callbacks.describe_module(x, callbacks.TRAINING_MODULE) end
+    if DataModule.is_instance(x) then return callbacks.describe_module(x, callbacks.DATA_MODULE) end
+    if is_object(x) and x.next_batch then return "a data object" end
+    return "a " .. type(x)
+  end
+  for i, x in ipairs{ a, b } do
+    for _, base in ipairs{ TrainingModule, DataModule } do
+      if class.is_class(x, base) then
+        fail(up(level), "%s: argument %d is the class %s, not an instance; make one with %s{...}", what, i, x.__name, x.__name)
+      end
+    end
+  end
+  if TrainingModule.is_instance(a) then
+    if DataModule.is_instance(b) then return a, b end
+    local hint = is_object(b) and b.next_batch and " (wrap data objects: pg.DataModule.from_data{train = ..., val = ...})" or ""
+    fail(up(level), "%s: after %s comes a pg.DataModule, got %s%s", usage, describe(a), b == nil and "nothing" or describe(b), hint)
+  end
+  if DataModule.is_instance(a) or TrainingModule.is_instance(b) or DataModule.is_instance(b) then
+    fail(up(level), "%s: got %s and %s; the TrainingModule comes first, then the DataModule", usage, describe(a),
+      b == nil and "nothing" or describe(b))
+  end
+  return nil
+end
+
+-- The module that data passed to fit / validate / test is run on: the one
+-- attached last (the default language model when the Trainer has engine=).
+function Trainer:_own_module(level, what)
+  if self.module == nil then
+    fail(up(level), "%s(data) needs engine= (what pg.parallelize returns, or pg.testing.fake_engine{}) to train a language "
+      .. "model on, or a TrainingModule: %s(module, datamodule)", what, what)
+  end
+  return self.module
+end
+
+-- A data object from the DataModule's `method` (train_dataloader, ...);
+-- nil is an error unless `optional`.
+function Trainer:_dataloader(method, optional)
+  local dm = self.datamodule
+  local who = callbacks.describe_module(dm, callbacks.DATA_MODULE)
+  if dm[method] == nil then
+    if optional then return nil end
+    fail(0, "%s has no %s()", who, method)
+  end
+  local data = dm[method](dm)
+  if data == nil and optional then return nil end
+  if not (is_object(data) and data.next_batch) then
+    fail(0, "%s() of %s returned %s; expected a data object with next_batch()", method, who,
+      data == nil and "nil" or "a " .. type(data) .. " without next_batch()")
+  end
+  return data
+end
+
+-- The checks of what a stage runs with, wherever it came from (the
+-- Trainer's options, or configure_model / configure_optimizers). `level` as fail's.
+local function check_engine(level, engine)
+  if engine.forward_backward == nil then fail(up(level), "the engine has no forward_backward() method") end
+end
+
+local function check_optimizer(level, opt)
+  for _, m in ipairs{ "step", "zero_grad", "set_lr", "get_lr" } do
+    if opt[m] == nil then fail(up(level), "the optimizer has no %s() method", m) end
+  end
+end
+
+-- Before a stage runs a hook: what it needs must exist or be made by the
+-- module (configure_model; in fit, configure_optimizers). `level` as fail's.
+function Trainer:_check_ready(level, stage)
+  local module = self.module
+  local who = callbacks.describe_module(module, callbacks.TRAINING_MODULE)
+  if self.engine == nil then
+    if module.configure_model == nil then
+      fail(up(level), "%s has no engine: define configure_model(ctx) returning one, or set module.engine", who)
+    end
+  else
+    check_engine(up(level), self.engine)
+  end
+  if stage ~= "fit" then return end
+  if self.optimizer == nil then
+    if module.configure_optimizers == nil then
+      fail(up(level), "fit needs optimizer= (e.g. pg.optim.AdamW(engine, {lr = 3e-4}))%s",
+        module == self._default_module and "" or (", or configure_optimizers(engine) on " .. who))
+    end
+  else
+    check_optimizer(up(level), self.optimizer)
+  end
+end
+
+-- After the setup hooks (where Lightning calls them): configure_model when
+-- the module has no engine, configure_optimizers in fit when the Trainer
+-- has no optimizer.
+function Trainer:_configure(stage)
+  local module = self.module
+  local who = callbacks.describe_module(module, callbacks.TRAINING_MODULE)
+  if module.engine == nil then
+    local engine = module:configure_model(self.ctx)
+    if not is_object(engine) then
+      fail(0, "configure_model of %s returned a %s; expected an engine (what pg.parallelize returns)", who, type(engine))
+    end
+    module.engine = engine
+    self:_use_engine(engine, 0)
+    check_engine(0, engine)
+  end
+  if stage == "fit" and self.optimizer == nil then
+    local opt, schedule = module:configure_optimizers(module.engine)
+    if not is_object(opt) then
+      fail(0, "configure_optimizers of %s returned a %s; expected an optimizer (and optionally an lr schedule)", who,
+        type(opt))
+    end
+    check_optimizer(0, opt)
+    if schedule ~= nil and self.lr_schedule ~= nil then
+      fail(0, "configure_optimizers of %s returned an lr schedule, and the Trainer has lr_schedule=; keep one", who)
+    end
+    self.optimizer = opt
+    self.lr_schedule = check_schedule(0, schedule) or self.lr_schedule
+  end
+end
+
 ------------------------------------------------------------------------------
 -- Running a stage with on_exception / teardown on error
 
 function Trainer:_reset_run(stage)
   for _, f in ipairs(Trainer.FLAGS) do self._flags[f] = false end
+  self._fb_opts = nil -- left set by a step an error ended
   self._stop_reason = nil
   self._torn_down = false
   self.state.stage = stage
@@ -355,21 +558,25 @@ local function check_data(name, data, need)
   end
 end
 
---- Trains: trainer:fit(train_data [, val_data] [, {resume = path | "last"}]).
--- Returns trainer.state.
-function Trainer:fit(train_data, val_data, opts)
+--- Trains: trainer:fit(module, datamodule [, opts]) or
+-- trainer:fit(train_data [, val_data] [, opts]) (the trainer's own module:
+-- the language model of engine=, or the module attached last); opts:
+-- {resume = path | "last"}. Returns trainer.state.
+function Trainer:fit(a, b, opts)
   opts = opts or {}
   if type(opts) ~= "table" then fail(2, "fit: the third argument is a table of options ({resume=})") end
   check_options(2, "fit: ", opts, FIT_OPTIONS)
-  if train_data == nil then fail(2, "fit: needs training data (pg.data.TokenShards{...})") end
-  check_data("fit: the training data", train_data, { "next_batch" })
-  check_data("fit: the validation data", val_data, { "next_batch" })
-  local opt = self.optimizer
-  if opt == nil then fail(2, "fit needs optimizer= (e.g. pg.optim.AdamW(engine, {lr = 3e-4}))") end
-  for _, m in ipairs{ "step", "zero_grad", "set_lr", "get_lr" } do
-    if opt[m] == nil then fail(2, "the optimizer has no %s() method", m) end
+  local module, datamodule = module_arguments(2, "fit", a, b)
+  local train_data, val_data
+  if module == nil then
+    train_data, val_data = a, b
+    if train_data == nil then fail(2, "fit: needs training data (pg.data.TokenShards{...})") end
+    check_data("fit: the training data", train_data, { "next_batch" })
+    check_data("fit: the validation data", val_data, { "next_batch" })
+    module = self:_own_module(2, "fit")
   end
-  if self.engine.forward_backward == nil then fail(2, "the engine has no forward_backward() method") end
+  self:_attach(module, datamodule, 2)
+  self:_check_ready(2, "fit")
   -- One job per output directory, settled before any hook runs (MetricsLogger
   -- truncates its file in setup): a refused fit has not started, so no hook
   -- (on_exception, teardown) runs for it.
@@ -386,14 +593,21 @@ function Trainer:fit(train_data, val_data, opts)
   return self:_run("fit", function() return self:_fit(train_data, val_data, opts) end)
 end
 
+-- train_data, val_data: nil with a DataModule, whose setup makes them.
 function Trainer:_fit(train_data, val_data, opts)
   local st = self.state
   self.train_data, self.val_data = train_data, val_data
   if self.seed then math.randomseed(self.seed) end
   self:call_hook("setup", "fit")
+  self:_configure("fit")
+  if self.datamodule then
+    self.train_data = self:_dataloader("train_dataloader")
+    self.val_data = self:_dataloader("val_dataloader", true)
+  end
   if opts.resume then self:_resume(opts.resume) end
   if self._base_lr == nil then self._base_lr = self.optimizer:get_lr() end
-  self._tokens_per_batch = train_data.tokens_per_batch and train_data:tokens_per_batch() or nil
+  local data = self.train_data
+  self._tokens_per_batch = data.tokens_per_batch and data:tokens_per_batch() or nil
   st.total_steps = self:_estimate_total_steps()
   st.lr_total_steps = self:_lr_horizon()
   self._t0, self._tokens0 = self.clock(), st.tokens_seen
@@ -517,7 +731,7 @@ end
 -- Takes one optimizer step's worth of batches, starting with the batch
 -- already fetched. Returns true when the data ran out during the step.
 function Trainer:_train_step(inputs, targets)
-  local st, flags, data, engine = self.state, self._flags, self.train_data, self.engine
+  local st, flags, data, module = self.state, self._flags, self.train_data, self.module
   local step = st.step + 1
   local k = self.accumulate
   if data.batches_per_epoch then
@@ -531,20 +745,24 @@ function Trainer:_train_step(inputs, targets)
   self:_set_lr(step)
   -- gradient reductions across ranks (data parallel, tied embedding) run once,
   -- after the step's last batch (sync = false before it, as DDP's no_sync)
+  -- (trainer:forward_backward_options() reads them: module:forward_backward passes them on)
   local fb_opts = { grad_scale = 1 / k, sync = k == 1 }
+  self._fb_opts = fb_opts
   local loss_sum, done, bad = 0, 0, nil
   local exhausted = false
   for i = 1, k do
     st.batch_in_epoch = st.batch_in_epoch + 1
     local idx = st.batch_in_epoch
-    self:call_hook("on_train_batch_start", { inputs = inputs, targets = targets }, idx)
+    local batch = { inputs = inputs, targets = targets }
+    self:call_hook("on_train_batch_start", batch, idx)
     self:call_hook("on_before_backward", idx)
     fb_opts.sync = i == k
-    local loss = engine:forward_backward(inputs, targets, fb_opts)
+    local loss = module:training_step(batch, idx)
     st.micro_batches = st.micro_batches + 1
     st.tokens_seen = st.tokens_seen + self:_batch_tokens(inputs)
     if type(loss) ~= "number" then
-      fail(0, "engine:forward_backward returned a %s at step %d, expected the loss (a number)", type(loss), step)
+      fail(0, "training_step of %s returned a %s at step %d, expected the loss (a number)",
+        callbacks.describe_module(module, callbacks.TRAINING_MODULE), type(loss), step)
     end
     if not finite(loss) then
       if self.on_nan == "error" then
@@ -564,6 +782,7 @@ function Trainer:_train_step(inputs, targets)
     self:call_hook("on_train_batch_end", { loss = loss, step_end = last, skipped = last and bad ~= nil }, idx)
     if last then break end
   end
+  self._fb_opts = nil
   return exhausted
 end
 
@@ -636,56 +855,115 @@ end
 ------------------------------------------------------------------------------
 -- validate / test
 
--- kind: "validation" or "test". Metric: val_loss / test_loss (mean of the
--- per-batch losses, each the same on every rank).
+-- The two evaluation loops: their stage, hooks, module step, metric prefix
+-- and the DataModule method that gives their data.
+local EVAL = {
+  validation = { stage = "validate", hooks = "on_validation", step = "validation_step", prefix = "val_",
+                 loader = "val_dataloader" },
+  test = { stage = "test", hooks = "on_test", step = "test_step", prefix = "test_", loader = "test_dataloader" },
+}
+
+-- A step's outputs as a table of named numbers (a number is {loss = it}).
+local function step_outputs(who, step, out, n)
+  if type(out) == "number" then return { loss = out } end
+  if type(out) ~= "table" or next(out) == nil then
+    fail(0, "%s of %s returned %s at batch %d; expected the loss (a number) or a table of named numbers "
+      .. "({loss = ..., accuracy = ...})", step, who, type(out) == "table" and "an empty table" or "a " .. type(out), n)
+  end
+  for k, v in pairs(out) do
+    if type(k) ~= "string" or type(v) ~= "number" then
+      fail(0, "%s of %s returned %s = %s at batch %d; expected a table of named numbers", step, who, tostring(k),
+        type(v) == "string" and ("'" .. v .. "'") or tostring(v), n)
+    end
+  end
+  return out
+end
+
+local function sorted_names(t)
+  local names = {}
+  for k in pairs(t) do names[#names + 1] = k end
+  table.sort(names)
+  return table.concat(names, ", ")
+end
+
+-- kind: "validation" or "test". Every batch goes through the module's
+-- validation_step / test_step; each named number it returns is averaged over
+-- the batches (each the same on every rank) and published as val_<name> /
+-- test_<name> (the default module: val_loss / test_loss). Returns them.
 function Trainer:_eval_loop(kind, data, max_batches)
-  local st = self.state
-  local pre = kind == "validation" and "on_validation" or "on_test"
-  local metric = kind == "validation" and "val_loss" or "test_loss"
+  local st, module, e = self.state, self.module, EVAL[kind]
+  local who = callbacks.describe_module(module, callbacks.TRAINING_MODULE)
   self._flags.should_validate = false
-  self:call_hook(pre .. "_start")
+  self:call_hook(e.hooks .. "_start")
   if data.reset then data:reset() end
-  local sum, n = 0, 0
+  local sums, names, n = {}, nil, 0
   while not max_batches or n < max_batches do
     local inputs, targets = data:next_batch()
     if inputs == nil then break end
     n = n + 1
-    self:call_hook(pre .. "_batch_start", { inputs = inputs, targets = targets }, n)
-    local loss = self.engine:loss(inputs, targets)
-    if type(loss) ~= "number" then
-      fail(0, "engine:loss returned a %s, expected a number", type(loss))
+    local batch = { inputs = inputs, targets = targets }
+    self:call_hook(e.hooks .. "_batch_start", batch, n)
+    local outputs = step_outputs(who, e.step, module[e.step](module, batch, n), n)
+    local these = sorted_names(outputs)
+    names = names or these
+    if these ~= names then
+      fail(0, "%s of %s returned {%s} at batch %d but {%s} before; every batch must return the same names", e.step,
+        who, these, n, names)
     end
-    sum = sum + loss
-    self:call_hook(pre .. "_batch_end", { loss = loss }, n)
+    for k, v in pairs(outputs) do sums[k] = (sums[k] or 0) + v end
+    self:call_hook(e.hooks .. "_batch_end", outputs, n)
   end
   if n == 0 then fail(0, "the %s data produced no batches", kind) end
-  st.metrics[metric] = sum / n
-  self:call_hook(pre .. "_end")
-  return sum / n
+  local metrics = {}
+  for k, sum in pairs(sums) do
+    metrics[e.prefix .. k] = sum / n
+    st.metrics[e.prefix .. k] = sum / n
+  end
+  self:call_hook(e.hooks .. "_end")
+  return metrics
 end
 
---- Evaluates on val_data (at most val_batches batches): returns {val_loss=}.
-function Trainer:validate(val_data)
-  check_data("validate: the data", val_data, { "next_batch" })
-  if val_data == nil then fail(2, "validate needs data") end
-  return self:_run("validate", function()
-    self:call_hook("setup", "validate")
-    local loss = self:_eval_loop("validation", val_data, self.val_batches)
-    self:_teardown("validate")
-    return { val_loss = loss }
+-- validate / test's arguments, (module, datamodule) or (data), attached and
+-- checked. Returns the data (nil with a DataModule). `level` as fail's.
+function Trainer:_eval_arguments(level, what, a, b)
+  local module, datamodule = module_arguments(up(level), what, a, b)
+  if module == nil then
+    check_data(what .. ": the data", a, { "next_batch" })
+    if a == nil then fail(up(level), "%s needs data", what) end
+    if b ~= nil then fail(up(level), "%s(data) takes one data object; the second argument is a %s", what, type(b)) end
+    module = self:_own_module(up(level), what)
+  end
+  self:_attach(module, datamodule, up(level))
+  self:_check_ready(up(level), what)
+  return datamodule == nil and a or nil
+end
+
+-- A validate or test run over data (nil: the DataModule's); returns the metrics.
+function Trainer:_evaluate(kind, data)
+  local e = EVAL[kind]
+  return self:_run(e.stage, function()
+    self:call_hook("setup", e.stage)
+    self:_configure(e.stage)
+    if self.datamodule then data = self:_dataloader(e.loader) end
+    local metrics = self:_eval_loop(kind, data, kind == "validation" and self.val_batches or nil)
+    self:_teardown(e.stage)
+    return metrics
   end)
 end
 
---- Evaluates on every batch of data (one epoch): returns {test_loss=}.
-function Trainer:test(data)
-  check_data("test: the data", data, { "next_batch" })
-  if data == nil then fail(2, "test needs data") end
-  return self:_run("test", function()
-    self:call_hook("setup", "test")
-    local loss = self:_eval_loop("test", data, nil)
-    self:_teardown("test")
-    return { test_loss = loss }
-  end)
+--- Evaluates at most val_batches batches: trainer:validate(module, datamodule)
+-- (the DataModule's val_dataloader) or trainer:validate(data) (the trainer's
+-- own module). Returns the metrics, {val_loss =, val_<name> = ...}.
+function Trainer:validate(a, b)
+  local data = self:_eval_arguments(2, "validate", a, b)
+  return self:_evaluate("validation", data)
+end
+
+--- Evaluates on every batch of one epoch: trainer:test(module, datamodule)
+-- (test_dataloader) or trainer:test(data). Returns {test_loss =, test_<name> = ...}.
+function Trainer:test(a, b)
+  local data = self:_eval_arguments(2, "test", a, b)
+  return self:_evaluate("test", data)
 end
 
 ------------------------------------------------------------------------------
@@ -698,6 +976,7 @@ end
 -- directory is complete. Returns the path.
 function Trainer:save_checkpoint(path)
   local ckpt = require "pipegoose.checkpoint"
+  if self.engine == nil then fail(2, "save_checkpoint: there is no engine yet (a module's configure_model makes it in fit)") end
   path = path or self:checkpoint_path(self.state.step)
   -- the directory the save writes into (and cleans up) is this job's: a
   -- lock taken here lasts for the fit, or for this save outside fit
@@ -798,6 +1077,7 @@ end
 --- Loads a checkpoint into this trainer outside fit (counters, callback,
 -- data, optimizer and engine state). fit{resume=} does this itself.
 function Trainer:load_checkpoint(path, train_data)
+  if self.engine == nil then fail(2, "load_checkpoint: there is no engine yet (a module's configure_model makes it in fit)") end
   if train_data then self.train_data = train_data end
   local _, dir = require("pipegoose.checkpoint").load(self, path)
   self.state.resumed_from = dir

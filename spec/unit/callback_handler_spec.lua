@@ -87,6 +87,42 @@ describe("pg.CallbackHandler", function()
       "Trainer: load_state_dict: expects a table {[state_key] = state}, got a nil")
   end)
 
+  it("calls a module after the callbacks and a DataModule before them (set_module / set_datamodule), names them, keeps their state", function()
+    local calls = {}
+    local M = pg.TrainingModule:extend("Classifier")
+    function M:on_fit_start(...) calls[#calls + 1] = { "module", self, ... } end
+    function M:teardown(stage) calls[#calls + 1] = { "module teardown", stage } end
+    function M:state_dict() return { n = self.n } end
+    function M:load_state_dict(s) self.n = s.n end
+    local D = pg.DataModule:extend("Shards")
+    function D:teardown(stage) calls[#calls + 1] = { "datamodule teardown", stage } end
+    function D:state_dict() return { shard = 1 } end
+    local cb = pg.Callback{ name = "A", on_fit_start = function(_, t) calls[#calls + 1] = { "callback", t } end,
+      teardown = function(_, _, stage) calls[#calls + 1] = { "callback teardown", stage } end }
+    local h, trainer, m = Handler{ cb }, {}, M{ n = 3 }
+    h:set_module(m)
+    h:set_datamodule(D{})
+    h:call(trainer, "on_fit_start", "x")
+    h:call(trainer, "teardown", "fit")
+    assert.same({ { "callback", trainer }, { "module", m, "x" }, { "datamodule teardown", "fit" },
+                  { "callback teardown", "fit" }, { "module teardown", "fit" } }, calls)
+    assert.same({ cb }, h:callbacks_for("on_fit_start")) -- callbacks only
+    assert.same({ TrainingModule = { n = 3 }, DataModule = { shard = 1 } }, h:state_dict())
+    h:load_state_dict({ TrainingModule = { n = 9 } })
+    assert.equal(9, m.n)
+    function m:on_fit_start() error("boom", 0) end
+    h:set_module(m) -- the call lists are built when a module is set
+    local ok, err = xpcall(function() h:call(trainer, "on_fit_start") end, function(e) return h:attribute(e) end)
+    assert.is_false(ok)
+    assert.equal("Trainer: on_fit_start of the TrainingModule (Classifier) failed: boom", err)
+    h:set_module(nil)
+    h:set_datamodule(nil)
+    calls = {}
+    h:call(trainer, "teardown", "fit")
+    assert.same({ { "callback teardown", "fit" } }, calls)
+    assert.same({}, h:state_dict())
+  end)
+
   it("is what the Trainer dispatches through; its public checkpoint methods refuse wrong arguments", function()
     local engine = pg.testing.fake_engine()
     local seen = {}

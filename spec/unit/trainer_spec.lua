@@ -37,8 +37,10 @@ describe("pg.Trainer construction", function()
   it("rejects unknown options with the closest name", function()
     assert.has_error(function() pg.Trainer{ engine = engine, max_step = 3 } end,
       "Trainer: unknown option 'max_step' (did you mean 'max_steps'?)")
-    assert.has_error(function() pg.Trainer{} end,
-      "Trainer: engine= is required (what pg.parallelize returns, or pg.testing.fake_engine{})")
+    -- without engine= a Trainer runs TrainingModules (fit(module, datamodule)); data alone needs an engine
+    assert.has_error(function() pg.Trainer{}:fit(T.fake_data{}) end,
+      "Trainer: fit(data) needs engine= (what pg.parallelize returns, or pg.testing.fake_engine{}) to train a "
+        .. "language model on, or a TrainingModule: fit(module, datamodule)")
     assert.has_error(function() pg.Trainer{ engine = engine, accumulate = 0 } end,
       "Trainer: accumulate=0 must be a positive integer")
     assert.has_error(function() pg.Trainer{ engine = engine, on_nan = "ignore" } end,
@@ -51,11 +53,11 @@ describe("pg.Trainer construction", function()
     assert.has_error(function() pg.Trainer{ engine = engine, lr_horizn = "checkpoint" } end,
       "Trainer: unknown option 'lr_horizn' (did you mean 'lr_horizon'?)")
     assert.has_error(function() pg.Trainer{ engine = engine, zzzz = 1 } end,
-      "Trainer: unknown option 'zzzz' (known: accumulate, callbacks, clip_grad_norm, clock, combine, engine, "
+      "Trainer: unknown option 'zzzz' (known: accumulate, callbacks, clip_grad_norm, clock, combine, ctx, engine, "
         .. "log_every_n_steps, lr_horizon, lr_schedule, max_epochs, max_steps, max_time, on_nan, optimizer, out, "
         .. "out_dir, seed, track_grad_norm, val_batches, val_every_n_steps)")
     assert.has_error(function() pg.Trainer{ engine = engine, [1] = true } end,
-      "Trainer: unknown option [1] (known: accumulate, callbacks, clip_grad_norm, clock, combine, engine, "
+      "Trainer: unknown option [1] (known: accumulate, callbacks, clip_grad_norm, clock, combine, ctx, engine, "
         .. "log_every_n_steps, lr_horizon, lr_schedule, max_epochs, max_steps, max_time, on_nan, optimizer, out, "
         .. "out_dir, seed, track_grad_norm, val_batches, val_every_n_steps)")
     assert.has_error(function() pg.Trainer{ engine = engine, lr_horizon = "forever" } end,
