@@ -206,7 +206,7 @@ return {
     from = "if m and m.hooks[h] then calls[#calls + 1] = m.hooks[h] end", to = "if m and m.hooks[h] then table.insert(calls, 1, m.hooks[h]) end",
     specs = { "unit/training_module#after the callbacks" }, why = "a TrainingModule's hook runs before the callbacks' (Lightning: after)" },
   { name = "objective-dropped", file = "lua/pipegoose/training_module.lua",
-    from = "if self.objective ~= nil then o.objective = self.objective end", to = "",
+    from = "  o.objective = self:bound_objective()\n", to = "",
     specs = { "unit/training_module#objective" }, why = "a module's objective never reaches engine:forward_backward" },
   { name = "module-state-not-saved", file = "lua/pipegoose/callback_handler.lua",
     from = "if p.obj.state_dict then out[p.key] = p.obj:state_dict() end", to = "",

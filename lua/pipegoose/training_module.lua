@@ -40,7 +40,7 @@ end
 --- One validation batch: returns the loss, or a table of named numbers
 -- ({loss =, accuracy =}) that the trainer averages into val_<name>.
 function TrainingModule:validation_step(batch, batch_idx) -- luacheck: ignore 212
-  return { loss = self.engine:loss(batch.inputs, batch.targets) }
+  return { loss = self:loss(batch.inputs, batch.targets) }
 end
 
 --- One test batch (published as test_<name>): by default what validation measures.
@@ -62,9 +62,30 @@ function TrainingModule:forward_backward(inputs, targets, opts)
   end
   local o = self.trainer and self.trainer:forward_backward_options() or {}
   -- the objective runs inside the engine (on the last pipeline stage)
-  if self.objective ~= nil then o.objective = self.objective end
+  o.objective = self:bound_objective()
   for k, v in pairs(opts or {}) do o[k] = v end
   return self.engine:forward_backward(inputs, targets, o)
+end
+
+--- The module's objective method as the engine calls it: fn(out, batch) ->
+-- self:objective(out, batch); nil when the module has none. (A module whose
+-- model ends with an output rather than its loss defines
+-- `function M:objective(out, batch) return loss, dout end`: README,
+-- "Objectives written in Lua".)
+function TrainingModule:bound_objective()
+  if self.objective == nil then return nil end
+  if self._bound_objective == nil then
+    self._bound_objective = function(out, batch) return self:objective(out, batch) end
+  end
+  return self._bound_objective
+end
+
+--- engine:loss(inputs, targets) with the module's objective: the loss
+-- without gradients (what validation_step reports by default).
+function TrainingModule:loss(inputs, targets)
+  local objective = self:bound_objective()
+  if objective then return self.engine:loss(inputs, targets, { objective = objective }) end
+  return self.engine:loss(inputs, targets)
 end
 
 --- Publishes a metric: trainer:log(name, value).

@@ -184,12 +184,18 @@ describe("pg.TrainingModule subclasses", function()
 
   it("are given the trainer's accumulation options, their objective and their own options in forward_backward", function()
     local engine = recording_engine{}
-    local objective = function() end
-    local m = pg.TrainingModule{ engine = engine, objective = objective }
+    local calls = {}
+    local WithObjective = pg.TrainingModule:extend("WithObjective")
+    function WithObjective:objective(out, batch) calls[#calls + 1] = { self, out, batch } return 1, out end
+    local m = WithObjective{ engine = engine }
     local t = pg.Trainer{ optimizer = T.fake_optimizer(engine), out = T.capture(), max_steps = 1, accumulate = 2 }
     t:fit(m, data_module())
+    local objective = m:bound_objective()
     assert.same({ { grad_scale = 0.5, sync = false, objective = objective },
                   { grad_scale = 0.5, sync = true, objective = objective } }, engine.seen)
+    -- the engine calls fn(out, batch): the method gets its module as self
+    objective("out", "batch")
+    assert.same({ { m, "out", "batch" } }, calls)
     assert.is_nil(t:forward_backward_options()) -- outside a training step
     -- a module without an objective passes none; opts override; outside a step only opts
     local plain = pg.TrainingModule{ engine = recording_engine{} }
