@@ -208,7 +208,7 @@ return {
     from = "{ h .. \"self_attn.k_proj.weight\", { K, C } }, { h .. \"self_attn.v_proj.weight\", { K, C } } })",
     to = "{ h .. \"self_attn.v_proj.weight\", { K, C } }, { h .. \"self_attn.k_proj.weight\", { K, C } } })",
     specs = { "unit/llama#serially" }, why = "LLaMA's k and v projections fused in the wrong order" },
-  { name = "checkpoint-drops-block-sizes", file = "lua/pipegoose/checkpoint.lua",
+  { name = "checkpoint-drops-block-sizes", file = "lua/pipegoose/checkpoint/layout.lua",
     from = "sizes = s.sizes and copy_list(s.sizes) }", to = "sizes = nil }",
     specs = { "unit/llama#checkpoint" }, why = "a checkpoint forgets that q|k|v's blocks are unequal" },
   ------------------------------------------------------------------ strict options and error reports (issue 18)
