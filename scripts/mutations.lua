@@ -279,7 +279,7 @@ return {
     from = "if reads[rec.file] or (i - 1) % world == rank then", to = "if reads[rec.file] then",
     specs = { "unit/checkpoint_validate#weights", "dist/checkpoint#no rank reads" },
     why = "a corrupt file that no rank reads (a weights-only load's optimizer files) passes" },
-  { name = "lock-ignores-live-holder", file = "lua/pipegoose/checkpoint.lua",
+  { name = "lock-ignores-live-holder", file = "lua/pipegoose/checkpoint/lock.lua",
     from = "elseif holder_alive(other, me) then", to = "elseif false then",
     specs = { "unit/checkpoint_lock#second refuses" }, why = "a second job takes over the lock of a running one" },
   { name = "cleanup-removes-live-tmp", file = "lua/pipegoose/checkpoint.lua",
