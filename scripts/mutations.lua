@@ -155,7 +155,7 @@ return {
   { name = "checksum-not-checked", file = "lua/pipegoose/checkpoint/manifest.lua",
     from = "if crc ~= rec.crc32 then", to = "if false then",
     specs = { "unit/checkpoint" }, why = "a corrupt file is loaded" },
-  { name = "optimizer-step-not-restored", file = "lua/pipegoose/checkpoint.lua",
+  { name = "optimizer-step-not-restored", file = "lua/pipegoose/checkpoint/shards.lua",
     from = "    opt:set_step(manifest.optimizer.step)\n", to = "",
     specs = { "unit/checkpoint", "dist/checkpoint" }, why = "resumed AdamW restarts its bias correction" },
   ------------------------------------------------------------------ Trainer and callbacks
@@ -275,7 +275,7 @@ return {
   { name = "dtype-unchecked", file = "lua/pipegoose/checkpoint/manifest.lua",
     from = 'if got.dtype ~= "float32" then', to = "if false then",
     specs = { "unit/checkpoint_validate#int32" }, why = "an int32 tensor is copied into float32 parameters" },
-  { name = "load-checks-only-read-files", file = "lua/pipegoose/checkpoint.lua",
+  { name = "load-checks-only-read-files", file = "lua/pipegoose/checkpoint/shards.lua",
     from = "if reads[rec.file] or (i - 1) % world == rank then", to = "if reads[rec.file] then",
     specs = { "unit/checkpoint_validate#weights", "dist/checkpoint#no rank reads" },
     why = "a corrupt file that no rank reads (a weights-only load's optimizer files) passes" },
