@@ -11,7 +11,8 @@
 --   <parent>/latest                             the name of the newest complete checkpoint
 --
 -- Engines without flat buffers (pg.testing's fakes, anything written in Lua)
--- keep their state_dict in <dir>/rank-{r}.json instead (exact JSON below).
+-- keep their state_dict in <dir>/rank-{r}.json instead (exact JSON:
+-- checkpoint/json.lua).
 --
 -- Saving (every rank calls save() at the same point): all files go into
 -- <dir>.tmp-<pid of rank 0>, each written by pg.file.write (temporary name,
@@ -22,14 +23,34 @@
 -- the previous checkpoint and `latest` as they were; leftover temporary
 -- directories are ignored and removed by the next successful save.
 --
--- Loading validates before it trusts anything (the "Validation" section:
+-- Loading validates before it trusts anything (checkpoint/manifest.lua:
 -- the manifest's seal and every field, every file's name, size, crc32 and
 -- header, the same checks scripts/checkpoint.lua verify runs), agrees on any
 -- problem across ranks (every rank raises the same error, naming the file
 -- and the field), and only then copies.
 --
 -- A job locks the directories it writes (M.lock: <dir>/.pipegoose.lock,
--- created with O_EXCL), so that two jobs never share one.
+-- created with O_EXCL; checkpoint/lock.lua), so that two jobs never share one.
+--
+-- This file is the save/load protocol (save_tensor_state, manifest, save,
+-- cleanup, load). The rest is one file per concept under checkpoint/
+-- (lua/pipegoose/checkpoint/), and this module offers all of it as before
+-- (pg.checkpoint.xxx; each is defined once, in its file):
+--
+--   checkpoint/fs.lua        files and directories, getpid, crc32 (M.fs, M.getpid, M.crc32_of)
+--   checkpoint/json.lua      exact JSON (M.encode, M.decode)
+--   checkpoint/ranks.lua     rank agreement (M.all_gather_strings, M.agree_error; barrier, rank 0's pid)
+--   checkpoint/layout.lua    file names, slice records, the parallel layout (M.params_file, M.optim_file,
+--                            M.is_sharded_engine, M.layout)
+--   checkpoint/manifest.lua  validation: the format's names (M.FORMAT, M.MANIFEST, M.LATEST, M.SEAL_KEY, ...),
+--                            M.read_manifest, M.manifest_problem, M.check_file, M.validate, M.seal, M.show,
+--                            M.plain_name; finding a checkpoint (M.latest, M.resolve)
+--   checkpoint/lock.lua      one job per directory (M.lock, M.unlock, M.lock_owner, M.pid_running, M.canonical)
+--   checkpoint/shards.lua    sharded safetensors: writing, the load's plan and file checks, reslicing (M._assemble)
+--   checkpoint/tools.lua     M.verify, M.seal_dir, M.info, M.consolidate, M.export_llmc, M.export_hf, M.load_weights
+--
+-- Each requires only those above it in this list (and pipegoose.safetensors,
+-- the C module when it loads), never this file.
 local fs = require "pipegoose.checkpoint.fs"
 local json = require "pipegoose.checkpoint.json"
 local ranks = require "pipegoose.checkpoint.ranks"

@@ -3,7 +3,7 @@
 -- json-per-rank state, of the file records the ranks gather and of lock
 -- files. A module of its own because it is a format of its own
 -- (docs/FORMATS.md: integers, floats, keys and tensors tagged "#i:", "#f:",
--- "#s:", "#b:", "#tensor"), which knows nothing of checkpoints.
+-- "#s:", "#b:", "#tensor"), which knows nothing of manifests or shards.
 -- M.emit, M.unpack and M.cjson (strict: no NaN, Infinity or hex numbers)
 -- are for manifest.lua: the seal is the crc32 of emit's text, and a
 -- manifest is decoded raw, its seal checked, and only then unpacked.
