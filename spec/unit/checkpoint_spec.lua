@@ -47,6 +47,34 @@ describe("pg.checkpoint encode / decode", function()
   end)
 end)
 
+describe("pg.checkpoint's files", function()
+  -- lua/pipegoose/checkpoint.lua offers what the files under
+  -- lua/pipegoose/checkpoint/ define, as it did when they were one file
+  it("offers every function and constant it always has", function()
+    local names = [[FORMAT FORMAT_VERSION MANIFEST LATEST SHARDED JSON_PER_RANK SEAL_KEY LOCK fs getpid crc32_of
+      encode decode all_gather_strings agree_error params_file optim_file is_sharded_engine layout show plain_name
+      manifest_problem seal read_manifest check_file validate pid_running lock_owner lock unlock canonical _assemble
+      save_tensor_state load_tensor_state manifest cleanup save latest resolve config_difference load verify seal_dir
+      info consolidate export_llmc export_hf load_weights]]
+    for name in names:gmatch("%S+") do assert.is_not_nil(ckpt[name], name) end
+  end)
+
+  it("has files that each load on their own, never requiring pipegoose.checkpoint", function()
+    local mods = {}
+    for _, f in ipairs(pg.fs.list("lua/pipegoose/checkpoint")) do mods[#mods + 1] = f:match("^(.*)%.lua$") end
+    assert.is_true(#mods >= 8, table.concat(mods, " "))
+    local path = h.tmpfile(([[
+package.preload["pipegoose.checkpoint"] = function() error("requires pipegoose.checkpoint", 0) end
+for _, m in ipairs{ %s } do require("pipegoose.checkpoint." .. m) end
+print("loaded")
+]]):format(("%q, "):rep(#mods):format(table.unpack(mods))))
+    local rc, out = h.sh(h.pglua_cmd{ path })
+    os.remove(path)
+    assert.equal(0, rc, out)
+    assert.matches("loaded", out)
+  end)
+end)
+
 describe("pg.checkpoint save / load", function()
   local dir
   before_each(function() dir = tmpdir() end)

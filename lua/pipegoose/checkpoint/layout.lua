@@ -1,0 +1,84 @@
+--- The sharded tensor files' names and what their entries hold: the file
+-- names (params-tp{t}-pp{p}, optim-tp{t}-pp{p}[-dp{d}]), which engines and
+-- optimizers have sharded state, the slice record of an entry, and the
+-- parallel layout a manifest records. A module of its own because writing
+-- and loading (shards.lua), validating (manifest.lua), the manifest
+-- (checkpoint.lua) and the tools all name files and layouts this one way.
+local safetensors = require "pipegoose.safetensors"
+
+local M = {}
+
+function M.params_file(tp, pp) return ("params-tp%d-pp%d.safetensors"):format(tp, pp) end
+
+function M.optim_file(tp, pp, dp)
+  if dp then return ("optim-tp%d-pp%d-dp%d.safetensors"):format(tp, pp, dp) end
+  return ("optim-tp%d-pp%d.safetensors"):format(tp, pp)
+end
+
+--- True for engines with flat buffers (what pg.parallelize returns).
+function M.is_sharded_engine(engine)
+  return type(engine) == "table" and engine.c ~= nil and type(engine.parameters) == "function" and engine.ctx ~= nil
+    and not engine.ctx.fake
+end
+
+local function real_optimizer(opt)
+  return type(opt) == "table" and opt.c ~= nil and opt.zero ~= nil and type(opt.c) == "userdata"
+end
+
+local function copy_list(t)
+  local out = {}
+  for i, v in ipairs(t) do out[i] = v end
+  return out
+end
+
+-- A split with one part is no split (the runtime leaves the rank's index in it).
+local function norm_split(s)
+  if s == nil or (s.parts or 1) <= 1 then return { dim = 0, blocks = 1, parts = 1, index = 0 } end
+  return { dim = s.dim, blocks = s.blocks, parts = s.parts, index = s.index, sizes = s.sizes and copy_list(s.sizes) }
+end
+
+-- What a file entry holds: local elements [lo, hi) (0-based, row-major) of
+-- the shard of a tensor of full_shape that split describes (dim 1-based, 0:
+-- not split; the dimension is seen as `blocks` blocks, equal or of `sizes`
+-- rows, each cut into `parts` pieces, and the shard holds piece `index` of
+-- every block).
+
+local function slice_of(p, lo, hi)
+  return {
+    full_shape = copy_list(p.full_shape), shape = copy_list(p.shape), split = norm_split(p.split),
+    lo = lo, hi = hi,
+    valid_rows = (p.valid_rows and p.valid_rows >= 0) and p.valid_rows or nil,
+    tied_copy = p.tied_copy or false, replicated = p.replicated or false,
+  }
+end
+
+--- The parallel layout of the trainer's engine and optimizer.
+function M.layout(trainer)
+  local engine, opt, ctx = trainer.engine, trainer.optimizer, trainer.ctx
+  local l = { tensor = 1, pipeline = 1, data = 1, zero = opt and opt.zero or 0, world_size = trainer.state.world_size,
+              micro_batches = engine.micro_batches, schedule = engine.schedule }
+  if ctx and ctx.sizes then
+    local s = ctx:sizes()
+    l.tensor, l.pipeline, l.data = s.tensor, s.pipeline, s.data
+  elseif ctx then
+    l.data = ctx:world_size("data")
+  end
+  if type(engine.partition) == "function" then
+    l.stages = {}
+    for i, s in ipairs(engine:partition()) do
+      l.stages[i] = { first = s.first, last = s.last, modules = copy_list(s.modules) }
+    end
+  end
+  return l
+end
+
+local function describe_layout(l)
+  return ("tensor=%d pipeline=%d data=%d zero=%d"):format(l.tensor or 1, l.pipeline or 1, l.data or 1, l.zero or 0)
+end
+
+M.real_optimizer = real_optimizer
+M.norm_split = norm_split
+M.slice_of = slice_of
+M.describe_layout = describe_layout
+
+return M
