@@ -19,5 +19,7 @@ return function(p, o)
   p:option("--schedule", "Pipeline schedule.", "1f1b"):choices{ "1f1b", "gpipe" }
   p:option("--zero", "ZeRO stage.", "0"):convert(to_int)
   p:option("--device", "cpu, cuda or cuda:N.", "cpu")
+  p:option("--recompute", "Activation recomputation: none, full (each block) or selective (attention).", "none")
+    :choices{ "none", "full", "selective" }
   return to_int
 end

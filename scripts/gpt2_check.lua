@@ -27,7 +27,7 @@ local rank, D, dp = ctx:rank(), ctx:world_size("data"), ctx:local_rank("data")
 local model = pg.nn.GPT.load_llmc(model_path)
 local cfg = model.config
 local engine = pg.parallelize(model, ctx, { micro_batches = opt.micro_batches, schedule = opt.schedule,
-  device = opt.device })
+  device = opt.device, recompute = opt.recompute })
 
 -- The debug state: header, x, y, logits [B, T, V], loss, gradients.
 local h = pg.file.read(state_path, 0, 256, "int32"):totable()

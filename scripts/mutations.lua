@@ -29,6 +29,17 @@ return {
   { name = "kl-grad-missing-tau", file = "src/pg_loss.c",
     from = "(float)(tau * (exp(logps) - pt) / (double)(N > 0 ? N : 1))", to = "(float)((exp(logps) - pt) / (double)(N > 0 ? N : 1))",
     specs = { "unit/loss", "dist/objectives" }, why = "KL's gradient misses the temperature factor" },
+  ------------------------------------------------------------------ activation recomputation
+  { name = "recompute-stale-activations", file = "src/pg_module.c",
+    from = "  if (pg_module_forward(m->children[0], 0, io, s->saved_x[slot], &f)) return PG_ERR;\n  return pg_module_backward",
+    to = "  (void)f;\n  return pg_module_backward",
+    specs = { "dist/recompute" }, why = "a recomputed block's backward uses the activations of the last micro-batch run" },
+  { name = "selective-stale-probabilities", file = "src/pg_module.c",
+    from = "if (s->o.recompute && s->att_slot != slot &&", to = "if (0 &&",
+    specs = { "dist/recompute" }, why = "selective recomputation reuses another micro-batch's attention probabilities" },
+  { name = "recompute-counted-per-slot", file = "src/pg_module.c",
+    from = "  if (m->ops == &recompute_ops) return b; /* the block inside", to = "  if (0) return b; /* the block inside",
+    specs = { "dist/recompute" }, why = "memory() counts a recomputed block's inside once per micro-batch in flight" },
   ------------------------------------------------------------------ optimizer
   { name = "clip-not-applied", file = "src/pg_optim.c",
     from = "o->clip_scale = f < 1 ? (float)f : 1.0f;", to = "o->clip_scale = 1.0f;",

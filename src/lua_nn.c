@@ -337,6 +337,15 @@ static pg_module *build(build_state *b, int idx) {
     if (!m) pg_module_free(inner);
     return m;
   }
+  if (!strcmp(kind, "recompute")) { /* full recomputation around a block */
+    lua_getfield(L, idx, "inner");
+    pg_module *inner = build(b, lua_gettop(L));
+    lua_pop(L, 1);
+    if (!inner) return NULL;
+    pg_module *m = pg_recompute_new(b->ctx, name, inner);
+    if (!m) pg_module_free(inner);
+    return m;
+  }
   if (!strcmp(kind, "lua")) return build_lua(b, idx, name);
   lua_desc u = {L, lua_absindex(L, idx)};
   pg_desc d = {&lua_desc_ops, &u};
@@ -603,6 +612,7 @@ static int l_info(lua_State *L) {
   set_int(L, "slots", e->nslots);
   set_int(L, "capacity_rows", e->capacity_rows);
   set_int(L, "slot_bytes", (lua_Integer)pg_engine_slot_bytes(e));
+  set_int(L, "fixed_activation_bytes", (lua_Integer)pg_module_fixed_bytes(e->stage));
   set_int(L, "peak_in_flight", e->peak_in_flight);
   set_int(L, "zero", e->zero);
   set_int(L, "steps", e->stats.steps);

@@ -601,16 +601,23 @@ typedef struct attention_state {
   float *rotated; /* with RoPE: [nslots][rows * in_width], q|k rotated, v copied */
   float *cos_t, *sin_t; /* with RoPE: [max_seq, head_dim / 2] on the backend */
   const float **saved_x;
+  int att_slot;   /* recompute: the micro-batch whose probabilities att holds (-1: none) */
 } attention_state;
+
+/* The probabilities of `slot`: its own with every slot kept, else the one buffer. */
+static float *attention_probs(pg_module *m, attention_state *s, int slot) {
+  return s->att + (s->o.recompute ? 0 : (size_t)slot * m->max_rows * s->heads_l * s->max_seq);
+}
 
 static int attention_alloc(pg_module *m, int nslots, int max_rows) {
   attention_state *s = m->state;
   if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
   size_t per_slot = (size_t)max_rows * s->heads_l * s->max_seq;
-  if (!alloc_floats(m, &s->att, (size_t)nslots * per_slot) ||
+  if (!alloc_floats(m, &s->att, (size_t)(s->o.recompute ? 1 : nslots) * per_slot) ||
       !alloc_floats(m, &s->scratch, (size_t)KERNEL(m, attention_scratch_floats, s->max_seq, s->heads_l)))
     return pg_fail("out of memory for %s (attention probabilities)", m->name);
-  m->saved_bytes_per_slot += per_slot * sizeof(float);
+  s->att_slot = -1;
+  if (!s->o.recompute) m->saved_bytes_per_slot += per_slot * sizeof(float);
   if (s->o.rope_theta > 0) {
     size_t rot = (size_t)max_rows * m->in_width, table = (size_t)s->max_seq * (s->o.head_dim / 2);
     if (!alloc_floats(m, &s->rotated, (size_t)nslots * rot) || !alloc_floats(m, &s->cos_t, table) ||
@@ -633,7 +640,7 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
   if (check_rows(m, slot, io)) return PG_ERR;
   if (io->T > s->max_seq) return pg_fail("%s: sequence length %d exceeds the model's %d", m->name, io->T, s->max_seq);
   int N = io->B * io->T, hd = s->o.head_dim;
-  float *att = s->att + (size_t)slot * m->max_rows * s->heads_l * s->max_seq;
+  float *att = attention_probs(m, s, slot);
   if (s->rotated) { /* q and k rotated by their positions, in a copy (x belongs to its producer) */
     float *rot = s->rotated + (size_t)slot * m->max_rows * m->in_width;
     if (KERNEL(m, copy, rot, x, (size_t)N * m->in_width * sizeof(float), PG_COPY_DEVICE_TO_DEVICE) ||
@@ -644,6 +651,7 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
   }
   if (KERNEL(m, attention_forward, slot_out(m, slot), att, x, io->B, io->T, s->heads_l, s->kv_l, hd)) return PG_ERR;
   s->saved_x[slot] = x;
+  s->att_slot = slot;
   *y = slot_out(m, slot);
   return PG_OK;
 }
@@ -651,7 +659,13 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
 static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   attention_state *s = m->state;
   int N = io->B * io->T, hd = s->o.head_dim;
-  const float *att = s->att + (size_t)slot * m->max_rows * s->heads_l * s->max_seq;
+  float *att = attention_probs(m, s, slot);
+  /* recompute: another micro-batch's forward ran since; the output written
+   * again is the same (the next module has used it already) */
+  if (s->o.recompute && s->att_slot != slot &&
+      KERNEL(m, attention_forward, slot_out(m, slot), att, s->saved_x[slot], io->B, io->T, s->heads_l, s->kv_l, hd))
+    return PG_ERR;
+  s->att_slot = -1; /* backward may overwrite what it reads */
   if (KERNEL(m, attention_backward, m->dinp, s->scratch, dy, s->saved_x[slot], att, io->B, io->T, s->heads_l, s->kv_l,
              hd))
     return PG_ERR;
@@ -1150,6 +1164,65 @@ pg_module *pg_residual_new(pg_context *ctx, const char *name, pg_module *inner) 
   return m;
 }
 
+/* ---------------------------------------------------------------- recompute (full) */
+
+typedef struct recompute_state {
+  const float **saved_x; /* per slot: the block's input (its producer keeps it) */
+} recompute_state;
+
+static int recompute_alloc(pg_module *m, int nslots, int max_rows) {
+  recompute_state *s = m->state;
+  pg_be_release(BE(m), m->out);
+  m->out = NULL;
+  m->nslots = nslots;
+  m->max_rows = max_rows;
+  size_t out_n = (size_t)nslots * max_rows * m->out_width;
+  if (!(m->out = pg_be_floats(BE(m), out_n)))
+    return pg_fail("%s outputs (%zu floats on %s): %s", m->name, out_n, BE(m)->name, pg_error());
+  m->saved_bytes_per_slot = out_n / nslots * sizeof(float);
+  /* the block itself: one micro-batch's activations */
+  return alloc_ptrs(&s->saved_x, nslots) || pg_module_alloc(m->children[0], 1, max_rows) ? PG_ERR : PG_OK;
+}
+
+static int recompute_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
+  recompute_state *s = m->state;
+  if (check_rows(m, slot, io)) return PG_ERR;
+  const float *f = NULL;
+  if (pg_module_forward(m->children[0], 0, io, x, &f) ||
+      KERNEL(m, copy, slot_out(m, slot), f, (size_t)io->B * io->T * m->out_width * sizeof(float),
+             PG_COPY_DEVICE_TO_DEVICE))
+    return PG_ERR;
+  s->saved_x[slot] = x;
+  *y = slot_out(m, slot);
+  return PG_OK;
+}
+
+static int recompute_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
+  recompute_state *s = m->state;
+  const float *f = NULL;
+  /* the block's activations of this micro-batch, again, then its backward */
+  if (pg_module_forward(m->children[0], 0, io, s->saved_x[slot], &f)) return PG_ERR;
+  return pg_module_backward(m->children[0], 0, io, dy, dx);
+}
+
+static void recompute_destroy(pg_module *m) {
+  recompute_state *s = m->state;
+  free(s->saved_x);
+}
+
+static const pg_module_ops recompute_ops = {"recompute", recompute_alloc, recompute_forward, recompute_backward,
+                                            recompute_destroy};
+
+pg_module *pg_recompute_new(pg_context *ctx, const char *name, pg_module *inner) {
+  pg_module *m = module_new(&recompute_ops, ctx, name, inner->in_width, inner->out_width, sizeof(recompute_state));
+  if (!m) return NULL;
+  if (adopt_children(m, &inner, 1)) {
+    pg_module_free(m);
+    return NULL;
+  }
+  return m;
+}
+
 /* ---------------------------------------------------------------- custom (Lua) */
 
 typedef struct custom_state {
@@ -1338,7 +1411,8 @@ static pg_module *build_attention(pg_context *ctx, const char *name, const pg_de
   int bad = 0;
   pg_attention_opts o = {.heads = DESC_INT(d, "heads", 0), .kv_heads = DESC_INT(d, "kv_heads", 0),
                          .head_dim = DESC_INT(d, "head_dim", 0), .max_seq = DESC_INT(d, "max_seq", 0),
-                         .rope_theta = d->ops->number(d, "rope_theta", 0)};
+                         .rope_theta = d->ops->number(d, "rope_theta", 0),
+                         .recompute = d->ops->boolean(d, "recompute", 0)};
   return bad ? NULL : pg_attention_new(ctx, name, &o);
 }
 
@@ -1453,6 +1527,17 @@ pg_param **pg_module_collect_params(pg_module *m, int *n) {
 
 size_t pg_module_saved_bytes(const pg_module *m) {
   size_t b = m->saved_bytes_per_slot;
+  if (m->ops == &recompute_ops) return b; /* the block inside keeps one micro-batch: pg_module_fixed_bytes */
   for (int i = 0; i < m->nchildren; i++) b += pg_module_saved_bytes(m->children[i]);
+  return b;
+}
+
+size_t pg_module_fixed_bytes(const pg_module *m) {
+  size_t b = 0;
+  if (m->ops == &attention_ops && ((const attention_state *)m->state)->o.recompute)
+    b += (size_t)m->max_rows * ((const attention_state *)m->state)->heads_l *
+         ((const attention_state *)m->state)->max_seq * sizeof(float);
+  if (m->ops == &recompute_ops) return b + pg_module_saved_bytes(m->children[0]) + pg_module_fixed_bytes(m->children[0]);
+  for (int i = 0; i < m->nchildren; i++) b += pg_module_fixed_bytes(m->children[i]);
   return b;
 }

@@ -132,6 +132,8 @@ typedef struct pg_attention_opts {
   int head_dim;
   int max_seq;
   double rope_theta;   /* > 0: rotary position embeddings on q and k (rotate_half); 0: none */
+  int recompute;       /* 1: keep the probabilities of one micro-batch only and recompute them in
+                          backward (selective recomputation, Korthikanti et al. 2022) */
 } pg_attention_opts;
 /* Causal self-attention core on a split q|k|v input (heads/T query and
  * kv_heads/T key/value heads per rank: both must divide by T). */
@@ -150,6 +152,12 @@ pg_module *pg_lm_logits_new(pg_context *ctx, const char *name, int vocab, int pa
                             pg_param *weight, const char *weight_name, int tied_copy, float init_std);
 pg_module *pg_sequential_new(pg_context *ctx, const char *name, pg_module **children, int n);
 pg_module *pg_residual_new(pg_context *ctx, const char *name, pg_module *inner);
+/* Full activation recomputation around `inner` (a transformer block): inner
+ * keeps the activations of one micro-batch only; backward(slot) runs inner's
+ * forward again from the saved input, then its backward. Per micro-batch in
+ * flight only the block's output is kept. Results are bit for bit those
+ * without it (the same kernels on the same inputs). */
+pg_module *pg_recompute_new(pg_context *ctx, const char *name, pg_module *inner);
 
 /* A module computed by someone else (the Lua bindings run a Lua table):
  * callbacks get the row count and contiguous buffers. */
@@ -274,8 +282,12 @@ int pg_module_alloc(pg_module *m, int nslots, int max_rows);
 /* Every parameter in the tree, each once, in tree order; *n set. Caller frees the array. */
 pg_param **pg_module_collect_params(pg_module *m, int *n);
 
-/* Saved activation bytes per slot, whole tree. */
+/* Saved activation bytes per slot, whole tree (what each micro-batch in
+ * flight keeps). */
 size_t pg_module_saved_bytes(const pg_module *m);
+/* Activation bytes kept once, whatever the micro-batches in flight: the
+ * one-micro-batch buffers of recomputed blocks. */
+size_t pg_module_fixed_bytes(const pg_module *m);
 
 /* Calls dispatch. */
 static inline int pg_module_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {

@@ -92,7 +92,31 @@ local PARALLELIZE = {
   device = opt.string, -- "cpu" (default), "cuda" (the node's device of this rank), "cuda:N": parsed by the runtime
   -- the loss of a model that does not end with one (an LMHead with output = "logits", a head of your own)
   objective = opt.func,
+  -- activation recomputation: "full" recomputes each block (a top-level
+  -- composite: TransformerBlock, LlamaBlock) from its input in backward,
+  -- "selective" only the attention probabilities (Korthikanti et al. 2022)
+  recompute = opt.enum({ "none", "full", "selective" }, { default = "none" }),
 }
+
+-- The stage description with recomputation applied: every attention core
+-- keeps one micro-batch's probabilities ("selective"), or every top-level
+-- composite is wrapped to recompute its activations ("full").
+local function with_recompute(stage_desc, how)
+  if how == "none" then return stage_desc end
+  if how == "full" then
+    for i, d in ipairs(stage_desc.children) do
+      if d.kind == "sequential" then stage_desc.children[i] = { kind = "recompute", name = d.name, inner = d } end
+    end
+    return stage_desc
+  end
+  local function mark(d)
+    if d.kind == "attention" then d.recompute = true end
+    for _, c in ipairs(d.children or {}) do mark(c) end
+    if d.inner then mark(d.inner) end
+  end
+  mark(stage_desc)
+  return stage_desc
+end
 
 function M.parallelize(model, ctx, opts)
   opts = opt.check("parallelize", opts, PARALLELIZE)
@@ -186,6 +210,7 @@ function M.parallelize(model, ctx, opts)
   find_lua(stage_desc)
 
   -- through pcall: an error of the runtime (a bad device, no memory) names the user's line, not this one
+  stage_desc = with_recompute(stage_desc, opts.recompute)
   local ok_engine, c = pcall(core.Engine, ctx, stage_desc, {
     micro_batches = micro, schedule = schedule, vocab = vocab, width = width, seed = opts.seed or ctx:seed(),
     is_first = me == 0, is_last = me == P - 1, tied_name = (P > 1 and head_tied) and tie or nil,
@@ -194,6 +219,7 @@ function M.parallelize(model, ctx, opts)
   if not ok_engine then error(c, 2) end
   local e = setmetatable({
     c = c, ctx = ctx, config = config, model = model, micro_batches = micro, schedule = schedule,
+    recompute = opts.recompute,
     device = c:info().device,
     stage = me, stages = P, partition_report = partition_report, vocab = vocab, _ = { stage_flow_in = stage_flow_in },
   }, Engine)
@@ -310,8 +336,10 @@ function Engine:memory()
   local m = {
     params_bytes = 4 * info.flat_padded, grads_bytes = 4 * info.flat_padded,
     slot_bytes = info.slot_bytes, slots = info.slots,
-    activation_bytes = info.slot_bytes * info.slots,
-    peak_activation_bytes = info.slot_bytes * info.peak_in_flight,
+    -- recomputed blocks keep one micro-batch's activations whatever is in flight
+    fixed_activation_bytes = info.fixed_activation_bytes,
+    activation_bytes = info.slot_bytes * info.slots + info.fixed_activation_bytes,
+    peak_activation_bytes = info.slot_bytes * info.peak_in_flight + info.fixed_activation_bytes,
     peak_in_flight = info.peak_in_flight,
     local_parameters = local_params,
   }
