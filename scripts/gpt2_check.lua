@@ -104,4 +104,6 @@ if K > 0 then
     say(("step %d loss %.9g grad_norm %.9g"):format(k, l, norm))
   end
 end
+-- how rank 0's data-parallel reductions ran (shared buffers only within a node)
+say(("shared_memory %s"):format(tostring(engine:stats().shared_memory)))
 os.exit(ok and 0 or 1)

@@ -22,7 +22,7 @@ static void ensure_mpi(lua_State *L) {
   MPI_Initialized(&inited);
   if (inited) return;
   if (pg_mpi_init(NULL, NULL)) luaL_error(L, "%s", pg_error());
-  pg_setup_threads();
+  if (pg_setup_threads() < 0) luaL_error(L, "%s", pg_error());
   if (!started_mpi_here) atexit(finalize_at_exit);
   started_mpi_here = 1;
 }

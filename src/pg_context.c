@@ -1,6 +1,7 @@
 #define _GNU_SOURCE
 #include "pg_context.h"
 
+#include <limits.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
@@ -178,21 +179,41 @@ static int node_rank, node_size = 1;
 int pg_node_rank(void) { return node_rank; }
 int pg_node_size(void) { return node_size; }
 
-static void find_node_place(void) {
+int pg_node_split(MPI_Comm comm, MPI_Comm *node) {
+  const char *env = getenv("PG_RANKS_PER_NODE");
+  if (env && *env) {
+    char *end = NULL;
+    long k = strtol(env, &end, 10);
+    if (*end || k < 1 || k > INT_MAX)
+      return pg_fail("PG_RANKS_PER_NODE=%s: expected a positive integer (ranks per emulated node)", env);
+    int world_rank = 0, rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+    MPI_Comm_rank(comm, &rank);
+    if (MPI_Comm_split(comm, (int)(world_rank / k), rank, node) != MPI_SUCCESS) return pg_fail("MPI_Comm_split failed");
+    return PG_OK;
+  }
+  if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, node) != MPI_SUCCESS)
+    return pg_fail("MPI_Comm_split_type failed");
+  return PG_OK;
+}
+
+static int find_node_place(void) {
   int inited = 0, finalized = 0;
   MPI_Initialized(&inited);
   MPI_Finalized(&finalized);
-  if (!inited || finalized) return;
+  if (!inited || finalized) return PG_OK;
   MPI_Comm node;
-  if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
+  if (pg_node_split(MPI_COMM_WORLD, &node)) return PG_ERR;
+  {
     MPI_Comm_rank(node, &node_rank);
     MPI_Comm_size(node, &node_size);
     MPI_Comm_free(&node);
   }
+  return PG_OK;
 }
 
 int pg_setup_threads(void) {
-  find_node_place();
+  if (find_node_place()) return -1;
   int n = 0;
   const char *env = getenv("OMP_NUM_THREADS");
   if (env && *env) n = atoi(env);

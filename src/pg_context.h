@@ -119,7 +119,8 @@ int pg_mpi_world_size(void);
 /* Compute threads per rank: OMP_NUM_THREADS when the user set it, else the
  * node's cores divided by the ranks on this node (at least 1, at most the
  * cores this process may run on). Applies it to OpenMP and OpenBLAS and
- * returns it. Call after pg_mpi_init. */
+ * returns it; -1 and pg_error() when the node cannot be found (a bad
+ * PG_RANKS_PER_NODE). Call after pg_mpi_init. */
 int pg_setup_threads(void);
 int pg_num_threads(void);
 
@@ -128,5 +129,12 @@ int pg_num_threads(void);
  * uses is its node rank modulo the node's devices. */
 int pg_node_rank(void);
 int pg_node_size(void);
+
+/* The ranks of `comm` on this process's node, as a new communicator (free it
+ * with MPI_Comm_free). A node is what MPI_COMM_TYPE_SHARED says, unless
+ * PG_RANKS_PER_NODE=k: then every k consecutive world ranks are one node,
+ * so that one machine runs the paths between nodes (no shared memory across
+ * them). The one place that decides what a node is. */
+int pg_node_split(MPI_Comm comm, MPI_Comm *node);
 
 #endif

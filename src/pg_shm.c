@@ -55,10 +55,9 @@ int pg_shm_create(pg_context *ctx, pg_mode m, size_t bytes, pg_shm *out, pg_stor
   if (g->size < 2 || bytes == 0) return PG_OK;
   const char *env = getenv("PG_SHM");
   int rc, ok = !(env && !strcmp(env, "0"));
-  /* one node: the group's shared-memory sub-communicator is the whole group */
+  /* one node: the group's node sub-communicator is the whole group */
   MPI_Comm node;
-  if (MPI_Comm_split_type(g->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) != MPI_SUCCESS)
-    return pg_fail("MPI_Comm_split_type failed");
+  if (pg_node_split(g->comm, &node)) return PG_ERR;
   int node_size = 0;
   MPI_Comm_size(node, &node_size);
   MPI_Comm_free(&node);

@@ -24,6 +24,7 @@
 
 #include "pg_machine.h"
 #include "pg_context.h"
+#include "pg_error.h"
 
 int luaopen_pipegoose_core(lua_State *L);
 
@@ -430,7 +431,11 @@ int main(int argc, char **argv) {
     fprintf(stderr, "%s: %s\n", progname, "could not initialise MPI");
     return 1;
   }
-  pg_setup_threads();
+  if (pg_setup_threads() < 0) {
+    fprintf(stderr, "%s: %s\n", progname, pg_error());
+    pg_mpi_finalize();
+    return 1;
+  }
   /* collective, so here while every rank runs the same code: the communicator error reports agree over */
   if (pg_mpi_world_size() > 1 && MPI_Comm_dup(MPI_COMM_WORLD, &report_comm) != MPI_SUCCESS) report_comm = MPI_COMM_NULL;
 

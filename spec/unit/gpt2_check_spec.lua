@@ -36,7 +36,7 @@ local CLIP = load_ref("spec/fixtures/gpt2_tiny_state.bin",
 local STEPS = #REF4.losses -- 10: losses[k] is the loss before update k
 
 -- Hang guard (not a timing assertion): a stuck job is killed and fails on its status.
-local function run(n, flags, ref)
+local function run(n, flags, ref, env)
   local args = { "scripts/gpt2_check.lua", MODEL, ref.state, "--steps=" .. STEPS,
                  "--lr=" .. ref.optimizer.lr, "--beta1=" .. ref.optimizer.betas[1],
                  "--beta2=" .. ref.optimizer.betas[2], "--eps=" .. ref.optimizer.eps,
@@ -44,12 +44,15 @@ local function run(n, flags, ref)
   if ref.optimizer.grad_clip ~= cjson.null then args[#args + 1] = "--clip=" .. ref.optimizer.grad_clip end
   for _, a in ipairs(flags) do args[#args + 1] = a end
   if n == 1 then return h.sh("timeout -k 2 60 " .. h.pglua_cmd(args)) end
+  if env then -- NAME=value: set for every rank
+    return h.sh(env .. " " .. h.mpirun_cmd(n, args, 60):gsub("scripts/mpirun.sh ", "scripts/mpirun.sh -x " .. env:match("^[^=]+") .. " ", 1))
+  end
   return h.sh(h.mpirun_cmd(n, args, 60))
 end
 
-local function check(n, flags, ref)
+local function check(n, flags, ref, env)
   ref = ref or REF4
-  local rc, out = run(n, flags, ref)
+  local rc, out = run(n, flags, ref, env)
   assert.equal(0, rc, out)
   local seen = 0
   for k, v, norm in out:gmatch("step (%d+) loss (%S+) grad_norm (%S+)") do
@@ -65,6 +68,7 @@ local function check(n, flags, ref)
   end
   assert.equal(STEPS, seen, out)
   assert.matches("grads_max_abs_diff", out)
+  return out
 end
 
 local B = REF4.batch -- 4 rows: micro_batches must divide it
@@ -105,6 +109,31 @@ describe("gpt2_check.lua on the PyTorch fixtures", function()
   for _, zero in ipairs{ 0, 1 } do
     it(("--data=2 --zero=%d"):format(zero), function() check(2, { "--data=2", "--zero=" .. zero }) end)
   end
+
+  for _, how in ipairs{ "full", "selective" } do
+    it(("--recompute=%s serially and --pipeline=2 --micro-batches=4"):format(how), function()
+      check(1, { "--recompute=" .. how })
+      check(2, { "--pipeline=2", "--micro-batches=4", "--recompute=" .. how })
+    end)
+  end
+
+  -- PG_RANKS_PER_NODE=k: every k consecutive ranks are one node, so the
+  -- paths between nodes run on this machine. Ranks are tensor fastest, then
+  -- data, then pipeline (global = p*T*D + d*T + t): on nodes of 4 the
+  -- pipeline crosses nodes and each data pair (ranks 2 apart) shares a node
+  -- and its memory; on nodes of 2 the data pairs are split too and reduce
+  -- through MPI.
+  it("--tensor=2 --pipeline=2 --data=2 --zero=1 on one node and on two nodes of 4 (PG_RANKS_PER_NODE=4)", function()
+    local flags = { "--tensor=2", "--pipeline=2", "--data=2", "--zero=1", "--micro-batches=2" }
+    assert.matches("shared_memory true", check(8, flags))
+    assert.matches("shared_memory true", check(8, flags, nil, "PG_RANKS_PER_NODE=4"))
+  end)
+
+  it("everything at once on nodes of 2: 2x2x2, 1f1b, zero 1, full recomputation", function()
+    local out = check(8, { "--tensor=2", "--pipeline=2", "--data=2", "--zero=1", "--micro-batches=2",
+                           "--recompute=full" }, nil, "PG_RANKS_PER_NODE=2")
+    assert.matches("shared_memory false", out)
+  end)
 end)
 
 describe("gpt2_check.lua --clip against PyTorch's clipped trajectory", function()

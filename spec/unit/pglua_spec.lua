@@ -11,6 +11,14 @@ describe("pglua", function()
     assert.matches("usage: .* %[options%] %[script %[args%]%]", out)
   end)
 
+  it("refuses a PG_RANKS_PER_NODE that is not a positive integer, naming it", function()
+    for _, v in ipairs{ "x", "0", "-2", "3.5" } do
+      local rc, out = h.sh("PG_RANKS_PER_NODE=" .. v .. " " .. h.pglua_cmd{ "-e", "print(1)" })
+      assert.equal(1, rc, out)
+      assert.truthy(out:find("PG_RANKS_PER_NODE=" .. v .. ": expected a positive integer", 1, true), out)
+    end
+  end)
+
   it("runs -e code, scripts with arg, and stdin", function()
     local rc, out = h.sh(h.pglua_cmd{ "-e", "print(1 + 1)" })
     assert.equal(0, rc)
