@@ -24,6 +24,7 @@
 --                    2(T-1)/T * bytes / bandwidth + 2(T-1) * latency, at
 --                    intra-node bandwidth (T stays within a node). Not
 --                    overlapped with compute.
+--   kernel overhead  hw.kernel_overhead per kernel launched (small layers)
 --   recomputation    full: the backward first repeats the whole forward
 --                    (its products, memory traffic and its 2 all-reduces);
 --                    selective: it repeats the attention scores only.
@@ -118,14 +119,21 @@ function M.layer_costs(s, L, hw, o)
   local mem_f = (elems + scores) * e / bw
   local scores_mem = scores * e / bw
 
+  -- kernels a layer's forward launches: norms, the matrix products, the
+  -- elementwise ops (13 for a GPT layer with unfused attention, of which 4 in
+  -- the attention core; a fused attention is 1 kernel); backward twice as many
+  local core_kernels = fused and 1 or 4
+  local kernels = 9 + core_kernels
+  local launch = hw.kernel_overhead or 0
+
   local ar = M.ring_all_reduce(tokens * h * e, T, hw.intra, hw.link_efficiency)
-  local fwd = { compute = gemm + mem_f, tp = 2 * ar }
-  local bwd = { compute = 2 * gemm + 2 * mem_f, tp = 2 * ar }
+  local fwd = { compute = gemm + mem_f + kernels * launch, tp = 2 * ar }
+  local bwd = { compute = 2 * (gemm + mem_f + kernels * launch), tp = 2 * ar }
   if L.recompute == "full" then
     bwd.compute = bwd.compute + fwd.compute
     bwd.tp = bwd.tp + fwd.tp
   elseif L.recompute == "selective" then
-    bwd.compute = bwd.compute + scores_gemm + scores_mem
+    bwd.compute = bwd.compute + scores_gemm + scores_mem + core_kernels * launch
   end
   return { fwd = fwd, bwd = bwd }
 end

@@ -17,6 +17,7 @@
 --     intra = { bandwidth = bytes/s, latency = s },  -- one direction, per GPU (NVLink)
 --     inter = { bandwidth = bytes/s, latency = s },  -- one direction, per GPU (InfiniBand)
 --     link_efficiency  = fraction,         -- share of link bandwidth a collective reaches
+--     kernel_overhead  = seconds,          -- fixed time per kernel (launch, ramp-up, tail)
 --   }
 --
 -- Datasheet figures (dense, i.e. without the 2:4 sparsity factor NVIDIA
@@ -35,7 +36,9 @@
 --     nodes ship with 400 Gb/s NDR per GPU.
 -- Latencies are not on datasheets: ~5 us per hop inside a node and ~10 us
 -- across nodes are the small-message times nccl-tests reports on DGX
--- systems; they matter only for small transfers.
+-- systems; they matter only for small transfers. The kernel overhead (5 us)
+-- is the usual launch-plus-tail cost of a CUDA kernel on these parts; it
+-- matters only when a layer's work is small (GPT-2-sized models, b = 1).
 local cjson = require("cjson").new()
 
 local M = {}
@@ -49,11 +52,13 @@ M.LINK_EFFICIENCY = 0.8
 -- Elementwise kernels reach ~80-90% of HBM bandwidth (STREAM-like copies on
 -- A100/H100); the lower end, because real kernels mix reads and writes.
 M.MEMORY_EFFICIENCY = 0.8
+M.KERNEL_OVERHEAD = 5e-6
 
 local function gpu(t)
   t.gpus_per_node = t.gpus_per_node or 8
   t.link_efficiency = t.link_efficiency or M.LINK_EFFICIENCY
   t.memory_efficiency = t.memory_efficiency or M.MEMORY_EFFICIENCY
+  t.kernel_overhead = t.kernel_overhead or M.KERNEL_OVERHEAD
   return t
 end
 
@@ -122,6 +127,8 @@ end
 --     "inter": {"bandwidth": 1e9, "latency": 2e-5},  required: across nodes;
 --                   bandwidth is the achieved bus bandwidth of a ring
 --                   collective (link_efficiency = 1), latency per hop
+--     "kernel_overhead": 2e-6,                 optional: seconds per kernel
+--                   (dispatch of one operation), default 0
 --     "notes": "..."                           optional string
 --   }
 --
@@ -163,7 +170,8 @@ function M.from_profile(p, path)
   path = path or "(table)"
   if type(p) ~= "table" then fail(path, "is not a JSON object") end
   only(path, "", p, { format = true, version = true, name = true, gemm_flops = true, memory_bandwidth = true,
-    memory_bytes = true, gpus_per_node = true, intra = true, inter = true, notes = true })
+    memory_bytes = true, gpus_per_node = true, intra = true, inter = true, notes = true,
+    kernel_overhead = true })
   if p.format ~= "pipegoose-hardware-profile" then
     fail(path, "format must be \"pipegoose-hardware-profile\", got %s", cjson.encode(p.format))
   end
@@ -190,6 +198,7 @@ function M.from_profile(p, path)
     intra = link(path, "intra", p.intra),
     inter = link(path, "inter", p.inter),
     link_efficiency = 1,
+    kernel_overhead = p.kernel_overhead == nil and 0 or positive(path, "kernel_overhead", p.kernel_overhead),
   }
 end
 
