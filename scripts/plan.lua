@@ -34,6 +34,9 @@ parser:option("--recompute", "Pin recomputation."):choices{ "none", "selective",
 parser:option("--sp", "Pin sequence parallelism."):choices{ "true", "false" }
 local args = parser:parse()
 
+local pin_sp = nil -- --sp=true|false, or free
+if args.sp == "true" then pin_sp = true elseif args.sp == "false" then pin_sp = false end
+
 local function run()
   local t0 = os.clock()
   local best, summary = pg.plan.search{
@@ -43,7 +46,7 @@ local function run()
     dp_overlap = args.dp_overlap or nil, tensor = args.tensor, pipeline = args.pipeline,
     micro_batch_size = args.micro_batch_size, schedule = args.schedule,
     zero = args.zero and math.tointeger(tonumber(args.zero)), recompute = args.recompute,
-    sequence_parallel = args.sp and args.sp == "true" or (args.sp == "false" and false or nil),
+    sequence_parallel = pin_sp,
   }
   local q = summary.query
   if #best == 0 then

@@ -266,6 +266,13 @@ describe("scripts/plan.lua", function()
     assert.matches("compute%s+tp_comm%s+bubble%s+dp_exp%s+optim", out)
   end)
 
+  it("pins a dimension when told (the published comparison pins the paper's software)", function()
+    local rc, out = h.sh(h.pglua_cmd{ "scripts/plan.lua", "--model=gpt2-1.5b", "--gpus=16", "--gpu=a100-40gb",
+      "--global-batch=32", "--pipeline=4", "--recompute=full", "--sp=false", "--zero=0", "--schedule=gpipe" })
+    assert.equal(0, rc, out)
+    assert.matches("^best t=1 p=4 d=4 m=%d+ b=%d+ schedule=gpipe zero=0 recompute=full sp=false ", out)
+  end)
+
   it("has --help, and refuses unknown options, models and gpus", function()
     local rc, out = h.sh(h.pglua_cmd{ "scripts/plan.lua", "--help" })
     assert.equal(0, rc, out)
