@@ -27,5 +27,7 @@ pg.Callback, pg.callbacks, pg.rank_zero_only = callbacks.Callback, callbacks.bui
 pg.lr = require "pipegoose.lr"
 pg.checkpoint = require "pipegoose.checkpoint"
 pg.testing = require "pipegoose.testing"
+-- the layout planner: pg.plan{model=, gpus=, ...} -> the best layout (docs/PLANNER.md)
+pg.plan = require "pipegoose.plan"
 
 return pg

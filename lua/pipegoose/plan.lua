@@ -1,0 +1,124 @@
+--- pg.plan: the best 3D layout for a model on a cluster, predicted before
+-- anyone rents the GPUs (docs/PLANNER.md says what is modelled and how well
+-- it matches published runs).
+--
+--   local layout = pg.plan{ model = "gpt3-175b", gpus = 1024, gpu = "a100-80gb",
+--                           global_batch = 1536, seq_len = 2048 }
+--   local ctx = pg.ParallelContext(layout.context)      -- { tensor, pipeline, data }
+--   local engine = pg.parallelize(model, ctx, layout.parallelize) -- { micro_batches, schedule }
+--
+-- The layout also carries the same values flat (tensor, pipeline, data,
+-- micro_batches, schedule) and everything else the planner decided or
+-- predicted (micro_batch_size, zero, recompute, sequence_parallel, step_s,
+-- tflops_per_gpu, mem_gb, breakdown, ...).
+--
+--   pg.plan.search{...} -> the top `top` layouts and a summary of the search
+--   pg.plan.hardware, .models, .memory, .cost, .simulate: the parts
+local opt = require "pipegoose.options"
+local hardware = require "pipegoose.plan.hardware"
+local models = require "pipegoose.plan.models"
+local search = require "pipegoose.plan.search"
+
+local M = {
+  hardware = hardware,
+  models = models,
+  memory = require "pipegoose.plan.memory",
+  cost = require "pipegoose.plan.cost",
+  simulate = require "pipegoose.plan.simulate",
+  search_module = search,
+}
+
+local model_spec = opt.check_with("a model name or a shape table", function(v)
+  return type(v) == "string" or type(v) == "table"
+end)
+local gpu_spec = opt.check_with("a gpu name, \"cpu-profile=FILE\" or a hardware table", function(v)
+  return type(v) == "string" or type(v) == "table"
+end)
+
+local SCHEMA = {
+  model = model_spec,          -- built-in name or shape table (models.lua)
+  hf = opt.string,             -- or a transformers config.json
+  gpus = opt.integer{ min = 1, max = 1 << 24, required = true },
+  gpus_per_node = opt.integer{ min = 1 },
+  gpu = gpu_spec,
+  global_batch = opt.integer{ min = 1, max = 1 << 30, required = true },
+  seq_len = opt.integer{ min = 1 },
+  precision = opt.enum({ "bf16", "fp32", "tf32" }, { default = "bf16" }),
+  top = opt.integer{ min = 1, default = 1 },
+  gemm_efficiency = opt.number{ gt = 0, max = 1 },
+  flash_attention = opt.boolean,
+  dp_overlap = opt.boolean,
+  -- pin a dimension (the published comparison pins the paper's T and P)
+  tensor = opt.integer{ min = 1 },
+  pipeline = opt.integer{ min = 1 },
+  micro_batch_size = opt.integer{ min = 1 },
+  schedule = opt.enum{ "1f1b", "gpipe" },
+  zero = opt.integer{ min = 0, max = 1 },
+  recompute = opt.enum{ "none", "selective", "full" },
+  sequence_parallel = opt.boolean,
+}
+
+local function query(o)
+  o = opt.check("plan", o, SCHEMA)
+  if (o.model == nil) == (o.hf == nil) then error("plan: give exactly one of model= and hf=", 0) end
+  local s = o.hf and models.load_hf(o.hf) or models.get(o.model)
+  local hw = hardware.get(o.gpu or "a100-80gb")
+  local G = o.gpus_per_node or hw.gpus_per_node
+  if not hw.peak_flops[o.precision] then
+    error(("plan: %s has no %s FLOP/s (it has: %s)"):format(hw.name, o.precision,
+      table.concat((function()
+        local t = {}
+        for k in pairs(hw.peak_flops) do t[#t + 1] = k end
+        table.sort(t)
+        return t
+      end)(), ", ")), 0)
+  end
+  if o.gpus > G and o.gpus % G ~= 0 then
+    error(("plan: gpus=%d is not a whole number of nodes of %d"):format(o.gpus, G), 0)
+  end
+  local options = {}
+  for k, v in pairs(M.cost.DEFAULTS) do options[k] = v end
+  if o.gemm_efficiency ~= nil then options.gemm_efficiency = o.gemm_efficiency end
+  if o.flash_attention ~= nil then options.flash_attention = o.flash_attention end
+  if o.dp_overlap ~= nil then options.dp_overlap = o.dp_overlap end
+  return {
+    model = s, hw = hw, gpus = o.gpus, gpus_per_node = math.min(G, o.gpus), global_batch = o.global_batch,
+    seq_len = o.seq_len or s.seq_len, precision = o.precision, top = o.top, options = options,
+    fix = { t = o.tensor, p = o.pipeline, b = o.micro_batch_size, schedule = o.schedule, zero = o.zero,
+      recompute = o.recompute, sp = o.sequence_parallel },
+  }
+end
+
+local function layout(L)
+  L.tensor, L.pipeline, L.data = L.t, L.p, L.d
+  L.micro_batches, L.micro_batch_size, L.sequence_parallel = L.m, L.b, L.sp
+  L.context = { tensor = L.t, pipeline = L.p, data = L.d }
+  L.parallelize = { micro_batches = L.m, schedule = L.schedule }
+  L.stages = {}
+  for i, part in ipairs(L.parts) do L.stages[i] = part.layers end
+  L.parts = nil
+  return L
+end
+
+--- The top layouts, best first, and the search summary (plus the resolved query).
+function M.search(o)
+  local q = query(o)
+  local best, summary = search.run(q)
+  for i, L in ipairs(best) do best[i] = layout(L) end
+  summary.query = q
+  return best, summary
+end
+
+--- The best layout (see the top of this file); an error when none fits.
+function M.best(o)
+  local best, summary = M.search(o)
+  if #best == 0 then
+    local q = summary.query
+    error(("plan: no layout of %s fits on %d x %s (%d enumerated, %d over memory, %d with a data-parallel size that does not divide global_batch=%d)")
+      :format(q.model.name, q.gpus, q.hw.name, summary.enumerated, summary.over_memory, summary.batch_mismatch,
+        q.global_batch), 0)
+  end
+  return best[1], summary
+end
+
+return setmetatable(M, { __call = function(_, o) return M.best(o) end })

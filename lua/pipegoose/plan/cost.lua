@@ -1,0 +1,232 @@
+--- pipegoose.plan.cost: seconds per pipeline action, from a hardware description.
+--
+-- The simulator asks three things of a layout: how long a stage's forward and
+-- backward of one micro-batch take (split into compute and tensor-parallel
+-- communication), how long an activation or gradient takes to reach the next
+-- stage, and what a step adds after the pipeline drains (data-parallel
+-- gradient reduction, the optimizer). Everything here reads the hardware only
+-- through `hw` (see hardware.lua), so a measured profile replaces a datasheet
+-- without changes here.
+--
+-- Costs, per layer and micro-batch of b sequences of s tokens:
+--   matrix products  FLOPs / (peak FLOP/s * gemm_efficiency). Forward FLOPs
+--                    are models.layer_gemm_flops / T; backward is twice the
+--                    forward (gradients of inputs and of weights).
+--   memory-bound ops bytes moved / (HBM bandwidth * memory_efficiency):
+--                    norms, residual adds, dropout, activation functions,
+--                    rotary embedding and, unless attention is fused, the
+--                    softmax over the a*s*s scores. Backward moves twice the
+--                    forward's bytes.
+--   tensor parallel  Megatron's layer needs 2 all-reduces of the b*s*h
+--                    activation in the forward pass and 2 in the backward
+--                    (sequence parallelism swaps each for an all-gather and a
+--                    reduce-scatter: the same bytes on the wire). Ring cost:
+--                    2(T-1)/T * bytes / bandwidth + 2(T-1) * latency, at
+--                    intra-node bandwidth (T stays within a node). Not
+--                    overlapped with compute.
+--   kernel overhead  hw.kernel_overhead per kernel launched (small layers)
+--   recomputation    full: the backward first repeats the whole forward
+--                    (its products, memory traffic and its 2 all-reduces);
+--                    selective: it repeats the attention scores only.
+-- Pipeline transfers carry the b*s*h activation (or its gradient). With T > 1
+-- each of the T ranks sends its 1/T share over its own link (sequence
+-- parallelism shards it already; without it, Megatron's scatter/gather does
+-- the same), so a transfer is latency + b*s*h*e/T / bandwidth, intra-node or
+-- inter-node depending on where the two stages' ranks live.
+-- Rank placement is pipegoose's (src/pg_context.c), which is also Megatron's:
+-- rank = t + T*(d + D*p) (tensor fastest, then data, then pipeline), nodes of
+-- gpus_per_node consecutive ranks.
+local models = require "pipegoose.plan.models"
+local memory = require "pipegoose.plan.memory"
+
+local M = {}
+
+-- The one efficiency constant the planner states: the share of the dense
+-- peak a large bf16/tf32 matrix product reaches in cuBLAS. NVIDIA's and
+-- others' published GEMM measurements on A100 and H100 for the large square-ish
+-- shapes of billion-parameter layers land at 70-80% of the datasheet peak;
+-- the middle of that range. Not fitted to the comparison in docs/PLANNER.md.
+M.DEFAULTS = {
+  gemm_efficiency = 0.75,
+  flash_attention = false, -- the softmax over s x s scores goes through memory
+  dp_overlap = false,      -- gradient all-reduce after the last backward (exposed)
+}
+
+local function ring(bytes, n, link, eff, factor)
+  if n <= 1 or bytes == 0 then return 0 end
+  return factor * (n - 1) / n * bytes / (link.bandwidth * eff) + factor * (n - 1) * link.latency
+end
+M.ring_all_reduce = function(bytes, n, link, eff) return ring(bytes, n, link, eff, 2) end
+-- all-gather and reduce-scatter: half an all-reduce (bytes: the full buffer)
+M.ring_gather = function(bytes, n, link, eff) return ring(bytes, n, link, eff, 1) end
+
+--- Whether the transfer from stage p to p+1 (0-based) crosses a node for some
+-- (t, d): the ranks T*D*p + x and T*D*(p+1) + x, x in [0, T*D).
+function M.pipeline_crosses_node(T, D, G, p)
+  local TD = T * D
+  if TD >= G then return true end
+  local lo, hi = TD * p + 1, TD * (p + 2) - 1
+  return (hi // G) * G >= lo
+end
+
+--- Whether stage p's data-parallel group (ranks t + T*(d + D*p), d in [0, D))
+-- spans more than one node.
+function M.data_group_crosses_node(T, D, G, p)
+  if D <= 1 then return false end
+  for _, t in ipairs{ 0, T - 1 } do
+    local first = t + T * D * p
+    local last = first + T * (D - 1)
+    if first // G ~= last // G then return true end
+  end
+  return false
+end
+
+local function peak(hw, precision)
+  local f = hw.peak_flops[precision]
+  if not f then
+    error(("plan: %s has no %s FLOP/s"):format(hw.name or "hardware", precision), 0)
+  end
+  return f
+end
+
+--- Per-layer costs of one micro-batch: { fwd = {compute=, tp=}, bwd = {compute=, tp=} }.
+-- L: the layout (t, b, seq, precision, recompute, sp, flash_attention); o: options.
+function M.layer_costs(s, L, hw, o)
+  local e = memory.element_bytes(L.precision)
+  local flops_rate = peak(hw, L.precision) * (hw.gemm_efficiency or o.gemm_efficiency)
+  local bw = hw.memory_bandwidth * hw.memory_efficiency
+  local T, seq, tokens, h = L.t, L.seq, L.seq * L.b, s.hidden
+  local rep = L.sp and T or 1 -- replicated elementwise work is split by sequence parallelism
+  local fused = L.flash_attention
+
+  local gemm = tokens * models.layer_gemm_flops(s, seq) / T / flops_rate
+  local scores_gemm = tokens * 4 * seq * h / T / flops_rate
+
+  -- elements moved by the forward's memory-bound ops (each e bytes)
+  local kv = models.kv_dim(s)
+  local elems = tokens * h * (4 + 6) / rep -- two norms (read, write), two residual adds (2 reads, 1 write)
+  local act_width = s.top_k * s.ffn / T
+  local scores = 0
+  if s.arch == "gpt" then
+    elems = elems + tokens * h * 4 / rep -- two dropouts (read, write)
+    elems = elems + tokens * act_width * 2 -- bias + GeLU (read, write)
+    if not fused then scores = s.heads * seq * seq * L.b / T * 4 end -- scale-mask-softmax, dropout
+  else
+    elems = elems + tokens * act_width * 3 -- SwiGLU (two reads, one write)
+    elems = elems + tokens * (h + kv) / T * 2 -- rotary embedding on q and k
+    if not fused then scores = s.heads * seq * seq * L.b / T * 2 end -- softmax
+  end
+  local mem_f = (elems + scores) * e / bw
+  local scores_mem = scores * e / bw
+
+  -- kernels a layer's forward launches: norms, the matrix products, the
+  -- elementwise ops (13 for a GPT layer with unfused attention, of which 4 in
+  -- the attention core; a fused attention is 1 kernel); backward twice as many
+  local core_kernels = fused and 1 or 4
+  local kernels = 9 + core_kernels
+  local launch = hw.kernel_overhead or 0
+
+  local ar = M.ring_all_reduce(tokens * h * e, T, hw.intra, hw.link_efficiency)
+  local fwd = { compute = gemm + mem_f + kernels * launch, tp = 2 * ar }
+  local bwd = { compute = 2 * (gemm + mem_f + kernels * launch), tp = 2 * ar }
+  if L.recompute == "full" then
+    bwd.compute = bwd.compute + fwd.compute
+    bwd.tp = bwd.tp + fwd.tp
+  elseif L.recompute == "selective" then
+    bwd.compute = bwd.compute + scores_gemm + scores_mem + core_kernels * launch
+  end
+  return { fwd = fwd, bwd = bwd }
+end
+
+--- Embedding (first stage) and head + loss (last stage) costs of one micro-batch.
+function M.edge_costs(s, L, hw, o)
+  local e = memory.element_bytes(L.precision)
+  local flops_rate = peak(hw, L.precision) * (hw.gemm_efficiency or o.gemm_efficiency)
+  local bw = hw.memory_bandwidth * hw.memory_efficiency
+  local T, tokens, h = L.t, L.seq * L.b, s.hidden
+  local ar = M.ring_all_reduce(tokens * h * e, T, hw.intra, hw.link_efficiency)
+  -- embedding: gather rows (write b*s*h), add positions; backward scatters
+  -- the gradient back; vocabulary-parallel lookup all-reduces its output
+  local embed = {
+    fwd = { compute = tokens * h * 3 * e / bw, tp = ar },
+    bwd = { compute = tokens * h * 3 * e / bw, tp = 0 },
+  }
+  -- head: final norm, the logits product, cross-entropy over b*s*V/T logits
+  -- in fp32 (forward: read, exp-sum, write the softmax; backward: read, write)
+  local logits = tokens * s.vocab / T
+  local head_gemm = tokens * models.head_flops(s) / T / flops_rate
+  local head = {
+    fwd = { compute = head_gemm + tokens * h * 2 * e / bw + logits * (e + 4 * 2) / bw, tp = 0 },
+    bwd = { compute = 2 * head_gemm + tokens * h * 4 * e / bw + logits * (4 + e) / bw, tp = ar },
+  }
+  return embed, head
+end
+
+--- Everything the simulator and the step need for one layout:
+-- stages[i] = { fwd, bwd (seconds, busy), fwd_tp, bwd_tp (of which TP comm),
+--   send_act, send_grad (transfer seconds to the next / previous stage),
+--   dp (gradient reduction seconds), dp_overlap_window, optimizer (seconds),
+--   params (held by a rank) }
+-- `parts`: the stages' layer counts and edges ({ layers =, first =, last = }).
+function M.stage_costs(s, L, hw, o, parts)
+  local layer = M.layer_costs(s, L, hw, o)
+  local embed, head = M.edge_costs(s, L, hw, o)
+  local e = memory.element_bytes(L.precision)
+  local G = hw.gpus_per_node
+  local act_bytes = L.seq * L.b * s.hidden * e / L.t
+  local _, grad_b = memory.state_bytes(L.precision)
+  local weight_b = memory.state_bytes(L.precision)
+  -- AdamW reads the gradient, reads and writes m, v and the fp32 weights (or
+  -- master copy) and, for bf16, writes the bf16 weights: bytes per parameter
+  local opt_bytes = L.precision == "bf16" and (4 + 8 + 8 + 8 + 2) or (4 + 8 + 8 + 8)
+  local out = {}
+  for i, part in ipairs(parts) do
+    local p = i - 1
+    local c = { fwd = 0, bwd = 0, fwd_tp = 0, bwd_tp = 0 }
+    local function add(x, n)
+      c.fwd = c.fwd + n * (x.fwd.compute + x.fwd.tp)
+      c.bwd = c.bwd + n * (x.bwd.compute + x.bwd.tp)
+      c.fwd_tp = c.fwd_tp + n * x.fwd.tp
+      c.bwd_tp = c.bwd_tp + n * x.bwd.tp
+    end
+    add(layer, part.layers)
+    if part.first then add(embed, 1) end
+    if part.last then add(head, 1) end
+    c.last_bwd_layer = layer.bwd.compute + layer.bwd.tp
+    -- transfers out of this stage
+    local function link(crosses) return crosses and hw.inter or hw.intra end
+    if p < L.p - 1 then
+      local l = link(M.pipeline_crosses_node(L.t, L.d, G, p))
+      c.send_act = l.latency + act_bytes / (l.bandwidth * hw.link_efficiency)
+    end
+    if p > 0 then
+      local l = link(M.pipeline_crosses_node(L.t, L.d, G, p - 1))
+      c.send_grad = l.latency + act_bytes / (l.bandwidth * hw.link_efficiency)
+    end
+    -- data-parallel gradient reduction and the optimizer
+    local params = memory.stage_params(s, part, L.t, L.p)
+    c.params = params
+    local dlink = M.data_group_crosses_node(L.t, L.d, G, p) and hw.inter or hw.intra
+    local grads = params * grad_b
+    if L.zero == 1 then
+      -- reduce-scatter the gradients, step on 1/D, all-gather the new weights
+      c.dp = M.ring_gather(grads, L.d, dlink, hw.link_efficiency)
+        + M.ring_gather(params * weight_b, L.d, dlink, hw.link_efficiency)
+      c.optimizer = params / L.d * opt_bytes / (hw.memory_bandwidth * hw.memory_efficiency)
+    else
+      c.dp = M.ring_all_reduce(grads, L.d, dlink, hw.link_efficiency)
+      c.optimizer = params * opt_bytes / (hw.memory_bandwidth * hw.memory_efficiency)
+    end
+    -- a tied embedding: the first and last stages all-reduce its gradient
+    -- (across the pipeline, so across nodes unless P*T*D fits in one)
+    local _, hd = models.edge_params(s)
+    if hd.tied and L.p > 1 and (part.first or part.last) then
+      local cross = L.t * L.d * L.p > G
+      c.dp = c.dp + M.ring_all_reduce(hd.split / L.t * grad_b, 2, cross and hw.inter or hw.intra, hw.link_efficiency)
+    end
+    out[i] = c
+  end
+  return out
+end
+
+return M

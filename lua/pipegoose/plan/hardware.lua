@@ -1,0 +1,235 @@
+--- pipegoose.plan.hardware: what one accelerator and its links can do.
+--
+-- A hardware description is the only thing the cost model asks about the
+-- machine, so a measured profile (scripts/calibrate.lua, not written yet)
+-- can replace a datasheet entry without touching the cost model:
+--
+--   {
+--     name             = "a100-80gb",
+--     peak_flops       = { fp32 = , tf32 = , bf16 = },  -- dense FLOP/s per precision
+--     gemm_efficiency  = nil | fraction,  -- nil: the planner's stated constant
+--                                         -- (cost.DEFAULTS.gemm_efficiency);
+--                                         -- 1 for a profile (its FLOP/s are measured)
+--     memory_bandwidth = bytes/s,          -- HBM (or DRAM for a CPU profile)
+--     memory_efficiency= fraction,         -- share of memory_bandwidth an elementwise kernel reaches
+--     memory_bytes     = bytes,            -- capacity of one accelerator
+--     gpus_per_node    = 8,
+--     intra = { bandwidth = bytes/s, latency = s },  -- one direction, per GPU (NVLink)
+--     inter = { bandwidth = bytes/s, latency = s },  -- one direction, per GPU (InfiniBand)
+--     link_efficiency  = fraction,         -- share of link bandwidth a collective reaches
+--     kernel_overhead  = seconds,          -- fixed time per kernel (launch, ramp-up, tail)
+--   }
+--
+-- Datasheet figures (dense, i.e. without the 2:4 sparsity factor NVIDIA
+-- quotes first):
+--   A100 SXM: NVIDIA A100 Tensor Core GPU datasheet (2021): FP32 19.5 TF,
+--     TF32 156 TF, BF16 312 TF; HBM2 1,555 GB/s (40GB), HBM2e 2,039 GB/s
+--     (80GB); NVLink 600 GB/s per GPU (both directions together).
+--     DGX A100: 8 x 200 Gb/s HDR InfiniBand for compute, one per GPU
+--     (DGX A100 system architecture whitepaper) = 25 GB/s per GPU.
+--   H100 SXM5: NVIDIA H100 Tensor Core GPU datasheet: FP32 67 TF, TF32 494.5 TF
+--     (989 with sparsity), BF16 989.5 TF (1,979 with sparsity); HBM3 3.35 TB/s;
+--     80 GB; NVLink 900 GB/s. DGX H100: 8 x 400 Gb/s NDR ConnectX-7 = 50 GB/s
+--     per GPU.
+--   H200 SXM: NVIDIA H200 datasheet: same tensor cores as H100 SXM (BF16
+--     989.5 TF dense), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; HGX H200
+--     nodes ship with 400 Gb/s NDR per GPU.
+-- Latencies are not on datasheets: ~5 us per hop inside a node and ~10 us
+-- across nodes are the small-message times nccl-tests reports on DGX
+-- systems; they matter only for small transfers. The kernel overhead (5 us)
+-- is the usual launch-plus-tail cost of a CUDA kernel on these parts; it
+-- matters only when a layer's work is small (GPT-2-sized models, b = 1).
+local cjson = require("cjson").new()
+
+local M = {}
+
+local GB, GiB = 1e9, 1024 ^ 3
+
+-- Collectives do not run at link speed: nccl-tests on DGX A100 / H100 report
+-- all-reduce bus bandwidths of roughly 75-85% of the NVLink and IB figures.
+-- One stated constant for every link, not fitted to any result here.
+M.LINK_EFFICIENCY = 0.8
+-- Elementwise kernels reach ~80-90% of HBM bandwidth (STREAM-like copies on
+-- A100/H100); the lower end, because real kernels mix reads and writes.
+M.MEMORY_EFFICIENCY = 0.8
+M.KERNEL_OVERHEAD = 5e-6
+
+local function gpu(t)
+  t.gpus_per_node = t.gpus_per_node or 8
+  t.link_efficiency = t.link_efficiency or M.LINK_EFFICIENCY
+  t.memory_efficiency = t.memory_efficiency or M.MEMORY_EFFICIENCY
+  t.kernel_overhead = t.kernel_overhead or M.KERNEL_OVERHEAD
+  return t
+end
+
+M.BUILTIN = {
+  ["a100-40gb"] = gpu{
+    name = "a100-40gb",
+    peak_flops = { fp32 = 19.5e12, tf32 = 156e12, bf16 = 312e12 },
+    memory_bandwidth = 1555 * GB,
+    memory_bytes = 40 * GiB,
+    intra = { bandwidth = 300 * GB, latency = 5e-6 }, -- 600 GB/s NVLink3, both directions
+    inter = { bandwidth = 25 * GB, latency = 10e-6 }, -- HDR 200 Gb/s per GPU
+  },
+  ["a100-80gb"] = gpu{
+    name = "a100-80gb",
+    peak_flops = { fp32 = 19.5e12, tf32 = 156e12, bf16 = 312e12 },
+    memory_bandwidth = 2039 * GB,
+    memory_bytes = 80 * GiB,
+    intra = { bandwidth = 300 * GB, latency = 5e-6 },
+    inter = { bandwidth = 25 * GB, latency = 10e-6 },
+  },
+  ["h100-80gb"] = gpu{
+    name = "h100-80gb",
+    peak_flops = { fp32 = 67e12, tf32 = 494.5e12, bf16 = 989.5e12 },
+    memory_bandwidth = 3350 * GB,
+    memory_bytes = 80 * GiB,
+    intra = { bandwidth = 450 * GB, latency = 5e-6 }, -- 900 GB/s NVLink4, both directions
+    inter = { bandwidth = 50 * GB, latency = 10e-6 }, -- NDR 400 Gb/s per GPU
+  },
+  ["h200"] = gpu{
+    name = "h200",
+    peak_flops = { fp32 = 67e12, tf32 = 494.5e12, bf16 = 989.5e12 },
+    memory_bandwidth = 4800 * GB,
+    memory_bytes = 141 * GB, -- the datasheet's 141 GB are decimal
+    intra = { bandwidth = 450 * GB, latency = 5e-6 },
+    inter = { bandwidth = 50 * GB, latency = 10e-6 },
+  },
+}
+
+M.NAMES = {}
+for name in pairs(M.BUILTIN) do M.NAMES[#M.NAMES + 1] = name end
+table.sort(M.NAMES)
+
+local function copy(t)
+  if type(t) ~= "table" then return t end
+  local c = {}
+  for k, v in pairs(t) do c[k] = copy(v) end
+  return c
+end
+
+---------------------------------------------------------------- profiles
+--
+-- A measured profile is a JSON object (what scripts/calibrate.lua will write):
+--
+--   {
+--     "format": "pipegoose-hardware-profile",  required, exactly this
+--     "version": 1,                            required, exactly 1
+--     "name": "my-box",                        required string
+--     "gemm_flops": {"fp32": 1.1e12, "bf16": ...},   required: ACHIEVED FLOP/s
+--                   of large GEMMs per precision (at least one precision);
+--                   used as-is (gemm_efficiency = 1)
+--     "memory_bandwidth": 2.0e10,              required: achieved bytes/s of
+--                   an elementwise kernel (memory_efficiency = 1)
+--     "memory_bytes": 6.8e10,                  required: usable bytes per rank
+--     "gpus_per_node": 2,                      required: ranks per node
+--     "intra": {"bandwidth": 5e9, "latency": 2e-6},  required: ranks in one node,
+--     "inter": {"bandwidth": 1e9, "latency": 2e-5},  required: across nodes;
+--                   bandwidth is the achieved bus bandwidth of a ring
+--                   collective (link_efficiency = 1), latency per hop
+--     "kernel_overhead": 2e-6,                 optional: seconds per kernel
+--                   (dispatch of one operation), default 0
+--     "notes": "..."                           optional string
+--   }
+--
+-- Every number must be positive and finite; an unknown field is an error (a
+-- misspelt field would otherwise silently fall back to nothing). Errors name
+-- the file and the field.
+
+local PRECISIONS = { fp32 = true, tf32 = true, bf16 = true }
+
+local function fail(path, fmt, ...)
+  error(("cpu-profile %s: " .. fmt):format(path, ...), 0)
+end
+
+local function positive(path, field, v)
+  if type(v) ~= "number" or v ~= v or v <= 0 or v == math.huge then
+    fail(path, "%s must be a positive finite number, got %s", field, cjson.encode(v))
+  end
+  return v
+end
+
+local function only(path, where, t, known)
+  local keys = {}
+  for k in pairs(t) do keys[#keys + 1] = tostring(k) end
+  table.sort(keys)
+  for _, k in ipairs(keys) do
+    if not known[k] then fail(path, "unknown field %s%s", where, k) end
+  end
+end
+
+local function link(path, field, v)
+  if type(v) ~= "table" then fail(path, "%s is required (an object with bandwidth and latency)", field) end
+  only(path, field .. ".", v, { bandwidth = true, latency = true })
+  return { bandwidth = positive(path, field .. ".bandwidth", v.bandwidth),
+           latency = positive(path, field .. ".latency", v.latency) }
+end
+
+--- A hardware description from a decoded profile table (`path` names it in errors).
+function M.from_profile(p, path)
+  path = path or "(table)"
+  if type(p) ~= "table" then fail(path, "is not a JSON object") end
+  only(path, "", p, { format = true, version = true, name = true, gemm_flops = true, memory_bandwidth = true,
+    memory_bytes = true, gpus_per_node = true, intra = true, inter = true, notes = true,
+    kernel_overhead = true })
+  if p.format ~= "pipegoose-hardware-profile" then
+    fail(path, "format must be \"pipegoose-hardware-profile\", got %s", cjson.encode(p.format))
+  end
+  if p.version ~= 1 then fail(path, "version must be 1, got %s", cjson.encode(p.version)) end
+  if type(p.name) ~= "string" or p.name == "" then fail(path, "name must be a non-empty string") end
+  if p.notes ~= nil and type(p.notes) ~= "string" then fail(path, "notes must be a string") end
+  if type(p.gemm_flops) ~= "table" or next(p.gemm_flops) == nil then
+    fail(path, "gemm_flops is required (an object of FLOP/s per precision: fp32, tf32, bf16)")
+  end
+  only(path, "gemm_flops.", p.gemm_flops, PRECISIONS)
+  local flops = {}
+  for prec in pairs(p.gemm_flops) do flops[prec] = positive(path, "gemm_flops." .. prec, p.gemm_flops[prec]) end
+  local g = positive(path, "gpus_per_node", p.gpus_per_node)
+  if math.type(g) ~= "integer" and g ~= math.floor(g) then fail(path, "gpus_per_node must be an integer, got %s", g) end
+  return {
+    name = "cpu-profile:" .. p.name,
+    profile = path,
+    peak_flops = flops,
+    gemm_efficiency = 1,
+    memory_bandwidth = positive(path, "memory_bandwidth", p.memory_bandwidth),
+    memory_efficiency = 1,
+    memory_bytes = positive(path, "memory_bytes", p.memory_bytes),
+    gpus_per_node = math.tointeger(g),
+    intra = link(path, "intra", p.intra),
+    inter = link(path, "inter", p.inter),
+    link_efficiency = 1,
+    kernel_overhead = p.kernel_overhead == nil and 0 or positive(path, "kernel_overhead", p.kernel_overhead),
+  }
+end
+
+--- Reads a profile file.
+function M.load_profile(path)
+  local f, err = io.open(path, "r")
+  if not f then fail(path, "cannot read it (%s)", err) end
+  local text = f:read("a")
+  f:close()
+  local ok, v = pcall(cjson.decode, text)
+  if not ok then fail(path, "is not JSON (%s)", tostring(v)) end
+  return M.from_profile(v, path)
+end
+
+--- A hardware description by name ("a100-80gb", ..., "cpu-profile=FILE") or
+-- a table (returned as given, after a check that it has what the cost model reads).
+function M.get(spec)
+  if type(spec) == "table" then
+    for _, k in ipairs{ "peak_flops", "memory_bandwidth", "memory_bytes", "intra", "inter" } do
+      if spec[k] == nil then error(("plan: hardware table has no %s"):format(k), 0) end
+    end
+    return gpu(copy(spec))
+  end
+  if type(spec) ~= "string" then error("plan: gpu must be a name or a hardware table", 0) end
+  local file = spec:match("^cpu%-profile=(.+)$")
+  if file then return M.load_profile(file) end
+  local hw = M.BUILTIN[spec]
+  if not hw then
+    error(("plan: unknown gpu '%s' (known: %s, cpu-profile=FILE)"):format(spec, table.concat(M.NAMES, ", ")), 0)
+  end
+  return copy(hw)
+end
+
+return M

@@ -1,0 +1,148 @@
+--- pipegoose.plan.memory: bytes one rank holds at its peak, in closed form.
+--
+-- For a rank of pipeline stage i (layers and edges of that stage, split T
+-- ways by tensor parallelism):
+--
+--   total = weights + gradients + optimizer state + activations (+ transient logits)
+--
+-- Weights, gradients, optimizer state, per parameter held by the rank
+-- (matrices / T, norms and row-parallel biases whole):
+--   bf16: weight 2 bytes; gradient 4 (accumulated and all-reduced in fp32, as
+--         Megatron-LM does for bf16, since bf16 sums lose small updates);
+--         optimizer 12 = fp32 master copy 4 + AdamW m 4 + v 4.
+--   fp32 (and tf32: fp32 storage): weight 4, gradient 4, optimizer 8 (m, v).
+--   ZeRO-1 shards the optimizer state over the D data-parallel replicas:
+--   optimizer / D. (bf16 without ZeRO: 18 bytes per parameter; with: 6 + 12/D.)
+--
+-- Activations kept for the backward pass, per layer and micro-batch
+-- (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+-- Transformer Models", section 4): with s tokens, micro-batch b, width h, a
+-- heads and 16-bit tensors, one layer keeps
+--     s*b*h*34 + 5*a*s^2*b bytes              (T = 1)
+--     s*b*h*(10 + 24/T) + 5*a*s^2*b/T         (tensor parallel, Megatron split)
+--     (s*b*h*34 + 5*a*s^2*b) / T              (with sequence parallelism)
+-- Where the numbers come from, per token (unit s*b*h elements, e bytes each):
+--   replicated under tensor parallelism (split by T with sequence parallelism):
+--     two norm inputs (2), attention input (1), MLP input (1)       -> 4 e
+--     two dropout masks (1 byte each)                                -> 2
+--   split by T:
+--     Q and K (2), V (1), attention output projection input (1),
+--     MLP activation input (4), second MLP matrix input (4)          -> 12 e
+--   attention scores (unit a*s^2*b, split by T): softmax output e,
+--     its dropout mask 1 byte, the dropout output e                  -> 2e + 1
+--   With e = 2: 4*2 + 2 = 10, 12*2 = 24, 2*2 + 1 = 5: the paper's figures.
+-- This module writes the same sums for any shape, so that fp32 (e = 4, our
+-- CPU path), grouped-query attention (K, V are kv_heads*head_dim wide), a
+-- SwiGLU MLP (two activation inputs of width ffn) and no dropout (Llama) follow
+-- from the same derivation instead of the GPT-3-only constants. A mixture of
+-- experts keeps the MLP activations of top_k experts per token.
+--   selective recomputation recomputes the attention scores: drop the a*s^2 term
+--   (a fused "flash" attention never stores them either).
+--   full recomputation keeps only each layer's input: s*b*h*e (/T with
+--   sequence parallelism), plus, once, the full activations of the one layer
+--   being recomputed in the backward pass.
+-- A stage holds them for every micro-batch between its forward and backward:
+-- counted from its schedule's action list (1F1B: min(P - i, M) for stage i,
+-- 0-based; GPipe: M).
+-- The last stage also holds one micro-batch's logits while the loss runs:
+-- s*b*V/T elements in the compute precision plus their fp32 softmax.
+local models = require "pipegoose.plan.models"
+
+local M = {}
+
+-- Of an accelerator's memory, what a training process can use: the CUDA
+-- context, NCCL buffers and the caching allocator's fragmentation take the
+-- rest (commonly 5-10% on 80 GB parts). A stated constant, not fitted.
+M.USABLE_FRACTION = 0.9
+
+function M.element_bytes(precision)
+  if precision == "bf16" then return 2 end
+  if precision == "fp32" or precision == "tf32" then return 4 end
+  error(("plan: precision must be bf16, fp32 or tf32, got %s"):format(tostring(precision)), 0)
+end
+
+--- Bytes per parameter: weight, gradient, optimizer state (before ZeRO).
+function M.state_bytes(precision)
+  if precision == "bf16" then return 2, 4, 12 end
+  M.element_bytes(precision)
+  return 4, 4, 8
+end
+
+--- Activation bytes one layer keeps for one micro-batch (see the derivation above).
+-- o: { seq, b, t, sp, recompute, precision, flash_attention }
+function M.layer_activation_bytes(s, o)
+  local e = M.element_bytes(o.precision)
+  local tokens = o.seq * o.b
+  local h, t = s.hidden, o.t
+  local rep_div = o.sp and t or 1
+  if o.recompute == "full" then return tokens * h * e / rep_div end
+  local dropout = s.arch == "gpt"
+  local kv = models.kv_dim(s)
+  local replicated = tokens * h * (4 * e + (dropout and 2 or 0))
+  local gated = s.arch == "llama"
+  local mlp = s.top_k * tokens * s.ffn * ((gated and 2 or 1) + 1) * e
+  local split = tokens * (h + 2 * kv + h) * e + mlp
+  local scores = 0
+  if o.recompute ~= "selective" and not o.flash_attention then
+    scores = s.heads * o.seq * o.seq * o.b * (dropout and (2 * e + 1) or e)
+  end
+  return replicated / rep_div + (split + scores) / t
+end
+
+--- Micro-batches a stage holds between forward and backward, from its actions.
+function M.in_flight(actions)
+  local live, most = 0, 0
+  for _, a in ipairs(actions) do
+    if a[1] == "forward" then
+      live = live + 1
+      if live > most then most = live end
+    elseif a[1] == "backward" then
+      live = live - 1
+    end
+  end
+  return most
+end
+
+--- Parameters a rank of a stage holds: { layers = n, first = bool, last = bool }.
+function M.stage_params(s, stage, t, P)
+  local lp = models.layer_params(s)
+  local embed, head = models.edge_params(s)
+  local n = stage.layers * (lp.split / t + lp.replicated)
+  if stage.first then n = n + embed.split / t + embed.replicated end
+  if stage.last then
+    n = n + head.replicated
+    -- an untied head, or a tied one whose embedding lives on another stage
+    if not head.tied or P > 1 then n = n + head.split / t end
+  end
+  return n
+end
+
+--- Peak bytes of a rank of `stage` under layout `L`
+-- ({ t, p, d, b, seq, precision, zero, recompute, sp, flash_attention }),
+-- `in_flight` micro-batches held. Returns total and its parts.
+function M.stage_bytes(s, L, stage, in_flight)
+  local params = M.stage_params(s, stage, L.t, L.p)
+  local w, g, opt = M.state_bytes(L.precision)
+  if L.zero == 1 then opt = opt / L.d end
+  local act_o = { seq = L.seq, b = L.b, t = L.t, sp = L.sp, recompute = L.recompute, precision = L.precision,
+    flash_attention = L.flash_attention }
+  local per_layer = M.layer_activation_bytes(s, act_o)
+  local activations = per_layer * stage.layers * in_flight
+  if L.recompute == "full" and stage.layers > 0 then
+    -- the layer being recomputed holds its full activations once
+    local full = {}
+    for k, v in pairs(act_o) do full[k] = v end
+    full.recompute = "none"
+    activations = activations + M.layer_activation_bytes(s, full)
+  end
+  local transient = 0
+  if stage.last then
+    transient = L.seq * L.b * s.vocab / L.t * (M.element_bytes(L.precision) + 4)
+  end
+  local parts = { weights = params * w, gradients = params * g, optimizer = params * opt,
+    activations = activations, transient = transient, params = params }
+  parts.total = parts.weights + parts.gradients + parts.optimizer + parts.activations + parts.transient
+  return parts.total, parts
+end
+
+return M

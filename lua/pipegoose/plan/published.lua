@@ -1,0 +1,62 @@
+--- pipegoose.plan.published: measured large-scale runs to hold the planner to.
+--
+-- Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+-- Clusters Using Megatron-LM", SC'21 (arXiv 2104.04473). Selene: DGX A100
+-- nodes, 8 x A100-80GB per node, NVLink/NVSwitch inside, 8 x 200 Gb/s HDR
+-- InfiniBand per node. GPT models, vocabulary 51200, sequence length 2048,
+-- mixed precision, activation recomputation; per-GPU throughput counts
+-- F = 96*B*s*l*h^2 * (1 + s/(6h) + V/(16*l*h)) FLOPs per step (recomputation
+-- included: 4 forward passes' worth of layer FLOPs, 3 of the logits).
+--   table1: the paper's Table 1 (weak scaling, 1.7B to 1T parameters).
+--   table2: the PTD-P half of Table 2 (175B and 530B, strong scaling,
+--           micro-batch 1; model-parallel size 96 = T8 x P12, 280 = T8 x P35).
+--   sec5_1: Section 5.1's end-to-end estimate, GPT-3 175B on 1024 GPUs at
+--           batch 1536: 140 TFLOP/s per GPU ("34 days" for 300B tokens). The
+--           paragraph does not print the layout; T=8, P=16 is the one issue
+--           17 records for it and is marked as such.
+-- The paper's software had no sequence parallelism and no distributed
+-- optimizer (zero = 0), recomputed every layer (recompute = full) and used
+-- the interleaved 1F1B schedule for some runs, which the planner does not
+-- model yet (it simulates plain 1F1B: a larger bubble, so a lower estimate).
+local M = {}
+
+local function gpt(layers, hidden, heads)
+  return { arch = "gpt", layers = layers, hidden = hidden, heads = heads, ffn = 4 * hidden, vocab = 51200,
+    seq_len = 2048 }
+end
+
+M.SOURCE = "Narayanan et al. 2021 (arXiv 2104.04473)"
+
+M.ROWS = {
+  { id = "table1", params_b = 1.7, model = gpt(24, 2304, 24), t = 1, p = 1, gpus = 32, batch = 512, tflops = 137 },
+  { id = "table1", params_b = 3.6, model = gpt(30, 3072, 32), t = 2, p = 1, gpus = 64, batch = 512, tflops = 138 },
+  { id = "table1", params_b = 7.5, model = gpt(36, 4096, 32), t = 4, p = 1, gpus = 128, batch = 512, tflops = 142 },
+  { id = "table1", params_b = 18.4, model = gpt(40, 6144, 48), t = 8, p = 1, gpus = 256, batch = 1024, tflops = 135 },
+  { id = "table1", params_b = 39.1, model = gpt(48, 8192, 64), t = 8, p = 2, gpus = 512, batch = 1536, tflops = 138 },
+  { id = "table1", params_b = 76.1, model = gpt(60, 10240, 80), t = 8, p = 4, gpus = 1024, batch = 1792, tflops = 140 },
+  { id = "table1", params_b = 145.6, model = gpt(80, 12288, 96), t = 8, p = 8, gpus = 1536, batch = 2304, tflops = 148 },
+  { id = "table1", params_b = 310.1, model = gpt(96, 16384, 128), t = 8, p = 16, gpus = 1920, batch = 2160, tflops = 155 },
+  { id = "table1", params_b = 529.6, model = gpt(105, 20480, 128), t = 8, p = 35, gpus = 2520, batch = 2520, tflops = 163 },
+  { id = "table1", params_b = 1008.0, model = gpt(128, 25600, 160), t = 8, p = 64, gpus = 3072, batch = 3072, tflops = 163 },
+  { id = "table2", params_b = 174.6, model = gpt(96, 12288, 96), t = 8, p = 12, gpus = 384, batch = 1536, b = 1, tflops = 153 },
+  { id = "table2", params_b = 174.6, model = gpt(96, 12288, 96), t = 8, p = 12, gpus = 768, batch = 1536, b = 1, tflops = 149 },
+  { id = "table2", params_b = 174.6, model = gpt(96, 12288, 96), t = 8, p = 12, gpus = 1536, batch = 1536, b = 1, tflops = 141 },
+  { id = "table2", params_b = 529.6, model = gpt(105, 20480, 128), t = 8, p = 35, gpus = 560, batch = 2240, b = 1, tflops = 171 },
+  { id = "table2", params_b = 529.6, model = gpt(105, 20480, 128), t = 8, p = 35, gpus = 1120, batch = 2240, b = 1, tflops = 167 },
+  { id = "table2", params_b = 529.6, model = gpt(105, 20480, 128), t = 8, p = 35, gpus = 2240, batch = 2240, b = 1, tflops = 159 },
+  { id = "sec5_1", params_b = 174.6, model = gpt(96, 12288, 96), t = 8, p = 16, gpus = 1024, batch = 1536, tflops = 140,
+    layout_from = "issue 17" },
+}
+
+--- The planner's query for a row: the paper's model, cluster, batch, T and P
+-- and software (no SP, no ZeRO, full recomputation, 1F1B); the micro-batch
+-- size is left to the planner unless the paper prints it.
+function M.query(row, extra)
+  local q = { model = row.model, gpus = row.gpus, gpu = "a100-80gb", gpus_per_node = 8, global_batch = row.batch,
+    seq_len = 2048, precision = "bf16", tensor = row.t, pipeline = row.p, zero = 0, recompute = "full",
+    sequence_parallel = false, schedule = "1f1b", micro_batch_size = row.b }
+  for k, v in pairs(extra or {}) do q[k] = v end
+  return q
+end
+
+return M
