@@ -28,6 +28,7 @@ machine-readable lines:
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
@@ -46,6 +47,14 @@ def available_cores():
         return os.cpu_count() or 1
 
 
+def blas_of_torch():
+    """The BLAS this PyTorch was built with: its build configuration's BLAS_INFO
+    (mkl for PyPI's wheels; generic for Debian's, which calls the system
+    libblas.so.3, i.e. whichever BLAS the alternatives select: OpenBLAS here)."""
+    m = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
+    return m.group(1) if m else "unknown"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="PyTorch training-step benchmark")
     p.add_argument("--small", action="store_true",
@@ -60,6 +69,10 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ to this before each step (0: none)")
+    p.add_argument("--fused-adamw", action="store_true",
+                   help="AdamW(fused=True): one kernel for the whole update (PyTorch >= 2.4 on the CPU)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (PyTorch 2.x; its first steps compile: keep --warmup >= 2)")
     a = p.parse_args(argv)
     dev = torch.device(a.device)
     if dev.type == "cuda":
@@ -94,6 +107,10 @@ def main(argv=None):
         g.init_weights(model, perturb=0.0)
     model.to(dev)
     opt = lt.make_adamw(model) if a.llama else g.make_adamw(model)
+    if a.fused_adamw:  # the same groups and hyperparameters, the fused implementation
+        opt = torch.optim.AdamW(opt.param_groups, fused=True)
+    if a.compile:
+        model = torch.compile(model)
     x = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=dev)
     y = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=dev)
 
@@ -138,6 +155,8 @@ def main(argv=None):
     print(f"torch_step_ms {step_s * 1e3:.2f}")
     print(f"torch_threads {torch.get_num_threads()}")
     print(f"torch_version {torch.__version__}")
+    print(f"torch_mode {'compile' if a.compile else 'eager'}{'+fused_adamw' if a.fused_adamw else ''}")
+    print(f"torch_blas {blas_of_torch()}")
     print(f"torch_device {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}")
 
 

@@ -37,6 +37,8 @@ M.MODELS = {
   -- rotary embeddings, SwiGLU 2048, RMSNorm, untied head, LLaMA-2's vocabulary of 32000
   llama = { arch = "llama", vocab = 32000, seq_len = 64, dim = 768, heads = 12, kv_heads = 4, hidden = 2048,
             layers = 12, batch = 4 },
+  -- GPT-2 124M on a batch closer to real training: 8 sequences of 256 tokens
+  gpt2_b8 = { vocab = 50257, padded_vocab = 50304, seq_len = 256, dim = 768, heads = 12, layers = 12, batch = 8 },
   -- pipeline part: small enough that 16 micro-batches take seconds
   pp = { vocab = 256, seq_len = 128, dim = 256, heads = 4, layers = 8, batch = 2 },
 }

@@ -28,6 +28,9 @@ return {
     run = require "bench.peak" },
   { name = "gpt2", description = "GPT-2 124M (padded vocab 50304, 12 x 768, seq 64), batch 4 x 64, fp32, all cores",
     needs = { "peak" }, run = steps.part("gpt2_124m", "gpt2", "", true), finish = steps.table },
+  { name = "gpt2_b8", description = "GPT-2 124M on a larger batch, 8 x 256, fp32, all cores",
+    needs = { "peak" }, run = steps.part("gpt2_124m_b8x256", "gpt2_b8", "--batch 8 --seq-len 256"),
+    finish = steps.table },
   { name = "small", description = "the default model of examples/train_gpt.lua, batch 16 x 128, all cores",
     needs = { "peak" }, run = steps.part("small", "small", "--small"), finish = steps.table },
   { name = "llama", description = "a LLaMA of GPT-2 124M's shape (GQA 12/4 heads, RoPE, SwiGLU 2048, vocab 32000), "

@@ -9,26 +9,55 @@ local median = common.median
 
 local M = {}
 
-local have_torch
---- Whether /usr/bin/python3 has torch (asked once).
-function M.have_torch()
-  if have_torch == nil then
-    have_torch = os.execute("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") == true
+--- The PyTorch peers, in the order they run: Debian's PyTorch 1.13
+-- (/usr/bin/python3; its BLAS is the system libblas, OpenBLAS here) and,
+-- when scripts/peers.sh made build/peers, PyTorch 2.x from PyPI (MKL and
+-- oneDNN) eager with fused AdamW, and with torch.compile too. key names
+-- their machine-readable lines (<key>_tokens_per_s, vs_<key>).
+M.TORCH = {
+  { key = "torch", label = "PyTorch 1.13 (Debian)", python = "/usr/bin/python3", args = "" },
+  { key = "torch2_eager", label = "PyTorch 2 eager, fused AdamW", python = "build/peers/bin/python",
+    args = "--fused-adamw" },
+  { key = "torch2_compile", label = "PyTorch 2 compile, fused AdamW", python = "build/peers/bin/python",
+    args = "--fused-adamw --compile" },
+}
+
+local have = {}
+--- Whether a peer's python has torch (asked once per python).
+function M.have(peer)
+  if have[peer.python] == nil then
+    have[peer.python] = os.execute(shell_quote(peer.python) .. " -c 'import torch' >/dev/null 2>&1") == true
   end
-  return have_torch
+  return have[peer.python]
 end
 
---- PyTorch's tokens/s for scripts/bench_torch.py's args.
+--- Whether /usr/bin/python3 has torch (the first peer).
+function M.have_torch() return M.have(M.TORCH[1]) end
+
+--- Every available PyTorch peer's run of scripts/bench_torch.py's args:
+-- { [key] = {tokens_per_s =, version =, blas =, mode =} }, or nil when the
+-- part torch is not selected or no peer is available.
 function M.torch(ctx, args)
-  if not M.have_torch() or not ctx.want("torch") then return nil end
+  if not ctx.want("torch") then return nil end
   -- PyTorch runs with the environment it was given: pglua's own OpenMP
   -- wait-policy default (see src/pglua.c) is not passed on to it. The
-  -- OpenBLAS core pglua chose is (PyTorch's products go through the same
+  -- OpenBLAS core pglua chose is (Debian's PyTorch goes through the same
   -- OpenBLAS here): both sides then run the same sgemm kernels.
   local env = os.getenv("PG_DEFAULT_WAIT_POLICY") and "env -u OMP_WAIT_POLICY -u PG_DEFAULT_WAIT_POLICY " or ""
-  local res, lines, rc = run(env .. "/usr/bin/python3 scripts/bench_torch.py " .. args)
-  if not check_run("PyTorch " .. args, res, lines, rc, "torch_tokens_per_s") then return nil end
-  return res.torch_tokens_per_s
+  local out
+  for _, peer in ipairs(M.TORCH) do
+    if M.have(peer) then
+      -- torch.compile compiles in its first steps: two warm-up steps at least
+      local warm = peer.args:find("--compile", 1, true) and " --warmup 2" or ""
+      local res, lines, rc = run(env .. shell_quote(peer.python) .. " scripts/bench_torch.py " .. args .. " " .. peer.args .. warm)
+      if check_run(peer.label .. " " .. args, res, lines, rc, "torch_tokens_per_s") then
+        out = out or {}
+        out[peer.key] = { tokens_per_s = res.torch_tokens_per_s, version = res.torch_version, blas = res.torch_blas,
+                          mode = res.torch_mode }
+      end
+    end
+  end
+  return out
 end
 
 -- llm.c's CPU trainer as a peer: its train_gpt2 reads gpt2_124M.bin and the

@@ -3,6 +3,7 @@
 -- the peers of scripts/bench/peers.lua. Each part appends its row to
 -- ctx.results.steps; the table of them all follows the last of the three
 -- that runs (M.table, their shared finish).
+local pg = require "pipegoose"
 local common = require "bench.common"
 local peers = require "bench.peers"
 
@@ -46,11 +47,16 @@ function M.part(name, model, torch_args, with_llmc)
     emit(name, "mfu", mfu, "%.3f")
     emit(name, "peak_rss_mb", res.peak_rss_mb, "%.0f")
     emit(name, "params", res.params, "%d")
-    if torch then
-      emit(name, "torch_tokens_per_s", torch, "%.1f")
-      emit(name, "vs_torch", res.tokens_per_s / torch, "%.2f")
-    else
-      emit(name, "torch_tokens_per_s", "n/a")
+    for _, peer in ipairs(peers.TORCH) do
+      local t = torch and torch[peer.key]
+      if t then
+        emit(name, peer.key .. "_tokens_per_s", t.tokens_per_s, "%.1f")
+        emit(name, "vs_" .. peer.key, res.tokens_per_s / t.tokens_per_s, "%.2f")
+        emit(name, peer.key .. "_version", t.version)
+        emit(name, peer.key .. "_blas", t.blas)
+      else
+        emit(name, peer.key .. "_tokens_per_s", "n/a")
+      end
     end
     if llmc then
       emit(name, "llmc_tokens_per_s", llmc, "%.1f")
@@ -68,18 +74,36 @@ function M.table(ctx)
   if #rows == 0 then return end
   print()
   print(("== training step, 1 rank x %d threads (fp32; MFU = (6N + 6LCT) x tokens/s / sgemm peak)"):format(ctx.ncores))
-  print(("  %-10s %11s %9s %9s %6s %8s %11s %8s %10s %8s"):format("model", "params", "tokens/s", "step ms", "MFU",
-    "peak MB", "torch tok/s", "vs torch", "llm.c t/s", "vs llm.c"))
+  print(("  %-10s %11s %9s %9s %6s %8s %11s %8s %11s %8s %11s %8s %10s %8s"):format("model", "params", "tokens/s",
+    "step ms", "MFU", "peak MB", "pt1.13 t/s", "vs", "pt2 eager", "vs", "pt2 compile", "vs", "llm.c t/s", "vs llm.c"))
   local function ratio(x, peer) return peer and ("%.2fx"):format(x / peer) or "-" end
+  local function tps(t) return t and ("%.1f"):format(t) or "n/a" end
+  local seen = {}
   for _, r in ipairs(rows) do
-    local name, res, mfu, torch, llmc = r[1], r[2], r[3], r[4], r[5]
-    print(("  %-10s %11d %9.1f %9.1f %6.3f %8.0f %11s %8s %10s %8s"):format(name, res.params, res.tokens_per_s,
-      res.step_ms, mfu, res.peak_rss_mb, torch and ("%.1f"):format(torch) or "n/a", ratio(res.tokens_per_s, torch),
-      llmc and ("%.1f"):format(llmc) or "n/a", ratio(res.tokens_per_s, llmc)))
+    local name, res, mfu, torch, llmc = r[1], r[2], r[3], r[4] or {}, r[5]
+    local cells = {}
+    for _, peer in ipairs(peers.TORCH) do
+      local t = torch[peer.key] and torch[peer.key].tokens_per_s
+      if torch[peer.key] then seen[peer.key] = torch[peer.key] end
+      cells[#cells + 1] = tps(t)
+      cells[#cells + 1] = ratio(res.tokens_per_s, t)
+    end
+    print(("  %-10s %11d %9.1f %9.1f %6.3f %8.0f %11s %8s %11s %8s %11s %8s %10s %8s"):format(name, res.params,
+      res.tokens_per_s, res.step_ms, mfu, res.peak_rss_mb, cells[1], cells[2], cells[3], cells[4], cells[5], cells[6],
+      tps(llmc), ratio(res.tokens_per_s, llmc)))
   end
-  if not peers.have_torch() then print("  (PyTorch: /usr/bin/python3 has no torch here; the torch column is skipped)") end
+  for _, peer in ipairs(peers.TORCH) do
+    local t = seen[peer.key]
+    if t then
+      print(("  %s: PyTorch %s, %s, BLAS %s"):format(peer.label, t.version, t.mode, t.blas))
+    elseif not peers.have(peer) then
+      print(("  %s: not here (%s has no torch%s)"):format(peer.label, peer.python,
+        peer.python:find("build/peers", 1, true) and "; scripts/peers.sh makes it" or ""))
+    end
+  end
+  print(("  pipegoose: OpenBLAS, %s kernels"):format(pg.machine().blas_core or "?"))
   if not peers.LLMC_DIR then print("  (llm.c: set LLMC_DIR to a checkout of karpathy/llm.c for its column)") end
-  print("  targets (issue 3): gpt2_124m MFU >= 0.5, >= 1.5x PyTorch")
+  print("  targets (issue 19): gpt2_124m MFU >= 0.8 and >= 1.3x PyTorch 2 compile; small >= 2x")
 end
 
 return M
