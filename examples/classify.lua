@@ -12,13 +12,9 @@ local argparse = require "argparse"
 local rng = require "pipegoose.rng"
 
 local p = argparse("classify.lua", "Fine-tune a small GPT to tell which fortunes file a fortune comes from.")
-local function to_int(s) return math.tointeger(tonumber(s)) end
-local function int(name, default, help) p:option(name, help, default and tostring(default)):convert(to_int) end
-local function num(name, default, help) p:option(name, help, default and tostring(default)):convert(tonumber) end
-int("--tensor", 1, "Tensor-parallel size.")
-int("--pipeline", 1, "Pipeline stages.")
-int("--data", 1, "Data-parallel size.")
-int("--micro-batches", 1, "Micro-batches per step.")
+local o = dofile((arg[0]:match("^(.*/)") or "./") .. "options.lua")(p)
+local int, num = o.int, o.num
+o.layout()
 p:option("--files", "Fortunes files, one class each.", "riddles,love,computers")
 p:option("--dir", "Where the fortunes files are.", "/usr/share/games/fortunes")
 int("--per-class", 120, "Fortunes per class (the smallest file bounds it).")

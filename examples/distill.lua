@@ -12,13 +12,9 @@ local pg = require "pipegoose"
 local argparse = require "argparse"
 
 local p = argparse("distill.lua", "Distil a larger GPT into a smaller one with a Lua objective.")
-local function to_int(s) return math.tointeger(tonumber(s)) end
-local function int(name, default, help) p:option(name, help, default and tostring(default)):convert(to_int) end
-local function num(name, default, help) p:option(name, help, default and tostring(default)):convert(tonumber) end
-int("--tensor", 1, "Tensor-parallel size.")
-int("--pipeline", 1, "Pipeline stages.")
-int("--data", 1, "Data-parallel size.")
-int("--micro-batches", 1, "Micro-batches per step.")
+local o = dofile((arg[0]:match("^(.*/)") or "./") .. "options.lua")(p)
+local int, num = o.int, o.num
+o.layout()
 int("--batch", 16, "Global batch (sequences).")
 int("--seq-len", 64, "Tokens per sequence.")
 p:option("--teacher", "A checkpoint of examples/train_gpt.lua to use as the teacher.")

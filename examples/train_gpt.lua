@@ -10,14 +10,10 @@ local pg = require "pipegoose"
 local argparse = require "argparse"
 
 local p = argparse("train_gpt.lua", "Train a small GPT (or --model=llama) on the default corpus with the Trainer.")
-local function to_int(s) return math.tointeger(tonumber(s)) end
-local function int(name, default, help) p:option(name, help, default and tostring(default)):convert(to_int) end
-local function num(name, default, help) p:option(name, help, default and tostring(default)):convert(tonumber) end
+local o = dofile((arg[0]:match("^(.*/)") or "./") .. "options.lua")(p)
+local int, num = o.int, o.num
 p:option("--model", "gpt or llama.", "gpt"):choices{ "gpt", "llama" }
-int("--tensor", 1, "Tensor-parallel size.")
-int("--pipeline", 1, "Pipeline stages.")
-int("--data", 1, "Data-parallel size.")
-int("--micro-batches", 1, "Micro-batches per step.")
+o.layout()
 p:option("--schedule", "Pipeline schedule.", "1f1b"):choices{ "1f1b", "gpipe" }
 int("--zero", 0, "ZeRO stage (0 or 1).")
 int("--steps", 300, "Optimizer steps.")

@@ -23,6 +23,15 @@ local function check_grad(f, x, grad, what)
   end
 end
 
+-- Each case: a function that must fail, and text its error must contain.
+local function assert_errors(cases)
+  for _, c in ipairs(cases) do
+    local ok, err = pcall(c[1])
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find(c[2], 1, true), tostring(err))
+  end
+end
+
 describe("pg.loss", function()
   it("cross_entropy: label smoothing, z-loss and ignored rows have the gradient of their loss", function()
     local x = pg.randn({ 5, 7 }, { seed = 11 })
@@ -70,11 +79,7 @@ describe("pg.loss", function()
       { function() pg.loss.cross_entropy(z, i2, { vocab = { size = 3, first = 4, count = 3 } }) end,
         "a split vocabulary (vocab.first > 1) needs ctx=" },
     }
-    for _, c in ipairs(cases) do
-      local ok, err = pcall(c[1])
-      assert.is_false(ok)
-      assert.truthy(tostring(err):find(c[2], 1, true), tostring(err))
-    end
+    assert_errors(cases)
   end)
 end)
 
@@ -135,10 +140,6 @@ describe("objectives written in Lua", function()
       { function() pg.nn.GPT{ vocab = 61, seq_len = 8, layers = 1, heads = 2, dim = 16, head = "logit" } end,
         "GPT: head must be 'loss', 'logits' or 'none', got 'logit'" },
     }
-    for _, c in ipairs(cases) do
-      local ok, err = pcall(c[1])
-      assert.is_false(ok)
-      assert.truthy(tostring(err):find(c[2], 1, true), tostring(err))
-    end
+    assert_errors(cases)
   end)
 end)

@@ -81,7 +81,7 @@ describe("command-line options", function()
     assert.matches("\n  pp     pipeline = 2", out, 1, true)
     rc, out = h.sh("BENCH_ONLY=peak,bogus " .. h.pglua_cmd{ "scripts/bench.lua" })
     assert.is_not.equal(0, rc)
-    assert.matches("no part named bogus; the parts are peak, gpt2, small,", out, 1, true)
+    assert.matches("no part named bogus; the parts are peak, gpt2, gpt2_b8, small,", out, 1, true)
     assert.is_nil(out:find("pipegoose bench:", 1, true), out) -- refused before anything ran
   end)
 end)

@@ -1,0 +1,19 @@
+-- What the examples' command lines share (lua-argparse): integer and number
+-- options, and the parallel layout every example takes. An example loads it
+-- from its own directory:
+--   local o = dofile((arg[0]:match("^(.*/)") or "./") .. "options.lua")(parser)
+--   o.int("--steps", 300, "Optimizer steps.")
+--   o.layout()   -- --tensor, --pipeline, --data, --micro-batches
+return function(p)
+  local o = {}
+  function o.to_int(s) return math.tointeger(tonumber(s)) end
+  function o.int(name, default, help) p:option(name, help, default and tostring(default)):convert(o.to_int) end
+  function o.num(name, default, help) p:option(name, help, default and tostring(default)):convert(tonumber) end
+  function o.layout()
+    o.int("--tensor", 1, "Tensor-parallel size.")
+    o.int("--pipeline", 1, "Pipeline stages.")
+    o.int("--data", 1, "Data-parallel size.")
+    o.int("--micro-batches", 1, "Micro-batches per step.")
+  end
+  return o
+end
