@@ -71,7 +71,7 @@ local function gemm_table(threads)
     for _, k in ipairs(ks) do
       for _, n in ipairs(ks) do
         local x, w = pg.randn({ m, k }, { seed = 1 }), pg.randn({ n, k }, { seed = 2, std = 0.02 })
-        local s = timed(function() pg.ops.linear(x, w) end)
+        local s = timed(function() pg.ops.linear(x, w):free() end)
         rows[#rows + 1] = { m = m, k = k, n = n, threads = threads, flops = 2 * m * k * n / s }
         x:free()
         w:free()
@@ -93,35 +93,72 @@ local function attention_table(threads)
     local dy = pg.randn({ B, T, C }, { seed = 4 })
     local flops = 4 * B * T * T * C
     local _, att = pg.ops.attention(qkv, H)
-    local f = timed(function() pg.ops.attention(qkv, H) end)
-    local b = timed(function() pg.ops.attention_backward(dy, qkv, att, H) end)
+    local f = timed(function()
+      local out, a = pg.ops.attention(qkv, H)
+      out:free()
+      a:free()
+    end)
+    local b = timed(function() pg.ops.attention_backward(dy, qkv, att, H):free() end)
     rows[#rows + 1] = { batch = B, seq = T, heads = H, head_dim = hd, threads = threads, flops = flops / f,
       backward_flops = flops / b }
   end
   return rows
 end
 
--- Memory-bound kernels on buffers far larger than the caches: bytes read and
--- written per call over the median time.
-local function bandwidth(threads)
+-- Memory-bound kernels by size (from cache-resident to far larger than the
+-- caches) and op: the bytes a forward reads and writes over its median time,
+-- and the same bytes over the backward's time. gelu is bound by its tanh more
+-- than by memory, and small buffers stay in cache, so no one bandwidth fits
+-- them all. Every output is freed at once (see the re-launch at the end:
+-- glibc then reuses the pages, as the engine reuses its buffers).
+local ELEMENTWISE = { "gelu", "layernorm", "rmsnorm", "residual", "swiglu", "rope" }
+
+local function elementwise_rows(threads)
   pg.ops.set_num_threads(threads)
-  local N, C = quick and 2048 or 8192, 1024
-  local x = pg.randn({ N, C }, { seed = 5 })
-  local y = pg.randn({ N, C }, { seed = 6 })
-  local w, b = pg.ones{ C }, pg.zeros{ C }
-  local bytes = N * C * 4
-  local rates = {
-    gelu = 2 * bytes / timed(function() pg.ops.gelu(x) end),
-    layernorm = 2 * bytes / timed(function() pg.ops.layernorm(x, w, b) end),
-    residual = 3 * bytes / timed(function() pg.ops.residual(x, y) end),
-  }
-  local n = N * C
+  local C = 256
+  local rows = {}
+  local function run(f)
+    return timed(function()
+      local a, b = f()
+      a:free()
+      if type(b) == "userdata" and b.free then b:free() end
+    end)
+  end
+  for _, N in ipairs(quick and { 1024, 16384 } or { 256, 1024, 4096, 16384, 65536 }) do
+    local n = N * C
+    local x, y = pg.randn({ N, C }, { seed = 5 }), pg.randn({ N, C }, { seed = 6 })
+    local x2 = pg.randn({ N, 2 * C }, { seed = 7 })
+    local x3, y3 = x:reshape{ N // 64, 64, C }, y:reshape{ N // 64, 64, C } -- rope: [B, T, C]
+    local w, b = pg.ones{ C }, pg.zeros{ C }
+    local _, mean, rstd = pg.ops.layernorm(x, w, b)
+    local _, rrstd = pg.ops.rmsnorm(x, w)
+    local kinds = {
+      gelu = { 2 * n, function() return pg.ops.gelu(x) end, function() return pg.ops.gelu_backward(y, x) end },
+      layernorm = { 2 * n, function() return pg.ops.layernorm(x, w, b) end,
+        function() return pg.ops.layernorm_backward(y, x, w, mean, rstd) end },
+      rmsnorm = { 2 * n, function() return pg.ops.rmsnorm(x, w) end,
+        function() return pg.ops.rmsnorm_backward(y, x, w, rrstd) end },
+      residual = { 3 * n, function() return pg.ops.residual(x, y) end, function() return pg.ops.residual_backward(y) end },
+      swiglu = { 3 * n, function() return pg.ops.swiglu(x2) end, function() return pg.ops.swiglu_backward(y, x2) end },
+      rope = { 2 * n, function() return pg.ops.rope(x3, 4, 10000) end,
+        function() return pg.ops.rope_backward(y3, 4, 10000) end },
+    }
+    for _, op in ipairs(ELEMENTWISE) do
+      local k = kinds[op]
+      local bytes = k[1] * 4
+      rows[op] = rows[op] or {}
+      table.insert(rows[op], { bytes = bytes, threads = threads, bandwidth = bytes / run(k[2]),
+        backward_bandwidth = bytes / run(k[3]) })
+    end
+    for _, t in ipairs{ x, y, x2, mean, rstd, rrstd } do t:free() end
+  end
+  local n = quick and (1 << 20) or (1 << 22)
   local p, g, m, v = pg.randn({ n }, { seed = 7 }), pg.randn({ n }, { seed = 8 }), pg.zeros{ n }, pg.zeros{ n }
   local o = { lr = 1e-3, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1, step = 1 }
-  -- AdamW reads p, g, m, v and writes p, m, v: 28 bytes a parameter
+  -- AdamW (in place) reads p, g, m, v and writes p, m, v: 28 bytes a parameter
   local adamw = 28 * n / timed(function() pg.ops.adamw_(p, g, m, v, o) end)
-  for _, t in ipairs{ x, y, p, g, m, v } do t:free() end
-  return median{ rates.gelu, rates.layernorm, rates.residual }, adamw, rates
+  for _, t in ipairs{ p, g, m, v } do t:free() end
+  return rows, adamw
 end
 
 -- One operation on one element: what dispatching an op costs (Lua call,
@@ -280,10 +317,19 @@ local function main()
   for _, t in ipairs(thread_counts) do
     for _, r in ipairs(gemm_table(t)) do gemm[#gemm + 1] = r end
     for _, r in ipairs(attention_table(t)) do attention[#attention + 1] = r end
-    local e, a, each = bandwidth(t)
-    elementwise[tostring(t)], adamw[tostring(t)] = e, a
-    print(("  %d thread(s): elementwise %.1f GB/s (gelu %.1f, layernorm %.1f, residual %.1f), adamw %.1f GB/s")
-      :format(t, e / 1e9, each.gelu / 1e9, each.layernorm / 1e9, each.residual / 1e9, a / 1e9))
+    local rows, a = elementwise_rows(t)
+    adamw[tostring(t)] = a
+    for _, op in ipairs(ELEMENTWISE) do
+      elementwise[op] = elementwise[op] or {}
+      local txt = {}
+      for _, r in ipairs(rows[op]) do
+        table.insert(elementwise[op], r)
+        txt[#txt + 1] = ("%s %.1f/%.1f"):format(r.bytes >= 2 ^ 20 and ("%dM"):format(r.bytes // 2 ^ 20)
+          or ("%dK"):format(r.bytes // 1024), r.bandwidth / 1e9, r.backward_bandwidth / 1e9)
+      end
+      print(("  %d thread(s): %-9s GB/s fwd/bwd by bytes: %s"):format(t, op, table.concat(txt, ", ")))
+    end
+    print(("  %d thread(s): adamw %.1f GB/s"):format(t, a / 1e9))
   end
   pg.ops.set_num_threads(ncores)
   for _, t in ipairs(thread_counts) do
@@ -345,7 +391,16 @@ local function main()
     notes = ("scripts/calibrate.lua%s, %s, features %s"):format(quick and " --quick" or "",
       os.date("!%Y-%m-%d %H:%M UTC"), pg.machine().features),
     gemm_flops = { fp32 = best_all },
-    memory_bandwidth = elementwise[tostring(ncores)],
+    -- the datasheet-style figure: residual adds on the largest buffers
+    memory_bandwidth = (function()
+      local best = 0
+      for _, r in ipairs(elementwise.residual) do
+        if r.threads == ncores and r.bytes >= best then best = r.bytes end
+      end
+      for _, r in ipairs(elementwise.residual) do
+        if r.threads == ncores and r.bytes == best then return r.bandwidth end
+      end
+    end)(),
     memory_bytes = mem > 0 and mem or 1e9,
     -- one node holds every rank of these measurements
     gpus_per_node = max_ranks,
@@ -356,7 +411,7 @@ local function main()
     kernel_overhead = op,
     cpu = {
       cores = ncores, gemm = gemm, attention = attention,
-      bandwidth = { elementwise = elementwise, adamw = adamw },
+      elementwise = elementwise, adamw = adamw,
       step_overhead = step, collectives = colls, p2p = p2p,
     },
   }
@@ -368,6 +423,18 @@ local function main()
   out:write(cjson.encode(profile), "\n")
   out:close()
   print(("wrote %s (%.0f s)"):format(args.out, pg.wtime() - t_start))
+end
+
+-- pg.ops allocates every output and the engine does not (its buffers are
+-- made once): without this, glibc hands large freed blocks back to the
+-- kernel and every call would pay fresh page faults that no engine step
+-- pays. Run the measurements with thresholds that keep freed memory for reuse.
+if not os.getenv("PG_CALIBRATE_MALLOC") then
+  local cmd = { "PG_CALIBRATE_MALLOC=1 MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=17179869184",
+    arg[-1] or "./pglua", arg[0] }
+  for i = 1, #arg do cmd[#cmd + 1] = "'" .. arg[i]:gsub("'", "'\\''") .. "'" end
+  local ok, _, code = os.execute(table.concat(cmd, " "))
+  os.exit(ok and 0 or (code or 1))
 end
 
 local ok, err = pcall(main)

@@ -15,9 +15,11 @@
 --                     nearest calibrated shapes (r = b*s rows)
 --   attention core    4*b*s^2*(heads/T)*head_dim FLOPs forward at the
 --                     measured attention rate (backward its own rate)
---   memory-bound ops  bytes read and written / measured elementwise
---                     bandwidth (norms, residual adds, GeLU or SwiGLU, RoPE,
---                     the embedding, the cross-entropy); backward moves twice
+--   memory-bound ops  bytes read and written / the measured bandwidth of
+--                     that kernel at that size (norms, residual adds, GeLU or
+--                     SwiGLU, RoPE; the embedding and the cross-entropy at
+--                     the residual add's and the norm's); backward: the same
+--                     bytes at the kernel's measured backward rate
 --   per operation     hw.kernel_overhead (the measured cost of one tiny op)
 --   tensor parallel   pg.dist all-reduces of the r*h activation: 2 forward,
 --                     2 backward per layer (the engine's column-parallel
@@ -112,6 +114,12 @@ function M.gemm_rate(hw, m, k, n, t)
   return interpolate(list, { "m", "k", "n" }, { m = m, k = k, n = n }, "flops") * scale
 end
 
+--- Measured bytes/s of elementwise kernel `op` moving `bytes` (forward, or backward with bwd).
+function M.elementwise_rate(hw, op, bytes, t, bwd)
+  local list, scale = rows_at(hw.cpu.elementwise[op], t)
+  return interpolate(list, { "bytes" }, { bytes = bytes }, bwd and "backward_bandwidth" or "bandwidth") * scale
+end
+
 --- Measured FLOP/s of the attention core (forward, or backward with bwd).
 function M.attention_rate(hw, q, t, bwd)
   local list, scale = rows_at(hw.cpu.attention, t)
@@ -133,7 +141,7 @@ function M.collective(hw, name, g, bytes, R)
 end
 
 -- The operations of one layer's forward for r rows (b sequences of s) on a
--- rank of tensor group T: a list of { "gemm", m, k, n } | { "mem", bytes } |
+-- rank of tensor group T: a list of { "gemm", m, k, n } | { "ew", op, bytes } |
 -- { "attn", query } | { "allreduce", bytes }.
 local function layer_ops(s, L, r)
   local T, h = L.t, s.hidden
@@ -142,27 +150,28 @@ local function layer_ops(s, L, r)
   local ops = {}
   local function add(...) ops[#ops + 1] = { ... } end
   local attn = { batch = L.b, seq = L.seq, heads = s.heads // T, head_dim = hd }
+  local norm = s.arch == "llama" and "rmsnorm" or "layernorm"
   local function attention()
-    add("mem", 2 * r * h * F32) -- norm: read, write
+    add("ew", norm, 2 * r * h * F32) -- read, write
     add("gemm", r, h, (h + 2 * kv) // T)
-    if s.arch == "llama" then add("mem", 2 * r * (h + kv) // T * F32) end -- rotary on q and k
+    if s.arch == "llama" then add("ew", "rope", 2 * r * (h + kv) // T * F32) end -- rotary on q and k
     add("attn", attn)
     add("gemm", r, h // T, h)
     add("allreduce", r * h * F32)
-    add("mem", 3 * r * h * F32) -- residual: two reads, one write
+    add("ew", "residual", 3 * r * h * F32) -- two reads, one write
   end
   local function mlp()
-    add("mem", 2 * r * h * F32)
+    add("ew", norm, 2 * r * h * F32)
     if s.arch == "llama" then
       add("gemm", r, h, 2 * s.ffn // T)
-      add("mem", 3 * r * s.ffn // T * F32) -- silu(gate) * up
+      add("ew", "swiglu", 3 * r * s.ffn // T * F32) -- silu(gate) * up
     else
       add("gemm", r, h, s.ffn // T)
-      add("mem", 2 * r * s.ffn // T * F32) -- GeLU
+      add("ew", "gelu", 2 * r * s.ffn // T * F32)
     end
     add("gemm", r, s.ffn // T, h)
     add("allreduce", r * h * F32)
-    add("mem", 3 * r * h * F32)
+    add("ew", "residual", 3 * r * h * F32)
   end
   attention()
   mlp()
@@ -171,7 +180,6 @@ end
 
 -- Compute and communication seconds of a list of operations, forward and backward.
 local function price(hw, ops, t, R, T)
-  local bw = by_threads(hw.cpu.bandwidth.elementwise, t)
   local over = hw.kernel_overhead or 0
   local f = { compute = 0, tp = 0 }
   local b = { compute = 0, tp = 0 }
@@ -182,9 +190,10 @@ local function price(hw, ops, t, R, T)
       f.compute = f.compute + 2 * m * k * n / M.gemm_rate(hw, m, k, n, t) + over
       b.compute = b.compute + 2 * m * k * n / M.gemm_rate(hw, m, n, k, t)
         + 2 * m * k * n / M.gemm_rate(hw, n, m, k, t) + 2 * over
-    elseif kind == "mem" then
-      f.compute = f.compute + op[2] / bw + over
-      b.compute = b.compute + 2 * op[2] / bw + over
+    elseif kind == "ew" then
+      local name, bytes = op[2], op[3]
+      f.compute = f.compute + bytes / M.elementwise_rate(hw, name, bytes, t) + over
+      b.compute = b.compute + bytes / M.elementwise_rate(hw, name, bytes, t, true) + over
     elseif kind == "attn" then
       local q = op[2]
       local flops = 4 * q.batch * q.seq * q.seq * q.heads * q.head_dim
@@ -218,13 +227,15 @@ function M.edge_costs(s, L, hw, R)
   local t, share = M.threads(hw, R)
   local r, h, T = L.seq * L.b, s.hidden, L.t
   local V = math.ceil(s.vocab / T)
-  local ef, eb = price(hw, { { "mem", 3 * r * h * F32 } }, t, R, T)
+  local ef, eb = price(hw, { { "ew", "residual", 3 * r * h * F32 } }, t, R, T)
   if T > 1 then -- vocabulary-parallel lookup: the output is all-reduced
     ef.tp = ef.tp + M.collective(hw, "all_reduce", T, r * h * F32, R)
   end
   -- ln_f, the logits product, cross-entropy over r*V/T logits (max, sum of
   -- exponentials, the gradient written in place)
-  local hf, hb = price(hw, { { "mem", 2 * r * h * F32 }, { "gemm", r, h, V }, { "mem", 3 * r * V * F32 } }, t, R, T)
+  local norm = s.arch == "llama" and "rmsnorm" or "layernorm"
+  local hf, hb = price(hw, { { "ew", norm, 2 * r * h * F32 }, { "gemm", r, h, V }, { "ew", norm, 3 * r * V * F32 } },
+    t, R, T)
   if T > 1 then hb.tp = hb.tp + M.collective(hw, "all_reduce", T, r * h * F32, R) end
   return { fwd = shared(ef, share), bwd = shared(eb, share) }, { fwd = shared(hf, share), bwd = shared(hb, share) }
 end
@@ -268,8 +279,9 @@ function M.stage_costs(s, L, hw, parts, stage_params)
       c.dp = c.dp + M.collective(hw, "all_reduce", 2, hd.split / L.t * F32, R)
     end
     local updated = L.zero == 1 and params / L.d or params
-    c.optimizer = (updated * 28 / by_threads(hw.cpu.bandwidth.adamw, t)
-      + params * F32 / by_threads(hw.cpu.bandwidth.elementwise, t)) / share + hw.cpu.step_overhead
+    -- AdamW, and zero_grad's one write of the gradients (at the residual add's rate)
+    c.optimizer = (updated * 28 / by_threads(hw.cpu.adamw, t)
+      + params * F32 / M.elementwise_rate(hw, "residual", params * F32, t)) / share + hw.cpu.step_overhead
     out[i] = c
   end
   return out

@@ -141,9 +141,13 @@ end
 --       "attention": [{"batch","seq","heads","head_dim","threads","flops",
 --                   "backward_flops"}, ...]   causal attention core, FLOPs
 --                   counted as 4*b*s*s*heads*head_dim forward (the full square)
---       "bandwidth": {"elementwise": {"<threads>": bytes/s}, "adamw": {...}}
---                   memory-bound kernels (gelu, layernorm, residual) and the
---                   AdamW update (28 bytes moved per fp32 parameter)
+--       "elementwise": {"gelu" | "layernorm" | "rmsnorm" | "residual" |
+--                   "swiglu" | "rope": [{"bytes","threads","bandwidth",
+--                   "backward_bandwidth"}, ...]}   memory-bound kernels by
+--                   size: bytes the forward reads and writes, over the
+--                   forward's time and over the backward's time
+--       "adamw": {"<threads>": bytes/s}        the AdamW update (28 bytes
+--                   moved per fp32 parameter)
 --       "step_overhead": s                     fixed cost of one engine step
 --       "collectives": {"all_reduce" | "all_gather" | "reduce_scatter" |
 --                   "shm_all_reduce": {"<ranks>": {"latency", "bandwidth"}}}
@@ -222,16 +226,19 @@ local function rows(path, field, list, fields)
   return out
 end
 
+local ELEMENTWISE = { gelu = true, layernorm = true, rmsnorm = true, residual = true, swiglu = true, rope = true }
 local COLLECTIVES = { all_reduce = true, all_gather = true, reduce_scatter = true, shm_all_reduce = true }
 
 local function cpu_section(path, c)
   if type(c) ~= "table" then fail(path, "cpu must be an object") end
-  only(path, "cpu.", c, { cores = true, gemm = true, attention = true, bandwidth = true, step_overhead = true,
-    collectives = true, p2p = true })
-  if type(c.bandwidth) ~= "table" then fail(path, "cpu.bandwidth is required (elementwise, adamw)") end
-  only(path, "cpu.bandwidth.", c.bandwidth, { elementwise = true, adamw = true })
-  local function per_threads(field, t)
-    return by_count(path, field, t, function(f, v) return positive(path, f, v) end)
+  only(path, "cpu.", c, { cores = true, gemm = true, attention = true, elementwise = true, adamw = true,
+    step_overhead = true, collectives = true, p2p = true })
+  if type(c.elementwise) ~= "table" then fail(path, "cpu.elementwise is required (rows per operation)") end
+  only(path, "cpu.elementwise.", c.elementwise, ELEMENTWISE)
+  local elementwise = {}
+  for op in pairs(ELEMENTWISE) do
+    elementwise[op] = rows(path, "cpu.elementwise." .. op, c.elementwise[op],
+      { "bytes", "threads", "bandwidth", "backward_bandwidth" })
   end
   if type(c.collectives) ~= "table" then fail(path, "cpu.collectives is required") end
   only(path, "cpu.collectives.", c.collectives, COLLECTIVES)
@@ -246,8 +253,8 @@ local function cpu_section(path, c)
     gemm = rows(path, "cpu.gemm", c.gemm, { "m", "k", "n", "threads", "flops" }),
     attention = rows(path, "cpu.attention", c.attention,
       { "batch", "seq", "heads", "head_dim", "threads", "flops", "backward_flops" }),
-    bandwidth = { elementwise = per_threads("cpu.bandwidth.elementwise", c.bandwidth.elementwise),
-                  adamw = per_threads("cpu.bandwidth.adamw", c.bandwidth.adamw) },
+    elementwise = elementwise,
+    adamw = by_count(path, "cpu.adamw", c.adamw, function(f, v) return positive(path, f, v) end),
     step_overhead = positive(path, "cpu.step_overhead", c.step_overhead),
     collectives = colls,
     p2p = link(path, "cpu.p2p", c.p2p),
