@@ -187,6 +187,10 @@ end
 
 ---------------------------------------------------------------- several ranks
 
+-- Collectives: more repeats than the kernels, since one descheduled rank
+-- (2 cores, ranks and other work sharing them) delays the whole group.
+local COMM_REPEATS = quick and 5 or 15
+
 local function comm_worker()
   local ctx = pg.ParallelContext{ data = pg.world_size(), seed = 1 }
   local g = pg.world_size()
@@ -201,7 +205,7 @@ local function comm_worker()
     for _, n in ipairs(sizes) do
       f(n) -- warm-up
       local ts = {}
-      for i = 1, REPEATS do
+      for i = 1, COMM_REPEATS do
         ctx:barrier()
         local t0 = pg.wtime()
         f(n)
@@ -223,7 +227,7 @@ local function comm_worker()
     local ts = {}
     engine:forward_backward(x, x)
     engine:forward_backward(x, x)
-    for i = 1, REPEATS do
+    for i = 1, COMM_REPEATS do
       -- forward_backward ends with the reduction (engine:sync_grads() alone
       -- does nothing without new gradients); its counter times the reduction.
       -- The least over the ranks: the others also wait there for the last
@@ -243,7 +247,7 @@ local function comm_worker()
     for _, n in ipairs(sizes) do
       local buf = bufs[n]
       local ts = {}
-      for i = 1, REPEATS + 1 do
+      for i = 1, COMM_REPEATS + 1 do
         ctx:barrier()
         local t0 = pg.wtime()
         if ctx:rank() == 0 then
