@@ -268,12 +268,9 @@ function M.stage_costs(s, L, hw, parts, stage_params)
     local params = stage_params(s, part, L.t, L.p)
     c.params = params
     local grads = params * F32
-    if L.zero == 1 then
-      -- reduce-scatter then the parameter all-gather: priced as one shared-memory all-reduce
-      c.dp = M.collective(hw, "shm_all_reduce", L.d, grads, R)
-    else
-      c.dp = M.collective(hw, "shm_all_reduce", L.d, grads, R)
-    end
+    -- ZeRO-1's reduce-scatter plus parameter all-gather move what the
+    -- all-reduce moves: priced as one (only the all-reduce is calibrated)
+    c.dp = M.collective(hw, "shm_all_reduce", L.d, grads, R)
     local _, hd = models.edge_params(s)
     if hd.tied and L.p > 1 and (part.first or part.last) then
       c.dp = c.dp + M.collective(hw, "all_reduce", 2, hd.split / L.t * F32, R)

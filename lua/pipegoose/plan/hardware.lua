@@ -1,7 +1,7 @@
 --- pipegoose.plan.hardware: what one accelerator and its links can do.
 --
 -- A hardware description is the only thing the cost model asks about the
--- machine, so a measured profile (scripts/calibrate.lua, not written yet)
+-- machine, so a measured profile (scripts/calibrate.lua)
 -- can replace a datasheet entry without touching the cost model:
 --
 --   {
@@ -110,7 +110,7 @@ end
 
 ---------------------------------------------------------------- profiles
 --
--- A measured profile is a JSON object (what scripts/calibrate.lua will write):
+-- A measured profile is a JSON object (what scripts/calibrate.lua writes):
 --
 --   {
 --     "format": "pipegoose-hardware-profile",  required, exactly this
