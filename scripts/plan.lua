@@ -3,6 +3,9 @@
 --
 --   pglua scripts/plan.lua --model=gpt3-175b --gpus=1024 --gpu=a100-80gb \
 --       --global-batch=1536 --seq-len=2048 [--precision=bf16] [--top=5]
+--   pglua scripts/plan.lua --validate [--profile=FILE] [--quick] [--only=NAME]
+--       (measured vs simulated steps and memory on this machine; the last
+--       line is "validation median_error=<x> max_error=<y> ... n=<n>")
 --
 -- First line: best t=<T> p=<P> d=<D> m=<micro-batches> b=<micro-batch size>
 -- schedule=<s> zero=<z> recompute=<r> sp=<true|false> tflops_per_gpu=<x>
@@ -13,12 +16,16 @@ local pg = require "pipegoose"
 local argparse = require "argparse"
 
 local parser = argparse("plan.lua", "Rank the 3D layouts of a model on a cluster by simulated step time.")
+parser:flag("--validate", "Run the layouts this machine can run and compare measured with simulated steps and memory (scripts/plan_validate.lua).")
+parser:option("--profile", "--validate: the hardware profile to simulate with (default: a fresh scripts/calibrate.lua).")
+parser:flag("--quick", "--validate: a quick calibration and two small configurations (checks the output, not the errors).")
+parser:option("--only", "--validate: only the configurations whose name contains this.")
 parser:option("--model", "Built-in model: " .. table.concat(pg.plan.models.NAMES, ", ") .. ".")
 parser:option("--hf", "A transformers config.json (model_type gpt2, llama, mistral or mixtral).")
-parser:option("--gpus", "Number of GPUs."):count(1):convert(math.tointeger)
+parser:option("--gpus", "Number of GPUs (required unless --validate)."):convert(math.tointeger)
 parser:option("--gpus-per-node", "GPUs per node (default: the hardware's, 8 for the built-in GPUs)."):convert(math.tointeger)
 parser:option("--gpu", "Hardware: " .. table.concat(pg.plan.hardware.NAMES, ", ") .. " or cpu-profile=FILE.", "a100-80gb")
-parser:option("--global-batch", "Sequences per step."):count(1):convert(math.tointeger)
+parser:option("--global-batch", "Sequences per step (required unless --validate)."):convert(math.tointeger)
 parser:option("--seq-len", "Tokens per sequence (default: the model's)."):convert(math.tointeger)
 parser:option("--precision", "bf16, fp32 or tf32.", "bf16"):choices{ "bf16", "fp32", "tf32" }
 parser:option("--top", "How many layouts to list.", "5"):convert(math.tointeger)
@@ -33,6 +40,20 @@ parser:option("--zero", "Pin the ZeRO stage."):choices{ "0", "1" }
 parser:option("--recompute", "Pin recomputation."):choices{ "none", "selective", "full" }
 parser:option("--sp", "Pin sequence parallelism."):choices{ "true", "false" }
 local args = parser:parse()
+
+if args.validate then
+  -- scripts/plan_validate.lua, found next to this script
+  package.path = (arg[0]:match("^(.*/)") or "./") .. "?.lua;" .. package.path
+  local ok, err = pcall(require("plan_validate").run, { profile = args.profile, quick = args.quick,
+    only = args.only, pglua = arg[-1] or "./pglua" })
+  if not ok then
+    io.stderr:write("plan.lua: ", tostring(err), "\n")
+    os.exit(1)
+  end
+  os.exit(0)
+end
+if not args.gpus then parser:error("option '--gpus' must be used 1 time") end
+if not args.global_batch then parser:error("option '--global-batch' must be used 1 time") end
 
 local pin_sp = nil -- --sp=true|false, or free
 if args.sp == "true" then pin_sp = true elseif args.sp == "false" then pin_sp = false end

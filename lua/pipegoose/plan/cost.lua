@@ -169,6 +169,8 @@ end
 --   params (held by a rank) }
 -- `parts`: the stages' layer counts and edges ({ layers =, first =, last = }).
 function M.stage_costs(s, L, hw, o, parts)
+  -- a calibrated CPU profile prices pipegoose's own CPU engine op by op
+  if hw.cpu then return require("pipegoose.plan.cpu").stage_costs(s, L, hw, parts, memory.stage_params) end
   local layer = M.layer_costs(s, L, hw, o)
   local embed, head = M.edge_costs(s, L, hw, o)
   local e = memory.element_bytes(L.precision)

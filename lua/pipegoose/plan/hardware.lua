@@ -1,7 +1,7 @@
 --- pipegoose.plan.hardware: what one accelerator and its links can do.
 --
 -- A hardware description is the only thing the cost model asks about the
--- machine, so a measured profile (scripts/calibrate.lua, not written yet)
+-- machine, so a measured profile (scripts/calibrate.lua)
 -- can replace a datasheet entry without touching the cost model:
 --
 --   {
@@ -110,7 +110,7 @@ end
 
 ---------------------------------------------------------------- profiles
 --
--- A measured profile is a JSON object (what scripts/calibrate.lua will write):
+-- A measured profile is a JSON object (what scripts/calibrate.lua writes):
 --
 --   {
 --     "format": "pipegoose-hardware-profile",  required, exactly this
@@ -130,6 +130,32 @@ end
 --     "kernel_overhead": 2e-6,                 optional: seconds per kernel
 --                   (dispatch of one operation), default 0
 --     "notes": "..."                           optional string
+--     "cpu": {...}                             optional: what scripts/calibrate.lua
+--                   measures of pipegoose's CPU engine; with it the cost model
+--                   prices each operation of a layer from these tables instead
+--                   of one FLOP/s figure (cpu.lua):
+--       "cores": 2,                            cores of a node (pipegoose gives each
+--                   of R ranks on a node max(1, cores // R) threads)
+--       "gemm": [{"m","k","n","threads","flops"}, ...]   achieved FLOP/s of
+--                   pg.ops.linear ([m, k] x [k, n]) by shape and threads
+--       "attention": [{"batch","seq","heads","head_dim","threads","flops",
+--                   "backward_flops"}, ...]   causal attention core, FLOPs
+--                   counted as 4*b*s*s*heads*head_dim forward (the full square)
+--       "elementwise": {"gelu" | "layernorm" | "rmsnorm" | "residual" |
+--                   "swiglu" | "rope": [{"bytes","threads","bandwidth",
+--                   "backward_bandwidth"}, ...]}   memory-bound kernels by
+--                   size: bytes the forward reads and writes, over the
+--                   forward's time and over the backward's time
+--       "adamw": {"<threads>": bytes/s}        the AdamW update (28 bytes
+--                   moved per fp32 parameter)
+--       "step_overhead": s                     fixed cost of one engine step
+--       "collectives": {"all_reduce" | "all_gather" | "reduce_scatter" |
+--                   "shm_all_reduce": {"<ranks>": {"latency", "bandwidth"}}}
+--                   time = latency + buffer bytes / bandwidth, measured with
+--                   that many ranks on this node (shm_all_reduce: the engine's
+--                   shared-memory data-parallel gradient reduction)
+--       "p2p": {"latency", "bandwidth"}        pg.dist.send/recv between 2 ranks
+--     }
 --   }
 --
 -- Every number must be positive and finite; an unknown field is an error (a
@@ -165,13 +191,83 @@ local function link(path, field, v)
            latency = positive(path, field .. ".latency", v.latency) }
 end
 
+local function positive_int(path, field, v)
+  positive(path, field, v)
+  if v ~= math.floor(v) then fail(path, "%s must be an integer, got %s", field, v) end
+  return math.tointeger(v)
+end
+
+-- {"<n>": value} with positive integer keys: a table keyed by integers
+local function by_count(path, field, t, each)
+  if type(t) ~= "table" or next(t) == nil then fail(path, "%s is required (an object keyed by a count)", field) end
+  local out = {}
+  for k, v in pairs(t) do
+    local n = math.tointeger(tonumber(k))
+    if not n or n < 1 or tostring(n) ~= tostring(k) then fail(path, "%s: key %s is not a positive integer", field, k) end
+    out[n] = each(field .. "." .. k, v)
+  end
+  return out
+end
+
+-- A list of measured rows, each with exactly the given numeric fields.
+local function rows(path, field, list, fields)
+  if type(list) ~= "table" or #list == 0 then fail(path, "%s is required (a non-empty list)", field) end
+  local known = {}
+  for _, f in ipairs(fields) do known[f] = true end
+  local out = {}
+  for i, r in ipairs(list) do
+    local where = ("%s[%d]"):format(field, i)
+    if type(r) ~= "table" then fail(path, "%s is not an object", where) end
+    only(path, where .. ".", r, known)
+    local row = {}
+    for _, f in ipairs(fields) do row[f] = positive(path, where .. "." .. f, r[f]) end
+    out[i] = row
+  end
+  return out
+end
+
+local ELEMENTWISE = { gelu = true, layernorm = true, rmsnorm = true, residual = true, swiglu = true, rope = true }
+local COLLECTIVES = { all_reduce = true, all_gather = true, reduce_scatter = true, shm_all_reduce = true }
+
+local function cpu_section(path, c)
+  if type(c) ~= "table" then fail(path, "cpu must be an object") end
+  only(path, "cpu.", c, { cores = true, gemm = true, attention = true, elementwise = true, adamw = true,
+    step_overhead = true, collectives = true, p2p = true })
+  if type(c.elementwise) ~= "table" then fail(path, "cpu.elementwise is required (rows per operation)") end
+  only(path, "cpu.elementwise.", c.elementwise, ELEMENTWISE)
+  local elementwise = {}
+  for op in pairs(ELEMENTWISE) do
+    elementwise[op] = rows(path, "cpu.elementwise." .. op, c.elementwise[op],
+      { "bytes", "threads", "bandwidth", "backward_bandwidth" })
+  end
+  if type(c.collectives) ~= "table" then fail(path, "cpu.collectives is required") end
+  only(path, "cpu.collectives.", c.collectives, COLLECTIVES)
+  local colls = {}
+  for name in pairs(COLLECTIVES) do
+    colls[name] = by_count(path, "cpu.collectives." .. name, c.collectives[name], function(f, v)
+      return link(path, f, v)
+    end)
+  end
+  return {
+    cores = positive_int(path, "cpu.cores", c.cores),
+    gemm = rows(path, "cpu.gemm", c.gemm, { "m", "k", "n", "threads", "flops" }),
+    attention = rows(path, "cpu.attention", c.attention,
+      { "batch", "seq", "heads", "head_dim", "threads", "flops", "backward_flops" }),
+    elementwise = elementwise,
+    adamw = by_count(path, "cpu.adamw", c.adamw, function(f, v) return positive(path, f, v) end),
+    step_overhead = positive(path, "cpu.step_overhead", c.step_overhead),
+    collectives = colls,
+    p2p = link(path, "cpu.p2p", c.p2p),
+  }
+end
+
 --- A hardware description from a decoded profile table (`path` names it in errors).
 function M.from_profile(p, path)
   path = path or "(table)"
   if type(p) ~= "table" then fail(path, "is not a JSON object") end
   only(path, "", p, { format = true, version = true, name = true, gemm_flops = true, memory_bandwidth = true,
     memory_bytes = true, gpus_per_node = true, intra = true, inter = true, notes = true,
-    kernel_overhead = true })
+    kernel_overhead = true, cpu = true })
   if p.format ~= "pipegoose-hardware-profile" then
     fail(path, "format must be \"pipegoose-hardware-profile\", got %s", cjson.encode(p.format))
   end
@@ -199,6 +295,7 @@ function M.from_profile(p, path)
     inter = link(path, "inter", p.inter),
     link_efficiency = 1,
     kernel_overhead = p.kernel_overhead == nil and 0 or positive(path, "kernel_overhead", p.kernel_overhead),
+    cpu = p.cpu ~= nil and cpu_section(path, p.cpu) or nil,
   }
 end
 

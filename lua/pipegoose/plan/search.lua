@@ -60,10 +60,16 @@ function M.in_flight(schedule, P, Mb, i)
 end
 
 --- Peak memory of the busiest rank of a layout, and which stage it is.
-function M.layout_memory(s, L, parts)
+-- With a calibrated CPU profile (hw.cpu), what pipegoose's CPU engine keeps
+-- (cpu.lua); otherwise Megatron-style GPU training's closed form (memory.lua).
+function M.layout_memory(s, L, parts, hw)
   local worst, at, detail = 0, 1, nil
+  local cpu = hw and hw.cpu and require "pipegoose.plan.cpu"
   for i, part in ipairs(parts) do
-    local bytes, d = memory.stage_bytes(s, L, part, M.in_flight(L.schedule, L.p, L.m, i))
+    local n = M.in_flight(L.schedule, L.p, L.m, i)
+    local bytes, d
+    if cpu then bytes, d = cpu.stage_bytes(s, L, part, n, memory.stage_params)
+    else bytes, d = memory.stage_bytes(s, L, part, n) end
     if bytes > worst then worst, at, detail = bytes, i, d end
   end
   return worst, at, detail
@@ -167,7 +173,7 @@ function M.run(q)
                           local L = { t = T, p = P, d = D, m = Mb, b = b, schedule = sched, zero = zero,
                             recompute = rc, sp = sp, seq = seq, precision = q.precision,
                             flash_attention = o.flash_attention }
-                          local mem, at, detail = M.layout_memory(s, L, parts)
+                          local mem, at, detail = M.layout_memory(s, L, parts, hw)
                           if mem > usable then
                             summary.over_memory = summary.over_memory + 1
                           else

@@ -1,0 +1,350 @@
+--- pipegoose.plan.cpu: the cost and memory of pipegoose's own CPU engine,
+-- priced from a calibrated profile (scripts/calibrate.lua writes it; its
+-- `cpu` section is described in hardware.lua).
+--
+-- The datasheet model (cost.lua) prices a layer as FLOPs at one efficiency
+-- and bytes at one bandwidth, which is right for large GPU kernels. On a CPU
+-- the rate of a matrix product depends on its shape, every operation has a
+-- dispatch cost, and the ranks of a node share its cores. So with a profile
+-- that has a `cpu` section, a layer is priced operation by operation, as the
+-- engine runs it (src/pg_module.c):
+--
+--   matrix products   each Linear's forward [r, in] x [in, out] and its two
+--                     backward products (dx: [r, out] x [out, in], dw:
+--                     [out, r] x [r, in]) at the measured FLOP/s of the
+--                     nearest calibrated shapes (r = b*s rows)
+--   attention core    4*b*s^2*(heads/T)*head_dim FLOPs forward at the
+--                     measured attention rate (backward its own rate)
+--   memory-bound ops  bytes read and written / the measured bandwidth of
+--                     that kernel at that size (norms, residual adds, GeLU or
+--                     SwiGLU, RoPE; the embedding and the cross-entropy at
+--                     the residual add's and the norm's); backward: the same
+--                     bytes at the kernel's measured backward rate
+--   per operation     hw.kernel_overhead (the measured cost of one tiny op)
+--   tensor parallel   pg.dist all-reduces of the r*h activation: 2 forward,
+--                     2 backward per layer (the engine's column-parallel
+--                     backward and row-parallel forward), measured by group
+--                     size
+--   pipeline          p2p latency + r*h*4 bytes / bandwidth: every tensor
+--                     rank sends the whole activation to its peer
+--   data parallel     the engine's shared-memory gradient reduction, measured
+--                     by group size; a tied embedding's gradient all-reduce
+--   optimizer         AdamW over the rank's parameters at the measured AdamW
+--                     bandwidth, zero_grad at the elementwise bandwidth, and
+--                     the engine's fixed per-step cost
+--
+-- Cores: pipegoose gives each of the R ranks of a node max(1, cores // R)
+-- threads (src/pg_context.c). Rates are measured at 1 thread and at all
+-- cores; a rank's rate is that of its thread count. With more ranks than
+-- cores, R ranks of one thread time-share `cores` cores: everything a rank
+-- does takes R / cores times longer. There is no overlap of compute and
+-- communication (the engine has none on the CPU), and a collective measured
+-- with g ranks on the node is scaled the same way when R ranks share it.
+local models = require "pipegoose.plan.models"
+
+local M = {}
+
+local F32 = 4
+
+--- Threads of a rank when R ranks share a node, and the share of a core each
+-- thread gets when all ranks are busy.
+function M.threads(hw, R)
+  local cores = hw.cpu.cores
+  local t = math.max(1, cores // math.max(1, R))
+  return t, math.min(1, cores / (R * t))
+end
+
+-- The entry of a table keyed by thread count for t threads: the largest
+-- measured count <= t, scaled linearly to t (and the smallest if none is).
+local function by_threads(tab, t)
+  local best
+  for n in pairs(tab) do
+    if n <= t and (not best or n > best) then best = n end
+  end
+  if not best then
+    for n in pairs(tab) do if not best or n < best then best = n end end
+  end
+  return tab[best] * math.min(t, math.max(best, t)) / best
+end
+M.by_threads = by_threads
+
+-- Rows of a measured table at thread count t (the nearest measured count:
+-- equal, else the largest below, else the smallest), and the scale to t.
+local function rows_at(list, t)
+  local have = {}
+  for _, r in ipairs(list) do have[r.threads] = true end
+  local best
+  for n in pairs(have) do
+    if n <= t and (not best or n > best) then best = n end
+  end
+  if not best then
+    for n in pairs(have) do if not best or n < best then best = n end end
+  end
+  local out = {}
+  for _, r in ipairs(list) do if r.threads == best then out[#out + 1] = r end end
+  return out, math.max(best, t) / best
+end
+
+-- Inverse-distance weighting in log2 space over the 4 nearest measured
+-- shapes: a shape between calibrated ones gets a rate between theirs, an
+-- exact one its own.
+local function interpolate(list, key_fields, query, rate_field)
+  local scored = {}
+  for _, r in ipairs(list) do
+    local d = 0
+    for _, f in ipairs(key_fields) do
+      local x = math.log(query[f], 2) - math.log(r[f], 2)
+      d = d + x * x
+    end
+    scored[#scored + 1] = { d = d, v = r[rate_field] }
+  end
+  table.sort(scored, function(a, b) return a.d < b.d end)
+  if scored[1].d < 1e-12 then return scored[1].v end
+  local wsum, vsum = 0, 0
+  for i = 1, math.min(4, #scored) do
+    local w = 1 / scored[i].d
+    wsum, vsum = wsum + w, vsum + w * scored[i].v
+  end
+  return vsum / wsum
+end
+
+--- Measured FLOP/s of an [m, k] x [k, n] product at t threads.
+function M.gemm_rate(hw, m, k, n, t)
+  local list, scale = rows_at(hw.cpu.gemm, t)
+  return interpolate(list, { "m", "k", "n" }, { m = m, k = k, n = n }, "flops") * scale
+end
+
+--- Measured bytes/s of elementwise kernel `op` moving `bytes` (forward, or backward with bwd).
+function M.elementwise_rate(hw, op, bytes, t, bwd)
+  local list, scale = rows_at(hw.cpu.elementwise[op], t)
+  return interpolate(list, { "bytes" }, { bytes = bytes }, bwd and "backward_bandwidth" or "bandwidth") * scale
+end
+
+--- Measured FLOP/s of the attention core (forward, or backward with bwd).
+function M.attention_rate(hw, q, t, bwd)
+  local list, scale = rows_at(hw.cpu.attention, t)
+  return interpolate(list, { "batch", "seq", "heads", "head_dim" }, q, bwd and "backward_flops" or "flops") * scale
+end
+
+--- Seconds of a collective on g ranks of a buffer of `bytes`, with R ranks
+-- on the node (the measurement had g of them).
+function M.collective(hw, name, g, bytes, R)
+  if g <= 1 then return 0 end
+  local tab = hw.cpu.collectives[name]
+  local best
+  for n in pairs(tab) do
+    if not best or math.abs(n - g) < math.abs(best - g) then best = n end
+  end
+  local l = tab[best]
+  local busy = math.max(1, R / hw.cpu.cores) / math.max(1, best / hw.cpu.cores)
+  return (l.latency + bytes / l.bandwidth) * math.max(1, busy)
+end
+
+-- The operations of one layer's forward for r rows (b sequences of s) on a
+-- rank of tensor group T: a list of { "gemm", m, k, n } | { "ew", op, bytes } |
+-- { "attn", query } | { "allreduce", bytes }.
+local function layer_ops(s, L, r)
+  local T, h = L.t, s.hidden
+  local hd = models.head_dim(s)
+  local kv = models.kv_dim(s)
+  local ops = {}
+  local function add(...) ops[#ops + 1] = { ... } end
+  local attn = { batch = L.b, seq = L.seq, heads = s.heads // T, head_dim = hd }
+  local norm = s.arch == "llama" and "rmsnorm" or "layernorm"
+  local function attention()
+    add("ew", norm, 2 * r * h * F32) -- read, write
+    add("gemm", r, h, (h + 2 * kv) // T)
+    if s.arch == "llama" then add("ew", "rope", 2 * r * (h + kv) // T * F32) end -- rotary on q and k
+    add("attn", attn)
+    add("gemm", r, h // T, h)
+    add("allreduce", r * h * F32)
+    add("ew", "residual", 3 * r * h * F32) -- two reads, one write
+  end
+  local function mlp()
+    add("ew", norm, 2 * r * h * F32)
+    if s.arch == "llama" then
+      add("gemm", r, h, 2 * s.ffn // T)
+      add("ew", "swiglu", 3 * r * s.ffn // T * F32) -- silu(gate) * up
+    else
+      add("gemm", r, h, s.ffn // T)
+      add("ew", "gelu", 2 * r * s.ffn // T * F32)
+    end
+    add("gemm", r, s.ffn // T, h)
+    add("allreduce", r * h * F32)
+    add("ew", "residual", 3 * r * h * F32)
+  end
+  attention()
+  mlp()
+  return ops
+end
+
+-- Compute and communication seconds of a list of operations, forward and backward.
+local function price(hw, ops, t, R, T)
+  local over = hw.kernel_overhead or 0
+  local f = { compute = 0, tp = 0 }
+  local b = { compute = 0, tp = 0 }
+  for _, op in ipairs(ops) do
+    local kind = op[1]
+    if kind == "gemm" then
+      local m, k, n = op[2], op[3], op[4]
+      f.compute = f.compute + 2 * m * k * n / M.gemm_rate(hw, m, k, n, t) + over
+      b.compute = b.compute + 2 * m * k * n / M.gemm_rate(hw, m, n, k, t)
+        + 2 * m * k * n / M.gemm_rate(hw, n, m, k, t) + 2 * over
+    elseif kind == "ew" then
+      local name, bytes = op[2], op[3]
+      f.compute = f.compute + bytes / M.elementwise_rate(hw, name, bytes, t) + over
+      b.compute = b.compute + bytes / M.elementwise_rate(hw, name, bytes, t, true) + over
+    elseif kind == "attn" then
+      local q = op[2]
+      local flops = 4 * q.batch * q.seq * q.seq * q.heads * q.head_dim
+      f.compute = f.compute + flops / M.attention_rate(hw, q, t) + over
+      b.compute = b.compute + flops / M.attention_rate(hw, q, t, true) + over
+    elseif kind == "allreduce" then
+      local c = M.collective(hw, "all_reduce", T, op[2], R)
+      f.tp, b.tp = f.tp + c, b.tp + c
+    end
+  end
+  return f, b
+end
+
+-- Time-sharing of the cores: everything a rank computes takes 1/share longer.
+local function shared(x, share)
+  return { compute = x.compute / share, tp = x.tp }
+end
+
+--- Per-layer costs { fwd = {compute, tp}, bwd = {compute, tp} } of one micro-batch.
+function M.layer_costs(s, L, hw, R)
+  local t, share = M.threads(hw, R)
+  local f, b = price(hw, layer_ops(s, L, L.seq * L.b), t, R, L.t)
+  if L.recompute == "full" then
+    b.compute, b.tp = b.compute + f.compute, b.tp + f.tp
+  end
+  return { fwd = shared(f, share), bwd = shared(b, share) }
+end
+
+--- Embedding and head (+ final norm and loss) costs of one micro-batch.
+function M.edge_costs(s, L, hw, R)
+  local t, share = M.threads(hw, R)
+  local r, h, T = L.seq * L.b, s.hidden, L.t
+  local V = math.ceil(s.vocab / T)
+  local ef, eb = price(hw, { { "ew", "residual", 3 * r * h * F32 } }, t, R, T)
+  if T > 1 then -- vocabulary-parallel lookup: the output is all-reduced
+    ef.tp = ef.tp + M.collective(hw, "all_reduce", T, r * h * F32, R)
+  end
+  -- ln_f, the logits product, cross-entropy over r*V/T logits (max, sum of
+  -- exponentials, the gradient written in place)
+  local norm = s.arch == "llama" and "rmsnorm" or "layernorm"
+  local hf, hb = price(hw, { { "ew", norm, 2 * r * h * F32 }, { "gemm", r, h, V }, { "ew", norm, 3 * r * V * F32 } },
+    t, R, T)
+  if T > 1 then hb.tp = hb.tp + M.collective(hw, "all_reduce", T, r * h * F32, R) end
+  return { fwd = shared(ef, share), bwd = shared(eb, share) }, { fwd = shared(hf, share), bwd = shared(hb, share) }
+end
+
+--- Stage costs in cost.stage_costs's shape, for the CPU engine.
+function M.stage_costs(s, L, hw, parts, stage_params)
+  local N = L.t * L.p * L.d
+  local R = math.min(N, hw.gpus_per_node)
+  local t, share = M.threads(hw, R)
+  local layer = M.layer_costs(s, L, hw, R)
+  local embed, head = M.edge_costs(s, L, hw, R)
+  local act = L.seq * L.b * s.hidden * F32
+  local p2p = hw.cpu.p2p
+  local send = (p2p.latency + act / p2p.bandwidth) * math.max(1, R / hw.cpu.cores) / math.max(1, 2 / hw.cpu.cores)
+  local out = {}
+  for i, part in ipairs(parts) do
+    local c = { fwd = 0, bwd = 0, fwd_tp = 0, bwd_tp = 0 }
+    local function add(x, n)
+      c.fwd = c.fwd + n * (x.fwd.compute + x.fwd.tp)
+      c.bwd = c.bwd + n * (x.bwd.compute + x.bwd.tp)
+      c.fwd_tp = c.fwd_tp + n * x.fwd.tp
+      c.bwd_tp = c.bwd_tp + n * x.bwd.tp
+    end
+    add(layer, part.layers)
+    if part.first then add(embed, 1) end
+    if part.last then add(head, 1) end
+    c.last_bwd_layer = layer.bwd.compute + layer.bwd.tp
+    if i < L.p then c.send_act = send end
+    if i > 1 then c.send_grad = send end
+    local params = stage_params(s, part, L.t, L.p)
+    c.params = params
+    local grads = params * F32
+    -- ZeRO-1's reduce-scatter plus parameter all-gather move what the
+    -- all-reduce moves: priced as one (only the all-reduce is calibrated)
+    c.dp = M.collective(hw, "shm_all_reduce", L.d, grads, R)
+    local _, hd = models.edge_params(s)
+    if hd.tied and L.p > 1 and (part.first or part.last) then
+      c.dp = c.dp + M.collective(hw, "all_reduce", 2, hd.split / L.t * F32, R)
+    end
+    local updated = L.zero == 1 and params / L.d or params
+    -- AdamW, and zero_grad's one write of the gradients (at the residual add's rate)
+    c.optimizer = (updated * 28 / by_threads(hw.cpu.adamw, t)
+      + params * F32 / M.elementwise_rate(hw, "residual", params * F32, t)) / share + hw.cpu.step_overhead
+    out[i] = c
+  end
+  return out
+end
+
+---------------------------------------------------------------- memory
+--
+-- What engine:memory() counts, in closed form (fp32, 4 bytes a float), for a
+-- rank of a stage with r = b*s rows per micro-batch, tensor size T, the
+-- model's max sequence S (attention buffers are sized for it):
+--   per micro-batch in flight ("slot"), every module keeps its output
+--   (src/pg_module.c, alloc_leaf) and what its backward needs:
+--     GPT layer   residual outputs 2 x h, norm outputs 2 x h and their mean
+--                 and 1/std (2 x 2 floats a row), attention and MLP output
+--                 projections 2 x h (full width after the all-reduce);
+--                 q|k|v 3h/T, attention output h/T, fc and GeLU outputs
+--                 2 x ffn/T; softmax probabilities (heads/T) x S a row
+--     LLaMA layer the same with RMSNorm (1 float a row each), q|k|v
+--                 (h + 2kv)/T plus its rotated copy (h + 2kv)/T, gate|up
+--                 2ffn/T and SwiGLU ffn/T
+--     first stage the embedding output h
+--     other stages the received activation h (the pipeline's input slot)
+--     last stage  the final norm (h + its statistics) and the loss head's 3
+--                 statistics a row (max, sum of exponentials, target logit)
+--   full recomputation keeps each block's output h per slot, and every
+--   block keeps one micro-batch of its inside (fixed_activation_bytes: the
+--   buffers are the block's own, not shared between blocks); selective keeps
+--   one micro-batch of probabilities per layer instead of one per slot.
+-- Parameters and gradients: 4 bytes each (the flat buffers, padded to a
+-- multiple of D); AdamW: m and v, 8 bytes (/ D with ZeRO-1).
+
+--- Activation floats per row of one layer: slot part and, with recompute, fixed part.
+function M.layer_floats(s, T, S, recompute)
+  local h, kv = s.hidden, models.kv_dim(s)
+  local heads = s.heads // T
+  local full, split, stats
+  if s.arch == "llama" then
+    full, split, stats = 6 * h, 2 * (h + 2 * kv) // T + h // T + 3 * s.ffn // T, 2
+  else
+    full, split, stats = 6 * h, (4 * h + 2 * s.ffn) // T, 4
+  end
+  local probs = heads * S
+  local all = full + split + stats + probs
+  if recompute == "full" then return h, all end
+  if recompute == "selective" then return all - probs, probs end
+  return all, 0
+end
+
+--- engine:memory()'s parts for a rank of `stage` ({ layers, first, last })
+-- under layout L with `in_flight` micro-batches: bytes of params, grads,
+-- optimizer, activations (peak), and total.
+function M.stage_bytes(s, L, stage, in_flight, stage_params)
+  local r = L.seq * L.b
+  local h = s.hidden
+  local slot_f, fixed_f = M.layer_floats(s, L.t, s.seq_len, L.recompute)
+  local per_slot = stage.layers * slot_f + h -- + the embedding output or the received activation
+  if stage.last then per_slot = per_slot + h + (s.arch == "llama" and 1 or 2) + 3 end
+  -- every recomputed block (or attention) keeps its one micro-batch of buffers
+  local fixed = stage.layers * fixed_f
+  local activations = (per_slot * in_flight + fixed) * r * F32
+  local params = stage_params(s, stage, L.t, L.p)
+  local opt = params * 8 / (L.zero == 1 and L.d or 1)
+  local parts = { weights = params * F32, gradients = params * F32, optimizer = opt, activations = activations,
+    transient = 0, params = params }
+  parts.total = parts.weights + parts.gradients + parts.optimizer + parts.activations
+  return parts.total, parts
+end
+
+return M
