@@ -288,12 +288,11 @@ describe("scripts/plan.lua", function()
     assert.matches("unknown gpu 'tpu'", out, 1, true)
   end)
 
-  it("answers for GPT-3 175B on 1024 A100-80GB in seconds, with a layout that fits", function()
-    local t0 = pg.wtime()
-    local rc, out = h.sh(h.pglua_cmd{ "scripts/plan.lua", "--model=gpt3-175b", "--gpus=1024", "--gpu=a100-80gb",
-      "--global-batch=1536", "--seq-len=2048" })
+  -- No timing is asserted (it takes ~2 s); `timeout` only guards against a hang.
+  it("answers for GPT-3 175B on 1024 A100-80GB with a layout that fits", function()
+    local rc, out = h.sh("timeout -k 5 300 " .. h.pglua_cmd{ "scripts/plan.lua", "--model=gpt3-175b", "--gpus=1024",
+      "--gpu=a100-80gb", "--global-batch=1536", "--seq-len=2048" })
     assert.equal(0, rc, out)
-    assert.is_true(pg.wtime() - t0 < 30, "took too long") -- a hang guard; it takes ~2 s
     local mem = tonumber(out:match("mem_gb=([%d.]+)"))
     assert.is_true(mem <= 80 * memory.USABLE_FRACTION)
   end)
