@@ -634,12 +634,21 @@ static int l_info(lua_State *L) {
   return 1;
 }
 
-/* engine:losses() -> {ce_loss=, aux_loss=} of the last forward_backward (their sum is its loss) */
+/* engine:losses() -> {ce_loss=, aux_loss= (their sum is the last forward_backward's loss),
+ *   expert_tokens = {per expert: its choices over all MoE layers} (mixtures of experts only)} */
 static int l_losses(lua_State *L) {
   pg_engine *e = check_engine(L, 1);
-  lua_createtable(L, 0, 2);
+  lua_createtable(L, 0, 3);
   set_num(L, "ce_loss", e->last_ce);
   set_num(L, "aux_loss", e->last_aux);
+  if (e->expert_tokens) {
+    lua_createtable(L, e->opts.router_experts, 0);
+    for (int k = 0; k < e->opts.router_experts; k++) {
+      lua_pushinteger(L, (lua_Integer)e->expert_tokens[k]);
+      lua_rawseti(L, -2, k + 1);
+    }
+    lua_setfield(L, -2, "expert_tokens");
+  }
   return 1;
 }
 

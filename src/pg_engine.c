@@ -118,7 +118,8 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is
   if (e->opts.router_experts > 0) {
     e->router = calloc((size_t)e->opts.micro_batches * 2 * (size_t)e->opts.router_experts, sizeof *e->router);
     e->router_req = calloc((size_t)e->nslots, sizeof *e->router_req);
-    if (!e->router || !e->router_req) {
+    e->expert_tokens = calloc((size_t)e->opts.router_experts, sizeof *e->expert_tokens);
+    if (!e->router || !e->router_req || !e->expert_tokens) {
       pg_engine_free(e);
       return pg_fail_null("out of memory");
     }
@@ -143,6 +144,7 @@ void pg_engine_free(pg_engine *e) {
   }
   free(e->router);
   free(e->router_req);
+  free(e->expert_tokens);
   pg_module_free(e->stage);
   free(e->params);
   pg_shm_close(&e->param_shm);
@@ -359,7 +361,15 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
   if (e->router && (pg_all_reduce_buf(e->ctx, PG_MODE_PIPELINE, &aux, 1, PG_FLOAT64, PG_REDUCE_SUM) ||
                     pg_all_reduce_buf(e->ctx, PG_MODE_DATA, &aux, 1, PG_FLOAT64, PG_REDUCE_SUM)))
     return PG_ERR;
-  if (e->router) aux /= e->ctx->data;
+  if (e->router) {
+    aux /= e->ctx->data;
+    /* after backward every stage holds the whole model's totals (the last stage's, sent back) */
+    int E = e->opts.router_experts;
+    for (int k = 0; k < E; k++) e->expert_tokens[k] = 0;
+    for (int i = 0; i < M; i++)
+      for (int k = 0; k < E; k++) e->expert_tokens[k] += e->ios[i].router[k];
+    if (pg_all_reduce_buf(e->ctx, PG_MODE_DATA, e->expert_tokens, E, PG_FLOAT64, PG_REDUCE_SUM)) return PG_ERR;
+  }
   e->last_ce = *loss;
   e->last_aux = e->router ? aux : 0;
   *loss += e->last_aux;

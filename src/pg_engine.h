@@ -78,6 +78,8 @@ typedef struct pg_engine {
   double *router;      /* with router_experts: [micro-batches][2 * experts] routing totals (pg_io.router) */
   pg_request **router_req; /* per slot: the totals' send in flight, or NULL */
   double last_ce, last_aux; /* the last forward_backward's token loss and auxiliary losses (every rank) */
+  double *expert_tokens; /* with router_experts: [experts] the last forward_backward's choices of each
+                            expert, over all MoE layers, micro-batches and data ranks */
   int zero;            /* 0: replicated optimizer; 1: ZeRO-1 (gradient shards) */
   int grads_pending;   /* gradients added since the last reduction */
   int peak_in_flight;

@@ -291,8 +291,10 @@ function Engine:_use_objective(fn, where)
   end or nil)
 end
 
---- engine:losses() -> {ce_loss =, aux_loss =}: the last forward_backward's token loss and the
--- auxiliary losses of its mixture-of-experts layers (0 without); their sum is what it returned.
+--- engine:losses() -> {ce_loss =, aux_loss =, expert_tokens =}: the last forward_backward's token
+-- loss and the auxiliary losses of its mixture-of-experts layers (0 without); their sum is what it
+-- returned. expert_tokens (models with MoE layers): each expert's choices over all MoE layers and
+-- the whole batch (a token counts top_k times per layer).
 function Engine:losses() return self.c:losses() end
 
 --- engine:forward_backward(inputs, targets [, {grad_scale = 1, sync = true, objective = fn}]) -> loss  (collective)

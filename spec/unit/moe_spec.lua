@@ -236,6 +236,10 @@ describe("pg.nn.Mixtral", function()
     assert.is_true(parts.aux_loss > 0)
     assert.near(parts.ce_loss + parts.aux_loss, loss, 1e-12)
     assert.near(parts.ce_loss, e:loss(x, y), 1e-6)
+    -- every token chose top_k = 2 experts in each of the 2 layers
+    local total = 0
+    for _, n in ipairs(parts.expert_tokens) do total = total + n end
+    assert.same({ 3, 2 * 2 * 8 }, { #parts.expert_tokens, total })
     -- recomputation gives the same step (the recomputed forward adds nothing to the routing totals)
     local r = pg.parallelize(pg.nn.Mixtral(O), nil, { recompute = "full" })
     assert.equal(loss, r:forward_backward(x, y))
