@@ -227,7 +227,7 @@ describe("pg.nn.Mixtral", function()
     assert.equal("mixtral", e.config.arch)
   end)
 
-  it("reports the auxiliary losses apart: their sum is forward_backward's loss", function()
+  it("reports the auxiliary losses apart (their sum is the loss) and each expert's tokens, the same with recomputation", function()
     local e = pg.parallelize(pg.nn.Mixtral(O), nil, {})
     local x = pg.tensor({ { 1, 2, 3, 4 }, { 5, 6, 7, 8 } }, { dtype = "int32" })
     local y = pg.tensor({ { 2, 3, 4, 5 }, { 6, 7, 8, 9 } }, { dtype = "int32" })
