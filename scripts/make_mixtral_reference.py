@@ -117,6 +117,8 @@ def main(argv=None):
     os.makedirs(a.outdir, exist_ok=True)
     path = lambda name: os.path.join(a.outdir, name)  # noqa: E731
     model.save_pretrained(a.outdir, safe_serialization=True)
+    if os.path.exists(path("generation_config.json")):  # not a training input: not committed
+        os.remove(path("generation_config.json"))
     L.write_shard(path("tokens.bin"), tokens.numpy())
 
     # the numbers are those of the files
