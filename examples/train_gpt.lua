@@ -2,17 +2,18 @@
 -- or many, with the Trainer:
 --   ./pglua examples/train_gpt.lua [--steps=300] [--batch=16] ...
 --   mpirun -np 4 ./pglua examples/train_gpt.lua --tensor=2 --pipeline=2 --micro-batches=4
--- --model=llama trains a LLaMA instead (examples/train_llama.lua says so).
+-- --model=llama trains a LLaMA instead (examples/train_llama.lua says so),
+-- --model=mixtral a mixture of experts (examples/train_moe.lua).
 -- Options: ./pglua examples/train_gpt.lua --help (unknown options are errors).
 -- --resume=last continues the newest checkpoint under --out; --stop-after=N ends
 -- the run after step N with a checkpoint, as if preempted.
 local pg = require "pipegoose"
 local argparse = require "argparse"
 
-local p = argparse("train_gpt.lua", "Train a small GPT (or --model=llama) on the default corpus with the Trainer.")
+local p = argparse("train_gpt.lua", "Train a small GPT (or --model=llama | mixtral) on the default corpus with the Trainer.")
 local o = dofile((arg[0]:match("^(.*/)") or "./") .. "options.lua")(p)
 local int, num = o.int, o.num
-p:option("--model", "gpt or llama.", "gpt"):choices{ "gpt", "llama" }
+p:option("--model", "gpt, llama or mixtral.", "gpt"):choices{ "gpt", "llama", "mixtral" }
 o.layout()
 p:option("--schedule", "Pipeline schedule.", "1f1b"):choices{ "1f1b", "gpipe" }
 int("--zero", 0, "ZeRO stage (0 or 1).")
@@ -23,7 +24,10 @@ int("--dim", 256, "Model width.")
 int("--heads", nil, "Attention heads (default 4; llama 8).")
 int("--layers", 4, "Blocks.")
 int("--kv-heads", 2, "Key/value heads (llama).")
-int("--hidden", 688, "SwiGLU width (llama).")
+int("--hidden", 688, "SwiGLU width (llama; mixtral: each expert's).")
+int("--experts", 4, "Experts per MoE layer (mixtral).")
+int("--top-k", 2, "Experts per token (mixtral).")
+num("--aux-loss-coef", 0.01, "Load-balancing loss coefficient (mixtral).")
 num("--rope-theta", 10000, "Rotary base (llama).")
 num("--lr", 1e-3, "Peak learning rate.")
 int("--warmup", 30, "Warm-up steps.")
@@ -53,8 +57,14 @@ local model
 if arch == "gpt" then
   model = pg.nn.GPT{ vocab = 256, seq_len = seq_len, dim = opt.dim, heads = opt.heads or 4, layers = opt.layers }
 else
-  model = pg.nn.Llama{ vocab = 256, seq_len = seq_len, dim = opt.dim, heads = opt.heads or 8, kv_heads = opt.kv_heads,
-                       hidden = opt.hidden, layers = opt.layers, rope_theta = opt.rope_theta }
+  local o = { vocab = 256, seq_len = seq_len, dim = opt.dim, heads = opt.heads or 8, kv_heads = opt.kv_heads,
+              hidden = opt.hidden, layers = opt.layers, rope_theta = opt.rope_theta }
+  if arch == "mixtral" then
+    o.experts, o.top_k, o.aux_loss_coef = opt.experts, opt.top_k, opt.aux_loss_coef
+    model = pg.nn.Mixtral(o)
+  else
+    model = pg.nn.Llama(o)
+  end
 end
 local engine = pg.parallelize(model, ctx, { micro_batches = opt.micro_batches, schedule = opt.schedule })
 local optimizer = pg.optim.AdamW(engine, { lr = opt.lr, betas = { 0.9, 0.95 }, weight_decay = 0.1, zero = opt.zero })
@@ -72,6 +82,14 @@ local callbacks = {
 if ckpt_every > 0 or stop_after then
   callbacks[#callbacks + 1] = pg.callbacks.ModelCheckpoint{ every_n_steps = ckpt_every > 0 and ckpt_every or nil,
     save_last = true, keep_last = keep_last > 0 and keep_last or nil }
+end
+if arch == "mixtral" then -- the objective's parts and how the router spreads the tokens
+  callbacks[#callbacks + 1] = pg.callbacks.LambdaCallback{ name = "Routing", on_train_batch_end = function(t)
+    local parts = engine:losses()
+    t:log("ce_loss", parts.ce_loss)
+    t:log("aux_loss", parts.aux_loss)
+    for e, n in ipairs(parts.expert_tokens) do t:log(("expert_tokens_%d"):format(e - 1), n) end
+  end }
 end
 if stop_after then
   callbacks[#callbacks + 1] = pg.callbacks.LambdaCallback{ name = "StopAfter", on_train_batch_end = function(t, o)

@@ -107,6 +107,21 @@ void pg_residual_forward(float *out, const float *a, const float *b, int64_t n);
 /* da += dout; db += dout (either may be NULL). */
 void pg_residual_backward(float *da, float *db, const float *dout, int64_t n);
 
+/* ---- mixture-of-experts router (Mixtral) ----
+ * logits [N, E] over E experts. probs = softmax per row, lse[N] its
+ * log-sum-exp; expert[N, K] the K most probable experts, most probable first,
+ * ties to the lower index (torch.topk's order); weight[N, K] their
+ * probabilities renormalised to sum to 1. */
+void pg_moe_route_forward(float *probs, float *lse, int32_t *expert, float *weight, const float *logits, int N, int E,
+                          int K);
+/* dlogits [N, E] (overwritten) of
+ *   sum_{n,k} dweight[n,k] weight[n,k] + sum_{n,e} dprob[e] probs[n,e] + zscale sum_n lse[n]^2,
+ * dprob [E] (the load-balancing loss: the same for every row) or NULL. */
+void pg_moe_route_backward(float *dlogits, const float *dweight, const float *dprob, float zscale, const float *probs,
+                           const float *lse, const int32_t *expert, const float *weight, int N, int E, int K);
+/* counts[e] = how many of the N x K choices are e, psum[e] = sum over rows of probs[n, e] (overwritten). */
+void pg_moe_route_stats(double *counts, double *psum, const float *probs, const int32_t *expert, int N, int E, int K);
+
 /* ---- fused softmax + cross-entropy over a vocabulary (slice) ----
  * logits is [N, V]: this rank's slice of the vocabulary, global columns
  * [vocab_start, vocab_start + V). Only the first `valid` columns of the slice

@@ -7,13 +7,16 @@
 --       [--tensor=T] [--pipeline=P] [--data=D] [--micro-batches=M] [--schedule=gpipe|1f1b] [--zero=0|1]
 --       [--device=cpu|cuda|cuda:N] [--save-hf=DIR]
 --
--- The model is pg.nn.from_hf(DIR) (GPT2LMHeadModel or LlamaForCausalLM). The
+-- The model is pg.nn.from_hf(DIR) (GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM). The
 -- batch is the first B windows of T + 1 tokens of the llm.c shard SHARD
 -- (inputs the first T, targets the last T), the same batch at every step.
 -- AdamW has torch semantics (decay on tensors of 2 or more dimensions;
 -- --clip=C clips the global gradient norm to C first). Prints on rank 0:
---   loss <v>              the objective at the loaded weights
+--   loss <v>              the token loss at the loaded weights (evaluation: no auxiliary losses)
 --   step <k> loss <v>     the objective before the k-th update, k = 1..N
+--   step <k> ce_loss <v> aux_loss <v>
+--                         a mixture of experts: the token loss and the auxiliary
+--                         losses (coefficients applied) that make up that objective
 --   grad_norm <k> <v>     the global gradient norm of that step, before clipping
 --   final loss <v>        with --save-hf: the objective after the N updates,
 --                         whose weights are written to that directory
@@ -53,6 +56,10 @@ for k = 1, opt.steps do
   local norm = clip > 0 and optimizer:clip_grad_norm(clip) or optimizer:grad_norm()
   optimizer:step()
   say(("step %d loss %.9g"):format(k, l))
+  if cfg.experts then -- a mixture of experts: the objective's two parts
+    local parts = engine:losses()
+    say(("step %d ce_loss %.9g aux_loss %.9g"):format(k, parts.ce_loss, parts.aux_loss))
+  end
   say(("grad_norm %d %.9g"):format(k, norm))
 end
 if opt.save_hf then

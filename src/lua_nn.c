@@ -352,7 +352,7 @@ static pg_module *build(build_state *b, int idx) {
   return pg_module_build(b->ctx, kind, name, &d, &b->env);
 }
 
-/* core.Engine(ctx, stage_desc, {micro_batches=, schedule=, vocab=, width=, seed=,
+/* core.Engine(ctx, stage_desc, {micro_batches=, schedule=, vocab=, width=, seed=, router_experts=,
  *   is_first=, is_last=, tied_name=, bucket_mb=, shared_memory=, device=}) */
 static int l_engine_new(lua_State *L) {
   pg_context *ctx = pg_lua_check_context(L, 1);
@@ -372,6 +372,7 @@ static int l_engine_new(lua_State *L) {
   int is_first = pg_lua_opt_bool(L, 3, "is_first", 1), is_last = pg_lua_opt_bool(L, 3, "is_last", 1);
   int with_objective = pg_lua_opt_bool(L, 3, "objective", 0);
   o.objective = with_objective;
+  o.router_experts = pg_lua_opt_cint(L, 3, "router_experts", 0);
   engine_ud *u = lua_newuserdatauv(L, sizeof *u, 1);
   u->e = NULL;
   u->current = L;
@@ -630,6 +631,24 @@ static int l_info(lua_State *L) {
   /* which data-parallel reduction path runs: shared buffers or the MPI ring */
   lua_pushboolean(L, pg_engine_shares_buffers(e));
   lua_setfield(L, -2, "shared_memory");
+  return 1;
+}
+
+/* engine:losses() -> {ce_loss=, aux_loss= (their sum is the last forward_backward's loss),
+ *   expert_tokens = {per expert: its choices over all MoE layers} (mixtures of experts only)} */
+static int l_losses(lua_State *L) {
+  pg_engine *e = check_engine(L, 1);
+  lua_createtable(L, 0, 3);
+  set_num(L, "ce_loss", e->last_ce);
+  set_num(L, "aux_loss", e->last_aux);
+  if (e->expert_tokens) {
+    lua_createtable(L, e->opts.router_experts, 0);
+    for (int k = 0; k < e->opts.router_experts; k++) {
+      lua_pushinteger(L, (lua_Integer)e->expert_tokens[k]);
+      lua_rawseti(L, -2, k + 1);
+    }
+    lua_setfield(L, -2, "expert_tokens");
+  }
   return 1;
 }
 
@@ -957,7 +976,8 @@ static int l_layer_forward(lua_State *L) {
   int64_t shape[3] = {B, T, u->m->out_width};
   pg_tensor *out = pg_lua_new_tensor(L, PG_FLOAT32, 3, shape);
   memcpy(pg_tensor_f32(out), y, (size_t)out->numel * sizeof(float));
-  return 1;
+  lua_pushnumber(L, u->io.aux_sum / ((double)B * T)); /* a mixture of experts' auxiliary losses (0 for others) */
+  return 2;
 }
 
 static int l_layer_backward(lua_State *L) {
@@ -1031,7 +1051,7 @@ static const luaL_Reg layer_methods[] = {{"forward", l_layer_forward}, {"backwar
 static const luaL_Reg engine_methods[] = {
     {"forward_backward", l_forward_backward}, {"evaluate", l_evaluate}, {"zero_grad", l_zero_grad},
     {"sync_grads", l_sync_grads}, {"params", l_params}, {"flat", l_flat}, {"num_parameters", l_num_parameters},
-    {"info", l_info}, {"load_param", l_load_param}, {"gather_param", l_gather_param}, {"reset_stats", l_reset_stats}, {"schedule", l_schedule}, {"free", l_free},
+    {"info", l_info}, {"load_param", l_load_param}, {"gather_param", l_gather_param}, {"reset_stats", l_reset_stats}, {"losses", l_losses}, {"schedule", l_schedule}, {"free", l_free},
     {"set_objective", l_set_objective}, {NULL, NULL}};
 
 void pg_lua_open_nn(lua_State *L) {

@@ -443,6 +443,65 @@ static int l_residual_backward(lua_State *L) {
   return 2;
 }
 
+/* ---- mixture-of-experts router ---- */
+
+/* moe_route(logits[..., E], k) -> probs[..., E], lse[...], expert_i32[..., k] (0-based), weight[..., k] */
+static int l_moe_route(lua_State *L) {
+  const char *fn = "ops.moe_route";
+  int64_t N;
+  pg_tensor *logits = rows_arg(L, 1, fn, "logits", -1, &N);
+  int E = (int)logits->shape[logits->ndim - 1];
+  int K = int_arg(L, 2, fn, "k", 1, 0, 0);
+  if (K > E) return luaL_error(L, "%s: k=%d exceeds the %d experts", fn, K, E);
+  pg_tensor *probs = new_like(L, logits, E);
+  pg_tensor *lse = new_lead(L, logits);
+  int64_t shape[PG_MAX_DIMS];
+  memcpy(shape, logits->shape, sizeof shape);
+  shape[logits->ndim - 1] = K;
+  pg_tensor *expert = pg_lua_new_tensor(L, PG_INT32, logits->ndim, shape);
+  pg_tensor *weight = new_like(L, logits, K);
+  pg_moe_route_forward(pg_tensor_f32(probs), pg_tensor_f32(lse), pg_tensor_i32(expert), pg_tensor_f32(weight),
+                       pg_tensor_f32(logits), (int)N, E, K);
+  return 4;
+}
+
+/* moe_route_backward(dweight[..., k], probs[..., E], lse[...], expert[..., k], weight[..., k]
+ *                    [, {dprob = [E], zscale = 0}]) -> dlogits[..., E] */
+static int l_moe_route_backward(lua_State *L) {
+  const char *fn = "ops.moe_route_backward";
+  int64_t N;
+  pg_tensor *probs = rows_arg(L, 2, fn, "probs", -1, &N);
+  int E = (int)probs->shape[probs->ndim - 1];
+  pg_tensor *dweight = rows_arg(L, 1, fn, "dweight", -1, NULL);
+  int K = (int)dweight->shape[dweight->ndim - 1];
+  if (K < 1 || K > E) return luaL_error(L, "%s: k=%d must be from 1 to the %d experts", fn, K, E);
+  like_arg(L, 1, fn, "dweight", probs, K, PG_FLOAT32);
+  pg_tensor *lse = lead_arg(L, 3, fn, "lse", probs, PG_FLOAT32);
+  pg_tensor *expert = like_arg(L, 4, fn, "expert", probs, K, PG_INT32);
+  pg_tensor *weight = like_arg(L, 5, fn, "weight", probs, K, PG_FLOAT32);
+  for (int64_t i = 0; i < expert->numel; i++)
+    if (pg_tensor_i32(expert)[i] < 0 || pg_tensor_i32(expert)[i] >= E)
+      return luaL_error(L, "%s: expert %d at %I is not one of the %d experts", fn, pg_tensor_i32(expert)[i],
+                        (lua_Integer)i + 1, E);
+  const float *dprob = NULL;
+  float zscale = 0;
+  if (!lua_isnoneornil(L, 6)) {
+    static const char *const keys[] = {"dprob", "zscale", NULL};
+    luaL_checktype(L, 6, LUA_TTABLE);
+    pg_lua_check_keys(L, 6, fn, keys);
+    if (lua_getfield(L, 6, "dprob") != LUA_TNIL) {
+      int64_t shape[1] = {E};
+      dprob = pg_tensor_f32(expect(L, lua_gettop(L), fn, "dprob", PG_FLOAT32, 1, shape));
+    }
+    lua_pop(L, 1);
+    zscale = (float)pg_lua_opt_number(L, 6, "zscale", 0);
+  }
+  pg_tensor *dlogits = new_like(L, probs, E);
+  pg_moe_route_backward(pg_tensor_f32(dlogits), pg_tensor_f32(dweight), dprob, zscale, pg_tensor_f32(probs),
+                        pg_tensor_f32(lse), pg_tensor_i32(expert), pg_tensor_f32(weight), (int)N, E, K);
+  return 1;
+}
+
 /* ---- cross-entropy ---- */
 
 typedef struct {
@@ -607,6 +666,8 @@ static const luaL_Reg ops_functions[] = {
     {"gelu_backward", l_gelu_backward},
     {"residual", l_residual},
     {"residual_backward", l_residual_backward},
+    {"moe_route", l_moe_route},
+    {"moe_route_backward", l_moe_route_backward},
     {"cross_entropy", l_cross_entropy},
     {"xent_row_max", l_xent_row_max},
     {"xent_sumexp", l_xent_sumexp},

@@ -111,6 +111,19 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is
   e->grad_req = calloc((size_t)e->nslots, sizeof *e->grad_req);
   e->stage_out = calloc((size_t)e->nslots, sizeof *e->stage_out);
   e->ios = calloc((size_t)e->opts.micro_batches, sizeof *e->ios);
+  if (e->opts.router_experts < 0) {
+    pg_engine_free(e);
+    return pg_fail_null("router_experts must be >= 0, not %d", e->opts.router_experts);
+  }
+  if (e->opts.router_experts > 0) {
+    e->router = calloc((size_t)e->opts.micro_batches * 2 * (size_t)e->opts.router_experts, sizeof *e->router);
+    e->router_req = calloc((size_t)e->nslots, sizeof *e->router_req);
+    e->expert_tokens = calloc((size_t)e->opts.router_experts, sizeof *e->expert_tokens);
+    if (!e->router || !e->router_req || !e->expert_tokens) {
+      pg_engine_free(e);
+      return pg_fail_null("out of memory");
+    }
+  }
   if (!e->act_req || !e->grad_req || !e->stage_out || !e->ios) {
     pg_engine_free(e);
     return pg_fail_null("out of memory");
@@ -127,7 +140,11 @@ void pg_engine_free(pg_engine *e) {
   for (int i = 0; e->act_req && e->grad_req && i < e->nslots; i++) {
     pg_wait(&e->act_req[i]);
     pg_wait(&e->grad_req[i]);
+    if (e->router_req) pg_wait(&e->router_req[i]);
   }
+  free(e->router);
+  free(e->router_req);
+  free(e->expert_tokens);
   pg_module_free(e->stage);
   free(e->params);
   pg_shm_close(&e->param_shm);
@@ -192,7 +209,9 @@ static int wait_req(pg_engine *e, pg_request **r) {
 
 static int wait_all_sends(pg_engine *e) {
   for (int s = 0; s < e->nslots; s++)
-    if (wait_req(e, &e->act_req[s]) || wait_req(e, &e->grad_req[s])) return PG_ERR;
+    if (wait_req(e, &e->act_req[s]) || wait_req(e, &e->grad_req[s]) ||
+        (e->router_req && wait_req(e, &e->router_req[s])))
+      return PG_ERR;
   return PG_OK;
 }
 
@@ -203,6 +222,25 @@ static int recv_timed(pg_engine *e, float *buf, int64_t n, int src, int tag) {
   return rc;
 }
 
+/* A micro-batch's routing totals travel with its activations (the layers so
+ * far, down the pipeline) and with its gradients (the whole model's, from the
+ * last stage back), each right after that message with the same tag: MPI
+ * keeps the order of messages between two ranks with one tag. The doubles go
+ * as their bytes. */
+static int send_router(pg_engine *e, const pg_io *io, int slot, int dst, int tag) {
+  if (!e->router) return PG_OK;
+  if (wait_req(e, &e->router_req[slot])) return PG_ERR; /* one send per slot in flight */
+  return pg_isend_buf(e->ctx, PG_MODE_PIPELINE, (const float *)io->router, 4 * (int64_t)e->opts.router_experts, dst,
+                      tag, &e->router_req[slot]);
+}
+
+static int recv_router(pg_engine *e, pg_io *io, int slot, int src, int tag) {
+  if (!e->router) return PG_OK;
+  /* the totals' own earlier send (down the pipeline) must be done before they are overwritten */
+  if (wait_req(e, &e->router_req[slot])) return PG_ERR;
+  return recv_timed(e, (float *)io->router, 4 * (int64_t)e->opts.router_experts, src, tag);
+}
+
 static int run_action(pg_engine *e, pg_action a) {
   int slot = a.mb % e->nslots, me = pp_rank(e);
   pg_io *io = &e->ios[a.mb];
@@ -210,7 +248,7 @@ static int run_action(pg_engine *e, pg_action a) {
   float *in_buf = e->stage_in ? e->stage_in + (size_t)slot * e->capacity_rows * e->opts.width : NULL;
   switch (a.kind) {
   case PG_ACT_RECV_ACT:
-    return recv_timed(e, in_buf, n, me - 1, 2 * a.mb);
+    return recv_timed(e, in_buf, n, me - 1, 2 * a.mb) || recv_router(e, io, slot, me - 1, 2 * a.mb);
   case PG_ACT_FORWARD: {
     if (wait_req(e, &e->act_req[slot])) return PG_ERR; /* the slot's outputs may still be on their way */
     double t0 = pg_wtime();
@@ -219,9 +257,10 @@ static int run_action(pg_engine *e, pg_action a) {
     return rc;
   }
   case PG_ACT_SEND_ACT:
-    return pg_isend_buf(e->ctx, PG_MODE_PIPELINE, e->stage_out[slot], n, me + 1, 2 * a.mb, &e->act_req[slot]);
+    return pg_isend_buf(e->ctx, PG_MODE_PIPELINE, e->stage_out[slot], n, me + 1, 2 * a.mb, &e->act_req[slot]) ||
+           send_router(e, io, slot, me + 1, 2 * a.mb);
   case PG_ACT_RECV_GRAD:
-    return recv_timed(e, e->grad_recv, n, me + 1, 2 * a.mb + 1);
+    return recv_timed(e, e->grad_recv, n, me + 1, 2 * a.mb + 1) || recv_router(e, io, slot, me + 1, 2 * a.mb + 1);
   case PG_ACT_BACKWARD: {
     const float *dx = NULL;
     double t0 = pg_wtime();
@@ -234,7 +273,8 @@ static int run_action(pg_engine *e, pg_action a) {
   }
   case PG_ACT_SEND_GRAD:
     return pg_isend_buf(e->ctx, PG_MODE_PIPELINE, e->grad_send + (size_t)slot * e->capacity_rows * e->opts.width, n,
-                        me - 1, 2 * a.mb + 1, &e->grad_req[slot]);
+                        me - 1, 2 * a.mb + 1, &e->grad_req[slot]) ||
+           send_router(e, io, slot, me - 1, 2 * a.mb + 1);
   }
   return pg_fail("unknown pipeline action %d", (int)a.kind);
 }
@@ -294,11 +334,13 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
   int M = e->opts.micro_batches, Bm = B / M;
   if (ensure_capacity(e, Bm * T)) return PG_ERR;
   float dloss = grad_scale / (float)((int64_t)B * T);
+  size_t nr = 2 * (size_t)e->opts.router_experts;
+  if (e->router) memset(e->router, 0, (size_t)M * nr * sizeof *e->router);
   for (int i = 0; i < M; i++) {
     size_t off = (size_t)i * Bm * T;
     e->ios[i] = (pg_io){.B = Bm, .T = T, .tokens = tokens + off, .targets = targets + off, .dloss = dloss,
                         .want_grad = 1, .loss_sum = 0, .logits = NULL, .mb = i, .row0 = (int64_t)off,
-                        .host_targets = host_targets + off};
+                        .host_targets = host_targets + off, .router = e->router ? e->router + i * nr : NULL};
   }
   for (int k = 0; k < e->nactions; k++)
     if (run_action(e, e->actions[k])) return PG_ERR;
@@ -306,10 +348,31 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
   int live = pg_schedule_max_in_flight(e->actions, e->nactions);
   if (live > e->peak_in_flight) e->peak_in_flight = live;
   e->grads_pending = 1;
-  double sum = 0;
-  for (int i = 0; i < M; i++) sum += e->ios[i].loss_sum;
+  double sum = 0, aux = 0;
+  for (int i = 0; i < M; i++) {
+    sum += e->ios[i].loss_sum;
+    aux += e->ios[i].aux_sum;
+  }
   *loss = e->is_last ? sum / ((double)B * T) : 0;
   if (share_loss(e, loss)) return PG_ERR;
+  /* auxiliary losses come from the stages that hold MoE layers (the load-balancing
+   * one from the last MoE layer's): summed over the pipeline, averaged over the data group */
+  aux /= (double)B * T;
+  if (e->router && (pg_all_reduce_buf(e->ctx, PG_MODE_PIPELINE, &aux, 1, PG_FLOAT64, PG_REDUCE_SUM) ||
+                    pg_all_reduce_buf(e->ctx, PG_MODE_DATA, &aux, 1, PG_FLOAT64, PG_REDUCE_SUM)))
+    return PG_ERR;
+  if (e->router) {
+    aux /= e->ctx->data;
+    /* after backward every stage holds the whole model's totals (the last stage's, sent back) */
+    int E = e->opts.router_experts;
+    for (int k = 0; k < E; k++) e->expert_tokens[k] = 0;
+    for (int i = 0; i < M; i++)
+      for (int k = 0; k < E; k++) e->expert_tokens[k] += e->ios[i].router[k];
+    if (pg_all_reduce_buf(e->ctx, PG_MODE_DATA, e->expert_tokens, E, PG_FLOAT64, PG_REDUCE_SUM)) return PG_ERR;
+  }
+  e->last_ce = *loss;
+  e->last_aux = e->router ? aux : 0;
+  *loss += e->last_aux;
   if (sync && pg_engine_sync_grads(e)) return PG_ERR;
   e->stats.steps++;
   e->stats.step_seconds += pg_wtime() - t0;

@@ -40,6 +40,7 @@ typedef struct pg_engine_opts {
   int private_buffers;   /* 1: never share the flat buffers with the data group (collectives through MPI) */
   const pg_backend *backend; /* where the engine runs (pg_backend.h); NULL: the cpu backend */
   int objective;         /* the last stage ends in an objective (pg_objective_new): targets are its to read */
+  int router_experts;    /* > 0: the model has mixture-of-experts layers of this many experts (pg_io.router) */
 } pg_engine_opts;
 
 typedef struct pg_engine_stats {
@@ -74,6 +75,11 @@ typedef struct pg_engine {
   pg_request **act_req, **grad_req; /* per slot: the send in flight, or NULL */
   pg_io *ios;          /* per micro-batch */
   const float **stage_out; /* per slot: forward outputs to send */
+  double *router;      /* with router_experts: [micro-batches][2 * experts] routing totals (pg_io.router) */
+  pg_request **router_req; /* per slot: the totals' send in flight, or NULL */
+  double last_ce, last_aux; /* the last forward_backward's token loss and auxiliary losses (every rank) */
+  double *expert_tokens; /* with router_experts: [experts] the last forward_backward's choices of each
+                            expert, over all MoE layers, micro-batches and data ranks */
   int zero;            /* 0: replicated optimizer; 1: ZeRO-1 (gradient shards) */
   int grads_pending;   /* gradients added since the last reduction */
   int peak_in_flight;
@@ -87,10 +93,14 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is
                          const pg_engine_opts *opts);
 void pg_engine_free(pg_engine *e);
 
-/* Adds the gradients of grad_scale * (mean token loss over the global batch);
- * tokens/targets [B*T] are this data rank's share. sync: run the gradient
- * reductions at the end (0 while accumulating; reductions then run when the
- * optimizer needs the gradients). *loss: mean token loss of the batch. */
+/* Adds the gradients of grad_scale * (mean token loss over the global batch
+ * + the auxiliary losses of mixture-of-experts layers); tokens/targets [B*T]
+ * are this data rank's share. sync: run the gradient reductions at the end
+ * (0 while accumulating; reductions then run when the optimizer needs the
+ * gradients). *loss: that objective for the batch (last_ce + last_aux).
+ * Auxiliary losses are taken per micro-batch (transformers' over the whole
+ * batch when there is one micro-batch on one data rank) and averaged
+ * weighted by rows, as the token loss is. */
 int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T,
                                float grad_scale, int sync, double *loss);
 /* Evaluation: mean loss (if targets) and/or logits [B*T, vocab] (if logits) on every rank. */

@@ -812,6 +812,291 @@ pg_module *pg_swiglu_new(pg_context *ctx, const char *name, int width) {
   return module_new(&swiglu_ops, ctx, name, 2 * width, width, sizeof(swiglu_state));
 }
 
+/* ---------------------------------------------------------------- mixture of experts */
+
+/* The token -> expert choices of a micro-batch are laid out grouped by
+ * expert (tokens in order within an expert): choice j of token t sits at
+ * grouped row pos[t K + j], so each expert's rows are contiguous and run as
+ * one GEMM. A token's output then sums its K choices in j order, whatever
+ * the grouping, so the result does not depend on how experts are grouped. */
+typedef struct moe_state {
+  pg_moe_opts o;
+  int hidden_l;          /* this rank's columns of each expert's hidden width */
+  pg_param *gate;
+  pg_param **w1, **w2, **w3; /* [experts] */
+  /* per slot, kept from forward to backward */
+  const float **saved_x;
+  float *probs, *lse, *weight; /* [nslots][rows * E], [rows], [rows * K] */
+  int32_t *expert, *pos;       /* [nslots][rows * K] */
+  int32_t *token;              /* [nslots][rows * K]: grouped row -> its token */
+  int32_t *offsets;            /* [nslots][E + 1]: each expert's first grouped row */
+  float *gu;                   /* [nslots][rows * K * 2 hidden_l]: w1 x | w3 x of each grouped row */
+  float *y;                    /* [nslots][rows * K * dim]: each grouped row's expert output (unweighted) */
+  double *stats;               /* [nslots][2 E]: this layer's choices and summed probabilities */
+  /* scratch, one micro-batch */
+  float *logits, *wcat, *dwcat, *xg, *act, *dyg, *dxg, *da, *dgu, *dweight, *dx_router;
+  float *dprob;                /* [E] */
+} moe_state;
+
+static int moe_alloc(pg_module *m, int nslots, int max_rows) {
+  moe_state *s = m->state;
+  if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
+  int64_t E = s->o.experts, K = s->o.top_k, D = s->o.dim, H = s->hidden_l, R = (int64_t)max_rows * K;
+  int64_t dims[3] = {nslots, R, 2 * H + D};
+  if (R > INT32_MAX || pg_size_product(3, dims) < 0 || pg_size_product(2, (int64_t[]){nslots, (int64_t)max_rows * E}) < 0)
+    return pg_fail("%s: %d slots of %d rows x top_k=%d are too many for the expert buffers", m->name, nslots, max_rows,
+                   (int)K);
+  size_t S = (size_t)nslots, rows = (size_t)max_rows;
+  free(s->expert);
+  free(s->pos);
+  free(s->token);
+  free(s->offsets);
+  free(s->stats);
+  s->expert = malloc(S * R * sizeof(int32_t));
+  s->pos = malloc(S * R * sizeof(int32_t));
+  s->token = malloc(S * R * sizeof(int32_t));
+  s->offsets = malloc(S * (E + 1) * sizeof(int32_t));
+  s->stats = calloc(S * 2 * E, sizeof(double));
+  if (!s->expert || !s->pos || !s->token || !s->offsets || !s->stats || !alloc_floats(m, &s->probs, S * rows * E) ||
+      !alloc_floats(m, &s->lse, S * rows) || !alloc_floats(m, &s->weight, S * R) ||
+      !alloc_floats(m, &s->gu, S * R * 2 * H) || !alloc_floats(m, &s->y, S * R * D) ||
+      !alloc_floats(m, &s->logits, rows * E) || !alloc_floats(m, &s->wcat, (size_t)2 * H * D) ||
+      !alloc_floats(m, &s->dwcat, (size_t)2 * H * D) || !alloc_floats(m, &s->xg, R * D) ||
+      !alloc_floats(m, &s->act, R * H) || !alloc_floats(m, &s->dyg, R * D) || !alloc_floats(m, &s->dxg, R * D) ||
+      !alloc_floats(m, &s->da, R * H) || !alloc_floats(m, &s->dgu, R * 2 * H) || !alloc_floats(m, &s->dweight, R) ||
+      !alloc_floats(m, &s->dx_router, rows * D) || !alloc_floats(m, &s->dprob, E))
+    return pg_fail("out of memory for %s (expert buffers)", m->name);
+  m->saved_bytes_per_slot += (rows * (E + 1) + R * (1 + 2 * H + D)) * sizeof(float) + R * 3 * sizeof(int32_t);
+  return PG_OK;
+}
+
+/* Expert e's [w1; w3] shards as one [2 hidden_l, dim] matrix, so that one
+ * GEMM gives the gate|up rows the SwiGLU kernels take. */
+static void moe_stack_w13(moe_state *s, int e) {
+  size_t n = (size_t)s->hidden_l * s->o.dim;
+  memcpy(s->wcat, s->w1[e]->data, n * sizeof(float));
+  memcpy(s->wcat + n, s->w3[e]->data, n * sizeof(float));
+}
+
+/* The grouped rows' inputs, gathered from x. */
+static void moe_gather(moe_state *s, const float *x, const int32_t *token, int R) {
+  size_t D = (size_t)s->o.dim;
+  for (int r = 0; r < R; r++) memcpy(s->xg + r * D, x + (size_t)token[r] * D, D * sizeof(float));
+}
+
+/* The load-balancing loss over the micro-batch's totals, and the gradient it
+ * gives every row's router probabilities (dprob, scaled by `scale`):
+ * aux = E sum_e C_e P_e / (N L)^2 with C_e the choices of e and P_e the summed
+ * probabilities over the N rows of all L layers (transformers' form: the mean
+ * over the concatenated layers' rows of the one-hot choices, summed over the
+ * k choices, times the mean probability). */
+static double moe_balance(const moe_state *s, const double *totals, int N, int L, float *dprob, double scale) {
+  int E = s->o.experts;
+  double nl = (double)N * L, aux = 0;
+  for (int e = 0; e < E; e++) {
+    aux += totals[e] * totals[E + e];
+    if (dprob) dprob[e] = (float)(scale * E * totals[e] / (nl * nl));
+  }
+  return E * aux / (nl * nl);
+}
+
+static int moe_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
+  moe_state *s = m->state;
+  if (check_rows(m, slot, io)) return PG_ERR;
+  int N = io->B * io->T, E = s->o.experts, K = s->o.top_k, D = s->o.dim, H = s->hidden_l, R = N * K;
+  size_t rows = (size_t)m->max_rows, Rmax = rows * K;
+  float *probs = s->probs + slot * rows * E, *lse = s->lse + slot * rows, *weight = s->weight + slot * Rmax;
+  int32_t *expert = s->expert + slot * Rmax, *pos = s->pos + slot * Rmax, *token = s->token + slot * Rmax;
+  int32_t *off = s->offsets + (size_t)slot * (E + 1);
+  float *gu = s->gu + slot * Rmax * 2 * H, *ye = s->y + slot * Rmax * D, *out = slot_out(m, slot);
+  double *stats = s->stats + (size_t)slot * 2 * E;
+  /* route: every tensor rank computes the same (router and x replicated) */
+  pg_matmul_forward(s->logits, x, s->gate->data, NULL, N, D, E);
+  pg_moe_route_forward(probs, lse, expert, weight, s->logits, N, E, K);
+  pg_moe_route_stats(stats, stats + E, probs, expert, N, E, K);
+  /* group by expert (a counting sort, stable in token then choice order) */
+  for (int e = 0; e <= E; e++) off[e] = 0;
+  for (int i = 0; i < R; i++) off[expert[i] + 1]++;
+  for (int e = 0; e < E; e++) off[e + 1] += off[e];
+  for (int i = 0; i < R; i++) { /* off[e] walks from e's first row to e + 1's */
+    pos[i] = off[expert[i]]++;
+    token[pos[i]] = i / K;
+  }
+  for (int e = E; e > 0; e--) off[e] = off[e - 1];
+  off[0] = 0;
+  moe_gather(s, x, token, R);
+  for (int e = 0; e < E; e++) {
+    int r0 = off[e], n = off[e + 1] - off[e];
+    if (!n) continue;
+    moe_stack_w13(s, e);
+    pg_matmul_forward(gu + (size_t)r0 * 2 * H, s->xg + (size_t)r0 * D, s->wcat, NULL, n, D, 2 * H);
+    pg_swiglu_forward(s->act + (size_t)r0 * H, gu + (size_t)r0 * 2 * H, n, H);
+    pg_matmul_forward(ye + (size_t)r0 * D, s->act + (size_t)r0 * H, s->w2[e]->data, NULL, n, H, D);
+  }
+  /* each token's choices, weighted, in choice order */
+  for (int t = 0; t < N; t++) {
+    float *o = out + (size_t)t * D;
+    for (int d = 0; d < D; d++) o[d] = 0;
+    for (int j = 0; j < K; j++) {
+      const float *src = ye + (size_t)pos[t * K + j] * D;
+      float w = weight[t * K + j];
+      for (int d = 0; d < D; d++) o[d] += w * src[d];
+    }
+  }
+  /* w2 is row-parallel: each rank holds a partial sum of every expert's output */
+  if (pg_tp_reduce_forward(m, out, (int64_t)N * D)) return PG_ERR;
+  s->saved_x[slot] = x;
+  *y = out;
+  if (!io->want_grad || io->recomputing) return PG_OK;
+  /* the auxiliary losses, as the objective counts them: times the rows */
+  const double *totals = stats;
+  int L = 1;
+  if (io->router) {
+    for (int i = 0; i < 2 * E; i++) io->router[i] += stats[i];
+    totals = io->router;
+    L = s->o.layers;
+  }
+  if (s->o.aux_loss_coef != 0 && (!io->router || s->o.layer == s->o.layers - 1))
+    io->aux_sum += (double)N * s->o.aux_loss_coef * moe_balance(s, totals, N, L, NULL, 0);
+  if (s->o.z_loss_coef != 0) {
+    double z = 0;
+    for (int t = 0; t < N; t++) z += (double)lse[t] * lse[t];
+    io->aux_sum += s->o.z_loss_coef * z / L; /* N x (z / (N L)) */
+  }
+  return PG_OK;
+}
+
+static int moe_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
+  moe_state *s = m->state;
+  int N = io->B * io->T, E = s->o.experts, K = s->o.top_k, D = s->o.dim, H = s->hidden_l, R = N * K;
+  size_t rows = (size_t)m->max_rows, Rmax = rows * K;
+  const float *x = s->saved_x[slot];
+  float *probs = s->probs + slot * rows * E, *lse = s->lse + slot * rows, *weight = s->weight + slot * Rmax;
+  int32_t *expert = s->expert + slot * Rmax, *pos = s->pos + slot * Rmax, *token = s->token + slot * Rmax;
+  int32_t *off = s->offsets + (size_t)slot * (E + 1);
+  float *gu = s->gu + slot * Rmax * 2 * H, *ye = s->y + slot * Rmax * D;
+  /* d loss / d routing weight: dy . (the expert's full output), summed over the tensor group */
+  for (int i = 0; i < R; i++) {
+    const float *a = dy + (size_t)(i / K) * D, *b = ye + (size_t)pos[i] * D;
+    float acc = 0;
+    for (int d = 0; d < D; d++) acc += a[d] * b[d];
+    s->dweight[i] = acc;
+  }
+  if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, s->dweight, R, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
+  /* the router: renormalised weights, load balancing, z-loss */
+  const double *totals = io->router ? io->router : s->stats + (size_t)slot * 2 * E;
+  int L = io->router ? s->o.layers : 1;
+  /* the objective counts each micro-batch's auxiliary losses times its rows: d/d aux = rows x dloss */
+  double scale = (double)N * io->dloss;
+  moe_balance(s, totals, N, L, s->dprob, scale * s->o.aux_loss_coef);
+  float zscale = (float)(scale * s->o.z_loss_coef / ((double)N * L));
+  pg_moe_route_backward(s->logits, s->dweight, s->o.aux_loss_coef != 0 ? s->dprob : NULL, zscale, probs, lse, expert,
+                        weight, N, E, K);
+  pg_matmul_backward(s->dx_router, s->gate->grad, NULL, s->logits, x, s->gate->data, N, D, E);
+  /* the experts, each over its grouped rows */
+  for (int i = 0; i < R; i++) {
+    const float *a = dy + (size_t)(i / K) * D;
+    float *b = s->dyg + (size_t)pos[i] * D, w = weight[i];
+    for (int d = 0; d < D; d++) b[d] = w * a[d];
+  }
+  moe_gather(s, x, token, R);
+  size_t half = (size_t)H * D;
+  for (int e = 0; e < E; e++) {
+    int r0 = off[e], n = off[e + 1] - off[e];
+    if (!n) continue;
+    float *gu_e = gu + (size_t)r0 * 2 * H, *act = s->act + (size_t)r0 * H, *da = s->da + (size_t)r0 * H;
+    float *dgu = s->dgu + (size_t)r0 * 2 * H;
+    pg_swiglu_forward(act, gu_e, n, H); /* recomputed: cheaper to keep gate|up only */
+    pg_matmul_backward(da, s->w2[e]->grad, NULL, s->dyg + (size_t)r0 * D, act, s->w2[e]->data, n, H, D);
+    pg_swiglu_backward(dgu, gu_e, da, n, H);
+    moe_stack_w13(s, e);
+    memset(s->dwcat, 0, 2 * half * sizeof(float));
+    pg_matmul_backward(s->dxg + (size_t)r0 * D, s->dwcat, NULL, dgu, s->xg + (size_t)r0 * D, s->wcat, n, D, 2 * H);
+    for (size_t i = 0; i < half; i++) {
+      s->w1[e]->grad[i] += s->dwcat[i];
+      s->w3[e]->grad[i] += s->dwcat[half + i];
+    }
+  }
+  for (int t = 0; t < N; t++) {
+    float *o = m->dinp + (size_t)t * D;
+    for (int d = 0; d < D; d++) o[d] = 0;
+    for (int j = 0; j < K; j++) {
+      const float *src = s->dxg + (size_t)pos[t * K + j] * D;
+      for (int d = 0; d < D; d++) o[d] += src[d];
+    }
+  }
+  /* w1/w3 are column-parallel: the experts' input gradient is a partial sum;
+   * the router's is whole on every rank and joins after the reduction */
+  if (pg_tp_copy_backward(m, m->dinp, (int64_t)N * D)) return PG_ERR;
+  for (size_t i = 0; i < (size_t)N * D; i++) m->dinp[i] += s->dx_router[i];
+  *dx = m->dinp;
+  return PG_OK;
+}
+
+static void moe_destroy(pg_module *m) {
+  moe_state *s = m->state;
+  free(s->saved_x);
+  free(s->w1);
+  free(s->w2);
+  free(s->w3);
+  free(s->expert);
+  free(s->pos);
+  free(s->token);
+  free(s->offsets);
+  free(s->stats);
+  float *bufs[] = {s->probs, s->lse, s->weight, s->gu, s->y, s->logits, s->wcat, s->dwcat, s->xg, s->act, s->dyg,
+                   s->dxg, s->da, s->dgu, s->dweight, s->dx_router, s->dprob};
+  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) pg_be_release(BE(m), bufs[i]);
+}
+
+static const pg_module_ops moe_ops = {"moe", moe_alloc, moe_forward, moe_backward, moe_destroy};
+
+pg_module *pg_moe_new(pg_context *ctx, const char *name, const pg_moe_opts *o) {
+  int T = tp_size(ctx), r = tp_rank(ctx);
+  if (o->dim < 1 || o->hidden < 1) return pg_fail_null("%s: MoE needs positive dim and hidden (%d, %d)", name, o->dim, o->hidden);
+  if (o->experts < 1) return pg_fail_null("%s: MoE needs at least 1 expert, not experts=%d", name, o->experts);
+  if (o->top_k < 1 || o->top_k > o->experts)
+    return pg_fail_null("%s: top_k=%d must be from 1 to experts=%d", name, o->top_k, o->experts);
+  if (o->hidden % T)
+    return pg_fail_null("%s: tensor=%d does not divide the experts' hidden width %d", name, T, o->hidden);
+  if (o->layers < 1 || o->layer < 0 || o->layer >= o->layers)
+    return pg_fail_null("%s: MoE layer %d of %d", name, o->layer, o->layers);
+  if (!(o->aux_loss_coef >= 0) || !(o->z_loss_coef >= 0))
+    return pg_fail_null("%s: aux_loss_coef and z_loss_coef must be >= 0 (%g, %g)", name, o->aux_loss_coef, o->z_loss_coef);
+  pg_module *m = module_new(&moe_ops, ctx, name, o->dim, o->dim, sizeof(moe_state));
+  if (!m) return NULL;
+  moe_state *s = m->state;
+  s->o = *o;
+  s->hidden_l = o->hidden / T;
+  int E = o->experts;
+  s->w1 = calloc((size_t)E, sizeof *s->w1);
+  s->w2 = calloc((size_t)E, sizeof *s->w2);
+  s->w3 = calloc((size_t)E, sizeof *s->w3);
+  if (!s->w1 || !s->w2 || !s->w3) {
+    pg_module_free(m);
+    return pg_fail_null("out of memory");
+  }
+  int64_t gshape[2] = {E, o->dim}, up[2] = {o->hidden, o->dim}, down[2] = {o->dim, o->hidden};
+  if (add_param(m, param_make(name, "gate.weight", 2, gshape, 0, 1, 1, 0, PG_INIT_NORMAL, o->init_std))) goto fail;
+  s->gate = m->params[0];
+  for (int e = 0; e < E; e++) {
+    char w1[64], w2[64], w3[64];
+    snprintf(w1, sizeof w1, "experts.%d.w1.weight", e);
+    snprintf(w2, sizeof w2, "experts.%d.w2.weight", e);
+    snprintf(w3, sizeof w3, "experts.%d.w3.weight", e);
+    if (add_param(m, param_make(name, w1, 2, up, 0, 1, T, r, PG_INIT_NORMAL, o->init_std))) goto fail;
+    s->w1[e] = m->params[m->nparams - 1];
+    if (add_param(m, param_make(name, w2, 2, down, 1, 1, T, r, PG_INIT_NORMAL, o->init_std))) goto fail;
+    s->w2[e] = m->params[m->nparams - 1];
+    if (add_param(m, param_make(name, w3, 2, up, 0, 1, T, r, PG_INIT_NORMAL, o->init_std))) goto fail;
+    s->w3[e] = m->params[m->nparams - 1];
+  }
+  return m;
+fail:
+  pg_module_free(m);
+  return NULL;
+}
+
 /* ---------------------------------------------------------------- embedding */
 
 typedef struct embedding_state {
@@ -1201,7 +1486,10 @@ static int recompute_backward(pg_module *m, int slot, pg_io *io, const float *dy
   recompute_state *s = m->state;
   const float *f = NULL;
   /* the block's activations of this micro-batch, again, then its backward */
-  if (pg_module_forward(m->children[0], 0, io, s->saved_x[slot], &f)) return PG_ERR;
+  io->recomputing = 1;
+  int rc = pg_module_forward(m->children[0], 0, io, s->saved_x[slot], &f);
+  io->recomputing = 0;
+  if (rc) return PG_ERR;
   return pg_module_backward(m->children[0], 0, io, dy, dx);
 }
 
@@ -1406,6 +1694,18 @@ static pg_module *build_swiglu(pg_context *ctx, const char *name, const pg_desc 
   return bad ? NULL : pg_swiglu_new(ctx, name, width);
 }
 
+static pg_module *build_moe(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
+  (void)env;
+  int bad = 0;
+  pg_moe_opts o = {.dim = DESC_INT(d, "dim", 0), .hidden = DESC_INT(d, "hidden", 0),
+                   .experts = DESC_INT(d, "experts", 0), .top_k = DESC_INT(d, "top_k", 2),
+                   .layer = DESC_INT(d, "layer", 0), .layers = DESC_INT(d, "layers", 1),
+                   .aux_loss_coef = d->ops->number(d, "aux_loss_coef", 0),
+                   .z_loss_coef = d->ops->number(d, "z_loss_coef", 0),
+                   .init_std = (float)d->ops->number(d, "init_std", 0.02)};
+  return bad ? NULL : pg_moe_new(ctx, name, &o);
+}
+
 static pg_module *build_attention(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
   (void)env;
   int bad = 0;
@@ -1455,7 +1755,7 @@ static const struct {
 } kinds[] = {
     {"linear", build_linear},       {"layernorm", build_layernorm}, {"rmsnorm", build_rmsnorm},
     {"gelu", build_gelu},           {"swiglu", build_swiglu},       {"attention", build_attention},
-    {"embedding", build_embedding}, {"lm_head", build_lm_head},
+    {"embedding", build_embedding}, {"lm_head", build_lm_head},     {"moe", build_moe},
 };
 
 pg_module *pg_module_build(pg_context *ctx, const char *kind, const char *name, const pg_desc *d, pg_module_env *env) {
@@ -1487,6 +1787,10 @@ int pg_module_set_backend(pg_module *m, const pg_backend *be) {
   if ((m->ops == &custom_ops || m->ops == &objective_ops) && be->device != PG_CPU)
     return pg_fail("%s: a %s written in Lua runs on the cpu backend only, not %s", m->name,
                    m->ops == &custom_ops ? "module" : "objective", be->name);
+  /* its routing, grouping and auxiliary losses run on the host; no device kernels yet */
+  if (m->ops == &moe_ops && be->device != PG_CPU)
+    return pg_fail("%s: the moe kind (mixture of experts) runs on the cpu backend only for now, not %s", m->name,
+                   be->name);
   m->be = be;
   for (int i = 0; i < m->nchildren; i++)
     if (pg_module_set_backend(m->children[i], be)) return PG_ERR;

@@ -74,6 +74,16 @@ typedef struct pg_io {
   int mb;                  /* which micro-batch (0-based) of the call */
   int64_t row0;            /* its first row in this rank's batch */
   const int32_t *host_targets; /* targets in host memory (an objective written in Lua reads them) */
+  /* Mixture of experts: the load-balancing loss is one function of every
+   * MoE layer's routing (transformers' load_balancing_loss_func concatenates
+   * the layers), so the layers of a micro-batch share its routing totals:
+   * [2 * experts] doubles, the choices made of each expert, then the summed
+   * router probabilities. Forward adds each layer's; by backward they hold
+   * the whole model's (a pipeline hands them down the stages and back).
+   * NULL: a module standing alone is the only MoE layer. */
+  double *router;
+  double aux_sum;          /* out: MoE layers add their auxiliary losses, times the rows */
+  int recomputing;         /* a recomputation's forward: activations only, nothing added to the totals */
 } pg_io;
 
 typedef struct pg_module pg_module;
@@ -158,6 +168,25 @@ pg_module *pg_residual_new(pg_context *ctx, const char *name, pg_module *inner);
  * flight only the block's output is kept. Results are bit for bit those
  * without it (the same kernels on the same inputs). */
 pg_module *pg_recompute_new(pg_context *ctx, const char *name, pg_module *inner);
+
+/* Mixtral's sparse feed-forward block: a router Linear(dim -> experts, no
+ * bias), softmax, the top_k experts of each token, their probabilities
+ * renormalised, and the weighted sum of those experts' SwiGLU outputs
+ * (w2(silu(w1 x) * w3 x)). Under tensor parallelism each expert's w1/w3 are
+ * column-parallel and w2 row-parallel, the router replicated; the output is
+ * reduced over the tensor group once. Parameters: "<name>.gate.weight"
+ * [experts, dim] and "<name>.experts.<e>.w1|w2|w3.weight", one set per
+ * expert (so that experts can later live on different ranks). Auxiliary
+ * losses (pg_io's router totals): aux_loss_coef x the load-balancing loss
+ * over the model's `layers` MoE layers (this is number `layer`, 0-based),
+ * z_loss_coef x the mean over tokens and layers of logsumexp(logits)^2. */
+typedef struct pg_moe_opts {
+  int dim, hidden, experts, top_k;
+  int layer, layers;
+  double aux_loss_coef, z_loss_coef;
+  float init_std;
+} pg_moe_opts;
+pg_module *pg_moe_new(pg_context *ctx, const char *name, const pg_moe_opts *o);
 
 /* A module computed by someone else (the Lua bindings run a Lua table):
  * callbacks get the row count and contiguous buffers. */

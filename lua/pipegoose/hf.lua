@@ -2,7 +2,8 @@
 --
 -- A model directory holds config.json and the weights, in model.safetensors or
 -- sharded (model.safetensors.index.json: {"weight_map": {tensor: file}}).
--- Supported: GPT2LMHeadModel (model_type "gpt2"). Conventions as
+-- Supported: GPT2LMHeadModel (model_type "gpt2"), LlamaForCausalLM ("llama"),
+-- MixtralForCausalLM ("mixtral"). Conventions as
 -- `transformers` has them: GPT-2's linear layers are Conv1D, weights stored
 -- [in, out] (pipegoose's are [out, in]: transposed both ways); c_attn's
 -- columns are q | k | v, heads in order (pipegoose's qkv rows); the tied
@@ -200,6 +201,75 @@ function ARCH.llama.config(cfg)
   }
 end
 
+-- Mixtral: LLaMA's attention, norms and embeddings, and a sparse mixture of
+-- experts for each block's MLP (block_sparse_moe.gate, block_sparse_moe.experts.<e>.w1|w2|w3).
+ARCH.mixtral = { class = "MixtralForCausalLM", prefix = "model." }
+
+--- The pg.nn.Mixtral options of a MixtralForCausalLM config. transformers adds
+-- the load-balancing loss to the training loss only when output_router_logits
+-- is true: aux_loss_coef is router_aux_loss_coef then, else 0.
+function ARCH.mixtral.options(dir, cfg)
+  local patched = {}
+  for k, v in pairs(cfg) do patched[k] = v end
+  -- Mixtral's own defaults where LLaMA's differ
+  if value(cfg.rope_theta) == nil then patched.rope_theta = 1e6 end
+  if value(cfg.rms_norm_eps) == nil then patched.rms_norm_eps = 1e-5 end
+  local o = ARCH.llama.options(dir, patched)
+  local window = value(cfg.sliding_window)
+  if window ~= nil and window < o.seq_len then
+    fail(dir, "config.json: sliding_window %s is not supported (pipegoose attends to the whole causal context)",
+      tostring(window))
+  end
+  local jitter = number_or(dir, cfg, "router_jitter_noise", 0)
+  if jitter ~= 0 then fail(dir, "config.json: router_jitter_noise %g is not supported yet (only 0)", jitter) end
+  o.experts = positive_int(dir, cfg, "num_local_experts")
+  o.top_k = positive_int(dir, cfg, "num_experts_per_tok")
+  if o.top_k > o.experts then
+    fail(dir, "config.json: num_experts_per_tok %d exceeds num_local_experts %d", o.top_k, o.experts)
+  end
+  o.aux_loss_coef = value(cfg.output_router_logits) == true and number_or(dir, cfg, "router_aux_loss_coef", 0.001) or 0
+  return o
+end
+
+function ARCH.mixtral.layout(o)
+  local out = {}
+  for _, e in ipairs(ARCH.llama.layout(o)) do
+    if not e.pg:find("%.mlp%.") then out[#out + 1] = e end
+  end
+  local C, I, E = o.dim, o.hidden, o.experts
+  -- each block's experts after its attention (the order does not matter to the readers; kept per block)
+  local with_moe = {}
+  for _, e in ipairs(out) do
+    with_moe[#with_moe + 1] = e
+    local l = e.pg:match("^blocks%.(%d+)%.ln2%.weight$")
+    if l then
+      local b, h = "blocks." .. l .. ".moe.", "layers." .. l .. ".block_sparse_moe."
+      with_moe[#with_moe + 1] = entry(b .. "gate.weight", { { h .. "gate.weight", { E, C } } })
+      for x = 0, E - 1 do
+        local pe, he = b .. "experts." .. x .. ".", h .. "experts." .. x .. "."
+        with_moe[#with_moe + 1] = entry(pe .. "w1.weight", { { he .. "w1.weight", { I, C } } })
+        with_moe[#with_moe + 1] = entry(pe .. "w2.weight", { { he .. "w2.weight", { C, I } } })
+        with_moe[#with_moe + 1] = entry(pe .. "w3.weight", { { he .. "w3.weight", { I, C } } })
+      end
+    end
+  end
+  return with_moe
+end
+
+function ARCH.mixtral.config(cfg)
+  local c = ARCH.llama.config(cfg)
+  c.architectures, c.model_type = { "MixtralForCausalLM" }, "mixtral"
+  c.head_dim, c.pretraining_tp, c.mlp_bias, c.attention_bias = nil, nil, nil, nil
+  c.num_local_experts, c.num_experts_per_tok = cfg.experts, cfg.top_k
+  -- the load-balancing loss: transformers computes it when output_router_logits is set
+  local coef = cfg.aux_loss_coef or 0.001
+  c.output_router_logits = coef > 0
+  c.router_aux_loss_coef = coef > 0 and coef or 0.001
+  c.router_jitter_noise = 0.0
+  c.sliding_window = cjson.null
+  return c
+end
+
 M.ARCHITECTURES = ARCH
 
 -- The architecture of a model config (pg.nn's model.config; GPT-2's has no arch).
@@ -207,23 +277,24 @@ local function arch_of(cfg, what)
   local a = ARCH[cfg.arch or "gpt2"]
   if not a then error(("%s: no Hugging Face layout for architecture %s"):format(what, tostring(cfg.arch)), 0) end
   local keys = cfg.arch == "llama" and { "vocab", "seq_len", "dim", "heads", "kv_heads", "layers", "hidden" }
+    or cfg.arch == "mixtral" and { "vocab", "seq_len", "dim", "heads", "kv_heads", "layers", "hidden", "experts", "top_k" }
     or { "vocab", "seq_len", "dim", "heads", "layers" }
   for _, k in ipairs(keys) do
     if math.tointeger(cfg[k]) == nil then
-      error(("%s: the model config has no %s; the Hugging Face export writes pg.nn.GPT and pg.nn.Llama models")
+      error(("%s: the model config has no %s; the Hugging Face export writes pg.nn.GPT, pg.nn.Llama and pg.nn.Mixtral models")
         :format(what, k), 0)
     end
   end
   return a
 end
 
---- The architecture ("gpt2" | "llama") and pg.nn options of a directory;
+--- The architecture ("gpt2" | "llama" | "mixtral") and pg.nn options of a directory;
 -- refuses what pipegoose does not compute, naming the config field.
 function M.read_config(dir)
   local cfg = read_json(dir .. "/config.json", dir)
   local arch = type(cfg.model_type) == "string" and ARCH[cfg.model_type]
   if not arch then
-    fail(dir, "config.json: model_type is %s; pipegoose reads GPT2LMHeadModel (\"gpt2\") and LlamaForCausalLM (\"llama\")",
+    fail(dir, "config.json: model_type is %s; pipegoose reads GPT2LMHeadModel (\"gpt2\"), LlamaForCausalLM (\"llama\") and MixtralForCausalLM (\"mixtral\")",
       tostring(value(cfg.model_type)))
   end
   local o = arch.options(dir, cfg)

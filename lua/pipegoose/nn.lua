@@ -617,6 +617,61 @@ function nn.SwiGLU(o)
   return s
 end
 
+--- Mixtral's sparse feed-forward block (mixture of experts): a router
+-- Linear(dim -> experts, no bias) named "gate", softmax, each token's top_k
+-- experts with their probabilities renormalised, and the weighted sum of
+-- those experts' SwiGLU MLPs ("experts.<e>.w1" gate, "w3" up, "w2" down;
+-- transformers' names). nn.MoE{dim=, hidden= (each expert's), experts=,
+-- top_k=2, aux_loss_coef=0.001 (transformers' router_aux_loss_coef default),
+-- z_loss_coef=0, init_std=, name=}. The auxiliary losses join the training
+-- objective (engine:losses() reports them apart): aux_loss_coef x
+-- transformers' load_balancing_loss_func over all the model's MoE layers,
+-- z_loss_coef x the mean over tokens and layers of logsumexp(router logits)^2.
+-- Under tensor parallelism each expert's w1/w3 are column-parallel and w2
+-- row-parallel (tensor must divide hidden), the router replicated. Runs on
+-- the cpu backend only for now. Not yet: capacity_factor (token dropping:
+-- only nil, no token dropped) and jitter (only 0).
+local MOE = { dim = NEED, hidden = NEED, experts = NEED, top_k = opt.integer{ min = 1, default = 2 },
+              aux_loss_coef = opt.number{ min = 0, default = 0.001 }, z_loss_coef = opt.number{ min = 0, default = 0 },
+              capacity_factor = opt.number{ gt = 0 }, jitter = opt.number{ min = 0, default = 0 },
+              init_std = STD, name = NAME }
+
+local function check_moe(where, o)
+  if o.top_k > o.experts then
+    error(("%s: top_k=%d exceeds experts=%d"):format(where, o.top_k, o.experts), 3)
+  end
+  if o.capacity_factor ~= nil then
+    error(("%s: capacity_factor=%s: token dropping is not implemented yet (leave it nil: no token is dropped)")
+      :format(where, tostring(o.capacity_factor)), 3)
+  end
+  if o.jitter ~= 0 then
+    error(("%s: jitter=%s: router input noise is not implemented yet (only 0)"):format(where, tostring(o.jitter)), 3)
+  end
+end
+
+function nn.MoE(o)
+  o = opt.check("MoE", o, MOE)
+  check_moe("MoE", o)
+  return spec("moe", { width = o.dim, hidden = o.hidden, experts = o.experts, top_k = o.top_k,
+                       aux_loss_coef = o.aux_loss_coef, z_loss_coef = o.z_loss_coef, init_std = o.init_std,
+                       name = o.name, label = "MoE" })
+end
+
+KINDS.moe = {
+  describe = function(s, c)
+    c.need_full(s.width)
+    if s.hidden % c.T ~= 0 then c.fail("tensor=%d does not divide the experts' hidden width %d", c.T, s.hidden) end
+    -- layer / layers: which of the model's MoE layers this is (pg.parallelize numbers them)
+    return { kind = "moe", name = c.me, dim = s.width, hidden = s.hidden, experts = s.experts, top_k = s.top_k,
+             aux_loss_coef = s.aux_loss_coef, z_loss_coef = s.z_loss_coef, init_std = s.init_std,
+             layer = 0, layers = 1 },
+           { width = s.width, split = false }
+  end,
+  params = function(s) return s.experts * (s.width + 3 * s.width * s.hidden) end,
+  -- per token: the router, and top_k experts' three matrices
+  flops = function(s) return 2 * s.width * s.experts + s.top_k * 6 * s.width * s.hidden end,
+}
+
 function nn.MLP(o)
   o = opt.check("MLP", o, { dim = NEED, hidden = POS, proj_std = STD, name = NAME })
   local hidden = o.hidden or 4 * o.dim
@@ -716,6 +771,28 @@ function nn.LlamaBlock(o)
   return s
 end
 
+--- Mixtral's block: LLaMA's attention, then the sparse MoE feed-forward:
+-- x + attn(ln1(x)), then x + moe(ln2(x)).
+local MIXTRAL_BLOCK = { dim = NEED, heads = NEED, kv_heads = POS, head_dim = POS, seq_len = NEED, hidden = NEED,
+                        experts = NEED, top_k = MOE.top_k, aux_loss_coef = MOE.aux_loss_coef,
+                        z_loss_coef = MOE.z_loss_coef, capacity_factor = MOE.capacity_factor, jitter = MOE.jitter,
+                        rope_theta = THETA, eps = EPS, name = NAME }
+
+function nn.MixtralBlock(o)
+  o = opt.check("MixtralBlock", o, MIXTRAL_BLOCK)
+  local s = nn.Sequential{
+    nn.PreNorm(nn.RMSNorm{ dim = o.dim, eps = o.eps, name = "ln1" },
+      nn.LlamaAttention{ dim = o.dim, heads = o.heads, kv_heads = o.kv_heads, head_dim = o.head_dim,
+                         seq_len = o.seq_len, rope_theta = o.rope_theta, name = "attn" }),
+    nn.PreNorm(nn.RMSNorm{ dim = o.dim, eps = o.eps, name = "ln2" },
+      nn.MoE{ dim = o.dim, hidden = o.hidden, experts = o.experts, top_k = o.top_k, aux_loss_coef = o.aux_loss_coef,
+              z_loss_coef = o.z_loss_coef, capacity_factor = o.capacity_factor, jitter = o.jitter, name = "moe" }),
+    name = o.name,
+  }
+  s.label = "MixtralBlock"
+  return s
+end
+
 --- LLaMA: embed (no positions), blocks.0 .. blocks.L-1 (RMSNorm, grouped-query
 -- attention with rotary embeddings, SwiGLU MLP, no biases), ln_f (RMSNorm),
 -- head (untied unless tie = true). Options: vocab, dim, layers, heads,
@@ -726,34 +803,61 @@ local LLAMA = { vocab = NEED, padded_vocab = POS, seq_len = NEED, dim = NEED, he
                 head_dim = POS, layers = NEED, hidden = NEED, rope_theta = opt.number{ gt = 1, default = 10000 },
                 eps = EPS, tie = opt.boolean{ default = false }, arch = opt.enum{ "llama" }, head = HEAD }
 
-local function build_llama(o)
-  o = opt.check("Llama", o, LLAMA)
+-- Mixtral: LLaMA's options and the MoE's (hidden is each expert's).
+local MIXTRAL = {}
+for k, v in pairs(LLAMA) do MIXTRAL[k] = v end
+MIXTRAL.arch = opt.enum{ "mixtral" }
+for _, k in ipairs{ "experts", "top_k", "aux_loss_coef", "z_loss_coef", "capacity_factor", "jitter" } do
+  MIXTRAL[k] = MOE[k]
+end
+
+-- LLaMA and Mixtral: the same model but for the feed-forward of each block.
+local function build_llama(o, moe)
+  local where = moe and "Mixtral" or "Llama"
+  o = opt.check(where, o, moe and MIXTRAL or LLAMA)
+  if moe then check_moe(where, o) end
   local kv = o.kv_heads or o.heads
   if o.head_dim == nil and o.dim % o.heads ~= 0 then
-    error(("Llama: dim=%d is not divisible by heads=%d"):format(o.dim, o.heads), 2)
+    error(("%s: dim=%d is not divisible by heads=%d"):format(where, o.dim, o.heads), 2)
   end
   local hd = o.head_dim or o.dim // o.heads
-  if hd % 2 ~= 0 then error(("Llama: rotary embeddings need an even head_dim, got %d"):format(hd), 2) end
-  if o.heads % kv ~= 0 then error(("Llama: kv_heads=%d does not divide heads=%d"):format(kv, o.heads), 2) end
+  if hd % 2 ~= 0 then error(("%s: rotary embeddings need an even head_dim, got %d"):format(where, hd), 2) end
+  if o.heads % kv ~= 0 then error(("%s: kv_heads=%d does not divide heads=%d"):format(where, kv, o.heads), 2) end
   local theta = o.rope_theta
-  local padded = padded_of("Llama", o)
+  local padded = padded_of(where, o)
   local eps, tie = o.eps, o.tie
   local model = nn.Sequential{ name = "" }
   model:add(nn.Embedding{ vocab = o.vocab, padded_vocab = padded, dim = o.dim, name = "embed" })
   for i = 0, o.layers - 1 do
-    model:add(nn.LlamaBlock{ dim = o.dim, heads = o.heads, kv_heads = kv, head_dim = hd, hidden = o.hidden,
-                             seq_len = o.seq_len, rope_theta = theta, eps = eps, name = "blocks." .. i })
+    local b = { dim = o.dim, heads = o.heads, kv_heads = kv, head_dim = hd, hidden = o.hidden, seq_len = o.seq_len,
+                rope_theta = theta, eps = eps, name = "blocks." .. i }
+    if moe then
+      b.experts, b.top_k, b.aux_loss_coef, b.z_loss_coef = o.experts, o.top_k, o.aux_loss_coef, o.z_loss_coef
+      model:add(nn.MixtralBlock(b))
+    else
+      model:add(nn.LlamaBlock(b))
+    end
   end
   model:add(nn.RMSNorm{ dim = o.dim, eps = eps, name = "ln_f" })
-  model.label = "Llama"
-  model.config = { arch = "llama", vocab = o.vocab, padded_vocab = padded, seq_len = o.seq_len, dim = o.dim,
-                   heads = o.heads, kv_heads = kv, head_dim = hd, layers = o.layers, hidden = o.hidden,
+  model.label = where
+  model.config = { arch = moe and "mixtral" or "llama", vocab = o.vocab, padded_vocab = padded, seq_len = o.seq_len,
+                   dim = o.dim, heads = o.heads, kv_heads = kv, head_dim = hd, layers = o.layers, hidden = o.hidden,
                    rope_theta = theta, eps = eps, tie = tie }
+  if moe then
+    local c = model.config
+    c.experts, c.top_k, c.aux_loss_coef, c.z_loss_coef = o.experts, o.top_k, o.aux_loss_coef, o.z_loss_coef
+  end
   add_head(model, o, padded, tie)
   return model
 end
 
 nn.Llama = setmetatable({}, { __call = function(_, o) return build_llama(o) end })
+
+--- Mixtral: LLaMA with every block's MLP a sparse mixture of experts
+-- (nn.MixtralBlock): blocks.<i>.moe.gate.weight, blocks.<i>.moe.experts.<e>.w1|w2|w3.weight.
+-- Options: LLaMA's (hidden is each expert's width), and experts, top_k (2),
+-- aux_loss_coef (0.001), z_loss_coef (0), as nn.MoE's.
+nn.Mixtral = setmetatable({}, { __call = function(_, o) return build_llama(o, true) end })
 
 --- pg.nn.GPT.load_llmc(path): a GPT-2 spec with the config and weights of an
 -- llm.c model file (the weights are loaded by pg.parallelize, each rank its shards).
@@ -770,12 +874,13 @@ end
 --- pg.nn.from_hf(dir): the model of a Hugging Face `transformers` directory
 -- (config.json + model.safetensors, or the sharded index) with its weights,
 -- loaded by pg.parallelize (each rank its shards): GPT2LMHeadModel (a
--- pg.nn.GPT) or LlamaForCausalLM (a pg.nn.Llama); lua/pipegoose/hf.lua has
+-- pg.nn.GPT), LlamaForCausalLM (a pg.nn.Llama) or MixtralForCausalLM (a
+-- pg.nn.Mixtral); lua/pipegoose/hf.lua has
 -- the conventions.
 function nn.from_hf(dir)
   opt.value("from_hf", "dir", dir, opt.required(opt.string))
   local o, model_type = require("pipegoose.hf").read_config(dir)
-  local m = model_type == "llama" and nn.Llama(o) or nn.GPT(o)
+  local m = model_type == "llama" and nn.Llama(o) or model_type == "mixtral" and nn.Mixtral(o) or nn.GPT(o)
   m.weights = { format = "hf", path = dir }
   return m
 end
@@ -783,14 +888,15 @@ nn.GPT.from_hf = nn.from_hf
 
 --- pg.nn.from_config(cfg): the model a config table describes (an engine's
 -- `config`, a checkpoint's `model` record): pg.nn.Llama when cfg.arch is
--- "llama", pg.nn.GPT otherwise (GPT-2's config has no arch).
+-- "llama", pg.nn.Mixtral when "mixtral", pg.nn.GPT otherwise (GPT-2's config has no arch).
 function nn.from_config(cfg)
   if type(cfg) ~= "table" then error("from_config: needs a model config table", 2) end
   local o = {}
   for k, v in pairs(cfg) do if k ~= "arch" then o[k] = v end end
   if cfg.arch == "llama" then return nn.Llama(o) end
+  if cfg.arch == "mixtral" then return nn.Mixtral(o) end
   if cfg.arch ~= nil and cfg.arch ~= "gpt2" then
-    error(("from_config: unknown architecture '%s' (gpt2, llama)"):format(tostring(cfg.arch)), 2)
+    error(("from_config: unknown architecture '%s' (gpt2, llama, mixtral)"):format(tostring(cfg.arch)), 2)
   end
   return nn.GPT(o)
 end

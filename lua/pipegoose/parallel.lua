@@ -155,6 +155,14 @@ function M.parallelize(model, ctx, opts)
     for _, c in ipairs(d.children or {}) do check_lua_tables(c) end
     if d.inner then check_lua_tables(d.inner) end
   end
+  -- Mixture-of-experts layers, every stage's, in model order: the load-balancing
+  -- loss is one function of them all, so each learns its number and the count
+  local moe_layers = {}
+  local function find_moe(d)
+    if d.kind == "moe" then moe_layers[#moe_layers + 1] = d end
+    for _, c in ipairs(d.children or {}) do find_moe(c) end
+    if d.inner then find_moe(d.inner) end
+  end
   for p = 1, P do
     local kids, names, nparams = {}, {}, 0
     local flow_in = flow
@@ -166,6 +174,7 @@ function M.parallelize(model, ctx, opts)
       if not ok2 then error("parallelize: " .. tostring(d), 2) end
       kids[#kids + 1], flow = d, out
       check_lua_tables(d)
+      find_moe(d)
       names[#names + 1] = d.name ~= "" and d.name or (m.label or m.kind)
       nparams = nparams + m:num_params()
       if d.kind == "lm_head" and d.tie then tie, head_tied = d.tie, true end
@@ -209,12 +218,23 @@ function M.parallelize(model, ctx, opts)
   end
   find_lua(stage_desc)
 
+  local router_experts = 0
+  for i, d in ipairs(moe_layers) do
+    d.layer, d.layers = i - 1, #moe_layers
+    if router_experts > 0 and d.experts ~= router_experts then
+      error(("parallelize: MoE layers with different expert counts (%d at '%s', %d before): the load-balancing loss "
+        .. "takes one count"):format(d.experts, d.name, router_experts), 2)
+    end
+    router_experts = d.experts
+  end
+
   -- through pcall: an error of the runtime (a bad device, no memory) names the user's line, not this one
   stage_desc = with_recompute(stage_desc, opts.recompute)
   local ok_engine, c = pcall(core.Engine, ctx, stage_desc, {
     micro_batches = micro, schedule = schedule, vocab = vocab, width = width, seed = opts.seed or ctx:seed(),
     is_first = me == 0, is_last = me == P - 1, tied_name = (P > 1 and head_tied) and tie or nil,
     bucket_mb = opts.bucket_mb, shared_memory = opts.shared_memory, device = opts.device, objective = with_objective,
+    router_experts = router_experts,
   })
   if not ok_engine then error(c, 2) end
   local e = setmetatable({
@@ -270,6 +290,12 @@ function Engine:_use_objective(fn, where)
     return fn(out, batch)
   end or nil)
 end
+
+--- engine:losses() -> {ce_loss =, aux_loss =, expert_tokens =}: the last forward_backward's token
+-- loss and the auxiliary losses of its mixture-of-experts layers (0 without); their sum is what it
+-- returned. expert_tokens (models with MoE layers): each expert's choices over all MoE layers and
+-- the whole batch (a token counts top_k times per layer).
+function Engine:losses() return self.c:losses() end
 
 --- engine:forward_backward(inputs, targets [, {grad_scale = 1, sync = true, objective = fn}]) -> loss  (collective)
 function Engine:forward_backward(inputs, targets, opts)

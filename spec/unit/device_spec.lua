@@ -286,4 +286,15 @@ print(ok, err)
     assert.equal(0, rc2, out2)
     assert.matches("a module written in Lua runs on the cpu backend only, not cuda", out2)
   end)
+
+  it("refuses a mixture of experts on a device, at parallelize (no device kernels for it yet)", function()
+    local rc2, out2 = emu([[
+local pg = require "pipegoose"
+local m = pg.nn.Mixtral{ vocab = 20, dim = 16, layers = 1, heads = 2, hidden = 16, experts = 2, seq_len = 8 }
+local ok, err = pcall(pg.parallelize, m, nil, { device = "cuda" })
+print(ok, err)
+]])
+    assert.equal(0, rc2, out2)
+    assert.matches("blocks.0.moe: the moe kind %(mixture of experts%) runs on the cpu backend only for now, not cuda", out2)
+  end)
 end)

@@ -290,6 +290,32 @@ local function swiglu_ref(x, n_rows, hid)
   return y
 end
 
+-- The MoE router in double precision: softmax, the top k (ties to the lower
+-- index), renormalised weights; returns probs, lse, experts (0-based), weights.
+local function moe_route_ref(logits, n_rows, e_count, k)
+  local probs, lse, ex, w = {}, {}, {}, {}
+  for n = 0, n_rows - 1 do
+    local mx = -math.huge
+    for e = 1, e_count do mx = math.max(mx, logits[n * e_count + e]) end
+    local sum = 0
+    for e = 1, e_count do sum = sum + math.exp(logits[n * e_count + e] - mx) end
+    lse[n + 1] = mx + math.log(sum)
+    for e = 1, e_count do probs[n * e_count + e] = math.exp(logits[n * e_count + e] - mx) / sum end
+    local taken, chosen = {}, 0
+    for j = 1, k do
+      local best
+      for e = 1, e_count do
+        if not taken[e] and (best == nil or probs[n * e_count + e] > probs[n * e_count + best]) then best = e end
+      end
+      taken[best] = true
+      ex[n * k + j], w[n * k + j] = best - 1, probs[n * e_count + best]
+      chosen = chosen + probs[n * e_count + best]
+    end
+    for j = 1, k do w[n * k + j] = w[n * k + j] / chosen end
+  end
+  return probs, lse, ex, w
+end
+
 -- token ids with repeats (rows of the same token accumulate in backward)
 local TOKENS = { 3, 0, 7, 3, 10, 1, 7, 7, 2, 9 }
 
@@ -574,6 +600,60 @@ describe("pg.ops kernels", function()
       local r = flat(R)
       assert_grad(ops.swiglu_backward(R, x), numgrad(function(v) return dot(swiglu_ref(v, N, hid), r) end, flat(x)),
         "swiglu backward")
+    end)
+  end)
+
+  describe("moe router", function()
+    local E = 5
+    it("softmax, top k with ties to the lower index, weights renormalised (k = 1, 2, 3)", function()
+      -- row 1: experts 1 and 3 tie for first, 0 and 4 for third: torch.topk's order is 1, 3, then 0
+      local vals = { 0.5, 2.0, -1.0, 2.0, 0.5 }
+      for i = 6, N * E do vals[i] = ((i * 37) % 11) / 5 - 1 end
+      local logits = from_flat(vals, { B, T, E })
+      for _, k in ipairs{ 1, 2, 3 } do
+        local probs, lse, ex, w = ops.moe_route(logits, k)
+        local rp, rl, re, rw = moe_route_ref(vals, N, E, k)
+        assert.same({ B, T, k }, ex:shape())
+        assert.same(re, flat(ex), "k = " .. k .. " experts")
+        assert_close(probs, rp, FWD_RTOL, FWD_ATOL, "probs")
+        assert_close(lse, rl, FWD_RTOL, FWD_ATOL, "lse")
+        assert_close(w, rw, FWD_RTOL, FWD_ATOL, "weights")
+      end
+      local _, _, ex = ops.moe_route(logits, 3)
+      assert.same({ 1, 3, 0 }, { flat(ex)[1], flat(ex)[2], flat(ex)[3] })
+    end)
+
+    it("its backward (weights, load balancing, z-loss) matches finite differences", function()
+      local logits = randn({ B, T, E }, 120, 1)
+      local vals = flat(logits)
+      local dprob = { 0.3, -0.2, 0.5, 0.1, -0.4 }
+      local zscale = 0.7
+      for _, k in ipairs{ 1, 2 } do
+        local R = flat(randn({ B, T, k }, 121))
+        local probs, lse, ex, w = ops.moe_route(logits, k)
+        local function f(v) -- the top k stay the same under the small steps (no near ties here)
+          local p, l, _, ww = moe_route_ref(v, N, E, k)
+          local s = dot(ww, R)
+          for n = 0, N - 1 do
+            for e = 1, E do s = s + dprob[e] * p[n * E + e] end
+            s = s + zscale * l[n + 1] ^ 2
+          end
+          return s
+        end
+        local dl = ops.moe_route_backward(from_flat(R, { B, T, k }), probs, lse, ex, w,
+          { dprob = pg.tensor(dprob), zscale = zscale })
+        assert_grad(dl, numgrad(f, vals), "moe_route backward k = " .. k)
+      end
+    end)
+
+    it("refuses k beyond the experts and experts out of range", function()
+      local logits = randn({ 2, E }, 3)
+      assert.has_error(function() ops.moe_route(logits, E + 1) end, "ops.moe_route: k=6 exceeds the 5 experts")
+      local probs, lse, ex, w = ops.moe_route(logits, 2)
+      local bad = pg.tensor({ { 0, 5 }, { 1, 2 } }, { dtype = "int32" })
+      assert.has_error(function() ops.moe_route_backward(w, probs, lse, bad, w) end,
+        "ops.moe_route_backward: expert 5 at 2 is not one of the 5 experts")
+      assert.is_not_nil(ex)
     end)
   end)
 

@@ -59,7 +59,7 @@ describe("command-line options", function()
     rc, out = h.sh(h.pglua_cmd{ "examples/train_gpt.lua", "--help" })
     assert.equal(0, rc, out)
     assert.matches("--steps", out, 1, true)
-    assert.matches("--model {gpt,llama}", out, 1, true)
+    assert.matches("--model {gpt,llama,mixtral}", out, 1, true)
   end)
 
   it("the check scripts do too", function()

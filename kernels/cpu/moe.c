@@ -1,0 +1,75 @@
+/* The router of a mixture-of-experts block (Mixtral's): softmax over the
+ * experts, the top K per row, their probabilities renormalised. Rows are
+ * independent and the expert count is small, so each row is one plain loop
+ * (no lanes: E is often below a vector's width). */
+#include <math.h>
+
+#include "kernels.h"
+#include "pg_cpu.h"
+
+void pg_moe_route_forward(float *probs, float *lse, int32_t *expert, float *weight, const float *logits, int N, int E,
+                          int K) {
+#pragma omp parallel for schedule(static) if ((int64_t)N * E > PG_PAR_MIN)
+  for (int n = 0; n < N; n++) {
+    const float *l = logits + (int64_t)n * E;
+    float *p = probs + (int64_t)n * E;
+    float mx = l[0];
+    for (int e = 1; e < E; e++) mx = l[e] > mx ? l[e] : mx;
+    double sum = 0;
+    for (int e = 0; e < E; e++) {
+      p[e] = expf(l[e] - mx);
+      sum += p[e];
+    }
+    float inv = (float)(1.0 / sum);
+    for (int e = 0; e < E; e++) p[e] *= inv;
+    lse[n] = mx + (float)log(sum);
+    /* top K by repeated selection: a strict > keeps the lower index on ties,
+     * the order torch.topk returns them in */
+    int32_t *ex = expert + (int64_t)n * K;
+    float *w = weight + (int64_t)n * K;
+    float chosen = 0;
+    for (int k = 0; k < K; k++) {
+      int best = -1;
+      for (int e = 0; e < E; e++) {
+        int taken = 0;
+        for (int j = 0; j < k; j++) taken |= ex[j] == e;
+        if (!taken && (best < 0 || p[e] > p[best])) best = e;
+      }
+      ex[k] = best;
+      w[k] = p[best];
+      chosen += p[best];
+    }
+    for (int k = 0; k < K; k++) w[k] /= chosen;
+  }
+}
+
+void pg_moe_route_backward(float *dlogits, const float *dweight, const float *dprob, float zscale, const float *probs,
+                           const float *lse, const int32_t *expert, const float *weight, int N, int E, int K) {
+#pragma omp parallel for schedule(static) if ((int64_t)N * E > PG_PAR_MIN)
+  for (int n = 0; n < N; n++) {
+    const float *p = probs + (int64_t)n * E;
+    const int32_t *ex = expert + (int64_t)n * K;
+    const float *w = weight + (int64_t)n * K, *dw = dweight + (int64_t)n * K;
+    float *dl = dlogits + (int64_t)n * E; /* d/dprob first, then d/dlogit in place */
+    for (int e = 0; e < E; e++) dl[e] = dprob ? dprob[e] : 0.0f;
+    /* w_k = p_k / s with s the chosen probabilities' sum: dw_k/dp_i = (delta_ki - w_k) / s */
+    float s = 0, dot = 0;
+    for (int k = 0; k < K; k++) {
+      s += p[ex[k]];
+      dot += dw[k] * w[k];
+    }
+    for (int k = 0; k < K; k++) dl[ex[k]] += (dw[k] - dot) / s;
+    /* softmax: dl_e = p_e (dp_e - sum_f p_f dp_f); the z-loss adds 2 zscale lse p_e */
+    float pdp = 0;
+    for (int e = 0; e < E; e++) pdp += p[e] * dl[e];
+    for (int e = 0; e < E; e++) dl[e] = p[e] * (dl[e] - pdp) + 2.0f * zscale * lse[n] * p[e];
+  }
+}
+
+void pg_moe_route_stats(double *counts, double *psum, const float *probs, const int32_t *expert, int N, int E, int K) {
+  for (int e = 0; e < E; e++) counts[e] = psum[e] = 0;
+  for (int n = 0; n < N; n++) { /* in row order: the same sums on every rank */
+    for (int k = 0; k < K; k++) counts[expert[(int64_t)n * K + k]] += 1;
+    for (int e = 0; e < E; e++) psum[e] += probs[(int64_t)n * E + e];
+  }
+}

@@ -1,0 +1,109 @@
+-- pg.nn.Mixtral against PyTorch: spec/fixtures/hf_mixtral_tiny is a random
+-- transformers MixtralForCausalLM (vocabulary 61, dim 32, 2 layers, 4 heads
+-- over 2 key/value heads, 4 experts of SwiGLU 48, top-2, untied head) written
+-- by scripts/make_mixtral_reference.py with transformers' losses of 10 AdamW
+-- steps on one batch, the load-balancing loss on (output_router_logits,
+-- router_aux_loss_coef 0.02). scripts/model_check.lua trains the same
+-- directory in pipegoose. Tolerance: llama_spec's, 1e-5 relative on every
+-- loss and the first gradient norm, 1e-4 on the later gradient norms; the
+-- auxiliary loss (2% of the objective) 1e-5 relative too. Routing is
+-- discontinuous: the fixture's smallest gap between a token's 2nd and 3rd
+-- router probability is 1e-4 (min_routing_gap), far above float32's
+-- differences, so both sides choose the same experts throughout.
+--
+-- The auxiliary losses are taken per micro-batch (averaged over them by
+-- rows): with one micro-batch on one data rank they are transformers' over
+-- the batch; with more, each layout with the same micro-batches agrees.
+local h = require "helpers"
+local cjson = require "cjson"
+
+local DIR = "spec/fixtures/hf_mixtral_tiny"
+local RTOL = 1e-5
+
+local function expected()
+  local f = assert(io.open(DIR .. "/expected.json"))
+  local e = cjson.decode(f:read("a"))
+  f:close()
+  return e
+end
+
+local function run_check(ranks, extra)
+  local e = expected()
+  local args = { "scripts/model_check.lua", "--hf=" .. DIR, "--tokens=" .. DIR .. "/tokens.bin", "--batch=" .. e.batch,
+    "--seq-len=" .. e.seq_len, "--steps=" .. e.steps, "--lr=" .. e.lr, "--beta1=" .. e.beta1, "--beta2=" .. e.beta2,
+    "--eps=" .. e.eps, "--weight-decay=" .. e.weight_decay }
+  for _, a in ipairs(extra or {}) do args[#args + 1] = a end
+  local rc, out = h.sh(ranks > 1 and h.mpirun_cmd(ranks, args, 240) or h.pglua_cmd(args))
+  assert.equal(0, rc, out)
+  return out
+end
+
+local worst = {}
+local function assert_rel(got, want, what, rtol, layout)
+  rtol = rtol or RTOL
+  assert(got, what .. ": not printed")
+  local rel = math.abs(got - want) / math.abs(want)
+  worst[layout] = math.max(worst[layout] or 0, rel)
+  assert(rel <= rtol, ("%s: got %.9g, PyTorch %.9g (rtol %g)"):format(what, got, want, rtol))
+end
+
+local function assert_fixture(out, what)
+  local e = expected()
+  -- the evaluation loss has no auxiliary term: transformers' cross-entropy
+  assert_rel(tonumber(out:match("^loss (%S+)") or out:match("\nloss (%S+)")), e.ce_loss, what .. " loss", nil, what)
+  local n = 0
+  for k, l in out:gmatch("step (%d+) loss (%S+)") do
+    k = tonumber(k)
+    assert_rel(tonumber(l), e.step_losses[k], ("%s step %d loss"):format(what, k), nil, what)
+    n = n + 1
+  end
+  for k, ce, aux in out:gmatch("step (%d+) ce_loss (%S+) aux_loss (%S+)") do
+    k = tonumber(k)
+    assert_rel(tonumber(ce), e.step_ce_losses[k], ("%s step %d ce"):format(what, k), nil, what)
+    assert_rel(tonumber(aux), e.aux_loss_coef * e.step_aux_losses[k], ("%s step %d aux"):format(what, k), nil, what)
+  end
+  for k, g in out:gmatch("grad_norm (%d+) (%S+)") do
+    k = tonumber(k)
+    assert_rel(tonumber(g), e.grad_norms[k], ("%s step %d grad norm"):format(what, k), k > 1 and 1e-4 or nil, what)
+  end
+  assert.equal(e.steps, n, what .. ": steps printed")
+  if os.getenv("PG_SHOW_MARGIN") then io.stderr:write(("%-28s worst relative difference %.3g\n"):format(what, worst[what])) end
+end
+
+describe("pg.nn.Mixtral (MixtralForCausalLM) against PyTorch", function()
+  it("reads the config: experts, top_k, the aux loss coefficient, rope theta", function()
+    local pg = require "pipegoose"
+    local c = pg.nn.from_hf(DIR).config
+    assert.same({ "mixtral", 61, 64, 32, 2, 4, 2, 48, 4, 2, 0.02, 0, 10000, false },
+      { c.arch, c.vocab, c.padded_vocab, c.dim, c.layers, c.heads, c.kv_heads, c.hidden, c.experts, c.top_k,
+        c.aux_loss_coef, c.z_loss_coef, c.rope_theta, c.tie })
+  end)
+
+  it("serially: the loss and 10 AdamW steps (cross-entropy and load balancing) match PyTorch", function()
+    assert_fixture(run_check(1), "serial")
+  end)
+
+  it("matches PyTorch with T = 2 and with P = 2", function()
+    assert_fixture(run_check(2, { "--tensor=2" }), "T = 2")
+    assert_fixture(run_check(2, { "--pipeline=2" }), "P = 2")
+  end)
+
+  it("P = 2 with micro-batches gives the serial run's numbers with the same micro-batches", function()
+    local function lines(out)
+      local t = {}
+      for l in out:gmatch("step %d+ [^\n]+") do t[#t + 1] = l end
+      return t
+    end
+    for _, c in ipairs{ { "--micro-batches=2" }, { "--micro-batches=4", "--schedule=gpipe" } } do
+      local serial = lines(run_check(1, { c[1] }))
+      local piped = lines(run_check(2, { "--pipeline=2", c[1], c[2] }))
+      assert.equal(#serial, #piped)
+      -- the routing totals travel down the pipeline and back: the same objective,
+      -- up to the order of float sums on the stage boundary
+      for i, l in ipairs(serial) do
+        local a, b = tonumber(l:match("(%S+)$")), tonumber(piped[i]:match("(%S+)$"))
+        assert(math.abs(a - b) <= 1e-5 * math.abs(a), l .. " vs " .. piped[i])
+      end
+    end
+  end)
+end)
