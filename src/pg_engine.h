@@ -1,10 +1,11 @@
 /* pg_engine: one rank's share of a model and the training step.
  *
- * The engine owns this rank's pipeline stage (a module tree), places every
- * parameter of the stage in one flat parameter buffer and one flat gradient
- * buffer, initialises them, and runs a step: the micro-batches of a batch
- * through the pipeline schedule, then the gradient reductions that make the
- * result equal the serial model's:
+ * The engine owns this rank's pipeline stage (a module tree; with the
+ * interleaved schedule, V of them: the rank's chunks, pg_schedule.h), places
+ * every parameter of the stage in one flat parameter buffer and one flat
+ * gradient buffer, initialises them, and runs a step: the micro-batches of a
+ * batch through the pipeline schedule, then the gradient reductions that make
+ * the result equal the serial model's:
  *   1. the two copies of a tied embedding (first and last stage) get the sum
  *      of their gradients (embedding group);
  *   2. data parallel: gradients are averaged over the data group (zero = 0:
@@ -15,6 +16,8 @@
  *      (pg_comm.h).
  * The loss is computed on the last stage, broadcast to the pipeline group and
  * averaged over the data group, so every rank returns the same number.
+ * Evaluation runs a forward-only action list (PG_SCHEDULE_FORWARD) through
+ * the same executor as the step.
  *
  * Every call below is collective over the whole context (all ranks call it
  * with the same shapes) unless it says otherwise. */

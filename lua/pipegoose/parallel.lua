@@ -1,7 +1,9 @@
 --- pg.parallelize(model, ctx, opts) -> engine.
 -- Cuts the model's top-level sequence into pipeline stages, describes this
 -- rank's stage (sharded for tensor parallelism) and builds it in C. The
--- engine object here is a thin Lua face over the C engine.
+-- engine object here is a thin Lua face over the C engine. With
+-- virtual_stages = V > 1 the sequence is cut into P x V chunks, rank r holding
+-- chunks r, r + P, ... (round-robin), run by the interleaved 1F1B schedule.
 --
 -- Collective methods (every rank of the context calls them, in the same
 -- order): pg.parallelize itself, forward_backward, loss, forward,
