@@ -90,7 +90,7 @@ local PARALLELIZE = {
   schedule = opt.enum({ "1f1b", "gpipe" }, { default = "1f1b" }),
   -- model chunks per pipeline rank: more than 1 runs the interleaved 1F1B
   -- schedule (Narayanan et al. 2021) with schedule = "1f1b"
-  virtual_stages = opt.integer{ min = 1, max = 64, default = 1 },
+  virtual_stages = opt.integer{ min = 1, default = 1 },
   stages = opt.list(opt.integer{ min = 1 }),
   bucket_mb = opt.number{ gt = 0, max = 1 << 20, default = 25 }, -- up to 1 TiB: the element count fits an int64
   seed = opt.integer{ min = math.mininteger, max = math.maxinteger },
