@@ -17,6 +17,8 @@ return function(p, o)
   p:option("--data", "Data-parallel size.", "1"):convert(to_int)
   p:option("--micro-batches", "Micro-batches per step.", "1"):convert(to_int)
   p:option("--schedule", "Pipeline schedule.", "1f1b"):choices{ "1f1b", "gpipe" }
+  p:option("--virtual-stages", "Model chunks per pipeline stage (more than 1: the interleaved 1F1B schedule).", "1")
+    :convert(to_int)
   p:option("--zero", "ZeRO stage.", "0"):convert(to_int)
   p:option("--device", "cpu, cuda or cuda:N.", "cpu")
   p:option("--recompute", "Activation recomputation: none, full (each block) or selective (attention).", "none")

@@ -4,7 +4,7 @@
 --
 --   [mpirun -np N] pglua scripts/model_check.lua --hf=DIR --tokens=SHARD [--batch=B] [--seq-len=T]
 --       [--steps=N] [--lr=] [--beta1=] [--beta2=] [--eps=] [--weight-decay=] [--clip=]
---       [--tensor=T] [--pipeline=P] [--data=D] [--micro-batches=M] [--schedule=gpipe|1f1b] [--zero=0|1]
+--       [--tensor=T] [--pipeline=P] [--data=D] [--micro-batches=M] [--schedule=gpipe|1f1b] [--virtual-stages=V] [--zero=0|1]
 --       [--device=cpu|cuda|cuda:N] [--save-hf=DIR]
 --
 -- The model is pg.nn.from_hf(DIR) (GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM). The
@@ -39,7 +39,7 @@ local model = pg.nn.from_hf(opt.hf)
 local cfg = model.config
 local B, T = opt.batch, opt.seq_len or cfg.seq_len
 local engine = pg.parallelize(model, ctx, { micro_batches = opt.micro_batches, schedule = opt.schedule,
-  device = opt.device, recompute = opt.recompute })
+  virtual_stages = opt.virtual_stages, device = opt.device, recompute = opt.recompute })
 local data = pg.data.TokenShards{ path = opt.tokens, batch = B, seq_len = T, shuffle = false, ctx = ctx, vocab = cfg.vocab }
 local x, y = data:next_batch()
 if not x then error(opt.tokens .. ": fewer than " .. B .. " windows of " .. (T + 1) .. " tokens", 0) end

@@ -352,8 +352,11 @@ static pg_module *build(build_state *b, int idx) {
   return pg_module_build(b->ctx, kind, name, &d, &b->env);
 }
 
-/* core.Engine(ctx, stage_desc, {micro_batches=, schedule=, vocab=, width=, seed=, router_experts=,
- *   is_first=, is_last=, tied_name=, bucket_mb=, shared_memory=, device=}) */
+#define PG_MAX_CHUNKS 64 /* model chunks per rank (virtual stages) */
+
+/* core.Engine(ctx, stage_desc | {chunk_desc, ...}, {micro_batches=, schedule=, vocab=, width=, seed=, router_experts=,
+ *   tied_name=, bucket_mb=, shared_memory=, device=, objective=}): one description for the rank's stage, or
+ * a list of them, one per chunk (the interleaved schedule: chunk v is the model's piece v*P + pp_rank). */
 static int l_engine_new(lua_State *L) {
   pg_context *ctx = pg_lua_check_context(L, 1);
   luaL_checktype(L, 2, LUA_TTABLE);
@@ -369,10 +372,14 @@ static int l_engine_new(lua_State *L) {
   if (!(o.backend = pg_backend_named(pg_lua_opt_string(L, 3, "device", "cpu"))))
     return luaL_error(L, "parallelize: %s", pg_error());
   uint64_t seed = (uint64_t)pg_lua_opt_int(L, 3, "seed", (lua_Integer)ctx->seed);
-  int is_first = pg_lua_opt_bool(L, 3, "is_first", 1), is_last = pg_lua_opt_bool(L, 3, "is_last", 1);
   int with_objective = pg_lua_opt_bool(L, 3, "objective", 0);
   o.objective = with_objective;
   o.router_experts = pg_lua_opt_cint(L, 3, "router_experts", 0);
+  int one = lua_getfield(L, 2, "kind") != LUA_TNIL;
+  lua_pop(L, 1);
+  lua_Integer nchunks = one ? 1 : luaL_len(L, 2);
+  if (nchunks < 1 || nchunks > PG_MAX_CHUNKS)
+    return luaL_error(L, "parallelize: %d chunks per stage (expected 1 to %d)", (int)nchunks, PG_MAX_CHUNKS);
   engine_ud *u = lua_newuserdatauv(L, sizeof *u, 1);
   u->e = NULL;
   u->current = L;
@@ -382,20 +389,36 @@ static int l_engine_new(lua_State *L) {
   lua_pushvalue(L, 1);
   lua_setiuservalue(L, -2, 1); /* the engine uses the context: keep it alive */
   build_state b = {.L = L, .current = &u->current, .ctx = ctx};
-  pg_module *stage = build(&b, 2);
-  if (!stage) return luaL_error(L, "%s", pg_error());
-  if (with_objective && is_last) { /* the stage ends in the objective: [stage, objective] */
+  pg_module *stages[PG_MAX_CHUNKS] = {0};
+  for (int v = 0; v < nchunks; v++) {
+    int idx = 2;
+    if (!one) {
+      lua_geti(L, 2, v + 1);
+      idx = lua_gettop(L);
+    }
+    stages[v] = build(&b, idx);
+    if (!one) lua_pop(L, 1);
+    if (!stages[v]) {
+      for (int j = 0; j < v; j++) pg_module_free(stages[j]);
+      return luaL_error(L, "%s", pg_error());
+    }
+  }
+  /* the last piece of the model ends in the objective */
+  if (with_objective && ctx->pp_rank == ctx->pipeline - 1) {
+    pg_module *last = stages[nchunks - 1];
+    stages[nchunks - 1] = NULL;
     pg_objective_fns fns = {call_objective, NULL, u};
-    pg_module *kids[2] = {stage, pg_objective_new(ctx, "objective", stage->out_width, &fns)};
+    pg_module *kids[2] = {last, pg_objective_new(ctx, "objective", last->out_width, &fns)};
     pg_module *seq = kids[1] ? pg_sequential_new(ctx, "", kids, 2) : NULL;
     if (!seq) {
       pg_module_free(kids[0]);
       pg_module_free(kids[1]);
+      for (int j = 0; j < nchunks - 1; j++) pg_module_free(stages[j]);
       return luaL_error(L, "%s", pg_error());
     }
-    stage = seq;
+    stages[nchunks - 1] = seq;
   }
-  u->e = pg_engine_new(ctx, stage, is_first, is_last, seed, &o);
+  u->e = pg_engine_new(ctx, stages, (int)nchunks, seed, &o);
   if (!u->e) return luaL_error(L, "%s", pg_error());
   return 1;
 }
@@ -610,11 +633,21 @@ static int l_info(lua_State *L) {
   set_int(L, "nparams", e->nparams);
   set_int(L, "flat_numel", e->flat_numel);
   set_int(L, "flat_padded", e->flat_padded);
-  set_int(L, "slots", e->nslots);
+  /* chunk by chunk, summed: with one chunk, that chunk's */
+  lua_Integer slots = 0, peak = 0, fixed = 0;
+  for (int v = 0; v < e->nchunks; v++) {
+    slots += e->chunks[v].nslots;
+    peak += e->chunks[v].peak_in_flight;
+    fixed += (lua_Integer)pg_module_fixed_bytes(e->chunks[v].stage);
+  }
+  set_int(L, "chunks", e->nchunks);
+  set_int(L, "slots", slots);
   set_int(L, "capacity_rows", e->capacity_rows);
   set_int(L, "slot_bytes", (lua_Integer)pg_engine_slot_bytes(e));
-  set_int(L, "fixed_activation_bytes", (lua_Integer)pg_module_fixed_bytes(e->stage));
-  set_int(L, "peak_in_flight", e->peak_in_flight);
+  set_int(L, "activation_bytes", (lua_Integer)pg_engine_activation_bytes(e, 0));
+  set_int(L, "peak_activation_bytes", (lua_Integer)pg_engine_activation_bytes(e, 1));
+  set_int(L, "fixed_activation_bytes", fixed);
+  set_int(L, "peak_in_flight", peak);
   set_int(L, "zero", e->zero);
   set_int(L, "steps", e->stats.steps);
   set_num(L, "step_seconds", e->stats.step_seconds);
@@ -658,17 +691,27 @@ static int l_reset_stats(lua_State *L) {
   return 0;
 }
 
-static int l_schedule(lua_State *L) {
-  pg_engine *e = check_engine(L, 1);
-  lua_createtable(L, e->nactions, 0);
-  for (int i = 0; i < e->nactions; i++) {
-    lua_createtable(L, 2, 0);
-    lua_pushstring(L, pg_action_name(e->actions[i].kind));
+/* An action list as Lua sees it: { {action, mb}, ... }, mb 1-based, and a
+ * third entry, the chunk (1-based), when ranks hold more than one chunk. */
+static void push_actions(lua_State *L, const pg_action *a, int n, int V) {
+  lua_createtable(L, n, 0);
+  for (int i = 0; i < n; i++) {
+    lua_createtable(L, 3, 0);
+    lua_pushstring(L, pg_action_name(a[i].kind));
     lua_rawseti(L, -2, 1);
-    lua_pushinteger(L, e->actions[i].mb + 1);
+    lua_pushinteger(L, a[i].mb + 1);
     lua_rawseti(L, -2, 2);
+    if (V > 1) {
+      lua_pushinteger(L, a[i].chunk + 1);
+      lua_rawseti(L, -2, 3);
+    }
     lua_rawseti(L, -2, i + 1);
   }
+}
+
+static int l_schedule(lua_State *L) {
+  pg_engine *e = check_engine(L, 1);
+  push_actions(L, e->actions, e->nactions, e->nchunks);
   return 1;
 }
 
@@ -765,7 +808,7 @@ static int l_shard_copy(lua_State *L) {
   return 0;
 }
 
-/* core.schedule(name, P, M, stage) -> { {action, mb}, ... } (mb 1-based) */
+/* core.schedule(name, P, M, stage [, V = 1]) -> { {action, mb [, chunk]}, ... } (push_actions) */
 static int l_schedule_build(lua_State *L) {
   pg_schedule_kind k;
   PG_LUA_CHECK(L, pg_schedule_from_name(luaL_checkstring(L, 1), &k));
@@ -773,23 +816,16 @@ static int l_schedule_build(lua_State *L) {
   int P = (int)pg_lua_check_int_in(L, 2, "P", INT_MIN, INT_MAX);
   int M = (int)pg_lua_check_int_in(L, 3, "M", INT_MIN, INT_MAX);
   int s = (int)pg_lua_check_int_in(L, 4, "stage", INT_MIN, INT_MAX);
+  int V = lua_isnoneornil(L, 5) ? 1 : (int)pg_lua_check_int_in(L, 5, "V", INT_MIN, INT_MAX);
   pg_action *a;
   int n;
-  PG_LUA_CHECK(L, pg_schedule_build(k, P, M, s, &a, &n));
-  lua_createtable(L, n, 0);
-  for (int i = 0; i < n; i++) {
-    lua_createtable(L, 2, 0);
-    lua_pushstring(L, pg_action_name(a[i].kind));
-    lua_rawseti(L, -2, 1);
-    lua_pushinteger(L, a[i].mb + 1);
-    lua_rawseti(L, -2, 2);
-    lua_rawseti(L, -2, i + 1);
-  }
+  PG_LUA_CHECK(L, pg_schedule_build(k, P, V, M, s, &a, &n));
+  push_actions(L, a, n, V);
   free(a);
   return 1;
 }
 
-/* Reads one stage's action list { {"forward", 1}, ... } (mb 1-based) at idx. */
+/* Reads one stage's action list { {"forward", 1 [, chunk]}, ... } (1-based) at idx. */
 static pg_action *read_actions(lua_State *L, int idx, int stage, int *n) {
   luaL_checktype(L, idx, LUA_TTABLE);
   *n = (int)luaL_len(L, idx);
@@ -799,7 +835,7 @@ static pg_action *read_actions(lua_State *L, int idx, int stage, int *n) {
     lua_geti(L, idx, i + 1);
     int ok = lua_istable(L, -1);
     const char *name = NULL;
-    lua_Integer mb = 0;
+    lua_Integer mb = 0, chunk = 1;
     if (ok) {
       lua_geti(L, -1, 1);
       name = lua_tostring(L, -1);
@@ -807,7 +843,11 @@ static pg_action *read_actions(lua_State *L, int idx, int stage, int *n) {
       int isint = 0;
       mb = lua_tointegerx(L, -1, &isint);
       ok = isint && mb > INT_MIN && mb <= INT_MAX; /* the checker judges the value; the cast must not cut it */
-      lua_pop(L, 2);
+      if (lua_geti(L, -3, 3) != LUA_TNIL) {
+        chunk = lua_tointegerx(L, -1, &isint);
+        ok = ok && isint && chunk > INT_MIN && chunk <= INT_MAX;
+      }
+      lua_pop(L, 3);
     }
     lua_pop(L, 1);
     int k = -1;
@@ -815,30 +855,37 @@ static pg_action *read_actions(lua_State *L, int idx, int stage, int *n) {
       if (!strcmp(name, pg_action_name((pg_action_kind)j))) k = j;
     if (k < 0 || !ok) {
       free(a);
-      luaL_error(L, "schedule_validate: stage %d action %d is not {action, micro-batch} with a known action", stage, i + 1);
+      luaL_error(L, "schedule_validate: stage %d action %d is not {action, micro-batch [, chunk]} with a known action",
+                 stage, i + 1);
     }
-    a[i] = (pg_action){(pg_action_kind)k, (int)mb - 1};
+    a[i] = (pg_action){(pg_action_kind)k, (int)mb - 1, (int)chunk - 1};
   }
   return a;
 }
 
-/* core.schedule_validate(name, P, M) -> true, or false and the message.
- * core.schedule_validate(stages, M): the same checks on given lists, one per
- * stage (stages[1] is stage 0), in core.schedule's format: lets specs show
- * that the checker rejects broken schedules. */
+/* core.schedule_validate(name, P, M [, V = 1]) -> true, or false and the message.
+ * core.schedule_validate(stages, M [, V = 1 [, forward_only]]): the same
+ * checks on given lists, one per stage (stages[1] is stage 0), in
+ * core.schedule's format: lets specs show that the checker rejects broken
+ * schedules. */
 static int l_schedule_validate(lua_State *L) {
-  pg_schedule_kind k;
+  pg_schedule_kind k = PG_SCHEDULE_1F1B;
   int given = lua_istable(L, 1);
-  int P, M;
+  int P, M, V, forward_only;
   if (given) {
     P = (int)luaL_len(L, 1);
     M = (int)pg_lua_check_int_in(L, 2, "M", INT_MIN, INT_MAX);
+    V = lua_isnoneornil(L, 3) ? 1 : (int)pg_lua_check_int_in(L, 3, "V", INT_MIN, INT_MAX);
+    forward_only = lua_toboolean(L, 4);
   } else {
     PG_LUA_CHECK(L, pg_schedule_from_name(luaL_checkstring(L, 1), &k));
     P = (int)pg_lua_check_int_in(L, 2, "P", INT_MIN, INT_MAX);
     M = (int)pg_lua_check_int_in(L, 3, "M", INT_MIN, INT_MAX);
+    V = lua_isnoneornil(L, 4) ? 1 : (int)pg_lua_check_int_in(L, 4, "V", INT_MIN, INT_MAX);
+    forward_only = k == PG_SCHEDULE_FORWARD;
   }
-  if (P < 1 || P > 1024 || M < 1) return luaL_error(L, "schedule_validate: bad sizes P=%d M=%d", P, M);
+  if (P < 1 || P > 1024 || M < 1 || V < 1 || V > 1024)
+    return luaL_error(L, "schedule_validate: bad sizes P=%d M=%d V=%d", P, M, V);
   pg_action **st = calloc((size_t)P, sizeof *st);
   int *lens = calloc((size_t)P, sizeof *lens), rc = PG_OK;
   if (!st || !lens) {
@@ -853,10 +900,10 @@ static int l_schedule_validate(lua_State *L) {
       lua_pop(L, 1);
       if (!st[s]) rc = pg_fail("out of memory");
     } else {
-      rc = pg_schedule_build(k, P, M, s, &st[s], &lens[s]);
+      rc = pg_schedule_build(k, P, V, M, s, &st[s], &lens[s]);
     }
   }
-  if (rc == PG_OK) rc = pg_schedule_validate(st, lens, P, M);
+  if (rc == PG_OK) rc = pg_schedule_validate(st, lens, P, V, M, forward_only);
   for (int s = 0; s < P; s++) free(st[s]);
   free(st);
   free(lens);

@@ -1,5 +1,6 @@
 #include "pg_engine.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -16,9 +17,27 @@ static int pp_rank(const pg_engine *e) { return e->ctx->pp_rank; }
 
 /* ---------------------------------------------------------------- construction */
 
+/* Every chunk's parameters, chunk by chunk: one flat buffer per rank. */
+static int collect_params(pg_engine *e) {
+  for (int v = 0; v < e->nchunks; v++) {
+    int n = 0;
+    pg_param **ps = pg_module_collect_params(e->chunks[v].stage, &n);
+    if (!ps) return PG_ERR;
+    pg_param **all = realloc(e->params, (size_t)(e->nparams + n + 1) * sizeof *all);
+    if (!all) {
+      free(ps);
+      return pg_fail("out of memory");
+    }
+    memcpy(all + e->nparams, ps, (size_t)n * sizeof *ps);
+    e->params = all;
+    e->nparams += n;
+    free(ps);
+  }
+  return PG_OK;
+}
+
 static int bind_params(pg_engine *e, uint64_t seed) {
-  e->params = pg_module_collect_params(e->stage, &e->nparams);
-  if (!e->params) return PG_ERR;
+  if (collect_params(e)) return PG_ERR;
   for (int i = 0; i < e->nparams; i++)
     for (int j = 0; j < i; j++)
       if (!strcmp(e->params[i]->name, e->params[j]->name))
@@ -63,19 +82,70 @@ static int bind_params(pg_engine *e, uint64_t seed) {
 
 static int count_parameters(pg_engine *e, int64_t *n);
 
-pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is_last, uint64_t seed,
+/* A chunk's modules must take what its piece receives and produce what it hands on. */
+static int check_widths(const pg_engine *e, int v) {
+  const pg_chunk *c = &e->chunks[v];
+  const pg_module *m = c->stage;
+  if ((c->is_first && m->in_width == 0) || (!c->is_first && m->in_width == e->opts.width))
+    if ((c->is_last && m->out_width == 0) || (!c->is_last && m->out_width == e->opts.width)) return PG_OK;
+  char chunk[32] = "";
+  if (e->nchunks > 1) snprintf(chunk, sizeof chunk, " chunk %d", v + 1);
+  return pg_fail("stage %d%s: its modules take width %d and produce width %d; a %s stage must take %s and produce %s",
+                 e->ctx->pp_rank, chunk, m->in_width, m->out_width,
+                 c->is_first ? "first" : c->is_last ? "last" : "middle",
+                 c->is_first ? "token ids" : "the hidden width", c->is_last ? "the loss" : "the hidden width");
+}
+
+/* The schedule and each chunk's per-slot state. */
+static int make_schedule(pg_engine *e) {
+  if (pg_schedule_build(e->opts.schedule, pp_size(e), e->nchunks, e->opts.micro_batches, pp_rank(e), &e->actions,
+                        &e->nactions))
+    return PG_ERR;
+  for (int v = 0; v < e->nchunks; v++) {
+    pg_chunk *c = &e->chunks[v];
+    c->nslots = pg_schedule_max_in_flight(e->actions, e->nactions, v);
+    if (c->nslots < 1) c->nslots = 1;
+    c->act_req = calloc((size_t)c->nslots, sizeof *c->act_req);
+    c->grad_req = calloc((size_t)c->nslots, sizeof *c->grad_req);
+    c->stage_out = calloc((size_t)c->nslots, sizeof *c->stage_out);
+    if (e->opts.router_experts > 0) c->router_req = calloc((size_t)c->nslots, sizeof *c->router_req);
+    if (!c->act_req || !c->grad_req || !c->stage_out || (e->opts.router_experts > 0 && !c->router_req))
+      return pg_fail("out of memory");
+  }
+  e->ios = calloc((size_t)e->opts.micro_batches, sizeof *e->ios);
+  if (!e->ios) return pg_fail("out of memory");
+  if (e->opts.router_experts < 0) return pg_fail("router_experts must be >= 0, not %d", e->opts.router_experts);
+  if (e->opts.router_experts > 0) {
+    e->router = calloc((size_t)e->opts.micro_batches * 2 * (size_t)e->opts.router_experts, sizeof *e->router);
+    e->expert_tokens = calloc((size_t)e->opts.router_experts, sizeof *e->expert_tokens);
+    if (!e->router || !e->expert_tokens) return pg_fail("out of memory");
+  }
+  return PG_OK;
+}
+
+pg_engine *pg_engine_new(pg_context *ctx, pg_module *const *stages, int nchunks, uint64_t seed,
                          const pg_engine_opts *opts) {
   pg_engine *e = calloc(1, sizeof *e);
-  if (!e) {
-    pg_module_free(stage);
-    return pg_fail_null("out of memory");
+  pg_chunk *chunks = nchunks > 0 ? calloc((size_t)nchunks, sizeof *chunks) : NULL;
+  if (!e || !chunks) {
+    for (int v = 0; v < nchunks; v++) pg_module_free(stages[v]);
+    free(e);
+    free(chunks);
+    return nchunks > 0 ? pg_fail_null("out of memory") : pg_fail_null("an engine needs at least one chunk");
   }
   e->ctx = ctx;
-  e->stage = stage;
+  e->chunks = chunks;
+  e->nchunks = nchunks;
+  for (int v = 0; v < nchunks; v++) {
+    chunks[v].stage = stages[v];
+    chunks[v].is_first = v == 0 && ctx->pp_rank == 0;
+    chunks[v].is_last = v == nchunks - 1 && ctx->pp_rank == ctx->pipeline - 1;
+  }
   e->be = opts->backend ? opts->backend : pg_backend_cpu();
-  e->is_first = is_first;
-  e->is_last = is_last;
+  e->is_first = chunks[0].is_first;
+  e->is_last = chunks[nchunks - 1].is_last;
   e->opts = *opts;
+  e->opts.tied_name = NULL; /* ours is a copy, made below */
   if (e->be->device != PG_CPU) {
     e->opts.private_buffers = 1; /* shared memory is host memory */
     if (ctx->world_size > 1 && pg_comm_attach_device(ctx, e->be->stream)) {
@@ -89,46 +159,13 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is
     return pg_fail_null("micro_batches must be from 1 to %d, not %d", PG_MAX_MICRO_BATCHES, opts->micro_batches);
   }
   if (e->opts.bucket_elems <= 0) e->opts.bucket_elems = (int64_t)25 * 1024 * 1024 / 4;
-  if (opts->tied_name) e->opts.tied_name = strdup(opts->tied_name);
-  if ((is_first && stage->in_width != 0) || (!is_first && stage->in_width != opts->width) ||
-      (is_last && stage->out_width != 0) || (!is_last && stage->out_width != opts->width)) {
-    pg_fail("stage %d: its modules take width %d and produce width %d; a %s stage must take %s and produce %s",
-            ctx->pp_rank, stage->in_width, stage->out_width, is_first ? "first" : is_last ? "last" : "middle",
-            is_first ? "token ids" : "the hidden width", is_last ? "the loss" : "the hidden width");
-    pg_engine_free(e);
-    return NULL;
-  }
-  if (pg_module_set_backend(stage, e->be) ||
-      pg_schedule_build(e->opts.schedule, ctx->pipeline, e->opts.micro_batches, ctx->pp_rank, &e->actions,
-                        &e->nactions) ||
-      bind_params(e, seed)) {
-    pg_engine_free(e);
-    return NULL;
-  }
-  e->nslots = pg_schedule_max_in_flight(e->actions, e->nactions);
-  if (e->nslots < 1) e->nslots = 1;
-  e->act_req = calloc((size_t)e->nslots, sizeof *e->act_req);
-  e->grad_req = calloc((size_t)e->nslots, sizeof *e->grad_req);
-  e->stage_out = calloc((size_t)e->nslots, sizeof *e->stage_out);
-  e->ios = calloc((size_t)e->opts.micro_batches, sizeof *e->ios);
-  if (e->opts.router_experts < 0) {
-    pg_engine_free(e);
-    return pg_fail_null("router_experts must be >= 0, not %d", e->opts.router_experts);
-  }
-  if (e->opts.router_experts > 0) {
-    e->router = calloc((size_t)e->opts.micro_batches * 2 * (size_t)e->opts.router_experts, sizeof *e->router);
-    e->router_req = calloc((size_t)e->nslots, sizeof *e->router_req);
-    e->expert_tokens = calloc((size_t)e->opts.router_experts, sizeof *e->expert_tokens);
-    if (!e->router || !e->router_req || !e->expert_tokens) {
-      pg_engine_free(e);
-      return pg_fail_null("out of memory");
-    }
-  }
-  if (!e->act_req || !e->grad_req || !e->stage_out || !e->ios) {
+  if (opts->tied_name && !(e->opts.tied_name = strdup(opts->tied_name))) {
     pg_engine_free(e);
     return pg_fail_null("out of memory");
   }
-  if (count_parameters(e, &e->num_parameters)) {
+  int rc = PG_OK;
+  for (int v = 0; v < nchunks && !rc; v++) rc = check_widths(e, v) || pg_module_set_backend(chunks[v].stage, e->be);
+  if (rc || make_schedule(e) || bind_params(e, seed) || count_parameters(e, &e->num_parameters)) {
     pg_engine_free(e);
     return NULL;
   }
@@ -137,55 +174,81 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is
 
 void pg_engine_free(pg_engine *e) {
   if (!e) return;
-  for (int i = 0; e->act_req && e->grad_req && i < e->nslots; i++) {
-    pg_wait(&e->act_req[i]);
-    pg_wait(&e->grad_req[i]);
-    if (e->router_req) pg_wait(&e->router_req[i]);
+  for (int v = 0; v < e->nchunks; v++) {
+    pg_chunk *c = &e->chunks[v];
+    for (int i = 0; c->act_req && c->grad_req && i < c->nslots; i++) {
+      pg_wait(&c->act_req[i]);
+      pg_wait(&c->grad_req[i]);
+      if (c->router_req) pg_wait(&c->router_req[i]);
+    }
+    pg_module_free(c->stage);
+    pg_be_release(e->be, c->stage_in);
+    pg_be_release(e->be, c->grad_send);
+    free(c->act_req);
+    free(c->grad_req);
+    free(c->stage_out);
+    free(c->router_req);
   }
   free(e->router);
-  free(e->router_req);
   free(e->expert_tokens);
-  pg_module_free(e->stage);
+  free(e->chunks);
   free(e->params);
   pg_shm_close(&e->param_shm);
   pg_shm_close(&e->grad_shm);
   pg_storage_release(e->param_store);
   pg_storage_release(e->grad_store);
   free(e->actions);
-  pg_be_release(e->be, e->stage_in);
-  pg_be_release(e->be, e->grad_send);
   pg_be_release(e->be, e->grad_recv);
   pg_be_release(e->be, e->device_ids);
-  free(e->act_req);
-  free(e->grad_req);
   free(e->ios);
-  free(e->stage_out);
+  free(e->eval_ios);
   free((char *)e->opts.tied_name);
   free(e);
 }
 
 static int ensure_capacity(pg_engine *e, int rows) {
   if (rows <= e->capacity_rows) return PG_OK;
-  int64_t sizes[3] = {e->nslots, rows, e->opts.width};
-  if (pg_size_product(3, sizes) < 0)
-    return pg_fail("pipeline buffers of %d slots x %d rows x width %d have more than 2^59 elements", e->nslots, rows,
-                   e->opts.width);
-  size_t w = (size_t)e->opts.width, n = (size_t)e->nslots * rows * w;
-  if (pg_module_alloc(e->stage, e->nslots, rows)) return PG_ERR;
-  pg_be_release(e->be, e->stage_in);
-  pg_be_release(e->be, e->grad_send);
+  size_t w = (size_t)e->opts.width;
+  int needs_grad_recv = 0;
+  for (int v = 0; v < e->nchunks; v++) {
+    pg_chunk *c = &e->chunks[v];
+    int64_t sizes[3] = {c->nslots, rows, e->opts.width};
+    if (pg_size_product(3, sizes) < 0)
+      return pg_fail("pipeline buffers of %d slots x %d rows x width %d have more than 2^59 elements", c->nslots, rows,
+                     e->opts.width);
+    size_t n = (size_t)c->nslots * rows * w;
+    if (pg_module_alloc(c->stage, c->nslots, rows)) return PG_ERR;
+    pg_be_release(e->be, c->stage_in);
+    pg_be_release(e->be, c->grad_send);
+    c->stage_in = c->grad_send = NULL;
+    if (!c->is_first && (!(c->stage_in = pg_be_floats(e->be, n)) || !(c->grad_send = pg_be_floats(e->be, n))))
+      return pg_fail("pipeline buffers: %s", pg_error());
+    if (!c->is_last) needs_grad_recv = 1;
+  }
   pg_be_release(e->be, e->grad_recv);
-  e->stage_in = e->grad_send = e->grad_recv = NULL;
-  if ((!e->is_first && (!(e->stage_in = pg_be_floats(e->be, n)) || !(e->grad_send = pg_be_floats(e->be, n)))) ||
-      (!e->is_last && !(e->grad_recv = pg_be_floats(e->be, (size_t)rows * w))))
+  e->grad_recv = NULL;
+  if (needs_grad_recv && !(e->grad_recv = pg_be_floats(e->be, (size_t)rows * w)))
     return pg_fail("pipeline buffers: %s", pg_error());
   e->capacity_rows = rows;
   return PG_OK;
 }
 
+static size_t chunk_slot_bytes(const pg_engine *e, const pg_chunk *c) {
+  size_t b = pg_module_saved_bytes(c->stage);
+  if (!c->is_first) b += (size_t)e->capacity_rows * e->opts.width * sizeof(float);
+  return b;
+}
+
 size_t pg_engine_slot_bytes(const pg_engine *e) {
-  size_t b = pg_module_saved_bytes(e->stage);
-  if (!e->is_first) b += (size_t)e->capacity_rows * e->opts.width * sizeof(float);
+  size_t b = 0;
+  for (int v = 0; v < e->nchunks; v++) b += chunk_slot_bytes(e, &e->chunks[v]);
+  return b;
+}
+
+size_t pg_engine_activation_bytes(const pg_engine *e, int peak) {
+  size_t b = 0;
+  for (int v = 0; v < e->nchunks; v++)
+    b += chunk_slot_bytes(e, &e->chunks[v]) * (size_t)(peak ? e->chunks[v].peak_in_flight : e->chunks[v].nslots);
   return b;
 }
 
@@ -208,10 +271,13 @@ static int wait_req(pg_engine *e, pg_request **r) {
 }
 
 static int wait_all_sends(pg_engine *e) {
-  for (int s = 0; s < e->nslots; s++)
-    if (wait_req(e, &e->act_req[s]) || wait_req(e, &e->grad_req[s]) ||
-        (e->router_req && wait_req(e, &e->router_req[s])))
-      return PG_ERR;
+  for (int v = 0; v < e->nchunks; v++) {
+    pg_chunk *c = &e->chunks[v];
+    for (int s = 0; s < c->nslots; s++)
+      if (wait_req(e, &c->act_req[s]) || wait_req(e, &c->grad_req[s]) ||
+          (c->router_req && wait_req(e, &c->router_req[s])))
+        return PG_ERR;
+  }
   return PG_OK;
 }
 
@@ -227,54 +293,57 @@ static int recv_timed(pg_engine *e, float *buf, int64_t n, int src, int tag) {
  * last stage back), each right after that message with the same tag: MPI
  * keeps the order of messages between two ranks with one tag. The doubles go
  * as their bytes. */
-static int send_router(pg_engine *e, const pg_io *io, int slot, int dst, int tag) {
-  if (!e->router) return PG_OK;
-  if (wait_req(e, &e->router_req[slot])) return PG_ERR; /* one send per slot in flight */
+static int send_router(pg_engine *e, pg_chunk *c, const pg_io *io, int slot, int dst, int tag) {
+  if (!e->router || !io->router) return PG_OK; /* evaluation keeps no totals */
+  if (wait_req(e, &c->router_req[slot])) return PG_ERR; /* one send per slot in flight */
   return pg_isend_buf(e->ctx, PG_MODE_PIPELINE, (const float *)io->router, 4 * (int64_t)e->opts.router_experts, dst,
-                      tag, &e->router_req[slot]);
+                      tag, &c->router_req[slot]);
 }
 
-static int recv_router(pg_engine *e, pg_io *io, int slot, int src, int tag) {
-  if (!e->router) return PG_OK;
+static int recv_router(pg_engine *e, pg_chunk *c, pg_io *io, int slot, int src, int tag) {
+  if (!e->router || !io->router) return PG_OK;
   /* the totals' own earlier send (down the pipeline) must be done before they are overwritten */
-  if (wait_req(e, &e->router_req[slot])) return PG_ERR;
+  if (wait_req(e, &c->router_req[slot])) return PG_ERR;
   return recv_timed(e, (float *)io->router, 4 * (int64_t)e->opts.router_experts, src, tag);
 }
 
-static int run_action(pg_engine *e, pg_action a) {
-  int slot = a.mb % e->nslots, me = pp_rank(e);
-  pg_io *io = &e->ios[a.mb];
+/* One action of a schedule over micro-batches ios[0..M-1] (M names the
+ * transfers: pg_action_message). Training and evaluation both run here. */
+static int run_action(pg_engine *e, pg_action a, pg_io *ios, int M) {
+  pg_chunk *c = &e->chunks[a.chunk];
+  int slot = a.mb % c->nslots, peer, tag;
+  pg_action_message(a, pp_size(e), M, pp_rank(e), &peer, &tag);
+  pg_io *io = &ios[a.mb];
   int64_t n = (int64_t)io->B * io->T * e->opts.width;
-  float *in_buf = e->stage_in ? e->stage_in + (size_t)slot * e->capacity_rows * e->opts.width : NULL;
+  size_t slot_off = (size_t)slot * e->capacity_rows * e->opts.width;
+  float *in_buf = c->stage_in ? c->stage_in + slot_off : NULL;
   switch (a.kind) {
   case PG_ACT_RECV_ACT:
-    return recv_timed(e, in_buf, n, me - 1, 2 * a.mb) || recv_router(e, io, slot, me - 1, 2 * a.mb);
+    return recv_timed(e, in_buf, n, peer, tag) || recv_router(e, c, io, slot, peer, tag);
   case PG_ACT_FORWARD: {
-    if (wait_req(e, &e->act_req[slot])) return PG_ERR; /* the slot's outputs may still be on their way */
+    if (wait_req(e, &c->act_req[slot])) return PG_ERR; /* the slot's outputs may still be on their way */
     double t0 = pg_wtime();
-    int rc = pg_module_forward(e->stage, slot, io, in_buf, &e->stage_out[slot]);
+    int rc = pg_module_forward(c->stage, slot, io, in_buf, &c->stage_out[slot]);
     e->stats.compute_seconds += pg_wtime() - t0;
     return rc;
   }
   case PG_ACT_SEND_ACT:
-    return pg_isend_buf(e->ctx, PG_MODE_PIPELINE, e->stage_out[slot], n, me + 1, 2 * a.mb, &e->act_req[slot]) ||
-           send_router(e, io, slot, me + 1, 2 * a.mb);
+    return pg_isend_buf(e->ctx, PG_MODE_PIPELINE, c->stage_out[slot], n, peer, tag, &c->act_req[slot]) ||
+           send_router(e, c, io, slot, peer, tag);
   case PG_ACT_RECV_GRAD:
-    return recv_timed(e, e->grad_recv, n, me + 1, 2 * a.mb + 1) || recv_router(e, io, slot, me + 1, 2 * a.mb + 1);
+    return recv_timed(e, e->grad_recv, n, peer, tag) || recv_router(e, c, io, slot, peer, tag);
   case PG_ACT_BACKWARD: {
     const float *dx = NULL;
     double t0 = pg_wtime();
-    int rc = pg_module_backward(e->stage, slot, io, e->is_last ? NULL : e->grad_recv, &dx);
+    int rc = pg_module_backward(c->stage, slot, io, c->is_last ? NULL : e->grad_recv, &dx);
     e->stats.compute_seconds += pg_wtime() - t0;
-    if (rc || e->is_first) return rc;
-    if (wait_req(e, &e->grad_req[slot])) return PG_ERR;
-    return e->be->ops->copy(e->be, e->grad_send + (size_t)slot * e->capacity_rows * e->opts.width, dx,
-                            (size_t)n * sizeof(float), PG_COPY_DEVICE_TO_DEVICE);
+    if (rc || c->is_first) return rc;
+    if (wait_req(e, &c->grad_req[slot])) return PG_ERR;
+    return e->be->ops->copy(e->be, c->grad_send + slot_off, dx, (size_t)n * sizeof(float), PG_COPY_DEVICE_TO_DEVICE);
   }
   case PG_ACT_SEND_GRAD:
-    return pg_isend_buf(e->ctx, PG_MODE_PIPELINE, e->grad_send + (size_t)slot * e->capacity_rows * e->opts.width, n,
-                        me - 1, 2 * a.mb + 1, &e->grad_req[slot]) ||
-           send_router(e, io, slot, me - 1, 2 * a.mb + 1);
+    return pg_isend_buf(e->ctx, PG_MODE_PIPELINE, c->grad_send + slot_off, n, peer, tag, &c->grad_req[slot]) ||
+           send_router(e, c, io, slot, peer, tag);
   }
   return pg_fail("unknown pipeline action %d", (int)a.kind);
 }
@@ -343,10 +412,12 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
                         .host_targets = host_targets + off, .router = e->router ? e->router + i * nr : NULL};
   }
   for (int k = 0; k < e->nactions; k++)
-    if (run_action(e, e->actions[k])) return PG_ERR;
+    if (run_action(e, e->actions[k], e->ios, M)) return PG_ERR;
   if (wait_all_sends(e)) return PG_ERR;
-  int live = pg_schedule_max_in_flight(e->actions, e->nactions);
-  if (live > e->peak_in_flight) e->peak_in_flight = live;
+  for (int v = 0; v < e->nchunks; v++) {
+    int live = pg_schedule_max_in_flight(e->actions, e->nactions, v);
+    if (live > e->chunks[v].peak_in_flight) e->chunks[v].peak_in_flight = live;
+  }
   e->grads_pending = 1;
   double sum = 0, aux = 0;
   for (int i = 0; i < M; i++) {
@@ -383,30 +454,39 @@ int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targe
                        float *logits) {
   const int32_t *host_targets = targets;
   if (check_batch(e, tokens, targets, B, T, 0) || ids_on_backend(e, &tokens, &targets, (int64_t)B * T)) return PG_ERR;
-  /* Chunks of at most one micro-batch's rows go down the pipeline. */
+  /* Micro-batches of at most a training micro-batch's rows go down the pipeline. */
   int rows_cap = e->capacity_rows;
   if (rows_cap < T) rows_cap = T * (B < 8 ? B : 8); /* nothing trained yet: chunks of up to 8 rows */
   if (ensure_capacity(e, rows_cap)) return PG_ERR;
   int Bc = rows_cap / T;
   if (Bc > B) Bc = B;
-  int chunks = (B + Bc - 1) / Bc, me = pp_rank(e);
-  double sum = 0;
-  for (int c = 0; c < chunks; c++) {
-    int b0 = c * Bc, nb = B - b0 < Bc ? B - b0 : Bc, slot = c % e->nslots;
-    size_t off = (size_t)b0 * T;
-    pg_io io = {.B = nb, .T = T, .tokens = tokens + off, .targets = targets ? targets + off : NULL, .dloss = 0,
-                .want_grad = 0, .loss_sum = 0, .logits = logits && e->is_last ? logits + off * e->opts.vocab : NULL,
-                .mb = c, .row0 = (int64_t)off, .host_targets = host_targets ? host_targets + off : NULL};
-    int64_t n = (int64_t)nb * T * e->opts.width;
-    float *in_buf = e->stage_in ? e->stage_in + (size_t)slot * e->capacity_rows * e->opts.width : NULL;
-    if (!e->is_first && recv_timed(e, in_buf, n, me - 1, 2 * c)) return PG_ERR;
-    if (wait_req(e, &e->act_req[slot])) return PG_ERR;
-    if (pg_module_forward(e->stage, slot, &io, in_buf, &e->stage_out[slot])) return PG_ERR;
-    if (!e->is_last &&
-        pg_isend_buf(e->ctx, PG_MODE_PIPELINE, e->stage_out[slot], n, me + 1, 2 * c, &e->act_req[slot]))
-      return PG_ERR;
-    sum += io.loss_sum;
+  int nmb = (B + Bc - 1) / Bc;
+  if (nmb > e->eval_ios_cap) {
+    pg_io *ios = realloc(e->eval_ios, (size_t)nmb * sizeof *ios);
+    if (!ios) return pg_fail("out of memory for %d evaluation micro-batches", nmb);
+    e->eval_ios = ios;
+    e->eval_ios_cap = nmb;
   }
+  for (int i = 0; i < nmb; i++) {
+    int b0 = i * Bc, nb = B - b0 < Bc ? B - b0 : Bc;
+    size_t off = (size_t)b0 * T;
+    e->eval_ios[i] = (pg_io){.B = nb, .T = T, .tokens = tokens + off, .targets = targets ? targets + off : NULL,
+                             .dloss = 0, .want_grad = 0, .loss_sum = 0,
+                             .logits = logits && e->is_last ? logits + off * e->opts.vocab : NULL, .mb = i,
+                             .row0 = (int64_t)off, .host_targets = host_targets ? host_targets + off : NULL};
+  }
+  /* the same executor as training, on a forward-only list (pg_schedule.h) */
+  pg_action *acts;
+  int nacts;
+  if (pg_schedule_build(PG_SCHEDULE_FORWARD, pp_size(e), e->nchunks, nmb, pp_rank(e), &acts, &nacts)) return PG_ERR;
+  for (int k = 0; k < nacts; k++)
+    if (run_action(e, acts[k], e->eval_ios, nmb)) {
+      free(acts);
+      return PG_ERR;
+    }
+  free(acts);
+  double sum = 0;
+  for (int i = 0; i < nmb; i++) sum += e->eval_ios[i].loss_sum;
   if (wait_all_sends(e)) return PG_ERR;
   if (loss) {
     *loss = e->is_last ? sum / ((double)B * T) : 0;

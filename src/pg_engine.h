@@ -1,10 +1,11 @@
 /* pg_engine: one rank's share of a model and the training step.
  *
- * The engine owns this rank's pipeline stage (a module tree), places every
- * parameter of the stage in one flat parameter buffer and one flat gradient
- * buffer, initialises them, and runs a step: the micro-batches of a batch
- * through the pipeline schedule, then the gradient reductions that make the
- * result equal the serial model's:
+ * The engine owns this rank's pipeline stage (a module tree; with the
+ * interleaved schedule, V of them: the rank's chunks, pg_schedule.h), places
+ * every parameter of the stage in one flat parameter buffer and one flat
+ * gradient buffer, initialises them, and runs a step: the micro-batches of a
+ * batch through the pipeline schedule, then the gradient reductions that make
+ * the result equal the serial model's:
  *   1. the two copies of a tied embedding (first and last stage) get the sum
  *      of their gradients (embedding group);
  *   2. data parallel: gradients are averaged over the data group (zero = 0:
@@ -15,6 +16,8 @@
  *      (pg_comm.h).
  * The loss is computed on the last stage, broadcast to the pipeline group and
  * averaged over the data group, so every rank returns the same number.
+ * Evaluation runs a forward-only action list (PG_SCHEDULE_FORWARD) through
+ * the same executor as the step.
  *
  * Every call below is collective over the whole context (all ranks call it
  * with the same shapes) unless it says otherwise. */
@@ -52,12 +55,27 @@ typedef struct pg_engine_stats {
   double compute_seconds;   /* forward and backward of the stage's modules */
 } pg_engine_stats;
 
+/* One of the rank's model chunks (pg_schedule.h: with V = 1, the rank's
+ * stage): its modules and the buffers of its micro-batches in flight. */
+typedef struct pg_chunk {
+  pg_module *stage;
+  int is_first, is_last; /* the model's first piece (reads token ids) / last piece (ends in the loss) */
+  int nslots;            /* most micro-batches the schedule keeps in flight on this chunk */
+  int peak_in_flight;    /* as measured by a step */
+  float *stage_in;       /* [nslots][rows * width] received activations */
+  float *grad_send;      /* [nslots][rows * width] */
+  pg_request **act_req, **grad_req; /* per slot: the send in flight, or NULL */
+  const float **stage_out; /* per slot: forward outputs to send */
+  pg_request **router_req; /* with MoE layers, per slot: the routing totals' send in flight, or NULL */
+} pg_chunk;
+
 typedef struct pg_engine {
   pg_context *ctx;
-  pg_module *stage;
+  pg_chunk *chunks;     /* V of them: piece v*P + pp_rank of the model is chunks[v] */
+  int nchunks;
   const pg_backend *be; /* where the stage's buffers, the flat buffers and the optimizer state live */
-  int is_first, is_last;
-  pg_param **params;
+  int is_first, is_last; /* this rank holds the model's first / last piece */
+  pg_param **params;    /* every chunk's, chunk by chunk */
   int nparams;
   pg_storage *param_store, *grad_store;
   pg_shm param_shm, grad_shm; /* the data group's copies of both, when shared (pg_shm.h) */
@@ -65,31 +83,29 @@ typedef struct pg_engine {
   int64_t flat_padded; /* buffer length: a multiple of the data size (ZeRO shards) */
   pg_engine_opts opts;
   pg_action *actions;
-  int nactions, nslots;
+  int nactions;
   int capacity_rows;   /* rows per micro-batch the buffers hold */
-  float *stage_in;     /* [nslots][rows * width] received activations */
-  float *grad_send;    /* [nslots][rows * width] */
-  float *grad_recv;    /* [rows * width] */
+  float *grad_recv;    /* [rows * width]: every receive of a gradient is followed by its backward */
   int32_t *device_ids; /* device backends: [2][rows * micro-batches] the batch's token ids and targets */
   int64_t device_ids_cap;
-  pg_request **act_req, **grad_req; /* per slot: the send in flight, or NULL */
   pg_io *ios;          /* per micro-batch */
-  const float **stage_out; /* per slot: forward outputs to send */
   double *router;      /* with router_experts: [micro-batches][2 * experts] routing totals (pg_io.router) */
-  pg_request **router_req; /* per slot: the totals' send in flight, or NULL */
   double last_ce, last_aux; /* the last forward_backward's token loss and auxiliary losses (every rank) */
   double *expert_tokens; /* with router_experts: [experts] the last forward_backward's choices of each
                             expert, over all MoE layers, micro-batches and data ranks */
+  pg_io *eval_ios;     /* per evaluation micro-batch, eval_ios_cap of them */
+  int eval_ios_cap;
   int zero;            /* 0: replicated optimizer; 1: ZeRO-1 (gradient shards) */
   int grads_pending;   /* gradients added since the last reduction */
-  int peak_in_flight;
   int64_t num_parameters; /* of the full model, counted at construction */
   pg_engine_stats stats;
 } pg_engine;
 
-/* Takes ownership of `stage` (freed by pg_engine_free, also on failure).
- * is_first/is_last: this rank's stage position in the pipeline. */
-pg_engine *pg_engine_new(pg_context *ctx, pg_module *stage, int is_first, int is_last, uint64_t seed,
+/* Takes ownership of the nchunks stage modules (freed by pg_engine_free, also
+ * on failure): chunk v is piece v*P + pp_rank of the model (pg_schedule.h),
+ * so whether a chunk reads token ids or ends in the loss follows from the
+ * context. More than one chunk needs opts->schedule = PG_SCHEDULE_INTERLEAVED. */
+pg_engine *pg_engine_new(pg_context *ctx, pg_module *const *stages, int nchunks, uint64_t seed,
                          const pg_engine_opts *opts);
 void pg_engine_free(pg_engine *e);
 
@@ -128,7 +144,11 @@ int pg_engine_load_param(pg_engine *e, pg_param *p, const float *full, int64_t f
  * group into `full` (p->full_shape). Collective over the tensor group. */
 int pg_engine_gather_param(pg_engine *e, pg_param *p, float *full);
 
-/* Saved activation bytes per micro-batch on this rank. */
+/* Saved activation bytes per micro-batch on this rank (all chunks). */
 size_t pg_engine_slot_bytes(const pg_engine *e);
+/* Activation bytes of the buffers (peak = 0) or of the micro-batches a step
+ * held at its worst moment (peak = 1), chunk by chunk, not counting the
+ * fixed bytes of recomputation (pg_module_fixed_bytes). */
+size_t pg_engine_activation_bytes(const pg_engine *e, int peak);
 
 #endif

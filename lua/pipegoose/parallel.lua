@@ -1,7 +1,9 @@
 --- pg.parallelize(model, ctx, opts) -> engine.
 -- Cuts the model's top-level sequence into pipeline stages, describes this
 -- rank's stage (sharded for tensor parallelism) and builds it in C. The
--- engine object here is a thin Lua face over the C engine.
+-- engine object here is a thin Lua face over the C engine. With
+-- virtual_stages = V > 1 the sequence is cut into P x V chunks, rank r holding
+-- chunks r, r + P, ... (round-robin), run by the interleaved 1F1B schedule.
 --
 -- Collective methods (every rank of the context calls them, in the same
 -- order): pg.parallelize itself, forward_backward, loss, forward,
@@ -55,13 +57,15 @@ function M.balance(costs, P)
   return sizes
 end
 
-local function partition(top, P, seq_len, stages)
+-- Cuts the model into P pieces (the pipeline's stages; with virtual stages,
+-- P = pipeline x virtual_stages chunks), named `what` in errors.
+local function partition(top, P, seq_len, stages, what)
   if P > #top then
-    error(("pipeline=%d is larger than the model's %d top-level modules"):format(P, #top), 0)
+    error(("%s is larger than the model's %d top-level modules"):format(what, #top), 0)
   end
   local sizes
   if stages then
-    if #stages ~= P then error(("stages lists %d stages, but pipeline=%d"):format(#stages, P), 0) end
+    if #stages ~= P then error(("stages lists %d stages, but %s"):format(#stages, what), 0) end
     local total = 0
     for _, s in ipairs(stages) do total = total + s end -- positive integers (parallelize's options)
     if total ~= #top then error(("stages cover %d modules, but the model has %d top-level modules"):format(total, #top), 0) end
@@ -84,6 +88,9 @@ end
 local PARALLELIZE = {
   micro_batches = opt.integer{ min = 1, default = 1 },
   schedule = opt.enum({ "1f1b", "gpipe" }, { default = "1f1b" }),
+  -- model chunks per pipeline rank: more than 1 runs the interleaved 1F1B
+  -- schedule (Narayanan et al. 2021) with schedule = "1f1b"
+  virtual_stages = opt.integer{ min = 1, default = 1 },
   stages = opt.list(opt.integer{ min = 1 }),
   bucket_mb = opt.number{ gt = 0, max = 1 << 20, default = 25 }, -- up to 1 TiB: the element count fits an int64
   seed = opt.integer{ min = math.mininteger, max = math.maxinteger },
@@ -126,18 +133,29 @@ function M.parallelize(model, ctx, opts)
   ctx = opt.value("parallelize", "ctx", ctx, opt.context) or core.ParallelContext{}
   local sizes = ctx:sizes()
   local T, P = sizes.tensor, sizes.pipeline
-  local schedule, micro = opts.schedule, opts.micro_batches
+  local schedule, micro, V = opts.schedule, opts.micro_batches, opts.virtual_stages
+  if V > 1 then
+    -- one chunk per rank would hand activations to itself: nothing to interleave
+    if P == 1 then error(("parallelize: virtual_stages = %d needs pipeline > 1"):format(V), 2) end
+    if schedule ~= "1f1b" then
+      error(("parallelize: virtual_stages = %d runs the interleaved 1F1B schedule; schedule = \"%s\" has one chunk "
+        .. "per stage"):format(V, schedule), 2)
+    end
+    schedule = "interleaved"
+  end
   local config = model.config or {}
   local top = model:top_level()
   local seq_len = config.seq_len or 1
-  local ok, ranges = pcall(partition, top, P, seq_len, opts.stages)
+  local what = V > 1 and ("pipeline x virtual_stages = %d x %d"):format(P, V) or ("pipeline=%d"):format(P)
+  local ok, ranges = pcall(partition, top, P * V, seq_len, opts.stages, what)
   if not ok then error("parallelize: " .. ranges, 2) end
 
-  -- Describe every stage (this checks widths for the whole model on every
-  -- rank, so a bad model fails everywhere alike), keep this rank's.
+  -- Describe every piece (this checks widths for the whole model on every
+  -- rank, so a bad model fails everywhere alike), keep this rank's: piece g
+  -- (1-based) is chunk (g - 1) // P of rank (g - 1) % P.
   local me = ctx:local_rank("pipeline")
   local flow = { width = 0, split = false }
-  local stage_desc, stage_flow_in, width, tie, head_tied, logits_head
+  local chunk_descs, width, tie, head_tied, logits_head = {}, nil, nil, nil, nil
   local partition_report = {}
   local lua_modules = {}
   -- One Lua table per position: the runtime hands each position its own
@@ -163,9 +181,9 @@ function M.parallelize(model, ctx, opts)
     for _, c in ipairs(d.children or {}) do find_moe(c) end
     if d.inner then find_moe(d.inner) end
   end
-  for p = 1, P do
+  for p = 1, P * V do
     local kids, names, nparams = {}, {}, 0
-    local flow_in = flow
+    local rank, chunk = (p - 1) % P, (p - 1) // P
     for i = ranges[p][1], ranges[p][2] do
       local m = top[i]
       -- an unnamed top-level module is named by its position, as in a Sequential
@@ -180,16 +198,18 @@ function M.parallelize(model, ctx, opts)
       if d.kind == "lm_head" and d.tie then tie, head_tied = d.tie, true end
       if d.kind == "lm_head" then logits_head = d.output == "logits" and d or nil end
     end
-    partition_report[p] = { modules = names, params = nparams, first = ranges[p][1], last = ranges[p][2] }
-    if p < P then
+    partition_report[p] = { modules = names, params = nparams, first = ranges[p][1], last = ranges[p][2],
+                            stage = rank, chunk = chunk + 1 }
+    if p < P * V then
       if flow.width <= 0 or flow.split then
-        error(("parallelize: stage %d ends with %s; a pipeline stage must hand over full activations"):format(
-          p - 1, flow.width < 0 and "the loss" or "a split tensor"), 2)
+        local piece = V > 1 and ("stage %d chunk %d"):format(rank, chunk + 1) or ("stage %d"):format(rank)
+        error(("parallelize: %s ends with %s; a pipeline stage must hand over full activations"):format(
+          piece, flow.width < 0 and "the loss" or "a split tensor"), 2)
       end
       width = width or flow.width
       if flow.width ~= width then error("parallelize: stages hand over different widths", 2) end
     end
-    if p - 1 == me then stage_desc, stage_flow_in = { kind = "sequential", name = "", children = kids }, flow_in end
+    if rank == me then chunk_descs[chunk + 1] = { kind = "sequential", name = "", children = kids } end
   end
   -- The model ends with its loss (an LMHead), or with an output an objective
   -- written in Lua turns into the loss (the engine's last stage then ends in
@@ -216,8 +236,15 @@ function M.parallelize(model, ctx, opts)
     for _, c in ipairs(d.children or {}) do find_lua(c) end
     if d.inner then find_lua(d.inner) end
   end
-  find_lua(stage_desc)
+  for v, d in ipairs(chunk_descs) do
+    find_lua(d)
+    chunk_descs[v] = with_recompute(d, opts.recompute)
+  end
 
+  if V > 1 and #moe_layers > 0 then
+    -- their routing totals would cross the wrap-around links too; not checked yet
+    error("parallelize: virtual_stages > 1 with mixture-of-experts layers is not supported yet", 2)
+  end
   local router_experts = 0
   for i, d in ipairs(moe_layers) do
     d.layer, d.layers = i - 1, #moe_layers
@@ -229,19 +256,18 @@ function M.parallelize(model, ctx, opts)
   end
 
   -- through pcall: an error of the runtime (a bad device, no memory) names the user's line, not this one
-  stage_desc = with_recompute(stage_desc, opts.recompute)
-  local ok_engine, c = pcall(core.Engine, ctx, stage_desc, {
+  local ok_engine, c = pcall(core.Engine, ctx, chunk_descs, {
     micro_batches = micro, schedule = schedule, vocab = vocab, width = width, seed = opts.seed or ctx:seed(),
-    is_first = me == 0, is_last = me == P - 1, tied_name = (P > 1 and head_tied) and tie or nil,
+    tied_name = (P > 1 and head_tied) and tie or nil,
     bucket_mb = opts.bucket_mb, shared_memory = opts.shared_memory, device = opts.device, objective = with_objective,
     router_experts = router_experts,
   })
   if not ok_engine then error(c, 2) end
   local e = setmetatable({
     c = c, ctx = ctx, config = config, model = model, micro_batches = micro, schedule = schedule,
-    recompute = opts.recompute,
+    virtual_stages = V, recompute = opts.recompute,
     device = c:info().device,
-    stage = me, stages = P, partition_report = partition_report, vocab = vocab, _ = { stage_flow_in = stage_flow_in },
+    stage = me, stages = P, partition_report = partition_report, vocab = vocab, _ = {},
   }, Engine)
   if with_objective then
     e._.objective = opts.objective
@@ -364,8 +390,9 @@ function Engine:memory()
     slot_bytes = info.slot_bytes, slots = info.slots,
     -- recomputed blocks keep one micro-batch's activations whatever is in flight
     fixed_activation_bytes = info.fixed_activation_bytes,
-    activation_bytes = info.slot_bytes * info.slots + info.fixed_activation_bytes,
-    peak_activation_bytes = info.slot_bytes * info.peak_in_flight + info.fixed_activation_bytes,
+    -- chunk by chunk (virtual stages): slots x bytes of each chunk's micro-batch
+    activation_bytes = info.activation_bytes + info.fixed_activation_bytes,
+    peak_activation_bytes = info.peak_activation_bytes + info.fixed_activation_bytes,
     peak_in_flight = info.peak_in_flight,
     local_parameters = local_params,
   }
@@ -376,14 +403,18 @@ function Engine:memory()
   return m
 end
 
---- Which modules and how many parameters sit on each stage.
+--- Which modules and how many parameters sit on each piece of the model, in
+-- model order: { modules =, params =, first =, last =, stage =, chunk = },
+-- stage the pipeline rank (0-based) and chunk its chunk (1-based; more than 1
+-- with virtual stages, whose P x V pieces are listed).
 function Engine:partition() return self.partition_report end
 
 --- Timing counters of this rank (seconds) and the step count.
 function Engine:stats() return self.c:info() end
 function Engine:reset_stats() self.c:reset_stats() end
 
---- The schedule this rank runs: { {"forward", 1}, {"send_act", 1}, ... }
+--- The schedule this rank runs: { {"forward", 1}, {"send_act", 1}, ... }; with
+-- virtual stages each action names its chunk: {"forward", 1, 2}
 function Engine:schedule_actions() return self.c:schedule() end
 
 --- engine:load_param(name, full): this rank's shard of parameter `name` from
@@ -404,9 +435,9 @@ function Engine:gather_param(name, grad) return self.c:gather_param(name, grad) 
 function Engine:gather_to_root(name, convert, shape)
   local top = name:match("^blocks%.%d+") or name:match("^[^.]+")
   local owner
-  for p, part in ipairs(self:partition()) do
+  for _, part in ipairs(self:partition()) do
     for _, m in ipairs(part.modules) do
-      if m == top and not owner then owner = p - 1 end
+      if m == top and not owner then owner = part.stage end
     end
   end
   if not owner then error("no stage holds " .. name) end

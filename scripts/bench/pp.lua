@@ -1,6 +1,8 @@
 -- Part pp: pipeline = 2 (2 ranks x 1 thread), M = 1..16 micro-batches, GPipe
 -- and 1F1B: the measured bubble against (P-1)/(M+P-1), and 1F1B's activation
--- peak against GPipe's. The measuring is the pp worker's
+-- peak against GPipe's; the interleaved 1F1B (V = 2 chunks per stage, M =
+-- 2..16) against (P-1)/(V*M+P-1), the idle fraction of a bubble of
+-- (P-1)/(V*M) of the ideal step, next to 1F1B's at the same M. The measuring is the pp worker's
 -- (scripts/bench/workers.lua, which says how the bubble is measured).
 local common = require "bench.common"
 
@@ -16,11 +18,11 @@ return function(ctx)
   print("   idle = (step wall - the stage's own compute) / step wall, per stage (median over the steps);")
   print("   bubble = the idle fraction of each step's busiest stage (median): the schedule's fill and drain;")
   print("   the other stage idles that plus M x its per-micro-batch deficit (imbalance); recv = blocked receives")
-  print(("  %-6s %3s %8s %7s %7s %7s %7s %6s %6s %11s %8s"):format("sched", "M", "step ms", "theory", "bubble",
+  print(("  %-11s %3s %8s %7s %7s %7s %7s %6s %6s %11s %8s"):format("sched", "M", "step ms", "theory", "bubble",
     "idle0", "idle1", "recv0", "recv1", "act peak KB", "vs GPipe"))
   local worst, act_ok = 0, true
-  for _, schedule in ipairs{ "gpipe", "1f1b" } do
-    for _, M in ipairs{ 1, 2, 4, 8, 16 } do
+  for _, schedule in ipairs{ "gpipe", "1f1b", "interleaved" } do
+    for _, M in ipairs(schedule == "interleaved" and { 2, 4, 8, 16 } or { 1, 2, 4, 8, 16 }) do
       local k = ("pp_%s_m%d"):format(schedule, M)
       local th, bub = res[k .. ".theory"], res[k .. ".bubble"]
       local i0, i1 = res[k .. ".idle_stage0"], res[k .. ".idle_stage1"]
@@ -39,7 +41,7 @@ return function(ctx)
       emit(k, "peak_activation_bytes", act, "%d")
       emit(k, "activation_vs_gpipe", act / gact, "%.4f")
       emit(k, "activation_bound_p_over_m", math.min(1, 2 / M), "%.4f")
-      print(("  %-6s %3d %8.1f %7.3f %7.3f %7.3f %7.3f %6.3f %6.3f %11.0f %8.3f"):format(schedule, M,
+      print(("  %-11s %3d %8.1f %7.3f %7.3f %7.3f %7.3f %6.3f %6.3f %11.0f %8.3f"):format(schedule, M,
         res[k .. ".step_ms"], th, bub, i0, i1, res[k .. ".recv_wait_stage0"], res[k .. ".recv_wait_stage1"],
         act / 1024, act / gact))
     end

@@ -133,6 +133,9 @@ end
 -- schedule. So each step's bubble is the idle fraction of that step's busiest
 -- stage; reported: its median over the steps, and the per-stage idle
 -- fractions (median), and recv-wait alone (engine:stats()).
+-- "interleaved" is 1F1B over V = 2 chunks per stage (M a multiple of P): its
+-- fill and drain are V times shorter, (P-1)/(V*M) of the ideal step, an idle
+-- fraction of (P-1)/(V*M + P-1).
 local function worker_pp(o)
   local cfg = MODELS.pp
   local P = pg.world_size()
@@ -141,9 +144,11 @@ local function worker_pp(o)
   local spec = {}
   for k, v in pairs(cfg) do if k ~= "batch" then spec[k] = v end end
   local steps = tonumber(o.steps or 5)
-  for _, schedule in ipairs{ "gpipe", "1f1b" } do
-    for _, M in ipairs{ 1, 2, 4, 8, 16 } do
-      local engine = pg.parallelize(pg.nn.GPT(spec), ctx, { micro_batches = M, schedule = schedule })
+  for _, schedule in ipairs{ "gpipe", "1f1b", "interleaved" } do
+    local V = schedule == "interleaved" and 2 or 1
+    for _, M in ipairs(V > 1 and { 2, 4, 8, 16 } or { 1, 2, 4, 8, 16 }) do
+      local engine = pg.parallelize(pg.nn.GPT(spec), ctx, { micro_batches = M, virtual_stages = V,
+        schedule = V > 1 and "1f1b" or schedule })
       local x, y = batch_tensors(cfg.batch * M, cfg.seq_len, cfg.vocab)
       local walls, idles, recvs, bubbles = {}, {}, {}, {}
       -- at least `steps` timed steps, more (up to 15) for short steps: about 3 s of them
@@ -178,7 +183,7 @@ local function worker_pp(o)
         local v = all:totable()
         local key = ("pp_%s_m%d"):format(schedule, M)
         print(("result %s.step_ms %.8g"):format(key, median(walls) * 1e3))
-        print(("result %s.theory %.8g"):format(key, (P - 1) / (M + P - 1)))
+        print(("result %s.theory %.8g"):format(key, (P - 1) / (V * M + P - 1)))
         print(("result %s.bubble %.8g"):format(key, median(bubbles)))
         for st = 0, P - 1 do
           local b = st * 3

@@ -98,6 +98,17 @@ describe("gpt2_check.lua on the PyTorch fixtures", function()
     end
   end
 
+  -- virtual stages: the 5 top-level modules in 4 chunks, 2 per stage, the
+  -- embedding on stage 0's first chunk and the tied head on stage 1's second
+  for _, M in ipairs{ 2, 4 } do
+    it(("--pipeline=2 --virtual-stages=2 --micro-batches=%d (interleaved)"):format(M), function()
+      check(2, { "--pipeline=2", "--virtual-stages=2", "--micro-batches=" .. M })
+    end)
+  end
+  it("--pipeline=2 --virtual-stages=2 --micro-batches=8 (interleaved, the 8-row batch)", function()
+    check(2, { "--pipeline=2", "--virtual-stages=2", "--micro-batches=8" }, REF8)
+  end)
+
   it("--pipeline=2 --tensor=2 (4 ranks), 1f1b with 2 micro-batches", function()
     check(4, { "--pipeline=2", "--tensor=2", "--micro-batches=2", "--schedule=1f1b" })
   end)

@@ -7,6 +7,7 @@
 -- `timeout -k 2 20` is a hang guard, not a timing assertion: a job that hangs
 -- is killed and then fails on its exit status (124 or 137 instead of 1).
 local h = require "helpers"
+local pg = require "pipegoose"
 
 local function job(n, code)
   local rc, out = h.sh(("timeout -k 2 20 scripts/mpirun.sh -x PG_ABORT_GRACE -np %d %s"):format(
@@ -112,5 +113,32 @@ describe("pipeline parallelism rejects", function()
       local ctx = pg.ParallelContext{ pipeline = 2 }
       pg.parallelize(]] .. GPT .. [[, ctx, { schedule = "zigzag" })]]):format("dim = 8, heads = 2"),
       "parallelize: schedule must be '1f1b' or 'gpipe', got 'zigzag'")
+  end)
+end)
+
+describe("virtual stages (the interleaved schedule) reject", function()
+  local cases = {
+    { "more chunks than top-level modules", "{ virtual_stages = 3, micro_batches = 2 }",
+      "pipeline x virtual_stages = 2 x 3 is larger than the model's 4 top-level modules" },
+    { "micro-batches that are not a multiple of P", "{ virtual_stages = 2, micro_batches = 3 }",
+      "interleaved with 2 chunks per stage needs micro-batches (3) to be a multiple of the pipeline size (2)" },
+    { "the gpipe schedule", "{ virtual_stages = 2, micro_batches = 2, schedule = \"gpipe\" }",
+      "virtual_stages = 2 runs the interleaved 1F1B schedule; schedule = \"gpipe\" has one chunk per stage" },
+    { "explicit stages that do not list every chunk", "{ virtual_stages = 2, micro_batches = 2, stages = { 2, 2 } }",
+      "stages lists 2 stages, but pipeline x virtual_stages = 2 x 2" },
+  }
+  for _, c in ipairs(cases) do
+    it(c[1], function()
+      assert_fails_everywhere(2, ([[
+        local ctx = pg.ParallelContext{ pipeline = 2 }
+        pg.parallelize(]] .. GPT .. [[, ctx, ]] .. c[2] .. [[)]]):format("dim = 8, heads = 2"), c[3])
+    end)
+  end
+
+  it("one pipeline stage", function()
+    local ok, err = pcall(pg.parallelize, pg.nn.GPT{ vocab = 61, seq_len = 8, layers = 1, dim = 8, heads = 2 }, nil,
+      { virtual_stages = 2 })
+    assert.is_false(ok)
+    assert.matches("parallelize: virtual_stages = 2 needs pipeline > 1", err)
   end)
 end)

@@ -1,15 +1,17 @@
 -- The pipeline schedule generators (src/pg_schedule.c), checked as data, no MPI:
--- core.schedule(name, P, M, stage) -> { {action, micro-batch}, ... }, stage
--- 0-based (a pipeline rank), micro-batches 1-based.
+-- core.schedule(name, P, M, stage [, V]) -> { {action, micro-batch [, chunk]}, ... },
+-- stage 0-based (a pipeline rank), micro-batches and chunks 1-based (the
+-- chunk is given when ranks hold V > 1 chunks: the interleaved schedule).
 local core = require "pipegoose.core"
 
 -- Short names for writing the expectations out by hand.
 local short = { RA = "recv_act", F = "forward", SA = "send_act", RG = "recv_grad", B = "backward", SG = "send_grad" }
 
+-- "F1" is {"forward", 1}; "F1.2" is {"forward", 1, 2}: micro-batch 1 of chunk 2.
 local function parse(text)
   local out = {}
-  for a, mb in text:gmatch("(%u+)(%d+)") do
-    out[#out + 1] = { assert(short[a], a), tonumber(mb) }
+  for a, mb, chunk in text:gmatch("(%u+)(%d+)%.?(%d*)") do
+    out[#out + 1] = { assert(short[a], a), tonumber(mb), tonumber(chunk) }
   end
   return out
 end
@@ -18,7 +20,7 @@ local function show(list)
   local inv = {}
   for k, v in pairs(short) do inv[v] = k end
   local parts = {}
-  for _, a in ipairs(list) do parts[#parts + 1] = inv[a[1]] .. a[2] end
+  for _, a in ipairs(list) do parts[#parts + 1] = inv[a[1]] .. a[2] .. (a[3] and "." .. a[3] or "") end
   return table.concat(parts, " ")
 end
 
@@ -118,6 +120,9 @@ end
 
 -- An independent run of the lists: sends never block, a receive blocks until
 -- its send is posted and consumes it. Returns true, or false and where it stuck.
+-- Messages are named by the model piece that sends them: chunk c of stage s
+-- (1-based here) is piece (c - 1) * P + s, activations go to the next piece,
+-- gradients to the previous one.
 local function simulate(st, M)
   local P = #st
   local pos, posted, consumed = {}, {}, {}
@@ -128,14 +133,15 @@ local function simulate(st, M)
     for s = 1, P do
       while pos[s] <= #st[s] do
         local a, mb = st[s][pos[s]][1], st[s][pos[s]][2]
+        local g = ((st[s][pos[s]][3] or 1) - 1) * P + s
         local k
-        if a == "recv_act" then k = key("act", s - 1, mb)
-        elseif a == "recv_grad" then k = key("grad", s + 1, mb) end
+        if a == "recv_act" then k = key("act", g - 1, mb)
+        elseif a == "recv_grad" then k = key("grad", g + 1, mb) end
         if k then
           if not posted[k] or consumed[k] then break end
           consumed[k] = true
-        elseif a == "send_act" then posted[key("act", s, mb)] = true
-        elseif a == "send_grad" then posted[key("grad", s, mb)] = true end
+        elseif a == "send_act" then posted[key("act", g, mb)] = true
+        elseif a == "send_grad" then posted[key("grad", g, mb)] = true end
         pos[s] = pos[s] + 1
         progress = true
       end
@@ -242,25 +248,215 @@ describe("pipeline schedules", function()
 
   it("reject an unknown name, naming it and the known ones", function()
     for _, f in ipairs{
-      function() return core.schedule("interleaved", 2, 4, 0) end,
-      function() return core.schedule_validate("interleaved", 2, 4) end,
+      function() return core.schedule("zigzag", 2, 4, 0) end,
+      function() return core.schedule_validate("zigzag", 2, 4) end,
     } do
       local ok, err = pcall(f)
       assert.is_false(ok)
-      assert.matches("unknown schedule 'interleaved' %(expected gpipe or 1f1b%)", err)
+      assert.matches("unknown schedule 'zigzag' %(expected gpipe, 1f1b, interleaved or forward%)", err)
     end
   end)
 
   it("reject sizes out of range, naming them", function()
     local ok, err = pcall(core.schedule, "gpipe", 2, 4, 2)
     assert.is_false(ok)
-    assert.matches("bad sizes %(P=2, M=4, stage 2%)", err)
+    assert.matches("bad sizes %(P=2, V=1, M=4, stage 2%)", err)
     ok, err = pcall(core.schedule, "1f1b", 2, 0, 0)
     assert.is_false(ok)
-    assert.matches("bad sizes %(P=2, M=0, stage 0%)", err)
+    assert.matches("bad sizes %(P=2, V=1, M=0, stage 0%)", err)
+    ok, err = pcall(core.schedule, "interleaved", 2, 4, 0, 0)
+    assert.is_false(ok)
+    assert.matches("bad sizes %(P=2, V=0, M=4, stage 0%)", err)
     ok, err = pcall(core.schedule_validate, "gpipe", 0, 4)
     assert.is_false(ok)
-    assert.matches("bad sizes P=0 M=4", err)
+    assert.matches("bad sizes P=0 M=4 V=1", err)
+    ok, err = pcall(core.schedule, "interleaved", 2, 1 << 19, 0, 4)
+    assert.is_false(ok)
+    assert.matches("524288 micro%-batches x 4 chunks are more than a schedule holds", err)
+  end)
+
+  describe("interleaved (V chunks per stage)", function()
+    -- Hand-written from Megatron-LM's rules: micro-batches go in groups of P
+    -- through chunk 1, then chunk 2, ... (backwards: the chunks in reverse);
+    -- stage s warms up with 2 (P - s - 1) + (V - 1) P forwards, then one
+    -- forward one backward, then the remaining backwards. Chunk 1 of stage 0
+    -- is the model's first piece (no receive), chunk V of stage P - 1 its last.
+    local hand = {
+      ["2,2,4"] = {
+        "F1.1 SA1.1 F2.1 SA2.1 RA1.2 F1.2 SA1.2 RA2.2 F2.2 SA2.2 " -- warm-up: 4
+          .. "F3.1 SA3.1 RG1.2 B1.2 SG1.2  F4.1 SA4.1 RG2.2 B2.2 SG2.2  RA3.2 F3.2 SA3.2 RG1.1 B1.1  "
+          .. "RA4.2 F4.2 SA4.2 RG2.1 B2.1  RG3.2 B3.2 SG3.2 RG4.2 B4.2 SG4.2 RG3.1 B3.1 RG4.1 B4.1",
+        "RA1.1 F1.1 SA1.1 RA2.1 F2.1 SA2.1 " -- warm-up: 2
+          .. "RA1.2 F1.2 B1.2 SG1.2  RA2.2 F2.2 B2.2 SG2.2  RA3.1 F3.1 SA3.1 RG1.1 B1.1 SG1.1  "
+          .. "RA4.1 F4.1 SA4.1 RG2.1 B2.1 SG2.1  RA3.2 F3.2 B3.2 SG3.2  RA4.2 F4.2 B4.2 SG4.2  "
+          .. "RG3.1 B3.1 SG3.1 RG4.1 B4.1 SG4.1",
+      },
+      ["2,2,2"] = { -- stage 0's warm-up is every forward
+        "F1.1 SA1.1 F2.1 SA2.1 RA1.2 F1.2 SA1.2 RA2.2 F2.2 SA2.2  RG1.2 B1.2 SG1.2 RG2.2 B2.2 SG2.2 RG1.1 B1.1 RG2.1 B2.1",
+        "RA1.1 F1.1 SA1.1 RA2.1 F2.1 SA2.1  RA1.2 F1.2 B1.2 SG1.2 RA2.2 F2.2 B2.2 SG2.2  RG1.1 B1.1 SG1.1 RG2.1 B2.1 SG2.1",
+      },
+    }
+    -- evaluation: forwards only, groups of P (the last one smaller)
+    local hand_forward = {
+      ["2,2,3"] = {
+        "F1.1 SA1.1 F2.1 SA2.1 RA1.2 F1.2 SA1.2 RA2.2 F2.2 SA2.2 F3.1 SA3.1 RA3.2 F3.2 SA3.2",
+        "RA1.1 F1.1 SA1.1 RA2.1 F2.1 SA2.1 RA1.2 F1.2 RA2.2 F2.2 RA3.1 F3.1 SA3.1 RA3.2 F3.2",
+      },
+    }
+
+    -- The rule, written here independently of the C generator.
+    local function textbook_interleaved(P, V, M, s, forward_only)
+      local out, G = {}, P * V
+      local function add(a, mb, c) out[#out + 1] = { a, mb, V > 1 and c or nil } end
+      local function item(k, backward) -- the k-th (0-based) chunk and micro-batch
+        local first = k // (P * V) * P
+        local size = math.min(P, M - first)
+        local within = k - first * V
+        local c = within // size + 1
+        if backward then c = V + 1 - c end
+        return c, first + within % size + 1
+      end
+      local function fwd(k)
+        local c, i = item(k, false)
+        local g = (c - 1) * P + s
+        if g > 0 then add("recv_act", i, c) end
+        add("forward", i, c)
+        if g < G - 1 then add("send_act", i, c) end
+      end
+      local function bwd(k)
+        local c, i = item(k, true)
+        local g = (c - 1) * P + s
+        if g < G - 1 then add("recv_grad", i, c) end
+        add("backward", i, c)
+        if g > 0 then add("send_grad", i, c) end
+      end
+      local total = M * V
+      if forward_only then
+        for k = 0, total - 1 do fwd(k) end
+        return out
+      end
+      local warm = math.min(2 * (P - s - 1) + (V - 1) * P, total)
+      for k = 0, warm - 1 do fwd(k) end
+      for j = 0, total - warm - 1 do
+        fwd(warm + j)
+        bwd(j)
+      end
+      for j = total - warm, total - 1 do bwd(j) end
+      return out
+    end
+
+    local function all(name, P, M, V)
+      local st = {}
+      for s = 0, P - 1 do st[s + 1] = core.schedule(name, P, M, s, V) end
+      return st
+    end
+
+    for key, lists in pairs(hand) do
+      local P, V, M = key:match("(%d+),(%d+),(%d+)")
+      P, V, M = tonumber(P), tonumber(V), tonumber(M)
+      it(("(P=%d, V=%d, M=%d): every stage's actions equal the hand-written lists"):format(P, V, M), function()
+        for s = 0, P - 1 do
+          local got = core.schedule("interleaved", P, M, s, V)
+          assert.same(parse(lists[s + 1]), got, ("stage %d: got %s"):format(s, show(got)))
+          assert.same(textbook_interleaved(P, V, M, s), got)
+        end
+        assert.is_true(core.schedule_validate("interleaved", P, M, V))
+      end)
+    end
+
+    for key, lists in pairs(hand_forward) do
+      local P, V, M = key:match("(%d+),(%d+),(%d+)")
+      P, V, M = tonumber(P), tonumber(V), tonumber(M)
+      it(("forward only (P=%d, V=%d, M=%d): the hand-written lists"):format(P, V, M), function()
+        for s = 0, P - 1 do
+          local got = core.schedule("forward", P, M, s, V)
+          assert.same(parse(lists[s + 1]), got, ("stage %d: got %s"):format(s, show(got)))
+        end
+        assert.is_true(core.schedule_validate("forward", P, M, V))
+      end)
+    end
+
+    it("match the rule, validate, and hold what the warm-up says, for P <= 6, V <= 4, M = P, 2P, 3P", function()
+      for P = 1, 6 do
+        for V = 1, 4 do
+          for M = P, 3 * P, P do
+            local where = ("P=%d V=%d M=%d"):format(P, V, M)
+            local ok, msg = core.schedule_validate("interleaved", P, M, V)
+            assert.is_true(ok, where .. ": " .. tostring(msg))
+            local st = all("interleaved", P, M, V)
+            assert.is_true(simulate(st, M), where)
+            for s = 0, P - 1 do
+              assert.same(textbook_interleaved(P, V, M, s), st[s + 1], where .. " stage " .. s)
+              -- every chunk runs every micro-batch both ways
+              for c = 1, V do
+                local f, b = {}, {}
+                for _, a in ipairs(st[s + 1]) do
+                  if (a[3] or 1) == c and a[1] == "forward" then f[#f + 1] = a[2] end
+                  if (a[3] or 1) == c and a[1] == "backward" then b[#b + 1] = a[2] end
+                end
+                table.sort(f)
+                table.sort(b)
+                assert.equal(M, #f, where)
+                assert.same(f, b, where)
+              end
+              local warm = math.min(2 * (P - s - 1) + (V - 1) * P, M * V)
+              assert.equal(math.min(warm + 1, M * V), max_in_flight(st[s + 1]), where .. " stage " .. s)
+            end
+          end
+        end
+      end
+    end)
+
+    it("forward only: validates for P <= 5, V <= 3, any M <= 7; with V = 1 it is GPipe's forward half", function()
+      for P = 1, 5 do
+        for V = 1, 3 do
+          for M = 1, 7 do
+            local where = ("P=%d V=%d M=%d"):format(P, V, M)
+            local ok, msg = core.schedule_validate("forward", P, M, V)
+            assert.is_true(ok, where .. ": " .. tostring(msg))
+            local st = all("forward", P, M, V)
+            assert.is_true(simulate(st, M), where)
+            for s = 0, P - 1 do
+              assert.same(textbook_interleaved(P, V, M, s, true), st[s + 1], where .. " stage " .. s)
+              if V == 1 then
+                local fwd_half = {}
+                for _, a in ipairs(core.schedule("gpipe", P, M, s)) do
+                  if a[1] == "recv_act" or a[1] == "forward" or a[1] == "send_act" then fwd_half[#fwd_half + 1] = a end
+                end
+                assert.same(fwd_half, st[s + 1], where)
+              end
+            end
+          end
+        end
+      end
+    end)
+
+    it("refuse micro-batches that are not a multiple of P, and more chunks for gpipe or 1f1b, saying why", function()
+      local ok, err = pcall(core.schedule, "interleaved", 2, 3, 0, 2)
+      assert.is_false(ok)
+      assert.matches("interleaved with 2 chunks per stage needs micro%-batches %(3%) to be a multiple of the "
+        .. "pipeline size %(2%)", err)
+      for _, name in ipairs{ "gpipe", "1f1b" } do
+        ok, err = pcall(core.schedule, name, 2, 4, 0, 2)
+        assert.is_false(ok)
+        assert.matches(name .. " runs one chunk per stage, not 2 %(more chunks need the interleaved schedule%)", err)
+      end
+      assert.is_true(core.schedule_validate("interleaved", 3, 5, 1)) -- one chunk: any M
+    end)
+
+    it("the checker follows chunks across the wrap-around and rejects a receive on the wrong chunk", function()
+      local good = { parse(hand["2,2,2"][1]), parse(hand["2,2,2"][2]) }
+      assert.is_true(core.schedule_validate(good, 2, 2))
+      -- stage 1 receives for chunk 1 where chunk 2's activation (from stage 0's chunk 2) belongs
+      local bad = { parse(hand["2,2,2"][1]), parse(hand["2,2,2"][2]) }
+      bad[2][7] = { "recv_act", 1, 1 } -- the second receive of chunk 1's activation 1
+      local ok, msg = core.schedule_validate(bad, 2, 2)
+      assert.is_false(ok)
+      assert.matches("stage 1 chunk 1 receives activation 1 twice", msg)
+      ok, msg = core.schedule_validate({ parse("F1.3 SA1.3"), parse("RA1.1 F1.1") }, 1, 2)
+      assert.is_false(ok)
+      assert.matches("stage 0: chunk 3 out of range 1..2", msg)
+    end)
   end)
 
   describe("the checker (core.schedule_validate on given lists)", function()
@@ -284,6 +480,10 @@ describe("pipeline schedules", function()
           "F1 SA1 RG1 B1", "RA1 B1 F1 SG1" }, 1, "stage 1: backward of micro%-batch 1 out of order" },
       { "the first stage receiving an activation", {
           "RA1 F1 SA1 RG1 B1", "RA1 F1 B1 SG1" }, 1, "stage 0 receives an activation" },
+      -- tags would sort it out under MPI, a device link (NCCL) matches in order
+      { "receives in another order than the sends", {
+          "F1 SA1 F2 SA2 RG2 B2 RG1 B1", "RA2 F2 B2 SG2 RA1 F1 B1 SG1" }, 2,
+        "stage 1 receives activation 2 out of the order stage 0 sent it" },
     }
     for _, c in ipairs(broken) do
       it("rejects " .. c[1] .. ", saying where", function()
