@@ -162,6 +162,26 @@ function M.edge_costs(s, L, hw, o)
   return embed, head
 end
 
+--- A stage's compute per micro-batch from its parts' costs (layer, embedding,
+-- head: {fwd = {compute, tp}, bwd = {compute, tp}}): forward and backward
+-- totals, their tensor-parallel shares, and the last layer's backward (what
+-- an overlapped data-parallel reduction can hide behind). Shared by the GPU
+-- path here and the CPU path (cpu.lua).
+function M.stage_compute(part, layer, embed, head)
+  local c = { fwd = 0, bwd = 0, fwd_tp = 0, bwd_tp = 0 }
+  local function add(x, n)
+    c.fwd = c.fwd + n * (x.fwd.compute + x.fwd.tp)
+    c.bwd = c.bwd + n * (x.bwd.compute + x.bwd.tp)
+    c.fwd_tp = c.fwd_tp + n * x.fwd.tp
+    c.bwd_tp = c.bwd_tp + n * x.bwd.tp
+  end
+  add(layer, part.layers)
+  if part.first then add(embed, 1) end
+  if part.last then add(head, 1) end
+  c.last_bwd_layer = layer.bwd.compute + layer.bwd.tp
+  return c
+end
+
 --- Everything the simulator and the step need for one layout:
 -- stages[i] = { fwd, bwd (seconds, busy), fwd_tp, bwd_tp (of which TP comm),
 --   send_act, send_grad (transfer seconds to the next / previous stage),
@@ -184,17 +204,7 @@ function M.stage_costs(s, L, hw, o, parts)
   local out = {}
   for i, part in ipairs(parts) do
     local p = i - 1
-    local c = { fwd = 0, bwd = 0, fwd_tp = 0, bwd_tp = 0 }
-    local function add(x, n)
-      c.fwd = c.fwd + n * (x.fwd.compute + x.fwd.tp)
-      c.bwd = c.bwd + n * (x.bwd.compute + x.bwd.tp)
-      c.fwd_tp = c.fwd_tp + n * x.fwd.tp
-      c.bwd_tp = c.bwd_tp + n * x.bwd.tp
-    end
-    add(layer, part.layers)
-    if part.first then add(embed, 1) end
-    if part.last then add(head, 1) end
-    c.last_bwd_layer = layer.bwd.compute + layer.bwd.tp
+    local c = M.stage_compute(part, layer, embed, head)
     -- transfers out of this stage
     local function link(crosses) return crosses and hw.inter or hw.intra end
     if p < L.p - 1 then

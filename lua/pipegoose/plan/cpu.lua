@@ -252,17 +252,8 @@ function M.stage_costs(s, L, hw, parts, stage_params)
   local send = (p2p.latency + act / p2p.bandwidth) * math.max(1, R / hw.cpu.cores) / math.max(1, 2 / hw.cpu.cores)
   local out = {}
   for i, part in ipairs(parts) do
-    local c = { fwd = 0, bwd = 0, fwd_tp = 0, bwd_tp = 0 }
-    local function add(x, n)
-      c.fwd = c.fwd + n * (x.fwd.compute + x.fwd.tp)
-      c.bwd = c.bwd + n * (x.bwd.compute + x.bwd.tp)
-      c.fwd_tp = c.fwd_tp + n * x.fwd.tp
-      c.bwd_tp = c.bwd_tp + n * x.bwd.tp
-    end
-    add(layer, part.layers)
-    if part.first then add(embed, 1) end
-    if part.last then add(head, 1) end
-    c.last_bwd_layer = layer.bwd.compute + layer.bwd.tp
+    -- cost.lua is loaded already: it calls this function
+    local c = require("pipegoose.plan.cost").stage_compute(part, layer, embed, head)
     if i < L.p then c.send_act = send end
     if i > 1 then c.send_grad = send end
     local params = stage_params(s, part, L.t, L.p)
