@@ -14,6 +14,7 @@
 -- Tolerance: pipeline_spec's (micro-batching only regroups float32 sums):
 -- |got - want| <= 1e-5 |want| + 1e-6 max(1, max |want|).
 local pg = require "pipegoose"
+local h = require "helpers"
 
 local W = pg.world_size()
 local P = W
@@ -30,18 +31,9 @@ local ser = pg.ParallelContext{ data = W, seed = 5 }
 local pipe = pg.ParallelContext{ pipeline = P, seed = 5 }
 local stage = pipe:local_rank("pipeline")
 
-local function absmax(t)
-  local m = 0
-  for _, v in ipairs(t:reshape{ t:numel() }:totable()) do m = math.max(m, math.abs(v)) end
-  return m
-end
-
 local function assert_close(got, want, what)
-  assert.same(want:shape(), got:shape(), what .. ": shape")
-  local scale = absmax(want)
-  local atol = ATOL * math.max(1, scale)
-  assert.is_true(got:allclose(want, RTOL, atol),
-    ("%s: max |diff| %.3g (max |want| %.3g)"):format(what, got:max_abs_diff(want), scale))
+  local ok, why = h.scaled_close(got, want, RTOL, ATOL, true)
+  assert.is_true(ok, what .. ": " .. tostring(why))
 end
 
 local function assert_loss(got, want, what)

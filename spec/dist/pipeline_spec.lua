@@ -17,6 +17,7 @@
 -- regrouping of a float32 sum of K terms moves it by ~K * 6e-8 of the
 -- terms' magnitude (K <= 128 here).
 local pg = require "pipegoose"
+local h = require "helpers"
 local llmc = require "pipegoose.llmc"
 
 local W = pg.world_size()
@@ -36,19 +37,9 @@ end
 local ser = pg.ParallelContext{ data = W, seed = 3 }
 local pipe = pg.ParallelContext{ pipeline = P, seed = 3 }
 
-local function absmax(t)
-  local m = 0
-  for _, v in ipairs(t:reshape{ t:numel() }:totable()) do m = math.max(m, math.abs(v)) end
-  return m
-end
-
 local function assert_close(got, want, what)
-  assert.same(want:shape(), got:shape(), what .. ": shape")
-  local scale = absmax(want)
-  assert.is_true(scale > 0, what .. ": the reference is all zeros")
-  local atol = ATOL * math.max(1, scale)
-  assert.is_true(got:allclose(want, RTOL, atol),
-    ("%s: max |diff| %.3g (max |want| %.3g)"):format(what, got:max_abs_diff(want), scale))
+  local ok, why = h.scaled_close(got, want, RTOL, ATOL)
+  assert.is_true(ok, what .. ": " .. tostring(why))
 end
 
 local function assert_loss(got, want, what)

@@ -19,6 +19,7 @@
 -- near zero (a bias gradient summing dy of both signs), where a relative error
 -- is meaningless but the absolute rounding error is still ~1e-7 of the terms.
 local pg = require "pipegoose"
+local h = require "helpers"
 local llmc = require "pipegoose.llmc"
 
 local W = pg.world_size()
@@ -29,21 +30,11 @@ local ser = pg.ParallelContext{ data = W, seed = 11 }  -- tensor group of size 1
 local par = pg.ParallelContext{ tensor = W, seed = 11 } -- tensor group of size T
 local r = par:local_rank("tensor")
 
-local function absmax(t)
-  local m = 0
-  for _, v in ipairs(t:reshape{ t:numel() }:totable()) do m = math.max(m, math.abs(v)) end
-  return m
-end
-
 -- got ≈ want under the stated tolerance; also refuses an all-zero reference
 -- (a comparison of zeros with zeros would prove nothing) unless zero_ok.
 local function assert_close(got, want, what, zero_ok)
-  assert.same(want:shape(), got:shape(), what .. ": shape")
-  local scale = absmax(want)
-  if not zero_ok then assert.is_true(scale > 0, what .. ": the reference is all zeros") end
-  local atol = ATOL * math.max(1, scale)
-  assert.is_true(got:allclose(want, RTOL, atol),
-    ("%s: max |diff| %.3g (max |want| %.3g, rtol %g, atol %.3g)"):format(what, got:max_abs_diff(want), scale, RTOL, atol))
+  local ok, why = h.scaled_close(got, want, RTOL, ATOL, zero_ok)
+  assert.is_true(ok, what .. ": " .. tostring(why))
 end
 
 -- Rank r's share of the last dimension: seen as `blocks` blocks (3 for a

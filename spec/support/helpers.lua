@@ -33,6 +33,21 @@ function M.mpirun_cmd(n, args, limit)
   return ("timeout -k 5 %d scripts/mpirun.sh -x PG_ABORT_GRACE -np %d %s"):format(limit or 60, n, M.pglua_cmd(args))
 end
 
+--- Whether tensor `got` is `want` to the tolerance the layout specs state:
+-- |got - want| <= rtol |want| + atol * max(1, max |want|) element-wise, with
+-- equal shapes and (unless zero_ok) a reference that is not all zeros.
+-- Returns true, or false and what differs (for the spec's assert).
+function M.scaled_close(got, want, rtol, atol, zero_ok)
+  local gs, ws = table.concat(got:shape(), "x"), table.concat(want:shape(), "x")
+  if gs ~= ws then return false, ("shape %s, want %s"):format(gs, ws) end
+  local scale = 0
+  for _, v in ipairs(want:reshape{ want:numel() }:totable()) do scale = math.max(scale, math.abs(v)) end
+  if scale == 0 and not zero_ok then return false, "the reference is all zeros" end
+  local tol = atol * math.max(1, scale)
+  if got:allclose(want, rtol, tol) then return true end
+  return false, ("max |diff| %.3g (max |want| %.3g, rtol %g, atol %.3g)"):format(got:max_abs_diff(want), scale, rtol, tol)
+end
+
 --- Writes text to a fresh temporary file and returns its path.
 function M.tmpfile(text, suffix)
   local path = os.tmpname() .. (suffix or ".lua")
