@@ -56,7 +56,8 @@ end
 function M.layout(trainer)
   local engine, opt, ctx = trainer.engine, trainer.optimizer, trainer.ctx
   local l = { tensor = 1, pipeline = 1, data = 1, zero = opt and opt.zero or 0, world_size = trainer.state.world_size,
-              micro_batches = engine.micro_batches, schedule = engine.schedule }
+              micro_batches = engine.micro_batches, schedule = engine.schedule,
+              virtual_stages = engine.virtual_stages or 1 }
   if ctx and ctx.sizes then
     local s = ctx:sizes()
     l.tensor, l.pipeline, l.data = s.tensor, s.pipeline, s.data
@@ -72,8 +73,12 @@ function M.layout(trainer)
   return l
 end
 
+-- virtual_stages only when the pipeline is interleaved, so that messages about
+-- plain layouts read as they always have.
 local function describe_layout(l)
-  return ("tensor=%d pipeline=%d data=%d zero=%d"):format(l.tensor or 1, l.pipeline or 1, l.data or 1, l.zero or 0)
+  local virtual = (l.virtual_stages or 1) > 1 and (" (virtual_stages=%d)"):format(l.virtual_stages) or ""
+  return ("tensor=%d pipeline=%d%s data=%d zero=%d"):format(l.tensor or 1, l.pipeline or 1, virtual, l.data or 1,
+    l.zero or 0)
 end
 
 M.real_optimizer = real_optimizer

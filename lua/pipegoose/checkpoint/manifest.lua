@@ -321,6 +321,7 @@ local function check_manifest(m)
   must(l.zero == 0 or l.zero == 1, "layout.zero", l.zero, "0 or 1")
   must(l.world_size == m.world_size, "layout.world_size", l.world_size, ("world_size = %d"):format(m.world_size))
   optional(pos_int, "layout.micro_batches", l.micro_batches)
+  optional(pos_int, "layout.virtual_stages", l.virtual_stages) -- absent before interleaved pipelines: 1
   local o = m.optimizer
   if o ~= nil then
     object("optimizer", o)
