@@ -29,14 +29,9 @@ local args = parser:parse()
 local quick = args.quick
 local REPEATS = quick and 3 or 7
 
-local function median(t)
-  local s = {}
-  for i, v in ipairs(t) do s[i] = v end
-  table.sort(s)
-  local n = #s
-  if n % 2 == 1 then return s[(n + 1) // 2] end
-  return (s[n // 2] + s[n // 2 + 1]) / 2
-end
+-- scripts/bench/*.lua as require "bench.<name>", found next to this script
+package.path = (arg[0]:match("^(.*/)") or "./") .. "?.lua;" .. package.path
+local median = require("bench.common").median
 
 --- Median seconds of f() over `n` runs after one warm-up run.
 local function timed(f, n)

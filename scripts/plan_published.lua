@@ -7,6 +7,9 @@
 local pg = require "pipegoose"
 local argparse = require "argparse"
 local published = require "pipegoose.plan.published"
+-- scripts/bench/*.lua as require "bench.<name>", found next to this script
+package.path = (arg[0]:match("^(.*/)") or "./") .. "?.lua;" .. package.path
+local common = require "bench.common"
 
 local parser = argparse("plan_published.lua", "Planner predictions next to Megatron-LM's published throughputs.")
 parser:option("--gemm-efficiency", "Override the planner's GEMM efficiency constant."):convert(tonumber)
@@ -30,5 +33,4 @@ for _, row in ipairs(published.ROWS) do
 end
 table.sort(errs)
 local n = #errs
-local median = n % 2 == 1 and errs[(n + 1) // 2] or (errs[n // 2] + errs[n // 2 + 1]) / 2
-print(("\npublished_comparison median_abs_error=%.3f max_abs_error=%.3f n=%d"):format(median, errs[n], n))
+print(("\npublished_comparison median_abs_error=%.3f max_abs_error=%.3f n=%d"):format(common.median(errs), errs[n], n))

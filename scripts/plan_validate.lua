@@ -59,15 +59,9 @@ M.QUICK = {
   cfg("llama P=2 M=2 1f1b", "llama", 1, 2, 1, 2, "1f1b"),
 }
 
-local function median(t)
-  local s = {}
-  for i, v in ipairs(t) do s[i] = v end
-  table.sort(s)
-  local n = #s
-  if n % 2 == 1 then return s[(n + 1) // 2] end
-  return (s[n // 2] + s[n // 2 + 1]) / 2
-end
-M.median = median
+-- the benchmark's helpers, next to this file (it is also run alone, under mpirun)
+package.path = (debug.getinfo(1, "S").source:match("^@(.*/)") or "./") .. "?.lua;" .. package.path
+local median = require("bench.common").median
 
 local function build(model_cfg)
   local spec = {}
