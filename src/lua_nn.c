@@ -638,7 +638,9 @@ static int l_info(lua_State *L) {
   for (int v = 0; v < e->nchunks; v++) {
     slots += e->chunks[v].nslots;
     peak += e->chunks[v].peak_in_flight;
-    fixed += (lua_Integer)pg_module_fixed_bytes(e->chunks[v].stage);
+    /* the chunks share the rank's one arena of recomputed buffers */
+    lua_Integer f = (lua_Integer)pg_module_fixed_bytes(e->chunks[v].stage);
+    if (f > fixed) fixed = f;
   }
   set_int(L, "chunks", e->nchunks);
   set_int(L, "slots", slots);

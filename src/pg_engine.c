@@ -163,8 +163,11 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *const *stages, int nchunks,
     pg_engine_free(e);
     return pg_fail_null("out of memory");
   }
-  int rc = PG_OK;
-  for (int v = 0; v < nchunks && !rc; v++) rc = check_widths(e, v) || pg_module_set_backend(chunks[v].stage, e->be);
+  int rc = !(e->recompute_arena = pg_recompute_arena_new(e->be));
+  /* one arena for every chunk: a rank runs one block's backward at a time */
+  for (int v = 0; v < nchunks && !rc; v++)
+    rc = check_widths(e, v) || pg_module_set_backend(chunks[v].stage, e->be) ||
+         pg_module_use_recompute_arena(chunks[v].stage, e->recompute_arena);
   if (rc || make_schedule(e) || bind_params(e, seed) || count_parameters(e, &e->num_parameters)) {
     pg_engine_free(e);
     return NULL;
@@ -189,6 +192,7 @@ void pg_engine_free(pg_engine *e) {
     free(c->stage_out);
     free(c->router_req);
   }
+  pg_recompute_arena_free(e->recompute_arena); /* after the modules that allocate from it */
   free(e->router);
   free(e->expert_tokens);
   free(e->chunks);
@@ -210,6 +214,7 @@ static int ensure_capacity(pg_engine *e, int rows) {
   if (rows <= e->capacity_rows) return PG_OK;
   size_t w = (size_t)e->opts.width;
   int needs_grad_recv = 0;
+  pg_recompute_arena_reset(e->recompute_arena); /* every module is allocated again below */
   for (int v = 0; v < e->nchunks; v++) {
     pg_chunk *c = &e->chunks[v];
     int64_t sizes[3] = {c->nslots, rows, e->opts.width};

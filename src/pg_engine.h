@@ -78,6 +78,7 @@ typedef struct pg_engine {
   pg_param **params;    /* every chunk's, chunk by chunk */
   int nparams;
   pg_storage *param_store, *grad_store;
+  pg_recompute_arena *recompute_arena; /* the recomputed blocks' shared buffers, all chunks' (pg_module.h) */
   pg_shm param_shm, grad_shm; /* the data group's copies of both, when shared (pg_shm.h) */
   int64_t flat_numel;  /* used elements */
   int64_t flat_padded; /* buffer length: a multiple of the data size (ZeRO shards) */

@@ -278,6 +278,142 @@ static float *alloc_floats(pg_module *m, float **arr, size_t n) {
   return *arr;
 }
 
+/* ---------------------------------------------------------------- recomputation's shared memory */
+
+/* A backend of its own (a copy of the home backend whose alloc carves from
+ * the region and whose release does nothing) is what the modules inside a
+ * recomputed block see, so their alloc code is the same with or without
+ * recomputation. Kernels, copies and the device's stream are the home
+ * backend's. */
+struct pg_recompute_arena {
+  pg_backend be;        /* first: the alloc/release callbacks get back to the arena from it */
+  pg_backend_ops ops;
+  const pg_backend *home;
+  char *region;         /* on the home backend */
+  size_t cap, used;     /* bytes */
+  size_t requested;     /* since the last begin: what the region must hold */
+  void **spare;         /* outgrown regions and the overflow of a measuring pass: released at reset / free */
+  int nspare, spare_cap;
+  const pg_module *owner; /* selective: whose probabilities the region holds, and of which slot */
+  int owner_slot;
+};
+
+#define ARENA_ALIGN 64
+
+static int arena_keep(pg_recompute_arena *a, void *p) {
+  if (a->nspare == a->spare_cap) {
+    int cap = a->spare_cap ? 2 * a->spare_cap : 8;
+    void **n = realloc(a->spare, (size_t)cap * sizeof *n);
+    if (!n) return pg_fail("out of memory");
+    a->spare = n;
+    a->spare_cap = cap;
+  }
+  a->spare[a->nspare++] = p;
+  return PG_OK;
+}
+
+/* Zeroed bytes from the region; past its end (a pass that measures a block
+ * larger than the region), from the home backend, kept on the spare list. */
+static void *arena_alloc(const pg_backend *b, size_t bytes) {
+  pg_recompute_arena *a = (pg_recompute_arena *)b;
+  size_t need = (bytes + ARENA_ALIGN - 1) / ARENA_ALIGN * ARENA_ALIGN;
+  if (need < bytes || a->requested > SIZE_MAX - need) return pg_fail_null("recomputation buffers overflow size_t");
+  a->requested += need;
+  if (a->used + need <= a->cap) {
+    void *p = a->region + a->used;
+    a->used += need;
+    return a->home->ops->zero(a->home, p, bytes) ? NULL : p;
+  }
+  void *p = a->home->ops->alloc(a->home, bytes);
+  if (p && arena_keep(a, p)) {
+    a->home->ops->release(a->home, p);
+    return NULL;
+  }
+  return p;
+}
+
+static void arena_release(const pg_backend *b, void *p) {
+  (void)b;
+  (void)p; /* the region outlives the modules; the spare list is released by reset and free */
+}
+
+pg_recompute_arena *pg_recompute_arena_new(const pg_backend *home) {
+  pg_recompute_arena *a = calloc(1, sizeof *a);
+  if (!a) return pg_fail_null("out of memory");
+  a->home = home;
+  a->ops = *home->ops;
+  a->ops.alloc = arena_alloc;
+  a->ops.release = arena_release;
+  a->be = *home;
+  a->be.ops = &a->ops;
+  return a;
+}
+
+static void arena_drop_spare(pg_recompute_arena *a) {
+  for (int i = 0; i < a->nspare; i++) a->home->ops->release(a->home, a->spare[i]);
+  a->nspare = 0;
+}
+
+void pg_recompute_arena_free(pg_recompute_arena *a) {
+  if (!a) return;
+  arena_drop_spare(a);
+  free(a->spare);
+  if (a->region) a->home->ops->release(a->home, a->region);
+  free(a);
+}
+
+void pg_recompute_arena_reset(pg_recompute_arena *a) {
+  if (!a) return;
+  arena_drop_spare(a);
+  a->owner = NULL;
+}
+
+static void arena_begin(pg_recompute_arena *a) {
+  a->used = a->requested = 0;
+  a->owner = NULL;
+}
+
+/* After a pass that asked for more than the region holds: a region of that
+ * size (the old one stays, on the spare list, for the blocks placed in it). */
+static int arena_grow(pg_recompute_arena *a) {
+  if (a->requested <= a->cap) return PG_OK;
+  char *r = a->home->ops->alloc(a->home, a->requested);
+  if (!r) return pg_fail("recomputation buffers (%zu bytes on %s): %s", a->requested, a->home->name, pg_error());
+  if (a->region && arena_keep(a, a->region)) {
+    a->home->ops->release(a->home, r);
+    return PG_ERR;
+  }
+  a->region = r;
+  a->cap = a->requested;
+  return PG_OK;
+}
+
+/* Allocates `inner` (one micro-batch) in the arena: a pass that measures,
+ * and when the block outgrew the region, a larger region and the pass again. */
+static int arena_alloc_block(pg_recompute_arena *a, pg_module *inner, int max_rows) {
+  arena_begin(a);
+  if (pg_module_alloc(inner, 1, max_rows)) return PG_ERR;
+  if (a->requested <= a->cap) return PG_OK;
+  if (arena_grow(a)) return PG_ERR;
+  arena_begin(a);
+  return pg_module_alloc(inner, 1, max_rows);
+}
+
+/* Selective recomputation: the region as one buffer of `bytes` (the largest
+ * asked for), claimed by whoever computes into it. */
+static float *arena_buffer(pg_recompute_arena *a, size_t bytes) {
+  arena_begin(a);
+  a->requested = bytes;
+  if (arena_grow(a)) return NULL;
+  return (float *)a->region;
+}
+
+/* Where a module's lasting buffers go (tables filled once at alloc): never
+ * the arena, whose region the next block's buffers reuse. */
+static const pg_backend *home_backend(const pg_backend *b) {
+  return b->ops->alloc == arena_alloc ? ((const pg_recompute_arena *)b)->home : b;
+}
+
 /* ---------------------------------------------------------------- tensor-parallel pieces */
 
 int pg_tp_reduce_forward(pg_module *m, float *y, int64_t n) {
@@ -604,24 +740,48 @@ typedef struct attention_state {
   int att_slot;   /* recompute: the micro-batch whose probabilities att holds (-1: none) */
 } attention_state;
 
-/* The probabilities of `slot`: its own with every slot kept, else the one buffer. */
+/* The probabilities of `slot`: its own with every slot kept; recomputed, the
+ * rank's arena (shared by the attentions of every layer) or, in a module
+ * without an engine, its one buffer. */
 static float *attention_probs(pg_module *m, attention_state *s, int slot) {
+  if (m->arena) return (float *)m->arena->region;
   return s->att + (s->o.recompute ? 0 : (size_t)slot * m->max_rows * s->heads_l * s->max_seq);
+}
+
+/* Recomputed: whether the buffer still holds this slot's probabilities (no
+ * other micro-batch's, nor another layer's, forward ran since). */
+static int attention_holds(const pg_module *m, const attention_state *s, int slot) {
+  if (m->arena) return m->arena->owner == m && m->arena->owner_slot == slot;
+  return s->att_slot == slot;
+}
+
+static void attention_claim(pg_module *m, attention_state *s, int slot) {
+  if (m->arena) {
+    m->arena->owner = slot >= 0 ? m : NULL;
+    m->arena->owner_slot = slot;
+  }
+  s->att_slot = slot;
 }
 
 static int attention_alloc(pg_module *m, int nslots, int max_rows) {
   attention_state *s = m->state;
   if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
   size_t per_slot = (size_t)max_rows * s->heads_l * s->max_seq;
-  if (!alloc_floats(m, &s->att, (size_t)(s->o.recompute ? 1 : nslots) * per_slot) ||
-      !alloc_floats(m, &s->scratch, (size_t)KERNEL(m, attention_scratch_floats, s->max_seq, s->heads_l)))
+  if (m->arena ? !arena_buffer(m->arena, per_slot * sizeof(float))
+               : !alloc_floats(m, &s->att, (size_t)(s->o.recompute ? 1 : nslots) * per_slot))
     return pg_fail("out of memory for %s (attention probabilities)", m->name);
-  s->att_slot = -1;
+  if (!alloc_floats(m, &s->scratch, (size_t)KERNEL(m, attention_scratch_floats, s->max_seq, s->heads_l)))
+    return pg_fail("out of memory for %s (attention backward)", m->name);
+  attention_claim(m, s, -1);
   if (!s->o.recompute) m->saved_bytes_per_slot += per_slot * sizeof(float);
   if (s->o.rope_theta > 0) {
     size_t rot = (size_t)max_rows * m->in_width, table = (size_t)s->max_seq * (s->o.head_dim / 2);
-    if (!alloc_floats(m, &s->rotated, (size_t)nslots * rot) || !alloc_floats(m, &s->cos_t, table) ||
-        !alloc_floats(m, &s->sin_t, table))
+    const pg_backend *home = home_backend(BE(m)); /* the tables outlive a recomputed block's buffers */
+    pg_be_release(home, s->cos_t);
+    pg_be_release(home, s->sin_t);
+    s->cos_t = pg_be_floats(home, table);
+    s->sin_t = pg_be_floats(home, table);
+    if (!alloc_floats(m, &s->rotated, (size_t)nslots * rot) || !s->cos_t || !s->sin_t)
       return pg_fail("out of memory for %s (rotary embeddings)", m->name);
     m->saved_bytes_per_slot += rot * sizeof(float);
     float *host = malloc(2 * table * sizeof(float));
@@ -651,7 +811,7 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
   }
   if (KERNEL(m, attention_forward, slot_out(m, slot), att, x, io->B, io->T, s->heads_l, s->kv_l, hd)) return PG_ERR;
   s->saved_x[slot] = x;
-  s->att_slot = slot;
+  attention_claim(m, s, slot);
   *y = slot_out(m, slot);
   return PG_OK;
 }
@@ -662,10 +822,10 @@ static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy
   float *att = attention_probs(m, s, slot);
   /* recompute: another micro-batch's forward ran since; the output written
    * again is the same (the next module has used it already) */
-  if (s->o.recompute && s->att_slot != slot &&
+  if (s->o.recompute && !attention_holds(m, s, slot) &&
       KERNEL(m, attention_forward, slot_out(m, slot), att, s->saved_x[slot], io->B, io->T, s->heads_l, s->kv_l, hd))
     return PG_ERR;
-  s->att_slot = -1; /* backward may overwrite what it reads */
+  attention_claim(m, s, -1); /* backward may overwrite what it reads */
   if (KERNEL(m, attention_backward, m->dinp, s->scratch, dy, s->saved_x[slot], att, io->B, io->T, s->heads_l, s->kv_l,
              hd))
     return PG_ERR;
@@ -684,8 +844,8 @@ static void attention_destroy(pg_module *m) {
   pg_be_release(BE(m), s->att);
   pg_be_release(BE(m), s->scratch);
   pg_be_release(BE(m), s->rotated);
-  pg_be_release(BE(m), s->cos_t);
-  pg_be_release(BE(m), s->sin_t);
+  pg_be_release(home_backend(BE(m)), s->cos_t);
+  pg_be_release(home_backend(BE(m)), s->sin_t);
   free(s->saved_x);
 }
 
@@ -1465,8 +1625,14 @@ static int recompute_alloc(pg_module *m, int nslots, int max_rows) {
   if (!(m->out = pg_be_floats(BE(m), out_n)))
     return pg_fail("%s outputs (%zu floats on %s): %s", m->name, out_n, BE(m)->name, pg_error());
   m->saved_bytes_per_slot = out_n / nslots * sizeof(float);
-  /* the block itself: one micro-batch's activations */
-  return alloc_ptrs(&s->saved_x, nslots) || pg_module_alloc(m->children[0], 1, max_rows) ? PG_ERR : PG_OK;
+  if (alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
+  if (!m->arena) return pg_module_alloc(m->children[0], 1, max_rows); /* the block's own micro-batch of buffers */
+  /* the arena's (shared with every recomputed block): the input gradient
+   * handed back must outlive the next block's recomputation */
+  pg_be_release(BE(m), m->dinp);
+  if (!(m->dinp = pg_be_floats(BE(m), (size_t)max_rows * m->in_width)))
+    return pg_fail("%s input gradients: %s", m->name, pg_error());
+  return arena_alloc_block(m->arena, m->children[0], max_rows);
 }
 
 static int recompute_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
@@ -1489,8 +1655,12 @@ static int recompute_backward(pg_module *m, int slot, pg_io *io, const float *dy
   io->recomputing = 1;
   int rc = pg_module_forward(m->children[0], 0, io, s->saved_x[slot], &f);
   io->recomputing = 0;
-  if (rc) return PG_ERR;
-  return pg_module_backward(m->children[0], 0, io, dy, dx);
+  if (rc || pg_module_backward(m->children[0], 0, io, dy, dx)) return PG_ERR;
+  if (!m->arena) return PG_OK;
+  if (KERNEL(m, copy, m->dinp, *dx, (size_t)io->B * io->T * m->in_width * sizeof(float), PG_COPY_DEVICE_TO_DEVICE))
+    return PG_ERR;
+  *dx = m->dinp;
+  return PG_OK;
 }
 
 static void recompute_destroy(pg_module *m) {
@@ -1780,6 +1950,19 @@ void pg_module_free(pg_module *m) {
   free(m);
 }
 
+int pg_module_use_recompute_arena(pg_module *m, pg_recompute_arena *a) {
+  if (m->nslots) return pg_fail("%s: recomputation's memory must be chosen before the buffers are allocated", m->name);
+  if (m->ops == &recompute_ops) {
+    m->arena = a;
+    /* the block inside allocates from the arena; anything recomputing within it is already covered */
+    return pg_module_set_backend(m->children[0], &a->be);
+  }
+  if (m->ops == &attention_ops && ((attention_state *)m->state)->o.recompute) m->arena = a;
+  for (int i = 0; i < m->nchildren; i++)
+    if (pg_module_use_recompute_arena(m->children[i], a)) return PG_ERR;
+  return PG_OK;
+}
+
 int pg_module_set_backend(pg_module *m, const pg_backend *be) {
   if (m->be != be && (m->out || m->dinp || m->nslots))
     return pg_fail("%s: the backend must be chosen before the buffers are allocated", m->name);
@@ -1837,11 +2020,14 @@ size_t pg_module_saved_bytes(const pg_module *m) {
 }
 
 size_t pg_module_fixed_bytes(const pg_module *m) {
-  size_t b = 0;
   if (m->ops == &attention_ops && ((const attention_state *)m->state)->o.recompute)
-    b += (size_t)m->max_rows * ((const attention_state *)m->state)->heads_l *
-         ((const attention_state *)m->state)->max_seq * sizeof(float);
-  if (m->ops == &recompute_ops) return b + pg_module_saved_bytes(m->children[0]) + pg_module_fixed_bytes(m->children[0]);
-  for (int i = 0; i < m->nchildren; i++) b += pg_module_fixed_bytes(m->children[i]);
+    return (size_t)m->max_rows * ((const attention_state *)m->state)->heads_l *
+           ((const attention_state *)m->state)->max_seq * sizeof(float);
+  if (m->ops == &recompute_ops) return pg_module_saved_bytes(m->children[0]) + pg_module_fixed_bytes(m->children[0]);
+  size_t b = 0;
+  for (int i = 0; i < m->nchildren; i++) {
+    size_t c = pg_module_fixed_bytes(m->children[i]);
+    if (c > b) b = c;
+  }
   return b;
 }

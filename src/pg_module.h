@@ -111,6 +111,7 @@ struct pg_module {
   float *out;               /* [nslots][max_rows * out_width] */
   float *dinp;              /* [max_rows * in_width] */
   size_t saved_bytes_per_slot; /* activations kept per micro-batch (outputs + saved statistics) */
+  struct pg_recompute_arena *arena; /* recompute modules and selectively recomputing attention: shared memory */
   void *state;              /* kind-specific */
 };
 
@@ -311,11 +312,33 @@ int pg_module_alloc(pg_module *m, int nslots, int max_rows);
 /* Every parameter in the tree, each once, in tree order; *n set. Caller frees the array. */
 pg_param **pg_module_collect_params(pg_module *m, int *n);
 
+/* Recomputation's shared memory, one per engine. Backward recomputes one
+ * block (recompute = "full") or one attention's probabilities ("selective")
+ * at a time, so the insides of all recomputed blocks of a rank, and all
+ * recomputed probabilities, live in one region: the activations of a
+ * recomputed model are its blocks' outputs per micro-batch in flight plus
+ * ONE block's inside, as in Megatron-LM, also with a single micro-batch.
+ * The region grows to the largest block's need (a block that outgrows it
+ * gets a larger one; the outgrown region is kept until the next reset, for
+ * the blocks allocated in it). Lives until after the modules that use it. */
+typedef struct pg_recompute_arena pg_recompute_arena;
+pg_recompute_arena *pg_recompute_arena_new(const pg_backend *home); /* NULL + pg_error() */
+void pg_recompute_arena_free(pg_recompute_arena *a);
+/* Before every module of the trees that use it is allocated again (more
+ * rows): the outgrown regions go. */
+void pg_recompute_arena_reset(pg_recompute_arena *a);
+/* The recompute modules and selectively recomputing attentions of m's tree
+ * take their recomputed buffers from a (after pg_module_set_backend, before
+ * pg_module_alloc). */
+int pg_module_use_recompute_arena(pg_module *m, pg_recompute_arena *a);
+
 /* Saved activation bytes per slot, whole tree (what each micro-batch in
  * flight keeps). */
 size_t pg_module_saved_bytes(const pg_module *m);
 /* Activation bytes kept once, whatever the micro-batches in flight: the
- * one-micro-batch buffers of recomputed blocks. */
+ * largest recomputed unit of the tree (a block's inside, or an attention's
+ * probabilities of one micro-batch), which the rank's arena holds; the
+ * engine's is the largest over its chunks. */
 size_t pg_module_fixed_bytes(const pg_module *m);
 
 /* Calls dispatch. */

@@ -47,6 +47,9 @@ return {
     needs = { "peak" }, run = scaling.dp, finish = scaling.finish },
   { name = "pp", description = "pipeline = 2, M = 1..16 micro-batches: bubble and activation peak, GPipe and 1F1B",
     run = require "bench.pp" },
+  { name = "memory", description = "the small model with recompute = full and selective: activation peak and step "
+      .. "time\nagainst no recomputation",
+    run = require "bench.memory" },
   { name = "comm", description = "scripts/bench_comm.lua (collectives against bare MPI)",
     run = function()
       print()

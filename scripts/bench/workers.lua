@@ -72,7 +72,8 @@ local function worker_step(o)
   local ctx = pg.ParallelContext{ tensor = tensor, data = data, pipeline = 1, seed = 1 }
   local spec = {}
   for k, v in pairs(cfg) do if k ~= "batch" then spec[k] = v end end
-  local engine = pg.parallelize(pg.nn.from_config(spec), ctx, { micro_batches = 1 })
+  local engine = pg.parallelize(pg.nn.from_config(spec), ctx, { micro_batches = 1,
+    recompute = o.recompute ~= "none" and o.recompute or nil })
   local opt = pg.optim.AdamW(engine, { lr = 1e-4, betas = { 0.9, 0.95 }, weight_decay = 0.1,
                                        zero = tonumber(o.zero or 0) })
   local B, T = cfg.batch, cfg.seq_len
@@ -101,6 +102,8 @@ local function worker_step(o)
   end
   local hwm, pss_bytes = allmax(vm_hwm()), allmax(pss())
   local nparams = engine:num_parameters()
+  local mem = engine:memory()
+  local activation_bytes = allmax(mem.peak_activation_bytes)
   if ctx:rank() == 0 then
     local step = median(times)
     local r = {
@@ -109,6 +112,7 @@ local function worker_step(o)
       tokens_per_s = B * T * data / step, compute_ms = median(computes) * 1e3, grad_sync_ms = median(syncs) * 1e3,
       peak_rss_mb = hwm / 2 ^ 20, pss_mb = pss_bytes / 2 ^ 20, loss = loss,
       layers = cfg.layers, dim = cfg.dim, seq_len = T,
+      peak_activation_bytes = activation_bytes, bytes_per_parameter = mem.bytes_per_parameter,
     }
     for mode, v in pairs(comms) do
       if mode ~= "global" then r["comm_ms_" .. mode] = median(v) * 1e3 end

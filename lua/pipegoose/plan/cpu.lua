@@ -294,10 +294,10 @@ end
 --     other stages the received activation h (the pipeline's input slot)
 --     last stage  the final norm (h + its statistics) and the loss head's 3
 --                 statistics a row (max, sum of exponentials, target logit)
---   full recomputation keeps each block's output h per slot, and every
---   block keeps one micro-batch of its inside (fixed_activation_bytes: the
---   buffers are the block's own, not shared between blocks); selective keeps
---   one micro-batch of probabilities per layer instead of one per slot.
+--   full recomputation keeps each block's output h per slot, and the rank
+--   keeps one micro-batch of one block's inside (fixed_activation_bytes: the
+--   rank's blocks share the buffers, as backward recomputes one at a time);
+--   selective keeps one micro-batch of one layer's probabilities.
 -- Parameters and gradients: 4 bytes each (the flat buffers, padded to a
 -- multiple of D); AdamW: m and v, 8 bytes (/ D with ZeRO-1).
 
@@ -327,8 +327,8 @@ function M.stage_bytes(s, L, stage, in_flight, stage_params)
   local slot_f, fixed_f = M.layer_floats(s, L.t, s.seq_len, L.recompute)
   local per_slot = stage.layers * slot_f + h -- + the embedding output or the received activation
   if stage.last then per_slot = per_slot + h + (s.arch == "llama" and 1 or 2) + 3 end
-  -- every recomputed block (or attention) keeps its one micro-batch of buffers
-  local fixed = stage.layers * fixed_f
+  -- the recomputed blocks (or attentions) of the rank share one micro-batch of buffers
+  local fixed = stage.layers > 0 and fixed_f or 0
   local activations = (per_slot * in_flight + fixed) * r * F32
   local params = stage_params(s, stage, L.t, L.p)
   local opt = params * 8 / (L.zero == 1 and L.d or 1)
