@@ -1628,7 +1628,9 @@ static int recompute_alloc(pg_module *m, int nslots, int max_rows) {
   if (alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
   if (!m->arena) return pg_module_alloc(m->children[0], 1, max_rows); /* the block's own micro-batch of buffers */
   /* the arena's (shared with every recomputed block): the input gradient
-   * handed back must outlive the next block's recomputation */
+   * handed back must outlive the next block's recomputation and backward,
+   * which reuse the region (GPT's and LLaMA's blocks happen to read it before
+   * overwriting it; a block of other modules need not) */
   pg_be_release(BE(m), m->dinp);
   if (!(m->dinp = pg_be_floats(BE(m), (size_t)max_rows * m->in_width)))
     return pg_fail("%s input gradients: %s", m->name, pg_error());
