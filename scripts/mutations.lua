@@ -149,7 +149,7 @@ return {
     from = "--b->pending == 0 && !b->deferred", to = "--b->pending <= 1 && !b->deferred",
     specs = { "dist/overlap" }, why = "a bucket starts before its last parameter's gradient is final" },
   { name = "overlap-wait-skipped", file = "src/pg_engine.c",
-    from = "    if (pg_wait(&e->buckets[k].req)) return PG_ERR;\n", to = "",
+    from = "if (pg_wait(&e->buckets[k].req)) return PG_ERR;", to = "if (0) return PG_ERR;",
     specs = { "dist/overlap" }, why = "the step does not wait for its buckets before the optimizer reads the gradients" },
   { name = "overlap-shard-offset-off-by-one", file = "src/pg_comm.c",
     from = "if (i < g->rank) r->displ += counts[i];", to = "if (i <= g->rank) r->displ += counts[i];",
