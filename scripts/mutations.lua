@@ -163,9 +163,9 @@ return {
   { name = "overlap-on-accumulating-calls", file = "src/pg_engine.c",
     from = "e->overlap_now = sync && e->buckets;", to = "e->overlap_now = e->buckets != NULL;",
     specs = { "dist/overlap#accumulated" }, why = "buckets are reduced on calls with sync = false too" },
-  { name = "overlap-counts-unsharded", file = "src/pg_engine.c",
-    from = "  if (!e->zero) return pg_iall_reduce_buf(", to = "  if (e->zero < 2) return pg_iall_reduce_buf(",
-    specs = { "dist/overlap" }, why = "zero = 1 all-reduces its buckets and the agreement says reduce_scatter" },
+  { name = "overlap-every-backward-final", file = "src/pg_engine.c",
+    from = "a.kind == PG_ACT_BACKWARD && k == e->last_backward[a.chunk];", to = "a.kind == PG_ACT_BACKWARD;",
+    specs = { "dist/overlap#P = 2" }, why = "buckets start in the first micro-batch's backward, not the last one's" },
   ------------------------------------------------------------------ engine and schedules
   { name = "loss-not-averaged-over-data", file = "src/pg_engine.c",
     from = "  *loss /= e->ctx->data;\n", to = "",
