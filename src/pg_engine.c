@@ -86,8 +86,19 @@ static int count_parameters(pg_engine *e, int64_t *n);
 
 #define BUCKET_MAX ((int64_t)1 << 30) /* elements: MPI counts are int */
 
-static int is_tied_copy_here(const pg_engine *e, const pg_param *p) {
+/* Whether p's gradient needs another reduction before the data group's
+ * (today a tied embedding's copy: the embedding group's sum, which cannot
+ * start in backward since the other copy's stage finishes later): its
+ * bucket starts at the end of the step, after that reduction. A reduction
+ * of the same kind (over the tensor group, say) is added here. */
+static int reduced_first(const pg_engine *e, const pg_param *p) {
   return e->opts.tied_name && pp_size(e) > 1 && (e->is_first || e->is_last) && !strcmp(p->name, e->opts.tied_name);
+}
+
+/* The group that reduces p's gradient: a bucket holds parameters of one group. */
+static pg_mode reduction_group(const pg_engine *e, const pg_param *p) {
+  (void)e, (void)p;
+  return PG_MODE_DATA;
 }
 
 int pg_engine_overlaps(const pg_engine *e) { return e->buckets != NULL; }
@@ -110,8 +121,8 @@ static int overlap_applies(const pg_engine *e) {
  * parameters while it stays within bucket_elems (a larger parameter is a
  * bucket of its own), covers the gaps up to the next bucket (so that the
  * buckets tile [0, flat_padded) and every shard element is reduced), and
- * a tied embedding's copy is a bucket of its own (started after the
- * embedding group's sum, at the end). */
+ * a parameter reduced first elsewhere (a tied embedding's copy) is a bucket
+ * of its own, started at the end after that reduction. */
 static int build_buckets(pg_engine *e) {
   if (!overlap_applies(e) || e->nparams == 0) return PG_OK;
   int *first = calloc((size_t)e->nchunks + 1, sizeof *first);
@@ -140,14 +151,15 @@ static int build_buckets(pg_engine *e) {
     int count = 0, tied = 0;
     for (int i = b - 1; i >= a; i--) {
       pg_param *p = e->params[i];
-      int t = is_tied_copy_here(e, p);
-      if (count > 0 && (hi - p->offset > e->opts.bucket_elems || t || tied)) {
+      int t = reduced_first(e, p);
+      pg_mode g = reduction_group(e, p);
+      if (count > 0 && (hi - p->offset > e->opts.bucket_elems || t || tied || g != e->buckets[nb].mode)) {
         hi = e->buckets[nb].lo; /* close the open bucket */
         nb++;
         count = tied = 0;
       }
       pg_bucket *k = &e->buckets[nb];
-      if (count == 0) *k = (pg_bucket){.hi = hi, .mode = PG_MODE_DATA};
+      if (count == 0) *k = (pg_bucket){.hi = hi, .mode = g};
       k->lo = p->offset;
       k->nparams = ++count;
       k->deferred = tied = tied || t;
@@ -283,7 +295,9 @@ void pg_engine_free(pg_engine *e) {
     free(c->stage_out);
     free(c->router_req);
   }
-  for (int k = 0; k < e->nbuckets; k++) pg_wait(&e->buckets[k].req); /* a step that failed may leave some */
+  /* a step that failed may leave some in flight; on a broken context the
+   * members that should complete them never will: they are left to the job's end */
+  for (int k = 0; k < e->nbuckets && !e->ctx->broken; k++) pg_wait(&e->buckets[k].req);
   free(e->buckets);
   free(e->param_bucket);
   free(e->last_backward);
@@ -519,6 +533,18 @@ static int on_backward_done(void *ud, pg_module *m) {
 
 static int tied_reduce(pg_engine *e);
 
+/* Before a step that syncs: every bucket waiting for its parameters again.
+ * What a step that failed part way left in flight completes first (it
+ * started on every member); a step that finished left nothing. */
+static int reset_buckets(pg_engine *e) {
+  for (int k = 0; k < e->nbuckets; k++) {
+    if (pg_wait(&e->buckets[k].req)) return PG_ERR;
+    e->buckets[k].pending = e->buckets[k].nparams;
+  }
+  e->buckets_started = 0;
+  return PG_OK;
+}
+
 /* The end of a step whose buckets started during backward: the tied
  * embedding's sum, then its bucket and any bucket that did not start (a
  * parameter whose module never ran backward), in bucket order on every
@@ -606,6 +632,7 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
   }
   /* gradients accumulated over calls with sync = 0 reduce on the call that syncs */
   e->overlap_now = sync && e->buckets;
+  if (e->overlap_now && reset_buckets(e)) return PG_ERR;
   for (int k = 0; k < e->nactions; k++) {
     pg_action a = e->actions[k];
     e->final_pass = e->overlap_now && a.kind == PG_ACT_BACKWARD && k == e->last_backward[a.chunk];
