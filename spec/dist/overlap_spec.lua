@@ -105,6 +105,14 @@ describe(("overlapped gradient reduction on %d ranks"):format(W), function()
     assert.are.equal(o.grad_sync_seconds, o.exposed_comm_seconds)
   end)
 
+  it("cuts buckets of bucket_mb: one per parameter when each is larger, one for the model when it fits", function()
+    local n = #pg.parallelize(pg.nn.GPT(CFG), dp, { shared_memory = false }):parameters()
+    local tiny = pg.parallelize(pg.nn.GPT(CFG), dp, { shared_memory = false, bucket_mb = 1e-9 })
+    assert.are.equal(n, tiny:stats().grad_buckets)
+    local whole = pg.parallelize(pg.nn.GPT(CFG), dp, { shared_memory = false }) -- 25 MiB
+    assert.are.equal(1, whole:stats().grad_buckets)
+  end)
+
   it("keeps the one pass at the end on shared buffers", function()
     local e = pg.parallelize(pg.nn.GPT(CFG), dp, { bucket_mb = BUCKET_MB })
     assert.is_true(e:stats().shared_memory)
