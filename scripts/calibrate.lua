@@ -216,7 +216,9 @@ local function comm_worker()
   measure("reduce_scatter", function(n) pg.dist.reduce_scatter(bufs[n]) end)
   -- the engine's data-parallel gradient reduction (shared memory on one node)
   for _, dim in ipairs(quick and { 8, 256 } or { 8, 256, 512 }) do
-    local engine = pg.parallelize(pg.nn.GPT{ vocab = 64, seq_len = 8, dim = dim, heads = 1, layers = 2 }, ctx)
+    -- the reduction alone after backward (overlapped, grad_sync_seconds would span part of backward)
+    local engine = pg.parallelize(pg.nn.GPT{ vocab = 64, seq_len = 8, dim = dim, heads = 1, layers = 2 }, ctx,
+      { overlap_grad_reduce = false })
     local bytes = engine:stats().flat_padded * 4
     local x = pg.zeros({ 1, 8 }, { dtype = "int32" })
     local ts = {}

@@ -3,7 +3,7 @@
 --
 --   [mpirun -np N] pglua scripts/gpt2_check.lua MODEL STATE [--steps=K] [--lr=] [--beta1=] [--beta2=]
 --       [--eps=] [--weight-decay=] [--clip=] [--tensor=T] [--pipeline=P] [--data=D]
---       [--micro-batches=M] [--schedule=gpipe|1f1b] [--virtual-stages=V] [--zero=0|1] [--device=cpu|cuda|cuda:N]
+--       [--micro-batches=M] [--schedule=gpipe|1f1b] [--virtual-stages=V] [--zero=0|1|2] [--device=cpu|cuda|cuda:N]
 --
 -- Prints on rank 0: loss, logits_max_abs_diff, grad <tensor> <max_abs_diff> for
 -- the 16 tensors, grads_max_abs_diff, then "step k loss v grad_norm n" for
@@ -104,6 +104,7 @@ if K > 0 then
     say(("step %d loss %.9g grad_norm %.9g"):format(k, l, norm))
   end
 end
--- how rank 0's data-parallel reductions ran (shared buffers only within a node)
+-- how rank 0's data-parallel reductions ran (shared buffers only within a node; over MPI overlapped with backward)
 say(("shared_memory %s"):format(tostring(engine:stats().shared_memory)))
+say(("overlap_grad_reduce %s"):format(tostring(engine:stats().overlap_grad_reduce)))
 os.exit(ok and 0 or 1)

@@ -355,7 +355,7 @@ static pg_module *build(build_state *b, int idx) {
 #define PG_MAX_CHUNKS 64 /* model chunks per rank (virtual stages) */
 
 /* core.Engine(ctx, stage_desc | {chunk_desc, ...}, {micro_batches=, schedule=, vocab=, width=, seed=, router_experts=,
- *   tied_name=, bucket_mb=, shared_memory=, device=, objective=}): one description for the rank's stage, or
+ *   tied_name=, bucket_mb=, overlap_grad_reduce=, shared_memory=, device=, objective=}): one description for the rank's stage, or
  * a list of them, one per chunk (the interleaved schedule: chunk v is the model's piece v*P + pp_rank). */
 static int l_engine_new(lua_State *L) {
   pg_context *ctx = pg_lua_check_context(L, 1);
@@ -367,6 +367,8 @@ static int l_engine_new(lua_State *L) {
   o.vocab = pg_lua_opt_cint(L, 3, "vocab", 0);
   o.width = pg_lua_opt_cint(L, 3, "width", 0);
   o.bucket_elems = (int64_t)(pg_lua_opt_number(L, 3, "bucket_mb", 25) * 1024 * 1024 / 4);
+  if (o.bucket_elems < 1) o.bucket_elems = 1; /* a bucket of a few bytes: one parameter each */
+  o.overlap_grad_reduce = pg_lua_opt_bool(L, 3, "overlap_grad_reduce", 1);
   o.tied_name = pg_lua_opt_string(L, 3, "tied_name", NULL);
   o.private_buffers = !pg_lua_opt_bool(L, 3, "shared_memory", 1);
   if (!(o.backend = pg_backend_named(pg_lua_opt_string(L, 3, "device", "cpu"))))
@@ -656,7 +658,13 @@ static int l_info(lua_State *L) {
   set_num(L, "recv_wait_seconds", e->stats.recv_wait_seconds);
   set_num(L, "send_wait_seconds", e->stats.send_wait_seconds);
   set_num(L, "grad_sync_seconds", e->stats.grad_sync_seconds);
+  set_num(L, "exposed_comm_seconds", e->stats.exposed_comm_seconds);
   set_num(L, "compute_seconds", e->stats.compute_seconds);
+  /* whether the data-parallel reduction overlaps backward (pg_engine.h), in how many buckets */
+  lua_pushboolean(L, pg_engine_overlaps(e));
+  lua_setfield(L, -2, "overlap_grad_reduce");
+  set_int(L, "grad_buckets", e->nbuckets);
+  set_int(L, "grad_buckets_in_backward", e->started_in_backward);
   lua_pushboolean(L, e->is_first);
   lua_setfield(L, -2, "is_first");
   lua_pushboolean(L, e->is_last);

@@ -43,7 +43,7 @@ static int l_new(lua_State *L) {
   pg_engine *e = pg_lua_check_engine(L, 1);
   pg_adamw_hparams h = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f};
   read_hparams(L, 2, &h);
-  int zero = lua_isnoneornil(L, 3) ? 0 : (int)pg_lua_check_int_in(L, 3, "zero", 0, 1);
+  int zero = lua_isnoneornil(L, 3) ? 0 : (int)pg_lua_check_int_in(L, 3, "zero", 0, 2);
   adamw_ud *u = lua_newuserdatauv(L, sizeof *u, 1);
   u->o = NULL;
   luaL_setmetatable(L, PG_ADAMW_MT);

@@ -1164,6 +1164,12 @@ struct pg_request {
   pg_context *ctx;
   call_rec rec;        /* what is sent (and, under PG_DEBUG=1, shipped ahead for the receiver to check) */
   MPI_Request rec_req; /* that record's send, or MPI_REQUEST_NULL */
+  /* a bucket's reduction (pg_iall_reduce_buf, pg_ireduce_scatter_buf): what completion does */
+  int coll;            /* 1 for those */
+  float *buf;          /* the bucket */
+  int64_t piece, displ; /* this member's reduced elements and where they go in buf */
+  int avg_over;        /* avg: the group size the sum is divided by; 0: sum */
+  int *counts;         /* reduce_scatter: every member's count (MPI reads it until completion) */
 };
 
 /* A pipeline transfer's deadline, or 0 for none; PG_ERR when PG_COLLECTIVE_TIMEOUT is not a number. */
@@ -1243,6 +1249,8 @@ int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t n, int ds
   return PG_OK;
 }
 
+static void finish_coll(pg_request *r);
+
 int pg_wait(pg_request **req) {
   pg_request *r = *req;
   if (!r) return PG_OK;
@@ -1262,6 +1270,24 @@ int pg_wait(pg_request **req) {
   /* polled with the deadline: a send the receiver never takes (rendezvous
    * sizes) would otherwise block here for ever */
   pg_mode m = r->mode;
+  if (r->coll) { /* a bucket's reduction: a member that never started it is named by the deadline */
+    MPI_Request one = r->mpi;
+    int idx1;
+    double deadline, limit;
+    if (deadline_of(&deadline, &limit)) return PG_ERR;
+    int late = one == MPI_REQUEST_NULL ? 0 : poll_all(1, &one, &idx1, NULL, deadline, "a bucket's reduction", m);
+    if (late < 0) return PG_ERR;
+    if (late) { /* r stays allocated: MPI may still write the bucket */
+      char what[256], msg[512];
+      describe(&r->ctx->group[m], &r->rec, what, sizeof what);
+      snprintf(msg, sizeof msg, "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but a member never joined",
+               what, pg_mode_name(m), limit);
+      if (!r->ctx->broken) r->ctx->broken = strdup(msg);
+      return pg_fail("%s", msg);
+    }
+    finish_coll(r);
+    return PG_OK;
+  }
   MPI_Request two[2] = {r->mpi, r->rec_req};
   int idx[2];
   double deadline, limit;
@@ -1283,6 +1309,108 @@ int pg_wait(pg_request **req) {
 }
 
 double pg_wtime(void) { return MPI_Wtime(); }
+
+/* ---- a bucket's reduction in flight ----
+ *
+ * The engine's overlapped gradient reduction (pg_engine.c) starts one of
+ * these per bucket while backward goes on. The members agreed once, for the
+ * whole set, with pg_agree_batch; the buckets then start in the same order on
+ * every member (the order their gradients become final, which the same
+ * modules give everywhere), as MPI requires of nonblocking collectives.
+ * MPI_IN_PLACE for reduce_scatter leaves this member's piece at the start of
+ * the bucket: completion moves it to its place and, for avg, scales it as
+ * the ring does (the sum times 1 / size: with two members the same bits). */
+
+int pg_agree_batch(pg_context *ctx, pg_mode m, pg_coll kind, pg_reduce_op op, int64_t count, const char *what) {
+  if (check_ctx(ctx)) return PG_ERR;
+  pg_comm_call_site(ctx, what);
+  return agree_coll(ctx, m, kind, PG_FLOAT32, op, -1, count);
+}
+
+static int start_coll(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op, const int64_t *counts,
+                      pg_request **req) {
+  if (check_ctx(ctx)) return PG_ERR;
+  if (*req) return pg_fail("a bucket's reduction was started twice without a wait");
+  if (op != PG_REDUCE_SUM && op != PG_REDUCE_AVG) return pg_fail("bucket reductions are sum or avg");
+  if (n > PG_MPI_CHUNK) return pg_fail("a bucket of %lld elements is too large (at most 2^30)", (long long)n);
+  if (pg_cuda_is_device_memory(buf)) return pg_fail("bucket reductions take host memory");
+  pg_group *g = &ctx->group[m];
+  pg_request *r = calloc(1, sizeof *r);
+  if (!r) return pg_fail("out of memory for a reduction request");
+  r->mode = m;
+  r->ctx = ctx;
+  r->coll = 1;
+  r->buf = buf;
+  r->mpi = MPI_REQUEST_NULL;
+  r->rec_req = MPI_REQUEST_NULL;
+  r->rec = make_rec(ctx, m, counts ? PG_COLL_REDUCE_SCATTER : PG_COLL_ALL_REDUCE, PG_FLOAT32, op, n);
+  r->avg_over = op == PG_REDUCE_AVG ? g->size : 0;
+  r->piece = n;
+  double t0 = MPI_Wtime();
+  int rc = MPI_SUCCESS;
+  if (counts) {
+    if (!(r->counts = malloc((size_t)g->size * sizeof *r->counts))) {
+      free(r);
+      return pg_fail("out of memory for a reduction request");
+    }
+    for (int i = 0; i < g->size; i++) {
+      r->counts[i] = (int)counts[i]; /* each at most n <= 2^30 */
+      if (i < g->rank) r->displ += counts[i];
+    }
+    r->piece = counts[g->rank];
+    if (g->size > 1) rc = MPI_Ireduce_scatter(MPI_IN_PLACE, buf, r->counts, MPI_FLOAT, MPI_SUM, g->comm, &r->mpi);
+  } else if (g->size > 1) {
+    rc = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)n, MPI_FLOAT, MPI_SUM, g->comm, &r->mpi);
+  }
+  if (rc != MPI_SUCCESS) {
+    free(r->counts);
+    free(r);
+    return mpi_fail(rc, counts ? "reduce_scatter" : "all_reduce", m);
+  }
+  *req = r;
+  count(ctx, m, counts ? PG_COLL_REDUCE_SCATTER : PG_COLL_ALL_REDUCE, (double)n * sizeof(float), t0);
+  return PG_OK;
+}
+
+int pg_iall_reduce_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op, pg_request **req) {
+  return start_coll(ctx, m, buf, n, op, NULL, req);
+}
+
+int pg_ireduce_scatter_buf(pg_context *ctx, pg_mode m, float *buf, const int64_t *counts, pg_reduce_op op,
+                           pg_request **req) {
+  int64_t n = 0;
+  for (int i = 0; i < ctx->group[m].size; i++) {
+    if (counts[i] < 0 || counts[i] > PG_MPI_CHUNK) return pg_fail("reduce_scatter: bad count %lld", (long long)counts[i]);
+    n += counts[i];
+  }
+  return start_coll(ctx, m, buf, n, op, counts, req);
+}
+
+/* The reduced piece to its place, scaled; the request freed. */
+static void finish_coll(pg_request *r) {
+  if (r->displ && r->piece) memmove(r->buf + r->displ, r->buf, (size_t)r->piece * sizeof(float));
+  if (r->avg_over > 1) scale_avg(r->buf + r->displ, r->piece, r->avg_over);
+  free(r->counts);
+  free(r);
+}
+
+int pg_test(pg_request **req, int *done) {
+  pg_request *r = *req;
+  *done = 1;
+  if (!r) return PG_OK;
+  if (!r->coll) return pg_fail("pg_test takes a bucket's reduction, not a send");
+  int flag = 1;
+  if (r->mpi != MPI_REQUEST_NULL) {
+    int rc = MPI_Test(&r->mpi, &flag, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "testing a bucket's reduction", r->mode);
+  }
+  *done = flag;
+  if (flag) {
+    *req = NULL;
+    finish_coll(r);
+  }
+  return PG_OK;
+}
 
 /* Under PG_DEBUG=1: the sender's record, shipped ahead of the data by
  * pg_isend_buf, must describe the transfer this receive expects. */

@@ -86,6 +86,24 @@ int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t count, in
 int pg_wait(pg_request **req);
 int pg_recv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t count, int src, int tag);
 
+/* Nonblocking reductions of float32 host buffers: the engine's gradient
+ * buckets, reduced while backward goes on (pg_engine.c). They make no
+ * agreement step each: the members agree once for a set of them with
+ * pg_agree_batch (kind, op, total count, `what` naming the set, compared
+ * like a call site), then start them in the same order. all_reduce reduces
+ * buf[0, n) in place; reduce_scatter takes buf as the members' pieces one
+ * after another, counts[i] elements for member i, and leaves this member's
+ * piece reduced in its place (the others' hold partial results). avg is the
+ * sum times 1 / size (the ring's bits for two members). At most 2^30
+ * elements each. pg_test completes the request when it is done (*done = 1,
+ * *req = NULL) and lets MPI progress otherwise; pg_wait waits for it with the
+ * collective deadline. */
+int pg_agree_batch(pg_context *ctx, pg_mode m, pg_coll kind, pg_reduce_op op, int64_t count, const char *what);
+int pg_iall_reduce_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op, pg_request **req);
+int pg_ireduce_scatter_buf(pg_context *ctx, pg_mode m, float *buf, const int64_t *counts, pg_reduce_op op,
+                           pg_request **req);
+int pg_test(pg_request **req, int *done);
+
 /* Wall-clock seconds, the clock comm_stats uses. */
 double pg_wtime(void);
 

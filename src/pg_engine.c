@@ -82,6 +82,111 @@ static int bind_params(pg_engine *e, uint64_t seed) {
 
 static int count_parameters(pg_engine *e, int64_t *n);
 
+/* ---------------------------------------------------------------- buckets */
+
+#define BUCKET_MAX ((int64_t)1 << 30) /* elements: MPI counts are int */
+
+/* Whether p's gradient needs another reduction before the data group's
+ * (today a tied embedding's copy: the embedding group's sum, which cannot
+ * start in backward since the other copy's stage finishes later): its
+ * bucket starts at the end of the step, after that reduction. A reduction
+ * of the same kind (over the tensor group, say) is added here. */
+static int reduced_first(const pg_engine *e, const pg_param *p) {
+  return e->opts.tied_name && pp_size(e) > 1 && (e->is_first || e->is_last) && !strcmp(p->name, e->opts.tied_name);
+}
+
+/* The group that reduces p's gradient: a bucket holds parameters of one group. */
+static pg_mode reduction_group(const pg_engine *e, const pg_param *p) {
+  (void)e, (void)p;
+  return PG_MODE_DATA;
+}
+
+int pg_engine_overlaps(const pg_engine *e) { return e->buckets != NULL; }
+
+/* The overlapped reduction applies to host memory reduced over MPI. The
+ * shared-memory reduction stays one pass at the end: it is the cores that
+ * run backward that read every member's buffer, so overlapping it would
+ * take them from backward (memory bandwidth is the limit of both), and a
+ * bucket would need every member to flag it final before anyone could read
+ * it, a cross-process wait per bucket. The device backend has no second
+ * NCCL stream for the reductions yet: there the reduction waits for the end
+ * too (the engine's stream orders it after backward anyway). */
+static int overlap_applies(const pg_engine *e) {
+  return e->opts.overlap_grad_reduce && e->ctx->data > 1 && e->be->device == PG_CPU && !pg_engine_shares_buffers(e);
+}
+
+/* Buckets in the order their gradients become final: chunk by chunk from
+ * the last (the interleaved schedule finishes its later chunks' backward
+ * first), within a chunk from its last parameter back. A bucket takes
+ * parameters while it stays within bucket_elems (a larger parameter is a
+ * bucket of its own), covers the gaps up to the next bucket (so that the
+ * buckets tile [0, flat_padded) and every shard element is reduced), and
+ * a parameter reduced first elsewhere (a tied embedding's copy) is a bucket
+ * of its own, started at the end after that reduction. */
+static int build_buckets(pg_engine *e) {
+  if (!overlap_applies(e) || e->nparams == 0) return PG_OK;
+  int *first = calloc((size_t)e->nchunks + 1, sizeof *first);
+  e->buckets = calloc((size_t)e->nparams, sizeof *e->buckets);
+  e->param_bucket = calloc((size_t)e->nparams, sizeof *e->param_bucket);
+  e->last_backward = calloc((size_t)e->nchunks, sizeof *e->last_backward);
+  if (!first || !e->buckets || !e->param_bucket || !e->last_backward) {
+    free(first);
+    return pg_fail("out of memory for the gradient buckets");
+  }
+  for (int v = 0; v < e->nchunks; v++) {
+    int n = 0;
+    pg_param **ps = pg_module_collect_params(e->chunks[v].stage, &n);
+    if (!ps) {
+      free(first);
+      return PG_ERR;
+    }
+    free(ps);
+    first[v + 1] = first[v] + n;
+  }
+  int nb = 0, too_large = 0;
+  for (int v = e->nchunks - 1; v >= 0; v--) {
+    int a = first[v], b = first[v + 1];
+    if (a == b) continue;
+    int64_t hi = b < e->nparams ? e->params[b]->offset : e->flat_padded;
+    int count = 0, tied = 0;
+    for (int i = b - 1; i >= a; i--) {
+      pg_param *p = e->params[i];
+      int t = reduced_first(e, p);
+      pg_mode g = reduction_group(e, p);
+      if (count > 0 && (hi - p->offset > e->opts.bucket_elems || t || tied || g != e->buckets[nb].mode)) {
+        hi = e->buckets[nb].lo; /* close the open bucket */
+        nb++;
+        count = tied = 0;
+      }
+      pg_bucket *k = &e->buckets[nb];
+      if (count == 0) *k = (pg_bucket){.hi = hi, .mode = g};
+      k->lo = p->offset;
+      k->nparams = ++count;
+      k->deferred = tied = tied || t;
+      e->param_bucket[i] = nb;
+    }
+    e->buckets[nb].lo = e->params[a]->offset;
+    nb++;
+  }
+  free(first);
+  for (int k = 0; k < nb; k++) {
+    e->buckets[k].pending = e->buckets[k].nparams;
+    if (e->buckets[k].hi - e->buckets[k].lo > BUCKET_MAX) too_large = 1;
+  }
+  e->nbuckets = nb;
+  for (int k = 0; k < e->nactions; k++)
+    if (e->actions[k].kind == PG_ACT_BACKWARD) e->last_backward[e->actions[k].chunk] = k;
+  if (too_large) { /* a parameter of more than 2^30 elements: MPI's counts; the ring reduces it at the end */
+    free(e->buckets);
+    free(e->param_bucket);
+    free(e->last_backward);
+    e->buckets = NULL;
+    e->param_bucket = e->last_backward = NULL;
+    e->nbuckets = 0;
+  }
+  return PG_OK;
+}
+
 /* A chunk's modules must take what its piece receives and produce what it hands on. */
 static int check_widths(const pg_engine *e, int v) {
   const pg_chunk *c = &e->chunks[v];
@@ -168,7 +273,8 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *const *stages, int nchunks,
   for (int v = 0; v < nchunks && !rc; v++)
     rc = check_widths(e, v) || pg_module_set_backend(chunks[v].stage, e->be) ||
          pg_module_use_recompute_arena(chunks[v].stage, e->recompute_arena);
-  if (rc || make_schedule(e) || bind_params(e, seed) || count_parameters(e, &e->num_parameters)) {
+  if (rc || make_schedule(e) || bind_params(e, seed) || build_buckets(e) ||
+      count_parameters(e, &e->num_parameters)) {
     pg_engine_free(e);
     return NULL;
   }
@@ -193,6 +299,12 @@ void pg_engine_free(pg_engine *e) {
     free(c->router_req);
   }
   pg_recompute_arena_free(e->recompute_arena); /* after the modules that allocate from it */
+  /* a step that failed may leave some in flight; on a broken context the
+   * members that should complete them never will: they are left to the job's end */
+  for (int k = 0; k < e->nbuckets && !e->ctx->broken; k++) pg_wait(&e->buckets[k].req);
+  free(e->buckets);
+  free(e->param_bucket);
+  free(e->last_backward);
   free(e->router);
   free(e->expert_tokens);
   free(e->chunks);
@@ -353,6 +465,112 @@ static int run_action(pg_engine *e, pg_action a, pg_io *ios, int M) {
   return pg_fail("unknown pipeline action %d", (int)a.kind);
 }
 
+/* ---------------------------------------------------------------- overlapped reduction */
+
+/* This member's and every other's part of bucket b: with ZeRO the bucket's
+ * intersection with each member's shard (the shards are contiguous and in
+ * rank order, so these are the bucket's pieces one after another). */
+static void bucket_counts(const pg_engine *e, const pg_bucket *b, int64_t *counts) {
+  int D = e->ctx->group[b->mode].size;
+  int64_t per = e->flat_padded / D;
+  for (int r = 0; r < D; r++) {
+    int64_t lo = b->lo > per * r ? b->lo : per * r, hi = b->hi < per * (r + 1) ? b->hi : per * (r + 1);
+    counts[r] = hi > lo ? hi - lo : 0;
+  }
+}
+
+static int start_bucket(pg_engine *e, pg_bucket *b) {
+  if (e->buckets_started++ == 0) {
+    /* the members agree once per step on the set (pg_comm.h), then start its buckets in the same order */
+    char what[96];
+    snprintf(what, sizeof what, "overlapped gradient reduction in %d buckets", e->nbuckets);
+    if (pg_agree_batch(e->ctx, b->mode, e->zero ? PG_COLL_REDUCE_SCATTER : PG_COLL_ALL_REDUCE, PG_REDUCE_AVG,
+                       e->flat_padded, what))
+      return PG_ERR;
+    e->first_start = pg_wtime();
+  }
+  b->pending = -1; /* started */
+  float *g = (float *)e->grad_store->data + b->lo;
+  if (!e->zero) return pg_iall_reduce_buf(e->ctx, b->mode, g, b->hi - b->lo, PG_REDUCE_AVG, &b->req);
+  int64_t *counts = malloc((size_t)e->ctx->group[b->mode].size * sizeof *counts);
+  if (!counts) return pg_fail("out of memory starting a gradient bucket");
+  bucket_counts(e, b, counts);
+  int rc = pg_ireduce_scatter_buf(e->ctx, b->mode, g, counts, PG_REDUCE_AVG, &b->req);
+  free(counts);
+  return rc;
+}
+
+/* Lets MPI move the buckets in flight (Open MPI progresses nonblocking
+ * collectives only inside MPI calls) and completes those that are done. */
+static int progress_buckets(pg_engine *e) {
+  for (int k = 0; k < e->nbuckets; k++) {
+    int done;
+    if (e->buckets[k].req && pg_test(&e->buckets[k].req, &done)) return PG_ERR;
+  }
+  return PG_OK;
+}
+
+static int param_index(const pg_engine *e, const pg_param *p) {
+  int lo = 0, hi = e->nparams - 1; /* params are in offset order */
+  while (lo <= hi) {
+    int mid = (lo + hi) / 2;
+    if (e->params[mid]->offset == p->offset) return e->params[mid] == p ? mid : -1;
+    if (e->params[mid]->offset < p->offset) lo = mid + 1;
+    else hi = mid - 1;
+  }
+  return -1;
+}
+
+/* pg_io.backward_done: module m's parameters have their gradients of this
+ * micro-batch; in a chunk's last backward of a step that syncs those are
+ * final, and a bucket whose every parameter is final starts. */
+static int on_backward_done(void *ud, pg_module *m) {
+  pg_engine *e = ud;
+  if (!e->final_pass) return PG_OK;
+  for (int i = 0; i < m->nparams; i++) {
+    int k = param_index(e, m->params[i]);
+    if (k < 0) return pg_fail("module %s: parameter %s is not this engine's", m->name, m->params[i]->name);
+    pg_bucket *b = &e->buckets[e->param_bucket[k]];
+    if (b->pending > 0 && --b->pending == 0 && !b->deferred && start_bucket(e, b)) return PG_ERR;
+  }
+  return progress_buckets(e);
+}
+
+static int tied_reduce(pg_engine *e);
+
+/* Before a step that syncs: every bucket waiting for its parameters again.
+ * What a step that failed part way left in flight completes first (it
+ * started on every member); a step that finished left nothing. */
+static int reset_buckets(pg_engine *e) {
+  for (int k = 0; k < e->nbuckets; k++) {
+    if (pg_wait(&e->buckets[k].req)) return PG_ERR;
+    e->buckets[k].pending = e->buckets[k].nparams;
+  }
+  e->buckets_started = 0;
+  return PG_OK;
+}
+
+/* The end of a step whose buckets started during backward: the tied
+ * embedding's sum, then its bucket and any bucket that did not start (a
+ * parameter whose module never ran backward), in bucket order on every
+ * member; then the waits. */
+static int finish_buckets(pg_engine *e) {
+  double t0 = pg_wtime();
+  e->started_in_backward = e->buckets_started;
+  if (tied_reduce(e)) return PG_ERR;
+  for (int k = 0; k < e->nbuckets; k++)
+    if (e->buckets[k].pending >= 0 && start_bucket(e, &e->buckets[k])) return PG_ERR;
+  for (int k = 0; k < e->nbuckets; k++)
+    if (pg_wait(&e->buckets[k].req)) return PG_ERR;
+  double t1 = pg_wtime();
+  e->stats.exposed_comm_seconds += t1 - t0;
+  e->stats.grad_sync_seconds += t1 - e->first_start;
+  for (int k = 0; k < e->nbuckets; k++) e->buckets[k].pending = e->buckets[k].nparams;
+  e->buckets_started = 0;
+  e->grads_pending = 0;
+  return PG_OK;
+}
+
 /* The mean loss of the last stage, made the same on every rank: broadcast down
  * the pipeline group, then averaged over the data group (equal shares). */
 static int share_loss(pg_engine *e, double *loss) {
@@ -414,10 +632,19 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
     size_t off = (size_t)i * Bm * T;
     e->ios[i] = (pg_io){.B = Bm, .T = T, .tokens = tokens + off, .targets = targets + off, .dloss = dloss,
                         .want_grad = 1, .loss_sum = 0, .logits = NULL, .mb = i, .row0 = (int64_t)off,
-                        .host_targets = host_targets + off, .router = e->router ? e->router + i * nr : NULL};
+                        .host_targets = host_targets + off, .router = e->router ? e->router + i * nr : NULL,
+                        .backward_done = e->buckets ? on_backward_done : NULL, .backward_ud = e};
   }
-  for (int k = 0; k < e->nactions; k++)
-    if (run_action(e, e->actions[k], e->ios, M)) return PG_ERR;
+  /* gradients accumulated over calls with sync = 0 reduce on the call that syncs */
+  e->overlap_now = sync && e->buckets;
+  if (e->overlap_now && reset_buckets(e)) return PG_ERR;
+  for (int k = 0; k < e->nactions; k++) {
+    pg_action a = e->actions[k];
+    e->final_pass = e->overlap_now && a.kind == PG_ACT_BACKWARD && k == e->last_backward[a.chunk];
+    int rc = run_action(e, a, e->ios, M) || (e->buckets_started && progress_buckets(e));
+    e->final_pass = 0;
+    if (rc) return PG_ERR;
+  }
   if (wait_all_sends(e)) return PG_ERR;
   for (int v = 0; v < e->nchunks; v++) {
     int live = pg_schedule_max_in_flight(e->actions, e->nactions, v);
@@ -449,7 +676,8 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
   e->last_ce = *loss;
   e->last_aux = e->router ? aux : 0;
   *loss += e->last_aux;
-  if (sync && pg_engine_sync_grads(e)) return PG_ERR;
+  if (sync && (e->overlap_now ? finish_buckets(e) : pg_engine_sync_grads(e))) return PG_ERR;
+  e->overlap_now = 0;
   e->stats.steps++;
   e->stats.step_seconds += pg_wtime() - t0;
   return PG_OK;
@@ -521,22 +749,25 @@ void pg_engine_shard(const pg_engine *e, int64_t *lo, int64_t *hi) {
   }
 }
 
+/* 1. tied embedding: the first stage's weight and the last stage's copy. */
+static int tied_reduce(pg_engine *e) {
+  if (!e->opts.tied_name || pp_size(e) == 1 || !(e->is_first || e->is_last)) return PG_OK;
+  pg_param *p = NULL;
+  for (int i = 0; i < e->nparams && !p; i++)
+    if (!strcmp(e->params[i]->name, e->opts.tied_name)) p = e->params[i];
+  if (!p) return pg_fail("stage %d holds no parameter '%s' to tie", pp_rank(e), e->opts.tied_name);
+  return pg_all_reduce_buf(e->ctx, PG_MODE_EMBEDDING, p->grad, p->numel, PG_FLOAT32, PG_REDUCE_SUM);
+}
+
 int pg_engine_sync_grads(pg_engine *e) {
   if (!e->grads_pending) return PG_OK;
   double t0 = pg_wtime();
   float *g = e->grad_store->data;
-  /* 1. tied embedding: the first stage's weight and the last stage's copy. */
-  if (e->opts.tied_name && pp_size(e) > 1 && (e->is_first || e->is_last)) {
-    pg_param *p = NULL;
-    for (int i = 0; i < e->nparams && !p; i++)
-      if (!strcmp(e->params[i]->name, e->opts.tied_name)) p = e->params[i];
-    if (!p) return pg_fail("stage %d holds no parameter '%s' to tie", pp_rank(e), e->opts.tied_name);
-    if (pg_all_reduce_buf(e->ctx, PG_MODE_EMBEDDING, p->grad, p->numel, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
-  }
+  if (tied_reduce(e)) return PG_ERR;
   /* 2. data parallel: the average over the replicas. */
   int D = e->ctx->data;
   /* flat_padded is a multiple of D, so the collectives' blocks are the ZeRO
-   * shards: with zero = 1 ours is reduced in place. */
+   * shards: with zero = 1 or 2 ours is reduced in place. */
   const pg_shm *sh = e->grad_shm.size ? &e->grad_shm : NULL;
   if (D > 1 && !e->zero) {
     /* without shared memory: the ring's reduce-scatter and all-gather, at any
@@ -551,7 +782,9 @@ int pg_engine_sync_grads(pg_engine *e) {
       return PG_ERR;
   }
   e->grads_pending = 0;
-  e->stats.grad_sync_seconds += pg_wtime() - t0;
+  double dt = pg_wtime() - t0;
+  e->stats.grad_sync_seconds += dt;
+  e->stats.exposed_comm_seconds += dt; /* all of it after backward */
   return PG_OK;
 }
 

@@ -9,11 +9,22 @@
  *   1. the two copies of a tied embedding (first and last stage) get the sum
  *      of their gradients (embedding group);
  *   2. data parallel: gradients are averaged over the data group (zero = 0:
- *      all-reduce; zero = 1: reduce-scatter, each rank keeps the average for
- *      its contiguous shard of the flat buffer). When the data group runs on
- *      one node the flat buffers live in shared memory and these are single
- *      passes over the members' buffers; otherwise chunked ring collectives
- *      (pg_comm.h).
+ *      all-reduce; zero = 1 or 2: reduce-scatter, each rank keeps the average
+ *      for its contiguous shard of the flat buffer). When the data group runs
+ *      on one node the flat buffers live in shared memory and these are
+ *      single passes over the members' buffers; otherwise chunked ring
+ *      collectives (pg_comm.h).
+ * Overlap (opts.overlap_grad_reduce, host memory over MPI only): the flat
+ * gradient buffer is cut into buckets of about bucket_elems, in the order
+ * their gradients become final in backward (the reverse of the parameters'
+ * order, chunk by chunk). On the step that syncs, a bucket's nonblocking
+ * reduction (all-reduce, or with ZeRO the reduce-scatter of its part of every
+ * member's shard) starts as soon as the last module owning one of its
+ * parameters has finished the backward of the chunk's last micro-batch
+ * (pg_io.backward_done), and runs while the rest of backward does; the step
+ * waits for them at its end. A bucket holding a tied embedding's copy starts
+ * at the end, after step 1. The shared-memory passes and the device backend
+ * keep the one reduction at the end (pg_engine.c says why).
  * The loss is computed on the last stage, broadcast to the pipeline group and
  * averaged over the data group, so every rank returns the same number.
  * Evaluation runs a forward-only action list (PG_SCHEDULE_FORWARD) through
@@ -38,7 +49,8 @@ typedef struct pg_engine_opts {
   pg_schedule_kind schedule;
   int vocab;            /* token ids must be < vocab */
   int width;            /* hidden width at stage boundaries */
-  int64_t bucket_elems; /* reserved: data-parallel bucket size (floats); the reductions now run in one call */
+  int64_t bucket_elems; /* data-parallel bucket size (floats) of the overlapped reduction; <= 0: 25 MiB */
+  int overlap_grad_reduce; /* 1: reduce buckets during the last micro-batch's backward, where it applies */
   const char *tied_name; /* name of a weight whose copies live on the first and last stage, or NULL */
   int private_buffers;   /* 1: never share the flat buffers with the data group (collectives through MPI) */
   const pg_backend *backend; /* where the engine runs (pg_backend.h); NULL: the cpu backend */
@@ -51,7 +63,10 @@ typedef struct pg_engine_stats {
   double step_seconds;      /* wall time inside forward_backward */
   double recv_wait_seconds; /* blocked in pipeline receives (bubble + transfer) */
   double send_wait_seconds; /* waiting for pipeline sends to complete */
-  double grad_sync_seconds; /* tied-embedding and data-parallel gradient reductions */
+  double grad_sync_seconds; /* tied-embedding and data-parallel gradient reductions: without overlap the time
+                               in them, with overlap from the first bucket's start to the last's end */
+  double exposed_comm_seconds; /* the part of the reductions the step waited for after its backward ended (without
+                                  overlap: all of grad_sync_seconds) */
   double compute_seconds;   /* forward and backward of the stage's modules */
 } pg_engine_stats;
 
@@ -68,6 +83,18 @@ typedef struct pg_chunk {
   const float **stage_out; /* per slot: forward outputs to send */
   pg_request **router_req; /* with MoE layers, per slot: the routing totals' send in flight, or NULL */
 } pg_chunk;
+
+/* A piece [lo, hi) of the flat gradient buffer reduced as one collective
+ * over `mode`'s group (today the data group; a bucket of parameters reduced
+ * over another group, expert parallelism's, would name that group). */
+typedef struct pg_bucket {
+  int64_t lo, hi;
+  pg_mode mode;
+  int nparams;       /* parameters whose gradients it holds */
+  int pending;       /* of those, not final yet in this step's last backward */
+  int deferred;      /* holds a tied embedding's copy: starts after the embedding group's sum */
+  pg_request *req;   /* in flight, or NULL */
+} pg_bucket;
 
 typedef struct pg_engine {
   pg_context *ctx;
@@ -96,7 +123,16 @@ typedef struct pg_engine {
                             expert, over all MoE layers, micro-batches and data ranks */
   pg_io *eval_ios;     /* per evaluation micro-batch, eval_ios_cap of them */
   int eval_ios_cap;
-  int zero;            /* 0: replicated optimizer; 1: ZeRO-1 (gradient shards) */
+  int zero;            /* 0: replicated optimizer; 1: ZeRO-1 (gradient shards); 2: ZeRO-2 (pg_optim.h) */
+  pg_bucket *buckets;  /* in the order they start; NULL when the reduction is not overlapped */
+  int nbuckets;
+  int *param_bucket;   /* [nparams]: the bucket of params[i] */
+  int *last_backward;  /* [nchunks]: index in actions of the chunk's last backward */
+  int overlap_now;     /* this call's last backward starts buckets */
+  int final_pass;      /* the action running is a chunk's last backward of a call that syncs */
+  int buckets_started; /* of this step */
+  double first_start;  /* when the step's first bucket started */
+  int started_in_backward; /* buckets of the last step that synced which started before its backward ended */
   int grads_pending;   /* gradients added since the last reduction */
   int64_t num_parameters; /* of the full model, counted at construction */
   pg_engine_stats stats;
@@ -127,6 +163,9 @@ int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targe
  * reductions are single passes over shared memory; 0: the MPI ring. */
 int pg_engine_shares_buffers(const pg_engine *e);
 int pg_engine_zero_grad(pg_engine *e);
+/* 1 when the engine overlaps its data-parallel reduction with backward:
+ * overlap_grad_reduce set, data > 1, host memory, buffers not shared. */
+int pg_engine_overlaps(const pg_engine *e);
 /* Runs the pending gradient reductions (no-op when none are pending). */
 int pg_engine_sync_grads(pg_engine *e);
 /* This rank's ZeRO shard of the flat buffers: [*lo, *hi) (the whole buffer without ZeRO). */

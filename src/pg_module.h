@@ -62,6 +62,8 @@ typedef struct pg_param {
   float *data, *grad;
 } pg_param;
 
+typedef struct pg_module pg_module;
+
 /* Per micro-batch information passed down a stage. */
 typedef struct pg_io {
   int B, T;                /* micro-batch shape: rows = B*T */
@@ -84,9 +86,16 @@ typedef struct pg_io {
   double *router;
   double aux_sum;          /* out: MoE layers add their auxiliary losses, times the rows */
   int recomputing;         /* a recomputation's forward: activations only, nothing added to the totals */
+  /* Called after the backward of every module that owns parameters (leaf or
+   * composite), once its parameters' gradients for this micro-batch are
+   * written: the engine starts a bucket's gradient reduction as soon as the
+   * last module owning one of its parameters is done (pg_engine.c). NULL:
+   * nobody listens. A module that reads a parameter it does not own (a tied
+   * head) must run its backward before the owner's (it comes later in
+   * forward), which the model builders guarantee. Non-zero: the error. */
+  int (*backward_done)(void *ud, pg_module *m);
+  void *backward_ud;
 } pg_io;
-
-typedef struct pg_module pg_module;
 
 typedef struct pg_module_ops {
   const char *kind;
@@ -346,7 +355,9 @@ static inline int pg_module_forward(pg_module *m, int slot, pg_io *io, const flo
   return m->ops->forward(m, slot, io, x, y);
 }
 static inline int pg_module_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
-  return m->ops->backward(m, slot, io, dy, dx);
+  int rc = m->ops->backward(m, slot, io, dy, dx);
+  if (rc || !io->backward_done || m->nparams == 0) return rc;
+  return io->backward_done(io->backward_ud, m);
 }
 
 /* Fills a parameter's shard from the init rule: the value of full-tensor

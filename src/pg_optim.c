@@ -31,8 +31,8 @@ int pg_adamw_set_hparams(pg_adamw *o, const pg_adamw_hparams *h) {
 }
 
 pg_adamw *pg_adamw_new(pg_engine *e, const pg_adamw_hparams *h, int zero) {
-  if (zero != 0 && zero != 1)
-    return pg_fail_null("zero=%d is not built: ZeRO stage 1 (zero = 1) or none (zero = 0)", zero);
+  if (zero < 0 || zero > 2)
+    return pg_fail_null("zero=%d is not built: ZeRO stage 1 or 2 (zero = 1, 2) or none (zero = 0)", zero);
   if (pg_adamw_check_hparams(h)) return NULL;
   pg_adamw *o = calloc(1, sizeof *o);
   if (!o) return pg_fail_null("out of memory");

@@ -7,7 +7,7 @@
 --   <dir>/manifest.json                         written last, by rank 0
 --   <dir>/params-tp{t}-pp{p}.safetensors        by data rank 0 of each (tensor, pipeline) rank
 --   <dir>/optim-tp{t}-pp{p}.safetensors         zero = 0: by data rank 0
---   <dir>/optim-tp{t}-pp{p}-dp{d}.safetensors   zero = 1: by every rank (each holds its own flat slice)
+--   <dir>/optim-tp{t}-pp{p}-dp{d}.safetensors   zero = 1 or 2: by every rank (each holds its own flat slice)
 --   <parent>/latest                             the name of the newest complete checkpoint
 --
 -- Engines without flat buffers (pg.testing's fakes, anything written in Lua)

@@ -25,10 +25,10 @@ function optim.AdamW(engine, o)
   opt.value("AdamW", "engine", engine, ENGINE)
   o = opt.check("AdamW", o, ADAMW)
   local zero = o.zero
-  if zero == 2 or zero == 3 then
-    error(("AdamW: zero=%d is not built; pipegoose has ZeRO stage 1 (zero = 1) and none (zero = 0)"):format(zero), 2)
-  elseif zero ~= 0 and zero ~= 1 then
-    error(("AdamW: zero must be 0 or 1, got %s"):format(opt.show(zero)), 2)
+  if zero == 3 then
+    error("AdamW: zero=3 is not built; pipegoose has ZeRO stages 1 and 2 (zero = 1, 2) and none (zero = 0)", 2)
+  elseif zero ~= 0 and zero ~= 1 and zero ~= 2 then
+    error(("AdamW: zero must be 0, 1 or 2, got %s"):format(opt.show(zero)), 2)
   end
   local ok, c = pcall(core.AdamW, engine.c, { lr = o.lr, beta1 = o.betas[1], beta2 = o.betas[2], eps = o.eps,
                                               weight_decay = o.weight_decay }, zero)

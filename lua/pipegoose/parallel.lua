@@ -93,6 +93,9 @@ local PARALLELIZE = {
   virtual_stages = opt.integer{ min = 1, default = 1 },
   stages = opt.list(opt.integer{ min = 1 }),
   bucket_mb = opt.number{ gt = 0, max = 1 << 20, default = 25 }, -- up to 1 TiB: the element count fits an int64
+  -- reduce the data group's gradient buckets while the last micro-batch's backward runs (Megatron's name); it
+  -- applies over MPI with host memory (not to shared buffers nor the device backend: engine:stats() says)
+  overlap_grad_reduce = opt.boolean{ default = true },
   seed = opt.integer{ min = math.mininteger, max = math.maxinteger },
   -- data-parallel replicas on one node share their flat buffers unless told not to
   shared_memory = opt.boolean{ default = true },
@@ -259,7 +262,7 @@ function M.parallelize(model, ctx, opts)
   local ok_engine, c = pcall(core.Engine, ctx, chunk_descs, {
     micro_batches = micro, schedule = schedule, vocab = vocab, width = width, seed = opts.seed or ctx:seed(),
     tied_name = (P > 1 and head_tied) and tie or nil,
-    bucket_mb = opts.bucket_mb, shared_memory = opts.shared_memory, device = opts.device, objective = with_objective,
+    bucket_mb = opts.bucket_mb, overlap_grad_reduce = opts.overlap_grad_reduce, shared_memory = opts.shared_memory, device = opts.device, objective = with_objective,
     router_experts = router_experts,
   })
   if not ok_engine then error(c, 2) end

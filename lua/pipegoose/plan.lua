@@ -53,7 +53,7 @@ local SCHEMA = {
   pipeline = opt.integer{ min = 1 },
   micro_batch_size = opt.integer{ min = 1 },
   schedule = opt.enum{ "1f1b", "gpipe" },
-  zero = opt.integer{ min = 0, max = 1 },
+  zero = opt.integer{ min = 0, max = 2 },
   recompute = opt.enum{ "none", "selective", "full" },
   sequence_parallel = opt.boolean,
 }

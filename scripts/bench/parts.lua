@@ -45,6 +45,9 @@ return {
     needs = { "peak" }, run = scaling.tp, finish = scaling.finish },
   { name = "dp", description = "GPT-2 124M, 4 x 64 per rank: data = 2 (zero 0 and 1) against 1 rank x 1 thread",
     needs = { "peak" }, run = scaling.dp, finish = scaling.finish },
+  { name = "overlap", description = "data = 2 over MPI, the small model: step, gradient reduction and its exposed "
+      .. "part with\noverlap_grad_reduce off and on; bytes per parameter for zero 0, 1 and 2",
+    run = require "bench.overlap" },
   { name = "pp", description = "pipeline = 2, M = 1..16 micro-batches: bubble and activation peak, GPipe and 1F1B",
     run = require "bench.pp" },
   { name = "memory", description = "the small model with recompute = full and selective: activation peak and step "

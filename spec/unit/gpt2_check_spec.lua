@@ -117,7 +117,7 @@ describe("gpt2_check.lua on the PyTorch fixtures", function()
     check(4, { "--pipeline=2", "--tensor=2", "--micro-batches=4", "--schedule=gpipe" })
   end)
 
-  for _, zero in ipairs{ 0, 1 } do
+  for _, zero in ipairs{ 0, 1, 2 } do
     it(("--data=2 --zero=%d"):format(zero), function() check(2, { "--data=2", "--zero=" .. zero }) end)
   end
 
@@ -144,6 +144,8 @@ describe("gpt2_check.lua on the PyTorch fixtures", function()
     local out = check(8, { "--tensor=2", "--pipeline=2", "--data=2", "--zero=1", "--micro-batches=2",
                            "--recompute=full" }, nil, "PG_RANKS_PER_NODE=2")
     assert.matches("shared_memory false", out)
+    -- through MPI, the reduction overlaps backward (bucket by bucket)
+    assert.matches("overlap_grad_reduce true", out)
   end)
 end)
 

@@ -150,7 +150,7 @@ describe("other integer arguments", function()
       "shard_copy: 2 elements from element 9223372036854775807 are outside the shard's 4 elements")
   end)
 
-  it("an optimizer's zero option is 0 or 1", function()
+  it("an optimizer's zero option is 0, 1 or 2", function()
     assert_error([[
       local e = pg.parallelize(pg.nn.GPT{ vocab = 61, seq_len = 8, dim = 8, heads = 2, layers = 1 }, pg.ParallelContext{})
       pg.core.AdamW(e.c, {}, (1 << 32) + 1)]], "zero")

@@ -273,8 +273,9 @@ describe("AdamW", function()
       assert.equal(la, lb) -- bitwise: same parameters, same state, same arithmetic
       oa:step(); ob:step()
     end
-    assert.has_error(function() pg.optim.AdamW(tiny(), { zero = 2 }) end,
-      "AdamW: zero=2 is not built; pipegoose has ZeRO stage 1 (zero = 1) and none (zero = 0)")
+    assert.has_error(function() pg.optim.AdamW(tiny(), { zero = 3 }) end,
+      "AdamW: zero=3 is not built; pipegoose has ZeRO stages 1 and 2 (zero = 1, 2) and none (zero = 0)")
+    assert.has_error(function() pg.optim.AdamW(tiny(), { zero = 4 }) end, "AdamW: zero must be 0, 1 or 2, got 4")
     assert.has_error(function() pg.optim.AdamW(tiny(), { learning_rate = 1 }) end,
       "AdamW: unknown option 'learning_rate' (known: betas, eps, lr, weight_decay, zero)")
   end)

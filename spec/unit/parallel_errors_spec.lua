@@ -142,3 +142,18 @@ describe("virtual stages (the interleaved schedule) reject", function()
     assert.matches("parallelize: virtual_stages = 2 needs pipeline > 1", err)
   end)
 end)
+
+describe("the overlapped gradient reduction rejects", function()
+  it("ranks of a data group that disagree on overlap_grad_reduce, naming both calls", function()
+    -- rank 0 starts its buckets in backward, rank 1 reduces at the end: the
+    -- agreement on the bucket set meets rank 1's next call (the loss's all_reduce)
+    assert_fails_everywhere(2, [[
+      local ctx = pg.ParallelContext{ data = 2 }
+      local e = pg.parallelize(pg.nn.GPT{ vocab = 61, seq_len = 8, dim = 16, heads = 2, layers = 1 }, ctx,
+        { shared_memory = false, overlap_grad_reduce = ctx:local_rank("data") == 0, bucket_mb = 0.004 })
+      local x = pg.zeros({ 2, 8 }, { dtype = "int32" })
+      e:forward_backward(x, x)]],
+      "all_reduce over the data group: rank 1 called all_reduce of 1 float64 values (op sum, in the runtime), "
+      .. "rank 0 called all_reduce of")
+  end)
+end)

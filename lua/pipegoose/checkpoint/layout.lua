@@ -15,6 +15,11 @@ function M.optim_file(tp, pp, dp)
   return ("optim-tp%d-pp%d.safetensors"):format(tp, pp)
 end
 
+--- Whether each data rank holds its own slice of the optimizer state (ZeRO
+-- stages 1 and 2: the same state, one file per data rank) rather than data
+-- rank 0 the whole of it (zero = 0). Loading reslices either way.
+function M.sharded_optimizer(zero) return zero == 1 or zero == 2 end
+
 --- True for engines with flat buffers (what pg.parallelize returns).
 function M.is_sharded_engine(engine)
   return type(engine) == "table" and engine.c ~= nil and type(engine.parameters) == "function" and engine.ctx ~= nil

@@ -226,9 +226,9 @@ local function check_records(m)
           ("an integer from 0 to layout.%s - 1 = %d"):format(k[2], size - 1))
       end
       local want = r.kind == "params" and layout.params_file(r.tp, r.pp)
-        or layout.optim_file(r.tp, r.pp, l.zero == 1 and r.dp or nil)
+        or layout.optim_file(r.tp, r.pp, layout.sharded_optimizer(l.zero) and r.dp or nil)
       must(r.file == want, field .. ".file", r.file, ("'%s' (its kind, tp, pp%s)"):format(want,
-        r.kind == "optim" and l.zero == 1 and ", dp" or ""))
+        r.kind == "optim" and layout.sharded_optimizer(l.zero) and ", dp" or ""))
       object(field .. ": slices", r.slices)
       if r.kind == "optim" then has_optim = true end
       for _, name in ipairs(sorted_keys(r.slices)) do
@@ -318,7 +318,7 @@ local function check_manifest(m)
   local l = m.layout
   object("layout", l)
   for _, k in ipairs{ "tensor", "pipeline", "data", "world_size" } do pos_int("layout." .. k, l[k]) end
-  must(l.zero == 0 or l.zero == 1, "layout.zero", l.zero, "0 or 1")
+  must(l.zero == 0 or l.zero == 1 or l.zero == 2, "layout.zero", l.zero, "0, 1 or 2")
   must(l.world_size == m.world_size, "layout.world_size", l.world_size, ("world_size = %d"):format(m.world_size))
   optional(pos_int, "layout.micro_batches", l.micro_batches)
   optional(pos_int, "layout.virtual_stages", l.virtual_stages) -- absent before interleaved pipelines: 1

@@ -42,7 +42,8 @@ local function write_sharded(trainer, dir)
     end
     write(layout.params_file(tp, pp), "params", entries, slices)
   end
-  if real_optimizer(opt) and (opt.zero == 1 or dp == 0) then
+  local per_rank = real_optimizer(opt) and layout.sharded_optimizer(opt.zero)
+  if real_optimizer(opt) and (per_rank or dp == 0) then
     local s = opt:shard_state()
     local entries, slices = {}, {}
     for _, p in ipairs(params) do
@@ -55,7 +56,7 @@ local function write_sharded(trainer, dir)
         slices[p.name] = slice_of(p, a - p.offset, b - p.offset)
       end
     end
-    write(opt.zero == 1 and layout.optim_file(tp, pp, dp) or layout.optim_file(tp, pp), "optim", entries, slices,
+    write(per_rank and layout.optim_file(tp, pp, dp) or layout.optim_file(tp, pp), "optim", entries, slices,
       { optimizer_step = s.step, flat_lo = s.lo, flat_hi = s.hi })
   end
   return records

@@ -49,7 +49,9 @@ local M = {}
 M.DEFAULTS = {
   gemm_efficiency = 0.75,
   flash_attention = false, -- the softmax over s x s scores goes through memory
-  dp_overlap = false,      -- gradient all-reduce after the last backward (exposed)
+  -- false: the gradient reduction after the last backward (exposed), as the device backend does; true: it
+  -- overlaps the last micro-batch's backward, max(0, dp - bwd) exposed (overlap_grad_reduce over MPI)
+  dp_overlap = false,
 }
 
 local function ring(bytes, n, link, eff, factor)
@@ -220,7 +222,7 @@ function M.stage_costs(s, L, hw, o, parts)
     c.params = params
     local dlink = M.data_group_crosses_node(L.t, L.d, G, p) and hw.inter or hw.intra
     local grads = params * grad_b
-    if L.zero == 1 then
+    if L.zero >= 1 then
       -- reduce-scatter the gradients, step on 1/D, all-gather the new weights
       c.dp = M.ring_gather(grads, L.d, dlink, hw.link_efficiency)
         + M.ring_gather(params * weight_b, L.d, dlink, hw.link_efficiency)

@@ -38,7 +38,8 @@
 -- cores; a rank's rate is that of its thread count. With more ranks than
 -- cores, R ranks of one thread time-share `cores` cores: everything a rank
 -- does takes R / cores times longer. There is no overlap of compute and
--- communication (the engine has none on the CPU), and a collective measured
+-- communication (on one node the engine reduces over shared memory after
+-- backward; overlap_grad_reduce applies to MPI only), and a collective measured
 -- with g ranks on the node is scaled the same way when R ranks share it.
 local models = require "pipegoose.plan.models"
 
@@ -266,7 +267,7 @@ function M.stage_costs(s, L, hw, parts, stage_params)
     if hd.tied and L.p > 1 and (part.first or part.last) then
       c.dp = c.dp + M.collective(hw, "all_reduce", 2, hd.split / L.t * F32, R)
     end
-    local updated = L.zero == 1 and params / L.d or params
+    local updated = L.zero >= 1 and params / L.d or params
     -- AdamW, and zero_grad's one write of the gradients (at the residual add's rate)
     c.optimizer = (updated * 28 / by_threads(hw.cpu.adamw, t)
       + params * F32 / M.elementwise_rate(hw, "residual", params * F32, t)) / share + hw.cpu.step_overhead
@@ -299,7 +300,7 @@ end
 --   rank's blocks share the buffers, as backward recomputes one at a time);
 --   selective keeps one micro-batch of one layer's probabilities.
 -- Parameters and gradients: 4 bytes each (the flat buffers, padded to a
--- multiple of D); AdamW: m and v, 8 bytes (/ D with ZeRO-1).
+-- multiple of D; ZeRO-2 does not shard them yet); AdamW: m and v, 8 bytes (/ D with ZeRO-1 and 2).
 
 --- Activation floats per row of one layer: slot part and, with recompute, fixed part.
 function M.layer_floats(s, T, S, recompute)
@@ -331,7 +332,7 @@ function M.stage_bytes(s, L, stage, in_flight, stage_params)
   local fixed = stage.layers > 0 and fixed_f or 0
   local activations = (per_slot * in_flight + fixed) * r * F32
   local params = stage_params(s, stage, L.t, L.p)
-  local opt = params * 8 / (L.zero == 1 and L.d or 1)
+  local opt = params * 8 / (L.zero >= 1 and L.d or 1)
   local parts = { weights = params * F32, gradients = params * F32, optimizer = opt, activations = activations,
     transient = 0, params = params }
   parts.total = parts.weights + parts.gradients + parts.optimizer + parts.activations

@@ -123,7 +123,8 @@ end
 function M.stage_bytes(s, L, stage, in_flight)
   local params = M.stage_params(s, stage, L.t, L.p)
   local w, g, opt = M.state_bytes(L.precision)
-  if L.zero == 1 then opt = opt / L.d end
+  -- ZeRO-1 and 2 shard the AdamW state; ZeRO-2's gradients are still the whole flat buffer (pg_optim.h)
+  if L.zero >= 1 then opt = opt / L.d end
   local act_o = { seq = L.seq, b = L.b, t = L.t, sp = L.sp, recompute = L.recompute, precision = L.precision,
     flash_attention = L.flash_attention }
   local per_layer = M.layer_activation_bytes(s, act_o)

@@ -9,7 +9,7 @@
 --      balancer, parallel.balance, as pg.parallelize cuts them)
 --   D  = N / (T*P), and D must divide the global batch
 --   b  micro-batch size 1, 2, 4, ... dividing global_batch / D; M = that / b
---   schedule 1f1b | gpipe, zero 0 | 1 (1 only when D > 1),
+--   schedule 1f1b | gpipe, zero 0 | 1 (1 only when D > 1; 2 when fixed),
 --   recompute none | selective | full, sequence parallel on | off when T > 1
 -- A layout whose busiest rank exceeds the usable memory is dropped. The rest
 -- are simulated in order of a lower bound on their step time (the busiest
@@ -164,7 +164,8 @@ function M.run(q)
               if per_replica % b == 0 and (fix.b == nil or fix.b == b) then
                 local Mb = per_replica // b
                 for _, sched in ipairs{ "1f1b", "gpipe" } do
-                  for _, zero in ipairs(D > 1 and { 0, 1 } or { 0 }) do
+                  -- zero = 2 only when asked for: it costs and holds what zero = 1 does (plan/memory.lua)
+                  for _, zero in ipairs(D > 1 and (fix.zero == 2 and { 2 } or { 0, 1 }) or { 0 }) do
                     for _, rc in ipairs{ "none", "selective", "full" } do
                       for _, sp in ipairs(T > 1 and { false, true } or { false }) do
                         if (fix.schedule == nil or fix.schedule == sched) and (fix.zero == nil or fix.zero == zero)
