@@ -42,16 +42,30 @@ static int bind_params(pg_engine *e, uint64_t seed) {
     for (int j = 0; j < i; j++)
       if (!strcmp(e->params[i]->name, e->params[j]->name))
         return pg_fail("two parameters are named '%s': give the modules distinct names", e->params[i]->name);
+  /* Two regions: the dense parameters (the same on every data rank, reduced
+   * over the data group), then the experts' under expert parallelism (the
+   * same on the ranks of an expert_data group only, reduced there). Each is
+   * padded to a multiple of its group's size: the collectives' blocks are
+   * the ZeRO shards. Without expert parameters the second region is empty. */
   int64_t off = 0;
-  for (int i = 0; i < e->nparams; i++) {
-    e->params[i]->offset = off;
-    /* each numel is at most PG_MAX_NUMEL (2^59), so the sum cannot wrap before it is compared */
-    off = round_up(off + e->params[i]->numel, FLAT_ALIGN);
-    if (off > PG_MAX_NUMEL)
-      return pg_fail("the parameters of this stage have more than 2^59 elements (at '%s')", e->params[i]->name);
+  for (int pass = 0; pass < 2; pass++) {
+    if (pass == 1) {
+      e->dense_numel = off;
+      off = e->dense_padded = round_up(off > 0 ? off : FLAT_ALIGN, (int64_t)FLAT_ALIGN * e->ctx->data);
+    }
+    for (int i = 0; i < e->nparams; i++) {
+      if (e->params[i]->expert != pass) continue;
+      e->params[i]->offset = off;
+      /* each numel is at most PG_MAX_NUMEL (2^59), so the sum cannot wrap before it is compared */
+      off = round_up(off + e->params[i]->numel, FLAT_ALIGN);
+      if (off > PG_MAX_NUMEL)
+        return pg_fail("the parameters of this stage have more than 2^59 elements (at '%s')", e->params[i]->name);
+    }
   }
   e->flat_numel = off;
-  e->flat_padded = round_up(off > 0 ? off : FLAT_ALIGN, (int64_t)FLAT_ALIGN * e->ctx->data);
+  int64_t experts = off - e->dense_padded;
+  e->flat_padded = e->dense_padded + (experts ? round_up(experts, (int64_t)FLAT_ALIGN * (e->ctx->data / e->ctx->expert))
+                                              : 0);
   size_t bytes = (size_t)e->flat_padded * sizeof(float);
   /* Data-parallel replicas on one node share their buffers (single-pass
    * reductions); anything else, or no room in /dev/shm: private memory. */
@@ -434,12 +448,12 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
     return PG_ERR;
   if (e->router) {
     aux /= e->ctx->data;
-    /* after backward every stage holds the whole model's totals (the last stage's, sent back) */
+    /* after backward every stage holds the whole model's totals (the last stage's, sent back), summed over
+     * the data group by the last MoE layer */
     int E = e->opts.router_experts;
     for (int k = 0; k < E; k++) e->expert_tokens[k] = 0;
     for (int i = 0; i < M; i++)
       for (int k = 0; k < E; k++) e->expert_tokens[k] += e->ios[i].router[k];
-    if (pg_all_reduce_buf(e->ctx, PG_MODE_DATA, e->expert_tokens, E, PG_FLOAT64, PG_REDUCE_SUM)) return PG_ERR;
   }
   e->last_ce = *loss;
   e->last_aux = e->router ? aux : 0;
@@ -507,13 +521,53 @@ int pg_engine_zero_grad(pg_engine *e) {
 
 void pg_engine_shard(const pg_engine *e, int64_t *lo, int64_t *hi) {
   if (e->zero && e->ctx->data > 1) {
-    int64_t per = e->flat_padded / e->ctx->data;
+    int64_t per = e->dense_padded / e->ctx->data;
     *lo = per * e->ctx->dp_rank;
     *hi = *lo + per;
   } else {
     *lo = 0;
+    *hi = e->dense_padded;
+  }
+}
+
+void pg_engine_expert_shard(const pg_engine *e, int64_t *lo, int64_t *hi) {
+  int n = e->ctx->group[PG_MODE_EXPERT_DATA].size;
+  int64_t len = e->flat_padded - e->dense_padded;
+  if (e->zero && n > 1) {
+    *lo = e->dense_padded + len / n * e->ctx->group[PG_MODE_EXPERT_DATA].rank;
+    *hi = *lo + len / n;
+  } else {
+    *lo = e->dense_padded;
     *hi = e->flat_padded;
   }
+}
+
+/* Averages (zero = 0) or reduce-scatters (zero = 1) the n floats at g over
+ * group m: shared memory when the group's buffers are mapped (sh), else the
+ * ring's reduce-scatter and all-gather at any size, so that zero = 0 and
+ * zero = 1 reduce in the same order. The one "reduce this region over that
+ * group" step: the dense region goes over the data group, the experts' over
+ * expert_data. */
+static int reduce_region(pg_engine *e, pg_mode m, const pg_shm *sh, float *g, int64_t n) {
+  if (e->ctx->group[m].size == 1 || n == 0) return PG_OK;
+  if (!e->zero)
+    return sh ? pg_shm_all_reduce(e->ctx, sh, n, PG_REDUCE_AVG)
+              : pg_reduce_scatter_inplace(e->ctx, m, g, n, PG_REDUCE_AVG) || pg_all_gather_inplace(e->ctx, m, g, n);
+  return sh ? pg_shm_reduce_scatter(e->ctx, sh, n, PG_REDUCE_AVG)
+            : pg_reduce_scatter_inplace(e->ctx, m, g, n, PG_REDUCE_AVG);
+}
+
+int pg_engine_gather_params(pg_engine *e) {
+  if (!e->zero) return PG_OK;
+  float *w = e->param_store->data;
+  if (e->ctx->data > 1 && (e->param_shm.size ? pg_shm_all_gather(e->ctx, &e->param_shm, e->dense_padded)
+                                             : pg_all_gather_inplace(e->ctx, PG_MODE_DATA, w, e->dense_padded)))
+    return PG_ERR;
+  int64_t n = e->flat_padded - e->dense_padded;
+  if (n && e->ctx->group[PG_MODE_EXPERT_DATA].size > 1 &&
+      pg_all_gather_inplace(e->ctx, PG_MODE_EXPERT_DATA, w + e->dense_padded, n))
+    return PG_ERR;
+  return PG_OK;
 }
 
 int pg_engine_sync_grads(pg_engine *e) {
@@ -528,23 +582,13 @@ int pg_engine_sync_grads(pg_engine *e) {
     if (!p) return pg_fail("stage %d holds no parameter '%s' to tie", pp_rank(e), e->opts.tied_name);
     if (pg_all_reduce_buf(e->ctx, PG_MODE_EMBEDDING, p->grad, p->numel, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
   }
-  /* 2. data parallel: the average over the replicas. */
-  int D = e->ctx->data;
-  /* flat_padded is a multiple of D, so the collectives' blocks are the ZeRO
-   * shards: with zero = 1 ours is reduced in place. */
+  /* 2. data parallel: the average over the replicas; the experts' region
+   * over the ranks holding the same experts (the shared buffers span the data
+   * group, whose members hold different experts: that region goes by MPI). */
   const pg_shm *sh = e->grad_shm.size ? &e->grad_shm : NULL;
-  if (D > 1 && !e->zero) {
-    /* without shared memory: the ring's reduce-scatter and all-gather, at any
-     * size, so that zero = 0 and zero = 1 reduce in the same order */
-    if (sh ? pg_shm_all_reduce(e->ctx, sh, e->flat_padded, PG_REDUCE_AVG)
-           : pg_reduce_scatter_inplace(e->ctx, PG_MODE_DATA, g, e->flat_padded, PG_REDUCE_AVG) ||
-                 pg_all_gather_inplace(e->ctx, PG_MODE_DATA, g, e->flat_padded))
-      return PG_ERR;
-  } else if (D > 1) {
-    if (sh ? pg_shm_reduce_scatter(e->ctx, sh, e->flat_padded, PG_REDUCE_AVG)
-           : pg_reduce_scatter_inplace(e->ctx, PG_MODE_DATA, g, e->flat_padded, PG_REDUCE_AVG))
-      return PG_ERR;
-  }
+  if (reduce_region(e, PG_MODE_DATA, sh, g, e->dense_padded) ||
+      reduce_region(e, PG_MODE_EXPERT_DATA, NULL, g + e->dense_padded, e->flat_padded - e->dense_padded))
+    return PG_ERR;
   e->grads_pending = 0;
   e->stats.grad_sync_seconds += pg_wtime() - t0;
   return PG_OK;

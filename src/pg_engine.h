@@ -80,7 +80,10 @@ typedef struct pg_engine {
   pg_storage *param_store, *grad_store;
   pg_shm param_shm, grad_shm; /* the data group's copies of both, when shared (pg_shm.h) */
   int64_t flat_numel;  /* used elements */
-  int64_t flat_padded; /* buffer length: a multiple of the data size (ZeRO shards) */
+  int64_t flat_padded; /* buffer length: the dense region, then the experts' (expert parallelism) */
+  int64_t dense_numel, dense_padded; /* the dense region [0, dense_padded): a multiple of the data size (ZeRO
+                                        shards); the experts' [dense_padded, flat_padded), a multiple of the
+                                        expert_data size, empty without expert parallelism */
   pg_engine_opts opts;
   pg_action *actions;
   int nactions;
@@ -114,9 +117,10 @@ void pg_engine_free(pg_engine *e);
  * are this data rank's share. sync: run the gradient reductions at the end
  * (0 while accumulating; reductions then run when the optimizer needs the
  * gradients). *loss: that objective for the batch (last_ce + last_aux).
- * Auxiliary losses are taken per micro-batch (transformers' over the whole
- * batch when there is one micro-batch on one data rank) and averaged
- * weighted by rows, as the token loss is. */
+ * Auxiliary losses are taken per micro-batch, the load balance over the
+ * routing totals of that micro-batch on every data rank together
+ * (transformers' over the whole batch when there is one micro-batch), and
+ * averaged weighted by rows, as the token loss is. */
 int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T,
                                float grad_scale, int sync, double *loss);
 /* Evaluation: mean loss (if targets) and/or logits [B*T, vocab] (if logits) on every rank. */
@@ -128,8 +132,14 @@ int pg_engine_shares_buffers(const pg_engine *e);
 int pg_engine_zero_grad(pg_engine *e);
 /* Runs the pending gradient reductions (no-op when none are pending). */
 int pg_engine_sync_grads(pg_engine *e);
-/* This rank's ZeRO shard of the flat buffers: [*lo, *hi) (the whole buffer without ZeRO). */
+/* This rank's ZeRO shard of the flat buffers' dense region: [*lo, *hi) (the
+ * whole region without ZeRO), and of the experts' region (over the
+ * expert_data group; empty without expert parallelism). */
 void pg_engine_shard(const pg_engine *e, int64_t *lo, int64_t *hi);
+void pg_engine_expert_shard(const pg_engine *e, int64_t *lo, int64_t *hi);
+/* ZeRO-1 after an update: every rank's shards to all the others (each region
+ * over its group). No-op without ZeRO. */
+int pg_engine_gather_params(pg_engine *e);
 /* Total parameters of the full (unsharded) model. Not collective: counted
  * once, when the engine is made (a sum over the tensor and pipeline groups
  * there); a rank that asked alone used to leave the others' next collective

@@ -628,9 +628,15 @@ end
 -- transformers' load_balancing_loss_func over all the model's MoE layers,
 -- z_loss_coef x the mean over tokens and layers of logsumexp(router logits)^2.
 -- Under tensor parallelism each expert's w1/w3 are column-parallel and w2
--- row-parallel (tensor must divide hidden), the router replicated. Runs on
--- the cpu backend only for now. Not yet: capacity_factor (token dropping:
--- only nil, no token dropped) and jitter (only 0).
+-- row-parallel (tensor must divide hidden), the router replicated. Under
+-- expert parallelism (ParallelContext{expert = E}) each rank of an expert
+-- group holds experts / E experts (E must divide experts) and tokens reach
+-- them by all-to-all; results equal the serial model's to rounding.
+-- capacity_factor = c (default nil: no token dropped): each expert takes at
+-- most ceil(c x seq_len x top_k / experts) choices of each sequence, first
+-- choices before second ones and earlier tokens first; the others add 0 (the
+-- residual carries the token). Per sequence, so every layout drops the same.
+-- Runs on the cpu backend only for now. Not yet: jitter (only 0).
 local MOE = { dim = NEED, hidden = NEED, experts = NEED, top_k = opt.integer{ min = 1, default = 2 },
               aux_loss_coef = opt.number{ min = 0, default = 0.001 }, z_loss_coef = opt.number{ min = 0, default = 0 },
               capacity_factor = opt.number{ gt = 0 }, jitter = opt.number{ min = 0, default = 0 },
@@ -639,10 +645,6 @@ local MOE = { dim = NEED, hidden = NEED, experts = NEED, top_k = opt.integer{ mi
 local function check_moe(where, o)
   if o.top_k > o.experts then
     error(("%s: top_k=%d exceeds experts=%d"):format(where, o.top_k, o.experts), 3)
-  end
-  if o.capacity_factor ~= nil then
-    error(("%s: capacity_factor=%s: token dropping is not implemented yet (leave it nil: no token is dropped)")
-      :format(where, tostring(o.capacity_factor)), 3)
   end
   if o.jitter ~= 0 then
     error(("%s: jitter=%s: router input noise is not implemented yet (only 0)"):format(where, tostring(o.jitter)), 3)
@@ -654,7 +656,7 @@ function nn.MoE(o)
   check_moe("MoE", o)
   return spec("moe", { width = o.dim, hidden = o.hidden, experts = o.experts, top_k = o.top_k,
                        aux_loss_coef = o.aux_loss_coef, z_loss_coef = o.z_loss_coef, init_std = o.init_std,
-                       name = o.name, label = "MoE" })
+                       capacity_factor = o.capacity_factor, name = o.name, label = "MoE" })
 end
 
 KINDS.moe = {
@@ -664,7 +666,7 @@ KINDS.moe = {
     -- layer / layers: which of the model's MoE layers this is (pg.parallelize numbers them)
     return { kind = "moe", name = c.me, dim = s.width, hidden = s.hidden, experts = s.experts, top_k = s.top_k,
              aux_loss_coef = s.aux_loss_coef, z_loss_coef = s.z_loss_coef, init_std = s.init_std,
-             layer = 0, layers = 1 },
+             capacity_factor = s.capacity_factor or 0, layer = 0, layers = 1 },
            { width = s.width, split = false }
   end,
   params = function(s) return s.experts * (s.width + 3 * s.width * s.hidden) end,

@@ -188,8 +188,8 @@ describe("pg.nn.MoE against a Lua reference", function()
     refuses("MoE: top_k=5 exceeds experts=4", { dim = 4, hidden = 6, experts = 4, top_k = 5 })
     refuses("MoE: experts", { dim = 4, hidden = 6, experts = 0 })
     refuses("MoE: top_k", { dim = 4, hidden = 6, experts = 4, top_k = 0 })
-    refuses("capacity_factor=1.25: token dropping is not implemented yet", { dim = 4, hidden = 6, experts = 4,
-      capacity_factor = 1.25 })
+    refuses("MoE: capacity_factor must be a finite number > 0, got 0", { dim = 4, hidden = 6, experts = 4,
+      capacity_factor = 0 })
     refuses("jitter=0.01: router input noise is not implemented yet", { dim = 4, hidden = 6, experts = 4, jitter = 0.01 })
     local m = pg.nn.MoE{ dim = 4, hidden = 6, experts = 4 }
     local ok, err = pcall(m.describe, m, "", { width = 4, split = false }, 4)
