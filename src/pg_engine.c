@@ -589,6 +589,16 @@ int pg_engine_sync_grads(pg_engine *e) {
   if (reduce_region(e, PG_MODE_DATA, sh, g, e->dense_padded) ||
       reduce_region(e, PG_MODE_EXPERT_DATA, NULL, g + e->dense_padded, e->flat_padded - e->dense_padded))
     return PG_ERR;
+  /* an expert's gradient on a rank holds the tokens of all E members of its
+   * expert group, each at its own rank's scale: the average over the D data
+   * ranks is the average over expert_data divided by E (exact for E a power
+   * of 2). Experts run on the cpu backend only: host memory. */
+  if (e->flat_padded > e->dense_padded) {
+    int64_t lo, hi;
+    pg_engine_expert_shard(e, &lo, &hi);
+    float inv = 1.0f / (float)e->ctx->expert;
+    for (int64_t i = lo; i < hi; i++) g[i] *= inv;
+  }
   e->grads_pending = 0;
   e->stats.grad_sync_seconds += pg_wtime() - t0;
   return PG_OK;
