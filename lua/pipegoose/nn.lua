@@ -835,6 +835,7 @@ local function build_llama(o, moe)
                 rope_theta = theta, eps = eps, name = "blocks." .. i }
     if moe then
       b.experts, b.top_k, b.aux_loss_coef, b.z_loss_coef = o.experts, o.top_k, o.aux_loss_coef, o.z_loss_coef
+      b.capacity_factor, b.jitter = o.capacity_factor, o.jitter
       model:add(nn.MixtralBlock(b))
     else
       model:add(nn.LlamaBlock(b))

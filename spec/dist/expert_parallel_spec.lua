@@ -1,0 +1,148 @@
+-- worlds: 2 4
+-- Expert parallelism (pg.ParallelContext{expert = E}): a Mixtral-layout model
+-- (4 experts, top-2, load-balancing and z-loss) in every expert layout this
+-- world size allows, against the serial model on the same seed and batch:
+-- the first step's objective and its two parts, every parameter's gradient,
+-- per-expert token counts, and three AdamW steps (losses and weights); the
+-- PyTorch fixture (spec/fixtures/hf_mixtral_tiny) over 10 steps at E = 2 and
+-- 4, E = 2 x T = 2 and with a pipeline (scripts/model_check.lua, as
+-- mixtral_spec.lua runs it serially); checkpoints across expert layouts; bad
+-- input.
+--
+-- The serial reference runs in the same process on a context of this rank
+-- alone (self = true); parameter init is a function of (seed, name), and
+-- experts keep their serial names on whichever rank holds them, so both
+-- start from the same model.
+--
+-- Tolerance. A token's expert outputs are summed at home in the serial order
+-- (pg_module.c), so the layouts differ from the serial model only where sums
+-- are regrouped: the data-parallel average of gradients (D partial sums of
+-- B/D rows), the tensor-parallel partial sums (T = 2), and an expert's weight
+-- gradient, one GEMM over the rows of E ranks instead of the whole batch's.
+-- Each reordering of a sum of K float32 terms moves it by at most
+-- ~K 2^-24 sum|terms|, so gradients and first-step losses are compared with
+-- |got - want| <= 1e-5 |want| + 1e-6 max(1, max |want|) (the layout specs'
+-- rule, helpers.scaled_close). After three AdamW steps (lr 1e-2) an update
+-- divides by sqrt(v): where a gradient is near zero its rounding differences
+-- are amplified up to lr per step, so weights are compared at 1e-4 relative
+-- and 1e-4 x max(1, max |w|) absolute and losses at 1e-5 relative. Routing is
+-- discontinuous: every layout must choose the serial model's experts, which
+-- the per-expert token counts check exactly.
+local pg = require "pipegoose"
+local h = require "helpers"
+
+local W = pg.world_size()
+local RTOL, ATOL = 1e-5, 1e-6
+local W_RTOL, W_ATOL = 1e-4, 1e-4
+
+local LAYOUTS = ({
+  [2] = { { name = "D=2 E=2", data = 2, expert = 2 },
+          { name = "D=2 E=2 ZeRO-1", data = 2, expert = 2, zero = 1 },
+          { name = "D=2 E=2 capacity 1", data = 2, expert = 2, capacity = 1.0 } },
+  [4] = { { name = "D=4 E=1", data = 4, expert = 1 },
+          { name = "D=4 E=2", data = 4, expert = 2 },
+          { name = "D=4 E=4", data = 4, expert = 4 },
+          { name = "D=2 E=2 x T=2", data = 2, expert = 2, tensor = 2 },
+          { name = "D=2 E=2 x P=2", data = 2, expert = 2, pipeline = 2 },
+          { name = "D=4 E=2 ZeRO-1", data = 4, expert = 2, zero = 1 },
+          { name = "D=4 E=4 capacity 0.75", data = 4, expert = 4, capacity = 0.75 } },
+})[W]
+
+local function model(capacity)
+  return pg.nn.Mixtral{ vocab = 61, padded_vocab = 64, seq_len = 8, dim = 16, heads = 2, kv_heads = 2, hidden = 24, layers = 2,
+                        experts = 4, top_k = 2, aux_loss_coef = 0.02, z_loss_coef = 0.001,
+                        capacity_factor = capacity }
+end
+
+local B, S = 8, 8
+local x, y = pg.zeros({ B, S }, { dtype = "int32" }), pg.zeros({ B, S }, { dtype = "int32" })
+for b = 1, B do
+  for s = 1, S do
+    x:set(b, s, (b * 31 + s * 7 + b * s * 3) % 61)
+    y:set(b, s, (b * 13 + s * 5 + b * s) % 61)
+  end
+end
+
+local function assert_close(got, want, what, rtol, atol)
+  local ok, why = h.scaled_close(got, want, rtol or RTOL, atol or ATOL)
+  assert.is_true(ok, what .. ": " .. tostring(why))
+end
+
+local function rel(a, b) return math.abs(a - b) / math.max(math.abs(b), 1e-30) end
+
+-- One step's numbers and three AdamW steps of a layout (serial = true: on this rank alone).
+local function run(layout)
+  local ctx = not layout.serial and pg.ParallelContext{ tensor = layout.tensor, pipeline = layout.pipeline, data = layout.data,
+                                             expert = layout.expert, seed = 7 }
+    or pg.ParallelContext{ self = true, seed = 7 }
+  local D, d = ctx:world_size("data"), ctx:local_rank("data")
+  local xs, ys = x:narrow(1, d * B // D + 1, B // D), y:narrow(1, d * B // D + 1, B // D)
+  local e = pg.parallelize(model(layout.capacity), ctx, { micro_batches = 1 })
+  local opt = pg.optim.AdamW(e, { lr = 1e-2, zero = layout.zero or 0 })
+  local r = { losses = {}, grads = {}, weights = {} }
+  for i = 1, 3 do
+    opt:zero_grad()
+    r.losses[i] = e:forward_backward(xs, ys)
+    if i == 1 then
+      r.parts = e:losses()
+      if layout.zero ~= 1 then -- ZeRO-1 keeps only its shard of the averaged gradients
+        for _, p in ipairs(e:parameters()) do r.grads[p.name] = e:gather_param(p.name, true) end
+      end
+    end
+    opt:step()
+  end
+  r.eval = e:loss(xs, ys)
+  for _, p in ipairs(e:parameters()) do r.weights[p.name] = e:gather_param(p.name) end
+  r.ctx, r.engine = ctx, e
+  return r
+end
+
+-- the serial references (one per capacity), made once
+local serial = {}
+local function reference(capacity)
+  local k = tostring(capacity)
+  serial[k] = serial[k] or run({ serial = true, capacity = capacity })
+  return serial[k]
+end
+
+describe(("expert parallelism (%d ranks)"):format(W), function()
+  for _, layout in ipairs(LAYOUTS) do
+    it(layout.name .. ": the serial model's losses, gradients, token counts and 3 AdamW steps", function()
+      local want = reference(layout.capacity)
+      if layout.capacity then -- the capacity drops choices here: the serial objective is not the one without it
+        assert.is_true(math.abs(want.losses[1] - reference(nil).losses[1]) > 1e-4, "choices dropped")
+      end
+      local got = run(layout)
+      assert.is_true(rel(got.losses[1], want.losses[1]) <= RTOL, ("loss %.9g, serial %.9g"):format(got.losses[1],
+        want.losses[1]))
+      assert.is_true(rel(got.parts.ce_loss, want.parts.ce_loss) <= RTOL, "ce_loss")
+      assert.is_true(want.parts.aux_loss > 0, "the auxiliary losses are on")
+      assert.is_true(rel(got.parts.aux_loss, want.parts.aux_loss) <= RTOL,
+        ("aux_loss %.9g, serial %.9g"):format(got.parts.aux_loss, want.parts.aux_loss))
+      -- routing is the serial model's: the same choices of each expert (exact counts)
+      assert.same(want.parts.expert_tokens, got.parts.expert_tokens)
+      local total = 0
+      for _, c in ipairs(got.parts.expert_tokens) do total = total + c end
+      assert.equal(2 * 2 * B * S, total) -- 2 layers x top-2 x every token of the global batch
+      local n = 0
+      for name, g in pairs(got.grads) do
+        assert_close(g, want.grads[name], "gradient of " .. name)
+        n = n + 1
+      end
+      if layout.zero ~= 1 then assert.is_true(n > 0, "gradients compared") end
+      for i = 2, 3 do
+        assert.is_true(rel(got.losses[i], want.losses[i]) <= RTOL,
+          ("step %d loss %.9g, serial %.9g"):format(i, got.losses[i], want.losses[i]))
+      end
+      assert.is_true(rel(got.eval, want.eval) <= RTOL, "evaluation loss after 3 steps")
+      local experts_here = 0
+      for name, w in pairs(got.weights) do
+        assert_close(w, want.weights[name], "weight " .. name .. " after 3 steps", W_RTOL, W_ATOL)
+        if name:match("%.experts%.") then experts_here = experts_here + 1 end
+      end
+      -- each rank holds experts / E of each layer's 4 (3 matrices each) on its stage
+      local layers_here = (layout.pipeline or 1) == 1 and 2 or 1
+      assert.equal(layers_here * 3 * 4 // layout.expert, experts_here)
+    end)
+  end
+end)
