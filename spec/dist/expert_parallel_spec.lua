@@ -110,7 +110,7 @@ describe(("expert parallelism (%d ranks)"):format(W), function()
     it(layout.name .. ": the serial model's losses, gradients, token counts and 3 AdamW steps", function()
       local want = reference(layout.capacity)
       if layout.capacity then -- the capacity drops choices here: the serial objective is not the one without it
-        assert.is_true(math.abs(want.losses[1] - reference(nil).losses[1]) > 1e-4, "choices dropped")
+        assert.is_true(math.abs(want.losses[1] - reference(nil).losses[1]) > 2e-5, "choices dropped") -- ~100x rounding
       end
       local got = run(layout)
       assert.is_true(rel(got.losses[1], want.losses[1]) <= RTOL, ("loss %.9g, serial %.9g"):format(got.losses[1],

@@ -12,8 +12,10 @@
 -- differences, so both sides choose the same experts throughout.
 --
 -- The auxiliary losses are taken per micro-batch (averaged over them by
--- rows): with one micro-batch on one data rank they are transformers' over
--- the batch; with more, each layout with the same micro-batches agrees.
+-- rows), the load balance over that micro-batch's routing totals on all data
+-- ranks together: with one micro-batch they are transformers' over the batch
+-- in any data or expert layout; with more, each layout with the same
+-- micro-batches agrees.
 local h = require "helpers"
 local cjson = require "cjson"
 
@@ -86,6 +88,17 @@ describe("pg.nn.Mixtral (MixtralForCausalLM) against PyTorch", function()
   it("matches PyTorch with T = 2 and with P = 2", function()
     assert_fixture(run_check(2, { "--tensor=2" }), "T = 2")
     assert_fixture(run_check(2, { "--pipeline=2" }), "P = 2")
+  end)
+
+  -- expert parallelism: the experts spread over expert groups of the data
+  -- group; the load balance over the data group's routing totals is
+  -- transformers' over the whole batch
+  it("matches PyTorch with the experts spread: E = 2 (D = 2), E = 4 (D = 4), E = 2 x T = 2, E = 2 with P = 2", function()
+    assert_fixture(run_check(2, { "--data=2", "--expert=2" }), "D = 2, E = 2")
+    assert_fixture(run_check(4, { "--data=4", "--expert=4" }), "D = 4, E = 4")
+    assert_fixture(run_check(4, { "--data=2", "--expert=2", "--tensor=2" }), "E = 2 x T = 2")
+    assert_fixture(run_check(4, { "--data=2", "--expert=2", "--pipeline=2" }), "E = 2, P = 2")
+    assert_fixture(run_check(4, { "--data=4", "--expert=2", "--zero=1" }), "D = 4, E = 2, ZeRO-1")
   end)
 
   it("P = 2 with micro-batches gives the serial run's numbers with the same micro-batches", function()
