@@ -101,6 +101,22 @@ describe("pg.nn.Mixtral (MixtralForCausalLM) against PyTorch", function()
     assert_fixture(run_check(4, { "--data=4", "--expert=2", "--zero=1" }), "D = 4, E = 2, ZeRO-1")
   end)
 
+  it("a model trained at E = 2 exports with --save-hf (each expert from the rank holding it) and reloads with its loss",
+    function()
+      local out = h.tmpdir()
+      local text = run_check(2, { "--data=2", "--expert=2", "--save-hf=" .. out })
+      assert_fixture(text, "E = 2 with --save-hf")
+      local final = tonumber(text:match("final loss (%S+)"))
+      local pg = require "pipegoose"
+      local e = expected()
+      local engine = pg.parallelize(pg.nn.from_hf(out), nil, {})
+      local data = pg.data.TokenShards{ path = DIR .. "/tokens.bin", batch = e.batch, seq_len = e.seq_len, shuffle = false }
+      local x, y = data:next_batch()
+      local reloaded = engine:loss(x, y)
+      assert.is_true(math.abs(reloaded - final) <= 1e-5 * final, ("reloaded %.9g, trained %.9g"):format(reloaded, final))
+      h.rm(out)
+    end)
+
   it("P = 2 with micro-batches gives the serial run's numbers with the same micro-batches", function()
     local function lines(out)
       local t = {}
