@@ -186,6 +186,7 @@ static int l_all_to_all(lua_State *L) {
   static const char *const keys[] = {"group", "ctx", "send", "recv", NULL};
   pg_tensor *t = pg_lua_check_tensor(L, 1), out;
   pg_lua_check_keys(L, 2, "all_to_all", keys);
+  lua_settop(L, 2); /* the counts' userdata goes above the options */
   pg_context *c = opt_ctx(L, 2);
   pg_mode m = opt_mode(L, 2);
   if (!t->storage) return luaL_error(L, "all_to_all: the tensor was freed");

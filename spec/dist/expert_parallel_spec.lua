@@ -105,6 +105,61 @@ local function reference(capacity)
   return serial[k]
 end
 
+describe(("expert groups and all_to_all (%d ranks)"):format(W), function()
+  it("expert groups are E consecutive data ranks; expert_data joins the ranks holding the same experts", function()
+    local ctx = pg.ParallelContext{ data = W, expert = 2, seed = 1 }
+    local r = ctx:rank()
+    assert.same({ r - r % 2, r - r % 2 + 1 }, ctx:ranks("expert"))
+    local same = {}
+    for q = r % 2, W - 1, 2 do same[#same + 1] = q end
+    assert.same(same, ctx:ranks("expert_data"))
+    assert.equal(2, ctx:sizes().expert)
+  end)
+
+  it("pg.dist.all_to_all moves rows with variable counts (empty blocks too), in member order", function()
+    local ctx = pg.ParallelContext{ data = W, seed = 1 }
+    local me = ctx:rank()
+    -- rank i sends (i + j) % 3 rows to rank j; row k of that block holds 1000 i + 100 j + k, twice
+    local send, rows = {}, 0
+    for j = 0, W - 1 do send[j + 1] = (me + j) % 3; rows = rows + send[j + 1] end
+    local recv = {}
+    for i = 0, W - 1 do recv[i + 1] = (i + me) % 3 end
+    local t = pg.zeros{ rows, 2 }
+    local at = 0
+    for j = 0, W - 1 do
+      for k = 1, send[j + 1] do
+        at = at + 1
+        t:set(at, 1, 1000 * me + 100 * j + k)
+        t:set(at, 2, -(1000 * me + 100 * j + k))
+      end
+    end
+    local out = pg.dist.all_to_all(t, { ctx = ctx, send = send, recv = recv })
+    local want = {}
+    for i = 0, W - 1 do
+      for k = 1, recv[i + 1] do want[#want + 1] = { 1000 * i + 100 * me + k, -(1000 * i + 100 * me + k) } end
+    end
+    assert.same(want, #want > 0 and out:totable() or {})
+    -- the even split by default; counted in comm_stats
+    local even = pg.dist.all_to_all(pg.ones{ 2 * W, 3 }, { ctx = ctx })
+    assert.same({ 2 * W, 3 }, even:shape())
+    assert.is_true(ctx:comm_stats().global.all_to_all.calls >= 2)
+  end)
+
+  it("refuses an expert size that does not divide data, and experts not divisible by it, naming the values", function()
+    local ok, err = pcall(pg.ParallelContext, { data = W, expert = 3 })
+    assert.is_false(ok)
+    assert.matches("expert=3 must be a positive integer dividing data=" .. W, err, 1, true)
+    ok, err = pcall(pg.ParallelContext, { data = W, expert = 0 })
+    assert.is_false(ok)
+    assert.matches("expert=0 must be a positive integer", err, 1, true)
+    local ctx = pg.ParallelContext{ data = W, expert = 2 }
+    ok, err = pcall(pg.parallelize, pg.nn.Mixtral{ vocab = 61, seq_len = 8, dim = 16, heads = 2, hidden = 24,
+      layers = 1, experts = 3, top_k = 2 }, ctx)
+    assert.is_false(ok)
+    assert.matches("expert=2 does not divide experts=3", err, 1, true)
+  end)
+end)
+
 describe(("expert parallelism (%d ranks)"):format(W), function()
   for _, layout in ipairs(LAYOUTS) do
     it(layout.name .. ": the serial model's losses, gradients, token counts and 3 AdamW steps", function()
