@@ -423,7 +423,8 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
     size_t off = (size_t)i * Bm * T;
     e->ios[i] = (pg_io){.B = Bm, .T = T, .tokens = tokens + off, .targets = targets + off, .dloss = dloss,
                         .want_grad = 1, .loss_sum = 0, .logits = NULL, .mb = i, .row0 = (int64_t)off,
-                        .host_targets = host_targets + off, .router = e->router ? e->router + i * nr : NULL};
+                        .host_targets = host_targets + off, .router = e->router ? e->router + i * nr : NULL,
+                        .step = e->stats.steps, .global_row0 = (int64_t)e->ctx->dp_rank * B * T + (int64_t)off};
   }
   for (int k = 0; k < e->nactions; k++)
     if (run_action(e, e->actions[k], e->ios, M)) return PG_ERR;

@@ -858,6 +858,7 @@ typedef struct moe_state {
   /* scratch, one micro-batch */
   float *logits, *wcat, *dwcat, *xg, *act, *dyg, *dxg, *da, *dgu, *dweight, *dx_router;
   float *bufa, *bufb;          /* G > 1: [X * dim] rows in transit */
+  float *xj;                   /* jitter: [rows * dim] the router's input, x times the noise */
   float *dprob;                /* [E] */
   int64_t *eoff, *cur;         /* [nl + 1], [nl] */
   int64_t *sc, *rc;            /* [G] counts of an all-to-all */
@@ -899,7 +900,8 @@ static int moe_alloc(pg_module *m, int nslots, int max_rows) {
       !alloc_floats(m, &s->wcat, (size_t)2 * H * D) || !alloc_floats(m, &s->dwcat, (size_t)2 * H * D) ||
       !alloc_floats(m, &s->xg, R * D) || !alloc_floats(m, &s->act, X * H) || !alloc_floats(m, &s->dyg, R * D) ||
       !alloc_floats(m, &s->dxg, R * D) || !alloc_floats(m, &s->da, X * H) || !alloc_floats(m, &s->dgu, X * 2 * H) ||
-      !alloc_floats(m, &s->dweight, R) || !alloc_floats(m, &s->dx_router, rows * D) || !alloc_floats(m, &s->dprob, E))
+      !alloc_floats(m, &s->dweight, R) || !alloc_floats(m, &s->dx_router, rows * D) || !alloc_floats(m, &s->dprob, E) ||
+      (s->o.jitter > 0 && !alloc_floats(m, &s->xj, rows * D)))
     return pg_fail("out of memory for %s (expert buffers)", m->name);
   if (s->G > 1 && (!alloc_floats(m, &s->xr, S * X * D) || !alloc_floats(m, &s->bufa, X * D) ||
                    !alloc_floats(m, &s->bufb, X * D)))
@@ -937,6 +939,30 @@ static double moe_balance(const moe_state *s, const double *totals, int N, int L
     if (dprob) dprob[e] = (float)(scale * E * totals[e] / (nl * nl));
   }
   return E * aux / (nl * nl);
+}
+
+/* Switch Transformer's jitter: the router's input times uniform noise in
+ * [1 - j, 1 + j], in training only. The noise is a function of (seed, this
+ * layer's name, the engine's step, the token's row in the global batch,
+ * the feature), so every layout (and a recomputation) draws the same; the
+ * experts see x itself. Returns the router's input: x, or s->xj. */
+static uint64_t moe_jitter_key(const pg_module *m, const pg_io *io) {
+  return pg_rng_subkey(pg_rng_key(m->ctx ? m->ctx->seed : 0, m->name), (uint64_t)io->step);
+}
+
+static float moe_noise(const moe_state *s, uint64_t key, const pg_io *io, int t, int d) {
+  uint64_t at = (uint64_t)(io->global_row0 + t) * (uint64_t)s->o.dim + (uint64_t)d;
+  return (float)(1 - s->o.jitter) + (float)(2 * s->o.jitter) * pg_uniform_at(key, at);
+}
+
+static const float *moe_jitter(pg_module *m, const pg_io *io, const float *x, int N) {
+  moe_state *s = m->state;
+  if (!(s->o.jitter > 0) || !io->want_grad) return x;
+  uint64_t key = moe_jitter_key(m, io);
+  int D = s->o.dim;
+  for (int t = 0; t < N; t++)
+    for (int d = 0; d < D; d++) s->xj[(size_t)t * D + d] = x[(size_t)t * D + d] * moe_noise(s, key, io, t, d);
+  return s->xj;
 }
 
 /* The choices beyond an expert's capacity in each sequence of T tokens:
@@ -1050,7 +1076,7 @@ static int moe_forward(pg_module *m, int slot, pg_io *io, const float *x, const 
   float *gu = s->gu + slot * (size_t)s->X * 2 * H, *ye = s->y + slot * Rmax * D, *out = slot_out(m, slot);
   double *stats = s->stats + (size_t)slot * 2 * E;
   /* route: every tensor rank computes the same (router and x replicated) */
-  pg_matmul_forward(s->logits, x, s->gate->data, NULL, N, D, E);
+  pg_matmul_forward(s->logits, moe_jitter(m, io, x, N), s->gate->data, NULL, N, D, E);
   pg_moe_route_forward(probs, lse, expert, weight, s->logits, N, E, K);
   pg_moe_route_stats(stats, stats + E, probs, expert, N, E, K);
   for (int i = 0; i < R; i++) pos[i] = 0;
@@ -1166,7 +1192,13 @@ static int moe_backward(pg_module *m, int slot, pg_io *io, const float *dy, cons
   float zscale = (float)(scale * s->o.z_loss_coef / ((double)N * L));
   pg_moe_route_backward(s->logits, s->dweight, s->o.aux_loss_coef != 0 ? s->dprob : NULL, zscale, probs, lse, expert,
                         weight, N, E, K);
-  pg_matmul_backward(s->dx_router, s->gate->grad, NULL, s->logits, x, s->gate->data, N, D, E);
+  const float *xr = moe_jitter(m, io, x, N); /* the same noise again */
+  pg_matmul_backward(s->dx_router, s->gate->grad, NULL, s->logits, xr, s->gate->data, N, D, E);
+  if (xr != x) { /* d(x u)/dx = u, the same noise */
+    uint64_t key = moe_jitter_key(m, io);
+    for (int t = 0; t < N; t++)
+      for (int d = 0; d < D; d++) s->dx_router[(size_t)t * D + d] *= moe_noise(s, key, io, t, d);
+  }
   /* the experts, each over its grouped rows */
   for (int i = 0; i < R; i++) {
     if (pos[i] < 0) continue;
@@ -1228,7 +1260,7 @@ static void moe_destroy(pg_module *m) {
   free(s->ecount);
   free(s->fill);
   float *bufs[] = {s->probs, s->lse, s->weight, s->gu, s->y, s->logits, s->wcat, s->dwcat, s->xg, s->act, s->dyg,
-                   s->dxg, s->da, s->dgu, s->dweight, s->dx_router, s->dprob, s->xr, s->bufa, s->bufb};
+                   s->dxg, s->da, s->dgu, s->dweight, s->dx_router, s->dprob, s->xr, s->bufa, s->bufb, s->xj};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) pg_be_release(BE(m), bufs[i]);
 }
 
@@ -1249,6 +1281,9 @@ pg_module *pg_moe_new(pg_context *ctx, const char *name, const pg_moe_opts *o) {
     return pg_fail_null("%s: MoE layer %d of %d", name, o->layer, o->layers);
   if (!(o->aux_loss_coef >= 0) || !(o->z_loss_coef >= 0))
     return pg_fail_null("%s: aux_loss_coef and z_loss_coef must be >= 0 (%g, %g)", name, o->aux_loss_coef, o->z_loss_coef);
+  if (!(o->jitter >= 0) || o->jitter >= 1)
+    return pg_fail_null("%s: jitter must be from 0 to below 1 (noise in [1 - jitter, 1 + jitter]), not %g", name,
+                        o->jitter);
   if (!(o->capacity_factor >= 0) || o->capacity_factor > 1e9)
     return pg_fail_null("%s: capacity_factor must be > 0 (0: no token dropped), not %g", name, o->capacity_factor);
   pg_module *m = module_new(&moe_ops, ctx, name, o->dim, o->dim, sizeof(moe_state));
@@ -1904,6 +1939,7 @@ static pg_module *build_moe(pg_context *ctx, const char *name, const pg_desc *d,
                    .aux_loss_coef = d->ops->number(d, "aux_loss_coef", 0),
                    .z_loss_coef = d->ops->number(d, "z_loss_coef", 0),
                    .capacity_factor = d->ops->number(d, "capacity_factor", 0),
+                   .jitter = d->ops->number(d, "jitter", 0),
                    .init_std = (float)d->ops->number(d, "init_std", 0.02)};
   return bad ? NULL : pg_moe_new(ctx, name, &o);
 }

@@ -86,6 +86,11 @@ typedef struct pg_io {
   double *router;
   double aux_sum;          /* out: MoE layers add their auxiliary losses, times the rows */
   int recomputing;         /* a recomputation's forward: activations only, nothing added to the totals */
+  /* Where the micro-batch sits in the training run, for noise that every
+   * layout draws alike (MoE jitter): the engine's forward_backward count, and
+   * the micro-batch's first row in the global batch (data ranks hold
+   * consecutive rows). */
+  int64_t step, global_row0;
 } pg_io;
 
 typedef struct pg_module pg_module;
@@ -189,6 +194,7 @@ typedef struct pg_moe_opts {
   int layer, layers;
   double aux_loss_coef, z_loss_coef;
   double capacity_factor; /* > 0: each expert takes at most ceil(c seq_len top_k / experts) choices per sequence; 0: all */
+  double jitter;          /* > 0: training multiplies the router's input by uniform noise in [1 - j, 1 + j] */
   float init_std;
 } pg_moe_opts;
 pg_module *pg_moe_new(pg_context *ctx, const char *name, const pg_moe_opts *o);

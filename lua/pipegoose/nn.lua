@@ -636,7 +636,11 @@ end
 -- most ceil(c x seq_len x top_k / experts) choices of each sequence, first
 -- choices before second ones and earlier tokens first; the others add 0 (the
 -- residual carries the token). Per sequence, so every layout drops the same.
--- Runs on the cpu backend only for now. Not yet: jitter (only 0).
+-- jitter = j (default 0): in training the router's input (not the experts')
+-- is multiplied by uniform noise in [1 - j, 1 + j] (Switch Transformer's),
+-- a function of (seed, layer, step, token's row in the global batch,
+-- feature): every layout and a recomputation draw the same. Runs on the cpu
+-- backend only for now.
 local MOE = { dim = NEED, hidden = NEED, experts = NEED, top_k = opt.integer{ min = 1, default = 2 },
               aux_loss_coef = opt.number{ min = 0, default = 0.001 }, z_loss_coef = opt.number{ min = 0, default = 0 },
               capacity_factor = opt.number{ gt = 0 }, jitter = opt.number{ min = 0, default = 0 },
@@ -646,8 +650,9 @@ local function check_moe(where, o)
   if o.top_k > o.experts then
     error(("%s: top_k=%d exceeds experts=%d"):format(where, o.top_k, o.experts), 3)
   end
-  if o.jitter ~= 0 then
-    error(("%s: jitter=%s: router input noise is not implemented yet (only 0)"):format(where, tostring(o.jitter)), 3)
+  if o.jitter >= 1 then
+    error(("%s: jitter=%s must be below 1 (the router's input is multiplied by noise in [1 - jitter, 1 + jitter])")
+      :format(where, tostring(o.jitter)), 3)
   end
 end
 
@@ -656,7 +661,7 @@ function nn.MoE(o)
   check_moe("MoE", o)
   return spec("moe", { width = o.dim, hidden = o.hidden, experts = o.experts, top_k = o.top_k,
                        aux_loss_coef = o.aux_loss_coef, z_loss_coef = o.z_loss_coef, init_std = o.init_std,
-                       capacity_factor = o.capacity_factor, name = o.name, label = "MoE" })
+                       capacity_factor = o.capacity_factor, jitter = o.jitter, name = o.name, label = "MoE" })
 end
 
 KINDS.moe = {
@@ -666,7 +671,7 @@ KINDS.moe = {
     -- layer / layers: which of the model's MoE layers this is (pg.parallelize numbers them)
     return { kind = "moe", name = c.me, dim = s.width, hidden = s.hidden, experts = s.experts, top_k = s.top_k,
              aux_loss_coef = s.aux_loss_coef, z_loss_coef = s.z_loss_coef, init_std = s.init_std,
-             capacity_factor = s.capacity_factor or 0, layer = 0, layers = 1 },
+             capacity_factor = s.capacity_factor or 0, jitter = s.jitter, layer = 0, layers = 1 },
            { width = s.width, split = false }
   end,
   params = function(s) return s.experts * (s.width + 3 * s.width * s.hidden) end,

@@ -3,7 +3,9 @@
 -- (4 experts, top-2, load-balancing and z-loss) in every expert layout this
 -- world size allows, against the serial model on the same seed and batch:
 -- the first step's objective and its two parts, every parameter's gradient,
--- per-expert token counts, and three AdamW steps (losses and weights); the
+-- per-expert token counts, and three AdamW steps (losses and weights), also
+-- with capacity_factor (dropped choices) and jitter (router noise drawn alike
+-- in every layout); the
 -- PyTorch fixture (spec/fixtures/hf_mixtral_tiny) over 10 steps at E = 2 and
 -- 4, E = 2 x T = 2 and with a pipeline (scripts/model_check.lua, as
 -- mixtral_spec.lua runs it serially); checkpoints across expert layouts; bad
@@ -38,20 +40,22 @@ local W_RTOL, W_ATOL = 1e-4, 1e-4
 local LAYOUTS = ({
   [2] = { { name = "D=2 E=2", data = 2, expert = 2 },
           { name = "D=2 E=2 ZeRO-1", data = 2, expert = 2, zero = 1 },
-          { name = "D=2 E=2 capacity 1", data = 2, expert = 2, capacity = 1.0 } },
+          { name = "D=2 E=2 capacity 1", data = 2, expert = 2, capacity = 1.0 },
+          { name = "D=2 E=2 jitter 0.2", data = 2, expert = 2, jitter = 0.2 } },
   [4] = { { name = "D=4 E=1", data = 4, expert = 1 },
           { name = "D=4 E=2", data = 4, expert = 2 },
           { name = "D=4 E=4", data = 4, expert = 4 },
           { name = "D=2 E=2 x T=2", data = 2, expert = 2, tensor = 2 },
           { name = "D=2 E=2 x P=2", data = 2, expert = 2, pipeline = 2 },
           { name = "D=4 E=2 ZeRO-1", data = 4, expert = 2, zero = 1 },
-          { name = "D=4 E=4 capacity 0.75", data = 4, expert = 4, capacity = 0.75 } },
+          { name = "D=4 E=4 capacity 0.75", data = 4, expert = 4, capacity = 0.75 },
+          { name = "D=2 E=2 x P=2 jitter 0.2", data = 2, expert = 2, pipeline = 2, jitter = 0.2 } },
 })[W]
 
-local function model(capacity)
+local function model(capacity, jitter)
   return pg.nn.Mixtral{ vocab = 61, padded_vocab = 64, seq_len = 8, dim = 16, heads = 2, kv_heads = 2, hidden = 24, layers = 2,
                         experts = 4, top_k = 2, aux_loss_coef = 0.02, z_loss_coef = 0.001,
-                        capacity_factor = capacity }
+                        capacity_factor = capacity, jitter = jitter }
 end
 
 local B, S = 8, 8
@@ -77,7 +81,7 @@ local function run(layout)
     or pg.ParallelContext{ self = true, seed = 7 }
   local D, d = ctx:world_size("data"), ctx:local_rank("data")
   local xs, ys = x:narrow(1, d * B // D + 1, B // D), y:narrow(1, d * B // D + 1, B // D)
-  local e = pg.parallelize(model(layout.capacity), ctx, { micro_batches = 1 })
+  local e = pg.parallelize(model(layout.capacity, layout.jitter), ctx, { micro_batches = 1 })
   local opt = pg.optim.AdamW(e, { lr = 1e-2, zero = layout.zero or 0 })
   local r = { losses = {}, grads = {}, weights = {} }
   for i = 1, 3 do
@@ -97,11 +101,11 @@ local function run(layout)
   return r
 end
 
--- the serial references (one per capacity), made once
+-- the serial references (one per capacity and jitter), made once
 local serial = {}
-local function reference(capacity)
-  local k = tostring(capacity)
-  serial[k] = serial[k] or run({ serial = true, capacity = capacity })
+local function reference(capacity, jitter)
+  local k = tostring(capacity) .. "/" .. tostring(jitter)
+  serial[k] = serial[k] or run({ serial = true, capacity = capacity, jitter = jitter })
   return serial[k]
 end
 
@@ -163,9 +167,10 @@ end)
 describe(("expert parallelism (%d ranks)"):format(W), function()
   for _, layout in ipairs(LAYOUTS) do
     it(layout.name .. ": the serial model's losses, gradients, token counts and 3 AdamW steps", function()
-      local want = reference(layout.capacity)
-      if layout.capacity then -- the capacity drops choices here: the serial objective is not the one without it
-        assert.is_true(math.abs(want.losses[1] - reference(nil).losses[1]) > 2e-5, "choices dropped") -- ~100x rounding
+      local want = reference(layout.capacity, layout.jitter)
+      -- capacity and jitter act here: the serial objective is not the one without them (by ~100x rounding)
+      if layout.capacity or layout.jitter then
+        assert.is_true(math.abs(want.losses[1] - reference().losses[1]) > 2e-5, "choices dropped or reweighted")
       end
       local got = run(layout)
       assert.is_true(rel(got.losses[1], want.losses[1]) <= RTOL, ("loss %.9g, serial %.9g"):format(got.losses[1],
