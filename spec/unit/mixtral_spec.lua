@@ -117,6 +117,37 @@ describe("pg.nn.Mixtral (MixtralForCausalLM) against PyTorch", function()
       h.rm(out)
     end)
 
+  it("examples/train_moe.lua trains with the experts spread (--data=2 --expert=2), logging aux_loss and each "
+    .. "expert's tokens", function()
+    local pg = require "pipegoose"
+    local dir = h.tmpdir()
+    os.execute("mkdir -p '" .. dir .. "'")
+    local ids, v = {}, 7
+    for i = 1, 20000 do
+      v = (v * 1103515245 + 12345) % 2147483648
+      ids[i] = i % 97 == 0 and 0 or 32 + (v >> 8) % 64 -- documents of printable bytes
+    end
+    pg.data.write_shard(dir .. "/train.bin", ids)
+    pg.data.write_shard(dir .. "/val.bin", ids)
+    local rc, out = h.sh(h.mpirun_cmd(2, { "examples/train_moe.lua", "--data=2", "--expert=2", "--steps=20",
+      "--dim=32", "--hidden=64", "--layers=2", "--heads=4", "--seq-len=32", "--batch=4", "--eval-every=10",
+      "--log-every=10", "--sample=0", "--train=" .. dir .. "/train.bin", "--val=" .. dir .. "/val.bin",
+      "--out=" .. dir .. "/run" }, 240))
+    assert.equal(0, rc, out)
+    local f = assert(io.open(dir .. "/run/metrics.jsonl"))
+    local first, last
+    for line in f:lines() do
+      local r = cjson.decode(line)
+      if r.kind == "train" then first, last = first or r, r end
+    end
+    f:close()
+    assert.is_true(last.aux_loss > 0 and last.ce_loss < first.ce_loss, out)
+    local total = 0
+    for e = 0, 3 do total = total + last["expert_tokens_" .. e] end
+    assert.equal(2 * 2 * 4 * 32, total) -- 2 layers x top-2 x the global batch's tokens
+    h.rm(dir)
+  end)
+
   it("P = 2 with micro-batches gives the serial run's numbers with the same micro-batches", function()
     local function lines(out)
       local t = {}
