@@ -47,6 +47,9 @@ return {
     needs = { "peak" }, run = scaling.dp, finish = scaling.finish },
   { name = "pp", description = "pipeline = 2, M = 1..16 micro-batches: bubble and activation peak, GPipe and 1F1B",
     run = require "bench.pp" },
+  { name = "moe", description = "a mixture of experts (4 experts, top-2) over data = 2, expert = 2 against the dense\n"
+      .. "model with the same active parameters, and all_to_all against MPI_Alltoall",
+    run = require "bench.moe" },
   { name = "comm", description = "scripts/bench_comm.lua (collectives against bare MPI)",
     run = function()
       print()
