@@ -607,22 +607,24 @@ int pg_engine_sync_grads(pg_engine *e) {
 
 /* Every rank builds its engine, so the sum is collective here and nowhere else. */
 static int count_parameters(pg_engine *e, int64_t *n) {
-  int64_t local = 0;
+  int64_t local[2] = {0, 0}; /* dense, experts (each member of an expert group holds its own) */
   for (int i = 0; i < e->nparams; i++) {
     pg_param *p = e->params[i];
     if (p->tied_copy || (p->replicated && e->ctx->tp_rank != 0)) continue;
     if (p->valid_rows < 0) {
-      local += p->numel;
+      local[p->expert] += p->numel;
       continue;
     }
     int64_t row = p->numel / p->shape[0];
     for (int64_t r = 0; r < p->shape[0]; r++)
-      if (pg_param_full_index(p, r * row) / row < p->valid_rows) local += row;
+      if (pg_param_full_index(p, r * row) / row < p->valid_rows) local[p->expert] += row;
   }
-  if (pg_all_reduce_buf(e->ctx, PG_MODE_TENSOR, &local, 1, PG_INT64, PG_REDUCE_SUM) ||
-      pg_all_reduce_buf(e->ctx, PG_MODE_PIPELINE, &local, 1, PG_INT64, PG_REDUCE_SUM))
+  if (pg_all_reduce_buf(e->ctx, PG_MODE_EXPERT, &local[1], 1, PG_INT64, PG_REDUCE_SUM)) return PG_ERR;
+  local[0] += local[1];
+  if (pg_all_reduce_buf(e->ctx, PG_MODE_TENSOR, &local[0], 1, PG_INT64, PG_REDUCE_SUM) ||
+      pg_all_reduce_buf(e->ctx, PG_MODE_PIPELINE, &local[0], 1, PG_INT64, PG_REDUCE_SUM))
     return PG_ERR;
-  *n = local;
+  *n = local[0];
   return PG_OK;
 }
 

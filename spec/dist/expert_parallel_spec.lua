@@ -96,6 +96,7 @@ local function run(layout)
     opt:step()
   end
   r.eval = e:loss(xs, ys)
+  r.num_parameters = e:num_parameters()
   for _, p in ipairs(e:parameters()) do r.weights[p.name] = e:gather_param(p.name) end
   r.ctx, r.engine = ctx, e
   return r
@@ -200,6 +201,7 @@ describe(("expert parallelism (%d ranks)"):format(W), function()
         assert_close(w, want.weights[name], "weight " .. name .. " after 3 steps", W_RTOL, W_ATOL)
         if name:match("%.experts%.") then experts_here = experts_here + 1 end
       end
+      assert.equal(want.num_parameters, got.num_parameters, "the whole model's parameters, counted over the experts")
       -- each rank holds experts / E of each layer's 4 (3 matrices each) on its stage
       local layers_here = (layout.pipeline or 1) == 1 and 2 or 1
       assert.equal(layers_here * 3 * 4 // layout.expert, experts_here)
