@@ -1176,9 +1176,11 @@ static int moe_backward(pg_module *m, int slot, pg_io *io, const float *dy, cons
   float *gu = s->gu + slot * (size_t)s->X * 2 * H, *ye = s->y + slot * Rmax * D;
   /* d loss / d routing weight: dy . (the expert's full output), summed over the tensor group; 0 when dropped */
   for (int i = 0; i < R; i++) {
-    const float *a = dy + (size_t)(i / K) * D, *b = ye + (size_t)pos[i] * D;
     float acc = 0;
-    for (int d = 0; d < D && pos[i] >= 0; d++) acc += a[d] * b[d];
+    if (pos[i] >= 0) {
+      const float *a = dy + (size_t)(i / K) * D, *b = ye + (size_t)pos[i] * D;
+      for (int d = 0; d < D; d++) acc += a[d] * b[d];
+    }
     s->dweight[i] = acc;
   }
   if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, s->dweight, R, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
