@@ -13,7 +13,13 @@
  *      its contiguous shard of the flat buffer). When the data group runs on
  *      one node the flat buffers live in shared memory and these are single
  *      passes over the members' buffers; otherwise chunked ring collectives
- *      (pg_comm.h).
+ *      (pg_comm.h). Under expert parallelism (the context's expert > 1) the
+ *      flat buffers have two regions: the dense parameters, reduced (and
+ *      ZeRO-sharded) over the data group as above, then the experts this
+ *      rank holds, reduced and sharded over the expert_data group (the ranks
+ *      holding the same experts, by MPI: the shared buffers span members
+ *      that hold different experts) and divided by E, since an expert's
+ *      gradient holds the tokens of E data ranks.
  * The loss is computed on the last stage, broadcast to the pipeline group and
  * averaged over the data group, so every rank returns the same number.
  * Evaluation runs a forward-only action list (PG_SCHEDULE_FORWARD) through
