@@ -1105,11 +1105,18 @@ static int moe_forward(pg_module *m, int slot, pg_io *io, const float *x, const 
     int64_t *orows = s->orows;
     int rc = pg_all_to_all_v(m->ctx, PG_MODE_EXPERT, s->ecount, s->sc, cnt, s->rc, PG_INT64);
     if (!rc) {
+      /* X bounds the rows when every member's micro-batch fits this rank's
+       * buffers; members with larger ones (different batches on the data
+       * ranks) fail together here, not in the exchange that would follow */
       moe_rows(s, off, cnt, orows, orows + s->G);
       int64_t in_total = 0;
       for (int i = 0; i < s->G; i++) in_total += orows[s->G + i];
-      if (in_total > s->X) rc = pg_fail("%s: %lld rows for this rank's experts, more than the %lld it can hold", m->name,
-                                        (long long)in_total, (long long)s->X);
+      int32_t over = in_total > s->X;
+      rc = pg_all_reduce_buf(m->ctx, PG_MODE_EXPERT, &over, 1, PG_INT32, PG_REDUCE_MAX);
+      if (!rc && over)
+        rc = pg_fail("%s: a member of the expert group receives more rows than it holds (this rank %lld, room for %lld): "
+                     "every data rank of an expert group must run micro-batches of the same size", m->name,
+                     (long long)in_total, (long long)s->X);
     }
     float *xr = s->xr + slot * (size_t)s->X * D;
     if (!rc) rc = moe_exchange(m, s->xg, orows, s->bufa, orows + s->G, (size_t)D);

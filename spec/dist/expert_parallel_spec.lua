@@ -162,6 +162,13 @@ describe(("expert groups and all_to_all (%d ranks)"):format(W), function()
       layers = 1, experts = 3, top_k = 2 }, ctx)
     assert.is_false(ok)
     assert.matches("expert=2 does not divide experts=3", err, 1, true)
+    -- data ranks of an expert group with micro-batches of different sizes: one error on all, not a hang
+    local e = pg.parallelize(pg.nn.Mixtral{ vocab = 61, seq_len = 8, dim = 16, heads = 2, hidden = 24, layers = 1,
+      experts = 4, top_k = 2 }, ctx)
+    local rows = ctx:local_rank("expert") == 0 and 1 or 4
+    ok, err = pcall(e.loss, e, x:narrow(1, 1, rows), y:narrow(1, 1, rows))
+    assert.is_false(ok)
+    assert.matches("blocks.0.moe: a member of the expert group receives more rows than it holds", err, 1, true)
   end)
 end)
 
