@@ -4,12 +4,11 @@
 -- world size allows, against the serial model on the same seed and batch:
 -- the first step's objective and its two parts, every parameter's gradient,
 -- per-expert token counts, and three AdamW steps (losses and weights), also
--- with capacity_factor (dropped choices) and jitter (router noise drawn alike
--- in every layout); the
--- PyTorch fixture (spec/fixtures/hf_mixtral_tiny) over 10 steps at E = 2 and
--- 4, E = 2 x T = 2 and with a pipeline (scripts/model_check.lua, as
--- mixtral_spec.lua runs it serially); checkpoints across expert layouts; bad
--- input.
+-- with capacity_factor (dropped choices), jitter (router noise every layout
+-- draws alike) and full recomputation (the exchanges run again); the expert
+-- groups and pg.dist.all_to_all; checkpoints across expert layouts; bad
+-- input. The PyTorch fixture at E = 2 and 4, E = 2 x T = 2 and with a
+-- pipeline is spec/unit/mixtral_spec.lua's (scripts/model_check.lua --expert).
 --
 -- The serial reference runs in the same process on a context of this rank
 -- alone (self = true); parameter init is a function of (seed, name), and
@@ -41,7 +40,8 @@ local LAYOUTS = ({
   [2] = { { name = "D=2 E=2", data = 2, expert = 2 },
           { name = "D=2 E=2 ZeRO-1", data = 2, expert = 2, zero = 1 },
           { name = "D=2 E=2 capacity 1", data = 2, expert = 2, capacity = 1.0 },
-          { name = "D=2 E=2 jitter 0.2", data = 2, expert = 2, jitter = 0.2 } },
+          { name = "D=2 E=2 jitter 0.2", data = 2, expert = 2, jitter = 0.2 },
+          { name = "D=2 E=2 recompute full, jitter 0.2", data = 2, expert = 2, jitter = 0.2, recompute = "full" } },
   [4] = { { name = "D=4 E=1", data = 4, expert = 1 },
           { name = "D=4 E=2", data = 4, expert = 2 },
           { name = "D=4 E=4", data = 4, expert = 4 },
@@ -81,7 +81,8 @@ local function run(layout)
     or pg.ParallelContext{ self = true, seed = 7 }
   local D, d = ctx:world_size("data"), ctx:local_rank("data")
   local xs, ys = x:narrow(1, d * B // D + 1, B // D), y:narrow(1, d * B // D + 1, B // D)
-  local e = pg.parallelize(model(layout.capacity, layout.jitter), ctx, { micro_batches = 1 })
+  local e = pg.parallelize(model(layout.capacity, layout.jitter), ctx, { micro_batches = 1,
+                                                                         recompute = layout.recompute })
   local opt = pg.optim.AdamW(e, { lr = 1e-2, zero = layout.zero or 0 })
   local r = { losses = {}, grads = {}, weights = {} }
   for i = 1, 3 do
