@@ -2,7 +2,9 @@
 -- double-precision Lua reference on small inputs: Mixtral's routing (softmax,
 -- top k with ties to the lower index, weights renormalised over the k
 -- chosen), the experts' SwiGLU, the load-balancing loss and the router
--- z-loss with their gradients (finite differences); the options it refuses;
+-- z-loss with their gradients (finite differences), with capacity_factor
+-- (each expert's choices per sequence capped) and jitter (router input
+-- noise); the options it refuses;
 -- pg.nn.Mixtral and its Hugging Face round trip. The PyTorch fixture
 -- (spec/fixtures/hf_mixtral_tiny, transformers' MixtralForCausalLM) in
 -- mixtral_spec.lua.
