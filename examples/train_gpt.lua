@@ -27,6 +27,10 @@ int("--kv-heads", 2, "Key/value heads (llama).")
 int("--hidden", 688, "SwiGLU width (llama; mixtral: each expert's).")
 int("--experts", 4, "Experts per MoE layer (mixtral).")
 int("--top-k", 2, "Experts per token (mixtral).")
+int("--expert", 1, "Expert-parallel size (mixtral): experts spread over groups of this many data ranks; divides --data.")
+num("--capacity-factor", nil, "Each expert takes at most ceil(c x seq_len x top_k / experts) choices per sequence "
+  .. "(mixtral; default: none dropped).")
+num("--jitter", 0, "Router input noise in [1 - j, 1 + j] during training (mixtral).")
 num("--aux-loss-coef", 0.01, "Load-balancing loss coefficient (mixtral).")
 num("--rope-theta", 10000, "Rotary base (llama).")
 num("--lr", 1e-3, "Peak learning rate.")
@@ -50,7 +54,8 @@ p:option("--save-hf", "At the end, write the model as a Hugging Face transformer
 local opt = p:parse()
 
 local seed = opt.seed
-local ctx = pg.ParallelContext{ tensor = opt.tensor, pipeline = opt.pipeline, data = opt.data, seed = seed }
+local ctx = pg.ParallelContext{ tensor = opt.tensor, pipeline = opt.pipeline, data = opt.data, expert = opt.expert,
+                                seed = seed }
 local seq_len, batch = opt.seq_len, opt.batch
 local arch = opt.model
 local model
@@ -61,6 +66,7 @@ else
               hidden = opt.hidden, layers = opt.layers, rope_theta = opt.rope_theta }
   if arch == "mixtral" then
     o.experts, o.top_k, o.aux_loss_coef = opt.experts, opt.top_k, opt.aux_loss_coef
+    o.capacity_factor, o.jitter = opt.capacity_factor, opt.jitter
     model = pg.nn.Mixtral(o)
   else
     model = pg.nn.Llama(o)

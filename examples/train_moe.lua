@@ -7,8 +7,11 @@
 -- all layers in the last batch) to metrics.jsonl.
 --   ./pglua examples/train_moe.lua [--steps=300] [--experts=4] [--top-k=2] ...
 --   mpirun -np 4 ./pglua examples/train_moe.lua --tensor=2 --pipeline=2 --micro-batches=4
--- Experts are not yet spread over ranks (expert parallelism): every tensor
--- rank holds its slice of every expert. cpu backend only.
+--   mpirun -np 4 ./pglua examples/train_moe.lua --data=4 --expert=2
+-- --expert=E spreads the experts over groups of E data ranks (each holds
+-- experts / E of every layer; tokens travel to them by all-to-all);
+-- --capacity-factor=c drops the choices beyond each expert's capacity,
+-- --jitter=j adds router input noise. cpu backend only.
 -- The model: pg.nn.Mixtral{vocab = 256, seq_len = 128, dim = 256, heads = 8,
 -- kv_heads = 2, hidden = 688, layers = 4, experts = 4, top_k = 2}.
 local here = debug.getinfo(1, "S").source:match("^@(.*/)") or "./"

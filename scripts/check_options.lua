@@ -15,6 +15,8 @@ return function(p, o)
   p:option("--tensor", "Tensor-parallel size.", "1"):convert(to_int)
   p:option("--pipeline", "Pipeline stages.", "1"):convert(to_int)
   p:option("--data", "Data-parallel size.", "1"):convert(to_int)
+  p:option("--expert", "Expert-parallel size (divides --data; a mixture of experts' experts spread over it).", "1")
+    :convert(to_int)
   p:option("--micro-batches", "Micro-batches per step.", "1"):convert(to_int)
   p:option("--schedule", "Pipeline schedule.", "1f1b"):choices{ "1f1b", "gpipe" }
   p:option("--virtual-stages", "Model chunks per pipeline stage (more than 1: the interleaved 1F1B schedule).", "1")

@@ -22,7 +22,7 @@ dofile((arg[0]:match("^(.*/)") or "./") .. "check_options.lua")(p)
 local opt = p:parse()
 local model_path, state_path = opt.model, opt.state
 
-local ctx = pg.ParallelContext{ tensor = opt.tensor, pipeline = opt.pipeline, data = opt.data, seed = 1 }
+local ctx = pg.ParallelContext{ tensor = opt.tensor, pipeline = opt.pipeline, data = opt.data, expert = opt.expert, seed = 1 }
 local rank, D, dp = ctx:rank(), ctx:world_size("data"), ctx:local_rank("data")
 local model = pg.nn.GPT.load_llmc(model_path)
 local cfg = model.config

@@ -4,7 +4,7 @@
 --
 --   [mpirun -np N] pglua scripts/model_check.lua --hf=DIR --tokens=SHARD [--batch=B] [--seq-len=T]
 --       [--steps=N] [--lr=] [--beta1=] [--beta2=] [--eps=] [--weight-decay=] [--clip=]
---       [--tensor=T] [--pipeline=P] [--data=D] [--micro-batches=M] [--schedule=gpipe|1f1b] [--virtual-stages=V] [--zero=0|1]
+--       [--tensor=T] [--pipeline=P] [--data=D] [--expert=E] [--micro-batches=M] [--schedule=gpipe|1f1b] [--virtual-stages=V] [--zero=0|1]
 --       [--device=cpu|cuda|cuda:N] [--save-hf=DIR]
 --
 -- The model is pg.nn.from_hf(DIR) (GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM). The
@@ -34,7 +34,7 @@ p:option("--seq-len", "T (default: the model's positions)."):convert(to_int)
 p:option("--save-hf", "Write the trained model there and print its final loss.")
 local opt = p:parse()
 
-local ctx = pg.ParallelContext{ tensor = opt.tensor, pipeline = opt.pipeline, data = opt.data, seed = 1 }
+local ctx = pg.ParallelContext{ tensor = opt.tensor, pipeline = opt.pipeline, data = opt.data, expert = opt.expert, seed = 1 }
 local model = pg.nn.from_hf(opt.hf)
 local cfg = model.config
 local B, T = opt.batch, opt.seq_len or cfg.seq_len

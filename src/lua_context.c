@@ -47,7 +47,7 @@ static int size_field(lua_State *L, const char *key, int world) {
 }
 
 static int l_new(lua_State *L) {
-  static const char *const keys[] = {"tensor", "pipeline", "data", "seed", "self", NULL};
+  static const char *const keys[] = {"tensor", "pipeline", "data", "expert", "seed", "self", NULL};
   pg_lua_check_keys(L, 1, "ParallelContext", keys); /* and that it is a table */
   lua_settop(L, 1);
   if (lua_isnil(L, 1)) {
@@ -61,12 +61,13 @@ static int l_new(lua_State *L) {
   int world = 1;
   MPI_Comm_size(world_comm, &world);
   int tp = size_field(L, "tensor", world), pp = size_field(L, "pipeline", world), dp = size_field(L, "data", world);
+  int ep = size_field(L, "expert", world);
   uint64_t seed = (uint64_t)pg_lua_opt_int(L, 1, "seed", 1234);
   pg_context *c = lua_newuserdatauv(L, sizeof *c, 0);
   memset(c, 0, sizeof *c);
   c->destroyed = 1;
   luaL_setmetatable(L, PG_CONTEXT_MT);
-  if (pg_context_init(c, world_comm, tp, pp, dp, seed)) return luaL_error(L, "ParallelContext: %s", pg_error());
+  if (pg_context_init(c, world_comm, tp, pp, dp, ep, seed)) return luaL_error(L, "ParallelContext: %s", pg_error());
   if (!self) { /* the default for pg.dist stays the job-wide one */
     lua_pushvalue(L, -1);
     lua_rawsetp(L, LUA_REGISTRYINDEX, &default_ctx_key);
@@ -152,13 +153,15 @@ static int l_barrier(lua_State *L) {
 
 static int l_sizes(lua_State *L) {
   pg_context *c = pg_lua_check_context(L, 1);
-  lua_createtable(L, 0, 4);
+  lua_createtable(L, 0, 5);
   lua_pushinteger(L, c->tensor);
   lua_setfield(L, -2, "tensor");
   lua_pushinteger(L, c->pipeline);
   lua_setfield(L, -2, "pipeline");
   lua_pushinteger(L, c->data);
   lua_setfield(L, -2, "data");
+  lua_pushinteger(L, c->expert);
+  lua_setfield(L, -2, "expert");
   lua_pushinteger(L, c->world_size);
   lua_setfield(L, -2, "world");
   return 1;
@@ -217,9 +220,14 @@ static int l_tostring(lua_State *L) {
     lua_pushstring(L, "ParallelContext(destroyed)");
     return 1;
   }
-  lua_pushfstring(L, "ParallelContext(rank %d of %d: tensor %d/%d, pipeline %d/%d, data %d/%d, seed %I)", c->rank,
-                  c->world_size, c->tp_rank, c->tensor, c->pp_rank, c->pipeline, c->dp_rank, c->data,
-                  (lua_Integer)c->seed);
+  if (c->expert > 1)
+    lua_pushfstring(L, "ParallelContext(rank %d of %d: tensor %d/%d, pipeline %d/%d, data %d/%d, expert %d/%d, seed %I)",
+                    c->rank, c->world_size, c->tp_rank, c->tensor, c->pp_rank, c->pipeline, c->dp_rank, c->data,
+                    c->ep_rank, c->expert, (lua_Integer)c->seed);
+  else
+    lua_pushfstring(L, "ParallelContext(rank %d of %d: tensor %d/%d, pipeline %d/%d, data %d/%d, seed %I)", c->rank,
+                    c->world_size, c->tp_rank, c->tensor, c->pp_rank, c->pipeline, c->dp_rank, c->data,
+                    (lua_Integer)c->seed);
   return 1;
 }
 

@@ -9,9 +9,11 @@
  * seconds. Options are read before the site is set: an option error must
  * not leave a site behind for the runtime's next call. */
 #include <limits.h>
+#include <stdio.h>
 
 #include "lua_util.h"
 #include "pg_comm.h"
+#include "pg_size.h"
 
 pg_context *pg_lua_default_context(lua_State *L);
 
@@ -154,6 +156,95 @@ static int l_barrier(lua_State *L) {
   return 0;
 }
 
+/* The row counts of an all_to_all (option `key`, one per member of a group of
+ * n), or the even split of `rows` when the option is absent. */
+static void split_counts(lua_State *L, int idx, const char *key, int n, int64_t rows, int64_t *out) {
+  if (lua_getfield(L, idx, key) == LUA_TNIL) {
+    lua_pop(L, 1);
+    if (rows % n) luaL_error(L, "all_to_all: %I rows do not split evenly over %d ranks; give %s= (rows per rank)",
+                             (lua_Integer)rows, n, key);
+    for (int j = 0; j < n; j++) out[j] = rows / n;
+    return;
+  }
+  if (!lua_istable(L, -1)) luaL_error(L, "all_to_all: %s= must be a list of %d row counts, one per rank", key, n);
+  char what[32];
+  snprintf(what, sizeof what, "all_to_all: %s", key);
+  int got = pg_lua_int_list(L, -1, what, out, n);
+  if (got != n) luaL_error(L, "all_to_all: %s= has %d entries, but the group has %d ranks", key, got, n);
+  for (int j = 0; j < n; j++)
+    if (out[j] < 0 || out[j] > PG_MAX_NUMEL) luaL_error(L, "all_to_all: %s[%d] = %I is not a row count", key, j + 1,
+                                                       (lua_Integer)out[j]);
+  lua_pop(L, 1);
+}
+
+/* all_to_all(t, {send = {rows per rank}, recv = {rows per rank}, group=, ctx=}) -> new tensor:
+ * t's rows (dimension 1) cut into consecutive blocks of send[j] rows, block j
+ * to member j; the result stacks what member i sent here, recv[i] rows, in
+ * member order (torch.distributed.all_to_all_single's input/output splits).
+ * Both default to an even split. */
+static int l_all_to_all(lua_State *L) {
+  static const char *const keys[] = {"group", "ctx", "send", "recv", NULL};
+  pg_tensor *t = pg_lua_check_tensor(L, 1), out;
+  pg_lua_check_keys(L, 2, "all_to_all", keys);
+  lua_settop(L, 2); /* the counts' userdata goes above the options */
+  pg_context *c = opt_ctx(L, 2);
+  pg_mode m = opt_mode(L, 2);
+  if (!t->storage) return luaL_error(L, "all_to_all: the tensor was freed");
+  int n = c->group[m].size;
+  int64_t rows = t->ndim ? t->shape[0] : 1, row = rows ? t->numel / rows : 0;
+  int64_t *counts = lua_newuserdatauv(L, 4 * (size_t)n * sizeof *counts, 0); /* freed by the GC, also on errors */
+  int64_t *sc = counts, *rc = counts + n, *se = counts + 2 * n, *re = counts + 3 * n;
+  int64_t st = 0, rt = 0;
+  if (!lua_isnoneornil(L, 2)) {
+    split_counts(L, 2, "send", n, rows, sc);
+    split_counts(L, 2, "recv", n, rows, rc);
+  } else {
+    if (rows % n) luaL_error(L, "all_to_all: %I rows do not split evenly over %d ranks; give send= and recv=",
+                             (lua_Integer)rows, n);
+    for (int j = 0; j < n; j++) sc[j] = rc[j] = rows / n;
+  }
+  for (int j = 0; j < n; j++) {
+    st += sc[j];
+    rt += rc[j];
+    se[j] = sc[j] * row;
+    re[j] = rc[j] * row;
+  }
+  if (st != rows) return luaL_error(L, "all_to_all: send= adds up to %I rows, but the tensor has %I", (lua_Integer)st,
+                                    (lua_Integer)rows);
+  int64_t shape[PG_MAX_DIMS];
+  int ndim = t->ndim ? t->ndim : 1;
+  for (int d = 0; d < ndim; d++) shape[d] = t->ndim ? t->shape[d] : 1;
+  shape[0] = rt;
+  PG_LUA_CHECK(L, pg_tensor_init(&out, t->dtype, ndim, shape));
+  from_caller(L, c);
+  int r = pg_all_to_all_v(c, m, pg_tensor_data(t), se, pg_tensor_data(&out), re, t->dtype);
+  if (r) pg_tensor_release(&out);
+  done(L, c, r);
+  pg_lua_push_tensor(L, &out);
+  return 1;
+}
+
+/* mpi_alltoall(t, {ctx=, group=}): the bare MPI_Alltoall of t (float32, equal
+ * blocks) into a new tensor, no checks or counters: the peer that benchmarks
+ * compare all_to_all against. */
+static int l_mpi_alltoall(lua_State *L) {
+  pg_tensor *t = pg_lua_check_tensor(L, 1), out;
+  pg_context *c = opt_ctx(L, 2);
+  pg_mode m = opt_mode(L, 2);
+  int n = c->group[m].size;
+  if (t->dtype != PG_FLOAT32) return luaL_error(L, "mpi_alltoall: float32 only");
+  if (t->numel % n || t->numel / n > INT_MAX) return luaL_error(L, "mpi_alltoall: %d ranks do not split %I values",
+                                                                n, (lua_Integer)t->numel);
+  PG_LUA_CHECK(L, pg_tensor_init(&out, t->dtype, t->ndim, t->shape));
+  if (MPI_Alltoall(pg_tensor_data(t), (int)(t->numel / n), MPI_FLOAT, pg_tensor_data(&out), (int)(t->numel / n),
+                   MPI_FLOAT, c->group[m].comm) != MPI_SUCCESS) {
+    pg_tensor_release(&out);
+    return luaL_error(L, "MPI_Alltoall failed");
+  }
+  pg_lua_push_tensor(L, &out);
+  return 1;
+}
+
 /* mpi_allreduce(t, {ctx=, group=}): the bare MPI_Allreduce (sum, in place) with
  * no checks or counters — the peer that benchmarks compare all_reduce against. */
 static int l_mpi_allreduce(lua_State *L) {
@@ -166,7 +257,7 @@ static int l_mpi_allreduce(lua_State *L) {
   return 0;
 }
 
-static const luaL_Reg dist_functions[] = {{"mpi_allreduce", l_mpi_allreduce},{"all_reduce", l_all_reduce}, {"all_gather", l_all_gather},
+static const luaL_Reg dist_functions[] = {{"mpi_allreduce", l_mpi_allreduce}, {"mpi_alltoall", l_mpi_alltoall}, {"all_to_all", l_all_to_all},{"all_reduce", l_all_reduce}, {"all_gather", l_all_gather},
                                           {"reduce_scatter", l_reduce_scatter}, {"broadcast", l_broadcast},
                                           {"send", l_send}, {"recv", l_recv}, {"sendrecv", l_sendrecv},
                                           {"barrier", l_barrier}, {NULL, NULL}};

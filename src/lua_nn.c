@@ -505,7 +505,8 @@ static void push_shape(lua_State *L, int ndim, const int64_t *shape) {
 }
 
 /* {name=, shape=, full_shape=, split={dim=, blocks=, parts=, index= [, sizes=]}, valid_rows=,
- *  replicated=, tied_copy=, weight_decay=, offset=, tensor=, grad=} for one parameter */
+ *  replicated=, tied_copy=, expert= (held by one member of an expert group), weight_decay=, offset=, tensor=,
+ *  grad=} for one parameter */
 static void push_param(lua_State *L, pg_param *p, pg_storage *pstore, pg_storage *gstore) {
   lua_createtable(L, 0, 12);
   lua_pushstring(L, p->name);
@@ -540,6 +541,8 @@ static void push_param(lua_State *L, pg_param *p, pg_storage *pstore, pg_storage
   lua_setfield(L, -2, "replicated");
   lua_pushboolean(L, p->tied_copy);
   lua_setfield(L, -2, "tied_copy");
+  lua_pushboolean(L, p->expert);
+  lua_setfield(L, -2, "expert");
   lua_pushboolean(L, p->weight_decay);
   lua_setfield(L, -2, "weight_decay");
   lua_pushinteger(L, p->offset);

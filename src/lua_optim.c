@@ -95,17 +95,22 @@ static int l_hparams(lua_State *L) {
   return 1;
 }
 
-/* opt:state() -> { step=, lo=, hi= (0-based flat range), m=tensor view, v=tensor view } */
+/* opt:state() -> { step=, lo=, hi= (0-based flat range of the dense region), elo=, ehi= (of the experts'
+ * region; empty without expert parallelism), m=tensor view, v=tensor view: [hi - lo] then [ehi - elo] } */
 static int l_state(lua_State *L) {
   pg_adamw *o = check_opt(L, 1);
-  lua_createtable(L, 0, 5);
+  lua_createtable(L, 0, 7);
   lua_pushinteger(L, o->step);
   lua_setfield(L, -2, "step");
   lua_pushinteger(L, o->lo);
   lua_setfield(L, -2, "lo");
   lua_pushinteger(L, o->hi);
   lua_setfield(L, -2, "hi");
-  int64_t n = o->hi - o->lo;
+  lua_pushinteger(L, o->elo);
+  lua_setfield(L, -2, "elo");
+  lua_pushinteger(L, o->ehi);
+  lua_setfield(L, -2, "ehi");
+  int64_t n = o->hi - o->lo + o->ehi - o->elo;
   pg_tensor t;
   PG_LUA_CHECK(L, pg_tensor_init_view(&t, o->m, 0, PG_FLOAT32, 1, &n));
   pg_lua_push_tensor(L, &t);

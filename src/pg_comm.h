@@ -75,6 +75,16 @@ int pg_recv(pg_context *ctx, pg_mode m, pg_tensor *t, int src, int tag);
 /* Send one tensor and receive another in one deadlock-free call (rings, self included). */
 int pg_sendrecv(pg_context *ctx, pg_mode m, const pg_tensor *send, int dst, pg_tensor *recv, int src, int tag);
 int pg_barrier(pg_context *ctx, pg_mode m);
+/* All-to-all with variable counts (MPI_Alltoallv): this member sends
+ * send_counts[j] elements to member j, from `send` packed in member order,
+ * and receives recv_counts[i] elements from member i into `recv`, packed in
+ * member order. recv_counts[i] must be what member i sends here: checked
+ * after the agreement step by one exchange of the counts (a mismatch is the
+ * same error on every member, naming both ranks and the counts). Totals are
+ * at most INT_MAX elements per member; send and recv must not overlap. Device
+ * memory goes through NCCL grouped sends and receives (or staged). */
+int pg_all_to_all_v(pg_context *ctx, pg_mode m, const void *send, const int64_t *send_counts, void *recv,
+                    const int64_t *recv_counts, pg_dtype dtype);
 
 /* A transfer in flight, opaque; NULL when there is none. */
 typedef struct pg_request pg_request;

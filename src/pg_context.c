@@ -14,9 +14,10 @@
 #include "pg_error.h"
 #include "pg_rng.h"
 
-static const char *mode_names[PG_NUM_MODES] = {"global", "tensor", "pipeline", "data", "embedding"};
+static const char *mode_names[PG_NUM_MODES] = {"global",    "tensor", "pipeline",
+                                               "data",      "embedding", "expert", "expert_data"};
 static const char *coll_names[PG_NUM_COLLS] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast",
-                                               "send", "recv", "barrier"};
+                                               "send",       "recv",       "barrier",        "all_to_all"};
 
 const char *pg_mode_name(pg_mode m) { return (unsigned)m < PG_NUM_MODES ? mode_names[m] : "?"; }
 const char *pg_coll_name(pg_coll c) { return (unsigned)c < PG_NUM_COLLS ? coll_names[c] : "?"; }
@@ -27,7 +28,7 @@ int pg_mode_from_name(const char *name, pg_mode *out) {
       *out = (pg_mode)i;
       return PG_OK;
     }
-  return pg_fail("unknown group '%s' (expected global, tensor, pipeline, data or embedding)", name);
+  return pg_fail("unknown group '%s' (expected global, tensor, pipeline, data, embedding, expert or expert_data)", name);
 }
 
 static int make_group(pg_group *g, MPI_Comm world, int color, int key) {
@@ -45,7 +46,7 @@ static int make_group(pg_group *g, MPI_Comm world, int color, int key) {
   return PG_OK;
 }
 
-int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, int data, uint64_t seed) {
+int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, int data, int expert, uint64_t seed) {
   memset(ctx, 0, sizeof *ctx);
   for (int m = 0; m < PG_NUM_MODES; m++) ctx->group[m].comm = ctx->group[m].agree = MPI_COMM_NULL;
   ctx->destroyed = 1;
@@ -56,7 +57,11 @@ int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, i
   if ((long)tensor * pipeline * data != ctx->world_size)
     return pg_fail("tensor=%d x pipeline=%d x data=%d = %ld ranks, but the world has %d", tensor, pipeline, data,
                    (long)tensor * pipeline * data, ctx->world_size);
+  if (expert < 1 || data % expert)
+    return pg_fail("expert=%d must be a positive integer dividing data=%d (expert groups are cut out of the data "
+                   "group)", expert, data);
   ctx->tensor = tensor;
+  ctx->expert = expert;
   ctx->pipeline = pipeline;
   ctx->data = data;
   ctx->seed = seed;
@@ -64,6 +69,7 @@ int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, i
   ctx->tp_rank = r % tensor;
   ctx->dp_rank = (r / tensor) % data;
   ctx->pp_rank = r / (tensor * data);
+  ctx->ep_rank = ctx->dp_rank % expert;
   int tp = ctx->tp_rank, dp = ctx->dp_rank, pp = ctx->pp_rank;
   int ok = make_group(&ctx->group[PG_MODE_GLOBAL], world, 0, r) == PG_OK &&
            make_group(&ctx->group[PG_MODE_TENSOR], world, pp * data + dp, tp) == PG_OK &&
@@ -74,6 +80,10 @@ int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, i
   int edge = (pp == 0 || pp == pipeline - 1);
   int ecolor = edge ? dp * tensor + tp : tensor * data + r;
   ok = ok && make_group(&ctx->group[PG_MODE_EMBEDDING], world, ecolor, pp) == PG_OK;
+  /* expert group: data ranks dp / E alike; expert_data: dp % E alike (both inside one data group) */
+  int groups = data / expert;
+  ok = ok && make_group(&ctx->group[PG_MODE_EXPERT], world, (pp * tensor + tp) * groups + dp / expert, dp) == PG_OK &&
+       make_group(&ctx->group[PG_MODE_EXPERT_DATA], world, (pp * tensor + tp) * expert + dp % expert, dp) == PG_OK;
   if (!ok) {
     ctx->destroyed = 0;
     pg_context_destroy(ctx);

@@ -8,6 +8,16 @@
  * last pipeline stage that share (tp_rank, dp_rank); it holds the two copies
  * of a tied embedding (size 1 when pipeline = 1).
  *
+ * Expert parallelism (expert = E, dividing data): each data group is cut into
+ * D / E "expert" groups of E consecutive members (data ranks g E .. g E + E - 1,
+ * as Megatron's and DeepSpeed's expert-parallel groups); member j of an expert
+ * group holds experts [j n / E, (j + 1) n / E) of every MoE layer, and tokens
+ * travel to their experts' members and back by all-to-all. The "expert_data"
+ * group joins the D / E ranks holding the same experts (same ep_rank): expert
+ * parameters' gradients are averaged there, dense parameters' over the data
+ * group. With E = 1 the expert groups are single ranks and expert_data is the
+ * data group.
+ *
  * pg_context_init and pg_context_destroy are collective over `world`. */
 #ifndef PG_CONTEXT_H
 #define PG_CONTEXT_H
@@ -21,6 +31,8 @@ typedef enum {
   PG_MODE_PIPELINE,
   PG_MODE_DATA,
   PG_MODE_EMBEDDING,
+  PG_MODE_EXPERT,      /* E consecutive members of a data group: the all-to-all of MoE tokens */
+  PG_MODE_EXPERT_DATA, /* the data ranks holding the same experts: their gradients' reduction */
   PG_NUM_MODES
 } pg_mode;
 
@@ -32,6 +44,7 @@ typedef enum {
   PG_COLL_SEND,
   PG_COLL_RECV,
   PG_COLL_BARRIER,
+  PG_COLL_ALL_TO_ALL,
   PG_NUM_COLLS
 } pg_coll;
 
@@ -61,7 +74,9 @@ typedef enum { PG_STREAM_WEIGHTS = 0, PG_STREAM_REPLICATED, PG_STREAM_SHARDED, P
 typedef struct pg_context {
   int world_size, rank;
   int tensor, pipeline, data; /* sizes */
+  int expert;                 /* expert-parallel size: divides data (1: every rank holds every expert) */
   int tp_rank, pp_rank, dp_rank;
+  int ep_rank;                /* place in the expert group: dp_rank % expert */
   uint64_t seed;
   pg_group group[PG_NUM_MODES];
   pg_comm_stats stats;
@@ -90,8 +105,9 @@ int pg_mode_from_name(const char *name, pg_mode *out);
 const char *pg_coll_name(pg_coll c);
 
 /* Collective over `world`. Fails (on every rank alike) when a size is not
- * positive or tp*pp*dp differs from the size of `world`. */
-int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, int data, uint64_t seed);
+ * positive, tp*pp*dp differs from the size of `world` or expert does not
+ * divide data. */
+int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, int data, int expert, uint64_t seed);
 void pg_context_destroy(pg_context *ctx);
 
 /* Global rank of the member at position `local` (ring order, wraps). */

@@ -42,16 +42,30 @@ static int bind_params(pg_engine *e, uint64_t seed) {
     for (int j = 0; j < i; j++)
       if (!strcmp(e->params[i]->name, e->params[j]->name))
         return pg_fail("two parameters are named '%s': give the modules distinct names", e->params[i]->name);
+  /* Two regions: the dense parameters (the same on every data rank, reduced
+   * over the data group), then the experts' under expert parallelism (the
+   * same on the ranks of an expert_data group only, reduced there). Each is
+   * padded to a multiple of its group's size: the collectives' blocks are
+   * the ZeRO shards. Without expert parameters the second region is empty. */
   int64_t off = 0;
-  for (int i = 0; i < e->nparams; i++) {
-    e->params[i]->offset = off;
-    /* each numel is at most PG_MAX_NUMEL (2^59), so the sum cannot wrap before it is compared */
-    off = round_up(off + e->params[i]->numel, FLAT_ALIGN);
-    if (off > PG_MAX_NUMEL)
-      return pg_fail("the parameters of this stage have more than 2^59 elements (at '%s')", e->params[i]->name);
+  for (int pass = 0; pass < 2; pass++) {
+    if (pass == 1) {
+      e->dense_numel = off;
+      off = e->dense_padded = round_up(off > 0 ? off : FLAT_ALIGN, (int64_t)FLAT_ALIGN * e->ctx->data);
+    }
+    for (int i = 0; i < e->nparams; i++) {
+      if (e->params[i]->expert != pass) continue;
+      e->params[i]->offset = off;
+      /* each numel is at most PG_MAX_NUMEL (2^59), so the sum cannot wrap before it is compared */
+      off = round_up(off + e->params[i]->numel, FLAT_ALIGN);
+      if (off > PG_MAX_NUMEL)
+        return pg_fail("the parameters of this stage have more than 2^59 elements (at '%s')", e->params[i]->name);
+    }
   }
   e->flat_numel = off;
-  e->flat_padded = round_up(off > 0 ? off : FLAT_ALIGN, (int64_t)FLAT_ALIGN * e->ctx->data);
+  int64_t experts = off - e->dense_padded;
+  e->flat_padded = e->dense_padded + (experts ? round_up(experts, (int64_t)FLAT_ALIGN * (e->ctx->data / e->ctx->expert))
+                                              : 0);
   size_t bytes = (size_t)e->flat_padded * sizeof(float);
   /* Data-parallel replicas on one node share their buffers (single-pass
    * reductions); anything else, or no room in /dev/shm: private memory. */
@@ -112,7 +126,10 @@ int pg_engine_overlaps(const pg_engine *e) { return e->buckets != NULL; }
  * NCCL stream for the reductions yet: there the reduction waits for the end
  * too (the engine's stream orders it after backward anyway). */
 static int overlap_applies(const pg_engine *e) {
-  return e->opts.overlap_grad_reduce && e->ctx->data > 1 && e->be->device == PG_CPU && !pg_engine_shares_buffers(e);
+  /* expert parallelism's second region reduces over expert_data after
+   * backward: its buckets would need that group's shard layout (not yet) */
+  return e->opts.overlap_grad_reduce && e->ctx->data > 1 && e->be->device == PG_CPU && !pg_engine_shares_buffers(e) &&
+         e->flat_padded == e->dense_padded;
 }
 
 /* Buckets in the order their gradients become final: chunk by chunk from
@@ -472,7 +489,7 @@ static int run_action(pg_engine *e, pg_action a, pg_io *ios, int M) {
  * rank order, so these are the bucket's pieces one after another). */
 static void bucket_counts(const pg_engine *e, const pg_bucket *b, int64_t *counts) {
   int D = e->ctx->group[b->mode].size;
-  int64_t per = e->flat_padded / D;
+  int64_t per = e->dense_padded / D; /* the whole buffer: no experts' region when buckets apply */
   for (int r = 0; r < D; r++) {
     int64_t lo = b->lo > per * r ? b->lo : per * r, hi = b->hi < per * (r + 1) ? b->hi : per * (r + 1);
     counts[r] = hi > lo ? hi - lo : 0;
@@ -633,7 +650,8 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
     e->ios[i] = (pg_io){.B = Bm, .T = T, .tokens = tokens + off, .targets = targets + off, .dloss = dloss,
                         .want_grad = 1, .loss_sum = 0, .logits = NULL, .mb = i, .row0 = (int64_t)off,
                         .host_targets = host_targets + off, .router = e->router ? e->router + i * nr : NULL,
-                        .backward_done = e->buckets ? on_backward_done : NULL, .backward_ud = e};
+                        .backward_done = e->buckets ? on_backward_done : NULL, .backward_ud = e,
+                        .step = e->stats.steps, .global_row0 = (int64_t)e->ctx->dp_rank * B * T + (int64_t)off};
   }
   /* gradients accumulated over calls with sync = 0 reduce on the call that syncs */
   e->overlap_now = sync && e->buckets;
@@ -666,12 +684,12 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
     return PG_ERR;
   if (e->router) {
     aux /= e->ctx->data;
-    /* after backward every stage holds the whole model's totals (the last stage's, sent back) */
+    /* after backward every stage holds the whole model's totals (the last stage's, sent back), summed over
+     * the data group by the last MoE layer */
     int E = e->opts.router_experts;
     for (int k = 0; k < E; k++) e->expert_tokens[k] = 0;
     for (int i = 0; i < M; i++)
       for (int k = 0; k < E; k++) e->expert_tokens[k] += e->ios[i].router[k];
-    if (pg_all_reduce_buf(e->ctx, PG_MODE_DATA, e->expert_tokens, E, PG_FLOAT64, PG_REDUCE_SUM)) return PG_ERR;
   }
   e->last_ce = *loss;
   e->last_aux = e->router ? aux : 0;
@@ -740,11 +758,23 @@ int pg_engine_zero_grad(pg_engine *e) {
 
 void pg_engine_shard(const pg_engine *e, int64_t *lo, int64_t *hi) {
   if (e->zero && e->ctx->data > 1) {
-    int64_t per = e->flat_padded / e->ctx->data;
+    int64_t per = e->dense_padded / e->ctx->data;
     *lo = per * e->ctx->dp_rank;
     *hi = *lo + per;
   } else {
     *lo = 0;
+    *hi = e->dense_padded;
+  }
+}
+
+void pg_engine_expert_shard(const pg_engine *e, int64_t *lo, int64_t *hi) {
+  int n = e->ctx->group[PG_MODE_EXPERT_DATA].size;
+  int64_t len = e->flat_padded - e->dense_padded;
+  if (e->zero && n > 1) {
+    *lo = e->dense_padded + len / n * e->ctx->group[PG_MODE_EXPERT_DATA].rank;
+    *hi = *lo + len / n;
+  } else {
+    *lo = e->dense_padded;
     *hi = e->flat_padded;
   }
 }
@@ -759,27 +789,58 @@ static int tied_reduce(pg_engine *e) {
   return pg_all_reduce_buf(e->ctx, PG_MODE_EMBEDDING, p->grad, p->numel, PG_FLOAT32, PG_REDUCE_SUM);
 }
 
+/* Averages (zero = 0) or reduce-scatters (zero = 1) the n floats at g over
+ * group m: shared memory when the group's buffers are mapped (sh), else the
+ * ring's reduce-scatter and all-gather at any size, so that zero = 0 and
+ * zero = 1 reduce in the same order. The one "reduce this region over that
+ * group" step: the dense region goes over the data group, the experts' over
+ * expert_data. */
+static int reduce_region(pg_engine *e, pg_mode m, const pg_shm *sh, float *g, int64_t n) {
+  if (e->ctx->group[m].size == 1 || n == 0) return PG_OK;
+  if (!e->zero)
+    return sh ? pg_shm_all_reduce(e->ctx, sh, n, PG_REDUCE_AVG)
+              : pg_reduce_scatter_inplace(e->ctx, m, g, n, PG_REDUCE_AVG) || pg_all_gather_inplace(e->ctx, m, g, n);
+  return sh ? pg_shm_reduce_scatter(e->ctx, sh, n, PG_REDUCE_AVG)
+            : pg_reduce_scatter_inplace(e->ctx, m, g, n, PG_REDUCE_AVG);
+}
+
+int pg_engine_gather_params(pg_engine *e) {
+  if (!e->zero) return PG_OK;
+  float *w = e->param_store->data;
+  if (e->ctx->data > 1 && (e->param_shm.size ? pg_shm_all_gather(e->ctx, &e->param_shm, e->dense_padded)
+                                             : pg_all_gather_inplace(e->ctx, PG_MODE_DATA, w, e->dense_padded)))
+    return PG_ERR;
+  int64_t n = e->flat_padded - e->dense_padded;
+  if (n && e->ctx->group[PG_MODE_EXPERT_DATA].size > 1 &&
+      pg_all_gather_inplace(e->ctx, PG_MODE_EXPERT_DATA, w + e->dense_padded, n))
+    return PG_ERR;
+  return PG_OK;
+}
+
 int pg_engine_sync_grads(pg_engine *e) {
   if (!e->grads_pending) return PG_OK;
   double t0 = pg_wtime();
   float *g = e->grad_store->data;
   if (tied_reduce(e)) return PG_ERR;
-  /* 2. data parallel: the average over the replicas. */
-  int D = e->ctx->data;
-  /* flat_padded is a multiple of D, so the collectives' blocks are the ZeRO
-   * shards: with zero = 1 or 2 ours is reduced in place. */
+  /* 2. data parallel: the average over the replicas; the experts' region
+   * over the ranks holding the same experts (the shared buffers span the data
+   * group, whose members hold different experts: that region goes by MPI).
+   * Each region's length is a multiple of its group's size, so the
+   * collectives' blocks are the ZeRO shards: with zero = 1 or 2 ours is
+   * reduced in place. */
   const pg_shm *sh = e->grad_shm.size ? &e->grad_shm : NULL;
-  if (D > 1 && !e->zero) {
-    /* without shared memory: the ring's reduce-scatter and all-gather, at any
-     * size, so that zero = 0 and zero = 1 reduce in the same order */
-    if (sh ? pg_shm_all_reduce(e->ctx, sh, e->flat_padded, PG_REDUCE_AVG)
-           : pg_reduce_scatter_inplace(e->ctx, PG_MODE_DATA, g, e->flat_padded, PG_REDUCE_AVG) ||
-                 pg_all_gather_inplace(e->ctx, PG_MODE_DATA, g, e->flat_padded))
-      return PG_ERR;
-  } else if (D > 1) {
-    if (sh ? pg_shm_reduce_scatter(e->ctx, sh, e->flat_padded, PG_REDUCE_AVG)
-           : pg_reduce_scatter_inplace(e->ctx, PG_MODE_DATA, g, e->flat_padded, PG_REDUCE_AVG))
-      return PG_ERR;
+  if (reduce_region(e, PG_MODE_DATA, sh, g, e->dense_padded) ||
+      reduce_region(e, PG_MODE_EXPERT_DATA, NULL, g + e->dense_padded, e->flat_padded - e->dense_padded))
+    return PG_ERR;
+  /* an expert's gradient on a rank holds the tokens of all E members of its
+   * expert group, each at its own rank's scale: the average over the D data
+   * ranks is the average over expert_data divided by E (exact for E a power
+   * of 2). Experts run on the cpu backend only: host memory. */
+  if (e->flat_padded > e->dense_padded) {
+    int64_t lo, hi;
+    pg_engine_expert_shard(e, &lo, &hi);
+    float inv = 1.0f / (float)e->ctx->expert;
+    for (int64_t i = lo; i < hi; i++) g[i] *= inv;
   }
   e->grads_pending = 0;
   double dt = pg_wtime() - t0;
@@ -790,22 +851,24 @@ int pg_engine_sync_grads(pg_engine *e) {
 
 /* Every rank builds its engine, so the sum is collective here and nowhere else. */
 static int count_parameters(pg_engine *e, int64_t *n) {
-  int64_t local = 0;
+  int64_t local[2] = {0, 0}; /* dense, experts (each member of an expert group holds its own) */
   for (int i = 0; i < e->nparams; i++) {
     pg_param *p = e->params[i];
     if (p->tied_copy || (p->replicated && e->ctx->tp_rank != 0)) continue;
     if (p->valid_rows < 0) {
-      local += p->numel;
+      local[p->expert] += p->numel;
       continue;
     }
     int64_t row = p->numel / p->shape[0];
     for (int64_t r = 0; r < p->shape[0]; r++)
-      if (pg_param_full_index(p, r * row) / row < p->valid_rows) local += row;
+      if (pg_param_full_index(p, r * row) / row < p->valid_rows) local[p->expert] += row;
   }
-  if (pg_all_reduce_buf(e->ctx, PG_MODE_TENSOR, &local, 1, PG_INT64, PG_REDUCE_SUM) ||
-      pg_all_reduce_buf(e->ctx, PG_MODE_PIPELINE, &local, 1, PG_INT64, PG_REDUCE_SUM))
+  if (pg_all_reduce_buf(e->ctx, PG_MODE_EXPERT, &local[1], 1, PG_INT64, PG_REDUCE_SUM)) return PG_ERR;
+  local[0] += local[1];
+  if (pg_all_reduce_buf(e->ctx, PG_MODE_TENSOR, &local[0], 1, PG_INT64, PG_REDUCE_SUM) ||
+      pg_all_reduce_buf(e->ctx, PG_MODE_PIPELINE, &local[0], 1, PG_INT64, PG_REDUCE_SUM))
     return PG_ERR;
-  *n = local;
+  *n = local[0];
   return PG_OK;
 }
 

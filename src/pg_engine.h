@@ -13,18 +13,25 @@
  *      for its contiguous shard of the flat buffer). When the data group runs
  *      on one node the flat buffers live in shared memory and these are
  *      single passes over the members' buffers; otherwise chunked ring
- *      collectives (pg_comm.h).
- * Overlap (opts.overlap_grad_reduce, host memory over MPI only): the flat
- * gradient buffer is cut into buckets of about bucket_elems, in the order
- * their gradients become final in backward (the reverse of the parameters'
- * order, chunk by chunk). On the step that syncs, a bucket's nonblocking
- * reduction (all-reduce, or with ZeRO the reduce-scatter of its part of every
- * member's shard) starts as soon as the last module owning one of its
- * parameters has finished the backward of the chunk's last micro-batch
- * (pg_io.backward_done), and runs while the rest of backward does; the step
- * waits for them at its end. A bucket holding a tied embedding's copy starts
- * at the end, after step 1. The shared-memory passes and the device backend
- * keep the one reduction at the end (pg_engine.c says why).
+ *      collectives (pg_comm.h). Under expert parallelism (the context's
+ *      expert > 1) the flat buffers have two regions: the dense parameters,
+ *      reduced (and ZeRO-sharded) over the data group as above, then the
+ *      experts this rank holds, reduced and sharded over the expert_data group
+ *      (the ranks holding the same experts, by MPI: the shared buffers span
+ *      members that hold different experts) and divided by E, since an
+ *      expert's gradient holds the tokens of E data ranks.
+ * Overlap (opts.overlap_grad_reduce, host memory over MPI only, no experts'
+ * region): the flat gradient buffer is cut into buckets of about
+ * bucket_elems, in the order their gradients become final in backward (the
+ * reverse of the parameters' order, chunk by chunk). On the step that syncs,
+ * a bucket's nonblocking reduction (all-reduce, or with ZeRO the
+ * reduce-scatter of its part of every member's shard) starts as soon as the
+ * last module owning one of its parameters has finished the backward of the
+ * chunk's last micro-batch (pg_io.backward_done), and runs while the rest of
+ * backward does; the step waits for them at its end. A bucket holding a tied
+ * embedding's copy starts at the end, after step 1. The shared-memory passes
+ * and the device backend keep the one reduction at the end (pg_engine.c
+ * says why).
  * The loss is computed on the last stage, broadcast to the pipeline group and
  * averaged over the data group, so every rank returns the same number.
  * Evaluation runs a forward-only action list (PG_SCHEDULE_FORWARD) through
@@ -108,7 +115,10 @@ typedef struct pg_engine {
   pg_recompute_arena *recompute_arena; /* the recomputed blocks' shared buffers, all chunks' (pg_module.h) */
   pg_shm param_shm, grad_shm; /* the data group's copies of both, when shared (pg_shm.h) */
   int64_t flat_numel;  /* used elements */
-  int64_t flat_padded; /* buffer length: a multiple of the data size (ZeRO shards) */
+  int64_t flat_padded; /* buffer length: the dense region, then the experts' (expert parallelism) */
+  int64_t dense_numel, dense_padded; /* the dense region [0, dense_padded): a multiple of the data size (ZeRO
+                                        shards); the experts' [dense_padded, flat_padded), a multiple of the
+                                        expert_data size, empty without expert parallelism */
   pg_engine_opts opts;
   pg_action *actions;
   int nactions;
@@ -151,9 +161,10 @@ void pg_engine_free(pg_engine *e);
  * are this data rank's share. sync: run the gradient reductions at the end
  * (0 while accumulating; reductions then run when the optimizer needs the
  * gradients). *loss: that objective for the batch (last_ce + last_aux).
- * Auxiliary losses are taken per micro-batch (transformers' over the whole
- * batch when there is one micro-batch on one data rank) and averaged
- * weighted by rows, as the token loss is. */
+ * Auxiliary losses are taken per micro-batch, the load balance over the
+ * routing totals of that micro-batch on every data rank together
+ * (transformers' over the whole batch when there is one micro-batch), and
+ * averaged weighted by rows, as the token loss is. */
 int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T,
                                float grad_scale, int sync, double *loss);
 /* Evaluation: mean loss (if targets) and/or logits [B*T, vocab] (if logits) on every rank. */
@@ -168,8 +179,14 @@ int pg_engine_zero_grad(pg_engine *e);
 int pg_engine_overlaps(const pg_engine *e);
 /* Runs the pending gradient reductions (no-op when none are pending). */
 int pg_engine_sync_grads(pg_engine *e);
-/* This rank's ZeRO shard of the flat buffers: [*lo, *hi) (the whole buffer without ZeRO). */
+/* This rank's ZeRO shard of the flat buffers' dense region: [*lo, *hi) (the
+ * whole region without ZeRO), and of the experts' region (over the
+ * expert_data group; empty without expert parallelism). */
 void pg_engine_shard(const pg_engine *e, int64_t *lo, int64_t *hi);
+void pg_engine_expert_shard(const pg_engine *e, int64_t *lo, int64_t *hi);
+/* ZeRO-1 after an update: every rank's shards to all the others (each region
+ * over its group). No-op without ZeRO. */
+int pg_engine_gather_params(pg_engine *e);
 /* Total parameters of the full (unsharded) model. Not collective: counted
  * once, when the engine is made (a sum over the tensor and pipeline groups
  * there); a rank that asked alone used to leave the others' next collective

@@ -58,6 +58,8 @@ typedef struct pg_param {
   int replicated;    /* the same on every tensor rank: counted once in the gradient norm */
   int tied_copy;     /* second copy of a tied weight on another pipeline stage: not counted in the
                         norm; its gradient is summed with the original's over the embedding group */
+  int expert;        /* an expert's weight under expert parallelism (expert > 1): held by one member of
+                        each expert group, its gradient averaged over the expert_data group */
   int64_t offset;    /* in the engine's flat buffers (elements) */
   float *data, *grad;
 } pg_param;
@@ -95,6 +97,11 @@ typedef struct pg_io {
    * forward), which the model builders guarantee. Non-zero: the error. */
   int (*backward_done)(void *ud, pg_module *m);
   void *backward_ud;
+  /* Where the micro-batch sits in the training run, for noise that every
+   * layout draws alike (MoE jitter): the engine's forward_backward count, and
+   * the micro-batch's first row in the global batch (data ranks hold
+   * consecutive rows). */
+  int64_t step, global_row0;
 } pg_io;
 
 typedef struct pg_module_ops {
@@ -186,7 +193,9 @@ pg_module *pg_recompute_new(pg_context *ctx, const char *name, pg_module *inner)
  * column-parallel and w2 row-parallel, the router replicated; the output is
  * reduced over the tensor group once. Parameters: "<name>.gate.weight"
  * [experts, dim] and "<name>.experts.<e>.w1|w2|w3.weight", one set per
- * expert (so that experts can later live on different ranks). Auxiliary
+ * expert; under expert parallelism (the context's expert = G > 1) a rank
+ * holds experts / G of them, and tokens reach them by all-to-all over the
+ * expert group (pg_module.c explains the order that keeps results serial). Auxiliary
  * losses (pg_io's router totals): aux_loss_coef x the load-balancing loss
  * over the model's `layers` MoE layers (this is number `layer`, 0-based),
  * z_loss_coef x the mean over tokens and layers of logsumexp(logits)^2. */
@@ -194,6 +203,8 @@ typedef struct pg_moe_opts {
   int dim, hidden, experts, top_k;
   int layer, layers;
   double aux_loss_coef, z_loss_coef;
+  double capacity_factor; /* > 0: each expert takes at most ceil(c seq_len top_k / experts) choices per sequence; 0: all */
+  double jitter;          /* > 0: training multiplies the router's input by uniform noise in [1 - j, 1 + j] */
   float init_std;
 } pg_moe_opts;
 pg_module *pg_moe_new(pg_context *ctx, const char *name, const pg_moe_opts *o);

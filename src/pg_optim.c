@@ -42,7 +42,8 @@ pg_adamw *pg_adamw_new(pg_engine *e, const pg_adamw_hparams *h, int zero) {
   o->clip_scale = 1.0f;
   e->zero = zero;
   pg_engine_shard(e, &o->lo, &o->hi);
-  size_t bytes = (size_t)(o->hi - o->lo) * sizeof(float);
+  pg_engine_expert_shard(e, &o->elo, &o->ehi);
+  size_t bytes = (size_t)(o->hi - o->lo + o->ehi - o->elo) * sizeof(float);
   if (!(o->m = pg_backend_storage(e->be, bytes)) || !(o->v = pg_backend_storage(e->be, bytes))) {
     pg_adamw_free(o);
     return NULL;
@@ -57,34 +58,46 @@ void pg_adamw_free(pg_adamw *o) {
   free(o);
 }
 
-/* Calls fn on every [a, b) piece of a parameter inside this rank's range. */
-#define FOR_OWNED_PIECES(o, p, a, b, body)                                                                   \
-  for (int _i = 0; _i < (o)->engine->nparams; _i++) {                                                        \
-    pg_param *p = (o)->engine->params[_i];                                                                   \
-    int64_t a = p->offset > (o)->lo ? p->offset : (o)->lo;                                                   \
-    int64_t b = p->offset + p->numel < (o)->hi ? p->offset + p->numel : (o)->hi;                             \
-    if (a >= b) continue;                                                                                    \
-    body                                                                                                     \
-  }
+/* Calls body on every [a, b) piece of a parameter inside this rank's ranges
+ * (the dense one, then the experts'); st: where a's moments sit in m and v. */
+#define FOR_OWNED_PIECES(o, p, a, b, st, body)                                                               \
+  for (int _r = 0; _r < 2; _r++)                                                                             \
+    for (int _i = 0; _i < (o)->engine->nparams; _i++) {                                                      \
+      pg_param *p = (o)->engine->params[_i];                                                                 \
+      int64_t _lo = _r ? (o)->elo : (o)->lo, _hi = _r ? (o)->ehi : (o)->hi;                                  \
+      int64_t a = p->offset > _lo ? p->offset : _lo;                                                         \
+      int64_t b = p->offset + p->numel < _hi ? p->offset + p->numel : _hi;                                   \
+      if (a >= b) continue;                                                                                  \
+      int64_t st = a - _lo + (_r ? (o)->hi - (o)->lo : 0);                                                   \
+      (void)st;                                                                                              \
+      body                                                                                                   \
+    }
 
 int pg_adamw_grad_norm(pg_adamw *o, double *norm) {
   pg_engine *e = o->engine;
   if (pg_engine_sync_grads(e)) return PG_ERR;
   const float *g = e->grad_store->data;
-  double sq = 0;
-  FOR_OWNED_PIECES(o, p, a, b, {
+  double sq[2] = {0, 0}; /* dense, experts */
+  FOR_OWNED_PIECES(o, p, a, b, st, {
     if (p->tied_copy || (p->replicated && e->ctx->tp_rank != 0)) continue;
     double piece;
     if (e->be->ops->sum_squares(e->be, g + a, b - a, &piece)) return PG_ERR;
-    sq += piece;
+    sq[p->expert] += piece;
   })
   /* every rank holds a disjoint part of the model's gradients: its tensor
-   * shard, its pipeline stage, and with ZeRO-1 its data shard */
-  if (pg_all_reduce_buf(e->ctx, PG_MODE_TENSOR, &sq, 1, PG_FLOAT64, PG_REDUCE_SUM) ||
-      pg_all_reduce_buf(e->ctx, PG_MODE_PIPELINE, &sq, 1, PG_FLOAT64, PG_REDUCE_SUM) ||
-      (o->zero && pg_all_reduce_buf(e->ctx, PG_MODE_DATA, &sq, 1, PG_FLOAT64, PG_REDUCE_SUM)))
+   * shard, its pipeline stage, and with ZeRO-1 its data shard; the experts'
+   * part also its experts (expert group), and with ZeRO-1 its shard of them */
+  if (e->flat_padded > e->dense_padded &&
+      (pg_all_reduce_buf(e->ctx, PG_MODE_EXPERT, &sq[1], 1, PG_FLOAT64, PG_REDUCE_SUM) ||
+       (o->zero && pg_all_reduce_buf(e->ctx, PG_MODE_EXPERT_DATA, &sq[1], 1, PG_FLOAT64, PG_REDUCE_SUM))))
     return PG_ERR;
-  *norm = sqrt(sq);
+  if (o->zero && pg_all_reduce_buf(e->ctx, PG_MODE_DATA, &sq[0], 1, PG_FLOAT64, PG_REDUCE_SUM)) return PG_ERR;
+  sq[0] += sq[1];
+  if (pg_all_reduce_buf(e->ctx, PG_MODE_TENSOR, &sq[0], 1, PG_FLOAT64, PG_REDUCE_SUM) ||
+      pg_all_reduce_buf(e->ctx, PG_MODE_PIPELINE, &sq[0], 1, PG_FLOAT64, PG_REDUCE_SUM))
+    return PG_ERR;
+  double total = sq[0];
+  *norm = sqrt(total);
   return PG_OK;
 }
 
@@ -102,16 +115,11 @@ int pg_adamw_step(pg_adamw *o) {
   if (pg_engine_sync_grads(e)) return PG_ERR;
   o->step++;
   float *w = e->param_store->data, *g = e->grad_store->data, *m = o->m->data, *v = o->v->data;
-  FOR_OWNED_PIECES(o, p, a, b, {
-    if (e->be->ops->adamw_update(e->be, w + a, g + a, m + (a - o->lo), v + (a - o->lo), b - a, o->h.lr, o->h.beta1,
-                                 o->h.beta2, o->h.eps, p->weight_decay ? o->h.weight_decay : 0.0f, (int)o->step,
-                                 o->clip_scale))
+  FOR_OWNED_PIECES(o, p, a, b, st, {
+    if (e->be->ops->adamw_update(e->be, w + a, g + a, m + st, v + st, b - a, o->h.lr, o->h.beta1, o->h.beta2, o->h.eps,
+                                 p->weight_decay ? o->h.weight_decay : 0.0f, (int)o->step, o->clip_scale))
       return PG_ERR;
   })
   o->clip_scale = 1.0f;
-  if (o->zero && e->ctx->data > 1)
-    /* the shards are the collectives' blocks */
-    return e->param_shm.size ? pg_shm_all_gather(e->ctx, &e->param_shm, e->flat_padded)
-                             : pg_all_gather_inplace(e->ctx, PG_MODE_DATA, w, e->flat_padded);
-  return PG_OK;
+  return pg_engine_gather_params(e); /* ZeRO-1: the shards are the collectives' blocks */
 }

@@ -31,8 +31,9 @@ typedef struct pg_adamw {
   pg_engine *engine;
   pg_adamw_hparams h;
   int zero;
-  int64_t lo, hi;  /* the flat range this rank updates */
-  pg_storage *m, *v; /* [hi - lo] */
+  int64_t lo, hi;  /* the flat range this rank updates in the dense region */
+  int64_t elo, ehi; /* and in the experts' region (expert parallelism; else empty) */
+  pg_storage *m, *v; /* [hi - lo] then [ehi - elo] */
   long step;       /* updates done */
   float clip_scale; /* gradient factor for the next step (from clipping) */
 } pg_adamw;

@@ -628,9 +628,19 @@ end
 -- transformers' load_balancing_loss_func over all the model's MoE layers,
 -- z_loss_coef x the mean over tokens and layers of logsumexp(router logits)^2.
 -- Under tensor parallelism each expert's w1/w3 are column-parallel and w2
--- row-parallel (tensor must divide hidden), the router replicated. Runs on
--- the cpu backend only for now. Not yet: capacity_factor (token dropping:
--- only nil, no token dropped) and jitter (only 0).
+-- row-parallel (tensor must divide hidden), the router replicated. Under
+-- expert parallelism (ParallelContext{expert = E}) each rank of an expert
+-- group holds experts / E experts (E must divide experts) and tokens reach
+-- them by all-to-all; results equal the serial model's to rounding.
+-- capacity_factor = c (default nil: no token dropped): each expert takes at
+-- most ceil(c x seq_len x top_k / experts) choices of each sequence, first
+-- choices before second ones and earlier tokens first; the others add 0 (the
+-- residual carries the token). Per sequence, so every layout drops the same.
+-- jitter = j (default 0): in training the router's input (not the experts')
+-- is multiplied by uniform noise in [1 - j, 1 + j] (Switch Transformer's),
+-- a function of (seed, layer, step, token's row in the global batch,
+-- feature): every layout and a recomputation draw the same. Runs on the cpu
+-- backend only for now.
 local MOE = { dim = NEED, hidden = NEED, experts = NEED, top_k = opt.integer{ min = 1, default = 2 },
               aux_loss_coef = opt.number{ min = 0, default = 0.001 }, z_loss_coef = opt.number{ min = 0, default = 0 },
               capacity_factor = opt.number{ gt = 0 }, jitter = opt.number{ min = 0, default = 0 },
@@ -640,12 +650,9 @@ local function check_moe(where, o)
   if o.top_k > o.experts then
     error(("%s: top_k=%d exceeds experts=%d"):format(where, o.top_k, o.experts), 3)
   end
-  if o.capacity_factor ~= nil then
-    error(("%s: capacity_factor=%s: token dropping is not implemented yet (leave it nil: no token is dropped)")
-      :format(where, tostring(o.capacity_factor)), 3)
-  end
-  if o.jitter ~= 0 then
-    error(("%s: jitter=%s: router input noise is not implemented yet (only 0)"):format(where, tostring(o.jitter)), 3)
+  if o.jitter >= 1 then
+    error(("%s: jitter=%s must be below 1 (the router's input is multiplied by noise in [1 - jitter, 1 + jitter])")
+      :format(where, tostring(o.jitter)), 3)
   end
 end
 
@@ -654,7 +661,7 @@ function nn.MoE(o)
   check_moe("MoE", o)
   return spec("moe", { width = o.dim, hidden = o.hidden, experts = o.experts, top_k = o.top_k,
                        aux_loss_coef = o.aux_loss_coef, z_loss_coef = o.z_loss_coef, init_std = o.init_std,
-                       name = o.name, label = "MoE" })
+                       capacity_factor = o.capacity_factor, jitter = o.jitter, name = o.name, label = "MoE" })
 end
 
 KINDS.moe = {
@@ -664,7 +671,7 @@ KINDS.moe = {
     -- layer / layers: which of the model's MoE layers this is (pg.parallelize numbers them)
     return { kind = "moe", name = c.me, dim = s.width, hidden = s.hidden, experts = s.experts, top_k = s.top_k,
              aux_loss_coef = s.aux_loss_coef, z_loss_coef = s.z_loss_coef, init_std = s.init_std,
-             layer = 0, layers = 1 },
+             capacity_factor = s.capacity_factor or 0, jitter = s.jitter, layer = 0, layers = 1 },
            { width = s.width, split = false }
   end,
   params = function(s) return s.experts * (s.width + 3 * s.width * s.hidden) end,
@@ -833,6 +840,7 @@ local function build_llama(o, moe)
                 rope_theta = theta, eps = eps, name = "blocks." .. i }
     if moe then
       b.experts, b.top_k, b.aux_loss_coef, b.z_loss_coef = o.experts, o.top_k, o.aux_loss_coef, o.z_loss_coef
+      b.capacity_factor, b.jitter = o.capacity_factor, o.jitter
       model:add(nn.MixtralBlock(b))
     else
       model:add(nn.LlamaBlock(b))

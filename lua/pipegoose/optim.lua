@@ -78,7 +78,8 @@ function AdamW:set_step(step)
 end
 
 --- This rank's shard as it lives in the optimizer: { lo, hi (0-based flat
--- slice [lo, hi)), step, m, v } with m and v views of the live moments
+-- slice [lo, hi)), elo, ehi (the experts' region under expert parallelism,
+-- empty otherwise), step, m, v (both ranges' moments, one after the other) } with m and v views of the live moments
 -- (writing them changes the optimizer; state_dict() gives copies).
 function AdamW:shard_state()
   return self.c:state()
@@ -90,7 +91,7 @@ function AdamW:state_dict()
   local s = self.c:state()
   local ctx = self.engine.ctx
   return {
-    step = s.step, zero = self.zero, lo = s.lo, hi = s.hi, hparams = self.c:hparams(),
+    step = s.step, zero = self.zero, lo = s.lo, hi = s.hi, elo = s.elo, ehi = s.ehi, hparams = self.c:hparams(),
     data_rank = ctx:local_rank("data"), data = ctx:world_size("data"),
     m = s.m:clone(), v = s.v:clone(),
   }
@@ -101,6 +102,12 @@ function AdamW:load_state_dict(sd)
   if sd.lo ~= s.lo or sd.hi ~= s.hi then
     error(("AdamW:load_state_dict: the state holds flat slice [%d, %d), this rank owns [%d, %d)"):format(
       sd.lo, sd.hi, s.lo, s.hi), 2)
+  end
+  -- expert parallelism: the experts' region too (absent in states saved without it: empty)
+  local elo, ehi = sd.elo or s.elo, sd.ehi or s.elo
+  if elo ~= s.elo or ehi ~= s.ehi then
+    error(("AdamW:load_state_dict: the state holds experts' slice [%d, %d), this rank owns [%d, %d)"):format(
+      elo, ehi, s.elo, s.ehi), 2)
   end
   s.m:copy_(sd.m)
   s.v:copy_(sd.v)

@@ -446,9 +446,15 @@ function Engine:gather_to_root(name, convert, shape)
   if not owner then error("no stage holds " .. name) end
   local ctx, sizes = self.ctx, self.ctx:sizes()
   local me = ctx:rank()
-  local src = owner * sizes.tensor * sizes.data -- (pp = owner, dp = 0, tp = 0)
+  -- an expert under expert parallelism lives on one member of each expert
+  -- group: data rank e // (experts / E) of the first one (pg_context.h)
+  local dp, e = 0, tonumber(name:match("%.experts%.(%d+)%."))
+  if e and (sizes.expert or 1) > 1 and self.config.experts then dp = e // (self.config.experts // sizes.expert) end
+  local src = owner * sizes.tensor * sizes.data + dp * sizes.tensor -- (pp = owner, dp, tp = 0)
   local buf
-  if ctx:local_rank("pipeline") == owner then buf = convert(self.c:gather_param(name)) end
+  if ctx:local_rank("pipeline") == owner and ctx:local_rank("data") == dp then
+    buf = convert(self.c:gather_param(name))
+  end
   if src ~= 0 then
     if me == src then core.dist.send(buf, { ctx = ctx, dst = 0, tag = 7 })
     elseif me == 0 then

@@ -41,6 +41,12 @@ M.MODELS = {
   gpt2_b8 = { vocab = 50257, padded_vocab = 50304, seq_len = 256, dim = 768, heads = 12, layers = 12, batch = 8 },
   -- pipeline part: small enough that 16 micro-batches take seconds
   pp = { vocab = 256, seq_len = 128, dim = 256, heads = 4, layers = 8, batch = 2 },
+  -- part moe: a Mixtral of examples/train_moe.lua's shape (4 experts of SwiGLU 688, top-2), and the dense
+  -- LLaMA with the same active parameters per token (SwiGLU 2 x 688: the two experts a token runs)
+  moe = { arch = "mixtral", vocab = 256, seq_len = 128, dim = 256, heads = 8, kv_heads = 2, hidden = 688, layers = 4,
+          experts = 4, top_k = 2, aux_loss_coef = 0.01, batch = 8 },
+  moe_dense = { arch = "llama", vocab = 256, seq_len = 128, dim = 256, heads = 8, kv_heads = 2, hidden = 1376,
+                layers = 4, batch = 8 },
 }
 
 function M.shell_quote(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end

@@ -53,6 +53,9 @@ return {
   { name = "memory", description = "the small model with recompute = full and selective: activation peak and step "
       .. "time\nagainst no recomputation",
     run = require "bench.memory" },
+  { name = "moe", description = "a mixture of experts (4 experts, top-2) over data = 2, expert = 2 against the dense\n"
+      .. "model with the same active parameters, and all_to_all against MPI_Alltoall",
+    run = require "bench.moe" },
   { name = "comm", description = "scripts/bench_comm.lua (collectives against bare MPI)",
     run = function()
       print()

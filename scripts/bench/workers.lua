@@ -69,7 +69,7 @@ end
 local function worker_step(o)
   local cfg = MODELS[o.model] or error("bench.lua: unknown model " .. tostring(o.model))
   local tensor, data = tonumber(o.tensor or 1), tonumber(o.data or 1)
-  local ctx = pg.ParallelContext{ tensor = tensor, data = data, pipeline = 1, seed = 1 }
+  local ctx = pg.ParallelContext{ tensor = tensor, data = data, expert = tonumber(o.expert or 1), pipeline = 1, seed = 1 }
   local spec = {}
   for k, v in pairs(cfg) do if k ~= "batch" then spec[k] = v end end
   local engine = pg.parallelize(pg.nn.from_config(spec), ctx, { micro_batches = 1,
@@ -283,10 +283,44 @@ local function worker_llmc_model(o)
   print("result written 1")
 end
 
+-- All-to-all bandwidth: pg.dist.all_to_all (agreement, the count exchange,
+-- MPI_Alltoallv) next to the bare MPI_Alltoall on the same buffers, in the
+-- same run, over the world (the expert group of part moe). Each rank sends
+-- `bytes` in all, an equal block to each rank. algbw = bytes / time.
+local function worker_a2a(o)
+  local ctx = pg.ParallelContext{ data = pg.world_size(), seed = 1 }
+  local n, me = ctx:world_size(), ctx:rank()
+  local function time_it(fn, bytes)
+    local inner = math.max(1, math.floor(32 * 1024 * 1024 / bytes))
+    for _ = 1, 2 do fn() end
+    local samples = {}
+    for r = 1, 7 do
+      ctx:barrier()
+      local t0 = pg.wtime()
+      for _ = 1, inner do fn() end
+      samples[r] = allmax((pg.wtime() - t0) / inner)
+    end
+    return median(samples)
+  end
+  for _, kib in ipairs{ 64, 1024, 16384 } do
+    local bytes = kib * 1024
+    local buf = pg.randn({ n, bytes // 4 // n }, { seed = me })
+    local t_raw = time_it(function() pg.dist.mpi_alltoall(buf, { ctx = ctx }):free() end, bytes)
+    local t_ours = time_it(function() pg.dist.all_to_all(buf, { ctx = ctx }):free() end, bytes)
+    if me == 0 then
+      print(("result a2a_%d_raw_gbs %.6g"):format(kib, bytes / t_raw / 1e9))
+      print(("result a2a_%d_gbs %.6g"):format(kib, bytes / t_ours / 1e9))
+      print(("result a2a_%d_ratio %.6g"):format(kib, t_ours / t_raw))
+    end
+  end
+  ctx:barrier()
+end
+
 -- by the name --worker=<name> gives
 return {
   step = worker_step,
   pp = worker_pp,
   overlap = worker_overlap,
+  a2a = worker_a2a,
   ["llmc-model"] = worker_llmc_model,
 }

@@ -215,7 +215,7 @@ for _, L in ipairs(layouts) do
 
     it("rejects bad collective arguments with messages naming them", function()
       assert.has_error(function() pg.dist.all_reduce(pg.ones{ 2 }, { group = "model" }) end,
-        "unknown group 'model' (expected global, tensor, pipeline, data or embedding)")
+        "unknown group 'model' (expected global, tensor, pipeline, data, embedding, expert or expert_data)")
       assert.has_error(function() pg.dist.all_reduce(pg.ones{ 2 }, { op = "prod" }) end,
         "unknown reduce op 'prod' (expected sum, max, min or avg)")
       assert.has_error(function() pg.dist.broadcast(pg.ones{ 2 }, { src = world }) end,

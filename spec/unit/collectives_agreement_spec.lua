@@ -72,6 +72,17 @@ describe("pg.dist calls that disagree", function()
         "rank 0 called all_gather of 6 float32 values per rank ([2, 3] along dimension 2, " })
   end)
 
+  it("all_to_all counts that disagree: each rank sends what its peer does not expect (a hang or garbage)", function()
+    -- each sends the other 1 row of 2 values, and each expects 2 rows: the first disagreement in rank order
+    assert_fails(2, { 0, 1 }, CTX .. "pg.dist.all_to_all(pg.ones{ 3, 2 }, { send = me == 0 and { 2, 1 } or { 1, 2 }, "
+      .. "recv = { 2, 2 } })", { "all_to_all over the global group: rank 1 sends 2 values to rank 0, which expects 4" })
+  end)
+
+  it("all_to_all of float32 against int32", function()
+    assert_fails(2, { 0, 1 }, CTX .. "pg.dist.all_to_all(me == 0 and pg.ones{ 2 } or pg.ones({ 2 }, { dtype = 'int32' }))",
+      { "rank 1 called all_to_all of int32 values", "rank 0 called all_to_all of float32 values" })
+  end)
+
   it("the same call from different lines", function()
     assert_fails(2, { 0, 1 }, CTX .. [[
 if me == 0 then

@@ -12,8 +12,10 @@
 -- differences, so both sides choose the same experts throughout.
 --
 -- The auxiliary losses are taken per micro-batch (averaged over them by
--- rows): with one micro-batch on one data rank they are transformers' over
--- the batch; with more, each layout with the same micro-batches agrees.
+-- rows), the load balance over that micro-batch's routing totals on all data
+-- ranks together: with one micro-batch they are transformers' over the batch
+-- in any data or expert layout; with more, each layout with the same
+-- micro-batches agrees.
 local h = require "helpers"
 local cjson = require "cjson"
 
@@ -86,6 +88,64 @@ describe("pg.nn.Mixtral (MixtralForCausalLM) against PyTorch", function()
   it("matches PyTorch with T = 2 and with P = 2", function()
     assert_fixture(run_check(2, { "--tensor=2" }), "T = 2")
     assert_fixture(run_check(2, { "--pipeline=2" }), "P = 2")
+  end)
+
+  -- expert parallelism: the experts spread over expert groups of the data
+  -- group; the load balance over the data group's routing totals is
+  -- transformers' over the whole batch
+  it("matches PyTorch with the experts spread: E = 2 (D = 2), E = 4 (D = 4), E = 2 x T = 2, E = 2 with P = 2", function()
+    assert_fixture(run_check(2, { "--data=2", "--expert=2" }), "D = 2, E = 2")
+    assert_fixture(run_check(4, { "--data=4", "--expert=4" }), "D = 4, E = 4")
+    assert_fixture(run_check(4, { "--data=2", "--expert=2", "--tensor=2" }), "E = 2 x T = 2")
+    assert_fixture(run_check(4, { "--data=2", "--expert=2", "--pipeline=2" }), "E = 2, P = 2")
+    assert_fixture(run_check(4, { "--data=4", "--expert=2", "--zero=1" }), "D = 4, E = 2, ZeRO-1")
+  end)
+
+  it("a model trained at E = 2 exports with --save-hf (each expert from the rank holding it) and reloads with its loss",
+    function()
+      local out = h.tmpdir()
+      local text = run_check(2, { "--data=2", "--expert=2", "--save-hf=" .. out })
+      assert_fixture(text, "E = 2 with --save-hf")
+      local final = tonumber(text:match("final loss (%S+)"))
+      local pg = require "pipegoose"
+      local e = expected()
+      local engine = pg.parallelize(pg.nn.from_hf(out), nil, {})
+      local data = pg.data.TokenShards{ path = DIR .. "/tokens.bin", batch = e.batch, seq_len = e.seq_len, shuffle = false }
+      local x, y = data:next_batch()
+      local reloaded = engine:loss(x, y)
+      assert.is_true(math.abs(reloaded - final) <= 1e-5 * final, ("reloaded %.9g, trained %.9g"):format(reloaded, final))
+      h.rm(out)
+    end)
+
+  it("examples/train_moe.lua trains with the experts spread (--data=2 --expert=2), logging aux_loss and each "
+    .. "expert's tokens", function()
+    local pg = require "pipegoose"
+    local dir = h.tmpdir()
+    os.execute("mkdir -p '" .. dir .. "'")
+    local ids, v = {}, 7
+    for i = 1, 20000 do
+      v = (v * 1103515245 + 12345) % 2147483648
+      ids[i] = i % 97 == 0 and 0 or 32 + (v >> 8) % 64 -- documents of printable bytes
+    end
+    pg.data.write_shard(dir .. "/train.bin", ids)
+    pg.data.write_shard(dir .. "/val.bin", ids)
+    local rc, out = h.sh(h.mpirun_cmd(2, { "examples/train_moe.lua", "--data=2", "--expert=2", "--steps=20",
+      "--dim=32", "--hidden=64", "--layers=2", "--heads=4", "--seq-len=32", "--batch=4", "--eval-every=10",
+      "--log-every=10", "--sample=0", "--train=" .. dir .. "/train.bin", "--val=" .. dir .. "/val.bin",
+      "--out=" .. dir .. "/run" }, 240))
+    assert.equal(0, rc, out)
+    local f = assert(io.open(dir .. "/run/metrics.jsonl"))
+    local first, last
+    for line in f:lines() do
+      local r = cjson.decode(line)
+      if r.kind == "train" then first, last = first or r, r end
+    end
+    f:close()
+    assert.is_true(last.aux_loss > 0 and last.ce_loss < first.ce_loss, out)
+    local total = 0
+    for e = 0, 3 do total = total + last["expert_tokens_" .. e] end
+    assert.equal(2 * 2 * 4 * 32, total) -- 2 layers x top-2 x the global batch's tokens
+    h.rm(dir)
   end)
 
   it("P = 2 with micro-batches gives the serial run's numbers with the same micro-batches", function()

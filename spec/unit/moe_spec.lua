@@ -2,7 +2,9 @@
 -- double-precision Lua reference on small inputs: Mixtral's routing (softmax,
 -- top k with ties to the lower index, weights renormalised over the k
 -- chosen), the experts' SwiGLU, the load-balancing loss and the router
--- z-loss with their gradients (finite differences); the options it refuses;
+-- z-loss with their gradients (finite differences), with capacity_factor
+-- (each expert's choices per sequence capped) and jitter (router input
+-- noise); the options it refuses;
 -- pg.nn.Mixtral and its Hugging Face round trip. The PyTorch fixture
 -- (spec/fixtures/hf_mixtral_tiny, transformers' MixtralForCausalLM) in
 -- mixtral_spec.lua.
@@ -26,9 +28,12 @@ end
 
 -- y, aux (load balancing, before its coefficient), z of the block alone (one MoE layer).
 -- w: {gate = [E*D], w1 = {[H*D] per expert}, w2 = {[D*H]}, w3 = {[H*D]}}, x [N*D], flat and 1-based.
-local function moe_ref(x, w, k)
+-- cap: each expert's capacity per sequence (T tokens): first choices before
+-- second ones, earlier tokens first; the choices beyond add nothing.
+local function moe_ref(x, w, k, cap)
   local y, counts, psum, z = {}, {}, {}, 0
   for e = 1, E do counts[e], psum[e] = 0, 0 end
+  local route = {}
   for t = 0, N - 1 do
     local logit, mx = {}, -math.huge
     for e = 1, E do
@@ -48,6 +53,23 @@ local function moe_ref(x, w, k)
       taken[best], chosen[j], total = true, best, total + p[best]
       counts[best] = counts[best] + 1
     end
+    route[t] = { p = p, chosen = chosen, total = total, kept = {} }
+    for j = 1, k do route[t].kept[j] = true end
+  end
+  if cap then
+    for t0 = 0, N - 1, T do
+      local fill = {}
+      for j = 1, k do
+        for t = t0, t0 + T - 1 do
+          local e = route[t].chosen[j]
+          fill[e] = (fill[e] or 0) + 1
+          if fill[e] > cap then route[t].kept[j] = false end
+        end
+      end
+    end
+  end
+  for t = 0, N - 1 do
+    local p, chosen, total = route[t].p, route[t].chosen, route[t].total
     for d = 1, D do y[t * D + d] = 0 end
     for j = 1, k do
       local e, a = chosen[j], {}
@@ -62,7 +84,7 @@ local function moe_ref(x, w, k)
       for d = 1, D do
         local o = 0
         for i = 1, H do o = o + w.w2[e][(d - 1) * H + i] * a[i] end
-        y[t * D + d] = y[t * D + d] + p[e] / total * o
+        if route[t].kept[j] then y[t * D + d] = y[t * D + d] + p[e] / total * o end
       end
     end
   end
@@ -74,7 +96,8 @@ end
 -- A standalone MoE layer with its weights read back into a reference table.
 local function layer_of(o)
   local spec = pg.nn.MoE{ dim = D, hidden = H, experts = E, top_k = o.top_k, aux_loss_coef = o.aux or 0,
-                          z_loss_coef = o.z or 0, init_std = 0.5 }
+                          z_loss_coef = o.z or 0, init_std = 0.5, capacity_factor = o.capacity,
+                          jitter = o.jitter }
   local layer = pg.nn.Layer(spec, nil, { seed = o.seed or 7 })
   local w, by = { w1 = {}, w2 = {}, w3 = {} }, {}
   for _, p in ipairs(layer:params()) do
@@ -110,21 +133,31 @@ local function numgrad(f, vals)
 end
 
 describe("pg.nn.MoE against a Lua reference", function()
-  for _, k in ipairs{ 1, 2 } do
-    it(("top_k = %d: output, auxiliary losses and every gradient"):format(k), function()
+  -- capacity_factor 0.5 with T = 3 tokens and top_k 2 over 4 experts: each
+  -- expert takes ceil(0.5 x 3 x 2 / 4) = 1 choice per sequence
+  for _, c in ipairs{ { k = 1 }, { k = 2 }, { k = 2, capacity = 0.5, cap = 1 } } do
+    local k = c.k
+    it(("top_k = %d%s: output, auxiliary losses and every gradient"):format(k,
+      c.capacity and ", capacity_factor " .. c.capacity or ""), function()
       local aux_coef, z_coef = 0.3, 0.05
-      local layer, w = layer_of{ top_k = k, aux = aux_coef, z = z_coef }
+      local layer, w = layer_of{ top_k = k, aux = aux_coef, z = z_coef, capacity = c.capacity }
       local x = pg.randn({ B, T, D }, { seed = 11 })
       local xs = flat(x)
       local y, aux = layer:forward(x)
-      local ry, raux, rz = moe_ref(xs, w, k)
+      local ry, raux, rz = moe_ref(xs, w, k, c.cap)
       assert_close(y, ry, FWD_RTOL, FWD_ATOL, "y")
+      if c.cap then -- choices were dropped: not the output without the capacity
+        local full = moe_ref(xs, w, k)
+        local diff = 0
+        for i, v in ipairs(full) do diff = math.max(diff, math.abs(v - ry[i])) end
+        assert.is_true(diff > 1e-2, "the capacity drops choices")
+      end
       assert.near(aux_coef * raux + z_coef * rz, aux, 1e-6)
       local R = pg.randn({ B, T, D }, { seed = 12 })
       local r = flat(R)
       -- what the layer's backward differentiates: y . R + the auxiliary losses (d/d aux = rows x dloss = 1 here)
       local function f()
-        local yy, a, z = moe_ref(xs, w, k)
+        local yy, a, z = moe_ref(xs, w, k, c.cap)
         local s = aux_coef * a + z_coef * z
         for i = 1, #yy do s = s + yy[i] * r[i] end
         return s
@@ -143,6 +176,46 @@ describe("pg.nn.MoE against a Lua reference", function()
       end
     end)
   end
+
+  -- jitter multiplies the router's input by noise the layer draws again in
+  -- backward; no double reference can draw it, so the float32 layer is its own
+  -- reference: central differences (step 1e-2) of its forward y . R + aux
+  -- against its backward, to 1e-2 relative + 2e-3 absolute (float32 rounding
+  -- of f ~ 10 over 2e-2 is ~1e-4; routing stays put for so small a step)
+  it("jitter: the router sees noisy input (a different output), and dx is the gradient of what forward computed",
+    function()
+      local plain = layer_of{ top_k = 2, aux = 0.3 }
+      local layer = layer_of{ top_k = 2, aux = 0.3, jitter = 0.5 }
+      local x = pg.randn({ B, T, D }, { seed = 11 })
+      local y0 = flat(plain:forward(x))
+      local y1 = flat(layer:forward(x))
+      local diff = 0
+      for i, v in ipairs(y0) do diff = math.max(diff, math.abs(v - y1[i])) end
+      assert.is_true(diff > 1e-3, "the noise changes the routing weights")
+      local R = pg.randn({ B, T, D }, { seed = 12 })
+      local r = flat(R)
+      local function f()
+        local y, aux = layer:forward(x)
+        local s = aux
+        for i, v in ipairs(flat(y)) do s = s + v * r[i] end
+        return s
+      end
+      f()
+      layer:zero_grad()
+      local dx = flat(layer:backward(R))
+      for i = 1, B * T * D do
+        local b, rest = (i - 1) // (T * D) + 1, (i - 1) % (T * D)
+        local t, d = rest // D + 1, rest % D + 1
+        local v = x:get(b, t, d)
+        x:set(b, t, d, v + 1e-2)
+        local up = f()
+        x:set(b, t, d, v - 1e-2)
+        local down = f()
+        x:set(b, t, d, v)
+        local g = (up - down) / 2e-2
+        assert(math.abs(dx[i] - g) <= 2e-3 + 1e-2 * math.abs(g), ("dx[%d] %.6g, differences %.6g"):format(i, dx[i], g))
+      end
+    end)
 
   it("the router's gradient: with k = 1 only the auxiliary losses reach it (the one weight is 1)", function()
     local layer = layer_of{ top_k = 1 }
@@ -188,9 +261,9 @@ describe("pg.nn.MoE against a Lua reference", function()
     refuses("MoE: top_k=5 exceeds experts=4", { dim = 4, hidden = 6, experts = 4, top_k = 5 })
     refuses("MoE: experts", { dim = 4, hidden = 6, experts = 0 })
     refuses("MoE: top_k", { dim = 4, hidden = 6, experts = 4, top_k = 0 })
-    refuses("capacity_factor=1.25: token dropping is not implemented yet", { dim = 4, hidden = 6, experts = 4,
-      capacity_factor = 1.25 })
-    refuses("jitter=0.01: router input noise is not implemented yet", { dim = 4, hidden = 6, experts = 4, jitter = 0.01 })
+    refuses("MoE: capacity_factor must be a finite number > 0, got 0", { dim = 4, hidden = 6, experts = 4,
+      capacity_factor = 0 })
+    refuses("MoE: jitter=1 must be below 1", { dim = 4, hidden = 6, experts = 4, jitter = 1 })
     local m = pg.nn.MoE{ dim = 4, hidden = 6, experts = 4 }
     local ok, err = pcall(m.describe, m, "", { width = 4, split = false }, 4)
     assert.is_false(ok)

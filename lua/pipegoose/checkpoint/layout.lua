@@ -8,10 +8,16 @@ local safetensors = require "pipegoose.safetensors"
 
 local M = {}
 
-function M.params_file(tp, pp) return ("params-tp%d-pp%d.safetensors"):format(tp, pp) end
+-- ep (expert parallelism, member ep > 0 of the first expert group): the
+-- experts that member holds, in a file of their own ("-ep{e}").
+function M.params_file(tp, pp, ep)
+  if ep and ep > 0 then return ("params-tp%d-pp%d-ep%d.safetensors"):format(tp, pp, ep) end
+  return ("params-tp%d-pp%d.safetensors"):format(tp, pp)
+end
 
-function M.optim_file(tp, pp, dp)
+function M.optim_file(tp, pp, dp, ep)
   if dp then return ("optim-tp%d-pp%d-dp%d.safetensors"):format(tp, pp, dp) end
+  if ep and ep > 0 then return ("optim-tp%d-pp%d-ep%d.safetensors"):format(tp, pp, ep) end
   return ("optim-tp%d-pp%d.safetensors"):format(tp, pp)
 end
 
@@ -19,6 +25,13 @@ end
 -- stages 1 and 2: the same state, one file per data rank) rather than data
 -- rank 0 the whole of it (zero = 0). Loading reslices either way.
 function M.sharded_optimizer(zero) return zero == 1 or zero == 2 end
+
+-- The flat ranges an optimizer's shard_state holds, each with where its
+-- moments start in m and v: the dense region's, then the experts' (expert
+-- parallelism; empty otherwise).
+function M.shard_ranges(s)
+  return { { lo = s.lo, hi = s.hi, at = 0 }, { lo = s.elo or 0, hi = s.ehi or 0, at = s.hi - s.lo } }
+end
 
 --- True for engines with flat buffers (what pg.parallelize returns).
 function M.is_sharded_engine(engine)
@@ -60,12 +73,12 @@ end
 --- The parallel layout of the trainer's engine and optimizer.
 function M.layout(trainer)
   local engine, opt, ctx = trainer.engine, trainer.optimizer, trainer.ctx
-  local l = { tensor = 1, pipeline = 1, data = 1, zero = opt and opt.zero or 0, world_size = trainer.state.world_size,
-              micro_batches = engine.micro_batches, schedule = engine.schedule,
+  local l = { tensor = 1, pipeline = 1, data = 1, expert = 1, zero = opt and opt.zero or 0,
+              world_size = trainer.state.world_size, micro_batches = engine.micro_batches, schedule = engine.schedule,
               virtual_stages = engine.virtual_stages or 1 }
   if ctx and ctx.sizes then
     local s = ctx:sizes()
-    l.tensor, l.pipeline, l.data = s.tensor, s.pipeline, s.data
+    l.tensor, l.pipeline, l.data, l.expert = s.tensor, s.pipeline, s.data, s.expert or 1
   elseif ctx then
     l.data = ctx:world_size("data")
   end
@@ -78,11 +91,12 @@ function M.layout(trainer)
   return l
 end
 
--- virtual_stages only when the pipeline is interleaved, so that messages about
+-- virtual_stages and expert only when they are used, so that messages about
 -- plain layouts read as they always have.
 local function describe_layout(l)
   local virtual = (l.virtual_stages or 1) > 1 and (" (virtual_stages=%d)"):format(l.virtual_stages) or ""
-  return ("tensor=%d pipeline=%d%s data=%d zero=%d"):format(l.tensor or 1, l.pipeline or 1, virtual, l.data or 1,
+  local ep = (l.expert or 1) > 1 and (" expert=%d"):format(l.expert) or ""
+  return ("tensor=%d pipeline=%d%s data=%d%s zero=%d"):format(l.tensor or 1, l.pipeline or 1, virtual, l.data or 1, ep,
     l.zero or 0)
 end
 

@@ -225,10 +225,15 @@ local function check_records(m)
         must(is_int(v) and v >= 0 and v < size, field .. ": " .. k[1], v,
           ("an integer from 0 to layout.%s - 1 = %d"):format(k[2], size - 1))
       end
-      local want = r.kind == "params" and layout.params_file(r.tp, r.pp)
-        or layout.optim_file(r.tp, r.pp, layout.sharded_optimizer(l.zero) and r.dp or nil)
-      must(r.file == want, field .. ".file", r.file, ("'%s' (its kind, tp, pp%s)"):format(want,
-        r.kind == "optim" and layout.sharded_optimizer(l.zero) and ", dp" or ""))
+      -- expert parallelism: members 1 .. E - 1 of the first expert group write their experts apart (ep)
+      local E = l.expert or 1
+      must(r.ep == nil or (is_int(r.ep) and r.ep >= 1 and r.ep < E and r.dp == r.ep), field .. ": ep", r.ep,
+        ("an integer from 1 to layout.expert - 1 = %d, equal to its dp"):format(E - 1))
+      local ep = not (r.kind == "optim" and layout.sharded_optimizer(l.zero)) and r.ep or nil
+      local want = r.kind == "params" and layout.params_file(r.tp, r.pp, ep)
+        or layout.optim_file(r.tp, r.pp, layout.sharded_optimizer(l.zero) and r.dp or nil, ep)
+      must(r.file == want, field .. ".file", r.file, ("'%s' (its kind, tp, pp%s%s)"):format(want,
+        r.kind == "optim" and layout.sharded_optimizer(l.zero) and ", dp" or "", ep and ", ep" or ""))
       object(field .. ": slices", r.slices)
       if r.kind == "optim" then has_optim = true end
       for _, name in ipairs(sorted_keys(r.slices)) do
@@ -319,6 +324,9 @@ local function check_manifest(m)
   object("layout", l)
   for _, k in ipairs{ "tensor", "pipeline", "data", "world_size" } do pos_int("layout." .. k, l[k]) end
   must(l.zero == 0 or l.zero == 1 or l.zero == 2, "layout.zero", l.zero, "0, 1 or 2")
+  optional(pos_int, "layout.expert", l.expert)
+  must(l.expert == nil or l.data % l.expert == 0, "layout.expert", l.expert,
+    ("a divisor of layout.data = %s"):format(show(l.data)))
   must(l.world_size == m.world_size, "layout.world_size", l.world_size, ("world_size = %d"):format(m.world_size))
   optional(pos_int, "layout.micro_batches", l.micro_batches)
   optional(pos_int, "layout.virtual_stages", l.virtual_stages) -- absent before interleaved pipelines: 1

@@ -27,37 +27,46 @@ local function write_sharded(trainer, dir)
   local records = {}
   local function write(file, kind, entries, slices, extra)
     local meta = { format = "pipegoose-shard", kind = kind, tp = tp, pp = pp, dp = dp, step = trainer.state.step,
-                   tensor = l.tensor, pipeline = l.pipeline, data = l.data, zero = l.zero, slices = slices }
+                   tensor = l.tensor, pipeline = l.pipeline, data = l.data, expert = l.expert, zero = l.zero,
+                   slices = slices }
     for k, v in pairs(extra or {}) do meta[k] = v end
     local crc, bytes = safetensors.write(dir .. "/" .. file, entries, { pipegoose = json.encode(meta, file) })
     records[#records + 1] = { file = file, kind = kind, tp = tp, pp = pp, dp = dp, bytes = bytes, crc32 = crc,
-                              slices = slices }
+                              slices = slices, ep = extra and extra.ep }
   end
   local params = engine:parameters()
-  if dp == 0 then
+  -- Data rank 0 writes the dense parameters and its experts; under expert
+  -- parallelism the other members of the first expert group (data ranks 1 ..
+  -- E - 1) write the experts they hold, each in its own file (ep > 0).
+  local ep = (l.expert or 1) > 1 and dp > 0 and dp < l.expert and dp or nil
+  if dp == 0 or ep then
     local entries, slices = {}, {}
     for _, p in ipairs(params) do
-      entries[#entries + 1] = { name = p.name, tensor = p.tensor }
-      slices[p.name] = slice_of(p, 0, numel(p.shape))
-    end
-    write(layout.params_file(tp, pp), "params", entries, slices)
-  end
-  local per_rank = real_optimizer(opt) and layout.sharded_optimizer(opt.zero)
-  if real_optimizer(opt) and (per_rank or dp == 0) then
-    local s = opt:shard_state()
-    local entries, slices = {}, {}
-    for _, p in ipairs(params) do
-      local n = numel(p.shape)
-      local a, b = math.max(p.offset, s.lo), math.min(p.offset + n, s.hi)
-      if a < b then
-        local shape = (b - a == n) and p.shape or { b - a }
-        entries[#entries + 1] = { name = "m/" .. p.name, tensor = s.m:narrow(1, a - s.lo + 1, b - a), shape = shape }
-        entries[#entries + 1] = { name = "v/" .. p.name, tensor = s.v:narrow(1, a - s.lo + 1, b - a), shape = shape }
-        slices[p.name] = slice_of(p, a - p.offset, b - p.offset)
+      if dp == 0 or p.expert then
+        entries[#entries + 1] = { name = p.name, tensor = p.tensor }
+        slices[p.name] = slice_of(p, 0, numel(p.shape))
       end
     end
-    write(per_rank and layout.optim_file(tp, pp, dp) or layout.optim_file(tp, pp), "optim", entries, slices,
-      { optimizer_step = s.step, flat_lo = s.lo, flat_hi = s.hi })
+    write(layout.params_file(tp, pp, ep), "params", entries, slices, { ep = ep })
+  end
+  if real_optimizer(opt) and (layout.sharded_optimizer(opt.zero) or dp == 0 or ep) then
+    local s = opt:shard_state()
+    local entries, slices = {}, {}
+    for _, r in ipairs(layout.shard_ranges(s)) do
+      for _, p in ipairs(params) do
+        local n = numel(p.shape)
+        local a, b = math.max(p.offset, r.lo), math.min(p.offset + n, r.hi)
+        if a < b and (layout.sharded_optimizer(opt.zero) or dp == 0 or p.expert) then
+          local shape = (b - a == n) and p.shape or { b - a }
+          local at = a - r.lo + r.at + 1
+          entries[#entries + 1] = { name = "m/" .. p.name, tensor = s.m:narrow(1, at, b - a), shape = shape }
+          entries[#entries + 1] = { name = "v/" .. p.name, tensor = s.v:narrow(1, at, b - a), shape = shape }
+          slices[p.name] = slice_of(p, a - p.offset, b - p.offset)
+        end
+      end
+    end
+    write(layout.sharded_optimizer(opt.zero) and layout.optim_file(tp, pp, dp) or layout.optim_file(tp, pp, nil, ep), "optim", entries,
+      slices, { optimizer_step = s.step, flat_lo = s.lo, flat_hi = s.hi, ep = not layout.sharded_optimizer(opt.zero) and ep or nil })
   end
   return records
 end
@@ -216,20 +225,22 @@ local function load_sharded(trainer, dir, manifest)
     weights_only = "the checkpoint holds no AdamW state"
   else
     local s = opt:shard_state()
-    for _, p in ipairs(params) do
-      local n = numel(p.shape)
-      local a, b = math.max(p.offset, s.lo), math.min(p.offset + n, s.hi)
-      if a < b then
-        local list = pieces_of(files, "optim", p.name)
-        if #list == 0 then
-          note(("checkpoint: %s/%s: holds no optimizer state for '%s'"):format(dir, validation.MANIFEST, p.name))
-        else
-          local lo, hi = a - p.offset, b - p.offset
-          local d = find_direct(list, p, lo, hi)
-          local step = { what = "optim", p = p, lo = lo, hi = hi, at = a - s.lo, direct = d,
-                         pieces = not d and originals(list) or nil }
-          want(d and { d } or step.pieces)
-          plan[#plan + 1] = step
+    for _, r in ipairs(layout.shard_ranges(s)) do
+      for _, p in ipairs(params) do
+        local n = numel(p.shape)
+        local a, b = math.max(p.offset, r.lo), math.min(p.offset + n, r.hi)
+        if a < b then
+          local list = pieces_of(files, "optim", p.name)
+          if #list == 0 then
+            note(("checkpoint: %s/%s: holds no optimizer state for '%s'"):format(dir, validation.MANIFEST, p.name))
+          else
+            local lo, hi = a - p.offset, b - p.offset
+            local d = find_direct(list, p, lo, hi)
+            local step = { what = "optim", p = p, lo = lo, hi = hi, at = a - r.lo + r.at, direct = d,
+                           pieces = not d and originals(list) or nil }
+            want(d and { d } or step.pieces)
+            plan[#plan + 1] = step
+          end
         end
       end
     end
