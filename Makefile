@@ -82,7 +82,8 @@ endif
 
 CFLAGS   = -std=c11 -D_POSIX_C_SOURCE=200809L -Wall -Wextra -fPIC -fopenmp $(OPTFLAGS) -Isrc -Ikernels -DPG_VERSION='"$(VERSION)"' \
            $(CUDA_DEFS) $(PKG_CFLAGS)
-LDLIBS   = $(PKG_LIBS) $(CUDA_LIBS) -lz -lm -ldl
+# oneDNN (libdnnl-dev) has no pkg-config file in Debian: the bf16 GEMMs (kernels/cpu/bf16.c).
+LDLIBS   = $(PKG_LIBS) $(CUDA_LIBS) -ldnnl -lz -lm -ldl
 LDFLAGS  = -fopenmp $(SANLD)
 
 RUNTIME_SRCS  := $(filter-out src/lua_% src/pglua.c,$(wildcard src/*.c)) $(wildcard kernels/cpu/*.c)
