@@ -39,7 +39,8 @@ local model = pg.nn.from_hf(opt.hf)
 local cfg = model.config
 local B, T = opt.batch, opt.seq_len or cfg.seq_len
 local engine = pg.parallelize(model, ctx, { micro_batches = opt.micro_batches, schedule = opt.schedule,
-  virtual_stages = opt.virtual_stages, device = opt.device, recompute = opt.recompute })
+  virtual_stages = opt.virtual_stages, device = opt.device, recompute = opt.recompute,
+  precision = opt.precision })
 local data = pg.data.TokenShards{ path = opt.tokens, batch = B, seq_len = T, shuffle = false, ctx = ctx, vocab = cfg.vocab }
 local x, y = data:next_batch()
 if not x then error(opt.tokens .. ": fewer than " .. B .. " windows of " .. (T + 1) .. " tokens", 0) end

@@ -164,7 +164,9 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *const *stages, int nchunks,
     return pg_fail_null("out of memory");
   }
   int rc = PG_OK;
-  for (int v = 0; v < nchunks && !rc; v++) rc = check_widths(e, v) || pg_module_set_backend(chunks[v].stage, e->be);
+  for (int v = 0; v < nchunks && !rc; v++)
+    rc = check_widths(e, v) || pg_module_set_backend(chunks[v].stage, e->be) ||
+         pg_module_set_precision(chunks[v].stage, opts->precision);
   if (rc || make_schedule(e) || bind_params(e, seed) || count_parameters(e, &e->num_parameters)) {
     pg_engine_free(e);
     return NULL;

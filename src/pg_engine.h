@@ -44,6 +44,8 @@ typedef struct pg_engine_opts {
   const pg_backend *backend; /* where the engine runs (pg_backend.h); NULL: the cpu backend */
   int objective;         /* the last stage ends in an objective (pg_objective_new): targets are its to read */
   int router_experts;    /* > 0: the model has mixture-of-experts layers of this many experts (pg_io.router) */
+  pg_precision precision; /* of the stages' products (pg_module_set_precision); masters, gradients and optimizer
+                             state stay float32 in the flat buffers whatever it is */
 } pg_engine_opts;
 
 typedef struct pg_engine_stats {

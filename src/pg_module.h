@@ -305,6 +305,18 @@ void pg_module_free(pg_module *m);
 /* Puts the whole tree on a backend (before its buffers are allocated). */
 int pg_module_set_backend(pg_module *m, const pg_backend *be);
 
+/* Arithmetic precision of the tree's products. FP32: everything in float32.
+ * BF16: the GEMMs of linear and lm_head modules take bf16 operands (a bf16
+ * working copy of the float32 master weight, the input and output gradient
+ * rounded) and sum in float32; everything else (attention, norms, softmax,
+ * the loss, activations between modules, gradients, the optimizer) stays
+ * float32. Cpu backend only; a module written in Lua and the moe kind refuse
+ * it. Before the buffers are allocated. */
+typedef enum { PG_PRECISION_FP32 = 0, PG_PRECISION_BF16 } pg_precision;
+int pg_module_set_precision(pg_module *m, pg_precision p);
+/* Bytes of the tree's bf16 working weights and operand scratch (0 in FP32). */
+size_t pg_module_bf16_bytes(const pg_module *m);
+
 /* Allocates per-slot buffers in the whole tree. */
 int pg_module_alloc(pg_module *m, int nslots, int max_rows);
 

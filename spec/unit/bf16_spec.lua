@@ -186,3 +186,75 @@ describe("bf16 GEMM", function()
     assert.is_true(far > #y16 / 2, "most outputs move by the inputs' rounding (~2^-9 relative)")
   end)
 end)
+
+-- A tiny GPT-2 and a batch for the engine-level checks below.
+local function tiny() return pg.nn.GPT.load_llmc("spec/fixtures/gpt2_tiny_model.bin") end
+local function batch()
+  local x, y = pg.zeros({ 4, 16 }, { dtype = "int32" }), pg.zeros({ 4, 16 }, { dtype = "int32" })
+  for b = 1, 4 do
+    for s = 1, 16 do
+      x:set(b, s, (b * 31 + s * 7) % 61)
+      y:set(b, s, (b * 13 + s * 5 + b * s) % 61)
+    end
+  end
+  return x, y
+end
+
+describe("precision = bf16 in pg.parallelize", function()
+  it("uses the weights of the last optimizer step: after a step, the loss is a fresh engine's on those weights",
+    function()
+      local x, y = batch()
+      local a = pg.parallelize(tiny(), pg.ParallelContext{}, { precision = "bf16" })
+      local opt = pg.optim.AdamW(a, { lr = 1e-2 })
+      for _ = 1, 2 do
+        a:zero_grad()
+        a:forward_backward(x, y)
+        opt:step()
+      end
+      local b = pg.parallelize(tiny(), pg.ParallelContext{}, { precision = "bf16" })
+      for _, p in ipairs(a:parameters()) do b:parameter(p.name).tensor:copy_(p.tensor) end
+      local la, lb = a:loss(x, y), b:loss(x, y)
+      assert.are.equal(lb, la)
+      -- and a write from Lua between calls is seen too
+      for _, p in ipairs(b:parameters()) do a:parameter(p.name).tensor:copy_(pg.zeros(p.tensor:shape())) end
+      assert.is_true(math.abs(a:loss(x, y) - math.log(61)) < 1e-6, "all-zero weights: uniform logits")
+    end)
+
+  it("differs from fp32 by bf16's rounding only, and memory() reports the working weights", function()
+    local x, y = batch()
+    local e32 = pg.parallelize(tiny(), pg.ParallelContext{})
+    local e16 = pg.parallelize(tiny(), pg.ParallelContext{}, { precision = "bf16" })
+    local l32, l16 = e32:loss(x, y), e16:loss(x, y)
+    assert.is_true(l16 ~= l32 and math.abs(l16 - l32) < 1e-3 * l32, ("fp32 %.9g bf16 %.9g"):format(l32, l16))
+    local m32, m16 = e32:memory(), e16:memory()
+    assert.are.equal("fp32", m32.precision)
+    assert.are.equal("bf16", m16.precision)
+    assert.are.equal(0, m32.bf16_bytes)
+    -- the linear layers' and the head's weights, 2 bytes each, at least (plus their operand scratch)
+    local n = 0
+    for _, p in ipairs(e16:parameters()) do
+      if #p.shape == 2 and p.name ~= "wpe.weight" then
+        n = n + p.shape[1] * p.shape[2]
+      end
+    end
+    assert.is_true(m16.bf16_bytes >= 2 * n, ("bf16_bytes %d for %d weights"):format(m16.bf16_bytes, n))
+    assert.are.equal(m32.params_bytes, m16.params_bytes) -- the masters stay float32
+    assert.are.equal(m32.grads_bytes, m16.grads_bytes)
+  end)
+
+  it("refuses what it cannot run with one clear error", function()
+    local ok, err = pcall(pg.parallelize, tiny(), pg.ParallelContext{}, { precision = "fp16" })
+    assert.is_false(ok)
+    assert.matches("parallelize: precision must be 'fp32' or 'bf16', got 'fp16'", err, 1, true)
+    local moe = pg.nn.Mixtral{ vocab = 61, seq_len = 16, dim = 16, heads = 2, kv_heads = 2, hidden = 24, layers = 1,
+                               experts = 2, top_k = 1 }
+    ok, err = pcall(pg.parallelize, moe, pg.ParallelContext{}, { precision = "bf16" })
+    assert.is_false(ok)
+    assert.matches('blocks.0.moe: the moe kind (mixture of experts) does not support precision "bf16" yet', err, 1, true)
+    local L = dofile("examples/lua_llama.lua")
+    ok, err = pcall(pg.parallelize, L.Llama(require("pipegoose.hf").read_config("spec/fixtures/hf_llama_tiny")),
+      pg.ParallelContext{}, { precision = "bf16" })
+    assert.is_false(ok)
+    assert.matches('a module written in Lua computes in float32: precision "bf16" does not support it yet', err, 1, true)
+  end)
+end)
