@@ -651,9 +651,7 @@ static int l_info(lua_State *L) {
   set_int(L, "activation_bytes", (lua_Integer)pg_engine_activation_bytes(e, 0));
   set_int(L, "peak_activation_bytes", (lua_Integer)pg_engine_activation_bytes(e, 1));
   set_int(L, "fixed_activation_bytes", fixed);
-  lua_Integer bf16 = 0;
-  for (int v = 0; v < e->nchunks; v++) bf16 += (lua_Integer)pg_module_bf16_bytes(e->chunks[v].stage);
-  set_int(L, "bf16_bytes", bf16);
+  set_int(L, "bf16_bytes", (lua_Integer)pg_engine_bf16_bytes(e));
   lua_pushstring(L, e->opts.precision == PG_PRECISION_BF16 ? "bf16" : "fp32");
   lua_setfield(L, -2, "precision");
   set_int(L, "peak_in_flight", peak);

@@ -87,6 +87,8 @@ typedef struct pg_engine {
   pg_action *actions;
   int nactions;
   int capacity_rows;   /* rows per micro-batch the buffers hold */
+  uint16_t *bf16_scratch[2]; /* precision bf16: the GEMM operands' scratch every module shares (pg_io) */
+  int64_t bf16_scratch_n[2];
   float *grad_recv;    /* [rows * width]: every receive of a gradient is followed by its backward */
   int32_t *device_ids; /* device backends: [2][rows * micro-batches] the batch's token ids and targets */
   int64_t device_ids_cap;
@@ -102,6 +104,9 @@ typedef struct pg_engine {
   int64_t num_parameters; /* of the full model, counted at construction */
   pg_engine_stats stats;
 } pg_engine;
+
+/* Bytes of precision bf16's working weights and operand scratch on this rank (0 in fp32). */
+size_t pg_engine_bf16_bytes(const pg_engine *e);
 
 /* Takes ownership of the nchunks stage modules (freed by pg_engine_free, also
  * on failure): chunk v is piece v*P + pp_rank of the model (pg_schedule.h),

@@ -330,72 +330,71 @@ int pg_tp_scatter_forward(pg_module *m, float *mine, const float *full, int N, i
  * change the master between calls, never within one, so every micro-batch
  * of a call uses the current weights and one conversion per weight and step
  * serves all of them. The module's input and output gradient stay float32
- * between modules; they are rounded into scratch for each GEMM. */
+ * between modules; they are rounded into the caller's scratch
+ * (pg_io.bf16_scratch) for each GEMM. */
 typedef struct bf16_mm {
   int on;
   uint16_t *w;    /* the working weight: numel bf16 */
-  uint16_t *a, *b; /* rounded operands: rows x the widest side each */
-  size_t bytes;   /* of the three */
+  size_t bytes;
+  int64_t need[2]; /* scratch elements: [0] the input or output gradient, [1] the input */
 } bf16_mm;
 
 static void mm_free(bf16_mm *mm) {
   free(mm->w);
-  free(mm->a);
-  free(mm->b);
-  mm->w = mm->a = mm->b = NULL;
+  mm->w = NULL;
   mm->bytes = 0;
 }
 
-static int mm_alloc(pg_module *m, bf16_mm *mm, int64_t wnumel, int rows, int64_t width) {
+static int mm_alloc(pg_module *m, bf16_mm *mm, int64_t wnumel, int rows, int64_t in, int64_t out) {
   mm_free(mm);
   if (!mm->on) return PG_OK;
-  int64_t dims[2] = {rows, width};
-  int64_t act = pg_size_product(2, dims);
-  if (act < 0 || wnumel < 0 || (uint64_t)act > SIZE_MAX / 4 || (uint64_t)wnumel > SIZE_MAX / 4)
-    return pg_fail("%s: bf16 buffers of %d rows x %lld columns are too large", m->name, rows, (long long)width);
-  size_t wn = (size_t)(wnumel > 0 ? wnumel : 1), an = (size_t)(act > 0 ? act : 1);
-  mm->w = malloc(wn * 2);
-  mm->a = malloc(an * 2);
-  mm->b = malloc(an * 2);
-  if (!mm->w || !mm->a || !mm->b) {
-    mm_free(mm);
-    return pg_fail("%s: out of memory for its bf16 working weight and operands", m->name);
-  }
-  mm->bytes = (wn + 2 * an) * 2;
+  int64_t a[2] = {rows, in > out ? in : out}, b[2] = {rows, in};
+  mm->need[0] = pg_size_product(2, a);
+  mm->need[1] = pg_size_product(2, b);
+  if (mm->need[0] < 0 || mm->need[1] < 0 || wnumel < 0 || (uint64_t)wnumel > SIZE_MAX / 2)
+    return pg_fail("%s: bf16 operands of %d rows x %lld columns are too large", m->name, rows,
+                   (long long)(in > out ? in : out));
+  size_t wn = (size_t)(wnumel > 0 ? wnumel : 1);
+  if (!(mm->w = malloc(wn * 2))) return pg_fail("%s: out of memory for its bf16 working weight", m->name);
+  mm->bytes = wn * 2;
+  return PG_OK;
+}
+
+static int mm_scratch(pg_module *m, const pg_io *io) {
+  if (!io->bf16_scratch[0] || !io->bf16_scratch[1])
+    return pg_fail("%s: precision bf16 needs the engine's operand scratch (pg_io.bf16_scratch)", m->name);
   return PG_OK;
 }
 
 static int mm_fail(pg_module *m) { return pg_fail("%s: bf16 GEMM: %s", m->name, pg_bf16_gemm_error()); }
 
 /* out[N,OC] = x[N,C] @ w^T (+ bias), x rounded to bf16; refresh: remake the working weight first. */
-static int mm_forward(pg_module *m, bf16_mm *mm, int refresh, const pg_param *w, float *out, const float *x,
-                      const float *bias, int N, int C, int OC) {
+static int mm_forward(pg_module *m, bf16_mm *mm, const pg_io *io, int refresh, const pg_param *w, float *out,
+                      const float *x, const float *bias, int N, int C, int OC) {
+  if (mm_scratch(m, io)) return PG_ERR;
   if (refresh) pg_bf16_from_f32(mm->w, w->data, w->numel);
-  pg_bf16_from_f32(mm->a, x, (int64_t)N * C);
-  return pg_matmul_bf16_forward(out, mm->a, mm->w, bias, N, C, OC) ? mm_fail(m) : PG_OK;
-}
-
-/* dinp = dy @ w (NULL: skip), w->grad += dy^T @ x, dbias += column sums of the float32 dy (NULL: skip). */
-static int mm_backward(pg_module *m, bf16_mm *mm, float *dinp, const pg_param *w, float *dbias, const float *dy,
-                       const float *x, int N, int C, int OC) {
-  pg_bf16_from_f32(mm->a, dy, (int64_t)N * OC);
-  pg_bf16_from_f32(mm->b, x, (int64_t)N * C);
-  if (pg_matmul_bf16_backward(dinp, w->grad, mm->a, mm->b, mm->w, N, C, OC)) return mm_fail(m);
-  if (dbias) pg_bias_backward(dbias, dy, N, OC);
-  return PG_OK;
+  pg_bf16_from_f32(io->bf16_scratch[0], x, (int64_t)N * C);
+  return pg_matmul_bf16_forward(out, io->bf16_scratch[0], mm->w, bias, N, C, OC) ? mm_fail(m) : PG_OK;
 }
 
 /* A linear-kind product: the backend's float32 kernel, or the bf16 one. */
 static int mm_fwd(pg_module *m, bf16_mm *mm, const pg_io *io, const pg_param *w, float *out, const float *x,
                   const float *bias, int N, int C, int OC) {
-  if (mm->on) return mm_forward(m, mm, io->mb == 0 && !io->recomputing, w, out, x, bias, N, C, OC);
+  if (mm->on) return mm_forward(m, mm, io, io->mb == 0 && !io->recomputing, w, out, x, bias, N, C, OC);
   return KERNEL(m, matmul_forward, out, x, w->data, bias, N, C, OC);
 }
 
-static int mm_bwd(pg_module *m, bf16_mm *mm, float *dinp, const pg_param *w, float *dbias, const float *dy,
-                  const float *x, int N, int C, int OC) {
-  if (mm->on) return mm_backward(m, mm, dinp, w, dbias, dy, x, N, C, OC);
-  return KERNEL(m, matmul_backward, dinp, w->grad, dbias, dy, x, w->data, N, C, OC);
+/* dinp = dy @ w (NULL: skip), w->grad += dy^T @ x, dbias += column sums of the float32 dy (NULL: skip). */
+static int mm_bwd(pg_module *m, bf16_mm *mm, const pg_io *io, float *dinp, const pg_param *w, float *dbias,
+                  const float *dy, const float *x, int N, int C, int OC) {
+  if (!mm->on) return KERNEL(m, matmul_backward, dinp, w->grad, dbias, dy, x, w->data, N, C, OC);
+  if (mm_scratch(m, io)) return PG_ERR;
+  pg_bf16_from_f32(io->bf16_scratch[0], dy, (int64_t)N * OC);
+  pg_bf16_from_f32(io->bf16_scratch[1], x, (int64_t)N * C);
+  if (pg_matmul_bf16_backward(dinp, w->grad, io->bf16_scratch[0], io->bf16_scratch[1], mm->w, N, C, OC))
+    return mm_fail(m);
+  if (dbias) pg_bias_backward(dbias, dy, N, OC);
+  return PG_OK;
 }
 
 /* ---------------------------------------------------------------- linear */
@@ -424,7 +423,7 @@ static int linear_alloc(pg_module *m, int nslots, int max_rows) {
   if (s->o.mode == PG_LINEAR_COLUMN && s->o.gather_output && T > 1) scratch = (size_t)T * rows * s->out_l;
   if (s->o.mode == PG_LINEAR_ROW && !s->o.input_is_parallel && T > 1) scratch = (size_t)T * rows * s->in_l;
   if (scratch && !alloc_floats(m, &s->scratch, scratch)) return pg_fail("out of memory");
-  return mm_alloc(m, &s->mm, s->w->numel, max_rows, s->in_l > s->out_l ? s->in_l : s->out_l);
+  return mm_alloc(m, &s->mm, s->w->numel, max_rows, s->in_l, s->out_l);
 }
 
 static int linear_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
@@ -477,7 +476,7 @@ static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, c
   float *dinp = m->in_width ? m->dinp : NULL;
   switch (s->o.mode) {
   case PG_LINEAR_PLAIN:
-    if (mm_bwd(m, &s->mm, dinp, s->w, db, dy, x, N, s->in_l, s->out_l)) return PG_ERR;
+    if (mm_bwd(m, &s->mm, io, dinp, s->w, db, dy, x, N, s->in_l, s->out_l)) return PG_ERR;
     break;
   case PG_LINEAR_COLUMN: {
     const float *dyl = dy;
@@ -485,7 +484,7 @@ static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, c
       if (pg_tp_scatter_forward(m, s->scratch, dy, N, s->out_l, s->o.blocks, s->block_l)) return PG_ERR;
       dyl = s->scratch;
     }
-    if (mm_bwd(m, &s->mm, dinp, s->w, db, dyl, x, N, s->in_l, s->out_l)) return PG_ERR;
+    if (mm_bwd(m, &s->mm, io, dinp, s->w, db, dyl, x, N, s->in_l, s->out_l)) return PG_ERR;
     /* Each rank saw all of x but produced only its output columns: the input
      * gradient is a sum over the group. */
     if (pg_tp_copy_backward(m, dinp, (int64_t)N * s->in_l)) return PG_ERR;
@@ -494,10 +493,10 @@ static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, c
   case PG_LINEAR_ROW:
     if (!s->o.input_is_parallel && T > 1) {
       float *dxl = s->scratch + (size_t)tp_rank(m->ctx) * N * s->in_l;
-      if (mm_bwd(m, &s->mm, dxl, s->w, db, dy, x, N, s->in_l, s->out_l) ||
+      if (mm_bwd(m, &s->mm, io, dxl, s->w, db, dy, x, N, s->in_l, s->out_l) ||
           pg_tp_gather_forward(m, dinp, dxl, s->scratch, N, s->in_l, 1, &s->in_l))
         return PG_ERR;
-    } else if (mm_bwd(m, &s->mm, dinp, s->w, db, dy, x, N, s->in_l, s->out_l)) {
+    } else if (mm_bwd(m, &s->mm, io, dinp, s->w, db, dy, x, N, s->in_l, s->out_l)) {
       return PG_ERR;
     }
     break;
@@ -1280,14 +1279,14 @@ static int lm_head_alloc(pg_module *m, int nslots, int max_rows) {
   if (s->logits_out) {
     if (T > 1 && !alloc_floats(m, &s->gather, (size_t)T * max_rows * s->padded_l))
       return pg_fail("out of memory for %s (logits)", m->name);
-    return mm_alloc(m, &s->mm, s->w->numel, max_rows, s->padded_l > m->in_width ? s->padded_l : m->in_width);
+    return mm_alloc(m, &s->mm, s->w->numel, max_rows, m->in_width, s->padded_l);
   }
   if (!alloc_floats(m, &s->stats, (size_t)nslots * 3 * max_rows) ||
       !alloc_floats(m, &s->logits, (size_t)max_rows * s->padded_l) || !alloc_floats(m, &s->red, 2 * (size_t)max_rows) ||
       (T > 1 && !alloc_floats(m, &s->gather, (size_t)T * max_rows * s->padded_l)))
     return pg_fail("out of memory for %s (logits)", m->name);
   m->saved_bytes_per_slot += 3 * (size_t)max_rows * sizeof(float);
-  return mm_alloc(m, &s->mm, s->w->numel, max_rows, s->padded_l > m->in_width ? s->padded_l : m->in_width);
+  return mm_alloc(m, &s->mm, s->w->numel, max_rows, m->in_width, s->padded_l);
 }
 
 /* Global softmax statistics for the rows, reduced over the vocabulary slices. */
@@ -1356,7 +1355,7 @@ static int lm_head_backward(pg_module *m, int slot, pg_io *io, const float *dy, 
   int N = io->B * io->T, C = m->in_width;
   const float *x = s->saved_x[slot];
   if (s->logits_out) { /* dy: the objective's gradient of this rank's logits slice */
-    if (mm_bwd(m, &s->mm, m->dinp, s->w, NULL, dy, x, N, C, s->padded_l) ||
+    if (mm_bwd(m, &s->mm, io, m->dinp, s->w, NULL, dy, x, N, C, s->padded_l) ||
         pg_tp_copy_backward(m, m->dinp, (int64_t)N * C))
       return PG_ERR;
     *dx = m->dinp;
@@ -1364,14 +1363,14 @@ static int lm_head_backward(pg_module *m, int slot, pg_io *io, const float *dy, 
   }
   if (s->logits_slot != slot) { /* another micro-batch ran since: recompute from the saved statistics */
     float *st = s->stats + (size_t)slot * 3 * m->max_rows;
-    if ((s->mm.on ? mm_forward(m, &s->mm, 0, s->w, s->logits, x, NULL, N, C, s->padded_l)
+    if ((s->mm.on ? mm_forward(m, &s->mm, io, 0, s->w, s->logits, x, NULL, N, C, s->padded_l)
                  : KERNEL(m, matmul_forward, s->logits, x, s->w->data, NULL, N, C, s->padded_l)) ||
         KERNEL(m, xent_finish, NULL, s->logits, s->logits, st, st + m->max_rows, st + 2 * (size_t)m->max_rows,
                io->targets, N, s->padded_l, s->valid, s->vocab_start, io->dloss, NULL))
       return PG_ERR;
   }
   s->logits_slot = -1;
-  if (mm_bwd(m, &s->mm, m->dinp, s->w, NULL, s->logits, x, N, C, s->padded_l))
+  if (mm_bwd(m, &s->mm, io, m->dinp, s->w, NULL, s->logits, x, N, C, s->padded_l))
     return PG_ERR;
   /* x met every vocabulary slice: its gradient is the sum over the group. */
   if (pg_tp_copy_backward(m, m->dinp, (int64_t)N * C)) return PG_ERR;
@@ -1897,6 +1896,15 @@ int pg_module_set_precision(pg_module *m, pg_precision p) {
   for (int i = 0; i < m->nchildren; i++)
     if (pg_module_set_precision(m->children[i], p)) return PG_ERR;
   return PG_OK;
+}
+
+void pg_module_bf16_scratch(const pg_module *m, int64_t need[2]) {
+  const bf16_mm *mm = m->ops == &linear_ops    ? &((const linear_state *)m->state)->mm
+                      : m->ops == &lm_head_ops ? &((const lm_head_state *)m->state)->mm
+                                               : NULL;
+  for (int k = 0; mm && mm->on && k < 2; k++)
+    if (mm->need[k] > need[k]) need[k] = mm->need[k];
+  for (int i = 0; i < m->nchildren; i++) pg_module_bf16_scratch(m->children[i], need);
 }
 
 size_t pg_module_bf16_bytes(const pg_module *m) {

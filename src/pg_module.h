@@ -84,6 +84,9 @@ typedef struct pg_io {
   double *router;
   double aux_sum;          /* out: MoE layers add their auxiliary losses, times the rows */
   int recomputing;         /* a recomputation's forward: activations only, nothing added to the totals */
+  /* Precision bf16: room for the rounded operands of one GEMM (the input or output gradient, and the input),
+   * pg_module_bf16_scratch's sizes; shared by every module, which use it within one call. */
+  uint16_t *bf16_scratch[2];
 } pg_io;
 
 typedef struct pg_module pg_module;
@@ -314,8 +317,11 @@ int pg_module_set_backend(pg_module *m, const pg_backend *be);
  * it. Before the buffers are allocated. */
 typedef enum { PG_PRECISION_FP32 = 0, PG_PRECISION_BF16 } pg_precision;
 int pg_module_set_precision(pg_module *m, pg_precision p);
-/* Bytes of the tree's bf16 working weights and operand scratch (0 in FP32). */
+/* Bytes of the tree's bf16 working weights (0 in FP32). */
 size_t pg_module_bf16_bytes(const pg_module *m);
+/* The bf16 operand scratch the tree's modules need (pg_io.bf16_scratch), in elements, once allocated: need[k] is
+ * raised to the tree's largest (left alone in FP32). */
+void pg_module_bf16_scratch(const pg_module *m, int64_t need[2]);
 
 /* Allocates per-slot buffers in the whole tree. */
 int pg_module_alloc(pg_module *m, int nslots, int max_rows);
