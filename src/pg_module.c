@@ -337,6 +337,7 @@ typedef struct bf16_mm {
   uint16_t *w;    /* the working weight: numel bf16 */
   size_t bytes;
   int64_t need[2]; /* scratch elements: [0] the input or output gradient, [1] the input */
+  long refreshes;  /* working copies made so far */
 } bf16_mm;
 
 static void mm_free(bf16_mm *mm) {
@@ -372,7 +373,10 @@ static int mm_fail(pg_module *m) { return pg_fail("%s: bf16 GEMM: %s", m->name, 
 static int mm_forward(pg_module *m, bf16_mm *mm, const pg_io *io, int refresh, const pg_param *w, float *out,
                       const float *x, const float *bias, int N, int C, int OC) {
   if (mm_scratch(m, io)) return PG_ERR;
-  if (refresh) pg_bf16_from_f32(mm->w, w->data, w->numel);
+  if (refresh) {
+    pg_bf16_from_f32(mm->w, w->data, w->numel);
+    mm->refreshes++;
+  }
   pg_bf16_from_f32(io->bf16_scratch[0], x, (int64_t)N * C);
   return pg_matmul_bf16_forward(out, io->bf16_scratch[0], mm->w, bias, N, C, OC) ? mm_fail(m) : PG_OK;
 }
