@@ -163,6 +163,12 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *const *stages, int nchunks,
     pg_engine_free(e);
     return pg_fail_null("out of memory");
   }
+  if (opts->precision == PG_PRECISION_BF16 && e->be->device != PG_CPU) {
+    const char *name = e->be->name; /* the backend outlives the engine */
+    pg_engine_free(e);
+    return pg_fail_null("precision \"bf16\" runs on the cpu backend only for now, not %s (the device's bf16 GEMMs "
+                        "and kernels are not written yet): use precision = \"fp32\" there", name);
+  }
   int rc = PG_OK;
   for (int v = 0; v < nchunks && !rc; v++)
     rc = check_widths(e, v) || pg_module_set_backend(chunks[v].stage, e->be) ||
