@@ -258,3 +258,53 @@ describe("precision = bf16 in pg.parallelize", function()
     assert.matches('a module written in Lua computes in float32: precision "bf16" does not support it yet', err, 1, true)
   end)
 end)
+
+describe("bf16 exports (scripts/checkpoint.lua export-llmc / export-hf --bf16)", function()
+  local h = require "helpers"
+  local st = require "pipegoose.safetensors"
+
+  it("write llm.c's version 5 and BF16 safetensors of the float32 masters, rounded, and load back as those values",
+    function()
+      local ck, out = h.tmpdir(), h.tmpdir()
+      local x, y = batch()
+      local engine = pg.parallelize(tiny(), pg.ParallelContext{}, { precision = "bf16" })
+      local opt = pg.optim.AdamW(engine, { lr = 1e-3 })
+      engine:zero_grad()
+      engine:forward_backward(x, y)
+      opt:step()
+      local t = pg.Trainer{ engine = engine, optimizer = opt, out = pg.testing.capture() }
+      t:save_checkpoint(ck)
+      -- the masters, rounded: what both files must hold
+      local want = {}
+      for _, p in ipairs(engine:parameters()) do want[p.name] = ops.bf16_round(p.tensor:clone()) end
+
+      os.execute("mkdir -p " .. h.quote(out))
+      local rc, text = h.sh(h.pglua_cmd{ "scripts/checkpoint.lua", "export-llmc", ck, out .. "/m.bin", "--bf16" })
+      assert.equal(0, rc, text)
+      assert.matches("llm.c GPT-2 model (bfloat16)", text, 1, true)
+      local f = assert(io.open(out .. "/m.bin", "rb"))
+      local magic, version = string.unpack("<i4i4", f:read(8))
+      f:close()
+      assert.are.same({ 20240326, 5 }, { magic, version })
+      local e = pg.parallelize(pg.nn.GPT.load_llmc(out .. "/m.bin"), pg.ParallelContext{})
+      for _, p in ipairs(e:parameters()) do assert.is_true(p.tensor:equal(want[p.name]), p.name) end
+
+      rc, text = h.sh(h.pglua_cmd{ "scripts/checkpoint.lua", "export-hf", ck, out .. "/hf", "--bf16" })
+      assert.equal(0, rc, text)
+      local header = st.read_header(out .. "/hf/model.safetensors")
+      for name, entry in pairs(header.entries) do assert.are.equal("bfloat16", entry.dtype, name) end
+      local cf = assert(io.open(out .. "/hf/config.json"))
+      assert.matches('"torch_dtype": "bfloat16"', cf:read("a"), 1, true)
+      cf:close()
+      e = pg.parallelize(pg.nn.from_hf(out .. "/hf"), pg.ParallelContext{})
+      for _, p in ipairs(e:parameters()) do assert.is_true(p.tensor:equal(want[p.name]), p.name) end
+      h.rm(ck)
+      h.rm(out)
+    end)
+
+  it("refuses an unknown export dtype", function()
+    local ok, err = pcall(require("pipegoose.checkpoint").export_llmc, "/nonexistent", "/tmp/x.bin", { dtype = "fp16" })
+    assert.is_false(ok)
+    assert.are.equal("checkpoint: the export dtype must be float32 or bfloat16, not fp16", err)
+  end)
+end)
