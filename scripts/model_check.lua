@@ -5,7 +5,7 @@
 --   [mpirun -np N] pglua scripts/model_check.lua --hf=DIR --tokens=SHARD [--batch=B] [--seq-len=T]
 --       [--steps=N] [--lr=] [--beta1=] [--beta2=] [--eps=] [--weight-decay=] [--clip=]
 --       [--tensor=T] [--pipeline=P] [--data=D] [--micro-batches=M] [--schedule=gpipe|1f1b] [--virtual-stages=V] [--zero=0|1]
---       [--device=cpu|cuda|cuda:N] [--save-hf=DIR]
+--       [--device=cpu|cuda|cuda:N] [--recompute=none|full|selective] [--precision=fp32|bf16] [--save-hf=DIR]
 --
 -- The model is pg.nn.from_hf(DIR) (GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM). The
 -- batch is the first B windows of T + 1 tokens of the llm.c shard SHARD
