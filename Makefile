@@ -82,7 +82,9 @@ endif
 
 CFLAGS   = -std=c11 -D_POSIX_C_SOURCE=200809L -Wall -Wextra -fPIC -fopenmp $(OPTFLAGS) -Isrc -Ikernels -DPG_VERSION='"$(VERSION)"' \
            $(CUDA_DEFS) $(PKG_CFLAGS)
-LDLIBS   = $(PKG_LIBS) $(CUDA_LIBS) -lz -lm -ldl
+# oneDNN (libdnnl-dev) has no pkg-config file in Debian: the bf16 GEMMs (kernels/cpu/bf16.c).
+DNNL_LIBS := -ldnnl
+LDLIBS   = $(PKG_LIBS) $(CUDA_LIBS) $(DNNL_LIBS) -lz -lm -ldl
 LDFLAGS  = -fopenmp $(SANLD)
 
 RUNTIME_SRCS  := $(filter-out src/lua_% src/pglua.c,$(wildcard src/*.c)) $(wildcard kernels/cpu/*.c)
@@ -228,7 +230,7 @@ EMU_HEADERS := $(HEADERS) $(wildcard $(EMU_DIR)/*.h) kernels/cuda/common.cuh
 emu: $(EMU_BUILD)/pglua
 
 $(EMU_BUILD)/pglua: $(EMU_OBJS)
-	$(CC) -fopenmp $(EMU_FLAGS) -rdynamic -o $@ $^ $(PKG_LIBS) -lstdc++ -lz -lm -ldl
+	$(CC) -fopenmp $(EMU_FLAGS) -rdynamic -o $@ $^ $(PKG_LIBS) $(DNNL_LIBS) -lstdc++ -lz -lm -ldl
 
 $(EMU_BUILD)/obj/%.o: %.c $(EMU_HEADERS) | $(DEPS_OK)
 	@mkdir -p $(dir $@)
@@ -285,7 +287,7 @@ install: all
 	install -m 755 $(CORE_SO) $(PREFIX)/lib/lua/5.4/pipegoose/core.so
 	install -m 644 $(filter-out src/lua_util.h,$(wildcard src/pg_*.h)) kernels/kernels.h $(PREFIX)/include/pipegoose/
 	cp -R lua/pipegoose/. $(PREFIX)/share/lua/5.4/pipegoose/
-	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' -e 's|@CUDA_LIBS@|$(CUDA_LIBS)|g' scripts/pipegoose.pc.in > $(PREFIX)/lib/pkgconfig/pipegoose.pc
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' -e 's|@CUDA_LIBS@|$(CUDA_LIBS) $(DNNL_LIBS)|g' scripts/pipegoose.pc.in > $(PREFIX)/lib/pkgconfig/pipegoose.pc
 
 uninstall:
 	rm -rf $(PREFIX)/bin/pglua $(PREFIX)/lib/libpipegoose.* $(PREFIX)/include/pipegoose \

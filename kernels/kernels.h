@@ -16,6 +16,7 @@
 #define PG_KERNELS_H
 
 #include <stdint.h>
+#include <string.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -52,6 +53,54 @@ void pg_matmul_forward(float *out, const float *inp, const float *weight, const 
 /* dinp = dout @ weight; dweight += dout^T @ inp; dbias += column sums of dout. */
 void pg_matmul_backward(float *dinp, float *dweight, float *dbias, const float *dout, const float *inp,
                         const float *weight, int N, int C, int OC);
+
+/* Column sums of dout [N, OC] added to dbias [OC] (a linear layer's bias gradient). */
+void pg_bias_backward(float *dbias, const float *dout, int N, int OC);
+
+/* ---- bfloat16 ----
+ * A bf16 value is the upper 16 bits of a float32 (uint16_t here). float32 ->
+ * bf16 rounds to nearest, ties to even, as torch's .to(torch.bfloat16) does;
+ * NaN stays a (quiet) NaN, +-inf stays inf, values past the largest bf16
+ * round to inf. bf16 -> float32 is exact. */
+void pg_bf16_from_f32(uint16_t *dst, const float *src, int64_t n);
+void pg_bf16_to_f32(float *dst, const uint16_t *src, int64_t n);
+static inline uint16_t pg_bf16_round(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN: keep it, quiet */
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline float pg_bf16_value(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* bf16 GEMMs with float32 accumulation and float32 results. Two paths with
+ * the same result kind (products of bf16 inputs summed in float32; the order
+ * of the sums differs):
+ *   onednn    oneDNN's matmul primitive (bf16 x bf16 -> f32), chosen when
+ *             the CPU has AVX512_BF16 or AMX-BF16 (cpuid) and oneDNN's ISA
+ *             reaches avx512_core_bf16;
+ *   fallback  the bf16 inputs widened to float32 (exact) and OpenBLAS sgemm.
+ * pg_bf16_gemm_path() names the path in use and *why (a sentence); the
+ * selection is made once, at the first call. pg_bf16_gemm_select("auto" |
+ * "onednn" | "fallback") overrides it (tests run both paths): PG_OK, or
+ * PG_ERR when the name is unknown or oneDNN cannot run here (*why says so).
+ * The GEMMs return 0, or -1 when out of memory or oneDNN fails (*why of
+ * pg_bf16_gemm_path then names the failure). Scratch is allocated inside
+ * (the fallback's widened inputs; oneDNN's own). */
+const char *pg_bf16_gemm_path(const char **why);
+int pg_bf16_gemm_select(const char *name, const char **why);
+const char *pg_bf16_gemm_error(void);
+/* out[N,OC] = inp[N,C] @ weight[OC,C]^T (+ bias[OC] if not NULL). */
+int pg_matmul_bf16_forward(float *out, const uint16_t *inp, const uint16_t *weight, const float *bias, int N, int C,
+                           int OC);
+/* dinp[N,C] = dout @ weight (overwritten, NULL: skip); dweight[OC,C] += dout^T @ inp (NULL: skip).
+ * The bias gradient is pg_bias_backward's (on the float32 dout). */
+int pg_matmul_bf16_backward(float *dinp, float *dweight, const uint16_t *dout, const uint16_t *inp,
+                            const uint16_t *weight, int N, int C, int OC);
 
 /* ---- causal self-attention, multi-head / grouped-query ----
  * qkv is [B, T, (NH + 2 NKV) HS]: NH query heads, then NKV key heads, then

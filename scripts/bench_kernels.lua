@@ -37,3 +37,29 @@ local f = time(20, function() ops.attention(qkv, NH) end)
 local bw = time(20, function() ops.attention_backward(dout, qkv, att, NH) end)
 print(("attention B=%d T=%d C=%d NH=%d: forward %.3f ms, backward %.3f ms, total %.3f ms"):format(B, T, Ca, NH,
   f * 1e3, bw * 1e3, (f + bw) * 1e3))
+
+-- bf16 GEMMs (float32 sums) against sgemm on GPT-2 124M's linear shapes for
+-- 256 tokens (batch 4 x 64), inputs already bf16 (as the model's working
+-- weights are): forward and backward (dx, dw) of each.
+local path, why = ops.bf16_gemm_path()
+print(("bf16 GEMM path: %s (%s)"):format(path, why))
+print("shape (tokens x in -> out)       sgemm fwd+bwd GFLOP/s   bf16 fwd+bwd GFLOP/s   ratio")
+for _, s in ipairs({ { 256, 768, 2304 }, { 256, 768, 768 }, { 256, 768, 3072 }, { 256, 3072, 768 },
+  { 256, 768, 50304 } }) do
+  local n, c, oc = s[1], s[2], s[3]
+  local xs, ws = pg.randn({ n, c }, { seed = 1 }), pg.randn({ oc, c }, { seed = 2, std = 0.02 })
+  local dys = pg.randn({ n, oc }, { seed = 3 })
+  local xh, wh = ops.to_bf16(xs), ops.to_bf16(ws)
+  local reps = oc > 10000 and 3 or 10
+  local t32 = time(reps, function()
+    ops.linear(xs, ws)
+    ops.linear_backward(dys, xs, ws, false)
+  end)
+  local t16 = time(reps, function()
+    ops.linear_bf16(xh, wh)
+    ops.linear_bf16_backward(dys, xh, wh, false)
+  end)
+  local flop = 6 * n * c * oc
+  print(("%-32s %20.1f %22.1f %7.2fx"):format(("%d x %d -> %d"):format(n, c, oc), flop / t32 / 1e9,
+    flop / t16 / 1e9, t32 / t16))
+end

@@ -25,5 +25,7 @@ return function(p, o)
   p:option("--device", "cpu, cuda or cuda:N.", "cpu")
   p:option("--recompute", "Activation recomputation: none, full (each block) or selective (attention).", "none")
     :choices{ "none", "full", "selective" }
+  p:option("--precision", "fp32, or bf16 (bf16 GEMM operands, float32 sums, masters and optimizer).", "fp32")
+    :choices{ "fp32", "bf16" }
   return to_int
 end

@@ -10,15 +10,19 @@
 --   pglua scripts/checkpoint.lua consolidate DIR OUT [--optimizer]
 --                                                          one safetensors file of full tensors
 --                                                          (with --optimizer also m/<name>, v/<name>)
---   pglua scripts/checkpoint.lua export-llmc DIR OUT       GPT-2 weights as an llm.c model file
---   pglua scripts/checkpoint.lua export-hf DIR OUTDIR      GPT-2 or LLaMA as a Hugging Face directory (from_pretrained loads it)
+--   pglua scripts/checkpoint.lua export-llmc DIR OUT [--bf16]
+--                                                          GPT-2 weights as an llm.c model file (--bf16: llm.c's
+--                                                          bf16 file, version 5)
+--   pglua scripts/checkpoint.lua export-hf DIR OUTDIR [--bf16]
+--                                                          GPT-2 or LLaMA as a Hugging Face directory (from_pretrained
+--                                                          loads it; --bf16: BF16 tensors, torch_dtype bfloat16)
 --
 -- DIR is a checkpoint directory, or a directory with a `latest` file (the
 -- newest checkpoint in it). docs/FORMATS.md ("Checkpoints") describes the files.
 local ckpt = require "pipegoose.checkpoint"
 
 local USAGE = "usage: pglua scripts/checkpoint.lua info|verify|seal|consolidate|export-llmc|export-hf DIR [OUT] "
-  .. "[--optimizer] [--force]"
+  .. "[--optimizer] [--force] [--bf16]"
 
 local args, flags = {}, {}
 for _, a in ipairs(arg) do
@@ -32,7 +36,7 @@ local function die(msg)
 end
 
 for f in pairs(flags) do
-  if f ~= "--optimizer" and f ~= "--force" then die(("checkpoint.lua: unknown flag %s\n%s"):format(f, USAGE)) end
+  if f ~= "--optimizer" and f ~= "--force" and f ~= "--bf16" then die(("checkpoint.lua: unknown flag %s\n%s"):format(f, USAGE)) end
 end
 if not cmd or not dir then die(USAGE) end
 
@@ -72,13 +76,14 @@ end
 
 commands["export-llmc"] = function()
   if not out then die("checkpoint.lua export-llmc: needs an output path\n" .. USAGE) end
-  local crc, bytes = ckpt.export_llmc(dir, out)
-  print(("wrote %s: llm.c GPT-2 model, %d bytes, crc32 %08x"):format(out, bytes, crc))
+  local dtype = flags["--bf16"] and "bfloat16" or "float32"
+  local crc, bytes = ckpt.export_llmc(dir, out, { dtype = dtype })
+  print(("wrote %s: llm.c GPT-2 model (%s), %d bytes, crc32 %08x"):format(out, dtype, bytes, crc))
 end
 
 commands["export-hf"] = function()
   if not out then die("checkpoint.lua export-hf: needs an output directory\n" .. USAGE) end
-  local class = ckpt.export_hf(dir, out)
+  local class = ckpt.export_hf(dir, out, { dtype = flags["--bf16"] and "bfloat16" or "float32" })
   print(("wrote %s: config.json and model.safetensors (%s)"):format(out, class))
 end
 

@@ -52,5 +52,5 @@ done
 status=0
 for p in "${pids[@]}"; do wait "$p" || status=1; done
 [ $status = 0 ] || { echo "cuda_emu_test: compilation failed" >&2; exit 1; }
-$CXX -fopenmp "${EXTRA[@]}" -o "$OUT/selftest" "${objs[@]}" $BLAS_LIBS -lm
+$CXX -fopenmp "${EXTRA[@]}" -o "$OUT/selftest" "${objs[@]}" $BLAS_LIBS -ldnnl -lm  # -ldnnl: kernels/cpu/bf16.c
 "$OUT/selftest"

@@ -9,6 +9,7 @@ PKGS=(
   lua5.4 liblua5.4-dev lua-busted lua-cjson   # interpreter headers, test runner, JSON
   libopenmpi-dev openmpi-bin                   # MPI
   libopenblas-openmp-dev                       # sgemm (OpenMP flavour: one thread pool with ours)
+  libdnnl-dev                                  # oneDNN: bf16 GEMMs (AVX512_BF16 / AMX)
   zlib1g-dev                                   # crc32 for checkpoint checksums
   fortunes                                     # the default training corpus (/usr/share/games/fortunes)
   lua-argparse                                 # command-line options of the examples and scripts

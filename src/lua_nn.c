@@ -355,7 +355,8 @@ static pg_module *build(build_state *b, int idx) {
 #define PG_MAX_CHUNKS 64 /* model chunks per rank (virtual stages) */
 
 /* core.Engine(ctx, stage_desc | {chunk_desc, ...}, {micro_batches=, schedule=, vocab=, width=, seed=, router_experts=,
- *   tied_name=, bucket_mb=, overlap_grad_reduce=, shared_memory=, device=, objective=}): one description for the rank's stage, or
+ *   tied_name=, bucket_mb=, overlap_grad_reduce=, shared_memory=, device=, objective=, precision=}): one description
+ *   for the rank's stage, or
  * a list of them, one per chunk (the interleaved schedule: chunk v is the model's piece v*P + pp_rank). */
 static int l_engine_new(lua_State *L) {
   pg_context *ctx = pg_lua_check_context(L, 1);
@@ -377,6 +378,10 @@ static int l_engine_new(lua_State *L) {
   int with_objective = pg_lua_opt_bool(L, 3, "objective", 0);
   o.objective = with_objective;
   o.router_experts = pg_lua_opt_cint(L, 3, "router_experts", 0);
+  const char *precision = pg_lua_opt_string(L, 3, "precision", "fp32");
+  if (!strcmp(precision, "bf16")) o.precision = PG_PRECISION_BF16;
+  else if (strcmp(precision, "fp32"))
+    return luaL_error(L, "parallelize: precision must be \"fp32\" or \"bf16\", not \"%s\"", precision);
   int one = lua_getfield(L, 2, "kind") != LUA_TNIL;
   lua_pop(L, 1);
   lua_Integer nchunks = one ? 1 : luaL_len(L, 2);
@@ -654,6 +659,9 @@ static int l_info(lua_State *L) {
   set_int(L, "activation_bytes", (lua_Integer)pg_engine_activation_bytes(e, 0));
   set_int(L, "peak_activation_bytes", (lua_Integer)pg_engine_activation_bytes(e, 1));
   set_int(L, "fixed_activation_bytes", fixed);
+  set_int(L, "bf16_bytes", (lua_Integer)pg_engine_bf16_bytes(e));
+  lua_pushstring(L, e->opts.precision == PG_PRECISION_BF16 ? "bf16" : "fp32");
+  lua_setfield(L, -2, "precision");
   set_int(L, "peak_in_flight", peak);
   set_int(L, "zero", e->zero);
   set_int(L, "steps", e->stats.steps);

@@ -27,14 +27,16 @@ static pg_tensor *expect(lua_State *L, int idx, const char *fn, const char *name
 
 /* Rows of features: a float32 tensor with at least 2 dimensions and last
  * dimension `last` (< 0: any). *rows = the product of the leading ones. */
-static pg_tensor *rows_arg(lua_State *L, int idx, const char *fn, const char *name, int64_t last, int64_t *rows) {
+static pg_tensor *rows_arg_bf16(lua_State *L, int idx, const char *fn, const char *name, int64_t last, int64_t *rows,
+                                int bf16_ok) {
   pg_tensor *t = pg_lua_check_tensor(L, idx);
-  if (t->dtype != PG_FLOAT32 || t->ndim < 2 || (last >= 0 && t->shape[t->ndim - 1] != last)) {
+  int dtype_ok = t->dtype == PG_FLOAT32 || (bf16_ok && t->dtype == PG_BFLOAT16);
+  if (!dtype_ok || t->ndim < 2 || (last >= 0 && t->shape[t->ndim - 1] != last)) {
     char got[128], want[48];
     if (last >= 0) snprintf(want, sizeof want, "%lld", (long long)last);
     else snprintf(want, sizeof want, "*");
-    luaL_error(L, "%s: %s: expected a [..., %s] float32 tensor (2 or more dimensions), got %s", fn, name, want,
-               pg_tensor_describe(t, got, sizeof got));
+    luaL_error(L, "%s: %s: expected a [..., %s] %s tensor (2 or more dimensions), got %s", fn, name, want,
+               bf16_ok ? "float32 or bfloat16" : "float32", pg_tensor_describe(t, got, sizeof got));
   }
   if (t->device != PG_CPU) luaL_error(L, "%s: %s: expected a cpu tensor, got a %s one", fn, name, pg_device_name(t->device));
   int64_t c = t->shape[t->ndim - 1], n = c ? t->numel / c : 0;
@@ -42,6 +44,9 @@ static pg_tensor *rows_arg(lua_State *L, int idx, const char *fn, const char *na
     luaL_error(L, "%s: %s: %I rows of %I exceed the kernels' int range", fn, name, (lua_Integer)n, (lua_Integer)c);
   if (rows) *rows = n;
   return t;
+}
+static pg_tensor *rows_arg(lua_State *L, int idx, const char *fn, const char *name, int64_t last, int64_t *rows) {
+  return rows_arg_bf16(L, idx, fn, name, last, rows, 0);
 }
 
 /* An argument shaped like `like` with its last dimension replaced by `last`. */
@@ -260,6 +265,117 @@ static int l_linear_backward(lua_State *L) {
   else lua_pushnil(L);
   pg_matmul_backward(pg_tensor_f32(dx), pg_tensor_f32(dw), db ? pg_tensor_f32(db) : NULL, pg_tensor_f32(dy),
                      pg_tensor_f32(x), pg_tensor_f32(w), (int)N, (int)C, (int)OC);
+  return 3;
+}
+
+/* ---- bfloat16 ---- */
+
+/* bf16_round(x) -> float32 tensor of x's values rounded to bfloat16 (nearest, ties to even). */
+static int l_bf16_round(lua_State *L) {
+  pg_tensor *x = pg_lua_check_tensor(L, 1);
+  if (x->dtype != PG_FLOAT32 || x->device != PG_CPU) {
+    char got[128];
+    return luaL_error(L, "ops.bf16_round: x: expected a cpu float32 tensor, got %s", pg_tensor_describe(x, got, sizeof got));
+  }
+  pg_tensor *y = pg_lua_new_tensor(L, PG_FLOAT32, x->ndim, x->shape);
+  const float *a = pg_tensor_f32(x);
+  float *b = pg_tensor_f32(y);
+  for (int64_t i = 0; i < x->numel; i++) b[i] = pg_bf16_value(pg_bf16_round(a[i]));
+  return 1;
+}
+
+/* A tensor's values as bf16: a bfloat16 tensor's own data, else (float32) a
+ * rounded copy in a userdata pushed on the stack (collected with it). */
+static const uint16_t *bf16_operand(lua_State *L, const pg_tensor *t) {
+  if (t->dtype == PG_BFLOAT16) return pg_tensor_data(t);
+  if ((uint64_t)t->numel > SIZE_MAX / 2 - 1) luaL_error(L, "bf16 copy of %I elements is too large", (lua_Integer)t->numel);
+  uint16_t *h = lua_newuserdatauv(L, (size_t)(t->numel > 0 ? t->numel : 1) * 2, 0);
+  pg_bf16_from_f32(h, pg_tensor_f32(t), t->numel);
+  return h;
+}
+
+/* A weight [rows, C] (rows < 0: any), float32 or bfloat16. */
+static pg_tensor *bf16_weight_arg(lua_State *L, int idx, const char *fn, int64_t C) {
+  pg_tensor *w = pg_lua_check_tensor(L, idx);
+  return expect(L, idx, fn, "w", w->dtype == PG_BFLOAT16 ? PG_BFLOAT16 : PG_FLOAT32, 2, (int64_t[]){-1, C});
+}
+
+/* to_bf16(x) -> a bfloat16 tensor of x's values (nearest, ties to even). */
+static int l_to_bf16(lua_State *L) {
+  pg_tensor *x = pg_lua_check_tensor(L, 1);
+  if (x->dtype != PG_FLOAT32 || x->device != PG_CPU) {
+    char got[128];
+    return luaL_error(L, "ops.to_bf16: x: expected a cpu float32 tensor, got %s", pg_tensor_describe(x, got, sizeof got));
+  }
+  pg_tensor *y = pg_lua_new_tensor(L, PG_BFLOAT16, x->ndim, x->shape);
+  pg_bf16_from_f32(pg_tensor_data(y), pg_tensor_f32(x), x->numel);
+  return 1;
+}
+
+/* from_bf16(x) -> a float32 tensor of a bfloat16 tensor's values (exact). */
+static int l_from_bf16(lua_State *L) {
+  pg_tensor *x = pg_lua_check_tensor(L, 1);
+  if (x->dtype != PG_BFLOAT16 || x->device != PG_CPU) {
+    char got[128];
+    return luaL_error(L, "ops.from_bf16: x: expected a cpu bfloat16 tensor, got %s", pg_tensor_describe(x, got, sizeof got));
+  }
+  pg_tensor *y = pg_lua_new_tensor(L, PG_FLOAT32, x->ndim, x->shape);
+  pg_bf16_to_f32(pg_tensor_f32(y), pg_tensor_data(x), x->numel);
+  return 1;
+}
+
+/* bf16_gemm_path([name]) -> path, why. With name ("auto", "onednn", "fallback") selects the path first. */
+static int l_bf16_gemm_path(lua_State *L) {
+  const char *why;
+  if (!lua_isnoneornil(L, 1) && pg_bf16_gemm_select(luaL_checkstring(L, 1), &why))
+    return luaL_error(L, "ops.bf16_gemm_path: %s", why);
+  lua_pushstring(L, pg_bf16_gemm_path(&why));
+  lua_pushstring(L, why);
+  return 2;
+}
+
+/* linear_bf16(x[..., C], w[OC, C] [, b[OC]]) -> y[..., OC] (float32): x and w (float32 ones rounded to bf16,
+ * bfloat16 ones as they are) multiplied with float32 sums. */
+static int l_linear_bf16(lua_State *L) {
+  const char *fn = "ops.linear_bf16";
+  lua_settop(L, 3);
+  int64_t N;
+  pg_tensor *x = rows_arg_bf16(L, 1, fn, "x", -1, &N, 1);
+  int64_t C = x->shape[x->ndim - 1];
+  pg_tensor *w = bf16_weight_arg(L, 2, fn, C);
+  int64_t OC = w->shape[0];
+  if (OC > INT_MAX) return luaL_error(L, "%s: w: %I output features exceed the kernels' int range", fn, (lua_Integer)OC);
+  pg_tensor *b = lua_isnoneornil(L, 3) ? NULL : expect(L, 3, fn, "b", PG_FLOAT32, 1, &OC);
+  const uint16_t *xb = bf16_operand(L, x), *wb = bf16_operand(L, w);
+  pg_tensor *y = new_like(L, x, OC);
+  if (pg_matmul_bf16_forward(pg_tensor_f32(y), xb, wb, b ? pg_tensor_f32(b) : NULL, (int)N, (int)C, (int)OC))
+    return luaL_error(L, "%s: %s", fn, pg_bf16_gemm_error());
+  return 1;
+}
+
+/* linear_bf16_backward(dy, x, w [, with_bias=true [, {dw=, db=}]]) -> dx, dw, db (or nil), float32: dy (float32)
+ * rounded to bf16, x and w as in linear_bf16, for the products (float32 sums); db sums the float32 dy. */
+static int l_linear_bf16_backward(lua_State *L) {
+  const char *fn = "ops.linear_bf16_backward";
+  lua_settop(L, 5);
+  int64_t N;
+  pg_tensor *x = rows_arg_bf16(L, 2, fn, "x", -1, &N, 1);
+  int64_t C = x->shape[x->ndim - 1];
+  pg_tensor *w = bf16_weight_arg(L, 3, fn, C);
+  int64_t OC = w->shape[0];
+  if (OC > INT_MAX) return luaL_error(L, "%s: w: %I output features exceed the kernels' int range", fn, (lua_Integer)OC);
+  pg_tensor *dy = like_arg(L, 1, fn, "dy", x, OC, PG_FLOAT32);
+  int with_bias = lua_isnoneornil(L, 4) ? 1 : lua_toboolean(L, 4);
+  static const char *const keys[] = {"dw", "db", NULL};
+  check_acc(L, 5, fn, keys);
+  const uint16_t *dyb = bf16_operand(L, dy), *xb = bf16_operand(L, x), *wb = bf16_operand(L, w);
+  pg_tensor *dx = new_like(L, x, C), *dw = grad_out(L, 5, fn, "dw", 2, (int64_t[]){OC, C});
+  pg_tensor *db = NULL;
+  if (with_bias) db = grad_out(L, 5, fn, "db", 1, &OC);
+  else lua_pushnil(L);
+  if (pg_matmul_bf16_backward(pg_tensor_f32(dx), pg_tensor_f32(dw), dyb, xb, wb, (int)N, (int)C, (int)OC))
+    return luaL_error(L, "%s: %s", fn, pg_bf16_gemm_error());
+  if (db) pg_bias_backward(pg_tensor_f32(db), pg_tensor_f32(dy), (int)N, (int)OC);
   return 3;
 }
 
@@ -654,6 +770,12 @@ static const luaL_Reg ops_functions[] = {
     {"layernorm_backward", l_layernorm_backward},
     {"linear", l_linear},
     {"linear_backward", l_linear_backward},
+    {"linear_bf16", l_linear_bf16},
+    {"linear_bf16_backward", l_linear_bf16_backward},
+    {"bf16_round", l_bf16_round},
+    {"to_bf16", l_to_bf16},
+    {"from_bf16", l_from_bf16},
+    {"bf16_gemm_path", l_bf16_gemm_path},
     {"attention", l_attention},
     {"attention_backward", l_attention_backward},
     {"rope", l_rope},

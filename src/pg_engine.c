@@ -285,10 +285,17 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *const *stages, int nchunks,
     pg_engine_free(e);
     return pg_fail_null("out of memory");
   }
+  if (opts->precision == PG_PRECISION_BF16 && e->be->device != PG_CPU) {
+    const char *name = e->be->name; /* the backend outlives the engine */
+    pg_engine_free(e);
+    return pg_fail_null("precision \"bf16\" runs on the cpu backend only for now, not %s (the device's bf16 GEMMs "
+                        "and kernels are not written yet): use precision = \"fp32\" there", name);
+  }
   int rc = !(e->recompute_arena = pg_recompute_arena_new(e->be));
   /* one arena for every chunk: a rank runs one block's backward at a time */
   for (int v = 0; v < nchunks && !rc; v++)
     rc = check_widths(e, v) || pg_module_set_backend(chunks[v].stage, e->be) ||
+         pg_module_set_precision(chunks[v].stage, opts->precision) ||
          pg_module_use_recompute_arena(chunks[v].stage, e->recompute_arena);
   if (rc || make_schedule(e) || bind_params(e, seed) || build_buckets(e) ||
       count_parameters(e, &e->num_parameters)) {
@@ -335,8 +342,27 @@ void pg_engine_free(pg_engine *e) {
   pg_be_release(e->be, e->device_ids);
   free(e->ios);
   free(e->eval_ios);
+  free(e->bf16_scratch[0]);
+  free(e->bf16_scratch[1]);
   free((char *)e->opts.tied_name);
   free(e);
+}
+
+/* Precision bf16: one scratch for the rounded operands of whichever GEMM runs (modules run one at a time), as
+ * large as the largest any module of the rank's chunks needs at the current capacity. */
+static int bf16_scratch(pg_engine *e) {
+  int64_t need[2] = {0, 0};
+  for (int v = 0; v < e->nchunks; v++) pg_module_bf16_scratch(e->chunks[v].stage, need);
+  for (int k = 0; k < 2; k++) {
+    free(e->bf16_scratch[k]);
+    e->bf16_scratch[k] = NULL;
+    e->bf16_scratch_n[k] = 0;
+    if (!need[k]) continue;
+    if ((uint64_t)need[k] > SIZE_MAX / 2 || !(e->bf16_scratch[k] = malloc((size_t)need[k] * 2)))
+      return pg_fail("out of memory for the bf16 operand scratch (%lld elements)", (long long)need[k]);
+    e->bf16_scratch_n[k] = need[k];
+  }
+  return PG_OK;
 }
 
 static int ensure_capacity(pg_engine *e, int rows) {
@@ -363,8 +389,15 @@ static int ensure_capacity(pg_engine *e, int rows) {
   e->grad_recv = NULL;
   if (needs_grad_recv && !(e->grad_recv = pg_be_floats(e->be, (size_t)rows * w)))
     return pg_fail("pipeline buffers: %s", pg_error());
+  if (bf16_scratch(e)) return PG_ERR;
   e->capacity_rows = rows;
   return PG_OK;
+}
+
+size_t pg_engine_bf16_bytes(const pg_engine *e) {
+  size_t b = 2 * (size_t)(e->bf16_scratch_n[0] + e->bf16_scratch_n[1]);
+  for (int v = 0; v < e->nchunks; v++) b += pg_module_bf16_bytes(e->chunks[v].stage);
+  return b;
 }
 
 static size_t chunk_slot_bytes(const pg_engine *e, const pg_chunk *c) {
@@ -651,7 +684,8 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
                         .want_grad = 1, .loss_sum = 0, .logits = NULL, .mb = i, .row0 = (int64_t)off,
                         .host_targets = host_targets + off, .router = e->router ? e->router + i * nr : NULL,
                         .backward_done = e->buckets ? on_backward_done : NULL, .backward_ud = e,
-                        .step = e->stats.steps, .global_row0 = (int64_t)e->ctx->dp_rank * B * T + (int64_t)off};
+                        .step = e->stats.steps, .global_row0 = (int64_t)e->ctx->dp_rank * B * T + (int64_t)off,
+                        .bf16_scratch = {e->bf16_scratch[0], e->bf16_scratch[1]}};
   }
   /* gradients accumulated over calls with sync = 0 reduce on the call that syncs */
   e->overlap_now = sync && e->buckets;
@@ -724,7 +758,8 @@ int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targe
     e->eval_ios[i] = (pg_io){.B = nb, .T = T, .tokens = tokens + off, .targets = targets ? targets + off : NULL,
                              .dloss = 0, .want_grad = 0, .loss_sum = 0,
                              .logits = logits && e->is_last ? logits + off * e->opts.vocab : NULL, .mb = i,
-                             .row0 = (int64_t)off, .host_targets = host_targets ? host_targets + off : NULL};
+                             .row0 = (int64_t)off, .host_targets = host_targets ? host_targets + off : NULL,
+                             .bf16_scratch = {e->bf16_scratch[0], e->bf16_scratch[1]}};
   }
   /* the same executor as training, on a forward-only list (pg_schedule.h) */
   pg_action *acts;

@@ -63,6 +63,8 @@ typedef struct pg_engine_opts {
   const pg_backend *backend; /* where the engine runs (pg_backend.h); NULL: the cpu backend */
   int objective;         /* the last stage ends in an objective (pg_objective_new): targets are its to read */
   int router_experts;    /* > 0: the model has mixture-of-experts layers of this many experts (pg_io.router) */
+  pg_precision precision; /* of the stages' products (pg_module_set_precision); masters, gradients and optimizer
+                             state stay float32 in the flat buffers whatever it is */
 } pg_engine_opts;
 
 typedef struct pg_engine_stats {
@@ -123,6 +125,8 @@ typedef struct pg_engine {
   pg_action *actions;
   int nactions;
   int capacity_rows;   /* rows per micro-batch the buffers hold */
+  uint16_t *bf16_scratch[2]; /* precision bf16: the GEMM operands' scratch every module shares (pg_io) */
+  int64_t bf16_scratch_n[2];
   float *grad_recv;    /* [rows * width]: every receive of a gradient is followed by its backward */
   int32_t *device_ids; /* device backends: [2][rows * micro-batches] the batch's token ids and targets */
   int64_t device_ids_cap;
@@ -147,6 +151,9 @@ typedef struct pg_engine {
   int64_t num_parameters; /* of the full model, counted at construction */
   pg_engine_stats stats;
 } pg_engine;
+
+/* Bytes of precision bf16's working weights and operand scratch on this rank (0 in fp32). */
+size_t pg_engine_bf16_bytes(const pg_engine *e);
 
 /* Takes ownership of the nchunks stage modules (freed by pg_engine_free, also
  * on failure): chunk v is piece v*P + pp_rank of the model (pg_schedule.h),

@@ -455,6 +455,88 @@ int pg_tp_scatter_forward(pg_module *m, float *mine, const float *full, int N, i
   return PG_OK;
 }
 
+/* ---------------------------------------------------------------- bf16 products */
+
+/* Precision "bf16" (pg_module_set_precision) for the modules whose products
+ * are GEMMs with a weight (linear, lm_head): each product runs as a bf16
+ * GEMM with float32 sums (kernels.h: oneDNN or widen-and-sgemm), as
+ * torch.autocast runs a Linear. The weight's bf16 working copy is made from
+ * the float32 master at the first forward of each call (micro-batch 0, not a
+ * recomputation): the optimizer, a checkpoint load or a write from Lua
+ * change the master between calls, never within one, so every micro-batch
+ * of a call uses the current weights and one conversion per weight and step
+ * serves all of them. The module's input and output gradient stay float32
+ * between modules; they are rounded into the caller's scratch
+ * (pg_io.bf16_scratch) for each GEMM. */
+typedef struct bf16_mm {
+  int on;
+  uint16_t *w;    /* the working weight: numel bf16 */
+  size_t bytes;
+  int64_t need[2]; /* scratch elements: [0] the input or output gradient, [1] the input */
+  long refreshes;  /* working copies made so far */
+} bf16_mm;
+
+static void mm_free(bf16_mm *mm) {
+  free(mm->w);
+  mm->w = NULL;
+  mm->bytes = 0;
+}
+
+static int mm_alloc(pg_module *m, bf16_mm *mm, int64_t wnumel, int rows, int64_t in, int64_t out) {
+  mm_free(mm);
+  if (!mm->on) return PG_OK;
+  int64_t a[2] = {rows, in > out ? in : out}, b[2] = {rows, in};
+  mm->need[0] = pg_size_product(2, a);
+  mm->need[1] = pg_size_product(2, b);
+  if (mm->need[0] < 0 || mm->need[1] < 0 || wnumel < 0 || (uint64_t)wnumel > SIZE_MAX / 2)
+    return pg_fail("%s: bf16 operands of %d rows x %lld columns are too large", m->name, rows,
+                   (long long)(in > out ? in : out));
+  size_t wn = (size_t)(wnumel > 0 ? wnumel : 1);
+  if (!(mm->w = malloc(wn * 2))) return pg_fail("%s: out of memory for its bf16 working weight", m->name);
+  mm->bytes = wn * 2;
+  return PG_OK;
+}
+
+static int mm_scratch(pg_module *m, const pg_io *io) {
+  if (!io->bf16_scratch[0] || !io->bf16_scratch[1])
+    return pg_fail("%s: precision bf16 needs the engine's operand scratch (pg_io.bf16_scratch)", m->name);
+  return PG_OK;
+}
+
+static int mm_fail(pg_module *m) { return pg_fail("%s: bf16 GEMM: %s", m->name, pg_bf16_gemm_error()); }
+
+/* out[N,OC] = x[N,C] @ w^T (+ bias), x rounded to bf16; refresh: remake the working weight first. */
+static int mm_forward(pg_module *m, bf16_mm *mm, const pg_io *io, int refresh, const pg_param *w, float *out,
+                      const float *x, const float *bias, int N, int C, int OC) {
+  if (mm_scratch(m, io)) return PG_ERR;
+  if (refresh) {
+    pg_bf16_from_f32(mm->w, w->data, w->numel);
+    mm->refreshes++;
+  }
+  pg_bf16_from_f32(io->bf16_scratch[0], x, (int64_t)N * C);
+  return pg_matmul_bf16_forward(out, io->bf16_scratch[0], mm->w, bias, N, C, OC) ? mm_fail(m) : PG_OK;
+}
+
+/* A linear-kind product: the backend's float32 kernel, or the bf16 one. */
+static int mm_fwd(pg_module *m, bf16_mm *mm, const pg_io *io, const pg_param *w, float *out, const float *x,
+                  const float *bias, int N, int C, int OC) {
+  if (mm->on) return mm_forward(m, mm, io, io->mb == 0 && !io->recomputing, w, out, x, bias, N, C, OC);
+  return KERNEL(m, matmul_forward, out, x, w->data, bias, N, C, OC);
+}
+
+/* dinp = dy @ w (NULL: skip), w->grad += dy^T @ x, dbias += column sums of the float32 dy (NULL: skip). */
+static int mm_bwd(pg_module *m, bf16_mm *mm, const pg_io *io, float *dinp, const pg_param *w, float *dbias,
+                  const float *dy, const float *x, int N, int C, int OC) {
+  if (!mm->on) return KERNEL(m, matmul_backward, dinp, w->grad, dbias, dy, x, w->data, N, C, OC);
+  if (mm_scratch(m, io)) return PG_ERR;
+  pg_bf16_from_f32(io->bf16_scratch[0], dy, (int64_t)N * OC);
+  pg_bf16_from_f32(io->bf16_scratch[1], x, (int64_t)N * C);
+  if (pg_matmul_bf16_backward(dinp, w->grad, io->bf16_scratch[0], io->bf16_scratch[1], mm->w, N, C, OC))
+    return mm_fail(m);
+  if (dbias) pg_bias_backward(dbias, dy, N, OC);
+  return PG_OK;
+}
+
 /* ---------------------------------------------------------------- linear */
 
 typedef struct linear_state {
@@ -465,6 +547,7 @@ typedef struct linear_state {
   const float **saved_x;    /* [nslots] input rows of the local matmul */
   float *x_local;           /* row mode, input split here: [nslots][rows*in_l] */
   float *scratch;           /* column gather: [T][rows*out_l]; row split: dx_local [rows*in_l]; column gather bwd: dy_local */
+  bf16_mm mm;
 } linear_state;
 
 static int linear_alloc(pg_module *m, int nslots, int max_rows) {
@@ -480,7 +563,7 @@ static int linear_alloc(pg_module *m, int nslots, int max_rows) {
   if (s->o.mode == PG_LINEAR_COLUMN && s->o.gather_output && T > 1) scratch = (size_t)T * rows * s->out_l;
   if (s->o.mode == PG_LINEAR_ROW && !s->o.input_is_parallel && T > 1) scratch = (size_t)T * rows * s->in_l;
   if (scratch && !alloc_floats(m, &s->scratch, scratch)) return pg_fail("out of memory");
-  return PG_OK;
+  return mm_alloc(m, &s->mm, s->w->numel, max_rows, s->in_l, s->out_l);
 }
 
 static int linear_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
@@ -491,15 +574,15 @@ static int linear_forward(pg_module *m, int slot, pg_io *io, const float *x, con
   const float *b = s->b ? s->b->data : NULL;
   switch (s->o.mode) {
   case PG_LINEAR_PLAIN:
-    if (KERNEL(m, matmul_forward, out, x, s->w->data, b, N, s->in_l, s->out_l)) return PG_ERR;
+    if (mm_fwd(m, &s->mm, io, s->w, out, x, b, N, s->in_l, s->out_l)) return PG_ERR;
     break;
   case PG_LINEAR_COLUMN:
     if (s->o.gather_output && T > 1) {
       float *local = s->scratch + (size_t)tp_rank(m->ctx) * N * s->out_l; /* computed in place in the gather slot */
-      if (KERNEL(m, matmul_forward, local, x, s->w->data, b, N, s->in_l, s->out_l) ||
+      if (mm_fwd(m, &s->mm, io, s->w, local, x, b, N, s->in_l, s->out_l) ||
           pg_tp_gather_forward(m, out, local, s->scratch, N, s->out_l, s->o.blocks, s->block_l))
         return PG_ERR;
-    } else if (KERNEL(m, matmul_forward, out, x, s->w->data, b, N, s->in_l, s->out_l)) {
+    } else if (mm_fwd(m, &s->mm, io, s->w, out, x, b, N, s->in_l, s->out_l)) {
       return PG_ERR;
     }
     break;
@@ -514,7 +597,7 @@ static int linear_forward(pg_module *m, int slot, pg_io *io, const float *x, con
     /* The bias goes into one member's partial product (its sgemm starts from
      * the bias rows), so the sum over the group holds it once and no extra
      * pass over the output is needed; with T = 1 this is the plain layer. */
-    if (KERNEL(m, matmul_forward, out, xl, s->w->data, tp_rank(m->ctx) == 0 ? b : NULL, N, s->in_l, s->out_l))
+    if (mm_fwd(m, &s->mm, io, s->w, out, xl, tp_rank(m->ctx) == 0 ? b : NULL, N, s->in_l, s->out_l))
       return PG_ERR;
     if (pg_tp_reduce_forward(m, out, (int64_t)N * s->out_l)) return PG_ERR;
     break;
@@ -533,7 +616,7 @@ static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, c
   float *dinp = m->in_width ? m->dinp : NULL;
   switch (s->o.mode) {
   case PG_LINEAR_PLAIN:
-    if (KERNEL(m, matmul_backward, dinp, s->w->grad, db, dy, x, s->w->data, N, s->in_l, s->out_l)) return PG_ERR;
+    if (mm_bwd(m, &s->mm, io, dinp, s->w, db, dy, x, N, s->in_l, s->out_l)) return PG_ERR;
     break;
   case PG_LINEAR_COLUMN: {
     const float *dyl = dy;
@@ -541,7 +624,7 @@ static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, c
       if (pg_tp_scatter_forward(m, s->scratch, dy, N, s->out_l, s->o.blocks, s->block_l)) return PG_ERR;
       dyl = s->scratch;
     }
-    if (KERNEL(m, matmul_backward, dinp, s->w->grad, db, dyl, x, s->w->data, N, s->in_l, s->out_l)) return PG_ERR;
+    if (mm_bwd(m, &s->mm, io, dinp, s->w, db, dyl, x, N, s->in_l, s->out_l)) return PG_ERR;
     /* Each rank saw all of x but produced only its output columns: the input
      * gradient is a sum over the group. */
     if (pg_tp_copy_backward(m, dinp, (int64_t)N * s->in_l)) return PG_ERR;
@@ -550,10 +633,10 @@ static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, c
   case PG_LINEAR_ROW:
     if (!s->o.input_is_parallel && T > 1) {
       float *dxl = s->scratch + (size_t)tp_rank(m->ctx) * N * s->in_l;
-      if (KERNEL(m, matmul_backward, dxl, s->w->grad, db, dy, x, s->w->data, N, s->in_l, s->out_l) ||
+      if (mm_bwd(m, &s->mm, io, dxl, s->w, db, dy, x, N, s->in_l, s->out_l) ||
           pg_tp_gather_forward(m, dinp, dxl, s->scratch, N, s->in_l, 1, &s->in_l))
         return PG_ERR;
-    } else if (KERNEL(m, matmul_backward, dinp, s->w->grad, db, dy, x, s->w->data, N, s->in_l, s->out_l)) {
+    } else if (mm_bwd(m, &s->mm, io, dinp, s->w, db, dy, x, N, s->in_l, s->out_l)) {
       return PG_ERR;
     }
     break;
@@ -567,6 +650,7 @@ static void linear_destroy(pg_module *m) {
   free(s->saved_x);
   pg_be_release(BE(m), s->x_local);
   pg_be_release(BE(m), s->scratch);
+  mm_free(&s->mm);
 }
 
 static const pg_module_ops linear_ops = {"linear", linear_alloc, linear_forward, linear_backward, linear_destroy};
@@ -1592,6 +1676,7 @@ typedef struct lm_head_state {
   float *gather;  /* eval logits gather: [T][rows * padded_l] */
   float *red;     /* [2 * rows] reduction buffer */
   const float **saved_x;
+  bf16_mm mm;
 } lm_head_state;
 
 static int lm_head_alloc(pg_module *m, int nslots, int max_rows) {
@@ -1603,14 +1688,14 @@ static int lm_head_alloc(pg_module *m, int nslots, int max_rows) {
   if (s->logits_out) {
     if (T > 1 && !alloc_floats(m, &s->gather, (size_t)T * max_rows * s->padded_l))
       return pg_fail("out of memory for %s (logits)", m->name);
-    return PG_OK;
+    return mm_alloc(m, &s->mm, s->w->numel, max_rows, m->in_width, s->padded_l);
   }
   if (!alloc_floats(m, &s->stats, (size_t)nslots * 3 * max_rows) ||
       !alloc_floats(m, &s->logits, (size_t)max_rows * s->padded_l) || !alloc_floats(m, &s->red, 2 * (size_t)max_rows) ||
       (T > 1 && !alloc_floats(m, &s->gather, (size_t)T * max_rows * s->padded_l)))
     return pg_fail("out of memory for %s (logits)", m->name);
   m->saved_bytes_per_slot += 3 * (size_t)max_rows * sizeof(float);
-  return PG_OK;
+  return mm_alloc(m, &s->mm, s->w->numel, max_rows, m->in_width, s->padded_l);
 }
 
 /* Global softmax statistics for the rows, reduced over the vocabulary slices. */
@@ -1656,7 +1741,7 @@ static int lm_head_forward(pg_module *m, int slot, pg_io *io, const float *x, co
   if (check_rows(m, slot, io)) return PG_ERR;
   int N = io->B * io->T, C = m->in_width;
   float *logits = s->logits_out ? slot_out(m, slot) : s->logits;
-  if (KERNEL(m, matmul_forward, logits, x, s->w->data, NULL, N, C, s->padded_l)) return PG_ERR;
+  if (mm_fwd(m, &s->mm, io, s->w, logits, x, NULL, N, C, s->padded_l)) return PG_ERR;
   s->saved_x[slot] = x;
   s->logits_slot = -1;
   *y = s->logits_out ? logits : NULL;
@@ -1679,7 +1764,7 @@ static int lm_head_backward(pg_module *m, int slot, pg_io *io, const float *dy, 
   int N = io->B * io->T, C = m->in_width;
   const float *x = s->saved_x[slot];
   if (s->logits_out) { /* dy: the objective's gradient of this rank's logits slice */
-    if (KERNEL(m, matmul_backward, m->dinp, s->w->grad, NULL, dy, x, s->w->data, N, C, s->padded_l) ||
+    if (mm_bwd(m, &s->mm, io, m->dinp, s->w, NULL, dy, x, N, C, s->padded_l) ||
         pg_tp_copy_backward(m, m->dinp, (int64_t)N * C))
       return PG_ERR;
     *dx = m->dinp;
@@ -1687,13 +1772,14 @@ static int lm_head_backward(pg_module *m, int slot, pg_io *io, const float *dy, 
   }
   if (s->logits_slot != slot) { /* another micro-batch ran since: recompute from the saved statistics */
     float *st = s->stats + (size_t)slot * 3 * m->max_rows;
-    if (KERNEL(m, matmul_forward, s->logits, x, s->w->data, NULL, N, C, s->padded_l) ||
+    if ((s->mm.on ? mm_forward(m, &s->mm, io, 0, s->w, s->logits, x, NULL, N, C, s->padded_l)
+                 : KERNEL(m, matmul_forward, s->logits, x, s->w->data, NULL, N, C, s->padded_l)) ||
         KERNEL(m, xent_finish, NULL, s->logits, s->logits, st, st + m->max_rows, st + 2 * (size_t)m->max_rows,
                io->targets, N, s->padded_l, s->valid, s->vocab_start, io->dloss, NULL))
       return PG_ERR;
   }
   s->logits_slot = -1;
-  if (KERNEL(m, matmul_backward, m->dinp, s->w->grad, NULL, s->logits, x, s->w->data, N, C, s->padded_l))
+  if (mm_bwd(m, &s->mm, io, m->dinp, s->w, NULL, s->logits, x, N, C, s->padded_l))
     return PG_ERR;
   /* x met every vocabulary slice: its gradient is the sum over the group. */
   if (pg_tp_copy_backward(m, m->dinp, (int64_t)N * C)) return PG_ERR;
@@ -1708,6 +1794,7 @@ static void lm_head_destroy(pg_module *m) {
   pg_be_release(BE(m), s->gather);
   pg_be_release(BE(m), s->red);
   free(s->saved_x);
+  mm_free(&s->mm);
 }
 
 static const pg_module_ops lm_head_ops = {"lm_head", lm_head_alloc, lm_head_forward, lm_head_backward, lm_head_destroy};
@@ -2227,6 +2314,41 @@ int pg_module_set_backend(pg_module *m, const pg_backend *be) {
   for (int i = 0; i < m->nchildren; i++)
     if (pg_module_set_backend(m->children[i], be)) return PG_ERR;
   return PG_OK;
+}
+
+int pg_module_set_precision(pg_module *m, pg_precision p) {
+  if (p == PG_PRECISION_FP32) return PG_OK;
+  if (m->out || m->dinp || m->nslots)
+    return pg_fail("%s: the precision must be chosen before the buffers are allocated", m->name);
+  if (m->be->device != PG_CPU)
+    return pg_fail("%s: precision \"bf16\" runs on the cpu backend only for now, not %s", m->name, m->be->name);
+  if (m->ops == &custom_ops)
+    return pg_fail("%s: a module written in Lua computes in float32: precision \"bf16\" does not support it yet",
+                   m->name);
+  if (m->ops == &moe_ops)
+    return pg_fail("%s: the moe kind (mixture of experts) does not support precision \"bf16\" yet", m->name);
+  if (m->ops == &linear_ops) ((linear_state *)m->state)->mm.on = 1;
+  if (m->ops == &lm_head_ops) ((lm_head_state *)m->state)->mm.on = 1;
+  for (int i = 0; i < m->nchildren; i++)
+    if (pg_module_set_precision(m->children[i], p)) return PG_ERR;
+  return PG_OK;
+}
+
+void pg_module_bf16_scratch(const pg_module *m, int64_t need[2]) {
+  const bf16_mm *mm = m->ops == &linear_ops    ? &((const linear_state *)m->state)->mm
+                      : m->ops == &lm_head_ops ? &((const lm_head_state *)m->state)->mm
+                                               : NULL;
+  for (int k = 0; mm && mm->on && k < 2; k++)
+    if (mm->need[k] > need[k]) need[k] = mm->need[k];
+  for (int i = 0; i < m->nchildren; i++) pg_module_bf16_scratch(m->children[i], need);
+}
+
+size_t pg_module_bf16_bytes(const pg_module *m) {
+  size_t b = 0;
+  if (m->ops == &linear_ops) b += ((const linear_state *)m->state)->mm.bytes;
+  if (m->ops == &lm_head_ops) b += ((const lm_head_state *)m->state)->mm.bytes;
+  for (int i = 0; i < m->nchildren; i++) b += pg_module_bf16_bytes(m->children[i]);
+  return b;
 }
 
 int pg_module_alloc(pg_module *m, int nslots, int max_rows) {

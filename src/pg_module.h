@@ -102,6 +102,9 @@ typedef struct pg_io {
    * the micro-batch's first row in the global batch (data ranks hold
    * consecutive rows). */
   int64_t step, global_row0;
+  /* Precision bf16: room for the rounded operands of one GEMM (the input or output gradient, and the input),
+   * pg_module_bf16_scratch's sizes; shared by every module, which use it within one call. */
+  uint16_t *bf16_scratch[2];
 } pg_io;
 
 typedef struct pg_module_ops {
@@ -325,6 +328,21 @@ void pg_module_free(pg_module *m);
 
 /* Puts the whole tree on a backend (before its buffers are allocated). */
 int pg_module_set_backend(pg_module *m, const pg_backend *be);
+
+/* Arithmetic precision of the tree's products. FP32: everything in float32.
+ * BF16: the GEMMs of linear and lm_head modules take bf16 operands (a bf16
+ * working copy of the float32 master weight, the input and output gradient
+ * rounded) and sum in float32; everything else (attention, norms, softmax,
+ * the loss, activations between modules, gradients, the optimizer) stays
+ * float32. Cpu backend only; a module written in Lua and the moe kind refuse
+ * it. Before the buffers are allocated. */
+typedef enum { PG_PRECISION_FP32 = 0, PG_PRECISION_BF16 } pg_precision;
+int pg_module_set_precision(pg_module *m, pg_precision p);
+/* Bytes of the tree's bf16 working weights (0 in FP32). */
+size_t pg_module_bf16_bytes(const pg_module *m);
+/* The bf16 operand scratch the tree's modules need (pg_io.bf16_scratch), in elements, once allocated: need[k] is
+ * raised to the tree's largest (left alone in FP32). */
+void pg_module_bf16_scratch(const pg_module *m, int64_t need[2]);
 
 /* Allocates per-slot buffers in the whole tree. */
 int pg_module_alloc(pg_module *m, int nslots, int max_rows);

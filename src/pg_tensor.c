@@ -9,6 +9,7 @@
 
 #include <cblas.h>
 
+#include "kernels.h"
 #include "pg_error.h"
 #include "pg_size.h"
 
@@ -691,11 +692,7 @@ int pg_tensor_unary(pg_tensor *out, const pg_tensor *t, pg_unop op, double arg) 
 double pg_tensor_get_flat(const pg_tensor *t, int64_t i) {
   if (t->dtype == PG_INT32) return pg_tensor_i32(t)[i];
   if (t->dtype == PG_FLOAT32) return pg_tensor_f32(t)[i];
-  uint16_t h = ((const uint16_t *)pg_tensor_data(t))[i];
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
+  return pg_bf16_value(((const uint16_t *)pg_tensor_data(t))[i]);
 }
 
 /* A double as int32 without undefined behaviour: truncated toward zero, then
@@ -718,11 +715,7 @@ void pg_tensor_set_flat(pg_tensor *t, int64_t i, double v) {
   if (t->dtype == PG_INT32) pg_tensor_i32(t)[i] = i32_from_double(v);
   else if (t->dtype == PG_FLOAT32) pg_tensor_f32(t)[i] = (float)v;
   else {
-    float f = (float)v;
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7fff + ((u >> 16) & 1); /* round to nearest even */
-    ((uint16_t *)pg_tensor_data(t))[i] = (uint16_t)(u >> 16);
+    ((uint16_t *)pg_tensor_data(t))[i] = pg_bf16_round((float)v);
   }
 }
 

@@ -34,21 +34,24 @@ void pg_matmul_backward(float *dinp, float *dweight, float *dbias, const float *
     if (dweight)
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f, dweight, C);
   }
-  if (dbias) {
-    /* Column sums of dout, split by columns: each thread adds all rows in order. */
+  if (dbias) pg_bias_backward(dbias, dout, N, OC);
+}
+
+void pg_bias_backward(float *dbias, const float *dout, int N, int OC) {
+  if (N <= 0 || OC <= 0) return;
+  /* Column sums of dout, split by columns: each thread adds all rows in order. */
 #pragma omp parallel if ((int64_t)N * OC > PG_PAR_MIN)
-    {
-      int c0, c1;
-      pg_cpu_cols(OC, omp_get_thread_num(), omp_get_num_threads(), &c0, &c1);
-      for (int b0 = c0; b0 < c1; b0 += 64) {
-        int w = pg_cpu_min(b0 + 64, c1) - b0;
-        float acc[64] = {0};
-        for (int n = 0; n < N; n++) {
-          const float *d = dout + (int64_t)n * OC + b0;
-          for (int j = 0; j < w; j++) acc[j] += d[j];
-        }
-        for (int j = 0; j < w; j++) dbias[b0 + j] += acc[j];
+  {
+    int c0, c1;
+    pg_cpu_cols(OC, omp_get_thread_num(), omp_get_num_threads(), &c0, &c1);
+    for (int b0 = c0; b0 < c1; b0 += 64) {
+      int w = pg_cpu_min(b0 + 64, c1) - b0;
+      float acc[64] = {0};
+      for (int n = 0; n < N; n++) {
+        const float *d = dout + (int64_t)n * OC + b0;
+        for (int j = 0; j < w; j++) acc[j] += d[j];
       }
+      for (int j = 0; j < w; j++) dbias[b0 + j] += acc[j];
     }
   }
 }

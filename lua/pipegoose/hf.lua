@@ -341,14 +341,15 @@ function M.load_into(engine, dir)
         local h = where[stored]
         if not h then fail(dir, "the weights have no tensor %s (nor %s%s)", part.hf, arch.prefix, part.hf) end
         local info = h.entries[stored]
-        if info.dtype ~= "float32" then
-          fail(dir, "%s is %s; pipegoose reads float32 weights (save the model with torch_dtype=float32)", stored,
-            info.dtype)
+        if info.dtype ~= "float32" and info.dtype ~= "bfloat16" then
+          fail(dir, "%s is %s; pipegoose reads float32 or bfloat16 weights (save the model with torch_dtype=float32)",
+            stored, info.dtype)
         end
         if shape_text(info.shape) ~= shape_text(part.shape) then
           fail(dir, "%s has shape %s; the config needs %s", stored, shape_text(info.shape), shape_text(part.shape))
         end
         local t = safetensors.read(h, stored)
+        if info.dtype == "bfloat16" then t = core.ops.from_bf16(t) end -- exact: the masters are float32
         pieces[i] = e.conv1d and t:transpose(1, 2) or t
       end
       engine:load_param(e.pg, #pieces == 1 and pieces[1] or core.cat(pieces, 1))
@@ -356,8 +357,9 @@ function M.load_into(engine, dir)
   end
 end
 
-local function config_json(arch, cfg)
+local function config_json(arch, cfg, dtype)
   local c = arch.config(cfg)
+  c.torch_dtype = dtype or c.torch_dtype
   local keys = {}
   for k in pairs(c) do keys[#keys + 1] = k end
   table.sort(keys)
@@ -391,16 +393,22 @@ local function file_name(arch, e, part) return e.top and part.hf or arch.prefix 
 
 -- Writes config.json and model.safetensors (each atomically); `tensors(e)`
 -- gives an entry's tensors as transformers stores them (one per part).
-local function write_dir(arch, cfg, dir, tensors)
+-- dtype: "float32" (default), or "bfloat16" (each value rounded to nearest
+-- even; config.json's torch_dtype says which).
+local function write_dir(arch, cfg, dir, tensors, dtype)
   local entries = {}
   for _, e in ipairs(arch.layout(cfg)) do
     local ts = tensors(e)
-    for i, part in ipairs(e.parts) do entries[#entries + 1] = { name = file_name(arch, e, part), tensor = ts[i] } end
+    for i, part in ipairs(e.parts) do
+      local t = ts[i]
+      if dtype == "bfloat16" then t = core.ops.to_bf16(t) end
+      entries[#entries + 1] = { name = file_name(arch, e, part), tensor = t }
+    end
   end
   local fs = require("pipegoose.checkpoint").fs
   fs.mkdir_p(dir)
   safetensors.write(dir .. "/model.safetensors", entries, { format = "pt" })
-  fs.write_atomic(dir .. "/config.json", config_json(arch, cfg))
+  fs.write_atomic(dir .. "/config.json", config_json(arch, cfg, dtype))
 end
 
 --- Writes the engine's model as a Hugging Face directory (collective; rank 0 writes).
@@ -425,9 +433,9 @@ end
 
 --- Writes a checkpoint's weights as a Hugging Face directory; `full(name)`
 -- reads a parameter's full tensor from the checkpoint (checkpoint.lua).
-function M.write_checkpoint(cfg, dir, full, what)
+function M.write_checkpoint(cfg, dir, full, what, dtype)
   local arch = arch_of(cfg, what)
-  write_dir(arch, cfg, dir, function(e) return to_hf(cfg, e, full(e.pg)) end)
+  write_dir(arch, cfg, dir, function(e) return to_hf(cfg, e, full(e.pg)) end, dtype)
   return arch.class
 end
 

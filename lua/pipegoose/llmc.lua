@@ -1,12 +1,15 @@
 --- llm.c's GPT-2 model file: import into an engine, export from one.
--- Header of 256 int32: magic 20240326, version 3 (fp32), max_seq_len, vocab,
--- layers, heads, channels, padded_vocab; then the 16 tensors below, each
--- stacked over layers where it has a layer dimension.
+-- Header of 256 int32: magic 20240326, version 3 (fp32) or 5 (bf16: every
+-- value the upper half of a float32, llm.c's train_gpt2.cu format),
+-- max_seq_len, vocab, layers, heads, channels, padded_vocab; then the 16
+-- tensors below, each stacked over layers where it has a layer dimension.
 local core = require "pipegoose.core"
 
 local M = {}
 
-M.MAGIC, M.VERSION = 20240326, 3
+M.MAGIC, M.VERSION, M.VERSION_BF16 = 20240326, 3, 5
+-- a version's element dtype and size
+local DTYPE = { [3] = { name = "float32", size = 4 }, [5] = { name = "bfloat16", size = 2 } }
 
 -- llm.c's tensor order, the matching pipegoose parameter name (%d = layer)
 -- and the shape of one layer's slice.
@@ -35,15 +38,17 @@ end
 
 local numel = require("pipegoose.safetensors").numel
 
---- Every (file tensor, layer, parameter name, byte offset, element count), in file order.
-function M.entries(cfg)
+--- Every (file tensor, layer, parameter name, byte offset, element count), in file order, for elements of
+--- `size` bytes (default 4: float32; 2: bfloat16).
+function M.entries(cfg, size)
+  size = size or 4
   local out, off = {}, 1024
   for _, t in ipairs(layout(cfg)) do
     local n = numel(t[3])
     for l = 0, (t[4] or 1) - 1 do
       out[#out + 1] = { file_name = t[1], layer = t[4] and l or nil, name = t[2]:format(l), offset = off, count = n,
                         shape = t[3] }
-      off = off + 4 * n
+      off = off + size * n
     end
   end
   return out, off
@@ -51,15 +56,19 @@ end
 
 --- The file's header for a model config: 256 int32 (magic, version, the sizes).
 -- The one writer of it (engine:save_llmc, scripts/checkpoint.lua export-llmc).
-function M.header(cfg)
+-- dtype: "float32" (default, version 3) or "bfloat16" (version 5).
+function M.header(cfg, dtype)
+  local version = (dtype == nil or dtype == "float32") and M.VERSION
+    or dtype == "bfloat16" and M.VERSION_BF16
+    or error(("llm.c model file: dtype must be float32 or bfloat16, not %s"):format(tostring(dtype)), 2)
   local header = {}
   for i = 1, 256 do header[i] = 0 end
-  header[1], header[2], header[3], header[4] = M.MAGIC, M.VERSION, cfg.seq_len, cfg.vocab
+  header[1], header[2], header[3], header[4] = M.MAGIC, version, cfg.seq_len, cfg.vocab
   header[5], header[6], header[7], header[8] = cfg.layers, cfg.heads, cfg.dim, cfg.padded_vocab
   return core.tensor(header, { dtype = "int32" })
 end
 
---- Reads and checks the header; returns the model config.
+--- Reads and checks the header; returns the model config and the values' dtype {name=, size=}.
 function M.read_header(path)
   local ok, t = pcall(core.file.read, path, 0, 256, "int32") -- its message names the file, not this line
   if not ok then error(t, 0) end
@@ -67,8 +76,10 @@ function M.read_header(path)
   if h[1] ~= M.MAGIC then
     error(("%s: not an llm.c GPT-2 model file (magic %d, expected %d)"):format(path, h[1], M.MAGIC), 0)
   end
-  if h[2] ~= M.VERSION then
-    error(("%s: llm.c model version %d is not supported (expected %d: fp32)"):format(path, h[2], M.VERSION), 0)
+  local dtype = DTYPE[h[2]]
+  if not dtype then
+    error(("%s: llm.c model version %d is not supported (expected %d: fp32, or %d: bf16)"):format(path, h[2],
+      M.VERSION, M.VERSION_BF16), 0)
   end
   local cfg = { seq_len = h[3], vocab = h[4], layers = h[5], heads = h[6], dim = h[7], padded_vocab = h[8] }
   for _, k in ipairs{ "seq_len", "vocab", "layers", "heads", "dim", "padded_vocab" } do
@@ -85,27 +96,28 @@ function M.read_header(path)
   -- damaged header can overflow integers, and listing the entries of 2^30
   -- layers would take forever before the size check could fail.
   local V, T, C, L = cfg.padded_vocab, cfg.seq_len, cfg.dim, cfg.layers
-  local approx = 1024 + 4 * ((V + T) * C + L * (12.0 * C * C + 13.0 * C) + 2.0 * C)
+  local approx = 1024 + dtype.size * ((V + T) * C + L * (12.0 * C * C + 13.0 * C) + 2.0 * C)
   if approx >= 2 ^ 53 then
     error(("%s: truncated: the header's model needs about %.3g bytes, the file has %d"):format(path, approx, actual), 0)
   end
   -- exact now (every term below 2^53): 12 C^2 + 13 C per layer, as M.entries lays them out
-  local size = 1024 + 4 * ((V + T) * C + L * (12 * C * C + 13 * C) + 2 * C)
+  local size = 1024 + dtype.size * ((V + T) * C + L * (12 * C * C + 13 * C) + 2 * C)
   if actual ~= size then
     error(("%s: %s: the header's model needs %d bytes, the file has %d"):format(path,
       actual < size and "truncated" or "trailing bytes", size, actual), 0)
   end
-  return cfg
+  return cfg, dtype
 end
 
 --- Loads the weights of an llm.c file into the engine (each rank its shards).
 function M.load_into(engine, path)
-  local cfg = M.read_header(path)
+  local cfg, dtype = M.read_header(path)
   local have = {}
   for _, p in ipairs(engine:parameters()) do have[p.name] = true end
-  for _, e in ipairs(M.entries(cfg)) do
+  for _, e in ipairs(M.entries(cfg, dtype.size)) do
     if have[e.name] then
-      engine:load_param(e.name, core.file.read(path, e.offset, e.count))
+      local t = core.file.read(path, e.offset, e.count, dtype.name)
+      engine:load_param(e.name, dtype.name == "bfloat16" and core.ops.from_bf16(t) or t)
     end
   end
 end

@@ -106,6 +106,10 @@ local PARALLELIZE = {
   -- composite: TransformerBlock, LlamaBlock) from its input in backward,
   -- "selective" only the attention probabilities (Korthikanti et al. 2022)
   recompute = opt.enum({ "none", "full", "selective" }, { default = "none" }),
+  -- "bf16": linear layers and the LM head multiply bf16 operands (a bf16 working copy of the float32 master
+  -- weights) with float32 sums; the rest, the gradients and the optimizer stay float32 (the runtime's
+  -- pg_module_set_precision says which kinds and refuses the others)
+  precision = opt.enum({ "fp32", "bf16" }, { default = "fp32" }),
 }
 
 -- The stage description with recomputation applied: every attention core
@@ -262,13 +266,13 @@ function M.parallelize(model, ctx, opts)
   local ok_engine, c = pcall(core.Engine, ctx, chunk_descs, {
     micro_batches = micro, schedule = schedule, vocab = vocab, width = width, seed = opts.seed or ctx:seed(),
     tied_name = (P > 1 and head_tied) and tie or nil,
-    bucket_mb = opts.bucket_mb, overlap_grad_reduce = opts.overlap_grad_reduce, shared_memory = opts.shared_memory, device = opts.device, objective = with_objective,
-    router_experts = router_experts,
+    bucket_mb = opts.bucket_mb, overlap_grad_reduce = opts.overlap_grad_reduce, shared_memory = opts.shared_memory,
+    device = opts.device, objective = with_objective, router_experts = router_experts, precision = opts.precision,
   })
   if not ok_engine then error(c, 2) end
   local e = setmetatable({
     c = c, ctx = ctx, config = config, model = model, micro_batches = micro, schedule = schedule,
-    virtual_stages = V, recompute = opts.recompute,
+    virtual_stages = V, recompute = opts.recompute, precision = opts.precision,
     device = c:info().device,
     stage = me, stages = P, partition_report = partition_report, vocab = vocab, _ = {},
   }, Engine)
@@ -393,6 +397,8 @@ function Engine:memory()
     slot_bytes = info.slot_bytes, slots = info.slots,
     -- recomputed blocks keep one micro-batch's activations whatever is in flight
     fixed_activation_bytes = info.fixed_activation_bytes,
+    -- precision "bf16": the working weights and the rounded GEMM operands (0 in fp32)
+    bf16_bytes = info.bf16_bytes, precision = info.precision,
     -- chunk by chunk (virtual stages): slots x bytes of each chunk's micro-batch
     activation_bytes = info.activation_bytes + info.fixed_activation_bytes,
     peak_activation_bytes = info.peak_activation_bytes + info.fixed_activation_bytes,

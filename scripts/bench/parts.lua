@@ -36,6 +36,9 @@ return {
   { name = "llama", description = "a LLaMA of GPT-2 124M's shape (GQA 12/4 heads, RoPE, SwiGLU 2048, vocab 32000), "
       .. "batch 4 x 64",
     needs = { "peak" }, run = steps.part("llama_124m", "llama", "--llama"), finish = steps.table },
+  { name = "bf16", description = "GPT-2 124M and the small model in fp32 and precision = \"bf16\" in the same run:\n"
+      .. "tokens/s, ratio, memory per rank, and which bf16 GEMM path ran (oneDNN or the fallback) and why",
+    run = require "bench.precision" },
   { name = "torch", description = "the same steps (gpt2, small, llama) in PyTorch (scripts/bench_torch.py), "
       .. "skipped without torch" },
   { name = "llmc", description = "GPT-2 124M's step in llm.c's CPU trainer (train_gpt2.c, same B = 4, T = 64),\n"

@@ -72,7 +72,7 @@ local function worker_step(o)
   local ctx = pg.ParallelContext{ tensor = tensor, data = data, expert = tonumber(o.expert or 1), pipeline = 1, seed = 1 }
   local spec = {}
   for k, v in pairs(cfg) do if k ~= "batch" then spec[k] = v end end
-  local engine = pg.parallelize(pg.nn.from_config(spec), ctx, { micro_batches = 1,
+  local engine = pg.parallelize(pg.nn.from_config(spec), ctx, { micro_batches = 1, precision = o.precision,
     recompute = o.recompute ~= "none" and o.recompute or nil })
   local opt = pg.optim.AdamW(engine, { lr = 1e-4, betas = { 0.9, 0.95 }, weight_decay = 0.1,
                                        zero = tonumber(o.zero or 0) })
@@ -114,6 +114,12 @@ local function worker_step(o)
       layers = cfg.layers, dim = cfg.dim, seq_len = T,
       peak_activation_bytes = activation_bytes, bytes_per_parameter = mem.bytes_per_parameter,
     }
+    -- what this rank holds (engine:memory()): float32 masters, gradients and AdamW state, the activations of
+    -- the micro-batches in flight, and (bf16) the working weights and rounded GEMM operands
+    r.params_mb, r.grads_mb, r.optimizer_mb = mem.params_bytes / 2 ^ 20, mem.grads_bytes / 2 ^ 20,
+      opt:memory().state_bytes / 2 ^ 20
+    r.activation_mb, r.bf16_mb = mem.peak_activation_bytes / 2 ^ 20, mem.bf16_bytes / 2 ^ 20
+    r.rank_mb = r.params_mb + r.grads_mb + r.optimizer_mb + r.activation_mb + r.bf16_mb
     for mode, v in pairs(comms) do
       if mode ~= "global" then r["comm_ms_" .. mode] = median(v) * 1e3 end
     end

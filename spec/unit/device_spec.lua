@@ -297,4 +297,15 @@ print(ok, err)
     assert.equal(0, rc2, out2)
     assert.matches("blocks.0.moe: the moe kind %(mixture of experts%) runs on the cpu backend only for now, not cuda", out2)
   end)
+
+  it("refuses precision = \"bf16\" on a device, at parallelize (no device bf16 GEMMs yet)", function()
+    local rc2, out2 = emu([[
+local pg = require "pipegoose"
+local m = pg.nn.GPT{ vocab = 20, dim = 16, layers = 1, heads = 2, seq_len = 8 }
+local ok, err = pcall(pg.parallelize, m, nil, { device = "cuda", precision = "bf16" })
+print(ok, err)
+]])
+    assert.equal(0, rc2, out2)
+    assert.matches('false\tprecision "bf16" runs on the cpu backend only for now, not cuda', out2, 1, true)
+  end)
 end)

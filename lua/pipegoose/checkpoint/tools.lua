@@ -173,7 +173,17 @@ end
 
 --- Writes the checkpoint's GPT-2 weights as an llm.c model file (the layout
 -- of lua/pipegoose/llmc.lua). Returns the crc32 and the size.
-function M.export_llmc(dir, out)
+-- dtype (opts.dtype): the values' type in the file, float32 (default) or bfloat16 (rounded to nearest even).
+local function export_dtype(opts)
+  local dtype = opts and opts.dtype or "float32"
+  if dtype ~= "float32" and dtype ~= "bfloat16" then
+    error(("checkpoint: the export dtype must be float32 or bfloat16, not %s"):format(tostring(dtype)), 0)
+  end
+  return dtype
+end
+
+function M.export_llmc(dir, out, opts)
+  local dtype = export_dtype(opts)
   local manifest
   dir, manifest = verified(validation.resolve(dir))
   local cfg = manifest.model or {}
@@ -193,7 +203,7 @@ function M.export_llmc(dir, out)
   end
   local core = require "pipegoose.core"
   local llmc = require "pipegoose.llmc"
-  local parts = { llmc.header(cfg) }
+  local parts = { llmc.header(cfg, dtype) }
   local header_of = header_reader(dir)
   local cache = {}
   for _, e in ipairs(llmc.entries(cfg)) do
@@ -206,7 +216,8 @@ function M.export_llmc(dir, out)
       error(("checkpoint: %s: %s has %d values, llm.c's %s needs %d"):format(dir, e.name, full:numel(), e.file_name,
         e.count), 0)
     end
-    parts[#parts + 1] = full:reshape{ full:numel() }:narrow(1, 1, e.count)
+    local values = full:reshape{ full:numel() }:narrow(1, 1, e.count)
+    parts[#parts + 1] = dtype == "bfloat16" and core.ops.to_bf16(values) or values
   end
   return core.file.write(out, parts)
 end
@@ -214,13 +225,14 @@ end
 --- Writes the checkpoint's weights as a Hugging Face directory
 -- (config.json + model.safetensors, lua/pipegoose/hf.lua): GPT2LMHeadModel
 -- or LlamaForCausalLM. Returns the class written.
-function M.export_hf(dir, out)
+function M.export_hf(dir, out, opts)
+  local dtype = export_dtype(opts)
   local manifest
   dir, manifest = verified(validation.resolve(dir))
   local header_of = header_reader(dir)
   return require("pipegoose.hf").write_checkpoint(manifest.model or {}, out, function(name)
     return full_tensor(dir, manifest, header_of, "params", "", name)
-  end, "checkpoint: " .. dir)
+  end, "checkpoint: " .. dir, dtype)
 end
 
 --- Loads a checkpoint's parameters (not the optimizer or the counters) into

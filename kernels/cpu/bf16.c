@@ -1,0 +1,308 @@
+/* bfloat16: conversions and GEMMs with float32 accumulation (kernels.h).
+ *
+ * Two GEMM paths, one result kind. oneDNN's matmul primitive multiplies bf16
+ * inputs with the CPU's bf16 dot-product instructions (AVX512_BF16's
+ * vdpbf16ps, AMX tiles) and accumulates in float32; where those are missing
+ * oneDNN would emulate them slower than sgemm, so there the inputs are
+ * widened to float32 (exact: a bf16 is a float32 with 16 low zero bits) and
+ * OpenBLAS sgemm does the products and sums in float32. Either way every
+ * product is of two bf16 values and every sum is in float32: only the order
+ * of the sums differs.
+ *
+ * oneDNN primitives are created once per (shape, transposes, beta) and kept
+ * (a linear layer's three products per shape; a model has a few shapes). */
+#include <cblas.h>
+#include <cpuid.h>
+#include <oneapi/dnnl/dnnl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "pg_cpu.h"
+
+void pg_bf16_from_f32(uint16_t *dst, const float *src, int64_t n) {
+#pragma omp parallel for simd schedule(static) if (parallel : n > PG_PAR_MIN)
+  for (int64_t i = 0; i < n; i++) dst[i] = pg_bf16_round(src[i]);
+}
+
+void pg_bf16_to_f32(float *dst, const uint16_t *src, int64_t n) {
+#pragma omp parallel for simd schedule(static) if (parallel : n > PG_PAR_MIN)
+  for (int64_t i = 0; i < n; i++) dst[i] = pg_bf16_value(src[i]);
+}
+
+/* ---- path selection ---- */
+
+enum { PATH_UNSET = -1, PATH_ONEDNN = 0, PATH_FALLBACK = 1 };
+static int path = PATH_UNSET;
+static char why_buf[512];
+static char err_buf[256];
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* The CPU's bf16 instructions, from cpuid leaf 7: AVX512_BF16 (subleaf 1, EAX
+ * bit 5), AMX-BF16 (subleaf 0, EDX bit 22). The OS must also have enabled the
+ * AVX-512 state, which oneDNN's ISA check below covers. */
+static void cpu_bf16(int *avx512, int *amx) {
+  unsigned a, b, c, d;
+  *avx512 = *amx = 0;
+  if (__get_cpuid_max(0, NULL) < 7) return;
+  __cpuid_count(7, 0, a, b, c, d);
+  *amx = (d >> 22) & 1;
+  __cpuid_count(7, 1, a, b, c, d);
+  *avx512 = (a >> 5) & 1;
+}
+
+/* 1 when oneDNN's matmul runs on bf16 instructions here; why says what was found either way. */
+static int onednn_usable(char *why, size_t len) {
+  int avx512, amx;
+  cpu_bf16(&avx512, &amx);
+  dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
+  /* The ISA values are bit sets: a level includes the bits of those below it. */
+  int isa_ok = ((unsigned)isa & (unsigned)dnnl_cpu_isa_avx512_core_bf16) == (unsigned)dnnl_cpu_isa_avx512_core_bf16;
+  const char *cpu = amx && avx512 ? "AVX512_BF16 and AMX-BF16" : amx ? "AMX-BF16" : avx512 ? "AVX512_BF16" : NULL;
+  if (cpu && isa_ok) {
+    snprintf(why, len, "the CPU has %s and oneDNN's ISA (0x%x) reaches avx512_core_bf16", cpu, (unsigned)isa);
+    return 1;
+  }
+  if (!cpu)
+    snprintf(why, len, "the CPU has neither AVX512_BF16 nor AMX-BF16 (oneDNN would emulate bf16 slower than sgemm)");
+  else
+    snprintf(why, len, "the CPU has %s but oneDNN's ISA (0x%x) stops below avx512_core_bf16 (ONEDNN_MAX_CPU_ISA?)",
+             cpu, (unsigned)isa);
+  return 0;
+}
+
+static void select_auto(void) {
+  char w[200];
+  path = onednn_usable(w, sizeof w) ? PATH_ONEDNN : PATH_FALLBACK;
+  snprintf(why_buf, sizeof why_buf, "%s", w);
+}
+
+static int select_locked(const char *name);
+
+const char *pg_bf16_gemm_path(const char **why) {
+  pthread_mutex_lock(&lock);
+  if (path == PATH_UNSET) {
+    /* PG_BF16_GEMM=auto|onednn|fallback: the first choice by name (benchmarks compare the paths); a bad value
+     * leaves the automatic choice and says so in why. */
+    const char *env = getenv("PG_BF16_GEMM");
+    if (!env || !*env || select_locked(env)) {
+      select_auto();
+      if (env && *env) {
+        char w[sizeof why_buf];
+        snprintf(w, sizeof w, "%.300s; PG_BF16_GEMM ignored: %.150s", why_buf, err_buf);
+        memcpy(why_buf, w, sizeof why_buf);
+      }
+    }
+  }
+  int p = path;
+  pthread_mutex_unlock(&lock);
+  if (why) *why = why_buf;
+  return p == PATH_ONEDNN ? "onednn" : "fallback";
+}
+
+int pg_bf16_gemm_select(const char *name, const char **why) {
+  pthread_mutex_lock(&lock);
+  int rc = select_locked(name);
+  pthread_mutex_unlock(&lock);
+  if (why) *why = rc ? err_buf : why_buf;
+  return rc;
+}
+
+static int select_locked(const char *name) {
+  int rc = 0;
+  if (!strcmp(name, "auto")) {
+    select_auto();
+  } else if (!strcmp(name, "fallback")) {
+    path = PATH_FALLBACK;
+    snprintf(why_buf, sizeof why_buf, "selected by name (fallback)");
+  } else if (!strcmp(name, "onednn")) {
+    char w[200];
+    if (onednn_usable(w, sizeof w)) {
+      path = PATH_ONEDNN;
+      snprintf(why_buf, sizeof why_buf, "selected by name (onednn): %s", w);
+    } else {
+      snprintf(err_buf, sizeof err_buf, "the onednn path cannot run here: %s", w);
+      rc = -1;
+    }
+  } else {
+    snprintf(err_buf, sizeof err_buf, "unknown bf16 GEMM path '%.64s' (expected auto, onednn or fallback)", name);
+    rc = -1;
+  }
+  return rc;
+}
+
+const char *pg_bf16_gemm_error(void) { return err_buf; }
+
+/* ---- oneDNN ---- */
+
+/* C[M,N] (+)= A[M,K] B[K,N], A and B bf16 with element strides (row, column). */
+typedef struct prim {
+  int M, N, K;
+  int64_t sa0, sa1, sb0, sb1;
+  int beta;
+  dnnl_primitive_t p;
+} prim;
+
+#define PRIM_MAX 64
+static prim prims[PRIM_MAX];
+static int nprims;
+static dnnl_engine_t engine;
+static dnnl_stream_t stream;
+
+static int dnnl_fail(const char *what, dnnl_status_t st) {
+  snprintf(err_buf, sizeof err_buf, "oneDNN: %s failed (status %d)", what, (int)st);
+  return -1;
+}
+
+/* The cached primitive for this shape, created on first use. Called with lock held. */
+static int get_prim(prim *key, dnnl_primitive_t *out) {
+  for (int i = 0; i < nprims; i++) {
+    prim *q = &prims[i];
+    if (q->M == key->M && q->N == key->N && q->K == key->K && q->sa0 == key->sa0 && q->sa1 == key->sa1 &&
+        q->sb0 == key->sb0 && q->sb1 == key->sb1 && q->beta == key->beta) {
+      *out = q->p;
+      return 0;
+    }
+  }
+  dnnl_status_t st;
+  if (!engine) {
+    if ((st = dnnl_engine_create(&engine, dnnl_cpu, 0)) != dnnl_success) return dnnl_fail("engine_create", st);
+    if ((st = dnnl_stream_create(&stream, engine, dnnl_stream_default_flags)) != dnnl_success)
+      return dnnl_fail("stream_create", st);
+  }
+  dnnl_memory_desc_t a, b, c;
+  dnnl_dims_t da = {key->M, key->K}, db = {key->K, key->N}, dc = {key->M, key->N};
+  dnnl_dims_t sa = {key->sa0, key->sa1}, sb = {key->sb0, key->sb1}, sc = {key->N, 1};
+  if ((st = dnnl_memory_desc_init_by_strides(&a, 2, da, dnnl_bf16, sa)) != dnnl_success ||
+      (st = dnnl_memory_desc_init_by_strides(&b, 2, db, dnnl_bf16, sb)) != dnnl_success ||
+      (st = dnnl_memory_desc_init_by_strides(&c, 2, dc, dnnl_f32, sc)) != dnnl_success)
+    return dnnl_fail("memory_desc_init_by_strides", st);
+  dnnl_matmul_desc_t md;
+  if ((st = dnnl_matmul_desc_init(&md, &a, &b, NULL, &c)) != dnnl_success) return dnnl_fail("matmul_desc_init", st);
+  dnnl_primitive_attr_t attr = NULL;
+  dnnl_post_ops_t ops = NULL;
+  if ((st = dnnl_primitive_attr_create(&attr)) != dnnl_success) return dnnl_fail("primitive_attr_create", st);
+  if (key->beta) {
+    /* C += A B: the sum post-op adds the product to what C holds. */
+    if ((st = dnnl_post_ops_create(&ops)) != dnnl_success || (st = dnnl_post_ops_append_sum(ops, 1.0f)) != dnnl_success ||
+        (st = dnnl_primitive_attr_set_post_ops(attr, ops)) != dnnl_success) {
+      if (ops) dnnl_post_ops_destroy(ops);
+      dnnl_primitive_attr_destroy(attr);
+      return dnnl_fail("sum post-op", st);
+    }
+    dnnl_post_ops_destroy(ops);
+  }
+  dnnl_primitive_desc_t pd;
+  st = dnnl_primitive_desc_create(&pd, &md, attr, engine, NULL);
+  dnnl_primitive_attr_destroy(attr);
+  if (st != dnnl_success) return dnnl_fail("matmul primitive_desc_create", st);
+  dnnl_primitive_t p;
+  st = dnnl_primitive_create(&p, pd);
+  dnnl_primitive_desc_destroy(pd);
+  if (st != dnnl_success) return dnnl_fail("matmul primitive_create", st);
+  if (nprims == PRIM_MAX) {
+    /* Full: drop the oldest (a model has a handful of shapes; a sweep of shapes does not grow without bound). */
+    dnnl_primitive_destroy(prims[0].p);
+    memmove(prims, prims + 1, (PRIM_MAX - 1) * sizeof(prim));
+    nprims--;
+  }
+  key->p = p;
+  prims[nprims++] = *key;
+  *out = p;
+  return 0;
+}
+
+static int onednn_gemm(int M, int N, int K, const uint16_t *A, int64_t sa0, int64_t sa1, const uint16_t *B,
+                       int64_t sb0, int64_t sb1, int beta, float *C) {
+  prim key = {M, N, K, sa0, sa1, sb0, sb1, beta, NULL};
+  dnnl_primitive_t p;
+  pthread_mutex_lock(&lock);
+  int rc = get_prim(&key, &p);
+  pthread_mutex_unlock(&lock);
+  if (rc) return rc;
+  dnnl_memory_desc_t a, b, c;
+  dnnl_dims_t da = {M, K}, db = {K, N}, dc = {M, N};
+  dnnl_dims_t sa = {sa0, sa1}, sb = {sb0, sb1}, sc = {N, 1};
+  dnnl_memory_desc_init_by_strides(&a, 2, da, dnnl_bf16, sa);
+  dnnl_memory_desc_init_by_strides(&b, 2, db, dnnl_bf16, sb);
+  dnnl_memory_desc_init_by_strides(&c, 2, dc, dnnl_f32, sc);
+  dnnl_memory_t ma = NULL, mb = NULL, mc = NULL;
+  dnnl_status_t st;
+  if ((st = dnnl_memory_create(&ma, &a, engine, (void *)A)) != dnnl_success ||
+      (st = dnnl_memory_create(&mb, &b, engine, (void *)B)) != dnnl_success ||
+      (st = dnnl_memory_create(&mc, &c, engine, C)) != dnnl_success) {
+    rc = dnnl_fail("memory_create", st);
+  } else {
+    dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}};
+    if ((st = dnnl_primitive_execute(p, stream, 3, args)) != dnnl_success ||
+        (st = dnnl_stream_wait(stream)) != dnnl_success)
+      rc = dnnl_fail("matmul execute", st);
+  }
+  if (ma) dnnl_memory_destroy(ma);
+  if (mb) dnnl_memory_destroy(mb);
+  if (mc) dnnl_memory_destroy(mc);
+  return rc;
+}
+
+/* ---- fallback: widen to float32, sgemm ---- */
+
+static float *widen(const uint16_t *src, int64_t n) {
+  float *f = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+  if (f) pg_bf16_to_f32(f, src, n);
+  return f;
+}
+
+static int fallback_gemm(int transa, int transb, int M, int N, int K, const uint16_t *A, int64_t lda,
+                         const uint16_t *B, int64_t ldb, float beta, float *C) {
+  float *a = widen(A, (int64_t)M * K), *b = widen(B, (int64_t)K * N);
+  if (!a || !b) {
+    free(a);
+    free(b);
+    snprintf(err_buf, sizeof err_buf, "out of memory widening a bf16 GEMM's inputs (%d x %d x %d)", M, N, K);
+    return -1;
+  }
+  cblas_sgemm(CblasRowMajor, transa ? CblasTrans : CblasNoTrans, transb ? CblasTrans : CblasNoTrans, M, N, K, 1.0f,
+              a, (int)lda, b, (int)ldb, beta, C, N);
+  free(a);
+  free(b);
+  return 0;
+}
+
+/* C[M,N] = (beta ? C : 0) + op(A) op(B); op(A) = A[M,K] (lda = K) or A^T of A[K,M] (lda = M); likewise B. */
+static int gemm(int transa, int transb, int M, int N, int K, const uint16_t *A, const uint16_t *B, int beta,
+                float *C) {
+  if (M <= 0 || N <= 0) return 0;
+  if (K <= 0) {
+    if (!beta) memset(C, 0, (size_t)M * N * sizeof(float));
+    return 0;
+  }
+  int64_t lda = transa ? M : K, ldb = transb ? K : N;
+  if (strcmp(pg_bf16_gemm_path(NULL), "onednn"))
+    return fallback_gemm(transa, transb, M, N, K, A, lda, B, ldb, beta ? 1.0f : 0.0f, C);
+  return onednn_gemm(M, N, K, A, transa ? 1 : lda, transa ? lda : 1, B, transb ? 1 : ldb, transb ? ldb : 1, beta, C);
+}
+
+int pg_matmul_bf16_forward(float *out, const uint16_t *inp, const uint16_t *weight, const float *bias, int N, int C,
+                           int OC) {
+  if (N <= 0 || OC <= 0) return 0;
+  if (bias) {
+    /* Start from the bias and add the product (as the float32 kernel does). */
+#pragma omp parallel for schedule(static) if ((int64_t)N * OC > PG_PAR_MIN)
+    for (int n = 0; n < N; n++) memcpy(out + (int64_t)n * OC, bias, (size_t)OC * sizeof(float));
+  }
+  return gemm(0, 1, N, OC, C, inp, weight, bias != NULL, out);
+}
+
+int pg_matmul_bf16_backward(float *dinp, float *dweight, const uint16_t *dout, const uint16_t *inp,
+                            const uint16_t *weight, int N, int C, int OC) {
+  if (N <= 0) return 0;
+  if (OC <= 0) {
+    if (dinp && C > 0) memset(dinp, 0, (size_t)N * C * sizeof(float));
+    return 0;
+  }
+  if (dinp && gemm(0, 0, N, C, OC, dout, weight, 0, dinp)) return -1;
+  if (dweight && gemm(1, 0, OC, C, N, dout, inp, 1, dweight)) return -1;
+  return 0;
+}

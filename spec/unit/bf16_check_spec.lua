@@ -1,0 +1,68 @@
+-- precision = "bf16" on the tiny GPT-2 of the PyTorch fixtures
+-- (scripts/gpt2_check.lua --precision=bf16), serially, at T = 2, at D = 2
+-- with ZeRO-1 and at T = 2 x P = 2 (2 micro-batches):
+--   * 10 AdamW steps' losses against the float64 PyTorch reference
+--     (spec/fixtures/gpt2_tiny_fp64_steps.json, scripts/make_fp64_reference.py)
+--     to 1e-3 relative. The issue asks for 1e-2; measured: <= 3e-5 in every
+--     layout. bf16 operands carry 2^-9 relative rounding, so a wrong rounding
+--     mode or a stale working weight moves the losses by far more than 3e-5,
+--     while 1e-3 still leaves 30 times the measured margin.
+--   * every layout against the serial bf16 run to 1e-4 relative (measured
+--     <= 5e-6: the layouts sum in other orders, which can move an operand's
+--     rounding by one bf16 step now and then);
+--   * the script's own bf16 tolerances on the first step's logits and
+--     gradients (exit 0), and the logits far enough from float32 (more than
+--     1e-4; float32 is within 1e-5) that the bf16 products did run.
+local h = require "helpers"
+local cjson = require "cjson"
+
+local MODEL, STATE = "spec/fixtures/gpt2_tiny_model.bin", "spec/fixtures/gpt2_tiny_state.bin"
+local f = assert(io.open("spec/fixtures/gpt2_tiny_fp64_steps.json"))
+local REF = cjson.decode(f:read("a"))
+f:close()
+local STEPS = #REF.losses
+
+local function run(n, flags)
+  local o = REF.optimizer
+  local args = { "scripts/gpt2_check.lua", MODEL, STATE, "--steps=" .. STEPS, "--precision=bf16", "--lr=" .. o.lr,
+                 "--beta1=" .. o.betas[1], "--beta2=" .. o.betas[2], "--eps=" .. o.eps,
+                 "--weight-decay=" .. o.weight_decay }
+  for _, a in ipairs(flags) do args[#args + 1] = a end
+  -- hang guard, not a timing assertion
+  local rc, out = h.sh(n == 1 and "timeout -k 2 120 " .. h.pglua_cmd(args) or h.mpirun_cmd(n, args, 120))
+  assert.equal(0, rc, out)
+  local losses = {}
+  for k, v in out:gmatch("step (%d+) loss (%S+)") do
+    assert.equal(#losses + 1, tonumber(k), out)
+    losses[#losses + 1] = tonumber(v)
+  end
+  assert.equal(STEPS, #losses, out)
+  local logits = tonumber(out:match("logits_max_abs_diff (%S+)"))
+  assert.is_true(logits > 1e-4, "bf16 logits as close to float32 as float32 itself: did bf16 run?\n" .. out)
+  return losses, out
+end
+
+local serial
+
+local function check(n, flags)
+  local losses, out = run(n, flags)
+  for k = 1, STEPS do
+    local want = REF.losses[k]
+    assert.is_true(math.abs(losses[k] - want) <= 1e-3 * want,
+      ("step %d: bf16 loss %.9g, float64 PyTorch %.9g\n%s"):format(k, losses[k], want, out))
+    if serial then
+      assert.is_true(math.abs(losses[k] - serial[k]) <= 1e-4 * serial[k],
+        ("step %d: bf16 loss %.9g, serial bf16 %.9g\n%s"):format(k, losses[k], serial[k], out))
+    end
+  end
+  return losses
+end
+
+describe("precision = bf16 against the float64 PyTorch reference", function()
+  it("serial", function() serial = check(1, {}) end)
+  it("--tensor=2", function() check(2, { "--tensor=2" }) end)
+  it("--data=2 --zero=1", function() check(2, { "--data=2", "--zero=1" }) end)
+  it("--tensor=2 --pipeline=2 --micro-batches=2", function()
+    check(4, { "--tensor=2", "--pipeline=2", "--micro-batches=2" })
+  end)
+end)

@@ -1,0 +1,310 @@
+-- bfloat16: float32 -> bf16 rounding (nearest, ties to even, as torch) and
+-- the bf16 GEMMs of both paths (oneDNN where the CPU has bf16 instructions,
+-- the widen-and-sgemm fallback everywhere) against a double-precision
+-- reference evaluated on the bf16-rounded inputs.
+--
+-- GEMM tolerance: each output is a sum of K products of bf16 values (exact
+-- in float32) added in float32, so |got - ref| <= K * 2^-24 * sum_k |a_k b_k|
+-- bounds the error whatever the order of the sums; RTOL below is that bound
+-- for the largest K here (K <= 64: 64 * 6e-8 = 3.8e-6), doubled.
+local pg = require "pipegoose"
+local ops = pg.ops
+
+local RTOL = 8e-6
+
+local function flat(t)
+  local out = {}
+  local function rec(x)
+    if type(x) == "table" then
+      for _, v in ipairs(x) do rec(v) end
+    else
+      out[#out + 1] = x
+    end
+  end
+  rec(t:totable())
+  return out
+end
+
+-- The value bf16 keeps of a float32 (bits of x's float32 as an integer, rounded at bit 16).
+local function round_bits(x)
+  local u = string.unpack("<I4", string.pack("<f", x))
+  local keep = u >> 16
+  local rest = u & 0xffff
+  if rest > 0x8000 or (rest == 0x8000 and keep & 1 == 1) then keep = keep + 1 end
+  return string.unpack("<f", string.pack("<I4", keep << 16))
+end
+
+describe("bf16 rounding", function()
+  it("rounds to nearest with ties to even, as torch (halfway cases both ways, negative, tiny, huge)", function()
+    local cases = {
+      { 1 + 2 ^ -8, 1 },                                -- tie between 1 and 1 + 2^-7: even is 1
+      { 1 + 3 * 2 ^ -8, 1 + 2 ^ -6 },                   -- tie: even is 1 + 2^-6 (truncation gives 1 + 2^-7)
+      { 1 + 2 ^ -8 + 2 ^ -20, 1 + 2 ^ -7 },             -- just above the tie: up
+      { 1 + 2 ^ -8 - 2 ^ -20, 1 },                      -- just below: down
+      { -(1 + 3 * 2 ^ -8), -(1 + 2 ^ -6) },             -- the sign does not change the rounding
+      { 3.0, 3.0 }, { 0.0, 0.0 }, { 2 ^ -130, 2 ^ -130 }, -- exact values (a subnormal too) stay
+      { 1 / 3, 0x1.56p-2 },                             -- 0x3eaaaaab -> 0x3eab
+    }
+    local x = pg.tensor((function()
+      local t = {}
+      for i, c in ipairs(cases) do t[i] = c[1] end
+      return t
+    end)())
+    local got = ops.bf16_round(x):totable()
+    for i, c in ipairs(cases) do
+      assert.are.equal(c[2], got[i], ("case %d: %.17g"):format(i, c[1]))
+    end
+  end)
+
+  it("keeps inf and NaN, and rounds past the largest bf16 to inf", function()
+    local big = 0x1.fffffep127 -- the largest float32: above bf16's largest finite 0x1.fep127 by more than half an ulp
+    local got = ops.bf16_round(pg.tensor({ math.huge, -math.huge, 0 / 0, big, 0x1.fep127 })):totable()
+    assert.are.equal(math.huge, got[1])
+    assert.are.equal(-math.huge, got[2])
+    assert.is_true(got[3] ~= got[3])
+    assert.are.equal(math.huge, got[4])
+    assert.are.equal(0x1.fep127, got[5])
+  end)
+
+  it("agrees with the bit-level rule on random floats, and to_bf16 stores the same values", function()
+    local x = pg.randn({ 4096 }, { seed = 7, std = 3 })
+    local want = {}
+    for i, v in ipairs(flat(x)) do want[i] = round_bits(v) end
+    local got, stored = flat(ops.bf16_round(x)), flat(ops.to_bf16(x))
+    assert.are.equal("bfloat16", ops.to_bf16(x):dtype())
+    for i = 1, #want do
+      assert.are.equal(want[i], got[i])
+      assert.are.equal(want[i], stored[i])
+    end
+  end)
+end)
+
+-- double reference of y[n,o] = sum_k x[n,k] w[o,k] (+ b[o]) on the rounded inputs; also sum_k |x w| per element
+local function ref_forward(x, w, b, N, C, OC)
+  local y, mag = {}, {}
+  for n = 0, N - 1 do
+    for o = 0, OC - 1 do
+      local s, m = b and b[o + 1] or 0, 0
+      for k = 0, C - 1 do
+        local p = x[n * C + k + 1] * w[o * C + k + 1]
+        s, m = s + p, m + math.abs(p)
+      end
+      y[n * OC + o + 1], mag[n * OC + o + 1] = s, m
+    end
+  end
+  return y, mag
+end
+
+local function check(name, got, want, mag, base)
+  assert.are.equal(#want, #got, name .. ": length")
+  for i = 1, #want do
+    local tol = RTOL * (mag[i] + math.abs(base and base[i] or 0)) + 1e-30
+    if math.abs(got[i] - want[i]) > tol then
+      error(("%s[%d]: got %.9g, want %.9g (tolerance %.3g)"):format(name, i, got[i], want[i], tol))
+    end
+  end
+end
+
+local function transpose(a, rows, cols)
+  local t = {}
+  for r = 0, rows - 1 do
+    for c = 0, cols - 1 do t[c * rows + r + 1] = a[r * cols + c + 1] end
+  end
+  return t
+end
+
+local auto_path = ops.bf16_gemm_path("auto")
+local paths = { "fallback" }
+if auto_path == "onednn" then paths[2] = "onednn" end
+
+describe("bf16 GEMM", function()
+  after_each(function() ops.bf16_gemm_path("auto") end)
+
+  it("names its path and why; an unknown path is one clear error", function()
+    local p, why = ops.bf16_gemm_path()
+    assert.is_true(p == "onednn" or p == "fallback")
+    assert.is_truthy(why:find("AVX512_BF16") or why:find("AMX"))
+    assert.has_error(function() ops.bf16_gemm_path("mkl") end,
+      "ops.bf16_gemm_path: unknown bf16 GEMM path 'mkl' (expected auto, onednn or fallback)")
+  end)
+
+  if auto_path ~= "onednn" then
+    pending("the onednn path: this CPU has no AVX512_BF16/AMX-BF16 (" .. select(2, ops.bf16_gemm_path()) .. ")")
+  end
+
+  for _, path in ipairs(paths) do
+    for _, shape in ipairs({ { 37, 53, 29 }, { 1, 64, 7 }, { 16, 8, 40 } }) do
+      local N, C, OC = shape[1], shape[2], shape[3]
+      it(("%s: forward and backward of [%d,%d] x [%d,%d]^T against double on the rounded inputs"):format(path, N, C,
+        OC, C), function()
+        assert.are.equal(path, (ops.bf16_gemm_path(path)))
+        local x = pg.randn({ N, C }, { seed = 11 })
+        local w = pg.randn({ OC, C }, { seed = 12, std = 0.5 })
+        local b = pg.randn({ OC }, { seed = 13 })
+        local dy = pg.randn({ N, OC }, { seed = 14 })
+        local xr, wr, dyr = flat(ops.bf16_round(x)), flat(ops.bf16_round(w)), flat(ops.bf16_round(dy))
+        -- forward, with and without bias
+        local want, mag = ref_forward(xr, wr, flat(b), N, C, OC)
+        check("y", flat(ops.linear_bf16(x, w, b)), want, mag, flat(b))
+        want, mag = ref_forward(xr, wr, nil, N, C, OC)
+        check("y (no bias)", flat(ops.linear_bf16(x, w)), want, mag)
+        -- bfloat16 tensors are used as they are: the same values as rounding float32 ones
+        assert.are.same(flat(ops.linear_bf16(x, w)), flat(ops.linear_bf16(ops.to_bf16(x), ops.to_bf16(w))))
+        -- backward: dx = dy w, dw += dy^T x onto a start value, db += column sums of the float32 dy
+        local dw0, db0 = pg.randn({ OC, C }, { seed = 15 }), pg.randn({ OC }, { seed = 16 })
+        local dw0f, db0f = flat(dw0), flat(db0)
+        local dx, dw, db = ops.linear_bf16_backward(dy, x, w, true, { dw = dw0, db = db0 })
+        local wt = transpose(wr, OC, C)   -- [C, OC]
+        want, mag = ref_forward(dyr, wt, nil, N, OC, C)
+        check("dx", flat(dx), want, mag)
+        local dyt, xt = transpose(dyr, N, OC), transpose(xr, N, C)
+        want, mag = ref_forward(dyt, xt, nil, OC, N, C)
+        for i = 1, #want do want[i] = want[i] + dw0f[i] end
+        check("dw", flat(dw), want, mag, dw0f)
+        local dyf, dbf = flat(dy), flat(db)
+        for o = 1, OC do
+          local s, m = db0f[o], math.abs(db0f[o])
+          for n = 0, N - 1 do
+            s, m = s + dyf[n * OC + o], m + math.abs(dyf[n * OC + o])
+          end
+          assert.is_true(math.abs(dbf[o] - s) <= 1e-6 * m, "db[" .. o .. "]")
+        end
+      end)
+    end
+  end
+
+  it("the products use the rounded inputs: the result differs from float32 sgemm by the rounding", function()
+    local x = pg.randn({ 8, 64 }, { seed = 21 })
+    local w = pg.randn({ 8, 64 }, { seed = 22 })
+    local y16, y32 = flat(ops.linear_bf16(x, w)), flat(ops.linear(x, w))
+    local yr = flat(ops.linear(ops.bf16_round(x), ops.bf16_round(w)))
+    local far = 0
+    for i = 1, #y16 do
+      assert.is_true(math.abs(y16[i] - yr[i]) <= 1e-4, "bf16 GEMM against sgemm of the rounded inputs")
+      if math.abs(y16[i] - y32[i]) > 1e-3 then far = far + 1 end
+    end
+    assert.is_true(far > #y16 / 2, "most outputs move by the inputs' rounding (~2^-9 relative)")
+  end)
+end)
+
+-- A tiny GPT-2 and a batch for the engine-level checks below.
+local function tiny() return pg.nn.GPT.load_llmc("spec/fixtures/gpt2_tiny_model.bin") end
+local function batch()
+  local x, y = pg.zeros({ 4, 16 }, { dtype = "int32" }), pg.zeros({ 4, 16 }, { dtype = "int32" })
+  for b = 1, 4 do
+    for s = 1, 16 do
+      x:set(b, s, (b * 31 + s * 7) % 61)
+      y:set(b, s, (b * 13 + s * 5 + b * s) % 61)
+    end
+  end
+  return x, y
+end
+
+describe("precision = bf16 in pg.parallelize", function()
+  it("uses the weights of the last optimizer step: after a step, the loss is a fresh engine's on those weights",
+    function()
+      local x, y = batch()
+      local a = pg.parallelize(tiny(), pg.ParallelContext{}, { precision = "bf16" })
+      local opt = pg.optim.AdamW(a, { lr = 1e-2 })
+      for _ = 1, 2 do
+        a:zero_grad()
+        a:forward_backward(x, y)
+        opt:step()
+      end
+      local b = pg.parallelize(tiny(), pg.ParallelContext{}, { precision = "bf16" })
+      for _, p in ipairs(a:parameters()) do b:parameter(p.name).tensor:copy_(p.tensor) end
+      local la, lb = a:loss(x, y), b:loss(x, y)
+      assert.are.equal(lb, la)
+      -- and a write from Lua between calls is seen too
+      for _, p in ipairs(b:parameters()) do a:parameter(p.name).tensor:copy_(pg.zeros(p.tensor:shape())) end
+      assert.is_true(math.abs(a:loss(x, y) - math.log(61)) < 1e-6, "all-zero weights: uniform logits")
+    end)
+
+  it("differs from fp32 by bf16's rounding only, and memory() reports the working weights", function()
+    local x, y = batch()
+    local e32 = pg.parallelize(tiny(), pg.ParallelContext{})
+    local e16 = pg.parallelize(tiny(), pg.ParallelContext{}, { precision = "bf16" })
+    local l32, l16 = e32:loss(x, y), e16:loss(x, y)
+    assert.is_true(l16 ~= l32 and math.abs(l16 - l32) < 1e-3 * l32, ("fp32 %.9g bf16 %.9g"):format(l32, l16))
+    local m32, m16 = e32:memory(), e16:memory()
+    assert.are.equal("fp32", m32.precision)
+    assert.are.equal("bf16", m16.precision)
+    assert.are.equal(0, m32.bf16_bytes)
+    -- the linear layers' and the head's weights, 2 bytes each, at least (plus their operand scratch)
+    local n = 0
+    for _, p in ipairs(e16:parameters()) do
+      if #p.shape == 2 and p.name ~= "wpe.weight" then
+        n = n + p.shape[1] * p.shape[2]
+      end
+    end
+    assert.is_true(m16.bf16_bytes >= 2 * n, ("bf16_bytes %d for %d weights"):format(m16.bf16_bytes, n))
+    assert.are.equal(m32.params_bytes, m16.params_bytes) -- the masters stay float32
+    assert.are.equal(m32.grads_bytes, m16.grads_bytes)
+  end)
+
+  it("refuses what it cannot run with one clear error", function()
+    local ok, err = pcall(pg.parallelize, tiny(), pg.ParallelContext{}, { precision = "fp16" })
+    assert.is_false(ok)
+    assert.matches("parallelize: precision must be 'fp32' or 'bf16', got 'fp16'", err, 1, true)
+    local moe = pg.nn.Mixtral{ vocab = 61, seq_len = 16, dim = 16, heads = 2, kv_heads = 2, hidden = 24, layers = 1,
+                               experts = 2, top_k = 1 }
+    ok, err = pcall(pg.parallelize, moe, pg.ParallelContext{}, { precision = "bf16" })
+    assert.is_false(ok)
+    assert.matches('blocks.0.moe: the moe kind (mixture of experts) does not support precision "bf16" yet', err, 1, true)
+    local L = dofile("examples/lua_llama.lua")
+    ok, err = pcall(pg.parallelize, L.Llama(require("pipegoose.hf").read_config("spec/fixtures/hf_llama_tiny")),
+      pg.ParallelContext{}, { precision = "bf16" })
+    assert.is_false(ok)
+    assert.matches('a module written in Lua computes in float32: precision "bf16" does not support it yet', err, 1, true)
+  end)
+end)
+
+describe("bf16 exports (scripts/checkpoint.lua export-llmc / export-hf --bf16)", function()
+  local h = require "helpers"
+  local st = require "pipegoose.safetensors"
+
+  it("write llm.c's version 5 and BF16 safetensors of the float32 masters, rounded, and load back as those values",
+    function()
+      local ck, out = h.tmpdir(), h.tmpdir()
+      local x, y = batch()
+      local engine = pg.parallelize(tiny(), pg.ParallelContext{}, { precision = "bf16" })
+      local opt = pg.optim.AdamW(engine, { lr = 1e-3 })
+      engine:zero_grad()
+      engine:forward_backward(x, y)
+      opt:step()
+      local t = pg.Trainer{ engine = engine, optimizer = opt, out = pg.testing.capture() }
+      t:save_checkpoint(ck)
+      -- the masters, rounded: what both files must hold
+      local want = {}
+      for _, p in ipairs(engine:parameters()) do want[p.name] = ops.bf16_round(p.tensor:clone()) end
+
+      os.execute("mkdir -p " .. h.quote(out))
+      local rc, text = h.sh(h.pglua_cmd{ "scripts/checkpoint.lua", "export-llmc", ck, out .. "/m.bin", "--bf16" })
+      assert.equal(0, rc, text)
+      assert.matches("llm.c GPT-2 model (bfloat16)", text, 1, true)
+      local f = assert(io.open(out .. "/m.bin", "rb"))
+      local magic, version = string.unpack("<i4i4", f:read(8))
+      f:close()
+      assert.are.same({ 20240326, 5 }, { magic, version })
+      local e = pg.parallelize(pg.nn.GPT.load_llmc(out .. "/m.bin"), pg.ParallelContext{})
+      for _, p in ipairs(e:parameters()) do assert.is_true(p.tensor:equal(want[p.name]), p.name) end
+
+      rc, text = h.sh(h.pglua_cmd{ "scripts/checkpoint.lua", "export-hf", ck, out .. "/hf", "--bf16" })
+      assert.equal(0, rc, text)
+      local header = st.read_header(out .. "/hf/model.safetensors")
+      for name, entry in pairs(header.entries) do assert.are.equal("bfloat16", entry.dtype, name) end
+      local cf = assert(io.open(out .. "/hf/config.json"))
+      assert.matches('"torch_dtype": "bfloat16"', cf:read("a"), 1, true)
+      cf:close()
+      e = pg.parallelize(pg.nn.from_hf(out .. "/hf"), pg.ParallelContext{})
+      for _, p in ipairs(e:parameters()) do assert.is_true(p.tensor:equal(want[p.name]), p.name) end
+      h.rm(ck)
+      h.rm(out)
+    end)
+
+  it("refuses an unknown export dtype", function()
+    local ok, err = pcall(require("pipegoose.checkpoint").export_llmc, "/nonexistent", "/tmp/x.bin", { dtype = "fp16" })
+    assert.is_false(ok)
+    assert.are.equal("checkpoint: the export dtype must be float32 or bfloat16, not fp16", err)
+  end)
+end)
