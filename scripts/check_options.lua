@@ -23,5 +23,6 @@ return function(p, o)
   p:option("--device", "cpu, cuda or cuda:N.", "cpu")
   p:option("--recompute", "Activation recomputation: none, full (each block) or selective (attention).", "none")
     :choices{ "none", "full", "selective" }
+  p:flag("--sequence-parallel", "Sequence parallelism: the norms and residuals hold 1/tensor of the rows (tensor > 1).")
   return to_int
 end

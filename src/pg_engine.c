@@ -15,6 +15,16 @@ static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 static int pp_size(const pg_engine *e) { return e->ctx->pipeline; }
 static int pp_rank(const pg_engine *e) { return e->ctx->pp_rank; }
 
+/* Sequence parallelism: the rows of a micro-batch of N rows that cross this
+ * rank's stage boundaries (its tensor rank's share), and the most of them. */
+static int sp_on(const pg_engine *e) { return e->opts.sequence_parallel && e->ctx->tensor > 1; }
+static int64_t boundary_rows(const pg_engine *e, int64_t N) {
+  return sp_on(e) ? pg_sp_rows(N, e->ctx->tensor, e->ctx->tp_rank) : N;
+}
+static int64_t boundary_rows_max(const pg_engine *e, int64_t N) {
+  return sp_on(e) ? pg_sp_rows_max(N, e->ctx->tensor) : N;
+}
+
 /* ---------------------------------------------------------------- construction */
 
 /* Every chunk's parameters, chunk by chunk: one flat buffer per rank. */
@@ -191,6 +201,7 @@ void pg_engine_free(pg_engine *e) {
   }
   free(e->router);
   free(e->expert_tokens);
+  pg_be_release(e->be, e->sp_grads);
   free(e->chunks);
   free(e->params);
   pg_shm_close(&e->param_shm);
@@ -208,7 +219,7 @@ void pg_engine_free(pg_engine *e) {
 
 static int ensure_capacity(pg_engine *e, int rows) {
   if (rows <= e->capacity_rows) return PG_OK;
-  size_t w = (size_t)e->opts.width;
+  size_t w = (size_t)e->opts.width, brows = (size_t)boundary_rows_max(e, rows);
   int needs_grad_recv = 0;
   for (int v = 0; v < e->nchunks; v++) {
     pg_chunk *c = &e->chunks[v];
@@ -216,7 +227,7 @@ static int ensure_capacity(pg_engine *e, int rows) {
     if (pg_size_product(3, sizes) < 0)
       return pg_fail("pipeline buffers of %d slots x %d rows x width %d have more than 2^59 elements", c->nslots, rows,
                      e->opts.width);
-    size_t n = (size_t)c->nslots * rows * w;
+    size_t n = (size_t)c->nslots * brows * w;
     if (pg_module_alloc(c->stage, c->nslots, rows)) return PG_ERR;
     pg_be_release(e->be, c->stage_in);
     pg_be_release(e->be, c->grad_send);
@@ -227,7 +238,7 @@ static int ensure_capacity(pg_engine *e, int rows) {
   }
   pg_be_release(e->be, e->grad_recv);
   e->grad_recv = NULL;
-  if (needs_grad_recv && !(e->grad_recv = pg_be_floats(e->be, (size_t)rows * w)))
+  if (needs_grad_recv && !(e->grad_recv = pg_be_floats(e->be, brows * w)))
     return pg_fail("pipeline buffers: %s", pg_error());
   e->capacity_rows = rows;
   return PG_OK;
@@ -235,7 +246,7 @@ static int ensure_capacity(pg_engine *e, int rows) {
 
 static size_t chunk_slot_bytes(const pg_engine *e, const pg_chunk *c) {
   size_t b = pg_module_saved_bytes(c->stage);
-  if (!c->is_first) b += (size_t)e->capacity_rows * e->opts.width * sizeof(float);
+  if (!c->is_first) b += (size_t)boundary_rows_max(e, e->capacity_rows) * e->opts.width * sizeof(float);
   return b;
 }
 
@@ -314,8 +325,8 @@ static int run_action(pg_engine *e, pg_action a, pg_io *ios, int M) {
   int slot = a.mb % c->nslots, peer, tag;
   pg_action_message(a, pp_size(e), M, pp_rank(e), &peer, &tag);
   pg_io *io = &ios[a.mb];
-  int64_t n = (int64_t)io->B * io->T * e->opts.width;
-  size_t slot_off = (size_t)slot * e->capacity_rows * e->opts.width;
+  int64_t n = boundary_rows(e, (int64_t)io->B * io->T) * e->opts.width;
+  size_t slot_off = (size_t)slot * boundary_rows_max(e, e->capacity_rows) * e->opts.width;
   float *in_buf = c->stage_in ? c->stage_in + slot_off : NULL;
   switch (a.kind) {
   case PG_ACT_RECV_ACT:
@@ -516,10 +527,45 @@ void pg_engine_shard(const pg_engine *e, int64_t *lo, int64_t *hi) {
   }
 }
 
+/* Step 0 of the reductions: the gradients of parameters that saw only this
+ * tensor rank's rows (sequence parallelism) summed over the tensor group, in
+ * one collective over a packed copy. */
+static int sync_sequence_parallel(pg_engine *e) {
+  if (!sp_on(e)) return PG_OK;
+  int64_t n = 0;
+  for (int i = 0; i < e->nparams; i++)
+    if (e->params[i]->sequence_parallel) n += e->params[i]->numel;
+  if (n == 0) return PG_OK;
+  if (n > e->sp_grads_n) {
+    pg_be_release(e->be, e->sp_grads);
+    e->sp_grads_n = 0;
+    if (!(e->sp_grads = pg_be_floats(e->be, (size_t)n))) return pg_fail("sequence-parallel gradients: %s", pg_error());
+    e->sp_grads_n = n;
+  }
+  const pg_backend *be = e->be;
+  for (int pass = 0; pass < 2; pass++) { /* pack, reduce, unpack */
+    int64_t off = 0;
+    for (int i = 0; i < e->nparams; i++) {
+      pg_param *p = e->params[i];
+      if (!p->sequence_parallel) continue;
+      size_t bytes = (size_t)p->numel * sizeof(float);
+      if (pass == 0 ? be->ops->copy(be, e->sp_grads + off, p->grad, bytes, PG_COPY_DEVICE_TO_DEVICE)
+                    : be->ops->copy(be, p->grad, e->sp_grads + off, bytes, PG_COPY_DEVICE_TO_DEVICE))
+        return PG_ERR;
+      off += p->numel;
+    }
+    if (pass == 0 && pg_all_reduce_buf(e->ctx, PG_MODE_TENSOR, e->sp_grads, n, PG_FLOAT32, PG_REDUCE_SUM))
+      return PG_ERR;
+  }
+  return PG_OK;
+}
+
 int pg_engine_sync_grads(pg_engine *e) {
   if (!e->grads_pending) return PG_OK;
   double t0 = pg_wtime();
   float *g = e->grad_store->data;
+  /* 0. sequence parallelism: the norms' gradients over the tensor group. */
+  if (sync_sequence_parallel(e)) return PG_ERR;
   /* 1. tied embedding: the first stage's weight and the last stage's copy. */
   if (e->opts.tied_name && pp_size(e) > 1 && (e->is_first || e->is_last)) {
     pg_param *p = NULL;

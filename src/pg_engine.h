@@ -6,6 +6,9 @@
  * gradient buffer, initialises them, and runs a step: the micro-batches of a
  * batch through the pipeline schedule, then the gradient reductions that make
  * the result equal the serial model's:
+ *   0. sequence parallelism: parameters that saw only this tensor rank's rows
+ *      (pg_param.sequence_parallel: norms) get the sum of their gradients
+ *      over the tensor group;
  *   1. the two copies of a tied embedding (first and last stage) get the sum
  *      of their gradients (embedding group);
  *   2. data parallel: gradients are averaged over the data group (zero = 0:
@@ -44,6 +47,8 @@ typedef struct pg_engine_opts {
   const pg_backend *backend; /* where the engine runs (pg_backend.h); NULL: the cpu backend */
   int objective;         /* the last stage ends in an objective (pg_objective_new): targets are its to read */
   int router_experts;    /* > 0: the model has mixture-of-experts layers of this many experts (pg_io.router) */
+  int sequence_parallel; /* the stages hand over this tensor rank's rows of each micro-batch (pg_sp_rows;
+                            the modules were built for it: pg_module_sequence_parallel) */
 } pg_engine_opts;
 
 typedef struct pg_engine_stats {
@@ -96,6 +101,8 @@ typedef struct pg_engine {
   pg_io *eval_ios;     /* per evaluation micro-batch, eval_ios_cap of them */
   int eval_ios_cap;
   int zero;            /* 0: replicated optimizer; 1: ZeRO-1 (gradient shards) */
+  float *sp_grads;     /* sequence parallelism: the gradients of the sequence_parallel parameters, packed */
+  int64_t sp_grads_n;
   int grads_pending;   /* gradients added since the last reduction */
   int64_t num_parameters; /* of the full model, counted at construction */
   pg_engine_stats stats;
