@@ -18,6 +18,7 @@ o.layout()
 p:option("--schedule", "Pipeline schedule.", "1f1b"):choices{ "1f1b", "gpipe" }
 p:option("--precision", "fp32, or bf16 (bf16 GEMM operands, float32 sums, masters and optimizer).", "fp32")
   :choices{ "fp32", "bf16" }
+p:flag("--sequence-parallel", "Sequence parallelism: the norms and residuals hold 1/tensor of the rows (tensor > 1).")
 int("--zero", 0, "ZeRO stage (0 or 1).")
 int("--steps", 300, "Optimizer steps.")
 int("--batch", 16, "Global batch (sequences).")
@@ -75,7 +76,7 @@ else
   end
 end
 local engine = pg.parallelize(model, ctx, { micro_batches = opt.micro_batches, schedule = opt.schedule,
-  precision = opt.precision })
+  precision = opt.precision, sequence_parallel = opt.sequence_parallel })
 local optimizer = pg.optim.AdamW(engine, { lr = opt.lr, betas = { 0.9, 0.95 }, weight_decay = 0.1, zero = opt.zero })
 local train = pg.data.TokenShards{ path = opt.train, batch = batch, seq_len = seq_len, seed = seed, ctx = ctx, vocab = 256 }
 local val = pg.data.TokenShards{ path = opt.val, batch = batch, seq_len = seq_len, shuffle = false, ctx = ctx, vocab = 256 }

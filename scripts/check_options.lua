@@ -27,5 +27,6 @@ return function(p, o)
     :choices{ "none", "full", "selective" }
   p:option("--precision", "fp32, or bf16 (bf16 GEMM operands, float32 sums, masters and optimizer).", "fp32")
     :choices{ "fp32", "bf16" }
+  p:flag("--sequence-parallel", "Sequence parallelism: the norms and residuals hold 1/tensor of the rows (tensor > 1).")
   return to_int
 end

@@ -4,7 +4,7 @@
 --   [mpirun -np N] pglua scripts/gpt2_check.lua MODEL STATE [--steps=K] [--lr=] [--beta1=] [--beta2=]
 --       [--eps=] [--weight-decay=] [--clip=] [--tensor=T] [--pipeline=P] [--data=D]
 --       [--micro-batches=M] [--schedule=gpipe|1f1b] [--virtual-stages=V] [--zero=0|1|2] [--device=cpu|cuda|cuda:N]
---       [--recompute=none|full|selective] [--precision=fp32|bf16]
+--       [--recompute=none|full|selective] [--precision=fp32|bf16] [--sequence-parallel]
 --
 -- Prints on rank 0: loss, logits_max_abs_diff, grad <tensor> <max_abs_diff> for
 -- the 16 tensors, grads_max_abs_diff, then "step k loss v grad_norm n" for
@@ -29,7 +29,7 @@ local model = pg.nn.GPT.load_llmc(model_path)
 local cfg = model.config
 local engine = pg.parallelize(model, ctx, { micro_batches = opt.micro_batches, schedule = opt.schedule,
   virtual_stages = opt.virtual_stages, device = opt.device, recompute = opt.recompute,
-  precision = opt.precision })
+  precision = opt.precision, sequence_parallel = opt.sequence_parallel })
 
 -- The debug state: header, x, y, logits [B, T, V], loss, gradients.
 local h = pg.file.read(state_path, 0, 256, "int32"):totable()

@@ -6,7 +6,7 @@
 --       [--steps=N] [--lr=] [--beta1=] [--beta2=] [--eps=] [--weight-decay=] [--clip=]
 --       [--tensor=T] [--pipeline=P] [--data=D] [--expert=E] [--micro-batches=M] [--schedule=gpipe|1f1b]
 --       [--virtual-stages=V] [--zero=0|1|2] [--device=cpu|cuda|cuda:N] [--recompute=none|full|selective]
---       [--precision=fp32|bf16] [--save-hf=DIR]
+--       [--precision=fp32|bf16] [--sequence-parallel] [--save-hf=DIR]
 --
 -- The model is pg.nn.from_hf(DIR) (GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM). The
 -- batch is the first B windows of T + 1 tokens of the llm.c shard SHARD
@@ -41,7 +41,7 @@ local cfg = model.config
 local B, T = opt.batch, opt.seq_len or cfg.seq_len
 local engine = pg.parallelize(model, ctx, { micro_batches = opt.micro_batches, schedule = opt.schedule,
   virtual_stages = opt.virtual_stages, device = opt.device, recompute = opt.recompute,
-  precision = opt.precision })
+  precision = opt.precision, sequence_parallel = opt.sequence_parallel })
 local data = pg.data.TokenShards{ path = opt.tokens, batch = B, seq_len = T, shuffle = false, ctx = ctx, vocab = cfg.vocab }
 local x, y = data:next_batch()
 if not x then error(opt.tokens .. ": fewer than " .. B .. " windows of " .. (T + 1) .. " tokens", 0) end

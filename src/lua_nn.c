@@ -322,7 +322,21 @@ static pg_module *build_lua(build_state *b, int idx, const char *name) {
   return m;
 }
 
+static pg_module *build_kind(build_state *b, int idx);
+
+/* A module of the stage, with sequence parallelism on when its description
+ * says so (parallel.lua marks the modules whose rows are this rank's share,
+ * pg_module_sequence_parallel). */
 static pg_module *build(build_state *b, int idx) {
+  pg_module *m = build_kind(b, idx);
+  if (m && pg_lua_opt_bool(b->L, idx, "sequence_parallel", 0) && pg_module_sequence_parallel(m)) {
+    pg_module_free(m);
+    return NULL;
+  }
+  return m;
+}
+
+static pg_module *build_kind(build_state *b, int idx) {
   lua_State *L = b->L;
   if (!lua_istable(L, idx)) return pg_fail_null("a module description must be a table");
   const char *kind = pg_lua_opt_string(L, idx, "kind", "?");
@@ -355,8 +369,8 @@ static pg_module *build(build_state *b, int idx) {
 #define PG_MAX_CHUNKS 64 /* model chunks per rank (virtual stages) */
 
 /* core.Engine(ctx, stage_desc | {chunk_desc, ...}, {micro_batches=, schedule=, vocab=, width=, seed=, router_experts=,
- *   tied_name=, bucket_mb=, overlap_grad_reduce=, shared_memory=, device=, objective=, precision=}): one description
- *   for the rank's stage, or
+ *   tied_name=, bucket_mb=, overlap_grad_reduce=, shared_memory=, device=, objective=, precision=,
+ *   sequence_parallel=}): one description for the rank's stage, or
  * a list of them, one per chunk (the interleaved schedule: chunk v is the model's piece v*P + pp_rank). */
 static int l_engine_new(lua_State *L) {
   pg_context *ctx = pg_lua_check_context(L, 1);
@@ -382,6 +396,7 @@ static int l_engine_new(lua_State *L) {
   if (!strcmp(precision, "bf16")) o.precision = PG_PRECISION_BF16;
   else if (strcmp(precision, "fp32"))
     return luaL_error(L, "parallelize: precision must be \"fp32\" or \"bf16\", not \"%s\"", precision);
+  o.sequence_parallel = pg_lua_opt_bool(L, 3, "sequence_parallel", 0);
   int one = lua_getfield(L, 2, "kind") != LUA_TNIL;
   lua_pop(L, 1);
   lua_Integer nchunks = one ? 1 : luaL_len(L, 2);
@@ -510,8 +525,8 @@ static void push_shape(lua_State *L, int ndim, const int64_t *shape) {
 }
 
 /* {name=, shape=, full_shape=, split={dim=, blocks=, parts=, index= [, sizes=]}, valid_rows=,
- *  replicated=, tied_copy=, expert= (held by one member of an expert group), weight_decay=, offset=, tensor=,
- *  grad=} for one parameter */
+ *  replicated=, tied_copy=, expert= (held by one member of an expert group), sequence_parallel=, weight_decay=,
+ *  offset=, tensor=, grad=} for one parameter */
 static void push_param(lua_State *L, pg_param *p, pg_storage *pstore, pg_storage *gstore) {
   lua_createtable(L, 0, 12);
   lua_pushstring(L, p->name);
@@ -548,6 +563,8 @@ static void push_param(lua_State *L, pg_param *p, pg_storage *pstore, pg_storage
   lua_setfield(L, -2, "tied_copy");
   lua_pushboolean(L, p->expert);
   lua_setfield(L, -2, "expert");
+  lua_pushboolean(L, p->sequence_parallel);
+  lua_setfield(L, -2, "sequence_parallel");
   lua_pushboolean(L, p->weight_decay);
   lua_setfield(L, -2, "weight_decay");
   lua_pushinteger(L, p->offset);
@@ -685,6 +702,8 @@ static int l_info(lua_State *L) {
   /* which data-parallel reduction path runs: shared buffers or the MPI ring */
   lua_pushboolean(L, pg_engine_shares_buffers(e));
   lua_setfield(L, -2, "shared_memory");
+  lua_pushboolean(L, e->opts.sequence_parallel && e->ctx->tensor > 1);
+  lua_setfield(L, -2, "sequence_parallel");
   return 1;
 }
 

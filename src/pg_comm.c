@@ -8,6 +8,7 @@
 
 #include "pg_cuda.h"
 #include "pg_error.h"
+#include "pg_size.h"
 
 #ifdef PG_WITH_CUDA
 #include <cuda_runtime.h>
@@ -737,10 +738,17 @@ static void fold(float *y, const float *x, const float *t, int64_t n, pg_reduce_
   }
 }
 
-/* In place: buf holds `size` blocks (block b = [n b / size, n (b+1) / size));
- * afterwards this member's block holds the reduction over the group (the
- * other blocks hold partial sums). */
-static int ring_reduce_scatter(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op) {
+/* Blocks of whole rows of `unit` floats: block b of n floats is rows
+ * [R b / size, R (b+1) / size) of its R = n / unit rows (unit 1: elements;
+ * sequence parallelism's row blocks, pg_reduce_scatter_rows, are rows of a
+ * width). */
+static int64_t unit_start(int64_t n, int size, int b, int64_t unit) { return block_start(n / unit, size, b) * unit; }
+
+/* In place: buf holds `size` blocks (block b = [n b / size, n (b+1) / size),
+ * in rows of `unit` floats: unit_start); afterwards this member's block holds
+ * the reduction over the group (the other blocks hold partial sums). */
+static int ring_reduce_scatter_units(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op,
+                                     int64_t unit) {
   pg_group *g = &ctx->group[m];
   int D = g->size, r = g->rank, next = (r + 1) % D, prev = (r + D - 1) % D;
   if (ring_scratch(ctx)) return PG_ERR;
@@ -750,8 +758,8 @@ static int ring_reduce_scatter(pg_context *ctx, pg_mode m, float *buf, int64_t n
    * last block received is our own, complete. */
   for (int k = 0; k < D - 1; k++) {
     int sb = ((r - 1 - k) % D + D) % D, rb = ((r - 2 - k) % D + D) % D;
-    int64_t s0 = block_start(n, D, sb), slen = block_start(n, D, sb + 1) - s0;
-    int64_t r0 = block_start(n, D, rb), rlen = block_start(n, D, rb + 1) - r0;
+    int64_t s0 = unit_start(n, D, sb, unit), slen = unit_start(n, D, sb + 1, unit) - s0;
+    int64_t r0 = unit_start(n, D, rb, unit), rlen = unit_start(n, D, rb + 1, unit) - r0;
     float scale = (op == PG_REDUCE_AVG && k == D - 2) ? 1.0f / (float)D : 1.0f;
     for (int64_t off = 0; off < slen || off < rlen; off += PG_RING_CHUNK) {
       int sc = piece(slen, off), rcv = piece(rlen, off);
@@ -789,15 +797,19 @@ static int ring_reduce_scatter_to(pg_context *ctx, pg_mode m, const float *in, f
   return PG_OK;
 }
 
+static int ring_reduce_scatter(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op) {
+  return ring_reduce_scatter_units(ctx, m, buf, n, op, 1);
+}
+
 /* In place: every member's block (as above) copied to all the others. */
-static int ring_all_gather(pg_context *ctx, pg_mode m, float *buf, int64_t n) {
+static int ring_all_gather_units(pg_context *ctx, pg_mode m, float *buf, int64_t n, int64_t unit) {
   pg_group *g = &ctx->group[m];
   int D = g->size, r = g->rank, next = (r + 1) % D, prev = (r + D - 1) % D;
   /* Step k: pass on block r-k (ours first), receive block r-1-k. */
   for (int k = 0; k < D - 1; k++) {
     int sb = ((r - k) % D + D) % D, rb = ((r - 1 - k) % D + D) % D;
-    int64_t s0 = block_start(n, D, sb), slen = block_start(n, D, sb + 1) - s0;
-    int64_t r0 = block_start(n, D, rb), rlen = block_start(n, D, rb + 1) - r0;
+    int64_t s0 = unit_start(n, D, sb, unit), slen = unit_start(n, D, sb + 1, unit) - s0;
+    int64_t r0 = unit_start(n, D, rb, unit), rlen = unit_start(n, D, rb + 1, unit) - r0;
     for (int64_t off = 0; off < slen || off < rlen; off += PG_RING_CHUNK) {
       int sc = piece(slen, off), rcv = piece(rlen, off);
       int rc = MPI_Sendrecv(buf + s0 + off, sc, MPI_FLOAT, next, PG_RING_TAG + 1, buf + r0 + off, rcv, MPI_FLOAT, prev,
@@ -808,13 +820,21 @@ static int ring_all_gather(pg_context *ctx, pg_mode m, float *buf, int64_t n) {
   return PG_OK;
 }
 
-int pg_reduce_scatter_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op) {
+static int ring_all_gather(pg_context *ctx, pg_mode m, float *buf, int64_t n) {
+  return ring_all_gather_units(ctx, m, buf, n, 1);
+}
+
+/* In place over blocks of whole rows of `unit` floats (unit_start): the
+ * ZeRO shards (unit 1) and sequence parallelism's rows. NCCL's blocks are
+ * equal: it serves a device buffer whose rows split evenly; otherwise the
+ * buffer is staged through the host. */
+static int reduce_scatter_units(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op, int64_t unit) {
   if (check_ctx(ctx) || agree_coll(ctx, m, PG_COLL_REDUCE_SCATTER, PG_FLOAT32, op, -1, n)) return PG_ERR;
   pg_group *g = &ctx->group[m];
   if (g->size == 1 || n == 0) return PG_OK;
   double t0 = MPI_Wtime();
 #ifdef PG_WITH_CUDA
-  ncclComm_t nc = n % g->size ? NULL : nccl_for(ctx, m, buf); /* NCCL's blocks are equal */
+  ncclComm_t nc = (n / unit) % g->size ? NULL : nccl_for(ctx, m, buf); /* NCCL's blocks are equal */
   if (nc) {
     int64_t blk = n / g->size;
     if (nccl_done(ncclReduceScatter(buf, buf + (size_t)g->rank * blk, (size_t)blk, ncclFloat32, nccl_op(op), nc,
@@ -827,18 +847,18 @@ int pg_reduce_scatter_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n,
 #endif
   staged s;
   if (stage(ctx, m, (void **)&buf, (size_t)n * sizeof(float), 1, &s)) return PG_ERR;
-  int rc = ring_reduce_scatter(ctx, m, buf, n, op);
+  int rc = ring_reduce_scatter_units(ctx, m, buf, n, op, unit);
   if (!rc) count(ctx, m, PG_COLL_REDUCE_SCATTER, (double)n * sizeof(float), t0);
   return unstage(&s, rc, 1);
 }
 
-int pg_all_gather_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n) {
+static int all_gather_units(pg_context *ctx, pg_mode m, float *buf, int64_t n, int64_t unit) {
   if (check_ctx(ctx) || agree_coll(ctx, m, PG_COLL_ALL_GATHER, PG_FLOAT32, -1, -1, n)) return PG_ERR;
   pg_group *g = &ctx->group[m];
   if (g->size == 1 || n == 0) return PG_OK;
   double t0 = MPI_Wtime();
 #ifdef PG_WITH_CUDA
-  ncclComm_t nc = n % g->size ? NULL : nccl_for(ctx, m, buf);
+  ncclComm_t nc = (n / unit) % g->size ? NULL : nccl_for(ctx, m, buf);
   if (nc) {
     int64_t blk = n / g->size;
     if (nccl_done(ncclAllGather(buf + (size_t)g->rank * blk, buf, (size_t)blk, ncclFloat32, nc, NCCL_STREAM(ctx)),
@@ -850,9 +870,36 @@ int pg_all_gather_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n) {
 #endif
   staged s;
   if (stage(ctx, m, (void **)&buf, (size_t)n * sizeof(float), 1, &s)) return PG_ERR;
-  int rc = ring_all_gather(ctx, m, buf, n);
+  int rc = ring_all_gather_units(ctx, m, buf, n, unit);
   if (!rc) count(ctx, m, PG_COLL_ALL_GATHER, (double)n * sizeof(float), t0);
   return unstage(&s, rc, 1);
+}
+
+int pg_reduce_scatter_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op) {
+  return reduce_scatter_units(ctx, m, buf, n, op, 1);
+}
+
+int pg_all_gather_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n) {
+  return all_gather_units(ctx, m, buf, n, 1);
+}
+
+/* Sequence parallelism: rows of `width` floats. */
+static int rows_numel(int64_t rows, int64_t width, int64_t *n, const char *what) {
+  if (rows < 0 || width < 1 || pg_mul_overflows(rows, width, n) || *n > PG_MAX_NUMEL)
+    return pg_fail("%s: %lld rows of width %lld", what, (long long)rows, (long long)width);
+  return PG_OK;
+}
+
+int pg_reduce_scatter_rows(pg_context *ctx, pg_mode m, float *buf, int64_t rows, int64_t width, pg_reduce_op op) {
+  int64_t n = 0;
+  return rows_numel(rows, width, &n, "reduce_scatter_rows") || reduce_scatter_units(ctx, m, buf, n, op, width)
+             ? PG_ERR
+             : PG_OK;
+}
+
+int pg_all_gather_rows(pg_context *ctx, pg_mode m, float *buf, int64_t rows, int64_t width) {
+  int64_t n = 0;
+  return rows_numel(rows, width, &n, "all_gather_rows") || all_gather_units(ctx, m, buf, n, width) ? PG_ERR : PG_OK;
 }
 
 static int all_reduce_host(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype, pg_reduce_op op);

@@ -58,6 +58,15 @@ int pg_all_gather_buf(pg_context *ctx, pg_mode m, void *buf, int64_t count, pg_d
  * bits. pg_all_reduce_buf uses them for large float buffers. */
 int pg_reduce_scatter_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op);
 int pg_all_gather_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n);
+/* Sequence parallelism's collectives: buf holds `rows` rows of `width`
+ * floats and member b's block is rows [rows b / size, rows (b+1) / size) —
+ * uneven when size does not divide rows (pg_sp_rows in pg_module.h says the
+ * same split). reduce_scatter_rows leaves the reduction of this member's rows
+ * in place (the other rows hold partial results); all_gather_rows copies
+ * every member's rows to all the others. The ring above, whose blocks are
+ * then whole rows; NCCL for device buffers whose rows split evenly. */
+int pg_reduce_scatter_rows(pg_context *ctx, pg_mode m, float *buf, int64_t rows, int64_t width, pg_reduce_op op);
+int pg_all_gather_rows(pg_context *ctx, pg_mode m, float *buf, int64_t rows, int64_t width);
 /* The same over buffers every member maps (pg_shm.h; same blocks): one pass
  * over memory, no copies through MPI. all_reduce writes the result into every
  * member's buffer; reduce_scatter only into this member's block (sum or avg);

@@ -15,6 +15,16 @@ static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 static int pp_size(const pg_engine *e) { return e->ctx->pipeline; }
 static int pp_rank(const pg_engine *e) { return e->ctx->pp_rank; }
 
+/* Sequence parallelism: the rows of a micro-batch of N rows that cross this
+ * rank's stage boundaries (its tensor rank's share), and the most of them. */
+static int sp_on(const pg_engine *e) { return e->opts.sequence_parallel && e->ctx->tensor > 1; }
+static int64_t boundary_rows(const pg_engine *e, int64_t N) {
+  return sp_on(e) ? pg_sp_rows(N, e->ctx->tensor, e->ctx->tp_rank) : N;
+}
+static int64_t boundary_rows_max(const pg_engine *e, int64_t N) {
+  return sp_on(e) ? pg_sp_rows_max(N, e->ctx->tensor) : N;
+}
+
 /* ---------------------------------------------------------------- construction */
 
 /* Every chunk's parameters, chunk by chunk: one flat buffer per rank. */
@@ -101,11 +111,13 @@ static int count_parameters(pg_engine *e, int64_t *n);
 #define BUCKET_MAX ((int64_t)1 << 30) /* elements: MPI counts are int */
 
 /* Whether p's gradient needs another reduction before the data group's
- * (today a tied embedding's copy: the embedding group's sum, which cannot
+ * (a tied embedding's copy: the embedding group's sum, which cannot
  * start in backward since the other copy's stage finishes later): its
- * bucket starts at the end of the step, after that reduction. A reduction
- * of the same kind (over the tensor group, say) is added here. */
+ * bucket starts at the end of the step, after that reduction; a sequence-
+ * parallel parameter's: the tensor group's sum). A reduction of the same
+ * kind is added here. */
 static int reduced_first(const pg_engine *e, const pg_param *p) {
+  if (sp_on(e) && p->sequence_parallel) return 1; /* the sum over the tensor group (sync_sequence_parallel) */
   return e->opts.tied_name && pp_size(e) > 1 && (e->is_first || e->is_last) && !strcmp(p->name, e->opts.tied_name);
 }
 
@@ -331,6 +343,7 @@ void pg_engine_free(pg_engine *e) {
   free(e->last_backward);
   free(e->router);
   free(e->expert_tokens);
+  pg_be_release(e->be, e->sp_grads);
   free(e->chunks);
   free(e->params);
   pg_shm_close(&e->param_shm);
@@ -367,7 +380,7 @@ static int bf16_scratch(pg_engine *e) {
 
 static int ensure_capacity(pg_engine *e, int rows) {
   if (rows <= e->capacity_rows) return PG_OK;
-  size_t w = (size_t)e->opts.width;
+  size_t w = (size_t)e->opts.width, brows = (size_t)boundary_rows_max(e, rows);
   int needs_grad_recv = 0;
   pg_recompute_arena_reset(e->recompute_arena); /* every module is allocated again below */
   for (int v = 0; v < e->nchunks; v++) {
@@ -376,7 +389,7 @@ static int ensure_capacity(pg_engine *e, int rows) {
     if (pg_size_product(3, sizes) < 0)
       return pg_fail("pipeline buffers of %d slots x %d rows x width %d have more than 2^59 elements", c->nslots, rows,
                      e->opts.width);
-    size_t n = (size_t)c->nslots * rows * w;
+    size_t n = (size_t)c->nslots * brows * w;
     if (pg_module_alloc(c->stage, c->nslots, rows)) return PG_ERR;
     pg_be_release(e->be, c->stage_in);
     pg_be_release(e->be, c->grad_send);
@@ -387,7 +400,7 @@ static int ensure_capacity(pg_engine *e, int rows) {
   }
   pg_be_release(e->be, e->grad_recv);
   e->grad_recv = NULL;
-  if (needs_grad_recv && !(e->grad_recv = pg_be_floats(e->be, (size_t)rows * w)))
+  if (needs_grad_recv && !(e->grad_recv = pg_be_floats(e->be, brows * w)))
     return pg_fail("pipeline buffers: %s", pg_error());
   if (bf16_scratch(e)) return PG_ERR;
   e->capacity_rows = rows;
@@ -402,7 +415,7 @@ size_t pg_engine_bf16_bytes(const pg_engine *e) {
 
 static size_t chunk_slot_bytes(const pg_engine *e, const pg_chunk *c) {
   size_t b = pg_module_saved_bytes(c->stage);
-  if (!c->is_first) b += (size_t)e->capacity_rows * e->opts.width * sizeof(float);
+  if (!c->is_first) b += (size_t)boundary_rows_max(e, e->capacity_rows) * e->opts.width * sizeof(float);
   return b;
 }
 
@@ -481,8 +494,8 @@ static int run_action(pg_engine *e, pg_action a, pg_io *ios, int M) {
   int slot = a.mb % c->nslots, peer, tag;
   pg_action_message(a, pp_size(e), M, pp_rank(e), &peer, &tag);
   pg_io *io = &ios[a.mb];
-  int64_t n = (int64_t)io->B * io->T * e->opts.width;
-  size_t slot_off = (size_t)slot * e->capacity_rows * e->opts.width;
+  int64_t n = boundary_rows(e, (int64_t)io->B * io->T) * e->opts.width;
+  size_t slot_off = (size_t)slot * boundary_rows_max(e, e->capacity_rows) * e->opts.width;
   float *in_buf = c->stage_in ? c->stage_in + slot_off : NULL;
   switch (a.kind) {
   case PG_ACT_RECV_ACT:
@@ -587,6 +600,7 @@ static int on_backward_done(void *ud, pg_module *m) {
 }
 
 static int tied_reduce(pg_engine *e);
+static int sync_sequence_parallel(pg_engine *e);
 
 /* Before a step that syncs: every bucket waiting for its parameters again.
  * What a step that failed part way left in flight completes first (it
@@ -607,7 +621,7 @@ static int reset_buckets(pg_engine *e) {
 static int finish_buckets(pg_engine *e) {
   double t0 = pg_wtime();
   e->started_in_backward = e->buckets_started;
-  if (tied_reduce(e)) return PG_ERR;
+  if (sync_sequence_parallel(e) || tied_reduce(e)) return PG_ERR;
   for (int k = 0; k < e->nbuckets; k++)
     if (e->buckets[k].pending >= 0 && start_bucket(e, &e->buckets[k])) return PG_ERR;
   for (int k = 0; k < e->nbuckets; k++)
@@ -852,11 +866,45 @@ int pg_engine_gather_params(pg_engine *e) {
   return PG_OK;
 }
 
+/* Step 0 of the reductions: the gradients of parameters that saw only this
+ * tensor rank's rows (sequence parallelism) summed over the tensor group, in
+ * one collective over a packed copy. */
+static int sync_sequence_parallel(pg_engine *e) {
+  if (!sp_on(e)) return PG_OK;
+  int64_t n = 0;
+  for (int i = 0; i < e->nparams; i++)
+    if (e->params[i]->sequence_parallel) n += e->params[i]->numel;
+  if (n == 0) return PG_OK;
+  if (n > e->sp_grads_n) {
+    pg_be_release(e->be, e->sp_grads);
+    e->sp_grads_n = 0;
+    if (!(e->sp_grads = pg_be_floats(e->be, (size_t)n))) return pg_fail("sequence-parallel gradients: %s", pg_error());
+    e->sp_grads_n = n;
+  }
+  const pg_backend *be = e->be;
+  for (int pass = 0; pass < 2; pass++) { /* pack, reduce, unpack */
+    int64_t off = 0;
+    for (int i = 0; i < e->nparams; i++) {
+      pg_param *p = e->params[i];
+      if (!p->sequence_parallel) continue;
+      size_t bytes = (size_t)p->numel * sizeof(float);
+      if (pass == 0 ? be->ops->copy(be, e->sp_grads + off, p->grad, bytes, PG_COPY_DEVICE_TO_DEVICE)
+                    : be->ops->copy(be, p->grad, e->sp_grads + off, bytes, PG_COPY_DEVICE_TO_DEVICE))
+        return PG_ERR;
+      off += p->numel;
+    }
+    if (pass == 0 && pg_all_reduce_buf(e->ctx, PG_MODE_TENSOR, e->sp_grads, n, PG_FLOAT32, PG_REDUCE_SUM))
+      return PG_ERR;
+  }
+  return PG_OK;
+}
+
 int pg_engine_sync_grads(pg_engine *e) {
   if (!e->grads_pending) return PG_OK;
   double t0 = pg_wtime();
   float *g = e->grad_store->data;
-  if (tied_reduce(e)) return PG_ERR;
+  /* 0. sequence parallelism: the norms' gradients over the tensor group. */
+  if (sync_sequence_parallel(e) || tied_reduce(e)) return PG_ERR;
   /* 2. data parallel: the average over the replicas; the experts' region
    * over the ranks holding the same experts (the shared buffers span the data
    * group, whose members hold different experts: that region goes by MPI).

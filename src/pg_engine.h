@@ -6,6 +6,9 @@
  * gradient buffer, initialises them, and runs a step: the micro-batches of a
  * batch through the pipeline schedule, then the gradient reductions that make
  * the result equal the serial model's:
+ *   0. sequence parallelism: parameters that saw only this tensor rank's rows
+ *      (pg_param.sequence_parallel: norms) get the sum of their gradients
+ *      over the tensor group;
  *   1. the two copies of a tied embedding (first and last stage) get the sum
  *      of their gradients (embedding group);
  *   2. data parallel: gradients are averaged over the data group (zero = 0:
@@ -65,6 +68,8 @@ typedef struct pg_engine_opts {
   int router_experts;    /* > 0: the model has mixture-of-experts layers of this many experts (pg_io.router) */
   pg_precision precision; /* of the stages' products (pg_module_set_precision); masters, gradients and optimizer
                              state stay float32 in the flat buffers whatever it is */
+  int sequence_parallel; /* the stages hand over this tensor rank's rows of each micro-batch (pg_sp_rows;
+                            the modules were built for it: pg_module_sequence_parallel) */
 } pg_engine_opts;
 
 typedef struct pg_engine_stats {
@@ -147,6 +152,8 @@ typedef struct pg_engine {
   int buckets_started; /* of this step */
   double first_start;  /* when the step's first bucket started */
   int started_in_backward; /* buckets of the last step that synced which started before its backward ended */
+  float *sp_grads;     /* sequence parallelism: the gradients of the sequence_parallel parameters, packed */
+  int64_t sp_grads_n;
   int grads_pending;   /* gradients added since the last reduction */
   int64_t num_parameters; /* of the full model, counted at construction */
   pg_engine_stats stats;

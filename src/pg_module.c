@@ -239,23 +239,52 @@ typedef struct io_buffers {
   const float **inputs; /* [nslots] the x each forward saw */
 } io_buffers;
 
-static int alloc_leaf(pg_module *m, int nslots, int max_rows) {
+/* ---------------------------------------------------------------- sequence parallelism, rows */
+
+static int sp_active(const pg_module *m) { return m->sp && tp_size(m->ctx) > 1; }
+
+/* The rows a row-wise module works on: this rank's share of the micro-batch
+ * with sequence parallelism (pg_sp_rows), else all of them. */
+static int mod_rows(const pg_module *m, const pg_io *io) {
+  int64_t N = (int64_t)io->B * io->T;
+  return (int)(sp_active(m) ? pg_sp_rows(N, tp_size(m->ctx), tp_rank(m->ctx)) : N);
+}
+
+/* The most rows of that kind in a micro-batch of max_rows. */
+static int mod_rows_max(const pg_module *m, int max_rows) {
+  return (int)(sp_active(m) ? pg_sp_rows_max(max_rows, tp_size(m->ctx)) : max_rows);
+}
+
+/* This rank's first row of a micro-batch's N (0 without sequence parallelism). */
+static int64_t sp_row0(const pg_module *m, int64_t N) {
+  return sp_active(m) ? pg_sp_row0(N, tp_size(m->ctx), tp_rank(m->ctx)) : 0;
+}
+
+/* Output per slot (out_rows each) and one input-gradient buffer (in_rows). */
+static int alloc_leaf_rows(pg_module *m, int nslots, int max_rows, int out_rows, int in_rows) {
   pg_be_release(BE(m), m->out);
   pg_be_release(BE(m), m->dinp);
   m->out = NULL;
   m->dinp = NULL;
   m->nslots = nslots;
   m->max_rows = max_rows;
-  size_t out_n = (size_t)nslots * max_rows * m->out_width, din_n = (size_t)max_rows * m->in_width;
+  m->slot_rows = out_rows;
+  size_t out_n = (size_t)nslots * out_rows * m->out_width, din_n = (size_t)in_rows * m->in_width;
   if (out_n && !(m->out = pg_be_floats(BE(m), out_n)))
     return pg_fail("%s outputs (%zu floats on %s): %s", m->name, out_n, BE(m)->name, pg_error());
   if (din_n && !(m->dinp = pg_be_floats(BE(m), din_n)))
     return pg_fail("%s gradients (%zu floats on %s): %s", m->name, din_n, BE(m)->name, pg_error());
-  m->saved_bytes_per_slot = (size_t)max_rows * m->out_width * sizeof(float);
+  m->saved_bytes_per_slot = (size_t)out_rows * m->out_width * sizeof(float);
   return PG_OK;
 }
 
-static float *slot_out(pg_module *m, int slot) { return m->out + (size_t)slot * m->max_rows * m->out_width; }
+/* A row-wise module: its input and output rows are the same (this rank's with sequence parallelism). */
+static int alloc_leaf(pg_module *m, int nslots, int max_rows) {
+  int rows = mod_rows_max(m, max_rows);
+  return alloc_leaf_rows(m, nslots, max_rows, rows, rows);
+}
+
+static float *slot_out(pg_module *m, int slot) { return m->out + (size_t)slot * m->slot_rows * m->out_width; }
 
 static int check_rows(pg_module *m, int slot, const pg_io *io) {
   if (slot < 0 || slot >= m->nslots) return pg_fail("%s: slot %d out of range (%d slots)", m->name, slot, m->nslots);
@@ -520,7 +549,15 @@ static int mm_forward(pg_module *m, bf16_mm *mm, const pg_io *io, int refresh, c
 /* A linear-kind product: the backend's float32 kernel, or the bf16 one. */
 static int mm_fwd(pg_module *m, bf16_mm *mm, const pg_io *io, const pg_param *w, float *out, const float *x,
                   const float *bias, int N, int C, int OC) {
-  if (mm->on) return mm_forward(m, mm, io, io->mb == 0 && !io->recomputing, w, out, x, bias, N, C, OC);
+  int refresh = io->mb == 0 && !io->recomputing;
+  if (N == 0) { /* a sequence-parallel rank without rows: the working weight is still remade for the others */
+    if (mm->on && refresh) {
+      pg_bf16_from_f32(mm->w, w->data, w->numel);
+      mm->refreshes++;
+    }
+    return PG_OK;
+  }
+  if (mm->on) return mm_forward(m, mm, io, refresh, w, out, x, bias, N, C, OC);
   return KERNEL(m, matmul_forward, out, x, w->data, bias, N, C, OC);
 }
 
@@ -537,6 +574,22 @@ static int mm_bwd(pg_module *m, bf16_mm *mm, const pg_io *io, float *dinp, const
   return PG_OK;
 }
 
+int pg_sp_gather_rows(pg_module *m, float *full, const float *mine, int64_t N, int w) {
+  int T = tp_size(m->ctx), r = tp_rank(m->ctx);
+  float *at = full + (size_t)pg_sp_row0(N, T, r) * w;
+  size_t bytes = (size_t)pg_sp_rows(N, T, r) * w * sizeof(float);
+  if (at != mine && bytes && BE(m)->ops->copy(BE(m), at, mine, bytes, PG_COPY_DEVICE_TO_DEVICE)) return PG_ERR;
+  return T > 1 ? pg_all_gather_rows(m->ctx, PG_MODE_TENSOR, full, N, w) : PG_OK;
+}
+
+int pg_sp_reduce_scatter_rows(pg_module *m, float *full, float *mine, int64_t N, int w) {
+  int T = tp_size(m->ctx), r = tp_rank(m->ctx);
+  if (T > 1 && pg_reduce_scatter_rows(m->ctx, PG_MODE_TENSOR, full, N, w, PG_REDUCE_SUM)) return PG_ERR;
+  size_t bytes = (size_t)pg_sp_rows(N, T, r) * w * sizeof(float);
+  if (!mine || !bytes) return PG_OK;
+  return BE(m)->ops->copy(BE(m), mine, full + (size_t)pg_sp_row0(N, T, r) * w, bytes, PG_COPY_DEVICE_TO_DEVICE);
+}
+
 /* ---------------------------------------------------------------- linear */
 
 typedef struct linear_state {
@@ -548,12 +601,22 @@ typedef struct linear_state {
   float *x_local;           /* row mode, input split here: [nslots][rows*in_l] */
   float *scratch;           /* column gather: [T][rows*out_l]; row split: dx_local [rows*in_l]; column gather bwd: dy_local */
   bf16_mm mm;
+  float *rows_full;         /* sequence parallelism, one micro-batch: column: the gathered input [rows*in];
+                               row: the partial output, then the gathered output gradient [rows*out] */
 } linear_state;
 
 static int linear_alloc(pg_module *m, int nslots, int max_rows) {
   linear_state *s = m->state;
-  if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
-  int T = tp_size(m->ctx);
+  int T = tp_size(m->ctx), sp = sp_active(m), local = mod_rows_max(m, max_rows);
+  /* sequence parallelism: a column-parallel layer takes this rank's rows and
+   * gives all of them (its input gradient is reduce-scattered in place), a
+   * row-parallel one the other way round; a plain one is row-wise */
+  int out_rows = sp && s->o.mode == PG_LINEAR_COLUMN ? max_rows : local;
+  int in_rows = sp && s->o.mode != PG_LINEAR_PLAIN ? max_rows : local;
+  if (alloc_leaf_rows(m, nslots, max_rows, out_rows, in_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
+  if (sp && s->o.mode != PG_LINEAR_PLAIN &&
+      !alloc_floats(m, &s->rows_full, (size_t)max_rows * (s->o.mode == PG_LINEAR_COLUMN ? s->in_l : s->out_l)))
+    return pg_fail("out of memory");
   size_t rows = (size_t)max_rows;
   if (s->o.mode == PG_LINEAR_ROW && !s->o.input_is_parallel && T > 1) {
     if (!alloc_floats(m, &s->x_local, (size_t)nslots * rows * s->in_l)) return pg_fail("out of memory");
@@ -569,23 +632,28 @@ static int linear_alloc(pg_module *m, int nslots, int max_rows) {
 static int linear_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   linear_state *s = m->state;
   if (check_rows(m, slot, io)) return PG_ERR;
-  int N = io->B * io->T, T = tp_size(m->ctx);
+  int N = io->B * io->T, T = tp_size(m->ctx), sp = sp_active(m);
   float *out = slot_out(m, slot);
   const float *b = s->b ? s->b->data : NULL;
   switch (s->o.mode) {
   case PG_LINEAR_PLAIN:
-    if (mm_fwd(m, &s->mm, io, s->w, out, x, b, N, s->in_l, s->out_l)) return PG_ERR;
+    if (mm_fwd(m, &s->mm, io, s->w, out, x, b, mod_rows(m, io), s->in_l, s->out_l)) return PG_ERR;
     break;
-  case PG_LINEAR_COLUMN:
+  case PG_LINEAR_COLUMN: {
+    /* sequence parallelism: the rows of every rank (kept: only this rank's, gathered again in backward) */
+    const float *xa = x;
+    if (sp && pg_sp_gather_rows(m, s->rows_full, x, N, s->in_l)) return PG_ERR;
+    if (sp) xa = s->rows_full;
     if (s->o.gather_output && T > 1) {
       float *local = s->scratch + (size_t)tp_rank(m->ctx) * N * s->out_l; /* computed in place in the gather slot */
-      if (mm_fwd(m, &s->mm, io, s->w, local, x, b, N, s->in_l, s->out_l) ||
+      if (mm_fwd(m, &s->mm, io, s->w, local, xa, b, N, s->in_l, s->out_l) ||
           pg_tp_gather_forward(m, out, local, s->scratch, N, s->out_l, s->o.blocks, s->block_l))
         return PG_ERR;
-    } else if (mm_fwd(m, &s->mm, io, s->w, out, x, b, N, s->in_l, s->out_l)) {
+    } else if (mm_fwd(m, &s->mm, io, s->w, out, xa, b, N, s->in_l, s->out_l)) {
       return PG_ERR;
     }
     break;
+  }
   case PG_LINEAR_ROW: {
     const float *xl = x;
     if (!s->o.input_is_parallel && T > 1) {
@@ -597,9 +665,12 @@ static int linear_forward(pg_module *m, int slot, pg_io *io, const float *x, con
     /* The bias goes into one member's partial product (its sgemm starts from
      * the bias rows), so the sum over the group holds it once and no extra
      * pass over the output is needed; with T = 1 this is the plain layer. */
-    if (mm_fwd(m, &s->mm, io, s->w, out, xl, tp_rank(m->ctx) == 0 ? b : NULL, N, s->in_l, s->out_l))
+    /* sequence parallelism: the partial sums of every row, reduce-scattered to this rank's rows */
+    float *part = sp ? s->rows_full : out;
+    if (mm_fwd(m, &s->mm, io, s->w, part, xl, tp_rank(m->ctx) == 0 ? b : NULL, N, s->in_l, s->out_l))
       return PG_ERR;
-    if (pg_tp_reduce_forward(m, out, (int64_t)N * s->out_l)) return PG_ERR;
+    if (sp ? pg_sp_reduce_scatter_rows(m, part, out, N, s->out_l) : pg_tp_reduce_forward(m, out, (int64_t)N * s->out_l))
+      return PG_ERR;
     break;
   }
   }
@@ -610,13 +681,14 @@ static int linear_forward(pg_module *m, int slot, pg_io *io, const float *x, con
 
 static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   linear_state *s = m->state;
-  int N = io->B * io->T, T = tp_size(m->ctx);
+  int N = io->B * io->T, T = tp_size(m->ctx), sp = sp_active(m);
   const float *x = s->saved_x[slot];
   float *db = s->b ? s->b->grad : NULL;
   float *dinp = m->in_width ? m->dinp : NULL;
   switch (s->o.mode) {
   case PG_LINEAR_PLAIN:
-    if (mm_bwd(m, &s->mm, io, dinp, s->w, db, dy, x, N, s->in_l, s->out_l)) return PG_ERR;
+    if (mod_rows(m, io) && mm_bwd(m, &s->mm, io, dinp, s->w, db, dy, x, mod_rows(m, io), s->in_l, s->out_l))
+      return PG_ERR;
     break;
   case PG_LINEAR_COLUMN: {
     const float *dyl = dy;
@@ -624,13 +696,23 @@ static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, c
       if (pg_tp_scatter_forward(m, s->scratch, dy, N, s->out_l, s->o.blocks, s->block_l)) return PG_ERR;
       dyl = s->scratch;
     }
+    if (sp && pg_sp_gather_rows(m, s->rows_full, x, N, s->in_l)) return PG_ERR; /* every rank's rows, again */
+    if (sp) x = s->rows_full;
     if (mm_bwd(m, &s->mm, io, dinp, s->w, db, dyl, x, N, s->in_l, s->out_l)) return PG_ERR;
     /* Each rank saw all of x but produced only its output columns: the input
-     * gradient is a sum over the group. */
-    if (pg_tp_copy_backward(m, dinp, (int64_t)N * s->in_l)) return PG_ERR;
+     * gradient is a sum over the group (sequence parallelism: this rank's rows of it). */
+    if (sp) {
+      if (pg_sp_reduce_scatter_rows(m, dinp, NULL, N, s->in_l)) return PG_ERR;
+      dinp += (size_t)sp_row0(m, N) * s->in_l;
+    } else if (pg_tp_copy_backward(m, dinp, (int64_t)N * s->in_l)) {
+      return PG_ERR;
+    }
     break;
   }
   case PG_LINEAR_ROW:
+    /* sequence parallelism: the output gradient of every row (the bias's is then the same on every rank) */
+    if (sp && pg_sp_gather_rows(m, s->rows_full, dy, N, s->out_l)) return PG_ERR;
+    if (sp) dy = s->rows_full;
     if (!s->o.input_is_parallel && T > 1) {
       float *dxl = s->scratch + (size_t)tp_rank(m->ctx) * N * s->in_l;
       if (mm_bwd(m, &s->mm, io, dxl, s->w, db, dy, x, N, s->in_l, s->out_l) ||
@@ -651,6 +733,7 @@ static void linear_destroy(pg_module *m) {
   pg_be_release(BE(m), s->x_local);
   pg_be_release(BE(m), s->scratch);
   mm_free(&s->mm);
+  pg_be_release(BE(m), s->rows_full);
 }
 
 static const pg_module_ops linear_ops = {"linear", linear_alloc, linear_forward, linear_backward, linear_destroy};
@@ -720,18 +803,19 @@ typedef struct layernorm_state {
 static int layernorm_alloc(pg_module *m, int nslots, int max_rows) {
   layernorm_state *s = m->state;
   if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
-  if (!alloc_floats(m, &s->mean, (size_t)nslots * max_rows) || !alloc_floats(m, &s->rstd, (size_t)nslots * max_rows))
+  size_t rows = (size_t)m->slot_rows;
+  if (!alloc_floats(m, &s->mean, (size_t)nslots * rows) || !alloc_floats(m, &s->rstd, (size_t)nslots * rows))
     return pg_fail("out of memory");
-  m->saved_bytes_per_slot += 2 * (size_t)max_rows * sizeof(float);
+  m->saved_bytes_per_slot += 2 * rows * sizeof(float);
   return PG_OK;
 }
 
 static int layernorm_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   layernorm_state *s = m->state;
   if (check_rows(m, slot, io)) return PG_ERR;
-  int N = io->B * io->T, C = m->in_width;
-  size_t off = (size_t)slot * m->max_rows;
-  if (KERNEL(m, layernorm_forward, slot_out(m, slot), s->mean + off, s->rstd + off, x, s->w->data, s->b->data, N, C))
+  int N = mod_rows(m, io), C = m->in_width;
+  size_t off = (size_t)slot * m->slot_rows;
+  if (N && KERNEL(m, layernorm_forward, slot_out(m, slot), s->mean + off, s->rstd + off, x, s->w->data, s->b->data, N, C))
     return PG_ERR;
   s->saved_x[slot] = x;
   *y = slot_out(m, slot);
@@ -740,9 +824,9 @@ static int layernorm_forward(pg_module *m, int slot, pg_io *io, const float *x, 
 
 static int layernorm_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   layernorm_state *s = m->state;
-  int N = io->B * io->T, C = m->in_width;
-  size_t off = (size_t)slot * m->max_rows;
-  if (KERNEL(m, layernorm_backward, m->dinp, s->w->grad, s->b->grad, dy, s->saved_x[slot], s->w->data, s->mean + off,
+  int N = mod_rows(m, io), C = m->in_width;
+  size_t off = (size_t)slot * m->slot_rows;
+  if (N && KERNEL(m, layernorm_backward, m->dinp, s->w->grad, s->b->grad, dy, s->saved_x[slot], s->w->data, s->mean + off,
              s->rstd + off, N, C))
     return PG_ERR;
   *dx = m->dinp;
@@ -789,7 +873,8 @@ static int gelu_alloc(pg_module *m, int nslots, int max_rows) {
 static int gelu_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   gelu_state *s = m->state;
   if (check_rows(m, slot, io)) return PG_ERR;
-  if (KERNEL(m, gelu_forward, slot_out(m, slot), x, (int64_t)io->B * io->T * m->in_width)) return PG_ERR;
+  if (mod_rows(m, io) && KERNEL(m, gelu_forward, slot_out(m, slot), x, (int64_t)mod_rows(m, io) * m->in_width))
+    return PG_ERR;
   s->saved_x[slot] = x;
   *y = slot_out(m, slot);
   return PG_OK;
@@ -797,7 +882,9 @@ static int gelu_forward(pg_module *m, int slot, pg_io *io, const float *x, const
 
 static int gelu_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   gelu_state *s = m->state;
-  if (KERNEL(m, gelu_backward, m->dinp, s->saved_x[slot], dy, (int64_t)io->B * io->T * m->in_width)) return PG_ERR;
+  if (mod_rows(m, io) &&
+      KERNEL(m, gelu_backward, m->dinp, s->saved_x[slot], dy, (int64_t)mod_rows(m, io) * m->in_width))
+    return PG_ERR;
   *dx = m->dinp;
   return PG_OK;
 }
@@ -971,16 +1058,16 @@ typedef struct rmsnorm_state {
 static int rmsnorm_alloc(pg_module *m, int nslots, int max_rows) {
   rmsnorm_state *s = m->state;
   if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
-  if (!alloc_floats(m, &s->rstd, (size_t)nslots * max_rows)) return pg_fail("out of memory");
-  m->saved_bytes_per_slot += (size_t)max_rows * sizeof(float);
+  if (!alloc_floats(m, &s->rstd, (size_t)nslots * m->slot_rows)) return pg_fail("out of memory");
+  m->saved_bytes_per_slot += (size_t)m->slot_rows * sizeof(float);
   return PG_OK;
 }
 
 static int rmsnorm_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   rmsnorm_state *s = m->state;
   if (check_rows(m, slot, io)) return PG_ERR;
-  if (KERNEL(m, rmsnorm_forward, slot_out(m, slot), s->rstd + (size_t)slot * m->max_rows, x, s->w->data,
-             io->B * io->T, m->in_width, s->eps))
+  if (mod_rows(m, io) && KERNEL(m, rmsnorm_forward, slot_out(m, slot), s->rstd + (size_t)slot * m->slot_rows, x, s->w->data,
+             mod_rows(m, io), m->in_width, s->eps))
     return PG_ERR;
   s->saved_x[slot] = x;
   *y = slot_out(m, slot);
@@ -989,8 +1076,8 @@ static int rmsnorm_forward(pg_module *m, int slot, pg_io *io, const float *x, co
 
 static int rmsnorm_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   rmsnorm_state *s = m->state;
-  if (KERNEL(m, rmsnorm_backward, m->dinp, s->w->grad, dy, s->saved_x[slot], s->w->data,
-             s->rstd + (size_t)slot * m->max_rows, io->B * io->T, m->in_width))
+  if (mod_rows(m, io) && KERNEL(m, rmsnorm_backward, m->dinp, s->w->grad, dy, s->saved_x[slot], s->w->data,
+             s->rstd + (size_t)slot * m->slot_rows, mod_rows(m, io), m->in_width))
     return PG_ERR;
   *dx = m->dinp;
   return PG_OK;
@@ -1034,7 +1121,7 @@ static int swiglu_alloc(pg_module *m, int nslots, int max_rows) {
 static int swiglu_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   swiglu_state *s = m->state;
   if (check_rows(m, slot, io)) return PG_ERR;
-  if (KERNEL(m, swiglu_forward, slot_out(m, slot), x, io->B * io->T, m->out_width)) return PG_ERR;
+  if (mod_rows(m, io) && KERNEL(m, swiglu_forward, slot_out(m, slot), x, mod_rows(m, io), m->out_width)) return PG_ERR;
   s->saved_x[slot] = x;
   *y = slot_out(m, slot);
   return PG_OK;
@@ -1042,7 +1129,8 @@ static int swiglu_forward(pg_module *m, int slot, pg_io *io, const float *x, con
 
 static int swiglu_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   swiglu_state *s = m->state;
-  if (KERNEL(m, swiglu_backward, m->dinp, s->saved_x[slot], dy, io->B * io->T, m->out_width)) return PG_ERR;
+  if (mod_rows(m, io) && KERNEL(m, swiglu_backward, m->dinp, s->saved_x[slot], dy, mod_rows(m, io), m->out_width))
+    return PG_ERR;
   *dx = m->dinp;
   return PG_OK;
 }
@@ -1591,9 +1679,16 @@ fail:
 typedef struct embedding_state {
   int vocab, padded_l, row_start, positions;
   pg_param *wte, *wpe;
+  float *full; /* sequence parallelism, one micro-batch: the partial sums of every row, then their gradient */
 } embedding_state;
 
-static int embedding_alloc(pg_module *m, int nslots, int max_rows) { return alloc_leaf(m, nslots, max_rows); }
+static int embedding_alloc(pg_module *m, int nslots, int max_rows) {
+  embedding_state *s = m->state;
+  /* sequence parallelism: the output is this rank's rows */
+  if (alloc_leaf_rows(m, nslots, max_rows, mod_rows_max(m, max_rows), 0)) return PG_ERR;
+  if (sp_active(m) && !alloc_floats(m, &s->full, (size_t)max_rows * m->out_width)) return pg_fail("out of memory");
+  return PG_OK;
+}
 
 static int embedding_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   (void)x;
@@ -1603,6 +1698,17 @@ static int embedding_forward(pg_module *m, int slot, pg_io *io, const float *x, 
     return pg_fail("%s: sequence length %d exceeds the %d positions", m->name, io->T, s->positions);
   int N = io->B * io->T, C = m->out_width;
   float *out = slot_out(m, slot);
+  if (sp_active(m)) {
+    /* every row's lookup in this rank's vocabulary slice; the positions go
+     * into the first rank's, so the sum holds them once (and the same bits:
+     * every other partial of a row is 0); this rank's rows of the sum */
+    if (KERNEL(m, embedding_forward, s->full, io->tokens, s->wte->data, N, C, s->row_start, s->padded_l) ||
+        (s->wpe && tp_rank(m->ctx) == 0 && KERNEL(m, position_forward, s->full, s->wpe->data, N, io->T, C)) ||
+        pg_sp_reduce_scatter_rows(m, s->full, out, N, C))
+      return PG_ERR;
+    *y = out;
+    return PG_OK;
+  }
   if (KERNEL(m, embedding_forward, out, io->tokens, s->wte->data, N, C, s->row_start, s->padded_l)) return PG_ERR;
   /* Each rank looked up only the ids in its vocabulary slice (others are 0). */
   if (pg_tp_reduce_forward(m, out, (int64_t)N * C)) return PG_ERR;
@@ -1615,6 +1721,9 @@ static int embedding_backward(pg_module *m, int slot, pg_io *io, const float *dy
   (void)slot;
   embedding_state *s = m->state;
   int N = io->B * io->T, C = m->out_width;
+  /* sequence parallelism: every row's gradient (the positions' is then the same on every rank) */
+  if (sp_active(m) && pg_sp_gather_rows(m, s->full, dy, N, C)) return PG_ERR;
+  if (sp_active(m)) dy = s->full;
   if (KERNEL(m, embedding_backward, s->wte->grad, dy, io->tokens, N, C, s->row_start, s->padded_l) ||
       (s->wpe && KERNEL(m, position_backward, s->wpe->grad, dy, N, io->T, C)))
     return PG_ERR;
@@ -1622,7 +1731,10 @@ static int embedding_backward(pg_module *m, int slot, pg_io *io, const float *dy
   return PG_OK;
 }
 
-static const pg_module_ops embedding_ops = {"embedding", embedding_alloc, embedding_forward, embedding_backward, NULL};
+static void embedding_destroy(pg_module *m) { pg_be_release(BE(m), ((embedding_state *)m->state)->full); }
+
+static const pg_module_ops embedding_ops = {"embedding", embedding_alloc, embedding_forward, embedding_backward,
+                                            embedding_destroy};
 
 static int check_vocab(const char *name, int vocab, int padded, int T) {
   if (vocab < 1) return pg_fail("%s: vocabulary size must be positive, not %d", name, vocab);
@@ -1675,13 +1787,17 @@ typedef struct lm_head_state {
   int logits_slot; /* which slot's dlogits the scratch holds (-1: none) */
   float *gather;  /* eval logits gather: [T][rows * padded_l] */
   float *red;     /* [2 * rows] reduction buffer */
+  float *x_full;  /* sequence parallelism, one micro-batch: every rank's rows of the input */
   const float **saved_x;
   bf16_mm mm;
 } lm_head_state;
 
 static int lm_head_alloc(pg_module *m, int nslots, int max_rows) {
   lm_head_state *s = m->state;
-  if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
+  /* sequence parallelism: the input is this rank's rows, gathered; the input
+   * gradient is every row's, reduce-scattered in place */
+  if (alloc_leaf_rows(m, nslots, max_rows, max_rows, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
+  if (sp_active(m) && !alloc_floats(m, &s->x_full, (size_t)max_rows * m->in_width)) return pg_fail("out of memory");
   int T = tp_size(m->ctx);
   s->logits_slot = -1;
   /* the logits output lives in the per-slot outputs (alloc_leaf); only evaluation gathers */
@@ -1741,8 +1857,10 @@ static int lm_head_forward(pg_module *m, int slot, pg_io *io, const float *x, co
   if (check_rows(m, slot, io)) return PG_ERR;
   int N = io->B * io->T, C = m->in_width;
   float *logits = s->logits_out ? slot_out(m, slot) : s->logits;
+  s->saved_x[slot] = x; /* sequence parallelism: this rank's rows, gathered again in backward */
+  if (sp_active(m) && pg_sp_gather_rows(m, s->x_full, x, N, C)) return PG_ERR;
+  if (sp_active(m)) x = s->x_full;
   if (mm_fwd(m, &s->mm, io, s->w, logits, x, NULL, N, C, s->padded_l)) return PG_ERR;
-  s->saved_x[slot] = x;
   s->logits_slot = -1;
   *y = s->logits_out ? logits : NULL;
   if (io->logits && lm_head_full_logits(m, s, logits, io->logits, N)) return PG_ERR;
@@ -1759,16 +1877,26 @@ static int lm_head_forward(pg_module *m, int slot, pg_io *io, const float *x, co
   return PG_OK;
 }
 
+/* x met every vocabulary slice: its gradient is the sum over the group
+ * (sequence parallelism: this rank's rows of it). */
+static int lm_head_input_grad(pg_module *m, int N, int C, const float **dx) {
+  if (!sp_active(m)) {
+    *dx = m->dinp;
+    return pg_tp_copy_backward(m, m->dinp, (int64_t)N * C);
+  }
+  *dx = m->dinp + (size_t)sp_row0(m, N) * C;
+  return pg_sp_reduce_scatter_rows(m, m->dinp, NULL, N, C);
+}
+
 static int lm_head_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   lm_head_state *s = m->state;
   int N = io->B * io->T, C = m->in_width;
   const float *x = s->saved_x[slot];
+  if (sp_active(m) && pg_sp_gather_rows(m, s->x_full, x, N, C)) return PG_ERR; /* every rank's rows, again */
+  if (sp_active(m)) x = s->x_full;
   if (s->logits_out) { /* dy: the objective's gradient of this rank's logits slice */
-    if (mm_bwd(m, &s->mm, io, m->dinp, s->w, NULL, dy, x, N, C, s->padded_l) ||
-        pg_tp_copy_backward(m, m->dinp, (int64_t)N * C))
-      return PG_ERR;
-    *dx = m->dinp;
-    return PG_OK;
+    if (mm_bwd(m, &s->mm, io, m->dinp, s->w, NULL, dy, x, N, C, s->padded_l)) return PG_ERR;
+    return lm_head_input_grad(m, N, C, dx);
   }
   if (s->logits_slot != slot) { /* another micro-batch ran since: recompute from the saved statistics */
     float *st = s->stats + (size_t)slot * 3 * m->max_rows;
@@ -1781,10 +1909,7 @@ static int lm_head_backward(pg_module *m, int slot, pg_io *io, const float *dy, 
   s->logits_slot = -1;
   if (mm_bwd(m, &s->mm, io, m->dinp, s->w, NULL, s->logits, x, N, C, s->padded_l))
     return PG_ERR;
-  /* x met every vocabulary slice: its gradient is the sum over the group. */
-  if (pg_tp_copy_backward(m, m->dinp, (int64_t)N * C)) return PG_ERR;
-  *dx = m->dinp;
-  return PG_OK;
+  return lm_head_input_grad(m, N, C, dx);
 }
 
 static void lm_head_destroy(pg_module *m) {
@@ -1793,6 +1918,7 @@ static void lm_head_destroy(pg_module *m) {
   pg_be_release(BE(m), s->logits);
   pg_be_release(BE(m), s->gather);
   pg_be_release(BE(m), s->red);
+  pg_be_release(BE(m), s->x_full);
   free(s->saved_x);
   mm_free(&s->mm);
 }
@@ -1912,7 +2038,8 @@ static int residual_forward(pg_module *m, int slot, pg_io *io, const float *x, c
   if (check_rows(m, slot, io)) return PG_ERR;
   const float *f = NULL;
   if (pg_module_forward(m->children[0], slot, io, x, &f)) return PG_ERR;
-  if (KERNEL(m, residual_forward, slot_out(m, slot), x, f, (int64_t)io->B * io->T * m->out_width)) return PG_ERR;
+  if (mod_rows(m, io) && KERNEL(m, residual_forward, slot_out(m, slot), x, f, (int64_t)mod_rows(m, io) * m->out_width))
+    return PG_ERR;
   *y = slot_out(m, slot);
   return PG_OK;
 }
@@ -1921,7 +2048,8 @@ static int residual_backward(pg_module *m, int slot, pg_io *io, const float *dy,
   const float *dinner = NULL;
   if (pg_module_backward(m->children[0], slot, io, dy, &dinner)) return PG_ERR;
   /* dx = dy + d(inner)/dx */
-  if (KERNEL(m, residual_forward, m->dinp, dy, dinner, (int64_t)io->B * io->T * m->in_width)) return PG_ERR;
+  if (mod_rows(m, io) && KERNEL(m, residual_forward, m->dinp, dy, dinner, (int64_t)mod_rows(m, io) * m->in_width))
+    return PG_ERR;
   *dx = m->dinp;
   return PG_OK;
 }
@@ -1953,7 +2081,8 @@ static int recompute_alloc(pg_module *m, int nslots, int max_rows) {
   m->out = NULL;
   m->nslots = nslots;
   m->max_rows = max_rows;
-  size_t out_n = (size_t)nslots * max_rows * m->out_width;
+  m->slot_rows = mod_rows_max(m, max_rows); /* the block's output: this rank's rows with sequence parallelism */
+  size_t out_n = (size_t)nslots * m->slot_rows * m->out_width;
   if (!(m->out = pg_be_floats(BE(m), out_n)))
     return pg_fail("%s outputs (%zu floats on %s): %s", m->name, out_n, BE(m)->name, pg_error());
   m->saved_bytes_per_slot = out_n / nslots * sizeof(float);
@@ -1974,8 +2103,8 @@ static int recompute_forward(pg_module *m, int slot, pg_io *io, const float *x, 
   if (check_rows(m, slot, io)) return PG_ERR;
   const float *f = NULL;
   if (pg_module_forward(m->children[0], 0, io, x, &f) ||
-      KERNEL(m, copy, slot_out(m, slot), f, (size_t)io->B * io->T * m->out_width * sizeof(float),
-             PG_COPY_DEVICE_TO_DEVICE))
+      (mod_rows(m, io) && KERNEL(m, copy, slot_out(m, slot), f, (size_t)mod_rows(m, io) * m->out_width * sizeof(float),
+                                     PG_COPY_DEVICE_TO_DEVICE)))
     return PG_ERR;
   s->saved_x[slot] = x;
   *y = slot_out(m, slot);
@@ -2013,6 +2142,75 @@ pg_module *pg_recompute_new(pg_context *ctx, const char *name, pg_module *inner)
     return NULL;
   }
   return m;
+}
+
+/* ---------------------------------------------------------------- sequence-parallel transitions */
+
+/* sp_gather: this rank's rows in, every row out (and the way back: this
+ * rank's rows of a gradient that is the same on every rank). */
+static int sp_gather_alloc(pg_module *m, int nslots, int max_rows) {
+  return alloc_leaf_rows(m, nslots, max_rows, max_rows, mod_rows_max(m, max_rows));
+}
+
+static int sp_gather_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
+  if (check_rows(m, slot, io) || pg_sp_gather_rows(m, slot_out(m, slot), x, (int64_t)io->B * io->T, m->out_width))
+    return PG_ERR;
+  *y = slot_out(m, slot);
+  return PG_OK;
+}
+
+static int sp_gather_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
+  (void)slot;
+  int64_t N = (int64_t)io->B * io->T;
+  size_t bytes = (size_t)mod_rows(m, io) * m->in_width * sizeof(float);
+  if (bytes && KERNEL(m, copy, m->dinp, dy + (size_t)sp_row0(m, N) * m->in_width, bytes, PG_COPY_DEVICE_TO_DEVICE))
+    return PG_ERR;
+  *dx = m->dinp;
+  return PG_OK;
+}
+
+static const pg_module_ops sp_gather_ops = {"sp_gather", sp_gather_alloc, sp_gather_forward, sp_gather_backward, NULL};
+
+/* sp_scatter: every row (the same on every rank) in, this rank's rows out
+ * (and the way back: the gradient's rows gathered). */
+static int sp_scatter_alloc(pg_module *m, int nslots, int max_rows) {
+  return alloc_leaf_rows(m, nslots, max_rows, mod_rows_max(m, max_rows), max_rows);
+}
+
+static int sp_scatter_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
+  if (check_rows(m, slot, io)) return PG_ERR;
+  int64_t N = (int64_t)io->B * io->T;
+  size_t bytes = (size_t)mod_rows(m, io) * m->out_width * sizeof(float);
+  if (bytes && KERNEL(m, copy, slot_out(m, slot), x + (size_t)sp_row0(m, N) * m->out_width, bytes,
+                      PG_COPY_DEVICE_TO_DEVICE))
+    return PG_ERR;
+  *y = slot_out(m, slot);
+  return PG_OK;
+}
+
+static int sp_scatter_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
+  (void)slot;
+  if (pg_sp_gather_rows(m, m->dinp, dy, (int64_t)io->B * io->T, m->in_width)) return PG_ERR;
+  *dx = m->dinp;
+  return PG_OK;
+}
+
+static const pg_module_ops sp_scatter_ops = {"sp_scatter", sp_scatter_alloc, sp_scatter_forward, sp_scatter_backward,
+                                             NULL};
+
+static pg_module *sp_transition_new(const pg_module_ops *ops, pg_context *ctx, const char *name, int width) {
+  if (width < 1) return pg_fail_null("%s: %s needs a positive width, not %d", name, ops->kind, width);
+  pg_module *m = module_new(ops, ctx, name, width, width, 0);
+  if (m) m->sp = 1;
+  return m;
+}
+
+pg_module *pg_sp_gather_new(pg_context *ctx, const char *name, int width) {
+  return sp_transition_new(&sp_gather_ops, ctx, name, width);
+}
+
+pg_module *pg_sp_scatter_new(pg_context *ctx, const char *name, int width) {
+  return sp_transition_new(&sp_scatter_ops, ctx, name, width);
 }
 
 /* ---------------------------------------------------------------- custom (Lua) */
@@ -2232,6 +2430,18 @@ static pg_module *build_embedding(pg_context *ctx, const char *name, const pg_de
   return m;
 }
 
+static pg_module *build_sp_gather(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
+  (void)env;
+  int bad = 0, width = DESC_INT(d, "width", 0);
+  return bad ? NULL : pg_sp_gather_new(ctx, name, width);
+}
+
+static pg_module *build_sp_scatter(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
+  (void)env;
+  int bad = 0, width = DESC_INT(d, "width", 0);
+  return bad ? NULL : pg_sp_scatter_new(ctx, name, width);
+}
+
 /* tie = the name of an embedding weight built earlier in this stage, or none
  * (the head then owns "<name>.weight", or the tied name on a later stage). */
 static pg_module *build_lm_head(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
@@ -2262,6 +2472,7 @@ static const struct {
     {"linear", build_linear},       {"layernorm", build_layernorm}, {"rmsnorm", build_rmsnorm},
     {"gelu", build_gelu},           {"swiglu", build_swiglu},       {"attention", build_attention},
     {"embedding", build_embedding}, {"lm_head", build_lm_head},     {"moe", build_moe},
+    {"sp_gather", build_sp_gather}, {"sp_scatter", build_sp_scatter},
 };
 
 pg_module *pg_module_build(pg_context *ctx, const char *kind, const char *name, const pg_desc *d, pg_module_env *env) {
@@ -2349,6 +2560,22 @@ size_t pg_module_bf16_bytes(const pg_module *m) {
   if (m->ops == &lm_head_ops) b += ((const lm_head_state *)m->state)->mm.bytes;
   for (int i = 0; i < m->nchildren; i++) b += pg_module_bf16_bytes(m->children[i]);
   return b;
+}
+
+int pg_module_sequence_parallel(pg_module *m) {
+  if (tp_size(m->ctx) == 1) return PG_OK; /* every rank's rows are all the rows */
+  if (m->out || m->dinp || m->nslots)
+    return pg_fail("%s: sequence parallelism must be turned on before the buffers are allocated", m->name);
+  if (m->ops == &attention_ops || m->ops == &moe_ops || m->ops == &custom_ops || m->ops == &objective_ops)
+    return pg_fail("%s: the %s kind needs every row of the micro-batch; under sequence parallelism it goes between "
+                   "sp_gather and sp_scatter", m->name, m->ops->kind);
+  /* replicated parameters of a row-wise module see only this rank's rows */
+  int row_wise = m->ops == &layernorm_ops || m->ops == &rmsnorm_ops ||
+                 (m->ops == &linear_ops && ((linear_state *)m->state)->o.mode == PG_LINEAR_PLAIN);
+  for (int i = 0; row_wise && i < m->nparams; i++)
+    if (m->params[i]->replicated) m->params[i]->sequence_parallel = 1;
+  m->sp = 1;
+  return PG_OK;
 }
 
 int pg_module_alloc(pg_module *m, int nslots, int max_rows) {

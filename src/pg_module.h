@@ -60,6 +60,9 @@ typedef struct pg_param {
                         norm; its gradient is summed with the original's over the embedding group */
   int expert;        /* an expert's weight under expert parallelism (expert > 1): held by one member of
                         each expert group, its gradient averaged over the expert_data group */
+  int sequence_parallel; /* replicated, but used by a module that sees only this tensor rank's rows
+                            (sequence parallelism): its gradient is a partial sum, summed over the
+                            tensor group by the engine (pg_engine_sync_grads) */
   int64_t offset;    /* in the engine's flat buffers (elements) */
   float *data, *grad;
 } pg_param;
@@ -122,7 +125,9 @@ struct pg_module {
   pg_context *ctx;          /* NULL: serial */
   const pg_backend *be;     /* where its buffers live and its kernels run (cpu unless set) */
   int in_width, out_width;  /* features per row; in 0 = token ids, out 0 = the loss */
-  int nslots, max_rows;
+  int nslots, max_rows;     /* max_rows: of a micro-batch (B*T), whatever the module holds of them */
+  int slot_rows;            /* rows of each slot's output in `out`: max_rows, or with sequence parallelism
+                               this rank's most (pg_sp_rows_max) where the output is this rank's rows */
   pg_param **params;        /* owned parameters (a tied head refers to another's: not owned) */
   int nparams;
   pg_module **children;
@@ -131,6 +136,7 @@ struct pg_module {
   float *dinp;              /* [max_rows * in_width] */
   size_t saved_bytes_per_slot; /* activations kept per micro-batch (outputs + saved statistics) */
   struct pg_recompute_arena *arena; /* recompute modules and selectively recomputing attention: shared memory */
+  int sp;                   /* sequence parallelism is on for this module (pg_module_sequence_parallel) */
   void *state;              /* kind-specific */
 };
 
@@ -322,6 +328,56 @@ int pg_tp_gather_forward(pg_module *m, float *full, const float *mine, float *sc
 /* scatter-to-region, forward (and gather-from-region's backward): this rank's
  * [N, w] columns of the full [N, T*w] matrix, in the layout above. */
 int pg_tp_scatter_forward(pg_module *m, float *mine, const float *full, int N, int w, int blocks, const int *bw);
+
+/* ---- sequence parallelism (Korthikanti et al. 2022) ----
+ * Outside the tensor-parallel regions (the norms, residual adds, the
+ * embedding's output, the stage boundaries) each tensor rank holds only its
+ * share of a micro-batch's N = B*T rows (batch-major, as everywhere): rank r
+ * of T holds rows [N r / T, N (r+1) / T), uneven when T does not divide N
+ * (none when N < T: a row-wise module then runs no kernel), so that the
+ * ranks' rows in rank order are the serial rows. Where Megatron's
+ * regions all-reduce, the rows are all-gathered before a column-parallel
+ * layer (its backward reduce-scatters the input gradient) and
+ * reduce-scattered after a row-parallel one (its backward all-gathers the
+ * output gradient). */
+static inline int64_t pg_sp_row0(int64_t N, int T, int r) { return N * r / T; }
+static inline int64_t pg_sp_rows(int64_t N, int T, int r) { return N * (r + 1) / T - N * r / T; }
+/* The most rows a rank holds of a micro-batch of at most N rows. */
+static inline int64_t pg_sp_rows_max(int64_t N, int T) { return (N + T - 1) / T; }
+
+/* Turns sequence parallelism on for m (before its buffers are allocated; a
+ * no-op when T = 1). What it means depends on m's kind:
+ *   row-wise kinds (layernorm, rmsnorm, gelu, swiglu, a plain linear,
+ *     residual, recompute, sequential) take and give this rank's rows; their
+ *     replicated parameters now see only those rows, so they are marked
+ *     sequence_parallel (the engine sums their gradients over the tensor group);
+ *   a column-parallel linear and the LM head take this rank's rows and
+ *     all-gather them (backward: the input gradient is reduce-scattered);
+ *   a row-parallel linear and the embedding give this rank's rows, the
+ *     partial sums reduce-scattered instead of all-reduced (backward: the
+ *     output gradient is all-gathered);
+ *   sp_gather / sp_scatter are the transitions themselves (always on).
+ * Kinds that need whole sequences (attention, moe, modules and objectives
+ * written in Lua) refuse: wrap them in sp_gather ... sp_scatter. */
+int pg_module_sequence_parallel(pg_module *m);
+
+/* The transitions around a module that needs every row of the micro-batch
+ * replicated (Megatron's gather-from- and scatter-to-sequence-parallel
+ * regions): sp_gather all-gathers this rank's rows into the full [N, width]
+ * activation (backward: this rank's rows of the gradient, which is the same on
+ * every rank); sp_scatter keeps this rank's rows of a replicated activation
+ * (backward: all-gathers the rows of the gradient). */
+pg_module *pg_sp_gather_new(pg_context *ctx, const char *name, int width);
+pg_module *pg_sp_scatter_new(pg_context *ctx, const char *name, int width);
+
+/* The collectives of the sequence-parallel regions, named once (every module
+ * uses these): all-gather of rows: full [N, w] from every rank's rows (`mine`,
+ * this rank's rows, may already sit at its place in full); reduce-scatter of
+ * rows: full [N, w] holds partial sums on every rank, and this rank's rows of
+ * their sum are copied to mine (or, mine = NULL, left in place at row
+ * pg_sp_row0 of full). */
+int pg_sp_gather_rows(pg_module *m, float *full, const float *mine, int64_t N, int w);
+int pg_sp_reduce_scatter_rows(pg_module *m, float *full, float *mine, int64_t N, int w);
 
 /* Frees the tree (children, owned params, buffers). */
 void pg_module_free(pg_module *m);

@@ -67,7 +67,13 @@ nn.round_up = round_up
 -- src/pg_module.c's kind table). A class has
 --   describe(s, c) -> the runtime description (for core.Engine) and the output flow,
 --                     c = {me = its full name, flow = the input flow, T = tensor size,
+--                          sp = sequence parallelism is on (and T > 1),
 --                          fail(fmt, ...), need_full(width)}
+--   sequence_parallel  true (or a function of the spec saying so) when describe
+--                     handles a flow of this rank's rows (flow.seq) itself;
+--                     otherwise such a flow is gathered first (sp_gather)
+--                     and, when the kind hands back a replicated activation,
+--                     cut to this rank's rows again (sp_scatter)
 --   params(s)      -> its parameters in the full model (padding excluded; default 0)
 --   flops(s, T)    -> forward FLOPs per token at sequence length T (default 0)
 --   input_flow(s, T) -> the flow it takes standing alone (default: s.width, not split)
@@ -75,16 +81,50 @@ nn.round_up = round_up
 local KINDS = {}
 nn.kinds = KINDS
 
+-- Sequence parallelism: a description that needs every row of the
+-- micro-batch, put between the transitions: sp_gather before it, and
+-- sp_scatter after it when it hands back a replicated activation (`out`
+-- neither split over the tensor group nor already this rank's rows).
+local function sp_wrap(me, in_width, d, out)
+  local kids = { { kind = "sp_gather", name = me, width = in_width }, d }
+  local seq = out.seq or false
+  if not seq and not out.split and out.width > 0 then
+    kids[3], seq = { kind = "sp_scatter", name = me, width = out.width }, true
+  end
+  return { kind = "sequential", name = me, children = kids, sp_wrap = true },
+         { width = out.width, split = out.split, blocks = out.blocks, seq = seq }
+end
+
+-- A flow's rows turned into this rank's (want_seq) or all of them, by a
+-- transition after d; a split flow is left alone (its callers refuse it).
+local function sp_rows_to(me, d, out, want_seq)
+  if out.split or (out.seq or false) == (want_seq or false) or out.width <= 0 then return d, out end
+  local kid = { kind = want_seq and "sp_scatter" or "sp_gather", name = me, width = out.width }
+  return { kind = "sequential", name = me, children = { d, kid }, sp_wrap = true },
+         { width = out.width, split = false, seq = want_seq or false }
+end
+
 --- Resolves the spec against a tensor-parallel size T and an input flow
--- {width=, split=, blocks=} (split: the activation is cut over the tensor
--- group, blocks: sub-blocks each cut separately, as a fused q|k|v). Returns
--- the runtime description and the output flow. `path` is the name prefix;
--- errors name the module and the numbers.
-function Spec:describe(path, flow, T)
+-- {width=, split=, blocks=, seq=} (split: the activation is cut over the tensor
+-- group, blocks: sub-blocks each cut separately, as a fused q|k|v; seq:
+-- sequence parallelism, each tensor rank holds its share of the rows).
+-- `sp`: sequence parallelism is on (ignored when T = 1). Returns the runtime
+-- description and the output flow. `path` is the name prefix; errors name
+-- the module and the numbers.
+function Spec:describe(path, flow, T, sp)
   local me = path
   if self.name ~= nil and self.name ~= "" then me = path == "" and self.name or (path .. "." .. self.name) end
   local where = ("%s%s"):format(module_kind_name(self), me ~= "" and (" '" .. me .. "'") or "")
-  local c = { me = me, flow = flow, T = T }
+  sp = (sp and T > 1) or false
+  local class = KINDS[self.kind]
+  if not class then error("unknown spec kind " .. tostring(self.kind), 0) end
+  local aware = class.sequence_parallel
+  if type(aware) == "function" then aware = aware(self) end
+  if sp and flow.seq and not aware then
+    local d, out = self:describe(path, { width = flow.width, split = flow.split, blocks = flow.blocks }, T, sp)
+    return sp_wrap(me, flow.width, d, out)
+  end
+  local c = { me = me, flow = flow, T = T, sp = sp }
   function c.fail(fmt, ...) error(where .. ": " .. fmt:format(...), 0) end
   function c.need_full(width)
     if flow.split and T > 1 then c.fail("needs the full activation of width %d, but receives a tensor split over tensor=%d (add gather_output to the column-parallel Linear before it)", width, T) end
@@ -94,8 +134,6 @@ function Spec:describe(path, flow, T)
     local msg = self.tensor_rule(T)
     if msg then c.fail("%s", msg) end
   end
-  local class = KINDS[self.kind]
-  if not class then error("unknown spec kind " .. tostring(self.kind), 0) end
   return class.describe(self, c)
 end
 
@@ -236,13 +274,14 @@ function nn.Sequential(list)
 end
 
 KINDS.sequential = {
+  sequence_parallel = true, -- its children say
   describe = function(s, c)
     local kids, flow, me = {}, c.flow, c.me
     for i, child in ipairs(s.children) do
       if child.name == nil and not child.transparent then -- unnamed: named by position, as torch's Sequential does
-        kids[i], flow = child:describe(me == "" and tostring(i) or (me .. "." .. i), flow, c.T)
+        kids[i], flow = child:describe(me == "" and tostring(i) or (me .. "." .. i), flow, c.T, c.sp)
       else
-        kids[i], flow = child:describe(me, flow, c.T)
+        kids[i], flow = child:describe(me, flow, c.T, c.sp)
       end
     end
     if #kids == 0 then c.fail("is empty") end
@@ -274,13 +313,15 @@ function nn.Residual(inner, opts)
 end
 
 KINDS.residual = {
+  sequence_parallel = true, -- the add is row-wise; the inner module's rows end as they began
   describe = function(s, c)
-    local d, out = s.inner:describe(c.me, c.flow, c.T)
+    local d, out = s.inner:describe(c.me, c.flow, c.T, c.sp)
     if out.width ~= c.flow.width or out.split ~= c.flow.split then
       c.fail("its inner module maps width %s to %s: a residual needs the same width", tostring(c.flow.width),
         tostring(out.width))
     end
-    return { kind = "residual", name = c.me, inner = d }, c.flow
+    if c.sp then d = sp_rows_to(c.me, d, out, c.flow.seq) end
+    return { kind = "residual", name = c.me, inner = d, sequence_parallel = c.flow.seq or nil }, c.flow
   end,
   params = function(s) return s.inner:num_params() end,
   flops = function(s, T) return s.inner:flops(T) + 1 end,
@@ -333,10 +374,14 @@ function nn.Linear(a, b, opts)
 end
 
 KINDS.linear = {
+  -- column-parallel: gathers this rank's rows; plain: row-wise; row-parallel
+  -- needs every row of its input (and gives this rank's rows of its output)
+  sequence_parallel = function(s) return s.parallel ~= "row" end,
   describe = function(s, c)
     local inw, outw, flow, T, fail = s["in"], s.out, c.flow, c.T, c.fail
     local d = { kind = "linear", name = c.me, ["in"] = inw, out = outw, bias = s.bias, blocks = s.blocks,
-                block_sizes = s.block_sizes, init_std = s.init_std, mode = "plain" }
+                block_sizes = s.block_sizes, init_std = s.init_std, mode = "plain",
+                sequence_parallel = (s.parallel == "row" and c.sp) or flow.seq or nil }
     if s.parallel == "column" then
       c.need_full(inw)
       local sizes, ok = s.block_sizes, outw % (s.blocks * T) == 0
@@ -352,7 +397,7 @@ KINDS.linear = {
       end
       d.mode, d.gather_output = "column", s.gather_output or false
       local split = T > 1 and not s.gather_output
-      return d, { width = outw, split = split, blocks = split and s.blocks or nil }
+      return d, { width = outw, split = split, blocks = split and s.blocks or nil, seq = false }
     elseif s.parallel == "row" then
       if inw % T ~= 0 then fail("tensor=%d does not divide the input width %d", T, inw) end
       if flow.width ~= inw then
@@ -364,10 +409,10 @@ KINDS.linear = {
           inw, flow.width, inw, inw, T, inw // T)
       end
       d.mode, d.input_is_parallel = "row", (flow.split and T > 1) or false
-      return d, { width = outw, split = false }
+      return d, { width = outw, split = false, seq = c.sp }
     end
     c.need_full(inw)
-    return d, { width = outw, split = false }
+    return d, { width = outw, split = false, seq = flow.seq }
   end,
   params = function(s) return s["in"] * s.out + (s.bias and s.out or 0) end,
   flops = function(s) return 2 * s["in"] * s.out end,
@@ -382,9 +427,10 @@ function nn.LayerNorm(a, opts)
 end
 
 KINDS.layernorm = {
+  sequence_parallel = true, -- row-wise (its parameters' gradients are then summed over the tensor group)
   describe = function(s, c)
     c.need_full(s.width)
-    return { kind = "layernorm", name = c.me, width = s.width }, c.flow
+    return { kind = "layernorm", name = c.me, width = s.width, sequence_parallel = c.flow.seq or nil }, c.flow
   end,
   params = function(s) return 2 * s.width end,
   flops = function(s) return 8 * s.width end,
@@ -401,9 +447,11 @@ function nn.RMSNorm(a, opts)
 end
 
 KINDS.rmsnorm = {
+  sequence_parallel = true, -- row-wise (its weight's gradient is then summed over the tensor group)
   describe = function(s, c)
     c.need_full(s.width)
-    return { kind = "rmsnorm", name = c.me, width = s.width, eps = s.eps }, c.flow
+    return { kind = "rmsnorm", name = c.me, width = s.width, eps = s.eps, sequence_parallel = c.flow.seq or nil },
+           c.flow
   end,
   params = function(s) return s.width end,
   flops = function(s) return 4 * s.width end,
@@ -417,6 +465,7 @@ function nn.GatedSiLU(opts)
 end
 
 KINDS.swiglu = { -- elementwise: its FLOPs are priced with the Linear before it
+  sequence_parallel = true, -- row-wise
   describe = function(s, c)
     local flow, T = c.flow, c.T
     if flow.width == 0 then c.fail("needs activations, receives token ids") end
@@ -426,7 +475,8 @@ KINDS.swiglu = { -- elementwise: its FLOPs are priced with the Linear before it
       c.fail("needs gate|up split block by block over tensor=%d (from a column-parallel Linear with blocks = 2)", T)
     end
     local local_w = split and flow.width // T or flow.width
-    return { kind = "swiglu", name = c.me, width = local_w // 2 }, { width = flow.width // 2, split = flow.split }
+    return { kind = "swiglu", name = c.me, width = local_w // 2, sequence_parallel = flow.seq or nil },
+           { width = flow.width // 2, split = flow.split, seq = flow.seq }
   end,
 }
 
@@ -436,11 +486,12 @@ function nn.GELU(opts)
 end
 
 KINDS.gelu = { -- elementwise: its FLOPs are priced with the Linear before it
+  sequence_parallel = true, -- row-wise
   describe = function(s, c)
     local flow, T = c.flow, c.T
     if flow.width == 0 then c.fail("needs activations, receives token ids") end
     local local_w = (flow.split and T > 1) and flow.width // T or flow.width
-    return { kind = "gelu", name = c.me, width = local_w }, flow
+    return { kind = "gelu", name = c.me, width = local_w, sequence_parallel = flow.seq or nil }, flow
   end,
 }
 
@@ -517,11 +568,12 @@ function nn.Embedding(o)
 end
 
 KINDS.embedding = {
+  sequence_parallel = true, -- reduce-scatters its output to this rank's rows
   describe = function(s, c)
     if c.flow.width ~= 0 then c.fail("takes token ids, but receives activations of width %d", c.flow.width) end
     return { kind = "embedding", name = c.me, vocab = s.vocab, padded_vocab = round_up(s.padded_vocab, c.T),
-             width = s.width, positions = s.positions, init_std = s.init_std },
-           { width = s.width, split = false }
+             width = s.width, positions = s.positions, init_std = s.init_std, sequence_parallel = c.sp or nil },
+           { width = s.width, split = false, seq = c.sp }
   end,
   params = function(s) return s.vocab * s.width + s.positions * s.width end,
   flops = function(s) return 2 * s.width end,
@@ -546,12 +598,13 @@ function nn.LMHead(o)
 end
 
 KINDS.lm_head = {
+  sequence_parallel = true, -- gathers this rank's rows
   describe = function(s, c)
     c.need_full(s.width)
     local padded = round_up(s.padded_vocab, c.T)
     local out = s.output == "logits" and { width = padded, split = true } or { width = -1, split = false }
     return { kind = "lm_head", name = c.me, vocab = s.vocab, padded_vocab = padded, output = s.output,
-             width = s.width, tie = s.tie, init_std = s.init_std }, out
+             width = s.width, tie = s.tie, init_std = s.init_std, sequence_parallel = c.flow.seq or nil }, out
   end,
   params = function(s) return s.tie and 0 or s.vocab * s.width end,
   flops = function(s) return 2 * s.width * s.padded_vocab + 6 * s.padded_vocab end,

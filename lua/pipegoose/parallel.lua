@@ -110,6 +110,11 @@ local PARALLELIZE = {
   -- weights) with float32 sums; the rest, the gradients and the optimizer stay float32 (the runtime's
   -- pg_module_set_precision says which kinds and refuses the others)
   precision = opt.enum({ "fp32", "bf16" }, { default = "fp32" }),
+  -- sequence parallelism (Korthikanti et al. 2022): with tensor > 1, the
+  -- norms, residual adds and stage boundaries hold 1/tensor of each
+  -- micro-batch's rows; all-gathers and reduce-scatters replace the tensor
+  -- group's all-reduces. With tensor = 1 it changes nothing (as Megatron-LM).
+  sequence_parallel = opt.boolean{ default = false },
 }
 
 -- The stage description with recomputation applied: every attention core
@@ -119,7 +124,11 @@ local function with_recompute(stage_desc, how)
   if how == "none" then return stage_desc end
   if how == "full" then
     for i, d in ipairs(stage_desc.children) do
-      if d.kind == "sequential" then stage_desc.children[i] = { kind = "recompute", name = d.name, inner = d } end
+      -- (not the sequence-parallel transitions around a module: sp_wrap)
+      if d.kind == "sequential" and not d.sp_wrap then
+        -- its output is this rank's rows under sequence parallelism (parallelize marks it)
+        stage_desc.children[i] = { kind = "recompute", name = d.name, inner = d, sequence_parallel = d.sp_rows_out }
+      end
     end
     return stage_desc
   end
@@ -140,6 +149,7 @@ function M.parallelize(model, ctx, opts)
   ctx = opt.value("parallelize", "ctx", ctx, opt.context) or core.ParallelContext{}
   local sizes = ctx:sizes()
   local T, P = sizes.tensor, sizes.pipeline
+  local sp = opts.sequence_parallel and T > 1
   local schedule, micro, V = opts.schedule, opts.micro_batches, opts.virtual_stages
   if V > 1 then
     -- one chunk per rank would hand activations to itself: nothing to interleave
@@ -195,8 +205,9 @@ function M.parallelize(model, ctx, opts)
       local m = top[i]
       -- an unnamed top-level module is named by its position, as in a Sequential
       local path = (m.name == nil and not m.transparent) and tostring(i) or ""
-      local ok2, d, out = pcall(m.describe, m, path, flow, T)
+      local ok2, d, out = pcall(m.describe, m, path, flow, T, sp)
       if not ok2 then error("parallelize: " .. tostring(d), 2) end
+      if out.seq then d.sp_rows_out = true end -- its output is this rank's rows (with_recompute's wrapper too)
       kids[#kids + 1], flow = d, out
       check_lua_tables(d)
       find_moe(d)
@@ -207,6 +218,13 @@ function M.parallelize(model, ctx, opts)
     end
     partition_report[p] = { modules = names, params = nparams, first = ranges[p][1], last = ranges[p][2],
                             stage = rank, chunk = chunk + 1 }
+    local want = p < P * V
+    if sp and not flow.split and flow.width > 0 and (flow.seq or false) ~= want then
+      -- sequence parallelism: the pieces hand over this rank's rows; an
+      -- objective takes every row (the gradient it returns is the same on every rank)
+      kids[#kids + 1] = { kind = want and "sp_scatter" or "sp_gather", name = "", width = flow.width }
+      flow = { width = flow.width, split = false, seq = want }
+    end
     if p < P * V then
       if flow.width <= 0 or flow.split then
         local piece = V > 1 and ("stage %d chunk %d"):format(rank, chunk + 1) or ("stage %d"):format(rank)
@@ -268,11 +286,12 @@ function M.parallelize(model, ctx, opts)
     tied_name = (P > 1 and head_tied) and tie or nil,
     bucket_mb = opts.bucket_mb, overlap_grad_reduce = opts.overlap_grad_reduce, shared_memory = opts.shared_memory,
     device = opts.device, objective = with_objective, router_experts = router_experts, precision = opts.precision,
+    sequence_parallel = sp,
   })
   if not ok_engine then error(c, 2) end
   local e = setmetatable({
     c = c, ctx = ctx, config = config, model = model, micro_batches = micro, schedule = schedule,
-    virtual_stages = V, recompute = opts.recompute, precision = opts.precision,
+    virtual_stages = V, recompute = opts.recompute, precision = opts.precision, sequence_parallel = sp,
     device = c:info().device,
     stage = me, stages = P, partition_report = partition_report, vocab = vocab, _ = {},
   }, Engine)

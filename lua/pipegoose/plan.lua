@@ -5,7 +5,7 @@
 --   local layout = pg.plan{ model = "gpt3-175b", gpus = 1024, gpu = "a100-80gb",
 --                           global_batch = 1536, seq_len = 2048 }
 --   local ctx = pg.ParallelContext(layout.context)      -- { tensor, pipeline, data }
---   local engine = pg.parallelize(model, ctx, layout.parallelize) -- { micro_batches, schedule }
+--   local engine = pg.parallelize(model, ctx, layout.parallelize) -- { micro_batches, schedule, sequence_parallel }
 --
 -- The layout also carries the same values flat (tensor, pipeline, data,
 -- micro_batches, schedule) and everything else the planner decided or
@@ -93,7 +93,7 @@ local function layout(L)
   L.tensor, L.pipeline, L.data = L.t, L.p, L.d
   L.micro_batches, L.micro_batch_size, L.sequence_parallel = L.m, L.b, L.sp
   L.context = { tensor = L.t, pipeline = L.p, data = L.d }
-  L.parallelize = { micro_batches = L.m, schedule = L.schedule }
+  L.parallelize = { micro_batches = L.m, schedule = L.schedule, sequence_parallel = L.sp }
   L.stages = {}
   for i, part in ipairs(L.parts) do L.stages[i] = part.layers end
   L.parts = nil

@@ -2,7 +2,8 @@
 -- The planner's CPU memory count (lua/pipegoose/plan/cpu.lua) against
 -- engine:memory() on every rank of the layouts of this world size: each
 -- rank's parameters, gradients, AdamW state and peak activations within 10%
--- of what its stage's closed form says (docs/PLANNER.md derives it).
+-- of what its stage's closed form says (docs/PLANNER.md derives it), with
+-- and without sequence parallelism.
 local pg = require "pipegoose"
 local plan = pg.plan
 local cpu = require "pipegoose.plan.cpu"
@@ -12,9 +13,13 @@ local W = pg.world_size()
 local LAYOUTS = ({
   [2] = { { name = "T=2", tensor = 2 }, { name = "P=2 1f1b", pipeline = 2, m = 4 },
           { name = "P=2 gpipe", pipeline = 2, m = 4, schedule = "gpipe" }, { name = "D=2", data = 2 },
-          { name = "D=2 zero=1", data = 2, zero = 1 }, { name = "D=2 zero=2", data = 2, zero = 2 } },
+          { name = "D=2 zero=1", data = 2, zero = 1 }, { name = "D=2 zero=2", data = 2, zero = 2 },
+          { name = "T=2 sequence parallel", tensor = 2, sp = true },
+          { name = "T=2 sequence parallel, full recomputation", tensor = 2, sp = true, recompute = "full" } },
   [4] = { { name = "T=2 x P=2", tensor = 2, pipeline = 2, m = 2 }, { name = "P=2 x D=2", pipeline = 2, data = 2, m = 2 },
-          { name = "T=2 x D=2", tensor = 2, data = 2 }, { name = "P=4 1f1b", pipeline = 4, m = 4 } },
+          { name = "T=2 x D=2", tensor = 2, data = 2 }, { name = "P=4 1f1b", pipeline = 4, m = 4 },
+          { name = "T=2 x D=2 sequence parallel", tensor = 2, data = 2, sp = true },
+          { name = "T=2 x P=2 sequence parallel", tensor = 2, pipeline = 2, m = 2, sp = true } },
 })[W]
 
 local MODELS = {
@@ -37,7 +42,8 @@ describe("plan/cpu.lua memory on " .. W .. " ranks", function()
         local Mb, schedule = layout.m or 1, layout.schedule or "1f1b"
         local ctx = pg.ParallelContext{ tensor = T, pipeline = P, data = D, seed = 3 }
         local model = mdl.build(mdl.cfg)
-        local engine = pg.parallelize(model, ctx, { micro_batches = Mb, schedule = schedule })
+        local engine = pg.parallelize(model, ctx, { micro_batches = Mb, schedule = schedule,
+                                                    sequence_parallel = layout.sp, recompute = layout.recompute })
         local opt = pg.optim.AdamW(engine, { lr = 1e-3, zero = layout.zero or 0 })
         local B, S = 8 // D, mdl.cfg.seq_len
         local x = pg.zeros({ B, S }, { dtype = "int32" })
@@ -49,7 +55,7 @@ describe("plan/cpu.lua memory on " .. W .. " ranks", function()
           kv_heads = c.kv_heads or c.heads, ffn = mdl.arch == "llama" and c.hidden or 4 * c.dim,
           vocab = c.padded_vocab, seq_len = c.seq_len }
         local L = { t = T, p = P, d = D, m = Mb, b = B // Mb, seq = S, schedule = schedule, zero = layout.zero or 0,
-          recompute = "none", sp = false, precision = "fp32" }
+          recompute = layout.recompute or "none", sp = layout.sp or false, precision = "fp32" }
         local i = ctx:local_rank("pipeline") + 1
         local part = search.partition(s, P)[i]
         local _, parts = cpu.stage_bytes(s, L, part, search.in_flight(schedule, P, Mb, i), plan.memory.stage_params)

@@ -140,6 +140,26 @@ describe("gpt2_check.lua on the PyTorch fixtures", function()
     assert.matches("shared_memory true", check(8, flags, nil, "PG_RANKS_PER_NODE=4"))
   end)
 
+  -- sequence parallelism: T = 2 and 4 (the fixture's 4 heads rule out T = 3;
+  -- sequence_parallel_spec runs T = 3 against the serial model), then with
+  -- everything else on nodes of 2 (the tensor pairs share a node, the data
+  -- pairs and the pipeline links cross nodes)
+  for _, T in ipairs{ 2, 4 } do
+    it(("--tensor=%d --sequence-parallel"):format(T), function()
+      check(T, { "--tensor=" .. T, "--sequence-parallel" })
+    end)
+  end
+
+  for _, how in ipairs{ "full", "selective" } do
+    it(("--sequence-parallel with 2x2x2, zero 1, --virtual-stages=2, --recompute=%s on nodes of 2"):format(how),
+      function()
+        local out = check(8, { "--tensor=2", "--pipeline=2", "--data=2", "--zero=1", "--micro-batches=2",
+                               "--virtual-stages=2", "--recompute=" .. how, "--sequence-parallel" }, nil,
+                          "PG_RANKS_PER_NODE=2")
+        assert.matches("shared_memory false", out)
+      end)
+  end
+
   it("everything at once on nodes of 2: 2x2x2, 1f1b, zero 1, full recomputation", function()
     local out = check(8, { "--tensor=2", "--pipeline=2", "--data=2", "--zero=1", "--micro-batches=2",
                            "--recompute=full" }, nil, "PG_RANKS_PER_NODE=2")

@@ -122,6 +122,11 @@ describe("pg.nn.Llama (LlamaForCausalLM) against PyTorch", function()
     assert_losses(run_check(T4, 4, { "--tensor=4" }), T4, "T = 4")
   end)
 
+  it("matches PyTorch with sequence parallelism at T = 2 and at T = 4 (the tied head)", function()
+    assert_losses(run_check(TINY, 2, { "--tensor=2", "--sequence-parallel" }), TINY, "T = 2 sequence parallel")
+    assert_losses(run_check(T4, 4, { "--tensor=4", "--sequence-parallel" }), T4, "T = 4 sequence parallel")
+  end)
+
   it("refuses a split the heads do not allow, naming heads or kv_heads", function()
     local rc, out = h.sh(h.mpirun_cmd(4, check_args(TINY, { "--tensor=4" }), 60))
     assert.is_not.equal(0, rc)

@@ -148,6 +148,10 @@ describe("pg.nn.Mixtral (MixtralForCausalLM) against PyTorch", function()
     h.rm(dir)
   end)
 
+  it("matches PyTorch with T = 2 and sequence parallelism (the MoE blocks between sp_gather and sp_scatter)", function()
+    assert_fixture(run_check(2, { "--tensor=2", "--sequence-parallel" }), "T = 2 sequence parallel")
+  end)
+
   it("P = 2 with micro-batches gives the serial run's numbers with the same micro-batches", function()
     local function lines(out)
       local t = {}

@@ -219,6 +219,12 @@ describe("pg.parallelize and the engine", function()
       pg.parallelize, m, nil, { bucket_mb = 0 / 0 })
     rejects("parallelize: shared_memory must be a boolean, got 'yes'",
       pg.parallelize, m, nil, { shared_memory = "yes" })
+    rejects("parallelize: sequence_parallel must be a boolean, got 'yes'",
+      pg.parallelize, m, nil, { sequence_parallel = "yes" })
+    rejects("parallelize: sequence_parallel must be a boolean, got 1",
+      pg.parallelize, m, nil, { sequence_parallel = 1 })
+    rejects("parallelize: unknown option 'sequence_paralel' (did you mean 'sequence_parallel'?)",
+      pg.parallelize, m, nil, { sequence_paralel = true })
     rejects("parallelize: unknown option 'micro_batch' (did you mean 'micro_batches'?)", pg.parallelize, m, nil,
       { micro_batch = 2 })
     rejects("parallelize: schedule must be '1f1b' or 'gpipe', got '1F1B'",

@@ -24,9 +24,15 @@
 --   tensor parallel   pg.dist all-reduces of the r*h activation: 2 forward,
 --                     2 backward per layer (the engine's column-parallel
 --                     backward and row-parallel forward), measured by group
---                     size
+--                     size. With sequence parallelism (L.sp) each becomes
+--                     an all-gather before a column-parallel product
+--                     (backward: a reduce-scatter, and the input gathered
+--                     again for the weight gradient) and a reduce-scatter
+--                     after a row-parallel one (backward: an all-gather),
+--                     and the norms and residual adds see r/T rows
 --   pipeline          p2p latency + r*h*4 bytes / bandwidth: every tensor
---                     rank sends the whole activation to its peer
+--                     rank sends the whole activation to its peer (its r/T
+--                     rows with sequence parallelism)
 --   data parallel     the engine's shared-memory gradient reduction, measured
 --                     by group size; a tied embedding's gradient all-reduce
 --   optimizer         AdamW over the rank's parameters at the measured AdamW
@@ -141,28 +147,39 @@ function M.collective(hw, name, g, bytes, R)
   return (l.latency + bytes / l.bandwidth) * math.max(1, busy)
 end
 
+-- Sequence parallelism is on for a layout (it needs T > 1).
+local function sp_of(L) return L.sp and L.t > 1 end
+
 -- The operations of one layer's forward for r rows (b sequences of s) on a
 -- rank of tensor group T: a list of { "gemm", m, k, n } | { "ew", op, bytes } |
--- { "attn", query } | { "allreduce", bytes }.
+-- { "attn", query } | { "allreduce", bytes } | { "sp_gather", bytes } |
+-- { "sp_scatter", bytes } (sequence parallelism's transitions of the r*h
+-- activation: before a column-parallel product, after a row-parallel one).
 local function layer_ops(s, L, r)
   local T, h = L.t, s.hidden
   local hd = models.head_dim(s)
   local kv = models.kv_dim(s)
+  local sp = sp_of(L)
+  local rr = sp and r / T or r -- the rows of the norms and residual adds
   local ops = {}
   local function add(...) ops[#ops + 1] = { ... } end
   local attn = { batch = L.b, seq = L.seq, heads = s.heads // T, head_dim = hd }
   local norm = s.arch == "llama" and "rmsnorm" or "layernorm"
+  local function into_column() if sp then add("sp_gather", r * h * F32) end end
+  local function out_of_row() add(sp and "sp_scatter" or "allreduce", r * h * F32) end
   local function attention()
-    add("ew", norm, 2 * r * h * F32) -- read, write
+    add("ew", norm, 2 * rr * h * F32) -- read, write
+    into_column()
     add("gemm", r, h, (h + 2 * kv) // T)
     if s.arch == "llama" then add("ew", "rope", 2 * r * (h + kv) // T * F32) end -- rotary on q and k
     add("attn", attn)
     add("gemm", r, h // T, h)
-    add("allreduce", r * h * F32)
-    add("ew", "residual", 3 * r * h * F32) -- two reads, one write
+    out_of_row()
+    add("ew", "residual", 3 * rr * h * F32) -- two reads, one write
   end
   local function mlp()
-    add("ew", norm, 2 * r * h * F32)
+    add("ew", norm, 2 * rr * h * F32)
+    into_column()
     if s.arch == "llama" then
       add("gemm", r, h, 2 * s.ffn // T)
       add("ew", "swiglu", 3 * r * s.ffn // T * F32) -- silu(gate) * up
@@ -171,8 +188,8 @@ local function layer_ops(s, L, r)
       add("ew", "gelu", 2 * r * s.ffn // T * F32)
     end
     add("gemm", r, s.ffn // T, h)
-    add("allreduce", r * h * F32)
-    add("ew", "residual", 3 * r * h * F32)
+    out_of_row()
+    add("ew", "residual", 3 * rr * h * F32)
   end
   attention()
   mlp()
@@ -203,6 +220,12 @@ local function price(hw, ops, t, R, T)
     elseif kind == "allreduce" then
       local c = M.collective(hw, "all_reduce", T, op[2], R)
       f.tp, b.tp = f.tp + c, b.tp + c
+    elseif kind == "sp_gather" then -- backward: the input gradient reduce-scattered, the input gathered again
+      local ag, rs = M.collective(hw, "all_gather", T, op[2], R), M.collective(hw, "reduce_scatter", T, op[2], R)
+      f.tp, b.tp = f.tp + ag, b.tp + rs + ag
+    elseif kind == "sp_scatter" then -- backward: the output gradient gathered
+      f.tp = f.tp + M.collective(hw, "reduce_scatter", T, op[2], R)
+      b.tp = b.tp + M.collective(hw, "all_gather", T, op[2], R)
     end
   end
   return f, b
@@ -228,16 +251,24 @@ function M.edge_costs(s, L, hw, R)
   local t, share = M.threads(hw, R)
   local r, h, T = L.seq * L.b, s.hidden, L.t
   local V = math.ceil(s.vocab / T)
+  local sp = sp_of(L)
   local ef, eb = price(hw, { { "ew", "residual", 3 * r * h * F32 } }, t, R, T)
-  if T > 1 then -- vocabulary-parallel lookup: the output is all-reduced
-    ef.tp = ef.tp + M.collective(hw, "all_reduce", T, r * h * F32, R)
+  if T > 1 then -- vocabulary-parallel lookup: the output is all-reduced (sequence parallelism: reduce-scattered)
+    local c = { { sp and "sp_scatter" or "allreduce", r * h * F32 } }
+    local cf, cb = price(hw, c, t, R, T)
+    ef.tp, eb.tp = ef.tp + cf.tp, eb.tp + (sp and cb.tp or 0)
   end
   -- ln_f, the logits product, cross-entropy over r*V/T logits (max, sum of
   -- exponentials, the gradient written in place)
   local norm = s.arch == "llama" and "rmsnorm" or "layernorm"
-  local hf, hb = price(hw, { { "ew", norm, 2 * r * h * F32 }, { "gemm", r, h, V }, { "ew", norm, 3 * r * V * F32 } },
-    t, R, T)
-  if T > 1 then hb.tp = hb.tp + M.collective(hw, "all_reduce", T, r * h * F32, R) end
+  local hf, hb = price(hw, { { "ew", norm, 2 * (sp and r / T or r) * h * F32 }, { "gemm", r, h, V },
+    { "ew", norm, 3 * r * V * F32 } }, t, R, T)
+  if sp then -- the head's input rows gathered (backward: reduce-scattered, and gathered again)
+    local cf, cb = price(hw, { { "sp_gather", r * h * F32 } }, t, R, T)
+    hf.tp, hb.tp = hf.tp + cf.tp, hb.tp + cb.tp
+  elseif T > 1 then
+    hb.tp = hb.tp + M.collective(hw, "all_reduce", T, r * h * F32, R)
+  end
   return { fwd = shared(ef, share), bwd = shared(eb, share) }, { fwd = shared(hf, share), bwd = shared(hb, share) }
 end
 
@@ -248,7 +279,7 @@ function M.stage_costs(s, L, hw, parts, stage_params)
   local t, share = M.threads(hw, R)
   local layer = M.layer_costs(s, L, hw, R)
   local embed, head = M.edge_costs(s, L, hw, R)
-  local act = L.seq * L.b * s.hidden * F32
+  local act = L.seq * L.b * s.hidden * F32 / (sp_of(L) and L.t or 1) -- sequence parallelism: this rank's rows
   local p2p = hw.cpu.p2p
   local send = (p2p.latency + act / p2p.bandwidth) * math.max(1, R / hw.cpu.cores) / math.max(1, 2 / hw.cpu.cores)
   local out = {}
@@ -299,22 +330,30 @@ end
 --   keeps one micro-batch of one block's inside (fixed_activation_bytes: the
 --   rank's blocks share the buffers, as backward recomputes one at a time);
 --   selective keeps one micro-batch of one layer's probabilities.
+--   Sequence parallelism (L.sp, T > 1): everything counted at full width h
+--   above (residual, norm and projection outputs, the norms' statistics, the
+--   embedding output or received activation, a recomputed block's output,
+--   the final norm) is kept for r/T rows; the loss head's 3 statistics stay
+--   per row of the micro-batch.
 -- Parameters and gradients: 4 bytes each (the flat buffers, padded to a
 -- multiple of D; ZeRO-2 does not shard them yet); AdamW: m and v, 8 bytes (/ D with ZeRO-1 and 2).
 
---- Activation floats per row of one layer: slot part and, with recompute, fixed part.
-function M.layer_floats(s, T, S, recompute)
+--- Activation floats per row of one layer: slot part and, with recompute,
+-- fixed part. sp: sequence parallelism (the full-width part kept for 1/T of the rows).
+function M.layer_floats(s, T, S, recompute, sp)
   local h, kv = s.hidden, models.kv_dim(s)
   local heads = s.heads // T
+  local rep = (sp and T > 1) and T or 1
   local full, split, stats
   if s.arch == "llama" then
     full, split, stats = 6 * h, 2 * (h + 2 * kv) // T + h // T + 3 * s.ffn // T, 2
   else
     full, split, stats = 6 * h, (4 * h + 2 * s.ffn) // T, 4
   end
+  full, stats = full / rep, stats / rep
   local probs = heads * S
   local all = full + split + stats + probs
-  if recompute == "full" then return h, all end
+  if recompute == "full" then return h / rep, all end
   if recompute == "selective" then return all - probs, probs end
   return all, 0
 end
@@ -325,9 +364,10 @@ end
 function M.stage_bytes(s, L, stage, in_flight, stage_params)
   local r = L.seq * L.b
   local h = s.hidden
-  local slot_f, fixed_f = M.layer_floats(s, L.t, s.seq_len, L.recompute)
-  local per_slot = stage.layers * slot_f + h -- + the embedding output or the received activation
-  if stage.last then per_slot = per_slot + h + (s.arch == "llama" and 1 or 2) + 3 end
+  local slot_f, fixed_f = M.layer_floats(s, L.t, s.seq_len, L.recompute, L.sp)
+  local rep = sp_of(L) and L.t or 1
+  local per_slot = stage.layers * slot_f + h / rep -- + the embedding output or the received activation
+  if stage.last then per_slot = per_slot + (h + (s.arch == "llama" and 1 or 2)) / rep + 3 end
   -- the recomputed blocks (or attentions) of the rank share one micro-batch of buffers
   local fixed = stage.layers > 0 and fixed_f or 0
   local activations = (per_slot * in_flight + fixed) * r * F32
