@@ -164,6 +164,26 @@ static int cpu_sum_squares(const pg_backend *b, const float *x, int64_t n, doubl
   return PG_OK;
 }
 
+CPU_KERNEL(bf16_from_f32, (const pg_backend *b, uint16_t *dst, const float *src, int64_t n), (dst, src, n))
+
+/* The bf16 GEMMs fail only when out of memory or when oneDNN fails (kernels.h). */
+static int cpu_matmul_bf16_forward(const pg_backend *b, float *out, const uint16_t *inp, const uint16_t *weight,
+                                   const float *bias, int N, int C, int OC) {
+  (void)b;
+  if (pg_matmul_bf16_forward(out, inp, weight, bias, N, C, OC)) return pg_fail("bf16 GEMM: %s", pg_bf16_gemm_error());
+  return PG_OK;
+}
+
+static int cpu_matmul_bf16_backward(const pg_backend *b, float *dinp, float *dweight, float *dbias,
+                                    const float *dout_f32, const uint16_t *dout, const uint16_t *inp,
+                                    const uint16_t *weight, int N, int C, int OC) {
+  (void)b;
+  if (pg_matmul_bf16_backward(dinp, dweight, dout, inp, weight, N, C, OC))
+    return pg_fail("bf16 GEMM: %s", pg_bf16_gemm_error());
+  if (dbias) pg_bias_backward(dbias, dout_f32, N, OC);
+  return PG_OK;
+}
+
 static const pg_backend_ops cpu_ops = {
     .alloc = cpu_alloc,
     .release = cpu_release,
@@ -196,6 +216,9 @@ static const pg_backend_ops cpu_ops = {
     .xent_finish = cpu_xent_finish,
     .adamw_update = cpu_adamw_update,
     .sum_squares = cpu_sum_squares,
+    .bf16_from_f32 = cpu_bf16_from_f32,
+    .matmul_bf16_forward = cpu_matmul_bf16_forward,
+    .matmul_bf16_backward = cpu_matmul_bf16_backward,
 };
 
 static void release_on(void *data, void *backend) { pg_be_release(backend, data); }
