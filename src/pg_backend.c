@@ -242,16 +242,21 @@ static double now_seconds(void) {
   return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-int pg_backend_sgemm_gflops(const pg_backend *b, int n, int reps, double *gflops) {
-  if (n < 1 || reps < 1) return pg_fail("sgemm_gflops: n and reps must be positive (n=%d, reps=%d)", n, reps);
-  size_t bytes = (size_t)n * n * sizeof(float);
-  float *x = b->ops->alloc(b, bytes), *y = x ? b->ops->alloc(b, bytes) : NULL, *z = y ? b->ops->alloc(b, bytes) : NULL;
+/* The rate of `reps` n x n x n products after one warm-up: float32 (matmul_forward) or, bf16, the bf16 GEMM
+ * (matmul_bf16_forward on bf16 operands, float32 sums and output), each on zeroed operands. */
+static int gemm_gflops(const pg_backend *b, int bf16, int n, int reps, double *gflops) {
+  const char *what = bf16 ? "bf16_gemm_gflops" : "sgemm_gflops";
+  if (n < 1 || reps < 1) return pg_fail("%s: n and reps must be positive (n=%d, reps=%d)", what, n, reps);
+  size_t in = (size_t)n * n * (bf16 ? sizeof(uint16_t) : sizeof(float)), out = (size_t)n * n * sizeof(float);
+  void *x = b->ops->alloc(b, in), *y = x ? b->ops->alloc(b, in) : NULL;
+  float *z = y ? b->ops->alloc(b, out) : NULL;
   int rc = z ? PG_OK : PG_ERR;
   double t0 = 0; /* product 0 warms up */
   for (int i = 0; rc == PG_OK && i <= reps; i++) {
     if (i == 1 && (rc = b->ops->sync(b))) break;
     if (i == 1) t0 = now_seconds();
-    rc = b->ops->matmul_forward(b, z, x, y, NULL, n, n, n);
+    rc = bf16 ? b->ops->matmul_bf16_forward(b, z, x, y, NULL, n, n, n)
+              : b->ops->matmul_forward(b, z, x, y, NULL, n, n, n);
     if (rc == PG_OK && i == reps && (rc = b->ops->sync(b)) == PG_OK)
       *gflops = 2.0 * n * (double)n * n * reps / (now_seconds() - t0) / 1e9;
   }
@@ -259,6 +264,14 @@ int pg_backend_sgemm_gflops(const pg_backend *b, int n, int reps, double *gflops
   pg_be_release(b, y);
   pg_be_release(b, z);
   return rc;
+}
+
+int pg_backend_sgemm_gflops(const pg_backend *b, int n, int reps, double *gflops) {
+  return gemm_gflops(b, 0, n, reps, gflops);
+}
+
+int pg_backend_bf16_gemm_gflops(const pg_backend *b, int n, int reps, double *gflops) {
+  return gemm_gflops(b, 1, n, reps, gflops);
 }
 
 const pg_backend *pg_backend_of(const pg_storage *s) {

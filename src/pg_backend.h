@@ -130,6 +130,9 @@ pg_storage *pg_backend_storage(const pg_backend *b, size_t bytes);
  * off, or OpenBLAS) after one warm-up, timed on the host around a
  * synchronisation; *gflops set. */
 int pg_backend_sgemm_gflops(const pg_backend *b, int n, int reps, double *gflops);
+/* The same for the bf16 GEMM with float32 sums (matmul_bf16_forward: cublasGemmEx with
+ * CUBLAS_COMPUTE_32F, or oneDNN / widen-and-sgemm): the peak precision "bf16"'s MFU is measured against. */
+int pg_backend_bf16_gemm_gflops(const pg_backend *b, int n, int reps, double *gflops);
 
 /* The backend whose memory holds a storage (cpu, or cuda of its device). */
 const pg_backend *pg_backend_of(const pg_storage *s);
