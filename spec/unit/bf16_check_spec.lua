@@ -19,7 +19,8 @@
 -- against the CPU's serial bf16 run to 1e-4 relative (the emulated GemmEx
 -- sums in float32 in order of k, the CPU's widen-and-sgemm or oneDNN in
 -- their own orders: the same rounding of the operands, other orders of the
--- float32 sums; measured below 1e-5).
+-- float32 sums). Measured: <= 2.2e-5 from the fixture and <= 1.1e-5 from
+-- the CPU's bf16 run (serial 6e-6, T = 2 1.1e-5, D = 2 6e-6).
 local h = require "helpers"
 local cjson = require "cjson"
 
