@@ -360,4 +360,23 @@ print(("memory %s %d %d"):format(mg.precision, mg.bf16_bytes, mc.bf16_bytes))
     assert.equal("bf16", prec, out)
     assert.is_true(tonumber(bg) > 0 and bg == bc, out)
   end)
+
+  -- scripts/bench_gpu.lua runs on a real GPU (scripts/gpu_check.sh); here its logic, not its speed: both
+  -- precisions' peaks (sgemm, bf16 GemmEx) and training lines, and the rate function's argument check.
+  it("runs bench_gpu.lua's fp32 and bf16 parts (--model=tiny)", function()
+    local rc, out = h.sh(("timeout -k 2 300 %s scripts/bench_gpu.lua --model=tiny --steps=1 --warmup=0 --peak-n=16")
+      :format(h.quote(EMU)))
+    assert.equal(0, rc, out)
+    assert.matches("peak sgemm_fp32 %S+ GFLOP/s %(n = 16%)", out)
+    assert.matches("peak gemm_bf16 %S+ GFLOP/s %(n = 16, bf16 inputs, float32 sums%)", out)
+    local fp32 = tonumber(out:match("gpt2%-tiny 4x16 tokens_per_s %S+ step_ms %S+ mfu_vs_sgemm (%S+) loss %S+ %(fp32"))
+    local bf16 = tonumber(out:match("gpt2%-tiny 4x16 tokens_per_s %S+ step_ms %S+ mfu_vs_bf16_gemm (%S+) loss %S+ %(bf16"))
+    assert.is_true(fp32 ~= nil and fp32 >= 0 and bf16 ~= nil and bf16 >= 0, out)
+    local rc2, out2 = emu([[
+local pg = require "pipegoose"
+print(pcall(pg.cuda.bf16_gemm_gflops, 0))
+]])
+    assert.equal(0, rc2, out2)
+    assert.matches("false\tbad argument #1 (n): an integer from 1 to 65536 expected, got 0", out2, 1, true)
+  end)
 end)
