@@ -33,7 +33,7 @@ return {
     from = "pg_module_set_precision(chunks[v].stage, opts->precision) ||",
     to = "pg_module_set_precision(chunks[v].stage, PG_PRECISION_FP32) ||",
     specs = { "unit/bf16#rounding only", "unit/bf16_check#serial" }, why = "precision = \"bf16\" is accepted and runs float32" },
-  ------------------------------------------------------------------ bf16 on the device (kernels/cuda/bf16.cu, the emulator's GemmEx)
+  ------------------------------------------------------------------ bf16 on the device (kernels/cuda/bf16.cu)
   { name = "bf16-device-truncates", file = "kernels/cuda/bf16.cu",
     from = "return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);", to = "return (uint16_t)(u >> 16);",
     specs = { "unit/device#bf16", "unit/bf16_check#emulated device serial" },
@@ -44,11 +44,12 @@ return {
   { name = "bf16-device-fast-compute", file = "kernels/cuda/bf16.cu",
     from = "CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));", to = "CUBLAS_COMPUTE_32F_FAST_16BF, CUBLAS_GEMM_DEFAULT));",
     specs = { "unit/device#bf16" },
-    why = "GemmEx asked for a compute type other than float32 sums (the emulator refuses it as cuBLAS's contract differs)" },
+    why = "GemmEx asked for a compute type other than float32 sums (the emulator refuses all but CUBLAS_COMPUTE_32F)" },
   { name = "bf16-device-dw-overwritten", file = "kernels/cuda/bf16.cu",
     from = "gemm_bf16_rm(h, true, false, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f, dweight, C)",
     to = "gemm_bf16_rm(h, true, false, OC, C, N, 1.0f, dout, OC, inp, C, 0.0f, dweight, C)",
-    specs = { "unit/device#bf16" }, why = "the device's bf16 weight gradient overwrites instead of accumulating micro-batches" },
+    specs = { "unit/device#bf16" },
+    why = "the device's bf16 weight gradient overwrites instead of accumulating micro-batches" },
   { name = "bf16-device-dinp-not-transposed", file = "kernels/cuda/bf16.cu",
     from = "gemm_bf16_rm(h, false, false, N, C, OC, 1.0f, dout, OC, weight, C, 0.0f, dinp, C)",
     to = "gemm_bf16_rm(h, false, true, N, C, OC, 1.0f, dout, OC, weight, C, 0.0f, dinp, C)",

@@ -350,7 +350,8 @@ print(("memory %s %d %d"):format(mg.precision, mg.bf16_bytes, mc.bf16_bytes))
       seen = seen + 1
       assert.is_true(math.abs(lg - lc) <= 1e-4 * lc, ("step %d: device bf16 loss %.9g, cpu %.9g"):format(k, lg, lc))
       if k == 1 then
-        assert.is_true(big > 0 and diff <= 1e-5 * big, ("first gradients: |cuda - cpu| %.3g, max %.3g"):format(diff, big))
+        assert.is_true(big > 0 and diff <= 1e-5 * big,
+          ("first gradients: |cuda - cpu| %.3g, max %.3g"):format(diff, big))
         assert.is_true(lg ~= fp32, "the device's bf16 loss is its float32 loss: did bf16 run?")
       end
     end
@@ -369,8 +370,9 @@ print(("memory %s %d %d"):format(mg.precision, mg.bf16_bytes, mc.bf16_bytes))
     assert.equal(0, rc, out)
     assert.matches("peak sgemm_fp32 %S+ GFLOP/s %(n = 16%)", out)
     assert.matches("peak gemm_bf16 %S+ GFLOP/s %(n = 16, bf16 inputs, float32 sums%)", out)
-    local fp32 = tonumber(out:match("gpt2%-tiny 4x16 tokens_per_s %S+ step_ms %S+ mfu_vs_sgemm (%S+) loss %S+ %(fp32"))
-    local bf16 = tonumber(out:match("gpt2%-tiny 4x16 tokens_per_s %S+ step_ms %S+ mfu_vs_bf16_gemm (%S+) loss %S+ %(bf16"))
+    local line = "gpt2%-tiny 4x16 tokens_per_s %S+ step_ms %S+ "
+    local fp32 = tonumber(out:match(line .. "mfu_vs_sgemm (%S+) loss %S+ %(fp32"))
+    local bf16 = tonumber(out:match(line .. "mfu_vs_bf16_gemm (%S+) loss %S+ %(bf16"))
     assert.is_true(fp32 ~= nil and fp32 >= 0 and bf16 ~= nil and bf16 >= 0, out)
     local rc2, out2 = emu([[
 local pg = require "pipegoose"

@@ -884,8 +884,9 @@ ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataT
 // the emulator the table holds the stand-ins above.
 #include "pg_cublas.h"
 extern "C" const pg_cublas_api *pg_cublas(void) {
-  static const pg_cublas_api api = {cublasCreate,      cublasDestroy,         cublasSetStream, cublasSetMathMode,
-                                    cublasGetProperty, cublasGetStatusString, cublasSgemm,     cublasSgemmStridedBatched,
+  static const pg_cublas_api api = {cublasCreate,          cublasDestroy, cublasSetStream,
+                                    cublasSetMathMode,     cublasGetProperty,
+                                    cublasGetStatusString, cublasSgemm,   cublasSgemmStridedBatched,
                                     cublasGemmEx};
   return &api;
 }
