@@ -253,6 +253,22 @@ int pg_cuda_matmul_forward(const pg_cuda_ctx *ctx, float *out, const float *inp,
 int pg_cuda_matmul_backward(const pg_cuda_ctx *ctx, float *dinp, float *dweight, float *dbias, const float *dout,
                             const float *inp, const float *weight, int N, int C, int OC);
 
+/* Precision bf16 on the device (kernels/cuda/bf16.cu), the CPU's bf16
+ * contracts above. bf16 is uint16_t here too (the bits, no cuda_bf16.h).
+ * pg_cuda_bf16_from_f32 rounds exactly as pg_bf16_round (the same bits). The
+ * GEMMs are cublasGemmEx with CUDA_R_16BF inputs, a CUDA_R_32F output and
+ * CUBLAS_COMPUTE_32F (float32 sums, as torch.autocast's bf16 Linear); the
+ * order of the sums is cuBLAS's. Backward: dinp overwritten (NULL: skip),
+ * dweight += (NULL: skip), and dbias (NULL: skip) += the column sums of the
+ * float32 dout_f32 (pg_cuda_matmul_backward's kernel: the bias gradient is
+ * not rounded, as on the CPU). */
+int pg_cuda_bf16_from_f32(const pg_cuda_ctx *ctx, uint16_t *dst, const float *src, int64_t n);
+int pg_cuda_matmul_bf16_forward(const pg_cuda_ctx *ctx, float *out, const uint16_t *inp, const uint16_t *weight,
+                                const float *bias, int N, int C, int OC);
+int pg_cuda_matmul_bf16_backward(const pg_cuda_ctx *ctx, float *dinp, float *dweight, float *dbias,
+                                 const float *dout_f32, const uint16_t *dout, const uint16_t *inp,
+                                 const uint16_t *weight, int N, int C, int OC);
+
 /* att[B,NH,T,T] as on the CPU (probabilities, exact zeros above the diagonal). */
 int pg_cuda_attention_forward(const pg_cuda_ctx *ctx, float *out, float *att, const float *qkv, int B, int T, int NH,
                               int NKV, int HS);

@@ -1,17 +1,23 @@
--- Training-step benchmark on a GPU: GPT-2 tokens/s and MFU against the cuBLAS
--- FP32 sgemm rate measured in the same run on the same device.
+-- Training-step benchmark on a GPU: GPT-2 tokens/s and MFU, float32 against
+-- the cuBLAS FP32 sgemm rate and precision = "bf16" against the cuBLAS bf16
+-- GemmEx rate (bf16 inputs, float32 sums: the products bf16 training runs),
+-- both measured in the same run on the same device.
 --
 --   pglua scripts/bench_gpu.lua [--model=124m|small|tiny] [--batch=B] [--seq=T] [--steps=N] [--warmup=W]
---       [--peak-n=N]
+--       [--peak-n=N] [--precision=fp32|bf16|both]
 --
 -- Prints, one per line (rank 0):
 --   gpu cuda runtime R driver D cuBLAS C NCCL N   (library versions)
---   peak sgemm_fp32 <GFLOP/s> (n = N)
+--   peak sgemm_fp32 <GFLOP/s> (n = N)                          (fp32, both)
+--   peak gemm_bf16 <GFLOP/s> (n = N)                           (bf16, both)
 --   gpt2-<model> BxT tokens_per_s <v> step_ms <v> mfu_vs_sgemm <v> (fp32, TF32 off)
+--   gpt2-<model> BxT tokens_per_s <v> step_ms <v> mfu_vs_bf16_gemm <v> (bf16 ...)
 -- MFU = 6 x parameters x tokens/s (the matmul FLOPs of forward and
 -- backward, attention's own products left out as in the CPU bench) over the
--- sgemm rate. On the emulated device (build-emu) use --model=tiny: it checks
--- the script, not the speed.
+-- measured GEMM rate of the run's precision. Against a datasheet's dense bf16
+-- peak (lua/pipegoose/plan/hardware.lua: H100 SXM 989.5 TFLOP/s), multiply by
+-- peak gemm_bf16 / datasheet. On the emulated device (build-emu) use
+-- --model=tiny: it checks the script, not the speed.
 local pg = require "pipegoose"
 
 local opt = {}
@@ -37,12 +43,24 @@ if not ok then error("bench_gpu.lua: no GPU: " .. tostring(why), 0) end
 local v = pg.cuda.versions()
 print(("gpu cuda runtime %d driver %d cuBLAS %d NCCL %d"):format(v.runtime, v.driver, v.cublas, v.nccl))
 
-local n = int("peak-n", name == "tiny" and 64 or 8192)
-local peak = pg.cuda.sgemm_gflops(n, name == "tiny" and 2 or 20)
-print(("peak sgemm_fp32 %.1f GFLOP/s (n = %d)"):format(peak, n))
+local which = opt.precision or "both"
+local PRECISIONS = { fp32 = { "fp32" }, bf16 = { "bf16" }, both = { "fp32", "bf16" } }
+local precisions = PRECISIONS[which] or error("bench_gpu.lua: --precision is fp32, bf16 or both", 0)
 
-local engine = pg.parallelize(pg.nn.GPT(cfg), nil, { device = "cuda", seed = 1 })
-local optim = pg.optim.AdamW(engine, { lr = 1e-4, weight_decay = 0.1 })
+-- The peak each precision is measured against: cuBLAS sgemm (TF32 off) and GemmEx (bf16 x bf16 -> float32).
+local n = int("peak-n", name == "tiny" and 64 or 8192)
+local reps = name == "tiny" and 2 or 20
+local peaks = {}
+for _, p in ipairs(precisions) do
+  if p == "fp32" then
+    peaks.fp32 = pg.cuda.sgemm_gflops(n, reps)
+    print(("peak sgemm_fp32 %.1f GFLOP/s (n = %d)"):format(peaks.fp32, n))
+  else
+    peaks.bf16 = pg.cuda.bf16_gemm_gflops(n, reps)
+    print(("peak gemm_bf16 %.1f GFLOP/s (n = %d, bf16 inputs, float32 sums)"):format(peaks.bf16, n))
+  end
+end
+
 local ids = {}
 for b = 1, B do
   ids[b] = {}
@@ -50,22 +68,35 @@ for b = 1, B do
 end
 local all = pg.tensor(ids, { dtype = "int32" })
 local x, y = all:narrow(2, 1, T), all:narrow(2, 2, T)
-local function step()
-  engine:zero_grad()
-  local loss = engine:forward_backward(x, y)
-  optim:clip_grad_norm(1.0)
-  optim:step()
-  return loss
-end
-for _ = 1, warmup do step() end
-pg.cuda.synchronize()
 
-local t0 = pg.wtime()
-local loss
-for _ = 1, steps do loss = step() end
-pg.cuda.synchronize()
-local dt = (pg.wtime() - t0) / steps
-local params = engine:num_parameters()
-local tps = B * T / dt
-print(("gpt2-%s %dx%d tokens_per_s %.0f step_ms %.2f mfu_vs_sgemm %.3f loss %.4f (fp32, TF32 off, %d parameters)")
-  :format(name, B, T, tps, dt * 1e3, 6 * params * tps / (peak * 1e9), loss, params))
+for _, precision in ipairs(precisions) do
+  local engine = pg.parallelize(pg.nn.GPT(cfg), nil, { device = "cuda", seed = 1, precision = precision })
+  local optim = pg.optim.AdamW(engine, { lr = 1e-4, weight_decay = 0.1 })
+  local function step()
+    engine:zero_grad()
+    local loss = engine:forward_backward(x, y)
+    optim:clip_grad_norm(1.0)
+    optim:step()
+    return loss
+  end
+  for _ = 1, warmup do step() end
+  pg.cuda.synchronize()
+
+  local t0 = pg.wtime()
+  local loss
+  for _ = 1, steps do loss = step() end
+  pg.cuda.synchronize()
+  local dt = (pg.wtime() - t0) / steps
+  local params = engine:num_parameters()
+  local tps = B * T / dt
+  local mfu = 6 * params * tps / (peaks[precision] * 1e9)
+  if precision == "fp32" then
+    print(("gpt2-%s %dx%d tokens_per_s %.0f step_ms %.2f mfu_vs_sgemm %.3f loss %.4f (fp32, TF32 off, %d parameters)")
+      :format(name, B, T, tps, dt * 1e3, mfu, loss, params))
+  else
+    print(("gpt2-%s %dx%d tokens_per_s %.0f step_ms %.2f mfu_vs_bf16_gemm %.3f loss %.4f (bf16 linear and lm_head "
+      .. "products, float32 sums and masters, %d parameters)"):format(name, B, T, tps, dt * 1e3, mfu, loss, params))
+  end
+  engine, optim = nil, nil
+  collectgarbage() -- the first engine's device memory goes before the next is made (124M: both would fit, larger not)
+end

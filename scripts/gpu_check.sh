@@ -9,8 +9,11 @@
 #      two GPUs; staged through the host when the ranks share one);
 #      Then scripts/model_check.lua --device=cuda on the LLaMA fixture (GQA,
 #      RoPE, RMSNorm, SwiGLU), one rank and --tensor=2: 10 steps' losses to 1e-5;
+#      Then precision = "bf16" (cublasGemmEx) against the float64 fixture and
+#      the CPU's bf16 run: spec/unit/bf16_check_spec.lua's device part;
 #   4. scripts/bench_gpu.lua: GPT-2 124M tokens/s and MFU against the cuBLAS
-#      FP32 sgemm rate measured in the same run (BENCH_ARGS to change it), and
+#      FP32 sgemm rate, and with precision = "bf16" against the cuBLAS bf16
+#      GemmEx rate, both measured in the same run (BENCH_ARGS to change it), and
 #      where python3 has torch, the same step in PyTorch on the same GPU
 #      (scripts/bench_torch.py --device cuda, fp32, TF32 off) and the ratio;
 #   5. unless SPECS=0: the dist specs marked '-- device worlds:' at those
@@ -107,6 +110,12 @@ LLAMA=(scripts/model_check.lua --hf=spec/fixtures/hf_llama_tiny --tokens=spec/fi
 LLAMA_REF=(spec/fixtures/hf_llama_tiny/expected.json step_losses -)
 check "model_check --device=cuda (LLaMA)" 1 "${LLAMA_REF[@]}" -- "${LLAMA[@]}"
 check "model_check --device=cuda --tensor=2 (LLaMA)" 2 "${LLAMA_REF[@]}" -- "${LLAMA[@]}" --tensor=2
+
+# precision = "bf16" on this GPU (cublasGemmEx): bf16_check_spec's device part, with this build standing in for
+# the emulated one: the float64 fixture to 1e-3 and the CPU's bf16 run to 1e-4, one rank, --tensor=2, --data=2
+say "== precision bf16 on the device: spec/unit/bf16_check_spec.lua (device part)"
+run env PGLUA="$PGLUA" PG_EMU_PGLUA="$PGLUA" "$PGLUA" "${BUSTED:-$(command -v busted || echo /usr/bin/busted)}" \
+  --helper=spec/support/helpers.lua --filter="on the emulated device" spec/unit/bf16_check_spec.lua || failed=1
 
 say "== bench_gpu.lua ${BENCH_ARGS:-}"
 # shellcheck disable=SC2086

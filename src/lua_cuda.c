@@ -75,6 +75,19 @@ static int l_sgemm_gflops(lua_State *L) {
   return 1;
 }
 
+/* bf16_gemm_gflops(n [, reps]) -> GFLOP/s of cublasGemmEx bf16 n x n x n products (float32 sums) on this rank's
+ * device: precision "bf16"'s peak */
+static int l_bf16_gemm_gflops(lua_State *L) {
+  int n = (int)pg_lua_check_int_in(L, 1, "n", 1, 1 << 16);
+  int reps = lua_isnoneornil(L, 2) ? 10 : (int)pg_lua_check_int_in(L, 2, "reps", 1, INT_MAX);
+  double g = 0;
+  const pg_backend *b = pg_backend_named("cuda");
+  if (!b || pg_backend_bf16_gemm_gflops(b, n, reps, &g))
+    return luaL_error(L, "pg.cuda.bf16_gemm_gflops: %s", pg_error());
+  lua_pushnumber(L, g);
+  return 1;
+}
+
 /* synchronize(): waits for the device's queued work (timing) */
 static int l_synchronize(lua_State *L) {
   if (pg_cuda_synchronize()) return luaL_error(L, "pg.cuda.synchronize: %s", pg_error());
@@ -83,6 +96,7 @@ static int l_synchronize(lua_State *L) {
 
 static const luaL_Reg cuda_functions[] = {{"available", l_available},
                                           {"sgemm_gflops", l_sgemm_gflops},
+                                          {"bf16_gemm_gflops", l_bf16_gemm_gflops},
                                           {"synchronize", l_synchronize},
                                           {"device_count", l_device_count},
                                           {"versions", l_versions},

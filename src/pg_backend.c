@@ -164,6 +164,26 @@ static int cpu_sum_squares(const pg_backend *b, const float *x, int64_t n, doubl
   return PG_OK;
 }
 
+CPU_KERNEL(bf16_from_f32, (const pg_backend *b, uint16_t *dst, const float *src, int64_t n), (dst, src, n))
+
+/* The bf16 GEMMs fail only when out of memory or when oneDNN fails (kernels.h). */
+static int cpu_matmul_bf16_forward(const pg_backend *b, float *out, const uint16_t *inp, const uint16_t *weight,
+                                   const float *bias, int N, int C, int OC) {
+  (void)b;
+  if (pg_matmul_bf16_forward(out, inp, weight, bias, N, C, OC)) return pg_fail("bf16 GEMM: %s", pg_bf16_gemm_error());
+  return PG_OK;
+}
+
+static int cpu_matmul_bf16_backward(const pg_backend *b, float *dinp, float *dweight, float *dbias,
+                                    const float *dout_f32, const uint16_t *dout, const uint16_t *inp,
+                                    const uint16_t *weight, int N, int C, int OC) {
+  (void)b;
+  if (pg_matmul_bf16_backward(dinp, dweight, dout, inp, weight, N, C, OC))
+    return pg_fail("bf16 GEMM: %s", pg_bf16_gemm_error());
+  if (dbias) pg_bias_backward(dbias, dout_f32, N, OC);
+  return PG_OK;
+}
+
 static const pg_backend_ops cpu_ops = {
     .alloc = cpu_alloc,
     .release = cpu_release,
@@ -196,6 +216,9 @@ static const pg_backend_ops cpu_ops = {
     .xent_finish = cpu_xent_finish,
     .adamw_update = cpu_adamw_update,
     .sum_squares = cpu_sum_squares,
+    .bf16_from_f32 = cpu_bf16_from_f32,
+    .matmul_bf16_forward = cpu_matmul_bf16_forward,
+    .matmul_bf16_backward = cpu_matmul_bf16_backward,
 };
 
 static void release_on(void *data, void *backend) { pg_be_release(backend, data); }
@@ -219,16 +242,21 @@ static double now_seconds(void) {
   return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-int pg_backend_sgemm_gflops(const pg_backend *b, int n, int reps, double *gflops) {
-  if (n < 1 || reps < 1) return pg_fail("sgemm_gflops: n and reps must be positive (n=%d, reps=%d)", n, reps);
-  size_t bytes = (size_t)n * n * sizeof(float);
-  float *x = b->ops->alloc(b, bytes), *y = x ? b->ops->alloc(b, bytes) : NULL, *z = y ? b->ops->alloc(b, bytes) : NULL;
+/* The rate of `reps` n x n x n products after one warm-up: float32 (matmul_forward) or, bf16, the bf16 GEMM
+ * (matmul_bf16_forward on bf16 operands, float32 sums and output), each on zeroed operands. */
+static int gemm_gflops(const pg_backend *b, int bf16, int n, int reps, double *gflops) {
+  const char *what = bf16 ? "bf16_gemm_gflops" : "sgemm_gflops";
+  if (n < 1 || reps < 1) return pg_fail("%s: n and reps must be positive (n=%d, reps=%d)", what, n, reps);
+  size_t in = (size_t)n * n * (bf16 ? sizeof(uint16_t) : sizeof(float)), out = (size_t)n * n * sizeof(float);
+  void *x = b->ops->alloc(b, in), *y = x ? b->ops->alloc(b, in) : NULL;
+  float *z = y ? b->ops->alloc(b, out) : NULL;
   int rc = z ? PG_OK : PG_ERR;
   double t0 = 0; /* product 0 warms up */
   for (int i = 0; rc == PG_OK && i <= reps; i++) {
     if (i == 1 && (rc = b->ops->sync(b))) break;
     if (i == 1) t0 = now_seconds();
-    rc = b->ops->matmul_forward(b, z, x, y, NULL, n, n, n);
+    rc = bf16 ? b->ops->matmul_bf16_forward(b, z, x, y, NULL, n, n, n)
+              : b->ops->matmul_forward(b, z, x, y, NULL, n, n, n);
     if (rc == PG_OK && i == reps && (rc = b->ops->sync(b)) == PG_OK)
       *gflops = 2.0 * n * (double)n * n * reps / (now_seconds() - t0) / 1e9;
   }
@@ -236,6 +264,14 @@ int pg_backend_sgemm_gflops(const pg_backend *b, int n, int reps, double *gflops
   pg_be_release(b, y);
   pg_be_release(b, z);
   return rc;
+}
+
+int pg_backend_sgemm_gflops(const pg_backend *b, int n, int reps, double *gflops) {
+  return gemm_gflops(b, 0, n, reps, gflops);
+}
+
+int pg_backend_bf16_gemm_gflops(const pg_backend *b, int n, int reps, double *gflops) {
+  return gemm_gflops(b, 1, n, reps, gflops);
 }
 
 const pg_backend *pg_backend_of(const pg_storage *s) {

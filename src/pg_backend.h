@@ -88,6 +88,17 @@ typedef struct pg_backend_ops {
                       float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale);
   /* *out (host) = sum of squares, deterministic */
   int (*sum_squares)(const pg_backend *b, const float *x, int64_t n, double *out);
+
+  /* ---- precision bf16 (kernels.h's bf16 contracts; bf16 values are uint16_t bits) ---- */
+  /* dst = src rounded to bf16 (nearest, ties to even; NaN kept), the same bits on every backend */
+  int (*bf16_from_f32)(const pg_backend *b, uint16_t *dst, const float *src, int64_t n);
+  /* out[N,OC] = inp[N,C] @ weight[OC,C]^T (+ bias), bf16 operands, float32 sums and result */
+  int (*matmul_bf16_forward)(const pg_backend *b, float *out, const uint16_t *inp, const uint16_t *weight,
+                             const float *bias, int N, int C, int OC);
+  /* dinp = dout @ weight (NULL: skip), dweight += dout^T @ inp (NULL: skip), on the bf16 operands;
+   * dbias (NULL: skip) += the column sums of the float32 dout_f32 (the bias gradient is not rounded) */
+  int (*matmul_bf16_backward)(const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout_f32,
+                              const uint16_t *dout, const uint16_t *inp, const uint16_t *weight, int N, int C, int OC);
 } pg_backend_ops;
 
 struct pg_backend {
@@ -119,6 +130,9 @@ pg_storage *pg_backend_storage(const pg_backend *b, size_t bytes);
  * off, or OpenBLAS) after one warm-up, timed on the host around a
  * synchronisation; *gflops set. */
 int pg_backend_sgemm_gflops(const pg_backend *b, int n, int reps, double *gflops);
+/* The same for the bf16 GEMM with float32 sums (matmul_bf16_forward: cublasGemmEx with
+ * CUBLAS_COMPUTE_32F, or oneDNN / widen-and-sgemm): the peak precision "bf16"'s MFU is measured against. */
+int pg_backend_bf16_gemm_gflops(const pg_backend *b, int n, int reps, double *gflops);
 
 /* The backend whose memory holds a storage (cpu, or cuda of its device). */
 const pg_backend *pg_backend_of(const pg_storage *s);

@@ -174,6 +174,17 @@ CUDA_KERNEL(adamw_update,
              float beta2, float eps, float weight_decay, int step, float grad_scale),
             (ctx_of(b), param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale))
 
+CUDA_KERNEL(bf16_from_f32, (const pg_backend *b, uint16_t *dst, const float *src, int64_t n),
+            (ctx_of(b), dst, src, n))
+CUDA_KERNEL(matmul_bf16_forward,
+            (const pg_backend *b, float *out, const uint16_t *inp, const uint16_t *weight, const float *bias, int N,
+             int C, int OC),
+            (ctx_of(b), out, inp, weight, bias, N, C, OC))
+CUDA_KERNEL(matmul_bf16_backward,
+            (const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout_f32,
+             const uint16_t *dout, const uint16_t *inp, const uint16_t *weight, int N, int C, int OC),
+            (ctx_of(b), dinp, dweight, dbias, dout_f32, dout, inp, weight, N, C, OC))
+
 static int64_t cu_attention_scratch_floats(const pg_backend *b, int T, int NH) {
   (void)b;
   return pg_cuda_attention_scratch_floats(T, NH);
@@ -237,6 +248,9 @@ static const pg_backend_ops cuda_ops = {
     .xent_finish = cu_xent_finish,
     .adamw_update = cu_adamw_update,
     .sum_squares = cu_sum_squares,
+    .bf16_from_f32 = cu_bf16_from_f32,
+    .matmul_bf16_forward = cu_matmul_bf16_forward,
+    .matmul_bf16_backward = cu_matmul_bf16_backward,
 };
 
 const pg_backend *pg_backend_cuda(int ordinal) {

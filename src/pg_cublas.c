@@ -34,7 +34,8 @@ static void load(void) {
               {"cublasGetProperty", (void **)&api.GetProperty},
               {"cublasGetStatusString", (void **)&api.GetStatusString},
               {"cublasSgemm_v2", (void **)&api.Sgemm},
-              {"cublasSgemmStridedBatched", (void **)&api.SgemmStridedBatched}};
+              {"cublasSgemmStridedBatched", (void **)&api.SgemmStridedBatched},
+              {"cublasGemmEx", (void **)&api.GemmEx}};
   for (size_t i = 0; i < sizeof syms / sizeof *syms; i++) {
     *syms[i].slot = dlsym(h, syms[i].name);
     if (!*syms[i].slot) {

@@ -26,6 +26,10 @@ typedef struct pg_cublas_api {
   cublasStatus_t (*SgemmStridedBatched)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
                                         const float *, const float *, int, long long, const float *, int, long long,
                                         const float *, float *, int, long long, int);
+  /* precision bf16's GEMMs (kernels/cuda/bf16.cu): bf16 inputs, float32 output and compute type */
+  cublasStatus_t (*GemmEx)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int, const void *,
+                           const void *, cudaDataType, int, const void *, cudaDataType, int, const void *, void *,
+                           cudaDataType, int, cublasComputeType_t, cublasGemmAlgo_t);
 } pg_cublas_api;
 
 /* The table, loading libcublas on the first call; NULL (and pg_error() set)

@@ -348,6 +348,80 @@ static void test_matmul(selftest *st) {
   }
 }
 
+/* n bf16 values of a device buffer against the CPU's, bit for bit. */
+static void check_bf16(selftest *st, const char *name, const uint16_t *dev, const uint16_t *want, int64_t n) {
+  if (st->broken || !dev || !want) return;
+  uint16_t *got = h_alloc(st, (size_t)n * sizeof(uint16_t));
+  if (!got) return;
+  if (pg_cuda_synchronize() != PG_OK ||
+      pg_cuda_memcpy(got, dev, (size_t)n * sizeof(uint16_t), PG_CUDA_DEVICE_TO_HOST) != PG_OK) {
+    broken(st, name, pg_error());
+    return;
+  }
+  st->checks++;
+  for (int64_t i = 0; i < n; i++)
+    if (got[i] != want[i]) {
+      st->failed++;
+      say(st, "  FAIL  %-34s element %lld: got 0x%04x, want 0x%04x (bit for bit)\n", name, (long long)i, got[i],
+          want[i]);
+      return;
+    }
+  say(st, "  ok    %-34s bit for bit (%lld values)\n", name, (long long)n);
+}
+
+/* Precision bf16: the rounding (bit for bit, ties and specials included) and the GemmEx products against the CPU's
+ * bf16 GEMMs on the same bf16 operands (both sum exact products in float32, in other orders: TOL_GEMM). */
+static void test_bf16(selftest *st) {
+  const int N = ST_N, C = ST_C, OC = ST_OC;
+  const pg_cuda_ctx *ctx = &st->ctx;
+  /* ties to even both ways, just above and below a tie, NaNs (quiet, signalling, negative), infinities, the
+   * largest float (rounds to inf), the largest value that stays finite, subnormals, zeros */
+  static const uint32_t special[] = {0x3f808000u, 0x3f818000u, 0x3f808001u, 0x3f807fffu, 0x7fc00001u, 0x7f800001u,
+                                     0xffc12345u, 0x7f800000u, 0xff800000u, 0x7f7fffffu, 0x7f7f7fffu, 0x00008000u,
+                                     0x00018000u, 0x80000001u, 0x00000000u, 0x80000000u};
+  const int64_t ns = (int64_t)(sizeof special / sizeof *special), nr = (int64_t)N * C + ns;
+  float *x = h_rand(st, nr, -3, 3);
+  uint16_t *want = h_alloc(st, (size_t)nr * sizeof(uint16_t));
+  if (!x || !want) return;
+  memcpy(x + (int64_t)N * C, special, sizeof special);
+  pg_bf16_from_f32(want, x, nr);
+  float *d_x = d_floats(st, x, nr);
+  uint16_t *d_r = d_put(st, x, (size_t)nr * sizeof(uint16_t)); /* x's first bytes: garbage to overwrite */
+  if (st->broken) return;
+  if (launched(st, "bf16_from_f32", pg_cuda_bf16_from_f32(ctx, d_r, d_x, nr)))
+    check_bf16(st, "bf16_from_f32", d_r, want, nr);
+
+  /* the GEMMs on bf16 operands: x [N,C] (want's first N*C), w [OC,C], dout [N,OC] */
+  float *w = h_rand(st, (int64_t)OC * C, -1, 1), *b = h_rand(st, OC, -1, 1), *dout = h_rand(st, (int64_t)N * OC, -1, 1);
+  float *dw0 = h_rand(st, (int64_t)OC * C, -1, 1), *db0 = h_rand(st, OC, -1, 1);
+  float *garbage = h_rand(st, (int64_t)N * (C > OC ? C : OC), 100, 200);
+  uint16_t *w16 = h_alloc(st, (size_t)OC * C * 2), *dout16 = h_alloc(st, (size_t)N * OC * 2);
+  float *out = h_alloc(st, (size_t)N * OC * sizeof(float)), *dx = h_alloc(st, (size_t)N * C * sizeof(float));
+  float *dw = h_copy(st, dw0, (int64_t)OC * C), *db = h_copy(st, db0, OC);
+  if (!w || !b || !dout || !garbage || !w16 || !dout16 || !out || !dx || !dw || !db) return;
+  pg_bf16_from_f32(w16, w, (int64_t)OC * C);
+  pg_bf16_from_f32(dout16, dout, (int64_t)N * OC);
+  if (pg_matmul_bf16_forward(out, want, w16, b, N, C, OC) ||
+      pg_matmul_bf16_backward(dx, dw, dout16, want, w16, N, C, OC)) {
+    broken(st, "CPU bf16 GEMM", pg_bf16_gemm_error());
+    return;
+  }
+  pg_bias_backward(db, dout, N, OC);
+  uint16_t *d_w16 = d_put(st, w16, (size_t)OC * C * 2), *d_dout16 = d_put(st, dout16, (size_t)N * OC * 2);
+  float *d_b = d_floats(st, b, OC), *d_out = d_floats(st, garbage, (int64_t)N * OC);
+  float *d_dout = d_floats(st, dout, (int64_t)N * OC), *d_dx = d_floats(st, garbage, (int64_t)N * C);
+  float *d_dw = d_floats(st, dw0, (int64_t)OC * C), *d_db = d_floats(st, db0, OC);
+  if (st->broken) return;
+  if (launched(st, "matmul_bf16_forward", pg_cuda_matmul_bf16_forward(ctx, d_out, d_r, d_w16, d_b, N, C, OC)))
+    check_f(st, "matmul_bf16_forward", d_out, out, (int64_t)N * OC, TOL_GEMM);
+  if (launched(st, "matmul_bf16_backward",
+               pg_cuda_matmul_bf16_backward(ctx, d_dx, d_dw, d_db, d_dout, d_dout16, d_r, d_w16, N, C, OC))) {
+    check_f(st, "matmul_bf16_backward.dinp", d_dx, dx, (int64_t)N * C, TOL_GEMM);
+    check_f(st, "matmul_bf16_backward.dweight", d_dw, dw, (int64_t)OC * C, TOL_GEMM);
+    check_f(st, "matmul_bf16_backward.dbias", d_db, db, OC, TOL_REDUCE);
+  }
+}
+
 /* One attention shape: NH query heads, NKV key/value heads of HS columns. */
 static void attention_case(selftest *st, int NH, int NKV, int HS) {
   const int B = ST_B, T = ST_T, N = ST_N, W = (NH + 2 * NKV) * HS, C = NH * HS;
@@ -610,7 +684,7 @@ int pg_cuda_selftest(char *report, size_t n) {
   if (pg_cuda_ctx_init(&st->ctx) != PG_OK) {
     broken(st, "context", pg_error());
   } else {
-    void (*tests[])(selftest *) = {test_embedding, test_layernorm, test_rmsnorm, test_matmul, test_attention,
+    void (*tests[])(selftest *) = {test_embedding, test_layernorm, test_rmsnorm, test_matmul, test_bf16, test_attention,
                                    test_rope,      test_pointwise, test_swiglu,  test_xent,   test_optim};
     for (size_t i = 0; i < sizeof tests / sizeof tests[0] && !st->broken; i++) tests[i](st);
     (void)pg_cuda_synchronize();

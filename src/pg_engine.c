@@ -297,12 +297,6 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *const *stages, int nchunks,
     pg_engine_free(e);
     return pg_fail_null("out of memory");
   }
-  if (opts->precision == PG_PRECISION_BF16 && e->be->device != PG_CPU) {
-    const char *name = e->be->name; /* the backend outlives the engine */
-    pg_engine_free(e);
-    return pg_fail_null("precision \"bf16\" runs on the cpu backend only for now, not %s (the device's bf16 GEMMs "
-                        "and kernels are not written yet): use precision = \"fp32\" there", name);
-  }
   int rc = !(e->recompute_arena = pg_recompute_arena_new(e->be));
   /* one arena for every chunk: a rank runs one block's backward at a time */
   for (int v = 0; v < nchunks && !rc; v++)
@@ -355,24 +349,27 @@ void pg_engine_free(pg_engine *e) {
   pg_be_release(e->be, e->device_ids);
   free(e->ios);
   free(e->eval_ios);
-  free(e->bf16_scratch[0]);
-  free(e->bf16_scratch[1]);
+  pg_be_release(e->be, e->bf16_scratch[0]);
+  pg_be_release(e->be, e->bf16_scratch[1]);
   free((char *)e->opts.tied_name);
   free(e);
 }
 
 /* Precision bf16: one scratch for the rounded operands of whichever GEMM runs (modules run one at a time), as
- * large as the largest any module of the rank's chunks needs at the current capacity. */
+ * large as the largest any module of the rank's chunks needs at the current capacity, in the backend's memory
+ * (where the GEMMs read it). */
 static int bf16_scratch(pg_engine *e) {
   int64_t need[2] = {0, 0};
   for (int v = 0; v < e->nchunks; v++) pg_module_bf16_scratch(e->chunks[v].stage, need);
   for (int k = 0; k < 2; k++) {
-    free(e->bf16_scratch[k]);
+    pg_be_release(e->be, e->bf16_scratch[k]);
     e->bf16_scratch[k] = NULL;
     e->bf16_scratch_n[k] = 0;
     if (!need[k]) continue;
-    if ((uint64_t)need[k] > SIZE_MAX / 2 || !(e->bf16_scratch[k] = malloc((size_t)need[k] * 2)))
-      return pg_fail("out of memory for the bf16 operand scratch (%lld elements)", (long long)need[k]);
+    if ((uint64_t)need[k] > SIZE_MAX / 2)
+      return pg_fail("the bf16 operand scratch of %lld elements is too large", (long long)need[k]);
+    if (!(e->bf16_scratch[k] = e->be->ops->alloc(e->be, (size_t)need[k] * 2)))
+      return pg_fail("no room for the bf16 operand scratch (%lld elements): %s", (long long)need[k], pg_error());
     e->bf16_scratch_n[k] = need[k];
   }
   return PG_OK;

@@ -488,31 +488,36 @@ int pg_tp_scatter_forward(pg_module *m, float *mine, const float *full, int N, i
 
 /* Precision "bf16" (pg_module_set_precision) for the modules whose products
  * are GEMMs with a weight (linear, lm_head): each product runs as a bf16
- * GEMM with float32 sums (kernels.h: oneDNN or widen-and-sgemm), as
- * torch.autocast runs a Linear. The weight's bf16 working copy is made from
- * the float32 master at the first forward of each call (micro-batch 0, not a
+ * GEMM with float32 sums (the backend's matmul_bf16_*: oneDNN or
+ * widen-and-sgemm on the CPU, cublasGemmEx on CUDA), as torch.autocast runs a
+ * Linear. The weight's bf16 working copy lives in the backend's memory (device
+ * memory on CUDA, so a step makes no host round trip) and is made from the
+ * float32 master at the first forward of each call (micro-batch 0, not a
  * recomputation): the optimizer, a checkpoint load or a write from Lua
  * change the master between calls, never within one, so every micro-batch
  * of a call uses the current weights and one conversion per weight and step
  * serves all of them. The module's input and output gradient stay float32
  * between modules; they are rounded into the caller's scratch
- * (pg_io.bf16_scratch) for each GEMM. */
+ * (pg_io.bf16_scratch, the engine's, in the same backend's memory) for each
+ * GEMM. */
 typedef struct bf16_mm {
   int on;
-  uint16_t *w;    /* the working weight: numel bf16 */
+  uint16_t *w;    /* the working weight: numel bf16, in the backend's memory */
   size_t bytes;
   int64_t need[2]; /* scratch elements: [0] the input or output gradient, [1] the input */
   long refreshes;  /* working copies made so far */
 } bf16_mm;
 
-static void mm_free(bf16_mm *mm) {
-  free(mm->w);
+/* The working weight lasts from one call to the next: the home backend's
+ * memory, never a recomputed block's shared arena. */
+static void mm_free(pg_module *m, bf16_mm *mm) {
+  pg_be_release(home_backend(BE(m)), mm->w);
   mm->w = NULL;
   mm->bytes = 0;
 }
 
 static int mm_alloc(pg_module *m, bf16_mm *mm, int64_t wnumel, int rows, int64_t in, int64_t out) {
-  mm_free(mm);
+  mm_free(m, mm);
   if (!mm->on) return PG_OK;
   int64_t a[2] = {rows, in > out ? in : out}, b[2] = {rows, in};
   mm->need[0] = pg_size_product(2, a);
@@ -521,7 +526,8 @@ static int mm_alloc(pg_module *m, bf16_mm *mm, int64_t wnumel, int rows, int64_t
     return pg_fail("%s: bf16 operands of %d rows x %lld columns are too large", m->name, rows,
                    (long long)(in > out ? in : out));
   size_t wn = (size_t)(wnumel > 0 ? wnumel : 1);
-  if (!(mm->w = malloc(wn * 2))) return pg_fail("%s: out of memory for its bf16 working weight", m->name);
+  if (!(mm->w = home_backend(BE(m))->ops->alloc(home_backend(BE(m)), wn * 2)))
+    return pg_fail("%s: no room for its bf16 working weight: %s", m->name, pg_error());
   mm->bytes = wn * 2;
   return PG_OK;
 }
@@ -532,18 +538,21 @@ static int mm_scratch(pg_module *m, const pg_io *io) {
   return PG_OK;
 }
 
-static int mm_fail(pg_module *m) { return pg_fail("%s: bf16 GEMM: %s", m->name, pg_bf16_gemm_error()); }
+/* The backend said what failed (a GEMM, a launch); the module adds its name. */
+static int mm_fail(pg_module *m) { return pg_fail("%s: %s", m->name, pg_error()); }
 
 /* out[N,OC] = x[N,C] @ w^T (+ bias), x rounded to bf16; refresh: remake the working weight first. */
 static int mm_forward(pg_module *m, bf16_mm *mm, const pg_io *io, int refresh, const pg_param *w, float *out,
                       const float *x, const float *bias, int N, int C, int OC) {
   if (mm_scratch(m, io)) return PG_ERR;
   if (refresh) {
-    pg_bf16_from_f32(mm->w, w->data, w->numel);
+    if (KERNEL(m, bf16_from_f32, mm->w, w->data, w->numel)) return mm_fail(m);
     mm->refreshes++;
   }
-  pg_bf16_from_f32(io->bf16_scratch[0], x, (int64_t)N * C);
-  return pg_matmul_bf16_forward(out, io->bf16_scratch[0], mm->w, bias, N, C, OC) ? mm_fail(m) : PG_OK;
+  if (KERNEL(m, bf16_from_f32, io->bf16_scratch[0], x, (int64_t)N * C) ||
+      KERNEL(m, matmul_bf16_forward, out, io->bf16_scratch[0], mm->w, bias, N, C, OC))
+    return mm_fail(m);
+  return PG_OK;
 }
 
 /* A linear-kind product: the backend's float32 kernel, or the bf16 one. */
@@ -552,7 +561,7 @@ static int mm_fwd(pg_module *m, bf16_mm *mm, const pg_io *io, const pg_param *w,
   int refresh = io->mb == 0 && !io->recomputing;
   if (N == 0) { /* a sequence-parallel rank without rows: the working weight is still remade for the others */
     if (mm->on && refresh) {
-      pg_bf16_from_f32(mm->w, w->data, w->numel);
+      if (KERNEL(m, bf16_from_f32, mm->w, w->data, w->numel)) return mm_fail(m);
       mm->refreshes++;
     }
     return PG_OK;
@@ -566,11 +575,11 @@ static int mm_bwd(pg_module *m, bf16_mm *mm, const pg_io *io, float *dinp, const
                   const float *dy, const float *x, int N, int C, int OC) {
   if (!mm->on) return KERNEL(m, matmul_backward, dinp, w->grad, dbias, dy, x, w->data, N, C, OC);
   if (mm_scratch(m, io)) return PG_ERR;
-  pg_bf16_from_f32(io->bf16_scratch[0], dy, (int64_t)N * OC);
-  pg_bf16_from_f32(io->bf16_scratch[1], x, (int64_t)N * C);
-  if (pg_matmul_bf16_backward(dinp, w->grad, io->bf16_scratch[0], io->bf16_scratch[1], mm->w, N, C, OC))
+  if (KERNEL(m, bf16_from_f32, io->bf16_scratch[0], dy, (int64_t)N * OC) ||
+      KERNEL(m, bf16_from_f32, io->bf16_scratch[1], x, (int64_t)N * C) ||
+      KERNEL(m, matmul_bf16_backward, dinp, w->grad, dbias, dy, io->bf16_scratch[0], io->bf16_scratch[1], mm->w, N,
+             C, OC))
     return mm_fail(m);
-  if (dbias) pg_bias_backward(dbias, dy, N, OC);
   return PG_OK;
 }
 
@@ -732,7 +741,7 @@ static void linear_destroy(pg_module *m) {
   free(s->saved_x);
   pg_be_release(BE(m), s->x_local);
   pg_be_release(BE(m), s->scratch);
-  mm_free(&s->mm);
+  mm_free(m, &s->mm);
   pg_be_release(BE(m), s->rows_full);
 }
 
@@ -1920,7 +1929,7 @@ static void lm_head_destroy(pg_module *m) {
   pg_be_release(BE(m), s->red);
   pg_be_release(BE(m), s->x_full);
   free(s->saved_x);
-  mm_free(&s->mm);
+  mm_free(m, &s->mm);
 }
 
 static const pg_module_ops lm_head_ops = {"lm_head", lm_head_alloc, lm_head_forward, lm_head_backward, lm_head_destroy};
@@ -2531,8 +2540,6 @@ int pg_module_set_precision(pg_module *m, pg_precision p) {
   if (p == PG_PRECISION_FP32) return PG_OK;
   if (m->out || m->dinp || m->nslots)
     return pg_fail("%s: the precision must be chosen before the buffers are allocated", m->name);
-  if (m->be->device != PG_CPU)
-    return pg_fail("%s: precision \"bf16\" runs on the cpu backend only for now, not %s", m->name, m->be->name);
   if (m->ops == &custom_ops)
     return pg_fail("%s: a module written in Lua computes in float32: precision \"bf16\" does not support it yet",
                    m->name);

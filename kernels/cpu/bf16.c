@@ -217,7 +217,7 @@ static int get_prim(prim *key, dnnl_primitive_t *out) {
 static int onednn_gemm(int M, int N, int K, const uint16_t *A, int64_t sa0, int64_t sa1, const uint16_t *B,
                        int64_t sb0, int64_t sb1, int beta, float *C) {
   prim key = {M, N, K, sa0, sa1, sb0, sb1, beta, NULL};
-  dnnl_primitive_t p;
+  dnnl_primitive_t p = NULL; /* set by get_prim when it succeeds */
   pthread_mutex_lock(&lock);
   int rc = get_prim(&key, &p);
   pthread_mutex_unlock(&lock);

@@ -112,4 +112,8 @@ inline cublasHandle_t blas_of(const pg_cuda_ctx *ctx) {
 // blocks of 32, rows split over 16 thread rows, partials added in row order.
 int col_sum_add(cudaStream_t s, float *dst, const float *src, int rows, int64_t cols, int64_t ld);
 
+// out[N,OC] rows = bias[OC] (matmul.cu): the start of a product with a bias,
+// which the GEMM then adds to with beta = 1 (sgemm's and the bf16 GemmEx's).
+int bias_rows(cudaStream_t s, float *out, const float *bias, int N, int OC);
+
 } // namespace pgcu

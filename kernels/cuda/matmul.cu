@@ -34,13 +34,19 @@ int col_sum_add(cudaStream_t s, float *dst, const float *src, int rows, int64_t 
   return launch_status();
 }
 
-} // namespace pgcu
-
 // out[n, :] = bias, flat over N*OC elements (then sgemm adds the product, beta = 1).
 __global__ void bias_rows_kernel(float *out, const float *bias, int64_t total, int OC) {
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x)
     out[i] = bias[i % OC];
 }
+
+int bias_rows(cudaStream_t s, float *out, const float *bias, int N, int OC) {
+  const int64_t total = (int64_t)N * OC;
+  bias_rows_kernel<<<grid_for(total, BLOCK), BLOCK, 0, s>>>(out, bias, total, OC);
+  return launch_status();
+}
+
+} // namespace pgcu
 
 extern "C" int pg_cuda_matmul_forward(const pg_cuda_ctx *ctx, float *out, const float *inp, const float *weight,
                                       const float *bias, int N, int C, int OC) {
@@ -48,9 +54,7 @@ extern "C" int pg_cuda_matmul_forward(const pg_cuda_ctx *ctx, float *out, const 
   cudaStream_t s = stream_of(ctx);
   float beta = 0.0f;
   if (bias) {
-    const int64_t total = (int64_t)N * OC;
-    bias_rows_kernel<<<grid_for(total, BLOCK), BLOCK, 0, s>>>(out, bias, total, OC);
-    if (int rc = launch_status()) return rc;
+    if (int rc = bias_rows(s, out, bias, N, OC)) return rc;
     beta = 1.0f;
   }
   if (C <= 0) return bias ? 0 : (int)cudaMemsetAsync(out, 0, (size_t)N * OC * sizeof(float), s);

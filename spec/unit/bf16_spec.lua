@@ -242,6 +242,30 @@ describe("precision = bf16 in pg.parallelize", function()
     assert.are.equal(m32.grads_bytes, m16.grads_bytes)
   end)
 
+  it("with recomputation (full, selective) gives the run without it bit for bit: the working weights are not in "
+    .. "the recomputed blocks' shared buffers", function()
+    local x, y = batch()
+    local function run(recompute)
+      local e = pg.parallelize(tiny(), pg.ParallelContext{ seed = 3 }, { precision = "bf16", recompute = recompute,
+                                                                       micro_batches = 2 })
+      local opt = pg.optim.AdamW(e, { lr = 1e-2 })
+      local losses = {}
+      for i = 1, 3 do
+        e:zero_grad()
+        losses[i] = e:forward_backward(x, y)
+        opt:step()
+      end
+      losses[4] = e:loss(x, y)
+      return losses, e:flat():clone()
+    end
+    local want, w = run("none")
+    for _, how in ipairs{ "full", "selective" } do
+      local got, g = run(how)
+      assert.are.same(want, got, how)
+      assert.is_true(g:equal(w), how .. ": weights")
+    end
+  end)
+
   it("refuses what it cannot run with one clear error", function()
     local ok, err = pcall(pg.parallelize, tiny(), pg.ParallelContext{}, { precision = "fp16" })
     assert.is_false(ok)

@@ -123,6 +123,11 @@ template <typename T> T __shfl_xor_sync(unsigned mask, T v, int m) {
 }
 
 inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
+inline unsigned __float_as_uint(float f) {
+  unsigned u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
 /* separately rounded operations (the emulator builds with -ffp-contract=off) */
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }

@@ -608,6 +608,68 @@ cublasStatus_t cublasSgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperati
   return cublasSgemmStridedBatched(h, ta, tb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
 }
 
+// The one GemmEx pipegoose calls (kernels/cuda/bf16.cu): bf16 A and B, float32
+// C, CUBLAS_COMPUTE_32F (alpha and beta host floats). The bf16 inputs are
+// widened exactly; each product of two bf16 values is exact in float32 (8 + 8
+// significant bits), and the products are summed in float32 in order of k, so
+// the result is what float32 accumulation gives, not the double sums of the
+// sgemm above (a compute type that sums in double would hide a bf16 path
+// that lost its float32 accumulator). Other types or compute types (the
+// _FAST_ modes, a 16-bit accumulator) are refused: a caller asking for them
+// is not computing what precision "bf16" promises.
+static float bf16_widen(uint16_t h) {
+  const uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                            const void *alpha, const void *A, cudaDataType Atype, int lda, const void *B,
+                            cudaDataType Btype, int ldb, const void *beta, void *C, cudaDataType Ctype, int ldc,
+                            cublasComputeType_t compute, cublasGemmAlgo_t algo) {
+  (void)algo;
+  n_cublas++;
+  if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if (Atype != CUDA_R_16BF || Btype != CUDA_R_16BF || Ctype != CUDA_R_32F || compute != CUBLAS_COMPUTE_32F) {
+    fprintf(stderr,
+            "cuda_emu: GemmEx: A type %d, B type %d, C type %d, compute type %d: only bf16 x bf16 -> float32 with "
+            "CUBLAS_COMPUTE_32F is emulated\n",
+            (int)Atype, (int)Btype, (int)Ctype, (int)compute);
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
+  const int ar = ta == CUBLAS_OP_N ? m : k, ac = ta == CUBLAS_OP_N ? k : m;
+  const int br = tb == CUBLAS_OP_N ? k : n, bc = tb == CUBLAS_OP_N ? n : k;
+  if (m < 0 || n < 0 || k < 0 || lda < (ar > 1 ? ar : 1) || ldb < (br > 1 ? br : 1) || ldc < (m > 1 ? m : 1)) {
+    fprintf(stderr, "cuda_emu: GemmEx: invalid value (m %d n %d k %d lda %d ldb %d ldc %d)\n", m, n, k, lda, ldb, ldc);
+    return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  if (m == 0 || n == 0) return CUBLAS_STATUS_SUCCESS;
+  const uint16_t *a16 = (const uint16_t *)A, *b16 = (const uint16_t *)B;
+  float *c32 = (float *)C;
+  if ((k > 0 && (!inside(a16, extent(ar, ac, lda) * sizeof(uint16_t)) ||
+                 !inside(b16, extent(br, bc, ldb) * sizeof(uint16_t)))) ||
+      !inside(c32, extent(m, n, ldc) * sizeof(float))) {
+    fprintf(stderr, "cuda_emu: GemmEx: a matrix outside device memory (m %d n %d k %d)\n", m, n, k);
+    return CUBLAS_STATUS_EXECUTION_FAILED;
+  }
+  const float al = *(const float *)alpha, be = *(const float *)beta;
+  pg_emu_submit(h->stream, [=] {
+    for (int j = 0; j < n; j++)
+      for (int i = 0; i < m; i++) {
+        float s = 0.0f;
+        for (int p = 0; p < k; p++) {
+          const uint16_t a = ta == CUBLAS_OP_N ? a16[i + (long long)p * lda] : a16[p + (long long)i * lda];
+          const uint16_t bv = tb == CUBLAS_OP_N ? b16[p + (long long)j * ldb] : b16[j + (long long)p * ldb];
+          s += bf16_widen(a) * bf16_widen(bv);
+        }
+        float *c = c32 + i + (long long)j * ldc;
+        *c = al * s + (be == 0.0f ? 0.0f : be * *c); // beta = 0: C is not read
+      }
+  });
+  return CUBLAS_STATUS_SUCCESS;
+}
+
 // ---- NCCL ----
 
 ncclResult_t ncclGetVersion(int *version) {
@@ -822,7 +884,9 @@ ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataT
 // the emulator the table holds the stand-ins above.
 #include "pg_cublas.h"
 extern "C" const pg_cublas_api *pg_cublas(void) {
-  static const pg_cublas_api api = {cublasCreate,      cublasDestroy,         cublasSetStream, cublasSetMathMode,
-                                    cublasGetProperty, cublasGetStatusString, cublasSgemm,     cublasSgemmStridedBatched};
+  static const pg_cublas_api api = {cublasCreate,          cublasDestroy, cublasSetStream,
+                                    cublasSetMathMode,     cublasGetProperty,
+                                    cublasGetStatusString, cublasSgemm,   cublasSgemmStridedBatched,
+                                    cublasGemmEx};
   return &api;
 }
