@@ -95,7 +95,8 @@ static int l_hparams(lua_State *L) {
   return 1;
 }
 
-/* opt:state() -> { step=, lo=, hi= (0-based flat range), m=tensor view, v=tensor view } */
+/* opt:state() -> { step=, lo=, hi= (0-based flat range), m=, v=, grad= (tensor views: the moments and the
+ * gradients of the range, read by the next step) } */
 static int l_state(lua_State *L) {
   pg_adamw *o = check_opt(L, 1);
   lua_createtable(L, 0, 5);
@@ -113,6 +114,11 @@ static int l_state(lua_State *L) {
   PG_LUA_CHECK(L, pg_tensor_init_view(&t, o->v, 0, PG_FLOAT32, 1, &n));
   pg_lua_push_tensor(L, &t);
   lua_setfield(L, -2, "v");
+  pg_engine *e = o->engine;
+  size_t at = (size_t)(pg_engine_grad_at(e, o->lo) - (float *)e->grad_store->data);
+  PG_LUA_CHECK(L, pg_tensor_init_view(&t, e->grad_store, at, PG_FLOAT32, 1, &n));
+  pg_lua_push_tensor(L, &t);
+  lua_setfield(L, -2, "grad");
   return 1;
 }
 

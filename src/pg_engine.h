@@ -94,6 +94,14 @@ typedef struct pg_bucket {
   int pending;       /* of those, not final yet in this step's last backward */
   int deferred;      /* holds a tied embedding's copy: starts after the embedding group's sum */
   pg_request *req;   /* in flight, or NULL */
+  /* ZeRO-2 (pg_engine.sharded): where its gradients are written while they
+   * are made, until its reduce-scatter is added into the shard */
+  int p0, p1;        /* its parameters are params[p0 .. p1] */
+  int resident;      /* keeps its own staging for the whole call (a tied copy, a weight a tied head borrows) */
+  float *stage;      /* [hi - lo]: a pool slot or its own; NULL when not staged */
+  int slot;          /* the pool slot it holds, or -1 */
+  long seq;          /* start order, to complete the oldest first */
+  int started_in_backward; /* this call */
 } pg_bucket;
 
 typedef struct pg_engine {
@@ -134,6 +142,18 @@ typedef struct pg_engine {
   double first_start;  /* when the step's first bucket started */
   int started_in_backward; /* buckets of the last step that synced which started before its backward ended */
   int grads_pending;   /* gradients added since the last reduction */
+  /* ZeRO-2 with data > 1 (pg_engine_shard_grads): grad_store holds only this
+   * rank's shard [grad_base, grad_base + flat_padded / data); gradients are
+   * written into staging buffers, a bucket at a time, reduce-scattered after
+   * every micro-batch's backward and added into the shard. */
+  int sharded;
+  int64_t grad_base;
+  float **pool;        /* [npool] staging slots of pool_elems floats */
+  int *pool_owner;     /* [npool] the bucket holding each, or -1 */
+  int npool;
+  int64_t pool_elems;
+  int64_t resident_elems; /* staging kept by resident buckets */
+  long bucket_seq;
   int64_t num_parameters; /* of the full model, counted at construction */
   pg_engine_stats stats;
 } pg_engine;
@@ -168,6 +188,18 @@ int pg_engine_zero_grad(pg_engine *e);
 int pg_engine_overlaps(const pg_engine *e);
 /* Runs the pending gradient reductions (no-op when none are pending). */
 int pg_engine_sync_grads(pg_engine *e);
+/* ZeRO-2 (the optimizer calls it for zero = 2): keep only this rank's shard
+ * of the gradients. With data = 1 nothing changes. The device backend and
+ * modules written in Lua that own parameters (they write gradients through
+ * views of the whole buffer) are refused with an error naming them. Not
+ * collective; every member of the data group must call it. */
+int pg_engine_shard_grads(pg_engine *e);
+/* The gradient of flat element off: anywhere without ZeRO-2, inside this
+ * rank's shard with it. */
+float *pg_engine_grad_at(const pg_engine *e, int64_t off);
+/* Bytes of gradient memory on this rank: the flat buffer, or with ZeRO-2 the
+ * shard plus the staging buffers (pool slots made so far and resident ones). */
+size_t pg_engine_grad_bytes(const pg_engine *e);
 /* This rank's ZeRO shard of the flat buffers: [*lo, *hi) (the whole buffer without ZeRO). */
 void pg_engine_shard(const pg_engine *e, int64_t *lo, int64_t *hi);
 /* Total parameters of the full (unsharded) model. Not collective: counted

@@ -41,6 +41,10 @@ pg_adamw *pg_adamw_new(pg_engine *e, const pg_adamw_hparams *h, int zero) {
   o->zero = zero;
   o->clip_scale = 1.0f;
   e->zero = zero;
+  if (zero == 2 && pg_engine_shard_grads(e)) {
+    free(o);
+    return NULL;
+  }
   pg_engine_shard(e, &o->lo, &o->hi);
   size_t bytes = (size_t)(o->hi - o->lo) * sizeof(float);
   if (!(o->m = pg_backend_storage(e->be, bytes)) || !(o->v = pg_backend_storage(e->be, bytes))) {
@@ -70,12 +74,11 @@ void pg_adamw_free(pg_adamw *o) {
 int pg_adamw_grad_norm(pg_adamw *o, double *norm) {
   pg_engine *e = o->engine;
   if (pg_engine_sync_grads(e)) return PG_ERR;
-  const float *g = e->grad_store->data;
   double sq = 0;
   FOR_OWNED_PIECES(o, p, a, b, {
     if (p->tied_copy || (p->replicated && e->ctx->tp_rank != 0)) continue;
     double piece;
-    if (e->be->ops->sum_squares(e->be, g + a, b - a, &piece)) return PG_ERR;
+    if (e->be->ops->sum_squares(e->be, pg_engine_grad_at(e, a), b - a, &piece)) return PG_ERR;
     sq += piece;
   })
   /* every rank holds a disjoint part of the model's gradients: its tensor
@@ -101,9 +104,9 @@ int pg_adamw_step(pg_adamw *o) {
   pg_engine *e = o->engine;
   if (pg_engine_sync_grads(e)) return PG_ERR;
   o->step++;
-  float *w = e->param_store->data, *g = e->grad_store->data, *m = o->m->data, *v = o->v->data;
+  float *w = e->param_store->data, *m = o->m->data, *v = o->v->data;
   FOR_OWNED_PIECES(o, p, a, b, {
-    if (e->be->ops->adamw_update(e->be, w + a, g + a, m + (a - o->lo), v + (a - o->lo), b - a, o->h.lr, o->h.beta1,
+    if (e->be->ops->adamw_update(e->be, w + a, pg_engine_grad_at(e, a), m + (a - o->lo), v + (a - o->lo), b - a, o->h.lr, o->h.beta1,
                                  o->h.beta2, o->h.eps, p->weight_decay ? o->h.weight_decay : 0.0f, (int)o->step,
                                  o->clip_scale))
       return PG_ERR;
