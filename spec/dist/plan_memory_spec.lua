@@ -14,7 +14,8 @@ local LAYOUTS = ({
           { name = "P=2 gpipe", pipeline = 2, m = 4, schedule = "gpipe" }, { name = "D=2", data = 2 },
           { name = "D=2 zero=1", data = 2, zero = 1 }, { name = "D=2 zero=2", data = 2, zero = 2 } },
   [4] = { { name = "T=2 x P=2", tensor = 2, pipeline = 2, m = 2 }, { name = "P=2 x D=2", pipeline = 2, data = 2, m = 2 },
-          { name = "T=2 x D=2", tensor = 2, data = 2 }, { name = "P=4 1f1b", pipeline = 4, m = 4 } },
+          { name = "T=2 x D=2", tensor = 2, data = 2 }, { name = "P=4 1f1b", pipeline = 4, m = 4 },
+          { name = "P=2 x D=2 zero=2", pipeline = 2, data = 2, m = 2, zero = 2 } },
 })[W]
 
 local MODELS = {
