@@ -929,9 +929,15 @@ size_t pg_engine_grad_bytes(const pg_engine *e) {
 }
 
 /* The bucket list with ZeRO-2's staging: the pool's slots hold the largest
- * bucket that is not resident; resident ones get their own, kept. */
+ * bucket that is not resident; resident ones get their own, kept. The pool
+ * starts with the two slots of the steady state (one bucket being written,
+ * the one before it reducing), so that memory() says before the first step
+ * what training holds; it grows only when a module's parameters span more
+ * buckets than the slots free. */
 static int make_staging(pg_engine *e) {
   e->pool_elems = e->resident_elems = 0;
+  int pooled = 0;
+  for (int k = 0; k < e->nbuckets; k++) pooled += !e->buckets[k].resident;
   for (int k = 0; k < e->nbuckets; k++) {
     pg_bucket *b = &e->buckets[k];
     b->seq = -1;
@@ -946,6 +952,16 @@ static int make_staging(pg_engine *e) {
       return pg_fail("zero = 2: out of memory for the staging of %lld gradients", (long long)n);
     e->resident_elems += n;
     aim_grads(e, b);
+  }
+  pooled = pooled < 2 ? pooled : 2;
+  if (pooled && (!(e->pool = calloc((size_t)pooled, sizeof *e->pool)) ||
+                 !(e->pool_owner = malloc((size_t)pooled * sizeof *e->pool_owner))))
+    return pg_fail("zero = 2: out of memory");
+  for (int i = 0; i < pooled; i++) {
+    if (!(e->pool[i] = calloc((size_t)e->pool_elems, sizeof(float))))
+      return pg_fail("zero = 2: out of memory for a gradient staging buffer of %lld floats", (long long)e->pool_elems);
+    e->pool_owner[i] = -1;
+    e->npool++;
   }
   return PG_OK;
 }
