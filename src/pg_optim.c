@@ -34,6 +34,9 @@ pg_adamw *pg_adamw_new(pg_engine *e, const pg_adamw_hparams *h, int zero) {
   if (zero < 0 || zero > 2)
     return pg_fail_null("zero=%d is not built: ZeRO stage 1 or 2 (zero = 1, 2) or none (zero = 0)", zero);
   if (pg_adamw_check_hparams(h)) return NULL;
+  if (e->sharded && zero == 0) /* its optimizer would read every gradient */
+    return pg_fail_null("zero=0: this engine keeps only its shard of the gradients (an optimizer with zero = 2 was "
+                        "made for it); make the engine again for zero = 0");
   pg_adamw *o = calloc(1, sizeof *o);
   if (!o) return pg_fail_null("out of memory");
   o->engine = e;

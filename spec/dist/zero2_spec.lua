@@ -172,6 +172,9 @@ describe(("ZeRO-2 on %d ranks"):format(W), function()
     ok, err = pcall(e.grads, e)
     assert.is_false(ok)
     assert.matches("engine:grads(): with zero = 2", err, 1, true)
+    ok, err = pcall(pg.optim.AdamW, e, { zero = 0 })
+    assert.is_false(ok)
+    assert.matches("zero=0: this engine keeps only its shard of the gradients", err, 1, true)
     -- a module written in Lua writes its gradients through views of the whole buffer
     local m = { name = "custom", in_width = 16 }
     function m:parameters() return { { name = "w", shape = { 16 } } } end
