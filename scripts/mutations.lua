@@ -170,6 +170,9 @@ return {
     to = "  for (int k = 0; k < e->nbuckets; k++) {\n    pg_bucket *b = &e->buckets[k];\n    if (b->resident &&",
     specs = { "dist/zero2#P = 2" }, why = "the tied copies are reduce-scattered without the embedding group's sum" },
   ------------------------------------------------------------------ overlapped gradient reduction
+  { name = "device-overlap-before-grads", file = "src/pg_comm.c",
+    from = "    if (e == cudaSuccess) e = cudaStreamWaitEvent(rs, made, 0);", to = "",
+    specs = { "dist/overlap_device" }, why = "a bucket's reduction does not wait for its last gradient kernel" },
   { name = "overlap-bucket-before-last-grad", file = "src/pg_engine.c",
     from = "--b->pending == 0 && !b->deferred", to = "--b->pending <= 1 && !b->deferred",
     specs = { "dist/overlap" }, why = "a bucket starts before its last parameter's gradient is final" },
@@ -186,7 +189,7 @@ return {
     from = "k->deferred = tied = tied || t;", to = "tied = tied || t;",
     specs = { "dist/overlap#P = 2" }, why = "the tied embedding's bucket is reduced before the embedding group's sum" },
   { name = "overlap-on-accumulating-calls", file = "src/pg_engine.c",
-    from = "e->overlap_now = (sync || e->sharded) && e->buckets;", to = "e->overlap_now = e->buckets != NULL;",
+    from = "e->overlap_now = (sync || e->sharded) && buckets_apply(e);", to = "e->overlap_now = buckets_apply(e);",
     specs = { "dist/overlap#accumulated" }, why = "buckets are reduced on calls with sync = false too" },
   { name = "overlap-every-backward-final", file = "src/pg_engine.c",
     from = "a.kind == PG_ACT_BACKWARD && k == e->last_backward[a.chunk];", to = "a.kind == PG_ACT_BACKWARD;",

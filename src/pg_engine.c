@@ -102,8 +102,13 @@ static pg_mode reduction_group(const pg_engine *e, const pg_param *p) {
   return PG_MODE_DATA;
 }
 
+/* Whether this step's reduction goes bucket by bucket: on the device only
+ * the all-reduce of zero = 0 does (NCCL reduce-scatters equal blocks, a
+ * bucket's pieces of the shards are not). */
+static int buckets_apply(const pg_engine *e) { return e->buckets && (e->be->device == PG_CPU || !e->zero); }
+
 int pg_engine_overlaps(const pg_engine *e) {
-  return e->buckets != NULL && (!e->sharded || e->opts.overlap_grad_reduce);
+  return buckets_apply(e) && (!e->sharded || e->opts.overlap_grad_reduce);
 }
 
 /* The overlapped reduction applies to host memory reduced over MPI. The
@@ -111,11 +116,14 @@ int pg_engine_overlaps(const pg_engine *e) {
  * run backward that read every member's buffer, so overlapping it would
  * take them from backward (memory bandwidth is the limit of both), and a
  * bucket would need every member to flag it final before anyone could read
- * it, a cross-process wait per bucket. The device backend has no second
- * NCCL stream for the reductions yet: there the reduction waits for the end
- * too (the engine's stream orders it after backward anyway). */
+ * it, a cross-process wait per bucket. On the device a bucket's all-reduce
+ * runs on the data group's reduction stream (pg_comm_device_overlap: NCCL,
+ * one GPU per rank), after an event the engine's stream records when the
+ * bucket's last gradient kernel is queued; the engine's stream waits for
+ * the reduction's event before the optimizer (pg_wait). */
 static int overlap_applies(const pg_engine *e) {
-  return e->opts.overlap_grad_reduce && e->ctx->data > 1 && e->be->device == PG_CPU && !pg_engine_shares_buffers(e);
+  if (!e->opts.overlap_grad_reduce || e->ctx->data == 1) return 0;
+  return e->be->device == PG_CPU ? !pg_engine_shares_buffers(e) : pg_comm_device_overlap(e->ctx, PG_MODE_DATA);
 }
 
 /* Whether p's gradient is written by a module that does not own it (a tied
@@ -809,12 +817,12 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
     e->ios[i] = (pg_io){.B = Bm, .T = T, .tokens = tokens + off, .targets = targets + off, .dloss = dloss,
                         .want_grad = 1, .loss_sum = 0, .logits = NULL, .mb = i, .row0 = (int64_t)off,
                         .host_targets = host_targets + off, .router = e->router ? e->router + i * nr : NULL,
-                        .backward_done = e->buckets ? on_backward_done : NULL,
+                        .backward_done = buckets_apply(e) ? on_backward_done : NULL,
                         .backward_begin = e->sharded ? on_backward_begin : NULL, .backward_ud = e};
   }
   /* gradients accumulated over calls with sync = 0 reduce on the call that
    * syncs; with ZeRO-2 on every call (only the shard can accumulate) */
-  e->overlap_now = (sync || e->sharded) && e->buckets;
+  e->overlap_now = (sync || e->sharded) && buckets_apply(e);
   if (e->overlap_now && reset_buckets(e)) return PG_ERR;
   for (int k = 0; k < e->nactions; k++) {
     pg_action a = e->actions[k];

@@ -14,7 +14,8 @@
  *      on one node the flat buffers live in shared memory and these are
  *      single passes over the members' buffers; otherwise chunked ring
  *      collectives (pg_comm.h).
- * Overlap (opts.overlap_grad_reduce, host memory over MPI only): the flat
+ * Overlap (opts.overlap_grad_reduce; host memory over MPI, or on the device
+ * with zero = 0 the data group's NCCL all-reduce on its own stream): the flat
  * gradient buffer is cut into buckets of about bucket_elems, in the order
  * their gradients become final in backward (the reverse of the parameters'
  * order, chunk by chunk). On the step that syncs, a bucket's nonblocking
@@ -23,8 +24,9 @@
  * parameters has finished the backward of the chunk's last micro-batch
  * (pg_io.backward_done), and runs while the rest of backward does; the step
  * waits for them at its end. A bucket holding a tied embedding's copy starts
- * at the end, after step 1. The shared-memory passes and the device backend
- * keep the one reduction at the end (pg_engine.c says why).
+ * at the end, after step 1. The shared-memory passes, and the device with
+ * ZeRO, keep the one reduction at the end (pg_engine.c says why).
+ * ZeRO-2 (pg_engine_shard_grads): see pg_engine.sharded below.
  * The loss is computed on the last stage, broadcast to the pipeline group and
  * averaged over the data group, so every rank returns the same number.
  * Evaluation runs a forward-only action list (PG_SCHEDULE_FORWARD) through
