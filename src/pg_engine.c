@@ -554,8 +554,11 @@ static int param_index(const pg_engine *e, const pg_param *p) {
 
 /* ---------------------------------------------------------------- ZeRO-2: staged gradients */
 
-/* Points the bucket's parameters' gradients at its staging (NULL: nowhere,
- * so that a write outside the bucket's staged time cannot go unnoticed). */
+/* Points the bucket's parameters' gradients at its staging, or at nothing
+ * between its staged times (NULL: the kernels then write no weight
+ * gradient). Nothing writes them then: their owners stage them first
+ * (pg_io.backward_begin), and a weight another module writes (borrowed) is
+ * resident. */
 static void aim_grads(pg_engine *e, const pg_bucket *b) {
   for (int i = b->p0; i <= b->p1; i++) {
     pg_param *p = e->params[i];
