@@ -4,10 +4,11 @@
 -- is reduce-scattered after every micro-batch's backward and added into the
 -- shard. Compared with ZeRO-1 (the reduction of the summed gradients) and
 -- with one process on the whole batch, same seed and batch:
---   - one micro-batch, D = 2: the same bits as ZeRO-1 (both add a + b and
---     scale by 1/2, and the shard starts at zero);
+--   - one micro-batch: the same bits as ZeRO-1 (both reduce-scatter the
+--     same buckets with MPI_Ireduce_scatter, and the shard starts at zero);
 --   - otherwise the per-micro-batch reduction adds the terms in another
---     order: the shard's gradients agree to
+--     order (measured: 1.5e-8 at most, gradients up to 0.18): the shard's
+--     gradients agree to
 --     |got - want| <= 1e-5 |want| + 1e-6 max(1, max |want|), the losses of
 --     three clipped AdamW steps to 1e-5 relative, the clipped norm to 1e-6
 --     relative (later parameters go through Adam, which turns
@@ -115,13 +116,9 @@ describe(("ZeRO-2 on %d ranks"):format(W), function()
     assert.are.equal(4 * st.flat_padded, z1.memory.grads_bytes)
   end)
 
-  it("gets ZeRO-1's result with one micro-batch", function()
-    if D == 2 then
-      assert.is_true(z2.first:equal(z1.first), "the first step's shard gradients, bit for bit")
-      for s = 1, 3 do assert.are.equal(z1.losses[s], z2.losses[s]) end
-    else
-      agree(z2, z1, "D = 4")
-    end
+  it("gets ZeRO-1's result with one micro-batch, bit for bit", function()
+    assert.is_true(z2.first:equal(z1.first), "the first step's shard gradients")
+    for s = 1, 3 do assert.are.equal(z1.losses[s], z2.losses[s]) end
   end)
 
   it("averages to the gradients of the whole batch on one process", function()
