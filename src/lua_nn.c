@@ -526,7 +526,8 @@ static void push_shape(lua_State *L, int ndim, const int64_t *shape) {
 
 /* {name=, shape=, full_shape=, split={dim=, blocks=, parts=, index= [, sizes=]}, valid_rows=,
  *  replicated=, tied_copy=, expert= (held by one member of an expert group), sequence_parallel=, weight_decay=,
- *  offset=, tensor=, grad=} for one parameter */
+ *  offset=, tensor=, grad=} for one parameter (no grad when gstore is NULL: ZeRO-2 keeps no gradient of the
+ *  whole parameter) */
 static void push_param(lua_State *L, pg_param *p, pg_storage *pstore, pg_storage *gstore) {
   lua_createtable(L, 0, 12);
   lua_pushstring(L, p->name);
@@ -573,6 +574,7 @@ static void push_param(lua_State *L, pg_param *p, pg_storage *pstore, pg_storage
   if (pg_tensor_init_view(&t, pstore, (size_t)p->offset, PG_FLOAT32, p->ndim, p->shape)) luaL_error(L, "%s", pg_error());
   pg_lua_push_tensor(L, &t);
   lua_setfield(L, -2, "tensor");
+  if (!gstore) return;
   if (pg_tensor_init_view(&t, gstore, (size_t)p->offset, PG_FLOAT32, p->ndim, p->shape)) luaL_error(L, "%s", pg_error());
   pg_lua_push_tensor(L, &t);
   lua_setfield(L, -2, "grad");
@@ -583,19 +585,24 @@ static int l_params(lua_State *L) {
   pg_engine *e = check_engine(L, 1);
   lua_createtable(L, e->nparams, 0);
   for (int i = 0; i < e->nparams; i++) {
-    push_param(L, e->params[i], e->param_store, e->grad_store);
+    push_param(L, e->params[i], e->param_store, e->sharded ? NULL : e->grad_store);
     lua_rawseti(L, -2, i + 1);
   }
   return 1;
 }
 
-/* engine:flat() -> params, grads: views of the whole flat buffers */
+/* engine:flat() -> params, grads: views of the whole flat buffers (grads nil
+ * with ZeRO-2, which keeps only this rank's shard: optimizer:shard_state().grad) */
 static int l_flat(lua_State *L) {
   pg_engine *e = check_engine(L, 1);
   int64_t n = e->flat_padded;
   pg_tensor t;
   PG_LUA_CHECK(L, pg_tensor_init_view(&t, e->param_store, 0, PG_FLOAT32, 1, &n));
   pg_lua_push_tensor(L, &t);
+  if (e->sharded) {
+    lua_pushnil(L);
+    return 2;
+  }
   PG_LUA_CHECK(L, pg_tensor_init_view(&t, e->grad_store, 0, PG_FLOAT32, 1, &n));
   pg_lua_push_tensor(L, &t);
   return 2;
@@ -631,6 +638,9 @@ static int l_gather_param(lua_State *L) {
   pg_engine *e = check_engine(L, 1);
   pg_param *p = check_param(L, e, 2);
   int grad = lua_toboolean(L, 3);
+  if (grad && e->sharded)
+    return luaL_error(L, "gather_param(%s, grad): with zero = 2 this rank keeps only its shard of the gradients "
+                         "(optimizer:shard_state().grad), not the whole of %s", p->name, p->name);
   pg_tensor *t = pg_lua_new_tensor(L, PG_FLOAT32, p->ndim, p->full_shape);
   pg_param view = *p;
   if (grad) view.data = p->grad;
@@ -681,6 +691,9 @@ static int l_info(lua_State *L) {
   lua_setfield(L, -2, "precision");
   set_int(L, "peak_in_flight", peak);
   set_int(L, "zero", e->zero);
+  /* measured: the flat buffer, or ZeRO-2's shard and staging (pg_engine_grad_bytes) */
+  set_int(L, "grads_bytes", (lua_Integer)pg_engine_grad_bytes(e));
+  set_int(L, "grad_staging_slots", e->npool);
   set_int(L, "steps", e->stats.steps);
   set_num(L, "step_seconds", e->stats.step_seconds);
   set_num(L, "recv_wait_seconds", e->stats.recv_wait_seconds);

@@ -96,7 +96,8 @@ static int l_hparams(lua_State *L) {
 }
 
 /* opt:state() -> { step=, lo=, hi= (0-based flat range of the dense region), elo=, ehi= (of the experts'
- * region; empty without expert parallelism), m=tensor view, v=tensor view: [hi - lo] then [ehi - elo] } */
+ * region; empty without expert parallelism), m=, v= (tensor views: [hi - lo] then [ehi - elo]), grad= (the
+ * gradients of [lo, hi), read by the next step) } */
 static int l_state(lua_State *L) {
   pg_adamw *o = check_opt(L, 1);
   lua_createtable(L, 0, 7);
@@ -118,6 +119,11 @@ static int l_state(lua_State *L) {
   PG_LUA_CHECK(L, pg_tensor_init_view(&t, o->v, 0, PG_FLOAT32, 1, &n));
   pg_lua_push_tensor(L, &t);
   lua_setfield(L, -2, "v");
+  pg_engine *e = o->engine;
+  size_t at = (size_t)(pg_engine_grad_at(e, o->lo) - (float *)e->grad_store->data);
+  PG_LUA_CHECK(L, pg_tensor_init_view(&t, e->grad_store, at, PG_FLOAT32, 1, &n));
+  pg_lua_push_tensor(L, &t);
+  lua_setfield(L, -2, "grad");
   return 1;
 }
 

@@ -632,8 +632,18 @@ int pg_comm_attach_device(pg_context *ctx, void *stream) {
     if (e != cudaSuccess) return pg_fail("creating the pipeline's send stream failed: %s", cudaGetErrorString(e));
     ctx->send_stream = st;
   }
+  if (ctx->group[PG_MODE_DATA].nccl) {
+    cudaStream_t st = NULL;
+    cudaError_t e = cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+    if (e != cudaSuccess) return pg_fail("creating the data group's reduction stream failed: %s", cudaGetErrorString(e));
+    ctx->reduce_stream = st;
+  }
 #endif
   return PG_OK;
+}
+
+int pg_comm_device_overlap(const pg_context *ctx, pg_mode m) {
+  return m == PG_MODE_DATA && ctx->reduce_stream != NULL;
 }
 
 void pg_comm_detach_device(pg_context *ctx) {
@@ -646,10 +656,11 @@ void pg_comm_detach_device(pg_context *ctx) {
   }
   if (ctx->nccl_world) ncclCommDestroy((ncclComm_t)ctx->nccl_world);
   if (ctx->send_stream) cudaStreamDestroy((cudaStream_t)ctx->send_stream);
+  if (ctx->reduce_stream) cudaStreamDestroy((cudaStream_t)ctx->reduce_stream);
 #endif
   for (int m = 0; m < PG_NUM_MODES; m++) ctx->group[m].nccl = NULL;
   for (int d = 0; d < 2; d++) ctx->nccl_next[d] = ctx->nccl_prev[d] = NULL;
-  ctx->nccl_world = ctx->send_stream = NULL;
+  ctx->nccl_world = ctx->send_stream = ctx->reduce_stream = NULL;
   if (ctx->device_attached && --attached_contexts == 0) host_release_all();
   ctx->device_attached = 0;
   ctx->device_stream = NULL;
@@ -1520,8 +1531,46 @@ static int start_coll(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_redu
   if (*req) return pg_fail("a bucket's reduction was started twice without a wait");
   if (op != PG_REDUCE_SUM && op != PG_REDUCE_AVG) return pg_fail("bucket reductions are sum or avg");
   if (n > PG_MPI_CHUNK) return pg_fail("a bucket of %lld elements is too large (at most 2^30)", (long long)n);
-  if (pg_cuda_is_device_memory(buf)) return pg_fail("bucket reductions take host memory");
   pg_group *g = &ctx->group[m];
+#ifdef PG_WITH_CUDA
+  /* Device memory: an NCCL all-reduce on the reduction stream, after what
+   * the engine's stream has queued so far (the bucket's last gradient
+   * kernel: an event recorded there, waited for by the reduction stream);
+   * the wait makes the engine's stream wait for the reduction's event, so
+   * the optimizer's kernels come after it and the host never blocks. */
+  if (!counts && g->size > 1 && n > 0 && m == PG_MODE_DATA && ctx->reduce_stream && nccl_for(ctx, m, buf)) {
+    pg_request *r = calloc(1, sizeof *r);
+    if (!r) return pg_fail("out of memory for a reduction request");
+    cudaStream_t rs = (cudaStream_t)ctx->reduce_stream;
+    cudaEvent_t made = NULL, done = NULL;
+    double t0 = MPI_Wtime();
+    cudaError_t e = cudaEventCreateWithFlags(&made, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventRecord(made, NCCL_STREAM(ctx));
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(rs, made, 0);
+    ncclResult_t nr = e == cudaSuccess ? ncclAllReduce(buf, buf, (size_t)n, ncclFloat32, nccl_op(op),
+                                                       (ncclComm_t)g->nccl, rs)
+                                       : ncclSuccess;
+    if (e == cudaSuccess && nr == ncclSuccess) e = cudaEventRecord(done, rs);
+    if (made) cudaEventDestroy(made);
+    if (e != cudaSuccess || nr != ncclSuccess) {
+      if (done) cudaEventDestroy(done);
+      free(r);
+      return e != cudaSuccess ? pg_fail("queueing a bucket's reduction failed: %s", cudaGetErrorString(e))
+                              : nccl_done(nr, "all_reduce", m);
+    }
+    r->mode = m;
+    r->ctx = ctx;
+    r->mpi = r->rec_req = MPI_REQUEST_NULL;
+    r->sent = done;
+    r->after = ctx->device_stream;
+    *req = r;
+    count(ctx, m, PG_COLL_ALL_REDUCE, (double)n * sizeof(float), t0);
+    return PG_OK;
+  }
+#endif
+  if (pg_cuda_is_device_memory(buf))
+    return pg_fail("bucket reductions take host memory, or device memory all-reduced over the data group's NCCL");
   pg_request *r = calloc(1, sizeof *r);
   if (!r) return pg_fail("out of memory for a reduction request");
   r->mode = m;
@@ -1585,6 +1634,10 @@ int pg_test(pg_request **req, int *done) {
   pg_request *r = *req;
   *done = 1;
   if (!r) return PG_OK;
+  if (r->sent) { /* a device reduction: the GPU completes it; the wait orders the engine's stream after it */
+    *done = 0;
+    return PG_OK;
+  }
   if (!r->coll) return pg_fail("pg_test takes a bucket's reduction, not a send");
   int flag = 1;
   if (r->mpi != MPI_REQUEST_NULL) {

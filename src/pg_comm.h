@@ -136,6 +136,10 @@ double pg_wtime(void);
  * cannot do (uneven blocks, other peers), transfers are staged through pinned
  * host memory over MPI. Said once, on rank 0. */
 int pg_comm_attach_device(pg_context *ctx, void *stream);
+/* 1 when the group's bucket reductions of device memory run on their own
+ * stream (pg_iall_reduce_buf: today the data group's all-reduce, with NCCL):
+ * the engine overlaps them with backward. */
+int pg_comm_device_overlap(const pg_context *ctx, pg_mode m);
 /* Frees the NCCL communicators (pg_context_destroy calls it). */
 void pg_comm_detach_device(pg_context *ctx);
 

@@ -86,8 +86,9 @@ typedef struct pg_context {
   /* NCCL beyond the groups' communicators (pg_comm.c): the world's, which the
    * others are split from; per pipeline neighbour one communicator for each
    * direction ([0] activations, forward; [1] gradients, backward), so that
-   * each carries its transfers in one order; the stream sends are queued on */
-  void *nccl_world, *nccl_next[2], *nccl_prev[2], *send_stream;
+   * each carries its transfers in one order; the stream sends are queued on;
+   * the stream the data group's overlapped bucket reductions run on */
+  void *nccl_world, *nccl_next[2], *nccl_prev[2], *send_stream, *reduce_stream;
   /* The agreement step and the watchdog (pg_comm.c): where the next call
    * comes from (pg.dist's bindings set it: "spec.lua:10"), the records of a
    * call's members (scratch, grown as needed), and the message of a call that

@@ -105,6 +105,7 @@ static int bind_params(pg_engine *e, uint64_t seed) {
 }
 
 static int count_parameters(pg_engine *e, int64_t *n);
+static void free_staging(pg_engine *e);
 
 /* ---------------------------------------------------------------- buckets */
 
@@ -127,21 +128,44 @@ static pg_mode reduction_group(const pg_engine *e, const pg_param *p) {
   return PG_MODE_DATA;
 }
 
-int pg_engine_overlaps(const pg_engine *e) { return e->buckets != NULL; }
+/* Whether this step's reduction goes bucket by bucket: on the device only
+ * the all-reduce of zero = 0 does (NCCL reduce-scatters equal blocks, a
+ * bucket's pieces of the shards are not). */
+static int buckets_apply(const pg_engine *e) { return e->buckets && (e->be->device == PG_CPU || !e->zero); }
+
+int pg_engine_overlaps(const pg_engine *e) {
+  return buckets_apply(e) && (!e->sharded || e->opts.overlap_grad_reduce);
+}
 
 /* The overlapped reduction applies to host memory reduced over MPI. The
  * shared-memory reduction stays one pass at the end: it is the cores that
  * run backward that read every member's buffer, so overlapping it would
  * take them from backward (memory bandwidth is the limit of both), and a
  * bucket would need every member to flag it final before anyone could read
- * it, a cross-process wait per bucket. The device backend has no second
- * NCCL stream for the reductions yet: there the reduction waits for the end
- * too (the engine's stream orders it after backward anyway). */
+ * it, a cross-process wait per bucket. On the device a bucket's all-reduce
+ * runs on the data group's reduction stream (pg_comm_device_overlap: NCCL,
+ * one GPU per rank), after an event the engine's stream records when the
+ * bucket's last gradient kernel is queued; the engine's stream waits for
+ * the reduction's event before the optimizer (pg_wait). */
 static int overlap_applies(const pg_engine *e) {
   /* expert parallelism's second region reduces over expert_data after
    * backward: its buckets would need that group's shard layout (not yet) */
-  return e->opts.overlap_grad_reduce && e->ctx->data > 1 && e->be->device == PG_CPU && !pg_engine_shares_buffers(e) &&
-         e->flat_padded == e->dense_padded;
+  if (!e->opts.overlap_grad_reduce || e->ctx->data == 1 || e->flat_padded > e->dense_padded) return 0;
+  return e->be->device == PG_CPU ? !pg_engine_shares_buffers(e) : pg_comm_device_overlap(e->ctx, PG_MODE_DATA);
+}
+
+/* Whether p's gradient is written by a module that does not own it (a tied
+ * head on the owner's stage writes the embedding's early in backward, the
+ * embedding late): with ZeRO-2 its bucket keeps its staging all call. */
+static int borrowed(const pg_engine *e, const pg_param *p) {
+  for (int v = 0; v < e->nchunks; v++) {
+    pg_param *b[8];
+    int n = pg_module_borrowed_params(e->chunks[v].stage, b, 8);
+    for (int i = 0; i < n && i < 8; i++)
+      if (b[i] == p) return 1;
+    if (n > 8) return 1; /* more than we look at: keep it staged, which is always right */
+  }
+  return 0;
 }
 
 /* Buckets in the order their gradients become final: chunk by chunk from
@@ -153,7 +177,7 @@ static int overlap_applies(const pg_engine *e) {
  * a parameter reduced first elsewhere (a tied embedding's copy) is a bucket
  * of its own, started at the end after that reduction. */
 static int build_buckets(pg_engine *e) {
-  if (!overlap_applies(e) || e->nparams == 0) return PG_OK;
+  if (!(overlap_applies(e) || e->sharded) || e->nparams == 0) return PG_OK;
   int *first = calloc((size_t)e->nchunks + 1, sizeof *first);
   e->buckets = calloc((size_t)e->nparams, sizeof *e->buckets);
   e->param_bucket = calloc((size_t)e->nparams, sizeof *e->param_bucket);
@@ -180,18 +204,20 @@ static int build_buckets(pg_engine *e) {
     int count = 0, tied = 0;
     for (int i = b - 1; i >= a; i--) {
       pg_param *p = e->params[i];
-      int t = reduced_first(e, p);
+      int t = reduced_first(e, p), r = e->sharded && (t || borrowed(e, p));
       pg_mode g = reduction_group(e, p);
-      if (count > 0 && (hi - p->offset > e->opts.bucket_elems || t || tied || g != e->buckets[nb].mode)) {
+      if (count > 0 && (hi - p->offset > e->opts.bucket_elems || t || r || tied || g != e->buckets[nb].mode)) {
         hi = e->buckets[nb].lo; /* close the open bucket */
         nb++;
         count = tied = 0;
       }
       pg_bucket *k = &e->buckets[nb];
-      if (count == 0) *k = (pg_bucket){.hi = hi, .mode = g};
+      if (count == 0) *k = (pg_bucket){.hi = hi, .mode = g, .p1 = i, .slot = -1};
       k->lo = p->offset;
+      k->p0 = i;
       k->nparams = ++count;
       k->deferred = tied = tied || t;
+      k->resident = k->resident || r;
       e->param_bucket[i] = nb;
     }
     e->buckets[nb].lo = e->params[a]->offset;
@@ -205,6 +231,8 @@ static int build_buckets(pg_engine *e) {
   e->nbuckets = nb;
   for (int k = 0; k < e->nactions; k++)
     if (e->actions[k].kind == PG_ACT_BACKWARD) e->last_backward[e->actions[k].chunk] = k;
+  if (too_large && e->sharded)
+    return pg_fail("zero = 2: a gradient bucket of more than 2^30 elements (a parameter that large): use zero = 1");
   if (too_large) { /* a parameter of more than 2^30 elements: MPI's counts; the ring reduces it at the end */
     free(e->buckets);
     free(e->param_bucket);
@@ -332,6 +360,7 @@ void pg_engine_free(pg_engine *e) {
   /* a step that failed may leave some in flight; on a broken context the
    * members that should complete them never will: they are left to the job's end */
   for (int k = 0; k < e->nbuckets && !e->ctx->broken; k++) pg_wait(&e->buckets[k].req);
+  free_staging(e);
   free(e->buckets);
   free(e->param_bucket);
   free(e->last_backward);
@@ -550,7 +579,8 @@ static int start_bucket(pg_engine *e, pg_bucket *b) {
     e->first_start = pg_wtime();
   }
   b->pending = -1; /* started */
-  float *g = (float *)e->grad_store->data + b->lo;
+  b->seq = e->bucket_seq++;
+  float *g = e->sharded ? b->stage : (float *)e->grad_store->data + b->lo;
   if (!e->zero) return pg_iall_reduce_buf(e->ctx, b->mode, g, b->hi - b->lo, PG_REDUCE_AVG, &b->req);
   int64_t *counts = malloc((size_t)e->ctx->group[b->mode].size * sizeof *counts);
   if (!counts) return pg_fail("out of memory starting a gradient bucket");
@@ -581,11 +611,159 @@ static int param_index(const pg_engine *e, const pg_param *p) {
   return -1;
 }
 
+/* ---------------------------------------------------------------- ZeRO-2: staged gradients */
+
+/* Points the bucket's parameters' gradients at its staging, or at nothing
+ * between its staged times (NULL: the kernels then write no weight
+ * gradient). Nothing writes them then: their owners stage them first
+ * (pg_io.backward_begin), and a weight another module writes (borrowed) is
+ * resident. */
+static void aim_grads(pg_engine *e, const pg_bucket *b) {
+  for (int i = b->p0; i <= b->p1; i++) {
+    pg_param *p = e->params[i];
+    p->grad = b->stage ? b->stage + (p->offset - b->lo) : NULL;
+  }
+}
+
+/* The bucket's reduce-scatter is done: this rank's piece of it is added into
+ * the shard (the sum over micro-batches of the reduced gradients), and the
+ * staging is zeroed for the next gradients written into it (the kernels
+ * add) and, from the pool, handed back. */
+static int complete_bucket(pg_engine *e, pg_bucket *b) {
+  if (pg_wait(&b->req)) return PG_ERR;
+  int64_t per = e->flat_padded / e->ctx->data;
+  int64_t a = b->lo > e->grad_base ? b->lo : e->grad_base;
+  int64_t z = b->hi < e->grad_base + per ? b->hi : e->grad_base + per;
+  float *acc = e->grad_store->data;
+  for (int64_t x = a; x < z; x++) acc[x - e->grad_base] += b->stage[x - b->lo];
+  memset(b->stage, 0, (size_t)(b->hi - b->lo) * sizeof(float));
+  b->seq = -1;
+  b->pending = b->nparams;
+  if (b->resident) return PG_OK;
+  e->pool_owner[b->slot] = -1;
+  b->slot = -1;
+  b->stage = NULL;
+  aim_grads(e, b);
+  return PG_OK;
+}
+
+/* Completes the bucket started first among those in flight; 0 when none is. */
+static int complete_oldest(pg_engine *e, int *found) {
+  pg_bucket *o = NULL;
+  for (int k = 0; k < e->nbuckets; k++) {
+    pg_bucket *b = &e->buckets[k];
+    if (b->seq >= 0 && b->pending < 0 && (!o || b->seq < o->seq)) o = b;
+  }
+  *found = o != NULL;
+  return o ? complete_bucket(e, o) : PG_OK;
+}
+
+/* Bucket k's gradients are about to be written: it gets a pool slot (the
+ * oldest reduction in flight completes to free one; the pool grows only when
+ * every slot holds a bucket still being written). A bucket still in flight
+ * from the previous micro-batch completes first. */
+static int stage_bucket(pg_engine *e, pg_bucket *b) {
+  if (b->resident) return PG_OK;
+  if (b->pending < 0 && b->seq >= 0 && complete_bucket(e, b)) return PG_ERR;
+  if (b->stage) return PG_OK;
+  int s = -1;
+  for (;;) {
+    for (int i = 0; i < e->npool && s < 0; i++)
+      if (e->pool_owner[i] < 0) s = i;
+    int found = 0;
+    if (s >= 0) break;
+    if (complete_oldest(e, &found)) return PG_ERR;
+    if (!found) break;
+  }
+  if (s < 0) {
+    float **pool = realloc(e->pool, (size_t)(e->npool + 1) * sizeof *pool);
+    if (pool) e->pool = pool;
+    int *owner = pool ? realloc(e->pool_owner, (size_t)(e->npool + 1) * sizeof *owner) : NULL;
+    if (owner) e->pool_owner = owner;
+    float *slot = owner ? calloc((size_t)e->pool_elems, sizeof(float)) : NULL;
+    if (!slot) return pg_fail("zero = 2: out of memory for a gradient staging buffer of %lld floats",
+                              (long long)e->pool_elems);
+    s = e->npool++;
+    e->pool[s] = slot;
+  }
+  e->pool_owner[s] = (int)(b - e->buckets);
+  b->slot = s;
+  b->stage = e->pool[s];
+  aim_grads(e, b);
+  return PG_OK;
+}
+
+/* pg_io.backward_begin: module m is about to write its parameters' gradients. */
+static int on_backward_begin(void *ud, pg_module *m) {
+  pg_engine *e = ud;
+  for (int i = 0; i < m->nparams; i++) {
+    int k = param_index(e, m->params[i]);
+    if (k < 0) return pg_fail("module %s: parameter %s is not this engine's", m->name, m->params[i]->name);
+    if (stage_bucket(e, &e->buckets[e->param_bucket[k]])) return PG_ERR;
+  }
+  return PG_OK;
+}
+
+/* Every micro-batch's backward: a bucket whose parameters are all written
+ * starts its reduce-scatter (without overlap_grad_reduce it is waited for at
+ * once); resident ones are reduced at the end of the call. */
+static int sharded_backward_done(pg_engine *e, pg_module *m) {
+  for (int i = 0; i < m->nparams; i++) {
+    int k = param_index(e, m->params[i]);
+    if (k < 0) return pg_fail("module %s: parameter %s is not this engine's", m->name, m->params[i]->name);
+    pg_bucket *b = &e->buckets[e->param_bucket[k]];
+    if (b->pending <= 0 || --b->pending > 0) continue;
+    if (b->resident) {
+      b->pending = b->nparams; /* the next micro-batch adds to the same staging */
+      continue;
+    }
+    b->started_in_backward = 1;
+    if (start_bucket(e, b) || (!e->opts.overlap_grad_reduce && complete_bucket(e, b))) return PG_ERR;
+  }
+  return progress_buckets(e);
+}
+
+static int tied_reduce(pg_engine *e);
+static int sync_sequence_parallel(pg_engine *e);
+
+/* The end of every call with ZeRO-2 (whether it syncs or not: the
+ * gradients of a call exist only as the shard): the buckets in flight
+ * complete, a bucket written only in part (a module that ran no backward)
+ * is reduced as it is, then the tied embedding's sum and the resident
+ * buckets, in bucket order on every member. */
+static int finish_sharded(pg_engine *e) {
+  double t0 = pg_wtime();
+  e->started_in_backward = 0; /* buckets, not starts (each starts once per micro-batch) */
+  for (int k = 0; k < e->nbuckets; k++) {
+    e->started_in_backward += e->buckets[k].started_in_backward;
+    e->buckets[k].started_in_backward = 0;
+  }
+  int found = 1;
+  while (found)
+    if (complete_oldest(e, &found)) return PG_ERR;
+  for (int k = 0; k < e->nbuckets; k++) {
+    pg_bucket *b = &e->buckets[k];
+    if (!b->resident && b->stage && (start_bucket(e, b) || complete_bucket(e, b))) return PG_ERR;
+  }
+  if (sync_sequence_parallel(e) || tied_reduce(e)) return PG_ERR;
+  for (int k = 0; k < e->nbuckets; k++) {
+    pg_bucket *b = &e->buckets[k];
+    if (b->resident && (start_bucket(e, b) || complete_bucket(e, b))) return PG_ERR;
+  }
+  for (int k = 0; k < e->nbuckets; k++) e->buckets[k].pending = e->buckets[k].nparams;
+  double t1 = pg_wtime();
+  e->stats.exposed_comm_seconds += t1 - t0;
+  if (e->buckets_started) e->stats.grad_sync_seconds += t1 - e->first_start;
+  e->buckets_started = 0;
+  return PG_OK;
+}
+
 /* pg_io.backward_done: module m's parameters have their gradients of this
  * micro-batch; in a chunk's last backward of a step that syncs those are
  * final, and a bucket whose every parameter is final starts. */
 static int on_backward_done(void *ud, pg_module *m) {
   pg_engine *e = ud;
+  if (e->sharded) return sharded_backward_done(e, m);
   if (!e->final_pass) return PG_OK;
   for (int i = 0; i < m->nparams; i++) {
     int k = param_index(e, m->params[i]);
@@ -596,16 +774,23 @@ static int on_backward_done(void *ud, pg_module *m) {
   return progress_buckets(e);
 }
 
-static int tied_reduce(pg_engine *e);
-static int sync_sequence_parallel(pg_engine *e);
 
 /* Before a step that syncs: every bucket waiting for its parameters again.
  * What a step that failed part way left in flight completes first (it
  * started on every member); a step that finished left nothing. */
 static int reset_buckets(pg_engine *e) {
   for (int k = 0; k < e->nbuckets; k++) {
-    if (pg_wait(&e->buckets[k].req)) return PG_ERR;
-    e->buckets[k].pending = e->buckets[k].nparams;
+    pg_bucket *b = &e->buckets[k];
+    if (pg_wait(&b->req)) return PG_ERR;
+    b->pending = b->nparams;
+    b->seq = -1;
+    if (b->stage && !b->resident) { /* ZeRO-2: what a failed call left staged is dropped */
+      memset(b->stage, 0, (size_t)(b->hi - b->lo) * sizeof(float));
+      e->pool_owner[b->slot] = -1;
+      b->slot = -1;
+      b->stage = NULL;
+      aim_grads(e, b);
+    }
   }
   e->buckets_started = 0;
   return PG_OK;
@@ -694,12 +879,14 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
     e->ios[i] = (pg_io){.B = Bm, .T = T, .tokens = tokens + off, .targets = targets + off, .dloss = dloss,
                         .want_grad = 1, .loss_sum = 0, .logits = NULL, .mb = i, .row0 = (int64_t)off,
                         .host_targets = host_targets + off, .router = e->router ? e->router + i * nr : NULL,
-                        .backward_done = e->buckets ? on_backward_done : NULL, .backward_ud = e,
+                        .backward_done = buckets_apply(e) ? on_backward_done : NULL,
+                        .backward_begin = e->sharded ? on_backward_begin : NULL, .backward_ud = e,
                         .step = e->stats.steps, .global_row0 = (int64_t)e->ctx->dp_rank * B * T + (int64_t)off,
                         .bf16_scratch = {e->bf16_scratch[0], e->bf16_scratch[1]}};
   }
-  /* gradients accumulated over calls with sync = 0 reduce on the call that syncs */
-  e->overlap_now = sync && e->buckets;
+  /* gradients accumulated over calls with sync = 0 reduce on the call that
+   * syncs; with ZeRO-2 on every call (only the shard can accumulate) */
+  e->overlap_now = (sync || e->sharded) && buckets_apply(e);
   if (e->overlap_now && reset_buckets(e)) return PG_ERR;
   for (int k = 0; k < e->nactions; k++) {
     pg_action a = e->actions[k];
@@ -713,7 +900,7 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
     int live = pg_schedule_max_in_flight(e->actions, e->nactions, v);
     if (live > e->chunks[v].peak_in_flight) e->chunks[v].peak_in_flight = live;
   }
-  e->grads_pending = 1;
+  e->grads_pending = !e->sharded;
   double sum = 0, aux = 0;
   for (int i = 0; i < M; i++) {
     sum += e->ios[i].loss_sum;
@@ -739,7 +926,8 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
   e->last_ce = *loss;
   e->last_aux = e->router ? aux : 0;
   *loss += e->last_aux;
-  if (sync && (e->overlap_now ? finish_buckets(e) : pg_engine_sync_grads(e))) return PG_ERR;
+  if (e->sharded ? finish_sharded(e) : sync && (e->overlap_now ? finish_buckets(e) : pg_engine_sync_grads(e)))
+    return PG_ERR;
   e->overlap_now = 0;
   e->stats.steps++;
   e->stats.step_seconds += pg_wtime() - t0;
@@ -799,7 +987,111 @@ int pg_engine_shares_buffers(const pg_engine *e) { return e->param_shm.size > 0 
 
 int pg_engine_zero_grad(pg_engine *e) {
   e->grads_pending = 0;
-  return e->be->ops->zero(e->be, e->grad_store->data, (size_t)e->flat_padded * sizeof(float));
+  if (!e->sharded) return e->be->ops->zero(e->be, e->grad_store->data, (size_t)e->flat_padded * sizeof(float));
+  for (int k = 0; k < e->nbuckets; k++) /* staging holds nothing between calls; a failed call's is dropped here */
+    if (e->buckets[k].stage) memset(e->buckets[k].stage, 0, (size_t)(e->buckets[k].hi - e->buckets[k].lo) * sizeof(float));
+  memset(e->grad_store->data, 0, e->grad_store->bytes);
+  return PG_OK;
+}
+
+float *pg_engine_grad_at(const pg_engine *e, int64_t off) { return (float *)e->grad_store->data + (off - e->grad_base); }
+
+size_t pg_engine_grad_bytes(const pg_engine *e) {
+  if (!e->sharded) return (size_t)e->flat_padded * sizeof(float);
+  return e->grad_store->bytes + ((size_t)e->npool * (size_t)e->pool_elems + (size_t)e->resident_elems) * sizeof(float);
+}
+
+/* The bucket list with ZeRO-2's staging: the pool's slots hold the largest
+ * bucket that is not resident; resident ones get their own, kept. The pool
+ * starts with the two slots of the steady state (one bucket being written,
+ * the one before it reducing), so that memory() says before the first step
+ * what training holds; it grows only when a module's parameters span more
+ * buckets than the slots free. */
+static int make_staging(pg_engine *e) {
+  e->pool_elems = e->resident_elems = 0;
+  int pooled = 0;
+  for (int k = 0; k < e->nbuckets; k++) pooled += !e->buckets[k].resident;
+  for (int k = 0; k < e->nbuckets; k++) {
+    pg_bucket *b = &e->buckets[k];
+    b->seq = -1;
+    b->slot = -1;
+    aim_grads(e, b); /* nowhere until staged */
+    int64_t n = b->hi - b->lo;
+    if (!b->resident) {
+      if (n > e->pool_elems) e->pool_elems = n;
+      continue;
+    }
+    if (!(b->stage = calloc((size_t)n, sizeof(float))))
+      return pg_fail("zero = 2: out of memory for the staging of %lld gradients", (long long)n);
+    e->resident_elems += n;
+    aim_grads(e, b);
+  }
+  pooled = pooled < 2 ? pooled : 2;
+  if (pooled && (!(e->pool = calloc((size_t)pooled, sizeof *e->pool)) ||
+                 !(e->pool_owner = malloc((size_t)pooled * sizeof *e->pool_owner))))
+    return pg_fail("zero = 2: out of memory");
+  for (int i = 0; i < pooled; i++) {
+    if (!(e->pool[i] = calloc((size_t)e->pool_elems, sizeof(float))))
+      return pg_fail("zero = 2: out of memory for a gradient staging buffer of %lld floats", (long long)e->pool_elems);
+    e->pool_owner[i] = -1;
+    e->npool++;
+  }
+  return PG_OK;
+}
+
+static void free_staging(pg_engine *e) {
+  for (int k = 0; k < e->nbuckets; k++)
+    if (e->buckets[k].resident) free(e->buckets[k].stage);
+  for (int i = 0; i < e->npool; i++) free(e->pool[i]);
+  free(e->pool);
+  free(e->pool_owner);
+  e->pool = NULL;
+  e->pool_owner = NULL;
+  e->npool = 0;
+}
+
+int pg_engine_shard_grads(pg_engine *e) {
+  if (e->sharded || e->ctx->data == 1) return PG_OK; /* one replica: the shard is the whole buffer */
+  if (e->be->device != PG_CPU)
+    return pg_fail("zero = 2 keeps a gradient shard with staging buffers in host memory; the %s backend has "
+                   "zero = 0 and 1", e->be->name);
+  for (int v = 0; v < e->nchunks; v++) {
+    const pg_module *m = pg_module_find_foreign_writer(e->chunks[v].stage);
+    if (m)
+      return pg_fail("zero = 2 keeps only a shard of the gradients, but module '%s' (written in Lua) writes its "
+                     "parameters' gradients into the whole buffer: use zero = 1", m->name);
+  }
+  if (e->flat_padded > e->dense_padded)
+    return pg_fail("zero = 2 with expert parallelism is not supported yet (the experts' gradients are reduced over "
+                   "expert_data, with a shard layout of their own): use zero = 1");
+  if (e->grads_pending)
+    return pg_fail("zero = 2: gradients of an earlier forward_backward wait for their reduction; make the optimizer "
+                   "before training, or call engine:sync_grads() first");
+  int64_t lo, hi, per = e->flat_padded / e->ctx->data;
+  lo = per * e->ctx->dp_rank;
+  hi = lo + per;
+  pg_storage *shard = pg_backend_storage(e->be, (size_t)per * sizeof(float));
+  if (!shard) return pg_fail("zero = 2: the gradient shard (%lld floats): %s", (long long)per, pg_error());
+  /* what the buffer holds for the shard (reduced gradients, or zeros) stays */
+  memcpy(shard->data, (float *)e->grad_store->data + lo, (size_t)(hi - lo) * sizeof(float));
+  for (int k = 0; k < e->nbuckets; k++)
+    if (pg_wait(&e->buckets[k].req)) {
+      pg_storage_release(shard);
+      return PG_ERR;
+    }
+  free(e->buckets);
+  free(e->param_bucket);
+  free(e->last_backward);
+  e->buckets = NULL;
+  e->param_bucket = e->last_backward = NULL;
+  e->nbuckets = 0;
+  /* the reductions go through MPI: the members' shared gradient buffers go */
+  pg_shm_close(&e->grad_shm);
+  pg_storage_release(e->grad_store);
+  e->grad_store = shard;
+  e->grad_base = lo;
+  e->sharded = 1;
+  return build_buckets(e) || make_staging(e);
 }
 
 void pg_engine_shard(const pg_engine *e, int64_t *lo, int64_t *hi) {
@@ -897,7 +1189,7 @@ static int sync_sequence_parallel(pg_engine *e) {
 }
 
 int pg_engine_sync_grads(pg_engine *e) {
-  if (!e->grads_pending) return PG_OK;
+  if (!e->grads_pending) return PG_OK; /* never with ZeRO-2: every call reduces */
   double t0 = pg_wtime();
   float *g = e->grad_store->data;
   /* 0. sequence parallelism: the norms' gradients over the tensor group. */

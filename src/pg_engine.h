@@ -33,8 +33,10 @@
  * chunk's last micro-batch (pg_io.backward_done), and runs while the rest of
  * backward does; the step waits for them at its end. A bucket holding a tied
  * embedding's copy starts at the end, after step 1. The shared-memory passes
- * and the device backend keep the one reduction at the end (pg_engine.c
- * says why).
+ * and the device with ZeRO keep the one reduction at the end (pg_engine.c
+ * says why); on the device with zero = 0 the data group's NCCL all-reduce
+ * runs on its own stream.
+ * ZeRO-2 (pg_engine_shard_grads): see pg_engine.sharded below.
  * The loss is computed on the last stage, broadcast to the pipeline group and
  * averaged over the data group, so every rank returns the same number.
  * Evaluation runs a forward-only action list (PG_SCHEDULE_FORWARD) through
@@ -108,6 +110,14 @@ typedef struct pg_bucket {
   int pending;       /* of those, not final yet in this step's last backward */
   int deferred;      /* holds a tied embedding's copy: starts after the embedding group's sum */
   pg_request *req;   /* in flight, or NULL */
+  /* ZeRO-2 (pg_engine.sharded): where its gradients are written while they
+   * are made, until its reduce-scatter is added into the shard */
+  int p0, p1;        /* its parameters are params[p0 .. p1] */
+  int resident;      /* keeps its own staging for the whole call (a tied copy, a weight a tied head borrows) */
+  float *stage;      /* [hi - lo]: a pool slot or its own; NULL when not staged */
+  int slot;          /* the pool slot it holds, or -1 */
+  long seq;          /* start order, to complete the oldest first */
+  int started_in_backward; /* this call */
 } pg_bucket;
 
 typedef struct pg_engine {
@@ -155,6 +165,18 @@ typedef struct pg_engine {
   float *sp_grads;     /* sequence parallelism: the gradients of the sequence_parallel parameters, packed */
   int64_t sp_grads_n;
   int grads_pending;   /* gradients added since the last reduction */
+  /* ZeRO-2 with data > 1 (pg_engine_shard_grads): grad_store holds only this
+   * rank's shard [grad_base, grad_base + flat_padded / data); gradients are
+   * written into staging buffers, a bucket at a time, reduce-scattered after
+   * every micro-batch's backward and added into the shard. */
+  int sharded;
+  int64_t grad_base;
+  float **pool;        /* [npool] staging slots of pool_elems floats */
+  int *pool_owner;     /* [npool] the bucket holding each, or -1 */
+  int npool;
+  int64_t pool_elems;
+  int64_t resident_elems; /* staging kept by resident buckets */
+  long bucket_seq;
   int64_t num_parameters; /* of the full model, counted at construction */
   pg_engine_stats stats;
 } pg_engine;
@@ -193,6 +215,18 @@ int pg_engine_zero_grad(pg_engine *e);
 int pg_engine_overlaps(const pg_engine *e);
 /* Runs the pending gradient reductions (no-op when none are pending). */
 int pg_engine_sync_grads(pg_engine *e);
+/* ZeRO-2 (the optimizer calls it for zero = 2): keep only this rank's shard
+ * of the gradients. With data = 1 nothing changes. The device backend and
+ * modules written in Lua that own parameters (they write gradients through
+ * views of the whole buffer) are refused with an error naming them. Not
+ * collective; every member of the data group must call it. */
+int pg_engine_shard_grads(pg_engine *e);
+/* The gradient of flat element off: anywhere without ZeRO-2, inside this
+ * rank's shard with it. */
+float *pg_engine_grad_at(const pg_engine *e, int64_t off);
+/* Bytes of gradient memory on this rank: the flat buffer, or with ZeRO-2 the
+ * shard plus the staging buffers (pool slots made so far and resident ones). */
+size_t pg_engine_grad_bytes(const pg_engine *e);
 /* This rank's ZeRO shard of the flat buffers' dense region: [*lo, *hi) (the
  * whole region without ZeRO), and of the experts' region (over the
  * expert_data group; empty without expert parallelism). */

@@ -2636,3 +2636,28 @@ size_t pg_module_fixed_bytes(const pg_module *m) {
   }
   return b;
 }
+
+/* ---------------------------------------------------------------- who writes which gradients */
+
+int pg_module_borrowed_params(const pg_module *m, pg_param **out, int cap) {
+  int n = 0;
+  if (m->ops == &lm_head_ops) {
+    const lm_head_state *s = m->state;
+    if (!s->owns_w) {
+      if (n < cap) out[n] = s->w;
+      n++;
+    }
+  }
+  for (int i = 0; i < m->nchildren; i++)
+    n += pg_module_borrowed_params(m->children[i], out ? out + (n < cap ? n : cap) : NULL, n < cap ? cap - n : 0);
+  return n;
+}
+
+const pg_module *pg_module_find_foreign_writer(const pg_module *m) {
+  if (m->ops == &custom_ops && m->nparams > 0) return m;
+  for (int i = 0; i < m->nchildren; i++) {
+    const pg_module *f = pg_module_find_foreign_writer(m->children[i]);
+    if (f) return f;
+  }
+  return NULL;
+}

@@ -99,6 +99,10 @@ typedef struct pg_io {
    * head) must run its backward before the owner's (it comes later in
    * forward), which the model builders guarantee. Non-zero: the error. */
   int (*backward_done)(void *ud, pg_module *m);
+  /* Called before the backward of every module that owns parameters (with
+   * the same ud): ZeRO-2 points the parameters' gradients at the staging
+   * buffer of their bucket there (pg_engine.c). NULL: nobody listens. */
+  int (*backward_begin)(void *ud, pg_module *m);
   void *backward_ud;
   /* Where the micro-batch sits in the training run, for noise that every
    * layout draws alike (MoE jitter): the engine's forward_backward count, and
@@ -273,6 +277,15 @@ pg_param *pg_param_new_split(pg_context *ctx, const char *name, int ndim, const 
 
 void pg_param_free(pg_param *p);
 
+/* Parameters that modules of m's tree write gradients to without owning
+ * them (a tied head's weight), at most cap of them into out; returns how
+ * many there are. */
+int pg_module_borrowed_params(const pg_module *m, pg_param **out, int cap);
+/* The first module of m's tree whose parameters' gradients are written by
+ * someone else through views of the flat buffer (a module written in Lua),
+ * or NULL. */
+const pg_module *pg_module_find_foreign_writer(const pg_module *m);
+
 /* The embedding module's token weight (to tie a head to it). */
 pg_param *pg_embedding_weight(pg_module *m);
 
@@ -440,6 +453,7 @@ static inline int pg_module_forward(pg_module *m, int slot, pg_io *io, const flo
   return m->ops->forward(m, slot, io, x, y);
 }
 static inline int pg_module_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
+  if (io->backward_begin && m->nparams > 0 && io->backward_begin(io->backward_ud, m)) return -1;
   int rc = m->ops->backward(m, slot, io, dy, dx);
   if (rc || !io->backward_done || m->nparams == 0) return rc;
   return io->backward_done(io->backward_ud, m);

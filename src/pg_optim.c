@@ -34,6 +34,9 @@ pg_adamw *pg_adamw_new(pg_engine *e, const pg_adamw_hparams *h, int zero) {
   if (zero < 0 || zero > 2)
     return pg_fail_null("zero=%d is not built: ZeRO stage 1 or 2 (zero = 1, 2) or none (zero = 0)", zero);
   if (pg_adamw_check_hparams(h)) return NULL;
+  if (e->sharded && zero == 0) /* its optimizer would read every gradient */
+    return pg_fail_null("zero=0: this engine keeps only its shard of the gradients (an optimizer with zero = 2 was "
+                        "made for it); make the engine again for zero = 0");
   pg_adamw *o = calloc(1, sizeof *o);
   if (!o) return pg_fail_null("out of memory");
   o->engine = e;
@@ -41,6 +44,10 @@ pg_adamw *pg_adamw_new(pg_engine *e, const pg_adamw_hparams *h, int zero) {
   o->zero = zero;
   o->clip_scale = 1.0f;
   e->zero = zero;
+  if (zero == 2 && pg_engine_shard_grads(e)) {
+    free(o);
+    return NULL;
+  }
   pg_engine_shard(e, &o->lo, &o->hi);
   pg_engine_expert_shard(e, &o->elo, &o->ehi);
   size_t bytes = (size_t)(o->hi - o->lo + o->ehi - o->elo) * sizeof(float);
@@ -76,12 +83,11 @@ void pg_adamw_free(pg_adamw *o) {
 int pg_adamw_grad_norm(pg_adamw *o, double *norm) {
   pg_engine *e = o->engine;
   if (pg_engine_sync_grads(e)) return PG_ERR;
-  const float *g = e->grad_store->data;
   double sq[2] = {0, 0}; /* dense, experts */
   FOR_OWNED_PIECES(o, p, a, b, st, {
     if (p->tied_copy || (p->replicated && e->ctx->tp_rank != 0)) continue;
     double piece;
-    if (e->be->ops->sum_squares(e->be, g + a, b - a, &piece)) return PG_ERR;
+    if (e->be->ops->sum_squares(e->be, pg_engine_grad_at(e, a), b - a, &piece)) return PG_ERR;
     sq[p->expert] += piece;
   })
   /* every rank holds a disjoint part of the model's gradients: its tensor
@@ -114,10 +120,11 @@ int pg_adamw_step(pg_adamw *o) {
   pg_engine *e = o->engine;
   if (pg_engine_sync_grads(e)) return PG_ERR;
   o->step++;
-  float *w = e->param_store->data, *g = e->grad_store->data, *m = o->m->data, *v = o->v->data;
+  float *w = e->param_store->data, *m = o->m->data, *v = o->v->data;
   FOR_OWNED_PIECES(o, p, a, b, st, {
-    if (e->be->ops->adamw_update(e->be, w + a, g + a, m + st, v + st, b - a, o->h.lr, o->h.beta1, o->h.beta2, o->h.eps,
-                                 p->weight_decay ? o->h.weight_decay : 0.0f, (int)o->step, o->clip_scale))
+    if (e->be->ops->adamw_update(e->be, w + a, pg_engine_grad_at(e, a), m + st, v + st, b - a, o->h.lr, o->h.beta1,
+                                 o->h.beta2, o->h.eps, p->weight_decay ? o->h.weight_decay : 0.0f, (int)o->step,
+                                 o->clip_scale))
       return PG_ERR;
   })
   o->clip_scale = 1.0f;

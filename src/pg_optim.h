@@ -6,11 +6,10 @@
  * gradients are the reduce-scattered average for its shard, its AdamW state
  * (m, v) exists only for that shard, it updates only that shard, and the
  * updated parameters are all-gathered back over the data group.
- * zero = 2: the same shards; the gradients are reduce-scattered per bucket
- * (pg_engine.h: during the last micro-batch's backward when the reduction
- * is overlapped) and only this rank's shard is read. The gradient buffer is
- * still the whole flat buffer: the memory of ZeRO-2 proper (a shard plus the
- * buckets in flight) is not built yet, so it measures as zero = 1.
+ * zero = 2: the same shards, and the engine keeps only this rank's shard of
+ * the gradients (pg_engine_shard_grads): they are written into staging
+ * buffers a bucket at a time, reduce-scattered after every micro-batch's
+ * backward and added into the shard.
  *
  * The global gradient norm counts every element of the full model once:
  * sharded tensors summed over the tensor group, replicated tensors (LayerNorm,

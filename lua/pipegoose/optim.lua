@@ -1,7 +1,10 @@
 --- pg.optim: AdamW over the engine's flat buffers (torch.optim.AdamW
 -- semantics: decoupled weight decay, bias correction; decay only on tensors of
--- two or more dimensions), replicated (zero = 0) or ZeRO-1 sharded over the
--- data group (zero = 1).
+-- two or more dimensions), replicated (zero = 0), ZeRO-1 sharded over the
+-- data group (zero = 1), or ZeRO-2 (zero = 2: the engine then keeps only this
+-- rank's shard of the gradients, reduced after every micro-batch's backward,
+-- also on calls with sync = false; engine:flat() gives no gradients and
+-- engine:grads() refuses: shard_state().grad is the shard).
 local core = require "pipegoose.core"
 local opt = require "pipegoose.options"
 
@@ -79,8 +82,9 @@ end
 
 --- This rank's shard as it lives in the optimizer: { lo, hi (0-based flat
 -- slice [lo, hi)), elo, ehi (the experts' region under expert parallelism,
--- empty otherwise), step, m, v (both ranges' moments, one after the other) } with m and v views of the live moments
--- (writing them changes the optimizer; state_dict() gives copies).
+-- empty otherwise), step, m, v (both ranges' moments, one after the other),
+-- grad } with m, v and grad views of the live moments and of the range's
+-- gradients (writing them changes the optimizer; state_dict() gives copies).
 function AdamW:shard_state()
   return self.c:state()
 end

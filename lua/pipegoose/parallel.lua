@@ -378,9 +378,13 @@ end
 function Engine:zero_grad() self.c:zero_grad() end -- local
 function Engine:sync_grads() self.c:sync_grads() end -- collective (data and embedding groups)
 
---- This rank's parameters: { name=, shape=, full_shape=, split=, tensor=, grad=, ... } in flat order.
+--- This rank's parameters: { name=, shape=, full_shape=, split=, tensor=, grad=, ... } in flat order
+-- (no grad with zero = 2: the optimizer made the engine keep only its shard of the gradients).
 function Engine:parameters()
-  if not self._.params then self._.params = self.c:params() end
+  local sharded = self.optimizer ~= nil and self.optimizer.zero == 2
+  if not self._.params or self._.params_sharded ~= sharded then
+    self._.params, self._.params_sharded = self.c:params(), sharded
+  end
   return self._.params
 end
 
@@ -389,6 +393,10 @@ end
 function Engine:flat() return self.c:flat() end
 
 function Engine:grads()
+  if self.optimizer and self.optimizer.zero == 2 and self.ctx:world_size("data") > 1 then
+    error("engine:grads(): with zero = 2 this rank keeps only its shard of the gradients "
+      .. "(optimizer:shard_state().grad), not each parameter's", 2)
+  end
   local out = {}
   for i, p in ipairs(self:parameters()) do out[i] = { name = p.name, shape = p.shape, tensor = p.grad } end
   return out
@@ -412,7 +420,8 @@ function Engine:memory()
     local_params = local_params + n
   end
   local m = {
-    params_bytes = 4 * info.flat_padded, grads_bytes = 4 * info.flat_padded,
+    -- measured by the runtime: with zero = 2 the shard and the staging buffers made so far
+    params_bytes = 4 * info.flat_padded, grads_bytes = info.grads_bytes,
     slot_bytes = info.slot_bytes, slots = info.slots,
     -- recomputed blocks keep one micro-batch's activations whatever is in flight
     fixed_activation_bytes = info.fixed_activation_bytes,

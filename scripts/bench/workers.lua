@@ -217,8 +217,11 @@ end
 -- slows a run down). Per configuration: the step (the slower rank's wall
 -- time, median), grad_sync_seconds and exposed_comm_seconds per step
 -- (median over the steps, the slower rank's), the buckets and how many
--- started in backward. Then engine:memory()'s bytes per parameter (params +
--- grads + AdamW state over this rank's parameters) for zero = 0, 1 and 2.
+-- started in backward; the same for zero = 2 with overlap on (its
+-- reduce-scatter runs after every micro-batch's backward). Then
+-- engine:memory()'s bytes per parameter (params + grads + AdamW state over
+-- this rank's parameters) for zero = 0, 1 and 2, after a step (zero = 2's
+-- gradients: the shard plus the staging buffers).
 local function worker_overlap(o)
   local cfg = MODELS.small
   local ctx = pg.ParallelContext{ data = pg.world_size(), seed = 1 }
@@ -231,8 +234,8 @@ local function worker_overlap(o)
                                                               bucket_mb = bucket_mb })
     return e, pg.optim.AdamW(e, { lr = 1e-4, zero = zero })
   end
-  local function measure(overlap)
-    local engine, opt = engine_of(overlap, 1)
+  local function measure(overlap, zero)
+    local engine, opt = engine_of(overlap, zero or 1)
     local walls, syncs, exposed = {}, {}, {}
     for s = 1, 1 + steps do
       ctx:barrier()
@@ -259,9 +262,14 @@ local function worker_overlap(o)
     if not best[k] or r.step_ms < best[k].step_ms then best[k] = r end
     collectgarbage()
   end
+  best.zero2 = measure(true, 2)
+  collectgarbage()
   local bpp = {}
   for zero = 0, 2 do
-    local e = engine_of(true, zero)
+    local e, opt = engine_of(true, zero)
+    e:zero_grad()
+    e:forward_backward(x, y)
+    opt:step()
     local m = e:memory()
     bpp[zero] = { bpp = m.bytes_per_parameter, grads = m.grads_bytes, params = m.local_parameters }
     collectgarbage()

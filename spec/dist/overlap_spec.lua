@@ -65,11 +65,7 @@ local function train(ctx, opts, zero, accumulate, xs, ys)
       loss = e:forward_backward(xs, ys)
     end
     opt:clip_grad_norm(1.0)
-    if s == 1 then
-      local _, g = e:flat()
-      local st = opt:shard_state()
-      first = g:narrow(1, st.lo + 1, st.hi - st.lo):clone()
-    end
+    if s == 1 then first = opt:shard_state().grad:clone() end
     opt:step()
   end
   return { params = (e:flat()):clone(), first = first, engine = e, loss = loss }

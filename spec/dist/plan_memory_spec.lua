@@ -19,7 +19,8 @@ local LAYOUTS = ({
   [4] = { { name = "T=2 x P=2", tensor = 2, pipeline = 2, m = 2 }, { name = "P=2 x D=2", pipeline = 2, data = 2, m = 2 },
           { name = "T=2 x D=2", tensor = 2, data = 2 }, { name = "P=4 1f1b", pipeline = 4, m = 4 },
           { name = "T=2 x D=2 sequence parallel", tensor = 2, data = 2, sp = true },
-          { name = "T=2 x P=2 sequence parallel", tensor = 2, pipeline = 2, m = 2, sp = true } },
+          { name = "T=2 x P=2 sequence parallel", tensor = 2, pipeline = 2, m = 2, sp = true },
+          { name = "P=2 x D=2 zero=2", pipeline = 2, data = 2, m = 2, zero = 2 } },
 })[W]
 
 local MODELS = {

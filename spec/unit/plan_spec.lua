@@ -119,6 +119,15 @@ describe("plan.memory", function()
     L.zero = 1
     _, parts = memory.stage_bytes(tiny, L, whole, 1)
     assert.equal(1480 * 12 / 4, parts.optimizer)
+    assert.equal(1480 * 4, parts.gradients)
+    -- ZeRO-2: the shard plus staging of two buckets (here the whole stage: 1480 < 2 x 1e-4 MiB / 4 bytes)
+    L.zero, L.bucket_mb = 2, 1e-4 -- 26.2 floats a bucket
+    _, parts = memory.stage_bytes(tiny, L, whole, 1)
+    assert.equal(1480 * 12 / 4, parts.optimizer)
+    assert.near(1480 * 4 / 4 + 2 * 1e-4 * 1024 * 1024, parts.gradients, 1e-6)
+    L.bucket_mb = nil -- 25 MiB: the pool holds the stage's gradients at most
+    _, parts = memory.stage_bytes(tiny, L, whole, 1)
+    assert.equal(1480 * 4 / 4 + 1480 * 4, parts.gradients)
     L.precision, L.zero = "fp32", 0
     _, parts = memory.stage_bytes(tiny, L, whole, 1)
     assert.equal(1480 * 4, parts.weights)

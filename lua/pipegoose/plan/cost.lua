@@ -223,8 +223,9 @@ function M.stage_costs(s, L, hw, o, parts)
     local dlink = M.data_group_crosses_node(L.t, L.d, G, p) and hw.inter or hw.intra
     local grads = params * grad_b
     if L.zero >= 1 then
-      -- reduce-scatter the gradients, step on 1/D, all-gather the new weights
-      c.dp = M.ring_gather(grads, L.d, dlink, hw.link_efficiency)
+      -- reduce-scatter the gradients (ZeRO-2: after every micro-batch's backward, since only the shard
+      -- accumulates), step on 1/D, all-gather the new weights
+      c.dp = (L.zero == 2 and L.m or 1) * M.ring_gather(grads, L.d, dlink, hw.link_efficiency)
         + M.ring_gather(params * weight_b, L.d, dlink, hw.link_efficiency)
       c.optimizer = params / L.d * opt_bytes / (hw.memory_bandwidth * hw.memory_efficiency)
     else

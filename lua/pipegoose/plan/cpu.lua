@@ -48,6 +48,7 @@
 -- backward; overlap_grad_reduce applies to MPI only), and a collective measured
 -- with g ranks on the node is scaled the same way when R ranks share it.
 local models = require "pipegoose.plan.models"
+local memory = require "pipegoose.plan.memory"
 
 local M = {}
 
@@ -373,7 +374,8 @@ function M.stage_bytes(s, L, stage, in_flight, stage_params)
   local activations = (per_slot * in_flight + fixed) * r * F32
   local params = stage_params(s, stage, L.t, L.p)
   local opt = params * 8 / (L.zero >= 1 and L.d or 1)
-  local parts = { weights = params * F32, gradients = params * F32, optimizer = opt, activations = activations,
+  local parts = { weights = params * F32, gradients = memory.gradient_bytes(s, L, stage, params, F32), optimizer = opt,
+    activations = activations,
     transient = 0, params = params }
   parts.total = parts.weights + parts.gradients + parts.optimizer + parts.activations
   return parts.total, parts

@@ -117,13 +117,29 @@ function M.stage_params(s, stage, t, P)
   return n
 end
 
+--- Gradient bytes of a rank holding `params` parameters of `stage` (g per
+-- parameter): the flat buffer; with ZeRO-2 over d > 1 the engine keeps its
+-- shard plus staging (pg_engine.h): a pool of about two buckets of bucket_mb
+-- (25 MiB unless L.bucket_mb says; at most the stage's other gradients) and
+-- the tied embedding's own, kept while a head borrows it (stage 1) or its copy
+-- waits for the embedding group's sum (first and last stage when p > 1).
+function M.gradient_bytes(s, L, stage, params, g)
+  if (L.zero or 0) < 2 or L.d == 1 then return params * g end
+  local _, head = models.edge_params(s)
+  local resident = 0
+  if head.tied and (stage.first or (stage.last and L.p > 1)) then resident = head.split / L.t end
+  local bucket = (L.bucket_mb or 25) * 1024 * 1024 / 4
+  local pool = math.min(2 * bucket, params - resident)
+  return params * g / L.d + (pool + resident) * 4
+end
+
 --- Peak bytes of a rank of `stage` under layout `L`
 -- ({ t, p, d, b, seq, precision, zero, recompute, sp, flash_attention }),
 -- `in_flight` micro-batches held. Returns total and its parts.
 function M.stage_bytes(s, L, stage, in_flight)
   local params = M.stage_params(s, stage, L.t, L.p)
   local w, g, opt = M.state_bytes(L.precision)
-  -- ZeRO-1 and 2 shard the AdamW state; ZeRO-2's gradients are still the whole flat buffer (pg_optim.h)
+  -- ZeRO-1 and 2 shard the AdamW state, ZeRO-2 the gradients too (M.gradient_bytes)
   if L.zero >= 1 then opt = opt / L.d end
   local act_o = { seq = L.seq, b = L.b, t = L.t, sp = L.sp, recompute = L.recompute, precision = L.precision,
     flash_attention = L.flash_attention }
@@ -140,7 +156,7 @@ function M.stage_bytes(s, L, stage, in_flight)
   if stage.last then
     transient = L.seq * L.b * s.vocab / L.t * (M.element_bytes(L.precision) + 4)
   end
-  local parts = { weights = params * w, gradients = params * g, optimizer = params * opt,
+  local parts = { weights = params * w, gradients = M.gradient_bytes(s, L, stage, params, g), optimizer = params * opt,
     activations = activations, transient = transient, params = params }
   parts.total = parts.weights + parts.gradients + parts.optimizer + parts.activations + parts.transient
   return parts.total, parts

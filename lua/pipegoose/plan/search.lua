@@ -164,7 +164,8 @@ function M.run(q)
               if per_replica % b == 0 and (fix.b == nil or fix.b == b) then
                 local Mb = per_replica // b
                 for _, sched in ipairs{ "1f1b", "gpipe" } do
-                  -- zero = 2 only when asked for: it costs and holds what zero = 1 does (plan/memory.lua)
+                  -- zero = 2 only when asked for: it trades a reduce-scatter per micro-batch (plan/cost.lua)
+                  -- for the gradient shard (plan/memory.lua), which the search does not weigh yet
                   for _, zero in ipairs(D > 1 and (fix.zero == 2 and { 2 } or { 0, 1 }) or { 0 }) do
                     for _, rc in ipairs{ "none", "selective", "full" } do
                       for _, sp in ipairs(T > 1 and { false, true } or { false }) do
