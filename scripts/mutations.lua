@@ -270,7 +270,7 @@ return {
     from = "return e->grad_store->bytes + ((size_t)e->npool", to = "return e->grad_store->bytes + 0 * ((size_t)e->npool",
     specs = { "dist/zero2#memory" }, why = "memory() leaves out the staging buffers" },
   { name = "zero2-resident-reduced-before-tie", file = "src/pg_engine.c",
-    from = "  if (tied_reduce(e)) return PG_ERR;\n  for (int k = 0; k < e->nbuckets; k++) {\n    pg_bucket *b = &e->buckets[k];\n    if (b->resident &&",
+    from = "  if (sync_sequence_parallel(e) || tied_reduce(e)) return PG_ERR;\n  for (int k = 0; k < e->nbuckets; k++) {\n    pg_bucket *b = &e->buckets[k];\n    if (b->resident &&",
     to = "  for (int k = 0; k < e->nbuckets; k++) {\n    pg_bucket *b = &e->buckets[k];\n    if (b->resident &&",
     specs = { "dist/zero2#P = 2" }, why = "the tied copies are reduce-scattered without the embedding group's sum" },
   ------------------------------------------------------------------ overlapped gradient reduction

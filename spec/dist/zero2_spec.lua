@@ -199,5 +199,16 @@ describe(("ZeRO-2 on %d ranks"):format(W), function()
           assert.is_true(a.memory.bytes_per_parameter < b.memory.bytes_per_parameter)
         end)
     end
+
+    -- sequence parallelism: the norms' gradients are partial sums over the tensor group, their buckets stay
+    -- resident and are reduce-scattered after the tensor group's sum
+    it("agrees with ZeRO-1 at T = 2 x D = 2 with sequence parallelism, micro_batches = 2", function()
+      local td = pg.ParallelContext{ tensor = 2, data = 2, seed = 7 }
+      local d = td:local_rank("data")
+      local o = function() return { micro_batches = 2, sequence_parallel = true, shared_memory = false } end
+      local a = train(td, o(), 2, X:narrow(1, d * 4 + 1, 4), Y:narrow(1, d * 4 + 1, 4))
+      local b = train(td, o(), 1, X:narrow(1, d * 4 + 1, 4), Y:narrow(1, d * 4 + 1, 4))
+      agree(a, b, "T = 2 sequence parallel")
+    end)
   end
 end)
