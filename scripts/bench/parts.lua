@@ -53,8 +53,8 @@ return {
     run = require "bench.overlap" },
   { name = "pp", description = "pipeline = 2, M = 1..16 micro-batches: bubble and activation peak, GPipe and 1F1B",
     run = require "bench.pp" },
-  { name = "memory", description = "the small model with recompute = full and selective: activation peak and step "
-      .. "time\nagainst no recomputation",
+  { name = "memory", description = "the small model with recompute = full and selective (against none), and\n"
+      .. "sequence_parallel at tensor = 2 (against tensor = 2 without): activation peak and step time",
     run = require "bench.memory" },
   { name = "moe", description = "a mixture of experts (4 experts, top-2) over data = 2, expert = 2 against the dense\n"
       .. "model with the same active parameters, and all_to_all against MPI_Alltoall",

@@ -73,7 +73,7 @@ local function worker_step(o)
   local spec = {}
   for k, v in pairs(cfg) do if k ~= "batch" then spec[k] = v end end
   local engine = pg.parallelize(pg.nn.from_config(spec), ctx, { micro_batches = 1, precision = o.precision,
-    recompute = o.recompute ~= "none" and o.recompute or nil })
+    recompute = o.recompute ~= "none" and o.recompute or nil, sequence_parallel = o.sequence_parallel == "1" })
   local opt = pg.optim.AdamW(engine, { lr = 1e-4, betas = { 0.9, 0.95 }, weight_decay = 0.1,
                                        zero = tonumber(o.zero or 0) })
   local B, T = cfg.batch, cfg.seq_len
