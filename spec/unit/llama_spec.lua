@@ -19,6 +19,8 @@ local h = require "helpers"
 local cjson = require "cjson"
 
 local TINY, T4 = "spec/fixtures/hf_llama_tiny", "spec/fixtures/hf_llama_tiny_t4"
+-- 10 layers (13 top-level modules): enough pieces for P x V = 2 x 3 and 4 x 3
+local DEEP = "spec/fixtures/hf_llama_tiny_deep"
 local RTOL = 1e-5
 
 local function expected(dir)
@@ -125,6 +127,13 @@ describe("pg.nn.Llama (LlamaForCausalLM) against PyTorch", function()
   it("matches PyTorch with sequence parallelism at T = 2 and at T = 4 (the tied head)", function()
     assert_losses(run_check(TINY, 2, { "--tensor=2", "--sequence-parallel" }), TINY, "T = 2 sequence parallel")
     assert_losses(run_check(T4, 4, { "--tensor=4", "--sequence-parallel" }), T4, "T = 4 sequence parallel")
+  end)
+
+  it("matches PyTorch with the interleaved schedule: P = 2 x V = 3 and P = 4 x V = 2, 3 (10 layers)", function()
+    assert_losses(run_check(DEEP, 1), DEEP, "serial")
+    assert_losses(run_check(DEEP, 2, { "--pipeline=2", "--virtual-stages=3", "--micro-batches=4" }), DEEP, "P = 2, V = 3")
+    assert_losses(run_check(DEEP, 4, { "--pipeline=4", "--virtual-stages=2", "--micro-batches=4" }), DEEP, "P = 4, V = 2")
+    assert_losses(run_check(DEEP, 4, { "--pipeline=4", "--virtual-stages=3", "--micro-batches=4" }), DEEP, "P = 4, V = 3")
   end)
 
   it("refuses a split the heads do not allow, naming heads or kv_heads", function()
