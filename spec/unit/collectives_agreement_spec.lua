@@ -194,7 +194,8 @@ if me == 0 then pg.dist.send(pg.tensor{ 5, 6 }, { dst = 1 }) else
 local e = pg.parallelize(pg.nn.GPT{ vocab = 61, seq_len = 8, dim = 8, heads = 2, layers = 2 }, ctx)
 if me == 0 then print("parameters", e:num_parameters()) end
 local x = pg.zeros({ 2, 8 }, { dtype = 'int32' })
-print("loss", me, e:forward_backward(x, x), t:get(1))]])
+-- one write per rank (print writes its arguments one by one: the ranks' lines could interleave)
+io.write(("loss\t%d\t%.17g\t%.1f\n"):format(me, e:forward_backward(x, x), t:get(1)))]])
     assert.equal(0, rc, out)
     assert.is_truthy(out:find("got\t6.0", 1, true), out)
     assert.is_truthy(out:find("parameters\t2312", 1, true), out)
