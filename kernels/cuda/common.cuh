@@ -89,6 +89,18 @@ inline int gemm_rm(cublasHandle_t h, bool ta, bool tb, int M, int N, int K, floa
                                    B, ldb, A, lda, &beta, C, ldc));
 }
 
+// The same with bf16 A and B (their bits as uint16_t) and a float32 C, through
+// GemmEx with CUBLAS_COMPUTE_32F: products and sums in float32 (not the _FAST_
+// modes that round the inputs further, nor a 16-bit accumulator).
+inline int gemm_rm(cublasHandle_t h, bool ta, bool tb, int M, int N, int K, float alpha, const uint16_t *A, int lda,
+                   const uint16_t *B, int ldb, float beta, float *C, int ldc) {
+  const pg_cublas_api *b = pg_cublas();
+  if (!b) return cublas_status(CUBLAS_STATUS_NOT_INITIALIZED);
+  return cublas_status(b->GemmEx(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha,
+                                 B, CUDA_R_16BF, ldb, A, CUDA_R_16BF, lda, &beta, C, CUDA_R_32F, ldc,
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
 // The same over `batch` matrices at fixed strides (in floats).
 inline int gemm_rm_batched(cublasHandle_t h, bool ta, bool tb, int M, int N, int K, float alpha, const float *A,
                            int lda, long long sa, const float *B, int ldb, long long sb, float beta, float *C, int ldc,
@@ -115,5 +127,48 @@ int col_sum_add(cudaStream_t s, float *dst, const float *src, int rows, int64_t 
 // out[N,OC] rows = bias[OC] (matmul.cu): the start of a product with a bias,
 // which the GEMM then adds to with beta = 1 (sgemm's and the bf16 GemmEx's).
 int bias_rows(cudaStream_t s, float *out, const float *bias, int N, int OC);
+
+// A linear layer's products for either operand type T (float, or bf16 bits
+// as uint16_t; the output and gradients are float32 either way), one
+// definition for pg_cuda_matmul_* and pg_cuda_matmul_bf16_*.
+// Forward: out[N,OC] = inp[N,C] @ weight[OC,C]^T (+ bias).
+template <typename T>
+int linear_forward(const pg_cuda_ctx *ctx, float *out, const T *inp, const T *weight, const float *bias, int N, int C,
+                   int OC) {
+  if (N <= 0 || OC <= 0) return 0;
+  cudaStream_t s = stream_of(ctx);
+  float beta = 0.0f;
+  if (bias) {
+    if (int rc = bias_rows(s, out, bias, N, OC)) return rc;
+    beta = 1.0f;
+  }
+  if (C <= 0) return bias ? 0 : (int)cudaMemsetAsync(out, 0, (size_t)N * OC * sizeof(float), s);
+  cublasHandle_t h = blas_of(ctx);
+  if (!h) return PG_CUDA_EINVAL;
+  return gemm_rm(h, false, true, N, OC, C, 1.0f, inp, C, weight, C, beta, out, OC);
+}
+
+// Backward: dinp = dout @ weight (NULL: skip), dweight += dout^T @ inp (beta = 1
+// accumulates micro-batches into the float32 gradient), dbias += the column
+// sums of the float32 output gradient dout_f32.
+template <typename T>
+int linear_backward(const pg_cuda_ctx *ctx, float *dinp, float *dweight, float *dbias, const float *dout_f32,
+                    const T *dout, const T *inp, const T *weight, int N, int C, int OC) {
+  cudaStream_t s = stream_of(ctx);
+  if (N <= 0 || OC <= 0) {
+    if (dinp && N > 0 && C > 0) return (int)cudaMemsetAsync(dinp, 0, (size_t)N * C * sizeof(float), s);
+    return 0;
+  }
+  if (C > 0 && (dinp || dweight)) {
+    cublasHandle_t h = blas_of(ctx);
+    if (!h) return PG_CUDA_EINVAL;
+    if (dinp)
+      if (int rc = gemm_rm(h, false, false, N, C, OC, 1.0f, dout, OC, weight, C, 0.0f, dinp, C)) return rc;
+    if (dweight)
+      if (int rc = gemm_rm(h, true, false, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f, dweight, C)) return rc;
+  }
+  if (dbias) return col_sum_add(s, dbias, dout_f32, N, OC, OC);
+  return 0;
+}
 
 } // namespace pgcu

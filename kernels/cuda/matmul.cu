@@ -50,38 +50,11 @@ int bias_rows(cudaStream_t s, float *out, const float *bias, int N, int OC) {
 
 extern "C" int pg_cuda_matmul_forward(const pg_cuda_ctx *ctx, float *out, const float *inp, const float *weight,
                                       const float *bias, int N, int C, int OC) {
-  if (N <= 0 || OC <= 0) return 0;
-  cudaStream_t s = stream_of(ctx);
-  float beta = 0.0f;
-  if (bias) {
-    if (int rc = bias_rows(s, out, bias, N, OC)) return rc;
-    beta = 1.0f;
-  }
-  if (C <= 0) return bias ? 0 : (int)cudaMemsetAsync(out, 0, (size_t)N * OC * sizeof(float), s);
-  cublasHandle_t h = blas_of(ctx);
-  if (!h) return PG_CUDA_EINVAL;
-  // out[N,OC] = inp[N,C] @ weight[OC,C]^T
-  return gemm_rm(h, false, true, N, OC, C, 1.0f, inp, C, weight, C, beta, out, OC);
+  return linear_forward(ctx, out, inp, weight, bias, N, C, OC);
 }
 
 extern "C" int pg_cuda_matmul_backward(const pg_cuda_ctx *ctx, float *dinp, float *dweight, float *dbias,
                                        const float *dout, const float *inp, const float *weight, int N, int C,
                                        int OC) {
-  cudaStream_t s = stream_of(ctx);
-  if (N <= 0 || OC <= 0) {
-    if (dinp && N > 0 && C > 0) return (int)cudaMemsetAsync(dinp, 0, (size_t)N * C * sizeof(float), s);
-    return 0;
-  }
-  if (C > 0 && (dinp || dweight)) {
-    cublasHandle_t h = blas_of(ctx);
-    if (!h) return PG_CUDA_EINVAL;
-    // dinp[N,C] = dout[N,OC] @ weight[OC,C]
-    if (dinp)
-      if (int rc = gemm_rm(h, false, false, N, C, OC, 1.0f, dout, OC, weight, C, 0.0f, dinp, C)) return rc;
-    // dweight[OC,C] += dout^T @ inp (beta = 1 accumulates micro-batches)
-    if (dweight)
-      if (int rc = gemm_rm(h, true, false, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f, dweight, C)) return rc;
-  }
-  if (dbias) return col_sum_add(s, dbias, dout, N, OC, OC);
-  return 0;
+  return linear_backward(ctx, dinp, dweight, dbias, dout, dout, inp, weight, N, C, OC);
 }
