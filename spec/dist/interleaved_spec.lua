@@ -41,14 +41,7 @@ local function assert_loss(got, want, what)
 end
 
 local B = 8
-local function tokens(seed)
-  local rows = {}
-  for b = 1, B do
-    rows[b] = {}
-    for s = 1, CFG.seq_len do rows[b][s] = (seed * 7919 + b * 2713 + s * 337 + b * s * 41) % CFG.vocab end
-  end
-  return pg.tensor(rows, { dtype = "int32" })
-end
+local function tokens(seed) return h.token_batch(seed, B, CFG.seq_len, CFG.vocab) end
 local x, y = tokens(1), tokens(2)
 
 local function model() return pg.nn.GPT(CFG) end

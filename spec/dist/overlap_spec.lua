@@ -25,14 +25,7 @@ local CFG = { vocab = 61, padded_vocab = 64, seq_len = 8, dim = 16, heads = 2, l
 local BUCKET_MB = 0.004 -- about 1000 floats
 local B = 8
 
-local function tokens(seed)
-  local rows = {}
-  for b = 1, B do
-    rows[b] = {}
-    for s = 1, CFG.seq_len do rows[b][s] = (seed * 7919 + b * 2713 + s * 337 + b * s * 41) % CFG.vocab end
-  end
-  return pg.tensor(rows, { dtype = "int32" })
-end
+local function tokens(seed) return h.token_batch(seed, B, CFG.seq_len, CFG.vocab) end
 local X, Y = tokens(1), tokens(2)
 
 local function assert_close(got, want, what)

@@ -48,14 +48,7 @@ end
 
 -- A batch of 8 sequences (8 micro-batches of one row at most), ids in [0, vocab).
 local B, S = 8, cfg.seq_len
-local function tokens(seed)
-  local rows = {}
-  for b = 1, B do
-    rows[b] = {}
-    for s = 1, S do rows[b][s] = (seed * 7919 + b * 2713 + s * 337 + b * s * 41) % cfg.vocab end
-  end
-  return pg.tensor(rows, { dtype = "int32" })
-end
+local function tokens(seed) return h.token_batch(seed, B, S, cfg.vocab) end
 local x, y = tokens(1), tokens(2)
 
 local function model() return pg.nn.GPT.load_llmc(MODEL) end

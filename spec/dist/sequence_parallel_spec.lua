@@ -59,14 +59,7 @@ local MODELS = {
 }
 
 local B, S = 4, 7
-local function tokens(seed, rows, len)
-  local t = {}
-  for b = 1, rows or B do
-    t[b] = {}
-    for s = 1, len or S do t[b][s] = (seed * 7919 + b * 2713 + s * 337 + b * s * 41) % 61 end
-  end
-  return pg.tensor(t, { dtype = "int32" })
-end
+local function tokens(seed, rows, len) return h.token_batch(seed, rows or B, len or S, 61) end
 local X, Y = tokens(1), tokens(2)
 
 local ser = pg.ParallelContext{ data = W, seed = 5 } -- a tensor group of one: the serial model on every rank

@@ -49,6 +49,17 @@ function M.scaled_close(got, want, rtol, atol, zero_ok)
 end
 
 --- Writes text to a fresh temporary file and returns its path.
+--- A [rows, len] int32 batch of token ids below vocab, a fixed function of
+-- seed (every rank builds the same): the distributed specs' inputs.
+function M.token_batch(seed, rows, len, vocab)
+  local t = {}
+  for b = 1, rows do
+    t[b] = {}
+    for s = 1, len do t[b][s] = (seed * 7919 + b * 2713 + s * 337 + b * s * 41) % vocab end
+  end
+  return require("pipegoose").tensor(t, { dtype = "int32" })
+end
+
 function M.tmpfile(text, suffix)
   local path = os.tmpname() .. (suffix or ".lua")
   local f = assert(io.open(path, "w"))
