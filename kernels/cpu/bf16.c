@@ -13,11 +13,13 @@
  * (a linear layer's three products per shape; a model has a few shapes). */
 #include <cblas.h>
 #include <cpuid.h>
+#include <immintrin.h>
 #include <oneapi/dnnl/dnnl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "kernels.h"
 #include "pg_cpu.h"
@@ -53,10 +55,75 @@ static void cpu_bf16(int *avx512, int *amx) {
   *avx512 = (a >> 5) & 1;
 }
 
+/* The throughput of the CPU's bf16 dot products against float32 FMA, in
+ * flops per second on one core: 12 independent accumulators each, so that
+ * the loop runs at the instructions' issue rate, not their latency. A
+ * vdpbf16ps does 32 multiply-adds per zmm (64 flops), an FMA 16 (32 flops);
+ * cores differ in how many of each they issue per cycle: some run bf16 dots
+ * at twice the FMA's flops (what oneDNN's bf16 matmul needs to beat sgemm),
+ * others at half of them. Called only where cpuid says AVX512_BF16 and
+ * oneDNN's ISA check found the AVX-512 state enabled. ~1 ms each. */
+#define PROBE_ITERS 100000
+#define PROBE_ACC(op)                                                                                              \
+  op(0) op(1) op(2) op(3) op(4) op(5) op(6) op(7) op(8) op(9) op(10) op(11)
+
+static double seconds(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+__attribute__((target("avx512f,avx512bf16"))) static double probe_bf16_dot(void) {
+  __m512 acc[12];
+  for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_ps((float)i); /* distinct: not merged into one chain */
+  __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3f80);
+  double t = seconds();
+  for (int i = 0; i < PROBE_ITERS; i++) {
+#define DOT(k) acc[k] = _mm512_dpbf16_ps(acc[k], a, b);
+    PROBE_ACC(DOT)
+#undef DOT
+    __asm__ volatile("" : "+v"(a), "+v"(b)); /* keeps the loop from being folded */
+  }
+  t = seconds() - t;
+  float s = 0;
+  for (int i = 0; i < 12; i++) s += _mm512_reduce_add_ps(acc[i]);
+  __asm__ volatile("" : : "x"(s));
+  return t > 0 ? PROBE_ITERS * 12.0 * 64 / t : 0;
+}
+
+__attribute__((target("avx512f"))) static double probe_fma(void) {
+  __m512 acc[12];
+  for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_ps((float)i); /* distinct: not merged into one chain */
+  __m512 a = _mm512_set1_ps(1.0f), b = _mm512_set1_ps(0.5f);
+  double t = seconds();
+  for (int i = 0; i < PROBE_ITERS; i++) {
+#define FMA(k) acc[k] = _mm512_fmadd_ps(a, b, acc[k]);
+    PROBE_ACC(FMA)
+#undef FMA
+    __asm__ volatile("" : "+v"(a), "+v"(b));
+  }
+  t = seconds() - t;
+  float s = 0;
+  for (int i = 0; i < 12; i++) s += _mm512_reduce_add_ps(acc[i]);
+  __asm__ volatile("" : : "x"(s));
+  return t > 0 ? PROBE_ITERS * 12.0 * 32 / t : 0;
+}
+
+/* Best of three interleaved runs of each (a busy machine slows both). */
+static void probe_rates(double *bf16, double *fma) {
+  *bf16 = *fma = 0;
+  for (int r = 0; r < 3; r++) {
+    double x = probe_bf16_dot(), y = probe_fma();
+    if (x > *bf16) *bf16 = x;
+    if (y > *fma) *fma = y;
+  }
+}
+
 /* 1 when oneDNN's matmul runs on bf16 instructions here; why says what was found either way. */
-static int onednn_usable(char *why, size_t len) {
+static int onednn_usable(char *why, size_t len, int *amx_out) {
   int avx512, amx;
   cpu_bf16(&avx512, &amx);
+  *amx_out = amx;
   dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
   /* The ISA values are bit sets: a level includes the bits of those below it. */
   int isa_ok = ((unsigned)isa & (unsigned)dnnl_cpu_isa_avx512_core_bf16) == (unsigned)dnnl_cpu_isa_avx512_core_bf16;
@@ -73,10 +140,34 @@ static int onednn_usable(char *why, size_t len) {
   return 0;
 }
 
+#define ONEDNN_MIN_GAIN 1.25 /* bf16 dot flops per FMA flop from which oneDNN's bf16 matmul beats sgemm */
+
+/* The automatic choice: oneDNN where the CPU has AMX tiles, or where its
+ * AVX512_BF16 dot products outrun float32 FMA by ONEDNN_MIN_GAIN (measured
+ * here: cpuid alone cannot tell a core that issues vdpbf16ps at twice the
+ * FMA's flops from one that issues it at half of them, as the 2-core Intel
+ * Xeon of README's table does: 86 against 173 GFLOP/s per core, where
+ * oneDNN's matmul runs at 83 and sgemm at 140); else the fallback. */
 static void select_auto(void) {
   char w[200];
-  path = onednn_usable(w, sizeof w) ? PATH_ONEDNN : PATH_FALLBACK;
-  snprintf(why_buf, sizeof why_buf, "%s", w);
+  int amx;
+  if (!onednn_usable(w, sizeof w, &amx)) {
+    path = PATH_FALLBACK;
+    snprintf(why_buf, sizeof why_buf, "%s", w);
+    return;
+  }
+  if (amx) {
+    path = PATH_ONEDNN;
+    snprintf(why_buf, sizeof why_buf, "%s", w);
+    return;
+  }
+  double dot, fma;
+  probe_rates(&dot, &fma);
+  double gain = fma > 0 ? dot / fma : 0;
+  path = gain >= ONEDNN_MIN_GAIN ? PATH_ONEDNN : PATH_FALLBACK;
+  snprintf(why_buf, sizeof why_buf,
+           "%s; its bf16 dot products run at %.0f GFLOP/s per core against %.0f for float32 FMA (%.2fx, %s %.2fx)",
+           w, dot * 1e-9, fma * 1e-9, gain, gain >= ONEDNN_MIN_GAIN ? "at least" : "below", ONEDNN_MIN_GAIN);
 }
 
 static int select_locked(const char *name);
@@ -119,7 +210,8 @@ static int select_locked(const char *name) {
     snprintf(why_buf, sizeof why_buf, "selected by name (fallback)");
   } else if (!strcmp(name, "onednn")) {
     char w[200];
-    if (onednn_usable(w, sizeof w)) {
+    int amx;
+    if (onednn_usable(w, sizeof w, &amx)) {
       path = PATH_ONEDNN;
       snprintf(why_buf, sizeof why_buf, "selected by name (onednn): %s", w);
     } else {
@@ -248,25 +340,67 @@ static int onednn_gemm(int M, int N, int K, const uint16_t *A, int64_t sa0, int6
 
 /* ---- fallback: widen to float32, sgemm ---- */
 
-static float *widen(const uint16_t *src, int64_t n) {
-  float *f = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
-  if (f) pg_bf16_to_f32(f, src, n);
-  return f;
+/* The product runs in blocks of C (MB x NB) and of K (KB): each block's
+ * operands are widened into two scratch panels that are kept between calls
+ * (PANEL floats each, 8 MiB), so that no call allocates, and no weight is
+ * ever held whole in float32 (the LM head's would be 4 bytes a parameter,
+ * more than the bf16 working copy saves). The blocks are large enough for
+ * sgemm to run at its rate: K in blocks of up to 1024 (C accumulates across
+ * them), then as many rows and columns as fill a panel. The loop keeps a B
+ * panel while A's blocks pass under it; an A panel is widened again for each
+ * block of N columns (one block in all but the LM head's forward, where A is
+ * a micro-batch's activations). */
+#define PANEL ((int64_t)2 << 20)
+#define KB_MAX 1024
+
+static float *panel[2];
+static pthread_mutex_t panel_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* dst[rows x cols] (dense) = src's block at (r0, c0), src row-major with ld elements a row. */
+static void widen_block(float *dst, const uint16_t *src, int64_t ld, int64_t r0, int64_t c0, int64_t rows,
+                        int64_t cols) {
+#pragma omp parallel for schedule(static) if (rows * cols > PG_PAR_MIN)
+  for (int64_t r = 0; r < rows; r++) {
+    const uint16_t *s = src + (r0 + r) * ld + c0;
+    float *d = dst + r * cols;
+    for (int64_t c = 0; c < cols; c++) d[c] = pg_bf16_value(s[c]);
+  }
 }
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 static int fallback_gemm(int transa, int transb, int M, int N, int K, const uint16_t *A, int64_t lda,
                          const uint16_t *B, int64_t ldb, float beta, float *C) {
-  float *a = widen(A, (int64_t)M * K), *b = widen(B, (int64_t)K * N);
-  if (!a || !b) {
-    free(a);
-    free(b);
-    snprintf(err_buf, sizeof err_buf, "out of memory widening a bf16 GEMM's inputs (%d x %d x %d)", M, N, K);
+  pthread_mutex_lock(&panel_lock);
+  if (!panel[0]) panel[0] = malloc((size_t)PANEL * sizeof(float));
+  if (!panel[1]) panel[1] = malloc((size_t)PANEL * sizeof(float));
+  if (!panel[0] || !panel[1]) {
+    pthread_mutex_unlock(&panel_lock);
+    snprintf(err_buf, sizeof err_buf, "out of memory for the bf16 fallback's two %lld-float panels",
+             (long long)PANEL);
     return -1;
   }
-  cblas_sgemm(CblasRowMajor, transa ? CblasTrans : CblasNoTrans, transb ? CblasTrans : CblasNoTrans, M, N, K, 1.0f,
-              a, (int)lda, b, (int)ldb, beta, C, N);
-  free(a);
-  free(b);
+  int64_t kb = min64(K, KB_MAX), nb = min64(N, PANEL / kb), mb = min64(M, PANEL / kb);
+  float *pa = panel[0], *pb = panel[1];
+  for (int64_t n0 = 0; n0 < N; n0 += nb) {
+    int64_t nn = min64(nb, N - n0);
+    for (int64_t k0 = 0; k0 < K; k0 += kb) {
+      int64_t kk = min64(kb, K - k0);
+      /* op(B)'s block [k0, k0+kk) x [n0, n0+nn): B is [K, N] (ldb) or, transposed, [N, K] */
+      if (transb) widen_block(pb, B, ldb, n0, k0, nn, kk);
+      else widen_block(pb, B, ldb, k0, n0, kk, nn);
+      float b = k0 ? 1.0f : beta;
+      for (int64_t m0 = 0; m0 < M; m0 += mb) {
+        int64_t mm = min64(mb, M - m0);
+        if (transa) widen_block(pa, A, lda, k0, m0, kk, mm);
+        else widen_block(pa, A, lda, m0, k0, mm, kk);
+        cblas_sgemm(CblasRowMajor, transa ? CblasTrans : CblasNoTrans, transb ? CblasTrans : CblasNoTrans, (int)mm,
+                    (int)nn, (int)kk, 1.0f, pa, (int)(transa ? mm : kk), pb, (int)(transb ? kk : nn), b,
+                    C + m0 * N + n0, N);
+      }
+    }
+  }
+  pthread_mutex_unlock(&panel_lock);
   return 0;
 }
 

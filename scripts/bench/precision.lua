@@ -3,8 +3,9 @@
 -- run (fp32, bf16, then fp32 and bf16 again, each side the mean of its two
 -- runs, so that a change of the machine's load weighs on both sides of the
 -- ratio): tokens/s, their ratio, memory per rank (engine:memory()) and which
--- bf16 GEMM path ran and why (kernels/cpu/bf16.c). With oneDNN chosen, bf16
--- also runs once on the fallback path (PG_BF16_GEMM=fallback) for comparison.
+-- bf16 GEMM path ran and why (kernels/cpu/bf16.c). bf16 also runs once on
+-- the other path where that one can run here (PG_BF16_GEMM=fallback|onednn),
+-- for comparison.
 local pg = require "pipegoose"
 local common = require "bench.common"
 
@@ -14,9 +15,11 @@ local MODELS = { { key = "gpt2", label = "gpt2_124m" }, { key = "small", label =
 
 return function(ctx)
   local path, why = pg.ops.bf16_gemm_path()
+  local other = path == "onednn" and "fallback" or (pcall(pg.ops.bf16_gemm_path, "onednn") and "onednn" or nil)
+  pg.ops.bf16_gemm_path("auto")
   local function step(model, precision, env)
     local args = { "--worker=step", "--model=" .. model, "--steps=" .. ctx.steps(3), "--precision=" .. precision }
-    local name = ("bf16_%s_%s%s"):format(model, precision, env and "_fallback" or "")
+    local name = ("bf16_%s_%s%s"):format(model, precision, env and "_" .. other or "")
     local res, lines, rc = run((env and env .. " " or "") .. worker_cmd(1, ctx.ncores, args))
     return check_run(name, res, lines, rc, "tokens_per_s") and res or nil
   end
@@ -29,13 +32,13 @@ return function(ctx)
         if r then runs[p][#runs[p] + 1] = r end
       end
     end
-    local fallback = path == "onednn" and step(m.key, "bf16", "PG_BF16_GEMM=fallback") or nil
+    local other_run = other and step(m.key, "bf16", "PG_BF16_GEMM=" .. other) or nil
     local function mean(list, k)
       local s = 0
       for _, r in ipairs(list) do s = s + r[k] end
       return #list > 0 and s / #list or nil
     end
-    local row = { label = m.label, fallback = fallback }
+    local row = { label = m.label, other = other_run }
     for _, p in ipairs{ "fp32", "bf16" } do
       local r = runs[p][1]
       if r then
@@ -50,7 +53,7 @@ return function(ctx)
     if row.fp32 and row.bf16 then
       emit(m.label, "bf16_vs_fp32", row.bf16.tokens_per_s / row.fp32.tokens_per_s, "%.2f")
     end
-    if fallback then emit(m.label .. "_bf16_fallback", "tokens_per_s", fallback.tokens_per_s, "%.1f") end
+    if other_run then emit(m.label .. "_bf16_" .. other, "tokens_per_s", other_run.tokens_per_s, "%.1f") end
     rows[#rows + 1] = row
   end
   print()
@@ -69,10 +72,10 @@ return function(ctx)
           r.params_mb, r.grads_mb, r.optimizer_mb, r.activation_mb, r.bf16_mb, r.rank_mb, r.peak_rss_mb))
       end
     end
-    if row.fallback then
-      print(("  %-10s %-9s %9.1f %9.1f %7s   (the fallback path: PG_BF16_GEMM=fallback)"):format(row.label,
-        "bf16 fb", row.fallback.tokens_per_s, row.fallback.step_ms,
-        row.fp32 and ("%.2fx"):format(row.fallback.tokens_per_s / row.fp32.tokens_per_s) or "-"))
+    if row.other then
+      print(("  %-10s %-9s %9.1f %9.1f %7s   (the other path: PG_BF16_GEMM=%s)"):format(row.label,
+        "bf16 " .. other:sub(1, 3), row.other.tokens_per_s, row.other.step_ms,
+        row.fp32 and ("%.2fx"):format(row.other.tokens_per_s / row.fp32.tokens_per_s) or "-", other))
     end
   end
   print("  targets (issue 16): bf16 >= 1.6x fp32 tokens/s with AVX512_BF16/AMX, no slower elsewhere")
