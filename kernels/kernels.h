@@ -158,6 +158,10 @@ void pg_swiglu_backward(float *dinp, const float *inp, const float *dout, int N,
 void pg_residual_forward(float *out, const float *a, const float *b, int64_t n);
 /* da += dout; db += dout (either may be NULL). */
 void pg_residual_backward(float *da, float *db, const float *dout, int64_t n);
+/* p[0, bytes) = 0, split over the OpenMP threads from 4 MiB: one core's
+ * stores do not reach the memory's bandwidth (zeroing GPT-2 124M's 496 MB of
+ * gradients, 2 cores: 60 ms on one, 35 ms on both). */
+void pg_zero_bytes(void *p, size_t bytes);
 
 /* ---- mixture-of-experts router (Mixtral) ----
  * logits [N, E] over E experts. probs = softmax per row, lse[N] its

@@ -30,7 +30,7 @@ static void cpu_release(const pg_backend *b, void *p) {
 
 static int cpu_zero(const pg_backend *b, void *p, size_t bytes) {
   (void)b;
-  if (bytes) memset(p, 0, bytes);
+  pg_zero_bytes(p, bytes);
   return PG_OK;
 }
 

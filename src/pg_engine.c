@@ -990,8 +990,7 @@ int pg_engine_zero_grad(pg_engine *e) {
   if (!e->sharded) return e->be->ops->zero(e->be, e->grad_store->data, (size_t)e->flat_padded * sizeof(float));
   for (int k = 0; k < e->nbuckets; k++) /* staging holds nothing between calls; a failed call's is dropped here */
     if (e->buckets[k].stage) memset(e->buckets[k].stage, 0, (size_t)(e->buckets[k].hi - e->buckets[k].lo) * sizeof(float));
-  memset(e->grad_store->data, 0, e->grad_store->bytes);
-  return PG_OK;
+  return e->be->ops->zero(e->be, e->grad_store->data, e->grad_store->bytes);
 }
 
 float *pg_engine_grad_at(const pg_engine *e, int64_t off) { return (float *)e->grad_store->data + (off - e->grad_base); }

@@ -1,5 +1,7 @@
 /* Elementwise ops: GELU (tanh approximation), SwiGLU and the residual add. */
 #include <math.h>
+#include <omp.h>
+#include <string.h>
 
 #include "kernels.h"
 #include "pg_cpu.h"
@@ -75,5 +77,21 @@ void pg_swiglu_backward(float *dinp, const float *inp, const float *dout, int N,
       du[i] = dy[i] * (g[i] * s);
       dg[i] = dy[i] * u[i] * (s * (1.0f + g[i] * (1.0f - s)));
     }
+  }
+}
+
+#define PG_ZERO_PAR_MIN ((size_t)4 << 20)
+
+void pg_zero_bytes(void *p, size_t bytes) {
+  if (bytes < PG_ZERO_PAR_MIN) {
+    if (bytes) memset(p, 0, bytes);
+    return;
+  }
+#pragma omp parallel
+  {
+    /* Pieces on 64-byte boundaries, so that no cache line is written by two threads. */
+    size_t nt = (size_t)omp_get_num_threads(), id = (size_t)omp_get_thread_num();
+    size_t lo = bytes / 64 * id / nt * 64, hi = id + 1 == nt ? bytes : bytes / 64 * (id + 1) / nt * 64;
+    memset((char *)p + lo, 0, hi - lo);
   }
 }
