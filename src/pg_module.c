@@ -1206,7 +1206,86 @@ typedef struct moe_state {
   int64_t *orows;              /* [2 G]: rows to each member, rows from each member */
   int64_t *ecount;             /* [E] */
   int32_t *fill;               /* [E] choices of each expert in the current sequence */
+  /* precision "bf16" (as linear's bf16_mm): the router's and the experts' products on bf16 operands with float32
+   * sums, working weights remade at each call's first forward; the rounded operands in the module's own scratch */
+  int bf16;
+  uint16_t *gate16, *w13_16, *w2_16; /* [E D], [nl][2 hidden_l D] (w1 rows, then w3's), [nl][D hidden_l] */
+  uint16_t *op16[2];                 /* [max(rows, X) max(2 hidden_l, D, E)] each: an operand, the other */
+  size_t bf16_bytes;
+  long refreshes;
 } moe_state;
+
+static void moe_free_bf16(moe_state *s) {
+  uint16_t *b[] = {s->gate16, s->w13_16, s->w2_16, s->op16[0], s->op16[1]};
+  for (size_t i = 0; i < sizeof b / sizeof b[0]; i++) free(b[i]);
+  s->gate16 = s->w13_16 = s->w2_16 = s->op16[0] = s->op16[1] = NULL;
+  s->bf16_bytes = 0;
+}
+
+/* The working weights and the operand scratch of precision bf16 (host memory: moe runs on the cpu backend). */
+static int moe_alloc_bf16(pg_module *m, int64_t rows) {
+  moe_state *s = m->state;
+  moe_free_bf16(s);
+  int64_t E = s->o.experts, D = s->o.dim, H = s->hidden_l, nl = s->nl;
+  int64_t wide = 2 * H > D ? 2 * H : D;
+  if (E > wide) wide = E;
+  int64_t n_gate = pg_size_product(2, (int64_t[]){E, D}), n_w = pg_size_product(3, (int64_t[]){nl, 2 * H, D}),
+          n_op = pg_size_product(2, (int64_t[]){rows, wide});
+  if (n_gate < 0 || n_w < 0 || n_op < 0 || (uint64_t)(n_gate + n_w + n_w / 2 + 2 * n_op) > SIZE_MAX / 2)
+    return pg_fail("%s: its bf16 working weights and operands are too large", m->name);
+  s->gate16 = malloc((size_t)(n_gate > 0 ? n_gate : 1) * 2);
+  s->w13_16 = malloc((size_t)(n_w > 0 ? n_w : 1) * 2);
+  s->w2_16 = malloc((size_t)(n_w / 2 > 0 ? n_w / 2 : 1) * 2);
+  s->op16[0] = malloc((size_t)(n_op > 0 ? n_op : 1) * 2);
+  s->op16[1] = malloc((size_t)(n_op > 0 ? n_op : 1) * 2);
+  if (!s->gate16 || !s->w13_16 || !s->w2_16 || !s->op16[0] || !s->op16[1]) {
+    moe_free_bf16(s);
+    return pg_fail("out of memory for %s (bf16 working weights and operands)", m->name);
+  }
+  s->bf16_bytes = (size_t)(n_gate + n_w + n_w / 2 + 2 * n_op) * 2;
+  return PG_OK;
+}
+
+/* The bf16 working weights from the float32 masters (each call's first forward; see bf16_mm). */
+static void moe_refresh_bf16(moe_state *s) {
+  size_t half = (size_t)s->hidden_l * s->o.dim;
+  pg_bf16_from_f32(s->gate16, s->gate->data, s->gate->numel);
+  for (int l = 0; l < s->nl; l++) {
+    pg_bf16_from_f32(s->w13_16 + 2 * half * l, s->w1[l]->data, (int64_t)half);
+    pg_bf16_from_f32(s->w13_16 + 2 * half * l + half, s->w3[l]->data, (int64_t)half);
+    pg_bf16_from_f32(s->w2_16 + half * l, s->w2[l]->data, (int64_t)half);
+  }
+  s->refreshes++;
+}
+
+/* out[n,OC] = x[n,C] w^T: float32 on w32, or bf16 on w16 (x rounded into op16[0]). */
+static int moe_mm_forward(pg_module *m, float *out, const float *x, const float *w32, const uint16_t *w16, int n,
+                          int C, int OC) {
+  moe_state *s = m->state;
+  if (!s->bf16) {
+    pg_matmul_forward(out, x, w32, NULL, n, C, OC);
+    return PG_OK;
+  }
+  pg_bf16_from_f32(s->op16[0], x, (int64_t)n * C);
+  if (pg_matmul_bf16_forward(out, s->op16[0], w16, NULL, n, C, OC))
+    return pg_fail("%s: %s", m->name, pg_bf16_gemm_error());
+  return PG_OK;
+}
+
+/* dinp = dy w (overwritten), dw += dy^T x; float32 or bf16 as moe_mm_forward. */
+static int moe_mm_backward(pg_module *m, float *dinp, float *dw, const float *dy, const float *x, const float *w32,
+                           const uint16_t *w16, int n, int C, int OC) {
+  moe_state *s = m->state;
+  if (!s->bf16) {
+    pg_matmul_backward(dinp, dw, NULL, dy, x, w32, n, C, OC);
+    return PG_OK;
+  }
+  pg_bf16_from_f32(s->op16[0], dy, (int64_t)n * OC);
+  pg_bf16_from_f32(s->op16[1], x, (int64_t)n * C);
+  if (pg_matmul_bf16_backward(dinp, dw, s->op16[0], s->op16[1], w16, n, C, OC))
+    return pg_fail("%s: %s", m->name, pg_bf16_gemm_error());
+  return PG_OK;
+}
 
 static int moe_alloc(pg_module *m, int nslots, int max_rows) {
   moe_state *s = m->state;
@@ -1247,6 +1326,8 @@ static int moe_alloc(pg_module *m, int nslots, int max_rows) {
   if (s->G > 1 && (!alloc_floats(m, &s->xr, S * X * D) || !alloc_floats(m, &s->bufa, X * D) ||
                    !alloc_floats(m, &s->bufb, X * D)))
     return pg_fail("out of memory for %s (expert-parallel buffers)", m->name);
+  if (s->bf16 && moe_alloc_bf16(m, (int64_t)max_rows > X ? (int64_t)max_rows : X))
+    return PG_ERR;
   m->saved_bytes_per_slot += (rows * (E + 1) + R * (1 + D) + X * 2 * H + (s->G > 1 ? X * D : 0)) * sizeof(float) +
                              R * 3 * sizeof(int32_t);
   return PG_OK;
@@ -1371,20 +1452,26 @@ static void moe_rows(const moe_state *s, const int32_t *off, const int64_t *cnt,
 }
 
 /* Our experts over rows grouped expert-major (eoff): gate|up and output. */
-static void moe_experts_forward(moe_state *s, const float *x, float *gu, float *y) {
+static int moe_experts_forward(pg_module *m, const float *x, float *gu, float *y) {
+  moe_state *s = m->state;
   int D = s->o.dim, H = s->hidden_l;
+  size_t half = (size_t)H * D;
   for (int l = 0; l < s->nl; l++) {
     int64_t r0 = s->eoff[l], n = s->eoff[l + 1] - r0;
     if (!n) continue;
-    moe_stack_w13(s, l);
-    pg_matmul_forward(gu + r0 * 2 * H, x + r0 * D, s->wcat, NULL, (int)n, D, 2 * H);
+    if (!s->bf16) moe_stack_w13(s, l);
+    if (moe_mm_forward(m, gu + r0 * 2 * H, x + r0 * D, s->wcat, s->w13_16 + 2 * half * l, (int)n, D, 2 * H))
+      return PG_ERR;
     pg_swiglu_forward(s->act + r0 * H, gu + r0 * 2 * H, (int)n, H);
-    pg_matmul_forward(y + r0 * D, s->act + r0 * H, s->w2[l]->data, NULL, (int)n, H, D);
+    if (moe_mm_forward(m, y + r0 * D, s->act + r0 * H, s->w2[l]->data, s->w2_16 + half * l, (int)n, H, D))
+      return PG_ERR;
   }
+  return PG_OK;
 }
 
 /* Their backward: input gradients of the rows into dx, weight gradients added. */
-static void moe_experts_backward(moe_state *s, const float *x, const float *gu, const float *dy, float *dx) {
+static int moe_experts_backward(pg_module *m, const float *x, const float *gu, const float *dy, float *dx) {
+  moe_state *s = m->state;
   int D = s->o.dim, H = s->hidden_l;
   size_t half = (size_t)H * D;
   for (int l = 0; l < s->nl; l++) {
@@ -1393,16 +1480,20 @@ static void moe_experts_backward(moe_state *s, const float *x, const float *gu, 
     const float *gu_e = gu + r0 * 2 * H;
     float *act = s->act + r0 * H, *da = s->da + r0 * H, *dgu = s->dgu + r0 * 2 * H;
     pg_swiglu_forward(act, gu_e, (int)n, H); /* recomputed: cheaper to keep gate|up only */
-    pg_matmul_backward(da, s->w2[l]->grad, NULL, dy + r0 * D, act, s->w2[l]->data, (int)n, H, D);
+    if (moe_mm_backward(m, da, s->w2[l]->grad, dy + r0 * D, act, s->w2[l]->data, s->w2_16 + half * l, (int)n, H, D))
+      return PG_ERR;
     pg_swiglu_backward(dgu, gu_e, da, (int)n, H);
-    moe_stack_w13(s, l);
+    if (!s->bf16) moe_stack_w13(s, l);
     memset(s->dwcat, 0, 2 * half * sizeof(float));
-    pg_matmul_backward(dx + r0 * D, s->dwcat, NULL, dgu, x + r0 * D, s->wcat, (int)n, D, 2 * H);
+    if (moe_mm_backward(m, dx + r0 * D, s->dwcat, dgu, x + r0 * D, s->wcat, s->w13_16 + 2 * half * l, (int)n, D,
+                        2 * H))
+      return PG_ERR;
     for (size_t i = 0; i < half; i++) {
       s->w1[l]->grad[i] += s->dwcat[i];
       s->w3[l]->grad[i] += s->dwcat[half + i];
     }
   }
+  return PG_OK;
 }
 
 static int moe_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
@@ -1416,8 +1507,9 @@ static int moe_forward(pg_module *m, int slot, pg_io *io, const float *x, const 
   int64_t *cnt = s->cnt + (size_t)slot * s->G * s->nl;
   float *gu = s->gu + slot * (size_t)s->X * 2 * H, *ye = s->y + slot * Rmax * D, *out = slot_out(m, slot);
   double *stats = s->stats + (size_t)slot * 2 * E;
+  if (s->bf16 && io->mb == 0 && !io->recomputing) moe_refresh_bf16(s);
   /* route: every tensor rank computes the same (router and x replicated) */
-  pg_matmul_forward(s->logits, moe_jitter(m, io, x, N), s->gate->data, NULL, N, D, E);
+  if (moe_mm_forward(m, s->logits, moe_jitter(m, io, x, N), s->gate->data, s->gate16, N, D, E)) return PG_ERR;
   pg_moe_route_forward(probs, lse, expert, weight, s->logits, N, E, K);
   pg_moe_route_stats(stats, stats + E, probs, expert, N, E, K);
   for (int i = 0; i < R; i++) pos[i] = 0;
@@ -1438,7 +1530,7 @@ static int moe_forward(pg_module *m, int slot, pg_io *io, const float *x, const 
   moe_gather(s, x, token, Rk);
   if (s->G == 1) {
     for (int e = 0; e <= E; e++) s->eoff[e] = off[e];
-    moe_experts_forward(s, s->xg, gu, ye);
+    if (moe_experts_forward(m, s->xg, gu, ye)) return PG_ERR;
   } else {
     /* each member's experts' row counts, then the rows, to it; outputs back */
     for (int e = 0; e < E; e++) s->ecount[e] = off[e + 1] - off[e];
@@ -1463,9 +1555,9 @@ static int moe_forward(pg_module *m, int slot, pg_io *io, const float *x, const 
     if (!rc) rc = moe_exchange(m, s->xg, orows, s->bufa, orows + s->G, (size_t)D);
     if (!rc) {
       moe_permute(s, cnt, s->bufa, xr, (size_t)D, 1);
-      moe_experts_forward(s, xr, gu, s->bufb);
+      rc = moe_experts_forward(m, xr, gu, s->bufb);
       moe_permute(s, cnt, s->bufb, s->bufa, (size_t)D, 0);
-      rc = moe_exchange(m, s->bufa, orows + s->G, ye, orows, (size_t)D);
+      if (!rc) rc = moe_exchange(m, s->bufa, orows + s->G, ye, orows, (size_t)D);
     }
     if (rc) return PG_ERR;
   }
@@ -1543,7 +1635,8 @@ static int moe_backward(pg_module *m, int slot, pg_io *io, const float *dy, cons
   pg_moe_route_backward(s->logits, s->dweight, s->o.aux_loss_coef != 0 ? s->dprob : NULL, zscale, probs, lse, expert,
                         weight, N, E, K);
   const float *xr = moe_jitter(m, io, x, N); /* the same noise again */
-  pg_matmul_backward(s->dx_router, s->gate->grad, NULL, s->logits, xr, s->gate->data, N, D, E);
+  if (moe_mm_backward(m, s->dx_router, s->gate->grad, s->logits, xr, s->gate->data, s->gate16, N, D, E))
+    return PG_ERR;
   if (xr != x) { /* d(x u)/dx = u, the same noise */
     uint64_t key = moe_jitter_key(m, io);
     for (int t = 0; t < N; t++)
@@ -1560,16 +1653,16 @@ static int moe_backward(pg_module *m, int slot, pg_io *io, const float *dy, cons
   if (s->G == 1) {
     moe_gather(s, x, token, Rk);
     for (int e = 0; e <= E; e++) s->eoff[e] = off[e];
-    moe_experts_backward(s, s->xg, gu, s->dyg, s->dxg);
+    if (moe_experts_backward(m, s->xg, gu, s->dyg, s->dxg)) return PG_ERR;
   } else {
     int64_t *orows = s->orows;
     moe_rows(s, off, cnt, orows, orows + s->G);
     int rc = moe_exchange(m, s->dyg, orows, s->bufa, orows + s->G, (size_t)D);
     if (!rc) {
       moe_permute(s, cnt, s->bufa, s->bufb, (size_t)D, 1);
-      moe_experts_backward(s, s->xr + slot * (size_t)s->X * D, gu, s->bufb, s->bufa);
+      rc = moe_experts_backward(m, s->xr + slot * (size_t)s->X * D, gu, s->bufb, s->bufa);
       moe_permute(s, cnt, s->bufa, s->bufb, (size_t)D, 0);
-      rc = moe_exchange(m, s->bufb, orows + s->G, s->dxg, orows, (size_t)D);
+      if (!rc) rc = moe_exchange(m, s->bufb, orows + s->G, s->dxg, orows, (size_t)D);
     }
     if (rc) return PG_ERR;
   }
@@ -1612,6 +1705,7 @@ static void moe_destroy(pg_module *m) {
   float *bufs[] = {s->probs, s->lse, s->weight, s->gu, s->y, s->logits, s->wcat, s->dwcat, s->xg, s->act, s->dyg,
                    s->dxg, s->da, s->dgu, s->dweight, s->dx_router, s->dprob, s->xr, s->bufa, s->bufb, s->xj};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) pg_be_release(BE(m), bufs[i]);
+  moe_free_bf16(s);
 }
 
 static const pg_module_ops moe_ops = {"moe", moe_alloc, moe_forward, moe_backward, moe_destroy};
@@ -2543,8 +2637,7 @@ int pg_module_set_precision(pg_module *m, pg_precision p) {
   if (m->ops == &custom_ops)
     return pg_fail("%s: a module written in Lua computes in float32: precision \"bf16\" does not support it yet",
                    m->name);
-  if (m->ops == &moe_ops)
-    return pg_fail("%s: the moe kind (mixture of experts) does not support precision \"bf16\" yet", m->name);
+  if (m->ops == &moe_ops) ((moe_state *)m->state)->bf16 = 1;
   if (m->ops == &linear_ops) ((linear_state *)m->state)->mm.on = 1;
   if (m->ops == &lm_head_ops) ((lm_head_state *)m->state)->mm.on = 1;
   for (int i = 0; i < m->nchildren; i++)
@@ -2565,6 +2658,7 @@ size_t pg_module_bf16_bytes(const pg_module *m) {
   size_t b = 0;
   if (m->ops == &linear_ops) b += ((const linear_state *)m->state)->mm.bytes;
   if (m->ops == &lm_head_ops) b += ((const lm_head_state *)m->state)->mm.bytes;
+  if (m->ops == &moe_ops) b += ((const moe_state *)m->state)->bf16_bytes;
   for (int i = 0; i < m->nchildren; i++) b += pg_module_bf16_bytes(m->children[i]);
   return b;
 }
