@@ -74,7 +74,7 @@ return function(ctx)
     end
     if row.other then
       print(("  %-10s %-9s %9.1f %9.1f %7s   (the other path: PG_BF16_GEMM=%s)"):format(row.label,
-        "bf16 " .. other:sub(1, 3), row.other.tokens_per_s, row.other.step_ms,
+        other == "onednn" and "bf16 dnn" or "bf16 fb", row.other.tokens_per_s, row.other.step_ms,
         row.fp32 and ("%.2fx"):format(row.other.tokens_per_s / row.fp32.tokens_per_s) or "-", other))
     end
   end
