@@ -103,7 +103,8 @@ function M.table(ctx)
   end
   print(("  pipegoose: OpenBLAS, %s kernels"):format(pg.machine().blas_core or "?"))
   if not peers.LLMC_DIR then print("  (llm.c: set LLMC_DIR to a checkout of karpathy/llm.c for its column)") end
-  print("  targets (issue 19): gpt2_124m MFU >= 0.8 and >= 1.3x PyTorch 2 compile; small >= 2x")
+  print("  targets (issue 19): GPT-2 124M MFU >= 0.8 (on gpt2_124m_b8x256, a training-size batch: 4 x 64 is bound by\n"
+    .. "  AdamW and the other per-step passes over 124M parameters) and >= 1.3x PyTorch 2 compile; small >= 2x")
 end
 
 return M
