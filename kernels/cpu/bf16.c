@@ -2,10 +2,10 @@
  *
  * Two GEMM paths, one result kind. oneDNN's matmul primitive multiplies bf16
  * inputs with the CPU's bf16 dot-product instructions (AVX512_BF16's
- * vdpbf16ps, AMX tiles) and accumulates in float32; where those are missing
- * oneDNN would emulate them slower than sgemm, so there the inputs are
- * widened to float32 (exact: a bf16 is a float32 with 16 low zero bits) and
- * OpenBLAS sgemm does the products and sums in float32. Either way every
+ * vdpbf16ps, AMX tiles) and accumulates in float32; where those are missing,
+ * or slower than the float32 FMA (select_auto), the inputs are widened to
+ * float32 (exact: a bf16 is a float32 with 16 low zero bits) and OpenBLAS
+ * sgemm does the products and sums in float32. Either way every
  * product is of two bf16 values and every sum is in float32: only the order
  * of the sums differs.
  *
