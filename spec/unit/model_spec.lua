@@ -133,6 +133,28 @@ describe("the GPT model", function()
     assert.is_true(last < 0.5 * first, ("loss %g -> %g"):format(first, last))
   end)
 
+  it("zero_grad clears every gradient of a buffer past 4 MiB (zeroed on all threads)", function()
+    -- 1.3M parameters: 5 MiB of gradients, split over the OpenMP threads (pg_zero_bytes)
+    local engine = pg.parallelize(pg.nn.GPT{ vocab = 2048, seq_len = 8, dim = 256, heads = 4, layers = 1 }, nil,
+      { seed = 5 })
+    local x, y = ids{ { 1, 2, 3, 4, 5, 6, 7, 8 } }, ids{ { 2, 3, 4, 5, 6, 7, 8, 9 } }
+    engine:forward_backward(x, y)
+    -- the largest |gradient| over every parameter, and how many there are
+    local function largest()
+      local m, n = 0, 0
+      for _, g in ipairs(engine:grads()) do
+        local a = g.tensor:abs()
+        m, n = math.max(m, a:reshape({ a:numel() }):max(1):item()), n + a:numel()
+      end
+      return m, n
+    end
+    local before, n = largest()
+    assert.is_true(n * 4 > 4 * 2 ^ 20, "the gradients are past pg_zero_bytes's 4 MiB")
+    assert.is_true(before > 0, "backward left gradients")
+    engine:zero_grad()
+    assert.are.equal(0, (largest()))
+  end)
+
   it("trains a tiny GPT for 200 steps on a shard to a loss below 0.5", function()
     -- A repeating 26-letter text: after 200 steps a 2-layer model predicts it
     -- almost surely (random guessing is ln 256 = 5.5; measured about 0.05).
