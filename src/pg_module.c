@@ -541,18 +541,36 @@ static int mm_scratch(pg_module *m, const pg_io *io) {
 /* The backend said what failed (a GEMM, a launch); the module adds its name. */
 static int mm_fail(pg_module *m) { return pg_fail("%s: %s", m->name, pg_error()); }
 
+/* The bf16 products on a working weight w16 (any module's: linear's, lm_head's, an expert's), the float32
+ * operands rounded into the engine's scratch. out[N,OC] = x[N,C] @ w^T (+ bias). */
+static int bf16_product_forward(pg_module *m, const pg_io *io, float *out, const float *x, const uint16_t *w16,
+                                const float *bias, int N, int C, int OC) {
+  if (mm_scratch(m, io)) return PG_ERR;
+  if (KERNEL(m, bf16_from_f32, io->bf16_scratch[0], x, (int64_t)N * C) ||
+      KERNEL(m, matmul_bf16_forward, out, io->bf16_scratch[0], w16, bias, N, C, OC))
+    return mm_fail(m);
+  return PG_OK;
+}
+
+/* dinp = dy @ w (NULL: skip), dw += dy^T @ x, dbias += column sums of the float32 dy (NULL: skip). */
+static int bf16_product_backward(pg_module *m, const pg_io *io, float *dinp, float *dw, float *dbias, const float *dy,
+                                 const float *x, const uint16_t *w16, int N, int C, int OC) {
+  if (mm_scratch(m, io)) return PG_ERR;
+  if (KERNEL(m, bf16_from_f32, io->bf16_scratch[0], dy, (int64_t)N * OC) ||
+      KERNEL(m, bf16_from_f32, io->bf16_scratch[1], x, (int64_t)N * C) ||
+      KERNEL(m, matmul_bf16_backward, dinp, dw, dbias, dy, io->bf16_scratch[0], io->bf16_scratch[1], w16, N, C, OC))
+    return mm_fail(m);
+  return PG_OK;
+}
+
 /* out[N,OC] = x[N,C] @ w^T (+ bias), x rounded to bf16; refresh: remake the working weight first. */
 static int mm_forward(pg_module *m, bf16_mm *mm, const pg_io *io, int refresh, const pg_param *w, float *out,
                       const float *x, const float *bias, int N, int C, int OC) {
-  if (mm_scratch(m, io)) return PG_ERR;
   if (refresh) {
     if (KERNEL(m, bf16_from_f32, mm->w, w->data, w->numel)) return mm_fail(m);
     mm->refreshes++;
   }
-  if (KERNEL(m, bf16_from_f32, io->bf16_scratch[0], x, (int64_t)N * C) ||
-      KERNEL(m, matmul_bf16_forward, out, io->bf16_scratch[0], mm->w, bias, N, C, OC))
-    return mm_fail(m);
-  return PG_OK;
+  return bf16_product_forward(m, io, out, x, mm->w, bias, N, C, OC);
 }
 
 /* A linear-kind product: the backend's float32 kernel, or the bf16 one. */
@@ -574,13 +592,7 @@ static int mm_fwd(pg_module *m, bf16_mm *mm, const pg_io *io, const pg_param *w,
 static int mm_bwd(pg_module *m, bf16_mm *mm, const pg_io *io, float *dinp, const pg_param *w, float *dbias,
                   const float *dy, const float *x, int N, int C, int OC) {
   if (!mm->on) return KERNEL(m, matmul_backward, dinp, w->grad, dbias, dy, x, w->data, N, C, OC);
-  if (mm_scratch(m, io)) return PG_ERR;
-  if (KERNEL(m, bf16_from_f32, io->bf16_scratch[0], dy, (int64_t)N * OC) ||
-      KERNEL(m, bf16_from_f32, io->bf16_scratch[1], x, (int64_t)N * C) ||
-      KERNEL(m, matmul_bf16_backward, dinp, w->grad, dbias, dy, io->bf16_scratch[0], io->bf16_scratch[1], mm->w, N,
-             C, OC))
-    return mm_fail(m);
-  return PG_OK;
+  return bf16_product_backward(m, io, dinp, w->grad, dbias, dy, x, mm->w, N, C, OC);
 }
 
 int pg_sp_gather_rows(pg_module *m, float *full, const float *mine, int64_t N, int w) {
@@ -1207,22 +1219,24 @@ typedef struct moe_state {
   int64_t *ecount;             /* [E] */
   int32_t *fill;               /* [E] choices of each expert in the current sequence */
   /* precision "bf16" (as linear's bf16_mm): the router's and the experts' products on bf16 operands with float32
-   * sums, working weights remade at each call's first forward; the rounded operands in the module's own scratch */
+   * sums, working weights remade at each call's first forward, the operands rounded into the engine's scratch */
   int bf16;
   uint16_t *gate16, *w13_16, *w2_16; /* [E D], [nl][2 hidden_l D] (w1 rows, then w3's), [nl][D hidden_l] */
-  uint16_t *op16[2];                 /* [max(rows, X) max(2 hidden_l, D, E)] each: an operand, the other */
+  int64_t bf16_need;                 /* scratch elements of either operand: max(rows, X) max(2 hidden_l, D, E) */
   size_t bf16_bytes;
   long refreshes;
 } moe_state;
 
 static void moe_free_bf16(moe_state *s) {
-  uint16_t *b[] = {s->gate16, s->w13_16, s->w2_16, s->op16[0], s->op16[1]};
+  uint16_t *b[] = {s->gate16, s->w13_16, s->w2_16};
   for (size_t i = 0; i < sizeof b / sizeof b[0]; i++) free(b[i]);
-  s->gate16 = s->w13_16 = s->w2_16 = s->op16[0] = s->op16[1] = NULL;
+  s->gate16 = s->w13_16 = s->w2_16 = NULL;
   s->bf16_bytes = 0;
+  s->bf16_need = 0;
 }
 
-/* The working weights and the operand scratch of precision bf16 (host memory: moe runs on the cpu backend). */
+/* The working weights of precision bf16 (host memory: moe runs on the cpu backend), and the operand scratch it
+ * needs of the engine (pg_module_bf16_scratch). */
 static int moe_alloc_bf16(pg_module *m, int64_t rows) {
   moe_state *s = m->state;
   moe_free_bf16(s);
@@ -1231,18 +1245,17 @@ static int moe_alloc_bf16(pg_module *m, int64_t rows) {
   if (E > wide) wide = E;
   int64_t n_gate = pg_size_product(2, (int64_t[]){E, D}), n_w = pg_size_product(3, (int64_t[]){nl, 2 * H, D}),
           n_op = pg_size_product(2, (int64_t[]){rows, wide});
-  if (n_gate < 0 || n_w < 0 || n_op < 0 || (uint64_t)(n_gate + n_w + n_w / 2 + 2 * n_op) > SIZE_MAX / 2)
+  if (n_gate < 0 || n_w < 0 || n_op < 0 || (uint64_t)(n_gate + n_w + n_w / 2) > SIZE_MAX / 2)
     return pg_fail("%s: its bf16 working weights and operands are too large", m->name);
   s->gate16 = malloc((size_t)(n_gate > 0 ? n_gate : 1) * 2);
   s->w13_16 = malloc((size_t)(n_w > 0 ? n_w : 1) * 2);
   s->w2_16 = malloc((size_t)(n_w / 2 > 0 ? n_w / 2 : 1) * 2);
-  s->op16[0] = malloc((size_t)(n_op > 0 ? n_op : 1) * 2);
-  s->op16[1] = malloc((size_t)(n_op > 0 ? n_op : 1) * 2);
-  if (!s->gate16 || !s->w13_16 || !s->w2_16 || !s->op16[0] || !s->op16[1]) {
+  if (!s->gate16 || !s->w13_16 || !s->w2_16) {
     moe_free_bf16(s);
-    return pg_fail("out of memory for %s (bf16 working weights and operands)", m->name);
+    return pg_fail("out of memory for %s (bf16 working weights)", m->name);
   }
-  s->bf16_bytes = (size_t)(n_gate + n_w + n_w / 2 + 2 * n_op) * 2;
+  s->bf16_bytes = (size_t)(n_gate + n_w + n_w / 2) * 2;
+  s->bf16_need = n_op;
   return PG_OK;
 }
 
@@ -1258,32 +1271,19 @@ static void moe_refresh_bf16(moe_state *s) {
   s->refreshes++;
 }
 
-/* out[n,OC] = x[n,C] w^T: float32 on w32, or bf16 on w16 (x rounded into op16[0]). */
-static int moe_mm_forward(pg_module *m, float *out, const float *x, const float *w32, const uint16_t *w16, int n,
-                          int C, int OC) {
-  moe_state *s = m->state;
-  if (!s->bf16) {
-    pg_matmul_forward(out, x, w32, NULL, n, C, OC);
-    return PG_OK;
-  }
-  pg_bf16_from_f32(s->op16[0], x, (int64_t)n * C);
-  if (pg_matmul_bf16_forward(out, s->op16[0], w16, NULL, n, C, OC))
-    return pg_fail("%s: %s", m->name, pg_bf16_gemm_error());
+/* out[n,OC] = x[n,C] w^T: float32 on w32, or bf16 on w16. */
+static int moe_mm_forward(pg_module *m, const pg_io *io, float *out, const float *x, const float *w32,
+                          const uint16_t *w16, int n, int C, int OC) {
+  if (((moe_state *)m->state)->bf16) return bf16_product_forward(m, io, out, x, w16, NULL, n, C, OC);
+  pg_matmul_forward(out, x, w32, NULL, n, C, OC);
   return PG_OK;
 }
 
 /* dinp = dy w (overwritten), dw += dy^T x; float32 or bf16 as moe_mm_forward. */
-static int moe_mm_backward(pg_module *m, float *dinp, float *dw, const float *dy, const float *x, const float *w32,
-                           const uint16_t *w16, int n, int C, int OC) {
-  moe_state *s = m->state;
-  if (!s->bf16) {
-    pg_matmul_backward(dinp, dw, NULL, dy, x, w32, n, C, OC);
-    return PG_OK;
-  }
-  pg_bf16_from_f32(s->op16[0], dy, (int64_t)n * OC);
-  pg_bf16_from_f32(s->op16[1], x, (int64_t)n * C);
-  if (pg_matmul_bf16_backward(dinp, dw, s->op16[0], s->op16[1], w16, n, C, OC))
-    return pg_fail("%s: %s", m->name, pg_bf16_gemm_error());
+static int moe_mm_backward(pg_module *m, const pg_io *io, float *dinp, float *dw, const float *dy, const float *x,
+                           const float *w32, const uint16_t *w16, int n, int C, int OC) {
+  if (((moe_state *)m->state)->bf16) return bf16_product_backward(m, io, dinp, dw, NULL, dy, x, w16, n, C, OC);
+  pg_matmul_backward(dinp, dw, NULL, dy, x, w32, n, C, OC);
   return PG_OK;
 }
 
@@ -1452,7 +1452,7 @@ static void moe_rows(const moe_state *s, const int32_t *off, const int64_t *cnt,
 }
 
 /* Our experts over rows grouped expert-major (eoff): gate|up and output. */
-static int moe_experts_forward(pg_module *m, const float *x, float *gu, float *y) {
+static int moe_experts_forward(pg_module *m, const pg_io *io, const float *x, float *gu, float *y) {
   moe_state *s = m->state;
   int D = s->o.dim, H = s->hidden_l;
   size_t half = (size_t)H * D;
@@ -1460,17 +1460,18 @@ static int moe_experts_forward(pg_module *m, const float *x, float *gu, float *y
     int64_t r0 = s->eoff[l], n = s->eoff[l + 1] - r0;
     if (!n) continue;
     if (!s->bf16) moe_stack_w13(s, l);
-    if (moe_mm_forward(m, gu + r0 * 2 * H, x + r0 * D, s->wcat, s->w13_16 + 2 * half * l, (int)n, D, 2 * H))
+    if (moe_mm_forward(m, io, gu + r0 * 2 * H, x + r0 * D, s->wcat, s->w13_16 + 2 * half * l, (int)n, D, 2 * H))
       return PG_ERR;
     pg_swiglu_forward(s->act + r0 * H, gu + r0 * 2 * H, (int)n, H);
-    if (moe_mm_forward(m, y + r0 * D, s->act + r0 * H, s->w2[l]->data, s->w2_16 + half * l, (int)n, H, D))
+    if (moe_mm_forward(m, io, y + r0 * D, s->act + r0 * H, s->w2[l]->data, s->w2_16 + half * l, (int)n, H, D))
       return PG_ERR;
   }
   return PG_OK;
 }
 
 /* Their backward: input gradients of the rows into dx, weight gradients added. */
-static int moe_experts_backward(pg_module *m, const float *x, const float *gu, const float *dy, float *dx) {
+static int moe_experts_backward(pg_module *m, const pg_io *io, const float *x, const float *gu, const float *dy,
+                                float *dx) {
   moe_state *s = m->state;
   int D = s->o.dim, H = s->hidden_l;
   size_t half = (size_t)H * D;
@@ -1480,12 +1481,13 @@ static int moe_experts_backward(pg_module *m, const float *x, const float *gu, c
     const float *gu_e = gu + r0 * 2 * H;
     float *act = s->act + r0 * H, *da = s->da + r0 * H, *dgu = s->dgu + r0 * 2 * H;
     pg_swiglu_forward(act, gu_e, (int)n, H); /* recomputed: cheaper to keep gate|up only */
-    if (moe_mm_backward(m, da, s->w2[l]->grad, dy + r0 * D, act, s->w2[l]->data, s->w2_16 + half * l, (int)n, H, D))
+    if (moe_mm_backward(m, io, da, s->w2[l]->grad, dy + r0 * D, act, s->w2[l]->data, s->w2_16 + half * l, (int)n, H,
+                        D))
       return PG_ERR;
     pg_swiglu_backward(dgu, gu_e, da, (int)n, H);
     if (!s->bf16) moe_stack_w13(s, l);
     memset(s->dwcat, 0, 2 * half * sizeof(float));
-    if (moe_mm_backward(m, dx + r0 * D, s->dwcat, dgu, x + r0 * D, s->wcat, s->w13_16 + 2 * half * l, (int)n, D,
+    if (moe_mm_backward(m, io, dx + r0 * D, s->dwcat, dgu, x + r0 * D, s->wcat, s->w13_16 + 2 * half * l, (int)n, D,
                         2 * H))
       return PG_ERR;
     for (size_t i = 0; i < half; i++) {
@@ -1509,7 +1511,7 @@ static int moe_forward(pg_module *m, int slot, pg_io *io, const float *x, const 
   double *stats = s->stats + (size_t)slot * 2 * E;
   if (s->bf16 && io->mb == 0 && !io->recomputing) moe_refresh_bf16(s);
   /* route: every tensor rank computes the same (router and x replicated) */
-  if (moe_mm_forward(m, s->logits, moe_jitter(m, io, x, N), s->gate->data, s->gate16, N, D, E)) return PG_ERR;
+  if (moe_mm_forward(m, io, s->logits, moe_jitter(m, io, x, N), s->gate->data, s->gate16, N, D, E)) return PG_ERR;
   pg_moe_route_forward(probs, lse, expert, weight, s->logits, N, E, K);
   pg_moe_route_stats(stats, stats + E, probs, expert, N, E, K);
   for (int i = 0; i < R; i++) pos[i] = 0;
@@ -1530,7 +1532,7 @@ static int moe_forward(pg_module *m, int slot, pg_io *io, const float *x, const 
   moe_gather(s, x, token, Rk);
   if (s->G == 1) {
     for (int e = 0; e <= E; e++) s->eoff[e] = off[e];
-    if (moe_experts_forward(m, s->xg, gu, ye)) return PG_ERR;
+    if (moe_experts_forward(m, io, s->xg, gu, ye)) return PG_ERR;
   } else {
     /* each member's experts' row counts, then the rows, to it; outputs back */
     for (int e = 0; e < E; e++) s->ecount[e] = off[e + 1] - off[e];
@@ -1555,7 +1557,7 @@ static int moe_forward(pg_module *m, int slot, pg_io *io, const float *x, const 
     if (!rc) rc = moe_exchange(m, s->xg, orows, s->bufa, orows + s->G, (size_t)D);
     if (!rc) {
       moe_permute(s, cnt, s->bufa, xr, (size_t)D, 1);
-      rc = moe_experts_forward(m, xr, gu, s->bufb);
+      rc = moe_experts_forward(m, io, xr, gu, s->bufb);
       moe_permute(s, cnt, s->bufb, s->bufa, (size_t)D, 0);
       if (!rc) rc = moe_exchange(m, s->bufa, orows + s->G, ye, orows, (size_t)D);
     }
@@ -1635,7 +1637,7 @@ static int moe_backward(pg_module *m, int slot, pg_io *io, const float *dy, cons
   pg_moe_route_backward(s->logits, s->dweight, s->o.aux_loss_coef != 0 ? s->dprob : NULL, zscale, probs, lse, expert,
                         weight, N, E, K);
   const float *xr = moe_jitter(m, io, x, N); /* the same noise again */
-  if (moe_mm_backward(m, s->dx_router, s->gate->grad, s->logits, xr, s->gate->data, s->gate16, N, D, E))
+  if (moe_mm_backward(m, io, s->dx_router, s->gate->grad, s->logits, xr, s->gate->data, s->gate16, N, D, E))
     return PG_ERR;
   if (xr != x) { /* d(x u)/dx = u, the same noise */
     uint64_t key = moe_jitter_key(m, io);
@@ -1653,14 +1655,14 @@ static int moe_backward(pg_module *m, int slot, pg_io *io, const float *dy, cons
   if (s->G == 1) {
     moe_gather(s, x, token, Rk);
     for (int e = 0; e <= E; e++) s->eoff[e] = off[e];
-    if (moe_experts_backward(m, s->xg, gu, s->dyg, s->dxg)) return PG_ERR;
+    if (moe_experts_backward(m, io, s->xg, gu, s->dyg, s->dxg)) return PG_ERR;
   } else {
     int64_t *orows = s->orows;
     moe_rows(s, off, cnt, orows, orows + s->G);
     int rc = moe_exchange(m, s->dyg, orows, s->bufa, orows + s->G, (size_t)D);
     if (!rc) {
       moe_permute(s, cnt, s->bufa, s->bufb, (size_t)D, 1);
-      rc = moe_experts_backward(m, s->xr + slot * (size_t)s->X * D, gu, s->bufb, s->bufa);
+      rc = moe_experts_backward(m, io, s->xr + slot * (size_t)s->X * D, gu, s->bufb, s->bufa);
       moe_permute(s, cnt, s->bufa, s->bufb, (size_t)D, 0);
       if (!rc) rc = moe_exchange(m, s->bufb, orows + s->G, s->dxg, orows, (size_t)D);
     }
@@ -2651,6 +2653,9 @@ void pg_module_bf16_scratch(const pg_module *m, int64_t need[2]) {
                                                : NULL;
   for (int k = 0; mm && mm->on && k < 2; k++)
     if (mm->need[k] > need[k]) need[k] = mm->need[k];
+  const moe_state *moe = m->ops == &moe_ops ? m->state : NULL;
+  for (int k = 0; moe && moe->bf16 && k < 2; k++)
+    if (moe->bf16_need > need[k]) need[k] = moe->bf16_need;
   for (int i = 0; i < m->nchildren; i++) pg_module_bf16_scratch(m->children[i], need);
 }
 
