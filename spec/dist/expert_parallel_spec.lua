@@ -68,8 +68,7 @@ for b = 1, B do
 end
 
 local function assert_close(got, want, what, rtol, atol)
-  local ok, why = h.scaled_close(got, want, rtol or RTOL, atol or ATOL)
-  assert.is_true(ok, what .. ": " .. tostring(why))
+  h.assert_scaled_close(got, want, what, rtol or RTOL, atol or ATOL)
 end
 
 local function rel(a, b) return math.abs(a - b) / math.max(math.abs(b), 1e-30) end

@@ -31,10 +31,7 @@ local ser = pg.ParallelContext{ data = W, seed = 5 }
 local pipe = pg.ParallelContext{ pipeline = P, seed = 5 }
 local stage = pipe:local_rank("pipeline")
 
-local function assert_close(got, want, what)
-  local ok, why = h.scaled_close(got, want, RTOL, ATOL, true)
-  assert.is_true(ok, what .. ": " .. tostring(why))
-end
+local function assert_close(got, want, what) h.assert_scaled_close(got, want, what, RTOL, ATOL, true) end
 
 local function assert_loss(got, want, what)
   assert.is_true(math.abs(got - want) <= RTOL * math.abs(want), ("%s: loss %.9g vs serial %.9g"):format(what, got, want))

@@ -28,10 +28,7 @@ local B = 8
 local function tokens(seed) return h.token_batch(seed, B, CFG.seq_len, CFG.vocab) end
 local X, Y = tokens(1), tokens(2)
 
-local function assert_close(got, want, what)
-  local ok, why = h.scaled_close(got, want, RTOL, ATOL, true)
-  assert.is_true(ok, what .. ": " .. tostring(why))
-end
+local function assert_close(got, want, what) h.assert_scaled_close(got, want, what, RTOL, ATOL, true) end
 
 local dp = pg.ParallelContext{ data = W, seed = 7 }
 local D, d = W, dp:local_rank("data")

@@ -37,10 +37,7 @@ end
 local ser = pg.ParallelContext{ data = W, seed = 3 }
 local pipe = pg.ParallelContext{ pipeline = P, seed = 3 }
 
-local function assert_close(got, want, what)
-  local ok, why = h.scaled_close(got, want, RTOL, ATOL)
-  assert.is_true(ok, what .. ": " .. tostring(why))
-end
+local function assert_close(got, want, what) h.assert_scaled_close(got, want, what, RTOL, ATOL) end
 
 local function assert_loss(got, want, what)
   assert.is_true(math.abs(got - want) <= RTOL * math.abs(want), ("%s: loss %.9g vs serial %.9g"):format(what, got, want))

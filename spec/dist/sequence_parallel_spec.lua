@@ -69,10 +69,7 @@ local function on_device(o)
   return o
 end
 
-local function assert_close(got, want, what)
-  local ok, why = h.scaled_close(got, want, RTOL, ATOL)
-  assert.is_true(ok, what .. ": " .. tostring(why))
-end
+local function assert_close(got, want, what) h.assert_scaled_close(got, want, what, RTOL, ATOL) end
 
 local function assert_loss(got, want, what)
   assert.is_true(math.abs(got - want) <= RTOL * math.abs(want), ("%s: loss %.9g, serial %.9g"):format(what, got, want))

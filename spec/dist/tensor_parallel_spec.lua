@@ -32,10 +32,7 @@ local r = par:local_rank("tensor")
 
 -- got ≈ want under the stated tolerance; also refuses an all-zero reference
 -- (a comparison of zeros with zeros would prove nothing) unless zero_ok.
-local function assert_close(got, want, what, zero_ok)
-  local ok, why = h.scaled_close(got, want, RTOL, ATOL, zero_ok)
-  assert.is_true(ok, what .. ": " .. tostring(why))
-end
+local function assert_close(got, want, what, zero_ok) h.assert_scaled_close(got, want, what, RTOL, ATOL, zero_ok) end
 
 -- Rank r's share of the last dimension: seen as `blocks` blocks (3 for a
 -- fused q|k|v), each cut into T pieces; piece r of every block.

@@ -31,10 +31,7 @@ local B = 8
 local function tokens(seed) return h.token_batch(seed, B, CFG.seq_len, CFG.vocab) end
 local X, Y = tokens(1), tokens(2)
 
-local function assert_close(got, want, what)
-  local ok, why = h.scaled_close(got, want, RTOL, ATOL, true)
-  assert.is_true(ok, what .. ": " .. tostring(why))
-end
+local function assert_close(got, want, what) h.assert_scaled_close(got, want, what, RTOL, ATOL, true) end
 local function rel(a, b) return math.abs(a - b) / math.max(math.abs(b), 1e-30) end
 
 -- Three clipped AdamW steps: the losses, the clipped norms, the first

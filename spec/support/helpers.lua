@@ -48,6 +48,12 @@ function M.scaled_close(got, want, rtol, atol, zero_ok)
   return false, ("max |diff| %.3g (max |want| %.3g, rtol %g, atol %.3g)"):format(got:max_abs_diff(want), scale, rtol, tol)
 end
 
+--- Asserts scaled_close(got, want, rtol, atol, zero_ok), naming `what` and the difference when it fails.
+function M.assert_scaled_close(got, want, what, rtol, atol, zero_ok)
+  local ok, why = M.scaled_close(got, want, rtol, atol, zero_ok)
+  assert(ok, what .. ": " .. tostring(why))
+end
+
 --- Writes text to a fresh temporary file and returns its path.
 --- A [rows, len] int32 batch of token ids below vocab, a fixed function of
 -- seed (every rank builds the same): the distributed specs' inputs.
