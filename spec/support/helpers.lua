@@ -54,6 +54,21 @@ function M.assert_scaled_close(got, want, what, rtol, atol, zero_ok)
   assert(ok, what .. ": " .. tostring(why))
 end
 
+--- The values of a tensor (or of a nested table, or a number) in row-major order, as one flat list.
+function M.flat(t)
+  if type(t) == "userdata" then t = t:totable() end
+  local out = {}
+  local function rec(x)
+    if type(x) == "table" then
+      for _, v in ipairs(x) do rec(v) end
+    else
+      out[#out + 1] = x
+    end
+  end
+  rec(t)
+  return out
+end
+
 --- Writes text to a fresh temporary file and returns its path.
 --- A [rows, len] int32 batch of token ids below vocab, a fixed function of
 -- seed (every rank builds the same): the distributed specs' inputs.

@@ -12,18 +12,8 @@ local ops = pg.ops
 
 local RTOL = 8e-6
 
-local function flat(t)
-  local out = {}
-  local function rec(x)
-    if type(x) == "table" then
-      for _, v in ipairs(x) do rec(v) end
-    else
-      out[#out + 1] = x
-    end
-  end
-  rec(t:totable())
-  return out
-end
+local h = require "helpers"
+local flat = h.flat
 
 -- The value bf16 keeps of a float32 (bits of x's float32 as an integer, rounded at bit 16).
 local function round_bits(x)
@@ -311,7 +301,6 @@ describe("precision = bf16 in pg.parallelize", function()
 end)
 
 describe("bf16 exports (scripts/checkpoint.lua export-llmc / export-hf --bf16)", function()
-  local h = require "helpers"
   local st = require "pipegoose.safetensors"
 
   it("write llm.c's version 5 and BF16 safetensors of the float32 masters, rounded, and load back as those values",

@@ -24,20 +24,8 @@ local H = 1e-4
 
 ---- helpers ----
 
-local function flat(t)
-  if pg.is_tensor(t) then t = t:totable() end
-  if type(t) ~= "table" then return { t } end
-  local out = {}
-  local function rec(x)
-    if type(x) == "table" then
-      for _, v in ipairs(x) do rec(v) end
-    else
-      out[#out + 1] = x
-    end
-  end
-  rec(t)
-  return out
-end
+local h = require "helpers"
+local flat = h.flat
 
 local function from_flat(vals, shape, dtype)
   local pos = 0

@@ -17,14 +17,8 @@ local FWD_RTOL, FWD_ATOL = 1e-5, 1e-6
 -- finite differences (central, step 1e-3 on the double reference) against the float32 backward
 local GRAD_RTOL, GRAD_ATOL, STEP = 1e-3, 2e-5, 1e-3
 
-local function flat(t)
-  local out = {}
-  local function rec(x)
-    if type(x) == "table" then for _, v in ipairs(x) do rec(v) end else out[#out + 1] = x end
-  end
-  rec(pg.is_tensor(t) and t:totable() or t)
-  return out
-end
+local h = require "helpers"
+local flat = h.flat
 
 -- y, aux (load balancing, before its coefficient), z of the block alone (one MoE layer).
 -- w: {gate = [E*D], w1 = {[H*D] per expert}, w2 = {[D*H]}, w3 = {[H*D]}}, x [N*D], flat and 1-based.
@@ -320,7 +314,6 @@ describe("pg.nn.Mixtral", function()
   end)
 
   it("writes transformers' layout and reads it back (from_hf / save_hf)", function()
-    local h = require "helpers"
     local e = pg.parallelize(pg.nn.Mixtral(O), nil, {})
     local dir = h.tmpdir()
     e:save_hf(dir)
