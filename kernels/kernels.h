@@ -156,6 +156,16 @@ void pg_swiglu_forward(float *out, const float *inp, int N, int H);
 void pg_swiglu_backward(float *dinp, const float *inp, const float *dout, int N, int H);
 /* out = a + b (residual). Backward is the identity for both inputs. */
 void pg_residual_forward(float *out, const float *a, const float *b, int64_t n);
+/* The bf16 activations of precision "bf16": the same formulas on the bf16
+ * values widened to float32 (exact), each result rounded to bf16 (nearest,
+ * ties to even) as torch computes an op on bf16 tensors; SwiGLU's gradient
+ * of gate and up rounded each. The residual adds a bf16 branch to the
+ * float32 stream: out = a + b, not rounded. */
+void pg_gelu_bf16_forward(uint16_t *out, const uint16_t *inp, int64_t n);
+void pg_gelu_bf16_backward(uint16_t *dinp, const uint16_t *inp, const uint16_t *dout, int64_t n);
+void pg_swiglu_bf16_forward(uint16_t *out, const uint16_t *inp, int N, int H);
+void pg_swiglu_bf16_backward(uint16_t *dinp, const uint16_t *inp, const uint16_t *dout, int N, int H);
+void pg_residual_bf16_forward(float *out, const float *a, const uint16_t *b, int64_t n);
 /* da += dout; db += dout (either may be NULL). */
 void pg_residual_backward(float *da, float *db, const float *dout, int64_t n);
 /* p[0, bytes) = 0, split over the OpenMP threads from 4 MiB: one core's
@@ -270,6 +280,15 @@ int pg_cuda_matmul_backward(const pg_cuda_ctx *ctx, float *dinp, float *dweight,
  * float32 dout_f32 (pg_cuda_matmul_backward's kernel: the bias gradient is
  * not rounded, as on the CPU). */
 int pg_cuda_bf16_from_f32(const pg_cuda_ctx *ctx, uint16_t *dst, const float *src, int64_t n);
+int pg_cuda_bf16_to_f32(const pg_cuda_ctx *ctx, float *dst, const uint16_t *src, int64_t n);
+/* The bf16 activations (the CPU's pg_*_bf16_* contracts, CUDA's expf as the float32 kernels). */
+int pg_cuda_gelu_bf16_forward(const pg_cuda_ctx *ctx, uint16_t *out, const uint16_t *inp, int64_t n);
+int pg_cuda_gelu_bf16_backward(const pg_cuda_ctx *ctx, uint16_t *dinp, const uint16_t *inp, const uint16_t *dout,
+                               int64_t n);
+int pg_cuda_swiglu_bf16_forward(const pg_cuda_ctx *ctx, uint16_t *out, const uint16_t *inp, int N, int H);
+int pg_cuda_swiglu_bf16_backward(const pg_cuda_ctx *ctx, uint16_t *dinp, const uint16_t *inp, const uint16_t *dout,
+                                 int N, int H);
+int pg_cuda_residual_bf16_forward(const pg_cuda_ctx *ctx, float *out, const float *a, const uint16_t *b, int64_t n);
 int pg_cuda_matmul_bf16_forward(const pg_cuda_ctx *ctx, float *out, const uint16_t *inp, const uint16_t *weight,
                                 const float *bias, int N, int C, int OC);
 int pg_cuda_matmul_bf16_backward(const pg_cuda_ctx *ctx, float *dinp, float *dweight, float *dbias,

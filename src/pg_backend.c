@@ -165,6 +165,18 @@ static int cpu_sum_squares(const pg_backend *b, const float *x, int64_t n, doubl
 }
 
 CPU_KERNEL(bf16_from_f32, (const pg_backend *b, uint16_t *dst, const float *src, int64_t n), (dst, src, n))
+CPU_KERNEL(bf16_to_f32, (const pg_backend *b, float *dst, const uint16_t *src, int64_t n), (dst, src, n))
+CPU_KERNEL(gelu_bf16_forward, (const pg_backend *b, uint16_t *out, const uint16_t *inp, int64_t n), (out, inp, n))
+CPU_KERNEL(gelu_bf16_backward,
+           (const pg_backend *b, uint16_t *dinp, const uint16_t *inp, const uint16_t *dout, int64_t n),
+           (dinp, inp, dout, n))
+CPU_KERNEL(swiglu_bf16_forward, (const pg_backend *b, uint16_t *out, const uint16_t *inp, int N, int H),
+           (out, inp, N, H))
+CPU_KERNEL(swiglu_bf16_backward,
+           (const pg_backend *b, uint16_t *dinp, const uint16_t *inp, const uint16_t *dout, int N, int H),
+           (dinp, inp, dout, N, H))
+CPU_KERNEL(residual_bf16_forward, (const pg_backend *b, float *out, const float *a, const uint16_t *x, int64_t n),
+           (out, a, x, n))
 
 /* The bf16 GEMMs fail only when out of memory or when oneDNN fails (kernels.h). */
 static int cpu_matmul_bf16_forward(const pg_backend *b, float *out, const uint16_t *inp, const uint16_t *weight,
@@ -219,6 +231,12 @@ static const pg_backend_ops cpu_ops = {
     .bf16_from_f32 = cpu_bf16_from_f32,
     .matmul_bf16_forward = cpu_matmul_bf16_forward,
     .matmul_bf16_backward = cpu_matmul_bf16_backward,
+    .bf16_to_f32 = cpu_bf16_to_f32,
+    .gelu_bf16_forward = cpu_gelu_bf16_forward,
+    .gelu_bf16_backward = cpu_gelu_bf16_backward,
+    .swiglu_bf16_forward = cpu_swiglu_bf16_forward,
+    .swiglu_bf16_backward = cpu_swiglu_bf16_backward,
+    .residual_bf16_forward = cpu_residual_bf16_forward,
 };
 
 static void release_on(void *data, void *backend) { pg_be_release(backend, data); }

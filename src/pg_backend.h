@@ -99,6 +99,16 @@ typedef struct pg_backend_ops {
    * dbias (NULL: skip) += the column sums of the float32 dout_f32 (the bias gradient is not rounded) */
   int (*matmul_bf16_backward)(const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout_f32,
                               const uint16_t *dout, const uint16_t *inp, const uint16_t *weight, int N, int C, int OC);
+  /* dst = src widened (exact) */
+  int (*bf16_to_f32)(const pg_backend *b, float *dst, const uint16_t *src, int64_t n);
+  /* bf16 activations (kernels.h's pg_*_bf16_*): bf16 in and out, float32 arithmetic, each result rounded */
+  int (*gelu_bf16_forward)(const pg_backend *b, uint16_t *out, const uint16_t *inp, int64_t n);
+  int (*gelu_bf16_backward)(const pg_backend *b, uint16_t *dinp, const uint16_t *inp, const uint16_t *dout, int64_t n);
+  int (*swiglu_bf16_forward)(const pg_backend *b, uint16_t *out, const uint16_t *inp, int N, int H);
+  int (*swiglu_bf16_backward)(const pg_backend *b, uint16_t *dinp, const uint16_t *inp, const uint16_t *dout, int N,
+                              int H);
+  /* out = a + x: a bf16 branch added to the float32 stream */
+  int (*residual_bf16_forward)(const pg_backend *b, float *out, const float *a, const uint16_t *x, int64_t n);
 } pg_backend_ops;
 
 struct pg_backend {

@@ -176,6 +176,19 @@ CUDA_KERNEL(adamw_update,
 
 CUDA_KERNEL(bf16_from_f32, (const pg_backend *b, uint16_t *dst, const float *src, int64_t n),
             (ctx_of(b), dst, src, n))
+CUDA_KERNEL(bf16_to_f32, (const pg_backend *b, float *dst, const uint16_t *src, int64_t n), (ctx_of(b), dst, src, n))
+CUDA_KERNEL(gelu_bf16_forward, (const pg_backend *b, uint16_t *out, const uint16_t *inp, int64_t n),
+            (ctx_of(b), out, inp, n))
+CUDA_KERNEL(gelu_bf16_backward,
+            (const pg_backend *b, uint16_t *dinp, const uint16_t *inp, const uint16_t *dout, int64_t n),
+            (ctx_of(b), dinp, inp, dout, n))
+CUDA_KERNEL(swiglu_bf16_forward, (const pg_backend *b, uint16_t *out, const uint16_t *inp, int N, int H),
+            (ctx_of(b), out, inp, N, H))
+CUDA_KERNEL(swiglu_bf16_backward,
+            (const pg_backend *b, uint16_t *dinp, const uint16_t *inp, const uint16_t *dout, int N, int H),
+            (ctx_of(b), dinp, inp, dout, N, H))
+CUDA_KERNEL(residual_bf16_forward, (const pg_backend *b, float *out, const float *a, const uint16_t *x, int64_t n),
+            (ctx_of(b), out, a, x, n))
 CUDA_KERNEL(matmul_bf16_forward,
             (const pg_backend *b, float *out, const uint16_t *inp, const uint16_t *weight, const float *bias, int N,
              int C, int OC),
@@ -251,6 +264,12 @@ static const pg_backend_ops cuda_ops = {
     .bf16_from_f32 = cu_bf16_from_f32,
     .matmul_bf16_forward = cu_matmul_bf16_forward,
     .matmul_bf16_backward = cu_matmul_bf16_backward,
+    .bf16_to_f32 = cu_bf16_to_f32,
+    .gelu_bf16_forward = cu_gelu_bf16_forward,
+    .gelu_bf16_backward = cu_gelu_bf16_backward,
+    .swiglu_bf16_forward = cu_swiglu_bf16_forward,
+    .swiglu_bf16_backward = cu_swiglu_bf16_backward,
+    .residual_bf16_forward = cu_residual_bf16_forward,
 };
 
 const pg_backend *pg_backend_cuda(int ordinal) {

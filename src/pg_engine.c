@@ -380,26 +380,42 @@ void pg_engine_free(pg_engine *e) {
   free(e->eval_ios);
   pg_be_release(e->be, e->bf16_scratch[0]);
   pg_be_release(e->be, e->bf16_scratch[1]);
+  for (int k = 0; k < PG_WIDE_SCRATCH; k++) pg_be_release(e->be, e->wide_scratch[k]);
   free((char *)e->opts.tied_name);
   free(e);
 }
 
-/* Precision bf16: one scratch for the rounded operands of whichever GEMM runs (modules run one at a time), as
- * large as the largest any module of the rank's chunks needs at the current capacity, in the backend's memory
- * (where the GEMMs read it). */
+/* Precision bf16: one scratch for the rounded operands of whichever GEMM runs (modules run one at a time), and
+ * one set of float32 buffers for the bf16 activations widened or before rounding, each as large as the largest
+ * any module of the rank's chunks needs at the current capacity, in the backend's memory (where the kernels read
+ * them). The float32 buffers are there (at least one element) whenever the precision is bf16. */
 static int bf16_scratch(pg_engine *e) {
-  int64_t need[2] = {0, 0};
-  for (int v = 0; v < e->nchunks; v++) pg_module_bf16_scratch(e->chunks[v].stage, need);
+  pg_bf16_need need = {{0}, {0}};
+  for (int v = 0; v < e->nchunks; v++) pg_module_bf16_scratch(e->chunks[v].stage, &need);
   for (int k = 0; k < 2; k++) {
     pg_be_release(e->be, e->bf16_scratch[k]);
     e->bf16_scratch[k] = NULL;
     e->bf16_scratch_n[k] = 0;
-    if (!need[k]) continue;
-    if ((uint64_t)need[k] > SIZE_MAX / 2)
-      return pg_fail("the bf16 operand scratch of %lld elements is too large", (long long)need[k]);
-    if (!(e->bf16_scratch[k] = e->be->ops->alloc(e->be, (size_t)need[k] * 2)))
-      return pg_fail("no room for the bf16 operand scratch (%lld elements): %s", (long long)need[k], pg_error());
-    e->bf16_scratch_n[k] = need[k];
+    if (!need.operand[k]) continue;
+    if ((uint64_t)need.operand[k] > SIZE_MAX / 2)
+      return pg_fail("the bf16 operand scratch of %lld elements is too large", (long long)need.operand[k]);
+    if (!(e->bf16_scratch[k] = e->be->ops->alloc(e->be, (size_t)need.operand[k] * 2)))
+      return pg_fail("no room for the bf16 operand scratch (%lld elements): %s", (long long)need.operand[k],
+                     pg_error());
+    e->bf16_scratch_n[k] = need.operand[k];
+  }
+  for (int k = 0; k < PG_WIDE_SCRATCH; k++) {
+    pg_be_release(e->be, e->wide_scratch[k]);
+    e->wide_scratch[k] = NULL;
+    e->wide_scratch_n[k] = 0;
+    if (e->opts.precision != PG_PRECISION_BF16) continue;
+    int64_t n = need.wide[k] > 0 ? need.wide[k] : 1;
+    if ((uint64_t)n > SIZE_MAX / sizeof(float))
+      return pg_fail("the bf16 activations' float32 scratch of %lld elements is too large", (long long)n);
+    if (!(e->wide_scratch[k] = pg_be_floats(e->be, (size_t)n)))
+      return pg_fail("no room for the bf16 activations' float32 scratch (%lld elements): %s", (long long)n,
+                     pg_error());
+    e->wide_scratch_n[k] = n;
   }
   return PG_OK;
 }
@@ -435,6 +451,7 @@ static int ensure_capacity(pg_engine *e, int rows) {
 
 size_t pg_engine_bf16_bytes(const pg_engine *e) {
   size_t b = 2 * (size_t)(e->bf16_scratch_n[0] + e->bf16_scratch_n[1]);
+  for (int k = 0; k < PG_WIDE_SCRATCH; k++) b += sizeof(float) * (size_t)e->wide_scratch_n[k];
   for (int v = 0; v < e->nchunks; v++) b += pg_module_bf16_bytes(e->chunks[v].stage);
   return b;
 }
@@ -882,7 +899,8 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
                         .backward_done = buckets_apply(e) ? on_backward_done : NULL,
                         .backward_begin = e->sharded ? on_backward_begin : NULL, .backward_ud = e,
                         .step = e->stats.steps, .global_row0 = (int64_t)e->ctx->dp_rank * B * T + (int64_t)off,
-                        .bf16_scratch = {e->bf16_scratch[0], e->bf16_scratch[1]}};
+                        .bf16_scratch = {e->bf16_scratch[0], e->bf16_scratch[1]},
+                        .wide_scratch = {e->wide_scratch[0], e->wide_scratch[1], e->wide_scratch[2]}};
   }
   /* gradients accumulated over calls with sync = 0 reduce on the call that
    * syncs; with ZeRO-2 on every call (only the shard can accumulate) */
@@ -958,7 +976,8 @@ int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targe
                              .dloss = 0, .want_grad = 0, .loss_sum = 0,
                              .logits = logits && e->is_last ? logits + off * e->opts.vocab : NULL, .mb = i,
                              .row0 = (int64_t)off, .host_targets = host_targets ? host_targets + off : NULL,
-                             .bf16_scratch = {e->bf16_scratch[0], e->bf16_scratch[1]}};
+                             .bf16_scratch = {e->bf16_scratch[0], e->bf16_scratch[1]},
+                        .wide_scratch = {e->wide_scratch[0], e->wide_scratch[1], e->wide_scratch[2]}};
   }
   /* the same executor as training, on a forward-only list (pg_schedule.h) */
   pg_action *acts;

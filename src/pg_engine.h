@@ -142,6 +142,8 @@ typedef struct pg_engine {
   int capacity_rows;   /* rows per micro-batch the buffers hold */
   uint16_t *bf16_scratch[2]; /* precision bf16: the GEMM operands' scratch every module shares (pg_io) */
   int64_t bf16_scratch_n[2];
+  float *wide_scratch[PG_WIDE_SCRATCH]; /* precision bf16: float32 room for bf16 activations (pg_io) */
+  int64_t wide_scratch_n[PG_WIDE_SCRATCH];
   float *grad_recv;    /* [rows * width]: every receive of a gradient is followed by its backward */
   int32_t *device_ids; /* device backends: [2][rows * micro-batches] the batch's token ids and targets */
   int64_t device_ids_cap;

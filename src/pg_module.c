@@ -261,6 +261,13 @@ static int64_t sp_row0(const pg_module *m, int64_t N) {
 }
 
 /* Output per slot (out_rows each) and one input-gradient buffer (in_rows). */
+/* Bytes of an activation element: bf16 or float32 (pg_module.in_bf16 / out_bf16). */
+static size_t act_bytes(int bf16) { return bf16 ? sizeof(uint16_t) : sizeof(float); }
+
+/* The bf16 elements behind an activation pointer of a bf16 edge (pg_module.in_bf16 / out_bf16). */
+static uint16_t *bits(float *p) { return (uint16_t *)(void *)p; }
+static const uint16_t *cbits(const float *p) { return (const uint16_t *)(const void *)p; }
+
 static int alloc_leaf_rows(pg_module *m, int nslots, int max_rows, int out_rows, int in_rows) {
   pg_be_release(BE(m), m->out);
   pg_be_release(BE(m), m->dinp);
@@ -270,11 +277,13 @@ static int alloc_leaf_rows(pg_module *m, int nslots, int max_rows, int out_rows,
   m->max_rows = max_rows;
   m->slot_rows = out_rows;
   size_t out_n = (size_t)nslots * out_rows * m->out_width, din_n = (size_t)in_rows * m->in_width;
-  if (out_n && !(m->out = pg_be_floats(BE(m), out_n)))
-    return pg_fail("%s outputs (%zu floats on %s): %s", m->name, out_n, BE(m)->name, pg_error());
-  if (din_n && !(m->dinp = pg_be_floats(BE(m), din_n)))
-    return pg_fail("%s gradients (%zu floats on %s): %s", m->name, din_n, BE(m)->name, pg_error());
-  m->saved_bytes_per_slot = (size_t)out_rows * m->out_width * sizeof(float);
+  /* bf16 elements: half as many floats' room, rounded up */
+  size_t out_f = m->out_bf16 ? (out_n + 1) / 2 : out_n, din_f = m->in_bf16 ? (din_n + 1) / 2 : din_n;
+  if (out_n && !(m->out = pg_be_floats(BE(m), out_f)))
+    return pg_fail("%s outputs (%zu elements on %s): %s", m->name, out_n, BE(m)->name, pg_error());
+  if (din_n && !(m->dinp = pg_be_floats(BE(m), din_f)))
+    return pg_fail("%s gradients (%zu elements on %s): %s", m->name, din_n, BE(m)->name, pg_error());
+  m->saved_bytes_per_slot = (size_t)out_rows * m->out_width * act_bytes(m->out_bf16);
   return PG_OK;
 }
 
@@ -284,7 +293,9 @@ static int alloc_leaf(pg_module *m, int nslots, int max_rows) {
   return alloc_leaf_rows(m, nslots, max_rows, rows, rows);
 }
 
-static float *slot_out(pg_module *m, int slot) { return m->out + (size_t)slot * m->slot_rows * m->out_width; }
+static float *slot_out(pg_module *m, int slot) {
+  return (float *)(void *)((char *)m->out + (size_t)slot * m->slot_rows * m->out_width * act_bytes(m->out_bf16));
+}
 
 static int check_rows(pg_module *m, int slot, const pg_io *io) {
   if (slot < 0 || slot >= m->nslots) return pg_fail("%s: slot %d out of range (%d slots)", m->name, slot, m->nslots);
@@ -535,31 +546,49 @@ static int mm_alloc(pg_module *m, bf16_mm *mm, int64_t wnumel, int rows, int64_t
 static int mm_scratch(pg_module *m, const pg_io *io) {
   if (!io->bf16_scratch[0] || !io->bf16_scratch[1])
     return pg_fail("%s: precision bf16 needs the engine's operand scratch (pg_io.bf16_scratch)", m->name);
+  for (int k = 0; k < PG_WIDE_SCRATCH && (m->in_bf16 || m->out_bf16); k++)
+    if (!io->wide_scratch[k])
+      return pg_fail("%s: bf16 activations need the engine's float32 scratch (pg_io.wide_scratch)", m->name);
   return PG_OK;
 }
 
 /* The backend said what failed (a GEMM, a launch); the module adds its name. */
 static int mm_fail(pg_module *m) { return pg_fail("%s: %s", m->name, pg_error()); }
 
+/* An operand of a bf16 product: p's elements when they are bf16 already (an activation of a bf16 edge), else p
+ * rounded into the engine's operand scratch k. NULL: the kernel failed. */
+static const uint16_t *operand16(pg_module *m, const pg_io *io, int k, const float *p, int is_bf16, int64_t n) {
+  if (is_bf16) return cbits(p);
+  return KERNEL(m, bf16_from_f32, io->bf16_scratch[k], p, n) ? NULL : io->bf16_scratch[k];
+}
+
 /* The bf16 products on a working weight w16 (any module's: linear's, lm_head's, an expert's), the float32
- * operands rounded into the engine's scratch. out[N,OC] = x[N,C] @ w^T (+ bias). */
+ * operands rounded into the engine's scratch. out[N,OC] = x[N,C] @ w^T (+ bias), summed in float32 and, where the
+ * module's output is bf16 (out_bf16), rounded once into out (through the float32 wide_scratch[0]). */
 static int bf16_product_forward(pg_module *m, const pg_io *io, float *out, const float *x, const uint16_t *w16,
                                 const float *bias, int N, int C, int OC) {
   if (mm_scratch(m, io)) return PG_ERR;
-  if (KERNEL(m, bf16_from_f32, io->bf16_scratch[0], x, (int64_t)N * C) ||
-      KERNEL(m, matmul_bf16_forward, out, io->bf16_scratch[0], w16, bias, N, C, OC))
+  const uint16_t *x16 = operand16(m, io, 0, x, m->in_bf16, (int64_t)N * C);
+  float *sums = m->out_bf16 ? io->wide_scratch[0] : out;
+  if (!x16 || KERNEL(m, matmul_bf16_forward, sums, x16, w16, bias, N, C, OC) ||
+      (m->out_bf16 && KERNEL(m, bf16_from_f32, bits(out), sums, (int64_t)N * OC)))
     return mm_fail(m);
   return PG_OK;
 }
 
-/* dinp = dy @ w (NULL: skip), dw += dy^T @ x, dbias += column sums of the float32 dy (NULL: skip). */
+/* dinp = dy @ w in float32 (NULL: skip; a module whose input is bf16 rounds it after its collectives),
+ * dw += dy^T @ x, dbias += column sums of dy's float32 values (NULL: skip). */
 static int bf16_product_backward(pg_module *m, const pg_io *io, float *dinp, float *dw, float *dbias, const float *dy,
                                  const float *x, const uint16_t *w16, int N, int C, int OC) {
   if (mm_scratch(m, io)) return PG_ERR;
-  if (KERNEL(m, bf16_from_f32, io->bf16_scratch[0], dy, (int64_t)N * OC) ||
-      KERNEL(m, bf16_from_f32, io->bf16_scratch[1], x, (int64_t)N * C) ||
-      KERNEL(m, matmul_bf16_backward, dinp, dw, dbias, dy, io->bf16_scratch[0], io->bf16_scratch[1], w16, N, C, OC))
-    return mm_fail(m);
+  const uint16_t *dy16 = operand16(m, io, 0, dy, m->out_bf16, (int64_t)N * OC);
+  const uint16_t *x16 = dy16 ? operand16(m, io, 1, x, m->in_bf16, (int64_t)N * C) : NULL;
+  const float *dy32 = dy;
+  if (x16 && dbias && m->out_bf16) { /* the bias sums the gradient's values, widened */
+    if (KERNEL(m, bf16_to_f32, io->wide_scratch[0], dy16, (int64_t)N * OC)) return mm_fail(m);
+    dy32 = io->wide_scratch[0];
+  }
+  if (!x16 || KERNEL(m, matmul_bf16_backward, dinp, dw, dbias, dy32, dy16, x16, w16, N, C, OC)) return mm_fail(m);
   return PG_OK;
 }
 
@@ -705,7 +734,8 @@ static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, c
   int N = io->B * io->T, T = tp_size(m->ctx), sp = sp_active(m);
   const float *x = s->saved_x[slot];
   float *db = s->b ? s->b->grad : NULL;
-  float *dinp = m->in_width ? m->dinp : NULL;
+  /* a bf16 input's gradient: summed in float32 (over the tensor group too), then rounded (linear_takes_bf16) */
+  float *dinp = !m->in_width ? NULL : m->in_bf16 ? io->wide_scratch[1] : m->dinp;
   switch (s->o.mode) {
   case PG_LINEAR_PLAIN:
     if (mod_rows(m, io) && mm_bwd(m, &s->mm, io, dinp, s->w, db, dy, x, mod_rows(m, io), s->in_l, s->out_l))
@@ -743,6 +773,11 @@ static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, c
       return PG_ERR;
     }
     break;
+  }
+  if (dinp && m->in_bf16) {
+    int64_t in_rows = s->o.mode == PG_LINEAR_PLAIN ? mod_rows(m, io) : N;
+    if (KERNEL(m, bf16_from_f32, bits(m->dinp), dinp, in_rows * m->in_width)) return PG_ERR;
+    dinp = m->dinp;
   }
   *dx = dinp;
   return PG_OK;
@@ -894,7 +929,9 @@ static int gelu_alloc(pg_module *m, int nslots, int max_rows) {
 static int gelu_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   gelu_state *s = m->state;
   if (check_rows(m, slot, io)) return PG_ERR;
-  if (mod_rows(m, io) && KERNEL(m, gelu_forward, slot_out(m, slot), x, (int64_t)mod_rows(m, io) * m->in_width))
+  int64_t n = (int64_t)mod_rows(m, io) * m->in_width;
+  if (n && (m->in_bf16 ? KERNEL(m, gelu_bf16_forward, bits(slot_out(m, slot)), cbits(x), n)
+                       : KERNEL(m, gelu_forward, slot_out(m, slot), x, n)))
     return PG_ERR;
   s->saved_x[slot] = x;
   *y = slot_out(m, slot);
@@ -903,8 +940,9 @@ static int gelu_forward(pg_module *m, int slot, pg_io *io, const float *x, const
 
 static int gelu_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   gelu_state *s = m->state;
-  if (mod_rows(m, io) &&
-      KERNEL(m, gelu_backward, m->dinp, s->saved_x[slot], dy, (int64_t)mod_rows(m, io) * m->in_width))
+  int64_t n = (int64_t)mod_rows(m, io) * m->in_width;
+  if (n && (m->in_bf16 ? KERNEL(m, gelu_bf16_backward, bits(m->dinp), cbits(s->saved_x[slot]), cbits(dy), n)
+                       : KERNEL(m, gelu_backward, m->dinp, s->saved_x[slot], dy, n)))
     return PG_ERR;
   *dx = m->dinp;
   return PG_OK;
@@ -992,16 +1030,27 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
   if (check_rows(m, slot, io)) return PG_ERR;
   if (io->T > s->max_seq) return pg_fail("%s: sequence length %d exceeds the model's %d", m->name, io->T, s->max_seq);
   int N = io->B * io->T, hd = s->o.head_dim;
+  int64_t n_in = (int64_t)N * m->in_width;
   float *att = attention_probs(m, s, slot);
+  /* bf16 q|k|v (in_bf16): the core runs on their float32 values (softmax in float32, as torch's math path
+   * upcasts), its output rounded once; saved_x keeps the bf16 input, or with RoPE the float32 rotated copy */
+  const float *xf = x;
   if (s->rotated) { /* q and k rotated by their positions, in a copy (x belongs to its producer) */
     float *rot = s->rotated + (size_t)slot * m->max_rows * m->in_width;
-    if (KERNEL(m, copy, rot, x, (size_t)N * m->in_width * sizeof(float), PG_COPY_DEVICE_TO_DEVICE) ||
+    if ((m->in_bf16 ? KERNEL(m, bf16_to_f32, rot, cbits(x), n_in)
+                    : KERNEL(m, copy, rot, x, (size_t)n_in * sizeof(float), PG_COPY_DEVICE_TO_DEVICE)) ||
         KERNEL(m, rope_forward, rot, s->cos_t, s->sin_t, N, io->T, s->heads_l, hd, m->in_width) ||
         KERNEL(m, rope_forward, rot + (size_t)s->heads_l * hd, s->cos_t, s->sin_t, N, io->T, s->kv_l, hd, m->in_width))
       return PG_ERR;
-    x = rot;
+    x = xf = rot;
+  } else if (m->in_bf16) {
+    if (KERNEL(m, bf16_to_f32, io->wide_scratch[0], cbits(x), n_in)) return PG_ERR;
+    xf = io->wide_scratch[0];
   }
-  if (KERNEL(m, attention_forward, slot_out(m, slot), att, x, io->B, io->T, s->heads_l, s->kv_l, hd)) return PG_ERR;
+  float *out = m->in_bf16 ? io->wide_scratch[1] : slot_out(m, slot);
+  if (KERNEL(m, attention_forward, out, att, xf, io->B, io->T, s->heads_l, s->kv_l, hd) ||
+      (m->in_bf16 && KERNEL(m, bf16_from_f32, bits(slot_out(m, slot)), out, (int64_t)N * m->out_width)))
+    return PG_ERR;
   s->saved_x[slot] = x;
   attention_claim(m, s, slot);
   *y = slot_out(m, slot);
@@ -1011,22 +1060,35 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
 static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   attention_state *s = m->state;
   int N = io->B * io->T, hd = s->o.head_dim;
+  int64_t n_in = (int64_t)N * m->in_width;
   float *att = attention_probs(m, s, slot);
+  /* bf16 (in_bf16): q|k|v widened into wide_scratch[0] (unless RoPE saved them rotated in float32), the output
+   * gradient into [1], the input gradient made in [2] and rounded at the end */
+  const float *x = s->saved_x[slot];
+  float *dinp = m->in_bf16 ? io->wide_scratch[2] : m->dinp;
+  if (m->in_bf16 && !s->rotated) {
+    if (KERNEL(m, bf16_to_f32, io->wide_scratch[0], cbits(x), n_in)) return PG_ERR;
+    x = io->wide_scratch[0];
+  }
   /* recompute: another micro-batch's forward ran since; the output written
-   * again is the same (the next module has used it already) */
+   * again is the same (the next module has used it already; bf16: into scratch, overwritten below) */
   if (s->o.recompute && !attention_holds(m, s, slot) &&
-      KERNEL(m, attention_forward, slot_out(m, slot), att, s->saved_x[slot], io->B, io->T, s->heads_l, s->kv_l, hd))
-    return PG_ERR;
-  attention_claim(m, s, -1); /* backward may overwrite what it reads */
-  if (KERNEL(m, attention_backward, m->dinp, s->scratch, dy, s->saved_x[slot], att, io->B, io->T, s->heads_l, s->kv_l,
+      KERNEL(m, attention_forward, m->in_bf16 ? dinp : slot_out(m, slot), att, x, io->B, io->T, s->heads_l, s->kv_l,
              hd))
     return PG_ERR;
+  attention_claim(m, s, -1); /* backward may overwrite what it reads */
+  if (m->in_bf16) {
+    if (KERNEL(m, bf16_to_f32, io->wide_scratch[1], cbits(dy), (int64_t)N * m->out_width)) return PG_ERR;
+    dy = io->wide_scratch[1];
+  }
+  if (KERNEL(m, attention_backward, dinp, s->scratch, dy, x, att, io->B, io->T, s->heads_l, s->kv_l, hd)) return PG_ERR;
   /* the gradient of the rotated q and k, rotated back */
   if (s->rotated &&
-      (KERNEL(m, rope_backward, m->dinp, s->cos_t, s->sin_t, N, io->T, s->heads_l, hd, m->in_width) ||
-       KERNEL(m, rope_backward, m->dinp + (size_t)s->heads_l * hd, s->cos_t, s->sin_t, N, io->T, s->kv_l, hd,
+      (KERNEL(m, rope_backward, dinp, s->cos_t, s->sin_t, N, io->T, s->heads_l, hd, m->in_width) ||
+       KERNEL(m, rope_backward, dinp + (size_t)s->heads_l * hd, s->cos_t, s->sin_t, N, io->T, s->kv_l, hd,
               m->in_width)))
     return PG_ERR;
+  if (m->in_bf16 && KERNEL(m, bf16_from_f32, bits(m->dinp), dinp, n_in)) return PG_ERR;
   *dx = m->dinp;
   return PG_OK;
 }
@@ -1142,7 +1204,10 @@ static int swiglu_alloc(pg_module *m, int nslots, int max_rows) {
 static int swiglu_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   swiglu_state *s = m->state;
   if (check_rows(m, slot, io)) return PG_ERR;
-  if (mod_rows(m, io) && KERNEL(m, swiglu_forward, slot_out(m, slot), x, mod_rows(m, io), m->out_width)) return PG_ERR;
+  int rows = mod_rows(m, io);
+  if (rows && (m->in_bf16 ? KERNEL(m, swiglu_bf16_forward, bits(slot_out(m, slot)), cbits(x), rows, m->out_width)
+                          : KERNEL(m, swiglu_forward, slot_out(m, slot), x, rows, m->out_width)))
+    return PG_ERR;
   s->saved_x[slot] = x;
   *y = slot_out(m, slot);
   return PG_OK;
@@ -1150,7 +1215,10 @@ static int swiglu_forward(pg_module *m, int slot, pg_io *io, const float *x, con
 
 static int swiglu_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   swiglu_state *s = m->state;
-  if (mod_rows(m, io) && KERNEL(m, swiglu_backward, m->dinp, s->saved_x[slot], dy, mod_rows(m, io), m->out_width))
+  int rows = mod_rows(m, io);
+  if (rows && (m->in_bf16 ? KERNEL(m, swiglu_bf16_backward, bits(m->dinp), cbits(s->saved_x[slot]), cbits(dy), rows,
+                                   m->out_width)
+                          : KERNEL(m, swiglu_backward, m->dinp, s->saved_x[slot], dy, rows, m->out_width)))
     return PG_ERR;
   *dx = m->dinp;
   return PG_OK;
@@ -2135,23 +2203,44 @@ pg_module *pg_sequential_new(pg_context *ctx, const char *name, pg_module **chil
   return m;
 }
 
+/* The stream x is float32; the branch's output may be bf16 (precision bf16, a branch ending in a Linear or GELU):
+ * it is added widened, and the branch gets its output gradient rounded, as autocast's add of a float32 and a bf16
+ * tensor does. */
+typedef struct residual_state {
+  uint16_t *dy16; /* bf16 branch: [rows * width], the branch's output gradient */
+} residual_state;
+
 static int residual_alloc(pg_module *m, int nslots, int max_rows) {
-  return alloc_leaf(m, nslots, max_rows) || pg_module_alloc(m->children[0], nslots, max_rows) ? PG_ERR : PG_OK;
+  residual_state *s = m->state;
+  if (alloc_leaf(m, nslots, max_rows) || pg_module_alloc(m->children[0], nslots, max_rows)) return PG_ERR;
+  pg_be_release(BE(m), s->dy16);
+  s->dy16 = NULL;
+  size_t n = (size_t)m->slot_rows * m->out_width;
+  if (m->children[0]->out_bf16 && n && !(s->dy16 = BE(m)->ops->alloc(BE(m), n * sizeof(uint16_t))))
+    return pg_fail("%s: no room for its branch's bf16 gradient: %s", m->name, pg_error());
+  return PG_OK;
 }
 
 static int residual_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   if (check_rows(m, slot, io)) return PG_ERR;
   const float *f = NULL;
   if (pg_module_forward(m->children[0], slot, io, x, &f)) return PG_ERR;
-  if (mod_rows(m, io) && KERNEL(m, residual_forward, slot_out(m, slot), x, f, (int64_t)mod_rows(m, io) * m->out_width))
+  int64_t n = (int64_t)mod_rows(m, io) * m->out_width;
+  if (n && (m->children[0]->out_bf16 ? KERNEL(m, residual_bf16_forward, slot_out(m, slot), x, cbits(f), n)
+                                     : KERNEL(m, residual_forward, slot_out(m, slot), x, f, n)))
     return PG_ERR;
   *y = slot_out(m, slot);
   return PG_OK;
 }
 
 static int residual_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
-  const float *dinner = NULL;
-  if (pg_module_backward(m->children[0], slot, io, dy, &dinner)) return PG_ERR;
+  residual_state *s = m->state;
+  const float *dinner = NULL, *dbranch = dy;
+  if (m->children[0]->out_bf16) {
+    if (KERNEL(m, bf16_from_f32, s->dy16, dy, (int64_t)mod_rows(m, io) * m->out_width)) return PG_ERR;
+    dbranch = (const float *)(const void *)s->dy16;
+  }
+  if (pg_module_backward(m->children[0], slot, io, dbranch, &dinner)) return PG_ERR;
   /* dx = dy + d(inner)/dx */
   if (mod_rows(m, io) && KERNEL(m, residual_forward, m->dinp, dy, dinner, (int64_t)mod_rows(m, io) * m->in_width))
     return PG_ERR;
@@ -2159,13 +2248,16 @@ static int residual_backward(pg_module *m, int slot, pg_io *io, const float *dy,
   return PG_OK;
 }
 
-static const pg_module_ops residual_ops = {"residual", residual_alloc, residual_forward, residual_backward, NULL};
+static void residual_destroy(pg_module *m) { pg_be_release(BE(m), ((residual_state *)m->state)->dy16); }
+
+static const pg_module_ops residual_ops = {"residual", residual_alloc, residual_forward, residual_backward,
+                                           residual_destroy};
 
 pg_module *pg_residual_new(pg_context *ctx, const char *name, pg_module *inner) {
   if (inner->in_width != inner->out_width || inner->in_width < 1)
     return pg_fail_null("%s: a Residual needs a module with equal input and output widths (%s: %d -> %d)", name,
                         inner->name, inner->in_width, inner->out_width);
-  pg_module *m = module_new(&residual_ops, ctx, name, inner->in_width, inner->out_width, 0);
+  pg_module *m = module_new(&residual_ops, ctx, name, inner->in_width, inner->out_width, sizeof(residual_state));
   if (!m) return NULL;
   if (adopt_children(m, &inner, 1)) {
     pg_module_free(m);
@@ -2632,8 +2724,7 @@ int pg_module_set_backend(pg_module *m, const pg_backend *be) {
   return PG_OK;
 }
 
-int pg_module_set_precision(pg_module *m, pg_precision p) {
-  if (p == PG_PRECISION_FP32) return PG_OK;
+static int bf16_products(pg_module *m) {
   if (m->out || m->dinp || m->nslots)
     return pg_fail("%s: the precision must be chosen before the buffers are allocated", m->name);
   if (m->ops == &custom_ops)
@@ -2643,19 +2734,97 @@ int pg_module_set_precision(pg_module *m, pg_precision p) {
   if (m->ops == &linear_ops) ((linear_state *)m->state)->mm.on = 1;
   if (m->ops == &lm_head_ops) ((lm_head_state *)m->state)->mm.on = 1;
   for (int i = 0; i < m->nchildren; i++)
-    if (pg_module_set_precision(m->children[i], p)) return PG_ERR;
+    if (bf16_products(m->children[i])) return PG_ERR;
   return PG_OK;
 }
 
-void pg_module_bf16_scratch(const pg_module *m, int64_t need[2]) {
+/* The element types of precision bf16's activations, torch.autocast's: a Linear's output is bf16, and GELU,
+ * SwiGLU and the attention core keep their input's type; norms, the residual stream, the embedding, the heads
+ * and moe take and give float32. Where a module would make bf16 that its consumer cannot take, it makes float32
+ * instead, so every edge has one type that both ends agree on. Besides, a Linear makes float32 where its output
+ * is summed or gathered over the tensor group (row-parallel, or column with gather_output): those collectives
+ * stay float32. */
+static int passes_bf16(const pg_module *m) {
+  return m->ops == &gelu_ops || m->ops == &swiglu_ops || m->ops == &attention_ops;
+}
+
+static int linear_makes_bf16(const pg_module *m) {
+  const linear_state *s = m->state;
+  return s->o.mode == PG_LINEAR_PLAIN || (s->o.mode == PG_LINEAR_COLUMN && !(s->o.gather_output && tp_size(m->ctx) > 1));
+}
+
+/* A bf16 input reaches the GEMM as it is: not where it is gathered (a column-parallel layer under sequence
+ * parallelism) or split here (a row-parallel one given the full width). */
+static int linear_takes_bf16(const pg_module *m) {
+  const linear_state *s = m->state;
+  if (s->o.mode == PG_LINEAR_COLUMN) return !sp_active(m);
+  if (s->o.mode == PG_LINEAR_ROW) return s->o.input_is_parallel || tp_size(m->ctx) == 1;
+  return 1;
+}
+
+/* Whether m can take a bf16 input, given whether its consumer can take a bf16 output. */
+static int takes_bf16(const pg_module *m, int consumer_takes) {
+  if (m->ops == &linear_ops) return linear_takes_bf16(m);
+  if (passes_bf16(m)) return consumer_takes;
+  if (m->ops == &sequential_ops) {
+    for (int i = m->nchildren - 1; i >= 0; i--) consumer_takes = takes_bf16(m->children[i], consumer_takes);
+    return consumer_takes;
+  }
+  return 0;
+}
+
+/* in_bf16: m's producer gives bf16 (only where takes_bf16 said yes); consumer_takes: m's consumer can take it. */
+static void assign_types(pg_module *m, int in_bf16, int consumer_takes) {
+  m->in_bf16 = in_bf16;
+  m->out_bf16 = m->ops == &linear_ops ? linear_makes_bf16(m) && consumer_takes : passes_bf16(m) ? in_bf16 : 0;
+  if (m->ops == &sequential_ops) {
+    for (int i = 0; i < m->nchildren; i++) {
+      int next_takes = consumer_takes; /* what child i's consumer (the rest of the chain) takes */
+      for (int j = m->nchildren - 1; j > i; j--) next_takes = takes_bf16(m->children[j], next_takes);
+      assign_types(m->children[i], in_bf16, next_takes);
+      in_bf16 = m->children[i]->out_bf16;
+    }
+    m->out_bf16 = in_bf16;
+    return;
+  }
+  /* the residual adds a bf16 branch to its float32 stream; anything else holding modules takes float32 from them */
+  for (int i = 0; i < m->nchildren; i++) assign_types(m->children[i], 0, m->ops == &residual_ops);
+}
+
+int pg_module_set_precision(pg_module *m, pg_precision p) {
+  if (p == PG_PRECISION_FP32) return PG_OK;
+  if (bf16_products(m)) return PG_ERR;
+  assign_types(m, 0, 0);
+  return PG_OK;
+}
+
+/* Float32 room a module's bf16 activations need (pg_io.wide_scratch), in elements of max_rows rows. */
+static void wide_need(const pg_module *m, int64_t wide[PG_WIDE_SCRATCH]) {
+  int64_t rows = m->max_rows, in = m->in_width, out = m->out_width;
+  if (m->ops == &linear_ops) {
+    const linear_state *s = m->state;
+    if (m->out_bf16) wide[0] = rows * s->out_l; /* the sums before rounding; backward: the bias's widened dy */
+    if (m->in_bf16) wide[1] = rows * s->in_l;   /* the input gradient before rounding */
+  } else if (m->ops == &attention_ops && m->in_bf16) {
+    wide[0] = rows * in;                  /* q|k|v widened */
+    wide[1] = rows * (in > out ? in : out); /* the output before rounding; its gradient widened */
+    wide[2] = rows * in;                  /* the input gradient before rounding */
+  }
+}
+
+void pg_module_bf16_scratch(const pg_module *m, pg_bf16_need *need) {
   const bf16_mm *mm = m->ops == &linear_ops    ? &((const linear_state *)m->state)->mm
                       : m->ops == &lm_head_ops ? &((const lm_head_state *)m->state)->mm
                                                : NULL;
   for (int k = 0; mm && mm->on && k < 2; k++)
-    if (mm->need[k] > need[k]) need[k] = mm->need[k];
+    if (mm->need[k] > need->operand[k]) need->operand[k] = mm->need[k];
   const moe_state *moe = m->ops == &moe_ops ? m->state : NULL;
   for (int k = 0; moe && moe->bf16 && k < 2; k++)
-    if (moe->bf16_need > need[k]) need[k] = moe->bf16_need;
+    if (moe->bf16_need > need->operand[k]) need->operand[k] = moe->bf16_need;
+  int64_t wide[PG_WIDE_SCRATCH] = {0};
+  wide_need(m, wide);
+  for (int k = 0; k < PG_WIDE_SCRATCH; k++)
+    if (wide[k] > need->wide[k]) need->wide[k] = wide[k];
   for (int i = 0; i < m->nchildren; i++) pg_module_bf16_scratch(m->children[i], need);
 }
 

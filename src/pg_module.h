@@ -69,6 +69,8 @@ typedef struct pg_param {
 
 typedef struct pg_module pg_module;
 
+#define PG_WIDE_SCRATCH 3 /* float32 scratch buffers of precision bf16 (pg_io.wide_scratch) */
+
 /* Per micro-batch information passed down a stage. */
 typedef struct pg_io {
   int B, T;                /* micro-batch shape: rows = B*T */
@@ -110,8 +112,10 @@ typedef struct pg_io {
    * consecutive rows). */
   int64_t step, global_row0;
   /* Precision bf16: room for the rounded operands of one GEMM (the input or output gradient, and the input),
+   * and float32 room for a module's bf16 activations widened or its results before rounding,
    * pg_module_bf16_scratch's sizes; shared by every module, which use it within one call. */
   uint16_t *bf16_scratch[2];
+  float *wide_scratch[PG_WIDE_SCRATCH];
 } pg_io;
 
 typedef struct pg_module_ops {
@@ -136,8 +140,12 @@ struct pg_module {
   int nparams;
   pg_module **children;
   int nchildren;
-  float *out;               /* [nslots][max_rows * out_width] */
-  float *dinp;              /* [max_rows * in_width] */
+  /* Precision bf16 (pg_module_set_precision): the elements of the input x and its gradient dx are bf16
+   * (uint16_t, behind the float pointers of forward and backward) when in_bf16, those of the output y, its
+   * gradient dy and `out` when out_bf16; float32 otherwise. A producer and its consumer agree. */
+  int in_bf16, out_bf16;
+  float *out;               /* [nslots][max_rows * out_width] elements (bf16 when out_bf16) */
+  float *dinp;              /* [max_rows * in_width] elements (bf16 when in_bf16) */
   size_t saved_bytes_per_slot; /* activations kept per micro-batch (outputs + saved statistics) */
   struct pg_recompute_arena *arena; /* recompute modules and selectively recomputing attention: shared memory */
   int sp;                   /* sequence parallelism is on for this module (pg_module_sequence_parallel) */
@@ -398,20 +406,27 @@ void pg_module_free(pg_module *m);
 /* Puts the whole tree on a backend (before its buffers are allocated). */
 int pg_module_set_backend(pg_module *m, const pg_backend *be);
 
-/* Arithmetic precision of the tree's products. FP32: everything in float32.
- * BF16: the GEMMs of linear and lm_head modules take bf16 operands (a bf16
- * working copy of the float32 master weight, the input and output gradient
- * rounded) and sum in float32; everything else (attention, norms, softmax,
- * the loss, activations between modules, gradients, the optimizer) stays
- * float32. Cpu backend only; a module written in Lua and the moe kind refuse
- * it. Before the buffers are allocated. */
+/* Arithmetic precision of the tree (a root: the tree's input and output are
+ * float32). FP32: everything in float32. BF16, torch.autocast's rules: the
+ * GEMMs of linear, lm_head and moe modules take bf16 operands (a bf16
+ * working copy of the float32 master weight) and sum in float32, and the
+ * activations a Linear makes bf16 stay bf16 through GELU, SwiGLU and the
+ * attention core until a float32 consumer (pg_module.in_bf16/out_bf16, set
+ * here); norms, softmax, the loss, the residual stream, parameter gradients
+ * and the optimizer stay float32. A module written in Lua refuses it. Before
+ * the buffers are allocated. */
 typedef enum { PG_PRECISION_FP32 = 0, PG_PRECISION_BF16 } pg_precision;
 int pg_module_set_precision(pg_module *m, pg_precision p);
 /* Bytes of the tree's bf16 working weights (0 in FP32). */
 size_t pg_module_bf16_bytes(const pg_module *m);
-/* The bf16 operand scratch the tree's modules need (pg_io.bf16_scratch), in elements, once allocated: need[k] is
- * raised to the tree's largest (left alone in FP32). */
-void pg_module_bf16_scratch(const pg_module *m, int64_t need[2]);
+/* The scratch precision bf16 needs of the engine, in elements: the rounded GEMM operands (pg_io.bf16_scratch)
+ * and the float32 room for widened bf16 activations (pg_io.wide_scratch). */
+typedef struct pg_bf16_need {
+  int64_t operand[2];
+  int64_t wide[PG_WIDE_SCRATCH];
+} pg_bf16_need;
+/* Raises each of *need to the largest the tree's modules need once allocated (left alone in FP32). */
+void pg_module_bf16_scratch(const pg_module *m, pg_bf16_need *need);
 
 /* Allocates per-slot buffers in the whole tree. */
 int pg_module_alloc(pg_module *m, int nslots, int max_rows);

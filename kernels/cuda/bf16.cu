@@ -6,17 +6,6 @@
 
 using namespace pgcu;
 
-// pg_bf16_round's integer arithmetic, so the device makes the CPU's bits:
-// round to nearest, ties to even (adding 0x7fff plus the kept lowest bit
-// carries into the upper half exactly when the dropped half is above the tie,
-// or at the tie with an odd upper half); a NaN stays a quiet NaN (the carry
-// could turn it into inf).
-__device__ __forceinline__ uint16_t bf16_round_bits(float f) {
-  const uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 __global__ void bf16_from_f32_kernel(uint16_t *dst, const float *src, int64_t n) {
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
     dst[i] = bf16_round_bits(src[i]);
@@ -25,6 +14,17 @@ __global__ void bf16_from_f32_kernel(uint16_t *dst, const float *src, int64_t n)
 extern "C" int pg_cuda_bf16_from_f32(const pg_cuda_ctx *ctx, uint16_t *dst, const float *src, int64_t n) {
   if (n <= 0) return 0;
   bf16_from_f32_kernel<<<grid_for(n, BLOCK), BLOCK, 0, stream_of(ctx)>>>(dst, src, n);
+  return launch_status();
+}
+
+__global__ void bf16_to_f32_kernel(float *dst, const uint16_t *src, int64_t n) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    dst[i] = bf16_value(src[i]);
+}
+
+extern "C" int pg_cuda_bf16_to_f32(const pg_cuda_ctx *ctx, float *dst, const uint16_t *src, int64_t n) {
+  if (n <= 0) return 0;
+  bf16_to_f32_kernel<<<grid_for(n, BLOCK), BLOCK, 0, stream_of(ctx)>>>(dst, src, n);
   return launch_status();
 }
 

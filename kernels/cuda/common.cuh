@@ -37,6 +37,20 @@ inline int launch_status() {
 
 inline int cublas_status(cublasStatus_t s) { return s == CUBLAS_STATUS_SUCCESS ? 0 : PG_CUDA_CUBLAS_ERR + (int)s; }
 
+// pg_bf16_round's integer arithmetic, so the device makes the CPU's bits:
+// round to nearest, ties to even (adding 0x7fff plus the kept lowest bit
+// carries into the upper half exactly when the dropped half is above the tie,
+// or at the tie with an odd upper half); a NaN stays a quiet NaN (the carry
+// could turn it into inf).
+__device__ __forceinline__ uint16_t bf16_round_bits(float f) {
+  const uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// bf16 -> float32, exact.
+__device__ __forceinline__ float bf16_value(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+
 // Blocks for a grid-stride loop over n elements.
 inline unsigned grid_for(int64_t n, int per_block) {
   int64_t b = (n + per_block - 1) / per_block;

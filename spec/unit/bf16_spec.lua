@@ -348,3 +348,119 @@ describe("bf16 exports (scripts/checkpoint.lua export-llmc / export-hf --bf16)",
     assert.are.equal("checkpoint: the export dtype must be float32 or bfloat16, not fp16", err)
   end)
 end)
+
+-- torch.autocast's activation types, on a model where every kind meets them: column-parallel Linears feeding the
+-- attention core, GELU and SwiGLU between float32 norms (bf16 until the row-parallel Linear), and a plain Linear
+-- and GELU whose bf16 output is added to the float32 residual stream. The engine's loss and gradients against
+-- the same composition of pg.ops kernels, rounding where autocast makes a tensor bf16. Tolerances: the same
+-- kernels on the same values, so float32 noise only: 1e-6 of the loss and of each gradient's largest element;
+-- float32 activations move the loss by ~1e-5 relative (printed).
+describe("bf16 activations (torch.autocast's types)", function()
+  local nn, V, C, H, HEADS = pg.nn, 61, 16, 48, 2
+  local function net()
+    local function col(o, name, blocks) return nn.Linear{ ["in"] = C, out = o, parallel = "column", name = name,
+                                                          blocks = blocks } end
+    local function row(i, name) return nn.Linear{ ["in"] = i, out = C, parallel = "row", name = name } end
+    return nn.Sequential{
+      nn.Embedding{ vocab = V, dim = C, positions = 8, name = "embed" },
+      nn.Residual(nn.Sequential{ nn.LayerNorm(C), col(3 * C, "qkv", 3), nn.Attention{ dim = C, heads = HEADS,
+                                 seq_len = 8 }, row(C, "o") }),
+      nn.Residual(nn.Sequential{ nn.LayerNorm(C), col(H, "fc"), nn.GELU(), row(H, "proj") }),
+      nn.Residual(nn.Sequential{ nn.LayerNorm(C), col(2 * H, "gate", 2), nn.GatedSiLU(), row(H, "down") }),
+      nn.Residual(nn.Sequential{ nn.Linear{ ["in"] = C, out = C, name = "mix" }, nn.GELU() }),
+      nn.LayerNorm(C, { name = "ln_f" }),
+      nn.LMHead{ vocab = V, dim = C, tie = false, name = "head" },
+    }
+  end
+
+  -- The reference: forward and backward with pg.ops; round(t) where autocast's tensor is bf16 (round = identity:
+  -- float32 activations with the products on bf16 operands). A bf16 tensor's gradient is bf16.
+  local function reference(e, x, y, round)
+    local P = {}
+    for _, p in ipairs(e:parameters()) do P[p.name] = p.tensor end
+    local function w(name) return (assert(P[name], name)) end
+    local N, T = x:shape()[1] * x:shape()[2], x:shape()[2]
+    local function ln(block, h) return ops.layernorm(h, w(block .. ".1.weight"), w(block .. ".1.bias")) end
+    local function ln_back(block, d, h, m, r) return (ops.layernorm_backward(d, h, w(block .. ".1.weight"), m, r)) end
+    local function lin(a, name) return ops.linear_bf16(a, w(name .. ".weight"), w(name .. ".bias")) end
+    local function lin_back(d, a, name) return ops.linear_bf16_backward(d, a, w(name .. ".weight")) end
+    local h0 = ops.position(ops.embedding(x, w("embed.wte")), w("embed.wpe"), T)
+    local a2, m2, r2 = ln(2, h0)
+    local qkv = round(lin(a2, "2.qkv"))
+    local att_out, att = ops.attention(qkv, HEADS)
+    local o = round(att_out)
+    local h1 = ops.residual(h0, lin(o, "2.o"))
+    local a3, m3, r3 = ln(3, h1)
+    local u = round(lin(a3, "3.fc"))
+    local g = round(ops.gelu(u))
+    local h2 = ops.residual(h1, lin(g, "3.proj"))
+    local a4, m4, r4 = ln(4, h2)
+    local gu = round(lin(a4, "4.gate"))
+    local sw = round(ops.swiglu(gu))
+    local h3 = ops.residual(h2, lin(sw, "4.down"))
+    local p = round(lin(h3, "5.mix"))
+    local h4 = ops.residual(h3, round(ops.gelu(p)))
+    local f, fm, fr = ops.layernorm(h4, w("ln_f.weight"), w("ln_f.bias"))
+    local logits = ops.linear_bf16(f, w("head.weight"))
+    local _, dlogits, total = ops.cross_entropy(logits, y, { valid = V, dloss = 1 / N })
+    local dh4 = ops.layernorm_backward(ops.linear_bf16_backward(dlogits, f, w("head.weight"), false), h4,
+                                       w("ln_f.weight"), fm, fr)
+    local dp = round(ops.gelu_backward(round(dh4), p))
+    local dh3 = ops.residual(dh4, (lin_back(dp, h3, "5.mix")))
+    local dsw = round((lin_back(dh3, sw, "4.down")))
+    local da4, dgate = lin_back(round(ops.swiglu_backward(dsw, gu)), a4, "4.gate")
+    local dh2 = ops.residual(dh3, ln_back(4, da4, h2, m4, r4))
+    local dg = round((lin_back(dh2, g, "3.proj")))
+    local da3, dfc, dfcb = lin_back(round(ops.gelu_backward(dg, u)), a3, "3.fc")
+    local dh1 = ops.residual(dh2, ln_back(3, da3, h1, m3, r3))
+    local dout = round((lin_back(dh1, o, "2.o")))
+    local _, dqkv, dqkvb = lin_back(round(ops.attention_backward(dout, qkv, att, HEADS)), a2, "2.qkv")
+    return total / N, { ["2.qkv.weight"] = dqkv, ["2.qkv.bias"] = dqkvb, ["3.fc.weight"] = dfc,
+                        ["3.fc.bias"] = dfcb, ["4.gate.weight"] = dgate }
+  end
+
+  local function max_abs(t)
+    local m = 0
+    for _, v in ipairs(flat(t)) do m = math.max(m, math.abs(v)) end
+    return m
+  end
+
+  it("match a composition of the kernels that rounds where autocast's tensors are bf16", function()
+    local x, y = pg.zeros({ 2, 8 }, { dtype = "int32" }), pg.zeros({ 2, 8 }, { dtype = "int32" })
+    for b = 1, 2 do
+      for s = 1, 8 do
+        x:set(b, s, (b * 31 + s * 7) % V)
+        y:set(b, s, (b * 13 + s * 5 + b * s) % V)
+      end
+    end
+    local e = pg.parallelize(net(), pg.ParallelContext{ seed = 5 }, { precision = "bf16" })
+    -- weights of unit scale (matrices 1/sqrt(fan-in), norms near 1), so that a rounding more or less shows
+    local r = 0
+    for _, prm in ipairs(e:parameters()) do
+      local vals = flat(prm.tensor)
+      for i = 1, #vals do
+        r = (r * 1103515245 + 12345) % 2147483648
+        local u = r / 2147483648 - 0.5
+        vals[i] = #prm.shape == 2 and u * 2 / math.sqrt(prm.shape[2]) or 1 + u / 2
+      end
+      prm.tensor:copy_(pg.tensor(vals):view(prm.shape))
+    end
+    e:zero_grad()
+    local loss = e:forward_backward(x, y)
+    local want, grads = reference(e, x, y, ops.bf16_round)
+    local float32_acts = reference(e, x, y, function(t) return t end)
+    print(("bf16 activations: engine %.9g reference %.9g (float32 activations %.9g)"):format(loss, want,
+      float32_acts))
+    assert.is_true(math.abs(loss - want) <= 1e-6 * want, ("engine %.9g, reference %.9g"):format(loss, want))
+    assert.is_true(math.abs(float32_acts - want) > 5e-6 * want, "the test cannot tell bf16 activations from float32")
+    for name, g in pairs(grads) do
+      local got = flat(e:parameter(name).grad)
+      local ref, tol = flat(g), 1e-6 * max_abs(g)
+      assert.are.equal(#ref, #got, name)
+      for i = 1, #ref do
+        assert.is_true(math.abs(got[i] - ref[i]) <= tol,
+          ("%s[%d]: engine %.9g, reference %.9g"):format(name, i, got[i], ref[i]))
+      end
+    end
+  end)
+end)

@@ -128,6 +128,11 @@ inline unsigned __float_as_uint(float f) {
   memcpy(&u, &f, sizeof u);
   return u;
 }
+inline float __uint_as_float(unsigned u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
 /* separately rounded operations (the emulator builds with -ffp-contract=off) */
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
