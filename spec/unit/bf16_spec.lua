@@ -262,6 +262,15 @@ describe("precision = bf16 in pg.parallelize", function()
     assert.is_true(m16.bf16_bytes >= 2 * n, ("bf16_bytes %d for %d weights"):format(m16.bf16_bytes, n))
     assert.are.equal(m32.params_bytes, m16.params_bytes) -- the masters stay float32
     assert.are.equal(m32.grads_bytes, m16.grads_bytes)
+    -- the activations autocast makes bf16 take 2 bytes instead of 4: per layer and row, q|k|v, the attention
+    -- core's output, the first MLP Linear's and GELU's; the rest (norms, residual stream, probabilities) stays
+    local per_row = 0
+    for _, p in ipairs(e16:parameters()) do
+      if p.name:match("qkv%.weight$") then per_row = per_row + p.shape[1] + p.shape[1] // 3 end
+      if p.name:match("fc%.weight$") then per_row = per_row + 2 * p.shape[1] end
+    end
+    assert.is_true(per_row > 0)
+    assert.are.equal(2 * 4 * 16 * per_row, m32.activation_bytes - m16.activation_bytes)
   end)
 
   it("with recomputation (full, selective) gives the run without it bit for bit: the working weights are not in "
@@ -351,7 +360,8 @@ end)
 
 -- torch.autocast's activation types, on a model where every kind meets them: column-parallel Linears feeding the
 -- attention core, GELU and SwiGLU between float32 norms (bf16 until the row-parallel Linear), and a plain Linear
--- and GELU whose bf16 output is added to the float32 residual stream. The engine's loss and gradients against
+-- and GELU whose bf16 output is added to the float32 residual stream; and a Linear and GELU that stay float32
+-- because a norm consumes them. The engine's loss and gradients against
 -- the same composition of pg.ops kernels, rounding where autocast makes a tensor bf16. Tolerances: the same
 -- kernels on the same values, so float32 noise only: 1e-6 of the loss and of each gradient's largest element;
 -- float32 activations move the loss by ~1e-5 relative (printed).
@@ -368,6 +378,8 @@ describe("bf16 activations (torch.autocast's types)", function()
       nn.Residual(nn.Sequential{ nn.LayerNorm(C), col(H, "fc"), nn.GELU(), row(H, "proj") }),
       nn.Residual(nn.Sequential{ nn.LayerNorm(C), col(2 * H, "gate", 2), nn.GatedSiLU(), row(H, "down") }),
       nn.Residual(nn.Sequential{ nn.Linear{ ["in"] = C, out = C, name = "mix" }, nn.GELU() }),
+      -- GELU before a norm: the Linear and GELU make float32 for their float32 consumer
+      nn.Residual(nn.Sequential{ nn.Linear{ ["in"] = C, out = C, name = "mix" }, nn.GELU(), nn.LayerNorm(C) }),
       nn.LayerNorm(C, { name = "ln_f" }),
       nn.LMHead{ vocab = V, dim = C, tie = false, name = "head" },
     }
@@ -400,11 +412,18 @@ describe("bf16 activations (torch.autocast's types)", function()
     local h3 = ops.residual(h2, lin(sw, "4.down"))
     local p = round(lin(h3, "5.mix"))
     local h4 = ops.residual(h3, round(ops.gelu(p)))
-    local f, fm, fr = ops.layernorm(h4, w("ln_f.weight"), w("ln_f.bias"))
+    local p6 = lin(h4, "6.mix")
+    local q6 = ops.gelu(p6)
+    local n6, m6, r6 = ops.layernorm(q6, w("6.3.weight"), w("6.3.bias"))
+    local h5 = ops.residual(h4, n6)
+    local f, fm, fr = ops.layernorm(h5, w("ln_f.weight"), w("ln_f.bias"))
     local logits = ops.linear_bf16(f, w("head.weight"))
     local _, dlogits, total = ops.cross_entropy(logits, y, { valid = V, dloss = 1 / N })
-    local dh4 = ops.layernorm_backward(ops.linear_bf16_backward(dlogits, f, w("head.weight"), false), h4,
+    local dh5 = ops.layernorm_backward(ops.linear_bf16_backward(dlogits, f, w("head.weight"), false), h5,
                                        w("ln_f.weight"), fm, fr)
+    local dq6 = ops.layernorm_backward(dh5, q6, w("6.3.weight"), m6, r6)
+    local dx6, dmix6 = lin_back(ops.gelu_backward(dq6, p6), h4, "6.mix")
+    local dh4 = ops.residual(dh5, dx6)
     local dp = round(ops.gelu_backward(round(dh4), p))
     local dh3 = ops.residual(dh4, (lin_back(dp, h3, "5.mix")))
     local dsw = round((lin_back(dh3, sw, "4.down")))
@@ -416,7 +435,7 @@ describe("bf16 activations (torch.autocast's types)", function()
     local dout = round((lin_back(dh1, o, "2.o")))
     local _, dqkv, dqkvb = lin_back(round(ops.attention_backward(dout, qkv, att, HEADS)), a2, "2.qkv")
     return total / N, { ["2.qkv.weight"] = dqkv, ["2.qkv.bias"] = dqkvb, ["3.fc.weight"] = dfc,
-                        ["3.fc.bias"] = dfcb, ["4.gate.weight"] = dgate }
+                        ["3.fc.bias"] = dfcb, ["4.gate.weight"] = dgate, ["6.mix.weight"] = dmix6 }
   end
 
   local function max_abs(t)
