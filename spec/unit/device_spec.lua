@@ -304,8 +304,20 @@ print(ok, err)
   -- orders (the emulated GemmEx in order of k; OpenBLAS or oneDNN). The first step's gradients: |cuda - cpu| <=
   -- 1e-5 max |cpu| (measured 1e-8 of max 0.08); three AdamW steps' losses to 1e-4 relative, bf16_check_spec's
   -- layout tolerance (measured 9e-6 at step 3: Adam's normalised updates carry the sum-order differences on).
-  it("runs precision = \"bf16\" on the device: the CPU's bf16 results, the working weights in device memory", function()
-    local rc, out = emu([[
+  -- GPT-2 (GELU, bias gradients of bf16 outputs), LLaMA (SwiGLU, RoPE on bf16 q|k|v) and a bf16 residual
+  -- branch: the device's bf16 activation kernels against the CPU's.
+  local MODELS = {
+    gpt2 = 'pg.nn.GPT.load_llmc("spec/fixtures/gpt2_tiny_model.bin")',
+    llama = "pg.nn.Llama{ vocab = 61, dim = 16, layers = 2, heads = 2, kv_heads = 1, hidden = 24, seq_len = 16 }",
+    -- a bf16 branch (a plain Linear and GELU) added to the float32 stream
+    branch = [=[pg.nn.Sequential{ pg.nn.Embedding{ vocab = 61, dim = 16, positions = 16, name = "embed" },
+      pg.nn.Residual(pg.nn.Sequential{ pg.nn.Linear{ ["in"] = 16, out = 16, name = "mix" }, pg.nn.GELU() }),
+      pg.nn.LayerNorm(16, { name = "ln_f" }), pg.nn.LMHead{ vocab = 61, dim = 16, tie = false, name = "head" } }]=],
+  }
+  for _, model in ipairs{ "gpt2", "llama", "branch" } do
+  it("runs precision = \"bf16\" on the device: the CPU's bf16 results, the working weights in device memory (" ..
+    model .. ")", function()
+    local rc, out = emu((([[
 local pg = require "pipegoose"
 local x, y = pg.zeros({ 4, 16 }, { dtype = "int32" }), pg.zeros({ 4, 16 }, { dtype = "int32" })
 for b = 1, 4 do
@@ -315,7 +327,7 @@ for b = 1, 4 do
   end
 end
 local function build(device, precision)
-  local e = pg.parallelize(pg.nn.GPT.load_llmc("spec/fixtures/gpt2_tiny_model.bin"), nil,
+  local e = pg.parallelize(MODEL, pg.ParallelContext{ seed = 7 },
     { device = device, precision = precision, micro_batches = 2 })
   return e, pg.optim.AdamW(e, { lr = 1e-2 })
 end
@@ -341,7 +353,7 @@ for step = 1, 3 do
 end
 local mg, mc = gpu:memory(), cpu:memory()
 print(("memory %s %d %d"):format(mg.precision, mg.bf16_bytes, mc.bf16_bytes))
-]])
+]]):gsub("MODEL", function() return MODELS[model] end)))
     assert.equal(0, rc, out)
     local fp32 = tonumber(out:match("fp32 loss (%S+)"))
     local seen = 0
@@ -361,6 +373,7 @@ print(("memory %s %d %d"):format(mg.precision, mg.bf16_bytes, mc.bf16_bytes))
     assert.equal("bf16", prec, out)
     assert.is_true(tonumber(bg) > 0 and bg == bc, out)
   end)
+  end
 
   -- scripts/bench_gpu.lua runs on a real GPU (scripts/gpu_check.sh); here its logic, not its speed: both
   -- precisions' peaks (sgemm, bf16 GemmEx) and training lines, and the rate function's argument check.
