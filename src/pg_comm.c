@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h" /* pg_bf16_round / pg_bf16_value: the ring's bf16 sums */
 #include "pg_cuda.h"
 #include "pg_error.h"
 #include "pg_size.h"
@@ -33,6 +34,7 @@ static MPI_Datatype mpi_type(pg_dtype d) {
   case PG_INT32: return MPI_INT32_T;
   case PG_FLOAT64: return MPI_DOUBLE;
   case PG_INT64: return MPI_INT64_T;
+  case PG_BFLOAT16: return MPI_UINT16_T; /* moved as bits; summed only by the ring (fold_bf16) */
   default: return MPI_DATATYPE_NULL;
   }
 }
@@ -527,6 +529,7 @@ static ncclDataType_t nccl_type(pg_dtype d) {
   case PG_INT32: return ncclInt32;
   case PG_INT64: return ncclInt64;
   case PG_FLOAT64: return ncclFloat64;
+  case PG_BFLOAT16: return ncclBfloat16;
   default: return ncclFloat32;
   }
 }
@@ -749,21 +752,63 @@ static void fold(float *y, const float *x, const float *t, int64_t n, pg_reduce_
   }
 }
 
+/* y = x + t over n bf16 values (y may be x): the sum of the widened values, rounded, as NCCL's bf16 sum does at
+ * each step. */
+static void fold_bf16(uint16_t *y, const uint16_t *x, const uint16_t *t, int64_t n) {
+#pragma omp parallel for simd schedule(static) if (parallel : n > 32768)
+  for (int64_t i = 0; i < n; i++) y[i] = pg_bf16_round(pg_bf16_value(x[i]) + pg_bf16_value(t[i]));
+}
+
 /* Blocks of whole rows of `unit` floats: block b of n floats is rows
  * [R b / size, R (b+1) / size) of its R = n / unit rows (unit 1: elements;
  * sequence parallelism's row blocks, pg_reduce_scatter_rows, are rows of a
  * width). */
 static int64_t unit_start(int64_t n, int size, int b, int64_t unit) { return block_start(n / unit, size, b) * unit; }
 
+/* The longest of the size blocks. Each ring step runs this many chunks' worth of exchanges on every member
+ * (some of them empty), so every send meets its receive: a member whose own two blocks are short or empty (fewer
+ * rows than members) still takes part in each exchange its neighbours make. */
+static int64_t longest_block(int64_t n, int size, int64_t unit) {
+  int64_t most = 0;
+  for (int b = 0; b < size; b++) {
+    int64_t len = unit_start(n, size, b + 1, unit) - unit_start(n, size, b, unit);
+    if (len > most) most = len;
+  }
+  return most;
+}
+
+/* ring_reduce_scatter_units's steps on bf16 elements (sums only). */
+static int ring_reduce_scatter_bf16(pg_context *ctx, pg_mode m, uint16_t *buf, int64_t n, int64_t unit) {
+  pg_group *g = &ctx->group[m];
+  int D = g->size, r = g->rank, next = (r + 1) % D, prev = (r + D - 1) % D;
+  int64_t most = longest_block(n, D, unit);
+  uint16_t *tmp = (uint16_t *)ctx->ring_scratch; /* PG_RING_CHUNK floats: room for as many bf16 */
+  for (int k = 0; k < D - 1; k++) {
+    int sb = ((r - 1 - k) % D + D) % D, rb = ((r - 2 - k) % D + D) % D;
+    int64_t s0 = unit_start(n, D, sb, unit), slen = unit_start(n, D, sb + 1, unit) - s0;
+    int64_t r0 = unit_start(n, D, rb, unit), rlen = unit_start(n, D, rb + 1, unit) - r0;
+    for (int64_t off = 0; off < most; off += PG_RING_CHUNK) {
+      int sc = piece(slen, off), rcv = piece(rlen, off);
+      int rc = MPI_Sendrecv(buf + s0 + off, sc, MPI_UINT16_T, next, PG_RING_TAG, tmp, rcv, MPI_UINT16_T, prev,
+                            PG_RING_TAG, g->comm, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return mpi_fail(rc, "reduce_scatter", m);
+      fold_bf16(buf + r0 + off, buf + r0 + off, tmp, rcv);
+    }
+  }
+  return PG_OK;
+}
+
 /* In place: buf holds `size` blocks (block b = [n b / size, n (b+1) / size),
  * in rows of `unit` floats: unit_start); afterwards this member's block holds
  * the reduction over the group (the other blocks hold partial sums). */
-static int ring_reduce_scatter_units(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op,
-                                     int64_t unit) {
+static int ring_reduce_scatter_units(pg_context *ctx, pg_mode m, void *data, int64_t n, pg_reduce_op op,
+                                     int64_t unit, pg_dtype dtype) {
   pg_group *g = &ctx->group[m];
   int D = g->size, r = g->rank, next = (r + 1) % D, prev = (r + D - 1) % D;
+  int64_t most = longest_block(n, D, unit);
   if (ring_scratch(ctx)) return PG_ERR;
-  float *tmp = ctx->ring_scratch;
+  if (dtype == PG_BFLOAT16) return ring_reduce_scatter_bf16(ctx, m, data, n, unit);
+  float *tmp = ctx->ring_scratch, *buf = data;
   /* Step k: send block r-1-k (our partial sum of it) on, receive block
    * r-2-k from the previous member and fold ours in. After D-1 steps the
    * last block received is our own, complete. */
@@ -772,7 +817,7 @@ static int ring_reduce_scatter_units(pg_context *ctx, pg_mode m, float *buf, int
     int64_t s0 = unit_start(n, D, sb, unit), slen = unit_start(n, D, sb + 1, unit) - s0;
     int64_t r0 = unit_start(n, D, rb, unit), rlen = unit_start(n, D, rb + 1, unit) - r0;
     float scale = (op == PG_REDUCE_AVG && k == D - 2) ? 1.0f / (float)D : 1.0f;
-    for (int64_t off = 0; off < slen || off < rlen; off += PG_RING_CHUNK) {
+    for (int64_t off = 0; off < most; off += PG_RING_CHUNK) {
       int sc = piece(slen, off), rcv = piece(rlen, off);
       int rc = MPI_Sendrecv(buf + s0 + off, sc, MPI_FLOAT, next, PG_RING_TAG, tmp, rcv, MPI_FLOAT, prev, PG_RING_TAG,
                             g->comm, MPI_STATUS_IGNORE);
@@ -808,109 +853,125 @@ static int ring_reduce_scatter_to(pg_context *ctx, pg_mode m, const float *in, f
   return PG_OK;
 }
 
-static int ring_reduce_scatter(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op) {
-  return ring_reduce_scatter_units(ctx, m, buf, n, op, 1);
+static int ring_reduce_scatter(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_reduce_op op, pg_dtype dtype) {
+  return ring_reduce_scatter_units(ctx, m, buf, n, op, 1, dtype);
 }
 
-/* In place: every member's block (as above) copied to all the others. */
-static int ring_all_gather_units(pg_context *ctx, pg_mode m, float *buf, int64_t n, int64_t unit) {
+/* In place: every member's block (as above) copied to all the others (float32 or bf16 elements). */
+static int ring_all_gather_units(pg_context *ctx, pg_mode m, void *data, int64_t n, int64_t unit, pg_dtype dtype) {
   pg_group *g = &ctx->group[m];
   int D = g->size, r = g->rank, next = (r + 1) % D, prev = (r + D - 1) % D;
+  int64_t most = longest_block(n, D, unit);
+  size_t es = pg_dtype_size(dtype);
+  MPI_Datatype type = mpi_type(dtype);
+  char *buf = data;
   /* Step k: pass on block r-k (ours first), receive block r-1-k. */
   for (int k = 0; k < D - 1; k++) {
     int sb = ((r - k) % D + D) % D, rb = ((r - 1 - k) % D + D) % D;
     int64_t s0 = unit_start(n, D, sb, unit), slen = unit_start(n, D, sb + 1, unit) - s0;
     int64_t r0 = unit_start(n, D, rb, unit), rlen = unit_start(n, D, rb + 1, unit) - r0;
-    for (int64_t off = 0; off < slen || off < rlen; off += PG_RING_CHUNK) {
+    for (int64_t off = 0; off < most; off += PG_RING_CHUNK) {
       int sc = piece(slen, off), rcv = piece(rlen, off);
-      int rc = MPI_Sendrecv(buf + s0 + off, sc, MPI_FLOAT, next, PG_RING_TAG + 1, buf + r0 + off, rcv, MPI_FLOAT, prev,
-                            PG_RING_TAG + 1, g->comm, MPI_STATUS_IGNORE);
+      int rc = MPI_Sendrecv(buf + (s0 + off) * es, sc, type, next, PG_RING_TAG + 1, buf + (r0 + off) * es, rcv, type,
+                            prev, PG_RING_TAG + 1, g->comm, MPI_STATUS_IGNORE);
       if (rc != MPI_SUCCESS) return mpi_fail(rc, "all_gather", m);
     }
   }
   return PG_OK;
 }
 
-static int ring_all_gather(pg_context *ctx, pg_mode m, float *buf, int64_t n) {
-  return ring_all_gather_units(ctx, m, buf, n, 1);
+static int ring_all_gather(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype) {
+  return ring_all_gather_units(ctx, m, buf, n, 1, dtype);
 }
 
 /* In place over blocks of whole rows of `unit` floats (unit_start): the
  * ZeRO shards (unit 1) and sequence parallelism's rows. NCCL's blocks are
  * equal: it serves a device buffer whose rows split evenly; otherwise the
  * buffer is staged through the host. */
-static int reduce_scatter_units(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op, int64_t unit) {
-  if (check_ctx(ctx) || agree_coll(ctx, m, PG_COLL_REDUCE_SCATTER, PG_FLOAT32, op, -1, n)) return PG_ERR;
+static int reduce_scatter_units(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_reduce_op op, int64_t unit,
+                                pg_dtype dtype) {
+  if (check_ctx(ctx) || agree_coll(ctx, m, PG_COLL_REDUCE_SCATTER, dtype, op, -1, n)) return PG_ERR;
   pg_group *g = &ctx->group[m];
   if (g->size == 1 || n == 0) return PG_OK;
   double t0 = MPI_Wtime();
+  size_t es = pg_dtype_size(dtype);
 #ifdef PG_WITH_CUDA
   ncclComm_t nc = (n / unit) % g->size ? NULL : nccl_for(ctx, m, buf); /* NCCL's blocks are equal */
   if (nc) {
     int64_t blk = n / g->size;
-    if (nccl_done(ncclReduceScatter(buf, buf + (size_t)g->rank * blk, (size_t)blk, ncclFloat32, nccl_op(op), nc,
-                                    NCCL_STREAM(ctx)),
+    if (nccl_done(ncclReduceScatter(buf, (char *)buf + (size_t)g->rank * blk * es, (size_t)blk, nccl_type(dtype),
+                                    nccl_op(op), nc, NCCL_STREAM(ctx)),
                   "reduce_scatter", m))
       return PG_ERR;
-    count(ctx, m, PG_COLL_REDUCE_SCATTER, (double)n * sizeof(float), t0);
+    count(ctx, m, PG_COLL_REDUCE_SCATTER, (double)n * es, t0);
     return PG_OK;
   }
 #endif
   staged s;
-  if (stage(ctx, m, (void **)&buf, (size_t)n * sizeof(float), 1, &s)) return PG_ERR;
-  int rc = ring_reduce_scatter_units(ctx, m, buf, n, op, unit);
-  if (!rc) count(ctx, m, PG_COLL_REDUCE_SCATTER, (double)n * sizeof(float), t0);
+  if (stage(ctx, m, &buf, (size_t)n * es, 1, &s)) return PG_ERR;
+  int rc = ring_reduce_scatter_units(ctx, m, buf, n, op, unit, dtype);
+  if (!rc) count(ctx, m, PG_COLL_REDUCE_SCATTER, (double)n * es, t0);
   return unstage(&s, rc, 1);
 }
 
-static int all_gather_units(pg_context *ctx, pg_mode m, float *buf, int64_t n, int64_t unit) {
-  if (check_ctx(ctx) || agree_coll(ctx, m, PG_COLL_ALL_GATHER, PG_FLOAT32, -1, -1, n)) return PG_ERR;
+static int all_gather_units(pg_context *ctx, pg_mode m, void *buf, int64_t n, int64_t unit, pg_dtype dtype) {
+  if (check_ctx(ctx) || agree_coll(ctx, m, PG_COLL_ALL_GATHER, dtype, -1, -1, n)) return PG_ERR;
   pg_group *g = &ctx->group[m];
   if (g->size == 1 || n == 0) return PG_OK;
   double t0 = MPI_Wtime();
+  size_t es = pg_dtype_size(dtype);
 #ifdef PG_WITH_CUDA
   ncclComm_t nc = (n / unit) % g->size ? NULL : nccl_for(ctx, m, buf);
   if (nc) {
     int64_t blk = n / g->size;
-    if (nccl_done(ncclAllGather(buf + (size_t)g->rank * blk, buf, (size_t)blk, ncclFloat32, nc, NCCL_STREAM(ctx)),
+    if (nccl_done(ncclAllGather((char *)buf + (size_t)g->rank * blk * es, buf, (size_t)blk, nccl_type(dtype), nc,
+                                NCCL_STREAM(ctx)),
                   "all_gather", m))
       return PG_ERR;
-    count(ctx, m, PG_COLL_ALL_GATHER, (double)n * sizeof(float), t0);
+    count(ctx, m, PG_COLL_ALL_GATHER, (double)n * es, t0);
     return PG_OK;
   }
 #endif
   staged s;
-  if (stage(ctx, m, (void **)&buf, (size_t)n * sizeof(float), 1, &s)) return PG_ERR;
-  int rc = ring_all_gather_units(ctx, m, buf, n, unit);
-  if (!rc) count(ctx, m, PG_COLL_ALL_GATHER, (double)n * sizeof(float), t0);
+  if (stage(ctx, m, &buf, (size_t)n * es, 1, &s)) return PG_ERR;
+  int rc = ring_all_gather_units(ctx, m, buf, n, unit, dtype);
+  if (!rc) count(ctx, m, PG_COLL_ALL_GATHER, (double)n * es, t0);
   return unstage(&s, rc, 1);
 }
 
 int pg_reduce_scatter_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op) {
-  return reduce_scatter_units(ctx, m, buf, n, op, 1);
+  return reduce_scatter_units(ctx, m, buf, n, op, 1, PG_FLOAT32);
 }
 
 int pg_all_gather_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n) {
-  return all_gather_units(ctx, m, buf, n, 1);
+  return all_gather_units(ctx, m, buf, n, 1, PG_FLOAT32);
 }
 
-/* Sequence parallelism: rows of `width` floats. */
-static int rows_numel(int64_t rows, int64_t width, int64_t *n, const char *what) {
+/* Sequence parallelism: rows of `width` elements, float32 or bf16 (sums only). */
+static int rows_numel(int64_t rows, int64_t width, pg_dtype dtype, pg_reduce_op op, int64_t *n, const char *what) {
   if (rows < 0 || width < 1 || pg_mul_overflows(rows, width, n) || *n > PG_MAX_NUMEL)
     return pg_fail("%s: %lld rows of width %lld", what, (long long)rows, (long long)width);
+  if (dtype != PG_FLOAT32 && dtype != PG_BFLOAT16)
+    return pg_fail("%s: float32 or bfloat16 rows, not %s", what, pg_dtype_name(dtype));
+  if (dtype == PG_BFLOAT16 && op != PG_REDUCE_SUM) return pg_fail("%s: bfloat16 rows are summed only", what);
   return PG_OK;
 }
 
-int pg_reduce_scatter_rows(pg_context *ctx, pg_mode m, float *buf, int64_t rows, int64_t width, pg_reduce_op op) {
+int pg_reduce_scatter_rows(pg_context *ctx, pg_mode m, void *buf, int64_t rows, int64_t width, pg_dtype dtype,
+                           pg_reduce_op op) {
   int64_t n = 0;
-  return rows_numel(rows, width, &n, "reduce_scatter_rows") || reduce_scatter_units(ctx, m, buf, n, op, width)
+  return rows_numel(rows, width, dtype, op, &n, "reduce_scatter_rows") ||
+                 reduce_scatter_units(ctx, m, buf, n, op, width, dtype)
              ? PG_ERR
              : PG_OK;
 }
 
-int pg_all_gather_rows(pg_context *ctx, pg_mode m, float *buf, int64_t rows, int64_t width) {
+int pg_all_gather_rows(pg_context *ctx, pg_mode m, void *buf, int64_t rows, int64_t width, pg_dtype dtype) {
   int64_t n = 0;
-  return rows_numel(rows, width, &n, "all_gather_rows") || all_gather_units(ctx, m, buf, n, width) ? PG_ERR : PG_OK;
+  return rows_numel(rows, width, dtype, PG_REDUCE_SUM, &n, "all_gather_rows") ||
+                 all_gather_units(ctx, m, buf, n, width, dtype)
+             ? PG_ERR
+             : PG_OK;
 }
 
 static int all_reduce_host(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype, pg_reduce_op op);
@@ -919,6 +980,8 @@ int pg_all_reduce_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype
   if (check_ctx(ctx)) return PG_ERR;
   if (mpi_type(dtype) == MPI_DATATYPE_NULL) return pg_fail("all_reduce of %s is not supported", pg_dtype_name(dtype));
   if (op == PG_REDUCE_AVG && dtype != PG_FLOAT32) return pg_fail("op avg needs float32, not %s", pg_dtype_name(dtype));
+  if (dtype == PG_BFLOAT16 && op != PG_REDUCE_SUM)
+    return pg_fail("all_reduce of bfloat16 sums only, not %s", op == PG_REDUCE_MAX ? "max" : "min");
   if (agree_coll(ctx, m, PG_COLL_ALL_REDUCE, dtype, op, -1, n)) return PG_ERR;
 #ifdef PG_WITH_CUDA
   ncclComm_t nc = ctx->group[m].size > 1 && n > 0 ? nccl_for(ctx, m, buf) : NULL;
@@ -941,9 +1004,10 @@ static int all_reduce_host(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_
   if (g->size == 1 || n == 0) return PG_OK;
   double t0 = MPI_Wtime();
   size_t es = pg_dtype_size(dtype);
-  if (dtype == PG_FLOAT32 && n >= PG_RING_MIN) {
+  /* bf16 always round the ring: MPI's own sums cannot add bf16 */
+  if ((dtype == PG_FLOAT32 && n >= PG_RING_MIN) || dtype == PG_BFLOAT16) {
     /* reduce-scatter + all-gather round the ring (the average folded into the last step) */
-    if (ring_reduce_scatter(ctx, m, buf, n, op) || ring_all_gather(ctx, m, buf, n)) return PG_ERR;
+    if (ring_reduce_scatter(ctx, m, buf, n, op, dtype) || ring_all_gather(ctx, m, buf, n, dtype)) return PG_ERR;
     count(ctx, m, PG_COLL_ALL_REDUCE, (double)n * es, t0);
     return PG_OK;
   }
@@ -1000,7 +1064,7 @@ static int all_gather_host(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_
   if (n > PG_MPI_CHUNK) return pg_fail("all_gather of %lld elements per member is too large", (long long)n);
   double t0 = MPI_Wtime();
   if (dtype == PG_FLOAT32 && n * g->size >= PG_RING_MIN) {
-    if (ring_all_gather(ctx, m, buf, n * g->size)) return PG_ERR; /* member r's block is [r n, (r+1) n) */
+    if (ring_all_gather(ctx, m, buf, n * g->size, dtype)) return PG_ERR; /* member r's block is [r n, (r+1) n) */
   } else {
     int rc = MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, (int)n, mpi_type(dtype), g->comm);
     if (rc != MPI_SUCCESS) return mpi_fail(rc, "all_gather", m);
@@ -1052,7 +1116,7 @@ static int reduce_scatter_agreed(pg_context *ctx, pg_mode m, const void *in, voi
   double t0 = MPI_Wtime();
   if (dtype == PG_FLOAT32 && n * g->size >= PG_RING_MIN) {
     if (in == out) { /* in place: the ring leaves our block at r n; the contract puts it in front */
-      if (ring_reduce_scatter(ctx, m, out, n * g->size, op)) return PG_ERR;
+      if (ring_reduce_scatter(ctx, m, out, n * g->size, op, dtype)) return PG_ERR;
       if (g->rank) memmove(out, (float *)out + n * g->rank, (size_t)n * es);
     } else if (ring_reduce_scatter_to(ctx, m, in, out, n, op)) {
       return PG_ERR;
@@ -1069,6 +1133,7 @@ static int reduce_scatter_agreed(pg_context *ctx, pg_mode m, const void *in, voi
 
 int pg_reduce_scatter_buf(pg_context *ctx, pg_mode m, const void *in, void *out, int64_t n, pg_dtype dtype,
                           pg_reduce_op op) {
+  if (dtype == PG_BFLOAT16) return pg_fail("reduce_scatter of bfloat16 is not supported (pg_reduce_scatter_rows is)");
   /* the record counts what each member puts in, as pg_reduce_scatter's does */
   if (check_ctx(ctx) || agree_coll(ctx, m, PG_COLL_REDUCE_SCATTER, dtype, op, -1, n * ctx->group[m].size))
     return PG_ERR;

@@ -37,7 +37,9 @@ int pg_reduce_op_from_name(const char *name, pg_reduce_op *out);
 void pg_comm_call_site(pg_context *ctx, const char *site);
 
 /* In place. avg needs float32 (the raw form also reduces the runtime's
- * float64 / int64 scalars with sum, max or min). */
+ * float64 / int64 scalars with sum, max or min). bfloat16 is summed only,
+ * round the ring (every member gets the same bits; each step's sum of the
+ * widened values rounded, as NCCL's bf16 sums). */
 int pg_all_reduce(pg_context *ctx, pg_mode m, pg_tensor *t, pg_reduce_op op);
 /* The same on a raw buffer (the runtime's flat gradient buffer). */
 int pg_all_reduce_buf(pg_context *ctx, pg_mode m, void *buf, int64_t count, pg_dtype dtype, pg_reduce_op op);
@@ -64,9 +66,12 @@ int pg_all_gather_inplace(pg_context *ctx, pg_mode m, float *buf, int64_t n);
  * same split). reduce_scatter_rows leaves the reduction of this member's rows
  * in place (the other rows hold partial results); all_gather_rows copies
  * every member's rows to all the others. The ring above, whose blocks are
- * then whole rows; NCCL for device buffers whose rows split evenly. */
-int pg_reduce_scatter_rows(pg_context *ctx, pg_mode m, float *buf, int64_t rows, int64_t width, pg_reduce_op op);
-int pg_all_gather_rows(pg_context *ctx, pg_mode m, float *buf, int64_t rows, int64_t width);
+ * then whole rows; NCCL for device buffers whose rows split evenly. dtype:
+ * float32, or bfloat16 (precision bf16's activations; sums only, each step's
+ * sum of the widened values rounded, as NCCL's bf16 sums). */
+int pg_reduce_scatter_rows(pg_context *ctx, pg_mode m, void *buf, int64_t rows, int64_t width, pg_dtype dtype,
+                           pg_reduce_op op);
+int pg_all_gather_rows(pg_context *ctx, pg_mode m, void *buf, int64_t rows, int64_t width, pg_dtype dtype);
 /* The same over buffers every member maps (pg_shm.h; same blocks): one pass
  * over memory, no copies through MPI. all_reduce writes the result into every
  * member's buffer; reduce_scatter only into this member's block (sum or avg);

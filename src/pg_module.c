@@ -264,6 +264,8 @@ static int64_t sp_row0(const pg_module *m, int64_t N) {
 /* Bytes of an activation element: bf16 or float32 (pg_module.in_bf16 / out_bf16). */
 static size_t act_bytes(int bf16) { return bf16 ? sizeof(uint16_t) : sizeof(float); }
 
+static pg_dtype act_dtype(int bf16) { return bf16 ? PG_BFLOAT16 : PG_FLOAT32; }
+
 /* The bf16 elements behind an activation pointer of a bf16 edge (pg_module.in_bf16 / out_bf16). */
 static uint16_t *bits(float *p) { return (uint16_t *)(void *)p; }
 static const uint16_t *cbits(const float *p) { return (const uint16_t *)(const void *)p; }
@@ -456,8 +458,8 @@ static const pg_backend *home_backend(const pg_backend *b) {
 
 /* ---------------------------------------------------------------- tensor-parallel pieces */
 
-int pg_tp_reduce_forward(pg_module *m, float *y, int64_t n) {
-  return pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, y, n, PG_FLOAT32, PG_REDUCE_SUM);
+int pg_tp_reduce_forward(pg_module *m, void *y, int64_t n, pg_dtype dtype) {
+  return pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, y, n, dtype, PG_REDUCE_SUM);
 }
 
 int pg_tp_copy_backward(pg_module *m, float *dx, int64_t n) {
@@ -624,20 +626,24 @@ static int mm_bwd(pg_module *m, bf16_mm *mm, const pg_io *io, float *dinp, const
   return bf16_product_backward(m, io, dinp, w->grad, dbias, dy, x, mm->w, N, C, OC);
 }
 
-int pg_sp_gather_rows(pg_module *m, float *full, const float *mine, int64_t N, int w) {
+int pg_sp_gather_rows(pg_module *m, void *full, const void *mine, int64_t N, int w, pg_dtype dtype) {
   int T = tp_size(m->ctx), r = tp_rank(m->ctx);
-  float *at = full + (size_t)pg_sp_row0(N, T, r) * w;
-  size_t bytes = (size_t)pg_sp_rows(N, T, r) * w * sizeof(float);
-  if (at != mine && bytes && BE(m)->ops->copy(BE(m), at, mine, bytes, PG_COPY_DEVICE_TO_DEVICE)) return PG_ERR;
-  return T > 1 ? pg_all_gather_rows(m->ctx, PG_MODE_TENSOR, full, N, w) : PG_OK;
+  size_t es = pg_dtype_size(dtype);
+  char *at = (char *)full + (size_t)pg_sp_row0(N, T, r) * w * es;
+  size_t bytes = (size_t)pg_sp_rows(N, T, r) * w * es;
+  if ((const void *)at != mine && bytes && BE(m)->ops->copy(BE(m), at, mine, bytes, PG_COPY_DEVICE_TO_DEVICE))
+    return PG_ERR;
+  return T > 1 ? pg_all_gather_rows(m->ctx, PG_MODE_TENSOR, full, N, w, dtype) : PG_OK;
 }
 
-int pg_sp_reduce_scatter_rows(pg_module *m, float *full, float *mine, int64_t N, int w) {
+int pg_sp_reduce_scatter_rows(pg_module *m, void *full, void *mine, int64_t N, int w, pg_dtype dtype) {
   int T = tp_size(m->ctx), r = tp_rank(m->ctx);
-  if (T > 1 && pg_reduce_scatter_rows(m->ctx, PG_MODE_TENSOR, full, N, w, PG_REDUCE_SUM)) return PG_ERR;
-  size_t bytes = (size_t)pg_sp_rows(N, T, r) * w * sizeof(float);
+  size_t es = pg_dtype_size(dtype);
+  if (T > 1 && pg_reduce_scatter_rows(m->ctx, PG_MODE_TENSOR, full, N, w, dtype, PG_REDUCE_SUM)) return PG_ERR;
+  size_t bytes = (size_t)pg_sp_rows(N, T, r) * w * es;
   if (!mine || !bytes) return PG_OK;
-  return BE(m)->ops->copy(BE(m), mine, full + (size_t)pg_sp_row0(N, T, r) * w, bytes, PG_COPY_DEVICE_TO_DEVICE);
+  return BE(m)->ops->copy(BE(m), mine, (char *)full + (size_t)pg_sp_row0(N, T, r) * w * es, bytes,
+                          PG_COPY_DEVICE_TO_DEVICE);
 }
 
 /* ---------------------------------------------------------------- linear */
@@ -692,7 +698,7 @@ static int linear_forward(pg_module *m, int slot, pg_io *io, const float *x, con
   case PG_LINEAR_COLUMN: {
     /* sequence parallelism: the rows of every rank (kept: only this rank's, gathered again in backward) */
     const float *xa = x;
-    if (sp && pg_sp_gather_rows(m, s->rows_full, x, N, s->in_l)) return PG_ERR;
+    if (sp && pg_sp_gather_rows(m, s->rows_full, x, N, s->in_l, PG_FLOAT32)) return PG_ERR;
     if (sp) xa = s->rows_full;
     if (s->o.gather_output && T > 1) {
       float *local = s->scratch + (size_t)tp_rank(m->ctx) * N * s->out_l; /* computed in place in the gather slot */
@@ -719,7 +725,8 @@ static int linear_forward(pg_module *m, int slot, pg_io *io, const float *x, con
     float *part = sp ? s->rows_full : out;
     if (mm_fwd(m, &s->mm, io, s->w, part, xl, tp_rank(m->ctx) == 0 ? b : NULL, N, s->in_l, s->out_l))
       return PG_ERR;
-    if (sp ? pg_sp_reduce_scatter_rows(m, part, out, N, s->out_l) : pg_tp_reduce_forward(m, out, (int64_t)N * s->out_l))
+    if (sp ? pg_sp_reduce_scatter_rows(m, part, out, N, s->out_l, act_dtype(m->out_bf16))
+           : pg_tp_reduce_forward(m, out, (int64_t)N * s->out_l, act_dtype(m->out_bf16)))
       return PG_ERR;
     break;
   }
@@ -747,13 +754,13 @@ static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, c
       if (pg_tp_scatter_forward(m, s->scratch, dy, N, s->out_l, s->o.blocks, s->block_l)) return PG_ERR;
       dyl = s->scratch;
     }
-    if (sp && pg_sp_gather_rows(m, s->rows_full, x, N, s->in_l)) return PG_ERR; /* every rank's rows, again */
+    if (sp && pg_sp_gather_rows(m, s->rows_full, x, N, s->in_l, PG_FLOAT32)) return PG_ERR; /* every rank's rows, again */
     if (sp) x = s->rows_full;
     if (mm_bwd(m, &s->mm, io, dinp, s->w, db, dyl, x, N, s->in_l, s->out_l)) return PG_ERR;
     /* Each rank saw all of x but produced only its output columns: the input
      * gradient is a sum over the group (sequence parallelism: this rank's rows of it). */
     if (sp) {
-      if (pg_sp_reduce_scatter_rows(m, dinp, NULL, N, s->in_l)) return PG_ERR;
+      if (pg_sp_reduce_scatter_rows(m, dinp, NULL, N, s->in_l, PG_FLOAT32)) return PG_ERR;
       dinp += (size_t)sp_row0(m, N) * s->in_l;
     } else if (pg_tp_copy_backward(m, dinp, (int64_t)N * s->in_l)) {
       return PG_ERR;
@@ -762,7 +769,7 @@ static int linear_backward(pg_module *m, int slot, pg_io *io, const float *dy, c
   }
   case PG_LINEAR_ROW:
     /* sequence parallelism: the output gradient of every row (the bias's is then the same on every rank) */
-    if (sp && pg_sp_gather_rows(m, s->rows_full, dy, N, s->out_l)) return PG_ERR;
+    if (sp && pg_sp_gather_rows(m, s->rows_full, dy, N, s->out_l, act_dtype(m->out_bf16))) return PG_ERR;
     if (sp) dy = s->rows_full;
     if (!s->o.input_is_parallel && T > 1) {
       float *dxl = s->scratch + (size_t)tp_rank(m->ctx) * N * s->in_l;
@@ -1643,7 +1650,7 @@ static int moe_forward(pg_module *m, int slot, pg_io *io, const float *x, const 
     }
   }
   /* w2 is row-parallel: each rank holds a partial sum of every expert's output */
-  if (pg_tp_reduce_forward(m, out, (int64_t)N * D)) return PG_ERR;
+  if (pg_tp_reduce_forward(m, out, (int64_t)N * D, PG_FLOAT32)) return PG_ERR;
   s->saved_x[slot] = x;
   *y = out;
   if (!io->want_grad || io->recomputing) return PG_OK;
@@ -1877,14 +1884,14 @@ static int embedding_forward(pg_module *m, int slot, pg_io *io, const float *x, 
      * every other partial of a row is 0); this rank's rows of the sum */
     if (KERNEL(m, embedding_forward, s->full, io->tokens, s->wte->data, N, C, s->row_start, s->padded_l) ||
         (s->wpe && tp_rank(m->ctx) == 0 && KERNEL(m, position_forward, s->full, s->wpe->data, N, io->T, C)) ||
-        pg_sp_reduce_scatter_rows(m, s->full, out, N, C))
+        pg_sp_reduce_scatter_rows(m, s->full, out, N, C, PG_FLOAT32))
       return PG_ERR;
     *y = out;
     return PG_OK;
   }
   if (KERNEL(m, embedding_forward, out, io->tokens, s->wte->data, N, C, s->row_start, s->padded_l)) return PG_ERR;
   /* Each rank looked up only the ids in its vocabulary slice (others are 0). */
-  if (pg_tp_reduce_forward(m, out, (int64_t)N * C)) return PG_ERR;
+  if (pg_tp_reduce_forward(m, out, (int64_t)N * C, PG_FLOAT32)) return PG_ERR;
   if (s->wpe && KERNEL(m, position_forward, out, s->wpe->data, N, io->T, C)) return PG_ERR;
   *y = out;
   return PG_OK;
@@ -1895,7 +1902,7 @@ static int embedding_backward(pg_module *m, int slot, pg_io *io, const float *dy
   embedding_state *s = m->state;
   int N = io->B * io->T, C = m->out_width;
   /* sequence parallelism: every row's gradient (the positions' is then the same on every rank) */
-  if (sp_active(m) && pg_sp_gather_rows(m, s->full, dy, N, C)) return PG_ERR;
+  if (sp_active(m) && pg_sp_gather_rows(m, s->full, dy, N, C, PG_FLOAT32)) return PG_ERR;
   if (sp_active(m)) dy = s->full;
   if (KERNEL(m, embedding_backward, s->wte->grad, dy, io->tokens, N, C, s->row_start, s->padded_l) ||
       (s->wpe && KERNEL(m, position_backward, s->wpe->grad, dy, N, io->T, C)))
@@ -2031,7 +2038,7 @@ static int lm_head_forward(pg_module *m, int slot, pg_io *io, const float *x, co
   int N = io->B * io->T, C = m->in_width;
   float *logits = s->logits_out ? slot_out(m, slot) : s->logits;
   s->saved_x[slot] = x; /* sequence parallelism: this rank's rows, gathered again in backward */
-  if (sp_active(m) && pg_sp_gather_rows(m, s->x_full, x, N, C)) return PG_ERR;
+  if (sp_active(m) && pg_sp_gather_rows(m, s->x_full, x, N, C, PG_FLOAT32)) return PG_ERR;
   if (sp_active(m)) x = s->x_full;
   if (mm_fwd(m, &s->mm, io, s->w, logits, x, NULL, N, C, s->padded_l)) return PG_ERR;
   s->logits_slot = -1;
@@ -2058,14 +2065,14 @@ static int lm_head_input_grad(pg_module *m, int N, int C, const float **dx) {
     return pg_tp_copy_backward(m, m->dinp, (int64_t)N * C);
   }
   *dx = m->dinp + (size_t)sp_row0(m, N) * C;
-  return pg_sp_reduce_scatter_rows(m, m->dinp, NULL, N, C);
+  return pg_sp_reduce_scatter_rows(m, m->dinp, NULL, N, C, PG_FLOAT32);
 }
 
 static int lm_head_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   lm_head_state *s = m->state;
   int N = io->B * io->T, C = m->in_width;
   const float *x = s->saved_x[slot];
-  if (sp_active(m) && pg_sp_gather_rows(m, s->x_full, x, N, C)) return PG_ERR; /* every rank's rows, again */
+  if (sp_active(m) && pg_sp_gather_rows(m, s->x_full, x, N, C, PG_FLOAT32)) return PG_ERR; /* every rank's rows, again */
   if (sp_active(m)) x = s->x_full;
   if (s->logits_out) { /* dy: the objective's gradient of this rank's logits slice */
     if (mm_bwd(m, &s->mm, io, m->dinp, s->w, NULL, dy, x, N, C, s->padded_l)) return PG_ERR;
@@ -2350,7 +2357,7 @@ static int sp_gather_alloc(pg_module *m, int nslots, int max_rows) {
 }
 
 static int sp_gather_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
-  if (check_rows(m, slot, io) || pg_sp_gather_rows(m, slot_out(m, slot), x, (int64_t)io->B * io->T, m->out_width))
+  if (check_rows(m, slot, io) || pg_sp_gather_rows(m, slot_out(m, slot), x, (int64_t)io->B * io->T, m->out_width, PG_FLOAT32))
     return PG_ERR;
   *y = slot_out(m, slot);
   return PG_OK;
@@ -2387,7 +2394,7 @@ static int sp_scatter_forward(pg_module *m, int slot, pg_io *io, const float *x,
 
 static int sp_scatter_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   (void)slot;
-  if (pg_sp_gather_rows(m, m->dinp, dy, (int64_t)io->B * io->T, m->in_width)) return PG_ERR;
+  if (pg_sp_gather_rows(m, m->dinp, dy, (int64_t)io->B * io->T, m->in_width, PG_FLOAT32)) return PG_ERR;
   *dx = m->dinp;
   return PG_OK;
 }
@@ -2424,7 +2431,7 @@ static int custom_forward(pg_module *m, int slot, pg_io *io, const float *x, con
   if (check_rows(m, slot, io)) return PG_ERR;
   int rows = io->B * io->T;
   if (s->fns.forward(s->fns.ud, slot, io, x, rows, slot_out(m, slot))) return PG_ERR;
-  if (s->output == PG_TP_REDUCE && pg_tp_reduce_forward(m, slot_out(m, slot), (int64_t)rows * m->out_width))
+  if (s->output == PG_TP_REDUCE && pg_tp_reduce_forward(m, slot_out(m, slot), (int64_t)rows * m->out_width, PG_FLOAT32))
     return PG_ERR;
   *y = slot_out(m, slot);
   return PG_OK;
@@ -2727,9 +2734,6 @@ int pg_module_set_backend(pg_module *m, const pg_backend *be) {
 static int bf16_products(pg_module *m) {
   if (m->out || m->dinp || m->nslots)
     return pg_fail("%s: the precision must be chosen before the buffers are allocated", m->name);
-  if (m->ops == &custom_ops)
-    return pg_fail("%s: a module written in Lua computes in float32: precision \"bf16\" does not support it yet",
-                   m->name);
   if (m->ops == &moe_ops) ((moe_state *)m->state)->bf16 = 1;
   if (m->ops == &linear_ops) ((linear_state *)m->state)->mm.on = 1;
   if (m->ops == &lm_head_ops) ((lm_head_state *)m->state)->mm.on = 1;
@@ -2740,17 +2744,20 @@ static int bf16_products(pg_module *m) {
 
 /* The element types of precision bf16's activations, torch.autocast's: a Linear's output is bf16, and GELU,
  * SwiGLU and the attention core keep their input's type; norms, the residual stream, the embedding, the heads
- * and moe take and give float32. Where a module would make bf16 that its consumer cannot take, it makes float32
- * instead, so every edge has one type that both ends agree on. Besides, a Linear makes float32 where its output
- * is summed or gathered over the tensor group (row-parallel, or column with gather_output): those collectives
- * stay float32. */
+ * and moe take and give float32, and so does a module written in Lua, which computes in float32 (as a region
+ * of torch code run with autocast off: its neighbours' products still run bf16). Where a module would make bf16
+ * that its consumer cannot take, it makes float32 instead, so every edge has one type that both ends agree on.
+ * A row-parallel Linear's output is bf16 like any Linear's: each rank rounds its partial sums and the tensor
+ * group sums them in bf16 (all-reduce, or reduce-scatter of rows under sequence parallelism), so those
+ * collectives move half the bytes, as Megatron's do. A column-parallel one whose output is gathered
+ * (gather_output) makes float32. */
 static int passes_bf16(const pg_module *m) {
   return m->ops == &gelu_ops || m->ops == &swiglu_ops || m->ops == &attention_ops;
 }
 
 static int linear_makes_bf16(const pg_module *m) {
   const linear_state *s = m->state;
-  return s->o.mode == PG_LINEAR_PLAIN || (s->o.mode == PG_LINEAR_COLUMN && !(s->o.gather_output && tp_size(m->ctx) > 1));
+  return !(s->o.mode == PG_LINEAR_COLUMN && s->o.gather_output && tp_size(m->ctx) > 1);
 }
 
 /* A bf16 input reaches the GEMM as it is: not where it is gathered (a column-parallel layer under sequence

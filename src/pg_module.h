@@ -334,8 +334,9 @@ pg_module *pg_module_build(pg_context *ctx, const char *kind, const char *name, 
  * Each works on the module's backend memory over its context's tensor group
  * and is a no-op (or a plain copy) when T = 1. */
 
-/* reduce-from-region, forward: y (n floats) = its sum over the tensor group, in place. */
-int pg_tp_reduce_forward(pg_module *m, float *y, int64_t n);
+/* reduce-from-region, forward: y (n elements of dtype: float32, or bfloat16 for precision bf16's activations) =
+ * its sum over the tensor group, in place. */
+int pg_tp_reduce_forward(pg_module *m, void *y, int64_t n, pg_dtype dtype);
 /* copy-to-region, backward: dx = its sum over the tensor group, in place. */
 int pg_tp_copy_backward(pg_module *m, float *dx, int64_t n);
 /* gather-from-region, forward (and scatter-to-region's backward): every rank's
@@ -396,9 +397,9 @@ pg_module *pg_sp_scatter_new(pg_context *ctx, const char *name, int width);
  * this rank's rows, may already sit at its place in full); reduce-scatter of
  * rows: full [N, w] holds partial sums on every rank, and this rank's rows of
  * their sum are copied to mine (or, mine = NULL, left in place at row
- * pg_sp_row0 of full). */
-int pg_sp_gather_rows(pg_module *m, float *full, const float *mine, int64_t N, int w);
-int pg_sp_reduce_scatter_rows(pg_module *m, float *full, float *mine, int64_t N, int w);
+ * pg_sp_row0 of full). Elements of dtype: float32, or bfloat16 (precision bf16's activations). */
+int pg_sp_gather_rows(pg_module *m, void *full, const void *mine, int64_t N, int w, pg_dtype dtype);
+int pg_sp_reduce_scatter_rows(pg_module *m, void *full, void *mine, int64_t N, int w, pg_dtype dtype);
 
 /* Frees the tree (children, owned params, buffers). */
 void pg_module_free(pg_module *m);
@@ -413,8 +414,8 @@ int pg_module_set_backend(pg_module *m, const pg_backend *be);
  * activations a Linear makes bf16 stay bf16 through GELU, SwiGLU and the
  * attention core until a float32 consumer (pg_module.in_bf16/out_bf16, set
  * here); norms, softmax, the loss, the residual stream, parameter gradients
- * and the optimizer stay float32. A module written in Lua refuses it. Before
- * the buffers are allocated. */
+ * and the optimizer stay float32. A module written in Lua computes in
+ * float32 (its input, output and arithmetic). Before the buffers are allocated. */
 typedef enum { PG_PRECISION_FP32 = 0, PG_PRECISION_BF16 } pg_precision;
 int pg_module_set_precision(pg_module *m, pg_precision p);
 /* Bytes of the tree's bf16 working weights (0 in FP32). */

@@ -139,6 +139,39 @@ for _, L in ipairs(layouts) do
           assert.is_true(hi:equal(t) and lo:equal(t), "members agree bitwise")
         end)
 
+        it("all_reduces bfloat16 with sum (round the ring, each step's sum rounded): every member the same bits",
+          function()
+          -- small integers: every partial sum is exact in bf16
+          local t = pg.tensor({ me, 1, -2 * me }, { dtype = "bfloat16" })
+          pg.dist.all_reduce(t, { group = mode, ctx = ctx })
+          local s = 0
+          for _, r in ipairs(members) do s = s + r end
+          assert.same({ s, n, -2 * s }, t:totable())
+          -- rounding: within one bf16 step (2^-8 relative) of the exact sum per step, and the same bits everywhere
+          local N = 1000
+          local x = pg.ops.to_bf16(pg.randn({ N }, { seed = 200 + me }))
+          pg.dist.all_reduce(x, { group = mode, ctx = ctx })
+          local got = x:totable()
+          local exact, mag = {}, {}
+          for _, r in ipairs(members) do
+            local v = pg.ops.to_bf16(pg.randn({ N }, { seed = 200 + r })):totable()
+            for i = 1, N do
+              exact[i] = (exact[i] or 0) + v[i]
+              mag[i] = (mag[i] or 0) + math.abs(v[i])
+            end
+          end
+          for i = 1, N do
+            assert.is_true(math.abs(got[i] - exact[i]) <= (n - 1) * 2 ^ -8 * mag[i] + 1e-30,
+              ("element %d: %.9g, exact %.9g"):format(i, got[i], exact[i]))
+          end
+          local all = pg.dist.all_gather(x:view{ 1, N }, { group = mode, dim = 1, ctx = ctx }):totable()
+          for k = 2, n do assert.same(all[1], all[k], "member " .. k) end
+          local ok, err = pcall(pg.dist.all_reduce, pg.tensor({ 1 }, { dtype = "bfloat16" }),
+            { group = mode, op = "max", ctx = ctx })
+          assert.is_false(ok)
+          assert.matches("all_reduce of bfloat16 sums only, not max", err, 1, true)
+        end)
+
         it("all_gathers along the first and the second dimension", function()
           local t = pg.tensor{ { value(me, 1), value(me, 2) }, { value(me, 3), value(me, 4) } }
           local g1 = pg.dist.all_gather(t, { group = mode, dim = 1 })

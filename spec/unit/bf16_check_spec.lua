@@ -1,6 +1,6 @@
 -- precision = "bf16" on the tiny GPT-2 of the PyTorch fixtures
 -- (scripts/gpt2_check.lua --precision=bf16), serially, at T = 2, at D = 2
--- with ZeRO-1 and at T = 2 x P = 2 (2 micro-batches):
+-- with ZeRO-1, at T = 2 x P = 2 (2 micro-batches) and at T = 2 with sequence parallelism:
 --   * 10 AdamW steps' losses against the float64 PyTorch reference
 --     (spec/fixtures/gpt2_tiny_fp64_steps.json, scripts/make_fp64_reference.py)
 --     to 1e-3 relative. The issue asks for 1e-2; measured: <= 3e-5 in every
@@ -69,8 +69,11 @@ local serial
 
 local function check(n, flags, bin)
   local losses, out = run(n, flags, bin)
+  local worst, worst_serial = 0, 0
   for k = 1, STEPS do
     local want = REF.losses[k]
+    worst = math.max(worst, math.abs(losses[k] - want) / want)
+    if serial then worst_serial = math.max(worst_serial, math.abs(losses[k] - serial[k]) / serial[k]) end
     assert.is_true(math.abs(losses[k] - want) <= 1e-3 * want,
       ("step %d: bf16 loss %.9g, float64 PyTorch %.9g\n%s"):format(k, losses[k], want, out))
     if serial then
@@ -78,6 +81,8 @@ local function check(n, flags, bin)
         ("step %d: bf16 loss %.9g, serial bf16 %.9g\n%s"):format(k, losses[k], serial[k], out))
     end
   end
+  print(("bf16 %s%s: losses within %.2g of float64 PyTorch, %.2g of serial bf16"):format(bin and "device " or "",
+    table.concat(flags, " "), worst, worst_serial))
   return losses
 end
 
@@ -88,6 +93,8 @@ describe("precision = bf16 against the float64 PyTorch reference", function()
   it("--tensor=2 --pipeline=2 --micro-batches=2", function()
     check(4, { "--tensor=2", "--pipeline=2", "--micro-batches=2" })
   end)
+  -- the row-parallel layers take their bf16 input with the output gradient gathered in float32
+  it("--tensor=2 --sequence-parallel", function() check(2, { "--tensor=2", "--sequence-parallel" }) end)
 end)
 
 describe("precision = bf16 on the emulated device", function()

@@ -263,11 +263,12 @@ describe("precision = bf16 in pg.parallelize", function()
     assert.are.equal(m32.params_bytes, m16.params_bytes) -- the masters stay float32
     assert.are.equal(m32.grads_bytes, m16.grads_bytes)
     -- the activations autocast makes bf16 take 2 bytes instead of 4: per layer and row, q|k|v, the attention
-    -- core's output, the first MLP Linear's and GELU's; the rest (norms, residual stream, probabilities) stays
+    -- core's output, its projection's, the MLP's two Linears' and GELU's; the rest (norms, residual stream,
+    -- probabilities) stays
     local per_row = 0
     for _, p in ipairs(e16:parameters()) do
-      if p.name:match("qkv%.weight$") then per_row = per_row + p.shape[1] + p.shape[1] // 3 end
-      if p.name:match("fc%.weight$") then per_row = per_row + 2 * p.shape[1] end
+      if p.name:match("qkv%.weight$") then per_row = per_row + p.shape[1] + 2 * (p.shape[1] // 3) end
+      if p.name:match("fc%.weight$") then per_row = per_row + 2 * p.shape[1] + p.shape[2] end
     end
     assert.is_true(per_row > 0)
     assert.are.equal(2 * 4 * 16 * per_row, m32.activation_bytes - m16.activation_bytes)
@@ -301,11 +302,16 @@ describe("precision = bf16 in pg.parallelize", function()
     local ok, err = pcall(pg.parallelize, tiny(), pg.ParallelContext{}, { precision = "fp16" })
     assert.is_false(ok)
     assert.matches("parallelize: precision must be 'fp32' or 'bf16', got 'fp16'", err, 1, true)
+  end)
+
+  it("runs modules written in Lua in float32 among bf16 ones", function()
+    -- examples/lua_llama.lua: attention and MLP in Lua (float32), the head's product bf16
     local L = dofile("examples/lua_llama.lua")
-    ok, err = pcall(pg.parallelize, L.Llama(require("pipegoose.hf").read_config("spec/fixtures/hf_llama_tiny")),
-      pg.ParallelContext{}, { precision = "bf16" })
-    assert.is_false(ok)
-    assert.matches('a module written in Lua computes in float32: precision "bf16" does not support it yet', err, 1, true)
+    local cfg = require("pipegoose.hf").read_config("spec/fixtures/hf_llama_tiny")
+    local x, y = batch()
+    local l32 = pg.parallelize(L.Llama(cfg), pg.ParallelContext{ seed = 3 }):loss(x, y)
+    local l16 = pg.parallelize(L.Llama(cfg), pg.ParallelContext{ seed = 3 }, { precision = "bf16" }):loss(x, y)
+    assert.is_true(l16 ~= l32 and math.abs(l16 - l32) < 1e-3 * l32, ("fp32 %.9g bf16 %.9g"):format(l32, l16))
   end)
 end)
 
@@ -359,8 +365,8 @@ describe("bf16 exports (scripts/checkpoint.lua export-llmc / export-hf --bf16)",
 end)
 
 -- torch.autocast's activation types, on a model where every kind meets them: column-parallel Linears feeding the
--- attention core, GELU and SwiGLU between float32 norms (bf16 until the row-parallel Linear), and a plain Linear
--- and GELU whose bf16 output is added to the float32 residual stream; and a Linear and GELU that stay float32
+-- attention core, GELU and SwiGLU between float32 norms, row-parallel Linears whose bf16 output is added to the
+-- float32 residual stream, the same for a plain Linear and GELU; and a Linear and GELU that stay float32
 -- because a norm consumes them. The engine's loss and gradients against
 -- the same composition of pg.ops kernels, rounding where autocast makes a tensor bf16. Tolerances: the same
 -- kernels on the same values, so float32 noise only: 1e-6 of the loss and of each gradient's largest element;
@@ -401,15 +407,15 @@ describe("bf16 activations (torch.autocast's types)", function()
     local qkv = round(lin(a2, "2.qkv"))
     local att_out, att = ops.attention(qkv, HEADS)
     local o = round(att_out)
-    local h1 = ops.residual(h0, lin(o, "2.o"))
+    local h1 = ops.residual(h0, round(lin(o, "2.o")))
     local a3, m3, r3 = ln(3, h1)
     local u = round(lin(a3, "3.fc"))
     local g = round(ops.gelu(u))
-    local h2 = ops.residual(h1, lin(g, "3.proj"))
+    local h2 = ops.residual(h1, round(lin(g, "3.proj")))
     local a4, m4, r4 = ln(4, h2)
     local gu = round(lin(a4, "4.gate"))
     local sw = round(ops.swiglu(gu))
-    local h3 = ops.residual(h2, lin(sw, "4.down"))
+    local h3 = ops.residual(h2, round(lin(sw, "4.down")))
     local p = round(lin(h3, "5.mix"))
     local h4 = ops.residual(h3, round(ops.gelu(p)))
     local p6 = lin(h4, "6.mix")
@@ -426,13 +432,13 @@ describe("bf16 activations (torch.autocast's types)", function()
     local dh4 = ops.residual(dh5, dx6)
     local dp = round(ops.gelu_backward(round(dh4), p))
     local dh3 = ops.residual(dh4, (lin_back(dp, h3, "5.mix")))
-    local dsw = round((lin_back(dh3, sw, "4.down")))
+    local dsw = round((lin_back(round(dh3), sw, "4.down")))
     local da4, dgate = lin_back(round(ops.swiglu_backward(dsw, gu)), a4, "4.gate")
     local dh2 = ops.residual(dh3, ln_back(4, da4, h2, m4, r4))
-    local dg = round((lin_back(dh2, g, "3.proj")))
+    local dg = round((lin_back(round(dh2), g, "3.proj")))
     local da3, dfc, dfcb = lin_back(round(ops.gelu_backward(dg, u)), a3, "3.fc")
     local dh1 = ops.residual(dh2, ln_back(3, da3, h1, m3, r3))
-    local dout = round((lin_back(dh1, o, "2.o")))
+    local dout = round((lin_back(round(dh1), o, "2.o")))
     local _, dqkv, dqkvb = lin_back(round(ops.attention_backward(dout, qkv, att, HEADS)), a2, "2.qkv")
     return total / N, { ["2.qkv.weight"] = dqkv, ["2.qkv.bias"] = dqkvb, ["3.fc.weight"] = dfc,
                         ["3.fc.bias"] = dfcb, ["4.gate.weight"] = dgate, ["6.mix.weight"] = dmix6 }

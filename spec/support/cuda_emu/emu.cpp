@@ -38,6 +38,7 @@
 
 #include "cublas_v2.h"
 #include "cuda_runtime.h"
+#include "kernels.h" // pg_bf16_round / pg_bf16_value: NCCL's bf16 sums
 #include "nccl.h"
 
 uint3 threadIdx, blockIdx;
@@ -617,13 +618,6 @@ cublasStatus_t cublasSgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperati
 // that lost its float32 accumulator). Other types or compute types (the
 // _FAST_ modes, a 16-bit accumulator) are refused: a caller asking for them
 // is not computing what precision "bf16" promises.
-static float bf16_widen(uint16_t h) {
-  const uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
                             const void *alpha, const void *A, cudaDataType Atype, int lda, const void *B,
                             cudaDataType Btype, int ldb, const void *beta, void *C, cudaDataType Ctype, int ldc,
@@ -661,7 +655,7 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
         for (int p = 0; p < k; p++) {
           const uint16_t a = ta == CUBLAS_OP_N ? a16[i + (long long)p * lda] : a16[p + (long long)i * lda];
           const uint16_t bv = tb == CUBLAS_OP_N ? b16[p + (long long)j * ldb] : b16[j + (long long)p * ldb];
-          s += bf16_widen(a) * bf16_widen(bv);
+          s += pg_bf16_value(a) * pg_bf16_value(bv);
         }
         float *c = c32 + i + (long long)j * ldc;
         *c = al * s + (be == 0.0f ? 0.0f : be * *c); // beta = 0: C is not read
@@ -718,11 +712,26 @@ static MPI_Datatype mpi_of(ncclDataType_t t) {
   case ncclInt32: return MPI_INT32_T;
   case ncclInt64: return MPI_INT64_T;
   case ncclFloat64: return MPI_DOUBLE;
+  case ncclBfloat16: return MPI_UINT16_T;
   default: return MPI_FLOAT;
   }
 }
 
-static MPI_Op op_of(ncclRedOp_t op) { return op == ncclMax ? MPI_MAX : op == ncclMin ? MPI_MIN : MPI_SUM; }
+// bf16 sums as NCCL makes them: each pairwise sum of the widened values rounded back (only sums are emulated).
+static void bf16_sum(void *in, void *inout, int *len, MPI_Datatype *type) {
+  const uint16_t *a = (const uint16_t *)in;
+  uint16_t *b = (uint16_t *)inout;
+  for (int i = 0; i < *len; i++) b[i] = pg_bf16_round(pg_bf16_value(a[i]) + pg_bf16_value(b[i]));
+}
+
+static MPI_Op op_of(ncclRedOp_t op, ncclDataType_t t) {
+  if (t == ncclBfloat16) {
+    static MPI_Op sum = MPI_OP_NULL;
+    if (sum == MPI_OP_NULL) MPI_Op_create(bf16_sum, 1, &sum);
+    return sum;
+  }
+  return op == ncclMax ? MPI_MAX : op == ncclMin ? MPI_MIN : MPI_SUM;
+}
 
 // the average: MPI's sum, then each element divided by the ranks (float32 only here)
 static void average(void *buf, size_t n, ncclDataType_t t, ncclRedOp_t op, int size) {
@@ -739,7 +748,7 @@ static bool on_device(const void *p, size_t bytes) {
   return false;
 }
 
-static size_t size_of(ncclDataType_t t) { return t == ncclInt64 || t == ncclFloat64 ? 8 : 4; }
+static size_t size_of(ncclDataType_t t) { return t == ncclInt64 || t == ncclFloat64 ? 8 : t == ncclBfloat16 ? 2 : 4; }
 
 // The id names the group by its first member's world rank: ncclCommInitRank
 // splits MPI_COMM_WORLD by it, so every world rank must create its
@@ -828,7 +837,7 @@ ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataT
   n_nccl++;
   size_t bytes = count * size_of(type);
   if (!on_device(send, bytes) || !on_device(recv, bytes)) return ncclInvalidArgument;
-  if (MPI_Allreduce(send == recv ? MPI_IN_PLACE : send, recv, (int)count, mpi_of(type), op_of(op), comm->comm))
+  if (MPI_Allreduce(send == recv ? MPI_IN_PLACE : send, recv, (int)count, mpi_of(type), op_of(op, type), comm->comm))
     return ncclSystemError;
   average(recv, count, type, op, comm->size);
   return ncclSuccess;
@@ -844,7 +853,7 @@ ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t recvcount, n
   const bool in_place = (const char *)recv == (const char *)send + (size_t)comm->rank * recvcount * es;
   void *tmp = in_place ? malloc(recvcount * es) : recv;
   if (!tmp) return ncclSystemError;
-  int rc = MPI_Reduce_scatter_block(send, tmp, (int)recvcount, mpi_of(type), op_of(op), comm->comm);
+  int rc = MPI_Reduce_scatter_block(send, tmp, (int)recvcount, mpi_of(type), op_of(op, type), comm->comm);
   if (in_place) {
     memcpy(recv, tmp, recvcount * es);
     free(tmp);
