@@ -183,7 +183,8 @@ typedef struct pg_engine {
   pg_engine_stats stats;
 } pg_engine;
 
-/* Bytes of precision bf16's working weights and operand scratch on this rank (0 in fp32). */
+/* Bytes of precision bf16's working weights, operand scratch and the bf16 activations' float32 scratch on this
+ * rank (0 in fp32). */
 size_t pg_engine_bf16_bytes(const pg_engine *e);
 
 /* Takes ownership of the nchunks stage modules (freed by pg_engine_free, also

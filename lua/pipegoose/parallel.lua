@@ -106,9 +106,10 @@ local PARALLELIZE = {
   -- composite: TransformerBlock, LlamaBlock) from its input in backward,
   -- "selective" only the attention probabilities (Korthikanti et al. 2022)
   recompute = opt.enum({ "none", "full", "selective" }, { default = "none" }),
-  -- "bf16": linear layers and the LM head multiply bf16 operands (a bf16 working copy of the float32 master
-  -- weights) with float32 sums; the rest, the gradients and the optimizer stay float32 (the runtime's
-  -- pg_module_set_precision says which kinds and refuses the others)
+  -- "bf16": torch.autocast's types: linear layers, the LM head and MoE multiply bf16 operands (a bf16 working
+  -- copy of the float32 master weights) with float32 sums, and a Linear's output stays bf16 through GELU,
+  -- SwiGLU and attention; norms, the residual stream, the loss, the gradients and the optimizer stay float32
+  -- (the runtime's pg_module_set_precision is the one place the rule lives)
   precision = opt.enum({ "fp32", "bf16" }, { default = "fp32" }),
   -- sequence parallelism (Korthikanti et al. 2022): with tensor > 1, the
   -- norms, residual adds and stage boundaries hold 1/tensor of each
@@ -425,7 +426,8 @@ function Engine:memory()
     slot_bytes = info.slot_bytes, slots = info.slots,
     -- recomputed blocks keep one micro-batch's activations whatever is in flight
     fixed_activation_bytes = info.fixed_activation_bytes,
-    -- precision "bf16": the working weights and the rounded GEMM operands (0 in fp32)
+    -- precision "bf16": the working weights, the rounded GEMM operands and the float32 scratch of the bf16
+    -- activations (0 in fp32)
     bf16_bytes = info.bf16_bytes, precision = info.precision,
     -- chunk by chunk (virtual stages): slots x bytes of each chunk's micro-batch
     activation_bytes = info.activation_bytes + info.fixed_activation_bytes,
