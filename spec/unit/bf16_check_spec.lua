@@ -16,8 +16,8 @@
 --     gradients (exit 0), and the logits far enough from float32 (more than
 --     1e-4; float32 is within 1e-5) that the bf16 products did run.
 -- The same on the emulated CUDA device (make emu: build-emu/pglua, the
--- device's rounding kernel and cublasGemmEx stand-in), serially, at T = 2
--- and at D = 2 with ZeRO-1: the fixture to the same 1e-3, and every run
+-- device's rounding kernel and cublasGemmEx stand-in), serially, at T = 2,
+-- at D = 2 with ZeRO-1 and at T = 2 with sequence parallelism: the fixture to the same 1e-3, and every run
 -- against the CPU's serial bf16 run to 1e-4 relative (the emulated GemmEx
 -- sums in float32 in order of k, the CPU's widen-and-sgemm or oneDNN in
 -- their own orders: the same rounding of the operands, other orders of the
@@ -119,5 +119,10 @@ describe("precision = bf16 on the emulated device", function()
   it("--data=2 --zero=1", function()
     cpu_serial()
     check(2, { "--data=2", "--zero=1" }, EMU)
+  end)
+  -- NCCL's bf16 reduce-scatter and all-gather of rows
+  it("--tensor=2 --sequence-parallel", function()
+    cpu_serial()
+    check(2, { "--tensor=2", "--sequence-parallel" }, EMU)
   end)
 end)
