@@ -777,27 +777,6 @@ static int64_t longest_block(int64_t n, int size, int64_t unit) {
   return most;
 }
 
-/* ring_reduce_scatter_units's steps on bf16 elements (sums only). */
-static int ring_reduce_scatter_bf16(pg_context *ctx, pg_mode m, uint16_t *buf, int64_t n, int64_t unit) {
-  pg_group *g = &ctx->group[m];
-  int D = g->size, r = g->rank, next = (r + 1) % D, prev = (r + D - 1) % D;
-  int64_t most = longest_block(n, D, unit);
-  uint16_t *tmp = (uint16_t *)ctx->ring_scratch; /* PG_RING_CHUNK floats: room for as many bf16 */
-  for (int k = 0; k < D - 1; k++) {
-    int sb = ((r - 1 - k) % D + D) % D, rb = ((r - 2 - k) % D + D) % D;
-    int64_t s0 = unit_start(n, D, sb, unit), slen = unit_start(n, D, sb + 1, unit) - s0;
-    int64_t r0 = unit_start(n, D, rb, unit), rlen = unit_start(n, D, rb + 1, unit) - r0;
-    for (int64_t off = 0; off < most; off += PG_RING_CHUNK) {
-      int sc = piece(slen, off), rcv = piece(rlen, off);
-      int rc = MPI_Sendrecv(buf + s0 + off, sc, MPI_UINT16_T, next, PG_RING_TAG, tmp, rcv, MPI_UINT16_T, prev,
-                            PG_RING_TAG, g->comm, MPI_STATUS_IGNORE);
-      if (rc != MPI_SUCCESS) return mpi_fail(rc, "reduce_scatter", m);
-      fold_bf16(buf + r0 + off, buf + r0 + off, tmp, rcv);
-    }
-  }
-  return PG_OK;
-}
-
 /* In place: buf holds `size` blocks (block b = [n b / size, n (b+1) / size),
  * in rows of `unit` floats: unit_start); afterwards this member's block holds
  * the reduction over the group (the other blocks hold partial sums). */
@@ -807,8 +786,9 @@ static int ring_reduce_scatter_units(pg_context *ctx, pg_mode m, void *data, int
   int D = g->size, r = g->rank, next = (r + 1) % D, prev = (r + D - 1) % D;
   int64_t most = longest_block(n, D, unit);
   if (ring_scratch(ctx)) return PG_ERR;
-  if (dtype == PG_BFLOAT16) return ring_reduce_scatter_bf16(ctx, m, data, n, unit);
-  float *tmp = ctx->ring_scratch, *buf = data;
+  size_t es = pg_dtype_size(dtype); /* float32, or bf16 (sums only: fold_bf16) */
+  MPI_Datatype type = mpi_type(dtype);
+  char *buf = data, *tmp = (char *)ctx->ring_scratch; /* PG_RING_CHUNK floats: room for a chunk of either */
   /* Step k: send block r-1-k (our partial sum of it) on, receive block
    * r-2-k from the previous member and fold ours in. After D-1 steps the
    * last block received is our own, complete. */
@@ -819,10 +799,12 @@ static int ring_reduce_scatter_units(pg_context *ctx, pg_mode m, void *data, int
     float scale = (op == PG_REDUCE_AVG && k == D - 2) ? 1.0f / (float)D : 1.0f;
     for (int64_t off = 0; off < most; off += PG_RING_CHUNK) {
       int sc = piece(slen, off), rcv = piece(rlen, off);
-      int rc = MPI_Sendrecv(buf + s0 + off, sc, MPI_FLOAT, next, PG_RING_TAG, tmp, rcv, MPI_FLOAT, prev, PG_RING_TAG,
+      char *mine = buf + (r0 + off) * es;
+      int rc = MPI_Sendrecv(buf + (s0 + off) * es, sc, type, next, PG_RING_TAG, tmp, rcv, type, prev, PG_RING_TAG,
                             g->comm, MPI_STATUS_IGNORE);
       if (rc != MPI_SUCCESS) return mpi_fail(rc, "reduce_scatter", m);
-      fold(buf + r0 + off, buf + r0 + off, tmp, rcv, op, scale);
+      if (dtype == PG_BFLOAT16) fold_bf16((uint16_t *)mine, (uint16_t *)mine, (uint16_t *)tmp, rcv);
+      else fold((float *)mine, (float *)mine, (float *)tmp, rcv, op, scale);
     }
   }
   return PG_OK;
