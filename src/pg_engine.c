@@ -420,6 +420,12 @@ static int bf16_scratch(pg_engine *e) {
   return PG_OK;
 }
 
+/* A micro-batch's view of the engine's precision-bf16 scratch (NULL in fp32). */
+static void lend_bf16_scratch(const pg_engine *e, pg_io *io) {
+  memcpy(io->bf16_scratch, e->bf16_scratch, sizeof io->bf16_scratch);
+  memcpy(io->wide_scratch, e->wide_scratch, sizeof io->wide_scratch);
+}
+
 static int ensure_capacity(pg_engine *e, int rows) {
   if (rows <= e->capacity_rows) return PG_OK;
   size_t w = (size_t)e->opts.width, brows = (size_t)boundary_rows_max(e, rows);
@@ -898,9 +904,8 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
                         .host_targets = host_targets + off, .router = e->router ? e->router + i * nr : NULL,
                         .backward_done = buckets_apply(e) ? on_backward_done : NULL,
                         .backward_begin = e->sharded ? on_backward_begin : NULL, .backward_ud = e,
-                        .step = e->stats.steps, .global_row0 = (int64_t)e->ctx->dp_rank * B * T + (int64_t)off,
-                        .bf16_scratch = {e->bf16_scratch[0], e->bf16_scratch[1]},
-                        .wide_scratch = {e->wide_scratch[0], e->wide_scratch[1], e->wide_scratch[2]}};
+                        .step = e->stats.steps, .global_row0 = (int64_t)e->ctx->dp_rank * B * T + (int64_t)off};
+    lend_bf16_scratch(e, &e->ios[i]);
   }
   /* gradients accumulated over calls with sync = 0 reduce on the call that
    * syncs; with ZeRO-2 on every call (only the shard can accumulate) */
@@ -975,9 +980,8 @@ int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targe
     e->eval_ios[i] = (pg_io){.B = nb, .T = T, .tokens = tokens + off, .targets = targets ? targets + off : NULL,
                              .dloss = 0, .want_grad = 0, .loss_sum = 0,
                              .logits = logits && e->is_last ? logits + off * e->opts.vocab : NULL, .mb = i,
-                             .row0 = (int64_t)off, .host_targets = host_targets ? host_targets + off : NULL,
-                             .bf16_scratch = {e->bf16_scratch[0], e->bf16_scratch[1]},
-                        .wide_scratch = {e->wide_scratch[0], e->wide_scratch[1], e->wide_scratch[2]}};
+                             .row0 = (int64_t)off, .host_targets = host_targets ? host_targets + off : NULL};
+    lend_bf16_scratch(e, &e->eval_ios[i]);
   }
   /* the same executor as training, on a forward-only list (pg_schedule.h) */
   pg_action *acts;

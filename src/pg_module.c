@@ -260,7 +260,6 @@ static int64_t sp_row0(const pg_module *m, int64_t N) {
   return sp_active(m) ? pg_sp_row0(N, tp_size(m->ctx), tp_rank(m->ctx)) : 0;
 }
 
-/* Output per slot (out_rows each) and one input-gradient buffer (in_rows). */
 /* Bytes of an activation element: bf16 or float32 (pg_module.in_bf16 / out_bf16). */
 static size_t act_bytes(int bf16) { return bf16 ? sizeof(uint16_t) : sizeof(float); }
 
@@ -270,6 +269,7 @@ static pg_dtype act_dtype(int bf16) { return bf16 ? PG_BFLOAT16 : PG_FLOAT32; }
 static uint16_t *bits(float *p) { return (uint16_t *)(void *)p; }
 static const uint16_t *cbits(const float *p) { return (const uint16_t *)(const void *)p; }
 
+/* Output per slot (out_rows each) and one input-gradient buffer (in_rows). */
 static int alloc_leaf_rows(pg_module *m, int nslots, int max_rows, int out_rows, int in_rows) {
   pg_be_release(BE(m), m->out);
   pg_be_release(BE(m), m->dinp);
