@@ -211,7 +211,7 @@ function Trainer.new(opts)
   local rank, world = engine_rank(self.ctx)
   self.state = {
     step = 0, epoch = 0, batch_in_epoch = 0, micro_batches = 0, tokens_seen = 0, skipped_steps = 0,
-    accumulate = self.accumulate, lr = nil, grad_norm = nil, metrics = {}, elapsed = 0,
+    accumulate = self.accumulate, lr = nil, grad_norm = nil, metrics = {}, elapsed = 0, train_elapsed = 0,
     total_steps = self.max_steps, lr_total_steps = self.max_steps, stage = nil, stop_reason = nil, resumed_from = nil,
     rank = rank, world_size = world, is_global_zero = rank == 0,
   }
@@ -611,7 +611,8 @@ function Trainer:_fit(train_data, val_data, opts)
   st.total_steps = self:_estimate_total_steps()
   st.lr_total_steps = self:_lr_horizon()
   self._t0, self._tokens0 = self.clock(), st.tokens_seen
-  st.elapsed = 0
+  self._train_mark = self._t0
+  st.elapsed, st.train_elapsed = 0, 0
   self:call_hook("on_fit_start")
   self:call_hook("on_train_start")
   self:_train_loop()
@@ -807,7 +808,10 @@ function Trainer:_optimizer_step(step, step_loss, bad)
   st.step = step
   self:call_hook("on_before_zero_grad", opt)
   opt:zero_grad()
-  st.elapsed = self.clock() - self._t0
+  local now = self.clock()
+  st.elapsed = now - self._t0
+  st.train_elapsed = st.train_elapsed + (now - self._train_mark)
+  self._train_mark = now
   if st.elapsed > 0 then
     st.metrics.tokens_per_s = (st.tokens_seen - self._tokens0) / st.elapsed
   end
@@ -842,9 +846,18 @@ function Trainer:_validate_and_settle()
   local flags = self._flags
   self:_eval_loop("validation", self.val_data, self.val_batches)
   self:_combine()
+  self:_train_clock_from_now()
   flags.should_validate = false
   if flags.should_save then self:_save_agreed() end
   return flags.should_stop
+end
+
+-- Validation and checkpoint saves are not training: after one of them
+-- state.train_elapsed counts again from now (leaving out the time since the
+-- last step's end, the hooks' included), so that a rate over it (the
+-- ProgressBar's tokens/s) is the training's speed.
+function Trainer:_train_clock_from_now()
+  if self._in_fit then self._train_mark = self.clock() end
 end
 
 function Trainer:_save_agreed()
@@ -986,6 +999,7 @@ function Trainer:save_checkpoint(path)
   if took and not self._in_fit then self:_unlock(took) end
   if not ok then error(err, 0) end
   self:call_hook("on_checkpoint_saved", path)
+  self:_train_clock_from_now()
   return path
 end
 

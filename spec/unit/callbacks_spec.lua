@@ -368,6 +368,44 @@ describe("pg.callbacks.ProgressBar", function()
     assert.matches("^\rstep 2/4 [^\n]*\rstep 4/4 [^\n]*\nstep 4 | val_loss [%d.]+\n$", text)
   end)
 
+  it("shows the tokens/s of the steps since its previous line, without the time in validation and saves", function()
+    -- 8 x 64 = 512 tokens per step; steps 1-2 take 10 s each, later ones 20 s;
+    -- every validation takes 1000 s and every checkpoint save 500 s
+    local dir = tmpdir()
+    local clock = T.manual_clock(0, 0)
+    local cost = cb.LambdaCallback{
+      on_before_optimizer_step = function(t) clock.t = clock.t + (t.state.step < 2 and 10 or 20) end,
+      on_validation_batch_end = function() clock.t = clock.t + 1000 end,
+      on_save_checkpoint = function() clock.t = clock.t + 500 end,
+    }
+    local trainer = trainer_with{ max_steps = 6, log_every_n_steps = 2, val_every_n_steps = 2, val_batches = 1,
+      clock = clock, callbacks = { cost, cb.ModelCheckpoint{ dir = dir, every_n_steps = 2 }, cb.ProgressBar{ tty = false } } }
+    local st = trainer:fit(T.fake_data{ batches = 10, batch = 8, seq_len = 64 }, T.fake_data{ batches = 1 })
+    local rates = {}
+    for r in trainer.out:text():gmatch("| (%d+) tok/s |") do rates[#rates + 1] = r end
+    -- step 2: 1024 tokens in 20 s; steps 3-4 and 5-6: 1024 tokens in 40 s
+    assert.same({ "51", "26", "26" }, rates)
+    assert.equal(20 + 40 + 40, st.train_elapsed)
+    assert.equal(100 + 2 * 1500, st.elapsed) -- the step-6 validation and save come after the last step's end
+    assert.near(6 * 512 / 3100, st.metrics.tokens_per_s, 1e-12) -- the fit's average is unchanged
+    rm(dir)
+  end)
+
+  it("prints plain lines under Open MPI's mpirun unless $PG_PROGRESS says tty", function()
+    local function env(t) return function(k) return t[k] end end
+    local function tty() return true end
+    local function pipe() return false end
+    local default = cb.ProgressBar.default_tty
+    -- Open MPI gives a rank's stdout a pseudo-terminal even when mpirun's output is a file
+    assert.is_false(default(env{ OMPI_COMM_WORLD_SIZE = "2" }, tty))
+    assert.is_true(default(env{ OMPI_COMM_WORLD_SIZE = "2", PG_PROGRESS = "tty" }, pipe))
+    assert.is_false(default(env{ PG_PROGRESS = "plain" }, tty))
+    assert.is_true(default(env{}, tty))
+    assert.is_false(default(env{}, pipe))
+    assert.is_true(default(env{ TERM = "xterm" }, false))
+    assert.is_false(default(env{ TERM = "dumb" }, false))
+  end)
+
   it("formats numbers and durations", function()
     assert.same({ "950", "12.3k", "4.50M" }, { cb.ProgressBar.human(950), cb.ProgressBar.human(12345),
       cb.ProgressBar.human(4.5e6) })

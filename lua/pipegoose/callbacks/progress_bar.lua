@@ -2,23 +2,39 @@
 -- rank 0: step/total, loss, lr, tokens/s, ETA; and a line per validation.
 --
 -- tty: rewrite one line in place with "\r" (true) or print plain lines
--- (false). Default: whether stdout is a terminal (pg.fs.isatty; under mpirun
--- a rank's stdout is a pipe, so plain lines), unless $PG_PROGRESS says
--- "plain" or "tty"; without the C module (plain Lua), $TERM set and not
--- "dumb". every_n_steps: print every n optimizer steps (counter
--- trainer.state.step); default: the steps where trainer.control.should_log
--- is set (the trainer's log_every_n_steps).
+-- (false). Default: $PG_PROGRESS "plain" or "tty" when set; else plain under
+-- Open MPI's mpirun, which gives every rank's stdout a pseudo-terminal of its
+-- own whether mpirun's own output is a terminal or a file (so isatty says
+-- nothing about the user's screen, and a log file would get one long line);
+-- else whether stdout is a terminal (pg.fs.isatty); without the C module
+-- (plain Lua), $TERM set and not "dumb". every_n_steps: print every n
+-- optimizer steps (counter trainer.state.step); default: the steps where
+-- trainer.control.should_log is set (the trainer's log_every_n_steps).
+--
+-- tokens/s is the rate over the steps since the previous line (the first
+-- line: since the fit started), counted in trainer.state.train_elapsed, so
+-- the time spent in validation and checkpoint saves does not drag it down
+-- the way the fit's average (metrics.tokens_per_s) is after each of them.
 local callbacks = require "pipegoose.callbacks"
 
 local ProgressBar = callbacks.class("ProgressBar")
 
-local function default_tty()
-  local forced = os.getenv("PG_PROGRESS")
+--- Whether the bar rewrites its line by default. getenv (default os.getenv)
+-- and isatty (default pg.fs.isatty; false: none, as in plain Lua) are
+-- parameters for the specs.
+function ProgressBar.default_tty(getenv, isatty)
+  getenv = getenv or os.getenv
+  local forced = getenv("PG_PROGRESS")
   if forced == "plain" then return false end
   if forced == "tty" then return true end
-  local core = package.loaded["pipegoose.core"]
-  if core and core.fs then return core.fs.isatty("stdout") end
-  local term = os.getenv("TERM")
+  -- set in every rank Open MPI launches (not in a singleton ./pglua run)
+  if getenv("OMPI_COMM_WORLD_SIZE") then return false end
+  if isatty == nil then
+    local core = package.loaded["pipegoose.core"]
+    if core and core.fs then isatty = core.fs.isatty end
+  end
+  if isatty then return isatty("stdout") end
+  local term = getenv("TERM")
   return term ~= nil and term ~= "" and term ~= "dumb"
 end
 
@@ -26,7 +42,7 @@ function ProgressBar.new(opts)
   callbacks.check_options("ProgressBar", opts, { tty = true, every_n_steps = true })
   local every = callbacks.positive_int("ProgressBar", opts, "every_n_steps")
   local tty = opts.tty
-  if tty == nil then tty = default_tty() end
+  if tty == nil then tty = ProgressBar.default_tty() end
   return setmetatable({ tty = tty, every_n_steps = every, width = 0, open_line = false }, ProgressBar)
 end
 
@@ -55,6 +71,23 @@ local function num(x)
   return ("%.4f"):format(x)
 end
 
+--- Tokens per second of training over the steps since the previous line:
+-- the difference in tokens_seen over the difference in train_elapsed. Without
+-- a mark (line() called outside a fit) or training time, metrics.tokens_per_s.
+function ProgressBar:recent_tokens_per_s(trainer)
+  local st, mark = trainer.state, self.mark
+  if mark and st.train_elapsed then
+    local dt = st.train_elapsed - mark.time
+    if dt > 0 then return (st.tokens_seen - mark.tokens) / dt end
+  end
+  return st.metrics.tokens_per_s
+end
+
+function ProgressBar:_set_mark(trainer)
+  local st = trainer.state
+  self.mark = { tokens = st.tokens_seen, time = st.train_elapsed or 0 }
+end
+
 --- The progress line for the trainer's current state.
 function ProgressBar:line(trainer)
   local st = trainer.state
@@ -63,7 +96,8 @@ function ProgressBar:line(trainer)
   parts[#parts + 1] = st.total_steps and ("step %d/%d"):format(st.step, st.total_steps) or ("step %d"):format(st.step)
   parts[#parts + 1] = "loss " .. num(m.loss)
   if st.lr then parts[#parts + 1] = ("lr %.2e"):format(st.lr) end
-  if m.tokens_per_s then parts[#parts + 1] = ProgressBar.human(m.tokens_per_s) .. " tok/s" end
+  local rate = self:recent_tokens_per_s(trainer)
+  if rate then parts[#parts + 1] = ProgressBar.human(rate) .. " tok/s" end
   if st.total_steps then
     local done = st.step - (self.start_step or 0)
     local eta = done > 0 and st.elapsed / done * (st.total_steps - st.step) or nil
@@ -92,13 +126,17 @@ end
 
 function ProgressBar:on_train_start(trainer)
   self.start_step = trainer.state.step
+  self:_set_mark(trainer)
 end
 
 function ProgressBar:on_train_batch_end(trainer, outputs)
   if not outputs.step_end then return end
   local due
   if self.every_n_steps then due = trainer.state.step % self.every_n_steps == 0 else due = trainer.control.should_log end
-  if due then self:_emit(trainer, self:line(trainer)) end
+  if due then
+    self:_emit(trainer, self:line(trainer))
+    self:_set_mark(trainer)
+  end
 end
 
 function ProgressBar:on_validation_end(trainer)
