@@ -6,20 +6,32 @@
 -- --model=mixtral a mixture of experts (examples/train_moe.lua).
 -- Options: ./pglua examples/train_gpt.lua --help (unknown options are errors).
 -- --resume=last continues the newest checkpoint under --out; --stop-after=N ends
--- the run after step N with a checkpoint, as if preempted.
+-- the run after step N with a checkpoint, as if preempted. Every run keeps its
+-- final checkpoint (under --out/checkpoints) and ends with the command that
+-- samples it again (scripts/generate.lua --checkpoint=<--out>).
+--
+-- A wrapper runs this file with a table: loadfile(here .. "train_gpt.lua"){ name = "train_llama.lua",
+-- model = "llama", description = "..." } (its name in the usage and the messages, and --model's default);
+-- run as a script, its arguments are the command line's strings instead.
 local pg = require "pipegoose"
 local argparse = require "argparse"
 
-local p = argparse("train_gpt.lua", "Train a small GPT (or --model=llama | mixtral) on the default corpus with the Trainer.")
-local o = dofile((arg[0]:match("^(.*/)") or "./") .. "options.lua")(p)
+local how = type((...)) == "table" and (...) or {}
+local name = how.name or "train_gpt.lua"
+local here = debug.getinfo(1, "S").source:match("^@(.*/)") or "./"
+local p = argparse(name, how.description
+  or "Train a small GPT (or --model=llama | mixtral) on the default corpus with the Trainer.")
+local o = dofile(here .. "options.lua")(p)
 local int, num = o.int, o.num
-p:option("--model", "gpt, llama or mixtral.", "gpt"):choices{ "gpt", "llama", "mixtral" }
+p:option("--model", "gpt, llama or mixtral.", how.model or "gpt"):choices{ "gpt", "llama", "mixtral" }
 o.layout()
 p:option("--schedule", "Pipeline schedule.", "1f1b"):choices{ "1f1b", "gpipe" }
 p:option("--precision", "fp32, or bf16 (bf16 GEMM operands, float32 sums, masters and optimizer).", "fp32")
   :choices{ "fp32", "bf16" }
 p:flag("--sequence-parallel", "Sequence parallelism: the norms and residuals hold 1/tensor of the rows (tensor > 1).")
-int("--zero", 0, "ZeRO stage (0 or 1).")
+-- the stages pg.optim.AdamW takes (zero = 0, 1, 2)
+p:option("--zero", "ZeRO stage: 0 (none), 1 (the optimizer state sharded over --data) or 2 (the gradients too).", "0")
+  :choices{ "0", "1", "2" }:convert(o.to_int)
 int("--steps", 300, "Optimizer steps.")
 int("--batch", 16, "Global batch (sequences).")
 int("--seq-len", 128, "Tokens per sequence.")
@@ -44,10 +56,10 @@ int("--eval-every", 100, "Validate every N steps.")
 int("--accumulate", 1, "Micro-steps per optimizer step.")
 p:option("--train", "Training shards.", "data/fortunes_train.bin")
 p:option("--val", "Validation shards.", "data/fortunes_val.bin")
-int("--sample", 200, "Bytes to sample at the end.")
+int("--sample", 200, "Bytes to sample at the end (0: no sample).")
 p:option("--prompt", "Prompt of the sample.", "Q: ")
 p:option("--out", "Output directory (metrics.jsonl, checkpoints/); default runs/train_<model>.")
-int("--ckpt-every", 0, "Checkpoint every N steps (0: none).")
+int("--ckpt-every", 0, "Also checkpoint every N steps (0: only the final checkpoint, which every run keeps).")
 int("--keep-last", 0, "Keep only the newest N checkpoints (0: all).")
 p:option("--resume", "A checkpoint directory, or 'last' (the newest under --out).")
 int("--stop-after", nil, "End this run after step N, saving a checkpoint, as if preempted.")
@@ -56,72 +68,111 @@ int("--val-batches", 8, "Validation batches.")
 p:option("--save-hf", "At the end, write the model as a Hugging Face transformers directory.")
 local opt = p:parse()
 
-local seed = opt.seed
-local ctx = pg.ParallelContext{ tensor = opt.tensor, pipeline = opt.pipeline, data = opt.data, expert = opt.expert,
-                                seed = seed }
-local seq_len, batch = opt.seq_len, opt.batch
-local arch = opt.model
-local model
-if arch == "gpt" then
-  model = pg.nn.GPT{ vocab = 256, seq_len = seq_len, dim = opt.dim, heads = opt.heads or 4, layers = opt.layers }
-else
-  local o = { vocab = 256, seq_len = seq_len, dim = opt.dim, heads = opt.heads or 8, kv_heads = opt.kv_heads,
-              hidden = opt.hidden, layers = opt.layers, rope_theta = opt.rope_theta }
-  if arch == "mixtral" then
-    o.experts, o.top_k, o.aux_loss_coef = opt.experts, opt.top_k, opt.aux_loss_coef
-    o.capacity_factor, o.jitter = opt.capacity_factor, opt.jitter
-    model = pg.nn.Mixtral(o)
-  else
-    model = pg.nn.Llama(o)
+-- What follows up to fit builds what the options describe, and an error there
+-- is in the options (Llama: kv_heads=3 does not divide heads=8): it is
+-- reported as argparse reports a bad flag, under the script's name, without
+-- this file's line that only passed the value on (under train_llama.lua not
+-- even the file the user ran). Errors with a position elsewhere keep it.
+local function from_options(f)
+  local ok, err = pcall(f)
+  if ok then return end
+  if type(err) == "string" then
+    local src = debug.getinfo(1, "S").short_src
+    local rest = err:sub(1, #src + 1) == src .. ":" and err:sub(#src + 2):match("^%d+: (.*)$")
+    if rest then err = name .. ": " .. rest end
   end
+  error(err, 0)
 end
-local engine = pg.parallelize(model, ctx, { micro_batches = opt.micro_batches, schedule = opt.schedule,
-  precision = opt.precision, sequence_parallel = opt.sequence_parallel })
-local optimizer = pg.optim.AdamW(engine, { lr = opt.lr, betas = { 0.9, 0.95 }, weight_decay = 0.1, zero = opt.zero })
-local train = pg.data.TokenShards{ path = opt.train, batch = batch, seq_len = seq_len, seed = seed, ctx = ctx, vocab = 256 }
-local val = pg.data.TokenShards{ path = opt.val, batch = batch, seq_len = seq_len, shuffle = false, ctx = ctx, vocab = 256 }
 
-local out = opt.out or ("runs/train_" .. arch)
-local steps, ckpt_every, keep_last = opt.steps, opt.ckpt_every, opt.keep_last
-local stop_after = opt.stop_after
-local callbacks = {
-  pg.callbacks.ProgressBar{},
-  pg.callbacks.LearningRateMonitor{},
-  pg.callbacks.MetricsLogger{ path = out .. "/metrics.jsonl" },
-}
-if ckpt_every > 0 or stop_after then
-  callbacks[#callbacks + 1] = pg.callbacks.ModelCheckpoint{ every_n_steps = ckpt_every > 0 and ckpt_every or nil,
+local seed, ctx, engine, train, val, trainer, out
+from_options(function()
+  seed = opt.seed
+  ctx = pg.ParallelContext{ tensor = opt.tensor, pipeline = opt.pipeline, data = opt.data, expert = opt.expert,
+                            seed = seed }
+  local seq_len, batch = opt.seq_len, opt.batch
+  local arch = opt.model
+  local model
+  if arch == "gpt" then
+    model = pg.nn.GPT{ vocab = 256, seq_len = seq_len, dim = opt.dim, heads = opt.heads or 4, layers = opt.layers }
+  else
+    local o = { vocab = 256, seq_len = seq_len, dim = opt.dim, heads = opt.heads or 8, kv_heads = opt.kv_heads,
+                hidden = opt.hidden, layers = opt.layers, rope_theta = opt.rope_theta }
+    if arch == "mixtral" then
+      o.experts, o.top_k, o.aux_loss_coef = opt.experts, opt.top_k, opt.aux_loss_coef
+      o.capacity_factor, o.jitter = opt.capacity_factor, opt.jitter
+      model = pg.nn.Mixtral(o)
+    else
+      model = pg.nn.Llama(o)
+    end
+  end
+  engine = pg.parallelize(model, ctx, { micro_batches = opt.micro_batches, schedule = opt.schedule,
+    precision = opt.precision, sequence_parallel = opt.sequence_parallel })
+  local optimizer = pg.optim.AdamW(engine, { lr = opt.lr, betas = { 0.9, 0.95 }, weight_decay = 0.1, zero = opt.zero })
+  train = pg.data.TokenShards{ path = opt.train, batch = batch, seq_len = seq_len, seed = seed, ctx = ctx, vocab = 256 }
+  val = pg.data.TokenShards{ path = opt.val, batch = batch, seq_len = seq_len, shuffle = false, ctx = ctx, vocab = 256 }
+
+  out = opt.out or ("runs/train_" .. arch)
+  local steps, ckpt_every, keep_last = opt.steps, opt.ckpt_every, opt.keep_last
+  local stop_after = opt.stop_after
+  local callbacks = {
+    pg.callbacks.ProgressBar{},
+    pg.callbacks.LearningRateMonitor{},
+    pg.callbacks.MetricsLogger{ path = out .. "/metrics.jsonl" },
+  }
+  -- Every run keeps its final checkpoint (save_last, also when --stop-after ends
+  -- it early), so that its model can be sampled again or resumed. Without
+  -- --ckpt-every, every_n_steps = --steps asks for none before the end
+  -- (without every_n_steps ModelCheckpoint would save at every validation).
+  callbacks[#callbacks + 1] = pg.callbacks.ModelCheckpoint{ every_n_steps = ckpt_every > 0 and ckpt_every or steps,
     save_last = true, keep_last = keep_last > 0 and keep_last or nil }
-end
-if arch == "mixtral" then -- the objective's parts and how the router spreads the tokens
-  callbacks[#callbacks + 1] = pg.callbacks.LambdaCallback{ name = "Routing", on_train_batch_end = function(t)
-    local parts = engine:losses()
-    t:log("ce_loss", parts.ce_loss)
-    t:log("aux_loss", parts.aux_loss)
-    for e, n in ipairs(parts.expert_tokens) do t:log(("expert_tokens_%d"):format(e - 1), n) end
-  end }
-end
-if stop_after then
-  callbacks[#callbacks + 1] = pg.callbacks.LambdaCallback{ name = "StopAfter", on_train_batch_end = function(t, o)
-    if o.step_end and t.state.step >= stop_after then t.control.should_stop = true end
-  end }
-end
+  if arch == "mixtral" then -- the objective's parts and how the router spreads the tokens
+    callbacks[#callbacks + 1] = pg.callbacks.LambdaCallback{ name = "Routing", on_train_batch_end = function(t)
+      local parts = engine:losses()
+      t:log("ce_loss", parts.ce_loss)
+      t:log("aux_loss", parts.aux_loss)
+      for e, n in ipairs(parts.expert_tokens) do t:log(("expert_tokens_%d"):format(e - 1), n) end
+    end }
+  end
+  if stop_after then
+    callbacks[#callbacks + 1] = pg.callbacks.LambdaCallback{ name = "StopAfter", on_train_batch_end = function(t, o)
+      if o.step_end and t.state.step >= stop_after then t.control.should_stop = true end
+    end }
+  end
 
-local trainer = pg.Trainer{
-  engine = engine, optimizer = optimizer, max_steps = steps, accumulate = opt.accumulate,
-  lr_schedule = pg.lr.cosine{ warmup = opt.warmup, min_lr = opt.lr / 10 },
-  clip_grad_norm = opt.clip, val_every_n_steps = opt.eval_every, val_batches = opt.val_batches,
-  log_every_n_steps = opt.log_every, seed = seed, out_dir = out, callbacks = callbacks,
-}
+  trainer = pg.Trainer{
+    engine = engine, optimizer = optimizer, max_steps = steps, accumulate = opt.accumulate,
+    lr_schedule = pg.lr.cosine{ warmup = opt.warmup, min_lr = opt.lr / 10 },
+    clip_grad_norm = opt.clip, val_every_n_steps = opt.eval_every, val_batches = opt.val_batches,
+    log_every_n_steps = opt.log_every, seed = seed, out_dir = out, callbacks = callbacks,
+  }
+end)
 trainer:print(("pipegoose: %d parameters, %s, %d threads per rank"):format(engine:num_parameters(), tostring(ctx),
   pg.num_threads()))
 trainer:fit(train, val, { resume = opt.resume })
 
-local prompt = opt.prompt
-local sample = pg.sample.generate(engine, pg.data.bytes.encode(prompt), opt.sample, { temperature = 0.8, seed = 1 })
-trainer:print("sample:\n" .. prompt .. pg.data.bytes.decode(sample))
+local prompt, temperature, sample_seed = opt.prompt, 0.8, 1
+if opt.sample > 0 then
+  local sample = pg.sample.generate(engine, pg.data.bytes.encode(prompt), opt.sample,
+    { temperature = temperature, seed = sample_seed })
+  trainer:print("sample:\n" .. prompt .. pg.data.bytes.decode(sample))
+end
 
 if opt.save_hf then
   engine:save_hf(opt.save_hf)
   trainer:print("wrote " .. opt.save_hf .. " (transformers' from_pretrained loads it)")
 end
+
+-- The command that samples the final checkpoint as above (the same tokens,
+-- temperature and seed; the same text from a serial float32 run), one
+-- process, from the run's directory (generate.lua finds its newest checkpoint).
+local function word(s) -- one shell word
+  if s:match("^[%w%%+,./:=@_-]+$") then return s end
+  return "'" .. s:gsub("'", "'\\''") .. "'"
+end
+local scripts = (here:match("^(.-)examples/$") or (here == "./" and "../") or (here .. "../")) .. "scripts/"
+local cmd = { word(arg[-1] or "./pglua"), word(scripts .. "generate.lua"), "--checkpoint=" .. word(out),
+  "--prompt=" .. word(prompt) }
+if opt.sample > 0 then
+  cmd[#cmd + 1] = ("--tokens=%d --temperature=%g --seed=%d"):format(opt.sample, temperature, sample_seed)
+end
+trainer:print((opt.sample > 0 and "sample it again: " or "sample it: ") .. table.concat(cmd, " "))

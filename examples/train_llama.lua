@@ -6,5 +6,8 @@
 -- The model: pg.nn.Llama{vocab = 256, seq_len = 128, dim = 256, heads = 8,
 -- kv_heads = 2, hidden = 688, layers = 4, rope_theta = 10000}.
 local here = debug.getinfo(1, "S").source:match("^@(.*/)") or "./"
-table.insert(arg, 1, "--model=llama") -- a --model= given after it still wins
-dofile(here .. "train_gpt.lua")
+-- train_gpt.lua under this script's name (its usage and messages), with
+-- --model's default llama (a --model= given still wins)
+assert(loadfile(here .. "train_gpt.lua"))({ name = "train_llama.lua", model = "llama",
+  description = "Train a small LLaMA (or --model=gpt | mixtral) on the default corpus with the Trainer "
+    .. "(the recipe of examples/train_gpt.lua)." })

@@ -15,5 +15,8 @@
 -- The model: pg.nn.Mixtral{vocab = 256, seq_len = 128, dim = 256, heads = 8,
 -- kv_heads = 2, hidden = 688, layers = 4, experts = 4, top_k = 2}.
 local here = debug.getinfo(1, "S").source:match("^@(.*/)") or "./"
-table.insert(arg, 1, "--model=mixtral") -- a --model= given after it still wins
-dofile(here .. "train_gpt.lua")
+-- train_gpt.lua under this script's name (its usage and messages), with
+-- --model's default mixtral (a --model= given still wins)
+assert(loadfile(here .. "train_gpt.lua"))({ name = "train_moe.lua", model = "mixtral",
+  description = "Train a small mixture of experts (or --model=gpt | llama) on the default corpus with the Trainer "
+    .. "(the recipe of examples/train_gpt.lua)." })

@@ -22,7 +22,29 @@ parser:option("--top-k", "Sample among the k likeliest tokens."):convert(math.to
 parser:option("--seed", "Sampling seed.", "0"):convert(math.tointeger)
 local args = parser:parse()
 
-local dir = pg.checkpoint.resolve(args.checkpoint)
+-- The checkpoint --checkpoint names: a checkpoint directory (or one with a
+-- `latest` file), else a run's output directory, whose newest checkpoint is
+-- where the Trainer's resume = "last" finds it: the latest file of
+-- Trainer:get_checkpoint_dir() (asked of a Trainer with that out_dir, so the
+-- layout is the Trainer's own and not a copy of it here).
+local function find_checkpoint(path)
+  local ckpt = pg.checkpoint
+  path = path:gsub("(.)/+$", "%1")
+  local fs = pg.fs
+  if not fs.exists(path) and not pcall(ckpt.resolve, path) then -- (resolve also finds one moved aside mid-save)
+    error(("generate: --checkpoint=%s: no such directory"):format(path), 0)
+  end
+  if not fs.is_dir(path) or fs.exists(path .. "/" .. ckpt.MANIFEST) or fs.exists(path .. "/" .. ckpt.LATEST) then
+    return ckpt.resolve(path) -- a checkpoint, or resolve's own message for what is wrong with it
+  end
+  local run_checkpoints = pg.Trainer{ out_dir = path }:get_checkpoint_dir()
+  if ckpt.latest(run_checkpoints) then return ckpt.resolve(run_checkpoints) end
+  error(("generate: %s holds no checkpoint: it is not one (no %s) and, as a run's output directory, has none in %s "
+    .. "(a run saves them with pg.callbacks.ModelCheckpoint; examples/train_gpt.lua keeps its final one)")
+    :format(path, ckpt.MANIFEST, run_checkpoints), 0)
+end
+
+local dir = find_checkpoint(args.checkpoint)
 local manifest = pg.checkpoint.read_manifest(dir)
 local ok, model = pcall(pg.nn.from_config, manifest.model)
 if not ok then error(dir .. ": cannot rebuild the model from its record: " .. tostring(model), 0) end
