@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, as `make test` and CI run it:
-#   1. the busted specs under spec/unit and spec/examples, in one pglua process;
+#   1. the busted specs under spec/unit and spec/examples, in one pglua process,
+#      and the tests tagged #bf16 again under each bf16 GEMM path (PG_BF16_GEMM);
 #   2. every spec/dist/*_spec.lua under mpirun, once per world size listed in
 #      its first line ("-- worlds: 1 2 4 8"), every rank running busted; and
 #      again with PG_TEST_DEVICE=cuda on the emulated device (PG_EMU_PGLUA)
@@ -35,8 +36,28 @@ if [ "$only" != dist ]; then
     [ -d spec/examples ] && dirs+=(spec/examples)
   fi
   echo "== busted ${dirs[*]}"
-  PG_TEST_SUMMARY="$OUT/unit" "$PGLUA" "$BUSTED" -o "$HANDLER" "${filter[@]}" "${dirs[@]}" || status=1
+  PG_TEST_SUMMARY="$OUT/unit" "$PGLUA" "$BUSTED" -o "$HANDLER" --exclude-tags=bf16 "${filter[@]}" "${dirs[@]}" || status=1
   [ -f "$OUT/unit.0" ] || echo "unit specs: no summary written (crash?)" > "$OUT/unit.crashed"
+  # Tests tagged #bf16 depend on the bf16 GEMM's path (oneDNN's kernels or the
+  # widen-and-sgemm fallback: kernels/cpu/bf16.c's probe picks one per CPU), so
+  # they run under each path on every machine: a spec written where the probe
+  # picks one must hold where it picks the other. oneDNN runs by name wherever
+  # it has AVX-512 (emulating bf16 where the CPU lacks it); elsewhere that run
+  # is one skipped test that says why.
+  for path in onednn fallback; do
+    name=unit-bf16-$path
+    if ! why=$("$PGLUA" -e "local ok, e = pcall(require('pipegoose').ops.bf16_gemm_path, '$path')
+                            if not ok then io.write(e) os.exit(1) end" 2>&1); then
+      echo "== busted #bf16 under PG_BF16_GEMM=$path: skipped ($why)"
+      printf '{"rank":0,"results":[{"name":"the #bf16 specs under PG_BF16_GEMM=%s","status":"skipped"}]}' "$path" \
+        > "$OUT/$name.0"
+      continue
+    fi
+    echo "== busted #bf16 ${dirs[*]} (PG_BF16_GEMM=$path)"
+    PG_BF16_GEMM=$path PG_TEST_SUMMARY="$OUT/$name" "$PGLUA" "$BUSTED" -o "$HANDLER" --tags=bf16 "${filter[@]}" \
+      "${dirs[@]}" || status=1
+    [ -f "$OUT/$name.0" ] || echo "#bf16 specs under $path: no summary written (crash?)" > "$OUT/$name.crashed"
+  done
 fi
 
 # One mpirun of a dist spec: run_dist SPEC N NAME PGLUA [VAR=value...]

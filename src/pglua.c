@@ -52,12 +52,18 @@ static void usage(FILE *f) {
  *
  * One report per job: a failing rank first agrees with the others, for up to
  * the grace period (PG_ABORT_GRACE seconds, default 1), on whether they all
- * failed and with which message: a hash of it, gathered without blocking over
- * a communicator of its own (the others may be blocked in a collective on
- * theirs). Each group of ranks with one message is then reported once, by its
- * lowest rank, as "[ranks 0-3] message". A rank whose peers do not all fail
- * in time (blocked, or still running) reports alone, "[rank 2] message", when
- * the grace period ends, and ends the job.
+ * failed and with which message: it sends a hash of its message to every
+ * other rank over a communicator of its own (the others may be blocked in a
+ * collective on theirs) and waits for theirs. Each group of ranks with one
+ * message is then reported once, by its lowest rank, as "[ranks 0-3] message".
+ * When not every rank failed in time (some are blocked, or still running),
+ * each failing rank reports alone, "[rank 2] message", and tells the others it
+ * has; before ending the job it lingers until every rank it has heard fail has
+ * reported too, and until a grace period has passed with no new failure: the
+ * first MPI_Abort ends every process, so without the linger a rank that fails
+ * a moment later (two ranks whose watchdogs fire together, on a loaded
+ * machine) would be killed before its message is out. The linger ends after
+ * at most 3 grace periods plus LINGER_CAP_S, whatever the others do.
  *
  * Tracebacks: an error raised on purpose (error(), assert(), a binding's
  * luaL_error: pipegoose's checks, a missing file) prints its message only.
@@ -154,6 +160,87 @@ static void print_report(const char *who, const char *msg, int with_traceback) {
   fflush(stderr);
 }
 
+/* The report's messages on report_comm: a failing rank's message hash, then
+ * (when it reports alone) a notice that its report is out. */
+enum { TAG_HASH = 1, TAG_REPORTED = 2 };
+#define LINGER_CAP_S 5.0
+
+/* What a failing rank knows of the others' reports: request r of `hash_req`
+ * completes when rank r's hash arrives (in hashes[r]), of `done_req` when
+ * rank r says its lone report is out. Static: still reachable when the job
+ * ends with requests pending, for leak checkers. */
+static struct {
+  uint64_t *hashes;
+  MPI_Request *hash_req, *done_req, *sends;
+  char *heard, *reported; /* per rank: its hash came, its lone report is out */
+  char *tokens_in;        /* per rank: where its notice lands (pending receives must not share a buffer) */
+  char token;
+} rep;
+
+/* Completes what has arrived; returns how many hashes newly came. */
+static int poll_reports(int n, int me) {
+  int news = 0;
+  for (int r = 0; r < n; r++) {
+    if (r == me) continue;
+    int done = 0;
+    if (!rep.heard[r] && MPI_Test(&rep.hash_req[r], &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done) {
+      rep.heard[r] = 1;
+      news++;
+    }
+    done = 0;
+    if (!rep.reported[r] && MPI_Test(&rep.done_req[r], &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done)
+      rep.reported[r] = 1;
+  }
+  return news;
+}
+
+static int heard_all(int n, int me) {
+  for (int r = 0; r < n; r++)
+    if (r != me && !rep.heard[r]) return 0;
+  return 1;
+}
+
+/* Posts the hash exchange; 0 when MPI or memory failed (the rank then reports alone at once). */
+static int post_reports(int n, int me, uint64_t mine) {
+  rep.hashes = calloc((size_t)n, sizeof *rep.hashes);
+  rep.hash_req = calloc((size_t)n, sizeof *rep.hash_req);
+  rep.done_req = calloc((size_t)n, sizeof *rep.done_req);
+  rep.sends = calloc((size_t)2 * (size_t)n, sizeof *rep.sends);
+  rep.heard = calloc((size_t)n, 1);
+  rep.reported = calloc((size_t)n, 1);
+  rep.tokens_in = calloc((size_t)n, 1);
+  if (!rep.hashes || !rep.hash_req || !rep.done_req || !rep.sends || !rep.heard || !rep.reported || !rep.tokens_in)
+    return 0;
+  rep.hashes[me] = mine;
+  rep.heard[me] = rep.reported[me] = 1;
+  for (int r = 0; r < n; r++) {
+    rep.hash_req[r] = rep.done_req[r] = rep.sends[r] = rep.sends[n + r] = MPI_REQUEST_NULL;
+    if (r == me) continue;
+    if (MPI_Irecv(&rep.hashes[r], 1, MPI_UINT64_T, r, TAG_HASH, report_comm, &rep.hash_req[r]) != MPI_SUCCESS ||
+        MPI_Irecv(&rep.tokens_in[r], 1, MPI_CHAR, r, TAG_REPORTED, report_comm, &rep.done_req[r]) != MPI_SUCCESS ||
+        MPI_Isend(&rep.hashes[me], 1, MPI_UINT64_T, r, TAG_HASH, report_comm, &rep.sends[r]) != MPI_SUCCESS)
+      return 0;
+  }
+  return 1;
+}
+
+/* After a lone report: tell the others, then linger (see the top of this section) and end the job. */
+static _Noreturn void linger_and_abort(int n, int me) {
+  for (int r = 0; r < n; r++)
+    if (r != me) MPI_Isend(&rep.token, 1, MPI_CHAR, r, TAG_REPORTED, report_comm, &rep.sends[n + r]);
+  double grace = grace_seconds(), start = MPI_Wtime(), quiet_since = start;
+  double cap = start + 3 * grace + LINGER_CAP_S;
+  for (;;) {
+    double now = MPI_Wtime();
+    if (poll_reports(n, me)) quiet_since = now;
+    int waiting = 0; /* ranks that failed but whose report is not out yet */
+    for (int r = 0; r < n; r++) waiting += rep.heard[r] && !rep.reported[r];
+    if ((!waiting && now - quiet_since >= grace) || now >= cap) break;
+    sleep_seconds(1e-3);
+  }
+  abort_job(1);
+}
+
 /* Reports the error on top of the stack (once per group of ranks that failed alike) and ends the job. */
 static _Noreturn void report_and_abort(lua_State *L) {
   const char *msg = lua_tostring(L, -1);
@@ -165,25 +252,41 @@ static _Noreturn void report_and_abort(lua_State *L) {
     print_report(who, msg, tb);
     end_job(1);
   }
-  static uint64_t *all; /* static: still reachable when the job ends, for leak checkers */
   uint64_t mine = fnv1a(msg, 0xcbf29ce484222325ull) ^ (uint64_t)tb;
-  all = calloc((size_t)n, sizeof *all);
-  MPI_Request req;
-  if (!all || MPI_Iallgather(&mine, 1, MPI_UINT64_T, all, 1, MPI_UINT64_T, report_comm, &req) != MPI_SUCCESS ||
-      !wait_request(&req, grace_seconds())) {
-    /* not every rank failed in time: say it alone (the request stays pending; the job ends) */
+  if (!post_reports(n, me, mine)) {
     print_report(who, msg, tb);
     abort_job(1);
   }
-  /* Every rank failed: the lowest rank of each group with one message reports it. */
+  double end = MPI_Wtime() + grace_seconds();
+  for (poll_reports(n, me); !heard_all(n, me) && MPI_Wtime() < end; poll_reports(n, me)) sleep_seconds(1e-3);
+  if (!heard_all(n, me)) {
+    /* not every rank failed in time: say it alone, and let the others that did say theirs */
+    print_report(who, msg, tb);
+    linger_and_abort(n, me);
+  }
+  /* Every rank failed. One that failed first may have given up waiting and reported alone already (its
+   * notice is here): then so does this one. */
+  for (int r = 0; r < n; r++)
+    if (r != me && rep.reported[r]) {
+      print_report(who, msg, tb);
+      linger_and_abort(n, me);
+    }
+  /* The lowest rank of each group with one message reports it. */
   char list[200];
-  int count = rank_list(all, n, mine, list, sizeof list);
-  if (me == atoi(list)) {
+  int count = rank_list(rep.hashes, n, mine, list, sizeof list);
+  int lowest = me == atoi(list);
+  if (lowest) {
     snprintf(who, sizeof who, "%s %s", count > 1 ? "ranks" : "rank", list);
     print_report(who, msg, tb);
   }
-  /* Every report is out before any rank ends the job, and one rank aborts it (one notice from mpirun). */
-  if (MPI_Ibarrier(report_comm, &req) == MPI_SUCCESS) wait_request(&req, 5.0);
+  /* Every report is out before any rank ends the job, and one rank aborts it (one notice from mpirun). A
+   * barrier that does not complete means another rank reported alone after all (its notice came late): say
+   * this one's message alone unless it is out, and linger as that rank does. */
+  MPI_Request req;
+  if (MPI_Ibarrier(report_comm, &req) != MPI_SUCCESS || !wait_request(&req, grace_seconds() + 1.0)) {
+    if (!lowest) print_report(who, msg, tb);
+    linger_and_abort(n, me);
+  }
   if (me != 0) sleep_seconds(10); /* rank 0's abort ends this process; if it does not, end it here */
   abort_job(1);
 }

@@ -119,25 +119,36 @@ static void probe_rates(double *bf16, double *fma) {
   }
 }
 
-/* 1 when oneDNN's matmul runs on bf16 instructions here; why says what was found either way. */
+/* How oneDNN's bf16 matmul would run here: ONEDNN_NATIVE on the CPU's bf16
+ * instructions; ONEDNN_EMULATED on AVX-512 without them (oneDNN widens the
+ * operands itself: the same exact products and float32 sums, slower than
+ * sgemm, so only by name: the specs run both paths on every machine);
+ * ONEDNN_NONE below AVX-512, where oneDNN has no bf16 matmul. `why` says what
+ * was found either way. */
+enum { ONEDNN_NONE = 0, ONEDNN_EMULATED = 1, ONEDNN_NATIVE = 2 };
 static int onednn_usable(char *why, size_t len, int *amx_out) {
   int avx512, amx;
   cpu_bf16(&avx512, &amx);
   *amx_out = amx;
   dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
   /* The ISA values are bit sets: a level includes the bits of those below it. */
-  int isa_ok = ((unsigned)isa & (unsigned)dnnl_cpu_isa_avx512_core_bf16) == (unsigned)dnnl_cpu_isa_avx512_core_bf16;
+  int isa_bf16 = ((unsigned)isa & (unsigned)dnnl_cpu_isa_avx512_core_bf16) == (unsigned)dnnl_cpu_isa_avx512_core_bf16;
+  int isa_avx512 = ((unsigned)isa & (unsigned)dnnl_cpu_isa_avx512_core) == (unsigned)dnnl_cpu_isa_avx512_core;
   const char *cpu = amx && avx512 ? "AVX512_BF16 and AMX-BF16" : amx ? "AMX-BF16" : avx512 ? "AVX512_BF16" : NULL;
-  if (cpu && isa_ok) {
+  if (cpu && isa_bf16) {
     snprintf(why, len, "the CPU has %s and oneDNN's ISA (0x%x) reaches avx512_core_bf16", cpu, (unsigned)isa);
-    return 1;
+    return ONEDNN_NATIVE;
   }
-  if (!cpu)
-    snprintf(why, len, "the CPU has neither AVX512_BF16 nor AMX-BF16 (oneDNN would emulate bf16 slower than sgemm)");
-  else
-    snprintf(why, len, "the CPU has %s but oneDNN's ISA (0x%x) stops below avx512_core_bf16 (ONEDNN_MAX_CPU_ISA?)",
-             cpu, (unsigned)isa);
-  return 0;
+  char what[120];
+  if (cpu) snprintf(what, sizeof what, "the CPU has %s but oneDNN's ISA stops below avx512_core_bf16 (ONEDNN_MAX_CPU_ISA?)", cpu);
+  else snprintf(what, sizeof what, "the CPU has neither AVX512_BF16 nor AMX-BF16");
+  if (isa_avx512) {
+    snprintf(why, len, "%s: oneDNN emulates bf16 on avx512_core (ISA 0x%x), slower than sgemm", what, (unsigned)isa);
+    return ONEDNN_EMULATED;
+  }
+  snprintf(why, len, "%s, and oneDNN's ISA (0x%x) stops below avx512_core, where it has no bf16 matmul", what,
+           (unsigned)isa);
+  return ONEDNN_NONE;
 }
 
 #define ONEDNN_MIN_GAIN 1.25 /* bf16 dot flops per FMA flop from which oneDNN's bf16 matmul beats sgemm */
@@ -151,7 +162,7 @@ static int onednn_usable(char *why, size_t len, int *amx_out) {
 static void select_auto(void) {
   char w[200];
   int amx;
-  if (!onednn_usable(w, sizeof w, &amx)) {
+  if (onednn_usable(w, sizeof w, &amx) != ONEDNN_NATIVE) {
     path = PATH_FALLBACK;
     snprintf(why_buf, sizeof why_buf, "%s", w);
     return;
@@ -211,7 +222,7 @@ static int select_locked(const char *name) {
   } else if (!strcmp(name, "onednn")) {
     char w[200];
     int amx;
-    if (onednn_usable(w, sizeof w, &amx)) {
+    if (onednn_usable(w, sizeof w, &amx) != ONEDNN_NONE) {
       path = PATH_ONEDNN;
       snprintf(why_buf, sizeof why_buf, "selected by name (onednn): %s", w);
     } else {

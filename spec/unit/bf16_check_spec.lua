@@ -89,7 +89,7 @@ local function check(n, flags, bin)
   return losses
 end
 
-describe("precision = bf16 against the float64 PyTorch reference", function()
+describe("precision = bf16 against the float64 PyTorch reference #bf16", function()
   it("serial", function() serial = check(1, {}) end)
   it("--tensor=2", function() check(2, { "--tensor=2" }) end)
   it("--data=2 --zero=1", function() check(2, { "--data=2", "--zero=1" }) end)
@@ -100,7 +100,7 @@ describe("precision = bf16 against the float64 PyTorch reference", function()
   it("--tensor=2 --sequence-parallel", function() check(2, { "--tensor=2", "--sequence-parallel" }) end)
 end)
 
-describe("precision = bf16 on the emulated device", function()
+describe("precision = bf16 on the emulated device #bf16", function()
   it("has the emulated build (make emu)", function()
     assert.is_true(h.exists(EMU), EMU .. " is missing: run make emu")
   end)

@@ -105,13 +105,16 @@ end
 
 -- Both paths wherever oneDNN can run (the automatic choice may still be the
 -- fallback: it takes oneDNN only where bf16 outruns float32, see bf16.c).
+-- The path this process runs (PG_BF16_GEMM pins it: scripts/run_tests.sh runs
+-- the #bf16 tests under each), put back after each test that selects one.
+local initial = ops.bf16_gemm_path()
 local onednn_ok, onednn_why = pcall(ops.bf16_gemm_path, "onednn")
-ops.bf16_gemm_path("auto")
+ops.bf16_gemm_path(initial)
 local paths = { "fallback" }
 if onednn_ok then paths[2] = "onednn" end
 
 describe("bf16 GEMM", function()
-  after_each(function() ops.bf16_gemm_path("auto") end)
+  after_each(function() ops.bf16_gemm_path(initial) end)
 
   it("names its path and why; an unknown path is one clear error", function()
     local p, why = ops.bf16_gemm_path()
@@ -223,7 +226,7 @@ local function batch(B, T)
   return x, y
 end
 
-describe("precision = bf16 in pg.parallelize", function()
+describe("precision = bf16 in pg.parallelize #bf16", function()
   it("uses the weights of the last optimizer step: after a step, the loss is a fresh engine's on those weights",
     function()
       local x, y = batch()
@@ -316,7 +319,7 @@ describe("precision = bf16 in pg.parallelize", function()
   end)
 end)
 
-describe("bf16 exports (scripts/checkpoint.lua export-llmc / export-hf --bf16)", function()
+describe("bf16 exports (scripts/checkpoint.lua export-llmc / export-hf --bf16) #bf16", function()
   local st = require "pipegoose.safetensors"
 
   it("write llm.c's version 5 and BF16 safetensors of the float32 masters, rounded, and load back as those values",
@@ -372,7 +375,7 @@ end)
 -- the same composition of pg.ops kernels, rounding where autocast makes a tensor bf16. Tolerances: the same
 -- kernels on the same values, so float32 noise only: 1e-6 of the loss and of each gradient's largest element;
 -- float32 activations move the loss by ~1e-5 relative (printed).
-describe("bf16 activations (torch.autocast's types)", function()
+describe("bf16 activations (torch.autocast's types) #bf16", function()
   local nn, V, C, H, HEADS = pg.nn, 61, 16, 48, 2
   local function net()
     local function col(o, name, blocks) return nn.Linear{ ["in"] = C, out = o, parallel = "column", name = name,

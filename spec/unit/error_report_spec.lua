@@ -63,6 +63,16 @@ describe("a failing job", function()
     for r = 0, 2 do assert.is_true(h.reported_by(out, r, "three give up"), out) end
   end)
 
+  it("lets a rank that fails a moment after another report before the job ends (two fail, one is busy)", function()
+    -- rank 0 fails at once, rank 1 a second later, rank 2 never: before the linger, rank 0's grace (3 s) ran
+    -- out, it reported alone and aborted at 3 s, a second before rank 1's own grace ended and it could report
+    -- (what a loaded machine does to two ranks whose watchdogs fire together)
+    local rc, out = job(3, "if me == 1 then os.execute('sleep 1') end\n"
+      .. "if me == 2 then os.execute('sleep 15') else error('rank ' .. me .. ' gives up', 0) end", "PG_ABORT_GRACE=3 ")
+    assert.equal(1, rc, out)
+    assert.same({ "0: rank 0 gives up", "1: rank 1 gives up" }, summary(out))
+  end)
+
   it("adds the traceback to an internal error (once), and to any error under PG_DEBUG=1", function()
     local rc, out = job(2, "local function f(t) return t.x end\nf(nil)")
     assert.equal(1, rc, out)

@@ -184,7 +184,7 @@ end)
 -- in another order) and stay within 6e-4 of the serial bf16 run. bf16 did
 -- run: some step's loss is more than 1e-4 from the fixture (float32 layouts
 -- are within 1e-5).
-describe("pg.nn.Mixtral with precision = bf16", function()
+describe("pg.nn.Mixtral with precision = bf16 #bf16", function()
   local function losses(out)
     local t = {}
     for k, l in out:gmatch("step (%d+) loss (%S+)") do t[tonumber(k)] = tonumber(l) end
