@@ -12,7 +12,7 @@ return function(p)
   function o.layout()
     o.int("--tensor", 1, "Tensor-parallel size.")
     o.int("--pipeline", 1, "Pipeline stages.")
-    o.int("--data", 1, "Data-parallel size.")
+    o.int("--data", nil, "Data-parallel size (default: world size / (tensor x pipeline)).")
     o.int("--micro-batches", 1, "Micro-batches per step.")
   end
   return o

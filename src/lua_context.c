@@ -46,6 +46,17 @@ static int size_field(lua_State *L, const char *key, int world) {
   return (int)v;
 }
 
+/* data not given: the ranks tensor and pipeline leave, as Megatron-LM and
+ * torchtitan infer it (an explicit data keeps pg_context_init's check that
+ * the product is the world). */
+static int infer_data(lua_State *L, int world, int tp, int pp) {
+  long tpp = (long)tp * pp;
+  if (world % tpp)
+    luaL_error(L, "ParallelContext: tensor=%d x pipeline=%d = %I ranks does not divide the world size %d, so data "
+               "(not given) cannot be inferred as world / (tensor x pipeline)", tp, pp, (lua_Integer)tpp, world);
+  return (int)(world / tpp);
+}
+
 static int l_new(lua_State *L) {
   static const char *const keys[] = {"tensor", "pipeline", "data", "expert", "seed", "self", NULL};
   pg_lua_check_keys(L, 1, "ParallelContext", keys); /* and that it is a table */
@@ -60,13 +71,19 @@ static int l_new(lua_State *L) {
   MPI_Comm world_comm = self ? MPI_COMM_SELF : MPI_COMM_WORLD;
   int world = 1;
   MPI_Comm_size(world_comm, &world);
-  int tp = size_field(L, "tensor", world), pp = size_field(L, "pipeline", world), dp = size_field(L, "data", world);
+  int tp = size_field(L, "tensor", world), pp = size_field(L, "pipeline", world);
+  int inferred = lua_getfield(L, 1, "data") == LUA_TNIL;
+  lua_pop(L, 1);
+  int dp = inferred ? infer_data(L, world, tp, pp) : size_field(L, "data", world);
   int ep = size_field(L, "expert", world);
   uint64_t seed = (uint64_t)pg_lua_opt_int(L, 1, "seed", 1234);
-  pg_context *c = lua_newuserdatauv(L, sizeof *c, 0);
+  /* user value 1: whether data was inferred (tostring says so) */
+  pg_context *c = lua_newuserdatauv(L, sizeof *c, 1);
   memset(c, 0, sizeof *c);
   c->destroyed = 1;
   luaL_setmetatable(L, PG_CONTEXT_MT);
+  lua_pushboolean(L, inferred);
+  lua_setiuservalue(L, -2, 1);
   if (pg_context_init(c, world_comm, tp, pp, dp, ep, seed)) return luaL_error(L, "ParallelContext: %s", pg_error());
   if (!self) { /* the default for pg.dist stays the job-wide one */
     lua_pushvalue(L, -1);
@@ -220,13 +237,18 @@ static int l_tostring(lua_State *L) {
     lua_pushstring(L, "ParallelContext(destroyed)");
     return 1;
   }
+  lua_getiuservalue(L, 1, 1);
+  const char *how = "";
+  if (lua_toboolean(L, -1))
+    how = lua_pushfstring(L, " (inferred from %d rank%s)", c->world_size, c->world_size == 1 ? "" : "s");
   if (c->expert > 1)
-    lua_pushfstring(L, "ParallelContext(rank %d of %d: tensor %d/%d, pipeline %d/%d, data %d/%d, expert %d/%d, seed %I)",
-                    c->rank, c->world_size, c->tp_rank, c->tensor, c->pp_rank, c->pipeline, c->dp_rank, c->data,
+    lua_pushfstring(L,
+                    "ParallelContext(rank %d of %d: tensor %d/%d, pipeline %d/%d, data %d/%d%s, expert %d/%d, seed %I)",
+                    c->rank, c->world_size, c->tp_rank, c->tensor, c->pp_rank, c->pipeline, c->dp_rank, c->data, how,
                     c->ep_rank, c->expert, (lua_Integer)c->seed);
   else
-    lua_pushfstring(L, "ParallelContext(rank %d of %d: tensor %d/%d, pipeline %d/%d, data %d/%d, seed %I)", c->rank,
-                    c->world_size, c->tp_rank, c->tensor, c->pp_rank, c->pipeline, c->dp_rank, c->data,
+    lua_pushfstring(L, "ParallelContext(rank %d of %d: tensor %d/%d, pipeline %d/%d, data %d/%d%s, seed %I)", c->rank,
+                    c->world_size, c->tp_rank, c->tensor, c->pp_rank, c->pipeline, c->dp_rank, c->data, how,
                     (lua_Integer)c->seed);
   return 1;
 }

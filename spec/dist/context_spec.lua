@@ -268,3 +268,35 @@ for _, L in ipairs(layouts) do
     end)
   end)
 end
+
+-- data omitted: the ranks tensor and pipeline leave (Megatron-LM's and
+-- torchtitan's rule); given, it must make the world exactly, as before.
+describe("data inferred from the world size", function()
+  -- the issue's layout on 8 ranks: tensor=2 x pipeline=2 leaves data=2
+  local inner = ({ [1] = { 1, 1 }, [2] = { 2, 1 }, [4] = { 1, 2 }, [8] = { 2, 2 } })[world]
+  local T, P = inner[1], inner[2]
+  local D = world // (T * P)
+
+  it("is world / (tensor x pipeline) when not given, and tostring says so", function()
+    local ctx = pg.ParallelContext{ tensor = T, pipeline = P, seed = 7 }
+    assert.same({ tensor = T, pipeline = P, data = D, expert = 1, world = world }, ctx:sizes())
+    assert.equal(D, ctx:world_size("data"))
+    assert.matches(("data %d/%d %%(inferred from %d ranks?%%)"):format(ctx:local_rank("data"), D, world), tostring(ctx))
+    ctx:destroy()
+    local given = pg.ParallelContext{ tensor = T, pipeline = P, data = D, seed = 7 }
+    assert.is_nil(tostring(given):find("inferred", 1, true))
+    given:destroy()
+  end)
+
+  it("fails naming the numbers when tensor x pipeline does not divide the world", function()
+    assert.has_error(function() pg.ParallelContext{ tensor = 3, pipeline = 2 } end,
+      ("ParallelContext: tensor=3 x pipeline=2 = 6 ranks does not divide the world size %d, so data (not given) "
+        .. "cannot be inferred as world / (tensor x pipeline)"):format(world))
+  end)
+
+  it("keeps the explicit size's check", function()
+    assert.has_error(function() pg.ParallelContext{ tensor = T, pipeline = P, data = D + 1 } end,
+      ("ParallelContext: tensor=%d x pipeline=%d x data=%d = %d ranks, but the world has %d"):format(T, P, D + 1,
+        T * P * (D + 1), world))
+  end)
+end)
