@@ -8,6 +8,10 @@
 package.path = "examples/?.lua;" .. package.path
 
 local pg = require "pipegoose"
+-- no options: --help says what it runs, and an argument is an error
+require("argparse")("callbacks_recipe.lua", "A short GPT recipe on data/fortunes_train.bin with custom callbacks "
+  .. "(examples/callbacks/*.lua) next to the built-in ones; writes runs/callbacks_recipe.")
+  :epilog("Run it as: mpirun -np 2 ./pglua examples/callbacks_recipe.lua"):parse()
 local LossSpike = require "callbacks.loss_spike"
 local RunSummary = require "callbacks.run_summary"
 

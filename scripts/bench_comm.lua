@@ -6,6 +6,10 @@
 -- bytes is the full (gathered / unscattered) buffer.
 local pg = require "pipegoose"
 
+-- no options: --help says what it measures, and an argument is an error
+require("argparse")("bench_comm.lua", "Collective bandwidth (all_reduce, all_gather, reduce_scatter and the bare "
+  .. "MPI_Allreduce) under mpirun: scripts/mpirun.sh -np 2 ./pglua scripts/bench_comm.lua."):parse()
+
 local ctx = pg.ParallelContext{ data = pg.world_size() }
 local n, me = ctx:world_size(), ctx:rank()
 local sizes = { 64 * 1024, 1024 * 1024, 16 * 1024 * 1024, 64 * 1024 * 1024 }

@@ -19,13 +19,24 @@
 -- peak gemm_bf16 / datasheet. On the emulated device (build-emu) use
 -- --model=tiny: it checks the script, not the speed.
 local pg = require "pipegoose"
+local argparse = require "argparse"
 
-local opt = {}
-for _, a in ipairs(arg) do
-  local k, v = a:match("^%-%-([%w-]+)=(.*)$")
-  if not k then error("bench_gpu.lua: unexpected argument " .. a, 0) end
-  opt[k] = v
-end
+-- lua-argparse, as the other scripts: --help, and an unknown option is an error
+-- (defaults that depend on --model are filled in below)
+local parser = argparse("bench_gpu.lua", "GPT-2 training-step tokens/s and MFU on a GPU against the cuBLAS GEMM "
+  .. "rates measured in the same run.")
+local function to_int(s) return math.tointeger(tonumber(s)) end
+parser:option("--model", "124m, small or tiny (tiny: checks the script on the emulated device).", "124m")
+  :choices{ "124m", "small", "tiny" }
+parser:option("--batch", "Sequences per step (default 8 for 124m, else 4)."):convert(to_int)
+parser:option("--seq", "Tokens per sequence (default: the model's seq_len)."):convert(to_int)
+parser:option("--steps", "Timed steps.", "10"):convert(to_int)
+parser:option("--warmup", "Untimed steps first.", "2"):convert(to_int)
+parser:option("--peak-n", "The GEMM size n of the peak rate (default 8192; tiny 64)."):convert(to_int)
+parser:option("--precision", "fp32, bf16 or both.", "both"):choices{ "fp32", "bf16", "both" }
+local args = parser:parse()
+local opt = { model = args.model, batch = args.batch, seq = args.seq, steps = args.steps, warmup = args.warmup,
+              ["peak-n"] = args.peak_n, precision = args.precision }
 local function int(k, d) return math.tointeger(tonumber(opt[k] or d)) or error("--" .. k .. " needs an integer", 0) end
 
 local MODELS = {

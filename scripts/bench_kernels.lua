@@ -3,9 +3,15 @@
 -- small qkv projection of 256 tokens), the linear backward, and the
 -- attention forward + backward time for B=4, T=64, C=768, NH=12.
 local pg = require "pipegoose"
+local argparse = require "argparse"
 local ops = pg.ops
 
-if arg[1] then ops.set_num_threads(tonumber(arg[1])) end
+local parser = argparse("bench_kernels.lua", "Kernel micro-benchmarks: sgemm through ops.linear, the linear backward "
+  .. "and attention forward + backward.")
+parser:argument("threads", "OpenMP threads (default: pipegoose's).")
+  :args("?"):convert(function(s) return math.tointeger(tonumber(s)) end)
+local threads = parser:parse().threads
+if threads then ops.set_num_threads(threads) end
 
 -- best of `reps` timings after one warm-up call
 local function time(reps, f)

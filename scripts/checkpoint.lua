@@ -24,8 +24,35 @@ local ckpt = require "pipegoose.checkpoint"
 local USAGE = "usage: pglua scripts/checkpoint.lua info|verify|seal|consolidate|export-llmc|export-hf DIR [OUT] "
   .. "[--optimizer] [--force] [--bf16]"
 
+-- --help: the commands as the header above lists them
+local HELP = [[
+Usage: checkpoint.lua [-h] COMMAND DIR [OUT] [--optimizer] [--force] [--bf16]
+
+Checkpoint tools, on one process (no mpirun). DIR is a checkpoint directory, or a
+directory with a `latest` file (the newest checkpoint in it).
+
+Commands:
+   info DIR                      the manifest in short, and the files
+   verify DIR                    what loading checks: the manifest's seal and fields, every file's
+                                 name, size, crc32 and header (exit 1 naming the file and the field)
+   seal DIR [--force]            validates, then seals the manifest (manifest_crc32); --force
+                                 re-seals a manifest edited on purpose
+   consolidate DIR OUT [--optimizer]
+                                 one safetensors file of full tensors (--optimizer: also m/<name>, v/<name>)
+   export-llmc DIR OUT [--bf16]  GPT-2 weights as an llm.c model file (--bf16: llm.c's bf16 file, version 5)
+   export-hf DIR OUTDIR [--bf16] GPT-2 or LLaMA as a Hugging Face directory (from_pretrained loads it;
+                                 --bf16: BF16 tensors, torch_dtype bfloat16)
+
+Options:
+   -h, --help                    Show this help message and exit.
+]]
+
 local args, flags = {}, {}
 for _, a in ipairs(arg) do
+  if a == "-h" or a == "--help" then
+    io.write(HELP)
+    os.exit(0)
+  end
   if a:match("^%-%-") then flags[a] = true else args[#args + 1] = a end
 end
 local cmd, dir, out = args[1], args[2], args[3]

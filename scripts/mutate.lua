@@ -1,7 +1,7 @@
 -- Mutation check: do the specs catch one-line bugs?
 --
 --   make mutate [MUTATE_ARGS="--only=name,name --baseline --stop"]
---   pglua scripts/mutate.lua [--only=...] [--baseline] [--stop] [--list] [--check]
+--   pglua scripts/mutate.lua [--only=...] [--baseline] [--stop] [--list] [--check] [--help]
 --
 -- Copies the working tree (tracked and untracked, not ignored files) to
 -- build/mutate/tree, builds it there (CUDA=0, and the emulated device), and for each mutation of
@@ -14,14 +14,20 @@
 -- run it after a refactor). --baseline first runs every named spec on the unmutated copy (they must
 -- pass, or "caught" would mean nothing). Not part of `make test`: it takes
 -- minutes per mutation on a small machine.
-local list = dofile("scripts/mutations.lua")
+-- Parsed before anything else: --help prints the usage and exits, and an
+-- unknown or misspelt option is an error, never a full run that ignores it.
+local argparse = require "argparse"
+local parser = argparse("mutate.lua", "Mutation check: applies each one-line bug of scripts/mutations.lua to a copy "
+  .. "of the tree (build/mutate/tree, or $MUTATE_DIR/tree), rebuilds it and runs the specs that must catch it. "
+  .. "Takes minutes per mutation; not part of make test.")
+parser:option("--only", "Comma-separated names of the mutations to apply (default: all; --list names them).")
+parser:flag("--baseline", "First run every named spec on the unmutated copy (they must pass).")
+parser:flag("--stop", "Stop at the first mutation that is not caught.")
+parser:flag("--list", "List the mutations (name, file, why) and exit.")
+parser:flag("--check", "Only check that every mutation's text occurs once in its file (quick), and exit.")
+local opts = parser:parse()
 
-local opts = {}
-for _, a in ipairs(arg) do
-  local k, v = a:match("^%-%-([%w-]+)=?(.*)$")
-  if not k then error("mutate.lua: unexpected argument " .. a, 0) end
-  opts[k] = v
-end
+local list = dofile("scripts/mutations.lua")
 
 local function sh(cmd)
   local ok, how, code = os.execute(cmd)

@@ -218,8 +218,22 @@ function M.run(o)
     #errs > 0 and median(errs) or 0, max(errs), max(mem_errs), #errs))
 end
 
+-- Run by itself only as a worker; --help says so (the driver is scripts/plan.lua --validate).
+local main = (arg and arg[0] or ""):match("plan_validate%.lua$")
+if main and arg[1] ~= "--worker" then
+  local help = arg[1] == "-h" or arg[1] == "--help"
+  local text = "Usage: plan_validate.lua --worker --model=gpt|llama --tensor=T --pipeline=P --data=D "
+    .. "--micro-batches=M --schedule=1f1b|gpipe --steps=N --warmup=W\n\n"
+    .. "plan_validate.lua measures one layout's step time and memory for the planner's validation: "
+    .. "scripts/plan.lua --validate runs it under mpirun as a worker, one configuration per job. "
+    .. "Run pglua scripts/plan.lua --validate [--quick] instead.\n"
+  local out = help and io.stdout or io.stderr
+  out:write(text)
+  os.exit(help and 0 or 1)
+end
+
 -- run as a worker: pglua scripts/plan_validate.lua --worker --k=v ...
-if (arg and arg[0] or ""):match("plan_validate%.lua$") and arg[1] == "--worker" then
+if main and arg[1] == "--worker" then
   local o = {}
   for i = 2, #arg do
     local k, v = arg[i]:match("^%-%-([%w_-]+)=(.*)$")

@@ -2,7 +2,10 @@
 -- A test (file, world size, name) passes when it passed on every rank that ran
 -- it; a run whose ranks did not all report counts as one failed test.
 local cjson = require "cjson"
-local dir = assert(arg[1], "usage: test_summary.lua DIR")
+local parser = require("argparse")("test_summary.lua", "Merges the per-rank JSON summaries of a test run "
+  .. "(scripts/run_tests.sh) and prints the totals; exit 1 when a test failed.")
+parser:argument("dir", "The directory of the summaries.")
+local dir = parser:parse().dir
 
 local runs = {}
 for file in io.popen('ls "' .. dir .. '"'):lines() do
