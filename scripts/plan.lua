@@ -11,7 +11,10 @@
 -- schedule=<s> zero=<z> recompute=<r> sp=<true|false> tflops_per_gpu=<x>
 -- step_s=<s> mem_gb=<m>, then the top K with their step-time breakdown.
 -- tflops_per_gpu counts the FLOPs the GPUs execute, recomputation included
--- (Megatron-LM's convention); mfu counts the model's FLOPs only.
+-- (Megatron-LM's convention), to 4 significant digits (a small run on a CPU
+-- profile is a fraction of one TFLOP/s); mfu counts the model's FLOPs only.
+-- --precision defaults to bf16, or to what a cpu profile measured
+-- (pg.plan.hardware.default_precision).
 local pg = require "pipegoose"
 local argparse = require "argparse"
 
@@ -27,7 +30,7 @@ parser:option("--gpus-per-node", "GPUs per node (default: the hardware's, 8 for 
 parser:option("--gpu", "Hardware: " .. table.concat(pg.plan.hardware.NAMES, ", ") .. " or cpu-profile=FILE.", "a100-80gb")
 parser:option("--global-batch", "Sequences per step (required unless --validate)."):convert(math.tointeger)
 parser:option("--seq-len", "Tokens per sequence (default: the model's)."):convert(math.tointeger)
-parser:option("--precision", "bf16, fp32 or tf32.", "bf16"):choices{ "bf16", "fp32", "tf32" }
+parser:option("--precision", "bf16, fp32 or tf32 (default: bf16, or the precision a cpu profile has figures for)."):choices{ "bf16", "fp32", "tf32" }
 parser:option("--top", "How many layouts to list.", "5"):convert(math.tointeger)
 parser:option("--gemm-efficiency", "Share of peak FLOP/s a large matrix product reaches (default 0.75)."):convert(tonumber)
 parser:flag("--flash-attention", "Attention scores never go through memory (fused kernel).")
@@ -70,12 +73,9 @@ local function run()
     sequence_parallel = pin_sp,
   }
   local q = summary.query
-  if #best == 0 then
-    error(("no layout of %s fits on %d x %s (%d enumerated, %d over memory, %d with a data-parallel size that does not divide the global batch)")
-      :format(q.model.name, q.gpus, q.hw.name, summary.enumerated, summary.over_memory, summary.batch_mismatch), 0)
-  end
+  if #best == 0 then error(pg.plan.no_fit_message(summary), 0) end
   local b = best[1]
-  print(("best t=%d p=%d d=%d m=%d b=%d schedule=%s zero=%d recompute=%s sp=%s tflops_per_gpu=%.1f step_s=%.4g mem_gb=%.2f")
+  print(("best t=%d p=%d d=%d m=%d b=%d schedule=%s zero=%d recompute=%s sp=%s tflops_per_gpu=%.4g step_s=%.4g mem_gb=%.2f")
     :format(b.t, b.p, b.d, b.m, b.b, b.schedule, b.zero, b.recompute, tostring(b.sp), b.tflops_per_gpu, b.step_s,
       b.mem_gb))
   print(("%s on %d x %s (%d per node), global batch %d x %d tokens, %s; %d layouts, %d over memory, %d simulated, %.1f s")
@@ -86,7 +86,7 @@ local function run()
     "mem_gb", "compute", "tp_comm", "bubble", "dp_exp", "optim"))
   for i, L in ipairs(best) do
     local k = L.breakdown
-    print(("%3d %3d %3d %4d %5d %3d %-6s %4d %-9s %-5s %9.4g %7.1f %5.3f %7.2f | %9.4g %9.4g %9.4g %9.4g %9.4g")
+    print(("%3d %3d %3d %4d %5d %3d %-6s %4d %-9s %-5s %9.4g %7.4g %5.3f %7.2f | %9.4g %9.4g %9.4g %9.4g %9.4g")
       :format(i, L.t, L.p, L.d, L.m, L.b, L.schedule, L.zero, L.recompute, tostring(L.sp), L.step_s,
         L.tflops_per_gpu, L.mfu, L.mem_gb, k.compute, k.tp_comm, k.bubble, k.dp_comm_exposed, k.optimizer))
   end

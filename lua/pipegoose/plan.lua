@@ -43,7 +43,7 @@ local SCHEMA = {
   gpu = gpu_spec,
   global_batch = opt.integer{ min = 1, max = 1 << 30, required = true },
   seq_len = opt.integer{ min = 1 },
-  precision = opt.enum({ "bf16", "fp32", "tf32" }, { default = "bf16" }),
+  precision = opt.enum{ "bf16", "fp32", "tf32" }, -- default: hardware.default_precision (bf16 on a datasheet GPU)
   top = opt.integer{ min = 1, default = 1 },
   gemm_efficiency = opt.number{ gt = 0, max = 1 },
   flash_attention = opt.boolean,
@@ -64,8 +64,9 @@ local function query(o)
   local s = o.hf and models.load_hf(o.hf) or models.get(o.model)
   local hw = hardware.get(o.gpu or "a100-80gb")
   local G = o.gpus_per_node or hw.gpus_per_node
-  if not hw.peak_flops[o.precision] then
-    error(("plan: %s has no %s FLOP/s (it has: %s)"):format(hw.name, o.precision,
+  local precision = o.precision or hardware.default_precision(hw)
+  if not hw.peak_flops[precision] then
+    error(("plan: %s has no %s FLOP/s (it has: %s)"):format(hw.name, precision,
       table.concat((function()
         local t = {}
         for k in pairs(hw.peak_flops) do t[#t + 1] = k end
@@ -83,7 +84,7 @@ local function query(o)
   if o.dp_overlap ~= nil then options.dp_overlap = o.dp_overlap end
   return {
     model = s, hw = hw, gpus = o.gpus, gpus_per_node = math.min(G, o.gpus), global_batch = o.global_batch,
-    seq_len = o.seq_len or s.seq_len, precision = o.precision, top = o.top, options = options,
+    seq_len = o.seq_len or s.seq_len, precision = precision, top = o.top, options = options,
     fix = { t = o.tensor, p = o.pipeline, b = o.micro_batch_size, schedule = o.schedule, zero = o.zero,
       recompute = o.recompute, sp = o.sequence_parallel },
   }
@@ -109,15 +110,27 @@ function M.search(o)
   return best, summary
 end
 
+--- Why a search found no layout (summary: M.search's): the counts, and when
+-- layouts were over memory what the smallest of them needs per rank against
+-- what a rank has (memory.USABLE_FRACTION of it).
+function M.no_fit_message(summary)
+  local q, small = summary.query, summary.smallest
+  local need = ""
+  if small then
+    need = (": the smallest (t=%d p=%d d=%d b=%d zero=%d recompute=%s sp=%s) needs %.4g GiB per rank, and a rank "
+      .. "has %.4g GiB usable (%d%% of %.4g GiB)"):format(small.t, small.p, small.d, small.b, small.zero,
+      small.recompute, tostring(small.sp), small.mem_bytes / 1024 ^ 3, summary.usable_bytes / 1024 ^ 3,
+      math.floor(M.memory.USABLE_FRACTION * 100 + 0.5), q.hw.memory_bytes / 1024 ^ 3)
+  end
+  return ("no layout of %s fits on %d x %s%s; %d enumerated, %d over memory, %d with a data-parallel size that does "
+    .. "not divide global_batch=%d"):format(q.model.name, q.gpus, q.hw.name, need, summary.enumerated,
+    summary.over_memory, summary.batch_mismatch, q.global_batch)
+end
+
 --- The best layout (see the top of this file); an error when none fits.
 function M.best(o)
   local best, summary = M.search(o)
-  if #best == 0 then
-    local q = summary.query
-    error(("plan: no layout of %s fits on %d x %s (%d enumerated, %d over memory, %d with a data-parallel size that does not divide global_batch=%d)")
-      :format(q.model.name, q.gpus, q.hw.name, summary.enumerated, summary.over_memory, summary.batch_mismatch,
-        q.global_batch), 0)
-  end
+  if #best == 0 then error("plan: " .. M.no_fit_message(summary), 0) end
   return best[1], summary
 end
 

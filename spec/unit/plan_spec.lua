@@ -170,10 +170,35 @@ describe("plan.search", function()
     end
   end)
 
-  it("drops every layout when none fits, and says so", function()
-    local ok, err = pcall(plan, { model = "gpt3-175b", gpus = 8, gpu = "a100-80gb", global_batch = 8 })
+  it("drops every layout when none fits, and says what the smallest needs against what a rank has", function()
+    local q = { model = "gpt3-175b", gpus = 8, gpu = "a100-80gb", global_batch = 8 }
+    local ok, err = pcall(plan, q)
     assert.is_false(ok)
     assert.matches("no layout of gpt3-175b fits on 8 x a100-80gb", err, 1, true)
+    -- the smallest is the least memory of every layout (all over memory here)
+    q.top = 100000
+    local _, summary = plan.search(q)
+    assert.equal(summary.enumerated, summary.over_memory)
+    local small = summary.smallest
+    assert.is_true(small.mem_bytes > summary.usable_bytes)
+    local s = plan.models.get("gpt3-175b")
+    local parts_of = {}
+    for _, T in ipairs{ 1, 2, 4, 8 } do
+      for _, P in ipairs{ 1, 2, 4, 8 } do
+        if T * P <= 8 and 8 % (T * P) == 0 then
+          parts_of[P] = parts_of[P] or plan.search_module.partition(s, P)
+          local L = { t = T, p = P, d = 8 // (T * P), b = 1, seq = s.seq_len, precision = "bf16", zero = 0,
+            recompute = "full", sp = T > 1, schedule = "1f1b", m = 8 // (8 // (T * P)) }
+          local mem = plan.search_module.layout_memory(s, L, parts_of[P], plan.hardware.get("a100-80gb"))
+          assert.is_true(small.mem_bytes <= mem, ("t=%d p=%d needs %.4g GiB"):format(T, P, mem / 1024 ^ 3))
+        end
+      end
+    end
+    local usable = 80 * 1024 ^ 3 * memory.USABLE_FRACTION
+    assert.near(usable, summary.usable_bytes, 1)
+    assert.matches(("the smallest (t=%d p=%d d=%d b=%d zero=%d recompute=%s sp=%s) needs %.4g GiB per rank, and a rank "
+      .. "has 72 GiB usable (90%% of 80 GiB); 432 enumerated, 432 over memory"):format(small.t, small.p, small.d,
+      small.b, small.zero, small.recompute, tostring(small.sp), small.mem_bytes / 1024 ^ 3), err, 1, true)
   end)
 
   it("matches an exhaustive simulation (the lower-bound pruning loses nothing)", function()
@@ -238,10 +263,37 @@ describe("plan errors", function()
       "--precision=fp32", "--gpu=cpu-profile=" .. path })
     assert.equal(0, rc, out)
     assert.matches("^best t=%d+ p=%d+ d=%d+ ", out)
+    -- without --precision: the precision the profile has figures for
     rc, out = h.sh(h.pglua_cmd{ "scripts/plan.lua", "--model=gpt2-124m", "--gpus=2", "--global-batch=8",
       "--gpu=cpu-profile=" .. path })
+    assert.equal(0, rc, out)
+    assert.matches("^best t=%d+ p=%d+ d=%d+ ", out)
+    assert.matches("\ngpt2%-124m on 2 x cpu%-profile:box [^\n]*, fp32; ", out)
+    assert.equal("fp32", plan.hardware.default_precision(hw))
+    assert.equal("bf16", plan.hardware.default_precision(plan.hardware.get("a100-80gb")))
+    assert.equal("fp32", plan.search{ model = "gpt2-124m", gpus = 2, global_batch = 8, gpu = hw }[1].precision)
+    -- asked for one it has no figure for: still an error naming what it has
+    rc, out = h.sh(h.pglua_cmd{ "scripts/plan.lua", "--model=gpt2-124m", "--gpus=2", "--global-batch=8",
+      "--precision=bf16", "--gpu=cpu-profile=" .. path })
     assert.is_not.equal(0, rc)
-    assert.matches("has no bf16 FLOP/s", out, 1, true)
+    assert.matches("cpu-profile:box has no bf16 FLOP/s (it has: fp32)", out, 1, true)
+  end)
+
+  it("prints a small run's tflops_per_gpu with significant digits, not 0.0", function()
+    local slow = { format = "pipegoose-hardware-profile", version = 1, name = "slow", gemm_flops = { fp32 = 2e9 },
+      memory_bandwidth = 2e10, memory_bytes = 6e10, gpus_per_node = 2,
+      intra = { bandwidth = 5e9, latency = 2e-6 }, inter = { bandwidth = 1e9, latency = 2e-5 } }
+    local path = h.tmpfile(cjson.encode(slow), ".json")
+    local rc, out = h.sh(h.pglua_cmd{ "scripts/plan.lua", "--model=gpt2-124m", "--gpus=2", "--global-batch=8",
+      "--precision=fp32", "--gpu=cpu-profile=" .. path })
+    assert.equal(0, rc, out)
+    local best = plan.search{ model = "gpt2-124m", gpus = 2, global_batch = 8, precision = "fp32",
+      gpu = plan.hardware.from_profile(slow, path) }[1]
+    assert.is_true(best.tflops_per_gpu < 0.05, "a run of a small fraction of one TFLOP/s")
+    local shown = out:match("tflops_per_gpu=(%S+)")
+    assert.equal(("%.4g"):format(best.tflops_per_gpu), shown)
+    assert.is_true(tonumber(shown) > 0)
+    os.remove(path)
   end)
 
   it("reads a transformers config.json and refuses a model_type it does not know", function()
@@ -269,7 +321,7 @@ describe("scripts/plan.lua", function()
     assert.equal(0, rc, out)
     local first = out:match("^[^\n]*")
     assert.matches("^best t=%d+ p=%d+ d=%d+ m=%d+ b=%d+ schedule=[%w]+ zero=[01] recompute=%a+ sp=%a+ "
-      .. "tflops_per_gpu=[%d.]+ step_s=[%d.e+-]+ mem_gb=[%d.]+$", first)
+      .. "tflops_per_gpu=[%d.e+-]+ step_s=[%d.e+-]+ mem_gb=[%d.]+$", first)
     local t, p, d = first:match("t=(%d+) p=(%d+) d=(%d+)")
     assert.equal(8, t * p * d)
     assert.matches("compute%s+tp_comm%s+bubble%s+dp_exp%s+optim", out)

@@ -299,6 +299,17 @@ function M.from_profile(p, path)
   }
 end
 
+--- The precision a plan uses when none is given: bf16 (mixed precision, what
+-- large runs train in) where the hardware has bf16 FLOP/s, as every
+-- datasheet entry does; else the one a measured profile has figures for
+-- (scripts/calibrate.lua measures fp32 only), tf32 before fp32.
+function M.default_precision(hw)
+  for _, p in ipairs{ "bf16", "tf32", "fp32" } do
+    if hw.peak_flops[p] then return p end
+  end
+  error(("plan: %s has no FLOP/s for any precision"):format(hw.name or "hardware"), 0)
+end
+
 --- Reads a profile file.
 function M.load_profile(path)
   local f, err = io.open(path, "r")

@@ -132,7 +132,8 @@ end
 --      seq_len, precision, top, options = { gemm_efficiency, flash_attention,
 --      dp_overlap }, fix = { t, p, b, schedule, zero, recompute, sp } }
 -- Returns the ranked list (at most q.top) and a summary { enumerated,
--- over_memory, simulated, skipped }.
+-- over_memory, simulated, batch_mismatch, feasible, usable_bytes (per rank),
+-- smallest (the over-memory layout that needs the least, with mem_bytes) }.
 function M.run(q)
   local s, hw, o = q.model, q.hw, q.options
   local N, G = q.gpus, q.gpus_per_node
@@ -144,7 +145,7 @@ function M.run(q)
   for k, v in pairs(s) do s_seq[k] = v end
   s_seq.seq_len = seq
 
-  local summary = { enumerated = 0, over_memory = 0, simulated = 0, batch_mismatch = 0 }
+  local summary = { enumerated = 0, over_memory = 0, simulated = 0, batch_mismatch = 0, usable_bytes = usable }
   local cands = {}
   local part_cache = {}
   for _, T in ipairs(divisors(G)) do
@@ -178,6 +179,10 @@ function M.run(q)
                           local mem, at, detail = M.layout_memory(s, L, parts, hw)
                           if mem > usable then
                             summary.over_memory = summary.over_memory + 1
+                            if not summary.smallest or mem < summary.smallest.mem_bytes then
+                              L.mem_bytes = mem
+                              summary.smallest = L
+                            end
                           else
                             L.mem_bytes, L.mem_stage, L.mem_detail = mem, at, detail
                             L.parts = parts
