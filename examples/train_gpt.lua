@@ -67,6 +67,7 @@ int("--log-every", 10, "Log every N steps.")
 int("--val-batches", 8, "Validation batches.")
 p:option("--save-hf", "At the end, write the model as a Hugging Face transformers directory.")
 local opt = p:parse()
+if opt.sample < 0 then p:error(("--sample must be 0 or more bytes, got %d"):format(opt.sample)) end
 
 -- What follows up to fit builds what the options describe, and an error there
 -- is in the options (Llama: kv_heads=3 does not divide heads=8): it is
