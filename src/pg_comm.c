@@ -257,7 +257,12 @@ static int poll_all(int n, MPI_Request *reqs, int *idx, MPI_Status *st, double d
 
 /* After a timeout: pending receives cancelled, pending sends let go; the
  * context is marked broken with the message, which is also the error. */
+static int waited_in_vain; /* pg_comm_timed_out */
+
+int pg_comm_timed_out(void) { return waited_in_vain; }
+
 static int give_up(pg_context *ctx, int n, MPI_Request *reqs, const char *msg) {
+  waited_in_vain = 1;
   for (int i = 0; i < n; i++) {
     if (reqs[i] == MPI_REQUEST_NULL) continue;
     MPI_Cancel(&reqs[i]);

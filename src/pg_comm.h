@@ -30,6 +30,11 @@ typedef enum { PG_REDUCE_SUM = 0, PG_REDUCE_MAX, PG_REDUCE_MIN, PG_REDUCE_AVG } 
 
 int pg_reduce_op_from_name(const char *name, pg_reduce_op *out);
 
+/* 1 once a call of this process gave up waiting for a partner (the watchdog:
+ * PG_COLLECTIVE_TIMEOUT): its error is then most likely a consequence of
+ * another rank's failure, which pglua reports after it. */
+int pg_comm_timed_out(void);
+
 /* The next call on ctx comes from `site` ("spec.lua:10"; NULL or "": the
  * runtime), which its record carries: pg.dist's bindings say where their Lua
  * caller is, so that ranks calling from different lines disagree. The call

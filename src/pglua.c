@@ -23,6 +23,7 @@
 #include <lualib.h>
 
 #include "pg_machine.h"
+#include "pg_comm.h"
 #include "pg_context.h"
 #include "pg_error.h"
 
@@ -64,6 +65,12 @@ static void usage(FILE *f) {
  * a moment later (two ranks whose watchdogs fire together, on a loaded
  * machine) would be killed before its message is out. The linger ends after
  * at most 3 grace periods plus LINGER_CAP_S, whatever the others do.
+ *
+ * Causes last: a rank whose failure followed a watchdog timeout
+ * (pg_comm_timed_out: it was left waiting, most likely for a rank that
+ * failed) is a consequence. Consequences are reported first, alone or in
+ * groups, and the other failures after them, so that the last line of the
+ * job's stderr is the one to read (scripts/mpirun.sh keeps it last).
  *
  * Tracebacks: an error raised on purpose (error(), assert(), a binding's
  * luaL_error: pipegoose's checks, a missing file) prints its message only.
@@ -170,7 +177,7 @@ enum { TAG_HASH = 1, TAG_REPORTED = 2 };
  * rank r says its lone report is out. Static: still reachable when the job
  * ends with requests pending, for leak checkers. */
 static struct {
-  uint64_t *hashes;
+  uint64_t *hashes, *msgs; /* msgs: each rank's (hash, 1 if its failure followed a watchdog timeout) */
   MPI_Request *hash_req, *done_req, *sends;
   char *heard, *reported; /* per rank: its hash came, its lone report is out */
   char *tokens_in;        /* per rank: where its notice lands (pending receives must not share a buffer) */
@@ -203,39 +210,61 @@ static int heard_all(int n, int me) {
 /* Posts the hash exchange; 0 when MPI or memory failed (the rank then reports alone at once). */
 static int post_reports(int n, int me, uint64_t mine) {
   rep.hashes = calloc((size_t)n, sizeof *rep.hashes);
+  rep.msgs = calloc((size_t)2 * (size_t)n, sizeof *rep.msgs);
   rep.hash_req = calloc((size_t)n, sizeof *rep.hash_req);
   rep.done_req = calloc((size_t)n, sizeof *rep.done_req);
   rep.sends = calloc((size_t)2 * (size_t)n, sizeof *rep.sends);
   rep.heard = calloc((size_t)n, 1);
   rep.reported = calloc((size_t)n, 1);
   rep.tokens_in = calloc((size_t)n, 1);
-  if (!rep.hashes || !rep.hash_req || !rep.done_req || !rep.sends || !rep.heard || !rep.reported || !rep.tokens_in)
+  if (!rep.hashes || !rep.msgs || !rep.hash_req || !rep.done_req || !rep.sends || !rep.heard || !rep.reported || !rep.tokens_in)
     return 0;
-  rep.hashes[me] = mine;
+  rep.msgs[2 * me] = mine;
+  rep.msgs[2 * me + 1] = (uint64_t)pg_comm_timed_out();
   rep.heard[me] = rep.reported[me] = 1;
   for (int r = 0; r < n; r++) {
     rep.hash_req[r] = rep.done_req[r] = rep.sends[r] = rep.sends[n + r] = MPI_REQUEST_NULL;
     if (r == me) continue;
-    if (MPI_Irecv(&rep.hashes[r], 1, MPI_UINT64_T, r, TAG_HASH, report_comm, &rep.hash_req[r]) != MPI_SUCCESS ||
+    if (MPI_Irecv(&rep.msgs[2 * r], 2, MPI_UINT64_T, r, TAG_HASH, report_comm, &rep.hash_req[r]) != MPI_SUCCESS ||
         MPI_Irecv(&rep.tokens_in[r], 1, MPI_CHAR, r, TAG_REPORTED, report_comm, &rep.done_req[r]) != MPI_SUCCESS ||
-        MPI_Isend(&rep.hashes[me], 1, MPI_UINT64_T, r, TAG_HASH, report_comm, &rep.sends[r]) != MPI_SUCCESS)
+        MPI_Isend(&rep.msgs[2 * me], 2, MPI_UINT64_T, r, TAG_HASH, report_comm, &rep.sends[r]) != MPI_SUCCESS)
       return 0;
   }
   return 1;
 }
 
-/* After a lone report: tell the others, then linger (see the top of this section) and end the job. */
-static _Noreturn void linger_and_abort(int n, int me) {
+/* Tells every other rank that this one's report is out. */
+static void notify_reported(int n, int me) {
   for (int r = 0; r < n; r++)
     if (r != me) MPI_Isend(&rep.token, 1, MPI_CHAR, r, TAG_REPORTED, report_comm, &rep.sends[n + r]);
+}
+
+/* Reports alone (unless `printed`), lingers (see the top of this section) and ends the job. A rank whose
+ * failure followed a watchdog timeout prints at once; any other waits first for the reports of those it
+ * has heard fail after a timeout, and until a grace period passes with no new failure, so that the cause is
+ * printed after its consequences. */
+static _Noreturn void report_alone(int n, int me, const char *who, const char *msg, int tb, int printed) {
+  int consequence = (int)rep.msgs[2 * me + 1];
+  if (printed) notify_reported(n, me);
   double grace = grace_seconds(), start = MPI_Wtime(), quiet_since = start;
   double cap = start + 3 * grace + LINGER_CAP_S;
   for (;;) {
     double now = MPI_Wtime();
     if (poll_reports(n, me)) quiet_since = now;
-    int waiting = 0; /* ranks that failed but whose report is not out yet */
-    for (int r = 0; r < n; r++) waiting += rep.heard[r] && !rep.reported[r];
-    if ((!waiting && now - quiet_since >= grace) || now >= cap) break;
+    int waiting = 0, waiting_timed_out = 0; /* ranks that failed but whose report is not out yet */
+    for (int r = 0; r < n; r++)
+      if (rep.heard[r] && !rep.reported[r]) {
+        waiting++;
+        waiting_timed_out += (int)rep.msgs[2 * r + 1];
+      }
+    int quiet = now - quiet_since >= grace;
+    if (!printed && (consequence || (!waiting_timed_out && quiet) || now >= cap)) {
+      print_report(who, msg, tb);
+      notify_reported(n, me);
+      printed = 1;
+      continue;
+    }
+    if (printed && ((!waiting && (quiet || !consequence)) || now >= cap)) break;
     sleep_seconds(1e-3);
   }
   abort_job(1);
@@ -252,40 +281,39 @@ static _Noreturn void report_and_abort(lua_State *L) {
     print_report(who, msg, tb);
     end_job(1);
   }
-  uint64_t mine = fnv1a(msg, 0xcbf29ce484222325ull) ^ (uint64_t)tb;
+  /* one group: one message, with or without a traceback, after a watchdog timeout or not */
+  uint64_t mine = fnv1a(msg, 0xcbf29ce484222325ull) ^ (uint64_t)tb ^ ((uint64_t)pg_comm_timed_out() << 1);
   if (!post_reports(n, me, mine)) {
     print_report(who, msg, tb);
     abort_job(1);
   }
   double end = MPI_Wtime() + grace_seconds();
   for (poll_reports(n, me); !heard_all(n, me) && MPI_Wtime() < end; poll_reports(n, me)) sleep_seconds(1e-3);
-  if (!heard_all(n, me)) {
-    /* not every rank failed in time: say it alone, and let the others that did say theirs */
-    print_report(who, msg, tb);
-    linger_and_abort(n, me);
-  }
+  if (!heard_all(n, me)) report_alone(n, me, who, msg, tb, 0); /* not every rank failed in time */
   /* Every rank failed. One that failed first may have given up waiting and reported alone already (its
    * notice is here): then so does this one. */
   for (int r = 0; r < n; r++)
-    if (r != me && rep.reported[r]) {
-      print_report(who, msg, tb);
-      linger_and_abort(n, me);
-    }
-  /* The lowest rank of each group with one message reports it. */
+    if (r != me && rep.reported[r]) report_alone(n, me, who, msg, tb, 0);
+  /* The lowest rank of each group with one message reports it: first the groups whose failure followed a
+   * watchdog timeout (ranks left waiting for one that failed), then, after a barrier, the others, so that the
+   * cause is printed after its consequences: the last line is the one to read. Every report is out before any
+   * rank ends the job, and one rank aborts it (one notice from mpirun). A barrier that does not complete
+   * means another rank reported alone after all (its notice came late): say this one's message alone unless
+   * it is out, and linger as that rank does. */
+  for (int r = 0; r < n; r++) rep.hashes[r] = rep.msgs[2 * r];
   char list[200];
   int count = rank_list(rep.hashes, n, mine, list, sizeof list);
-  int lowest = me == atoi(list);
-  if (lowest) {
-    snprintf(who, sizeof who, "%s %s", count > 1 ? "ranks" : "rank", list);
-    print_report(who, msg, tb);
-  }
-  /* Every report is out before any rank ends the job, and one rank aborts it (one notice from mpirun). A
-   * barrier that does not complete means another rank reported alone after all (its notice came late): say
-   * this one's message alone unless it is out, and linger as that rank does. */
-  MPI_Request req;
-  if (MPI_Ibarrier(report_comm, &req) != MPI_SUCCESS || !wait_request(&req, grace_seconds() + 1.0)) {
-    if (!lowest) print_report(who, msg, tb);
-    linger_and_abort(n, me);
+  int lowest = me == atoi(list), printed = 0;
+  char group[256];
+  snprintf(group, sizeof group, "%s %s", count > 1 ? "ranks" : "rank", list);
+  for (int consequence = 1; consequence >= 0; consequence--) {
+    if (lowest && (int)rep.msgs[2 * me + 1] == consequence) {
+      print_report(group, msg, tb);
+      printed = 1;
+    }
+    MPI_Request req;
+    if (MPI_Ibarrier(report_comm, &req) != MPI_SUCCESS || !wait_request(&req, grace_seconds() + 1.0))
+      report_alone(n, me, who, msg, tb, printed);
   }
   if (me != 0) sleep_seconds(10); /* rank 0's abort ends this process; if it does not, end it here */
   abort_job(1);

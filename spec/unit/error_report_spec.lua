@@ -73,6 +73,22 @@ describe("a failing job", function()
     assert.same({ "0: rank 0 gives up", "1: rank 1 gives up" }, summary(out))
   end)
 
+  it("ends under scripts/mpirun.sh with the first rank's error as the last line, once, without Open MPI's notice",
+    function()
+    -- rank 0 fails; 1 and 2, left waiting in a collective, fail on the watchdog 1 s later, within rank 0's
+    -- grace: their report (together or each alone) is a consequence, printed first; Open MPI's MPI_ABORT box
+    -- is dropped
+    local rc, out = job(3, "pg.ParallelContext{ data = 3 }\nif me == 0 then error('the root cause', 0) end\n"
+      .. "pg.dist.all_reduce(pg.ones{ 4 })", "PG_ABORT_GRACE=3 PG_COLLECTIVE_TIMEOUT=1 ")
+    assert.equal(1, rc, out)
+    local lines = {}
+    for line in out:gmatch("[^\n]+") do lines[#lines + 1] = line end
+    assert.equal("[rank 0] " .. h.pglua .. ": the root cause", lines[#lines], out)
+    assert.equal(1, h.count(out, "the root cause"), out)
+    for r = 1, 2 do assert.is_true(h.reported_by(out, r, "but rank 0 never arrived"), out) end
+    assert.is_nil(out:find("MPI_ABORT was invoked", 1, true), out)
+  end)
+
   it("adds the traceback to an internal error (once), and to any error under PG_DEBUG=1", function()
     local rc, out = job(2, "local function f(t) return t.x end\nf(nil)")
     assert.equal(1, rc, out)

@@ -8,7 +8,7 @@ local h = require "helpers"
 describe("jobs under mpirun", function()
   it("reject a layout that does not match the world, on every rank, exit 1", function()
     local rc, out = h.sh(("timeout -k 2 10 scripts/mpirun.sh -np 4 %s"):format(
-      h.pglua_cmd{ "-e", "require'pipegoose'.ParallelContext{ tensor = 2, pipeline = 3 }" }))
+      h.pglua_cmd{ "-e", "require'pipegoose'.ParallelContext{ tensor = 2, pipeline = 3, data = 1 }" }))
     assert.equal(1, rc, out)
     assert.matches("tensor=2 x pipeline=3 x data=1 = 6 ranks, but the world has 4", out)
     for r = 0, 3 do

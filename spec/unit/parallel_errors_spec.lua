@@ -62,7 +62,7 @@ describe("tensor parallelism rejects", function()
   end)
 
   it("T larger than the world", function()
-    assert_fails_everywhere(2, "pg.ParallelContext{ tensor = 4 }",
+    assert_fails_everywhere(2, "pg.ParallelContext{ tensor = 4, data = 1 }",
       "ParallelContext: tensor=4 x pipeline=1 x data=1 = 4 ranks, but the world has 2")
   end)
 
