@@ -19,6 +19,8 @@
 --     with the tied embedding on both ends (also virtual_stages = 2);
 --   - memory: grads_bytes is the shard plus the staging the layout asks
 --     for, and bytes per parameter fall below ZeRO-1's.
+--   - an optimizer made after a synced forward_backward keeps that call's
+--     reduced gradients of its shard: its step is ZeRO-0's, bit for bit.
 local pg = require "pipegoose"
 local h = require "helpers"
 
@@ -124,6 +126,45 @@ describe(("ZeRO-2 on %d ranks"):format(W), function()
     local n = math.min(st.hi, whole:numel()) - st.lo
     if n > 0 then
       assert_close(st.grad:narrow(1, 1, n), whole:narrow(1, st.lo + 1, n), "the shard against the whole batch")
+    end
+  end)
+
+  -- An optimizer made after a synced forward_backward: the engine reduced
+  -- that call as ZeRO-0 does (it had no optimizer yet), and the shard it
+  -- keeps is its part [lo, hi) of the reduced buffer. ZeRO-0 on the same
+  -- seed, batch and reduction then holds the same gradients and takes the
+  -- same AdamW step element by element (the same float32 formula on the
+  -- same inputs; the all-gather copies): compared bit for bit, on private
+  -- and on shared-memory buffers. The second step reduces in ZeRO-2's buckets
+  -- (another order of the same sums): its loss to 1e-5 relative as above.
+  it("made after a synced forward_backward, takes its shard of those gradients and steps as ZeRO-0", function()
+    for _, shm in ipairs{ false, true } do
+      local function run(late)
+        local e = pg.parallelize(pg.nn.GPT(CFG), dp, { shared_memory = shm, bucket_mb = BUCKET_MB })
+        local hp = { lr = 1e-2, weight_decay = 0.1, zero = late and 2 or 0 }
+        local opt = not late and pg.optim.AdamW(e, hp) or nil
+        e:zero_grad()
+        local r = { loss = e:forward_backward(x, y) }
+        if late then opt = pg.optim.AdamW(e, hp) else r.grads = select(2, e:flat()):clone() end
+        local st = opt:shard_state()
+        r.lo, r.hi, r.grad = st.lo, st.hi, st.grad:clone()
+        opt:step()
+        r.params = (e:flat()):clone()
+        e:zero_grad()
+        r.second = e:forward_backward(x, y)
+        return r
+      end
+      local want, got = run(false), run(true)
+      local what = ("shared_memory = %s"):format(tostring(shm))
+      assert.are.equal(want.loss, got.loss, what .. ": the loss")
+      assert.are.equal(D > 1 and (want.hi - want.lo) // D or want.hi - want.lo, got.hi - got.lo, what .. ": shard size")
+      assert.is_true(got.grad:equal(want.grads:narrow(1, got.lo + 1, got.hi - got.lo)),
+        ("%s: the shard [%d, %d) against ZeRO-0's gradients there (largest difference %g)"):format(what, got.lo, got.hi,
+          got.grad:max_abs_diff(want.grads:narrow(1, got.lo + 1, got.hi - got.lo))))
+      assert.is_true(got.params:equal(want.params),
+        ("%s: parameters after the step (largest difference %g)"):format(what, got.params:max_abs_diff(want.params)))
+      assert.is_true(rel(got.second, want.second) <= 1e-5,
+        ("%s: the next loss %.9g, ZeRO-0 %.9g"):format(what, got.second, want.second))
     end
   end)
 
