@@ -171,6 +171,23 @@ describe("pg.checkpoint save / load", function()
         .. "checkpoint, 6 here; seq_len is 16 in the checkpoint, 8 here")
   end)
 
+  it("refuses a checkpoint whose model config lacks a key this model has, or has one it lacks, naming the key", function()
+    local path = trainer(1):save_checkpoint() -- model = { vocab, seq_len, dim }
+    local function load_with(edit)
+      local engine = T.fake_engine{}
+      edit(engine.config)
+      local other = pg.Trainer{ engine = engine, optimizer = T.fake_optimizer(engine), out = T.capture() }
+      local ok, err = pcall(other.load_checkpoint, other, path)
+      assert.is_false(ok, "loaded")
+      return err
+    end
+    local prefix = "checkpoint: " .. path .. "/manifest.json: the model differs from the one being trained: "
+    -- every shared key equal: only the key one side lacks tells the models apart
+    assert.equal(prefix .. "heads is nil in the checkpoint, 2 here", load_with(function(c) c.heads = 2 end))
+    assert.equal(prefix .. "dim is 4 in the checkpoint, nil here", load_with(function(c) c.dim = nil end))
+    assert.is_nil(ckpt.config_difference({ vocab = 256, dim = 4 }, { dim = 4, vocab = 256 }))
+  end)
+
   it("refuses a state file whose checksum differs from the manifest's", function()
     local path = trainer(1):save_checkpoint()
     local file = path .. "/rank-00000.json"
