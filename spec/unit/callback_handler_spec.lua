@@ -1,5 +1,6 @@
 -- pg.CallbackHandler driven alone (no Trainer): the checks at construction,
--- dispatch order, error attribution, guarded calls, callback state.
+-- dispatch order, error attribution (also after a nested dispatch), guarded
+-- calls, callback state.
 local pg = require "pipegoose"
 local Handler = pg.CallbackHandler
 
@@ -53,6 +54,46 @@ describe("pg.CallbackHandler", function()
     assert.equal("Trainer: on_fit_start of callback 2 (Bad) failed: boom", err)
     -- the running callback was forgotten: an error outside hooks is not attributed
     assert.equal("plain", h:attribute("plain"))
+  end)
+
+  it("names the outer hook and its callback when it fails after a hook it dispatched has returned", function()
+    local h, inner = nil, {}
+    local outer = pg.Callback{ name = "Outer", on_train_end = function(_, trainer)
+      h:call(trainer, "on_save_checkpoint", {}, "path") -- nested, as a save from on_train_end dispatches it
+      error("after the save", 0)
+    end }
+    local saver = pg.Callback{ name = "Inner", on_save_checkpoint = function(_, _, _, path) inner[#inner + 1] = path end }
+    h = Handler{ outer, saver }
+    local ok, err = xpcall(function() h:call({}, "on_train_end") end, function(e) return h:attribute(e) end)
+    assert.is_false(ok)
+    assert.same({ "path" }, inner, "the nested hook ran")
+    assert.equal("Trainer: on_train_end of callback 1 (Outer) failed: after the save", err)
+    -- an error inside the nested hook names the nested one
+    h = Handler{ outer, pg.Callback{ name = "Inner", on_save_checkpoint = function() error("inside", 0) end } }
+    ok, err = xpcall(function() h:call({}, "on_train_end") end, function(e) return h:attribute(e) end)
+    assert.is_false(ok)
+    assert.equal("Trainer: on_save_checkpoint of callback 2 (Inner) failed: inside", err)
+  end)
+
+  it("through the Trainer: ModelCheckpoint's on_train_end saves (its hooks run), then fails: the message names it", function()
+    local dir = require("helpers").tmpdir()
+    local engine = pg.testing.fake_engine()
+    local mc = pg.callbacks.ModelCheckpoint{ dir = dir .. "/checkpoints", save_last = true, verbose = false }
+    local save_end = mc.on_train_end
+    mc.on_train_end = function(self, trainer)
+      save_end(self, trainer)
+      error("after the save", 0)
+    end
+    local saved = {}
+    local spy = pg.Callback{ name = "Spy", on_save_checkpoint = function(_, t) saved[#saved + 1] = t.state.step end,
+      on_checkpoint_saved = function(_, _, path) saved[#saved + 1] = path end }
+    local t = pg.Trainer{ engine = engine, optimizer = pg.testing.fake_optimizer(engine), out = pg.testing.capture(),
+      max_steps = 2, out_dir = dir, callbacks = { mc, spy } }
+    local ok, err = pcall(t.fit, t, pg.testing.fake_data{ batches = 3 })
+    os.execute("rm -rf '" .. dir .. "'")
+    assert.is_false(ok)
+    assert.same({ 2, dir .. "/checkpoints/step-00000002" }, saved, "the save from on_train_end ran its hooks")
+    assert.equal("Trainer: on_train_end of callback 1 (ModelCheckpoint) failed: after the save", err)
   end)
 
   it("call_guarded runs every callback even when one fails, and reports failures on stderr", function()
