@@ -208,6 +208,33 @@ describe("pg.TrainingModule subclasses", function()
       :fit(Scaled{ engine = e3 }, data_module())
     assert.same({ { grad_scale = 1, sync = false }, { grad_scale = 1, sync = true } }, e3.seen)
   end)
+
+  it("give each forward_backward call of a step exactly its own options: none leaks into the next call", function()
+    -- two calls per batch: the first overrides sync and grad_scale, the second only grad_scale, the third nothing
+    local TwoCalls = pg.TrainingModule:extend("TwoCalls")
+    function TwoCalls:training_step(batch)
+      self:forward_backward(batch.inputs, batch.targets, { sync = false, grad_scale = 0.25 })
+      self:forward_backward(batch.inputs, batch.targets, { grad_scale = 0.75 })
+      return self:forward_backward(batch.inputs, batch.targets)
+    end
+    for _, k in ipairs{ 1, 2 } do
+      local engine = recording_engine{}
+      local t = pg.Trainer{ optimizer = T.fake_optimizer(engine), out = T.capture(), max_steps = 2, accumulate = k }
+      t:fit(TwoCalls{ engine = engine }, data_module())
+      -- the trainer's options for batch i of a step of k: grad_scale 1/k, sync on the last batch only
+      local want = {}
+      for _ = 1, 2 do
+        for i = 1, k do
+          local sync = i == k
+          want[#want + 1] = { sync = false, grad_scale = 0.25 }
+          want[#want + 1] = { sync = sync, grad_scale = 0.75 }
+          want[#want + 1] = { sync = sync, grad_scale = 1 / k }
+        end
+      end
+      assert.same(want, engine.seen, "accumulate = " .. k)
+      assert.is_nil(t:forward_backward_options())
+    end
+  end)
 end)
 
 describe("configure_model and configure_optimizers", function()
