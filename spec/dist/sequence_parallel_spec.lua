@@ -15,7 +15,10 @@
 -- without), fewer rows than ranks (a rank holds none: generation's one-token
 -- prompts), a mixture of experts and modules written in Lua
 -- (between the transitions), a plain Linear and an objective written in Lua
--- at the end, and checkpoints that load with and without it.
+-- at the end, and checkpoints that load with and without it. On 4 ranks
+-- also at T = 4: rows that 4 does not divide and fewer rows than ranks (ranks
+-- without rows between ranks with rows), where a split that is right at
+-- T = 2 can still put a rank's rows in the wrong place.
 --
 -- The inputs are 7 tokens long, so the micro-batches' rows (7 x sequences)
 -- split unevenly over T = 2 and 4 where the layout gives a micro-batch an
@@ -196,26 +199,70 @@ describe(("sequence parallelism on %d ranks (%s)"):format(W, DEVICE), function()
     end
   end
 
-  if W == 2 then
-    local ctx = pg.ParallelContext{ tensor = 2, seed = 5 }
+  -- loss and every gradient of model() on (x, y) on the tensor group of tp
+  -- (no other groups) with sequence parallelism against the serial model;
+  -- returns the engine
+  local function sp_against_serial(tp, model, x, y, opts, what)
+    -- the same micro-batches (a mixture of experts' auxiliary losses are per micro-batch)
+    local s = pg.parallelize(model(), ser, { micro_batches = opts.micro_batches, objective = opts.objective })
+    s:zero_grad()
+    local want = s:forward_backward(x, y)
+    opts.sequence_parallel = true
+    local e = pg.parallelize(model(), tp, opts)
+    e:zero_grad()
+    assert_loss(e:forward_backward(x, y), want, what)
+    for _, p in ipairs(e:parameters()) do
+      local sg = s:gather_param(p.name, true)
+      assert_close(real(p.name, e:gather_param(p.name, true), sg), sg, what .. ": grad " .. p.name)
+    end
+    return e, s
+  end
 
-    -- loss and every gradient of model() on (x, y) at T = 2 with sequence
-    -- parallelism against the serial model; returns the engine
-    local function against_serial(model, x, y, opts, what)
-      -- the same micro-batches (a mixture of experts' auxiliary losses are per micro-batch)
-      local s = pg.parallelize(model(), ser, { micro_batches = opts.micro_batches, objective = opts.objective })
+  -- Logits of 1 to n one-sequence prompts at T = tp's tensor size against the
+  -- serial model (rank r holds rows [N r / T, N (r+1) / T): none when N < T),
+  -- then the loss and every gradient of one row and of two.
+  local function few_rows(tp, n)
+    local s = pg.parallelize(MODELS.gpt(), ser, { micro_batches = 1 })
+    local e = pg.parallelize(MODELS.gpt(), tp, on_device{ sequence_parallel = true })
+    for len = 1, n do
+      local x = tokens(5, 1, len)
+      assert_close(e:forward(x), s:forward(x), ("logits of %d rows"):format(len))
+    end
+    for len = 1, 2 do
+      local x, y = tokens(6, 1, len), tokens(7, 1, len)
       s:zero_grad()
-      local want = s:forward_backward(x, y)
-      opts.sequence_parallel = true
-      local e = pg.parallelize(model(), ctx, opts)
       e:zero_grad()
-      assert_loss(e:forward_backward(x, y), want, what)
+      local what = ("%d row%s"):format(len, len > 1 and "s" or "")
+      assert_loss(e:forward_backward(x, y), s:forward_backward(x, y), what)
       for _, p in ipairs(e:parameters()) do
         local sg = s:gather_param(p.name, true)
         assert_close(real(p.name, e:gather_param(p.name, true), sg), sg, what .. ": grad " .. p.name)
       end
-      return e, s
     end
+  end
+
+  if W == 4 then
+    local t4 = pg.ParallelContext{ tensor = 4, seed = 5 }
+
+    it("T = 4: rows per micro-batch that 4 does not divide (shares of 14 rows: 3, 4, 3, 4; of 21: 5, 5, 5, 6)", function()
+      for _, n in ipairs{ 2, 3 } do
+        local x, y = tokens(3, n, 7), tokens(4, n, 7)
+        for _, name in ipairs{ "gpt", "llama" } do
+          sp_against_serial(t4, MODELS[name], x, y, on_device{ micro_batches = 1 },
+            ("T = 4, %s with %d rows"):format(name, 7 * n))
+        end
+      end
+    end)
+
+    it("T = 4, fewer rows than tensor ranks: ranks without rows between ranks with rows (1 to 6 rows)", function()
+      few_rows(t4, 6) -- 1 row: rank 3 only; 2: ranks 1 and 3; 3: ranks 1, 2, 3; 5: 1, 1, 1, 2
+    end)
+  end
+
+  if W == 2 then
+    local ctx = pg.ParallelContext{ tensor = 2, seed = 5 }
+
+    local function against_serial(model, x, y, opts, what) return sp_against_serial(ctx, model, x, y, opts, what) end
 
     it("an odd number of rows per micro-batch (T = 2 shares of 10 and 11 rows)", function()
       local x, y = tokens(3, 3, 7), tokens(4, 3, 7)
@@ -239,20 +286,7 @@ describe(("sequence parallelism on %d ranks (%s)"):format(W, DEVICE), function()
     end)
 
     it("fewer rows than tensor ranks (generation's one-token prompts): a rank may hold none", function()
-      local s = pg.parallelize(MODELS.gpt(), ser, { micro_batches = 1 })
-      local e = pg.parallelize(MODELS.gpt(), ctx, on_device{ sequence_parallel = true })
-      for len = 1, 3 do -- 1 row: rank 0 holds none; 2: one each; 3: one and two
-        local x = tokens(5, 1, len)
-        assert_close(e:forward(x), s:forward(x), ("logits of %d rows"):format(len))
-      end
-      local x, y = tokens(6, 1, 1), tokens(7, 1, 1)
-      s:zero_grad()
-      e:zero_grad()
-      assert_loss(e:forward_backward(x, y), s:forward_backward(x, y), "one row")
-      for _, p in ipairs(e:parameters()) do
-        local sg = s:gather_param(p.name, true)
-        assert_close(real(p.name, e:gather_param(p.name, true), sg), sg, "one row: grad " .. p.name)
-      end
+      few_rows(ctx, 3) -- 1 row: rank 0 holds none; 2: one each; 3: one and two
     end)
 
     if ON_CPU then -- the moe kind and modules written in Lua run on the cpu backend only
