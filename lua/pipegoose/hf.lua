@@ -12,7 +12,7 @@
 -- carry the "transformer." prefix or not (the hub's gpt2 files have none);
 -- the attention-mask buffers ("attn.bias", "attn.masked_bias") are ignored.
 --
---   hf.read_config(dir) -> the pg.nn.GPT options
+--   hf.read_config(dir) -> the pg.nn.GPT options (hf.options(cfg, dir): of a decoded config.json)
 --   hf.load_into(engine, dir)      each rank loads its shards
 --   hf.save_from(engine, dir)      collective; rank 0 writes config.json and
 --                                  model.safetensors (atomically)
@@ -46,11 +46,27 @@ local function positive_int(dir, cfg, key)
   return v
 end
 
-local function number_or(dir, cfg, key, default)
+local function number(dir, cfg, key)
   local v = value(cfg[key])
-  if v == nil then return default end
   if type(v) ~= "number" then fail(dir, "config.json: %s must be a number, got %s", key, tostring(v)) end
   return v
+end
+
+-- config.json as transformers reads it: a field that is absent has its config
+-- class's default (ARCH.<model_type>.defaults, transformers 4.45.2's; checked
+-- against spec/fixtures/hf_config_defaults.json, which scripts/hf_defaults.py
+-- writes from transformers). A JSON null is not absent: transformers passes
+-- None, which it reads as num_attention_heads for num_key_value_heads,
+-- hidden_size / num_attention_heads for head_dim, 4 x n_embd for n_inner, as
+-- false or none for the flags, rope_scaling and sliding_window; a null where
+-- a number or a name is needed is refused. The defaults that depend on other
+-- fields (those three) are the options functions' rules, each in one place.
+local function with_defaults(cfg, defaults)
+  return setmetatable({}, { __index = function(_, k)
+    local v = cfg[k]
+    if v == nil then v = defaults[k] end
+    return v
+  end })
 end
 
 -- One entry per architecture: what config.json must say, how its fields map
@@ -63,24 +79,33 @@ local ARCH = {}
 
 ARCH.gpt2 = { class = "GPT2LMHeadModel", prefix = "transformer." }
 
+-- GPT2Config's defaults of the fields options() reads (n_inner: 4 x n_embd)
+ARCH.gpt2.defaults = {
+  vocab_size = 50257, n_positions = 1024, n_embd = 768, n_layer = 12, n_head = 12,
+  activation_function = "gelu_new", layer_norm_epsilon = 1e-5, tie_word_embeddings = true,
+  scale_attn_weights = true, scale_attn_by_inverse_layer_idx = false, reorder_and_upcast_attn = false,
+}
+
 --- The pg.nn.GPT options of a GPT2LMHeadModel config; refuses what pipegoose's GPT does not compute.
 function ARCH.gpt2.options(dir, cfg)
-  local act = value(cfg.activation_function) or "gelu_new"
+  local act = value(cfg.activation_function)
   if act ~= "gelu_new" and act ~= "gelu_pytorch_tanh" then
     fail(dir, "config.json: activation_function %s is not supported (pipegoose's GPT uses gelu_new)", tostring(act))
   end
-  local eps = value(cfg.layer_norm_epsilon) or 1e-5
+  local eps = number(dir, cfg, "layer_norm_epsilon")
   if math.abs(eps - 1e-5) > 1e-12 then
     fail(dir, "config.json: layer_norm_epsilon %g is not supported (pipegoose's GPT uses 1e-5)", eps)
   end
   for _, k in ipairs{ "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn" } do
     if value(cfg[k]) then fail(dir, "config.json: %s = true is not supported", k) end
   end
-  if value(cfg.scale_attn_weights) == false then fail(dir, "config.json: scale_attn_weights = false is not supported") end
+  if not value(cfg.scale_attn_weights) then
+    fail(dir, "config.json: scale_attn_weights = %s is not supported", tostring(value(cfg.scale_attn_weights)))
+  end
   local o = {
     vocab = positive_int(dir, cfg, "vocab_size"), seq_len = positive_int(dir, cfg, "n_positions"),
     dim = positive_int(dir, cfg, "n_embd"), heads = positive_int(dir, cfg, "n_head"),
-    layers = positive_int(dir, cfg, "n_layer"), tie = value(cfg.tie_word_embeddings) ~= false,
+    layers = positive_int(dir, cfg, "n_layer"), tie = value(cfg.tie_word_embeddings) == true,
   }
   o.hidden = value(cfg.n_inner) and positive_int(dir, cfg, "n_inner") or 4 * o.dim
   return o
@@ -135,9 +160,17 @@ end
 
 ARCH.llama = { class = "LlamaForCausalLM", prefix = "model." }
 
+-- LlamaConfig's defaults of the fields options() reads (num_key_value_heads:
+-- num_attention_heads; head_dim: hidden_size / num_attention_heads; rope_scaling: none)
+ARCH.llama.defaults = {
+  vocab_size = 32000, max_position_embeddings = 2048, hidden_size = 4096, intermediate_size = 11008,
+  num_hidden_layers = 32, num_attention_heads = 32, hidden_act = "silu", rms_norm_eps = 1e-6,
+  rope_theta = 10000, tie_word_embeddings = false, attention_bias = false, mlp_bias = false,
+}
+
 --- The pg.nn.Llama options of a LlamaForCausalLM config; refuses what pipegoose's Llama does not compute.
 function ARCH.llama.options(dir, cfg)
-  local act = value(cfg.hidden_act) or "silu"
+  local act = value(cfg.hidden_act)
   if act ~= "silu" then fail(dir, "config.json: hidden_act %s is not supported (pipegoose's Llama uses silu)", tostring(act)) end
   for _, k in ipairs{ "attention_bias", "mlp_bias" } do
     if value(cfg[k]) then fail(dir, "config.json: %s = true is not supported (pipegoose's Llama has no biases)", k) end
@@ -149,7 +182,7 @@ function ARCH.llama.options(dir, cfg)
     vocab = positive_int(dir, cfg, "vocab_size"), seq_len = positive_int(dir, cfg, "max_position_embeddings"),
     dim = positive_int(dir, cfg, "hidden_size"), heads = positive_int(dir, cfg, "num_attention_heads"),
     layers = positive_int(dir, cfg, "num_hidden_layers"), hidden = positive_int(dir, cfg, "intermediate_size"),
-    rope_theta = number_or(dir, cfg, "rope_theta", 10000), eps = number_or(dir, cfg, "rms_norm_eps", 1e-6),
+    rope_theta = number(dir, cfg, "rope_theta"), eps = number(dir, cfg, "rms_norm_eps"),
     tie = value(cfg.tie_word_embeddings) == true,
   }
   o.kv_heads = value(cfg.num_key_value_heads) and positive_int(dir, cfg, "num_key_value_heads") or o.heads
@@ -205,29 +238,36 @@ end
 -- experts for each block's MLP (block_sparse_moe.gate, block_sparse_moe.experts.<e>.w1|w2|w3).
 ARCH.mixtral = { class = "MixtralForCausalLM", prefix = "model." }
 
+-- MixtralConfig's defaults: LLaMA's fields with Mixtral's values, and the
+-- experts'. An absent num_key_value_heads is 8 (null: num_attention_heads);
+-- MixtralConfig has no attention_bias, mlp_bias, rope_scaling nor head_dim
+-- (hidden_size / num_attention_heads), nor a sliding_window by default.
+ARCH.mixtral.defaults = {
+  vocab_size = 32000, max_position_embeddings = 4096 * 32, hidden_size = 4096, intermediate_size = 14336,
+  num_hidden_layers = 32, num_attention_heads = 32, num_key_value_heads = 8, hidden_act = "silu",
+  rms_norm_eps = 1e-5, rope_theta = 1e6, tie_word_embeddings = false,
+  num_local_experts = 8, num_experts_per_tok = 2, router_jitter_noise = 0,
+  output_router_logits = false, router_aux_loss_coef = 0.001,
+}
+
 --- The pg.nn.Mixtral options of a MixtralForCausalLM config. transformers adds
 -- the load-balancing loss to the training loss only when output_router_logits
 -- is true: aux_loss_coef is router_aux_loss_coef then, else 0.
 function ARCH.mixtral.options(dir, cfg)
-  local patched = {}
-  for k, v in pairs(cfg) do patched[k] = v end
-  -- Mixtral's own defaults where LLaMA's differ
-  if value(cfg.rope_theta) == nil then patched.rope_theta = 1e6 end
-  if value(cfg.rms_norm_eps) == nil then patched.rms_norm_eps = 1e-5 end
-  local o = ARCH.llama.options(dir, patched)
+  local o = ARCH.llama.options(dir, cfg)
   local window = value(cfg.sliding_window)
   if window ~= nil and window < o.seq_len then
     fail(dir, "config.json: sliding_window %s is not supported (pipegoose attends to the whole causal context)",
       tostring(window))
   end
-  local jitter = number_or(dir, cfg, "router_jitter_noise", 0)
+  local jitter = number(dir, cfg, "router_jitter_noise")
   if jitter ~= 0 then fail(dir, "config.json: router_jitter_noise %g is not supported yet (only 0)", jitter) end
   o.experts = positive_int(dir, cfg, "num_local_experts")
   o.top_k = positive_int(dir, cfg, "num_experts_per_tok")
   if o.top_k > o.experts then
     fail(dir, "config.json: num_experts_per_tok %d exceeds num_local_experts %d", o.top_k, o.experts)
   end
-  o.aux_loss_coef = value(cfg.output_router_logits) == true and number_or(dir, cfg, "router_aux_loss_coef", 0.001) or 0
+  o.aux_loss_coef = value(cfg.output_router_logits) == true and number(dir, cfg, "router_aux_loss_coef") or 0
   return o
 end
 
@@ -262,9 +302,10 @@ function ARCH.mixtral.config(cfg)
   c.head_dim, c.pretraining_tp, c.mlp_bias, c.attention_bias = nil, nil, nil, nil
   c.num_local_experts, c.num_experts_per_tok = cfg.experts, cfg.top_k
   -- the load-balancing loss: transformers computes it when output_router_logits is set
+  -- (and adds router_aux_loss_coef x it): both say the model's coefficient, 0 when it had none
   local coef = cfg.aux_loss_coef or 0.001
   c.output_router_logits = coef > 0
-  c.router_aux_loss_coef = coef > 0 and coef or 0.001
+  c.router_aux_loss_coef = coef
   c.router_jitter_noise = 0.0
   c.sliding_window = cjson.null
   return c
@@ -291,15 +332,20 @@ end
 --- The architecture ("gpt2" | "llama" | "mixtral") and pg.nn options of a directory;
 -- refuses what pipegoose does not compute, naming the config field.
 function M.read_config(dir)
-  local cfg = read_json(dir .. "/config.json", dir)
-  local arch = type(cfg.model_type) == "string" and ARCH[cfg.model_type]
+  return M.options(read_json(dir .. "/config.json", dir), dir)
+end
+
+--- The same from a decoded config.json (`dir` names it in errors).
+function M.options(cfg, dir)
+  local model_type = cfg.model_type
+  local arch = type(model_type) == "string" and ARCH[model_type]
   if not arch then
     fail(dir, "config.json: model_type is %s; pipegoose reads GPT2LMHeadModel (\"gpt2\"), LlamaForCausalLM (\"llama\") and MixtralForCausalLM (\"mixtral\")",
-      tostring(value(cfg.model_type)))
+      tostring(value(model_type)))
   end
-  local o = arch.options(dir, cfg)
+  local o = arch.options(dir, with_defaults(cfg, arch.defaults))
   o.padded_vocab = (o.vocab + M.PAD_MULTIPLE - 1) // M.PAD_MULTIPLE * M.PAD_MULTIPLE
-  return o, cfg.model_type
+  return o, model_type
 end
 
 -- name -> safetensors header of the file that holds it, for a directory.
