@@ -3,7 +3,9 @@
 -- bit for bit in the same layout (1/1/1 on one rank; 2/1/1, 1/2/1 and 1/1/2
 -- with ZeRO-1 on two; 2/2/2 on eight), that load into other layouts (saved at
 -- 2/2/1, loaded at 1/2/2 and 1/1/1 on four ranks), and bad checkpoints that
--- every rank refuses with the same message. Layouts are tensor/pipeline/data.
+-- every rank refuses with the same message; a resume whose optimizer was made
+-- with other hyperparameters takes the checkpoint's. Layouts are
+-- tensor/pipeline/data.
 -- "Fresh job" here is a fresh context, engine, optimizer, data loader and
 -- Trainer in the same mpirun; spec/unit/checkpoint_jobs_spec.lua resumes
 -- across separate mpirun jobs.
@@ -48,7 +50,9 @@ root_ctx:barrier()
 local function build(ctx, o)
   local engine = pg.parallelize(pg.nn.GPT(o.cfg or CFG), ctx, { micro_batches = o.micro_batches or 2,
     schedule = "1f1b", virtual_stages = o.virtual_stages })
-  local opt = pg.optim.AdamW(engine, { lr = 1e-3, betas = { 0.9, 0.95 }, weight_decay = 0.1, zero = o.zero or 0 })
+  local hp = { lr = 1e-3, betas = { 0.9, 0.95 }, weight_decay = 0.1, zero = o.zero or 0 }
+  for k, v in pairs(o.adamw or {}) do hp[k] = v end
+  local opt = pg.optim.AdamW(engine, hp)
   local data = pg.data.TokenShards{ path = TOKENS, batch = BATCH, seq_len = CFG.seq_len, seed = 7, ctx = ctx }
   local losses = {}
   local callbacks = { { name = "Recorder", on_train_batch_end = function(_, t, out)
@@ -556,6 +560,40 @@ if world == 2 then
         assert.equal(r.want, r.got, ("saved with zero=%d, loaded with zero=%d"):format(r.from, r.to))
         assert.equal(5, r.step, "the optimizer's step count: 4 loaded, 1 taken")
       end
+    end)
+    teardown(function() cleanup(dir) end)
+  end)
+end
+
+------------------------------------------------------------------------------
+-- AdamW's hyperparameters on resume are the checkpoint's (docs/TRAINER.md,
+-- "Resume, same layout": the AdamW state restored is m, v, step and the
+-- hyperparameters): a loader whose optimizer was made with other betas, eps
+-- and weight_decay takes the saved ones (what its lr is the schedule's
+-- business: the saved one too, until fit sets the next step's), and the step
+-- after the load is the saver's bit for bit (same layout, same bits in). On
+-- one rank and on two with ZeRO-1 (each rank's shard of the state).
+if world <= 2 then
+  describe("AdamW's hyperparameters on resume", function()
+    local ctx = pg.ParallelContext{ data = world, seed = 5 }
+    local zero = world == 2 and 1 or 0
+    local dir = shared_dir("hparams")
+    local saver, data = build(ctx, { steps = 2, zero = zero })
+    saver:fit(data)
+    saver:save_checkpoint(dir .. "/saved")
+    local saved = saver.optimizer:hparams()
+    local want = step_then_loss(saver, ctx)
+    local loader, data2 = build(ctx, { zero = zero, adamw = { betas = { 0.5, 0.6 }, eps = 1e-3, weight_decay = 0.5 } })
+    local before = loader.optimizer:hparams()
+    loader:load_checkpoint(dir .. "/saved", data2)
+    local loaded = loader.optimizer:hparams()
+    local got = step_then_loss(loader, ctx)
+    it("are the checkpoint's betas, eps and weight_decay, not the resumed optimizer's; the next step is the saver's", function()
+      for _, k in ipairs{ "beta1", "beta2", "eps", "weight_decay" } do
+        assert.are_not.equal(saved[k], before[k], k .. " differs before the load")
+      end
+      assert.same(saved, loaded)
+      assert.equal(want, got, ("the step after the load: %.17g, the saver's %.17g"):format(got, want))
     end)
     teardown(function() cleanup(dir) end)
   end)
