@@ -341,6 +341,10 @@ return {
     from = "  if (sync_sequence_parallel(e) || tied_reduce(e)) return PG_ERR;\n  for (int k = 0; k < e->nbuckets; k++) {\n    pg_bucket *b = &e->buckets[k];\n    if (b->resident &&",
     to = "  for (int k = 0; k < e->nbuckets; k++) {\n    pg_bucket *b = &e->buckets[k];\n    if (b->resident &&",
     specs = { "dist/zero2#P = 2" }, why = "the tied copies are reduce-scattered without the embedding group's sum" },
+  { name = "zero2-late-shard-zeroed", file = "src/pg_engine.c",
+    from = "memcpy(shard->data, (float *)e->grad_store->data + lo, (size_t)(hi - lo) * sizeof(float));",
+    to = "memset(shard->data, 0, (size_t)(hi - lo) * sizeof(float));",
+    specs = { "dist/zero2#made after a synced" }, why = "an optimizer made after a synced forward_backward drops that call's reduced gradients (the shard starts at zero)" },
   ------------------------------------------------------------------ overlapped gradient reduction
   { name = "device-overlap-before-grads", file = "src/pg_comm.c",
     from = "    if (e == cudaSuccess) e = cudaStreamWaitEvent(rs, made, 0);", to = "",
@@ -465,6 +469,10 @@ return {
   { name = "optimizer-step-not-restored", file = "lua/pipegoose/checkpoint/shards.lua",
     from = "    opt:set_step(manifest.optimizer.step)\n", to = "",
     specs = { "unit/checkpoint", "dist/checkpoint" }, why = "resumed AdamW restarts its bias correction" },
+  { name = "config-key-missing-in-checkpoint-ignored", file = "lua/pipegoose/checkpoint.lua",
+    from = 'if type(a) ~= "table" and type(b) ~= "table" and a ~= b then',
+    to = 'if type(a) ~= "table" and type(b) ~= "table" and a ~= b and a ~= nil then',
+    specs = { "unit/checkpoint#lacks a key" }, why = "a checkpoint whose model config lacks a key this model has loads silently" },
   ------------------------------------------------------------------ Trainer and callbacks
   { name = "should-validate-not-combined", file = "lua/pipegoose/trainer.lua",
     from = "for i, f in ipairs(Trainer.FLAGS) do flags[f] = values[i] ~= 0 and values[i] ~= false end",
@@ -500,6 +508,9 @@ return {
   { name = "val-metric-summed", file = "lua/pipegoose/trainer.lua",
     from = "st.metrics[e.prefix .. k] = sum / n", to = "st.metrics[e.prefix .. k] = sum",
     specs = { "unit/training_module#named numbers" }, why = "val_<name> is the sum over the batches, not the mean" },
+  { name = "nested-hook-forgets-outer", file = "lua/pipegoose/callback_handler.lua",
+    from = "  self._running = prev\n", to = "  self._running = nil\n",
+    specs = { "unit/callback_handler#after a hook it dispatched" }, why = "after a nested dispatch (a save from on_train_end) the outer hook's error loses its \"of callback N\" attribution" },
   ------------------------------------------------------------------ LLaMA (issue 13)
   { name = "rope-backward-same-angle", file = "kernels/cpu/rope.c",
     from = "rope_apply(dx, cos_t, sin_t, N, T, heads, HS, ld, -1.0f);", to = "rope_apply(dx, cos_t, sin_t, N, T, heads, HS, ld, 1.0f);",
