@@ -4,6 +4,7 @@
  *   fs.mkdir_p(path), fs.remove_tree(path)           errors name the path
  *   fs.list(dir) -> sorted names (no . and ..)        an error when dir cannot be read
  *   fs.isatty("stdout" | "stderr" | "stdin" | fd) -> boolean
+ *   fs.parent_isatty("stdout" | ... | fd) -> boolean  the parent process's descriptor (mpirun's, under mpirun)
  *   fs.getpid() -> this process's id
  * Atomic writes are pg.file.write (src/lua_file.c). */
 #include <string.h>
@@ -56,15 +57,20 @@ static int l_list(lua_State *L) {
   return 1;
 }
 
+/* A descriptor by name ("stdin", "stdout", "stderr"; default stdout) or number. */
+static int check_fd(lua_State *L, int arg) {
+  if (lua_type(L, arg) == LUA_TNUMBER) return (int)luaL_checkinteger(L, arg);
+  static const char *const names[] = {"stdin", "stdout", "stderr", NULL};
+  return luaL_checkoption(L, arg, "stdout", names);
+}
+
 static int l_isatty(lua_State *L) {
-  int fd;
-  if (lua_type(L, 1) == LUA_TNUMBER) {
-    fd = (int)luaL_checkinteger(L, 1);
-  } else {
-    static const char *const names[] = {"stdin", "stdout", "stderr", NULL};
-    fd = luaL_checkoption(L, 1, "stdout", names);
-  }
-  lua_pushboolean(L, pg_fs_isatty(fd));
+  lua_pushboolean(L, pg_fs_isatty(check_fd(L, 1)));
+  return 1;
+}
+
+static int l_parent_isatty(lua_State *L) {
+  lua_pushboolean(L, pg_fs_parent_isatty(check_fd(L, 1)));
   return 1;
 }
 
@@ -75,7 +81,7 @@ static int l_getpid(lua_State *L) {
 
 static const luaL_Reg fns[] = {{"exists", l_exists}, {"is_dir", l_is_dir}, {"kind", l_kind}, {"mkdir_p", l_mkdir_p},
                                {"remove_tree", l_remove_tree}, {"list", l_list}, {"isatty", l_isatty},
-                               {"getpid", l_getpid}, {NULL, NULL}};
+                               {"parent_isatty", l_parent_isatty}, {"getpid", l_getpid}, {NULL, NULL}};
 
 void pg_lua_open_fs(lua_State *L) {
   luaL_newlib(L, fns);

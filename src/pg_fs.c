@@ -2,6 +2,7 @@
 #include "pg_fs.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -119,3 +120,16 @@ oom:
 }
 
 int pg_fs_isatty(int fd) { return isatty(fd) == 1; }
+
+int pg_fs_parent_isatty(int fd) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%ld/fd/%d", (long)getppid(), fd);
+  struct stat st;
+  /* only a character device is opened (never a pipe or a file of the parent's), and never as a controlling tty */
+  if (stat(path, &st) != 0 || !S_ISCHR(st.st_mode)) return 0;
+  int f = open(path, O_RDONLY | O_NOCTTY | O_NONBLOCK | O_CLOEXEC);
+  if (f < 0) return 0;
+  int tty = isatty(f) == 1;
+  close(f);
+  return tty;
+}

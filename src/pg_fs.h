@@ -24,5 +24,10 @@ int pg_fs_list(const char *dir, char ***names, int *n);
 void pg_fs_free_list(char **names, int n);
 /* 1 when the file descriptor is a terminal. */
 int pg_fs_isatty(int fd);
+/* 1 when this process's parent has a terminal on its descriptor fd (Linux's
+ * /proc/<ppid>/fd; 0 where that cannot be told). Under Open MPI's mpirun on
+ * one node the parent is mpirun, whose stdout is the user's: the rank's own
+ * stdout is a pseudo-terminal of Open MPI's whatever mpirun writes to. */
+int pg_fs_parent_isatty(int fd);
 
 #endif

@@ -391,14 +391,18 @@ describe("pg.callbacks.ProgressBar", function()
     rm(dir)
   end)
 
-  it("prints plain lines under Open MPI's mpirun unless $PG_PROGRESS says tty", function()
+  it("prints plain lines under Open MPI's mpirun unless mpirun's stdout is a terminal or $PG_PROGRESS says tty",
+    function()
     local function env(t) return function(k) return t[k] end end
     local function tty() return true end
     local function pipe() return false end
     local default = cb.ProgressBar.default_tty
-    -- Open MPI gives a rank's stdout a pseudo-terminal even when mpirun's output is a file
-    assert.is_false(default(env{ OMPI_COMM_WORLD_SIZE = "2" }, tty))
-    assert.is_true(default(env{ OMPI_COMM_WORLD_SIZE = "2", PG_PROGRESS = "tty" }, pipe))
+    -- Open MPI gives a rank's stdout a pseudo-terminal even when mpirun's output is a file: mpirun's own decides
+    assert.is_false(default(env{ OMPI_COMM_WORLD_SIZE = "2" }, tty, pipe))
+    assert.is_true(default(env{ OMPI_COMM_WORLD_SIZE = "2" }, pipe, tty))
+    assert.is_false(default(env{ OMPI_COMM_WORLD_SIZE = "2" }, tty, false))
+    assert.is_true(default(env{ OMPI_COMM_WORLD_SIZE = "2", PG_PROGRESS = "tty" }, pipe, pipe))
+    assert.is_false(default(env{ OMPI_COMM_WORLD_SIZE = "2", PG_PROGRESS = "plain" }, tty, tty))
     assert.is_false(default(env{ PG_PROGRESS = "plain" }, tty))
     assert.is_true(default(env{}, tty))
     assert.is_false(default(env{}, pipe))

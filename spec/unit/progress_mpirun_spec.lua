@@ -30,4 +30,19 @@ describe("ProgressBar under mpirun", function()
     os.remove(script)
     os.remove(log)
   end)
+
+  it("rewrites its line when mpirun itself writes to a terminal (script(1) gives it one)", function()
+    local script = h.tmpfile([[
+      local pg = require "pipegoose"
+      local engine = pg.testing.fake_engine{}
+      local t = pg.Trainer{ engine = engine, optimizer = pg.testing.fake_optimizer(engine), max_steps = 5,
+        log_every_n_steps = 1, callbacks = { pg.callbacks.ProgressBar{} } }
+      t:fit(pg.testing.fake_data{ batches = 10 })
+    ]])
+    -- script -q -e -c CMD /dev/null: CMD (mpirun) runs on a new pseudo-terminal; what it prints comes back here
+    local rc, out = h.sh("script -q -e -c " .. h.quote(h.mpirun_cmd(1, { script })) .. " /dev/null < /dev/null")
+    assert.equal(0, rc, out)
+    assert.equal(5, h.count(out, "\rstep "), "mpirun on a terminal: the one-line display\n" .. out)
+    os.remove(script)
+  end)
 end)

@@ -2,12 +2,14 @@
 -- rank 0: step/total, loss, lr, tokens/s, ETA; and a line per validation.
 --
 -- tty: rewrite one line in place with "\r" (true) or print plain lines
--- (false). Default: $PG_PROGRESS "plain" or "tty" when set; else plain under
+-- (false). Default: $PG_PROGRESS "plain" or "tty" when set; else, under
 -- Open MPI's mpirun, which gives every rank's stdout a pseudo-terminal of its
 -- own whether mpirun's own output is a terminal or a file (so isatty says
--- nothing about the user's screen, and a log file would get one long line);
--- else whether stdout is a terminal (pg.fs.isatty); without the C module
--- (plain Lua), $TERM set and not "dumb". every_n_steps: print every n
+-- nothing about the user's screen, and a log file would get one long line),
+-- whether mpirun's stdout is a terminal (pg.fs.parent_isatty: on one node
+-- mpirun is the rank's parent; a remote rank's parent is Open MPI's daemon,
+-- never a terminal: plain lines); else whether stdout is a terminal
+-- (pg.fs.isatty); without the C module (plain Lua), $TERM set and not "dumb". every_n_steps: print every n
 -- optimizer steps (counter trainer.state.step); default: the steps where
 -- trainer.control.should_log is set (the trainer's log_every_n_steps).
 --
@@ -19,20 +21,22 @@ local callbacks = require "pipegoose.callbacks"
 
 local ProgressBar = callbacks.class("ProgressBar")
 
---- Whether the bar rewrites its line by default. getenv (default os.getenv)
--- and isatty (default pg.fs.isatty; false: none, as in plain Lua) are
+--- Whether the bar rewrites its line by default. getenv (default os.getenv),
+-- isatty and parent_isatty (default pg.fs's; false: none, as in plain Lua) are
 -- parameters for the specs.
-function ProgressBar.default_tty(getenv, isatty)
+function ProgressBar.default_tty(getenv, isatty, parent_isatty)
   getenv = getenv or os.getenv
   local forced = getenv("PG_PROGRESS")
   if forced == "plain" then return false end
   if forced == "tty" then return true end
+  local core = package.loaded["pipegoose.core"]
+  local fs = core and core.fs
   -- set in every rank Open MPI launches (not in a singleton ./pglua run)
-  if getenv("OMPI_COMM_WORLD_SIZE") then return false end
-  if isatty == nil then
-    local core = package.loaded["pipegoose.core"]
-    if core and core.fs then isatty = core.fs.isatty end
+  if getenv("OMPI_COMM_WORLD_SIZE") then
+    if parent_isatty == nil then parent_isatty = fs and fs.parent_isatty end
+    return parent_isatty and parent_isatty("stdout") or false
   end
+  if isatty == nil then isatty = fs and fs.isatty end
   if isatty then return isatty("stdout") end
   local term = getenv("TERM")
   return term ~= nil and term ~= "" and term ~= "dumb"
