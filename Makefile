@@ -28,8 +28,9 @@ MPICXX   := mpicxx
 DEPS_OK  := $(BUILD)/.deps-ok
 
 # Recursive (=) so pkg-config runs after scripts/install-deps.sh has run.
-PKG_CFLAGS = $(shell pkg-config --cflags lua5.4 openblas)
-PKG_LIBS   = $(shell pkg-config --libs lua5.4 openblas)
+# PCRE2 (the tokenizers' pre-tokenizer regexes, with JIT) and utf8proc (their NFC/NFKC normalizers).
+PKG_CFLAGS = $(shell pkg-config --cflags lua5.4 openblas libpcre2-8 libutf8proc)
+PKG_LIBS   = $(shell pkg-config --libs lua5.4 openblas libpcre2-8 libutf8proc)
 
 ifeq ($(FUZZ),1)
   # make fuzz: clang through Open MPI's wrapper, coverage for libFuzzer, sanitizers on

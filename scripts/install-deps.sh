@@ -11,6 +11,7 @@ PKGS=(
   libopenblas-openmp-dev                       # sgemm (OpenMP flavour: one thread pool with ours)
   libdnnl-dev                                  # oneDNN: bf16 GEMMs (AVX512_BF16 / AMX)
   zlib1g-dev                                   # crc32 for checkpoint checksums
+  libpcre2-dev libutf8proc-dev                 # tokenizers: pre-tokenizer regexes (PCRE2, JIT), NFC/NFKC (utf8proc)
   fortunes                                     # the default training corpus (/usr/share/games/fortunes)
   lua-argparse                                 # command-line options of the examples and scripts
   gnuplot-nox                                  # scripts/plot.lua
