@@ -166,7 +166,7 @@ debug:
 # runs them); `make fuzz` builds the libFuzzer binaries with clang into
 # build-fuzz/ and fuzzes each target FUZZ_SECONDS (default 60), new inputs
 # going to build-fuzz/corpus/<target>/ (copy the interesting ones into fuzz/corpus).
-FUZZ_TARGETS := safetensors manifest shard llmc
+FUZZ_TARGETS := safetensors manifest shard llmc tokenizer tokenizer_encode
 FUZZ_SECONDS ?= 60
 FUZZ_REPLAY  := $(FUZZ_TARGETS:%=$(BUILD)/fuzz/replay_%)
 FUZZ_CFLAGS   = $(CFLAGS) -Ifuzz -DPG_FUZZ_ROOT='"$(CURDIR)"'

@@ -16,6 +16,8 @@ int fuzz_safetensors(const uint8_t *data, size_t size);
 int fuzz_manifest(const uint8_t *data, size_t size);
 int fuzz_shard(const uint8_t *data, size_t size);
 int fuzz_llmc(const uint8_t *data, size_t size);
+int fuzz_tokenizer(const uint8_t *data, size_t size);
+int fuzz_tokenizer_encode(const uint8_t *data, size_t size);
 
 /* A scratch file holding data (one per process, rewritten each call); its path. */
 const char *fuzz_file(const uint8_t *data, size_t size, const char *name);

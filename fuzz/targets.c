@@ -91,6 +91,47 @@ int fuzz_llmc(const uint8_t *data, size_t size) {
   return 0;
 }
 
+/* tokenizer.json: load it, encode a fixed text with every kind of piece in it
+ * (spaces, digits, contractions, accents, CJK, emoji, special-token strings,
+ * invalid UTF-8), decode, save and load the saved file again. */
+int fuzz_tokenizer(const uint8_t *data, size_t size) {
+  fuzz_lua("local T = require 'pipegoose.tokenizer'\n"
+           "local tok = T.load(...)\n"
+           "local text = \"Hello  world\\n\\t\\t12345 I'm caf\\xc3\\xa9 e\\xcc\\x81 \\xe4\\xb8\\xad\\xf0\\x9f\\x8d\\x95 \"\n"
+           "  .. \"<s></s><unk><|endoftext|><|begin_of_text|> \\xff\\xe4\\xb8 \\xed\\xa0\\x80   \"\n"
+           "local ids = tok:encode(text)\n"
+           "tok:encode(text, { add_special = false, tensor = true })\n"
+           "tok:decode(ids)\n"
+           "tok:decode(ids, { skip_special = true })\n"
+           "pcall(tok.decode, tok, { 0, 1, 2, 255, 256, 4095, -1 })\n"
+           "tok:pre_tokenize(text)\n"
+           "T.load(tok:save((...) .. '.saved'))\n",
+           fuzz_file(data, size, "tokenizer.json"));
+  return 0;
+}
+
+/* Encoding: the bytes are the text, for the fixture tokenizers of every layout
+ * (spec/fixtures/tokenizers, loaded once); decoding what comes out must work. */
+int fuzz_tokenizer_encode(const uint8_t *data, size_t size) {
+  fuzz_lua("local T = require 'pipegoose.tokenizer'\n"
+           "if not FUZZ_TOKS then\n"
+           "  FUZZ_TOKS = {}\n"
+           "  for _, n in ipairs({ 'gpt2_prefix', 'llama3', 'sp_llama2', 'sp_meta' }) do\n"
+           "    FUZZ_TOKS[#FUZZ_TOKS + 1] = T.load('" PG_FUZZ_ROOT "/spec/fixtures/tokenizers/' .. n)\n"
+           "  end\n"
+           "end\n"
+           "local f = assert(io.open(..., 'rb'))\n"
+           "local text = f:read('a')\n"
+           "f:close()\n"
+           "for _, tok in ipairs(FUZZ_TOKS) do\n"
+           "  local ids = tok:encode(text)\n"
+           "  tok:decode(ids)\n"
+           "  tok:decode(tok:encode(text, { add_special = false, tensor = true }), { skip_special = true })\n"
+           "end\n",
+           fuzz_file(data, size, "text.txt"));
+  return 0;
+}
+
 /* llm.c token shards: open (with and without a vocabulary check) and read every window. */
 int fuzz_shard(const uint8_t *data, size_t size) {
   const char *path = fuzz_file(data, size, "tokens.bin");

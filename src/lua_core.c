@@ -44,6 +44,7 @@ int luaopen_pipegoose_core(lua_State *L) {
   pg_lua_open_data(L);
   pg_lua_open_cuda(L);
   pg_lua_open_loss(L);
+  pg_lua_open_tokenizer(L);
   lua_pushstring(L, PG_VERSION);
   lua_setfield(L, -2, "version");
   lua_pushcfunction(L, l_machine);

@@ -76,5 +76,6 @@ void pg_lua_open_ops(lua_State *L); /* sets field `ops` */
 void pg_lua_open_data(lua_State *L);
 void pg_lua_open_cuda(lua_State *L); /* sets field `cuda` */
 void pg_lua_open_loss(lua_State *L); /* sets field `loss` */
+void pg_lua_open_tokenizer(lua_State *L); /* sets field `tokenizer` */
 
 #endif

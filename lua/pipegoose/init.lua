@@ -15,6 +15,7 @@ pg.parallelize = parallel.parallelize
 pg.optim = require "pipegoose.optim"
 pg.sample = require "pipegoose.sample"
 pg.loss = require "pipegoose.loss"
+pg.tokenizer = require "pipegoose.tokenizer" -- Hugging Face tokenizer.json BPE tokenizers (C, PCRE2, utf8proc)
 
 -- Trainer, training and data modules, callbacks, LR schedules, checkpoints and
 -- test fakes (plain Lua).

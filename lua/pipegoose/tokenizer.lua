@@ -1,0 +1,463 @@
+--- Tokenizers: Hugging Face `tokenizer.json` files (BPE), encoded and decoded
+-- in C (src/pg_tokenizer.c) with the ids `tokenizers` gives.
+--
+--   local tok = pg.tokenizer.load("tokenizer.json" or an HF model directory)
+--   tok:encode(text [, {add_special = true, tensor = false}]) -> table of ids (or an int32 tensor)
+--   tok:decode(ids [, {skip_special = false}]) -> string   (ids: table or int32 tensor)
+--   tok:vocab_size()         1 + the largest id (what an embedding needs)
+--   tok:token_to_id(s), tok:id_to_token(id)   (nil when there is none)
+--   tok:special_tokens()     {[content] = id} of the special added tokens
+--   tok:save(path)           a tokenizer.json tokenizers and transformers load (written atomically)
+--   tok:pre_tokenize(text)   the pre-tokens the model sees (normalized, split, mapped)
+--
+-- This file reads the JSON (lua-cjson), checks every component and names the
+-- one it does not implement ("tokenizer.json: pre_tokenizer type
+-- 'UnicodeScripts' is not supported") rather than ignoring it, and hands the
+-- C side a plain spec (src/lua_tokenizer.c documents it). Training builds the
+-- same decoded-JSON table (model = {type = "BPE", vocab =, merges =}, ...)
+-- and calls M.from_table, so a trained tokenizer saves and loads like any.
+local cjson = require("cjson").new()
+
+local M = {}
+local NULL = cjson.null
+
+local function core() return require "pipegoose.core" end
+
+local function fail(src, fmt, ...) error(("%s: " .. fmt):format(src, ...), 0) end
+local function absent(v) return v == nil or v == NULL end
+
+-- Ordered JSON values for save: O(k1, v1, k2, v2, ...) is an object whose
+-- keys keep this order (NULL for null); a plain table is an array.
+local OBJ = {}
+local function O(...) return setmetatable({ ... }, OBJ) end
+
+local function write_json(v, out, ind)
+  if v == NULL then
+    out[#out + 1] = "null"
+  elseif type(v) == "boolean" then
+    out[#out + 1] = v and "true" or "false"
+  elseif math.type(v) == "integer" then
+    out[#out + 1] = ("%d"):format(v)
+  elseif type(v) == "number" then
+    out[#out + 1] = ("%.17g"):format(v)
+  elseif type(v) == "string" then
+    out[#out + 1] = cjson.encode(v)
+  elseif getmetatable(v) == OBJ then
+    if #v == 0 then out[#out + 1] = "{}" return end
+    out[#out + 1] = "{"
+    for i = 1, #v, 2 do
+      out[#out + 1] = (i > 1 and ",\n" or "\n") .. ind .. "  " .. cjson.encode(v[i]) .. ": "
+      write_json(v[i + 1], out, ind .. "  ")
+    end
+    out[#out + 1] = "\n" .. ind .. "}"
+  else
+    if #v == 0 then out[#out + 1] = "[]" return end
+    out[#out + 1] = "["
+    for i = 1, #v do
+      out[#out + 1] = (i > 1 and ",\n" or "\n") .. ind .. "  "
+      write_json(v[i], out, ind .. "  ")
+    end
+    out[#out + 1] = "\n" .. ind .. "]"
+  end
+end
+
+-- ---- field checks ----
+
+local function obj(src, v, what)
+  if type(v) ~= "table" then fail(src, "%s must be an object, not %s", what, v == NULL and "null" or type(v)) end
+  return v
+end
+
+local function str(src, v, what, default)
+  if absent(v) and default ~= nil then return default end
+  if type(v) ~= "string" then fail(src, "%s must be a string", what) end
+  return v
+end
+
+local function bool(src, v, what, default)
+  if absent(v) then return default end
+  if type(v) ~= "boolean" then fail(src, "%s must be true or false", what) end
+  return v
+end
+
+local function int(src, v, what, lo, hi)
+  local i = math.tointeger(v)
+  if not i or i < lo or i > hi then fail(src, "%s must be an integer in [%d, %d], not %s", what, lo, hi, tostring(v)) end
+  return i
+end
+
+local function list(src, v, what)
+  if type(v) ~= "table" or getmetatable(v) == OBJ then fail(src, "%s must be a list", what) end
+  return v
+end
+
+-- A Replace/Split pattern: {String = s} or {Regex = r} -> pattern, is_regex, canonical
+local function pattern(src, p, what)
+  obj(src, p, what)
+  if type(p.String) == "string" and p.Regex == nil then
+    if p.String == "" then fail(src, "%s is an empty string", what) end
+    return p.String, false, O("String", p.String)
+  elseif type(p.Regex) == "string" and p.String == nil then
+    if p.Regex == "" then fail(src, "%s is an empty regex", what) end
+    return p.Regex, true, O("Regex", p.Regex)
+  end
+  fail(src, "%s must be {\"String\": ...} or {\"Regex\": ...}", what)
+end
+
+local SCHEMES = { always = true, first = true, never = true }
+local function prepend_scheme(src, c, what)
+  if not absent(c.prepend_scheme) then
+    local s = str(src, c.prepend_scheme, what .. ".prepend_scheme")
+    if not SCHEMES[s] then fail(src, "%s.prepend_scheme '%s' is not always, first or never", what, s) end
+    return s
+  end
+  -- files from before prepend_scheme: add_prefix_space true meant always
+  return bool(src, c.add_prefix_space, what .. ".add_prefix_space", true) and "always" or "never"
+end
+
+local function one_char(src, s, what)
+  if utf8.len(s) ~= 1 then fail(src, "%s must be one character, not '%s'", what, s) end
+  return s
+end
+
+-- ---- components: each adds its steps to `steps` and returns its canonical JSON ----
+
+local function normalizer(src, n, steps, what)
+  if absent(n) then return NULL end
+  obj(src, n, what)
+  local t = n.type
+  if t == "Sequence" then
+    local out = {}
+    for i, x in ipairs(list(src, n.normalizers, what .. ".normalizers")) do
+      out[i] = normalizer(src, x, steps, ("%s.normalizers[%d]"):format(what, i))
+    end
+    return O("type", "Sequence", "normalizers", out)
+  elseif t == "NFC" or t == "NFKC" then
+    steps[#steps + 1] = { kind = t }
+    return O("type", t)
+  elseif t == "Prepend" then
+    local p = str(src, n.prepend, what .. ".prepend")
+    steps[#steps + 1] = { kind = "Prepend", content = p }
+    return O("type", "Prepend", "prepend", p)
+  elseif t == "Replace" then
+    local p, re, canon = pattern(src, n.pattern, what .. ".pattern")
+    local c = str(src, n.content, what .. ".content")
+    steps[#steps + 1] = { kind = "Replace", pattern = p, regex = re, content = c }
+    return O("type", "Replace", "pattern", canon, "content", c)
+  end
+  fail(src, "%s type '%s' is not supported", what, tostring(t))
+end
+
+local BEHAVIORS = { Removed = true, Isolated = true, MergedWithPrevious = true, MergedWithNext = true, Contiguous = true }
+
+local function pre_tokenizer(src, p, steps, what)
+  if absent(p) then return NULL end
+  obj(src, p, what)
+  local t = p.type
+  if t == "Sequence" then
+    local out = {}
+    for i, x in ipairs(list(src, p.pretokenizers, what .. ".pretokenizers")) do
+      out[i] = pre_tokenizer(src, x, steps, ("%s.pretokenizers[%d]"):format(what, i))
+    end
+    return O("type", "Sequence", "pretokenizers", out)
+  elseif t == "ByteLevel" then
+    local aps = bool(src, p.add_prefix_space, what .. ".add_prefix_space", true)
+    local trim = bool(src, p.trim_offsets, what .. ".trim_offsets", true)
+    local re = bool(src, p.use_regex, what .. ".use_regex", true)
+    steps[#steps + 1] = { kind = "ByteLevel", add_prefix_space = aps, use_regex = re }
+    return O("type", "ByteLevel", "add_prefix_space", aps, "trim_offsets", trim, "use_regex", re)
+  elseif t == "Split" then
+    local pat, re, canon = pattern(src, p.pattern, what .. ".pattern")
+    local b = str(src, p.behavior, what .. ".behavior")
+    if not BEHAVIORS[b] then fail(src, "%s.behavior '%s' is not supported", what, b) end
+    local inv = bool(src, p.invert, what .. ".invert", false)
+    steps[#steps + 1] = { kind = "Split", pattern = pat, regex = re, behavior = b, invert = inv }
+    return O("type", "Split", "pattern", canon, "behavior", b, "invert", inv)
+  elseif t == "Metaspace" then
+    local r = one_char(src, str(src, p.replacement, what .. ".replacement", "▁"), what .. ".replacement")
+    local scheme = prepend_scheme(src, p, what)
+    local split = bool(src, p.split, what .. ".split", true)
+    steps[#steps + 1] = { kind = "Metaspace", content = r, prepend_scheme = scheme, split = split }
+    return O("type", "Metaspace", "replacement", r, "prepend_scheme", scheme, "split", split)
+  elseif t == "Digits" then
+    local ind = bool(src, p.individual_digits, what .. ".individual_digits", false)
+    steps[#steps + 1] = { kind = "Digits", individual_digits = ind }
+    return O("type", "Digits", "individual_digits", ind)
+  end
+  fail(src, "%s type '%s' is not supported", what, tostring(t))
+end
+
+local function decoder(src, d, steps, what)
+  if absent(d) then return NULL end
+  obj(src, d, what)
+  local t = d.type
+  if t == "Sequence" then
+    local out = {}
+    for i, x in ipairs(list(src, d.decoders, what .. ".decoders")) do
+      out[i] = decoder(src, x, steps, ("%s.decoders[%d]"):format(what, i))
+    end
+    return O("type", "Sequence", "decoders", out)
+  elseif t == "ByteLevel" then
+    steps[#steps + 1] = { kind = "ByteLevel" }
+    return O("type", "ByteLevel", "add_prefix_space", bool(src, d.add_prefix_space, what .. ".add_prefix_space", true),
+      "trim_offsets", bool(src, d.trim_offsets, what .. ".trim_offsets", true),
+      "use_regex", bool(src, d.use_regex, what .. ".use_regex", true))
+  elseif t == "ByteFallback" or t == "Fuse" then
+    steps[#steps + 1] = { kind = t }
+    return O("type", t)
+  elseif t == "Strip" then
+    local c = one_char(src, str(src, d.content, what .. ".content"), what .. ".content")
+    local a, b = int(src, d.start, what .. ".start", 0, 1 << 30), int(src, d.stop, what .. ".stop", 0, 1 << 30)
+    steps[#steps + 1] = { kind = "Strip", content = c, start = a, stop = b }
+    return O("type", "Strip", "content", c, "start", a, "stop", b)
+  elseif t == "Replace" then
+    local p, re, canon = pattern(src, d.pattern, what .. ".pattern")
+    local c = str(src, d.content, what .. ".content")
+    steps[#steps + 1] = { kind = "Replace", pattern = p, regex = re, content = c }
+    return O("type", "Replace", "pattern", canon, "content", c)
+  elseif t == "Metaspace" then
+    local r = one_char(src, str(src, d.replacement, what .. ".replacement", "▁"), what .. ".replacement")
+    local scheme = prepend_scheme(src, d, what)
+    local split = bool(src, d.split, what .. ".split", true)
+    steps[#steps + 1] = { kind = "Metaspace", content = r, prepend_scheme = scheme }
+    return O("type", "Metaspace", "replacement", r, "prepend_scheme", scheme, "split", split)
+  end
+  fail(src, "%s type '%s' is not supported", what, tostring(t))
+end
+
+-- TemplateProcessing's pieces: {SpecialToken = {id =, type_id =}} or {Sequence = {id = "A"|"B", type_id =}}
+local function template_pieces(src, pieces, what, specials, ids, single)
+  local out = {}
+  for i, x in ipairs(list(src, pieces, what)) do
+    local w = ("%s[%d]"):format(what, i)
+    obj(src, x, w)
+    if type(x.SpecialToken) == "table" then
+      local name = str(src, x.SpecialToken.id, w .. ".SpecialToken.id")
+      local tid = int(src, x.SpecialToken.type_id or 0, w .. ".SpecialToken.type_id", 0, 1 << 30)
+      local sp = specials[name] or fail(src, "%s names the special token '%s', which special_tokens does not define", w, name)
+      if ids then
+        for _, id in ipairs(sp) do ids[#ids + 1] = id end
+      end
+      out[i] = O("SpecialToken", O("id", name, "type_id", tid))
+    elseif type(x.Sequence) == "table" then
+      local id = str(src, x.Sequence.id, w .. ".Sequence.id")
+      if id ~= "A" and id ~= "B" then fail(src, "%s.Sequence.id '%s' is not A or B", w, id) end
+      if single and id ~= "A" then fail(src, "%s: the single template takes sequence A only", w) end
+      if ids then ids[#ids + 1] = -1 end
+      out[i] = O("Sequence", O("id", id, "type_id", int(src, x.Sequence.type_id or 0, w .. ".Sequence.type_id", 0, 1 << 30)))
+    else
+      fail(src, "%s is neither a SpecialToken nor a Sequence", w)
+    end
+  end
+  return out
+end
+
+local function post_processor(src, p, state, what)
+  if absent(p) then return NULL end
+  obj(src, p, what)
+  local t = p.type
+  if t == "Sequence" then
+    local out = {}
+    for i, x in ipairs(list(src, p.processors, what .. ".processors")) do
+      out[i] = post_processor(src, x, state, ("%s.processors[%d]"):format(what, i))
+    end
+    return O("type", "Sequence", "processors", out)
+  elseif t == "ByteLevel" then -- only offsets: the ids stay as they are
+    return O("type", "ByteLevel", "add_prefix_space", bool(src, p.add_prefix_space, what .. ".add_prefix_space", true),
+      "trim_offsets", bool(src, p.trim_offsets, what .. ".trim_offsets", true),
+      "use_regex", bool(src, p.use_regex, what .. ".use_regex", true))
+  elseif t == "TemplateProcessing" then
+    if state.template then fail(src, "%s: a second TemplateProcessing", what) end
+    local specials, canon_sp, names = {}, {}, {}
+    for name, sp in pairs(obj(src, p.special_tokens or {}, what .. ".special_tokens")) do
+      local w = ("%s.special_tokens['%s']"):format(what, tostring(name))
+      obj(src, sp, w)
+      local ids, toks = {}, {}
+      for i, id in ipairs(list(src, sp.ids, w .. ".ids")) do ids[i] = int(src, id, w .. ".ids[]", 0, (1 << 24) - 1) end
+      for i, s in ipairs(list(src, sp.tokens or {}, w .. ".tokens")) do toks[i] = str(src, s, w .. ".tokens[]") end
+      specials[name] = ids
+      names[#names + 1] = name
+      canon_sp[name] = O("id", str(src, sp.id or name, w .. ".id"), "ids", ids, "tokens", toks)
+    end
+    table.sort(names)
+    local sp_obj = O()
+    for _, name in ipairs(names) do sp_obj[#sp_obj + 1] = name; sp_obj[#sp_obj + 1] = canon_sp[name] end
+    state.template = {}
+    local single = template_pieces(src, p.single, what .. ".single", specials, state.template, true)
+    local pair = template_pieces(src, p.pair or {}, what .. ".pair", specials, nil, false)
+    return O("type", "TemplateProcessing", "single", single, "pair", pair, "special_tokens", sp_obj)
+  end
+  fail(src, "%s type '%s' is not supported", what, tostring(t))
+end
+
+-- ---- the tokenizer object ----
+
+local Tokenizer = {}
+Tokenizer.__index = Tokenizer
+
+local function check_opts(opts, fname, allowed)
+  if opts == nil then return {} end
+  if type(opts) ~= "table" then error(("%s: options must be a table"):format(fname), 3) end
+  for k in pairs(opts) do
+    if not allowed[k] then error(("%s: unknown option '%s'"):format(fname, tostring(k)), 3) end
+  end
+  return opts
+end
+
+function Tokenizer:encode(text, opts)
+  opts = check_opts(opts, "encode", { add_special = true, tensor = true })
+  if type(text) ~= "string" then error("encode: text must be a string", 2) end
+  local add = opts.add_special
+  if add == nil then add = true end
+  return self._c:encode(text, add, opts.tensor)
+end
+
+function Tokenizer:decode(ids, opts)
+  opts = check_opts(opts, "decode", { skip_special = true })
+  return self._c:decode(ids, opts.skip_special)
+end
+
+function Tokenizer:vocab_size() return self._c:vocab_size() end
+function Tokenizer:token_to_id(s) return self._c:token_to_id(s) end
+function Tokenizer:id_to_token(id) return self._c:id_to_token(id) end
+function Tokenizer:pre_tokenize(text) return self._c:pre_tokenize(text) end
+
+function Tokenizer:special_tokens()
+  local out = {}
+  for _, a in ipairs(self._added) do
+    if a.special then out[a.content] = a.id end
+  end
+  return out
+end
+
+--- The tokenizer.json text (what save writes).
+function Tokenizer:to_json()
+  local out = {}
+  local j = self._json
+  local model = {}
+  local ids = {}
+  for tok, id in pairs(self._vocab) do ids[#ids + 1] = { id, tok } end
+  table.sort(ids, function(a, b) return a[1] < b[1] end)
+  for i, e in ipairs(ids) do
+    model[i] = ("      %s: %d"):format(cjson.encode(e[2]), e[1])
+  end
+  local merges = {}
+  local m = self._merges
+  for i = 1, #m, 2 do
+    merges[#merges + 1] = self._merge_strings and ("      " .. cjson.encode(m[i] .. " " .. m[i + 1]))
+      or ("      [" .. cjson.encode(m[i]) .. ", " .. cjson.encode(m[i + 1]) .. "]")
+  end
+  write_json(O("version", "1.0", "truncation", NULL, "padding", NULL, "added_tokens", j.added_tokens,
+    "normalizer", j.normalizer, "pre_tokenizer", j.pre_tokenizer, "post_processor", j.post_processor,
+    "decoder", j.decoder), out, "")
+  out[#out] = out[#out]:gsub("\n}$", "")
+  local mo = {}
+  write_json(j.model, mo, "  ")
+  local head = table.concat(mo):gsub("\n  }$", "")
+  -- the model's vocab (by id) and merges (in rank order) go last, one entry a line
+  out[#out + 1] = ",\n  \"model\": " .. head .. ",\n    \"vocab\": {" .. (#model > 0 and "\n" .. table.concat(model, ",\n") .. "\n    " or "")
+    .. "},\n    \"merges\": [" .. (#merges > 0 and "\n" .. table.concat(merges, ",\n") .. "\n    " or "") .. "]\n  }\n}\n"
+  return table.concat(out)
+end
+
+--- Writes the tokenizer.json atomically (pg.file.write: temporary name, fsync, rename).
+function Tokenizer:save(path)
+  if type(path) ~= "string" then error("save: path must be a string", 2) end
+  if core().fs.is_dir(path) then path = path .. "/tokenizer.json" end
+  core().file.write(path, { self:to_json() })
+  return path
+end
+
+--- A tokenizer from a decoded tokenizer.json table; src names it in errors.
+function M.from_table(j, src)
+  src = src or "tokenizer.json"
+  obj(src, j, "the file")
+  for _, k in ipairs({ "truncation", "padding" }) do
+    if not absent(j[k]) then fail(src, "%s is not supported (set it to null)", k) end
+  end
+  local m = obj(src, j.model, "model")
+  local mtype = m.type
+  if mtype == nil and m.merges ~= nil then mtype = "BPE" end -- files from before the model had a type
+  if mtype ~= "BPE" then fail(src, "model type '%s' is not supported (only BPE)", tostring(mtype)) end
+  if not absent(m.dropout) and m.dropout ~= 0 then fail(src, "model.dropout is not supported (set it to null)") end
+  for _, k in ipairs({ "continuing_subword_prefix", "end_of_word_suffix" }) do
+    if not absent(m[k]) and m[k] ~= "" then fail(src, "model.%s is not supported", k) end
+  end
+  local vocab = {}
+  for tok, id in pairs(obj(src, m.vocab, "model.vocab")) do
+    if type(tok) ~= "string" then fail(src, "model.vocab has a key that is not a string") end
+    vocab[tok] = int(src, id, ("model.vocab['%s']"):format(tok), 0, (1 << 24) - 1)
+  end
+  local merges, strings = {}, false
+  for i, mg in ipairs(list(src, m.merges or {}, "model.merges")) do
+    local a, b
+    if type(mg) == "string" then
+      strings = true
+      a, b = mg:match("^([^ ]+) ([^ ]+)$")
+      if not a then fail(src, "model.merges[%d] '%s' is not two tokens separated by one space", i, mg) end
+    elseif type(mg) == "table" and #mg == 2 and type(mg[1]) == "string" and type(mg[2]) == "string" then
+      a, b = mg[1], mg[2]
+    else
+      fail(src, "model.merges[%d] is neither \"a b\" nor [\"a\", \"b\"]", i)
+    end
+    merges[#merges + 1] = a
+    merges[#merges + 1] = b
+  end
+  local unk = nil
+  if not absent(m.unk_token) then unk = str(src, m.unk_token, "model.unk_token") end
+  local model = { unk_token = unk, byte_fallback = bool(src, m.byte_fallback, "model.byte_fallback", false),
+    fuse_unk = bool(src, m.fuse_unk, "model.fuse_unk", false), ignore_merges = bool(src, m.ignore_merges, "model.ignore_merges", false) }
+  local added, canon_added = {}, {}
+  for i, a in ipairs(list(src, absent(j.added_tokens) and {} or j.added_tokens, "added_tokens")) do
+    local w = ("added_tokens[%d]"):format(i)
+    obj(src, a, w)
+    local special = bool(src, a.special, w .. ".special", false)
+    local e = { id = int(src, a.id, w .. ".id", 0, (1 << 24) - 1), content = str(src, a.content, w .. ".content"),
+      special = special, lstrip = bool(src, a.lstrip, w .. ".lstrip", false), rstrip = bool(src, a.rstrip, w .. ".rstrip", false),
+      single_word = bool(src, a.single_word, w .. ".single_word", false),
+      normalized = bool(src, a.normalized, w .. ".normalized", not special) }
+    if e.content == "" then fail(src, "%s.content is empty", w) end
+    added[i] = e
+    canon_added[i] = O("id", e.id, "content", e.content, "single_word", e.single_word, "lstrip", e.lstrip,
+      "rstrip", e.rstrip, "normalized", e.normalized, "special", e.special)
+  end
+  local norm, pre, dec, state = {}, {}, {}, {}
+  local json = {
+    added_tokens = canon_added,
+    normalizer = normalizer(src, j.normalizer, norm, "normalizer"),
+    pre_tokenizer = pre_tokenizer(src, j.pre_tokenizer, pre, "pre_tokenizer"),
+    post_processor = post_processor(src, j.post_processor, state, "post_processor"),
+    decoder = decoder(src, j.decoder, dec, "decoder"),
+    model = O("type", "BPE", "dropout", NULL, "unk_token", unk or NULL, "continuing_subword_prefix", NULL,
+      "end_of_word_suffix", NULL, "fuse_unk", model.fuse_unk, "byte_fallback", model.byte_fallback,
+      "ignore_merges", model.ignore_merges),
+  }
+  local spec = { model = model, vocab = vocab, merges = merges, added = added, normalizers = norm,
+    pre_tokenizers = pre, decoders = dec, template = state.template }
+  local ok, c = pcall(core().tokenizer.new, spec)
+  if not ok then fail(src, "%s", tostring(c)) end
+  return setmetatable({ _c = c, _json = json, _vocab = vocab, _merges = merges, _merge_strings = strings,
+    _added = added, source = src }, Tokenizer)
+end
+
+--- A tokenizer from the text of a tokenizer.json.
+function M.from_json(text, src)
+  src = src or "tokenizer.json"
+  local ok, j = pcall(cjson.decode, text)
+  if not ok then fail(src, "not valid JSON (%s)", tostring(j)) end
+  return M.from_table(j, src)
+end
+
+--- pg.tokenizer.load(path): a tokenizer.json, or a directory holding one (a Hugging Face model directory).
+function M.load(path)
+  if type(path) ~= "string" then error("tokenizer.load: path must be a string", 2) end
+  if core().fs.is_dir(path) then path = path .. "/tokenizer.json" end
+  local f, err = io.open(path, "rb")
+  if not f then fail(path, "missing or unreadable (%s)", tostring(err)) end
+  local text = f:read("a")
+  f:close()
+  if not text then fail(path, "unreadable") end
+  return M.from_json(text, path)
+end
+
+return M

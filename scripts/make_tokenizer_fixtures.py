@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""Tokenizer fixtures for spec/unit/tokenizer_spec.lua, made with Hugging Face `tokenizers`.
+
+Run (from the repository root; needs `tokenizers` and `transformers` from PyPI,
+e.g. in an ignored venv):
+
+    python3 -m venv build-tok/venv && build-tok/venv/bin/pip install tokenizers transformers
+    build-tok/venv/bin/python scripts/make_tokenizer_fixtures.py            # writes the fixtures
+    build-tok/venv/bin/python scripts/make_tokenizer_fixtures.py --check-saved DIR
+        # DIR holds <name>/tokenizer.json files saved by pipegoose (tok:save):
+        # each must load in tokenizers.Tokenizer.from_file and in
+        # transformers.PreTrainedTokenizerFast and give the committed ids.
+
+It trains small BPE tokenizers (vocab ~1000-1500) on the Debian fortunes
+(/usr/share/games/fortunes, package fortunes-min/fortunes) in the layouts real
+checkpoints use, and writes spec/fixtures/tokenizers/<name>/tokenizer.json and
+expected.json: for every text, `tokenizers`' ids without and with special
+tokens, and its decodes (with and without skip_special_tokens). The spec
+compares committed values only; this script is not run by the suite.
+
+Layouts:
+  gpt2         ByteLevel pre-tokenizer (GPT-2 regex), ByteLevel decoder and
+               post-processor, merges in the pair form
+  gpt2_prefix  the same vocabulary with add_prefix_space, an NFC normalizer
+               and merges in the "a b" string form
+  llama3       Split(Llama 3 regex, Isolated) + ByteLevel(use_regex=false),
+               TemplateProcessing with BOS, ignore_merges, special added tokens
+  sp_llama2    SentencePiece-style BPE, Llama 2 / Mistral layout: normalizer
+               Prepend("▁") + Replace(" ", "▁"), byte_fallback, unk_token,
+               fuse_unk, decoders Replace + ByteFallback + Fuse + Strip
+  sp_meta      Metaspace(prepend_scheme first, split) + Digits(individual)
+               pre-tokenizers, NFKC, Metaspace decoder, added tokens with
+               lstrip/rstrip/single_word/normalized
+
+Python strings cannot hold invalid UTF-8, so the texts here are all valid;
+pipegoose's defined result for invalid bytes is pinned in the spec itself.
+"""
+import argparse
+import glob
+import json
+import os
+import sys
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "spec", "fixtures", "tokenizers")
+
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def corpus():
+    files = sorted(f for f in glob.glob("/usr/share/games/fortunes/*") if "." not in os.path.basename(f))
+    if not files:
+        sys.exit("no fortunes in /usr/share/games/fortunes (apt-get install fortunes)")
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            for para in fh.read().split("\n%\n"):
+                if para.strip():
+                    yield para
+
+
+# {S} is replaced by each layout's first special token, {E} by its last.
+TEXTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "A fool and his money are soon parted.",
+    "café naïve résumé Ångström über Ça va? ¿Qué tal?",
+    "Zoë's façade: crème brûlée, jalapeño, smørrebrød",
+    "日本語のテキストです。",
+    "中文测试，你好世界！",
+    "한국어 텍스트",
+    "Привет, мир! Ελληνικά. مرحبا שלום ไทย हिन्दी",
+    "I ❤️ 🍕 and 👩‍👩‍👧‍👦 🏳️‍🌈 🤖!",
+    "e\u0301 a\u0308 o\u0302\u0323 n\u0303 (combining marks)",
+    "Ａｂｃ１２３ ﬁ ﬀ ① ² ㎏",
+    "a  b   c    d     e",
+    "   leading spaces",
+    "trailing spaces   ",
+    "a\tb\t\tc\t \td",
+    "line1\nline2\n\n\nline3\r\nline4\r\n\r\n",
+    " \t \n \u00a0\u3000\u2003\u0085 mixed\u00a0space",
+    "1234567890 3.14159 2026-12-01 1,000,000 007",
+    "I'm don't we'll they've she'd it's you're I'M DON'T WE'LL",
+    "Hello{S}world and {E} again{E}",
+    "{S}{S} twice  {S} spaced {E}",
+    "<not a special> <| |> <",
+    "",
+    " ",
+    "\n",
+    "x",
+    "zero\u200bwidth \ufeffbom \u2028sep",
+    "control \x01\x02\x7f chars",
+    "tabs\tand\u000bvertical\u000cfeed",
+    "Q: What is a computer?\nA: A device for making mistakes faster.",
+    "wiki foo foobar afoo wikipedia <sep> x<sep>y",
+    "▁ already ▁▁ metaspace ▁x",
+    "$%&*()[]{}#@!~`^_+=|\\/<>?;:\"'.,-",
+]
+
+SP_BYTES = ["<0x%02X>" % b for b in range(256)]
+
+
+def train(tok, vocab_size, special, alphabet=None):
+    kw = dict(vocab_size=vocab_size, special_tokens=special, show_progress=False, min_frequency=2)
+    if alphabet is not None:
+        kw["initial_alphabet"] = alphabet
+    tok.train_from_iterator(corpus(), trainers.BpeTrainer(**kw))
+    return tok
+
+
+def gpt2():
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return train(tok, 1200, ["<|endoftext|>"], pre_tokenizers.ByteLevel.alphabet())
+
+
+def gpt2_prefix(base):
+    d = json.loads(base.to_str())
+    d["normalizer"] = {"type": "NFC"}
+    d["pre_tokenizer"]["add_prefix_space"] = True
+    d["model"]["merges"] = [" ".join(m) for m in d["model"]["merges"]]
+    return Tokenizer.from_str(json.dumps(d))
+
+
+def llama3():
+    tok = Tokenizer(models.BPE(ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False, trim_offsets=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+    train(tok, 1500, special, pre_tokenizers.ByteLevel.alphabet())
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|>:1 $B:1",
+                                      special_tokens=[("<|begin_of_text|>", bos)]),
+    ])
+    # train ignores the model's ignore_merges when it builds the new model: set it again
+    d = json.loads(tok.to_str())
+    d["model"]["ignore_merges"] = True
+    return Tokenizer.from_str(json.dumps(d))
+
+
+def sp_llama2():
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    train(tok, 1400, ["<unk>", "<s>", "</s>"] + SP_BYTES)
+    return finish_sp(tok, "<s> $A", "<s> $A <s> $B")
+
+
+def finish_sp(tok, single, pair):
+    # The byte tokens are plain vocabulary entries in Llama 2's file, not added tokens.
+    st = [(t, tok.token_to_id(t)) for t in ("<s>", "</s>") if t in single]
+    tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=st)
+    d = json.loads(tok.to_str())
+    d["added_tokens"] = [a for a in d["added_tokens"] if a["content"] not in SP_BYTES]
+    d["model"]["byte_fallback"] = True
+    d["model"]["unk_token"] = "<unk>"
+    d["model"]["fuse_unk"] = True
+    return Tokenizer.from_str(json.dumps(d))
+
+
+def sp_meta():
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True),
+        pre_tokenizers.Digits(individual_digits=True),
+    ])
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(replacement="▁", prepend_scheme="first")])
+    train(tok, 1300, ["<unk>", "<s>", "</s>"] + SP_BYTES)
+    tok = finish_sp(tok, "<s> $A </s>", "<s> $A </s> $B </s>")
+    tok.add_special_tokens([AddedToken("<sep>", lstrip=True, rstrip=True, special=True, normalized=False)])
+    tok.add_tokens([AddedToken("foo", single_word=True, normalized=False),
+                    AddedToken("ｗｉｋｉ", normalized=True)])  # normalized by NFKC to "wiki"
+    return tok
+
+
+def texts_for(tok):
+    special = [a.content for a in tok.get_added_tokens_decoder().values() if a.special]
+    s, e = special[min(1, len(special) - 1)], special[-1]
+    return [t.replace("{S}", s).replace("{E}", e) for t in TEXTS]
+
+
+def expected(tok):
+    out = []
+    for text in texts_for(tok):
+        plain = tok.encode(text, add_special_tokens=False)
+        full = tok.encode(text, add_special_tokens=True)
+        out.append({
+            "text": text,
+            "ids": plain.ids,
+            "ids_special": full.ids,
+            "tokens": plain.tokens,
+            "decode": tok.decode(plain.ids, skip_special_tokens=False),
+            "decode_special": tok.decode(full.ids, skip_special_tokens=False),
+            "decode_skip": tok.decode(full.ids, skip_special_tokens=True),
+        })
+    return {"tokenizers": __import__("tokenizers").__version__, "vocab_size": tok.get_vocab_size(True),
+            "texts": out}
+
+
+def check(name, path, exp):
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer.from_file(path)
+    fast = PreTrainedTokenizerFast(tokenizer_file=path)
+    bad = 0
+    for e in exp["texts"]:
+        ids = tok.encode(e["text"], add_special_tokens=False).ids
+        fids = fast(e["text"], add_special_tokens=False)["input_ids"]
+        full = tok.encode(e["text"], add_special_tokens=True).ids
+        if ids != e["ids"] or fids != e["ids"] or full != e["ids_special"] or tok.decode(full, skip_special_tokens=False) != e["decode_special"]:
+            bad += 1
+            print(f"{name}: {e['text']!r}: {ids} / {fids} / {full}, expected {e['ids']} / {e['ids_special']}")
+    print(f"{name}: {path}: {len(exp['texts']) - bad}/{len(exp['texts'])} texts equal (Tokenizer and PreTrainedTokenizerFast)")
+    return bad
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check-saved", metavar="DIR", help="check pipegoose-saved DIR/<name>/tokenizer.json files")
+    args = ap.parse_args()
+    names = ["gpt2", "gpt2_prefix", "llama3", "sp_llama2", "sp_meta"]
+    if args.check_saved:
+        bad = 0
+        for name in names:
+            with open(os.path.join(OUT, name, "expected.json"), encoding="utf-8") as f:
+                exp = json.load(f)
+            bad += check(name, os.path.join(args.check_saved, name, "tokenizer.json"), exp)
+        sys.exit(1 if bad else 0)
+    base = gpt2()
+    toks = {"gpt2": base, "gpt2_prefix": gpt2_prefix(base), "llama3": llama3(), "sp_llama2": sp_llama2(),
+            "sp_meta": sp_meta()}
+    for name, tok in toks.items():
+        d = os.path.join(OUT, name)
+        os.makedirs(d, exist_ok=True)
+        tok.save(os.path.join(d, "tokenizer.json"))
+        if name == "gpt2_prefix":  # keep the "a b" merge form in the file (save writes pairs)
+            with open(os.path.join(d, "tokenizer.json"), encoding="utf-8") as f:
+                j = json.load(f)
+            j["model"]["merges"] = [" ".join(m) if isinstance(m, list) else m for m in j["model"]["merges"]]
+            with open(os.path.join(d, "tokenizer.json"), "w", encoding="utf-8") as f:
+                json.dump(j, f, ensure_ascii=False, indent=1)
+            tok = Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
+        exp = expected(tok)
+        with open(os.path.join(d, "expected.json"), "w", encoding="utf-8") as f:
+            json.dump(exp, f, ensure_ascii=False, indent=1)
+        check(name, os.path.join(d, "tokenizer.json"), exp)
+
+
+if __name__ == "__main__":
+    main()
