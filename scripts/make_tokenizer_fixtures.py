@@ -95,6 +95,7 @@ TEXTS = [
     "tabs\tand\u000bvertical\u000cfeed",
     "Q: What is a computer?\nA: A device for making mistakes faster.",
     "wiki foo foobar afoo wikipedia <sep> x<sep>y",
+    "x²foo? ①foo, 0>foo² _foo ǅfoo foó ⓐfoo",
     "▁ already ▁▁ metaspace ▁x",
     "$%&*()[]{}#@!~`^_+=|\\/<>?;:\"'.,-",
 ]

@@ -249,11 +249,18 @@ static int is_ws(int32_t c) {
          c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
 
-/* A regex \w character (letters, marks, numbers, connector punctuation): single_word's word boundary. */
+/* A Unicode regex \w character (UTS #18: Alphabetic, marks, decimal digits,
+ * connector punctuation, joiners): single_word's word boundary, as in
+ * tokenizers. Alphabetic is approximated by the letters, letter numbers and
+ * the symbols that carry Other_Alphabetic (circled and squared Latin
+ * letters); other numbers (², ①) are not word characters. */
 static int is_word(int32_t c) {
   if (c < 0x80) return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
+  if (c == 0x200C || c == 0x200D || (c >= 0x24B6 && c <= 0x24E9) || (c >= 0x1F130 && c <= 0x1F149) ||
+      (c >= 0x1F150 && c <= 0x1F169) || (c >= 0x1F170 && c <= 0x1F189))
+    return 1;
   utf8proc_category_t k = utf8proc_category(c);
-  return (k >= UTF8PROC_CATEGORY_LU && k <= UTF8PROC_CATEGORY_NO) || k == UTF8PROC_CATEGORY_PC;
+  return (k >= UTF8PROC_CATEGORY_LU && k <= UTF8PROC_CATEGORY_ND) || k == UTF8PROC_CATEGORY_NL || k == UTF8PROC_CATEGORY_PC;
 }
 
 /* ---- the tokenizer ---- */
