@@ -10,6 +10,10 @@ e.g. in an ignored venv):
         # DIR holds <name>/tokenizer.json files saved by pipegoose (tok:save):
         # each must load in tokenizers.Tokenizer.from_file and in
         # transformers.PreTrainedTokenizerFast and give the committed ids.
+    build-tok/venv/bin/python scripts/make_tokenizer_fixtures.py --wide 3000 --pglua build-tok/pglua
+        # a wider check than the spec's: 3000 fortunes and 3000 random strings
+        # of the fixtures' hard pieces (specials, spaces, marks, CJK, emoji),
+        # encoded by tokenizers and by pipegoose (run through pglua), compared.
 
 It trains small BPE tokenizers (vocab ~1000-1500) on the Debian fortunes
 (/usr/share/games/fortunes, package fortunes-min/fortunes) in the layouts real
@@ -225,11 +229,63 @@ def check(name, path, exp):
     return bad
 
 
+WIDE_POOL = list("abcXYZ019 \t\n\r'’-.,!?<>|_") + [
+    "é", "e\u0301", "中", "日本", "👩‍👧", "🍕", "\u00a0", "\u3000", "\u2003", "\u0085", "Ａ", "ﬁ", "²", "①", "▁", "Ġ",
+    "<s>", "</s>", "<|endoftext|>", "<|eot_id|>", "<sep>", "foo", "wiki", "ｗｉｋｉ", "  ", "\n\n", "'s", "'LL", "ǅ",
+    "ß", "İ", "ﬀ", "\u200d", "\ufeff", "\U0001F3F3\ufe0f"]
+
+WIDE_LUA = r"""
+local pg = require "pipegoose"
+local cjson = require "cjson"
+local f = assert(io.open(arg[1], "rb")); local d = cjson.decode(f:read("a")); f:close()
+local bad = 0
+for name, res in pairs(d.res) do
+  local tok = pg.tokenizer.load(d.dir .. "/" .. name)
+  local ids_bad, dec_bad = 0, 0
+  for i, text in ipairs(d.texts) do
+    local ids, e = tok:encode(text), res[i].ids
+    local same = #ids == #e
+    for k = 1, #e do same = same and ids[k] == math.tointeger(e[k]) end
+    if not same then ids_bad = ids_bad + 1; if ids_bad <= 3 then print(name, "ids differ on", ("%q"):format(text)) end
+    elseif tok:decode(ids) ~= res[i].dec then dec_bad = dec_bad + 1 end
+  end
+  print(("%s: %d texts, %d with other ids, %d with another decode"):format(name, #d.texts, ids_bad, dec_bad))
+  bad = bad + ids_bad + dec_bad
+end
+os.exit(bad == 0 and 0 or 1)
+"""
+
+
+def wide(names, n, pglua):
+    import random
+    import subprocess
+    import tempfile
+    rnd = random.Random(1)
+    paras = list(corpus())
+    rnd.shuffle(paras)
+    texts = paras[:n] + ["".join(rnd.choice(WIDE_POOL) for _ in range(rnd.randint(0, 40))) for _ in range(n)]
+    res = {}
+    for name in names:
+        tok = Tokenizer.from_file(os.path.join(OUT, name, "tokenizer.json"))
+        res[name] = [{"ids": e.ids, "dec": tok.decode(e.ids, skip_special_tokens=False)}
+                     for e in tok.encode_batch(texts, add_special_tokens=True)]
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "wide.json"), "w", encoding="utf-8") as f:
+            json.dump({"dir": OUT, "texts": texts, "res": res}, f, ensure_ascii=False)
+        with open(os.path.join(d, "wide.lua"), "w") as f:
+            f.write(WIDE_LUA)
+        return subprocess.run([pglua, os.path.join(d, "wide.lua"), os.path.join(d, "wide.json")], cwd=ROOT).returncode
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check-saved", metavar="DIR", help="check pipegoose-saved DIR/<name>/tokenizer.json files")
+    ap.add_argument("--wide", type=int, metavar="N", help="compare with pipegoose on N fortunes and N random strings")
+    ap.add_argument("--pglua", default=os.path.join(ROOT, "pglua"), help="the pglua for --wide")
     args = ap.parse_args()
     names = ["gpt2", "gpt2_prefix", "llama3", "sp_llama2", "sp_meta"]
+    if args.wide:
+        sys.exit(wide(names, args.wide, args.pglua))
     if args.check_saved:
         bad = 0
         for name in names:

@@ -269,12 +269,12 @@ local function post_processor(src, p, state, what)
   elseif t == "TemplateProcessing" then
     if state.template then fail(src, "%s: a second TemplateProcessing", what) end
     local specials, canon_sp, names = {}, {}, {}
-    for name, sp in pairs(obj(src, p.special_tokens or {}, what .. ".special_tokens")) do
+    for name, sp in pairs(absent(p.special_tokens) and {} or obj(src, p.special_tokens, what .. ".special_tokens")) do
       local w = ("%s.special_tokens['%s']"):format(what, tostring(name))
       obj(src, sp, w)
       local ids, toks = {}, {}
       for i, id in ipairs(list(src, sp.ids, w .. ".ids")) do ids[i] = int(src, id, w .. ".ids[]", 0, (1 << 24) - 1) end
-      for i, s in ipairs(list(src, sp.tokens or {}, w .. ".tokens")) do toks[i] = str(src, s, w .. ".tokens[]") end
+      for i, s in ipairs(list(src, absent(sp.tokens) and {} or sp.tokens, w .. ".tokens")) do toks[i] = str(src, s, w .. ".tokens[]") end
       specials[name] = ids
       names[#names + 1] = name
       canon_sp[name] = O("id", str(src, sp.id or name, w .. ".id"), "ids", ids, "tokens", toks)
@@ -284,7 +284,7 @@ local function post_processor(src, p, state, what)
     for _, name in ipairs(names) do sp_obj[#sp_obj + 1] = name; sp_obj[#sp_obj + 1] = canon_sp[name] end
     state.template = {}
     local single = template_pieces(src, p.single, what .. ".single", specials, state.template, true)
-    local pair = template_pieces(src, p.pair or {}, what .. ".pair", specials, nil, false)
+    local pair = template_pieces(src, absent(p.pair) and {} or p.pair, what .. ".pair", specials, nil, false)
     return O("type", "TemplateProcessing", "single", single, "pair", pair, "special_tokens", sp_obj)
   end
   fail(src, "%s type '%s' is not supported", what, tostring(t))
