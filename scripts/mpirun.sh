@@ -33,6 +33,12 @@ reports_last() {
     END { if (inbox) print box; for (i = 1; i <= n; i++) print rep[i] }'
 }
 # mpirun's stderr into the filter, its stdout to ours (fd 3); a pipeline, so the filter's last lines are out
-# before this script ends, and mpirun's exit status is the script's
-{ mpirun "${args[@]}" "$@" 2>&1 1>&3 3>&- | reports_last >&2; } 3>&1
+# before this script ends, and mpirun's exit status is the script's.
+# Signals: a TERM or INT for the job (timeout(1), Ctrl-C) reaches mpirun through the process group, and
+# mpirun ends the ranks. This shell must not die first: with the trap it waits for mpirun (a shell that
+# died would orphan a mpirun stuck in its shutdown, holding the output pipe open, and timeout -k's KILL,
+# sent only while its child lives, would never come). The filter ignores them, to print what it holds
+# once mpirun's stderr closes.
+trap ':' TERM INT HUP
+{ mpirun "${args[@]}" "$@" 2>&1 1>&3 3>&- | { trap '' TERM INT HUP; reports_last; } >&2; } 3>&1
 exit "${PIPESTATUS[0]}"

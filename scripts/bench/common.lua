@@ -31,7 +31,7 @@ end
 M.MODELS = {
   -- GPT-2 124M: llm.c's padded vocabulary; only 64 of its positions are used.
   gpt2 = { vocab = 50257, padded_vocab = 50304, seq_len = 64, dim = 768, heads = 12, layers = 12, batch = 4 },
-  -- examples/train_gpt.lua's defaults.
+  -- a small GPT: examples/train_gpt.lua's defaults until make run was tuned (now dim 128, seq 64, batch 12).
   small = { vocab = 256, seq_len = 128, dim = 256, heads = 4, layers = 4, batch = 16 },
   -- a LLaMA of GPT-2 124M's width and depth: grouped-query attention (12 heads over 4 key/value heads),
   -- rotary embeddings, SwiGLU 2048, RMSNorm, untied head, LLaMA-2's vocabulary of 32000

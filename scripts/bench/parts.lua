@@ -31,7 +31,7 @@ return {
   { name = "gpt2_b8", description = "GPT-2 124M on a larger batch, 8 x 256, fp32, all cores",
     needs = { "peak" }, run = steps.part("gpt2_124m_b8x256", "gpt2_b8", "--batch 8 --seq-len 256"),
     finish = steps.table },
-  { name = "small", description = "the default model of examples/train_gpt.lua, batch 16 x 128, all cores",
+  { name = "small", description = "a small GPT (dim 256, 4 heads, 4 layers), batch 16 x 128, all cores",
     needs = { "peak" }, run = steps.part("small", "small", "--small"), finish = steps.table },
   { name = "llama", description = "a LLaMA of GPT-2 124M's shape (GQA 12/4 heads, RoPE, SwiGLU 2048, vocab 32000), "
       .. "batch 4 x 64",

@@ -89,6 +89,27 @@ describe("a failing job", function()
     assert.is_nil(out:find("MPI_ABORT was invoked", 1, true), out)
   end)
 
+  it("under timeout -k, scripts/mpirun.sh takes a mpirun stuck in its shutdown down with it (no orphan)", function()
+    -- Open MPI 4.1's mpirun can hang after an abort on a loaded machine; timeout -k's KILL comes only while
+    -- its child (this script) lives: a script that died of the TERM first left mpirun orphaned, holding the
+    -- spec's output pipe open (the suite hung). A stand-in mpirun that ignores TERM, found first on PATH:
+    local dir = h.tmpdir()
+    assert.equal(0, (h.sh("mkdir " .. h.quote(dir))))
+    local marker = "pg-stuck-mpirun-" .. tostring(os.time()) .. "-" .. tostring(math.random(1e9))
+    local f = assert(io.open(dir .. "/mpirun", "w"))
+    f:write("#!/bin/sh\ntrap '' TERM INT\nexec sh -c 'sleep 60' " .. marker .. "\n") -- the marker names it for pgrep
+    f:close()
+    assert.equal(0, (h.sh("chmod +x " .. h.quote(dir .. "/mpirun"))))
+    local rc = h.sh(("PATH=%s:$PATH timeout -k 1 1 scripts/mpirun.sh -np 1 true > /dev/null 2>&1"):format(h.quote(dir)))
+    assert.equal(137, rc)
+    -- "[p]g-stuck-...": the regex matches the stand-in, not the shell running pgrep with it on its command line
+    local pattern = "[p]" .. marker:sub(2)
+    local _, left = h.sh("pgrep -f '" .. pattern .. "' || true")
+    h.sh("pkill -f '" .. pattern .. "' || true")
+    h.sh("rm -rf " .. h.quote(dir))
+    assert.equal("", left, "the stuck mpirun outlived the script")
+  end)
+
   it("adds the traceback to an internal error (once), and to any error under PG_DEBUG=1", function()
     local rc, out = job(2, "local function f(t) return t.x end\nf(nil)")
     assert.equal(1, rc, out)
