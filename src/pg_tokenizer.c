@@ -1071,7 +1071,7 @@ static int bpe_word(const pg_tokenizer *t, pg_tok_state *st, const char *s, size
     if (GROW(st->cids, st->cids_cap, st->ncids + cnt)) return PG_ERR;
     size_t koff = st->ckeys.n;
     if (buf_put(&st->ckeys, s, n)) return PG_ERR;
-    memcpy(st->cids + st->ncids, st->out + start, cnt * sizeof(int32_t));
+    if (cnt) memcpy(st->cids + st->ncids, st->out + start, cnt * sizeof(int32_t)); /* cids is NULL until the first id */
     st->cache[slot] = (centry){h, (uint32_t)koff, (uint32_t)n, (uint32_t)st->ncids, (uint32_t)cnt};
     st->ncids += cnt;
     st->ncache++;
@@ -1099,12 +1099,12 @@ int pg_tokenizer_encode(const pg_tokenizer *t, pg_tok_state *st, const char *tex
     for (size_t i = 0; i < t->ntmpl; i++) {
       if (t->tmpl[i] >= 0) {
         r[k++] = t->tmpl[i];
-      } else {
+      } else if (st->nout) { /* st->out is NULL before the first id */
         memcpy(r + k, st->out, st->nout * sizeof *r);
         k += st->nout;
       }
     }
-  } else {
+  } else if (st->nout) {
     memcpy(r, st->out, st->nout * sizeof *r);
     k = st->nout;
   }
