@@ -4,6 +4,7 @@
 #include "pg_tokenizer.h"
 
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1005,6 +1006,8 @@ static int bpe_word(const pg_tokenizer *t, pg_tok_state *st, const char *s, size
       }
     }
   }
+  /* symbol positions are int32 (12 bytes a symbol, not 24): a pre-token of 2^31 bytes is refused */
+  if (n >= (size_t)INT32_MAX - 2) return pg_fail("tokenizer: a pre-token of %zu bytes (at most 2^31 - 3)", n);
   /* the initial symbols: characters (an invalid byte is one) found in the vocabulary,
    * else their <0xXX> bytes, else unk (fused into one when fuse_unk) */
   size_t nsym = 0, start = st->nout;

@@ -451,7 +451,12 @@ end
 --- pg.tokenizer.load(path): a tokenizer.json, or a directory holding one (a Hugging Face model directory).
 function M.load(path)
   if type(path) ~= "string" then error("tokenizer.load: path must be a string", 2) end
-  if core().fs.is_dir(path) then path = path .. "/tokenizer.json" end
+  if core().fs.is_dir(path) then
+    if not core().fs.exists(path .. "/tokenizer.json") then
+      fail(path, "has no tokenizer.json (the only format read; transformers' save_pretrained of a fast tokenizer writes it)")
+    end
+    path = path .. "/tokenizer.json"
+  end
   local f, err = io.open(path, "rb")
   if not f then fail(path, "missing or unreadable (%s)", tostring(err)) end
   local text = f:read("a")
