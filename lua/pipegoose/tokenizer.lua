@@ -465,4 +465,87 @@ function M.load(path)
   return M.from_json(text, path)
 end
 
+-- ---- training ----
+
+-- Llama 3's (and cl100k's) pre-tokenizer regex, as its tokenizer.json's Split holds it.
+M.LLAMA3_PATTERN = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+  .. "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+local PATTERN_NAMES = { gpt2 = false, llama3 = M.LLAMA3_PATTERN } -- false: ByteLevel's own (GPT-2's) regex
+
+local TRAIN_SCHEMA
+local function train_schema()
+  local opt = require "pipegoose.options"
+  TRAIN_SCHEMA = TRAIN_SCHEMA or {
+    files = opt.required(opt.either(opt.string, opt.list(opt.string, { min_len = 1 }))),
+    vocab_size = opt.integer { min = 1, max = 1 << 24, required = true },
+    special_tokens = opt.list(opt.string, { default = {} }),
+    pattern = opt.string { default = "gpt2" },
+    min_frequency = opt.integer { min = 0, max = math.maxinteger, default = 0 },
+    threads = opt.integer { min = 0, max = 1024, default = 0 },
+    progress = opt.boolean(),
+  }
+  return TRAIN_SCHEMA
+end
+
+--- pg.tokenizer.train{files=, vocab_size=, special_tokens=, pattern=, min_frequency=, threads=, progress=}
+-- -> tokenizer, stats: a byte-level BPE (GPT-2's layout; Split(pattern) + ByteLevel for another pattern)
+-- with the merges `tokenizers`' BpeTrainer makes on the same files and settings
+-- (src/pg_tokenizer_train.c has its rules). pattern: "gpt2", "llama3" or a PCRE2 regex (a bare
+-- name that is neither is refused, not taken for a regex). threads = 0: all of OpenMP's;
+-- progress: a bar on stderr, by default on rank 0 when stderr is a terminal.
+-- stats: {words =, pre_tokens =, bytes =, merges_made =, count_seconds =, merge_seconds =}.
+function M.train(o)
+  local W = "tokenizer.train"
+  o = require("pipegoose.options").check(W, o, train_schema())
+  local files = type(o.files) == "string" and { o.files } or o.files
+  for i, f in ipairs(files) do
+    local h, err = io.open(f, "rb")
+    if not h then error(("%s: files[%d] '%s' is missing or unreadable (%s)"):format(W, i, f, tostring(err)), 2) end
+    h:close()
+    if core().fs.is_dir(f) then error(("%s: files[%d] '%s' is a directory"):format(W, i, f), 2) end
+  end
+  local specials, seen = {}, {}
+  for i, s in ipairs(o.special_tokens) do
+    if s == "" then error(("%s: special_tokens[%d] is empty"):format(W, i), 2) end
+    if not seen[s] then seen[s] = true; specials[#specials + 1] = s end -- a repeat is dropped, as BpeTrainer does
+  end
+  if o.vocab_size < 256 + #specials then
+    error(("%s: vocab_size must be at least %d (the 256 byte-level characters and %d special tokens), got %d")
+      :format(W, 256 + #specials, #specials, o.vocab_size), 2)
+  end
+  local pat = o.pattern
+  if PATTERN_NAMES[pat] ~= nil then
+    pat = PATTERN_NAMES[pat] or nil
+  elseif pat:match("^[%w_%-%.]+$") then
+    error(("%s: pattern '%s' is not a known name (gpt2, llama3); a regex is taken as one only when it has "
+      .. "a regex character"):format(W, pat), 2)
+  end
+  local progress = o.progress
+  if progress == nil then
+    progress = require("pipegoose.callbacks").process_rank() == 0 and core().fs.isatty("stderr")
+  end
+  local ok, vocab, merges, stats = pcall(core().tokenizer.train, { files = files, vocab_size = o.vocab_size,
+    special_tokens = specials, pattern = pat, min_frequency = o.min_frequency, threads = o.threads,
+    progress = progress })
+  if not ok then
+    local msg = tostring(vocab)
+    if pat and msg:find("does not compile", 1, true) then msg = msg:gsub("^regex", "pattern: regex") end
+    error(msg:find("^" .. W) and msg or (W .. ": " .. msg), 2)
+  end
+  local bl = { type = "ByteLevel", add_prefix_space = false, trim_offsets = true, use_regex = pat == nil }
+  local pre = bl
+  if pat then
+    pre = { type = "Sequence", pretokenizers = {
+      { type = "Split", pattern = { Regex = pat }, behavior = "Isolated", invert = false }, bl } }
+  end
+  local added = {}
+  for i, s in ipairs(specials) do
+    added[i] = { id = vocab[s], content = s, single_word = false, lstrip = false, rstrip = false,
+      normalized = false, special = true }
+  end
+  local j = { model = { type = "BPE", vocab = vocab, merges = merges }, added_tokens = added, pre_tokenizer = pre,
+    decoder = { type = "ByteLevel", add_prefix_space = true, trim_offsets = true, use_regex = true } }
+  return M.from_table(j, W), stats
+end
+
 return M

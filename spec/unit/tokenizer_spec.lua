@@ -265,19 +265,3 @@ describe("pg.tokenizer refuses bad files by name", function()
     end
   end)
 end)
-
-describe("the tokenizer fuzz corpus", function()
-  for _, target in ipairs({ "tokenizer", "tokenizer_encode" }) do
-    it(("replays through the %s target"):format(target), function()
-      local bin = ("%s/fuzz/replay_%s"):format(h.build, target)
-      assert.is_true(h.exists(bin), bin .. " is missing: make fuzz-replay (make test builds it)")
-      local files = pg.fs.list("fuzz/corpus/" .. target)
-      assert.is_true(#files >= 5, "a seed corpus of several files")
-      local args = {}
-      for i, f in ipairs(files) do args[i] = h.quote("fuzz/corpus/" .. target .. "/" .. f) end
-      local rc, out = h.sh(("timeout -k 2 120 %s %s"):format(h.quote(bin), table.concat(args, " ")))
-      assert.equal(0, rc, out)
-      assert.matches(("replayed %d inputs"):format(#files), out, 1, true)
-    end)
-  end
-end)
