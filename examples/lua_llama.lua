@@ -17,17 +17,10 @@
 --
 -- spec/unit/lua_modules_spec.lua checks it against pg.nn.Llama serially and at T = 2.
 -- Run by itself (pglua examples/lua_llama.lua --help) it says what it is and how it is used.
-if arg and debug.getinfo(1, "S").source == "@" .. tostring(arg[0]) then
-  local help = arg[1] == "-h" or arg[1] == "--help"
-  local text = "Usage: local L = dofile(\"examples/lua_llama.lua\")\n"
-    .. "       local engine = pg.parallelize(L.Llama{...}, ctx)\n\n"
-    .. "lua_llama.lua is not a script: it is a LLaMA written with Lua modules that shard like "
-    .. "the built-in ones, for a recipe to load (spec/unit/lua_modules_spec.lua checks it "
-    .. "against pg.nn.Llama).\n"
-  local out = help and io.stdout or io.stderr
-  out:write(text)
-  os.exit(help and 0 or 1)
-end
+require "pipegoose.library_file"("local L = dofile(\"examples/lua_llama.lua\")\n"
+  .. "       local engine = pg.parallelize(L.Llama{...}, ctx)",
+  "lua_llama.lua is not a script: it is a LLaMA written with Lua modules that shard like the built-in ones, "
+  .. "for a recipe to load (spec/unit/lua_modules_spec.lua checks it against pg.nn.Llama).")
 local pg = require "pipegoose"
 local ops = pg.ops
 

@@ -5,15 +5,9 @@
 --   o.int("--steps", 300, "Optimizer steps.")
 --   o.layout()   -- --tensor, --pipeline, --data, --micro-batches
 -- Run by itself (pglua examples/options.lua --help) it says what it is and how it is used.
-if arg and debug.getinfo(1, "S").source == "@" .. tostring(arg[0]) then
-  local help = arg[1] == "-h" or arg[1] == "--help"
-  local text = "Usage: local o = dofile(here .. \"options.lua\")(parser)\n\n"
-    .. "options.lua is not a script: the examples load it to add the options they share "
-    .. "(integers, numbers, the parallel layout) to their lua-argparse parser.\n"
-  local out = help and io.stdout or io.stderr
-  out:write(text)
-  os.exit(help and 0 or 1)
-end
+require "pipegoose.library_file"("local o = dofile(here .. \"options.lua\")(parser)",
+  "options.lua is not a script: the examples load it to add the options they share (integers, numbers, "
+  .. "the parallel layout) to their lua-argparse parser.")
 return function(p)
   local o = {}
   function o.to_int(s) return math.tointeger(tonumber(s)) end

@@ -3,16 +3,9 @@
 --   dofile(dir .. "check_options.lua")(parser, {steps = "10", weight_decay_help = "..."})
 -- adds them to a lua-argparse parser.
 -- Run by itself (pglua scripts/check_options.lua --help) it says what it is and how it is used.
-if arg and debug.getinfo(1, "S").source == "@" .. tostring(arg[0]) then
-  local help = arg[1] == "-h" or arg[1] == "--help"
-  local text = "Usage: dofile(dir .. \"check_options.lua\")(parser, {steps = \"10\"})\n\n"
-    .. "check_options.lua is not a script: gpt2_check.lua and model_check.lua load it to add the "
-    .. "options they share (AdamW steps on one batch, the parallel layout) to their lua-argparse "
-    .. "parser.\n"
-  local out = help and io.stdout or io.stderr
-  out:write(text)
-  os.exit(help and 0 or 1)
-end
+require "pipegoose.library_file"("dofile(dir .. \"check_options.lua\")(parser, {steps = \"10\"})",
+  "check_options.lua is not a script: gpt2_check.lua and model_check.lua load it to add the options they share "
+  .. "(AdamW steps on one batch, the parallel layout) to their lua-argparse parser.")
 return function(p, o)
   o = o or {}
   local function to_int(s) return math.tointeger(tonumber(s)) end

@@ -8,15 +8,9 @@
 -- Grow the list with each subsystem: a refactor that moves code updates the
 -- `from` texts, and a new feature adds the one-line bugs it could have.
 -- Run by itself (pglua scripts/mutations.lua --help) it says what it is and how it is used.
-if arg and debug.getinfo(1, "S").source == "@" .. tostring(arg[0]) then
-  local help = arg[1] == "-h" or arg[1] == "--help"
-  local text = "Usage: local list = dofile(\"scripts/mutations.lua\")\n\n"
-    .. "mutations.lua is not a script: it is the list of one-line bugs that scripts/mutate.lua "
-    .. "applies (pglua scripts/mutate.lua --list names them).\n"
-  local out = help and io.stdout or io.stderr
-  out:write(text)
-  os.exit(help and 0 or 1)
-end
+require "pipegoose.library_file"("local list = dofile(\"scripts/mutations.lua\")",
+  "mutations.lua is not a script: it is the list of one-line bugs that scripts/mutate.lua applies "
+  .. "(pglua scripts/mutate.lua --list names them).")
 return {
   ------------------------------------------------------------------ bf16 (precision = "bf16", kernels/cpu/bf16.c)
   { name = "bf16-truncates", file = "kernels/kernels.h",
