@@ -353,10 +353,144 @@ static int l_pre_tokenize(lua_State *L) {
   return 1;
 }
 
+/* ---- multi-threaded encoding (pg_tokenizer_encode_batch, _chunked, _file) ----
+ *   t:encode_batch(texts, add_special, threads, as_tensor) -> {ids per text} (tables or int32 tensors)
+ *   t:encode_chunked(text, add_special, threads, chunk_bytes) -> int32 tensor
+ *   t:encode_file(path, add_special, threads, chunk_bytes) -> int32 tensor
+ *   t:regex_engine() -> "PCRE2 10.42, JIT ..." (what the pre-tokenizer regexes run on)
+ * threads nil: pg.num_threads(); chunk_bytes nil or 0: PG_TOK_CHUNK_BYTES. */
+
+#define PG_TOKIDS_MT "pg.TokenizerIds"
+
+/* The ids a C call handed over: a Lua error while the result is built (out
+ * of memory) would leak them, so a userdata holds them and __gc frees them. */
+typedef struct {
+  int32_t *ids;
+} ids_guard;
+
+static int l_ids_gc(lua_State *L) {
+  ids_guard *g = luaL_checkudata(L, 1, PG_TOKIDS_MT);
+  free(g->ids);
+  g->ids = NULL;
+  return 0;
+}
+
+static ids_guard *push_ids_guard(lua_State *L) {
+  ids_guard *g = lua_newuserdatauv(L, sizeof *g, 0);
+  g->ids = NULL;
+  if (luaL_newmetatable(L, PG_TOKIDS_MT)) {
+    lua_pushcfunction(L, l_ids_gc);
+    lua_setfield(L, -2, "__gc");
+  }
+  lua_setmetatable(L, -2);
+  return g;
+}
+
+static void push_ids(lua_State *L, const int32_t *ids, size_t n, int as_tensor) {
+  if (as_tensor) {
+    int64_t shape[1] = {(int64_t)n};
+    pg_tensor *tt = lua_newuserdatauv(L, sizeof *tt, 0);
+    memset(tt, 0, sizeof *tt);
+    luaL_setmetatable(L, PG_TENSOR_MT);
+    if (pg_tensor_init(tt, PG_INT32, 1, shape)) luaL_error(L, "%s", pg_error());
+    if (n) memcpy(pg_tensor_i32(tt), ids, n * sizeof *ids);
+    return;
+  }
+  if (n > INT_MAX) luaL_error(L, "encode: %zu ids do not fit a table (ask for a tensor)", n);
+  lua_createtable(L, (int)n, 0);
+  for (size_t i = 0; i < n; i++) {
+    lua_pushinteger(L, ids[i]);
+    lua_rawseti(L, -2, (lua_Integer)i + 1);
+  }
+}
+
+static int threads_arg(lua_State *L, int idx, const char *fn) {
+  if (lua_isnoneornil(L, idx)) return 0;
+  if (!lua_isinteger(L, idx) || lua_tointeger(L, idx) < 1 || lua_tointeger(L, idx) > 1024)
+    luaL_error(L, "%s: threads must be an integer in [1, 1024]", fn);
+  return (int)lua_tointeger(L, idx);
+}
+
+static size_t chunk_arg(lua_State *L, int idx, const char *fn) {
+  if (lua_isnoneornil(L, idx)) return 0;
+  if (!lua_isinteger(L, idx) || lua_tointeger(L, idx) < 1) luaL_error(L, "%s: chunk_bytes must be an integer >= 1", fn);
+  return (size_t)lua_tointeger(L, idx);
+}
+
+static int l_encode_batch(lua_State *L) {
+  ltok *u = check_tok(L);
+  luaL_checktype(L, 2, LUA_TTABLE);
+  int add_special = lua_toboolean(L, 3), threads = threads_arg(L, 4, "encode_batch"), as_tensor = lua_toboolean(L, 5);
+  size_t n = (size_t)lua_rawlen(L, 2);
+  if (n > SIZE_MAX / sizeof(size_t) - 1) return luaL_error(L, "encode_batch: %zu texts", n);
+  const char **texts = lua_newuserdatauv(L, (n ? n : 1) * sizeof *texts, 0);
+  size_t *lens = lua_newuserdatauv(L, (n ? n : 1) * sizeof *lens, 0);
+  size_t *off = lua_newuserdatauv(L, (n + 1) * sizeof *off, 0);
+  for (size_t i = 0; i < n; i++) {
+    /* raw: the string then lives in the table (no __index made it), which the stack holds through the call */
+    if (lua_rawgeti(L, 2, (lua_Integer)i + 1) != LUA_TSTRING)
+      return luaL_error(L, "encode_batch: texts[%d] is a %s, not a string", (int)i + 1, luaL_typename(L, -1));
+    texts[i] = lua_tolstring(L, -1, &lens[i]);
+    lua_pop(L, 1);
+  }
+  ids_guard *g = push_ids_guard(L);
+  if (pg_tokenizer_encode_batch(u->t, texts, lens, n, add_special, threads, &g->ids, off))
+    return luaL_error(L, "encode_batch: %s", pg_error());
+  if (n > INT_MAX) return luaL_error(L, "encode_batch: %zu texts do not fit a table", n);
+  lua_createtable(L, (int)n, 0);
+  for (size_t i = 0; i < n; i++) {
+    push_ids(L, g->ids + off[i], off[i + 1] - off[i], as_tensor);
+    lua_rawseti(L, -2, (lua_Integer)i + 1);
+  }
+  free(g->ids);
+  g->ids = NULL;
+  return 1;
+}
+
+static int l_encode_chunked(lua_State *L) {
+  ltok *u = check_tok(L);
+  size_t n;
+  const char *s = luaL_checklstring(L, 2, &n);
+  int add_special = lua_toboolean(L, 3), threads = threads_arg(L, 4, "encode_chunked");
+  size_t chunk = chunk_arg(L, 5, "encode_chunked");
+  ids_guard *g = push_ids_guard(L);
+  size_t k;
+  if (pg_tokenizer_encode_chunked(u->t, s, n, chunk, add_special, threads, &g->ids, &k))
+    return luaL_error(L, "encode_chunked: %s", pg_error());
+  push_ids(L, g->ids, k, 1);
+  free(g->ids);
+  g->ids = NULL;
+  return 1;
+}
+
+static int l_encode_file(lua_State *L) {
+  ltok *u = check_tok(L);
+  const char *path = luaL_checkstring(L, 2);
+  int add_special = lua_toboolean(L, 3), threads = threads_arg(L, 4, "encode_file");
+  size_t chunk = chunk_arg(L, 5, "encode_file");
+  ids_guard *g = push_ids_guard(L);
+  size_t k;
+  if (pg_tokenizer_encode_file(u->t, path, chunk, add_special, threads, &g->ids, &k)) return luaL_error(L, "%s", pg_error());
+  push_ids(L, g->ids, k, 1);
+  free(g->ids);
+  g->ids = NULL;
+  return 1;
+}
+
+static int l_regex_engine(lua_State *L) {
+  char buf[256];
+  pg_tokenizer_regex_engine(buf, sizeof buf);
+  lua_pushstring(L, buf);
+  return 1;
+}
+
 static const luaL_Reg methods[] = {{"encode", l_encode},           {"decode", l_decode},
                                    {"vocab_size", l_vocab_size},   {"token_to_id", l_token_to_id},
                                    {"id_to_token", l_id_to_token}, {"is_special", l_is_special},
-                                   {"pre_tokenize", l_pre_tokenize}, {NULL, NULL}};
+                                   {"pre_tokenize", l_pre_tokenize},
+                                   {"encode_batch", l_encode_batch}, {"encode_chunked", l_encode_chunked},
+                                   {"encode_file", l_encode_file}, {"regex_engine", l_regex_engine},
+                                   {NULL, NULL}};
 
 /* core.tokenizer.train(o) -> vocab {[token] = id}, merges {{a, b}, ...} (rank order), stats;
  * o = {files = {paths}, vocab_size =, special_tokens = {strings}, pattern = regex or nil,

@@ -9,6 +9,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <errno.h>
+#include <fcntl.h>
+#include <omp.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 #include <utf8proc.h>
@@ -1388,4 +1395,189 @@ done:
   pg_tok_state_free(st);
   sl_free(&l[0]), sl_free(&l[1]);
   return rc;
+}
+
+/* ---- multi-threaded encoding ---- */
+
+/* The first failure of a parallel encode: the lowest text index, so that
+ * the message does not depend on which thread got there first. pg_error is
+ * per thread, so the worker's message is copied here. */
+typedef struct {
+  size_t at;
+  char msg[1024];
+} batch_err;
+
+static void batch_fail(batch_err *e, size_t at) {
+#pragma omp critical(pg_tokenizer_batch_err)
+  {
+    if (at < e->at) {
+      e->at = at;
+      snprintf(e->msg, sizeof e->msg, "%s", pg_error());
+    }
+  }
+}
+
+int pg_tokenizer_encode_batch(const pg_tokenizer *t, const char *const *texts, const size_t *lens, size_t n,
+                              int add_special, int threads, int32_t **ids, size_t *offsets) {
+  *ids = NULL;
+  offsets[0] = 0;
+  if (!t->finished) return pg_fail("tokenizer: not finished");
+  if (n > SIZE_MAX / sizeof(int32_t *)) return pg_fail("tokenizer: out of memory for %zu texts", n);
+  int32_t **each = calloc(n ? n : 1, sizeof *each);
+  size_t *count = calloc(n ? n : 1, sizeof *count);
+  if (!each || !count) {
+    free(each), free(count);
+    return pg_fail("tokenizer: out of memory for %zu texts", n);
+  }
+  int nt = threads > 0 ? threads : omp_get_max_threads();
+  if ((size_t)nt > n) nt = n ? (int)n : 1;
+  batch_err err = {SIZE_MAX, ""};
+  /* dynamic: texts differ in length, and a thread that finishes early takes the next one */
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    pg_tok_state *st = pg_tok_state_new(t);
+    if (!st) batch_fail(&err, 0);
+#pragma omp for schedule(dynamic, 1)
+    for (size_t i = 0; i < n; i++) {
+      if (st && pg_tokenizer_encode(t, st, texts[i], lens[i], add_special, &each[i], &count[i])) batch_fail(&err, i);
+    }
+    pg_tok_state_free(st);
+  }
+  size_t total = 0;
+  for (size_t i = 0; i < n && err.at == SIZE_MAX; i++) {
+    if (count[i] > SIZE_MAX / sizeof(int32_t) - total) {
+      snprintf(err.msg, sizeof err.msg, "tokenizer: out of memory (%zu ids and more)", total);
+      err.at = i;
+    }
+    total += count[i];
+  }
+  int32_t *r = err.at == SIZE_MAX ? malloc((total ? total : 1) * sizeof *r) : NULL;
+  if (!r && err.at == SIZE_MAX) {
+    snprintf(err.msg, sizeof err.msg, "tokenizer: out of memory for %zu ids", total);
+    err.at = 0;
+  }
+  size_t k = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (r && count[i]) memcpy(r + k, each[i], count[i] * sizeof *r);
+    k += count[i];
+    offsets[i + 1] = r ? k : 0;
+    free(each[i]);
+  }
+  free(each), free(count);
+  if (!r) {
+    offsets[0] = 0;
+    return n > 1 ? pg_fail("%s (text %zu of %zu)", err.msg, err.at + 1, n) : pg_fail("%s", err.msg);
+  }
+  *ids = r;
+  return PG_OK;
+}
+
+/* Where the chunk that starts at `start` ends: after the first newline at or
+ * past start + chunk that has a visible ASCII character before it and an
+ * ASCII letter or digit after it, or at the end. The character before
+ * matters too: GPT-2's \s+(?!\S) makes "  \n" at the end of a text one
+ * pre-token but "  " and "\n" before a word, and \r\n is split differently
+ * by GPT-2's and Llama 3's regexes, so those places are never cuts. */
+static size_t chunk_end(const char *text, size_t n, size_t start, size_t chunk) {
+  if (n - start <= chunk) return n;
+  const char *c = text + start + chunk - 1, *last = text + n - 1; /* a newline at n - 1 has nothing after it */
+  while (c < last && (c = memchr(c, '\n', (size_t)(last - c)))) {
+    unsigned char x = (unsigned char)c[1], w = c > text + start ? (unsigned char)c[-1] : 0;
+    if (w > ' ' && w < 0x7f && ((x >= '0' && x <= '9') || (x >= 'A' && x <= 'Z') || (x >= 'a' && x <= 'z')))
+      return (size_t)(c + 1 - text);
+    c++;
+  }
+  return n;
+}
+
+int pg_tokenizer_encode_chunked(const pg_tokenizer *t, const char *text, size_t n, size_t chunk_bytes,
+                                int add_special, int threads, int32_t **ids, size_t *nids) {
+  *ids = NULL, *nids = 0;
+  if (!t->finished) return pg_fail("tokenizer: not finished");
+  if (!chunk_bytes) chunk_bytes = PG_TOK_CHUNK_BYTES;
+  size_t nc = 0;
+  for (size_t s = 0; s < n; s = chunk_end(text, n, s, chunk_bytes)) nc++;
+  const char **ptrs = malloc((nc ? nc : 1) * sizeof *ptrs);
+  size_t *lens = malloc((nc ? nc : 1) * sizeof *lens), *off = malloc((nc + 1) * sizeof *off);
+  if (!ptrs || !lens || !off) {
+    free(ptrs), free(lens), free(off);
+    return pg_fail("tokenizer: out of memory for %zu chunks", nc);
+  }
+  size_t c = 0;
+  for (size_t s = 0, e; s < n; s = e, c++) {
+    e = chunk_end(text, n, s, chunk_bytes);
+    ptrs[c] = text + s, lens[c] = e - s;
+  }
+  int32_t *flat;
+  int rc = pg_tokenizer_encode_batch(t, ptrs, lens, nc, 0, threads, &flat, off);
+  size_t k = off[nc];
+  free(ptrs), free(lens), free(off);
+  if (rc) return PG_ERR;
+  if (!add_special || !t->has_tmpl) {
+    *ids = flat, *nids = k;
+    return PG_OK;
+  }
+  /* the template once around the whole text, as pg_tokenizer_encode puts it around its one text */
+  if (k > SIZE_MAX / sizeof(int32_t) - t->ntmpl) {
+    free(flat);
+    return pg_fail("tokenizer: out of memory for %zu ids", k);
+  }
+  int32_t *r = malloc((k + t->ntmpl) * sizeof *r);
+  if (!r) {
+    free(flat);
+    return pg_fail("tokenizer: out of memory for %zu ids", k + t->ntmpl);
+  }
+  size_t m = 0;
+  for (size_t i = 0; i < t->ntmpl; i++) {
+    if (t->tmpl[i] >= 0) {
+      r[m++] = t->tmpl[i];
+    } else if (k) {
+      memcpy(r + m, flat, k * sizeof *r);
+      m += k;
+    }
+  }
+  free(flat);
+  *ids = r, *nids = m;
+  return PG_OK;
+}
+
+int pg_tokenizer_encode_file(const pg_tokenizer *t, const char *path, size_t chunk_bytes, int add_special,
+                             int threads, int32_t **ids, size_t *nids) {
+  *ids = NULL, *nids = 0;
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return pg_fail("encode_file: %s: %s", path, strerror(errno));
+  struct stat sb;
+  if (fstat(fd, &sb)) {
+    int e = errno;
+    close(fd);
+    return pg_fail("encode_file: %s: %s", path, strerror(e));
+  }
+  if (!S_ISREG(sb.st_mode)) {
+    close(fd);
+    return pg_fail("encode_file: %s is not a regular file", path);
+  }
+  if ((uint64_t)sb.st_size > SIZE_MAX / 2) {
+    close(fd);
+    return pg_fail("encode_file: %s: %lld bytes do not fit the address space", path, (long long)sb.st_size);
+  }
+  size_t n = (size_t)sb.st_size;
+  /* mapped, so that a file of many GB costs its ids' memory, not its own bytes twice */
+  void *p = n ? mmap(NULL, n, PROT_READ, MAP_PRIVATE, fd, 0) : NULL;
+  int e = errno;
+  close(fd);
+  if (n && p == MAP_FAILED) return pg_fail("encode_file: %s: cannot map %zu bytes: %s", path, n, strerror(e));
+  if (n) (void)madvise(p, n, MADV_SEQUENTIAL);
+  int rc = pg_tokenizer_encode_chunked(t, n ? p : "", n, chunk_bytes, add_special, threads, ids, nids);
+  if (n) munmap(p, n);
+  return rc;
+}
+
+void pg_tokenizer_regex_engine(char *buf, size_t n) {
+  char ver[64] = "", target[128] = "";
+  uint32_t jit = 0;
+  pcre2_config(PCRE2_CONFIG_VERSION, ver);
+  pcre2_config(PCRE2_CONFIG_JIT, &jit);
+  if (jit) pcre2_config(PCRE2_CONFIG_JITTARGET, target);
+  if (jit) snprintf(buf, n, "PCRE2 %s, JIT %s", ver, target);
+  else snprintf(buf, n, "PCRE2 %s, no JIT: interpreted", ver);
 }

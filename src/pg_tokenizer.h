@@ -114,6 +114,40 @@ void pg_tok_state_free(pg_tok_state *st);
 /* Encodes n bytes of text: *ids (malloc'd, free() it) holds *nids ids. */
 int pg_tokenizer_encode(const pg_tokenizer *t, pg_tok_state *st, const char *text, size_t n, int add_special,
                         int32_t **ids, size_t *nids);
+
+/* Multi-threaded encoding. threads <= 0 means omp_get_max_threads(); each
+ * thread makes a pg_tok_state of its own for the call, so the ids are
+ * exactly pg_tokenizer_encode's, whatever the thread count. */
+
+/* Encodes n texts (texts[i], lens[i] bytes): *ids (malloc'd, free() it)
+ * holds them all, text i's at [offsets[i], offsets[i + 1]); offsets has
+ * n + 1 entries (the caller's). On failure *ids is NULL and the message is
+ * that of the first text that failed, which it names. */
+int pg_tokenizer_encode_batch(const pg_tokenizer *t, const char *const *texts, const size_t *lens, size_t n,
+                              int add_special, int threads, int32_t **ids, size_t *offsets);
+
+/* What encode_chunked cuts at when chunk_bytes is 0. */
+#define PG_TOK_CHUNK_BYTES ((size_t)256 * 1024)
+
+/* One long text in chunks, encoded in parallel: a cut goes after the first
+ * newline that is followed by an ASCII letter or digit at or past every
+ * chunk_bytes from the last cut, so the chunks depend on the text and
+ * chunk_bytes only (never on the thread count). The ids are each chunk's
+ * pg_tokenizer_encode without special tokens, in order; with add_special
+ * the template's special tokens go once around all of them. Where no
+ * pre-token can span such a cut and nothing is added at a piece's start
+ * (GPT-2's, Llama 3's and cl100k's layouts) that is the whole text's
+ * encoding; with a Prepend normalizer, add_prefix_space, a Metaspace that
+ * prepends, or no pre-tokenizer it is each chunk's as a text of its own. */
+int pg_tokenizer_encode_chunked(const pg_tokenizer *t, const char *text, size_t n, size_t chunk_bytes,
+                                int add_special, int threads, int32_t **ids, size_t *nids);
+/* The same on a file's bytes (mapped, not read into memory). */
+int pg_tokenizer_encode_file(const pg_tokenizer *t, const char *path, size_t chunk_bytes, int add_special,
+                             int threads, int32_t **ids, size_t *nids);
+
+/* The regex engine the pre-tokenizers run on, for reports ("PCRE2 10.42,
+ * JIT x86 64bit (little endian + unaligned)" or "..., no JIT: interpreted"). */
+void pg_tokenizer_regex_engine(char *buf, size_t n);
 /* Decodes ids into *out (malloc'd, NUL-terminated, *len bytes). An id with
  * no token is an error naming it (tokenizers drops it silently). */
 int pg_tokenizer_decode(const pg_tokenizer *t, const int32_t *ids, size_t n, int skip_special, char **out,

@@ -9,6 +9,9 @@
 --   tok:special_tokens()     {[content] = id} of the special added tokens
 --   tok:save(path)           a tokenizer.json tokenizers and transformers load (written atomically)
 --   tok:pre_tokenize(text)   the pre-tokens the model sees (normalized, split, mapped)
+--   tok:encode_batch(texts [, {threads =, add_special =, tensor =}]) -> a list of ids per text, on threads
+--   tok:encode_file(path [, {threads =, chunk_bytes =, add_special = false}]) -> int32 tensor of all ids
+--   tok:encode_chunked(text [, the same options])   encode_file's cutting and threads on a string
 --
 -- This file reads the JSON (lua-cjson), checks every component and names the
 -- one it does not implement ("tokenizer.json: pre_tokenizer type
@@ -311,6 +314,54 @@ function Tokenizer:encode(text, opts)
   if add == nil then add = true end
   return self._c:encode(text, add, opts.tensor)
 end
+
+-- threads and chunk_bytes of the parallel encoders: checked here so that a
+-- string or a fraction is refused by name rather than converted
+local function par_opts(opts, fname)
+  local th, cb = opts.threads, opts.chunk_bytes
+  if th ~= nil and (math.type(th) ~= "integer" or th < 1 or th > 1024) then
+    error(("%s: threads must be an integer in [1, 1024], not %s"):format(fname, tostring(th)), 3)
+  end
+  if cb ~= nil and (math.type(cb) ~= "integer" or cb < 1) then
+    error(("%s: chunk_bytes must be an integer >= 1, not %s"):format(fname, tostring(cb)), 3)
+  end
+  return th, cb
+end
+
+--- Many texts on threads (default pg.num_threads()), each thread with its own
+--- state: the same ids as encode of each text. Returns a list of id tables
+--- (int32 tensors with tensor = true).
+function Tokenizer:encode_batch(texts, opts)
+  opts = check_opts(opts, "encode_batch", { add_special = true, tensor = true, threads = true })
+  if type(texts) ~= "table" then error("encode_batch: texts must be a list of strings", 2) end
+  local th = par_opts(opts, "encode_batch")
+  local add = opts.add_special
+  if add == nil then add = true end
+  return self._c:encode_batch(texts, add, th, opts.tensor)
+end
+
+--- One long text cut at line starts (pg_tokenizer.h: after a newline followed
+--- by an ASCII letter or digit, at or past every chunk_bytes, 256 KiB by
+--- default), the chunks encoded on threads: an int32 tensor of every chunk's
+--- ids in order. The cuts do not depend on threads. add_special (default
+--- false: a corpus is not one sequence) puts the template around the whole.
+function Tokenizer:encode_chunked(text, opts)
+  opts = check_opts(opts, "encode_chunked", { add_special = true, threads = true, chunk_bytes = true })
+  if type(text) ~= "string" then error("encode_chunked: text must be a string", 2) end
+  local th, cb = par_opts(opts, "encode_chunked")
+  return self._c:encode_chunked(text, opts.add_special == true, th, cb)
+end
+
+--- encode_chunked of a file's bytes (mapped, not read into a Lua string).
+function Tokenizer:encode_file(path, opts)
+  opts = check_opts(opts, "encode_file", { add_special = true, threads = true, chunk_bytes = true })
+  if type(path) ~= "string" then error("encode_file: path must be a string", 2) end
+  local th, cb = par_opts(opts, "encode_file")
+  return self._c:encode_file(path, opts.add_special == true, th, cb)
+end
+
+--- What the pre-tokenizer regexes run on ("PCRE2 10.42, JIT ..." or "..., no JIT: interpreted").
+function Tokenizer:regex_engine() return self._c:regex_engine() end
 
 function Tokenizer:decode(ids, opts)
   opts = check_opts(opts, "decode", { skip_special = true })
