@@ -33,7 +33,10 @@
  *   so the result never depends on the threads or the order of the words.
  *   The merges written are BpeTrainer's model's: a pair merged twice (a token
  *   made again from other parts) keeps its later rank.
- * Counts are 64-bit (BpeTrainer's pair counts are 32-bit: equal below 2^31). */
+ * Counts are 64-bit (BpeTrainer's pair counts are 32-bit: equal below 2^31).
+ * Invalid UTF-8, which train_from_files refuses, is counted as the
+ * pre-tokenizer defines it (pg_tokenizer.h): its bytes are pre-tokens of
+ * their own, mapped to byte-level characters like any byte. */
 #include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
