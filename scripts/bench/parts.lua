@@ -77,4 +77,8 @@ return {
       end
       external("== GPU (scripts/bench_gpu.lua)", ("%s scripts/bench_gpu.lua"):format(common.PGLUA), "gpu")
     end },
+  { name = "tokenizer", description = "pg.tokenizer encode MB/s on >= 20 MB (the Debian fortunes, repeated) against\n"
+      .. "tiktoken and Hugging Face tokenizers (scripts/bench_tokenizer.py) on the same texts, 1 thread,\n"
+      .. "2 and all; training time against BpeTrainer (scripts/bench/tokenizer.lua)",
+    run = require "bench.tokenizer" },
 }
