@@ -494,7 +494,7 @@ static const luaL_Reg methods[] = {{"encode", l_encode},           {"decode", l_
 
 /* core.tokenizer.train(o) -> vocab {[token] = id}, merges {{a, b}, ...} (rank order), stats;
  * o = {files = {paths}, vocab_size =, special_tokens = {strings}, pattern = regex or nil,
- * min_frequency =, threads =, progress =}, checked by lua/pipegoose/tokenizer.lua (pg_tokenizer.h:
+ * min_frequency =, threads =, progress =, chunk_bytes =}, checked by lua/pipegoose/tokenizer.lua (pg_tokenizer.h:
  * pg_tokenizer_train). */
 static const char **train_strings(lua_State *L, int o, const char *key, size_t **lens, size_t *n) {
   lua_getfield(L, o, key);
@@ -527,6 +527,8 @@ static int l_train(lua_State *L) {
   o.vocab_size = field_int(L, 1, "vocab_size");
   o.threads = field_int(L, 1, "threads");
   o.progress = field_bool(L, 1, "progress");
+  int piece = field_int(L, 1, "chunk_bytes");
+  o.piece_bytes = piece > 0 ? (size_t)piece : 0;
   lua_getfield(L, 1, "min_frequency");
   lua_Integer mf = lua_tointeger(L, -1);
   lua_pop(L, 1);

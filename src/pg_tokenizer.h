@@ -189,6 +189,7 @@ typedef struct {
   uint64_t min_frequency; /* a pair seen fewer times is never merged */
   int threads;
   int progress; /* draw a progress bar on stderr */
+  size_t piece_bytes; /* the files are counted in pieces of this many bytes (0: 64 KB .. 16 MB, by size) */
 } pg_tok_train_opts;
 
 typedef struct {

@@ -326,6 +326,7 @@ static int count_words(const pg_tok_train_opts *o, int threads, progress_t *prog
   off_t psize = total / ((off_t)threads * 8);
   if (psize < (1 << 16)) psize = 1 << 16;
   if (psize > (1 << 24)) psize = 1 << 24;
+  if (o->piece_bytes) psize = (off_t)o->piece_bytes; /* the result never depends on it: the specs cut small pieces */
   for (size_t i = 0; i < o->nfiles; i++) {
     for (off_t s = 0; s < sizes[i]; s += psize) {
       if (GROW(pieces, pcap, npieces + 1)) goto done;

@@ -516,6 +516,7 @@ function M.load(path)
   return M.from_json(text, path)
 end
 
+
 -- ---- training ----
 
 -- Llama 3's (and cl100k's) pre-tokenizer regex, as its tokenizer.json's Split holds it.
@@ -534,6 +535,7 @@ local function train_schema()
     min_frequency = opt.integer { min = 0, max = math.maxinteger, default = 0 },
     threads = opt.integer { min = 0, max = 1024, default = 0 },
     progress = opt.boolean(),
+    chunk_bytes = opt.integer { min = 0, default = 0 },
   }
   return TRAIN_SCHEMA
 end
@@ -543,7 +545,8 @@ end
 -- with the merges `tokenizers`' BpeTrainer makes on the same files and settings
 -- (src/pg_tokenizer_train.c has its rules). pattern: "gpt2", "llama3" or a PCRE2 regex (a bare
 -- name that is neither is refused, not taken for a regex). threads = 0: all of OpenMP's;
--- progress: a bar on stderr, by default on rank 0 when stderr is a terminal.
+-- progress: a bar on stderr, by default on rank 0 when stderr is a terminal. chunk_bytes: the pieces
+-- the files are counted in (0: 64 KB to 16 MB by the corpus size); no result depends on it.
 -- stats: {words =, pre_tokens =, bytes =, merges_made =, count_seconds =, merge_seconds =}.
 function M.train(o)
   local W = "tokenizer.train"
@@ -577,7 +580,7 @@ function M.train(o)
   end
   local ok, vocab, merges, stats = pcall(core().tokenizer.train, { files = files, vocab_size = o.vocab_size,
     special_tokens = specials, pattern = pat, min_frequency = o.min_frequency, threads = o.threads,
-    progress = progress })
+    progress = progress, chunk_bytes = o.chunk_bytes })
   if not ok then
     local msg = tostring(vocab)
     if pat and msg:find("does not compile", 1, true) then msg = msg:gsub("^regex", "pattern: regex") end

@@ -74,11 +74,18 @@ describe("pg.tokenizer.train matches BpeTrainer", function()
         assert.equal(#exp.merges, stats.merges_made)
       end)
 
-      it("gives the same tokenizer at two threads", function()
+      it("gives the same tokenizer at two threads, in pieces of any size", function()
         local tok2, stats2 = train(exp, files, 2)
         assert.equal(tok:to_json(), tok2:to_json())
         assert.equal(stats.words, stats2.words)
         assert.equal(stats.pre_tokens, stats2.pre_tokens)
+        -- pieces of 1000 bytes (cut inside lines) and of 1 byte (a piece on every byte, most of them with no line)
+        for _, cb in ipairs(name == "train_gpt2" and { 1000, 1 } or { 1000 }) do
+          local tok3 = pg.tokenizer.train { files = files, vocab_size = math.tointeger(exp.vocab_size),
+            min_frequency = math.tointeger(exp.min_frequency), special_tokens = exp.special_tokens,
+            pattern = exp.pattern, threads = 2, progress = false, chunk_bytes = cb }
+          assert.equal(tok:to_json(), tok3:to_json(), "chunk_bytes = " .. cb)
+        end
       end)
 
       it("encodes as tokenizers does with BpeTrainer's tokenizer, and so does its saved file", function()
