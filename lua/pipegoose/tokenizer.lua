@@ -545,7 +545,8 @@ end
 -- with the merges `tokenizers`' BpeTrainer makes on the same files and settings
 -- (src/pg_tokenizer_train.c has its rules). pattern: "gpt2", "llama3" or a PCRE2 regex (a bare
 -- name that is neither is refused, not taken for a regex). threads = 0: all of OpenMP's;
--- progress: a bar on stderr, by default on rank 0 when stderr is a terminal. chunk_bytes: the pieces
+-- progress: a bar on stderr, by default on rank 0 when stderr is a terminal (mpirun's under mpirun;
+-- PG_PROGRESS=tty|plain forces it on|off). chunk_bytes: the pieces
 -- the files are counted in (0: 64 KB to 16 MB by the corpus size); no result depends on it.
 -- stats: {words =, pre_tokens =, bytes =, merges_made =, count_seconds =, merge_seconds =}.
 function M.train(o)
@@ -575,8 +576,14 @@ function M.train(o)
       .. "a regex character"):format(W, pat), 2)
   end
   local progress = o.progress
+  if progress == nil and require("pipegoose.callbacks").process_rank() ~= 0 then progress = false end
   if progress == nil then
-    progress = require("pipegoose.callbacks").process_rank() == 0 and core().fs.isatty("stderr")
+    -- as ProgressBar decides (callbacks/progress_bar.lua): $PG_PROGRESS, else under mpirun (which gives
+    -- each rank a pseudo-terminal of its own) whether mpirun's stderr is a terminal, else ours
+    local forced = os.getenv("PG_PROGRESS")
+    if forced == "tty" or forced == "plain" then progress = forced == "tty"
+    elseif os.getenv("OMPI_COMM_WORLD_SIZE") then progress = core().fs.parent_isatty("stderr")
+    else progress = core().fs.isatty("stderr") end
   end
   local ok, vocab, merges, stats = pcall(core().tokenizer.train, { files = files, vocab_size = o.vocab_size,
     special_tokens = specials, pattern = pat, min_frequency = o.min_frequency, threads = o.threads,
