@@ -588,6 +588,8 @@ static int train_merges(const pg_tok_train_opts *o, int threads, progress_t *pro
   heap_t heap = {0};
   entry_t *entries = NULL;
   size_t nentries = 0, ecap = 0;
+  uint32_t *freed = NULL; /* entries merged (never referenced again): reused, so memory follows the live ones */
+  size_t nfreed = 0, fcap = 0;
   changes_t *tch = calloc((size_t)threads, sizeof *tch);
   changes_t all = {0};
   uint32_t (*raw)[3] = NULL; /* every merge made: left, right, new id */
@@ -750,7 +752,9 @@ static int train_merges(const pg_tok_train_opts *o, int threads, progress_t *pro
     }
     if (fail) goto done;
     if (en->owned) free(en->pos);
-    en->pos = NULL, en->n = 0;
+    en->pos = NULL, en->n = 0, en->owned = 0;
+    if (GROW(freed, fcap, nfreed + 1)) goto done;
+    freed[nfreed++] = top.entry;
     /* the counts change; the pairs newly formed, with their words, in pair order */
     all.n = 0;
     for (int t = 0; t < threads; t++) {
@@ -777,18 +781,17 @@ static int train_merges(const pg_tok_train_opts *o, int threads, progress_t *pro
       uint32_t idx = pairs.idx[pmap_slot(&pairs, all.v[k].key)];
       if (pc[idx] > 0) {
         uint32_t *pos = malloc((e - k) * sizeof *pos);
-        if (!pos || GROW(entries, ecap, nentries + 1)) {
+        if (!pos || (!nfreed && (nentries >= UINT32_MAX || GROW(entries, ecap, nentries + 1)))) {
           free(pos);
-          pg_fail("tokenizer.train: out of memory");
+          pg_fail("tokenizer.train: out of memory for the pair entries");
           goto done;
         }
         size_t n = 0;
         for (size_t i = k; i < e; i++)
           if (!n || pos[n - 1] != all.v[i].word) pos[n++] = all.v[i].word;
-        entries[nentries] = (entry_t){pos, n, 1};
-        hitem it = {(uint64_t)pc[idx], seq++, (uint32_t)(all.v[k].key >> 32), (uint32_t)all.v[k].key,
-                    (uint32_t)nentries};
-        nentries++;
+        uint32_t slot = nfreed ? freed[--nfreed] : (uint32_t)nentries++;
+        entries[slot] = (entry_t){pos, n, 1};
+        hitem it = {(uint64_t)pc[idx], seq++, (uint32_t)(all.v[k].key >> 32), (uint32_t)all.v[k].key, slot};
         if (heap_push(&heap, it)) goto done;
       }
       k = e;
@@ -831,7 +834,7 @@ done:
   free(heap.v);
   for (size_t i = 0; i < nentries; i++)
     if (entries[i].owned) free(entries[i].pos);
-  free(entries);
+  free(entries), free(freed);
   if (tch)
     for (int t = 0; t < threads; t++) free(tch[t].v);
   free(tch), free(all.v), free(raw);
