@@ -209,8 +209,9 @@ static void progress_show(progress_t *p, const char *what, double done, double t
   int fill = (int)(f * 30);
   for (int i = 0; i < 30; i++) bar[i] = i < fill ? '#' : '.';
   bar[30] = 0;
-  fprintf(stderr, "\rtokenizer.train: %-8s [%s] %3d%% %.0f/%.0f %s%s", what, bar, (int)(f * 100), done, total, unit,
-          final ? "\n" : "");
+  int prec = total < 100 ? 1 : 0; /* MB of a small corpus */
+  fprintf(stderr, "\rtokenizer.train: %-8s [%s] %3d%% %.*f/%.*f %s%s", what, bar, (int)(f * 100), prec, done, prec, total,
+          unit, final ? "\n" : "");
   fflush(stderr);
 }
 
@@ -774,7 +775,7 @@ static int train_merges(const pg_tok_train_opts *o, int threads, progress_t *pro
         }
       }
     }
-    qsort(all.v, all.n, sizeof *all.v, cmp_change);
+    if (all.n) qsort(all.v, all.n, sizeof *all.v, cmp_change); /* all.v is NULL until a first change */
     for (size_t k = 0; k < all.n;) {
       size_t e = k;
       while (e < all.n && all.v[e].key == all.v[k].key) e++;
