@@ -12,25 +12,24 @@ fi
 args=(--oversubscribe --bind-to none --mca orte_base_help_aggregate 0)
 [ "$(id -u)" -eq 0 ] && args+=(--allow-run-as-root)
 
-# stderr, so that the last line a user sees is the error that ended the job:
-# pglua's reports ("[rank 2] pglua: ...", "[ranks 0-3] ...", with their
-# tracebacks) are held and printed, in their order, when the job ends (pglua
-# prints the cause after its consequences: src/pglua.c); once one is seen,
-# Open MPI's notice of the MPI_Abort that ended the job (a box of dashes) and
-# its "ORTE_ERROR_LOG: Data unpack would read past end of buffer" lines are
-# dropped (they name no cause). Everything else passes at once, unchanged;
-# stdout is not touched.
+# stderr, so that the last line a user sees is the error that ended the job
+# (pglua prints the cause after its consequences: src/pglua.c): once one of
+# pglua's reports ("[rank 2] pglua: ...", "[ranks 0-3] ...") has passed, Open
+# MPI's notice of the MPI_Abort that ended the job (a box of dashes) and the
+# "ORTE_ERROR_LOG: ..." lines of its help system failing to deliver that
+# notice ("Data unpack would read past end of buffer", "Out of resource ...
+# show_help.c") are dropped (they name no cause, and came after it). Everything else passes at
+# once, unchanged (a report is never held back: a job killed whole loses
+# nothing it printed); stdout is not touched.
 reports_last() {
   awk '
     function is_rule(s) { return s ~ /^-+$/ && length(s) >= 20 }
-    /^\[ranks? [0-9,-]+\] [^ ]*pglua: / { rep[++n] = $0; inrep = 1; next }
-    inrep && (/^stack traceback:/ || /^\t/) { rep[n] = rep[n] "\n" $0; next }
-    { inrep = 0 }
-    inbox { box = box "\n" $0; if (is_rule($0)) { if (!(n && box ~ /MPI_ABORT was invoked/)) print box; inbox = 0 }; next }
+    /^\[ranks? [0-9,-]+\] [^ ]*pglua: / { reported = 1 }
+    inbox { box = box "\n" $0; if (is_rule($0)) { if (!(reported && box ~ /MPI_ABORT was invoked/)) print box; inbox = 0; fflush() }; next }
     is_rule($0) { inbox = 1; box = $0; next }
-    n && /ORTE_ERROR_LOG: Data unpack would read past end of buffer/ { next }
+    reported && /ORTE_ERROR_LOG: / && (/show_help\.c/ || /Data unpack would read past end of buffer/) { next }
     { print; fflush() }
-    END { if (inbox) print box; for (i = 1; i <= n; i++) print rep[i] }'
+    END { if (inbox) print box }'
 }
 # mpirun's stderr into the filter, its stdout to ours (fd 3); a pipeline, so the filter's last lines are out
 # before this script ends, and mpirun's exit status is the script's.

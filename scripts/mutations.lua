@@ -587,7 +587,7 @@ return {
     specs = { "unit/error_report#last line" },
     why = "the ranks left waiting by a failure report after it: the job's last line is a consequence, not the cause" },
   { name = "mpirun-abort-notice-kept", file = "scripts/mpirun.sh",
-    from = "if (!(n && box ~ /MPI_ABORT was invoked/)) print box", to = "print box",
+    from = "if (!(reported && box ~ /MPI_ABORT was invoked/)) print box", to = "print box",
     specs = { "unit/error_report#last line" }, why = "Open MPI's MPI_ABORT notice is printed after the error that caused it" },
   { name = "mpirun-sh-dies-on-term", file = "scripts/mpirun.sh",
     from = "trap ':' TERM INT HUP", to = "trap - TERM INT HUP",

@@ -270,6 +270,33 @@ static _Noreturn void report_alone(int n, int me, const char *who, const char *m
   abort_job(1);
 }
 
+/* How a rank that ends normally leaves: it waits for every other rank to end
+ * too (a non-blocking barrier on report_comm, polled) before it finalises MPI.
+ * Open MPI 4.1's mpirun can hang for good when one rank aborts while another
+ * is inside MPI_Finalize (seen on a loaded machine, the job never ending), so
+ * no rank enters it before all have finished: one that hears of a failure
+ * while it waits (a failing rank's hash, TAG_HASH) does not finalise, and
+ * waits for that rank's abort to end it (exiting 1 by itself if none comes). */
+static void finish_mpi(void) {
+  MPI_Request req;
+  if (report_comm != MPI_COMM_NULL && MPI_Ibarrier(report_comm, &req) == MPI_SUCCESS) {
+    double nap = 1e-3; /* polls often at first (the ranks usually end together), then every 50 ms */
+    for (;;) {
+      int done = 0, failed = 0;
+      if (MPI_Test(&req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || done) break;
+      if (MPI_Iprobe(MPI_ANY_SOURCE, TAG_HASH, report_comm, &failed, MPI_STATUS_IGNORE) == MPI_SUCCESS && failed) {
+        fflush(stdout);
+        fflush(stderr);
+        sleep_seconds(3 * grace_seconds() + LINGER_CAP_S + 5); /* the failing rank's linger, and then some */
+        _exit(1);
+      }
+      sleep_seconds(nap);
+      if (nap < 0.05) nap *= 1.5;
+    }
+  }
+  pg_mpi_finalize();
+}
+
 /* Reports the error on top of the stack (once per group of ranks that failed alike) and ends the job. */
 static _Noreturn void report_and_abort(lua_State *L) {
   const char *msg = lua_tostring(L, -1);
@@ -381,7 +408,7 @@ static int os_exit(lua_State *L) {
   if (lua_toboolean(L, 2)) lua_close(L);
   if (code != EXIT_SUCCESS) end_job(code);
   fflush(stdout);
-  pg_mpi_finalize();
+  finish_mpi();
   exit(code);
 }
 
@@ -595,7 +622,7 @@ int main(int argc, char **argv) {
     if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
       usage(stdout);
       lua_close(L);
-      pg_mpi_finalize();
+      finish_mpi();
       return 0;
     }
     if (!strcmp(a, "-v")) want_version = 1;
@@ -655,6 +682,6 @@ int main(int argc, char **argv) {
     }
   }
   lua_close(L);
-  pg_mpi_finalize();
+  finish_mpi();
   return 0;
 }
