@@ -61,7 +61,7 @@ static int buf_put(buf_t *b, const void *s, size_t n) {
   return PG_OK;
 }
 
-static uint64_t hash_bytes(const void *p, size_t n) {
+uint64_t pg_tok_hash_bytes(const void *p, size_t n) {
   const unsigned char *s = p;
   uint64_t h = 0x9E3779B97F4A7C15ull ^ (uint64_t)n;
   while (n >= 8) {
@@ -97,7 +97,7 @@ typedef struct {
 
 static int32_t sm_get(const strmap *m, const char *s, size_t n) {
   if (!m->nslot || n > UINT32_MAX) return -1;
-  uint64_t h = hash_bytes(s, n);
+  uint64_t h = pg_tok_hash_bytes(s, n);
   for (size_t i = h & (m->nslot - 1);; i = (i + 1) & (m->nslot - 1)) {
     int32_t k = m->slot[i];
     if (k < 0) return -1;
@@ -125,7 +125,7 @@ static int sm_rehash(strmap *m, size_t nslot) {
 static int sm_put(strmap *m, const char *s, size_t n, int32_t val, int32_t *old) {
   if (n > UINT32_MAX || m->n >= INT32_MAX - 1) return pg_fail("tokenizer: a token of %zu bytes, or too many tokens", n);
   if ((m->n + 1) * 2 > m->nslot && sm_rehash(m, m->nslot ? m->nslot * 2 : 64)) return PG_ERR;
-  uint64_t h = hash_bytes(s, n);
+  uint64_t h = pg_tok_hash_bytes(s, n);
   size_t i = h & (m->nslot - 1);
   for (;; i = (i + 1) & (m->nslot - 1)) {
     int32_t k = m->slot[i];
@@ -1002,7 +1002,7 @@ static int bpe_word(const pg_tokenizer *t, pg_tok_state *st, const char *s, size
     cache_clear(st);
   }
   if (n <= CACHE_KEY_MAX) {
-    h = hash_bytes(s, n);
+    h = pg_tok_hash_bytes(s, n);
     for (slot = h & (CACHE_SLOTS - 1);; slot = (slot + 1) & (CACHE_SLOTS - 1)) {
       const centry *c = &st->cache[slot];
       if (c->ids_n == UINT32_MAX) break;

@@ -77,23 +77,6 @@ static double now_s(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static uint64_t hash_bytes(const void *p, size_t n) {
-  const unsigned char *s = p;
-  uint64_t h = 0x9E3779B97F4A7C15ull ^ (uint64_t)n;
-  while (n >= 8) {
-    uint64_t w;
-    memcpy(&w, s, 8);
-    h = (h ^ w) * 0xff51afd7ed558ccdull;
-    h ^= h >> 32;
-    s += 8;
-    n -= 8;
-  }
-  uint64_t w = 0;
-  memcpy(&w, s, n);
-  h = (h ^ w) * 0xc4ceb9fe1a85ec53ull;
-  return h ^ (h >> 29);
-}
-
 /* ---- byte string -> u64 (word counts, the vocabulary); strings in one arena ---- */
 
 typedef struct {
@@ -230,7 +213,7 @@ typedef struct {
 static int count_word(void *ud, const char *s, size_t n, int32_t added) {
   counter_t *c = ud;
   if (added >= 0 || n == 0) return PG_OK;
-  sentry *e = smap_at(&c->words, s, n, hash_bytes(s, n));
+  sentry *e = smap_at(&c->words, s, n, pg_tok_hash_bytes(s, n));
   if (!e) return PG_ERR;
   e->val++;
   c->npre++;
@@ -507,7 +490,7 @@ static int cmp_change(const void *x, const void *y) {
 }
 
 static int add_token(pg_tok_trained *r, smap *vocab, const char *s, size_t n, uint32_t *id) {
-  sentry *e = smap_at(vocab, s, n, hash_bytes(s, n));
+  sentry *e = smap_at(vocab, s, n, pg_tok_hash_bytes(s, n));
   if (!e) return PG_ERR;
   if (e->val) { /* val is id + 1 */
     *id = (uint32_t)(e->val - 1);
