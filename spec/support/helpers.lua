@@ -147,6 +147,28 @@ function M.safetensors_tensors(path)
 end
 
 --- Removes a directory tree.
+--- The whole of a file (an error when it cannot be read).
+function M.read(path)
+  local f = assert(io.open(path, "rb"))
+  local text = f:read("a")
+  f:close()
+  return text
+end
+
+--- The message of f(...)'s error; fails the test when f succeeds.
+function M.err_of(f, ...)
+  local ok, e = pcall(f, ...)
+  assert(not ok, "expected an error, the call succeeded")
+  return tostring(e)
+end
+
+--- The list's numbers as integers (JSON decodes ids as floats).
+function M.ints(t)
+  local out = {}
+  for i, v in ipairs(t) do out[i] = math.tointeger(v) end
+  return out
+end
+
 function M.rm(dir) os.execute("rm -rf " .. quote(dir)) end
 
 --- Whether a file or directory exists.

@@ -40,12 +40,7 @@ do
   f:save_checkpoint(root .. "/good-fake")
 end
 
-local function read(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local read = h.read
 
 local function write(path, s)
   local f = assert(io.open(path, "wb"))

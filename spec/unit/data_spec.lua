@@ -21,12 +21,7 @@ local function seq(first, n)
   return t
 end
 
--- The error message of f(), or fails when f succeeds.
-local function err_of(f)
-  local ok, e = pcall(f)
-  assert(not ok, "expected an error")
-  return tostring(e)
-end
+local err_of = h.err_of
 
 local function has(msg, text)
   assert(msg:find(text, 1, true), ("expected %q in the message: %s"):format(text, msg))

@@ -4,13 +4,9 @@
 -- may be accepted silently or fail with a raw Lua error.
 local pg = require "pipegoose"
 local opt = require "pipegoose.options"
+local h = require "helpers"
 
--- The message of f()'s error (a failure when f succeeds).
-local function err_of(f, ...)
-  local ok, e = pcall(f, ...)
-  assert(not ok, "expected an error, the call succeeded")
-  return tostring(e)
-end
+local err_of = h.err_of
 
 -- f() fails with `text` in its message, and with no trace of a raw Lua error.
 local function rejects(text, f, ...)

@@ -14,12 +14,7 @@ local LAYOUTS = { "gpt2", "gpt2_prefix", "llama3", "sp_llama2", "sp_meta" }
 -- start: encode_chunked equals the whole text's encode there
 local WHOLE = { gpt2 = true, llama3 = true }
 
-local function read(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local read = h.read
 
 local function texts_of(name)
   local out = {}
@@ -74,11 +69,7 @@ local function corpus(texts, reps)
   return table.concat(lines, "\n") .. "\n"
 end
 
-local function err_of(f, ...)
-  local ok, e = pcall(f, ...)
-  assert.is_false(ok, "expected an error")
-  return tostring(e)
-end
+local err_of = h.err_of
 
 describe("pg.tokenizer's multi-threaded encoders", function()
   for _, name in ipairs(LAYOUTS) do

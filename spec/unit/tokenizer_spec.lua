@@ -11,18 +11,9 @@ local cjson = require("cjson").new()
 local DIR = "spec/fixtures/tokenizers/"
 local LAYOUTS = { "gpt2", "gpt2_prefix", "llama3", "sp_llama2", "sp_meta" }
 
-local function read(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local read = h.read
 
-local function ints(t)
-  local o = {}
-  for i, v in ipairs(t) do o[i] = math.tointeger(v) end
-  return o
-end
+local ints = h.ints
 
 local function concat(...)
   local o = {}
@@ -39,11 +30,7 @@ local function tmpdir()
   return d
 end
 
-local function err_of(f, ...)
-  local ok, e = pcall(f, ...)
-  assert.is_false(ok, "expected an error")
-  return tostring(e)
-end
+local err_of = h.err_of
 
 describe("pg.tokenizer matches tokenizers", function()
   for _, name in ipairs(LAYOUTS) do

@@ -13,24 +13,11 @@ local DIR = "spec/fixtures/tokenizers/"
 local FORTUNES = "/usr/share/games/fortunes/"
 local FIXTURES = { "train_gpt2", "train_gpt2_mf1", "train_llama3", "train_llama3_mf1" }
 
-local function read(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local read = h.read
 
-local function ints(t)
-  local o = {}
-  for i, v in ipairs(t) do o[i] = math.tointeger(v) end
-  return o
-end
+local ints = h.ints
 
-local function err_of(f, ...)
-  local ok, e = pcall(f, ...)
-  assert.is_false(ok, "expected an error")
-  return tostring(e)
-end
+local err_of = h.err_of
 
 -- The fixture's corpus, checked to be the one it was made from (Debian's fortunes package).
 local function corpus(exp)
