@@ -125,16 +125,21 @@ end
 
 -- ---- components: each adds its steps to `steps` and returns its canonical JSON ----
 
+-- A Sequence component: each of c[field] read by `read` (the component's own reader), in order.
+local function sequence(src, c, field, what, read, arg)
+  local out = {}
+  for i, x in ipairs(list(src, c[field], what .. "." .. field)) do
+    out[i] = read(src, x, arg, ("%s.%s[%d]"):format(what, field, i))
+  end
+  return O("type", "Sequence", field, out)
+end
+
 local function normalizer(src, n, steps, what)
   if absent(n) then return NULL end
   obj(src, n, what)
   local t = n.type
   if t == "Sequence" then
-    local out = {}
-    for i, x in ipairs(list(src, n.normalizers, what .. ".normalizers")) do
-      out[i] = normalizer(src, x, steps, ("%s.normalizers[%d]"):format(what, i))
-    end
-    return O("type", "Sequence", "normalizers", out)
+    return sequence(src, n, "normalizers", what, normalizer, steps)
   elseif t == "NFC" or t == "NFKC" then
     steps[#steps + 1] = { kind = t }
     return O("type", t)
@@ -158,11 +163,7 @@ local function pre_tokenizer(src, p, steps, what)
   obj(src, p, what)
   local t = p.type
   if t == "Sequence" then
-    local out = {}
-    for i, x in ipairs(list(src, p.pretokenizers, what .. ".pretokenizers")) do
-      out[i] = pre_tokenizer(src, x, steps, ("%s.pretokenizers[%d]"):format(what, i))
-    end
-    return O("type", "Sequence", "pretokenizers", out)
+    return sequence(src, p, "pretokenizers", what, pre_tokenizer, steps)
   elseif t == "ByteLevel" then
     local aps = bool(src, p.add_prefix_space, what .. ".add_prefix_space", true)
     local trim = bool(src, p.trim_offsets, what .. ".trim_offsets", true)
@@ -195,11 +196,7 @@ local function decoder(src, d, steps, what)
   obj(src, d, what)
   local t = d.type
   if t == "Sequence" then
-    local out = {}
-    for i, x in ipairs(list(src, d.decoders, what .. ".decoders")) do
-      out[i] = decoder(src, x, steps, ("%s.decoders[%d]"):format(what, i))
-    end
-    return O("type", "Sequence", "decoders", out)
+    return sequence(src, d, "decoders", what, decoder, steps)
   elseif t == "ByteLevel" then
     steps[#steps + 1] = { kind = "ByteLevel" }
     return O("type", "ByteLevel", "add_prefix_space", bool(src, d.add_prefix_space, what .. ".add_prefix_space", true),
@@ -260,11 +257,7 @@ local function post_processor(src, p, state, what)
   obj(src, p, what)
   local t = p.type
   if t == "Sequence" then
-    local out = {}
-    for i, x in ipairs(list(src, p.processors, what .. ".processors")) do
-      out[i] = post_processor(src, x, state, ("%s.processors[%d]"):format(what, i))
-    end
-    return O("type", "Sequence", "processors", out)
+    return sequence(src, p, "processors", what, post_processor, state)
   elseif t == "ByteLevel" then -- only offsets: the ids stay as they are
     return O("type", "ByteLevel", "add_prefix_space", bool(src, p.add_prefix_space, what .. ".add_prefix_space", true),
       "trim_offsets", bool(src, p.trim_offsets, what .. ".trim_offsets", true),
