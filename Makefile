@@ -27,6 +27,12 @@ CC       := mpicc
 MPICXX   := mpicxx
 DEPS_OK  := $(BUILD)/.deps-ok
 
+# src/ has one folder per layer of the house (docs/DESIGN.md, "Layers"); every
+# folder is on the include path, so a header is named by its file alone, as it
+# is once installed (pipegoose/pg_*.h).
+RUNTIME_DIRS := src/runtime src/parallel src/nn src/engine src/backend src/tokenizer
+SRC_INCLUDES := $(addprefix -I,$(RUNTIME_DIRS) src/lua)
+
 # Recursive (=) so pkg-config runs after scripts/install-deps.sh has run.
 # PCRE2 (the tokenizers' pre-tokenizer regexes, with JIT) and utf8proc (their NFC/NFKC normalizers).
 PKG_CFLAGS = $(shell pkg-config --cflags lua5.4 openblas libpcre2-8 libutf8proc)
@@ -64,13 +70,13 @@ CUDA_SRCS := $(wildcard kernels/cuda/*.cu)
 ifneq ($(and $(NVCC),$(CUDA_SRCS)),)
   CUDA_ROOT  := $(patsubst %/bin/nvcc,%,$(NVCC))
   CUDA_OBJS  := $(CUDA_SRCS:kernels/cuda/%.cu=$(BUILD)/cuda/%.o)
-  # cuBLAS is not linked: src/pg_cublas.c opens it on first use (its start-up
+  # cuBLAS is not linked: src/backend/pg_cublas.c opens it on first use (its start-up
   # costs every process ~0.2 s); the soname's major version comes from the toolkit.
   CUBLAS_MAJOR := $(shell ls $(CUDA_ROOT)/lib64/libcublas.so.* 2>/dev/null | sed -n 's/.*libcublas\.so\.\([0-9]*\)$$/\1/p' | head -n 1)
   CUDA_DEFS  := -DPG_WITH_CUDA=1 -I$(CUDA_ROOT)/include -DPG_CUBLAS_SONAME_MAJOR='"$(or $(CUBLAS_MAJOR),13)"'
   CUDA_LIBS  := -L$(CUDA_ROOT)/lib64 -Wl,-rpath,$(CUDA_ROOT)/lib64 -lcudart -lnccl -lstdc++
   CUDA_OK    := $(BUILD)/.cuda-ok
-  NVCCFLAGS  := -O3 -std=c++17 -DPG_WITH_CUDA=1 -Xcompiler -fPIC,-Wall,-Wextra -Ikernels -Isrc \
+  NVCCFLAGS  := -O3 -std=c++17 -DPG_WITH_CUDA=1 -Xcompiler -fPIC,-Wall,-Wextra -Ikernels $(SRC_INCLUDES) \
                 --generate-code arch=compute_90,code=sm_90 --generate-code arch=compute_80,code=sm_80 \
                 -Wno-deprecated-gpu-targets
 endif
@@ -81,18 +87,18 @@ ifeq ($(filter clean,$(MAKECMDGOALS)),)
   $(shell mkdir -p $(BUILD) && { echo '$(CUDA_DEFS) $(CUDA_LIBS)' | cmp -s - $(CUDA_STAMP) || echo '$(CUDA_DEFS) $(CUDA_LIBS)' > $(CUDA_STAMP); })
 endif
 
-CFLAGS   = -std=c11 -D_POSIX_C_SOURCE=200809L -Wall -Wextra -fPIC -fopenmp $(OPTFLAGS) -Isrc -Ikernels -DPG_VERSION='"$(VERSION)"' \
+CFLAGS   = -std=c11 -D_POSIX_C_SOURCE=200809L -Wall -Wextra -fPIC -fopenmp $(OPTFLAGS) $(SRC_INCLUDES) -Ikernels -DPG_VERSION='"$(VERSION)"' \
            $(CUDA_DEFS) $(PKG_CFLAGS)
 # oneDNN (libdnnl-dev) has no pkg-config file in Debian: the bf16 GEMMs (kernels/cpu/bf16.c).
 DNNL_LIBS := -ldnnl
 LDLIBS   = $(PKG_LIBS) $(CUDA_LIBS) $(DNNL_LIBS) -lz -lm -ldl
 LDFLAGS  = -fopenmp $(SANLD)
 
-RUNTIME_SRCS  := $(filter-out src/lua_% src/pglua.c,$(wildcard src/*.c)) $(wildcard kernels/cpu/*.c)
-BINDING_SRCS  := $(wildcard src/lua_*.c)
+RUNTIME_SRCS  := $(foreach d,$(RUNTIME_DIRS),$(wildcard $(d)/*.c)) $(wildcard kernels/cpu/*.c)
+BINDING_SRCS  := $(filter-out src/lua/pglua.c,$(wildcard src/lua/*.c))
 RUNTIME_OBJS  := $(RUNTIME_SRCS:%.c=$(BUILD)/obj/%.o) $(CUDA_OBJS)
 BINDING_OBJS  := $(BINDING_SRCS:%.c=$(BUILD)/obj/%.o)
-HEADERS       := $(wildcard src/*.h kernels/*.h kernels/cpu/*.h)
+HEADERS       := $(wildcard src/*/*.h kernels/*.h kernels/cpu/*.h)
 
 PGLUA      := $(BUILD)/pglua
 CORE_SO    := $(BUILD)/lua/pipegoose/core.so
@@ -149,7 +155,7 @@ $(LIB_A): $(RUNTIME_OBJS)
 $(LIB_SO): $(RUNTIME_OBJS)
 	$(CC) -shared $(LDFLAGS) -o $@ $^ $(filter-out -llua5.4,$(LDLIBS))
 
-$(PGLUA): $(BUILD)/obj/src/pglua.o $(BINDING_OBJS) $(RUNTIME_OBJS)
+$(PGLUA): $(BUILD)/obj/src/lua/pglua.o $(BINDING_OBJS) $(RUNTIME_OBJS)
 	$(CC) $(LDFLAGS) -rdynamic -o $@ $^ $(LDLIBS)
 
 # The Lua C module for a plain lua5.4: no liblua (the interpreter provides it).
@@ -220,10 +226,10 @@ EMU_BUILD   := build-emu
 EMU_DIR     := spec/support/cuda_emu
 EMU_FLAGS   ?=
 EMU_CFLAGS   = -std=c11 -D_POSIX_C_SOURCE=200809L -Wall -Wextra -fPIC -fopenmp -O2 -g -ffp-contract=off \
-               -Isrc -Ikernels -I$(EMU_DIR) -DPG_WITH_CUDA=1 -DPG_VERSION='"$(VERSION)"' $(PKG_CFLAGS) $(EMU_FLAGS)
+               $(SRC_INCLUDES) -Ikernels -I$(EMU_DIR) -DPG_WITH_CUDA=1 -DPG_VERSION='"$(VERSION)"' $(PKG_CFLAGS) $(EMU_FLAGS)
 EMU_CXXFLAGS = -std=c++17 -Wall -Wextra -Wno-unused-parameter -fPIC -O2 -g -ffp-contract=off -DPG_EMU_MPI=1 \
-               -Isrc -Ikernels -Ikernels/cuda -I$(EMU_DIR) -DPG_WITH_CUDA=1 $(EMU_FLAGS)
-EMU_C_SRCS  := $(filter-out src/pg_cublas.c,$(wildcard src/*.c)) $(wildcard kernels/cpu/*.c)
+               $(SRC_INCLUDES) -Ikernels -Ikernels/cuda -I$(EMU_DIR) -DPG_WITH_CUDA=1 $(EMU_FLAGS)
+EMU_C_SRCS  := $(filter-out src/backend/pg_cublas.c,$(wildcard src/*/*.c)) $(wildcard kernels/cpu/*.c)
 EMU_OBJS    := $(EMU_C_SRCS:%.c=$(EMU_BUILD)/obj/%.o) $(CUDA_SRCS:kernels/cuda/%.cu=$(EMU_BUILD)/cuda/%.o) \
                $(EMU_BUILD)/emu.o
 EMU_HEADERS := $(HEADERS) $(wildcard $(EMU_DIR)/*.h) kernels/cuda/common.cuh
@@ -286,7 +292,7 @@ install: all
 	install -m 644 $(LIB_A) $(PREFIX)/lib/
 	install -m 755 $(LIB_SO) $(PREFIX)/lib/
 	install -m 755 $(CORE_SO) $(PREFIX)/lib/lua/5.4/pipegoose/core.so
-	install -m 644 $(filter-out src/lua_util.h,$(wildcard src/pg_*.h)) kernels/kernels.h $(PREFIX)/include/pipegoose/
+	install -m 644 $(wildcard $(RUNTIME_DIRS:%=%/pg_*.h)) kernels/kernels.h $(PREFIX)/include/pipegoose/
 	cp -R lua/pipegoose/. $(PREFIX)/share/lua/5.4/pipegoose/
 	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' -e 's|@CUDA_LIBS@|$(CUDA_LIBS) $(DNNL_LIBS)|g' scripts/pipegoose.pc.in > $(PREFIX)/lib/pkgconfig/pipegoose.pc
 

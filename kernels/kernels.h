@@ -237,7 +237,7 @@ double pg_sum_squares(const float *x, int64_t n);
  * runs in full FP32 (the runtime creates the cuBLAS handle with TF32 off). */
 
 /* What every CUDA kernel needs: a cudaStream_t and a cublasHandle_t already
- * bound to that stream (pg_cuda_ctx_init in src/pg_cuda.h creates both). Kept
+ * bound to that stream (pg_cuda_ctx_init in src/backend/pg_cuda.h creates both). Kept
  * as void * so that this header needs no CUDA header. */
 typedef struct pg_cuda_ctx {
   void *stream; /* cudaStream_t; NULL = the legacy default stream */

@@ -103,7 +103,7 @@ local function driver()
   local machine = pg.machine()
   print(("pipegoose bench: %d cores, OpenBLAS sgemm + OpenMP, %s"):format(ctx.ncores, os.date("!%Y-%m-%d %H:%M UTC")))
   -- which kernels ran: OpenBLAS's core (pglua forces one from the CPU's features when OpenBLAS
-  -- fell back to its generic kernels, src/pg_machine.h; the PyTorch peer gets the same setting)
+  -- fell back to its generic kernels, src/runtime/pg_machine.h; the PyTorch peer gets the same setting)
   print(("  CPU features: %s; OpenBLAS core: %s%s"):format(machine.features, machine.blas_core,
     machine.blas_core_chosen and " (chosen by pglua from the features: OpenBLAS's own detection fell back to generic)" or ""))
   common.emit("machine", "blas_core", machine.blas_core)

@@ -70,7 +70,7 @@ def make_cl100k(d):
 
 
 def chunks(data, size):
-    """pg_tokenizer_encode_chunked's cuts (src/pg_tokenizer.c, chunk_end): after the first
+    """pg_tokenizer_encode_chunked's cuts (src/tokenizer/pg_tokenizer.c, chunk_end): after the first
     newline at or past every `size` bytes from the last cut that has a visible ASCII
     byte before it and an ASCII letter or digit after it."""
     out, s, n = [], 0, len(data)

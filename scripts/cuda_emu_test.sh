@@ -6,7 +6,7 @@
 # stand-ins in spec/support/cuda_emu/ (runtime, cuBLAS, NCCL; block threads
 # run as fibers with exact barriers), the only change to the source being
 # each `kernel<<<config>>>(args)` launch rewritten as a function call.
-# src/pg_cuda.c, src/pg_cuda_selftest.c (the self-test itself) and kernels/cpu are compiled as they
+# src/backend/pg_cuda.c, src/backend/pg_cuda_selftest.c (the self-test itself) and kernels/cpu are compiled as they
 # are. This checks the kernels' indexing, reductions, barriers and the cuBLAS
 # calls' layouts; not speed, not the device compiler.
 #
@@ -24,7 +24,7 @@ mkdir -p "$OUT"
 BLAS_CFLAGS=$(pkg-config --cflags openblas)
 BLAS_LIBS=$(pkg-config --libs openblas)
 EXTRA=(${EMU_FLAGS:-})
-COMMON=(-O1 -g -fPIC -ffp-contract=off -DPG_WITH_CUDA=1 -I"$EMU" -Ikernels -Ikernels/cuda -Isrc "${EXTRA[@]}")
+COMMON=(-O1 -g -fPIC -ffp-contract=off -DPG_WITH_CUDA=1 -I"$EMU" -Ikernels -Ikernels/cuda -Isrc/runtime -Isrc/backend "${EXTRA[@]}")
 
 pids=()
 objs=()
@@ -42,7 +42,7 @@ done
 $CXX -std=c++17 -Wall -Wextra "${COMMON[@]}" -c "$EMU/emu.cpp" -o "$OUT/emu.o" &
 pids+=($!)
 objs+=("$OUT/emu.o")
-for f in src/pg_cuda.c src/pg_cuda_selftest.c src/pg_error.c kernels/cpu/*.c "$EMU/selftest_main.c"; do
+for f in src/backend/pg_cuda.c src/backend/pg_cuda_selftest.c src/runtime/pg_error.c kernels/cpu/*.c "$EMU/selftest_main.c"; do
   o="$OUT/c_$(basename "$f" .c).o"
   $CC -std=c11 -D_POSIX_C_SOURCE=200809L -Wall -Wextra -fopenmp -fno-trapping-math -fno-math-errno "${COMMON[@]}" \
     $BLAS_CFLAGS -c "$f" -o "$o" &

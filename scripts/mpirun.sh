@@ -13,7 +13,7 @@ args=(--oversubscribe --bind-to none --mca orte_base_help_aggregate 0)
 [ "$(id -u)" -eq 0 ] && args+=(--allow-run-as-root)
 
 # stderr, so that the last line a user sees is the error that ended the job
-# (pglua prints the cause after its consequences: src/pglua.c): once one of
+# (pglua prints the cause after its consequences: src/lua/pglua.c): once one of
 # pglua's reports ("[rank 2] pglua: ...", "[ranks 0-3] ...") has passed, Open
 # MPI's notice of the MPI_Abort that ended the job (a box of dashes) and the
 # "ORTE_ERROR_LOG: ..." lines of its help system failing to deliver that

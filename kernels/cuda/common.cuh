@@ -13,7 +13,7 @@
 
 #include <cublas_v2.h>
 
-#include "pg_cublas.h" // cuBLAS is opened on first use (see src/pg_cublas.h)
+#include "pg_cublas.h" // cuBLAS is opened on first use (see src/backend/pg_cublas.h)
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>

@@ -8,7 +8,7 @@
 -- the micro-batch's loss and d loss / d out. The engine averages the
 -- micro-batches' losses and scales the gradients to match.
 --
--- cross_entropy and kl_div are C (src/pg_loss.c): given batch.vocab and
+-- cross_entropy and kl_div are C (src/engine/pg_loss.c): given batch.vocab and
 -- batch.ctx they work on logits split by vocabulary over the tensor group.
 -- The last-token helpers serve heads that read one position per sequence.
 local core = require "pipegoose.core"

@@ -64,7 +64,7 @@ nn.round_up = round_up
 
 -- Module kinds: one class per kind of runtime module, defined next to its
 -- constructor below (its C twin is registered under the same name in
--- src/pg_module.c's kind table). A class has
+-- src/nn/pg_module.c's kind table). A class has
 --   describe(s, c) -> the runtime description (for core.Engine) and the output flow,
 --                     c = {me = its full name, flow = the input flow, T = tensor size,
 --                          sp = sequence parallelism is on (and T > 1),

@@ -34,7 +34,7 @@
 -- unless `finite = false`.
 --
 -- The C bindings check their option keys with pg_lua_check_keys
--- (src/lua_util.c), which asks this module for its message, so a suggestion
+-- (src/lua/lua_util.c), which asks this module for its message, so a suggestion
 -- reads the same from C and from Lua. This module is plain Lua (no MPI, no C
 -- core), so that code unit-tested without the runtime can use it too.
 local M = {}

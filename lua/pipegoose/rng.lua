@@ -1,5 +1,5 @@
 --- pipegoose.rng: the one splitmix64 of the Lua side (the C side's is
--- src/pg_rng.c, for parameter init and data order). Pure Lua, so that callback
+-- src/runtime/pg_rng.c, for parameter init and data order). Pure Lua, so that callback
 -- tests without MPI or the C module can use it; 64-bit integer arithmetic
 -- wraps in Lua 5.4, as splitmix64 wants.
 local M = {}

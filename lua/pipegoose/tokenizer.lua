@@ -1,5 +1,5 @@
 --- Tokenizers: Hugging Face `tokenizer.json` files (BPE), encoded and decoded
--- in C (src/pg_tokenizer.c) with the ids `tokenizers` gives.
+-- in C (src/tokenizer/pg_tokenizer.c) with the ids `tokenizers` gives.
 --
 --   local tok = pg.tokenizer.load("tokenizer.json" or an HF model directory)
 --   tok:encode(text [, {add_special = true, tensor = false}]) -> table of ids (or an int32 tensor)
@@ -16,7 +16,7 @@
 -- This file reads the JSON (lua-cjson), checks every component and names the
 -- one it does not implement ("tokenizer.json: pre_tokenizer type
 -- 'UnicodeScripts' is not supported") rather than ignoring it, and hands the
--- C side a plain spec (src/lua_tokenizer.c documents it). Training builds the
+-- C side a plain spec (src/lua/lua_tokenizer.c documents it). Training builds the
 -- same decoded-JSON table (model = {type = "BPE", vocab =, merges =}, ...)
 -- and calls M.from_table, so a trained tokenizer saves and loads like any.
 local cjson = require("cjson").new()
@@ -536,7 +536,7 @@ end
 --- pg.tokenizer.train{files=, vocab_size=, special_tokens=, pattern=, min_frequency=, threads=, progress=}
 -- -> tokenizer, stats: a byte-level BPE (GPT-2's layout; Split(pattern) + ByteLevel for another pattern)
 -- with the merges `tokenizers`' BpeTrainer makes on the same files and settings
--- (src/pg_tokenizer_train.c has its rules). pattern: "gpt2", "llama3" or a PCRE2 regex (a bare
+-- (src/tokenizer/pg_tokenizer_train.c has its rules). pattern: "gpt2", "llama3" or a PCRE2 regex (a bare
 -- name that is neither is refused, not taken for a regex). threads = 0: all of OpenMP's;
 -- progress: a bar on stderr, by default on rank 0 when stderr is a terminal (mpirun's under mpirun;
 -- PG_PROGRESS=tty|plain forces it on|off). chunk_bytes: the pieces

@@ -40,7 +40,7 @@ function M.have_torch() return M.have(M.TORCH[1]) end
 function M.torch(ctx, args)
   if not ctx.want("torch") then return nil end
   -- PyTorch runs with the environment it was given: pglua's own OpenMP
-  -- wait-policy default (see src/pglua.c) is not passed on to it. The
+  -- wait-policy default (see src/lua/pglua.c) is not passed on to it. The
   -- OpenBLAS core pglua chose is (Debian's PyTorch goes through the same
   -- OpenBLAS here): both sides then run the same sgemm kernels.
   local env = os.getenv("PG_DEFAULT_WAIT_POLICY") and "env -u OMP_WAIT_POLICY -u PG_DEFAULT_WAIT_POLICY " or ""

@@ -1,4 +1,4 @@
--- How a failing job reports (src/pglua.c): ranks that fail with one message
+-- How a failing job reports (src/lua/pglua.c): ranks that fail with one message
 -- are reported once ("[ranks 0-3] ..."), ranks that fail differently each say
 -- theirs, a rank that fails alone still reports within seconds and ends the
 -- job, and tracebacks come with internal errors and under PG_DEBUG=1 only.

@@ -1,4 +1,4 @@
--- The pipeline schedule generators (src/pg_schedule.c), checked as data, no MPI:
+-- The pipeline schedule generators (src/engine/pg_schedule.c), checked as data, no MPI:
 -- core.schedule(name, P, M, stage [, V]) -> { {action, micro-batch [, chunk]}, ... },
 -- stage 0-based (a pipeline rank), micro-batches and chunks 1-based (the
 -- chunk is given when ranks hold V > 1 chunks: the interleaved schedule).

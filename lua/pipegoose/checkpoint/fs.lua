@@ -17,7 +17,7 @@ local function core_module()
   return ok and mod or nil
 end
 
--- Directories go through pg.fs (src/pg_fs.c: no shell, so a path with a
+-- Directories go through pg.fs (src/runtime/pg_fs.c: no shell, so a path with a
 -- quote or a leading dash is just a path). Without the C module (callback
 -- tests under a plain lua5.4 that cannot load it) a shell fallback remains.
 local function cfs()

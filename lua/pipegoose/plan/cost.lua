@@ -33,7 +33,7 @@
 -- parallelism shards it already; without it, Megatron's scatter/gather does
 -- the same), so a transfer is latency + b*s*h*e/T / bandwidth, intra-node or
 -- inter-node depending on where the two stages' ranks live.
--- Rank placement is pipegoose's (src/pg_context.c), which is also Megatron's:
+-- Rank placement is pipegoose's (src/parallel/pg_context.c), which is also Megatron's:
 -- rank = t + T*(d + D*p) (tensor fastest, then data, then pipeline), nodes of
 -- gpus_per_node consecutive ranks.
 local models = require "pipegoose.plan.models"

@@ -7,7 +7,7 @@
 -- the rate of a matrix product depends on its shape, every operation has a
 -- dispatch cost, and the ranks of a node share its cores. So with a profile
 -- that has a `cpu` section, a layer is priced operation by operation, as the
--- engine runs it (src/pg_module.c):
+-- engine runs it (src/nn/pg_module.c):
 --
 --   matrix products   each Linear's forward [r, in] x [in, out] and its two
 --                     backward products (dx: [r, out] x [out, in], dw:
@@ -40,7 +40,7 @@
 --                     the engine's fixed per-step cost
 --
 -- Cores: pipegoose gives each of the R ranks of a node max(1, cores // R)
--- threads (src/pg_context.c). Rates are measured at 1 thread and at all
+-- threads (src/parallel/pg_context.c). Rates are measured at 1 thread and at all
 -- cores; a rank's rate is that of its thread count. With more ranks than
 -- cores, R ranks of one thread time-share `cores` cores: everything a rank
 -- does takes R / cores times longer. There is no overlap of compute and
@@ -314,7 +314,7 @@ end
 -- rank of a stage with r = b*s rows per micro-batch, tensor size T, the
 -- model's max sequence S (attention buffers are sized for it):
 --   per micro-batch in flight ("slot"), every module keeps its output
---   (src/pg_module.c, alloc_leaf) and what its backward needs:
+--   (src/nn/pg_module.c, alloc_leaf) and what its backward needs:
 --     GPT layer   residual outputs 2 x h, norm outputs 2 x h and their mean
 --                 and 1/std (2 x 2 floats a row), attention and MLP output
 --                 projections 2 x h (full width after the all-reduce);

@@ -1,5 +1,5 @@
 --- pipegoose.plan.simulate: one pipeline step as a discrete-event simulation
--- of the real schedule action lists (pg.core.schedule, src/pg_schedule.c).
+-- of the real schedule action lists (pg.core.schedule, src/engine/pg_schedule.c).
 --
 -- Each stage runs its actions in order on its own clock:
 --   forward / backward   the clock advances by the action's cost (busy time)

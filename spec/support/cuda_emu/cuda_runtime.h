@@ -1,6 +1,6 @@
 /* cuda_emu/cuda_runtime.h — a stand-in for the CUDA runtime, for running the
  * CUDA kernels on the CPU where no GPU exists (scripts/cuda_emu_test.sh).
- * Only what kernels/cuda and src/pg_cuda.c use. Device memory is host memory;
+ * Only what kernels/cuda and src/backend/pg_cuda.c use. Device memory is host memory;
  * a launch runs its blocks one after another, each block's threads as fibers
  * that switch at __syncthreads and warp collectives (see emu.cpp). Work on a
  * non-blocking stream waits in the stream's queue until something the CUDA

@@ -1,5 +1,5 @@
 // emu.cpp — the CPU stand-in for the CUDA runtime, cuBLAS and NCCL that
-// scripts/cuda_emu_test.sh links the CUDA kernels and src/pg_cuda.c against
+// scripts/cuda_emu_test.sh links the CUDA kernels and src/backend/pg_cuda.c against
 // (see cuda_runtime.h here).
 //
 // A launch runs its blocks one after another. A block's threads are fibers
@@ -889,7 +889,7 @@ ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataT
 
 } // extern "C"
 
-// pipegoose opens cuBLAS on first use through a table (src/pg_cublas.h); on
+// pipegoose opens cuBLAS on first use through a table (src/backend/pg_cublas.h); on
 // the emulator the table holds the stand-ins above.
 #include "pg_cublas.h"
 extern "C" const pg_cublas_api *pg_cublas(void) {

@@ -1,4 +1,4 @@
-/* Runs pg_cuda_selftest (src/pg_cuda.c) against the emulator: prints the
+/* Runs pg_cuda_selftest (src/backend/pg_cuda.c) against the emulator: prints the
  * report, exits 0 when every check passed. */
 #include <stdio.h>
 

@@ -171,7 +171,7 @@ int pg_tokenizer_is_special(const pg_tokenizer *t, int32_t id);
 /* A 64-bit hash of n bytes, for the tokenizer's and the trainer's string maps. */
 uint64_t pg_tok_hash_bytes(const void *p, size_t n);
 
-/* ---- training (src/pg_tokenizer_train.c) ----
+/* ---- training (src/tokenizer/pg_tokenizer_train.c) ----
  * A byte-level BPE trained on files with the merges of `tokenizers`'
  * BpeTrainer (that file's comment has its rules, and the tie rule): each
  * line (with its '\n') pre-tokenized by GPT-2's ByteLevel regex, or by a

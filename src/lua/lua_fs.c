@@ -6,7 +6,7 @@
  *   fs.isatty("stdout" | "stderr" | "stdin" | fd) -> boolean
  *   fs.parent_isatty("stdout" | ... | fd) -> boolean  the parent process's descriptor (mpirun's, under mpirun)
  *   fs.getpid() -> this process's id
- * Atomic writes are pg.file.write (src/lua_file.c). */
+ * Atomic writes are pg.file.write (src/lua/lua_file.c). */
 #include <string.h>
 #include <unistd.h>
 
