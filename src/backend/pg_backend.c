@@ -6,12 +6,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #include "kernels.h"
+#include "pg_clock.h"
 #include "pg_context.h"
 #include "pg_cuda.h"
 #include "pg_error.h"
@@ -254,12 +254,6 @@ static const pg_backend cpu_backend = {.name = "cpu", .device = PG_CPU, .ordinal
 
 const pg_backend *pg_backend_cpu(void) { return &cpu_backend; }
 
-static double now_seconds(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 /* The rate of `reps` n x n x n products after one warm-up: float32 (matmul_forward) or, bf16, the bf16 GEMM
  * (matmul_bf16_forward on bf16 operands, float32 sums and output), each on zeroed operands. */
 static int gemm_gflops(const pg_backend *b, int bf16, int n, int reps, double *gflops) {
@@ -272,11 +266,11 @@ static int gemm_gflops(const pg_backend *b, int bf16, int n, int reps, double *g
   double t0 = 0; /* product 0 warms up */
   for (int i = 0; rc == PG_OK && i <= reps; i++) {
     if (i == 1 && (rc = b->ops->sync(b))) break;
-    if (i == 1) t0 = now_seconds();
+    if (i == 1) t0 = pg_wtime();
     rc = bf16 ? b->ops->matmul_bf16_forward(b, z, x, y, NULL, n, n, n)
               : b->ops->matmul_forward(b, z, x, y, NULL, n, n, n);
     if (rc == PG_OK && i == reps && (rc = b->ops->sync(b)) == PG_OK)
-      *gflops = 2.0 * n * (double)n * n * reps / (now_seconds() - t0) / 1e9;
+      *gflops = 2.0 * n * (double)n * n * reps / (pg_wtime() - t0) / 1e9;
   }
   pg_be_release(b, x);
   pg_be_release(b, y);

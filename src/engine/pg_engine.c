@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pg_clock.h"
 #include "pg_comm.h"
 #include "pg_error.h"
 #include "pg_size.h"

@@ -3,9 +3,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "lua_util.h"
+#include "pg_clock.h"
 #include "pg_comm.h"
 
 /* Registry key of the default context used by pg.dist when no ctx= is given. */
@@ -270,17 +270,9 @@ static int l_mpi_size(lua_State *L) {
   return 1;
 }
 
-/* Wall-clock seconds (MPI_Wtime; a monotonic clock when MPI is not up). */
+/* pg.wtime(): the runtime's clock (pg_clock.h), monotonic seconds. */
 static int l_wtime(lua_State *L) {
-  int inited = 0, finalized = 0;
-  MPI_Initialized(&inited);
-  MPI_Finalized(&finalized);
-  if (inited && !finalized) lua_pushnumber(L, MPI_Wtime());
-  else {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    lua_pushnumber(L, (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec);
-  }
+  lua_pushnumber(L, pg_wtime());
   return 1;
 }
 

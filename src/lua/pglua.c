@@ -22,6 +22,7 @@
 #include <lua.h>
 #include <lualib.h>
 
+#include "pg_clock.h"
 #include "pg_machine.h"
 #include "pg_comm.h"
 #include "pg_context.h"
@@ -106,12 +107,12 @@ static int debug_mode(void) {
 
 /* Polls a request until it completes (1) or `seconds` pass (0). */
 static int wait_request(MPI_Request *req, double seconds) {
-  double end = MPI_Wtime() + seconds;
+  double end = pg_wtime() + seconds;
   for (;;) {
     int done = 0;
     if (MPI_Test(req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return 0;
     if (done) return 1;
-    if (MPI_Wtime() >= end) return 0;
+    if (pg_wtime() >= end) return 0;
     sleep_seconds(1e-3);
   }
 }
@@ -246,10 +247,10 @@ static void notify_reported(int n, int me) {
 static _Noreturn void report_alone(int n, int me, const char *who, const char *msg, int tb, int printed) {
   int consequence = (int)rep.msgs[2 * me + 1];
   if (printed) notify_reported(n, me);
-  double grace = grace_seconds(), start = MPI_Wtime(), quiet_since = start;
+  double grace = grace_seconds(), start = pg_wtime(), quiet_since = start;
   double cap = start + 3 * grace + LINGER_CAP_S;
   for (;;) {
-    double now = MPI_Wtime();
+    double now = pg_wtime();
     if (poll_reports(n, me)) quiet_since = now;
     int waiting = 0, waiting_timed_out = 0; /* ranks that failed but whose report is not out yet */
     for (int r = 0; r < n; r++)
@@ -314,8 +315,8 @@ static _Noreturn void report_and_abort(lua_State *L) {
     print_report(who, msg, tb);
     abort_job(1);
   }
-  double end = MPI_Wtime() + grace_seconds();
-  for (poll_reports(n, me); !heard_all(n, me) && MPI_Wtime() < end; poll_reports(n, me)) sleep_seconds(1e-3);
+  double end = pg_wtime() + grace_seconds();
+  for (poll_reports(n, me); !heard_all(n, me) && pg_wtime() < end; poll_reports(n, me)) sleep_seconds(1e-3);
   if (!heard_all(n, me)) report_alone(n, me, who, msg, tb, 0); /* not every rank failed in time */
   /* Every rank failed. One that failed first may have given up waiting and reported alone already (its
    * notice is here): then so does this one. */

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "kernels.h" /* pg_bf16_round / pg_bf16_value: the ring's bf16 sums */
+#include "pg_clock.h"
 #include "pg_cuda.h"
 #include "pg_error.h"
 #include "pg_size.h"
@@ -1557,8 +1558,6 @@ int pg_wait(pg_request **req) {
   free(r);
   return PG_OK;
 }
-
-double pg_wtime(void) { return MPI_Wtime(); }
 
 /* ---- a bucket's reduction in flight ----
  *

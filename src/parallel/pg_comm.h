@@ -133,9 +133,6 @@ int pg_ireduce_scatter_buf(pg_context *ctx, pg_mode m, float *buf, const int64_t
                            pg_request **req);
 int pg_test(pg_request **req, int *done);
 
-/* Wall-clock seconds, the clock comm_stats uses. */
-double pg_wtime(void);
-
 /* Device memory. A device engine attaches its stream to the context
  * (collective over the world, once per context). With one GPU per rank, the
  * tensor, data and embedding groups and each pipeline link get NCCL
