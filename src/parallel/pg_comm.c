@@ -252,7 +252,7 @@ static int poll_all(int n, MPI_Request *reqs, int *idx, MPI_Status *st, double d
     if (rc != MPI_SUCCESS) return mpi_fail(rc, what, m);
     if (out == MPI_UNDEFINED) return 0;
     /* the clock every 64 polls: reading it each time was a tenth of a small all_reduce */
-    if (spins % 64 == 0 && deadline > 0 && MPI_Wtime() > deadline) return 1;
+    if (spins % 64 == 0 && deadline > 0 && pg_wtime() > deadline) return 1;
   }
 }
 
@@ -321,7 +321,7 @@ static int agree(pg_context *ctx, pg_mode m, call_rec *c) {
       rc = MPI_Isend(&recs[g->rank], (int)sizeof *recs, MPI_BYTE, i, PG_AGREE_TAG, g->agree, &reqs[n + i]);
     if (rc != MPI_SUCCESS) return mpi_fail(rc, kind_name(c->kind), m);
   }
-  int late = poll_all(2 * n, reqs, idx, NULL, limit > 0 ? MPI_Wtime() + limit : 0, kind_name(c->kind), m);
+  int late = poll_all(2 * n, reqs, idx, NULL, limit > 0 ? pg_wtime() + limit : 0, kind_name(c->kind), m);
   if (late < 0) return PG_ERR;
   char mine[256], msg[1024];
   if (late) {
@@ -382,7 +382,7 @@ static int agree_pair(pg_context *ctx, pg_mode m, call_rec *c) {
       rc = MPI_Isend(&recs[2], (int)sizeof *recs, MPI_BYTE, peers[i], PG_AGREE_TAG, g->agree, &reqs[2 + i]);
     if (rc != MPI_SUCCESS) return mpi_fail(rc, kind_name(c->kind), m);
   }
-  int late = poll_all(4, reqs, idx, NULL, limit > 0 ? MPI_Wtime() + limit : 0, kind_name(c->kind), m);
+  int late = poll_all(4, reqs, idx, NULL, limit > 0 ? pg_wtime() + limit : 0, kind_name(c->kind), m);
   if (late < 0) return PG_ERR;
   if (late) {
     char mine[256], who[256], msg[700];
@@ -697,7 +697,7 @@ static int check_dtype(const pg_tensor *t, pg_reduce_op op, int reducing) {
 static void count(pg_context *ctx, pg_mode m, pg_coll c, double bytes, double t0) {
   ctx->stats.calls[m][c]++;
   ctx->stats.bytes[m][c] += bytes;
-  ctx->stats.seconds[m][c] += MPI_Wtime() - t0;
+  ctx->stats.seconds[m][c] += pg_wtime() - t0;
 }
 
 static void scale_avg(void *buf, int64_t n, int size) {
@@ -881,7 +881,7 @@ static int reduce_scatter_units(pg_context *ctx, pg_mode m, void *buf, int64_t n
   if (check_ctx(ctx) || agree_coll(ctx, m, PG_COLL_REDUCE_SCATTER, dtype, op, -1, n)) return PG_ERR;
   pg_group *g = &ctx->group[m];
   if (g->size == 1 || n == 0) return PG_OK;
-  double t0 = MPI_Wtime();
+  double t0 = pg_wtime();
   size_t es = pg_dtype_size(dtype);
 #ifdef PG_WITH_CUDA
   ncclComm_t nc = (n / unit) % g->size ? NULL : nccl_for(ctx, m, buf); /* NCCL's blocks are equal */
@@ -906,7 +906,7 @@ static int all_gather_units(pg_context *ctx, pg_mode m, void *buf, int64_t n, in
   if (check_ctx(ctx) || agree_coll(ctx, m, PG_COLL_ALL_GATHER, dtype, -1, -1, n)) return PG_ERR;
   pg_group *g = &ctx->group[m];
   if (g->size == 1 || n == 0) return PG_OK;
-  double t0 = MPI_Wtime();
+  double t0 = pg_wtime();
   size_t es = pg_dtype_size(dtype);
 #ifdef PG_WITH_CUDA
   ncclComm_t nc = (n / unit) % g->size ? NULL : nccl_for(ctx, m, buf);
@@ -974,7 +974,7 @@ int pg_all_reduce_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype
 #ifdef PG_WITH_CUDA
   ncclComm_t nc = ctx->group[m].size > 1 && n > 0 ? nccl_for(ctx, m, buf) : NULL;
   if (nc) {
-    double t0 = MPI_Wtime();
+    double t0 = pg_wtime();
     if (nccl_done(ncclAllReduce(buf, buf, (size_t)n, nccl_type(dtype), nccl_op(op), nc, NCCL_STREAM(ctx)),
                   "all_reduce", m))
       return PG_ERR;
@@ -990,7 +990,7 @@ int pg_all_reduce_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype
 static int all_reduce_host(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype dtype, pg_reduce_op op) {
   pg_group *g = &ctx->group[m];
   if (g->size == 1 || n == 0) return PG_OK;
-  double t0 = MPI_Wtime();
+  double t0 = pg_wtime();
   size_t es = pg_dtype_size(dtype);
   /* bf16 always round the ring: MPI's own sums cannot add bf16 */
   if ((dtype == PG_FLOAT32 && n >= PG_RING_MIN) || dtype == PG_BFLOAT16) {
@@ -1026,7 +1026,7 @@ static int all_gather_agreed(pg_context *ctx, pg_mode m, void *buf, int64_t n, p
 #ifdef PG_WITH_CUDA
   ncclComm_t nc = ctx->group[m].size > 1 && n > 0 ? nccl_for(ctx, m, buf) : NULL;
   if (nc) { /* member r's block is [r n, (r+1) n): in place */
-    double t0 = MPI_Wtime();
+    double t0 = pg_wtime();
     size_t es = pg_dtype_size(dtype);
     if (nccl_done(ncclAllGather((char *)buf + (size_t)ctx->group[m].rank * n * es, buf, (size_t)n, nccl_type(dtype), nc,
                                 NCCL_STREAM(ctx)),
@@ -1050,7 +1050,7 @@ static int all_gather_host(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_
   pg_group *g = &ctx->group[m];
   if (g->size == 1 || n == 0) return PG_OK;
   if (n > PG_MPI_CHUNK) return pg_fail("all_gather of %lld elements per member is too large", (long long)n);
-  double t0 = MPI_Wtime();
+  double t0 = pg_wtime();
   if (dtype == PG_FLOAT32 && n * g->size >= PG_RING_MIN) {
     if (ring_all_gather(ctx, m, buf, n * g->size, dtype)) return PG_ERR; /* member r's block is [r n, (r+1) n) */
   } else {
@@ -1101,7 +1101,7 @@ static int reduce_scatter_agreed(pg_context *ctx, pg_mode m, const void *in, voi
     return PG_OK;
   }
   if (n > PG_MPI_CHUNK) return pg_fail("reduce_scatter of %lld elements per member is too large", (long long)n);
-  double t0 = MPI_Wtime();
+  double t0 = pg_wtime();
   if (dtype == PG_FLOAT32 && n * g->size >= PG_RING_MIN) {
     if (in == out) { /* in place: the ring leaves our block at r n; the contract puts it in front */
       if (ring_reduce_scatter(ctx, m, out, n * g->size, op, dtype)) return PG_ERR;
@@ -1167,7 +1167,7 @@ int pg_broadcast_buf(pg_context *ctx, pg_mode m, void *buf, int64_t n, pg_dtype 
   size_t es = pg_dtype_size(dtype);
   staged s;
   if (stage(ctx, m, &buf, (size_t)n * es, g->rank == src, &s)) return PG_ERR;
-  double t0 = MPI_Wtime();
+  double t0 = pg_wtime();
   int rc = MPI_SUCCESS;
   for (int64_t off = 0; off < n && rc == MPI_SUCCESS; off += PG_MPI_CHUNK) {
     int64_t c = n - off < PG_MPI_CHUNK ? n - off : PG_MPI_CHUNK;
@@ -1202,7 +1202,7 @@ int pg_send(pg_context *ctx, pg_mode m, const pg_tensor *t, int dst, int tag) {
   c.dst = dst;
   c.tag = tag;
   if (agree_pair(ctx, m, &c)) return PG_ERR;
-  double t0 = MPI_Wtime();
+  double t0 = pg_wtime();
   int rc = MPI_Send(pg_tensor_data(t), (int)t->numel, mpi_type(t->dtype), dst, tag, ctx->group[m].comm);
   if (rc != MPI_SUCCESS) return mpi_fail(rc, "send", m);
   count(ctx, m, PG_COLL_SEND, (double)t->numel * pg_dtype_size(t->dtype), t0);
@@ -1217,7 +1217,7 @@ int pg_recv(pg_context *ctx, pg_mode m, pg_tensor *t, int src, int tag) {
   c.recv_dtype = t->dtype;
   c.recv_count = t->numel;
   if (agree_pair(ctx, m, &c)) return PG_ERR;
-  double t0 = MPI_Wtime();
+  double t0 = pg_wtime();
   MPI_Status st;
   int rc = MPI_Recv(pg_tensor_data(t), (int)t->numel, mpi_type(t->dtype), src, tag, ctx->group[m].comm, &st);
   if (rc != MPI_SUCCESS) return mpi_fail(rc, "recv", m);
@@ -1248,7 +1248,7 @@ int pg_sendrecv(pg_context *ctx, pg_mode m, const pg_tensor *send, int dst, pg_t
   c.recv_dtype = recv->dtype;
   c.recv_count = recv->numel;
   if (agree_pair(ctx, m, &c)) return PG_ERR;
-  double t0 = MPI_Wtime();
+  double t0 = pg_wtime();
   MPI_Status st;
   int rc = MPI_Sendrecv(pg_tensor_data(send), (int)send->numel, mpi_type(send->dtype), dst, tag, pg_tensor_data(recv),
                         (int)recv->numel, mpi_type(recv->dtype), src, tag, g->comm, &st);
@@ -1262,7 +1262,7 @@ int pg_barrier(pg_context *ctx, pg_mode m) {
   if (check_ctx(ctx) || agree_coll(ctx, m, PG_COLL_BARRIER, -1, -1, -1, 0)) return PG_ERR;
   pg_group *g = &ctx->group[m];
   if (g->size == 1) return PG_OK;
-  double t0 = MPI_Wtime();
+  double t0 = pg_wtime();
   int rc = MPI_Barrier(g->comm);
   if (rc != MPI_SUCCESS) return mpi_fail(rc, "barrier", m);
   count(ctx, m, PG_COLL_BARRIER, 0, t0);
@@ -1355,7 +1355,7 @@ int pg_all_to_all_v(pg_context *ctx, pg_mode m, const void *send, const int64_t 
     st += send_counts[j];
     rt += recv_counts[j];
   }
-  double t0 = MPI_Wtime();
+  double t0 = pg_wtime();
 #ifdef PG_WITH_CUDA
   ncclComm_t comm = rc ? NULL : nccl_for(ctx, m, st ? send : recv);
   if (comm && (!st || pg_cuda_is_device_memory(send)) && (!rt || pg_cuda_is_device_memory(recv))) {
@@ -1397,7 +1397,7 @@ int pg_all_to_all_v(pg_context *ctx, pg_mode m, const void *send, const int64_t 
     so += sc[j];
     ro += rcnt[j];
   }
-  t0 = MPI_Wtime();
+  t0 = pg_wtime();
   int mrc = MPI_Alltoallv(sb, sc, sd, mpi_type(dtype), recv, rcnt, rd, mpi_type(dtype), g->comm);
   free(got);
   free(ints);
@@ -1426,7 +1426,7 @@ struct pg_request {
 /* A pipeline transfer's deadline, or 0 for none; PG_ERR when PG_COLLECTIVE_TIMEOUT is not a number. */
 static int deadline_of(double *deadline, double *limit) {
   if (timeout_ok(limit)) return PG_ERR;
-  *deadline = *limit > 0 ? MPI_Wtime() + *limit : 0;
+  *deadline = *limit > 0 ? pg_wtime() + *limit : 0;
   return PG_OK;
 }
 
@@ -1457,7 +1457,7 @@ int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t n, int ds
   ncclComm_t link = m == PG_MODE_PIPELINE && n > 0 ? pipeline_link(ctx, dst, 1, &peer) : NULL;
   if (link && pg_cuda_is_device_memory(buf)) {
     cudaEvent_t made = NULL, sent = NULL;
-    double t0 = MPI_Wtime();
+    double t0 = pg_wtime();
     cudaError_t e = cudaEventCreateWithFlags(&made, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&sent, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventRecord(made, NCCL_STREAM(ctx));
@@ -1487,7 +1487,7 @@ int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t n, int ds
     return PG_ERR;
   }
   r->host = s.host; /* NULL for host memory */
-  double t0 = MPI_Wtime();
+  double t0 = pg_wtime();
   int rc = MPI_Isend(buf, (int)n, MPI_FLOAT, dst, tag, ctx->group[m].comm, &r->mpi);
   if (rc != MPI_SUCCESS) {
     host_give(r->host);
@@ -1594,7 +1594,7 @@ static int start_coll(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_redu
     if (!r) return pg_fail("out of memory for a reduction request");
     cudaStream_t rs = (cudaStream_t)ctx->reduce_stream;
     cudaEvent_t made = NULL, done = NULL;
-    double t0 = MPI_Wtime();
+    double t0 = pg_wtime();
     cudaError_t e = cudaEventCreateWithFlags(&made, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventRecord(made, NCCL_STREAM(ctx));
@@ -1633,7 +1633,7 @@ static int start_coll(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_redu
   r->rec = make_rec(ctx, m, counts ? PG_COLL_REDUCE_SCATTER : PG_COLL_ALL_REDUCE, PG_FLOAT32, op, n);
   r->avg_over = op == PG_REDUCE_AVG ? g->size : 0;
   r->piece = n;
-  double t0 = MPI_Wtime();
+  double t0 = pg_wtime();
   int rc = MPI_SUCCESS;
   if (counts) {
     if (!(r->counts = malloc((size_t)g->size * sizeof *r->counts))) {
@@ -1741,7 +1741,7 @@ int pg_recv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, int src, int 
   int peer = 0;
   ncclComm_t link = m == PG_MODE_PIPELINE && n > 0 ? pipeline_link(ctx, src, 0, &peer) : NULL;
   if (link && pg_cuda_is_device_memory(buf)) {
-    double t0 = MPI_Wtime();
+    double t0 = pg_wtime();
     if (nccl_done(ncclRecv(buf, (size_t)n, ncclFloat32, peer, link, NCCL_STREAM(ctx)), "recv", m)) return PG_ERR;
     count(ctx, m, PG_COLL_RECV, (double)n * 4, t0);
     return PG_OK;
@@ -1749,7 +1749,7 @@ int pg_recv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, int src, int 
 #endif
   staged s;
   if (stage(ctx, m, (void **)&buf, (size_t)n * sizeof(float), 0, &s)) return PG_ERR;
-  double t0 = MPI_Wtime();
+  double t0 = pg_wtime();
   /* polled with the deadline: the sender may never come */
   MPI_Request q = MPI_REQUEST_NULL;
   int idx[1];
@@ -1828,7 +1828,7 @@ static int check_shm(const pg_shm *s, pg_reduce_op op) {
 static int shm_reduce(pg_context *ctx, const pg_shm *s, int64_t n, pg_reduce_op op, int everyone, pg_coll coll) {
   if (check_ctx(ctx) || check_shm(s, op) || agree_coll(ctx, s->mode, coll, PG_FLOAT32, op, -1, n))
     return PG_ERR;
-  double t0 = MPI_Wtime();
+  double t0 = pg_wtime();
   if (shm_barrier(ctx, s->mode)) return PG_ERR;
   shm_reduce_block(s, n, op, everyone);
   if (shm_barrier(ctx, s->mode)) return PG_ERR;
@@ -1848,7 +1848,7 @@ int pg_shm_all_gather(pg_context *ctx, const pg_shm *s, int64_t n) {
   if (check_ctx(ctx) || check_shm(s, PG_REDUCE_SUM) ||
       agree_coll(ctx, s->mode, PG_COLL_ALL_GATHER, PG_FLOAT32, -1, -1, n))
     return PG_ERR;
-  double t0 = MPI_Wtime();
+  double t0 = pg_wtime();
   if (shm_barrier(ctx, s->mode)) return PG_ERR;
   float *mine = s->base[s->rank];
   for (int m = 0; m < s->size; m++) {
