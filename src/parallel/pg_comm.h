@@ -7,7 +7,7 @@
  * optimizer) communicates only through here: no MPI type or call outside
  * pg_comm and pg_context.
  *
- * Agreement and the watchdog (pg_comm.c explains the design): before any
+ * Agreement and the watchdog (comm_agree.c explains the design): before any
  * data moves, the members of a call exchange what they are calling (kind,
  * dtype, reduction, count, root or peers, tag, call site, and the shape
  * of a gathered or scattered tensor) and wait for each other at

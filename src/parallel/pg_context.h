@@ -54,8 +54,8 @@ typedef struct pg_group {
   MPI_Comm comm; /* MPI_COMM_NULL once destroyed */
   int size, rank;
   int *ranks; /* global ranks of the members, ascending */
-  void *nccl; /* the group's NCCL communicator once a device engine uses the context (pg_comm.c), or NULL */
-  /* The agreement step before each call (pg_comm.c): a copy of comm that
+  void *nccl; /* the group's NCCL communicator once a device engine uses the context (comm_device.c), or NULL */
+  /* The agreement step before each call (comm_agree.c): a copy of comm that
    * carries only the members' call records, so they never match data. */
   MPI_Comm agree;
 } pg_group;
@@ -80,16 +80,16 @@ typedef struct pg_context {
   uint64_t seed;
   pg_group group[PG_NUM_MODES];
   pg_comm_stats stats;
-  float *ring_scratch; /* receive buffer of the chunked ring collectives (pg_comm.c), made on first use */
+  float *ring_scratch; /* receive buffer of the chunked ring collectives (comm_ring.c), made on first use */
   void *device_stream; /* the device engine's stream its NCCL collectives are queued on (pg_comm_attach_device) */
   int device_attached;
-  /* NCCL beyond the groups' communicators (pg_comm.c): the world's, which the
+  /* NCCL beyond the groups' communicators (comm_device.c): the world's, which the
    * others are split from; per pipeline neighbour one communicator for each
    * direction ([0] activations, forward; [1] gradients, backward), so that
    * each carries its transfers in one order; the stream sends are queued on;
    * the stream the data group's overlapped bucket reductions run on */
   void *nccl_world, *nccl_next[2], *nccl_prev[2], *send_stream, *reduce_stream;
-  /* The agreement step and the watchdog (pg_comm.c): where the next call
+  /* The agreement step and the watchdog (comm_agree.c): where the next call
    * comes from (pg.dist's bindings set it: "spec.lua:10"), the records of a
    * call's members (scratch, grown as needed), and the message of a call that
    * timed out or disagreed: once set, every later call on the context fails

@@ -4,7 +4,7 @@
  * gradient buffers in POSIX shared memory when they all run on one node, so
  * that the gradient reduction and the ZeRO-1 parameter gather read and write
  * the other members' buffers directly: one pass over memory instead of MPI's
- * copies (pg_comm.c has those collectives). Each member creates its own
+ * copies (comm_shm.c has those collectives). Each member creates its own
  * segment and maps the others'; the names are unlinked as soon as everyone
  * has mapped them, so nothing is left behind in /dev/shm.
  *

@@ -1,0 +1,368 @@
+#include "comm_impl.h"
+
+#include <limits.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct pg_request {
+  MPI_Request mpi;
+  pg_mode mode;       /* for messages */
+  void *host;         /* a device buffer's host copy, in flight until the wait */
+  void *sent, *after; /* an NCCL send: its completion event, and the stream that waits for it */
+  pg_context *ctx;
+  call_rec rec;        /* what is sent (and, under PG_DEBUG=1, shipped ahead for the receiver to check) */
+  MPI_Request rec_req; /* that record's send, or MPI_REQUEST_NULL */
+  /* a bucket's reduction (pg_iall_reduce_buf, pg_ireduce_scatter_buf): what completion does */
+  int coll;            /* 1 for those */
+  float *buf;          /* the bucket */
+  int64_t piece, displ; /* this member's reduced elements and where they go in buf */
+  int avg_over;        /* avg: the group size the sum is divided by; 0: sum */
+  int *counts;         /* reduce_scatter: every member's count (MPI reads it until completion) */
+};
+
+/* A pipeline transfer's deadline, or 0 for none; PG_ERR when PG_COLLECTIVE_TIMEOUT is not a number. */
+static int deadline_of(double *deadline, double *limit) {
+  if (comm_timeout_ok(limit)) return PG_ERR;
+  *deadline = *limit > 0 ? pg_wtime() + *limit : 0;
+  return PG_OK;
+}
+
+int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t n, int dst, int tag, pg_request **req) {
+  if (check_ctx(ctx)) return PG_ERR;
+  if (n > PG_MPI_CHUNK) return pg_fail("isend of %lld elements is too large", (long long)n);
+  if (*req) return pg_fail("isend: the previous transfer of this request was not waited for");
+  pg_request *r = calloc(1, sizeof *r);
+  if (!r) return pg_fail("out of memory for a send request");
+  r->mode = m;
+  r->ctx = ctx;
+  r->rec = comm_make_rec(ctx, m, PG_COLL_SEND, PG_FLOAT32, -1, n);
+  r->rec.dst = dst;
+  r->rec.tag = tag;
+  r->rec_req = MPI_REQUEST_NULL;
+  if (comm_debug_checks() && ctx->group[m].size > 1) {
+    int rc = MPI_Isend(&r->rec, (int)sizeof r->rec, MPI_BYTE, dst, PG_AGREE_TAG, ctx->group[m].agree, &r->rec_req);
+    if (rc != MPI_SUCCESS) {
+      free(r);
+      return mpi_fail(rc, "isend", m);
+    }
+  }
+#ifdef PG_WITH_CUDA
+  /* To a pipeline neighbour, device to device: queued on the send stream once
+   * the engine's stream has made the buffer; the wait makes the engine's
+   * stream wait for the send, so the host never blocks. */
+  int peer = 0;
+  ncclComm_t link = m == PG_MODE_PIPELINE && n > 0 ? comm_pipeline_link(ctx, dst, 1, &peer) : NULL;
+  if (link && pg_cuda_is_device_memory(buf)) {
+    cudaEvent_t made = NULL, sent = NULL;
+    double t0 = pg_wtime();
+    cudaError_t e = cudaEventCreateWithFlags(&made, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&sent, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventRecord(made, NCCL_STREAM(ctx));
+    if (e == cudaSuccess) e = cudaStreamWaitEvent((cudaStream_t)ctx->send_stream, made, 0);
+    ncclResult_t nr = e == cudaSuccess ? ncclSend(buf, (size_t)n, ncclFloat32, peer, link, ctx->send_stream)
+                                       : ncclSuccess;
+    if (e == cudaSuccess && nr == ncclSuccess) e = cudaEventRecord(sent, (cudaStream_t)ctx->send_stream);
+    if (made) cudaEventDestroy(made);
+    if (e != cudaSuccess || nr != ncclSuccess) {
+      if (sent) cudaEventDestroy(sent);
+      if (r->rec_req != MPI_REQUEST_NULL) MPI_Wait(&r->rec_req, MPI_STATUS_IGNORE);
+      free(r);
+      return e != cudaSuccess ? pg_fail("queueing a send over the pipeline group failed: %s", cudaGetErrorString(e))
+                              : comm_nccl_done(nr, "send", m);
+    }
+    r->sent = sent;
+    r->after = ctx->device_stream;
+    *req = r;
+    comm_count(ctx, m, PG_COLL_SEND, (double)n * 4, t0);
+    return PG_OK;
+  }
+#endif
+  staged s;
+  if (comm_stage(ctx, m, (void **)&buf, (size_t)n * sizeof(float), 1, &s)) {
+    if (r->rec_req != MPI_REQUEST_NULL) MPI_Wait(&r->rec_req, MPI_STATUS_IGNORE);
+    free(r);
+    return PG_ERR;
+  }
+  r->host = s.host; /* NULL for host memory */
+  double t0 = pg_wtime();
+  int rc = MPI_Isend(buf, (int)n, MPI_FLOAT, dst, tag, ctx->group[m].comm, &r->mpi);
+  if (rc != MPI_SUCCESS) {
+    comm_host_give(r->host);
+    if (r->rec_req != MPI_REQUEST_NULL) MPI_Wait(&r->rec_req, MPI_STATUS_IGNORE);
+    free(r);
+    return mpi_fail(rc, "isend", m);
+  }
+  *req = r;
+  comm_count(ctx, m, PG_COLL_SEND, (double)n * 4, t0);
+  return PG_OK;
+}
+
+static void finish_coll(pg_request *r);
+
+int pg_wait(pg_request **req) {
+  pg_request *r = *req;
+  if (!r) return PG_OK;
+  *req = NULL;
+#ifdef PG_WITH_CUDA
+  if (r->sent) {
+    cudaError_t e = cudaStreamWaitEvent((cudaStream_t)r->after, (cudaEvent_t)r->sent, 0);
+    cudaEventDestroy((cudaEvent_t)r->sent);
+    pg_mode m = r->mode;
+    if (r->rec_req != MPI_REQUEST_NULL) MPI_Wait(&r->rec_req, MPI_STATUS_IGNORE); /* a small eager send */
+    free(r);
+    return e == cudaSuccess ? PG_OK
+                            : pg_fail("waiting for a send over the %s group failed: %s", pg_mode_name(m),
+                                      cudaGetErrorString(e));
+  }
+#endif
+  /* polled with the deadline: a send the receiver never takes (rendezvous
+   * sizes) would otherwise block here for ever */
+  pg_mode m = r->mode;
+  if (r->coll) { /* a bucket's reduction: a member that never started it is named by the deadline */
+    MPI_Request one = r->mpi;
+    int idx1;
+    double deadline, limit;
+    if (deadline_of(&deadline, &limit)) return PG_ERR;
+    int late = one == MPI_REQUEST_NULL ? 0 : comm_poll_all(1, &one, &idx1, NULL, deadline, "a bucket's reduction", m);
+    if (late < 0) return PG_ERR;
+    if (late) { /* r stays allocated: MPI may still write the bucket */
+      char what[256], msg[512];
+      comm_describe(&r->ctx->group[m], &r->rec, what, sizeof what);
+      snprintf(msg, sizeof msg, "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but a member never joined",
+               what, pg_mode_name(m), limit);
+      if (!r->ctx->broken) r->ctx->broken = strdup(msg);
+      return pg_fail("%s", msg);
+    }
+    finish_coll(r);
+    return PG_OK;
+  }
+  MPI_Request two[2] = {r->mpi, r->rec_req};
+  int idx[2];
+  double deadline, limit;
+  if (deadline_of(&deadline, &limit)) return PG_ERR;
+  int late = comm_poll_all(2, two, idx, NULL, deadline, "waiting for a send", m);
+  if (late < 0) return PG_ERR;
+  if (late) { /* r, its record and a staged copy stay allocated: MPI may still read them */
+    char what[256], msg[512];
+    const pg_group *g = &r->ctx->group[m];
+    comm_describe(g, &r->rec, what, sizeof what);
+    snprintf(msg, sizeof msg,
+             "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but rank %d never received it", what,
+             pg_mode_name(m), limit, comm_global_rank(g, r->rec.dst));
+    return comm_give_up(r->ctx, 2, two, msg);
+  }
+  comm_host_give(r->host);
+  free(r);
+  return PG_OK;
+}
+
+/* ---- a bucket's reduction in flight ----
+ *
+ * The engine's overlapped gradient reduction (pg_engine.c) starts one of
+ * these per bucket while backward goes on. The members agreed once, for the
+ * whole set, with pg_agree_batch; the buckets then start in the same order on
+ * every member (the order their gradients become final, which the same
+ * modules give everywhere), as MPI requires of nonblocking collectives.
+ * MPI_IN_PLACE for reduce_scatter leaves this member's piece at the start of
+ * the bucket: completion moves it to its place and, for avg, scales it as
+ * the ring does (the sum times 1 / size: with two members the same bits). */
+
+int pg_agree_batch(pg_context *ctx, pg_mode m, pg_coll kind, pg_reduce_op op, int64_t count, const char *what) {
+  if (check_ctx(ctx)) return PG_ERR;
+  pg_comm_call_site(ctx, what);
+  return comm_agree_coll(ctx, m, kind, PG_FLOAT32, op, -1, count);
+}
+
+static int start_coll(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op, const int64_t *counts,
+                      pg_request **req) {
+  if (check_ctx(ctx)) return PG_ERR;
+  if (*req) return pg_fail("a bucket's reduction was started twice without a wait");
+  if (op != PG_REDUCE_SUM && op != PG_REDUCE_AVG) return pg_fail("bucket reductions are sum or avg");
+  if (n > PG_MPI_CHUNK) return pg_fail("a bucket of %lld elements is too large (at most 2^30)", (long long)n);
+  pg_group *g = &ctx->group[m];
+#ifdef PG_WITH_CUDA
+  /* Device memory: an NCCL all-reduce on the reduction stream, after what
+   * the engine's stream has queued so far (the bucket's last gradient
+   * kernel: an event recorded there, waited for by the reduction stream);
+   * the wait makes the engine's stream wait for the reduction's event, so
+   * the optimizer's kernels come after it and the host never blocks. */
+  if (!counts && g->size > 1 && n > 0 && m == PG_MODE_DATA && ctx->reduce_stream && comm_nccl_for(ctx, m, buf)) {
+    pg_request *r = calloc(1, sizeof *r);
+    if (!r) return pg_fail("out of memory for a reduction request");
+    cudaStream_t rs = (cudaStream_t)ctx->reduce_stream;
+    cudaEvent_t made = NULL, done = NULL;
+    double t0 = pg_wtime();
+    cudaError_t e = cudaEventCreateWithFlags(&made, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventRecord(made, NCCL_STREAM(ctx));
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(rs, made, 0);
+    ncclResult_t nr = e == cudaSuccess ? ncclAllReduce(buf, buf, (size_t)n, ncclFloat32, comm_nccl_op(op),
+                                                       (ncclComm_t)g->nccl, rs)
+                                       : ncclSuccess;
+    if (e == cudaSuccess && nr == ncclSuccess) e = cudaEventRecord(done, rs);
+    if (made) cudaEventDestroy(made);
+    if (e != cudaSuccess || nr != ncclSuccess) {
+      if (done) cudaEventDestroy(done);
+      free(r);
+      return e != cudaSuccess ? pg_fail("queueing a bucket's reduction failed: %s", cudaGetErrorString(e))
+                              : comm_nccl_done(nr, "all_reduce", m);
+    }
+    r->mode = m;
+    r->ctx = ctx;
+    r->mpi = r->rec_req = MPI_REQUEST_NULL;
+    r->sent = done;
+    r->after = ctx->device_stream;
+    *req = r;
+    comm_count(ctx, m, PG_COLL_ALL_REDUCE, (double)n * sizeof(float), t0);
+    return PG_OK;
+  }
+#endif
+  if (pg_cuda_is_device_memory(buf))
+    return pg_fail("bucket reductions take host memory, or device memory all-reduced over the data group's NCCL");
+  pg_request *r = calloc(1, sizeof *r);
+  if (!r) return pg_fail("out of memory for a reduction request");
+  r->mode = m;
+  r->ctx = ctx;
+  r->coll = 1;
+  r->buf = buf;
+  r->mpi = MPI_REQUEST_NULL;
+  r->rec_req = MPI_REQUEST_NULL;
+  r->rec = comm_make_rec(ctx, m, counts ? PG_COLL_REDUCE_SCATTER : PG_COLL_ALL_REDUCE, PG_FLOAT32, op, n);
+  r->avg_over = op == PG_REDUCE_AVG ? g->size : 0;
+  r->piece = n;
+  double t0 = pg_wtime();
+  int rc = MPI_SUCCESS;
+  if (counts) {
+    if (!(r->counts = malloc((size_t)g->size * sizeof *r->counts))) {
+      free(r);
+      return pg_fail("out of memory for a reduction request");
+    }
+    for (int i = 0; i < g->size; i++) {
+      r->counts[i] = (int)counts[i]; /* each at most n <= 2^30 */
+      if (i < g->rank) r->displ += counts[i];
+    }
+    r->piece = counts[g->rank];
+    if (g->size > 1) rc = MPI_Ireduce_scatter(MPI_IN_PLACE, buf, r->counts, MPI_FLOAT, MPI_SUM, g->comm, &r->mpi);
+  } else if (g->size > 1) {
+    rc = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)n, MPI_FLOAT, MPI_SUM, g->comm, &r->mpi);
+  }
+  if (rc != MPI_SUCCESS) {
+    free(r->counts);
+    free(r);
+    return mpi_fail(rc, counts ? "reduce_scatter" : "all_reduce", m);
+  }
+  *req = r;
+  comm_count(ctx, m, counts ? PG_COLL_REDUCE_SCATTER : PG_COLL_ALL_REDUCE, (double)n * sizeof(float), t0);
+  return PG_OK;
+}
+
+int pg_iall_reduce_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op, pg_request **req) {
+  return start_coll(ctx, m, buf, n, op, NULL, req);
+}
+
+int pg_ireduce_scatter_buf(pg_context *ctx, pg_mode m, float *buf, const int64_t *counts, pg_reduce_op op,
+                           pg_request **req) {
+  int64_t n = 0;
+  for (int i = 0; i < ctx->group[m].size; i++) {
+    if (counts[i] < 0 || counts[i] > PG_MPI_CHUNK) return pg_fail("reduce_scatter: bad count %lld", (long long)counts[i]);
+    n += counts[i];
+  }
+  return start_coll(ctx, m, buf, n, op, counts, req);
+}
+
+/* The reduced piece to its place, scaled; the request freed. */
+static void finish_coll(pg_request *r) {
+  if (r->displ && r->piece) memmove(r->buf + r->displ, r->buf, (size_t)r->piece * sizeof(float));
+  if (r->avg_over > 1) comm_scale_avg(r->buf + r->displ, r->piece, r->avg_over);
+  free(r->counts);
+  free(r);
+}
+
+int pg_test(pg_request **req, int *done) {
+  pg_request *r = *req;
+  *done = 1;
+  if (!r) return PG_OK;
+  if (r->sent) { /* a device reduction: the GPU completes it; the wait orders the engine's stream after it */
+    *done = 0;
+    return PG_OK;
+  }
+  if (!r->coll) return pg_fail("pg_test takes a bucket's reduction, not a send");
+  int flag = 1;
+  if (r->mpi != MPI_REQUEST_NULL) {
+    int rc = MPI_Test(&r->mpi, &flag, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "testing a bucket's reduction", r->mode);
+  }
+  *done = flag;
+  if (flag) {
+    *req = NULL;
+    finish_coll(r);
+  }
+  return PG_OK;
+}
+
+/* Under PG_DEBUG=1: the sender's record, shipped ahead of the data by
+ * pg_isend_buf, must describe the transfer this receive expects. */
+static int check_shipped(pg_context *ctx, pg_mode m, const call_rec *mine, double deadline, double limit) {
+  pg_group *g = &ctx->group[m];
+  call_rec *recs = NULL;
+  MPI_Request *reqs = NULL;
+  int *idx = NULL;
+  if (comm_scratch(ctx, 1, &recs, &reqs, &idx)) return PG_ERR;
+  int rc = MPI_Irecv(recs, (int)sizeof *recs, MPI_BYTE, mine->src, PG_AGREE_TAG, g->agree, reqs);
+  if (rc != MPI_SUCCESS) return mpi_fail(rc, "recv", m);
+  int late = comm_poll_all(1, reqs, idx, NULL, deadline, "recv", m);
+  if (late < 0) return PG_ERR;
+  if (late) {
+    char what[256], msg[512];
+    comm_describe(g, mine, what, sizeof what);
+    snprintf(msg, sizeof msg, "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but rank %d never sent it",
+             what, pg_mode_name(m), limit, comm_global_rank(g, mine->src));
+    return comm_give_up(ctx, 1, reqs, msg);
+  }
+  return comm_pair_matches(recs, mine) ? PG_OK : comm_pair_message(ctx, g, m, recs, mine);
+}
+
+int pg_recv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, int src, int tag) {
+  if (check_ctx(ctx)) return PG_ERR;
+  if (n > PG_MPI_CHUNK) return pg_fail("recv of %lld elements is too large", (long long)n);
+  call_rec mine = comm_make_rec(ctx, m, PG_COLL_RECV, -1, -1, 0);
+  mine.src = src;
+  mine.tag = tag;
+  mine.recv_dtype = PG_FLOAT32;
+  mine.recv_count = n;
+  double deadline, limit;
+  if (deadline_of(&deadline, &limit)) return PG_ERR;
+  if (comm_debug_checks() && ctx->group[m].size > 1 && check_shipped(ctx, m, &mine, deadline, limit)) return PG_ERR;
+#ifdef PG_WITH_CUDA
+  /* from a pipeline neighbour into device memory: queued on the engine's stream */
+  int peer = 0;
+  ncclComm_t link = m == PG_MODE_PIPELINE && n > 0 ? comm_pipeline_link(ctx, src, 0, &peer) : NULL;
+  if (link && pg_cuda_is_device_memory(buf)) {
+    double t0 = pg_wtime();
+    if (comm_nccl_done(ncclRecv(buf, (size_t)n, ncclFloat32, peer, link, NCCL_STREAM(ctx)), "recv", m)) return PG_ERR;
+    comm_count(ctx, m, PG_COLL_RECV, (double)n * 4, t0);
+    return PG_OK;
+  }
+#endif
+  staged s;
+  if (comm_stage(ctx, m, (void **)&buf, (size_t)n * sizeof(float), 0, &s)) return PG_ERR;
+  double t0 = pg_wtime();
+  /* polled with the deadline: the sender may never come */
+  MPI_Request q = MPI_REQUEST_NULL;
+  int idx[1];
+  int rc = MPI_Irecv(buf, (int)n, MPI_FLOAT, src, tag, ctx->group[m].comm, &q);
+  if (rc != MPI_SUCCESS) return comm_unstage(&s, mpi_fail(rc, "recv", m), 0);
+  int late = comm_poll_all(1, &q, idx, NULL, deadline, "recv", m);
+  if (late < 0) return comm_unstage(&s, PG_ERR, 0);
+  if (late) { /* a staged host buffer stays allocated: MPI may still write into it */
+    char what[256], msg[512];
+    comm_describe(&ctx->group[m], &mine, what, sizeof what);
+    snprintf(msg, sizeof msg, "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but rank %d never sent it",
+             what, pg_mode_name(m), limit, comm_global_rank(&ctx->group[m], src));
+    return comm_give_up(ctx, 1, &q, msg);
+  }
+  comm_count(ctx, m, PG_COLL_RECV, (double)n * 4, t0);
+  return comm_unstage(&s, PG_OK, 1);
+}
