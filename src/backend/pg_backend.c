@@ -290,6 +290,9 @@ const pg_backend *pg_backend_of(const pg_storage *s) {
   return s->device == PG_CPU ? pg_backend_cpu() : pg_backend_cuda(s->device_index);
 }
 
+/* Every device backend's memory: today CUDA's (pg_cuda.c answers 0 in a build without it). */
+int pg_backend_is_device_memory(const void *p) { return pg_cuda_is_device_memory(p); }
+
 int pg_backend_tensor(const pg_backend *b, pg_tensor *out, pg_dtype dtype, int ndim, const int64_t *shape) {
   if (b->device == PG_CPU) return pg_tensor_init(out, dtype, ndim, shape);
   pg_storage *s = pg_backend_storage(b, (size_t)pg_shape_numel(ndim, shape) * pg_dtype_size(dtype));

@@ -147,6 +147,11 @@ int pg_backend_bf16_gemm_gflops(const pg_backend *b, int n, int reps, double *gf
 /* The backend whose memory holds a storage (cpu, or cuda of its device). */
 const pg_backend *pg_backend_of(const pg_storage *s);
 
+/* Whether `p` points into a device backend's memory rather than the host's:
+ * what the collectives ask before they pick NCCL or stage a buffer through
+ * the host. 0 in a build without a device backend. */
+int pg_backend_is_device_memory(const void *p);
+
 /* A new zeroed tensor (own storage) in backend b's memory. */
 int pg_backend_tensor(const pg_backend *b, pg_tensor *out, pg_dtype dtype, int ndim, const int64_t *shape);
 /* dst = src element for element, each on any device (pg_tensor_copy between

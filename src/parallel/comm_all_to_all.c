@@ -74,7 +74,7 @@ int pg_all_to_all_v(pg_context *ctx, pg_mode m, const void *send, const int64_t 
                      (long long)send_counts[0], (long long)recv_counts[0]);
     size_t bytes = (size_t)send_counts[0] * es;
     if (!bytes) return PG_OK;
-    if (pg_cuda_is_device_memory(recv) || pg_cuda_is_device_memory(send))
+    if (pg_backend_is_device_memory(recv) || pg_backend_is_device_memory(send))
       return pg_cuda_memcpy(recv, send, bytes, PG_CUDA_DEVICE_TO_DEVICE);
     memmove(recv, send, bytes);
     return PG_OK;
@@ -95,7 +95,7 @@ int pg_all_to_all_v(pg_context *ctx, pg_mode m, const void *send, const int64_t 
   double t0 = pg_wtime();
 #ifdef PG_WITH_CUDA
   ncclComm_t comm = rc ? NULL : comm_nccl_for(ctx, m, st ? send : recv);
-  if (comm && (!st || pg_cuda_is_device_memory(send)) && (!rt || pg_cuda_is_device_memory(recv))) {
+  if (comm && (!st || pg_backend_is_device_memory(send)) && (!rt || pg_backend_is_device_memory(recv))) {
     /* NCCL has no alltoallv: grouped sends and receives, one pair per peer */
     ncclDataType_t t = comm_nccl_type(dtype);
     int64_t so = 0, ro = 0;

@@ -85,7 +85,7 @@ static void host_release_all(void) {
 int comm_stage(pg_context *ctx, pg_mode m, void **buf, size_t bytes, int copy_in, staged *s) {
   s->dev = s->host = NULL;
   s->bytes = bytes;
-  if (ctx->group[m].size == 1 || !bytes || !pg_cuda_is_device_memory(*buf)) return PG_OK;
+  if (ctx->group[m].size == 1 || !bytes || !pg_backend_is_device_memory(*buf)) return PG_OK;
   say_staged(ctx, "some collectives on device memory go through host buffers over MPI (blocks NCCL cannot "
                   "split evenly, transfers other than to a pipeline neighbour)");
   if (!(s->host = host_take(bytes))) return pg_fail("out of memory staging %zu bytes of device memory", bytes);
@@ -131,7 +131,7 @@ int comm_nccl_done(ncclResult_t r, const char *what, pg_mode m) {
 
 /* The group's NCCL communicator when buf is device memory and there is one. */
 ncclComm_t comm_nccl_for(pg_context *ctx, pg_mode m, const void *buf) {
-  return ctx->group[m].nccl && pg_cuda_is_device_memory(buf) ? (ncclComm_t)ctx->group[m].nccl : NULL;
+  return ctx->group[m].nccl && pg_backend_is_device_memory(buf) ? (ncclComm_t)ctx->group[m].nccl : NULL;
 }
 
 /* A communicator split from the world's: every rank of the world calls it,

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 
 #include "kernels.h" /* pg_bf16_round / pg_bf16_value: the ring's bf16 sums */
+#include "pg_backend.h" /* pg_backend_is_device_memory */
 #include "pg_clock.h"
 #include "pg_comm.h"
 #include "pg_cuda.h"

@@ -54,7 +54,7 @@ int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t n, int ds
    * stream wait for the send, so the host never blocks. */
   int peer = 0;
   ncclComm_t link = m == PG_MODE_PIPELINE && n > 0 ? comm_pipeline_link(ctx, dst, 1, &peer) : NULL;
-  if (link && pg_cuda_is_device_memory(buf)) {
+  if (link && pg_backend_is_device_memory(buf)) {
     cudaEvent_t made = NULL, sent = NULL;
     double t0 = pg_wtime();
     cudaError_t e = cudaEventCreateWithFlags(&made, cudaEventDisableTiming);
@@ -219,7 +219,7 @@ static int start_coll(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_redu
     return PG_OK;
   }
 #endif
-  if (pg_cuda_is_device_memory(buf))
+  if (pg_backend_is_device_memory(buf))
     return pg_fail("bucket reductions take host memory, or device memory all-reduced over the data group's NCCL");
   pg_request *r = calloc(1, sizeof *r);
   if (!r) return pg_fail("out of memory for a reduction request");
@@ -339,7 +339,7 @@ int pg_recv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, int src, int 
   /* from a pipeline neighbour into device memory: queued on the engine's stream */
   int peer = 0;
   ncclComm_t link = m == PG_MODE_PIPELINE && n > 0 ? comm_pipeline_link(ctx, src, 0, &peer) : NULL;
-  if (link && pg_cuda_is_device_memory(buf)) {
+  if (link && pg_backend_is_device_memory(buf)) {
     double t0 = pg_wtime();
     if (comm_nccl_done(ncclRecv(buf, (size_t)n, ncclFloat32, peer, link, NCCL_STREAM(ctx)), "recv", m)) return PG_ERR;
     comm_count(ctx, m, PG_COLL_RECV, (double)n * 4, t0);
