@@ -200,8 +200,9 @@ end
 
 local function of_type(t, what)
   return function(spec)
-    return validator(what, function(v)
-      if type(v) ~= t then return false, what end
+    local w = spec and spec.what or what
+    return validator(w, function(v)
+      if type(v) ~= t then return false, w end
       return true, v
     end, spec)
   end

@@ -561,9 +561,9 @@ describe("fit / validate / test arguments", function()
       "Trainer: fit needs optimizer= (e.g. pg.optim.AdamW(engine, {lr = 3e-4})), or configure_optimizers(engine) on "
         .. "the TrainingModule (Classifier)")
     assert.has_error(function() trainer{ engine = 5 } end,
-      "Trainer: engine= must be an engine (what pg.parallelize returns, or pg.testing.fake_engine{}), got a number")
+      "Trainer: engine must be an engine (what pg.parallelize returns, or pg.testing.fake_engine{}), got 5")
     assert.has_error(function() trainer{ ctx = "all" } end,
-      "Trainer: ctx= must be a pg.ParallelContext (or pg.testing.fake_context{}), got a string")
+      "Trainer: ctx must be a pg.ParallelContext (or pg.testing.fake_context{}), got 'all'")
     assert.has_error(function() trainer{ engine = T.fake_engine{ rank = 0, world_size = 2 }, ctx = T.fake_context{} } end,
       "Trainer: ctx= is not the engine's context (engine.ctx); give one of them")
   end)
