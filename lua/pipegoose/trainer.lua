@@ -428,7 +428,8 @@ function Trainer:_configure(stage)
       fail(0, "configure_optimizers of %s returned an lr schedule, and the Trainer has lr_schedule=; keep one", who)
     end
     self.optimizer = opt
-    self.lr_schedule = options.value("Trainer", "lr_schedule", schedule, SCHEMA.lr_schedule, 0) or self.lr_schedule
+    self.lr_schedule = options.value("Trainer", "the lr schedule configure_optimizers of " .. who .. " returned",
+      schedule, SCHEMA.lr_schedule, 0) or self.lr_schedule
   end
 end
 

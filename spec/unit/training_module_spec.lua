@@ -294,6 +294,11 @@ describe("configure_model and configure_optimizers", function()
       pg.Trainer{ out = T.capture(), lr_schedule = pg.lr.constant }:fit(Both{ engine = e }, data_module())
     end, "Trainer: configure_optimizers of the TrainingModule (Both) returned an lr schedule, and the Trainer has "
       .. "lr_schedule=; keep one")
+    local BadSchedule = pg.TrainingModule:extend("BadSchedule")
+    function BadSchedule:configure_optimizers(engine) return T.fake_optimizer(engine), "cosine" end
+    assert.has_error(function() pg.Trainer{ out = T.capture() }:fit(BadSchedule{ engine = e }, data_module()) end,
+      "Trainer: the lr schedule configure_optimizers of the TrainingModule (BadSchedule) returned must be a function "
+        .. "step -> lr (or pg.lr.*), got 'cosine'")
   end)
 
   it("take the engine's context as the Trainer's, except one of several ranks that comes after the hooks", function()
