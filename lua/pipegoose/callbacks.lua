@@ -42,17 +42,11 @@ end
 M.TRAINING_MODULE = kind("TrainingModule", module_hooks)
 M.DATA_MODULE = kind("DataModule", { "setup", "teardown" })
 
--- "Did you mean" and unknown-key messages: pipegoose.options' (one place for
--- the wording), re-exported for the callbacks that use them.
+-- "Did you mean": pipegoose.options' (one place for the wording), re-exported
+-- for the hook and flag names checked here and by the trainer. The built-ins'
+-- options tables go through pipegoose.options' check themselves.
 local options = require "pipegoose.options"
 M.distance, M.closest, M.suggestion = options.distance, options.closest, options.suggestion
-
---- The message for an unknown option key: the closest known key when one is
--- close enough to be a typo, else the list of known keys (options.unknown_message
--- without its "where: " prefix, which the callers put themselves).
-function M.unknown_option(key, names)
-  return (options.unknown_message("", key, names):gsub("^: ", ""))
-end
 
 --- A readable name for a callback: its `name` field, else its class name.
 function M.name_of(cb)
@@ -172,43 +166,6 @@ function M.class(name)
     __call = function(c, opts) return c.new(opts or {}) end,
     __name = name .. " class",
   })
-end
-
--- The option checks below are called from a built-in's constructor: error
--- level 4 points at the user's line that called it.
-
---- Rejects option names a built-in does not know, suggesting the closest.
-function M.check_options(cls_name, opts, known)
-  if type(opts) ~= "table" then
-    error(("pg.callbacks.%s: expects a table of options, got a %s"):format(cls_name, type(opts)), 4)
-  end
-  local list = {}
-  for k in pairs(known) do list[#list + 1] = k end
-  for k in pairs(opts) do
-    if not known[k] then error(("pg.callbacks.%s: %s"):format(cls_name, M.unknown_option(k, list)), 4) end
-  end
-end
-
---- opts[key] (else `default`) as a positive integer; nil when both are nil.
-function M.positive_int(cls_name, opts, key, default)
-  local v = opts[key]
-  if v == nil then v = default end
-  if v == nil then return nil end
-  local i = math.tointeger(v)
-  if i == nil or i < 1 then
-    error(("pg.callbacks.%s: %s=%s must be a positive integer"):format(cls_name, key, tostring(v)), 4)
-  end
-  return i
-end
-
---- opts[key] (else `default`) as a number >= 0.
-function M.non_negative(cls_name, opts, key, default)
-  local v = opts[key]
-  if v == nil then v = default end
-  if type(v) ~= "number" or v < 0 then
-    error(("pg.callbacks.%s: %s=%s must be a number >= 0"):format(cls_name, key, tostring(v)), 4)
-  end
-  return v
 end
 
 ------------------------------------------------------------------------------

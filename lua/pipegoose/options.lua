@@ -19,7 +19,9 @@
 --     path = opt.either(opt.string, opt.list(opt.string)),
 --     ctx = opt.context,                        -- a pg.ParallelContext (opt.userdata(mt_name, what))
 --     engine = opt.check_with("an engine", function(v) ... end),
---     name = "string",                          -- shorthand: "string", "boolean", "table", "function", "any"
+--     clock = opt.callable{ what = "a function returning seconds" }, -- a function or a callable table
+--     on_nan = opt.enum({ "error", "skip" }, { explain = { error = "stop with an error", skip = "skip the step" } }),
+--     name = "string",                          -- shorthand: "string", "boolean", "table", "function", "callable", "any"
 --   }
 --   local o = opt.check("GPT", user_options, SCHEMA)
 --
@@ -198,8 +200,9 @@ end
 
 local function of_type(t, what)
   return function(spec)
-    return validator(what, function(v)
-      if type(v) ~= t then return false, what end
+    local w = spec and spec.what or what
+    return validator(w, function(v)
+      if type(v) ~= t then return false, w end
       return true, v
     end, spec)
   end
@@ -210,16 +213,34 @@ M.string = of_type("string", "a string")
 M.table = of_type("table", "a table")
 M.func = of_type("function", "a function")
 
+--- A function or a value with a __call metamethod (pg.lr.cosine{...}, a callable
+-- table): opt.callable{what = "a function returning seconds", ...}.
+function M.callable(spec)
+  local what = spec and spec.what or "a function or a callable table"
+  return validator(what, function(v)
+    if type(v) == "function" then return true, v end
+    local mt = (type(v) == "table" or type(v) == "userdata") and getmetatable(v)
+    if type(mt) == "table" and mt.__call ~= nil then return true, v end
+    return false, what
+  end, spec)
+end
+
 --- Any value (the key is known; its value is checked elsewhere).
 function M.any(spec)
   return validator("anything", function(v) return true, v end, spec)
 end
 
 --- One of the given values, compared exactly (strings are case-sensitive):
--- opt.enum({ "column", "row" } [, {required=, default=}]).
+-- opt.enum({ "column", "row" } [, {required=, default=, explain=}]). explain
+-- maps a value to what it means, shown after it in the message:
+--   opt.enum({ "error", "skip" }, { explain = { error = "stop with an error", skip = "skip the step" } })
+--   -> on_nan must be 'error' (stop with an error) or 'skip' (skip the step), got 'ignore'
 function M.enum(values, spec)
+  local explain = spec and spec.explain or {}
   local shown = {}
-  for i, v in ipairs(values) do shown[i] = M.show(v) end
+  for i, v in ipairs(values) do
+    shown[i] = M.show(v) .. (explain[v] and (" (%s)"):format(explain[v]) or "")
+  end
   local what = #shown == 1 and shown[1]
     or (table.concat(shown, ", ", 1, #shown - 1) .. " or " .. shown[#shown])
   return validator(what, function(v)
@@ -229,7 +250,7 @@ function M.enum(values, spec)
 end
 
 local SHORTHAND = { string = M.string, boolean = M.boolean, table = M.table, ["function"] = M.func, any = M.any,
-                    integer = M.integer, number = M.number }
+                    integer = M.integer, number = M.number, callable = M.callable }
 local CONSTRUCTORS = {}
 for _, f in pairs(SHORTHAND) do CONSTRUCTORS[f] = true end
 
@@ -240,7 +261,7 @@ local function as_validator(v)
   if type(v) == "string" and SHORTHAND[v] then return SHORTHAND[v]() end
   if CONSTRUCTORS[v] then return v() end
   error("options: a schema entry must be a validator or one of string, boolean, table, function, any, integer, "
-    .. "number, got " .. tostring(v), 3)
+    .. "number, callable, got " .. tostring(v), 3)
 end
 M.as_validator = as_validator
 
@@ -345,7 +366,8 @@ end
 --                   check (default 2: its caller, the user's line)
 --   how.positional  integer keys 1..#o are positional arguments: copied unchecked
 --   how.prefix      put before the keys in messages ("tensor_parallel." for a nested table)
--- A nil `o` is an empty table, unless the schema has required keys.
+--   how.required    the table itself is required: nil is an error (pg.Trainer() is not pg.Trainer{})
+-- A nil `o` is an empty table, unless the schema has required keys or how.required.
 function M.check(where, o, schema, how)
   how = how or {}
   local level, prefix = level_of(how.level), how.prefix or ""
@@ -357,7 +379,7 @@ function M.check(where, o, schema, how)
   end
   table.sort(known)
   table.sort(required)
-  if o == nil and #required == 0 then o = {} end
+  if o == nil and #required == 0 and not how.required then o = {} end
   if type(o) ~= "table" then
     local need = #required > 0 and (" (%s=, ...)"):format(table.concat(required, "=, ")) or ""
     local what = prefix ~= "" and (prefix:gsub("%.$", "") .. " must be a table") or "expects a table of options"

@@ -9,29 +9,21 @@ local M = {}
 -- reproducible and do not disturb math.random.
 local generator = require("pipegoose.rng").generator
 
-local KNOWN = { temperature = true, seed = true, top_k = true }
+local opt = require "pipegoose.options"
+local OPTIONS = {
+  temperature = opt.number{ min = 0, finite = false, default = 0 },
+  top_k = opt.integer{ min = 1, max = math.maxinteger },
+  seed = opt.integer{ min = math.mininteger, max = math.maxinteger },
+}
 
 --- M.generate(engine, prompt, n, {temperature = 0, seed = 0, top_k = nil}) -> list of ids
 -- prompt: token ids, as a list or a 1-D int32 tensor (what pg.data.bytes.encode
 -- returns), at least one. temperature 0 is greedy; top_k keeps the k likeliest.
 -- Collective: every rank of the engine must call it with the same arguments.
 function M.generate(engine, prompt, n, opts)
-  opts = opts or {}
-  if type(opts) ~= "table" then error("generate: options must be a table", 2) end
-  for k in pairs(opts) do
-    if not KNOWN[k] then error(("generate: unknown option '%s' (temperature, seed, top_k)"):format(tostring(k)), 2) end
-  end
+  opts = opt.check("generate", opts, OPTIONS)
   if math.type(n) ~= "integer" or n < 0 then error(("generate: n must be an integer >= 0, got %s"):format(tostring(n)), 2) end
-  local temperature, top_k = opts.temperature or 0, opts.top_k
-  if type(temperature) ~= "number" or not (temperature >= 0) then
-    error(("generate: temperature must be a number >= 0, got %s"):format(tostring(temperature)), 2)
-  end
-  if top_k ~= nil and (math.type(top_k) ~= "integer" or top_k < 1) then
-    error(("generate: top_k must be a positive integer, got %s"):format(tostring(top_k)), 2)
-  end
-  if opts.seed ~= nil and math.type(opts.seed) ~= "integer" then
-    error(("generate: seed must be an integer, got %s"):format(tostring(opts.seed)), 2)
-  end
+  local temperature, top_k = opts.temperature, opts.top_k
   local rand = generator(opts.seed or 0)
   if core.is_tensor(prompt) then
     if prompt:dim() ~= 1 or prompt:dtype() ~= "int32" then

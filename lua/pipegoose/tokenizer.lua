@@ -20,6 +20,7 @@
 -- same decoded-JSON table (model = {type = "BPE", vocab =, merges =}, ...)
 -- and calls M.from_table, so a trained tokenizer saves and loads like any.
 local cjson = require("cjson").new()
+local opt = require "pipegoose.options"
 
 local M = {}
 local NULL = cjson.null
@@ -291,46 +292,33 @@ end
 local Tokenizer = {}
 Tokenizer.__index = Tokenizer
 
-local function check_opts(opts, fname, allowed)
-  if opts == nil then return {} end
-  if type(opts) ~= "table" then error(("%s: options must be a table"):format(fname), 3) end
-  for k in pairs(opts) do
-    if not allowed[k] then error(("%s: unknown option '%s'"):format(fname, tostring(k)), 3) end
-  end
-  return opts
-end
+-- The methods' options, checked by pipegoose.options: threads and chunk_bytes
+-- here, before C, so that a string or a fraction is refused by name rather
+-- than converted (an integral float such as 2.0 is the integer 2).
+local THREADS = opt.integer{ min = 1, max = 1024, what = "an integer in [1, 1024]" }
+local CHUNK_BYTES = opt.integer{ min = 1, max = math.maxinteger }
+local ENCODE = { add_special = "any", tensor = "any" }
+local ENCODE_BATCH = { add_special = "any", tensor = "any", threads = THREADS }
+local ENCODE_CHUNKED = { add_special = "any", threads = THREADS, chunk_bytes = CHUNK_BYTES }
+local DECODE = { skip_special = "any" }
 
 function Tokenizer:encode(text, opts)
-  opts = check_opts(opts, "encode", { add_special = true, tensor = true })
+  opts = opt.check("encode", opts, ENCODE)
   if type(text) ~= "string" then error("encode: text must be a string", 2) end
   local add = opts.add_special
   if add == nil then add = true end
   return self._c:encode(text, add, opts.tensor)
 end
 
--- threads and chunk_bytes of the parallel encoders: checked here so that a
--- string or a fraction is refused by name rather than converted
-local function par_opts(opts, fname)
-  local th, cb = opts.threads, opts.chunk_bytes
-  if th ~= nil and (math.type(th) ~= "integer" or th < 1 or th > 1024) then
-    error(("%s: threads must be an integer in [1, 1024], not %s"):format(fname, tostring(th)), 3)
-  end
-  if cb ~= nil and (math.type(cb) ~= "integer" or cb < 1) then
-    error(("%s: chunk_bytes must be an integer >= 1, not %s"):format(fname, tostring(cb)), 3)
-  end
-  return th, cb
-end
-
 --- Many texts on threads (default pg.num_threads()), each thread with its own
 --- state: the same ids as encode of each text. Returns a list of id tables
 --- (int32 tensors with tensor = true).
 function Tokenizer:encode_batch(texts, opts)
-  opts = check_opts(opts, "encode_batch", { add_special = true, tensor = true, threads = true })
+  opts = opt.check("encode_batch", opts, ENCODE_BATCH)
   if type(texts) ~= "table" then error("encode_batch: texts must be a list of strings", 2) end
-  local th = par_opts(opts, "encode_batch")
   local add = opts.add_special
   if add == nil then add = true end
-  return self._c:encode_batch(texts, add, th, opts.tensor)
+  return self._c:encode_batch(texts, add, opts.threads, opts.tensor)
 end
 
 --- One long text cut at line starts (pg_tokenizer.h: after a newline followed
@@ -339,25 +327,23 @@ end
 --- ids in order. The cuts do not depend on threads. add_special (default
 --- false: a corpus is not one sequence) puts the template around the whole.
 function Tokenizer:encode_chunked(text, opts)
-  opts = check_opts(opts, "encode_chunked", { add_special = true, threads = true, chunk_bytes = true })
+  opts = opt.check("encode_chunked", opts, ENCODE_CHUNKED)
   if type(text) ~= "string" then error("encode_chunked: text must be a string", 2) end
-  local th, cb = par_opts(opts, "encode_chunked")
-  return self._c:encode_chunked(text, opts.add_special == true, th, cb)
+  return self._c:encode_chunked(text, opts.add_special == true, opts.threads, opts.chunk_bytes)
 end
 
 --- encode_chunked of a file's bytes (mapped, not read into a Lua string).
 function Tokenizer:encode_file(path, opts)
-  opts = check_opts(opts, "encode_file", { add_special = true, threads = true, chunk_bytes = true })
+  opts = opt.check("encode_file", opts, ENCODE_CHUNKED)
   if type(path) ~= "string" then error("encode_file: path must be a string", 2) end
-  local th, cb = par_opts(opts, "encode_file")
-  return self._c:encode_file(path, opts.add_special == true, th, cb)
+  return self._c:encode_file(path, opts.add_special == true, opts.threads, opts.chunk_bytes)
 end
 
 --- What the pre-tokenizer regexes run on ("PCRE2 10.42, JIT ..." or "..., no JIT: interpreted").
 function Tokenizer:regex_engine() return self._c:regex_engine() end
 
 function Tokenizer:decode(ids, opts)
-  opts = check_opts(opts, "decode", { skip_special = true })
+  opts = opt.check("decode", opts, DECODE)
   return self._c:decode(ids, opts.skip_special)
 end
 
@@ -519,7 +505,6 @@ local PATTERN_NAMES = { gpt2 = false, llama3 = M.LLAMA3_PATTERN } -- false: Byte
 
 local TRAIN_SCHEMA
 local function train_schema()
-  local opt = require "pipegoose.options"
   TRAIN_SCHEMA = TRAIN_SCHEMA or {
     files = opt.required(opt.either(opt.string, opt.list(opt.string, { min_len = 1 }))),
     vocab_size = opt.integer { min = 1, max = 1 << 24, required = true },
@@ -544,7 +529,7 @@ end
 -- stats: {words =, pre_tokens =, bytes =, merges_made =, count_seconds =, merge_seconds =}.
 function M.train(o)
   local W = "tokenizer.train"
-  o = require("pipegoose.options").check(W, o, train_schema())
+  o = opt.check(W, o, train_schema())
   local files = type(o.files) == "string" and { o.files } or o.files
   for i, f in ipairs(files) do
     local h, err = io.open(f, "rb")

@@ -13,17 +13,11 @@ local CallbackHandler = require "pipegoose.callback_handler"
 local TrainingModule = require "pipegoose.training_module"
 local DataModule = require "pipegoose.data_module"
 local class = require "pipegoose.class"
+local options = require "pipegoose.options"
 
 local Trainer = {}
 Trainer.__index = Trainer
 Trainer.__name = "Trainer"
-
-local OPTION_LIST = {
-  "engine", "ctx", "optimizer", "lr_schedule", "lr_horizon", "max_steps", "max_epochs", "max_time", "accumulate",
-  "clip_grad_norm", "track_grad_norm", "val_every_n_steps", "val_batches", "log_every_n_steps",
-  "callbacks", "seed", "out_dir", "on_nan", "clock", "out", "combine",
-}
-local FIT_OPTIONS = { "resume" }
 
 --- Control flags, in the order they travel in the cross-rank combination.
 Trainer.FLAGS = { "should_stop", "should_save", "should_validate", "should_log" }
@@ -40,35 +34,7 @@ end
 -- caller) passes on from its own frame; 0 stays 0.
 local function up(level) return level > 0 and level + 1 or 0 end
 
-local function positive_int(name, v, allow_zero)
-  if v == nil then return nil end
-  local i = math.tointeger(v)
-  if i == nil or i < (allow_zero and 0 or 1) then
-    fail(4, "%s=%s must be a %s integer", name, tostring(v), allow_zero and "non-negative" or "positive")
-  end
-  return i
-end
-
-local function positive_number(name, v)
-  if v == nil then return nil end
-  if type(v) ~= "number" or v ~= v or v <= 0 then
-    fail(4, "%s=%s must be a positive number", name, tostring(v))
-  end
-  return v
-end
-
 local function finite(x) return x == x and x ~= math.huge and x ~= -math.huge end
-
--- The one check of option tables in this file (Trainer{...}, fit{...}): a
--- key not in `known` is an error naming the closest known key (or listing
--- them). `level` as fail's.
-local function check_options(level, where, opts, known)
-  local set = {}
-  for _, k in ipairs(known) do set[k] = true end
-  for k in pairs(opts) do
-    if not set[k] then fail(level + 1, "%s%s", where, callbacks.unknown_option(k, known)) end
-  end
-end
 
 local function number_name(x)
   if x ~= x then return "nan" end
@@ -136,75 +102,72 @@ end
 
 local function is_object(v) return type(v) == "table" or type(v) == "userdata" end
 
--- lr_schedule= and the one configure_optimizers returns. `level` as fail's.
-local function check_schedule(level, schedule)
-  if schedule ~= nil and type(schedule) ~= "function" then
-    local mt = getmetatable(schedule)
-    if not (type(mt) == "table" and mt.__call) then
-      fail(up(level), "lr_schedule must be a function step -> lr (or pg.lr.*), got a %s", type(schedule))
-    end
-  end
-  return schedule
+-- Counts of steps, epochs and batches: Lua integers (no C int to fit in).
+local function count(spec)
+  spec = spec or {}
+  spec.min, spec.max = 1, math.maxinteger
+  return options.integer(spec)
 end
+
+-- The options of pg.Trainer{...} (docs/TRAINER.md), checked by pipegoose.options
+-- in key order. Keys whose values are checked elsewhere (optimizer when fit
+-- needs it, callbacks by the callback handler) or not at all are "any".
+local SCHEMA = {
+  engine = options.check_with("an engine (what pg.parallelize returns, or pg.testing.fake_engine{})", is_object),
+  ctx = options.check_with("a pg.ParallelContext (or pg.testing.fake_context{})",
+    function(v) return is_object(v) and v.rank ~= nil and v.world_size ~= nil end),
+  optimizer = "any",
+  lr_schedule = options.callable{ what = "a function step -> lr (or pg.lr.*)" },
+  lr_horizon = options.enum({ "checkpoint", "max_steps" }, { default = "checkpoint", explain = {
+    checkpoint = "a resumed schedule keeps the horizon it was saved with",
+    max_steps = "it is stretched to this fit's total steps" } }),
+  max_steps = count(), max_epochs = count(),
+  max_time = options.number{ gt = 0, finite = false }, -- seconds; math.huge: no limit
+  accumulate = count{ default = 1 },
+  clip_grad_norm = options.number{ gt = 0, finite = false },
+  track_grad_norm = "any",
+  val_every_n_steps = count(), val_batches = count(), log_every_n_steps = count{ default = 10 },
+  callbacks = "any",
+  seed = options.integer{ min = math.mininteger, max = math.maxinteger },
+  out_dir = options.string{ what = "a string path", default = "runs" },
+  on_nan = options.enum({ "error", "skip" }, { default = "error", explain = {
+    error = "stop with an error", skip = "skip the step" } }),
+  clock = options.callable{ what = "a function returning seconds", default = default_clock },
+  out = "any",
+  combine = options.func{ what = "a function(values, trainer) -> values" },
+}
+local FIT_SCHEMA = { resume = options.string{ what = 'a checkpoint directory or "last"' } }
 
 --- pg.Trainer{...}: see docs/TRAINER.md for every option.
 function Trainer.new(opts)
-  if type(opts) ~= "table" then fail(3, "expects a table of options, got a %s", type(opts)) end
-  check_options(3, "", opts, OPTION_LIST)
-  local engine, ctx = opts.engine, opts.ctx
-  if engine ~= nil and not is_object(engine) then
-    fail(3, "engine= must be an engine (what pg.parallelize returns, or pg.testing.fake_engine{}), got a %s", type(engine))
-  end
-  if ctx ~= nil and not (is_object(ctx) and ctx.rank and ctx.world_size) then
-    fail(3, "ctx= must be a pg.ParallelContext (or pg.testing.fake_context{}), got a %s", type(ctx))
-  end
+  local o = options.check("Trainer", opts, SCHEMA, { required = true })
+  local engine, ctx = o.engine, o.ctx
   if ctx ~= nil and engine ~= nil and engine.ctx ~= nil and engine.ctx ~= ctx then
-    fail(3, "ctx= is not the engine's context (engine.ctx); give one of them")
+    fail(2, "ctx= is not the engine's context (engine.ctx); give one of them")
   end
   local self = setmetatable({}, Trainer)
-  self.optimizer = opts.optimizer
+  self.optimizer = o.optimizer
   self.ctx = ctx or (engine and engine.ctx)
-  self.lr_schedule = check_schedule(3, opts.lr_schedule)
-  self.lr_horizon = opts.lr_horizon or "checkpoint"
-  if self.lr_horizon ~= "checkpoint" and self.lr_horizon ~= "max_steps" then
-    fail(3, "lr_horizon='%s' must be 'checkpoint' (a resumed schedule keeps the horizon it was saved with) or "
-      .. "'max_steps' (it is stretched to this fit's total steps)", tostring(self.lr_horizon))
-  end
-  self.max_steps = positive_int("max_steps", opts.max_steps)
-  self.max_epochs = positive_int("max_epochs", opts.max_epochs)
-  self.max_time = positive_number("max_time", opts.max_time)
+  self.lr_schedule = o.lr_schedule
+  self.lr_horizon = o.lr_horizon
+  self.max_steps, self.max_epochs, self.max_time = o.max_steps, o.max_epochs, o.max_time
   if not (self.max_steps or self.max_epochs or self.max_time) then self.max_epochs = 1 end
-  self.accumulate = positive_int("accumulate", opts.accumulate) or 1
-  self.clip_grad_norm = positive_number("clip_grad_norm", opts.clip_grad_norm)
-  self.track_grad_norm = opts.track_grad_norm ~= false
-  self.val_every_n_steps = positive_int("val_every_n_steps", opts.val_every_n_steps)
-  self.val_batches = positive_int("val_batches", opts.val_batches)
-  self.log_every_n_steps = positive_int("log_every_n_steps", opts.log_every_n_steps) or 10
-  self.seed = opts.seed
-  if self.seed ~= nil and math.tointeger(self.seed) == nil then
-    fail(3, "seed=%s must be an integer", tostring(self.seed))
-  end
-  self.out_dir = opts.out_dir or "runs"
-  if type(self.out_dir) ~= "string" then fail(3, "out_dir must be a string path") end
+  self.accumulate = o.accumulate
+  self.clip_grad_norm = o.clip_grad_norm
+  self.track_grad_norm = o.track_grad_norm ~= false
+  self.val_every_n_steps, self.val_batches = o.val_every_n_steps, o.val_batches
+  self.log_every_n_steps = o.log_every_n_steps
+  self.seed = o.seed
+  self.out_dir = o.out_dir
   -- fit locks an out_dir the user named (the default is locked by the first save)
   self._lock_out_dir = opts.out_dir ~= nil
-  self.on_nan = opts.on_nan or "error"
-  if self.on_nan ~= "error" and self.on_nan ~= "skip" then
-    fail(3, "on_nan='%s' must be 'error' (stop with an error) or 'skip' (skip the step)", tostring(self.on_nan))
-  end
-  self.clock = opts.clock or default_clock
-  if type(self.clock) ~= "function" and not (type(self.clock) == "table" and getmetatable(self.clock)
-      and getmetatable(self.clock).__call) then
-    fail(3, "clock must be a function returning seconds")
-  end
-  self.out = opts.out or io.stdout
-  self.combine = opts.combine
-  if self.combine ~= nil and type(self.combine) ~= "function" then
-    fail(3, "combine must be a function(values, trainer) -> values")
-  end
+  self.on_nan = o.on_nan
+  self.clock = o.clock
+  self.out = o.out or io.stdout
+  self.combine = o.combine
 
   -- Hooks go through the handler (its own file); trainer.callbacks is the list it checked.
-  self.callback_handler = CallbackHandler.new(opts.callbacks or {}, 3)
+  self.callback_handler = CallbackHandler.new(o.callbacks or {}, 2)
   self.callbacks = self.callback_handler:list()
   self.checkpoint_dir = self.callback_handler:checkpoint_dir()
 
@@ -221,7 +184,7 @@ function Trainer.new(opts)
   -- engine= means today's objective: the default module, trained by fit(train_data, ...)
   if engine ~= nil then
     self._default_module = TrainingModule.language_model(engine)
-    self:_attach(self._default_module, nil, 3)
+    self:_attach(self._default_module, nil, 2)
   end
   return self
 end
@@ -465,7 +428,8 @@ function Trainer:_configure(stage)
       fail(0, "configure_optimizers of %s returned an lr schedule, and the Trainer has lr_schedule=; keep one", who)
     end
     self.optimizer = opt
-    self.lr_schedule = check_schedule(0, schedule) or self.lr_schedule
+    self.lr_schedule = options.value("Trainer", "the lr schedule configure_optimizers of " .. who .. " returned",
+      schedule, SCHEMA.lr_schedule, 0) or self.lr_schedule
   end
 end
 
@@ -563,9 +527,7 @@ end
 -- the language model of engine=, or the module attached last); opts:
 -- {resume = path | "last"}. Returns trainer.state.
 function Trainer:fit(a, b, opts)
-  opts = opts or {}
-  if type(opts) ~= "table" then fail(2, "fit: the third argument is a table of options ({resume=})") end
-  check_options(2, "fit: ", opts, FIT_OPTIONS)
+  opts = options.check("Trainer: fit", opts, FIT_SCHEMA)
   local module, datamodule = module_arguments(2, "fit", a, b)
   local train_data, val_data
   if module == nil then
@@ -1071,6 +1033,7 @@ function Trainer:load_lr_state(rec)
   self._checkpoint_lr_total = rec.total_steps
 end
 
+-- spec: fit's resume= (a string: FIT_SCHEMA checked it).
 function Trainer:_resume(spec)
   local ckpt = require "pipegoose.checkpoint"
   local path = spec
@@ -1080,8 +1043,6 @@ function Trainer:_resume(spec)
       self:print(("Trainer: resume='last': no checkpoint in %s yet; starting from step 0"):format(self:get_checkpoint_dir()))
       return
     end
-  elseif type(spec) ~= "string" then
-    fail(0, "resume must be a checkpoint directory or \"last\", got a %s", type(spec))
   end
   local _, dir = ckpt.load(self, path)
   self.state.resumed_from = dir

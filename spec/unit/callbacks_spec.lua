@@ -210,7 +210,7 @@ describe("pg.callbacks.ModelCheckpoint", function()
     trainer_with{ max_steps = 5, callbacks = { best } }:fit(T.fake_data{ batches = 10 })
     for n = 1, 5 do assert.equal(n == 1 or n >= 4, exists(step_dir(n)), "step " .. n) end
     assert.has_error(function() cb.ModelCheckpoint{ keep_last = -1 } end,
-      "pg.callbacks.ModelCheckpoint: keep_last=-1 must be a non-negative integer")
+      "pg.callbacks.ModelCheckpoint: keep_last must be a non-negative integer, got -1")
   end)
 
   it("is restored on resume, including the checkpoint it resumed from", function()
@@ -229,7 +229,7 @@ describe("pg.callbacks.ModelCheckpoint", function()
 
   it("rejects bad options", function()
     assert.has_error(function() cb.ModelCheckpoint{ mode = "lowest" } end,
-      "pg.callbacks.ModelCheckpoint: mode='lowest' must be 'min' or 'max'")
+      "pg.callbacks.ModelCheckpoint: mode must be 'min' or 'max', got 'lowest'")
     assert.has_error(function() cb.ModelCheckpoint{ keep_top = 3 } end,
       "pg.callbacks.ModelCheckpoint: unknown option 'keep_top' (did you mean 'keep_top_k'?)")
   end)
@@ -257,7 +257,7 @@ describe("pg.callbacks.Timer", function()
     assert.equal(90, cb.Timer.parse_duration("00:01:30"))
     assert.equal(86400 + 3600, cb.Timer.parse_duration("1:01:00:00"))
     assert.has_error(function() cb.Timer{ duration = "soon" } end,
-      "pg.callbacks.Timer: duration=soon must be positive seconds or \"HH:MM:SS\"")
+      "pg.callbacks.Timer: duration must be positive seconds or \"HH:MM:SS\", got 'soon'")
   end)
 end)
 
@@ -274,9 +274,9 @@ describe("pg.callbacks.GradientAccumulationScheduler", function()
 
   it("rejects bad schedules", function()
     assert.has_error(function() cb.GradientAccumulationScheduler{ [2] = 0 } end,
-      "pg.callbacks.GradientAccumulationScheduler: factor 0 at step 2 must be a positive integer")
+      "pg.callbacks.GradientAccumulationScheduler: the factor at step 2 must be a positive integer, got 0")
     assert.has_error(function() cb.GradientAccumulationScheduler{ later = 2 } end,
-      "pg.callbacks.GradientAccumulationScheduler: key later must be a step number >= 0")
+      "pg.callbacks.GradientAccumulationScheduler: a key must be a step number >= 0, got 'later'")
   end)
 end)
 
@@ -458,5 +458,51 @@ describe("pg.callbacks.MetricsLogger", function()
     for i = 2, 4 do assert.matches("^train," .. (i - 1) .. ",%d%.%d+$", lines[i]) end
     run(1) -- a fresh run truncates
     assert.equal(2, #read_lines(path))
+  end)
+end)
+
+describe("the built-ins' options", function()
+  it("are checked by pipegoose.options: the option, what it must be, what it got, in key order", function()
+    for _, c in ipairs{
+      { cb.EarlyStopping, { patience = 0 }, "pg.callbacks.EarlyStopping: patience must be a positive integer, got 0" },
+      { cb.EarlyStopping, { min_delta = -1 }, "pg.callbacks.EarlyStopping: min_delta must be a number >= 0, got -1" },
+      { cb.EarlyStopping, { mode = "max", patience = 1.5, every_n_steps = 0 },
+        "pg.callbacks.EarlyStopping: every_n_steps must be a positive integer, got 0" }, -- e before p
+      { cb.ModelCheckpoint, { keep_top_k = -2 }, "pg.callbacks.ModelCheckpoint: keep_top_k must be an integer >= -1, got -2" },
+      { cb.ModelCheckpoint, { dir = 5 }, "pg.callbacks.ModelCheckpoint: dir must be a string path, got 5" },
+      { cb.ModelCheckpoint, { every_n_steps = 0 }, "pg.callbacks.ModelCheckpoint: every_n_steps must be a positive integer, got 0" },
+      { cb.MetricsLogger, { format = "xml" }, "pg.callbacks.MetricsLogger: format must be 'jsonl' or 'csv', got 'xml'" },
+      { cb.ProgressBar, { every_n_steps = 2.5 }, "pg.callbacks.ProgressBar: every_n_steps must be a positive integer, got 2.5" },
+      { cb.TextSampler, { prompt = "" }, "pg.callbacks.TextSampler: prompt must be a non-empty string, got ''" },
+      { cb.TextSampler, { tokens = 0 }, "pg.callbacks.TextSampler: tokens must be a positive integer, got 0" },
+      { cb.TextSampler, { temperature = -1 }, "pg.callbacks.TextSampler: temperature must be a number >= 0, got -1" },
+      { cb.TextSampler, { top_k = 0 }, "pg.callbacks.TextSampler: top_k must be a positive integer, got 0" },
+      { cb.TextSampler, { seed = 0.5 }, "pg.callbacks.TextSampler: seed must be an integer, got 0.5" },
+      { cb.Timer, {}, "pg.callbacks.Timer: duration= is required (positive seconds or \"HH:MM:SS\")" },
+      { cb.LearningRateMonitor, { nmae = "lr" }, "pg.callbacks.LearningRateMonitor: unknown option 'nmae' (did you mean 'name'?)" },
+    } do
+      assert.has_error(function() c[1](c[2]) end, c[3])
+    end
+    assert.has_error(function() cb.ProgressBar.new(5) end, "pg.callbacks.ProgressBar: expects a table of options, got 5")
+    -- defaults, and integral floats as integers
+    local ts = cb.TextSampler{ tokens = 4.0 }
+    assert.same({ 100, 4, "integer", 0, "\n" }, { ts.every_n_steps, ts.tokens, math.type(ts.tokens), ts.temperature, ts.prompt })
+    local es = cb.EarlyStopping{}
+    assert.same({ 3, 0, "min", "val_loss" }, { es.patience, es.min_delta, es.mode, es.monitor })
+    assert.equal("csv", cb.MetricsLogger{ path = "m.csv" }.format)
+  end)
+
+  it("name the user's line", function()
+    for _, make in ipairs{
+      function() local c = cb.ModelCheckpoint{ every_n_steps = 0 }; return c end,
+      function() local c = cb.ModelCheckpoint.new{ every_n_steps = 0 }; return c end,
+      function() local c = cb.GradientAccumulationScheduler{ [2] = 0 }; return c end,
+      function() local c = cb.LambdaCallback{ on_train_ended = print }; return c end,
+    } do
+      local line = debug.getinfo(make, "S").linedefined
+      local ok, e = pcall(make)
+      assert.is_false(ok)
+      assert.matches("^spec/unit/callbacks_spec%.lua:" .. line .. ": pg%.callbacks%.", e)
+    end
   end)
 end)

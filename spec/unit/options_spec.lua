@@ -83,6 +83,31 @@ describe("pipegoose.options", function()
     assert.equal("row", opt.check("X", { vocab = 1, parallel = "row" }, S).parallel)
   end)
 
+  it("explains an enum's values when asked to", function()
+    local E = { on_nan = opt.enum({ "error", "skip" }, { default = "error",
+      explain = { error = "stop with an error", skip = "skip the step" } }) }
+    rejects("X: on_nan must be 'error' (stop with an error) or 'skip' (skip the step), got 'ignore'",
+      opt.check, "X", { on_nan = "ignore" }, E)
+    assert.equal("error", opt.check("X", {}, E).on_nan)
+  end)
+
+  it("takes functions and callable values where a callable is asked for", function()
+    local C = { f = opt.callable(), clock = opt.callable{ what = "a function returning seconds" }, g = "callable" }
+    local callable = setmetatable({}, { __call = function() return 1 end })
+    local o = opt.check("X", { f = print, clock = callable, g = callable }, C)
+    assert.equal(print, o.f)
+    assert.equal(callable, o.clock)
+    rejects("X: f must be a function or a callable table, got a table", opt.check, "X", { f = {} }, C)
+    rejects("X: clock must be a function returning seconds, got 5", opt.check, "X", { clock = 5 }, C)
+  end)
+
+  it("refuses a missing table with how.required, and takes it as {} without", function()
+    local N = { n = opt.integer{ min = 1, default = 1 } }
+    assert.equal(1, opt.check("X", nil, N).n)
+    rejects("X: expects a table of options, got nothing", opt.check, "X", nil, N, { required = true })
+    assert.equal(2, opt.check("X", { n = 2 }, N, { required = true }).n)
+  end)
+
   it("names the user's line, or none with level = 0", function()
     local function ctor(o)
       local r = opt.check("C", o, S) -- not a tail call: that would take ctor's frame away

@@ -130,7 +130,9 @@ describe("pg.sample.generate", function()
     local ids = pg.data.bytes.encode("hi")
     assert.same(pg.sample.generate(engine, ids:totable(), 4), pg.sample.generate(engine, ids, 4))
     for _, c in ipairs{
-      { { 1 }, 4, { temprature = 1 }, "generate: unknown option 'temprature'" },
+      { { 1 }, 4, { temprature = 1 }, "generate: unknown option 'temprature' (did you mean 'temperature'?)" },
+      { { 1 }, 4, 5, "generate: expects a table of options, got 5" },
+      { { 1 }, 2, { seed = 0.5 }, "generate: seed must be an integer, got 0.5" },
       { { 1 }, -1, nil, "generate: n must be an integer >= 0, got -1" },
       { { 1 }, 2, { temperature = -1 }, "generate: temperature must be a number >= 0, got -1" },
       { { 1 }, 2, { top_k = 0 }, "generate: top_k must be a positive integer, got 0" },

@@ -42,11 +42,45 @@ describe("pg.Trainer construction", function()
       "Trainer: fit(data) needs engine= (what pg.parallelize returns, or pg.testing.fake_engine{}) to train a "
         .. "language model on, or a TrainingModule: fit(module, datamodule)")
     assert.has_error(function() pg.Trainer{ engine = engine, accumulate = 0 } end,
-      "Trainer: accumulate=0 must be a positive integer")
+      "Trainer: accumulate must be a positive integer, got 0")
     assert.has_error(function() pg.Trainer{ engine = engine, on_nan = "ignore" } end,
-      "Trainer: on_nan='ignore' must be 'error' (stop with an error) or 'skip' (skip the step)")
+      "Trainer: on_nan must be 'error' (stop with an error) or 'skip' (skip the step), got 'ignore'")
     assert.has_error(function() pg.Trainer{ engine = engine, max_time = -1 } end,
-      "Trainer: max_time=-1 must be a positive number")
+      "Trainer: max_time must be a number > 0, got -1")
+  end)
+
+  it("checks every option's value (pipegoose.options), in key order, at the user's line", function()
+    for _, c in ipairs{
+      { { seed = 1.5 }, "Trainer: seed must be an integer, got 1.5" },
+      { { out_dir = 5 }, "Trainer: out_dir must be a string path, got 5" },
+      { { clock = 5 }, "Trainer: clock must be a function returning seconds, got 5" },
+      { { combine = {} }, "Trainer: combine must be a function(values, trainer) -> values, got a table" },
+      { { lr_schedule = "cosine" }, "Trainer: lr_schedule must be a function step -> lr (or pg.lr.*), got 'cosine'" },
+      { { val_batches = 2.5 }, "Trainer: val_batches must be a positive integer, got 2.5" },
+      { { clip_grad_norm = 0 / 0 }, "Trainer: clip_grad_norm must be a number > 0, got nan" },
+      { { max_steps = 0, accumulate = 0 }, "Trainer: accumulate must be a positive integer, got 0" }, -- a before m
+    } do
+      c[1].engine = engine
+      assert.has_error(function() pg.Trainer(c[1]) end, c[2])
+    end
+    assert.has_error(function() pg.Trainer() end, "Trainer: expects a table of options, got nothing")
+    assert.has_error(function() pg.Trainer{ engine = engine }:fit(T.fake_data{}, nil, 5) end,
+      "Trainer: fit: expects a table of options, got 5")
+    assert.has_error(function() pg.Trainer{ engine = engine }:fit(T.fake_data{}, nil, { resume = true }) end,
+      "Trainer: fit: resume must be a checkpoint directory or \"last\", got true")
+    -- integral floats are integers; a callable table is a clock; math.huge is no limit
+    local t = pg.Trainer{ engine = engine, accumulate = 2.0, max_time = math.huge,
+                          clock = setmetatable({}, { __call = function() return 0 end }) }
+    assert.equal("integer", math.type(t.accumulate))
+    assert.equal(math.huge, t.max_time)
+    local line
+    local ok, e = pcall(function()
+      line = debug.getinfo(1, "l").currentline + 1
+      local r = pg.Trainer{ engine = engine, accumulate = 0 } -- not a tail call
+      return r
+    end)
+    assert.is_false(ok)
+    assert.matches("^spec/unit/trainer_spec%.lua:" .. line .. ": Trainer: accumulate must be", e)
   end)
 
   it("names the closest known option, or lists them all when none is close (the Trainer's and the built-ins')", function()
@@ -61,8 +95,8 @@ describe("pg.Trainer construction", function()
         .. "log_every_n_steps, lr_horizon, lr_schedule, max_epochs, max_steps, max_time, on_nan, optimizer, out, "
         .. "out_dir, seed, track_grad_norm, val_batches, val_every_n_steps)")
     assert.has_error(function() pg.Trainer{ engine = engine, lr_horizon = "forever" } end,
-      "Trainer: lr_horizon='forever' must be 'checkpoint' (a resumed schedule keeps the horizon it was saved with) "
-        .. "or 'max_steps' (it is stretched to this fit's total steps)")
+      "Trainer: lr_horizon must be 'checkpoint' (a resumed schedule keeps the horizon it was saved with) "
+        .. "or 'max_steps' (it is stretched to this fit's total steps), got 'forever'")
     assert.has_error(function() pg.callbacks.ModelCheckpoint{ every_n_step = 5 } end,
       "pg.callbacks.ModelCheckpoint: unknown option 'every_n_step' (did you mean 'every_n_steps'?)")
     assert.has_error(function() pg.callbacks.ProgressBar{ colour = true } end,

@@ -294,6 +294,11 @@ describe("configure_model and configure_optimizers", function()
       pg.Trainer{ out = T.capture(), lr_schedule = pg.lr.constant }:fit(Both{ engine = e }, data_module())
     end, "Trainer: configure_optimizers of the TrainingModule (Both) returned an lr schedule, and the Trainer has "
       .. "lr_schedule=; keep one")
+    local BadSchedule = pg.TrainingModule:extend("BadSchedule")
+    function BadSchedule:configure_optimizers(engine) return T.fake_optimizer(engine), "cosine" end
+    assert.has_error(function() pg.Trainer{ out = T.capture() }:fit(BadSchedule{ engine = e }, data_module()) end,
+      "Trainer: the lr schedule configure_optimizers of the TrainingModule (BadSchedule) returned must be a function "
+        .. "step -> lr (or pg.lr.*), got 'cosine'")
   end)
 
   it("take the engine's context as the Trainer's, except one of several ranks that comes after the hooks", function()
@@ -561,9 +566,9 @@ describe("fit / validate / test arguments", function()
       "Trainer: fit needs optimizer= (e.g. pg.optim.AdamW(engine, {lr = 3e-4})), or configure_optimizers(engine) on "
         .. "the TrainingModule (Classifier)")
     assert.has_error(function() trainer{ engine = 5 } end,
-      "Trainer: engine= must be an engine (what pg.parallelize returns, or pg.testing.fake_engine{}), got a number")
+      "Trainer: engine must be an engine (what pg.parallelize returns, or pg.testing.fake_engine{}), got 5")
     assert.has_error(function() trainer{ ctx = "all" } end,
-      "Trainer: ctx= must be a pg.ParallelContext (or pg.testing.fake_context{}), got a string")
+      "Trainer: ctx must be a pg.ParallelContext (or pg.testing.fake_context{}), got 'all'")
     assert.has_error(function() trainer{ engine = T.fake_engine{ rank = 0, world_size = 2 }, ctx = T.fake_context{} } end,
       "Trainer: ctx= is not the engine's context (engine.ctx); give one of them")
   end)

@@ -5,27 +5,32 @@
 -- take one batch each, steps 1001.. take four. Changes apply between steps
 -- (trainer:set_accumulate), identically on every rank.
 local callbacks = require "pipegoose.callbacks"
+local opt = require "pipegoose.options"
 
 local GradientAccumulationScheduler = callbacks.class("GradientAccumulationScheduler")
 
+local W = "pg.callbacks.GradientAccumulationScheduler"
+local STEP = opt.integer{ min = 0, max = math.maxinteger, what = "a step number >= 0" }
+local FACTOR = opt.integer{ min = 1, max = math.maxinteger }
+
 function GradientAccumulationScheduler.new(schedule)
-  if type(schedule) ~= "table" then
-    error("pg.callbacks.GradientAccumulationScheduler: expects a table {[step] = factor}", 3)
-  end
+  if type(schedule) ~= "table" then error(W .. ": expects a table {[step] = factor}", 2) end
+  -- keys in order (numbers first), so that every rank reports the same first problem
+  local keys = {}
+  for k in pairs(schedule) do keys[#keys + 1] = k end
+  table.sort(keys, function(a, b)
+    local na, nb = type(a) == "number", type(b) == "number"
+    if na ~= nb then return na end
+    if na then return a < b end
+    return tostring(a) < tostring(b)
+  end)
   local steps = {}
-  for k, v in pairs(schedule) do
-    local s, f = math.tointeger(k), math.tointeger(v)
-    if s == nil or s < 0 then
-      error(("pg.callbacks.GradientAccumulationScheduler: key %s must be a step number >= 0"):format(tostring(k)), 3)
-    end
-    if f == nil or f < 1 then
-      error(("pg.callbacks.GradientAccumulationScheduler: factor %s at step %d must be a positive integer")
-        :format(tostring(v), s), 3)
-    end
+  for _, k in ipairs(keys) do
+    local s = opt.value(W, "a key", k, STEP)
+    local f = opt.value(W, ("the factor at step %d"):format(s), schedule[k], FACTOR)
     steps[#steps + 1] = { step = s, factor = f }
   end
-  if #steps == 0 then error("pg.callbacks.GradientAccumulationScheduler: the schedule is empty", 3) end
-  table.sort(steps, function(a, b) return a.step < b.step end)
+  if #steps == 0 then error(W .. ": the schedule is empty", 2) end
   return setmetatable({ schedule = steps, initial = nil }, GradientAccumulationScheduler)
 end
 

@@ -10,28 +10,28 @@
 -- decision is a control flag: the trainer combines it across ranks, so every
 -- rank stops after the same step.
 local callbacks = require "pipegoose.callbacks"
+local opt = require "pipegoose.options"
 
 local EarlyStopping = callbacks.class("EarlyStopping")
 
 local function finite(x) return x == x and x ~= math.huge and x ~= -math.huge end
 
+local SCHEMA = {
+  monitor = "any", mode = opt.enum({ "min", "max" }, { default = "min" }),
+  patience = opt.integer{ min = 1, max = math.maxinteger, default = 3 },
+  min_delta = opt.number{ min = 0, finite = false, default = 0 },
+  every_n_steps = opt.integer{ min = 1, max = math.maxinteger },
+  check_finite = "any", state_key = "any",
+}
+
 function EarlyStopping.new(opts)
-  callbacks.check_options("EarlyStopping", opts, {
-    monitor = true, patience = true, min_delta = true, mode = true, every_n_steps = true, check_finite = true,
-    state_key = true,
-  })
-  local mode = opts.mode or "min"
-  if mode ~= "min" and mode ~= "max" then
-    error(("pg.callbacks.EarlyStopping: mode='%s' must be 'min' or 'max'"):format(tostring(mode)), 3)
-  end
-  local patience = callbacks.positive_int("EarlyStopping", opts, "patience", 3)
-  local every = callbacks.positive_int("EarlyStopping", opts, "every_n_steps")
-  local min_delta = callbacks.non_negative("EarlyStopping", opts, "min_delta", 0)
-  local monitor = opts.monitor or "val_loss"
+  local o = opt.check("pg.callbacks.EarlyStopping", opts, SCHEMA, { required = true })
+  local mode, patience, min_delta, every = o.mode, o.patience, o.min_delta, o.every_n_steps
+  local monitor = o.monitor or "val_loss"
   return setmetatable({
     monitor = monitor, patience = patience, min_delta = min_delta, mode = mode, every_n_steps = every,
-    check_finite = opts.check_finite ~= false,
-    state_key = opts.state_key or ("EarlyStopping{monitor=%s,mode=%s}"):format(monitor, mode),
+    check_finite = o.check_finite ~= false,
+    state_key = o.state_key or ("EarlyStopping{monitor=%s,mode=%s}"):format(monitor, mode),
     best = nil, best_step = nil, wait = 0, stopped_step = nil,
   }, EarlyStopping)
 end

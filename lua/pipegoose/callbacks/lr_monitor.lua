@@ -2,14 +2,17 @@
 -- optimizer step as metric `name` (trainer:log), so MetricsLogger records it
 -- and ProgressBar shows it, and keeps the (step, lr) history in `history`.
 local callbacks = require "pipegoose.callbacks"
+local opt = require "pipegoose.options"
 
 local LearningRateMonitor = callbacks.class("LearningRateMonitor")
 
+local SCHEMA = { name = "any", keep_history = "any" }
+
 function LearningRateMonitor.new(opts)
-  callbacks.check_options("LearningRateMonitor", opts, { name = true, keep_history = true })
+  local o = opt.check("pg.callbacks.LearningRateMonitor", opts, SCHEMA, { required = true })
   return setmetatable({
-    metric = opts.name or "lr",
-    keep_history = opts.keep_history ~= false,
+    metric = o.name or "lr",
+    keep_history = o.keep_history ~= false,
     history = {},
   }, LearningRateMonitor)
 end

@@ -14,6 +14,7 @@
 -- is set. A resumed fit appends to an existing file, and so do
 -- validate/test after a fit with the same logger; a fresh fit truncates.
 local callbacks = require "pipegoose.callbacks"
+local opt = require "pipegoose.options"
 
 local MetricsLogger = callbacks.class("MetricsLogger")
 
@@ -21,18 +22,19 @@ MetricsLogger.DEFAULT_COLUMNS = { "kind", "step", "epoch", "tokens_seen", "time"
   "grad_norm", "tokens_per_s" }
 local LEADING = { "kind", "step", "epoch", "tokens_seen", "time" }
 
+local SCHEMA = {
+  path = "any", format = opt.enum{ "jsonl", "csv" }, columns = "any",
+  every_n_steps = opt.integer{ min = 1, max = math.maxinteger },
+}
+
 function MetricsLogger.new(opts)
-  callbacks.check_options("MetricsLogger", opts, { path = true, format = true, columns = true, every_n_steps = true })
-  local format = opts.format
-  if format == nil and type(opts.path) == "string" and opts.path:match("%.csv$") then format = "csv" end
+  local o = opt.check("pg.callbacks.MetricsLogger", opts, SCHEMA, { required = true })
+  local format = o.format -- default: from the path's extension
+  if format == nil and type(o.path) == "string" and o.path:match("%.csv$") then format = "csv" end
   format = format or "jsonl"
-  if format ~= "jsonl" and format ~= "csv" then
-    error(("pg.callbacks.MetricsLogger: format='%s' must be 'jsonl' or 'csv'"):format(tostring(format)), 3)
-  end
-  local every = callbacks.positive_int("MetricsLogger", opts, "every_n_steps")
   return setmetatable({
-    path = opts.path, format = format, columns = opts.columns or MetricsLogger.DEFAULT_COLUMNS,
-    every_n_steps = every, file = nil,
+    path = o.path, format = format, columns = o.columns or MetricsLogger.DEFAULT_COLUMNS,
+    every_n_steps = o.every_n_steps, file = nil,
   }, MetricsLogger)
 end
 

@@ -21,43 +21,35 @@
 -- n are kept, older ones deleted once a new one is complete.
 -- Checkpoints this callback did not request are never deleted by it.
 local callbacks = require "pipegoose.callbacks"
+local opt = require "pipegoose.options"
 
 local ModelCheckpoint = callbacks.class("ModelCheckpoint")
 
 local function finite(x) return type(x) == "number" and x == x and x ~= math.huge and x ~= -math.huge end
 
+local SCHEMA = {
+  dir = opt.string{ what = "a string path" },
+  every_n_steps = opt.integer{ min = 1, max = math.maxinteger },
+  monitor = "any", mode = opt.enum({ "min", "max" }, { default = "min" }),
+  keep_top_k = opt.integer{ min = -1, max = math.maxinteger }, -- -1: all
+  keep_last = opt.integer{ min = 0, max = math.maxinteger },
+  save_last = "any", state_key = "any", verbose = "any",
+}
+
 function ModelCheckpoint.new(opts)
-  callbacks.check_options("ModelCheckpoint", opts, {
-    dir = true, every_n_steps = true, monitor = true, mode = true, keep_top_k = true, keep_last = true,
-    save_last = true, state_key = true, verbose = true,
-  })
-  local mode = opts.mode or "min"
-  if mode ~= "min" and mode ~= "max" then
-    error(("pg.callbacks.ModelCheckpoint: mode='%s' must be 'min' or 'max'"):format(tostring(mode)), 3)
-  end
-  local every = callbacks.positive_int("ModelCheckpoint", opts, "every_n_steps")
-  local k = opts.keep_top_k
-  if k ~= nil and (math.tointeger(k) == nil or k < -1) then
-    error(("pg.callbacks.ModelCheckpoint: keep_top_k=%s must be an integer >= -1"):format(tostring(k)), 3)
-  end
-  local keep_last = opts.keep_last
-  if keep_last ~= nil and (math.tointeger(keep_last) == nil or keep_last < 0) then
-    error(("pg.callbacks.ModelCheckpoint: keep_last=%s must be a non-negative integer"):format(tostring(keep_last)), 3)
-  end
-  keep_last = math.tointeger(keep_last or 0)
-  if opts.save_last and keep_last < 1 then keep_last = 1 end
+  local o = opt.check("pg.callbacks.ModelCheckpoint", opts, SCHEMA, { required = true })
+  local mode, every, k = o.mode, o.every_n_steps, o.keep_top_k
+  local keep_last = o.keep_last or 0
+  if o.save_last and keep_last < 1 then keep_last = 1 end
   if k == nil then
-    if opts.monitor then k = 1 elseif (opts.keep_last or 0) > 0 then k = 0 else k = -1 end
-  end
-  if opts.dir ~= nil and type(opts.dir) ~= "string" then
-    error("pg.callbacks.ModelCheckpoint: dir must be a string path", 3)
+    if o.monitor then k = 1 elseif (o.keep_last or 0) > 0 then k = 0 else k = -1 end
   end
   local self = setmetatable({
-    checkpoint_dir = opts.dir and (opts.dir:gsub("/+$", "")) or nil,
-    every_n_steps = every, monitor = opts.monitor, mode = mode, keep_top_k = k,
-    save_last = opts.save_last or false, keep_last = keep_last, verbose = opts.verbose ~= false,
-    state_key = opts.state_key or ("ModelCheckpoint{monitor=%s,mode=%s,every_n_steps=%s}")
-      :format(tostring(opts.monitor), mode, tostring(every)),
+    checkpoint_dir = o.dir and (o.dir:gsub("/+$", "")) or nil,
+    every_n_steps = every, monitor = o.monitor, mode = mode, keep_top_k = k,
+    save_last = o.save_last or false, keep_last = keep_last, verbose = o.verbose ~= false,
+    state_key = o.state_key or ("ModelCheckpoint{monitor=%s,mode=%s,every_n_steps=%s}")
+      :format(tostring(o.monitor), mode, tostring(every)),
     best = {},      -- kept checkpoints, best first: {path=, step=, score=}
     recent = {},    -- the newest keep_last checkpoints, newest first: {path=, step=}
     last = nil,     -- {path=, step=}: the newest (recent[1])

@@ -18,6 +18,7 @@
 -- the time spent in validation and checkpoint saves does not drag it down
 -- the way the fit's average (metrics.tokens_per_s) is after each of them.
 local callbacks = require "pipegoose.callbacks"
+local opt = require "pipegoose.options"
 
 local ProgressBar = callbacks.class("ProgressBar")
 
@@ -42,10 +43,12 @@ function ProgressBar.default_tty(getenv, isatty, parent_isatty)
   return term ~= nil and term ~= "" and term ~= "dumb"
 end
 
+local SCHEMA = { tty = "any", every_n_steps = opt.integer{ min = 1, max = math.maxinteger } }
+
 function ProgressBar.new(opts)
-  callbacks.check_options("ProgressBar", opts, { tty = true, every_n_steps = true })
-  local every = callbacks.positive_int("ProgressBar", opts, "every_n_steps")
-  local tty = opts.tty
+  local o = opt.check("pg.callbacks.ProgressBar", opts, SCHEMA, { required = true })
+  local every = o.every_n_steps
+  local tty = o.tty
   if tty == nil then tty = ProgressBar.default_tty() end
   return setmetatable({ tty = tty, every_n_steps = every, width = 0, open_line = false }, ProgressBar)
 end

@@ -17,6 +17,7 @@
 -- the input is right-padded with id 0 to exactly seq_len (a causal model
 -- ignores what comes after) and the logits at the last real position are used.
 local callbacks = require "pipegoose.callbacks"
+local opt = require "pipegoose.options"
 
 local TextSampler = callbacks.class("TextSampler")
 
@@ -37,23 +38,24 @@ function TextSampler.decode_bytes(ids)
   return table.concat(out)
 end
 
+local SCHEMA = {
+  every_n_steps = opt.integer{ min = 1, max = math.maxinteger, default = 100 },
+  prompt = opt.check_with("a non-empty string", function(p) return type(p) == "string" and p ~= "" end,
+    { default = "\n" }),
+  tokens = opt.integer{ min = 1, max = math.maxinteger, default = 32 },
+  temperature = opt.number{ min = 0, finite = false, default = 0 },
+  top_k = opt.integer{ min = 1, max = math.maxinteger },
+  seed = opt.integer{ min = math.mininteger, max = math.maxinteger },
+  decode = "any", encode = "any", print = "any", state_key = "any",
+}
+
 function TextSampler.new(opts)
-  callbacks.check_options("TextSampler", opts, {
-    every_n_steps = true, prompt = true, tokens = true, temperature = true, top_k = true, seed = true,
-    decode = true, encode = true, print = true, state_key = true,
-  })
-  local every = callbacks.positive_int("TextSampler", opts, "every_n_steps", 100)
-  local tokens = callbacks.positive_int("TextSampler", opts, "tokens", 32)
-  local temperature = callbacks.non_negative("TextSampler", opts, "temperature", 0)
-  local prompt = opts.prompt or "\n"
-  if type(prompt) ~= "string" or prompt == "" then
-    error("pg.callbacks.TextSampler: prompt must be a non-empty string", 3)
-  end
+  local o = opt.check("pg.callbacks.TextSampler", opts, SCHEMA, { required = true })
   return setmetatable({
-    every_n_steps = every, prompt = prompt, tokens = tokens, temperature = temperature,
-    top_k = opts.top_k and math.tointeger(opts.top_k) or nil, seed = opts.seed,
-    decode = opts.decode or TextSampler.decode_bytes, encode = opts.encode or TextSampler.encode_bytes,
-    print = opts.print ~= false, state_key = opts.state_key or "TextSampler",
+    every_n_steps = o.every_n_steps, prompt = o.prompt, tokens = o.tokens, temperature = o.temperature,
+    top_k = o.top_k, seed = o.seed,
+    decode = o.decode or TextSampler.decode_bytes, encode = o.encode or TextSampler.encode_bytes,
+    print = o.print ~= false, state_key = o.state_key or "TextSampler",
     rng = nil, sample = nil, sample_step = nil,
   }, TextSampler)
 end

@@ -4,6 +4,7 @@
 -- in the callback's state). clock: a function returning seconds; default
 -- the trainer's clock (see the Trainer's `clock` option).
 local callbacks = require "pipegoose.callbacks"
+local opt = require "pipegoose.options"
 
 local Timer = callbacks.class("Timer")
 
@@ -26,14 +27,16 @@ local function parse_duration(d)
 end
 Timer.parse_duration = parse_duration
 
+local SCHEMA = {
+  duration = opt.check_with('positive seconds or "HH:MM:SS"', function(d) return parse_duration(d) ~= nil end,
+    { required = true }),
+  clock = "any", state_key = "any",
+}
+
 function Timer.new(opts)
-  callbacks.check_options("Timer", opts, { duration = true, clock = true, state_key = true })
-  local duration = parse_duration(opts.duration)
-  if not duration then
-    error(("pg.callbacks.Timer: duration=%s must be positive seconds or \"HH:MM:SS\""):format(tostring(opts.duration)), 3)
-  end
+  local o = opt.check("pg.callbacks.Timer", opts, SCHEMA, { required = true })
   return setmetatable({
-    duration = duration, clock = opts.clock, state_key = opts.state_key or "Timer",
+    duration = parse_duration(o.duration), clock = o.clock, state_key = o.state_key or "Timer",
     offset = 0, -- seconds trained before this run (restored from a checkpoint)
     start = nil, stopped_step = nil,
   }, Timer)
