@@ -429,7 +429,7 @@ return {
     specs = { "unit/device#outnumber" },
     why = "a staged receive overwrites a device buffer the stream still reads (the H200 bug the emulator missed)" },
   { name = "nccl-send-before-made", file = "src/parallel/comm_requests.c",
-    from = "if (e == cudaSuccess) e = cudaStreamWaitEvent((cudaStream_t)ctx->send_stream, made, 0);", to = "",
+    from = "if (e == cudaSuccess) e = cudaStreamWaitEvent((cudaStream_t)ctx->comm->send_stream, made, 0);", to = "",
     specs = { "unit/device#pipeline" }, why = "a pipeline send does not wait for the kernels that make its buffer" },
   { name = "nccl-average-is-sum", file = "src/parallel/pg_comm.c",
     from = "comm_nccl_type(dtype),\n                                    comm_nccl_op(op), nc, NCCL_STREAM(ctx)),",

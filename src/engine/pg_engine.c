@@ -360,7 +360,7 @@ void pg_engine_free(pg_engine *e) {
   pg_recompute_arena_free(e->recompute_arena); /* after the modules that allocate from it */
   /* a step that failed may leave some in flight; on a broken context the
    * members that should complete them never will: they are left to the job's end */
-  for (int k = 0; k < e->nbuckets && !e->ctx->broken; k++) pg_wait(&e->buckets[k].req);
+  for (int k = 0; k < e->nbuckets && !pg_comm_broken(e->ctx); k++) pg_wait(&e->buckets[k].req);
   free_staging(e);
   free(e->buckets);
   free(e->param_bucket);

@@ -85,6 +85,10 @@ static int l_new(lua_State *L) {
   lua_pushboolean(L, inferred);
   lua_setiuservalue(L, -2, 1);
   if (pg_context_init(c, world_comm, tp, pp, dp, ep, seed)) return luaL_error(L, "ParallelContext: %s", pg_error());
+  if (pg_comm_init(c)) {
+    pg_context_destroy(c);
+    return luaL_error(L, "ParallelContext: %s", pg_error());
+  }
   if (!self) { /* the default for pg.dist stays the job-wide one */
     lua_pushvalue(L, -1);
     lua_rawsetp(L, LUA_REGISTRYINDEX, &default_ctx_key);
@@ -201,16 +205,17 @@ static int l_stream_seed(lua_State *L) {
 /* comm_stats() -> { [mode] = { [kind] = {calls=, bytes=, seconds=} } } for kinds with calls. */
 static int l_comm_stats(lua_State *L) {
   pg_context *c = pg_lua_check_context(L, 1);
+  const pg_comm_stats *st = pg_comm_stats_of(c);
   lua_newtable(L);
   for (int m = 0; m < PG_NUM_MODES; m++) {
     lua_newtable(L);
     for (int k = 0; k < PG_NUM_COLLS; k++) {
       lua_createtable(L, 0, 3);
-      lua_pushinteger(L, c->stats.calls[m][k]);
+      lua_pushinteger(L, st->calls[m][k]);
       lua_setfield(L, -2, "calls");
-      lua_pushnumber(L, c->stats.bytes[m][k]);
+      lua_pushnumber(L, st->bytes[m][k]);
       lua_setfield(L, -2, "bytes");
-      lua_pushnumber(L, c->stats.seconds[m][k]);
+      lua_pushnumber(L, st->seconds[m][k]);
       lua_setfield(L, -2, "seconds");
       lua_setfield(L, -2, pg_coll_name((pg_coll)k));
     }
@@ -221,12 +226,13 @@ static int l_comm_stats(lua_State *L) {
 
 static int l_reset_comm_stats(lua_State *L) {
   pg_context *c = pg_lua_check_context(L, 1);
-  memset(&c->stats, 0, sizeof c->stats);
+  pg_comm_stats_reset(c);
   return 0;
 }
 
 static int l_destroy(lua_State *L) {
   pg_context *c = luaL_checkudata(L, 1, PG_CONTEXT_MT);
+  pg_comm_release(c); /* communication first: it uses the groups */
   pg_context_destroy(c);
   return 0;
 }

@@ -84,7 +84,7 @@ static void copy_site(char *dst, const char *src) {
 }
 
 void pg_comm_call_site(pg_context *ctx, const char *site) {
-  if (ctx) copy_site(ctx->site, site);
+  if (ctx && ctx->comm) copy_site(ctx->comm->site, site);
 }
 
 static const char *kind_name(int kind) { return kind == PG_KIND_SENDRECV ? "sendrecv" : pg_coll_name((pg_coll)kind); }
@@ -145,8 +145,8 @@ call_rec comm_make_rec(pg_context *ctx, pg_mode m, int kind, int dtype, int op, 
   c.root = c.dst = c.src = c.recv_dtype = -1;
   c.me = ctx->group[m].rank;
   c.count = count;
-  copy_site(c.site, ctx->site);
-  ctx->site[0] = 0; /* a site names one call */
+  copy_site(c.site, ctx->comm->site);
+  ctx->comm->site[0] = 0; /* a site names one call */
   return c;
 }
 
@@ -156,13 +156,13 @@ call_rec comm_make_rec(pg_context *ctx, pg_mode m, int kind, int dtype, int op, 
  * then, never frees it. */
 int comm_scratch(pg_context *ctx, int n, call_rec **recs, MPI_Request **reqs, int **idx) {
   size_t need = (size_t)n * (sizeof **recs + 2 * sizeof **reqs + 3 * sizeof **idx);
-  if (need > ctx->agree_scratch_bytes) {
-    void *p = realloc(ctx->agree_scratch, need);
+  if (need > ctx->comm->agree_scratch_bytes) {
+    void *p = realloc(ctx->comm->agree_scratch, need);
     if (!p) return pg_fail("out of memory for the records of %d ranks", n);
-    ctx->agree_scratch = p;
-    ctx->agree_scratch_bytes = need;
+    ctx->comm->agree_scratch = p;
+    ctx->comm->agree_scratch_bytes = need;
   }
-  *recs = ctx->agree_scratch;
+  *recs = ctx->comm->agree_scratch;
   *reqs = (MPI_Request *)(*recs + n);
   *idx = (int *)(*reqs + 2 * n);
   return PG_OK;
@@ -195,12 +195,12 @@ int comm_give_up(pg_context *ctx, int n, MPI_Request *reqs, const char *msg) {
     MPI_Cancel(&reqs[i]);
     MPI_Request_free(&reqs[i]);
   }
-  if (!ctx->broken) ctx->broken = strdup(msg);
+  if (!ctx->comm->broken) ctx->comm->broken = strdup(msg);
   return pg_fail("%s", msg);
 }
 
 int comm_disagree(pg_context *ctx, const char *msg) {
-  if (!ctx->broken) ctx->broken = strdup(msg);
+  if (!ctx->comm->broken) ctx->comm->broken = strdup(msg);
   return pg_fail("%s", msg);
 }
 
@@ -329,7 +329,7 @@ int comm_agree_pair(pg_context *ctx, pg_mode m, call_rec *c) {
 /* The agreement step of a gather or scatter of tensor t along dim: the shapes agree too. */
 int comm_agree_shape(pg_context *ctx, pg_mode m, pg_coll kind, const pg_tensor *t, int dim, int op) {
   if (ctx->group[m].size == 1) {
-    ctx->site[0] = 0;
+    ctx->comm->site[0] = 0;
     return PG_OK;
   }
   call_rec c = comm_make_rec(ctx, m, kind, t->dtype, op, t->numel);
@@ -342,7 +342,7 @@ int comm_agree_shape(pg_context *ctx, pg_mode m, pg_coll kind, const pg_tensor *
 /* The agreement step of a collective on group m (none for a group of one). */
 int comm_agree_coll(pg_context *ctx, pg_mode m, pg_coll kind, int dtype, int op, int root, int64_t count) {
   if (ctx->group[m].size == 1) {
-    ctx->site[0] = 0;
+    ctx->comm->site[0] = 0;
     return PG_OK;
   }
   call_rec c = comm_make_rec(ctx, m, kind, dtype, op, count);

@@ -131,14 +131,14 @@ int comm_nccl_done(ncclResult_t r, const char *what, pg_mode m) {
 
 /* The group's NCCL communicator when buf is device memory and there is one. */
 ncclComm_t comm_nccl_for(pg_context *ctx, pg_mode m, const void *buf) {
-  return ctx->group[m].nccl && pg_backend_is_device_memory(buf) ? (ncclComm_t)ctx->group[m].nccl : NULL;
+  return ctx->comm->nccl[m] && pg_backend_is_device_memory(buf) ? (ncclComm_t)ctx->comm->nccl[m] : NULL;
 }
 
 /* A communicator split from the world's: every rank of the world calls it,
  * members with their colour, the others with NCCL_SPLIT_NOCOLOR. */
 static int split(pg_context *ctx, int color, int key, void **out, pg_mode m) {
   ncclComm_t c = NULL;
-  if (comm_nccl_done(ncclCommSplit((ncclComm_t)ctx->nccl_world, color, key, &c, NULL), "creating the NCCL communicator", m))
+  if (comm_nccl_done(ncclCommSplit((ncclComm_t)ctx->comm->nccl_world, color, key, &c, NULL), "creating the NCCL communicator", m))
     return PG_ERR;
   *out = c;
   return PG_OK;
@@ -153,21 +153,21 @@ static int split(pg_context *ctx, int color, int key, void **out, pg_mode m) {
 ncclComm_t comm_pipeline_link(pg_context *ctx, int peer, int sending, int *peer_in_link) {
   int me = ctx->group[PG_MODE_PIPELINE].rank;
   *peer_in_link = peer == me + 1 ? 1 : 0;
-  if (peer == me + 1) return (ncclComm_t)ctx->nccl_next[sending ? 0 : 1];
-  if (peer == me - 1) return (ncclComm_t)ctx->nccl_prev[sending ? 1 : 0];
+  if (peer == me + 1) return (ncclComm_t)ctx->comm->nccl_next[sending ? 0 : 1];
+  if (peer == me - 1) return (ncclComm_t)ctx->comm->nccl_prev[sending ? 1 : 0];
   return NULL;
 }
 #endif
 
 int pg_comm_attach_device(pg_context *ctx, void *stream) {
   if (check_ctx(ctx)) return PG_ERR;
-  if (ctx->device_attached) {
-    if (ctx->device_stream != stream)
+  if (ctx->comm->device_attached) {
+    if (ctx->comm->device_stream != stream)
       return pg_fail("this parallel context already serves an engine on another device: one context per device");
     return PG_OK;
   }
-  ctx->device_stream = stream;
-  ctx->device_attached = 1;
+  ctx->comm->device_stream = stream;
+  ctx->comm->device_attached = 1;
   attached_contexts++;
 #ifdef PG_WITH_CUDA
   /* NCCL needs a GPU per rank: if any node has more ranks than GPUs, every
@@ -194,11 +194,11 @@ int pg_comm_attach_device(pg_context *ctx, void *stream) {
   ncclComm_t world = NULL;
   if (comm_nccl_done(ncclCommInitRank(&world, w->size, id, w->rank), "creating the NCCL communicator", PG_MODE_GLOBAL))
     return PG_ERR;
-  ctx->nccl_world = world;
+  ctx->comm->nccl_world = world;
   const pg_mode modes[] = {PG_MODE_TENSOR, PG_MODE_DATA, PG_MODE_EMBEDDING, PG_MODE_EXPERT, PG_MODE_EXPERT_DATA};
   for (size_t i = 0; i < sizeof modes / sizeof *modes; i++) {
     pg_group *g = &ctx->group[modes[i]];
-    if (split(ctx, g->size > 1 ? g->ranks[0] : NCCL_SPLIT_NOCOLOR, g->rank, &g->nccl, modes[i]))
+    if (split(ctx, g->size > 1 ? g->ranks[0] : NCCL_SPLIT_NOCOLOR, g->rank, &ctx->comm->nccl[modes[i]], modes[i]))
       return PG_ERR;
   }
   /* Link (s, s + 1) of a pipeline group is named by its lower member's
@@ -210,46 +210,47 @@ int pg_comm_attach_device(pg_context *ctx, void *stream) {
       int lower = p->rank % 2 == round ? p->rank : p->rank - 1, member = lower >= 0 && lower + 1 < p->size;
       void *c = NULL;
       if (split(ctx, member ? p->ranks[lower] : NCCL_SPLIT_NOCOLOR, p->rank, &c, PG_MODE_PIPELINE)) return PG_ERR;
-      if (member) *(lower == p->rank ? &ctx->nccl_next[dir] : &ctx->nccl_prev[dir]) = c;
+      if (member) *(lower == p->rank ? &ctx->comm->nccl_next[dir] : &ctx->comm->nccl_prev[dir]) = c;
     }
   if (p->size > 1) {
     cudaStream_t st = NULL;
     cudaError_t e = cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
     if (e != cudaSuccess) return pg_fail("creating the pipeline's send stream failed: %s", cudaGetErrorString(e));
-    ctx->send_stream = st;
+    ctx->comm->send_stream = st;
   }
-  if (ctx->group[PG_MODE_DATA].nccl) {
+  if (ctx->comm->nccl[PG_MODE_DATA]) {
     cudaStream_t st = NULL;
     cudaError_t e = cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
     if (e != cudaSuccess) return pg_fail("creating the data group's reduction stream failed: %s", cudaGetErrorString(e));
-    ctx->reduce_stream = st;
+    ctx->comm->reduce_stream = st;
   }
 #endif
   return PG_OK;
 }
 
 int pg_comm_device_overlap(const pg_context *ctx, pg_mode m) {
-  return m == PG_MODE_DATA && ctx->reduce_stream != NULL;
+  return m == PG_MODE_DATA && ctx->comm && ctx->comm->reduce_stream != NULL;
 }
 
 void pg_comm_detach_device(pg_context *ctx) {
+  if (!ctx->comm) return;
 #ifdef PG_WITH_CUDA
   for (int m = 0; m < PG_NUM_MODES; m++)
-    if (ctx->group[m].nccl) ncclCommDestroy((ncclComm_t)ctx->group[m].nccl);
+    if (ctx->comm->nccl[m]) ncclCommDestroy((ncclComm_t)ctx->comm->nccl[m]);
   for (int d = 0; d < 2; d++) {
-    if (ctx->nccl_next[d]) ncclCommDestroy((ncclComm_t)ctx->nccl_next[d]);
-    if (ctx->nccl_prev[d]) ncclCommDestroy((ncclComm_t)ctx->nccl_prev[d]);
+    if (ctx->comm->nccl_next[d]) ncclCommDestroy((ncclComm_t)ctx->comm->nccl_next[d]);
+    if (ctx->comm->nccl_prev[d]) ncclCommDestroy((ncclComm_t)ctx->comm->nccl_prev[d]);
   }
-  if (ctx->nccl_world) ncclCommDestroy((ncclComm_t)ctx->nccl_world);
-  if (ctx->send_stream) cudaStreamDestroy((cudaStream_t)ctx->send_stream);
-  if (ctx->reduce_stream) cudaStreamDestroy((cudaStream_t)ctx->reduce_stream);
+  if (ctx->comm->nccl_world) ncclCommDestroy((ncclComm_t)ctx->comm->nccl_world);
+  if (ctx->comm->send_stream) cudaStreamDestroy((cudaStream_t)ctx->comm->send_stream);
+  if (ctx->comm->reduce_stream) cudaStreamDestroy((cudaStream_t)ctx->comm->reduce_stream);
 #endif
-  for (int m = 0; m < PG_NUM_MODES; m++) ctx->group[m].nccl = NULL;
-  for (int d = 0; d < 2; d++) ctx->nccl_next[d] = ctx->nccl_prev[d] = NULL;
-  ctx->nccl_world = ctx->send_stream = ctx->reduce_stream = NULL;
-  if (ctx->device_attached && --attached_contexts == 0) host_release_all();
-  ctx->device_attached = 0;
-  ctx->device_stream = NULL;
+  for (int m = 0; m < PG_NUM_MODES; m++) ctx->comm->nccl[m] = NULL;
+  for (int d = 0; d < 2; d++) ctx->comm->nccl_next[d] = ctx->comm->nccl_prev[d] = NULL;
+  ctx->comm->nccl_world = ctx->comm->send_stream = ctx->comm->reduce_stream = NULL;
+  if (ctx->comm->device_attached && --attached_contexts == 0) host_release_all();
+  ctx->comm->device_attached = 0;
+  ctx->comm->device_stream = NULL;
 }
 
 /* Back to the device (when copy_out and the collective succeeded); rc passes through. */

@@ -37,6 +37,30 @@
 #define PG_AGREE_TAG 32767 /* the records' tag on the agreement communicators (MPI guarantees tags up to it) */
 #define PG_KIND_SENDRECV PG_NUM_COLLS
 
+/* pg_comm's state of a context (ctx->comm), made by pg_comm_init. */
+struct pg_comm_state {
+  pg_comm_stats stats;
+  float *ring_scratch; /* receive buffer of the chunked ring collectives (comm_ring.c), made on first use */
+  void *device_stream; /* the device engine's stream its NCCL collectives are queued on (pg_comm_attach_device) */
+  int device_attached;
+  /* NCCL beyond the groups' communicators (comm_device.c): the world's, which the
+   * others are split from; per pipeline neighbour one communicator for each
+   * direction ([0] activations, forward; [1] gradients, backward), so that
+   * each carries its transfers in one order; the stream sends are queued on;
+   * the stream the data group's overlapped bucket reductions run on */
+  void *nccl_world, *nccl_next[2], *nccl_prev[2], *send_stream, *reduce_stream;
+  /* The agreement step and the watchdog (comm_agree.c): where the next call
+   * comes from (pg.dist's bindings set it: "spec.lua:10"), the records of a
+   * call's members (scratch, grown as needed), and the message of a call that
+   * timed out or disagreed: once set, every later call on the context fails
+   * with it (records or data may still be in flight). */
+  char site[PG_SITE_MAX];
+  void *agree_scratch;
+  size_t agree_scratch_bytes;
+  char *broken;
+  void *nccl[PG_NUM_MODES]; /* each group's NCCL communicator once a device engine uses the context, or NULL */
+};
+
 /* What a member says it is about to do (comm_agree.c): compared with every other member's record. */
 typedef struct call_rec {
   int32_t kind;         /* pg_coll, or PG_KIND_SENDRECV */
@@ -88,7 +112,8 @@ static inline int mpi_fail(int rc, const char *what, pg_mode m) {
 
 static inline int check_ctx(pg_context *ctx) {
   if (!ctx || ctx->destroyed) return pg_fail("the parallel context was destroyed");
-  if (ctx->broken) return pg_fail("the parallel context failed earlier and cannot be used: %s", ctx->broken);
+  if (!ctx->comm) return pg_fail("the parallel context has no communication state (pg_comm_init was not called)");
+  if (ctx->comm->broken) return pg_fail("the parallel context failed earlier and cannot be used: %s", ctx->comm->broken);
   return PG_OK;
 }
 
@@ -127,7 +152,7 @@ int comm_ring_reduce_scatter_to(pg_context *ctx, pg_mode m, const float *in, flo
 int comm_ring_reduce_scatter_units(pg_context *ctx, pg_mode m, void *data, int64_t n, pg_reduce_op op, int64_t unit, pg_dtype dtype);
 
 #ifdef PG_WITH_CUDA
-#define NCCL_STREAM(ctx) ((cudaStream_t)(ctx)->device_stream)
+#define NCCL_STREAM(ctx) ((cudaStream_t)(ctx)->comm->device_stream)
 
 /* comm_device.c */
 int comm_nccl_done(ncclResult_t r, const char *what, pg_mode m);

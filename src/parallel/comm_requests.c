@@ -60,10 +60,10 @@ int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t n, int ds
     cudaError_t e = cudaEventCreateWithFlags(&made, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&sent, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventRecord(made, NCCL_STREAM(ctx));
-    if (e == cudaSuccess) e = cudaStreamWaitEvent((cudaStream_t)ctx->send_stream, made, 0);
-    ncclResult_t nr = e == cudaSuccess ? ncclSend(buf, (size_t)n, ncclFloat32, peer, link, ctx->send_stream)
+    if (e == cudaSuccess) e = cudaStreamWaitEvent((cudaStream_t)ctx->comm->send_stream, made, 0);
+    ncclResult_t nr = e == cudaSuccess ? ncclSend(buf, (size_t)n, ncclFloat32, peer, link, ctx->comm->send_stream)
                                        : ncclSuccess;
-    if (e == cudaSuccess && nr == ncclSuccess) e = cudaEventRecord(sent, (cudaStream_t)ctx->send_stream);
+    if (e == cudaSuccess && nr == ncclSuccess) e = cudaEventRecord(sent, (cudaStream_t)ctx->comm->send_stream);
     if (made) cudaEventDestroy(made);
     if (e != cudaSuccess || nr != ncclSuccess) {
       if (sent) cudaEventDestroy(sent);
@@ -73,7 +73,7 @@ int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t n, int ds
                               : comm_nccl_done(nr, "send", m);
     }
     r->sent = sent;
-    r->after = ctx->device_stream;
+    r->after = ctx->comm->device_stream;
     *req = r;
     comm_count(ctx, m, PG_COLL_SEND, (double)n * 4, t0);
     return PG_OK;
@@ -132,7 +132,7 @@ int pg_wait(pg_request **req) {
       comm_describe(&r->ctx->group[m], &r->rec, what, sizeof what);
       snprintf(msg, sizeof msg, "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but a member never joined",
                what, pg_mode_name(m), limit);
-      if (!r->ctx->broken) r->ctx->broken = strdup(msg);
+      if (!r->ctx->comm->broken) r->ctx->comm->broken = strdup(msg);
       return pg_fail("%s", msg);
     }
     finish_coll(r);
@@ -188,10 +188,10 @@ static int start_coll(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_redu
    * kernel: an event recorded there, waited for by the reduction stream);
    * the wait makes the engine's stream wait for the reduction's event, so
    * the optimizer's kernels come after it and the host never blocks. */
-  if (!counts && g->size > 1 && n > 0 && m == PG_MODE_DATA && ctx->reduce_stream && comm_nccl_for(ctx, m, buf)) {
+  if (!counts && g->size > 1 && n > 0 && m == PG_MODE_DATA && ctx->comm->reduce_stream && comm_nccl_for(ctx, m, buf)) {
     pg_request *r = calloc(1, sizeof *r);
     if (!r) return pg_fail("out of memory for a reduction request");
-    cudaStream_t rs = (cudaStream_t)ctx->reduce_stream;
+    cudaStream_t rs = (cudaStream_t)ctx->comm->reduce_stream;
     cudaEvent_t made = NULL, done = NULL;
     double t0 = pg_wtime();
     cudaError_t e = cudaEventCreateWithFlags(&made, cudaEventDisableTiming);
@@ -199,7 +199,7 @@ static int start_coll(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_redu
     if (e == cudaSuccess) e = cudaEventRecord(made, NCCL_STREAM(ctx));
     if (e == cudaSuccess) e = cudaStreamWaitEvent(rs, made, 0);
     ncclResult_t nr = e == cudaSuccess ? ncclAllReduce(buf, buf, (size_t)n, ncclFloat32, comm_nccl_op(op),
-                                                       (ncclComm_t)g->nccl, rs)
+                                                       (ncclComm_t)ctx->comm->nccl[m], rs)
                                        : ncclSuccess;
     if (e == cudaSuccess && nr == ncclSuccess) e = cudaEventRecord(done, rs);
     if (made) cudaEventDestroy(made);
@@ -213,7 +213,7 @@ static int start_coll(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_redu
     r->ctx = ctx;
     r->mpi = r->rec_req = MPI_REQUEST_NULL;
     r->sent = done;
-    r->after = ctx->device_stream;
+    r->after = ctx->comm->device_stream;
     *req = r;
     comm_count(ctx, m, PG_COLL_ALL_REDUCE, (double)n * sizeof(float), t0);
     return PG_OK;

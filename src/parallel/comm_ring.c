@@ -27,7 +27,7 @@ static int piece(int64_t len, int64_t off) {
 }
 
 static int ring_scratch(pg_context *ctx) {
-  if (!ctx->ring_scratch && !(ctx->ring_scratch = malloc((size_t)PG_RING_CHUNK * sizeof(float))))
+  if (!ctx->comm->ring_scratch && !(ctx->comm->ring_scratch = malloc((size_t)PG_RING_CHUNK * sizeof(float))))
     return pg_fail("out of memory for the ring collectives' buffer");
   return PG_OK;
 }
@@ -90,7 +90,7 @@ int comm_ring_reduce_scatter_units(pg_context *ctx, pg_mode m, void *data, int64
   if (ring_scratch(ctx)) return PG_ERR;
   size_t es = pg_dtype_size(dtype); /* float32, or bf16 (sums only: fold_bf16) */
   MPI_Datatype type = mpi_type(dtype);
-  char *buf = data, *tmp = (char *)ctx->ring_scratch; /* PG_RING_CHUNK floats: room for a chunk of either */
+  char *buf = data, *tmp = (char *)ctx->comm->ring_scratch; /* PG_RING_CHUNK floats: room for a chunk of either */
   /* Step k: send block r-1-k (our partial sum of it) on, receive block
    * r-2-k from the previous member and fold ours in. After D-1 steps the
    * last block received is our own, complete. */
@@ -121,7 +121,7 @@ int comm_ring_reduce_scatter_to(pg_context *ctx, pg_mode m, const float *in, flo
   pg_group *g = &ctx->group[m];
   int D = g->size, r = g->rank, next = (r + 1) % D, prev = (r + D - 1) % D;
   if (ring_scratch(ctx)) return PG_ERR;
-  float *tmp = ctx->ring_scratch;
+  float *tmp = ctx->comm->ring_scratch;
   for (int k = 0; k < D - 1; k++) {
     int sb = ((r - 1 - k) % D + D) % D, rb = ((r - 2 - k) % D + D) % D;
     const float *send = k == 0 ? in + (int64_t)sb * per : out; /* out: last step's block rb = this step's sb */

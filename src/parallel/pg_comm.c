@@ -7,6 +7,36 @@
 #include <stdlib.h>
 #include <string.h>
 
+int pg_comm_init(pg_context *ctx) {
+  if (ctx->comm) return PG_OK;
+  ctx->comm = calloc(1, sizeof *ctx->comm);
+  return ctx->comm ? PG_OK : pg_fail("out of memory for the parallel context's communication state");
+}
+
+void pg_comm_release(pg_context *ctx) {
+  struct pg_comm_state *s = ctx->comm;
+  if (!s) return;
+  pg_comm_detach_device(ctx);
+  free(s->ring_scratch);
+  /* A call that timed out may have left records in flight from this scratch:
+   * it is kept (leaked) then, as MPI may still write into it. */
+  if (!s->broken) free(s->agree_scratch);
+  free(s->broken);
+  free(s);
+  ctx->comm = NULL;
+}
+
+const pg_comm_stats *pg_comm_stats_of(const pg_context *ctx) {
+  static const pg_comm_stats none;
+  return ctx->comm ? &ctx->comm->stats : &none;
+}
+
+int pg_comm_broken(const pg_context *ctx) { return ctx->comm && ctx->comm->broken; }
+
+void pg_comm_stats_reset(pg_context *ctx) {
+  if (ctx->comm) memset(&ctx->comm->stats, 0, sizeof ctx->comm->stats);
+}
+
 int pg_reduce_op_from_name(const char *name, pg_reduce_op *out) {
   if (!strcmp(name, "sum")) *out = PG_REDUCE_SUM;
   else if (!strcmp(name, "max")) *out = PG_REDUCE_MAX;
@@ -26,9 +56,9 @@ int comm_check_dtype(const pg_tensor *t, pg_reduce_op op, int reducing) {
 }
 
 void comm_count(pg_context *ctx, pg_mode m, pg_coll c, double bytes, double t0) {
-  ctx->stats.calls[m][c]++;
-  ctx->stats.bytes[m][c] += bytes;
-  ctx->stats.seconds[m][c] += pg_wtime() - t0;
+  ctx->comm->stats.calls[m][c]++;
+  ctx->comm->stats.bytes[m][c] += bytes;
+  ctx->comm->stats.seconds[m][c] += pg_wtime() - t0;
 }
 
 void comm_scale_avg(void *buf, int64_t n, int size) {
@@ -403,7 +433,7 @@ int pg_sendrecv(pg_context *ctx, pg_mode m, const pg_tensor *send, int dst, pg_t
   if (dst < 0 || dst >= g->size || src < 0 || src >= g->size)
     return pg_fail("sendrecv peers %d and %d must be local ranks of the %s group (size %d)", dst, src, pg_mode_name(m), g->size);
   if (g->size == 1) {
-    ctx->site[0] = 0;
+    ctx->comm->site[0] = 0;
     return pg_tensor_copy(recv, send);
   }
   call_rec c = comm_make_rec(ctx, m, PG_KIND_SENDRECV, send->dtype, -1, send->numel);
@@ -419,7 +449,7 @@ int pg_sendrecv(pg_context *ctx, pg_mode m, const pg_tensor *send, int dst, pg_t
                         (int)recv->numel, mpi_type(recv->dtype), src, tag, g->comm, &st);
   if (rc != MPI_SUCCESS) return mpi_fail(rc, "sendrecv", m);
   comm_count(ctx, m, PG_COLL_SEND, (double)send->numel * pg_dtype_size(send->dtype), t0);
-  ctx->stats.calls[m][PG_COLL_RECV]++;
+  ctx->comm->stats.calls[m][PG_COLL_RECV]++;
   return PG_OK;
 }
 

@@ -147,7 +147,29 @@ int pg_comm_attach_device(pg_context *ctx, void *stream);
  * stream (pg_iall_reduce_buf: today the data group's all-reduce, with NCCL):
  * the engine overlaps them with backward. */
 int pg_comm_device_overlap(const pg_context *ctx, pg_mode m);
-/* Frees the NCCL communicators (pg_context_destroy calls it). */
+/* Frees the NCCL communicators (pg_comm_release calls it). */
 void pg_comm_detach_device(pg_context *ctx);
+
+/* Counters of communication, per mode and kind: calls that reached MPI (a
+ * group of one makes no call and is not counted), bytes and wall seconds. */
+typedef struct pg_comm_stats {
+  long calls[PG_NUM_MODES][PG_NUM_COLLS];
+  double bytes[PG_NUM_MODES][PG_NUM_COLLS];
+  double seconds[PG_NUM_MODES][PG_NUM_COLLS];
+} pg_comm_stats;
+
+/* Communication on a context needs its state: pg_comm_init after
+ * pg_context_init (a calloc, no MPI call), pg_comm_release before
+ * pg_context_destroy (frees the NCCL communicators and the scratch; may be
+ * called twice). Whoever makes a context composes the two: the context
+ * itself knows nothing of pg_comm. */
+int pg_comm_init(pg_context *ctx);
+void pg_comm_release(pg_context *ctx);
+/* The counters of every call so far (see pg_comm_stats), and their reset. */
+const pg_comm_stats *pg_comm_stats_of(const pg_context *ctx);
+/* 1 once a call on the context timed out or disagreed: every later call fails
+ * (records or data may still be in flight), and requests must not be waited for. */
+int pg_comm_broken(const pg_context *ctx);
+void pg_comm_stats_reset(pg_context *ctx);
 
 #endif

@@ -10,7 +10,6 @@
 #include <omp.h>
 #endif
 
-#include "pg_comm.h"
 #include "pg_error.h"
 #include "pg_rng.h"
 
@@ -97,7 +96,6 @@ void pg_context_destroy(pg_context *ctx) {
   if (ctx->destroyed) return;
   int finalized = 0;
   MPI_Finalized(&finalized);
-  pg_comm_detach_device(ctx);
   for (int m = 0; m < PG_NUM_MODES; m++) {
     pg_group *g = &ctx->group[m];
     if (g->comm != MPI_COMM_NULL && !finalized) MPI_Comm_free(&g->comm);
@@ -106,14 +104,6 @@ void pg_context_destroy(pg_context *ctx) {
     free(g->ranks);
     g->ranks = NULL;
   }
-  free(ctx->ring_scratch);
-  ctx->ring_scratch = NULL;
-  /* A call that timed out may have left records in flight from this scratch:
-   * it is kept (leaked) then, as MPI may still write into it. */
-  if (!ctx->broken) free(ctx->agree_scratch);
-  free(ctx->broken);
-  ctx->agree_scratch = NULL;
-  ctx->broken = NULL;
   ctx->destroyed = 1;
 }
 

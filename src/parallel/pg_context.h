@@ -50,23 +50,16 @@ typedef enum {
 
 #define PG_SITE_MAX 96 /* bytes of a call site ("spec.lua:10"), the terminating 0 included */
 
+struct pg_comm_state;
+
 typedef struct pg_group {
   MPI_Comm comm; /* MPI_COMM_NULL once destroyed */
   int size, rank;
   int *ranks; /* global ranks of the members, ascending */
-  void *nccl; /* the group's NCCL communicator once a device engine uses the context (comm_device.c), or NULL */
   /* The agreement step before each call (comm_agree.c): a copy of comm that
    * carries only the members' call records, so they never match data. */
   MPI_Comm agree;
 } pg_group;
-
-/* Counters of communication, per mode and kind: calls that reached MPI (a
- * group of one makes no call and is not counted), bytes and wall seconds. */
-typedef struct pg_comm_stats {
-  long calls[PG_NUM_MODES][PG_NUM_COLLS];
-  double bytes[PG_NUM_MODES][PG_NUM_COLLS];
-  double seconds[PG_NUM_MODES][PG_NUM_COLLS];
-} pg_comm_stats;
 
 /* Which random stream; see pg_context_stream_seed. */
 typedef enum { PG_STREAM_WEIGHTS = 0, PG_STREAM_REPLICATED, PG_STREAM_SHARDED, PG_STREAM_DATA } pg_stream;
@@ -79,25 +72,9 @@ typedef struct pg_context {
   int ep_rank;                /* place in the expert group: dp_rank % expert */
   uint64_t seed;
   pg_group group[PG_NUM_MODES];
-  pg_comm_stats stats;
-  float *ring_scratch; /* receive buffer of the chunked ring collectives (comm_ring.c), made on first use */
-  void *device_stream; /* the device engine's stream its NCCL collectives are queued on (pg_comm_attach_device) */
-  int device_attached;
-  /* NCCL beyond the groups' communicators (comm_device.c): the world's, which the
-   * others are split from; per pipeline neighbour one communicator for each
-   * direction ([0] activations, forward; [1] gradients, backward), so that
-   * each carries its transfers in one order; the stream sends are queued on;
-   * the stream the data group's overlapped bucket reductions run on */
-  void *nccl_world, *nccl_next[2], *nccl_prev[2], *send_stream, *reduce_stream;
-  /* The agreement step and the watchdog (comm_agree.c): where the next call
-   * comes from (pg.dist's bindings set it: "spec.lua:10"), the records of a
-   * call's members (scratch, grown as needed), and the message of a call that
-   * timed out or disagreed: once set, every later call on the context fails
-   * with it (records or data may still be in flight). */
-  char site[PG_SITE_MAX];
-  void *agree_scratch;
-  size_t agree_scratch_bytes;
-  char *broken;
+  /* pg_comm's own state (its counters, scratch, NCCL communicators, the call site, a broken
+   * context's message): made by pg_comm_init, released by pg_comm_release; opaque here. */
+  struct pg_comm_state *comm;
   int destroyed;
 } pg_context;
 
