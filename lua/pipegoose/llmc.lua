@@ -78,9 +78,8 @@ function M.read_header(path)
   if cfg.padded_vocab < cfg.vocab then
     error(("%s: the header's padded_vocab %d is below its vocab %d"):format(path, cfg.padded_vocab, cfg.vocab), 0)
   end
-  if cfg.dim % cfg.heads ~= 0 then
-    error(("%s: the header's channels %d are not divisible by its heads %d"):format(path, cfg.dim, cfg.heads), 0)
-  end
+  require("pipegoose.models.common").attention(cfg, function(msg) error(path .. ": " .. msg, 0) end,
+    { dim = "the header's channels", heads = "its heads", sep = " " })
   local actual = core.file.size(path)
   -- The size the header implies, in floating point first: sizes from a
   -- damaged header can overflow integers, and listing the entries of 2^30
