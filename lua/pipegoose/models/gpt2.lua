@@ -168,7 +168,7 @@ end
 function F.hf.config(cfg)
   -- the keys transformers' GPT2Config writes, with pipegoose's fixed choices
   return {
-    architectures = { "GPT2LMHeadModel" }, model_type = "gpt2", vocab_size = cfg.vocab, n_positions = cfg.seq_len,
+    architectures = { F.hf.class }, model_type = F.hf.model_type, vocab_size = cfg.vocab, n_positions = cfg.seq_len,
     n_embd = cfg.dim, n_head = cfg.heads, n_layer = cfg.layers, n_inner = cfg.hidden,
     activation_function = "gelu_new", layer_norm_epsilon = 1e-5, initializer_range = 0.02,
     resid_pdrop = 0.0, embd_pdrop = 0.0, attn_pdrop = 0.0, scale_attn_weights = true, use_cache = true,

@@ -174,7 +174,7 @@ end
 function F.hf.config(cfg)
   -- the keys transformers' LlamaConfig writes, with pipegoose's fixed choices
   return {
-    architectures = { "LlamaForCausalLM" }, model_type = "llama", vocab_size = cfg.vocab,
+    architectures = { F.hf.class }, model_type = F.hf.model_type, vocab_size = cfg.vocab,
     max_position_embeddings = cfg.seq_len, hidden_size = cfg.dim, intermediate_size = cfg.hidden,
     num_hidden_layers = cfg.layers, num_attention_heads = cfg.heads, num_key_value_heads = cfg.kv_heads,
     head_dim = cfg.head_dim, hidden_act = "silu", rms_norm_eps = cfg.eps, rope_theta = cfg.rope_theta,

@@ -141,7 +141,7 @@ end
 
 function F.hf.config(cfg)
   local c = llama.hf.config(cfg)
-  c.architectures, c.model_type = { "MixtralForCausalLM" }, "mixtral"
+  c.architectures, c.model_type = { F.hf.class }, F.hf.model_type
   c.head_dim, c.pretraining_tp, c.mlp_bias, c.attention_bias = nil, nil, nil, nil
   c.num_local_experts, c.num_experts_per_tok = cfg.experts, cfg.top_k
   -- the load-balancing loss: transformers computes it when output_router_logits is set
