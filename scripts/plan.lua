@@ -24,7 +24,7 @@ parser:option("--profile", "--validate: the hardware profile to simulate with (d
 parser:flag("--quick", "--validate: a quick calibration and two small configurations (checks the output, not the errors).")
 parser:option("--only", "--validate: only the configurations whose name contains this.")
 parser:option("--model", "Built-in model: " .. table.concat(pg.plan.models.NAMES, ", ") .. ".")
-parser:option("--hf", "A transformers config.json (model_type gpt2, llama, mistral or mixtral).")
+parser:option("--hf", "A transformers config.json (model_type gpt2, llama or mixtral).")
 parser:option("--gpus", "Number of GPUs (required unless --validate)."):convert(math.tointeger)
 parser:option("--gpus-per-node", "GPUs per node (default: the hardware's, 8 for the built-in GPUs)."):convert(math.tointeger)
 parser:option("--gpu", "Hardware: " .. table.concat(pg.plan.hardware.NAMES, ", ") .. " or cpu-profile=FILE.", "a100-80gb")

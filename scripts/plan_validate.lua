@@ -21,7 +21,7 @@ local M = {}
 -- The models: examples/train_gpt.lua's default GPT, and a tiny LLaMA
 -- (grouped-query attention, SwiGLU, RoPE, untied head). Global batch 16.
 M.MODELS = {
-  gpt = { arch = "gpt", vocab = 256, seq_len = 128, dim = 256, heads = 4, layers = 4, batch = 16 },
+  gpt = { arch = "gpt2", vocab = 256, seq_len = 128, dim = 256, heads = 4, layers = 4, batch = 16 },
   llama = { arch = "llama", vocab = 256, seq_len = 64, dim = 128, heads = 4, kv_heads = 2, hidden = 344, layers = 4,
             batch = 16 },
 }
@@ -63,12 +63,14 @@ M.QUICK = {
 package.path = (debug.getinfo(1, "S").source:match("^@(.*/)") or "./") .. "?.lua;" .. package.path
 local median = require("bench.common").median
 
-local function build(model_cfg)
+-- a validation model's pg.nn options (its arch names the family: pg.nn.from_config)
+local function options(model_cfg)
   local spec = {}
-  for k, v in pairs(model_cfg) do if k ~= "batch" and k ~= "arch" then spec[k] = v end end
-  if model_cfg.arch == "llama" then return pg.nn.Llama(spec) end
-  return pg.nn.GPT(spec)
+  for k, v in pairs(model_cfg) do if k ~= "batch" then spec[k] = v end end
+  return spec
 end
+
+local function build(model_cfg) return pg.nn.from_config(options(model_cfg)) end
 
 ---------------------------------------------------------------- worker
 
@@ -152,11 +154,11 @@ end
 
 --- The planner's shape of a validation model (vocabulary: the engine's padded rows).
 function M.shape(mc, padded_vocab)
-  return pg.plan.models.check{
-    name = mc.arch, arch = mc.arch, layers = mc.layers, hidden = mc.dim, heads = mc.heads,
-    kv_heads = mc.kv_heads or mc.heads, ffn = mc.arch == "llama" and mc.hidden or 4 * mc.dim,
-    vocab = padded_vocab or mc.vocab, seq_len = mc.seq_len,
-  }
+  local o = options(mc)
+  o.padded_vocab = padded_vocab
+  local s = pg.plan.models.of_config(o)
+  s.name = mc.arch
+  return s
 end
 
 --- The simulated step and the busiest rank's memory of configuration c on hardware hw.

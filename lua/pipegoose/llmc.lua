@@ -11,29 +11,19 @@ M.MAGIC, M.VERSION, M.VERSION_BF16 = 20240326, 3, 5
 -- a version's element dtype and size
 local DTYPE = { [3] = { name = "float32", size = 4 }, [5] = { name = "bfloat16", size = 2 } }
 
--- llm.c's tensor order, the matching pipegoose parameter name (%d = layer)
--- and the shape of one layer's slice.
-local function layout(cfg)
-  local V, T, C, L = cfg.padded_vocab, cfg.seq_len, cfg.dim, cfg.layers
-  local H = cfg.hidden or 4 * C
-  return {
-    { "wte", "embed.wte", { V, C } },
-    { "wpe", "embed.wpe", { T, C } },
-    { "ln1w", "blocks.%d.ln1.weight", { C }, L },
-    { "ln1b", "blocks.%d.ln1.bias", { C }, L },
-    { "qkvw", "blocks.%d.attn.qkv.weight", { 3 * C, C }, L },
-    { "qkvb", "blocks.%d.attn.qkv.bias", { 3 * C }, L },
-    { "attprojw", "blocks.%d.attn.proj.weight", { C, C }, L },
-    { "attprojb", "blocks.%d.attn.proj.bias", { C }, L },
-    { "ln2w", "blocks.%d.ln2.weight", { C }, L },
-    { "ln2b", "blocks.%d.ln2.bias", { C }, L },
-    { "fcw", "blocks.%d.mlp.fc.weight", { H, C }, L },
-    { "fcb", "blocks.%d.mlp.fc.bias", { H }, L },
-    { "fcprojw", "blocks.%d.mlp.proj.weight", { C, H }, L },
-    { "fcprojb", "blocks.%d.mlp.proj.bias", { C }, L },
-    { "lnfw", "ln_f.weight", { C } },
-    { "lnfb", "ln_f.bias", { C } },
-  }
+-- The llm.c mapping of a model config's family (GPT-2's: lua/pipegoose/models/gpt2.lua's
+-- llmc: its tensor order and the pipegoose names), or nil and why not.
+local function mapping(cfg)
+  local ok, f = pcall(require("pipegoose.models").of_config, cfg)
+  if ok and f.llmc then return f.llmc end
+  return nil, ("the model is %s; llm.c's format holds GPT-2 models only"):format(tostring(cfg.arch))
+end
+
+--- Why a model config cannot be written in llm.c's format, or nil when it can.
+function M.refusal(cfg)
+  local m, why = mapping(cfg)
+  if not m then return why end
+  return m.refusal(cfg)
 end
 
 local numel = require("pipegoose.safetensors").numel
@@ -43,7 +33,7 @@ local numel = require("pipegoose.safetensors").numel
 function M.entries(cfg, size)
   size = size or 4
   local out, off = {}, 1024
-  for _, t in ipairs(layout(cfg)) do
+  for _, t in ipairs(assert(mapping(cfg)).layout(cfg)) do
     local n = numel(t[3])
     for l = 0, (t[4] or 1) - 1 do
       out[#out + 1] = { file_name = t[1], layer = t[4] and l or nil, name = t[2]:format(l), offset = off, count = n,
@@ -88,9 +78,8 @@ function M.read_header(path)
   if cfg.padded_vocab < cfg.vocab then
     error(("%s: the header's padded_vocab %d is below its vocab %d"):format(path, cfg.padded_vocab, cfg.vocab), 0)
   end
-  if cfg.dim % cfg.heads ~= 0 then
-    error(("%s: the header's channels %d are not divisible by its heads %d"):format(path, cfg.dim, cfg.heads), 0)
-  end
+  require("pipegoose.models.common").attention(cfg, function(msg) error(path .. ": " .. msg, 0) end,
+    { dim = "the header's channels", heads = "its heads", sep = " " })
   local actual = core.file.size(path)
   -- The size the header implies, in floating point first: sizes from a
   -- damaged header can overflow integers, and listing the entries of 2^30
@@ -125,10 +114,8 @@ end
 --- Writes the model in llm.c's format (rank 0 writes; collective over all ranks).
 function M.save_from(engine, path)
   local cfg = engine.config
-  if cfg.arch ~= nil and cfg.arch ~= "gpt2" then
-    error(("save_llmc: the model is %s; llm.c's format holds GPT-2 models only (engine:save_hf writes it)")
-      :format(tostring(cfg.arch)), 2)
-  end
+  local _, why = mapping(cfg)
+  if why then error(("save_llmc: %s (engine:save_hf writes it)"):format(why), 2) end
   local ctx = engine.ctx
   local me = ctx:rank()
   local parts = { M.header(cfg) }

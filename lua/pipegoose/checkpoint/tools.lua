@@ -187,20 +187,8 @@ function M.export_llmc(dir, out, opts)
   local manifest
   dir, manifest = verified(validation.resolve(dir))
   local cfg = manifest.model or {}
-  if cfg.arch ~= nil and cfg.arch ~= "gpt2" then
-    error(("checkpoint: %s: the model is %s; llm.c's format holds GPT-2 models only"):format(dir, tostring(cfg.arch)), 0)
-  end
-  for _, k in ipairs{ "vocab", "padded_vocab", "seq_len", "dim", "heads", "layers" } do
-    if math.tointeger(cfg[k]) == nil then
-      error(("checkpoint: %s: the model config has no %s; llm.c's format holds GPT-2 models only"):format(dir, k), 0)
-    end
-  end
-  if cfg.hidden and cfg.hidden ~= 4 * cfg.dim then
-    error(("checkpoint: %s: the MLP is %d wide; llm.c's format needs 4 x dim = %d"):format(dir, cfg.hidden, 4 * cfg.dim), 0)
-  end
-  if cfg.tie == false then
-    error(("checkpoint: %s: the head is not tied to the embedding, which llm.c's format needs"):format(dir), 0)
-  end
+  local why = require("pipegoose.llmc").refusal(cfg)
+  if why then error(("checkpoint: %s: %s"):format(dir, why), 0) end
   local core = require "pipegoose.core"
   local llmc = require "pipegoose.llmc"
   local parts = { llmc.header(cfg, dtype) }

@@ -109,14 +109,15 @@ function M.layer_costs(s, L, hw, o)
   local elems = tokens * h * (4 + 6) / rep -- two norms (read, write), two residual adds (2 reads, 1 write)
   local act_width = s.top_k * s.ffn / T
   local scores = 0
-  if s.arch == "gpt" then
-    elems = elems + tokens * h * 4 / rep -- two dropouts (read, write)
-    elems = elems + tokens * act_width * 2 -- bias + GeLU (read, write)
-    if not fused then scores = s.heads * seq * seq * L.b / T * 4 end -- scale-mask-softmax, dropout
-  else
+  if s.dropout then elems = elems + tokens * h * 4 / rep end -- two dropouts (read, write)
+  if s.gated_mlp then
     elems = elems + tokens * act_width * 3 -- SwiGLU (two reads, one write)
-    elems = elems + tokens * (h + kv) / T * 2 -- rotary embedding on q and k
-    if not fused then scores = s.heads * seq * seq * L.b / T * 2 end -- softmax
+  else
+    elems = elems + tokens * act_width * 2 -- bias + GeLU (read, write)
+  end
+  if s.rope then elems = elems + tokens * (h + kv) / T * 2 end -- rotary embedding on q and k
+  if not fused then -- softmax (GPT's: scale-mask-softmax and its dropout)
+    scores = s.heads * seq * seq * L.b / T * (s.dropout and 4 or 2)
   end
   local mem_f = (elems + scores) * e / bw
   local scores_mem = scores * e / bw

@@ -165,14 +165,14 @@ local function layer_ops(s, L, r)
   local ops = {}
   local function add(...) ops[#ops + 1] = { ... } end
   local attn = { batch = L.b, seq = L.seq, heads = s.heads // T, head_dim = hd }
-  local norm = s.arch == "llama" and "rmsnorm" or "layernorm"
+  local norm = s.norm -- the calibrated kernels are named as the shape's norms
   local function into_column() if sp then add("sp_gather", r * h * F32) end end
   local function out_of_row() add(sp and "sp_scatter" or "allreduce", r * h * F32) end
   local function attention()
     add("ew", norm, 2 * rr * h * F32) -- read, write
     into_column()
     add("gemm", r, h, (h + 2 * kv) // T)
-    if s.arch == "llama" then add("ew", "rope", 2 * r * (h + kv) // T * F32) end -- rotary on q and k
+    if s.rope then add("ew", "rope", 2 * r * (h + kv) // T * F32) end -- rotary on q and k
     add("attn", attn)
     add("gemm", r, h // T, h)
     out_of_row()
@@ -181,12 +181,12 @@ local function layer_ops(s, L, r)
   local function mlp()
     add("ew", norm, 2 * rr * h * F32)
     into_column()
-    if s.arch == "llama" then
+    if s.gated_mlp then
       add("gemm", r, h, 2 * s.ffn // T)
-      add("ew", "swiglu", 3 * r * s.ffn // T * F32) -- silu(gate) * up
+      add("ew", s.activation, 3 * r * s.ffn // T * F32) -- e.g. silu(gate) * up
     else
       add("gemm", r, h, s.ffn // T)
-      add("ew", "gelu", 2 * r * s.ffn // T * F32)
+      add("ew", s.activation, 2 * r * s.ffn // T * F32)
     end
     add("gemm", r, s.ffn // T, h)
     out_of_row()
@@ -261,7 +261,7 @@ function M.edge_costs(s, L, hw, R)
   end
   -- ln_f, the logits product, cross-entropy over r*V/T logits (max, sum of
   -- exponentials, the gradient written in place)
-  local norm = s.arch == "llama" and "rmsnorm" or "layernorm"
+  local norm = s.norm
   local hf, hb = price(hw, { { "ew", norm, 2 * (sp and r / T or r) * h * F32 }, { "gemm", r, h, V },
     { "ew", norm, 3 * r * V * F32 } }, t, R, T)
   if sp then -- the head's input rows gathered (backward: reduce-scattered, and gathered again)
@@ -345,12 +345,12 @@ function M.layer_floats(s, T, S, recompute, sp)
   local h, kv = s.hidden, models.kv_dim(s)
   local heads = s.heads // T
   local rep = (sp and T > 1) and T or 1
-  local full, split, stats
-  if s.arch == "llama" then
-    full, split, stats = 6 * h, 2 * (h + 2 * kv) // T + h // T + 3 * s.ffn // T, 2
-  else
-    full, split, stats = 6 * h, (4 * h + 2 * s.ffn) // T, 4
-  end
+  -- q|k|v (and its rotated copy with rotary embeddings), the attention's
+  -- output, the MLP's inputs and outputs split by T (gate|up and SwiGLU, or fc
+  -- and GeLU); two norms' statistics
+  local full = 6 * h
+  local split = (s.rope and 2 or 1) * (h + 2 * kv) // T + h // T + (s.gated_mlp and 3 or 2) * s.ffn // T
+  local stats = 2 * models.norm_stats(s)
   full, stats = full / rep, stats / rep
   local probs = heads * S
   local all = full + split + stats + probs
@@ -368,7 +368,7 @@ function M.stage_bytes(s, L, stage, in_flight, stage_params)
   local slot_f, fixed_f = M.layer_floats(s, L.t, s.seq_len, L.recompute, L.sp)
   local rep = sp_of(L) and L.t or 1
   local per_slot = stage.layers * slot_f + h / rep -- + the embedding output or the received activation
-  if stage.last then per_slot = per_slot + (h + (s.arch == "llama" and 1 or 2)) / rep + 3 end
+  if stage.last then per_slot = per_slot + (h + models.norm_stats(s)) / rep + 3 end
   -- the recomputed blocks (or attentions) of the rank share one micro-batch of buffers
   local fixed = stage.layers > 0 and fixed_f or 0
   local activations = (per_slot * in_flight + fixed) * r * F32

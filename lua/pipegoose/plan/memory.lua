@@ -76,10 +76,10 @@ function M.layer_activation_bytes(s, o)
   local h, t = s.hidden, o.t
   local rep_div = o.sp and t or 1
   if o.recompute == "full" then return tokens * h * e / rep_div end
-  local dropout = s.arch == "gpt"
+  local dropout = s.dropout
   local kv = models.kv_dim(s)
   local replicated = tokens * h * (4 * e + (dropout and 2 or 0))
-  local gated = s.arch == "llama"
+  local gated = s.gated_mlp
   local mlp = s.top_k * tokens * s.ffn * ((gated and 2 or 1) + 1) * e
   local split = tokens * (h + 2 * kv + h) * e + mlp
   local scores = 0

@@ -1,70 +1,61 @@
 --- pipegoose.plan.models: transformer shapes, by name or from a config.json.
 --
 -- A shape is all the planner knows about a model:
---   { name, arch = "gpt"|"llama", layers, hidden, heads, kv_heads, ffn, vocab,
---     seq_len, experts = 1, top_k = 1 }
--- arch "gpt": learned positions, LayerNorm with biases, GeLU MLP, biased
--- linears, dropout, tied input/output embeddings (GPT-2, GPT-3, Megatron's
--- GPT). arch "llama": RoPE, RMSNorm, SwiGLU MLP (three matrices), no biases,
--- no dropout, untied output head (Llama 2, Mistral, Mixtral).
--- experts > 1 is a mixture of experts in the MLP: FLOPs count top_k experts
--- per token (the active parameters), memory counts all of them.
+--   { name, arch, layers, hidden, heads, kv_heads, ffn, vocab, seq_len,
+--     experts = 1, top_k = 1, and the family's features: norm =
+--     "layernorm"|"rmsnorm", gated_mlp (three matrices: SwiGLU), activation
+--     (the elementwise kernel: "gelu"|"swiglu"), learned_positions, rope,
+--     dropout, biases, tied (the output head shares the embedding) }
+-- arch names a model family (lua/pipegoose/models/, or an alias of one:
+-- GPT-2's is gpt); the features a shape leaves out are its family's
+-- (models/<family>.lua's plan.features), and the counts below read the
+-- features, never the family's name. experts > 1 is a mixture of experts in
+-- the MLP: FLOPs count top_k experts per token (the active parameters),
+-- memory counts all of them.
 local cjson = require("cjson").new()
+local families = require "pipegoose.models"
+local common = require "pipegoose.models.common"
 
 local M = {}
 
-local function shape(t)
-  t.kv_heads = t.kv_heads or t.heads
-  t.experts = t.experts or 1
-  t.top_k = t.top_k or 1
-  return t
-end
-M.shape = shape
-
--- Published configurations: GPT-2 (Radford et al. 2019, the released
--- checkpoints' config.json), GPT-3 175B (Brown et al. 2020, Table 2.1; vocab
--- 51200 as Megatron-LM pads it), Llama 2 (Touvron et al. 2023 and the
--- released config.json), Mixtral 8x7B (Jiang et al. 2024 and its config.json;
--- its context is 32768, the default here is a 4096-token training length).
-M.BUILTIN = {
-  ["gpt2-124m"] = { arch = "gpt", layers = 12, hidden = 768, heads = 12, ffn = 3072, vocab = 50257, seq_len = 1024 },
-  ["gpt2-1.5b"] = { arch = "gpt", layers = 48, hidden = 1600, heads = 25, ffn = 6400, vocab = 50257, seq_len = 1024 },
-  ["gpt3-175b"] = { arch = "gpt", layers = 96, hidden = 12288, heads = 96, ffn = 49152, vocab = 51200, seq_len = 2048 },
-  ["llama2-7b"] = { arch = "llama", layers = 32, hidden = 4096, heads = 32, ffn = 11008, vocab = 32000, seq_len = 4096 },
-  ["llama2-70b"] = { arch = "llama", layers = 80, hidden = 8192, heads = 64, kv_heads = 8, ffn = 28672, vocab = 32000,
-    seq_len = 4096 },
-  ["mixtral-8x7b"] = { arch = "llama", layers = 32, hidden = 4096, heads = 32, kv_heads = 8, ffn = 14336, vocab = 32000,
-    seq_len = 4096, experts = 8, top_k = 2 },
-}
-M.NAMES = {}
-for name, s in pairs(M.BUILTIN) do
-  s.name = name
-  shape(s)
-  M.NAMES[#M.NAMES + 1] = name
-end
-table.sort(M.NAMES)
-
 local FIELDS = { "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "experts", "top_k" }
 
---- Checks a shape table; returns a copy with defaults filled.
+--- Checks a shape table; returns a copy with defaults filled (the family's features).
 function M.check(t)
   local s = {}
   for k, v in pairs(t) do s[k] = v end
-  shape(s)
   s.name = s.name or "custom"
-  if s.arch ~= "gpt" and s.arch ~= "llama" then
-    error(("plan: model %s: arch must be \"gpt\" or \"llama\", got %s"):format(s.name, tostring(s.arch)), 0)
+  local family = families.get(s.arch, ("plan: model %s: arch"):format(s.name))
+  for k, v in pairs(family.plan.features) do
+    if s[k] == nil then s[k] = v end
   end
+  s.experts = s.experts or 1
+  s.top_k = s.top_k or 1
   for _, k in ipairs(FIELDS) do
-    if math.type(s[k]) ~= "integer" or s[k] < 1 then
-      error(("plan: model %s: %s must be a positive integer, got %s"):format(s.name, k, tostring(s[k])), 0)
+    local v = s[k]
+    if (v ~= nil or k ~= "kv_heads") and (math.type(v) ~= "integer" or v < 1) then
+      error(("plan: model %s: %s must be a positive integer, got %s"):format(s.name, k, tostring(v)), 0)
     end
   end
-  if s.hidden % s.heads ~= 0 then error(("plan: model %s: hidden %d is not a multiple of heads %d"):format(s.name, s.hidden, s.heads), 0) end
-  if s.heads % s.kv_heads ~= 0 then error(("plan: model %s: heads %d is not a multiple of kv_heads %d"):format(s.name, s.heads, s.kv_heads), 0) end
+  -- kv_heads: heads when not given
+  s.kv_heads = common.attention({ dim = s.hidden, heads = s.heads, kv_heads = s.kv_heads },
+    common.raiser("plan: model " .. s.name), { dim = "hidden" }, s.rope)
   if s.top_k > s.experts then error(("plan: model %s: top_k %d exceeds experts %d"):format(s.name, s.top_k, s.experts), 0) end
   return s
 end
+
+-- The published configurations: each family's presets (models/<family>.lua's plan.presets).
+M.BUILTIN = {}
+M.NAMES = {}
+for _, family in ipairs(families.list()) do
+  for name, sizes in pairs(family.plan.presets or {}) do
+    local s = common.copy(sizes)
+    s.name, s.arch = name, family.name
+    M.BUILTIN[name] = M.check(s)
+    M.NAMES[#M.NAMES + 1] = name
+  end
+end
+table.sort(M.NAMES)
 
 --- A shape by name or table.
 function M.get(spec)
@@ -76,49 +67,39 @@ function M.get(spec)
   return M.check(s)
 end
 
+--- The shape of a pg.nn model config (an engine's `config`, pg.nn options with arch).
+function M.of_config(cfg)
+  local family = families.of_config(cfg, "plan")
+  return M.check(family.plan.shape(cfg))
+end
+
 ---------------------------------------------------------------- config.json
 
-local function need(cfg, path, ...)
-  for _, k in ipairs{ ... } do
-    local v = cfg[k]
-    if v ~= nil and v ~= cjson.null then
-      if math.type(v) == "float" and v == math.floor(v) then v = math.tointeger(v) end
-      return v
-    end
-  end
-  error(("plan: %s: %s is missing"):format(path, table.concat({ ... }, " or ")), 0)
-end
-
-local function opt_field(cfg, k)
-  local v = cfg[k]
-  if v == nil or v == cjson.null then return nil end
-  if math.type(v) == "float" and v == math.floor(v) then v = math.tointeger(v) end
-  return v
-end
-
---- A shape from a decoded transformers config.json.
+--- A shape from a decoded transformers config.json: read by its family's
+-- reader (the importer's, lua/pipegoose/models/<family>.lua's hf.options,
+-- with transformers' defaults for absent fields), except that the planner
+-- wants the sizes spelt out: a config without one of the family's
+-- hf.defaults fields that are sizes is refused ("... is missing").
 function M.from_hf(cfg, path)
   path = path or "config.json"
   local mt = cfg.model_type
-  local s
-  if mt == "gpt2" then
-    local h = need(cfg, path, "n_embd")
-    s = { arch = "gpt", layers = need(cfg, path, "n_layer"), hidden = h, heads = need(cfg, path, "n_head"),
-      ffn = opt_field(cfg, "n_inner") or 4 * h, vocab = need(cfg, path, "vocab_size"),
-      seq_len = need(cfg, path, "n_positions", "n_ctx") }
-  elseif mt == "llama" or mt == "mistral" or mt == "mixtral" then
-    s = { arch = "llama", layers = need(cfg, path, "num_hidden_layers"), hidden = need(cfg, path, "hidden_size"),
-      heads = need(cfg, path, "num_attention_heads"), kv_heads = opt_field(cfg, "num_key_value_heads"),
-      ffn = need(cfg, path, "intermediate_size"), vocab = need(cfg, path, "vocab_size"),
-      seq_len = need(cfg, path, "max_position_embeddings") }
-    if mt == "mixtral" then
-      s.experts = need(cfg, path, "num_local_experts")
-      s.top_k = need(cfg, path, "num_experts_per_tok")
-    end
-  else
-    error(("plan: %s: model_type %s is not one the planner knows (gpt2, llama, mistral, mixtral)"):format(
-      path, cjson.encode(mt)), 0)
+  local family = families.of_hf_model_type(mt)
+  if not family then
+    local names = {}
+    for i, f in ipairs(families.list()) do names[i] = f.hf.model_type end
+    error(("plan: %s: model_type %s is not one the planner knows (%s)"):format(
+      path, cjson.encode(mt), table.concat(names, ", ")), 0)
   end
+  local where = "plan: " .. path
+  -- the sizes: the integer fields of the family's defaults, which the planner needs given
+  for _, k in ipairs(family.hf.size_fields) do
+    local v = cfg[k]
+    if v == nil or v == cjson.null then error(("%s: %s is missing"):format(where, k), 0) end
+  end
+  local hf = require "pipegoose.hf"
+  local ok, o = pcall(family.hf.options, where, hf.with_defaults(cfg, family.hf.defaults))
+  if not ok then error(o, 0) end
+  local s = family.plan.shape(o)
   s.name = cfg._name_or_path and cfg._name_or_path ~= cjson.null and tostring(cfg._name_or_path) or path
   return M.check(s)
 end
@@ -144,11 +125,17 @@ local function head_dim(s) return s.hidden // s.heads end
 local function kv_dim(s) return s.kv_heads * head_dim(s) end
 M.head_dim, M.kv_dim = head_dim, kv_dim
 
+--- Parameters of one norm of width h (LayerNorm: weight and bias; RMSNorm: weight).
+function M.norm_params(s, h) return s.norm == "layernorm" and 2 * h or h end
+
+--- Statistics a norm keeps per row for its backward (LayerNorm: mean and 1/std; RMSNorm: 1/rms).
+function M.norm_stats(s) return s.norm == "layernorm" and 2 or 1 end
+
 --- Matrices of one layer (all experts): { attn = , mlp = , mlp_active = , router = }.
 function M.layer_matrices(s)
   local h = s.hidden
   local attn = h * h + 2 * h * kv_dim(s) + h * h -- q, k, v, o
-  local per_expert = (s.arch == "llama" and 3 or 2) * h * s.ffn
+  local per_expert = (s.gated_mlp and 3 or 2) * h * s.ffn -- gate, up, down or fc, proj
   return { attn = attn, mlp = s.experts * per_expert, mlp_active = s.top_k * per_expert,
     router = s.experts > 1 and h * s.experts or 0 }
 end
@@ -159,27 +146,22 @@ function M.layer_params(s)
   local m = M.layer_matrices(s)
   local split = m.attn + m.mlp
   local replicated = m.router
-  if s.arch == "gpt" then
-    split = split + (h + 2 * kv_dim(s)) + s.ffn -- column-parallel biases (qkv, fc1)
-    replicated = replicated + 2 * h + 4 * h -- row-parallel biases (o, fc2), two LayerNorms (weight, bias)
-  else
-    replicated = replicated + 2 * h -- two RMSNorms
+  if s.biases then
+    split = split + (h + 2 * kv_dim(s)) + (s.gated_mlp and 2 or 1) * s.ffn -- column-parallel biases (qkv, fc1)
+    replicated = replicated + 2 * h -- row-parallel biases (o, fc2)
   end
+  replicated = replicated + 2 * M.norm_params(s, h) -- two norms
   return { split = split, replicated = replicated }
 end
 
 --- Embedding (first stage) and output head (last stage) parameters.
 function M.edge_params(s)
   local h = s.hidden
-  local embed = { split = s.vocab * h, replicated = s.arch == "gpt" and s.seq_len * h or 0 }
-  local head
-  if s.arch == "gpt" then
-    -- tied: the last stage keeps its own copy of the word embedding when P > 1
-    -- (Megatron and pipegoose both do, and all-reduce its gradient)
-    head = { split = s.vocab * h, replicated = 2 * h, tied = true }
-  else
-    head = { split = s.vocab * h, replicated = h }
-  end
+  local embed = { split = s.vocab * h, replicated = s.learned_positions and s.seq_len * h or 0 }
+  -- the final norm, and the head's matrix; tied: the last stage keeps its own
+  -- copy of the word embedding when P > 1 (Megatron and pipegoose both do, and
+  -- all-reduce its gradient)
+  local head = { split = s.vocab * h, replicated = M.norm_params(s, h), tied = s.tied or nil }
   return embed, head
 end
 

@@ -18,10 +18,13 @@
 -- optimizer (zero = 0), recomputed every layer (recompute = full) and used
 -- the interleaved 1F1B schedule for some runs, which the planner does not
 -- model yet (it simulates plain 1F1B: a larger bubble, so a lower estimate).
+local gpt2 = require "pipegoose.models.gpt2"
+
 local M = {}
 
+-- the paper's GPT models: the GPT-2 family's architecture (models/gpt2.lua)
 local function gpt(layers, hidden, heads)
-  return { arch = "gpt", layers = layers, hidden = hidden, heads = heads, ffn = 4 * hidden, vocab = 51200,
+  return { arch = gpt2.name, layers = layers, hidden = hidden, heads = heads, ffn = 4 * hidden, vocab = 51200,
     seq_len = 2048 }
 end
 
