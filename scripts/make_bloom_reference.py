@@ -113,7 +113,6 @@ import argparse
 import json
 import math
 import os
-import struct
 import sys
 
 import torch
@@ -166,7 +165,7 @@ def print_slopes():
     for n in SLOPE_HEADS:
         s = alibi_slopes(n)
         print(f"slopes {n}: " + " ".join(f"{v:.9g}" for v in s.tolist()))
-        print(f"slopes_hex {n}: " + " ".join(struct.pack(">f", v).hex() for v in s.tolist()))
+        print(f"slopes_exact {n}: " + " ".join(float.hex(v) for v in s.tolist()))  # C99 / Lua hex floats
 
 
 def init_weights(model, std, norm_perturb, generator):
