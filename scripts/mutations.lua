@@ -685,4 +685,7 @@ return {
   { name = "alibi-slopes-not-sliced", file = "src/nn/pg_module.c",
     from = "host + (size_t)tp_rank(m->ctx) * s->heads_l, (size_t)s->heads_l", to = "host, (size_t)s->heads_l",
     specs = { "dist/tensor_parallel" }, why = "every tensor rank takes the first heads' ALiBi slopes instead of its own" },
+  { name = "alibi-not-recomputed", file = "src/nn/pg_module.c",
+    from = "att, x, s->slopes, io->B, io->T, s->heads_l,", to = "att, x, NULL, io->B, io->T, s->heads_l,",
+    specs = { "dist/recompute" }, why = "selective recomputation forgets ALiBi's biases" },
 }
