@@ -160,6 +160,14 @@ describe(("tensor parallel layers, T=%d"):format(T), function()
     assert.is_false(plain:forward(qkv):equal(ya), "ALiBi changes the serial output")
   end)
 
+  -- the BLOOM fixtures (4 and 8 heads) against transformers' numbers at T = W (spec/support/bloom_fixture.lua)
+  for _, dir in ipairs{ "spec/fixtures/hf_bloom_tiny", "spec/fixtures/hf_bloom_tiny_h8" } do
+    it(dir .. ": ALiBi's slopes sliced by heads train as transformers' BLOOM", function()
+      local bloom = require "bloom_fixture"
+      bloom.assert_agrees(bloom.train(dir, par), bloom.expected(dir), 1e-5, dir .. " T=" .. T)
+    end)
+  end
+
   local composites = {
     { "CausalSelfAttention", function() return pg.nn.CausalSelfAttention{ dim = 16, heads = 4, seq_len = S, name = "attn" } end },
     { "CausalSelfAttention (ALiBi)", function()
