@@ -95,8 +95,11 @@ void pg_attention_forward(float *out, float *att, const float *qkv, const float 
  * 13th (slopes[12] for 16 to 31 heads), 2^-0.25 to the 15th (slopes[14],
  * 32 to 63 heads), 2^-(1/16) to the 91st (slopes[109] for 112 to 127 heads,
  * BLOOM-176B's 112 among them; slopes[90] for 128). A relative 6e-8 on one
- * slope, far below the products' rounding. scripts/make_bloom_reference.py
- * prints transformers' values. */
+ * slope, far below the products' rounding; and on a GPU build_alibi_tensor
+ * runs on the mask's device, where torch.pow is CUDA's powf (a bound of a
+ * few ulps), so torch's slopes depend on the device and the correctly
+ * rounded ones do not. scripts/make_bloom_reference.py --slopes prints
+ * transformers' values. */
 void pg_alibi_slopes(float *slopes, int n) {
   if (n < 1) return;
   int p = 1, lp = 0; /* p = 2^lp = 2^floor(log2 n) */

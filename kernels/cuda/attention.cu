@@ -11,7 +11,8 @@
 // products are the CPU kernel's, over whole [T, T] blocks (the CPU skips most
 // of the masked triangle; here the softmax writes exact zeros above the
 // diagonal, so the extra products only add zeros). Softmax and its backward:
-// one warp per row; ALiBi's biases are added in the softmax kernel. Backward, per batch row (the scratch holds one row's
+// one warp per row; ALiBi's biases are added in the softmax kernel.
+// Backward, per batch row (the scratch holds one row's
 // NH [T, T] blocks): the key and value gradients of a key/value head are its
 // group's products added in head order (g = 0 writes, beta = 1 for the
 // others: sgemms queued on one stream run in order), no atomics.
