@@ -242,6 +242,11 @@ describe("the attention module's alibi option", function()
     assert.has_error(function()
       pg.nn.Attention{ heads = NH, head_dim = HS, seq_len = S, alibi = true, rope_theta = 10000 }
     end, "Attention: alibi = true and rope_theta=10000 exclude each other (ALiBi or rotary embeddings)")
+    -- the runtime refuses the pair too (a description made by other means than nn.Attention)
+    local spec = pg.nn.Attention{ heads = NH, head_dim = HS, seq_len = S, alibi = true, name = "core" }
+    spec.rope_theta = 10000
+    local err = h.err_of(pg.nn.Layer, spec, nil, {})
+    assert.matches("core: ALiBi and rotary embeddings (rope_theta=10000) exclude each other: give one", err, 1, true)
   end)
 end)
 
