@@ -113,13 +113,25 @@ int pg_matmul_bf16_backward(float *dinp, float *dweight, const uint16_t *dout, c
  * Scores are scaled by 1/sqrt(HS) and masked causally. out is [B, T, NH HS].
  * The heads go through sgemm. */
 
-/* att[B,NH,T,T] keeps the softmax probabilities for backward. */
-void pg_attention_forward(float *out, float *att, const float *qkv, int B, int T, int NH, int NKV, int HS);
+/* att[B,NH,T,T] keeps the softmax probabilities for backward. slopes: NULL,
+ * or ALiBi (BLOOM): NH per-head slopes (pg_alibi_slopes, this call's heads),
+ * score[t, j] += slopes[h] * (j - t) after the scaling, before the softmax
+ * (transformers adds slopes[h] * j: the same softmax, see attention.c). The
+ * backward reads the saved probabilities and needs no slopes. */
+void pg_attention_forward(float *out, float *att, const float *qkv, const float *slopes, int B, int T, int NH, int NKV,
+                          int HS);
 /* dqkv[B,T,(NH+2NKV)HS] (overwritten); scratch holds at least pg_attention_scratch_floats(T, threads)
  * floats, threads = omp_get_max_threads() at the call (one [T, T] block per OpenMP thread). */
 void pg_attention_backward(float *dqkv, float *scratch, const float *dout, const float *qkv, const float *att, int B,
                            int T, int NH, int NKV, int HS);
 int64_t pg_attention_scratch_floats(int T, int threads);
+/* ALiBi's slopes for n heads (n >= 1), as transformers' build_alibi_tensor
+ * (BLOOM): p = 2^floor(log2 n), slopes[k-1] = b^k (k = 1..p) with b =
+ * 2^-(2^-(log2 p - 3)) rounded to float32; when p < n the other n - p are
+ * e^1, e^3, e^5, ... with e the same rule at 2p. Each power is computed in
+ * double from the float32 base and rounded once (see attention.c for where
+ * that differs from torch by 1 ulp). */
+void pg_alibi_slopes(float *slopes, int n);
 
 /* ---- rotary position embeddings (transformers' rotate_half convention) ----
  * For a head vector v of HS (even) values at sequence position t and
@@ -296,8 +308,9 @@ int pg_cuda_matmul_bf16_backward(const pg_cuda_ctx *ctx, float *dinp, float *dwe
                                  const uint16_t *weight, int N, int C, int OC);
 
 /* att[B,NH,T,T] as on the CPU (probabilities, exact zeros above the diagonal). */
-int pg_cuda_attention_forward(const pg_cuda_ctx *ctx, float *out, float *att, const float *qkv, int B, int T, int NH,
-                              int NKV, int HS);
+/* slopes: NULL or NH device floats (ALiBi, as pg_attention_forward). */
+int pg_cuda_attention_forward(const pg_cuda_ctx *ctx, float *out, float *att, const float *qkv, const float *slopes,
+                              int B, int T, int NH, int NKV, int HS);
 /* scratch: at least pg_cuda_attention_scratch_floats(T, NH) device floats. */
 int pg_cuda_attention_backward(const pg_cuda_ctx *ctx, float *dqkv, float *scratch, const float *dout,
                                const float *qkv, const float *att, int B, int T, int NH, int NKV, int HS);

@@ -692,4 +692,14 @@ return {
     from = "int64_t pg_engine_num_parameters(const pg_engine *e) { return e->num_parameters; }",
     to = "int64_t pg_engine_num_parameters(const pg_engine *e) { return e->num_parameters / e->ctx->tensor; }",
     specs = { "unit/collectives_agreement#num_parameters" }, why = "the parameter count of one shard instead of the model" },
+  ------------------------------------------------------------------ ALiBi (BLOOM, issue 32)
+  { name = "alibi-bias-sign", file = "kernels/cpu/attention.c",
+    from = "for (int j = 0; j <= t; j++) p[j] += m * (float)(j - t);", to = "for (int j = 0; j <= t; j++) p[j] += m * (float)(t - j);",
+    specs = { "unit/alibi#matches the reference" }, why = "ALiBi favours the distant keys instead of the near ones" },
+  { name = "alibi-slopes-not-sliced", file = "src/nn/pg_module.c",
+    from = "host + (size_t)tp_rank(m->ctx) * s->heads_l, (size_t)s->heads_l", to = "host, (size_t)s->heads_l",
+    specs = { "dist/tensor_parallel" }, why = "every tensor rank takes the first heads' ALiBi slopes instead of its own" },
+  { name = "alibi-not-recomputed", file = "src/nn/pg_module.c",
+    from = "att, x, s->slopes, io->B, io->T, s->heads_l,", to = "att, x, NULL, io->B, io->T, s->heads_l,",
+    specs = { "dist/recompute" }, why = "selective recomputation forgets ALiBi's biases" },
 }

@@ -8,7 +8,16 @@
  * of PG_ATT_BLOCK so that the products skip most of the masked upper
  * triangle: query block [r0, r1) only needs keys [0, r1). Each pair is
  * computed entirely by one thread (backward: each key/value head with its
- * query heads), so results do not depend on the thread count. */
+ * query heads), so results do not depend on the thread count.
+ *
+ * ALiBi (slopes given): score[t, j] = scale q_t . k_j + m_h (j - t), each
+ * term rounded separately (no FMA: the CUDA kernel's bits). transformers
+ * adds m_h j (build_alibi_tensor); softmax is invariant to a per-row
+ * constant, so m_h (j - t) is the same math and the more accurate one: the
+ * keys that carry the probability sit near the diagonal, where m_h (j - t)
+ * is small and exact to its float32 rounding, while m_h j grows with t (at
+ * m = 0.5, t = 2048 the scores near the diagonal are ~1024 and keep only
+ * ~6e-5 of absolute precision, which the probabilities inherit). */
 #include <cblas.h>
 #include <math.h>
 #include <string.h>
@@ -31,9 +40,10 @@ static void gemm_into_zero(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int M, int N,
 }
 
 /* One (b, h) pair. q, k, v point at the head's columns of row 0 (all ld
- * apart); P is its [T, T] probability matrix; o its output columns (ld ldo). */
-static void att_forward_head(float *o, float *P, const float *q, const float *k, const float *v, int T, int ld,
-                             int ldo, int hs, float scale) {
+ * apart); P is its [T, T] probability matrix; o its output columns (ld ldo);
+ * slope: NULL or the head's ALiBi slope. */
+static void att_forward_head(float *o, float *P, const float *q, const float *k, const float *v, const float *slope,
+                             int T, int ld, int ldo, int hs, float scale) {
   for (int r0 = 0; r0 < T; r0 += PG_ATT_BLOCK) {
     int r1 = pg_cpu_min(r0 + PG_ATT_BLOCK, T);
     /* scores S[r0:r1, 0:r1] = scale * Q K^T */
@@ -41,6 +51,11 @@ static void att_forward_head(float *o, float *P, const float *q, const float *k,
                    P + (int64_t)r0 * T, T);
     for (int t = r0; t < r1; t++) {
       float *p = P + (int64_t)t * T;
+      if (slope) {
+        const float m = *slope;
+#pragma omp simd
+        for (int j = 0; j <= t; j++) p[j] += m * (float)(j - t);
+      }
       float mx = pg_cpu_maxf(p, t + 1);
 #pragma omp simd
       for (int j = 0; j <= t; j++) p[j] = pg_cpu_expf(p[j] - mx);
@@ -56,7 +71,8 @@ static void att_forward_head(float *o, float *P, const float *q, const float *k,
   }
 }
 
-void pg_attention_forward(float *out, float *att, const float *qkv, int B, int T, int NH, int NKV, int HS) {
+void pg_attention_forward(float *out, float *att, const float *qkv, const float *slopes, int B, int T, int NH, int NKV,
+                          int HS) {
   if (B <= 0 || T <= 0 || NH <= 0 || NKV <= 0 || HS <= 0 || NH % NKV) return;
   const int ld = (NH + 2 * NKV) * HS, ldo = NH * HS, group = NH / NKV;
   const float scale = 1.0f / sqrtf((float)HS);
@@ -65,8 +81,37 @@ void pg_attention_forward(float *out, float *att, const float *qkv, int B, int T
     int b = bh / NH, h = bh % NH, kvh = h / group;
     const float *row0 = qkv + (int64_t)b * T * ld;
     att_forward_head(out + (int64_t)b * T * ldo + h * HS, att + (int64_t)bh * T * T, row0 + h * HS,
-                     row0 + (NH + kvh) * HS, row0 + (NH + NKV + kvh) * HS, T, ld, ldo, HS, scale);
+                     row0 + (NH + kvh) * HS, row0 + (NH + NKV + kvh) * HS, slopes ? slopes + h : NULL, T, ld, ldo, HS,
+                     scale);
   }
+}
+
+/* Each power in double from the float32 base, rounded once: the correctly
+ * rounded float32 of base^k (but for a double rounding, not met up to 128
+ * heads). torch.pow (1.13, CPU, AVX2), which transformers calls, gives the
+ * same bits for every head count up to 128 except 3 values 1 ulp lower,
+ * where it took its vectorised pow (Sleef, a 1-ulp bound, on whole vectors of
+ * 8; the tail goes through the correctly rounded scalar powf): 2^-0.5 to the
+ * 13th (slopes[12] for 16 to 31 heads), 2^-0.25 to the 15th (slopes[14],
+ * 32 to 63 heads), 2^-(1/16) to the 91st (slopes[109] for 112 to 127 heads,
+ * BLOOM-176B's 112 among them; slopes[90] for 128). A relative 6e-8 on one
+ * slope, far below the products' rounding; and on a GPU build_alibi_tensor
+ * runs on the mask's device, where torch.pow is CUDA's powf (a bound of a
+ * few ulps), so torch's slopes depend on the device and the correctly
+ * rounded ones do not. scripts/make_bloom_reference.py --slopes prints
+ * transformers' values. */
+void pg_alibi_slopes(float *slopes, int n) {
+  if (n < 1) return;
+  int p = 1, lp = 0; /* p = 2^lp = 2^floor(log2 n) */
+  while (p <= n / 2) {
+    p *= 2;
+    lp++;
+  }
+  const float base = (float)pow(2.0, -pow(2.0, -(double)(lp - 3)));
+  for (int k = 1; k <= p; k++) slopes[k - 1] = (float)pow((double)base, (double)k);
+  if (p == n) return;
+  const float extra = (float)pow(2.0, -pow(2.0, -(double)(lp + 1 - 3)));
+  for (int i = 0; i < n - p; i++) slopes[p + i] = (float)pow((double)extra, (double)(2 * i + 1)); /* n - p < p */
 }
 
 int64_t pg_attention_scratch_floats(int T, int threads) {

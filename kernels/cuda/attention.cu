@@ -11,7 +11,8 @@
 // products are the CPU kernel's, over whole [T, T] blocks (the CPU skips most
 // of the masked triangle; here the softmax writes exact zeros above the
 // diagonal, so the extra products only add zeros). Softmax and its backward:
-// one warp per row. Backward, per batch row (the scratch holds one row's
+// one warp per row; ALiBi's biases are added in the softmax kernel.
+// Backward, per batch row (the scratch holds one row's
 // NH [T, T] blocks): the key and value gradients of a key/value head are its
 // group's products added in head order (g = 0 writes, beta = 1 for the
 // others: sgemms queued on one stream run in order), no atomics.
@@ -20,12 +21,19 @@
 using namespace pgcu;
 
 // p[0..t] = softmax(p[0..t]) (scores already scaled), p[t+1..T) = 0; t = row % T.
-__global__ void att_softmax_kernel(float *att, int64_t rows, int T) {
+// slopes (ALiBi, NULL: none): the row's head h = (row / T) % NH adds
+// slopes[h] * (j - t) to score j first, each operation rounded as on the CPU
+// (no FMA). Every lane reads back only the columns it wrote.
+__global__ void att_softmax_kernel(float *att, const float *slopes, int64_t rows, int T, int NH) {
   const int lane = threadIdx.x % WARP;
   const int64_t row = (int64_t)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
   if (row >= rows) return;
   const int t = (int)(row % T);
   float *p = att + row * T;
+  if (slopes) {
+    const float m = slopes[(row / T) % NH];
+    for (int j = lane; j <= t; j += WARP) p[j] = __fadd_rn(p[j], __fmul_rn(m, (float)(j - t)));
+  }
   float mx = -INFINITY;
   for (int j = lane; j <= t; j += WARP) mx = fmaxf(mx, p[j]);
   mx = warp_max(mx);
@@ -100,8 +108,8 @@ extern "C" int64_t pg_cuda_attention_scratch_floats(int T, int NH) {
   return (int64_t)(NH > 0 ? NH : 1) * T * T;
 }
 
-extern "C" int pg_cuda_attention_forward(const pg_cuda_ctx *ctx, float *out, float *att, const float *qkv, int B,
-                                         int T, int NH, int NKV, int HS) {
+extern "C" int pg_cuda_attention_forward(const pg_cuda_ctx *ctx, float *out, float *att, const float *qkv,
+                                         const float *slopes, int B, int T, int NH, int NKV, int HS) {
   if (B <= 0 || T <= 0 || NH <= 0) return 0;
   if (bad_shape(B, T, NH, NKV, HS)) return PG_CUDA_EINVAL;
   cublasHandle_t h = blas_of(ctx);
@@ -118,7 +126,7 @@ extern "C" int pg_cuda_attention_forward(const pg_cuda_ctx *ctx, float *out, flo
   // scores S = scale * Q K^T
   if (int rc = gemm_grid(h, false, true, T, T, HS, scale, Q, K, 0.0f, att, T, ps, n)) return rc;
   const int64_t rows = (int64_t)B * NH * T;
-  att_softmax_kernel<<<row_blocks(rows), BLOCK, 0, stream_of(ctx)>>>(att, rows, T);
+  att_softmax_kernel<<<row_blocks(rows), BLOCK, 0, stream_of(ctx)>>>(att, slopes, rows, T, NH);
   if (int rc = launch_status()) return rc;
   // out[b, :, h] = P V
   const grid_mat P = {att, T, {ps[0], ps[1], ps[2]}};

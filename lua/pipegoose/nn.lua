@@ -499,13 +499,15 @@ KINDS.gelu = { -- elementwise: its FLOPs are priced with the Linear before it
 -- input of (heads + 2 kv_heads) * head_dim columns. nn.Attention{dim=,
 -- heads=, seq_len=, kv_heads= (default heads: grouped-query when fewer),
 -- head_dim= (default dim/heads), rope_theta= (rotary embeddings on q and k,
--- transformers' rotate_half convention; default none), name=}. Under tensor
+-- transformers' rotate_half convention; default none), alibi= (true: ALiBi's
+-- per-head linear biases on the scores, BLOOM's; slopes pg.ops.alibi_slopes(heads),
+-- each tensor rank its heads' slice; excludes rope_theta), name=}. Under tensor
 -- parallelism query and key/value heads are both split over the group:
 -- tensor must divide heads and kv_heads (key/value heads are not replicated).
 local THETA = opt.number{ gt = 1 }
 
 local ATTENTION = { dim = POS, heads = NEED, seq_len = NEED, kv_heads = POS, head_dim = POS, rope_theta = THETA,
-                    name = NAME }
+                    alibi = opt.boolean, name = NAME }
 
 function nn.Attention(o)
   o = opt.check("Attention", o, ATTENTION)
@@ -522,8 +524,12 @@ function nn.Attention(o)
   if o.rope_theta ~= nil and hd % 2 ~= 0 then
     error(("Attention: rotary embeddings need an even head_dim, got %d"):format(hd), 2)
   end
+  if o.alibi and o.rope_theta ~= nil then
+    error(("Attention: alibi = true and rope_theta=%g exclude each other (ALiBi or rotary embeddings)"):format(
+      o.rope_theta), 2)
+  end
   return spec("attention", { width = o.heads * hd, heads = o.heads, kv_heads = kv, head_dim = hd, max_seq = o.seq_len,
-                             rope_theta = o.rope_theta, name = o.name, label = "Attention" })
+                             rope_theta = o.rope_theta, alibi = o.alibi or nil, name = o.name, label = "Attention" })
 end
 
 KINDS.attention = {
@@ -539,7 +545,7 @@ KINDS.attention = {
       c.fail("needs q|k|v split over tensor=%d block by block (from a column-parallel Linear with blocks = 3)", T)
     end
     return { kind = "attention", name = c.me, heads = s.heads, kv_heads = s.kv_heads, head_dim = s.head_dim,
-             max_seq = s.max_seq, rope_theta = s.rope_theta },
+             max_seq = s.max_seq, rope_theta = s.rope_theta, alibi = s.alibi },
            { width = s.width, split = T > 1 }
   end,
   flops = function(s, T) return 2 * T * s.width end, -- QK^T and PV over the causal half
@@ -612,15 +618,17 @@ KINDS.lm_head = {
 
 ---------------------------------------------------------------- composites
 
+-- alibi = true: ALiBi in the core (nn.Attention's alibi=).
 function nn.CausalSelfAttention(o)
-  o = opt.check("CausalSelfAttention", o, { dim = NEED, heads = NEED, seq_len = NEED, proj_std = STD, name = NAME })
+  o = opt.check("CausalSelfAttention", o, { dim = NEED, heads = NEED, seq_len = NEED, proj_std = STD,
+                                            alibi = opt.boolean, name = NAME })
   local proj_std = o.proj_std
   if o.dim % o.heads ~= 0 then
     error(("CausalSelfAttention: dim=%d is not divisible by heads=%d"):format(o.dim, o.heads), 2)
   end
   local s = nn.Sequential{
     nn.Linear{ ["in"] = o.dim, out = 3 * o.dim, parallel = "column", blocks = 3, name = "qkv" },
-    nn.Attention{ dim = o.dim, heads = o.heads, seq_len = o.seq_len, name = "core" },
+    nn.Attention{ dim = o.dim, heads = o.heads, seq_len = o.seq_len, alibi = o.alibi, name = "core" },
     nn.Linear{ ["in"] = o.dim, out = o.dim, parallel = "row", init_std = proj_std, name = "proj" },
     name = o.name,
   }

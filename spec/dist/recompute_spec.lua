@@ -2,8 +2,8 @@
 -- Activation recomputation (pg.parallelize{recompute = "full" | "selective"})
 -- changes memory, never results: in every layout of this world size, three
 -- AdamW steps give bit for bit the losses, the evaluation loss and the
--- weights of the same run without it (GPT-2 and LLaMA: RoPE, grouped-query
--- attention), and the activation peak is lower, also with one micro-batch
+-- weights of the same run without it (GPT-2, LLaMA: RoPE, grouped-query
+-- attention, and GPT-2's blocks with ALiBi), and the activation peak is lower, also with one micro-batch
 -- in flight: full keeps each block's output per micro-batch and one
 -- micro-batch of one block's inside (the rank's blocks share it), selective
 -- one micro-batch of one layer's attention probabilities.
@@ -17,7 +17,25 @@ local LAYOUTS = ({
   [4] = { { name = "T=2 x P=2", tensor = 2, pipeline = 2 }, { name = "P=2 x D=2", pipeline = 2, data = 2 } },
 })[W]
 
+-- GPT-2's blocks with ALiBi instead of position embeddings (BLOOM's attention)
+local function alibi_model()
+  local nn = pg.nn
+  local list = { nn.Embedding{ vocab = 61, dim = 32, name = "embed" } }
+  for i = 0, 1 do
+    list[#list + 1] = nn.Sequential{
+      nn.Residual(nn.Sequential{ nn.LayerNorm(32, { name = "ln1" }),
+        nn.CausalSelfAttention{ dim = 32, heads = 4, seq_len = 16, alibi = true, name = "attn" } }),
+      nn.Residual(nn.Sequential{ nn.LayerNorm(32, { name = "ln2" }), nn.MLP{ dim = 32, name = "mlp" } }),
+      name = "blocks." .. i,
+    }
+  end
+  list[#list + 1] = nn.LayerNorm(32, { name = "ln_f" })
+  list[#list + 1] = nn.LMHead{ vocab = 61, dim = 32, tie = false, name = "head" }
+  return nn.Sequential(list)
+end
+
 local MODELS = {
+  alibi = alibi_model,
   gpt2 = function() return pg.nn.GPT.load_llmc("spec/fixtures/gpt2_tiny_model.bin") end,
   llama = function()
     return pg.nn.Llama{ vocab = 61, seq_len = 16, dim = 32, heads = 4, kv_heads = 2, hidden = 48, layers = 2 }
@@ -52,7 +70,7 @@ end
 
 describe("activation recomputation (" .. W .. " ranks)", function()
   for _, layout in ipairs(LAYOUTS) do
-    for _, model in ipairs{ "gpt2", "llama" } do
+    for _, model in ipairs{ "gpt2", "llama", "alibi" } do
       it(layout.name .. ", " .. model .. ": full and selective give the run without them bit for bit", function()
         local base = run(layout, model, "none")
         for _, how in ipairs{ "full", "selective" } do

@@ -147,8 +147,32 @@ describe(("tensor parallel layers, T=%d"):format(T), function()
     assert_close(dxb, my_cols(dxa, 3), "input gradient (this rank's q|k|v columns)")
   end)
 
+  -- ALiBi: rank r holds heads [r H/T, (r + 1) H/T) and their slopes (8 heads, so that at T = 4 too each rank's
+  -- slopes differ from every other's: 2^-1 .. 2^-8)
+  it("Attention core with ALiBi: each rank its heads' slopes", function()
+    local spec = pg.nn.Attention{ dim = 16, heads = 8, seq_len = S, alibi = true, name = "core" }
+    local qkv = pg.randn({ B, S, 48 }, { seed = 4 })
+    local a, b, ya, yb, dxa, dxb = run_pair(spec, qkv, my_cols(qkv, 3), {
+      input_ser = { width = 48, split = false }, dy_par = function(dy) return my_cols(dy) end })
+    assert_close(yb, my_cols(ya), "output (this rank's heads)")
+    assert_close(dxb, my_cols(dxa, 3), "input gradient (this rank's q|k|v columns)")
+    local plain = pg.nn.Layer(pg.nn.Attention{ dim = 16, heads = 8, seq_len = S, name = "core" }, ser, { seed = 5 })
+    assert.is_false(plain:forward(qkv):equal(ya), "ALiBi changes the serial output")
+  end)
+
+  -- the BLOOM fixtures (4 and 8 heads) against transformers' numbers at T = W (spec/support/bloom_fixture.lua)
+  for _, dir in ipairs{ "spec/fixtures/hf_bloom_tiny", "spec/fixtures/hf_bloom_tiny_h8" } do
+    it(dir .. ": ALiBi's slopes sliced by heads train as transformers' BLOOM", function()
+      local bloom = require "bloom_fixture"
+      bloom.assert_agrees(bloom.train(dir, par), bloom.expected(dir), 1e-5, dir .. " T=" .. T)
+    end)
+  end
+
   local composites = {
     { "CausalSelfAttention", function() return pg.nn.CausalSelfAttention{ dim = 16, heads = 4, seq_len = S, name = "attn" } end },
+    { "CausalSelfAttention (ALiBi)", function()
+      return pg.nn.CausalSelfAttention{ dim = 16, heads = 4, seq_len = S, alibi = true, name = "attn" }
+    end },
     { "MLP", function() return pg.nn.MLP{ dim = 16, name = "mlp" } end },
     { "TransformerBlock", function() return pg.nn.TransformerBlock{ dim = 16, heads = 4, seq_len = S, name = "blocks.0" } end },
     { "LayerNorm (replicated)", function() return pg.nn.LayerNorm(16, { name = "ln" }) end },

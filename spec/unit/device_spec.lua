@@ -148,6 +148,54 @@ print("agree")
     assert.matches("agree", out)
   end)
 
+  -- ALiBi (BLOOM's biases): the slopes on the device backend, also where
+  -- selective recomputation runs the forward kernel again in backward (the
+  -- two layers share one probability buffer)
+  it("an ALiBi block computes one step's loss and gradients as the cpu backend does, recomputed or not", function()
+    local rc, out = emu([[
+local pg = require "pipegoose"
+local nn = pg.nn
+local function model()
+  local list = { nn.Embedding{ vocab = 61, dim = 32, name = "embed" } }
+  for i = 0, 1 do -- two layers: their attentions share one probability buffer when recomputed
+    list[#list + 1] = nn.Sequential{
+      nn.Residual(nn.Sequential{ nn.LayerNorm(32, { name = "ln1" }),
+        nn.CausalSelfAttention{ dim = 32, heads = 4, seq_len = 16, alibi = true, name = "attn" } }),
+      nn.Residual(nn.Sequential{ nn.LayerNorm(32, { name = "ln2" }), nn.MLP{ dim = 32, name = "mlp" } }),
+      name = "blocks." .. i,
+    }
+  end
+  list[#list + 1] = nn.LayerNorm(32, { name = "ln_f" })
+  list[#list + 1] = nn.LMHead{ vocab = 61, dim = 32, tie = false, name = "head" }
+  return nn.Sequential(list)
+end
+local x = pg.randn({ 4, 17 }, { seed = 3 })
+local ids = {}
+for b = 1, 4 do ids[b] = {} for t = 1, 17 do ids[b][t] = math.floor(math.abs(x:get(b, t)) * 1000) % 61 end end
+local all = pg.tensor(ids, { dtype = "int32" })
+local xs, ys = all:narrow(2, 1, 16), all:narrow(2, 2, 16)
+local function step(device, recompute)
+  local e = pg.parallelize(model(), nil, { device = device, seed = 5, recompute = recompute, micro_batches = 2 })
+  e:zero_grad()
+  local loss = e:forward_backward(xs, ys)
+  local _, g = e:flat()
+  return loss, g:to("cpu")
+end
+local lc, gc = step("cpu", "none")
+local ls, gs = step("cpu", "selective")
+assert(ls == lc and gs:equal(gc), "selective recomputation with ALiBi: not the same bits")
+local ld, gd = step("cuda", "none")
+local ldr, gdr = step("cuda", "selective")
+assert(ldr == ld and gdr:equal(gd), "cuda: selective recomputation with ALiBi: not the same bits")
+local scale = math.max(1, gc:max_abs_diff(pg.zeros(gc:shape())))
+assert(math.abs(ld - lc) <= 1e-6 * lc, ("loss cuda %.9g cpu %.9g"):format(ld, lc))
+assert(gd:allclose(gc, 1e-5, 1e-6 * scale), ("gradients: max |diff| %.3g"):format(gd:max_abs_diff(gc)))
+print(("alibi agrees: loss %.9g vs %.9g, gradients max |diff| %.3g"):format(ld, lc, gd:max_abs_diff(gc)))
+]])
+    assert.equal(0, rc, out)
+    assert.matches("alibi agrees", out)
+  end)
+
   it("keeps device tensors on the device: to(), clone(), copy_(), printing, and a clear refusal elsewhere", function()
     local rc, out = emu([[
 local pg = require "pipegoose"

@@ -57,8 +57,9 @@ typedef struct pg_backend_ops {
                         int N, int C, int OC);
   int (*matmul_backward)(const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout,
                          const float *inp, const float *weight, int N, int C, int OC);
-  int (*attention_forward)(const pg_backend *b, float *out, float *att, const float *qkv, int B, int T, int NH, int NKV,
-                           int HS);
+  /* slopes: NULL, or NH ALiBi slopes in this backend's memory */
+  int (*attention_forward)(const pg_backend *b, float *out, float *att, const float *qkv, const float *slopes, int B,
+                           int T, int NH, int NKV, int HS);
   int (*attention_backward)(const pg_backend *b, float *dqkv, float *scratch, const float *dout, const float *qkv,
                             const float *att, int B, int T, int NH, int NKV, int HS);
   /* floats of scratch attention_backward needs for sequences of up to T and NH heads */

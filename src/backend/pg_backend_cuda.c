@@ -132,8 +132,9 @@ CUDA_KERNEL(matmul_backward,
              const float *weight, int N, int C, int OC),
             (ctx_of(b), dinp, dweight, dbias, dout, inp, weight, N, C, OC))
 CUDA_KERNEL(attention_forward,
-            (const pg_backend *b, float *out, float *att, const float *qkv, int B, int T, int NH, int NKV, int HS),
-            (ctx_of(b), out, att, qkv, B, T, NH, NKV, HS))
+            (const pg_backend *b, float *out, float *att, const float *qkv, const float *slopes, int B, int T, int NH,
+             int NKV, int HS),
+            (ctx_of(b), out, att, qkv, slopes, B, T, NH, NKV, HS))
 CUDA_KERNEL(attention_backward,
             (const pg_backend *b, float *dqkv, float *scratch, const float *dout, const float *qkv, const float *att,
              int B, int T, int NH, int NKV, int HS),

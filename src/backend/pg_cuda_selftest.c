@@ -422,22 +422,25 @@ static void test_bf16(selftest *st) {
   }
 }
 
-/* One attention shape: NH query heads, NKV key/value heads of HS columns. */
-static void attention_case(selftest *st, int NH, int NKV, int HS) {
+/* One attention shape: NH query heads, NKV key/value heads of HS columns;
+ * slopes: NULL or NH ALiBi slopes (host). */
+static void attention_case(selftest *st, int NH, int NKV, int HS, const float *slopes) {
   const int B = ST_B, T = ST_T, N = ST_N, W = (NH + 2 * NKV) * HS, C = NH * HS;
   const pg_cuda_ctx *ctx = &st->ctx;
   const int64_t nqkv = (int64_t)N * W, natt = (int64_t)B * NH * T * T;
   char what[32] = "", name[96];
   if (NKV != NH) snprintf(what, sizeof what, " (%d/%d heads)", NH, NKV);
+  if (slopes) snprintf(what + strlen(what), sizeof what - strlen(what), " (alibi)");
 #define ST_NAME(s) (snprintf(name, sizeof name, "attention_%s%.31s", s, what), name)
   float *qkv = h_rand(st, nqkv, -1, 1), *garbage = h_rand(st, nqkv > natt ? nqkv : natt, 100, 200);
   float *out = h_alloc(st, (size_t)N * C * sizeof(float)), *att = h_alloc(st, (size_t)natt * sizeof(float));
   if (!qkv || !garbage || !out || !att) return;
-  pg_attention_forward(out, att, qkv, B, T, NH, NKV, HS);
+  pg_attention_forward(out, att, qkv, slopes, B, T, NH, NKV, HS);
   float *d_qkv = d_floats(st, qkv, nqkv), *d_out = d_floats(st, garbage, (int64_t)N * C);
-  float *d_att = d_floats(st, garbage, natt);
+  float *d_att = d_floats(st, garbage, natt), *d_slopes = slopes ? d_floats(st, slopes, NH) : NULL;
   if (st->broken) return;
-  if (launched(st, ST_NAME("forward"), pg_cuda_attention_forward(ctx, d_out, d_att, d_qkv, B, T, NH, NKV, HS))) {
+  if (launched(st, ST_NAME("forward"),
+               pg_cuda_attention_forward(ctx, d_out, d_att, d_qkv, d_slopes, B, T, NH, NKV, HS))) {
     check_f(st, ST_NAME("forward.out"), d_out, out, (int64_t)N * C, TOL_GEMM);
     check_f(st, ST_NAME("forward.att"), d_att, att, natt, TOL_GEMM);
   }
@@ -460,11 +463,18 @@ static void attention_case(selftest *st, int NH, int NKV, int HS) {
 }
 
 /* Multi-head, grouped-query (two query heads per key/value head) and
- * multi-query attention. */
+ * multi-query attention; ALiBi with 3 heads (an odd count: slopes 2^-4,
+ * 2^-8 and the extra 2^-2, whose biases reach 9 at T = 37) and with 4 of 8
+ * heads (grouped-query, the second tensor-parallel rank's slice). */
 static void test_attention(selftest *st) {
-  attention_case(st, ST_NH, ST_NH, ST_C / ST_NH);
-  attention_case(st, 4, 2, 12);
-  attention_case(st, 4, 1, 12);
+  attention_case(st, ST_NH, ST_NH, ST_C / ST_NH, NULL);
+  attention_case(st, 4, 2, 12, NULL);
+  attention_case(st, 4, 1, 12, NULL);
+  float slopes3[ST_NH], slopes8[8];
+  pg_alibi_slopes(slopes3, ST_NH);
+  pg_alibi_slopes(slopes8, 8);
+  attention_case(st, ST_NH, ST_NH, ST_C / ST_NH, slopes3);
+  attention_case(st, 4, 2, 12, slopes8 + 4);
 }
 
 /* RoPE over the query and key heads of a grouped-query qkv block (the value

@@ -399,15 +399,27 @@ static pg_tensor *qkv_arg(lua_State *L, int idx, int heads_idx, const char *fn, 
   return qkv;
 }
 
-/* attention(qkv[B,T,(NH+2NKV)HS], heads [, kv_heads]) -> out[B,T,NH HS], att[B,NH,T,T] */
+/* attention(qkv[B,T,(NH+2NKV)HS], heads [, kv_heads [, slopes[NH]]]) -> out[B,T,NH HS], att[B,NH,T,T];
+ * slopes: ALiBi's per-head slopes (nil: none) */
 static int l_attention(lua_State *L) {
   const char *fn = "ops.attention";
   int B, T, NH, NKV, HS;
   pg_tensor *qkv = qkv_arg(L, 1, 2, fn, &B, &T, &NH, &NKV, &HS);
+  const pg_tensor *slopes = lua_isnoneornil(L, 4) ? NULL : expect(L, 4, fn, "slopes", PG_FLOAT32, 1, (int64_t[]){NH});
   pg_tensor *out = pg_lua_new_tensor(L, PG_FLOAT32, 3, (int64_t[]){B, T, (int64_t)NH * HS});
   pg_tensor *att = pg_lua_new_tensor(L, PG_FLOAT32, 4, (int64_t[]){B, NH, T, T});
-  pg_attention_forward(pg_tensor_f32(out), pg_tensor_f32(att), pg_tensor_f32(qkv), B, T, NH, NKV, HS);
+  pg_attention_forward(pg_tensor_f32(out), pg_tensor_f32(att), pg_tensor_f32(qkv),
+                       slopes ? pg_tensor_f32(slopes) : NULL, B, T, NH, NKV, HS);
   return 2;
+}
+
+/* alibi_slopes(heads) -> slopes[heads]: ALiBi's slopes (pg_alibi_slopes, transformers' BLOOM) */
+static int l_alibi_slopes(lua_State *L) {
+  int n = int_arg(L, 1, "ops.alibi_slopes", "heads", 1, 0, 0);
+  int64_t len = n;
+  pg_tensor *s = pg_lua_new_tensor(L, PG_FLOAT32, 1, &len);
+  pg_alibi_slopes(pg_tensor_f32(s), n);
+  return 1;
 }
 
 /* attention_backward(dout[B,T,NH HS], qkv, att[B,NH,T,T], heads [, kv_heads]) -> dqkv */
@@ -778,6 +790,7 @@ static const luaL_Reg ops_functions[] = {
     {"bf16_gemm_path", l_bf16_gemm_path},
     {"attention", l_attention},
     {"attention_backward", l_attention_backward},
+    {"alibi_slopes", l_alibi_slopes},
     {"rope", l_rope},
     {"rope_backward", l_rope_backward},
     {"rmsnorm", l_rmsnorm},

@@ -973,6 +973,7 @@ typedef struct attention_state {
   float *scratch; /* backward */
   float *rotated; /* with RoPE: [nslots][rows * in_width], q|k rotated, v copied */
   float *cos_t, *sin_t; /* with RoPE: [max_seq, head_dim / 2] on the backend */
+  float *slopes;  /* with ALiBi: this rank's heads_l slopes on the backend */
   const float **saved_x;
   int att_slot;   /* recompute: the micro-batch whose probabilities att holds (-1: none) */
 } attention_state;
@@ -1029,6 +1030,21 @@ static int attention_alloc(pg_module *m, int nslots, int max_rows) {
     free(host);
     if (rc) return PG_ERR;
   }
+  if (s->o.alibi) { /* this rank's heads [r H/T, (r + 1) H/T) of the full count's slopes */
+    const pg_backend *home = home_backend(BE(m));
+    pg_be_release(home, s->slopes);
+    s->slopes = pg_be_floats(home, (size_t)s->heads_l);
+    float *host = malloc((size_t)s->o.heads * sizeof(float));
+    if (!s->slopes || !host) {
+      free(host);
+      return pg_fail("out of memory for %s (ALiBi slopes)", m->name);
+    }
+    pg_alibi_slopes(host, s->o.heads);
+    int rc = KERNEL(m, copy, s->slopes, host + (size_t)tp_rank(m->ctx) * s->heads_l, (size_t)s->heads_l * sizeof(float),
+                    PG_COPY_HOST_TO_DEVICE);
+    free(host);
+    if (rc) return PG_ERR;
+  }
   return PG_OK;
 }
 
@@ -1055,7 +1071,7 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
     xf = io->wide_scratch[0];
   }
   float *out = m->in_bf16 ? io->wide_scratch[1] : slot_out(m, slot);
-  if (KERNEL(m, attention_forward, out, att, xf, io->B, io->T, s->heads_l, s->kv_l, hd) ||
+  if (KERNEL(m, attention_forward, out, att, xf, s->slopes, io->B, io->T, s->heads_l, s->kv_l, hd) ||
       (m->in_bf16 && KERNEL(m, bf16_from_f32, bits(slot_out(m, slot)), out, (int64_t)N * m->out_width)))
     return PG_ERR;
   s->saved_x[slot] = x;
@@ -1080,8 +1096,8 @@ static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy
   /* recompute: another micro-batch's forward ran since; the output written
    * again is the same (the next module has used it already; bf16: into scratch, overwritten below) */
   if (s->o.recompute && !attention_holds(m, s, slot) &&
-      KERNEL(m, attention_forward, m->in_bf16 ? dinp : slot_out(m, slot), att, x, io->B, io->T, s->heads_l, s->kv_l,
-             hd))
+      KERNEL(m, attention_forward, m->in_bf16 ? dinp : slot_out(m, slot), att, x, s->slopes, io->B, io->T, s->heads_l,
+             s->kv_l, hd))
     return PG_ERR;
   attention_claim(m, s, -1); /* backward may overwrite what it reads */
   if (m->in_bf16) {
@@ -1107,6 +1123,7 @@ static void attention_destroy(pg_module *m) {
   pg_be_release(BE(m), s->rotated);
   pg_be_release(home_backend(BE(m)), s->cos_t);
   pg_be_release(home_backend(BE(m)), s->sin_t);
+  pg_be_release(home_backend(BE(m)), s->slopes);
   free(s->saved_x);
 }
 
@@ -1124,6 +1141,9 @@ pg_module *pg_attention_new(pg_context *ctx, const char *name, const pg_attentio
                         "not replicated)", name, T, KV);
   if (o->max_seq < 1) return pg_fail_null("%s: attention needs a positive maximum sequence length, not %d", name, o->max_seq);
   if (o->rope_theta > 0 && hd % 2) return pg_fail_null("%s: rotary embeddings need an even head_dim, not %d", name, hd);
+  if (o->alibi && o->rope_theta > 0)
+    return pg_fail_null("%s: ALiBi and rotary embeddings (rope_theta=%g) exclude each other: give one", name,
+                        o->rope_theta);
   if ((int64_t)(H + 2 * KV) * hd > INT32_MAX / 2) return pg_fail_null("%s: attention width overflows", name);
   pg_module *m = module_new(&attention_ops, ctx, name, (H + 2 * KV) / T * hd, H / T * hd, sizeof(attention_state));
   if (!m) return NULL;
@@ -2619,7 +2639,7 @@ static pg_module *build_attention(pg_context *ctx, const char *name, const pg_de
   int bad = 0;
   pg_attention_opts o = {.heads = DESC_INT(d, "heads", 0), .kv_heads = DESC_INT(d, "kv_heads", 0),
                          .head_dim = DESC_INT(d, "head_dim", 0), .max_seq = DESC_INT(d, "max_seq", 0),
-                         .rope_theta = d->ops->number(d, "rope_theta", 0),
+                         .rope_theta = d->ops->number(d, "rope_theta", 0), .alibi = d->ops->boolean(d, "alibi", 0),
                          .recompute = d->ops->boolean(d, "recompute", 0)};
   return bad ? NULL : pg_attention_new(ctx, name, &o);
 }

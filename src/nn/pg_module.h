@@ -180,6 +180,8 @@ typedef struct pg_attention_opts {
   int head_dim;
   int max_seq;
   double rope_theta;   /* > 0: rotary position embeddings on q and k (rotate_half); 0: none */
+  int alibi;           /* 1: ALiBi biases on the scores (BLOOM; pg_alibi_slopes of `heads`, this rank's slice);
+                          excludes rope_theta */
   int recompute;       /* 1: keep the probabilities of one micro-batch only and recompute them in
                           backward (selective recomputation, Korthikanti et al. 2022) */
 } pg_attention_opts;
