@@ -4,7 +4,7 @@
     python3 scripts/hf_defaults.py [OUT]     (default spec/fixtures/hf_config_defaults.json)
 
 For each family lua/pipegoose/hf.lua imports (gpt2: GPT2Config, llama:
-LlamaConfig, mixtral: MixtralConfig) and each config.json field its
+LlamaConfig, mixtral: MixtralConfig, bloom: BloomConfig) and each config.json field its
 options() reads, writes the value transformers gives that field when
 config.json does not have it: the config class built from the family's
 fixture (spec/fixtures/hf_<family>_tiny/config.json) with the field removed,
@@ -31,7 +31,7 @@ import os
 import sys
 
 import transformers
-from transformers import GPT2Config, LlamaConfig, MixtralConfig
+from transformers import BloomConfig, GPT2Config, LlamaConfig, MixtralConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,6 +53,11 @@ FAMILIES = {
         "num_local_experts", "num_experts_per_tok", "output_router_logits", "router_aux_loss_coef",
         "router_jitter_noise", "sliding_window",
     ]),
+    "bloom": (BloomConfig, "spec/fixtures/hf_bloom_tiny", [
+        "vocab_size", "hidden_size", "n_layer", "n_head", "layer_norm_epsilon",
+        "apply_residual_connection_post_layernorm", "tie_word_embeddings", "seq_length",
+        "n_embed", "num_attention_heads", "num_hidden_layers",
+    ]),
 }
 
 # Rules a value absent from config.json may follow (hf_defaults_spec.lua evaluates them:
@@ -66,6 +71,15 @@ MODELING = {
                           "inner_dim = config.n_inner if config.n_inner is not None else 4 * hidden_size"),
     ("mixtral", "head_dim"): ("hidden_size // num_attention_heads", "transformers.models.mixtral.modeling_mixtral",
                               "self.head_dim = self.hidden_size // self.num_heads"),
+}
+
+# Other spellings of a field the config class accepts (BloomConfig pops n_embed
+# into hidden_size; its attribute_map sends the others to n_head / n_layer):
+# checked to win over the field when both are given.
+ALIASES = {
+    ("bloom", "n_embed"): "hidden_size",
+    ("bloom", "num_attention_heads"): "n_head",
+    ("bloom", "num_hidden_layers"): "n_layer",
 }
 
 MISSING = object()
@@ -82,6 +96,12 @@ def source_has(module, text):
 
 
 def entry(family, cls, fixture, field):
+    if (family, field) in ALIASES:
+        target = ALIASES[(family, field)]
+        value = 2 * fixture[target]
+        if getattr(cls.from_dict({**fixture, field: value}), target) != value:
+            sys.exit(f"{family}.{field}: {cls.__name__} no longer reads it as {target}")
+        return {"alias_of": target, "note": f"given with {target}, {field} wins"}
     without = {k: v for k, v in fixture.items() if k != field}
     config = cls.from_dict(without)
     bare = cls()

@@ -702,4 +702,10 @@ return {
   { name = "alibi-not-recomputed", file = "src/nn/pg_module.c",
     from = "att, x, s->slopes, io->B, io->T, s->heads_l,", to = "att, x, NULL, io->B, io->T, s->heads_l,",
     specs = { "dist/recompute" }, why = "selective recomputation forgets ALiBi's biases" },
+  { name = "bloom-qkv-not-regrouped", file = "lua/pipegoose/models/bloom.lua",
+    from = "if to_pg then from = 3 * (i % heads) + i // heads", to = "if to_pg then from = i",
+    specs = { "unit/bloom#serially" }, why = "BLOOM's per-head q, k, v rows read as pipegoose's q | k | v" },
+  { name = "bloom-no-embedding-norm", file = "lua/pipegoose/models/bloom.lua",
+    from = "  model:add(nn.LayerNorm(o.dim, { name = \"embed_ln\" }))\n", to = "",
+    specs = { "unit/bloom#serially" }, why = "BLOOM without the LayerNorm after its word embedding" },
 }

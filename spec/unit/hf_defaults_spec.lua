@@ -36,6 +36,7 @@ local BASE = {
   mixtral = { fixture = "spec/fixtures/hf_mixtral_tiny",
               add = { num_attention_heads = 16, head_dim = 8, attention_bias = false, mlp_bias = false,
                       rope_scaling = cjson.null } },
+  bloom = { fixture = "spec/fixtures/hf_bloom_tiny", add = { seq_length = 16 } },
 }
 
 local function base_config(family)
@@ -71,6 +72,13 @@ local USES = {
     router_aux_loss_coef = "aux_loss_coef", -- the base has output_router_logits = true
     router_jitter_noise = fixed(0), sliding_window = fixed(nil), -- the whole causal context
   }, { __index = LLAMA }),
+  bloom = {
+    vocab_size = "vocab", hidden_size = "dim", n_head = "heads", n_layer = "layers", tie_word_embeddings = "tie",
+    layer_norm_epsilon = fixed(1e-5), apply_residual_connection_post_layernorm = fixed(false),
+    -- no BloomConfig field: pipegoose's BLOOM length (models/bloom.lua's SEQ_LEN) unless config.json gives one
+    seq_length = function(o) if o.seq_len ~= 2048 then return o.seq_len end end,
+    n_embed = "dim", num_attention_heads = "heads", num_hidden_layers = "layers",
+  },
 }
 
 local function uses(family, field, o)
@@ -128,11 +136,12 @@ end
 local VERSION = TABLE.transformers_version
 
 describe("hf.read_config: an absent config.json field is read as transformers " .. VERSION .. " reads it", function()
-  it("the table names transformers' version and the three config classes", function()
+  it("the table names transformers' version and the four config classes", function()
     assert.is_truthy(VERSION:match("^%d+%.%d+"), tostring(VERSION))
-    assert.same({ "gpt2", "llama", "mixtral" }, sorted_keys(TABLE.families))
-    assert.same({ "GPT2Config", "LlamaConfig", "MixtralConfig" },
-      { TABLE.families.gpt2.class, TABLE.families.llama.class, TABLE.families.mixtral.class })
+    assert.same({ "bloom", "gpt2", "llama", "mixtral" }, sorted_keys(TABLE.families))
+    assert.same({ "GPT2Config", "LlamaConfig", "MixtralConfig", "BloomConfig" },
+      { TABLE.families.gpt2.class, TABLE.families.llama.class, TABLE.families.mixtral.class,
+        TABLE.families.bloom.class })
   end)
 
   for _, family in ipairs(sorted_keys(TABLE.families)) do
@@ -157,6 +166,18 @@ describe("hf.read_config: an absent config.json field is read as transformers " 
     end)
 
     for _, field in ipairs(sorted_keys(fam.fields)) do
+      local alias_of = fam.fields[field].alias_of
+      if alias_of then
+        -- another spelling of a field: given with it, it wins (the base config has the field, not the alias)
+        it(("%s: %s given with %s wins, as in transformers"):format(family, field, alias_of), function()
+          local cfg = base_config(family)
+          cfg[field] = 2 * cfg[alias_of]
+          local ok, o = import(cfg)
+          assert(ok, tostring(o))
+          assert.equal(cfg[field], uses(family, field, o))
+        end)
+        goto next_field
+      end
       it(("%s without %s: transformers' value"):format(family, field), function()
         local cfg = base_config(family)
         assert(cfg[field] ~= nil, ("%s: the base config has no %s to remove"):format(family, field))
@@ -171,6 +192,7 @@ describe("hf.read_config: an absent config.json field is read as transformers " 
         assert(same(got, want), ("%s: config.json without %s: pipegoose uses %s; transformers %s's %s has %s")
           :format(family, field, show(got), VERSION, fam.class, what))
       end)
+      ::next_field::
     end
   end
 

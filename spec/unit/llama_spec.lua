@@ -6,7 +6,7 @@
 -- AdamW steps on one batch (scripts/llama_torch.py; transformers 4.45.2
 -- gives the same numbers bit for bit: scripts/hf_reference.py llama-check).
 -- scripts/model_check.lua trains the same directory in pipegoose, serially
--- and in parallel layouts. Tolerance: 1e-5 relative on every loss and on the
+-- and in parallel layouts (spec/support/hf_model_check.lua). Tolerance: 1e-5 relative on every loss and on the
 -- first gradient norm, 1e-4 on the later gradient norms. Measured: the first
 -- step's gradients agree with PyTorch's to 1.6e-7 (largest absolute
 -- difference, every tensor) and the losses stay within 4e-6, but Adam's
@@ -16,79 +16,15 @@
 -- gradient norms drift apart by up to 4e-5 (3e-7 in the smaller fixture).
 local pg = require "pipegoose"
 local h = require "helpers"
-local cjson = require "cjson"
 
 local TINY, T4 = "spec/fixtures/hf_llama_tiny", "spec/fixtures/hf_llama_tiny_t4"
 -- 10 layers (13 top-level modules): enough pieces for P x V = 2 x 3 and 4 x 3
 local DEEP = "spec/fixtures/hf_llama_tiny_deep"
-local RTOL = 1e-5
 
-local function expected(dir)
-  local f = assert(io.open(dir .. "/expected.json"))
-  local e = cjson.decode(f:read("a"))
-  f:close()
-  return e
-end
-
-local function check_args(dir, extra)
-  local e = expected(dir)
-  local args = { "scripts/model_check.lua", "--hf=" .. dir, "--tokens=" .. dir .. "/tokens.bin",
-    "--batch=" .. e.batch, "--seq-len=" .. e.seq_len, "--steps=" .. e.steps, "--lr=" .. e.lr, "--beta1=" .. e.beta1,
-    "--beta2=" .. e.beta2, "--eps=" .. e.eps, "--weight-decay=" .. e.weight_decay, "--clip=" .. e.clip }
-  for _, a in ipairs(extra or {}) do args[#args + 1] = a end
-  return args
-end
-
--- Runs model_check (ranks > 1: under mpirun); returns its output.
-local function run_check(dir, ranks, extra)
-  local args = check_args(dir, extra)
-  local rc, out = h.sh(ranks > 1 and h.mpirun_cmd(ranks, args, 240) or h.pglua_cmd(args))
-  assert.equal(0, rc, out)
-  return out
-end
-
-local function assert_rel(got, want, what, rtol)
-  rtol = rtol or RTOL
-  assert(got, what .. ": not printed")
-  assert(math.abs(got - want) <= rtol * math.abs(want), ("%s: got %.9g, PyTorch %.9g (rtol %g)"):format(what, got, want, rtol))
-end
-
--- Every loss model_check printed against the fixture's.
-local function assert_losses(out, dir, what)
-  local e = expected(dir)
-  assert_rel(tonumber(out:match("\nloss (%S+)") or out:match("^loss (%S+)")), e.loss, what .. " loss")
-  local n, norms = 0, 0
-  for k, l in out:gmatch("step (%d+) loss (%S+)") do
-    k = tonumber(k)
-    assert_rel(tonumber(l), e.step_losses[k], ("%s step %d loss"):format(what, k))
-    n = n + 1
-  end
-  for k, g in out:gmatch("grad_norm (%d+) (%S+)") do
-    k = tonumber(k)
-    assert_rel(tonumber(g), e.grad_norms[k], ("%s step %d grad norm"):format(what, k), k > 1 and 1e-4 or nil)
-    norms = norms + 1
-  end
-  assert.equal(e.steps, n, what .. ": steps printed")
-  assert.equal(e.steps, norms, what .. ": gradient norms printed")
-  local final = out:match("final loss (%S+)")
-  if final then assert_rel(tonumber(final), e.final_loss, what .. " final loss") end
-end
-
+local check = require "hf_model_check"
+local expected, check_args, run_check, assert_losses, edited =
+  check.expected, check.check_args, check.run_check, check.assert_losses, check.edited
 local tensors_of = h.safetensors_tensors
-
--- A copy of a fixture directory with config.json edited.
-local function edited(dir, edit)
-  local out = h.tmpdir()
-  os.execute(("mkdir -p %s && cp %s/model.safetensors %s/"):format(h.quote(out), h.quote(dir), h.quote(out)))
-  local f = assert(io.open(dir .. "/config.json"))
-  local cfg = cjson.decode(f:read("a"))
-  f:close()
-  edit(cfg)
-  f = assert(io.open(out .. "/config.json", "w"))
-  f:write(cjson.encode(cfg))
-  f:close()
-  return out
-end
 
 describe("pg.nn.Llama (LlamaForCausalLM) against PyTorch", function()
   it("reads the config: grouped-query heads, rotary theta, eps, untied head, padded vocabulary", function()

@@ -11,7 +11,7 @@ local FIXTURE = "spec/fixtures/hf_gpt2_tiny"
 
 describe("pipegoose.models", function()
   it("lists the families and finds them by name, alias, model config and model_type", function()
-    assert.same({ "gpt2", "llama", "mixtral" }, models.NAMES)
+    assert.same({ "gpt2", "llama", "mixtral", "bloom" }, models.NAMES)
     for i, f in ipairs(models.list()) do
       assert.equal(models.NAMES[i], f.name)
       assert.equal(f, models.get(f.name))
@@ -28,12 +28,13 @@ describe("pipegoose.models", function()
   end)
 
   it("names the known families when asked for another", function()
-    local ok, err = pcall(models.get, "bloom", "somewhere")
+    local ok, err = pcall(models.get, "bert", "somewhere")
     assert.is_false(ok)
-    assert.equal("somewhere: unknown model family 'bloom' (known: gpt2, llama, mixtral)", err)
+    assert.equal("somewhere: unknown model family 'bert' (known: gpt2, llama, mixtral, bloom)", err)
     local f, known = models.of_hf_model_type("bert")
     assert.is_nil(f)
-    assert.equal('GPT2LMHeadModel ("gpt2"), LlamaForCausalLM ("llama") and MixtralForCausalLM ("mixtral")', known)
+    assert.equal('GPT2LMHeadModel ("gpt2"), LlamaForCausalLM ("llama"), MixtralForCausalLM ("mixtral") and '
+      .. 'BloomForCausalLM ("bloom")', known)
   end)
 
   it("builds the pg.nn models through the families (pg.nn.GPT is the gpt2 family's builder)", function()

@@ -108,7 +108,7 @@ C.HF_ATTENTION_NAMES = { dim = "hidden_size", heads = "num_attention_heads", kv_
 -- every value moves, none changes) and depend on t and o alone: hf.lua calls
 -- to_pg on every rank before engine:load_param keeps the rank's shard, and
 -- to_hf on the rank that gathered the full tensor before cutting it into the
--- parts. No family uses one yet (spec/unit/models_spec.lua checks the contract).
+-- parts. BLOOM's query_key_value uses one (models/bloom.lua); spec/unit/models_spec.lua checks the contract.
 function C.entry(pg, parts, conv1d, permute)
   local e = { pg = pg, parts = {}, conv1d = conv1d, permute = permute }
   for i, p in ipairs(parts) do e.parts[i] = { hf = p[1], shape = p[2] } end

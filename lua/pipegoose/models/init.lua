@@ -29,7 +29,7 @@
 local M = {}
 
 --- The families, in the order messages list them.
-M.NAMES = { "gpt2", "llama", "mixtral" }
+M.NAMES = { "gpt2", "llama", "mixtral", "bloom" }
 M.DEFAULT = "gpt2" -- the family of a model config without arch
 
 local by_name, by_model_type, list = {}, {}, {}
@@ -80,8 +80,8 @@ function M.install(nn)
   --- pg.nn.from_hf(dir): the model of a Hugging Face `transformers` directory
   -- (config.json + model.safetensors, or the sharded index) with its weights,
   -- loaded by pg.parallelize (each rank its shards): GPT2LMHeadModel (a
-  -- pg.nn.GPT), LlamaForCausalLM (a pg.nn.Llama) or MixtralForCausalLM (a
-  -- pg.nn.Mixtral); lua/pipegoose/hf.lua has the machinery, each family's
+  -- pg.nn.GPT), LlamaForCausalLM (a pg.nn.Llama), MixtralForCausalLM (a
+  -- pg.nn.Mixtral) or BloomForCausalLM (a pg.nn.Bloom); lua/pipegoose/hf.lua has the machinery, each family's
   -- file its conventions.
   function nn.from_hf(dir)
     opt.value("from_hf", "dir", dir, opt.required(opt.string))

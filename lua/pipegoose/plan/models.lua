@@ -5,7 +5,8 @@
 --     experts = 1, top_k = 1, and the family's features: norm =
 --     "layernorm"|"rmsnorm", gated_mlp (three matrices: SwiGLU), activation
 --     (the elementwise kernel: "gelu"|"swiglu"), learned_positions, rope,
---     dropout, biases, tied (the output head shares the embedding) }
+--     dropout, biases, tied (the output head shares the embedding),
+--     embed_norm (a norm right after the embedding: BLOOM) }
 -- arch names a model family (lua/pipegoose/models/, or an alias of one:
 -- GPT-2's is gpt); the features a shape leaves out are its family's
 -- (models/<family>.lua's plan.features), and the counts below read the
@@ -157,7 +158,9 @@ end
 --- Embedding (first stage) and output head (last stage) parameters.
 function M.edge_params(s)
   local h = s.hidden
-  local embed = { split = s.vocab * h, replicated = s.learned_positions and s.seq_len * h or 0 }
+  -- the position table (learned positions) and the embedding's own norm (embed_norm: BLOOM's)
+  local embed = { split = s.vocab * h, replicated = (s.learned_positions and s.seq_len * h or 0)
+                    + (s.embed_norm and M.norm_params(s, h) or 0) }
   -- the final norm, and the head's matrix; tied: the last stage keeps its own
   -- copy of the word embedding when P > 1 (Megatron and pipegoose both do, and
   -- all-reduce its gradient)
