@@ -328,7 +328,7 @@ static pg_module *build_lm_head(pg_context *ctx, const char *name, const pg_desc
   return pg_lm_head_new(ctx, name, vocab, padded, width, w, tie ? tie : own, tie != NULL, std);
 }
 
-/* ---------------------------------------------------------------- the head's traits */
+/* ---------------------------------------------------------------- their traits */
 
 static void lm_head_bf16_on(pg_module *m) { ((lm_head_state *)m->state)->mm.on = 1; }
 
