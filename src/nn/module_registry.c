@@ -30,8 +30,6 @@ const pg_kind_traits *pg_module_kind_named(const char *name) {
   return k ? &k->traits : NULL;
 }
 
-const pg_kind_traits *pg_module_traits(const pg_module *m) { return &m->kind->traits; }
-
 /* An int field of a description. A value that does not fit an int is an
  * error naming the module, the key and the value (a vocab of 2^32 + 64 was
  * cast to 64 and built 64 rows); the first one is kept and *bad set, so that

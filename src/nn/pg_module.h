@@ -358,8 +358,6 @@ int pg_module_kind_count(void);
 const pg_kind_traits *pg_module_kind_at(int i);
 /* The kind named `name` in descriptions, or NULL. */
 const pg_kind_traits *pg_module_kind_named(const char *name);
-/* The traits of m's kind. */
-const pg_kind_traits *pg_module_traits(const pg_module *m);
 
 typedef struct pg_desc pg_desc;
 typedef struct pg_desc_ops {
@@ -428,7 +426,7 @@ static inline int64_t pg_sp_rows(int64_t N, int T, int r) { return N * (r + 1) /
 static inline int64_t pg_sp_rows_max(int64_t N, int T) { return (N + T - 1) / T; }
 
 /* Turns sequence parallelism on for m (before its buffers are allocated; a
- * no-op when T = 1). What it means depends on m's kind:
+ * no-op when T = 1). What it means depends on m's kind (its traits' pg_sp_role):
  *   row-wise kinds (layernorm, rmsnorm, gelu, swiglu, a plain linear,
  *     residual, recompute, sequential) take and give this rank's rows; their
  *     replicated parameters now see only those rows, so they are marked
