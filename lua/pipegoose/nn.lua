@@ -63,23 +63,44 @@ local function round_up(x, m) return (x + m - 1) // m * m end
 nn.round_up = round_up
 
 -- Module kinds: one class per kind of runtime module, defined next to its
--- constructor below (its C twin is registered under the same name in
--- src/nn/pg_module.c's kind table). A class has
+-- constructor below (its C twin, a descriptor of the same name, is in the
+-- runtime's registry: src/nn/module_registry.c, whose traits
+-- core.module_kinds() returns). A class has
 --   describe(s, c) -> the runtime description (for core.Engine) and the output flow,
 --                     c = {me = its full name, flow = the input flow, T = tensor size,
 --                          sp = sequence parallelism is on (and T > 1),
 --                          fail(fmt, ...), need_full(width)}
---   sequence_parallel  true (or a function of the spec saying so) when describe
---                     handles a flow of this rank's rows (flow.seq) itself;
---                     otherwise such a flow is gathered first (sp_gather)
---                     and, when the kind hands back a replicated activation,
---                     cut to this rank's rows again (sp_scatter)
+--   mode(s)        -> for a kind whose runtime traits differ by the description's
+--                     mode (linear): the spec's mode
 --   params(s)      -> its parameters in the full model (padding excluded; default 0)
 --   flops(s, T)    -> forward FLOPs per token at sequence length T (default 0)
 --   input_flow(s, T) -> the flow it takes standing alone (default: s.width, not split)
--- Adding a kind: a constructor and its class here, a builder in pg_module.c.
+-- Whether describe handles a flow of this rank's rows (flow.seq) itself is
+-- the runtime's trait (sequence_parallel: the kind takes this rank's rows,
+-- "row_wise" or "gathers"); otherwise such a flow is gathered first
+-- (sp_gather) and, when the kind hands back a replicated activation, cut to
+-- this rank's rows again (sp_scatter).
+-- Adding a kind: a constructor and its class here, a descriptor in the runtime's registry.
 local KINDS = {}
 nn.kinds = KINDS
+
+-- The runtime's traits of every kind (core.module_kinds()), read once, when
+-- the first spec is described (pipegoose.core is the runtime: nn.lua itself
+-- loads without it).
+local runtime_kinds
+local function kind_traits(kind)
+  runtime_kinds = runtime_kinds or require("pipegoose.core").module_kinds()
+  return runtime_kinds[kind]
+end
+
+-- Whether a spec's describe handles a flow of this rank's rows itself: its
+-- runtime kind takes this rank's rows (pg_module_sequence_parallel's roles).
+local function takes_own_rows(self, class)
+  local t = kind_traits(self.kind)
+  local role = t and t.sequence_parallel
+  if type(role) == "table" then role = role[class.mode(self)] end
+  return role == "row_wise" or role == "gathers"
+end
 
 -- Sequence parallelism: a description that needs every row of the
 -- micro-batch, put between the transitions: sp_gather before it, and
@@ -118,9 +139,7 @@ function Spec:describe(path, flow, T, sp)
   sp = (sp and T > 1) or false
   local class = KINDS[self.kind]
   if not class then error("unknown spec kind " .. tostring(self.kind), 0) end
-  local aware = class.sequence_parallel
-  if type(aware) == "function" then aware = aware(self) end
-  if sp and flow.seq and not aware then
+  if sp and flow.seq and not takes_own_rows(self, class) then
     local d, out = self:describe(path, { width = flow.width, split = flow.split, blocks = flow.blocks }, T, sp)
     return sp_wrap(me, flow.width, d, out)
   end
@@ -273,8 +292,7 @@ function nn.Sequential(list)
   return s
 end
 
-KINDS.sequential = {
-  sequence_parallel = true, -- its children say
+KINDS.sequential = { -- row-wise under sequence parallelism: its children say what their rows are
   describe = function(s, c)
     local kids, flow, me = {}, c.flow, c.me
     for i, child in ipairs(s.children) do
@@ -312,8 +330,7 @@ function nn.Residual(inner, opts)
   return spec("residual", { inner = as_spec(inner, "Residual"), name = opts.name, label = "Residual" })
 end
 
-KINDS.residual = {
-  sequence_parallel = true, -- the add is row-wise; the inner module's rows end as they began
+KINDS.residual = { -- the add is row-wise; the inner module's rows end as they began
   describe = function(s, c)
     local d, out = s.inner:describe(c.me, c.flow, c.T, c.sp)
     if out.width ~= c.flow.width or out.split ~= c.flow.split then
@@ -374,9 +391,10 @@ function nn.Linear(a, b, opts)
 end
 
 KINDS.linear = {
-  -- column-parallel: gathers this rank's rows; plain: row-wise; row-parallel
-  -- needs every row of its input (and gives this rank's rows of its output)
-  sequence_parallel = function(s) return s.parallel ~= "row" end,
+  -- the description's mode, which says its sequence-parallel role: column-parallel
+  -- gathers this rank's rows; plain is row-wise; row-parallel needs every row of
+  -- its input (and gives this rank's rows of its output)
+  mode = function(s) return s.parallel or "plain" end,
   describe = function(s, c)
     local inw, outw, flow, T, fail = s["in"], s.out, c.flow, c.T, c.fail
     local d = { kind = "linear", name = c.me, ["in"] = inw, out = outw, bias = s.bias, blocks = s.blocks,
@@ -426,8 +444,7 @@ function nn.LayerNorm(a, opts)
   return spec("layernorm", { width = o.dim, name = o.name, label = "LayerNorm" })
 end
 
-KINDS.layernorm = {
-  sequence_parallel = true, -- row-wise (its parameters' gradients are then summed over the tensor group)
+KINDS.layernorm = { -- row-wise (its parameters' gradients are then summed over the tensor group)
   describe = function(s, c)
     c.need_full(s.width)
     return { kind = "layernorm", name = c.me, width = s.width, sequence_parallel = c.flow.seq or nil }, c.flow
@@ -446,8 +463,7 @@ function nn.RMSNorm(a, opts)
   return spec("rmsnorm", { width = o.dim, eps = o.eps, name = o.name, label = "RMSNorm" })
 end
 
-KINDS.rmsnorm = {
-  sequence_parallel = true, -- row-wise (its weight's gradient is then summed over the tensor group)
+KINDS.rmsnorm = { -- row-wise (its weight's gradient is then summed over the tensor group)
   describe = function(s, c)
     c.need_full(s.width)
     return { kind = "rmsnorm", name = c.me, width = s.width, eps = s.eps, sequence_parallel = c.flow.seq or nil },
@@ -464,8 +480,7 @@ function nn.GatedSiLU(opts)
   return spec("swiglu", { name = opts.name, label = "GatedSiLU" })
 end
 
-KINDS.swiglu = { -- elementwise: its FLOPs are priced with the Linear before it
-  sequence_parallel = true, -- row-wise
+KINDS.swiglu = { -- elementwise (row-wise): its FLOPs are priced with the Linear before it
   describe = function(s, c)
     local flow, T = c.flow, c.T
     if flow.width == 0 then c.fail("needs activations, receives token ids") end
@@ -485,8 +500,7 @@ function nn.GELU(opts)
   return spec("gelu", { name = opts.name, width = opts.width, label = "GELU" })
 end
 
-KINDS.gelu = { -- elementwise: its FLOPs are priced with the Linear before it
-  sequence_parallel = true, -- row-wise
+KINDS.gelu = { -- elementwise (row-wise): its FLOPs are priced with the Linear before it
   describe = function(s, c)
     local flow, T = c.flow, c.T
     if flow.width == 0 then c.fail("needs activations, receives token ids") end
@@ -573,8 +587,7 @@ function nn.Embedding(o)
   })
 end
 
-KINDS.embedding = {
-  sequence_parallel = true, -- reduce-scatters its output to this rank's rows
+KINDS.embedding = { -- reduce-scatters its output to this rank's rows
   describe = function(s, c)
     if c.flow.width ~= 0 then c.fail("takes token ids, but receives activations of width %d", c.flow.width) end
     return { kind = "embedding", name = c.me, vocab = s.vocab, padded_vocab = round_up(s.padded_vocab, c.T),
@@ -603,8 +616,7 @@ function nn.LMHead(o)
   })
 end
 
-KINDS.lm_head = {
-  sequence_parallel = true, -- gathers this rank's rows
+KINDS.lm_head = { -- gathers this rank's rows
   describe = function(s, c)
     c.need_full(s.width)
     local padded = round_up(s.padded_vocab, c.T)
@@ -794,7 +806,7 @@ function nn.Layer(s, ctx, opts)
   local ok, desc = pcall(s.describe, s, "", flow, T)
   if not ok then error("Layer: " .. tostring(desc), 2) end
   local layer = core.Layer(ctx, desc, { seed = opts.seed })
-  if desc.kind == "lua" then
+  if (kind_traits(desc.kind) or {}).written_in_lua then -- a module written in Lua: its parameter views
     local m = s.module
     m.params, m.grads = {}, {}
     for _, p in ipairs(layer:params()) do

@@ -118,6 +118,14 @@ local PARALLELIZE = {
   sequence_parallel = opt.boolean{ default = false },
 }
 
+-- The runtime's traits of each kind (core.module_kinds(): src/nn/module_registry.c);
+-- the tree walks below ask them rather than a kind's name.
+local KINDS = core.module_kinds()
+local function has(d, trait)
+  local k = KINDS[d.kind]
+  return k ~= nil and k[trait] == true
+end
+
 -- The stage description with recomputation applied: every attention core
 -- keeps one micro-batch's probabilities ("selective"), or every top-level
 -- composite is wrapped to recompute its activations ("full").
@@ -126,7 +134,7 @@ local function with_recompute(stage_desc, how)
   if how == "full" then
     for i, d in ipairs(stage_desc.children) do
       -- (not the sequence-parallel transitions around a module: sp_wrap)
-      if d.kind == "sequential" and not d.sp_wrap then
+      if (KINDS[d.kind] or {}).assembly == "list" and not d.sp_wrap then
         -- its output is this rank's rows under sequence parallelism (parallelize marks it)
         stage_desc.children[i] = { kind = "recompute", name = d.name, inner = d, sequence_parallel = d.sp_rows_out }
       end
@@ -134,7 +142,7 @@ local function with_recompute(stage_desc, how)
     return stage_desc
   end
   local function mark(d)
-    if d.kind == "attention" then d.recompute = true end
+    if has(d, "selective") then d.recompute = true end
     for _, c in ipairs(d.children or {}) do mark(c) end
     if d.inner then mark(d.inner) end
   end
@@ -181,7 +189,7 @@ function M.parallelize(model, ctx, opts)
   -- compute both positions with the second one's.
   local lua_paths = {}
   local function check_lua_tables(d)
-    if d.kind == "lua" then
+    if has(d, "written_in_lua") then
       if lua_paths[d.module] then
         error(("parallelize: one Lua module table is used at '%s' and at '%s'; give each position its own table")
           :format(lua_paths[d.module], d.name), 3)
@@ -195,7 +203,7 @@ function M.parallelize(model, ctx, opts)
   -- loss is one function of them all, so each learns its number and the count
   local moe_layers = {}
   local function find_moe(d)
-    if d.kind == "moe" then moe_layers[#moe_layers + 1] = d end
+    if has(d, "router") then moe_layers[#moe_layers + 1] = d end
     for _, c in ipairs(d.children or {}) do find_moe(c) end
     if d.inner then find_moe(d.inner) end
   end
@@ -214,8 +222,8 @@ function M.parallelize(model, ctx, opts)
       find_moe(d)
       names[#names + 1] = d.name ~= "" and d.name or (m.label or m.kind)
       nparams = nparams + m:num_params()
-      if d.kind == "lm_head" and d.tie then tie, head_tied = d.tie, true end
-      if d.kind == "lm_head" then logits_head = d.output == "logits" and d or nil end
+      if has(d, "head") and d.tie then tie, head_tied = d.tie, true end
+      if has(d, "head") then logits_head = d.output == "logits" and d or nil end
     end
     partition_report[p] = { modules = names, params = nparams, first = ranges[p][1], last = ranges[p][2],
                             stage = rank, chunk = chunk + 1 }
@@ -254,11 +262,11 @@ function M.parallelize(model, ctx, opts)
   end
   width = width or (config.dim or 0)
   local vocab = config.vocab
-  for _, m in ipairs(top) do if m.kind == "lm_head" then vocab = vocab or m.vocab end end
+  for _, m in ipairs(top) do if has(m, "head") then vocab = vocab or m.vocab end end
 
   -- Collect the Lua modules of this stage to hand them their parameter views.
   local function find_lua(d)
-    if d.kind == "lua" then lua_modules[#lua_modules + 1] = d end
+    if has(d, "written_in_lua") then lua_modules[#lua_modules + 1] = d end
     for _, c in ipairs(d.children or {}) do find_lua(c) end
     if d.inner then find_lua(d.inner) end
   end

@@ -16,7 +16,7 @@
 -- start from the same model.
 --
 -- Tolerance. A token's expert outputs are summed at home in the serial order
--- (pg_module.c), so the layouts differ from the serial model only where sums
+-- (src/nn/kind_moe.c), so the layouts differ from the serial model only where sums
 -- are regrouped: the data-parallel average of gradients (D partial sums of
 -- B/D rows), the tensor-parallel partial sums (T = 2), and an expert's weight
 -- gradient, one GEMM over the rows of E ranks instead of the whole batch's.

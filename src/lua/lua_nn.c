@@ -1,10 +1,12 @@
 /* Lua bindings for building a stage and running the engine:
  *   core.Engine(ctx, stage_desc, opts) -> engine userdata
+ *   core.module_kinds() -> {name = {traits...}}: the runtime's registry of kinds
  * stage_desc is a tree of plain tables made by lua/pipegoose/parallel.lua
- * ({kind=, name=, ...}). This file walks the tree: containers (sequential,
- * residual) it assembles, modules written in Lua (kind "lua") it calls back
- * through pg_custom_new, and every other kind it hands to the runtime's
- * registry (pg_module_build) through a pg_desc that reads the table. */
+ * ({kind=, name=, ...}). This file walks the tree, asking the registry how
+ * each kind is assembled: containers (sequential, residual, recompute) from
+ * the children it builds first, modules written in Lua (kind "lua") through
+ * pg_custom_new with callbacks into the table, and every other kind by the
+ * runtime (pg_module_build) through a pg_desc that reads the table. */
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
@@ -222,7 +224,7 @@ static int field_int(lua_State *L, int idx, const char *key, int def) { return p
 
 static pg_module *build(build_state *b, int idx);
 
-static pg_module *build_children(build_state *b, int idx, const char *name) {
+static pg_module *build_children(build_state *b, int idx, const char *kind, const char *name) {
   lua_State *L = b->L;
   if (lua_getfield(L, idx, "children") != LUA_TTABLE) {
     lua_pop(L, 1);
@@ -239,7 +241,7 @@ static pg_module *build_children(build_state *b, int idx, const char *name) {
     lua_pop(L, 1);
     ok = kids[i] != NULL;
   }
-  if (ok) m = pg_sequential_new(b->ctx, name, kids, n);
+  if (ok) m = pg_module_assemble(b->ctx, kind, name, kids, n);
   if (!m)
     for (int i = 0; i < n; i++) pg_module_free(kids[i]);
   free(kids);
@@ -341,26 +343,20 @@ static pg_module *build_kind(build_state *b, int idx) {
   if (!lua_istable(L, idx)) return pg_fail_null("a module description must be a table");
   const char *kind = pg_lua_opt_string(L, idx, "kind", "?");
   const char *name = pg_lua_opt_string(L, idx, "name", "");
-  if (!strcmp(kind, "sequential")) return build_children(b, idx, name);
-  if (!strcmp(kind, "residual")) {
+  const pg_kind_traits *k = pg_module_kind_named(kind);
+  /* an unknown kind goes to pg_module_build, which names it */
+  pg_kind_assembly how = k ? k->assembly : PG_KIND_BUILT;
+  if (how == PG_KIND_LIST) return build_children(b, idx, kind, name);
+  if (how == PG_KIND_WRAPPER) { /* residual; recompute: full recomputation around a block */
     lua_getfield(L, idx, "inner");
     pg_module *inner = build(b, lua_gettop(L));
     lua_pop(L, 1);
     if (!inner) return NULL;
-    pg_module *m = pg_residual_new(b->ctx, name, inner);
+    pg_module *m = pg_module_assemble(b->ctx, kind, name, &inner, 1);
     if (!m) pg_module_free(inner);
     return m;
   }
-  if (!strcmp(kind, "recompute")) { /* full recomputation around a block */
-    lua_getfield(L, idx, "inner");
-    pg_module *inner = build(b, lua_gettop(L));
-    lua_pop(L, 1);
-    if (!inner) return NULL;
-    pg_module *m = pg_recompute_new(b->ctx, name, inner);
-    if (!m) pg_module_free(inner);
-    return m;
-  }
-  if (!strcmp(kind, "lua")) return build_lua(b, idx, name);
+  if (how == PG_KIND_LUA) return build_lua(b, idx, name);
   lua_desc u = {L, lua_absindex(L, idx)};
   pg_desc d = {&lua_desc_ops, &u};
   return pg_module_build(b->ctx, kind, name, &d, &b->env);
@@ -1144,6 +1140,55 @@ static int l_layer_free(lua_State *L) {
   return 0;
 }
 
+/* The names Lua reads the traits by (pg_module.h's enums and flags). */
+static const char *const assembly_names[] = {[PG_KIND_BUILT] = "built", [PG_KIND_LIST] = "list",
+                                             [PG_KIND_WRAPPER] = "wrapper", [PG_KIND_LUA] = "lua",
+                                             [PG_KIND_INTERNAL] = "internal"};
+static const char *const sp_role_names[] = {[PG_SP_ALL_ROWS] = "all_rows", [PG_SP_ROW_WISE] = "row_wise",
+                                            [PG_SP_GATHERS] = "gathers", [PG_SP_SCATTERS] = "scatters",
+                                            [PG_SP_TRANSITION] = "transition"};
+static const struct {
+  unsigned flag;
+  const char *name;
+} flag_names[] = {{PG_KIND_PASSES_BF16, "passes_bf16"},       {PG_KIND_BF16_BRANCH, "bf16_branch"},
+                  {PG_KIND_RECOMPUTES, "recomputes"},         {PG_KIND_SELECTIVE, "selective"},
+                  {PG_KIND_WRITTEN_IN_LUA, "written_in_lua"}, {PG_KIND_ROUTER, "router"},
+                  {PG_KIND_HEAD, "head"}};
+
+/* core.module_kinds() -> {name = {assembly = "built" | "list" | "wrapper" | "lua" | "internal",
+ *   sequence_parallel = role | {mode = role, ...} (role: "all_rows", "row_wise", "gathers", "scatters",
+ *   "transition"), host_only = false | why, and each flag as a boolean}}: the registry's traits, so that
+ * pg.nn and parallelize ask the runtime's rules instead of keeping copies. A new table each call. */
+static int l_module_kinds(lua_State *L) {
+  int n = pg_module_kind_count();
+  lua_createtable(L, 0, n);
+  for (int i = 0; i < n; i++) {
+    const pg_kind_traits *t = pg_module_kind_at(i);
+    lua_createtable(L, 0, 4 + (int)(sizeof flag_names / sizeof flag_names[0]));
+    lua_pushstring(L, assembly_names[t->assembly]);
+    lua_setfield(L, -2, "assembly");
+    if (t->nmodes) {
+      lua_createtable(L, 0, t->nmodes);
+      for (int j = 0; j < t->nmodes; j++) {
+        lua_pushstring(L, sp_role_names[t->sp_modes[j]]);
+        lua_setfield(L, -2, t->modes[j]);
+      }
+    } else {
+      lua_pushstring(L, sp_role_names[t->sp]);
+    }
+    lua_setfield(L, -2, "sequence_parallel");
+    if (t->host_only) lua_pushstring(L, t->host_only);
+    else lua_pushboolean(L, 0);
+    lua_setfield(L, -2, "host_only");
+    for (size_t f = 0; f < sizeof flag_names / sizeof flag_names[0]; f++) {
+      lua_pushboolean(L, (t->flags & flag_names[f].flag) != 0);
+      lua_setfield(L, -2, flag_names[f].name);
+    }
+    lua_setfield(L, -2, t->name);
+  }
+  return 1;
+}
+
 static const luaL_Reg layer_methods[] = {{"forward", l_layer_forward}, {"backward", l_layer_backward},
                                          {"params", l_layer_params}, {"zero_grad", l_layer_zero_grad},
                                          {"gather_param", l_layer_gather}, {"free", l_layer_free}, {NULL, NULL}};
@@ -1179,4 +1224,6 @@ void pg_lua_open_nn(lua_State *L) {
   lua_setfield(L, -2, "shard_copy");
   lua_pushcfunction(L, l_schedule_validate);
   lua_setfield(L, -2, "schedule_validate");
+  lua_pushcfunction(L, l_module_kinds);
+  lua_setfield(L, -2, "module_kinds");
 }

@@ -68,6 +68,8 @@ typedef struct pg_param {
 } pg_param;
 
 typedef struct pg_module pg_module;
+/* A kind's descriptor: its ops and its traits (src/nn/module_impl.h; callers ask pg_kind_traits below). */
+typedef struct pg_module_kind pg_module_kind;
 
 #define PG_WIDE_SCRATCH 3 /* float32 scratch buffers of precision bf16 (pg_io.wide_scratch) */
 
@@ -128,7 +130,8 @@ typedef struct pg_module_ops {
 } pg_module_ops;
 
 struct pg_module {
-  const pg_module_ops *ops;
+  const pg_module_ops *ops;   /* &kind->ops */
+  const pg_module_kind *kind; /* its descriptor: what the framework asks instead of which kind it is */
   char *name;
   pg_context *ctx;          /* NULL: serial */
   const pg_backend *be;     /* where its buffers live and its kernels run (cpu unless set) */
@@ -218,7 +221,7 @@ pg_module *pg_recompute_new(pg_context *ctx, const char *name, pg_module *inner)
  * [experts, dim] and "<name>.experts.<e>.w1|w2|w3.weight", one set per
  * expert; under expert parallelism (the context's expert = G > 1) a rank
  * holds experts / G of them, and tokens reach them by all-to-all over the
- * expert group (pg_module.c explains the order that keeps results serial). Auxiliary
+ * expert group (kind_moe.c explains the order that keeps results serial). Auxiliary
  * losses (pg_io's router totals): aux_loss_coef x the load-balancing loss
  * over the model's `layers` MoE layers (this is number `layer`, 0-based),
  * z_loss_coef x the mean over tokens and layers of logsumexp(logits)^2. */
@@ -300,12 +303,64 @@ const pg_module *pg_module_find_foreign_writer(const pg_module *m);
 pg_param *pg_embedding_weight(pg_module *m);
 
 /* ---- the registry of module kinds ----
- * Every kind of leaf module is built by name from a description's fields
- * (pg.nn's describe output, read through pg_desc: the Lua bindings read a
- * Lua table; a C caller can read anything else). Adding a kind: its
- * constructor and one entry in pg_module.c's table (and its class in
- * lua/pipegoose/nn.lua). Containers (sequential, residual) and modules
- * written in Lua are assembled by the caller from the modules it built. */
+ * One descriptor per kind holds its ops and its traits, and one table
+ * (src/nn/module_registry.c) holds every descriptor: the framework, the
+ * bindings and pg.nn ask a kind's traits instead of testing which kind it is.
+ * Leaf kinds are built by name from a description's fields (pg.nn's describe
+ * output, read through pg_desc: the Lua bindings read a Lua table; a C caller
+ * can read anything else); containers from the modules their caller built
+ * first (pg_module_assemble); modules written in Lua by the bindings
+ * (pg_custom_new). Adding a kind: a kind_*.c file (or a family's) with its
+ * constructor, builder and descriptor, one entry in the registry's table,
+ * and its class in lua/pipegoose/nn.lua. */
+
+/* How a kind's descriptions become modules. */
+typedef enum {
+  PG_KIND_BUILT = 0, /* from the description's fields: pg_module_build */
+  PG_KIND_LIST,      /* from its children ({children = {...}}), built first: pg_module_assemble (sequential) */
+  PG_KIND_WRAPPER,   /* around its inner module ({inner = ...}), built first: pg_module_assemble (residual, recompute) */
+  PG_KIND_LUA,       /* by the bindings, from the Lua table of a module written in Lua (pg_custom_new) */
+  PG_KIND_INTERNAL,  /* never from a description (the objective: the bindings end a stage with it) */
+} pg_kind_assembly;
+
+/* What a module of the kind does under sequence parallelism (pg_module_sequence_parallel). */
+typedef enum {
+  PG_SP_ALL_ROWS = 0, /* needs every row of the micro-batch: refuses; it goes between sp_gather and sp_scatter */
+  PG_SP_ROW_WISE,     /* takes and gives this rank's rows; its replicated parameters then see only those */
+  PG_SP_GATHERS,      /* takes this rank's rows and all-gathers them (backward reduce-scatters the gradient) */
+  PG_SP_SCATTERS,     /* gives this rank's rows: partial sums reduce-scattered (backward all-gathers) */
+  PG_SP_TRANSITION,   /* sp_gather, sp_scatter: the transitions themselves, always on */
+} pg_sp_role;
+
+#define PG_KIND_MAX_MODES 3
+
+/* Flags of pg_kind_traits. */
+#define PG_KIND_PASSES_BF16 (1u << 0)    /* precision bf16: its output has its input's element type */
+#define PG_KIND_BF16_BRANCH (1u << 1)    /* takes its inner module's bf16 output (residual: added widened) */
+#define PG_KIND_RECOMPUTES (1u << 2)     /* full recomputation: its inner block keeps one micro-batch, in the arena */
+#define PG_KIND_SELECTIVE (1u << 3)      /* recompute = "selective" marks its descriptions {recompute = true} */
+#define PG_KIND_WRITTEN_IN_LUA (1u << 4) /* computed by Lua callbacks, its parameters' gradients through views */
+#define PG_KIND_ROUTER (1u << 5)         /* adds to the routing totals (pg_io.router): parallelize numbers them */
+#define PG_KIND_HEAD (1u << 6)           /* the LM head: the vocabulary, a tied weight, the loss or the logits */
+
+typedef struct pg_kind_traits {
+  const char *name;          /* the kind in descriptions ({kind = name}) */
+  pg_kind_assembly assembly;
+  pg_sp_role sp;             /* its role under sequence parallelism, when nmodes == 0 */
+  /* a kind whose role depends on its description's `mode` (linear's plain, column, row): the role of each */
+  int nmodes;
+  const char *modes[PG_KIND_MAX_MODES];
+  pg_sp_role sp_modes[PG_KIND_MAX_MODES];
+  const char *host_only;     /* NULL: any backend; else why it runs on the cpu backend only (the error says it) */
+  unsigned flags;            /* PG_KIND_* */
+} pg_kind_traits;
+
+/* The registry's kinds, i from 0 to pg_module_kind_count() - 1. */
+int pg_module_kind_count(void);
+const pg_kind_traits *pg_module_kind_at(int i);
+/* The kind named `name` in descriptions, or NULL. */
+const pg_kind_traits *pg_module_kind_named(const char *name);
+
 typedef struct pg_desc pg_desc;
 typedef struct pg_desc_ops {
   int64_t (*integer)(const pg_desc *d, const char *key, int64_t def);
@@ -328,6 +383,9 @@ typedef struct pg_module_env {
 
 /* The module of kind `kind` named `name`; NULL and pg_error() for an unknown kind or bad fields. */
 pg_module *pg_module_build(pg_context *ctx, const char *kind, const char *name, const pg_desc *d, pg_module_env *env);
+/* The container of kind `kind` (PG_KIND_LIST: n children; PG_KIND_WRAPPER: one) around modules built first; NULL
+ * and pg_error() for a kind that is no container or bad children, which then stay the caller's. */
+pg_module *pg_module_assemble(pg_context *ctx, const char *kind, const char *name, pg_module **children, int n);
 
 /* ---- tensor-parallel pieces ----
  * The communication of Megatron's regions, named once; the modules that
@@ -370,7 +428,7 @@ static inline int64_t pg_sp_rows(int64_t N, int T, int r) { return N * (r + 1) /
 static inline int64_t pg_sp_rows_max(int64_t N, int T) { return (N + T - 1) / T; }
 
 /* Turns sequence parallelism on for m (before its buffers are allocated; a
- * no-op when T = 1). What it means depends on m's kind:
+ * no-op when T = 1). What it means depends on m's kind (its traits' pg_sp_role):
  *   row-wise kinds (layernorm, rmsnorm, gelu, swiglu, a plain linear,
  *     residual, recompute, sequential) take and give this rank's rows; their
  *     replicated parameters now see only those rows, so they are marked

@@ -7,7 +7,7 @@
 -- the rate of a matrix product depends on its shape, every operation has a
 -- dispatch cost, and the ranks of a node share its cores. So with a profile
 -- that has a `cpu` section, a layer is priced operation by operation, as the
--- engine runs it (src/nn/pg_module.c):
+-- engine runs it (src/nn/kind_*.c):
 --
 --   matrix products   each Linear's forward [r, in] x [in, out] and its two
 --                     backward products (dx: [r, out] x [out, in], dw:

@@ -1,0 +1,234 @@
+/* kind_attention.c: the causal self-attention core (multi-head or grouped-query, optional RoPE). */
+#include "module_impl.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+
+/* ---------------------------------------------------------------- attention */
+
+typedef struct attention_state {
+  pg_attention_opts o;
+  int heads_l, kv_l, max_seq;
+  float *att;     /* [nslots][rows * heads_l * max_seq] probabilities */
+  float *scratch; /* backward */
+  float *rotated; /* with RoPE: [nslots][rows * in_width], q|k rotated, v copied */
+  float *cos_t, *sin_t; /* with RoPE: [max_seq, head_dim / 2] on the backend */
+  float *slopes;  /* with ALiBi: this rank's heads_l slopes on the backend */
+  const float **saved_x;
+  int att_slot;   /* recompute: the micro-batch whose probabilities att holds (-1: none) */
+} attention_state;
+
+/* The probabilities of `slot`: its own with every slot kept; recomputed, the
+ * rank's arena (shared by the attentions of every layer) or, in a module
+ * without an engine, its one buffer. */
+static float *attention_probs(pg_module *m, attention_state *s, int slot) {
+  if (m->arena) return (float *)m->arena->region;
+  return s->att + (s->o.recompute ? 0 : (size_t)slot * m->max_rows * s->heads_l * s->max_seq);
+}
+
+/* Recomputed: whether the buffer still holds this slot's probabilities (no
+ * other micro-batch's, nor another layer's, forward ran since). */
+static int attention_holds(const pg_module *m, const attention_state *s, int slot) {
+  if (m->arena) return m->arena->owner == m && m->arena->owner_slot == slot;
+  return s->att_slot == slot;
+}
+
+static void attention_claim(pg_module *m, attention_state *s, int slot) {
+  if (m->arena) {
+    m->arena->owner = slot >= 0 ? m : NULL;
+    m->arena->owner_slot = slot;
+  }
+  s->att_slot = slot;
+}
+
+static int attention_alloc(pg_module *m, int nslots, int max_rows) {
+  attention_state *s = m->state;
+  if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
+  size_t per_slot = (size_t)max_rows * s->heads_l * s->max_seq;
+  if (m->arena ? !arena_buffer(m->arena, per_slot * sizeof(float))
+               : !alloc_floats(m, &s->att, (size_t)(s->o.recompute ? 1 : nslots) * per_slot))
+    return pg_fail("out of memory for %s (attention probabilities)", m->name);
+  if (!alloc_floats(m, &s->scratch, (size_t)KERNEL(m, attention_scratch_floats, s->max_seq, s->heads_l)))
+    return pg_fail("out of memory for %s (attention backward)", m->name);
+  attention_claim(m, s, -1);
+  if (!s->o.recompute) m->saved_bytes_per_slot += per_slot * sizeof(float);
+  if (s->o.rope_theta > 0) {
+    size_t rot = (size_t)max_rows * m->in_width, table = (size_t)s->max_seq * (s->o.head_dim / 2);
+    const pg_backend *home = home_backend(BE(m)); /* the tables outlive a recomputed block's buffers */
+    pg_be_release(home, s->cos_t);
+    pg_be_release(home, s->sin_t);
+    s->cos_t = pg_be_floats(home, table);
+    s->sin_t = pg_be_floats(home, table);
+    if (!alloc_floats(m, &s->rotated, (size_t)nslots * rot) || !s->cos_t || !s->sin_t)
+      return pg_fail("out of memory for %s (rotary embeddings)", m->name);
+    m->saved_bytes_per_slot += rot * sizeof(float);
+    float *host = malloc(2 * table * sizeof(float));
+    if (!host) return pg_fail("out of memory");
+    pg_rope_table(host, host + table, s->max_seq, s->o.head_dim, s->o.rope_theta);
+    int rc = KERNEL(m, copy, s->cos_t, host, table * sizeof(float), PG_COPY_HOST_TO_DEVICE) ||
+             KERNEL(m, copy, s->sin_t, host + table, table * sizeof(float), PG_COPY_HOST_TO_DEVICE);
+    free(host);
+    if (rc) return PG_ERR;
+  }
+  if (s->o.alibi) { /* this rank's heads [r H/T, (r + 1) H/T) of the full count's slopes */
+    const pg_backend *home = home_backend(BE(m));
+    pg_be_release(home, s->slopes);
+    s->slopes = pg_be_floats(home, (size_t)s->heads_l);
+    float *host = malloc((size_t)s->o.heads * sizeof(float));
+    if (!s->slopes || !host) {
+      free(host);
+      return pg_fail("out of memory for %s (ALiBi slopes)", m->name);
+    }
+    pg_alibi_slopes(host, s->o.heads);
+    int rc = KERNEL(m, copy, s->slopes, host + (size_t)tp_rank(m->ctx) * s->heads_l, (size_t)s->heads_l * sizeof(float),
+                    PG_COPY_HOST_TO_DEVICE);
+    free(host);
+    if (rc) return PG_ERR;
+  }
+  return PG_OK;
+}
+
+static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
+  attention_state *s = m->state;
+  if (check_rows(m, slot, io)) return PG_ERR;
+  if (io->T > s->max_seq) return pg_fail("%s: sequence length %d exceeds the model's %d", m->name, io->T, s->max_seq);
+  int N = io->B * io->T, hd = s->o.head_dim;
+  int64_t n_in = (int64_t)N * m->in_width;
+  float *att = attention_probs(m, s, slot);
+  /* bf16 q|k|v (in_bf16): the core runs on their float32 values (softmax in float32, as torch's math path
+   * upcasts), its output rounded once; saved_x keeps the bf16 input, or with RoPE the float32 rotated copy */
+  const float *xf = x;
+  if (s->rotated) { /* q and k rotated by their positions, in a copy (x belongs to its producer) */
+    float *rot = s->rotated + (size_t)slot * m->max_rows * m->in_width;
+    if ((m->in_bf16 ? KERNEL(m, bf16_to_f32, rot, cbits(x), n_in)
+                    : KERNEL(m, copy, rot, x, (size_t)n_in * sizeof(float), PG_COPY_DEVICE_TO_DEVICE)) ||
+        KERNEL(m, rope_forward, rot, s->cos_t, s->sin_t, N, io->T, s->heads_l, hd, m->in_width) ||
+        KERNEL(m, rope_forward, rot + (size_t)s->heads_l * hd, s->cos_t, s->sin_t, N, io->T, s->kv_l, hd, m->in_width))
+      return PG_ERR;
+    x = xf = rot;
+  } else if (m->in_bf16) {
+    if (KERNEL(m, bf16_to_f32, io->wide_scratch[0], cbits(x), n_in)) return PG_ERR;
+    xf = io->wide_scratch[0];
+  }
+  float *out = m->in_bf16 ? io->wide_scratch[1] : slot_out(m, slot);
+  if (KERNEL(m, attention_forward, out, att, xf, s->slopes, io->B, io->T, s->heads_l, s->kv_l, hd) ||
+      (m->in_bf16 && KERNEL(m, bf16_from_f32, bits(slot_out(m, slot)), out, (int64_t)N * m->out_width)))
+    return PG_ERR;
+  s->saved_x[slot] = x;
+  attention_claim(m, s, slot);
+  *y = slot_out(m, slot);
+  return PG_OK;
+}
+
+static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
+  attention_state *s = m->state;
+  int N = io->B * io->T, hd = s->o.head_dim;
+  int64_t n_in = (int64_t)N * m->in_width;
+  float *att = attention_probs(m, s, slot);
+  /* bf16 (in_bf16): q|k|v widened into wide_scratch[0] (unless RoPE saved them rotated in float32), the output
+   * gradient into [1], the input gradient made in [2] and rounded at the end */
+  const float *x = s->saved_x[slot];
+  float *dinp = m->in_bf16 ? io->wide_scratch[2] : m->dinp;
+  if (m->in_bf16 && !s->rotated) {
+    if (KERNEL(m, bf16_to_f32, io->wide_scratch[0], cbits(x), n_in)) return PG_ERR;
+    x = io->wide_scratch[0];
+  }
+  /* recompute: another micro-batch's forward ran since; the output written
+   * again is the same (the next module has used it already; bf16: into scratch, overwritten below) */
+  if (s->o.recompute && !attention_holds(m, s, slot) &&
+      KERNEL(m, attention_forward, m->in_bf16 ? dinp : slot_out(m, slot), att, x, s->slopes, io->B, io->T, s->heads_l,
+             s->kv_l, hd))
+    return PG_ERR;
+  attention_claim(m, s, -1); /* backward may overwrite what it reads */
+  if (m->in_bf16) {
+    if (KERNEL(m, bf16_to_f32, io->wide_scratch[1], cbits(dy), (int64_t)N * m->out_width)) return PG_ERR;
+    dy = io->wide_scratch[1];
+  }
+  if (KERNEL(m, attention_backward, dinp, s->scratch, dy, x, att, io->B, io->T, s->heads_l, s->kv_l, hd)) return PG_ERR;
+  /* the gradient of the rotated q and k, rotated back */
+  if (s->rotated &&
+      (KERNEL(m, rope_backward, dinp, s->cos_t, s->sin_t, N, io->T, s->heads_l, hd, m->in_width) ||
+       KERNEL(m, rope_backward, dinp + (size_t)s->heads_l * hd, s->cos_t, s->sin_t, N, io->T, s->kv_l, hd,
+              m->in_width)))
+    return PG_ERR;
+  if (m->in_bf16 && KERNEL(m, bf16_from_f32, bits(m->dinp), dinp, n_in)) return PG_ERR;
+  *dx = m->dinp;
+  return PG_OK;
+}
+
+static void attention_destroy(pg_module *m) {
+  attention_state *s = m->state;
+  pg_be_release(BE(m), s->att);
+  pg_be_release(BE(m), s->scratch);
+  pg_be_release(BE(m), s->rotated);
+  pg_be_release(home_backend(BE(m)), s->cos_t);
+  pg_be_release(home_backend(BE(m)), s->sin_t);
+  pg_be_release(home_backend(BE(m)), s->slopes);
+  free(s->saved_x);
+}
+
+pg_module *pg_attention_new(pg_context *ctx, const char *name, const pg_attention_opts *o) {
+  int T = tp_size(ctx), H = o->heads, KV = o->kv_heads > 0 ? o->kv_heads : o->heads, hd = o->head_dim;
+  if (H < 1 || hd < 1) return pg_fail_null("%s: attention needs positive heads and head_dim (%d, %d)", name, H, hd);
+  if (H % KV) return pg_fail_null("%s: kv_heads=%d does not divide heads=%d", name, KV, H);
+  if (H % T) return pg_fail_null("%s: tensor=%d does not divide heads=%d", name, T, H);
+  /* Key/value heads are split over the tensor group, never replicated. */
+  if (KV % T)
+    return pg_fail_null("%s: tensor=%d does not divide kv_heads=%d (key/value heads are split over the tensor group, "
+                        "not replicated)", name, T, KV);
+  if (o->max_seq < 1) return pg_fail_null("%s: attention needs a positive maximum sequence length, not %d", name, o->max_seq);
+  if (o->rope_theta > 0 && hd % 2) return pg_fail_null("%s: rotary embeddings need an even head_dim, not %d", name, hd);
+  if (o->alibi && o->rope_theta > 0)
+    return pg_fail_null("%s: ALiBi and rotary embeddings (rope_theta=%g) exclude each other: give one", name,
+                        o->rope_theta);
+  if ((int64_t)(H + 2 * KV) * hd > INT32_MAX / 2) return pg_fail_null("%s: attention width overflows", name);
+  pg_module *m = module_new(&pg_kind_attention, ctx, name, (H + 2 * KV) / T * hd, H / T * hd, sizeof(attention_state));
+  if (!m) return NULL;
+  attention_state *s = m->state;
+  s->o = *o;
+  s->o.kv_heads = KV;
+  s->heads_l = H / T;
+  s->kv_l = KV / T;
+  s->max_seq = o->max_seq;
+  return m;
+}
+
+static pg_module *build_attention(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
+  (void)env;
+  int bad = 0;
+  pg_attention_opts o = {.heads = DESC_INT(d, "heads", 0), .kv_heads = DESC_INT(d, "kv_heads", 0),
+                         .head_dim = DESC_INT(d, "head_dim", 0), .max_seq = DESC_INT(d, "max_seq", 0),
+                         .rope_theta = d->ops->number(d, "rope_theta", 0), .alibi = d->ops->boolean(d, "alibi", 0),
+                         .recompute = d->ops->boolean(d, "recompute", 0)};
+  return bad ? NULL : pg_attention_new(ctx, name, &o);
+}
+
+/* Selective recomputation: the probabilities of one micro-batch, from the rank's arena. */
+static int attention_selective(const pg_module *m, size_t *bytes) {
+  const attention_state *s = m->state;
+  if (!s->o.recompute) return 0;
+  *bytes = (size_t)m->max_rows * s->heads_l * s->max_seq * sizeof(float);
+  return 1;
+}
+
+/* The float32 room of bf16 q|k|v (pg_io.wide_scratch), max_rows rows: the core computes in float32. */
+static void attention_bf16_need(const pg_module *m, pg_bf16_need *need) {
+  if (!m->in_bf16) return;
+  int64_t rows = m->max_rows, in = m->in_width, out = m->out_width, wide[PG_WIDE_SCRATCH] = {0};
+  wide[0] = rows * in;                    /* q|k|v widened */
+  wide[1] = rows * (in > out ? in : out); /* the output before rounding; its gradient widened */
+  wide[2] = rows * in;                    /* the input gradient before rounding */
+  raise_wide(need, wide);
+}
+
+/* Needs every row of its sequences (sp_gather ... sp_scatter under sequence parallelism); keeps bf16 q|k|v bf16. */
+const pg_module_kind pg_kind_attention = {
+    .ops = {"attention", attention_alloc, attention_forward, attention_backward, attention_destroy},
+    .traits = {.name = "attention",
+               .assembly = PG_KIND_BUILT,
+               .sp = PG_SP_ALL_ROWS,
+               .flags = PG_KIND_PASSES_BF16 | PG_KIND_SELECTIVE},
+    .build = build_attention,
+    .bf16_need = attention_bf16_need,
+    .selective = attention_selective,
+};

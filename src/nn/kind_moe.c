@@ -1,0 +1,667 @@
+/* kind_moe.c: the mixture-of-experts kind (Mixtral's sparse feed-forward block), with expert parallelism. */
+#include "module_impl.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pg_rng.h"
+#include "pg_size.h"
+
+/* ---------------------------------------------------------------- mixture of experts */
+
+/* The token -> expert choices of a micro-batch are laid out grouped by
+ * expert (tokens in order within an expert): choice j of token t sits at
+ * grouped row pos[t K + j], so each expert's rows are contiguous and run as
+ * one GEMM. A token's output then sums its K choices in j order, whatever
+ * the grouping, so the result does not depend on how experts are grouped.
+ *
+ * Expert parallelism (the context's expert group of G > 1 members): member j
+ * holds experts [j nl, (j + 1) nl) (nl = experts / G), so the grouped rows
+ * are also grouped by member. Forward sends each member its rows (an
+ * all-to-all), the member runs its experts over the rows of all G members
+ * (expert-major: expert l's rows from member 0, then member 1, ...), and
+ * sends the outputs back in the order they came; the home rank sums each
+ * token's K outputs in j order as above. Backward sends the weighted output
+ * gradients the same way and the input gradients back. A token's arithmetic
+ * is the serial one: each row goes through the same GEMMs, and its sum over
+ * its choices happens at home in the same order.
+ *
+ * Capacity (capacity_factor = c > 0): each expert takes at most
+ * ceil(c x seq_len x top_k / experts) choices of each sequence (a row of the
+ * batch), first choices before second ones, earlier tokens first (GShard's
+ * priority); the choices beyond are dropped: they add 0 to the token's output
+ * (the residual carries it) and get no gradient. Per sequence, so that every
+ * layout (data, micro-batches, experts) drops the same choices. */
+typedef struct moe_state {
+  pg_moe_opts o;
+  int hidden_l;          /* this rank's columns of each expert's hidden width */
+  int G, ep, nl;         /* expert group size, our place in it, experts held here */
+  int64_t X;             /* rows the expert side can receive in one micro-batch */
+  pg_param *gate;
+  pg_param **w1, **w2, **w3; /* [nl]: experts ep nl .. ep nl + nl - 1 */
+  /* per slot, kept from forward to backward */
+  const float **saved_x;
+  float *probs, *lse, *weight; /* [nslots][rows * E], [rows], [rows * K] */
+  int32_t *expert, *pos;       /* [nslots][rows * K]; pos -1: a dropped choice */
+  int32_t *token;              /* [nslots][rows * K]: grouped row -> its token */
+  int32_t *offsets;            /* [nslots][E + 1]: each expert's first grouped row */
+  int64_t *cnt;                /* [nslots][G nl]: rows from member i for our expert l, at i nl + l */
+  float *xr;                   /* G > 1: [nslots][X * dim] the received rows' inputs, expert-major */
+  float *gu;                   /* [nslots][X * 2 hidden_l]: w1 x | w3 x of each row the experts ran */
+  float *y;                    /* [nslots][rows * K * dim]: each grouped row's expert output (unweighted) */
+  double *stats;               /* [nslots][2 E]: this layer's choices and summed probabilities */
+  /* scratch, one micro-batch */
+  float *logits, *wcat, *dwcat, *xg, *act, *dyg, *dxg, *da, *dgu, *dweight, *dx_router;
+  float *bufa, *bufb;          /* G > 1: [X * dim] rows in transit */
+  float *xj;                   /* jitter: [rows * dim] the router's input, x times the noise */
+  float *dprob;                /* [E] */
+  int64_t *eoff, *cur;         /* [nl + 1], [nl] */
+  int64_t *sc, *rc;            /* [G] counts of an all-to-all */
+  int64_t *orows;              /* [2 G]: rows to each member, rows from each member */
+  int64_t *ecount;             /* [E] */
+  int32_t *fill;               /* [E] choices of each expert in the current sequence */
+  /* precision "bf16" (as linear's bf16_mm): the router's and the experts' products on bf16 operands with float32
+   * sums, working weights remade at each call's first forward, the operands rounded into the engine's scratch */
+  int bf16;
+  uint16_t *gate16, *w13_16, *w2_16; /* [E D], [nl][2 hidden_l D] (w1 rows, then w3's), [nl][D hidden_l] */
+  int64_t bf16_need;                 /* scratch elements of either operand: max(rows, X) max(2 hidden_l, D, E) */
+  size_t bf16_bytes;
+  long refreshes;
+} moe_state;
+
+static void moe_free_bf16(moe_state *s) {
+  uint16_t *b[] = {s->gate16, s->w13_16, s->w2_16};
+  for (size_t i = 0; i < sizeof b / sizeof b[0]; i++) free(b[i]);
+  s->gate16 = s->w13_16 = s->w2_16 = NULL;
+  s->bf16_bytes = 0;
+  s->bf16_need = 0;
+}
+
+/* The working weights of precision bf16 (host memory: moe runs on the cpu backend), and the operand scratch it
+ * needs of the engine (pg_module_bf16_scratch). */
+static int moe_alloc_bf16(pg_module *m, int64_t rows) {
+  moe_state *s = m->state;
+  moe_free_bf16(s);
+  int64_t E = s->o.experts, D = s->o.dim, H = s->hidden_l, nl = s->nl;
+  int64_t wide = 2 * H > D ? 2 * H : D;
+  if (E > wide) wide = E;
+  int64_t n_gate = pg_size_product(2, (int64_t[]){E, D}), n_w = pg_size_product(3, (int64_t[]){nl, 2 * H, D}),
+          n_op = pg_size_product(2, (int64_t[]){rows, wide});
+  if (n_gate < 0 || n_w < 0 || n_op < 0 || (uint64_t)(n_gate + n_w + n_w / 2) > SIZE_MAX / 2)
+    return pg_fail("%s: its bf16 working weights and operands are too large", m->name);
+  s->gate16 = malloc((size_t)(n_gate > 0 ? n_gate : 1) * 2);
+  s->w13_16 = malloc((size_t)(n_w > 0 ? n_w : 1) * 2);
+  s->w2_16 = malloc((size_t)(n_w / 2 > 0 ? n_w / 2 : 1) * 2);
+  if (!s->gate16 || !s->w13_16 || !s->w2_16) {
+    moe_free_bf16(s);
+    return pg_fail("out of memory for %s (bf16 working weights)", m->name);
+  }
+  s->bf16_bytes = (size_t)(n_gate + n_w + n_w / 2) * 2;
+  s->bf16_need = n_op;
+  return PG_OK;
+}
+
+/* The bf16 working weights from the float32 masters (each call's first forward; see bf16_mm). */
+static void moe_refresh_bf16(moe_state *s) {
+  size_t half = (size_t)s->hidden_l * s->o.dim;
+  pg_bf16_from_f32(s->gate16, s->gate->data, s->gate->numel);
+  for (int l = 0; l < s->nl; l++) {
+    pg_bf16_from_f32(s->w13_16 + 2 * half * l, s->w1[l]->data, (int64_t)half);
+    pg_bf16_from_f32(s->w13_16 + 2 * half * l + half, s->w3[l]->data, (int64_t)half);
+    pg_bf16_from_f32(s->w2_16 + half * l, s->w2[l]->data, (int64_t)half);
+  }
+  s->refreshes++;
+}
+
+/* out[n,OC] = x[n,C] w^T: float32 on w32, or bf16 on w16. */
+static int moe_mm_forward(pg_module *m, const pg_io *io, float *out, const float *x, const float *w32,
+                          const uint16_t *w16, int n, int C, int OC) {
+  if (((moe_state *)m->state)->bf16) return bf16_product_forward(m, io, out, x, w16, NULL, n, C, OC);
+  pg_matmul_forward(out, x, w32, NULL, n, C, OC);
+  return PG_OK;
+}
+
+/* dinp = dy w (overwritten), dw += dy^T x; float32 or bf16 as moe_mm_forward. */
+static int moe_mm_backward(pg_module *m, const pg_io *io, float *dinp, float *dw, const float *dy, const float *x,
+                           const float *w32, const uint16_t *w16, int n, int C, int OC) {
+  if (((moe_state *)m->state)->bf16) return bf16_product_backward(m, io, dinp, dw, NULL, dy, x, w16, n, C, OC);
+  pg_matmul_backward(dinp, dw, NULL, dy, x, w32, n, C, OC);
+  return PG_OK;
+}
+
+static int moe_alloc(pg_module *m, int nslots, int max_rows) {
+  moe_state *s = m->state;
+  if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
+  int64_t E = s->o.experts, K = s->o.top_k, D = s->o.dim, H = s->hidden_l, R = (int64_t)max_rows * K;
+  /* top-k picks an expert at most once per token: a member receives at most
+   * min(nl, K) rows per token of each member */
+  int64_t X = s->G == 1 ? R : (int64_t)s->G * max_rows * (s->nl < K ? s->nl : K);
+  int64_t dims[3] = {nslots, X, 2 * H + 2 * D};
+  if (R > INT32_MAX || X > INT32_MAX || pg_size_product(3, dims) < 0 ||
+      pg_size_product(2, (int64_t[]){nslots, (int64_t)max_rows * E}) < 0)
+    return pg_fail("%s: %d slots of %d rows x top_k=%d are too many for the expert buffers", m->name, nslots, max_rows,
+                   (int)K);
+  s->X = X;
+  size_t S = (size_t)nslots, rows = (size_t)max_rows, G = (size_t)s->G, nl = (size_t)s->nl;
+  free(s->expert);
+  free(s->pos);
+  free(s->token);
+  free(s->offsets);
+  free(s->stats);
+  free(s->cnt);
+  s->expert = malloc(S * R * sizeof(int32_t));
+  s->pos = malloc(S * R * sizeof(int32_t));
+  s->token = malloc(S * R * sizeof(int32_t));
+  s->offsets = malloc(S * (E + 1) * sizeof(int32_t));
+  s->stats = calloc(S * 2 * E, sizeof(double));
+  s->cnt = calloc(S * G * nl, sizeof(int64_t));
+  if (!s->expert || !s->pos || !s->token || !s->offsets || !s->stats || !s->cnt ||
+      !alloc_floats(m, &s->probs, S * rows * E) || !alloc_floats(m, &s->lse, S * rows) ||
+      !alloc_floats(m, &s->weight, S * R) || !alloc_floats(m, &s->gu, S * X * 2 * H) ||
+      !alloc_floats(m, &s->y, S * R * D) || !alloc_floats(m, &s->logits, rows * E) ||
+      !alloc_floats(m, &s->wcat, (size_t)2 * H * D) || !alloc_floats(m, &s->dwcat, (size_t)2 * H * D) ||
+      !alloc_floats(m, &s->xg, R * D) || !alloc_floats(m, &s->act, X * H) || !alloc_floats(m, &s->dyg, R * D) ||
+      !alloc_floats(m, &s->dxg, R * D) || !alloc_floats(m, &s->da, X * H) || !alloc_floats(m, &s->dgu, X * 2 * H) ||
+      !alloc_floats(m, &s->dweight, R) || !alloc_floats(m, &s->dx_router, rows * D) || !alloc_floats(m, &s->dprob, E) ||
+      (s->o.jitter > 0 && !alloc_floats(m, &s->xj, rows * D)))
+    return pg_fail("out of memory for %s (expert buffers)", m->name);
+  if (s->G > 1 && (!alloc_floats(m, &s->xr, S * X * D) || !alloc_floats(m, &s->bufa, X * D) ||
+                   !alloc_floats(m, &s->bufb, X * D)))
+    return pg_fail("out of memory for %s (expert-parallel buffers)", m->name);
+  if (s->bf16 && moe_alloc_bf16(m, (int64_t)max_rows > X ? (int64_t)max_rows : X))
+    return PG_ERR;
+  m->saved_bytes_per_slot += (rows * (E + 1) + R * (1 + D) + X * 2 * H + (s->G > 1 ? X * D : 0)) * sizeof(float) +
+                             R * 3 * sizeof(int32_t);
+  return PG_OK;
+}
+
+/* Expert l's [w1; w3] shards as one [2 hidden_l, dim] matrix, so that one
+ * GEMM gives the gate|up rows the SwiGLU kernels take. */
+static void moe_stack_w13(moe_state *s, int l) {
+  size_t n = (size_t)s->hidden_l * s->o.dim;
+  memcpy(s->wcat, s->w1[l]->data, n * sizeof(float));
+  memcpy(s->wcat + n, s->w3[l]->data, n * sizeof(float));
+}
+
+/* The grouped rows' inputs, gathered from x. */
+static void moe_gather(moe_state *s, const float *x, const int32_t *token, int R) {
+  size_t D = (size_t)s->o.dim;
+  for (int r = 0; r < R; r++) memcpy(s->xg + r * D, x + (size_t)token[r] * D, D * sizeof(float));
+}
+
+/* The load-balancing loss over the micro-batch's totals, and the gradient it
+ * gives every row's router probabilities (dprob, scaled by `scale`):
+ * aux = E sum_e C_e P_e / (N L)^2 with C_e the choices of e and P_e the summed
+ * probabilities over the N rows of all L layers (transformers' form: the mean
+ * over the concatenated layers' rows of the one-hot choices, summed over the
+ * k choices, times the mean probability). */
+static double moe_balance(const moe_state *s, const double *totals, int N, int L, float *dprob, double scale) {
+  int E = s->o.experts;
+  double nl = (double)N * L, aux = 0;
+  for (int e = 0; e < E; e++) {
+    aux += totals[e] * totals[E + e];
+    if (dprob) dprob[e] = (float)(scale * E * totals[e] / (nl * nl));
+  }
+  return E * aux / (nl * nl);
+}
+
+/* Switch Transformer's jitter: the router's input times uniform noise in
+ * [1 - j, 1 + j], in training only. The noise is a function of (seed, this
+ * layer's name, the engine's step, the token's row in the global batch,
+ * the feature), so every layout (and a recomputation) draws the same; the
+ * experts see x itself. Returns the router's input: x, or s->xj. */
+static uint64_t moe_jitter_key(const pg_module *m, const pg_io *io) {
+  return pg_rng_subkey(pg_rng_key(m->ctx ? m->ctx->seed : 0, m->name), (uint64_t)io->step);
+}
+
+static float moe_noise(const moe_state *s, uint64_t key, const pg_io *io, int t, int d) {
+  uint64_t at = (uint64_t)(io->global_row0 + t) * (uint64_t)s->o.dim + (uint64_t)d;
+  return (float)(1 - s->o.jitter) + (float)(2 * s->o.jitter) * pg_uniform_at(key, at);
+}
+
+static const float *moe_jitter(pg_module *m, const pg_io *io, const float *x, int N) {
+  moe_state *s = m->state;
+  if (!(s->o.jitter > 0) || !io->want_grad) return x;
+  uint64_t key = moe_jitter_key(m, io);
+  int D = s->o.dim;
+  for (int t = 0; t < N; t++)
+    for (int d = 0; d < D; d++) s->xj[(size_t)t * D + d] = x[(size_t)t * D + d] * moe_noise(s, key, io, t, d);
+  return s->xj;
+}
+
+/* The choices beyond an expert's capacity in each sequence of T tokens:
+ * their pos becomes -1 (first choices before second ones, earlier tokens
+ * first). */
+static void moe_drop(moe_state *s, const int32_t *expert, int32_t *pos, int N, int T) {
+  int E = s->o.experts, K = s->o.top_k;
+  if (!(s->o.capacity_factor > 0)) return;
+  double c = ceil(s->o.capacity_factor * T * K / E);
+  int cap = c > INT32_MAX ? INT32_MAX : (int)c;
+  for (int t0 = 0; t0 < N; t0 += T) {
+    for (int e = 0; e < E; e++) s->fill[e] = 0;
+    for (int j = 0; j < K; j++)
+      for (int t = t0; t < t0 + T && t < N; t++) {
+        int i = t * K + j;
+        if (s->fill[expert[i]]++ >= cap) pos[i] = -1;
+      }
+  }
+}
+
+/* Rows between source-major order (member i's rows for our expert 0, 1, ...,
+ * then member i + 1's) and expert-major order (our expert l's rows from
+ * member 0, 1, ...); also sets eoff (expert-major starts). */
+static void moe_permute(moe_state *s, const int64_t *cnt, const float *src, float *dst, size_t W, int to_expert) {
+  int G = s->G, nl = s->nl;
+  s->eoff[0] = 0;
+  for (int l = 0; l < nl; l++) {
+    int64_t n = 0;
+    for (int i = 0; i < G; i++) n += cnt[i * nl + l];
+    s->eoff[l + 1] = s->eoff[l] + n;
+    s->cur[l] = s->eoff[l];
+  }
+  if (!src) return;
+  int64_t so = 0;
+  for (int i = 0; i < G; i++)
+    for (int l = 0; l < nl; l++) {
+      int64_t n = cnt[i * nl + l], eo = s->cur[l];
+      s->cur[l] += n;
+      const float *a = to_expert ? src + so * W : src + eo * W;
+      float *b = to_expert ? dst + eo * W : dst + so * W;
+      memcpy(b, a, (size_t)n * W * sizeof(float));
+      so += n;
+    }
+}
+
+/* The all-to-all of rows between the expert group's members: `out_rows[j]`
+ * rows of width W to member j, `in_rows[i]` from member i. */
+static int moe_exchange(pg_module *m, const float *send, const int64_t *out_rows, float *recv, const int64_t *in_rows,
+                        size_t W) {
+  moe_state *s = m->state;
+  for (int j = 0; j < s->G; j++) {
+    s->sc[j] = out_rows[j] * (int64_t)W;
+    s->rc[j] = in_rows[j] * (int64_t)W;
+  }
+  return pg_all_to_all_v(m->ctx, PG_MODE_EXPERT, send, s->sc, recv, s->rc, PG_FLOAT32);
+}
+
+/* Rows per member: of the grouped rows (by expert offsets off), and of the received ones (cnt). */
+static void moe_rows(const moe_state *s, const int32_t *off, const int64_t *cnt, int64_t *out_rows, int64_t *in_rows) {
+  for (int j = 0; j < s->G; j++) {
+    out_rows[j] = off[(j + 1) * s->nl] - off[j * s->nl];
+    in_rows[j] = 0;
+    for (int l = 0; l < s->nl; l++) in_rows[j] += cnt[j * s->nl + l];
+  }
+}
+
+/* Our experts over rows grouped expert-major (eoff): gate|up and output. */
+static int moe_experts_forward(pg_module *m, const pg_io *io, const float *x, float *gu, float *y) {
+  moe_state *s = m->state;
+  int D = s->o.dim, H = s->hidden_l;
+  size_t half = (size_t)H * D;
+  for (int l = 0; l < s->nl; l++) {
+    int64_t r0 = s->eoff[l], n = s->eoff[l + 1] - r0;
+    if (!n) continue;
+    if (!s->bf16) moe_stack_w13(s, l);
+    if (moe_mm_forward(m, io, gu + r0 * 2 * H, x + r0 * D, s->wcat, s->w13_16 + 2 * half * l, (int)n, D, 2 * H))
+      return PG_ERR;
+    pg_swiglu_forward(s->act + r0 * H, gu + r0 * 2 * H, (int)n, H);
+    if (moe_mm_forward(m, io, y + r0 * D, s->act + r0 * H, s->w2[l]->data, s->w2_16 + half * l, (int)n, H, D))
+      return PG_ERR;
+  }
+  return PG_OK;
+}
+
+/* Their backward: input gradients of the rows into dx, weight gradients added. */
+static int moe_experts_backward(pg_module *m, const pg_io *io, const float *x, const float *gu, const float *dy,
+                                float *dx) {
+  moe_state *s = m->state;
+  int D = s->o.dim, H = s->hidden_l;
+  size_t half = (size_t)H * D;
+  for (int l = 0; l < s->nl; l++) {
+    int64_t r0 = s->eoff[l], n = s->eoff[l + 1] - r0;
+    if (!n) continue;
+    const float *gu_e = gu + r0 * 2 * H;
+    float *act = s->act + r0 * H, *da = s->da + r0 * H, *dgu = s->dgu + r0 * 2 * H;
+    pg_swiglu_forward(act, gu_e, (int)n, H); /* recomputed: cheaper to keep gate|up only */
+    if (moe_mm_backward(m, io, da, s->w2[l]->grad, dy + r0 * D, act, s->w2[l]->data, s->w2_16 + half * l, (int)n, H,
+                        D))
+      return PG_ERR;
+    pg_swiglu_backward(dgu, gu_e, da, (int)n, H);
+    if (!s->bf16) moe_stack_w13(s, l);
+    memset(s->dwcat, 0, 2 * half * sizeof(float));
+    if (moe_mm_backward(m, io, dx + r0 * D, s->dwcat, dgu, x + r0 * D, s->wcat, s->w13_16 + 2 * half * l, (int)n, D,
+                        2 * H))
+      return PG_ERR;
+    for (size_t i = 0; i < half; i++) {
+      s->w1[l]->grad[i] += s->dwcat[i];
+      s->w3[l]->grad[i] += s->dwcat[half + i];
+    }
+  }
+  return PG_OK;
+}
+
+static int moe_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
+  moe_state *s = m->state;
+  if (check_rows(m, slot, io)) return PG_ERR;
+  int N = io->B * io->T, E = s->o.experts, K = s->o.top_k, D = s->o.dim, H = s->hidden_l, R = N * K;
+  size_t rows = (size_t)m->max_rows, Rmax = rows * K;
+  float *probs = s->probs + slot * rows * E, *lse = s->lse + slot * rows, *weight = s->weight + slot * Rmax;
+  int32_t *expert = s->expert + slot * Rmax, *pos = s->pos + slot * Rmax, *token = s->token + slot * Rmax;
+  int32_t *off = s->offsets + (size_t)slot * (E + 1);
+  int64_t *cnt = s->cnt + (size_t)slot * s->G * s->nl;
+  float *gu = s->gu + slot * (size_t)s->X * 2 * H, *ye = s->y + slot * Rmax * D, *out = slot_out(m, slot);
+  double *stats = s->stats + (size_t)slot * 2 * E;
+  if (s->bf16 && io->mb == 0 && !io->recomputing) moe_refresh_bf16(s);
+  /* route: every tensor rank computes the same (router and x replicated) */
+  if (moe_mm_forward(m, io, s->logits, moe_jitter(m, io, x, N), s->gate->data, s->gate16, N, D, E)) return PG_ERR;
+  pg_moe_route_forward(probs, lse, expert, weight, s->logits, N, E, K);
+  pg_moe_route_stats(stats, stats + E, probs, expert, N, E, K);
+  for (int i = 0; i < R; i++) pos[i] = 0;
+  moe_drop(s, expert, pos, N, io->T);
+  /* group by expert (a counting sort, stable in token then choice order) */
+  for (int e = 0; e <= E; e++) off[e] = 0;
+  for (int i = 0; i < R; i++)
+    if (pos[i] >= 0) off[expert[i] + 1]++;
+  for (int e = 0; e < E; e++) off[e + 1] += off[e];
+  for (int i = 0; i < R; i++) { /* off[e] walks from e's first row to e + 1's */
+    if (pos[i] < 0) continue;
+    pos[i] = off[expert[i]]++;
+    token[pos[i]] = i / K;
+  }
+  for (int e = E; e > 0; e--) off[e] = off[e - 1];
+  off[0] = 0;
+  int Rk = off[E]; /* the choices kept */
+  moe_gather(s, x, token, Rk);
+  if (s->G == 1) {
+    for (int e = 0; e <= E; e++) s->eoff[e] = off[e];
+    if (moe_experts_forward(m, io, s->xg, gu, ye)) return PG_ERR;
+  } else {
+    /* each member's experts' row counts, then the rows, to it; outputs back */
+    for (int e = 0; e < E; e++) s->ecount[e] = off[e + 1] - off[e];
+    for (int j = 0; j < s->G; j++) s->sc[j] = s->rc[j] = s->nl;
+    int64_t *orows = s->orows;
+    int rc = pg_all_to_all_v(m->ctx, PG_MODE_EXPERT, s->ecount, s->sc, cnt, s->rc, PG_INT64);
+    if (!rc) {
+      /* X bounds the rows when every member's micro-batch fits this rank's
+       * buffers; members with larger ones (different batches on the data
+       * ranks) fail together here, not in the exchange that would follow */
+      moe_rows(s, off, cnt, orows, orows + s->G);
+      int64_t in_total = 0;
+      for (int i = 0; i < s->G; i++) in_total += orows[s->G + i];
+      int32_t over = in_total > s->X;
+      rc = pg_all_reduce_buf(m->ctx, PG_MODE_EXPERT, &over, 1, PG_INT32, PG_REDUCE_MAX);
+      if (!rc && over)
+        rc = pg_fail("%s: a member of the expert group receives more rows than it holds (this rank %lld, room for %lld): "
+                     "every data rank of an expert group must run micro-batches of the same size", m->name,
+                     (long long)in_total, (long long)s->X);
+    }
+    float *xr = s->xr + slot * (size_t)s->X * D;
+    if (!rc) rc = moe_exchange(m, s->xg, orows, s->bufa, orows + s->G, (size_t)D);
+    if (!rc) {
+      moe_permute(s, cnt, s->bufa, xr, (size_t)D, 1);
+      rc = moe_experts_forward(m, io, xr, gu, s->bufb);
+      moe_permute(s, cnt, s->bufb, s->bufa, (size_t)D, 0);
+      if (!rc) rc = moe_exchange(m, s->bufa, orows + s->G, ye, orows, (size_t)D);
+    }
+    if (rc) return PG_ERR;
+  }
+  /* each token's kept choices, weighted, in choice order */
+  for (int t = 0; t < N; t++) {
+    float *o = out + (size_t)t * D;
+    for (int d = 0; d < D; d++) o[d] = 0;
+    for (int j = 0; j < K; j++) {
+      if (pos[t * K + j] < 0) continue;
+      const float *src = ye + (size_t)pos[t * K + j] * D;
+      float w = weight[t * K + j];
+      for (int d = 0; d < D; d++) o[d] += w * src[d];
+    }
+  }
+  /* w2 is row-parallel: each rank holds a partial sum of every expert's output */
+  if (pg_tp_reduce_forward(m, out, (int64_t)N * D, PG_FLOAT32)) return PG_ERR;
+  s->saved_x[slot] = x;
+  *y = out;
+  if (!io->want_grad || io->recomputing) return PG_OK;
+  /* the auxiliary losses, as the objective counts them: times the rows */
+  const double *totals = stats;
+  int L = 1, Dg = 1;
+  if (io->router) {
+    for (int i = 0; i < 2 * E; i++) io->router[i] += stats[i];
+    totals = io->router;
+    L = s->o.layers;
+    /* the load balance of the global batch, as transformers' over the batch:
+     * after the last layer the totals are summed over the data group (each
+     * micro-batch with the same one of the other ranks), and hold the whole
+     * model's and the whole data group's from then on (backward, the engine's
+     * expert_tokens) */
+    Dg = m->ctx ? m->ctx->data : 1;
+    if (s->o.layer == s->o.layers - 1 &&
+        pg_all_reduce_buf(m->ctx, PG_MODE_DATA, io->router, 2 * (int64_t)E, PG_FLOAT64, PG_REDUCE_SUM))
+      return PG_ERR;
+  }
+  if (s->o.aux_loss_coef != 0 && (!io->router || s->o.layer == s->o.layers - 1))
+    io->aux_sum += (double)N * s->o.aux_loss_coef * moe_balance(s, totals, N * Dg, L, NULL, 0);
+  if (s->o.z_loss_coef != 0) {
+    double z = 0;
+    for (int t = 0; t < N; t++) z += (double)lse[t] * lse[t];
+    io->aux_sum += s->o.z_loss_coef * z / L; /* N x (z / (N L)) */
+  }
+  return PG_OK;
+}
+
+static int moe_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
+  moe_state *s = m->state;
+  int N = io->B * io->T, E = s->o.experts, K = s->o.top_k, D = s->o.dim, H = s->hidden_l, R = N * K;
+  size_t rows = (size_t)m->max_rows, Rmax = rows * K;
+  const float *x = s->saved_x[slot];
+  float *probs = s->probs + slot * rows * E, *lse = s->lse + slot * rows, *weight = s->weight + slot * Rmax;
+  int32_t *expert = s->expert + slot * Rmax, *pos = s->pos + slot * Rmax, *token = s->token + slot * Rmax;
+  int32_t *off = s->offsets + (size_t)slot * (E + 1);
+  int64_t *cnt = s->cnt + (size_t)slot * s->G * s->nl;
+  float *gu = s->gu + slot * (size_t)s->X * 2 * H, *ye = s->y + slot * Rmax * D;
+  /* d loss / d routing weight: dy . (the expert's full output), summed over the tensor group; 0 when dropped */
+  for (int i = 0; i < R; i++) {
+    float acc = 0;
+    if (pos[i] >= 0) {
+      const float *a = dy + (size_t)(i / K) * D, *b = ye + (size_t)pos[i] * D;
+      for (int d = 0; d < D; d++) acc += a[d] * b[d];
+    }
+    s->dweight[i] = acc;
+  }
+  if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, s->dweight, R, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
+  /* the router: renormalised weights, load balancing, z-loss */
+  const double *totals = io->router ? io->router : s->stats + (size_t)slot * 2 * E;
+  int L = io->router ? s->o.layers : 1, Dg = io->router && m->ctx ? m->ctx->data : 1;
+  /* the objective counts each micro-batch's auxiliary losses times its rows: d/d aux = rows x dloss; the
+   * load balance is the data group's (global totals), whose gradients the data group then averages: times Dg */
+  double scale = (double)N * io->dloss;
+  moe_balance(s, totals, N * Dg, L, s->dprob, scale * Dg * s->o.aux_loss_coef);
+  float zscale = (float)(scale * s->o.z_loss_coef / ((double)N * L));
+  pg_moe_route_backward(s->logits, s->dweight, s->o.aux_loss_coef != 0 ? s->dprob : NULL, zscale, probs, lse, expert,
+                        weight, N, E, K);
+  const float *xr = moe_jitter(m, io, x, N); /* the same noise again */
+  if (moe_mm_backward(m, io, s->dx_router, s->gate->grad, s->logits, xr, s->gate->data, s->gate16, N, D, E))
+    return PG_ERR;
+  if (xr != x) { /* d(x u)/dx = u, the same noise */
+    uint64_t key = moe_jitter_key(m, io);
+    for (int t = 0; t < N; t++)
+      for (int d = 0; d < D; d++) s->dx_router[(size_t)t * D + d] *= moe_noise(s, key, io, t, d);
+  }
+  /* the experts, each over its grouped rows */
+  for (int i = 0; i < R; i++) {
+    if (pos[i] < 0) continue;
+    const float *a = dy + (size_t)(i / K) * D;
+    float *b = s->dyg + (size_t)pos[i] * D, w = weight[i];
+    for (int d = 0; d < D; d++) b[d] = w * a[d];
+  }
+  int Rk = off[E];
+  if (s->G == 1) {
+    moe_gather(s, x, token, Rk);
+    for (int e = 0; e <= E; e++) s->eoff[e] = off[e];
+    if (moe_experts_backward(m, io, s->xg, gu, s->dyg, s->dxg)) return PG_ERR;
+  } else {
+    int64_t *orows = s->orows;
+    moe_rows(s, off, cnt, orows, orows + s->G);
+    int rc = moe_exchange(m, s->dyg, orows, s->bufa, orows + s->G, (size_t)D);
+    if (!rc) {
+      moe_permute(s, cnt, s->bufa, s->bufb, (size_t)D, 1);
+      rc = moe_experts_backward(m, io, s->xr + slot * (size_t)s->X * D, gu, s->bufb, s->bufa);
+      moe_permute(s, cnt, s->bufa, s->bufb, (size_t)D, 0);
+      if (!rc) rc = moe_exchange(m, s->bufb, orows + s->G, s->dxg, orows, (size_t)D);
+    }
+    if (rc) return PG_ERR;
+  }
+  for (int t = 0; t < N; t++) {
+    float *o = m->dinp + (size_t)t * D;
+    for (int d = 0; d < D; d++) o[d] = 0;
+    for (int j = 0; j < K; j++) {
+      if (pos[t * K + j] < 0) continue;
+      const float *src = s->dxg + (size_t)pos[t * K + j] * D;
+      for (int d = 0; d < D; d++) o[d] += src[d];
+    }
+  }
+  /* w1/w3 are column-parallel: the experts' input gradient is a partial sum;
+   * the router's is whole on every rank and joins after the reduction */
+  if (pg_tp_copy_backward(m, m->dinp, (int64_t)N * D)) return PG_ERR;
+  for (size_t i = 0; i < (size_t)N * D; i++) m->dinp[i] += s->dx_router[i];
+  *dx = m->dinp;
+  return PG_OK;
+}
+
+static void moe_destroy(pg_module *m) {
+  moe_state *s = m->state;
+  free(s->saved_x);
+  free(s->w1);
+  free(s->w2);
+  free(s->w3);
+  free(s->expert);
+  free(s->pos);
+  free(s->token);
+  free(s->offsets);
+  free(s->stats);
+  free(s->cnt);
+  free(s->eoff);
+  free(s->cur);
+  free(s->sc);
+  free(s->rc);
+  free(s->orows);
+  free(s->ecount);
+  free(s->fill);
+  float *bufs[] = {s->probs, s->lse, s->weight, s->gu, s->y, s->logits, s->wcat, s->dwcat, s->xg, s->act, s->dyg,
+                   s->dxg, s->da, s->dgu, s->dweight, s->dx_router, s->dprob, s->xr, s->bufa, s->bufb, s->xj};
+  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) pg_be_release(BE(m), bufs[i]);
+  moe_free_bf16(s);
+}
+
+pg_module *pg_moe_new(pg_context *ctx, const char *name, const pg_moe_opts *o) {
+  int T = tp_size(ctx), r = tp_rank(ctx), G = ctx ? ctx->expert : 1, ep = ctx ? ctx->ep_rank : 0;
+  if (o->dim < 1 || o->hidden < 1) return pg_fail_null("%s: MoE needs positive dim and hidden (%d, %d)", name, o->dim, o->hidden);
+  if (o->experts < 1) return pg_fail_null("%s: MoE needs at least 1 expert, not experts=%d", name, o->experts);
+  if (o->top_k < 1 || o->top_k > o->experts)
+    return pg_fail_null("%s: top_k=%d must be from 1 to experts=%d", name, o->top_k, o->experts);
+  if (o->hidden % T)
+    return pg_fail_null("%s: tensor=%d does not divide the experts' hidden width %d", name, T, o->hidden);
+  if (o->experts % G)
+    return pg_fail_null("%s: expert=%d does not divide experts=%d (each member of an expert group holds experts / "
+                        "expert of them)", name, G, o->experts);
+  if (o->layers < 1 || o->layer < 0 || o->layer >= o->layers)
+    return pg_fail_null("%s: MoE layer %d of %d", name, o->layer, o->layers);
+  if (!(o->aux_loss_coef >= 0) || !(o->z_loss_coef >= 0))
+    return pg_fail_null("%s: aux_loss_coef and z_loss_coef must be >= 0 (%g, %g)", name, o->aux_loss_coef, o->z_loss_coef);
+  if (!(o->jitter >= 0) || o->jitter >= 1)
+    return pg_fail_null("%s: jitter must be from 0 to below 1 (noise in [1 - jitter, 1 + jitter]), not %g", name,
+                        o->jitter);
+  if (!(o->capacity_factor >= 0) || o->capacity_factor > 1e9)
+    return pg_fail_null("%s: capacity_factor must be > 0 (0: no token dropped), not %g", name, o->capacity_factor);
+  pg_module *m = module_new(&pg_kind_moe, ctx, name, o->dim, o->dim, sizeof(moe_state));
+  if (!m) return NULL;
+  moe_state *s = m->state;
+  s->o = *o;
+  s->hidden_l = o->hidden / T;
+  s->G = G;
+  s->ep = ep;
+  s->nl = o->experts / G;
+  int E = o->experts, nl = s->nl;
+  s->w1 = calloc((size_t)nl, sizeof *s->w1);
+  s->w2 = calloc((size_t)nl, sizeof *s->w2);
+  s->w3 = calloc((size_t)nl, sizeof *s->w3);
+  s->eoff = calloc((size_t)E + 1, sizeof *s->eoff); /* E + 1 >= nl + 1: the serial path copies all offsets */
+  s->cur = calloc((size_t)nl, sizeof *s->cur);
+  s->sc = calloc((size_t)G, sizeof *s->sc);
+  s->rc = calloc((size_t)G, sizeof *s->rc);
+  s->orows = calloc(2 * (size_t)G, sizeof *s->orows);
+  s->ecount = calloc((size_t)E, sizeof *s->ecount);
+  s->fill = calloc((size_t)E, sizeof *s->fill);
+  if (!s->w1 || !s->w2 || !s->w3 || !s->eoff || !s->cur || !s->sc || !s->rc || !s->orows || !s->ecount || !s->fill) {
+    pg_module_free(m);
+    return pg_fail_null("out of memory");
+  }
+  int64_t gshape[2] = {E, o->dim}, up[2] = {o->hidden, o->dim}, down[2] = {o->dim, o->hidden};
+  if (add_param(m, param_make(name, "gate.weight", 2, gshape, 0, 1, 1, 0, PG_INIT_NORMAL, o->init_std))) goto fail;
+  s->gate = m->params[0];
+  for (int l = 0; l < nl; l++) {
+    int e = ep * nl + l; /* parameters keep the serial model's names: checkpoints reslice across layouts */
+    char w1[64], w2[64], w3[64];
+    snprintf(w1, sizeof w1, "experts.%d.w1.weight", e);
+    snprintf(w2, sizeof w2, "experts.%d.w2.weight", e);
+    snprintf(w3, sizeof w3, "experts.%d.w3.weight", e);
+    if (add_param(m, param_make(name, w1, 2, up, 0, 1, T, r, PG_INIT_NORMAL, o->init_std))) goto fail;
+    s->w1[l] = m->params[m->nparams - 1];
+    if (add_param(m, param_make(name, w2, 2, down, 1, 1, T, r, PG_INIT_NORMAL, o->init_std))) goto fail;
+    s->w2[l] = m->params[m->nparams - 1];
+    if (add_param(m, param_make(name, w3, 2, up, 0, 1, T, r, PG_INIT_NORMAL, o->init_std))) goto fail;
+    s->w3[l] = m->params[m->nparams - 1];
+    /* held by one member of the expert group: gradients averaged over expert_data (pg_engine.c) */
+    s->w1[l]->expert = s->w2[l]->expert = s->w3[l]->expert = G > 1;
+  }
+  return m;
+fail:
+  pg_module_free(m);
+  return NULL;
+}
+
+static pg_module *build_moe(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
+  (void)env;
+  int bad = 0;
+  pg_moe_opts o = {.dim = DESC_INT(d, "dim", 0), .hidden = DESC_INT(d, "hidden", 0),
+                   .experts = DESC_INT(d, "experts", 0), .top_k = DESC_INT(d, "top_k", 2),
+                   .layer = DESC_INT(d, "layer", 0), .layers = DESC_INT(d, "layers", 1),
+                   .aux_loss_coef = d->ops->number(d, "aux_loss_coef", 0),
+                   .z_loss_coef = d->ops->number(d, "z_loss_coef", 0),
+                   .capacity_factor = d->ops->number(d, "capacity_factor", 0),
+                   .jitter = d->ops->number(d, "jitter", 0),
+                   .init_std = (float)d->ops->number(d, "init_std", 0.02)};
+  return bad ? NULL : pg_moe_new(ctx, name, &o);
+}
+
+/* ---------------------------------------------------------------- its traits */
+
+static void moe_bf16_on(pg_module *m) { ((moe_state *)m->state)->bf16 = 1; }
+
+/* Both operand scratches hold max(rows, X) rows of its widest product. */
+static void moe_bf16_need(const pg_module *m, pg_bf16_need *need) {
+  const moe_state *moe = m->state;
+  for (int k = 0; moe->bf16 && k < 2; k++)
+    if (moe->bf16_need > need->operand[k]) need->operand[k] = moe->bf16_need;
+}
+
+static size_t moe_bf16_bytes(const pg_module *m) { return ((const moe_state *)m->state)->bf16_bytes; }
+
+/* Routing needs every row of the micro-batch (sp_gather ... sp_scatter under
+ * sequence parallelism), and its routing, grouping and auxiliary losses run
+ * on the host: no device kernels yet. Its layers share the routing totals
+ * (pg_io.router), so parallelize numbers them. */
+const pg_module_kind pg_kind_moe = {
+    .ops = {"moe", moe_alloc, moe_forward, moe_backward, moe_destroy},
+    .traits = {.name = "moe",
+               .assembly = PG_KIND_BUILT,
+               .sp = PG_SP_ALL_ROWS,
+               .host_only = "the moe kind (mixture of experts) runs on the cpu backend only for now",
+               .flags = PG_KIND_ROUTER},
+    .build = build_moe,
+    .bf16_on = moe_bf16_on,
+    .bf16_need = moe_bf16_need,
+    .bf16_bytes = moe_bf16_bytes,
+};
