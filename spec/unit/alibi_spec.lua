@@ -250,15 +250,4 @@ describe("the attention module's alibi option", function()
   end)
 end)
 
--- End to end against transformers: the BLOOM fixtures composed from pg.nn
--- specs (spec/support/bloom_fixture.lua) train as BloomForCausalLM did in
--- scripts/make_bloom_reference.py. Both sides are float32 with different
--- summation orders (seen: 1.5e-7 relative at most); 1e-5 as llama_spec.
-describe("a BLOOM of pg.nn specs with ALiBi", function()
-  local bloom = require "bloom_fixture"
-  for _, dir in ipairs{ "spec/fixtures/hf_bloom_tiny", "spec/fixtures/hf_bloom_tiny_h8" } do
-    it(dir .. ": the loss, 10 clipped AdamW steps and the final loss are transformers'", function()
-      bloom.assert_agrees(bloom.train(dir), bloom.expected(dir), 1e-5, dir)
-    end)
-  end
-end)
+-- End to end against transformers: spec/unit/bloom_spec.lua (pg.nn.Bloom in every layout).
