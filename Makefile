@@ -292,7 +292,7 @@ install: all
 	install -m 644 $(LIB_A) $(PREFIX)/lib/
 	install -m 755 $(LIB_SO) $(PREFIX)/lib/
 	install -m 755 $(CORE_SO) $(PREFIX)/lib/lua/5.4/pipegoose/core.so
-	install -m 644 $(wildcard $(RUNTIME_DIRS:%=%/pg_*.h)) kernels/kernels.h $(PREFIX)/include/pipegoose/
+	install -m 644 $(wildcard $(RUNTIME_DIRS:%=%/pg_*.h)) kernels/kernels.h kernels/kernel_list.h $(PREFIX)/include/pipegoose/
 	cp -R lua/pipegoose/. $(PREFIX)/share/lua/5.4/pipegoose/
 	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' -e 's|@CUDA_LIBS@|$(CUDA_LIBS) $(DNNL_LIBS)|g' scripts/pipegoose.pc.in > $(PREFIX)/lib/pkgconfig/pipegoose.pc
 

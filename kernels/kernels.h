@@ -11,7 +11,12 @@
  *     micro-batches add up in the same buffer;
  *   - a NULL gradient pointer means "not needed": skip that product.
  * Results are deterministic for a given thread count (static partitions,
- * fixed reduction order), so replicas on different ranks agree bitwise. */
+ * fixed reduction order), so replicas on different ranks agree bitwise.
+ *
+ * The kernels the runtime calls through the backend seam are also rows of
+ * kernel_list.h (the seam's members, both backends' adapters and the CUDA
+ * self-test's checklist come from there); a row must agree with the
+ * prototypes here, or the backends do not compile. */
 #ifndef PG_KERNELS_H
 #define PG_KERNELS_H
 

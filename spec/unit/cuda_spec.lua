@@ -93,8 +93,18 @@ describe("pg.cuda", function()
     h.sh("rm -rf " .. h.quote(dir))
     assert.equal(0, rc, out)
     local checks = tonumber(out:match("\n(%d+) checks, 0 failed\n$"))
-    -- 53 checks: every kernel of kernels.h, grouped-query attention and RoPE included
-    assert(checks and checks >= 53, out)
+    -- 72 checks: every kernel of kernels/kernel_list.h, grouped-query attention, ALiBi and RoPE included
+    assert(checks and checks >= 72, out)
     assert.not_matches("FAIL", out)
+    -- every row of the list was checked (a report line "ok  <name>...") or says why not ("none  <name>")
+    local f = assert(io.open("kernels/kernel_list.h"))
+    local rows = 0
+    for name in f:read("a"):gmatch("\nPG_KERNEL%(([%w_]+),") do
+      rows = rows + 1
+      local line = out:match("\n  ok    " .. name .. "[ .]") or out:match("\n  none  " .. name .. " ")
+      assert(line, "kernel_list.h's " .. name .. " has no line in the self-test's report:\n" .. out)
+    end
+    f:close()
+    assert(rows >= 33, "kernel_list.h: " .. rows .. " rows")
   end)
 end)

@@ -58,69 +58,19 @@ static int cpu_sync(const pg_backend *b) {
   return PG_OK;
 }
 
-/* One adapter per kernel: the kernel of kernels/cpu, called as it is, and PG_OK. */
-#define CPU_KERNEL(name, params, args)                                                                                 \
-  static int cpu_##name params {                                                                                       \
+/* The adapters, from kernels/kernel_list.h. CALL: the kernel of kernels/cpu
+ * called as it is, and PG_OK; the redeclaration makes a row whose
+ * parameters are not the kernel's a compile error. OWN: written below. */
+#define CPU_CALL(name, params, args)                                                                                   \
+  void pg_##name params;                                                                                               \
+  static int cpu_##name PG_BACKEND_PARAMS params {                                                                     \
     (void)b;                                                                                                           \
     pg_##name args;                                                                                                    \
     return PG_OK;                                                                                                      \
   }
-
-CPU_KERNEL(embedding_forward,
-           (const pg_backend *b, float *out, const int32_t *tokens, const float *weight, int N, int C, int row_start,
-            int rows),
-           (out, tokens, weight, N, C, row_start, rows))
-CPU_KERNEL(embedding_backward,
-           (const pg_backend *b, float *dweight, const float *dout, const int32_t *tokens, int N, int C, int row_start,
-            int rows),
-           (dweight, dout, tokens, N, C, row_start, rows))
-CPU_KERNEL(position_forward, (const pg_backend *b, float *out, const float *wpe, int N, int T, int C),
-           (out, wpe, N, T, C))
-CPU_KERNEL(position_backward, (const pg_backend *b, float *dwpe, const float *dout, int N, int T, int C),
-           (dwpe, dout, N, T, C))
-CPU_KERNEL(layernorm_forward,
-           (const pg_backend *b, float *out, float *mean, float *rstd, const float *inp, const float *weight,
-            const float *bias, int N, int C),
-           (out, mean, rstd, inp, weight, bias, N, C))
-CPU_KERNEL(layernorm_backward,
-           (const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout, const float *inp,
-            const float *weight, const float *mean, const float *rstd, int N, int C),
-           (dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C))
-CPU_KERNEL(matmul_forward,
-           (const pg_backend *b, float *out, const float *inp, const float *weight, const float *bias, int N, int C,
-            int OC),
-           (out, inp, weight, bias, N, C, OC))
-CPU_KERNEL(matmul_backward,
-           (const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout, const float *inp,
-            const float *weight, int N, int C, int OC),
-           (dinp, dweight, dbias, dout, inp, weight, N, C, OC))
-CPU_KERNEL(attention_forward,
-           (const pg_backend *b, float *out, float *att, const float *qkv, const float *slopes, int B, int T, int NH,
-            int NKV, int HS),
-           (out, att, qkv, slopes, B, T, NH, NKV, HS))
-CPU_KERNEL(attention_backward,
-           (const pg_backend *b, float *dqkv, float *scratch, const float *dout, const float *qkv, const float *att,
-            int B, int T, int NH, int NKV, int HS),
-           (dqkv, scratch, dout, qkv, att, B, T, NH, NKV, HS))
-CPU_KERNEL(rope_forward,
-           (const pg_backend *b, float *x, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS,
-            int ld),
-           (x, cos_t, sin_t, N, T, heads, HS, ld))
-CPU_KERNEL(rope_backward,
-           (const pg_backend *b, float *dx, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS,
-            int ld),
-           (dx, cos_t, sin_t, N, T, heads, HS, ld))
-CPU_KERNEL(rmsnorm_forward,
-           (const pg_backend *b, float *out, float *rstd, const float *inp, const float *weight, int N, int C,
-            float eps),
-           (out, rstd, inp, weight, N, C, eps))
-CPU_KERNEL(rmsnorm_backward,
-           (const pg_backend *b, float *dinp, float *dweight, const float *dout, const float *inp, const float *weight,
-            const float *rstd, int N, int C),
-           (dinp, dweight, dout, inp, weight, rstd, N, C))
-CPU_KERNEL(swiglu_forward, (const pg_backend *b, float *out, const float *inp, int N, int H), (out, inp, N, H))
-CPU_KERNEL(swiglu_backward, (const pg_backend *b, float *dinp, const float *inp, const float *dout, int N, int H),
-           (dinp, inp, dout, N, H))
+#define CPU_OWN(name, params, args) static int cpu_##name PG_BACKEND_PARAMS params;
+#define PG_KERNEL(name, params, args, cpu, cuda, selftest) CPU_##cpu(name, params, args)
+#include "kernel_list.h"
 
 static int64_t cpu_attention_scratch_floats(const pg_backend *b, int T, int NH) {
   (void)b;
@@ -132,17 +82,7 @@ static int64_t cpu_attention_scratch_floats(const pg_backend *b, int T, int NH) 
   return pg_attention_scratch_floats(T, threads);
 }
 
-CPU_KERNEL(gelu_forward, (const pg_backend *b, float *out, const float *inp, int64_t n), (out, inp, n))
-CPU_KERNEL(gelu_backward, (const pg_backend *b, float *dinp, const float *inp, const float *dout, int64_t n),
-           (dinp, inp, dout, n))
-CPU_KERNEL(residual_forward, (const pg_backend *b, float *out, const float *a, const float *x, int64_t n),
-           (out, a, x, n))
-CPU_KERNEL(xent_row_max, (const pg_backend *b, float *row_max, const float *logits, int N, int V, int valid),
-           (row_max, logits, N, V, valid))
-CPU_KERNEL(xent_sumexp,
-           (const pg_backend *b, float *sumexp, float *target_logit, const float *logits, const float *row_max,
-            const int32_t *targets, int N, int V, int valid, int vocab_start),
-           (sumexp, target_logit, logits, row_max, targets, N, V, valid, vocab_start))
+/* ---- the OWN adapters ---- */
 
 static int cpu_xent_finish(const pg_backend *b, float *losses, float *dlogits, const float *logits,
                            const float *row_max, const float *sumexp, const float *target_logit, const int32_t *targets,
@@ -154,30 +94,11 @@ static int cpu_xent_finish(const pg_backend *b, float *losses, float *dlogits, c
   return PG_OK;
 }
 
-CPU_KERNEL(adamw_update,
-           (const pg_backend *b, float *param, const float *grad, float *m, float *v, int64_t n, float lr, float beta1,
-            float beta2, float eps, float weight_decay, int step, float grad_scale),
-           (param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale))
-
 static int cpu_sum_squares(const pg_backend *b, const float *x, int64_t n, double *out) {
   (void)b;
   *out = pg_sum_squares(x, n);
   return PG_OK;
 }
-
-CPU_KERNEL(bf16_from_f32, (const pg_backend *b, uint16_t *dst, const float *src, int64_t n), (dst, src, n))
-CPU_KERNEL(bf16_to_f32, (const pg_backend *b, float *dst, const uint16_t *src, int64_t n), (dst, src, n))
-CPU_KERNEL(gelu_bf16_forward, (const pg_backend *b, uint16_t *out, const uint16_t *inp, int64_t n), (out, inp, n))
-CPU_KERNEL(gelu_bf16_backward,
-           (const pg_backend *b, uint16_t *dinp, const uint16_t *inp, const uint16_t *dout, int64_t n),
-           (dinp, inp, dout, n))
-CPU_KERNEL(swiglu_bf16_forward, (const pg_backend *b, uint16_t *out, const uint16_t *inp, int N, int H),
-           (out, inp, N, H))
-CPU_KERNEL(swiglu_bf16_backward,
-           (const pg_backend *b, uint16_t *dinp, const uint16_t *inp, const uint16_t *dout, int N, int H),
-           (dinp, inp, dout, N, H))
-CPU_KERNEL(residual_bf16_forward, (const pg_backend *b, float *out, const float *a, const uint16_t *x, int64_t n),
-           (out, a, x, n))
 
 /* The bf16 GEMMs fail only when out of memory or when oneDNN fails (kernels.h). */
 static int cpu_matmul_bf16_forward(const pg_backend *b, float *out, const uint16_t *inp, const uint16_t *weight,
@@ -204,40 +125,9 @@ static const pg_backend_ops cpu_ops = {
     .copy = cpu_copy,
     .copy2d = cpu_copy2d,
     .sync = cpu_sync,
-    .embedding_forward = cpu_embedding_forward,
-    .embedding_backward = cpu_embedding_backward,
-    .position_forward = cpu_position_forward,
-    .position_backward = cpu_position_backward,
-    .layernorm_forward = cpu_layernorm_forward,
-    .layernorm_backward = cpu_layernorm_backward,
-    .matmul_forward = cpu_matmul_forward,
-    .matmul_backward = cpu_matmul_backward,
-    .attention_forward = cpu_attention_forward,
-    .attention_backward = cpu_attention_backward,
+#define PG_KERNEL(name, params, args, cpu, cuda, selftest) .name = cpu_##name,
+#include "kernel_list.h"
     .attention_scratch_floats = cpu_attention_scratch_floats,
-    .rope_forward = cpu_rope_forward,
-    .rope_backward = cpu_rope_backward,
-    .rmsnorm_forward = cpu_rmsnorm_forward,
-    .rmsnorm_backward = cpu_rmsnorm_backward,
-    .swiglu_forward = cpu_swiglu_forward,
-    .swiglu_backward = cpu_swiglu_backward,
-    .gelu_forward = cpu_gelu_forward,
-    .gelu_backward = cpu_gelu_backward,
-    .residual_forward = cpu_residual_forward,
-    .xent_row_max = cpu_xent_row_max,
-    .xent_sumexp = cpu_xent_sumexp,
-    .xent_finish = cpu_xent_finish,
-    .adamw_update = cpu_adamw_update,
-    .sum_squares = cpu_sum_squares,
-    .bf16_from_f32 = cpu_bf16_from_f32,
-    .matmul_bf16_forward = cpu_matmul_bf16_forward,
-    .matmul_bf16_backward = cpu_matmul_bf16_backward,
-    .bf16_to_f32 = cpu_bf16_to_f32,
-    .gelu_bf16_forward = cpu_gelu_bf16_forward,
-    .gelu_bf16_backward = cpu_gelu_bf16_backward,
-    .swiglu_bf16_forward = cpu_swiglu_bf16_forward,
-    .swiglu_bf16_backward = cpu_swiglu_bf16_backward,
-    .residual_bf16_forward = cpu_residual_bf16_forward,
 };
 
 static void release_on(void *data, void *backend) { pg_be_release(backend, data); }

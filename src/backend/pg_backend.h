@@ -42,74 +42,15 @@ typedef struct pg_backend_ops {
   /* Everything queued so far has finished (and its errors are reported). */
   int (*sync)(const pg_backend *b);
 
-  /* ---- kernels (kernels.h) ---- */
-  int (*embedding_forward)(const pg_backend *b, float *out, const int32_t *tokens, const float *weight, int N, int C,
-                           int row_start, int rows);
-  int (*embedding_backward)(const pg_backend *b, float *dweight, const float *dout, const int32_t *tokens, int N,
-                            int C, int row_start, int rows);
-  int (*position_forward)(const pg_backend *b, float *out, const float *wpe, int N, int T, int C);
-  int (*position_backward)(const pg_backend *b, float *dwpe, const float *dout, int N, int T, int C);
-  int (*layernorm_forward)(const pg_backend *b, float *out, float *mean, float *rstd, const float *inp,
-                           const float *weight, const float *bias, int N, int C);
-  int (*layernorm_backward)(const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout,
-                            const float *inp, const float *weight, const float *mean, const float *rstd, int N, int C);
-  int (*matmul_forward)(const pg_backend *b, float *out, const float *inp, const float *weight, const float *bias,
-                        int N, int C, int OC);
-  int (*matmul_backward)(const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout,
-                         const float *inp, const float *weight, int N, int C, int OC);
-  /* slopes: NULL, or NH ALiBi slopes in this backend's memory */
-  int (*attention_forward)(const pg_backend *b, float *out, float *att, const float *qkv, const float *slopes, int B,
-                           int T, int NH, int NKV, int HS);
-  int (*attention_backward)(const pg_backend *b, float *dqkv, float *scratch, const float *dout, const float *qkv,
-                            const float *att, int B, int T, int NH, int NKV, int HS);
+  /* ---- kernels: one member per row of kernels/kernel_list.h (the contracts of kernels.h) ----
+   *   int (*name)(const pg_backend *b, params); */
+#define PG_BACKEND_PARAMS(...) (const pg_backend *b, __VA_ARGS__)
+#define PG_KERNEL(name, params, args, cpu, cuda, selftest) int(*name) PG_BACKEND_PARAMS params;
+#include "kernel_list.h"
+
+  /* ---- sizes ---- */
   /* floats of scratch attention_backward needs for sequences of up to T and NH heads */
   int64_t (*attention_scratch_floats)(const pg_backend *b, int T, int NH);
-  /* cos_t, sin_t: pg_rope_table's tables in this backend's memory */
-  int (*rope_forward)(const pg_backend *b, float *x, const float *cos_t, const float *sin_t, int N, int T, int heads,
-                      int HS, int ld);
-  int (*rope_backward)(const pg_backend *b, float *dx, const float *cos_t, const float *sin_t, int N, int T, int heads,
-                       int HS, int ld);
-  int (*rmsnorm_forward)(const pg_backend *b, float *out, float *rstd, const float *inp, const float *weight, int N,
-                         int C, float eps);
-  int (*rmsnorm_backward)(const pg_backend *b, float *dinp, float *dweight, const float *dout, const float *inp,
-                          const float *weight, const float *rstd, int N, int C);
-  int (*swiglu_forward)(const pg_backend *b, float *out, const float *inp, int N, int H);
-  int (*swiglu_backward)(const pg_backend *b, float *dinp, const float *inp, const float *dout, int N, int H);
-  int (*gelu_forward)(const pg_backend *b, float *out, const float *inp, int64_t n);
-  int (*gelu_backward)(const pg_backend *b, float *dinp, const float *inp, const float *dout, int64_t n);
-  int (*residual_forward)(const pg_backend *b, float *out, const float *a, const float *x, int64_t n);
-  int (*xent_row_max)(const pg_backend *b, float *row_max, const float *logits, int N, int V, int valid);
-  int (*xent_sumexp)(const pg_backend *b, float *sumexp, float *target_logit, const float *logits,
-                     const float *row_max, const int32_t *targets, int N, int V, int valid, int vocab_start);
-  /* *loss_sum (host) = the sum of the row losses */
-  int (*xent_finish)(const pg_backend *b, float *losses, float *dlogits, const float *logits, const float *row_max,
-                     const float *sumexp, const float *target_logit, const int32_t *targets, int N, int V, int valid,
-                     int vocab_start, float dloss, double *loss_sum);
-  int (*adamw_update)(const pg_backend *b, float *param, const float *grad, float *m, float *v, int64_t n, float lr,
-                      float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale);
-  /* *out (host) = sum of squares, deterministic */
-  int (*sum_squares)(const pg_backend *b, const float *x, int64_t n, double *out);
-
-  /* ---- precision bf16 (kernels.h's bf16 contracts; bf16 values are uint16_t bits) ---- */
-  /* dst = src rounded to bf16 (nearest, ties to even; NaN kept), the same bits on every backend */
-  int (*bf16_from_f32)(const pg_backend *b, uint16_t *dst, const float *src, int64_t n);
-  /* out[N,OC] = inp[N,C] @ weight[OC,C]^T (+ bias), bf16 operands, float32 sums and result */
-  int (*matmul_bf16_forward)(const pg_backend *b, float *out, const uint16_t *inp, const uint16_t *weight,
-                             const float *bias, int N, int C, int OC);
-  /* dinp = dout @ weight (NULL: skip), dweight += dout^T @ inp (NULL: skip), on the bf16 operands;
-   * dbias (NULL: skip) += the column sums of the float32 dout_f32 (the bias gradient is not rounded) */
-  int (*matmul_bf16_backward)(const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout_f32,
-                              const uint16_t *dout, const uint16_t *inp, const uint16_t *weight, int N, int C, int OC);
-  /* dst = src widened (exact) */
-  int (*bf16_to_f32)(const pg_backend *b, float *dst, const uint16_t *src, int64_t n);
-  /* bf16 activations (kernels.h's pg_*_bf16_*): bf16 in and out, float32 arithmetic, each result rounded */
-  int (*gelu_bf16_forward)(const pg_backend *b, uint16_t *out, const uint16_t *inp, int64_t n);
-  int (*gelu_bf16_backward)(const pg_backend *b, uint16_t *dinp, const uint16_t *inp, const uint16_t *dout, int64_t n);
-  int (*swiglu_bf16_forward)(const pg_backend *b, uint16_t *out, const uint16_t *inp, int N, int H);
-  int (*swiglu_bf16_backward)(const pg_backend *b, uint16_t *dinp, const uint16_t *inp, const uint16_t *dout, int N,
-                              int H);
-  /* out = a + x: a bf16 branch added to the float32 stream */
-  int (*residual_bf16_forward)(const pg_backend *b, float *out, const float *a, const uint16_t *x, int64_t n);
 } pg_backend_ops;
 
 struct pg_backend {

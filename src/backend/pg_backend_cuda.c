@@ -99,110 +99,26 @@ static int cu_copy2d(const pg_backend *b, void *dst, size_t dpitch, const void *
 
 static int cu_sync(const pg_backend *b) { return wait_stream(b, "synchronising"); }
 
-/* One adapter per kernel: the kernel's return code becomes PG_OK / pg_error. */
-#define CUDA_KERNEL(name, params, args)                                                                                \
-  static int cu_##name params { return kernel_rc(b, #name, pg_cuda_##name args); }
-
-CUDA_KERNEL(embedding_forward,
-            (const pg_backend *b, float *out, const int32_t *tokens, const float *weight, int N, int C, int row_start,
-             int rows),
-            (ctx_of(b), out, tokens, weight, N, C, row_start, rows))
-CUDA_KERNEL(embedding_backward,
-            (const pg_backend *b, float *dweight, const float *dout, const int32_t *tokens, int N, int C, int row_start,
-             int rows),
-            (ctx_of(b), dweight, dout, tokens, N, C, row_start, rows))
-CUDA_KERNEL(position_forward, (const pg_backend *b, float *out, const float *wpe, int N, int T, int C),
-            (ctx_of(b), out, wpe, N, T, C))
-CUDA_KERNEL(position_backward, (const pg_backend *b, float *dwpe, const float *dout, int N, int T, int C),
-            (ctx_of(b), dwpe, dout, N, T, C))
-CUDA_KERNEL(layernorm_forward,
-            (const pg_backend *b, float *out, float *mean, float *rstd, const float *inp, const float *weight,
-             const float *bias, int N, int C),
-            (ctx_of(b), out, mean, rstd, inp, weight, bias, N, C))
-CUDA_KERNEL(layernorm_backward,
-            (const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout, const float *inp,
-             const float *weight, const float *mean, const float *rstd, int N, int C),
-            (ctx_of(b), dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C))
-CUDA_KERNEL(matmul_forward,
-            (const pg_backend *b, float *out, const float *inp, const float *weight, const float *bias, int N, int C,
-             int OC),
-            (ctx_of(b), out, inp, weight, bias, N, C, OC))
-CUDA_KERNEL(matmul_backward,
-            (const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout, const float *inp,
-             const float *weight, int N, int C, int OC),
-            (ctx_of(b), dinp, dweight, dbias, dout, inp, weight, N, C, OC))
-CUDA_KERNEL(attention_forward,
-            (const pg_backend *b, float *out, float *att, const float *qkv, const float *slopes, int B, int T, int NH,
-             int NKV, int HS),
-            (ctx_of(b), out, att, qkv, slopes, B, T, NH, NKV, HS))
-CUDA_KERNEL(attention_backward,
-            (const pg_backend *b, float *dqkv, float *scratch, const float *dout, const float *qkv, const float *att,
-             int B, int T, int NH, int NKV, int HS),
-            (ctx_of(b), dqkv, scratch, dout, qkv, att, B, T, NH, NKV, HS))
-CUDA_KERNEL(rope_forward,
-            (const pg_backend *b, float *x, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS,
-             int ld),
-            (ctx_of(b), x, cos_t, sin_t, N, T, heads, HS, ld))
-CUDA_KERNEL(rope_backward,
-            (const pg_backend *b, float *dx, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS,
-             int ld),
-            (ctx_of(b), dx, cos_t, sin_t, N, T, heads, HS, ld))
-CUDA_KERNEL(rmsnorm_forward,
-            (const pg_backend *b, float *out, float *rstd, const float *inp, const float *weight, int N, int C,
-             float eps),
-            (ctx_of(b), out, rstd, inp, weight, N, C, eps))
-CUDA_KERNEL(rmsnorm_backward,
-            (const pg_backend *b, float *dinp, float *dweight, const float *dout, const float *inp,
-             const float *weight, const float *rstd, int N, int C),
-            (ctx_of(b), dinp, dweight, dout, inp, weight, rstd, N, C))
-CUDA_KERNEL(swiglu_forward, (const pg_backend *b, float *out, const float *inp, int N, int H),
-            (ctx_of(b), out, inp, N, H))
-CUDA_KERNEL(swiglu_backward, (const pg_backend *b, float *dinp, const float *inp, const float *dout, int N, int H),
-            (ctx_of(b), dinp, inp, dout, N, H))
-CUDA_KERNEL(gelu_forward, (const pg_backend *b, float *out, const float *inp, int64_t n), (ctx_of(b), out, inp, n))
-CUDA_KERNEL(gelu_backward, (const pg_backend *b, float *dinp, const float *inp, const float *dout, int64_t n),
-            (ctx_of(b), dinp, inp, dout, n))
-CUDA_KERNEL(residual_forward, (const pg_backend *b, float *out, const float *a, const float *x, int64_t n),
-            (ctx_of(b), out, a, x, n))
-CUDA_KERNEL(xent_row_max, (const pg_backend *b, float *row_max, const float *logits, int N, int V, int valid),
-            (ctx_of(b), row_max, logits, N, V, valid))
-CUDA_KERNEL(xent_sumexp,
-            (const pg_backend *b, float *sumexp, float *target_logit, const float *logits, const float *row_max,
-             const int32_t *targets, int N, int V, int valid, int vocab_start),
-            (ctx_of(b), sumexp, target_logit, logits, row_max, targets, N, V, valid, vocab_start))
-CUDA_KERNEL(adamw_update,
-            (const pg_backend *b, float *param, const float *grad, float *m, float *v, int64_t n, float lr, float beta1,
-             float beta2, float eps, float weight_decay, int step, float grad_scale),
-            (ctx_of(b), param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale))
-
-CUDA_KERNEL(bf16_from_f32, (const pg_backend *b, uint16_t *dst, const float *src, int64_t n),
-            (ctx_of(b), dst, src, n))
-CUDA_KERNEL(bf16_to_f32, (const pg_backend *b, float *dst, const uint16_t *src, int64_t n), (ctx_of(b), dst, src, n))
-CUDA_KERNEL(gelu_bf16_forward, (const pg_backend *b, uint16_t *out, const uint16_t *inp, int64_t n),
-            (ctx_of(b), out, inp, n))
-CUDA_KERNEL(gelu_bf16_backward,
-            (const pg_backend *b, uint16_t *dinp, const uint16_t *inp, const uint16_t *dout, int64_t n),
-            (ctx_of(b), dinp, inp, dout, n))
-CUDA_KERNEL(swiglu_bf16_forward, (const pg_backend *b, uint16_t *out, const uint16_t *inp, int N, int H),
-            (ctx_of(b), out, inp, N, H))
-CUDA_KERNEL(swiglu_bf16_backward,
-            (const pg_backend *b, uint16_t *dinp, const uint16_t *inp, const uint16_t *dout, int N, int H),
-            (ctx_of(b), dinp, inp, dout, N, H))
-CUDA_KERNEL(residual_bf16_forward, (const pg_backend *b, float *out, const float *a, const uint16_t *x, int64_t n),
-            (ctx_of(b), out, a, x, n))
-CUDA_KERNEL(matmul_bf16_forward,
-            (const pg_backend *b, float *out, const uint16_t *inp, const uint16_t *weight, const float *bias, int N,
-             int C, int OC),
-            (ctx_of(b), out, inp, weight, bias, N, C, OC))
-CUDA_KERNEL(matmul_bf16_backward,
-            (const pg_backend *b, float *dinp, float *dweight, float *dbias, const float *dout_f32,
-             const uint16_t *dout, const uint16_t *inp, const uint16_t *weight, int N, int C, int OC),
-            (ctx_of(b), dinp, dweight, dbias, dout_f32, dout, inp, weight, N, C, OC))
+/* The adapters, from kernels/kernel_list.h. CALL: the kernel of
+ * kernels/cuda on this backend's stream and cuBLAS handle, its return code
+ * made PG_OK / pg_error; the redeclaration makes a row whose parameters are
+ * not the kernel's a compile error. OWN: written below. */
+#define PG_CUDA_ARGS(...) __VA_ARGS__
+#define CUDA_CALL(name, params, args)                                                                                  \
+  int pg_cuda_##name(const pg_cuda_ctx *ctx, PG_CUDA_ARGS params);                                                     \
+  static int cu_##name PG_BACKEND_PARAMS params {                                                                      \
+    return kernel_rc(b, #name, pg_cuda_##name(ctx_of(b), PG_CUDA_ARGS args));                                          \
+  }
+#define CUDA_OWN(name, params, args) static int cu_##name PG_BACKEND_PARAMS params;
+#define PG_KERNEL(name, params, args, cpu, cuda, selftest) CUDA_##cuda(name, params, args)
+#include "kernel_list.h"
 
 static int64_t cu_attention_scratch_floats(const pg_backend *b, int T, int NH) {
   (void)b;
   return pg_cuda_attention_scratch_floats(T, NH);
 }
+
+/* ---- the OWN adapters ---- */
 
 /* The device double scratch of results the host reads. */
 static double *scalars(const pg_backend *b) {
@@ -237,40 +153,9 @@ static const pg_backend_ops cuda_ops = {
     .copy = cu_copy,
     .copy2d = cu_copy2d,
     .sync = cu_sync,
-    .embedding_forward = cu_embedding_forward,
-    .embedding_backward = cu_embedding_backward,
-    .position_forward = cu_position_forward,
-    .position_backward = cu_position_backward,
-    .layernorm_forward = cu_layernorm_forward,
-    .layernorm_backward = cu_layernorm_backward,
-    .matmul_forward = cu_matmul_forward,
-    .matmul_backward = cu_matmul_backward,
-    .attention_forward = cu_attention_forward,
-    .attention_backward = cu_attention_backward,
+#define PG_KERNEL(name, params, args, cpu, cuda, selftest) .name = cu_##name,
+#include "kernel_list.h"
     .attention_scratch_floats = cu_attention_scratch_floats,
-    .rope_forward = cu_rope_forward,
-    .rope_backward = cu_rope_backward,
-    .rmsnorm_forward = cu_rmsnorm_forward,
-    .rmsnorm_backward = cu_rmsnorm_backward,
-    .swiglu_forward = cu_swiglu_forward,
-    .swiglu_backward = cu_swiglu_backward,
-    .gelu_forward = cu_gelu_forward,
-    .gelu_backward = cu_gelu_backward,
-    .residual_forward = cu_residual_forward,
-    .xent_row_max = cu_xent_row_max,
-    .xent_sumexp = cu_xent_sumexp,
-    .xent_finish = cu_xent_finish,
-    .adamw_update = cu_adamw_update,
-    .sum_squares = cu_sum_squares,
-    .bf16_from_f32 = cu_bf16_from_f32,
-    .matmul_bf16_forward = cu_matmul_bf16_forward,
-    .matmul_bf16_backward = cu_matmul_bf16_backward,
-    .bf16_to_f32 = cu_bf16_to_f32,
-    .gelu_bf16_forward = cu_gelu_bf16_forward,
-    .gelu_bf16_backward = cu_gelu_bf16_backward,
-    .swiglu_bf16_forward = cu_swiglu_bf16_forward,
-    .swiglu_bf16_backward = cu_swiglu_bf16_backward,
-    .residual_bf16_forward = cu_residual_bf16_forward,
 };
 
 const pg_backend *pg_backend_cuda(int ordinal) {

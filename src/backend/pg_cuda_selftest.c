@@ -1,7 +1,9 @@
 /* pg_cuda_selftest: every CUDA kernel (kernels/cuda) against its CPU kernel
  * (kernels/cpu) on random inputs, with stated tolerances (pg_cuda.h). On a
  * GPU through pg.cuda.selftest(); on the CPU emulator through
- * scripts/cuda_emu_test.sh (make cuda-emu). */
+ * scripts/cuda_emu_test.sh (make cuda-emu). What runs is the checklist at
+ * the end, made from kernels/kernel_list.h: every seam kernel names its
+ * test function there, so a kernel without one does not compile. */
 #include "pg_cuda.h"
 
 #include <stdio.h>
@@ -422,6 +424,79 @@ static void test_bf16(selftest *st) {
   }
 }
 
+/* n bf16 values of a device buffer against the CPU's, widened: |got - want| <= atol + rtol |want|. */
+static void check_bf16_close(selftest *st, const char *name, const uint16_t *dev, const uint16_t *want, int64_t n,
+                             double rtol, double atol) {
+  if (st->broken || !dev || !want) return;
+  uint16_t *got = h_alloc(st, (size_t)n * sizeof(uint16_t));
+  if (!got) return;
+  if (pg_cuda_synchronize() != PG_OK ||
+      pg_cuda_memcpy(got, dev, (size_t)n * sizeof(uint16_t), PG_CUDA_DEVICE_TO_HOST) != PG_OK) {
+    broken(st, name, pg_error());
+    return;
+  }
+  st->checks++;
+  double max_err = 0;
+  for (int64_t i = 0; i < n; i++) {
+    const float g = pg_bf16_value(got[i]), x = pg_bf16_value(want[i]);
+    if (g == x || (isnan(g) && isnan(x))) continue;
+    const double err = isnan(g) || isnan(x) || isinf(g) || isinf(x) ? INFINITY : fabs((double)g - (double)x);
+    if (!(err <= atol + rtol * fabs((double)x))) {
+      st->failed++;
+      say(st, "  FAIL  %-34s element %lld: got %.9g, want %.9g (rtol %.0e, atol %.0e)\n", name, (long long)i,
+          (double)g, (double)x, rtol, atol);
+      return;
+    }
+    if (err > max_err) max_err = err;
+  }
+  say(st, "  ok    %-34s max |err| %-9.2g (rtol %.0e, atol %.0e, %lld values)\n", name, max_err, rtol, atol,
+      (long long)n);
+}
+
+/* The bf16 activations and the widening: the CPU's formulas on the same bf16 inputs, each result rounded to
+ * bf16, so a float32 difference of an ulp (CUDA's expf) moves a result by at most one bf16 ulp (2^-7
+ * relative: TOL_BF16); the widening and the residual add are exact. */
+#define TOL_BF16 1e-2, 1e-6
+static void test_bf16_pointwise(selftest *st) {
+  const int N = ST_N, H = 101;
+  const int64_t n = (int64_t)N * H, n2 = 2 * n;
+  const pg_cuda_ctx *ctx = &st->ctx;
+  float *x = h_rand(st, n2, -6, 6), *dy = h_rand(st, n2, -1, 1), *a = h_rand(st, n2, -1, 1);
+  float *garbage = h_rand(st, n2, 100, 200);
+  uint16_t *x16 = h_alloc(st, (size_t)n2 * 2), *dy16 = h_alloc(st, (size_t)n2 * 2), *r16 = h_alloc(st, (size_t)n2 * 2);
+  float *r = h_alloc(st, (size_t)n2 * sizeof(float));
+  if (!x || !dy || !a || !garbage || !x16 || !dy16 || !r16 || !r) return;
+  pg_bf16_from_f32(x16, x, n2);
+  pg_bf16_from_f32(dy16, dy, n2);
+  uint16_t *d_x16 = d_put(st, x16, (size_t)n2 * 2), *d_dy16 = d_put(st, dy16, (size_t)n2 * 2);
+  uint16_t *d_r16 = d_put(st, garbage, (size_t)n2 * 2);
+  float *d_a = d_floats(st, a, n2), *d_r = d_floats(st, garbage, n2);
+  if (st->broken) return;
+
+  pg_bf16_to_f32(r, x16, n2);
+  if (launched(st, "bf16_to_f32", pg_cuda_bf16_to_f32(ctx, d_r, d_x16, n2)))
+    check_f(st, "bf16_to_f32", d_r, r, n2, 0, 0);
+  pg_residual_bf16_forward(r, a, x16, n2);
+  if (!reload(st, d_r, garbage, n2)) return;
+  if (launched(st, "residual_bf16_forward", pg_cuda_residual_bf16_forward(ctx, d_r, d_a, d_x16, n2)))
+    check_f(st, "residual_bf16_forward", d_r, r, n2, 0, 0);
+
+  pg_gelu_bf16_forward(r16, x16, n2);
+  if (launched(st, "gelu_bf16_forward", pg_cuda_gelu_bf16_forward(ctx, d_r16, d_x16, n2)))
+    check_bf16_close(st, "gelu_bf16_forward", d_r16, r16, n2, TOL_BF16);
+  pg_gelu_bf16_backward(r16, x16, dy16, n2);
+  if (launched(st, "gelu_bf16_backward", pg_cuda_gelu_bf16_backward(ctx, d_r16, d_x16, d_dy16, n2)))
+    check_bf16_close(st, "gelu_bf16_backward", d_r16, r16, n2, TOL_BF16);
+
+  /* SwiGLU on [N, 2H] (gates to -6..6), H odd */
+  pg_swiglu_bf16_forward(r16, x16, N, H);
+  if (launched(st, "swiglu_bf16_forward", pg_cuda_swiglu_bf16_forward(ctx, d_r16, d_x16, N, H)))
+    check_bf16_close(st, "swiglu_bf16_forward", d_r16, r16, n, TOL_BF16);
+  pg_swiglu_bf16_backward(r16, x16, dy16, N, H);
+  if (launched(st, "swiglu_bf16_backward", pg_cuda_swiglu_bf16_backward(ctx, d_r16, d_x16, d_dy16, N, H)))
+    check_bf16_close(st, "swiglu_bf16_backward", d_r16, r16, n2, TOL_BF16);
+}
+
 /* One attention shape: NH query heads, NKV key/value heads of HS columns;
  * slopes: NULL or NH ALiBi slopes (host). */
 static void attention_case(selftest *st, int NH, int NKV, int HS, const float *slopes) {
@@ -663,6 +738,36 @@ static void test_optim(selftest *st) {
     check_d(st, "sum_squares", d_out, want, 1e-12);
 }
 
+/* ---- the checklist: every kernel of kernels/kernel_list.h names its test ----
+ * A row's PG_SELFTEST(fn) is a reference to fn (a kernel whose test is not
+ * written does not compile), PG_NO_SELFTEST("why") a decision with its
+ * reason, said in the report. Each function runs once, in the list's order
+ * of first mention. */
+typedef void (*selftest_fn)(selftest *);
+#define PG_SELFTEST(fn) fn, NULL
+#define PG_NO_SELFTEST(why) NULL, why
+static const struct {
+  const char *kernel;
+  selftest_fn test;
+  const char *why_none;
+} checklist[] = {
+#define PG_KERNEL(name, params, args, cpu, cuda, selftest) {#name, selftest},
+#include "kernel_list.h"
+};
+
+static void run_checklist(selftest *st) {
+  const size_t rows = sizeof checklist / sizeof checklist[0];
+  for (size_t i = 0; i < rows && !st->broken; i++) {
+    if (!checklist[i].test) {
+      say(st, "  none  %-34s no self-test: %s\n", checklist[i].kernel, checklist[i].why_none);
+      continue;
+    }
+    size_t first = 0;
+    while (checklist[first].test != checklist[i].test) first++;
+    if (first == i) checklist[i].test(st);
+  }
+}
+
 int pg_cuda_selftest(char *report, size_t n) {
   selftest *st = calloc(1, sizeof *st);
   if (!st) return pg_fail("pg_cuda_selftest: out of memory");
@@ -694,9 +799,7 @@ int pg_cuda_selftest(char *report, size_t n) {
   if (pg_cuda_ctx_init(&st->ctx) != PG_OK) {
     broken(st, "context", pg_error());
   } else {
-    void (*tests[])(selftest *) = {test_embedding, test_layernorm, test_rmsnorm, test_matmul, test_bf16, test_attention,
-                                   test_rope,      test_pointwise, test_swiglu,  test_xent,   test_optim};
-    for (size_t i = 0; i < sizeof tests / sizeof tests[0] && !st->broken; i++) tests[i](st);
+    run_checklist(st);
     (void)pg_cuda_synchronize();
     pg_cuda_ctx_destroy(&st->ctx);
   }

@@ -811,7 +811,65 @@ static const luaL_Reg ops_functions[] = {
     {"sum_squares", l_sum_squares},
     {NULL, NULL}};
 
+/* ---- the seam's kernels (kernels/kernel_list.h) and their bindings ----
+ * Every row of the list says here which pg.ops function runs its CPU kernel
+ * (OPS_<name>), or OPS_NONE with why there is none: a kernel added to the
+ * list without a line here does not compile (OPS_<name> is undeclared), and a
+ * binding named here but missing from ops_functions fails pg_lua_open_ops. */
+#define OPS_NONE(why) NULL
+#define OPS_embedding_forward l_embedding
+#define OPS_embedding_backward l_embedding_backward
+#define OPS_position_forward l_position
+#define OPS_position_backward l_position_backward
+#define OPS_layernorm_forward l_layernorm
+#define OPS_layernorm_backward l_layernorm_backward
+#define OPS_matmul_forward l_linear
+#define OPS_matmul_backward l_linear_backward
+#define OPS_attention_forward l_attention
+#define OPS_attention_backward l_attention_backward
+#define OPS_rope_forward l_rope
+#define OPS_rope_backward l_rope_backward
+#define OPS_rmsnorm_forward l_rmsnorm
+#define OPS_rmsnorm_backward l_rmsnorm_backward
+#define OPS_swiglu_forward l_swiglu
+#define OPS_swiglu_backward l_swiglu_backward
+#define OPS_gelu_forward l_gelu
+#define OPS_gelu_backward l_gelu_backward
+#define OPS_residual_forward l_residual
+#define OPS_xent_row_max l_xent_row_max
+#define OPS_xent_sumexp l_xent_sumexp
+#define OPS_xent_finish l_xent_finish
+#define OPS_adamw_update l_adamw_
+#define OPS_sum_squares l_sum_squares
+#define OPS_bf16_from_f32 l_to_bf16
+#define OPS_matmul_bf16_forward l_linear_bf16
+#define OPS_matmul_bf16_backward l_linear_bf16_backward
+#define OPS_bf16_to_f32 l_from_bf16
+/* bf16_spec checks the bf16 modules against the float32 bindings' results rounded (ops.gelu, ops.swiglu,
+ * ops.residual), and the CUDA self-test checks these kernels against each other */
+#define OPS_BF16_ACTIVATION OPS_NONE("the bf16 activations are checked through the bf16 modules")
+#define OPS_gelu_bf16_forward OPS_BF16_ACTIVATION
+#define OPS_gelu_bf16_backward OPS_BF16_ACTIVATION
+#define OPS_swiglu_bf16_forward OPS_BF16_ACTIVATION
+#define OPS_swiglu_bf16_backward OPS_BF16_ACTIVATION
+#define OPS_residual_bf16_forward OPS_BF16_ACTIVATION
+
+static const struct {
+  const char *kernel;
+  lua_CFunction binding; /* NULL: none (OPS_NONE) */
+} kernel_bindings[] = {
+#define PG_KERNEL(name, params, args, cpu, cuda, selftest) {#name, OPS_##name},
+#include "kernel_list.h"
+};
+
 void pg_lua_open_ops(lua_State *L) {
+  for (size_t k = 0; k < sizeof kernel_bindings / sizeof kernel_bindings[0]; k++) {
+    const luaL_Reg *r = ops_functions;
+    while (r->name && r->func != kernel_bindings[k].binding) r++;
+    if (kernel_bindings[k].binding && !r->name)
+      luaL_error(L, "pg.ops: the binding of kernel %s (src/lua/lua_ops.c) is not in ops_functions",
+                 kernel_bindings[k].kernel);
+  }
   luaL_newlib(L, ops_functions);
   lua_setfield(L, -2, "ops");
 }
