@@ -89,7 +89,7 @@ endif
 
 CFLAGS   = -std=c11 -D_POSIX_C_SOURCE=200809L -Wall -Wextra -fPIC -fopenmp $(OPTFLAGS) $(SRC_INCLUDES) -Ikernels -DPG_VERSION='"$(VERSION)"' \
            $(CUDA_DEFS) $(PKG_CFLAGS)
-# oneDNN (libdnnl-dev) has no pkg-config file in Debian: the bf16 GEMMs (kernels/cpu/bf16.c).
+# oneDNN (libdnnl-dev) has no pkg-config file in Debian: the bf16 GEMMs (src/backend/cpu_bf16_gemm.c).
 DNNL_LIBS := -ldnnl
 LDLIBS   = $(PKG_LIBS) $(CUDA_LIBS) $(DNNL_LIBS) -lz -lm -ldl
 LDFLAGS  = -fopenmp $(SANLD)

@@ -42,7 +42,8 @@ done
 $CXX -std=c++17 -Wall -Wextra "${COMMON[@]}" -c "$EMU/emu.cpp" -o "$OUT/emu.o" &
 pids+=($!)
 objs+=("$OUT/emu.o")
-for f in src/backend/pg_cuda.c src/backend/pg_cuda_selftest.c src/runtime/pg_error.c kernels/cpu/*.c "$EMU/selftest_main.c"; do
+for f in src/backend/pg_cuda.c src/backend/pg_cuda_selftest.c src/backend/cpu_bf16_gemm.c src/runtime/pg_error.c kernels/cpu/*.c \
+  "$EMU/selftest_main.c"; do
   o="$OUT/c_$(basename "$f" .c).o"
   $CC -std=c11 -D_POSIX_C_SOURCE=200809L -Wall -Wextra -fopenmp -fno-trapping-math -fno-math-errno "${COMMON[@]}" \
     $BLAS_CFLAGS -c "$f" -o "$o" &
@@ -52,5 +53,5 @@ done
 status=0
 for p in "${pids[@]}"; do wait "$p" || status=1; done
 [ $status = 0 ] || { echo "cuda_emu_test: compilation failed" >&2; exit 1; }
-$CXX -fopenmp "${EXTRA[@]}" -o "$OUT/selftest" "${objs[@]}" $BLAS_LIBS -ldnnl -lm  # -ldnnl: kernels/cpu/bf16.c
+$CXX -fopenmp "${EXTRA[@]}" -o "$OUT/selftest" "${objs[@]}" $BLAS_LIBS -ldnnl -lm  # -ldnnl: src/backend/cpu_bf16_gemm.c
 "$OUT/selftest"

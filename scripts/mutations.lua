@@ -12,7 +12,7 @@ require "pipegoose.library_file"("local list = dofile(\"scripts/mutations.lua\")
   "mutations.lua is not a script: it is the list of one-line bugs that scripts/mutate.lua applies "
   .. "(pglua scripts/mutate.lua --list names them).")
 return {
-  ------------------------------------------------------------------ bf16 (precision = "bf16", kernels/cpu/bf16.c)
+  ------------------------------------------------------------------ bf16 (precision = "bf16", src/backend/cpu_bf16_gemm.c)
   { name = "bf16-truncates", file = "kernels/kernels.h",
     from = "return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);", to = "return (uint16_t)(u >> 16);",
     specs = { "unit/bf16#rounding" }, why = "float32 -> bf16 truncates instead of rounding to nearest even" },
@@ -24,21 +24,21 @@ return {
     from = "  int refresh = io->mb == 0 && !io->recomputing;", to = "  int refresh = io->mb == 0 && !io->recomputing && mm->refreshes == 0;",
     specs = { "unit/bf16#last optimizer step", "unit/bf16_check#serial" },
     why = "the bf16 working weights are made once and never follow the float32 masters' updates" },
-  { name = "bf16-dw-overwritten", file = "kernels/cpu/bf16.c",
+  { name = "bf16-dw-overwritten", file = "src/backend/cpu_bf16_gemm.c",
     from = "if (dweight && gemm(1, 0, OC, C, N, dout, inp, 1, dweight)) return -1;",
     to = "if (dweight && gemm(1, 0, OC, C, N, dout, inp, 0, dweight)) return -1;",
     specs = { "unit/bf16#GEMM" }, why = "the bf16 weight gradient overwrites instead of accumulating (micro-batches)" },
-  { name = "bf16-weight-not-transposed", file = "kernels/cpu/bf16.c",
+  { name = "bf16-weight-not-transposed", file = "src/backend/cpu_bf16_gemm.c",
     from = "return gemm(0, 1, N, OC, C, inp, weight, bias != NULL, out);",
     to = "return gemm(0, 0, N, OC, C, inp, weight, bias != NULL, out);",
     specs = { "unit/bf16#GEMM" }, why = "the forward product reads the [OC, C] weight as [C, OC]" },
-  { name = "bf16-fallback-k-blocks-overwrite", file = "kernels/cpu/bf16.c",
+  { name = "bf16-fallback-k-blocks-overwrite", file = "src/backend/cpu_bf16_gemm.c",
     from = "      float b = k0 ? 1.0f : beta;", to = "      float b = beta;",
     specs = { "unit/bf16#blocked shapes" }, why = "the fallback's blocks of K overwrite C instead of adding to it" },
-  { name = "bf16-fallback-a-block-untransposed", file = "kernels/cpu/bf16.c",
+  { name = "bf16-fallback-a-block-untransposed", file = "src/backend/cpu_bf16_gemm.c",
     from = "        if (transa) widen_block(pa, A, lda, k0, m0, kk, mm);", to = "        if (transa) widen_block(pa, A, lda, m0, k0, kk, mm);",
     specs = { "unit/bf16#blocked shapes" }, why = "a transposed A's block is read at the wrong offset (dW past the first block of K)" },
-  { name = "bf16-fallback-column-offset", file = "kernels/cpu/bf16.c",
+  { name = "bf16-fallback-column-offset", file = "src/backend/cpu_bf16_gemm.c",
     from = "                    C + m0 * N + n0, N);", to = "                    C + m0 * N, N);",
     specs = { "unit/bf16#blocked shapes" }, why = "every block of N columns lands on the first" },
   { name = "bf16-linear-output-float32", file = "src/nn/module_bf16.c",

@@ -39,7 +39,7 @@ if [ "$only" != dist ]; then
   PG_TEST_SUMMARY="$OUT/unit" "$PGLUA" "$BUSTED" -o "$HANDLER" --exclude-tags=bf16 "${filter[@]}" "${dirs[@]}" || status=1
   [ -f "$OUT/unit.0" ] || echo "unit specs: no summary written (crash?)" > "$OUT/unit.crashed"
   # Tests tagged #bf16 depend on the bf16 GEMM's path (oneDNN's kernels or the
-  # widen-and-sgemm fallback: kernels/cpu/bf16.c's probe picks one per CPU), so
+  # widen-and-sgemm fallback: src/backend/cpu_bf16_gemm.c's probe picks one per CPU), so
   # they run under each path on every machine: a spec written where the probe
   # picks one must hold where it picks the other. oneDNN runs by name wherever
   # it has AVX-512 (emulating bf16 where the CPU lacks it); elsewhere that run

@@ -3,7 +3,7 @@
 -- run (fp32, bf16, then fp32 and bf16 again, each side the mean of its two
 -- runs, so that a change of the machine's load weighs on both sides of the
 -- ratio): tokens/s, their ratio, memory per rank (engine:memory()) and which
--- bf16 GEMM path ran and why (kernels/cpu/bf16.c). bf16 also runs once on
+-- bf16 GEMM path ran and why (src/backend/cpu_bf16_gemm.c). bf16 also runs once on
 -- the other path where that one can run here (PG_BF16_GEMM=fallback|onednn),
 -- for comparison.
 local pg = require "pipegoose"

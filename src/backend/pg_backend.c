@@ -13,6 +13,7 @@
 #include "kernels.h"
 #include "pg_clock.h"
 #include "pg_context.h"
+#include "pg_cpu_bf16_gemm.h"
 #include "pg_cuda.h"
 #include "pg_error.h"
 

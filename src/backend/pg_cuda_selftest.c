@@ -29,6 +29,7 @@ int pg_cuda_selftest(char *report, size_t n) {
 #include <stdlib.h>
 
 #include "kernels.h"
+#include "pg_cpu_bf16_gemm.h" /* the CPU reference of the bf16 GEMM */
 
 /* ---- the self-test ---- */
 

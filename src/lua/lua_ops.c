@@ -12,6 +12,7 @@
 
 #include "kernels.h"
 #include "lua_util.h"
+#include "pg_cpu_bf16_gemm.h"
 
 /* ---- argument checks ---- */
 
