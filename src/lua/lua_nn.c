@@ -8,6 +8,7 @@
  * pg_custom_new with callbacks into the table, and every other kind by the
  * runtime (pg_module_build) through a pg_desc that reads the table. */
 #include <limits.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -268,8 +269,16 @@ static pg_module *build_lua(build_state *b, int idx, const char *name) {
       lua_geti(L, -1, i + 1);
       int pi = lua_gettop(L);
       const char *pname = pg_lua_opt_string(L, pi, "name", "weight");
-      const char *init = pg_lua_opt_string(L, pi, "init", "normal");
-      float std = (float)pg_lua_opt_number(L, pi, "std", 0.02);
+      /* init and std: pg.nn's parameter schema (nn.lua) owns their defaults and always gives them */
+      const char *init = pg_lua_opt_string(L, pi, "init", NULL);
+      lua_Number std_v = pg_lua_opt_number(L, pi, "std", NAN);
+      if (!init || isnan(std_v)) {
+        for (int k2 = 0; k2 < np; k2++) pg_param_free(params[k2]);
+        lua_pop(L, 2);
+        return pg_fail_null("parameter '%s%s%s': %s is required (pg.nn's option schemas give it)", name, *name ? "." : "",
+                            pname, init ? "std" : "init");
+      }
+      float std = (float)std_v;
       int64_t shape[PG_PARAM_MAX_DIMS];
       lua_getfield(L, pi, "shape");
       int nd = lua_istable(L, -1) ? pg_lua_check_shape(L, lua_gettop(L), shape) : 0;

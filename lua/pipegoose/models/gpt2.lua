@@ -30,7 +30,8 @@ local function build(o)
   o = opt.check("GPT", o, F.schema)
   common.attention(o, common.raiser("GPT", 2))
   local padded = nn.parts.padded_of("GPT", o)
-  local proj_std = 0.02 / math.sqrt(2 * o.layers)
+  -- GPT-2's residual projections: pg.nn's init std (0.02, nn.parts.STD) scaled by 1/sqrt(2 layers)
+  local proj_std = nn.parts.STD.default / math.sqrt(2 * o.layers)
   local model = nn.Sequential{ name = "" }
   model:add(nn.Embedding{ vocab = o.vocab, padded_vocab = padded, dim = o.dim, positions = o.seq_len, name = "embed" })
   for i = 0, o.layers - 1 do

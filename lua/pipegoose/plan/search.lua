@@ -22,6 +22,7 @@ local memory = require "pipegoose.plan.memory"
 local cost = require "pipegoose.plan.cost"
 local simulate = require "pipegoose.plan.simulate"
 local core = require "pipegoose.core"
+local common = require "pipegoose.models.common"
 
 -- the schedules searched, in the runtime's order (the default first)
 local SCHEDULES = core.schedules().offered
@@ -154,7 +155,7 @@ function M.run(q)
   local cands = {}
   local part_cache = {}
   for _, T in ipairs(divisors(G)) do
-    if N % T == 0 and s.heads % T == 0 and s.kv_heads % T == 0 and s.ffn % T == 0
+    if N % T == 0 and not common.tensor_heads(T, s.heads, s.kv_heads) and s.ffn % T == 0
       and (fix.t == nil or fix.t == T) then
       for _, P in ipairs(divisors(N // T)) do
         if P <= s.layers and (fix.p == nil or fix.p == P) then
