@@ -24,9 +24,8 @@ nn.is_spec = is_spec
 -- The validators the constructors' schemas share (pipegoose.options).
 local POS = opt.integer{ min = 1 }             -- widths, heads, sizes
 local NEED = opt.required(POS)
--- standard deviations of the initial values: this default (0.02, GPT-2's) is the one place of it; the
--- runtime requires init_std / std in every description (module_registry.c's desc_number_required)
-local STD = opt.number{ min = 0, default = 0.02 }
+-- standard deviations of the initial values; the default is common.INIT_STD (0.02, GPT-2's), the one place of it
+local STD = opt.number{ min = 0, default = common.INIT_STD }
 local NAME = opt.string
 
 -- The options of a constructor that also takes leading arguments, C(a [, b], opts):

@@ -11,6 +11,13 @@ local C = {}
 -- option kinds of the model schemas (as pg.nn's modules spell them)
 C.POS = opt.integer{ min = 1 }
 C.NEED = opt.required(C.POS)
+-- pg.nn's standard deviation of initial values (GPT-2's 0.02): the one place of it (nn.lua's STD default,
+-- GPT-2's scaled projections, the initializer_range the Hugging Face writers record); the runtime requires
+-- init_std / std in a description (module_registry.c's desc_number_required)
+C.INIT_STD = 0.02
+-- LayerNorm's eps is the runtime's, fixed (kernels.h PG_LAYERNORM_EPS, no option): the Hugging Face readers
+-- refuse another and the writers record it
+C.LAYERNORM_EPS = 1e-5
 -- RMSNorm's eps: this default (1e-5) is the one place of it (pg.nn.RMSNorm and the model schemas use
 -- C.EPS); the runtime requires the value in a description (kind_norms.c)
 C.EPS = opt.number{ min = 0, default = 1e-5 }
