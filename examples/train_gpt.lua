@@ -25,7 +25,8 @@ local o = dofile(here .. "options.lua")(p)
 local int, num = o.int, o.num
 p:option("--model", "gpt, llama or mixtral.", how.model or "gpt"):choices{ "gpt", "llama", "mixtral" }
 o.layout()
-p:option("--schedule", "Pipeline schedule.", "1f1b"):choices{ "1f1b", "gpipe" }
+local schedules = pg.core.schedules() -- the runtime's (src/engine/pg_schedule.c)
+p:option("--schedule", "Pipeline schedule.", schedules.default):choices(schedules.offered)
 p:option("--precision", "fp32, or bf16 (bf16 GEMM operands, float32 sums, masters and optimizer).", "fp32")
   :choices{ "fp32", "bf16" }
 p:flag("--sequence-parallel", "Sequence parallelism: the norms and residuals hold 1/tensor of the rows (tensor > 1).")

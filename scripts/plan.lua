@@ -38,7 +38,7 @@ parser:flag("--dp-overlap", "Overlap the gradient reduction with the last backwa
 parser:option("--tensor", "Pin T."):convert(math.tointeger)
 parser:option("--pipeline", "Pin P."):convert(math.tointeger)
 parser:option("--micro-batch-size", "Pin b."):convert(math.tointeger)
-parser:option("--schedule", "Pin the schedule."):choices{ "1f1b", "gpipe" }
+parser:option("--schedule", "Pin the schedule."):choices(pg.core.schedules().offered)
 parser:option("--zero", "Pin the ZeRO stage."):choices{ "0", "1" }
 parser:option("--recompute", "Pin recomputation."):choices{ "none", "selective", "full" }
 parser:option("--sp", "Pin sequence parallelism."):choices{ "true", "false" }

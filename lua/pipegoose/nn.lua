@@ -5,6 +5,8 @@
 -- balancing) and check that widths fit together, with or without tensor
 -- parallelism.
 local opt = require "pipegoose.options"
+-- the attention's shape rules (common.attention, common.tensor_heads) live there, once
+local common = require "pipegoose.models.common"
 
 local nn = {}
 
@@ -22,7 +24,8 @@ nn.is_spec = is_spec
 -- The validators the constructors' schemas share (pipegoose.options).
 local POS = opt.integer{ min = 1 }             -- widths, heads, sizes
 local NEED = opt.required(POS)
-local STD = opt.number{ min = 0, default = 0.02 } -- standard deviations of the initial values
+-- standard deviations of the initial values; the default is common.INIT_STD (0.02, GPT-2's), the one place of it
+local STD = opt.number{ min = 0, default = common.INIT_STD }
 local NAME = opt.string
 
 -- The options of a constructor that also takes leading arguments, C(a [, b], opts):
@@ -347,16 +350,10 @@ KINDS.residual = { -- the add is row-wise; the inner module's rows end as they b
 
 ---------------------------------------------------------------- layers
 
--- The tensor-parallel sizes an attention's heads allow, checked before its
--- layers so that the message names heads, not a Linear's width.
+-- The tensor-parallel sizes an attention's heads allow (common.tensor_heads),
+-- checked before its layers so that the message names heads, not a Linear's width.
 local function heads_rule(heads, kv_heads)
-  return function(T)
-    if heads % T ~= 0 then return ("tensor=%d does not divide heads=%d"):format(T, heads) end
-    if kv_heads % T ~= 0 then
-      return ("tensor=%d does not divide kv_heads=%d (key/value heads are split over the tensor group, not replicated)")
-        :format(T, kv_heads)
-    end
-  end
+  return function(T) return common.tensor_heads(T, heads, kv_heads) end
 end
 
 
@@ -455,7 +452,7 @@ KINDS.layernorm = { -- row-wise (its parameters' gradients are then summed over 
 
 --- nn.RMSNorm(dim [, {eps=, name=}]) or nn.RMSNorm{dim=, eps=1e-5, name=}:
 -- x / sqrt(mean(x^2) + eps) * weight (LLaMA's norm; no bias, no centring).
-local EPS = opt.number{ min = 0, default = 1e-5 }
+local EPS = common.EPS -- its default (1e-5) lives there, shared with the model schemas
 
 function nn.RMSNorm(a, opts)
   if type(a) ~= "table" then a = with_args("RMSNorm", { dim = a }, opts) end
@@ -525,19 +522,8 @@ local ATTENTION = { dim = POS, heads = NEED, seq_len = NEED, kv_heads = POS, hea
 
 function nn.Attention(o)
   o = opt.check("Attention", o, ATTENTION)
-  local kv = o.kv_heads or o.heads
-  local hd = o.head_dim
-  if hd == nil then
-    if o.dim == nil then error("Attention: give dim= or head_dim=", 2) end
-    if o.dim % o.heads ~= 0 then
-      error(("Attention: dim=%d is not divisible by heads=%d"):format(o.dim, o.heads), 2)
-    end
-    hd = o.dim // o.heads
-  end
-  if o.heads % kv ~= 0 then error(("Attention: kv_heads=%d does not divide heads=%d"):format(kv, o.heads), 2) end
-  if o.rope_theta ~= nil and hd % 2 ~= 0 then
-    error(("Attention: rotary embeddings need an even head_dim, got %d"):format(hd), 2)
-  end
+  if o.head_dim == nil and o.dim == nil then error("Attention: give dim= or head_dim=", 2) end
+  local kv, hd = common.attention(o, common.raiser("Attention", 2), nil, o.rope_theta ~= nil)
   if o.alibi and o.rope_theta ~= nil then
     error(("Attention: alibi = true and rope_theta=%g exclude each other (ALiBi or rotary embeddings)"):format(
       o.rope_theta), 2)
@@ -635,9 +621,7 @@ function nn.CausalSelfAttention(o)
   o = opt.check("CausalSelfAttention", o, { dim = NEED, heads = NEED, seq_len = NEED, proj_std = STD,
                                             alibi = opt.boolean, name = NAME })
   local proj_std = o.proj_std
-  if o.dim % o.heads ~= 0 then
-    error(("CausalSelfAttention: dim=%d is not divisible by heads=%d"):format(o.dim, o.heads), 2)
-  end
+  common.attention(o, common.raiser("CausalSelfAttention", 2))
   local s = nn.Sequential{
     nn.Linear{ ["in"] = o.dim, out = 3 * o.dim, parallel = "column", blocks = 3, name = "qkv" },
     nn.Attention{ dim = o.dim, heads = o.heads, seq_len = o.seq_len, alibi = o.alibi, name = "core" },
@@ -657,10 +641,7 @@ local LLAMA_ATTENTION = { dim = NEED, heads = NEED, kv_heads = POS, head_dim = P
 
 function nn.LlamaAttention(o)
   o = opt.check("LlamaAttention", o, LLAMA_ATTENTION)
-  if o.head_dim == nil and o.dim % o.heads ~= 0 then
-    error(("LlamaAttention: dim=%d is not divisible by heads=%d"):format(o.dim, o.heads), 2)
-  end
-  local kv, hd = o.kv_heads or o.heads, o.head_dim or o.dim // o.heads
+  local kv, hd = common.attention(o, common.raiser("LlamaAttention", 2), nil, true) -- rotary always (rope_theta 10000)
   local q_w, kv_w = o.heads * hd, kv * hd
   local s = nn.Sequential{
     nn.Linear{ ["in"] = o.dim, out = q_w + 2 * kv_w, bias = false, parallel = "column", blocks = 3,
@@ -714,6 +695,8 @@ end
 -- a function of (seed, layer, step, token's row in the global batch,
 -- feature): every layout and a recomputation draw the same. Runs on the cpu
 -- backend only for now.
+-- top_k's default (2) is the one place of it: the Mixtral schemas and planner shape read MOE.top_k, the
+-- runtime requires the value (kind_moe.c)
 local MOE = { dim = NEED, hidden = NEED, experts = NEED, top_k = opt.integer{ min = 1, default = 2 },
               aux_loss_coef = opt.number{ min = 0, default = 0.001 }, z_loss_coef = opt.number{ min = 0, default = 0 },
               capacity_factor = opt.number{ gt = 0 }, jitter = opt.number{ min = 0, default = 0 },

@@ -85,11 +85,16 @@ end
 
 ---------------------------------------------------------------- parallelize
 
+-- The runtime's schedules (core.schedules(): src/engine/pg_schedule.c): the
+-- names offered with one chunk per rank, the default, and what each runs as
+-- with more chunks.
+local SCHEDULES = core.schedules()
+
 local PARALLELIZE = {
   micro_batches = opt.integer{ min = 1, default = 1 },
-  schedule = opt.enum({ "1f1b", "gpipe" }, { default = "1f1b" }),
+  schedule = opt.enum(SCHEDULES.offered, { default = SCHEDULES.default }),
   -- model chunks per pipeline rank: more than 1 runs the interleaved 1F1B
-  -- schedule (Narayanan et al. 2021) with schedule = "1f1b"
+  -- schedule (Narayanan et al. 2021) with schedule = "1f1b" (SCHEDULES.chunked)
   virtual_stages = opt.integer{ min = 1, default = 1 },
   stages = opt.list(opt.integer{ min = 1 }),
   bucket_mb = opt.number{ gt = 0, max = 1 << 20, default = 25 }, -- up to 1 TiB: the element count fits an int64
@@ -163,11 +168,12 @@ function M.parallelize(model, ctx, opts)
   if V > 1 then
     -- one chunk per rank would hand activations to itself: nothing to interleave
     if P == 1 then error(("parallelize: virtual_stages = %d needs pipeline > 1"):format(V), 2) end
-    if schedule ~= "1f1b" then
+    local chunked = SCHEDULES.chunked[schedule]
+    if not chunked then
       error(("parallelize: virtual_stages = %d runs the interleaved 1F1B schedule; schedule = \"%s\" has one chunk "
         .. "per stage"):format(V, schedule), 2)
     end
-    schedule = "interleaved"
+    schedule = chunked
   end
   local config = model.config or {}
   local top = model:top_level()
@@ -177,8 +183,8 @@ function M.parallelize(model, ctx, opts)
   if not ok then error("parallelize: " .. ranges, 2) end
 
   -- Describe every piece (this checks widths for the whole model on every
-  -- rank, so a bad model fails everywhere alike), keep this rank's: piece g
-  -- (1-based) is chunk (g - 1) // P of rank (g - 1) % P.
+  -- rank, so a bad model fails everywhere alike), keep this rank's: piece p
+  -- (1-based) sits where core.schedule_place says (round-robin over the ranks).
   local me = ctx:local_rank("pipeline")
   local flow = { width = 0, split = false }
   local chunk_descs, width, tie, head_tied, logits_head = {}, nil, nil, nil, nil
@@ -209,7 +215,7 @@ function M.parallelize(model, ctx, opts)
   end
   for p = 1, P * V do
     local kids, names, nparams = {}, {}, 0
-    local rank, chunk = (p - 1) % P, (p - 1) // P
+    local rank, chunk = core.schedule_place(p, P) -- chunk 1-based
     for i = ranges[p][1], ranges[p][2] do
       local m = top[i]
       -- an unnamed top-level module is named by its position, as in a Sequential
@@ -226,7 +232,7 @@ function M.parallelize(model, ctx, opts)
       if has(d, "head") then logits_head = d.output == "logits" and d or nil end
     end
     partition_report[p] = { modules = names, params = nparams, first = ranges[p][1], last = ranges[p][2],
-                            stage = rank, chunk = chunk + 1 }
+                            stage = rank, chunk = chunk }
     local want = p < P * V
     if sp and not flow.split and flow.width > 0 and (flow.seq or false) ~= want then
       -- sequence parallelism: the pieces hand over this rank's rows; an
@@ -236,14 +242,14 @@ function M.parallelize(model, ctx, opts)
     end
     if p < P * V then
       if flow.width <= 0 or flow.split then
-        local piece = V > 1 and ("stage %d chunk %d"):format(rank, chunk + 1) or ("stage %d"):format(rank)
+        local piece = V > 1 and ("stage %d chunk %d"):format(rank, chunk) or ("stage %d"):format(rank)
         error(("parallelize: %s ends with %s; a pipeline stage must hand over full activations"):format(
           piece, flow.width < 0 and "the loss" or "a split tensor"), 2)
       end
       width = width or flow.width
       if flow.width ~= width then error("parallelize: stages hand over different widths", 2) end
     end
-    if rank == me then chunk_descs[chunk + 1] = { kind = "sequential", name = "", children = kids } end
+    if rank == me then chunk_descs[chunk] = { kind = "sequential", name = "", children = kids } end
   end
   -- The model ends with its loss (an LMHead), or with an output an objective
   -- written in Lua turns into the loss (the engine's last stage then ends in

@@ -15,6 +15,7 @@
 --   pg.plan.search{...} -> the top `top` layouts and a summary of the search
 --   pg.plan.hardware, .models, .memory, .cost, .simulate: the parts
 local opt = require "pipegoose.options"
+local core = require "pipegoose.core"
 local hardware = require "pipegoose.plan.hardware"
 local models = require "pipegoose.plan.models"
 local search = require "pipegoose.plan.search"
@@ -52,7 +53,7 @@ local SCHEMA = {
   tensor = opt.integer{ min = 1 },
   pipeline = opt.integer{ min = 1 },
   micro_batch_size = opt.integer{ min = 1 },
-  schedule = opt.enum{ "1f1b", "gpipe" },
+  schedule = opt.enum(core.schedules().offered), -- the runtime's one-chunk schedules (pg_schedule_offered)
   zero = opt.integer{ min = 0, max = 2 },
   recompute = opt.enum{ "none", "selective", "full" },
   sequence_parallel = opt.boolean,

@@ -116,10 +116,18 @@ describe("model options", function()
       pg.core.Engine(pg.ParallelContext{}, d, { vocab = 8, width = 8 })]], "block_sizes: entry 1 must be an integer, got 7.5")
   end)
 
+  it("a description without a field whose default pg.nn owns is an error, not a default of the runtime's", function()
+    assert_error([[
+      local d = { kind = "sequential", name = "", children = {
+        { kind = "embedding", name = "embed", vocab = 8, padded_vocab = 8, width = 8, positions = 0 } } }
+      pg.core.Engine(pg.ParallelContext{}, d, { vocab = 8, width = 8 })]], "embed: init_std is required")
+  end)
+
   it("parameters too large for memory are an error naming them", function()
     assert_error([[
       local d = { kind = "sequential", name = "", children = {
-        { kind = "embedding", name = "embed", vocab = 8, padded_vocab = 2147483647, width = 2147483647, positions = 0 } } }
+        { kind = "embedding", name = "embed", vocab = 8, padded_vocab = 2147483647, width = 2147483647, positions = 0,
+          init_std = 0.02 } } }
       pg.core.Engine(pg.ParallelContext{}, d, { vocab = 8, width = 8 })]], "'embed.wte': its sizes multiply to more than 2^59")
   end)
 

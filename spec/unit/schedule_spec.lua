@@ -494,4 +494,84 @@ describe("pipeline schedules", function()
       end)
     end
   end)
+
+  -- pg_schedule owns the names, the count in flight and the placement; the
+  -- frontend (parallelize, the planner) asks these instead of restating them
+  describe("exports", function()
+    it("core.schedules() lists the one-chunk training schedules, the default first, and what runs with more chunks", function()
+      local s = core.schedules()
+      assert.same({ "1f1b", "gpipe" }, s.offered)
+      assert.equal("1f1b", s.default)
+      assert.same({ "gpipe", "1f1b", "interleaved", "forward" }, s.names)
+      assert.same({ ["1f1b"] = "interleaved", interleaved = "interleaved", forward = "forward" }, s.chunked)
+      for _, name in ipairs(s.names) do assert.is_table(core.schedule(name, 2, 2, 0)) end
+    end)
+
+    it("core.schedule_in_flight is the most each chunk holds on its action list", function()
+      local function peak(list, chunk)
+        local live, most = 0, 0
+        for _, a in ipairs(list) do
+          if (a[3] or 1) == chunk then
+            if a[1] == "forward" then live = live + 1; most = math.max(most, live) end
+            if a[1] == "backward" then live = live - 1 end
+          end
+        end
+        return most
+      end
+      for P = 1, 6 do
+        for M = 1, 12 do
+          for _, name in ipairs{ "gpipe", "1f1b", "forward" } do
+            for st = 0, P - 1 do
+              assert.equal(peak(core.schedule(name, P, M, st), 1), core.schedule_in_flight(name, P, M, st),
+                ("%s P=%d M=%d stage %d"):format(name, P, M, st))
+            end
+          end
+          for V = 2, 3 do
+            if P > 1 and M % P == 0 then
+              for st = 0, P - 1 do
+                local list = core.schedule("interleaved", P, M, st, V)
+                for v = 1, V do
+                  assert.equal(peak(list, v), core.schedule_in_flight("interleaved", P, M, st, V, v),
+                    ("interleaved P=%d M=%d V=%d stage %d chunk %d"):format(P, M, V, st, v))
+                end
+              end
+            end
+          end
+        end
+      end
+      -- no list is built for the two the planner searches: any M
+      assert.equal(1 << 30, core.schedule_in_flight("gpipe", 8, 1 << 30, 7))
+      assert.equal(8, core.schedule_in_flight("1f1b", 8, 1 << 30, 0))
+      local ok, err = pcall(core.schedule_in_flight, "gpipe", 2, 4, 0, 2)
+      assert.is_false(ok)
+      assert.matches("gpipe runs one chunk per stage, not 2", err)
+      ok, err = pcall(core.schedule_in_flight, "1f1b", 2, 4, 2)
+      assert.is_false(ok)
+      assert.matches("bad sizes %(P=2, V=1, M=4, stage 2, chunk 1%)", err)
+    end)
+
+    it("core.schedule_place puts piece g on rank (g - 1) % P as chunk (g - 1) // P + 1, as the actions' transfers do", function()
+      for P = 1, 5 do
+        for g = 1, 3 * P do
+          local rank, chunk = core.schedule_place(g, P)
+          assert.equal((g - 1) % P, rank)
+          assert.equal((g - 1) // P + 1, chunk)
+        end
+      end
+      -- piece g hands its activations to piece g + 1: the receiving chunk is where place says
+      local P, M, V = 3, 3, 2
+      for st = 0, P - 1 do
+        for _, a in ipairs(core.schedule("interleaved", P, M, st, V)) do
+          if a[1] == "send_act" then
+            local rank, chunk = core.schedule_place((a[3] - 1) * P + st + 2, P)
+            assert.equal((st + 1) % P, rank)
+            assert.is_true(chunk == a[3] or chunk == a[3] + 1)
+          end
+        end
+      end
+      local ok, err = pcall(core.schedule_place, 0, 2)
+      assert.is_false(ok)
+      assert.matches("piece", err)
+    end)
+  end)
 end)

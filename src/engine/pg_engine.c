@@ -301,8 +301,10 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *const *stages, int nchunks,
   e->nchunks = nchunks;
   for (int v = 0; v < nchunks; v++) {
     chunks[v].stage = stages[v];
-    chunks[v].is_first = v == 0 && ctx->pp_rank == 0;
-    chunks[v].is_last = v == nchunks - 1 && ctx->pp_rank == ctx->pipeline - 1;
+    /* the model's first and last pieces (placement: pg_schedule_piece) */
+    int g = pg_schedule_piece(ctx->pipeline, ctx->pp_rank, v);
+    chunks[v].is_first = g == 0;
+    chunks[v].is_last = g == ctx->pipeline * nchunks - 1;
   }
   e->be = opts->backend ? opts->backend : pg_backend_cpu();
   e->is_first = chunks[0].is_first;

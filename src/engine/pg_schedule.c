@@ -25,6 +25,27 @@ int pg_schedule_from_name(const char *name, pg_schedule_kind *out) {
 
 const char *pg_schedule_name(pg_schedule_kind k) { return (unsigned)k < 4 ? schedule_names[k] : "?"; }
 
+/* the default first: parallelize's and the planner's */
+static const pg_schedule_kind offered[] = {PG_SCHEDULE_1F1B, PG_SCHEDULE_GPIPE};
+
+const pg_schedule_kind *pg_schedule_offered(int *n) {
+  *n = (int)(sizeof offered / sizeof offered[0]);
+  return offered;
+}
+
+int pg_schedule_chunked(pg_schedule_kind k) {
+  switch (k) {
+  case PG_SCHEDULE_1F1B:
+  case PG_SCHEDULE_INTERLEAVED: return PG_SCHEDULE_INTERLEAVED;
+  case PG_SCHEDULE_FORWARD: return PG_SCHEDULE_FORWARD;
+  default: return -1;
+  }
+}
+
+/* 1F1B's warm-up on stage s: the forwards the later stages need before the
+ * first backward can reach it (its generator and its in-flight count). */
+static int warmup_1f1b(int P, int M, int s) { return P - s - 1 < M ? P - s - 1 : M; }
+
 typedef struct builder {
   pg_action *a;
   int n, cap;
@@ -41,13 +62,13 @@ static int push(builder *b, pg_action_kind k, int mb, int chunk) {
   return PG_OK;
 }
 
-/* Where a rank's chunk sits in the model: piece g = v*P + r of G = P*V. */
+/* Where a rank's chunk sits in the model: piece pg_schedule_piece(P, r, v) of G = P*V. */
 typedef struct place {
   int P, V, rank;
 } place;
 
-static int is_first_piece(place p, int v) { return v == 0 && p.rank == 0; }
-static int is_last_piece(place p, int v) { return v == p.V - 1 && p.rank == p.P - 1; }
+static int is_first_piece(place p, int v) { return pg_schedule_piece(p.P, p.rank, v) == 0; }
+static int is_last_piece(place p, int v) { return pg_schedule_piece(p.P, p.rank, v) == p.P * p.V - 1; }
 
 static int forward_step(builder *b, place p, int v, int i) {
   return (!is_first_piece(p, v) && push(b, PG_ACT_RECV_ACT, i, v)) || push(b, PG_ACT_FORWARD, i, v) ||
@@ -107,7 +128,7 @@ int pg_schedule_build(pg_schedule_kind kind, int P, int V, int M, int s, pg_acti
     /* 1F1B: warm up with the forwards the later stages need before the first
      * backward can reach us, then alternate one forward and one backward,
      * then drain the remaining backwards. */
-    int warm = P - s - 1 < M ? P - s - 1 : M;
+    int warm = warmup_1f1b(P, M, s);
     for (int i = 0; i < warm && !rc; i++) rc = forward_step(&b, p, 0, i);
     for (int j = 0; j < M - warm && !rc; j++) rc = forward_step(&b, p, 0, warm + j) || backward_step(&b, p, 0, j);
     for (int j = M - warm; j < M && !rc; j++) rc = backward_step(&b, p, 0, j);
@@ -145,13 +166,39 @@ int pg_schedule_max_in_flight(const pg_action *a, int n, int chunk) {
   return peak;
 }
 
+int pg_schedule_in_flight(pg_schedule_kind kind, int P, int V, int M, int stage, int chunk, int *out) {
+  if (P < 1 || V < 1 || M < 1 || stage < 0 || stage >= P || chunk < 0 || chunk >= V)
+    return pg_fail("schedule: bad sizes (P=%d, V=%d, M=%d, stage %d, chunk %d)", P, V, M, stage, chunk + 1);
+  if (V > 1 && (kind == PG_SCHEDULE_GPIPE || kind == PG_SCHEDULE_1F1B))
+    return pg_fail("schedule: %s runs one chunk per stage, not %d (more chunks need the interleaved schedule)",
+                   pg_schedule_name(kind), V);
+  /* the two the planner searches, in closed form (no list of M actions per
+   * layout and stage); a spec checks them against pg_schedule_max_in_flight */
+  if (kind == PG_SCHEDULE_GPIPE) {
+    *out = M;
+    return PG_OK;
+  }
+  if (kind == PG_SCHEDULE_1F1B) {
+    int warm = warmup_1f1b(P, M, stage);
+    *out = warm < M ? warm + 1 : M;
+    return PG_OK;
+  }
+  pg_action *a;
+  int n;
+  if (pg_schedule_build(kind, P, V, M, stage, &a, &n)) return PG_ERR;
+  *out = pg_schedule_max_in_flight(a, n, chunk);
+  free(a);
+  return PG_OK;
+}
+
 void pg_action_message(pg_action a, int P, int M, int rank, int *peer, int *tag) {
-  int g = a.chunk * P + rank, next = (rank + 1) % P, prev = (rank + P - 1) % P;
+  /* the ring's neighbours hold pieces g + 1 (next) and g - 1 (prev); the tag names the receiving chunk */
+  int g = pg_schedule_piece(P, rank, a.chunk), next = (rank + 1) % P, prev = (rank + P - 1) % P, r, v;
   switch (a.kind) {
   case PG_ACT_RECV_ACT: *peer = prev, *tag = 2 * (a.chunk * M + a.mb); return;
-  case PG_ACT_SEND_ACT: *peer = next, *tag = 2 * ((g + 1) / P * M + a.mb); return;
+  case PG_ACT_SEND_ACT: pg_schedule_place(P, g + 1, &r, &v), *peer = next, *tag = 2 * (v * M + a.mb); return;
   case PG_ACT_RECV_GRAD: *peer = next, *tag = 2 * (a.chunk * M + a.mb) + 1; return;
-  case PG_ACT_SEND_GRAD: *peer = prev, *tag = 2 * ((g - 1) / P * M + a.mb) + 1; return;
+  case PG_ACT_SEND_GRAD: pg_schedule_place(P, g - 1, &r, &v), *peer = prev, *tag = 2 * (v * M + a.mb) + 1; return;
   default: *peer = -1, *tag = -1; return;
   }
 }
@@ -198,7 +245,7 @@ int pg_schedule_validate(pg_action **stages, const int *lens, int P, int V, int 
           rc = pg_fail("%s: micro-batch %d out of range 1..%d", where(w, sizeof w, V, s, a.chunk), a.mb + 1, M);
           goto done;
         }
-        int g = a.chunk * P + s;
+        int g = pg_schedule_piece(P, s, a.chunk);
         size_t k = (size_t)g * M + a.mb;
         if (forward_only && a.kind != PG_ACT_RECV_ACT && a.kind != PG_ACT_FORWARD && a.kind != PG_ACT_SEND_ACT) {
           rc = pg_fail("%s: a forward-only schedule has %s %d", where(w, sizeof w, V, s, a.chunk), pg_action_name(a.kind),
@@ -277,7 +324,8 @@ int pg_schedule_validate(pg_action **stages, const int *lens, int P, int V, int 
   for (int g = 0; g < G && !rc; g++)
     for (int i = 0; i < M && !rc; i++) {
       size_t k = (size_t)g * M + i;
-      int s = g % P, v = g / P;
+      int s, v;
+      pg_schedule_place(P, g, &s, &v);
       if (!fwd[k] || (!forward_only && !bwd[k]))
         rc = pg_fail("%s never runs micro-batch %d %s", where(w, sizeof w, V, s, v), i + 1,
                      forward_only ? "forward" : "both ways");

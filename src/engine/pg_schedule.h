@@ -47,12 +47,38 @@ int pg_schedule_from_name(const char *name, pg_schedule_kind *out);
 const char *pg_schedule_name(pg_schedule_kind k);
 const char *pg_action_name(pg_action_kind k);
 
+/* The schedules a frontend offers for training with one chunk per rank
+ * (parallelize's schedule=, the planner's search and pins), the default
+ * first: *n of them. With V > 1 chunks, PG_SCHEDULE_1F1B runs as
+ * PG_SCHEDULE_INTERLEAVED (pg_schedule_chunked). The frontend reads these
+ * (core.schedules()) instead of spelling the names. */
+const pg_schedule_kind *pg_schedule_offered(int *n);
+/* What one-chunk schedule `k` runs as with more chunks per rank: itself if it
+ * takes any V, INTERLEAVED for 1F1B; -1 if it has none (GPipe). */
+int pg_schedule_chunked(pg_schedule_kind k);
+
+/* Placement of the model's pieces: piece g (0-based, of P*V) is chunk g / P
+ * of pipeline rank g % P (round-robin), and back. The engine, the checker
+ * and parallelize (core.schedule_place) all ask here. */
+static inline int pg_schedule_piece(int P, int rank, int chunk) { return chunk * P + rank; }
+static inline void pg_schedule_place(int P, int piece, int *rank, int *chunk) {
+  *rank = piece % P;
+  *chunk = piece / P;
+}
+
 /* The actions of pipeline rank `stage` (0..P-1) holding V chunks, for M
  * micro-batches: *out is malloc'ed, *n its length. */
 int pg_schedule_build(pg_schedule_kind kind, int P, int V, int M, int stage, pg_action **out, int *n);
 
 /* Most micro-batches chunk `chunk` holds between forward and backward. */
 int pg_schedule_max_in_flight(const pg_action *a, int n, int chunk);
+
+/* The same count without the caller building the list: the most micro-batches
+ * chunk `chunk` (0-based) of rank `stage` holds under the schedule, in *out
+ * (GPipe: M; 1F1B: min(P - stage, M), from the warm-up its generator uses;
+ * the others counted on their list). The planner's memory model asks it
+ * (core.schedule_in_flight); specs check it against the lists. */
+int pg_schedule_in_flight(pg_schedule_kind kind, int P, int V, int M, int stage, int chunk, int *out);
 
 /* The transfer a send or receive of rank `rank` makes: the other rank and the
  * tag, which names the receiving chunk, the micro-batch and the direction

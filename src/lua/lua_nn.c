@@ -8,6 +8,7 @@
  * pg_custom_new with callbacks into the table, and every other kind by the
  * runtime (pg_module_build) through a pg_desc that reads the table. */
 #include <limits.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -268,8 +269,16 @@ static pg_module *build_lua(build_state *b, int idx, const char *name) {
       lua_geti(L, -1, i + 1);
       int pi = lua_gettop(L);
       const char *pname = pg_lua_opt_string(L, pi, "name", "weight");
-      const char *init = pg_lua_opt_string(L, pi, "init", "normal");
-      float std = (float)pg_lua_opt_number(L, pi, "std", 0.02);
+      /* init and std: pg.nn's parameter schema (nn.lua) owns their defaults and always gives them */
+      const char *init = pg_lua_opt_string(L, pi, "init", NULL);
+      lua_Number std_v = pg_lua_opt_number(L, pi, "std", NAN);
+      if (!init || isnan(std_v)) {
+        for (int k2 = 0; k2 < np; k2++) pg_param_free(params[k2]);
+        lua_pop(L, 2);
+        return pg_fail_null("parameter '%s%s%s': %s is required (pg.nn's option schemas give it)", name, *name ? "." : "",
+                            pname, init ? "std" : "init");
+      }
+      float std = (float)std_v;
       int64_t shape[PG_PARAM_MAX_DIMS];
       lua_getfield(L, pi, "shape");
       int nd = lua_istable(L, -1) ? pg_lua_check_shape(L, lua_gettop(L), shape) : 0;
@@ -374,7 +383,11 @@ static int l_engine_new(lua_State *L) {
   luaL_checktype(L, 3, LUA_TTABLE);
   pg_engine_opts o = {0};
   o.micro_batches = pg_lua_opt_cint(L, 3, "micro_batches", 1);
-  PG_LUA_CHECK(L, pg_schedule_from_name(pg_lua_opt_string(L, 3, "schedule", "1f1b"), &o.schedule));
+  {
+    int n;
+    const pg_schedule_kind *offered = pg_schedule_offered(&n); /* the default first */
+    PG_LUA_CHECK(L, pg_schedule_from_name(pg_lua_opt_string(L, 3, "schedule", pg_schedule_name(offered[0])), &o.schedule));
+  }
   o.vocab = pg_lua_opt_cint(L, 3, "vocab", 0);
   o.width = pg_lua_opt_cint(L, 3, "width", 0);
   o.bucket_elems = (int64_t)(pg_lua_opt_number(L, 3, "bucket_mb", 25) * 1024 * 1024 / 4);
@@ -874,6 +887,68 @@ static int l_schedule_build(lua_State *L) {
   return 1;
 }
 
+/* core.schedules() -> {offered = {"1f1b", "gpipe"}, default = "1f1b", chunked = {["1f1b"] = "interleaved", ...},
+ * names = {every name core.schedule knows}}: the schedules pg_schedule owns (pg_schedule_offered: training
+ * with one chunk per rank, the default first; chunked: what each runs as with V > 1 chunks, absent when it
+ * cannot), so parallelize and the planner ask instead of spelling them. A new table each call. */
+static int l_schedules(lua_State *L) {
+  int n;
+  const pg_schedule_kind *offered = pg_schedule_offered(&n);
+  lua_createtable(L, 0, 4);
+  lua_createtable(L, n, 0);
+  for (int i = 0; i < n; i++) {
+    lua_pushstring(L, pg_schedule_name(offered[i]));
+    lua_rawseti(L, -2, i + 1);
+  }
+  lua_setfield(L, -2, "offered");
+  lua_pushstring(L, pg_schedule_name(offered[0]));
+  lua_setfield(L, -2, "default");
+  lua_newtable(L); /* chunked */
+  lua_newtable(L); /* names */
+  for (int i = 0; i <= PG_SCHEDULE_FORWARD; i++) { /* every kind (FORWARD is the last) */
+    pg_schedule_kind k = (pg_schedule_kind)i;
+    lua_pushstring(L, pg_schedule_name(k));
+    lua_rawseti(L, -2, i + 1);
+    int c = pg_schedule_chunked(k);
+    if (c >= 0) {
+      lua_pushstring(L, pg_schedule_name((pg_schedule_kind)c));
+      lua_setfield(L, -3, pg_schedule_name(k));
+    }
+  }
+  lua_setfield(L, -3, "names");
+  lua_setfield(L, -2, "chunked");
+  return 1;
+}
+
+/* core.schedule_in_flight(name, P, M, stage [, V = 1 [, chunk = 1]]) -> the most micro-batches that chunk of
+ * pipeline rank `stage` (0-based) holds between forward and backward (pg_schedule_in_flight): the planner's
+ * memory model asks it. */
+static int l_schedule_in_flight(lua_State *L) {
+  pg_schedule_kind k;
+  PG_LUA_CHECK(L, pg_schedule_from_name(luaL_checkstring(L, 1), &k));
+  int P = (int)pg_lua_check_int_in(L, 2, "P", INT_MIN, INT_MAX);
+  int M = (int)pg_lua_check_int_in(L, 3, "M", INT_MIN, INT_MAX);
+  int s = (int)pg_lua_check_int_in(L, 4, "stage", INT_MIN, INT_MAX);
+  int V = lua_isnoneornil(L, 5) ? 1 : (int)pg_lua_check_int_in(L, 5, "V", INT_MIN, INT_MAX);
+  int v = lua_isnoneornil(L, 6) ? 1 : (int)pg_lua_check_int_in(L, 6, "chunk", INT_MIN + 1, INT_MAX);
+  int n;
+  PG_LUA_CHECK(L, pg_schedule_in_flight(k, P, V, M, s, v - 1, &n));
+  lua_pushinteger(L, n);
+  return 1;
+}
+
+/* core.schedule_place(piece, P) -> rank (0-based), chunk (1-based): where the model's piece (1-based, of
+ * P x V) sits (pg_schedule_place: round-robin). */
+static int l_schedule_place(lua_State *L) {
+  lua_Integer g = pg_lua_check_int_in(L, 1, "piece", 1, INT_MAX);
+  int P = (int)pg_lua_check_int_in(L, 2, "P", 1, INT_MAX);
+  int r, v;
+  pg_schedule_place(P, (int)g - 1, &r, &v);
+  lua_pushinteger(L, r);
+  lua_pushinteger(L, (lua_Integer)v + 1);
+  return 2;
+}
+
 /* Reads one stage's action list { {"forward", 1 [, chunk]}, ... } (1-based) at idx. */
 static pg_action *read_actions(lua_State *L, int idx, int stage, int *n) {
   luaL_checktype(L, idx, LUA_TTABLE);
@@ -1224,6 +1299,12 @@ void pg_lua_open_nn(lua_State *L) {
   lua_setfield(L, -2, "shard_copy");
   lua_pushcfunction(L, l_schedule_validate);
   lua_setfield(L, -2, "schedule_validate");
+  lua_pushcfunction(L, l_schedules);
+  lua_setfield(L, -2, "schedules");
+  lua_pushcfunction(L, l_schedule_in_flight);
+  lua_setfield(L, -2, "schedule_in_flight");
+  lua_pushcfunction(L, l_schedule_place);
+  lua_setfield(L, -2, "schedule_place");
   lua_pushcfunction(L, l_module_kinds);
   lua_setfield(L, -2, "module_kinds");
 }

@@ -218,8 +218,7 @@ static pg_module *build_linear(pg_context *ctx, const char *name, const pg_desc 
   int bad = 0;
   pg_linear_opts o = {.in = DESC_INT(d, "in", 0), .out = DESC_INT(d, "out", 0), .bias = d->ops->boolean(d, "bias", 1),
                       .blocks = DESC_INT(d, "blocks", 1), .gather_output = d->ops->boolean(d, "gather_output", 0),
-                      .input_is_parallel = d->ops->boolean(d, "input_is_parallel", 0),
-                      .init_std = (float)d->ops->number(d, "init_std", 0.02)};
+                      .input_is_parallel = d->ops->boolean(d, "input_is_parallel", 0)};
   if (bad) return NULL;
   o.mode = !strcmp(mode, "column") ? PG_LINEAR_COLUMN : !strcmp(mode, "row") ? PG_LINEAR_ROW : PG_LINEAR_PLAIN;
   int64_t sizes[PG_PARAM_MAX_BLOCKS];
@@ -230,7 +229,8 @@ static pg_module *build_linear(pg_context *ctx, const char *name, const pg_desc 
     if (sizes[i] < 1 || sizes[i] > INT32_MAX) return pg_fail_null("%s: block %d has width %lld", name, i + 1, (long long)sizes[i]);
     o.block_sizes[i] = (int)sizes[i];
   }
-  return pg_linear_new(ctx, name, &o);
+  o.init_std = (float)DESC_NUMBER_REQ(d, "init_std");
+  return bad ? NULL : pg_linear_new(ctx, name, &o);
 }
 
 /* ---------------------------------------------------------------- its traits */

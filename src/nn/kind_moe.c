@@ -626,13 +626,13 @@ static pg_module *build_moe(pg_context *ctx, const char *name, const pg_desc *d,
   (void)env;
   int bad = 0;
   pg_moe_opts o = {.dim = DESC_INT(d, "dim", 0), .hidden = DESC_INT(d, "hidden", 0),
-                   .experts = DESC_INT(d, "experts", 0), .top_k = DESC_INT(d, "top_k", 2),
+                   .experts = DESC_INT(d, "experts", 0), .top_k = DESC_INT_REQ(d, "top_k"),
                    .layer = DESC_INT(d, "layer", 0), .layers = DESC_INT(d, "layers", 1),
                    .aux_loss_coef = d->ops->number(d, "aux_loss_coef", 0),
                    .z_loss_coef = d->ops->number(d, "z_loss_coef", 0),
                    .capacity_factor = d->ops->number(d, "capacity_factor", 0),
                    .jitter = d->ops->number(d, "jitter", 0),
-                   .init_std = (float)d->ops->number(d, "init_std", 0.02)};
+                   .init_std = (float)DESC_NUMBER_REQ(d, "init_std")};
   return bad ? NULL : pg_moe_new(ctx, name, &o);
 }
 

@@ -135,7 +135,8 @@ static pg_module *build_layernorm(pg_context *ctx, const char *name, const pg_de
 static pg_module *build_rmsnorm(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
   (void)env;
   int bad = 0, width = DESC_INT(d, "width", 0);
-  return bad ? NULL : pg_rmsnorm_new(ctx, name, width, (float)d->ops->number(d, "eps", 1e-5));
+  float eps = (float)DESC_NUMBER_REQ(d, "eps");
+  return bad ? NULL : pg_rmsnorm_new(ctx, name, width, eps);
 }
 
 /* Row-wise under sequence parallelism: their replicated weights then see this rank's rows only. */

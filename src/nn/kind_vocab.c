@@ -301,8 +301,9 @@ static pg_module *build_embedding(pg_context *ctx, const char *name, const pg_de
   int bad = 0, vocab = DESC_INT(d, "vocab", 0), padded = DESC_INT(d, "padded_vocab", 0);
   int width = DESC_INT(d, "width", 0), positions = DESC_INT(d, "positions", 0);
   if (bad) return NULL;
-  pg_module *m =
-      pg_embedding_new(ctx, name, vocab, padded, width, positions, (float)d->ops->number(d, "init_std", 0.02));
+  float std = (float)DESC_NUMBER_REQ(d, "init_std");
+  if (bad) return NULL;
+  pg_module *m = pg_embedding_new(ctx, name, vocab, padded, width, positions, std);
   if (m && env && env->nembeddings < 8) env->embeddings[env->nembeddings++] = m;
   return m;
 }
@@ -322,7 +323,8 @@ static pg_module *build_lm_head(pg_context *ctx, const char *name, const pg_desc
   int width = DESC_INT(d, "width", 0);
   if (bad) return NULL;
   const char *output = d->ops->string(d, "output", "loss");
-  float std = (float)d->ops->number(d, "init_std", 0.02);
+  float std = (float)DESC_NUMBER_REQ(d, "init_std");
+  if (bad) return NULL;
   if (!strcmp(output, "logits")) return pg_lm_logits_new(ctx, name, vocab, padded, width, w, tie ? tie : own, tie != NULL, std);
   if (strcmp(output, "loss")) return pg_fail_null("%s: output must be 'loss' or 'logits', not '%s'", name, output);
   return pg_lm_head_new(ctx, name, vocab, padded, width, w, tie ? tie : own, tie != NULL, std);

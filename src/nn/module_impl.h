@@ -92,6 +92,14 @@ static inline int kind_has(const pg_module *m, unsigned flag) { return (m->kind-
  * fit an int sets *bad (the first one's message kept). */
 int desc_int(const pg_desc *d, const char *name, const char *key, int def, int *bad);
 #define DESC_INT(d, key, def) desc_int((d), name, (key), (def), &bad)
+/* A field whose default pg.nn's option schemas own (parameter init_std,
+ * RMSNorm's eps, MoE's top_k: nn.lua, models/common.lua), which therefore
+ * always give it: absent, it sets *bad with "name: key is required" (the
+ * first message kept) instead of the runtime keeping a default of its own. */
+double desc_number_required(const pg_desc *d, const char *name, const char *key, int *bad);
+int desc_int_required(const pg_desc *d, const char *name, const char *key, int *bad);
+#define DESC_NUMBER_REQ(d, key) desc_number_required((d), name, (key), &bad)
+#define DESC_INT_REQ(d, key) desc_int_required((d), name, (key), &bad)
 
 /* ---------------------------------------------------------------- helpers */
 

@@ -4,6 +4,8 @@
 #include "module_impl.h"
 
 #include <limits.h>
+#include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 /* In the order the Lua side lists them (core.module_kinds() is keyed by name, so the order is for reading). */
@@ -41,6 +43,25 @@ int desc_int(const pg_desc *d, const char *name, const char *key, int def, int *
     pg_fail("%s: %s = %lld does not fit a C int (at most %d)", *name ? name : "module", key, (long long)v, INT_MAX);
   *bad = 1;
   return 0;
+}
+
+static void desc_missing(const char *name, const char *key, int *bad) {
+  if (!*bad) pg_fail("%s: %s is required (pg.nn's option schemas give it)", *name ? name : "module", key);
+  *bad = 1;
+}
+
+double desc_number_required(const pg_desc *d, const char *name, const char *key, int *bad) {
+  double v = d->ops->number(d, key, NAN);
+  if (isnan(v)) desc_missing(name, key, bad);
+  return v;
+}
+
+int desc_int_required(const pg_desc *d, const char *name, const char *key, int *bad) {
+  if (d->ops->integer(d, key, INT64_MIN) == INT64_MIN) {
+    desc_missing(name, key, bad);
+    return 0;
+  }
+  return desc_int(d, name, key, 0, bad);
 }
 
 /* Only the kinds built from their fields: a container or a module written in

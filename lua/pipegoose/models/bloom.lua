@@ -119,7 +119,7 @@ function F.hf.options(dir, cfg)
       .. "(pipegoose's Bloom adds the block's input, not its normalised input)")
   end
   local eps = number(dir, cfg, "layer_norm_epsilon")
-  if math.abs(eps - 1e-5) > 1e-12 then
+  if math.abs(eps - common.LAYERNORM_EPS) > 1e-12 then
     fail(dir, "config.json: layer_norm_epsilon %g is not supported (pipegoose's LayerNorm uses 1e-5)", eps)
   end
   local o = {
@@ -194,7 +194,7 @@ function F.hf.config(cfg)
   -- seq_length (not a BloomConfig field: kept as an attribute) gives the length back to pipegoose
   return {
     architectures = { F.hf.class }, model_type = F.hf.model_type, vocab_size = cfg.vocab, hidden_size = cfg.dim,
-    n_layer = cfg.layers, n_head = cfg.heads, layer_norm_epsilon = 1e-5, initializer_range = 0.02,
+    n_layer = cfg.layers, n_head = cfg.heads, layer_norm_epsilon = common.LAYERNORM_EPS, initializer_range = common.INIT_STD,
     apply_residual_connection_post_layernorm = false, hidden_dropout = 0.0, attention_dropout = 0.0,
     pretraining_tp = 1, slow_but_exact = false, use_cache = true, tie_word_embeddings = cfg.tie ~= false,
     seq_length = cfg.seq_len, torch_dtype = "float32", bos_token_id = cfg.vocab - 1, eos_token_id = cfg.vocab - 1,

@@ -11,6 +11,15 @@ local C = {}
 -- option kinds of the model schemas (as pg.nn's modules spell them)
 C.POS = opt.integer{ min = 1 }
 C.NEED = opt.required(C.POS)
+-- pg.nn's standard deviation of initial values (GPT-2's 0.02): the one place of it (nn.lua's STD default,
+-- GPT-2's scaled projections, the initializer_range the Hugging Face writers record); the runtime requires
+-- init_std / std in a description (module_registry.c's desc_number_required)
+C.INIT_STD = 0.02
+-- LayerNorm's eps is the runtime's, fixed (kernels.h PG_LAYERNORM_EPS, no option): the Hugging Face readers
+-- refuse another and the writers record it
+C.LAYERNORM_EPS = 1e-5
+-- RMSNorm's eps: this default (1e-5) is the one place of it (pg.nn.RMSNorm and the model schemas use
+-- C.EPS); the runtime requires the value in a description (kind_norms.c)
 C.EPS = opt.number{ min = 0, default = 1e-5 }
 C.THETA = opt.number{ gt = 1 }
 C.NAME = opt.string
@@ -53,6 +62,19 @@ function C.attention(o, fail, names, rope)
   end
   if rope and hd % 2 ~= 0 then fail(("rotary embeddings need an even head_dim, got %d"):format(hd)) end
   return kv, hd
+end
+
+--- Whether tensor parallelism of size T can split an attention's heads:
+-- nil, or the message (query and key/value heads are both split over the
+-- tensor group; key/value heads are not replicated). pg.nn's attention
+-- modules and the planner's enumeration ask this; the C runtime
+-- (kind_attention.c) guards its own inputs again.
+function C.tensor_heads(T, heads, kv_heads)
+  if heads % T ~= 0 then return ("tensor=%d does not divide heads=%d"):format(T, heads) end
+  if kv_heads % T ~= 0 then
+    return ("tensor=%d does not divide kv_heads=%d (key/value heads are split over the tensor group, not replicated)")
+      :format(T, kv_heads)
+  end
 end
 
 --- A fail function for C.attention that raises "where: message" at `level`

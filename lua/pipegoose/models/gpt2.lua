@@ -30,7 +30,8 @@ local function build(o)
   o = opt.check("GPT", o, F.schema)
   common.attention(o, common.raiser("GPT", 2))
   local padded = nn.parts.padded_of("GPT", o)
-  local proj_std = 0.02 / math.sqrt(2 * o.layers)
+  -- GPT-2's residual projections: pg.nn's init std (common.INIT_STD, 0.02) scaled by 1/sqrt(2 layers)
+  local proj_std = common.INIT_STD / math.sqrt(2 * o.layers)
   local model = nn.Sequential{ name = "" }
   model:add(nn.Embedding{ vocab = o.vocab, padded_vocab = padded, dim = o.dim, positions = o.seq_len, name = "embed" })
   for i = 0, o.layers - 1 do
@@ -119,7 +120,7 @@ function F.hf.options(dir, cfg)
     fail(dir, "config.json: activation_function %s is not supported (pipegoose's GPT uses gelu_new)", tostring(act))
   end
   local eps = number(dir, cfg, "layer_norm_epsilon")
-  if math.abs(eps - 1e-5) > 1e-12 then
+  if math.abs(eps - common.LAYERNORM_EPS) > 1e-12 then
     fail(dir, "config.json: layer_norm_epsilon %g is not supported (pipegoose's GPT uses 1e-5)", eps)
   end
   for _, k in ipairs{ "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn" } do
@@ -170,7 +171,7 @@ function F.hf.config(cfg)
   return {
     architectures = { F.hf.class }, model_type = F.hf.model_type, vocab_size = cfg.vocab, n_positions = cfg.seq_len,
     n_embd = cfg.dim, n_head = cfg.heads, n_layer = cfg.layers, n_inner = cfg.hidden,
-    activation_function = "gelu_new", layer_norm_epsilon = 1e-5, initializer_range = 0.02,
+    activation_function = "gelu_new", layer_norm_epsilon = common.LAYERNORM_EPS, initializer_range = common.INIT_STD,
     resid_pdrop = 0.0, embd_pdrop = 0.0, attn_pdrop = 0.0, scale_attn_weights = true, use_cache = true,
     tie_word_embeddings = cfg.tie ~= false, torch_dtype = "float32", bos_token_id = cfg.vocab - 1,
     eos_token_id = cfg.vocab - 1,

@@ -179,7 +179,7 @@ function F.hf.config(cfg)
     num_hidden_layers = cfg.layers, num_attention_heads = cfg.heads, num_key_value_heads = cfg.kv_heads,
     head_dim = cfg.head_dim, hidden_act = "silu", rms_norm_eps = cfg.eps, rope_theta = cfg.rope_theta,
     rope_scaling = common.null, attention_bias = false, attention_dropout = 0.0, mlp_bias = false,
-    initializer_range = 0.02, pretraining_tp = 1, use_cache = true, tie_word_embeddings = cfg.tie == true,
+    initializer_range = common.INIT_STD, pretraining_tp = 1, use_cache = true, tie_word_embeddings = cfg.tie == true,
     torch_dtype = "float32", bos_token_id = cfg.vocab - 1, eos_token_id = cfg.vocab - 1,
   }
 end

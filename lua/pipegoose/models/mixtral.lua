@@ -163,7 +163,8 @@ F.plan = { features = llama.plan.features }
 --- The planner's sizes of pg.nn.Mixtral options (or a model config).
 function F.plan.shape(o)
   local s = llama.plan.shape(o)
-  s.arch, s.experts, s.top_k = F.name, o.experts, o.top_k or 2
+  if not nn then require "pipegoose.nn" end
+  s.arch, s.experts, s.top_k = F.name, o.experts, o.top_k or nn.parts.MOE.top_k.default -- pg.nn.MoE's default
   return s
 end
 

@@ -9,7 +9,8 @@
 --      balancer, parallel.balance, as pg.parallelize cuts them)
 --   D  = N / (T*P), and D must divide the global batch
 --   b  micro-batch size 1, 2, 4, ... dividing global_batch / D; M = that / b
---   schedule 1f1b | gpipe, zero 0 | 1 (1 only when D > 1; 2 when fixed),
+--   schedule: the runtime's one-chunk schedules (core.schedules().offered:
+--      1f1b, gpipe), zero 0 | 1 (1 only when D > 1; 2 when fixed),
 --   recompute none | selective | full, sequence parallel on | off when T > 1
 -- A layout whose busiest rank exceeds the usable memory is dropped. The rest
 -- are simulated in order of a lower bound on their step time (the busiest
@@ -20,6 +21,11 @@ local models = require "pipegoose.plan.models"
 local memory = require "pipegoose.plan.memory"
 local cost = require "pipegoose.plan.cost"
 local simulate = require "pipegoose.plan.simulate"
+local core = require "pipegoose.core"
+local common = require "pipegoose.models.common"
+
+-- the schedules searched, in the runtime's order (the default first)
+local SCHEDULES = core.schedules().offered
 
 local M = {}
 
@@ -52,11 +58,11 @@ function M.partition(s, P)
   return parts
 end
 
---- Micro-batches stage i (1-based) holds at once (what the schedules'
--- action lists give; checked against simulate in the specs).
+--- Micro-batches stage i (1-based) holds at once: the runtime's count
+-- (core.schedule_in_flight, pg_schedule_in_flight: what the schedules' action
+-- lists give; checked against simulate in the specs).
 function M.in_flight(schedule, P, Mb, i)
-  if schedule == "gpipe" then return Mb end
-  return math.min(P - (i - 1), Mb)
+  return core.schedule_in_flight(schedule, P, Mb, i - 1)
 end
 
 --- Peak memory of the busiest rank of a layout, and which stage it is.
@@ -149,7 +155,7 @@ function M.run(q)
   local cands = {}
   local part_cache = {}
   for _, T in ipairs(divisors(G)) do
-    if N % T == 0 and s.heads % T == 0 and s.kv_heads % T == 0 and s.ffn % T == 0
+    if N % T == 0 and not common.tensor_heads(T, s.heads, s.kv_heads) and s.ffn % T == 0
       and (fix.t == nil or fix.t == T) then
       for _, P in ipairs(divisors(N // T)) do
         if P <= s.layers and (fix.p == nil or fix.p == P) then
@@ -164,7 +170,7 @@ function M.run(q)
             while b <= per_replica do
               if per_replica % b == 0 and (fix.b == nil or fix.b == b) then
                 local Mb = per_replica // b
-                for _, sched in ipairs{ "1f1b", "gpipe" } do
+                for _, sched in ipairs(SCHEDULES) do
                   -- zero = 2 only when asked for: it trades a reduce-scatter per micro-batch (plan/cost.lua)
                   -- for the gradient shard (plan/memory.lua), which the search does not weigh yet
                   for _, zero in ipairs(D > 1 and (fix.zero == 2 and { 2 } or { 0, 1 }) or { 0 }) do
