@@ -29,8 +29,16 @@ function M.pglua_cmd(args)
 end
 
 --- mpirun -np n pglua args... ; a hang guard (not a timing assertion) kills it after `limit` seconds.
+--- A hang guard's seconds: `seconds` (default 60), times 4 under the
+-- sanitizers (make asan: PG_SANITIZE=1), which slow every rank several-fold.
+-- Not a timing assertion: a job past it is stuck or starved, and the guard
+-- only keeps a hang from stopping the suite.
+function M.limit(seconds)
+  return (seconds or 60) * (os.getenv("PG_SANITIZE") and 4 or 1)
+end
+
 function M.mpirun_cmd(n, args, limit)
-  return ("timeout -k 5 %d scripts/mpirun.sh -x PG_ABORT_GRACE -np %d %s"):format(limit or 60, n, M.pglua_cmd(args))
+  return ("timeout -k 5 %d scripts/mpirun.sh -x PG_ABORT_GRACE -np %d %s"):format(M.limit(limit), n, M.pglua_cmd(args))
 end
 
 --- Whether tensor `got` is `want` to the tolerance the layout specs state:

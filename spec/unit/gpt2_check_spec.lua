@@ -43,7 +43,7 @@ local function run(n, flags, ref, env)
                  "--weight-decay=" .. ref.optimizer.weight_decay }
   if ref.optimizer.grad_clip ~= cjson.null then args[#args + 1] = "--clip=" .. ref.optimizer.grad_clip end
   for _, a in ipairs(flags) do args[#args + 1] = a end
-  if n == 1 then return h.sh("timeout -k 2 60 " .. h.pglua_cmd(args)) end
+  if n == 1 then return h.sh(("timeout -k 2 %d "):format(h.limit(60)) .. h.pglua_cmd(args)) end
   if env then -- NAME=value: set for every rank
     return h.sh(env .. " " .. h.mpirun_cmd(n, args, 60):gsub("scripts/mpirun.sh ", "scripts/mpirun.sh -x " .. env:match("^[^=]+") .. " ", 1))
   end
