@@ -3,7 +3,7 @@
  * Every function here is collective over the named group: all its members
  * call it in the same order with matching shapes. A group of size 1 makes no
  * MPI call. Host memory goes through MPI; device memory through NCCL once a
- * device engine attached its stream (below). Calls are counted in ctx->stats. The runtime (engine,
+ * device engine attached its stream (below). Calls are counted (pg_comm_stats_of). The runtime (engine,
  * optimizer) communicates only through here: no MPI type or call outside
  * pg_comm and pg_context.
  *
