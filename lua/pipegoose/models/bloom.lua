@@ -166,7 +166,7 @@ function F.hf.layout(o)
   }
   for l = 0, o.layers - 1 do
     local b, h = "blocks." .. l .. ".", "h." .. l .. "."
-    for _, e in ipairs{
+    common.add_layer(out, b, h, {
       p("ln1.weight", "input_layernorm.weight", { C }), p("ln1.bias", "input_layernorm.bias", { C }),
       p("attn.qkv.weight", "self_attention.query_key_value.weight", { 3 * C, C }, QKV),
       p("attn.qkv.bias", "self_attention.query_key_value.bias", { 3 * C }, QKV),
@@ -174,18 +174,11 @@ function F.hf.layout(o)
       p("ln2.weight", "post_attention_layernorm.weight", { C }), p("ln2.bias", "post_attention_layernorm.bias", { C }),
       p("mlp.fc.weight", "mlp.dense_h_to_4h.weight", { H, C }), p("mlp.fc.bias", "mlp.dense_h_to_4h.bias", { H }),
       p("mlp.proj.weight", "mlp.dense_4h_to_h.weight", { C, H }), p("mlp.proj.bias", "mlp.dense_4h_to_h.bias", { C }),
-    } do
-      e.pg, e.parts[1].hf = b .. e.pg, h .. e.parts[1].hf
-      out[#out + 1] = e
-    end
+    })
   end
   out[#out + 1] = p("ln_f.weight", "ln_f.weight", { C })
   out[#out + 1] = p("ln_f.bias", "ln_f.bias", { C })
-  if not o.tie then
-    local head = p("head.weight", "lm_head.weight", { V, C })
-    head.top = true
-    out[#out + 1] = head
-  end
+  common.add_untied_head(out, o, V, C)
   return out
 end
 

@@ -138,6 +138,24 @@ function C.entry(pg, parts, conv1d, permute)
   return e
 end
 
+--- Appends one layer's entries to a layout, each named under the layer's
+-- prefixes: pipegoose's `b` ("blocks.3.") and the file's `h` ("h.3.").
+function C.add_layer(out, b, h, entries)
+  for _, e in ipairs(entries) do
+    e.pg, e.parts[1].hf = b .. e.pg, h .. e.parts[1].hf
+    out[#out + 1] = e
+  end
+end
+
+--- Appends the head's entry when it is not tied to the embedding: lm_head,
+-- [V, C], stored outside the model prefix (transformers' convention).
+function C.add_untied_head(out, o, V, dim)
+  if o.tie then return end
+  local head = C.entry("head.weight", { { "lm_head.weight", { V, dim } } })
+  head.top = true
+  out[#out + 1] = head
+end
+
 --- A copy of a table (one level).
 function C.copy(t)
   local out = {}

@@ -144,25 +144,18 @@ function F.hf.layout(o)
   local out = { p("embed.wte", "wte.weight", { V, C }), p("embed.wpe", "wpe.weight", { T, C }) }
   for l = 0, o.layers - 1 do
     local b, h = "blocks." .. l .. ".", "h." .. l .. "."
-    for _, e in ipairs{
+    common.add_layer(out, b, h, {
       p("ln1.weight", "ln_1.weight", { C }), p("ln1.bias", "ln_1.bias", { C }),
       p("attn.qkv.weight", "attn.c_attn.weight", { C, 3 * C }, true), p("attn.qkv.bias", "attn.c_attn.bias", { 3 * C }),
       p("attn.proj.weight", "attn.c_proj.weight", { C, C }, true), p("attn.proj.bias", "attn.c_proj.bias", { C }),
       p("ln2.weight", "ln_2.weight", { C }), p("ln2.bias", "ln_2.bias", { C }),
       p("mlp.fc.weight", "mlp.c_fc.weight", { C, H }, true), p("mlp.fc.bias", "mlp.c_fc.bias", { H }),
       p("mlp.proj.weight", "mlp.c_proj.weight", { H, C }, true), p("mlp.proj.bias", "mlp.c_proj.bias", { C }),
-    } do
-      e.pg, e.parts[1].hf = b .. e.pg, h .. e.parts[1].hf
-      out[#out + 1] = e
-    end
+    })
   end
   out[#out + 1] = p("ln_f.weight", "ln_f.weight", { C })
   out[#out + 1] = p("ln_f.bias", "ln_f.bias", { C })
-  if not o.tie then
-    local head = p("head.weight", "lm_head.weight", { V, C })
-    head.top = true
-    out[#out + 1] = head
-  end
+  common.add_untied_head(out, o, V, C)
   return out
 end
 

@@ -163,11 +163,7 @@ function F.hf.layout(o)
     out[#out + 1] = entry(b .. "mlp.proj.weight", { { h .. "mlp.down_proj.weight", { C, I } } })
   end
   out[#out + 1] = entry("ln_f.weight", { { "norm.weight", { C } } })
-  if not o.tie then
-    local head = entry("head.weight", { { "lm_head.weight", { V, C } } })
-    head.top = true
-    out[#out + 1] = head
-  end
+  common.add_untied_head(out, o, V, C)
   return out
 end
 
