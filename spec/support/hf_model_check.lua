@@ -64,6 +64,23 @@ function M.assert_losses(out, dir, what)
   if final then M.assert_rel(tonumber(final), e.final_loss, what .. " final loss") end
 end
 
+--- The fixture's model trained at T = 2 and written with --save-hf, then loaded
+-- serially from what it wrote: the loss there is the trained final loss (1e-6).
+function M.assert_trained_export_reloads(dir)
+  local pg = require "pipegoose"
+  local out = h.tmpdir()
+  local text = M.run_check(dir, 2, { "--tensor=2", "--save-hf=" .. out })
+  M.assert_losses(text, dir, "T = 2 with --save-hf")
+  local final = tonumber(text:match("final loss (%S+)"))
+  local e = M.expected(dir)
+  local engine = pg.parallelize(pg.nn.from_hf(out), nil, {})
+  local data = pg.data.TokenShards{ path = dir .. "/tokens.bin", batch = e.batch, seq_len = e.seq_len, shuffle = false }
+  local x, y = data:next_batch()
+  local reloaded = engine:loss(x, y)
+  assert.is_true(math.abs(reloaded - final) <= 1e-6 * final, ("reloaded %.9g, trained %.9g"):format(reloaded, final))
+  h.rm(out)
+end
+
 --- A copy of a fixture directory with config.json edited by edit(cfg).
 function M.edited(dir, edit)
   local out = h.tmpdir()

@@ -118,19 +118,9 @@ describe("pg.nn.Llama (LlamaForCausalLM) against PyTorch", function()
   end)
 
   it("a model trained at T = 2 exports with --save-hf and reloads with the same loss", function()
-    local out = h.tmpdir()
-    local text = run_check(TINY, 2, { "--tensor=2", "--save-hf=" .. out })
-    assert_losses(text, TINY, "T = 2 with --save-hf")
-    local final = tonumber(text:match("final loss (%S+)"))
     -- the written directory, loaded serially, gives the final loss (and transformers
     -- gives it too: scripts/hf_reference.py loss DIR, checked when the fixture was made)
-    local e = expected(TINY)
-    local engine = pg.parallelize(pg.nn.from_hf(out), nil, {})
-    local data = pg.data.TokenShards{ path = TINY .. "/tokens.bin", batch = e.batch, seq_len = e.seq_len, shuffle = false }
-    local x, y = data:next_batch()
-    local reloaded = engine:loss(x, y)
-    assert.is_true(math.abs(reloaded - final) <= 1e-6 * final, ("reloaded %.9g, trained %.9g"):format(reloaded, final))
-    h.rm(out)
+    check.assert_trained_export_reloads(TINY)
   end)
 
   it("exports a LLaMA checkpoint with scripts/checkpoint.lua export-hf; llm.c export refuses it", function()
