@@ -8,6 +8,11 @@
 --   tok:token_to_id(s), tok:id_to_token(id)   (nil when there is none)
 --   tok:special_tokens()     {[content] = id} of the special added tokens
 --   tok:save(path)           a tokenizer.json tokenizers and transformers load (written atomically)
+--   tok:save_pretrained(dir [, {model_max_length =}])   tokenizer.json, tokenizer_config.json and
+--                            special_tokens_map.json: what transformers' AutoTokenizer reads
+--   tok:bos_id(), tok:eos_id(), tok:pad_id(), tok:unk_id()   a role's token id, or nil
+--   tok:special_ids()        {bos =, eos =, pad =, unk =}
+--   tok:set_special_tokens{bos =, eos =, pad =, unk =}   each a token, an id or false (none)
 --   tok:pre_tokenize(text)   the pre-tokens the model sees (normalized, split, mapped)
 --   tok:encode_batch(texts [, {threads =, add_special =, tensor =}]) -> a list of ids per text, on threads
 --   tok:encode_file(path [, {threads =, chunk_bytes =, add_special = false}]) -> int32 tensor of all ids
@@ -352,6 +357,172 @@ function Tokenizer:token_to_id(s) return self._c:token_to_id(s) end
 function Tokenizer:id_to_token(id) return self._c:id_to_token(id) end
 function Tokenizer:pre_tokenize(text) return self._c:pre_tokenize(text) end
 
+-- ---- the special roles (bos, eos, pad, unk) ----
+-- tokenizer.json does not say which token begins or ends a sequence;
+-- transformers keeps that in tokenizer_config.json (and special_tokens_map.json).
+-- load reads them from a directory, train sets bos = eos = <|endoftext|> when
+-- it is one of the special tokens (GPT-2's convention), save_pretrained writes them.
+local ROLES = { "bos", "eos", "pad", "unk" }
+
+--- The id of a role's token, or nil when the tokenizer has none.
+function Tokenizer:bos_id() return self._roles.bos end
+function Tokenizer:eos_id() return self._roles.eos end
+function Tokenizer:pad_id() return self._roles.pad end
+function Tokenizer:unk_id() return self._roles.unk end
+
+--- {bos =, eos =, pad =, unk =}: each role's token id (absent: none).
+function Tokenizer:special_ids()
+  local out = {}
+  for _, r in ipairs(ROLES) do out[r] = self._roles[r] end
+  return out
+end
+
+-- A role's value: a token (string) the tokenizer has, or an id below
+-- vocab_size; false clears the role.
+local function role_id(tok, role, v, src)
+  if v == false then return nil end
+  if type(v) == "string" then
+    local id = tok._c:token_to_id(v)
+    if id == nil then fail(src, "%s_token '%s' is not a token of this tokenizer", role, v) end
+    return id
+  end
+  if math.type(v) == "integer" and v >= 0 and v < tok._c:vocab_size() then return v end
+  fail(src, "%s_token must be a token of the tokenizer, an id in [0, %d) or false, not %s", role,
+    tok._c:vocab_size(), tostring(v))
+end
+
+--- tok:set_special_tokens{bos =, eos =, pad =, unk =}: each a token, an id or
+--- false (none); roles not named keep their value. Returns tok.
+function Tokenizer:set_special_tokens(t)
+  if type(t) ~= "table" then error("set_special_tokens: expected a table {bos =, eos =, pad =, unk =}", 2) end
+  for k in pairs(t) do
+    local known = false
+    for _, r in ipairs(ROLES) do known = known or k == r end
+    if not known then error(("set_special_tokens: unknown role '%s' (bos, eos, pad, unk)"):format(tostring(k)), 2) end
+  end
+  local ok, err = pcall(function()
+    for _, r in ipairs(ROLES) do
+      if t[r] ~= nil then self._roles[r] = role_id(self, r, t[r], "set_special_tokens") end
+    end
+  end)
+  if not ok then error(err, 2) end
+  return self
+end
+
+-- A role's token in tokenizer_config.json / special_tokens_map.json: a string,
+-- an AddedToken object {content = ...}, or null / absent (none).
+local function config_token(src, v, key)
+  if absent(v) then return nil end
+  if type(v) == "table" then v = v.content end
+  if type(v) ~= "string" then fail(src, "%s must be a string or an object with a content string", key) end
+  return v
+end
+
+-- The roles of a model directory's tokenizer files, as transformers reads
+-- them: tokenizer_config.json's fields, special_tokens_map.json's for the
+-- roles the first does not give.
+local function read_roles(tok, dir)
+  local raw
+  for _, name in ipairs({ "tokenizer_config.json", "special_tokens_map.json" }) do
+    local path = dir .. "/" .. name
+    local f = io.open(path, "rb")
+    if f then
+      local text = f:read("a")
+      f:close()
+      local ok, j = pcall(cjson.decode, text or "")
+      if not ok or type(j) ~= "table" then fail(path, "is not a JSON object (%s)", tostring(j)) end
+      if name == "tokenizer_config.json" then raw = j end
+      for _, r in ipairs(ROLES) do
+        local content = config_token(path, j[r .. "_token"], r .. "_token")
+        if content and tok._roles[r] == nil then tok._roles[r] = role_id(tok, r, content, path) end
+      end
+    end
+  end
+  tok._hf_config = raw
+end
+
+-- JSON objects a tokenizer_config.json holds (an empty one is {} and not []).
+local CONFIG_OBJECTS = { added_tokens_decoder = true }
+
+-- A decoded JSON value as an ordered one for write_json (object keys sorted).
+local function ordered(v, key)
+  if type(v) ~= "table" or v == NULL then return v end
+  local n, keys = 0, {}
+  for k in pairs(v) do n = n + 1; keys[#keys + 1] = k end
+  if n == 0 then return CONFIG_OBJECTS[key] and O() or {} end
+  if n == #v and not CONFIG_OBJECTS[key] then
+    local out = {}
+    for i = 1, n do out[i] = ordered(v[i]) end
+    return out
+  end
+  for i, k in ipairs(keys) do keys[i] = tostring(k) end
+  table.sort(keys, function(a, b)
+    local na, nb = tonumber(a), tonumber(b)
+    if na and nb then return na < nb end
+    return a < b
+  end)
+  local o = O()
+  for _, k in ipairs(keys) do o[#o + 1] = k; o[#o + 1] = ordered(v[k] == nil and v[tonumber(k)] or v[k], k) end
+  return o
+end
+
+--- tok:save_pretrained(dir [, {model_max_length =}]): the files transformers'
+--- AutoTokenizer.from_pretrained reads: tokenizer.json, tokenizer_config.json
+--- (a loaded one's other fields kept, the roles and added tokens this
+--- tokenizer's) and special_tokens_map.json, each written atomically. The
+--- directory must exist. Returns dir.
+function Tokenizer:save_pretrained(dir, opts)
+  opts = opts or {}
+  if type(dir) ~= "string" or not core().fs.is_dir(dir) then
+    error(("save_pretrained: %s is not a directory"):format(tostring(dir)), 2)
+  end
+  local mml = opts.model_max_length
+  if mml ~= nil and (math.type(mml) ~= "integer" or mml < 1) then
+    error("save_pretrained: model_max_length must be a positive integer", 2)
+  end
+  self:save(dir .. "/tokenizer.json")
+  local cfg = {}
+  for k, v in pairs(self._hf_config or {}) do cfg[k] = v end
+  local decoder = {}
+  for _, a in ipairs(self._added) do
+    decoder[tostring(a.id)] = O("content", a.content, "lstrip", a.lstrip, "normalized", a.normalized,
+      "rstrip", a.rstrip, "single_word", a.single_word, "special", a.special)
+  end
+  cfg.added_tokens_decoder = decoder
+  local map = {}
+  for _, r in ipairs(ROLES) do
+    local id = self._roles[r]
+    local content = id and self._c:id_to_token(id) or nil
+    cfg[r .. "_token"] = content or NULL
+    map[r .. "_token"] = content
+  end
+  if cfg.tokenizer_class == nil then cfg.tokenizer_class = "PreTrainedTokenizerFast" end
+  -- pipegoose's decode does not clean up spaces before punctuation; neither must transformers'
+  if cfg.clean_up_tokenization_spaces == nil then cfg.clean_up_tokenization_spaces = false end
+  if mml then cfg.model_max_length = mml end
+  local function text(v, key)
+    local out = {}
+    write_json(ordered(v, key), out, "")
+    return table.concat(out) .. "\n"
+  end
+  -- ordered() would take the decoder's keys for an array's indices: order it here
+  local dec_keys = {}
+  for k in pairs(decoder) do dec_keys[#dec_keys + 1] = k end
+  table.sort(dec_keys, function(a, b) return tonumber(a) < tonumber(b) end)
+  local dec = O()
+  for _, k in ipairs(dec_keys) do dec[#dec + 1] = k; dec[#dec + 1] = decoder[k] end
+  cfg.added_tokens_decoder = nil
+  local top = ordered(cfg)
+  if getmetatable(top) ~= OBJ then top = O() end
+  local merged = O("added_tokens_decoder", dec)
+  for i = 1, #top, 2 do merged[#merged + 1] = top[i]; merged[#merged + 1] = top[i + 1] end
+  local out = {}
+  write_json(merged, out, "")
+  core().file.write(dir .. "/tokenizer_config.json", { table.concat(out) .. "\n" })
+  core().file.write(dir .. "/special_tokens_map.json", { text(map) })
+  return dir
+end
+
 function Tokenizer:special_tokens()
   local out = {}
   for _, a in ipairs(self._added) do
@@ -467,7 +638,7 @@ function M.from_table(j, src)
   local ok, c = pcall(core().tokenizer.new, spec)
   if not ok then fail(src, "%s", tostring(c)) end
   return setmetatable({ _c = c, _json = json, _vocab = vocab, _merges = merges, _merge_strings = strings,
-    _added = added, source = src }, Tokenizer)
+    _added = added, _roles = {}, source = src }, Tokenizer)
 end
 
 --- A tokenizer from the text of a tokenizer.json.
@@ -478,10 +649,14 @@ function M.from_json(text, src)
   return M.from_table(j, src)
 end
 
---- pg.tokenizer.load(path): a tokenizer.json, or a directory holding one (a Hugging Face model directory).
+--- pg.tokenizer.load(path): a tokenizer.json, or a directory holding one (a
+--- Hugging Face model directory: its tokenizer_config.json and
+--- special_tokens_map.json give the bos / eos / pad / unk roles).
 function M.load(path)
   if type(path) ~= "string" then error("tokenizer.load: path must be a string", 2) end
+  local dir
   if core().fs.is_dir(path) then
+    dir = path
     if not core().fs.exists(path .. "/tokenizer.json") then
       fail(path, "has no tokenizer.json (the only format read; transformers' save_pretrained of a fast tokenizer writes it)")
     end
@@ -492,7 +667,9 @@ function M.load(path)
   local text = f:read("a")
   f:close()
   if not text then fail(path, "unreadable") end
-  return M.from_json(text, path)
+  local tok = M.from_json(text, path)
+  if dir then read_roles(tok, dir) end
+  return tok
 end
 
 
@@ -584,7 +761,9 @@ function M.train(o)
   end
   local j = { model = { type = "BPE", vocab = vocab, merges = merges }, added_tokens = added, pre_tokenizer = pre,
     decoder = { type = "ByteLevel", add_prefix_space = true, trim_offsets = true, use_regex = true } }
-  return M.from_table(j, W), stats
+  local tok = M.from_table(j, W)
+  if vocab["<|endoftext|>"] and seen["<|endoftext|>"] then tok._roles.bos, tok._roles.eos = vocab["<|endoftext|>"], vocab["<|endoftext|>"] end
+  return tok, stats
 end
 
 return M
