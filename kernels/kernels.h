@@ -82,6 +82,44 @@ static inline float pg_bf16_value(uint16_t h) {
   return f;
 }
 
+/* ---- float16 (IEEE binary16: 1 sign, 5 exponent, 10 mantissa bits) ----
+ * A storage type only (fp16 checkpoints): every float16 value, subnormals,
+ * infinities and NaN payloads included, is exactly a float32, so widening is
+ * exact; rounding to float16 is to nearest, ties to even (as torch's
+ * .to(torch.float16)), magnitudes from 65520 up becoming inf. */
+void pg_f16_to_f32(float *dst, const uint16_t *src, int64_t n);
+static inline float pg_f16_value(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
+  float f;
+  if (e == 0x1f) u = sign | 0x7f800000u | (m << 13); /* inf, NaN (payload kept) */
+  else if (e) u = sign | ((e + 112u) << 23) | (m << 13); /* rebias 15 -> 127 */
+  else { /* zero or subnormal: m * 2^-24, exact in float32 */
+    f = (float)m * 0x1p-24f;
+    memcpy(&u, &f, 4);
+    u |= sign;
+  }
+  memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint16_t pg_f16_round(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+  uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu)); /* NaN: quiet */
+  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520: inf */
+  uint32_t h, rest, half;
+  if (a < 0x38800000u) { /* below 2^-14: a float16 subnormal, a multiple of 2^-24 (1 << 10 is the smallest normal) */
+    uint32_t shift = 126u - (a >> 23), mant = (a & 0x7fffffu) | 0x800000u; /* a = mant * 2^-24 / 2^shift */
+    if (a < 0x33000000u) return sign; /* below 2^-25, half the smallest subnormal (float32 subnormals too) */
+    h = mant >> shift, rest = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+  } else {
+    h = ((a >> 23) - 112u) << 10 | ((a >> 13) & 0x3ffu), rest = a & 0x1fffu, half = 0x1000u;
+  }
+  if (rest > half || (rest == half && (h & 1u))) h++; /* a carry moves into the exponent, as it should */
+  return (uint16_t)(sign | h);
+}
+
 /* The bf16 GEMMs with float32 accumulation are the CPU backend's: src/backend/pg_cpu_bf16_gemm.h. */
 
 /* ---- causal self-attention, multi-head / grouped-query ----

@@ -325,6 +325,18 @@ static int l_from_bf16(lua_State *L) {
   return 1;
 }
 
+/* from_f16(x) -> a float32 tensor of a float16 tensor's values (exact). */
+static int l_from_f16(lua_State *L) {
+  pg_tensor *x = pg_lua_check_tensor(L, 1);
+  if (x->dtype != PG_FLOAT16 || x->device != PG_CPU) {
+    char got[128];
+    return luaL_error(L, "ops.from_f16: x: expected a cpu float16 tensor, got %s", pg_tensor_describe(x, got, sizeof got));
+  }
+  pg_tensor *y = pg_lua_new_tensor(L, PG_FLOAT32, x->ndim, x->shape);
+  pg_f16_to_f32(pg_tensor_f32(y), pg_tensor_data(x), x->numel);
+  return 1;
+}
+
 /* bf16_gemm_path([name]) -> path, why. With name ("auto", "onednn", "fallback") selects the path first. */
 static int l_bf16_gemm_path(lua_State *L) {
   const char *why;
@@ -788,6 +800,7 @@ static const luaL_Reg ops_functions[] = {
     {"bf16_round", l_bf16_round},
     {"to_bf16", l_to_bf16},
     {"from_bf16", l_from_bf16},
+    {"from_f16", l_from_f16},
     {"bf16_gemm_path", l_bf16_gemm_path},
     {"attention", l_attention},
     {"attention_backward", l_attention_backward},

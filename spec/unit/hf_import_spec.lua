@@ -1,0 +1,103 @@
+-- The Hugging Face import (pg.nn.from_hf) of what real checkpoints hold:
+-- float16 and bfloat16 weights, and LLaMA's rope_scaling. The fixtures
+-- (spec/fixtures/hf_llama_{f16,bf16,rope_*}) are tiny LlamaForCausalLM
+-- directories that transformers 4.45.2 saved, with its float32 logits and
+-- RoPE inverse frequencies (scripts/make_hf_import_fixtures.py says how).
+--
+-- Logits tolerance: 1e-5 relative to the largest |logit| (the llama spec's
+-- 1e-5 on losses). Both sides are float32 forwards of the same float32
+-- weights (the half-precision ones widened exactly, transformers' and
+-- pipegoose's alike), differing in summation order and in cos/sin (torch's
+-- vectorised float32 ones, pipegoose's from double): a few float32 ulps per
+-- step through one block. The inverse frequencies are compared bit for bit.
+local pg = require "pipegoose"
+local h = require "helpers"
+local safetensors = require "pipegoose.safetensors"
+
+local F = "spec/fixtures/"
+
+local function expected(dir)
+  local hd = safetensors.read_header(dir .. "/expected.safetensors")
+  return { tokens = safetensors.read(hd, "tokens"), logits = safetensors.read(hd, "logits"),
+           inv_freq = safetensors.read(hd, "inv_freq") }
+end
+
+-- pipegoose's float32 logits of a directory on the fixture's tokens, against transformers'
+local function assert_logits(dir)
+  local e = expected(dir)
+  local engine = pg.parallelize(pg.nn.from_hf(dir), nil, {})
+  local got = engine:forward(e.tokens)
+  h.assert_scaled_close(got, e.logits, dir .. " logits", 0, 1e-5)
+  return got, e
+end
+
+describe("pg.nn.from_hf of half-precision weights", function()
+  it("reads F16 weights (widened exactly): the logits are transformers' float32 logits of the rounded weights", function()
+    local hd = safetensors.read_header(F .. "hf_llama_f16/model.safetensors")
+    assert.equal("float16", hd.entries["model.embed_tokens.weight"].dtype)
+    assert_logits(F .. "hf_llama_f16")
+  end)
+
+  it("reads BF16 weights the same way", function()
+    assert.equal("bfloat16", safetensors.read_header(F .. "hf_llama_bf16/model.safetensors")
+      .entries["model.embed_tokens.weight"].dtype)
+    assert_logits(F .. "hf_llama_bf16")
+  end)
+
+  it("widens every float16 bit pattern exactly (subnormals, infinities, NaN) and rounds to nearest even back", function()
+    -- all 65536 patterns, through the storage tensor's values and ops.from_f16
+    local path = os.tmpname()
+    local bytes = {}
+    for b = 0, 65535 do bytes[#bytes + 1] = string.pack("<I2", b) end
+    local f = assert(io.open(path, "wb"))
+    f:write(table.concat(bytes))
+    f:close()
+    local half = pg.core.file.read(path, 0, 65536, "float16")
+    os.remove(path)
+    assert.equal("float16", half:dtype())
+    local wide = pg.ops.from_f16(half)
+    local v = wide:totable()
+    local function at(b) return v[b + 1] end
+    assert.equal(0, at(0))
+    assert.equal(1 / 0, 1 / at(0x8000) * -1) -- -0
+    assert.equal(2 ^ -24, at(0x0001))         -- the smallest subnormal
+    assert.equal(1023 * 2 ^ -24, at(0x03ff))  -- the largest
+    assert.equal(2 ^ -14, at(0x0400))         -- the smallest normal
+    assert.equal(1, at(0x3c00))
+    assert.equal(1 + 2 ^ -10, at(0x3c01))
+    assert.equal(-2, at(0xc000))
+    assert.equal(65504, at(0x7bff))
+    assert.equal(1 / 0, at(0x7c00))
+    assert.equal(-1 / 0, at(0xfc00))
+    assert.is_true(at(0x7e00) ~= at(0x7e00))
+    -- every finite pattern: sign * 2^(e-15) * (1 + m/1024), or m * 2^-24 when e = 0
+    for b = 0, 65535 do
+      local e, m = (b >> 10) & 31, b & 1023
+      if e < 31 then
+        local want = (e == 0 and m * 2 ^ -24 or 2 ^ (e - 15) * (1 + m / 1024)) * ((b & 0x8000) ~= 0 and -1 or 1)
+        if at(b) ~= want then error(("0x%04x widened to %.9g, want %.9g"):format(b, at(b), want)) end
+      end
+    end
+    -- back: a float16 tensor's set rounds to nearest, ties to even (torch's .to(torch.float16))
+    local t = pg.zeros({ 6 }, { dtype = "float16" })
+    for i, x in ipairs{ 1 + 2 ^ -11, 1 + 3 * 2 ^ -11, 65519, 65520, 2 ^ -25, 3 * 2 ^ -25 } do t:set(i, x) end
+    assert.same({ 1, 1 + 2 ^ -9, 65504, 1 / 0, 0, 2 ^ -23 }, pg.ops.from_f16(t):totable())
+  end)
+
+  it("refuses a weight of a dtype it does not read, naming the tensor", function()
+    local dir = h.tmpdir()
+    os.execute(("mkdir -p %s && cp %s/config.json %s/"):format(dir, F .. "hf_llama_f16", dir))
+    local src = safetensors.read_header(F .. "hf_llama_f16/model.safetensors")
+    local entries = {}
+    for _, name in ipairs(src.names) do
+      local t = pg.ops.from_f16(safetensors.read(src, name))
+      if name == "model.norm.weight" then t = pg.zeros(t:shape(), { dtype = "int32" }) end
+      entries[#entries + 1] = { name = name, tensor = t }
+    end
+    safetensors.write(dir .. "/model.safetensors", entries)
+    local ok, err = pcall(function() pg.parallelize(pg.nn.from_hf(dir), nil, {}) end)
+    h.rm(dir)
+    assert.is_false(ok)
+    assert.matches("model.norm.weight is int32; pipegoose reads float32, bfloat16 or float16 weights", err, 1, true)
+  end)
+end)
