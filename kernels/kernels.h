@@ -161,9 +161,30 @@ void pg_alibi_slopes(float *slopes, int n);
  * the ones rotated, HS columns each, starting at column 0, rows ld floats
  * apart. In place. Backward rotates by the opposite angle (the transpose). */
 
-/* The tables, on the host, in float32 arithmetic as transformers computes them
- * (inv_freq = 1 / theta^(float(2i) / HS), angle = float(t) * inv_freq). */
-void pg_rope_table(float *cos_t, float *sin_t, int max_T, int HS, double theta);
+/* The frequency scaling of transformers' rope_scaling (LLaMA's), types as in
+ * its modeling_rope_utils.py (4.45.2). PG_ROPE_DYNAMIC changes the
+ * frequencies only for sequences longer than max_position_embeddings, which
+ * the attention refuses (max_seq is that length): for every sequence it
+ * runs, its frequencies are the plain ones. */
+typedef enum { PG_ROPE_PLAIN = 0, PG_ROPE_LINEAR, PG_ROPE_DYNAMIC, PG_ROPE_LLAMA3 } pg_rope_type;
+typedef struct pg_rope_scaling {
+  pg_rope_type type;
+  double factor;                            /* linear, dynamic, llama3 */
+  double low_freq_factor, high_freq_factor; /* llama3 (high > low) */
+  double original_max;                      /* llama3: original_max_position_embeddings */
+} pg_rope_scaling;
+/* The type of a rope_scaling type name ("default", "linear", "dynamic", "llama3"); -1: another. */
+int pg_rope_type_of(const char *name);
+
+/* inv_freq[HS/2], each float32 step as transformers takes it: 1 /
+ * theta^(float(2i) / HS); linear: / factor; llama3: wavelen = (1 / inv_freq)
+ * * float(2 pi) (torch's scalar / tensor is reciprocal times scalar), low
+ * frequencies (wavelen > original / low_freq_factor) / factor, the middle
+ * band smoothed. scaling NULL (or PG_ROPE_PLAIN): plain. */
+void pg_rope_inv_freq(float *inv_freq, int HS, double theta, const pg_rope_scaling *scaling);
+/* The tables, on the host, of positions [0, max_T): angle = float(t) *
+ * inv_freq[i] in float32 (pg_rope_inv_freq's), cos and sin of it in double rounded once. */
+void pg_rope_table(float *cos_t, float *sin_t, int max_T, int HS, double theta, const pg_rope_scaling *scaling);
 void pg_rope_forward(float *x, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS, int ld);
 void pg_rope_backward(float *dx, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS, int ld);
 

@@ -101,3 +101,108 @@ describe("pg.nn.from_hf of half-precision weights", function()
     assert.matches("model.norm.weight is int32; pipegoose reads float32, bfloat16 or float16 weights", err, 1, true)
   end)
 end)
+
+describe("pg.nn.from_hf of LLaMA's rope_scaling", function()
+  local common = require "pipegoose.models.common"
+  local hf = require "pipegoose.hf"
+
+  -- the attention's frequencies (pg.ops.rope_inv_freq of the descriptor's fields, what kind_attention.c's
+  -- tables are made of) against transformers' model.rotary_emb.inv_freq, bit for bit
+  local function assert_inv_freq(dir)
+    local c = pg.nn.from_hf(dir).config
+    local got = pg.ops.rope_inv_freq(c.head_dim, c.rope_theta, common.rope_fields(c.rope_scaling))
+    local want = expected(dir).inv_freq
+    assert.is_true(got:equal(want), dir .. ": inv_freq " .. tostring(got) .. ", transformers " .. tostring(want))
+    return got
+  end
+
+  for _, case in ipairs{
+    { "linear", { factor = 4.0, rope_type = "linear", type = "linear" } },
+    { "dynamic", { factor = 2.0, rope_type = "dynamic" } },
+    { "llama3", { factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0, original_max_position_embeddings = 32,
+                  rope_type = "llama3" } },
+  } do
+    local kind, table_read = case[1], case[2]
+    local dir = F .. "hf_llama_rope_" .. kind
+    it(kind .. ": the inverse frequencies bit for bit, the logits within 1e-5, written back as read", function()
+      assert.same(table_read, pg.nn.from_hf(dir).config.rope_scaling)
+      local inv = assert_inv_freq(dir)
+      local plain = pg.ops.rope_inv_freq(32, 100)
+      if kind == "dynamic" then
+        -- transformers rescales only sequences past max_position_embeddings (64), which pipegoose refuses
+        assert.is_true(inv:equal(plain), "dynamic up to max_position_embeddings: the plain frequencies")
+      else
+        assert.is_false(inv:equal(plain), "the scaling changes the frequencies")
+      end
+      assert_logits(dir)
+      local out = h.tmpdir()
+      pg.parallelize(pg.nn.from_hf(dir), nil, {}):save_hf(out)
+      assert.same(hf.read_config(dir), hf.read_config(out))
+      local f = assert(io.open(out .. "/config.json"))
+      local written = require("cjson").decode(f:read("a"))
+      f:close()
+      h.rm(out)
+      assert.same(table_read, written.rope_scaling)
+    end)
+  end
+
+  it("the scaled models' logits differ from the plain model's by far more than the tolerance", function()
+    -- the same weights with rope_scaling removed: the scaling is what the logits check sees
+    for _, kind in ipairs{ "linear", "llama3" } do
+      local dir = F .. "hf_llama_rope_" .. kind
+      local e, c = expected(dir), pg.nn.from_hf(dir).config
+      c.rope_scaling = nil
+      local plain = pg.parallelize(pg.nn.Llama(c), nil, {})
+      hf.load_into(plain, dir)
+      local d = plain:forward(e.tokens):max_abs_diff(e.logits)
+      assert.is_true(d > 1e-2, ("%s: plain RoPE's logits differ by only %g"):format(kind, d))
+    end
+  end)
+
+  it("nn.Llama{rope_scaling = ...} checks the table, naming what is wrong", function()
+    local base = { vocab = 61, dim = 32, layers = 1, heads = 2, head_dim = 32, kv_heads = 1, hidden = 32, seq_len = 64,
+                   rope_theta = 100 }
+    local function with(rs)
+      local o = {}
+      for k, v in pairs(base) do o[k] = v end
+      o.rope_scaling = rs
+      return o
+    end
+    local m = pg.nn.Llama(with{ rope_type = "llama3", factor = 8, low_freq_factor = 1, high_freq_factor = 4,
+                                original_max_position_embeddings = 32 })
+    assert.equal("llama3", m.config.rope_scaling.rope_type)
+    for _, bad in ipairs{
+      { { rope_type = "yarn", factor = 4 }, "type yarn is not supported (pipegoose computes default, dynamic, linear and llama3)" },
+      { { factor = 4 }, "type nil is not supported" },
+      { { rope_type = "linear" }, "linear needs factor" },
+      { { rope_type = "linear", factor = -1 }, "linear: factor must be a positive number, got -1" },
+      { { rope_type = "linear", factor = 2, beta_fast = 32 }, "linear: beta_fast is not a field of this type" },
+      { { rope_type = "linear", type = "dynamic", factor = 2 }, "has rope_type linear and type dynamic" },
+      { { rope_type = "llama3", factor = 8, low_freq_factor = 4, high_freq_factor = 1, original_max_position_embeddings = 32 },
+        "llama3: high_freq_factor (1) must exceed low_freq_factor (4)" },
+      { { rope_type = "llama3", factor = 8, low_freq_factor = 1, high_freq_factor = 4 }, "llama3 needs original_max_position_embeddings" },
+      { "linear", "must be a table" },
+    } do
+      local ok, err = pcall(pg.nn.Llama, with(bad[1]))
+      assert.is_false(ok)
+      assert.matches("rope_scaling must be a rope_scaling table", err, 1, true)
+      assert.matches(bad[2], err, 1, true)
+    end
+  end)
+
+  it("config.json: an unknown type is refused naming it; Mixtral's rope_scaling is refused", function()
+    local cjson = require "cjson"
+    local f = assert(io.open(F .. "hf_llama_rope_linear/config.json"))
+    local cfg = cjson.decode(f:read("a"))
+    f:close()
+    cfg.rope_scaling = { rope_type = "longrope", factor = 4.0, short_factor = { 1 }, long_factor = { 1 } }
+    local ok, err = pcall(hf.options, cfg, "DIR")
+    assert.is_false(ok)
+    assert.matches("DIR: config.json: rope_scaling type longrope is not supported", err, 1, true)
+    cfg.model_type, cfg.num_local_experts, cfg.num_experts_per_tok = "mixtral", 2, 1
+    cfg.rope_scaling = { rope_type = "linear", factor = 4.0 }
+    ok, err = pcall(hf.options, cfg, "DIR")
+    assert.is_false(ok)
+    assert.matches("rope_scaling is not supported for MixtralForCausalLM", err, 1, true)
+  end)
+end)

@@ -172,7 +172,7 @@ describe("pg.nn.Llama (LlamaForCausalLM) against PyTorch", function()
     for _, c in ipairs{
       { function(cfg) cfg.hidden_act = "gelu" end, "hidden_act gelu is not supported" },
       { function(cfg) cfg.attention_bias = true end, "attention_bias = true is not supported" },
-      { function(cfg) cfg.rope_scaling = { type = "linear", factor = 2 } end, "rope_scaling is not supported" },
+      { function(cfg) cfg.rope_scaling = { type = "yarn", factor = 2 } end, "rope_scaling type yarn is not supported" },
       { function(cfg) cfg.num_key_value_heads = 3 end, "num_key_value_heads 3 does not divide num_attention_heads 4" },
       { function(cfg) cfg.model_type = "mistral" end, "model_type is mistral" },
     } do

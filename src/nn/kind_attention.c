@@ -64,7 +64,7 @@ static int attention_alloc(pg_module *m, int nslots, int max_rows) {
     m->saved_bytes_per_slot += rot * sizeof(float);
     float *host = malloc(2 * table * sizeof(float));
     if (!host) return pg_fail("out of memory");
-    pg_rope_table(host, host + table, s->max_seq, s->o.head_dim, s->o.rope_theta);
+    pg_rope_table(host, host + table, s->max_seq, s->o.head_dim, s->o.rope_theta, &s->o.rope_scaling);
     int rc = KERNEL(m, copy, s->cos_t, host, table * sizeof(float), PG_COPY_HOST_TO_DEVICE) ||
              KERNEL(m, copy, s->sin_t, host + table, table * sizeof(float), PG_COPY_HOST_TO_DEVICE);
     free(host);
@@ -193,6 +193,26 @@ pg_module *pg_attention_new(pg_context *ctx, const char *name, const pg_attentio
   return m;
 }
 
+/* rope_type (a rope_scaling type name, default plain) and its numbers: rope_factor, rope_low_freq_factor,
+ * rope_high_freq_factor, rope_original_max (models/common.lua's rope_scaling checks them for the user) */
+static int rope_scaling_of(const char *name, const pg_desc *d, pg_rope_scaling *out) {
+  const char *type = d->ops->string(d, "rope_type", "default");
+  int k = pg_rope_type_of(type);
+  if (k < 0) return pg_fail("%s: rope_scaling type '%s' is not one pipegoose computes", name, type);
+  *out = (pg_rope_scaling){.type = (pg_rope_type)k, .factor = d->ops->number(d, "rope_factor", 1),
+                           .low_freq_factor = d->ops->number(d, "rope_low_freq_factor", 0),
+                           .high_freq_factor = d->ops->number(d, "rope_high_freq_factor", 0),
+                           .original_max = d->ops->number(d, "rope_original_max", 0)};
+  if (k != PG_ROPE_PLAIN && !(out->factor > 0))
+    return pg_fail("%s: rope_scaling factor must be positive, not %g", name, out->factor);
+  if (k == PG_ROPE_LLAMA3 && !(out->low_freq_factor > 0 && out->high_freq_factor > out->low_freq_factor &&
+                               out->original_max > 0))
+    return pg_fail("%s: llama3 rope_scaling needs 0 < low_freq_factor < high_freq_factor and a positive "
+                   "original_max_position_embeddings (%g, %g, %g)", name, out->low_freq_factor,
+                   out->high_freq_factor, out->original_max);
+  return PG_OK;
+}
+
 static pg_module *build_attention(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
   (void)env;
   int bad = 0;
@@ -200,6 +220,7 @@ static pg_module *build_attention(pg_context *ctx, const char *name, const pg_de
                          .head_dim = DESC_INT(d, "head_dim", 0), .max_seq = DESC_INT(d, "max_seq", 0),
                          .rope_theta = d->ops->number(d, "rope_theta", 0), .alibi = d->ops->boolean(d, "alibi", 0),
                          .recompute = d->ops->boolean(d, "recompute", 0)};
+  if (rope_scaling_of(name, d, &o.rope_scaling)) return NULL;
   return bad ? NULL : pg_attention_new(ctx, name, &o);
 }
 

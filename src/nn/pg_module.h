@@ -28,6 +28,7 @@
 
 #include <stdint.h>
 
+#include "kernels.h" /* pg_rope_scaling */
 #include "pg_backend.h"
 #include "pg_context.h"
 
@@ -183,6 +184,7 @@ typedef struct pg_attention_opts {
   int head_dim;
   int max_seq;
   double rope_theta;   /* > 0: rotary position embeddings on q and k (rotate_half); 0: none */
+  pg_rope_scaling rope_scaling; /* with rope_theta: the frequencies' scaling (zeroed: plain) */
   int alibi;           /* 1: ALiBi biases on the scores (BLOOM; pg_alibi_slopes of `heads`, this rank's slice);
                           excludes rope_theta */
   int recompute;       /* 1: keep the probabilities of one micro-batch only and recompute them in
