@@ -516,7 +516,9 @@ KINDS.gelu = { -- elementwise (row-wise): its FLOPs are priced with the Linear b
 -- per-head linear biases on the scores, BLOOM's; slopes pg.ops.alibi_slopes(heads),
 -- each tensor rank its heads' slice; excludes rope_theta), name=}. Under tensor
 -- parallelism query and key/value heads are both split over the group:
--- tensor must divide heads and kv_heads (key/value heads are not replicated).
+-- tensor must divide heads, and divide kv_heads or be a multiple of it (then
+-- each rank attends with the one key/value head its query heads use, gathered
+-- by a kv_heads module before the core: kind_kv_heads.c).
 local THETA = opt.number{ gt = 1 }
 
 local ATTENTION = { dim = POS, heads = NEED, seq_len = NEED, kv_heads = POS, head_dim = POS, rope_theta = THETA,
@@ -550,9 +552,14 @@ KINDS.attention = {
     if T > 1 and not (flow.split and flow.blocks == 3) then
       c.fail("needs q|k|v split over tensor=%d block by block (from a column-parallel Linear with blocks = 3)", T)
     end
-    return common.rope_fields(s.rope_scaling, { kind = "attention", name = c.me, heads = s.heads, kv_heads = s.kv_heads,
-             head_dim = s.head_dim, max_seq = s.max_seq, rope_theta = s.rope_theta, alibi = s.alibi }),
-           { width = s.width, split = T > 1 }
+    local d = common.rope_fields(s.rope_scaling, { kind = "attention", name = c.me, heads = s.heads,
+      kv_heads = s.kv_heads, head_dim = s.head_dim, max_seq = s.max_seq, rope_theta = s.rope_theta, alibi = s.alibi })
+    local out = { width = s.width, split = T > 1 }
+    if T <= s.kv_heads then return d, out end
+    -- fewer key/value heads than ranks: each rank's one gathered whole first (kind_kv_heads.c)
+    d.kv_gathered = true
+    return { kind = "sequential", name = c.me, children = {
+      { kind = "kv_heads", name = c.me, heads = s.heads, kv_heads = s.kv_heads, head_dim = s.head_dim }, d } }, out
   end,
   flops = function(s, T) return 2 * T * s.width end, -- QK^T and PV over the causal half
   input_flow = function(s, T)

@@ -65,15 +65,18 @@ function C.attention(o, fail, names, rope)
 end
 
 --- Whether tensor parallelism of size T can split an attention's heads:
--- nil, or the message (query and key/value heads are both split over the
--- tensor group; key/value heads are not replicated). pg.nn's attention
--- modules and the planner's enumeration ask this; the C runtime
--- (kind_attention.c) guards its own inputs again.
+-- nil, or the message. Query heads are split over the tensor group; so are
+-- key/value heads when T divides them, and when there are fewer of them T
+-- must be a multiple of kv_heads: each rank then attends with the one
+-- key/value head its query heads use, gathered from the ranks holding its
+-- pieces (nn.Attention's kv_heads module, kind_kv_heads.c). pg.nn's
+-- attention modules and the planner's enumeration ask this; the C runtime
+-- (kind_attention.c, kind_kv_heads.c) guards its own inputs again.
 function C.tensor_heads(T, heads, kv_heads)
   if heads % T ~= 0 then return ("tensor=%d does not divide heads=%d"):format(T, heads) end
-  if kv_heads % T ~= 0 then
-    return ("tensor=%d does not divide kv_heads=%d (key/value heads are split over the tensor group, not replicated)")
-      :format(T, kv_heads)
+  if kv_heads % T ~= 0 and T % kv_heads ~= 0 then
+    return ("tensor=%d neither divides kv_heads=%d nor is a multiple of it (key/value heads are split over the "
+      .. "tensor group, or each replicated over tensor / kv_heads ranks)"):format(T, kv_heads)
   end
 end
 
