@@ -73,7 +73,13 @@ describe("pg.nn.Llama (LlamaForCausalLM) against PyTorch", function()
   end)
 
   it("matches PyTorch at T = 4 with 2 key/value heads: each replicated over 2 ranks (kind_kv_heads.c)", function()
-    assert_losses(run_check(TINY, 4, { "--tensor=4" }), TINY, "T = 4, kv_heads = 2")
+    for _, c in ipairs{
+      { 4, { "--tensor=4" } }, { 4, { "--tensor=4", "--recompute=full" } },
+      { 4, { "--tensor=4", "--recompute=selective", "--sequence-parallel" } },
+      { 8, { "--tensor=4", "--pipeline=2", "--micro-batches=2" } },
+    } do
+      assert_losses(run_check(TINY, c[1], c[2]), TINY, "kv_heads = 2, " .. table.concat(c[2], " "))
+    end
   end)
 
   it("refuses a split the heads do not allow, naming heads or kv_heads", function()
