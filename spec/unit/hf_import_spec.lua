@@ -206,3 +206,16 @@ describe("pg.nn.from_hf of LLaMA's rope_scaling", function()
     assert.matches("rope_scaling is not supported for MixtralForCausalLM", err, 1, true)
   end)
 end)
+
+describe("nn.Attention{rope_scaling = ...}", function()
+  it("needs rope_theta; pg.ops.rope_inv_freq of the descriptor fields divides by a linear factor", function()
+    local rs = { rope_type = "linear", factor = 4 }
+    local ok, err = pcall(pg.nn.Attention, { heads = 2, seq_len = 8, head_dim = 8, rope_scaling = rs })
+    assert.is_false(ok)
+    assert.matches("Attention: rope_scaling scales rotary embeddings: give rope_theta= too", err, 1, true)
+    -- linear: every frequency divided by the factor (4, a power of two: exact)
+    local plain = pg.ops.rope_inv_freq(8, 10000):totable()
+    local scaled = pg.ops.rope_inv_freq(8, 10000, require("pipegoose.models.common").rope_fields(rs)):totable()
+    for i = 1, 4 do assert.equal(plain[i] / 4, scaled[i]) end
+  end)
+end)
