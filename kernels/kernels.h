@@ -82,6 +82,44 @@ static inline float pg_bf16_value(uint16_t h) {
   return f;
 }
 
+/* ---- float16 (IEEE binary16: 1 sign, 5 exponent, 10 mantissa bits) ----
+ * A storage type only (fp16 checkpoints): every float16 value, subnormals,
+ * infinities and NaN payloads included, is exactly a float32, so widening is
+ * exact; rounding to float16 is to nearest, ties to even (as torch's
+ * .to(torch.float16)), magnitudes from 65520 up becoming inf. */
+void pg_f16_to_f32(float *dst, const uint16_t *src, int64_t n);
+static inline float pg_f16_value(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
+  float f;
+  if (e == 0x1f) u = sign | 0x7f800000u | (m << 13); /* inf, NaN (payload kept) */
+  else if (e) u = sign | ((e + 112u) << 23) | (m << 13); /* rebias 15 -> 127 */
+  else { /* zero or subnormal: m * 2^-24, exact in float32 */
+    f = (float)m * 0x1p-24f;
+    memcpy(&u, &f, 4);
+    u |= sign;
+  }
+  memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint16_t pg_f16_round(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+  uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu)); /* NaN: quiet */
+  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520: inf */
+  uint32_t h, rest, half;
+  if (a < 0x38800000u) { /* below 2^-14: a float16 subnormal, a multiple of 2^-24 (1 << 10 is the smallest normal) */
+    uint32_t shift = 126u - (a >> 23), mant = (a & 0x7fffffu) | 0x800000u; /* a = mant * 2^-24 / 2^shift */
+    if (a < 0x33000000u) return sign; /* below 2^-25, half the smallest subnormal (float32 subnormals too) */
+    h = mant >> shift, rest = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+  } else {
+    h = ((a >> 23) - 112u) << 10 | ((a >> 13) & 0x3ffu), rest = a & 0x1fffu, half = 0x1000u;
+  }
+  if (rest > half || (rest == half && (h & 1u))) h++; /* a carry moves into the exponent, as it should */
+  return (uint16_t)(sign | h);
+}
+
 /* The bf16 GEMMs with float32 accumulation are the CPU backend's: src/backend/pg_cpu_bf16_gemm.h. */
 
 /* ---- causal self-attention, multi-head / grouped-query ----
@@ -123,9 +161,30 @@ void pg_alibi_slopes(float *slopes, int n);
  * the ones rotated, HS columns each, starting at column 0, rows ld floats
  * apart. In place. Backward rotates by the opposite angle (the transpose). */
 
-/* The tables, on the host, in float32 arithmetic as transformers computes them
- * (inv_freq = 1 / theta^(float(2i) / HS), angle = float(t) * inv_freq). */
-void pg_rope_table(float *cos_t, float *sin_t, int max_T, int HS, double theta);
+/* The frequency scaling of transformers' rope_scaling (LLaMA's), types as in
+ * its modeling_rope_utils.py (4.45.2). PG_ROPE_DYNAMIC changes the
+ * frequencies only for sequences longer than max_position_embeddings, which
+ * the attention refuses (max_seq is that length): for every sequence it
+ * runs, its frequencies are the plain ones. */
+typedef enum { PG_ROPE_PLAIN = 0, PG_ROPE_LINEAR, PG_ROPE_DYNAMIC, PG_ROPE_LLAMA3 } pg_rope_type;
+typedef struct pg_rope_scaling {
+  pg_rope_type type;
+  double factor;                            /* linear, dynamic, llama3 */
+  double low_freq_factor, high_freq_factor; /* llama3 (high > low) */
+  double original_max;                      /* llama3: original_max_position_embeddings */
+} pg_rope_scaling;
+/* The type of a rope_scaling type name ("default", "linear", "dynamic", "llama3"); -1: another. */
+int pg_rope_type_of(const char *name);
+
+/* inv_freq[HS/2], each float32 step as transformers takes it: 1 /
+ * theta^(float(2i) / HS); linear: / factor; llama3: wavelen = (1 / inv_freq)
+ * * float(2 pi) (torch's scalar / tensor is reciprocal times scalar), low
+ * frequencies (wavelen > original / low_freq_factor) / factor, the middle
+ * band smoothed. scaling NULL (or PG_ROPE_PLAIN): plain. */
+void pg_rope_inv_freq(float *inv_freq, int HS, double theta, const pg_rope_scaling *scaling);
+/* The tables, on the host, of positions [0, max_T): angle = float(t) *
+ * inv_freq[i] in float32 (pg_rope_inv_freq's), cos and sin of it in double rounded once. */
+void pg_rope_table(float *cos_t, float *sin_t, int max_T, int HS, double theta, const pg_rope_scaling *scaling);
 void pg_rope_forward(float *x, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS, int ld);
 void pg_rope_backward(float *dx, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS, int ld);
 

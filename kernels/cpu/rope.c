@@ -1,16 +1,52 @@
 /* Rotary position embeddings, transformers' rotate_half convention (kernels.h). */
 #include <math.h>
+#include <string.h>
 
 #include "kernels.h"
 #include "pg_cpu.h"
 
-void pg_rope_table(float *cos_t, float *sin_t, int max_T, int HS, double theta) {
+#define PI 3.14159265358979323846 /* math.pi (M_PI is not ISO C) */
+
+int pg_rope_type_of(const char *name) {
+  static const char *const names[] = {[PG_ROPE_PLAIN] = "default", [PG_ROPE_LINEAR] = "linear",
+                                      [PG_ROPE_DYNAMIC] = "dynamic", [PG_ROPE_LLAMA3] = "llama3"};
+  for (int k = 0; k < (int)(sizeof names / sizeof names[0]); k++)
+    if (!strcmp(name, names[k])) return k;
+  return -1;
+}
+
+/* inv_freq[i] (kernels.h: pg_rope_inv_freq): every type scales each frequency on its own */
+static float inv_freq_at(int i, int HS, double theta, const pg_rope_scaling *scaling) {
+  /* float32 steps as transformers takes them: arange(0, HS, 2).float() / HS, base ** that, 1 / that */
+  float expo = (float)(2 * i) / (float)HS;
+  float f = 1.0f / powf((float)theta, expo);
+  if (!scaling) return f;
+  if (scaling->type == PG_ROPE_LINEAR) return f / (float)scaling->factor;
+  if (scaling->type != PG_ROPE_LLAMA3) return f; /* PG_ROPE_DYNAMIC: the plain ones up to max_position_embeddings */
+  /* _compute_llama3_parameters: python floats meet float32 tensors as float32 scalars;
+   * `scalar / tensor` is tensor.reciprocal() * scalar; each operation rounded to float32 */
+  float factor = (float)scaling->factor, low = (float)scaling->low_freq_factor, old = (float)scaling->original_max;
+  float low_wavelen = (float)(scaling->original_max / scaling->low_freq_factor);
+  float high_wavelen = (float)(scaling->original_max / scaling->high_freq_factor);
+  float span = (float)(scaling->high_freq_factor - scaling->low_freq_factor);
+  float wavelen = (1.0f / f) * (float)(2 * PI);
+  float scaled = wavelen > low_wavelen ? f / factor : f;
+  if (!(wavelen < high_wavelen) && !(wavelen > low_wavelen)) { /* the middle band, smoothed */
+    float smooth = ((1.0f / wavelen) * old - low) / span;
+    float a = (1.0f - smooth) * scaled / factor, b = smooth * scaled;
+    scaled = a + b;
+  }
+  return scaled;
+}
+
+void pg_rope_inv_freq(float *inv_freq, int HS, double theta, const pg_rope_scaling *scaling) {
+  for (int i = 0; i < HS / 2; i++) inv_freq[i] = inv_freq_at(i, HS, theta, scaling);
+}
+
+void pg_rope_table(float *cos_t, float *sin_t, int max_T, int HS, double theta, const pg_rope_scaling *scaling) {
   const int half = HS / 2;
   for (int i = 0; i < half; i++) {
-    /* float32 steps as transformers takes them: arange(0, HS, 2).float() / HS,
-     * base ** that, 1 / that; then position * inv_freq, cos and sin. */
-    float expo = (float)(2 * i) / (float)HS;
-    float inv_freq = 1.0f / powf((float)theta, expo);
+    float inv_freq = inv_freq_at(i, HS, theta, scaling);
     for (int t = 0; t < max_T; t++) {
       float angle = (float)t * inv_freq;
       cos_t[(int64_t)t * half + i] = (float)cos((double)angle);

@@ -295,6 +295,18 @@ end
 ------------------------------------------------------------------------------
 -- load
 
+-- A value as text, tables with their keys sorted (a config's rope_scaling): equal values, equal text.
+-- Numbers by value (JSON reads 64 back as 64.0).
+local function canonical(v)
+  if type(v) == "number" then return math.tointeger(v) and tostring(math.tointeger(v)) or ("%.17g"):format(v) end
+  if type(v) ~= "table" then return tostring(v) end
+  local keys, parts = {}, {}
+  for k in pairs(v) do keys[#keys + 1] = k end
+  table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
+  for i, k in ipairs(keys) do parts[i] = tostring(k) .. " = " .. canonical(v[k]) end
+  return "{" .. table.concat(parts, ", ") .. "}"
+end
+
 --- Differences between a saved model config and this one, as a message, or nil.
 function M.config_difference(saved, mine)
   if type(saved) ~= "table" or type(mine) ~= "table" then return nil end
@@ -304,10 +316,8 @@ function M.config_difference(saved, mine)
   table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
   local diffs = {}
   for _, k in ipairs(keys) do
-    local a, b = saved[k], mine[k]
-    if type(a) ~= "table" and type(b) ~= "table" and a ~= b then
-      diffs[#diffs + 1] = ("%s is %s in the checkpoint, %s here"):format(tostring(k), tostring(a), tostring(b))
-    end
+    local a, b = canonical(saved[k]), canonical(mine[k])
+    if a ~= b then diffs[#diffs + 1] = ("%s is %s in the checkpoint, %s here"):format(tostring(k), a, b) end
   end
   if #diffs == 0 then return nil end
   return table.concat(diffs, "; ")

@@ -113,6 +113,9 @@ end
 local function shape_text(s) return "[" .. table.concat(s, ", ") .. "]" end
 
 
+-- The stored dtypes load_into reads, each with its (exact) widening to float32.
+local WIDEN = { float32 = function(t) return t end, bfloat16 = core.ops.from_bf16, float16 = core.ops.from_f16 }
+
 --- Loads a model directory's weights into the engine (each rank its shards).
 function M.load_into(engine, dir)
   local o, model_type = M.read_config(dir)
@@ -128,15 +131,16 @@ function M.load_into(engine, dir)
         local h = where[stored]
         if not h then fail(dir, "the weights have no tensor %s (nor %s%s)", part.hf, fam.prefix, part.hf) end
         local info = h.entries[stored]
-        if info.dtype ~= "float32" and info.dtype ~= "bfloat16" then
-          fail(dir, "%s is %s; pipegoose reads float32 or bfloat16 weights (save the model with torch_dtype=float32)",
+        local widen = WIDEN[info.dtype]
+        if not widen then
+          fail(dir, "%s is %s; pipegoose reads float32, bfloat16 or float16 weights (save the model with torch_dtype=float32)",
             stored, info.dtype)
         end
         if shape_text(info.shape) ~= shape_text(part.shape) then
           fail(dir, "%s has shape %s; the config needs %s", stored, shape_text(info.shape), shape_text(part.shape))
         end
         local t = safetensors.read(h, stored)
-        if info.dtype == "bfloat16" then t = core.ops.from_bf16(t) end -- exact: the masters are float32
+        t = widen(t) -- exact: the masters are float32, and every bf16 and f16 value is a float32
         pieces[i] = e.conv1d and t:transpose(1, 2) or t
       end
       local full = #pieces == 1 and pieces[1] or core.cat(pieces, 1)

@@ -510,15 +510,19 @@ KINDS.gelu = { -- elementwise (row-wise): its FLOPs are priced with the Linear b
 -- input of (heads + 2 kv_heads) * head_dim columns. nn.Attention{dim=,
 -- heads=, seq_len=, kv_heads= (default heads: grouped-query when fewer),
 -- head_dim= (default dim/heads), rope_theta= (rotary embeddings on q and k,
--- transformers' rotate_half convention; default none), alibi= (true: ALiBi's
+-- transformers' rotate_half convention; default none), rope_scaling= (their
+-- frequencies scaled: {rope_type = "linear" | "dynamic" | "llama3", factor =, ...},
+-- transformers' keys, models/common.lua's ROPE_TYPES), alibi= (true: ALiBi's
 -- per-head linear biases on the scores, BLOOM's; slopes pg.ops.alibi_slopes(heads),
 -- each tensor rank its heads' slice; excludes rope_theta), name=}. Under tensor
 -- parallelism query and key/value heads are both split over the group:
--- tensor must divide heads and kv_heads (key/value heads are not replicated).
+-- tensor must divide heads, and divide kv_heads or be a multiple of it (then
+-- each rank attends with the one key/value head its query heads use, gathered
+-- by a kv_heads module before the core: kind_kv_heads.c).
 local THETA = opt.number{ gt = 1 }
 
 local ATTENTION = { dim = POS, heads = NEED, seq_len = NEED, kv_heads = POS, head_dim = POS, rope_theta = THETA,
-                    alibi = opt.boolean, name = NAME }
+                    rope_scaling = common.ROPE_SCALING, alibi = opt.boolean, name = NAME }
 
 function nn.Attention(o)
   o = opt.check("Attention", o, ATTENTION)
@@ -528,8 +532,12 @@ function nn.Attention(o)
     error(("Attention: alibi = true and rope_theta=%g exclude each other (ALiBi or rotary embeddings)"):format(
       o.rope_theta), 2)
   end
+  if o.rope_scaling and o.rope_theta == nil then
+    error("Attention: rope_scaling scales rotary embeddings: give rope_theta= too", 2)
+  end
   return spec("attention", { width = o.heads * hd, heads = o.heads, kv_heads = kv, head_dim = hd, max_seq = o.seq_len,
-                             rope_theta = o.rope_theta, alibi = o.alibi or nil, name = o.name, label = "Attention" })
+                             rope_theta = o.rope_theta, rope_scaling = o.rope_scaling, alibi = o.alibi or nil,
+                             name = o.name, label = "Attention" })
 end
 
 KINDS.attention = {
@@ -544,9 +552,14 @@ KINDS.attention = {
     if T > 1 and not (flow.split and flow.blocks == 3) then
       c.fail("needs q|k|v split over tensor=%d block by block (from a column-parallel Linear with blocks = 3)", T)
     end
-    return { kind = "attention", name = c.me, heads = s.heads, kv_heads = s.kv_heads, head_dim = s.head_dim,
-             max_seq = s.max_seq, rope_theta = s.rope_theta, alibi = s.alibi },
-           { width = s.width, split = T > 1 }
+    local d = common.rope_fields(s.rope_scaling, { kind = "attention", name = c.me, heads = s.heads,
+      kv_heads = s.kv_heads, head_dim = s.head_dim, max_seq = s.max_seq, rope_theta = s.rope_theta, alibi = s.alibi })
+    local out = { width = s.width, split = T > 1 }
+    if T <= s.kv_heads then return d, out end
+    -- fewer key/value heads than ranks: each rank's one gathered whole first (kind_kv_heads.c)
+    d.kv_gathered = true
+    return { kind = "sequential", name = c.me, children = {
+      { kind = "kv_heads", name = c.me, heads = s.heads, kv_heads = s.kv_heads, head_dim = s.head_dim }, d } }, out
   end,
   flops = function(s, T) return 2 * T * s.width end, -- QK^T and PV over the causal half
   input_flow = function(s, T)
@@ -635,9 +648,10 @@ end
 
 --- LLaMA's attention: bias-free fused q|k|v (unequal blocks when kv_heads <
 -- heads), rotary embeddings, grouped-query attention, bias-free output.
--- nn.LlamaAttention{dim=, heads=, kv_heads=, head_dim=, seq_len=, rope_theta=10000, init_std=, name=}
+-- nn.LlamaAttention{dim=, heads=, kv_heads=, head_dim=, seq_len=, rope_theta=10000, rope_scaling=, init_std=, name=}
+-- (rope_scaling: transformers' config.json table, models/common.lua's ROPE_TYPES)
 local LLAMA_ATTENTION = { dim = NEED, heads = NEED, kv_heads = POS, head_dim = POS, seq_len = NEED, rope_theta = THETA,
-                          init_std = STD, name = NAME }
+                          rope_scaling = common.ROPE_SCALING, init_std = STD, name = NAME }
 
 function nn.LlamaAttention(o)
   o = opt.check("LlamaAttention", o, LLAMA_ATTENTION)
@@ -647,7 +661,7 @@ function nn.LlamaAttention(o)
     nn.Linear{ ["in"] = o.dim, out = q_w + 2 * kv_w, bias = false, parallel = "column", blocks = 3,
                block_sizes = { q_w, kv_w, kv_w }, init_std = o.init_std, name = "qkv" },
     nn.Attention{ heads = o.heads, kv_heads = kv, head_dim = hd, seq_len = o.seq_len,
-                  rope_theta = o.rope_theta or 10000, name = "core" },
+                  rope_theta = o.rope_theta or 10000, rope_scaling = o.rope_scaling, name = "core" },
     nn.Linear{ ["in"] = q_w, out = o.dim, bias = false, parallel = "row", init_std = o.init_std, name = "proj" },
     name = o.name,
   }

@@ -3,6 +3,8 @@
 --   8 bytes        N, the header's length, unsigned little-endian
 --   N bytes        a JSON object: for every tensor
 --                    "name": {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}
+--                  (dtypes read: F32, BF16, F16 -- float16 tensors, which
+--                  ops.from_f16 widens exactly -- and I32)
 --                  (offsets in bytes from the start of the data), and optionally
 --                  "__metadata__": {string: string}; padded with spaces to a multiple of 8
 --   the data       each tensor's raw little-endian bytes, row-major, in header order,
@@ -27,8 +29,9 @@ local M = {}
 
 local DTYPES = {
   F32 = { name = "float32", size = 4 }, I32 = { name = "int32", size = 4 }, BF16 = { name = "bfloat16", size = 2 },
+  F16 = { name = "float16", size = 2 },
 }
-local CODES = { float32 = "F32", int32 = "I32", bfloat16 = "BF16" }
+local CODES = { float32 = "F32", int32 = "I32", bfloat16 = "BF16", float16 = "F16" }
 M.DTYPES = DTYPES
 
 local MAX_HEADER = 100 * 1024 * 1024

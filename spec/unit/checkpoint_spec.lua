@@ -186,6 +186,12 @@ describe("pg.checkpoint save / load", function()
     assert.equal(prefix .. "heads is nil in the checkpoint, 2 here", load_with(function(c) c.heads = 2 end))
     assert.equal(prefix .. "dim is 4 in the checkpoint, nil here", load_with(function(c) c.dim = nil end))
     assert.is_nil(ckpt.config_difference({ vocab = 256, dim = 4 }, { dim = 4, vocab = 256 }))
+    -- a table field (LLaMA's rope_scaling) by its contents; numbers by value (JSON reads 32 back as 32.0)
+    local rs = { rope_type = "llama3", factor = 8, original_max_position_embeddings = 32 }
+    assert.is_nil(ckpt.config_difference({ rope_scaling = rs }, { rope_scaling = { rope_type = "llama3", factor = 8.0,
+      original_max_position_embeddings = 32.0 } }))
+    assert.equal("rope_scaling is {factor = 8, original_max_position_embeddings = 32, rope_type = llama3} in the "
+      .. "checkpoint, nil here", ckpt.config_difference({ rope_scaling = rs }, {}))
   end)
 
   it("refuses a state file whose checksum differs from the manifest's", function()

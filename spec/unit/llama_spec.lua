@@ -72,13 +72,29 @@ describe("pg.nn.Llama (LlamaForCausalLM) against PyTorch", function()
     assert_losses(run_check(DEEP, 4, { "--pipeline=4", "--virtual-stages=3", "--micro-batches=4" }), DEEP, "P = 4, V = 3")
   end)
 
+  it("matches PyTorch at T = 4 with 2 key/value heads: each replicated over 2 ranks (kind_kv_heads.c)", function()
+    for _, c in ipairs{
+      { 4, { "--tensor=4" } }, { 4, { "--tensor=4", "--recompute=full" } },
+      { 4, { "--tensor=4", "--recompute=selective", "--sequence-parallel" } },
+      { 8, { "--tensor=4", "--pipeline=2", "--micro-batches=2" } },
+    } do
+      assert_losses(run_check(TINY, c[1], c[2]), TINY, "kv_heads = 2, " .. table.concat(c[2], " "))
+    end
+  end)
+
   it("refuses a split the heads do not allow, naming heads or kv_heads", function()
-    local rc, out = h.sh(h.mpirun_cmd(4, check_args(TINY, { "--tensor=4" }), 60))
+    local three = h.tmpfile([[
+      local pg = require "pipegoose"
+      local ctx = pg.ParallelContext{ tensor = 2 }
+      pg.parallelize(pg.nn.Llama{ vocab = 50, dim = 48, layers = 1, heads = 6, kv_heads = 3, hidden = 64, seq_len = 8 }, ctx)
+    ]])
+    local rc, out = h.sh(h.mpirun_cmd(2, { three }, 60))
+    os.remove(three)
     assert.is_not.equal(0, rc)
-    assert.matches("tensor=4 does not divide kv_heads=2 (key/value heads are split over the tensor group, not replicated)",
-      out, 1, true)
-    assert.equal(1, h.count(out, "does not divide kv_heads=2"), "said once for the whole job")
-    assert.equal(1, h.count(out, "[ranks 0-3] "), "by one report for the four ranks")
+    assert.matches("LlamaAttention 'blocks.0.attn': tensor=2 neither divides kv_heads=3 nor is a multiple of it", out, 1,
+      true)
+    assert.equal(1, h.count(out, "neither divides kv_heads=3"), "said once for the whole job")
+    assert.equal(1, h.count(out, "[ranks 0-1] "), "by one report for the two ranks")
     local six = h.tmpfile([[
       local pg = require "pipegoose"
       local ctx = pg.ParallelContext{ tensor = 4 }
@@ -172,7 +188,7 @@ describe("pg.nn.Llama (LlamaForCausalLM) against PyTorch", function()
     for _, c in ipairs{
       { function(cfg) cfg.hidden_act = "gelu" end, "hidden_act gelu is not supported" },
       { function(cfg) cfg.attention_bias = true end, "attention_bias = true is not supported" },
-      { function(cfg) cfg.rope_scaling = { type = "linear", factor = 2 } end, "rope_scaling is not supported" },
+      { function(cfg) cfg.rope_scaling = { type = "yarn", factor = 2 } end, "rope_scaling type yarn is not supported" },
       { function(cfg) cfg.num_key_value_heads = 3 end, "num_key_value_heads 3 does not divide num_attention_heads 4" },
       { function(cfg) cfg.model_type = "mistral" end, "model_type is mistral" },
     } do

@@ -115,7 +115,7 @@ describe("tensors", function()
     assert.has_error(function() a:reshape{ 5 } end, "reshape: 6 elements cannot be viewed as 5 (tensor [2, 3] float32)")
     assert.has_error(function() a:get(3, 1) end, "index 3 out of range for dimension 1 of size 2")
     assert.has_error(function() pg.zeros({ 2 }, { dtype = "float64" }) end,
-      "unknown dtype 'float64' (expected float32, int32 or bfloat16)")
+      "unknown dtype 'float64' (expected float32, int32, bfloat16 or float16)")
     assert.has_error(function() pg.tensor{ { 1, 2 }, { 3 } } end,
       "pg.tensor: ragged table: 1 entries where 2 expected at depth 2")
     assert.has_error(function() pg.zeros{ 2, -1 } end, "shape entry 2 must be a non-negative integer, got -1")

@@ -566,7 +566,7 @@ static void test_rope(selftest *st) {
   float *x0 = h_rand(st, n, -2, 2), *dx0 = h_rand(st, n, -2, 2);
   float *x = h_copy(st, x0, n), *dx = h_copy(st, dx0, n);
   if (!cos_t || !sin_t || !x || !dx) return;
-  pg_rope_table(cos_t, sin_t, max_T, HS, 10000.0);
+  pg_rope_table(cos_t, sin_t, max_T, HS, 10000.0, NULL);
   pg_rope_forward(x, cos_t, sin_t, N, T, heads, HS, ld);
   pg_rope_backward(dx, cos_t, sin_t, N, T, heads, HS, ld);
   float *d_cos = d_floats(st, cos_t, (int64_t)max_T * half), *d_sin = d_floats(st, sin_t, (int64_t)max_T * half);

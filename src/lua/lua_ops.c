@@ -325,6 +325,18 @@ static int l_from_bf16(lua_State *L) {
   return 1;
 }
 
+/* from_f16(x) -> a float32 tensor of a float16 tensor's values (exact). */
+static int l_from_f16(lua_State *L) {
+  pg_tensor *x = pg_lua_check_tensor(L, 1);
+  if (x->dtype != PG_FLOAT16 || x->device != PG_CPU) {
+    char got[128];
+    return luaL_error(L, "ops.from_f16: x: expected a cpu float16 tensor, got %s", pg_tensor_describe(x, got, sizeof got));
+  }
+  pg_tensor *y = pg_lua_new_tensor(L, PG_FLOAT32, x->ndim, x->shape);
+  pg_f16_to_f32(pg_tensor_f32(y), pg_tensor_data(x), x->numel);
+  return 1;
+}
+
 /* bf16_gemm_path([name]) -> path, why. With name ("auto", "onednn", "fallback") selects the path first. */
 static int l_bf16_gemm_path(lua_State *L) {
   const char *why;
@@ -454,11 +466,38 @@ static int rope_call(lua_State *L, const char *fn, int backward) {
   int B = (int)x->shape[0], T = (int)x->shape[1], HS = (int)(W / heads);
   int64_t table = (int64_t)T * (HS / 2);
   pg_tensor *cos_t = pg_lua_new_tensor(L, PG_FLOAT32, 1, &table), *sin_t = pg_lua_new_tensor(L, PG_FLOAT32, 1, &table);
-  pg_rope_table(pg_tensor_f32(cos_t), pg_tensor_f32(sin_t), T, HS, (double)theta);
+  pg_rope_table(pg_tensor_f32(cos_t), pg_tensor_f32(sin_t), T, HS, (double)theta, NULL);
   pg_tensor *y = pg_lua_new_tensor(L, PG_FLOAT32, 3, x->shape);
   memcpy(pg_tensor_f32(y), pg_tensor_f32(x), (size_t)x->numel * sizeof(float));
   (backward ? pg_rope_backward : pg_rope_forward)(pg_tensor_f32(y), pg_tensor_f32(cos_t), pg_tensor_f32(sin_t), B * T,
                                                   T, heads, HS, (int)W);
+  return 1;
+}
+
+/* rope_inv_freq(head_dim, theta [, {rope_type=, rope_factor=, rope_low_freq_factor=, rope_high_freq_factor=,
+ * rope_original_max=}]) -> float32 [head_dim / 2]: the frequencies of the attention's tables (pg_rope_inv_freq),
+ * the scaling given as the attention descriptor's fields (models/common.lua's rope_fields) */
+static int l_rope_inv_freq(lua_State *L) {
+  const char *fn = "ops.rope_inv_freq";
+  int HS = int_arg(L, 1, fn, "head_dim", 2, 0, 0);
+  lua_Number theta = luaL_checknumber(L, 2);
+  if (HS % 2) return luaL_error(L, "%s: head_dim must be even, got %d", fn, HS);
+  if (!(theta > 1)) return luaL_error(L, "%s: theta must be > 1, got %f", fn, (double)theta);
+  pg_rope_scaling sc = {.type = PG_ROPE_PLAIN};
+  if (!lua_isnoneornil(L, 3)) {
+    luaL_checktype(L, 3, LUA_TTABLE);
+    const char *type = (lua_getfield(L, 3, "rope_type"), luaL_optstring(L, -1, "default"));
+    int k = pg_rope_type_of(type);
+    if (k < 0) return luaL_error(L, "%s: unknown rope_scaling type '%s'", fn, type);
+    sc.type = (pg_rope_type)k;
+    static const char *const keys[] = {"rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                                       "rope_original_max"};
+    double *fields[] = {&sc.factor, &sc.low_freq_factor, &sc.high_freq_factor, &sc.original_max};
+    for (int i = 0; i < 4; i++) *fields[i] = (lua_getfield(L, 3, keys[i]), luaL_optnumber(L, -1, 0));
+  }
+  int64_t half = HS / 2;
+  pg_tensor *out = pg_lua_new_tensor(L, PG_FLOAT32, 1, &half);
+  pg_rope_inv_freq(pg_tensor_f32(out), HS, (double)theta, &sc);
   return 1;
 }
 
@@ -788,12 +827,14 @@ static const luaL_Reg ops_functions[] = {
     {"bf16_round", l_bf16_round},
     {"to_bf16", l_to_bf16},
     {"from_bf16", l_from_bf16},
+    {"from_f16", l_from_f16},
     {"bf16_gemm_path", l_bf16_gemm_path},
     {"attention", l_attention},
     {"attention_backward", l_attention_backward},
     {"alibi_slopes", l_alibi_slopes},
     {"rope", l_rope},
     {"rope_backward", l_rope_backward},
+    {"rope_inv_freq", l_rope_inv_freq},
     {"rmsnorm", l_rmsnorm},
     {"rmsnorm_backward", l_rmsnorm_backward},
     {"swiglu", l_swiglu},

@@ -64,7 +64,7 @@ static int attention_alloc(pg_module *m, int nslots, int max_rows) {
     m->saved_bytes_per_slot += rot * sizeof(float);
     float *host = malloc(2 * table * sizeof(float));
     if (!host) return pg_fail("out of memory");
-    pg_rope_table(host, host + table, s->max_seq, s->o.head_dim, s->o.rope_theta);
+    pg_rope_table(host, host + table, s->max_seq, s->o.head_dim, s->o.rope_theta, &s->o.rope_scaling);
     int rc = KERNEL(m, copy, s->cos_t, host, table * sizeof(float), PG_COPY_HOST_TO_DEVICE) ||
              KERNEL(m, copy, s->sin_t, host + table, table * sizeof(float), PG_COPY_HOST_TO_DEVICE);
     free(host);
@@ -172,25 +172,49 @@ pg_module *pg_attention_new(pg_context *ctx, const char *name, const pg_attentio
   if (H < 1 || hd < 1) return pg_fail_null("%s: attention needs positive heads and head_dim (%d, %d)", name, H, hd);
   if (H % KV) return pg_fail_null("%s: kv_heads=%d does not divide heads=%d", name, KV, H);
   if (H % T) return pg_fail_null("%s: tensor=%d does not divide heads=%d", name, T, H);
-  /* Key/value heads are split over the tensor group, never replicated. */
-  if (KV % T)
-    return pg_fail_null("%s: tensor=%d does not divide kv_heads=%d (key/value heads are split over the tensor group, "
-                        "not replicated)", name, T, KV);
+  /* Key/value heads are split over the tensor group; when fewer than its ranks, each rank's one comes whole
+   * from a kv_heads module before this one (kind_kv_heads.c) */
+  if (o->kv_gathered ? T % KV || KV >= T : KV % T)
+    return pg_fail_null(o->kv_gathered ? "%s: gathered key/value heads need tensor=%d a multiple of kv_heads=%d above it"
+                                       : "%s: tensor=%d does not divide kv_heads=%d (a kv_heads module gathers the "
+                                         "heads when tensor is a multiple of kv_heads)",
+                        name, T, KV);
   if (o->max_seq < 1) return pg_fail_null("%s: attention needs a positive maximum sequence length, not %d", name, o->max_seq);
   if (o->rope_theta > 0 && hd % 2) return pg_fail_null("%s: rotary embeddings need an even head_dim, not %d", name, hd);
   if (o->alibi && o->rope_theta > 0)
     return pg_fail_null("%s: ALiBi and rotary embeddings (rope_theta=%g) exclude each other: give one", name,
                         o->rope_theta);
   if ((int64_t)(H + 2 * KV) * hd > INT32_MAX / 2) return pg_fail_null("%s: attention width overflows", name);
-  pg_module *m = module_new(&pg_kind_attention, ctx, name, (H + 2 * KV) / T * hd, H / T * hd, sizeof(attention_state));
+  int kv_l = o->kv_gathered ? 1 : KV / T;
+  pg_module *m = module_new(&pg_kind_attention, ctx, name, (H / T + 2 * kv_l) * hd, H / T * hd, sizeof(attention_state));
   if (!m) return NULL;
   attention_state *s = m->state;
   s->o = *o;
   s->o.kv_heads = KV;
   s->heads_l = H / T;
-  s->kv_l = KV / T;
+  s->kv_l = kv_l;
   s->max_seq = o->max_seq;
   return m;
+}
+
+/* rope_type (a rope_scaling type name, default plain) and its numbers: rope_factor, rope_low_freq_factor,
+ * rope_high_freq_factor, rope_original_max (models/common.lua's rope_scaling checks them for the user) */
+static int rope_scaling_of(const char *name, const pg_desc *d, pg_rope_scaling *out) {
+  const char *type = d->ops->string(d, "rope_type", "default");
+  int k = pg_rope_type_of(type);
+  if (k < 0) return pg_fail("%s: rope_scaling type '%s' is not one pipegoose computes", name, type);
+  *out = (pg_rope_scaling){.type = (pg_rope_type)k, .factor = d->ops->number(d, "rope_factor", 1),
+                           .low_freq_factor = d->ops->number(d, "rope_low_freq_factor", 0),
+                           .high_freq_factor = d->ops->number(d, "rope_high_freq_factor", 0),
+                           .original_max = d->ops->number(d, "rope_original_max", 0)};
+  if (k != PG_ROPE_PLAIN && !(out->factor > 0))
+    return pg_fail("%s: rope_scaling factor must be positive, not %g", name, out->factor);
+  if (k == PG_ROPE_LLAMA3 && !(out->low_freq_factor > 0 && out->high_freq_factor > out->low_freq_factor &&
+                               out->original_max > 0))
+    return pg_fail("%s: llama3 rope_scaling needs 0 < low_freq_factor < high_freq_factor and a positive "
+                   "original_max_position_embeddings (%g, %g, %g)", name, out->low_freq_factor,
+                   out->high_freq_factor, out->original_max);
+  return PG_OK;
 }
 
 static pg_module *build_attention(pg_context *ctx, const char *name, const pg_desc *d, pg_module_env *env) {
@@ -199,7 +223,9 @@ static pg_module *build_attention(pg_context *ctx, const char *name, const pg_de
   pg_attention_opts o = {.heads = DESC_INT(d, "heads", 0), .kv_heads = DESC_INT(d, "kv_heads", 0),
                          .head_dim = DESC_INT(d, "head_dim", 0), .max_seq = DESC_INT(d, "max_seq", 0),
                          .rope_theta = d->ops->number(d, "rope_theta", 0), .alibi = d->ops->boolean(d, "alibi", 0),
-                         .recompute = d->ops->boolean(d, "recompute", 0)};
+                         .recompute = d->ops->boolean(d, "recompute", 0),
+                         .kv_gathered = d->ops->boolean(d, "kv_gathered", 0)};
+  if (rope_scaling_of(name, d, &o.rope_scaling)) return NULL;
   return bad ? NULL : pg_attention_new(ctx, name, &o);
 }
 

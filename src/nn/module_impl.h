@@ -79,7 +79,7 @@ struct pg_module_kind {
 
 extern const pg_module_kind pg_kind_linear, pg_kind_layernorm, pg_kind_rmsnorm, pg_kind_gelu, pg_kind_swiglu,
     pg_kind_attention, pg_kind_moe, pg_kind_embedding, pg_kind_lm_head, pg_kind_sequential, pg_kind_residual,
-    pg_kind_recompute, pg_kind_sp_gather, pg_kind_sp_scatter, pg_kind_custom, pg_kind_objective;
+    pg_kind_recompute, pg_kind_sp_gather, pg_kind_sp_scatter, pg_kind_custom, pg_kind_objective, pg_kind_kv_heads;
 
 /* m's role under sequence parallelism (its mode's, for a kind with modes). */
 static inline pg_sp_role kind_sp_role(const pg_module *m) {

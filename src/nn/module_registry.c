@@ -13,7 +13,7 @@ static const pg_module_kind *const kinds[] = {
     &pg_kind_sequential, &pg_kind_residual,   &pg_kind_recompute, &pg_kind_linear,    &pg_kind_layernorm,
     &pg_kind_rmsnorm,    &pg_kind_gelu,       &pg_kind_swiglu,    &pg_kind_attention, &pg_kind_embedding,
     &pg_kind_lm_head,    &pg_kind_moe,        &pg_kind_sp_gather, &pg_kind_sp_scatter, &pg_kind_custom,
-    &pg_kind_objective,
+    &pg_kind_objective,  &pg_kind_kv_heads,
 };
 #define NKINDS ((int)(sizeof kinds / sizeof kinds[0]))
 

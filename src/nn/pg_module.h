@@ -28,6 +28,7 @@
 
 #include <stdint.h>
 
+#include "kernels.h" /* pg_rope_scaling */
 #include "pg_backend.h"
 #include "pg_context.h"
 
@@ -183,14 +184,22 @@ typedef struct pg_attention_opts {
   int head_dim;
   int max_seq;
   double rope_theta;   /* > 0: rotary position embeddings on q and k (rotate_half); 0: none */
+  pg_rope_scaling rope_scaling; /* with rope_theta: the frequencies' scaling (zeroed: plain) */
   int alibi;           /* 1: ALiBi biases on the scores (BLOOM; pg_alibi_slopes of `heads`, this rank's slice);
                           excludes rope_theta */
   int recompute;       /* 1: keep the probabilities of one micro-batch only and recompute them in
                           backward (selective recomputation, Korthikanti et al. 2022) */
+  int kv_gathered;     /* 1: tensor > kv_heads, the input is pg_kv_heads_new's (this rank's query heads and the
+                          one key/value head they use); 0: heads and kv_heads both split over the tensor group */
 } pg_attention_opts;
 /* Causal self-attention core on a split q|k|v input (heads/T query and
- * kv_heads/T key/value heads per rank: both must divide by T). */
+ * kv_heads/T key/value heads per rank: both must divide by T; or with
+ * kv_gathered heads/T and one). */
 pg_module *pg_attention_new(pg_context *ctx, const char *name, const pg_attention_opts *o);
+/* Between a column-parallel q|k|v and the attention core when tensor = T > kv_heads (T a multiple of kv_heads,
+ * dividing heads): gathers the key/value head this rank's query heads use from the ranks that hold its pieces
+ * (kind_kv_heads.c). */
+pg_module *pg_kv_heads_new(pg_context *ctx, const char *name, int heads, int kv_heads, int head_dim);
 /* Token (+ position, if positions > 0) embedding, vocab-parallel over the tensor group. */
 pg_module *pg_embedding_new(pg_context *ctx, const char *name, int vocab, int padded_vocab, int width, int positions,
                             float init_std);

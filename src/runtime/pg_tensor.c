@@ -13,7 +13,7 @@
 #include "pg_error.h"
 #include "pg_size.h"
 
-size_t pg_dtype_size(pg_dtype d) { return d == PG_BFLOAT16 ? 2 : d == PG_FLOAT64 || d == PG_INT64 ? 8 : 4; }
+size_t pg_dtype_size(pg_dtype d) { return d == PG_BFLOAT16 || d == PG_FLOAT16 ? 2 : d == PG_FLOAT64 || d == PG_INT64 ? 8 : 4; }
 
 const char *pg_dtype_name(pg_dtype d) {
   switch (d) {
@@ -22,6 +22,7 @@ const char *pg_dtype_name(pg_dtype d) {
   case PG_BFLOAT16: return "bfloat16";
   case PG_FLOAT64: return "float64";
   case PG_INT64: return "int64";
+  case PG_FLOAT16: return "float16";
   }
   return "?";
 }
@@ -30,7 +31,8 @@ int pg_dtype_from_name(const char *name, pg_dtype *out) {
   if (!strcmp(name, "float32") || !strcmp(name, "float")) *out = PG_FLOAT32;
   else if (!strcmp(name, "int32") || !strcmp(name, "int")) *out = PG_INT32;
   else if (!strcmp(name, "bfloat16")) *out = PG_BFLOAT16;
-  else return pg_fail("unknown dtype '%s' (expected float32, int32 or bfloat16)", name);
+  else if (!strcmp(name, "float16")) *out = PG_FLOAT16;
+  else return pg_fail("unknown dtype '%s' (expected float32, int32, bfloat16 or float16)", name);
   return PG_OK;
 }
 
@@ -692,6 +694,7 @@ int pg_tensor_unary(pg_tensor *out, const pg_tensor *t, pg_unop op, double arg) 
 double pg_tensor_get_flat(const pg_tensor *t, int64_t i) {
   if (t->dtype == PG_INT32) return pg_tensor_i32(t)[i];
   if (t->dtype == PG_FLOAT32) return pg_tensor_f32(t)[i];
+  if (t->dtype == PG_FLOAT16) return pg_f16_value(((const uint16_t *)pg_tensor_data(t))[i]);
   return pg_bf16_value(((const uint16_t *)pg_tensor_data(t))[i]);
 }
 
@@ -714,6 +717,7 @@ int pg_dtype_check_value(pg_dtype d, double v) {
 void pg_tensor_set_flat(pg_tensor *t, int64_t i, double v) {
   if (t->dtype == PG_INT32) pg_tensor_i32(t)[i] = i32_from_double(v);
   else if (t->dtype == PG_FLOAT32) pg_tensor_f32(t)[i] = (float)v;
+  else if (t->dtype == PG_FLOAT16) ((uint16_t *)pg_tensor_data(t))[i] = pg_f16_round((float)v);
   else {
     ((uint16_t *)pg_tensor_data(t))[i] = pg_bf16_round((float)v);
   }

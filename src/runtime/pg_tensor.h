@@ -17,7 +17,8 @@
 /* Tensors are float32, int32 or bfloat16. float64 and int64 are the runtime's
  * scalars in collectives (loss, gradient norm, parameter counts): no tensor
  * has them, and no dtype name parses to them. */
-typedef enum { PG_FLOAT32 = 0, PG_INT32 = 1, PG_BFLOAT16 = 2, PG_FLOAT64 = 3, PG_INT64 = 4 } pg_dtype;
+/* PG_FLOAT16 (IEEE binary16) is a storage type only: safetensors files hold it, ops.from_f16 widens it. */
+typedef enum { PG_FLOAT32 = 0, PG_INT32 = 1, PG_BFLOAT16 = 2, PG_FLOAT64 = 3, PG_INT64 = 4, PG_FLOAT16 = 5 } pg_dtype;
 typedef enum { PG_CPU = 0, PG_CUDA = 1 } pg_device;
 
 #define PG_MAX_DIMS 8

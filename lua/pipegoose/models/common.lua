@@ -65,16 +65,94 @@ function C.attention(o, fail, names, rope)
 end
 
 --- Whether tensor parallelism of size T can split an attention's heads:
--- nil, or the message (query and key/value heads are both split over the
--- tensor group; key/value heads are not replicated). pg.nn's attention
--- modules and the planner's enumeration ask this; the C runtime
--- (kind_attention.c) guards its own inputs again.
+-- nil, or the message. Query heads are split over the tensor group; so are
+-- key/value heads when T divides them, and when there are fewer of them T
+-- must be a multiple of kv_heads: each rank then attends with the one
+-- key/value head its query heads use, gathered from the ranks holding its
+-- pieces (nn.Attention's kv_heads module, kind_kv_heads.c). pg.nn's
+-- attention modules and the planner's enumeration ask this; the C runtime
+-- (kind_attention.c, kind_kv_heads.c) guards its own inputs again.
 function C.tensor_heads(T, heads, kv_heads)
   if heads % T ~= 0 then return ("tensor=%d does not divide heads=%d"):format(T, heads) end
-  if kv_heads % T ~= 0 then
-    return ("tensor=%d does not divide kv_heads=%d (key/value heads are split over the tensor group, not replicated)")
-      :format(T, kv_heads)
+  if kv_heads % T ~= 0 and T % kv_heads ~= 0 then
+    return ("tensor=%d neither divides kv_heads=%d nor is a multiple of it (key/value heads are split over the "
+      .. "tensor group, or each replicated over tensor / kv_heads ranks)"):format(T, kv_heads)
   end
+end
+
+---------------------------------------------------------------- rotary scaling, the one place of its rules
+
+-- The rope_scaling types pipegoose computes (transformers 4.45.2's
+-- modeling_rope_utils.py; the arithmetic is kernels/cpu/rope.c's
+-- pg_rope_inv_freq): the keys each needs (true) or accepts (false), as
+-- transformers' _validate_* functions list them. "dynamic" rescales only
+-- sequences longer than max_position_embeddings (seq_len), which pipegoose
+-- never runs: at every length it trains its frequencies are the plain ones.
+C.ROPE_TYPES = {
+  default = {},
+  linear = { factor = true },
+  dynamic = { factor = true, original_max_position_embeddings = false },
+  llama3 = { factor = true, low_freq_factor = true, high_freq_factor = true, original_max_position_embeddings = true },
+}
+
+--- Checks a rope_scaling table (transformers' keys: rope_type, or the older
+-- type, and the type's numbers; a JSON null reads as absent): nil and a copy,
+-- or the message (without the field's name).
+function C.rope_scaling_problem(v)
+  if type(v) ~= "table" then return ("must be a table {rope_type = ..., factor = ...}, got %s"):format(tostring(v)) end
+  local rt, ty = C.value(v.rope_type), C.value(v.type)
+  if rt ~= nil and ty ~= nil and rt ~= ty then
+    return ("has rope_type %s and type %s (the same field, old and new names): give one"):format(tostring(rt), tostring(ty))
+  end
+  local name = rt or ty
+  local keys = C.ROPE_TYPES[name]
+  if not keys then
+    return ("type %s is not supported (pipegoose computes default, dynamic, linear and llama3)"):format(tostring(name))
+  end
+  local copy = {}
+  for k, x in pairs(v) do
+    if k ~= "rope_type" and k ~= "type" and keys[k] == nil then
+      return ("%s: %s is not a field of this type"):format(name, tostring(k))
+    end
+    copy[k] = C.value(x)
+  end
+  for k, needed in pairs(keys) do
+    local x = C.value(v[k])
+    if x == nil and needed then return ("%s needs %s"):format(name, k) end
+    if x ~= nil and (type(x) ~= "number" or not (x > 0 and x < math.huge)) then
+      return ("%s: %s must be a positive number, got %s"):format(name, k, tostring(x))
+    end
+    copy[k] = x
+  end
+  if name == "llama3" then
+    if not (v.high_freq_factor > v.low_freq_factor) then
+      return ("llama3: high_freq_factor (%s) must exceed low_freq_factor (%s)"):format(v.high_freq_factor, v.low_freq_factor)
+    end
+    if math.tointeger(v.original_max_position_embeddings) == nil then
+      return ("llama3: original_max_position_embeddings must be an integer, got %s"):format(v.original_max_position_embeddings)
+    end
+  end
+  return nil, copy
+end
+
+-- The option kind of rope_scaling= (pg.nn.Llama, LlamaBlock, LlamaAttention, Attention)
+C.ROPE_SCALING = opt.validator("a rope_scaling table {rope_type = \"linear\" | \"dynamic\" | \"llama3\", factor = ...}",
+  function(v)
+    local msg, copy = C.rope_scaling_problem(v)
+    if msg then return false, "a rope_scaling table: " .. msg end
+    return true, copy
+  end)
+
+--- The attention descriptor's fields of a (checked) rope_scaling table: what
+-- kind_attention.c reads (rope_type, rope_factor, ...); none for nil.
+function C.rope_fields(rs, into)
+  into = into or {}
+  if rs then
+    into.rope_type = rs.rope_type or rs.type
+    into.rope_factor, into.rope_low_freq_factor = rs.factor, rs.low_freq_factor
+    into.rope_high_freq_factor, into.rope_original_max = rs.high_freq_factor, rs.original_max_position_embeddings
+  end
+  return into
 end
 
 --- A fail function for C.attention that raises "where: message" at `level`

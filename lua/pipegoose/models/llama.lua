@@ -17,10 +17,13 @@ local value, positive_int, number, fail, entry = common.value, common.positive_i
 -- attention with rotary embeddings, SwiGLU MLP, no biases), ln_f (RMSNorm),
 -- head (untied unless tie = true). Options: vocab, dim, layers, heads,
 -- kv_heads (default heads), hidden, seq_len, rope_theta (10000), eps (1e-5),
--- tie (false), padded_vocab, head_dim (dim / heads). Init as transformers':
+-- tie (false), padded_vocab, head_dim (dim / heads), rope_scaling (none;
+-- transformers' table: {rope_type = "linear" | "dynamic" | "llama3", factor =,
+-- ...}, models/common.lua's ROPE_TYPES). Init as transformers':
 -- N(0, 0.02) for every matrix, norm weights 1.
 F.schema = { vocab = NEED, padded_vocab = POS, seq_len = NEED, dim = NEED, heads = NEED, kv_heads = POS,
              head_dim = POS, layers = NEED, hidden = NEED, rope_theta = opt.number{ gt = 1, default = 10000 },
+             rope_scaling = common.ROPE_SCALING,
              eps = EPS, tie = opt.boolean{ default = false }, arch = opt.enum{ F.name }, head = HEAD }
 
 local nn -- pg.nn, given by F.install (nn.lua installs every family as it loads)
@@ -39,7 +42,7 @@ local function decoder(o, moe)
   model:add(nn.Embedding{ vocab = o.vocab, padded_vocab = padded, dim = o.dim, name = "embed" })
   for i = 0, o.layers - 1 do
     local b = { dim = o.dim, heads = o.heads, kv_heads = kv, head_dim = hd, hidden = o.hidden, seq_len = o.seq_len,
-                rope_theta = theta, eps = eps, name = "blocks." .. i }
+                rope_theta = theta, rope_scaling = o.rope_scaling, eps = eps, name = "blocks." .. i }
     if moe then
       for _, k in ipairs(moe.block_options) do b[k] = o[k] end
       model:add(moe.block(b))
@@ -51,7 +54,7 @@ local function decoder(o, moe)
   model.label = where
   model.config = { arch = moe and moe.name or F.name, vocab = o.vocab, padded_vocab = padded, seq_len = o.seq_len,
                    dim = o.dim, heads = o.heads, kv_heads = kv, head_dim = hd, layers = o.layers, hidden = o.hidden,
-                   rope_theta = theta, eps = eps, tie = tie }
+                   rope_theta = theta, rope_scaling = o.rope_scaling, eps = eps, tie = tie }
   if moe then
     for _, k in ipairs(moe.config_options) do model.config[k] = o[k] end
   end
@@ -72,14 +75,15 @@ function F.install(pgnn)
 
   --- Pre-RMSNorm LLaMA block: x + attn(ln1(x)), then x + mlp(ln2(x)).
   local LLAMA_BLOCK = { dim = NEED, heads = NEED, kv_heads = POS, head_dim = POS, seq_len = NEED, hidden = NEED,
-                        rope_theta = THETA, eps = EPS, name = NAME }
+                        rope_theta = THETA, rope_scaling = common.ROPE_SCALING, eps = EPS, name = NAME }
 
   function nn.LlamaBlock(o)
     o = opt.check("LlamaBlock", o, LLAMA_BLOCK)
     local s = nn.Sequential{
       nn.PreNorm(nn.RMSNorm{ dim = o.dim, eps = o.eps, name = "ln1" },
         nn.LlamaAttention{ dim = o.dim, heads = o.heads, kv_heads = o.kv_heads, head_dim = o.head_dim,
-                           seq_len = o.seq_len, rope_theta = o.rope_theta, name = "attn" }),
+                           seq_len = o.seq_len, rope_theta = o.rope_theta, rope_scaling = o.rope_scaling,
+                           name = "attn" }),
       nn.PreNorm(nn.RMSNorm{ dim = o.dim, eps = o.eps, name = "ln2" }, nn.SwiGLU{ dim = o.dim, hidden = o.hidden, name = "mlp" }),
       name = o.name,
     }
@@ -107,7 +111,7 @@ F.hf.size_fields = { "num_hidden_layers", "hidden_size", "num_attention_heads", 
                      "max_position_embeddings" }
 
 -- LlamaConfig's defaults of the fields options() reads (num_key_value_heads:
--- num_attention_heads; head_dim: hidden_size / num_attention_heads; rope_scaling: none)
+-- num_attention_heads; head_dim: hidden_size / num_attention_heads; rope_scaling: none, read by options())
 F.hf.defaults = {
   vocab_size = 32000, max_position_embeddings = 2048, hidden_size = 4096, intermediate_size = 11008,
   num_hidden_layers = 32, num_attention_heads = 32, hidden_act = "silu", rms_norm_eps = 1e-6,
@@ -122,10 +126,13 @@ function F.hf.options(dir, cfg)
   for _, k in ipairs{ "attention_bias", "mlp_bias" } do
     if value(cfg[k]) then fail(dir, "config.json: %s = true is not supported (pipegoose's Llama has no biases)", k) end
   end
+  local o = F.hf.sizes(dir, cfg)
   if value(cfg.rope_scaling) ~= nil then
-    fail(dir, "config.json: rope_scaling is not supported (pipegoose applies plain rotary embeddings)")
+    local msg, rs = common.rope_scaling_problem(cfg.rope_scaling)
+    if msg then fail(dir, "config.json: rope_scaling %s", msg) end
+    o.rope_scaling = rs
   end
-  return F.hf.sizes(dir, cfg)
+  return o
 end
 
 --- The sizes of a LLaMA-shaped config (Mixtral's too): the options but for
@@ -174,7 +181,7 @@ function F.hf.config(cfg)
     max_position_embeddings = cfg.seq_len, hidden_size = cfg.dim, intermediate_size = cfg.hidden,
     num_hidden_layers = cfg.layers, num_attention_heads = cfg.heads, num_key_value_heads = cfg.kv_heads,
     head_dim = cfg.head_dim, hidden_act = "silu", rms_norm_eps = cfg.eps, rope_theta = cfg.rope_theta,
-    rope_scaling = common.null, attention_bias = false, attention_dropout = 0.0, mlp_bias = false,
+    rope_scaling = cfg.rope_scaling or common.null, attention_bias = false, attention_dropout = 0.0, mlp_bias = false,
     initializer_range = common.INIT_STD, pretraining_tp = 1, use_cache = true, tie_word_embeddings = cfg.tie == true,
     torch_dtype = "float32", bos_token_id = cfg.vocab - 1, eos_token_id = cfg.vocab - 1,
   }

@@ -35,6 +35,7 @@ function F.install(pgnn)
   -- Mixtral: LLaMA's options and the MoE's (hidden is each expert's).
   F.schema = common.copy(llama.schema)
   F.schema.arch = opt.enum{ F.name }
+  F.schema.rope_scaling = nil -- MixtralForCausalLM's rotary embeddings are plain (transformers 4.45.2)
   for _, k in ipairs(F.block_options) do F.schema[k] = MOE[k] end
 
   --- Mixtral's block: LLaMA's attention, then the sparse MoE feed-forward:
@@ -97,6 +98,10 @@ F.hf.defaults = {
 -- the load-balancing loss to the training loss only when output_router_logits
 -- is true: aux_loss_coef is router_aux_loss_coef then, else 0.
 function F.hf.options(dir, cfg)
+  if value(cfg.rope_scaling) ~= nil then -- transformers' Mixtral ignores it: its rotary embeddings are plain
+    fail(dir, "config.json: rope_scaling is not supported for MixtralForCausalLM (transformers applies plain rotary "
+      .. "embeddings to it)")
+  end
   local o = llama.hf.options(dir, cfg)
   local window = value(cfg.sliding_window)
   if window ~= nil and window < o.seq_len then

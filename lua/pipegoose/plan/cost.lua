@@ -23,7 +23,9 @@
 --                    reduce-scatter: the same bytes on the wire). Ring cost:
 --                    2(T-1)/T * bytes / bandwidth + 2(T-1) * latency, at
 --                    intra-node bandwidth (T stays within a node). Not
---                    overlapped with compute.
+--                    overlapped with compute. With fewer key/value heads
+--                    than T, an all-gather of every head's k|v (b*s*2*kv
+--                    elements) forward and its reduce-scatter backward.
 --   kernel overhead  hw.kernel_overhead per kernel launched (small layers)
 --   recomputation    full: the backward first repeats the whole forward
 --                    (its products, memory traffic and its 2 all-reduces);
@@ -132,6 +134,10 @@ function M.layer_costs(s, L, hw, o)
   local ar = M.ring_all_reduce(tokens * h * e, T, hw.intra, hw.link_efficiency)
   local fwd = { compute = gemm + mem_f + kernels * launch, tp = 2 * ar }
   local bwd = { compute = 2 * (gemm + mem_f + kernels * launch), tp = 2 * ar }
+  if T > (s.kv_heads or s.heads) then -- fewer key/value heads than ranks (kind_kv_heads.c): every head's k|v all-gathered
+    local kv_gather = ring(tokens * 2 * kv * e, T, hw.intra, hw.link_efficiency, 1) -- forward, reduce-scattered back
+    fwd.tp, bwd.tp = fwd.tp + kv_gather, bwd.tp + kv_gather
+  end
   if L.recompute == "full" then
     bwd.compute = bwd.compute + fwd.compute
     bwd.tp = bwd.tp + fwd.tp

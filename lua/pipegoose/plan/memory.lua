@@ -81,7 +81,10 @@ function M.layer_activation_bytes(s, o)
   local replicated = tokens * h * (4 * e + (dropout and 2 or 0))
   local gated = s.gated_mlp
   local mlp = s.top_k * tokens * s.ffn * ((gated and 2 or 1) + 1) * e
-  local split = tokens * (h + 2 * kv + h) * e + mlp
+  -- fewer key/value heads than ranks: each rank keeps the whole key/value head its query heads use
+  -- (kind_kv_heads.c), 2 * head_dim wide, in place of its 2 * kv / t share
+  local kv_kept = t > (s.kv_heads or s.heads) and 2 * models.head_dim(s) * t or 2 * kv
+  local split = tokens * (h + kv_kept + h) * e + mlp
   local scores = 0
   if o.recompute ~= "selective" and not o.flash_attention then
     scores = s.heads * o.seq * o.seq * o.b * (dropout and (2 * e + 1) or e)
