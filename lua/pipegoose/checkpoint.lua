@@ -305,7 +305,8 @@ function M.config_difference(saved, mine)
   local diffs = {}
   for _, k in ipairs(keys) do
     local a, b = saved[k], mine[k]
-    if type(a) ~= "table" and type(b) ~= "table" and a ~= b then
+    -- hf_config (the config.json a model was imported from) says where it came from, not what it computes
+    if k ~= "hf_config" and type(a) ~= "table" and type(b) ~= "table" and a ~= b then
       diffs[#diffs + 1] = ("%s is %s in the checkpoint, %s here"):format(tostring(k), tostring(a), tostring(b))
     end
   end

@@ -313,6 +313,56 @@ static int l_to_bf16(lua_State *L) {
   return 1;
 }
 
+/* IEEE binary16 bits of a finite float32 whose magnitude rounds below 65520
+ * (the caller checks), rounded to nearest, ties to even. */
+static uint16_t f16_bits(uint32_t x) {
+  uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+  uint32_t a = x & 0x7fffffffu;
+  if (a >= 0x38800000u) { /* 2^-14 and up: a normal binary16 */
+    uint32_t h = (a - 0x38000000u) >> 13, rem = a & 0x1fffu; /* rebias 127 -> 15, keep 10 mantissa bits */
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++; /* a carry moves into the exponent, as it should */
+    return (uint16_t)(sign | h);
+  }
+  uint32_t e = a >> 23;
+  if (e < 102) return sign; /* below 2^-25: rounds to zero (2^-25 itself is the tie, to even: zero) */
+  /* subnormal: a = m * 2^(e - 150), in units of 2^-24 that is m >> (126 - e) */
+  uint32_t m = (a & 0x7fffffu) | 0x800000u, shift = 126 - e; /* shift in [14, 24] */
+  uint32_t h = m >> shift, rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (h & 1u))) h++;
+  return (uint16_t)(sign | h);
+}
+
+/* to_f16_bytes(x [, name]) -> a string of x's values as IEEE binary16,
+ * little-endian (nearest, ties to even): the bytes of a safetensors F16
+ * tensor (pipegoose has no float16 tensors). A NaN, an infinity or a value
+ * that rounds past binary16's largest (65504: |x| >= 65520) is refused,
+ * naming `name` (default "x") and the element. */
+static int l_to_f16_bytes(lua_State *L) {
+  pg_tensor *x = pg_lua_check_tensor(L, 1);
+  const char *name = luaL_optstring(L, 2, "x");
+  if (x->dtype != PG_FLOAT32 || x->device != PG_CPU) {
+    char got[128];
+    return luaL_error(L, "ops.to_f16_bytes: %s: expected a cpu float32 tensor, got %s", name,
+                      pg_tensor_describe(x, got, sizeof got));
+  }
+  if ((uint64_t)x->numel > SIZE_MAX / 2) return luaL_error(L, "ops.to_f16_bytes: %s is too large", name);
+  const float *v = pg_tensor_f32(x);
+  luaL_Buffer b;
+  unsigned char *out = (unsigned char *)luaL_buffinitsize(L, &b, (size_t)x->numel * 2);
+  for (int64_t i = 0; i < x->numel; i++) {
+    uint32_t bits;
+    memcpy(&bits, &v[i], sizeof bits);
+    if ((bits & 0x7fffffffu) >= 0x477ff000u) /* 65520 and up, infinities and NaNs */
+      return luaL_error(L, "%s: element %I is %g, which float16 cannot hold (largest 65504): export it as float32 or "
+                        "bfloat16", name, (lua_Integer)i, (double)v[i]);
+    uint16_t h = f16_bits(bits);
+    out[2 * i] = (unsigned char)(h & 0xffu);
+    out[2 * i + 1] = (unsigned char)(h >> 8);
+  }
+  luaL_pushresultsize(&b, (size_t)x->numel * 2);
+  return 1;
+}
+
 /* from_bf16(x) -> a float32 tensor of a bfloat16 tensor's values (exact). */
 static int l_from_bf16(lua_State *L) {
   pg_tensor *x = pg_lua_check_tensor(L, 1);
@@ -788,6 +838,7 @@ static const luaL_Reg ops_functions[] = {
     {"bf16_round", l_bf16_round},
     {"to_bf16", l_to_bf16},
     {"from_bf16", l_from_bf16},
+    {"to_f16_bytes", l_to_f16_bytes},
     {"bf16_gemm_path", l_bf16_gemm_path},
     {"attention", l_attention},
     {"attention_backward", l_attention_backward},

@@ -211,16 +211,19 @@ function M.export_llmc(dir, out, opts)
 end
 
 --- Writes the checkpoint's weights as a Hugging Face directory
--- (config.json + model.safetensors, lua/pipegoose/hf.lua): GPT2LMHeadModel
--- or LlamaForCausalLM. Returns the class written.
+-- (lua/pipegoose/hf.lua's write_checkpoint: config.json with the imported
+-- fields the manifest's model config keeps, generation_config.json, the
+-- weights, the tokenizer's files when opts.tokenizer names one). opts as
+-- engine:save_hf's (dtype, max_shard_size, tokenizer, overwrite ...). The
+-- export may not replace the checkpoint, a directory above it, or be inside it.
+-- Returns the class written.
 function M.export_hf(dir, out, opts)
-  local dtype = export_dtype(opts)
   local manifest
   dir, manifest = verified(validation.resolve(dir))
   local header_of = header_reader(dir)
   return require("pipegoose.hf").write_checkpoint(manifest.model or {}, out, function(name)
     return full_tensor(dir, manifest, header_of, "params", "", name)
-  end, "checkpoint: " .. dir, dtype)
+  end, "checkpoint: " .. dir, opts, dir)
 end
 
 --- Loads a checkpoint's parameters (not the optimizer or the counters) into
