@@ -352,9 +352,12 @@ static int l_to_f16_bytes(lua_State *L) {
   for (int64_t i = 0; i < x->numel; i++) {
     uint32_t bits;
     memcpy(&bits, &v[i], sizeof bits);
-    if ((bits & 0x7fffffffu) >= 0x477ff000u) /* 65520 and up, infinities and NaNs */
-      return luaL_error(L, "%s: element %I is %g, which float16 cannot hold (largest 65504): export it as float32 or "
-                        "bfloat16", name, (lua_Integer)i, (double)v[i]);
+    if ((bits & 0x7fffffffu) >= 0x477ff000u) { /* 65520 and up, infinities and NaNs */
+      /* no position: the message names the tensor, the caller's line is not what is wrong */
+      lua_pushfstring(L, "%s: element %I is %f, which float16 cannot hold (largest 65504): export it as float32 or "
+                      "bfloat16", name, (lua_Integer)i, (lua_Number)v[i]);
+      return lua_error(L);
+    }
     uint16_t h = f16_bits(bits);
     out[2 * i] = (unsigned char)(h & 0xffu);
     out[2 * i + 1] = (unsigned char)(h >> 8);
