@@ -39,14 +39,17 @@ local tok = pg.tokenizer.train{ files = { o.text }, vocab_size = o.vocab, specia
                                 progress = false }
 local function list(v) return type(v) == "table" and v or v:totable() end -- encode's ids, or a tensor's
 local ids = list(tok:encode_file(o.text))
+-- the vocabulary padded as from_hf pads it (a multiple of 64), so that the re-imported engine has the same
+-- shapes and computes the same way: bit for bit
 local V, T, B = tok:vocab_size(), 32, 4
+local PV = (V + 63) // 64 * 64
 local shapes = {
-  llama = function() return pg.nn.Llama{ vocab = V, dim = 64, heads = 4, kv_heads = 2, layers = 2, hidden = 128,
+  llama = function() return pg.nn.Llama{ vocab = V, padded_vocab = PV, dim = 64, heads = 4, kv_heads = 2, layers = 2, hidden = 128,
                                           seq_len = T } end,
-  mixtral = function() return pg.nn.Mixtral{ vocab = V, dim = 64, heads = 4, kv_heads = 2, layers = 2, hidden = 64,
+  mixtral = function() return pg.nn.Mixtral{ vocab = V, padded_vocab = PV, dim = 64, heads = 4, kv_heads = 2, layers = 2, hidden = 64,
                                               experts = 4, top_k = 2, seq_len = T } end,
-  gpt2 = function() return pg.nn.GPT{ vocab = V, dim = 64, heads = 4, layers = 2, seq_len = T } end,
-  bloom = function() return pg.nn.Bloom{ vocab = V, dim = 64, heads = 4, layers = 2, seq_len = T } end,
+  gpt2 = function() return pg.nn.GPT{ vocab = V, padded_vocab = PV, dim = 64, heads = 4, layers = 2, seq_len = T } end,
+  bloom = function() return pg.nn.Bloom{ vocab = V, padded_vocab = PV, dim = 64, heads = 4, layers = 2, seq_len = T } end,
 }
 local engine = pg.parallelize(assert(shapes[o.family], "unknown --family")(), ctx, { seed = 7 })
 

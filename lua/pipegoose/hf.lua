@@ -317,12 +317,15 @@ local function special_ids(what, o, tok, imported, vocab)
   return out
 end
 
--- config.json: the imported file's fields (unknown ones too), the family's
--- defaults for a model built in pipegoose, then what pipegoose computes.
+-- config.json: the imported file's fields (unknown ones too; an absent one
+-- stays absent: transformers reads it as its default, as the import did) or,
+-- for a model built in pipegoose, the family's defaults; then what pipegoose computes.
 local function config_of(fam, cfg, imported, dtype, ids)
   local computed, fresh = fam.config(cfg)
   local c = {}
-  for k, v in pairs(fresh or {}) do c[k] = v end
+  if next(imported) == nil then
+    for k, v in pairs(fresh or {}) do c[k] = v end
+  end
   for k, v in pairs(imported) do c[k] = v end
   for k, v in pairs(computed) do c[k] = v end
   c.torch_dtype = dtype

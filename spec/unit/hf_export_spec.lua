@@ -309,3 +309,273 @@ describe("engine:save_hf's dtypes: bfloat16 and float16 weights are the masters 
     h.rm(a); h.rm(b)
   end)
 end)
+
+-- the file set and every file's bytes of a directory
+local function snapshot(dir)
+  local out = {}
+  for _, f in ipairs(files(dir)) do out[f] = h.read(dir .. "/" .. f) end
+  return out
+end
+
+-- every parameter's values; the vocabulary's rows only (from_hf pads them to a multiple of 64, pg.nn.Llama{} not)
+local function params_of(e)
+  local out = {}
+  for _, p in ipairs(e:parameters()) do
+    local t = p.tensor
+    if p.name == "embed.wte" or p.name == "head.weight" then t = t:narrow(1, 1, e.config.vocab):clone() end
+    out[p.name] = t:reshape{ t:numel() }:totable() -- compared with ==: the same floats
+  end
+  return out
+end
+
+describe("engine:save_hf's shards and the directory replaced whole", function()
+  it("max_shard_size: transformers' shard names, an index with total_size and every tensor; from_hf reloads it",
+    function()
+    local e = llama()
+    local dir = h.tmpdir()
+    -- the largest tensors (embed_tokens, lm_head: 300 x 16 floats = 19200 bytes) fit; several shards
+    e:save_hf(dir, { max_shard_size = 20000, tokenizer = tok })
+    local names = files(dir)
+    local shards = {}
+    for _, f in ipairs(names) do if f:match("^model%-") then shards[#shards + 1] = f end end
+    assert.is_true(#shards >= 3, table.concat(names, " "))
+    for i, f in ipairs(shards) do assert.equal(("model-%05d-of-%05d.safetensors"):format(i, #shards), f) end
+    assert.is_nil(pg.fs.exists(dir .. "/model.safetensors") and true or nil)
+    local index = read_json(dir .. "/model.safetensors.index.json")
+    local total, mapped = 0, 0
+    for _, f in ipairs(shards) do
+      assert.is_true(#h.read(dir .. "/" .. f) <= 20000 + 4096, f) -- the data under the limit, plus its header
+      for name, t in pairs(raw_tensors(dir .. "/" .. f)) do
+        total = total + #t.bytes
+        assert.equal(f, index.weight_map[name], name)
+        mapped = mapped + 1
+      end
+    end
+    local n = 0
+    for _ in pairs(index.weight_map) do n = n + 1 end
+    assert.equal(n, mapped)
+    assert.equal(total, index.metadata.total_size)
+    local again = pg.parallelize(pg.nn.from_hf(dir), nil, { seed = 77 })
+    assert.same(params_of(e), params_of(again))
+    assert.is_not_nil(again.tokenizer)
+    assert.same(ids_of(tok, TEXT), ids_of(again.tokenizer, TEXT))
+    -- a max_shard_size below one tensor: refused naming it (transformers would write a larger shard than asked)
+    local err = h.err_of(e.save_hf, e, h.tmpdir(), { max_shard_size = "10KB" })
+    assert.matches("model.embed_tokens.weight is 19200 bytes, more than max_shard_size (10000 bytes)", err, 1, true)
+    assert.matches("max_shard_size must be", h.err_of(e.save_hf, e, dir, { max_shard_size = "5 parsecs" }), 1, true)
+    assert.equal(5 * 10 ^ 9, hf.shard_bytes("5GB"))
+    assert.equal(2 * 2 ^ 30, hf.shard_bytes("2GiB"))
+    h.rm(dir)
+  end)
+
+  it("re-saving over a sharded export leaves exactly the new files; from_hf reads the new weights", function()
+    local e = llama()
+    local parent = h.tmpdir()
+    mkdir(parent)
+    local dir = parent .. "/export"
+    e:save_hf(dir, { max_shard_size = 20000 })
+    -- new weights, one file
+    local w = {}
+    for i = 1, 16 do w[i] = i / 8 end
+    e:load_param("ln_f.weight", pg.tensor(w))
+    e:save_hf(dir, { tokenizer = tok })
+    assert.same(HF_SET, files(dir))
+    assert.same({ "export" }, files(parent)) -- nothing left beside it
+    local again = pg.parallelize(pg.nn.from_hf(dir), nil, { seed = 77 })
+    assert.same(params_of(e), params_of(again))
+    assert.same(w, again:parameter("ln_f.weight").tensor:totable())
+    h.rm(parent)
+  end)
+
+  it("a failure while writing leaves the old directory whole, and nothing beside it", function()
+    local e = llama()
+    local parent = h.tmpdir()
+    mkdir(parent)
+    local dir = parent .. "/export"
+    e:save_hf(dir, { max_shard_size = 20000, tokenizer = tok })
+    local before = snapshot(dir)
+    local big = {}
+    for i = 1, 16 do big[i] = i == 16 and 1e6 or 1 end
+    e:load_param("ln_f.weight", pg.tensor(big))
+    -- float16 cannot hold 1e6: the tensors are converted before any file is written
+    assert.matches("model.norm.weight: element 15 is", h.err_of(e.save_hf, e, dir, { dtype = "float16" }), 1, true)
+    assert.same(before, snapshot(dir))
+    assert.same({ "export" }, files(parent))
+    -- a shard limit below a tensor: refused before the swap too
+    h.err_of(e.save_hf, e, dir, { max_shard_size = 1000 })
+    assert.same(before, snapshot(dir))
+    -- a tokenizer that cannot be written (its save fails inside the new directory): the old one stays
+    local broken = setmetatable({ save_pretrained = function() error("disk full (injected)", 0) end },
+      { __index = tok })
+    assert.matches("disk full (injected)", h.err_of(e.save_hf, e, dir, { tokenizer = broken }), 1, true)
+    assert.same(before, snapshot(dir))
+    assert.same({ "export" }, files(parent))
+    h.rm(parent)
+  end)
+
+  it("refuses a directory that is not a Hugging Face one unless overwrite; never the source's parent", function()
+    local e = llama()
+    local dir = h.tmpdir()
+    mkdir(dir)
+    write(dir .. "/notes.txt", "mine")
+    local err = h.err_of(e.save_hf, e, dir)
+    assert.matches("is not empty nor a Hugging Face model directory (it holds notes.txt)", err, 1, true)
+    assert.matches("overwrite = true", err, 1, true)
+    assert.equal("mine", h.read(dir .. "/notes.txt"))
+    e:save_hf(dir, { overwrite = true })
+    assert.same({ "config.json", "generation_config.json", "model.safetensors" }, files(dir))
+    local file = h.tmpdir()
+    write(file, "x")
+    assert.matches("exists and is not a directory", h.err_of(e.save_hf, e, file), 1, true)
+    -- the directory a model was imported from: over itself is fine (its tensors were read when the engine was
+    -- built; the new directory is whole before the swap), a directory above it is not, even with overwrite
+    local parent = h.tmpdir()
+    mkdir(parent)
+    local src = parent .. "/src"
+    llama():save_hf(src, { tokenizer = tok })
+    local imported = pg.parallelize(pg.nn.from_hf(src), nil, {})
+    assert.matches("would remove the model's source " .. src,
+      h.err_of(imported.save_hf, imported, parent, { overwrite = true }), 1, true)
+    imported:save_hf(src, { dtype = "bfloat16" })
+    assert.equal("bfloat16", read_json(src .. "/config.json").torch_dtype)
+    assert.same(HF_SET, files(src)) -- the tokenizer it carried written again without being told
+    h.rm(dir); h.rm(file); h.rm(parent)
+  end)
+end)
+
+describe("pg.nn.from_hf: what transformers' from_pretrained reads", function()
+  it("model.safetensors beside an index: the single file, as transformers", function()
+    local e = llama()
+    local dir = h.tmpdir()
+    e:save_hf(dir, { max_shard_size = 20000 })
+    local other = llama{ rope_theta = 10000 }
+    local w = {}
+    for i = 1, 16 do w[i] = -i end
+    other:load_param("ln_f.weight", pg.tensor(w))
+    local single = h.tmpdir()
+    other:save_hf(single)
+    assert(os.execute(("cp %s/model.safetensors %s/"):format(h.quote(single), h.quote(dir))))
+    local got = pg.parallelize(pg.nn.from_hf(dir), nil, {})
+    assert.same(w, got:parameter("ln_f.weight").tensor:totable())
+    h.rm(dir); h.rm(single)
+  end)
+
+  it("an index's weight_map: not an object, a path outside the directory, a missing shard: refused by name",
+    function()
+    local e = llama()
+    local dir = h.tmpdir()
+    e:save_hf(dir, { max_shard_size = 20000 })
+    local path = dir .. "/model.safetensors.index.json"
+    local index = read_json(path)
+    local function with(map)
+      write(path, cjson.encode{ metadata = index.metadata, weight_map = map })
+      return h.err_of(function() pg.parallelize(pg.nn.from_hf(dir), nil, {}) end)
+    end
+    assert.matches("weight_map is not an object", with("model-00001-of-00002.safetensors"), 1, true)
+    assert.matches("weight_map is not an object", with({ "a", "b" }), 1, true)
+    for _, bad in ipairs{ "../x.safetensors", "/etc/passwd", "sub/x.safetensors", ".." } do
+      local map = {}
+      for k, v in pairs(index.weight_map) do map[k] = v end
+      map["model.norm.weight"] = bad
+      assert.matches(('weight_map["model.norm.weight"] = %s is not a file name in the directory'):format(
+        cjson.encode(bad)), with(map), 1, true)
+    end
+    local map = {}
+    for k, v in pairs(index.weight_map) do map[k] = v end
+    map["model.norm.weight"] = "model-00009-of-00009.safetensors"
+    assert.matches("weight_map puts model.norm.weight in model-00009-of-00009.safetensors, which is missing",
+      with(map), 1, true)
+    h.rm(dir)
+  end)
+
+  it("dropout: refused by name, with how to train without it; ignored, the export writes it back as read", function()
+    local cases = {
+      { FIX .. "hf_gpt2_tiny", { resid_pdrop = 0.1 }, {}, "resid_pdrop = 0.1" },
+      -- absent: GPT2Config's default, 0.1
+      { FIX .. "hf_gpt2_tiny", {}, { "attn_pdrop" }, "attn_pdrop = 0.1" },
+      { FIX .. "hf_llama_tiny", { attention_dropout = 0.05 }, {}, "attention_dropout = 0.05" },
+      { FIX .. "hf_mixtral_tiny", { attention_dropout = 0.2 }, {}, "attention_dropout = 0.2" },
+      { FIX .. "hf_bloom_tiny", { hidden_dropout = 0.1, attention_dropout = 0.1 }, {},
+        "attention_dropout = 0.1, hidden_dropout = 0.1" },
+    }
+    for _, c in ipairs(cases) do
+      local src = variant(c[1], c[2], c[3])
+      local err = h.err_of(pg.nn.from_hf, src)
+      assert.matches("config.json: " .. c[4] .. ": pipegoose has no dropout", err, 1, true)
+      assert.matches('pg.nn.from_hf(dir, { dropout = "ignore" })', err, 1, true)
+      local e = pg.parallelize(pg.nn.from_hf(src, { dropout = "ignore" }), nil, {})
+      local dir = h.tmpdir()
+      e:save_hf(dir)
+      local got, want = read_json(dir .. "/config.json"), read_json(src .. "/config.json")
+      for k, v in pairs(c[2]) do assert.equal(v, got[k], k) end
+      for _, k in ipairs(c[3]) do assert.is_nil(got[k], k) end -- absent stays absent (transformers' default: 0.1)
+      assert.equal(want.vocab_size, got.vocab_size)
+      h.rm(dir); h.rm(src)
+    end
+    assert.matches("dropout must be", h.err_of(pg.nn.from_hf, FIX .. "hf_gpt2_tiny", { dropout = "drop" }), 1, true)
+  end)
+end)
+
+describe("engine:save_llmc refuses what scripts/checkpoint.lua export-llmc refuses (llmc.refusal)", function()
+  local llmc = require "pipegoose.llmc"
+  for _, c in ipairs{
+    { "an MLP not 4 x dim", function() return pg.nn.GPT{ vocab = 64, dim = 16, heads = 2, layers = 1, seq_len = 8,
+                                                         hidden = 48 } end, "the MLP is 48 wide" },
+    { "an untied head", function() return pg.nn.GPT{ vocab = 64, dim = 16, heads = 2, layers = 1, seq_len = 8,
+                                                     tie = false } end, "the head is not tied" },
+    { "a LLaMA", BUILT.llama, "llm.c's format holds GPT-2 models only" },
+  } do
+    it(c[1], function()
+      local e = pg.parallelize(c[2](), nil, {})
+      local why = llmc.refusal(e.config)
+      assert.matches(c[3], why, 1, true)
+      local path = h.tmpdir()
+      assert.matches("save_llmc: " .. why, h.err_of(e.save_llmc, e, path), 1, true)
+      assert.is_false(pg.fs.exists(path))
+      -- export-llmc of a checkpoint of the same model: the same reason
+      local ck = h.tmpdir()
+      pg.Trainer{ engine = e, optimizer = pg.optim.AdamW(e, { lr = 1e-3 }), out = pg.testing.capture() }
+        :save_checkpoint(ck)
+      local rc, text = h.sh(h.pglua_cmd{ "scripts/checkpoint.lua", "export-llmc", ck, path })
+      assert.equal(1, rc, text)
+      assert.matches(why, text, 1, true)
+      h.rm(ck)
+    end)
+  end
+end)
+
+describe("fine-tuning an imported model on text with its own tokenizer", function()
+  it("each step's loss is the original model's, bit for bit (the same weights, the same computation)", function()
+    -- the vocabulary padded as from_hf pads it: the same shapes, so the same computation
+    local original = llama{ padded_vocab = 320 }
+    local dir = h.tmpdir()
+    original:save_hf(dir, { tokenizer = tok })
+    local imported = pg.parallelize(pg.nn.from_hf(dir), nil, { seed = 123 })
+    local ids = ids_of(imported.tokenizer, TEXT)
+    assert.same(ids_of(tok, TEXT), ids)
+    local function batch(k)
+      local xs, ys = {}, {}
+      for b = 1, 2 do
+        local s = (k * 2 + b - 1) * 8
+        xs[b], ys[b] = table.move(ids, s + 1, s + 8, 1, {}), table.move(ids, s + 2, s + 9, 1, {})
+      end
+      return pg.tensor(xs, { dtype = "int32" }), pg.tensor(ys, { dtype = "int32" })
+    end
+    local oa = pg.optim.AdamW(original, { lr = 1e-2 })
+    local ob = pg.optim.AdamW(imported, { lr = 1e-2 })
+    local first
+    for k = 0, 3 do
+      local x, y = batch(k)
+      original:zero_grad()
+      imported:zero_grad()
+      local la, lb = original:forward_backward(x, y), imported:forward_backward(x, y)
+      assert.equal(string.pack("<d", la), string.pack("<d", lb), "step " .. k)
+      first = first or la
+      oa:step()
+      ob:step()
+    end
+    local x, y = batch(0)
+    assert.is_true(imported:loss(x, y) < first) -- and it learnt
+    h.rm(dir)
+  end)
+end)
