@@ -213,6 +213,9 @@ describe("engine:save_hf: the directory transformers' pipeline loads", function(
     assert.equal(0.05, c.initializer_range)
     assert.equal("kept", c.my_field)
     assert.equal("bfloat16", c.torch_dtype)
+    rc, text = h.sh(h.pglua_cmd{ "scripts/checkpoint.lua", "info", ck })
+    assert.equal(0, rc, text)
+    assert.matches("hf_config=<config.json, %d+ bytes>", text)
     -- neither the checkpoint nor a directory inside it
     for _, target in ipairs{ ck, ck .. "/inside" } do
       rc, text = h.sh(h.pglua_cmd{ "scripts/checkpoint.lua", "export-hf", ck, target, "--overwrite" })
@@ -246,6 +249,15 @@ end
 local function f32(x) return string.unpack("<f", string.pack("<f", x)) end
 
 describe("engine:save_hf's dtypes: bfloat16 and float16 weights are the masters rounded to nearest even", function()
+  it("the default: bfloat16 for an engine of precision bf16, float32 else", function()
+    local e = pg.parallelize(BUILT.llama(), nil, { seed = 5, precision = "bf16" })
+    local dir = h.tmpdir()
+    e:save_hf(dir)
+    assert.equal("bfloat16", read_json(dir .. "/config.json").torch_dtype)
+    assert.equal("BF16", raw_tensors(dir .. "/model.safetensors")["model.norm.weight"].dtype)
+    h.rm(dir)
+  end)
+
   it("bfloat16: each value's bits are to_bf16's of the float32 export's; torch_dtype says it", function()
     local e = llama()
     local a, b = h.tmpdir(), h.tmpdir()

@@ -80,7 +80,13 @@ function M.info(dir)
   add("format %s version %d, saved %s", m.format, m.format_version, m.saved_at and os.date("!%Y-%m-%d %H:%M:%S UTC", m.saved_at) or "?")
   add("step %d, epoch %d", m.step or 0, m.epoch or 0)
   if m.counters then add("counters: %s", kv(m.counters)) end
-  if m.model then add("model: %s", kv(m.model)) end
+  if m.model then
+    -- the imported config.json's text (hf_config) is long: its size only
+    local model = {}
+    for k, v in pairs(m.model) do model[k] = v end
+    if type(model.hf_config) == "string" then model.hf_config = ("<config.json, %d bytes>"):format(#model.hf_config) end
+    add("model: %s", kv(model))
+  end
   if m.layout then
     add("layout: %s (%d ranks), micro_batches=%s schedule=%s", describe_layout(m.layout), m.world_size or 0,
       tostring(m.layout.micro_batches), tostring(m.layout.schedule))

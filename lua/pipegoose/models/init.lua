@@ -18,7 +18,11 @@
 --                 absent field with its default; refuses what pipegoose does
 --                 not compute, naming the field), layout(o) -> entries
 --                 (models/common.lua's C.entry: parts, Conv1D, the
---                 permutation hook), config(cfg) -> the config.json written back
+--                 permutation hook), config(cfg) -> the config.json fields
+--                 pipegoose computes (written over an imported file's) and
+--                 the defaults of a model built in pipegoose, dropout: the
+--                 config's dropout fields -> transformers' defaults (the
+--                 import refuses non-zero ones unless dropout = "ignore")
 --   llmc          llm.c's model file mapping (GPT-2 only): refusal(cfg), layout(cfg)
 --   plan          the planner's: features (norm, gated_mlp, activation,
 --                 learned_positions, rope, dropout, biases, tied: the fields
