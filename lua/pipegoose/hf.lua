@@ -472,11 +472,13 @@ function M.check_target(dir, what, overwrite, keep)
   return target
 end
 
--- Writes a complete directory into a fresh sibling, then swaps it in: the
--- old directory is renamed aside, the new one into place, the old removed
--- (the parent fsynced after each rename). A failure before the swap removes
--- the new one and leaves the old whole; a crash between the two renames
--- leaves both whole under the hidden names (.<name>.old-<pid>, .<name>.new-<pid>).
+-- Writes a complete directory into a fresh sibling (.<name>.new-<pid>), then
+-- swaps it in: in one step where the file system can (renameat2's exchange,
+-- core.fs.exchange: a crash leaves the old directory or the new one at dir,
+-- never neither), else by renaming the old aside (.<name>.old-<pid>) and the
+-- new into place (a crash between the two leaves both whole under those
+-- names). Then the old one is removed and the parent fsynced. A failure
+-- before the swap removes the new one and leaves the old whole.
 local function replace_dir(dir, write)
   dir = dir:gsub("/+$", "")
   local parent, base = fs().dirname(dir), fs().basename(dir)
@@ -489,23 +491,32 @@ local function replace_dir(dir, write)
     fs().rm_rf(new)
     error(err, 0)
   end
-  local had = core.fs.exists(dir)
-  if had then
+  if not core.fs.exists(dir) then
+    local r, why = os.rename(new, dir)
+    if not r then
+      fs().rm_rf(new)
+      error(("save_hf: cannot move the new directory into %s (%s)"):format(dir, tostring(why)), 0)
+    end
+  elseif core.fs.exchange(new, dir) then
+    fs().fsync_dir(parent)
+    fs().rm_rf(new) -- the old directory, now
+  else
     if core.fs.exists(old) then fs().rm_rf(old) end
     local r, why = os.rename(dir, old)
     if not r then
       fs().rm_rf(new)
       error(("save_hf: cannot move %s aside (%s)"):format(dir, tostring(why)), 0)
     end
-  end
-  local r, why = os.rename(new, dir)
-  if not r then
-    if had then os.rename(old, dir) end
-    fs().rm_rf(new)
-    error(("save_hf: cannot move the new directory into %s (%s)"):format(dir, tostring(why)), 0)
+    r, why = os.rename(new, dir)
+    if not r then
+      os.rename(old, dir)
+      fs().rm_rf(new)
+      error(("save_hf: cannot move the new directory into %s (%s)"):format(dir, tostring(why)), 0)
+    end
+    fs().fsync_dir(parent)
+    fs().rm_rf(old)
   end
   fs().fsync_dir(parent)
-  if had then fs().rm_rf(old) end
 end
 
 -- Writes the directory's files into tmp: the shards (or model.safetensors),
