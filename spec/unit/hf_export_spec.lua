@@ -155,6 +155,11 @@ describe("engine:save_hf: the directory transformers' pipeline loads", function(
                   temperature = 0.7, transformers_version = hf.TRANSFORMERS_VERSION }, g)
     assert.matches("eos_token_id = 5, but the tokenizer's eos token is id 0",
       h.err_of(e.save_hf, e, dir, { tokenizer = tok, eos_token_id = 5 }), 1, true)
+    -- a Mixtral whose head_dim transformers would not use (it takes hidden_size / heads)
+    local odd = pg.parallelize(pg.nn.Mixtral{ vocab = 64, dim = 16, heads = 2, kv_heads = 1, head_dim = 4, layers = 1,
+      hidden = 16, experts = 2, top_k = 1, seq_len = 8 }, nil, {})
+    assert.matches("the Mixtral's head_dim 4 is not hidden_size / heads = 16 / 2", h.err_of(odd.save_hf, odd,
+      h.tmpdir()), 1, true)
     local small = llama{ vocab = 100 }
     assert.matches("the tokenizer has 300 ids; the model's vocabulary is 100",
       h.err_of(small.save_hf, small, h.tmpdir(), { tokenizer = tok }), 1, true)
@@ -207,8 +212,13 @@ describe("engine:save_hf: the directory transformers' pipeline loads", function(
     local rc, text = h.sh(h.pglua_cmd{ "scripts/checkpoint.lua", "export-hf", ck, out, "--tokenizer=" .. tdir })
     assert.equal(1, rc, text)
     assert.matches("the tokenizer has 257 ids; the model's vocabulary is 61", text, 1, true)
+    rc, text = h.sh(h.pglua_cmd{ "scripts/checkpoint.lua", "export-hf", ck, out, "--f16", "--max-shard-size=9000" })
+    assert.equal(0, rc, text)
+    assert.equal("float16", read_json(out .. "/config.json").torch_dtype)
+    assert.is_not_nil(read_json(out .. "/model.safetensors.index.json").weight_map["model.norm.weight"])
     rc, text = h.sh(h.pglua_cmd{ "scripts/checkpoint.lua", "export-hf", ck, out, "--bf16" })
     assert.equal(0, rc, text)
+    assert.same({ "config.json", "generation_config.json", "model.safetensors" }, files(out)) -- no shard left
     local c = read_json(out .. "/config.json")
     assert.equal(0.05, c.initializer_range)
     assert.equal("kept", c.my_field)

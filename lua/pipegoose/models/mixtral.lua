@@ -145,6 +145,11 @@ function F.hf.config(cfg)
   local c, fresh = llama.hf.config(cfg)
   c.architectures, c.model_type = { F.hf.class }, F.hf.model_type
   c.head_dim, c.mlp_bias, c.attention_bias = nil, nil, nil
+  -- transformers' MixtralAttention (4.45.2) takes hidden_size / num_attention_heads, whatever config.json says
+  if cfg.head_dim ~= nil and cfg.head_dim * cfg.heads ~= cfg.dim then
+    error(("save_hf: the Mixtral's head_dim %d is not hidden_size / heads = %d / %d, which transformers' "
+      .. "MixtralForCausalLM uses"):format(cfg.head_dim, cfg.dim, cfg.heads), 0)
+  end
   fresh.pretraining_tp = nil
   c.num_local_experts, c.num_experts_per_tok = cfg.experts, cfg.top_k
   -- the load-balancing loss: transformers computes it when output_router_logits is set (and adds
