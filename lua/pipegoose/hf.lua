@@ -13,8 +13,11 @@
 --
 --   hf.read_config(dir) -> the pg.nn options, model_type (hf.options(cfg, dir): of a decoded config.json)
 --   hf.load_into(engine, dir)      each rank loads its shards
---   hf.save_from(engine, dir)      collective; rank 0 writes config.json and
---                                  model.safetensors (atomically)
+--   hf.save_from(engine, dir, opts) collective; rank 0 writes the whole
+--                                  directory (config.json, generation_config.json,
+--                                  the weights, the tokenizer's files) into a
+--                                  sibling and swaps it in
+--   hf.write_checkpoint(cfg, dir, full, what, opts, src)  the same from a checkpoint
 local cjson = require("cjson").new()
 local core = require "pipegoose.core"
 local opt = require "pipegoose.options"
@@ -392,6 +395,7 @@ local DTYPE_BYTES = { float32 = 4, bfloat16 = 2, float16 = 2 }
 -- nearest even (core.ops.to_bf16), float16 as the bytes of binary16, rounded
 -- to nearest even (core.ops.to_f16_bytes; a value beyond float16's range is refused naming the tensor).
 local function in_dtype(name, t, dtype)
+  if t:device() ~= "cpu" then t = t:to("cpu") end -- the conversions are the host's
   if dtype == "bfloat16" then return { name = name, tensor = core.ops.to_bf16(t) } end
   if dtype == "float16" then
     return { name = name, shape = t:shape(), raw = { code = "F16", bytes = core.ops.to_f16_bytes(t, name) } }
