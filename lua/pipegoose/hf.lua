@@ -431,13 +431,16 @@ local HF_FILES = { ["config.json"] = true, ["generation_config.json"] = true, ["
   ["special_tokens_map.json"] = true }
 local function hf_file(name) return HF_FILES[name] or name:match("^model%-%d+%-of%-%d+%.safetensors$") ~= nil end
 
+-- A path made absolute with its existing part's links resolved (what is
+-- missing below it appended as written), to compare directories.
 local function absolute(path)
   path = path:gsub("/+$", "")
   if path == "" then path = "/" end
   local real = core.file.realpath(path)
   if real then return real end
   local parent = fs().dirname(path)
-  local rp = core.file.realpath(parent)
+  if parent == path then return nil end
+  local rp = absolute(parent)
   if not rp then return nil end
   return (rp == "/" and "" or rp) .. "/" .. fs().basename(path)
 end
@@ -451,7 +454,7 @@ local function within(a, b) return a == b or a:sub(1, #b + 1) == b .. "/" end
 -- checkpoint being exported, the directory a model was imported from).
 function M.check_target(dir, what, overwrite, keep)
   local target = absolute(dir)
-  if not target then error(("%s: %s: its parent directory does not exist"):format(what, dir), 0) end
+  if not target then error(("%s: %s: not a path that can be resolved"):format(what, dir), 0) end
   for _, k in ipairs(keep or {}) do
     local src = k.path and absolute(k.path)
     if src and within(src, target) and (src ~= target or not k.same_ok) then
@@ -488,6 +491,7 @@ local function replace_dir(dir, write)
   local parent, base = fs().dirname(dir), fs().basename(dir)
   local tag = ("%s/.%s.%%s-%d"):format(parent, base, fs().getpid())
   local new, old = tag:format("new"), tag:format("old")
+  fs().mkdir_p(parent) -- runs/llama_hf: runs/ made as needed
   if core.fs.exists(new) then fs().rm_rf(new) end
   fs().mkdir_p(new)
   local ok, err = pcall(write, new)
