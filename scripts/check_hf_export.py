@@ -44,11 +44,13 @@ def main():
             failures.append(what)
 
     print(f"transformers {transformers.__version__}, torch {torch.__version__}: {export} ({want.get('family')})")
-    check(cfg.get("torch_dtype") == want["dtype"], f"config.json torch_dtype {cfg.get('torch_dtype')} (written {want['dtype']})")
+    written = cfg.get("torch_dtype")
+    check(written == want["dtype"], f"config.json torch_dtype {written} (written {want['dtype']})")
 
     tok = AutoTokenizer.from_pretrained(export)
     got_prompt = tok(want["prompt"], add_special_tokens=False)["input_ids"]
-    check(got_prompt == want["prompt_ids"], f"tokenizer ids of the prompt: {got_prompt} (pipegoose {want['prompt_ids']})")
+    check(got_prompt == want["prompt_ids"],
+          f"tokenizer ids of the prompt: {got_prompt} (pipegoose {want['prompt_ids']})")
     got_sample = tok(want["sample_text"], add_special_tokens=False)["input_ids"]
     check(got_sample == want["sample_ids"], f"tokenizer ids of the sample text ({len(got_sample)} ids)")
     check(tok.decode(want["sample_ids"]) == want["sample_text"], "tokenizer decodes pipegoose's ids to the sample text")

@@ -127,7 +127,8 @@ commands["export-hf"] = function()
   if not out then die("checkpoint.lua export-hf: needs an output directory\n" .. USAGE) end
   if flags["--bf16"] and flags["--f16"] then die("checkpoint.lua export-hf: --bf16 or --f16, not both") end
   local size = flags["--max-shard-size"]
-  local class = ckpt.export_hf(dir, out, { dtype = flags["--bf16"] and "bfloat16" or flags["--f16"] and "float16" or "float32",
+  local dtype = flags["--bf16"] and "bfloat16" or flags["--f16"] and "float16" or "float32"
+  local class = ckpt.export_hf(dir, out, { dtype = dtype,
     tokenizer = flags["--tokenizer"], max_shard_size = size and (math.tointeger(tonumber(size)) or size) or nil,
     overwrite = flags["--overwrite"] == true })
   print(("wrote %s: a Hugging Face directory (%s)"):format(out, class))

@@ -43,13 +43,18 @@ local ids = list(tok:encode_file(o.text))
 -- shapes and computes the same way: bit for bit
 local V, T, B = tok:vocab_size(), 32, 4
 local PV = (V + 63) // 64 * 64
+local common = { vocab = V, padded_vocab = PV, dim = 64, heads = 4, layers = 2, seq_len = T }
+local function with(extra)
+  local spec = {}
+  for k, v in pairs(common) do spec[k] = v end
+  for k, v in pairs(extra) do spec[k] = v end
+  return spec
+end
 local shapes = {
-  llama = function() return pg.nn.Llama{ vocab = V, padded_vocab = PV, dim = 64, heads = 4, kv_heads = 2, layers = 2, hidden = 128,
-                                          seq_len = T } end,
-  mixtral = function() return pg.nn.Mixtral{ vocab = V, padded_vocab = PV, dim = 64, heads = 4, kv_heads = 2, layers = 2, hidden = 64,
-                                              experts = 4, top_k = 2, seq_len = T } end,
-  gpt2 = function() return pg.nn.GPT{ vocab = V, padded_vocab = PV, dim = 64, heads = 4, layers = 2, seq_len = T } end,
-  bloom = function() return pg.nn.Bloom{ vocab = V, padded_vocab = PV, dim = 64, heads = 4, layers = 2, seq_len = T } end,
+  llama = function() return pg.nn.Llama(with{ kv_heads = 2, hidden = 128 }) end,
+  mixtral = function() return pg.nn.Mixtral(with{ kv_heads = 2, hidden = 64, experts = 4, top_k = 2 }) end,
+  gpt2 = function() return pg.nn.GPT(with{}) end,
+  bloom = function() return pg.nn.Bloom(with{}) end,
 }
 local engine = pg.parallelize(assert(shapes[o.family], "unknown --family")(), ctx, { seed = 7 })
 

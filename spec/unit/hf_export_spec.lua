@@ -50,7 +50,8 @@ local function raw_tensors(path)
   for name, e in pairs(header) do
     if name ~= "__metadata__" then
       local a, b = math.tointeger(e.data_offsets[1]), math.tointeger(e.data_offsets[2])
-      out[name] = { dtype = e.dtype, shape = table.concat(h.ints(e.shape), "x"), bytes = data:sub(9 + n + a, 8 + n + b) }
+      out[name] = { dtype = e.dtype, shape = table.concat(h.ints(e.shape), "x"),
+                    bytes = data:sub(9 + n + a, 8 + n + b) }
     end
   end
   return out
