@@ -11,7 +11,9 @@
 -- has `vocab_size` rows (pipegoose pads to a multiple of 64: padding rows
 -- are zero and are not written).
 --
---   hf.read_config(dir) -> the pg.nn options, model_type (hf.options(cfg, dir): of a decoded config.json)
+--   hf.read_config(dir) -> the pg.nn options, model_type, config.json's text and table
+--                                  (hf.options(cfg, dir): of a decoded config.json)
+--   hf.dropout_refusal(cfg, dir)   why a config's dropout cannot be trained, or nil
 --   hf.load_into(engine, dir)      each rank loads its shards
 --   hf.save_from(engine, dir, opts) collective; rank 0 writes the whole
 --                                  directory (config.json, generation_config.json,
