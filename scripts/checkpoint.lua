@@ -13,20 +13,24 @@
 --   pglua scripts/checkpoint.lua export-llmc DIR OUT [--bf16]
 --                                                          GPT-2 weights as an llm.c model file (--bf16: llm.c's
 --                                                          bf16 file, version 5)
---   pglua scripts/checkpoint.lua export-hf DIR OUTDIR [--bf16]
---                                                          GPT-2 or LLaMA as a Hugging Face directory (from_pretrained
---                                                          loads it; --bf16: BF16 tensors, torch_dtype bfloat16)
+--   pglua scripts/checkpoint.lua export-hf DIR OUTDIR [--bf16|--f16] [--tokenizer=PATH] [--max-shard-size=5GB]
+--                                          [--overwrite]
+--                                                          a Hugging Face directory (transformers' pipeline loads
+--                                                          it; --bf16 / --f16: BF16 / F16 tensors and torch_dtype;
+--                                                          --tokenizer: a tokenizer.json or a directory with one,
+--                                                          whose files the export holds; the whole OUTDIR replaced)
 --
 -- DIR is a checkpoint directory, or a directory with a `latest` file (the
 -- newest checkpoint in it). docs/FORMATS.md ("Checkpoints") describes the files.
 local ckpt = require "pipegoose.checkpoint"
 
 local USAGE = "usage: pglua scripts/checkpoint.lua info|verify|seal|consolidate|export-llmc|export-hf DIR [OUT] "
-  .. "[--optimizer] [--force] [--bf16]"
+  .. "[--optimizer] [--force] [--bf16] [--f16] [--tokenizer=PATH] [--max-shard-size=SIZE] [--overwrite]"
 
 -- --help: the commands as the header above lists them
 local HELP = [[
-Usage: checkpoint.lua [-h] COMMAND DIR [OUT] [--optimizer] [--force] [--bf16]
+Usage: checkpoint.lua [-h] COMMAND DIR [OUT] [--optimizer] [--force] [--bf16] [--f16] [--tokenizer=PATH]
+                      [--max-shard-size=SIZE] [--overwrite]
 
 Checkpoint tools, on one process (no mpirun). DIR is a checkpoint directory, or a
 directory with a `latest` file (the newest checkpoint in it).
@@ -40,8 +44,12 @@ Commands:
    consolidate DIR OUT [--optimizer]
                                  one safetensors file of full tensors (--optimizer: also m/<name>, v/<name>)
    export-llmc DIR OUT [--bf16]  GPT-2 weights as an llm.c model file (--bf16: llm.c's bf16 file, version 5)
-   export-hf DIR OUTDIR [--bf16] GPT-2 or LLaMA as a Hugging Face directory (from_pretrained loads it;
-                                 --bf16: BF16 tensors, torch_dtype bfloat16)
+   export-hf DIR OUTDIR [--bf16|--f16] [--tokenizer=PATH] [--max-shard-size=SIZE] [--overwrite]
+                                 a Hugging Face directory (transformers' pipeline loads it): config.json,
+                                 generation_config.json, the weights (sharded above SIZE, default 5GB),
+                                 the tokenizer's files (--tokenizer: a tokenizer.json or a directory);
+                                 --bf16 / --f16: BF16 / F16 tensors; OUTDIR is replaced whole (an existing
+                                 one must be a Hugging Face directory, or --overwrite)
 
 Options:
    -h, --help                    Show this help message and exit.
@@ -53,7 +61,8 @@ for _, a in ipairs(arg) do
     io.write(HELP)
     os.exit(0)
   end
-  if a:match("^%-%-") then flags[a] = true else args[#args + 1] = a end
+  local k, v = a:match("^(%-%-[%w-]+)=(.*)$")
+  if k then flags[k] = v elseif a:match("^%-%-") then flags[a] = true else args[#args + 1] = a end
 end
 local cmd, dir, out = args[1], args[2], args[3]
 
@@ -63,7 +72,13 @@ local function die(msg)
 end
 
 for f in pairs(flags) do
-  if f ~= "--optimizer" and f ~= "--force" and f ~= "--bf16" then die(("checkpoint.lua: unknown flag %s\n%s"):format(f, USAGE)) end
+  local valued = f == "--tokenizer" or f == "--max-shard-size"
+  if not valued and f ~= "--optimizer" and f ~= "--force" and f ~= "--bf16" and f ~= "--f16" and f ~= "--overwrite" then
+    die(("checkpoint.lua: unknown flag %s\n%s"):format(f, USAGE))
+  end
+  if valued ~= (type(flags[f]) == "string") then
+    die(("checkpoint.lua: %s %s\n%s"):format(f, valued and "needs a value (--flag=VALUE)" or "takes no value", USAGE))
+  end
 end
 if not cmd or not dir then die(USAGE) end
 
@@ -110,8 +125,13 @@ end
 
 commands["export-hf"] = function()
   if not out then die("checkpoint.lua export-hf: needs an output directory\n" .. USAGE) end
-  local class = ckpt.export_hf(dir, out, { dtype = flags["--bf16"] and "bfloat16" or "float32" })
-  print(("wrote %s: config.json and model.safetensors (%s)"):format(out, class))
+  if flags["--bf16"] and flags["--f16"] then die("checkpoint.lua export-hf: --bf16 or --f16, not both") end
+  local size = flags["--max-shard-size"]
+  local dtype = flags["--bf16"] and "bfloat16" or flags["--f16"] and "float16" or "float32"
+  local class = ckpt.export_hf(dir, out, { dtype = dtype,
+    tokenizer = flags["--tokenizer"], max_shard_size = size and (math.tointeger(tonumber(size)) or size) or nil,
+    overwrite = flags["--overwrite"] == true })
+  print(("wrote %s: a Hugging Face directory (%s)"):format(out, class))
 end
 
 local fn = commands[cmd]

@@ -316,8 +316,11 @@ function M.config_difference(saved, mine)
   table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
   local diffs = {}
   for _, k in ipairs(keys) do
-    local a, b = canonical(saved[k]), canonical(mine[k])
-    if a ~= b then diffs[#diffs + 1] = ("%s is %s in the checkpoint, %s here"):format(tostring(k), a, b) end
+    -- hf_config (the config.json a model was imported from) says where it came from, not what it computes
+    if k ~= "hf_config" then
+      local a, b = canonical(saved[k]), canonical(mine[k])
+      if a ~= b then diffs[#diffs + 1] = ("%s is %s in the checkpoint, %s here"):format(tostring(k), a, b) end
+    end
   end
   if #diffs == 0 then return nil end
   return table.concat(diffs, "; ")

@@ -114,7 +114,7 @@ end
 --- Writes the model in llm.c's format (rank 0 writes; collective over all ranks).
 function M.save_from(engine, path)
   local cfg = engine.config
-  local _, why = mapping(cfg)
+  local why = M.refusal(cfg) -- the rule scripts/checkpoint.lua export-llmc applies too
   if why then error(("save_llmc: %s (engine:save_hf writes it)"):format(why), 2) end
   local ctx = engine.ctx
   local me = ctx:rank()

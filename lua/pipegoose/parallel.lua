@@ -306,6 +306,7 @@ function M.parallelize(model, ctx, opts)
   if not ok_engine then error(c, 2) end
   local e = setmetatable({
     c = c, ctx = ctx, config = config, model = model, micro_batches = micro, schedule = schedule,
+    tokenizer = model.tokenizer, -- the model's tokenizer (pg.nn.from_hf's), or nil; save_hf writes it
     virtual_stages = V, recompute = opts.recompute, precision = opts.precision, sequence_parallel = sp,
     device = c:info().device,
     stage = me, stages = P, partition_report = partition_report, vocab = vocab, _ = {},
@@ -527,8 +528,13 @@ end
 function Engine:save_llmc(path) require("pipegoose.llmc").save_from(self, path) end
 
 --- (collective) Writes the model as a Hugging Face directory that transformers'
--- from_pretrained loads (collective; rank 0 writes).
-function Engine:save_hf(dir) require("pipegoose.hf").save_from(self, dir) end
+-- pipeline and from_pretrained load (rank 0 writes): config.json,
+-- generation_config.json, the weights (model.safetensors, or shards and
+-- their index) and the tokenizer's files; the whole directory replaced at
+-- once. opts: tokenizer (default engine.tokenizer: the one pg.nn.from_hf
+-- found), dtype, max_shard_size, generation, bos_token_id, eos_token_id,
+-- pad_token_id, overwrite (lua/pipegoose/hf.lua's save_from).
+function Engine:save_hf(dir, opts) require("pipegoose.hf").save_from(self, dir, opts) end
 
 M.Engine = Engine
 return M

@@ -3,6 +3,7 @@
  *   fs.kind(path) -> "file" | "link" | "directory" | "other", or nil (nothing there; lstat)
  *   fs.mkdir_p(path), fs.remove_tree(path)           errors name the path
  *   fs.list(dir) -> sorted names (no . and ..)        an error when dir cannot be read
+ *   fs.exchange(a, b) -> true, or nil and why        the two paths swapped in one step (renameat2)
  *   fs.isatty("stdout" | "stderr" | "stdin" | fd) -> boolean
  *   fs.parent_isatty("stdout" | ... | fd) -> boolean  the parent process's descriptor (mpirun's, under mpirun)
  *   fs.getpid() -> this process's id
@@ -44,6 +45,17 @@ static int l_remove_tree(lua_State *L) {
   return 0;
 }
 
+/* exchange(a, b) -> true, or nil and why (pg_fs_exchange: the two swapped in one step). */
+static int l_exchange(lua_State *L) {
+  if (pg_fs_exchange(luaL_checkstring(L, 1), luaL_checkstring(L, 2)) == PG_OK) {
+    lua_pushboolean(L, 1);
+    return 1;
+  }
+  lua_pushnil(L);
+  lua_pushstring(L, pg_error());
+  return 2;
+}
+
 static int l_list(lua_State *L) {
   char **names;
   int n;
@@ -80,7 +92,7 @@ static int l_getpid(lua_State *L) {
 }
 
 static const luaL_Reg fns[] = {{"exists", l_exists}, {"is_dir", l_is_dir}, {"kind", l_kind}, {"mkdir_p", l_mkdir_p},
-                               {"remove_tree", l_remove_tree}, {"list", l_list}, {"isatty", l_isatty},
+                               {"remove_tree", l_remove_tree}, {"exchange", l_exchange}, {"list", l_list}, {"isatty", l_isatty},
                                {"parent_isatty", l_parent_isatty}, {"getpid", l_getpid}, {NULL, NULL}};
 
 void pg_lua_open_fs(lua_State *L) {

@@ -1,4 +1,5 @@
 #define _XOPEN_SOURCE 700 /* nftw */
+#define _GNU_SOURCE       /* syscall (renameat2 for pg_fs_exchange) */
 #include "pg_fs.h"
 
 #include <errno.h>
@@ -8,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <dirent.h>
 #include <unistd.h>
 
@@ -132,4 +134,14 @@ int pg_fs_parent_isatty(int fd) {
   int tty = isatty(f) == 1;
   close(f);
   return tty;
+}
+
+int pg_fs_exchange(const char *a, const char *b) {
+#ifdef SYS_renameat2
+  /* RENAME_EXCHANGE (linux/fs.h: 1 << 1), spelt here so that no kernel header is needed */
+  if (syscall(SYS_renameat2, AT_FDCWD, a, AT_FDCWD, b, 1u << 1) == 0) return PG_OK;
+  return pg_fail("exchange %s and %s: %s", a, b, strerror(errno));
+#else
+  return pg_fail("exchange %s and %s: renameat2 is not available here", a, b);
+#endif
 }

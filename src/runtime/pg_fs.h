@@ -22,6 +22,11 @@ int pg_fs_remove_tree(const char *path);
  * malloc'd array of malloc'd strings, *n its length; pg_fs_free_list frees it. */
 int pg_fs_list(const char *dir, char ***names, int *n);
 void pg_fs_free_list(char **names, int n);
+/* Swaps what is at paths a and b (both must exist) in one step: Linux's
+ * renameat2 with RENAME_EXCHANGE, so that a crash leaves one or the other at
+ * each path, never neither. PG_ERR where the system or the file system
+ * cannot (the caller falls back to two renames). */
+int pg_fs_exchange(const char *a, const char *b);
 /* 1 when the file descriptor is a terminal. */
 int pg_fs_isatty(int fd);
 /* 1 when this process's parent has a terminal on its descriptor fd (Linux's

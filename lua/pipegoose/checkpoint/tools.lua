@@ -80,7 +80,13 @@ function M.info(dir)
   add("format %s version %d, saved %s", m.format, m.format_version, m.saved_at and os.date("!%Y-%m-%d %H:%M:%S UTC", m.saved_at) or "?")
   add("step %d, epoch %d", m.step or 0, m.epoch or 0)
   if m.counters then add("counters: %s", kv(m.counters)) end
-  if m.model then add("model: %s", kv(m.model)) end
+  if m.model then
+    -- the imported config.json's text (hf_config) is long: its size only
+    local model = {}
+    for k, v in pairs(m.model) do model[k] = v end
+    if type(model.hf_config) == "string" then model.hf_config = ("<config.json, %d bytes>"):format(#model.hf_config) end
+    add("model: %s", kv(model))
+  end
   if m.layout then
     add("layout: %s (%d ranks), micro_batches=%s schedule=%s", describe_layout(m.layout), m.world_size or 0,
       tostring(m.layout.micro_batches), tostring(m.layout.schedule))
@@ -211,16 +217,19 @@ function M.export_llmc(dir, out, opts)
 end
 
 --- Writes the checkpoint's weights as a Hugging Face directory
--- (config.json + model.safetensors, lua/pipegoose/hf.lua): GPT2LMHeadModel
--- or LlamaForCausalLM. Returns the class written.
+-- (lua/pipegoose/hf.lua's write_checkpoint: config.json with the imported
+-- fields the manifest's model config keeps, generation_config.json, the
+-- weights, the tokenizer's files when opts.tokenizer names one). opts as
+-- engine:save_hf's (dtype, max_shard_size, tokenizer, overwrite ...). The
+-- export may not replace the checkpoint, a directory above it, or be inside it.
+-- Returns the class written.
 function M.export_hf(dir, out, opts)
-  local dtype = export_dtype(opts)
   local manifest
   dir, manifest = verified(validation.resolve(dir))
   local header_of = header_reader(dir)
   return require("pipegoose.hf").write_checkpoint(manifest.model or {}, out, function(name)
     return full_tensor(dir, manifest, header_of, "params", "", name)
-  end, "checkpoint: " .. dir, dtype)
+  end, "checkpoint: " .. dir, opts, dir)
 end
 
 --- Loads a checkpoint's parameters (not the optimizer or the counters) into

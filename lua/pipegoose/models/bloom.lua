@@ -30,7 +30,7 @@ F.SEQ_LEN = 2048
 -- matrix (residual projections included: BLOOM does not scale them), LayerNorm
 -- 1/0, biases 0.
 F.schema = { vocab = NEED, padded_vocab = POS, seq_len = NEED, dim = NEED, heads = NEED, layers = NEED, hidden = POS,
-             tie = opt.boolean{ default = true }, arch = opt.enum{ F.name }, head = HEAD }
+             tie = opt.boolean{ default = true }, arch = opt.enum{ F.name }, head = HEAD, hf_config = common.HF_CONFIG }
 
 local nn -- pg.nn, given by F.install (nn.lua installs every family as it loads)
 
@@ -48,7 +48,7 @@ local function build(o)
   model:add(nn.LayerNorm(o.dim, { name = "ln_f" }))
   model.label = F.label
   model.config = { arch = F.name, vocab = o.vocab, padded_vocab = padded, seq_len = o.seq_len, dim = o.dim,
-                   heads = o.heads, layers = o.layers, hidden = hidden, tie = o.tie }
+                   heads = o.heads, layers = o.layers, hidden = hidden, tie = o.tie, hf_config = o.hf_config }
   common.add_head(nn, model, o, padded, o.tie)
   return model
 end
@@ -182,17 +182,22 @@ function F.hf.layout(o)
   return out
 end
 
+--- config.json's fields: those pipegoose computes (seq_length, not a
+-- BloomConfig field, kept as an attribute, gives the length back to
+-- pipegoose) and the defaults of a model built in pipegoose (an imported file's values win).
 function F.hf.config(cfg)
-  -- the keys transformers' BloomConfig writes, with pipegoose's fixed choices;
-  -- seq_length (not a BloomConfig field: kept as an attribute) gives the length back to pipegoose
-  return {
+  local computed = {
     architectures = { F.hf.class }, model_type = F.hf.model_type, vocab_size = cfg.vocab, hidden_size = cfg.dim,
-    n_layer = cfg.layers, n_head = cfg.heads, layer_norm_epsilon = common.LAYERNORM_EPS, initializer_range = common.INIT_STD,
-    apply_residual_connection_post_layernorm = false, hidden_dropout = 0.0, attention_dropout = 0.0,
-    pretraining_tp = 1, slow_but_exact = false, use_cache = true, tie_word_embeddings = cfg.tie ~= false,
-    seq_length = cfg.seq_len, torch_dtype = "float32", bos_token_id = cfg.vocab - 1, eos_token_id = cfg.vocab - 1,
+    n_layer = cfg.layers, n_head = cfg.heads, layer_norm_epsilon = common.LAYERNORM_EPS,
+    apply_residual_connection_post_layernorm = false, tie_word_embeddings = cfg.tie ~= false, seq_length = cfg.seq_len,
   }
+  local fresh = { initializer_range = common.INIT_STD, hidden_dropout = 0.0, attention_dropout = 0.0,
+                  pretraining_tp = 1, slow_but_exact = false, use_cache = true }
+  return computed, fresh
 end
+
+-- BloomConfig's dropout fields and their defaults (transformers 4.45.2).
+F.hf.dropout = { hidden_dropout = 0.0, attention_dropout = 0.0 }
 
 ---------------------------------------------------------------- the planner's shape
 

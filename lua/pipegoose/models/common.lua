@@ -24,6 +24,11 @@ C.EPS = opt.number{ min = 0, default = 1e-5 }
 C.THETA = opt.number{ gt = 1 }
 C.NAME = opt.string
 C.HEAD = opt.enum({ "loss", "logits", "none" }, { default = "loss" })
+-- hf_config: the text of the config.json a model was imported from (pg.nn.from_hf keeps it in the model
+-- config, so that a checkpoint's manifest records it): engine:save_hf writes its fields back, over them
+-- only what pipegoose computes. Text, not a table: it passes through the manifest exactly (JSON null,
+-- empty lists, every digit)
+C.HF_CONFIG = opt.string
 
 --- The model's head as o.head asks ("loss": the LM head with the fused
 -- cross-entropy, "logits": its logits, "none": no head); the config records

@@ -22,7 +22,7 @@ local value, positive_int, number, fail, entry = common.value, common.positive_i
 -- head's logits, for an objective written in Lua) or "none" (the model ends
 -- with ln_f: add a head of your own, e.g. a classifier).
 F.schema = { vocab = NEED, padded_vocab = POS, seq_len = NEED, dim = NEED, heads = NEED, layers = NEED, hidden = POS,
-             tie = opt.boolean{ default = true }, arch = opt.enum{ F.name }, head = HEAD }
+             tie = opt.boolean{ default = true }, arch = opt.enum{ F.name }, head = HEAD, hf_config = common.HF_CONFIG }
 
 local nn -- pg.nn, given by F.install (nn.lua installs every family as it loads)
 
@@ -41,7 +41,7 @@ local function build(o)
   model:add(nn.LayerNorm(o.dim, { name = "ln_f" }))
   model.label = "GPT"
   model.config = { vocab = o.vocab, padded_vocab = padded, seq_len = o.seq_len, dim = o.dim, heads = o.heads,
-                   layers = o.layers, hidden = o.hidden or 4 * o.dim, tie = o.tie }
+                   layers = o.layers, hidden = o.hidden or 4 * o.dim, tie = o.tie, hf_config = o.hf_config }
   common.add_head(nn, model, o, padded, o.tie)
   return model
 end
@@ -159,17 +159,23 @@ function F.hf.layout(o)
   return out
 end
 
+--- config.json's fields: those pipegoose computes (always written, over an
+-- imported file's) and the defaults of a model built in pipegoose (an
+-- imported file's values win: initializer_range, dropout, use_cache ...).
 function F.hf.config(cfg)
-  -- the keys transformers' GPT2Config writes, with pipegoose's fixed choices
-  return {
+  local computed = {
     architectures = { F.hf.class }, model_type = F.hf.model_type, vocab_size = cfg.vocab, n_positions = cfg.seq_len,
     n_embd = cfg.dim, n_head = cfg.heads, n_layer = cfg.layers, n_inner = cfg.hidden,
-    activation_function = "gelu_new", layer_norm_epsilon = common.LAYERNORM_EPS, initializer_range = common.INIT_STD,
-    resid_pdrop = 0.0, embd_pdrop = 0.0, attn_pdrop = 0.0, scale_attn_weights = true, use_cache = true,
-    tie_word_embeddings = cfg.tie ~= false, torch_dtype = "float32", bos_token_id = cfg.vocab - 1,
-    eos_token_id = cfg.vocab - 1,
+    activation_function = "gelu_new", layer_norm_epsilon = common.LAYERNORM_EPS, scale_attn_weights = true,
+    scale_attn_by_inverse_layer_idx = false, reorder_and_upcast_attn = false, tie_word_embeddings = cfg.tie ~= false,
   }
+  local fresh = { initializer_range = common.INIT_STD, resid_pdrop = 0.0, embd_pdrop = 0.0, attn_pdrop = 0.0,
+                  use_cache = true }
+  return computed, fresh
 end
+
+-- GPT2Config's dropout fields and their defaults (transformers 4.45.2): an absent one is 0.1.
+F.hf.dropout = { resid_pdrop = 0.1, embd_pdrop = 0.1, attn_pdrop = 0.1 }
 
 ---------------------------------------------------------------- llm.c's model file
 

@@ -18,7 +18,11 @@
 --                 absent field with its default; refuses what pipegoose does
 --                 not compute, naming the field), layout(o) -> entries
 --                 (models/common.lua's C.entry: parts, Conv1D, the
---                 permutation hook), config(cfg) -> the config.json written back
+--                 permutation hook), config(cfg) -> the config.json fields
+--                 pipegoose computes (written over an imported file's) and
+--                 the defaults of a model built in pipegoose, dropout: the
+--                 config's dropout fields -> transformers' defaults (the
+--                 import refuses non-zero ones unless dropout = "ignore")
 --   llmc          llm.c's model file mapping (GPT-2 only): refusal(cfg), layout(cfg)
 --   plan          the planner's: features (norm, gated_mlp, activation,
 --                 learned_positions, rope, dropout, biases, tied: the fields
@@ -83,11 +87,25 @@ function M.install(nn)
   -- pg.nn.GPT), LlamaForCausalLM (a pg.nn.Llama), MixtralForCausalLM (a
   -- pg.nn.Mixtral) or BloomForCausalLM (a pg.nn.Bloom); lua/pipegoose/hf.lua has the machinery, each family's
   -- file its conventions.
-  function nn.from_hf(dir)
+  -- opts.dropout: "refuse" (default: a config.json with non-zero dropout is refused, naming the fields,
+  -- pipegoose having none) or "ignore" (train without it; the export writes the fields back as read).
+  -- The model carries the directory's tokenizer (model.tokenizer, pg.tokenizer.load(dir)) when it has
+  -- tokenizer.json, and config.json's text (its config's hf_config), which engine:save_hf writes back.
+  local FROM_HF = { dropout = opt.enum({ "refuse", "ignore" }, { default = "refuse" }) }
+  function nn.from_hf(dir, opts)
     opt.value("from_hf", "dir", dir, opt.required(opt.string))
-    local o, model_type = require("pipegoose.hf").read_config(dir)
+    opts = opt.check("from_hf", opts, FROM_HF)
+    local hf = require "pipegoose.hf"
+    local o, model_type, text, cfg = hf.read_config(dir)
+    if opts.dropout == "refuse" then
+      local why = hf.dropout_refusal(cfg, dir)
+      if why then error(why, 2) end
+    end
+    o.hf_config = text
     local m = M.of_hf_model_type(model_type).build(o)
     m.weights = { format = "hf", path = dir }
+    local core = require "pipegoose.core"
+    if core.fs.exists(dir .. "/tokenizer.json") then m.tokenizer = require("pipegoose.tokenizer").load(dir) end
     return m
   end
   nn.GPT.from_hf = nn.from_hf

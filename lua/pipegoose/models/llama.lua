@@ -24,7 +24,8 @@ local value, positive_int, number, fail, entry = common.value, common.positive_i
 F.schema = { vocab = NEED, padded_vocab = POS, seq_len = NEED, dim = NEED, heads = NEED, kv_heads = POS,
              head_dim = POS, layers = NEED, hidden = NEED, rope_theta = opt.number{ gt = 1, default = 10000 },
              rope_scaling = common.ROPE_SCALING,
-             eps = EPS, tie = opt.boolean{ default = false }, arch = opt.enum{ F.name }, head = HEAD }
+             eps = EPS, tie = opt.boolean{ default = false }, arch = opt.enum{ F.name }, head = HEAD,
+             hf_config = common.HF_CONFIG }
 
 local nn -- pg.nn, given by F.install (nn.lua installs every family as it loads)
 
@@ -54,7 +55,7 @@ local function decoder(o, moe)
   model.label = where
   model.config = { arch = moe and moe.name or F.name, vocab = o.vocab, padded_vocab = padded, seq_len = o.seq_len,
                    dim = o.dim, heads = o.heads, kv_heads = kv, head_dim = hd, layers = o.layers, hidden = o.hidden,
-                   rope_theta = theta, rope_scaling = o.rope_scaling, eps = eps, tie = tie }
+                   rope_theta = theta, rope_scaling = o.rope_scaling, eps = eps, tie = tie, hf_config = o.hf_config }
   if moe then
     for _, k in ipairs(moe.config_options) do model.config[k] = o[k] end
   end
@@ -174,18 +175,22 @@ function F.hf.layout(o)
   return out
 end
 
+--- config.json's fields: those pipegoose computes (always written) and the
+-- defaults of a model built in pipegoose (an imported file's values win).
 function F.hf.config(cfg)
-  -- the keys transformers' LlamaConfig writes, with pipegoose's fixed choices
-  return {
+  local computed = {
     architectures = { F.hf.class }, model_type = F.hf.model_type, vocab_size = cfg.vocab,
     max_position_embeddings = cfg.seq_len, hidden_size = cfg.dim, intermediate_size = cfg.hidden,
     num_hidden_layers = cfg.layers, num_attention_heads = cfg.heads, num_key_value_heads = cfg.kv_heads,
     head_dim = cfg.head_dim, hidden_act = "silu", rms_norm_eps = cfg.eps, rope_theta = cfg.rope_theta,
-    rope_scaling = cfg.rope_scaling or common.null, attention_bias = false, attention_dropout = 0.0, mlp_bias = false,
-    initializer_range = common.INIT_STD, pretraining_tp = 1, use_cache = true, tie_word_embeddings = cfg.tie == true,
-    torch_dtype = "float32", bos_token_id = cfg.vocab - 1, eos_token_id = cfg.vocab - 1,
+    rope_scaling = cfg.rope_scaling or common.null, attention_bias = false, mlp_bias = false, tie_word_embeddings = cfg.tie == true,
   }
+  local fresh = { attention_dropout = 0.0, initializer_range = common.INIT_STD, pretraining_tp = 1, use_cache = true }
+  return computed, fresh
 end
+
+-- LlamaConfig's dropout fields and their defaults (transformers 4.45.2).
+F.hf.dropout = { attention_dropout = 0.0 }
 
 ---------------------------------------------------------------- the planner's shape
 

@@ -144,20 +144,31 @@ function F.hf.layout(o)
   return with_moe
 end
 
+--- config.json's fields (LLaMA's but for the experts'): those pipegoose
+-- computes and the defaults of a model built in pipegoose.
 function F.hf.config(cfg)
-  local c = llama.hf.config(cfg)
+  local c, fresh = llama.hf.config(cfg)
   c.architectures, c.model_type = { F.hf.class }, F.hf.model_type
-  c.head_dim, c.pretraining_tp, c.mlp_bias, c.attention_bias = nil, nil, nil, nil
+  c.head_dim, c.mlp_bias, c.attention_bias = nil, nil, nil
+  -- transformers' MixtralAttention (4.45.2) takes hidden_size / num_attention_heads, whatever config.json says
+  if cfg.head_dim ~= nil and cfg.head_dim * cfg.heads ~= cfg.dim then
+    error(("save_hf: the Mixtral's head_dim %d is not hidden_size / heads = %d / %d, which transformers' "
+      .. "MixtralForCausalLM uses"):format(cfg.head_dim, cfg.dim, cfg.heads), 0)
+  end
+  fresh.pretraining_tp = nil
   c.num_local_experts, c.num_experts_per_tok = cfg.experts, cfg.top_k
-  -- the load-balancing loss: transformers computes it when output_router_logits is set
-  -- (and adds router_aux_loss_coef x it): both say the model's coefficient, 0 when it had none
+  -- the load-balancing loss: transformers computes it when output_router_logits is set (and adds
+  -- router_aux_loss_coef x it). A model without it (coefficient 0) says so with output_router_logits
+  -- false and keeps an imported router_aux_loss_coef (transformers does not use it then)
   local coef = cfg.aux_loss_coef or 0.001
   c.output_router_logits = coef > 0
-  c.router_aux_loss_coef = coef
+  if coef > 0 then c.router_aux_loss_coef = coef else fresh.router_aux_loss_coef = coef end
   c.router_jitter_noise = 0.0
   c.sliding_window = common.null
-  return c
+  return c, fresh
 end
+
+F.hf.dropout = { attention_dropout = 0.0 } -- MixtralConfig's
 
 ---------------------------------------------------------------- the planner's shape
 
