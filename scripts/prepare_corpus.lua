@@ -252,7 +252,8 @@ local function jsonl_documents(path, emit, on_bytes, bad)
     if not line:find("%S") then return end
     local ok, j = pcall(cjson.decode, line)
     if not ok then return bad(("%s:%d: not valid JSON (%s)"):format(path, line_no, (tostring(j):gsub("^.-: ", "")))) end
-    if type(j) ~= "table" then return bad(("%s:%d: not a JSON object"):format(path, line_no)) end
+    -- cjson decodes an array to a table too: an object is what starts with {
+    if type(j) ~= "table" or not line:match("^%s*{") then return bad(("%s:%d: not a JSON object"):format(path, line_no)) end
     local v = j[field]
     if v == nil or v == cjson.null then return bad(("%s:%d: no field '%s'"):format(path, line_no, field)) end
     if type(v) ~= "string" then

@@ -259,7 +259,7 @@ describe("TokenShards", function()
     local d = pg.data.TokenShards(opts())
     for _ = 1, 6 do d:next_batch() end
     local sd = d:state_dict()
-    assert.same({ epoch = 0, batch_index = 6, seed = 9, batch = B, seq_len = L, shuffle = true,
+    assert.same({ epoch = 0, batch_index = 6, seed = 9, batch = B, seq_len = L, shuffle = true, stride = "window",
                   files = { a, b }, file_tokens = { 163, 96 } }, sd)
     -- the uninterrupted run, across an epoch boundary (with its nil)
     local want = {}
@@ -341,9 +341,9 @@ describe("TokenShards", function()
     has(err_of(function() pg.data.TokenShards{ path = a, batch = 1, seq_len = 4, ctx = "x" } end),
       "TokenShards: ctx must be a pg.ParallelContext, got 'x'")
     has(err_of(function() pg.data.TokenShards() end),
-      "TokenShards: expects a table of options (batch=, path=, seq_len=, ...), got nothing")
+      "TokenShards: expects a table of options (batch=, seq_len=, ...), got nothing")
     has(err_of(function() pg.data.TokenShards{ path = a, seq_len = 4 } end), "TokenShards: batch= is required")
-    has(err_of(function() pg.data.TokenShards{ batch = 1, seq_len = 4 } end), "TokenShards: path= is required")
+    has(err_of(function() pg.data.TokenShards{ batch = 1, seq_len = 4 } end), "TokenShards: path= (or corpus= and split=) is required")
     has(err_of(function() pg.data.TokenShards{ path = a, batch = 1, seq_len = 4, shufle = false } end),
       "TokenShards: unknown option 'shufle' (did you mean 'shuffle'?)")
     -- b.bin has 96 tokens: 12 windows of 8, not the 13 a batch of 13 needs
