@@ -352,6 +352,61 @@ describe("TokenShards", function()
   end)
 end)
 
+describe("pg.data.ShardWriter", function()
+  local function tmp_files(d)
+    local out = {}
+    for _, name in ipairs(pg.fs.list(d)) do
+      if name:find(".tmp.", 1, true) then out[#out + 1] = name end
+    end
+    return out
+  end
+
+  it("streams ids into a shard that appears whole at close, with llm.c's magic for each dtype", function()
+    local d = path("writer")
+    pg.fs.mkdir_p(d)
+    local p = d .. "/s.bin"
+    local w = pg.data.ShardWriter(p, "uint16")
+    w:append(7)
+    w:append(pg.tensor({ 1, 2, 3, 4, 5 }, { dtype = "int32" }), 2, 3) -- ids 2, 3, 4
+    w:append{ 65535 }
+    assert.equal(5, w:tokens())
+    assert.is_false(pg.fs.exists(p), "nothing at the path before close")
+    assert.equal(1, #tmp_files(d))
+    w:close()
+    assert.same({}, tmp_files(d))
+    assert.same({ 7, 2, 3, 4, 65535 }, pg.data.read_shard(p):totable())
+    local magic, version, count = string.unpack("<i4i4i4", h.read(p))
+    assert.same({ 20240520, 1, 5 }, { magic, version, count })
+    local w7 = pg.data.ShardWriter(d .. "/w.bin", "uint32")
+    w7:append{ 70000 }
+    w7:close()
+    magic, version, count = string.unpack("<i4i4i4", h.read(d .. "/w.bin"))
+    assert.same({ 20240801, 7, 1 }, { magic, version, count })
+    assert.same({ 70000 }, pg.data.read_shard(d .. "/w.bin"):totable())
+  end)
+
+  it("refuses an id that does not fit, and leaves nothing behind on abort or when never closed", function()
+    local d = path("writer2")
+    pg.fs.mkdir_p(d)
+    local p = d .. "/s.bin"
+    local w = pg.data.ShardWriter(p, "uint16")
+    w:append{ 1, 2 }
+    has(err_of(function() w:append{ 3, 70000 } end), p .. ": token 70000 at position 3 (counting from 0) does not fit version 1 (uint16)")
+    has(err_of(function() w:append{ -1 } end), p .. ": token -1 at position 2 (counting from 0) is negative")
+    assert.equal(2, w:tokens()) -- a refused append writes none of its ids
+    w:abort()
+    assert.same({}, pg.fs.list(d))
+    has(err_of(function() w:append(1) end), "the shard writer is closed")
+    local lost = pg.data.ShardWriter(p, "uint32")
+    lost:append(5)
+    lost = nil -- luacheck: ignore
+    collectgarbage()
+    collectgarbage()
+    assert.same({}, pg.fs.list(d))
+    has(err_of(function() pg.data.ShardWriter(p, "int8") end), "dtype must be \"uint16\" or \"uint32\"")
+  end)
+end)
+
 describe("the byte tokenizer", function()
   it("round-trips any bytes, non-ASCII included", function()
     local all = {}

@@ -115,13 +115,15 @@ static int l_writer_append(lua_State *L) {
     PG_LUA_CHECK(L, pg_shard_writer_append(w, &id, 1));
     return 0;
   }
+  /* the range arguments first: check_tokens may push a userdata (a table's copy) above them */
+  int ranged = !lua_isnoneornil(L, 3);
+  lua_Integer first = ranged ? luaL_checkinteger(L, 3) : 1, count = ranged ? luaL_checkinteger(L, 4) : -1;
   int64_t n;
   const int32_t *ids = check_tokens(L, 2, &n);
-  int64_t first = 1, count = n;
-  if (!lua_isnoneornil(L, 3)) {
-    first = pg_lua_check_int_in(L, 3, "first", 1, n + 1);
-    count = pg_lua_check_int_in(L, 4, "count", 0, n - first + 1);
-  }
+  if (!ranged) count = n;
+  if (first < 1 || first > n + 1) return luaL_error(L, "bad argument #3 (first): %I is not in [1, %I]", first, (lua_Integer)n + 1);
+  if (count < 0 || count > n - first + 1)
+    return luaL_error(L, "bad argument #4 (count): %I is not in [0, %I]", count, (lua_Integer)(n - first + 1));
   PG_LUA_CHECK(L, pg_shard_writer_append(w, ids + (first - 1), count));
   return 0;
 }
