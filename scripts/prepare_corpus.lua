@@ -209,33 +209,36 @@ local function text_documents(path, sep, emit, on_bytes)
   end
   local P = "\n" .. sep .. "\n"
   -- buf[1] is a virtual newline (at file offset -1) so that a separator on the first line matches P
-  local buf, base, start, doc_off = "\n", -1, 2, 0
-  local parts = {} -- the current document's bytes before buf[start]
-  local function doc_to(i)
-    local d = buf:sub(start, i)
-    if #parts > 0 then parts[#parts + 1] = d; d = table.concat(parts); parts = {} end
-    emit(d, path, doc_off)
-  end
+  local buf, base, start = "\n", -1, 2
+  local parts = {} -- the current document's bytes before buf[start], when it began in an earlier block
   while true do
     local block = f:read(block_bytes)
     if block then buf = buf .. block; on_bytes(#block) end
-    local pos = 1
-    while true do
-      local i = buf:find(P, pos, true)
-      if not i then break end
-      doc_to(i) -- through the newline before the separator line (none for the virtual one)
-      start, pos = i + #sep + 2, i + #sep + 1 -- that line's own newline may begin the next separator
-      doc_off = base + start - 1
+    -- the documents that end in buf, cut in C (one call a block, not a Lua call a document)
+    local docs, offs, next_start, next_pos = C.cut_documents(buf, P, start, 1, #parts > 0)
+    local first = 1
+    if #parts > 0 and next_start ~= start then -- the first document began in an earlier block
+      parts[#parts + 1] = docs[1]
+      emit(table.concat(parts), path, parts.off)
+      parts, first = {}, 2
     end
+    for k = first, #docs do emit(docs[k], path, base + offs[k] - 1) end
+    start = next_start
     if not block then
       -- the file ends: a last line that is the separator has no newline after it
       local j = #buf - #sep
-      if j >= start - 1 and j >= 1 and buf:sub(j) == "\n" .. sep then doc_to(j) else doc_to(#buf) end
+      local stop = (j >= start - 1 and j >= 1 and buf:sub(j) == "\n" .. sep) and j or #buf
+      local d = buf:sub(start, stop)
+      if #parts > 0 then parts[#parts + 1] = d; d = table.concat(parts) end
+      emit(d, path, #parts > 0 and parts.off or base + start - 1)
       break
     end
     -- keep what a separator that crosses into the next block could start with
-    local keep = math.max(start - 1, #buf - #P + 2, 1)
-    if keep > start then parts[#parts + 1] = buf:sub(start, keep - 1) end
+    local keep = math.max(start - 1, next_pos, 1)
+    if keep > start then
+      if #parts == 0 then parts.off = base + start - 1 end
+      parts[#parts + 1] = buf:sub(start, keep - 1)
+    end
     start = math.max(start - keep + 1, 1)
     base = base + keep - 1
     buf = buf:sub(keep)

@@ -416,6 +416,67 @@ static int l_hash_unit(lua_State *L) {
   return 1;
 }
 
+/* Whether s has a byte that is not ASCII white space (Lua's %S in the C locale). */
+static int has_visible(const char *s, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    unsigned char c = (unsigned char)s[i];
+    if (c != ' ' && (c < '\t' || c > '\r')) return 1;
+  }
+  return 0;
+}
+
+/* cut_documents(buf, pattern, start, pos, keep_first) -> docs, offsets, start, pos
+ * The documents of scripts/prepare_corpus.lua's text format that end in buf:
+ * every match of pattern ("\n" .. separator .. "\n") at or after pos ends
+ * the document that begins at start (through the match's first newline), and
+ * the next one begins after it; the search goes on from the match's last
+ * newline (it may begin the next separator). docs: those documents that have
+ * a visible byte (the first one kept regardless with keep_first, when the
+ * caller has its earlier bytes); offsets: where each begins in buf (1-based);
+ * then where the unfinished document begins and where to search on. One call
+ * per block: no Lua call per document. */
+static int l_cut_documents(lua_State *L) {
+  size_t n, plen;
+  const char *buf = luaL_checklstring(L, 1, &n);
+  const char *pat = luaL_checklstring(L, 2, &plen);
+  lua_Integer start = luaL_checkinteger(L, 3), pos = luaL_checkinteger(L, 4);
+  int keep_first = lua_toboolean(L, 5);
+  if (plen < 2 || pat[0] != '\n') return luaL_error(L, "cut_documents: the pattern must begin with a newline");
+  if (start < 1 || pos < 1 || (size_t)start > n + 1 || (size_t)pos > n + 1)
+    return luaL_error(L, "cut_documents: start %I or pos %I is outside the buffer", start, pos);
+  lua_newtable(L);
+  lua_newtable(L);
+  lua_Integer k = 0;
+  size_t s0 = (size_t)start - 1, p = (size_t)pos - 1; /* 0-based */
+  int first = 1;
+  while (p + plen <= n) {
+    const char *nl = memchr(buf + p, '\n', n - p - plen + 1);
+    if (!nl) {
+      p = n - plen + 1; /* no match can begin before here: the caller keeps only the tail */
+      break;
+    }
+    size_t i = (size_t)(nl - buf);
+    if (memcmp(nl, pat, plen) != 0) {
+      p = i + 1;
+      continue;
+    }
+    /* the document: [s0, i] (with the newline at i) */
+    size_t len = i + 1 > s0 ? i + 1 - s0 : 0;
+    if ((first && keep_first) || has_visible(buf + s0, len)) {
+      lua_pushlstring(L, buf + s0, len);
+      lua_rawseti(L, -3, ++k);
+      lua_pushinteger(L, (lua_Integer)s0 + 1);
+      lua_rawseti(L, -2, k);
+    }
+    first = 0;
+    s0 = i + plen;     /* after the separator line's newline */
+    p = i + plen - 1;  /* that newline may begin the next separator */
+  }
+  lua_pushinteger(L, (lua_Integer)s0 + 1);
+  lua_pushinteger(L, (lua_Integer)p + 1);
+  return 4;
+}
+
 /* document_checks(docs, seed, threads) -> units, bad: for each document its
  * hash_unit (units[i]) and, when it is not UTF-8, the offset of the first bad
  * byte counting from 0 (bad[i]; absent when it is). On threads (OpenMP): the
@@ -468,6 +529,7 @@ static int l_hash_hex(lua_State *L) {
 
 static const luaL_Reg data_functions[] = {
     {"shard_writer", l_shard_writer}, {"hash_hex", l_hash_hex}, {"document_checks", l_document_checks},
+    {"cut_documents", l_cut_documents},
     {"write_shard", l_write_shard}, {"read_shard", l_read_shard}, {"shard_info", l_shard_info},
     {"expand_paths", l_expand_paths}, {"loader", l_loader}, {"bytes_encode", l_bytes_encode},
     {"bytes_decode", l_bytes_decode}, {"hash_unit", l_hash_unit}, {NULL, NULL}};
