@@ -389,31 +389,19 @@ local function run_pipeline(encode, sinks)
   local threads = args.threads
   local function flush()
     if #docs == 0 then return end
-    -- hash units and UTF-8 checks of the whole batch in C, on threads
-    local units, bad = C.document_checks(docs, seed, threads)
-    if not legacy and next(bad) then -- the byte-level shards take any bytes, as before
-      local kept, kept_units = {}, {}
-      for i, d in ipairs(docs) do
-        if bad[i] then
-          bad_input(not_utf8(paths[i], ats[i], bad[i]))
-        else
-          kept[#kept + 1] = d
-          kept_units[#kept_units + 1] = units[i]
-        end
+    -- the UTF-8 check and the split of the whole batch in C, on threads
+    -- (the byte-level shards take any bytes, as before)
+    local train, val, train_bytes, val_bytes, bad = C.split_documents(docs, seed, val_fraction, threads, legacy)
+    if next(bad) then
+      for i = 1, #docs do
+        if bad[i] then bad_input(not_utf8(paths[i], ats[i], bad[i])) end
       end
-      docs, units = kept, kept_units
     end
     local t0 = pg.wtime()
-    local ids = encode(docs)
+    local train_ids, val_ids = encode(train), encode(val)
     encode_s = encode_s + (pg.wtime() - t0)
-    local tr, va = { ids = {}, bytes = 0 }, { ids = {}, bytes = 0 }
-    for i, d in ipairs(docs) do
-      local side = units[i] < val_fraction and va or tr
-      side.ids[#side.ids + 1] = ids[i]
-      side.bytes = side.bytes + #d
-    end
-    sinks.train.write(tr.ids, tr.bytes)
-    sinks.val.write(va.ids, va.bytes)
+    sinks.train.write(train_ids, train_bytes)
+    sinks.val.write(val_ids, val_bytes)
     progress_tokens = sinks.train.live_tokens() + sinks.val.live_tokens()
     docs, paths, ats, nbytes = {}, {}, {}, 0
   end

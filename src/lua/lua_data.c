@@ -477,24 +477,30 @@ static int l_cut_documents(lua_State *L) {
   return 4;
 }
 
-/* document_checks(docs, seed, threads) -> units, bad: for each document its
- * hash_unit (units[i]) and, when it is not UTF-8, the offset of the first bad
- * byte counting from 0 (bad[i]; absent when it is). On threads (OpenMP): the
- * per-document work of scripts/prepare_corpus.lua besides tokenizing. */
-static int l_document_checks(lua_State *L) {
+/* split_documents(docs, seed, val_fraction, threads [, any_bytes]) -> train, val, train_bytes, val_bytes, bad
+ * scripts/prepare_corpus.lua's per-document work besides tokenizing, on
+ * threads (OpenMP) and without a Lua call per document: a document that is
+ * not UTF-8 goes to bad (bad[i] = the offset of its first bad byte, counting
+ * from 0; i its index in docs), every other one to val when its hash_unit
+ * under seed is below val_fraction, else to train, in order; the byte counts
+ * are of the documents each list holds. any_bytes: no UTF-8 check (the
+ * byte-level shards take any bytes). */
+static int l_split_documents(lua_State *L) {
   luaL_checktype(L, 1, LUA_TTABLE);
-  uint64_t seed = (uint64_t)luaL_optinteger(L, 2, 0);
-  lua_Integer threads = luaL_optinteger(L, 3, 0);
+  uint64_t seed = (uint64_t)luaL_checkinteger(L, 2);
+  double fraction = luaL_checknumber(L, 3);
+  lua_Integer threads = luaL_optinteger(L, 4, 0);
+  int any_bytes = lua_toboolean(L, 5);
   size_t n = (size_t)lua_rawlen(L, 1);
   if (n > SIZE_MAX / (sizeof(const char *) + 2 * sizeof(size_t) + sizeof(double)))
-    return luaL_error(L, "document_checks: %zu documents", n);
+    return luaL_error(L, "split_documents: %zu documents", n);
   const char **texts = lua_newuserdatauv(L, (n ? n : 1) * sizeof *texts, 0);
   size_t *lens = lua_newuserdatauv(L, (n ? n : 1) * sizeof *lens, 0);
   size_t *bad = lua_newuserdatauv(L, (n ? n : 1) * sizeof *bad, 0);
   double *units = lua_newuserdatauv(L, (n ? n : 1) * sizeof *units, 0);
   for (size_t i = 0; i < n; i++) {
     if (lua_rawgeti(L, 1, (lua_Integer)i + 1) != LUA_TSTRING)
-      return luaL_error(L, "document_checks: docs[%d] is not a string", (int)i + 1);
+      return luaL_error(L, "split_documents: docs[%d] is not a string", (int)i + 1);
     texts[i] = lua_tolstring(L, -1, &lens[i]); /* kept alive by the table */
     lua_pop(L, 1);
   }
@@ -502,19 +508,31 @@ static int l_document_checks(lua_State *L) {
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 64) if (nt > 1 && n > 64)
   for (size_t i = 0; i < n; i++) {
     units[i] = pg_data_hash_unit(texts[i], lens[i], seed);
-    bad[i] = pg_data_utf8_invalid_at(texts[i], lens[i]);
+    bad[i] = any_bytes ? lens[i] : pg_data_utf8_invalid_at(texts[i], lens[i]);
   }
-  lua_createtable(L, n > INT_MAX ? INT_MAX : (int)n, 0);
-  lua_newtable(L);
+  lua_newtable(L); /* train */
+  lua_newtable(L); /* val */
+  lua_newtable(L); /* bad */
+  int t_train = lua_gettop(L) - 2, t_val = t_train + 1, t_bad = t_train + 2;
+  lua_Integer ktrain = 0, kval = 0, btrain = 0, bval = 0;
   for (size_t i = 0; i < n; i++) {
-    lua_pushnumber(L, units[i]);
-    lua_rawseti(L, -3, (lua_Integer)i + 1);
     if (bad[i] < lens[i]) {
       lua_pushinteger(L, (lua_Integer)bad[i]);
-      lua_rawseti(L, -2, (lua_Integer)i + 1);
+      lua_rawseti(L, t_bad, (lua_Integer)i + 1);
+      continue;
     }
+    int to_val = units[i] < fraction;
+    lua_rawgeti(L, 1, (lua_Integer)i + 1);
+    lua_rawseti(L, to_val ? t_val : t_train, to_val ? ++kval : ++ktrain);
+    if (to_val) bval += (lua_Integer)lens[i];
+    else btrain += (lua_Integer)lens[i];
   }
-  return 2;
+  lua_pushvalue(L, t_train);
+  lua_pushvalue(L, t_val);
+  lua_pushinteger(L, btrain);
+  lua_pushinteger(L, bval);
+  lua_pushvalue(L, t_bad);
+  return 5;
 }
 
 /* hash_hex(string) -> 16 hex digits of pg_data_hash(string, 0): a content digest (of a corpus's tokenizer.json) */
@@ -528,7 +546,7 @@ static int l_hash_hex(lua_State *L) {
 }
 
 static const luaL_Reg data_functions[] = {
-    {"shard_writer", l_shard_writer}, {"hash_hex", l_hash_hex}, {"document_checks", l_document_checks},
+    {"shard_writer", l_shard_writer}, {"hash_hex", l_hash_hex}, {"split_documents", l_split_documents},
     {"cut_documents", l_cut_documents},
     {"write_shard", l_write_shard}, {"read_shard", l_read_shard}, {"shard_info", l_shard_info},
     {"expand_paths", l_expand_paths}, {"loader", l_loader}, {"bytes_encode", l_bytes_encode},
