@@ -107,6 +107,7 @@ else
   if #args.input == 0 then p:error("--input is required with --tokenizer") end
   if not args.out then p:error("--out is required with --tokenizer") end
   if args.format ~= "jsonl" and args.field then p:error("--field is for --format=jsonl") end
+  if args.format == "jsonl" and args.separator then p:error("--separator is for --format=text (a JSONL line is a document)") end
 end
 local val_fraction, seed = args.val_fraction, args.seed
 if not val_fraction or val_fraction < 0 or val_fraction > 1 then
@@ -489,6 +490,12 @@ if pg.fs.kind(out) ~= nil then
     existing = ok and type(j) == "table" and j or false
     if existing == false and not args.overwrite then
       die("--out %s is not empty and holds no corpus (no dataset.json): give --overwrite to replace it", out)
+    end
+    -- a corpus has no subdirectories: --overwrite never removes a tree such as a home directory
+    for _, name in ipairs(pg.fs.list(out)) do
+      if pg.fs.kind(out .. "/" .. name) == "directory" then
+        die("--out %s holds the directory %s: not a corpus, and not replaced even with --overwrite", out, name)
+      end
     end
   end
 end

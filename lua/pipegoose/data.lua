@@ -100,7 +100,9 @@ function M.dtype_for(vocab_size) return vocab_size <= 65536 and "uint16" or "uin
 --- pg.data.ShardWriter(path, dtype): a shard written as it grows
 -- (src/runtime/pg_data.h: a temporary file renamed onto path by close, so path
 -- is only ever a whole shard). w:append(id | int32 tensor | table [, first, count]),
--- w:tokens(), w:close(), w:abort().
+-- w:append_documents(tensors, first, pos, doc_token, at_end, limit) (a batch of documents
+-- with their document token, up to a shard of `limit` ids: src/lua/lua_data.c),
+-- w:tokens(), w:close(), w:abort() (also what collecting a writer never closed does).
 function M.ShardWriter(path, dtype)
   local v = VERSION_OF[dtype]
   if not v then error(("ShardWriter: dtype must be \"uint16\" or \"uint32\", not %s"):format(tostring(dtype)), 2) end
