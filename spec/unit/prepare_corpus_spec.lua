@@ -258,7 +258,11 @@ describe("prepare_corpus.lua --tokenizer", function()
     prepare_ok{ "--out=" .. path("legacy"), "--name=t", "--val-fraction=0", in_a, in_b }
     assert.same(pg.data.read_shard(path("legacy/t_train.bin")):totable(), split_ids(out, "train"))
     local tok = pg.tokenizer.load(out)
-    for _, d in ipairs(all_docs) do assert.same(pg.data.bytes.encode(d):totable(), tok:encode(d)) end
+    for _, d in ipairs(all_docs) do
+      assert.same(pg.data.bytes.encode(d):totable(), tok:encode(d))
+      assert.equal(d, tok:decode(tok:encode(d)))
+    end
+    assert_round_trip(out, all_docs, 0, 0)
   end)
 
   it("one document per file without a separator; directories and globs as inputs", function()
