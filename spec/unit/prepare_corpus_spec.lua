@@ -265,6 +265,22 @@ describe("prepare_corpus.lua --tokenizer", function()
     assert_round_trip(out, all_docs, 0, 0)
   end)
 
+  it("draws a progress bar on stderr with --progress, and none when stderr is not a terminal", function()
+    local base = { "--tokenizer=" .. GPT2, "--eos-token=" .. EOT, "--input=" .. in_a, "--separator=%" }
+    local function run(extra, out)
+      local a = { "scripts/prepare_corpus.lua" }
+      for _, x in ipairs(base) do a[#a + 1] = x end
+      for _, x in ipairs(extra) do a[#a + 1] = x end
+      a[#a + 1] = "--out=" .. out
+      -- stdout to /dev/null: what is left is stderr
+      local rc, err = h.sh(h.pglua_cmd(a) .. " >/dev/null")
+      assert.equal(0, rc, err)
+      return err
+    end
+    has(run({ "--progress" }, path("p_on")), "100%")
+    assert.is_nil(run({}, path("p_off")):find("100%", 1, true))
+  end)
+
   it("one document per file without a separator; directories and globs as inputs", function()
     local sub = path("tree")
     pg.fs.mkdir_p(sub .. "/deeper")
