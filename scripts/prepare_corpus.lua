@@ -358,16 +358,16 @@ local function new_sink(split, dir, dtype, doc_token, at_end, limit, name_of)
     w:close()
     w = nil
   end
-  --- ids: a list of int32 tensors, one a document
-  function s.write(ids, nbytes)
-    s.documents = s.documents + #ids
+  --- ids: an int32 tensor of the documents' ids one after another; counts: each document's
+  function s.write(ids, counts, nbytes)
+    s.documents = s.documents + #counts
     s.bytes = s.bytes + nbytes
-    if #ids == 0 then return end
+    if #counts == 0 then return end
     local k, pos = 1, 0
     while true do
       if w and w:tokens() >= limit then close() end
       if not w then open() end
-      k, pos = w:append_documents(ids, k, pos, doc_token, at_end, limit)
+      k, pos = w:append_documents(ids, counts, k, pos, doc_token, at_end, limit)
       if not k then break end
     end
   end
@@ -399,10 +399,11 @@ local function run_pipeline(encode, sinks)
       end
     end
     local t0 = pg.wtime()
-    local train_ids, val_ids = encode(train), encode(val)
+    local train_ids, train_counts = encode(train)
+    local val_ids, val_counts = encode(val)
     encode_s = encode_s + (pg.wtime() - t0)
-    sinks.train.write(train_ids, train_bytes)
-    sinks.val.write(val_ids, val_bytes)
+    sinks.train.write(train_ids, train_counts, train_bytes)
+    sinks.val.write(val_ids, val_counts, val_bytes)
     progress_tokens = sinks.train.live_tokens() + sinks.val.live_tokens()
     docs, paths, ats, nbytes = {}, {}, {}, 0
   end
@@ -416,10 +417,11 @@ local function run_pipeline(encode, sinks)
   return encode_s
 end
 
+--- The byte ids of docs one after another, and each one's count (encode_batch's flat result).
 local function bytes_encode(docs)
-  local out = {}
-  for i, d in ipairs(docs) do out[i] = pg.data.bytes.encode(d) end
-  return out
+  local counts = {}
+  for i, d in ipairs(docs) do counts[i] = #d end
+  return pg.data.bytes.encode(table.concat(docs)), counts
 end
 
 if legacy then
@@ -563,7 +565,7 @@ local ok, err = pcall(function()
     tok = pg.tokenizer.load(spec)
   end
   local th = args.threads
-  encode = function(docs) return tok:encode_batch(docs, { threads = th, add_special = false, tensor = true }) end
+  encode = function(docs) return tok:encode_batch(docs, { threads = th, add_special = false, flat = true }) end
   if args.eos_token then
     doc_token = tok:token_to_id(args.eos_token)
     if not doc_token then die("--eos-token '%s' is not a token of %s", args.eos_token, spec) end

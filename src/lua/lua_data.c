@@ -128,36 +128,49 @@ static int l_writer_append(lua_State *L) {
   return 0;
 }
 
-/* w:append_documents(docs, first, pos, doc_token, at_end, limit) -> next, next_pos | nothing
- * docs: a list of int32 tensors, one document's ids each. Document k is its ids
- * with doc_token before them (at_end false) or after (true). Appends from
+/* w:append_documents(ids, counts, first, pos, doc_token, at_end, limit) -> next, next_pos | nothing
+ * ids: an int32 tensor of documents' ids one after another, counts: a list of
+ * each document's id count (tok:encode_batch's flat result). Document k is its
+ * ids with doc_token before them (at_end false) or after (true). Appends from
  * position pos (counting from 0) of document `first` (1-based) on until the
  * shard holds `limit` tokens; returns where to go on in the next shard, or
  * nothing once every document is in. One call per batch of documents: the
  * rollover rule of scripts/prepare_corpus.lua without a Lua call per document. */
 static int l_writer_append_documents(lua_State *L) {
   pg_shard_writer *w = check_writer(L);
-  luaL_checktype(L, 2, LUA_TTABLE);
-  lua_Integer n = (lua_Integer)lua_rawlen(L, 2);
-  lua_Integer k = luaL_checkinteger(L, 3), pos = luaL_checkinteger(L, 4);
-  lua_Integer tokv = luaL_checkinteger(L, 5);
-  int at_end = lua_toboolean(L, 6);
-  lua_Integer limit = luaL_checkinteger(L, 7);
+  pg_tensor *t = pg_lua_test_tensor(L, 2);
+  if (!t || !t->storage || t->dtype != PG_INT32) return luaL_error(L, "append_documents: ids must be an int32 tensor");
+  luaL_checktype(L, 3, LUA_TTABLE);
+  lua_Integer n = (lua_Integer)lua_rawlen(L, 3);
+  lua_Integer k = luaL_checkinteger(L, 4), pos = luaL_checkinteger(L, 5);
+  lua_Integer tokv = luaL_checkinteger(L, 6);
+  int at_end = lua_toboolean(L, 7);
+  lua_Integer limit = luaL_checkinteger(L, 8);
   if (tokv < 0 || tokv > INT32_MAX) return luaL_error(L, "append_documents: doc_token %I is not a token id", tokv);
   if (limit <= w->ntokens) return luaL_error(L, "append_documents: the shard is already full (%I tokens)", limit);
+  if (k < 1) return luaL_error(L, "append_documents: first %I is not a document", k);
   int32_t tok = (int32_t)tokv;
+  const int32_t *all = pg_tensor_i32(t);
+  /* where document k's ids begin in the tensor: the counts before it */
+  int64_t at = 0;
+  for (lua_Integer i = 1; i < k && i <= n; i++) {
+    lua_rawgeti(L, 3, i);
+    at += (int64_t)lua_tointeger(L, -1);
+    lua_pop(L, 1);
+  }
   for (; k <= n; k++, pos = 0) {
-    lua_rawgeti(L, 2, k);
-    pg_tensor *t = pg_lua_test_tensor(L, -1);
-    if (!t || !t->storage || t->dtype != PG_INT32)
-      return luaL_error(L, "append_documents: docs[%I] is not an int32 tensor", k);
-    const int32_t *ids = pg_tensor_i32(t);
-    int64_t len = t->numel + 1; /* with the document token */
+    lua_rawgeti(L, 3, k);
+    int isint = 0;
+    lua_Integer cnt = lua_tointegerx(L, -1, &isint);
+    lua_pop(L, 1);
+    if (!isint || cnt < 0 || cnt > t->numel - at)
+      return luaL_error(L, "append_documents: counts[%I] does not fit the %I ids", k, (lua_Integer)t->numel);
+    const int32_t *ids = all + at;
+    int64_t len = cnt + 1; /* with the document token */
     if (pos < 0 || pos >= len) return luaL_error(L, "append_documents: position %I is outside document %I", pos, k);
     while (pos < len) {
       int64_t room = limit - w->ntokens;
       if (room == 0) {
-        lua_pop(L, 1);
         lua_pushinteger(L, k);
         lua_pushinteger(L, pos);
         return 2;
@@ -166,17 +179,17 @@ static int l_writer_append_documents(lua_State *L) {
       int64_t ids_from = at_end ? pos : pos - 1; /* index into ids of sequence position pos (-1: the token) */
       int rc;
       int64_t wrote;
-      if (ids_from < 0 || ids_from >= t->numel) {
+      if (ids_from < 0 || ids_from >= cnt) {
         rc = pg_shard_writer_append(w, &tok, 1), wrote = 1;
       } else {
-        int64_t m = t->numel - ids_from;
+        int64_t m = cnt - ids_from;
         if (m > room) m = room;
         rc = pg_shard_writer_append(w, ids + ids_from, m), wrote = m;
       }
       PG_LUA_CHECK(L, rc);
       pos += wrote;
     }
-    lua_pop(L, 1);
+    at += cnt;
   }
   return 0;
 }
