@@ -446,7 +446,7 @@ describe("TokenShards: headerless files and llm.c's stride", function()
       "3 bytes are not a whole number of uint16 ids")
     has(h.err_of(pg.data.TokenShards, { path = raw, dtype = "uint16", batch = 1, seq_len = 4, vocab = 50 }),
       "token 50 at position 50 (counting from 0) is not below the vocabulary size 50")
-    assert.same({ 0, 1, 2 }, { table.unpack(pg.core.token_data.read_shard(raw, nil, 1):totable(), 1, 3) })
+    assert.same({ 0, 1, 2 }, { table.unpack(pg.data.read_shard(raw, nil, "uint16"):totable(), 1, 3) })
   end)
 
   it("stride = \"llmc\": batches of B*T + 1 consecutive ids, advancing B*T", function()
