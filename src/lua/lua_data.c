@@ -490,6 +490,247 @@ static int l_cut_documents(lua_State *L) {
   return 4;
 }
 
+/* ---- JSONL: one string field of each line, on threads ----
+ * A strict RFC 8259 reader that only finds and decodes the top-level string
+ * `field` of an object. It answers for the lines it is sure of: valid JSON,
+ * an object, the field a string (the last one, when repeated, as cjson's
+ * table keeps it), no surrogate escapes; every other line (invalid JSON, a
+ * missing or non-string field, \u surrogates, NaN or hex numbers cjson may
+ * take) is left to scripts/prepare_corpus.lua's cjson path, which has the
+ * error messages. So this is only a faster road to cjson's result. */
+
+typedef struct {
+  const char *p, *end;
+} jcur;
+
+static void jws(jcur *c) {
+  while (c->p < c->end && (*c->p == ' ' || *c->p == '\t' || *c->p == '\n' || *c->p == '\r')) c->p++;
+}
+
+static int jhex4(const char *p) {
+  int v = 0;
+  for (int i = 0; i < 4; i++) {
+    char ch = p[i];
+    v <<= 4;
+    if (ch >= '0' && ch <= '9') v |= ch - '0';
+    else if (ch >= 'a' && ch <= 'f') v |= ch - 'a' + 10;
+    else if (ch >= 'A' && ch <= 'F') v |= ch - 'A' + 10;
+    else return -1;
+  }
+  return v;
+}
+
+/* A string at c->p (on its opening quote). out: NULL to skip it, else a buffer
+ * of at least its raw length that gets the decoded bytes (*olen). */
+static int jstring(jcur *c, char *out, size_t *olen) {
+  if (c->p >= c->end || *c->p != '"') return 0;
+  c->p++;
+  size_t k = 0;
+  while (c->p < c->end) {
+    unsigned char ch = (unsigned char)*c->p;
+    if (ch == '"') {
+      c->p++;
+      if (olen) *olen = k;
+      return 1;
+    }
+    if (ch < 0x20) return 0; /* control characters must be escaped */
+    if (ch != '\\') {
+      if (out) out[k] = (char)ch;
+      k++, c->p++;
+      continue;
+    }
+    if (c->end - c->p < 2) return 0;
+    char e = c->p[1];
+    c->p += 2;
+    char r;
+    switch (e) {
+      case '"': r = '"'; break;
+      case '\\': r = '\\'; break;
+      case '/': r = '/'; break;
+      case 'b': r = '\b'; break;
+      case 'f': r = '\f'; break;
+      case 'n': r = '\n'; break;
+      case 'r': r = '\r'; break;
+      case 't': r = '\t'; break;
+      case 'u': {
+        if (c->end - c->p < 4) return 0;
+        int v = jhex4(c->p);
+        if (v < 0 || (v >= 0xD800 && v <= 0xDFFF)) return 0; /* surrogates: cjson's road */
+        c->p += 4;
+        /* UTF-8 of v (at most 3 bytes, never more than the 6 of the escape) */
+        if (v < 0x80) {
+          if (out) out[k] = (char)v;
+          k++;
+        } else if (v < 0x800) {
+          if (out) out[k] = (char)(0xC0 | (v >> 6)), out[k + 1] = (char)(0x80 | (v & 0x3F));
+          k += 2;
+        } else {
+          if (out) out[k] = (char)(0xE0 | (v >> 12)), out[k + 1] = (char)(0x80 | ((v >> 6) & 0x3F)),
+                   out[k + 2] = (char)(0x80 | (v & 0x3F));
+          k += 3;
+        }
+        continue;
+      }
+      default: return 0;
+    }
+    if (out) out[k] = r;
+    k++;
+  }
+  return 0;
+}
+
+static int jvalue(jcur *c, int depth);
+
+static int jnumber(jcur *c) {
+  const char *p = c->p;
+  if (p < c->end && *p == '-') p++;
+  if (p >= c->end) return 0;
+  if (*p == '0') p++;
+  else if (*p >= '1' && *p <= '9') while (p < c->end && *p >= '0' && *p <= '9') p++;
+  else return 0;
+  if (p < c->end && *p == '.') {
+    p++;
+    if (p >= c->end || *p < '0' || *p > '9') return 0;
+    while (p < c->end && *p >= '0' && *p <= '9') p++;
+  }
+  if (p < c->end && (*p == 'e' || *p == 'E')) {
+    p++;
+    if (p < c->end && (*p == '+' || *p == '-')) p++;
+    if (p >= c->end || *p < '0' || *p > '9') return 0;
+    while (p < c->end && *p >= '0' && *p <= '9') p++;
+  }
+  c->p = p;
+  return 1;
+}
+
+static int jword(jcur *c, const char *w) {
+  size_t n = strlen(w);
+  if ((size_t)(c->end - c->p) < n || memcmp(c->p, w, n)) return 0;
+  c->p += n;
+  return 1;
+}
+
+static int jcontainer(jcur *c, int depth, char close) {
+  c->p++;
+  jws(c);
+  if (c->p < c->end && *c->p == close) return c->p++, 1;
+  for (;;) {
+    if (close == '}') {
+      if (!jstring(c, NULL, NULL)) return 0;
+      jws(c);
+      if (c->p >= c->end || *c->p != ':') return 0;
+      c->p++;
+    }
+    if (!jvalue(c, depth + 1)) return 0;
+    jws(c);
+    if (c->p < c->end && *c->p == ',') {
+      c->p++;
+      jws(c);
+      continue;
+    }
+    if (c->p < c->end && *c->p == close) return c->p++, 1;
+    return 0;
+  }
+}
+
+static int jvalue(jcur *c, int depth) {
+  if (depth > 200) return 0; /* deeper: cjson's road */
+  jws(c);
+  if (c->p >= c->end) return 0;
+  switch (*c->p) {
+    case '"': return jstring(c, NULL, NULL);
+    case '{': return jcontainer(c, depth, '}');
+    case '[': return jcontainer(c, depth, ']');
+    case 't': return jword(c, "true");
+    case 'f': return jword(c, "false");
+    case 'n': return jword(c, "null");
+    default: return jnumber(c);
+  }
+}
+
+/* The field's string of one line, decoded into out (room for n bytes: a
+ * decoded string is never longer than its line); 0 when cjson must decide. */
+static int jsonl_field(const char *line, size_t n, const char *field, size_t flen, char *out, size_t *olen) {
+  jcur c = {line, line + n};
+  jws(&c);
+  if (c.p >= c.end || *c.p != '{') return 0;
+  c.p++;
+  jws(&c);
+  const char *found = NULL; /* the last occurrence's value */
+  if (c.p < c.end && *c.p == '}') {
+    c.p++;
+  } else {
+    for (;;) {
+      const char *key = c.p;
+      if (!jstring(&c, NULL, NULL)) return 0;
+      size_t klen = (size_t)(c.p - key); /* with its quotes */
+      if (memchr(key, '\\', klen)) return 0; /* an escaped key might spell the field: cjson's road */
+      int is_field = klen == flen + 2 && memcmp(key + 1, field, flen) == 0;
+      jws(&c);
+      if (c.p >= c.end || *c.p != ':') return 0;
+      c.p++;
+      jws(&c);
+      const char *v = c.p;
+      if (!jvalue(&c, 1)) return 0;
+      if (is_field) found = v;
+      jws(&c);
+      if (c.p < c.end && *c.p == ',') {
+        c.p++;
+        jws(&c);
+        continue;
+      }
+      if (c.p < c.end && *c.p == '}') {
+        c.p++;
+        break;
+      }
+      return 0;
+    }
+  }
+  jws(&c);
+  if (c.p != c.end || !found || *found != '"') return 0;
+  jcur s = {found, line + n};
+  return jstring(&s, out, olen);
+}
+
+/* jsonl_fields(lines, field, threads) -> values: values[i] the string of
+ * lines[i]'s field, or false where scripts/prepare_corpus.lua must ask cjson
+ * (see above). On threads; the decoded strings go to one buffer Lua owns. */
+static int l_jsonl_fields(lua_State *L) {
+  luaL_checktype(L, 1, LUA_TTABLE);
+  size_t flen;
+  const char *field = luaL_checklstring(L, 2, &flen);
+  lua_Integer threads = luaL_optinteger(L, 3, 0);
+  size_t n = (size_t)lua_rawlen(L, 1);
+  if (n > SIZE_MAX / (sizeof(const char *) + 3 * sizeof(size_t) + 1))
+    return luaL_error(L, "jsonl_fields: %zu lines", n);
+  const char **lines = lua_newuserdatauv(L, (n ? n : 1) * sizeof *lines, 0);
+  size_t *lens = lua_newuserdatauv(L, (n ? n : 1) * sizeof *lens, 0);
+  size_t *at = lua_newuserdatauv(L, (n ? n : 1) * sizeof *at, 0);
+  size_t *vlens = lua_newuserdatauv(L, (n ? n : 1) * sizeof *vlens, 0);
+  unsigned char *ok = lua_newuserdatauv(L, n ? n : 1, 0);
+  size_t total = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (lua_rawgeti(L, 1, (lua_Integer)i + 1) != LUA_TSTRING)
+      return luaL_error(L, "jsonl_fields: lines[%d] is not a string", (int)i + 1);
+    lines[i] = lua_tolstring(L, -1, &lens[i]); /* kept alive by the table */
+    lua_pop(L, 1);
+    if (lens[i] > SIZE_MAX - total) return luaL_error(L, "jsonl_fields: the lines are too long");
+    at[i] = total;
+    total += lens[i];
+  }
+  char *arena = lua_newuserdatauv(L, total ? total : 1, 0);
+  int nt = threads > 0 && threads <= 1024 ? (int)threads : omp_get_max_threads();
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 16) if (nt > 1 && n > 16)
+  for (size_t i = 0; i < n; i++) ok[i] = (unsigned char)jsonl_field(lines[i], lens[i], field, flen, arena + at[i], &vlens[i]);
+  lua_createtable(L, n > INT_MAX ? INT_MAX : (int)n, 0);
+  for (size_t i = 0; i < n; i++) {
+    if (ok[i]) lua_pushlstring(L, arena + at[i], vlens[i]);
+    else lua_pushboolean(L, 0);
+    lua_rawseti(L, -2, (lua_Integer)i + 1);
+  }
+  return 1;
+}
+
 /* split_documents(docs, seed, val_fraction, threads [, any_bytes]) -> train, val, train_bytes, val_bytes, bad
  * scripts/prepare_corpus.lua's per-document work besides tokenizing, on
  * threads (OpenMP) and without a Lua call per document: a document that is
@@ -560,7 +801,7 @@ static int l_hash_hex(lua_State *L) {
 
 static const luaL_Reg data_functions[] = {
     {"shard_writer", l_shard_writer}, {"hash_hex", l_hash_hex}, {"split_documents", l_split_documents},
-    {"cut_documents", l_cut_documents},
+    {"cut_documents", l_cut_documents}, {"jsonl_fields", l_jsonl_fields},
     {"write_shard", l_write_shard}, {"read_shard", l_read_shard}, {"shard_info", l_shard_info},
     {"expand_paths", l_expand_paths}, {"loader", l_loader}, {"bytes_encode", l_bytes_encode},
     {"bytes_decode", l_bytes_decode}, {"hash_unit", l_hash_unit}, {NULL, NULL}};
