@@ -331,7 +331,7 @@ if not progress_on then
 end
 local human = require("pipegoose.callbacks.progress_bar").human
 local t_start = pg.wtime()
-local read_bytes, last_draw, passes = 0, 0, 1
+local read_bytes, last_draw = 0, 0
 local pass_label = ""
 local progress_tokens = 0
 local function on_bytes(n)
@@ -566,7 +566,7 @@ local ok, err = pcall(function()
       pass_label = "text "
       each_document(function(d) h:write(d, "\n") end, on_bytes)
       h:close()
-      read_bytes, skipped, pass_label = 0, 0, ""
+      read_bytes, skipped, pass_label, t_start = 0, 0, "", pg.wtime()
       train_files = { text_path }
     end
     tok = pg.tokenizer.train{ files = train_files, vocab_size = vs, special_tokens = { "<|endoftext|>" },
