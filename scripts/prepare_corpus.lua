@@ -194,8 +194,10 @@ if pg.world_rank() ~= 0 then return end -- one writer when started under mpirun
 local block_bytes = args.block_bytes
 
 --- Calls emit(doc, path, offset) for each document of a text file (offset:
--- the document's first byte in the file, counting from 0).
-local function text_documents(path, sep, emit, on_bytes)
+-- the document's first byte in the file, counting from 0), or for a block's
+-- run of them emit_many(docs, first, offs, base, path): docs[first..] begin at
+-- file offsets base + offs[k] - 1 and have a visible byte.
+local function text_documents(path, sep, emit, on_bytes, emit_many)
   local f, err = io.open(path, "rb")
   if not f then die("%s", tostring(err)) end
   if sep == nil then -- one document: the file
@@ -223,7 +225,7 @@ local function text_documents(path, sep, emit, on_bytes)
       emit(table.concat(parts), path, parts.off)
       parts, first = {}, 2
     end
-    for k = first, #docs do emit(docs[k], path, base + offs[k] - 1) end
+    if first <= #docs then emit_many(docs, first, offs, base, path) end
     start = next_start
     if not block then
       -- the file ends: a last line that is the separator has no newline after it
@@ -305,13 +307,17 @@ end
 --- Every document of every file, in order: visit(doc, path, at), at the
 -- document's byte offset in the file (text) or its line (jsonl); empty and
 -- whitespace-only documents dropped.
-local function each_document(visit, on_bytes)
+local function each_document(visit, on_bytes, visit_many)
   local function emit(d, path, off, line_no)
     if d:find("%S") then visit(d, path, line_no or off) end
   end
+  -- visit_many(docs, first, offs, base, path): a block's documents at once, without a Lua call each
+  visit_many = visit_many or function(docs, first, offs, base, path)
+    for k = first, #docs do visit(docs[k], path, base + offs[k] - 1) end
+  end
   for _, path in ipairs(files) do
     if args.format == "jsonl" then jsonl_documents(path, emit, on_bytes, bad_input)
-    else text_documents(path, separator, emit, on_bytes) end
+    else text_documents(path, separator, emit, on_bytes, visit_many) end
   end
 end
 
@@ -396,7 +402,8 @@ local batch_bytes = args.batch_bytes
 --- Reads every document, tokenizes them in batches with encode(list) -> list of
 -- int32 tensors, and sends each to its split's sink. Returns the encode seconds.
 local function run_pipeline(encode, sinks)
-  local docs, paths, ats, nbytes = {}, {}, {}, 0
+  -- the batch: its documents, and where each came from in runs (segs: a block's run or one document)
+  local docs, segs, nbytes = {}, {}, 0
   local encode_s = 0
   local threads = args.threads
   local function flush()
@@ -405,8 +412,13 @@ local function run_pipeline(encode, sinks)
     -- (the byte-level shards take any bytes, as before)
     local train, val, train_bytes, val_bytes, bad = C.split_documents(docs, seed, val_fraction, threads, legacy)
     if next(bad) then
-      for i = 1, #docs do
-        if bad[i] then bad_input(not_utf8(paths[i], ats[i], bad[i])) end
+      for _, g in ipairs(segs) do
+        for i = g.from, g.to do
+          if bad[i] then
+            local at = g.at or (g.base + g.offs[i - g.from + g.first] - 1)
+            bad_input(not_utf8(g.path, at, bad[i]))
+          end
+        end
       end
     end
     local t0 = pg.wtime()
@@ -416,14 +428,22 @@ local function run_pipeline(encode, sinks)
     sinks.train.write(train_ids, train_counts, train_bytes)
     sinks.val.write(val_ids, val_counts, val_bytes)
     progress_tokens = sinks.train.live_tokens() + sinks.val.live_tokens()
-    docs, paths, ats, nbytes = {}, {}, {}, 0
+    docs, segs, nbytes = {}, {}, 0
   end
   each_document(function(d, path, at)
     local k = #docs + 1
-    docs[k], paths[k], ats[k] = d, path, at
+    docs[k] = d
+    segs[#segs + 1] = { from = k, to = k, path = path, at = at }
     nbytes = nbytes + #d
     if nbytes >= batch_bytes then flush() end
-  end, on_bytes)
+  end, on_bytes, function(list, first, offs, base, path)
+    local n0 = #docs
+    table.move(list, first, #list, n0 + 1, docs)
+    segs[#segs + 1] = { from = n0 + 1, to = #docs, path = path, offs = offs, base = base, first = first }
+    -- the run's span in the block (separators included): the batch size is a knob, not a count
+    nbytes = nbytes + (offs[#list] + #list[#list] - offs[first])
+    if nbytes >= batch_bytes then flush() end
+  end)
   flush()
   return encode_s
 end
