@@ -656,7 +656,7 @@ static int jsonl_field(const char *line, size_t n, const char *field, size_t fle
   if (c.p >= c.end || *c.p != '{') return 0;
   c.p++;
   jws(&c);
-  const char *found = NULL; /* the last occurrence's value */
+  int found = 0; /* 1: the last occurrence of the field was a string, decoded into out; -1: it was not */
   if (c.p < c.end && *c.p == '}') {
     c.p++;
   } else {
@@ -670,9 +670,13 @@ static int jsonl_field(const char *line, size_t n, const char *field, size_t fle
       if (c.p >= c.end || *c.p != ':') return 0;
       c.p++;
       jws(&c);
-      const char *v = c.p;
-      if (!jvalue(&c, 1)) return 0;
-      if (is_field) found = v;
+      if (is_field && c.p < c.end && *c.p == '"') { /* decoded as it is read: one pass over the text */
+        if (!jstring(&c, out, olen)) return 0;
+        found = 1;
+      } else {
+        if (!jvalue(&c, 1)) return 0;
+        if (is_field) found = -1;
+      }
       jws(&c);
       if (c.p < c.end && *c.p == ',') {
         c.p++;
@@ -687,9 +691,7 @@ static int jsonl_field(const char *line, size_t n, const char *field, size_t fle
     }
   }
   jws(&c);
-  if (c.p != c.end || !found || *found != '"') return 0;
-  jcur s = {found, line + n};
-  return jstring(&s, out, olen);
+  return c.p == c.end && found == 1;
 }
 
 /* jsonl_fields(lines, field, threads) -> values: values[i] the string of
