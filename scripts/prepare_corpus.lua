@@ -252,8 +252,8 @@ end
 local function jsonl_documents(path, emit, on_bytes, bad)
   local f, err = io.open(path, "rb")
   if not f then die("%s", tostring(err)) end
-  -- a line the C reader leaves to cjson: invalid, not an object, no string field, or unusual
-  local function with_cjson(line, line_no)
+  -- one line's document (lua-cjson decodes it): the field's string, or what is wrong, by file:line
+  local function document_of(line, line_no)
     local ok, j = pcall(cjson.decode, line)
     if not ok then return bad(("%s:%d: not valid JSON (%s)"):format(path, line_no, (tostring(j):gsub("^.-: ", "")))) end
     -- cjson decodes an array to a table too: an object is what starts with {
@@ -266,14 +266,9 @@ local function jsonl_documents(path, emit, on_bytes, bad)
     emit(v, path, nil, line_no)
   end
   local buf, line_no = "", 0
-  local threads = args.threads
-  -- the block's lines: their field decoded in C on threads (C.jsonl_fields), in order
   local function lines_of(list, first_no)
-    local values = C.jsonl_fields(list, field, threads)
     for i, line in ipairs(list) do
-      local v = values[i]
-      if v then emit(v, path, nil, first_no + i - 1)
-      elseif line:find("%S") then with_cjson(line, first_no + i - 1) end -- blank lines are skipped
+      if line:find("%S") then document_of(line, first_no + i - 1) end -- blank lines are skipped
     end
   end
   while true do

@@ -381,39 +381,6 @@ describe("prepare_corpus.lua refuses bad input", function()
   end)
 end)
 
-describe("the JSONL field reader (token_data.jsonl_fields)", function()
-  -- C reads the lines it is sure of; every value it gives must be cjson's, and the rest is left to cjson
-  local lines = {
-    '{"text": "plain"}',
-    '  {"id": 3, "text": "escapes \\n \\t \\" \\\\ \\/ \\b \\f \\r", "x": [1, 2.5e-3, {"a": null}]}  ',
-    '{"text": "\\u00e9\\u20ac\\u0041\\u0000end"}',
-    '{"meta": {"text": "nested, not it"}, "text": "top"}',
-    '{"text": "first", "text": "last wins"}',
-    '{"text": ""}',
-    '{"other": -0.5E+7, "text": "after a number", "t": true, "f": false}',
-    '{"text": "\\ud83d\\ude00 a surrogate pair"}', -- left to cjson
-    '{"te\\u0078t": "an escaped key"}',          -- left to cjson
-    '{"text": 5}', '{"body": "x"}', '[1, 2]', '{"text": "unclosed"', '{"text": "x"} trailing', '{"text": "bad \\q"}',
-    '{"text": "tab\tinside"}', '{"text": 0x10}', '{"a": 01, "text": "x"}',
-  }
-  it("gives cjson's value for every line it reads, and reads the common ones", function()
-    local values = pg.core.token_data.jsonl_fields(lines, "text", 2)
-    local read = 0
-    for i, line in ipairs(lines) do
-      if values[i] then
-        read = read + 1
-        local ok, j = pcall(cjson.decode, line)
-        assert.is_true(ok, line)
-        assert.equal(j.text, values[i], line)
-      end
-    end
-    assert.equal(7, read) -- the first seven lines: plain JSON with a string field
-    assert.equal("last wins", values[5])
-    assert.equal("é€A\0end", values[3])
-    for i = 8, #lines do assert.is_false(values[i], lines[i]) end
-  end)
-end)
-
 describe("pg.data.corpus refuses", function()
   local good
   setup(function()
