@@ -8,8 +8,36 @@
 --                                                    version 1 or 7 forced, else 1 when every id < 65536
 --   pg.data.read_shard(path [, vocab]) -> int32 tensor of all tokens
 --   pg.data.shard_info(path) -> { version =, tokens = }
---   pg.data.TokenShards{ path =, batch =, seq_len =, seed = 0, shuffle = true, ctx = nil, vocab = nil }
+--   pg.data.TokenShards{ path =, batch =, seq_len =, seed = 0, shuffle = true, ctx = nil, vocab = nil,
+--                        dtype = nil, stride = "window" }
+--   pg.data.TokenShards{ corpus = dir or pg.data.corpus(dir), split = "train"|"val", batch =, ... }
+--   pg.data.corpus(dir) -> a prepared corpus (scripts/prepare_corpus.lua; below)
+--   pg.data.ShardWriter(path, dtype) -> a streaming shard writer (below)
 --   pg.data.bytes.encode(string) -> int32 tensor;  pg.data.bytes.decode(ids) -> string
+--
+-- A prepared corpus is a directory: tokenizer.json (+ tokenizer_config.json,
+-- special_tokens_map.json), shards train_000000.bin ... and val_000000.bin ...,
+-- and dataset.json, written last (a directory without it is unfinished):
+--   { format = "pipegoose-corpus", version = 1, dtype = "uint16"|"uint32",
+--     tokenizer = { file, hash (pg.data.hash_hex of tokenizer.json's bytes), vocab_size, bos_id, eos_id,
+--                   document_token, document_token_at = "start"|"end" },
+--     train = { shards, tokens, documents, bytes }, val = { ... }, inputs, input_format, field, separator,
+--     val_fraction, seed, skipped, created_by }
+-- (bytes: the documents' UTF-8 bytes, so bits per byte = loss * tokens / (bytes * ln 2) compares
+-- tokenizers). pg.data.corpus checks every field and the tokenizer's hash and returns
+-- { dir, tokenizer, vocab_size, dtype, hash, train = { paths (absolute), tokens, documents, bytes }, val }.
+--
+-- dtype = "uint16" | "uint32": the files are headerless raw little-endian ids
+-- (nanoGPT's train.bin is uint16); without it a file must have llm.c's header,
+-- and one without the magic is refused with a hint to give dtype.
+--
+-- stride = "window" (the default) is described next; "llmc" reads as llm.c's
+-- DataLoader: global batch u of a file is the B*T + 1 tokens from u*B*T
+-- (B = batch, T = seq_len), inputs its first B*T, targets the same shifted by
+-- one; consecutive batches share one token, a file has (tokens - 1) // (B*T)
+-- of them, and data rank d of D reads the (B/D)*T + 1 tokens from d*(B/D)*T in
+-- it (llm.c's process_rank offset). An epoch visits those batches in file
+-- order or, shuffled, in a seeded order as below.
 --
 -- TokenShards (the contract in docs/DESIGN.md):
 --   * path: a file, a glob ("data/train_*.bin", expanded sorted), or a list of either.
@@ -26,14 +54,16 @@
 --     loader without ctx reproduces the global batch of any data-parallel run.
 --   * :epoch() counts from 0. :next_batch() returns nil once per epoch, after its last
 --     batch; that call moves to the next epoch.
---   * state_dict() = { epoch, batch_index, seed, batch, seq_len, shuffle, files,
+--   * state_dict() = { epoch, batch_index, seed, batch, seq_len, shuffle, stride, files,
 --     file_tokens } (plain values). load_state_dict refuses a state whose order would
---     differ: another seed, batch, seq_len, shuffle, number of files, file names
+--     differ: another seed, batch, seq_len, shuffle, stride (a state without one is
+--     "window"'s), number of files, file names
 --     (compared by base name, so a moved data directory still resumes) or token
 --     counts. The data-parallel size is not part of it: a state saved with D = 4
 --     resumes with D = 2.
 local core = require "pipegoose.core"
 local opt = require "pipegoose.options"
+local cjson = require("cjson").new()
 local C = core.token_data
 
 local M = {}
@@ -58,11 +88,133 @@ M.bytes = {
 -- deterministic splits (scripts/prepare_corpus.lua).
 M.hash_unit = C.hash_unit
 
+--- 16 hex digits, a pure function of the string's bytes: a corpus's tokenizer.json digest.
+M.hash_hex = C.hash_hex
+
+-- The dtype names of shard ids and their llm.c header versions.
+local VERSION_OF = { uint16 = 1, uint32 = 7 }
+
+--- The dtype a tokenizer of vocab_size ids needs: uint16 while every id fits.
+function M.dtype_for(vocab_size) return vocab_size <= 65536 and "uint16" or "uint32" end
+
+--- pg.data.ShardWriter(path, dtype): a shard written as it grows
+-- (src/runtime/pg_data.h: a temporary file renamed onto path by close, so path
+-- is only ever a whole shard). w:append(id | int32 tensor | table [, first, count]),
+-- w:tokens(), w:close(), w:abort().
+function M.ShardWriter(path, dtype)
+  local v = VERSION_OF[dtype]
+  if not v then error(("ShardWriter: dtype must be \"uint16\" or \"uint32\", not %s"):format(tostring(dtype)), 2) end
+  return C.shard_writer(path, v)
+end
+
+-- ---- prepared corpora ----
+
+local function read_all(p)
+  local f = io.open(p, "rb")
+  if not f then return nil end
+  local s = f:read("a")
+  f:close()
+  return s
+end
+
+local NULL = cjson.null
+
+--- pg.data.corpus(dir): the prepared corpus in dir (see the header), checked.
+function M.corpus(dir)
+  if type(dir) ~= "string" then error("pg.data.corpus: dir must be a string", 2) end
+  dir = dir:gsub("/+$", "")
+  if dir == "" then dir = "/" end
+  local meta = dir .. "/dataset.json"
+  local function bad(fmt, ...) error(("%s: " .. fmt):format(meta, ...), 3) end
+  if not core.fs.is_dir(dir) then error(("pg.data.corpus: %s is not a directory"):format(dir), 2) end
+  local text = read_all(meta)
+  if not text then
+    error(("pg.data.corpus: %s has no dataset.json: not a prepared corpus, or an unfinished one (prepare it "
+      .. "with scripts/prepare_corpus.lua)"):format(dir), 2)
+  end
+  local ok, j = pcall(cjson.decode, text)
+  if not ok or type(j) ~= "table" then bad("not a JSON object (%s)", tostring(j)) end
+  if j.format ~= "pipegoose-corpus" then bad("format is %s, not \"pipegoose-corpus\"", tostring(j.format)) end
+  if j.version ~= 1 then bad("version %s is not one this pipegoose reads (1)", tostring(j.version)) end
+  local function count(v, what)
+    if math.type(v) ~= "integer" and not (type(v) == "number" and v == math.floor(v)) or v < 0 then
+      bad("%s must be a non-negative integer, not %s", what, tostring(v))
+    end
+    return math.tointeger(v)
+  end
+  local function id_or_null(v, what, vocab)
+    if v == nil or v == NULL then return nil end
+    local i = count(v, what)
+    if i >= vocab then bad("%s %d is not below tokenizer.vocab_size %d", what, i, vocab) end
+    return i
+  end
+  local t = j.tokenizer
+  if type(t) ~= "table" then bad("tokenizer must be an object") end
+  if type(t.file) ~= "string" or t.file == "" or t.file:find("/", 1, true) then
+    bad("tokenizer.file must be a file name in the corpus directory, not %s", tostring(t.file))
+  end
+  if type(t.hash) ~= "string" or not t.hash:match("^%x+$") then bad("tokenizer.hash must be a hex digest") end
+  local vocab = count(t.vocab_size, "tokenizer.vocab_size")
+  if vocab < 1 then bad("tokenizer.vocab_size must be positive") end
+  id_or_null(t.bos_id, "tokenizer.bos_id", vocab)
+  id_or_null(t.eos_id, "tokenizer.eos_id", vocab)
+  id_or_null(t.document_token, "tokenizer.document_token", vocab)
+  if t.document_token_at ~= "start" and t.document_token_at ~= "end" then
+    bad("tokenizer.document_token_at must be \"start\" or \"end\", not %s", tostring(t.document_token_at))
+  end
+  local dtype = j.dtype
+  if not VERSION_OF[dtype] then bad("dtype must be \"uint16\" or \"uint32\", not %s", tostring(dtype)) end
+  if dtype == "uint16" and vocab > 65536 then
+    bad("dtype is uint16 but tokenizer.vocab_size %d needs uint32 (ids above 65535 cannot be stored)", vocab)
+  end
+  local tpath = dir .. "/" .. t.file
+  local ttext = read_all(tpath)
+  if not ttext then bad("tokenizer.file %s is missing", tpath) end
+  local hash = M.hash_hex(ttext)
+  if hash ~= t.hash then
+    bad("%s has hash %s but the corpus was made with a tokenizer of hash %s: it is not the tokenizer of these "
+      .. "shards", tpath, hash, t.hash)
+  end
+  local tok = require("pipegoose.tokenizer").load(dir)
+  if tok:vocab_size() > vocab then
+    bad("tokenizer.vocab_size %d but %s has %d ids", vocab, tpath, tok:vocab_size())
+  end
+  -- absolute paths, so that the table still names the shards after a chdir (PWD: the shell's working directory)
+  local absdir = dir:sub(1, 1) == "/" and dir or ((os.getenv("PWD") or ".") .. "/" .. dir)
+  local out = { dir = absdir, tokenizer = tok, vocab_size = vocab, dtype = dtype, hash = hash,
+    document_token = id_or_null(t.document_token, "tokenizer.document_token", vocab),
+    document_token_at = t.document_token_at }
+  for _, split in ipairs{ "train", "val" } do
+    local sp = j[split]
+    if type(sp) ~= "table" then bad("%s must be an object", split) end
+    if type(sp.shards) ~= "table" then bad("%s.shards must be a list of file names", split) end
+    local paths, total = {}, 0
+    for i, name in ipairs(sp.shards) do
+      if type(name) ~= "string" or name:find("/", 1, true) then bad("%s.shards[%d] must be a file name", split, i) end
+      local p = dir .. "/" .. name
+      local ok2, info = pcall(C.shard_info, p)
+      if not ok2 then bad("%s.shards[%d]: %s", split, i, tostring(info)) end
+      if info.version ~= VERSION_OF[dtype] then
+        bad("%s.shards[%d] %s holds %s ids but dtype is %s", split, i, name, info.version == 1 and "uint16" or "uint32", dtype)
+      end
+      total = total + info.tokens
+      paths[i] = absdir .. "/" .. name
+    end
+    local tokens = count(sp.tokens, split .. ".tokens")
+    if tokens ~= total then bad("%s.tokens is %d but its shards hold %d tokens", split, tokens, total) end
+    out[split] = { paths = paths, tokens = tokens, documents = count(sp.documents, split .. ".documents"),
+      bytes = count(sp.bytes, split .. ".bytes") }
+  end
+  return out
+end
+
 local TokenShards = {}
 TokenShards.__index = TokenShards
 
 local TOKEN_SHARDS = {
-  path = opt.required(opt.either(opt.string, opt.list(opt.string, { what = "a list of paths" }))),
+  path = opt.either(opt.string, opt.list(opt.string, { what = "a list of paths" })),
+  corpus = opt.either(opt.string, opt.table), split = opt.enum{ "train", "val" },
+  dtype = opt.enum{ "uint16", "uint32" }, stride = opt.enum({ "window", "llmc" }, { default = "window" }),
   batch = opt.integer{ min = 1, required = true }, seq_len = opt.integer{ min = 1, required = true },
   seed = opt.integer{ min = math.mininteger, max = math.maxinteger, default = 0 },
   shuffle = opt.boolean{ default = true }, ctx = opt.context,
@@ -72,12 +224,42 @@ local TOKEN_SHARDS = {
 function M.TokenShards(opts)
   opts = opt.check("TokenShards", opts, TOKEN_SHARDS)
   local shuffle, seed = opts.shuffle, opts.seed
-  -- called through pcall so that an error (no file matches, a short file) names the user's line, not this one
-  local ok, files = pcall(C.expand_paths, opts.path)
-  if not ok then error(files, 2) end
+  local ok, files
+  local vocab, raw = opts.vocab, opts.dtype and VERSION_OF[opts.dtype] or nil
+  if opts.corpus ~= nil then
+    if opts.path ~= nil or opts.dtype ~= nil then
+      error("TokenShards: give corpus= or path= (with dtype=), not both: a corpus names its own shards", 2)
+    end
+    if not opts.split then error("TokenShards: corpus= needs split = \"train\" or \"val\"", 2) end
+    local corpus = opts.corpus
+    if type(corpus) == "string" then
+      ok, corpus = pcall(M.corpus, corpus)
+      if not ok then error(corpus, 2) end
+    elseif type(corpus.vocab_size) ~= "number" or type(corpus[opts.split]) ~= "table" then
+      error("TokenShards: corpus= must be a directory or the table pg.data.corpus returns", 2)
+    end
+    if vocab and vocab < corpus.vocab_size then
+      error(("TokenShards: the corpus's tokenizer has %d ids; the model's vocabulary is %d (vocab=)")
+        :format(corpus.vocab_size, vocab), 2)
+    end
+    vocab = vocab or corpus.vocab_size
+    files = {}
+    for i, p in ipairs(corpus[opts.split].paths) do files[i] = p end
+    if #files == 0 then
+      error(("TokenShards: the corpus %s has no %s shards (%s.tokens = 0)"):format(tostring(corpus.dir), opts.split,
+        opts.split), 2)
+    end
+  else
+    if opts.path == nil then error("TokenShards: path= (or corpus= and split=) is required", 2) end
+    if opts.split ~= nil then error("TokenShards: split= goes with corpus=", 2) end
+    -- called through pcall so that an error (no file matches, a short file) names the user's line, not this one
+    ok, files = pcall(C.expand_paths, opts.path)
+    if not ok then error(files, 2) end
+  end
   local loader
   ok, loader = pcall(C.loader, { files = files, batch = opts.batch, seq_len = opts.seq_len, seed = seed,
-                                 shuffle = shuffle, vocab = opts.vocab, ctx = opts.ctx })
+                                 shuffle = shuffle, vocab = vocab, ctx = opts.ctx, raw_version = raw,
+                                 stride_llmc = opts.stride == "llmc" })
   if not ok then error(loader, 2) end
   local D, d = 1, 0
   if opts.ctx then D, d = opts.ctx:world_size("data"), opts.ctx:local_rank("data") end
@@ -90,6 +272,7 @@ function M.TokenShards(opts)
     local_batch = batch // D,
     seed = seed,
     shuffle = shuffle,
+    stride = opts.stride,
     data_size = D,
     data_rank = d,
     ctx = opts.ctx,
@@ -140,6 +323,7 @@ function TokenShards:state_dict()
     batch = self.batch,
     seq_len = self.seq_len,
     shuffle = self.shuffle,
+    stride = self.stride,
     files = files,
     file_tokens = self.loader:file_tokens(),
   }
@@ -157,6 +341,7 @@ function TokenShards:load_state_dict(sd)
   for _, k in ipairs{ "seed", "batch", "seq_len", "shuffle" } do
     if sd[k] ~= mine[k] then differ(k, sd[k], mine[k]) end
   end
+  if (sd.stride or "window") ~= mine.stride then differ("stride", sd.stride or "window", mine.stride) end
   local theirs_files, theirs_tokens = sd.files or {}, sd.file_tokens or {}
   if #theirs_files ~= #mine.files then
     differ("files:", #theirs_files, #mine.files)
@@ -184,7 +369,8 @@ end
 function TokenShards:__tostring()
   return ("TokenShards(%d files, batch %d (%d on this data rank of %d), seq_len %d, %d batches per epoch, %s)"):format(
     #self.files, self.batch, self.local_batch, self.data_size, self.seq_len, self:batches_per_epoch(),
-    self.shuffle and ("shuffled, seed " .. self.seed) or "in file order")
+    self.shuffle and ("shuffled, seed " .. self.seed) or "in file order") ..
+    (self.stride == "llmc" and " (llm.c's stride)" or "")
 end
 
 return M

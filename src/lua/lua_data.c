@@ -3,12 +3,15 @@
  * Everything lives in the core module's `token_data` table; pg.data is the
  * documented face. */
 #include <limits.h>
+#include <omp.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "lua_util.h"
 #include "pg_data.h"
 
 #define PG_LOADER_MT "pg.TokenLoader"
+#define PG_WRITER_MT "pg.ShardWriter"
 
 /* ---- shards ---- */
 
@@ -47,11 +50,13 @@ static int l_write_shard(lua_State *L) {
   return 0;
 }
 
+/* read_shard(path [, vocab [, raw_version]]): raw_version 1 / 7 reads a headerless file */
 static int l_read_shard(lua_State *L) {
   const char *path = luaL_checkstring(L, 1);
   lua_Integer vocab = luaL_optinteger(L, 2, 0);
+  lua_Integer raw = luaL_optinteger(L, 3, 0);
   pg_shard s;
-  PG_LUA_CHECK(L, pg_shard_open(&s, path, vocab));
+  PG_LUA_CHECK(L, raw ? pg_shard_open_raw(&s, path, (int)raw, vocab) : pg_shard_open(&s, path, vocab));
   int64_t n = s.ntokens;
   pg_tensor *t = lua_newuserdatauv(L, sizeof *t, 0);
   memset(t, 0, sizeof *t);
@@ -75,6 +80,125 @@ static int l_shard_info(lua_State *L) {
   lua_setfield(L, -2, "tokens");
   return 1;
 }
+
+/* ---- the streaming shard writer ----
+ *   w = shard_writer(path, version)   version 1 (uint16) or 7 (uint32)
+ *   w:append(ids [, first, count])    ids: an integer id, an int32 tensor (its [first, first + count), 1-based)
+ *                                     or a table of ids
+ *   w:tokens()   ids appended so far
+ *   w:close()    header count, fsync, rename onto path
+ *   w:abort()    removes the temporary file (also what __gc does to a writer never closed) */
+
+static pg_shard_writer *check_writer(lua_State *L) {
+  pg_shard_writer *w = luaL_checkudata(L, 1, PG_WRITER_MT);
+  if (w->fd < 0) luaL_error(L, "the shard writer is closed");
+  return w;
+}
+
+static int l_shard_writer(lua_State *L) {
+  const char *path = luaL_checkstring(L, 1);
+  lua_Integer version = pg_lua_check_int_in(L, 2, "version", INT_MIN, INT_MAX);
+  pg_shard_writer *w = lua_newuserdatauv(L, sizeof *w, 0);
+  memset(w, 0, sizeof *w);
+  w->fd = -1;
+  luaL_setmetatable(L, PG_WRITER_MT);
+  PG_LUA_CHECK(L, pg_shard_writer_open(w, path, (int)version));
+  return 1;
+}
+
+static int l_writer_append(lua_State *L) {
+  pg_shard_writer *w = check_writer(L);
+  if (lua_isinteger(L, 2)) {
+    lua_Integer v = lua_tointeger(L, 2);
+    if (v < INT32_MIN || v > INT32_MAX) return luaL_error(L, "%s: token %I is not an int32 token id", w->path, v);
+    int32_t id = (int32_t)v;
+    PG_LUA_CHECK(L, pg_shard_writer_append(w, &id, 1));
+    return 0;
+  }
+  int64_t n;
+  const int32_t *ids = check_tokens(L, 2, &n);
+  int64_t first = 1, count = n;
+  if (!lua_isnoneornil(L, 3)) {
+    first = pg_lua_check_int_in(L, 3, "first", 1, n + 1);
+    count = pg_lua_check_int_in(L, 4, "count", 0, n - first + 1);
+  }
+  PG_LUA_CHECK(L, pg_shard_writer_append(w, ids + (first - 1), count));
+  return 0;
+}
+
+/* w:append_documents(docs, first, pos, doc_token, at_end, limit) -> next, next_pos | nothing
+ * docs: a list of int32 tensors, one document's ids each. Document k is its ids
+ * with doc_token before them (at_end false) or after (true). Appends from
+ * position pos (counting from 0) of document `first` (1-based) on until the
+ * shard holds `limit` tokens; returns where to go on in the next shard, or
+ * nothing once every document is in. One call per batch of documents: the
+ * rollover rule of scripts/prepare_corpus.lua without a Lua call per document. */
+static int l_writer_append_documents(lua_State *L) {
+  pg_shard_writer *w = check_writer(L);
+  luaL_checktype(L, 2, LUA_TTABLE);
+  lua_Integer n = (lua_Integer)lua_rawlen(L, 2);
+  lua_Integer k = luaL_checkinteger(L, 3), pos = luaL_checkinteger(L, 4);
+  lua_Integer tokv = luaL_checkinteger(L, 5);
+  int at_end = lua_toboolean(L, 6);
+  lua_Integer limit = luaL_checkinteger(L, 7);
+  if (tokv < 0 || tokv > INT32_MAX) return luaL_error(L, "append_documents: doc_token %I is not a token id", tokv);
+  if (limit <= w->ntokens) return luaL_error(L, "append_documents: the shard is already full (%I tokens)", limit);
+  int32_t tok = (int32_t)tokv;
+  for (; k <= n; k++, pos = 0) {
+    lua_rawgeti(L, 2, k);
+    pg_tensor *t = pg_lua_test_tensor(L, -1);
+    if (!t || !t->storage || t->dtype != PG_INT32)
+      return luaL_error(L, "append_documents: docs[%I] is not an int32 tensor", k);
+    const int32_t *ids = pg_tensor_i32(t);
+    int64_t len = t->numel + 1; /* with the document token */
+    if (pos < 0 || pos >= len) return luaL_error(L, "append_documents: position %I is outside document %I", pos, k);
+    while (pos < len) {
+      int64_t room = limit - w->ntokens;
+      if (room == 0) {
+        lua_pop(L, 1);
+        lua_pushinteger(L, k);
+        lua_pushinteger(L, pos);
+        return 2;
+      }
+      /* the document's sequence: [tok] ids or ids [tok]; write the piece from pos that fits */
+      int64_t ids_from = at_end ? pos : pos - 1; /* index into ids of sequence position pos (-1: the token) */
+      int rc;
+      int64_t wrote;
+      if (ids_from < 0 || ids_from >= t->numel) {
+        rc = pg_shard_writer_append(w, &tok, 1), wrote = 1;
+      } else {
+        int64_t m = t->numel - ids_from;
+        if (m > room) m = room;
+        rc = pg_shard_writer_append(w, ids + ids_from, m), wrote = m;
+      }
+      PG_LUA_CHECK(L, rc);
+      pos += wrote;
+    }
+    lua_pop(L, 1);
+  }
+  return 0;
+}
+
+static int l_writer_tokens(lua_State *L) {
+  pg_shard_writer *w = luaL_checkudata(L, 1, PG_WRITER_MT);
+  lua_pushinteger(L, (lua_Integer)w->ntokens);
+  return 1;
+}
+
+static int l_writer_close(lua_State *L) {
+  PG_LUA_CHECK(L, pg_shard_writer_close(check_writer(L)));
+  return 0;
+}
+
+static int l_writer_abort(lua_State *L) {
+  pg_shard_writer *w = luaL_checkudata(L, 1, PG_WRITER_MT);
+  if (w->fd >= 0 || w->tmp) pg_shard_writer_abort(w);
+  return 0;
+}
+
+static const luaL_Reg writer_methods[] = {{"append", l_writer_append}, {"append_documents", l_writer_append_documents},
+                                          {"tokens", l_writer_tokens},
+                                          {"close", l_writer_close}, {"abort", l_writer_abort}, {NULL, NULL}};
 
 /* expand_paths(path | {paths...}) -> {files...}: each glob pattern expands to
  * its sorted matches; other paths stay as given (opening names a missing one). */
@@ -140,6 +264,8 @@ static int l_loader(lua_State *L) {
   cfg.seed = (uint64_t)pg_lua_opt_int(L, 1, "seed", 0);
   cfg.shuffle = pg_lua_opt_bool(L, 1, "shuffle", 1);
   cfg.vocab = pg_lua_opt_int(L, 1, "vocab", -1); /* absent: -1, then 0 (the runtime's "no check") */
+  cfg.raw_version = (int)pg_lua_opt_int(L, 1, "raw_version", 0);
+  cfg.stride_llmc = pg_lua_opt_bool(L, 1, "stride_llmc", 0);
   if (cfg.vocab == -1) cfg.vocab = 0;
   else if (cfg.vocab < 1)
     return luaL_error(L, "TokenShards: vocab=%I must be a positive integer (or nil: no check)", (lua_Integer)cfg.vocab);
@@ -206,8 +332,10 @@ static int l_batches_per_epoch(lua_State *L) {
   return 1;
 }
 
+/* rows an epoch reads: windows, or with llm.c's stride spans x batch */
 static int l_num_windows(lua_State *L) {
-  lua_pushinteger(L, (lua_Integer)check_loader(L, 1)->nwindows);
+  pg_loader *ld = check_loader(L, 1);
+  lua_pushinteger(L, (lua_Integer)(ld->cfg.stride_llmc ? ld->nwindows * ld->cfg.batch : ld->nwindows));
   return 1;
 }
 
@@ -282,17 +410,76 @@ static int l_hash_unit(lua_State *L) {
   size_t len;
   const char *s = luaL_checklstring(L, 1, &len);
   uint64_t seed = (uint64_t)luaL_optinteger(L, 2, 0);
-  uint64_t h = pg_data_hash(s, len, seed);
-  lua_pushnumber(L, (lua_Number)(h >> 11) * (1.0 / 9007199254740992.0));
+  lua_pushnumber(L, (lua_Number)pg_data_hash_unit(s, len, seed));
+  return 1;
+}
+
+/* document_checks(docs, seed, threads) -> units, bad: for each document its
+ * hash_unit (units[i]) and, when it is not UTF-8, the offset of the first bad
+ * byte counting from 0 (bad[i]; absent when it is). On threads (OpenMP): the
+ * per-document work of scripts/prepare_corpus.lua besides tokenizing. */
+static int l_document_checks(lua_State *L) {
+  luaL_checktype(L, 1, LUA_TTABLE);
+  uint64_t seed = (uint64_t)luaL_optinteger(L, 2, 0);
+  lua_Integer threads = luaL_optinteger(L, 3, 0);
+  size_t n = (size_t)lua_rawlen(L, 1);
+  if (n > SIZE_MAX / (sizeof(const char *) + 2 * sizeof(size_t) + sizeof(double)))
+    return luaL_error(L, "document_checks: %zu documents", n);
+  const char **texts = lua_newuserdatauv(L, (n ? n : 1) * sizeof *texts, 0);
+  size_t *lens = lua_newuserdatauv(L, (n ? n : 1) * sizeof *lens, 0);
+  size_t *bad = lua_newuserdatauv(L, (n ? n : 1) * sizeof *bad, 0);
+  double *units = lua_newuserdatauv(L, (n ? n : 1) * sizeof *units, 0);
+  for (size_t i = 0; i < n; i++) {
+    if (lua_rawgeti(L, 1, (lua_Integer)i + 1) != LUA_TSTRING)
+      return luaL_error(L, "document_checks: docs[%d] is not a string", (int)i + 1);
+    texts[i] = lua_tolstring(L, -1, &lens[i]); /* kept alive by the table */
+    lua_pop(L, 1);
+  }
+  int nt = threads > 0 && threads <= 1024 ? (int)threads : omp_get_max_threads();
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 64) if (nt > 1 && n > 64)
+  for (size_t i = 0; i < n; i++) {
+    units[i] = pg_data_hash_unit(texts[i], lens[i], seed);
+    bad[i] = pg_data_utf8_invalid_at(texts[i], lens[i]);
+  }
+  lua_createtable(L, n > INT_MAX ? INT_MAX : (int)n, 0);
+  lua_newtable(L);
+  for (size_t i = 0; i < n; i++) {
+    lua_pushnumber(L, units[i]);
+    lua_rawseti(L, -3, (lua_Integer)i + 1);
+    if (bad[i] < lens[i]) {
+      lua_pushinteger(L, (lua_Integer)bad[i]);
+      lua_rawseti(L, -2, (lua_Integer)i + 1);
+    }
+  }
+  return 2;
+}
+
+/* hash_hex(string) -> 16 hex digits of pg_data_hash(string, 0): a content digest (of a corpus's tokenizer.json) */
+static int l_hash_hex(lua_State *L) {
+  size_t len;
+  const char *s = luaL_checklstring(L, 1, &len);
+  char hex[17];
+  snprintf(hex, sizeof hex, "%016llx", (unsigned long long)pg_data_hash(s, len, 0));
+  lua_pushstring(L, hex);
   return 1;
 }
 
 static const luaL_Reg data_functions[] = {
+    {"shard_writer", l_shard_writer}, {"hash_hex", l_hash_hex}, {"document_checks", l_document_checks},
     {"write_shard", l_write_shard}, {"read_shard", l_read_shard}, {"shard_info", l_shard_info},
     {"expand_paths", l_expand_paths}, {"loader", l_loader}, {"bytes_encode", l_bytes_encode},
     {"bytes_decode", l_bytes_decode}, {"hash_unit", l_hash_unit}, {NULL, NULL}};
 
 void pg_lua_open_data(lua_State *L) {
+  if (luaL_newmetatable(L, PG_WRITER_MT)) {
+    luaL_newlib(L, writer_methods);
+    lua_setfield(L, -2, "__index");
+    lua_pushcfunction(L, l_writer_abort);
+    lua_setfield(L, -2, "__gc");
+    lua_pushstring(L, "pg.ShardWriter");
+    lua_setfield(L, -2, "__name");
+  }
+  lua_pop(L, 1);
   if (luaL_newmetatable(L, PG_LOADER_MT)) {
     luaL_newlib(L, loader_methods);
     lua_setfield(L, -2, "__index");

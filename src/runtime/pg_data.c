@@ -31,7 +31,9 @@ static int check_header(const char *path, const uint8_t *hdr, long long file_byt
   int32_t magic = le32(hdr), ver = le32(hdr + 4), count = le32(hdr + 8);
   /* llm.c itself writes its uint32 (version 7) shards with a later magic: read both. */
   if (magic != PG_SHARD_MAGIC && !(magic == PG_SHARD_MAGIC_U32 && ver == 7))
-    return pg_fail("%s: bad magic number %d (expected %d): not an llm.c token shard", path, magic, PG_SHARD_MAGIC);
+    return pg_fail("%s: bad magic number %d (expected %d): not an llm.c token shard (for a headerless file of raw "
+                   "ids such as nanoGPT's train.bin, give dtype = \"uint16\" or \"uint32\")",
+                   path, magic, PG_SHARD_MAGIC);
   if (ver != 1 && ver != 7)
     return pg_fail("%s: unknown version %d (expected 1 for uint16 tokens or 7 for uint32 tokens)", path, ver);
   if (count < 0) return pg_fail("%s: bad header: negative token count %d", path, count);
@@ -47,8 +49,9 @@ static int check_header(const char *path, const uint8_t *hdr, long long file_byt
   return PG_OK;
 }
 
-/* Opens path read-only and checks it is a regular file with room for a header. */
-static int open_checked(const char *path, long long *bytes) {
+/* Opens path read-only and checks it is a regular file of at least min_bytes
+ * (room for a header; 1 for a headerless file, which mmap needs). */
+static int open_checked(const char *path, long long *bytes, long long min_bytes) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return pg_fail("%s: cannot open: %s", path, strerror(errno));
   struct stat st;
@@ -61,8 +64,9 @@ static int open_checked(const char *path, long long *bytes) {
     close(fd);
     return pg_fail("%s: not a regular file", path);
   }
-  if (st.st_size < PG_SHARD_HEADER_BYTES) {
+  if (st.st_size < min_bytes) {
     close(fd);
+    if (min_bytes < PG_SHARD_HEADER_BYTES) return pg_fail("%s: empty: a headerless token file needs ids", path);
     return pg_fail("%s: too small for a token shard: %lld bytes, but the header alone is %d bytes", path,
                    (long long)st.st_size, PG_SHARD_HEADER_BYTES);
   }
@@ -70,10 +74,14 @@ static int open_checked(const char *path, long long *bytes) {
   return fd;
 }
 
-int pg_shard_open(pg_shard *s, const char *path, int64_t vocab) {
+/* Maps path; raw_version 0 checks an llm.c header, 1 or 7 takes the whole file
+ * as headerless ids of that width. Then the vocab / int32 scan. */
+static int shard_open(pg_shard *s, const char *path, int raw_version, int64_t vocab) {
   memset(s, 0, sizeof *s);
+  if (raw_version != 0 && raw_version != 1 && raw_version != 7)
+    return pg_fail("%s: unknown id width %d (expected 1 for uint16 or 7 for uint32)", path, raw_version);
   long long bytes;
-  int fd = open_checked(path, &bytes);
+  int fd = open_checked(path, &bytes, raw_version ? 1 : PG_SHARD_HEADER_BYTES);
   if (fd < 0) return PG_ERR;
   void *map = mmap(NULL, (size_t)bytes, PROT_READ, MAP_PRIVATE, fd, 0);
   int e = errno;
@@ -81,7 +89,16 @@ int pg_shard_open(pg_shard *s, const char *path, int64_t vocab) {
   if (map == MAP_FAILED) return pg_fail("%s: cannot map: %s", path, strerror(e));
   int version;
   int64_t n;
-  if (check_header(path, map, bytes, &version, &n)) {
+  size_t header = PG_SHARD_HEADER_BYTES;
+  if (raw_version) {
+    long long tsize = raw_version == 1 ? 2 : 4;
+    if (bytes % tsize) {
+      munmap(map, (size_t)bytes);
+      return pg_fail("%s: %lld bytes are not a whole number of %s ids (%lld bytes each)", path, bytes,
+                     raw_version == 1 ? "uint16" : "uint32", tsize);
+    }
+    version = raw_version, n = bytes / tsize, header = 0;
+  } else if (check_header(path, map, bytes, &version, &n)) {
     munmap(map, (size_t)bytes);
     return PG_ERR;
   }
@@ -89,7 +106,7 @@ int pg_shard_open(pg_shard *s, const char *path, int64_t vocab) {
   s->map_bytes = (size_t)bytes;
   s->version = version;
   s->ntokens = n;
-  s->tokens = (const uint8_t *)map + PG_SHARD_HEADER_BYTES;
+  s->tokens = (const uint8_t *)map + header;
   /* One scan for the vocabulary, and for int32 range: tokens reach Lua and
    * the model as int32, so a uint32 token of 2^31 or more cannot be used. */
   int64_t limit = vocab > 0 ? vocab : 0;
@@ -119,6 +136,14 @@ int pg_shard_open(pg_shard *s, const char *path, int64_t vocab) {
   return PG_OK;
 }
 
+int pg_shard_open(pg_shard *s, const char *path, int64_t vocab) { return shard_open(s, path, 0, vocab); }
+
+int pg_shard_open_raw(pg_shard *s, const char *path, int version, int64_t vocab) {
+  if (version != 1 && version != 7)
+    return pg_fail("%s: unknown id width %d (expected 1 for uint16 or 7 for uint32)", path, version);
+  return shard_open(s, path, version, vocab);
+}
+
 void pg_shard_close(pg_shard *s) {
   if (s->map) munmap(s->map, s->map_bytes);
   free(s->path);
@@ -135,7 +160,7 @@ int pg_shard_read(const pg_shard *s, int64_t start, int64_t n, int32_t *out) {
 
 int pg_shard_info(const char *path, int *version, int64_t *ntokens) {
   long long bytes;
-  int fd = open_checked(path, &bytes);
+  int fd = open_checked(path, &bytes, PG_SHARD_HEADER_BYTES);
   if (fd < 0) return PG_ERR;
   uint8_t hdr[PG_SHARD_HEADER_BYTES];
   ssize_t got = pread(fd, hdr, sizeof hdr, 0);
@@ -159,68 +184,130 @@ static int write_all(int fd, const void *buf, size_t n) {
   return 0;
 }
 
+enum { WRITER_BUF = 1 << 16 };
+
+int pg_shard_writer_open(pg_shard_writer *w, const char *path, int version) {
+  memset(w, 0, sizeof *w);
+  w->fd = -1;
+  if (version != 1 && version != 7)
+    return pg_fail("%s: unknown version %d (expected 1 for uint16 tokens or 7 for uint32 tokens)", path, version);
+  size_t tlen = strlen(path) + 32;
+  w->path = strdup(path);
+  w->tmp = malloc(tlen);
+  w->buf = malloc(WRITER_BUF);
+  if (!w->path || !w->tmp || !w->buf) {
+    free(w->path), free(w->tmp), free(w->buf);
+    memset(w, 0, sizeof *w);
+    w->fd = -1;
+    return pg_fail("%s: out of memory", path);
+  }
+  snprintf(w->tmp, tlen, "%s.tmp.%ld", path, (long)getpid());
+  w->version = version;
+  w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (w->fd < 0) {
+    pg_fail("%s: cannot create %s: %s", path, w->tmp, strerror(errno));
+    pg_shard_writer_abort(w);
+    return PG_ERR;
+  }
+  /* the header's count is 0 until close: a file left by a crash reads as a shard of 0 tokens, never a wrong one */
+  uint8_t hdr[PG_SHARD_HEADER_BYTES] = {0};
+  put_le32(hdr, version == 1 ? PG_SHARD_MAGIC : PG_SHARD_MAGIC_U32);
+  put_le32(hdr + 4, (uint32_t)version);
+  if (write_all(w->fd, hdr, sizeof hdr)) {
+    pg_fail("%s: cannot write %s: %s", path, w->tmp, strerror(errno));
+    pg_shard_writer_abort(w);
+    return PG_ERR;
+  }
+  return PG_OK;
+}
+
+static int writer_flush(pg_shard_writer *w) {
+  if (w->nbuf && write_all(w->fd, w->buf, w->nbuf)) {
+    pg_fail("%s: cannot write %s: %s", w->path, w->tmp, strerror(errno));
+    pg_shard_writer_abort(w);
+    return PG_ERR;
+  }
+  w->nbuf = 0;
+  return PG_OK;
+}
+
+int pg_shard_writer_append(pg_shard_writer *w, const int32_t *ids, int64_t n) {
+  if (w->fd < 0) return pg_fail("the shard writer is closed");
+  if (n < 0 || n > INT32_MAX - w->ntokens)
+    return pg_fail("%s: %lld more tokens do not fit one shard (at most %d, it has %lld)", w->path, (long long)n,
+                   INT32_MAX, (long long)w->ntokens);
+  size_t tsize = w->version == 1 ? 2 : 4;
+  for (int64_t i = 0; i < n; i++) {
+    int32_t v = ids[i];
+    if (v < 0 || (tsize == 2 && v > 65535)) {
+      pg_fail("%s: token %d at position %lld (counting from 0) %s", w->path, v, (long long)(w->ntokens + i),
+              v < 0 ? "is negative" : "does not fit version 1 (uint16)");
+      return PG_ERR; /* the shard is still whole up to here: the caller decides */
+    }
+  }
+  for (int64_t i = 0; i < n; i++) {
+    if (w->nbuf + tsize > WRITER_BUF && writer_flush(w)) return PG_ERR;
+    uint8_t *p = w->buf + w->nbuf;
+    uint32_t v = (uint32_t)ids[i];
+    if (tsize == 2) {
+      p[0] = (uint8_t)v;
+      p[1] = (uint8_t)(v >> 8);
+    } else {
+      put_le32(p, v);
+    }
+    w->nbuf += tsize;
+  }
+  w->ntokens += n;
+  return PG_OK;
+}
+
+int pg_shard_writer_close(pg_shard_writer *w) {
+  if (w->fd < 0) return pg_fail("the shard writer is closed");
+  if (writer_flush(w)) return PG_ERR;
+  uint8_t count[4];
+  put_le32(count, (uint32_t)w->ntokens);
+  int failed = pwrite(w->fd, count, 4, 8) != 4;
+  if (!failed) failed = fsync(w->fd);
+  int e = errno;
+  if (close(w->fd) && !failed) failed = 1, e = errno;
+  w->fd = -1;
+  if (!failed && rename(w->tmp, w->path)) failed = 1, e = errno;
+  if (failed) {
+    pg_fail("%s: cannot write: %s", w->path, strerror(e));
+    pg_shard_writer_abort(w);
+    return PG_ERR;
+  }
+  free(w->path), free(w->tmp), free(w->buf);
+  memset(w, 0, sizeof *w);
+  w->fd = -1;
+  return PG_OK;
+}
+
+void pg_shard_writer_abort(pg_shard_writer *w) {
+  if (w->fd >= 0) close(w->fd);
+  if (w->tmp) unlink(w->tmp);
+  free(w->path), free(w->tmp), free(w->buf);
+  memset(w, 0, sizeof *w);
+  w->fd = -1;
+}
+
 int pg_shard_write(const char *path, const int32_t *tokens, int64_t n, int version) {
   if (n < 0 || n > INT32_MAX)
     return pg_fail("%s: %lld tokens do not fit one shard (at most %d)", path, (long long)n, INT32_MAX);
   if (version != 0 && version != 1 && version != 7)
     return pg_fail("%s: unknown version %d (expected 1 for uint16 tokens or 7 for uint32 tokens)", path, version);
-  int64_t first_wide = -1; /* first token that needs uint32 */
-  for (int64_t i = 0; i < n; i++) {
-    if (tokens[i] < 0)
-      return pg_fail("%s: token %d at position %lld (counting from 0) is negative", path, tokens[i], (long long)i);
-    if (tokens[i] > 65535 && first_wide < 0) first_wide = i;
+  if (version == 0) {
+    version = 1;
+    for (int64_t i = 0; i < n && version == 1; i++)
+      if (tokens[i] > 65535) version = 7;
   }
-  if (version == 0) version = first_wide < 0 ? 1 : 7;
-  if (version == 1 && first_wide >= 0)
-    return pg_fail("%s: token %d at position %lld (counting from 0) does not fit version 1 (uint16)", path,
-                   tokens[first_wide], (long long)first_wide);
-
-  size_t tlen = strlen(path) + 32;
-  char *tmp = malloc(tlen);
-  if (!tmp) return pg_fail("%s: out of memory", path);
-  snprintf(tmp, tlen, "%s.tmp.%ld", path, (long)getpid());
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    pg_fail("%s: cannot create %s: %s", path, tmp, strerror(errno));
-    free(tmp);
+  pg_shard_writer w;
+  if (pg_shard_writer_open(&w, path, version)) return PG_ERR;
+  if (pg_shard_writer_append(&w, tokens, n)) {
+    pg_shard_writer_abort(&w);
     return PG_ERR;
   }
-  uint8_t hdr[PG_SHARD_HEADER_BYTES] = {0};
-  put_le32(hdr, PG_SHARD_MAGIC);
-  put_le32(hdr + 4, (uint32_t)version);
-  put_le32(hdr + 8, (uint32_t)n);
-  int failed = write_all(fd, hdr, sizeof hdr);
-  /* Tokens go out in chunks, converted to the file's width and byte order. */
-  enum { CHUNK = 1 << 15 };
-  uint8_t *buf = malloc(CHUNK * 4);
-  if (!buf) failed = 1, errno = ENOMEM;
-  size_t tsize = version == 1 ? 2 : 4;
-  for (int64_t i = 0; i < n && !failed; i += CHUNK) {
-    int64_t m = n - i < CHUNK ? n - i : CHUNK;
-    for (int64_t k = 0; k < m; k++) {
-      uint32_t v = (uint32_t)tokens[i + k];
-      if (tsize == 2) {
-        buf[2 * k] = (uint8_t)v;
-        buf[2 * k + 1] = (uint8_t)(v >> 8);
-      } else {
-        put_le32(buf + 4 * k, v);
-      }
-    }
-    failed = write_all(fd, buf, (size_t)m * tsize);
-  }
-  free(buf);
-  if (!failed) failed = fsync(fd);
-  int e = errno;
-  if (close(fd) && !failed) failed = 1, e = errno;
-  if (!failed && rename(tmp, path)) failed = 1, e = errno;
-  if (failed) {
-    unlink(tmp);
-    pg_fail("%s: cannot write: %s", path, strerror(e));
-    free(tmp);
-    return PG_ERR;
-  }
-  free(tmp);
-  return PG_OK;
+  return pg_shard_writer_close(&w);
 }
 
 int pg_data_is_glob(const char *s) { return strpbrk(s, "*?[") != NULL; }
@@ -272,6 +359,48 @@ uint64_t pg_data_hash(const void *bytes, size_t n, uint64_t seed) {
   return pg_mix64(h ^ (uint64_t)n);
 }
 
+double pg_data_hash_unit(const void *bytes, size_t n, uint64_t seed) {
+  return (double)(pg_data_hash(bytes, n, seed) >> 11) * (1.0 / 9007199254740992.0);
+}
+
+size_t pg_data_utf8_invalid_at(const void *bytes, size_t n) {
+  const uint8_t *p = bytes;
+  size_t i = 0;
+  while (i < n) {
+    /* ASCII runs 8 bytes at a time: the common case of text */
+    while (i + 8 <= n) {
+      uint64_t w;
+      memcpy(&w, p + i, 8);
+      if (w & 0x8080808080808080ULL) break;
+      i += 8;
+    }
+    if (i >= n) break;
+    uint8_t c = p[i];
+    if (c < 0x80) {
+      i++;
+      continue;
+    }
+    size_t len;
+    uint32_t lo = 0x80, hi = 0xBF; /* the allowed range of the second byte */
+    if (c >= 0xC2 && c <= 0xDF) len = 2;
+    else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      if (c == 0xE0) lo = 0xA0; /* no overlong forms */
+      if (c == 0xED) hi = 0x9F; /* no surrogates */
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      if (c == 0xF0) lo = 0x90;
+      if (c == 0xF4) hi = 0x8F; /* nothing above U+10FFFF */
+    } else
+      return i;
+    if (n - i < len || p[i + 1] < lo || p[i + 1] > hi) return i;
+    for (size_t k = 2; k < len; k++)
+      if ((p[i + k] & 0xC0) != 0x80) return i;
+    i += len;
+  }
+  return n;
+}
+
 /* ---- the loader ---- */
 
 int pg_loader_init(pg_loader *ld, const char *const *paths, int nfiles, const pg_loader_config *cfg) {
@@ -295,24 +424,35 @@ int pg_loader_init(pg_loader *ld, const char *const *paths, int nfiles, const pg
     return pg_fail("out of memory opening %d token files", nfiles);
   }
   ld->nfiles = nfiles;
-  int64_t window = cfg->seq_len + 1, need = cfg->batch * window;
+  /* a unit: a window of seq_len + 1 tokens, or (llm.c) a span of batch * seq_len tokens plus the last target */
+  /* batch and seq_len are below 2^31 (checked above): their products fit an int64 */
+  int64_t window = cfg->seq_len + 1, need = cfg->stride_llmc ? cfg->batch * cfg->seq_len + 1 : cfg->batch * window;
+  int64_t step = cfg->stride_llmc ? cfg->batch * cfg->seq_len : window;
   for (int i = 0; i < nfiles; i++) {
-    if (pg_shard_open(&ld->files[i], paths[i], cfg->vocab)) {
+    int rc = cfg->raw_version ? pg_shard_open_raw(&ld->files[i], paths[i], cfg->raw_version, cfg->vocab)
+                              : pg_shard_open(&ld->files[i], paths[i], cfg->vocab);
+    if (rc) {
       pg_loader_destroy(ld);
       return PG_ERR;
     }
     int64_t have = ld->files[i].ntokens;
     if (have < need) {
-      pg_fail("%s: too short for one batch: it has %lld tokens, but one batch of %lld rows of seq_len + 1 = %lld "
-              "tokens needs %lld",
-              paths[i], (long long)have, (long long)cfg->batch, (long long)window, (long long)need);
+      if (cfg->stride_llmc)
+        pg_fail("%s: too short for one batch: it has %lld tokens, but one batch of %lld rows of seq_len %lld "
+                "(llm.c's stride) needs %lld",
+                paths[i], (long long)have, (long long)cfg->batch, (long long)cfg->seq_len, (long long)need);
+      else
+        pg_fail("%s: too short for one batch: it has %lld tokens, but one batch of %lld rows of seq_len + 1 = %lld "
+                "tokens needs %lld",
+                paths[i], (long long)have, (long long)cfg->batch, (long long)window, (long long)need);
       pg_loader_destroy(ld);
       return PG_ERR;
     }
-    ld->first_window[i + 1] = ld->first_window[i] + have / window;
+    /* windows: have / window; spans: every span needs one token past it, the next span's first */
+    ld->first_window[i + 1] = ld->first_window[i] + (cfg->stride_llmc ? (have - 1) / step : have / window);
   }
   ld->nwindows = ld->first_window[nfiles];
-  ld->batches_per_epoch = ld->nwindows / cfg->batch;
+  ld->batches_per_epoch = cfg->stride_llmc ? ld->nwindows : ld->nwindows / cfg->batch;
   ld->order = malloc((size_t)ld->nwindows * sizeof *ld->order);
   if (!ld->order) {
     pg_loader_destroy(ld);
@@ -369,6 +509,18 @@ int pg_loader_next(pg_loader *ld, int32_t *inputs, int32_t *targets) {
   }
   make_order(ld, ld->epoch);
   int64_t L = ld->cfg.seq_len, local = ld->cfg.batch / ld->cfg.dp_size;
+  if (ld->cfg.stride_llmc) {
+    int64_t u = ld->order[ld->index];
+    int f = file_of(ld, u);
+    const pg_shard *s = &ld->files[f];
+    int64_t off = (u - ld->first_window[f]) * ld->cfg.batch * L + (int64_t)ld->cfg.dp_rank * local * L;
+    for (int64_t i = 0; i < local * L; i++) {
+      inputs[i] = (int32_t)pg_shard_token(s, off + i);
+      targets[i] = (int32_t)pg_shard_token(s, off + i + 1);
+    }
+    ld->index++;
+    return 1;
+  }
   int64_t row0 = ld->index * ld->cfg.batch + (int64_t)ld->cfg.dp_rank * local;
   for (int64_t r = 0; r < local; r++) {
     int64_t w = ld->order[row0 + r];

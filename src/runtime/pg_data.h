@@ -13,6 +13,15 @@
  * of that order (a last partial batch is dropped); data rank d of D reads rows
  * [d*batch/D, (d+1)*batch/D) of it, so every D sees the same global batches.
  *
+ * stride_llmc reads as llm.c's DataLoader does: global batch u of a file is
+ * the span of batch * seq_len + 1 tokens from u * batch * seq_len (spans
+ * overlap by one token; a file has (ntokens - 1) / (batch * seq_len) of them,
+ * never crossing files); data rank d takes the local * seq_len + 1 tokens from
+ * d * local * seq_len into it (local = batch / D, as llm.c's process_rank
+ * offset), row r = tokens [r * seq_len, (r + 1) * seq_len) of that, targets
+ * shifted by one. An epoch visits the spans in file order, or shuffled as the
+ * windows are.
+ *
  * Every error message starts with the file it is about. */
 #ifndef PG_DATA_H
 #define PG_DATA_H
@@ -56,12 +65,38 @@ static inline uint32_t pg_shard_token(const pg_shard *s, int64_t i) {
 /* out[0..n) = tokens [start, start+n) of the shard. */
 int pg_shard_read(const pg_shard *s, int64_t start, int64_t n, int32_t *out);
 
+/* A headerless file of raw little-endian ids (nanoGPT's train.bin: uint16;
+ * version names the width as in a header, 1 = uint16, 7 = uint32). The size
+ * must be a whole number of ids; the vocab and int32 checks are
+ * pg_shard_open's. */
+int pg_shard_open_raw(pg_shard *s, const char *path, int version, int64_t vocab);
+
 /* Header only (plus the size check): version and token count. */
 int pg_shard_info(const char *path, int *version, int64_t *ntokens);
 
-/* Writes `n` tokens atomically: to "path.tmp.<pid>", fsync, rename. version 0
- * picks 1 when every token is below 65536, else 7; 1 or 7 forces it (a token
- * that does not fit is an error). Negative tokens are an error. */
+/* A shard written as it grows: the header with count 0 goes to
+ * "path.tmp.<pid>", appended ids follow (buffered), and close rewrites the
+ * count, fsyncs and renames onto path, so path is only ever a whole shard.
+ * version 1 (uint16) or 7 (uint32) is fixed at open; an id that does not fit
+ * it, a negative id, or more than INT32_MAX ids is an error naming path and
+ * the position. After any failure, and on abort, the temporary file is gone. */
+typedef struct pg_shard_writer {
+  char *path, *tmp;
+  int fd;          /* -1: closed */
+  int version;
+  int64_t ntokens; /* appended so far */
+  uint8_t *buf;
+  size_t nbuf;
+} pg_shard_writer;
+
+int pg_shard_writer_open(pg_shard_writer *w, const char *path, int version);
+int pg_shard_writer_append(pg_shard_writer *w, const int32_t *ids, int64_t n);
+int pg_shard_writer_close(pg_shard_writer *w);
+void pg_shard_writer_abort(pg_shard_writer *w);
+
+/* Writes `n` tokens atomically (a pg_shard_writer). version 0 picks 1 when
+ * every token is below 65536, else 7; 1 or 7 forces it (a token that does not
+ * fit is an error). Negative tokens are an error. */
 int pg_shard_write(const char *path, const int32_t *tokens, int64_t n, int version);
 
 /* Expands a shell glob into a sorted list (malloc'd strings in a malloc'd
@@ -73,6 +108,12 @@ int pg_data_is_glob(const char *s);
 
 /* A 64-bit hash of bytes under a seed (documents to train/val splits). */
 uint64_t pg_data_hash(const void *bytes, size_t n, uint64_t seed);
+/* pg_data_hash as a number in [0, 1): its top 53 bits. */
+double pg_data_hash_unit(const void *bytes, size_t n, uint64_t seed);
+
+/* The offset of the first byte that is not part of valid UTF-8 (RFC 3629: no
+ * overlong forms, surrogates or code points above U+10FFFF), or n when all is. */
+size_t pg_data_utf8_invalid_at(const void *bytes, size_t n);
 
 typedef struct pg_loader_config {
   int64_t batch;   /* global rows per step */
@@ -81,15 +122,19 @@ typedef struct pg_loader_config {
   int shuffle;
   int dp_rank, dp_size; /* this rank's share; 0, 1 when not data-parallel */
   int64_t vocab;        /* > 0: validate tokens against it */
+  int raw_version;      /* 0: llm.c shards with a header; 1 / 7: headerless uint16 / uint32 ids */
+  int stride_llmc;      /* 0: windows of seq_len + 1; 1: llm.c's DataLoader spans (below) */
 } pg_loader_config;
 
 typedef struct pg_loader {
   pg_loader_config cfg;
   int nfiles;
   pg_shard *files;
-  int64_t *first_window; /* nfiles + 1 cumulative window counts */
+  int64_t *first_window; /* nfiles + 1 cumulative unit counts */
+  /* The units an epoch orders: windows (one row each), or with stride_llmc
+   * spans of batch * seq_len + 1 tokens (one global batch each). */
   int64_t nwindows, batches_per_epoch;
-  int64_t *order;      /* nwindows window ids: this epoch's visiting order */
+  int64_t *order;      /* nwindows unit ids: this epoch's visiting order */
   int64_t order_epoch; /* which epoch `order` holds; -1: none yet */
   /* The position of the next batch: its epoch and index within the epoch.
    * index == batches_per_epoch means the epoch is used up. */
