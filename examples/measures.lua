@@ -4,6 +4,7 @@
 --   measures.bits_per_byte(val_loss, corpus.val)         -- corpus: pg.data.corpus(DIR)
 --   measures.words(text)                                 -- the words of a text, as below
 --   measures.dictionary_share(text [, dict])             -- share, found, total
+--   measures.without_special(text, tokenizer)            -- its special tokens as newlines
 -- Run by itself (pglua examples/measures.lua) it says what it is and how it is used.
 require "pipegoose.library_file"("local measures = dofile(here .. \"measures.lua\")",
   "measures.lua is not a script: the examples load it for bits per byte and the share of a sample's "
@@ -45,6 +46,24 @@ function M.words(text)
     last_end = run_end
   end
   return out
+end
+
+--- text with every special token of tok (its tok:special_tokens(), such as
+-- <|endoftext|> between documents) replaced by a newline: a document boundary
+-- in a sample is not a word.
+function M.without_special(text, tok)
+  for content in pairs(tok:special_tokens()) do
+    local parts, pos = {}, 1
+    while true do
+      local i, j = text:find(content, pos, true)
+      if not i then break end
+      parts[#parts + 1] = text:sub(pos, i - 1)
+      pos = j + 1
+    end
+    parts[#parts + 1] = text:sub(pos)
+    text = table.concat(parts, "\n")
+  end
+  return text
 end
 
 local cache = {}

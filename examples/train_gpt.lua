@@ -201,7 +201,8 @@ if opt.sample > 0 then
   trainer:print("sample:\n" .. prompt .. sample)
   local dict, why = measures.load_dictionary()
   if dict then
-    local share, found, total = measures.dictionary_share(sample, dict)
+    local share, found, total = measures.dictionary_share(corpus and measures.without_special(sample, corpus.tokenizer)
+      or sample, dict)
     if share then
       trainer:print(("dictionary words: %.1f%% (%d of the sample's %d words are in %s)")
         :format(100 * share, found, total, measures.DICTIONARY))
