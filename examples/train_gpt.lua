@@ -1,6 +1,7 @@
--- Train a small GPT on the default corpus (byte-level fortunes), on one rank
--- or many, with the Trainer:
---   ./pglua examples/train_gpt.lua [--steps=3500] [--batch=12] ...
+-- Train a small GPT on a prepared corpus (--corpus=DIR, scripts/prepare_corpus.lua;
+-- make run's is data/corpus) or, without one, on the byte-level fortunes
+-- (data/fortunes_*.bin, or --train/--val), on one rank or many, with the Trainer:
+--   ./pglua examples/train_gpt.lua [--corpus=data/corpus] [--steps=1000] [--batch=16] ...
 --   mpirun -np 4 ./pglua examples/train_gpt.lua --tensor=2 --pipeline=2 --micro-batches=4
 -- --model=llama trains a LLaMA instead (examples/train_llama.lua says so),
 -- --model=mixtral a mixture of experts (examples/train_moe.lua).
@@ -35,14 +36,23 @@ p:flag("--sequence-parallel", "Sequence parallelism: the norms and residuals hol
 -- the stages pg.optim.AdamW takes (zero = 0, 1, 2)
 p:option("--zero", "ZeRO stage: 0 (none), 1 (the optimizer state sharded over --data) or 2 (the gradients too).", "0")
   :choices{ "0", "1", "2" }:convert(o.to_int)
--- The defaults: make run's recipe, 2.2 minutes on a quiet 2-core Xeon to a
--- validation loss of 1.80 nats/byte on the fortunes (over the whole validation
--- file, seed 42; 2000 steps reached 1.917 in 84 s). A model of nanoGPT's CPU size trained for many
--- steps: at dim 256 and 128-token sequences the same time bought 300 steps, all
--- spent on the bigram plateau (~2.5) before attention pays off.
-int("--steps", 3500, "Optimizer steps.")
-int("--batch", 12, "Global batch (sequences).")
-int("--seq-len", 64, "Tokens per sequence.")
+-- The defaults: make run's recipe (examples/train_llama.lua --corpus=data/corpus,
+-- the fortunes and the King James Bible with a 4096-id BPE, 3.4 bytes a token):
+-- 1000 steps of 16 x 128 tokens (2.0M tokens, about one epoch) of a 1.74M-parameter
+-- LLaMA, fp32, to a val loss of 4.174 nats/token = 1.815 bits per byte (seed 42,
+-- 2 threads), 89% of its sample's words in the dictionary. On the shared 2-core
+-- Xeon (AVX512_BF16, load 4-7) that took 476 s of wall time and 298 s of CPU;
+-- its quietest stretch ran 12.8k tokens/s, so about 2.5 minutes on the 2 cores
+-- alone. Measured on the way (1000 steps each, one thread): lr 3e-3 reached
+-- 1.813 bits per byte against 1.805 at 6e-3; a vocabulary of 8192 reached 1.790
+-- but cost 48% more CPU (the head is most of a step at width 128); widths 192
+-- and 256 ran 0.7x and 0.36x the tokens/s of 128, too slow for the epoch;
+-- bf16 is 30% faster here but its fallback for CPUs without AVX512_BF16 is 7%
+-- slower than fp32. Without --corpus the same defaults train on the byte-level
+-- fortunes.
+int("--steps", 1000, "Optimizer steps.")
+int("--batch", 16, "Global batch (sequences).")
+int("--seq-len", 128, "Tokens per sequence.")
 int("--dim", 128, "Model width.")
 int("--heads", nil, "Attention heads (default 4; llama 8).")
 int("--layers", 4, "Blocks.")
@@ -56,18 +66,19 @@ num("--capacity-factor", nil, "Each expert takes at most ceil(c x seq_len x top_
 num("--jitter", 0, "Router input noise in [1 - j, 1 + j] during training (mixtral).")
 num("--aux-loss-coef", 0.01, "Load-balancing loss coefficient (mixtral).")
 num("--rope-theta", 10000, "Rotary base (llama).")
-num("--lr", 3e-3, "Peak learning rate.")
-int("--warmup", 100, "Warm-up steps.")
+num("--lr", 6e-3, "Peak learning rate.")
+int("--warmup", 50, "Warm-up steps.")
 num("--clip", 1.0, "Gradient norm clip.")
 int("--seed", 42, "Seed of the weights and the data order.")
-int("--eval-every", 1750, "Validate every N steps.")
+int("--eval-every", 500, "Validate every N steps.")
 int("--accumulate", 1, "Micro-steps per optimizer step.")
 p:option("--corpus", "A prepared corpus directory (scripts/prepare_corpus.lua): its tokenizer sizes the model's "
   .. "vocabulary and encodes the prompt; its train and val splits are the data.")
 p:option("--train", "Byte-level training shards, without --corpus (default " .. BYTE_SHARDS.train .. ").")
 p:option("--val", "Byte-level validation shards, without --corpus (default " .. BYTE_SHARDS.val .. ").")
 int("--sample", 200, "Tokens to sample at the end (0: no sample).")
-p:option("--prompt", "Prompt of the sample.", "Q: ")
+p:option("--prompt", "Prompt of the sample (default 'Q: '; with --corpus 'Q:': a BPE joins a space to the "
+  .. "word after it, so a prompt ending in one is a token the model seldom saw).")
 p:option("--out", "Output directory (metrics.jsonl, checkpoints/); default runs/train_<model>.")
 int("--ckpt-every", 0, "Also checkpoint every N steps (0: only the final checkpoint, which every run keeps).")
 int("--keep-last", 0, "Keep only the newest N checkpoints (0: all).")
@@ -193,7 +204,7 @@ if corpus and val_loss then
     :format(measures.bits_per_byte(val_loss, corpus.val), val_loss, corpus.val.tokens, corpus.val.bytes))
 end
 
-local prompt, temperature, sample_seed = opt.prompt, 0.8, 1
+local prompt, temperature, sample_seed = opt.prompt or (corpus and "Q:" or "Q: "), 0.8, 1
 local prompt_ids = encode(prompt)
 if opt.sample > 0 then
   local sample = decode(pg.sample.generate(engine, prompt_ids, opt.sample,
