@@ -90,7 +90,7 @@ local opt = p:parse()
 if opt.corpus and (opt.train or opt.val) then
   p:error("--corpus gives the training and validation data; --train and --val are for byte-level shards without it")
 end
-if opt.sample < 0 then p:error(("--sample must be 0 or more bytes, got %d"):format(opt.sample)) end
+if opt.sample < 0 then p:error(("--sample must be 0 or more tokens, got %d"):format(opt.sample)) end
 if opt.val_batches < 0 then p:error(("--val-batches must be 0 (all) or more, got %d"):format(opt.val_batches)) end
 
 -- What follows up to fit builds what the options describe, and an error there
@@ -112,7 +112,7 @@ end
 -- The token ids and text of the data: a prepared corpus's tokenizer, else bytes.
 local corpus, vocab, encode, decode
 if opt.corpus then
-  corpus = pg.data.corpus(opt.corpus)
+  from_options(function() corpus = pg.data.corpus(opt.corpus) end) -- (a bad --corpus is the option's error)
   vocab = corpus.vocab_size
   local tok = corpus.tokenizer
   encode = function(text) return tok:encode(text) end
