@@ -40,10 +40,10 @@ p:option("--zero", "ZeRO stage: 0 (none), 1 (the optimizer state sharded over --
 -- the fortunes and the King James Bible with a 4096-id BPE, 3.4 bytes a token):
 -- 1000 steps of 16 x 128 tokens (2.0M tokens, about one epoch) of a 1.74M-parameter
 -- LLaMA, fp32, to a val loss of 4.174 nats/token = 1.815 bits per byte (seed 42,
--- 2 threads), 89% of its sample's words in the dictionary. On the shared 2-core
--- Xeon (AVX512_BF16, load 4-7) that took 476 s of wall time and 298 s of CPU;
--- its quietest stretch ran 12.8k tokens/s, so about 2.5 minutes on the 2 cores
--- alone. Measured on the way (1000 steps each, one thread): lr 3e-3 reached
+-- 2 threads), 97% of its sample's words in the dictionary. On the shared 2-core
+-- Xeon (AVX512_BF16, load 3.6-4.9) make run took 316 s of wall time and 281 s
+-- of CPU; its quietest stretch ran 13.4k tokens/s, so about 2.5 minutes on the 2 cores
+-- alone. Measured on the way (1000 steps each): lr 3e-3 reached
 -- 1.813 bits per byte against 1.805 at 6e-3; a vocabulary of 8192 reached 1.790
 -- but cost 48% more CPU (the head is most of a step at width 128); widths 192
 -- and 256 ran 0.7x and 0.36x the tokens/s of 128, too slow for the epoch;
