@@ -132,12 +132,15 @@ int fuzz_tokenizer_encode(const uint8_t *data, size_t size) {
   return 0;
 }
 
-/* llm.c token shards: open (with and without a vocabulary check) and read every window. */
+/* llm.c token shards: open (with and without a vocabulary check, and as
+ * headerless uint16 / uint32 ids) and read every window. */
 int fuzz_shard(const uint8_t *data, size_t size) {
   const char *path = fuzz_file(data, size, "tokens.bin");
-  for (int pass = 0; pass < 2; pass++) {
+  for (int pass = 0; pass < 6; pass++) {
     pg_shard s;
-    if (pg_shard_open(&s, path, pass ? 256 : 0) != 0) continue;
+    int64_t vocab = pass % 2 ? 256 : 0;
+    int rc = pass < 2 ? pg_shard_open(&s, path, vocab) : pg_shard_open_raw(&s, path, pass < 4 ? 1 : 7, vocab);
+    if (rc != 0) continue;
     int32_t window[65];
     for (int64_t start = 0; start + 65 <= s.ntokens && start < 4096; start += 65)
       if (pg_shard_read(&s, start, 65, window) != 0) break;

@@ -107,6 +107,7 @@ else
   if #args.input == 0 then p:error("--input is required with --tokenizer") end
   if not args.out then p:error("--out is required with --tokenizer") end
   if args.format ~= "jsonl" and args.field then p:error("--field is for --format=jsonl") end
+  if args.format == "jsonl" and args.separator then p:error("--separator is for --format=text (a JSONL line is a document)") end
 end
 local val_fraction, seed = args.val_fraction, args.seed
 if not val_fraction or val_fraction < 0 or val_fraction > 1 then
@@ -193,8 +194,10 @@ if pg.world_rank() ~= 0 then return end -- one writer when started under mpirun
 local block_bytes = args.block_bytes
 
 --- Calls emit(doc, path, offset) for each document of a text file (offset:
--- the document's first byte in the file, counting from 0).
-local function text_documents(path, sep, emit, on_bytes)
+-- the document's first byte in the file, counting from 0), or for a block's
+-- run of them emit_many(docs, first, offs, base, path): docs[first..] begin at
+-- file offsets base + offs[k] - 1 and have a visible byte.
+local function text_documents(path, sep, emit, on_bytes, emit_many)
   local f, err = io.open(path, "rb")
   if not f then die("%s", tostring(err)) end
   if sep == nil then -- one document: the file
@@ -209,33 +212,36 @@ local function text_documents(path, sep, emit, on_bytes)
   end
   local P = "\n" .. sep .. "\n"
   -- buf[1] is a virtual newline (at file offset -1) so that a separator on the first line matches P
-  local buf, base, start, doc_off = "\n", -1, 2, 0
-  local parts = {} -- the current document's bytes before buf[start]
-  local function doc_to(i)
-    local d = buf:sub(start, i)
-    if #parts > 0 then parts[#parts + 1] = d; d = table.concat(parts); parts = {} end
-    emit(d, path, doc_off)
-  end
+  local buf, base, start = "\n", -1, 2
+  local parts = {} -- the current document's bytes before buf[start], when it began in an earlier block
   while true do
     local block = f:read(block_bytes)
     if block then buf = buf .. block; on_bytes(#block) end
-    local pos = 1
-    while true do
-      local i = buf:find(P, pos, true)
-      if not i then break end
-      doc_to(i) -- through the newline before the separator line (none for the virtual one)
-      start, pos = i + #sep + 2, i + #sep + 1 -- that line's own newline may begin the next separator
-      doc_off = base + start - 1
+    -- the documents that end in buf, cut in C (one call a block, not a Lua call a document)
+    local docs, offs, next_start, next_pos = C.cut_documents(buf, P, start, 1, #parts > 0)
+    local first = 1
+    if #parts > 0 and next_start ~= start then -- the first document began in an earlier block
+      parts[#parts + 1] = docs[1]
+      emit(table.concat(parts), path, parts.off)
+      parts, first = {}, 2
     end
+    if first <= #docs then emit_many(docs, first, offs, base, path) end
+    start = next_start
     if not block then
       -- the file ends: a last line that is the separator has no newline after it
       local j = #buf - #sep
-      if j >= start - 1 and j >= 1 and buf:sub(j) == "\n" .. sep then doc_to(j) else doc_to(#buf) end
+      local stop = (j >= start - 1 and j >= 1 and buf:sub(j) == "\n" .. sep) and j or #buf
+      local d = buf:sub(start, stop)
+      if #parts > 0 then parts[#parts + 1] = d; d = table.concat(parts) end
+      emit(d, path, #parts > 0 and parts.off or base + start - 1)
       break
     end
     -- keep what a separator that crosses into the next block could start with
-    local keep = math.max(start - 1, #buf - #P + 2, 1)
-    if keep > start then parts[#parts + 1] = buf:sub(start, keep - 1) end
+    local keep = math.max(start - 1, next_pos, 1)
+    if keep > start then
+      if #parts == 0 then parts.off = base + start - 1 end
+      parts[#parts + 1] = buf:sub(start, keep - 1)
+    end
     start = math.max(start - keep + 1, 1)
     base = base + keep - 1
     buf = buf:sub(keep)
@@ -246,13 +252,12 @@ end
 local function jsonl_documents(path, emit, on_bytes, bad)
   local f, err = io.open(path, "rb")
   if not f then die("%s", tostring(err)) end
-  local buf, line_no = "", 0
-  local function one(line)
-    line_no = line_no + 1
-    if not line:find("%S") then return end
+  -- a line the C reader leaves to cjson: invalid, not an object, no string field, or unusual
+  local function with_cjson(line, line_no)
     local ok, j = pcall(cjson.decode, line)
     if not ok then return bad(("%s:%d: not valid JSON (%s)"):format(path, line_no, (tostring(j):gsub("^.-: ", "")))) end
-    if type(j) ~= "table" then return bad(("%s:%d: not a JSON object"):format(path, line_no)) end
+    -- cjson decodes an array to a table too: an object is what starts with {
+    if type(j) ~= "table" or not line:match("^%s*{") then return bad(("%s:%d: not a JSON object"):format(path, line_no)) end
     local v = j[field]
     if v == nil or v == cjson.null then return bad(("%s:%d: no field '%s'"):format(path, line_no, field)) end
     if type(v) ~= "string" then
@@ -260,21 +265,34 @@ local function jsonl_documents(path, emit, on_bytes, bad)
     end
     emit(v, path, nil, line_no)
   end
+  local buf, line_no = "", 0
+  local threads = args.threads
+  -- the block's lines: their field decoded in C on threads (C.jsonl_fields), in order
+  local function lines_of(list, first_no)
+    local values = C.jsonl_fields(list, field, threads)
+    for i, line in ipairs(list) do
+      local v = values[i]
+      if v then emit(v, path, nil, first_no + i - 1)
+      elseif line:find("%S") then with_cjson(line, first_no + i - 1) end -- blank lines are skipped
+    end
+  end
   while true do
     local block = f:read(block_bytes)
     if not block then break end
     on_bytes(#block)
     buf = buf .. block
-    local pos = 1
+    local pos, list = 1, {}
     while true do
       local nl = buf:find("\n", pos, true)
       if not nl then break end
-      one(buf:sub(pos, nl - 1))
+      list[#list + 1] = buf:sub(pos, nl - 1)
       pos = nl + 1
     end
+    lines_of(list, line_no + 1)
+    line_no = line_no + #list
     buf = buf:sub(pos)
   end
-  if buf ~= "" then one(buf) end
+  if buf ~= "" then lines_of({ buf }, line_no + 1) end
   f:close()
 end
 
@@ -289,13 +307,17 @@ end
 --- Every document of every file, in order: visit(doc, path, at), at the
 -- document's byte offset in the file (text) or its line (jsonl); empty and
 -- whitespace-only documents dropped.
-local function each_document(visit, on_bytes)
+local function each_document(visit, on_bytes, visit_many)
   local function emit(d, path, off, line_no)
     if d:find("%S") then visit(d, path, line_no or off) end
   end
+  -- visit_many(docs, first, offs, base, path): a block's documents at once, without a Lua call each
+  visit_many = visit_many or function(docs, first, offs, base, path)
+    for k = first, #docs do visit(docs[k], path, base + offs[k] - 1) end
+  end
   for _, path in ipairs(files) do
     if args.format == "jsonl" then jsonl_documents(path, emit, on_bytes, bad_input)
-    else text_documents(path, separator, emit, on_bytes) end
+    else text_documents(path, separator, emit, on_bytes, visit_many) end
   end
 end
 
@@ -315,7 +337,7 @@ if not progress_on then
 end
 local human = require("pipegoose.callbacks.progress_bar").human
 local t_start = pg.wtime()
-local read_bytes, last_draw, passes = 0, 0, 1
+local read_bytes, last_draw = 0, 0
 local pass_label = ""
 local progress_tokens = 0
 local function on_bytes(n)
@@ -353,16 +375,16 @@ local function new_sink(split, dir, dtype, doc_token, at_end, limit, name_of)
     w:close()
     w = nil
   end
-  --- ids: a list of int32 tensors, one a document
-  function s.write(ids, nbytes)
-    s.documents = s.documents + #ids
+  --- ids: an int32 tensor of the documents' ids one after another; counts: each document's
+  function s.write(ids, counts, nbytes)
+    s.documents = s.documents + #counts
     s.bytes = s.bytes + nbytes
-    if #ids == 0 then return end
+    if #counts == 0 then return end
     local k, pos = 1, 0
     while true do
       if w and w:tokens() >= limit then close() end
       if not w then open() end
-      k, pos = w:append_documents(ids, k, pos, doc_token, at_end, limit)
+      k, pos = w:append_documents(ids, counts, k, pos, doc_token, at_end, limit)
       if not k then break end
     end
   end
@@ -380,53 +402,57 @@ local batch_bytes = args.batch_bytes
 --- Reads every document, tokenizes them in batches with encode(list) -> list of
 -- int32 tensors, and sends each to its split's sink. Returns the encode seconds.
 local function run_pipeline(encode, sinks)
-  local docs, paths, ats, nbytes = {}, {}, {}, 0
+  -- the batch: its documents, and where each came from in runs (segs: a block's run or one document)
+  local docs, segs, nbytes = {}, {}, 0
   local encode_s = 0
   local threads = args.threads
   local function flush()
     if #docs == 0 then return end
-    -- hash units and UTF-8 checks of the whole batch in C, on threads
-    local units, bad = C.document_checks(docs, seed, threads)
-    if not legacy and next(bad) then -- the byte-level shards take any bytes, as before
-      local kept, kept_units = {}, {}
-      for i, d in ipairs(docs) do
-        if bad[i] then
-          bad_input(not_utf8(paths[i], ats[i], bad[i]))
-        else
-          kept[#kept + 1] = d
-          kept_units[#kept_units + 1] = units[i]
+    -- the UTF-8 check and the split of the whole batch in C, on threads
+    -- (the byte-level shards take any bytes, as before)
+    local train, val, train_bytes, val_bytes, bad = C.split_documents(docs, seed, val_fraction, threads, legacy)
+    if next(bad) then
+      for _, g in ipairs(segs) do
+        for i = g.from, g.to do
+          if bad[i] then
+            local at = g.at or (g.base + g.offs[i - g.from + g.first] - 1)
+            bad_input(not_utf8(g.path, at, bad[i]))
+          end
         end
       end
-      docs, units = kept, kept_units
     end
     local t0 = pg.wtime()
-    local ids = encode(docs)
+    local train_ids, train_counts = encode(train)
+    local val_ids, val_counts = encode(val)
     encode_s = encode_s + (pg.wtime() - t0)
-    local tr, va = { ids = {}, bytes = 0 }, { ids = {}, bytes = 0 }
-    for i, d in ipairs(docs) do
-      local side = units[i] < val_fraction and va or tr
-      side.ids[#side.ids + 1] = ids[i]
-      side.bytes = side.bytes + #d
-    end
-    sinks.train.write(tr.ids, tr.bytes)
-    sinks.val.write(va.ids, va.bytes)
+    sinks.train.write(train_ids, train_counts, train_bytes)
+    sinks.val.write(val_ids, val_counts, val_bytes)
     progress_tokens = sinks.train.live_tokens() + sinks.val.live_tokens()
-    docs, paths, ats, nbytes = {}, {}, {}, 0
+    docs, segs, nbytes = {}, {}, 0
   end
   each_document(function(d, path, at)
     local k = #docs + 1
-    docs[k], paths[k], ats[k] = d, path, at
+    docs[k] = d
+    segs[#segs + 1] = { from = k, to = k, path = path, at = at }
     nbytes = nbytes + #d
     if nbytes >= batch_bytes then flush() end
-  end, on_bytes)
+  end, on_bytes, function(list, first, offs, base, path)
+    local n0 = #docs
+    table.move(list, first, #list, n0 + 1, docs)
+    segs[#segs + 1] = { from = n0 + 1, to = #docs, path = path, offs = offs, base = base, first = first }
+    -- the run's span in the block (separators included): the batch size is a knob, not a count
+    nbytes = nbytes + (offs[#list] + #list[#list] - offs[first])
+    if nbytes >= batch_bytes then flush() end
+  end)
   flush()
   return encode_s
 end
 
+--- The byte ids of docs one after another, and each one's count (encode_batch's flat result).
 local function bytes_encode(docs)
-  local out = {}
-  for i, d in ipairs(docs) do out[i] = pg.data.bytes.encode(d) end
-  return out
+  local counts = {}
+  for i, d in ipairs(docs) do counts[i] = #d end
+  return pg.data.bytes.encode(table.concat(docs)), counts
 end
 
 if legacy then
@@ -498,6 +524,12 @@ if pg.fs.kind(out) ~= nil then
     if existing == false and not args.overwrite then
       die("--out %s is not empty and holds no corpus (no dataset.json): give --overwrite to replace it", out)
     end
+    -- a corpus has no subdirectories: --overwrite never removes a tree such as a home directory
+    for _, name in ipairs(pg.fs.list(out)) do
+      if pg.fs.kind(out .. "/" .. name) == "directory" then
+        die("--out %s holds the directory %s: not a corpus, and not replaced even with --overwrite", out, name)
+      end
+    end
   end
 end
 
@@ -554,7 +586,7 @@ local ok, err = pcall(function()
       pass_label = "text "
       each_document(function(d) h:write(d, "\n") end, on_bytes)
       h:close()
-      read_bytes, skipped, pass_label = 0, 0, ""
+      read_bytes, skipped, pass_label, t_start = 0, 0, "", pg.wtime()
       train_files = { text_path }
     end
     tok = pg.tokenizer.train{ files = train_files, vocab_size = vs, special_tokens = { "<|endoftext|>" },
@@ -564,7 +596,7 @@ local ok, err = pcall(function()
     tok = pg.tokenizer.load(spec)
   end
   local th = args.threads
-  encode = function(docs) return tok:encode_batch(docs, { threads = th, add_special = false, tensor = true }) end
+  encode = function(docs) return tok:encode_batch(docs, { threads = th, add_special = false, flat = true }) end
   if args.eos_token then
     doc_token = tok:token_to_id(args.eos_token)
     if not doc_token then die("--eos-token '%s' is not a token of %s", args.eos_token, spec) end

@@ -6,7 +6,7 @@
 --
 --   pg.data.write_shard(path, tokens [, version])  tokens: int32 tensor or table of ids;
 --                                                    version 1 or 7 forced, else 1 when every id < 65536
---   pg.data.read_shard(path [, vocab]) -> int32 tensor of all tokens
+--   pg.data.read_shard(path [, vocab [, dtype]]) -> int32 tensor of all tokens (dtype: headerless, below)
 --   pg.data.shard_info(path) -> { version =, tokens = }
 --   pg.data.TokenShards{ path =, batch =, seq_len =, seed = 0, shuffle = true, ctx = nil, vocab = nil,
 --                        dtype = nil, stride = "window" }
@@ -69,7 +69,6 @@ local C = core.token_data
 local M = {}
 
 M.write_shard = C.write_shard
-M.read_shard = C.read_shard
 M.shard_info = C.shard_info
 
 --- The byte-level tokenizer: token id = byte value, vocabulary 256. Any string
@@ -97,10 +96,25 @@ local VERSION_OF = { uint16 = 1, uint32 = 7 }
 --- The dtype a tokenizer of vocab_size ids needs: uint16 while every id fits.
 function M.dtype_for(vocab_size) return vocab_size <= 65536 and "uint16" or "uint32" end
 
+--- pg.data.read_shard(path [, vocab [, dtype]]) -> int32 tensor of all tokens; dtype
+-- "uint16" | "uint32": a headerless file of raw ids (as TokenShards' dtype=).
+function M.read_shard(path, vocab, dtype)
+  local raw = nil
+  if dtype ~= nil then
+    raw = VERSION_OF[dtype]
+    if not raw then error(("read_shard: dtype must be \"uint16\" or \"uint32\", not %s"):format(tostring(dtype)), 2) end
+  end
+  local ok, t = pcall(C.read_shard, path, vocab, raw)
+  if not ok then error(t, 2) end
+  return t
+end
+
 --- pg.data.ShardWriter(path, dtype): a shard written as it grows
 -- (src/runtime/pg_data.h: a temporary file renamed onto path by close, so path
 -- is only ever a whole shard). w:append(id | int32 tensor | table [, first, count]),
--- w:tokens(), w:close(), w:abort().
+-- w:append_documents(tensors, first, pos, doc_token, at_end, limit) (a batch of documents
+-- with their document token, up to a shard of `limit` ids: src/lua/lua_data.c),
+-- w:tokens(), w:close(), w:abort() (also what collecting a writer never closed does).
 function M.ShardWriter(path, dtype)
   local v = VERSION_OF[dtype]
   if not v then error(("ShardWriter: dtype must be \"uint16\" or \"uint32\", not %s"):format(tostring(dtype)), 2) end

@@ -15,6 +15,7 @@
 --   tok:set_special_tokens{bos =, eos =, pad =, unk =}   each a token, an id or false (none)
 --   tok:pre_tokenize(text)   the pre-tokens the model sees (normalized, split, mapped)
 --   tok:encode_batch(texts [, {threads =, add_special =, tensor =}]) -> a list of ids per text, on threads
+--                            (flat = true: one int32 tensor of all the ids, and a list of each text's count)
 --   tok:encode_file(path [, {threads =, chunk_bytes =, add_special = false}]) -> int32 tensor of all ids
 --   tok:encode_chunked(text [, the same options])   encode_file's cutting and threads on a string
 --
@@ -303,7 +304,7 @@ Tokenizer.__index = Tokenizer
 local THREADS = opt.integer{ min = 1, max = 1024, what = "an integer in [1, 1024]" }
 local CHUNK_BYTES = opt.integer{ min = 1, max = math.maxinteger }
 local ENCODE = { add_special = "any", tensor = "any" }
-local ENCODE_BATCH = { add_special = "any", tensor = "any", threads = THREADS }
+local ENCODE_BATCH = { add_special = "any", tensor = "any", threads = THREADS, flat = "any" }
 local ENCODE_CHUNKED = { add_special = "any", threads = THREADS, chunk_bytes = CHUNK_BYTES }
 local DECODE = { skip_special = "any" }
 
@@ -323,7 +324,7 @@ function Tokenizer:encode_batch(texts, opts)
   if type(texts) ~= "table" then error("encode_batch: texts must be a list of strings", 2) end
   local add = opts.add_special
   if add == nil then add = true end
-  return self._c:encode_batch(texts, add, opts.threads, opts.tensor)
+  return self._c:encode_batch(texts, add, opts.threads, opts.tensor, opts.flat)
 end
 
 --- One long text cut at line starts (pg_tokenizer.h: after a newline followed

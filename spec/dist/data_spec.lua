@@ -32,36 +32,39 @@ for _, layout in ipairs(layouts) do
   describe(("layout tensor=%d pipeline=%d data=%d"):format(T, P, D), function()
     local ctx = pg.ParallelContext{ tensor = T, pipeline = P, data = D }
 
-    it("gives each data rank a disjoint share whose union is the global batch", function()
-      local mine = pg.data.TokenShards{ path = files, batch = B, seq_len = L, seed = 4, ctx = ctx }
-      local ref = pg.data.TokenShards{ path = files, batch = B, seq_len = L, seed = 4 }
-      assert.equal(B // D, mine.local_batch)
-      assert.equal(ref:batches_per_epoch(), mine:batches_per_epoch())
-      assert.equal(B * L, mine:tokens_per_batch())
-      local steps = 0
-      -- two epochs and a bit: the nil comes at the same step on every rank
-      for _ = 1, 2 * ref:batches_per_epoch() + 4 do
-        local x, y = mine:next_batch()
-        local rx, ry = ref:next_batch()
-        assert.equal(rx == nil, x == nil)
-        if x then
-          assert.same({ B // D, L }, x:shape())
-          local gx = pg.dist.all_gather(x, { group = "data", ctx = ctx })
-          local gy = pg.dist.all_gather(y, { group = "data", ctx = ctx })
-          assert.is_true(gx:equal(rx), "the data ranks' shares, in order, are the global batch")
-          assert.is_true(gy:equal(ry))
-          -- disjoint: every row of the step is a different window
-          local seen = {}
-          for _, row in ipairs(gx:totable()) do
-            assert.is_nil(seen[row[1]], "a window in two shares")
-            seen[row[1]] = true
+    -- llm.c's stride too: rank d reads its B/D rows from d * (B/D) * L into the batch's span (process_rank's offset)
+    for _, stride in ipairs{ "window", "llmc" } do
+      it(("gives each data rank a disjoint share whose union is the global batch (stride %s)"):format(stride), function()
+        local mine = pg.data.TokenShards{ path = files, batch = B, seq_len = L, seed = 4, ctx = ctx, stride = stride }
+        local ref = pg.data.TokenShards{ path = files, batch = B, seq_len = L, seed = 4, stride = stride }
+        assert.equal(B // D, mine.local_batch)
+        assert.equal(ref:batches_per_epoch(), mine:batches_per_epoch())
+        assert.equal(B * L, mine:tokens_per_batch())
+        local steps = 0
+        -- two epochs and a bit: the nil comes at the same step on every rank
+        for _ = 1, 2 * ref:batches_per_epoch() + 4 do
+          local x, y = mine:next_batch()
+          local rx, ry = ref:next_batch()
+          assert.equal(rx == nil, x == nil)
+          if x then
+            assert.same({ B // D, L }, x:shape())
+            local gx = pg.dist.all_gather(x, { group = "data", ctx = ctx })
+            local gy = pg.dist.all_gather(y, { group = "data", ctx = ctx })
+            assert.is_true(gx:equal(rx), "the data ranks' shares, in order, are the global batch")
+            assert.is_true(gy:equal(ry))
+            -- disjoint: every row of the step is a different window
+            local seen = {}
+            for _, row in ipairs(gx:totable()) do
+              assert.is_nil(seen[row[1]], "a window in two shares")
+              seen[row[1]] = true
+            end
+            steps = steps + 1
           end
-          steps = steps + 1
+          assert.equal(ref:epoch(), mine:epoch())
         end
-        assert.equal(ref:epoch(), mine:epoch())
-      end
-      assert.equal(2 * ref:batches_per_epoch() + 2, steps)
-    end)
+        assert.equal(2 * ref:batches_per_epoch() + 2, steps)
+      end)
+    end
 
     it("gives the same share to the ranks of a tensor or pipeline group", function()
       local mine = pg.data.TokenShards{ path = files, batch = B, seq_len = L, seed = 1, ctx = ctx }

@@ -259,7 +259,7 @@ describe("TokenShards", function()
     local d = pg.data.TokenShards(opts())
     for _ = 1, 6 do d:next_batch() end
     local sd = d:state_dict()
-    assert.same({ epoch = 0, batch_index = 6, seed = 9, batch = B, seq_len = L, shuffle = true,
+    assert.same({ epoch = 0, batch_index = 6, seed = 9, batch = B, seq_len = L, shuffle = true, stride = "window",
                   files = { a, b }, file_tokens = { 163, 96 } }, sd)
     -- the uninterrupted run, across an epoch boundary (with its nil)
     local want = {}
@@ -341,14 +341,69 @@ describe("TokenShards", function()
     has(err_of(function() pg.data.TokenShards{ path = a, batch = 1, seq_len = 4, ctx = "x" } end),
       "TokenShards: ctx must be a pg.ParallelContext, got 'x'")
     has(err_of(function() pg.data.TokenShards() end),
-      "TokenShards: expects a table of options (batch=, path=, seq_len=, ...), got nothing")
+      "TokenShards: expects a table of options (batch=, seq_len=, ...), got nothing")
     has(err_of(function() pg.data.TokenShards{ path = a, seq_len = 4 } end), "TokenShards: batch= is required")
-    has(err_of(function() pg.data.TokenShards{ batch = 1, seq_len = 4 } end), "TokenShards: path= is required")
+    has(err_of(function() pg.data.TokenShards{ batch = 1, seq_len = 4 } end), "TokenShards: path= (or corpus= and split=) is required")
     has(err_of(function() pg.data.TokenShards{ path = a, batch = 1, seq_len = 4, shufle = false } end),
       "TokenShards: unknown option 'shufle' (did you mean 'shuffle'?)")
     -- b.bin has 96 tokens: 12 windows of 8, not the 13 a batch of 13 needs
     has(err_of(function() pg.data.TokenShards{ path = { a, b }, batch = 13, seq_len = L } end),
       b .. ": too short for one batch: it has 96 tokens, but one batch of 13 rows of seq_len + 1 = 8 tokens needs 104")
+  end)
+end)
+
+describe("pg.data.ShardWriter", function()
+  local function tmp_files(d)
+    local out = {}
+    for _, name in ipairs(pg.fs.list(d)) do
+      if name:find(".tmp.", 1, true) then out[#out + 1] = name end
+    end
+    return out
+  end
+
+  it("streams ids into a shard that appears whole at close, with llm.c's magic for each dtype", function()
+    local d = path("writer")
+    pg.fs.mkdir_p(d)
+    local p = d .. "/s.bin"
+    local w = pg.data.ShardWriter(p, "uint16")
+    w:append(7)
+    w:append(pg.tensor({ 1, 2, 3, 4, 5 }, { dtype = "int32" }), 2, 3) -- ids 2, 3, 4
+    w:append{ 65535 }
+    assert.equal(5, w:tokens())
+    assert.is_false(pg.fs.exists(p), "nothing at the path before close")
+    assert.equal(1, #tmp_files(d))
+    w:close()
+    assert.same({}, tmp_files(d))
+    assert.same({ 7, 2, 3, 4, 65535 }, pg.data.read_shard(p):totable())
+    local magic, version, count = string.unpack("<i4i4i4", h.read(p))
+    assert.same({ 20240520, 1, 5 }, { magic, version, count })
+    local w7 = pg.data.ShardWriter(d .. "/w.bin", "uint32")
+    w7:append{ 70000 }
+    w7:close()
+    magic, version, count = string.unpack("<i4i4i4", h.read(d .. "/w.bin"))
+    assert.same({ 20240801, 7, 1 }, { magic, version, count })
+    assert.same({ 70000 }, pg.data.read_shard(d .. "/w.bin"):totable())
+  end)
+
+  it("refuses an id that does not fit, and leaves nothing behind on abort or when never closed", function()
+    local d = path("writer2")
+    pg.fs.mkdir_p(d)
+    local p = d .. "/s.bin"
+    local w = pg.data.ShardWriter(p, "uint16")
+    w:append{ 1, 2 }
+    has(err_of(function() w:append{ 3, 70000 } end), p .. ": token 70000 at position 3 (counting from 0) does not fit version 1 (uint16)")
+    has(err_of(function() w:append{ -1 } end), p .. ": token -1 at position 2 (counting from 0) is negative")
+    assert.equal(2, w:tokens()) -- a refused append writes none of its ids
+    w:abort()
+    assert.same({}, pg.fs.list(d))
+    has(err_of(function() w:append(1) end), "the shard writer is closed")
+    local lost = pg.data.ShardWriter(p, "uint32")
+    lost:append(5)
+    lost = nil -- luacheck: ignore
+    collectgarbage()
+    collectgarbage()
+    assert.same({}, pg.fs.list(d))
+    has(err_of(function() pg.data.ShardWriter(p, "int8") end), "dtype must be \"uint16\" or \"uint32\"")
   end)
 end)
 

@@ -115,47 +115,62 @@ static int l_writer_append(lua_State *L) {
     PG_LUA_CHECK(L, pg_shard_writer_append(w, &id, 1));
     return 0;
   }
+  /* the range arguments first: check_tokens may push a userdata (a table's copy) above them */
+  int ranged = !lua_isnoneornil(L, 3);
+  lua_Integer first = ranged ? luaL_checkinteger(L, 3) : 1, count = ranged ? luaL_checkinteger(L, 4) : -1;
   int64_t n;
   const int32_t *ids = check_tokens(L, 2, &n);
-  int64_t first = 1, count = n;
-  if (!lua_isnoneornil(L, 3)) {
-    first = pg_lua_check_int_in(L, 3, "first", 1, n + 1);
-    count = pg_lua_check_int_in(L, 4, "count", 0, n - first + 1);
-  }
+  if (!ranged) count = n;
+  if (first < 1 || first > n + 1) return luaL_error(L, "bad argument #3 (first): %I is not in [1, %I]", first, (lua_Integer)n + 1);
+  if (count < 0 || count > n - first + 1)
+    return luaL_error(L, "bad argument #4 (count): %I is not in [0, %I]", count, (lua_Integer)(n - first + 1));
   PG_LUA_CHECK(L, pg_shard_writer_append(w, ids + (first - 1), count));
   return 0;
 }
 
-/* w:append_documents(docs, first, pos, doc_token, at_end, limit) -> next, next_pos | nothing
- * docs: a list of int32 tensors, one document's ids each. Document k is its ids
- * with doc_token before them (at_end false) or after (true). Appends from
+/* w:append_documents(ids, counts, first, pos, doc_token, at_end, limit) -> next, next_pos | nothing
+ * ids: an int32 tensor of documents' ids one after another, counts: a list of
+ * each document's id count (tok:encode_batch's flat result). Document k is its
+ * ids with doc_token before them (at_end false) or after (true). Appends from
  * position pos (counting from 0) of document `first` (1-based) on until the
  * shard holds `limit` tokens; returns where to go on in the next shard, or
  * nothing once every document is in. One call per batch of documents: the
  * rollover rule of scripts/prepare_corpus.lua without a Lua call per document. */
 static int l_writer_append_documents(lua_State *L) {
   pg_shard_writer *w = check_writer(L);
-  luaL_checktype(L, 2, LUA_TTABLE);
-  lua_Integer n = (lua_Integer)lua_rawlen(L, 2);
-  lua_Integer k = luaL_checkinteger(L, 3), pos = luaL_checkinteger(L, 4);
-  lua_Integer tokv = luaL_checkinteger(L, 5);
-  int at_end = lua_toboolean(L, 6);
-  lua_Integer limit = luaL_checkinteger(L, 7);
+  pg_tensor *t = pg_lua_test_tensor(L, 2);
+  if (!t || !t->storage || t->dtype != PG_INT32) return luaL_error(L, "append_documents: ids must be an int32 tensor");
+  luaL_checktype(L, 3, LUA_TTABLE);
+  lua_Integer n = (lua_Integer)lua_rawlen(L, 3);
+  lua_Integer k = luaL_checkinteger(L, 4), pos = luaL_checkinteger(L, 5);
+  lua_Integer tokv = luaL_checkinteger(L, 6);
+  int at_end = lua_toboolean(L, 7);
+  lua_Integer limit = luaL_checkinteger(L, 8);
   if (tokv < 0 || tokv > INT32_MAX) return luaL_error(L, "append_documents: doc_token %I is not a token id", tokv);
   if (limit <= w->ntokens) return luaL_error(L, "append_documents: the shard is already full (%I tokens)", limit);
+  if (k < 1) return luaL_error(L, "append_documents: first %I is not a document", k);
   int32_t tok = (int32_t)tokv;
+  const int32_t *all = pg_tensor_i32(t);
+  /* where document k's ids begin in the tensor: the counts before it */
+  int64_t at = 0;
+  for (lua_Integer i = 1; i < k && i <= n; i++) {
+    lua_rawgeti(L, 3, i);
+    at += (int64_t)lua_tointeger(L, -1);
+    lua_pop(L, 1);
+  }
   for (; k <= n; k++, pos = 0) {
-    lua_rawgeti(L, 2, k);
-    pg_tensor *t = pg_lua_test_tensor(L, -1);
-    if (!t || !t->storage || t->dtype != PG_INT32)
-      return luaL_error(L, "append_documents: docs[%I] is not an int32 tensor", k);
-    const int32_t *ids = pg_tensor_i32(t);
-    int64_t len = t->numel + 1; /* with the document token */
+    lua_rawgeti(L, 3, k);
+    int isint = 0;
+    lua_Integer cnt = lua_tointegerx(L, -1, &isint);
+    lua_pop(L, 1);
+    if (!isint || cnt < 0 || cnt > t->numel - at)
+      return luaL_error(L, "append_documents: counts[%I] does not fit the %I ids", k, (lua_Integer)t->numel);
+    const int32_t *ids = all + at;
+    int64_t len = cnt + 1; /* with the document token */
     if (pos < 0 || pos >= len) return luaL_error(L, "append_documents: position %I is outside document %I", pos, k);
     while (pos < len) {
       int64_t room = limit - w->ntokens;
       if (room == 0) {
-        lua_pop(L, 1);
         lua_pushinteger(L, k);
         lua_pushinteger(L, pos);
         return 2;
@@ -164,17 +179,17 @@ static int l_writer_append_documents(lua_State *L) {
       int64_t ids_from = at_end ? pos : pos - 1; /* index into ids of sequence position pos (-1: the token) */
       int rc;
       int64_t wrote;
-      if (ids_from < 0 || ids_from >= t->numel) {
+      if (ids_from < 0 || ids_from >= cnt) {
         rc = pg_shard_writer_append(w, &tok, 1), wrote = 1;
       } else {
-        int64_t m = t->numel - ids_from;
+        int64_t m = cnt - ids_from;
         if (m > room) m = room;
         rc = pg_shard_writer_append(w, ids + ids_from, m), wrote = m;
       }
       PG_LUA_CHECK(L, rc);
       pos += wrote;
     }
-    lua_pop(L, 1);
+    at += cnt;
   }
   return 0;
 }
@@ -414,24 +429,334 @@ static int l_hash_unit(lua_State *L) {
   return 1;
 }
 
-/* document_checks(docs, seed, threads) -> units, bad: for each document its
- * hash_unit (units[i]) and, when it is not UTF-8, the offset of the first bad
- * byte counting from 0 (bad[i]; absent when it is). On threads (OpenMP): the
- * per-document work of scripts/prepare_corpus.lua besides tokenizing. */
-static int l_document_checks(lua_State *L) {
+/* Whether s has a byte that is not ASCII white space (Lua's %S in the C locale). */
+static int has_visible(const char *s, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    unsigned char c = (unsigned char)s[i];
+    if (c != ' ' && (c < '\t' || c > '\r')) return 1;
+  }
+  return 0;
+}
+
+/* cut_documents(buf, pattern, start, pos, keep_first) -> docs, offsets, start, pos
+ * The documents of scripts/prepare_corpus.lua's text format that end in buf:
+ * every match of pattern ("\n" .. separator .. "\n") at or after pos ends
+ * the document that begins at start (through the match's first newline), and
+ * the next one begins after it; the search goes on from the match's last
+ * newline (it may begin the next separator). docs: those documents that have
+ * a visible byte (the first one kept regardless with keep_first, when the
+ * caller has its earlier bytes); offsets: where each begins in buf (1-based);
+ * then where the unfinished document begins and where to search on. One call
+ * per block: no Lua call per document. */
+static int l_cut_documents(lua_State *L) {
+  size_t n, plen;
+  const char *buf = luaL_checklstring(L, 1, &n);
+  const char *pat = luaL_checklstring(L, 2, &plen);
+  lua_Integer start = luaL_checkinteger(L, 3), pos = luaL_checkinteger(L, 4);
+  int keep_first = lua_toboolean(L, 5);
+  if (plen < 2 || pat[0] != '\n') return luaL_error(L, "cut_documents: the pattern must begin with a newline");
+  if (start < 1 || pos < 1 || (size_t)start > n + 1 || (size_t)pos > n + 1)
+    return luaL_error(L, "cut_documents: start %I or pos %I is outside the buffer", start, pos);
+  lua_newtable(L);
+  lua_newtable(L);
+  lua_Integer k = 0;
+  size_t s0 = (size_t)start - 1, p = (size_t)pos - 1; /* 0-based */
+  int first = 1;
+  while (p + plen <= n) {
+    const char *nl = memchr(buf + p, '\n', n - p - plen + 1);
+    if (!nl) {
+      p = n - plen + 1; /* no match can begin before here: the caller keeps only the tail */
+      break;
+    }
+    size_t i = (size_t)(nl - buf);
+    if (memcmp(nl, pat, plen) != 0) {
+      p = i + 1;
+      continue;
+    }
+    /* the document: [s0, i] (with the newline at i) */
+    size_t len = i + 1 > s0 ? i + 1 - s0 : 0;
+    if ((first && keep_first) || has_visible(buf + s0, len)) {
+      lua_pushlstring(L, buf + s0, len);
+      lua_rawseti(L, -3, ++k);
+      lua_pushinteger(L, (lua_Integer)s0 + 1);
+      lua_rawseti(L, -2, k);
+    }
+    first = 0;
+    s0 = i + plen;     /* after the separator line's newline */
+    p = i + plen - 1;  /* that newline may begin the next separator */
+  }
+  lua_pushinteger(L, (lua_Integer)s0 + 1);
+  lua_pushinteger(L, (lua_Integer)p + 1);
+  return 4;
+}
+
+/* ---- JSONL: one string field of each line, on threads ----
+ * A strict RFC 8259 reader that only finds and decodes the top-level string
+ * `field` of an object. It answers for the lines it is sure of: valid JSON,
+ * an object, the field a string (the last one, when repeated, as cjson's
+ * table keeps it), no surrogate escapes; every other line (invalid JSON, a
+ * missing or non-string field, \u surrogates, NaN or hex numbers cjson may
+ * take) is left to scripts/prepare_corpus.lua's cjson path, which has the
+ * error messages. So this is only a faster road to cjson's result. */
+
+typedef struct {
+  const char *p, *end;
+} jcur;
+
+static void jws(jcur *c) {
+  while (c->p < c->end && (*c->p == ' ' || *c->p == '\t' || *c->p == '\n' || *c->p == '\r')) c->p++;
+}
+
+static int jhex4(const char *p) {
+  int v = 0;
+  for (int i = 0; i < 4; i++) {
+    char ch = p[i];
+    v <<= 4;
+    if (ch >= '0' && ch <= '9') v |= ch - '0';
+    else if (ch >= 'a' && ch <= 'f') v |= ch - 'a' + 10;
+    else if (ch >= 'A' && ch <= 'F') v |= ch - 'A' + 10;
+    else return -1;
+  }
+  return v;
+}
+
+/* A string at c->p (on its opening quote). out: NULL to skip it, else a buffer
+ * of at least its raw length that gets the decoded bytes (*olen). */
+static int jstring(jcur *c, char *out, size_t *olen) {
+  if (c->p >= c->end || *c->p != '"') return 0;
+  c->p++;
+  size_t k = 0;
+  while (c->p < c->end) {
+    unsigned char ch = (unsigned char)*c->p;
+    if (ch == '"') {
+      c->p++;
+      if (olen) *olen = k;
+      return 1;
+    }
+    if (ch < 0x20) return 0; /* control characters must be escaped */
+    if (ch != '\\') {
+      if (out) out[k] = (char)ch;
+      k++, c->p++;
+      continue;
+    }
+    if (c->end - c->p < 2) return 0;
+    char e = c->p[1];
+    c->p += 2;
+    char r;
+    switch (e) {
+      case '"': r = '"'; break;
+      case '\\': r = '\\'; break;
+      case '/': r = '/'; break;
+      case 'b': r = '\b'; break;
+      case 'f': r = '\f'; break;
+      case 'n': r = '\n'; break;
+      case 'r': r = '\r'; break;
+      case 't': r = '\t'; break;
+      case 'u': {
+        if (c->end - c->p < 4) return 0;
+        int v = jhex4(c->p);
+        if (v < 0 || (v >= 0xD800 && v <= 0xDFFF)) return 0; /* surrogates: cjson's road */
+        c->p += 4;
+        /* UTF-8 of v (at most 3 bytes, never more than the 6 of the escape) */
+        if (v < 0x80) {
+          if (out) out[k] = (char)v;
+          k++;
+        } else if (v < 0x800) {
+          if (out) out[k] = (char)(0xC0 | (v >> 6)), out[k + 1] = (char)(0x80 | (v & 0x3F));
+          k += 2;
+        } else {
+          if (out) out[k] = (char)(0xE0 | (v >> 12)), out[k + 1] = (char)(0x80 | ((v >> 6) & 0x3F)),
+                   out[k + 2] = (char)(0x80 | (v & 0x3F));
+          k += 3;
+        }
+        continue;
+      }
+      default: return 0;
+    }
+    if (out) out[k] = r;
+    k++;
+  }
+  return 0;
+}
+
+static int jvalue(jcur *c, int depth);
+
+static int jnumber(jcur *c) {
+  const char *p = c->p;
+  if (p < c->end && *p == '-') p++;
+  if (p >= c->end) return 0;
+  if (*p == '0') p++;
+  else if (*p >= '1' && *p <= '9') while (p < c->end && *p >= '0' && *p <= '9') p++;
+  else return 0;
+  if (p < c->end && *p == '.') {
+    p++;
+    if (p >= c->end || *p < '0' || *p > '9') return 0;
+    while (p < c->end && *p >= '0' && *p <= '9') p++;
+  }
+  if (p < c->end && (*p == 'e' || *p == 'E')) {
+    p++;
+    if (p < c->end && (*p == '+' || *p == '-')) p++;
+    if (p >= c->end || *p < '0' || *p > '9') return 0;
+    while (p < c->end && *p >= '0' && *p <= '9') p++;
+  }
+  c->p = p;
+  return 1;
+}
+
+static int jword(jcur *c, const char *w) {
+  size_t n = strlen(w);
+  if ((size_t)(c->end - c->p) < n || memcmp(c->p, w, n)) return 0;
+  c->p += n;
+  return 1;
+}
+
+static int jcontainer(jcur *c, int depth, char close) {
+  c->p++;
+  jws(c);
+  if (c->p < c->end && *c->p == close) return c->p++, 1;
+  for (;;) {
+    if (close == '}') {
+      if (!jstring(c, NULL, NULL)) return 0;
+      jws(c);
+      if (c->p >= c->end || *c->p != ':') return 0;
+      c->p++;
+    }
+    if (!jvalue(c, depth + 1)) return 0;
+    jws(c);
+    if (c->p < c->end && *c->p == ',') {
+      c->p++;
+      jws(c);
+      continue;
+    }
+    if (c->p < c->end && *c->p == close) return c->p++, 1;
+    return 0;
+  }
+}
+
+static int jvalue(jcur *c, int depth) {
+  if (depth > 200) return 0; /* deeper: cjson's road */
+  jws(c);
+  if (c->p >= c->end) return 0;
+  switch (*c->p) {
+    case '"': return jstring(c, NULL, NULL);
+    case '{': return jcontainer(c, depth, '}');
+    case '[': return jcontainer(c, depth, ']');
+    case 't': return jword(c, "true");
+    case 'f': return jword(c, "false");
+    case 'n': return jword(c, "null");
+    default: return jnumber(c);
+  }
+}
+
+/* The field's string of one line, decoded into out (room for n bytes: a
+ * decoded string is never longer than its line); 0 when cjson must decide. */
+static int jsonl_field(const char *line, size_t n, const char *field, size_t flen, char *out, size_t *olen) {
+  jcur c = {line, line + n};
+  jws(&c);
+  if (c.p >= c.end || *c.p != '{') return 0;
+  c.p++;
+  jws(&c);
+  int found = 0; /* 1: the last occurrence of the field was a string, decoded into out; -1: it was not */
+  if (c.p < c.end && *c.p == '}') {
+    c.p++;
+  } else {
+    for (;;) {
+      const char *key = c.p;
+      if (!jstring(&c, NULL, NULL)) return 0;
+      size_t klen = (size_t)(c.p - key); /* with its quotes */
+      if (memchr(key, '\\', klen)) return 0; /* an escaped key might spell the field: cjson's road */
+      int is_field = klen == flen + 2 && memcmp(key + 1, field, flen) == 0;
+      jws(&c);
+      if (c.p >= c.end || *c.p != ':') return 0;
+      c.p++;
+      jws(&c);
+      if (is_field && c.p < c.end && *c.p == '"') { /* decoded as it is read: one pass over the text */
+        if (!jstring(&c, out, olen)) return 0;
+        found = 1;
+      } else {
+        if (!jvalue(&c, 1)) return 0;
+        if (is_field) found = -1;
+      }
+      jws(&c);
+      if (c.p < c.end && *c.p == ',') {
+        c.p++;
+        jws(&c);
+        continue;
+      }
+      if (c.p < c.end && *c.p == '}') {
+        c.p++;
+        break;
+      }
+      return 0;
+    }
+  }
+  jws(&c);
+  return c.p == c.end && found == 1;
+}
+
+/* jsonl_fields(lines, field, threads) -> values: values[i] the string of
+ * lines[i]'s field, or false where scripts/prepare_corpus.lua must ask cjson
+ * (see above). On threads; the decoded strings go to one buffer Lua owns. */
+static int l_jsonl_fields(lua_State *L) {
   luaL_checktype(L, 1, LUA_TTABLE);
-  uint64_t seed = (uint64_t)luaL_optinteger(L, 2, 0);
+  size_t flen;
+  const char *field = luaL_checklstring(L, 2, &flen);
   lua_Integer threads = luaL_optinteger(L, 3, 0);
   size_t n = (size_t)lua_rawlen(L, 1);
+  if (n > SIZE_MAX / (sizeof(const char *) + 3 * sizeof(size_t) + 1))
+    return luaL_error(L, "jsonl_fields: %zu lines", n);
+  const char **lines = lua_newuserdatauv(L, (n ? n : 1) * sizeof *lines, 0);
+  size_t *lens = lua_newuserdatauv(L, (n ? n : 1) * sizeof *lens, 0);
+  size_t *at = lua_newuserdatauv(L, (n ? n : 1) * sizeof *at, 0);
+  size_t *vlens = lua_newuserdatauv(L, (n ? n : 1) * sizeof *vlens, 0);
+  unsigned char *ok = lua_newuserdatauv(L, n ? n : 1, 0);
+  size_t total = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (lua_rawgeti(L, 1, (lua_Integer)i + 1) != LUA_TSTRING)
+      return luaL_error(L, "jsonl_fields: lines[%d] is not a string", (int)i + 1);
+    lines[i] = lua_tolstring(L, -1, &lens[i]); /* kept alive by the table */
+    lua_pop(L, 1);
+    if (lens[i] > SIZE_MAX - total) return luaL_error(L, "jsonl_fields: the lines are too long");
+    at[i] = total;
+    total += lens[i];
+  }
+  char *arena = lua_newuserdatauv(L, total ? total : 1, 0);
+  int nt = threads > 0 && threads <= 1024 ? (int)threads : omp_get_max_threads();
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 16) if (nt > 1 && n > 16)
+  for (size_t i = 0; i < n; i++) ok[i] = (unsigned char)jsonl_field(lines[i], lens[i], field, flen, arena + at[i], &vlens[i]);
+  lua_createtable(L, n > INT_MAX ? INT_MAX : (int)n, 0);
+  for (size_t i = 0; i < n; i++) {
+    if (ok[i]) lua_pushlstring(L, arena + at[i], vlens[i]);
+    else lua_pushboolean(L, 0);
+    lua_rawseti(L, -2, (lua_Integer)i + 1);
+  }
+  return 1;
+}
+
+/* split_documents(docs, seed, val_fraction, threads [, any_bytes]) -> train, val, train_bytes, val_bytes, bad
+ * scripts/prepare_corpus.lua's per-document work besides tokenizing, on
+ * threads (OpenMP) and without a Lua call per document: a document that is
+ * not UTF-8 goes to bad (bad[i] = the offset of its first bad byte, counting
+ * from 0; i its index in docs), every other one to val when its hash_unit
+ * under seed is below val_fraction, else to train, in order; the byte counts
+ * are of the documents each list holds. any_bytes: no UTF-8 check (the
+ * byte-level shards take any bytes). */
+static int l_split_documents(lua_State *L) {
+  luaL_checktype(L, 1, LUA_TTABLE);
+  uint64_t seed = (uint64_t)luaL_checkinteger(L, 2);
+  double fraction = luaL_checknumber(L, 3);
+  lua_Integer threads = luaL_optinteger(L, 4, 0);
+  int any_bytes = lua_toboolean(L, 5);
+  size_t n = (size_t)lua_rawlen(L, 1);
   if (n > SIZE_MAX / (sizeof(const char *) + 2 * sizeof(size_t) + sizeof(double)))
-    return luaL_error(L, "document_checks: %zu documents", n);
+    return luaL_error(L, "split_documents: %zu documents", n);
   const char **texts = lua_newuserdatauv(L, (n ? n : 1) * sizeof *texts, 0);
   size_t *lens = lua_newuserdatauv(L, (n ? n : 1) * sizeof *lens, 0);
   size_t *bad = lua_newuserdatauv(L, (n ? n : 1) * sizeof *bad, 0);
   double *units = lua_newuserdatauv(L, (n ? n : 1) * sizeof *units, 0);
   for (size_t i = 0; i < n; i++) {
     if (lua_rawgeti(L, 1, (lua_Integer)i + 1) != LUA_TSTRING)
-      return luaL_error(L, "document_checks: docs[%d] is not a string", (int)i + 1);
+      return luaL_error(L, "split_documents: docs[%d] is not a string", (int)i + 1);
     texts[i] = lua_tolstring(L, -1, &lens[i]); /* kept alive by the table */
     lua_pop(L, 1);
   }
@@ -439,19 +764,31 @@ static int l_document_checks(lua_State *L) {
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 64) if (nt > 1 && n > 64)
   for (size_t i = 0; i < n; i++) {
     units[i] = pg_data_hash_unit(texts[i], lens[i], seed);
-    bad[i] = pg_data_utf8_invalid_at(texts[i], lens[i]);
+    bad[i] = any_bytes ? lens[i] : pg_data_utf8_invalid_at(texts[i], lens[i]);
   }
-  lua_createtable(L, n > INT_MAX ? INT_MAX : (int)n, 0);
-  lua_newtable(L);
+  lua_newtable(L); /* train */
+  lua_newtable(L); /* val */
+  lua_newtable(L); /* bad */
+  int t_train = lua_gettop(L) - 2, t_val = t_train + 1, t_bad = t_train + 2;
+  lua_Integer ktrain = 0, kval = 0, btrain = 0, bval = 0;
   for (size_t i = 0; i < n; i++) {
-    lua_pushnumber(L, units[i]);
-    lua_rawseti(L, -3, (lua_Integer)i + 1);
     if (bad[i] < lens[i]) {
       lua_pushinteger(L, (lua_Integer)bad[i]);
-      lua_rawseti(L, -2, (lua_Integer)i + 1);
+      lua_rawseti(L, t_bad, (lua_Integer)i + 1);
+      continue;
     }
+    int to_val = units[i] < fraction;
+    lua_rawgeti(L, 1, (lua_Integer)i + 1);
+    lua_rawseti(L, to_val ? t_val : t_train, to_val ? ++kval : ++ktrain);
+    if (to_val) bval += (lua_Integer)lens[i];
+    else btrain += (lua_Integer)lens[i];
   }
-  return 2;
+  lua_pushvalue(L, t_train);
+  lua_pushvalue(L, t_val);
+  lua_pushinteger(L, btrain);
+  lua_pushinteger(L, bval);
+  lua_pushvalue(L, t_bad);
+  return 5;
 }
 
 /* hash_hex(string) -> 16 hex digits of pg_data_hash(string, 0): a content digest (of a corpus's tokenizer.json) */
@@ -465,7 +802,8 @@ static int l_hash_hex(lua_State *L) {
 }
 
 static const luaL_Reg data_functions[] = {
-    {"shard_writer", l_shard_writer}, {"hash_hex", l_hash_hex}, {"document_checks", l_document_checks},
+    {"shard_writer", l_shard_writer}, {"hash_hex", l_hash_hex}, {"split_documents", l_split_documents},
+    {"cut_documents", l_cut_documents}, {"jsonl_fields", l_jsonl_fields},
     {"write_shard", l_write_shard}, {"read_shard", l_read_shard}, {"shard_info", l_shard_info},
     {"expand_paths", l_expand_paths}, {"loader", l_loader}, {"bytes_encode", l_bytes_encode},
     {"bytes_decode", l_bytes_decode}, {"hash_unit", l_hash_unit}, {NULL, NULL}};

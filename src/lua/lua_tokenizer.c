@@ -354,7 +354,8 @@ static int l_pre_tokenize(lua_State *L) {
 }
 
 /* ---- multi-threaded encoding (pg_tokenizer_encode_batch, _chunked, _file) ----
- *   t:encode_batch(texts, add_special, threads, as_tensor) -> {ids per text} (tables or int32 tensors)
+ *   t:encode_batch(texts, add_special, threads, as_tensor [, flat]) -> {ids per text} (tables or int32 tensors)
+ *                                      flat: ids (one int32 tensor, every text's in order), {id count per text}
  *   t:encode_chunked(text, add_special, threads, chunk_bytes) -> int32 tensor
  *   t:encode_file(path, add_special, threads, chunk_bytes) -> int32 tensor
  *   t:regex_engine() -> "PCRE2 10.42, JIT ..." (what the pre-tokenizer regexes run on)
@@ -421,6 +422,7 @@ static int l_encode_batch(lua_State *L) {
   ltok *u = check_tok(L);
   luaL_checktype(L, 2, LUA_TTABLE);
   int add_special = lua_toboolean(L, 3), threads = threads_arg(L, 4, "encode_batch"), as_tensor = lua_toboolean(L, 5);
+  int flat = lua_toboolean(L, 6);
   size_t n = (size_t)lua_rawlen(L, 2);
   if (n > SIZE_MAX / sizeof(size_t) - 1) return luaL_error(L, "encode_batch: %zu texts", n);
   const char **texts = lua_newuserdatauv(L, (n ? n : 1) * sizeof *texts, 0);
@@ -437,6 +439,17 @@ static int l_encode_batch(lua_State *L) {
   if (pg_tokenizer_encode_batch(u->t, texts, lens, n, add_special, threads, &g->ids, off))
     return luaL_error(L, "encode_batch: %s", pg_error());
   if (n > INT_MAX) return luaL_error(L, "encode_batch: %zu texts do not fit a table", n);
+  if (flat) { /* one int32 tensor of every text's ids in order, and a table of each text's id count */
+    push_ids(L, g->ids, off[n], 1);
+    lua_createtable(L, (int)n, 0);
+    for (size_t i = 0; i < n; i++) {
+      lua_pushinteger(L, (lua_Integer)(off[i + 1] - off[i]));
+      lua_rawseti(L, -2, (lua_Integer)i + 1);
+    }
+    free(g->ids);
+    g->ids = NULL;
+    return 2;
+  }
   lua_createtable(L, (int)n, 0);
   for (size_t i = 0; i < n; i++) {
     push_ids(L, g->ids + off[i], off[i + 1] - off[i], as_tensor);

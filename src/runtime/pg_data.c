@@ -67,8 +67,9 @@ static int open_checked(const char *path, long long *bytes, long long min_bytes)
   if (st.st_size < min_bytes) {
     close(fd);
     if (min_bytes < PG_SHARD_HEADER_BYTES) return pg_fail("%s: empty: a headerless token file needs ids", path);
-    return pg_fail("%s: too small for a token shard: %lld bytes, but the header alone is %d bytes", path,
-                   (long long)st.st_size, PG_SHARD_HEADER_BYTES);
+    return pg_fail("%s: too small for a token shard: %lld bytes, but the header alone is %d bytes (for a headerless "
+                   "file of raw ids, give dtype = \"uint16\" or \"uint32\")",
+                   path, (long long)st.st_size, PG_SHARD_HEADER_BYTES);
   }
   *bytes = (long long)st.st_size;
   return fd;
