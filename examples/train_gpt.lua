@@ -1,6 +1,7 @@
--- Train a small GPT on the default corpus (byte-level fortunes), on one rank
--- or many, with the Trainer:
---   ./pglua examples/train_gpt.lua [--steps=3500] [--batch=12] ...
+-- Train a small GPT on a prepared corpus (--corpus=DIR, scripts/prepare_corpus.lua;
+-- make run's is data/corpus) or, without one, on the byte-level fortunes
+-- (data/fortunes_*.bin, or --train/--val), on one rank or many, with the Trainer:
+--   ./pglua examples/train_gpt.lua [--corpus=data/corpus] [--steps=1000] [--batch=16] ...
 --   mpirun -np 4 ./pglua examples/train_gpt.lua --tensor=2 --pipeline=2 --micro-batches=4
 -- --model=llama trains a LLaMA instead (examples/train_llama.lua says so),
 -- --model=mixtral a mixture of experts (examples/train_moe.lua).
@@ -19,6 +20,8 @@ local argparse = require "argparse"
 local how = type((...)) == "table" and (...) or {}
 local name = how.name or "train_gpt.lua"
 local here = debug.getinfo(1, "S").source:match("^@(.*/)") or "./"
+-- The byte-level shards of the fortunes (make's data/fortunes_*.bin rule), the data without --corpus.
+local BYTE_SHARDS = { train = "data/fortunes_train.bin", val = "data/fortunes_val.bin" }
 local p = argparse(name, how.description
   or "Train a small GPT (or --model=llama | mixtral) on the default corpus with the Trainer.")
 local o = dofile(here .. "options.lua")(p)
@@ -33,14 +36,23 @@ p:flag("--sequence-parallel", "Sequence parallelism: the norms and residuals hol
 -- the stages pg.optim.AdamW takes (zero = 0, 1, 2)
 p:option("--zero", "ZeRO stage: 0 (none), 1 (the optimizer state sharded over --data) or 2 (the gradients too).", "0")
   :choices{ "0", "1", "2" }:convert(o.to_int)
--- The defaults: make run's recipe, 2.2 minutes on a quiet 2-core Xeon to a
--- validation loss of 1.80 nats/byte on the fortunes (over the whole validation
--- file, seed 42; 2000 steps reached 1.917 in 84 s). A model of nanoGPT's CPU size trained for many
--- steps: at dim 256 and 128-token sequences the same time bought 300 steps, all
--- spent on the bigram plateau (~2.5) before attention pays off.
-int("--steps", 3500, "Optimizer steps.")
-int("--batch", 12, "Global batch (sequences).")
-int("--seq-len", 64, "Tokens per sequence.")
+-- The defaults: make run's recipe (examples/train_llama.lua --corpus=data/corpus,
+-- the fortunes and the King James Bible with a 4096-id BPE, 3.4 bytes a token):
+-- 1000 steps of 16 x 128 tokens (2.0M tokens, about one epoch) of a 1.74M-parameter
+-- LLaMA, fp32, to a val loss of 4.174 nats/token = 1.815 bits per byte (seed 42,
+-- 2 threads), 97% of its sample's words in the dictionary. On the shared 2-core
+-- Xeon (AVX512_BF16, load 3.6-4.9) make run took 316 s of wall time and 281 s
+-- of CPU; its quietest stretch ran 13.4k tokens/s, so about 2.5 minutes on the 2 cores
+-- alone. Measured on the way (1000 steps each): lr 3e-3 reached
+-- 1.813 bits per byte against 1.805 at 6e-3; a vocabulary of 8192 reached 1.790
+-- but cost 48% more CPU (the head is most of a step at width 128); widths 192
+-- and 256 ran 0.7x and 0.36x the tokens/s of 128, too slow for the epoch;
+-- bf16 is 30% faster here but its fallback for CPUs without AVX512_BF16 is 7%
+-- slower than fp32. Without --corpus the same defaults train on the byte-level
+-- fortunes.
+int("--steps", 1000, "Optimizer steps.")
+int("--batch", 16, "Global batch (sequences).")
+int("--seq-len", 128, "Tokens per sequence.")
 int("--dim", 128, "Model width.")
 int("--heads", nil, "Attention heads (default 4; llama 8).")
 int("--layers", 4, "Blocks.")
@@ -54,16 +66,18 @@ num("--capacity-factor", nil, "Each expert takes at most ceil(c x seq_len x top_
 num("--jitter", 0, "Router input noise in [1 - j, 1 + j] during training (mixtral).")
 num("--aux-loss-coef", 0.01, "Load-balancing loss coefficient (mixtral).")
 num("--rope-theta", 10000, "Rotary base (llama).")
-num("--lr", 3e-3, "Peak learning rate.")
-int("--warmup", 100, "Warm-up steps.")
+num("--lr", 6e-3, "Peak learning rate.")
+int("--warmup", 50, "Warm-up steps.")
 num("--clip", 1.0, "Gradient norm clip.")
 int("--seed", 42, "Seed of the weights and the data order.")
-int("--eval-every", 1750, "Validate every N steps.")
+int("--eval-every", 500, "Validate every N steps.")
 int("--accumulate", 1, "Micro-steps per optimizer step.")
-p:option("--train", "Training shards.", "data/fortunes_train.bin")
-p:option("--val", "Validation shards.", "data/fortunes_val.bin")
-int("--sample", 200, "Bytes to sample at the end (0: no sample).")
-p:option("--prompt", "Prompt of the sample.", "Q: ")
+p:option("--corpus", "A prepared corpus directory (scripts/prepare_corpus.lua): its tokenizer sizes the model's "
+  .. "vocabulary and encodes the prompt; its train and val splits are the data.")
+p:option("--train", "Byte-level training shards, without --corpus (default " .. BYTE_SHARDS.train .. ").")
+p:option("--val", "Byte-level validation shards, without --corpus (default " .. BYTE_SHARDS.val .. ").")
+int("--sample", 200, "Tokens to sample at the end (0: no sample).")
+p:option("--prompt", "Prompt of the sample (default 'Q: '; with --corpus 'The').")
 p:option("--out", "Output directory (metrics.jsonl, checkpoints/); default runs/train_<model>.")
 int("--ckpt-every", 0, "Also checkpoint every N steps (0: only the final checkpoint, which every run keeps).")
 int("--keep-last", 0, "Keep only the newest N checkpoints (0: all).")
@@ -73,7 +87,10 @@ int("--log-every", 10, "Log every N steps.")
 int("--val-batches", 0, "Validation batches (0: the whole validation set).")
 p:option("--save-hf", "At the end, write the model as a Hugging Face transformers directory.")
 local opt = p:parse()
-if opt.sample < 0 then p:error(("--sample must be 0 or more bytes, got %d"):format(opt.sample)) end
+if opt.corpus and (opt.train or opt.val) then
+  p:error("--corpus gives the training and validation data; --train and --val are for byte-level shards without it")
+end
+if opt.sample < 0 then p:error(("--sample must be 0 or more tokens, got %d"):format(opt.sample)) end
 if opt.val_batches < 0 then p:error(("--val-batches must be 0 (all) or more, got %d"):format(opt.val_batches)) end
 
 -- What follows up to fit builds what the options describe, and an error there
@@ -92,6 +109,18 @@ local function from_options(f)
   error(err, 0)
 end
 
+-- The token ids and text of the data: a prepared corpus's tokenizer, else bytes.
+local corpus, vocab, encode, decode
+if opt.corpus then
+  from_options(function() corpus = pg.data.corpus(opt.corpus) end) -- (a bad --corpus is the option's error)
+  vocab = corpus.vocab_size
+  local tok = corpus.tokenizer
+  encode = function(text) return tok:encode(text) end
+  decode = function(ids) return tok:decode(ids) end
+else
+  vocab, encode, decode = pg.data.bytes.vocab_size, pg.data.bytes.encode, pg.data.bytes.decode
+end
+
 local seed, ctx, engine, train, val, trainer, out
 from_options(function()
   seed = opt.seed
@@ -101,9 +130,9 @@ from_options(function()
   local arch = opt.model
   local model
   if arch == "gpt" then
-    model = pg.nn.GPT{ vocab = 256, seq_len = seq_len, dim = opt.dim, heads = opt.heads or 4, layers = opt.layers }
+    model = pg.nn.GPT{ vocab = vocab, seq_len = seq_len, dim = opt.dim, heads = opt.heads or 4, layers = opt.layers }
   else
-    local o = { vocab = 256, seq_len = seq_len, dim = opt.dim, heads = opt.heads or 8, kv_heads = opt.kv_heads,
+    local o = { vocab = vocab, seq_len = seq_len, dim = opt.dim, heads = opt.heads or 8, kv_heads = opt.kv_heads,
                 hidden = opt.hidden, layers = opt.layers, rope_theta = opt.rope_theta }
     if arch == "mixtral" then
       o.experts, o.top_k, o.aux_loss_coef = opt.experts, opt.top_k, opt.aux_loss_coef
@@ -116,8 +145,16 @@ from_options(function()
   engine = pg.parallelize(model, ctx, { micro_batches = opt.micro_batches, schedule = opt.schedule,
     precision = opt.precision, sequence_parallel = opt.sequence_parallel })
   local optimizer = pg.optim.AdamW(engine, { lr = opt.lr, betas = { 0.9, 0.95 }, weight_decay = 0.1, zero = opt.zero })
-  train = pg.data.TokenShards{ path = opt.train, batch = batch, seq_len = seq_len, seed = seed, ctx = ctx, vocab = 256 }
-  val = pg.data.TokenShards{ path = opt.val, batch = batch, seq_len = seq_len, shuffle = false, ctx = ctx, vocab = 256 }
+  local function split(which)
+    if corpus then return { corpus = corpus, split = which } end
+    return { path = opt[which] or BYTE_SHARDS[which] }
+  end
+  local function shards(which, o)
+    for k, v in pairs(split(which)) do o[k] = v end
+    return pg.data.TokenShards(o)
+  end
+  train = shards("train", { batch = batch, seq_len = seq_len, seed = seed, ctx = ctx, vocab = vocab })
+  val = shards("val", { batch = batch, seq_len = seq_len, shuffle = false, ctx = ctx, vocab = vocab })
 
   out = opt.out or ("runs/train_" .. arch)
   local steps, ckpt_every, keep_last = opt.steps, opt.ckpt_every, opt.keep_last
@@ -159,16 +196,40 @@ trainer:print(("pipegoose: %d parameters, %s, %d threads per rank"):format(engin
   pg.num_threads()))
 trainer:fit(train, val, { resume = opt.resume })
 
-local prompt, temperature, sample_seed = opt.prompt, 0.8, 1
+local measures = dofile(here .. "measures.lua")
+local val_loss = trainer.state.metrics.val_loss
+if corpus and val_loss then
+  trainer:print(("bits per byte: %.4f (val loss %.4f nats/token x %d tokens / (%d bytes x ln 2))")
+    :format(measures.bits_per_byte(val_loss, corpus.val), val_loss, corpus.val.tokens, corpus.val.bytes))
+end
+
+-- With a corpus the prompt is a plain English opening, "The", not the byte-level
+-- "Q: ": a BPE joins a space to the word after it, so "Q: " ends in a token the
+-- model seldom saw, and "Q:" leads into the fortunes' attributions and names
+-- (make run's model at seeds 1-4: 78-89% dictionary words after "Q:", 97%
+-- after "The", which leads into the Bible's prose).
+local prompt, temperature, sample_seed = opt.prompt or (corpus and "The" or "Q: "), 0.8, 1
+local prompt_ids = encode(prompt)
 if opt.sample > 0 then
-  local sample = pg.sample.generate(engine, pg.data.bytes.encode(prompt), opt.sample,
-    { temperature = temperature, seed = sample_seed })
-  trainer:print("sample:\n" .. prompt .. pg.data.bytes.decode(sample))
+  local sample = decode(pg.sample.generate(engine, prompt_ids, opt.sample,
+    { temperature = temperature, seed = sample_seed }))
+  trainer:print("sample:\n" .. prompt .. sample)
+  local dict, why = measures.load_dictionary()
+  if dict then
+    local share, found, total = measures.dictionary_share(corpus and measures.without_special(sample, corpus.tokenizer)
+      or sample, dict)
+    if share then
+      trainer:print(("dictionary words: %.1f%% (%d of the sample's %d words are in %s)")
+        :format(100 * share, found, total, measures.DICTIONARY))
+    end
+  else
+    trainer:print("dictionary words: not measured, " .. why)
+  end
 end
 
 if opt.save_hf then
-  engine:save_hf(opt.save_hf)
-  trainer:print("wrote " .. opt.save_hf .. " (transformers' from_pretrained loads it)")
+  engine:save_hf(opt.save_hf, { tokenizer = corpus and corpus.tokenizer or nil })
+  trainer:print("exported to " .. opt.save_hf .. " (transformers' from_pretrained and pipeline() load it)")
 end
 
 -- The command that samples the final checkpoint as above (the same tokens,
@@ -180,7 +241,8 @@ local function word(s) -- one shell word
 end
 local scripts = (here:match("^(.-)examples/$") or (here == "./" and "../") or (here .. "../")) .. "scripts/"
 local cmd = { word(arg[-1] or "./pglua"), word(scripts .. "generate.lua"), "--checkpoint=" .. word(out),
-  "--prompt=" .. word(prompt) }
+  -- (generate.lua takes the text of byte-level models' prompts, the ids of others')
+  "--prompt=" .. word(corpus and table.concat(prompt_ids, ",") or prompt) }
 if opt.sample > 0 then
   cmd[#cmd + 1] = ("--tokens=%d --temperature=%g --seed=%d"):format(opt.sample, temperature, sample_seed)
 end

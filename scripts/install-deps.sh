@@ -12,7 +12,9 @@ PKGS=(
   libdnnl-dev                                  # oneDNN: bf16 GEMMs (AVX512_BF16 / AMX)
   zlib1g-dev                                   # crc32 for checkpoint checksums
   libpcre2-dev libutf8proc-dev                 # tokenizers: pre-tokenizer regexes (PCRE2, JIT), NFC/NFKC (utf8proc)
-  fortunes                                     # the default training corpus (/usr/share/games/fortunes)
+  fortunes                                     # make run's corpus: the fortunes (/usr/share/games/fortunes)
+  bible-kjv bible-kjv-text                     # ... and the King James Bible (the bible command; make run)
+  wamerican                                    # /usr/share/dict/words: the dictionary make run's sample is checked against
   lua-argparse                                 # command-line options of the examples and scripts
   gnuplot-nox                                  # scripts/plot.lua
 )
