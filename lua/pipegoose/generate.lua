@@ -260,6 +260,10 @@ function M.generate(engine_or_dir, prompt, opts)
     else fail("prompt %d must be text or token ids, got %s", i, type(p)) end
     plen[i] = #rows[i]
   end
+  local eos = opts.eos_token_id
+  if eos == nil then eos = default_eos(tok, engine) end
+  local eos_set = ids_set(eos, "eos_token_id")
+  local stop_strings, stop_ids = stops_of(opts.stop, tok)
   local n_new = opts.max_new_tokens
   local window = engine.config.seq_len
   for i, r in ipairs(rows) do
@@ -268,10 +272,6 @@ function M.generate(engine_or_dir, prompt, opts)
         .. "(seq_len)", i, #r, n_new, #r + n_new - 1, window)
     end
   end
-  local eos = opts.eos_token_id
-  if eos == nil then eos = default_eos(tok, engine) end
-  local eos_set = ids_set(eos, "eos_token_id")
-  local stop_strings, stop_ids = stops_of(opts.stop, tok)
   local o = { temperature = opts.temperature, top_k = opts.top_k, top_p = opts.top_p }
   local rand = generator(opts.seed or 0)
   local use_cache = opts.cache ~= false
