@@ -178,8 +178,29 @@ end
 
 -- ---------------------------------------------------------------- the two paths
 
--- The next-token logits of each live row (a list of V numbers), by the cache: the rows' new tokens at their
--- positions, a call per run of consecutive live rows.
+-- The next-token logits of the rows come as [n, V] tensors; a row is {t = that tensor, i = its row}. Greedy
+-- takes the tensor's argmax (the first maximum, as M.pick), without the logits as a Lua list.
+local function rows_of(t2d, first_row, out, list)
+  local batch = { t = t2d }
+  for k, r in ipairs(list) do out[r] = { batch = batch, i = k } end
+  return first_row
+end
+
+local function logits_list(row)
+  local t = row.batch.t
+  return t:narrow(1, row.i, 1):reshape{ t:size(2) }:totable()
+end
+
+local function pick_row(row, o, rand)
+  if not (o.temperature > 0) then
+    local b = row.batch
+    b.argmax = b.argmax or b.t:argmax(2):totable()
+    return b.argmax[row.i][1] - 1
+  end
+  return M.pick(logits_list(row), o, rand)
+end
+
+-- By the cache: the live rows' new tokens at their positions, a call per run of consecutive live rows.
 local function step_cached(engine, rows, live, nrows)
   local out = {}
   local b = 1
@@ -187,14 +208,14 @@ local function step_cached(engine, rows, live, nrows)
     if live[b] then
       local e = b
       while e < nrows and live[e + 1] do e = e + 1 end
-      local toks, pos = {}, {}
+      local toks, pos, list = {}, {}, {}
       for r = b, e do
         toks[#toks + 1] = { rows[r][#rows[r]] }
         pos[#pos + 1] = #rows[r] - 1
+        list[#list + 1] = r
       end
       local logits = engine:decode(core.tensor(toks, { dtype = "int32" }), pos, b - 1, nrows)
-      local t = logits:totable()
-      for r = b, e do out[r] = t[r - b + 1][1] end
+      rows_of(logits:reshape{ #list, logits:size(3) }, b, out, list)
       b = e + 1
     else
       b = b + 1
@@ -207,8 +228,7 @@ local function prefill_cached(engine, rows, nrows)
   local out = {}
   for r = 1, nrows do
     local logits = engine:decode(core.tensor({ rows[r] }, { dtype = "int32" }), { 0 }, r - 1, nrows)
-    local n = #rows[r]
-    out[r] = logits:narrow(2, n, 1):reshape{ logits:size(3) }:totable()
+    rows_of(logits:narrow(2, #rows[r], 1):reshape{ 1, logits:size(3) }, r, out, { r })
   end
   return out
 end
@@ -227,8 +247,7 @@ local function step_recompute(engine, rows, live, nrows)
     local batch = {}
     for i, r in ipairs(group) do batch[i] = rows[r] end
     local logits = engine:forward(core.tensor(batch, { dtype = "int32" }))
-    local last = logits:narrow(2, n, 1):totable()
-    for i, r in ipairs(group) do out[r] = last[i][1] end
+    rows_of(logits:narrow(2, n, 1):reshape{ #group, logits:size(3) }, group[1], out, group)
   end
   return out
 end
@@ -298,7 +317,7 @@ function M.generate(engine_or_dir, prompt, opts)
       end
       for r = 1, nrows do -- rows in order: the generator's draws are the same whatever the path
         if live[r] then
-          local id = M.pick(last[r], o, rand)
+          local id = pick_row(last[r], o, rand)
           rows[r][#rows[r] + 1] = id
           new[r][#new[r] + 1] = id
           if #new[r] >= n_new or eos_set[id] or stop_ids[id] then live[r] = false end
