@@ -33,7 +33,7 @@ int pg_cuda_selftest(char *report, size_t n) {
 
 /* ---- the self-test ---- */
 
-#define ST_MAX_BUFS 256
+#define ST_MAX_BUFS 512 /* every buffer of the run (freed at its end) */
 
 typedef struct selftest {
   char *out;
