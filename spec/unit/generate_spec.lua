@@ -248,6 +248,16 @@ describe("pg.generate", function()
     assert.same({}, none)
   end)
 
+  it("an engine with recompute = full or selective generates what one without does (the same products)", function()
+    local want
+    for _, rc in ipairs{ "none", "full", "selective" } do
+      local e = engine_of("llama", { recompute = rc ~= "none" and rc or nil })
+      local _, ids = pg.generate(e, { { 1, 2, 3 }, { 4, 5 } }, { max_new_tokens = 8 })
+      want = want or ids
+      assert.same(want, ids, rc)
+    end
+  end)
+
   it("leaves a training engine training bitwise as it would have without the call", function()
     local function run(with_generate)
       local e = pg.parallelize(pg.nn.Llama{ vocab = 61, seq_len = 16, dim = 32, layers = 2, heads = 4, kv_heads = 2,
@@ -259,8 +269,14 @@ describe("pg.generate", function()
         e:zero_grad()
         losses[step] = e:forward_backward(x:narrow(2, 1, 16), x:narrow(2, 2, 16))
         o:step()
-        -- a batch of 3 x 8 new rows at once: more rows than a training micro-batch (2 x 16) would need
-        if with_generate then pg.generate(e, { { 1, 2, 3 }, { 4 }, { 5, 6 } }, { max_new_tokens = 12 }) end
+        -- prompts of different lengths, then 40 at once: a decoding step of 40 rows is more than a training
+        -- micro-batch's 2 x 16, so the engine's buffers grow between two training steps
+        if with_generate then
+          pg.generate(e, { { 1, 2, 3 }, { 4 }, { 5, 6 } }, { max_new_tokens = 12 })
+          local many = {}
+          for i = 1, 40 do many[i] = { i } end
+          pg.generate(e, many, { max_new_tokens = 2 })
+        end
       end
       return losses, e:flat():clone()
     end
