@@ -51,8 +51,9 @@ return function(ctx)
   local e = pg.parallelize(pg.nn.Llama(CFG), nil, { seed = 1 })
   local n = 0
   for _, p in ipairs(e:parameters()) do n = n + p.tensor:numel() end
-  print(("   %.1fM parameters, fp32; CPU paths: OpenBLAS sgemm (core %s) for the products, the cache's attention "
-    .. "kernel (pg_attention_cached)"):format(n / 1e6, pg.machine().blas_core))
+  print(("   %.1fM parameters, fp32; CPU paths: OpenBLAS sgemm (core %s) for the prompts' products, "
+    .. "pg_matmul_forward's few-rows loop for the decoding steps (<= 8 rows), pg_attention_cached")
+    :format(n / 1e6, pg.machine().blas_core))
   local opts = { max_new_tokens = NEW, eos_token_id = false }
   pg.generate(e, prompts(1), { max_new_tokens = 4, eos_token_id = false }) -- warm-up
   local py = python()
