@@ -167,7 +167,7 @@ local function engine_of(x)
   if type(x) ~= "string" then return x end
   local pg = require "pipegoose"
   local model = pg.nn.from_hf(x)
-  local engine = pg.parallelize(model, { ctx = pg.init{} })
+  local engine = pg.parallelize(model, nil, {})
   local f = io.open(x .. "/tokenizer.json", "rb")
   if f then
     f:close()

@@ -406,3 +406,12 @@ describe("scripts/generate.lua", function()
     h.rm(dir)
   end)
 end)
+
+describe("pg.generate of a Hugging Face directory", function()
+  it("builds the engine (pg.nn.from_hf, pg.parallelize) and generates as that engine does", function()
+    local dir = "spec/fixtures/hf_llama_tiny"
+    local _, want = pg.generate(pg.parallelize(pg.nn.from_hf(dir), nil, {}), { 1, 2, 3 }, { max_new_tokens = 5 })
+    local _, got = pg.generate(dir, { 1, 2, 3 }, { max_new_tokens = 5 })
+    assert.same(want, got)
+  end)
+end)
