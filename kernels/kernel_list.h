@@ -74,6 +74,13 @@ PG_KERNEL(attention_backward,
            int NKV, int HS),
           (dqkv, scratch, dout, qkv, att, B, T, NH, NKV, HS), CALL, CALL, PG_SELFTEST(test_attention))
 
+/* decoding with a key/value cache: one sequence's new rows at positions pos.. (kernels.h) */
+PG_KERNEL(attention_cached,
+          (float *out, float *scores, float *kcache, float *vcache, const float *qkv, const float *slopes, int T,
+           int pos, int NH, int NKV, int HS),
+          (out, scores, kcache, vcache, qkv, slopes, T, pos, NH, NKV, HS), CALL, CALL,
+          PG_SELFTEST(test_attention_cached))
+
 /* ---- RoPE (cos_t, sin_t: pg_rope_table's tables in this backend's memory), RMSNorm, SwiGLU, GELU ---- */
 PG_KERNEL(rope_forward,
           (float *x, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS, int ld),

@@ -142,6 +142,14 @@ void pg_attention_forward(float *out, float *att, const float *qkv, const float 
 void pg_attention_backward(float *dqkv, float *scratch, const float *dout, const float *qkv, const float *att, int B,
                            int T, int NH, int NKV, int HS);
 int64_t pg_attention_scratch_floats(int T, int threads);
+/* Decoding with a key/value cache, one sequence: qkv [T, (NH + 2 NKV) HS] holds its new rows, at
+ * positions pos .. pos + T - 1. Their keys and values are written into kcache and vcache ([pos + T or more,
+ * NKV HS]: position-major, the cache of this sequence), then query row t attends causally over the cached
+ * positions 0 .. pos + t: score[t, j] = scale q_t . k_j (+ slopes[h] (j - (pos + t)) with ALiBi), softmax,
+ * out[t] = sum_j p_j v_j (out [T, NH HS]). scores: NH T (pos + T) floats of scratch. The same products as
+ * pg_attention_forward over the prefix, summed in another blocking (the last digits may differ). */
+void pg_attention_cached(float *out, float *scores, float *kcache, float *vcache, const float *qkv,
+                         const float *slopes, int T, int pos, int NH, int NKV, int HS);
 /* ALiBi's slopes for n heads (n >= 1), as transformers' build_alibi_tensor
  * (BLOOM): p = 2^floor(log2 n), slopes[k-1] = b^k (k = 1..p) with b =
  * 2^-(2^-(log2 p - 3)) rounded to float32; when p < n the other n - p are
@@ -353,6 +361,9 @@ int pg_cuda_attention_forward(const pg_cuda_ctx *ctx, float *out, float *att, co
 int pg_cuda_attention_backward(const pg_cuda_ctx *ctx, float *dqkv, float *scratch, const float *dout,
                                const float *qkv, const float *att, int B, int T, int NH, int NKV, int HS);
 int64_t pg_cuda_attention_scratch_floats(int T, int NH);
+/* As pg_attention_cached (kcache, vcache, scores: device floats). */
+int pg_cuda_attention_cached(const pg_cuda_ctx *ctx, float *out, float *scores, float *kcache, float *vcache,
+                             const float *qkv, const float *slopes, int T, int pos, int NH, int NKV, int HS);
 
 /* cos_t, sin_t: device copies of pg_rope_table's tables. */
 int pg_cuda_rope_forward(const pg_cuda_ctx *ctx, float *x, const float *cos_t, const float *sin_t, int N, int T,

@@ -190,3 +190,43 @@ void pg_attention_backward(float *dqkv, float *scratch, const float *dout, const
     }
   }
 }
+
+/* Decoding: the new rows' keys and values into the cache, then per head the
+ * scores of its T queries against the L = pos + T cached keys in one product
+ * (the causal mask: query t sees keys 0 .. pos + t; the columns above are
+ * computed, then set to 0 before the product with V, as the recompute path's
+ * exact zeros). One OpenMP thread per head: the result does not depend on
+ * the thread count. */
+void pg_attention_cached(float *out, float *scores, float *kcache, float *vcache, const float *qkv,
+                         const float *slopes, int T, int pos, int NH, int NKV, int HS) {
+  if (T <= 0 || pos < 0 || NH <= 0 || NKV <= 0 || HS <= 0 || NH % NKV) return;
+  const int ld = (NH + 2 * NKV) * HS, ldo = NH * HS, kvw = NKV * HS, group = NH / NKV, L = pos + T;
+  const float scale = 1.0f / sqrtf((float)HS);
+  for (int t = 0; t < T; t++) {
+    memcpy(kcache + (int64_t)(pos + t) * kvw, qkv + (int64_t)t * ld + ldo, (size_t)kvw * sizeof(float));
+    memcpy(vcache + (int64_t)(pos + t) * kvw, qkv + (int64_t)t * ld + ldo + kvw, (size_t)kvw * sizeof(float));
+  }
+#pragma omp parallel for schedule(static) if ((int64_t)NH * T * L * HS > PG_PAR_MIN)
+  for (int h = 0; h < NH; h++) {
+    const int kvh = h / group;
+    float *P = scores + (int64_t)h * T * L;
+    gemm_into_zero(CblasNoTrans, CblasTrans, T, L, HS, scale, qkv + h * HS, ld, kcache + kvh * HS, kvw, P, L);
+    for (int t = 0; t < T; t++) {
+      float *p = P + (int64_t)t * L;
+      const int at = pos + t; /* the query's position: keys 0 .. at */
+      if (slopes) {
+        const float m = slopes[h];
+#pragma omp simd
+        for (int j = 0; j <= at; j++) p[j] += m * (float)(j - at);
+      }
+      float mx = pg_cpu_maxf(p, at + 1);
+#pragma omp simd
+      for (int j = 0; j <= at; j++) p[j] = pg_cpu_expf(p[j] - mx);
+      float inv = 1.0f / pg_cpu_sumf(p, at + 1);
+#pragma omp simd
+      for (int j = 0; j <= at; j++) p[j] *= inv;
+      memset(p + at + 1, 0, (size_t)(L - at - 1) * sizeof(float));
+    }
+    gemm_into_zero(CblasNoTrans, CblasNoTrans, T, HS, L, 1.0f, P, L, vcache + kvh * HS, kvw, out + h * HS, ldo);
+  }
+}

@@ -174,3 +174,64 @@ extern "C" int pg_cuda_attention_backward(const pg_cuda_ctx *ctx, float *dqkv, f
   }
   return 0;
 }
+
+// ---- decoding with a key/value cache (pg_attention_cached) ----
+// The new rows' keys and values into the cache (one thread per element), then
+// one block per (query row t, head h): its scores against the cached keys
+// 0 .. pos + t, the block's max and sum, then each thread one output column.
+// The scores go to the scratch in global memory (a block reads back only its
+// own row, after a barrier).
+__global__ void att_cache_store_kernel(float *kc, float *vc, const float *qkv, int T, int pos, int NH, int NKV,
+                                       int HS) {
+  const int64_t kvw = (int64_t)NKV * HS, ld = (int64_t)(NH + 2 * NKV) * HS;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < T * kvw; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t t = i / kvw, c = i % kvw;
+    kc[(pos + t) * kvw + c] = qkv[t * ld + (int64_t)NH * HS + c];
+    vc[(pos + t) * kvw + c] = qkv[t * ld + (int64_t)NH * HS + kvw + c];
+  }
+}
+
+__global__ void att_cached_kernel(float *out, float *scores, const float *kc, const float *vc, const float *qkv,
+                                  const float *slopes, int T, int pos, int NH, int NKV, int HS, float scale) {
+  const int t = blockIdx.x / NH, h = blockIdx.x % NH, kvh = h / (NH / NKV), at = pos + t, L = pos + T;
+  const int64_t kvw = (int64_t)NKV * HS, ld = (int64_t)(NH + 2 * NKV) * HS;
+  const float *q = qkv + t * ld + (int64_t)h * HS, *k = kc + (int64_t)kvh * HS, *v = vc + (int64_t)kvh * HS;
+  float *p = scores + ((int64_t)h * T + t) * L;
+  float mx = -INFINITY;
+  for (int j = threadIdx.x; j <= at; j += blockDim.x) {
+    float s = 0.0f;
+    for (int d = 0; d < HS; d++) s += q[d] * k[j * kvw + d];
+    s = __fmul_rn(scale, s);
+    if (slopes) s = __fadd_rn(s, __fmul_rn(slopes[h], (float)(j - at)));
+    p[j] = s;
+    mx = fmaxf(mx, s);
+  }
+  mx = block_max(mx);
+  float sum = 0.0f;
+  for (int j = threadIdx.x; j <= at; j += blockDim.x) {
+    const float e = expf(p[j] - mx);
+    p[j] = e;
+    sum += e;
+  }
+  const float inv = 1.0f / block_sum(sum);
+  __syncthreads(); // every thread's probabilities written before any reads them
+  for (int d = threadIdx.x; d < HS; d += blockDim.x) {
+    float acc = 0.0f;
+    for (int j = 0; j <= at; j++) acc += (p[j] * inv) * v[j * kvw + d];
+    out[t * (int64_t)NH * HS + (int64_t)h * HS + d] = acc;
+  }
+}
+
+extern "C" int pg_cuda_attention_cached(const pg_cuda_ctx *ctx, float *out, float *scores, float *kcache,
+                                        float *vcache, const float *qkv, const float *slopes, int T, int pos, int NH,
+                                        int NKV, int HS) {
+  if (T <= 0 || NH <= 0) return 0;
+  if (pos < 0 || bad_shape(1, T, NH, NKV, HS) || (int64_t)T * NH > INT32_MAX) return PG_CUDA_EINVAL;
+  cudaStream_t st = stream_of(ctx);
+  att_cache_store_kernel<<<grid_for((int64_t)T * NKV * HS, BLOCK), BLOCK, 0, st>>>(kcache, vcache, qkv, T, pos, NH,
+                                                                                    NKV, HS);
+  if (int rc = launch_status()) return rc;
+  att_cached_kernel<<<(unsigned)(T * NH), 128, 0, st>>>(out, scores, kcache, vcache, qkv, slopes, T, pos, NH, NKV, HS,
+                                                         1.0f / sqrtf((float)HS));
+  return launch_status();
+}

@@ -14,6 +14,7 @@ local parallel = require "pipegoose.parallel"
 pg.parallelize = parallel.parallelize
 pg.optim = require "pipegoose.optim"
 pg.sample = require "pipegoose.sample"
+pg.generate = require("pipegoose.generate").generate -- the key/value cache path (generate.lua)
 pg.loss = require "pipegoose.loss"
 pg.tokenizer = require "pipegoose.tokenizer" -- Hugging Face tokenizer.json BPE tokenizers (C, PCRE2, utf8proc)
 

@@ -391,6 +391,15 @@ function Engine:forward(inputs)
   return logits
 end
 
+--- engine:decode(inputs [B, T] int32, positions {B}, row0, cache_rows) -> logits [B, T, vocab]  (collective)
+-- The key/value cache path (pg_engine_decode): row b is the cache's sequence row0 + b (0-based) of cache_rows,
+-- its T tokens at positions positions[b] ..; pg.generate is its user. engine.c:release_cache() frees the cache.
+function Engine:decode(inputs, positions, row0, cache_rows)
+  local ok, logits = pcall(self.c.decode, self.c, inputs, positions, row0, cache_rows)
+  if not ok then error(logits, 2) end
+  return logits
+end
+
 function Engine:zero_grad() self.c:zero_grad() end -- local
 function Engine:sync_grads() self.c:sync_grads() end -- collective (data and embedding groups)
 

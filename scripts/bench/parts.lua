@@ -77,6 +77,9 @@ return {
       end
       external("== GPU (scripts/bench_gpu.lua)", ("%s scripts/bench_gpu.lua"):format(common.PGLUA), "gpu")
     end },
+  { name = "generate", description = "pg.generate tokens/s (LLaMA ~26M, prompt 32, 128 new, batch 1 and 8, greedy): "
+      .. "the key/value\ncache against recompute and transformers' generate (scripts/bench_generate.py)",
+    run = require "bench.generate" },
   { name = "tokenizer", description = "pg.tokenizer encode MB/s on >= 20 MB (the Debian fortunes, repeated) against\n"
       .. "tiktoken and Hugging Face tokenizers (scripts/bench_tokenizer.py) on the same texts, 1 thread,\n"
       .. "2 and all; training time against BpeTrainer (scripts/bench/tokenizer.lua)",

@@ -33,7 +33,7 @@ int pg_cuda_selftest(char *report, size_t n) {
 
 /* ---- the self-test ---- */
 
-#define ST_MAX_BUFS 256
+#define ST_MAX_BUFS 512 /* every buffer of the run (freed at its end) */
 
 typedef struct selftest {
   char *out;
@@ -551,6 +551,43 @@ static void test_attention(selftest *st) {
   pg_alibi_slopes(slopes8, 8);
   attention_case(st, ST_NH, ST_NH, ST_C / ST_NH, slopes3);
   attention_case(st, 4, 2, 12, slopes8 + 4);
+}
+
+/* Decoding with a key/value cache: T new rows at position pos of a cache
+ * whose first pos rows hold earlier keys and values (random), grouped-query
+ * and ALiBi; the cache rows written must be the CPU's bits (copies), the
+ * output the CPU's sums in another order (TOL_GEMM). */
+static void attention_cached_case(selftest *st, int T, int pos, int NH, int NKV, int HS, const float *slopes) {
+  const int W = (NH + 2 * NKV) * HS, L = pos + T, kvw = NKV * HS, C = NH * HS;
+  const pg_cuda_ctx *ctx = &st->ctx;
+  const int64_t nqkv = (int64_t)T * W, ncache = (int64_t)L * kvw, nscores = (int64_t)NH * T * L;
+  char name[96];
+  float *qkv = h_rand(st, nqkv, -1, 1), *k0 = h_rand(st, ncache, -1, 1), *v0 = h_rand(st, ncache, -1, 1);
+  float *garbage = h_rand(st, nscores > (int64_t)T * C ? nscores : (int64_t)T * C, 100, 200);
+  float *k = h_copy(st, k0, ncache), *v = h_copy(st, v0, ncache), *out = h_alloc(st, (size_t)T * C * sizeof(float));
+  float *scores = h_alloc(st, (size_t)nscores * sizeof(float));
+  if (!qkv || !k0 || !v0 || !garbage || !k || !v || !out || !scores) return;
+  pg_attention_cached(out, scores, k, v, qkv, slopes, T, pos, NH, NKV, HS);
+  float *d_qkv = d_floats(st, qkv, nqkv), *d_k = d_floats(st, k0, ncache), *d_v = d_floats(st, v0, ncache);
+  float *d_out = d_floats(st, garbage, (int64_t)T * C), *d_scores = d_floats(st, garbage, nscores);
+  float *d_slopes = slopes ? d_floats(st, slopes, NH) : NULL;
+  if (st->broken) return;
+  snprintf(name, sizeof name, "attention_cached (T %d at %d, %d/%d heads%s)", T, pos, NH, NKV, slopes ? ", alibi" : "");
+  if (launched(st, name, pg_cuda_attention_cached(ctx, d_out, d_scores, d_k, d_v, d_qkv, d_slopes, T, pos, NH, NKV, HS))) {
+    check_f(st, name, d_out, out, (int64_t)T * C, TOL_GEMM);
+    check_f(st, "attention_cached.kcache", d_k, k, ncache, 0, 0);
+    check_f(st, "attention_cached.vcache", d_v, v, ncache, 0, 0);
+  }
+}
+
+static void test_attention_cached(selftest *st) {
+  float slopes8[8];
+  pg_alibi_slopes(slopes8, 8);
+  attention_cached_case(st, 1, 0, 4, 4, 8, NULL);
+  attention_cached_case(st, 1, 37, 4, 2, 12, NULL);
+  attention_cached_case(st, 5, 11, 4, 1, 12, NULL);
+  attention_cached_case(st, ST_T, 0, 4, 2, 12, slopes8 + 4);
+  attention_cached_case(st, 3, 20, 4, 4, 12, slopes8 + 4);
 }
 
 /* RoPE over the query and key heads of a grouped-query qkv block (the value

@@ -1009,6 +1009,46 @@ int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targe
   return PG_OK;
 }
 
+int pg_engine_check_decode(const pg_engine *e) {
+  for (int v = 0; v < e->nchunks; v++)
+    if (pg_module_check_decode(e->chunks[v].stage)) return PG_ERR;
+  return PG_OK;
+}
+
+int pg_engine_decode(pg_engine *e, const int32_t *tokens, int B, int T, int row0, const int32_t *pos, int cache_rows,
+                     float *logits) {
+  if (check_batch(e, tokens, NULL, B, T, 0)) return PG_ERR;
+  if (cache_rows < 1 || row0 < 0 || row0 > cache_rows - B)
+    return pg_fail("decode: sequences %d..%d of a cache of %d sequences", row0, row0 + B - 1, cache_rows);
+  if (pg_engine_check_decode(e)) return PG_ERR;
+  const int32_t *targets = NULL;
+  if (ids_on_backend(e, &tokens, &targets, (int64_t)B * T)) return PG_ERR;
+  /* one micro-batch of every row: a training engine's buffers grow if a training micro-batch is smaller (the
+   * next forward_backward writes every buffer it reads, so training goes on as it would have) */
+  if (ensure_capacity(e, B * T)) return PG_ERR;
+  pg_decode d = {.row0 = row0, .rows = B, .pos = pos, .cache_rows = cache_rows};
+  pg_io io = {.B = B, .T = T, .tokens = tokens, .logits = logits && e->is_last ? logits : NULL, .decode = &d};
+  lend_bf16_scratch(e, &io);
+  pg_action *acts;
+  int nacts;
+  if (pg_schedule_build(PG_SCHEDULE_FORWARD, pp_size(e), e->nchunks, 1, pp_rank(e), &acts, &nacts)) return PG_ERR;
+  for (int k = 0; k < nacts; k++)
+    if (run_action(e, acts[k], &io, 1)) {
+      free(acts);
+      return PG_ERR;
+    }
+  free(acts);
+  if (wait_all_sends(e)) return PG_ERR;
+  if (logits && pp_size(e) > 1 &&
+      pg_broadcast_buf(e->ctx, PG_MODE_PIPELINE, logits, (int64_t)B * T * e->opts.vocab, PG_FLOAT32, pp_size(e) - 1))
+    return PG_ERR;
+  return PG_OK;
+}
+
+void pg_engine_release_cache(pg_engine *e) {
+  for (int v = 0; v < e->nchunks; v++) pg_module_release_cache(e->chunks[v].stage);
+}
+
 int pg_engine_shares_buffers(const pg_engine *e) { return e->param_shm.size > 0 && e->grad_shm.size > 0; }
 
 int pg_engine_zero_grad(pg_engine *e) {

@@ -209,6 +209,18 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
 /* Evaluation: mean loss (if targets) and/or logits [B*T, vocab] (if logits) on every rank. */
 int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T, double *loss,
                        float *logits);
+/* Decoding with the key/value cache (pg_module.h's pg_decode), forward only: row b of tokens [B*T] is
+ * sequence row0 + b of a cache of cache_rows sequences, its T tokens at positions pos[b] .. pos[b] + T - 1
+ * (host; pos[b] at most the positions that sequence holds: a prompt goes in whole or in pieces, then one
+ * token a step). logits (NULL: not wanted): [B*T, vocab] on every rank. Collective like evaluate. Touches
+ * neither parameters, gradients nor the optimizer; a training engine's next forward_backward is what it
+ * would have been. Modules written in Lua and sequence parallelism are refused (no cache path). */
+int pg_engine_decode(pg_engine *e, const int32_t *tokens, int B, int T, int row0, const int32_t *pos, int cache_rows,
+                     float *logits);
+/* PG_OK when pg_engine_decode can run (every module has a cache path), else PG_ERR saying which has not. */
+int pg_engine_check_decode(const pg_engine *e);
+/* Frees the key/value caches (the next decode starts with empty ones). */
+void pg_engine_release_cache(pg_engine *e);
 /* 1 when the data-parallel replicas share their flat buffers (pg_shm.h): the
  * reductions are single passes over shared memory; 0: the MPI ring. */
 int pg_engine_shares_buffers(const pg_engine *e);

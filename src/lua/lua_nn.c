@@ -515,6 +515,45 @@ static int l_evaluate(lua_State *L) {
   return 2;
 }
 
+/* engine:decode(inputs [B, T] int32, positions {B integers}, row0 (0-based), cache_rows) -> logits [B, T, vocab]
+ * (pg_engine_decode: the key/value cache path) */
+static int l_decode(lua_State *L) {
+  pg_engine *e = check_engine(L, 1);
+  int B = -1, T = -1;
+  const int32_t *x = check_batch(L, 2, "inputs", &B, &T);
+  luaL_checktype(L, 3, LUA_TTABLE);
+  int row0 = (int)luaL_checkinteger(L, 4), cache_rows = (int)luaL_checkinteger(L, 5);
+  if (lua_rawlen(L, 3) != (lua_Unsigned)B)
+    return luaL_error(L, "decode: %d positions for %d sequences", (int)lua_rawlen(L, 3), B);
+  int32_t *pos = lua_newuserdatauv(L, (size_t)B * sizeof *pos, 0);
+  for (int b = 0; b < B; b++) {
+    lua_rawgeti(L, 3, b + 1);
+    int ok;
+    lua_Integer p = lua_tointegerx(L, -1, &ok);
+    if (!ok || p < 0 || p > INT32_MAX) return luaL_error(L, "decode: position %d is not an integer >= 0", b + 1);
+    pos[b] = (int32_t)p;
+    lua_pop(L, 1);
+  }
+  int64_t shape[3] = {B, T, e->opts.vocab};
+  pg_tensor *logits = pg_lua_new_tensor(L, PG_FLOAT32, 3, shape);
+  PG_LUA_CHECK(L, pg_engine_decode(e, x, B, T, row0, pos, cache_rows, pg_tensor_f32(logits)));
+  return 1;
+}
+
+/* engine:decode_check() -> true, or false and why there is no cache path */
+static int l_decode_check(lua_State *L) {
+  int ok = pg_engine_check_decode(check_engine(L, 1)) == PG_OK;
+  lua_pushboolean(L, ok);
+  if (ok) return 1;
+  lua_pushstring(L, pg_error());
+  return 2;
+}
+
+static int l_release_cache(lua_State *L) {
+  pg_engine_release_cache(check_engine(L, 1));
+  return 0;
+}
+
 static int l_zero_grad(lua_State *L) {
   PG_LUA_CHECK(L, pg_engine_zero_grad(check_engine(L, 1)));
   return 0;
@@ -1269,7 +1308,7 @@ static const luaL_Reg layer_methods[] = {{"forward", l_layer_forward}, {"backwar
                                          {"gather_param", l_layer_gather}, {"free", l_layer_free}, {NULL, NULL}};
 
 static const luaL_Reg engine_methods[] = {
-    {"forward_backward", l_forward_backward}, {"evaluate", l_evaluate}, {"zero_grad", l_zero_grad},
+    {"forward_backward", l_forward_backward}, {"evaluate", l_evaluate}, {"decode", l_decode}, {"release_cache", l_release_cache}, {"decode_check", l_decode_check}, {"zero_grad", l_zero_grad},
     {"sync_grads", l_sync_grads}, {"params", l_params}, {"flat", l_flat}, {"num_parameters", l_num_parameters},
     {"info", l_info}, {"load_param", l_load_param}, {"gather_param", l_gather_param}, {"reset_stats", l_reset_stats}, {"losses", l_losses}, {"schedule", l_schedule}, {"free", l_free},
     {"set_objective", l_set_objective}, {NULL, NULL}};

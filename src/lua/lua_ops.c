@@ -904,6 +904,7 @@ static const luaL_Reg ops_functions[] = {
 #define OPS_matmul_backward l_linear_backward
 #define OPS_attention_forward l_attention
 #define OPS_attention_backward l_attention_backward
+#define OPS_attention_cached OPS_NONE("checked through the engine: generate_spec compares the cache path with engine:forward")
 #define OPS_rope_forward l_rope
 #define OPS_rope_backward l_rope_backward
 #define OPS_rmsnorm_forward l_rmsnorm

@@ -1,5 +1,6 @@
 /* kind_attention.c: the causal self-attention core (multi-head or grouped-query, optional RoPE). */
 #include "module_impl.h"
+#include "pg_size.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -16,6 +17,12 @@ typedef struct attention_state {
   float *slopes;  /* with ALiBi: this rank's heads_l slopes on the backend */
   const float **saved_x;
   int att_slot;   /* recompute: the micro-batch whose probabilities att holds (-1: none) */
+  /* decoding (pg_io.decode), on the home backend: keys and values [cache_rows][max_seq][kv_l head_dim],
+   * the positions each sequence holds (host), the new rows' q|k|v in float32 (widened, rotated), the scores */
+  float *kcache, *vcache, *dec_x, *dec_scores;
+  int32_t *cached;
+  int cache_rows;
+  size_t dec_x_n, dec_scores_n;
 } attention_state;
 
 /* The probabilities of `slot`: its own with every slot kept; recomputed, the
@@ -88,8 +95,122 @@ static int attention_alloc(pg_module *m, int nslots, int max_rows) {
   return PG_OK;
 }
 
+/* ---------------------------------------------------------------- decoding with the key/value cache */
+
+/* Room for `rows` sequences: a larger cache keeps what the smaller one held. */
+static int cache_reserve(pg_module *m, attention_state *s, int rows) {
+  if (rows <= s->cache_rows) return PG_OK;
+  const pg_backend *home = home_backend(BE(m)); /* the cache outlives a recomputed block's buffers */
+  int64_t dims[4] = {rows, s->max_seq, s->kv_l, s->o.head_dim};
+  int64_t n = pg_size_product(4, dims);
+  if (n < 0 || (uint64_t)n > SIZE_MAX / sizeof(float))
+    return pg_fail("%s: a key/value cache of %d sequences x %d positions is too large", m->name, rows, s->max_seq);
+  float *k = pg_be_floats(home, (size_t)n), *v = pg_be_floats(home, (size_t)n);
+  int32_t *cached = realloc(s->cached, (size_t)rows * sizeof *cached);
+  if (cached) s->cached = cached;
+  if (!k || !v || !cached) {
+    pg_be_release(home, k);
+    pg_be_release(home, v);
+    return pg_fail("out of memory for %s (key/value cache of %d sequences)", m->name, rows);
+  }
+  size_t old = (size_t)s->cache_rows * s->max_seq * s->kv_l * s->o.head_dim * sizeof(float);
+  if (old && (KERNEL(m, copy, k, s->kcache, old, PG_COPY_DEVICE_TO_DEVICE) ||
+              KERNEL(m, copy, v, s->vcache, old, PG_COPY_DEVICE_TO_DEVICE))) {
+    pg_be_release(home, k);
+    pg_be_release(home, v);
+    return PG_ERR;
+  }
+  pg_be_release(home, s->kcache);
+  pg_be_release(home, s->vcache);
+  s->kcache = k;
+  s->vcache = v;
+  for (int r = s->cache_rows; r < rows; r++) s->cached[r] = 0;
+  s->cache_rows = rows;
+  return PG_OK;
+}
+
+static float *dec_buffer(pg_module *m, float **buf, size_t *have, size_t n) {
+  if (n <= *have) return *buf;
+  const pg_backend *home = home_backend(BE(m));
+  pg_be_release(home, *buf);
+  *have = 0;
+  if (!(*buf = pg_be_floats(home, n))) return NULL;
+  *have = n;
+  return *buf;
+}
+
+/* Row b: sequence row0 + b's next T tokens at pos[b]: their keys and values
+ * join the cache, their queries attend over it. Forward only: saved_x, the
+ * probabilities and the slots' other buffers are left as they are. */
+static int attention_decode(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
+  attention_state *s = m->state;
+  const pg_decode *d = io->decode;
+  if (check_rows(m, slot, io)) return PG_ERR;
+  int B = io->B, T = io->T, hd = s->o.head_dim, W = m->in_width, kvw = s->kv_l * hd, half = hd / 2;
+  int64_t N = (int64_t)B * T;
+  if (d->row0 < 0 || d->row0 + B > d->cache_rows)
+    return pg_fail("%s: sequences %d..%d are outside the cache's %d", m->name, d->row0, d->row0 + B - 1, d->cache_rows);
+  if (cache_reserve(m, s, d->cache_rows)) return PG_ERR;
+  int longest = 0;
+  for (int b = 0; b < B; b++) {
+    int p = d->pos[b], row = d->row0 + b;
+    if (p < 0 || p > s->max_seq - T)
+      return pg_fail("%s: positions %d..%d of sequence %d exceed the model's %d", m->name, p, p + T - 1, row,
+                     s->max_seq);
+    if (p > s->cached[row])
+      return pg_fail("%s: sequence %d continues at position %d but its cache holds %d positions", m->name, row, p,
+                     s->cached[row]);
+    if (p + T > longest) longest = p + T;
+  }
+  if (!dec_buffer(m, &s->dec_scores, &s->dec_scores_n, (size_t)s->heads_l * T * longest))
+    return pg_fail("out of memory for %s (decoding scores)", m->name);
+  const float *xf = x;
+  if (s->cos_t || m->in_bf16) { /* a float32 copy to rotate (x belongs to its producer) */
+    float *w = dec_buffer(m, &s->dec_x, &s->dec_x_n, (size_t)N * W);
+    if (!w) return pg_fail("out of memory for %s (decoding q|k|v)", m->name);
+    if (m->in_bf16 ? KERNEL(m, bf16_to_f32, w, cbits(x), N * W)
+                   : KERNEL(m, copy, w, x, (size_t)N * W * sizeof(float), PG_COPY_DEVICE_TO_DEVICE))
+      return PG_ERR;
+    for (int b = 0; s->cos_t && b < B; b++) { /* the tables' rows from the sequence's position on */
+      float *r = w + (size_t)b * T * W;
+      const float *c = s->cos_t + (size_t)d->pos[b] * half, *sn = s->sin_t + (size_t)d->pos[b] * half;
+      if (KERNEL(m, rope_forward, r, c, sn, T, T, s->heads_l, hd, W) ||
+          KERNEL(m, rope_forward, r + (size_t)s->heads_l * hd, c, sn, T, T, s->kv_l, hd, W))
+        return PG_ERR;
+    }
+    xf = w;
+  }
+  float *out = m->in_bf16 ? io->wide_scratch[1] : slot_out(m, slot);
+  size_t seq = (size_t)s->max_seq * kvw;
+  for (int b = 0; b < B; b++) {
+    size_t at = (size_t)(d->row0 + b) * seq;
+    if (KERNEL(m, attention_cached, out + (size_t)b * T * m->out_width, s->dec_scores, s->kcache + at, s->vcache + at,
+               xf + (size_t)b * T * W, s->slopes, T, d->pos[b], s->heads_l, s->kv_l, hd))
+      return PG_ERR;
+    s->cached[d->row0 + b] = d->pos[b] + T;
+  }
+  if (m->in_bf16 && KERNEL(m, bf16_from_f32, bits(slot_out(m, slot)), out, N * m->out_width)) return PG_ERR;
+  *y = slot_out(m, slot);
+  return PG_OK;
+}
+
+static void attention_release_cache(pg_module *m) {
+  attention_state *s = m->state;
+  const pg_backend *home = home_backend(BE(m));
+  pg_be_release(home, s->kcache);
+  pg_be_release(home, s->vcache);
+  pg_be_release(home, s->dec_x);
+  pg_be_release(home, s->dec_scores);
+  free(s->cached);
+  s->kcache = s->vcache = s->dec_x = s->dec_scores = NULL;
+  s->cached = NULL;
+  s->cache_rows = 0;
+  s->dec_x_n = s->dec_scores_n = 0;
+}
+
 static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   attention_state *s = m->state;
+  if (io->decode) return attention_decode(m, slot, io, x, y);
   if (check_rows(m, slot, io)) return PG_ERR;
   if (io->T > s->max_seq) return pg_fail("%s: sequence length %d exceeds the model's %d", m->name, io->T, s->max_seq);
   int N = io->B * io->T, hd = s->o.head_dim;
@@ -165,6 +286,7 @@ static void attention_destroy(pg_module *m) {
   pg_be_release(home_backend(BE(m)), s->sin_t);
   pg_be_release(home_backend(BE(m)), s->slopes);
   free(s->saved_x);
+  attention_release_cache(m);
 }
 
 pg_module *pg_attention_new(pg_context *ctx, const char *name, const pg_attention_opts *o) {
@@ -257,4 +379,5 @@ const pg_module_kind pg_kind_attention = {
     .build = build_attention,
     .bf16_need = attention_bf16_need,
     .selective = attention_selective,
+    .release_cache = attention_release_cache,
 };

@@ -360,7 +360,9 @@ static int moe_forward(pg_module *m, int slot, pg_io *io, const float *x, const 
   pg_moe_route_forward(probs, lse, expert, weight, s->logits, N, E, K);
   pg_moe_route_stats(stats, stats + E, probs, expert, N, E, K);
   for (int i = 0; i < R; i++) pos[i] = 0;
-  moe_drop(s, expert, pos, N, io->T);
+  /* decoding with the key/value cache drops nothing (transformers' Mixtral has no capacity): a capacity per
+   * sequence of io->T tokens would differ between a prompt's prefill and its one-token steps */
+  if (!io->decode) moe_drop(s, expert, pos, N, io->T);
   /* group by expert (a counting sort, stable in token then choice order) */
   for (int e = 0; e <= E; e++) off[e] = 0;
   for (int i = 0; i < R; i++)

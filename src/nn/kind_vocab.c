@@ -44,7 +44,16 @@ static int embedding_forward(pg_module *m, int slot, pg_io *io, const float *x, 
   if (KERNEL(m, embedding_forward, out, io->tokens, s->wte->data, N, C, s->row_start, s->padded_l)) return PG_ERR;
   /* Each rank looked up only the ids in its vocabulary slice (others are 0). */
   if (pg_tp_reduce_forward(m, out, (int64_t)N * C, PG_FLOAT32)) return PG_ERR;
-  if (s->wpe && KERNEL(m, position_forward, out, s->wpe->data, N, io->T, C)) return PG_ERR;
+  if (s->wpe && io->decode) { /* decoding: row b's positions start at pos[b] (a row of the table each) */
+    for (int b = 0; b < io->B; b++) {
+      int p = io->decode->pos[b];
+      if (p < 0 || p > s->positions - io->T)
+        return pg_fail("%s: positions %d..%d exceed the %d positions", m->name, p, p + io->T - 1, s->positions);
+      if (KERNEL(m, position_forward, out + (size_t)b * io->T * C, s->wpe->data + (size_t)p * C, io->T, io->T, C))
+        return PG_ERR;
+    }
+  } else if (s->wpe && KERNEL(m, position_forward, out, s->wpe->data, N, io->T, C))
+    return PG_ERR;
   *y = out;
   return PG_OK;
 }

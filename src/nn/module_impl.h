@@ -75,6 +75,7 @@ struct pg_module_kind {
   int (*selective)(const pg_module *m, size_t *bytes);
   pg_param *(*borrowed)(const pg_module *m);           /* a parameter it writes gradients to without owning it */
   pg_param *(*tie_weight)(pg_module *m);               /* the weight a head on the same stage can tie to */
+  void (*release_cache)(pg_module *m);                 /* decoding: frees its key/value cache (pg_io.decode) */
 };
 
 extern const pg_module_kind pg_kind_linear, pg_kind_layernorm, pg_kind_rmsnorm, pg_kind_gelu, pg_kind_swiglu,

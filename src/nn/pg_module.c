@@ -286,6 +286,24 @@ void pg_module_free(pg_module *m) {
   free(m);
 }
 
+void pg_module_release_cache(pg_module *m) {
+  if (!m) return;
+  for (int i = 0; i < m->nchildren; i++) pg_module_release_cache(m->children[i]);
+  if (m->kind->release_cache) m->kind->release_cache(m);
+}
+
+int pg_module_check_decode(const pg_module *m) {
+  /* a Lua module may depend on positions the cache path cannot give it; sequence parallelism splits a
+   * call's rows over the tensor group, which the per-sequence positions do not follow */
+  if (kind_has(m, PG_KIND_WRITTEN_IN_LUA))
+    return pg_fail("%s: a module written in Lua has no key/value cache path (generate with cache = false)", m->name);
+  if (sp_active(m))
+    return pg_fail("%s: sequence parallelism has no key/value cache path (generate with cache = false)", m->name);
+  for (int i = 0; i < m->nchildren; i++)
+    if (pg_module_check_decode(m->children[i])) return PG_ERR;
+  return PG_OK;
+}
+
 int pg_module_use_recompute_arena(pg_module *m, pg_recompute_arena *a) {
   if (m->nslots) return pg_fail("%s: recomputation's memory must be chosen before the buffers are allocated", m->name);
   if (kind_has(m, PG_KIND_RECOMPUTES)) {

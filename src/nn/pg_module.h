@@ -74,6 +74,18 @@ typedef struct pg_module_kind pg_module_kind;
 
 #define PG_WIDE_SCRATCH 3 /* float32 scratch buffers of precision bf16 (pg_io.wide_scratch) */
 
+/* Decoding with the key/value cache (pg_engine_decode): the micro-batch's row
+ * b is sequence row0 + b of the cache, its T tokens at positions pos[b] ..
+ * pos[b] + T - 1 (pos on the host). The attentions keep every sequence's keys
+ * and values of the positions before (pg_module_release_cache frees them);
+ * the position-dependent modules (learned positions, RoPE, ALiBi) take the
+ * positions from here. Forward only. */
+typedef struct pg_decode {
+  int row0, rows;     /* the sequences of this call; the cache holds `rows` at least (grown on demand) */
+  const int32_t *pos; /* [B] host */
+  int cache_rows;     /* sequences the cache is sized for */
+} pg_decode;
+
 /* Per micro-batch information passed down a stage. */
 typedef struct pg_io {
   int B, T;                /* micro-batch shape: rows = B*T */
@@ -119,6 +131,7 @@ typedef struct pg_io {
    * pg_module_bf16_scratch's sizes; shared by every module, which use it within one call. */
   uint16_t *bf16_scratch[2];
   float *wide_scratch[PG_WIDE_SCRATCH];
+  const pg_decode *decode; /* NULL, or decoding with the key/value cache (above) */
 } pg_io;
 
 typedef struct pg_module_ops {
@@ -472,6 +485,10 @@ int pg_sp_reduce_scatter_rows(pg_module *m, void *full, void *mine, int64_t N, i
 
 /* Frees the tree (children, owned params, buffers). */
 void pg_module_free(pg_module *m);
+/* Decoding (pg_io.decode): frees every attention's key/value cache (the next decode starts empty). */
+void pg_module_release_cache(pg_module *m);
+/* PG_OK when every module of the tree has a cache path (pg_io.decode), else PG_ERR naming the first that has not. */
+int pg_module_check_decode(const pg_module *m);
 
 /* Puts the whole tree on a backend (before its buffers are allocated). */
 int pg_module_set_backend(pg_module *m, const pg_backend *be);
