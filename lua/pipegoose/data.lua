@@ -10,7 +10,8 @@
 --   pg.data.shard_info(path) -> { version =, tokens = }
 --   pg.data.TokenShards{ path =, batch =, seq_len =, seed = 0, shuffle = true, ctx = nil, vocab = nil,
 --                        dtype = nil, stride = "window" }
---   pg.data.TokenShards{ corpus = dir or pg.data.corpus(dir), split = "train"|"val", batch =, ... }
+--   pg.data.TokenShards{ corpus = dir or pg.data.corpus(dir), split = "train"|"val", batch =, ...,
+--                        tokenizer = nil }  (tokenizer: refused unless it is the corpus's)
 --   pg.data.corpus(dir) -> a prepared corpus (scripts/prepare_corpus.lua; below)
 --   pg.data.ShardWriter(path, dtype) -> a streaming shard writer (below)
 --   pg.data.bytes.encode(string) -> int32 tensor;  pg.data.bytes.decode(ids) -> string
@@ -233,6 +234,7 @@ local TOKEN_SHARDS = {
   seed = opt.integer{ min = math.mininteger, max = math.maxinteger, default = 0 },
   shuffle = opt.boolean{ default = true }, ctx = opt.context,
   vocab = opt.integer{ min = 1 }, -- nil: token ids are not checked
+  tokenizer = opt.check_with("a pg.tokenizer", function(v) return type(v) == "table" and type(v.to_json) == "function" end),
 }
 
 function M.TokenShards(opts)
@@ -255,6 +257,12 @@ function M.TokenShards(opts)
     if vocab and vocab < corpus.vocab_size then
       error(("TokenShards: the corpus's tokenizer has %d ids; the model's vocabulary is %d (vocab=)")
         :format(corpus.vocab_size, vocab), 2)
+    end
+    -- the model's tokenizer (an imported model's, engine.tokenizer) must be the one the shards were made with:
+    -- compared as the tokenizer.json each would save, so formatting of the files does not matter
+    if opts.tokenizer and opts.tokenizer:to_json() ~= corpus.tokenizer:to_json() then
+      error(("TokenShards: the corpus %s was made with another tokenizer than the one given (tokenizer=): its ids "
+        .. "would mean other tokens"):format(tostring(corpus.dir)), 2)
     end
     vocab = vocab or corpus.vocab_size
     files = {}

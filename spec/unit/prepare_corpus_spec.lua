@@ -163,6 +163,11 @@ describe("prepare_corpus.lua --tokenizer", function()
       "TokenShards: the corpus's tokenizer has 1200 ids; the model's vocabulary is 1000 (vocab=)")
     -- vocab >= the corpus's is fine
     pg.data.TokenShards{ corpus = c, split = "train", batch = 1, seq_len = 4, vocab = 1300 }
+    -- the model's tokenizer: the corpus's (loaded from its own file) is accepted, another one refused
+    pg.data.TokenShards{ corpus = c, split = "train", batch = 1, seq_len = 4, tokenizer = pg.tokenizer.load(out) }
+    local other = pg.tokenizer.train{ files = in_a, vocab_size = 300, progress = false }
+    local err = h.err_of(pg.data.TokenShards, { corpus = c, split = "train", batch = 1, seq_len = 4, tokenizer = other })
+    assert.truthy(err:find("was made with another tokenizer than the one given (tokenizer=)", 1, true), err)
   end)
 
   it("jsonl with --tokenizer=train:300: the trained tokenizer's <|endoftext|> ends each document", function()
