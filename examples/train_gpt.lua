@@ -240,9 +240,10 @@ local function word(s) -- one shell word
   return "'" .. s:gsub("'", "'\\''") .. "'"
 end
 local scripts = (here:match("^(.-)examples/$") or (here == "./" and "../") or (here .. "../")) .. "scripts/"
-local cmd = { word(arg[-1] or "./pglua"), word(scripts .. "generate.lua"), "--checkpoint=" .. word(out),
-  -- (generate.lua takes the text of byte-level models' prompts, the ids of others')
-  "--prompt=" .. word(corpus and table.concat(prompt_ids, ",") or prompt) }
+local cmd = { word(arg[-1] or "./pglua"), word(scripts .. "generate.lua"), "--checkpoint=" .. word(out) }
+-- (generate.lua takes the text of byte-level models' prompts; a corpus's model's through the corpus's tokenizer)
+if corpus then cmd[#cmd + 1] = "--tokenizer=" .. word(opt.corpus) end
+cmd[#cmd + 1] = "--prompt=" .. word(prompt)
 if opt.sample > 0 then
   cmd[#cmd + 1] = ("--tokens=%d --temperature=%g --seed=%d"):format(opt.sample, temperature, sample_seed)
 end

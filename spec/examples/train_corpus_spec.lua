@@ -125,9 +125,14 @@ describe("examples/train_llama.lua --corpus=", function()
     else
       assert.matches("^dictionary words: not measured, no dictionary at ", line)
     end
-    -- the command that samples it again gives the prompt as the tokenizer's ids
-    local ids = table.concat(corpus.tokenizer:encode("The lord"), ",")
-    assert.matches(" --prompt=" .. ids .. " --tokens=40 ", run_out, 1, true)
+    -- the command that samples it again names the corpus's tokenizer and gives the prompt as text; run, it
+    -- prints the same text (the same weights, prompt ids, temperature and seed)
+    local cmd = run_out:match("\nsample it again: ([^\n]+)\n")
+    assert.is_not_nil(cmd, run_out)
+    assert.matches(" --tokenizer=" .. corpus_dir .. " --prompt='The lord' --tokens=40 ", cmd, 1, true)
+    local rc2, again = h.sh(cmd)
+    assert.equal(0, rc2, again)
+    assert.equal("The lord" .. run_out:match("\nsample:\nThe lord(.-)\ndictionary words: ") .. "\n", again)
   end)
 
   it("exports a transformers directory holding the corpus's tokenizer, and prints its path", function()
