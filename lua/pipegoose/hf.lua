@@ -397,15 +397,13 @@ end
 
 local DTYPE_BYTES = { float32 = 4, bfloat16 = 2, float16 = 2 }
 
--- A file tensor in the dtype asked: float32 as it is, bfloat16 rounded to
--- nearest even (core.ops.to_bf16), float16 as the bytes of binary16, rounded
--- to nearest even (core.ops.to_f16_bytes; a value beyond float16's range is refused naming the tensor).
+-- A file tensor in the dtype asked: float32 as it is, bfloat16 or float16
+-- rounded to nearest even (core.ops.to_bf16, core.ops.to_f16; a value beyond
+-- float16's range is refused naming the tensor).
 local function in_dtype(name, t, dtype)
   if t:device() ~= "cpu" then t = t:to("cpu") end -- the conversions are the host's
   if dtype == "bfloat16" then return { name = name, tensor = core.ops.to_bf16(t) } end
-  if dtype == "float16" then
-    return { name = name, shape = t:shape(), raw = { code = "F16", bytes = core.ops.to_f16_bytes(t, name) } }
-  end
+  if dtype == "float16" then return { name = name, tensor = core.ops.to_f16(t, name) } end
   return { name = name, tensor = t }
 end
 
@@ -539,7 +537,7 @@ local function write_files(tmp, fam, cfg, entries, c, o, tok)
   local max = M.shard_bytes(o.max_shard_size, o.what)
   local sizes, by_name, total = {}, {}, 0
   for i, e in ipairs(entries) do
-    local bytes = e.raw and #e.raw.bytes or e.tensor:numel() * DTYPE_BYTES[o.dtype]
+    local bytes = e.tensor:numel() * DTYPE_BYTES[o.dtype]
     sizes[i] = { name = e.name, bytes = bytes }
     by_name[e.name] = e
     total = total + bytes

@@ -13,8 +13,7 @@
 --   safetensors.write(path, entries, metadata) -> crc32, bytes
 --       entries: list of {name=, tensor=, shape= (default: the tensor's)}; the
 --       tensor must be contiguous (parameter views and narrow(1, ...) are);
---       one on a device is copied to the host first. Or {name=, shape=, raw =
---       {code = "F16", bytes = the data}}: a dtype no pipegoose tensor has.
+--       one on a device is copied to the host first.
 --       metadata: table of string values. Written through pg.file.write: a
 --       temporary name, fsync, rename, fsync of the directory.
 --   safetensors.read_header(path) -> header
@@ -61,20 +60,13 @@ function M.header_text(entries, metadata)
   local parts, off = {}, 0
   for _, e in ipairs(entries) do
     local code, shape, bytes
-    if e.raw then -- {code =, bytes = the data} with e.shape: a dtype pipegoose has no tensor of (F16)
-      code, shape, bytes = e.raw.code, e.shape, #e.raw.bytes
-      if bytes ~= (numel(shape) or -1) * 2 then
-        error(("safetensors: %s: shape [%s] for %d bytes of %s"):format(e.name, table.concat(shape, ", "), bytes, code))
-      end
-    else
-      local t = e.tensor
-      code = CODES[t:dtype()] or error(("safetensors: %s has dtype %s, which has no code"):format(e.name, t:dtype()))
-      shape = e.shape or t:shape()
-      if (numel(shape) or -1) ~= t:numel() then
-        error(("safetensors: %s: shape [%s] for a tensor of %d elements"):format(e.name, table.concat(shape, ", "), t:numel()))
-      end
-      bytes = t:numel() * DTYPES[code].size
+    local t = e.tensor
+    local code = CODES[t:dtype()] or error(("safetensors: %s has dtype %s, which has no code"):format(e.name, t:dtype()))
+    local shape = e.shape or t:shape()
+    if (numel(shape) or -1) ~= t:numel() then
+      error(("safetensors: %s: shape [%s] for a tensor of %d elements"):format(e.name, table.concat(shape, ", "), t:numel()))
     end
+    local bytes = t:numel() * DTYPES[code].size
     local dims = {}
     for i, d in ipairs(shape) do dims[i] = ("%d"):format(d) end
     parts[#parts + 1] = ('%s:{"dtype":"%s","shape":[%s],"data_offsets":[%d,%d]}'):format(cjson.encode(e.name), code,
@@ -104,7 +96,7 @@ function M.write(path, entries, metadata)
   local parts = { string.pack("<I8", #text) .. text }
   -- a device tensor (engine:parameters() of a device engine) is copied to the host
   for _, e in ipairs(entries) do
-    parts[#parts + 1] = e.raw and e.raw.bytes or e.tensor:device() == "cpu" and e.tensor or e.tensor:to("cpu")
+    parts[#parts + 1] = e.tensor:device() == "cpu" and e.tensor or e.tensor:to("cpu")
   end
   return core().file.write(path, parts)
 end

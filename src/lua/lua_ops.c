@@ -313,23 +313,19 @@ static int l_to_bf16(lua_State *L) {
   return 1;
 }
 
-/* to_f16_bytes(x [, name]) -> a string of x's values as IEEE binary16,
- * little-endian (nearest, ties to even): the bytes of a safetensors F16
- * tensor. A NaN, an infinity or a value
- * that rounds past binary16's largest (65504: |x| >= 65520) is refused,
- * naming `name` (default "x") and the element. */
-static int l_to_f16_bytes(lua_State *L) {
+/* to_f16(x [, name]) -> a float16 tensor of x's values (nearest, ties to even, kernels.h's pg_f16_round:
+ * the one float16 rounding). A NaN, an infinity or a value that rounds past binary16's largest (65504:
+ * |x| >= 65520) is refused, naming `name` (default "x") and the element: an export must not turn a weight
+ * into inf. */
+static int l_to_f16(lua_State *L) {
   pg_tensor *x = pg_lua_check_tensor(L, 1);
   const char *name = luaL_optstring(L, 2, "x");
   if (x->dtype != PG_FLOAT32 || x->device != PG_CPU) {
     char got[128];
-    return luaL_error(L, "ops.to_f16_bytes: %s: expected a cpu float32 tensor, got %s", name,
+    return luaL_error(L, "ops.to_f16: %s: expected a cpu float32 tensor, got %s", name,
                       pg_tensor_describe(x, got, sizeof got));
   }
-  if ((uint64_t)x->numel > SIZE_MAX / 2) return luaL_error(L, "ops.to_f16_bytes: %s is too large", name);
   const float *v = pg_tensor_f32(x);
-  luaL_Buffer b;
-  unsigned char *out = (unsigned char *)luaL_buffinitsize(L, &b, (size_t)x->numel * 2);
   for (int64_t i = 0; i < x->numel; i++) {
     uint32_t bits;
     memcpy(&bits, &v[i], sizeof bits);
@@ -339,11 +335,10 @@ static int l_to_f16_bytes(lua_State *L) {
                       "bfloat16", name, (lua_Integer)i, (lua_Number)v[i]);
       return lua_error(L);
     }
-    uint16_t h = pg_f16_round(v[i]); /* kernels.h: the one float16 rounding */
-    out[2 * i] = (unsigned char)(h & 0xffu);
-    out[2 * i + 1] = (unsigned char)(h >> 8);
   }
-  luaL_pushresultsize(&b, (size_t)x->numel * 2);
+  pg_tensor *y = pg_lua_new_tensor(L, PG_FLOAT16, x->ndim, x->shape);
+  uint16_t *h = pg_tensor_data(y);
+  for (int64_t i = 0; i < x->numel; i++) h[i] = pg_f16_round(v[i]);
   return 1;
 }
 
@@ -862,7 +857,7 @@ static const luaL_Reg ops_functions[] = {
     {"to_bf16", l_to_bf16},
     {"from_bf16", l_from_bf16},
     {"from_f16", l_from_f16},
-    {"to_f16_bytes", l_to_f16_bytes},
+    {"to_f16", l_to_f16},
     {"bf16_gemm_path", l_bf16_gemm_path},
     {"attention", l_attention},
     {"attention_backward", l_attention_backward},
