@@ -42,6 +42,25 @@ static void gemm_into_zero(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int M, int N,
 /* One (b, h) pair. q, k, v point at the head's columns of row 0 (all ld
  * apart); P is its [T, T] probability matrix; o its output columns (ld ldo);
  * slope: NULL or the head's ALiBi slope. */
+/* One query row of causal attention probabilities in place: p[0 .. at] are its scores against keys 0 .. at
+ * (ALiBi's m * (j - at) added when slope is given), softmaxed; p[at + 1 .. width) set to exact zeros (backward
+ * and the P V products read them). The training forward and the cached decode share it, so their rows are
+ * the same arithmetic. */
+static void causal_softmax_row(float *p, int at, int width, const float *slope) {
+  if (slope) {
+    const float m = *slope;
+#pragma omp simd
+    for (int j = 0; j <= at; j++) p[j] += m * (float)(j - at);
+  }
+  float mx = pg_cpu_maxf(p, at + 1);
+#pragma omp simd
+  for (int j = 0; j <= at; j++) p[j] = pg_cpu_expf(p[j] - mx);
+  float inv = 1.0f / pg_cpu_sumf(p, at + 1);
+#pragma omp simd
+  for (int j = 0; j <= at; j++) p[j] *= inv;
+  memset(p + at + 1, 0, (size_t)(width - at - 1) * sizeof(float));
+}
+
 static void att_forward_head(float *o, float *P, const float *q, const float *k, const float *v, const float *slope,
                              int T, int ld, int ldo, int hs, float scale) {
   for (int r0 = 0; r0 < T; r0 += PG_ATT_BLOCK) {
@@ -49,22 +68,7 @@ static void att_forward_head(float *o, float *P, const float *q, const float *k,
     /* scores S[r0:r1, 0:r1] = scale * Q K^T */
     gemm_into_zero(CblasNoTrans, CblasTrans, r1 - r0, r1, hs, scale, q + (int64_t)r0 * ld, ld, k, ld,
                    P + (int64_t)r0 * T, T);
-    for (int t = r0; t < r1; t++) {
-      float *p = P + (int64_t)t * T;
-      if (slope) {
-        const float m = *slope;
-#pragma omp simd
-        for (int j = 0; j <= t; j++) p[j] += m * (float)(j - t);
-      }
-      float mx = pg_cpu_maxf(p, t + 1);
-#pragma omp simd
-      for (int j = 0; j <= t; j++) p[j] = pg_cpu_expf(p[j] - mx);
-      float inv = 1.0f / pg_cpu_sumf(p, t + 1);
-#pragma omp simd
-      for (int j = 0; j <= t; j++) p[j] *= inv;
-      /* exact zeros above the diagonal: backward and the P V products read them */
-      memset(p + t + 1, 0, (size_t)(T - t - 1) * sizeof(float));
-    }
+    for (int t = r0; t < r1; t++) causal_softmax_row(P + (int64_t)t * T, t, T, slope);
     /* out[r0:r1] = P[r0:r1, 0:r1] V[0:r1] */
     gemm_into_zero(CblasNoTrans, CblasNoTrans, r1 - r0, hs, r1, 1.0f, P + (int64_t)r0 * T, T, v, ld,
                    o + (int64_t)r0 * ldo, ldo);
@@ -211,22 +215,8 @@ void pg_attention_cached(float *out, float *scores, float *kcache, float *vcache
     const int kvh = h / group;
     float *P = scores + (int64_t)h * T * L;
     gemm_into_zero(CblasNoTrans, CblasTrans, T, L, HS, scale, qkv + h * HS, ld, kcache + kvh * HS, kvw, P, L);
-    for (int t = 0; t < T; t++) {
-      float *p = P + (int64_t)t * L;
-      const int at = pos + t; /* the query's position: keys 0 .. at */
-      if (slopes) {
-        const float m = slopes[h];
-#pragma omp simd
-        for (int j = 0; j <= at; j++) p[j] += m * (float)(j - at);
-      }
-      float mx = pg_cpu_maxf(p, at + 1);
-#pragma omp simd
-      for (int j = 0; j <= at; j++) p[j] = pg_cpu_expf(p[j] - mx);
-      float inv = 1.0f / pg_cpu_sumf(p, at + 1);
-#pragma omp simd
-      for (int j = 0; j <= at; j++) p[j] *= inv;
-      memset(p + at + 1, 0, (size_t)(L - at - 1) * sizeof(float));
-    }
+    /* the query's position pos + t: keys 0 .. pos + t */
+    for (int t = 0; t < T; t++) causal_softmax_row(P + (int64_t)t * L, pos + t, L, slopes ? slopes + h : NULL);
     gemm_into_zero(CblasNoTrans, CblasNoTrans, T, HS, L, 1.0f, P, L, vcache + kvh * HS, kvw, out + h * HS, ldo);
   }
 }
