@@ -7,9 +7,12 @@
 --       (measured vs simulated steps and memory on this machine; the last
 --       line is "validation median_error=<x> max_error=<y> ... n=<n>")
 --
--- First line: best t=<T> p=<P> d=<D> m=<micro-batches> b=<micro-batch size>
+-- First line: best t=<T> p=<P> d=<D> context=<C> m=<micro-batches> b=<micro-batch size>
 -- schedule=<s> zero=<z> recompute=<r> sp=<true|false> tflops_per_gpu=<x>
--- step_s=<s> mem_gb=<m>, then the top K with their step-time breakdown.
+-- step_s=<s> mem_gb=<m> mfu=<f>, then the top K with their step-time breakdown
+-- (cp_exp: the context ring's unhidden part; dp_exp includes ZeRO-3's
+-- unhidden gathers and reduce-scatters). zero and context are what to pass
+-- to pg.optim.AdamW{zero=} and pg.ParallelContext{context=}.
 -- tflops_per_gpu counts the FLOPs the GPUs execute, recomputation included
 -- (Megatron-LM's convention), to 4 significant digits (a small run on a CPU
 -- profile is a fraction of one TFLOP/s); mfu counts the model's FLOPs only.
@@ -37,9 +40,10 @@ parser:flag("--flash-attention", "Attention scores never go through memory (fuse
 parser:flag("--dp-overlap", "Overlap the gradient reduction with the last backward.")
 parser:option("--tensor", "Pin T."):convert(math.tointeger)
 parser:option("--pipeline", "Pin P."):convert(math.tointeger)
+parser:option("--context", "Pin the context-parallel size C (2C must divide the sequence)."):convert(math.tointeger)
 parser:option("--micro-batch-size", "Pin b."):convert(math.tointeger)
 parser:option("--schedule", "Pin the schedule."):choices(pg.core.schedules().offered)
-parser:option("--zero", "Pin the ZeRO stage."):choices{ "0", "1" }
+parser:option("--zero", "Pin the ZeRO stage."):choices{ "0", "1", "2", "3" }
 parser:option("--recompute", "Pin recomputation."):choices{ "none", "selective", "full" }
 parser:option("--sp", "Pin sequence parallelism."):choices{ "true", "false" }
 local args = parser:parse()
@@ -67,7 +71,7 @@ local function run()
     model = args.model, hf = args.hf, gpus = args.gpus, gpus_per_node = args.gpus_per_node, gpu = args.gpu,
     global_batch = args.global_batch, seq_len = args.seq_len, precision = args.precision, top = args.top,
     gemm_efficiency = args.gemm_efficiency, flash_attention = args.flash_attention or nil,
-    dp_overlap = args.dp_overlap or nil, tensor = args.tensor, pipeline = args.pipeline,
+    dp_overlap = args.dp_overlap or nil, tensor = args.tensor, pipeline = args.pipeline, context = args.context,
     micro_batch_size = args.micro_batch_size, schedule = args.schedule,
     zero = args.zero and math.tointeger(tonumber(args.zero)), recompute = args.recompute,
     sequence_parallel = pin_sp,
@@ -75,20 +79,20 @@ local function run()
   local q = summary.query
   if #best == 0 then error(pg.plan.no_fit_message(summary), 0) end
   local b = best[1]
-  print(("best t=%d p=%d d=%d m=%d b=%d schedule=%s zero=%d recompute=%s sp=%s tflops_per_gpu=%.4g step_s=%.4g mem_gb=%.2f")
-    :format(b.t, b.p, b.d, b.m, b.b, b.schedule, b.zero, b.recompute, tostring(b.sp), b.tflops_per_gpu, b.step_s,
-      b.mem_gb))
+  print(("best t=%d p=%d d=%d context=%d m=%d b=%d schedule=%s zero=%d recompute=%s sp=%s tflops_per_gpu=%.4g "
+    .. "step_s=%.4g mem_gb=%.2f mfu=%.3f"):format(b.t, b.p, b.d, b.c, b.m, b.b, b.schedule, b.zero, b.recompute,
+      tostring(b.sp), b.tflops_per_gpu, b.step_s, b.mem_gb, b.mfu))
   print(("%s on %d x %s (%d per node), global batch %d x %d tokens, %s; %d layouts, %d over memory, %d simulated, %.1f s")
     :format(q.model.name, q.gpus, q.hw.name, q.gpus_per_node, q.global_batch, q.seq_len, q.precision,
       summary.enumerated, summary.over_memory, summary.simulated, os.clock() - t0))
-  local head = ("%3s %3s %3s %4s %5s %3s %-6s %4s %-9s %-5s %9s %7s %5s %7s | %9s %9s %9s %9s %9s")
-  print(head:format("#", "t", "p", "d", "m", "b", "sched", "zero", "recompute", "sp", "step_s", "tflops", "mfu",
-    "mem_gb", "compute", "tp_comm", "bubble", "dp_exp", "optim"))
+  local head = ("%3s %3s %3s %4s %3s %5s %3s %-6s %4s %-9s %-5s %9s %7s %5s %7s | %9s %9s %9s %9s %9s %9s")
+  print(head:format("#", "t", "p", "d", "c", "m", "b", "sched", "zero", "recompute", "sp", "step_s", "tflops", "mfu",
+    "mem_gb", "compute", "tp_comm", "cp_exp", "bubble", "dp_exp", "optim"))
   for i, L in ipairs(best) do
     local k = L.breakdown
-    print(("%3d %3d %3d %4d %5d %3d %-6s %4d %-9s %-5s %9.4g %7.4g %5.3f %7.2f | %9.4g %9.4g %9.4g %9.4g %9.4g")
-      :format(i, L.t, L.p, L.d, L.m, L.b, L.schedule, L.zero, L.recompute, tostring(L.sp), L.step_s,
-        L.tflops_per_gpu, L.mfu, L.mem_gb, k.compute, k.tp_comm, k.bubble, k.dp_comm_exposed, k.optimizer))
+    print(("%3d %3d %3d %4d %3d %5d %3d %-6s %4d %-9s %-5s %9.4g %7.4g %5.3f %7.2f | %9.4g %9.4g %9.4g %9.4g %9.4g %9.4g")
+      :format(i, L.t, L.p, L.d, L.c, L.m, L.b, L.schedule, L.zero, L.recompute, tostring(L.sp), L.step_s,
+        L.tflops_per_gpu, L.mfu, L.mem_gb, k.compute, k.tp_comm, k.cp_comm, k.bubble, k.dp_comm_exposed, k.optimizer))
   end
   local idle = {}
   for i, v in ipairs(b.stage_idle) do idle[i] = ("%.3g"):format(v) end

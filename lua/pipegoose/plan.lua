@@ -4,13 +4,18 @@
 --
 --   local layout = pg.plan{ model = "gpt3-175b", gpus = 1024, gpu = "a100-80gb",
 --                           global_batch = 1536, seq_len = 2048 }
---   local ctx = pg.ParallelContext(layout.context)      -- { tensor, pipeline, data }
+--   local ctx = pg.ParallelContext(layout.context)      -- { tensor, pipeline, data[, context] }
 --   local engine = pg.parallelize(model, ctx, layout.parallelize) -- { micro_batches, schedule, sequence_parallel }
+--   local opt = pg.optim.AdamW(engine, { lr = ..., zero = layout.zero })
 --
 -- The layout also carries the same values flat (tensor, pipeline, data,
--- micro_batches, schedule) and everything else the planner decided or
--- predicted (micro_batch_size, zero, recompute, sequence_parallel, step_s,
--- tflops_per_gpu, mem_gb, breakdown, ...).
+-- context_size, micro_batches, schedule) and everything else the planner
+-- decided or predicted (micro_batch_size, zero, recompute, sequence_parallel,
+-- step_s, tflops_per_gpu, mfu, mem_gb, breakdown, ...). layout.context names
+-- `context = C` only when C > 1, so that a C = 1 plan is what an engine
+-- without the context dimension accepts; zero = 3 and C > 1 are planned from
+-- the formulas in memory.lua and cost.lua whether or not the engine at hand
+-- serves that combination yet (docs/PLANNER.md, "ZeRO-3 and context").
 --
 --   pg.plan.search{...} -> the top `top` layouts and a summary of the search
 --   pg.plan.hardware, .models, .memory, .cost, .simulate: the parts
@@ -19,6 +24,7 @@ local core = require "pipegoose.core"
 local hardware = require "pipegoose.plan.hardware"
 local models = require "pipegoose.plan.models"
 local search = require "pipegoose.plan.search"
+local common = require "pipegoose.models.common"
 
 local M = {
   hardware = hardware,
@@ -52,9 +58,10 @@ local SCHEMA = {
   -- pin a dimension (the published comparison pins the paper's T and P)
   tensor = opt.integer{ min = 1 },
   pipeline = opt.integer{ min = 1 },
+  context = opt.integer{ min = 1 },
   micro_batch_size = opt.integer{ min = 1 },
   schedule = opt.enum(core.schedules().offered), -- the runtime's one-chunk schedules (pg_schedule_offered)
-  zero = opt.integer{ min = 0, max = 2 },
+  zero = opt.integer{ min = 0, max = 3 },
   recompute = opt.enum{ "none", "selective", "full" },
   sequence_parallel = opt.boolean,
 }
@@ -78,6 +85,34 @@ local function query(o)
   if o.gpus > G and o.gpus % G ~= 0 then
     error(("plan: gpus=%d is not a whole number of nodes of %d"):format(o.gpus, G), 0)
   end
+  -- a pinned size that cannot be a layout of these GPUs, said as that (not as "no layout fits")
+  local function refuse(fmt, ...) error("plan: " .. fmt:format(...), 0) end
+  local N = o.gpus
+  if o.tensor then
+    if N % o.tensor ~= 0 then refuse("tensor=%d does not divide gpus=%d", o.tensor, N) end
+    if math.min(G, N) % o.tensor ~= 0 then
+      refuse("tensor=%d does not divide the %d GPUs of a node (tensor parallelism stays inside a node)", o.tensor,
+        math.min(G, N))
+    end
+    local bad = common.tensor_heads(o.tensor, s.heads, s.kv_heads)
+    if bad then refuse("%s", bad) end
+    if s.ffn % o.tensor ~= 0 then refuse("tensor=%d does not divide the MLP width %d", o.tensor, s.ffn) end
+  end
+  local TP = (o.tensor or 1) * (o.pipeline or 1) * (o.context or 1)
+  if N % TP ~= 0 then
+    refuse("tensor=%d x pipeline=%d x context=%d = %d does not divide gpus=%d", o.tensor or 1, o.pipeline or 1,
+      o.context or 1, TP, N)
+  end
+  if o.pipeline and o.pipeline > s.layers then
+    refuse("pipeline=%d exceeds the model's %d layers", o.pipeline, s.layers)
+  end
+  local seq = o.seq_len or s.seq_len
+  if o.context and seq % (2 * o.context) ~= 0 then
+    refuse("context=%d: 2 x %d chunks do not divide seq_len=%d", o.context, o.context, seq)
+  end
+  if hw.cpu and ((o.context or 1) > 1 or o.zero == 3) then
+    refuse("a cpu profile prices pipegoose's CPU engine as measured, without context parallelism or zero = 3")
+  end
   local options = {}
   for k, v in pairs(M.cost.DEFAULTS) do options[k] = v end
   if o.gemm_efficiency ~= nil then options.gemm_efficiency = o.gemm_efficiency end
@@ -86,15 +121,15 @@ local function query(o)
   return {
     model = s, hw = hw, gpus = o.gpus, gpus_per_node = math.min(G, o.gpus), global_batch = o.global_batch,
     seq_len = o.seq_len or s.seq_len, precision = precision, top = o.top, options = options,
-    fix = { t = o.tensor, p = o.pipeline, b = o.micro_batch_size, schedule = o.schedule, zero = o.zero,
+    fix = { t = o.tensor, p = o.pipeline, c = o.context, b = o.micro_batch_size, schedule = o.schedule, zero = o.zero,
       recompute = o.recompute, sp = o.sequence_parallel },
   }
 end
 
 local function layout(L)
-  L.tensor, L.pipeline, L.data = L.t, L.p, L.d
+  L.tensor, L.pipeline, L.data, L.context_size = L.t, L.p, L.d, L.c
   L.micro_batches, L.micro_batch_size, L.sequence_parallel = L.m, L.b, L.sp
-  L.context = { tensor = L.t, pipeline = L.p, data = L.d }
+  L.context = { tensor = L.t, pipeline = L.p, data = L.d, context = L.c > 1 and L.c or nil }
   L.parallelize = { micro_batches = L.m, schedule = L.schedule, sequence_parallel = L.sp }
   L.stages = {}
   for i, part in ipairs(L.parts) do L.stages[i] = part.layers end
@@ -118,8 +153,8 @@ function M.no_fit_message(summary)
   local q, small = summary.query, summary.smallest
   local need = ""
   if small then
-    need = (": the smallest (t=%d p=%d d=%d b=%d zero=%d recompute=%s sp=%s) needs %.4g GiB per rank, and a rank "
-      .. "has %.4g GiB usable (%d%% of %.4g GiB)"):format(small.t, small.p, small.d, small.b, small.zero,
+    need = (": the smallest (t=%d p=%d context=%d d=%d b=%d zero=%d recompute=%s sp=%s) needs %.4g GiB per rank, "
+      .. "and a rank has %.4g GiB usable (%d%% of %.4g GiB)"):format(small.t, small.p, small.c, small.d, small.b, small.zero,
       small.recompute, tostring(small.sp), small.mem_bytes / 1024 ^ 3, summary.usable_bytes / 1024 ^ 3,
       math.floor(M.memory.USABLE_FRACTION * 100 + 0.5), q.hw.memory_bytes / 1024 ^ 3)
   end

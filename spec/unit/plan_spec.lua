@@ -161,12 +161,13 @@ describe("plan.search", function()
     assert.is_true(summary.over_memory > 0, "some layouts of a 7B model do not fit in 40 GB")
     local usable = plan.hardware.get("a100-40gb").memory_bytes * memory.USABLE_FRACTION
     for i, L in ipairs(best) do
-      assert.equal(16, L.t * L.p * L.d)
+      assert.equal(16, L.t * L.p * L.c * L.d)
       assert.equal(64, L.d * L.m * L.b)
       assert.is_true(L.mem_bytes <= usable)
       if i > 1 then assert.is_true(best[i - 1].step_s <= L.step_s) end
       local k = L.breakdown
-      close(L.step_s, k.compute + k.tp_comm + k.bubble + k.dp_comm_exposed + k.optimizer, 1e-9, "breakdown sums")
+      close(L.step_s, k.compute + k.tp_comm + k.cp_comm + k.bubble + k.dp_comm_exposed + k.optimizer, 1e-9,
+        "breakdown sums")
     end
   end)
 
@@ -196,9 +197,10 @@ describe("plan.search", function()
     end
     local usable = 80 * 1024 ^ 3 * memory.USABLE_FRACTION
     assert.near(usable, summary.usable_bytes, 1)
-    assert.matches(("the smallest (t=%d p=%d d=%d b=%d zero=%d recompute=%s sp=%s) needs %.4g GiB per rank, and a rank "
-      .. "has 72 GiB usable (90%% of 80 GiB); 432 enumerated, 432 over memory"):format(small.t, small.p, small.d,
-      small.b, small.zero, small.recompute, tostring(small.sp), small.mem_bytes / 1024 ^ 3), err, 1, true)
+    assert.matches(("the smallest (t=%d p=%d context=%d d=%d b=%d zero=%d recompute=%s sp=%s) needs %.4g GiB per rank, "
+      .. "and a rank has 72 GiB usable (90%% of 80 GiB); %d enumerated, %d over memory"):format(small.t, small.p,
+      small.c, small.d, small.b, small.zero, small.recompute, tostring(small.sp), small.mem_bytes / 1024 ^ 3,
+      summary.enumerated, summary.enumerated), err, 1, true)
   end)
 
   it("matches an exhaustive simulation (the lower-bound pruning loses nothing)", function()
@@ -320,18 +322,19 @@ describe("scripts/plan.lua", function()
       "--global-batch=64", "--top=3" })
     assert.equal(0, rc, out)
     local first = out:match("^[^\n]*")
-    assert.matches("^best t=%d+ p=%d+ d=%d+ m=%d+ b=%d+ schedule=[%w]+ zero=[01] recompute=%a+ sp=%a+ "
-      .. "tflops_per_gpu=[%d.e+-]+ step_s=[%d.e+-]+ mem_gb=[%d.]+$", first)
-    local t, p, d = first:match("t=(%d+) p=(%d+) d=(%d+)")
-    assert.equal(8, t * p * d)
-    assert.matches("compute%s+tp_comm%s+bubble%s+dp_exp%s+optim", out)
+    assert.matches("^best t=%d+ p=%d+ d=%d+ context=%d+ m=%d+ b=%d+ schedule=[%w]+ zero=[0-3] recompute=%a+ sp=%a+ "
+      .. "tflops_per_gpu=[%d.e+-]+ step_s=[%d.e+-]+ mem_gb=[%d.]+ mfu=[%d.]+$", first)
+    local t, p, d, c = first:match("t=(%d+) p=(%d+) d=(%d+) context=(%d+)")
+    assert.equal(8, t * p * d * c)
+    assert.matches("compute%s+tp_comm%s+cp_exp%s+bubble%s+dp_exp%s+optim", out)
   end)
 
   it("pins a dimension when told (the published comparison pins the paper's software)", function()
     local rc, out = h.sh(h.pglua_cmd{ "scripts/plan.lua", "--model=gpt2-1.5b", "--gpus=16", "--gpu=a100-40gb",
-      "--global-batch=32", "--pipeline=4", "--recompute=full", "--sp=false", "--zero=0", "--schedule=gpipe" })
+      "--global-batch=32", "--pipeline=4", "--recompute=full", "--sp=false", "--zero=0", "--schedule=gpipe",
+      "--context=1" })
     assert.equal(0, rc, out)
-    assert.matches("^best t=1 p=4 d=4 m=%d+ b=%d+ schedule=gpipe zero=0 recompute=full sp=false ", out)
+    assert.matches("^best t=1 p=4 d=4 context=1 m=%d+ b=%d+ schedule=gpipe zero=0 recompute=full sp=false ", out)
   end)
 
   it("has --help, and refuses unknown options, models and gpus", function()

@@ -35,9 +35,45 @@
 -- parallelism shards it already; without it, Megatron's scatter/gather does
 -- the same), so a transfer is latency + b*s*h*e/T / bandwidth, intra-node or
 -- inter-node depending on where the two stages' ranks live.
+--   context (C)      ring attention (Megatron-LM's context parallelism, Liu et
+--                    al. 2023's ring): each rank holds seq/C tokens of every
+--                    sequence, so every per-token cost above is /C while the
+--                    attention FLOPs per token stay those of the whole
+--                    sequence (its queries meet every key). Per layer and
+--                    micro-batch the forward passes this rank's K/V block
+--                    round the ring, C-1 steps of b*(seq/C)*2*kv/T elements
+--                    (M.context_ring); the backward passes K/V again and
+--                    dK/dV back: twice those bytes. Each step is overlapped
+--                    with the attention compute of the block in hand: only
+--                    max(0, ring - attention compute) is exposed. The ring's
+--                    hops are point to point: NVLink while T*C fits in a node,
+--                    else the inter-node link (the slowest hop paces the ring).
+--   ZeRO-3 (FSDP)    per micro-batch: the stage's parameters all-gathered in
+--                    the forward and again in the backward (resharded after
+--                    the forward), in the compute precision, and the
+--                    gradients reduce-scattered in the gradient's precision
+--                    (fp32, as the ZeRO-1/2 reduction): 2w + g bytes per
+--                    parameter, each a ring over the D*C group ((n-1)/n of
+--                    the buffer per rank). Gathered one unit (block,
+--                    embedding, head) at a time with the next prefetched on
+--                    the communication stream: assumed to overlap compute
+--                    fully (no slowdown of the kernels), so what is exposed is
+--                    the first unit's gather and, per later unit, what its
+--                    communication exceeds the unit's compute (M.zero3_exposed).
+--                    The step adds no reduction after the pipeline; the
+--                    optimizer runs on the 1/(D*C) shard.
+-- Collectives over a group that spans nodes (M.group_link): NCCL runs one
+-- ring channel per NIC, and the k ranks of the group on one node each drive
+-- their own NIC (one per GPU), so the group's inter-node bandwidth is k
+-- links (at most the NVLink rate the ring also crosses). A Megatron data
+-- group at T = 8 has k = 1 (one rank per node); a pure-data FSDP group has
+-- k = 8. (Pricing every such ring at one GPU's link made a 64-GPU FSDP step
+-- 8x more communication-bound than the hardware is.)
 -- Rank placement is pipegoose's (src/parallel/pg_context.c), which is also Megatron's:
--- rank = t + T*(d + D*p) (tensor fastest, then data, then pipeline), nodes of
--- gpus_per_node consecutive ranks.
+-- rank = t + T*(c + C*(d + D*p)) (tensor fastest, then context, then data,
+-- then pipeline: Megatron's tp-cp-dp-pp), nodes of gpus_per_node consecutive
+-- ranks. The data x context group (gradients, ZeRO) is every rank of a stage
+-- with the same t: stride T, D*C long.
 local models = require "pipegoose.plan.models"
 local memory = require "pipegoose.plan.memory"
 
@@ -65,7 +101,8 @@ M.ring_all_reduce = function(bytes, n, link, eff) return ring(bytes, n, link, ef
 M.ring_gather = function(bytes, n, link, eff) return ring(bytes, n, link, eff, 1) end
 
 --- Whether the transfer from stage p to p+1 (0-based) crosses a node for some
--- (t, d): the ranks T*D*p + x and T*D*(p+1) + x, x in [0, T*D).
+-- (t, d): the ranks T*D*p + x and T*D*(p+1) + x, x in [0, T*D) (D here: the
+-- D*C ranks of a stage's data x context group).
 function M.pipeline_crosses_node(T, D, G, p)
   local TD = T * D
   if TD >= G then return true end
@@ -73,8 +110,8 @@ function M.pipeline_crosses_node(T, D, G, p)
   return (hi // G) * G >= lo
 end
 
---- Whether stage p's data-parallel group (ranks t + T*(d + D*p), d in [0, D))
--- spans more than one node.
+--- Whether stage p's data-parallel group (ranks t + T*(d + D*p), d in [0, D);
+-- D here: D*C, the data x context group) spans more than one node.
 function M.data_group_crosses_node(T, D, G, p)
   if D <= 1 then return false end
   for _, t in ipairs{ 0, T - 1 } do
@@ -83,6 +120,29 @@ function M.data_group_crosses_node(T, D, G, p)
     if first // G ~= last // G then return true end
   end
   return false
+end
+
+--- The link a ring over a stride-T group of n ranks (data x context) runs at,
+-- for stage p: NVLink inside a node; across nodes, one inter-node link per
+-- member of the group on a node (NCCL's one channel per NIC), capped by NVLink.
+function M.group_link(hw, T, n, G, p)
+  if not M.data_group_crosses_node(T, n, G, p) then return hw.intra end
+  local per_node = math.max(1, math.min(n, G // T))
+  return { bandwidth = math.min(per_node * hw.inter.bandwidth, hw.intra.bandwidth), latency = hw.inter.latency }
+end
+
+--- Seconds of one context-parallel ring per layer and micro-batch: forward
+-- (C-1 steps of this rank's K/V block) and backward (K/V again, dK/dV back).
+function M.context_ring(s, L, hw)
+  local C = L.c or 1
+  if C <= 1 then return 0, 0 end
+  local e = memory.element_bytes(L.precision)
+  -- K and V of this rank's kv heads (a whole head each when T exceeds the kv heads, kind_kv_heads.c)
+  local kv = L.t > (s.kv_heads or s.heads) and models.head_dim(s) or models.kv_dim(s) / L.t
+  local block = L.b * L.seq / C * 2 * kv * e
+  local link = L.t * C > hw.gpus_per_node and hw.inter or hw.intra
+  local step = link.latency + block / (link.bandwidth * hw.link_efficiency)
+  return (C - 1) * step, 2 * (C - 1) * step
 end
 
 local function peak(hw, precision)
@@ -99,7 +159,9 @@ function M.layer_costs(s, L, hw, o)
   local e = memory.element_bytes(L.precision)
   local flops_rate = peak(hw, L.precision) * (hw.gemm_efficiency or o.gemm_efficiency)
   local bw = hw.memory_bandwidth * hw.memory_efficiency
-  local T, seq, tokens, h = L.t, L.seq, L.seq * L.b, s.hidden
+  local C = L.c or 1
+  -- this rank's tokens: its two chunks of each sequence under context parallelism
+  local T, seq, tokens, h = L.t, L.seq, L.seq * L.b / C, s.hidden
   local rep = L.sp and T or 1 -- replicated elementwise work is split by sequence parallelism
   local fused = L.flash_attention
 
@@ -119,7 +181,7 @@ function M.layer_costs(s, L, hw, o)
   end
   if s.rope then elems = elems + tokens * (h + kv) / T * 2 end -- rotary embedding on q and k
   if not fused then -- softmax (GPT's: scale-mask-softmax and its dropout)
-    scores = s.heads * seq * seq * L.b / T * (s.dropout and 4 or 2)
+    scores = s.heads * tokens * seq / T * (s.dropout and 4 or 2)
   end
   local mem_f = (elems + scores) * e / bw
   local scores_mem = scores * e / bw
@@ -132,8 +194,11 @@ function M.layer_costs(s, L, hw, o)
   local launch = hw.kernel_overhead or 0
 
   local ar = M.ring_all_reduce(tokens * h * e, T, hw.intra, hw.link_efficiency)
-  local fwd = { compute = gemm + mem_f + kernels * launch, tp = 2 * ar }
-  local bwd = { compute = 2 * (gemm + mem_f + kernels * launch), tp = 2 * ar }
+  -- the context ring, overlapped with the attention core's compute (scores and values products)
+  local ring_f, ring_b = M.context_ring(s, L, hw)
+  local attn = scores_gemm + scores_mem
+  local fwd = { compute = gemm + mem_f + kernels * launch, tp = 2 * ar, cp = math.max(0, ring_f - attn) }
+  local bwd = { compute = 2 * (gemm + mem_f + kernels * launch), tp = 2 * ar, cp = math.max(0, ring_b - 2 * attn) }
   if T > (s.kv_heads or s.heads) then -- fewer key/value heads than ranks (kind_kv_heads.c): every head's k|v all-gathered
     local kv_gather = ring(tokens * 2 * kv * e, T, hw.intra, hw.link_efficiency, 1) -- forward, reduce-scattered back
     fwd.tp, bwd.tp = fwd.tp + kv_gather, bwd.tp + kv_gather
@@ -141,6 +206,7 @@ function M.layer_costs(s, L, hw, o)
   if L.recompute == "full" then
     bwd.compute = bwd.compute + fwd.compute
     bwd.tp = bwd.tp + fwd.tp
+    bwd.cp = bwd.cp + fwd.cp
   elseif L.recompute == "selective" then
     bwd.compute = bwd.compute + scores_gemm + scores_mem + core_kernels * launch
   end
@@ -152,7 +218,7 @@ function M.edge_costs(s, L, hw, o)
   local e = memory.element_bytes(L.precision)
   local flops_rate = peak(hw, L.precision) * (hw.gemm_efficiency or o.gemm_efficiency)
   local bw = hw.memory_bandwidth * hw.memory_efficiency
-  local T, tokens, h = L.t, L.seq * L.b, s.hidden
+  local T, tokens, h = L.t, L.seq * L.b / (L.c or 1), s.hidden
   local ar = M.ring_all_reduce(tokens * h * e, T, hw.intra, hw.link_efficiency)
   -- embedding: gather rows (write b*s*h), add positions; backward scatters
   -- the gradient back; vocabulary-parallel lookup all-reduces its output
@@ -177,18 +243,32 @@ end
 -- an overlapped data-parallel reduction can hide behind). Shared by the GPU
 -- path here and the CPU path (cpu.lua).
 function M.stage_compute(part, layer, embed, head)
-  local c = { fwd = 0, bwd = 0, fwd_tp = 0, bwd_tp = 0 }
+  local c = { fwd = 0, bwd = 0, fwd_tp = 0, bwd_tp = 0, fwd_cp = 0, bwd_cp = 0 }
   local function add(x, n)
-    c.fwd = c.fwd + n * (x.fwd.compute + x.fwd.tp)
-    c.bwd = c.bwd + n * (x.bwd.compute + x.bwd.tp)
+    local fcp, bcp = x.fwd.cp or 0, x.bwd.cp or 0
+    c.fwd = c.fwd + n * (x.fwd.compute + x.fwd.tp + fcp)
+    c.bwd = c.bwd + n * (x.bwd.compute + x.bwd.tp + bcp)
     c.fwd_tp = c.fwd_tp + n * x.fwd.tp
     c.bwd_tp = c.bwd_tp + n * x.bwd.tp
+    c.fwd_cp = c.fwd_cp + n * fcp
+    c.bwd_cp = c.bwd_cp + n * bcp
   end
   add(layer, part.layers)
   if part.first then add(embed, 1) end
   if part.last then add(head, 1) end
-  c.last_bwd_layer = layer.bwd.compute + layer.bwd.tp
+  c.last_bwd_layer = layer.bwd.compute + layer.bwd.tp + (layer.bwd.cp or 0)
   return c
+end
+
+--- ZeRO-3's exposed communication of one pass over a stage of `units`
+-- gathered units: `comm` seconds of communication against `busy` seconds of
+-- compute, a unit's communication running under the previous unit's compute
+-- (one-ahead prefetch; units taken as equal): the first unit's share cannot
+-- hide, each later one hides up to one unit's compute, and `tail` (the last
+-- unit's reduce-scatter, backward) runs after the last compute.
+function M.zero3_exposed(comm, busy, units, tail)
+  local u, cu = comm / units, busy / units
+  return u + (units - 1) * math.max(0, u - cu) + (tail or 0)
 end
 
 --- Everything the simulator and the step need for one layout:
@@ -204,7 +284,8 @@ function M.stage_costs(s, L, hw, o, parts)
   local embed, head = M.edge_costs(s, L, hw, o)
   local e = memory.element_bytes(L.precision)
   local G = hw.gpus_per_node
-  local act_bytes = L.seq * L.b * s.hidden * e / L.t
+  local DC = memory.shard_group(L) -- the data x context group
+  local act_bytes = L.seq * L.b / (L.c or 1) * s.hidden * e / L.t
   local _, grad_b = memory.state_bytes(L.precision)
   local weight_b = memory.state_bytes(L.precision)
   -- AdamW reads the gradient, reads and writes m, v and the fp32 weights (or
@@ -217,33 +298,44 @@ function M.stage_costs(s, L, hw, o, parts)
     -- transfers out of this stage
     local function link(crosses) return crosses and hw.inter or hw.intra end
     if p < L.p - 1 then
-      local l = link(M.pipeline_crosses_node(L.t, L.d, G, p))
+      local l = link(M.pipeline_crosses_node(L.t, DC, G, p))
       c.send_act = l.latency + act_bytes / (l.bandwidth * hw.link_efficiency)
     end
     if p > 0 then
-      local l = link(M.pipeline_crosses_node(L.t, L.d, G, p - 1))
+      local l = link(M.pipeline_crosses_node(L.t, DC, G, p - 1))
       c.send_grad = l.latency + act_bytes / (l.bandwidth * hw.link_efficiency)
     end
     -- data-parallel gradient reduction and the optimizer
     local params = memory.stage_params(s, part, L.t, L.p)
     c.params = params
-    local dlink = M.data_group_crosses_node(L.t, L.d, G, p) and hw.inter or hw.intra
+    local dlink = M.group_link(hw, L.t, DC, G, p)
     local grads = params * grad_b
-    if L.zero >= 1 then
+    c.fwd_zero3, c.bwd_zero3 = 0, 0
+    if L.zero == 3 then
+      -- per micro-batch: gather (forward), gather + reduce-scatter (backward), overlapped (M.zero3_exposed)
+      local units = part.layers + (part.first and 1 or 0) + (part.last and 1 or 0)
+      local gather = M.ring_gather(params * weight_b, DC, dlink, hw.link_efficiency)
+      local scatter = M.ring_gather(grads, DC, dlink, hw.link_efficiency)
+      c.fwd_zero3 = M.zero3_exposed(gather, c.fwd, units)
+      c.bwd_zero3 = M.zero3_exposed(gather + scatter, c.bwd, units, scatter / units)
+      c.fwd, c.bwd = c.fwd + c.fwd_zero3, c.bwd + c.bwd_zero3
+      c.dp = 0
+      c.optimizer = params / DC * opt_bytes / (hw.memory_bandwidth * hw.memory_efficiency)
+    elseif L.zero >= 1 then
       -- reduce-scatter the gradients (ZeRO-2: after every micro-batch's backward, since only the shard
       -- accumulates), step on 1/D, all-gather the new weights
-      c.dp = (L.zero == 2 and L.m or 1) * M.ring_gather(grads, L.d, dlink, hw.link_efficiency)
-        + M.ring_gather(params * weight_b, L.d, dlink, hw.link_efficiency)
-      c.optimizer = params / L.d * opt_bytes / (hw.memory_bandwidth * hw.memory_efficiency)
+      c.dp = (L.zero == 2 and L.m or 1) * M.ring_gather(grads, DC, dlink, hw.link_efficiency)
+        + M.ring_gather(params * weight_b, DC, dlink, hw.link_efficiency)
+      c.optimizer = params / DC * opt_bytes / (hw.memory_bandwidth * hw.memory_efficiency)
     else
-      c.dp = M.ring_all_reduce(grads, L.d, dlink, hw.link_efficiency)
+      c.dp = M.ring_all_reduce(grads, DC, dlink, hw.link_efficiency)
       c.optimizer = params * opt_bytes / (hw.memory_bandwidth * hw.memory_efficiency)
     end
     -- a tied embedding: the first and last stages all-reduce its gradient
     -- (across the pipeline, so across nodes unless P*T*D fits in one)
     local _, hd = models.edge_params(s)
     if hd.tied and L.p > 1 and (part.first or part.last) then
-      local cross = L.t * L.d * L.p > G
+      local cross = L.t * DC * L.p > G
       c.dp = c.dp + M.ring_all_reduce(hd.split / L.t * grad_b, 2, cross and hw.inter or hw.intra, hw.link_efficiency)
     end
     out[i] = c

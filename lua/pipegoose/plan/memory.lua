@@ -11,8 +11,20 @@
 --         Megatron-LM does for bf16, since bf16 sums lose small updates);
 --         optimizer 12 = fp32 master copy 4 + AdamW m 4 + v 4.
 --   fp32 (and tf32: fp32 storage): weight 4, gradient 4, optimizer 8 (m, v).
---   ZeRO-1 shards the optimizer state over the D data-parallel replicas:
---   optimizer / D. (bf16 without ZeRO: 18 bytes per parameter; with: 6 + 12/D.)
+--   ZeRO-1 shards the optimizer state over the D x C data x context group
+--   (M.shard_group: gradients are summed over data and context together, as
+--   Megatron-LM's dp-cp group): optimizer / (D*C). (bf16 without ZeRO: 18 bytes
+--   per parameter; with: 6 + 12/(D*C).)
+--   ZeRO-3 (FSDP) shards everything persistent over that group: the fp32
+--   master (the weight itself under fp32), its fp32 gradient and AdamW's m, v:
+--   16 bytes x params / (D*C) in both precisions (bf16: 4 + 4 + 8; fp32: 4 +
+--   4 + 8). What is not sharded: the gathered unit (M.gathered_unit_params:
+--   the largest module gathered at once, one transformer block or the
+--   embedding or the head) in the compute precision, twice (the unit running
+--   and the next one prefetched, FSDP2's one-ahead prefetch), and that unit's
+--   full gradient before it is reduce-scattered (g bytes, once). Parameters
+--   are assumed resharded after the forward (FSDP2's reshard_after_forward =
+--   true), so nothing else stays gathered (M.zero3_bytes).
 --
 -- Activations kept for the backward pass, per layer and micro-batch
 -- (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
@@ -41,6 +53,11 @@
 --   full recomputation keeps only each layer's input: s*b*h*e (/T with
 --   sequence parallelism), plus, once, the full activations of the one layer
 --   being recomputed in the backward pass.
+-- Context parallelism over C ranks splits every sequence into 2C chunks, two
+-- per rank (pg.ParallelContext{context = C}): each rank keeps the activations
+-- of seq/C tokens of every layer, attention included (its queries against the
+-- K/V blocks the ring brings: the a*s^2 score term is a*(s/C)*s). Everything
+-- above is divided by C (M.layer_activation_bytes with o.c; the logits too).
 -- A stage holds them for every micro-batch between its forward and backward:
 -- counted from its schedule's action list (1F1B: min(P - i, M) for stage i,
 -- 0-based; GPipe: M).
@@ -69,10 +86,11 @@ function M.state_bytes(precision)
 end
 
 --- Activation bytes one layer keeps for one micro-batch (see the derivation above).
--- o: { seq, b, t, sp, recompute, precision, flash_attention }
+-- o: { seq, b, t, sp, recompute, precision, flash_attention, c (context size, 1 if nil) }
 function M.layer_activation_bytes(s, o)
   local e = M.element_bytes(o.precision)
-  local tokens = o.seq * o.b
+  local C = o.c or 1
+  local tokens = o.seq * o.b / C -- this context rank's two chunks of every sequence
   local h, t = s.hidden, o.t
   local rep_div = o.sp and t or 1
   if o.recompute == "full" then return tokens * h * e / rep_div end
@@ -87,10 +105,14 @@ function M.layer_activation_bytes(s, o)
   local split = tokens * (h + kv_kept + h) * e + mlp
   local scores = 0
   if o.recompute ~= "selective" and not o.flash_attention then
-    scores = s.heads * o.seq * o.seq * o.b * (dropout and (2 * e + 1) or e)
+    scores = s.heads * tokens * o.seq * (dropout and (2 * e + 1) or e) -- its queries against every key
   end
   return replicated / rep_div + (split + scores) / t
 end
+
+--- The group ZeRO shards over and gradients are summed over: data x context
+-- (D*C ranks; the context ranks hold the same parameters as data replicas).
+function M.shard_group(L) return L.d * (L.c or 1) end
 
 --- Micro-batches a stage holds between forward and backward, from its actions.
 function M.in_flight(actions)
@@ -127,13 +149,41 @@ end
 -- the tied embedding's own, kept while a head borrows it (stage 1) or its copy
 -- waits for the embedding group's sum (first and last stage when p > 1).
 function M.gradient_bytes(s, L, stage, params, g)
-  if (L.zero or 0) < 2 or L.d == 1 then return params * g end
+  local n = M.shard_group(L)
+  if (L.zero or 0) < 2 or n == 1 then return params * g end
   local _, head = models.edge_params(s)
   local resident = 0
   if head.tied and (stage.first or (stage.last and L.p > 1)) then resident = head.split / L.t end
   local bucket = (L.bucket_mb or 25) * 1024 * 1024 / 4
   local pool = math.min(2 * bucket, params - resident)
-  return params * g / L.d + (pool + resident) * 4
+  return params * g / n + (pool + resident) * 4
+end
+
+--- Parameters of the largest module a rank of `stage` gathers at once under
+-- ZeRO-3: one transformer block, or the embedding (first stage), or the
+-- final norm and head (last stage), each as this tensor rank holds it.
+function M.gathered_unit_params(s, stage, t, P)
+  local lp = models.layer_params(s)
+  local embed, head = models.edge_params(s)
+  local most = stage.layers > 0 and lp.split / t + lp.replicated or 0
+  if stage.first then most = math.max(most, embed.split / t + embed.replicated) end
+  if stage.last then
+    local n = head.replicated
+    if not head.tied or P > 1 then n = n + head.split / t end
+    most = math.max(most, n)
+  end
+  return most
+end
+
+--- ZeRO-3 state of a rank holding `params` of `stage` (see the top of this
+-- file): weights (fp32 shard under fp32; the gathered unit twice), gradients
+-- (fp32 shard; the gathered unit's full gradient), optimizer (shard).
+function M.zero3_bytes(s, L, stage, params)
+  local w, g, opt = M.state_bytes(L.precision)
+  local n = M.shard_group(L)
+  local unit = M.gathered_unit_params(s, stage, L.t, L.p)
+  local master = L.precision == "bf16" and 0 or params * w / n -- bf16: the master is in opt's 12
+  return master + 2 * unit * w, params * g / n + unit * g, params * opt / n
 end
 
 --- Peak bytes of a rank of `stage` under layout `L`
@@ -142,10 +192,11 @@ end
 function M.stage_bytes(s, L, stage, in_flight)
   local params = M.stage_params(s, stage, L.t, L.p)
   local w, g, opt = M.state_bytes(L.precision)
-  -- ZeRO-1 and 2 shard the AdamW state, ZeRO-2 the gradients too (M.gradient_bytes)
-  if L.zero >= 1 then opt = opt / L.d end
+  -- ZeRO-1 and 2 shard the AdamW state, ZeRO-2 the gradients too (M.gradient_bytes), ZeRO-3 everything
+  if L.zero >= 1 then opt = opt / M.shard_group(L) end
+  local C = L.c or 1
   local act_o = { seq = L.seq, b = L.b, t = L.t, sp = L.sp, recompute = L.recompute, precision = L.precision,
-    flash_attention = L.flash_attention }
+    flash_attention = L.flash_attention, c = C }
   local per_layer = M.layer_activation_bytes(s, act_o)
   local activations = per_layer * stage.layers * in_flight
   if L.recompute == "full" and stage.layers > 0 then
@@ -157,9 +208,11 @@ function M.stage_bytes(s, L, stage, in_flight)
   end
   local transient = 0
   if stage.last then
-    transient = L.seq * L.b * s.vocab / L.t * (M.element_bytes(L.precision) + 4)
+    transient = L.seq / C * L.b * s.vocab / L.t * (M.element_bytes(L.precision) + 4)
   end
-  local parts = { weights = params * w, gradients = M.gradient_bytes(s, L, stage, params, g), optimizer = params * opt,
+  local weights, gradients, optimizer = params * w, M.gradient_bytes(s, L, stage, params, g), params * opt
+  if L.zero == 3 then weights, gradients, optimizer = M.zero3_bytes(s, L, stage, params) end
+  local parts = { weights = weights, gradients = gradients, optimizer = optimizer,
     activations = activations, transient = transient, params = params }
   parts.total = parts.weights + parts.gradients + parts.optimizer + parts.activations + parts.transient
   return parts.total, parts

@@ -7,10 +7,14 @@
 --   P  pipeline stages: divides N/T, at most the number of layers (layers
 --      need not divide evenly: stages are cut by pipegoose's own FLOP
 --      balancer, parallel.balance, as pg.parallelize cuts them)
---   D  = N / (T*P), and D must divide the global batch
+--   C  context parallel: divides N/(T*P), and 2C divides the sequence (the
+--      engine's 2C-chunk causal split); C = 1 on a cpu profile (plan/cpu.lua
+--      prices pipegoose's CPU engine, whose context path it has not measured)
+--   D  = N / (T*P*C), and D must divide the global batch
 --   b  micro-batch size 1, 2, 4, ... dividing global_batch / D; M = that / b
 --   schedule: the runtime's one-chunk schedules (core.schedules().offered:
---      1f1b, gpipe), zero 0 | 1 (1 only when D > 1; 2 when fixed),
+--      1f1b, gpipe), zero 0 | 1 | 3 over the D*C group (1 and 3 only when
+--      D*C > 1; 2 when fixed; 3 not on a cpu profile, as C),
 --   recompute none | selective | full, sequence parallel on | off when T > 1
 -- A layout whose busiest rank exceeds the usable memory is dropped. The rest
 -- are simulated in order of a lower bound on their step time (the busiest
@@ -100,8 +104,10 @@ function M.evaluate(s, L, hw, o, parts, costs)
   local c = costs[crit]
   -- float noise below a femtosecond per second of step is no bubble
   local function clean(x) return math.abs(x) < 1e-12 * step and 0 or x end
-  local compute = L.m * (c.fwd - c.fwd_tp + c.bwd - c.bwd_tp)
+  local cp = L.m * ((c.fwd_cp or 0) + (c.bwd_cp or 0))
+  local zero3 = L.m * ((c.fwd_zero3 or 0) + (c.bwd_zero3 or 0))
   local tp = L.m * (c.fwd_tp + c.bwd_tp)
+  local compute = L.m * (c.fwd + c.bwd) - tp - cp - zero3
   local stage_idle = {}
   for i, ci in ipairs(costs) do
     stage_idle[i] = clean(step - r.stages[i].busy - ci.dp_exposed - ci.optimizer)
@@ -109,8 +115,11 @@ function M.evaluate(s, L, hw, o, parts, costs)
   return {
     step_s = step,
     critical_stage = crit,
-    breakdown = { compute = compute, tp_comm = tp, bubble = clean(step - compute - tp - c.dp_exposed - c.optimizer),
-      dp_comm_exposed = c.dp_exposed, optimizer = c.optimizer },
+    -- dp_comm_exposed: the reduction after the pipeline, or ZeRO-3's per-micro-batch gathers and
+    -- reduce-scatters that compute did not hide; cp_comm: the context ring's unhidden part
+    breakdown = { compute = compute, tp_comm = tp, cp_comm = cp,
+      bubble = clean(step - compute - tp - cp - zero3 - c.dp_exposed - c.optimizer),
+      dp_comm_exposed = c.dp_exposed + zero3, optimizer = c.optimizer },
     stage_idle = stage_idle,
     in_flight = (function()
       local t = {}
@@ -130,13 +139,14 @@ local function lower_bound(costs, Mb, o)
 end
 
 local function key_of(L)
-  return ("t%d p%d d%d b%d %s z%d %s sp%s"):format(L.t, L.p, L.d, L.b, L.schedule, L.zero, L.recompute, tostring(L.sp))
+  return ("t%d p%d c%d d%d b%d %s z%d %s sp%s"):format(L.t, L.p, L.c, L.d, L.b, L.schedule, L.zero, L.recompute,
+    tostring(L.sp))
 end
 
 --- All layouts that fit, best first.
 -- q: { model = shape, hw = description, gpus, gpus_per_node, global_batch,
 --      seq_len, precision, top, options = { gemm_efficiency, flash_attention,
---      dp_overlap }, fix = { t, p, b, schedule, zero, recompute, sp } }
+--      dp_overlap }, fix = { t, p, c, b, schedule, zero, recompute, sp } }
 -- Returns the ranked list (at most q.top) and a summary { enumerated,
 -- over_memory, simulated, batch_mismatch, feasible, usable_bytes (per rank),
 -- smallest (the over-memory layout that needs the least, with mem_bytes) }.
@@ -158,8 +168,10 @@ function M.run(q)
     if N % T == 0 and not common.tensor_heads(T, s.heads, s.kv_heads) and s.ffn % T == 0
       and (fix.t == nil or fix.t == T) then
       for _, P in ipairs(divisors(N // T)) do
-        if P <= s.layers and (fix.p == nil or fix.p == P) then
-          local D = N // (T * P)
+        for _, C in ipairs(divisors(N // (T * P))) do
+        if P <= s.layers and (fix.p == nil or fix.p == P) and seq % (2 * C) == 0
+          and (fix.c == nil or fix.c == C) and (C == 1 or not hw.cpu) then
+          local D = N // (T * P * C)
           if GB % D ~= 0 then
             summary.batch_mismatch = summary.batch_mismatch + 1
           else
@@ -173,13 +185,15 @@ function M.run(q)
                 for _, sched in ipairs(SCHEDULES) do
                   -- zero = 2 only when asked for: it trades a reduce-scatter per micro-batch (plan/cost.lua)
                   -- for the gradient shard (plan/memory.lua), which the search does not weigh yet
-                  for _, zero in ipairs(D > 1 and (fix.zero == 2 and { 2 } or { 0, 1 }) or { 0 }) do
+                  local DC = D * C
+                  local stages = DC == 1 and { 0 } or fix.zero == 2 and { 2 } or hw.cpu and { 0, 1 } or { 0, 1, 3 }
+                  for _, zero in ipairs(stages) do
                     for _, rc in ipairs{ "none", "selective", "full" } do
                       for _, sp in ipairs(T > 1 and { false, true } or { false }) do
                         if (fix.schedule == nil or fix.schedule == sched) and (fix.zero == nil or fix.zero == zero)
                           and (fix.recompute == nil or fix.recompute == rc) and (fix.sp == nil or fix.sp == sp) then
                           summary.enumerated = summary.enumerated + 1
-                          local L = { t = T, p = P, d = D, m = Mb, b = b, schedule = sched, zero = zero,
+                          local L = { t = T, p = P, c = C, d = D, m = Mb, b = b, schedule = sched, zero = zero,
                             recompute = rc, sp = sp, seq = seq, precision = q.precision,
                             flash_attention = o.flash_attention }
                           local mem, at, detail = M.layout_memory(s, L, parts, hw)
@@ -206,6 +220,7 @@ function M.run(q)
               b = b * 2
             end
           end
+        end
         end
       end
     end
