@@ -63,6 +63,8 @@ local SCHEMA = {
   schedule = opt.enum(core.schedules().offered), -- the runtime's one-chunk schedules (pg_schedule_offered)
   zero = opt.integer{ min = 0, max = 3 },
   recompute = opt.enum{ "none", "selective", "full" },
+  -- with recompute = "full": only every k-th layer (torchtitan's selective layer checkpointing; planner only)
+  recompute_every = opt.integer{ min = 1 },
   sequence_parallel = opt.boolean,
 }
 
@@ -113,6 +115,9 @@ local function query(o)
   if hw.cpu and ((o.context or 1) > 1 or o.zero == 3) then
     refuse("a cpu profile prices pipegoose's CPU engine as measured, without context parallelism or zero = 3")
   end
+  if o.recompute_every and o.recompute ~= "full" then
+    refuse("recompute_every=%d needs recompute = \"full\" (it says which layers recompute)", o.recompute_every)
+  end
   local options = {}
   for k, v in pairs(M.cost.DEFAULTS) do options[k] = v end
   if o.gemm_efficiency ~= nil then options.gemm_efficiency = o.gemm_efficiency end
@@ -122,7 +127,7 @@ local function query(o)
     model = s, hw = hw, gpus = o.gpus, gpus_per_node = math.min(G, o.gpus), global_batch = o.global_batch,
     seq_len = o.seq_len or s.seq_len, precision = precision, top = o.top, options = options,
     fix = { t = o.tensor, p = o.pipeline, c = o.context, b = o.micro_batch_size, schedule = o.schedule, zero = o.zero,
-      recompute = o.recompute, sp = o.sequence_parallel },
+      recompute = o.recompute, recompute_every = o.recompute_every, sp = o.sequence_parallel },
   }
 end
 

@@ -242,7 +242,10 @@ end
 -- totals, their tensor-parallel shares, and the last layer's backward (what
 -- an overlapped data-parallel reduction can hide behind). Shared by the GPU
 -- path here and the CPU path (cpu.lua).
-function M.stage_compute(part, layer, embed, head)
+-- `plain` (optional): the costs of a layer that is not recomputed, for the
+-- `n_plain` layers of the stage that keep their activations under
+-- L.recompute_every > 1 (memory.recomputed_layers).
+function M.stage_compute(part, layer, embed, head, plain, n_plain)
   local c = { fwd = 0, bwd = 0, fwd_tp = 0, bwd_tp = 0, fwd_cp = 0, bwd_cp = 0 }
   local function add(x, n)
     local fcp, bcp = x.fwd.cp or 0, x.bwd.cp or 0
@@ -253,7 +256,9 @@ function M.stage_compute(part, layer, embed, head)
     c.fwd_cp = c.fwd_cp + n * fcp
     c.bwd_cp = c.bwd_cp + n * bcp
   end
-  add(layer, part.layers)
+  n_plain = plain and n_plain or 0
+  add(layer, part.layers - n_plain)
+  if n_plain > 0 then add(plain, n_plain) end
   if part.first then add(embed, 1) end
   if part.last then add(head, 1) end
   c.last_bwd_layer = layer.bwd.compute + layer.bwd.tp + (layer.bwd.cp or 0)
@@ -281,6 +286,13 @@ function M.stage_costs(s, L, hw, o, parts)
   -- a calibrated CPU profile prices pipegoose's own CPU engine op by op
   if hw.cpu then return require("pipegoose.plan.cpu").stage_costs(s, L, hw, parts, memory.stage_params) end
   local layer = M.layer_costs(s, L, hw, o)
+  local plain -- a layer without recomputation, when only every k-th is recomputed
+  if L.recompute == "full" and (L.recompute_every or 1) > 1 then
+    local Lp = {}
+    for k, v in pairs(L) do Lp[k] = v end
+    Lp.recompute = "none"
+    plain = M.layer_costs(s, Lp, hw, o)
+  end
   local embed, head = M.edge_costs(s, L, hw, o)
   local e = memory.element_bytes(L.precision)
   local G = hw.gpus_per_node
@@ -294,7 +306,7 @@ function M.stage_costs(s, L, hw, o, parts)
   local out = {}
   for i, part in ipairs(parts) do
     local p = i - 1
-    local c = M.stage_compute(part, layer, embed, head)
+    local c = M.stage_compute(part, layer, embed, head, plain, part.layers - memory.recomputed_layers(L, part.layers))
     -- transfers out of this stage
     local function link(crosses) return crosses and hw.inter or hw.intra end
     if p < L.p - 1 then

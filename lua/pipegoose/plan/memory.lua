@@ -52,7 +52,11 @@
 --   (a fused "flash" attention never stores them either).
 --   full recomputation keeps only each layer's input: s*b*h*e (/T with
 --   sequence parallelism), plus, once, the full activations of the one layer
---   being recomputed in the backward pass.
+--   being recomputed in the backward pass. With L.recompute_every = k > 1
+--   (torchtitan's "selective layer" checkpointing: every k-th block; a
+--   planner-only option, pinned for the published comparison) only
+--   floor(layers/k) of a stage's layers keep just their input
+--   (M.recomputed_layers), the others everything.
 -- Context parallelism over C ranks splits every sequence into 2C chunks, two
 -- per rank (pg.ParallelContext{context = C}): each rank keeps the activations
 -- of seq/C tokens of every layer, attention included (its queries against the
@@ -113,6 +117,13 @@ end
 --- The group ZeRO shards over and gradients are summed over: data x context
 -- (D*C ranks; the context ranks hold the same parameters as data replicas).
 function M.shard_group(L) return L.d * (L.c or 1) end
+
+--- How many of a stage's `layers` recompute their forward in the backward:
+-- all under full recomputation, every k-th with L.recompute_every = k, none otherwise.
+function M.recomputed_layers(L, layers)
+  if L.recompute ~= "full" then return 0 end
+  return layers // (L.recompute_every or 1)
+end
 
 --- Micro-batches a stage holds between forward and backward, from its actions.
 function M.in_flight(actions)
@@ -199,12 +210,14 @@ function M.stage_bytes(s, L, stage, in_flight)
     flash_attention = L.flash_attention, c = C }
   local per_layer = M.layer_activation_bytes(s, act_o)
   local activations = per_layer * stage.layers * in_flight
-  if L.recompute == "full" and stage.layers > 0 then
-    -- the layer being recomputed holds its full activations once
+  local recomputed = M.recomputed_layers(L, stage.layers)
+  if recomputed > 0 then
+    -- the layers not recomputed keep everything; the layer being recomputed holds its full activations once
     local full = {}
     for k, v in pairs(act_o) do full[k] = v end
     full.recompute = "none"
-    activations = activations + M.layer_activation_bytes(s, full)
+    local kept = M.layer_activation_bytes(s, full)
+    activations = (per_layer * recomputed + kept * (stage.layers - recomputed)) * in_flight + kept
   end
   local transient = 0
   if stage.last then

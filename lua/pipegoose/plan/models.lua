@@ -190,13 +190,14 @@ function M.head_flops(s) return 2 * s.hidden * s.vocab end
 
 --- Model FLOPs of one training step (forward + backward = 3 x forward) for
 -- `tokens` tokens, plus the forward FLOPs recomputation repeats.
-function M.step_flops(s, seq, tokens, recompute)
+-- (every: under full recomputation, only every k-th layer is recomputed.)
+function M.step_flops(s, seq, tokens, recompute, every)
   -- floats: a trillion-parameter step overflows 64-bit integers
   tokens = tokens + 0.0
   local layer = M.layer_gemm_flops(s, seq) + 0.0
   local f = s.layers * layer + M.head_flops(s)
   local re = 0
-  if recompute == "full" then re = s.layers * layer
+  if recompute == "full" then re = s.layers // (every or 1) * layer
   elseif recompute == "selective" then re = s.layers * 4 * seq * s.hidden end
   return 3 * f * tokens, (3 * f + re) * tokens
 end

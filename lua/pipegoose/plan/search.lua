@@ -194,7 +194,8 @@ function M.run(q)
                           and (fix.recompute == nil or fix.recompute == rc) and (fix.sp == nil or fix.sp == sp) then
                           summary.enumerated = summary.enumerated + 1
                           local L = { t = T, p = P, c = C, d = D, m = Mb, b = b, schedule = sched, zero = zero,
-                            recompute = rc, sp = sp, seq = seq, precision = q.precision,
+                            recompute = rc, recompute_every = rc == "full" and fix.recompute_every or nil,
+                            sp = sp, seq = seq, precision = q.precision,
                             flash_attention = o.flash_attention }
                           local mem, at, detail = M.layout_memory(s, L, parts, hw)
                           if mem > usable then
@@ -235,7 +236,7 @@ function M.run(q)
   local tokens = GB * seq
   local model_flops, hw_flops = {}, {}
   for _, rc in ipairs{ "none", "selective", "full" } do
-    model_flops[rc], hw_flops[rc] = models.step_flops(s, seq, tokens, rc)
+    model_flops[rc], hw_flops[rc] = models.step_flops(s, seq, tokens, rc, fix.recompute_every)
   end
   for _, L in ipairs(cands) do
     if L.lower_bound > kth() then break end
