@@ -1,0 +1,295 @@
+-- The planner's fully sharded data parallelism (zero = 3) and context
+-- parallelism (C): the memory and communication formulas (plan/memory.lua,
+-- plan/cost.lua) against sums written out by hand, the search over C and
+-- zero 3, the pure-data layout of a 7B model on 8 GPUs, the layout's fields,
+-- the errors for pinned sizes that cannot be a layout, and torchtitan's
+-- published Llama 3 8B FSDP run.
+local pg = require "pipegoose"
+local h = require "helpers"
+local plan = pg.plan
+local memory = plan.memory
+local cost = plan.cost
+local models = plan.models
+local search = plan.search_module
+
+local function close(expected, actual, rel, msg)
+  local tol = (rel or 1e-12) * math.max(1, math.abs(expected))
+  assert(math.abs(expected - actual) <= tol,
+    ("%s: expected %.17g, got %.17g"):format(msg or "value", expected, actual))
+end
+
+-- Llama-shaped, small enough to add up by hand (plan_spec.lua's): per layer
+-- 640 split + 16 norm = 656 parameters, embedding 80, head 80 + final norm 8;
+-- 1480 in all on one stage
+local tiny = models.check{ arch = "llama", layers = 2, hidden = 8, heads = 2, ffn = 16, vocab = 10, seq_len = 4 }
+local whole = { layers = 2, first = true, last = true }
+local function layout(o)
+  local L = { t = 1, p = 1, d = 4, c = 1, b = 1, seq = 4, precision = "bf16", zero = 3, recompute = "full", sp = false }
+  for k, v in pairs(o or {}) do L[k] = v end
+  return L
+end
+
+describe("plan.memory under zero 3", function()
+  it("shards 16 bytes per parameter over data x context and adds the gathered unit twice and its gradient", function()
+    assert.equal(1480, memory.stage_params(tiny, whole, 1, 1))
+    assert.equal(656, memory.gathered_unit_params(tiny, whole, 1, 1)) -- a block outweighs the embedding and the head
+    assert.equal(88, memory.gathered_unit_params(tiny, { layers = 0, last = true }, 1, 2))
+    for _, dc in ipairs{ { 4, 1 }, { 2, 2 }, { 1, 4 } } do
+      local L = layout{ d = dc[1], c = dc[2] }
+      local _, parts = memory.stage_bytes(tiny, L, whole, 1)
+      -- bf16: no sharded bf16 weights (only the gathered unit, running + prefetched, 2 bytes each)
+      assert.equal(2 * 656 * 2, parts.weights)
+      -- fp32 gradient shard + the gathered unit's full gradient
+      assert.equal(1480 * 4 / 4 + 656 * 4, parts.gradients)
+      -- fp32 master + m + v, sharded
+      assert.equal(1480 * 12 / 4, parts.optimizer)
+      -- the shards: 16 bytes a parameter over D*C = 4
+      assert.equal(16 * 1480 / 4, parts.gradients - 656 * 4 + parts.optimizer)
+    end
+    -- fp32: the weight is its own master; the shards are 4 + 4 + 8 = 16 bytes as well
+    local _, parts = memory.stage_bytes(tiny, layout{ precision = "fp32" }, whole, 1)
+    assert.equal(1480 * 4 / 4 + 2 * 656 * 4, parts.weights)
+    assert.equal(1480 * 4 / 4 + 656 * 4, parts.gradients)
+    assert.equal(1480 * 8 / 4, parts.optimizer)
+    assert.equal(16 * 1480 / 4, parts.weights - 2 * 656 * 4 + parts.gradients - 656 * 4 + parts.optimizer)
+  end)
+
+  it("shards ZeRO-1's optimizer state over data x context", function()
+    local _, parts = memory.stage_bytes(tiny, layout{ zero = 1, d = 2, c = 2 }, whole, 1)
+    assert.equal(1480 * 12 / 4, parts.optimizer)
+    assert.equal(1480 * 2, parts.weights)
+    assert.equal(1480 * 4, parts.gradients)
+  end)
+end)
+
+describe("plan.memory under context parallelism", function()
+  local gpt = models.check{ arch = "gpt", layers = 2, hidden = 64, heads = 4, ffn = 256, vocab = 100, seq_len = 16 }
+  local function act(o)
+    o.seq, o.b, o.t, o.precision, o.recompute = 16, 2, o.t or 1, "bf16", o.recompute or "none"
+    return memory.layer_activation_bytes(gpt, o)
+  end
+  it("divides every layer's activations by C, the attention scores included", function()
+    local s, b, hd, a = 16, 2, 64, 4
+    assert.equal((s * b * hd * 34 + 5 * a * s * s * b) / 2, act{ c = 2 })           -- Korthikanti's sum / C
+    assert.equal((s * b * hd * (10 + 24 / 2) + 5 * a * s * s * b / 2) / 4, act{ c = 4, t = 2 })
+    assert.equal(s * b * hd * 2 / 4, act{ c = 4, recompute = "full" })
+  end)
+  it("divides the last stage's logits by C", function()
+    local L = layout{ zero = 0, d = 2, c = 2 }
+    local _, parts = memory.stage_bytes(tiny, L, whole, 1)
+    assert.equal(4 / 2 * 10 * (2 + 4), parts.transient)
+  end)
+end)
+
+describe("plan.memory with every k-th layer recomputed", function()
+  it("keeps the others' activations and counts one recomputed layer of two", function()
+    local L = layout{ zero = 0, d = 1, recompute_every = 2 }
+    assert.equal(1, memory.recomputed_layers(L, 2))
+    assert.equal(16, memory.recomputed_layers(L, 33))
+    assert.equal(0, memory.recomputed_layers(layout{ recompute = "none", recompute_every = 2 }, 2))
+    local input = memory.layer_activation_bytes(tiny, { seq = 4, b = 1, t = 1, recompute = "full", precision = "bf16" })
+    local kept = memory.layer_activation_bytes(tiny, { seq = 4, b = 1, t = 1, recompute = "none", precision = "bf16" })
+    local _, parts = memory.stage_bytes(tiny, L, whole, 3)
+    assert.equal((input + kept) * 3 + kept, parts.activations)
+    -- model FLOPs unchanged; the hardware's add the forward of layers // k layers
+    local f3, hw = models.step_flops(tiny, 4, 4, "full", 2)
+    local f0 = models.step_flops(tiny, 4, 4, "none")
+    assert.equal(f0, f3)
+    assert.equal(f0 + 1 * models.layer_gemm_flops(tiny, 4) * 4, hw)
+  end)
+end)
+
+describe("plan.cost: zero 3 and the context ring", function()
+  local a100 = plan.hardware.get("a100-80gb")
+  it("prices a group that spans nodes at one inter-node link per member on a node", function()
+    local l = cost.group_link(a100, 1, 64, 8, 0) -- pure data over 8 nodes: 8 NICs a node
+    assert.equal(8 * 25e9, l.bandwidth)
+    assert.equal(10e-6, l.latency)
+    assert.equal(25e9, cost.group_link(a100, 8, 8, 8, 0).bandwidth) -- Megatron's T = 8: one rank a node
+    assert.equal(2 * 25e9, cost.group_link(a100, 4, 16, 8, 0).bandwidth)
+    assert.equal(a100.intra, cost.group_link(a100, 1, 8, 8, 0)) -- inside a node: NVLink
+  end)
+
+  it("exposes the first unit's communication and what each later one exceeds its compute", function()
+    assert.equal(2, cost.zero3_exposed(10, 20, 5))           -- hidden but for the first unit
+    assert.equal(2 + 4 * 1 + 1, cost.zero3_exposed(10, 5, 5, 1)) -- 2 s a unit against 1 s of compute, + the tail
+  end)
+
+  it("gathers weights forward and backward and reduce-scatters fp32 gradients per micro-batch", function()
+    local s = models.get("llama2-7b")
+    local parts = search.partition(s, 1)
+    local L = { t = 1, p = 1, c = 1, d = 8, m = 4, b = 1, seq = 4096, schedule = "1f1b", zero = 3, recompute = "none",
+      sp = false, precision = "bf16", flash_attention = false }
+    local c = cost.stage_costs(s, L, a100, cost.DEFAULTS, parts)[1]
+    local n = models.num_params(s)
+    assert.equal(n, c.params)
+    local bw = a100.intra.bandwidth * a100.link_efficiency -- one node: NVLink
+    local gather = 7 / 8 * n * 2 / bw + 7 * a100.intra.latency   -- bf16 weights
+    local scatter = 7 / 8 * n * 4 / bw + 7 * a100.intra.latency  -- fp32 gradients
+    local units = 32 + 2
+    local fwd_busy, bwd_busy = c.fwd - c.fwd_zero3, c.bwd - c.bwd_zero3
+    close(cost.zero3_exposed(gather, fwd_busy, units), c.fwd_zero3, 1e-12, "forward")
+    close(cost.zero3_exposed(gather + scatter, bwd_busy, units, scatter / units), c.bwd_zero3, 1e-12, "backward")
+    -- compute-bound here: only the first unit's gather (and the last scatter) shows
+    close(gather / units, c.fwd_zero3, 1e-12, "forward exposed")
+    assert.equal(0, c.dp)
+    close(n / 8 * (4 + 8 + 8 + 8 + 2) / (a100.memory_bandwidth * a100.memory_efficiency), c.optimizer, 1e-12)
+  end)
+
+  it("passes K/V blocks round the context ring, C-1 steps forward and twice the bytes backward", function()
+    local s = models.check{ arch = "llama", layers = 2, hidden = 4096, heads = 32, kv_heads = 8, ffn = 14336,
+      vocab = 128256, seq_len = 8192 }
+    local L = { t = 1, c = 4, b = 1, seq = 8192, precision = "bf16" }
+    local block = 8192 / 4 * 2 * 8 * 128 * 2 -- b * seq/C tokens x K and V of 8 kv heads of 128 x 2 bytes
+    local step = a100.intra.latency + block / (a100.intra.bandwidth * a100.link_efficiency)
+    local f, b = cost.context_ring(s, L, a100)
+    close(3 * step, f)
+    close(6 * step, b)
+    -- T x C beyond a node: the ring's hops cross nodes; T = 4 keeps 2 of the 8 kv heads
+    L.t = 4
+    step = a100.inter.latency + block / 4 / (a100.inter.bandwidth * a100.link_efficiency)
+    f = cost.context_ring(s, L, a100)
+    close(3 * step, f)
+    assert.same({ 0, 0 }, { cost.context_ring(s, { t = 1, c = 1, b = 1, seq = 8192, precision = "bf16" }, a100) })
+  end)
+
+  it("halves a layer's work per rank at C = 2 and exposes only the ring beyond the attention compute", function()
+    local hw = plan.hardware.get("a100-80gb")
+    hw.kernel_overhead = 0 -- the fixed per-kernel cost does not scale with tokens
+    local s = models.get("llama2-7b")
+    local base = { t = 1, b = 1, seq = 4096, precision = "bf16", recompute = "none", sp = false }
+    local L1, L2 = {}, {}
+    for k, v in pairs(base) do L1[k], L2[k] = v, v end
+    L1.c, L2.c = 1, 2
+    local one = cost.layer_costs(s, L1, hw, cost.DEFAULTS)
+    local two = cost.layer_costs(s, L2, hw, cost.DEFAULTS)
+    close(one.fwd.compute / 2, two.fwd.compute, 1e-12, "forward")
+    close(one.bwd.compute / 2, two.bwd.compute, 1e-12, "backward")
+    assert.equal(0, one.fwd.cp)
+    -- the ring (2 MiB K/V blocks on NVLink) hides behind the attention products and the softmax
+    local rate = hw.peak_flops.bf16 * cost.DEFAULTS.gemm_efficiency
+    local attn = 2048 * 4 * 4096 * 4096 / rate + 32 * 2048 * 4096 * 2 * 2 / (hw.memory_bandwidth * hw.memory_efficiency)
+    local f, b = cost.context_ring(s, L2, hw)
+    assert.is_true(f < attn and b < 2 * attn)
+    assert.equal(0, two.fwd.cp)
+    assert.equal(0, two.bwd.cp)
+  end)
+end)
+
+describe("plan.search over zero 3 and context sizes", function()
+  it("enumerates every C whose 2C chunks divide the sequence, with T x P x C x D = GPUs", function()
+    local q = { model = { arch = "gpt", layers = 2, hidden = 64, heads = 4, ffn = 256, vocab = 100, seq_len = 8 },
+      gpus = 8, gpu = "a100-80gb", global_batch = 8, top = 100000 }
+    local all = plan.search(q)
+    local seen, zeros = {}, {}
+    for _, L in ipairs(all) do
+      assert.equal(8, L.t * L.p * L.c * L.d)
+      assert.equal(0, 8 % (2 * L.c))
+      seen[L.c] = true
+      zeros[L.zero] = true
+      if L.zero == 3 then assert.is_true(L.d * L.c > 1) end
+    end
+    assert.same({ [1] = true, [2] = true, [4] = true }, seen) -- C = 8 would need 16 chunks of 8 tokens
+    assert.same({ [0] = true, [1] = true, [3] = true }, zeros)
+  end)
+
+  it("finds the pure-data layout of a 7B model on 8 GPUs that ZeRO-1 cannot fit", function()
+    local q = { model = "llama2-7b", gpus = 8, gpu = "a100-40gb", global_batch = 64, tensor = 1, pipeline = 1,
+      context = 1 }
+    for _, z in ipairs{ 0, 1 } do
+      q.zero = z
+      local ok, err = pcall(plan, q)
+      assert.is_false(ok)
+      assert.matches("no layout of llama2-7b fits on 8 x a100-40gb", err, 1, true)
+    end
+    q.zero = nil
+    local L = plan(q)
+    assert.same({ 1, 1, 1, 8, 3 }, { L.t, L.p, L.c, L.d, L.zero })
+    -- its memory, from the formulas: 16 bytes x 6.738e9 / 8, a 202.4M-parameter block gathered twice in
+    -- bf16 and its fp32 gradient, plus the activations and logits
+    local n, unit = 6738415616, 202375168 + 8192
+    local d = L.mem_detail
+    assert.equal(2 * unit * 2, d.weights)
+    assert.equal(n * 4 / 8 + unit * 4, d.gradients)
+    assert.equal(n * 12 / 8, d.optimizer)
+    assert.equal(d.weights + d.gradients + d.optimizer + d.activations + d.transient, L.mem_bytes)
+    assert.is_true(L.mem_bytes <= 40 * 1024 ^ 3 * memory.USABLE_FRACTION)
+  end)
+
+  it("prefers the pure-data zero 3 layout of a 7B model on 8 x 80 GB to tensor parallelism", function()
+    local L = plan{ model = "llama2-7b", gpus = 8, gpu = "a100-80gb", global_batch = 64 }
+    assert.same({ 1, 1, 1, 8, 3 }, { L.t, L.p, L.c, L.d, L.zero })
+  end)
+
+  it("names zero and context in the layout, and passes context to ParallelContext only when C > 1", function()
+    local L = plan{ model = "llama2-7b", gpus = 8, gpu = "a100-80gb", global_batch = 8, seq_len = 32768,
+      flash_attention = true, tensor = 1, pipeline = 1, context = 4 }
+    assert.equal(4, L.context_size)
+    assert.same({ tensor = 1, pipeline = 1, data = 2, context = 4 }, L.context)
+    assert.equal(3, L.zero)
+    local k = L.breakdown
+    close(L.step_s, k.compute + k.tp_comm + k.cp_comm + k.bubble + k.dp_comm_exposed + k.optimizer, 1e-9, "sums")
+    local one = plan{ model = "llama2-7b", gpus = 8, gpu = "a100-80gb", global_batch = 64, context = 1 }
+    assert.is_nil(one.context.context)
+    assert.equal(1, one.context_size)
+  end)
+end)
+
+describe("plan: pinned sizes that cannot be a layout", function()
+  local function refused(q, msg)
+    local ok, err = pcall(plan, q)
+    assert.is_false(ok)
+    assert.matches(msg, err, 1, true)
+    assert.is_nil(err:find("no layout", 1, true))
+  end
+  it("says which size does not divide what, not that no layout fits", function()
+    local q = { model = "llama2-7b", gpus = 8, global_batch = 8 }
+    local function with(k, v)
+      local t = {}
+      for a, b in pairs(q) do t[a] = b end
+      t[k] = v
+      return t
+    end
+    refused(with("tensor", 3), "plan: tensor=3 does not divide gpus=8")
+    refused({ model = "llama2-7b", gpus = 32, global_batch = 32, tensor = 16 },
+      "tensor=16 does not divide the 8 GPUs of a node")
+    refused({ model = "llama2-70b", gpus = 8, global_batch = 8, tensor = 8, gpus_per_node = 8, seq_len = 4096,
+      pipeline = 1, context = 3 }, "tensor=8 x pipeline=1 x context=3 = 24 does not divide gpus=8")
+    refused({ model = "llama2-7b", gpus = 24, global_batch = 24, context = 3 },
+      "context=3: 2 x 3 chunks do not divide seq_len=4096")
+    refused({ model = "llama2-7b", gpus = 64, global_batch = 64, pipeline = 64 },
+      "pipeline=64 exceeds the model's 32 layers")
+    refused(with("recompute_every", 2), "recompute_every=2 needs recompute = \"full\"")
+  end)
+
+  it("refuses it the same way on the command line (issue 36's probe)", function()
+    local rc, out = h.sh(h.pglua_cmd{ "scripts/plan.lua", "--model=llama2-7b", "--gpus=8", "--global-batch=8",
+      "--tensor=3" })
+    assert.is_not.equal(0, rc)
+    assert.matches("tensor=3 does not divide gpus=8", out, 1, true)
+    rc, out = h.sh(h.pglua_cmd{ "scripts/plan.lua", "--model=llama2-7b", "--gpus=8", "--global-batch=64",
+      "--zero=3", "--context=1", "--tensor=1", "--pipeline=1" })
+    assert.equal(0, rc, out)
+    assert.matches("^best t=1 p=1 d=8 context=1 m=%d+ b=%d+ schedule=%w+ zero=3 ", out)
+  end)
+end)
+
+describe("plan against torchtitan's FSDP run (Llama 3 8B, 64 A100-80GB)", function()
+  local published = require "pipegoose.plan.published"
+  it("counts MFU as torchtitan does: its 2904 tokens/s per GPU are its 56.8%", function()
+    local row = published.FSDP_ROWS[1]
+    local mfu = published.torchtitan_mfu({ tokens_per_s = row.wps * row.gpus }, row, 312e12)
+    assert.is_true(math.abs(mfu - row.mfu) < 0.002, ("%.4f"):format(mfu))
+  end)
+  -- Band: 15% of the published MFU (issue 34); the prediction is about +13%
+  -- (docs/PLANNER.md says where the difference is likely to come from).
+  it("predicts its MFU within 15% on the run's own layout (zero 3, D = 64) and checkpointing", function()
+    for _, row in ipairs(published.FSDP_ROWS) do
+      local L = plan(published.fsdp_query(row))
+      assert.same({ 1, 1, 1, 64, 3, 1 }, { L.t, L.p, L.c, L.d, L.zero, L.b })
+      local mfu = published.torchtitan_mfu(L, row, plan.hardware.get("a100-80gb").peak_flops.bf16)
+      assert.is_true(math.abs(mfu - row.mfu) / row.mfu <= 0.15,
+        ("predicted %.3f, published %.3f"):format(mfu, row.mfu))
+    end
+  end)
+end)
