@@ -133,6 +133,8 @@ describe("plan.cost: zero 3 and the context ring", function()
     -- compute-bound here: only the first unit's gather (and the last scatter) shows
     close(gather / units, c.fwd_zero3, 1e-12, "forward exposed")
     assert.equal(0, c.dp)
+    -- bytes a rank sends per step: 4 micro-batches x (2 + 2 + 4 bytes) x n x 7/8
+    close(4 * 8 * n * 7 / 8, c.zero3_bytes, 1e-15, "bytes per step")
     close(n / 8 * (4 + 8 + 8 + 8 + 2) / (a100.memory_bandwidth * a100.memory_efficiency), c.optimizer, 1e-12)
   end)
 

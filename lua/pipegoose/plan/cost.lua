@@ -331,6 +331,8 @@ function M.stage_costs(s, L, hw, o, parts)
       c.fwd_zero3 = M.zero3_exposed(gather, c.fwd, units)
       c.bwd_zero3 = M.zero3_exposed(gather + scatter, c.bwd, units, scatter / units)
       c.fwd, c.bwd = c.fwd + c.fwd_zero3, c.bwd + c.bwd_zero3
+      -- bytes each rank sends per step (the ring's (n-1)/n of each buffer): the theory a measurement compares with
+      c.zero3_bytes = L.m * (2 * weight_b + grad_b) * params * (DC - 1) / DC
       c.dp = 0
       c.optimizer = params / DC * opt_bytes / (hw.memory_bandwidth * hw.memory_efficiency)
     elseif L.zero >= 1 then
