@@ -90,8 +90,8 @@ local function run()
     "mem_gb", "compute", "tp_comm", "cp_exp", "bubble", "dp_exp", "optim"))
   for i, L in ipairs(best) do
     local k = L.breakdown
-    print(("%3d %3d %3d %4d %3d %5d %3d %-6s %4d %-9s %-5s %9.4g %7.4g %5.3f %7.2f | %9.4g %9.4g %9.4g %9.4g %9.4g %9.4g")
-      :format(i, L.t, L.p, L.d, L.c, L.m, L.b, L.schedule, L.zero, L.recompute, tostring(L.sp), L.step_s,
+    local row = "%3d %3d %3d %4d %3d %5d %3d %-6s %4d %-9s %-5s %9.4g %7.4g %5.3f %7.2f | %9.4g %9.4g %9.4g %9.4g %9.4g %9.4g"
+    print(row:format(i, L.t, L.p, L.d, L.c, L.m, L.b, L.schedule, L.zero, L.recompute, tostring(L.sp), L.step_s,
         L.tflops_per_gpu, L.mfu, L.mem_gb, k.compute, k.tp_comm, k.cp_comm, k.bubble, k.dp_comm_exposed, k.optimizer))
   end
   local idle = {}

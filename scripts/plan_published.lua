@@ -49,6 +49,7 @@ for _, row in ipairs(published.FSDP_ROWS) do
       row.recompute_every, row.wps, L.tokens_per_s / row.gpus, 100 * row.mfu, 100 * mfu, 100 * L.mfu,
       100 * (mfu - row.mfu) / row.mfu, L.mem_gb))
   else
-    print(("| %s | %d | | %d | | %d | %s | | | | | |"):format(row.model.name, row.gpus, row.seq_len, row.wps, tostring(L)))
+    print(("| %s | %d | | %d | | %d | %s | | | | | |"):format(row.model.name, row.gpus, row.seq_len, row.wps,
+      tostring(L)))
   end
 end

@@ -159,8 +159,8 @@ function M.no_fit_message(summary)
   local need = ""
   if small then
     need = (": the smallest (t=%d p=%d context=%d d=%d b=%d zero=%d recompute=%s sp=%s) needs %.4g GiB per rank, "
-      .. "and a rank has %.4g GiB usable (%d%% of %.4g GiB)"):format(small.t, small.p, small.c, small.d, small.b, small.zero,
-      small.recompute, tostring(small.sp), small.mem_bytes / 1024 ^ 3, summary.usable_bytes / 1024 ^ 3,
+      .. "and a rank has %.4g GiB usable (%d%% of %.4g GiB)"):format(small.t, small.p, small.c, small.d, small.b,
+      small.zero, small.recompute, tostring(small.sp), small.mem_bytes / 1024 ^ 3, summary.usable_bytes / 1024 ^ 3,
       math.floor(M.memory.USABLE_FRACTION * 100 + 0.5), q.hw.memory_bytes / 1024 ^ 3)
   end
   return ("no layout of %s fits on %d x %s%s; %d enumerated, %d over memory, %d with a data-parallel size that does "

@@ -169,59 +169,59 @@ function M.run(q)
       and (fix.t == nil or fix.t == T) then
       for _, P in ipairs(divisors(N // T)) do
         for _, C in ipairs(divisors(N // (T * P))) do
-        if P <= s.layers and (fix.p == nil or fix.p == P) and seq % (2 * C) == 0
-          and (fix.c == nil or fix.c == C) and (C == 1 or not hw.cpu) then
-          local D = N // (T * P * C)
-          if GB % D ~= 0 then
-            summary.batch_mismatch = summary.batch_mismatch + 1
-          else
-            part_cache[P] = part_cache[P] or M.partition(s_seq, P)
-            local parts = part_cache[P]
-            local per_replica = GB // D
-            local b = 1
-            while b <= per_replica do
-              if per_replica % b == 0 and (fix.b == nil or fix.b == b) then
-                local Mb = per_replica // b
-                for _, sched in ipairs(SCHEDULES) do
-                  -- zero = 2 only when asked for: it trades a reduce-scatter per micro-batch (plan/cost.lua)
-                  -- for the gradient shard (plan/memory.lua), which the search does not weigh yet
-                  local DC = D * C
-                  local stages = DC == 1 and { 0 } or fix.zero == 2 and { 2 } or hw.cpu and { 0, 1 } or { 0, 1, 3 }
-                  for _, zero in ipairs(stages) do
-                    for _, rc in ipairs{ "none", "selective", "full" } do
-                      for _, sp in ipairs(T > 1 and { false, true } or { false }) do
-                        if (fix.schedule == nil or fix.schedule == sched) and (fix.zero == nil or fix.zero == zero)
-                          and (fix.recompute == nil or fix.recompute == rc) and (fix.sp == nil or fix.sp == sp) then
-                          summary.enumerated = summary.enumerated + 1
-                          local L = { t = T, p = P, c = C, d = D, m = Mb, b = b, schedule = sched, zero = zero,
-                            recompute = rc, recompute_every = rc == "full" and fix.recompute_every or nil,
-                            sp = sp, seq = seq, precision = q.precision,
-                            flash_attention = o.flash_attention }
-                          local mem, at, detail = M.layout_memory(s, L, parts, hw)
-                          if mem > usable then
-                            summary.over_memory = summary.over_memory + 1
-                            if not summary.smallest or mem < summary.smallest.mem_bytes then
-                              L.mem_bytes = mem
-                              summary.smallest = L
+          if P <= s.layers and (fix.p == nil or fix.p == P) and seq % (2 * C) == 0
+            and (fix.c == nil or fix.c == C) and (C == 1 or not hw.cpu) then
+            local D = N // (T * P * C)
+            if GB % D ~= 0 then
+              summary.batch_mismatch = summary.batch_mismatch + 1
+            else
+              part_cache[P] = part_cache[P] or M.partition(s_seq, P)
+              local parts = part_cache[P]
+              local per_replica = GB // D
+              local b = 1
+              while b <= per_replica do
+                if per_replica % b == 0 and (fix.b == nil or fix.b == b) then
+                  local Mb = per_replica // b
+                  for _, sched in ipairs(SCHEDULES) do
+                    -- zero = 2 only when asked for: it trades a reduce-scatter per micro-batch (plan/cost.lua)
+                    -- for the gradient shard (plan/memory.lua), which the search does not weigh yet
+                    local DC = D * C
+                    local stages = DC == 1 and { 0 } or fix.zero == 2 and { 2 } or hw.cpu and { 0, 1 } or { 0, 1, 3 }
+                    for _, zero in ipairs(stages) do
+                      for _, rc in ipairs{ "none", "selective", "full" } do
+                        for _, sp in ipairs(T > 1 and { false, true } or { false }) do
+                          if (fix.schedule == nil or fix.schedule == sched) and (fix.zero == nil or fix.zero == zero)
+                            and (fix.recompute == nil or fix.recompute == rc) and (fix.sp == nil or fix.sp == sp) then
+                            summary.enumerated = summary.enumerated + 1
+                            local L = { t = T, p = P, c = C, d = D, m = Mb, b = b, schedule = sched, zero = zero,
+                              recompute = rc, recompute_every = rc == "full" and fix.recompute_every or nil,
+                              sp = sp, seq = seq, precision = q.precision,
+                              flash_attention = o.flash_attention }
+                            local mem, at, detail = M.layout_memory(s, L, parts, hw)
+                            if mem > usable then
+                              summary.over_memory = summary.over_memory + 1
+                              if not summary.smallest or mem < summary.smallest.mem_bytes then
+                                L.mem_bytes = mem
+                                summary.smallest = L
+                              end
+                            else
+                              L.mem_bytes, L.mem_stage, L.mem_detail = mem, at, detail
+                              L.parts = parts
+                              local costs = cost.stage_costs(s, L, hw, o, parts)
+                              L.costs = costs
+                              L.lower_bound = lower_bound(costs, Mb, o)
+                              cands[#cands + 1] = L
                             end
-                          else
-                            L.mem_bytes, L.mem_stage, L.mem_detail = mem, at, detail
-                            L.parts = parts
-                            local costs = cost.stage_costs(s, L, hw, o, parts)
-                            L.costs = costs
-                            L.lower_bound = lower_bound(costs, Mb, o)
-                            cands[#cands + 1] = L
                           end
                         end
                       end
                     end
                   end
                 end
+                b = b * 2
               end
-              b = b * 2
             end
           end
-        end
         end
       end
     end
