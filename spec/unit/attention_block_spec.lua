@@ -5,15 +5,16 @@
 -- the backward summed over the same blocks against pg_attention_backward.
 --
 -- Tolerance: both sides compute the same scores (the same sgemm scale (q . k), the same ALiBi terms), then
--- differ in the order of float32 sums and in the online rescaling: each output is a convex combination of
--- value rows with at most T = 64..320 terms, every term and every rescaling factor exp(m_old - m_new) a few
--- ulps (float32 epsilon 6e-8) off, so the error stays below T * 4 eps relative to the magnitudes involved
--- (~1e-5 at T = 64 on values of size ~1-4): |got - want| <= 2e-5 (1 + |want|) for the outputs. The gradients
--- sum up to T such products again: 1e-4 relative to the largest gradient plus the same per-element term.
+-- differ in the order of the float32 sums and in the online rescaling: each output is a convex combination of
+-- up to T = 16..320 value rows, every term and every rescaling factor exp(m_old - m_new) a few ulps (float32
+-- epsilon 6e-8) off, so the errors grow like sqrt(T) ulps of the magnitudes involved (values ~1-4). Measured
+-- here: below 5e-7 (1 + |want|). The bound, |got - want| <= 1e-5 (1 + |want|) (~170 ulps), leaves room for
+-- other BLAS kernels' summation orders; the gradients sum up to T such products again: 5e-5 relative to the
+-- largest gradient plus the per-element term.
 local pg = require "pipegoose"
 local ops = pg.ops
 
-local OUT_TOL, GRAD_TOL = 2e-5, 1e-4
+local OUT_TOL, GRAD_TOL = 1e-5, 5e-5
 
 -- Chunk c (0-based) of L rows of a [B, T, W] tensor (a copy).
 local function chunk(x, c, L) return x:narrow(2, c * L + 1, L) end
