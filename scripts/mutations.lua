@@ -728,4 +728,17 @@ return {
   { name = "bloom-no-embedding-norm", file = "lua/pipegoose/models/bloom.lua",
     from = "  model:add(nn.LayerNorm(o.dim, { name = \"embed_ln\" }))\n", to = "",
     specs = { "unit/bloom#serially" }, why = "BLOOM without the LayerNorm after its word embedding" },
+  ------------------------------------------------------------------ block attention (context parallelism's ring)
+  { name = "block-causal-off-by-one", file = "kernels/cpu/attention_block.c",
+    from = "  int64_t n = qpos - kpos + 1;", to = "  int64_t n = qpos - kpos;",
+    specs = { "unit/attention_block#folded in ring order" }, why = "a query does not see its own key" },
+  { name = "block-no-rescale", file = "kernels/cpu/attention_block.c",
+    from = "const float c = pg_cpu_expf(m_old - m_new);", to = "const float c = 1.0f;",
+    specs = { "unit/attention_block#folded in ring order" }, why = "the running sums are not rescaled when the max grows" },
+  { name = "block-backward-no-delta", file = "kernels/cpu/attention_block.c",
+    from = "d[c] = scale * p[c] * (d[c] - dl);", to = "d[c] = scale * p[c] * d[c];",
+    specs = { "unit/attention_block#folded in ring order" }, why = "the softmax backward forgets FlashAttention's delta" },
+  { name = "block-alibi-sign", file = "kernels/cpu/attention_block.c",
+    from = "for (int c = 0; c < nk; c++) s[c] += m * (float)(d0 + c);", to = "for (int c = 0; c < nk; c++) s[c] -= m * (float)(d0 + c);",
+    specs = { "unit/attention_block#folded in ring order" }, why = "the block's ALiBi bias has the wrong sign" },
 }
