@@ -741,4 +741,8 @@ return {
   { name = "block-alibi-sign", file = "kernels/cpu/attention_block.c",
     from = "for (int c = 0; c < nk; c++) s[c] += m * (float)(d0 + c);", to = "for (int c = 0; c < nk; c++) s[c] -= m * (float)(d0 + c);",
     specs = { "unit/attention_block#folded in ring order" }, why = "the block's ALiBi bias has the wrong sign" },
+  { name = "block-two-pass-order", file = "kernels/cpu/attention_block.c",
+    from = "    const int nk = pg_cpu_min(PG_BLK_K, Tk - j0);\n    for (int e = 0; e < group; e++) {",
+    to = "    const int nk = pg_cpu_min(PG_BLK_K, Tk - j0);\n    for (int e = group - 1; e >= 0; e--) {",
+    specs = { "unit/attention_block#same bits" }, why = "the two-pass backward sums a kv head's query heads in another order than the one pass" },
 }
