@@ -736,7 +736,7 @@ return {
     from = "const float c = pg_cpu_expf(m_old - m_new);", to = "const float c = 1.0f;",
     specs = { "unit/attention_block#folded in ring order" }, why = "the running sums are not rescaled when the max grows" },
   { name = "block-backward-no-delta", file = "kernels/cpu/attention_block.c",
-    from = "d[c] = scale * p[c] * (d[c] - dl);", to = "d[c] = scale * p[c] * d[c];",
+    from = "d[c] = scale * pr[c] * (d[c] - dl);", to = "d[c] = scale * pr[c] * d[c];",
     specs = { "unit/attention_block#folded in ring order" }, why = "the softmax backward forgets FlashAttention's delta" },
   { name = "block-alibi-sign", file = "kernels/cpu/attention_block.c",
     from = "for (int c = 0; c < nk; c++) s[c] += m * (float)(d0 + c);", to = "for (int c = 0; c < nk; c++) s[c] -= m * (float)(d0 + c);",
