@@ -14,6 +14,13 @@
 static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 static int pp_size(const pg_engine *e) { return e->ctx->pipeline; }
+
+/* The one place that says where the dense region's gradients are averaged and its ZeRO shards cut: the data
+ * group, or with context parallelism data x context (the parameters are replicated over both, Megatron-LM's
+ * dp-cp group). With context = 1 it is the data group itself (its communicator, its comm_stats row). */
+pg_mode pg_engine_dense_group(const pg_engine *e) { return e->ctx->context > 1 ? PG_MODE_DATA_CONTEXT : PG_MODE_DATA; }
+static int dense_size(const pg_engine *e) { return e->ctx->group[pg_engine_dense_group(e)].size; }
+static int dense_rank(const pg_engine *e) { return e->ctx->group[pg_engine_dense_group(e)].rank; }
 static int pp_rank(const pg_engine *e) { return e->ctx->pp_rank; }
 
 /* Sequence parallelism: the rows of a micro-batch of N rows that cross this
@@ -62,7 +69,7 @@ static int bind_params(pg_engine *e, uint64_t seed) {
   for (int pass = 0; pass < 2; pass++) {
     if (pass == 1) {
       e->dense_numel = off;
-      off = e->dense_padded = round_up(off > 0 ? off : FLAT_ALIGN, (int64_t)FLAT_ALIGN * e->ctx->data);
+      off = e->dense_padded = round_up(off > 0 ? off : FLAT_ALIGN, (int64_t)FLAT_ALIGN * dense_size(e));
     }
     for (int i = 0; i < e->nparams; i++) {
       if (e->params[i]->expert != pass) continue;
@@ -80,8 +87,9 @@ static int bind_params(pg_engine *e, uint64_t seed) {
   size_t bytes = (size_t)e->flat_padded * sizeof(float);
   /* Data-parallel replicas on one node share their buffers (single-pass
    * reductions); anything else, or no room in /dev/shm: private memory. */
-  if (!e->opts.private_buffers && (pg_shm_create(e->ctx, PG_MODE_DATA, bytes, &e->param_shm, &e->param_store) ||
-                                   pg_shm_create(e->ctx, PG_MODE_DATA, bytes, &e->grad_shm, &e->grad_store)))
+  pg_mode dg = pg_engine_dense_group(e);
+  if (!e->opts.private_buffers && (pg_shm_create(e->ctx, dg, bytes, &e->param_shm, &e->param_store) ||
+                                   pg_shm_create(e->ctx, dg, bytes, &e->grad_shm, &e->grad_store)))
     return PG_ERR;
   if ((!e->param_store && !(e->param_store = pg_backend_storage(e->be, bytes))) ||
       (!e->grad_store && !(e->grad_store = pg_backend_storage(e->be, bytes))))
@@ -125,8 +133,8 @@ static int reduced_first(const pg_engine *e, const pg_param *p) {
 
 /* The group that reduces p's gradient: a bucket holds parameters of one group. */
 static pg_mode reduction_group(const pg_engine *e, const pg_param *p) {
-  (void)e, (void)p;
-  return PG_MODE_DATA;
+  (void)p;
+  return pg_engine_dense_group(e);
 }
 
 /* Whether this step's reduction goes bucket by bucket: on the device only
@@ -151,8 +159,9 @@ int pg_engine_overlaps(const pg_engine *e) {
 static int overlap_applies(const pg_engine *e) {
   /* expert parallelism's second region reduces over expert_data after
    * backward: its buckets would need that group's shard layout (not yet) */
-  if (!e->opts.overlap_grad_reduce || e->ctx->data == 1 || e->flat_padded > e->dense_padded) return 0;
-  return e->be->device == PG_CPU ? !pg_engine_shares_buffers(e) : pg_comm_device_overlap(e->ctx, PG_MODE_DATA);
+  if (!e->opts.overlap_grad_reduce || dense_size(e) == 1 || e->flat_padded > e->dense_padded) return 0;
+  return e->be->device == PG_CPU ? !pg_engine_shares_buffers(e)
+                                 : pg_comm_device_overlap(e->ctx, pg_engine_dense_group(e));
 }
 
 /* Whether p's gradient is written by a module that does not own it (a tied
@@ -657,7 +666,7 @@ static void aim_grads(pg_engine *e, const pg_bucket *b) {
  * add) and, from the pool, handed back. */
 static int complete_bucket(pg_engine *e, pg_bucket *b) {
   if (pg_wait(&b->req)) return PG_ERR;
-  int64_t per = e->flat_padded / e->ctx->data;
+  int64_t per = e->flat_padded / dense_size(e);
   int64_t a = b->lo > e->grad_base ? b->lo : e->grad_base;
   int64_t z = b->hi < e->grad_base + per ? b->hi : e->grad_base + per;
   float *acc = e->grad_store->data;
@@ -844,12 +853,14 @@ static int finish_buckets(pg_engine *e) {
 }
 
 /* The mean loss of the last stage, made the same on every rank: broadcast down
- * the pipeline group, then averaged over the data group (equal shares). */
+ * the pipeline group, then averaged over the data group (equal shares; with
+ * context parallelism over data x context, each rank's mean being over its
+ * equal share of every sequence's tokens: the mean over all tokens). */
 static int share_loss(pg_engine *e, double *loss) {
   if (pg_broadcast_buf(e->ctx, PG_MODE_PIPELINE, loss, 1, PG_FLOAT64, pp_size(e) - 1) ||
-      pg_all_reduce_buf(e->ctx, PG_MODE_DATA, loss, 1, PG_FLOAT64, PG_REDUCE_SUM))
+      pg_all_reduce_buf(e->ctx, pg_engine_dense_group(e), loss, 1, PG_FLOAT64, PG_REDUCE_SUM))
     return PG_ERR;
-  *loss /= e->ctx->data;
+  *loss /= dense_size(e);
   return PG_OK;
 }
 
@@ -1116,7 +1127,7 @@ static void free_staging(pg_engine *e) {
 }
 
 int pg_engine_shard_grads(pg_engine *e) {
-  if (e->sharded || e->ctx->data == 1) return PG_OK; /* one replica: the shard is the whole buffer */
+  if (e->sharded || dense_size(e) == 1) return PG_OK; /* one replica: the shard is the whole buffer */
   if (e->be->device != PG_CPU)
     return pg_fail("zero = 2 keeps a gradient shard with staging buffers in host memory; the %s backend has "
                    "zero = 0 and 1", e->be->name);
@@ -1132,8 +1143,8 @@ int pg_engine_shard_grads(pg_engine *e) {
   if (e->grads_pending)
     return pg_fail("zero = 2: gradients of an earlier forward_backward wait for their reduction; make the optimizer "
                    "before training, or call engine:sync_grads() first");
-  int64_t lo, hi, per = e->flat_padded / e->ctx->data;
-  lo = per * e->ctx->dp_rank;
+  int64_t lo, hi, per = e->flat_padded / dense_size(e);
+  lo = per * dense_rank(e);
   hi = lo + per;
   pg_storage *shard = pg_backend_storage(e->be, (size_t)per * sizeof(float));
   if (!shard) return pg_fail("zero = 2: the gradient shard (%lld floats): %s", (long long)per, pg_error());
@@ -1160,9 +1171,9 @@ int pg_engine_shard_grads(pg_engine *e) {
 }
 
 void pg_engine_shard(const pg_engine *e, int64_t *lo, int64_t *hi) {
-  if (e->zero && e->ctx->data > 1) {
-    int64_t per = e->dense_padded / e->ctx->data;
-    *lo = per * e->ctx->dp_rank;
+  if (e->zero && dense_size(e) > 1) {
+    int64_t per = e->dense_padded / dense_size(e);
+    *lo = per * dense_rank(e);
     *hi = *lo + per;
   } else {
     *lo = 0;
@@ -1210,8 +1221,9 @@ static int reduce_region(pg_engine *e, pg_mode m, const pg_shm *sh, float *g, in
 int pg_engine_gather_params(pg_engine *e) {
   if (!e->zero) return PG_OK;
   float *w = e->param_store->data;
-  if (e->ctx->data > 1 && (e->param_shm.size ? pg_shm_all_gather(e->ctx, &e->param_shm, e->dense_padded)
-                                             : pg_all_gather_inplace(e->ctx, PG_MODE_DATA, w, e->dense_padded)))
+  if (dense_size(e) > 1 &&
+      (e->param_shm.size ? pg_shm_all_gather(e->ctx, &e->param_shm, e->dense_padded)
+                         : pg_all_gather_inplace(e->ctx, pg_engine_dense_group(e), w, e->dense_padded)))
     return PG_ERR;
   int64_t n = e->flat_padded - e->dense_padded;
   if (n && e->ctx->group[PG_MODE_EXPERT_DATA].size > 1 &&
@@ -1266,7 +1278,7 @@ int pg_engine_sync_grads(pg_engine *e) {
    * collectives' blocks are the ZeRO shards: with zero = 1 or 2 ours is
    * reduced in place. */
   const pg_shm *sh = e->grad_shm.size ? &e->grad_shm : NULL;
-  if (reduce_region(e, PG_MODE_DATA, sh, g, e->dense_padded) ||
+  if (reduce_region(e, pg_engine_dense_group(e), sh, g, e->dense_padded) ||
       reduce_region(e, PG_MODE_EXPERT_DATA, NULL, g + e->dense_padded, e->flat_padded - e->dense_padded))
     return PG_ERR;
   /* an expert's gradient on a rank holds the tokens of all E members of its

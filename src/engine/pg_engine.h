@@ -224,6 +224,10 @@ void pg_engine_release_cache(pg_engine *e);
 /* 1 when the data-parallel replicas share their flat buffers (pg_shm.h): the
  * reductions are single passes over shared memory; 0: the MPI ring. */
 int pg_engine_shares_buffers(const pg_engine *e);
+
+/* The group over which the dense region's gradients are averaged and ZeRO-sharded: PG_MODE_DATA, or with
+ * context parallelism PG_MODE_DATA_CONTEXT (data x context). */
+pg_mode pg_engine_dense_group(const pg_engine *e);
 int pg_engine_zero_grad(pg_engine *e);
 /* 1 when the engine overlaps its data-parallel reduction with backward:
  * overlap_grad_reduce set, data > 1, host memory, buffers not shared. */
