@@ -388,6 +388,7 @@ void pg_engine_free(pg_engine *e) {
   free(e->actions);
   pg_be_release(e->be, e->grad_recv);
   pg_be_release(e->be, e->device_ids);
+  free(e->cp_ids);
   free(e->ios);
   free(e->eval_ios);
   pg_be_release(e->be, e->bf16_scratch[0]);
@@ -901,11 +902,60 @@ static int ids_on_backend(pg_engine *e, const int32_t **tokens, const int32_t **
   return PG_OK;
 }
 
+/* ---------------------------------------------------------------- context parallelism */
+
+static int evaluate_rows(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T, double *loss,
+                         float *logits);
+
+static int cp_on(const pg_engine *e) { return e->ctx->context > 1; }
+
+/* What context parallelism cannot serve, refused before anything runs. */
+static int cp_check(const pg_engine *e, int T, const char *what) {
+  if (!cp_on(e)) return PG_OK;
+  int C = e->ctx->context;
+  if (e->be->device != PG_CPU)
+    return pg_fail("context=%d: context parallelism runs on the cpu backend only (not %s)", C, e->be->name);
+  if (e->flat_padded > e->dense_padded || e->opts.router_experts > 0)
+    return pg_fail("context=%d with a mixture of experts is not supported (expert capacity and the routing totals "
+                   "are per whole sequence): use context = 1", C);
+  if (T % (2 * C))
+    return pg_fail("%s: sequence length %d is not divisible by 2 x context = %d (each context rank holds two of the "
+                   "2C equal chunks of every sequence)", what, T, 2 * C);
+  return PG_OK;
+}
+
+/* Every context rank of a data rank receives the same full [B, T] ids; this one keeps chunks r and 2C-1-r of
+ * each sequence (pg_cp_position), inputs and targets alike, as a [B, T / C] batch. */
+static int cp_local_batch(pg_engine *e, const int32_t **tokens, const int32_t **targets, int B, int *T) {
+  int C = e->ctx->context, r = e->ctx->cp_rank, Tl = *T / C;
+  int64_t L = Tl / 2, n = (int64_t)B * Tl;
+  if (n > e->cp_ids_cap) {
+    int32_t *ids = realloc(e->cp_ids, 2 * (size_t)n * sizeof *ids);
+    if (!ids) return pg_fail("out of memory for this context rank's chunks of the batch");
+    e->cp_ids = ids;
+    e->cp_ids_cap = n;
+  }
+  for (int which = 0; which < 2; which++) {
+    const int32_t *src = which ? *targets : *tokens;
+    if (!src) continue;
+    int32_t *dst = e->cp_ids + (size_t)which * n;
+    for (int b = 0; b < B; b++)
+      for (int64_t t = 0; t < Tl; t++) dst[(int64_t)b * Tl + t] = src[(int64_t)b * *T + pg_cp_position(C, r, L, t)];
+  }
+  *tokens = e->cp_ids;
+  if (*targets) *targets = e->cp_ids + n;
+  *T = Tl;
+  return PG_OK;
+}
+
 int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T,
                                float grad_scale, int sync, double *loss) {
   double t0 = pg_wtime();
+  if (check_batch(e, tokens, targets, B, T, 1) || cp_check(e, T, "forward_backward") ||
+      (cp_on(e) && cp_local_batch(e, &tokens, &targets, B, &T)))
+    return PG_ERR;
   const int32_t *host_targets = targets;
-  if (check_batch(e, tokens, targets, B, T, 1) || ids_on_backend(e, &tokens, &targets, (int64_t)B * T)) return PG_ERR;
+  if (ids_on_backend(e, &tokens, &targets, (int64_t)B * T)) return PG_ERR;
   int M = e->opts.micro_batches, Bm = B / M;
   if (ensure_capacity(e, Bm * T)) return PG_ERR;
   float dloss = grad_scale / (float)((int64_t)B * T);
@@ -918,7 +968,8 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
                         .host_targets = host_targets + off, .router = e->router ? e->router + i * nr : NULL,
                         .backward_done = buckets_apply(e) ? on_backward_done : NULL,
                         .backward_begin = e->sharded ? on_backward_begin : NULL, .backward_ud = e,
-                        .step = e->stats.steps, .global_row0 = (int64_t)e->ctx->dp_rank * B * T + (int64_t)off};
+                        .step = e->stats.steps, .global_row0 = (int64_t)e->ctx->dp_rank * B * T + (int64_t)off,
+                        .cp_chunk = cp_on(e) ? T / 2 : 0};
     lend_bf16_scratch(e, &e->ios[i]);
   }
   /* gradients accumulated over calls with sync = 0 reduce on the call that
@@ -971,10 +1022,53 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
   return PG_OK;
 }
 
+/* Evaluation's logits under context parallelism: every context rank's rows [B, T / C, vocab] gathered over the
+ * context group and put at their positions in the full [B, T, vocab]. */
+static int cp_gather_logits(pg_engine *e, const float *mine, float *logits, int B, int Tl) {
+  int C = e->ctx->context, V = e->opts.vocab;
+  int64_t L = Tl / 2, per = (int64_t)B * Tl * V;
+  float *all = malloc((size_t)C * (size_t)per * sizeof(float));
+  if (!all) return pg_fail("out of memory gathering the logits over the context group");
+  memcpy(all + (size_t)e->ctx->cp_rank * per, mine, (size_t)per * sizeof(float));
+  if (pg_all_gather_buf(e->ctx, PG_MODE_CONTEXT, all, per, PG_FLOAT32)) {
+    free(all);
+    return PG_ERR;
+  }
+  for (int r = 0; r < C; r++)
+    for (int b = 0; b < B; b++)
+      for (int64_t t = 0; t < Tl; t++)
+        memcpy(logits + ((int64_t)b * C * Tl + pg_cp_position(C, r, L, t)) * V,
+               all + (size_t)r * per + ((int64_t)b * Tl + t) * V, (size_t)V * sizeof(float));
+  free(all);
+  return PG_OK;
+}
+
 int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T, double *loss,
                        float *logits) {
+  if (check_batch(e, tokens, targets, B, T, 0) || cp_check(e, T, "evaluate") ||
+      (cp_on(e) && cp_local_batch(e, &tokens, &targets, B, &T)))
+    return PG_ERR;
+  /* context parallelism: this rank's chunks' logits, gathered over the context group at the end */
+  float *all_logits = logits, *cp_logits = NULL;
+  if (cp_on(e) && logits && e->is_last) {
+    if (!(cp_logits = malloc((size_t)B * T * e->opts.vocab * sizeof(float))))
+      return pg_fail("out of memory for this context rank's logits");
+    logits = cp_logits;
+  }
+  int rc = evaluate_rows(e, tokens, targets, B, T, loss, logits);
+  if (!rc && cp_logits) rc = cp_gather_logits(e, cp_logits, all_logits, B, T);
+  free(cp_logits);
+  if (!rc && all_logits && cp_on(e) && pp_size(e) > 1)
+    rc = pg_broadcast_buf(e->ctx, PG_MODE_PIPELINE, all_logits, (int64_t)B * T * e->ctx->context * e->opts.vocab,
+                          PG_FLOAT32, pp_size(e) - 1);
+  return rc;
+}
+
+/* Evaluation of [B, T] rows (with context parallelism this rank's chunks). */
+static int evaluate_rows(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T, double *loss,
+                         float *logits) {
   const int32_t *host_targets = targets;
-  if (check_batch(e, tokens, targets, B, T, 0) || ids_on_backend(e, &tokens, &targets, (int64_t)B * T)) return PG_ERR;
+  if (ids_on_backend(e, &tokens, &targets, (int64_t)B * T)) return PG_ERR;
   /* Micro-batches of at most a training micro-batch's rows go down the pipeline. */
   int rows_cap = e->capacity_rows;
   if (rows_cap < T) rows_cap = T * (B < 8 ? B : 8); /* nothing trained yet: chunks of up to 8 rows */
@@ -994,7 +1088,8 @@ int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targe
     e->eval_ios[i] = (pg_io){.B = nb, .T = T, .tokens = tokens + off, .targets = targets ? targets + off : NULL,
                              .dloss = 0, .want_grad = 0, .loss_sum = 0,
                              .logits = logits && e->is_last ? logits + off * e->opts.vocab : NULL, .mb = i,
-                             .row0 = (int64_t)off, .host_targets = host_targets ? host_targets + off : NULL};
+                             .row0 = (int64_t)off, .host_targets = host_targets ? host_targets + off : NULL,
+                             .cp_chunk = cp_on(e) ? T / 2 : 0};
     lend_bf16_scratch(e, &e->eval_ios[i]);
   }
   /* the same executor as training, on a forward-only list (pg_schedule.h) */
@@ -1014,7 +1109,7 @@ int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targe
     *loss = e->is_last ? sum / ((double)B * T) : 0;
     if (share_loss(e, loss)) return PG_ERR;
   }
-  if (logits && pp_size(e) > 1 &&
+  if (logits && pp_size(e) > 1 && !cp_on(e) && /* context parallelism: broadcast once gathered */
       pg_broadcast_buf(e->ctx, PG_MODE_PIPELINE, logits, (int64_t)B * T * e->opts.vocab, PG_FLOAT32, pp_size(e) - 1))
     return PG_ERR;
   return PG_OK;
@@ -1029,6 +1124,9 @@ int pg_engine_check_decode(const pg_engine *e) {
 int pg_engine_decode(pg_engine *e, const int32_t *tokens, int B, int T, int row0, const int32_t *pos, int cache_rows,
                      float *logits) {
   if (check_batch(e, tokens, NULL, B, T, 0)) return PG_ERR;
+  if (cp_on(e))
+    return pg_fail("decode with context=%d: the key/value cache holds whole sequences; decode with a context of "
+                   "context = 1 (a checkpoint loads at any context size)", e->ctx->context);
   if (cache_rows < 1 || row0 < 0 || row0 > cache_rows - B)
     return pg_fail("decode: sequences %d..%d of a cache of %d sequences", row0, row0 + B - 1, cache_rows);
   if (pg_engine_check_decode(e)) return PG_ERR;

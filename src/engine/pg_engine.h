@@ -147,6 +147,8 @@ typedef struct pg_engine {
   float *grad_recv;    /* [rows * width]: every receive of a gradient is followed by its backward */
   int32_t *device_ids; /* device backends: [2][rows * micro-batches] the batch's token ids and targets */
   int64_t device_ids_cap;
+  int32_t *cp_ids;     /* context parallelism: [2][B * T / C] this rank's chunks of the batch's ids and targets */
+  int64_t cp_ids_cap;
   pg_io *ios;          /* per micro-batch */
   double *router;      /* with router_experts: [micro-batches][2 * experts] routing totals (pg_io.router) */
   double last_ce, last_aux; /* the last forward_backward's token loss and auxiliary losses (every rank) */

@@ -4,6 +4,7 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* ---------------------------------------------------------------- attention */
 
@@ -23,7 +24,15 @@ typedef struct attention_state {
   int32_t *cached;
   int cache_rows;
   size_t dec_x_n, dec_scores_n;
+  /* context parallelism (cp_on): every context rank's q|k|v of the micro-batch in sequence order [nslots][B, C T,
+   * in_width] and the probabilities over the whole sequence [nslots][B, heads_l, C T, C T]; one staging buffer
+   * for the gathers and two for the whole sequence's output (or its gradient) and input gradient */
+  float *cp_x, *cp_att, *cp_stage, *cp_full, *cp_dfull;
 } attention_state;
+
+/* Context parallelism: the module's context splits sequences (pg_io.cp_chunk says how). */
+static int cp_size(const pg_module *m) { return m->ctx ? m->ctx->context : 1; }
+static int cp_on(const pg_module *m, const pg_io *io) { return cp_size(m) > 1 && io->cp_chunk > 0; }
 
 /* The probabilities of `slot`: its own with every slot kept; recomputed, the
  * rank's arena (shared by the attentions of every layer) or, in a module
@@ -59,6 +68,15 @@ static int attention_alloc(pg_module *m, int nslots, int max_rows) {
     return pg_fail("out of memory for %s (attention backward)", m->name);
   attention_claim(m, s, -1);
   if (!s->o.recompute) m->saved_bytes_per_slot += per_slot * sizeof(float);
+  if (cp_size(m) > 1) {
+    size_t C = (size_t)cp_size(m), rows = C * max_rows, w = (size_t)(m->in_width > m->out_width ? m->in_width : m->out_width);
+    size_t x = rows * m->in_width, att = rows * s->heads_l * s->max_seq;
+    if (!alloc_floats(m, &s->cp_x, (size_t)nslots * x) || !alloc_floats(m, &s->cp_att, (size_t)nslots * att) ||
+        !alloc_floats(m, &s->cp_stage, rows * w) || !alloc_floats(m, &s->cp_full, rows * w) ||
+        !alloc_floats(m, &s->cp_dfull, x))
+      return pg_fail("out of memory for %s (context-parallel keys and values)", m->name);
+    m->saved_bytes_per_slot += (x + att) * sizeof(float);
+  }
   if (s->o.rope_theta > 0) {
     size_t rot = (size_t)max_rows * m->in_width, table = (size_t)s->max_seq * (s->o.head_dim / 2);
     const pg_backend *home = home_backend(BE(m)); /* the tables outlive a recomputed block's buffers */
@@ -208,11 +226,99 @@ static void attention_release_cache(pg_module *m) {
   s->dec_x_n = s->dec_scores_n = 0;
 }
 
+/* RoPE on rows [N, in_width] (q then k heads): by the row's place in its sequence, or under context
+ * parallelism by each chunk's true positions (the tables' rows from the chunk's first position on). */
+static int rope_rows(pg_module *m, attention_state *s, const pg_io *io, float *buf, int backward) {
+  int hd = s->o.head_dim, half = hd / 2, W = m->in_width, N = io->B * io->T;
+  float *kb = buf + (size_t)s->heads_l * hd;
+  if (!cp_on(m, io))
+    return backward ? KERNEL(m, rope_backward, buf, s->cos_t, s->sin_t, N, io->T, s->heads_l, hd, W) ||
+                          KERNEL(m, rope_backward, kb, s->cos_t, s->sin_t, N, io->T, s->kv_l, hd, W)
+                    : KERNEL(m, rope_forward, buf, s->cos_t, s->sin_t, N, io->T, s->heads_l, hd, W) ||
+                          KERNEL(m, rope_forward, kb, s->cos_t, s->sin_t, N, io->T, s->kv_l, hd, W);
+  int L = io->cp_chunk;
+  for (int b = 0; b < io->B; b++)
+    for (int c = 0; c < 2; c++) {
+      size_t row = (size_t)b * io->T + (size_t)c * L;
+      int64_t pos = pg_cp_position(m->ctx->context, m->ctx->cp_rank, L, (int64_t)c * L);
+      const float *cs = s->cos_t + (size_t)pos * half, *sn = s->sin_t + (size_t)pos * half;
+      float *q = buf + row * W, *k = kb + row * W;
+      if (backward ? KERNEL(m, rope_backward, q, cs, sn, L, L, s->heads_l, hd, W) ||
+                         KERNEL(m, rope_backward, k, cs, sn, L, L, s->kv_l, hd, W)
+                   : KERNEL(m, rope_forward, q, cs, sn, L, L, s->heads_l, hd, W) ||
+                         KERNEL(m, rope_forward, k, cs, sn, L, L, s->kv_l, hd, W))
+        return PG_ERR;
+    }
+  return PG_OK;
+}
+
+/* Context parallelism: this rank's rows [B, T, w] of every sequence gathered over the context group and put in
+ * sequence order into whole [B, C T, w] (the ranks' chunks at their positions). */
+static int cp_gather_sequences(pg_module *m, attention_state *s, const pg_io *io, const float *mine, int w,
+                               float *whole) {
+  int C = cp_size(m), T = io->T, L = io->cp_chunk;
+  size_t per = (size_t)io->B * T * w;
+  memcpy(s->cp_stage + (size_t)m->ctx->cp_rank * per, mine, per * sizeof(float));
+  if (pg_all_gather_buf(m->ctx, PG_MODE_CONTEXT, s->cp_stage, (int64_t)per, PG_FLOAT32)) return PG_ERR;
+  for (int r = 0; r < C; r++)
+    for (int b = 0; b < io->B; b++)
+      for (int t = 0; t < T; t++)
+        memcpy(whole + ((size_t)b * C * T + (size_t)pg_cp_position(C, r, L, t)) * w,
+               s->cp_stage + (size_t)r * per + ((size_t)b * T + t) * w, (size_t)w * sizeof(float));
+  return PG_OK;
+}
+
+/* ... and back: this rank's rows of whole [B, C T, w] into mine [B, T, w]. */
+static void cp_own_rows(const pg_module *m, const pg_io *io, const float *whole, int w, float *mine) {
+  int C = cp_size(m), T = io->T, L = io->cp_chunk;
+  for (int b = 0; b < io->B; b++)
+    for (int t = 0; t < T; t++)
+      memcpy(mine + ((size_t)b * T + t) * w,
+             whole + ((size_t)b * C * T + (size_t)pg_cp_position(C, m->ctx->cp_rank, L, t)) * w,
+             (size_t)w * sizeof(float));
+}
+
+static float *cp_slot_x(pg_module *m, attention_state *s, int slot) {
+  return s->cp_x + (size_t)slot * cp_size(m) * m->max_rows * m->in_width;
+}
+static float *cp_slot_att(pg_module *m, attention_state *s, int slot) {
+  return s->cp_att + (size_t)slot * cp_size(m) * m->max_rows * s->heads_l * s->max_seq;
+}
+
+/* The core under context parallelism: the whole sequences' q|k|v gathered over the context group, causal
+ * attention over them, this rank's rows of the output. */
+static int cp_attention_forward(pg_module *m, attention_state *s, int slot, const pg_io *io, const float *xf,
+                                float *out) {
+  float *x = cp_slot_x(m, s, slot);
+  if (cp_gather_sequences(m, s, io, xf, m->in_width, x) ||
+      KERNEL(m, attention_forward, s->cp_full, cp_slot_att(m, s, slot), x, s->slopes, io->B, cp_size(m) * io->T,
+             s->heads_l, s->kv_l, s->o.head_dim))
+    return PG_ERR;
+  cp_own_rows(m, io, s->cp_full, m->out_width, out);
+  return PG_OK;
+}
+
+/* Its backward: the output gradient of every rank's rows gathered, the whole q|k|v gradient (the same on every
+ * context rank), this rank's rows of it. */
+static int cp_attention_backward(pg_module *m, attention_state *s, int slot, const pg_io *io, const float *dy,
+                                 float *dinp) {
+  if (cp_gather_sequences(m, s, io, dy, m->out_width, s->cp_full) ||
+      KERNEL(m, attention_backward, s->cp_dfull, s->scratch, s->cp_full, cp_slot_x(m, s, slot),
+             cp_slot_att(m, s, slot), io->B, cp_size(m) * io->T, s->heads_l, s->kv_l, s->o.head_dim))
+    return PG_ERR;
+  cp_own_rows(m, io, s->cp_dfull, m->in_width, dinp);
+  return PG_OK;
+}
+
 static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   attention_state *s = m->state;
   if (io->decode) return attention_decode(m, slot, io, x, y);
   if (check_rows(m, slot, io)) return PG_ERR;
-  if (io->T > s->max_seq) return pg_fail("%s: sequence length %d exceeds the model's %d", m->name, io->T, s->max_seq);
+  int64_t seq = cp_on(m, io) ? (int64_t)cp_size(m) * io->T : io->T;
+  if (seq > s->max_seq) return pg_fail("%s: sequence length %lld exceeds the model's %d", m->name, (long long)seq, s->max_seq);
+  if (cp_on(m, io) && s->o.recompute)
+    return pg_fail("%s: recomputed attention with context=%d is not supported: recompute whole blocks instead", m->name,
+                   cp_size(m));
   int N = io->B * io->T, hd = s->o.head_dim;
   int64_t n_in = (int64_t)N * m->in_width;
   float *att = attention_probs(m, s, slot);
@@ -223,8 +329,7 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
     float *rot = s->rotated + (size_t)slot * m->max_rows * m->in_width;
     if ((m->in_bf16 ? KERNEL(m, bf16_to_f32, rot, cbits(x), n_in)
                     : KERNEL(m, copy, rot, x, (size_t)n_in * sizeof(float), PG_COPY_DEVICE_TO_DEVICE)) ||
-        KERNEL(m, rope_forward, rot, s->cos_t, s->sin_t, N, io->T, s->heads_l, hd, m->in_width) ||
-        KERNEL(m, rope_forward, rot + (size_t)s->heads_l * hd, s->cos_t, s->sin_t, N, io->T, s->kv_l, hd, m->in_width))
+        rope_rows(m, s, io, rot, 0))
       return PG_ERR;
     x = xf = rot;
   } else if (m->in_bf16) {
@@ -232,7 +337,8 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
     xf = io->wide_scratch[0];
   }
   float *out = m->in_bf16 ? io->wide_scratch[1] : slot_out(m, slot);
-  if (KERNEL(m, attention_forward, out, att, xf, s->slopes, io->B, io->T, s->heads_l, s->kv_l, hd) ||
+  if ((cp_on(m, io) ? cp_attention_forward(m, s, slot, io, xf, out)
+                    : KERNEL(m, attention_forward, out, att, xf, s->slopes, io->B, io->T, s->heads_l, s->kv_l, hd)) ||
       (m->in_bf16 && KERNEL(m, bf16_from_f32, bits(slot_out(m, slot)), out, (int64_t)N * m->out_width)))
     return PG_ERR;
   s->saved_x[slot] = x;
@@ -265,13 +371,11 @@ static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy
     if (KERNEL(m, bf16_to_f32, io->wide_scratch[1], cbits(dy), (int64_t)N * m->out_width)) return PG_ERR;
     dy = io->wide_scratch[1];
   }
-  if (KERNEL(m, attention_backward, dinp, s->scratch, dy, x, att, io->B, io->T, s->heads_l, s->kv_l, hd)) return PG_ERR;
-  /* the gradient of the rotated q and k, rotated back */
-  if (s->rotated &&
-      (KERNEL(m, rope_backward, dinp, s->cos_t, s->sin_t, N, io->T, s->heads_l, hd, m->in_width) ||
-       KERNEL(m, rope_backward, dinp + (size_t)s->heads_l * hd, s->cos_t, s->sin_t, N, io->T, s->kv_l, hd,
-              m->in_width)))
+  if (cp_on(m, io) ? cp_attention_backward(m, s, slot, io, dy, dinp)
+                   : KERNEL(m, attention_backward, dinp, s->scratch, dy, x, att, io->B, io->T, s->heads_l, s->kv_l, hd))
     return PG_ERR;
+  /* the gradient of the rotated q and k, rotated back */
+  if (s->rotated && rope_rows(m, s, io, dinp, 1)) return PG_ERR;
   if (m->in_bf16 && KERNEL(m, bf16_from_f32, bits(m->dinp), dinp, n_in)) return PG_ERR;
   *dx = m->dinp;
   return PG_OK;
@@ -285,6 +389,11 @@ static void attention_destroy(pg_module *m) {
   pg_be_release(home_backend(BE(m)), s->cos_t);
   pg_be_release(home_backend(BE(m)), s->sin_t);
   pg_be_release(home_backend(BE(m)), s->slopes);
+  pg_be_release(BE(m), s->cp_x);
+  pg_be_release(BE(m), s->cp_att);
+  pg_be_release(BE(m), s->cp_stage);
+  pg_be_release(BE(m), s->cp_full);
+  pg_be_release(BE(m), s->cp_dfull);
   free(s->saved_x);
   attention_release_cache(m);
 }
