@@ -81,6 +81,31 @@ PG_KERNEL(attention_cached,
           (out, scores, kcache, vcache, qkv, slopes, T, pos, NH, NKV, HS), CALL, CALL,
           PG_SELFTEST(test_attention_cached))
 
+/* block attention: context parallelism's ring (kernels.h's pg_attention_block_*): the online-softmax fold of one
+ * key block, its finish, FlashAttention-2's delta, and the block's backward (accumulating dq, dk, dv) */
+PG_KERNEL(attention_block_forward,
+          (float *acc, float *mx, float *sm, const float *q, int64_t q_stride, const float *k, const float *v,
+           int64_t kv_stride, const float *slopes, int B, int Tq, int Tk, int NH, int NKV, int HS, int64_t q_pos0,
+           int64_t k_pos0),
+          (acc, mx, sm, q, q_stride, k, v, kv_stride, slopes, B, Tq, Tk, NH, NKV, HS, q_pos0, k_pos0), CALL, CALL,
+          PG_SELFTEST(test_attention_block))
+PG_KERNEL(attention_block_finish,
+          (float *out, int64_t out_stride, float *lse, const float *acc, const float *mx, const float *sm, int B,
+           int Tq, int NH, int HS),
+          (out, out_stride, lse, acc, mx, sm, B, Tq, NH, HS), CALL, CALL, PG_SELFTEST(test_attention_block))
+PG_KERNEL(attention_block_delta,
+          (float *delta, const float *dout, int64_t dout_stride, const float *out, int64_t out_stride, int B, int Tq,
+           int NH, int HS),
+          (delta, dout, dout_stride, out, out_stride, B, Tq, NH, HS), CALL, CALL, PG_SELFTEST(test_attention_block))
+PG_KERNEL(attention_block_backward,
+          (float *dq, int64_t dq_stride, float *dk, float *dv, int64_t dkv_stride, const float *q, int64_t q_stride,
+           const float *k, const float *v, int64_t kv_stride, const float *dout, int64_t dout_stride,
+           const float *lse, const float *delta, const float *slopes, int B, int Tq, int Tk, int NH, int NKV, int HS,
+           int64_t q_pos0, int64_t k_pos0),
+          (dq, dq_stride, dk, dv, dkv_stride, q, q_stride, k, v, kv_stride, dout, dout_stride, lse, delta, slopes, B,
+           Tq, Tk, NH, NKV, HS, q_pos0, k_pos0),
+          CALL, CALL, PG_SELFTEST(test_attention_block))
+
 /* ---- RoPE (cos_t, sin_t: pg_rope_table's tables in this backend's memory), RMSNorm, SwiGLU, GELU ---- */
 PG_KERNEL(rope_forward,
           (float *x, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS, int ld),

@@ -150,6 +150,43 @@ int64_t pg_attention_scratch_floats(int T, int threads);
  * pg_attention_forward over the prefix, summed in another blocking (the last digits may differ). */
 void pg_attention_cached(float *out, float *scores, float *kcache, float *vcache, const float *qkv,
                          const float *slopes, int T, int pos, int NH, int NKV, int HS);
+/* ---- block attention: context parallelism's ring (flash-attention style, float32) ----
+ * Attention of B x Tq query rows at positions q_pos0 .. q_pos0 + Tq - 1 over one block of B x Tk key/value
+ * rows at positions k_pos0 .. k_pos0 + Tk - 1, as an online softmax that the blocks of a split key range are
+ * folded into one at a time (in any order), then finished. Strided rows (all int64 index arithmetic): head h
+ * of query row (b, i) at q + (b Tq + i) q_stride + h HS (q may point into a fused q|k|v buffer, q_stride =
+ * (NH + 2 NKV) HS); key head g of row (b, j) at k + (b Tk + j) kv_stride + g HS, value head g at v + (same).
+ * Query head h uses kv head h / (NH / NKV) (NKV divides NH), as pg_attention_forward. Causal: key j is
+ * visible to query i iff k_pos0 + j <= q_pos0 + i. The score is pg_attention_forward's, operation for
+ * operation: scale (q . k) with scale = 1 / sqrtf(HS), then + slopes[h] (float)(kpos - qpos) with ALiBi
+ * (slopes NULL or NH floats). No scratch: keys are taken in tiles on the stack. Deterministic for any thread
+ * count (each (b, h) or (b, kv head) is one thread's, in a fixed order). */
+
+/* Folds one key block into the online-softmax state: acc[B, Tq, NH, HS] (the unnormalised output, contiguous
+ * NH HS per row), mx[B, NH, Tq] (running max; callers start it at -INFINITY), sm[B, NH, Tq] (running sum of
+ * exp(score - mx); start 0). A row with no visible key in the block is left unchanged. */
+void pg_attention_block_forward(float *acc, float *mx, float *sm, const float *q, int64_t q_stride, const float *k,
+                                const float *v, int64_t kv_stride, const float *slopes, int B, int Tq, int Tk, int NH,
+                                int NKV, int HS, int64_t q_pos0, int64_t k_pos0);
+/* out row (b, i) at out + (b Tq + i) out_stride, head h at + h HS: acc / sm. lse[B, NH, Tq] = mx + logf(sm)
+ * (the log-sum-exp the backward recomputes the probabilities from). sm == 0 (no key seen): out 0, lse
+ * -INFINITY. */
+void pg_attention_block_finish(float *out, int64_t out_stride, float *lse, const float *acc, const float *mx,
+                               const float *sm, int B, int Tq, int NH, int HS);
+/* delta[B, NH, Tq] = sum over d of dout * out for that head (FlashAttention-2's D); dout and out rows
+ * strided as out above. */
+void pg_attention_block_delta(float *delta, const float *dout, int64_t dout_stride, const float *out,
+                              int64_t out_stride, int B, int Tq, int NH, int HS);
+/* For one key block, recomputing p = exp(score - lse): dv += p^T dout, dp = dout v^T, ds = p (dp - delta),
+ * dq += scale ds k, dk += scale ds^T q (over the query heads of each kv head). ACCUMULATES (+=) into dq (rows
+ * dq_stride apart, as q), dk and dv (dk head g of key row (b, j) at dk + (b Tk + j) dkv_stride + g HS, dv
+ * likewise). Deterministic: every sum in a fixed order, no atomics. */
+void pg_attention_block_backward(float *dq, int64_t dq_stride, float *dk, float *dv, int64_t dkv_stride,
+                                 const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
+                                 const float *dout, int64_t dout_stride, const float *lse, const float *delta,
+                                 const float *slopes, int B, int Tq, int Tk, int NH, int NKV, int HS, int64_t q_pos0,
+                                 int64_t k_pos0);
+
 /* ALiBi's slopes for n heads (n >= 1), as transformers' build_alibi_tensor
  * (BLOOM): p = 2^floor(log2 n), slopes[k-1] = b^k (k = 1..p) with b =
  * 2^-(2^-(log2 p - 3)) rounded to float32; when p < n the other n - p are
@@ -364,6 +401,23 @@ int64_t pg_cuda_attention_scratch_floats(int T, int NH);
 /* As pg_attention_cached (kcache, vcache, scores: device floats). */
 int pg_cuda_attention_cached(const pg_cuda_ctx *ctx, float *out, float *scores, float *kcache, float *vcache,
                              const float *qkv, const float *slopes, int T, int pos, int NH, int NKV, int HS);
+
+/* The block attention of the ring (pg_attention_block_*; device pointers, the same arguments). Deterministic
+ * without atomics: the forward and dq take one block per (b, h, query row), dk/dv one per (b, kv head, key
+ * row) summing its queries (and the group's query heads) in a fixed order. */
+int pg_cuda_attention_block_forward(const pg_cuda_ctx *ctx, float *acc, float *mx, float *sm, const float *q,
+                                    int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
+                                    const float *slopes, int B, int Tq, int Tk, int NH, int NKV, int HS,
+                                    int64_t q_pos0, int64_t k_pos0);
+int pg_cuda_attention_block_finish(const pg_cuda_ctx *ctx, float *out, int64_t out_stride, float *lse,
+                                   const float *acc, const float *mx, const float *sm, int B, int Tq, int NH, int HS);
+int pg_cuda_attention_block_delta(const pg_cuda_ctx *ctx, float *delta, const float *dout, int64_t dout_stride,
+                                  const float *out, int64_t out_stride, int B, int Tq, int NH, int HS);
+int pg_cuda_attention_block_backward(const pg_cuda_ctx *ctx, float *dq, int64_t dq_stride, float *dk, float *dv,
+                                     int64_t dkv_stride, const float *q, int64_t q_stride, const float *k,
+                                     const float *v, int64_t kv_stride, const float *dout, int64_t dout_stride,
+                                     const float *lse, const float *delta, const float *slopes, int B, int Tq, int Tk,
+                                     int NH, int NKV, int HS, int64_t q_pos0, int64_t k_pos0);
 
 /* cos_t, sin_t: device copies of pg_rope_table's tables. */
 int pg_cuda_rope_forward(const pg_cuda_ctx *ctx, float *x, const float *cos_t, const float *sin_t, int N, int T,

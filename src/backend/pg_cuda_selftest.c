@@ -590,6 +590,113 @@ static void test_attention_cached(selftest *st) {
   attention_cached_case(st, 3, 20, 4, 4, 12, slopes8 + 4);
 }
 
+/* Block attention (context parallelism's ring): a query chunk of Tq rows at position q_pos0 of the fused
+ * layout, folded over three key blocks of the same layout (random rows: the kernels only see positions): one
+ * wholly visible, one cut by the diagonal, one where the first rows see no key (their state must stay as it
+ * is). Each kernel gets the CPU's inputs (the CPU's state is reloaded before the next one), so each check is
+ * that kernel's own rounding: the device's dot products run in column order, the CPU's are sgemm's (TOL_GEMM);
+ * finish and delta are a division and a row sum (TOL_REDUCE). The backward accumulates into random gradients
+ * and repeats bitwise. */
+static void attention_block_case(selftest *st, int NH, int NKV, int HS, const float *slopes) {
+  enum { B = 2, TQ = 13, TK = 11, NBLK = 3 };
+  const int64_t q_pos0 = 20, k_pos0[NBLK] = {0, 11, 22};
+  const int W = (NH + 2 * NKV) * HS, C = NH * HS;
+  const int64_t nq = (int64_t)B * TQ * W, nkv = (int64_t)B * TK * W, nacc = (int64_t)B * TQ * C, nst = (int64_t)B * NH * TQ;
+  const pg_cuda_ctx *ctx = &st->ctx;
+  char what[40] = "", name[112];
+  snprintf(what, sizeof what, " (%d/%d heads, hs %d%s)", NH, NKV, HS, slopes ? ", alibi" : "");
+#define ST_NAME(s) (snprintf(name, sizeof name, "attention_block_%s%.39s", s, what), name)
+  float *qc = h_rand(st, nq, -1, 1), *acc = h_alloc(st, (size_t)nacc * sizeof(float));
+  float *mx = h_alloc(st, (size_t)nst * sizeof(float)), *sm = h_alloc(st, (size_t)nst * sizeof(float));
+  float *kv[NBLK];
+  for (int k = 0; k < NBLK; k++) kv[k] = h_rand(st, nkv, -1, 1);
+  if (!qc || !acc || !mx || !sm || !kv[0] || !kv[1] || !kv[2]) return;
+  memset(acc, 0, (size_t)nacc * sizeof(float));
+  for (int64_t i = 0; i < nst; i++) mx[i] = -INFINITY, sm[i] = 0.0f;
+  float *d_q = d_floats(st, qc, nq), *d_acc = d_floats(st, acc, nacc), *d_mx = d_floats(st, mx, nst);
+  float *d_sm = d_floats(st, sm, nst), *d_slopes = slopes ? d_floats(st, slopes, NH) : NULL;
+  float *d_kv[NBLK];
+  for (int k = 0; k < NBLK; k++) d_kv[k] = d_floats(st, kv[k], nkv);
+  if (st->broken) return;
+  /* forward: fold the blocks in the order 1, 2, 0 (any order is allowed) */
+  static const int order[NBLK] = {1, 2, 0};
+  for (int o = 0; o < NBLK; o++) {
+    const int k = order[o];
+    pg_attention_block_forward(acc, mx, sm, qc, W, kv[k] + (int64_t)NH * HS, kv[k] + (int64_t)(NH + NKV) * HS, W,
+                               slopes, B, TQ, TK, NH, NKV, HS, q_pos0, k_pos0[k]);
+    if (!launched(st, ST_NAME("forward"),
+                  pg_cuda_attention_block_forward(ctx, d_acc, d_mx, d_sm, d_q, W, d_kv[k] + (int64_t)NH * HS,
+                                                  d_kv[k] + (int64_t)(NH + NKV) * HS, W, d_slopes, B, TQ, TK, NH, NKV,
+                                                  HS, q_pos0, k_pos0[k])))
+      return;
+    check_f(st, ST_NAME("forward.acc"), d_acc, acc, nacc, TOL_GEMM);
+    check_f(st, ST_NAME("forward.mx"), d_mx, mx, nst, TOL_GEMM);
+    check_f(st, ST_NAME("forward.sm"), d_sm, sm, nst, TOL_GEMM);
+    if (!reload(st, d_acc, acc, nacc) || !reload(st, d_mx, mx, nst) || !reload(st, d_sm, sm, nst)) return;
+  }
+  /* finish into the query columns of a fused-layout buffer (out_stride W) */
+  float *out = h_rand(st, nq, 100, 200), *lse = h_alloc(st, (size_t)nst * sizeof(float));
+  if (!out || !lse) return;
+  float *d_out = d_floats(st, out, nq), *d_lse = d_floats(st, out, nst);
+  if (st->broken) return;
+  pg_attention_block_finish(out, W, lse, acc, mx, sm, B, TQ, NH, HS);
+  if (launched(st, ST_NAME("finish"), pg_cuda_attention_block_finish(ctx, d_out, W, d_lse, d_acc, d_mx, d_sm, B, TQ,
+                                                                     NH, HS))) {
+    check_f(st, ST_NAME("finish.out"), d_out, out, nq, TOL_REDUCE);
+    check_f(st, ST_NAME("finish.lse"), d_lse, lse, nst, TOL_REDUCE);
+  }
+  if (!reload(st, d_out, out, nq) || !reload(st, d_lse, lse, nst)) return;
+  /* delta from a dout with rows C apart and the finished out (W apart) */
+  float *dout = h_rand(st, nacc, -1, 1), *delta = h_alloc(st, (size_t)nst * sizeof(float));
+  if (!dout || !delta) return;
+  float *d_dout = d_floats(st, dout, nacc), *d_delta = d_floats(st, out, nst);
+  if (st->broken) return;
+  pg_attention_block_delta(delta, dout, C, out, W, B, TQ, NH, HS);
+  if (launched(st, ST_NAME("delta"), pg_cuda_attention_block_delta(ctx, d_delta, d_dout, C, d_out, W, B, TQ, NH, HS)))
+    check_f(st, ST_NAME("delta"), d_delta, delta, nst, TOL_REDUCE);
+  if (!reload(st, d_delta, delta, nst)) return;
+  /* backward per block into random starting gradients: dq in a [B, TQ, W] buffer's query columns, dk and dv in
+   * the key block's gradient buffer (the fused layout) */
+  for (int k = 0; k < NBLK; k++) {
+    float *dq0 = h_rand(st, nq, -1, 1), *dkv0 = h_rand(st, nkv, -1, 1);
+    float *dq = h_copy(st, dq0, nq), *dkv = h_copy(st, dkv0, nkv);
+    if (!dq0 || !dkv0 || !dq || !dkv) return;
+    float *d_dq = d_floats(st, dq0, nq), *d_dkv = d_floats(st, dkv0, nkv);
+    if (st->broken) return;
+    const float *kk = kv[k] + (int64_t)NH * HS, *vv = kv[k] + (int64_t)(NH + NKV) * HS;
+    pg_attention_block_backward(dq, W, dkv + (int64_t)NH * HS, dkv + (int64_t)(NH + NKV) * HS, W, qc, W, kk, vv, W,
+                                dout, C, lse, delta, slopes, B, TQ, TK, NH, NKV, HS, q_pos0, k_pos0[k]);
+    float *dk_dev = d_dkv + (int64_t)NH * HS, *dv_dev = d_dkv + (int64_t)(NH + NKV) * HS;
+    const float *kd = d_kv[k] + (int64_t)NH * HS, *vd = d_kv[k] + (int64_t)(NH + NKV) * HS;
+    if (!launched(st, ST_NAME("backward"),
+                  pg_cuda_attention_block_backward(ctx, d_dq, W, dk_dev, dv_dev, W, d_q, W, kd, vd, W, d_dout, C,
+                                                   d_lse, d_delta, d_slopes, B, TQ, TK, NH, NKV, HS, q_pos0,
+                                                   k_pos0[k])))
+      return;
+    check_f(st, ST_NAME("backward.dq"), d_dq, dq, nq, TOL_GEMM);
+    check_f(st, ST_NAME("backward.dkv"), d_dkv, dkv, nkv, TOL_GEMM);
+    if (k != 1) continue;
+    float *first_q = d_get(st, d_dq, nq), *first_kv = d_get(st, d_dkv, nkv);
+    if (!first_q || !first_kv || !reload(st, d_dq, dq0, nq) || !reload(st, d_dkv, dkv0, nkv)) return;
+    if (launched(st, ST_NAME("backward (repeat)"),
+                 pg_cuda_attention_block_backward(ctx, d_dq, W, dk_dev, dv_dev, W, d_q, W, kd, vd, W, d_dout, C,
+                                                  d_lse, d_delta, d_slopes, B, TQ, TK, NH, NKV, HS, q_pos0,
+                                                  k_pos0[k]))) {
+      check_f(st, ST_NAME("backward.dq (repeat)"), d_dq, first_q, nq, 0, 0);
+      check_f(st, ST_NAME("backward.dkv (repeat)"), d_dkv, first_kv, nkv, 0, 0);
+    }
+  }
+#undef ST_NAME
+}
+
+/* Multi-head with HS 16, grouped-query with ALiBi (the second tensor-parallel rank's 4 of 8 heads). */
+static void test_attention_block(selftest *st) {
+  float slopes8[8];
+  pg_alibi_slopes(slopes8, 8);
+  attention_block_case(st, 3, 3, 16, NULL);
+  attention_block_case(st, 4, 2, 12, slopes8 + 4);
+}
+
 /* RoPE over the query and key heads of a grouped-query qkv block (the value
  * heads and the row tails stay as they are); tables longer than T. The CPU's
  * operations, separately rounded: the same values. */

@@ -480,6 +480,107 @@ static int l_attention_backward(lua_State *L) {
   return 1;
 }
 
+/* ---- block attention (context parallelism's ring; kernels.h's pg_attention_block_*) ----
+ * Queries and keys come as rows of the fused layout [B, T, (NH + 2 NKV) HS] (a chunk of a sequence's qkv):
+ * the query heads of qkv_q's rows, the key and value heads of qkv_kv's, at positions q_pos0.. and k_pos0.. */
+
+/* A position (>= 0) argument. */
+static int64_t pos_arg(lua_State *L, int idx, const char *fn, const char *name) {
+  int isint = 0;
+  lua_Integer v = lua_tointegerx(L, idx, &isint);
+  if (!isint || v < 0) luaL_error(L, "%s: %s: expected an integer >= 0, got %s", fn, name, luaL_tolstring(L, idx, NULL));
+  return (int64_t)v;
+}
+
+/* attention_block_(acc[B,Tq,NH HS], mx[B,NH,Tq], sm[B,NH,Tq], qkv_q[B,Tq,W], qkv_kv[B,Tk,W], heads, kv_heads,
+ * q_pos0, k_pos0 [, slopes[NH]]) -> acc: folds the key block into the online-softmax state (in place; start
+ * acc 0, mx -inf, sm 0) */
+static int l_attention_block_(lua_State *L) {
+  const char *fn = "ops.attention_block_";
+  int B, Tq, NH, NKV, HS;
+  pg_tensor *qq = qkv_arg(L, 4, 6, fn, &B, &Tq, &NH, &NKV, &HS);
+  pg_tensor *qkv = expect(L, 5, fn, "qkv_kv", PG_FLOAT32, 3, (int64_t[]){B, -1, qq->shape[2]});
+  if (qkv->numel > INT_MAX) return luaL_error(L, "%s: qkv_kv: too large for the kernels' int range", fn);
+  int Tk = (int)qkv->shape[1];
+  pg_tensor *acc = expect(L, 1, fn, "acc", PG_FLOAT32, 3, (int64_t[]){B, Tq, (int64_t)NH * HS});
+  pg_tensor *mx = expect(L, 2, fn, "mx", PG_FLOAT32, 3, (int64_t[]){B, NH, Tq});
+  pg_tensor *sm = expect(L, 3, fn, "sm", PG_FLOAT32, 3, (int64_t[]){B, NH, Tq});
+  int64_t q_pos0 = pos_arg(L, 8, fn, "q_pos0"), k_pos0 = pos_arg(L, 9, fn, "k_pos0");
+  const pg_tensor *slopes = lua_isnoneornil(L, 10) ? NULL : expect(L, 10, fn, "slopes", PG_FLOAT32, 1, (int64_t[]){NH});
+  const int64_t W = qq->shape[2];
+  const float *kv = pg_tensor_f32(qkv);
+  if (Tk > 0)
+    pg_attention_block_forward(pg_tensor_f32(acc), pg_tensor_f32(mx), pg_tensor_f32(sm), pg_tensor_f32(qq), W,
+                               kv + (int64_t)NH * HS, kv + (int64_t)(NH + NKV) * HS, W,
+                               slopes ? pg_tensor_f32(slopes) : NULL, B, Tq, Tk, NH, NKV, HS, q_pos0, k_pos0);
+  lua_settop(L, 1);
+  return 1;
+}
+
+/* attention_block_finish(acc[B,Tq,NH HS], mx[B,NH,Tq], sm[B,NH,Tq]) -> out[B,Tq,NH HS], lse[B,NH,Tq] */
+static int l_attention_block_finish(lua_State *L) {
+  const char *fn = "ops.attention_block_finish";
+  pg_tensor *mx = expect(L, 2, fn, "mx", PG_FLOAT32, 3, (int64_t[]){-1, -1, -1});
+  int64_t B = mx->shape[0], NH = mx->shape[1], Tq = mx->shape[2];
+  pg_tensor *acc = expect(L, 1, fn, "acc", PG_FLOAT32, 3, (int64_t[]){B, Tq, -1});
+  pg_tensor *sm = expect(L, 3, fn, "sm", PG_FLOAT32, 3, mx->shape);
+  if (NH == 0 || acc->shape[2] % NH)
+    return luaL_error(L, "%s: acc: width %I is not a multiple of mx's %I heads", fn, (lua_Integer)acc->shape[2],
+                      (lua_Integer)NH);
+  if (acc->numel > INT_MAX) return luaL_error(L, "%s: acc: too large for the kernels' int range", fn);
+  pg_tensor *out = pg_lua_new_tensor(L, PG_FLOAT32, 3, acc->shape);
+  pg_tensor *lse = pg_lua_new_tensor(L, PG_FLOAT32, 3, mx->shape);
+  pg_attention_block_finish(pg_tensor_f32(out), acc->shape[2], pg_tensor_f32(lse), pg_tensor_f32(acc),
+                            pg_tensor_f32(mx), pg_tensor_f32(sm), (int)B, (int)Tq, (int)NH, (int)(acc->shape[2] / NH));
+  return 2;
+}
+
+/* attention_block_delta(dout[B,Tq,NH HS], out[B,Tq,NH HS], heads) -> delta[B,NH,Tq] */
+static int l_attention_block_delta(lua_State *L) {
+  const char *fn = "ops.attention_block_delta";
+  pg_tensor *out = expect(L, 2, fn, "out", PG_FLOAT32, 3, (int64_t[]){-1, -1, -1});
+  pg_tensor *dout = expect(L, 1, fn, "dout", PG_FLOAT32, 3, out->shape);
+  int NH = int_arg(L, 3, fn, "heads", 1, 0, 0);
+  if (out->shape[2] % NH)
+    return luaL_error(L, "%s: out: width %I is not a multiple of heads=%d", fn, (lua_Integer)out->shape[2], NH);
+  if (out->numel > INT_MAX) return luaL_error(L, "%s: out: too large for the kernels' int range", fn);
+  int64_t B = out->shape[0], Tq = out->shape[1];
+  pg_tensor *delta = pg_lua_new_tensor(L, PG_FLOAT32, 3, (int64_t[]){B, NH, Tq});
+  pg_attention_block_delta(pg_tensor_f32(delta), pg_tensor_f32(dout), out->shape[2], pg_tensor_f32(out),
+                           out->shape[2], (int)B, (int)Tq, NH, (int)(out->shape[2] / NH));
+  return 1;
+}
+
+/* attention_block_backward_(dqkv_q[B,Tq,W], dqkv_kv[B,Tk,W], qkv_q, qkv_kv, dout[B,Tq,NH HS], lse[B,NH,Tq],
+ * delta[B,NH,Tq], heads, kv_heads, q_pos0, k_pos0 [, slopes]) -> dqkv_q: ADDS the block's query gradients to
+ * dqkv_q's query columns and its key and value gradients to dqkv_kv's key and value columns (the same tensor
+ * for a diagonal block) */
+static int l_attention_block_backward_(lua_State *L) {
+  const char *fn = "ops.attention_block_backward_";
+  int B, Tq, NH, NKV, HS;
+  pg_tensor *qq = qkv_arg(L, 3, 8, fn, &B, &Tq, &NH, &NKV, &HS);
+  const int64_t W = qq->shape[2];
+  pg_tensor *qkv = expect(L, 4, fn, "qkv_kv", PG_FLOAT32, 3, (int64_t[]){B, -1, W});
+  if (qkv->numel > INT_MAX) return luaL_error(L, "%s: qkv_kv: too large for the kernels' int range", fn);
+  int Tk = (int)qkv->shape[1];
+  pg_tensor *dq = expect(L, 1, fn, "dqkv_q", PG_FLOAT32, 3, qq->shape);
+  pg_tensor *dkv = expect(L, 2, fn, "dqkv_kv", PG_FLOAT32, 3, qkv->shape);
+  pg_tensor *dout = expect(L, 5, fn, "dout", PG_FLOAT32, 3, (int64_t[]){B, Tq, (int64_t)NH * HS});
+  pg_tensor *lse = expect(L, 6, fn, "lse", PG_FLOAT32, 3, (int64_t[]){B, NH, Tq});
+  pg_tensor *delta = expect(L, 7, fn, "delta", PG_FLOAT32, 3, (int64_t[]){B, NH, Tq});
+  int64_t q_pos0 = pos_arg(L, 10, fn, "q_pos0"), k_pos0 = pos_arg(L, 11, fn, "k_pos0");
+  const pg_tensor *slopes = lua_isnoneornil(L, 12) ? NULL : expect(L, 12, fn, "slopes", PG_FLOAT32, 1, (int64_t[]){NH});
+  const float *kv = pg_tensor_f32(qkv);
+  float *dkvp = pg_tensor_f32(dkv);
+  if (Tk > 0)
+    pg_attention_block_backward(pg_tensor_f32(dq), W, dkvp + (int64_t)NH * HS, dkvp + (int64_t)(NH + NKV) * HS, W,
+                                pg_tensor_f32(qq), W, kv + (int64_t)NH * HS, kv + (int64_t)(NH + NKV) * HS, W,
+                                pg_tensor_f32(dout), (int64_t)NH * HS, pg_tensor_f32(lse), pg_tensor_f32(delta),
+                                slopes ? pg_tensor_f32(slopes) : NULL, B, Tq, Tk, NH, NKV, HS, q_pos0, k_pos0);
+  lua_settop(L, 1);
+  return 1;
+}
+
 /* ---- rotary position embeddings ---- */
 
 /* rope(x[B, T, heads*HS], heads, theta) -> x with every head rotated (rope_backward: by the opposite angle) */
@@ -862,6 +963,10 @@ static const luaL_Reg ops_functions[] = {
     {"attention", l_attention},
     {"attention_backward", l_attention_backward},
     {"alibi_slopes", l_alibi_slopes},
+    {"attention_block_", l_attention_block_},
+    {"attention_block_finish", l_attention_block_finish},
+    {"attention_block_delta", l_attention_block_delta},
+    {"attention_block_backward_", l_attention_block_backward_},
     {"rope", l_rope},
     {"rope_backward", l_rope_backward},
     {"rope_inv_freq", l_rope_inv_freq},
@@ -900,6 +1005,10 @@ static const luaL_Reg ops_functions[] = {
 #define OPS_attention_forward l_attention
 #define OPS_attention_backward l_attention_backward
 #define OPS_attention_cached OPS_NONE("checked through the engine: generate_spec compares the cache path with engine:forward")
+#define OPS_attention_block_forward l_attention_block_
+#define OPS_attention_block_finish l_attention_block_finish
+#define OPS_attention_block_delta l_attention_block_delta
+#define OPS_attention_block_backward l_attention_block_backward_
 #define OPS_rope_forward l_rope
 #define OPS_rope_backward l_rope_backward
 #define OPS_rmsnorm_forward l_rmsnorm
