@@ -2,6 +2,7 @@
 #include "module_impl.h"
 #include "pg_size.h"
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,10 +25,11 @@ typedef struct attention_state {
   int32_t *cached;
   int cache_rows;
   size_t dec_x_n, dec_scores_n;
-  /* context parallelism (cp_on): every context rank's q|k|v of the micro-batch in sequence order [nslots][B, C T,
-   * in_width] and the probabilities over the whole sequence [nslots][B, heads_l, C T, C T]; one staging buffer
-   * for the gathers and two for the whole sequence's output (or its gradient) and input gradient */
-  float *cp_x, *cp_att, *cp_stage, *cp_full, *cp_dfull;
+  /* context parallelism (cp_on), the ring: per slot the log-sum-exp of every query row [nslots][B, 2, heads_l, L]
+   * (and with bf16 q|k|v the float32 output [nslots][rows, out_width], the backward's delta reads it); shared by
+   * the micro-batches, the two key/value blocks of the exchange [2][rows, 2 kv_l head_dim] and their gradients,
+   * the online softmax's state (acc [rows, out_width], max and sum [B, 2, heads_l, L]) and delta */
+  float *cp_lse, *cp_out, *cp_kv[2], *cp_dkv[2], *cp_acc, *cp_mx, *cp_sm, *cp_delta;
 } attention_state;
 
 /* Context parallelism: the module's context splits sequences (pg_io.cp_chunk says how). */
@@ -60,22 +62,24 @@ static void attention_claim(pg_module *m, attention_state *s, int slot) {
 static int attention_alloc(pg_module *m, int nslots, int max_rows) {
   attention_state *s = m->state;
   if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
-  size_t per_slot = (size_t)max_rows * s->heads_l * s->max_seq;
-  if (m->arena ? !arena_buffer(m->arena, per_slot * sizeof(float))
-               : !alloc_floats(m, &s->att, (size_t)(s->o.recompute ? 1 : nslots) * per_slot))
+  /* context parallelism keeps no probabilities: the ring's backward recomputes them from the log-sum-exp */
+  size_t per_slot = cp_size(m) > 1 ? 0 : (size_t)max_rows * s->heads_l * s->max_seq;
+  if (per_slot && (m->arena ? !arena_buffer(m->arena, per_slot * sizeof(float))
+                            : !alloc_floats(m, &s->att, (size_t)(s->o.recompute ? 1 : nslots) * per_slot)))
     return pg_fail("out of memory for %s (attention probabilities)", m->name);
   if (!alloc_floats(m, &s->scratch, (size_t)KERNEL(m, attention_scratch_floats, s->max_seq, s->heads_l)))
     return pg_fail("out of memory for %s (attention backward)", m->name);
   attention_claim(m, s, -1);
   if (!s->o.recompute) m->saved_bytes_per_slot += per_slot * sizeof(float);
   if (cp_size(m) > 1) {
-    size_t C = (size_t)cp_size(m), rows = C * max_rows, w = (size_t)(m->in_width > m->out_width ? m->in_width : m->out_width);
-    size_t x = rows * m->in_width, att = rows * s->heads_l * s->max_seq;
-    if (!alloc_floats(m, &s->cp_x, (size_t)nslots * x) || !alloc_floats(m, &s->cp_att, (size_t)nslots * att) ||
-        !alloc_floats(m, &s->cp_stage, rows * w) || !alloc_floats(m, &s->cp_full, rows * w) ||
-        !alloc_floats(m, &s->cp_dfull, x))
-      return pg_fail("out of memory for %s (context-parallel keys and values)", m->name);
-    m->saved_bytes_per_slot += (x + att) * sizeof(float);
+    size_t rows = (size_t)max_rows, stats = rows * s->heads_l, kv = rows * 2 * s->kv_l * s->o.head_dim;
+    size_t out = m->in_bf16 ? rows * m->out_width : 0;
+    int ok = alloc_floats(m, &s->cp_lse, (size_t)nslots * stats) && (!out || alloc_floats(m, &s->cp_out, nslots * out));
+    for (int i = 0; i < 2 && ok; i++) ok = alloc_floats(m, &s->cp_kv[i], kv) && alloc_floats(m, &s->cp_dkv[i], kv);
+    ok = ok && alloc_floats(m, &s->cp_acc, rows * m->out_width) && alloc_floats(m, &s->cp_mx, stats) &&
+         alloc_floats(m, &s->cp_sm, stats) && alloc_floats(m, &s->cp_delta, stats);
+    if (!ok) return pg_fail("out of memory for %s (the context-parallel ring)", m->name);
+    m->saved_bytes_per_slot += (stats + out) * sizeof(float);
   }
   if (s->o.rope_theta > 0) {
     size_t rot = (size_t)max_rows * m->in_width, table = (size_t)s->max_seq * (s->o.head_dim / 2);
@@ -252,61 +256,128 @@ static int rope_rows(pg_module *m, attention_state *s, const pg_io *io, float *b
   return PG_OK;
 }
 
-/* Context parallelism: this rank's rows [B, T, w] of every sequence gathered over the context group and put in
- * sequence order into whole [B, C T, w] (the ranks' chunks at their positions). */
-static int cp_gather_sequences(pg_module *m, attention_state *s, const pg_io *io, const float *mine, int w,
-                               float *whole) {
-  int C = cp_size(m), T = io->T, L = io->cp_chunk;
-  size_t per = (size_t)io->B * T * w;
-  memcpy(s->cp_stage + (size_t)m->ctx->cp_rank * per, mine, per * sizeof(float));
-  if (pg_all_gather_buf(m->ctx, PG_MODE_CONTEXT, s->cp_stage, (int64_t)per, PG_FLOAT32)) return PG_ERR;
-  for (int r = 0; r < C; r++)
-    for (int b = 0; b < io->B; b++)
-      for (int t = 0; t < T; t++)
-        memcpy(whole + ((size_t)b * C * T + (size_t)pg_cp_position(C, r, L, t)) * w,
-               s->cp_stage + (size_t)r * per + ((size_t)b * T + t) * w, (size_t)w * sizeof(float));
-  return PG_OK;
+/* ---------------------------------------------------------------- context parallelism: the ring */
+
+/* Rank r holds chunks r and 2C-1-r of every sequence (pg_cp_position) as its 2L rows. Its queries meet every
+ * context rank's keys and values: the blocks go round the context group (rank r sends to r+1, receives from
+ * r-1), each folded into an online softmax (kernels.h's pg_attention_block_*) while the next one travels, so
+ * after C steps every query has seen every key before it. Backward passes the blocks round again with their
+ * gradients, each rank adding its queries' part; after C steps a block's gradient is complete one rank before
+ * its owner, and goes home in a last hop. The pairs (query chunk, key chunk) are folded one sequence at a
+ * time, those with no visible key (the key chunk after the query chunk) skipped. */
+
+typedef struct ring_pair { size_t q_row, k_row; int64_t q_pos, k_pos; size_t stat; } ring_pair;
+
+/* The n-th (b, query chunk, key chunk) pair of this rank's rows with block src's, 0 when nothing is visible. */
+static int ring_pair_at(const pg_module *m, const pg_io *io, int src, int n, ring_pair *p) {
+  int L = io->cp_chunk, C = cp_size(m), b = n / 4, cq = (n / 2) % 2, ck = n % 2;
+  p->q_row = (size_t)b * io->T + (size_t)cq * L;
+  p->k_row = (size_t)b * io->T + (size_t)ck * L;
+  p->q_pos = pg_cp_position(C, m->ctx->cp_rank, L, (int64_t)cq * L);
+  p->k_pos = pg_cp_position(C, src, L, (int64_t)ck * L);
+  p->stat = ((size_t)b * 2 + cq) * ((attention_state *)m->state)->heads_l * L;
+  return p->k_pos <= p->q_pos + L - 1;
 }
 
-/* ... and back: this rank's rows of whole [B, C T, w] into mine [B, T, w]. */
-static void cp_own_rows(const pg_module *m, const pg_io *io, const float *whole, int w, float *mine) {
-  int C = cp_size(m), T = io->T, L = io->cp_chunk;
-  for (int b = 0; b < io->B; b++)
-    for (int t = 0; t < T; t++)
-      memcpy(mine + ((size_t)b * T + t) * w,
-             whole + ((size_t)b * C * T + (size_t)pg_cp_position(C, m->ctx->cp_rank, L, t)) * w,
-             (size_t)w * sizeof(float));
+/* Block of this rank's keys and values, packed [rows, 2 kv_l head_dim] (k then v, as in the q|k|v row). */
+static void ring_pack(const pg_module *m, const attention_state *s, int64_t N, const float *x, float *kv) {
+  size_t w = (size_t)2 * s->kv_l * s->o.head_dim, q = (size_t)s->heads_l * s->o.head_dim;
+  for (int64_t i = 0; i < N; i++) memcpy(kv + i * w, x + i * m->in_width + q, w * sizeof(float));
 }
 
-static float *cp_slot_x(pg_module *m, attention_state *s, int slot) {
-  return s->cp_x + (size_t)slot * cp_size(m) * m->max_rows * m->in_width;
-}
-static float *cp_slot_att(pg_module *m, attention_state *s, int slot) {
-  return s->cp_att + (size_t)slot * cp_size(m) * m->max_rows * s->heads_l * s->max_seq;
+/* Starts the step's exchange: block `mine` to the next context rank, the previous one's into `theirs`. */
+static int ring_start(pg_module *m, float *mine, float *theirs, int64_t n, int tag, pg_request **sq,
+                      pg_request **rq) {
+  int C = cp_size(m), r = m->ctx->cp_rank;
+  return pg_irecv_buf(m->ctx, PG_MODE_CONTEXT, theirs, n, (r + C - 1) % C, tag, rq) ||
+         pg_isend_buf(m->ctx, PG_MODE_CONTEXT, mine, n, (r + 1) % C, tag, sq);
 }
 
-/* The core under context parallelism: the whole sequences' q|k|v gathered over the context group, causal
- * attention over them, this rank's rows of the output. */
+static int ring_wait(pg_request **sq, pg_request **rq) {
+  int a = pg_wait(rq), b = pg_wait(sq); /* both, whatever the first gives */
+  return a || b;
+}
+
 static int cp_attention_forward(pg_module *m, attention_state *s, int slot, const pg_io *io, const float *xf,
                                 float *out) {
-  float *x = cp_slot_x(m, s, slot);
-  if (cp_gather_sequences(m, s, io, xf, m->in_width, x) ||
-      KERNEL(m, attention_forward, s->cp_full, cp_slot_att(m, s, slot), x, s->slopes, io->B, cp_size(m) * io->T,
-             s->heads_l, s->kv_l, s->o.head_dim))
-    return PG_ERR;
-  cp_own_rows(m, io, s->cp_full, m->out_width, out);
+  int C = cp_size(m), r = m->ctx->cp_rank, L = io->cp_chunk, hd = s->o.head_dim, W = m->in_width;
+  int OW = m->out_width, kvs = 2 * s->kv_l * hd;
+  int64_t N = (int64_t)io->B * io->T, nkv = N * kvs, nstat = N * s->heads_l;
+  float *lse = s->cp_lse + (size_t)slot * m->max_rows * s->heads_l;
+  memset(s->cp_acc, 0, (size_t)N * OW * sizeof(float));
+  memset(s->cp_sm, 0, (size_t)nstat * sizeof(float));
+  for (int64_t i = 0; i < nstat; i++) s->cp_mx[i] = -INFINITY;
+  ring_pack(m, s, N, xf, s->cp_kv[0]);
+  int cur = 0, rc = PG_OK;
+  for (int step = 0; step < C && !rc; step++) {
+    int src = (r - step + C) % C;
+    pg_request *sq = NULL, *rq = NULL;
+    if (step < C - 1) rc = ring_start(m, s->cp_kv[cur], s->cp_kv[1 - cur], nkv, 0, &sq, &rq);
+    const float *kv = s->cp_kv[cur];
+    for (int n = 0; n < 4 * io->B && !rc; n++) {
+      ring_pair p;
+      if (!ring_pair_at(m, io, src, n, &p)) continue;
+      rc = KERNEL(m, attention_block_forward, s->cp_acc + p.q_row * OW, s->cp_mx + p.stat, s->cp_sm + p.stat,
+                  xf + p.q_row * W, W, kv + p.k_row * kvs, kv + p.k_row * kvs + s->kv_l * hd, kvs, s->slopes, 1, L,
+                  L, s->heads_l, s->kv_l, hd, p.q_pos, p.k_pos);
+    }
+    if (step < C - 1) rc = ring_wait(&sq, &rq) || rc;
+    cur = 1 - cur;
+  }
+  if (rc) return PG_ERR;
+  for (int b = 0; b < io->B; b++)
+    for (int c = 0; c < 2; c++) {
+      size_t row = (size_t)b * io->T + (size_t)c * L, stat = ((size_t)b * 2 + c) * s->heads_l * L;
+      if (KERNEL(m, attention_block_finish, out + row * OW, OW, lse + stat, s->cp_acc + row * OW, s->cp_mx + stat,
+                 s->cp_sm + stat, 1, L, s->heads_l, hd))
+        return PG_ERR;
+    }
+  /* bf16: the float32 output the backward's delta reads (the slot's output is rounded) */
+  if (s->cp_out) memcpy(s->cp_out + (size_t)slot * m->max_rows * OW, out, (size_t)N * OW * sizeof(float));
   return PG_OK;
 }
 
-/* Its backward: the output gradient of every rank's rows gathered, the whole q|k|v gradient (the same on every
- * context rank), this rank's rows of it. */
-static int cp_attention_backward(pg_module *m, attention_state *s, int slot, const pg_io *io, const float *dy,
-                                 float *dinp) {
-  if (cp_gather_sequences(m, s, io, dy, m->out_width, s->cp_full) ||
-      KERNEL(m, attention_backward, s->cp_dfull, s->scratch, s->cp_full, cp_slot_x(m, s, slot),
-             cp_slot_att(m, s, slot), io->B, cp_size(m) * io->T, s->heads_l, s->kv_l, s->o.head_dim))
-    return PG_ERR;
-  cp_own_rows(m, io, s->cp_dfull, m->in_width, dinp);
+static int cp_attention_backward(pg_module *m, attention_state *s, int slot, const pg_io *io, const float *x,
+                                 const float *dy, float *dinp) {
+  int C = cp_size(m), r = m->ctx->cp_rank, L = io->cp_chunk, hd = s->o.head_dim, W = m->in_width;
+  int OW = m->out_width, kvs = 2 * s->kv_l * hd;
+  int64_t N = (int64_t)io->B * io->T, nkv = N * kvs;
+  const float *lse = s->cp_lse + (size_t)slot * m->max_rows * s->heads_l;
+  const float *out = s->cp_out ? s->cp_out + (size_t)slot * m->max_rows * OW : slot_out(m, slot);
+  for (int b = 0; b < io->B; b++)
+    for (int c = 0; c < 2; c++) {
+      size_t row = (size_t)b * io->T + (size_t)c * L, stat = ((size_t)b * 2 + c) * s->heads_l * L;
+      if (KERNEL(m, attention_block_delta, s->cp_delta + stat, dy + row * OW, OW, out + row * OW, OW, 1, L,
+                 s->heads_l, hd))
+        return PG_ERR;
+    }
+  memset(dinp, 0, (size_t)N * W * sizeof(float));
+  memset(s->cp_dkv[0], 0, (size_t)nkv * sizeof(float));
+  ring_pack(m, s, N, x, s->cp_kv[0]);
+  int cur = 0, rc = PG_OK;
+  for (int step = 0; step < C && !rc; step++) {
+    int src = (r - step + C) % C;
+    pg_request *sq = NULL, *rq = NULL;
+    if (step < C - 1) rc = ring_start(m, s->cp_kv[cur], s->cp_kv[1 - cur], nkv, 1, &sq, &rq);
+    const float *kv = s->cp_kv[cur];
+    float *dkv = s->cp_dkv[cur];
+    for (int n = 0; n < 4 * io->B && !rc; n++) {
+      ring_pair p;
+      if (!ring_pair_at(m, io, src, n, &p)) continue;
+      rc = KERNEL(m, attention_block_backward, dinp + p.q_row * W, W, dkv + p.k_row * kvs,
+                  dkv + p.k_row * kvs + s->kv_l * hd, kvs, x + p.q_row * W, W, kv + p.k_row * kvs,
+                  kv + p.k_row * kvs + s->kv_l * hd, kvs, dy + p.q_row * OW, OW, lse + p.stat, s->cp_delta + p.stat,
+                  s->slopes, 1, L, L, s->heads_l, s->kv_l, hd, p.q_pos, p.k_pos);
+    }
+    if (step < C - 1) rc = ring_wait(&sq, &rq) || rc;
+    /* the block's gradient so far goes on with it (the last step: home, to its owner, the next rank) */
+    if (!rc) rc = ring_start(m, dkv, s->cp_dkv[1 - cur], nkv, 2, &sq, &rq) || ring_wait(&sq, &rq);
+    cur = 1 - cur;
+  }
+  if (rc) return PG_ERR;
+  const float *dkv = s->cp_dkv[cur]; /* this rank's keys' and values' gradient, complete */
+  size_t q = (size_t)s->heads_l * hd;
+  for (int64_t i = 0; i < N; i++) memcpy(dinp + i * W + q, dkv + i * kvs, (size_t)kvs * sizeof(float));
   return PG_OK;
 }
 
@@ -316,12 +387,15 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
   if (check_rows(m, slot, io)) return PG_ERR;
   int64_t seq = cp_on(m, io) ? (int64_t)cp_size(m) * io->T : io->T;
   if (seq > s->max_seq) return pg_fail("%s: sequence length %lld exceeds the model's %d", m->name, (long long)seq, s->max_seq);
+  if (cp_size(m) > 1 && !cp_on(m, io))
+    return pg_fail("%s: attention under context=%d holds two chunks of each sequence, which only an engine's "
+                   "micro-batches describe (pg.parallelize)", m->name, cp_size(m));
   if (cp_on(m, io) && s->o.recompute)
     return pg_fail("%s: recomputed attention with context=%d is not supported: recompute whole blocks instead", m->name,
                    cp_size(m));
   int N = io->B * io->T, hd = s->o.head_dim;
   int64_t n_in = (int64_t)N * m->in_width;
-  float *att = attention_probs(m, s, slot);
+  float *att = cp_on(m, io) ? NULL : attention_probs(m, s, slot);
   /* bf16 q|k|v (in_bf16): the core runs on their float32 values (softmax in float32, as torch's math path
    * upcasts), its output rounded once; saved_x keeps the bf16 input, or with RoPE the float32 rotated copy */
   const float *xf = x;
@@ -351,7 +425,7 @@ static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy
   attention_state *s = m->state;
   int N = io->B * io->T, hd = s->o.head_dim;
   int64_t n_in = (int64_t)N * m->in_width;
-  float *att = attention_probs(m, s, slot);
+  float *att = cp_on(m, io) ? NULL : attention_probs(m, s, slot);
   /* bf16 (in_bf16): q|k|v widened into wide_scratch[0] (unless RoPE saved them rotated in float32), the output
    * gradient into [1], the input gradient made in [2] and rounded at the end */
   const float *x = s->saved_x[slot];
@@ -371,7 +445,7 @@ static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy
     if (KERNEL(m, bf16_to_f32, io->wide_scratch[1], cbits(dy), (int64_t)N * m->out_width)) return PG_ERR;
     dy = io->wide_scratch[1];
   }
-  if (cp_on(m, io) ? cp_attention_backward(m, s, slot, io, dy, dinp)
+  if (cp_on(m, io) ? cp_attention_backward(m, s, slot, io, x, dy, dinp)
                    : KERNEL(m, attention_backward, dinp, s->scratch, dy, x, att, io->B, io->T, s->heads_l, s->kv_l, hd))
     return PG_ERR;
   /* the gradient of the rotated q and k, rotated back */
@@ -389,11 +463,9 @@ static void attention_destroy(pg_module *m) {
   pg_be_release(home_backend(BE(m)), s->cos_t);
   pg_be_release(home_backend(BE(m)), s->sin_t);
   pg_be_release(home_backend(BE(m)), s->slopes);
-  pg_be_release(BE(m), s->cp_x);
-  pg_be_release(BE(m), s->cp_att);
-  pg_be_release(BE(m), s->cp_stage);
-  pg_be_release(BE(m), s->cp_full);
-  pg_be_release(BE(m), s->cp_dfull);
+  float *cp[] = {s->cp_lse, s->cp_out, s->cp_kv[0], s->cp_kv[1], s->cp_dkv[0], s->cp_dkv[1], s->cp_acc, s->cp_mx,
+                 s->cp_sm, s->cp_delta};
+  for (size_t i = 0; i < sizeof cp / sizeof *cp; i++) pg_be_release(BE(m), cp[i]);
   free(s->saved_x);
   attention_release_cache(m);
 }
