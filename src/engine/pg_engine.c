@@ -35,6 +35,8 @@ static int64_t boundary_rows_max(const pg_engine *e, int64_t N) {
 
 /* ---------------------------------------------------------------- construction */
 
+static int cp_check_engine(const pg_engine *e);
+
 /* Every chunk's parameters, chunk by chunk: one flat buffer per rank. */
 static int collect_params(pg_engine *e) {
   for (int v = 0; v < e->nchunks; v++) {
@@ -343,7 +345,7 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *const *stages, int nchunks,
     rc = check_widths(e, v) || pg_module_set_backend(chunks[v].stage, e->be) ||
          pg_module_set_precision(chunks[v].stage, opts->precision) ||
          pg_module_use_recompute_arena(chunks[v].stage, e->recompute_arena);
-  if (rc || make_schedule(e) || bind_params(e, seed) || build_buckets(e) ||
+  if (rc || make_schedule(e) || bind_params(e, seed) || cp_check_engine(e) || build_buckets(e) ||
       count_parameters(e, &e->num_parameters)) {
     pg_engine_free(e);
     return NULL;
@@ -909,15 +911,26 @@ static int evaluate_rows(pg_engine *e, const int32_t *tokens, const int32_t *tar
 
 static int cp_on(const pg_engine *e) { return e->ctx->context > 1; }
 
-/* What context parallelism cannot serve, refused before anything runs. */
-static int cp_check(const pg_engine *e, int T, const char *what) {
+/* What context parallelism cannot serve, refused when the engine is made. */
+static int cp_check_engine(const pg_engine *e) {
   if (!cp_on(e)) return PG_OK;
   int C = e->ctx->context;
   if (e->be->device != PG_CPU)
     return pg_fail("context=%d: context parallelism runs on the cpu backend only (not %s)", C, e->be->name);
   if (e->flat_padded > e->dense_padded || e->opts.router_experts > 0)
-    return pg_fail("context=%d with a mixture of experts is not supported (expert capacity and the routing totals "
-                   "are per whole sequence): use context = 1", C);
+    return pg_fail("context=%d with a mixture of experts is not supported (expert capacity is per sequence and "
+                   "the routing totals per micro-batch: each context rank would drop tokens by its own chunks): use "
+                   "context = 1", C);
+  if (e->opts.objective)
+    return pg_fail("context=%d with an objective written in Lua is not supported (it would see two chunks of each "
+                   "sequence as its rows): use the model's own loss or context = 1", C);
+  return PG_OK;
+}
+
+/* ... and per batch: the sequence cut into 2C equal chunks. */
+static int cp_check(const pg_engine *e, int T, const char *what) {
+  if (!cp_on(e)) return PG_OK;
+  int C = e->ctx->context;
   if (T % (2 * C))
     return pg_fail("%s: sequence length %d is not divisible by 2 x context = %d (each context rank holds two of the "
                    "2C equal chunks of every sequence)", what, T, 2 * C);
