@@ -67,7 +67,9 @@ static int attention_alloc(pg_module *m, int nslots, int max_rows) {
   if (per_slot && (m->arena ? !arena_buffer(m->arena, per_slot * sizeof(float))
                             : !alloc_floats(m, &s->att, (size_t)(s->o.recompute ? 1 : nslots) * per_slot)))
     return pg_fail("out of memory for %s (attention probabilities)", m->name);
-  if (!alloc_floats(m, &s->scratch, (size_t)KERNEL(m, attention_scratch_floats, s->max_seq, s->heads_l)))
+  /* the whole-sequence backward's [T, T] blocks; the ring's kernels need none */
+  if (cp_size(m) == 1 &&
+      !alloc_floats(m, &s->scratch, (size_t)KERNEL(m, attention_scratch_floats, s->max_seq, s->heads_l)))
     return pg_fail("out of memory for %s (attention backward)", m->name);
   attention_claim(m, s, -1);
   if (!s->o.recompute) m->saved_bytes_per_slot += per_slot * sizeof(float);
