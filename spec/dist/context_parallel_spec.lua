@@ -3,7 +3,7 @@
 -- model on the same seed (ParallelContext{self = true} in the same job): each
 -- sequence cut into 2C chunks, context rank r holding chunks r and 2C-1-r,
 -- attention by the ring of key/value blocks. Layouts: CP = 2 (and with
--- ZeRO-1) on 2 ranks; CP = 4, P = 2 x CP = 2 and D = 2 x CP = 2 with ZeRO-1,
+-- ZeRO-2) on 2 ranks; CP = 4, P = 2 x CP = 2 and D = 2 x CP = 2 with ZeRO-1,
 -- T = 2 x CP = 2 with sequence parallelism on 4; T = 2 x CP = 2 x D = 2 with
 -- ZeRO-1 on 8. Models: GPT-2 (learned positions), LLaMA (RoPE, grouped-query
 -- attention) and on 2 ranks BLOOM (ALiBi). For each: the loss, every
@@ -30,7 +30,7 @@ local RTOL, ATOL = 1e-5, 1e-6
 local LR, PARAM_RTOL, PARAM_ATOL = 1e-3, 1e-5, 1e-5
 
 local LAYOUTS = ({
-  [2] = { { name = "CP=2", context = 2, m = 2 }, { name = "CP=2, zero=1", context = 2, m = 1, zero = 1 } },
+  [2] = { { name = "CP=2", context = 2, m = 2 }, { name = "CP=2, zero=2", context = 2, m = 2, zero = 2 } },
   [4] = { { name = "CP=4", context = 4, m = 2 },
           { name = "P=2 x CP=2, 1f1b", pipeline = 2, context = 2, m = 4 },
           { name = "D=2 x CP=2, zero=1", data = 2, context = 2, m = 1, zero = 1 },

@@ -29,7 +29,7 @@ typedef struct attention_state {
    * (and with bf16 q|k|v the float32 output [nslots][rows, out_width], the backward's delta reads it); shared by
    * the micro-batches, the two key/value blocks of the exchange [2][rows, 2 kv_l head_dim] and their gradients,
    * the online softmax's state (acc [rows, out_width], max and sum [B, 2, heads_l, L]) and delta */
-  float *cp_lse, *cp_out, *cp_kv[2], *cp_dkv[2], *cp_acc, *cp_mx, *cp_sm, *cp_delta;
+  float *cp_lse, *cp_out, *cp_kv[2], *cp_dkv[3], *cp_acc, *cp_mx, *cp_sm, *cp_delta;
 } attention_state;
 
 /* Context parallelism: the module's context splits sequences (pg_io.cp_chunk says how). */
@@ -77,7 +77,8 @@ static int attention_alloc(pg_module *m, int nslots, int max_rows) {
     size_t rows = (size_t)max_rows, stats = rows * s->heads_l, kv = rows * 2 * s->kv_l * s->o.head_dim;
     size_t out = m->in_bf16 ? rows * m->out_width : 0;
     int ok = alloc_floats(m, &s->cp_lse, (size_t)nslots * stats) && (!out || alloc_floats(m, &s->cp_out, nslots * out));
-    for (int i = 0; i < 2 && ok; i++) ok = alloc_floats(m, &s->cp_kv[i], kv) && alloc_floats(m, &s->cp_dkv[i], kv);
+    for (int i = 0; i < 2 && ok; i++) ok = alloc_floats(m, &s->cp_kv[i], kv) != NULL;
+    for (int i = 0; i < 3 && ok; i++) ok = alloc_floats(m, &s->cp_dkv[i], kv) != NULL;
     ok = ok && alloc_floats(m, &s->cp_acc, rows * m->out_width) && alloc_floats(m, &s->cp_mx, stats) &&
          alloc_floats(m, &s->cp_sm, stats) && alloc_floats(m, &s->cp_delta, stats);
     if (!ok) return pg_fail("out of memory for %s (the context-parallel ring)", m->name);
@@ -353,8 +354,11 @@ static int cp_attention_backward(pg_module *m, attention_state *s, int slot, con
                  s->heads_l, hd))
         return PG_ERR;
     }
+  /* dkv: this step's contributions (from zero), the block's partial sum arriving from the previous rank
+   * (received while the step computes), the sum leaving for the next rank (sent while the next step computes) */
+  float *mine = s->cp_dkv[0], *in = s->cp_dkv[1], *outgoing = s->cp_dkv[2];
+  pg_request *dsq = NULL, *drq = NULL;
   memset(dinp, 0, (size_t)N * W * sizeof(float));
-  memset(s->cp_dkv[0], 0, (size_t)nkv * sizeof(float));
   ring_pack(m, s, N, x, s->cp_kv[0]);
   int cur = 0, rc = PG_OK;
   for (int step = 0; step < C && !rc; step++) {
@@ -362,22 +366,33 @@ static int cp_attention_backward(pg_module *m, attention_state *s, int slot, con
     pg_request *sq = NULL, *rq = NULL;
     if (step < C - 1) rc = ring_start(m, s->cp_kv[cur], s->cp_kv[1 - cur], nkv, 1, &sq, &rq);
     const float *kv = s->cp_kv[cur];
-    float *dkv = s->cp_dkv[cur];
+    memset(mine, 0, (size_t)nkv * sizeof(float));
     for (int n = 0; n < 4 * io->B && !rc; n++) {
       ring_pair p;
       if (!ring_pair_at(m, io, src, n, &p)) continue;
-      rc = KERNEL(m, attention_block_backward, dinp + p.q_row * W, W, dkv + p.k_row * kvs,
-                  dkv + p.k_row * kvs + s->kv_l * hd, kvs, x + p.q_row * W, W, kv + p.k_row * kvs,
+      rc = KERNEL(m, attention_block_backward, dinp + p.q_row * W, W, mine + p.k_row * kvs,
+                  mine + p.k_row * kvs + s->kv_l * hd, kvs, x + p.q_row * W, W, kv + p.k_row * kvs,
                   kv + p.k_row * kvs + s->kv_l * hd, kvs, dy + p.q_row * OW, OW, lse + p.stat, s->cp_delta + p.stat,
                   s->slopes, 1, L, L, s->heads_l, s->kv_l, hd, p.q_pos, p.k_pos);
     }
     if (step < C - 1) rc = ring_wait(&sq, &rq) || rc;
-    /* the block's gradient so far goes on with it (the last step: home, to its owner, the next rank) */
-    if (!rc) rc = ring_start(m, dkv, s->cp_dkv[1 - cur], nkv, 2, &sq, &rq) || ring_wait(&sq, &rq);
+    /* the block's partial sum from the ranks before (none for this rank's own block, step 0) joins ours */
+    if (step > 0 && !rc && !(rc = pg_wait(&drq)))
+      for (int64_t i = 0; i < nkv; i++) mine[i] += in[i];
+    /* and goes on to the next rank (the last step: home, to its owner), whose partial for our next block we
+     * receive meanwhile */
+    if (!rc) rc = ring_wait(&dsq, &drq);
+    if (!rc) {
+      float *t = outgoing;
+      outgoing = mine;
+      mine = t;
+      rc = ring_start(m, outgoing, in, nkv, 2, &dsq, &drq);
+    }
     cur = 1 - cur;
   }
+  rc = ring_wait(&dsq, &drq) || rc;
   if (rc) return PG_ERR;
-  const float *dkv = s->cp_dkv[cur]; /* this rank's keys' and values' gradient, complete */
+  const float *dkv = in; /* this rank's keys' and values' gradient, complete */
   size_t q = (size_t)s->heads_l * hd;
   for (int64_t i = 0; i < N; i++) memcpy(dinp + i * W + q, dkv + i * kvs, (size_t)kvs * sizeof(float));
   return PG_OK;
@@ -465,7 +480,7 @@ static void attention_destroy(pg_module *m) {
   pg_be_release(home_backend(BE(m)), s->cos_t);
   pg_be_release(home_backend(BE(m)), s->sin_t);
   pg_be_release(home_backend(BE(m)), s->slopes);
-  float *cp[] = {s->cp_lse, s->cp_out, s->cp_kv[0], s->cp_kv[1], s->cp_dkv[0], s->cp_dkv[1], s->cp_acc, s->cp_mx,
+  float *cp[] = {s->cp_lse, s->cp_out, s->cp_kv[0], s->cp_kv[1], s->cp_dkv[0], s->cp_dkv[1], s->cp_dkv[2], s->cp_acc, s->cp_mx,
                  s->cp_sm, s->cp_delta};
   for (size_t i = 0; i < sizeof cp / sizeof *cp; i++) pg_be_release(BE(m), cp[i]);
   free(s->saved_x);
