@@ -1,9 +1,11 @@
 -- worlds: 2 4 8
+-- device worlds: 2
 -- Context parallelism (pg.ParallelContext{context = C}) against the serial
 -- model on the same seed (ParallelContext{self = true} in the same job): each
 -- sequence cut into 2C chunks, context rank r holding chunks r and 2C-1-r,
 -- attention by the ring of key/value blocks. Layouts: CP = 2 (and with
--- ZeRO-2) on 2 ranks; CP = 4, P = 2 x CP = 2 and D = 2 x CP = 2 with ZeRO-1,
+-- ZeRO-2, and with recompute = full) on 2 ranks; CP = 4, P = 2 x CP = 2 (1F1B
+-- and interleaved) and D = 2 x CP = 2 with ZeRO-1,
 -- T = 2 x CP = 2 with sequence parallelism on 4; T = 2 x CP = 2 x D = 2 with
 -- ZeRO-1 on 8. Models: GPT-2 (learned positions), LLaMA (RoPE, grouped-query
 -- attention) and on 2 ranks BLOOM (ALiBi). For each: the loss, every
@@ -26,13 +28,16 @@ local pg = require "pipegoose"
 local h = require "helpers"
 
 local W = pg.world_size()
+local DEVICE = os.getenv("PG_TEST_DEVICE") or "cpu"
 local RTOL, ATOL = 1e-5, 1e-6
 local LR, PARAM_RTOL, PARAM_ATOL = 1e-3, 1e-5, 1e-5
 
 local LAYOUTS = ({
-  [2] = { { name = "CP=2", context = 2, m = 2 }, { name = "CP=2, zero=2", context = 2, m = 2, zero = 2 } },
+  [2] = { { name = "CP=2", context = 2, m = 2 }, { name = "CP=2, zero=2", context = 2, m = 2, zero = 2 },
+          { name = "CP=2, recompute=full", context = 2, m = 2, recompute = "full" } },
   [4] = { { name = "CP=4", context = 4, m = 2 },
           { name = "P=2 x CP=2, 1f1b", pipeline = 2, context = 2, m = 4 },
+          { name = "P=2 x CP=2, virtual_stages=2", pipeline = 2, context = 2, m = 2, virtual_stages = 2 },
           { name = "D=2 x CP=2, zero=1", data = 2, context = 2, m = 1, zero = 1 },
           { name = "T=2 x CP=2, sequence parallel", tensor = 2, context = 2, m = 2, sp = true } },
   [8] = { { name = "T=2 x CP=2 x D=2, zero=1", tensor = 2, context = 2, data = 2, m = 1, zero = 1 } },
@@ -95,6 +100,19 @@ local function mine(ctx, t)
   return t:narrow(1, d * n + 1, n)
 end
 
+-- On the (emulated) device: refused by name (the ring is host code for now).
+if DEVICE ~= "cpu" then
+  describe(("context parallelism on %d ranks (%s)"):format(W, DEVICE), function()
+    it("is refused by name on the device", function()
+      local ok, err = pcall(pg.parallelize, MODELS.gpt(), pg.ParallelContext{ context = W, seed = 5 },
+        { device = DEVICE })
+      assert.is_false(ok)
+      assert.matches("context parallelism runs on the cpu backend only", err, 1, true)
+    end)
+  end)
+  return
+end
+
 describe(("context parallelism on %d ranks"):format(W), function()
   for _, layout in ipairs(LAYOUTS) do
     for _, name in ipairs(NAMES) do
@@ -105,7 +123,8 @@ describe(("context parallelism on %d ranks"):format(W), function()
                                         context = layout.context, seed = 5 }
         assert.equal(layout.context, ctx:sizes().context)
         local x, y = mine(ctx, X), mine(ctx, Y)
-        local e = pg.parallelize(MODELS[name](), ctx, { micro_batches = layout.m, sequence_parallel = layout.sp })
+        local e = pg.parallelize(MODELS[name](), ctx, { micro_batches = layout.m, sequence_parallel = layout.sp,
+          recompute = layout.recompute, virtual_stages = layout.virtual_stages })
         ctx:reset_comm_stats()
         e:zero_grad()
         assert_loss(e:forward_backward(x, y), want.loss, layout.name)
@@ -276,6 +295,11 @@ describe(("context parallelism on %d ranks"):format(W), function()
       local es = pg.parallelize(lua_model(true), ser)
       local xs, ys = h.token_batch(3, 2, 8, 61), h.token_batch(4, 2, 8, 61)
       assert_loss(el:forward_backward(xs, ys), es:forward_backward(xs, ys), "position-wise Lua module")
+      -- recomputing attention's core alone would run the ring a third time per step: whole blocks instead
+      local er = pg.parallelize(MODELS.gpt(), ctx, { recompute = "selective" })
+      ok, err = pcall(er.forward_backward, er, X, Y)
+      assert.is_false(ok)
+      assert.matches("recomputed attention with context=2 is not supported", err, 1, true)
       -- a mixture of experts: capacity is per sequence
       ok, err = pcall(pg.parallelize, pg.nn.Mixtral{ vocab = 61, seq_len = 8, dim = 16, heads = 2, kv_heads = 2,
         hidden = 24, layers = 1, experts = 4, top_k = 2 }, ctx)
