@@ -292,8 +292,9 @@ static void ring_pack(const pg_module *m, const attention_state *s, int64_t N, c
 static int ring_start(pg_module *m, float *mine, float *theirs, int64_t n, int tag, pg_request **sq,
                       pg_request **rq) {
   int C = cp_size(m), r = m->ctx->cp_rank;
-  return pg_irecv_buf(m->ctx, PG_MODE_CONTEXT, theirs, n, (r + C - 1) % C, tag, rq) ||
-         pg_isend_buf(m->ctx, PG_MODE_CONTEXT, mine, n, (r + 1) % C, tag, sq);
+  /* the send first: under PG_DEBUG=1 a receive waits for its sender's record, shipped at the send */
+  return pg_isend_buf(m->ctx, PG_MODE_CONTEXT, mine, n, (r + 1) % C, tag, sq) ||
+         pg_irecv_buf(m->ctx, PG_MODE_CONTEXT, theirs, n, (r + C - 1) % C, tag, rq);
 }
 
 static int ring_wait(pg_request **sq, pg_request **rq) {

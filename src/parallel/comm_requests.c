@@ -100,6 +100,8 @@ int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t n, int ds
   return PG_OK;
 }
 
+static int check_shipped(pg_context *ctx, pg_mode m, const call_rec *mine, double deadline, double limit);
+
 /* The receiving half of a ring exchange (context parallelism's keys and values), host memory only: MPI_Irecv,
  * counted at the start as pg_isend_buf counts its send; pg_wait completes it with the pipeline's deadline. */
 int pg_irecv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, int src, int tag, pg_request **req) {
@@ -120,6 +122,14 @@ int pg_irecv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, int src, int
   r->rec.recv_dtype = PG_FLOAT32;
   r->rec.recv_count = n;
   r->rec_req = MPI_REQUEST_NULL;
+  /* PG_DEBUG=1: the sender's record (shipped at its isend, which a ring starts before its receive) checked
+   * against this receive first, as pg_recv_buf does */
+  double deadline, limit;
+  if (comm_debug_checks() && ctx->group[m].size > 1 &&
+      (deadline_of(&deadline, &limit) || check_shipped(ctx, m, &r->rec, deadline, limit))) {
+    free(r);
+    return PG_ERR;
+  }
   double t0 = pg_wtime();
   int rc = MPI_Irecv(buf, (int)n, MPI_FLOAT, src, tag, ctx->group[m].comm, &r->mpi);
   if (rc != MPI_SUCCESS) {
