@@ -162,6 +162,18 @@ describe(("context parallelism on %d ranks"):format(W), function()
     end
   end
 
+  if W == 4 then
+    it("P=2 x CP=2: whole-model writers (llm.c, HF export) gather every parameter to rank 0 as the serial one", function()
+      local ctx = pg.ParallelContext{ pipeline = 2, context = 2, seed = 5 }
+      local e, s = pg.parallelize(MODELS.gpt(), ctx), pg.parallelize(MODELS.gpt(), ser)
+      for _, p in ipairs(s:parameters()) do
+        local want = s:gather_param(p.name)
+        local got = e:gather_to_root(p.name, function(t) return t end, want:shape())
+        if ctx:rank() == 0 then assert.is_true(got:equal(want), p.name) end
+      end
+    end)
+  end
+
   it("the rank order puts context between tensor and data (Megatron-LM's tp-cp-dp-pp)", function()
     local C = W >= 4 and 2 or W
     local T = W >= 4 and 2 or 1
