@@ -159,12 +159,14 @@ void pg_attention_cached(float *out, float *scores, float *kcache, float *vcache
  * Query head h uses kv head h / (NH / NKV) (NKV divides NH), as pg_attention_forward. Causal: key j is
  * visible to query i iff k_pos0 + j <= q_pos0 + i. The score is pg_attention_forward's, operation for
  * operation: scale (q . k) with scale = 1 / sqrtf(HS), then + slopes[h] (float)(kpos - qpos) with ALiBi
- * (slopes NULL or NH floats). No scratch: keys are taken in tiles on the stack. Deterministic for any thread
- * count (each (b, h) or (b, kv head) is one thread's, in a fixed order). */
+ * (slopes NULL or NH floats). Strides below 2^31 (they are sgemm's leading dimensions). No scratch: keys are
+ * taken in tiles on the stack. Deterministic for any thread count (each (b, h) or (b, kv head) is one
+ * thread's, in a fixed order). */
 
 /* Folds one key block into the online-softmax state: acc[B, Tq, NH, HS] (the unnormalised output, contiguous
- * NH HS per row), mx[B, NH, Tq] (running max; callers start it at -INFINITY), sm[B, NH, Tq] (running sum of
- * exp(score - mx); start 0). A row with no visible key in the block is left unchanged. */
+ * NH HS per row; start 0), mx[B, NH, Tq] (running max; callers start it at -INFINITY), sm[B, NH, Tq] (running
+ * sum of exp(score - mx); start 0). A row with no visible key in the block is left unchanged; blocks may be
+ * folded in any order. */
 void pg_attention_block_forward(float *acc, float *mx, float *sm, const float *q, int64_t q_stride, const float *k,
                                 const float *v, int64_t kv_stride, const float *slopes, int B, int Tq, int Tk, int NH,
                                 int NKV, int HS, int64_t q_pos0, int64_t k_pos0);

@@ -12,10 +12,14 @@
  * rounded separately, then pg_cpu_expf. A tile wholly above the diagonal is
  * skipped; inside a tile the hidden scores get probability 0.
  *
- * Parallel over (batch row, head) pairs in the forward, over (batch row,
- * key/value head) in the backward (the group's query heads in order, so the
- * key and value gradients are summed in a fixed order): one thread computes
- * one pair entirely, the bits do not depend on the thread count. */
+ * Forward: parallel over (batch row, head, query tile), each computed by one
+ * thread. Backward: over (batch row, key/value head), the group's query heads
+ * and the query tiles in order, so the key and value gradients are summed in
+ * a fixed order; when there are fewer such pairs than threads, in two passes
+ * instead (dq over (batch row, head, query tile), dk and dv over (batch row,
+ * key/value head, key tile)), which recompute the probabilities once more but
+ * make every sum in the same order as the one pass: the same bits for any
+ * thread count either way. */
 #include <cblas.h>
 #include <math.h>
 #include <string.h>
@@ -55,46 +59,43 @@ static void score_tile(float *S, const float *q, int64_t ldq, const float *k, in
   }
 }
 
-/* One (b, h) pair of the forward: q at its first query row's head, k and v at the first key row's kv head, acc
- * at its first row's head (rows NH HS apart), mx and sm its Tq values. */
-static void block_forward_head(float *acc, float *mx, float *sm, const float *q, int64_t ldq, const float *k,
-                               const float *v, int64_t ldk, const float *slope, int Tq, int Tk, int HS, int64_t ldacc,
-                               float scale, int64_t q_pos0, int64_t k_pos0) {
+/* One query tile [i0, i0 + nq) of one (b, h) pair: q at its first query row's head, k and v at the first key
+ * row's kv head, acc at its first row's head (rows NH HS apart), mx and sm its Tq values. */
+static void block_forward_tile(float *acc, float *mx, float *sm, const float *q, int64_t ldq, const float *k,
+                               const float *v, int64_t ldk, const float *slope, int i0, int nq, int Tk, int HS,
+                               int64_t ldacc, float scale, int64_t q_pos0, int64_t k_pos0) {
   float S[PG_BLK_Q * PG_BLK_K];
-  for (int i0 = 0; i0 < Tq; i0 += PG_BLK_Q) {
-    const int nq = pg_cpu_min(PG_BLK_Q, Tq - i0);
-    const int64_t qpos = q_pos0 + i0, qlast = qpos + nq - 1;
-    for (int j0 = 0; j0 < Tk; j0 += PG_BLK_K) {
-      const int nk = pg_cpu_min(PG_BLK_K, Tk - j0);
-      const int64_t kpos = k_pos0 + j0;
-      if (kpos > qlast) break; /* this tile and every later one are above the diagonal */
-      score_tile(S, q + (int64_t)i0 * ldq, ldq, k + (int64_t)j0 * ldk, ldk, nq, nk, HS, scale, slope, qpos, kpos);
-      for (int r = 0; r < nq; r++) {
-        float *s = S + (int64_t)r * PG_BLK_K;
-        const int n = visible_keys(qpos + r, kpos, nk);
-        if (n == 0) { /* nothing visible: a zero row, the state unchanged */
-          memset(s, 0, (size_t)nk * sizeof(float));
-          continue;
-        }
-        const int i = i0 + r;
-        const float m_old = mx[i], m_new = fmaxf(m_old, pg_cpu_maxf(s, n));
-        if (m_new != m_old) { /* rescale what is summed so far (from -inf: all of it is 0) */
-          const float c = pg_cpu_expf(m_old - m_new);
-          float *a = acc + (int64_t)i * ldacc;
-#pragma omp simd
-          for (int d = 0; d < HS; d++) a[d] *= c;
-          sm[i] *= c;
-          mx[i] = m_new;
-        }
-#pragma omp simd
-        for (int c = 0; c < n; c++) s[c] = pg_cpu_expf(s[c] - m_new);
-        memset(s + n, 0, (size_t)(nk - n) * sizeof(float));
-        sm[i] += pg_cpu_sumf(s, n);
+  const int64_t qpos = q_pos0 + i0, qlast = qpos + nq - 1;
+  for (int j0 = 0; j0 < Tk; j0 += PG_BLK_K) {
+    const int nk = pg_cpu_min(PG_BLK_K, Tk - j0);
+    const int64_t kpos = k_pos0 + j0;
+    if (kpos > qlast) break; /* this tile and every later one are above the diagonal */
+    score_tile(S, q + (int64_t)i0 * ldq, ldq, k + (int64_t)j0 * ldk, ldk, nq, nk, HS, scale, slope, qpos, kpos);
+    for (int r = 0; r < nq; r++) {
+      float *s = S + (int64_t)r * PG_BLK_K;
+      const int n = visible_keys(qpos + r, kpos, nk);
+      if (n == 0) { /* nothing visible: a zero row, the state unchanged */
+        memset(s, 0, (size_t)nk * sizeof(float));
+        continue;
       }
-      /* acc[i0 : i0 + nq] += P V[j0 : j0 + nk] */
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, HS, nk, 1.0f, S, PG_BLK_K, v + (int64_t)j0 * ldk,
-                  (int)ldk, 1.0f, acc + (int64_t)i0 * ldacc, (int)ldacc);
+      const int i = i0 + r;
+      const float m_old = mx[i], m_new = fmaxf(m_old, pg_cpu_maxf(s, n));
+      if (m_new != m_old) { /* rescale what is summed so far (from -inf: all of it is 0) */
+        const float c = pg_cpu_expf(m_old - m_new);
+        float *a = acc + (int64_t)i * ldacc;
+#pragma omp simd
+        for (int d = 0; d < HS; d++) a[d] *= c;
+        sm[i] *= c;
+        mx[i] = m_new;
+      }
+#pragma omp simd
+      for (int c = 0; c < n; c++) s[c] = pg_cpu_expf(s[c] - m_new);
+      memset(s + n, 0, (size_t)(nk - n) * sizeof(float));
+      sm[i] += pg_cpu_sumf(s, n);
     }
+    /* acc[i0 : i0 + nq] += P V[j0 : j0 + nk] */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, HS, nk, 1.0f, S, PG_BLK_K, v + (int64_t)j0 * ldk,
+                (int)ldk, 1.0f, acc + (int64_t)i0 * ldacc, (int)ldacc);
   }
 }
 
@@ -105,14 +106,17 @@ void pg_attention_block_forward(float *acc, float *mx, float *sm, const float *q
   const int group = NH / NKV;
   const int64_t ldacc = (int64_t)NH * HS;
   const float scale = 1.0f / sqrtf((float)HS);
+  const int64_t tiles = (Tq + PG_BLK_Q - 1) / PG_BLK_Q, items = (int64_t)B * NH * tiles;
 #pragma omp parallel for schedule(static) if ((int64_t)B * NH * Tq * Tk * HS > PG_PAR_MIN)
-  for (int bh = 0; bh < B * NH; bh++) {
-    const int b = bh / NH, h = bh % NH, g = h / group;
-    const int64_t st = (int64_t)bh * Tq; /* mx, sm: [B, NH, Tq] */
-    block_forward_head(acc + (int64_t)b * Tq * ldacc + (int64_t)h * HS, mx + st, sm + st,
+  for (int64_t w = 0; w < items; w++) {
+    const int64_t bh = w / tiles;
+    const int b = (int)(bh / NH), h = (int)(bh % NH), g = h / group, i0 = (int)(w % tiles) * PG_BLK_Q;
+    const int64_t st = bh * Tq; /* mx, sm: [B, NH, Tq] */
+    block_forward_tile(acc + (int64_t)b * Tq * ldacc + (int64_t)h * HS, mx + st, sm + st,
                        q + (int64_t)b * Tq * q_stride + (int64_t)h * HS, q_stride,
                        k + (int64_t)b * Tk * kv_stride + (int64_t)g * HS, v + (int64_t)b * Tk * kv_stride + (int64_t)g * HS,
-                       kv_stride, slopes ? slopes + h : NULL, Tq, Tk, HS, ldacc, scale, q_pos0, k_pos0);
+                       kv_stride, slopes ? slopes + h : NULL, i0, pg_cpu_min(PG_BLK_Q, Tq - i0), Tk, HS, ldacc, scale,
+                       q_pos0, k_pos0);
   }
 }
 
@@ -155,47 +159,67 @@ void pg_attention_block_delta(float *delta, const float *dout, int64_t dout_stri
   }
 }
 
-/* One (b, h) pair of the backward over the block; pointers at the pair's first row as in the forward, lse and
- * delta its Tq values. dk and dv are the kv head's, shared with the other heads of the group (added in order by
- * the caller's loop). */
-static void block_backward_head(float *dq, int64_t lddq, float *dk, float *dv, int64_t lddkv, const float *q,
-                                int64_t ldq, const float *k, const float *v, int64_t ldk, const float *dout,
-                                int64_t lddo, const float *lse, const float *delta, const float *slope, int Tq, int Tk,
-                                int HS, float scale, int64_t q_pos0, int64_t k_pos0) {
-  float P[PG_BLK_Q * PG_BLK_K], dS[PG_BLK_Q * PG_BLK_K];
-  for (int i0 = 0; i0 < Tq; i0 += PG_BLK_Q) {
-    const int nq = pg_cpu_min(PG_BLK_Q, Tq - i0);
-    const int64_t qpos = q_pos0 + i0, qlast = qpos + nq - 1;
-    for (int j0 = 0; j0 < Tk; j0 += PG_BLK_K) {
-      const int nk = pg_cpu_min(PG_BLK_K, Tk - j0);
-      const int64_t kpos = k_pos0 + j0;
-      if (kpos > qlast) break;
-      score_tile(P, q + (int64_t)i0 * ldq, ldq, k + (int64_t)j0 * ldk, ldk, nq, nk, HS, scale, slope, qpos, kpos);
-      /* dP = dO V^T */
-      for (int r = 0; r < nq; r++) memset(dS + (int64_t)r * PG_BLK_K, 0, (size_t)nk * sizeof(float));
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, nk, HS, 1.0f, dout + (int64_t)i0 * lddo, (int)lddo,
-                  v + (int64_t)j0 * ldk, (int)ldk, 1.0f, dS, PG_BLK_K);
-      /* P = exp(S - lse) where visible, else 0; dS = scale P (dP - delta) (attention.c's scale folded in) */
-      for (int r = 0; r < nq; r++) {
-        float *p = P + (int64_t)r * PG_BLK_K, *d = dS + (int64_t)r * PG_BLK_K;
-        const int n = visible_keys(qpos + r, kpos, nk);
-        const float l = lse[i0 + r], dl = delta[i0 + r];
+/* The pointers of one (b, h) pair of the backward at its first rows (query rows for q, dq, dout, lse, delta;
+ * key rows for k, v, dk, dv), and what every tile needs. */
+typedef struct block_pair {
+  float *dq, *dk, *dv;
+  const float *q, *k, *v, *dout, *lse, *delta, *slope;
+  int64_t lddq, lddkv, ldq, ldk, lddo, q_pos0, k_pos0;
+  int Tq, Tk, HS;
+  float scale;
+} block_pair;
+
+static block_pair pair_at(float *dq, int64_t dq_stride, float *dk, float *dv, int64_t dkv_stride, const float *q,
+                          int64_t q_stride, const float *k, const float *v, int64_t kv_stride, const float *dout,
+                          int64_t dout_stride, const float *lse, const float *delta, const float *slopes, int b,
+                          int h, int g, int Tq, int Tk, int NH, int HS, float scale, int64_t q_pos0, int64_t k_pos0) {
+  const int64_t krow = (int64_t)b * Tk, qrow = (int64_t)b * Tq, st = ((int64_t)b * NH + h) * Tq;
+  block_pair p = {dq + qrow * dq_stride + (int64_t)h * HS, dk + krow * dkv_stride + (int64_t)g * HS,
+                  dv + krow * dkv_stride + (int64_t)g * HS, q + qrow * q_stride + (int64_t)h * HS,
+                  k + krow * kv_stride + (int64_t)g * HS, v + krow * kv_stride + (int64_t)g * HS,
+                  dout + qrow * dout_stride + (int64_t)h * HS, lse + st, delta + st, slopes ? slopes + h : NULL,
+                  dq_stride, dkv_stride, q_stride, kv_stride, dout_stride, q_pos0, k_pos0, Tq, Tk, HS, scale};
+  return p;
+}
+
+/* The probabilities P and dS = scale P (dP - delta) (attention.c's scale folded in) of query tile [i0, i0 + nq)
+ * against key tile [j0, j0 + nk), 0 where hidden; 0 when the whole tile is above the diagonal. */
+static int tile_grads(float *P, float *dS, const block_pair *p, int i0, int nq, int j0, int nk) {
+  const int64_t qpos = p->q_pos0 + i0, kpos = p->k_pos0 + j0;
+  if (kpos > qpos + nq - 1) return 0;
+  score_tile(P, p->q + (int64_t)i0 * p->ldq, p->ldq, p->k + (int64_t)j0 * p->ldk, p->ldk, nq, nk, p->HS, p->scale,
+             p->slope, qpos, kpos);
+  /* dP = dO V^T */
+  for (int r = 0; r < nq; r++) memset(dS + (int64_t)r * PG_BLK_K, 0, (size_t)nk * sizeof(float));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, nk, p->HS, 1.0f, p->dout + (int64_t)i0 * p->lddo,
+              (int)p->lddo, p->v + (int64_t)j0 * p->ldk, (int)p->ldk, 1.0f, dS, PG_BLK_K);
+  const float scale = p->scale;
+  for (int r = 0; r < nq; r++) {
+    float *pr = P + (int64_t)r * PG_BLK_K, *d = dS + (int64_t)r * PG_BLK_K;
+    const int n = visible_keys(qpos + r, kpos, nk);
+    const float l = p->lse[i0 + r], dl = p->delta[i0 + r];
 #pragma omp simd
-        for (int c = 0; c < n; c++) {
-          p[c] = pg_cpu_expf(p[c] - l);
-          d[c] = scale * p[c] * (d[c] - dl);
-        }
-        for (int c = n; c < nk; c++) p[c] = d[c] = 0.0f;
-      }
-      /* dQ[i0 :] += dS K, dV[j0 :] += P^T dO, dK[j0 :] += dS^T Q */
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, HS, nk, 1.0f, dS, PG_BLK_K, k + (int64_t)j0 * ldk,
-                  (int)ldk, 1.0f, dq + (int64_t)i0 * lddq, (int)lddq);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nk, HS, nq, 1.0f, P, PG_BLK_K, dout + (int64_t)i0 * lddo,
-                  (int)lddo, 1.0f, dv + (int64_t)j0 * lddkv, (int)lddkv);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nk, HS, nq, 1.0f, dS, PG_BLK_K, q + (int64_t)i0 * ldq,
-                  (int)ldq, 1.0f, dk + (int64_t)j0 * lddkv, (int)lddkv);
+    for (int c = 0; c < n; c++) {
+      pr[c] = pg_cpu_expf(pr[c] - l);
+      d[c] = scale * pr[c] * (d[c] - dl);
     }
+    for (int c = n; c < nk; c++) pr[c] = d[c] = 0.0f;
   }
+  return 1;
+}
+
+/* dQ[i0 :] += dS K[j0 :] */
+static void tile_dq(const block_pair *p, const float *dS, int i0, int nq, int j0, int nk) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, p->HS, nk, 1.0f, dS, PG_BLK_K,
+              p->k + (int64_t)j0 * p->ldk, (int)p->ldk, 1.0f, p->dq + (int64_t)i0 * p->lddq, (int)p->lddq);
+}
+
+/* dV[j0 :] += P^T dO[i0 :], dK[j0 :] += dS^T Q[i0 :] */
+static void tile_dkv(const block_pair *p, const float *P, const float *dS, int i0, int nq, int j0, int nk) {
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nk, p->HS, nq, 1.0f, P, PG_BLK_K,
+              p->dout + (int64_t)i0 * p->lddo, (int)p->lddo, 1.0f, p->dv + (int64_t)j0 * p->lddkv, (int)p->lddkv);
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nk, p->HS, nq, 1.0f, dS, PG_BLK_K,
+              p->q + (int64_t)i0 * p->ldq, (int)p->ldq, 1.0f, p->dk + (int64_t)j0 * p->lddkv, (int)p->lddkv);
 }
 
 void pg_attention_block_backward(float *dq, int64_t dq_stride, float *dk, float *dv, int64_t dkv_stride,
@@ -206,19 +230,61 @@ void pg_attention_block_backward(float *dq, int64_t dq_stride, float *dk, float 
   if (bad_block_shape(B, Tq, Tk, NH, NKV, HS)) return;
   const int group = NH / NKV;
   const float scale = 1.0f / sqrtf((float)HS);
-#pragma omp parallel for schedule(static) if ((int64_t)B * NH * Tq * Tk * HS > PG_PAR_MIN)
-  for (int bg = 0; bg < B * NKV; bg++) {
-    const int b = bg / NKV, g = bg % NKV;
-    const int64_t krow = (int64_t)b * Tk, qrow = (int64_t)b * Tq;
-    for (int e = 0; e < group; e++) {
-      const int h = g * group + e;
-      const int64_t st = ((int64_t)b * NH + h) * Tq;
-      block_backward_head(dq + qrow * dq_stride + (int64_t)h * HS, dq_stride, dk + krow * dkv_stride + (int64_t)g * HS,
-                          dv + krow * dkv_stride + (int64_t)g * HS, dkv_stride,
-                          q + qrow * q_stride + (int64_t)h * HS, q_stride, k + krow * kv_stride + (int64_t)g * HS,
-                          v + krow * kv_stride + (int64_t)g * HS, kv_stride,
-                          dout + qrow * dout_stride + (int64_t)h * HS, dout_stride, lse + st, delta + st,
-                          slopes ? slopes + h : NULL, Tq, Tk, HS, scale, q_pos0, k_pos0);
+  const int par = (int64_t)B * NH * Tq * Tk * HS > PG_PAR_MIN;
+  const int qtiles = (Tq + PG_BLK_Q - 1) / PG_BLK_Q, ktiles = (Tk + PG_BLK_K - 1) / PG_BLK_K;
+#define PAIR(b, h, g)                                                                                                 \
+  pair_at(dq, dq_stride, dk, dv, dkv_stride, q, q_stride, k, v, kv_stride, dout, dout_stride, lse, delta, slopes, b, \
+          h, g, Tq, Tk, NH, HS, scale, q_pos0, k_pos0)
+  if (!par || (int64_t)B * NKV >= omp_get_max_threads()) {
+    /* one pass: per (b, kv head), its query heads, query tiles and key tiles in order */
+#pragma omp parallel for schedule(static) if (par)
+    for (int bg = 0; bg < B * NKV; bg++) {
+      float P[PG_BLK_Q * PG_BLK_K], dS[PG_BLK_Q * PG_BLK_K];
+      const int b = bg / NKV, g = bg % NKV;
+      for (int e = 0; e < group; e++) {
+        const block_pair p = PAIR(b, g * group + e, g);
+        for (int i0 = 0; i0 < Tq; i0 += PG_BLK_Q) {
+          const int nq = pg_cpu_min(PG_BLK_Q, Tq - i0);
+          for (int j0 = 0; j0 < Tk; j0 += PG_BLK_K) {
+            const int nk = pg_cpu_min(PG_BLK_K, Tk - j0);
+            if (!tile_grads(P, dS, &p, i0, nq, j0, nk)) break;
+            tile_dq(&p, dS, i0, nq, j0, nk);
+            tile_dkv(&p, P, dS, i0, nq, j0, nk);
+          }
+        }
+      }
+    }
+    return;
+  }
+  /* two passes, every sum in the one pass's order: dq[i0] over the key tiles in order; dk, dv [j0] over the
+   * group's heads, then the query tiles, in order */
+  const int64_t nq_items = (int64_t)B * NH * qtiles, nk_items = (int64_t)B * NKV * ktiles;
+#pragma omp parallel for schedule(static)
+  for (int64_t w = 0; w < nq_items; w++) {
+    float P[PG_BLK_Q * PG_BLK_K], dS[PG_BLK_Q * PG_BLK_K];
+    const int64_t bh = w / qtiles;
+    const int b = (int)(bh / NH), h = (int)(bh % NH), i0 = (int)(w % qtiles) * PG_BLK_Q;
+    const int nq = pg_cpu_min(PG_BLK_Q, Tq - i0);
+    const block_pair p = PAIR(b, h, h / group);
+    for (int j0 = 0; j0 < Tk; j0 += PG_BLK_K) {
+      const int nk = pg_cpu_min(PG_BLK_K, Tk - j0);
+      if (!tile_grads(P, dS, &p, i0, nq, j0, nk)) break;
+      tile_dq(&p, dS, i0, nq, j0, nk);
     }
   }
+#pragma omp parallel for schedule(static)
+  for (int64_t w = 0; w < nk_items; w++) {
+    float P[PG_BLK_Q * PG_BLK_K], dS[PG_BLK_Q * PG_BLK_K];
+    const int64_t bg = w / ktiles;
+    const int b = (int)(bg / NKV), g = (int)(bg % NKV), j0 = (int)(w % ktiles) * PG_BLK_K;
+    const int nk = pg_cpu_min(PG_BLK_K, Tk - j0);
+    for (int e = 0; e < group; e++) {
+      const block_pair p = PAIR(b, g * group + e, g);
+      for (int i0 = 0; i0 < Tq; i0 += PG_BLK_Q) {
+        const int nq = pg_cpu_min(PG_BLK_Q, Tq - i0);
+        if (tile_grads(P, dS, &p, i0, nq, j0, nk)) tile_dkv(&p, P, dS, i0, nq, j0, nk);
+      }
+    }
+  }
+#undef PAIR
 }

@@ -2,23 +2,25 @@
 // pg_attention_block_*), the CPU kernels' contract on the device.
 //
 // Simple and deterministic rather than fast: the forward and the query
-// gradient take one block per (batch row, head, query row), its threads one
-// key each in tiles of BLK keys (the tile's probabilities in shared memory,
-// then each thread adds the tile into its output columns in key order); the
-// key and value gradients take one block per (batch row, kv head, key row),
-// walking the group's query heads in order and their visible queries in
-// tiles. Every sum has a fixed partition and order and no atomics, so the
-// same inputs give the same bits. The score is the CPU's operations
-// separately rounded (scale * (q . k), then + m (kpos - qpos)); the dot
-// product runs in column order in one thread (its rounding is not the CPU
-// sgemm's: the self-test's tolerance).
+// gradient take one block per (batch row, head, query row), the key and
+// value gradients one block per (batch row, kv head, key row), walking the
+// group's query heads in order and their visible queries. Keys (queries) go
+// in tiles of BLK: each warp takes the tile's rows w, w + NWARP, ..., its
+// lanes the columns of the dot products (a fixed butterfly, warp_sum), lane
+// 0 writes the row's probability to shared memory, then each thread adds the
+// tile into its own output columns in row order. Every sum has a fixed
+// partition and order and no atomics, so the same inputs give the same bits.
+// The score is the CPU's operations in that order (scale * (q . k), then +
+// m (kpos - qpos), each rounded); the dot product's partition is not the CPU
+// sgemm's (the self-test's tolerance).
 #include "common.cuh"
 
 using namespace pgcu;
 
 namespace {
 
-constexpr int BLK = 128; // threads per block = keys (or queries) per tile
+constexpr int BLK = 128;          // threads per block = keys (or queries) per tile
+constexpr int NWARP = BLK / WARP; // warps per block
 
 bool bad_block_shape(int B, int Tq, int Tk, int NH, int NKV, int HS) {
   return B < 0 || Tq < 0 || Tk < 0 || NH < 0 || NKV <= 0 || HS <= 0 || NH % NKV;
@@ -30,19 +32,18 @@ __device__ __forceinline__ int visible(int64_t qpos, int64_t k_pos0, int Tk) {
   return n <= 0 ? 0 : (n >= Tk ? Tk : (int)n);
 }
 
-// scale (q . k) (+ m (kpos - qpos)), each operation rounded as on the CPU.
-__device__ __forceinline__ float block_score(const float *q, const float *k, int HS, float scale, const float *slope,
-                                             int64_t kpos, int64_t qpos) {
-  float dot = 0.0f;
-  for (int d = 0; d < HS; d++) dot = __fadd_rn(dot, __fmul_rn(q[d], k[d]));
-  float s = __fmul_rn(scale, dot);
-  if (slope) s = __fadd_rn(s, __fmul_rn(*slope, (float)(kpos - qpos)));
-  return s;
+// a . b over n columns, lanes over the columns, every lane of the warp gets the sum.
+__device__ __forceinline__ float warp_dot(const float *a, const float *b, int n) {
+  float s = 0.0f;
+  for (int d = threadIdx.x % WARP; d < n; d += WARP) s = __fadd_rn(s, __fmul_rn(a[d], b[d]));
+  return warp_sum(s);
 }
 
-__device__ __forceinline__ float dotf(const float *a, const float *b, int n) {
-  float s = 0.0f;
-  for (int d = 0; d < n; d++) s = __fadd_rn(s, __fmul_rn(a[d], b[d]));
+// scale (q . k) (+ m (kpos - qpos)), each operation rounded as on the CPU; a warp's lanes together.
+__device__ __forceinline__ float warp_score(const float *q, const float *k, int HS, float scale, const float *slope,
+                                            int64_t kpos, int64_t qpos) {
+  float s = __fmul_rn(scale, warp_dot(q, k, HS));
+  if (slope) s = __fadd_rn(s, __fmul_rn(*slope, (float)(kpos - qpos)));
   return s;
 }
 
@@ -60,22 +61,25 @@ __global__ void block_forward_kernel(float *acc, float *mx, float *sm, const flo
   float *a = acc + (b * Tq + i) * (int64_t)NH * HS + (int64_t)h * HS;
   const float *slope = slopes ? slopes + h : nullptr;
   __shared__ float p[BLK];
+  const int warp = tid / WARP, lane = tid % WARP;
   float lmax = -INFINITY;
-  for (int j = tid; j < n; j += BLK) lmax = fmaxf(lmax, block_score(qr, kb + j * kvs, HS, scale, slope, k_pos0 + j, qpos));
+  for (int j = warp; j < n; j += NWARP)
+    lmax = fmaxf(lmax, warp_score(qr, kb + j * kvs, HS, scale, slope, k_pos0 + j, qpos));
   lmax = block_max(lmax);
   const float m_old = mx[row], m_new = fmaxf(m_old, lmax);
   const float c = m_new != m_old ? expf(m_old - m_new) : 1.0f; // from -inf: 0
   for (int d = tid; d < HS; d += BLK) a[d] = __fmul_rn(a[d], c); // each thread keeps its own columns below
-  float lsum = 0.0f;
+  float lsum = 0.0f; // lane 0 of each warp: its rows' probabilities
   for (int j0 = 0; j0 < n; j0 += BLK) {
-    const int j = j0 + tid, nt = n - j0 < BLK ? n - j0 : BLK;
-    float e = 0.0f;
-    if (j < n) {
-      e = expf(block_score(qr, kb + j * kvs, HS, scale, slope, k_pos0 + j, qpos) - m_new);
-      lsum += e;
-    }
+    const int nt = n - j0 < BLK ? n - j0 : BLK;
     __syncthreads(); // the previous tile read
-    p[tid] = e;
+    for (int jj = warp; jj < nt; jj += NWARP) {
+      const float e = expf(warp_score(qr, kb + (j0 + jj) * kvs, HS, scale, slope, k_pos0 + j0 + jj, qpos) - m_new);
+      if (lane == 0) {
+        p[jj] = e;
+        lsum += e;
+      }
+    }
     __syncthreads();
     for (int d = tid; d < HS; d += BLK) {
       float s = a[d];
@@ -134,15 +138,16 @@ __global__ void block_dq_kernel(float *dq, int64_t dqs, const float *q, int64_t 
   const float *slope = slopes ? slopes + h : nullptr;
   const float l = lse[row], dl = delta[row];
   __shared__ float ds[BLK];
+  const int warp = tid / WARP, lane = tid % WARP;
   for (int j0 = 0; j0 < n; j0 += BLK) {
-    const int j = j0 + tid, nt = n - j0 < BLK ? n - j0 : BLK;
-    float x = 0.0f;
-    if (j < n) {
-      const float p = expf(block_score(qr, kb + j * kvs, HS, scale, slope, k_pos0 + j, qpos) - l);
-      x = __fmul_rn(__fmul_rn(scale, p), dotf(dor, vb + j * kvs, HS) - dl);
-    }
+    const int nt = n - j0 < BLK ? n - j0 : BLK;
     __syncthreads();
-    ds[tid] = x;
+    for (int jj = warp; jj < nt; jj += NWARP) {
+      const int j = j0 + jj;
+      const float p = expf(warp_score(qr, kb + j * kvs, HS, scale, slope, k_pos0 + j, qpos) - l);
+      const float dp = warp_dot(dor, vb + j * kvs, HS);
+      if (lane == 0) ds[jj] = __fmul_rn(__fmul_rn(scale, p), dp - dl);
+    }
     __syncthreads();
     for (int d = tid; d < HS; d += BLK) {
       float s = dqr[d];
@@ -166,21 +171,24 @@ __global__ void block_dkv_kernel(float *dk, float *dv, int64_t dkvs, const float
   const float *kr = k + (b * Tk + j) * kvs + (int64_t)g * HS, *vr = v + (b * Tk + j) * kvs + (int64_t)g * HS;
   float *dkr = dk + (b * Tk + j) * dkvs + (int64_t)g * HS, *dvr = dv + (b * Tk + j) * dkvs + (int64_t)g * HS;
   __shared__ float sp[BLK], sds[BLK];
+  const int warp = tid / WARP, lane = tid % WARP;
   for (int e = 0; e < G; e++) {
     const int h = g * G + e;
     const float *slope = slopes ? slopes + h : nullptr;
     const float *qh = q + b * Tq * qs + (int64_t)h * HS, *doh = dout + b * Tq * dos + (int64_t)h * HS;
     const int64_t st0 = (b * NH + h) * Tq;
     for (int t0 = i0; t0 < Tq; t0 += BLK) {
-      const int i = t0 + tid, nt = Tq - t0 < BLK ? Tq - t0 : BLK;
-      float p = 0.0f, x = 0.0f;
-      if (i < Tq) {
-        p = expf(block_score(qh + i * qs, kr, HS, scale, slope, kpos, q_pos0 + i) - lse[st0 + i]);
-        x = __fmul_rn(__fmul_rn(scale, p), dotf(doh + i * dos, vr, HS) - delta[st0 + i]);
-      }
+      const int nt = Tq - t0 < BLK ? Tq - t0 : BLK;
       __syncthreads();
-      sp[tid] = p;
-      sds[tid] = x;
+      for (int ii = warp; ii < nt; ii += NWARP) {
+        const int i = t0 + ii;
+        const float p = expf(warp_score(qh + i * qs, kr, HS, scale, slope, kpos, q_pos0 + i) - lse[st0 + i]);
+        const float dp = warp_dot(doh + i * dos, vr, HS);
+        if (lane == 0) {
+          sp[ii] = p;
+          sds[ii] = __fmul_rn(__fmul_rn(scale, p), dp - delta[st0 + i]);
+        }
+      }
       __syncthreads();
       for (int d = tid; d < HS; d += BLK) {
         float sv = dvr[d], sk = dkr[d];

@@ -689,12 +689,14 @@ static void attention_block_case(selftest *st, int NH, int NKV, int HS, const fl
 #undef ST_NAME
 }
 
-/* Multi-head with HS 16, grouped-query with ALiBi (the second tensor-parallel rank's 4 of 8 heads). */
+/* Multi-head with HS 16, grouped-query with ALiBi (the second tensor-parallel rank's 4 of 8 heads), multi-query
+ * with HS 136. */
 static void test_attention_block(selftest *st) {
   float slopes8[8];
   pg_alibi_slopes(slopes8, 8);
   attention_block_case(st, 3, 3, 16, NULL);
   attention_block_case(st, 4, 2, 12, slopes8 + 4);
+  attention_block_case(st, 2, 1, 136, slopes8); /* a head wider than a block's 128 threads */
 }
 
 /* RoPE over the query and key heads of a grouped-query qkv block (the value
