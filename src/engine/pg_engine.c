@@ -14,6 +14,7 @@
 static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 static int pp_size(const pg_engine *e) { return e->ctx->pipeline; }
+static int pp_rank(const pg_engine *e) { return e->ctx->pp_rank; }
 
 /* The one place that says where the dense region's gradients are averaged and its ZeRO shards cut: the data
  * group, or with context parallelism data x context (the parameters are replicated over both, Megatron-LM's
@@ -21,7 +22,6 @@ static int pp_size(const pg_engine *e) { return e->ctx->pipeline; }
 pg_mode pg_engine_dense_group(const pg_engine *e) { return e->ctx->context > 1 ? PG_MODE_DATA_CONTEXT : PG_MODE_DATA; }
 static int dense_size(const pg_engine *e) { return e->ctx->group[pg_engine_dense_group(e)].size; }
 static int dense_rank(const pg_engine *e) { return e->ctx->group[pg_engine_dense_group(e)].rank; }
-static int pp_rank(const pg_engine *e) { return e->ctx->pp_rank; }
 
 /* Sequence parallelism: the rows of a micro-batch of N rows that cross this
  * rank's stage boundaries (its tensor rank's share), and the most of them. */
@@ -1129,6 +1129,9 @@ static int evaluate_rows(pg_engine *e, const int32_t *tokens, const int32_t *tar
 }
 
 int pg_engine_check_decode(const pg_engine *e) {
+  if (cp_on(e))
+    return pg_fail("decode with context=%d: the key/value cache holds whole sequences; decode with a context of "
+                   "context = 1 (a checkpoint loads at any context size)", e->ctx->context);
   for (int v = 0; v < e->nchunks; v++)
     if (pg_module_check_decode(e->chunks[v].stage)) return PG_ERR;
   return PG_OK;
@@ -1137,9 +1140,6 @@ int pg_engine_check_decode(const pg_engine *e) {
 int pg_engine_decode(pg_engine *e, const int32_t *tokens, int B, int T, int row0, const int32_t *pos, int cache_rows,
                      float *logits) {
   if (check_batch(e, tokens, NULL, B, T, 0)) return PG_ERR;
-  if (cp_on(e))
-    return pg_fail("decode with context=%d: the key/value cache holds whole sequences; decode with a context of "
-                   "context = 1 (a checkpoint loads at any context size)", e->ctx->context);
   if (cache_rows < 1 || row0 < 0 || row0 > cache_rows - B)
     return pg_fail("decode: sequences %d..%d of a cache of %d sequences", row0, row0 + B - 1, cache_rows);
   if (pg_engine_check_decode(e)) return PG_ERR;
