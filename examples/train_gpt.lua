@@ -32,6 +32,7 @@ local schedules = pg.core.schedules() -- the runtime's (src/engine/pg_schedule.c
 p:option("--schedule", "Pipeline schedule.", schedules.default):choices(schedules.offered)
 p:option("--precision", "fp32, or bf16 (bf16 GEMM operands, float32 sums, masters and optimizer).", "fp32")
   :choices{ "fp32", "bf16" }
+int("--context", 1, "Context-parallel size: each sequence split over this many ranks (ring attention).")
 p:flag("--sequence-parallel", "Sequence parallelism: the norms and residuals hold 1/tensor of the rows (tensor > 1).")
 -- the stages pg.optim.AdamW takes (zero = 0, 1, 2)
 p:option("--zero", "ZeRO stage: 0 (none), 1 (the optimizer state sharded over --data) or 2 (the gradients too).", "0")
@@ -125,7 +126,7 @@ local seed, ctx, engine, train, val, trainer, out
 from_options(function()
   seed = opt.seed
   ctx = pg.ParallelContext{ tensor = opt.tensor, pipeline = opt.pipeline, data = opt.data, expert = opt.expert,
-                            seed = seed }
+                            context = opt.context, seed = seed }
   local seq_len, batch = opt.seq_len, opt.batch
   local arch = opt.model
   local model
@@ -210,7 +211,10 @@ end
 -- after "The", which leads into the Bible's prose).
 local prompt, temperature, sample_seed = opt.prompt or (corpus and "The" or "Q: "), 0.8, 1
 local prompt_ids = encode(prompt)
-if opt.sample > 0 then
+if opt.sample > 0 and opt.context > 1 then
+  -- decoding's key/value cache holds whole sequences; the checkpoint samples at any layout (the command below)
+  trainer:print(("sample: none at --context=%d (decoding runs at context 1: sample the checkpoint)"):format(opt.context))
+elseif opt.sample > 0 then
   local sample = decode(pg.sample.generate(engine, prompt_ids, opt.sample,
     { temperature = temperature, seed = sample_seed }))
   trainer:print("sample:\n" .. prompt .. sample)

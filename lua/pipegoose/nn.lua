@@ -200,6 +200,8 @@ local SPLIT_SCHEMA = { dim = opt.required(POS), blocks = POS, sizes = opt.list(P
 --                        output = "replicated" | "reduce" | "split", output_blocks = k}
 --   m:parameters() -> { {name=, shape= (full), init=, std=, split = {dim=, blocks=, sizes=}}, ... }
 --   m.flops                      forward FLOPs per token (pipeline balancing; default 10 x width)
+--   m.position_wise = true       each output row depends on its input row alone (required under context > 1,
+--                                where the rows are two chunks of each sequence)
 KINDS.lua = {}
 function KINDS.lua.describe(self, c)
   local me, flow, T, fail, need_full = c.me, c.flow, c.T, c.fail, c.need_full
@@ -259,7 +261,7 @@ function KINDS.lua.describe(self, c)
   end
   self.path = me
   return { kind = "lua", name = me, in_width = local_in, out_width = local_out, input = input, output = output,
-           params = params, module = m },
+           params = params, module = m, position_wise = m.position_wise == true },
          { width = outw, split = output == "split" and T > 1,
            blocks = output == "split" and T > 1 and tp.output_blocks or nil }
 end

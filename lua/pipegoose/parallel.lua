@@ -418,7 +418,8 @@ end
 function Engine:flat() return self.c:flat() end
 
 function Engine:grads()
-  if self.optimizer and self.optimizer.zero == 2 and self.ctx:world_size("data") > 1 then
+  -- the gradients' shards are over the replicas: data x context (data_context is the data group's members at C = 1)
+  if self.optimizer and self.optimizer.zero == 2 and self.ctx:world_size("data_context") > 1 then
     error("engine:grads(): with zero = 2 this rank keeps only its shard of the gradients "
       .. "(optimizer:shard_state().grad), not each parameter's", 2)
   end
@@ -510,7 +511,8 @@ function Engine:gather_to_root(name, convert, shape)
   -- group: data rank e // (experts / E) of the first one (pg_context.h)
   local dp, e = 0, tonumber(name:match("%.experts%.(%d+)%."))
   if e and (sizes.expert or 1) > 1 and self.config.experts then dp = e // (self.config.experts // sizes.expert) end
-  local src = owner * sizes.tensor * sizes.data + dp * sizes.tensor -- (pp = owner, dp, tp = 0)
+  local TC = sizes.tensor * (sizes.context or 1) -- tp-cp-dp-pp (pg_context.h)
+  local src = owner * TC * sizes.data + dp * TC -- (pp = owner, dp, cp = 0, tp = 0)
   local buf
   if ctx:local_rank("pipeline") == owner and ctx:local_rank("data") == dp then
     buf = convert(self.c:gather_param(name))

@@ -56,6 +56,10 @@ return {
   { name = "memory", description = "the small model with recompute = full and selective (against none), and\n"
       .. "sequence_parallel at tensor = 2 (against tensor = 2 without): activation peak and step time",
     run = require "bench.memory" },
+  { name = "context", description = "context parallelism (ring attention), a tiny GPT on one 4096-token sequence:\n"
+      .. "context = 2 against 1 (step time, activation bytes per rank), and the longest sequence it trains at\n"
+      .. "context = 4 within 24 GB per rank (computed from engine:memory() and from the peak RSS)",
+    run = require "bench.context" },
   { name = "moe", description = "a mixture of experts (4 experts, top-2) over data = 2, expert = 2 against the dense\n"
       .. "model with the same active parameters, and all_to_all against MPI_Alltoall",
     run = require "bench.moe" },

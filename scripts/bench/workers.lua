@@ -330,9 +330,48 @@ local function worker_a2a(o)
   ctx:barrier()
 end
 
+-- Context parallelism: a tiny GPT (width 64, 4 heads, 2 layers: attention is most of a step at long
+-- sequences) on one sequence of --seq_len tokens at --context = C (the world's ranks), a few training steps.
+-- Prints the step time (median, slowest rank), the attention's share of it is not separated: at width 64
+-- and T = 4096 the T^2 attention terms are ~98% of the FLOPs. Activation bytes: engine:memory()'s peak
+-- (largest rank); bytes per rank: params + gradients + AdamW state + that peak; and the peak RSS.
+local function worker_context(o)
+  local C, T = tonumber(o.context or 1), tonumber(o.seq_len or 1024)
+  local ctx = pg.ParallelContext{ context = C, seed = 1 }
+  local engine = pg.parallelize(pg.nn.GPT{ vocab = 256, seq_len = T, dim = 64, heads = 4, layers = 2 }, ctx,
+    { micro_batches = 1 })
+  local opt = pg.optim.AdamW(engine, { lr = 1e-4 })
+  local x, y = batch_tensors(1, T, 256, 0)
+  local warmup, steps = tonumber(o.warmup or 1), tonumber(o.steps or 3)
+  local times = {}
+  for s = 1, warmup + steps do
+    ctx:barrier()
+    local t0 = pg.wtime()
+    engine:zero_grad()
+    engine:forward_backward(x, y)
+    opt:step()
+    local dt = allmax(pg.wtime() - t0)
+    if s > warmup then times[#times + 1] = dt end
+  end
+  local mem = engine:memory()
+  local act = allmax(mem.peak_activation_bytes)
+  local rank_bytes = allmax(mem.params_bytes + mem.grads_bytes + (mem.optimizer_bytes or 0) + mem.peak_activation_bytes)
+  local hwm = allmax(vm_hwm())
+  if ctx:rank() == 0 then
+    local r = { context = C, seq_len = T, ranks = pg.world_size(), threads = pg.num_threads(),
+                step_ms = median(times) * 1e3, peak_activation_bytes = act, rank_bytes = rank_bytes,
+                peak_rss_bytes = hwm }
+    for k, v in pairs(r) do
+      print(math.type(v) == "integer" and ("result %s %d"):format(k, v) or ("result %s %.8g"):format(k, v))
+    end
+  end
+  ctx:barrier()
+end
+
 -- by the name --worker=<name> gives
 return {
   step = worker_step,
+  context = worker_context,
   pp = worker_pp,
   overlap = worker_overlap,
   a2a = worker_a2a,

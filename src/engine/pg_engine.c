@@ -16,6 +16,13 @@ static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 static int pp_size(const pg_engine *e) { return e->ctx->pipeline; }
 static int pp_rank(const pg_engine *e) { return e->ctx->pp_rank; }
 
+/* The one place that says where the dense region's gradients are averaged and its ZeRO shards cut: the data
+ * group, or with context parallelism data x context (the parameters are replicated over both, Megatron-LM's
+ * dp-cp group). With context = 1 it is the data group itself (its communicator, its comm_stats row). */
+pg_mode pg_engine_dense_group(const pg_engine *e) { return e->ctx->context > 1 ? PG_MODE_DATA_CONTEXT : PG_MODE_DATA; }
+static int dense_size(const pg_engine *e) { return e->ctx->group[pg_engine_dense_group(e)].size; }
+static int dense_rank(const pg_engine *e) { return e->ctx->group[pg_engine_dense_group(e)].rank; }
+
 /* Sequence parallelism: the rows of a micro-batch of N rows that cross this
  * rank's stage boundaries (its tensor rank's share), and the most of them. */
 static int sp_on(const pg_engine *e) { return e->opts.sequence_parallel && e->ctx->tensor > 1; }
@@ -27,6 +34,8 @@ static int64_t boundary_rows_max(const pg_engine *e, int64_t N) {
 }
 
 /* ---------------------------------------------------------------- construction */
+
+static int cp_check_engine(const pg_engine *e);
 
 /* Every chunk's parameters, chunk by chunk: one flat buffer per rank. */
 static int collect_params(pg_engine *e) {
@@ -62,7 +71,7 @@ static int bind_params(pg_engine *e, uint64_t seed) {
   for (int pass = 0; pass < 2; pass++) {
     if (pass == 1) {
       e->dense_numel = off;
-      off = e->dense_padded = round_up(off > 0 ? off : FLAT_ALIGN, (int64_t)FLAT_ALIGN * e->ctx->data);
+      off = e->dense_padded = round_up(off > 0 ? off : FLAT_ALIGN, (int64_t)FLAT_ALIGN * dense_size(e));
     }
     for (int i = 0; i < e->nparams; i++) {
       if (e->params[i]->expert != pass) continue;
@@ -80,8 +89,9 @@ static int bind_params(pg_engine *e, uint64_t seed) {
   size_t bytes = (size_t)e->flat_padded * sizeof(float);
   /* Data-parallel replicas on one node share their buffers (single-pass
    * reductions); anything else, or no room in /dev/shm: private memory. */
-  if (!e->opts.private_buffers && (pg_shm_create(e->ctx, PG_MODE_DATA, bytes, &e->param_shm, &e->param_store) ||
-                                   pg_shm_create(e->ctx, PG_MODE_DATA, bytes, &e->grad_shm, &e->grad_store)))
+  pg_mode dg = pg_engine_dense_group(e);
+  if (!e->opts.private_buffers && (pg_shm_create(e->ctx, dg, bytes, &e->param_shm, &e->param_store) ||
+                                   pg_shm_create(e->ctx, dg, bytes, &e->grad_shm, &e->grad_store)))
     return PG_ERR;
   if ((!e->param_store && !(e->param_store = pg_backend_storage(e->be, bytes))) ||
       (!e->grad_store && !(e->grad_store = pg_backend_storage(e->be, bytes))))
@@ -125,8 +135,8 @@ static int reduced_first(const pg_engine *e, const pg_param *p) {
 
 /* The group that reduces p's gradient: a bucket holds parameters of one group. */
 static pg_mode reduction_group(const pg_engine *e, const pg_param *p) {
-  (void)e, (void)p;
-  return PG_MODE_DATA;
+  (void)p;
+  return pg_engine_dense_group(e);
 }
 
 /* Whether this step's reduction goes bucket by bucket: on the device only
@@ -151,8 +161,9 @@ int pg_engine_overlaps(const pg_engine *e) {
 static int overlap_applies(const pg_engine *e) {
   /* expert parallelism's second region reduces over expert_data after
    * backward: its buckets would need that group's shard layout (not yet) */
-  if (!e->opts.overlap_grad_reduce || e->ctx->data == 1 || e->flat_padded > e->dense_padded) return 0;
-  return e->be->device == PG_CPU ? !pg_engine_shares_buffers(e) : pg_comm_device_overlap(e->ctx, PG_MODE_DATA);
+  if (!e->opts.overlap_grad_reduce || dense_size(e) == 1 || e->flat_padded > e->dense_padded) return 0;
+  return e->be->device == PG_CPU ? !pg_engine_shares_buffers(e)
+                                 : pg_comm_device_overlap(e->ctx, pg_engine_dense_group(e));
 }
 
 /* Whether p's gradient is written by a module that does not own it (a tied
@@ -334,7 +345,7 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *const *stages, int nchunks,
     rc = check_widths(e, v) || pg_module_set_backend(chunks[v].stage, e->be) ||
          pg_module_set_precision(chunks[v].stage, opts->precision) ||
          pg_module_use_recompute_arena(chunks[v].stage, e->recompute_arena);
-  if (rc || make_schedule(e) || bind_params(e, seed) || build_buckets(e) ||
+  if (rc || make_schedule(e) || bind_params(e, seed) || cp_check_engine(e) || build_buckets(e) ||
       count_parameters(e, &e->num_parameters)) {
     pg_engine_free(e);
     return NULL;
@@ -379,6 +390,7 @@ void pg_engine_free(pg_engine *e) {
   free(e->actions);
   pg_be_release(e->be, e->grad_recv);
   pg_be_release(e->be, e->device_ids);
+  free(e->cp_ids);
   free(e->ios);
   free(e->eval_ios);
   pg_be_release(e->be, e->bf16_scratch[0]);
@@ -657,7 +669,7 @@ static void aim_grads(pg_engine *e, const pg_bucket *b) {
  * add) and, from the pool, handed back. */
 static int complete_bucket(pg_engine *e, pg_bucket *b) {
   if (pg_wait(&b->req)) return PG_ERR;
-  int64_t per = e->flat_padded / e->ctx->data;
+  int64_t per = e->flat_padded / dense_size(e);
   int64_t a = b->lo > e->grad_base ? b->lo : e->grad_base;
   int64_t z = b->hi < e->grad_base + per ? b->hi : e->grad_base + per;
   float *acc = e->grad_store->data;
@@ -844,12 +856,14 @@ static int finish_buckets(pg_engine *e) {
 }
 
 /* The mean loss of the last stage, made the same on every rank: broadcast down
- * the pipeline group, then averaged over the data group (equal shares). */
+ * the pipeline group, then averaged over the data group (equal shares; with
+ * context parallelism over data x context, each rank's mean being over its
+ * equal share of every sequence's tokens: the mean over all tokens). */
 static int share_loss(pg_engine *e, double *loss) {
   if (pg_broadcast_buf(e->ctx, PG_MODE_PIPELINE, loss, 1, PG_FLOAT64, pp_size(e) - 1) ||
-      pg_all_reduce_buf(e->ctx, PG_MODE_DATA, loss, 1, PG_FLOAT64, PG_REDUCE_SUM))
+      pg_all_reduce_buf(e->ctx, pg_engine_dense_group(e), loss, 1, PG_FLOAT64, PG_REDUCE_SUM))
     return PG_ERR;
-  *loss /= e->ctx->data;
+  *loss /= dense_size(e);
   return PG_OK;
 }
 
@@ -890,11 +904,71 @@ static int ids_on_backend(pg_engine *e, const int32_t **tokens, const int32_t **
   return PG_OK;
 }
 
+/* ---------------------------------------------------------------- context parallelism */
+
+static int evaluate_rows(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T, double *loss,
+                         float *logits);
+
+static int cp_on(const pg_engine *e) { return e->ctx->context > 1; }
+
+/* What context parallelism cannot serve, refused when the engine is made. */
+static int cp_check_engine(const pg_engine *e) {
+  if (!cp_on(e)) return PG_OK;
+  int C = e->ctx->context;
+  if (e->be->device != PG_CPU)
+    return pg_fail("context=%d: context parallelism runs on the cpu backend only (not %s)", C, e->be->name);
+  if (e->flat_padded > e->dense_padded || e->opts.router_experts > 0)
+    return pg_fail("context=%d with a mixture of experts is not supported (expert capacity is per sequence and "
+                   "the routing totals per micro-batch: each context rank would drop tokens by its own chunks): use "
+                   "context = 1", C);
+  if (e->opts.objective)
+    return pg_fail("context=%d with an objective written in Lua is not supported (it would see two chunks of each "
+                   "sequence as its rows): use the model's own loss or context = 1", C);
+  return PG_OK;
+}
+
+/* ... and per batch: the sequence cut into 2C equal chunks. */
+static int cp_check(const pg_engine *e, int T, const char *what) {
+  if (!cp_on(e)) return PG_OK;
+  int C = e->ctx->context;
+  if (T % (2 * C))
+    return pg_fail("%s: sequence length %d is not divisible by 2 x context = %d (each context rank holds two of the "
+                   "2C equal chunks of every sequence)", what, T, 2 * C);
+  return PG_OK;
+}
+
+/* Every context rank of a data rank receives the same full [B, T] ids; this one keeps chunks r and 2C-1-r of
+ * each sequence (pg_cp_position), inputs and targets alike, as a [B, T / C] batch. */
+static int cp_local_batch(pg_engine *e, const int32_t **tokens, const int32_t **targets, int B, int *T) {
+  int C = e->ctx->context, r = e->ctx->cp_rank, Tl = *T / C;
+  int64_t L = Tl / 2, n = (int64_t)B * Tl;
+  if (n > e->cp_ids_cap) {
+    int32_t *ids = realloc(e->cp_ids, 2 * (size_t)n * sizeof *ids);
+    if (!ids) return pg_fail("out of memory for this context rank's chunks of the batch");
+    e->cp_ids = ids;
+    e->cp_ids_cap = n;
+  }
+  for (int which = 0; which < 2; which++) {
+    const int32_t *src = which ? *targets : *tokens;
+    if (!src) continue;
+    int32_t *dst = e->cp_ids + (size_t)which * n;
+    for (int b = 0; b < B; b++)
+      for (int64_t t = 0; t < Tl; t++) dst[(int64_t)b * Tl + t] = src[(int64_t)b * *T + pg_cp_position(C, r, L, t)];
+  }
+  *tokens = e->cp_ids;
+  if (*targets) *targets = e->cp_ids + n;
+  *T = Tl;
+  return PG_OK;
+}
+
 int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T,
                                float grad_scale, int sync, double *loss) {
   double t0 = pg_wtime();
+  if (check_batch(e, tokens, targets, B, T, 1) || cp_check(e, T, "forward_backward") ||
+      (cp_on(e) && cp_local_batch(e, &tokens, &targets, B, &T)))
+    return PG_ERR;
   const int32_t *host_targets = targets;
-  if (check_batch(e, tokens, targets, B, T, 1) || ids_on_backend(e, &tokens, &targets, (int64_t)B * T)) return PG_ERR;
+  if (ids_on_backend(e, &tokens, &targets, (int64_t)B * T)) return PG_ERR;
   int M = e->opts.micro_batches, Bm = B / M;
   if (ensure_capacity(e, Bm * T)) return PG_ERR;
   float dloss = grad_scale / (float)((int64_t)B * T);
@@ -907,7 +981,8 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
                         .host_targets = host_targets + off, .router = e->router ? e->router + i * nr : NULL,
                         .backward_done = buckets_apply(e) ? on_backward_done : NULL,
                         .backward_begin = e->sharded ? on_backward_begin : NULL, .backward_ud = e,
-                        .step = e->stats.steps, .global_row0 = (int64_t)e->ctx->dp_rank * B * T + (int64_t)off};
+                        .step = e->stats.steps, .global_row0 = (int64_t)e->ctx->dp_rank * B * T + (int64_t)off,
+                        .cp_chunk = cp_on(e) ? T / 2 : 0};
     lend_bf16_scratch(e, &e->ios[i]);
   }
   /* gradients accumulated over calls with sync = 0 reduce on the call that
@@ -960,10 +1035,53 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
   return PG_OK;
 }
 
+/* Evaluation's logits under context parallelism: every context rank's rows [B, T / C, vocab] gathered over the
+ * context group and put at their positions in the full [B, T, vocab]. */
+static int cp_gather_logits(pg_engine *e, const float *mine, float *logits, int B, int Tl) {
+  int C = e->ctx->context, V = e->opts.vocab;
+  int64_t L = Tl / 2, per = (int64_t)B * Tl * V;
+  float *all = malloc((size_t)C * (size_t)per * sizeof(float));
+  if (!all) return pg_fail("out of memory gathering the logits over the context group");
+  memcpy(all + (size_t)e->ctx->cp_rank * per, mine, (size_t)per * sizeof(float));
+  if (pg_all_gather_buf(e->ctx, PG_MODE_CONTEXT, all, per, PG_FLOAT32)) {
+    free(all);
+    return PG_ERR;
+  }
+  for (int r = 0; r < C; r++)
+    for (int b = 0; b < B; b++)
+      for (int64_t t = 0; t < Tl; t++)
+        memcpy(logits + ((int64_t)b * C * Tl + pg_cp_position(C, r, L, t)) * V,
+               all + (size_t)r * per + ((int64_t)b * Tl + t) * V, (size_t)V * sizeof(float));
+  free(all);
+  return PG_OK;
+}
+
 int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T, double *loss,
                        float *logits) {
+  if (check_batch(e, tokens, targets, B, T, 0) || cp_check(e, T, "evaluate") ||
+      (cp_on(e) && cp_local_batch(e, &tokens, &targets, B, &T)))
+    return PG_ERR;
+  /* context parallelism: this rank's chunks' logits, gathered over the context group at the end */
+  float *all_logits = logits, *cp_logits = NULL;
+  if (cp_on(e) && logits && e->is_last) {
+    if (!(cp_logits = malloc((size_t)B * T * e->opts.vocab * sizeof(float))))
+      return pg_fail("out of memory for this context rank's logits");
+    logits = cp_logits;
+  }
+  int rc = evaluate_rows(e, tokens, targets, B, T, loss, logits);
+  if (!rc && cp_logits) rc = cp_gather_logits(e, cp_logits, all_logits, B, T);
+  free(cp_logits);
+  if (!rc && all_logits && cp_on(e) && pp_size(e) > 1)
+    rc = pg_broadcast_buf(e->ctx, PG_MODE_PIPELINE, all_logits, (int64_t)B * T * e->ctx->context * e->opts.vocab,
+                          PG_FLOAT32, pp_size(e) - 1);
+  return rc;
+}
+
+/* Evaluation of [B, T] rows (with context parallelism this rank's chunks). */
+static int evaluate_rows(pg_engine *e, const int32_t *tokens, const int32_t *targets, int B, int T, double *loss,
+                         float *logits) {
   const int32_t *host_targets = targets;
-  if (check_batch(e, tokens, targets, B, T, 0) || ids_on_backend(e, &tokens, &targets, (int64_t)B * T)) return PG_ERR;
+  if (ids_on_backend(e, &tokens, &targets, (int64_t)B * T)) return PG_ERR;
   /* Micro-batches of at most a training micro-batch's rows go down the pipeline. */
   int rows_cap = e->capacity_rows;
   if (rows_cap < T) rows_cap = T * (B < 8 ? B : 8); /* nothing trained yet: chunks of up to 8 rows */
@@ -983,7 +1101,8 @@ int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targe
     e->eval_ios[i] = (pg_io){.B = nb, .T = T, .tokens = tokens + off, .targets = targets ? targets + off : NULL,
                              .dloss = 0, .want_grad = 0, .loss_sum = 0,
                              .logits = logits && e->is_last ? logits + off * e->opts.vocab : NULL, .mb = i,
-                             .row0 = (int64_t)off, .host_targets = host_targets ? host_targets + off : NULL};
+                             .row0 = (int64_t)off, .host_targets = host_targets ? host_targets + off : NULL,
+                             .cp_chunk = cp_on(e) ? T / 2 : 0};
     lend_bf16_scratch(e, &e->eval_ios[i]);
   }
   /* the same executor as training, on a forward-only list (pg_schedule.h) */
@@ -1003,13 +1122,16 @@ int pg_engine_evaluate(pg_engine *e, const int32_t *tokens, const int32_t *targe
     *loss = e->is_last ? sum / ((double)B * T) : 0;
     if (share_loss(e, loss)) return PG_ERR;
   }
-  if (logits && pp_size(e) > 1 &&
+  if (logits && pp_size(e) > 1 && !cp_on(e) && /* context parallelism: broadcast once gathered */
       pg_broadcast_buf(e->ctx, PG_MODE_PIPELINE, logits, (int64_t)B * T * e->opts.vocab, PG_FLOAT32, pp_size(e) - 1))
     return PG_ERR;
   return PG_OK;
 }
 
 int pg_engine_check_decode(const pg_engine *e) {
+  if (cp_on(e))
+    return pg_fail("decode with context=%d: the key/value cache holds whole sequences; decode with a context of "
+                   "context = 1 (a checkpoint loads at any context size)", e->ctx->context);
   for (int v = 0; v < e->nchunks; v++)
     if (pg_module_check_decode(e->chunks[v].stage)) return PG_ERR;
   return PG_OK;
@@ -1116,7 +1238,7 @@ static void free_staging(pg_engine *e) {
 }
 
 int pg_engine_shard_grads(pg_engine *e) {
-  if (e->sharded || e->ctx->data == 1) return PG_OK; /* one replica: the shard is the whole buffer */
+  if (e->sharded || dense_size(e) == 1) return PG_OK; /* one replica: the shard is the whole buffer */
   if (e->be->device != PG_CPU)
     return pg_fail("zero = 2 keeps a gradient shard with staging buffers in host memory; the %s backend has "
                    "zero = 0 and 1", e->be->name);
@@ -1132,8 +1254,8 @@ int pg_engine_shard_grads(pg_engine *e) {
   if (e->grads_pending)
     return pg_fail("zero = 2: gradients of an earlier forward_backward wait for their reduction; make the optimizer "
                    "before training, or call engine:sync_grads() first");
-  int64_t lo, hi, per = e->flat_padded / e->ctx->data;
-  lo = per * e->ctx->dp_rank;
+  int64_t lo, hi, per = e->flat_padded / dense_size(e);
+  lo = per * dense_rank(e);
   hi = lo + per;
   pg_storage *shard = pg_backend_storage(e->be, (size_t)per * sizeof(float));
   if (!shard) return pg_fail("zero = 2: the gradient shard (%lld floats): %s", (long long)per, pg_error());
@@ -1160,9 +1282,9 @@ int pg_engine_shard_grads(pg_engine *e) {
 }
 
 void pg_engine_shard(const pg_engine *e, int64_t *lo, int64_t *hi) {
-  if (e->zero && e->ctx->data > 1) {
-    int64_t per = e->dense_padded / e->ctx->data;
-    *lo = per * e->ctx->dp_rank;
+  if (e->zero && dense_size(e) > 1) {
+    int64_t per = e->dense_padded / dense_size(e);
+    *lo = per * dense_rank(e);
     *hi = *lo + per;
   } else {
     *lo = 0;
@@ -1210,8 +1332,9 @@ static int reduce_region(pg_engine *e, pg_mode m, const pg_shm *sh, float *g, in
 int pg_engine_gather_params(pg_engine *e) {
   if (!e->zero) return PG_OK;
   float *w = e->param_store->data;
-  if (e->ctx->data > 1 && (e->param_shm.size ? pg_shm_all_gather(e->ctx, &e->param_shm, e->dense_padded)
-                                             : pg_all_gather_inplace(e->ctx, PG_MODE_DATA, w, e->dense_padded)))
+  if (dense_size(e) > 1 &&
+      (e->param_shm.size ? pg_shm_all_gather(e->ctx, &e->param_shm, e->dense_padded)
+                         : pg_all_gather_inplace(e->ctx, pg_engine_dense_group(e), w, e->dense_padded)))
     return PG_ERR;
   int64_t n = e->flat_padded - e->dense_padded;
   if (n && e->ctx->group[PG_MODE_EXPERT_DATA].size > 1 &&
@@ -1266,7 +1389,7 @@ int pg_engine_sync_grads(pg_engine *e) {
    * collectives' blocks are the ZeRO shards: with zero = 1 or 2 ours is
    * reduced in place. */
   const pg_shm *sh = e->grad_shm.size ? &e->grad_shm : NULL;
-  if (reduce_region(e, PG_MODE_DATA, sh, g, e->dense_padded) ||
+  if (reduce_region(e, pg_engine_dense_group(e), sh, g, e->dense_padded) ||
       reduce_region(e, PG_MODE_EXPERT_DATA, NULL, g + e->dense_padded, e->flat_padded - e->dense_padded))
     return PG_ERR;
   /* an expert's gradient on a rank holds the tokens of all E members of its

@@ -147,6 +147,8 @@ typedef struct pg_engine {
   float *grad_recv;    /* [rows * width]: every receive of a gradient is followed by its backward */
   int32_t *device_ids; /* device backends: [2][rows * micro-batches] the batch's token ids and targets */
   int64_t device_ids_cap;
+  int32_t *cp_ids;     /* context parallelism: [2][B * T / C] this rank's chunks of the batch's ids and targets */
+  int64_t cp_ids_cap;
   pg_io *ios;          /* per micro-batch */
   double *router;      /* with router_experts: [micro-batches][2 * experts] routing totals (pg_io.router) */
   double last_ce, last_aux; /* the last forward_backward's token loss and auxiliary losses (every rank) */
@@ -224,6 +226,10 @@ void pg_engine_release_cache(pg_engine *e);
 /* 1 when the data-parallel replicas share their flat buffers (pg_shm.h): the
  * reductions are single passes over shared memory; 0: the MPI ring. */
 int pg_engine_shares_buffers(const pg_engine *e);
+
+/* The group over which the dense region's gradients are averaged and ZeRO-sharded: PG_MODE_DATA, or with
+ * context parallelism PG_MODE_DATA_CONTEXT (data x context). */
+pg_mode pg_engine_dense_group(const pg_engine *e);
 int pg_engine_zero_grad(pg_engine *e);
 /* 1 when the engine overlaps its data-parallel reduction with backward:
  * overlap_grad_reduce set, data > 1, host memory, buffers not shared. */

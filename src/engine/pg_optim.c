@@ -97,7 +97,8 @@ int pg_adamw_grad_norm(pg_adamw *o, double *norm) {
       (pg_all_reduce_buf(e->ctx, PG_MODE_EXPERT, &sq[1], 1, PG_FLOAT64, PG_REDUCE_SUM) ||
        (o->zero && pg_all_reduce_buf(e->ctx, PG_MODE_EXPERT_DATA, &sq[1], 1, PG_FLOAT64, PG_REDUCE_SUM))))
     return PG_ERR;
-  if (o->zero && pg_all_reduce_buf(e->ctx, PG_MODE_DATA, &sq[0], 1, PG_FLOAT64, PG_REDUCE_SUM)) return PG_ERR;
+  if (o->zero && pg_all_reduce_buf(e->ctx, pg_engine_dense_group(e), &sq[0], 1, PG_FLOAT64, PG_REDUCE_SUM))
+    return PG_ERR;
   sq[0] += sq[1];
   if (pg_all_reduce_buf(e->ctx, PG_MODE_TENSOR, &sq[0], 1, PG_FLOAT64, PG_REDUCE_SUM) ||
       pg_all_reduce_buf(e->ctx, PG_MODE_PIPELINE, &sq[0], 1, PG_FLOAT64, PG_REDUCE_SUM))

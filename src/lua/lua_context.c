@@ -46,19 +46,24 @@ static int size_field(lua_State *L, const char *key, int world) {
   return (int)v;
 }
 
-/* data not given: the ranks tensor and pipeline leave, as Megatron-LM and
- * torchtitan infer it (an explicit data keeps pg_context_init's check that
- * the product is the world). */
-static int infer_data(lua_State *L, int world, int tp, int pp) {
-  long tpp = (long)tp * pp;
-  if (world % tpp)
+/* data not given: the ranks tensor, pipeline and context leave, as
+ * Megatron-LM and torchtitan infer it (an explicit data keeps
+ * pg_context_init's check that the product is the world). */
+static int infer_data(lua_State *L, int world, int tp, int pp, int cp) {
+  long tpp = (long)tp * pp * cp;
+  if (world % tpp) {
+    if (cp > 1)
+      luaL_error(L, "ParallelContext: tensor=%d x pipeline=%d x context=%d = %I ranks does not divide the world size "
+                 "%d, so data (not given) cannot be inferred as world / (tensor x pipeline x context)", tp, pp, cp,
+                 (lua_Integer)tpp, world);
     luaL_error(L, "ParallelContext: tensor=%d x pipeline=%d = %I ranks does not divide the world size %d, so data "
                "(not given) cannot be inferred as world / (tensor x pipeline)", tp, pp, (lua_Integer)tpp, world);
+  }
   return (int)(world / tpp);
 }
 
 static int l_new(lua_State *L) {
-  static const char *const keys[] = {"tensor", "pipeline", "data", "expert", "seed", "self", NULL};
+  static const char *const keys[] = {"tensor", "pipeline", "data", "expert", "context", "seed", "self", NULL};
   pg_lua_check_keys(L, 1, "ParallelContext", keys); /* and that it is a table */
   lua_settop(L, 1);
   if (lua_isnil(L, 1)) {
@@ -72,9 +77,10 @@ static int l_new(lua_State *L) {
   int world = 1;
   MPI_Comm_size(world_comm, &world);
   int tp = size_field(L, "tensor", world), pp = size_field(L, "pipeline", world);
+  int cp = size_field(L, "context", world);
   int inferred = lua_getfield(L, 1, "data") == LUA_TNIL;
   lua_pop(L, 1);
-  int dp = inferred ? infer_data(L, world, tp, pp) : size_field(L, "data", world);
+  int dp = inferred ? infer_data(L, world, tp, pp, cp) : size_field(L, "data", world);
   int ep = size_field(L, "expert", world);
   uint64_t seed = (uint64_t)pg_lua_opt_int(L, 1, "seed", 1234);
   /* user value 1: whether data was inferred (tostring says so) */
@@ -84,7 +90,7 @@ static int l_new(lua_State *L) {
   luaL_setmetatable(L, PG_CONTEXT_MT);
   lua_pushboolean(L, inferred);
   lua_setiuservalue(L, -2, 1);
-  if (pg_context_init(c, world_comm, tp, pp, dp, ep, seed)) return luaL_error(L, "ParallelContext: %s", pg_error());
+  if (pg_context_init(c, world_comm, tp, pp, dp, ep, cp, seed)) return luaL_error(L, "ParallelContext: %s", pg_error());
   if (pg_comm_init(c)) {
     pg_context_destroy(c);
     return luaL_error(L, "ParallelContext: %s", pg_error());
@@ -111,8 +117,10 @@ static pg_mode check_mode(lua_State *L, int idx, const char *def) {
   return m;
 }
 
+/* rank(): the global rank; rank(group): the place in that group (as local_rank). */
 static int l_rank(lua_State *L) {
-  lua_pushinteger(L, pg_lua_check_context(L, 1)->rank);
+  pg_context *c = pg_lua_check_context(L, 1);
+  lua_pushinteger(L, lua_isnoneornil(L, 2) ? c->rank : c->group[check_mode(L, 2, NULL)].rank);
   return 1;
 }
 
@@ -174,9 +182,11 @@ static int l_barrier(lua_State *L) {
 
 static int l_sizes(lua_State *L) {
   pg_context *c = pg_lua_check_context(L, 1);
-  lua_createtable(L, 0, 5);
+  lua_createtable(L, 0, 6);
   lua_pushinteger(L, c->tensor);
   lua_setfield(L, -2, "tensor");
+  lua_pushinteger(L, c->context);
+  lua_setfield(L, -2, "context");
   lua_pushinteger(L, c->pipeline);
   lua_setfield(L, -2, "pipeline");
   lua_pushinteger(L, c->data);
@@ -247,7 +257,13 @@ static int l_tostring(lua_State *L) {
   const char *how = "";
   if (lua_toboolean(L, -1))
     how = lua_pushfstring(L, " (inferred from %d rank%s)", c->world_size, c->world_size == 1 ? "" : "s");
-  if (c->expert > 1)
+  if (c->context > 1) /* its own form: the dimension is named only where it is used */
+    lua_pushfstring(L,
+                    "ParallelContext(rank %d of %d: tensor %d/%d, context %d/%d, pipeline %d/%d, data %d/%d%s, "
+                    "expert %d/%d, seed %I)",
+                    c->rank, c->world_size, c->tp_rank, c->tensor, c->cp_rank, c->context, c->pp_rank, c->pipeline,
+                    c->dp_rank, c->data, how, c->ep_rank, c->expert, (lua_Integer)c->seed);
+  else if (c->expert > 1)
     lua_pushfstring(L,
                     "ParallelContext(rank %d of %d: tensor %d/%d, pipeline %d/%d, data %d/%d%s, expert %d/%d, seed %I)",
                     c->rank, c->world_size, c->tp_rank, c->tensor, c->pp_rank, c->pipeline, c->dp_rank, c->data, how,

@@ -257,6 +257,12 @@ static pg_module *build_lua(build_state *b, int idx, const char *name) {
   pg_tp_region input, output;
   if (pg_tp_region_from_name(in_r, 1, &input) || pg_tp_region_from_name(out_r, 0, &output))
     return pg_fail_null("%s: %s", name, pg_error());
+  /* context parallelism hands a module two chunks of each sequence as its rows: only a module whose output row
+   * depends on its input row alone (and nothing on where the row sits) computes the same there */
+  if (b->ctx && b->ctx->context > 1 && !pg_lua_opt_bool(L, idx, "position_wise", 0))
+    return pg_fail_null("Lua module '%s': context=%d gives it two chunks of each sequence as its rows; declare "
+                        "position_wise = true if each output row depends on its input row alone, or use context = 1",
+                        name, b->ctx->context);
   int np = 0;
   pg_param *params[32];
   if (lua_getfield(L, idx, "params") == LUA_TTABLE) {

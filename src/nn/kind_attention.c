@@ -2,8 +2,10 @@
 #include "module_impl.h"
 #include "pg_size.h"
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* ---------------------------------------------------------------- attention */
 
@@ -23,7 +25,16 @@ typedef struct attention_state {
   int32_t *cached;
   int cache_rows;
   size_t dec_x_n, dec_scores_n;
+  /* context parallelism (cp_on), the ring: per slot the log-sum-exp of every query row [nslots][B, 2, heads_l, L]
+   * (and with bf16 q|k|v the float32 output [nslots][rows, out_width], the backward's delta reads it); shared by
+   * the micro-batches, the two key/value blocks of the exchange [2][rows, 2 kv_l head_dim] and their gradients,
+   * the online softmax's state (acc [rows, out_width], max and sum [B, 2, heads_l, L]) and delta */
+  float *cp_lse, *cp_out, *cp_kv[2], *cp_dkv[3], *cp_acc, *cp_mx, *cp_sm, *cp_delta;
 } attention_state;
+
+/* Context parallelism: the module's context splits sequences (pg_io.cp_chunk says how). */
+static int cp_size(const pg_module *m) { return m->ctx ? m->ctx->context : 1; }
+static int cp_on(const pg_module *m, const pg_io *io) { return cp_size(m) > 1 && io->cp_chunk > 0; }
 
 /* The probabilities of `slot`: its own with every slot kept; recomputed, the
  * rank's arena (shared by the attentions of every layer) or, in a module
@@ -51,14 +62,28 @@ static void attention_claim(pg_module *m, attention_state *s, int slot) {
 static int attention_alloc(pg_module *m, int nslots, int max_rows) {
   attention_state *s = m->state;
   if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
-  size_t per_slot = (size_t)max_rows * s->heads_l * s->max_seq;
-  if (m->arena ? !arena_buffer(m->arena, per_slot * sizeof(float))
-               : !alloc_floats(m, &s->att, (size_t)(s->o.recompute ? 1 : nslots) * per_slot))
+  /* context parallelism keeps no probabilities: the ring's backward recomputes them from the log-sum-exp */
+  size_t per_slot = cp_size(m) > 1 ? 0 : (size_t)max_rows * s->heads_l * s->max_seq;
+  if (per_slot && (m->arena ? !arena_buffer(m->arena, per_slot * sizeof(float))
+                            : !alloc_floats(m, &s->att, (size_t)(s->o.recompute ? 1 : nslots) * per_slot)))
     return pg_fail("out of memory for %s (attention probabilities)", m->name);
-  if (!alloc_floats(m, &s->scratch, (size_t)KERNEL(m, attention_scratch_floats, s->max_seq, s->heads_l)))
+  /* the whole-sequence backward's [T, T] blocks; the ring's kernels need none */
+  if (cp_size(m) == 1 &&
+      !alloc_floats(m, &s->scratch, (size_t)KERNEL(m, attention_scratch_floats, s->max_seq, s->heads_l)))
     return pg_fail("out of memory for %s (attention backward)", m->name);
   attention_claim(m, s, -1);
   if (!s->o.recompute) m->saved_bytes_per_slot += per_slot * sizeof(float);
+  if (cp_size(m) > 1) {
+    size_t rows = (size_t)max_rows, stats = rows * s->heads_l, kv = rows * 2 * s->kv_l * s->o.head_dim;
+    size_t out = m->in_bf16 ? rows * m->out_width : 0;
+    int ok = alloc_floats(m, &s->cp_lse, (size_t)nslots * stats) && (!out || alloc_floats(m, &s->cp_out, nslots * out));
+    for (int i = 0; i < 2 && ok; i++) ok = alloc_floats(m, &s->cp_kv[i], kv) != NULL;
+    for (int i = 0; i < 3 && ok; i++) ok = alloc_floats(m, &s->cp_dkv[i], kv) != NULL;
+    ok = ok && alloc_floats(m, &s->cp_acc, rows * m->out_width) && alloc_floats(m, &s->cp_mx, stats) &&
+         alloc_floats(m, &s->cp_sm, stats) && alloc_floats(m, &s->cp_delta, stats);
+    if (!ok) return pg_fail("out of memory for %s (the context-parallel ring)", m->name);
+    m->saved_bytes_per_slot += (stats + out) * sizeof(float);
+  }
   if (s->o.rope_theta > 0) {
     size_t rot = (size_t)max_rows * m->in_width, table = (size_t)s->max_seq * (s->o.head_dim / 2);
     const pg_backend *home = home_backend(BE(m)); /* the tables outlive a recomputed block's buffers */
@@ -208,14 +233,187 @@ static void attention_release_cache(pg_module *m) {
   s->dec_x_n = s->dec_scores_n = 0;
 }
 
+/* RoPE on rows [N, in_width] (q then k heads): by the row's place in its sequence, or under context
+ * parallelism by each chunk's true positions (the tables' rows from the chunk's first position on). */
+static int rope_rows(pg_module *m, attention_state *s, const pg_io *io, float *buf, int backward) {
+  int hd = s->o.head_dim, half = hd / 2, W = m->in_width, N = io->B * io->T;
+  float *kb = buf + (size_t)s->heads_l * hd;
+  if (!cp_on(m, io))
+    return backward ? KERNEL(m, rope_backward, buf, s->cos_t, s->sin_t, N, io->T, s->heads_l, hd, W) ||
+                          KERNEL(m, rope_backward, kb, s->cos_t, s->sin_t, N, io->T, s->kv_l, hd, W)
+                    : KERNEL(m, rope_forward, buf, s->cos_t, s->sin_t, N, io->T, s->heads_l, hd, W) ||
+                          KERNEL(m, rope_forward, kb, s->cos_t, s->sin_t, N, io->T, s->kv_l, hd, W);
+  int L = io->cp_chunk;
+  for (int b = 0; b < io->B; b++)
+    for (int c = 0; c < 2; c++) {
+      size_t row = (size_t)b * io->T + (size_t)c * L;
+      int64_t pos = pg_cp_position(m->ctx->context, m->ctx->cp_rank, L, (int64_t)c * L);
+      const float *cs = s->cos_t + (size_t)pos * half, *sn = s->sin_t + (size_t)pos * half;
+      float *q = buf + row * W, *k = kb + row * W;
+      if (backward ? KERNEL(m, rope_backward, q, cs, sn, L, L, s->heads_l, hd, W) ||
+                         KERNEL(m, rope_backward, k, cs, sn, L, L, s->kv_l, hd, W)
+                   : KERNEL(m, rope_forward, q, cs, sn, L, L, s->heads_l, hd, W) ||
+                         KERNEL(m, rope_forward, k, cs, sn, L, L, s->kv_l, hd, W))
+        return PG_ERR;
+    }
+  return PG_OK;
+}
+
+/* ---------------------------------------------------------------- context parallelism: the ring */
+
+/* Rank r holds chunks r and 2C-1-r of every sequence (pg_cp_position) as its 2L rows. Its queries meet every
+ * context rank's keys and values: the blocks go round the context group (rank r sends to r+1, receives from
+ * r-1), each folded into an online softmax (kernels.h's pg_attention_block_*) while the next one travels, so
+ * after C steps every query has seen every key before it. Backward passes the blocks round again with their
+ * gradients, each rank adding its queries' part; after C steps a block's gradient is complete one rank before
+ * its owner, and goes home in a last hop. The pairs (query chunk, key chunk) are folded one sequence at a
+ * time, those with no visible key (the key chunk after the query chunk) skipped. */
+
+typedef struct ring_pair { size_t q_row, k_row; int64_t q_pos, k_pos; size_t stat; } ring_pair;
+
+/* The n-th (b, query chunk, key chunk) pair of this rank's rows with block src's, 0 when nothing is visible. */
+static int ring_pair_at(const pg_module *m, const pg_io *io, int src, int n, ring_pair *p) {
+  int L = io->cp_chunk, C = cp_size(m), b = n / 4, cq = (n / 2) % 2, ck = n % 2;
+  p->q_row = (size_t)b * io->T + (size_t)cq * L;
+  p->k_row = (size_t)b * io->T + (size_t)ck * L;
+  p->q_pos = pg_cp_position(C, m->ctx->cp_rank, L, (int64_t)cq * L);
+  p->k_pos = pg_cp_position(C, src, L, (int64_t)ck * L);
+  p->stat = ((size_t)b * 2 + cq) * ((attention_state *)m->state)->heads_l * L;
+  return p->k_pos <= p->q_pos + L - 1;
+}
+
+/* Block of this rank's keys and values, packed [rows, 2 kv_l head_dim] (k then v, as in the q|k|v row). */
+static void ring_pack(const pg_module *m, const attention_state *s, int64_t N, const float *x, float *kv) {
+  size_t w = (size_t)2 * s->kv_l * s->o.head_dim, q = (size_t)s->heads_l * s->o.head_dim;
+  for (int64_t i = 0; i < N; i++) memcpy(kv + i * w, x + i * m->in_width + q, w * sizeof(float));
+}
+
+/* Starts the step's exchange: block `mine` to the next context rank, the previous one's into `theirs`. */
+static int ring_start(pg_module *m, float *mine, float *theirs, int64_t n, int tag, pg_request **sq,
+                      pg_request **rq) {
+  int C = cp_size(m), r = m->ctx->cp_rank;
+  /* the send first: under PG_DEBUG=1 a receive waits for its sender's record, shipped at the send */
+  return pg_isend_buf(m->ctx, PG_MODE_CONTEXT, mine, n, (r + 1) % C, tag, sq) ||
+         pg_irecv_buf(m->ctx, PG_MODE_CONTEXT, theirs, n, (r + C - 1) % C, tag, rq);
+}
+
+static int ring_wait(pg_request **sq, pg_request **rq) {
+  int a = pg_wait(rq), b = pg_wait(sq); /* both, whatever the first gives */
+  return a || b;
+}
+
+static int cp_attention_forward(pg_module *m, attention_state *s, int slot, const pg_io *io, const float *xf,
+                                float *out) {
+  int C = cp_size(m), r = m->ctx->cp_rank, L = io->cp_chunk, hd = s->o.head_dim, W = m->in_width;
+  int OW = m->out_width, kvs = 2 * s->kv_l * hd;
+  int64_t N = (int64_t)io->B * io->T, nkv = N * kvs, nstat = N * s->heads_l;
+  float *lse = s->cp_lse + (size_t)slot * m->max_rows * s->heads_l;
+  memset(s->cp_acc, 0, (size_t)N * OW * sizeof(float));
+  memset(s->cp_sm, 0, (size_t)nstat * sizeof(float));
+  for (int64_t i = 0; i < nstat; i++) s->cp_mx[i] = -INFINITY;
+  ring_pack(m, s, N, xf, s->cp_kv[0]);
+  int cur = 0, rc = PG_OK;
+  for (int step = 0; step < C && !rc; step++) {
+    int src = (r - step + C) % C;
+    pg_request *sq = NULL, *rq = NULL;
+    if (step < C - 1) rc = ring_start(m, s->cp_kv[cur], s->cp_kv[1 - cur], nkv, 0, &sq, &rq);
+    const float *kv = s->cp_kv[cur];
+    for (int n = 0; n < 4 * io->B && !rc; n++) {
+      ring_pair p;
+      if (!ring_pair_at(m, io, src, n, &p)) continue;
+      rc = KERNEL(m, attention_block_forward, s->cp_acc + p.q_row * OW, s->cp_mx + p.stat, s->cp_sm + p.stat,
+                  xf + p.q_row * W, W, kv + p.k_row * kvs, kv + p.k_row * kvs + s->kv_l * hd, kvs, s->slopes, 1, L,
+                  L, s->heads_l, s->kv_l, hd, p.q_pos, p.k_pos);
+    }
+    if (step < C - 1) rc = ring_wait(&sq, &rq) || rc;
+    cur = 1 - cur;
+  }
+  if (rc) return PG_ERR;
+  for (int b = 0; b < io->B; b++)
+    for (int c = 0; c < 2; c++) {
+      size_t row = (size_t)b * io->T + (size_t)c * L, stat = ((size_t)b * 2 + c) * s->heads_l * L;
+      if (KERNEL(m, attention_block_finish, out + row * OW, OW, lse + stat, s->cp_acc + row * OW, s->cp_mx + stat,
+                 s->cp_sm + stat, 1, L, s->heads_l, hd))
+        return PG_ERR;
+    }
+  /* bf16: the float32 output the backward's delta reads (the slot's output is rounded) */
+  if (s->cp_out) memcpy(s->cp_out + (size_t)slot * m->max_rows * OW, out, (size_t)N * OW * sizeof(float));
+  return PG_OK;
+}
+
+static int cp_attention_backward(pg_module *m, attention_state *s, int slot, const pg_io *io, const float *x,
+                                 const float *dy, float *dinp) {
+  int C = cp_size(m), r = m->ctx->cp_rank, L = io->cp_chunk, hd = s->o.head_dim, W = m->in_width;
+  int OW = m->out_width, kvs = 2 * s->kv_l * hd;
+  int64_t N = (int64_t)io->B * io->T, nkv = N * kvs;
+  const float *lse = s->cp_lse + (size_t)slot * m->max_rows * s->heads_l;
+  const float *out = s->cp_out ? s->cp_out + (size_t)slot * m->max_rows * OW : slot_out(m, slot);
+  for (int b = 0; b < io->B; b++)
+    for (int c = 0; c < 2; c++) {
+      size_t row = (size_t)b * io->T + (size_t)c * L, stat = ((size_t)b * 2 + c) * s->heads_l * L;
+      if (KERNEL(m, attention_block_delta, s->cp_delta + stat, dy + row * OW, OW, out + row * OW, OW, 1, L,
+                 s->heads_l, hd))
+        return PG_ERR;
+    }
+  /* dkv: this step's contributions (from zero), the block's partial sum arriving from the previous rank
+   * (received while the step computes), the sum leaving for the next rank (sent while the next step computes) */
+  float *mine = s->cp_dkv[0], *in = s->cp_dkv[1], *outgoing = s->cp_dkv[2];
+  pg_request *dsq = NULL, *drq = NULL;
+  memset(dinp, 0, (size_t)N * W * sizeof(float));
+  ring_pack(m, s, N, x, s->cp_kv[0]);
+  int cur = 0, rc = PG_OK;
+  for (int step = 0; step < C && !rc; step++) {
+    int src = (r - step + C) % C;
+    pg_request *sq = NULL, *rq = NULL;
+    if (step < C - 1) rc = ring_start(m, s->cp_kv[cur], s->cp_kv[1 - cur], nkv, 1, &sq, &rq);
+    const float *kv = s->cp_kv[cur];
+    memset(mine, 0, (size_t)nkv * sizeof(float));
+    for (int n = 0; n < 4 * io->B && !rc; n++) {
+      ring_pair p;
+      if (!ring_pair_at(m, io, src, n, &p)) continue;
+      rc = KERNEL(m, attention_block_backward, dinp + p.q_row * W, W, mine + p.k_row * kvs,
+                  mine + p.k_row * kvs + s->kv_l * hd, kvs, x + p.q_row * W, W, kv + p.k_row * kvs,
+                  kv + p.k_row * kvs + s->kv_l * hd, kvs, dy + p.q_row * OW, OW, lse + p.stat, s->cp_delta + p.stat,
+                  s->slopes, 1, L, L, s->heads_l, s->kv_l, hd, p.q_pos, p.k_pos);
+    }
+    if (step < C - 1) rc = ring_wait(&sq, &rq) || rc;
+    /* the block's partial sum from the ranks before (none for this rank's own block, step 0) joins ours */
+    if (step > 0 && !rc && !(rc = pg_wait(&drq)))
+      for (int64_t i = 0; i < nkv; i++) mine[i] += in[i];
+    /* and goes on to the next rank (the last step: home, to its owner), whose partial for our next block we
+     * receive meanwhile */
+    if (!rc) rc = ring_wait(&dsq, &drq);
+    if (!rc) {
+      float *t = outgoing;
+      outgoing = mine;
+      mine = t;
+      rc = ring_start(m, outgoing, in, nkv, 2, &dsq, &drq);
+    }
+    cur = 1 - cur;
+  }
+  rc = ring_wait(&dsq, &drq) || rc;
+  if (rc) return PG_ERR;
+  const float *dkv = in; /* this rank's keys' and values' gradient, complete */
+  size_t q = (size_t)s->heads_l * hd;
+  for (int64_t i = 0; i < N; i++) memcpy(dinp + i * W + q, dkv + i * kvs, (size_t)kvs * sizeof(float));
+  return PG_OK;
+}
+
 static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   attention_state *s = m->state;
   if (io->decode) return attention_decode(m, slot, io, x, y);
   if (check_rows(m, slot, io)) return PG_ERR;
-  if (io->T > s->max_seq) return pg_fail("%s: sequence length %d exceeds the model's %d", m->name, io->T, s->max_seq);
+  int64_t seq = cp_on(m, io) ? (int64_t)cp_size(m) * io->T : io->T;
+  if (seq > s->max_seq) return pg_fail("%s: sequence length %lld exceeds the model's %d", m->name, (long long)seq, s->max_seq);
+  if (cp_size(m) > 1 && !cp_on(m, io))
+    return pg_fail("%s: attention under context=%d holds two chunks of each sequence, which only an engine's "
+                   "micro-batches describe (pg.parallelize)", m->name, cp_size(m));
+  if (cp_on(m, io) && s->o.recompute)
+    return pg_fail("%s: recomputed attention with context=%d is not supported: recompute whole blocks instead", m->name,
+                   cp_size(m));
   int N = io->B * io->T, hd = s->o.head_dim;
   int64_t n_in = (int64_t)N * m->in_width;
-  float *att = attention_probs(m, s, slot);
+  float *att = cp_on(m, io) ? NULL : attention_probs(m, s, slot);
   /* bf16 q|k|v (in_bf16): the core runs on their float32 values (softmax in float32, as torch's math path
    * upcasts), its output rounded once; saved_x keeps the bf16 input, or with RoPE the float32 rotated copy */
   const float *xf = x;
@@ -223,8 +421,7 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
     float *rot = s->rotated + (size_t)slot * m->max_rows * m->in_width;
     if ((m->in_bf16 ? KERNEL(m, bf16_to_f32, rot, cbits(x), n_in)
                     : KERNEL(m, copy, rot, x, (size_t)n_in * sizeof(float), PG_COPY_DEVICE_TO_DEVICE)) ||
-        KERNEL(m, rope_forward, rot, s->cos_t, s->sin_t, N, io->T, s->heads_l, hd, m->in_width) ||
-        KERNEL(m, rope_forward, rot + (size_t)s->heads_l * hd, s->cos_t, s->sin_t, N, io->T, s->kv_l, hd, m->in_width))
+        rope_rows(m, s, io, rot, 0))
       return PG_ERR;
     x = xf = rot;
   } else if (m->in_bf16) {
@@ -232,7 +429,8 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
     xf = io->wide_scratch[0];
   }
   float *out = m->in_bf16 ? io->wide_scratch[1] : slot_out(m, slot);
-  if (KERNEL(m, attention_forward, out, att, xf, s->slopes, io->B, io->T, s->heads_l, s->kv_l, hd) ||
+  if ((cp_on(m, io) ? cp_attention_forward(m, s, slot, io, xf, out)
+                    : KERNEL(m, attention_forward, out, att, xf, s->slopes, io->B, io->T, s->heads_l, s->kv_l, hd)) ||
       (m->in_bf16 && KERNEL(m, bf16_from_f32, bits(slot_out(m, slot)), out, (int64_t)N * m->out_width)))
     return PG_ERR;
   s->saved_x[slot] = x;
@@ -245,7 +443,7 @@ static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy
   attention_state *s = m->state;
   int N = io->B * io->T, hd = s->o.head_dim;
   int64_t n_in = (int64_t)N * m->in_width;
-  float *att = attention_probs(m, s, slot);
+  float *att = cp_on(m, io) ? NULL : attention_probs(m, s, slot);
   /* bf16 (in_bf16): q|k|v widened into wide_scratch[0] (unless RoPE saved them rotated in float32), the output
    * gradient into [1], the input gradient made in [2] and rounded at the end */
   const float *x = s->saved_x[slot];
@@ -265,13 +463,11 @@ static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy
     if (KERNEL(m, bf16_to_f32, io->wide_scratch[1], cbits(dy), (int64_t)N * m->out_width)) return PG_ERR;
     dy = io->wide_scratch[1];
   }
-  if (KERNEL(m, attention_backward, dinp, s->scratch, dy, x, att, io->B, io->T, s->heads_l, s->kv_l, hd)) return PG_ERR;
-  /* the gradient of the rotated q and k, rotated back */
-  if (s->rotated &&
-      (KERNEL(m, rope_backward, dinp, s->cos_t, s->sin_t, N, io->T, s->heads_l, hd, m->in_width) ||
-       KERNEL(m, rope_backward, dinp + (size_t)s->heads_l * hd, s->cos_t, s->sin_t, N, io->T, s->kv_l, hd,
-              m->in_width)))
+  if (cp_on(m, io) ? cp_attention_backward(m, s, slot, io, x, dy, dinp)
+                   : KERNEL(m, attention_backward, dinp, s->scratch, dy, x, att, io->B, io->T, s->heads_l, s->kv_l, hd))
     return PG_ERR;
+  /* the gradient of the rotated q and k, rotated back */
+  if (s->rotated && rope_rows(m, s, io, dinp, 1)) return PG_ERR;
   if (m->in_bf16 && KERNEL(m, bf16_from_f32, bits(m->dinp), dinp, n_in)) return PG_ERR;
   *dx = m->dinp;
   return PG_OK;
@@ -285,6 +481,9 @@ static void attention_destroy(pg_module *m) {
   pg_be_release(home_backend(BE(m)), s->cos_t);
   pg_be_release(home_backend(BE(m)), s->sin_t);
   pg_be_release(home_backend(BE(m)), s->slopes);
+  float *cp[] = {s->cp_lse, s->cp_out, s->cp_kv[0], s->cp_kv[1], s->cp_dkv[0], s->cp_dkv[1], s->cp_dkv[2], s->cp_acc, s->cp_mx,
+                 s->cp_sm, s->cp_delta};
+  for (size_t i = 0; i < sizeof cp / sizeof *cp; i++) pg_be_release(BE(m), cp[i]);
   free(s->saved_x);
   attention_release_cache(m);
 }

@@ -22,12 +22,29 @@ static int embedding_alloc(pg_module *m, int nslots, int max_rows) {
   return PG_OK;
 }
 
+/* Context parallelism (pg_io.cp_chunk): row b's two chunks sit at their own positions of the whole sequence
+ * (pg_cp_position): the position table's rows from each chunk's first position on. backward: their gradients. */
+static int cp_on(const pg_module *m, const pg_io *io) { return m->ctx && m->ctx->context > 1 && io->cp_chunk > 0; }
+static int cp_positions(pg_module *m, embedding_state *s, const pg_io *io, float *rows, int backward) {
+  int L = io->cp_chunk, C = m->out_width;
+  for (int b = 0; b < io->B; b++)
+    for (int c = 0; c < 2; c++) {
+      float *r = rows + ((size_t)b * io->T + (size_t)c * L) * C;
+      size_t at = (size_t)pg_cp_position(m->ctx->context, m->ctx->cp_rank, L, (int64_t)c * L) * C;
+      if (backward ? KERNEL(m, position_backward, s->wpe->grad + at, r, L, L, C)
+                   : KERNEL(m, position_forward, r, s->wpe->data + at, L, L, C))
+        return PG_ERR;
+    }
+  return PG_OK;
+}
+
 static int embedding_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   (void)x;
   embedding_state *s = m->state;
   if (check_rows(m, slot, io)) return PG_ERR;
-  if (s->positions && io->T > s->positions)
-    return pg_fail("%s: sequence length %d exceeds the %d positions", m->name, io->T, s->positions);
+  int64_t seq = cp_on(m, io) ? (int64_t)m->ctx->context * io->T : io->T;
+  if (s->positions && seq > s->positions)
+    return pg_fail("%s: sequence length %lld exceeds the %d positions", m->name, (long long)seq, s->positions);
   int N = io->B * io->T, C = m->out_width;
   float *out = slot_out(m, slot);
   if (sp_active(m)) {
@@ -35,7 +52,8 @@ static int embedding_forward(pg_module *m, int slot, pg_io *io, const float *x, 
      * into the first rank's, so the sum holds them once (and the same bits:
      * every other partial of a row is 0); this rank's rows of the sum */
     if (KERNEL(m, embedding_forward, s->full, io->tokens, s->wte->data, N, C, s->row_start, s->padded_l) ||
-        (s->wpe && tp_rank(m->ctx) == 0 && KERNEL(m, position_forward, s->full, s->wpe->data, N, io->T, C)) ||
+        (s->wpe && tp_rank(m->ctx) == 0 &&
+         (cp_on(m, io) ? cp_positions(m, s, io, s->full, 0) : KERNEL(m, position_forward, s->full, s->wpe->data, N, io->T, C))) ||
         pg_sp_reduce_scatter_rows(m, s->full, out, N, C, PG_FLOAT32))
       return PG_ERR;
     *y = out;
@@ -52,7 +70,8 @@ static int embedding_forward(pg_module *m, int slot, pg_io *io, const float *x, 
       if (KERNEL(m, position_forward, out + (size_t)b * io->T * C, s->wpe->data + (size_t)p * C, io->T, io->T, C))
         return PG_ERR;
     }
-  } else if (s->wpe && KERNEL(m, position_forward, out, s->wpe->data, N, io->T, C))
+  } else if (s->wpe && (cp_on(m, io) ? cp_positions(m, s, io, out, 0)
+                                      : KERNEL(m, position_forward, out, s->wpe->data, N, io->T, C)))
     return PG_ERR;
   *y = out;
   return PG_OK;
@@ -66,7 +85,8 @@ static int embedding_backward(pg_module *m, int slot, pg_io *io, const float *dy
   if (sp_active(m) && pg_sp_gather_rows(m, s->full, dy, N, C, PG_FLOAT32)) return PG_ERR;
   if (sp_active(m)) dy = s->full;
   if (KERNEL(m, embedding_backward, s->wte->grad, dy, io->tokens, N, C, s->row_start, s->padded_l) ||
-      (s->wpe && KERNEL(m, position_backward, s->wpe->grad, dy, N, io->T, C)))
+      (s->wpe && (cp_on(m, io) ? cp_positions(m, s, io, (float *)dy, 1)
+                               : KERNEL(m, position_backward, s->wpe->grad, dy, N, io->T, C))))
     return PG_ERR;
   *dx = NULL;
   return PG_OK;

@@ -132,6 +132,10 @@ typedef struct pg_io {
   uint16_t *bf16_scratch[2];
   float *wide_scratch[PG_WIDE_SCRATCH];
   const pg_decode *decode; /* NULL, or decoding with the key/value cache (above) */
+  /* Context parallelism (the module's context has context = C > 1): 0, or the chunk length L: each of the B
+   * sequences is this context rank's two chunks of 2C (T = 2L rows, pg_cp_position gives their positions), and
+   * the attentions exchange keys and values over the context group. */
+  int cp_chunk;
 } pg_io;
 
 typedef struct pg_module_ops {

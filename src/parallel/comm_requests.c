@@ -20,6 +20,7 @@ struct pg_request {
   int64_t piece, displ; /* this member's reduced elements and where they go in buf */
   int avg_over;        /* avg: the group size the sum is divided by; 0: sum */
   int *counts;         /* reduce_scatter: every member's count (MPI reads it until completion) */
+  int recv;            /* pg_irecv_buf's: the wait names the sender that never sent */
 };
 
 /* A pipeline transfer's deadline, or 0 for none; PG_ERR when PG_COLLECTIVE_TIMEOUT is not a number. */
@@ -99,6 +100,47 @@ int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t n, int ds
   return PG_OK;
 }
 
+static int check_shipped(pg_context *ctx, pg_mode m, const call_rec *mine, double deadline, double limit);
+
+/* The receiving half of a ring exchange (context parallelism's keys and values), host memory only: MPI_Irecv,
+ * counted at the start as pg_isend_buf counts its send; pg_wait completes it with the pipeline's deadline. */
+int pg_irecv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, int src, int tag, pg_request **req) {
+  if (check_ctx(ctx)) return PG_ERR;
+  if (n > PG_MPI_CHUNK) return pg_fail("irecv of %lld elements is too large", (long long)n);
+  if (*req) return pg_fail("irecv: the previous transfer of this request was not waited for");
+#ifdef PG_WITH_CUDA
+  if (pg_backend_is_device_memory(buf)) return pg_fail("irecv over the %s group: host memory only", pg_mode_name(m));
+#endif
+  pg_request *r = calloc(1, sizeof *r);
+  if (!r) return pg_fail("out of memory for a receive request");
+  r->mode = m;
+  r->ctx = ctx;
+  r->recv = 1;
+  r->rec = comm_make_rec(ctx, m, PG_COLL_RECV, -1, -1, 0);
+  r->rec.src = src;
+  r->rec.tag = tag;
+  r->rec.recv_dtype = PG_FLOAT32;
+  r->rec.recv_count = n;
+  r->rec_req = MPI_REQUEST_NULL;
+  /* PG_DEBUG=1: the sender's record (shipped at its isend, which a ring starts before its receive) checked
+   * against this receive first, as pg_recv_buf does */
+  double deadline, limit;
+  if (comm_debug_checks() && ctx->group[m].size > 1 &&
+      (deadline_of(&deadline, &limit) || check_shipped(ctx, m, &r->rec, deadline, limit))) {
+    free(r);
+    return PG_ERR;
+  }
+  double t0 = pg_wtime();
+  int rc = MPI_Irecv(buf, (int)n, MPI_FLOAT, src, tag, ctx->group[m].comm, &r->mpi);
+  if (rc != MPI_SUCCESS) {
+    free(r);
+    return mpi_fail(rc, "irecv", m);
+  }
+  *req = r;
+  comm_count(ctx, m, PG_COLL_RECV, (double)n * 4, t0);
+  return PG_OK;
+}
+
 static void finish_coll(pg_request *r);
 
 int pg_wait(pg_request **req) {
@@ -148,9 +190,13 @@ int pg_wait(pg_request **req) {
     char what[256], msg[512];
     const pg_group *g = &r->ctx->group[m];
     comm_describe(g, &r->rec, what, sizeof what);
-    snprintf(msg, sizeof msg,
-             "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but rank %d never received it", what,
-             pg_mode_name(m), limit, comm_global_rank(g, r->rec.dst));
+    if (r->recv)
+      snprintf(msg, sizeof msg, "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but rank %d never sent it",
+               what, pg_mode_name(m), limit, comm_global_rank(g, r->rec.src));
+    else
+      snprintf(msg, sizeof msg,
+               "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but rank %d never received it", what,
+               pg_mode_name(m), limit, comm_global_rank(g, r->rec.dst));
     return comm_give_up(r->ctx, 2, two, msg);
   }
   comm_host_give(r->host);

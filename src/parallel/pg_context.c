@@ -14,7 +14,8 @@
 #include "pg_rng.h"
 
 static const char *mode_names[PG_NUM_MODES] = {"global",    "tensor", "pipeline",
-                                               "data",      "embedding", "expert", "expert_data"};
+                                               "data",      "embedding", "expert", "expert_data",
+                                               "context",   "data_context"};
 static const char *coll_names[PG_NUM_COLLS] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast",
                                                "send",       "recv",       "barrier",        "all_to_all"};
 
@@ -27,7 +28,7 @@ int pg_mode_from_name(const char *name, pg_mode *out) {
       *out = (pg_mode)i;
       return PG_OK;
     }
-  return pg_fail("unknown group '%s' (expected global, tensor, pipeline, data, embedding, expert or expert_data)", name);
+  return pg_fail("unknown group '%s' (expected global, tensor, pipeline, data, embedding, expert, expert_data, context or data_context)", name);
 }
 
 static int make_group(pg_group *g, MPI_Comm world, int color, int key) {
@@ -45,17 +46,22 @@ static int make_group(pg_group *g, MPI_Comm world, int color, int key) {
   return PG_OK;
 }
 
-int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, int data, int expert, uint64_t seed) {
+int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, int data, int expert, int context,
+                    uint64_t seed) {
   memset(ctx, 0, sizeof *ctx);
   for (int m = 0; m < PG_NUM_MODES; m++) ctx->group[m].comm = ctx->group[m].agree = MPI_COMM_NULL;
   ctx->destroyed = 1;
   MPI_Comm_size(world, &ctx->world_size);
   MPI_Comm_rank(world, &ctx->rank);
-  if (tensor < 1 || pipeline < 1 || data < 1)
-    return pg_fail("parallel sizes must be positive integers: tensor=%d pipeline=%d data=%d", tensor, pipeline, data);
-  if ((long)tensor * pipeline * data != ctx->world_size)
+  if (tensor < 1 || pipeline < 1 || data < 1 || context < 1)
+    return pg_fail("parallel sizes must be positive integers: tensor=%d pipeline=%d data=%d context=%d", tensor,
+                   pipeline, data, context);
+  if (context == 1 && (long)tensor * pipeline * data != ctx->world_size)
     return pg_fail("tensor=%d x pipeline=%d x data=%d = %ld ranks, but the world has %d", tensor, pipeline, data,
                    (long)tensor * pipeline * data, ctx->world_size);
+  if (context > 1 && (long)tensor * context * pipeline * data != ctx->world_size)
+    return pg_fail("tensor=%d x context=%d x pipeline=%d x data=%d = %ld ranks, but the world has %d", tensor, context,
+                   pipeline, data, (long)tensor * context * pipeline * data, ctx->world_size);
   if (expert < 1 || data % expert)
     return pg_fail("expert=%d must be a positive integer dividing data=%d (expert groups are cut out of the data "
                    "group)", expert, data);
@@ -63,26 +69,33 @@ int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, i
   ctx->expert = expert;
   ctx->pipeline = pipeline;
   ctx->data = data;
+  ctx->context = context;
   ctx->seed = seed;
-  int r = ctx->rank;
+  int r = ctx->rank, C = context;
   ctx->tp_rank = r % tensor;
-  ctx->dp_rank = (r / tensor) % data;
-  ctx->pp_rank = r / (tensor * data);
+  ctx->cp_rank = (r / tensor) % C;
+  ctx->dp_rank = (r / (tensor * C)) % data;
+  ctx->pp_rank = r / (tensor * C * data);
   ctx->ep_rank = ctx->dp_rank % expert;
-  int tp = ctx->tp_rank, dp = ctx->dp_rank, pp = ctx->pp_rank;
+  int tp = ctx->tp_rank, dp = ctx->dp_rank, pp = ctx->pp_rank, cp = ctx->cp_rank;
+  /* colours: the coordinates the members share, numbered uniquely; keys: the order inside */
   int ok = make_group(&ctx->group[PG_MODE_GLOBAL], world, 0, r) == PG_OK &&
-           make_group(&ctx->group[PG_MODE_TENSOR], world, pp * data + dp, tp) == PG_OK &&
-           make_group(&ctx->group[PG_MODE_DATA], world, pp * tensor + tp, dp) == PG_OK &&
-           make_group(&ctx->group[PG_MODE_PIPELINE], world, dp * tensor + tp, pp) == PG_OK;
+           make_group(&ctx->group[PG_MODE_TENSOR], world, (pp * data + dp) * C + cp, tp) == PG_OK &&
+           make_group(&ctx->group[PG_MODE_DATA], world, (pp * C + cp) * tensor + tp, dp) == PG_OK &&
+           make_group(&ctx->group[PG_MODE_PIPELINE], world, (dp * C + cp) * tensor + tp, pp) == PG_OK &&
+           make_group(&ctx->group[PG_MODE_CONTEXT], world, (pp * data + dp) * tensor + tp, cp) == PG_OK &&
+           make_group(&ctx->group[PG_MODE_DATA_CONTEXT], world, pp * tensor + tp, dp * C + cp) == PG_OK;
   /* Embedding group: first and last stage of each pipeline group; every
    * middle stage sits alone (colour unique to it). */
   int edge = (pp == 0 || pp == pipeline - 1);
-  int ecolor = edge ? dp * tensor + tp : tensor * data + r;
+  int ecolor = edge ? (dp * C + cp) * tensor + tp : tensor * C * data + r;
   ok = ok && make_group(&ctx->group[PG_MODE_EMBEDDING], world, ecolor, pp) == PG_OK;
   /* expert group: data ranks dp / E alike; expert_data: dp % E alike (both inside one data group) */
   int groups = data / expert;
-  ok = ok && make_group(&ctx->group[PG_MODE_EXPERT], world, (pp * tensor + tp) * groups + dp / expert, dp) == PG_OK &&
-       make_group(&ctx->group[PG_MODE_EXPERT_DATA], world, (pp * tensor + tp) * expert + dp % expert, dp) == PG_OK;
+  ok = ok &&
+       make_group(&ctx->group[PG_MODE_EXPERT], world, ((pp * C + cp) * tensor + tp) * groups + dp / expert, dp) == PG_OK &&
+       make_group(&ctx->group[PG_MODE_EXPERT_DATA], world, ((pp * C + cp) * tensor + tp) * expert + dp % expert, dp) ==
+           PG_OK;
   if (!ok) {
     ctx->destroyed = 0;
     pg_context_destroy(ctx);

@@ -1,8 +1,10 @@
-/* pg_context: the parallel context (process groups for tensor, pipeline and
- * data parallelism) and the process-level set-up (MPI, compute threads).
+/* pg_context: the parallel context (process groups for tensor, context,
+ * pipeline and data parallelism) and the process-level set-up (MPI, compute
+ * threads).
  *
- * Layout, tensor-fastest as in Megatron:
- *   global = pp_rank * (tp * dp) + dp_rank * tp + tp_rank
+ * Layout, tensor-fastest as in Megatron-LM (tp-cp-dp-pp):
+ *   global = pp_rank * (tp * cp * dp) + dp_rank * (tp * cp) + cp_rank * tp + tp_rank
+ * With context = 1 this is pp_rank * (tp * dp) + dp_rank * tp + tp_rank.
  * Each group is an MPI communicator made with MPI_Comm_split; a group's local
  * ranks follow the global order. The "embedding" group joins the first and
  * last pipeline stage that share (tp_rank, dp_rank); it holds the two copies
@@ -17,6 +19,13 @@
  * parameters' gradients are averaged there, dense parameters' over the data
  * group. With E = 1 the expert groups are single ranks and expert_data is the
  * data group.
+ *
+ * Context parallelism (context = C): the "context" group joins the C ranks
+ * that share (tp, dp, pp); each holds two of the 2C chunks of every sequence
+ * (pg_cp_position). Parameters are replicated over it as over the data group,
+ * so the dense gradients are averaged over "data_context", the D x C ranks
+ * sharing (tp, pp), ordered dp_rank * C + cp_rank (Megatron's dp-cp group).
+ * With C = 1 both are single-rank and the data group's own.
  *
  * pg_context_init and pg_context_destroy are collective over `world`. */
 #ifndef PG_CONTEXT_H
@@ -33,6 +42,8 @@ typedef enum {
   PG_MODE_EMBEDDING,
   PG_MODE_EXPERT,      /* E consecutive members of a data group: the all-to-all of MoE tokens */
   PG_MODE_EXPERT_DATA, /* the data ranks holding the same experts: their gradients' reduction */
+  PG_MODE_CONTEXT,     /* the C ranks splitting one sequence (context parallelism) */
+  PG_MODE_DATA_CONTEXT, /* data x context: where the dense gradients are reduced and ZeRO shards live */
   PG_NUM_MODES
 } pg_mode;
 
@@ -68,7 +79,8 @@ typedef struct pg_context {
   int world_size, rank;
   int tensor, pipeline, data; /* sizes */
   int expert;                 /* expert-parallel size: divides data (1: every rank holds every expert) */
-  int tp_rank, pp_rank, dp_rank;
+  int context;                /* context-parallel size (1: every rank holds whole sequences) */
+  int tp_rank, pp_rank, dp_rank, cp_rank;
   int ep_rank;                /* place in the expert group: dp_rank % expert */
   uint64_t seed;
   pg_group group[PG_NUM_MODES];
@@ -83,9 +95,18 @@ int pg_mode_from_name(const char *name, pg_mode *out);
 const char *pg_coll_name(pg_coll c);
 
 /* Collective over `world`. Fails (on every rank alike) when a size is not
- * positive, tp*pp*dp differs from the size of `world` or expert does not
+ * positive, tp*cp*pp*dp differs from the size of `world` or expert does not
  * divide data. */
-int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, int data, int expert, uint64_t seed);
+int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, int data, int expert, int context,
+                    uint64_t seed);
+
+/* Context parallelism's load-balanced causal split (Megatron-LM): a sequence
+ * of T = 2 C L tokens is cut into 2C chunks of L; context rank r holds chunks
+ * r and 2C-1-r, in that order, as its 2L local rows. The position in the
+ * whole sequence of local row t (0 <= t < 2L). */
+static inline int64_t pg_cp_position(int C, int r, int64_t L, int64_t t) {
+  return t < L ? (int64_t)r * L + t : (int64_t)(2 * C - 1 - r) * L + (t - L);
+}
 void pg_context_destroy(pg_context *ctx);
 
 /* Global rank of the member at position `local` (ring order, wraps). */

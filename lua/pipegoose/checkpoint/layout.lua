@@ -79,6 +79,7 @@ function M.layout(trainer)
   if ctx and ctx.sizes then
     local s = ctx:sizes()
     l.tensor, l.pipeline, l.data, l.expert = s.tensor, s.pipeline, s.data, s.expert or 1
+    if (s.context or 1) > 1 then l.context = s.context end -- only when used: plain manifests read as before
   elseif ctx then
     l.data = ctx:world_size("data")
   end
@@ -96,8 +97,9 @@ end
 local function describe_layout(l)
   local virtual = (l.virtual_stages or 1) > 1 and (" (virtual_stages=%d)"):format(l.virtual_stages) or ""
   local ep = (l.expert or 1) > 1 and (" expert=%d"):format(l.expert) or ""
-  return ("tensor=%d pipeline=%d%s data=%d%s zero=%d"):format(l.tensor or 1, l.pipeline or 1, virtual, l.data or 1, ep,
-    l.zero or 0)
+  local cp = (l.context or 1) > 1 and (" context=%d"):format(l.context) or ""
+  return ("tensor=%d%s pipeline=%d%s data=%d%s zero=%d"):format(l.tensor or 1, cp, l.pipeline or 1, virtual,
+    l.data or 1, ep, l.zero or 0)
 end
 
 M.real_optimizer = real_optimizer

@@ -201,8 +201,10 @@ local function check_records(m)
   local l = m.layout
   if sharded then
     object("model", m.model)
-    must(l.tensor * l.pipeline * l.data == m.world_size, "world_size", m.world_size,
-      ("layout.tensor x pipeline x data = %d"):format(l.tensor * l.pipeline * l.data))
+    local C = is_int(l.context) and l.context or 1
+    must(l.tensor * C * l.pipeline * l.data == m.world_size, "world_size", m.world_size,
+      C > 1 and ("layout.tensor x context x pipeline x data = %d"):format(l.tensor * C * l.pipeline * l.data)
+        or ("layout.tensor x pipeline x data = %d"):format(l.tensor * l.pipeline * l.data))
   end
   local seen, ranks, pieces, optim_names, has_optim = {}, {}, {}, {}, false
   for i, r in ipairs(ts.files) do
@@ -221,9 +223,11 @@ local function check_records(m)
     if sharded then
       must(r.kind == "params" or r.kind == "optim", field .. ": kind", r.kind, "'params' or 'optim'")
       for _, k in ipairs{ { "tp", "tensor" }, { "pp", "pipeline" }, { "dp", "data" } } do
-        local v, size = r[k[1]], l[k[2]]
+        -- with context parallelism dp is the place in data x context (the replicas of a tp, pp)
+        local v, size = r[k[1]], l[k[2]] * (k[1] == "dp" and (l.context or 1) or 1)
+        local what = k[1] == "dp" and (l.context or 1) > 1 and "data x layout.context" or k[2]
         must(is_int(v) and v >= 0 and v < size, field .. ": " .. k[1], v,
-          ("an integer from 0 to layout.%s - 1 = %d"):format(k[2], size - 1))
+          ("an integer from 0 to layout.%s - 1 = %d"):format(what, size - 1))
       end
       -- expert parallelism: members 1 .. E - 1 of the first expert group write their experts apart (ep)
       local E = l.expert or 1
@@ -325,6 +329,7 @@ local function check_manifest(m)
   for _, k in ipairs{ "tensor", "pipeline", "data", "world_size" } do pos_int("layout." .. k, l[k]) end
   must(l.zero == 0 or l.zero == 1 or l.zero == 2, "layout.zero", l.zero, "0, 1 or 2")
   optional(pos_int, "layout.expert", l.expert)
+  optional(pos_int, "layout.context", l.context)
   must(l.expert == nil or l.data % l.expert == 0, "layout.expert", l.expert,
     ("a divisor of layout.data = %s"):format(show(l.data)))
   must(l.world_size == m.world_size, "layout.world_size", l.world_size, ("world_size = %d"):format(m.world_size))

@@ -22,13 +22,16 @@ local numel = safetensors.numel
 -- returns the records of the files it wrote.
 local function write_sharded(trainer, dir)
   local engine, opt, ctx = trainer.engine, trainer.optimizer, trainer.engine.ctx
-  local tp, pp, dp = ctx:local_rank("tensor"), ctx:local_rank("pipeline"), ctx:local_rank("data")
   local l = layout.layout(trainer)
+  -- dp: the place among the replicas of this (tp, pp), whose ZeRO slices are the files' (with context
+  -- parallelism the data x context group: the parameters are replicated over both)
+  local tp, pp = ctx:local_rank("tensor"), ctx:local_rank("pipeline")
+  local dp = ctx:local_rank((l.context or 1) > 1 and "data_context" or "data")
   local records = {}
   local function write(file, kind, entries, slices, extra)
     local meta = { format = "pipegoose-shard", kind = kind, tp = tp, pp = pp, dp = dp, step = trainer.state.step,
                    tensor = l.tensor, pipeline = l.pipeline, data = l.data, expert = l.expert, zero = l.zero,
-                   slices = slices }
+                   context = (l.context or 1) > 1 and l.context or nil, slices = slices }
     for k, v in pairs(extra or {}) do meta[k] = v end
     local crc, bytes = safetensors.write(dir .. "/" .. file, entries, { pipegoose = json.encode(meta, file) })
     records[#records + 1] = { file = file, kind = kind, tp = tp, pp = pp, dp = dp, bytes = bytes, crc32 = crc,
