@@ -366,7 +366,7 @@ return {
     specs = { "dist/overlap#P = 2" }, why = "buckets start in the first micro-batch's backward, not the last one's" },
   ------------------------------------------------------------------ engine and schedules
   { name = "loss-not-averaged-over-data", file = "src/engine/pg_engine.c",
-    from = "  *loss /= e->ctx->data;\n", to = "",
+    from = "  *loss /= dense_size(e);\n", to = "",
     specs = { "dist/data_parallel" }, why = "data-parallel loss is the sum of the replicas' losses" },
   { name = "tied-embedding-grads-not-summed", file = "src/engine/pg_engine.c",
     from = "  if (!e->opts.tied_name || pp_size(e) == 1 || !(e->is_first || e->is_last)) return PG_OK;\n  pg_param *p = NULL;",
