@@ -295,6 +295,87 @@ describe("plan.search over zero 3 and context sizes", function()
   end)
 end)
 
+describe("plan.search: context parallelism only where sequences are long", function()
+  it("keeps C = 1 for GPT-3 175B at 2048 tokens, where C's 512-row products and ring cost more than T's all-reduces",
+    function()
+    local q = { model = "gpt3-175b", gpus = 1024, gpu = "a100-80gb", global_batch = 1536, seq_len = 2048 }
+    local L = plan(q)
+    assert.equal(1, L.c)
+    -- the best C > 1 pays for its smaller all-reduces with products at b*s/C rows: its compute (the
+    -- breakdown's, FLOPs at M.gemm_efficiency(rows)) exceeds C = 1's, and its step is longer
+    for _, C in ipairs{ 2, 4 } do
+      q.context = C
+      local Lc = plan(q)
+      assert.equal(C, Lc.c)
+      assert.is_true(Lc.breakdown.compute > L.breakdown.compute)
+      assert.is_true(Lc.step_s > L.step_s)
+    end
+  end)
+
+  it("picks C > 1 for Llama 3 8B at 131072 tokens on 64 GPUs, the ring's transfers hidden but for latencies",
+    function()
+    local llama3 = require("pipegoose.plan.published").LLAMA3_8B
+    local q = { model = llama3, gpus = 64, gpu = "a100-80gb", global_batch = 16, seq_len = 131072,
+      flash_attention = true }
+    local L = plan(q)
+    assert.is_true(L.c > 1)
+    -- each of a layer's C-1 ring steps moves b*s/C*2*kv/T elements against a block of 131072/C queries
+    -- times 131072/C keys: at these lengths the transfer hides, so what is exposed is every message's latency,
+    -- C-1 forward and 2(C-1) backward per layer and micro-batch (T*C > 8: the inter-node link's)
+    local hw = plan.hardware.get("a100-80gb")
+    local lat = L.t * L.c > 8 and hw.inter.latency or hw.intra.latency
+    local per_layer = (L.c - 1) * 3 * lat * (L.recompute == "full" and 4 / 3 or 1)
+    close(L.m * llama3.layers / L.p * per_layer, L.breakdown.cp_comm, 1e-9, "ring exposed")
+    -- the best layout without context parallelism is slower
+    q.context = 1
+    assert.is_true(plan(q).step_s > L.step_s)
+  end)
+end)
+
+describe("plan.search: pruning that cannot change the answer", function()
+  it("bounds every layout's simulated step from below, bubble included", function()
+    for _, q in ipairs{
+      { model = "gpt2-1.5b", gpus = 8, gpu = "a100-40gb", global_batch = 16, dp_overlap = true },
+      { model = { arch = "gpt", layers = 8, hidden = 512, heads = 8, ffn = 2048, vocab = 1000, seq_len = 64 },
+        gpus = 8, gpu = "a100-80gb", global_batch = 16 },
+    } do
+      q.top = 1000000
+      local all = plan.search(q)
+      local pipelined = 0
+      assert.is_true(#all > 100)
+      for _, L in ipairs(all) do
+        assert(L.lower_bound <= L.step_s * (1 + 1e-12), ("bound %.17g over step %.17g"):format(L.lower_bound, L.step_s))
+        if L.p > 1 then pipelined = pipelined + 1 end
+      end
+      assert.is_true(pipelined > 0)
+    end
+  end)
+
+  it("finds memory non-decreasing in the micro-batch size, which the search skips on", function()
+    local hw = plan.hardware.get("a100-80gb")
+    for _, name in ipairs{ "gpt2-124m", "mixtral-8x7b" } do
+      local s = models.get(name)
+      for _, P in ipairs{ 1, 4 } do
+        local parts = search.partition(s, P)
+        for _, sched in ipairs{ "1f1b", "gpipe" } do
+          for _, rc in ipairs{ "none", "selective", "full" } do
+            for _, z in ipairs{ 0, 3 } do
+              local prev, b = -1, 1
+              while b <= 32 do
+                local L = { t = 2, p = P, c = 2, d = 2, m = 32 // b, b = b, schedule = sched, zero = z,
+                  recompute = rc, sp = true, seq = s.seq_len, precision = "bf16", flash_attention = false }
+                local mem = search.layout_memory(s, L, parts, hw)
+                assert.is_true(mem >= prev)
+                prev, b = mem, b * 2
+              end
+            end
+          end
+        end
+      end
+    end
+  end)
+end)
+
 describe("plan: pinned sizes that cannot be a layout", function()
   local function refused(q, msg)
     local ok, err = pcall(plan, q)
