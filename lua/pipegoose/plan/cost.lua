@@ -14,7 +14,10 @@
 --                    the forward (gradients of inputs and of weights). The
 --                    efficiency falls as the product's rows (b*s/C tokens)
 --                    shrink: see M.gemm_efficiency. The attention core's
---                    two products (scores, values) keep the flat constant.
+--                    two products (scores, values) use the same curve at
+--                    their own rows (s/2 at C = 1, s/(2C) in the ring).
+--                    Under C > 1 each later block adds an online-softmax
+--                    merge (memory-bound) and its kernels.
 --   memory-bound ops bytes moved / (HBM bandwidth * memory_efficiency):
 --                    norms, residual adds, dropout, activation functions,
 --                    rotary embedding and, unless attention is fused, the
@@ -206,7 +209,6 @@ end
 -- L: the layout (t, b, seq, precision, recompute, sp, flash_attention); o: options.
 function M.layer_costs(s, L, hw, o)
   local e = memory.element_bytes(L.precision)
-  local flops_rate = peak(hw, L.precision) * (hw.gemm_efficiency or o.gemm_efficiency)
   local bw = hw.memory_bandwidth * hw.memory_efficiency
   local C = L.c or 1
   -- this rank's tokens: its two chunks of each sequence under context parallelism
@@ -220,8 +222,7 @@ function M.layer_costs(s, L, hw, o)
   -- the attention core's products: this rank's queries (b*s/C rows) against one block of keys at a time
   -- (the ring's s/C, or the whole s at C = 1); intensity 2*q*k/(e*(q+k)) FLOPs a byte per head, so
   -- M.gemm_efficiency's rows are q*k/(q+k) per sequence (s/2 at C = 1, s/(2C) in the ring)
-  local q_rows = seq / C
-  local attn_rate = peak(hw, L.precision) * M.gemm_efficiency(hw, o, L.precision, q_rows * q_rows / (q_rows + q_rows))
+  local attn_rate = peak(hw, L.precision) * M.gemm_efficiency(hw, o, L.precision, seq / C / 2)
   local scores_gemm = tokens * 4 * seq * h / T / attn_rate
 
   -- elements moved by the forward's memory-bound ops (each e bytes)
