@@ -138,26 +138,54 @@ describe("plan.cost: zero 3 and the context ring", function()
     close(n / 8 * (4 + 8 + 8 + 8 + 2) / (a100.memory_bandwidth * a100.memory_efficiency), c.optimizer, 1e-12)
   end)
 
-  it("passes K/V blocks round the context ring, C-1 steps forward and twice the bytes backward", function()
+  it("passes K/V blocks round the context ring, C-1 steps a pass", function()
     local s = models.check{ arch = "llama", layers = 2, hidden = 4096, heads = 32, kv_heads = 8, ffn = 14336,
       vocab = 128256, seq_len = 8192 }
     local L = { t = 1, c = 4, b = 1, seq = 8192, precision = "bf16" }
     local block = 8192 / 4 * 2 * 8 * 128 * 2 -- b * seq/C tokens x K and V of 8 kv heads of 128 x 2 bytes
-    local step = a100.intra.latency + block / (a100.intra.bandwidth * a100.link_efficiency)
-    local f, b = cost.context_ring(s, L, a100)
-    close(3 * step, f)
-    close(6 * step, b)
+    local r = cost.context_ring(s, L, a100)
+    assert.same({ steps = 3, bytes = block, transfer = block / (a100.intra.bandwidth * a100.link_efficiency),
+      latency = a100.intra.latency }, r)
     -- T x C beyond a node: the ring's hops cross nodes; T = 4 keeps 2 of the 8 kv heads
     L.t = 4
-    step = a100.inter.latency + block / 4 / (a100.inter.bandwidth * a100.link_efficiency)
-    f = cost.context_ring(s, L, a100)
-    close(3 * step, f)
-    assert.same({ 0, 0 }, { cost.context_ring(s, { t = 1, c = 1, b = 1, seq = 8192, precision = "bf16" }, a100) })
+    r = cost.context_ring(s, L, a100)
+    close(block / 4 / (a100.inter.bandwidth * a100.link_efficiency), r.transfer)
+    assert.equal(a100.inter.latency, r.latency)
+    assert.is_nil(cost.context_ring(s, { t = 1, c = 1, b = 1, seq = 8192, precision = "bf16" }, a100))
   end)
 
-  it("halves a layer's work per rank at C = 2 and exposes only the ring beyond the attention compute", function()
+  it("exposes per ring step the transfer beyond its block's attention, plus every message's latency", function()
+    local r = { steps = 3, transfer = 5, latency = 1 }
+    -- block attention 8 / 4 = 2 s against a 5 s transfer: 3 x (1 + 3) forward, 3 x (2 + 6) backward
+    assert.same({ 12, 24 }, { cost.context_exposed(r, 8, 4) })
+    -- attention long enough: only the latencies, 1 message a step forward, 2 backward
+    assert.same({ 3, 6 }, { cost.context_exposed(r, 40, 4) })
+    assert.same({ 0, 0 }, { cost.context_exposed(nil, 40, 1) })
+  end)
+
+  it("lowers the GEMM efficiency as the product's rows shrink, from the datasheet's FLOP/byte", function()
+    local e = cost.DEFAULTS.gemm_efficiency
+    -- rows0 = peak * e * 2 bytes / (2 * HBM bandwidth * memory efficiency)
+    local rows0 = a100.peak_flops.bf16 * e * 2 / (2 * a100.memory_bandwidth * a100.memory_efficiency)
+    assert.is_true(rows0 > 100 and rows0 < 200) -- A100: 312 TFLOP/s over 2 TB/s
+    for _, rows in ipairs{ 512, 2048, 8192 } do
+      close(e / (1 + rows0 / rows), cost.gemm_efficiency(a100, cost.DEFAULTS, "bf16", rows), 1e-14, "rows " .. rows)
+    end
+    assert.is_true(cost.gemm_efficiency(a100, cost.DEFAULTS, "bf16", 512)
+      < cost.gemm_efficiency(a100, cost.DEFAULTS, "bf16", 2048))
+    close(e, cost.gemm_efficiency(a100, cost.DEFAULTS, "bf16", 2 ^ 60), 1e-12, "a long product: the constant")
+    -- a measured profile's own efficiency is the one the curve starts from
+    local hw = plan.hardware.get("a100-80gb")
+    hw.gemm_efficiency = 0.5
+    close(0.5 / (1 + rows0 * 0.5 / e / 2048), cost.gemm_efficiency(hw, cost.DEFAULTS, "bf16", 2048), 1e-14)
+  end)
+
+  it("halves a layer's work per rank at C = 2 where memory traffic is free, and hides the ring", function()
     local hw = plan.hardware.get("a100-80gb")
     hw.kernel_overhead = 0 -- the fixed per-kernel cost does not scale with tokens
+    -- infinitely fast memory: no row term in the GEMM efficiency, no memory-bound ops, no merge traffic,
+    -- so what is left is FLOPs, which C = 2 halves
+    hw.memory_bandwidth = math.huge
     local s = models.get("llama2-7b")
     local base = { t = 1, b = 1, seq = 4096, precision = "bf16", recompute = "none", sp = false }
     local L1, L2 = {}, {}
@@ -168,13 +196,43 @@ describe("plan.cost: zero 3 and the context ring", function()
     close(one.fwd.compute / 2, two.fwd.compute, 1e-12, "forward")
     close(one.bwd.compute / 2, two.bwd.compute, 1e-12, "backward")
     assert.equal(0, one.fwd.cp)
-    -- the ring (2 MiB K/V blocks on NVLink) hides behind the attention products and the softmax
-    local rate = hw.peak_flops.bf16 * cost.DEFAULTS.gemm_efficiency
-    local attn = 2048 * 4 * 4096 * 4096 / rate + 32 * 2048 * 4096 * 2 * 2 / (hw.memory_bandwidth * hw.memory_efficiency)
-    local f, b = cost.context_ring(s, L2, hw)
-    assert.is_true(f < attn and b < 2 * attn)
-    assert.equal(0, two.fwd.cp)
-    assert.equal(0, two.bwd.cp)
+    -- the ring's one step (2 MiB K/V block on NVLink, 8.7 us) hides behind the block's attention products
+    -- (2048 queries x 2048 keys x 4 x 4096 / C... = 93 us): only the latency is exposed
+    local r = cost.context_ring(s, L2, hw)
+    local attn_block = 2048 * 4 * 4096 * 4096 / (hw.peak_flops.bf16 * cost.DEFAULTS.gemm_efficiency) / 2
+    assert.is_true(r.transfer < attn_block)
+    close(hw.intra.latency, two.fwd.cp, 1e-12, "forward exposed")
+    close(2 * hw.intra.latency, two.bwd.cp, 1e-12, "backward exposed")
+  end)
+
+  it("prices the short-sequence ring's extra work: rows, per-block kernels and the softmax merge", function()
+    local s = models.get("gpt3-175b")
+    local hw = plan.hardware.get("a100-80gb")
+    local function layer(T, C)
+      return cost.layer_costs(s, { t = T, c = C, b = 1, seq = 2048, precision = "bf16", recompute = "none",
+        sp = true }, hw, cost.DEFAULTS)
+    end
+    -- the same FLOPs per rank at T = 8, C = 1 and T = 2, C = 4 (2048 x 1/8 = 512 x 1/2 token-shares), but
+    -- the weight products run at 512 rows instead of 2048: slower by (1 + rows0/512) / (1 + rows0/2048)
+    local e = cost.DEFAULTS.gemm_efficiency
+    local rows0 = hw.peak_flops.bf16 * e * 2 / (2 * hw.memory_bandwidth * hw.memory_efficiency)
+    local gemm8 = 2048 * models.layer_gemm_flops(s, 2048) / 8 / (hw.peak_flops.bf16 * e / (1 + rows0 / 2048))
+    local gemm2 = 512 * models.layer_gemm_flops(s, 2048) / 2 / (hw.peak_flops.bf16 * e / (1 + rows0 / 512))
+    close((1 + rows0 / 512) / (1 + rows0 / 2048), gemm2 / gemm8, 1e-12)
+    assert.is_true(gemm2 / gemm8 > 1.15) -- 22% vs 7% below the constant
+    local one, four = layer(8, 1), layer(2, 4)
+    assert.is_true(four.fwd.compute - one.fwd.compute > 0.9 * (gemm2 - gemm8))
+    -- fused attention (no softmax through memory): the ring's 512-row K/V blocks (12.6 MB, 52 us on NVLink)
+    -- outlast their 512-query block attention (512 x 4 x 2048 x 12288 / 2 FLOPs over 4 blocks at 256 rows'
+    -- efficiency, 43 us): exposed beyond the latencies, by the formula
+    local Lf = { t = 2, c = 4, b = 1, seq = 2048, precision = "bf16", recompute = "none", sp = true,
+      flash_attention = true }
+    local r = cost.context_ring(s, Lf, hw)
+    local attn = 512 * 4 * 2048 * 12288 / 2 / (hw.peak_flops.bf16 * e / (1 + rows0 / 256))
+    assert.is_true(r.transfer > attn / 4)
+    local fused = cost.layer_costs(s, Lf, hw, cost.DEFAULTS)
+    close(3 * (r.latency + r.transfer - attn / 4), fused.fwd.cp, 1e-12, "forward exposed")
+    close(3 * (2 * r.latency + 2 * r.transfer - 2 * attn / 4), fused.bwd.cp, 1e-12, "backward exposed")
   end)
 end)
 
@@ -234,6 +292,87 @@ describe("plan.search over zero 3 and context sizes", function()
     local one = plan{ model = "llama2-7b", gpus = 8, gpu = "a100-80gb", global_batch = 64, context = 1 }
     assert.is_nil(one.context.context)
     assert.equal(1, one.context_size)
+  end)
+end)
+
+describe("plan.search: context parallelism only where sequences are long", function()
+  it("keeps C = 1 for GPT-3 175B at 2048 tokens, where C's 512-row products and ring cost more than T's all-reduces",
+    function()
+    local q = { model = "gpt3-175b", gpus = 1024, gpu = "a100-80gb", global_batch = 1536, seq_len = 2048 }
+    local L = plan(q)
+    assert.equal(1, L.c)
+    -- the best C > 1 pays for its smaller all-reduces with products at b*s/C rows: its compute (the
+    -- breakdown's, FLOPs at M.gemm_efficiency(rows)) exceeds C = 1's, and its step is longer
+    for _, C in ipairs{ 2, 4 } do
+      q.context = C
+      local Lc = plan(q)
+      assert.equal(C, Lc.c)
+      assert.is_true(Lc.breakdown.compute > L.breakdown.compute)
+      assert.is_true(Lc.step_s > L.step_s)
+    end
+  end)
+
+  it("picks C > 1 for Llama 3 8B at 131072 tokens on 64 GPUs, the ring's transfers hidden but for latencies",
+    function()
+    local llama3 = require("pipegoose.plan.published").LLAMA3_8B
+    local q = { model = llama3, gpus = 64, gpu = "a100-80gb", global_batch = 16, seq_len = 131072,
+      flash_attention = true }
+    local L = plan(q)
+    assert.is_true(L.c > 1)
+    -- each of a layer's C-1 ring steps moves b*s/C*2*kv/T elements against a block of 131072/C queries
+    -- times 131072/C keys: at these lengths the transfer hides, so what is exposed is every message's latency,
+    -- C-1 forward and 2(C-1) backward per layer and micro-batch (T*C > 8: the inter-node link's)
+    local hw = plan.hardware.get("a100-80gb")
+    local lat = L.t * L.c > 8 and hw.inter.latency or hw.intra.latency
+    local per_layer = (L.c - 1) * 3 * lat * (L.recompute == "full" and 4 / 3 or 1)
+    close(L.m * llama3.layers / L.p * per_layer, L.breakdown.cp_comm, 1e-9, "ring exposed")
+    -- the best layout without context parallelism is slower
+    q.context = 1
+    assert.is_true(plan(q).step_s > L.step_s)
+  end)
+end)
+
+describe("plan.search: pruning that cannot change the answer", function()
+  it("bounds every layout's simulated step from below, bubble included", function()
+    for _, q in ipairs{
+      { model = "gpt2-1.5b", gpus = 8, gpu = "a100-40gb", global_batch = 16, dp_overlap = true },
+      { model = { arch = "gpt", layers = 8, hidden = 512, heads = 8, ffn = 2048, vocab = 1000, seq_len = 64 },
+        gpus = 8, gpu = "a100-80gb", global_batch = 16 },
+    } do
+      q.top = 1000000
+      local all = plan.search(q)
+      local pipelined = 0
+      assert.is_true(#all > 100)
+      for _, L in ipairs(all) do
+        assert(L.lower_bound <= L.step_s * (1 + 1e-12), ("bound %.17g over step %.17g"):format(L.lower_bound, L.step_s))
+        if L.p > 1 then pipelined = pipelined + 1 end
+      end
+      assert.is_true(pipelined > 0)
+    end
+  end)
+
+  it("finds memory non-decreasing in the micro-batch size, which the search skips on", function()
+    local hw = plan.hardware.get("a100-80gb")
+    for _, name in ipairs{ "gpt2-124m", "mixtral-8x7b" } do
+      local s = models.get(name)
+      for _, P in ipairs{ 1, 4 } do
+        local parts = search.partition(s, P)
+        for _, sched in ipairs{ "1f1b", "gpipe" } do
+          for _, rc in ipairs{ "none", "selective", "full" } do
+            for _, z in ipairs{ 0, 3 } do
+              local prev, b = -1, 1
+              while b <= 32 do
+                local L = { t = 2, p = P, c = 2, d = 2, m = 32 // b, b = b, schedule = sched, zero = z,
+                  recompute = rc, sp = true, seq = s.seq_len, precision = "bf16", flash_attention = false }
+                local mem = search.layout_memory(s, L, parts, hw)
+                assert.is_true(mem >= prev)
+                prev, b = mem, b * 2
+              end
+            end
+          end
+        end
+      end
+    end
   end)
 end)
 

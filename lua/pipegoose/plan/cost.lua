@@ -9,9 +9,15 @@
 -- without changes here.
 --
 -- Costs, per layer and micro-batch of b sequences of s tokens:
---   matrix products  FLOPs / (peak FLOP/s * gemm_efficiency). Forward FLOPs
---                    are models.layer_gemm_flops / T; backward is twice the
---                    forward (gradients of inputs and of weights).
+--   matrix products  FLOPs / (peak FLOP/s * M.gemm_efficiency(rows)). Forward
+--                    FLOPs are models.layer_gemm_flops / T; backward is twice
+--                    the forward (gradients of inputs and of weights). The
+--                    efficiency falls as the product's rows (b*s/C tokens)
+--                    shrink: see M.gemm_efficiency. The attention core's
+--                    two products (scores, values) use the same curve at
+--                    their own rows (s/2 at C = 1, s/(2C) in the ring).
+--                    Under C > 1 each later block adds an online-softmax
+--                    merge (memory-bound) and its kernels.
 --   memory-bound ops bytes moved / (HBM bandwidth * memory_efficiency):
 --                    norms, residual adds, dropout, activation functions,
 --                    rotary embedding and, unless attention is fused, the
@@ -43,11 +49,17 @@
 --                    micro-batch the forward passes this rank's K/V block
 --                    round the ring, C-1 steps of b*(seq/C)*2*kv/T elements
 --                    (M.context_ring); the backward passes K/V again and
---                    dK/dV back: twice those bytes. Each step is overlapped
---                    with the attention compute of the block in hand: only
---                    max(0, ring - attention compute) is exposed. The ring's
---                    hops are point to point: NVLink while T*C fits in a node,
---                    else the inter-node link (the slowest hop paces the ring).
+--                    dK/dV back: twice those bytes (2 messages a step). Each
+--                    step's transfer overlaps the attention compute of the
+--                    block in hand, 1/C of the rank's attention core, so per
+--                    step max(0, transfer - block attention) is exposed,
+--                    plus every message's link latency (the send/receive
+--                    handshake the next block waits on; never hidden). At
+--                    short sequences the block's s/C x s/C attention is too
+--                    short to hide its (s/C)-row K/V transfer. The ring's
+--                    hops are point to point: NVLink while T*C fits in a
+--                    node, else the inter-node link (the slowest hop paces
+--                    the ring). (M.context_ring, M.context_exposed)
 --   ZeRO-3 (FSDP)    per micro-batch: the stage's parameters all-gathered in
 --                    the forward and again in the backward (resharded after
 --                    the forward), in the compute precision, and the
@@ -92,6 +104,32 @@ M.DEFAULTS = {
   dp_overlap = false,
 }
 
+--- The share of peak FLOP/s a matrix product of `rows` rows reaches (rows:
+-- the tokens of the micro-batch on this rank, b*s/C; the weights are the
+-- other operand). The stated constant (hw.gemm_efficiency or
+-- o.gemm_efficiency, what a large square product reaches) is the rate of the
+-- math; on top of it the product streams its weight operand (K*N elements)
+-- from HBM once, which its math hides less the fewer rows share each weight
+-- element: a product of 2*rows*K*N FLOPs reads K*N*e bytes, an arithmetic
+-- intensity of 2*rows/e FLOPs a byte (NVIDIA's "Matrix Multiplication
+-- Background User's Guide", section "Math and memory bounds": intensity
+-- ~ rows for a thin bf16 product, memory-bound below the GPU's FLOP/byte
+-- ratio). Adding the two times instead of taking their maximum (the roofline's
+-- corner rounded, a product's operand fetch only partly overlapped with its
+-- math) gives
+--   efficiency(rows) = e / (1 + rows0 / rows),
+--   rows0 = peak * e * element_bytes / (2 * HBM bandwidth * memory_efficiency),
+-- 143 rows for bf16 on A100 (7% below the constant at 2048 rows, 22% at 512),
+-- a curve from the datasheet only: nothing fitted to docs/PLANNER.md's
+-- comparisons.
+function M.gemm_efficiency(hw, o, precision, rows)
+  local e = hw.gemm_efficiency or o.gemm_efficiency
+  local f = hw.peak_flops[precision]
+  if not f or not rows or rows <= 0 then return e end
+  local rows0 = f * e * memory.element_bytes(precision) / (2 * hw.memory_bandwidth * hw.memory_efficiency)
+  return e / (1 + rows0 / rows)
+end
+
 local function ring(bytes, n, link, eff, factor)
   if n <= 1 or bytes == 0 then return 0 end
   return factor * (n - 1) / n * bytes / (link.bandwidth * eff) + factor * (n - 1) * link.latency
@@ -131,18 +169,32 @@ function M.group_link(hw, T, n, G, p)
   return { bandwidth = math.min(per_node * hw.inter.bandwidth, hw.intra.bandwidth), latency = hw.inter.latency }
 end
 
---- Seconds of one context-parallel ring per layer and micro-batch: forward
--- (C-1 steps of this rank's K/V block) and backward (K/V again, dK/dV back).
+--- One step of the context-parallel ring for a layer and micro-batch: the
+-- bytes of this rank's K/V block, the transfer's seconds and the link's
+-- latency per message (C - 1 steps a pass; forward 1 message a step,
+-- backward 2: K/V again and dK/dV back). nil when C = 1.
 function M.context_ring(s, L, hw)
   local C = L.c or 1
-  if C <= 1 then return 0, 0 end
+  if C <= 1 then return nil end
   local e = memory.element_bytes(L.precision)
   -- K and V of this rank's kv heads (a whole head each when T exceeds the kv heads, kind_kv_heads.c)
   local kv = L.t > (s.kv_heads or s.heads) and models.head_dim(s) or models.kv_dim(s) / L.t
   local block = L.b * L.seq / C * 2 * kv * e
   local link = L.t * C > hw.gpus_per_node and hw.inter or hw.intra
-  local step = link.latency + block / (link.bandwidth * hw.link_efficiency)
-  return (C - 1) * step, 2 * (C - 1) * step
+  return { steps = C - 1, bytes = block, transfer = block / (link.bandwidth * hw.link_efficiency),
+    latency = link.latency }
+end
+
+--- Exposed seconds of the ring's forward and backward passes, given the
+-- rank's attention-core seconds `attn` of one layer's forward (all C blocks;
+-- the backward's is twice): per step, the transfer beyond the block's
+-- attention (attn / C) plus each message's latency.
+function M.context_exposed(r, attn, C)
+  if not r then return 0, 0 end
+  local block = attn / C
+  local fwd = r.steps * (r.latency + math.max(0, r.transfer - block))
+  local bwd = r.steps * (2 * r.latency + math.max(0, 2 * r.transfer - 2 * block))
+  return fwd, bwd
 end
 
 local function peak(hw, precision)
@@ -157,16 +209,21 @@ end
 -- L: the layout (t, b, seq, precision, recompute, sp, flash_attention); o: options.
 function M.layer_costs(s, L, hw, o)
   local e = memory.element_bytes(L.precision)
-  local flops_rate = peak(hw, L.precision) * (hw.gemm_efficiency or o.gemm_efficiency)
   local bw = hw.memory_bandwidth * hw.memory_efficiency
   local C = L.c or 1
   -- this rank's tokens: its two chunks of each sequence under context parallelism
   local T, seq, tokens, h = L.t, L.seq, L.seq * L.b / C, s.hidden
   local rep = L.sp and T or 1 -- replicated elementwise work is split by sequence parallelism
   local fused = L.flash_attention
+  -- the weight products have `tokens` rows (sequence parallelism gathers them back first)
+  local weights_rate = peak(hw, L.precision) * M.gemm_efficiency(hw, o, L.precision, tokens)
 
-  local gemm = tokens * models.layer_gemm_flops(s, seq) / T / flops_rate
-  local scores_gemm = tokens * 4 * seq * h / T / flops_rate
+  local gemm = tokens * models.layer_gemm_flops(s, seq) / T / weights_rate
+  -- the attention core's products: this rank's queries (b*s/C rows) against one block of keys at a time
+  -- (the ring's s/C, or the whole s at C = 1); intensity 2*q*k/(e*(q+k)) FLOPs a byte per head, so
+  -- M.gemm_efficiency's rows are q*k/(q+k) per sequence (s/2 at C = 1, s/(2C) in the ring)
+  local attn_rate = peak(hw, L.precision) * M.gemm_efficiency(hw, o, L.precision, seq / C / 2)
+  local scores_gemm = tokens * 4 * seq * h / T / attn_rate
 
   -- elements moved by the forward's memory-bound ops (each e bytes)
   local kv = models.kv_dim(s)
@@ -184,21 +241,29 @@ function M.layer_costs(s, L, hw, o)
     scores = s.heads * tokens * seq / T * (s.dropout and 4 or 2)
   end
   local mem_f = (elems + scores) * e / bw
+  -- the online-softmax merge after each ring step: the forward reads the running fp32 output and the
+  -- block's and writes the merged (3 passes over tokens*h/T fp32); the backward adds the block's dQ into the
+  -- fp32 accumulator (read, write) and the arriving dK/dV into theirs (read, write of tokens*2*kv/T)
+  local merge_f = (C - 1) * 3 * tokens * h / T * 4 / bw
+  local merge_b = (C - 1) * (2 * tokens * h / T + 2 * tokens * 2 * kv / T) * 4 / bw
   local scores_mem = scores * e / bw
 
   -- kernels a layer's forward launches: norms, the matrix products, the
   -- elementwise ops (13 for a GPT layer with unfused attention, of which 4 in
   -- the attention core; a fused attention is 1 kernel); backward twice as many
   local core_kernels = fused and 1 or 4
+  -- the ring runs the attention core once per block and merges each later block's partial output into the
+  -- running one (online softmax): one merge kernel a step
+  local ring_kernels = (C - 1) * (core_kernels + 1)
+  core_kernels = core_kernels + ring_kernels
   local kernels = 9 + core_kernels
   local launch = hw.kernel_overhead or 0
 
   local ar = M.ring_all_reduce(tokens * h * e, T, hw.intra, hw.link_efficiency)
   -- the context ring, overlapped with the attention core's compute (scores and values products)
-  local ring_f, ring_b = M.context_ring(s, L, hw)
-  local attn = scores_gemm + scores_mem
-  local fwd = { compute = gemm + mem_f + kernels * launch, tp = 2 * ar, cp = math.max(0, ring_f - attn) }
-  local bwd = { compute = 2 * (gemm + mem_f + kernels * launch), tp = 2 * ar, cp = math.max(0, ring_b - 2 * attn) }
+  local cp_f, cp_b = M.context_exposed(M.context_ring(s, L, hw), scores_gemm + scores_mem, C)
+  local fwd = { compute = gemm + mem_f + merge_f + kernels * launch, tp = 2 * ar, cp = cp_f }
+  local bwd = { compute = 2 * (gemm + mem_f + kernels * launch) + merge_b, tp = 2 * ar, cp = cp_b }
   if T > (s.kv_heads or s.heads) then -- fewer key/value heads than ranks (kind_kv_heads.c): every head's k|v all-gathered
     local kv_gather = ring(tokens * 2 * kv * e, T, hw.intra, hw.link_efficiency, 1) -- forward, reduce-scattered back
     fwd.tp, bwd.tp = fwd.tp + kv_gather, bwd.tp + kv_gather
@@ -208,7 +273,7 @@ function M.layer_costs(s, L, hw, o)
     bwd.tp = bwd.tp + fwd.tp
     bwd.cp = bwd.cp + fwd.cp
   elseif L.recompute == "selective" then
-    bwd.compute = bwd.compute + scores_gemm + scores_mem + core_kernels * launch
+    bwd.compute = bwd.compute + scores_gemm + scores_mem + merge_f + core_kernels * launch
   end
   return { fwd = fwd, bwd = bwd }
 end
@@ -216,9 +281,9 @@ end
 --- Embedding (first stage) and head + loss (last stage) costs of one micro-batch.
 function M.edge_costs(s, L, hw, o)
   local e = memory.element_bytes(L.precision)
-  local flops_rate = peak(hw, L.precision) * (hw.gemm_efficiency or o.gemm_efficiency)
   local bw = hw.memory_bandwidth * hw.memory_efficiency
   local T, tokens, h = L.t, L.seq * L.b / (L.c or 1), s.hidden
+  local flops_rate = peak(hw, L.precision) * M.gemm_efficiency(hw, o, L.precision, tokens)
   local ar = M.ring_all_reduce(tokens * h * e, T, hw.intra, hw.link_efficiency)
   -- embedding: gather rows (write b*s*h), add positions; backward scatters
   -- the gradient back; vocabulary-parallel lookup all-reduces its output

@@ -129,13 +129,33 @@ function M.evaluate(s, L, hw, o, parts, costs)
   }
 end
 
+-- A step no schedule can beat: every stage's own work with no bubble, and,
+-- for stage i, the forward of the first micro-batch through stages 1..i-1
+-- (before stage i can start), stage i's work, and the backward of its last
+-- micro-batch back through stages i-1..1 (after stage i's last backward),
+-- then the first stage's reduction and optimizer. Transfers are left out (a
+-- bound). For equal stages the second is (M + P - 1)(fwd + bwd), the
+-- one-chunk schedules' bubble, so few layouts are simulated past the best.
 local function lower_bound(costs, Mb, o)
   local lb = 0
+  local function tail(c) return (o.dp_overlap and math.max(0, c.dp - c.bwd) or c.dp) + c.optimizer end
+  local before = 0 -- sum over earlier stages of one micro-batch's forward and backward
   for _, c in ipairs(costs) do
-    local dp = o.dp_overlap and math.max(0, c.dp - c.bwd) or c.dp
-    lb = math.max(lb, Mb * (c.fwd + c.bwd) + dp + c.optimizer)
+    local work = Mb * (c.fwd + c.bwd)
+    lb = math.max(lb, work + tail(c), before + work + tail(costs[1]))
+    before = before + c.fwd + c.bwd
   end
   return lb
+end
+
+-- what a stage's costs depend on: the layout but its schedule (m follows from d and b)
+local function costs_key(L)
+  return ("t%d p%d c%d d%d b%d z%d %s sp%s"):format(L.t, L.p, L.c, L.d, L.b, L.zero, L.recompute, tostring(L.sp))
+end
+
+-- a layout but its micro-batch size
+local function dead_key(L)
+  return ("t%d p%d c%d d%d %s z%d %s sp%s"):format(L.t, L.p, L.c, L.d, L.schedule, L.zero, L.recompute, tostring(L.sp))
 end
 
 local function key_of(L)
@@ -164,6 +184,8 @@ function M.run(q)
   local summary = { enumerated = 0, over_memory = 0, simulated = 0, batch_mismatch = 0, usable_bytes = usable }
   local cands = {}
   local part_cache = {}
+  local cost_cache = {}
+  local dead = {} -- layouts but b over memory at a smaller b (dead_key)
   for _, T in ipairs(divisors(G)) do
     if N % T == 0 and not common.tensor_heads(T, s.heads, s.kv_heads) and s.ffn % T == 0
       and (fix.t == nil or fix.t == T) then
@@ -197,8 +219,14 @@ function M.run(q)
                               recompute = rc, recompute_every = rc == "full" and fix.recompute_every or nil,
                               sp = sp, seq = seq, precision = q.precision,
                               flash_attention = o.flash_attention }
-                            local mem, at, detail = M.layout_memory(s, L, parts, hw)
+                            -- a layout over memory at micro-batch size b is over at 2b (memory.lua: the
+                            -- activations in flight, b x min(stages ahead, M) or b x M, and the transients
+                            -- grow with b; nothing else depends on it): not priced again
+                            local dk = dead_key(L)
+                            local mem, at, detail = math.huge, nil, nil
+                            if not dead[dk] then mem, at, detail = M.layout_memory(s, L, parts, hw) end
                             if mem > usable then
+                              dead[dk] = true
                               summary.over_memory = summary.over_memory + 1
                               if not summary.smallest or mem < summary.smallest.mem_bytes then
                                 L.mem_bytes = mem
@@ -207,7 +235,13 @@ function M.run(q)
                             else
                               L.mem_bytes, L.mem_stage, L.mem_detail = mem, at, detail
                               L.parts = parts
-                              local costs = cost.stage_costs(s, L, hw, o, parts)
+                              -- the schedule changes no stage's costs: one costing per layout of the others
+                              local ck = costs_key(L)
+                              local costs = cost_cache[ck]
+                              if not costs then
+                                costs = cost.stage_costs(s, L, hw, o, parts)
+                                cost_cache[ck] = costs
+                              end
                               L.costs = costs
                               L.lower_bound = lower_bound(costs, Mb, o)
                               cands[#cands + 1] = L
