@@ -130,6 +130,7 @@ local SCHEMA = {
   callbacks = "any",
   seed = options.integer{ min = math.mininteger, max = math.maxinteger },
   out_dir = options.string{ what = "a string path", default = "runs" },
+  overwrite = options.boolean{ default = false },
   on_nan = options.enum({ "error", "skip" }, { default = "error", explain = {
     error = "stop with an error", skip = "skip the step" } }),
   clock = options.callable{ what = "a function returning seconds", default = default_clock },
@@ -161,6 +162,7 @@ function Trainer.new(opts)
   self.out_dir = o.out_dir
   -- fit locks an out_dir the user named (the default is locked by the first save)
   self._lock_out_dir = opts.out_dir ~= nil
+  self.overwrite = o.overwrite
   self.on_nan = o.on_nan
   self.clock = o.clock
   self.out = o.out or io.stdout
@@ -546,6 +548,7 @@ function Trainer:fit(a, b, opts)
   local ok, err = pcall(function()
     if self._lock_out_dir then self:_lock(self.out_dir, "Trainer: out_dir") end
     if self.checkpoint_dir then self:_lock(self.checkpoint_dir, "Trainer: the checkpoint directory") end
+    self:_refuse_used_checkpoint_dir(opts)
   end)
   if not ok then
     self._in_fit = false
@@ -1031,6 +1034,41 @@ function Trainer:load_lr_state(rec)
   self._base_lr = rec.base_lr
   self.state.lr = rec.last_lr
   self._checkpoint_lr_total = rec.total_steps
+end
+
+-- The checkpoints (directories with a manifest) a directory holds, sorted.
+local function checkpoints_in(dir)
+  local ckpt = require "pipegoose.checkpoint"
+  local found = {}
+  if not ckpt.fs.is_dir(dir) then return found end
+  for _, name in ipairs(ckpt.fs.list(dir)) do
+    if ckpt.fs.exists(dir .. "/" .. name .. "/" .. ckpt.MANIFEST) then found[#found + 1] = name end
+  end
+  table.sort(found)
+  return found
+end
+
+-- A fresh fit (no resume=) never writes over another run's checkpoints: the
+-- checkpoint directory must hold none unless overwrite = true (Lightning's and
+-- the Hugging Face Trainer's overwrite_output_dir). Rank 0 looks; every rank
+-- raises its refusal (collective).
+function Trainer:_refuse_used_checkpoint_dir(opts)
+  if opts.resume ~= nil or self.overwrite then return end
+  local ckpt = require "pipegoose.checkpoint"
+  local err
+  if self.state.is_global_zero then
+    local dir = self:get_checkpoint_dir()
+    local found = checkpoints_in(dir)
+    local has_latest = ckpt.fs.exists(dir .. "/" .. ckpt.LATEST)
+    if #found > 0 or has_latest then
+      local names = #found > 0 and table.concat(found, ", ", 1, math.min(#found, 3)) .. (#found > 3 and ", ..." or "")
+        or "a latest file"
+      err = ("Trainer: %s already holds checkpoints (%s) of another run; a fresh fit would write over them: "
+        .. "pass fit(..., { resume = \"last\" }) to continue that run, overwrite = true (pg.Trainer{ overwrite = "
+        .. "true }) to write over it, or another out_dir"):format(dir, names)
+    end
+  end
+  ckpt.agree_error(self, err)
 end
 
 -- spec: fit's resume= (a string: FIT_SCHEMA checked it).
