@@ -435,22 +435,8 @@ local HF_FILES = { ["config.json"] = true, ["generation_config.json"] = true, ["
   ["special_tokens_map.json"] = true }
 local function hf_file(name) return HF_FILES[name] or name:match("^model%-%d+%-of%-%d+%.safetensors$") ~= nil end
 
--- A path made absolute with its existing part's links resolved (what is
--- missing below it appended as written), to compare directories.
-local function absolute(path)
-  path = path:gsub("/+$", "")
-  if path == "" then path = "/" end
-  local real = core.file.realpath(path)
-  if real then return real end
-  local parent = fs().dirname(path)
-  if parent == path then return nil end
-  local rp = absolute(parent)
-  if not rp then return nil end
-  return (rp == "/" and "" or rp) .. "/" .. fs().basename(path)
-end
-
--- Whether path a is b or inside it.
-local function within(a, b) return a == b or a:sub(1, #b + 1) == b .. "/" end
+local function absolute(path) return fs().absolute(path) end
+local function within(a, b) return fs().within(a, b) end
 
 --- Checks that dir may be replaced by an export: absent, empty or a Hugging
 -- Face model directory (only the files HF_FILES names) unless overwrite; never
