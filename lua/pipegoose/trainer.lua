@@ -723,6 +723,7 @@ function Trainer:_train_step(inputs, targets)
     self:call_hook("on_train_batch_start", batch, idx)
     self:call_hook("on_before_backward", idx)
     fb_opts.sync = i == k
+    local passes = self:_backward_passes()
     local loss = module:training_step(batch, idx)
     st.micro_batches = st.micro_batches + 1
     st.tokens_seen = st.tokens_seen + self:_batch_tokens(inputs)
@@ -730,6 +731,7 @@ function Trainer:_train_step(inputs, targets)
       fail(0, "training_step of %s returned a %s at step %d, expected the loss (a number)",
         callbacks.describe_module(module, callbacks.TRAINING_MODULE), type(loss), step)
     end
+    self:_check_backward(passes, module, step, idx)
     if not finite(loss) then
       if self.on_nan == "error" then
         error(("Trainer: loss is %s at step %d (epoch %d, batch %d); on_nan='skip' skips such steps")
@@ -750,6 +752,25 @@ function Trainer:_train_step(inputs, targets)
   end
   self._fb_opts = nil
   return exhausted
+end
+
+-- The engine's count of backward passes, or nil for an engine that keeps none.
+function Trainer:_backward_passes()
+  local e = self.engine
+  if e == nil or e.backward_passes == nil then return nil end
+  return e:backward_passes()
+end
+
+-- A training_step must run the engine's backward pass (engine:forward_backward,
+-- module:forward_backward): without it the optimizer would step on the
+-- gradients zero_grad left (zeros), and the run would look like training.
+function Trainer:_check_backward(before, module, step, idx)
+  if before == nil then return end
+  if self:_backward_passes() == before then
+    fail(0, "training_step of %s ran no backward pass at step %d (batch %d): it must call self:forward_backward "
+      .. "(or engine:forward_backward) so that the optimizer steps on this batch's gradients (engine:loss computes "
+      .. "no gradients)", callbacks.describe_module(module, callbacks.TRAINING_MODULE), step, idx)
+  end
 end
 
 function Trainer:_optimizer_step(step, step_loss, bad)
@@ -874,7 +895,7 @@ function Trainer:_eval_loop(kind, data, max_batches)
   self._flags.should_validate = false
   self:call_hook(e.hooks .. "_start")
   if data.reset then data:reset() end
-  local sums, names, n = {}, nil, 0
+  local sums, names, n, first_bad = {}, nil, 0, {}
   while not max_batches or n < max_batches do
     local inputs, targets = data:next_batch()
     if inputs == nil then break end
@@ -888,17 +909,44 @@ function Trainer:_eval_loop(kind, data, max_batches)
       fail(0, "%s of %s returned {%s} at batch %d but {%s} before; every batch must return the same names", e.step,
         who, these, n, names)
     end
-    for k, v in pairs(outputs) do sums[k] = (sums[k] or 0) + v end
+    for k, v in pairs(outputs) do
+      sums[k] = (sums[k] or 0) + v
+      if not finite(v) and not first_bad[k] then first_bad[k] = { n = n, v = v } end
+    end
     self:call_hook(e.hooks .. "_batch_end", outputs, n)
   end
   if n == 0 then fail(0, "the %s data produced no batches", kind) end
   local metrics = {}
   for k, sum in pairs(sums) do
     metrics[e.prefix .. k] = sum / n
-    st.metrics[e.prefix .. k] = sum / n
   end
+  self:_check_eval_metrics(kind, e, metrics, first_bad)
+  for k, v in pairs(metrics) do st.metrics[k] = v end
   self:call_hook(e.hooks .. "_end")
   return metrics
+end
+
+-- Non-finite evaluation metrics go by on_nan, as the training loss does:
+-- "error" raises naming the metric, the step and the first batch that gave a
+-- non-finite value; "skip" publishes them (a callback such as EarlyStopping's
+-- check_finite decides) with a line saying so. The metrics are the same on
+-- every rank (the module's steps reduce them), so every rank decides alike.
+function Trainer:_check_eval_metrics(kind, e, metrics, first_bad)
+  local names = sorted_names(metrics)
+  for name in names:gmatch("[^, ]+") do
+    local v = metrics[name]
+    if not finite(v) then
+      local bad = first_bad[name:sub(#e.prefix + 1)]
+      local where = bad and (" (%s batch %d returned %s = %s)"):format(kind, bad.n, name:sub(#e.prefix + 1),
+        number_name(bad.v)) or ""
+      if self.on_nan == "error" then
+        error(("Trainer: %s is %s after step %d%s; on_nan='skip' reports it and goes on"):format(name,
+          number_name(v), self.state.step, where), 0)
+      end
+      self:print(("Trainer: %s is %s after step %d%s (on_nan='skip')"):format(name, number_name(v), self.state.step,
+        where))
+    end
+  end
 end
 
 -- validate / test's arguments, (module, datamodule) or (data), attached and
