@@ -179,9 +179,10 @@ function Handler:_view(trainer)
     __len = function() return #trainer.state end,
   })
   local bound = {}
-  -- state is a raw field (pg.rank_zero_only finds a trainer by its raw state table)
-  view = setmetatable({ state = state }, {
+  view = setmetatable({}, {
+    __trainer_view = true, -- pg.rank_zero_only knows it for a trainer (callbacks.lua's is_trainer)
     __index = function(_, k)
+      if k == "state" then return state end
       local v = trainer[k]
       if type(v) ~= "function" then return v end
       -- view:method(...) runs as trainer:method(...): the trainer's own code writes its state
@@ -191,7 +192,14 @@ function Handler:_view(trainer)
       end
       return bound[k]
     end,
-    __newindex = function(_, k, v) trainer[k] = v end,
+    __newindex = function(_, k, v)
+      if k == "state" then
+        local at = handler._running
+        error(("Trainer: %s of %s replaced trainer.state; the trainer's state is read-only to callbacks"):format(
+          at and at.hook or "a hook", at and at.who or "a callback"), 2)
+      end
+      trainer[k] = v
+    end,
     __eq = function(a, b) return rawequal(a, b) or (rawequal(a, view) and rawequal(b, trainer))
       or (rawequal(b, view) and rawequal(a, trainer)) end,
     __tostring = function() return tostring(trainer) end,

@@ -527,8 +527,14 @@ local function within(a, b) return fs().within(a, b) end
 -- a directory that holds (or is) one of `keep` ({path =, what =}: the
 -- checkpoint being exported, the directory a model was imported from).
 function M.check_target(dir, what, overwrite, keep)
+  if dir == "" then error(("%s: needs a directory path, got an empty string"):format(what), 0) end
   local target = absolute(dir)
   if not target then error(("%s: %s: not a path that can be resolved"):format(what, dir), 0) end
+  local inside = fs().checkpoint_above(target)
+  if inside then
+    error(("%s: %s is inside the checkpoint %s (writing it would change that checkpoint): give a directory outside "
+      .. "it"):format(what, dir, inside), 0)
+  end
   for _, k in ipairs(keep or {}) do
     local src = k.path and absolute(k.path)
     if src and within(src, target) and (src ~= target or not k.same_ok) then

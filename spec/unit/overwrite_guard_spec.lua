@@ -72,6 +72,42 @@ describe("the checkpoint tools' outputs", function()
   end)
 end)
 
+describe("writers into another checkpoint", function()
+  it("refuse a file or directory inside any checkpoint, not only the one read", function()
+    local root = h.tmpdir()
+    local e = gpt_engine(5)
+    local function save(path)
+      return pg.Trainer{ engine = e, optimizer = pg.optim.AdamW(e, { lr = 1e-3 }), out = pg.testing.capture() }
+        :save_checkpoint(path)
+    end
+    local a, b = save(root .. "/a/step-00000001"), save(root .. "/b/step-00000001")
+    local before = h.read(b .. "/params-tp0-pp0.safetensors")
+    local ok, err = pcall(ckpt.consolidate, a, b .. "/params-tp0-pp0.safetensors")
+    assert.is_false(ok)
+    assert.equal(("checkpoint: consolidate: the output %s/params-tp0-pp0.safetensors is inside the checkpoint %s "
+      .. "(writing it would change that checkpoint): give a path outside it"):format(b, b), err)
+    ok, err = pcall(function() e:save_llmc(b .. "/manifest.json") end)
+    assert.is_false(ok)
+    assert.matches(("save_llmc: %s/manifest.json is inside the checkpoint %s: give a path outside it"):format(b, b),
+      err, 1, true)
+    assert.matches("overwrite_guard_spec.lua", err, 1, true) -- at the user's line
+    ok, err = pcall(e.save_hf, e, b .. "/hf")
+    assert.is_false(ok)
+    assert.equal(("save_hf: %s/hf is inside the checkpoint %s (writing it would change that checkpoint): give a "
+      .. "directory outside it"):format(b, b), err)
+    assert.equal(before, h.read(b .. "/params-tp0-pp0.safetensors"))
+    assert.same({}, ckpt.verify(b))
+    -- and the paths that cannot be written are named before anything is read
+    ok, err = pcall(ckpt.consolidate, a, root .. "/missing/x.safetensors")
+    assert.is_false(ok)
+    assert.equal(("checkpoint: consolidate: the output's directory %s/missing does not exist"):format(root), err)
+    assert.has_error(function() e:save_hf("") end, "save_hf: needs a directory path, got an empty string")
+    ok, err = pcall(e.save_llmc, e, "")
+    assert.matches("save_llmc: needs a file path, got an empty string", err, 1, true)
+    h.rm(root)
+  end)
+end)
+
 describe("save_hf over a sharded import", function()
   it("leaves no stale index: the directory is replaced whole, and the re-import has the new weights", function()
     local dir = h.tmpdir()

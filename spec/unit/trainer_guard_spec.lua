@@ -163,6 +163,16 @@ describe("trainer.state, as callbacks see it", function()
     end
   end)
 
+  it("cannot be replaced either", function()
+    local trainer, _, _, data = build{ max_steps = 3, callbacks = { pg.Callback{ name = "Replacer",
+      on_train_end = function(_, t) t.state = { step = 0 } end } } }
+    local ok, err = pcall(trainer.fit, trainer, data)
+    assert.is_false(ok)
+    assert.matches("Trainer: on_train_end of callback 1 (Replacer) replaced trainer.state; the trainer's state is "
+      .. "read-only to callbacks", err, 1, true)
+    assert.equal(3, trainer.state.step)
+  end)
+
   it("reads as the trainer's, and the trainer's methods and control still work from a hook", function()
     local seen = {}
     local trainer, _, _, data = build{ max_steps = 4, callbacks = { pg.Callback{ name = "Reader",

@@ -139,6 +139,18 @@ end
 --- Whether absolute path a is b or inside it.
 function fs.within(a, b) return a == b or a:sub(1, #b + 1) == (b == "/" and "/" or b .. "/") end
 
+--- The checkpoint directory (one with a manifest.json) that absolute path
+-- `abs` is strictly inside, or nil: a file written there would change it.
+function fs.checkpoint_above(abs)
+  local dir = fs.dirname(abs)
+  while true do
+    if fs.exists(dir .. "/manifest.json") then return dir end
+    local up = fs.dirname(dir)
+    if up == dir then return nil end
+    dir = up
+  end
+end
+
 --- This process's id (pg.fs.getpid; under plain Lua /proc/self/stat, whose reader is this process).
 function fs.getpid()
   local c = cfs()

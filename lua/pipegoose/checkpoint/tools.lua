@@ -68,12 +68,20 @@ local function check_output(what, out, dir, given)
   if src and fs.within(src, target) then
     error(("checkpoint: %s: the output %s holds the checkpoint %s it reads: give another path"):format(what, out, dir), 0)
   end
+  local other = fs.checkpoint_above(target)
+  if other then
+    error(("checkpoint: %s: the output %s is inside the checkpoint %s (writing it would change that checkpoint): give "
+      .. "a path outside it"):format(what, out, other), 0)
+  end
   local latest = given and fs.absolute(given .. "/" .. validation.LATEST)
   if latest and latest == target then
     error(("checkpoint: %s: the output %s is the latest file of %s, which names the checkpoint it reads: give another "
       .. "path"):format(what, out, given), 0)
   end
   if fs.is_dir(out) then error(("checkpoint: %s: the output %s is a directory; give a file path"):format(what, out), 0) end
+  if not fs.is_dir(fs.dirname(target)) then
+    error(("checkpoint: %s: the output's directory %s does not exist"):format(what, fs.dirname(out)), 0)
+  end
 end
 
 local function human(bytes)
