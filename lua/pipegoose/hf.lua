@@ -208,10 +208,11 @@ end
 function M.check_weights(dir, o, model_type, unused)
   local fam = models.of_hf_model_type(model_type).hf
   local where, files = open_weights(dir)
-  local used = {}
+  local used, embed = {}, nil
   for _, e in ipairs(fam.layout(o)) do
     for _, part in ipairs(e.parts) do
       local stored = stored_name(fam, e, part, where)
+      if e.pg == "embed.wte" then embed = stored end
       local h = where[stored]
       if not h then fail(dir, "the weights have no tensor %s (nor %s%s)", part.hf, fam.prefix, part.hf) end
       local info = h.entries[stored]
@@ -223,6 +224,18 @@ function M.check_weights(dir, o, model_type, unused)
         fail(dir, "%s has shape %s; the config needs %s", stored, shape_text(info.shape), shape_text(part.shape))
       end
       used[stored] = true
+    end
+  end
+  -- a tied head's lm_head.weight in the file must be the embedding: transformers would use one for both
+  local head = where["lm_head.weight"] and "lm_head.weight" or where[fam.prefix .. "lm_head.weight"]
+    and fam.prefix .. "lm_head.weight" or nil
+  if o.tie and head and embed and unused ~= "ignore" then
+    local a, b = where[head].entries[head], where[embed].entries[embed]
+    if shape_text(a.shape) ~= shape_text(b.shape) or a.dtype ~= b.dtype
+        or not safetensors.read(where[head], head):equal(safetensors.read(where[embed], embed)) then
+      fail(dir, "config.json ties the head to the embedding (tie_word_embeddings = true), but the weights' %s differs "
+        .. "from %s: set tie_word_embeddings to false to train both, or pg.nn.from_hf(dir, { unused = \"ignore\" }) "
+        .. "to use %s for both", head, embed, embed)
     end
   end
   if unused == "ignore" then return end

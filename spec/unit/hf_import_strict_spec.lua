@@ -247,6 +247,24 @@ describe("every tensor in the weights", function()
     h.rm(dir)
   end)
 
+  it("a tied head's lm_head.weight: used when it is the embedding, refused when it differs", function()
+    local dir = copy("hf_gpt2_tiny") -- tied
+    rewrite_weights(dir, function(en)
+      for _, e in ipairs(en) do
+        if e.name == "transformer.wte.weight" then en[#en + 1] = { name = "lm_head.weight", tensor = e.tensor:clone() } end
+      end
+    end)
+    pg.parallelize(pg.nn.from_hf(dir), nil, {})
+    rewrite_weights(dir, function(en)
+      for _, e in ipairs(en) do if e.name == "lm_head.weight" then e.tensor = e.tensor:scale(2) end end
+    end)
+    assert.equal("D: config.json ties the head to the embedding (tie_word_embeddings = true), but the weights' "
+      .. "lm_head.weight differs from transformer.wte.weight: set tie_word_embeddings to false to train both, or "
+      .. "pg.nn.from_hf(dir, { unused = \"ignore\" }) to use transformer.wte.weight for both", refusal(dir))
+    pg.parallelize(pg.nn.from_hf(dir, { unused = "ignore" }), nil, {})
+    h.rm(dir)
+  end)
+
   it("is finite: +inf or NaN in a weight is refused naming the tensor", function()
     for _, bad in ipairs{ math.huge, -math.huge, 0 / 0 } do
       local dir = copy("hf_llama_tiny")
