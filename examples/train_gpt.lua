@@ -83,6 +83,7 @@ p:option("--out", "Output directory (metrics.jsonl, checkpoints/); default runs/
 int("--ckpt-every", 0, "Also checkpoint every N steps (0: only the final checkpoint, which every run keeps).")
 int("--keep-last", 0, "Keep only the newest N checkpoints (0: all).")
 p:option("--resume", "A checkpoint directory, or 'last' (the newest under --out).")
+p:flag("--overwrite", "Write over the checkpoints an earlier run left in --out (a fresh run into a used --out refuses).")
 int("--stop-after", nil, "End this run after step N, saving a checkpoint, as if preempted.")
 int("--log-every", 10, "Log every N steps.")
 int("--val-batches", 0, "Validation batches (0: the whole validation set).")
@@ -190,7 +191,7 @@ from_options(function()
     lr_schedule = pg.lr.cosine{ warmup = opt.warmup, min_lr = opt.lr / 10 },
     clip_grad_norm = opt.clip, val_every_n_steps = opt.eval_every,
     val_batches = opt.val_batches > 0 and opt.val_batches or nil, -- nil: the whole validation set
-    log_every_n_steps = opt.log_every, seed = seed, out_dir = out, callbacks = callbacks,
+    log_every_n_steps = opt.log_every, seed = seed, out_dir = out, callbacks = callbacks, overwrite = opt.overwrite,
   }
 end)
 trainer:print(("pipegoose: %d parameters, %s, %d threads per rank"):format(engine:num_parameters(), tostring(ctx),

@@ -155,6 +155,59 @@ end
 --- The checkpoint directory a callback asked for (ModelCheckpoint's dir), or nil.
 function Handler:checkpoint_dir() return self._checkpoint_dir end
 
+-- The trainer as callbacks see it: the same trainer (its methods, control,
+-- fields; == the trainer), but trainer.state is read-only: a callback that
+-- writes a state field (state.step = 0) raises naming itself and the field,
+-- as it would otherwise change the run behind the trainer's back. Nested
+-- tables (state.metrics) are the trainer's own; trainer:log is how a metric
+-- is added. Made once per trainer, on the first hook call.
+function Handler:_view(trainer)
+  if type(trainer) ~= "table" or type(trainer.state) ~= "table" then return trainer end
+  self._views = self._views or setmetatable({}, { __mode = "k" })
+  local view = self._views[trainer]
+  if view then return view end
+  local handler = self
+  local state = setmetatable({}, {
+    __index = function(_, k) return trainer.state[k] end,
+    __newindex = function(_, k)
+      local at = handler._running
+      error(("Trainer: %s of %s wrote trainer.state.%s; the trainer's state is read-only to callbacks (set "
+        .. "trainer.control.should_stop / should_save, or add a metric with trainer:log)"):format(
+        at and at.hook or "a hook", at and at.who or "a callback", tostring(k)), 2)
+    end,
+    __pairs = function() return next, trainer.state, nil end,
+    __len = function() return #trainer.state end,
+  })
+  local bound = {}
+  view = setmetatable({}, {
+    __trainer_view = true, -- pg.rank_zero_only knows it for a trainer (callbacks.lua's is_trainer)
+    __index = function(_, k)
+      if k == "state" then return state end
+      local v = trainer[k]
+      if type(v) ~= "function" then return v end
+      -- view:method(...) runs as trainer:method(...): the trainer's own code writes its state
+      bound[k] = bound[k] or function(first, ...)
+        if rawequal(first, view) then first = trainer end
+        return trainer[k](first, ...)
+      end
+      return bound[k]
+    end,
+    __newindex = function(_, k, v)
+      if k == "state" then
+        local at = handler._running
+        error(("Trainer: %s of %s replaced trainer.state; the trainer's state is read-only to callbacks"):format(
+          at and at.hook or "a hook", at and at.who or "a callback"), 2)
+      end
+      trainer[k] = v
+    end,
+    __eq = function(a, b) return rawequal(a, b) or (rawequal(a, view) and rawequal(b, trainer))
+      or (rawequal(b, view) and rawequal(a, trainer)) end,
+    __tostring = function() return tostring(trainer) end,
+  })
+  self._views[trainer] = view
+  return view
+end
+
 --- Calls `hook` on every participant that implements it: the DataModule,
 -- the callbacks in list order (cb:hook(trainer, ...)), the TrainingModule
 -- (module:hook(...)). The running one is remembered (a stack: a hook may
@@ -165,10 +218,11 @@ function Handler:call(trainer, hook, ...)
   if list == nil then fail(2, "call: '%s' is not a hook%s", tostring(hook), callbacks.suggestion(tostring(hook), callbacks.HOOKS)) end
   if #list == 0 then return end
   local prev = self._running
+  local view = self:_view(trainer)
   for i = 1, #list do
     local e = list[i]
     self._running = e
-    if e.with_trainer then e.fn(e.obj, trainer, ...) else e.fn(e.obj, ...) end
+    if e.with_trainer then e.fn(e.obj, view, ...) else e.fn(e.obj, ...) end
   end
   self._running = prev
 end
@@ -190,9 +244,10 @@ end
 -- runs even when an earlier one fails, and failures go to stderr (they must
 -- not hide the error being handled).
 function Handler:call_guarded(trainer, hook, ...)
+  local view = self:_view(trainer)
   for _, e in ipairs(self._calls[hook] or {}) do
     local ok, err
-    if e.with_trainer then ok, err = pcall(e.fn, e.obj, trainer, ...) else ok, err = pcall(e.fn, e.obj, ...) end
+    if e.with_trainer then ok, err = pcall(e.fn, e.obj, view, ...) else ok, err = pcall(e.fn, e.obj, ...) end
     if not ok then
       io.stderr:write(("Trainer: %s of %s failed while handling an error: %s\n"):format(hook, e.who, tostring(err)))
     end

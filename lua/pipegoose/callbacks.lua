@@ -183,7 +183,10 @@ function M.process_rank()
 end
 
 local function is_trainer(x)
-  return type(x) == "table" and type(rawget(x, "state")) == "table" and x.state.is_global_zero ~= nil
+  if type(x) ~= "table" then return false end
+  local mt = getmetatable(x)
+  local view = type(mt) == "table" and rawget(mt, "__trainer_view") -- the trainer as a callback's hook sees it
+  return (view or type(rawget(x, "state")) == "table") and x.state.is_global_zero ~= nil
 end
 
 --- Wraps fn so that it runs only on global rank 0. Used on a hook

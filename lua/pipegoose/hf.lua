@@ -21,6 +21,13 @@
 --                                  sibling and swaps it in
 --   hf.write_checkpoint(cfg, dir, full, what, opts, src)  the same from a checkpoint
 local cjson = require("cjson").new()
+
+-- Whether a decoded JSON value is a non-empty array (this cjson reads [] and {} alike).
+local function is_array(v)
+  if type(v) ~= "table" or #v == 0 then return false end
+  for k in pairs(v) do if math.type(k) ~= "integer" then return false end end
+  return true
+end
 local core = require "pipegoose.core"
 local opt = require "pipegoose.options"
 local safetensors = require "pipegoose.safetensors"
@@ -35,12 +42,17 @@ M.PAD_MULTIPLE = 64
 
 -- A JSON file's text and its decoded object.
 local function read_json(path, dir)
+  if core.fs.is_dir(path) then fail(dir, "%s is a directory, not a JSON file", path) end
   local f = io.open(path, "rb")
   if not f then fail(dir, "no %s (a Hugging Face model directory has config.json and model.safetensors)", path) end
   local text = f:read("a")
   f:close()
+  if text == nil then fail(dir, "%s cannot be read", path) end
   local ok, v = pcall(cjson.decode, text)
-  if not ok or type(v) ~= "table" then fail(dir, "%s is not a JSON object (%s)", path, tostring(v)) end
+  if not ok or type(v) ~= "table" or is_array(v) then
+    fail(dir, "%s is not a JSON object (%s)", path, ok and ("a JSON " .. (type(v) == "table" and "array" or type(v)))
+      or tostring(v))
+  end
   return v, text
 end
 
@@ -96,9 +108,7 @@ function M.dropout_refusal(cfg, dir)
   local family = models.of_hf_model_type(cfg.model_type)
   local set = {}
   for k, default in pairs(family and family.hf.dropout or {}) do
-    local v = value(cfg[k])
-    if v == nil then v = default end
-    if type(v) ~= "number" then fail(dir, "config.json: %s must be a number, got %s", k, tostring(v)) end
+    local v = value(cfg[k]) == nil and default or C.number(dir, cfg, k)
     if v ~= 0 then set[#set + 1] = ("%s = %g"):format(k, v) end
   end
   if #set == 0 then return nil end
@@ -112,66 +122,148 @@ function M.options(cfg, dir)
   local model_type = cfg.model_type
   local family, known = models.of_hf_model_type(model_type)
   if not family then
-    fail(dir, "config.json: model_type is %s; pipegoose reads %s", tostring(value(model_type)), known)
+    fail(dir, "config.json: model_type is %s; pipegoose reads %s",
+      type(model_type) == "string" and model_type or C.show(model_type), known)
   end
   local o = family.hf.options(dir, M.with_defaults(cfg, family.hf.defaults))
   o.padded_vocab = (o.vocab + M.PAD_MULTIPLE - 1) // M.PAD_MULTIPLE * M.PAD_MULTIPLE
   return o, model_type
 end
 
--- name -> safetensors header of the file that holds it, for a directory.
+local function shape_text(s) return "[" .. table.concat(s, ", ") .. "]" end
+local WIDEN_NAMES = { float32 = true, bfloat16 = true, float16 = true } -- the dtypes load_into widens
+
+-- name -> safetensors header of the file that holds it, for a directory,
+-- and the headers of the files used (in a fixed order).
 -- As transformers' from_pretrained: model.safetensors when it is there (an
 -- index beside it is not read), else model.safetensors.index.json, whose
--- weight_map must be an object of tensor name -> a file name in the directory.
+-- weight_map must be an object of tensor name -> a file name in the
+-- directory: no path, and no link that leads out of it (real paths compared).
 local function open_weights(dir)
   local single = dir .. "/model.safetensors"
   local where = {}
   if core.fs.exists(single) then
     local h = safetensors.read_header(single)
     for name in pairs(h.entries) do where[name] = h end
-    return where
+    return where, { h }
   end
   local index = dir .. "/model.safetensors.index.json"
   if not core.fs.exists(index) then
     fail(dir, "has neither model.safetensors nor model.safetensors.index.json")
   end
   local map = read_json(index, dir).weight_map
-  if type(map) ~= "table" or map == cjson.null then fail(dir, "%s: weight_map is not an object", index) end
+  if type(map) ~= "table" or is_array(map) then
+    fail(dir, "%s: weight_map must be an object (tensor name -> file), got %s", index, C.show(map))
+  end
+  if next(map) == nil then fail(dir, "%s: weight_map is empty (it names no tensor)", index) end
+  local real_dir = fs().absolute(dir)
   local names = {}
   for name, file in pairs(map) do
     if type(name) ~= "string" then fail(dir, "%s: weight_map is not an object (tensor name -> file)", index) end
     if type(file) ~= "string" or file == "" or file:find("/", 1, true) or file:find("\\", 1, true)
         or file == "." or file == ".." then
-      fail(dir, "%s: weight_map[%s] = %s is not a file name in the directory", index, cjson.encode(name),
-        file == cjson.null and "null" or cjson.encode(file))
+      fail(dir, "%s: weight_map[%s] = %s is not a file name in the directory", index, cjson.encode(name), C.show(file))
     end
     names[#names + 1] = name
   end
   table.sort(names) -- the first missing file named is the same on every run
-  local headers = {}
+  local headers, files = {}, {}
   for _, name in ipairs(names) do
     local file = map[name]
     if not headers[file] then
-      if not core.fs.exists(dir .. "/" .. file) then
+      local path = dir .. "/" .. file
+      if not core.fs.exists(path) then
         fail(dir, "%s: weight_map puts %s in %s, which is missing", index, name, file)
       end
-      headers[file] = safetensors.read_header(dir .. "/" .. file)
+      local real = fs().absolute(path)
+      if not (real and real_dir and fs().within(real, real_dir) and real ~= real_dir) then
+        fail(dir, "%s: weight_map puts %s in %s, a link to %s outside the directory", index, name, file, tostring(real))
+      end
+      headers[file] = safetensors.read_header(path)
+      files[#files + 1] = headers[file]
     end
     if not headers[file].entries[name] then
       fail(dir, "%s: weight_map puts %s in %s, which does not hold it", index, name, file)
     end
     where[name] = headers[file]
   end
-  return where
+  return where, files
 end
 
-local function shape_text(s) return "[" .. table.concat(s, ", ") .. "]" end
+-- The file name of a layout part in `where` (with the model prefix or without: both spellings are read).
+local function stored_name(fam, e, part, where)
+  if not e.top and where[fam.prefix .. part.hf] then return fam.prefix .. part.hf end
+  return part.hf
+end
+
+--- Checks a directory's weights against the model its config describes,
+-- before anything is read: every tensor the model needs is there with its
+-- shape and a dtype pipegoose reads, and every tensor in the files used is
+-- one the model loads -- except the buffers transformers itself drops on
+-- load (the family's hf.ignored: GPT-2's attn.bias / attn.masked_bias,
+-- rotary_emb.inv_freq) and, with a tied head, lm_head.weight (transformers
+-- ties it to the embedding after loading). unused = "ignore" loads anyway
+-- (transformers warns and drops them); the default refuses, listing them:
+-- a config with fewer layers than the weights would drop tensors silently.
+function M.check_weights(dir, o, model_type, unused)
+  local fam = models.of_hf_model_type(model_type).hf
+  local where, files = open_weights(dir)
+  local used, embed = {}, nil
+  for _, e in ipairs(fam.layout(o)) do
+    for _, part in ipairs(e.parts) do
+      local stored = stored_name(fam, e, part, where)
+      if e.pg == "embed.wte" then embed = stored end
+      local h = where[stored]
+      if not h then fail(dir, "the weights have no tensor %s (nor %s%s)", part.hf, fam.prefix, part.hf) end
+      local info = h.entries[stored]
+      if not WIDEN_NAMES[info.dtype] then
+        fail(dir, "%s is %s; pipegoose reads float32, bfloat16 or float16 weights (save the model with "
+          .. "torch_dtype=float32)", stored, info.dtype)
+      end
+      if shape_text(info.shape) ~= shape_text(part.shape) then
+        fail(dir, "%s has shape %s; the config needs %s", stored, shape_text(info.shape), shape_text(part.shape))
+      end
+      used[stored] = true
+    end
+  end
+  -- a tied head's lm_head.weight in the file must be the embedding: transformers would use one for both
+  local head = where["lm_head.weight"] and "lm_head.weight" or where[fam.prefix .. "lm_head.weight"]
+    and fam.prefix .. "lm_head.weight" or nil
+  if o.tie and head and embed and unused ~= "ignore" then
+    local a, b = where[head].entries[head], where[embed].entries[embed]
+    if shape_text(a.shape) ~= shape_text(b.shape) or a.dtype ~= b.dtype
+        or not safetensors.read(where[head], head):equal(safetensors.read(where[embed], embed)) then
+      fail(dir, "config.json ties the head to the embedding (tie_word_embeddings = true), but the weights' %s differs "
+        .. "from %s: set tie_word_embeddings to false to train both, or pg.nn.from_hf(dir, { unused = \"ignore\" }) "
+        .. "to use %s for both", head, embed, embed)
+    end
+  end
+  if unused == "ignore" then return end
+  local left = {}
+  for _, h in ipairs(files) do
+    for name in pairs(h.entries) do
+      local bare = name:sub(1, #fam.prefix) == fam.prefix and name:sub(#fam.prefix + 1) or name
+      local dropped = o.tie and bare == "lm_head.weight"
+      for _, pat in ipairs(fam.ignored or {}) do dropped = dropped or bare:find(pat) ~= nil end
+      if not used[name] and not dropped then left[#left + 1] = name end
+    end
+  end
+  if #left > 0 then
+    table.sort(left)
+    fail(dir, "the weights hold %d tensor%s the model does not use (%s%s): the config.json describes a smaller "
+      .. "model than the weights, or another one; pg.nn.from_hf(dir, { unused = \"ignore\" }) loads it anyway",
+      #left, #left == 1 and "" or "s", table.concat(left, ", ", 1, math.min(#left, 6)), #left > 6 and ", ..." or "")
+  end
+end
+
 
 
 -- The stored dtypes load_into reads, each with its (exact) widening to float32.
 local WIDEN = { float32 = function(t) return t end, bfloat16 = core.ops.from_bf16, float16 = core.ops.from_f16 }
 
 --- Loads a model directory's weights into the engine (each rank its shards).
+-- M.check_weights has run (pg.nn.from_hf); a weight that is not finite
+-- (+-inf, NaN) is refused naming the tensor: it could only train to NaN.
 function M.load_into(engine, dir)
   local o, model_type = M.read_config(dir)
   local fam = models.of_hf_model_type(model_type).hf
@@ -182,7 +274,7 @@ function M.load_into(engine, dir)
     if have[e.pg] then
       local pieces = {}
       for i, part in ipairs(e.parts) do
-        local stored = (not e.top and where[fam.prefix .. part.hf]) and fam.prefix .. part.hf or part.hf
+        local stored = stored_name(fam, e, part, where)
         local h = where[stored]
         if not h then fail(dir, "the weights have no tensor %s (nor %s%s)", part.hf, fam.prefix, part.hf) end
         local info = h.entries[stored]
@@ -196,6 +288,11 @@ function M.load_into(engine, dir)
         end
         local t = safetensors.read(h, stored)
         t = widen(t) -- exact: the masters are float32, and every bf16 and f16 value is a float32
+        local sum = t:sum() -- in double: finite exactly when every value is (no float32 sum overflows it)
+        if sum ~= sum or sum == math.huge or sum == -math.huge then
+          fail(dir, "%s (in %s) holds values that are not finite (inf or NaN); pipegoose loads finite weights only",
+            stored, h.path)
+        end
         pieces[i] = e.conv1d and t:transpose(1, 2) or t
       end
       local full = #pieces == 1 and pieces[1] or core.cat(pieces, 1)
@@ -435,30 +532,22 @@ local HF_FILES = { ["config.json"] = true, ["generation_config.json"] = true, ["
   ["special_tokens_map.json"] = true }
 local function hf_file(name) return HF_FILES[name] or name:match("^model%-%d+%-of%-%d+%.safetensors$") ~= nil end
 
--- A path made absolute with its existing part's links resolved (what is
--- missing below it appended as written), to compare directories.
-local function absolute(path)
-  path = path:gsub("/+$", "")
-  if path == "" then path = "/" end
-  local real = core.file.realpath(path)
-  if real then return real end
-  local parent = fs().dirname(path)
-  if parent == path then return nil end
-  local rp = absolute(parent)
-  if not rp then return nil end
-  return (rp == "/" and "" or rp) .. "/" .. fs().basename(path)
-end
-
--- Whether path a is b or inside it.
-local function within(a, b) return a == b or a:sub(1, #b + 1) == b .. "/" end
+local function absolute(path) return fs().absolute(path) end
+local function within(a, b) return fs().within(a, b) end
 
 --- Checks that dir may be replaced by an export: absent, empty or a Hugging
 -- Face model directory (only the files HF_FILES names) unless overwrite; never
 -- a directory that holds (or is) one of `keep` ({path =, what =}: the
 -- checkpoint being exported, the directory a model was imported from).
 function M.check_target(dir, what, overwrite, keep)
+  if dir == "" then error(("%s: needs a directory path, got an empty string"):format(what), 0) end
   local target = absolute(dir)
   if not target then error(("%s: %s: not a path that can be resolved"):format(what, dir), 0) end
+  local inside = fs().checkpoint_above(target)
+  if inside then
+    error(("%s: %s is inside the checkpoint %s (writing it would change that checkpoint): give a directory outside "
+      .. "it"):format(what, dir, inside), 0)
+  end
   for _, k in ipairs(keep or {}) do
     local src = k.path and absolute(k.path)
     if src and within(src, target) and (src ~= target or not k.same_ok) then

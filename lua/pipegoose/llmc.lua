@@ -113,9 +113,19 @@ end
 
 --- Writes the model in llm.c's format (rank 0 writes; collective over all ranks).
 function M.save_from(engine, path)
+  if type(path) ~= "string" or path == "" then
+    error(("save_llmc: needs a file path, got %s"):format(path == "" and "an empty string" or tostring(path)), 3)
+  end
+  local fs = require("pipegoose.checkpoint").fs
+  local target = fs.absolute(path)
+  local inside = target and fs.checkpoint_above(target)
+  if inside then -- a file written there would replace or add one of that checkpoint's files
+    error(("save_llmc: %s is inside the checkpoint %s: give a path outside it"):format(path, inside), 3)
+  end
+  if target and fs.is_dir(path) then error(("save_llmc: %s is a directory; give a file path"):format(path), 3) end
   local cfg = engine.config
   local why = M.refusal(cfg) -- the rule scripts/checkpoint.lua export-llmc applies too
-  if why then error(("save_llmc: %s (engine:save_hf writes it)"):format(why), 2) end
+  if why then error(("save_llmc: %s (engine:save_hf writes it)"):format(why), 3) end -- 3: engine:save_llmc's caller
   local ctx = engine.ctx
   local me = ctx:rank()
   local parts = { M.header(cfg) }

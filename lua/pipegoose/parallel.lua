@@ -372,8 +372,12 @@ function Engine:forward_backward(inputs, targets, opts)
   -- C calls through pcall: their errors (a bad batch) name the user's line, not this file's
   local ok, loss = pcall(self.c.forward_backward, self.c, inputs, targets, opts.grad_scale, opts.sync)
   if not ok then error(loss, 2) end
+  self._backward_passes = (self._backward_passes or 0) + 1
   return loss
 end
+
+--- How many forward_backward passes this engine has run (the Trainer checks that a training_step ran one).
+function Engine:backward_passes() return self._backward_passes or 0 end
 
 --- engine:loss(inputs, targets [, {objective = fn}]) -> mean loss (no gradients)  (collective)
 function Engine:loss(inputs, targets, opts)

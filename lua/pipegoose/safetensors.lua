@@ -114,6 +114,8 @@ end
 
 --- Reads and checks the header (see the top of this file).
 function M.read_header(path)
+  local has_core, c = pcall(core)
+  if has_core and c.fs.is_dir(path) then fail(path, "is a directory, not a safetensors file") end
   local f, err = io.open(path, "rb")
   if not f then fail(path, "missing or unreadable (%s)", tostring(err)) end
   local size = f:seek("end")

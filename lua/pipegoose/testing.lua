@@ -165,6 +165,9 @@ function Engine:forward_backward(inputs, targets, opts)
   return loss
 end
 
+-- as the real engine's: how many forward_backward passes ran
+function Engine:backward_passes() return self.calls.forward_backward end
+
 function Engine:loss(inputs, targets)
   if inputs == nil or targets == nil then error("fake_engine:loss: needs inputs and targets", 2) end
   self.calls.loss = self.calls.loss + 1

@@ -130,6 +130,7 @@ local SCHEMA = {
   callbacks = "any",
   seed = options.integer{ min = math.mininteger, max = math.maxinteger },
   out_dir = options.string{ what = "a string path", default = "runs" },
+  overwrite = options.boolean{ default = false },
   on_nan = options.enum({ "error", "skip" }, { default = "error", explain = {
     error = "stop with an error", skip = "skip the step" } }),
   clock = options.callable{ what = "a function returning seconds", default = default_clock },
@@ -161,6 +162,7 @@ function Trainer.new(opts)
   self.out_dir = o.out_dir
   -- fit locks an out_dir the user named (the default is locked by the first save)
   self._lock_out_dir = opts.out_dir ~= nil
+  self.overwrite = o.overwrite
   self.on_nan = o.on_nan
   self.clock = o.clock
   self.out = o.out or io.stdout
@@ -546,6 +548,7 @@ function Trainer:fit(a, b, opts)
   local ok, err = pcall(function()
     if self._lock_out_dir then self:_lock(self.out_dir, "Trainer: out_dir") end
     if self.checkpoint_dir then self:_lock(self.checkpoint_dir, "Trainer: the checkpoint directory") end
+    self:_refuse_used_checkpoint_dir(opts)
   end)
   if not ok then
     self._in_fit = false
@@ -720,6 +723,7 @@ function Trainer:_train_step(inputs, targets)
     self:call_hook("on_train_batch_start", batch, idx)
     self:call_hook("on_before_backward", idx)
     fb_opts.sync = i == k
+    local passes = self:_backward_passes()
     local loss = module:training_step(batch, idx)
     st.micro_batches = st.micro_batches + 1
     st.tokens_seen = st.tokens_seen + self:_batch_tokens(inputs)
@@ -727,6 +731,7 @@ function Trainer:_train_step(inputs, targets)
       fail(0, "training_step of %s returned a %s at step %d, expected the loss (a number)",
         callbacks.describe_module(module, callbacks.TRAINING_MODULE), type(loss), step)
     end
+    self:_check_backward(passes, module, step, idx)
     if not finite(loss) then
       if self.on_nan == "error" then
         error(("Trainer: loss is %s at step %d (epoch %d, batch %d); on_nan='skip' skips such steps")
@@ -747,6 +752,25 @@ function Trainer:_train_step(inputs, targets)
   end
   self._fb_opts = nil
   return exhausted
+end
+
+-- The engine's count of backward passes, or nil for an engine that keeps none.
+function Trainer:_backward_passes()
+  local e = self.engine
+  if e == nil or e.backward_passes == nil then return nil end
+  return e:backward_passes()
+end
+
+-- A training_step must run the engine's backward pass (engine:forward_backward,
+-- module:forward_backward): without it the optimizer would step on the
+-- gradients zero_grad left (zeros), and the run would look like training.
+function Trainer:_check_backward(before, module, step, idx)
+  if before == nil then return end
+  if self:_backward_passes() == before then
+    fail(0, "training_step of %s ran no backward pass at step %d (batch %d): it must call self:forward_backward "
+      .. "(or engine:forward_backward) so that the optimizer steps on this batch's gradients (engine:loss computes "
+      .. "no gradients)", callbacks.describe_module(module, callbacks.TRAINING_MODULE), step, idx)
+  end
 end
 
 function Trainer:_optimizer_step(step, step_loss, bad)
@@ -871,7 +895,7 @@ function Trainer:_eval_loop(kind, data, max_batches)
   self._flags.should_validate = false
   self:call_hook(e.hooks .. "_start")
   if data.reset then data:reset() end
-  local sums, names, n = {}, nil, 0
+  local sums, names, n, first_bad = {}, nil, 0, {}
   while not max_batches or n < max_batches do
     local inputs, targets = data:next_batch()
     if inputs == nil then break end
@@ -885,17 +909,44 @@ function Trainer:_eval_loop(kind, data, max_batches)
       fail(0, "%s of %s returned {%s} at batch %d but {%s} before; every batch must return the same names", e.step,
         who, these, n, names)
     end
-    for k, v in pairs(outputs) do sums[k] = (sums[k] or 0) + v end
+    for k, v in pairs(outputs) do
+      sums[k] = (sums[k] or 0) + v
+      if not finite(v) and not first_bad[k] then first_bad[k] = { n = n, v = v } end
+    end
     self:call_hook(e.hooks .. "_batch_end", outputs, n)
   end
   if n == 0 then fail(0, "the %s data produced no batches", kind) end
   local metrics = {}
   for k, sum in pairs(sums) do
     metrics[e.prefix .. k] = sum / n
-    st.metrics[e.prefix .. k] = sum / n
   end
+  self:_check_eval_metrics(kind, e, metrics, first_bad)
+  for k, v in pairs(metrics) do st.metrics[k] = v end
   self:call_hook(e.hooks .. "_end")
   return metrics
+end
+
+-- Non-finite evaluation metrics go by on_nan, as the training loss does:
+-- "error" raises naming the metric, the step and the first batch that gave a
+-- non-finite value; "skip" publishes them (a callback such as EarlyStopping's
+-- check_finite decides) with a line saying so. The metrics are the same on
+-- every rank (the module's steps reduce them), so every rank decides alike.
+function Trainer:_check_eval_metrics(kind, e, metrics, first_bad)
+  local names = sorted_names(metrics)
+  for name in names:gmatch("[^, ]+") do
+    local v = metrics[name]
+    if not finite(v) then
+      local bad = first_bad[name:sub(#e.prefix + 1)]
+      local where = bad and (" (%s batch %d returned %s = %s)"):format(kind, bad.n, name:sub(#e.prefix + 1),
+        number_name(bad.v)) or ""
+      if self.on_nan == "error" then
+        error(("Trainer: %s is %s after step %d%s; on_nan='skip' reports it and goes on"):format(name,
+          number_name(v), self.state.step, where), 0)
+      end
+      self:print(("Trainer: %s is %s after step %d%s (on_nan='skip')"):format(name, number_name(v), self.state.step,
+        where))
+    end
+  end
 end
 
 -- validate / test's arguments, (module, datamodule) or (data), attached and
@@ -1031,6 +1082,41 @@ function Trainer:load_lr_state(rec)
   self._base_lr = rec.base_lr
   self.state.lr = rec.last_lr
   self._checkpoint_lr_total = rec.total_steps
+end
+
+-- The checkpoints (directories with a manifest) a directory holds, sorted.
+local function checkpoints_in(dir)
+  local ckpt = require "pipegoose.checkpoint"
+  local found = {}
+  if not ckpt.fs.is_dir(dir) then return found end
+  for _, name in ipairs(ckpt.fs.list(dir)) do
+    if ckpt.fs.exists(dir .. "/" .. name .. "/" .. ckpt.MANIFEST) then found[#found + 1] = name end
+  end
+  table.sort(found)
+  return found
+end
+
+-- A fresh fit (no resume=) never writes over another run's checkpoints: the
+-- checkpoint directory must hold none unless overwrite = true (Lightning's and
+-- the Hugging Face Trainer's overwrite_output_dir). Rank 0 looks; every rank
+-- raises its refusal (collective).
+function Trainer:_refuse_used_checkpoint_dir(opts)
+  if opts.resume ~= nil or self.overwrite then return end
+  local ckpt = require "pipegoose.checkpoint"
+  local err
+  if self.state.is_global_zero then
+    local dir = self:get_checkpoint_dir()
+    local found = checkpoints_in(dir)
+    local has_latest = ckpt.fs.exists(dir .. "/" .. ckpt.LATEST)
+    if #found > 0 or has_latest then
+      local names = #found > 0 and table.concat(found, ", ", 1, math.min(#found, 3)) .. (#found > 3 and ", ..." or "")
+        or "a latest file"
+      err = ("Trainer: %s already holds checkpoints (%s) of another run; a fresh fit would write over them: "
+        .. "pass fit(..., { resume = \"last\" }) to continue that run, overwrite = true (pg.Trainer{ overwrite = "
+        .. "true }) to write over it, or another out_dir"):format(dir, names)
+    end
+  end
+  ckpt.agree_error(self, err)
 end
 
 -- spec: fit's resume= (a string: FIT_SCHEMA checked it).

@@ -171,7 +171,9 @@ describe("pg.CallbackHandler", function()
       callbacks = { pg.Callback{ name = "C", on_load_checkpoint = function(_, tr, m) seen[#seen + 1] = { tr, m } end } } }
     assert.equal("CallbackHandler", getmetatable(t.callback_handler).__name)
     t:call_hook("on_load_checkpoint", "m")
-    assert.same({ { t, "m" } }, seen)
+    assert.equal(1, #seen)
+    assert.is_true(seen[1][1] == t) -- the trainer (as callbacks see it: its state read-only)
+    assert.equal("m", seen[1][2])
     assert.has_error(function() t:call_hook("on_load_checkpiont") end,
       "Trainer: call_hook: 'on_load_checkpiont' is not a hook (did you mean 'on_load_checkpoint'?)")
     assert.has_error(function() t:restore_counters(nil) end,

@@ -94,10 +94,11 @@ describe("pg.callbacks.LambdaCallback", function()
 end)
 
 describe("pg.callbacks.EarlyStopping", function()
+  -- on_nan = "skip": a NaN val_loss reaches EarlyStopping (its check_finite is the subject)
   local function fit_with(values, opts)
     local es = cb.EarlyStopping(opts)
     local trainer = trainer_with{ engine = scripted(values), max_steps = 50, val_every_n_steps = 1, val_batches = 1,
-      clock = T.manual_clock(0, 1), callbacks = { es } }
+      clock = T.manual_clock(0, 1), callbacks = { es }, on_nan = "skip" }
     return trainer:fit(T.fake_data{ batches = 100 }, T.fake_data{ batches = 1 }), es, trainer
   end
 
@@ -444,8 +445,8 @@ describe("pg.callbacks.MetricsLogger", function()
 
   it("writes CSV with a header, and appends when a fit resumes", function()
     local path = dir .. "/m.csv"
-    local function run(steps, resume)
-      trainer_with{ max_steps = steps, log_every_n_steps = 1, out_dir = dir,
+    local function run(steps, resume, overwrite)
+      trainer_with{ max_steps = steps, log_every_n_steps = 1, out_dir = dir, overwrite = overwrite,
         callbacks = { cb.MetricsLogger{ path = path, columns = { "kind", "step", "loss" } },
           cb.ModelCheckpoint{ every_n_steps = 2 } } }
         :fit(T.fake_data{ batches = 10 }, nil, resume and { resume = "last" } or nil)
@@ -456,7 +457,7 @@ describe("pg.callbacks.MetricsLogger", function()
     assert.equal("kind,step,loss", lines[1])
     assert.equal(4, #lines)
     for i = 2, 4 do assert.matches("^train," .. (i - 1) .. ",%d%.%d+$", lines[i]) end
-    run(1) -- a fresh run truncates
+    run(1, false, true) -- a fresh run (over the old one's checkpoints: overwrite = true) truncates
     assert.equal(2, #read_lines(path))
   end)
 end)

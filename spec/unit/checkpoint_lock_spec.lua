@@ -17,8 +17,9 @@ local JOB = [[
 local pg = require "pipegoose"
 local out, go = arg[1], arg[2]
 local engine = pg.testing.fake_engine{}
+-- overwrite = true: the jobs share one out_dir on purpose (the lock is the subject, not the checkpoints)
 local trainer = pg.Trainer{ engine = engine, optimizer = pg.testing.fake_optimizer(engine), max_steps = 3, out_dir = out,
-  callbacks = { pg.callbacks.ModelCheckpoint{ every_n_steps = 1 },
+  overwrite = true, callbacks = { pg.callbacks.ModelCheckpoint{ every_n_steps = 1 },
     { name = "Wait", on_train_start = function()
       io.stdout:write("waiting\n")
       io.stdout:flush()

@@ -83,7 +83,7 @@ describe("pg.checkpoint save / load", function()
   local function trainer(steps)
     local engine = T.fake_engine{}
     local t = pg.Trainer{ engine = engine, optimizer = T.fake_optimizer(engine, { momentum = 0.5 }), max_steps = steps,
-      out = T.capture(), out_dir = dir }
+      out = T.capture(), out_dir = dir, overwrite = true } -- several fits share dir (the saves are the subject)
     t:fit(T.fake_data{ batches = 3 })
     return t
   end

@@ -89,11 +89,11 @@ describe("pg.Trainer construction", function()
     assert.has_error(function() pg.Trainer{ engine = engine, zzzz = 1 } end,
       "Trainer: unknown option 'zzzz' (known: accumulate, callbacks, clip_grad_norm, clock, combine, ctx, engine, "
         .. "log_every_n_steps, lr_horizon, lr_schedule, max_epochs, max_steps, max_time, on_nan, optimizer, out, "
-        .. "out_dir, seed, track_grad_norm, val_batches, val_every_n_steps)")
+        .. "out_dir, overwrite, seed, track_grad_norm, val_batches, val_every_n_steps)")
     assert.has_error(function() pg.Trainer{ engine = engine, [1] = true } end,
       "Trainer: unknown option [1] (known: accumulate, callbacks, clip_grad_norm, clock, combine, ctx, engine, "
         .. "log_every_n_steps, lr_horizon, lr_schedule, max_epochs, max_steps, max_time, on_nan, optimizer, out, "
-        .. "out_dir, seed, track_grad_norm, val_batches, val_every_n_steps)")
+        .. "out_dir, overwrite, seed, track_grad_norm, val_batches, val_every_n_steps)")
     assert.has_error(function() pg.Trainer{ engine = engine, lr_horizon = "forever" } end,
       "Trainer: lr_horizon must be 'checkpoint' (a resumed schedule keeps the horizon it was saved with) "
         .. "or 'max_steps' (it is stretched to this fit's total steps), got 'forever'")

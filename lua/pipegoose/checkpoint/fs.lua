@@ -120,6 +120,37 @@ function fs.basename(path)
   return (path:gsub("/+$", ""):match("([^/]*)$"))
 end
 
+--- A path made absolute with its existing part's links resolved (what is
+-- missing below it appended as written), to compare an output with the
+-- inputs it must not replace; nil when no part of it resolves.
+function fs.absolute(path)
+  path = path:gsub("/+$", "")
+  if path == "" then path = "/" end
+  local core = core_module()
+  local real = core and core.file.realpath(path)
+  if real then return real end
+  local parent = fs.dirname(path)
+  if parent == path or not core then return nil end
+  local rp = fs.absolute(parent)
+  if not rp then return nil end
+  return (rp == "/" and "" or rp) .. "/" .. fs.basename(path)
+end
+
+--- Whether absolute path a is b or inside it.
+function fs.within(a, b) return a == b or a:sub(1, #b + 1) == (b == "/" and "/" or b .. "/") end
+
+--- The checkpoint directory (one with a manifest.json) that absolute path
+-- `abs` is strictly inside, or nil: a file written there would change it.
+function fs.checkpoint_above(abs)
+  local dir = fs.dirname(abs)
+  while true do
+    if fs.exists(dir .. "/manifest.json") then return dir end
+    local up = fs.dirname(dir)
+    if up == dir then return nil end
+    dir = up
+  end
+end
+
 --- This process's id (pg.fs.getpid; under plain Lua /proc/self/stat, whose reader is this process).
 function fs.getpid()
   local c = cfs()

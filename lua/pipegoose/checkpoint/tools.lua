@@ -51,6 +51,39 @@ local function verified(dir)
   return dir, manifest
 end
 
+-- An output file path a tool may write: refused when it is inside the
+-- checkpoint it reads (it would replace one of the checkpoint's files, or
+-- add one its manifest does not list), when the checkpoint is inside it, or
+-- when it is the `latest` file that named the checkpoint (`given`: the
+-- directory as the user named it). Compared as real paths (links resolved,
+-- a missing output's parent too).
+local function check_output(what, out, dir, given)
+  if type(out) ~= "string" or out == "" then error(("checkpoint: %s needs an output path"):format(what), 0) end
+  local target, src = fs.absolute(out), fs.absolute(dir)
+  if not target then error(("checkpoint: %s: %s is not a path that can be resolved"):format(what, out), 0) end
+  if src and fs.within(target, src) then
+    error(("checkpoint: %s: the output %s is inside the checkpoint %s it reads (writing it would change the "
+      .. "checkpoint): give a path outside it"):format(what, out, dir), 0)
+  end
+  if src and fs.within(src, target) then
+    error(("checkpoint: %s: the output %s holds the checkpoint %s it reads: give another path"):format(what, out, dir), 0)
+  end
+  local other = fs.checkpoint_above(target)
+  if other then
+    error(("checkpoint: %s: the output %s is inside the checkpoint %s (writing it would change that checkpoint): give "
+      .. "a path outside it"):format(what, out, other), 0)
+  end
+  local latest = given and fs.absolute(given .. "/" .. validation.LATEST)
+  if latest and latest == target then
+    error(("checkpoint: %s: the output %s is the latest file of %s, which names the checkpoint it reads: give another "
+      .. "path"):format(what, out, given), 0)
+  end
+  if fs.is_dir(out) then error(("checkpoint: %s: the output %s is a directory; give a file path"):format(what, out), 0) end
+  if not fs.is_dir(fs.dirname(target)) then
+    error(("checkpoint: %s: the output's directory %s does not exist"):format(what, fs.dirname(out)), 0)
+  end
+end
+
 local function human(bytes)
   if bytes >= 1 << 30 then return ("%.2f GiB"):format(bytes / (1 << 30)) end
   if bytes >= 1 << 20 then return ("%.2f MiB"):format(bytes / (1 << 20)) end
@@ -155,8 +188,9 @@ end
 -- "v/<name>". Returns the number of tensors, the crc32 and the size.
 function M.consolidate(dir, out, opts)
   opts = opts or {}
-  local manifest
+  local manifest, given = nil, dir
   dir, manifest = verified(validation.resolve(dir))
+  check_output("consolidate", out, dir, given)
   local names, header_of = param_names(dir, manifest.tensor_state.files)
   local entries = {}
   for _, name in ipairs(names) do
@@ -190,8 +224,9 @@ end
 
 function M.export_llmc(dir, out, opts)
   local dtype = export_dtype(opts)
-  local manifest
+  local manifest, given = nil, dir
   dir, manifest = verified(validation.resolve(dir))
+  check_output("export-llmc", out, dir, given)
   local cfg = manifest.model or {}
   local why = require("pipegoose.llmc").refusal(cfg)
   if why then error(("checkpoint: %s: %s"):format(dir, why), 0) end

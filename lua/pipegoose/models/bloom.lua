@@ -15,6 +15,7 @@ local F = { name = "bloom", label = "Bloom" }
 
 local POS, NEED, NAME, HEAD = common.POS, common.NEED, common.NAME, common.HEAD
 local value, positive_int, number, fail, entry = common.value, common.positive_int, common.number, common.fail, common.entry
+local flag = common.flag
 
 ---------------------------------------------------------------- the builder
 
@@ -114,7 +115,7 @@ end
 --- The pg.nn.Bloom options of a BloomForCausalLM config (absent fields read
 -- as their defaults); refuses what pipegoose's Bloom does not compute.
 function F.hf.options(dir, cfg)
-  if value(cfg.apply_residual_connection_post_layernorm) then
+  if flag(dir, cfg, "apply_residual_connection_post_layernorm") then
     fail(dir, "config.json: apply_residual_connection_post_layernorm = true is not supported "
       .. "(pipegoose's Bloom adds the block's input, not its normalised input)")
   end
@@ -127,7 +128,7 @@ function F.hf.options(dir, cfg)
     dim = positive_int(dir, cfg, field(cfg, { "n_embed", "hidden_size" })),
     heads = positive_int(dir, cfg, field(cfg, { "num_attention_heads", "n_head" })),
     layers = positive_int(dir, cfg, field(cfg, { "num_hidden_layers", "n_layer" })),
-    tie = value(cfg.tie_word_embeddings) == true,
+    tie = flag(dir, cfg, "tie_word_embeddings"),
   }
   o.seq_len = value(cfg.seq_length) ~= nil and positive_int(dir, cfg, "seq_length") or F.SEQ_LEN
   o.hidden = 4 * o.dim

@@ -176,17 +176,57 @@ function C.value(v) if v == cjson.null then return nil end return v end
 
 function C.fail(dir, fmt, ...) error(("%s: " .. fmt):format(dir, ...), 0) end
 
+--- A config.json value as the file spells it (JSON), for messages.
+function C.show(v)
+  if v == nil or v == cjson.null then return "null" end
+  if type(v) == "number" then
+    if v ~= v then return "NaN" end
+    if v == math.huge or v == -math.huge then return v > 0 and "Infinity" or "-Infinity" end
+    if math.tointeger(v) then return ("%d"):format(math.tointeger(v)) end
+    return ("%.17g"):format(v)
+  end
+  local ok, text = pcall(cjson.encode, v)
+  return ok and (text:gsub("\\/", "/")) or tostring(v)
+end
+
+-- config.json's fields as transformers reads them: a JSON number where a
+-- number is read (a string "16" is not one: Python would not compute with
+-- it), an integral one where an int is; JSON true / false for a flag (Python
+-- would take "false" and 1 as truthy, 0 as false: what the writer meant is
+-- unknown, so it is refused, naming the field).
 function C.positive_int(dir, cfg, key)
-  local v = math.tointeger(C.value(cfg[key])) -- cjson reads every number as a float
+  local raw = C.value(cfg[key])
+  local v = type(raw) == "number" and math.tointeger(raw) or nil -- cjson reads every number as a float
   if not v or v < 1 then
-    C.fail(dir, "config.json: %s must be a positive integer, got %s", key, tostring(C.value(cfg[key])))
+    C.fail(dir, "config.json: %s must be a positive integer, got %s", key, C.show(raw))
   end
   return v
 end
 
 function C.number(dir, cfg, key)
   local v = C.value(cfg[key])
-  if type(v) ~= "number" then C.fail(dir, "config.json: %s must be a number, got %s", key, tostring(v)) end
+  if type(v) ~= "number" or v ~= v or v == math.huge or v == -math.huge then
+    C.fail(dir, "config.json: %s must be a finite number, got %s", key, C.show(v))
+  end
+  return v
+end
+
+--- A flag: true or false (a null or an absent field without a default: false, as Python's None).
+function C.flag(dir, cfg, key)
+  local v = C.value(cfg[key])
+  if v == nil then return false end
+  if type(v) ~= "boolean" then
+    C.fail(dir, "config.json: %s must be true or false (a JSON boolean), got %s", key, C.show(v))
+  end
+  return v
+end
+
+--- A name (a JSON string), or nil for null / absent.
+function C.name(dir, cfg, key)
+  local v = C.value(cfg[key])
+  if v ~= nil and type(v) ~= "string" then
+    C.fail(dir, "config.json: %s must be a string, got %s", key, C.show(v))
+  end
   return v
 end
 

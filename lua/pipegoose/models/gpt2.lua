@@ -9,6 +9,7 @@ local F = { name = "gpt2", label = "GPT", aliases = { "gpt" } }
 
 local POS, NEED, NAME, HEAD = common.POS, common.NEED, common.NAME, common.HEAD
 local value, positive_int, number, fail, entry = common.value, common.positive_int, common.number, common.fail, common.entry
+local flag, name = common.flag, common.name
 
 ---------------------------------------------------------------- the builder
 
@@ -100,6 +101,8 @@ F.config_keys = { "vocab", "seq_len", "dim", "heads", "layers" }
 -- "transformer." prefix or not (the hub's gpt2 files have none); the
 -- attention-mask buffers ("attn.bias", "attn.masked_bias") are ignored.
 F.hf = { class = "GPT2LMHeadModel", model_type = "gpt2", prefix = "transformer." }
+-- The buffers older GPT-2 files hold and transformers drops on load (the attention masks; hf.check_weights)
+F.hf.ignored = { "^h%.%d+%.attn%.bias$", "^h%.%d+%.attn%.masked_bias$" }
 
 -- The fields that give the model's size, which the planner wants spelt out
 -- (plan/models.lua: "... is missing"), in the order it asks for them.
@@ -115,7 +118,7 @@ F.hf.defaults = {
 --- The pg.nn.GPT options of a GPT2LMHeadModel config (absent fields already
 -- read as their defaults); refuses what pipegoose's GPT does not compute.
 function F.hf.options(dir, cfg)
-  local act = value(cfg.activation_function)
+  local act = name(dir, cfg, "activation_function")
   if act ~= "gelu_new" and act ~= "gelu_pytorch_tanh" then
     fail(dir, "config.json: activation_function %s is not supported (pipegoose's GPT uses gelu_new)", tostring(act))
   end
@@ -124,15 +127,15 @@ function F.hf.options(dir, cfg)
     fail(dir, "config.json: layer_norm_epsilon %g is not supported (pipegoose's GPT uses 1e-5)", eps)
   end
   for _, k in ipairs{ "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn" } do
-    if value(cfg[k]) then fail(dir, "config.json: %s = true is not supported", k) end
+    if flag(dir, cfg, k) then fail(dir, "config.json: %s = true is not supported", k) end
   end
-  if not value(cfg.scale_attn_weights) then
-    fail(dir, "config.json: scale_attn_weights = %s is not supported", tostring(value(cfg.scale_attn_weights)))
+  if not flag(dir, cfg, "scale_attn_weights") then
+    fail(dir, "config.json: scale_attn_weights = false is not supported")
   end
   local o = {
     vocab = positive_int(dir, cfg, "vocab_size"), seq_len = positive_int(dir, cfg, "n_positions"),
     dim = positive_int(dir, cfg, "n_embd"), heads = positive_int(dir, cfg, "n_head"),
-    layers = positive_int(dir, cfg, "n_layer"), tie = value(cfg.tie_word_embeddings) == true,
+    layers = positive_int(dir, cfg, "n_layer"), tie = flag(dir, cfg, "tie_word_embeddings"),
   }
   o.hidden = value(cfg.n_inner) and positive_int(dir, cfg, "n_inner") or 4 * o.dim
   return o -- pg.nn.GPT checks that heads divides dim

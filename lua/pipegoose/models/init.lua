@@ -91,7 +91,10 @@ function M.install(nn)
   -- pipegoose having none) or "ignore" (train without it; the export writes the fields back as read).
   -- The model carries the directory's tokenizer (model.tokenizer, pg.tokenizer.load(dir)) when it has
   -- tokenizer.json, and config.json's text (its config's hf_config), which engine:save_hf writes back.
-  local FROM_HF = { dropout = opt.enum({ "refuse", "ignore" }, { default = "refuse" }) }
+  -- opts.unused: "refuse" (default: tensors in the weights that the model does not use are refused, listing
+  -- them, but for the buffers transformers drops on load) or "ignore" (load the model's and leave the rest).
+  local FROM_HF = { dropout = opt.enum({ "refuse", "ignore" }, { default = "refuse" }),
+                    unused = opt.enum({ "refuse", "ignore" }, { default = "refuse" }) }
   function nn.from_hf(dir, opts)
     opt.value("from_hf", "dir", dir, opt.required(opt.string))
     opts = opt.check("from_hf", opts, FROM_HF)
@@ -103,6 +106,7 @@ function M.install(nn)
     end
     o.hf_config = text
     local m = M.of_hf_model_type(model_type).build(o)
+    hf.check_weights(dir, o, model_type, opts.unused)
     m.weights = { format = "hf", path = dir }
     local core = require "pipegoose.core"
     if core.fs.exists(dir .. "/tokenizer.json") then m.tokenizer = require("pipegoose.tokenizer").load(dir) end

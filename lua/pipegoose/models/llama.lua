@@ -10,6 +10,7 @@ local F = { name = "llama", label = "Llama" }
 
 local POS, NEED, NAME, HEAD, EPS, THETA = common.POS, common.NEED, common.NAME, common.HEAD, common.EPS, common.THETA
 local value, positive_int, number, fail, entry = common.value, common.positive_int, common.number, common.fail, common.entry
+local flag, name = common.flag, common.name
 
 ---------------------------------------------------------------- the builder
 
@@ -105,6 +106,8 @@ F.config_keys = { "vocab", "seq_len", "dim", "heads", "kv_heads", "layers", "hid
 -- expects, and so does pipegoose's RoPE kernel: nothing is permuted) and
 -- gate_proj, up_proj into its gate|up; export cuts them back apart.
 F.hf = { class = "LlamaForCausalLM", model_type = "llama", prefix = "model." }
+-- The buffer older LLaMA files hold and transformers drops on load (the rotary frequencies; hf.check_weights)
+F.hf.ignored = { "rotary_emb%.inv_freq$" }
 
 -- The fields that give the model's size, which the planner wants spelt out
 -- (plan/models.lua: "... is missing"), in the order it asks for them.
@@ -122,10 +125,10 @@ F.hf.defaults = {
 --- The pg.nn.Llama options of a LlamaForCausalLM config (absent fields
 -- already read as their defaults); refuses what pipegoose's Llama does not compute.
 function F.hf.options(dir, cfg)
-  local act = value(cfg.hidden_act)
+  local act = name(dir, cfg, "hidden_act")
   if act ~= "silu" then fail(dir, "config.json: hidden_act %s is not supported (pipegoose's Llama uses silu)", tostring(act)) end
   for _, k in ipairs{ "attention_bias", "mlp_bias" } do
-    if value(cfg[k]) then fail(dir, "config.json: %s = true is not supported (pipegoose's Llama has no biases)", k) end
+    if flag(dir, cfg, k) then fail(dir, "config.json: %s = true is not supported (pipegoose's Llama has no biases)", k) end
   end
   local o = F.hf.sizes(dir, cfg)
   if value(cfg.rope_scaling) ~= nil then
@@ -146,10 +149,13 @@ function F.hf.sizes(dir, cfg)
     dim = positive_int(dir, cfg, "hidden_size"), heads = positive_int(dir, cfg, "num_attention_heads"),
     layers = positive_int(dir, cfg, "num_hidden_layers"), hidden = positive_int(dir, cfg, "intermediate_size"),
     rope_theta = number(dir, cfg, "rope_theta"), eps = number(dir, cfg, "rms_norm_eps"),
-    tie = value(cfg.tie_word_embeddings) == true,
+    tie = flag(dir, cfg, "tie_word_embeddings"),
   }
   o.kv_heads = value(cfg.num_key_value_heads) and positive_int(dir, cfg, "num_key_value_heads") or nil
   if value(cfg.head_dim) ~= nil then o.head_dim = positive_int(dir, cfg, "head_dim") end
+  -- pg.nn.Llama's own bounds, said with config.json's names
+  if o.eps < 0 then fail(dir, "config.json: rms_norm_eps must be >= 0, got %s", common.show(o.eps)) end
+  if o.rope_theta <= 1 then fail(dir, "config.json: rope_theta must be > 1, got %s", common.show(o.rope_theta)) end
   o.kv_heads = common.attention(o, function(msg) fail(dir, "config.json: %s", msg) end, common.HF_ATTENTION_NAMES)
   return o
 end

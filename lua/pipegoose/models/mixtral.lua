@@ -11,6 +11,7 @@ local F = { name = "mixtral", label = "Mixtral" }
 
 local POS, NEED, NAME, EPS, THETA = common.POS, common.NEED, common.NAME, common.EPS, common.THETA
 local value, positive_int, number, fail, entry = common.value, common.positive_int, common.number, common.fail, common.entry
+local flag = common.flag
 
 ---------------------------------------------------------------- the builder
 
@@ -76,6 +77,7 @@ F.config_keys = { "vocab", "seq_len", "dim", "heads", "kv_heads", "layers", "hid
 -- LLaMA's attention, norms and embeddings, and a sparse mixture of experts
 -- for each block's MLP (block_sparse_moe.gate, block_sparse_moe.experts.<e>.w1|w2|w3).
 F.hf = { class = "MixtralForCausalLM", model_type = "mixtral", prefix = "model." }
+F.hf.ignored = { "rotary_emb%.inv_freq$" } -- as LLaMA's (hf.check_weights)
 
 -- The sizes the planner wants spelt out: LLaMA's and the experts'.
 F.hf.size_fields = { table.unpack(llama.hf.size_fields) }
@@ -103,7 +105,7 @@ function F.hf.options(dir, cfg)
       .. "embeddings to it)")
   end
   local o = llama.hf.options(dir, cfg)
-  local window = value(cfg.sliding_window)
+  local window = value(cfg.sliding_window) ~= nil and positive_int(dir, cfg, "sliding_window") or nil
   if window ~= nil and window < o.seq_len then
     fail(dir, "config.json: sliding_window %s is not supported (pipegoose attends to the whole causal context)",
       tostring(window))
@@ -115,7 +117,7 @@ function F.hf.options(dir, cfg)
   if o.top_k > o.experts then
     fail(dir, "config.json: num_experts_per_tok %d exceeds num_local_experts %d", o.top_k, o.experts)
   end
-  o.aux_loss_coef = value(cfg.output_router_logits) == true and number(dir, cfg, "router_aux_loss_coef") or 0
+  o.aux_loss_coef = flag(dir, cfg, "output_router_logits") and number(dir, cfg, "router_aux_loss_coef") or 0
   return o
 end
 
