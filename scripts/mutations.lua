@@ -516,7 +516,7 @@ return {
     from = "if p.obj.state_dict then out[p.key] = p.obj:state_dict() end", to = "",
     specs = { "unit/training_module#state in checkpoints" }, why = "a TrainingModule's / DataModule's state is not in checkpoints" },
   { name = "val-metric-summed", file = "lua/pipegoose/trainer.lua",
-    from = "st.metrics[e.prefix .. k] = sum / n", to = "st.metrics[e.prefix .. k] = sum",
+    from = "metrics[e.prefix .. k] = sum / n", to = "metrics[e.prefix .. k] = sum",
     specs = { "unit/training_module#named numbers" }, why = "val_<name> is the sum over the batches, not the mean" },
   { name = "nested-hook-forgets-outer", file = "lua/pipegoose/callback_handler.lua",
     from = "  self._running = prev\n", to = "  self._running = nil\n",
