@@ -287,6 +287,22 @@ static int l_num_threads(lua_State *L) {
   return 1;
 }
 
+/* pg.node() -> { host =, rank =, size =, hosts = }: this process's host name, its place among the
+ * ranks on its node (pg_node_split: MPI_COMM_TYPE_SHARED or PG_RANKS_PER_NODE) and how many distinct
+ * host names the world has, as start-up found them. */
+static int l_node(lua_State *L) {
+  lua_createtable(L, 0, 4);
+  lua_pushstring(L, pg_host_of_world_rank(pg_mpi_world_rank()));
+  lua_setfield(L, -2, "host");
+  lua_pushinteger(L, pg_node_rank());
+  lua_setfield(L, -2, "rank");
+  lua_pushinteger(L, pg_node_size());
+  lua_setfield(L, -2, "size");
+  lua_pushinteger(L, pg_host_count());
+  lua_setfield(L, -2, "hosts");
+  return 1;
+}
+
 void pg_lua_open_context(lua_State *L) {
   if (luaL_newmetatable(L, PG_CONTEXT_MT)) {
     luaL_newlib(L, context_methods);
@@ -307,4 +323,6 @@ void pg_lua_open_context(lua_State *L) {
   lua_setfield(L, -2, "num_threads");
   lua_pushcfunction(L, l_wtime);
   lua_setfield(L, -2, "wtime");
+  lua_pushcfunction(L, l_node);
+  lua_setfield(L, -2, "node");
 }

@@ -3,6 +3,7 @@
 
 #include <limits.h>
 #include <sched.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -197,6 +198,49 @@ int pg_node_split(MPI_Comm comm, MPI_Comm *node) {
   return PG_OK;
 }
 
+/* Every world rank's host name (PG_HOST_MAX bytes each), exchanged once at
+ * start-up by find_node_place: a watchdog that names an absent rank names
+ * its host too, and the rank may be gone by then. Kept for the process's
+ * life (a report can come at any time). */
+static char *host_names;
+static int host_count, distinct_hosts = 1;
+
+const char *pg_host_of_world_rank(int r) {
+  return host_names && r >= 0 && r < host_count ? host_names + (size_t)r * PG_HOST_MAX : "";
+}
+
+int pg_host_count(void) { return distinct_hosts; }
+
+static int exchange_host_names(void) {
+  if (host_names) return PG_OK;
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  char mine[PG_HOST_MAX] = "";
+  if (gethostname(mine, sizeof mine - 1) != 0) snprintf(mine, sizeof mine, "?");
+  mine[sizeof mine - 1] = 0;
+  char *all = calloc((size_t)n, PG_HOST_MAX);
+  int ok = all != NULL;
+  /* every rank takes part in the collective even when its own calloc failed (MPI_MIN of ok) */
+  if (MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD) != MPI_SUCCESS || !ok) {
+    free(all);
+    return pg_fail("out of memory for the host names of %d ranks", n);
+  }
+  if (MPI_Allgather(mine, PG_HOST_MAX, MPI_CHAR, all, PG_HOST_MAX, MPI_CHAR, MPI_COMM_WORLD) != MPI_SUCCESS) {
+    free(all);
+    return pg_fail("MPI_Allgather of the host names failed");
+  }
+  int distinct = 0;
+  for (int r = 0; r < n; r++) {
+    int seen = 0;
+    for (int q = 0; q < r && !seen; q++) seen = !strcmp(all + (size_t)q * PG_HOST_MAX, all + (size_t)r * PG_HOST_MAX);
+    distinct += !seen;
+  }
+  host_names = all;
+  host_count = n;
+  distinct_hosts = distinct;
+  return PG_OK;
+}
+
 static int find_node_place(void) {
   int inited = 0, finalized = 0;
   MPI_Initialized(&inited);
@@ -209,7 +253,7 @@ static int find_node_place(void) {
     MPI_Comm_size(node, &node_size);
     MPI_Comm_free(&node);
   }
-  return PG_OK;
+  return exchange_host_names();
 }
 
 int pg_setup_threads(void) {

@@ -131,4 +131,13 @@ int pg_node_size(void);
  * them). The one place that decides what a node is. */
 int pg_node_split(MPI_Comm comm, MPI_Comm *node);
 
+/* World rank r's host name (gethostname, truncated to PG_HOST_MAX - 1
+ * bytes), as every rank told the others at start-up (pg_setup_threads), ""
+ * for a rank out of range or before then; and how many distinct names the
+ * world has (1 before then). The watchdog names the host of a rank that
+ * never arrived when the world spans more than one. */
+#define PG_HOST_MAX 64
+const char *pg_host_of_world_rank(int r);
+int pg_host_count(void);
+
 #endif
