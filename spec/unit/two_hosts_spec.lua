@@ -115,7 +115,9 @@ cat %s]]):format(h.limit(60), host_args(), h.pglua_cmd{ TRAIN, "100000" }, log, 
     os.remove(log)
     netns("down") -- the second host's processes are stranded behind its link
     local code = tonumber(out:match("job exit (%d+)"))
-    assert.is_true(code ~= nil and code ~= 0, out)
+    -- ended by the failing ranks and scripts/mpirun.sh (mpirun cannot reach the lost host's daemon), not the
+    -- hang guard (124)
+    assert.is_true(code ~= nil and code ~= 0 and code ~= 124, out)
     assert.matches("loss 3 ", out, 1, true)
     -- every rank of the first host waited on one of the second's, and says which and where
     local named = out:match("waited 2 s %(PG_COLLECTIVE_TIMEOUT%) but rank ([4-7] on " .. HOST2 .. ") never")
