@@ -30,12 +30,19 @@ local SCHEMA = {
   outer_lr = opt.number{ gt = 0, default = 0.7 },
   outer_momentum = opt.number{ min = 0, lt = 1, default = 0.9 },
   nesterov = opt.boolean{ default = true },
-  exchange = opt.enum({ "float32" }, { default = "float32" }),
-  fragments = opt.integer{ min = 1, max = 1, default = 1 },
+  exchange = opt.enum({ "float32", "bf16", "int8" }, { default = "float32" }),
+  fragments = opt.integer{ min = 1, default = 1 },
 }
 
 function DiLoCo.new(opts)
   local o = opt.check("pg.DiLoCo", opts, SCHEMA, { required = true })
+  if o.fragments > 1 then
+    error(("pg.DiLoCo: fragments=%d (streaming DiLoCo) is not built yet; fragments = 1 syncs every parameter at "
+      .. "once"):format(o.fragments), 2)
+  end
+  if o.exchange ~= "float32" then
+    error(("pg.DiLoCo: exchange='%s' (a quantised exchange) is not built yet; 'float32' is"):format(o.exchange), 2)
+  end
   if o.nesterov and o.outer_momentum == 0 then o.nesterov = false end -- the same update; torch refuses the pair
   return setmetatable({
     islands = o.islands, outer_every = o.outer_every, outer_lr = o.outer_lr, outer_momentum = o.outer_momentum,
@@ -142,6 +149,23 @@ end
 -- A run that ends between syncs ends with one more, so that every island holds the same model.
 function DiLoCo:on_train_end(trainer)
   if trainer.state.step % self.outer_every ~= 0 then self:outer_step() end
+end
+
+-- Each island validates on its share of the validation data (islands split batches as data ranks do): the
+-- metrics become the islands' mean, the whole validation set's when the islands have just synced.
+function DiLoCo:on_validation_end(trainer)
+  local ctx = trainer.engine.ctx
+  if ctx:world_size("islands") == 1 then return end
+  local names = {}
+  for name, v in pairs(trainer.state.metrics) do
+    if type(v) == "number" and name:match("^val_") then names[#names + 1] = name end
+  end
+  table.sort(names)
+  if #names == 0 then return end
+  local t = core.zeros({ #names }) -- float32 (pg.dist's reductions): the mean to ~1e-7 relative
+  for i, name in ipairs(names) do t:set(i, trainer.state.metrics[name]) end
+  core.dist.all_reduce(t, { ctx = ctx, group = "islands", op = "avg" })
+  for i, name in ipairs(names) do trainer.state.metrics[name] = t:get(i) end
 end
 
 -- The outer state is not in checkpoints yet: a checkpoint of an island holds its inner state only
