@@ -728,4 +728,14 @@ return {
   { name = "bloom-no-embedding-norm", file = "lua/pipegoose/models/bloom.lua",
     from = "  model:add(nn.LayerNorm(o.dim, { name = \"embed_ln\" }))\n", to = "",
     specs = { "unit/bloom#serially" }, why = "BLOOM without the LayerNorm after its word embedding" },
+  ------------------------------------------------------------------ DiLoCo (issue 35)
+  { name = "diloco-plain-momentum", file = "lua/pipegoose/diloco.lua",
+    from = "d = self.nesterov and g:add(buf:scale(m)) or buf", to = "d = buf",
+    specs = { "dist/diloco#float64 reference" }, why = "the outer step ignores nesterov = true (heavy-ball momentum)" },
+  { name = "diloco-anchor-kept", file = "lua/pipegoose/diloco.lua",
+    from = "  self.anchor:copy_(new)\n", to = "",
+    specs = { "dist/diloco#float64 reference" }, why = "the pseudo-gradient is taken from the first parameters, not the last sync's" },
+  { name = "diloco-sum-not-mean", file = "lua/pipegoose/diloco.lua",
+    from = "group = \"islands\", op = \"avg\" }", to = "group = \"islands\", op = \"sum\" }",
+    specs = { "dist/diloco#mean of the islands" }, why = "the islands' parameters summed instead of averaged" },
 }

@@ -58,7 +58,7 @@ static int infer_data(lua_State *L, int world, int tp, int pp) {
 }
 
 static int l_new(lua_State *L) {
-  static const char *const keys[] = {"tensor", "pipeline", "data", "expert", "seed", "self", NULL};
+  static const char *const keys[] = {"tensor", "pipeline", "data", "expert", "seed", "self", "islands", NULL};
   pg_lua_check_keys(L, 1, "ParallelContext", keys); /* and that it is a table */
   lua_settop(L, 1);
   if (lua_isnil(L, 1)) {
@@ -71,6 +71,11 @@ static int l_new(lua_State *L) {
   MPI_Comm world_comm = self ? MPI_COMM_SELF : MPI_COMM_WORLD;
   int world = 1;
   MPI_Comm_size(world_comm, &world);
+  /* islands = k (DiLoCo): the layout below is each island's, of world / k ranks */
+  int islands = size_field(L, "islands", world);
+  if (world % islands)
+    return luaL_error(L, "ParallelContext: islands=%d must divide the world size %d", islands, world);
+  world /= islands;
   int tp = size_field(L, "tensor", world), pp = size_field(L, "pipeline", world);
   int inferred = lua_getfield(L, 1, "data") == LUA_TNIL;
   lua_pop(L, 1);
@@ -84,7 +89,7 @@ static int l_new(lua_State *L) {
   luaL_setmetatable(L, PG_CONTEXT_MT);
   lua_pushboolean(L, inferred);
   lua_setiuservalue(L, -2, 1);
-  if (pg_context_init(c, world_comm, tp, pp, dp, ep, seed)) return luaL_error(L, "ParallelContext: %s", pg_error());
+  if (pg_context_init_islands(c, world_comm, islands, tp, pp, dp, ep, seed)) return luaL_error(L, "ParallelContext: %s", pg_error());
   if (pg_comm_init(c)) {
     pg_context_destroy(c);
     return luaL_error(L, "ParallelContext: %s", pg_error());
@@ -174,7 +179,9 @@ static int l_barrier(lua_State *L) {
 
 static int l_sizes(lua_State *L) {
   pg_context *c = pg_lua_check_context(L, 1);
-  lua_createtable(L, 0, 5);
+  lua_createtable(L, 0, 6);
+  lua_pushinteger(L, c->islands);
+  lua_setfield(L, -2, "islands");
   lua_pushinteger(L, c->tensor);
   lua_setfield(L, -2, "tensor");
   lua_pushinteger(L, c->pipeline);
@@ -247,6 +254,7 @@ static int l_tostring(lua_State *L) {
   const char *how = "";
   if (lua_toboolean(L, -1))
     how = lua_pushfstring(L, " (inferred from %d rank%s)", c->world_size, c->world_size == 1 ? "" : "s");
+  if (c->islands > 1) how = lua_pushfstring(L, "%s, island %d/%d", how, c->island, c->islands);
   if (c->expert > 1)
     lua_pushfstring(L,
                     "ParallelContext(rank %d of %d: tensor %d/%d, pipeline %d/%d, data %d/%d%s, expert %d/%d, seed %I)",

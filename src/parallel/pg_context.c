@@ -15,7 +15,8 @@
 #include "pg_rng.h"
 
 static const char *mode_names[PG_NUM_MODES] = {"global",    "tensor", "pipeline",
-                                               "data",      "embedding", "expert", "expert_data"};
+                                               "data",      "embedding", "expert", "expert_data",
+                                               "islands"};
 static const char *coll_names[PG_NUM_COLLS] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast",
                                                "send",       "recv",       "barrier",        "all_to_all"};
 
@@ -28,7 +29,7 @@ int pg_mode_from_name(const char *name, pg_mode *out) {
       *out = (pg_mode)i;
       return PG_OK;
     }
-  return pg_fail("unknown group '%s' (expected global, tensor, pipeline, data, embedding, expert or expert_data)", name);
+  return pg_fail("unknown group '%s' (expected global, tensor, pipeline, data, embedding, expert, expert_data or islands)", name);
 }
 
 static int make_group(pg_group *g, MPI_Comm world, int color, int key) {
@@ -46,10 +47,8 @@ static int make_group(pg_group *g, MPI_Comm world, int color, int key) {
   return PG_OK;
 }
 
-int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, int data, int expert, uint64_t seed) {
-  memset(ctx, 0, sizeof *ctx);
-  for (int m = 0; m < PG_NUM_MODES; m++) ctx->group[m].comm = ctx->group[m].agree = MPI_COMM_NULL;
-  ctx->destroyed = 1;
+/* The groups of one island (world: the island's communicator); ctx cleared by the caller. */
+static int init_island(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, int data, int expert, uint64_t seed) {
   MPI_Comm_size(world, &ctx->world_size);
   MPI_Comm_rank(world, &ctx->rank);
   if (tensor < 1 || pipeline < 1 || data < 1)
@@ -84,13 +83,37 @@ int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, i
   int groups = data / expert;
   ok = ok && make_group(&ctx->group[PG_MODE_EXPERT], world, (pp * tensor + tp) * groups + dp / expert, dp) == PG_OK &&
        make_group(&ctx->group[PG_MODE_EXPERT_DATA], world, (pp * tensor + tp) * expert + dp % expert, dp) == PG_OK;
-  if (!ok) {
-    ctx->destroyed = 0;
-    pg_context_destroy(ctx);
-    return PG_ERR;
-  }
-  ctx->destroyed = 0;
-  return PG_OK;
+  ctx->destroyed = 0; /* from here pg_context_destroy frees what was made */
+  return ok ? PG_OK : PG_ERR;
+}
+
+int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, int data, int expert, uint64_t seed) {
+  return pg_context_init_islands(ctx, world, 1, tensor, pipeline, data, expert, seed);
+}
+
+int pg_context_init_islands(pg_context *ctx, MPI_Comm world, int islands, int tensor, int pipeline, int data,
+                            int expert, uint64_t seed) {
+  memset(ctx, 0, sizeof *ctx);
+  for (int m = 0; m < PG_NUM_MODES; m++) ctx->group[m].comm = ctx->group[m].agree = MPI_COMM_NULL;
+  ctx->destroyed = 1;
+  int world_size = 1, me = 0;
+  MPI_Comm_size(world, &world_size);
+  MPI_Comm_rank(world, &me);
+  if (islands < 1 || world_size % islands)
+    return pg_fail("islands=%d must be a positive integer dividing the world size %d", islands, world_size);
+  int per = world_size / islands;
+  if (islands > 1 && tensor > 0 && pipeline > 0 && data > 0 && (long)tensor * pipeline * data != per)
+    return pg_fail("tensor=%d x pipeline=%d x data=%d = %ld ranks, but each of the %d islands has %d (world %d)",
+                   tensor, pipeline, data, (long)tensor * pipeline * data, islands, per, world_size);
+  MPI_Comm island;
+  if (MPI_Comm_split(world, me / per, me, &island) != MPI_SUCCESS) return pg_fail("MPI_Comm_split failed");
+  int rc = init_island(ctx, island, tensor, pipeline, data, expert, seed);
+  MPI_Comm_free(&island); /* the groups are communicators of their own */
+  ctx->islands = islands;
+  ctx->island = me / per;
+  if (rc == PG_OK) rc = make_group(&ctx->group[PG_MODE_ISLANDS], world, me % per, me / per);
+  if (rc != PG_OK) pg_context_destroy(ctx); /* nothing when init_island failed before making a group */
+  return rc;
 }
 
 void pg_context_destroy(pg_context *ctx) {

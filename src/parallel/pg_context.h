@@ -18,6 +18,15 @@
  * group. With E = 1 the expert groups are single ranks and expert_data is the
  * data group.
  *
+ * Islands (DiLoCo, pg_context_init_islands): the world cut into k contiguous
+ * blocks of world / k ranks, island-major (world rank = island * (world / k)
+ * + rank in the island), so that an island is a host when ranks are placed
+ * by host. Every group above, global included, is the island's own: an
+ * engine built on the context is exactly the engine the island would have
+ * alone (rank, world_size and the layout are the island's). The "islands"
+ * group joins the k ranks with the same rank in their islands, in island
+ * order (its local rank is the island); size 1 without islands.
+ *
  * pg_context_init and pg_context_destroy are collective over `world`. */
 #ifndef PG_CONTEXT_H
 #define PG_CONTEXT_H
@@ -33,6 +42,7 @@ typedef enum {
   PG_MODE_EMBEDDING,
   PG_MODE_EXPERT,      /* E consecutive members of a data group: the all-to-all of MoE tokens */
   PG_MODE_EXPERT_DATA, /* the data ranks holding the same experts: their gradients' reduction */
+  PG_MODE_ISLANDS,     /* the islands' ranks at the same place in their island: DiLoCo's outer step */
   PG_NUM_MODES
 } pg_mode;
 
@@ -70,6 +80,7 @@ typedef struct pg_context {
   int expert;                 /* expert-parallel size: divides data (1: every rank holds every expert) */
   int tp_rank, pp_rank, dp_rank;
   int ep_rank;                /* place in the expert group: dp_rank % expert */
+  int islands, island;        /* DiLoCo's islands and this rank's (1 and 0 without them) */
   uint64_t seed;
   pg_group group[PG_NUM_MODES];
   /* pg_comm's own state (its counters, scratch, NCCL communicators, the call site, a broken
@@ -86,6 +97,10 @@ const char *pg_coll_name(pg_coll c);
  * positive, tp*pp*dp differs from the size of `world` or expert does not
  * divide data. */
 int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, int data, int expert, uint64_t seed);
+/* The same inside each of `islands` islands (see above): tensor * pipeline *
+ * data must be world / islands; islands must divide the world. */
+int pg_context_init_islands(pg_context *ctx, MPI_Comm world, int islands, int tensor, int pipeline, int data,
+                            int expert, uint64_t seed);
 void pg_context_destroy(pg_context *ctx);
 
 /* Global rank of the member at position `local` (ring order, wraps). */
