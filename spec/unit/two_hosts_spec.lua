@@ -133,6 +133,80 @@ describe("two hosts (network namespaces, Open MPI over TCP)", function()
     assert_through_link(two, crossed, { "islands" })
   end)
 
+  it("resume a 2x2x2 run whose second host crashed from its last checkpoint on the first host alone (2x2x1), as on "
+    .. "one machine", function()
+    -- examples/train_gpt.lua across the hosts, a checkpoint every 20 steps; once the first is out the second
+    -- host's processes are killed (a crash: Open MPI ends the job). The run then resumes on the first host with
+    -- the four ranks left (data 2 -> 1: the checkpoint is resliced), and, from a copy of the same checkpoint, on
+    -- this machine without namespaces: the two continuations' losses and gradient norms agree to every printed
+    -- digit (the same ranks, layout and arithmetic; nothing crosses a host).
+    local dir = os.tmpname()
+    os.remove(dir)
+    assert.equal(0, (h.sh("mkdir -p " .. h.quote(dir .. "/ref/checkpoints"))))
+    local ids, x = {}, 7
+    for i = 1, 20000 do
+      x = (x * 1103515245 + 12345) % 2147483648
+      ids[i] = (x >> 8) % 256
+    end
+    require("pipegoose").data.write_shard(dir .. "/train.bin", ids)
+    require("pipegoose").data.write_shard(dir .. "/val.bin", { table.unpack(ids, 1, 2000) })
+    local function train(layout, out, extra)
+      local args = { "examples/train_gpt.lua", "--train=" .. dir .. "/train.bin", "--val=" .. dir .. "/val.bin",
+        "--dim=32", "--layers=2", "--heads=4", "--seq-len=16", "--batch=8", "--steps=60", "--eval-every=1000",
+        "--val-batches=1", "--log-every=1", "--sample=4", "--ckpt-every=20", "--zero=1", "--out=" .. out }
+      for _, a in ipairs(layout) do args[#args + 1] = a end
+      for _, a in ipairs(extra or {}) do args[#args + 1] = a end
+      return h.pglua_cmd(args)
+    end
+    local TPD = { "--tensor=2", "--pipeline=2", "--data=2" }
+    local TP1 = { "--tensor=2", "--pipeline=2", "--data=1", "--resume=last" }
+    local cmd = ([[
+PG_PROGRESS=plain timeout -k 5 %d scripts/mpirun.sh %s -x PG_PROGRESS -np 8 %s > %s/job.log 2>&1 &
+job=$!
+until [ -s %s/run/checkpoints/latest ] || ! kill -0 $job 2> /dev/null; do sleep 0.05; done
+%sscripts/netns_hosts.sh kill %s
+wait $job
+echo "job exit $?"]]):format(h.limit(120), host_args(), train(TPD, dir .. "/run"), dir, dir, ENV, HOST2)
+    local _, out = h.sh(cmd)
+    local code = tonumber(out:match("job exit (%d+)"))
+    local _, log = h.sh("cat " .. h.quote(dir .. "/job.log"))
+    assert.is_true(code ~= nil and code ~= 0 and code ~= 124, out .. log)
+    assert.matches("on node " .. HOST2, log, 1, true) -- Open MPI's notice of the lost daemon names the host
+    local f = assert(io.open(dir .. "/run/checkpoints/latest"))
+    local latest = f:read("l")
+    f:close()
+    local saved = tonumber(latest:match("^step%-0*(%d+)$"))
+    assert.is_true(saved ~= nil and saved < 60, "the run ended before the crash: " .. latest)
+    assert.equal(0, (h.sh(("cp -r %s %s && printf %%s %s > %s"):format(h.quote(dir .. "/run/checkpoints/" .. latest),
+      h.quote(dir .. "/ref/checkpoints/"), latest, h.quote(dir .. "/ref/checkpoints/latest")))))
+    -- the first host alone (its four slots), then the same on this machine
+    local one_host = host_args():gsub("'%-%-host' '[^']*'", "'--host' '" .. HOST1 .. ":4'")
+    local rc1, out1 = h.sh(("PG_PROGRESS=plain timeout -k 5 %d scripts/mpirun.sh %s -x PG_PROGRESS -np 4 %s"):format(
+      h.limit(120), one_host, train(TP1, dir .. "/run")))
+    assert.equal(0, rc1, out1)
+    assert.matches("resumed from " .. dir .. "/run/checkpoints/" .. latest .. " at step " .. saved, out1, 1, true)
+    assert.matches("resliced into tensor=2 pipeline=2 data=1", out1, 1, true)
+    local rc2, out2 = h.sh(("PG_PROGRESS=plain timeout -k 5 %d scripts/mpirun.sh -x PG_PROGRESS -np 4 %s"):format(
+      h.limit(120), train(TP1, dir .. "/ref")))
+    assert.equal(0, rc2, out2)
+    -- each step's loss and gradient norm as printed (the resumed run's records come after the lost run's)
+    local function records(path)
+      local by_step = {}
+      for line in io.lines(path) do
+        local step = line:match('^{"kind":"train","step":(%d+),')
+        if step then by_step[tonumber(step)] = line:match('"grad_norm":[^,]+,"loss":[^,]+') end
+      end
+      return by_step
+    end
+    local got, want = records(dir .. "/run/metrics.jsonl"), records(dir .. "/ref/metrics.jsonl")
+    for step = saved + 1, 60 do
+      assert.is_truthy(want[step], "step " .. step .. " missing from the reference")
+      assert.equal(want[step], got[step], "step " .. step)
+    end
+    h.sh("rm -rf " .. h.quote(dir))
+    netns("up 2")
+  end)
+
   it("end a DiLoCo run whose second host's link goes down with the watchdog's report naming the ranks and host",
     function()
     -- Islands talk only at outer steps (every 20 steps here): the link goes down after step 3, so at step 20
