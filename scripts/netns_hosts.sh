@@ -95,7 +95,7 @@ up() {
   local n=$1 rate=${2:-}
   [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -ge 1 ] && [ "$n" -le 200 ] || die "up: N must be 1..200 hosts, got $n"
   down
-  ip link add "$BRIDGE" type bridge || return 1
+  ip link add "$BRIDGE" type bridge stp_state 0 forward_delay 0 || return 1
   ip addr add "$NET.254/24" dev "$BRIDGE" && ip link set "$BRIDGE" up || return 1
   local i h lines=""
   for ((i = 1; i <= n; i++)); do
@@ -113,10 +113,16 @@ up() {
   done
   printf '%s' "$lines" >> /etc/hosts
   [ -z "$rate" ] || shape "$rate" || return 1
-  # the links are up at both ends
+  # the links are up at both ends, and the bridge forwards on every port (state 3) before anyone connects
+  local tries
   for ((i = 1; i <= n; i++)); do
     ip netns exec "$PREFIX$i" ip -o link show eth0 | grep -q 'state UP\|LOWER_UP' ||
       { echo "netns_hosts: up: $PREFIX$i's eth0 is not up" >&2; return 1; }
+    for ((tries = 0; tries < 100; tries++)); do
+      [ "$(cat "/sys/class/net/$BRIDGE/brif/${PREFIX}v$i/state" 2> /dev/null)" = 3 ] && break
+      sleep 0.05
+    done
+    [ "$tries" -lt 100 ] || { echo "netns_hosts: up: the bridge does not forward to $PREFIX$i" >&2; return 1; }
   done
 }
 

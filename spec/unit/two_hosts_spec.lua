@@ -212,7 +212,7 @@ echo "job exit $?"]]):format(h.limit(120), host_args(), train(TPD, dir .. "/run"
     -- Islands talk only at outer steps (every 20 steps here): the link goes down after step 3, so at step 20
     -- every rank of the first island waits for its partner on the second host in the outer step's agreement,
     -- and the watchdog (PG_COLLECTIVE_TIMEOUT=2) names it. The run ends then: the failing ranks abort and
-    -- scripts/mpirun.sh ends a mpirun that waits for the lost host's daemon (a hang guard stays at 60 s).
+    -- scripts/mpirun.sh ends a mpirun that waits for the lost host's daemon (a hang guard stays at 120 s).
     -- (A host lost while a transfer it had agreed to is in flight leaves its partner blocked in that
     -- transfer, where no watchdog looks: the islands' long quiet stretches make that window small.)
     local log = os.tmpname()
@@ -223,7 +223,7 @@ until grep -q '^loss 3 .* island 0' %s || ! kill -0 $job 2> /dev/null; do sleep 
 ip link set %sv2 down
 wait $job
 echo "job exit $?"
-cat %s]]):format(h.limit(60), host_args(), h.pglua_cmd{ TRAIN, "100000", "diloco", "20" }, log, log, PREFIX, log)
+cat %s]]):format(h.limit(120), host_args(), h.pglua_cmd{ TRAIN, "100000", "diloco", "20" }, log, log, PREFIX, log)
     local _, out = h.sh(cmd)
     os.remove(log)
     netns("down") -- the second host's processes are stranded behind its link
