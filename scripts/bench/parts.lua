@@ -59,6 +59,9 @@ return {
   { name = "moe", description = "a mixture of experts (4 experts, top-2) over data = 2, expert = 2 against the dense\n"
       .. "model with the same active parameters, and all_to_all against MPI_Alltoall",
     run = require "bench.moe" },
+  { name = "diloco", description = "DiLoCo: 4 islands syncing every H = 10 and 50 steps against data = 4 on the "
+      .. "default corpus,\nthe same tokens: final val loss and bytes communicated per step",
+    run = require "bench.diloco" },
   { name = "comm", description = "scripts/bench_comm.lua (collectives against bare MPI)",
     run = function()
       print()
