@@ -216,6 +216,23 @@ trainer:print(("pipegoose: %d parameters, %s, %d threads per rank"):format(engin
   pg.num_threads()))
 trainer:fit(train, val, { resume = opt.resume })
 
+-- What this rank sent and received over each group, per optimizer step (pg_comm's counters): data
+-- parallelism's gradient reductions against DiLoCo's outer steps over the islands group.
+do
+  local stats, total, parts = ctx:comm_stats(), 0, {}
+  local modes = {}
+  for mode in pairs(stats) do modes[#modes + 1] = mode end
+  table.sort(modes)
+  for _, mode in ipairs(modes) do
+    local b = 0
+    for _, kind in pairs(stats[mode]) do b = b + kind.bytes end
+    if b > 0 then parts[#parts + 1] = ("%s %.0f"):format(mode, b / math.max(trainer.state.step, 1)) end
+    total = total + b
+  end
+  trainer:print(("communicated bytes per step (rank 0): %.0f%s"):format(total / math.max(trainer.state.step, 1),
+    #parts > 0 and (" (" .. table.concat(parts, ", ") .. ")") or ""))
+end
+
 local measures = dofile(here .. "measures.lua")
 local val_loss = trainer.state.metrics.val_loss
 if corpus and val_loss then

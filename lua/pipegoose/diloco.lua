@@ -75,28 +75,14 @@ function DiLoCo:attach(engine)
   end
   self.engine = engine
   local params, n, k, i, block = layout(engine)
-  self.shared = engine:stats().shared_memory and ctx:world_size("data") > 1
   if k > 1 then
-    local first = core.dist.broadcast(params:clone(), { ctx = ctx, group = "islands", src = 0 })
-    self:_write(function() params:copy_(first) end)
+    core.dist.broadcast(params, { ctx = ctx, group = "islands", src = 0 })
   end
   local lo, hi = i * block, math.min((i + 1) * block, n)
   self.anchor = core.zeros({ block })       -- p_sync's owned block (zeros past the end of the buffer)
   if hi > lo then self.anchor:narrow(1, 1, hi - lo):copy_(params:narrow(1, lo + 1, hi - lo)) end
   self.momentum = core.zeros({ block })     -- the outer momentum buffer's owned block
   self.lo, self.hi, self.block, self.n = lo, hi, block, n
-end
-
--- Data ranks of an island may share one parameter buffer (engine:stats().shared_memory):
--- then every one of them has read it before data rank 0 alone writes it, and all wait for the write.
--- write() only copies: the collectives run on every rank alike, whether buffers are shared or not
--- (that can differ between hosts).
-function DiLoCo:_write(write)
-  local ctx = self.engine and self.engine.ctx
-  if not self.shared then return write() end
-  core.dist.barrier({ ctx = ctx, group = "data" })
-  if ctx:local_rank("data") == 0 then write() end
-  core.dist.barrier({ ctx = ctx, group = "data" })
 end
 
 --- The outer step (see the top of this file). Collective over the whole world.
@@ -126,7 +112,7 @@ function DiLoCo:outer_step()
   local new = mean:add_(g:sub(d:scale(self.outer_lr)))
   self.anchor:copy_(new)
   local full = k > 1 and core.dist.all_gather(new, { ctx = ctx, group = "islands" }) or new
-  self:_write(function() params:copy_(full:narrow(1, 1, n)) end)
+  params:copy_(full:narrow(1, 1, n))
   self.outer_steps = self.outer_steps + 1
 end
 

@@ -63,6 +63,9 @@ return {
       .. "tokens/s of data = 2 across\nthem against 2 DiLoCo islands at H = 50 (skipped where ip netns is not "
       .. "permitted)",
     run = require("bench.slowlink").run },
+  { name = "diloco", description = "DiLoCo: 4 islands syncing every H = 10 and 50 steps against data = 4 on the "
+      .. "default corpus,\nthe same tokens: final val loss and bytes communicated per step",
+    run = require "bench.diloco" },
   { name = "comm", description = "scripts/bench_comm.lua (collectives against bare MPI)",
     run = function()
       print()

@@ -1,4 +1,4 @@
--- worlds: 4
+-- worlds: 4 8
 -- DiLoCo (pg.DiLoCo over pg.ParallelContext{islands = k}): the outer step
 -- against plain training, the islands' mean and a float64 reference, and an
 -- island of a tensor-parallel layout against the same algorithm run serially.
@@ -60,6 +60,51 @@ local function islands_params(engine)
   return out
 end
 
+describe("islands", function()
+  it("cut the world island-major; every group is the island's, and islands joins the matching ranks", function()
+    if world % 2 ~= 0 then pending("needs an even world") return end
+    local per, me = world // 2, pg.world_rank()
+    local ctx = pg.ParallelContext{ islands = 2, seed = 5 }
+    assert.equal(2, ctx:world_size("islands"))
+    assert.equal(me // per, ctx:local_rank("islands"))
+    assert.equal(per, ctx:world_size())
+    assert.equal(me % per, ctx:rank())
+    assert.same({ me % per, me % per + per }, ctx:ranks("islands"))
+    -- the island's ranks are numbered inside it (it is the context's world); islands lists world ranks
+    local global = {}
+    for r = 0, per - 1 do global[r + 1] = r end
+    assert.same(global, ctx:ranks("global"))
+    assert.same({ islands = 2, tensor = 1, pipeline = 1, data = per, expert = 1, world = per }, ctx:sizes())
+    assert.matches("island " .. me // per .. "/2", tostring(ctx), 1, true)
+  end)
+
+  it("split token data as data ranks do: islands = 2 of data = D read what data = 2 D reads", function()
+    if world % 2 ~= 0 then pending("needs an even world") return end
+    -- one name on every rank: rank 0's draw, broadcast
+    local wctx = pg.ParallelContext{ seed = 5 }
+    local tag = pg.tensor({ pg.world_rank() == 0 and math.random(1, 2 ^ 24) or 0 })
+    pg.dist.broadcast(tag, { ctx = wctx, src = 0 })
+    local path = ("/tmp/pg-diloco-spec-%d"):format(math.tointeger(tag:get(1)))
+    if pg.world_rank() == 0 then
+      local ids = {}
+      for i = 1, 4000 do ids[i] = (i * 7919) % 250 end
+      pg.data.write_shard(path .. ".bin", ids)
+    end
+    pg.dist.barrier({ ctx = wctx })
+    local function rows(ctx)
+      local d = pg.data.TokenShards{ path = path .. ".bin", batch = 2 * world, seq_len = 8, seed = 3, ctx = ctx }
+      local x = d:next_batch()
+      return x:totable()
+    end
+    local plain = rows(pg.ParallelContext{ seed = 5 })
+    local islands = rows(pg.ParallelContext{ islands = 2, seed = 5 })
+    pg.dist.barrier({ ctx = wctx })
+    if pg.world_rank() == 0 then os.remove(path .. ".bin") end
+    assert.equal(2, #islands)
+    assert.same(plain, islands)
+  end)
+end)
+
 describe("DiLoCo", function()
   it("k = 1, H = 1, outer lr 1 and momentum 0 is plain training, to the bit (Trainer callback)", function()
     local function train(with_diloco)
@@ -84,7 +129,7 @@ describe("DiLoCo", function()
     if world % 4 ~= 0 then pending("needs 4 ranks") return end
     local ctx = pg.ParallelContext{ islands = 4, seed = 5 }
     assert.equal(4, ctx:world_size("islands"))
-    assert.equal(1, ctx:world_size())
+    assert.equal(world // 4, ctx:world_size()) -- each island: data = world / 4
     local engine = pg.parallelize(pg.nn.GPT(CFG), ctx)
     local opt = adamw(engine)
     local dl = pg.DiLoCo{ islands = 4, outer_every = 3, outer_lr = 1, outer_momentum = 0 }

@@ -25,7 +25,9 @@
  * engine built on the context is exactly the engine the island would have
  * alone (rank, world_size and the layout are the island's). The "islands"
  * group joins the k ranks with the same rank in their islands, in island
- * order (its local rank is the island); size 1 without islands.
+ * order (its local rank is the island); size 1 without islands. A group's
+ * `ranks` are numbered in the island (its world), the islands group's in
+ * the whole world.
  *
  * pg_context_init and pg_context_destroy are collective over `world`. */
 #ifndef PG_CONTEXT_H
