@@ -23,6 +23,11 @@ local function host_args()
   assert(code == 0, out)
   local q = {}
   for line in out:gmatch("[^\n]+") do q[#q + 1] = h.quote(line) end
+  -- a host's daemon starts with a clean environment (as over ssh): the sanitizers' settings (make asan)
+  -- go to its ranks by name
+  for _, v in ipairs{ "ASAN_OPTIONS", "LSAN_OPTIONS", "UBSAN_OPTIONS" } do
+    if os.getenv(v) then q[#q + 1] = "-x " .. v end
+  end
   return table.concat(q, " ")
 end
 
