@@ -216,19 +216,22 @@ echo "job exit $?"]]):format(h.limit(120), host_args(), train(TPD, dir .. "/run"
     function()
     -- Islands talk only at outer steps (every 20 steps here): the link goes down after step 3, so at step 20
     -- every rank of the first island waits for its partner on the second host in the outer step's agreement,
-    -- and the watchdog (PG_COLLECTIVE_TIMEOUT=2) names it. The run ends then: the failing ranks abort and
-    -- scripts/mpirun.sh ends a mpirun that waits for the lost host's daemon (a hang guard stays at 120 s).
+    -- and the watchdog (PG_COLLECTIVE_TIMEOUT=3, 12 under the sanitizers) names it. The run ends then: the
+    -- failing ranks abort and scripts/mpirun.sh ends a mpirun that waits for the lost host's daemon (a hang
+    -- guard stays at 120 s).
     -- (A host lost while a transfer it had agreed to is in flight leaves its partner blocked in that
     -- transfer, where no watchdog looks: the islands' long quiet stretches make that window small.)
     local log = os.tmpname()
+    local watchdog = h.limit(3)
     local cmd = ([[
-PG_COLLECTIVE_TIMEOUT=2 timeout -k 5 %d scripts/mpirun.sh %s -x PG_COLLECTIVE_TIMEOUT -np 8 %s > %s 2>&1 &
+PG_COLLECTIVE_TIMEOUT=%d timeout -k 5 %d scripts/mpirun.sh %s -x PG_COLLECTIVE_TIMEOUT -np 8 %s > %s 2>&1 &
 job=$!
 until grep -q '^loss 3 .* island 0' %s || ! kill -0 $job 2> /dev/null; do sleep 0.05; done
 ip link set %sv2 down
 wait $job
 echo "job exit $?"
-cat %s]]):format(h.limit(120), host_args(), h.pglua_cmd{ TRAIN, "100000", "diloco", "20" }, log, log, PREFIX, log)
+cat %s]]):format(watchdog, h.limit(120), host_args(), h.pglua_cmd{ TRAIN, "100000", "diloco", "20" }, log, log,
+      PREFIX, log)
     local _, out = h.sh(cmd)
     os.remove(log)
     netns("down") -- the second host's processes are stranded behind its link
@@ -241,8 +244,8 @@ cat %s]]):format(h.limit(120), host_args(), h.pglua_cmd{ TRAIN, "100000", "diloc
     for rank = 0, 3 do
       local line = out:match("%[rank " .. rank .. "%] [^\n]*never arrived")
       assert.is_truthy(line, out)
-      assert.matches(" over the islands group: waited 2 s (PG_COLLECTIVE_TIMEOUT) but rank " .. rank + 4 .. " on "
-        .. HOST2 .. " never arrived", line, 1, true)
+      assert.matches(" over the islands group: waited " .. watchdog .. " s (PG_COLLECTIVE_TIMEOUT) but rank "
+        .. rank + 4 .. " on " .. HOST2 .. " never arrived", line, 1, true)
     end
     netns("up 2")
   end)
