@@ -6,6 +6,9 @@
 -- --model=llama trains a LLaMA instead (examples/train_llama.lua says so),
 -- --model=mixtral a mixture of experts (examples/train_moe.lua).
 -- Options: ./pglua examples/train_gpt.lua --help (unknown options are errors).
+-- --islands=K --outer-every=H trains K islands of world / K ranks (each its own --tensor x --pipeline x
+-- --data layout) that sync every H steps by DiLoCo's outer step (pg.DiLoCo; --outer-lr, --outer-momentum);
+-- --batch is then the batch of all the islands together (the tokens of data = K x --data).
 -- --resume=last continues the newest checkpoint under --out; --stop-after=N ends
 -- the run after step N with a checkpoint, as if preempted. Every run keeps its
 -- final checkpoint (under --out/checkpoints) and ends with the command that
@@ -73,6 +76,11 @@ num("--clip", 1.0, "Gradient norm clip.")
 int("--seed", 42, "Seed of the weights and the data order.")
 int("--eval-every", 500, "Validate every N steps.")
 int("--accumulate", 1, "Micro-steps per optimizer step.")
+int("--islands", 1, "DiLoCo islands: the world cut into this many blocks of ranks that sync every --outer-every steps.")
+int("--outer-every", nil, "DiLoCo: inner steps between outer steps (required with --islands > 1).")
+num("--outer-lr", 0.7, "DiLoCo: the outer SGD's learning rate.")
+num("--outer-momentum", 0.9, "DiLoCo: the outer SGD's Nesterov momentum.")
+int("--fragments", 1, "DiLoCo: parameter fragments that sync at staggered steps (streaming; only 1 is built).")
 p:option("--corpus", "A prepared corpus directory (scripts/prepare_corpus.lua): its tokenizer sizes the model's "
   .. "vocabulary and encodes the prompt; its train and val splits are the data.")
 p:option("--train", "Byte-level training shards, without --corpus (default " .. BYTE_SHARDS.train .. ").")
@@ -94,6 +102,9 @@ if opt.corpus and (opt.train or opt.val) then
 end
 if opt.sample < 0 then p:error(("--sample must be 0 or more tokens, got %d"):format(opt.sample)) end
 if opt.val_batches < 0 then p:error(("--val-batches must be 0 (all) or more, got %d"):format(opt.val_batches)) end
+if opt.islands < 1 then p:error(("--islands must be 1 or more, got %d"):format(opt.islands)) end
+if opt.islands > 1 and not opt.outer_every then p:error("--islands > 1 needs --outer-every=H (inner steps between syncs)") end
+local diloco = opt.islands > 1 or opt.outer_every ~= nil
 
 -- What follows up to fit builds what the options describe, and an error there
 -- is in the options (Llama: kv_heads=3 does not divide heads=8): it is
@@ -127,7 +138,7 @@ local seed, ctx, engine, train, val, trainer, out
 from_options(function()
   seed = opt.seed
   ctx = pg.ParallelContext{ tensor = opt.tensor, pipeline = opt.pipeline, data = opt.data, expert = opt.expert,
-                            context = opt.context, seed = seed }
+                            context = opt.context, seed = seed, islands = opt.islands }
   local seq_len, batch = opt.seq_len, opt.batch
   local arch = opt.model
   local model
@@ -159,13 +170,21 @@ from_options(function()
   val = shards("val", { batch = batch, seq_len = seq_len, shuffle = false, ctx = ctx, vocab = vocab })
 
   out = opt.out or ("runs/train_" .. arch)
+  -- islands train alone, each with its own trainer: island 0 writes --out and prints, island i its own
+  -- directory (metrics, checkpoints) under it, silently
+  local island = ctx:local_rank("islands")
+  local island_out = island == 0 and out or ("%s/island-%d"):format(out, island)
   local steps, ckpt_every, keep_last = opt.steps, opt.ckpt_every, opt.keep_last
   local stop_after = opt.stop_after
-  local callbacks = {
-    pg.callbacks.ProgressBar{},
-    pg.callbacks.LearningRateMonitor{},
-    pg.callbacks.MetricsLogger{ path = out .. "/metrics.jsonl" },
-  }
+  local callbacks = {}
+  -- first, so that a run ending between syncs has synced before the final checkpoint
+  if diloco then
+    callbacks[1] = pg.DiLoCo{ islands = opt.islands, outer_every = opt.outer_every, outer_lr = opt.outer_lr,
+                              outer_momentum = opt.outer_momentum, fragments = opt.fragments }
+  end
+  if island == 0 then callbacks[#callbacks + 1] = pg.callbacks.ProgressBar{} end
+  callbacks[#callbacks + 1] = pg.callbacks.LearningRateMonitor{}
+  callbacks[#callbacks + 1] = pg.callbacks.MetricsLogger{ path = island_out .. "/metrics.jsonl" }
   -- Every run keeps its final checkpoint (save_last, also when --stop-after ends
   -- it early), so that its model can be sampled again or resumed. Without
   -- --ckpt-every, every_n_steps = --steps asks for none before the end
@@ -191,12 +210,30 @@ from_options(function()
     lr_schedule = pg.lr.cosine{ warmup = opt.warmup, min_lr = opt.lr / 10 },
     clip_grad_norm = opt.clip, val_every_n_steps = opt.eval_every,
     val_batches = opt.val_batches > 0 and opt.val_batches or nil, -- nil: the whole validation set
-    log_every_n_steps = opt.log_every, seed = seed, out_dir = out, callbacks = callbacks, overwrite = opt.overwrite,
+    log_every_n_steps = opt.log_every, seed = seed, out_dir = island_out, callbacks = callbacks, overwrite = opt.overwrite,
+    out = island ~= 0 and { write = function() end, flush = function() end } or nil,
   }
 end)
 trainer:print(("pipegoose: %d parameters, %s, %d threads per rank"):format(engine:num_parameters(), tostring(ctx),
   pg.num_threads()))
 trainer:fit(train, val, { resume = opt.resume })
+
+-- What this rank sent and received over each group, per optimizer step (pg_comm's counters): data
+-- parallelism's gradient reductions against DiLoCo's outer steps over the islands group.
+do
+  local stats, total, parts = ctx:comm_stats(), 0, {}
+  local modes = {}
+  for mode in pairs(stats) do modes[#modes + 1] = mode end
+  table.sort(modes)
+  for _, mode in ipairs(modes) do
+    local b = 0
+    for _, kind in pairs(stats[mode]) do b = b + kind.bytes end
+    if b > 0 then parts[#parts + 1] = ("%s %.0f"):format(mode, b / math.max(trainer.state.step, 1)) end
+    total = total + b
+  end
+  trainer:print(("communicated bytes per step (rank 0): %.0f%s"):format(total / math.max(trainer.state.step, 1),
+    #parts > 0 and (" (" .. table.concat(parts, ", ") .. ")") or ""))
+end
 
 local measures = dofile(here .. "measures.lua")
 local val_loss = trainer.state.metrics.val_loss

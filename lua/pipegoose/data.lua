@@ -284,7 +284,11 @@ function M.TokenShards(opts)
                                  stride_llmc = opts.stride == "llmc" })
   if not ok then error(loader, 2) end
   local D, d = 1, 0
-  if opts.ctx then D, d = opts.ctx:world_size("data"), opts.ctx:local_rank("data") end
+  if opts.ctx then -- islands (DiLoCo) split the batch as data ranks do, island-major (as the loader)
+    local ctx = opts.ctx
+    D = ctx:world_size("islands") * ctx:world_size("data")
+    d = ctx:local_rank("islands") * ctx:world_size("data") + ctx:local_rank("data")
+  end
   local batch, seq_len = opts.batch, opts.seq_len
   return setmetatable({
     loader = loader,

@@ -27,6 +27,8 @@ pg.DataModule = require "pipegoose.data_module"
 pg.CallbackHandler = require "pipegoose.callback_handler"
 pg.Callback, pg.callbacks, pg.rank_zero_only = callbacks.Callback, callbacks.builtins, callbacks.rank_zero_only
 pg.lr = require "pipegoose.lr"
+-- training across islands that sync every H steps (a Trainer callback; docs/TRAINER.md, "DiLoCo")
+pg.DiLoCo = require "pipegoose.diloco"
 pg.checkpoint = require "pipegoose.checkpoint"
 pg.testing = require "pipegoose.testing"
 -- the layout planner: pg.plan{model=, gpus=, ...} -> the best layout (docs/PLANNER.md)

@@ -63,6 +63,13 @@ return {
   { name = "moe", description = "a mixture of experts (4 experts, top-2) over data = 2, expert = 2 against the dense\n"
       .. "model with the same active parameters, and all_to_all against MPI_Alltoall",
     run = require "bench.moe" },
+  { name = "slowlink", description = "two network-namespace hosts over a 10 Mbit/s link (tc tbf), a rank each: "
+      .. "tokens/s of data = 2 across\nthem against 2 DiLoCo islands at H = 50 (skipped where ip netns is not "
+      .. "permitted)",
+    run = require("bench.slowlink").run },
+  { name = "diloco", description = "DiLoCo: 4 islands syncing every H = 10 and 50 steps against data = 4 on the "
+      .. "default corpus,\nthe same tokens: final val loss and bytes communicated per step",
+    run = require "bench.diloco" },
   { name = "comm", description = "scripts/bench_comm.lua (collectives against bare MPI)",
     run = function()
       print()

@@ -376,4 +376,5 @@ return {
   overlap = worker_overlap,
   a2a = worker_a2a,
   ["llmc-model"] = worker_llmc_model,
+  slowlink = require("bench.slowlink").worker, -- scripts/bench/slowlink.lua: the part and its worker together
 }

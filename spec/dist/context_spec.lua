@@ -248,7 +248,8 @@ for _, L in ipairs(layouts) do
 
     it("rejects bad collective arguments with messages naming them", function()
       assert.has_error(function() pg.dist.all_reduce(pg.ones{ 2 }, { group = "model" }) end,
-        "unknown group 'model' (expected global, tensor, pipeline, data, embedding, expert, expert_data, context or data_context)")
+        "unknown group 'model' (expected global, tensor, pipeline, data, embedding, expert, expert_data, "
+          .. "context, data_context or islands)")
       assert.has_error(function() pg.dist.all_reduce(pg.ones{ 2 }, { op = "prod" }) end,
         "unknown reduce op 'prod' (expected sum, max, min or avg)")
       assert.has_error(function() pg.dist.broadcast(pg.ones{ 2 }, { src = world }) end,
@@ -279,7 +280,7 @@ describe("data inferred from the world size", function()
 
   it("is world / (tensor x pipeline) when not given, and tostring says so", function()
     local ctx = pg.ParallelContext{ tensor = T, pipeline = P, seed = 7 }
-    assert.same({ tensor = T, pipeline = P, data = D, expert = 1, context = 1, world = world }, ctx:sizes())
+    assert.same({ islands = 1, tensor = T, pipeline = P, data = D, expert = 1, context = 1, world = world }, ctx:sizes())
     assert.equal(D, ctx:world_size("data"))
     assert.matches(("data %d/%d %%(inferred from %d ranks?%%)"):format(ctx:local_rank("data"), D, world), tostring(ctx))
     ctx:destroy()

@@ -115,6 +115,24 @@ describe("examples/train_gpt.lua", function()
     assert.equal(2, pg.checkpoint.read_manifest(out_dir .. "/checkpoints/step-00000004").optimizer.zero)
   end)
 
+  it("--islands=2 --outer-every=2 trains two islands that sync (DiLoCo): island 0 prints, island 1 writes its "
+    .. "own directory", function()
+    local out_dir = root .. "/islands"
+    local args = train_args("examples/train_gpt.lua", { "--out=" .. out_dir, "--sample=0", "--islands=2",
+                                                       "--outer-every=2" })
+    local rc, out = h.sh("PG_PROGRESS=plain " .. h.mpirun_cmd(2, args, 120))
+    assert.equal(0, rc, out)
+    assert.equal(1, h.count(out, "sample it: "), out)
+    assert.matches("island 0/2", out, 1, true)
+    assert.matches("communicated bytes per step %(rank 0%): %d+ %(islands %d+%)", out)
+    assert.is_true(pg.fs.exists(out_dir .. "/checkpoints/step-00000004/manifest.json"), out)
+    assert.is_true(pg.fs.exists(out_dir .. "/island-1/checkpoints/step-00000004/manifest.json"), out)
+    rc, out = h.sh(h.mpirun_cmd(2, train_args("examples/train_gpt.lua", { "--out=" .. out_dir .. "-x", "--islands=2" }),
+      60))
+    assert.is_not.equal(0, rc)
+    assert.matches("--islands > 1 needs --outer-every=H", out, 1, true)
+  end)
+
   it("says in --help which ZeRO stages there are, and refuses another", function()
     local rc, out = run{ "examples/train_gpt.lua", "--help" }
     assert.equal(0, rc, out)

@@ -63,7 +63,7 @@ static int infer_data(lua_State *L, int world, int tp, int pp, int cp) {
 }
 
 static int l_new(lua_State *L) {
-  static const char *const keys[] = {"tensor", "pipeline", "data", "expert", "context", "seed", "self", NULL};
+  static const char *const keys[] = {"tensor", "pipeline", "data", "expert", "context", "seed", "self", "islands", NULL};
   pg_lua_check_keys(L, 1, "ParallelContext", keys); /* and that it is a table */
   lua_settop(L, 1);
   if (lua_isnil(L, 1)) {
@@ -76,6 +76,11 @@ static int l_new(lua_State *L) {
   MPI_Comm world_comm = self ? MPI_COMM_SELF : MPI_COMM_WORLD;
   int world = 1;
   MPI_Comm_size(world_comm, &world);
+  /* islands = k (DiLoCo): the layout below is each island's, of world / k ranks */
+  int islands = size_field(L, "islands", world);
+  if (world % islands)
+    return luaL_error(L, "ParallelContext: islands=%d must divide the world size %d", islands, world);
+  world /= islands;
   int tp = size_field(L, "tensor", world), pp = size_field(L, "pipeline", world);
   int cp = size_field(L, "context", world);
   int inferred = lua_getfield(L, 1, "data") == LUA_TNIL;
@@ -90,7 +95,8 @@ static int l_new(lua_State *L) {
   luaL_setmetatable(L, PG_CONTEXT_MT);
   lua_pushboolean(L, inferred);
   lua_setiuservalue(L, -2, 1);
-  if (pg_context_init(c, world_comm, tp, pp, dp, ep, cp, seed)) return luaL_error(L, "ParallelContext: %s", pg_error());
+  if (pg_context_init_islands(c, world_comm, islands, tp, pp, dp, ep, cp, seed))
+    return luaL_error(L, "ParallelContext: %s", pg_error());
   if (pg_comm_init(c)) {
     pg_context_destroy(c);
     return luaL_error(L, "ParallelContext: %s", pg_error());
@@ -183,6 +189,8 @@ static int l_barrier(lua_State *L) {
 static int l_sizes(lua_State *L) {
   pg_context *c = pg_lua_check_context(L, 1);
   lua_createtable(L, 0, 6);
+  lua_pushinteger(L, c->islands);
+  lua_setfield(L, -2, "islands");
   lua_pushinteger(L, c->tensor);
   lua_setfield(L, -2, "tensor");
   lua_pushinteger(L, c->context);
@@ -257,6 +265,7 @@ static int l_tostring(lua_State *L) {
   const char *how = "";
   if (lua_toboolean(L, -1))
     how = lua_pushfstring(L, " (inferred from %d rank%s)", c->world_size, c->world_size == 1 ? "" : "s");
+  if (c->islands > 1) how = lua_pushfstring(L, "%s, island %d/%d", how, c->island, c->islands);
   if (c->context > 1) /* its own form: the dimension is named only where it is used */
     lua_pushfstring(L,
                     "ParallelContext(rank %d of %d: tensor %d/%d, context %d/%d, pipeline %d/%d, data %d/%d%s, "
@@ -303,6 +312,22 @@ static int l_num_threads(lua_State *L) {
   return 1;
 }
 
+/* pg.node() -> { host =, rank =, size =, hosts = }: this process's host name, its place among the
+ * ranks on its node (pg_node_split: MPI_COMM_TYPE_SHARED or PG_RANKS_PER_NODE) and how many distinct
+ * host names the world has, as start-up found them. */
+static int l_node(lua_State *L) {
+  lua_createtable(L, 0, 4);
+  lua_pushstring(L, pg_host_of_world_rank(pg_mpi_world_rank()));
+  lua_setfield(L, -2, "host");
+  lua_pushinteger(L, pg_node_rank());
+  lua_setfield(L, -2, "rank");
+  lua_pushinteger(L, pg_node_size());
+  lua_setfield(L, -2, "size");
+  lua_pushinteger(L, pg_host_count());
+  lua_setfield(L, -2, "hosts");
+  return 1;
+}
+
 void pg_lua_open_context(lua_State *L) {
   if (luaL_newmetatable(L, PG_CONTEXT_MT)) {
     luaL_newlib(L, context_methods);
@@ -323,4 +348,6 @@ void pg_lua_open_context(lua_State *L) {
   lua_setfield(L, -2, "num_threads");
   lua_pushcfunction(L, l_wtime);
   lua_setfield(L, -2, "wtime");
+  lua_pushcfunction(L, l_node);
+  lua_setfield(L, -2, "node");
 }

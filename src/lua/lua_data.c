@@ -288,8 +288,10 @@ static int l_loader(lua_State *L) {
   cfg.dp_size = 1;
   if (lua_getfield(L, 1, "ctx") != LUA_TNIL) {
     pg_context *c = pg_lua_check_context(L, -1);
-    cfg.dp_rank = c->dp_rank;
-    cfg.dp_size = c->data;
+    /* islands (DiLoCo) split the batch as data ranks do: island i's data ranks
+     * read shards i D .. i D + D - 1 of islands x D (same tokens as data = islands x D) */
+    cfg.dp_rank = c->island * c->data + c->dp_rank;
+    cfg.dp_size = c->islands * c->data;
   }
   lua_pop(L, 1);
   if (lua_getfield(L, 1, "files") != LUA_TTABLE) return luaL_error(L, "TokenShards: files= must be a table of paths");

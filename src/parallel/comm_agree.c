@@ -91,6 +91,26 @@ static const char *kind_name(int kind) { return kind == PG_KIND_SENDRECV ? "send
 
 int comm_global_rank(const pg_group *g, int local) { return local >= 0 && local < g->size ? g->ranks[local] : local; }
 
+/* "4", or "4 on pghost2" when the world spans more than one host: member
+ * `local` of g as the watchdog names it (its rank in the context, its host
+ * from the names exchanged at start-up: a rank that never arrived may be on
+ * a host that is gone). */
+void comm_rank_name(const pg_group *g, int local, char *buf, size_t n) {
+  int rank = comm_global_rank(g, local);
+  snprintf(buf, n, "%d", rank);
+  if (pg_host_count() < 2 || local < 0 || local >= g->size) return;
+  MPI_Group mine, world;
+  int in_world = MPI_UNDEFINED;
+  if (MPI_Comm_group(g->comm, &mine) != MPI_SUCCESS) return;
+  if (MPI_Comm_group(MPI_COMM_WORLD, &world) == MPI_SUCCESS) {
+    MPI_Group_translate_ranks(mine, 1, &local, world, &in_world);
+    MPI_Group_free(&world);
+  }
+  MPI_Group_free(&mine);
+  if (in_world != MPI_UNDEFINED && pg_host_of_world_rank(in_world)[0])
+    snprintf(buf, n, "%d on %s", rank, pg_host_of_world_rank(in_world));
+}
+
 /* "all_reduce of 12 float32 values (op sum, spec.lua:10)": a record in words, peers as global ranks. */
 void comm_describe(const pg_group *g, const call_rec *c, char *buf, size_t n) {
   static const char *ops[] = {"sum", "max", "min", "avg"};
@@ -214,7 +234,9 @@ static void pending_ranks(const pg_group *g, int n, const MPI_Request *reqs, con
   k += (size_t)snprintf(buf, len, count > 1 ? "ranks " : "rank ");
   for (int i = 0, first = 1; i < n && k < len; i++) {
     if (reqs[i] == MPI_REQUEST_NULL) continue;
-    k += (size_t)snprintf(buf + k, len - k, first ? "%d" : ", %d", comm_global_rank(g, members[i]));
+    char name[PG_HOST_MAX + 16];
+    comm_rank_name(g, members[i], name, sizeof name);
+    k += (size_t)snprintf(buf + k, len - k, first ? "%s" : ", %s", name);
     first = 0;
   }
 }

@@ -126,6 +126,7 @@ void comm_describe(const pg_group *g, const call_rec *c, char *buf, size_t n);
 int comm_disagree(pg_context *ctx, const char *msg);
 int comm_give_up(pg_context *ctx, int n, MPI_Request *reqs, const char *msg);
 int comm_global_rank(const pg_group *g, int local);
+void comm_rank_name(const pg_group *g, int local, char *buf, size_t n);
 call_rec comm_make_rec(pg_context *ctx, pg_mode m, int kind, int dtype, int op, int64_t count);
 int comm_pair_matches(const call_rec *s, const call_rec *r);
 int comm_pair_message(pg_context *ctx, const pg_group *g, pg_mode m, const call_rec *s, const call_rec *r);

@@ -187,16 +187,19 @@ int pg_wait(pg_request **req) {
   int late = comm_poll_all(2, two, idx, NULL, deadline, "waiting for a send", m);
   if (late < 0) return PG_ERR;
   if (late) { /* r, its record and a staged copy stay allocated: MPI may still read them */
-    char what[256], msg[512];
+    char what[256], msg[512], who[PG_HOST_MAX + 16];
     const pg_group *g = &r->ctx->group[m];
     comm_describe(g, &r->rec, what, sizeof what);
-    if (r->recv)
-      snprintf(msg, sizeof msg, "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but rank %d never sent it",
-               what, pg_mode_name(m), limit, comm_global_rank(g, r->rec.src));
-    else
+    if (r->recv) {
+      comm_rank_name(g, r->rec.src, who, sizeof who);
+      snprintf(msg, sizeof msg, "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but rank %s never sent it",
+               what, pg_mode_name(m), limit, who);
+    } else {
+      comm_rank_name(g, r->rec.dst, who, sizeof who);
       snprintf(msg, sizeof msg,
-               "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but rank %d never received it", what,
-               pg_mode_name(m), limit, comm_global_rank(g, r->rec.dst));
+               "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but rank %s never received it", what,
+               pg_mode_name(m), limit, who);
+    }
     return comm_give_up(r->ctx, 2, two, msg);
   }
   comm_host_give(r->host);
@@ -361,10 +364,11 @@ static int check_shipped(pg_context *ctx, pg_mode m, const call_rec *mine, doubl
   int late = comm_poll_all(1, reqs, idx, NULL, deadline, "recv", m);
   if (late < 0) return PG_ERR;
   if (late) {
-    char what[256], msg[512];
+    char what[256], msg[512], who[PG_HOST_MAX + 16];
     comm_describe(g, mine, what, sizeof what);
-    snprintf(msg, sizeof msg, "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but rank %d never sent it",
-             what, pg_mode_name(m), limit, comm_global_rank(g, mine->src));
+    comm_rank_name(g, mine->src, who, sizeof who);
+    snprintf(msg, sizeof msg, "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but rank %s never sent it",
+             what, pg_mode_name(m), limit, who);
     return comm_give_up(ctx, 1, reqs, msg);
   }
   return comm_pair_matches(recs, mine) ? PG_OK : comm_pair_message(ctx, g, m, recs, mine);
@@ -403,10 +407,11 @@ int pg_recv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, int src, int 
   int late = comm_poll_all(1, &q, idx, NULL, deadline, "recv", m);
   if (late < 0) return comm_unstage(&s, PG_ERR, 0);
   if (late) { /* a staged host buffer stays allocated: MPI may still write into it */
-    char what[256], msg[512];
+    char what[256], msg[512], who[PG_HOST_MAX + 16];
     comm_describe(&ctx->group[m], &mine, what, sizeof what);
-    snprintf(msg, sizeof msg, "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but rank %d never sent it",
-             what, pg_mode_name(m), limit, comm_global_rank(&ctx->group[m], src));
+    comm_rank_name(&ctx->group[m], src, who, sizeof who);
+    snprintf(msg, sizeof msg, "%s over the %s group: waited %g s (PG_COLLECTIVE_TIMEOUT) but rank %s never sent it",
+             what, pg_mode_name(m), limit, who);
     return comm_give_up(ctx, 1, &q, msg);
   }
   comm_count(ctx, m, PG_COLL_RECV, (double)n * 4, t0);

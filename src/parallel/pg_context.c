@@ -3,6 +3,7 @@
 
 #include <limits.h>
 #include <sched.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -15,7 +16,7 @@
 
 static const char *mode_names[PG_NUM_MODES] = {"global",    "tensor", "pipeline",
                                                "data",      "embedding", "expert", "expert_data",
-                                               "context",   "data_context"};
+                                               "context",   "data_context", "islands"};
 static const char *coll_names[PG_NUM_COLLS] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast",
                                                "send",       "recv",       "barrier",        "all_to_all"};
 
@@ -28,7 +29,8 @@ int pg_mode_from_name(const char *name, pg_mode *out) {
       *out = (pg_mode)i;
       return PG_OK;
     }
-  return pg_fail("unknown group '%s' (expected global, tensor, pipeline, data, embedding, expert, expert_data, context or data_context)", name);
+  return pg_fail("unknown group '%s' (expected global, tensor, pipeline, data, embedding, expert, expert_data, "
+                 "context, data_context or islands)", name);
 }
 
 static int make_group(pg_group *g, MPI_Comm world, int color, int key) {
@@ -46,11 +48,10 @@ static int make_group(pg_group *g, MPI_Comm world, int color, int key) {
   return PG_OK;
 }
 
-int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, int data, int expert, int context,
-                    uint64_t seed) {
-  memset(ctx, 0, sizeof *ctx);
-  for (int m = 0; m < PG_NUM_MODES; m++) ctx->group[m].comm = ctx->group[m].agree = MPI_COMM_NULL;
-  ctx->destroyed = 1;
+/* The groups of one island (world: the island's communicator); ctx cleared by the caller, which destroys it
+ * when this fails. */
+static int init_island(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, int data, int expert, int context,
+                       uint64_t seed) {
   MPI_Comm_size(world, &ctx->world_size);
   MPI_Comm_rank(world, &ctx->rank);
   if (tensor < 1 || pipeline < 1 || data < 1 || context < 1)
@@ -96,13 +97,40 @@ int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, i
        make_group(&ctx->group[PG_MODE_EXPERT], world, ((pp * C + cp) * tensor + tp) * groups + dp / expert, dp) == PG_OK &&
        make_group(&ctx->group[PG_MODE_EXPERT_DATA], world, ((pp * C + cp) * tensor + tp) * expert + dp % expert, dp) ==
            PG_OK;
-  if (!ok) {
-    ctx->destroyed = 0;
-    pg_context_destroy(ctx);
-    return PG_ERR;
-  }
-  ctx->destroyed = 0;
-  return PG_OK;
+  ctx->destroyed = 0; /* from here pg_context_destroy frees what was made */
+  return ok ? PG_OK : PG_ERR;
+}
+
+int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, int data, int expert, int context,
+                    uint64_t seed) {
+  return pg_context_init_islands(ctx, world, 1, tensor, pipeline, data, expert, context, seed);
+}
+
+int pg_context_init_islands(pg_context *ctx, MPI_Comm world, int islands, int tensor, int pipeline, int data,
+                            int expert, int context, uint64_t seed) {
+  memset(ctx, 0, sizeof *ctx);
+  for (int m = 0; m < PG_NUM_MODES; m++) ctx->group[m].comm = ctx->group[m].agree = MPI_COMM_NULL;
+  ctx->destroyed = 1;
+  int world_size = 1, me = 0;
+  MPI_Comm_size(world, &world_size);
+  MPI_Comm_rank(world, &me);
+  if (islands < 1 || world_size % islands)
+    return pg_fail("islands=%d must be a positive integer dividing the world size %d", islands, world_size);
+  int per = world_size / islands;
+  if (islands > 1 && tensor > 0 && pipeline > 0 && data > 0 && context > 0 &&
+      (long)tensor * context * pipeline * data != per)
+    return pg_fail("tensor=%d x context=%d x pipeline=%d x data=%d = %ld ranks, but each of the %d islands has %d "
+                   "(world %d)", tensor, context, pipeline, data, (long)tensor * context * pipeline * data, islands,
+                   per, world_size);
+  MPI_Comm island;
+  if (MPI_Comm_split(world, me / per, me, &island) != MPI_SUCCESS) return pg_fail("MPI_Comm_split failed");
+  int rc = init_island(ctx, island, tensor, pipeline, data, expert, context, seed);
+  MPI_Comm_free(&island); /* the groups are communicators of their own */
+  ctx->islands = islands;
+  ctx->island = me / per;
+  if (rc == PG_OK) rc = make_group(&ctx->group[PG_MODE_ISLANDS], world, me % per, me / per);
+  if (rc != PG_OK) pg_context_destroy(ctx); /* nothing when init_island failed before making a group */
+  return rc;
 }
 
 void pg_context_destroy(pg_context *ctx) {
@@ -210,6 +238,49 @@ int pg_node_split(MPI_Comm comm, MPI_Comm *node) {
   return PG_OK;
 }
 
+/* Every world rank's host name (PG_HOST_MAX bytes each), exchanged once at
+ * start-up by find_node_place: a watchdog that names an absent rank names
+ * its host too, and the rank may be gone by then. Kept for the process's
+ * life (a report can come at any time). */
+static char *host_names;
+static int host_count, distinct_hosts = 1;
+
+const char *pg_host_of_world_rank(int r) {
+  return host_names && r >= 0 && r < host_count ? host_names + (size_t)r * PG_HOST_MAX : "";
+}
+
+int pg_host_count(void) { return distinct_hosts; }
+
+static int exchange_host_names(void) {
+  if (host_names) return PG_OK;
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  char mine[PG_HOST_MAX] = "";
+  if (gethostname(mine, sizeof mine - 1) != 0) snprintf(mine, sizeof mine, "?");
+  mine[sizeof mine - 1] = 0;
+  char *all = calloc((size_t)n, PG_HOST_MAX);
+  int ok = all != NULL;
+  /* every rank takes part in the collective even when its own calloc failed (MPI_MIN of ok) */
+  if (MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD) != MPI_SUCCESS || !ok) {
+    free(all);
+    return pg_fail("out of memory for the host names of %d ranks", n);
+  }
+  if (MPI_Allgather(mine, PG_HOST_MAX, MPI_CHAR, all, PG_HOST_MAX, MPI_CHAR, MPI_COMM_WORLD) != MPI_SUCCESS) {
+    free(all);
+    return pg_fail("MPI_Allgather of the host names failed");
+  }
+  int distinct = 0;
+  for (int r = 0; r < n; r++) {
+    int seen = 0;
+    for (int q = 0; q < r && !seen; q++) seen = !strcmp(all + (size_t)q * PG_HOST_MAX, all + (size_t)r * PG_HOST_MAX);
+    distinct += !seen;
+  }
+  host_names = all;
+  host_count = n;
+  distinct_hosts = distinct;
+  return PG_OK;
+}
+
 static int find_node_place(void) {
   int inited = 0, finalized = 0;
   MPI_Initialized(&inited);
@@ -222,7 +293,7 @@ static int find_node_place(void) {
     MPI_Comm_size(node, &node_size);
     MPI_Comm_free(&node);
   }
-  return PG_OK;
+  return exchange_host_names();
 }
 
 int pg_setup_threads(void) {

@@ -27,6 +27,17 @@
  * sharing (tp, pp), ordered dp_rank * C + cp_rank (Megatron's dp-cp group).
  * With C = 1 both are single-rank and the data group's own.
  *
+ * Islands (DiLoCo, pg_context_init_islands): the world cut into k contiguous
+ * blocks of world / k ranks, island-major (world rank = island * (world / k)
+ * + rank in the island), so that an island is a host when ranks are placed
+ * by host. Every group above, global included, is the island's own: an
+ * engine built on the context is exactly the engine the island would have
+ * alone (rank, world_size and the layout are the island's). The "islands"
+ * group joins the k ranks with the same rank in their islands, in island
+ * order (its local rank is the island); size 1 without islands. A group's
+ * `ranks` are numbered in the island (its world), the islands group's in
+ * the whole world.
+ *
  * pg_context_init and pg_context_destroy are collective over `world`. */
 #ifndef PG_CONTEXT_H
 #define PG_CONTEXT_H
@@ -44,6 +55,7 @@ typedef enum {
   PG_MODE_EXPERT_DATA, /* the data ranks holding the same experts: their gradients' reduction */
   PG_MODE_CONTEXT,     /* the C ranks splitting one sequence (context parallelism) */
   PG_MODE_DATA_CONTEXT, /* data x context: where the dense gradients are reduced and ZeRO shards live */
+  PG_MODE_ISLANDS,     /* the islands' ranks at the same place in their island: DiLoCo's outer step */
   PG_NUM_MODES
 } pg_mode;
 
@@ -82,6 +94,7 @@ typedef struct pg_context {
   int context;                /* context-parallel size (1: every rank holds whole sequences) */
   int tp_rank, pp_rank, dp_rank, cp_rank;
   int ep_rank;                /* place in the expert group: dp_rank % expert */
+  int islands, island;        /* DiLoCo's islands and this rank's (1 and 0 without them) */
   uint64_t seed;
   pg_group group[PG_NUM_MODES];
   /* pg_comm's own state (its counters, scratch, NCCL communicators, the call site, a broken
@@ -107,6 +120,10 @@ int pg_context_init(pg_context *ctx, MPI_Comm world, int tensor, int pipeline, i
 static inline int64_t pg_cp_position(int C, int r, int64_t L, int64_t t) {
   return t < L ? (int64_t)r * L + t : (int64_t)(2 * C - 1 - r) * L + (t - L);
 }
+/* The same inside each of `islands` islands (see above): tensor * context * pipeline * data must be
+ * world / islands; islands must divide the world. */
+int pg_context_init_islands(pg_context *ctx, MPI_Comm world, int islands, int tensor, int pipeline, int data,
+                            int expert, int context, uint64_t seed);
 void pg_context_destroy(pg_context *ctx);
 
 /* Global rank of the member at position `local` (ring order, wraps). */
@@ -151,5 +168,14 @@ int pg_node_size(void);
  * so that one machine runs the paths between nodes (no shared memory across
  * them). The one place that decides what a node is. */
 int pg_node_split(MPI_Comm comm, MPI_Comm *node);
+
+/* World rank r's host name (gethostname, truncated to PG_HOST_MAX - 1
+ * bytes), as every rank told the others at start-up (pg_setup_threads), ""
+ * for a rank out of range or before then; and how many distinct names the
+ * world has (1 before then). The watchdog names the host of a rank that
+ * never arrived when the world spans more than one. */
+#define PG_HOST_MAX 64
+const char *pg_host_of_world_rank(int r);
+int pg_host_count(void);
 
 #endif

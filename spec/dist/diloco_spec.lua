@@ -1,0 +1,266 @@
+-- worlds: 4 8
+-- DiLoCo (pg.DiLoCo over pg.ParallelContext{islands = k}): the outer step
+-- against plain training, the islands' mean and a float64 reference, and an
+-- island of a tensor-parallel layout against the same algorithm run serially.
+local pg = require "pipegoose"
+
+local world = pg.world_size()
+local CFG = { vocab = 61, padded_vocab = 64, seq_len = 16, dim = 32, heads = 4, layers = 2 }
+local GLOBAL_BATCH = 8
+local EPS32 = 2 ^ -24
+
+-- A fixed global batch of random ids, the same on every rank.
+local function batch()
+  local x, y = {}, {}
+  local r = pg.randn({ GLOBAL_BATCH, CFG.seq_len + 1 }, { seed = 11 }):totable()
+  for b = 1, GLOBAL_BATCH do
+    x[b], y[b] = {}, {}
+    for t = 1, CFG.seq_len do
+      x[b][t] = math.floor(math.abs(r[b][t]) * 1000) % CFG.vocab
+      y[b][t] = math.floor(math.abs(r[b][t + 1]) * 1000) % CFG.vocab
+    end
+  end
+  return pg.tensor(x, { dtype = "int32" }), pg.tensor(y, { dtype = "int32" })
+end
+local X, Y = batch()
+
+local function adamw(engine)
+  return pg.optim.AdamW(engine, { lr = 1e-3, betas = { 0.9, 0.95 }, weight_decay = 0.1 })
+end
+
+-- The rows of the global batch that data rank d of island i reads (islands split the batch as data ranks do).
+local function rows_of(ctx)
+  local D = ctx:world_size("islands") * ctx:world_size("data")
+  local d = ctx:local_rank("islands") * ctx:world_size("data") + ctx:local_rank("data")
+  local rows = GLOBAL_BATCH // D
+  return X:narrow(1, d * rows + 1, rows), Y:narrow(1, d * rows + 1, rows)
+end
+
+local function inner_step(engine, opt, x, y)
+  engine:zero_grad()
+  local loss = engine:forward_backward(x, y)
+  opt:clip_grad_norm(1.0)
+  opt:step()
+  return loss
+end
+
+-- Every island's flat parameters, as float64 Lua arrays (islands group order).
+local function islands_params(engine)
+  local ctx = engine.ctx
+  local params = engine:flat()
+  local n, k = params:numel(), ctx:world_size("islands")
+  local all = k > 1 and pg.dist.all_gather(params:clone(), { ctx = ctx, group = "islands" }) or params:clone()
+  local t = all:totable()
+  local out = {}
+  for i = 1, k do
+    local a = {}
+    for j = 1, n do a[j] = t[(i - 1) * n + j] end
+    out[i] = a
+  end
+  return out
+end
+
+describe("islands", function()
+  it("cut the world island-major; every group is the island's, and islands joins the matching ranks", function()
+    if world % 2 ~= 0 then pending("needs an even world") return end
+    local per, me = world // 2, pg.world_rank()
+    local ctx = pg.ParallelContext{ islands = 2, seed = 5 }
+    assert.equal(2, ctx:world_size("islands"))
+    assert.equal(me // per, ctx:local_rank("islands"))
+    assert.equal(per, ctx:world_size())
+    assert.equal(me % per, ctx:rank())
+    assert.same({ me % per, me % per + per }, ctx:ranks("islands"))
+    -- the island's ranks are numbered inside it (it is the context's world); islands lists world ranks
+    local global = {}
+    for r = 0, per - 1 do global[r + 1] = r end
+    assert.same(global, ctx:ranks("global"))
+    assert.same({ islands = 2, tensor = 1, pipeline = 1, data = per, expert = 1, world = per }, ctx:sizes())
+    assert.matches("island " .. me // per .. "/2", tostring(ctx), 1, true)
+  end)
+
+  it("split token data as data ranks do: islands = 2 of data = D read what data = 2 D reads", function()
+    if world % 2 ~= 0 then pending("needs an even world") return end
+    -- one name on every rank: rank 0's draw, broadcast
+    local wctx = pg.ParallelContext{ seed = 5 }
+    local tag = pg.tensor({ pg.world_rank() == 0 and math.random(1, 2 ^ 24) or 0 })
+    pg.dist.broadcast(tag, { ctx = wctx, src = 0 })
+    local path = ("/tmp/pg-diloco-spec-%d"):format(math.tointeger(tag:get(1)))
+    if pg.world_rank() == 0 then
+      local ids = {}
+      for i = 1, 4000 do ids[i] = (i * 7919) % 250 end
+      pg.data.write_shard(path .. ".bin", ids)
+    end
+    pg.dist.barrier({ ctx = wctx })
+    local function rows(ctx)
+      local d = pg.data.TokenShards{ path = path .. ".bin", batch = 2 * world, seq_len = 8, seed = 3, ctx = ctx }
+      local x = d:next_batch()
+      return x:totable()
+    end
+    local plain = rows(pg.ParallelContext{ seed = 5 })
+    local islands = rows(pg.ParallelContext{ islands = 2, seed = 5 })
+    pg.dist.barrier({ ctx = wctx })
+    if pg.world_rank() == 0 then os.remove(path .. ".bin") end
+    assert.equal(2, #islands)
+    assert.same(plain, islands)
+  end)
+end)
+
+describe("DiLoCo", function()
+  it("k = 1, H = 1, outer lr 1 and momentum 0 is plain training, to the bit (Trainer callback)", function()
+    local function train(with_diloco)
+      local ctx = pg.ParallelContext{ self = true, seed = 5, islands = 1 }
+      local engine = pg.parallelize(pg.nn.GPT(CFG), ctx)
+      local data = pg.testing.fake_data{ batches = 6, batch = 4, seq_len = CFG.seq_len, vocab = CFG.vocab, seed = 3,
+                                         tensors = true }
+      local cbs = {}
+      if with_diloco then cbs[1] = pg.DiLoCo{ outer_every = 1, outer_lr = 1, outer_momentum = 0 } end
+      local trainer = pg.Trainer{ engine = engine, optimizer = adamw(engine), max_steps = 6, clip_grad_norm = 1.0,
+                                  callbacks = cbs, out = { write = function() end, flush = function() end } }
+      trainer:fit(data)
+      return engine:flat():clone(), cbs[1]
+    end
+    local plain = train(false)
+    local got, cb = train(true)
+    assert.equal(6, cb.outer_steps)
+    assert.is_true(got:equal(plain), "max difference " .. tostring(got:max_abs_diff(plain)))
+  end)
+
+  it("outer lr 1, momentum 0: every island continues from the mean of the islands' inner results", function()
+    if world % 4 ~= 0 then pending("needs 4 ranks") return end
+    local ctx = pg.ParallelContext{ islands = 4, seed = 5 }
+    assert.equal(4, ctx:world_size("islands"))
+    assert.equal(world // 4, ctx:world_size()) -- each island: data = world / 4
+    local engine = pg.parallelize(pg.nn.GPT(CFG), ctx)
+    local opt = adamw(engine)
+    local dl = pg.DiLoCo{ islands = 4, outer_every = 3, outer_lr = 1, outer_momentum = 0 }
+    dl:attach(engine)
+    local x, y = rows_of(ctx)
+    for outer = 1, 2 do
+      for _ = 1, 3 do inner_step(engine, opt, x, y) end
+      local before = islands_params(engine)
+      -- the islands differ before the sync (they read different rows)
+      assert.is_true(before[1][1] ~= before[2][1] or before[1][100] ~= before[2][100])
+      dl:outer_step()
+      local after = islands_params(engine)
+      local worst = 0
+      for j = 1, #before[1] do
+        local sum, abs = 0, 0
+        for i = 1, 4 do sum, abs = sum + before[i][j], abs + math.abs(before[i][j]) end
+        -- float32 avg of 4 values: each partial sum and the scaling round once (<= 4 roundings of <= sum |p_i|)
+        local tol = 4 * EPS32 * abs
+        for i = 1, 4 do
+          local err = math.abs(after[i][j] - sum / 4)
+          assert(err <= tol, ("outer step %d, element %d, island %d: %.9g, mean %.9g"):format(outer, j, i,
+            after[i][j], sum / 4))
+          if err > worst then worst = err end
+        end
+        assert(after[1][j] == after[2][j] and after[1][j] == after[3][j] and after[1][j] == after[4][j],
+          "islands hold different parameters after the sync")
+      end
+    end
+  end)
+
+  it("the pseudo-gradient and the Nesterov update match a float64 reference for 3 outer steps", function()
+    if world % 4 ~= 0 then pending("needs 4 ranks") return end
+    local ctx = pg.ParallelContext{ islands = 4, seed = 5 }
+    local engine = pg.parallelize(pg.nn.GPT(CFG), ctx)
+    local opt = adamw(engine)
+    local lr, m = 0.7, 0.9
+    local dl = pg.DiLoCo{ outer_every = 2, outer_lr = lr, outer_momentum = m, nesterov = true }
+    dl:attach(engine)
+    local n = engine:flat():numel()
+    local anchor = engine:flat():totable() -- float64 reference state
+    local buf = {}
+    for j = 1, n do buf[j] = 0 end
+    local x, y = rows_of(ctx)
+    local st = dl:outer_state()
+    for outer = 1, 3 do
+      for _ = 1, 2 do inner_step(engine, opt, x, y) end
+      local p = islands_params(engine)
+      dl:outer_step()
+      local got = engine:flat():totable()
+      local mom = st.momentum:totable()
+      local moved = 0
+      for j = 1, n do
+        local mean = (p[1][j] + p[2][j] + p[3][j] + p[4][j]) / 4
+        local g = anchor[j] - mean
+        buf[j] = m * buf[j] + g
+        local new = anchor[j] - lr * (g + m * buf[j])
+        -- float32 arithmetic against exact: the mean (4 roundings of sum |p_i| / 4: spread), each of the update's ~6
+        -- operations one rounding of its operands, and the reference's anchor and buffer drifting from the
+        -- float32 ones by that much per earlier outer step
+        local spread = (math.abs(p[1][j]) + math.abs(p[2][j]) + math.abs(p[3][j]) + math.abs(p[4][j])) / 4
+        local scale = math.abs(anchor[j]) + spread + math.abs(g) + math.abs(buf[j]) + math.abs(g + m * buf[j])
+        local tol = 8 * outer * EPS32 * scale + 1e-30
+        assert(math.abs(got[j] - new) <= tol, ("outer step %d, element %d: %.9g, float64 reference %.9g"):format(
+          outer, j, got[j], new))
+        if j > st.lo and j <= st.hi then
+          local bj = mom[j - st.lo]
+          assert(math.abs(bj - buf[j]) <= tol, ("outer step %d, momentum at %d: %.9g, reference %.9g"):format(
+            outer, j, bj, buf[j]))
+        end
+        anchor[j] = new
+        if math.abs(new - mean) > 1e-6 then moved = moved + 1 end
+      end
+      assert(moved > n // 4, "the outer step left the parameters at the mean") -- momentum and lr 0.7 act
+    end
+  end)
+
+  it("an island of a tensor = 2 layout equals the same run of that island alone (serial)", function()
+    if world ~= 4 then pending("needs 4 ranks") return end
+    local H, OUTER, lr, m = 2, 2, 0.7, 0.9
+    local ctx = pg.ParallelContext{ islands = 2, tensor = 2, seed = 5 }
+    local engine = pg.parallelize(pg.nn.GPT(CFG), ctx)
+    local opt = adamw(engine)
+    local dl = pg.DiLoCo{ outer_every = H, outer_lr = lr, outer_momentum = m }
+    dl:attach(engine)
+    local x, y = rows_of(ctx)
+    -- the serial reference: both islands on this process, the outer step in float64 on their flat buffers
+    local serial = {}
+    for i = 1, 2 do
+      local sctx = pg.ParallelContext{ self = true, seed = 5 }
+      local e = pg.parallelize(pg.nn.GPT(CFG), sctx)
+      serial[i] = { engine = e, opt = adamw(e), x = X:narrow(1, (i - 1) * 4 + 1, 4), y = Y:narrow(1, (i - 1) * 4 + 1, 4) }
+    end
+    local n = serial[1].engine:flat():numel()
+    local anchor, buf = serial[1].engine:flat():totable(), {}
+    for j = 1, n do buf[j] = 0 end
+    for _ = 1, OUTER do
+      for _ = 1, H do
+        inner_step(engine, opt, x, y)
+        for i = 1, 2 do inner_step(serial[i].engine, serial[i].opt, serial[i].x, serial[i].y) end
+      end
+      dl:outer_step()
+      local a, b = serial[1].engine:flat():totable(), serial[2].engine:flat():totable()
+      for j = 1, n do
+        local g = anchor[j] - (a[j] + b[j]) / 2
+        buf[j] = m * buf[j] + g
+        anchor[j] = anchor[j] - lr * (g + m * buf[j])
+      end
+      local t = pg.tensor(anchor)
+      for i = 1, 2 do serial[i].engine:flat():copy_(t) end
+    end
+    -- the same tolerance as the tensor-parallel spec's: split sums round differently (~1e-7 relative per
+    -- step), carried through 4 AdamW steps of lr 1e-3 and the outer steps; Adam can move an element whose
+    -- gradient is near zero by up to lr per step, so the largest single difference is bounded by 4 lr
+    for _, p in ipairs(serial[1].engine:parameters()) do
+      local full = engine:gather_param(p.name)
+      local want = p.tensor
+      local d = full:sub(want)
+      local rms = math.sqrt(d:mul(d):sum() / d:numel())
+      local wrms = math.sqrt(want:mul(want):sum() / want:numel())
+      assert(rms <= 1e-5 * wrms + 1e-5, ("%s: rms difference %.3g (rms %.3g)"):format(p.name, rms, wrms))
+      assert(full:max_abs_diff(want) <= 4e-3, p.name .. ": largest difference " .. full:max_abs_diff(want))
+    end
+  end)
+
+  it("refuses islands that do not divide the world, and a DiLoCo whose islands differ from the context's", function()
+    assert.has_error(function() pg.ParallelContext{ islands = 3 * world } end)
+    local ctx = pg.ParallelContext{ self = true, seed = 5 }
+    local engine = pg.parallelize(pg.nn.GPT(CFG), ctx)
+    local dl = pg.DiLoCo{ islands = 2, outer_every = 2 }
+    local ok, err = pcall(dl.attach, dl, engine)
+    assert.is_false(ok)
+    assert.matches("islands=2, but the context has 1", err, 1, true)
+  end)
+end)
