@@ -74,7 +74,7 @@ describe("islands", function()
     local global = {}
     for r = 0, per - 1 do global[r + 1] = r end
     assert.same(global, ctx:ranks("global"))
-    assert.same({ islands = 2, tensor = 1, pipeline = 1, data = per, expert = 1, world = per }, ctx:sizes())
+    assert.same({ islands = 2, tensor = 1, pipeline = 1, data = per, expert = 1, context = 1, world = per }, ctx:sizes())
     assert.matches("island " .. me // per .. "/2", tostring(ctx), 1, true)
   end)
 
