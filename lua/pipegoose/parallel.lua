@@ -406,7 +406,8 @@ function Engine:sync_grads() self.c:sync_grads() end -- collective (data and emb
 --- This rank's parameters: { name=, shape=, full_shape=, split=, tensor=, grad=, ... } in flat order
 -- (no grad with zero = 2: the optimizer made the engine keep only its shard of the gradients).
 function Engine:parameters()
-  local sharded = self.optimizer ~= nil and self.optimizer.zero == 2
+  -- zero = 3: no tensor either (this rank holds a shard of the parameters: gather_param, shard_state().param)
+  local sharded = self.optimizer ~= nil and self.optimizer.zero >= 2 and self.optimizer.zero
   if not self._.params or self._.params_sharded ~= sharded then
     self._.params, self._.params_sharded = self.c:params(), sharded
   end
@@ -418,9 +419,9 @@ end
 function Engine:flat() return self.c:flat() end
 
 function Engine:grads()
-  if self.optimizer and self.optimizer.zero == 2 and self.ctx:world_size("data") > 1 then
-    error("engine:grads(): with zero = 2 this rank keeps only its shard of the gradients "
-      .. "(optimizer:shard_state().grad), not each parameter's", 2)
+  if self.optimizer and self.optimizer.zero >= 2 and self.ctx:world_size("data") > 1 then
+    error(("engine:grads(): with zero = %d this rank keeps only its shard of the gradients "
+      .. "(optimizer:shard_state().grad), not each parameter's"):format(self.optimizer.zero), 2)
   end
   local out = {}
   for i, p in ipairs(self:parameters()) do out[i] = { name = p.name, shape = p.shape, tensor = p.grad } end
@@ -445,8 +446,9 @@ function Engine:memory()
     local_params = local_params + n
   end
   local m = {
-    -- measured by the runtime: with zero = 2 the shard and the staging buffers made so far
-    params_bytes = 4 * info.flat_padded, grads_bytes = info.grads_bytes,
+    -- measured by the runtime: with zero = 2 the gradients' shard and the staging buffers made so far, with
+    -- zero = 3 also the parameters' shard and the gather slots (the largest unit's, two of them)
+    params_bytes = info.params_bytes, grads_bytes = info.grads_bytes,
     slot_bytes = info.slot_bytes, slots = info.slots,
     -- recomputed blocks keep one micro-batch's activations whatever is in flight
     fixed_activation_bytes = info.fixed_activation_bytes,

@@ -120,6 +120,20 @@ typedef struct pg_bucket {
   int started_in_backward; /* this call */
 } pg_bucket;
 
+/* ZeRO-3 (pg_engine_shard_params): the parameters of one module that owns
+ * some, gathered over the data group as one all-gather of the flat range
+ * [lo, hi) they lie in (each member's piece: the range's intersection with
+ * its shard). */
+typedef struct pg_gather_unit {
+  pg_module *m;
+  int64_t lo, hi;
+  int resident;      /* owns a weight another module reads (a tied head): gathered once a call, kept to its end */
+  float *buf;        /* [hi - lo]: a resident unit's own, or the pool slot it holds; NULL when not held */
+  int slot;          /* the pool slot it holds, or -1 */
+  int gathered;      /* the parameters point into buf (the gather completed) */
+  pg_request *req;   /* the gather in flight, or NULL */
+} pg_gather_unit;
+
 typedef struct pg_engine {
   pg_context *ctx;
   pg_chunk *chunks;     /* V of them: piece v*P + pp_rank of the model is chunks[v] */
@@ -154,7 +168,7 @@ typedef struct pg_engine {
                             expert, over all MoE layers, micro-batches and data ranks */
   pg_io *eval_ios;     /* per evaluation micro-batch, eval_ios_cap of them */
   int eval_ios_cap;
-  int zero;            /* 0: replicated optimizer; 1: ZeRO-1 (gradient shards); 2: ZeRO-2 (pg_optim.h) */
+  int zero;            /* 0: replicated optimizer; 1: ZeRO-1 (gradient shards); 2: ZeRO-2; 3: ZeRO-3 (pg_optim.h) */
   pg_bucket *buckets;  /* in the order they start; NULL when the reduction is not overlapped */
   int nbuckets;
   int *param_bucket;   /* [nparams]: the bucket of params[i] */
@@ -179,6 +193,23 @@ typedef struct pg_engine {
   int64_t pool_elems;
   int64_t resident_elems; /* staging kept by resident buckets */
   long bucket_seq;
+  /* ZeRO-3 with data > 1 (pg_engine_shard_params): param_store holds only
+   * this rank's shard [param_base, param_base + flat_padded / data) of the
+   * parameters (as grad_store the gradients, ZeRO-2); between a unit's
+   * gather and its release its parameters' data point into its buffer, else
+   * they are NULL. */
+  int params_sharded;
+  int reshard_after_forward; /* 1 (default): release a unit after its forward, gather it again for backward */
+  int64_t param_base;
+  pg_gather_unit *units;     /* in forward order (the chunks' trees) */
+  int nunits;
+  int *param_unit;           /* [nparams]: the unit owning params[i] */
+  float **gpool;             /* [ngpool] gather slots of gpool_elems floats */
+  int *gpool_owner;          /* [ngpool] the unit holding each, or -1 */
+  int ngpool;
+  int64_t gpool_elems, gresident_elems;
+  int gathers_started;       /* this call: the first agrees on the set (pg_agree_batch) */
+  long unit_gathers;         /* gathers started since the engine was made */
   int64_t num_parameters; /* of the full model, counted at construction */
   pg_engine_stats stats;
 } pg_engine;
@@ -236,6 +267,23 @@ int pg_engine_sync_grads(pg_engine *e);
  * views of the whole buffer) are refused with an error naming them. Not
  * collective; every member of the data group must call it. */
 int pg_engine_shard_grads(pg_engine *e);
+/* ZeRO-3 (the optimizer calls it for zero = 3, after pg_engine_shard_grads):
+ * keep only this rank's shard of the parameters too. Every module that owns
+ * parameters is a gather unit: before its forward and its backward its
+ * parameters are all-gathered over the data group into a slot (the next
+ * unit's gather started before, nonblocking: prefetch), and released after
+ * (after forward only when reshard_after_forward, else at the end of the
+ * call). With data = 1 nothing changes. The device backend, precision bf16
+ * and expert parallelism are refused by name. Not collective. */
+int pg_engine_shard_params(pg_engine *e);
+/* ZeRO-3's reshard_after_forward (default 1: FSDP2's): 0 keeps a unit gathered from its first forward of a
+ * call to the call's end (a pipeline step gathers each unit once instead of twice per micro-batch). */
+int pg_engine_set_reshard_after_forward(pg_engine *e, int on);
+/* The parameter value of flat element off: anywhere without ZeRO-3, inside this rank's shard with it. */
+float *pg_engine_param_at(const pg_engine *e, int64_t off);
+/* Bytes of parameter memory on this rank: the flat buffer, or with ZeRO-3 the
+ * shard plus the gather slots (pool slots made so far and resident units'). */
+size_t pg_engine_param_bytes(const pg_engine *e);
 /* The gradient of flat element off: anywhere without ZeRO-2, inside this
  * rank's shard with it. */
 float *pg_engine_grad_at(const pg_engine *e, int64_t off);

@@ -619,6 +619,7 @@ static void push_param(lua_State *L, pg_param *p, pg_storage *pstore, pg_storage
   lua_pushinteger(L, p->offset);
   lua_setfield(L, -2, "offset");
   pg_tensor t;
+  if (!pstore) return; /* ZeRO-3: this rank holds a shard of the parameters, not each one (gather_param) */
   if (pg_tensor_init_view(&t, pstore, (size_t)p->offset, PG_FLOAT32, p->ndim, p->shape)) luaL_error(L, "%s", pg_error());
   pg_lua_push_tensor(L, &t);
   lua_setfield(L, -2, "tensor");
@@ -633,7 +634,7 @@ static int l_params(lua_State *L) {
   pg_engine *e = check_engine(L, 1);
   lua_createtable(L, e->nparams, 0);
   for (int i = 0; i < e->nparams; i++) {
-    push_param(L, e->params[i], e->param_store, e->sharded ? NULL : e->grad_store);
+    push_param(L, e->params[i], e->params_sharded ? NULL : e->param_store, e->sharded ? NULL : e->grad_store);
     lua_rawseti(L, -2, i + 1);
   }
   return 1;
@@ -645,6 +646,9 @@ static int l_flat(lua_State *L) {
   pg_engine *e = check_engine(L, 1);
   int64_t n = e->flat_padded;
   pg_tensor t;
+  if (e->params_sharded)
+    return luaL_error(L, "engine:flat(): with zero = 3 this rank keeps only its shard of the parameters and "
+                         "gradients (optimizer:shard_state()), not the whole buffers");
   PG_LUA_CHECK(L, pg_tensor_init_view(&t, e->param_store, 0, PG_FLOAT32, 1, &n));
   pg_lua_push_tensor(L, &t);
   if (e->sharded) {
@@ -741,6 +745,15 @@ static int l_info(lua_State *L) {
   set_int(L, "zero", e->zero);
   /* measured: the flat buffer, or ZeRO-2's shard and staging (pg_engine_grad_bytes) */
   set_int(L, "grads_bytes", (lua_Integer)pg_engine_grad_bytes(e));
+  /* measured: the flat buffer, or ZeRO-3's shard and gather slots (pg_engine_param_bytes) */
+  set_int(L, "params_bytes", (lua_Integer)pg_engine_param_bytes(e));
+  set_int(L, "gather_slots", e->ngpool);
+  set_int(L, "gather_slot_elems", e->gpool_elems);
+  set_int(L, "gather_resident_elems", e->gresident_elems);
+  set_int(L, "gather_units", e->nunits);
+  set_int(L, "unit_gathers", e->unit_gathers);
+  lua_pushboolean(L, e->reshard_after_forward);
+  lua_setfield(L, -2, "reshard_after_forward");
   set_int(L, "grad_staging_slots", e->npool);
   set_int(L, "steps", e->stats.steps);
   set_num(L, "step_seconds", e->stats.step_seconds);

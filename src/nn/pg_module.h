@@ -120,6 +120,13 @@ typedef struct pg_io {
    * the same ud): ZeRO-2 points the parameters' gradients at the staging
    * buffer of their bucket there (pg_engine.c). NULL: nobody listens. */
   int (*backward_begin)(void *ud, pg_module *m);
+  /* Called before and after the forward of every module that owns parameters
+   * (the same ud), recomputations included: ZeRO-3 gathers the module's
+   * parameters before and frees them after (pg_engine.c). NULL: nobody
+   * listens. Both may be called again for a module whose parameters are
+   * there already (they are idempotent). */
+  int (*forward_begin)(void *ud, pg_module *m);
+  int (*forward_done)(void *ud, pg_module *m);
   void *backward_ud;
   /* Where the micro-batch sits in the training run, for noise that every
    * layout draws alike (MoE jitter): the engine's forward_backward count, and
@@ -552,7 +559,10 @@ size_t pg_module_fixed_bytes(const pg_module *m);
 
 /* Calls dispatch. */
 static inline int pg_module_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
-  return m->ops->forward(m, slot, io, x, y);
+  if (io->forward_begin && m->nparams > 0 && io->forward_begin(io->backward_ud, m)) return -1;
+  int rc = m->ops->forward(m, slot, io, x, y);
+  if (rc || !io->forward_done || m->nparams == 0) return rc;
+  return io->forward_done(io->backward_ud, m);
 }
 static inline int pg_module_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   if (io->backward_begin && m->nparams > 0 && io->backward_begin(io->backward_ud, m)) return -1;
