@@ -920,7 +920,7 @@ static int gather_for(pg_engine *e, pg_module *m, int step) {
   if (!u) return PG_ERR;
   int k = (int)(u - e->units), next = k + step;
   if (start_gather(e, u)) return PG_ERR;
-  if (next >= 0 && next < e->nunits && e->units[next].m->ctx == u->m->ctx && start_gather(e, &e->units[next]))
+  if (next >= 0 && next < e->nunits && e->units[next].chunk == u->chunk && start_gather(e, &e->units[next]))
     return PG_ERR;
   return finish_gather(e, u);
 }
@@ -946,10 +946,10 @@ static int zero3_backward_done(pg_engine *e, pg_module *m) {
  * in tree order (the order of forward). A unit owning a weight another
  * module reads (the tied head's embedding) is resident: that module runs
  * outside the owner's hooks. */
-static int collect_units(pg_engine *e, pg_module *m) {
+static int collect_units(pg_engine *e, pg_module *m, int chunk) {
   if (m->nparams > 0) {
     pg_gather_unit *u = &e->units[e->nunits];
-    *u = (pg_gather_unit){.m = m, .lo = INT64_MAX, .hi = 0, .slot = -1};
+    *u = (pg_gather_unit){.m = m, .chunk = chunk, .lo = INT64_MAX, .hi = 0, .slot = -1};
     for (int i = 0; i < m->nparams; i++) {
       pg_param *p = m->params[i];
       int k = param_index(e, p);
@@ -965,7 +965,7 @@ static int collect_units(pg_engine *e, pg_module *m) {
     e->nunits++;
   }
   for (int i = 0; i < m->nchildren; i++)
-    if (collect_units(e, m->children[i])) return PG_ERR;
+    if (collect_units(e, m->children[i], chunk)) return PG_ERR;
   return PG_OK;
 }
 
@@ -1009,7 +1009,7 @@ int pg_engine_shard_params(pg_engine *e) {
     return pg_fail("zero = 3: out of memory");
   }
   for (int v = 0; v < e->nchunks; v++)
-    if (collect_units(e, e->chunks[v].stage)) {
+    if (collect_units(e, e->chunks[v].stage, v)) {
       free_units(e);
       return PG_ERR;
     }
@@ -1599,10 +1599,14 @@ static int zero3_load_param(pg_engine *e, pg_param *p, const float *full, int64_
 
 /* ZeRO-3 outside a call: p's unit gathered over the data group (collective there), read, released. */
 static int zero3_gather_param(pg_engine *e, pg_param *p, float *full) {
-  int k = param_index(e, p);
+  pg_param *own = pg_engine_find_param(e, p->name); /* p may be a view of it (the Lua binding's) */
+  int k = own ? param_index(e, own) : -1;
   if (k < 0) return pg_fail("parameter %s is not this engine's", p->name);
   pg_gather_unit *u = &e->units[e->param_unit[k]];
-  int rc = finish_gather(e, u) || pg_engine_gather_param(e, p, full);
+  if (finish_gather(e, u)) return PG_ERR;
+  pg_param view = *p;
+  view.data = own->data;
+  int rc = pg_engine_gather_param(e, &view, full);
   if (release_units(e)) rc = PG_ERR;
   return rc;
 }

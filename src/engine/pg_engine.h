@@ -126,6 +126,7 @@ typedef struct pg_bucket {
  * its shard). */
 typedef struct pg_gather_unit {
   pg_module *m;
+  int chunk;         /* whose tree it is in */
   int64_t lo, hi;
   int resident;      /* owns a weight another module reads (a tied head): gathered once a call, kept to its end */
   float *buf;        /* [hi - lo]: a resident unit's own, or the pool slot it holds; NULL when not held */

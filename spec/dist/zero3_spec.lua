@@ -1,0 +1,248 @@
+-- worlds: 2 4
+-- ZeRO-3 (zero = 3): every rank keeps only its shard of the parameters, of
+-- the gradients (as ZeRO-2) and of the AdamW state; every module that owns
+-- parameters is all-gathered over the data group before its forward and its
+-- backward and freed after (docs/DESIGN.md "ZeRO-3"). Compared, same seed
+-- and batch:
+--   - with one process on the whole batch (the serial model): the losses of
+--     three clipped AdamW steps within 1e-5 relative, the first step's shard
+--     gradients within |got - want| <= 1e-5 |want| + 1e-6 max(1, max |want|)
+--     (the data group's average adds the rows' terms in another order:
+--     rounding of float32 sums, 1e-7 relative measured), the parameters
+--     after three steps within 1e-4 (Adam turns rounding-level gradient
+--     differences into update differences of at most a few lr-scaled ulps);
+--   - with ZeRO-2 at the same layout: the same bits (a gather copies the
+--     values a replica holds; the gradients go through the same buckets),
+--     at D = W, micro_batches = 2, reshard_after_forward = false,
+--     recomputation, and on 4 ranks P = 2 x D = 2 (both schedules) and
+--     T = 2 x D = 2 with sequence parallelism;
+--   - memory: params_bytes is the shard plus two gather slots of the largest
+--     module and the tied embedding's own (a head reads it outside its
+--     owner's hooks), optimizer_bytes 8 bytes x shard, so that params +
+--     grads + optimizer = 16 bytes x flat_padded / D + the gathered modules +
+--     the gradient staging, exactly; flat_padded is the parameters plus at
+--     most 15 floats of padding each (the 64-byte alignment) and the data
+--     group's rounding.
+local pg = require "pipegoose"
+local h = require "helpers"
+
+local W = pg.world_size()
+local RTOL, ATOL = 1e-5, 1e-6
+local CFG = { vocab = 61, padded_vocab = 64, seq_len = 8, dim = 16, heads = 2, layers = 2 }
+local B = 8
+
+local X, Y = h.token_batch(1, B, CFG.seq_len, CFG.vocab), h.token_batch(2, B, CFG.seq_len, CFG.vocab)
+local function rel(a, b) return math.abs(a - b) / math.max(math.abs(b), 1e-30) end
+
+-- Three clipped AdamW steps: the losses, the first step's shard gradients, the engine and optimizer.
+local function train(ctx, opts, hp, xs, ys, cfg)
+  local e = pg.parallelize(pg.nn.GPT(cfg or CFG), ctx, opts)
+  local o = pg.optim.AdamW(e, { lr = 1e-2, weight_decay = 0.1, zero = hp.zero,
+                                reshard_after_forward = hp.reshard_after_forward })
+  local r = { losses = {}, engine = e, opt = o }
+  for s = 1, 3 do
+    e:zero_grad()
+    r.losses[s] = e:forward_backward(xs, ys)
+    o:clip_grad_norm(1.0)
+    if s == 1 then r.first = o:shard_state().grad:clone() end
+    o:step()
+  end
+  r.memory = e:memory()
+  r.eval = e:loss(xs, ys)
+  return r
+end
+
+-- Every parameter's full tensor (collective over the tensor and, with zero = 3, the data group).
+local function gathered(e)
+  local out = {}
+  for _, p in ipairs(e:parameters()) do out[p.name] = e:gather_param(p.name) end
+  return out
+end
+
+local function same_bits(a, b, what)
+  for s = 1, 3 do assert.are.equal(b.losses[s], a.losses[s], ("%s: loss %d"):format(what, s)) end
+  assert.is_true(a.first:equal(b.first), what .. ": the first step's shard gradients")
+  assert.are.equal(b.eval, a.eval, what .. ": the evaluation loss after the steps")
+  local pa, pb = gathered(a.engine), gathered(b.engine)
+  for name, t in pairs(pb) do
+    assert.is_true(pa[name]:equal(t), ("%s: parameter %s after three steps (largest difference %g)"):format(what, name,
+      pa[name]:max_abs_diff(t)))
+  end
+end
+
+-- The gather units from the layout: a module's parameters share the name up to the last dot; the unit spans
+-- their flat range. The embedding (the tied head reads its weight) keeps its own buffer.
+local function layout_units(e)
+  local units, order = {}, {}
+  for _, p in ipairs(e:parameters()) do
+    local m = p.name:match("^(.*)%.[^.]+$")
+    local n = 1
+    for _, s in ipairs(p.shape) do n = n * s end
+    if not units[m] then units[m] = { lo = p.offset, hi = 0 }; order[#order + 1] = m end
+    local u = units[m]
+    u.lo, u.hi = math.min(u.lo, p.offset), math.max(u.hi, p.offset + n)
+  end
+  local largest, resident = 0, 0
+  for _, m in ipairs(order) do
+    local n = units[m].hi - units[m].lo
+    if m == "embed" then resident = resident + n elseif n > largest then largest = n end
+  end
+  return #order, largest, resident
+end
+
+local dp = pg.ParallelContext{ data = W, seed = 7 }
+local D, d = W, dp:local_rank("data")
+local rows = B // D
+local x, y = X:narrow(1, d * rows + 1, rows), Y:narrow(1, d * rows + 1, rows)
+local PRIVATE = function(o) o = o or {}; o.shared_memory = false; return o end
+
+describe(("ZeRO-3 on %d ranks"):format(W), function()
+  local z3 = train(dp, PRIVATE(), { zero = 3 }, x, y)
+  local z2 = train(dp, PRIVATE(), { zero = 2 }, x, y)
+
+  it("trains as the serial model on the whole batch", function()
+    local alone = train(pg.ParallelContext{ self = true, seed = 7 }, {}, { zero = 0 }, X, Y)
+    for s = 1, 3 do
+      assert.is_true(rel(z3.losses[s], alone.losses[s]) <= 1e-5,
+        ("loss %d: %.9g, serial %.9g"):format(s, z3.losses[s], alone.losses[s]))
+    end
+    -- the first step's gradients: this rank's shard against the serial model's flat buffer there
+    local st = z3.opt:shard_state()
+    local serial = alone.engine
+    local e = pg.parallelize(pg.nn.GPT(CFG), pg.ParallelContext{ self = true, seed = 7 }, {})
+    e:zero_grad()
+    e:forward_backward(X, Y)
+    local _, whole = e:flat()
+    local n = math.min(st.hi, whole:numel()) - st.lo
+    assert.is_true(n > 0)
+    h.assert_scaled_close(z3.first:narrow(1, 1, n), whole:narrow(1, st.lo + 1, n), "the shard's gradients", RTOL, ATOL,
+      true)
+    -- the parameters after three steps: the shard and every gathered tensor
+    local params = serial:flat()
+    assert.is_true(st.param:narrow(1, 1, n):max_abs_diff(params:narrow(1, st.lo + 1, n)) <= 1e-4,
+      "the shard's parameters after three steps")
+    for name, t in pairs(gathered(z3.engine)) do
+      local want = serial:gather_param(name)
+      assert.is_true(t:max_abs_diff(want) <= 1e-4, ("%s after three steps: off by %g"):format(name, t:max_abs_diff(want)))
+    end
+    assert.is_true(rel(z3.eval, alone.eval) <= 1e-5, "the evaluation loss")
+  end)
+
+  it("gets ZeRO-2's bits: the gathers copy what a replica holds", function()
+    same_bits(z3, z2, "zero 3 against zero 2")
+  end)
+
+  it("keeps the shard and the largest gathered modules only, and says so in memory()", function()
+    local info = z3.engine:stats()
+    local nunits, largest, resident = layout_units(z3.engine)
+    local padded = info.flat_padded
+    assert.are.equal(nunits, info.gather_units)
+    assert.are.equal(largest, info.gather_slot_elems)
+    assert.are.equal(resident, info.gather_resident_elems)
+    assert.are.equal(2, info.gather_slots) -- the unit computing and the one prefetched
+    local m = z3.memory
+    assert.are.equal(4 * (padded // D + 2 * largest + resident), m.params_bytes)
+    assert.are.equal(8 * (padded // D), m.optimizer_bytes)
+    -- the gradients: ZeRO-2's shard and staging
+    assert.are.equal(z2.memory.grads_bytes, m.grads_bytes)
+    local staging = m.grads_bytes - 4 * (padded // D)
+    local total = m.params_bytes + m.grads_bytes + m.optimizer_bytes
+    assert.are.equal(16 * (padded // D) + 4 * (2 * largest + resident) + staging, total)
+    -- 16 bytes per parameter over D, up to the padding
+    local nparams = #z3.engine:parameters()
+    assert.is_true(padded >= m.local_parameters and padded - m.local_parameters <= 15 * nparams + 16 * D,
+      ("flat_padded %d, parameters %d"):format(padded, m.local_parameters))
+    assert.is_true(m.params_bytes < z2.memory.params_bytes)
+    assert.is_true(m.bytes_per_parameter < z2.memory.bytes_per_parameter,
+      ("bytes per parameter: zero 3 %.3f, zero 2 %.3f"):format(m.bytes_per_parameter, z2.memory.bytes_per_parameter))
+    assert.is_true(m.activation_bytes > 0)
+  end)
+
+  it("gathers each module twice per micro-batch, or once per call with reshard_after_forward = false", function()
+    local o = function() return PRIVATE{ micro_batches = 2 } end
+    local a = train(dp, o(), { zero = 3 }, x, y)
+    local b = train(dp, o(), { zero = 3, reshard_after_forward = false }, x, y)
+    local c = train(dp, o(), { zero = 2 }, x, y)
+    local ga, gb = a.engine:stats().unit_gathers, b.engine:stats().unit_gathers
+    same_bits(a, c, "micro_batches = 2")
+    same_bits(b, c, "micro_batches = 2, reshard_after_forward = false")
+    local nunits = a.engine:stats().gather_units
+    -- three steps (forward and backward of two micro-batches) and one evaluation (forward of two: a training
+    -- micro-batch's rows each); the embedding is gathered once a call
+    local per_step = 2 * 2 * (nunits - 1) + 1
+    assert.are.equal(3 * per_step + 2 * (nunits - 1) + 1, ga)
+    assert.are.equal(4 * nunits, gb)
+    assert.is_false(b.engine:stats().reshard_after_forward)
+    assert.is_true(b.engine:stats().gather_slots >= nunits - 1, "every unit held to the end of the call")
+  end)
+
+  it("gathers again where recomputation reruns a block's forward", function()
+    local a = train(dp, PRIVATE{ recompute = "full" }, { zero = 3 }, x, y)
+    local b = train(dp, PRIVATE{ recompute = "full" }, { zero = 2 }, x, y)
+    same_bits(a, b, "recompute = full")
+    local nunits = a.engine:stats().gather_units
+    -- a block's modules: forward, the recomputed forward, backward
+    assert.is_true(a.engine:stats().unit_gathers > 3 * (2 * (nunits - 1) + 1) + nunits)
+  end)
+
+  it("refuses what it cannot serve, with one error each", function()
+    local e = z3.engine
+    assert.is_nil(e:parameters()[1].tensor)
+    local ok, err = pcall(e.flat, e)
+    assert.is_false(ok)
+    assert.matches("engine:flat(): with zero = 3 this rank keeps only its shard", err, 1, true)
+    ok, err = pcall(e.grads, e)
+    assert.is_false(ok)
+    assert.matches("engine:grads(): with zero = 3", err, 1, true)
+    ok, err = pcall(pg.optim.AdamW, e, { zero = 1 })
+    assert.is_false(ok)
+    assert.matches("zero=1: this engine keeps only its shard of the parameters", err, 1, true)
+    ok, err = pcall(pg.optim.AdamW, pg.parallelize(pg.nn.GPT(CFG), dp, PRIVATE()),
+      { zero = 1, reshard_after_forward = false })
+    assert.is_false(ok)
+    assert.matches("reshard_after_forward is an option of zero = 3", err, 1, true)
+    ok, err = pcall(pg.optim.AdamW, pg.parallelize(pg.nn.GPT(CFG), dp, PRIVATE{ precision = "bf16" }), { zero = 3 })
+    assert.is_false(ok)
+    assert.matches("zero = 3 with precision bf16 is not built", err, 1, true)
+    ok, err = pcall(pg.optim.AdamW, e, { zero = 4 })
+    assert.is_false(ok)
+    assert.matches("zero must be 0, 1, 2 or 3, got 4", err, 1, true)
+  end)
+
+  if W == 4 then
+    local pd = pg.ParallelContext{ pipeline = 2, data = 2, seed = 7 }
+    local dd = pd:local_rank("data")
+    local xs, ys = X:narrow(1, dd * 4 + 1, 4), Y:narrow(1, dd * 4 + 1, 4)
+    for _, v in ipairs{ 1, 2 } do
+      it(("gets ZeRO-2's bits at P = 2 x D = 2, tied embedding, micro_batches = 2, virtual_stages = %d"):format(v),
+        function()
+          local o = function() return PRIVATE{ micro_batches = 2, virtual_stages = v } end
+          local cfg = { vocab = 61, padded_vocab = 64, seq_len = 8, dim = 16, heads = 2, layers = 4 }
+          local a = train(pd, o(), { zero = 3 }, xs, ys, cfg)
+          local b = train(pd, o(), { zero = 2 }, xs, ys, cfg)
+          same_bits(a, b, "P = 2, V = " .. v)
+          local alone = train(pg.ParallelContext{ self = true, seed = 7 }, {}, { zero = 0 }, X, Y, cfg)
+          for s = 1, 3 do
+            assert.is_true(rel(a.losses[s], alone.losses[s]) <= 1e-5,
+              ("loss %d: %.9g, serial %.9g"):format(s, a.losses[s], alone.losses[s]))
+          end
+          assert.is_true(a.memory.bytes_per_parameter < b.memory.bytes_per_parameter)
+        end)
+    end
+
+    it("gets ZeRO-2's bits at T = 2 x D = 2 with sequence parallelism, micro_batches = 2", function()
+      local td = pg.ParallelContext{ tensor = 2, data = 2, seed = 7 }
+      local dt = td:local_rank("data")
+      local o = function() return PRIVATE{ micro_batches = 2, sequence_parallel = true } end
+      local xs2, ys2 = X:narrow(1, dt * 4 + 1, 4), Y:narrow(1, dt * 4 + 1, 4)
+      local a = train(td, o(), { zero = 3 }, xs2, ys2)
+      local b = train(td, o(), { zero = 2 }, xs2, ys2)
+      same_bits(a, b, "T = 2 sequence parallel")
+      local alone = train(pg.ParallelContext{ self = true, seed = 7 }, {}, { zero = 0 }, X, Y)
+      for s = 1, 3 do
+        assert.is_true(rel(a.losses[s], alone.losses[s]) <= 1e-5,
+          ("loss %d: %.9g, serial %.9g"):format(s, a.losses[s], alone.losses[s]))
+      end
+    end)
+  end
+end)
