@@ -489,8 +489,19 @@ function Engine:schedule_actions() return self.c:schedule() end
 function Engine:load_param(name, full) self.c:load_param(name, full) end
 
 --- engine:gather_param(name [, grad]) -> the full tensor (or its gradient).
--- Collective over the tensor group of the stage that holds it.
+-- Collective over the tensor group of the stage that holds it (with zero = 3
+-- over its data group too: the parameter is gathered from the shards).
 function Engine:gather_param(name, grad) return self.c:gather_param(name, grad) end
+
+--- engine:local_param(name [, tensor]) -> a copy of this rank's piece of the parameter (its tensor-parallel
+-- shard, p.shape); with a tensor, sets it. Local, except that with zero = 3 reading gathers the piece over the
+-- data group (collective there) and setting keeps the part inside this rank's shard.
+function Engine:local_param(name, t) return self.c:local_param(name, t) end
+
+-- zero = 3 over more than one data rank: the parameters exist only as shards (gathers are collective over the data group)
+local function params_sharded(e)
+  return e.optimizer ~= nil and e.optimizer.zero == 3 and e.ctx:world_size("data") > 1
+end
 
 --- (collective) engine:gather_to_root(name, convert, shape) -> on rank 0, convert(the full
 -- parameter), a tensor of `shape`; nil elsewhere. Collective over all ranks:
@@ -516,6 +527,8 @@ function Engine:gather_to_root(name, convert, shape)
   local buf
   if ctx:local_rank("pipeline") == owner and ctx:local_rank("data") == dp then
     buf = convert(self.c:gather_param(name))
+  elseif ctx:local_rank("pipeline") == owner and params_sharded(self) then
+    self.c:gather_param(name) -- zero = 3: every data rank takes part in the gather; data rank dp keeps it
   end
   if src ~= 0 then
     if me == src then core.dist.send(buf, { ctx = ctx, dst = 0, tag = 7 })

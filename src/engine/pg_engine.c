@@ -1589,12 +1589,9 @@ static int zero3_load_param(pg_engine *e, pg_param *p, const float *full, int64_
   pg_param host = *p;
   if (!(host.data = malloc((size_t)p->numel * sizeof(float)))) return pg_fail("out of memory loading %s", p->name);
   pg_param_load_full(&host, full, full_rows);
-  int64_t per = e->flat_padded / e->ctx->data;
-  int64_t a = p->offset > e->param_base ? p->offset : e->param_base;
-  int64_t z = p->offset + p->numel < e->param_base + per ? p->offset + p->numel : e->param_base + per;
-  if (z > a) memcpy(pg_engine_param_at(e, a), host.data + (a - p->offset), (size_t)(z - a) * sizeof(float));
+  int rc = pg_engine_write_param(e, p, host.data);
   free(host.data);
-  return PG_OK;
+  return rc;
 }
 
 /* ZeRO-3 outside a call: p's unit gathered over the data group (collective there), read, released. */
@@ -1609,6 +1606,27 @@ static int zero3_gather_param(pg_engine *e, pg_param *p, float *full) {
   int rc = pg_engine_gather_param(e, &view, full);
   if (release_units(e)) rc = PG_ERR;
   return rc;
+}
+
+int pg_engine_read_param(pg_engine *e, pg_param *p, float *piece) {
+  size_t bytes = (size_t)p->numel * sizeof(float);
+  if (!e->params_sharded) return e->be->ops->copy(e->be, piece, p->data, bytes, PG_COPY_DEVICE_TO_HOST);
+  int k = param_index(e, p);
+  if (k < 0) return pg_fail("parameter %s is not this engine's", p->name);
+  int rc = finish_gather(e, &e->units[e->param_unit[k]]);
+  if (!rc) memcpy(piece, p->data, bytes); /* ZeRO-3 is host memory */
+  if (release_units(e)) rc = PG_ERR;
+  return rc;
+}
+
+int pg_engine_write_param(pg_engine *e, pg_param *p, const float *piece) {
+  if (!e->params_sharded)
+    return e->be->ops->copy(e->be, p->data, piece, (size_t)p->numel * sizeof(float), PG_COPY_HOST_TO_DEVICE);
+  int64_t per = e->flat_padded / e->ctx->data;
+  int64_t a = p->offset > e->param_base ? p->offset : e->param_base;
+  int64_t z = p->offset + p->numel < e->param_base + per ? p->offset + p->numel : e->param_base + per;
+  if (z > a) memcpy(pg_engine_param_at(e, a), piece + (a - p->offset), (size_t)(z - a) * sizeof(float));
+  return PG_OK;
 }
 
 int pg_engine_load_param(pg_engine *e, pg_param *p, const float *full, int64_t full_rows) {

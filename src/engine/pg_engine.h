@@ -306,6 +306,12 @@ int pg_engine_gather_params(pg_engine *e);
 int64_t pg_engine_num_parameters(const pg_engine *e);
 /* The parameter of that name on this rank, or NULL. */
 pg_param *pg_engine_find_param(const pg_engine *e, const char *name);
+/* This rank's piece of p (its tensor-parallel shard, p->numel floats) into
+ * host memory `piece`; with ZeRO-3 gathered over the data group (collective
+ * there: every member asks for the same parameters in the same order). */
+int pg_engine_read_param(pg_engine *e, pg_param *p, float *piece);
+/* The other way, local: with ZeRO-3 only the part inside this rank's shard is kept. */
+int pg_engine_write_param(pg_engine *e, pg_param *p, const float *piece);
 /* Fills this rank's shard of p from a full (host) tensor of full_rows rows
  * (pg_param_load_full), wherever the engine keeps its parameters. */
 int pg_engine_load_param(pg_engine *e, pg_param *p, const float *full, int64_t full_rows);

@@ -700,6 +700,27 @@ static int l_gather_param(lua_State *L) {
   return 1;
 }
 
+/* engine:local_param(name [, tensor]) -> a copy of this rank's piece of the parameter (its tensor-parallel
+ * shard; with zero = 3 gathered over the data group, collective there), or with a tensor of that shape, sets it
+ * (local: with zero = 3 this rank keeps the part inside its shard) */
+static int l_local_param(lua_State *L) {
+  pg_engine *e = check_engine(L, 1);
+  pg_param *p = check_param(L, e, 2);
+  if (lua_isnoneornil(L, 3)) {
+    pg_tensor *t = pg_lua_new_tensor(L, PG_FLOAT32, p->ndim, p->shape);
+    PG_LUA_CHECK(L, pg_engine_read_param(e, p, pg_tensor_f32(t)));
+    return 1;
+  }
+  pg_tensor *t = pg_lua_check_tensor(L, 3);
+  if (t->dtype != PG_FLOAT32 || t->numel != p->numel) {
+    char d[128];
+    return luaL_error(L, "local_param %s: a tensor of %s is not its piece of %I float32 values", p->name,
+                      pg_tensor_describe(t, d, sizeof d), (lua_Integer)p->numel);
+  }
+  PG_LUA_CHECK(L, pg_engine_write_param(e, p, pg_tensor_f32(t)));
+  return 0;
+}
+
 static int l_num_parameters(lua_State *L) {
   lua_pushinteger(L, pg_engine_num_parameters(check_engine(L, 1)));
   return 1;
@@ -1322,7 +1343,7 @@ static const luaL_Reg layer_methods[] = {{"forward", l_layer_forward}, {"backwar
 
 static const luaL_Reg engine_methods[] = {
     {"forward_backward", l_forward_backward}, {"evaluate", l_evaluate}, {"decode", l_decode}, {"release_cache", l_release_cache}, {"decode_check", l_decode_check}, {"zero_grad", l_zero_grad},
-    {"sync_grads", l_sync_grads}, {"params", l_params}, {"flat", l_flat}, {"num_parameters", l_num_parameters},
+    {"sync_grads", l_sync_grads}, {"params", l_params}, {"flat", l_flat}, {"local_param", l_local_param}, {"num_parameters", l_num_parameters},
     {"info", l_info}, {"load_param", l_load_param}, {"gather_param", l_gather_param}, {"reset_stats", l_reset_stats}, {"losses", l_losses}, {"schedule", l_schedule}, {"free", l_free},
     {"set_objective", l_set_objective}, {NULL, NULL}};
 
