@@ -873,10 +873,7 @@ static int start_gather(pg_engine *e, pg_gather_unit *u) {
 static int finish_gather(pg_engine *e, pg_gather_unit *u) {
   if (u->gathered) return PG_OK;
   if (start_gather(e, u) || pg_wait(&u->req)) return PG_ERR;
-  for (int i = 0; i < u->m->nparams; i++) {
-    pg_param *p = u->m->params[i];
-    p->data = u->buf + (p->offset - u->lo);
-  }
+  for (int i = 0; i < u->nparams; i++) u->params[i]->data = u->buf + (u->params[i]->offset - u->lo);
   u->gathered = 1;
   return PG_OK;
 }
@@ -884,7 +881,7 @@ static int finish_gather(pg_engine *e, pg_gather_unit *u) {
 /* Unit u's parameters freed (a gather in flight completes first: MPI writes its buffer). */
 static int release_unit(pg_engine *e, pg_gather_unit *u) {
   if (pg_wait(&u->req)) return PG_ERR;
-  for (int i = 0; i < u->m->nparams; i++) u->m->params[i]->data = NULL;
+  for (int i = 0; i < u->nparams; i++) u->params[i]->data = NULL;
   u->gathered = 0;
   if (!u->resident && u->slot >= 0) {
     e->gpool_owner[u->slot] = -1;
@@ -902,77 +899,102 @@ static int release_units(pg_engine *e) {
   return PG_OK;
 }
 
+/* The unit of a hook's module: the unit itself, or the one whose tree owns its parameters. */
 static pg_gather_unit *unit_of(pg_engine *e, pg_module *m) {
-  int k = param_index(e, m->params[0]);
+  if (m->gather_unit)
+    for (int k = 0; k < e->nunits; k++)
+      if (e->units[k].m == m) return &e->units[k];
+  int k = m->nparams > 0 ? param_index(e, m->params[0]) : -1;
   if (k < 0) {
-    pg_fail("module %s: parameter %s is not this engine's", m->name, m->params[0]->name);
+    pg_fail("module %s is in no gather unit of this engine", m->name);
     return NULL;
   }
   return &e->units[e->param_unit[k]];
 }
 
-/* Before a unit's forward (step = +1) or backward (-1): its gather
- * completed, and the gather of the unit that runs next in that direction
- * (within the chunk: the chunks' order is the schedule's) started, so that
- * it moves while this one computes (prefetch). */
+/* Before a unit's forward (step = +1) or backward (-1), and again (no-op)
+ * for every module inside it: its gather completed, and the gather of the
+ * unit that runs next in that direction (within the chunk: the chunks'
+ * order is the schedule's) started, so that it moves while this one
+ * computes (prefetch). */
 static int gather_for(pg_engine *e, pg_module *m, int step) {
   pg_gather_unit *u = unit_of(e, m);
   if (!u) return PG_ERR;
   int k = (int)(u - e->units), next = k + step;
   if (start_gather(e, u)) return PG_ERR;
-  if (next >= 0 && next < e->nunits && e->units[next].chunk == u->chunk && start_gather(e, &e->units[next]))
+  /* from the unit's own hook only: a module inside it runs within the unit's forward or backward (the
+   * recomputed forward inside backward must not fetch the unit after it) */
+  if (u->m == m && next >= 0 && next < e->nunits && e->units[next].chunk == u->chunk &&
+      start_gather(e, &e->units[next]))
     return PG_ERR;
   return finish_gather(e, u);
 }
 
 static int on_forward_begin(void *ud, pg_module *m) { return gather_for(ud, m, +1); }
 
-/* After a unit's forward: released with reshard_after_forward (gathered
- * again for its backward), else kept to the end of the call. */
-static int on_forward_done(void *ud, pg_module *m) {
-  pg_engine *e = ud;
+/* After a unit's forward (not a module's inside it): released with
+ * reshard_after_forward (gathered again for its backward), else kept to the
+ * end of the call. The same after its backward. */
+static int unit_done(pg_engine *e, pg_module *m) {
   pg_gather_unit *u = unit_of(e, m);
   if (!u) return PG_ERR;
-  return e->reshard_after_forward && !u->resident ? release_unit(e, u) : PG_OK;
+  return u->m == m && e->reshard_after_forward && !u->resident ? release_unit(e, u) : PG_OK;
 }
 
-static int zero3_backward_done(pg_engine *e, pg_module *m) {
-  pg_gather_unit *u = unit_of(e, m);
-  if (!u) return PG_ERR;
-  return e->reshard_after_forward && !u->resident ? release_unit(e, u) : PG_OK;
-}
+static int on_forward_done(void *ud, pg_module *m) { return unit_done(ud, m); }
 
-/* The gather units: every module of the chunks' trees that owns parameters,
- * in tree order (the order of forward). A unit owning a weight another
- * module reads (the tied head's embedding) is resident: that module runs
- * outside the owner's hooks. */
-static int collect_units(pg_engine *e, pg_module *m, int chunk) {
-  if (m->nparams > 0) {
-    pg_gather_unit *u = &e->units[e->nunits];
-    *u = (pg_gather_unit){.m = m, .chunk = chunk, .lo = INT64_MAX, .hi = 0, .slot = -1};
-    for (int i = 0; i < m->nparams; i++) {
-      pg_param *p = m->params[i];
-      int k = param_index(e, p);
-      if (k < 0) return pg_fail("module %s: parameter %s is not this engine's", m->name, p->name);
-      e->param_unit[k] = e->nunits;
-      if (p->offset < u->lo) u->lo = p->offset;
-      if (p->offset + p->numel > u->hi) u->hi = p->offset + p->numel;
-      if (borrowed(e, p)) u->resident = 1;
-    }
-    if (u->hi - u->lo > BUCKET_MAX)
-      return pg_fail("zero = 3: module %s has parameters over more than 2^30 elements (one gather): use zero = 2",
-                     m->name);
-    e->nunits++;
+static int zero3_backward_done(pg_engine *e, pg_module *m) { return unit_done(e, m); }
+
+/* One gather unit: module m's tree. Its parameters lie in [lo, hi) of the
+ * flat buffer (a tree's parameters are consecutive there, chunk order being
+ * tree order). A unit owning a weight another module reads (the tied head's
+ * embedding) is resident: that module runs outside the owner's hooks. */
+static int add_unit(pg_engine *e, pg_module *m, int chunk) {
+  pg_gather_unit *u = &e->units[e->nunits];
+  *u = (pg_gather_unit){.m = m, .chunk = chunk, .lo = INT64_MAX, .hi = 0, .slot = -1};
+  if (!(u->params = pg_module_collect_params(m, &u->nparams))) return PG_ERR;
+  e->nunits++;
+  for (int i = 0; i < u->nparams; i++) {
+    pg_param *p = u->params[i];
+    int k = param_index(e, p);
+    if (k < 0) return pg_fail("module %s: parameter %s is not this engine's", m->name, p->name);
+    e->param_unit[k] = e->nunits - 1;
+    if (p->offset < u->lo) u->lo = p->offset;
+    if (p->offset + p->numel > u->hi) u->hi = p->offset + p->numel;
+    if (borrowed(e, p)) u->resident = 1;
   }
-  for (int i = 0; i < m->nchildren; i++)
-    if (collect_units(e, m->children[i], chunk)) return PG_ERR;
+  if (u->hi - u->lo > BUCKET_MAX)
+    return pg_fail("zero = 3: module %s has parameters over more than 2^30 elements (one gather): use zero = 2",
+                   m->name);
+  m->gather_unit = 1;
+  return PG_OK;
+}
+
+/* The gather units of a chunk, in the order of forward: each child of its
+ * root container whose tree holds parameters (FSDP wraps each transformer
+ * block; the embedding and the final norm are units of their own), or the
+ * whole root when it owns parameters itself or has no children. */
+static int collect_units(pg_engine *e, pg_module *root, int chunk) {
+  int n = 0;
+  pg_param **ps = pg_module_collect_params(root, &n);
+  if (!ps) return PG_ERR;
+  free(ps);
+  if (n == 0) return PG_OK;
+  if (root->nparams > 0 || root->nchildren == 0) return add_unit(e, root, chunk);
+  for (int i = 0; i < root->nchildren; i++) {
+    if (!(ps = pg_module_collect_params(root->children[i], &n))) return PG_ERR;
+    free(ps);
+    if (n > 0 && add_unit(e, root->children[i], chunk)) return PG_ERR;
+  }
   return PG_OK;
 }
 
 static void free_units(pg_engine *e) {
   for (int k = 0; k < e->nunits && !pg_comm_broken(e->ctx); k++) pg_wait(&e->units[k].req);
-  for (int k = 0; k < e->nunits; k++)
+  for (int k = 0; k < e->nunits; k++) {
     if (e->units[k].resident) free(e->units[k].buf);
+    free(e->units[k].params); /* the modules' gather_unit flags stay: without ZeRO-3's hooks nobody reads them */
+  }
   for (int i = 0; i < e->ngpool; i++) free(e->gpool[i]);
   free(e->gpool);
   free(e->gpool_owner);

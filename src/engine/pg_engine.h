@@ -120,12 +120,14 @@ typedef struct pg_bucket {
   int started_in_backward; /* this call */
 } pg_bucket;
 
-/* ZeRO-3 (pg_engine_shard_params): the parameters of one module that owns
- * some, gathered over the data group as one all-gather of the flat range
- * [lo, hi) they lie in (each member's piece: the range's intersection with
- * its shard). */
+/* ZeRO-3 (pg_engine_shard_params): the parameters of one top-level module of
+ * a chunk (a transformer block, the embedding, the final norm), gathered over
+ * the data group as one all-gather of the flat range [lo, hi) they lie in
+ * (each member's piece: the range's intersection with its shard). */
 typedef struct pg_gather_unit {
-  pg_module *m;
+  pg_module *m;      /* its module (pg_module.gather_unit) */
+  pg_param **params; /* every parameter of m's tree */
+  int nparams;
   int chunk;         /* whose tree it is in */
   int64_t lo, hi;
   int resident;      /* owns a weight another module reads (a tied head): gathered once a call, kept to its end */
