@@ -337,4 +337,5 @@ return {
   overlap = worker_overlap,
   a2a = worker_a2a,
   ["llmc-model"] = worker_llmc_model,
+  zero3 = require("bench.zero3").worker,
 }
