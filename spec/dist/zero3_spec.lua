@@ -1,4 +1,5 @@
--- worlds: 2 4
+-- worlds: 2 4 8
+-- device worlds: 2
 -- ZeRO-3 (zero = 3): every rank keeps only its shard of the parameters, of
 -- the gradients (as ZeRO-2) and of the AdamW state; every module that owns
 -- parameters is all-gathered over the data group before its forward and its
@@ -16,6 +17,9 @@
 --     at D = W, micro_batches = 2, reshard_after_forward = false,
 --     recomputation, and on 4 ranks P = 2 x D = 2 (both schedules) and
 --     T = 2 x D = 2 with sequence parallelism;
+--   - with PG_TEST_DEVICE=cuda (the emulated device): refused by name (the
+--     gathers and the gradient staging are host memory over MPI);
+--   - on 8 ranks T = 2 x P = 2 x D = 2 against the serial model;
 --   - memory: params_bytes is the shard plus two gather slots of the largest
 --     module and the tied embedding's own (a head reads it outside its
 --     owner's hooks), optimizer_bytes 8 bytes x shard, so that params +
@@ -27,9 +31,11 @@ local pg = require "pipegoose"
 local h = require "helpers"
 
 local W = pg.world_size()
+local DEVICE = os.getenv("PG_TEST_DEVICE") or "cpu"
 local RTOL, ATOL = 1e-5, 1e-6
 local CFG = { vocab = 61, padded_vocab = 64, seq_len = 8, dim = 16, heads = 2, layers = 2 }
-local B = 8
+local B = 16
+local HALF = B // 2 -- rows per data rank at D = 2
 
 local X, Y = h.token_batch(1, B, CFG.seq_len, CFG.vocab), h.token_batch(2, B, CFG.seq_len, CFG.vocab)
 local function rel(a, b) return math.abs(a - b) / math.max(math.abs(b), 1e-30) end
@@ -96,6 +102,18 @@ local D, d = W, dp:local_rank("data")
 local rows = B // D
 local x, y = X:narrow(1, d * rows + 1, rows), Y:narrow(1, d * rows + 1, rows)
 local PRIVATE = function(o) o = o or {}; o.shared_memory = false; return o end
+
+if DEVICE ~= "cpu" then
+  describe(("ZeRO-3 on %d ranks on %s"):format(W, DEVICE), function()
+    it("is refused by name", function()
+      local e = pg.parallelize(pg.nn.GPT(CFG), dp, { device = DEVICE, shared_memory = false })
+      local ok, err = pcall(pg.optim.AdamW, e, { zero = 3 })
+      assert.is_false(ok)
+      assert.matches("zero = 3 keeps a gradient shard with staging buffers in host memory", err, 1, true)
+    end)
+  end)
+  return
+end
 
 describe(("ZeRO-3 on %d ranks"):format(W), function()
   local z3 = train(dp, PRIVATE(), { zero = 3 }, x, y)
@@ -180,6 +198,26 @@ describe(("ZeRO-3 on %d ranks"):format(W), function()
     assert.is_true(b.engine:stats().gather_slots >= nunits - 1, "every unit held to the end of the call")
   end)
 
+  it("accumulates over calls (sync = false) and runs on a shared-memory data group, as zero 2", function()
+    local function accumulated(zero, opts)
+      local e = pg.parallelize(pg.nn.GPT(CFG), dp, opts)
+      local o = pg.optim.AdamW(e, { lr = 1e-2, zero = zero })
+      local r = { losses = {}, engine = e, opt = o }
+      for s = 1, 3 do
+        e:zero_grad()
+        local half = rows // 2
+        e:forward_backward(x:narrow(1, 1, half), y:narrow(1, 1, half), { grad_scale = 0.5, sync = false })
+        r.losses[s] = e:forward_backward(x:narrow(1, half + 1, half), y:narrow(1, half + 1, half), { grad_scale = 0.5 })
+        if s == 1 then r.first = o:shard_state().grad:clone() end
+        o:step()
+      end
+      r.eval = e:loss(x, y)
+      return r
+    end
+    same_bits(accumulated(3, PRIVATE()), accumulated(2, PRIVATE()), "accumulated")
+    same_bits(accumulated(3, {}), accumulated(2, {}), "shared memory")
+  end)
+
   it("finds a block's parameters gathered where recomputation reruns its forward inside its backward", function()
     local a = train(dp, PRIVATE{ recompute = "full" }, { zero = 3 }, x, y)
     local b = train(dp, PRIVATE{ recompute = "full" }, { zero = 2 }, x, y)
@@ -253,10 +291,32 @@ describe(("ZeRO-3 on %d ranks"):format(W), function()
     if dp:rank() == 0 then os.execute("rm -rf '" .. dir .. "'") end
   end)
 
+  if W == 8 then
+    it("trains as the serial model at T = 2 x P = 2 x D = 2, micro_batches = 2", function()
+      local c = pg.ParallelContext{ tensor = 2, pipeline = 2, data = 2, seed = 7 }
+      local dc = c:local_rank("data")
+      local cfg = { vocab = 61, padded_vocab = 64, seq_len = 8, dim = 16, heads = 2, layers = 4 }
+      local a = train(c, PRIVATE{ micro_batches = 2 }, { zero = 3 }, X:narrow(1, dc * HALF + 1, HALF),
+        Y:narrow(1, dc * HALF + 1, HALF), cfg)
+      local alone = train(pg.ParallelContext{ self = true, seed = 7 }, {}, { zero = 0 }, X, Y, cfg)
+      for s = 1, 3 do
+        assert.is_true(rel(a.losses[s], alone.losses[s]) <= 1e-5,
+          ("loss %d: %.9g, serial %.9g"):format(s, a.losses[s], alone.losses[s]))
+      end
+      for name, t in pairs(gathered(a.engine)) do
+        if alone.engine:parameter(name) then -- not the last stage's copy of the tied embedding
+          local want = alone.engine:gather_param(name)
+          assert.is_true(t:max_abs_diff(want) <= 1e-4, ("%s after three steps: off by %g"):format(name,
+            t:max_abs_diff(want)))
+        end
+      end
+    end)
+  end
+
   if W == 4 then
     local pd = pg.ParallelContext{ pipeline = 2, data = 2, seed = 7 }
     local dd = pd:local_rank("data")
-    local xs, ys = X:narrow(1, dd * 4 + 1, 4), Y:narrow(1, dd * 4 + 1, 4)
+    local xs, ys = X:narrow(1, dd * HALF + 1, HALF), Y:narrow(1, dd * HALF + 1, HALF)
     for _, v in ipairs{ 1, 2 } do
       it(("gets ZeRO-2's bits at P = 2 x D = 2, tied embedding, micro_batches = 2, virtual_stages = %d"):format(v),
         function()
@@ -280,7 +340,7 @@ describe(("ZeRO-3 on %d ranks"):format(W), function()
       local td = pg.ParallelContext{ tensor = 2, data = 2, seed = 7 }
       local dt = td:local_rank("data")
       local o = function() return PRIVATE{ micro_batches = 2, sequence_parallel = true } end
-      local xs2, ys2 = X:narrow(1, dt * 4 + 1, 4), Y:narrow(1, dt * 4 + 1, 4)
+      local xs2, ys2 = X:narrow(1, dt * HALF + 1, HALF), Y:narrow(1, dt * HALF + 1, HALF)
       local a = train(td, o(), { zero = 3 }, xs2, ys2)
       local b = train(td, o(), { zero = 2 }, xs2, ys2)
       same_bits(a, b, "T = 2 sequence parallel")

@@ -1407,20 +1407,20 @@ static void free_staging(pg_engine *e) {
 int pg_engine_shard_grads(pg_engine *e) {
   if (e->sharded || e->ctx->data == 1) return PG_OK; /* one replica: the shard is the whole buffer */
   if (e->be->device != PG_CPU)
-    return pg_fail("zero = 2 keeps a gradient shard with staging buffers in host memory; the %s backend has "
-                   "zero = 0 and 1", e->be->name);
+    return pg_fail("zero = %d keeps a gradient shard with staging buffers in host memory; the %s backend has "
+                   "zero = 0 and 1", e->zero, e->be->name);
   for (int v = 0; v < e->nchunks; v++) {
     const pg_module *m = pg_module_find_foreign_writer(e->chunks[v].stage);
     if (m)
-      return pg_fail("zero = 2 keeps only a shard of the gradients, but module '%s' (written in Lua) writes its "
-                     "parameters' gradients into the whole buffer: use zero = 1", m->name);
+      return pg_fail("zero = %d keeps only a shard of the gradients, but module '%s' (written in Lua) writes its "
+                     "parameters' gradients into the whole buffer: use zero = 1", e->zero, m->name);
   }
   if (e->flat_padded > e->dense_padded)
-    return pg_fail("zero = 2 with expert parallelism is not supported yet (the experts' gradients are reduced over "
-                   "expert_data, with a shard layout of their own): use zero = 1");
+    return pg_fail("zero = %d with expert parallelism is not supported yet (the experts' gradients are reduced over "
+                   "expert_data, with a shard layout of their own): use zero = 1", e->zero);
   if (e->grads_pending)
-    return pg_fail("zero = 2: gradients of an earlier forward_backward wait for their reduction; make the optimizer "
-                   "before training, or call engine:sync_grads() first");
+    return pg_fail("zero = %d: gradients of an earlier forward_backward wait for their reduction; make the optimizer "
+                   "before training, or call engine:sync_grads() first", e->zero);
   int64_t lo, hi, per = e->flat_padded / e->ctx->data;
   lo = per * e->ctx->dp_rank;
   hi = lo + per;
