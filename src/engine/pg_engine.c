@@ -1019,9 +1019,9 @@ int pg_engine_shard_params(pg_engine *e) {
   if (e->be->device != PG_CPU)
     return pg_fail("zero = 3 gathers parameters over MPI from host memory; the %s backend has zero = 0 and 1",
                    e->be->name);
-  if (e->opts.precision == PG_PRECISION_BF16)
-    return pg_fail("zero = 3 with precision bf16 is not built (its working weights would be kept whole): use "
-                   "precision fp32, or zero = 1 or 2");
+  /* precision bf16: the gathers are float32 (the masters' values), the modules round their working weights from
+   * them in their first micro-batch's forward, while the unit is gathered, and keep them (2 bytes a parameter of
+   * the stage: pg_engine_bf16_bytes); bf16 gathers of bf16 shards are not built */
   if (!e->sharded)
     return pg_fail("zero = 3: the gradients must be sharded first (pg_engine_shard_grads)");
   int64_t per = e->flat_padded / e->ctx->data, lo = per * e->ctx->dp_rank;
