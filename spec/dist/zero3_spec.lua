@@ -15,8 +15,13 @@
 --   - with ZeRO-2 at the same layout: the same bits (a gather copies the
 --     values a replica holds; the gradients go through the same buckets),
 --     at D = W, micro_batches = 2, reshard_after_forward = false,
---     recomputation, and on 4 ranks P = 2 x D = 2 (both schedules) and
---     T = 2 x D = 2 with sequence parallelism;
+--     recomputation, accumulation over calls, a shared-memory data group,
+--     precision bf16 (float32 gathers), a mixture of experts (expert = 1),
+--     and on 4 ranks P = 2 x D = 2 (both schedules) and T = 2 x D = 2 with
+--     sequence parallelism;
+--   - refused by name: expert parallelism, modules written in Lua that own
+--     parameters, reshard_after_forward without zero 3, another stage on a
+--     zero-3 engine;
 --   - with PG_TEST_DEVICE=cuda (the emulated device): refused by name (the
 --     gathers and the gradient staging are host memory over MPI);
 --   - on 8 ranks T = 2 x P = 2 x D = 2 against the serial model;
@@ -224,6 +229,25 @@ describe(("ZeRO-3 on %d ranks"):format(W), function()
     same_bits(train(dp, o(), { zero = 3 }, x, y), train(dp, o(), { zero = 2 }, x, y), "bf16")
   end)
 
+  -- a mixture of experts (its experts replicated over the data group: expert = 1) gathers its block as any other
+  it("gets ZeRO-2's bits with a mixture of experts (expert = 1)", function()
+    local function run(zero)
+      local e = pg.parallelize(pg.nn.Mixtral{ vocab = 61, padded_vocab = 64, seq_len = 8, dim = 16, heads = 2,
+        kv_heads = 2, hidden = 24, layers = 2, experts = 4, top_k = 2, aux_loss_coef = 0.02 }, dp, PRIVATE())
+      local o = pg.optim.AdamW(e, { lr = 1e-2, zero = zero })
+      local r = { losses = {}, engine = e, opt = o }
+      for s = 1, 3 do
+        e:zero_grad()
+        r.losses[s] = e:forward_backward(x, y)
+        if s == 1 then r.first = o:shard_state().grad:clone() end
+        o:step()
+      end
+      r.eval = e:loss(x, y)
+      return r
+    end
+    same_bits(run(3), run(2), "mixture of experts")
+  end)
+
   it("finds a block's parameters gathered where recomputation reruns its forward inside its backward", function()
     local a = train(dp, PRIVATE{ recompute = "full" }, { zero = 3 }, x, y)
     local b = train(dp, PRIVATE{ recompute = "full" }, { zero = 2 }, x, y)
@@ -250,6 +274,23 @@ describe(("ZeRO-3 on %d ranks"):format(W), function()
       { zero = 1, reshard_after_forward = false })
     assert.is_false(ok)
     assert.matches("reshard_after_forward is an option of zero = 3", err, 1, true)
+    -- a module written in Lua writes its gradients through views of the whole buffers
+    local m = { name = "custom", in_width = 16 }
+    function m:parameters() return { { name = "w", shape = { 16 } } } end
+    m.forward = function(_, _, xx) return xx end
+    m.backward = function(_, _, dy) return dy end
+    local lua_model = pg.nn.Sequential{ pg.nn.Embedding{ vocab = 61, dim = 16, name = "embed" }, m,
+      pg.nn.LMHead{ vocab = 61, dim = 16, name = "head" } }
+    ok, err = pcall(pg.optim.AdamW, pg.parallelize(lua_model, dp, PRIVATE()), { zero = 3 })
+    assert.is_false(ok)
+    assert.matches("zero = 3 keeps only a shard of the gradients, but module 'custom' (written in Lua)", err, 1, true)
+    -- expert parallelism: the experts' region is reduced over expert_data, with no ZeRO-2 shard layout yet
+    local moe = pg.nn.Mixtral{ vocab = 61, padded_vocab = 64, seq_len = 8, dim = 16, heads = 2, kv_heads = 2,
+      hidden = 24, layers = 1, experts = 2, top_k = 1 }
+    ok, err = pcall(pg.optim.AdamW, pg.parallelize(moe, pg.ParallelContext{ data = W, expert = 2, seed = 1 }, PRIVATE()),
+      { zero = 3 })
+    assert.is_false(ok)
+    assert.matches("zero = 3 with expert parallelism is not supported yet", err, 1, true)
     ok, err = pcall(pg.optim.AdamW, e, { zero = 4 })
     assert.is_false(ok)
     assert.matches("zero must be 0, 1, 2 or 3, got 4", err, 1, true)
