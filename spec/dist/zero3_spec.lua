@@ -298,8 +298,8 @@ describe(("ZeRO-3 on %d ranks"):format(W), function()
 
   -- A checkpoint is the files of zero 1 and 2 (one optimizer file per data rank, the parameters written by data
   -- rank 0 after a gather of each): it loads at zero 1 with the same parameters, moments and step, bit for bit,
-  -- and zero 1's loads back at zero 3 the same way.
-  it("saves a checkpoint that loads at zero 1 and back, bit for bit", function()
+  -- zero 1's loads back at zero 3 the same way, and zero 3's resliced into one process (zero 0) too.
+  it("saves a checkpoint that loads at zero 1 and back, bit for bit, and exports the model", function()
     local ckpt = pg.checkpoint
     local t = pg.tensor({ (ckpt.getpid() * 7919 + os.time()) % 1000000007 }, { dtype = "int32" })
     pg.dist.broadcast(t, { ctx = dp, src = 0 })
@@ -331,6 +331,28 @@ describe(("ZeRO-3 on %d ranks"):format(W), function()
     local z3b = trainer(3, 0)
     ckpt.load(z3b, dir .. "/from1")
     same_state(z1b, z3b, "zero 1 -> zero 3")
+    -- resliced into one process (zero 0): the same parameters and moments
+    local se = pg.parallelize(pg.nn.GPT(CFG), pg.ParallelContext{ self = true, seed = 7 }, {})
+    local so = pg.optim.AdamW(se, { lr = 1e-2, weight_decay = 0.1 })
+    local serial = pg.Trainer{ engine = se, optimizer = so, max_steps = 1, out = pg.testing.capture(), out_dir = dir }
+    ckpt.load(serial, dir .. "/from3")
+    for name, want in pairs(gathered(z3t.engine)) do
+      assert.is_true(se:gather_param(name):equal(want), "zero 3 -> one process: parameter " .. name)
+    end
+    local s3, s0 = z3t.optimizer:shard_state(), so:shard_state()
+    local n = math.min(s3.hi, s0.hi) - s3.lo
+    assert.is_true(n > 0 and s3.m:narrow(1, 1, n):equal(s0.m:narrow(1, s3.lo + 1, n))
+      and s3.v:narrow(1, 1, n):equal(s0.v:narrow(1, s3.lo + 1, n)), "zero 3 -> one process: this shard's m and v")
+    -- whole-model files gather every parameter over the data group for rank 0: zero 1's bytes
+    z3t.engine:save_llmc(dir .. "/z3.bin")
+    z1t.engine:save_llmc(dir .. "/z1.bin")
+    if dp:rank() == 0 then
+      local a, b = io.open(dir .. "/z3.bin", "rb"), io.open(dir .. "/z1.bin", "rb")
+      local ba, bb = a:read("a"), b:read("a")
+      a:close()
+      b:close()
+      assert.is_true(#ba > 0 and ba == bb, "save_llmc at zero 3 and at zero 1 after loading its checkpoint")
+    end
     dp:barrier()
     if dp:rank() == 0 then os.execute("rm -rf '" .. dir .. "'") end
   end)
