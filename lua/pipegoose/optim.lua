@@ -32,7 +32,10 @@ local ENGINE = opt.required(opt.check_with("an engine made by pg.parallelize",
 
 function optim.AdamW(engine, o)
   opt.value("AdamW", "engine", engine, ENGINE)
+  -- an engine made with zero = 3 (pg.parallelize) holds shards only: its optimizer's stage unless told otherwise
+  local built_sharded = engine.zero == 3 and (o == nil or o.zero == nil)
   o = opt.check("AdamW", o, ADAMW)
+  if built_sharded then o.zero = 3 end
   local zero = o.zero
   if zero ~= 0 and zero ~= 1 and zero ~= 2 and zero ~= 3 then
     error(("AdamW: zero must be 0, 1, 2 or 3, got %s"):format(opt.show(zero)), 2)

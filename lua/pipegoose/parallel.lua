@@ -101,6 +101,10 @@ local PARALLELIZE = {
   -- reduce the data group's gradient buckets while the last micro-batch's backward runs (Megatron's name); it
   -- applies over MPI with host memory (not to shared buffers nor the device backend: engine:stats() says)
   overlap_grad_reduce = opt.boolean{ default = true },
+  -- 3: ZeRO-3 from construction: only this rank's shards of the parameters and gradients are ever allocated
+  -- (the optimizer then takes zero = 3, its default here); without it AdamW{zero = 3} shards a whole engine
+  zero = opt.check_with("3 (ZeRO-3 from construction; stages 1 and 2 are pg.optim.AdamW's zero)",
+    function(v) return v == 3 end),
   seed = opt.integer{ min = math.mininteger, max = math.maxinteger },
   -- data-parallel replicas on one node share their flat buffers unless told not to
   shared_memory = opt.boolean{ default = true },
@@ -301,13 +305,13 @@ function M.parallelize(model, ctx, opts)
     tied_name = (P > 1 and head_tied) and tie or nil,
     bucket_mb = opts.bucket_mb, overlap_grad_reduce = opts.overlap_grad_reduce, shared_memory = opts.shared_memory,
     device = opts.device, objective = with_objective, router_experts = router_experts, precision = opts.precision,
-    sequence_parallel = sp,
+    sequence_parallel = sp, zero = opts.zero,
   })
   if not ok_engine then error(c, 2) end
   local e = setmetatable({
     c = c, ctx = ctx, config = config, model = model, micro_batches = micro, schedule = schedule,
     tokenizer = model.tokenizer, -- the model's tokenizer (pg.nn.from_hf's), or nil; save_hf writes it
-    virtual_stages = V, recompute = opts.recompute, precision = opts.precision, sequence_parallel = sp,
+    virtual_stages = V, recompute = opts.recompute, precision = opts.precision, sequence_parallel = sp, zero = opts.zero,
     device = c:info().device,
     stage = me, stages = P, partition_report = partition_report, vocab = vocab, _ = {},
   }, Engine)

@@ -48,7 +48,7 @@ local function rel(a, b) return math.abs(a - b) / math.max(math.abs(b), 1e-30) e
 -- Three clipped AdamW steps: the losses, the first step's shard gradients, the engine and optimizer.
 local function train(ctx, opts, hp, xs, ys, cfg)
   local e = pg.parallelize(pg.nn.GPT(cfg or CFG), ctx, opts)
-  local o = pg.optim.AdamW(e, { lr = 1e-2, weight_decay = 0.1, zero = hp.zero,
+  local o = pg.optim.AdamW(e, { lr = 1e-2, weight_decay = 0.1, zero = hp.zero, -- nil: the engine's
                                 reshard_after_forward = hp.reshard_after_forward })
   local r = { losses = {}, engine = e, opt = o }
   for s = 1, 3 do
@@ -154,6 +154,22 @@ describe(("ZeRO-3 on %d ranks"):format(W), function()
 
   it("gets ZeRO-2's bits: the gathers copy what a replica holds", function()
     same_bits(z3, z2, "zero 3 against zero 2")
+  end)
+
+  -- pg.parallelize{zero = 3}: the shards are made at construction, each parameter's initialised alone (a pure
+  -- function of the seed, its name and the element's index), never the whole stage: the same values, bits and
+  -- memory as the engine sharded by its optimizer
+  it("shards at construction with pg.parallelize{zero = 3}, with the same bits and memory", function()
+    local built = train(dp, PRIVATE{ zero = 3 }, {}, x, y)
+    assert.are.equal(3, built.opt.zero)
+    same_bits(built, z3, "sharded at construction")
+    assert.same(z3.memory, built.memory)
+    local ok, err = pcall(pg.parallelize, pg.nn.GPT(CFG), dp, { zero = 2 })
+    assert.is_false(ok)
+    assert.matches("3 (ZeRO-3 from construction; stages 1 and 2 are pg.optim.AdamW's zero)", err, 1, true)
+    ok, err = pcall(pg.optim.AdamW, pg.parallelize(pg.nn.GPT(CFG), dp, PRIVATE{ zero = 3 }), { zero = 1 })
+    assert.is_false(ok)
+    assert.matches("zero=1: this engine keeps only its shard of the parameters", err, 1, true)
   end)
 
   -- six blocks: two gathered blocks and the embedding are less than the (D - 1) / D of the model a shard saves

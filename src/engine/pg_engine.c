@@ -47,6 +47,8 @@ static int collect_params(pg_engine *e) {
   return PG_OK;
 }
 
+static int zero3_at_construction(pg_engine *e, uint64_t seed);
+
 static int bind_params(pg_engine *e, uint64_t seed) {
   if (collect_params(e)) return PG_ERR;
   for (int i = 0; i < e->nparams; i++)
@@ -77,6 +79,7 @@ static int bind_params(pg_engine *e, uint64_t seed) {
   int64_t experts = off - e->dense_padded;
   e->flat_padded = e->dense_padded + (experts ? round_up(experts, (int64_t)FLAT_ALIGN * (e->ctx->data / e->ctx->expert))
                                               : 0);
+  if (e->opts.zero == 3 && e->ctx->data > 1) return zero3_at_construction(e, seed);
   size_t bytes = (size_t)e->flat_padded * sizeof(float);
   /* Data-parallel replicas on one node share their buffers (single-pass
    * reductions); anything else, or no room in /dev/shm: private memory. */
@@ -108,6 +111,8 @@ static int bind_params(pg_engine *e, uint64_t seed) {
 static int count_parameters(pg_engine *e, int64_t *n);
 static void free_staging(pg_engine *e);
 static void free_units(pg_engine *e);
+static int make_staging(pg_engine *e);
+static int check_shardable(const pg_engine *e);
 
 /* ---------------------------------------------------------------- buckets */
 
@@ -336,7 +341,7 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *const *stages, int nchunks,
     rc = check_widths(e, v) || pg_module_set_backend(chunks[v].stage, e->be) ||
          pg_module_set_precision(chunks[v].stage, opts->precision) ||
          pg_module_use_recompute_arena(chunks[v].stage, e->recompute_arena);
-  if (rc || make_schedule(e) || bind_params(e, seed) || build_buckets(e) ||
+  if (rc || make_schedule(e) || bind_params(e, seed) || (!e->sharded && build_buckets(e)) ||
       count_parameters(e, &e->num_parameters)) {
     pg_engine_free(e);
     return NULL;
@@ -1014,6 +1019,35 @@ int pg_engine_set_reshard_after_forward(pg_engine *e, int on) {
   return PG_OK;
 }
 
+/* The gather units, the resident units' buffers and the pool's first two
+ * slots (the unit computing and the one prefetched: memory() says before
+ * the first step what training holds); the pool's slots hold the largest
+ * unit that is not resident. */
+static int make_units(pg_engine *e) {
+  if (!(e->units = calloc((size_t)e->nparams + 1, sizeof *e->units)) ||
+      !(e->param_unit = calloc((size_t)e->nparams + 1, sizeof *e->param_unit)))
+    return pg_fail("zero = 3: out of memory");
+  for (int v = 0; v < e->nchunks; v++)
+    if (collect_units(e, e->chunks[v].stage, v)) return PG_ERR;
+  e->gpool_elems = e->gresident_elems = 0;
+  int pooled = 0;
+  for (int k = 0; k < e->nunits; k++) {
+    pg_gather_unit *u = &e->units[k];
+    int64_t n = u->hi - u->lo;
+    if (!u->resident) {
+      pooled++;
+      if (n > e->gpool_elems) e->gpool_elems = n;
+      continue;
+    }
+    if (!(u->buf = malloc((size_t)n * sizeof(float))))
+      return pg_fail("zero = 3: out of memory for a gather buffer of %lld floats", (long long)n);
+    e->gresident_elems += n;
+  }
+  for (int i = 0; i < (pooled < 2 ? pooled : 2); i++)
+    if (add_gather_slot(e) < 0) return PG_ERR;
+  return PG_OK;
+}
+
 int pg_engine_shard_params(pg_engine *e) {
   if (e->params_sharded || e->ctx->data == 1) return PG_OK; /* one replica: the shard is the whole buffer */
   if (e->be->device != PG_CPU)
@@ -1025,49 +1059,49 @@ int pg_engine_shard_params(pg_engine *e) {
   if (!e->sharded)
     return pg_fail("zero = 3: the gradients must be sharded first (pg_engine_shard_grads)");
   int64_t per = e->flat_padded / e->ctx->data, lo = per * e->ctx->dp_rank;
-  if (!(e->units = calloc((size_t)e->nparams + 1, sizeof *e->units)) ||
-      !(e->param_unit = calloc((size_t)e->nparams + 1, sizeof *e->param_unit))) {
+  pg_storage *shard = NULL;
+  if (make_units(e) || !(shard = pg_backend_storage(e->be, (size_t)per * sizeof(float)))) {
     free_units(e);
-    return pg_fail("zero = 3: out of memory");
-  }
-  for (int v = 0; v < e->nchunks; v++)
-    if (collect_units(e, e->chunks[v].stage, v)) {
-      free_units(e);
-      return PG_ERR;
-    }
-  pg_storage *shard = pg_backend_storage(e->be, (size_t)per * sizeof(float));
-  if (!shard) {
-    free_units(e);
-    return pg_fail("zero = 3: the parameter shard (%lld floats): %s", (long long)per, pg_error());
+    return shard ? PG_ERR : pg_fail("zero = 3: the parameter shard (%lld floats): %s", (long long)per, pg_error());
   }
   memcpy(shard->data, (float *)e->param_store->data + lo, (size_t)per * sizeof(float));
-  /* resident units keep their own buffer; the pool's slots hold the largest other unit, two made now (the one
-   * computing and the one prefetched) so that memory() says before the first step what training holds */
-  e->gpool_elems = e->gresident_elems = 0;
-  int pooled = 0;
-  for (int k = 0; k < e->nunits; k++) {
-    pg_gather_unit *u = &e->units[k];
-    int64_t n = u->hi - u->lo;
-    if (!u->resident) {
-      pooled++;
-      if (n > e->gpool_elems) e->gpool_elems = n;
-      continue;
-    }
-    if (!(u->buf = malloc((size_t)n * sizeof(float)))) {
-      pg_storage_release(shard);
-      free_units(e);
-      return pg_fail("zero = 3: out of memory for a gather buffer of %lld floats", (long long)n);
-    }
-    e->gresident_elems += n;
-  }
   pg_shm_close(&e->param_shm);
   pg_storage_release(e->param_store);
   e->param_store = shard;
   e->param_base = lo;
   e->params_sharded = 1;
   for (int i = 0; i < e->nparams; i++) e->params[i]->data = NULL;
-  for (int i = 0; i < (pooled < 2 ? pooled : 2); i++)
-    if (add_gather_slot(e) < 0) return PG_ERR;
+  return PG_OK;
+}
+
+/* ZeRO-3 from construction (opts.zero = 3, data > 1; bind_params has laid
+ * the flat buffer out): only this rank's shards of the parameters and the
+ * gradients are allocated, each parameter initialised alone into a scratch
+ * of its own size and its part in the shard kept, so that the whole stage is
+ * never held; then ZeRO-2's buckets and staging and the gather units. */
+static int zero3_at_construction(pg_engine *e, uint64_t seed) {
+  e->zero = 3;
+  if (check_shardable(e)) return PG_ERR;
+  int64_t per = e->flat_padded / e->ctx->data, lo = per * e->ctx->dp_rank;
+  size_t bytes = (size_t)per * sizeof(float);
+  if (!(e->param_store = pg_backend_storage(e->be, bytes)) || !(e->grad_store = pg_backend_storage(e->be, bytes)))
+    return pg_fail("zero = 3: the parameter and gradient shards (2 x %zu bytes): %s", bytes, pg_error());
+  memset(e->param_store->data, 0, bytes);
+  memset(e->grad_store->data, 0, bytes);
+  e->param_base = e->grad_base = lo;
+  e->sharded = e->params_sharded = 1; /* pg_engine_write_param keeps the part in the shard */
+  for (int i = 0; i < e->nparams; i++) {
+    pg_param *p = e->params[i];
+    float *full = malloc((size_t)p->numel * sizeof(float));
+    if (!full) return pg_fail("zero = 3: out of memory initialising %s", p->name);
+    p->data = full;
+    pg_param_init(p, seed);
+    int rc = pg_engine_write_param(e, p, full);
+    free(full);
+    p->data = p->grad = NULL;
+    if (rc) return PG_ERR;
+  }
+  if (build_buckets(e) || make_staging(e) || make_units(e)) return PG_ERR;
   return PG_OK;
 }
 
@@ -1404,8 +1438,8 @@ static void free_staging(pg_engine *e) {
   e->npool = 0;
 }
 
-int pg_engine_shard_grads(pg_engine *e) {
-  if (e->sharded || e->ctx->data == 1) return PG_OK; /* one replica: the shard is the whole buffer */
+/* What ZeRO-2 and 3 cannot serve, refused by name (e->zero names the stage). */
+static int check_shardable(const pg_engine *e) {
   if (e->be->device != PG_CPU)
     return pg_fail("zero = %d keeps a gradient shard with staging buffers in host memory; the %s backend has "
                    "zero = 0 and 1", e->zero, e->be->name);
@@ -1418,6 +1452,12 @@ int pg_engine_shard_grads(pg_engine *e) {
   if (e->flat_padded > e->dense_padded)
     return pg_fail("zero = %d with expert parallelism is not supported yet (the experts' gradients are reduced over "
                    "expert_data, with a shard layout of their own): use zero = 1", e->zero);
+  return PG_OK;
+}
+
+int pg_engine_shard_grads(pg_engine *e) {
+  if (e->sharded || e->ctx->data == 1) return PG_OK; /* one replica: the shard is the whole buffer */
+  if (check_shardable(e)) return PG_ERR;
   if (e->grads_pending)
     return pg_fail("zero = %d: gradients of an earlier forward_backward wait for their reduction; make the optimizer "
                    "before training, or call engine:sync_grads() first", e->zero);

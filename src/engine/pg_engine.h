@@ -70,6 +70,9 @@ typedef struct pg_engine_opts {
   int router_experts;    /* > 0: the model has mixture-of-experts layers of this many experts (pg_io.router) */
   pg_precision precision; /* of the stages' products (pg_module_set_precision); masters, gradients and optimizer
                              state stay float32 in the flat buffers whatever it is */
+  int zero;              /* 3: ZeRO-3 from construction (the optimizer is made with zero = 3): with data > 1 only
+                            this rank's shards of the parameters and gradients are ever allocated, and each
+                            parameter's shard initialised alone; 0: the optimizer decides (pg_engine_shard_*) */
   int sequence_parallel; /* the stages hand over this tensor rank's rows of each micro-batch (pg_sp_rows;
                             the modules were built for it: pg_module_sequence_parallel) */
 } pg_engine_opts;

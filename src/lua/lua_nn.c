@@ -406,6 +406,7 @@ static int l_engine_new(lua_State *L) {
   else if (strcmp(precision, "fp32"))
     return luaL_error(L, "parallelize: precision must be \"fp32\" or \"bf16\", not \"%s\"", precision);
   o.sequence_parallel = pg_lua_opt_bool(L, 3, "sequence_parallel", 0);
+  o.zero = pg_lua_opt_cint(L, 3, "zero", 0);
   int one = lua_getfield(L, 2, "kind") != LUA_TNIL;
   lua_pop(L, 1);
   lua_Integer nchunks = one ? 1 : luaL_len(L, 2);
