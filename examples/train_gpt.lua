@@ -37,9 +37,10 @@ p:option("--precision", "fp32, or bf16 (bf16 GEMM operands, float32 sums, master
   :choices{ "fp32", "bf16" }
 int("--context", 1, "Context-parallel size: each sequence split over this many ranks (ring attention).")
 p:flag("--sequence-parallel", "Sequence parallelism: the norms and residuals hold 1/tensor of the rows (tensor > 1).")
--- the stages pg.optim.AdamW takes (zero = 0, 1, 2)
-p:option("--zero", "ZeRO stage: 0 (none), 1 (the optimizer state sharded over --data) or 2 (the gradients too).", "0")
-  :choices{ "0", "1", "2" }:convert(o.to_int)
+-- the stages pg.optim.AdamW takes (zero = 0, 1, 2, 3)
+p:option("--zero", "ZeRO stage: 0 (none), 1 (the optimizer state sharded over --data), 2 (the gradients too) or 3 "
+  .. "(the parameters too, each module's gathered when it runs).", "0")
+  :choices{ "0", "1", "2", "3" }:convert(o.to_int)
 -- The defaults: make run's recipe (examples/train_llama.lua --corpus=data/corpus,
 -- the fortunes and the King James Bible with a 4096-id BPE, 3.4 bytes a token):
 -- 1000 steps of 16 x 128 tokens (2.0M tokens, about one epoch) of a 1.74M-parameter

@@ -4,7 +4,12 @@
 -- data group (zero = 1), or ZeRO-2 (zero = 2: the engine then keeps only this
 -- rank's shard of the gradients, reduced after every micro-batch's backward,
 -- also on calls with sync = false; engine:flat() gives no gradients and
--- engine:grads() refuses: shard_state().grad is the shard).
+-- engine:grads() refuses: shard_state().grad is the shard), or ZeRO-3
+-- (zero = 3: the parameters too; every module's parameters are all-gathered
+-- over the data group before its forward and backward and freed after,
+-- reshard_after_forward = false keeps them from the first forward to the end
+-- of the call; engine:parameters() then has no tensors, gather_param gathers
+-- one, shard_state().param is the shard; docs/DESIGN.md "ZeRO-3").
 local core = require "pipegoose.core"
 local opt = require "pipegoose.options"
 
@@ -20,21 +25,27 @@ local ADAMW = {
   lr = opt.number{ finite = false, default = 1e-3 }, betas = opt.list(NUMBER, { len = 2, default = { 0.9, 0.999 } }),
   eps = opt.number{ finite = false, default = 1e-8 }, weight_decay = opt.number{ finite = false, default = 0.01 },
   zero = opt.integer{ default = 0 },
+  reshard_after_forward = opt.boolean{ default = true }, -- zero = 3 only
 }
 local ENGINE = opt.required(opt.check_with("an engine made by pg.parallelize",
   function(e) return type(e) == "table" and type(e.c) == "userdata" end))
 
 function optim.AdamW(engine, o)
   opt.value("AdamW", "engine", engine, ENGINE)
+  -- an engine made with zero = 3 (pg.parallelize) holds shards only: its optimizer's stage unless told otherwise
+  local built_sharded = engine.zero == 3 and (o == nil or o.zero == nil)
   o = opt.check("AdamW", o, ADAMW)
+  if built_sharded then o.zero = 3 end
   local zero = o.zero
-  if zero == 3 then
-    error("AdamW: zero=3 is not built; pipegoose has ZeRO stages 1 and 2 (zero = 1, 2) and none (zero = 0)", 2)
-  elseif zero ~= 0 and zero ~= 1 and zero ~= 2 then
-    error(("AdamW: zero must be 0, 1 or 2, got %s"):format(opt.show(zero)), 2)
+  if zero ~= 0 and zero ~= 1 and zero ~= 2 and zero ~= 3 then
+    error(("AdamW: zero must be 0, 1, 2 or 3, got %s"):format(opt.show(zero)), 2)
+  end
+  if o.reshard_after_forward == false and zero ~= 3 then
+    error(("AdamW: reshard_after_forward is an option of zero = 3 (the parameters gathered per module), not of "
+      .. "zero = %d"):format(zero), 2)
   end
   local ok, c = pcall(core.AdamW, engine.c, { lr = o.lr, beta1 = o.betas[1], beta2 = o.betas[2], eps = o.eps,
-                                              weight_decay = o.weight_decay }, zero)
+                                              weight_decay = o.weight_decay }, zero, o.reshard_after_forward)
   if not ok then error(c, 2) end
   local self = setmetatable({ c = c, engine = engine, zero = zero }, AdamW)
   engine.optimizer = self

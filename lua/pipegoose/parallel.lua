@@ -101,6 +101,10 @@ local PARALLELIZE = {
   -- reduce the data group's gradient buckets while the last micro-batch's backward runs (Megatron's name); it
   -- applies over MPI with host memory (not to shared buffers nor the device backend: engine:stats() says)
   overlap_grad_reduce = opt.boolean{ default = true },
+  -- 3: ZeRO-3 from construction: only this rank's shards of the parameters and gradients are ever allocated
+  -- (the optimizer then takes zero = 3, its default here); without it AdamW{zero = 3} shards a whole engine
+  zero = opt.check_with("3 (ZeRO-3 from construction; stages 1 and 2 are pg.optim.AdamW's zero)",
+    function(v) return v == 3 end),
   seed = opt.integer{ min = math.mininteger, max = math.maxinteger },
   -- data-parallel replicas on one node share their flat buffers unless told not to
   shared_memory = opt.boolean{ default = true },
@@ -301,13 +305,13 @@ function M.parallelize(model, ctx, opts)
     tied_name = (P > 1 and head_tied) and tie or nil,
     bucket_mb = opts.bucket_mb, overlap_grad_reduce = opts.overlap_grad_reduce, shared_memory = opts.shared_memory,
     device = opts.device, objective = with_objective, router_experts = router_experts, precision = opts.precision,
-    sequence_parallel = sp,
+    sequence_parallel = sp, zero = opts.zero,
   })
   if not ok_engine then error(c, 2) end
   local e = setmetatable({
     c = c, ctx = ctx, config = config, model = model, micro_batches = micro, schedule = schedule,
     tokenizer = model.tokenizer, -- the model's tokenizer (pg.nn.from_hf's), or nil; save_hf writes it
-    virtual_stages = V, recompute = opts.recompute, precision = opts.precision, sequence_parallel = sp,
+    virtual_stages = V, recompute = opts.recompute, precision = opts.precision, sequence_parallel = sp, zero = opts.zero,
     device = c:info().device,
     stage = me, stages = P, partition_report = partition_report, vocab = vocab, _ = {},
   }, Engine)
@@ -410,7 +414,8 @@ function Engine:sync_grads() self.c:sync_grads() end -- collective (data and emb
 --- This rank's parameters: { name=, shape=, full_shape=, split=, tensor=, grad=, ... } in flat order
 -- (no grad with zero = 2: the optimizer made the engine keep only its shard of the gradients).
 function Engine:parameters()
-  local sharded = self.optimizer ~= nil and self.optimizer.zero == 2
+  -- zero = 3: no tensor either (this rank holds a shard of the parameters: gather_param, shard_state().param)
+  local sharded = self.optimizer ~= nil and self.optimizer.zero >= 2 and self.optimizer.zero
   if not self._.params or self._.params_sharded ~= sharded then
     self._.params, self._.params_sharded = self.c:params(), sharded
   end
@@ -423,9 +428,9 @@ function Engine:flat() return self.c:flat() end
 
 function Engine:grads()
   -- the gradients' shards are over the replicas: data x context (data_context is the data group's members at C = 1)
-  if self.optimizer and self.optimizer.zero == 2 and self.ctx:world_size("data_context") > 1 then
-    error("engine:grads(): with zero = 2 this rank keeps only its shard of the gradients "
-      .. "(optimizer:shard_state().grad), not each parameter's", 2)
+  if self.optimizer and self.optimizer.zero >= 2 and self.ctx:world_size("data_context") > 1 then
+    error(("engine:grads(): with zero = %d this rank keeps only its shard of the gradients "
+      .. "(optimizer:shard_state().grad), not each parameter's"):format(self.optimizer.zero), 2)
   end
   local out = {}
   for i, p in ipairs(self:parameters()) do out[i] = { name = p.name, shape = p.shape, tensor = p.grad } end
@@ -450,8 +455,9 @@ function Engine:memory()
     local_params = local_params + n
   end
   local m = {
-    -- measured by the runtime: with zero = 2 the shard and the staging buffers made so far
-    params_bytes = 4 * info.flat_padded, grads_bytes = info.grads_bytes,
+    -- measured by the runtime: with zero = 2 the gradients' shard and the staging buffers made so far, with
+    -- zero = 3 also the parameters' shard and the gather slots (the largest unit's, two of them)
+    params_bytes = info.params_bytes, grads_bytes = info.grads_bytes,
     slot_bytes = info.slot_bytes, slots = info.slots,
     -- recomputed blocks keep one micro-batch's activations whatever is in flight
     fixed_activation_bytes = info.fixed_activation_bytes,
@@ -492,8 +498,20 @@ function Engine:schedule_actions() return self.c:schedule() end
 function Engine:load_param(name, full) self.c:load_param(name, full) end
 
 --- engine:gather_param(name [, grad]) -> the full tensor (or its gradient).
--- Collective over the tensor group of the stage that holds it.
+-- Collective over the tensor group of the stage that holds it (with zero = 3
+-- over its data group too: the parameter is gathered from the shards).
 function Engine:gather_param(name, grad) return self.c:gather_param(name, grad) end
+
+--- engine:local_param(name [, tensor]) -> a copy of this rank's piece of the parameter (its tensor-parallel
+-- shard, p.shape); with a tensor, sets it. Local, except that with zero = 3 reading gathers the piece over the
+-- data group (collective there) and setting keeps the part inside this rank's shard.
+function Engine:local_param(name, t) return self.c:local_param(name, t) end
+
+-- zero = 3 over more than one replica (data x context): the parameters exist only as shards (gathers are collective
+-- over data_context)
+local function params_sharded(e)
+  return e.optimizer ~= nil and e.optimizer.zero == 3 and e.ctx:world_size("data_context") > 1
+end
 
 --- (collective) engine:gather_to_root(name, convert, shape) -> on rank 0, convert(the full
 -- parameter), a tensor of `shape`; nil elsewhere. Collective over all ranks:
@@ -520,6 +538,8 @@ function Engine:gather_to_root(name, convert, shape)
   local buf
   if ctx:local_rank("pipeline") == owner and ctx:local_rank("data") == dp then
     buf = convert(self.c:gather_param(name))
+  elseif ctx:local_rank("pipeline") == owner and params_sharded(self) then
+    self.c:gather_param(name) -- zero = 3: every data rank takes part in the gather; data rank dp keeps it
   end
   if src ~= 0 then
     if me == src then core.dist.send(buf, { ctx = ctx, dst = 0, tag = 7 })

@@ -51,6 +51,9 @@ return {
   { name = "overlap", description = "data = 2 over MPI, the small model: step, gradient reduction and its exposed "
       .. "part with\noverlap_grad_reduce off and on; bytes per parameter for zero 0, 1 and 2",
     run = require "bench.overlap" },
+  { name = "zero3", description = "data = 2 over MPI, the small model: zero = 3 against zero = 1 (and 2), step time "
+      .. "ratio,\nbytes moved per step over the data group against the 3x-parameter-bytes theory, memory per rank",
+    run = require("bench.zero3").part },
   { name = "pp", description = "pipeline = 2, M = 1..16 micro-batches: bubble and activation peak, GPipe and 1F1B",
     run = require "bench.pp" },
   { name = "memory", description = "the small model with recompute = full and selective (against none), and\n"

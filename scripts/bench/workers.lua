@@ -377,4 +377,5 @@ return {
   a2a = worker_a2a,
   ["llmc-model"] = worker_llmc_model,
   slowlink = require("bench.slowlink").worker, -- scripts/bench/slowlink.lua: the part and its worker together
+  zero3 = require("bench.zero3").worker,
 }

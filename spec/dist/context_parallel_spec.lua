@@ -34,11 +34,13 @@ local LR, PARAM_RTOL, PARAM_ATOL = 1e-3, 1e-5, 1e-5
 
 local LAYOUTS = ({
   [2] = { { name = "CP=2", context = 2, m = 2 }, { name = "CP=2, zero=2", context = 2, m = 2, zero = 2 },
+          { name = "CP=2, zero=3", context = 2, m = 2, zero = 3 },
           { name = "CP=2, recompute=full", context = 2, m = 2, recompute = "full" } },
   [4] = { { name = "CP=4", context = 4, m = 2 },
           { name = "P=2 x CP=2, 1f1b", pipeline = 2, context = 2, m = 4 },
           { name = "P=2 x CP=2, virtual_stages=2", pipeline = 2, context = 2, m = 2, virtual_stages = 2 },
           { name = "D=2 x CP=2, zero=1", data = 2, context = 2, m = 1, zero = 1 },
+          { name = "D=2 x CP=2, zero=3", data = 2, context = 2, m = 2, zero = 3 },
           { name = "T=2 x CP=2, sequence parallel", tensor = 2, context = 2, m = 2, sp = true } },
   [8] = { { name = "T=2 x CP=2 x D=2, zero=1", tensor = 2, context = 2, data = 2, m = 1, zero = 1 } },
 })[W]

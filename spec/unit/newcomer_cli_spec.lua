@@ -136,12 +136,13 @@ describe("examples/train_gpt.lua", function()
   it("says in --help which ZeRO stages there are, and refuses another", function()
     local rc, out = run{ "examples/train_gpt.lua", "--help" }
     assert.equal(0, rc, out)
-    assert.matches("--zero {0,1,2}", out, 1, true)
+    assert.matches("--zero {0,1,2,3}", out, 1, true)
     assert.matches("2 (the gradients too)", out, 1, true)
+    assert.matches("3 (the parameters too", out, 1, true)
     assert.is_nil(out:find("(0 or 1)", 1, true), out)
-    rc, out = run{ "examples/train_gpt.lua", "--zero=3" }
+    rc, out = run{ "examples/train_gpt.lua", "--zero=4" }
     assert.is_not.equal(0, rc)
-    assert.matches("argument for option '--zero' must be one of '0', '1', '2'", out, 1, true)
+    assert.matches("argument for option '--zero' must be one of '0', '1', '2', '3'", out, 1, true)
   end)
 
   it("reports an error in the options under the script's name, not train_gpt.lua's line (also from the wrappers)",

@@ -56,6 +56,8 @@ static int collect_params(pg_engine *e) {
   return PG_OK;
 }
 
+static int zero3_at_construction(pg_engine *e, uint64_t seed);
+
 static int bind_params(pg_engine *e, uint64_t seed) {
   if (collect_params(e)) return PG_ERR;
   for (int i = 0; i < e->nparams; i++)
@@ -86,6 +88,7 @@ static int bind_params(pg_engine *e, uint64_t seed) {
   int64_t experts = off - e->dense_padded;
   e->flat_padded = e->dense_padded + (experts ? round_up(experts, (int64_t)FLAT_ALIGN * (e->ctx->data / e->ctx->expert))
                                               : 0);
+  if (e->opts.zero == 3 && dense_size(e) > 1) return zero3_at_construction(e, seed);
   size_t bytes = (size_t)e->flat_padded * sizeof(float);
   /* Data-parallel replicas on one node share their buffers (single-pass
    * reductions); anything else, or no room in /dev/shm: private memory. */
@@ -117,6 +120,9 @@ static int bind_params(pg_engine *e, uint64_t seed) {
 
 static int count_parameters(pg_engine *e, int64_t *n);
 static void free_staging(pg_engine *e);
+static void free_units(pg_engine *e);
+static int make_staging(pg_engine *e);
+static int check_shardable(const pg_engine *e);
 
 /* ---------------------------------------------------------------- buckets */
 
@@ -310,6 +316,7 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *const *stages, int nchunks,
   e->ctx = ctx;
   e->chunks = chunks;
   e->nchunks = nchunks;
+  e->reshard_after_forward = 1; /* FSDP2's default */
   for (int v = 0; v < nchunks; v++) {
     chunks[v].stage = stages[v];
     /* the model's first and last pieces (placement: pg_schedule_piece) */
@@ -345,7 +352,7 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *const *stages, int nchunks,
     rc = check_widths(e, v) || pg_module_set_backend(chunks[v].stage, e->be) ||
          pg_module_set_precision(chunks[v].stage, opts->precision) ||
          pg_module_use_recompute_arena(chunks[v].stage, e->recompute_arena);
-  if (rc || make_schedule(e) || bind_params(e, seed) || cp_check_engine(e) || build_buckets(e) ||
+  if (rc || make_schedule(e) || bind_params(e, seed) || cp_check_engine(e) || (!e->sharded && build_buckets(e)) ||
       count_parameters(e, &e->num_parameters)) {
     pg_engine_free(e);
     return NULL;
@@ -375,6 +382,7 @@ void pg_engine_free(pg_engine *e) {
    * members that should complete them never will: they are left to the job's end */
   for (int k = 0; k < e->nbuckets && !pg_comm_broken(e->ctx); k++) pg_wait(&e->buckets[k].req);
   free_staging(e);
+  free_units(e);
   free(e->buckets);
   free(e->param_bucket);
   free(e->last_backward);
@@ -731,9 +739,15 @@ static int stage_bucket(pg_engine *e, pg_bucket *b) {
   return PG_OK;
 }
 
-/* pg_io.backward_begin: module m is about to write its parameters' gradients. */
+static int gather_for(pg_engine *e, pg_module *m, int step);
+static int zero3_backward_done(pg_engine *e, pg_module *m);
+
+/* pg_io.backward_begin: module m is about to write its parameters' gradients
+ * (with ZeRO-3 its parameters are gathered first). */
 static int on_backward_begin(void *ud, pg_module *m) {
   pg_engine *e = ud;
+  if (e->params_sharded && gather_for(e, m, -1)) return PG_ERR;
+  if (!e->sharded) return PG_OK;
   for (int i = 0; i < m->nparams; i++) {
     int k = param_index(e, m->params[i]);
     if (k < 0) return pg_fail("module %s: parameter %s is not this engine's", m->name, m->params[i]->name);
@@ -801,7 +815,7 @@ static int finish_sharded(pg_engine *e) {
  * final, and a bucket whose every parameter is final starts. */
 static int on_backward_done(void *ud, pg_module *m) {
   pg_engine *e = ud;
-  if (e->sharded) return sharded_backward_done(e, m);
+  if (e->sharded) return sharded_backward_done(e, m) || (e->params_sharded && zero3_backward_done(e, m));
   if (!e->final_pass) return PG_OK;
   for (int i = 0; i < m->nparams; i++) {
     int k = param_index(e, m->params[i]);
@@ -812,6 +826,305 @@ static int on_backward_done(void *ud, pg_module *m) {
   return progress_buckets(e);
 }
 
+
+/* ---------------------------------------------------------------- ZeRO-3: gathered parameters */
+
+/* A slot of the gather pool for unit u (a resident unit has its own): a
+ * free one, or a new one when every slot is held (nested units, prefetch). */
+static int add_gather_slot(pg_engine *e) {
+  float **pool = realloc(e->gpool, (size_t)(e->ngpool + 1) * sizeof *pool);
+  if (pool) e->gpool = pool;
+  int *owner = pool ? realloc(e->gpool_owner, (size_t)(e->ngpool + 1) * sizeof *owner) : NULL;
+  if (owner) e->gpool_owner = owner;
+  float *slot = owner ? malloc((size_t)e->gpool_elems * sizeof(float)) : NULL;
+  if (!slot) {
+    pg_fail("zero = 3: out of memory for a parameter gather slot of %lld floats", (long long)e->gpool_elems);
+    return -1;
+  }
+  e->gpool[e->ngpool] = slot;
+  e->gpool_owner[e->ngpool] = -1;
+  return e->ngpool++;
+}
+
+static int unit_buffer(pg_engine *e, pg_gather_unit *u) {
+  if (u->buf) return PG_OK;
+  int s = -1;
+  for (int i = 0; i < e->ngpool && s < 0; i++)
+    if (e->gpool_owner[i] < 0) s = i;
+  if (s < 0 && (s = add_gather_slot(e)) < 0) return PG_ERR;
+  e->gpool_owner[s] = (int)(u - e->units);
+  u->slot = s;
+  u->buf = e->gpool[s];
+  return PG_OK;
+}
+
+/* Starts unit u's all-gather (nothing when it is gathered or on its way):
+ * this rank's piece of [lo, hi) from the shard into its place in the
+ * buffer, then the nonblocking all-gather of every member's piece. */
+static int start_gather(pg_engine *e, pg_gather_unit *u) {
+  if (u->gathered || u->req) return PG_OK;
+  if (e->gathers_started++ == 0) {
+    char what[96]; /* the members agree once per call on the set, then start its gathers in the same order */
+    snprintf(what, sizeof what, "zero-3 parameter gathers of %d units", e->nunits);
+    if (pg_agree_batch(e->ctx, pg_engine_dense_group(e), PG_COLL_ALL_GATHER, PG_REDUCE_SUM, e->flat_padded, what))
+      return PG_ERR;
+  }
+  if (unit_buffer(e, u)) return PG_ERR;
+  int D = dense_size(e), me = dense_rank(e);
+  int64_t per = e->flat_padded / D, *counts = malloc((size_t)D * sizeof *counts);
+  if (!counts) return pg_fail("out of memory starting a parameter gather");
+  for (int r = 0; r < D; r++) {
+    int64_t a = u->lo > per * r ? u->lo : per * r, z = u->hi < per * (r + 1) ? u->hi : per * (r + 1);
+    counts[r] = z > a ? z - a : 0;
+  }
+  int64_t a = u->lo > e->param_base ? u->lo : e->param_base;
+  if (counts[me])
+    memcpy(u->buf + (a - u->lo), (float *)e->param_store->data + (a - e->param_base), (size_t)counts[me] * sizeof(float));
+  e->unit_gathers++;
+  int rc = pg_iall_gather_v_buf(e->ctx, pg_engine_dense_group(e), u->buf, counts, &u->req);
+  free(counts);
+  return rc;
+}
+
+/* Unit u's parameters usable: its gather started (if not yet) and complete. */
+static int finish_gather(pg_engine *e, pg_gather_unit *u) {
+  if (u->gathered) return PG_OK;
+  if (start_gather(e, u) || pg_wait(&u->req)) return PG_ERR;
+  for (int i = 0; i < u->nparams; i++) u->params[i]->data = u->buf + (u->params[i]->offset - u->lo);
+  u->gathered = 1;
+  return PG_OK;
+}
+
+/* Unit u's parameters freed (a gather in flight completes first: MPI writes its buffer). */
+static int release_unit(pg_engine *e, pg_gather_unit *u) {
+  if (pg_wait(&u->req)) return PG_ERR;
+  for (int i = 0; i < u->nparams; i++) u->params[i]->data = NULL;
+  u->gathered = 0;
+  if (!u->resident && u->slot >= 0) {
+    e->gpool_owner[u->slot] = -1;
+    u->slot = -1;
+    u->buf = NULL;
+  }
+  return PG_OK;
+}
+
+/* The end of every call (and the start: what a failed call left): every unit released. */
+static int release_units(pg_engine *e) {
+  for (int k = 0; k < e->nunits; k++)
+    if (release_unit(e, &e->units[k])) return PG_ERR;
+  e->gathers_started = 0;
+  return PG_OK;
+}
+
+/* The unit of a hook's module: the unit itself, or the one whose tree owns its parameters. */
+static pg_gather_unit *unit_of(pg_engine *e, pg_module *m) {
+  if (m->gather_unit)
+    for (int k = 0; k < e->nunits; k++)
+      if (e->units[k].m == m) return &e->units[k];
+  int k = m->nparams > 0 ? param_index(e, m->params[0]) : -1;
+  if (k < 0) {
+    pg_fail("module %s is in no gather unit of this engine", m->name);
+    return NULL;
+  }
+  return &e->units[e->param_unit[k]];
+}
+
+/* Before a unit's forward (step = +1) or backward (-1), and again (no-op)
+ * for every module inside it: its gather completed, and the gather of the
+ * unit that runs next in that direction (within the chunk: the chunks'
+ * order is the schedule's) started, so that it moves while this one
+ * computes (prefetch). */
+static int gather_for(pg_engine *e, pg_module *m, int step) {
+  pg_gather_unit *u = unit_of(e, m);
+  if (!u) return PG_ERR;
+  int k = (int)(u - e->units), next = k + step;
+  if (start_gather(e, u)) return PG_ERR;
+  /* from the unit's own hook only: a module inside it runs within the unit's forward or backward (the
+   * recomputed forward inside backward must not fetch the unit after it) */
+  if (u->m == m && next >= 0 && next < e->nunits && e->units[next].chunk == u->chunk &&
+      start_gather(e, &e->units[next]))
+    return PG_ERR;
+  return finish_gather(e, u);
+}
+
+static int on_forward_begin(void *ud, pg_module *m) { return gather_for(ud, m, +1); }
+
+/* After a unit's forward (not a module's inside it): released with
+ * reshard_after_forward (gathered again for its backward), else kept to the
+ * end of the call. The same after its backward. */
+static int unit_done(pg_engine *e, pg_module *m) {
+  pg_gather_unit *u = unit_of(e, m);
+  if (!u) return PG_ERR;
+  return u->m == m && e->reshard_after_forward && !u->resident ? release_unit(e, u) : PG_OK;
+}
+
+static int on_forward_done(void *ud, pg_module *m) { return unit_done(ud, m); }
+
+static int zero3_backward_done(pg_engine *e, pg_module *m) { return unit_done(e, m); }
+
+/* One gather unit: module m's tree. Its parameters lie in [lo, hi) of the
+ * flat buffer (a tree's parameters are consecutive there, chunk order being
+ * tree order). A unit owning a weight another module reads (the tied head's
+ * embedding) is resident: that module runs outside the owner's hooks. */
+static int add_unit(pg_engine *e, pg_module *m, int chunk) {
+  pg_gather_unit *u = &e->units[e->nunits];
+  *u = (pg_gather_unit){.m = m, .chunk = chunk, .lo = INT64_MAX, .hi = 0, .slot = -1};
+  if (!(u->params = pg_module_collect_params(m, &u->nparams))) return PG_ERR;
+  e->nunits++;
+  for (int i = 0; i < u->nparams; i++) {
+    pg_param *p = u->params[i];
+    int k = param_index(e, p);
+    if (k < 0) return pg_fail("module %s: parameter %s is not this engine's", m->name, p->name);
+    e->param_unit[k] = e->nunits - 1;
+    if (p->offset < u->lo) u->lo = p->offset;
+    if (p->offset + p->numel > u->hi) u->hi = p->offset + p->numel;
+    if (borrowed(e, p)) u->resident = 1;
+  }
+  if (u->hi - u->lo > BUCKET_MAX)
+    return pg_fail("zero = 3: module %s has parameters over more than 2^30 elements (one gather): use zero = 2",
+                   m->name);
+  m->gather_unit = 1;
+  return PG_OK;
+}
+
+/* The gather units of a chunk, in the order of forward: each child of its
+ * root container whose tree holds parameters (FSDP wraps each transformer
+ * block; the embedding and the final norm are units of their own), or the
+ * whole root when it owns parameters itself or has no children. */
+static int collect_units(pg_engine *e, pg_module *root, int chunk) {
+  int n = 0;
+  pg_param **ps = pg_module_collect_params(root, &n);
+  if (!ps) return PG_ERR;
+  free(ps);
+  if (n == 0) return PG_OK;
+  if (root->nparams > 0 || root->nchildren == 0) return add_unit(e, root, chunk);
+  for (int i = 0; i < root->nchildren; i++) {
+    if (!(ps = pg_module_collect_params(root->children[i], &n))) return PG_ERR;
+    free(ps);
+    if (n > 0 && add_unit(e, root->children[i], chunk)) return PG_ERR;
+  }
+  return PG_OK;
+}
+
+static void free_units(pg_engine *e) {
+  for (int k = 0; k < e->nunits && !pg_comm_broken(e->ctx); k++) pg_wait(&e->units[k].req);
+  for (int k = 0; k < e->nunits; k++) {
+    if (e->units[k].resident) free(e->units[k].buf);
+    free(e->units[k].params); /* the modules' gather_unit flags stay: without ZeRO-3's hooks nobody reads them */
+  }
+  for (int i = 0; i < e->ngpool; i++) free(e->gpool[i]);
+  free(e->gpool);
+  free(e->gpool_owner);
+  free(e->units);
+  free(e->param_unit);
+  e->gpool = NULL;
+  e->gpool_owner = NULL;
+  e->units = NULL;
+  e->param_unit = NULL;
+  e->ngpool = e->nunits = 0;
+}
+
+int pg_engine_set_reshard_after_forward(pg_engine *e, int on) {
+  if (e->params_sharded && e->gathers_started)
+    return pg_fail("reshard_after_forward cannot change while a call holds gathered parameters");
+  e->reshard_after_forward = on != 0;
+  return PG_OK;
+}
+
+/* The gather units, the resident units' buffers and the pool's first two
+ * slots (the unit computing and the one prefetched: memory() says before
+ * the first step what training holds); the pool's slots hold the largest
+ * unit that is not resident. */
+static int make_units(pg_engine *e) {
+  if (!(e->units = calloc((size_t)e->nparams + 1, sizeof *e->units)) ||
+      !(e->param_unit = calloc((size_t)e->nparams + 1, sizeof *e->param_unit)))
+    return pg_fail("zero = 3: out of memory");
+  for (int v = 0; v < e->nchunks; v++)
+    if (collect_units(e, e->chunks[v].stage, v)) return PG_ERR;
+  e->gpool_elems = e->gresident_elems = 0;
+  int pooled = 0;
+  for (int k = 0; k < e->nunits; k++) {
+    pg_gather_unit *u = &e->units[k];
+    int64_t n = u->hi - u->lo;
+    if (!u->resident) {
+      pooled++;
+      if (n > e->gpool_elems) e->gpool_elems = n;
+      continue;
+    }
+    if (!(u->buf = malloc((size_t)n * sizeof(float))))
+      return pg_fail("zero = 3: out of memory for a gather buffer of %lld floats", (long long)n);
+    e->gresident_elems += n;
+  }
+  for (int i = 0; i < (pooled < 2 ? pooled : 2); i++)
+    if (add_gather_slot(e) < 0) return PG_ERR;
+  return PG_OK;
+}
+
+int pg_engine_shard_params(pg_engine *e) {
+  if (e->params_sharded || dense_size(e) == 1) return PG_OK; /* one replica: the shard is the whole buffer */
+  if (e->be->device != PG_CPU)
+    return pg_fail("zero = 3 gathers parameters over MPI from host memory; the %s backend has zero = 0 and 1",
+                   e->be->name);
+  /* precision bf16: the gathers are float32 (the masters' values), the modules round their working weights from
+   * them in their first micro-batch's forward, while the unit is gathered, and keep them (2 bytes a parameter of
+   * the stage: pg_engine_bf16_bytes); bf16 gathers of bf16 shards are not built */
+  if (!e->sharded)
+    return pg_fail("zero = 3: the gradients must be sharded first (pg_engine_shard_grads)");
+  int64_t per = e->flat_padded / dense_size(e), lo = per * dense_rank(e);
+  pg_storage *shard = NULL;
+  if (make_units(e) || !(shard = pg_backend_storage(e->be, (size_t)per * sizeof(float)))) {
+    free_units(e);
+    return shard ? PG_ERR : pg_fail("zero = 3: the parameter shard (%lld floats): %s", (long long)per, pg_error());
+  }
+  memcpy(shard->data, (float *)e->param_store->data + lo, (size_t)per * sizeof(float));
+  pg_shm_close(&e->param_shm);
+  pg_storage_release(e->param_store);
+  e->param_store = shard;
+  e->param_base = lo;
+  e->params_sharded = 1;
+  for (int i = 0; i < e->nparams; i++) e->params[i]->data = NULL;
+  return PG_OK;
+}
+
+/* ZeRO-3 from construction (opts.zero = 3, data > 1; bind_params has laid
+ * the flat buffer out): only this rank's shards of the parameters and the
+ * gradients are allocated, each parameter initialised alone into a scratch
+ * of its own size and its part in the shard kept, so that the whole stage is
+ * never held; then ZeRO-2's buckets and staging and the gather units. */
+static int zero3_at_construction(pg_engine *e, uint64_t seed) {
+  e->zero = 3;
+  if (check_shardable(e)) return PG_ERR;
+  int64_t per = e->flat_padded / dense_size(e), lo = per * dense_rank(e);
+  size_t bytes = (size_t)per * sizeof(float);
+  if (!(e->param_store = pg_backend_storage(e->be, bytes)) || !(e->grad_store = pg_backend_storage(e->be, bytes)))
+    return pg_fail("zero = 3: the parameter and gradient shards (2 x %zu bytes): %s", bytes, pg_error());
+  memset(e->param_store->data, 0, bytes);
+  memset(e->grad_store->data, 0, bytes);
+  e->param_base = e->grad_base = lo;
+  e->sharded = e->params_sharded = 1; /* pg_engine_write_param keeps the part in the shard */
+  for (int i = 0; i < e->nparams; i++) {
+    pg_param *p = e->params[i];
+    float *full = malloc((size_t)p->numel * sizeof(float));
+    if (!full) return pg_fail("zero = 3: out of memory initialising %s", p->name);
+    p->data = full;
+    pg_param_init(p, seed);
+    int rc = pg_engine_write_param(e, p, full);
+    free(full);
+    p->data = p->grad = NULL;
+    if (rc) return PG_ERR;
+  }
+  if (build_buckets(e) || make_staging(e) || make_units(e)) return PG_ERR;
+  return PG_OK;
+}
+
+float *pg_engine_param_at(const pg_engine *e, int64_t off) {
+  return (float *)e->param_store->data + (off - e->param_base);
+}
+
+size_t pg_engine_param_bytes(const pg_engine *e) {
+  if (!e->params_sharded) return (size_t)e->flat_padded * sizeof(float);
+  return e->param_store->bytes + ((size_t)e->ngpool * (size_t)e->gpool_elems + (size_t)e->gresident_elems) * sizeof(float);
+}
 
 /* Before a step that syncs: every bucket waiting for its parameters again.
  * What a step that failed part way left in flight completes first (it
@@ -981,6 +1294,8 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
                         .host_targets = host_targets + off, .router = e->router ? e->router + i * nr : NULL,
                         .backward_done = buckets_apply(e) ? on_backward_done : NULL,
                         .backward_begin = e->sharded ? on_backward_begin : NULL, .backward_ud = e,
+                        .forward_begin = e->params_sharded ? on_forward_begin : NULL,
+                        .forward_done = e->params_sharded ? on_forward_done : NULL,
                         .step = e->stats.steps, .global_row0 = (int64_t)e->ctx->dp_rank * B * T + (int64_t)off,
                         .cp_chunk = cp_on(e) ? T / 2 : 0};
     lend_bf16_scratch(e, &e->ios[i]);
@@ -988,7 +1303,7 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
   /* gradients accumulated over calls with sync = 0 reduce on the call that
    * syncs; with ZeRO-2 on every call (only the shard can accumulate) */
   e->overlap_now = (sync || e->sharded) && buckets_apply(e);
-  if (e->overlap_now && reset_buckets(e)) return PG_ERR;
+  if ((e->overlap_now && reset_buckets(e)) || release_units(e)) return PG_ERR;
   for (int k = 0; k < e->nactions; k++) {
     pg_action a = e->actions[k];
     e->final_pass = e->overlap_now && a.kind == PG_ACT_BACKWARD && k == e->last_backward[a.chunk];
@@ -1029,6 +1344,7 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
   *loss += e->last_aux;
   if (e->sharded ? finish_sharded(e) : sync && (e->overlap_now ? finish_buckets(e) : pg_engine_sync_grads(e)))
     return PG_ERR;
+  if (release_units(e)) return PG_ERR;
   e->overlap_now = 0;
   e->stats.steps++;
   e->stats.step_seconds += pg_wtime() - t0;
@@ -1102,19 +1418,24 @@ static int evaluate_rows(pg_engine *e, const int32_t *tokens, const int32_t *tar
                              .dloss = 0, .want_grad = 0, .loss_sum = 0,
                              .logits = logits && e->is_last ? logits + off * e->opts.vocab : NULL, .mb = i,
                              .row0 = (int64_t)off, .host_targets = host_targets ? host_targets + off : NULL,
-                             .cp_chunk = cp_on(e) ? T / 2 : 0};
+                             .cp_chunk = cp_on(e) ? T / 2 : 0,
+                             .forward_begin = e->params_sharded ? on_forward_begin : NULL,
+                             .forward_done = e->params_sharded ? on_forward_done : NULL, .backward_ud = e};
     lend_bf16_scratch(e, &e->eval_ios[i]);
   }
   /* the same executor as training, on a forward-only list (pg_schedule.h) */
   pg_action *acts;
   int nacts;
-  if (pg_schedule_build(PG_SCHEDULE_FORWARD, pp_size(e), e->nchunks, nmb, pp_rank(e), &acts, &nacts)) return PG_ERR;
+  if (release_units(e) ||
+      pg_schedule_build(PG_SCHEDULE_FORWARD, pp_size(e), e->nchunks, nmb, pp_rank(e), &acts, &nacts))
+    return PG_ERR;
   for (int k = 0; k < nacts; k++)
     if (run_action(e, acts[k], e->eval_ios, nmb)) {
       free(acts);
       return PG_ERR;
     }
   free(acts);
+  if (release_units(e)) return PG_ERR;
   double sum = 0;
   for (int i = 0; i < nmb; i++) sum += e->eval_ios[i].loss_sum;
   if (wait_all_sends(e)) return PG_ERR;
@@ -1149,7 +1470,9 @@ int pg_engine_decode(pg_engine *e, const int32_t *tokens, int B, int T, int row0
    * next forward_backward writes every buffer it reads, so training goes on as it would have) */
   if (ensure_capacity(e, B * T)) return PG_ERR;
   pg_decode d = {.row0 = row0, .rows = B, .pos = pos, .cache_rows = cache_rows};
-  pg_io io = {.B = B, .T = T, .tokens = tokens, .logits = logits && e->is_last ? logits : NULL, .decode = &d};
+  pg_io io = {.B = B, .T = T, .tokens = tokens, .logits = logits && e->is_last ? logits : NULL, .decode = &d,
+              .forward_begin = e->params_sharded ? on_forward_begin : NULL,
+              .forward_done = e->params_sharded ? on_forward_done : NULL, .backward_ud = e};
   lend_bf16_scratch(e, &io);
   pg_action *acts;
   int nacts;
@@ -1160,7 +1483,7 @@ int pg_engine_decode(pg_engine *e, const int32_t *tokens, int B, int T, int row0
       return PG_ERR;
     }
   free(acts);
-  if (wait_all_sends(e)) return PG_ERR;
+  if (wait_all_sends(e) || release_units(e)) return PG_ERR;
   if (logits && pp_size(e) > 1 &&
       pg_broadcast_buf(e->ctx, PG_MODE_PIPELINE, logits, (int64_t)B * T * e->opts.vocab, PG_FLOAT32, pp_size(e) - 1))
     return PG_ERR;
@@ -1237,23 +1560,29 @@ static void free_staging(pg_engine *e) {
   e->npool = 0;
 }
 
-int pg_engine_shard_grads(pg_engine *e) {
-  if (e->sharded || dense_size(e) == 1) return PG_OK; /* one replica: the shard is the whole buffer */
+/* What ZeRO-2 and 3 cannot serve, refused by name (e->zero names the stage). */
+static int check_shardable(const pg_engine *e) {
   if (e->be->device != PG_CPU)
-    return pg_fail("zero = 2 keeps a gradient shard with staging buffers in host memory; the %s backend has "
-                   "zero = 0 and 1", e->be->name);
+    return pg_fail("zero = %d keeps a gradient shard with staging buffers in host memory; the %s backend has "
+                   "zero = 0 and 1", e->zero, e->be->name);
   for (int v = 0; v < e->nchunks; v++) {
     const pg_module *m = pg_module_find_foreign_writer(e->chunks[v].stage);
     if (m)
-      return pg_fail("zero = 2 keeps only a shard of the gradients, but module '%s' (written in Lua) writes its "
-                     "parameters' gradients into the whole buffer: use zero = 1", m->name);
+      return pg_fail("zero = %d keeps only a shard of the gradients, but module '%s' (written in Lua) writes its "
+                     "parameters' gradients into the whole buffer: use zero = 1", e->zero, m->name);
   }
   if (e->flat_padded > e->dense_padded)
-    return pg_fail("zero = 2 with expert parallelism is not supported yet (the experts' gradients are reduced over "
-                   "expert_data, with a shard layout of their own): use zero = 1");
+    return pg_fail("zero = %d with expert parallelism is not supported yet (the experts' gradients are reduced over "
+                   "expert_data, with a shard layout of their own): use zero = 1", e->zero);
+  return PG_OK;
+}
+
+int pg_engine_shard_grads(pg_engine *e) {
+  if (e->sharded || dense_size(e) == 1) return PG_OK; /* one replica: the shard is the whole buffer */
+  if (check_shardable(e)) return PG_ERR;
   if (e->grads_pending)
-    return pg_fail("zero = 2: gradients of an earlier forward_backward wait for their reduction; make the optimizer "
-                   "before training, or call engine:sync_grads() first");
+    return pg_fail("zero = %d: gradients of an earlier forward_backward wait for their reduction; make the optimizer "
+                   "before training, or call engine:sync_grads() first", e->zero);
   int64_t lo, hi, per = e->flat_padded / dense_size(e);
   lo = per * dense_rank(e);
   hi = lo + per;
@@ -1330,7 +1659,7 @@ static int reduce_region(pg_engine *e, pg_mode m, const pg_shm *sh, float *g, in
 }
 
 int pg_engine_gather_params(pg_engine *e) {
-  if (!e->zero) return PG_OK;
+  if (!e->zero || e->params_sharded) return PG_OK; /* ZeRO-3 gathers a module's parameters when it runs */
   float *w = e->param_store->data;
   if (dense_size(e) > 1 &&
       (e->param_shm.size ? pg_shm_all_gather(e->ctx, &e->param_shm, e->dense_padded)
@@ -1440,7 +1769,53 @@ pg_param *pg_engine_find_param(const pg_engine *e, const char *name) {
   return NULL;
 }
 
+/* ZeRO-3: this rank's shard of p's tensor-parallel piece cut on the host, its part in the data shard kept. */
+static int zero3_load_param(pg_engine *e, pg_param *p, const float *full, int64_t full_rows) {
+  pg_param host = *p;
+  if (!(host.data = malloc((size_t)p->numel * sizeof(float)))) return pg_fail("out of memory loading %s", p->name);
+  pg_param_load_full(&host, full, full_rows);
+  int rc = pg_engine_write_param(e, p, host.data);
+  free(host.data);
+  return rc;
+}
+
+/* ZeRO-3 outside a call: p's unit gathered over the data group (collective there), read, released. */
+static int zero3_gather_param(pg_engine *e, pg_param *p, float *full) {
+  pg_param *own = pg_engine_find_param(e, p->name); /* p may be a view of it (the Lua binding's) */
+  int k = own ? param_index(e, own) : -1;
+  if (k < 0) return pg_fail("parameter %s is not this engine's", p->name);
+  pg_gather_unit *u = &e->units[e->param_unit[k]];
+  if (finish_gather(e, u)) return PG_ERR;
+  pg_param view = *p;
+  view.data = own->data;
+  int rc = pg_engine_gather_param(e, &view, full);
+  if (release_units(e)) rc = PG_ERR;
+  return rc;
+}
+
+int pg_engine_read_param(pg_engine *e, pg_param *p, float *piece) {
+  size_t bytes = (size_t)p->numel * sizeof(float);
+  if (!e->params_sharded) return e->be->ops->copy(e->be, piece, p->data, bytes, PG_COPY_DEVICE_TO_HOST);
+  int k = param_index(e, p);
+  if (k < 0) return pg_fail("parameter %s is not this engine's", p->name);
+  int rc = finish_gather(e, &e->units[e->param_unit[k]]);
+  if (!rc) memcpy(piece, p->data, bytes); /* ZeRO-3 is host memory */
+  if (release_units(e)) rc = PG_ERR;
+  return rc;
+}
+
+int pg_engine_write_param(pg_engine *e, pg_param *p, const float *piece) {
+  if (!e->params_sharded)
+    return e->be->ops->copy(e->be, p->data, piece, (size_t)p->numel * sizeof(float), PG_COPY_HOST_TO_DEVICE);
+  int64_t per = e->flat_padded / dense_size(e);
+  int64_t a = p->offset > e->param_base ? p->offset : e->param_base;
+  int64_t z = p->offset + p->numel < e->param_base + per ? p->offset + p->numel : e->param_base + per;
+  if (z > a) memcpy(pg_engine_param_at(e, a), piece + (a - p->offset), (size_t)(z - a) * sizeof(float));
+  return PG_OK;
+}
+
 int pg_engine_load_param(pg_engine *e, pg_param *p, const float *full, int64_t full_rows) {
+  if (e->params_sharded) return zero3_load_param(e, p, full, full_rows);
   if (e->be->device == PG_CPU) {
     pg_param_load_full(p, full, full_rows);
     return PG_OK;
@@ -1456,6 +1831,7 @@ int pg_engine_load_param(pg_engine *e, pg_param *p, const float *full, int64_t f
 }
 
 int pg_engine_gather_param(pg_engine *e, pg_param *p, float *full) {
+  if (e->params_sharded && !p->data) return zero3_gather_param(e, p, full);
   size_t bytes = (size_t)p->numel * sizeof(float);
   if (p->split_parts == 1) return e->be->ops->copy(e->be, full, p->data, bytes, PG_COPY_DEVICE_TO_HOST);
   int T = p->split_parts;

@@ -70,6 +70,9 @@ typedef struct pg_engine_opts {
   int router_experts;    /* > 0: the model has mixture-of-experts layers of this many experts (pg_io.router) */
   pg_precision precision; /* of the stages' products (pg_module_set_precision); masters, gradients and optimizer
                              state stay float32 in the flat buffers whatever it is */
+  int zero;              /* 3: ZeRO-3 from construction (the optimizer is made with zero = 3): with data > 1 only
+                            this rank's shards of the parameters and gradients are ever allocated, and each
+                            parameter's shard initialised alone; 0: the optimizer decides (pg_engine_shard_*) */
   int sequence_parallel; /* the stages hand over this tensor rank's rows of each micro-batch (pg_sp_rows;
                             the modules were built for it: pg_module_sequence_parallel) */
 } pg_engine_opts;
@@ -120,6 +123,23 @@ typedef struct pg_bucket {
   int started_in_backward; /* this call */
 } pg_bucket;
 
+/* ZeRO-3 (pg_engine_shard_params): the parameters of one top-level module of
+ * a chunk (a transformer block, the embedding, the final norm), gathered over
+ * the data group as one all-gather of the flat range [lo, hi) they lie in
+ * (each member's piece: the range's intersection with its shard). */
+typedef struct pg_gather_unit {
+  pg_module *m;      /* its module (pg_module.gather_unit) */
+  pg_param **params; /* every parameter of m's tree */
+  int nparams;
+  int chunk;         /* whose tree it is in */
+  int64_t lo, hi;
+  int resident;      /* owns a weight another module reads (a tied head): gathered once a call, kept to its end */
+  float *buf;        /* [hi - lo]: a resident unit's own, or the pool slot it holds; NULL when not held */
+  int slot;          /* the pool slot it holds, or -1 */
+  int gathered;      /* the parameters point into buf (the gather completed) */
+  pg_request *req;   /* the gather in flight, or NULL */
+} pg_gather_unit;
+
 typedef struct pg_engine {
   pg_context *ctx;
   pg_chunk *chunks;     /* V of them: piece v*P + pp_rank of the model is chunks[v] */
@@ -156,7 +176,7 @@ typedef struct pg_engine {
                             expert, over all MoE layers, micro-batches and data ranks */
   pg_io *eval_ios;     /* per evaluation micro-batch, eval_ios_cap of them */
   int eval_ios_cap;
-  int zero;            /* 0: replicated optimizer; 1: ZeRO-1 (gradient shards); 2: ZeRO-2 (pg_optim.h) */
+  int zero;            /* 0: replicated optimizer; 1: ZeRO-1 (gradient shards); 2: ZeRO-2; 3: ZeRO-3 (pg_optim.h) */
   pg_bucket *buckets;  /* in the order they start; NULL when the reduction is not overlapped */
   int nbuckets;
   int *param_bucket;   /* [nparams]: the bucket of params[i] */
@@ -181,6 +201,23 @@ typedef struct pg_engine {
   int64_t pool_elems;
   int64_t resident_elems; /* staging kept by resident buckets */
   long bucket_seq;
+  /* ZeRO-3 with data > 1 (pg_engine_shard_params): param_store holds only
+   * this rank's shard [param_base, param_base + flat_padded / data) of the
+   * parameters (as grad_store the gradients, ZeRO-2); between a unit's
+   * gather and its release its parameters' data point into its buffer, else
+   * they are NULL. */
+  int params_sharded;
+  int reshard_after_forward; /* 1 (default): release a unit after its forward, gather it again for backward */
+  int64_t param_base;
+  pg_gather_unit *units;     /* in forward order (the chunks' trees) */
+  int nunits;
+  int *param_unit;           /* [nparams]: the unit owning params[i] */
+  float **gpool;             /* [ngpool] gather slots of gpool_elems floats */
+  int *gpool_owner;          /* [ngpool] the unit holding each, or -1 */
+  int ngpool;
+  int64_t gpool_elems, gresident_elems;
+  int gathers_started;       /* this call: the first agrees on the set (pg_agree_batch) */
+  long unit_gathers;         /* gathers started since the engine was made */
   int64_t num_parameters; /* of the full model, counted at construction */
   pg_engine_stats stats;
 } pg_engine;
@@ -242,6 +279,23 @@ int pg_engine_sync_grads(pg_engine *e);
  * views of the whole buffer) are refused with an error naming them. Not
  * collective; every member of the data group must call it. */
 int pg_engine_shard_grads(pg_engine *e);
+/* ZeRO-3 (the optimizer calls it for zero = 3, after pg_engine_shard_grads):
+ * keep only this rank's shard of the parameters too. Every module that owns
+ * parameters is a gather unit: before its forward and its backward its
+ * parameters are all-gathered over the data group into a slot (the next
+ * unit's gather started before, nonblocking: prefetch), and released after
+ * (after forward only when reshard_after_forward, else at the end of the
+ * call). With data = 1 nothing changes. The device backend, precision bf16
+ * and expert parallelism are refused by name. Not collective. */
+int pg_engine_shard_params(pg_engine *e);
+/* ZeRO-3's reshard_after_forward (default 1: FSDP2's): 0 keeps a unit gathered from its first forward of a
+ * call to the call's end (a pipeline step gathers each unit once instead of twice per micro-batch). */
+int pg_engine_set_reshard_after_forward(pg_engine *e, int on);
+/* The parameter value of flat element off: anywhere without ZeRO-3, inside this rank's shard with it. */
+float *pg_engine_param_at(const pg_engine *e, int64_t off);
+/* Bytes of parameter memory on this rank: the flat buffer, or with ZeRO-3 the
+ * shard plus the gather slots (pool slots made so far and resident units'). */
+size_t pg_engine_param_bytes(const pg_engine *e);
 /* The gradient of flat element off: anywhere without ZeRO-2, inside this
  * rank's shard with it. */
 float *pg_engine_grad_at(const pg_engine *e, int64_t off);
@@ -263,6 +317,12 @@ int pg_engine_gather_params(pg_engine *e);
 int64_t pg_engine_num_parameters(const pg_engine *e);
 /* The parameter of that name on this rank, or NULL. */
 pg_param *pg_engine_find_param(const pg_engine *e, const char *name);
+/* This rank's piece of p (its tensor-parallel shard, p->numel floats) into
+ * host memory `piece`; with ZeRO-3 gathered over the data group (collective
+ * there: every member asks for the same parameters in the same order). */
+int pg_engine_read_param(pg_engine *e, pg_param *p, float *piece);
+/* The other way, local: with ZeRO-3 only the part inside this rank's shard is kept. */
+int pg_engine_write_param(pg_engine *e, pg_param *p, const float *piece);
 /* Fills this rank's shard of p from a full (host) tensor of full_rows rows
  * (pg_param_load_full), wherever the engine keeps its parameters. */
 int pg_engine_load_param(pg_engine *e, pg_param *p, const float *full, int64_t full_rows);

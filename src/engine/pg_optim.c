@@ -31,12 +31,15 @@ int pg_adamw_set_hparams(pg_adamw *o, const pg_adamw_hparams *h) {
 }
 
 pg_adamw *pg_adamw_new(pg_engine *e, const pg_adamw_hparams *h, int zero) {
-  if (zero < 0 || zero > 2)
-    return pg_fail_null("zero=%d is not built: ZeRO stage 1 or 2 (zero = 1, 2) or none (zero = 0)", zero);
+  if (zero < 0 || zero > 3)
+    return pg_fail_null("zero=%d is not built: ZeRO stage 1, 2 or 3 (zero = 1, 2, 3) or none (zero = 0)", zero);
   if (pg_adamw_check_hparams(h)) return NULL;
   if (e->sharded && zero == 0) /* its optimizer would read every gradient */
     return pg_fail_null("zero=0: this engine keeps only its shard of the gradients (an optimizer with zero = 2 was "
                         "made for it); make the engine again for zero = 0");
+  if (e->params_sharded && zero != 3) /* its optimizer would update parameters this rank does not hold */
+    return pg_fail_null("zero=%d: this engine keeps only its shard of the parameters (an optimizer with zero = 3 "
+                        "was made for it); make the engine again for zero = %d", zero, zero);
   pg_adamw *o = calloc(1, sizeof *o);
   if (!o) return pg_fail_null("out of memory");
   o->engine = e;
@@ -44,7 +47,7 @@ pg_adamw *pg_adamw_new(pg_engine *e, const pg_adamw_hparams *h, int zero) {
   o->zero = zero;
   o->clip_scale = 1.0f;
   e->zero = zero;
-  if (zero == 2 && pg_engine_shard_grads(e)) {
+  if ((zero >= 2 && pg_engine_shard_grads(e)) || (zero == 3 && pg_engine_shard_params(e))) {
     free(o);
     return NULL;
   }
@@ -121,9 +124,9 @@ int pg_adamw_step(pg_adamw *o) {
   pg_engine *e = o->engine;
   if (pg_engine_sync_grads(e)) return PG_ERR;
   o->step++;
-  float *w = e->param_store->data, *m = o->m->data, *v = o->v->data;
+  float *m = o->m->data, *v = o->v->data;
   FOR_OWNED_PIECES(o, p, a, b, st, {
-    if (e->be->ops->adamw_update(e->be, w + a, pg_engine_grad_at(e, a), m + st, v + st, b - a, o->h.lr, o->h.beta1,
+    if (e->be->ops->adamw_update(e->be, pg_engine_param_at(e, a), pg_engine_grad_at(e, a), m + st, v + st, b - a, o->h.lr, o->h.beta1,
                                  o->h.beta2, o->h.eps, p->weight_decay ? o->h.weight_decay : 0.0f, (int)o->step,
                                  o->clip_scale))
       return PG_ERR;

@@ -412,6 +412,7 @@ static int l_engine_new(lua_State *L) {
   else if (strcmp(precision, "fp32"))
     return luaL_error(L, "parallelize: precision must be \"fp32\" or \"bf16\", not \"%s\"", precision);
   o.sequence_parallel = pg_lua_opt_bool(L, 3, "sequence_parallel", 0);
+  o.zero = pg_lua_opt_cint(L, 3, "zero", 0);
   int one = lua_getfield(L, 2, "kind") != LUA_TNIL;
   lua_pop(L, 1);
   lua_Integer nchunks = one ? 1 : luaL_len(L, 2);
@@ -625,6 +626,7 @@ static void push_param(lua_State *L, pg_param *p, pg_storage *pstore, pg_storage
   lua_pushinteger(L, p->offset);
   lua_setfield(L, -2, "offset");
   pg_tensor t;
+  if (!pstore) return; /* ZeRO-3: this rank holds a shard of the parameters, not each one (gather_param) */
   if (pg_tensor_init_view(&t, pstore, (size_t)p->offset, PG_FLOAT32, p->ndim, p->shape)) luaL_error(L, "%s", pg_error());
   pg_lua_push_tensor(L, &t);
   lua_setfield(L, -2, "tensor");
@@ -639,7 +641,7 @@ static int l_params(lua_State *L) {
   pg_engine *e = check_engine(L, 1);
   lua_createtable(L, e->nparams, 0);
   for (int i = 0; i < e->nparams; i++) {
-    push_param(L, e->params[i], e->param_store, e->sharded ? NULL : e->grad_store);
+    push_param(L, e->params[i], e->params_sharded ? NULL : e->param_store, e->sharded ? NULL : e->grad_store);
     lua_rawseti(L, -2, i + 1);
   }
   return 1;
@@ -651,6 +653,9 @@ static int l_flat(lua_State *L) {
   pg_engine *e = check_engine(L, 1);
   int64_t n = e->flat_padded;
   pg_tensor t;
+  if (e->params_sharded)
+    return luaL_error(L, "engine:flat(): with zero = 3 this rank keeps only its shard of the parameters and "
+                         "gradients (optimizer:shard_state()), not the whole buffers");
   PG_LUA_CHECK(L, pg_tensor_init_view(&t, e->param_store, 0, PG_FLOAT32, 1, &n));
   pg_lua_push_tensor(L, &t);
   if (e->sharded) {
@@ -702,6 +707,27 @@ static int l_gather_param(lua_State *L) {
   return 1;
 }
 
+/* engine:local_param(name [, tensor]) -> a copy of this rank's piece of the parameter (its tensor-parallel
+ * shard; with zero = 3 gathered over the data group, collective there), or with a tensor of that shape, sets it
+ * (local: with zero = 3 this rank keeps the part inside its shard) */
+static int l_local_param(lua_State *L) {
+  pg_engine *e = check_engine(L, 1);
+  pg_param *p = check_param(L, e, 2);
+  if (lua_isnoneornil(L, 3)) {
+    pg_tensor *t = pg_lua_new_tensor(L, PG_FLOAT32, p->ndim, p->shape);
+    PG_LUA_CHECK(L, pg_engine_read_param(e, p, pg_tensor_f32(t)));
+    return 1;
+  }
+  pg_tensor *t = pg_lua_check_tensor(L, 3);
+  if (t->dtype != PG_FLOAT32 || t->numel != p->numel) {
+    char d[128];
+    return luaL_error(L, "local_param %s: a tensor of %s is not its piece of %I float32 values", p->name,
+                      pg_tensor_describe(t, d, sizeof d), (lua_Integer)p->numel);
+  }
+  PG_LUA_CHECK(L, pg_engine_write_param(e, p, pg_tensor_f32(t)));
+  return 0;
+}
+
 static int l_num_parameters(lua_State *L) {
   lua_pushinteger(L, pg_engine_num_parameters(check_engine(L, 1)));
   return 1;
@@ -747,6 +773,15 @@ static int l_info(lua_State *L) {
   set_int(L, "zero", e->zero);
   /* measured: the flat buffer, or ZeRO-2's shard and staging (pg_engine_grad_bytes) */
   set_int(L, "grads_bytes", (lua_Integer)pg_engine_grad_bytes(e));
+  /* measured: the flat buffer, or ZeRO-3's shard and gather slots (pg_engine_param_bytes) */
+  set_int(L, "params_bytes", (lua_Integer)pg_engine_param_bytes(e));
+  set_int(L, "gather_slots", e->ngpool);
+  set_int(L, "gather_slot_elems", e->gpool_elems);
+  set_int(L, "gather_resident_elems", e->gresident_elems);
+  set_int(L, "gather_units", e->nunits);
+  set_int(L, "unit_gathers", e->unit_gathers);
+  lua_pushboolean(L, e->reshard_after_forward);
+  lua_setfield(L, -2, "reshard_after_forward");
   set_int(L, "grad_staging_slots", e->npool);
   set_int(L, "steps", e->stats.steps);
   set_num(L, "step_seconds", e->stats.step_seconds);
@@ -1315,7 +1350,7 @@ static const luaL_Reg layer_methods[] = {{"forward", l_layer_forward}, {"backwar
 
 static const luaL_Reg engine_methods[] = {
     {"forward_backward", l_forward_backward}, {"evaluate", l_evaluate}, {"decode", l_decode}, {"release_cache", l_release_cache}, {"decode_check", l_decode_check}, {"zero_grad", l_zero_grad},
-    {"sync_grads", l_sync_grads}, {"params", l_params}, {"flat", l_flat}, {"num_parameters", l_num_parameters},
+    {"sync_grads", l_sync_grads}, {"params", l_params}, {"flat", l_flat}, {"local_param", l_local_param}, {"num_parameters", l_num_parameters},
     {"info", l_info}, {"load_param", l_load_param}, {"gather_param", l_gather_param}, {"reset_stats", l_reset_stats}, {"losses", l_losses}, {"schedule", l_schedule}, {"free", l_free},
     {"set_objective", l_set_objective}, {NULL, NULL}};
 

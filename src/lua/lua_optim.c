@@ -1,5 +1,5 @@
 /* Lua bindings for the optimizer: core.AdamW(engine, {lr=, beta1=, beta2=, eps=,
- * weight_decay=}, zero) -> optimizer userdata. lua/pipegoose/optim.lua wraps it. */
+ * weight_decay=}, zero [, reshard_after_forward]) -> optimizer userdata. lua/pipegoose/optim.lua wraps it. */
 #include <float.h>
 #include <math.h>
 
@@ -43,7 +43,9 @@ static int l_new(lua_State *L) {
   pg_engine *e = pg_lua_check_engine(L, 1);
   pg_adamw_hparams h = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f};
   read_hparams(L, 2, &h);
-  int zero = lua_isnoneornil(L, 3) ? 0 : (int)pg_lua_check_int_in(L, 3, "zero", 0, 2);
+  int zero = lua_isnoneornil(L, 3) ? 0 : (int)pg_lua_check_int_in(L, 3, "zero", 0, 3);
+  /* zero = 3: reshard_after_forward (default true) */
+  if (!lua_isnoneornil(L, 4)) PG_LUA_CHECK(L, pg_engine_set_reshard_after_forward(e, lua_toboolean(L, 4)));
   adamw_ud *u = lua_newuserdatauv(L, sizeof *u, 1);
   u->o = NULL;
   luaL_setmetatable(L, PG_ADAMW_MT);
@@ -97,7 +99,7 @@ static int l_hparams(lua_State *L) {
 
 /* opt:state() -> { step=, lo=, hi= (0-based flat range of the dense region), elo=, ehi= (of the experts'
  * region; empty without expert parallelism), m=, v= (tensor views: [hi - lo] then [ehi - elo]), grad= (the
- * gradients of [lo, hi), read by the next step) } */
+ * gradients of [lo, hi), read by the next step), with zero = 3 param= (the parameters of [lo, hi)) } */
 static int l_state(lua_State *L) {
   pg_adamw *o = check_opt(L, 1);
   lua_createtable(L, 0, 7);
@@ -124,6 +126,12 @@ static int l_state(lua_State *L) {
   PG_LUA_CHECK(L, pg_tensor_init_view(&t, e->grad_store, at, PG_FLOAT32, 1, &n));
   pg_lua_push_tensor(L, &t);
   lua_setfield(L, -2, "grad");
+  if (e->params_sharded) { /* ZeRO-3: the parameters of [lo, hi), all this rank holds of them */
+    at = (size_t)(pg_engine_param_at(e, o->lo) - (float *)e->param_store->data);
+    PG_LUA_CHECK(L, pg_tensor_init_view(&t, e->param_store, at, PG_FLOAT32, 1, &n));
+    pg_lua_push_tensor(L, &t);
+    lua_setfield(L, -2, "param");
+  }
   return 1;
 }
 

@@ -120,6 +120,14 @@ typedef struct pg_io {
    * the same ud): ZeRO-2 points the parameters' gradients at the staging
    * buffer of their bucket there (pg_engine.c). NULL: nobody listens. */
   int (*backward_begin)(void *ud, pg_module *m);
+  /* Called before and after the forward of every module that owns parameters
+   * or is a gather unit (the same ud), recomputations included: ZeRO-3
+   * gathers the unit's parameters before and frees them after (pg_engine.c).
+   * NULL: nobody listens. The engine's hooks are idempotent: a recomputed
+   * forward inside a unit's backward finds its parameters there. The
+   * backward hooks above are called for gather units too. */
+  int (*forward_begin)(void *ud, pg_module *m);
+  int (*forward_done)(void *ud, pg_module *m);
   void *backward_ud;
   /* Where the micro-batch sits in the training run, for noise that every
    * layout draws alike (MoE jitter): the engine's forward_backward count, and
@@ -170,6 +178,8 @@ struct pg_module {
   size_t saved_bytes_per_slot; /* activations kept per micro-batch (outputs + saved statistics) */
   struct pg_recompute_arena *arena; /* recompute modules and selectively recomputing attention: shared memory */
   int sp;                   /* sequence parallelism is on for this module (pg_module_sequence_parallel) */
+  int gather_unit;          /* ZeRO-3 gathers the parameters of this module's tree as one unit (pg_engine.c): the
+                               pg_io forward and backward hooks are called for it too, owning none itself */
   void *state;              /* kind-specific */
 };
 
@@ -556,12 +566,17 @@ size_t pg_module_fixed_bytes(const pg_module *m);
 
 /* Calls dispatch. */
 static inline int pg_module_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
-  return m->ops->forward(m, slot, io, x, y);
+  int hooked = m->nparams > 0 || m->gather_unit;
+  if (io->forward_begin && hooked && io->forward_begin(io->backward_ud, m)) return -1;
+  int rc = m->ops->forward(m, slot, io, x, y);
+  if (rc || !io->forward_done || !hooked) return rc;
+  return io->forward_done(io->backward_ud, m);
 }
 static inline int pg_module_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
-  if (io->backward_begin && m->nparams > 0 && io->backward_begin(io->backward_ud, m)) return -1;
+  int hooked = m->nparams > 0 || m->gather_unit;
+  if (io->backward_begin && hooked && io->backward_begin(io->backward_ud, m)) return -1;
   int rc = m->ops->backward(m, slot, io, dy, dx);
-  if (rc || !io->backward_done || m->nparams == 0) return rc;
+  if (rc || !io->backward_done || !hooked) return rc;
   return io->backward_done(io->backward_ud, m);
 }
 

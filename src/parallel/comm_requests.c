@@ -321,6 +321,56 @@ int pg_ireduce_scatter_buf(pg_context *ctx, pg_mode m, float *buf, const int64_t
   return start_coll(ctx, m, buf, n, op, counts, req);
 }
 
+/* ZeRO-3's parameter gathers: buf holds the members' pieces one after
+ * another (counts[i] elements for member i, this member's already in its
+ * place), and completion leaves every piece in every member's buf. Started
+ * like the buckets' reductions: the members agreed for the set with
+ * pg_agree_batch, and start them in the same order. Host memory only. */
+int pg_iall_gather_v_buf(pg_context *ctx, pg_mode m, float *buf, const int64_t *counts, pg_request **req) {
+  if (check_ctx(ctx)) return PG_ERR;
+  if (*req) return pg_fail("a parameter gather was started twice without a wait");
+  if (pg_backend_is_device_memory(buf)) return pg_fail("parameter gathers take host memory");
+  pg_group *g = &ctx->group[m];
+  int64_t n = 0;
+  for (int i = 0; i < g->size; i++) {
+    if (counts[i] < 0 || counts[i] > PG_MPI_CHUNK) return pg_fail("all_gather_v: bad count %lld", (long long)counts[i]);
+    n += counts[i];
+  }
+  if (n > PG_MPI_CHUNK) return pg_fail("a parameter gather of %lld elements is too large (at most 2^30)", (long long)n);
+  pg_request *r = calloc(1, sizeof *r);
+  if (!r) return pg_fail("out of memory for a gather request");
+  r->mode = m;
+  r->ctx = ctx;
+  r->coll = 1;
+  r->buf = buf;
+  r->mpi = MPI_REQUEST_NULL;
+  r->rec_req = MPI_REQUEST_NULL;
+  r->rec = comm_make_rec(ctx, m, PG_COLL_ALL_GATHER, PG_FLOAT32, -1, n);
+  int rc = MPI_SUCCESS;
+  double t0 = pg_wtime();
+  if (g->size > 1) {
+    if (!(r->counts = malloc(2 * (size_t)g->size * sizeof *r->counts))) {
+      free(r);
+      return pg_fail("out of memory for a gather request");
+    }
+    int *displs = r->counts + g->size; /* both read by MPI until completion */
+    for (int i = 0, at = 0; i < g->size; i++) {
+      r->counts[i] = (int)counts[i];
+      displs[i] = at;
+      at += (int)counts[i]; /* the total is at most 2^30 */
+    }
+    rc = MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, r->counts, displs, MPI_FLOAT, g->comm, &r->mpi);
+  }
+  if (rc != MPI_SUCCESS) {
+    free(r->counts);
+    free(r);
+    return mpi_fail(rc, "all_gather", m);
+  }
+  *req = r;
+  comm_count(ctx, m, PG_COLL_ALL_GATHER, (double)n * sizeof(float), t0); /* the whole buffer, as the others count */
+  return PG_OK;
+}
+
 /* The reduced piece to its place, scaled; the request freed. */
 static void finish_coll(pg_request *r) {
   if (r->displ && r->piece) memmove(r->buf + r->displ, r->buf, (size_t)r->piece * sizeof(float));

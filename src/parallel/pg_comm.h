@@ -134,6 +134,12 @@ int pg_iall_reduce_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_red
 int pg_ireduce_scatter_buf(pg_context *ctx, pg_mode m, float *buf, const int64_t *counts, pg_reduce_op op,
                            pg_request **req);
 int pg_test(pg_request **req, int *done);
+/* ZeRO-3's nonblocking parameter gather (float32 host memory, agreed for a
+ * set with pg_agree_batch like the reductions above): buf holds the members'
+ * pieces one after another, counts[i] elements for member i, this member's
+ * in its place; completion (pg_wait, pg_test) leaves all of them in every
+ * member's buf. At most 2^30 elements. */
+int pg_iall_gather_v_buf(pg_context *ctx, pg_mode m, float *buf, const int64_t *counts, pg_request **req);
 
 /* Device memory. A device engine attaches its stream to the context
  * (collective over the world, once per context). With one GPU per rank, the

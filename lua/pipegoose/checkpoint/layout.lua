@@ -22,9 +22,9 @@ function M.optim_file(tp, pp, dp, ep)
 end
 
 --- Whether each data rank holds its own slice of the optimizer state (ZeRO
--- stages 1 and 2: the same state, one file per data rank) rather than data
+-- stages 1, 2 and 3: the same state, one file per data rank) rather than data
 -- rank 0 the whole of it (zero = 0). Loading reslices either way.
-function M.sharded_optimizer(zero) return zero == 1 or zero == 2 end
+function M.sharded_optimizer(zero) return zero == 1 or zero == 2 or zero == 3 end
 
 -- The flat ranges an optimizer's shard_state holds, each with where its
 -- moments start in m and v: the dense region's, then the experts' (expert

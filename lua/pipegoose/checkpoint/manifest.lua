@@ -327,7 +327,7 @@ local function check_manifest(m)
   local l = m.layout
   object("layout", l)
   for _, k in ipairs{ "tensor", "pipeline", "data", "world_size" } do pos_int("layout." .. k, l[k]) end
-  must(l.zero == 0 or l.zero == 1 or l.zero == 2, "layout.zero", l.zero, "0, 1 or 2")
+  must(l.zero == 0 or l.zero == 1 or l.zero == 2 or l.zero == 3, "layout.zero", l.zero, "0, 1, 2 or 3")
   optional(pos_int, "layout.expert", l.expert)
   optional(pos_int, "layout.context", l.context)
   must(l.expert == nil or l.data % l.expert == 0, "layout.expert", l.expert,

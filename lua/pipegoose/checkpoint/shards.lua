@@ -38,6 +38,16 @@ local function write_sharded(trainer, dir)
                               slices = slices, ep = extra and extra.ep }
   end
   local params = engine:parameters()
+  -- zero = 3: no rank holds a parameter whole; each is gathered over the data
+  -- group in turn (every data rank takes part, in flat order) for data rank 0
+  -- to write. The files are those of zero = 1 and 2: any stage loads them.
+  local gathered = {}
+  for _, p in ipairs(params) do
+    if not p.tensor then
+      local t = engine:local_param(p.name)
+      if dp == 0 then gathered[p.name] = t end
+    end
+  end
   -- Data rank 0 writes the dense parameters and its experts; under expert
   -- parallelism the other members of the first expert group (data ranks 1 ..
   -- E - 1) write the experts they hold, each in its own file (ep > 0).
@@ -46,7 +56,7 @@ local function write_sharded(trainer, dir)
     local entries, slices = {}, {}
     for _, p in ipairs(params) do
       if dp == 0 or p.expert then
-        entries[#entries + 1] = { name = p.name, tensor = p.tensor }
+        entries[#entries + 1] = { name = p.name, tensor = p.tensor or gathered[p.name] }
         slices[p.name] = slice_of(p, 0, numel(p.shape))
       end
     end
@@ -257,8 +267,10 @@ local function load_sharded(trainer, dir, manifest)
   for _, step in ipairs(plan) do
     local p = step.p
     if step.what == "param" then
-      if step.direct then
+      if step.direct and p.tensor then
         p.tensor:copy_(read_piece(header_of, step.direct, p.name, 0, numel(p.shape)))
+      elseif step.direct then -- zero = 3: this rank keeps the part inside its shard
+        engine:local_param(p.name, read_piece(header_of, step.direct, p.name, 0, numel(p.shape)))
       else
         resliced = true
         local full = full_of("", step)
