@@ -217,13 +217,18 @@ void pg_shard_close(pg_shard *s) {
   s->fd = -1;
 }
 
-int pg_shard_read(const pg_shard *s, int64_t start, int64_t n, int32_t *out) {
+/* pg_shard_read without pg_shard_check: for a caller that checked the file already */
+static int shard_read_unchecked(const pg_shard *s, int64_t start, int64_t n, int32_t *out) {
   if (s->fd < 0) return pg_fail("the token shard is closed");
   if (start < 0 || n < 0 || start > s->ntokens || n > s->ntokens - start) /* start + n could wrap */
     return pg_fail("%s: %lld tokens from %lld are out of range (the shard has %lld)", s->path, (long long)n,
                    (long long)start, (long long)s->ntokens);
-  if (pg_shard_check(s)) return PG_ERR;
   return read_tokens(s, start, n, out);
+}
+
+int pg_shard_read(const pg_shard *s, int64_t start, int64_t n, int32_t *out) {
+  if (s->fd >= 0 && pg_shard_check(s)) return PG_ERR;
+  return shard_read_unchecked(s, start, n, out);
 }
 
 int pg_shard_info(const char *path, int *version, int64_t *ntokens) {
@@ -488,7 +493,8 @@ int pg_loader_init(pg_loader *ld, const char *const *paths, int nfiles, const pg
                    (long long)cfg->batch, cfg->dp_size, cfg->dp_size);
   ld->files = calloc((size_t)nfiles, sizeof *ld->files);
   ld->first_window = calloc((size_t)nfiles + 1, sizeof *ld->first_window);
-  if (!ld->files || !ld->first_window) {
+  ld->checked = calloc((size_t)nfiles, sizeof *ld->checked);
+  if (!ld->files || !ld->first_window || !ld->checked) {
     pg_loader_destroy(ld);
     return pg_fail("out of memory opening %d token files", nfiles);
   }
@@ -538,6 +544,7 @@ void pg_loader_destroy(pg_loader *ld) {
   for (int i = 0; i < ld->nfiles; i++) pg_shard_close(&ld->files[i]);
   free(ld->files);
   free(ld->first_window);
+  free(ld->checked);
   free(ld->order);
   free(ld->row);
   memset(ld, 0, sizeof *ld);
@@ -584,11 +591,13 @@ int pg_loader_next(pg_loader *ld, int32_t *inputs, int32_t *targets) {
   make_order(ld, ld->epoch);
   int64_t L = ld->cfg.seq_len, local = ld->cfg.batch / ld->cfg.dp_size;
   int32_t *row = ld->row;
+  /* every file this batch reads is checked once (pg_shard_check: two stats), not once per row */
+  ld->calls++;
   if (ld->cfg.stride_llmc) {
     int64_t u = ld->order[ld->index];
     int f = file_of(ld, u);
     int64_t off = (u - ld->first_window[f]) * ld->cfg.batch * L + (int64_t)ld->cfg.dp_rank * local * L;
-    if (pg_shard_read(&ld->files[f], off, local * L + 1, row)) return PG_ERR;
+    if (pg_shard_check(&ld->files[f]) || shard_read_unchecked(&ld->files[f], off, local * L + 1, row)) return PG_ERR;
     memcpy(inputs, row, (size_t)(local * L) * sizeof *row);
     memcpy(targets, row + 1, (size_t)(local * L) * sizeof *row);
     ld->index++;
@@ -598,7 +607,11 @@ int pg_loader_next(pg_loader *ld, int32_t *inputs, int32_t *targets) {
   for (int64_t r = 0; r < local; r++) {
     int64_t w = ld->order[row0 + r];
     int f = file_of(ld, w);
-    if (pg_shard_read(&ld->files[f], (w - ld->first_window[f]) * (L + 1), L + 1, row)) return PG_ERR;
+    if (ld->checked[f] != ld->calls) {
+      if (pg_shard_check(&ld->files[f])) return PG_ERR;
+      ld->checked[f] = ld->calls;
+    }
+    if (shard_read_unchecked(&ld->files[f], (w - ld->first_window[f]) * (L + 1), L + 1, row)) return PG_ERR;
     memcpy(inputs + r * L, row, (size_t)L * sizeof *row);
     memcpy(targets + r * L, row + 1, (size_t)L * sizeof *row);
   }

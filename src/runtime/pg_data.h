@@ -139,6 +139,8 @@ typedef struct pg_loader {
    * spans of batch * seq_len + 1 tokens (one global batch each). */
   int64_t nwindows, batches_per_epoch;
   int64_t *order;      /* nwindows unit ids: this epoch's visiting order */
+  uint64_t calls;      /* pg_loader_next calls so far */
+  uint64_t *checked;   /* per file: the call that last ran pg_shard_check on it */
   int32_t *row;        /* one read's tokens: seq_len + 1, or with stride_llmc (batch / dp_size) * seq_len + 1 */
   int64_t order_epoch; /* which epoch `order` holds; -1: none yet */
   /* The position of the next batch: its epoch and index within the epoch.
