@@ -103,3 +103,48 @@ describe("pg.data.read_shard of a shard that shrinks later", function()
     assert.equal((7 + 5000) % 50000, got[5000])
   end)
 end)
+
+describe("a prepared corpus whose shards changed after dataset.json was written", function()
+  local GPT2 = "spec/fixtures/tokenizers/gpt2/tokenizer.json"
+  local out
+
+  setup(function()
+    local docs = {}
+    for i = 1, 12 do docs[i] = ("Document number %d, with a few words of text.\n"):format(i) end
+    local input = dir .. "/docs.txt"
+    local f = assert(io.open(input, "w"))
+    f:write(table.concat(docs, "%\n"))
+    f:close()
+    out = dir .. "/corpus"
+    local rc, log = h.sh(h.pglua_cmd{ "scripts/prepare_corpus.lua", "--tokenizer=" .. GPT2,
+      "--eos-token=<|endoftext|>", "--input=" .. input, "--separator=%", "--out=" .. out, "--val-fraction=0",
+      "--shard-tokens=40" })
+    assert.equal(0, rc, log)
+  end)
+
+  it("records every shard's token count in dataset.json", function()
+    local meta = require("cjson").decode(h.read(out .. "/dataset.json"))
+    assert.is_true(#meta.train.shards >= 2)
+    local sum = 0
+    for i, name in ipairs(meta.train.shards) do
+      assert.equal(pg.data.shard_info(out .. "/" .. name).tokens, meta.train.shard_tokens[i])
+      sum = sum + meta.train.shard_tokens[i]
+    end
+    assert.equal(meta.train.tokens, sum)
+  end)
+
+  it("refuses at open a shard whose count differs, even when the total is the same", function()
+    -- one token moved from the first shard to the second: the split's total is unchanged
+    local a, b = out .. "/train_000000.bin", out .. "/train_000001.bin"
+    local ta, tb = pg.data.read_shard(a):totable(), pg.data.read_shard(b):totable()
+    table.insert(tb, 1, table.remove(ta))
+    pg.data.write_shard(a, ta, 1)
+    pg.data.write_shard(b, tb, 1)
+    local ok, e = pcall(pg.data.TokenShards, { corpus = out, split = "train", batch = 1, seq_len = 4 })
+    assert.is_false(ok)
+    e = tostring(e)
+    assert(e:find("train.shards[1] train_000000.bin has " .. #ta .. " tokens but the corpus recorded "
+      .. (#ta + 1), 1, true), e)
+    assert(e:find(out .. "/dataset.json", 1, true), e)
+  end)
+end)
