@@ -81,7 +81,8 @@ p:option("--prompt", "Prompt of the sample (default 'Q: '; with --corpus 'The').
 p:option("--out", "Output directory (metrics.jsonl, checkpoints/); default runs/train_<model>.")
 int("--ckpt-every", 0, "Also checkpoint every N steps (0: only the final checkpoint, which every run keeps).")
 int("--keep-last", 0, "Keep only the newest N checkpoints (0: all).")
-p:option("--resume", "A checkpoint directory, or 'last' (the newest under --out).")
+p:option("--resume", "A checkpoint directory, 'last' (the newest under --out), or 'auto' (the newest under --out "
+  .. "that verifies, or a fresh start without one: scripts/launch.sh's relaunches).")
 int("--stop-after", nil, "End this run after step N, saving a checkpoint, as if preempted.")
 int("--log-every", 10, "Log every N steps.")
 int("--val-batches", 0, "Validation batches (0: the whole validation set).")
@@ -178,6 +179,7 @@ from_options(function()
       for e, n in ipairs(parts.expert_tokens) do t:log(("expert_tokens_%d"):format(e - 1), n) end
     end }
   end
+  callbacks[#callbacks + 1] = o.test_kill(pg)
   if stop_after then
     callbacks[#callbacks + 1] = pg.callbacks.LambdaCallback{ name = "StopAfter", on_train_batch_end = function(t, o)
       if o.step_end and t.state.step >= stop_after then t.control.should_stop = true end
@@ -194,7 +196,7 @@ from_options(function()
 end)
 trainer:print(("pipegoose: %d parameters, %s, %d threads per rank"):format(engine:num_parameters(), tostring(ctx),
   pg.num_threads()))
-trainer:fit(train, val, { resume = opt.resume })
+trainer:fit(train, val, { resume = o.resume_path(opt.resume, trainer:get_checkpoint_dir()) })
 
 local measures = dofile(here .. "measures.lua")
 local val_loss = trainer.state.metrics.val_loss
