@@ -468,6 +468,11 @@ if legacy then
     sinks.train.abort(); sinks.val.abort()
     error(err, 0)
   end
+  if sinks.train.documents + sinks.val.documents == 0 then
+    -- nothing written yet (a sink opens its shard with the first document): the shards of before stay
+    die("the inputs hold no documents%s: an empty corpus is refused",
+      skipped > 0 and (" (%d bad ones skipped)"):format(skipped) or "")
+  end
   sinks.train.finish(true); sinks.val.finish(true)
   print(("prepare_corpus: %d files, %d documents, byte tokens (vocab 256), end-of-text token %d before each document")
     :format(#files, sinks.train.documents + sinks.val.documents, pg.data.bytes.eot))

@@ -96,6 +96,20 @@ describe("script arguments", function()
     assert.truthy(out:find("/nonexistent/summaries is not a directory of summaries", 1, true), out)
   end)
 
+  it("prepare_corpus.lua without --tokenizer refuses inputs that hold no documents (it wrote two empty shards)",
+    function()
+    local dir = h.tmpdir()
+    assert(os.execute("mkdir -p " .. h.quote(dir)))
+    local empty = h.tmpfile("%\n%\n", ".txt")
+    local rc, out = h.sh(h.pglua_cmd{ "scripts/prepare_corpus.lua", "--out=" .. dir, empty })
+    os.remove(empty)
+    local left = h.exists(dir .. "/fortunes_train.bin")
+    h.rm(dir)
+    assert.equal(1, rc, out)
+    assert.truthy(out:find("prepare_corpus: the inputs hold no documents: an empty corpus is refused", 1, true), out)
+    assert.is_false(left)
+  end)
+
   it("every script is in the list", function()
     local f = assert(io.popen("ls scripts/*.lua examples/*.lua"))
     local listed = {}
