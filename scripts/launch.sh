@@ -99,7 +99,13 @@ while :; do
   [ "$rc" -eq 0 ] && exit 0
   # the cause: pglua's report of the failing rank, else Open MPI's line naming the process that died
   line=$(grep -E '^\[ranks? [0-9,-]+\] ' "$log" | tail -n 1)
-  [ -n "$line" ] || line=$(grep -E 'exited on signal|Process name:|returned a non-zero exit code|killed' "$log" | head -n 1 | sed 's/^ *//')
+  [ -n "$line" ] || line=$(grep -E 'exited on signal|returned a non-zero exit code|killed' "$log" | head -n 1 | sed 's/^ *//')
+  # Open MPI's "Process name: [[job,1],R]" and "Exit code: C" lines: the rank that ended first
+  if [ -z "$line" ]; then
+    proc=$(grep -E '^ *Process name:' "$log" | head -n 1 | sed -E 's/.*,([0-9]+)\]$/\1/')
+    code=$(grep -E '^ *Exit code:' "$log" | head -n 1 | sed -E 's/.*: *//')
+    [ -n "$proc" ] && line="rank $proc exited first${code:+ with status $code}"
+  fi
   cause="exit status $rc${line:+: $line}"
   if [ "$attempt" -ge "$max_restarts" ]; then
     echo "launch.sh: giving up after $max_restarts restarts; last failure: $cause" >&2

@@ -15,6 +15,8 @@ local BAD = {
   { "PG_ABORT_GRACE", "1e999", "a number of seconds from 0 to 3600" },
   { "PG_COLLECTIVE_TIMEOUT", "1h", "a number of seconds (0: no limit)" },
   { "PG_COLLECTIVE_TIMEOUT", "nan", "a number of seconds (0: no limit)" },
+  { "PG_COLLECTIVE_TIMEOUT", "0x10", "a number of seconds (0: no limit)" },
+  { "PG_ABORT_GRACE", " 2", "a number of seconds from 0 to 3600" },
   { "PG_SHM", "maybe", "a boolean (1/0, true/false, yes/no, on/off)" },
   { "PG_DEBUG", "2", "a boolean (1/0, true/false, yes/no, on/off)" },
   { "PG_DEBUG", "TRUE ", "a boolean (1/0, true/false, yes/no, on/off)" },

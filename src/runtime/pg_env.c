@@ -72,6 +72,8 @@ static int get_double(const env_var *v, double *out) {
   const char *s = value(v);
   *out = v->def;
   if (!s) return PG_OK;
+  /* decimal only: strtod also takes leading blanks, hex ("0x10" = 16) and "inf" */
+  if (strspn(s, "0123456789.eE+-") != strlen(s)) return bad(v, s);
   char *end = NULL;
   errno = 0;
   double x = strtod(s, &end);
