@@ -332,7 +332,10 @@ end
 
 --- inputs, targets: int32 [batch/D, seq_len], fresh tensors; nil at the end of an epoch.
 function TokenShards:next_batch()
-  return self.loader:next()
+  -- a read error (a shard that changed while open) names the caller's line, not this one
+  local ok, x, y = pcall(self.loader.next, self.loader)
+  if not ok then error(x, 2) end
+  return x, y
 end
 
 --- Back to the first batch of the current epoch.

@@ -91,6 +91,18 @@ describe("a token shard changed while TokenShards has it open", function()
   end)
 end)
 
+describe("a FIFO given as a shard", function()
+  it("is refused as not a regular file (opening it waited for a writer for ever)", function()
+    local fifo = dir .. "/fifo.bin"
+    assert.equal(0, (h.sh("mkfifo " .. h.quote(fifo))))
+    local rc, out = h.sh(("timeout -k 5 %d %s"):format(h.limit(60), h.pglua_cmd{ "-e",
+      ("local ok, e = pcall(require('pipegoose').data.TokenShards, { path = %q, batch = 1, seq_len = 4 }) "
+        .. "print(ok and 'ACCEPTED' or e)"):format(fifo) }))
+    assert.equal(0, rc, out)
+    assert.truthy(out:find(fifo .. ": not a regular file", 1, true), out)
+  end)
+end)
+
 describe("pg.data.read_shard of a shard that shrinks later", function()
   it("reads every token by pread: a later truncation cannot reach a tensor already read", function()
     local p = dir .. "/whole.bin"

@@ -51,7 +51,9 @@ static int check_header(const char *path, const uint8_t *hdr, long long file_byt
 /* Opens path read-only and checks it is a regular file of at least min_bytes
  * (room for a header; 1 for a headerless file). st: its fstat. */
 static int open_checked(const char *path, struct stat *st, long long min_bytes) {
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  /* O_NONBLOCK: opening a FIFO for reading would wait for a writer (a hang, not "not a regular file");
+   * a regular file's reads ignore it */
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return pg_fail("%s: cannot open: %s", path, strerror(errno));
   if (fstat(fd, st)) {
     int e = errno;
