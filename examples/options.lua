@@ -4,6 +4,8 @@
 --   local o = dofile((arg[0]:match("^(.*/)") or "./") .. "options.lua")(parser)
 --   o.int("--steps", 300, "Optimizer steps.")
 --   o.layout()   -- --tensor, --pipeline, --data, --micro-batches
+--   o.resume_path(resume, checkpoints) -- --resume=auto|last|DIR as fit's resume= (nil: a fresh start)
+--   o.test_kill(pg) -- PG_TEST_KILL_AT_STEP's callback, or nil (scripts/launch.sh's spec)
 -- Run by itself (pglua examples/options.lua --help) it says what it is and how it is used.
 require "pipegoose.library_file"("local o = dofile(here .. \"options.lua\")(parser)",
   "options.lua is not a script: the examples load it to add the options they share (integers, numbers, "
@@ -18,6 +20,50 @@ return function(p)
     o.int("--pipeline", 1, "Pipeline stages.")
     o.int("--data", nil, "Data-parallel size (default: world size / (tensor x pipeline)).")
     o.int("--micro-batches", 1, "Micro-batches per step.")
+  end
+  --- fit's resume= for --resume: "auto" is the newest checkpoint under `checkpoints` that verifies
+  -- (pipegoose.checkpoint's validate: every file as loading checks it), nil when there is none (a fresh
+  -- start: what scripts/launch.sh relaunches with); anything else is passed on as given.
+  function o.resume_path(resume, checkpoints)
+    if resume ~= "auto" then return resume end
+    local ckpt = require "pipegoose.checkpoint"
+    local names = {}
+    for _, name in ipairs(ckpt.fs.is_dir(checkpoints) and ckpt.fs.list(checkpoints) or {}) do
+      if name:match("^step%-%d+$") then names[#names + 1] = name end
+    end
+    table.sort(names, function(a, b) return a > b end) -- step-%08d: the newest first
+    for _, name in ipairs(names) do
+      local dir = checkpoints .. "/" .. name
+      local problems = ckpt.validate(dir)
+      if #problems == 0 then return dir end
+      io.stderr:write(("--resume=auto: %s does not verify (%s); trying an older one\n"):format(dir, problems[1]))
+    end
+    return nil
+  end
+
+  --- Test hook of scripts/launch.sh's spec: PG_TEST_KILL_AT_STEP=S1,S2,... with PG_TEST_KILL_RANK=R makes
+  -- world rank R SIGKILL itself after step S<k + 1> of the k-th relaunch (PG_LAUNCH_RESTART, set by
+  -- launch.sh; 0 at first), once its checkpoint of that step is written, as a host that dies would.
+  function o.test_kill(pg)
+    local spec = os.getenv("PG_TEST_KILL_AT_STEP")
+    if not spec or spec == "" then return nil end
+    local steps = {}
+    for s in (spec .. ","):gmatch("([^,]*),") do
+      steps[#steps + 1] = math.tointeger(tonumber(s)) or error(("PG_TEST_KILL_AT_STEP: expected steps "
+        .. "separated by commas, got '%s'"):format(spec), 0)
+    end
+    local rank = math.tointeger(tonumber(os.getenv("PG_TEST_KILL_RANK") or "0"))
+    local attempt = math.tointeger(tonumber(os.getenv("PG_LAUNCH_RESTART") or "0"))
+    if not rank or not attempt then error("PG_TEST_KILL_RANK and PG_LAUNCH_RESTART must be integers", 0) end
+    local at = steps[attempt + 1]
+    if not at or pg.world_rank() ~= rank then return nil end
+    return pg.callbacks.LambdaCallback{ name = "TestKill", on_train_batch_end = function(t, out)
+      if out.step_end and t.state.step == at then
+        io.stderr:write(("PG_TEST_KILL_AT_STEP: rank %d kills itself after step %d\n"):format(rank, at))
+        io.stderr:flush()
+        os.execute("kill -9 " .. require("pipegoose.checkpoint").getpid())
+      end
+    end }
   end
   return o
 end

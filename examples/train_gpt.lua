@@ -91,7 +91,8 @@ p:option("--prompt", "Prompt of the sample (default 'Q: '; with --corpus 'The').
 p:option("--out", "Output directory (metrics.jsonl, checkpoints/); default runs/train_<model>.")
 int("--ckpt-every", 0, "Also checkpoint every N steps (0: only the final checkpoint, which every run keeps).")
 int("--keep-last", 0, "Keep only the newest N checkpoints (0: all).")
-p:option("--resume", "A checkpoint directory, or 'last' (the newest under --out).")
+p:option("--resume", "A checkpoint directory, 'last' (the newest under --out), or 'auto' (the newest under --out "
+  .. "that verifies, or a fresh start without one: scripts/launch.sh's relaunches).")
 p:flag("--overwrite", "Write over the checkpoints an earlier run left in --out (a fresh run into a used --out refuses).")
 int("--stop-after", nil, "End this run after step N, saving a checkpoint, as if preempted.")
 int("--log-every", 10, "Log every N steps.")
@@ -200,6 +201,7 @@ from_options(function()
       for e, n in ipairs(parts.expert_tokens) do t:log(("expert_tokens_%d"):format(e - 1), n) end
     end }
   end
+  callbacks[#callbacks + 1] = o.test_kill(pg)
   if stop_after then
     callbacks[#callbacks + 1] = pg.callbacks.LambdaCallback{ name = "StopAfter", on_train_batch_end = function(t, o)
       if o.step_end and t.state.step >= stop_after then t.control.should_stop = true end
@@ -217,7 +219,7 @@ from_options(function()
 end)
 trainer:print(("pipegoose: %d parameters, %s, %d threads per rank"):format(engine:num_parameters(), tostring(ctx),
   pg.num_threads()))
-trainer:fit(train, val, { resume = opt.resume })
+trainer:fit(train, val, { resume = o.resume_path(opt.resume, trainer:get_checkpoint_dir()) })
 
 -- What this rank sent and received over each group, per optimizer step (pg_comm's counters): data
 -- parallelism's gradient reductions against DiLoCo's outer steps over the islands group.

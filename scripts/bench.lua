@@ -127,14 +127,17 @@ local function driver()
   if #failures > 0 then os.exit(1) end
 end
 
-if arg[1] == "--help" or arg[1] == "-h" then
-  print(usage())
-  os.exit(0)
-end
-local o = common.parse_args(arg)
-if o.worker then
+-- The driver takes no arguments (lua-argparse refuses any, and prints usage() for --help); the workers it
+-- starts get --worker=NAME and their settings as --key=value (bench/common.lua's parse_args: the driver's
+-- own protocol, not a user's command line).
+if arg[1] and arg[1]:match("^%-%-worker=") then
+  local o = common.parse_args(arg)
   local worker = require("bench.workers")[o.worker] or error("bench.lua: unknown worker " .. o.worker)
   worker(o)
 else
+  local p = require("argparse")("bench.lua")
+  p:usage("Usage: pglua scripts/bench.lua [--help]")
+  p:description((usage():gsub("^[^\n]*\n\n", "")))
+  p:parse(arg)
   driver()
 end

@@ -229,9 +229,14 @@ if main and arg[1] ~= "--worker" then
     .. "plan_validate.lua measures one layout's step time and memory for the planner's validation: "
     .. "scripts/plan.lua --validate runs it under mpirun as a worker, one configuration per job. "
     .. "Run pglua scripts/plan.lua --validate [--quick] instead.\n"
-  local out = help and io.stdout or io.stderr
-  out:write(text)
-  os.exit(help and 0 or 1)
+  if help then
+    io.stdout:write(text)
+    os.exit(0)
+  end
+  io.stderr:write(text:match("^[^\n]*\n"), "\n", ("Error: %s: plan_validate.lua runs only as the worker of "
+    .. "scripts/plan.lua --validate (--worker first)\n"):format(arg[1] and ("unknown argument '" .. arg[1] .. "'")
+    or "no arguments"))
+  os.exit(1)
 end
 
 -- run as a worker: pglua scripts/plan_validate.lua --worker --k=v ...

@@ -358,7 +358,7 @@ local shard_tokens = args.shard_tokens
 --- Where one split's documents go: shards that roll over at `limit` tokens
 -- (named name_of(k)), or one fixed file.
 local function new_sink(split, dir, dtype, doc_token, at_end, limit, name_of)
-  local s = { split = split, shards = {}, tokens = 0, documents = 0, bytes = 0 }
+  local s = { split = split, shards = {}, shard_tokens = {}, tokens = 0, documents = 0, bytes = 0 }
   local w
   local function open()
     local name = name_of(#s.shards)
@@ -367,6 +367,7 @@ local function new_sink(split, dir, dtype, doc_token, at_end, limit, name_of)
   end
   local function close()
     s.tokens = s.tokens + w:tokens()
+    s.shard_tokens[#s.shard_tokens + 1] = w:tokens()
     w:close()
     w = nil
   end
@@ -466,6 +467,11 @@ if legacy then
   if not ok then
     sinks.train.abort(); sinks.val.abort()
     error(err, 0)
+  end
+  if sinks.train.documents + sinks.val.documents == 0 then
+    -- nothing written yet (a sink opens its shard with the first document): the shards of before stay
+    die("the inputs hold no documents%s: an empty corpus is refused",
+      skipped > 0 and (" (%d bad ones skipped)"):format(skipped) or "")
   end
   sinks.train.finish(true); sinks.val.finish(true)
   print(("prepare_corpus: %d files, %d documents, byte tokens (vocab 256), end-of-text token %d before each document")
@@ -661,7 +667,7 @@ local function json(v, ind)
   end
   return cjson.encode(v)
 end
-local function split_json(s) return O("shards", s.shards, "tokens", s.tokens, "documents", s.documents, "bytes", s.bytes) end
+local function split_json(s) return O("shards", s.shards, "shard_tokens", s.shard_tokens, "tokens", s.tokens, "documents", s.documents, "bytes", s.bytes) end
 local meta = json(O("format", "pipegoose-corpus", "version", 1,
   "tokenizer", O("file", "tokenizer.json", "hash", hash, "vocab_size", vocab_size, "bos_id", tok:bos_id(),
     "eos_id", tok:eos_id(), "document_token", doc_token, "document_token_at", at_end and "end" or "start"),

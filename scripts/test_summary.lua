@@ -6,6 +6,11 @@ local parser = require("argparse")("test_summary.lua", "Merges the per-rank JSON
   .. "(scripts/run_tests.sh) and prints the totals; exit 1 when a test failed.")
 parser:argument("dir", "The directory of the summaries.")
 local dir = parser:parse().dir
+-- a directory that is not there would read as a run of no tests: "0 passed, 0 failed", exit 0
+if not os.rename(dir, dir) or not io.open(dir .. "/.", "r") then
+  io.stderr:write(("test_summary.lua: %s is not a directory of summaries\n"):format(dir))
+  os.exit(1)
+end
 
 local runs = {}
 for file in io.popen('ls "' .. dir .. '"'):lines() do

@@ -198,6 +198,7 @@ local function test_kill_point(trainer)
   local spec = os.getenv("PG_CHECKPOINT_TEST_KILL")
   if not spec then return end
   local step, rank = spec:match("^(%d+):(%d+)$")
+  if not step then error(("PG_CHECKPOINT_TEST_KILL: expected STEP:RANK (two integers), got '%s'"):format(spec)) end
   if tonumber(step) == trainer.state.step and tonumber(rank) == trainer.state.rank then
     io.stderr:write(("checkpoint: PG_CHECKPOINT_TEST_KILL: rank %d kills itself in the save at step %d\n")
       :format(trainer.state.rank, trainer.state.step))

@@ -22,11 +22,14 @@
 --   { format = "pipegoose-corpus", version = 1, dtype = "uint16"|"uint32",
 --     tokenizer = { file, hash (pg.data.hash_hex of tokenizer.json's bytes), vocab_size, bos_id, eos_id,
 --                   document_token, document_token_at = "start"|"end" },
---     train = { shards, tokens, documents, bytes }, val = { ... }, inputs, input_format, field, separator,
+--     train = { shards, shard_tokens, tokens, documents, bytes }, val = { ... }, inputs, input_format, field, separator,
 --     val_fraction, seed, skipped, created_by }
 -- (bytes: the documents' UTF-8 bytes, so bits per byte = loss * tokens / (bytes * ln 2) compares
--- tokenizers). pg.data.corpus checks every field and the tokenizer's hash and returns
--- { dir, tokenizer, vocab_size, dtype, hash, train = { paths (absolute), tokens, documents, bytes }, val }.
+-- tokenizers; shard_tokens: each shard's token count, so that a shard changed or replaced after the
+-- corpus was made is refused at open — a corpus written before it existed is checked by the total only).
+-- pg.data.corpus checks every field and the tokenizer's hash and returns
+-- { dir, tokenizer, vocab_size, dtype, hash, train = { paths (absolute), shard_tokens, tokens, documents,
+-- bytes }, val }; TokenShards{corpus=} checks the files it opened against shard_tokens again.
 --
 -- dtype = "uint16" | "uint32": the files are headerless raw little-endian ids
 -- (nanoGPT's train.bin is uint16); without it a file must have llm.c's header,
@@ -203,7 +206,12 @@ function M.corpus(dir)
     local sp = j[split]
     if type(sp) ~= "table" then bad("%s must be an object", split) end
     if type(sp.shards) ~= "table" then bad("%s.shards must be a list of file names", split) end
-    local paths, total = {}, 0
+    local recorded = sp.shard_tokens
+    if recorded ~= nil then
+      if type(recorded) ~= "table" then bad("%s.shard_tokens must be a list of token counts, one per shard", split) end
+      for i = 1, #recorded do count(recorded[i], ("%s.shard_tokens[%d]"):format(split, i)) end
+    end
+    local paths, total, counts = {}, 0, {}
     for i, name in ipairs(sp.shards) do
       if type(name) ~= "string" or name:find("/", 1, true) then bad("%s.shards[%d] must be a file name", split, i) end
       local p = dir .. "/" .. name
@@ -212,12 +220,21 @@ function M.corpus(dir)
       if info.version ~= VERSION_OF[dtype] then
         bad("%s.shards[%d] %s holds %s ids but dtype is %s", split, i, name, info.version == 1 and "uint16" or "uint32", dtype)
       end
+      if recorded and #recorded ~= #sp.shards then
+        bad("%s.shard_tokens has %d counts for %d shards", split, #recorded, #sp.shards)
+      end
+      if recorded and info.tokens ~= recorded[i] then
+        bad("%s.shards[%d] %s has %d tokens but the corpus recorded %d (%s.shard_tokens[%d]): the shard was changed "
+          .. "or replaced after the corpus was prepared", split, i, name, info.tokens, math.tointeger(recorded[i]),
+          split, i)
+      end
       total = total + info.tokens
+      counts[i] = info.tokens
       paths[i] = absdir .. "/" .. name
     end
     local tokens = count(sp.tokens, split .. ".tokens")
     if tokens ~= total then bad("%s.tokens is %d but its shards hold %d tokens", split, tokens, total) end
-    out[split] = { paths = paths, tokens = tokens, documents = count(sp.documents, split .. ".documents"),
+    out[split] = { paths = paths, shard_tokens = counts, tokens = tokens, documents = count(sp.documents, split .. ".documents"),
       bytes = count(sp.bytes, split .. ".bytes") }
   end
   return out
@@ -240,7 +257,7 @@ local TOKEN_SHARDS = {
 function M.TokenShards(opts)
   opts = opt.check("TokenShards", opts, TOKEN_SHARDS)
   local shuffle, seed = opts.shuffle, opts.seed
-  local ok, files
+  local ok, files, corpus_counts
   local vocab, raw = opts.vocab, opts.dtype and VERSION_OF[opts.dtype] or nil
   if opts.corpus ~= nil then
     if opts.path ~= nil or opts.dtype ~= nil then
@@ -265,6 +282,7 @@ function M.TokenShards(opts)
         .. "would mean other tokens"):format(tostring(corpus.dir)), 2)
     end
     vocab = vocab or corpus.vocab_size
+    corpus_counts = corpus[opts.split].shard_tokens
     files = {}
     for i, p in ipairs(corpus[opts.split].paths) do files[i] = p end
     if #files == 0 then
@@ -283,6 +301,17 @@ function M.TokenShards(opts)
                                  shuffle = shuffle, vocab = vocab, ctx = opts.ctx, raw_version = raw,
                                  stride_llmc = opts.stride == "llmc" })
   if not ok then error(loader, 2) end
+  if opts.corpus ~= nil then
+    -- the shards as opened against the corpus's counts: a shard replaced since pg.data.corpus read it
+    local recorded, opened = corpus_counts, loader:file_tokens()
+    for i, n in ipairs(opened) do
+      if recorded and recorded[i] ~= nil and recorded[i] ~= n then
+        loader:close()
+        error(("TokenShards: %s has %d tokens but its corpus recorded %d: the shard changed after the corpus was "
+          .. "read"):format(files[i], n, recorded[i]), 2)
+      end
+    end
+  end
   local D, d = 1, 0
   if opts.ctx then -- islands (DiLoCo) split the batch as data ranks do, island-major (as the loader)
     local ctx = opts.ctx
@@ -307,7 +336,10 @@ end
 
 --- inputs, targets: int32 [batch/D, seq_len], fresh tensors; nil at the end of an epoch.
 function TokenShards:next_batch()
-  return self.loader:next()
+  -- a read error (a shard that changed while open) names the caller's line, not this one
+  local ok, x, y = pcall(self.loader.next, self.loader)
+  if not ok then error(x, 2) end
+  return x, y
 end
 
 --- Back to the first batch of the current epoch.

@@ -736,7 +736,7 @@ function M.train(o)
   if progress == nil then
     -- as ProgressBar decides (callbacks/progress_bar.lua): $PG_PROGRESS, else under mpirun (which gives
     -- each rank a pseudo-terminal of its own) whether mpirun's stderr is a terminal, else ours
-    local forced = os.getenv("PG_PROGRESS")
+    local forced = core().env("PG_PROGRESS") -- auto, tty or plain: anything else is refused
     if forced == "tty" or forced == "plain" then progress = forced == "tty"
     elseif os.getenv("OMPI_COMM_WORLD_SIZE") then progress = core().fs.parent_isatty("stderr")
     else progress = core().fs.isatty("stderr") end

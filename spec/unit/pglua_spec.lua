@@ -15,7 +15,8 @@ describe("pglua", function()
     for _, v in ipairs{ "x", "0", "-2", "3.5" } do
       local rc, out = h.sh("PG_RANKS_PER_NODE=" .. v .. " " .. h.pglua_cmd{ "-e", "print(1)" })
       assert.equal(1, rc, out)
-      assert.truthy(out:find("PG_RANKS_PER_NODE=" .. v .. ": expected a positive integer", 1, true), out)
+      assert.truthy(out:find("PG_RANKS_PER_NODE: expected a positive integer (ranks per emulated node), got '" .. v
+        .. "'", 1, true), out)
     end
   end)
 

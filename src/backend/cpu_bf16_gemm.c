@@ -27,6 +27,8 @@
 
 #include "cpu/pg_cpu.h" /* PG_PAR_MIN: the widening loops are the CPU kernels' kind */
 #include "kernels.h"    /* pg_bf16_value */
+#include "pg_error.h"
+#include "pg_env.h"
 
 /* ---- path selection ---- */
 
@@ -180,12 +182,15 @@ static int select_locked(const char *name);
 const char *pg_bf16_gemm_path(const char **why) {
   pthread_mutex_lock(&lock);
   if (path == PATH_UNSET) {
-    /* PG_BF16_GEMM=auto|onednn|fallback: the first choice by name (benchmarks compare the paths); a bad value
-     * leaves the automatic choice and says so in why. */
-    const char *env = getenv("PG_BF16_GEMM");
-    if (!env || !*env || select_locked(env)) {
+    /* PG_BF16_GEMM=auto|onednn|fallback: the first choice by name (benchmarks compare the paths). A name
+     * outside those is refused at start-up (pg_env.h); onednn where it cannot run leaves the automatic
+     * choice and says so in why. */
+    const char *env = "auto";
+    int refused = pg_env_choice("PG_BF16_GEMM", &env);
+    if (refused) snprintf(err_buf, sizeof err_buf, "%.150s", pg_error());
+    if (refused || select_locked(env)) {
       select_auto();
-      if (env && *env) {
+      if (refused || strcmp(env, "auto")) {
         char w[sizeof why_buf];
         snprintf(w, sizeof w, "%.300s; PG_BF16_GEMM ignored: %.150s", why_buf, err_buf);
         memcpy(why_buf, w, sizeof why_buf);

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "lua_util.h"
+#include "pg_env.h"
 #include "pg_machine.h"
 
 int luaopen_pipegoose_core(lua_State *L);
@@ -28,7 +29,30 @@ static int l_machine(lua_State *L) {
   return 1;
 }
 
+/* env(name) -> the variable's value as pg_env.h parses it (a number, an integer, a boolean or the chosen
+ * word; its default when unset), or an error naming the variable and the value */
+static int l_env(lua_State *L) {
+  const char *name = luaL_checkstring(L, 1);
+  char type = 0;
+  for (int i = 0; pg_env_name(i, &type); i++) {
+    if (strcmp(pg_env_name(i, &type), name)) continue;
+    double d;
+    long l;
+    int b;
+    const char *c;
+    switch (type) {
+    case 'd': PG_LUA_CHECK(L, pg_env_double(name, &d)); lua_pushnumber(L, d); return 1;
+    case 'l': PG_LUA_CHECK(L, pg_env_long(name, &l)); lua_pushinteger(L, l); return 1;
+    case 'b': PG_LUA_CHECK(L, pg_env_bool(name, &b)); lua_pushboolean(L, b); return 1;
+    default: PG_LUA_CHECK(L, pg_env_choice(name, &c)); lua_pushstring(L, c); return 1;
+    }
+  }
+  return luaL_error(L, "%s is not an environment variable pipegoose reads", name);
+}
+
 int luaopen_pipegoose_core(lua_State *L) {
+  /* pglua checked these at start-up; a plain lua loading the module gets the same refusal */
+  PG_LUA_CHECK(L, pg_env_check_all());
   /* Lua loads C modules with RTLD_LOCAL; Open MPI's plugins need libmpi's
    * symbols globally visible, so promote the already-loaded library. */
   dlopen("libmpi.so.40", RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD);
@@ -49,5 +73,7 @@ int luaopen_pipegoose_core(lua_State *L) {
   lua_setfield(L, -2, "version");
   lua_pushcfunction(L, l_machine);
   lua_setfield(L, -2, "machine");
+  lua_pushcfunction(L, l_env);
+  lua_setfield(L, -2, "env");
   return 1;
 }

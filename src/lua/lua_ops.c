@@ -88,6 +88,28 @@ static int int_arg(lua_State *L, int idx, const char *fn, const char *name, lua_
   return (int)v;
 }
 
+/* A number option: finite and in [lo, hi] (hi_open: [lo, hi)); absent: def, or an error when required. NaN
+ * is named as NaN, never read as "absent". */
+static double opt_number_range(lua_State *L, int idx, const char *fn, const char *key, double def, double lo,
+                               double hi, int hi_open, int required) {
+  int t = lua_getfield(L, idx, key);
+  if (t == LUA_TNIL) {
+    lua_pop(L, 1);
+    if (required) luaL_error(L, "%s: option '%s' is required", fn, key);
+    return def;
+  }
+  if (t != LUA_TNUMBER) luaL_error(L, "%s: %s: expected a number, got %s", fn, key, luaL_typename(L, -1));
+  double v = lua_tonumber(L, -1);
+  lua_pop(L, 1);
+  if (!isfinite(v) || v < lo || v > hi || (hi_open && v == hi)) {
+    char msg[200]; /* lua_pushfstring has no %g */
+    if (!isfinite(v)) snprintf(msg, sizeof msg, "%s=%s is not a finite number", key, isnan(v) ? "nan" : v > 0 ? "inf" : "-inf");
+    else snprintf(msg, sizeof msg, "%s=%g out of range [%g, %g%s", key, v, lo, hi, hi_open ? ")" : "]");
+    luaL_error(L, "%s: %s", fn, msg);
+  }
+  return v;
+}
+
 static int opt_int_range(lua_State *L, int idx, const char *fn, const char *key, lua_Integer def, lua_Integer lo,
                          lua_Integer hi) {
   lua_Integer v = pg_lua_opt_int(L, idx, key, def);
@@ -115,6 +137,22 @@ static void check_acc(lua_State *L, int idx, const char *fn, const char *const *
 
 /* ---- embeddings ---- */
 
+/* Token ids against the table they index, as the engine checks a batch: without row_start the weight is the
+ * whole table, so every id is one of its rows [0, rows); with row_start (one vocabulary shard: ids of other
+ * shards give zeros, their shard adds them) an id must still be a vocabulary id, so not negative. */
+static void check_ids(lua_State *L, const char *fn, const char *what, const pg_tensor *ids, int whole, int64_t rows) {
+  const int32_t *t = pg_tensor_i32(ids);
+  for (int64_t i = 0; i < ids->numel; i++)
+    if (t[i] < 0 || (whole && t[i] >= rows)) {
+      if (whole)
+        luaL_error(L, "%s: %s: id %d at position %I is outside the vocabulary [0, %I) (the weight's rows)", fn, what,
+                   t[i], (lua_Integer)(i + 1), (lua_Integer)rows);
+      else
+        luaL_error(L, "%s: %s: id %d at position %I is negative: not a vocabulary id", fn, what, t[i],
+                   (lua_Integer)(i + 1));
+    }
+}
+
 /* embedding(tokens_i32[...], weight[rows, C] [, row_start=0]) -> out[..., C] */
 static int l_embedding(lua_State *L) {
   const char *fn = "ops.embedding";
@@ -127,6 +165,7 @@ static int l_embedding(lua_State *L) {
   if (tok->ndim >= PG_MAX_DIMS) return luaL_error(L, "%s: tokens: too many dimensions", fn);
   if (tok->numel > INT_MAX || w->shape[0] > INT_MAX || w->shape[1] > INT_MAX)
     return luaL_error(L, "%s: sizes exceed the kernels' int range", fn);
+  check_ids(L, fn, "tokens", tok, lua_isnoneornil(L, 3), w->shape[0]);
   int64_t shape[PG_MAX_DIMS];
   memcpy(shape, tok->shape, sizeof shape);
   shape[tok->ndim] = w->shape[1];
@@ -146,6 +185,7 @@ static int l_embedding_backward(lua_State *L) {
   pg_tensor *tok = expect(L, 2, fn, "tokens", PG_INT32, dout->ndim - 1, dout->shape);
   int rows = int_arg(L, 3, fn, "rows", 0, 0, 0);
   int row_start = int_arg(L, 4, fn, "row_start", 0, 0, 1);
+  check_ids(L, fn, "tokens", tok, lua_isnoneornil(L, 4), rows);
   static const char *const keys[] = {"dweight", NULL};
   check_acc(L, 5, fn, keys);
   pg_tensor *dw = grad_out(L, 5, fn, "dweight", 2, (int64_t[]){rows, C});
@@ -815,7 +855,7 @@ static xent_opts read_xent_opts(lua_State *L, int idx, const char *fn, int V, in
   xent_opts o;
   o.valid = opt_int_range(L, idx, fn, "valid", V, 0, V);
   o.vocab_start = opt_int_range(L, idx, fn, "vocab_start", 0, 0, INT_MAX);
-  o.dloss = (float)pg_lua_opt_number(L, idx, "dloss", 1.0);
+  o.dloss = lua_isnoneornil(L, idx) ? 1.0f : (float)opt_number_range(L, idx, fn, "dloss", 1.0, -HUGE_VAL, HUGE_VAL, 0, 0);
   o.inplace = pg_lua_opt_bool(L, idx, "inplace", 0);
   return o;
 }
@@ -870,6 +910,7 @@ static int l_xent_sumexp(lua_State *L) {
   pg_tensor *rmax = lead_arg(L, 2, fn, "row_max", logits, PG_FLOAT32);
   pg_tensor *tg = lead_arg(L, 3, fn, "targets", logits, PG_INT32);
   xent_opts o = read_xent_opts(L, 4, fn, V, 0);
+  check_ids(L, fn, "targets", tg, 0, 0); /* a slice: targets of other slices are theirs, but never negative */
   pg_tensor *sumexp = new_lead(L, logits), *tl = new_lead(L, logits);
   pg_xent_sumexp(pg_tensor_f32(sumexp), pg_tensor_f32(tl), pg_tensor_f32(logits), pg_tensor_f32(rmax),
                  pg_tensor_i32(tg), (int)N, V, o.valid, o.vocab_start);
@@ -889,6 +930,7 @@ static int l_xent_finish(lua_State *L) {
   pg_tensor *tl = lead_arg(L, 4, fn, "target_logit", logits, PG_FLOAT32);
   pg_tensor *tg = lead_arg(L, 5, fn, "targets", logits, PG_INT32);
   xent_opts o = read_xent_opts(L, 6, fn, V, 1);
+  check_ids(L, fn, "targets", tg, 0, 0);
   pg_tensor *losses = new_lead(L, logits), *dlogits = logits;
   if (o.inplace) lua_pushvalue(L, 1);
   else dlogits = new_like(L, logits, V);
@@ -912,13 +954,16 @@ static int l_adamw_(lua_State *L) {
   pg_tensor *v = expect(L, 4, fn, "v", PG_FLOAT32, p->ndim, p->shape);
   luaL_checktype(L, 5, LUA_TTABLE);
   pg_lua_check_keys(L, 5, fn, keys);
-  double lr = pg_lua_opt_number(L, 5, "lr", NAN);
-  if (isnan(lr)) return luaL_error(L, "%s: option 'lr' is required", fn);
+  /* the ranges torch.optim.AdamW checks; grad_scale divides the gradient, so it is positive */
+  double lr = opt_number_range(L, 5, fn, "lr", 0, 0, HUGE_VAL, 0, 1);
+  double beta1 = opt_number_range(L, 5, fn, "beta1", 0.9, 0, 1, 1, 0);
+  double beta2 = opt_number_range(L, 5, fn, "beta2", 0.999, 0, 1, 1, 0);
+  double eps = opt_number_range(L, 5, fn, "eps", 1e-8, 0, HUGE_VAL, 0, 0);
+  double wd = opt_number_range(L, 5, fn, "weight_decay", 0.01, 0, HUGE_VAL, 0, 0);
+  double scale = opt_number_range(L, 5, fn, "grad_scale", 1.0, 0x1p-126, HUGE_VAL, 0, 0);
   int step = opt_int_range(L, 5, fn, "step", 0, 1, INT_MAX);
   pg_adamw_update(pg_tensor_f32(p), pg_tensor_f32(g), pg_tensor_f32(m), pg_tensor_f32(v), p->numel, (float)lr,
-                  (float)pg_lua_opt_number(L, 5, "beta1", 0.9), (float)pg_lua_opt_number(L, 5, "beta2", 0.999),
-                  (float)pg_lua_opt_number(L, 5, "eps", 1e-8), (float)pg_lua_opt_number(L, 5, "weight_decay", 0.01),
-                  step, (float)pg_lua_opt_number(L, 5, "grad_scale", 1.0));
+                  (float)beta1, (float)beta2, (float)eps, (float)wd, step, (float)scale);
   lua_settop(L, 1);
   return 1;
 }

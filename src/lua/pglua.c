@@ -26,6 +26,7 @@
 #include "pg_machine.h"
 #include "pg_comm.h"
 #include "pg_context.h"
+#include "pg_env.h"
 #include "pg_error.h"
 
 int luaopen_pipegoose_core(lua_State *L);
@@ -94,15 +95,15 @@ static void sleep_seconds(double s) {
   }
 }
 
+/* main refused a bad value at start-up (pg_env_check_all): these cannot fail after it */
 static double grace_seconds(void) {
-  const char *g = getenv("PG_ABORT_GRACE");
-  double v = g ? atof(g) : 1.0;
-  return v >= 0 ? v : 0;
+  double v = 1.0;
+  return pg_env_double("PG_ABORT_GRACE", &v) ? 1.0 : v;
 }
 
 static int debug_mode(void) {
-  const char *d = getenv("PG_DEBUG");
-  return d && *d && strcmp(d, "0") != 0;
+  int on = 0;
+  return pg_env_bool("PG_DEBUG", &on) ? 0 : on;
 }
 
 /* Polls a request until it completes (1) or `seconds` pass (0). */
@@ -589,6 +590,20 @@ int main(int argc, char **argv) {
   if (pg_mpi_init(&argc, &argv)) {
     fprintf(stderr, "%s: %s\n", progname, "could not initialise MPI");
     return 1;
+  }
+  /* Every environment variable pipegoose reads, checked before anything uses one (pg_env.h). The ranks
+   * agree, so that a value bad on some ranks only still ends all of them, and the lowest bad rank says
+   * it, once. */
+  {
+    int me = pg_mpi_world_rank(), first_bad = pg_env_check_all() ? me : INT_MAX;
+    if (pg_mpi_world_size() > 1 &&
+        MPI_Allreduce(MPI_IN_PLACE, &first_bad, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD) != MPI_SUCCESS)
+      first_bad = me;
+    if (first_bad != INT_MAX) {
+      if (first_bad == me) fprintf(stderr, "%s: %s\n", progname, pg_error());
+      pg_mpi_finalize();
+      return 1;
+    }
   }
   if (pg_setup_threads() < 0) {
     fprintf(stderr, "%s: %s\n", progname, pg_error());

@@ -1,4 +1,5 @@
 #include "comm_impl.h"
+#include "pg_env.h"
 
 #include <limits.h>
 #include <stdatomic.h>
@@ -44,14 +45,9 @@ static double collective_timeout(int *bad) {
   static double limit = -1;
   static int invalid;
   if (limit < 0) {
-    const char *s = getenv("PG_COLLECTIVE_TIMEOUT");
-    char *end = NULL;
-    limit = 600;
-    if (s && *s) {
-      double v = strtod(s, &end);
-      if (*end || !(v >= 0) || v > 1e9) invalid = 1;
-      else limit = v;
-    }
+    double v = 600;
+    invalid = pg_env_double("PG_COLLECTIVE_TIMEOUT", &v) != PG_OK;
+    limit = invalid ? 600 : v;
   }
   *bad = invalid;
   return limit;
@@ -60,9 +56,7 @@ static double collective_timeout(int *bad) {
 int comm_timeout_ok(double *limit) {
   int bad = 0;
   *limit = collective_timeout(&bad);
-  if (bad)
-    return pg_fail("PG_COLLECTIVE_TIMEOUT=%s is not a number of seconds (0: no limit)",
-                   getenv("PG_COLLECTIVE_TIMEOUT"));
+  if (bad) return pg_env_double("PG_COLLECTIVE_TIMEOUT", limit); /* the parser's error again */
   return PG_OK;
 }
 
@@ -70,8 +64,7 @@ int comm_timeout_ok(double *limit) {
 int comm_debug_checks(void) {
   static int on = -1;
   if (on < 0) {
-    const char *s = getenv("PG_DEBUG");
-    on = s && *s && strcmp(s, "0") != 0;
+    if (pg_env_bool("PG_DEBUG", &on)) on = 0; /* refused at start-up */
   }
   return on;
 }

@@ -12,6 +12,7 @@
 #endif
 
 #include "pg_error.h"
+#include "pg_env.h"
 #include "pg_rng.h"
 
 static const char *mode_names[PG_NUM_MODES] = {"global",    "tensor", "pipeline",
@@ -221,12 +222,9 @@ int pg_node_rank(void) { return node_rank; }
 int pg_node_size(void) { return node_size; }
 
 int pg_node_split(MPI_Comm comm, MPI_Comm *node) {
-  const char *env = getenv("PG_RANKS_PER_NODE");
-  if (env && *env) {
-    char *end = NULL;
-    long k = strtol(env, &end, 10);
-    if (*end || k < 1 || k > INT_MAX)
-      return pg_fail("PG_RANKS_PER_NODE=%s: expected a positive integer (ranks per emulated node)", env);
+  long k = 0;
+  if (pg_env_long("PG_RANKS_PER_NODE", &k)) return PG_ERR;
+  if (k > 0) {
     int world_rank = 0, rank = 0;
     MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
     MPI_Comm_rank(comm, &rank);
@@ -298,9 +296,9 @@ static int find_node_place(void) {
 
 int pg_setup_threads(void) {
   if (find_node_place()) return -1;
-  int n = 0;
-  const char *env = getenv("OMP_NUM_THREADS");
-  if (env && *env) n = atoi(env);
+  long threads = 0;
+  if (pg_env_long("OMP_NUM_THREADS", &threads)) return -1;
+  int n = (int)threads;
   if (n < 1) {
     long online = sysconf(_SC_NPROCESSORS_ONLN);
     if (online < 1) online = 1;

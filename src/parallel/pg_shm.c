@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "pg_error.h"
+#include "pg_env.h"
 
 #define NAME_LEN 64
 
@@ -53,8 +54,8 @@ int pg_shm_create(pg_context *ctx, pg_mode m, size_t bytes, pg_shm *out, pg_stor
   *own = NULL;
   pg_group *g = &ctx->group[m];
   if (g->size < 2 || bytes == 0) return PG_OK;
-  const char *env = getenv("PG_SHM");
-  int rc, ok = !(env && !strcmp(env, "0"));
+  int rc, ok = 1;
+  if (pg_env_bool("PG_SHM", &ok)) return PG_ERR; /* refused at start-up already: ranks agree */
   /* one node: the group's node sub-communicator is the whole group */
   MPI_Comm node;
   if (pg_node_split(g->comm, &node)) return PG_ERR;

@@ -7,7 +7,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -50,89 +49,154 @@ static int check_header(const char *path, const uint8_t *hdr, long long file_byt
 }
 
 /* Opens path read-only and checks it is a regular file of at least min_bytes
- * (room for a header; 1 for a headerless file, which mmap needs). */
-static int open_checked(const char *path, long long *bytes, long long min_bytes) {
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
+ * (room for a header; 1 for a headerless file). st: its fstat. */
+static int open_checked(const char *path, struct stat *st, long long min_bytes) {
+  /* O_NONBLOCK: opening a FIFO for reading would wait for a writer (a hang, not "not a regular file");
+   * a regular file's reads ignore it */
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return pg_fail("%s: cannot open: %s", path, strerror(errno));
-  struct stat st;
-  if (fstat(fd, &st)) {
+  if (fstat(fd, st)) {
     int e = errno;
     close(fd);
     return pg_fail("%s: cannot stat: %s", path, strerror(e));
   }
-  if (!S_ISREG(st.st_mode)) {
+  if (!S_ISREG(st->st_mode)) {
     close(fd);
     return pg_fail("%s: not a regular file", path);
   }
-  if (st.st_size < min_bytes) {
+  if (st->st_size < min_bytes) {
     close(fd);
     if (min_bytes < PG_SHARD_HEADER_BYTES) return pg_fail("%s: empty: a headerless token file needs ids", path);
     return pg_fail("%s: too small for a token shard: %lld bytes, but the header alone is %d bytes (for a headerless "
                    "file of raw ids, give dtype = \"uint16\" or \"uint32\")",
-                   path, (long long)st.st_size, PG_SHARD_HEADER_BYTES);
+                   path, (long long)st->st_size, PG_SHARD_HEADER_BYTES);
   }
-  *bytes = (long long)st.st_size;
   return fd;
 }
 
-/* Maps path; raw_version 0 checks an llm.c header, 1 or 7 takes the whole file
- * as headerless ids of that width. Then the vocab / int32 scan. */
+/* Reads exactly n bytes at off; a short read is the file having shrunk. */
+static int read_at(const pg_shard *s, void *buf, size_t n, int64_t off) {
+  uint8_t *p = buf;
+  while (n > 0) {
+    ssize_t got = pread(s->fd, p, n, (off_t)off);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) return pg_fail("%s: cannot read: %s", s->path, strerror(errno));
+    if (got == 0)
+      return pg_fail("%s: changed while open: it ends at byte %lld, but it had %lld bytes when opened (a token shard "
+                     "must not be rewritten while a loader reads it)",
+                     s->path, (long long)off, (long long)s->file_bytes);
+    p += got, off += got, n -= (size_t)got;
+  }
+  return PG_OK;
+}
+
+int pg_shard_check(const pg_shard *s) {
+  if (s->fd < 0) return pg_fail("the token shard is closed");
+  struct stat st;
+  if (fstat(s->fd, &st)) return pg_fail("%s: cannot stat: %s", s->path, strerror(errno));
+  static const char hint[] = "a token shard must not be rewritten while a loader reads it";
+  if ((int64_t)st.st_size != s->file_bytes)
+    return pg_fail("%s: changed while open: it has %lld bytes, but had %lld when opened (%s)", s->path,
+                   (long long)st.st_size, (long long)s->file_bytes, hint);
+  if ((int64_t)st.st_mtim.tv_sec != s->mtime_sec || (int64_t)st.st_mtim.tv_nsec != s->mtime_nsec)
+    return pg_fail("%s: changed while open: it was modified after it was opened (%s)", s->path, hint);
+  /* a rename onto the path leaves our descriptor on the old file: the path's inode tells */
+  if (stat(s->path, &st))
+    return pg_fail("%s: changed while open: it is gone (%s; %s)", s->path, strerror(errno), hint);
+  if ((uint64_t)st.st_dev != s->dev || (uint64_t)st.st_ino != s->ino)
+    return pg_fail("%s: changed while open: another file was put in its place (%s)", s->path, hint);
+  return PG_OK;
+}
+
+/* Token bytes to ids: width 2 (version 1) or 4, little-endian on any host. */
+static void decode_tokens(const uint8_t *p, int version, int64_t n, int32_t *out) {
+  if (version == 1)
+    for (int64_t i = 0; i < n; i++) out[i] = (int32_t)((uint32_t)p[2 * i] | (uint32_t)p[2 * i + 1] << 8);
+  else
+    for (int64_t i = 0; i < n; i++) out[i] = le32(p + 4 * i);
+}
+
+/* The ids of [start, start + n), read in pieces of CHUNK ids; no range or change check. */
+enum { CHUNK = 4096 };
+static int read_tokens(const pg_shard *s, int64_t start, int64_t n, int32_t *out) {
+  uint8_t buf[CHUNK * 4];
+  int64_t tsize = s->version == 1 ? 2 : 4;
+  for (int64_t done = 0; done < n;) {
+    int64_t m = n - done < CHUNK ? n - done : CHUNK;
+    if (read_at(s, buf, (size_t)(m * tsize), s->header + (start + done) * tsize)) return PG_ERR;
+    decode_tokens(buf, s->version, m, out + done);
+    done += m;
+  }
+  return PG_OK;
+}
+
+/* Opens path; raw_version 0 checks an llm.c header, 1 or 7 takes the whole
+ * file as headerless ids of that width. Then the vocab / int32 scan. */
 static int shard_open(pg_shard *s, const char *path, int raw_version, int64_t vocab) {
   memset(s, 0, sizeof *s);
+  s->fd = -1;
   if (raw_version != 0 && raw_version != 1 && raw_version != 7)
     return pg_fail("%s: unknown id width %d (expected 1 for uint16 or 7 for uint32)", path, raw_version);
-  long long bytes;
-  int fd = open_checked(path, &bytes, raw_version ? 1 : PG_SHARD_HEADER_BYTES);
+  struct stat st;
+  int fd = open_checked(path, &st, raw_version ? 1 : PG_SHARD_HEADER_BYTES);
   if (fd < 0) return PG_ERR;
-  void *map = mmap(NULL, (size_t)bytes, PROT_READ, MAP_PRIVATE, fd, 0);
-  int e = errno;
-  close(fd); /* the mapping keeps the file */
-  if (map == MAP_FAILED) return pg_fail("%s: cannot map: %s", path, strerror(e));
-  int version;
-  int64_t n;
-  size_t header = PG_SHARD_HEADER_BYTES;
+  s->path = strdup(path);
+  if (!s->path) {
+    close(fd);
+    return pg_fail("%s: out of memory", path);
+  }
+  s->fd = fd;
+  s->file_bytes = (int64_t)st.st_size;
+  s->mtime_sec = (int64_t)st.st_mtim.tv_sec, s->mtime_nsec = (int64_t)st.st_mtim.tv_nsec;
+  s->dev = (uint64_t)st.st_dev, s->ino = (uint64_t)st.st_ino;
+  long long bytes = (long long)st.st_size;
   if (raw_version) {
     long long tsize = raw_version == 1 ? 2 : 4;
     if (bytes % tsize) {
-      munmap(map, (size_t)bytes);
-      return pg_fail("%s: %lld bytes are not a whole number of %s ids (%lld bytes each)", path, bytes,
-                     raw_version == 1 ? "uint16" : "uint32", tsize);
+      pg_fail("%s: %lld bytes are not a whole number of %s ids (%lld bytes each)", path, bytes,
+              raw_version == 1 ? "uint16" : "uint32", tsize);
+      pg_shard_close(s);
+      return PG_ERR;
     }
-    version = raw_version, n = bytes / tsize, header = 0;
-  } else if (check_header(path, map, bytes, &version, &n)) {
-    munmap(map, (size_t)bytes);
-    return PG_ERR;
+    s->version = raw_version, s->ntokens = bytes / tsize, s->header = 0;
+  } else {
+    uint8_t hdr[PG_SHARD_HEADER_BYTES];
+    int version;
+    int64_t n;
+    if (read_at(s, hdr, sizeof hdr, 0) || check_header(path, hdr, bytes, &version, &n)) {
+      pg_shard_close(s);
+      return PG_ERR;
+    }
+    s->version = version, s->ntokens = n, s->header = PG_SHARD_HEADER_BYTES;
   }
-  s->map = map;
-  s->map_bytes = (size_t)bytes;
-  s->version = version;
-  s->ntokens = n;
-  s->tokens = (const uint8_t *)map + header;
   /* One scan for the vocabulary, and for int32 range: tokens reach Lua and
    * the model as int32, so a uint32 token of 2^31 or more cannot be used. */
   int64_t limit = vocab > 0 ? vocab : 0;
-  if (version == 7 && (limit == 0 || limit > INT32_MAX)) limit = (int64_t)INT32_MAX + 1;
-  if (version == 1 && limit > 65535) limit = 0; /* a uint16 cannot reach it */
+  if (s->version == 7 && (limit == 0 || limit > INT32_MAX)) limit = (int64_t)INT32_MAX + 1;
+  if (s->version == 1 && limit > 65535) limit = 0; /* a uint16 cannot reach it */
   if (limit > 0) {
-    for (int64_t i = 0; i < n; i++) {
-      uint32_t t = pg_shard_token(s, i);
-      if ((int64_t)t >= limit) {
-        if (vocab > 0 && (int64_t)t >= vocab)
-          pg_fail("%s: token %u at position %lld (counting from 0) is not below the vocabulary size %lld", path, t,
-                  (long long)i, (long long)vocab);
-        else
-          pg_fail("%s: token %u at position %lld (counting from 0) does not fit an int32", path, t, (long long)i);
-        munmap(map, (size_t)bytes);
-        memset(s, 0, sizeof *s);
+    int32_t ids[CHUNK];
+    for (int64_t i0 = 0; i0 < s->ntokens; i0 += CHUNK) {
+      int64_t m = s->ntokens - i0 < CHUNK ? s->ntokens - i0 : CHUNK;
+      if (read_tokens(s, i0, m, ids)) {
+        pg_shard_close(s);
         return PG_ERR;
       }
+      for (int64_t k = 0; k < m; k++) {
+        /* an id read as int32 is negative exactly when its uint32 is 2^31 or more */
+        int64_t t = ids[k] < 0 ? (int64_t)(uint32_t)ids[k] : ids[k];
+        if (t >= limit) {
+          if (vocab > 0 && t >= vocab)
+            pg_fail("%s: token %lld at position %lld (counting from 0) is not below the vocabulary size %lld", path,
+                    (long long)t, (long long)(i0 + k), (long long)vocab);
+          else
+            pg_fail("%s: token %lld at position %lld (counting from 0) does not fit an int32", path, (long long)t,
+                    (long long)(i0 + k));
+          pg_shard_close(s);
+          return PG_ERR;
+        }
+      }
     }
-  }
-  s->path = strdup(path);
-  if (!s->path) {
-    munmap(map, (size_t)bytes);
-    memset(s, 0, sizeof *s);
-    return pg_fail("%s: out of memory", path);
   }
   return PG_OK;
 }
@@ -140,29 +204,40 @@ static int shard_open(pg_shard *s, const char *path, int raw_version, int64_t vo
 int pg_shard_open(pg_shard *s, const char *path, int64_t vocab) { return shard_open(s, path, 0, vocab); }
 
 int pg_shard_open_raw(pg_shard *s, const char *path, int version, int64_t vocab) {
-  if (version != 1 && version != 7)
+  if (version != 1 && version != 7) {
+    memset(s, 0, sizeof *s);
+    s->fd = -1;
     return pg_fail("%s: unknown id width %d (expected 1 for uint16 or 7 for uint32)", path, version);
+  }
   return shard_open(s, path, version, vocab);
 }
 
 void pg_shard_close(pg_shard *s) {
-  if (s->map) munmap(s->map, s->map_bytes);
+  if (s->fd >= 0) close(s->fd);
   free(s->path);
   memset(s, 0, sizeof *s);
+  s->fd = -1;
 }
 
-int pg_shard_read(const pg_shard *s, int64_t start, int64_t n, int32_t *out) {
+/* pg_shard_read without pg_shard_check: for a caller that checked the file already */
+static int shard_read_unchecked(const pg_shard *s, int64_t start, int64_t n, int32_t *out) {
+  if (s->fd < 0) return pg_fail("the token shard is closed");
   if (start < 0 || n < 0 || start > s->ntokens || n > s->ntokens - start) /* start + n could wrap */
     return pg_fail("%s: %lld tokens from %lld are out of range (the shard has %lld)", s->path, (long long)n,
                    (long long)start, (long long)s->ntokens);
-  for (int64_t i = 0; i < n; i++) out[i] = (int32_t)pg_shard_token(s, start + i);
-  return PG_OK;
+  return read_tokens(s, start, n, out);
+}
+
+int pg_shard_read(const pg_shard *s, int64_t start, int64_t n, int32_t *out) {
+  if (s->fd >= 0 && pg_shard_check(s)) return PG_ERR;
+  return shard_read_unchecked(s, start, n, out);
 }
 
 int pg_shard_info(const char *path, int *version, int64_t *ntokens) {
-  long long bytes;
-  int fd = open_checked(path, &bytes, PG_SHARD_HEADER_BYTES);
+  struct stat st;
+  int fd = open_checked(path, &st, PG_SHARD_HEADER_BYTES);
   if (fd < 0) return PG_ERR;
+  long long bytes = (long long)st.st_size;
   uint8_t hdr[PG_SHARD_HEADER_BYTES];
   ssize_t got = pread(fd, hdr, sizeof hdr, 0);
   int e = errno;
@@ -420,10 +495,12 @@ int pg_loader_init(pg_loader *ld, const char *const *paths, int nfiles, const pg
                    (long long)cfg->batch, cfg->dp_size, cfg->dp_size);
   ld->files = calloc((size_t)nfiles, sizeof *ld->files);
   ld->first_window = calloc((size_t)nfiles + 1, sizeof *ld->first_window);
-  if (!ld->files || !ld->first_window) {
+  ld->checked = calloc((size_t)nfiles, sizeof *ld->checked);
+  if (!ld->files || !ld->first_window || !ld->checked) {
     pg_loader_destroy(ld);
     return pg_fail("out of memory opening %d token files", nfiles);
   }
+  for (int i = 0; i < nfiles; i++) ld->files[i].fd = -1;
   ld->nfiles = nfiles;
   /* a unit: a window of seq_len + 1 tokens, or (llm.c) a span of batch * seq_len tokens plus the last target */
   /* batch and seq_len are below 2^31 (checked above): their products fit an int64 */
@@ -455,7 +532,10 @@ int pg_loader_init(pg_loader *ld, const char *const *paths, int nfiles, const pg
   ld->nwindows = ld->first_window[nfiles];
   ld->batches_per_epoch = cfg->stride_llmc ? ld->nwindows : ld->nwindows / cfg->batch;
   ld->order = malloc((size_t)ld->nwindows * sizeof *ld->order);
-  if (!ld->order) {
+  /* local * seq_len + 1 <= batch * seq_len + 1: fits (both below 2^31) */
+  int64_t row_ids = cfg->stride_llmc ? cfg->batch / cfg->dp_size * cfg->seq_len + 1 : window;
+  ld->row = malloc((size_t)row_ids * sizeof *ld->row);
+  if (!ld->order || !ld->row) {
     pg_loader_destroy(ld);
     return pg_fail("out of memory for the order of %lld windows", (long long)ld->nwindows);
   }
@@ -466,7 +546,9 @@ void pg_loader_destroy(pg_loader *ld) {
   for (int i = 0; i < ld->nfiles; i++) pg_shard_close(&ld->files[i]);
   free(ld->files);
   free(ld->first_window);
+  free(ld->checked);
   free(ld->order);
+  free(ld->row);
   memset(ld, 0, sizeof *ld);
   ld->order_epoch = -1;
 }
@@ -510,15 +592,16 @@ int pg_loader_next(pg_loader *ld, int32_t *inputs, int32_t *targets) {
   }
   make_order(ld, ld->epoch);
   int64_t L = ld->cfg.seq_len, local = ld->cfg.batch / ld->cfg.dp_size;
+  int32_t *row = ld->row;
+  /* every file this batch reads is checked once (pg_shard_check: two stats), not once per row */
+  ld->calls++;
   if (ld->cfg.stride_llmc) {
     int64_t u = ld->order[ld->index];
     int f = file_of(ld, u);
-    const pg_shard *s = &ld->files[f];
     int64_t off = (u - ld->first_window[f]) * ld->cfg.batch * L + (int64_t)ld->cfg.dp_rank * local * L;
-    for (int64_t i = 0; i < local * L; i++) {
-      inputs[i] = (int32_t)pg_shard_token(s, off + i);
-      targets[i] = (int32_t)pg_shard_token(s, off + i + 1);
-    }
+    if (pg_shard_check(&ld->files[f]) || shard_read_unchecked(&ld->files[f], off, local * L + 1, row)) return PG_ERR;
+    memcpy(inputs, row, (size_t)(local * L) * sizeof *row);
+    memcpy(targets, row + 1, (size_t)(local * L) * sizeof *row);
     ld->index++;
     return 1;
   }
@@ -526,16 +609,13 @@ int pg_loader_next(pg_loader *ld, int32_t *inputs, int32_t *targets) {
   for (int64_t r = 0; r < local; r++) {
     int64_t w = ld->order[row0 + r];
     int f = file_of(ld, w);
-    const pg_shard *s = &ld->files[f];
-    int64_t off = (w - ld->first_window[f]) * (L + 1);
-    int32_t *in = inputs + r * L, *tg = targets + r * L;
-    int32_t prev = (int32_t)pg_shard_token(s, off);
-    for (int64_t t = 0; t < L; t++) {
-      int32_t next = (int32_t)pg_shard_token(s, off + t + 1);
-      in[t] = prev;
-      tg[t] = next;
-      prev = next;
+    if (ld->checked[f] != ld->calls) {
+      if (pg_shard_check(&ld->files[f])) return PG_ERR;
+      ld->checked[f] = ld->calls;
     }
+    if (shard_read_unchecked(&ld->files[f], (w - ld->first_window[f]) * (L + 1), L + 1, row)) return PG_ERR;
+    memcpy(inputs + r * L, row, (size_t)L * sizeof *row);
+    memcpy(targets + r * L, row + 1, (size_t)L * sizeof *row);
   }
   ld->index++;
   return 1;

@@ -34,14 +34,22 @@
 #define PG_SHARD_HEADER_INTS 256
 #define PG_SHARD_HEADER_BYTES (PG_SHARD_HEADER_INTS * 4)
 
-/* An open, validated shard: the file is mapped read-only. */
+/* An open, validated shard. It is read with pread, never mapped: a file
+ * truncated under a mapping would raise SIGBUS in the reader, and the loader
+ * reads a few KiB per row, which pread serves as fast. The identity of the
+ * file at open (size, mtime, device and inode) is kept, and every read checks
+ * it first (pg_shard_check): a shard rewritten in place, truncated, extended
+ * or replaced by a rename while it is open is an error naming it, not
+ * tokens from another file. */
 typedef struct pg_shard {
   char *path;
+  int fd;           /* -1: closed */
   int version;      /* 1 or 7 */
   int64_t ntokens;
-  const uint8_t *tokens; /* into the mapping, after the header */
-  void *map;
-  size_t map_bytes;
+  int64_t header;   /* bytes before the first token: PG_SHARD_HEADER_BYTES, or 0 for a headerless file */
+  int64_t file_bytes;
+  int64_t mtime_sec, mtime_nsec;
+  uint64_t dev, ino;
 } pg_shard;
 
 /* Opens and validates `path`: readable regular file, full header, magic,
@@ -52,17 +60,13 @@ typedef struct pg_shard {
 int pg_shard_open(pg_shard *s, const char *path, int64_t vocab);
 void pg_shard_close(pg_shard *s);
 
-static inline uint32_t pg_shard_token(const pg_shard *s, int64_t i) {
-  /* Byte-wise so that the format is little-endian on any host. */
-  if (s->version == 1) {
-    const uint8_t *p = s->tokens + 2 * i;
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8;
-  }
-  const uint8_t *p = s->tokens + 4 * i;
-  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
+/* PG_OK while the file at s->path is still the one opened, unchanged (same
+ * device and inode, size and modification time); else an error naming it and
+ * what changed. */
+int pg_shard_check(const pg_shard *s);
 
-/* out[0..n) = tokens [start, start+n) of the shard. */
+/* out[0..n) = tokens [start, start+n) of the shard (pg_shard_check first;
+ * a short read is the file having changed, and named so). */
 int pg_shard_read(const pg_shard *s, int64_t start, int64_t n, int32_t *out);
 
 /* A headerless file of raw little-endian ids (nanoGPT's train.bin: uint16;
@@ -135,6 +139,9 @@ typedef struct pg_loader {
    * spans of batch * seq_len + 1 tokens (one global batch each). */
   int64_t nwindows, batches_per_epoch;
   int64_t *order;      /* nwindows unit ids: this epoch's visiting order */
+  uint64_t calls;      /* pg_loader_next calls so far */
+  uint64_t *checked;   /* per file: the call that last ran pg_shard_check on it */
+  int32_t *row;        /* one read's tokens: seq_len + 1, or with stride_llmc (batch / dp_size) * seq_len + 1 */
   int64_t order_epoch; /* which epoch `order` holds; -1: none yet */
   /* The position of the next batch: its epoch and index within the epoch.
    * index == batches_per_epoch means the epoch is used up. */
@@ -150,7 +157,8 @@ void pg_loader_destroy(pg_loader *ld);
 /* Fills this rank's rows of the next global batch: inputs and targets are
  * [batch/dp_size, seq_len] int32, row-major. Returns 1 with a batch; 0 at the
  * end of an epoch, having moved to the start of the next one (the next call
- * returns its first batch); PG_ERR on failure. */
+ * returns its first batch); PG_ERR on failure, among them a file that changed
+ * since init (pg_shard_check); the position is then unchanged. */
 int pg_loader_next(pg_loader *ld, int32_t *inputs, int32_t *targets);
 
 /* Back to the first batch of the current epoch. */

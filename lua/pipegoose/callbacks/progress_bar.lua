@@ -26,11 +26,12 @@ local ProgressBar = callbacks.class("ProgressBar")
 -- isatty and parent_isatty (default pg.fs's; false: none, as in plain Lua) are
 -- parameters for the specs.
 function ProgressBar.default_tty(getenv, isatty, parent_isatty)
+  local core = package.loaded["pipegoose.core"]
+  -- PG_PROGRESS through pg_env's parser (auto, tty or plain; anything else refused), unless a spec gives getenv
+  local forced = getenv and getenv("PG_PROGRESS") or (not getenv and core and core.env("PG_PROGRESS")) or nil
   getenv = getenv or os.getenv
-  local forced = getenv("PG_PROGRESS")
   if forced == "plain" then return false end
   if forced == "tty" then return true end
-  local core = package.loaded["pipegoose.core"]
   local fs = core and core.fs
   -- set in every rank Open MPI launches (not in a singleton ./pglua run)
   if getenv("OMPI_COMM_WORLD_SIZE") then
