@@ -2,11 +2,20 @@
 -- forward (pg_attention_forward vs one block over all keys + finish) and backward (pg_attention_backward vs
 -- delta + the block backward), CPU seconds, best of a few runs. A measurement, not a test.
 --   build/pglua scripts/bench_attention_block.lua [T ...]   (default 1024 2048 4096)
+local argparse = require "argparse"
+local parser = argparse("bench_attention_block.lua", "Block attention (the context-parallel ring's kernels) against "
+  .. "the whole-sequence attention on the CPU, in CPU seconds (best of 3). A measurement, not a test.")
+parser:argument("T", "Sequence lengths (default 1024 2048 4096)."):args("*"):convert(function(v)
+  local n = math.tointeger(tonumber(v))
+  if not n or n < 1 then return nil, ("a sequence length must be a positive integer, got '%s'"):format(v) end
+  return n
+end)
+local opt = parser:parse()
 local pg = require "pipegoose"
 local ops = pg.ops
 
 local NH, NKV, HS, REPS = 8, 8, 64, 3
-local lengths = #arg > 0 and arg or { 1024, 2048, 4096 }
+local lengths = #opt.T > 0 and opt.T or { 1024, 2048, 4096 }
 
 -- CPU seconds (all threads; steadier than the wall clock on a loaded machine), best of REPS
 local function best(f)
@@ -22,7 +31,7 @@ end
 print(("heads %d/%d, head size %d, %d threads; CPU seconds of all threads, best of %d"):format(NH, NKV, HS, ops.num_threads(), REPS))
 print(("%6s  %10s %10s %6s  %10s %10s %6s"):format("T", "fwd", "block fwd", "ratio", "bwd", "block bwd", "ratio"))
 for _, a in ipairs(lengths) do
-  local T = math.tointeger(tonumber(a))
+  local T = a
   local W = (NH + 2 * NKV) * HS
   local qkv = pg.randn({ 1, T, W }, { seed = 1 })
   local dout = pg.randn({ 1, T, NH * HS }, { seed = 2 })

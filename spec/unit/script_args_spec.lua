@@ -6,7 +6,7 @@ local h = require "helpers"
 -- The runnable scripts (libraries that scripts load are not among them: check_options.lua, mutations.lua,
 -- examples/options.lua, measures.lua, lua_llama.lua). A script missing from the list fails the last test.
 local SCRIPTS = {
-  "scripts/bench.lua", "scripts/bench_comm.lua", "scripts/bench_gpu.lua", "scripts/bench_kernels.lua",
+  "scripts/bench.lua", "scripts/bench_attention_block.lua", "scripts/bench_comm.lua", "scripts/bench_gpu.lua", "scripts/bench_kernels.lua",
   "scripts/calibrate.lua", "scripts/checkpoint.lua", "scripts/generate.lua", "scripts/gpt2_check.lua",
   "scripts/hf_check.lua", "scripts/hf_export_check.lua", "scripts/model_check.lua", "scripts/mutate.lua",
   "scripts/plan.lua", "scripts/plan_published.lua", "scripts/plan_validate.lua", "scripts/plot.lua",
