@@ -11,7 +11,9 @@
 -- step every H steps (the third argument, default 2; lr 0.7, Nesterov
 -- momentum 0.9), island i training on rows 4i+1..4i+4 of the batch; then
 -- rank 0 and 4 print their island's losses ("loss S HEX island I"). The loss lines are flushed as they come (the
--- fault spec takes a host away once it has seen a few).
+-- fault spec takes a host away once it has seen a few). A fourth argument, a file name, is a gate: after step 3
+-- every rank waits until that file exists (the fault spec takes the link down first, so that no outer step can
+-- run before it, however fast the steps go).
 local pg = require "pipegoose"
 local steps = tonumber(arg[1]) or 4
 local CFG = { vocab = 61, padded_vocab = 64, seq_len = 16, dim = 32, heads = 4, layers = 2 }
@@ -43,6 +45,7 @@ end
 local X, Y = batch()
 local diloco = arg[2] == "diloco"
 local H = tonumber(arg[3]) or 2
+local gate = arg[4]
 local ctx, dl
 if diloco then
   ctx = pg.ParallelContext{ islands = 2, tensor = 2, pipeline = 2, seed = 5 }
@@ -72,6 +75,14 @@ for s = 1, steps do
   if ctx:rank() == 0 then
     print(("loss %d %a%s"):format(s, loss, diloco and (" island " .. island) or ""))
     io.stdout:flush()
+  end
+  if gate and s == 3 then
+    local f = io.open(gate)
+    while not f do
+      os.execute("sleep 0.05")
+      f = io.open(gate)
+    end
+    f:close()
   end
 end
 print(("rank %d params %s"):format(me, digest(engine:flat():to("cpu"))))

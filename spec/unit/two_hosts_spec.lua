@@ -214,26 +214,30 @@ echo "job exit $?"]]):format(h.limit(120), host_args(), train(TPD, dir .. "/run"
 
   it("end a DiLoCo run whose second host's link goes down with the watchdog's report naming the ranks and host",
     function()
-    -- Islands talk only at outer steps (every 20 steps here): the link goes down after step 3, so at step 20
+    -- Islands talk only at outer steps (every 20 steps here): the link goes down after step 3 (every rank waits
+    -- there for a gate file the spec makes once the link is down), so at step 20
     -- every rank of the first island waits for its partner on the second host in the outer step's agreement,
     -- and the watchdog (PG_COLLECTIVE_TIMEOUT=3, 12 under the sanitizers) names it. The run ends then: the
     -- failing ranks abort and scripts/mpirun.sh ends a mpirun that waits for the lost host's daemon (a hang
     -- guard stays at 120 s).
     -- (A host lost while a transfer it had agreed to is in flight leaves its partner blocked in that
     -- transfer, where no watchdog looks: the islands' long quiet stretches make that window small.)
-    local log = os.tmpname()
+    local log, gate = os.tmpname(), os.tmpname()
+    os.remove(gate) -- the training waits after step 3 until it exists again
     local watchdog = h.limit(3)
     local cmd = ([[
 PG_COLLECTIVE_TIMEOUT=%d timeout -k 5 %d scripts/mpirun.sh %s -x PG_COLLECTIVE_TIMEOUT -np 8 %s > %s 2>&1 &
 job=$!
 until grep -q '^loss 3 .* island 0' %s || ! kill -0 $job 2> /dev/null; do sleep 0.05; done
 ip link set %sv2 down
+touch %s
 wait $job
 echo "job exit $?"
-cat %s]]):format(watchdog, h.limit(120), host_args(), h.pglua_cmd{ TRAIN, "100000", "diloco", "20" }, log, log,
-      PREFIX, log)
+cat %s]]):format(watchdog, h.limit(120), host_args(), h.pglua_cmd{ TRAIN, "100000", "diloco", "20", gate }, log, log,
+      PREFIX, h.quote(gate), log)
     local _, out = h.sh(cmd)
     os.remove(log)
+    os.remove(gate)
     netns("down") -- the second host's processes are stranded behind its link
     local code = tonumber(out:match("job exit (%d+)"))
     -- ended by the failing ranks and scripts/mpirun.sh, not the hang guard (124)
