@@ -42,7 +42,7 @@ done
 $CXX -std=c++17 -Wall -Wextra "${COMMON[@]}" -c "$EMU/emu.cpp" -o "$OUT/emu.o" &
 pids+=($!)
 objs+=("$OUT/emu.o")
-for f in src/backend/pg_cuda.c src/backend/pg_cuda_selftest.c src/backend/cpu_bf16_gemm.c src/runtime/pg_error.c kernels/cpu/*.c \
+for f in src/backend/pg_cuda.c src/backend/pg_cuda_selftest.c src/backend/cpu_bf16_gemm.c src/runtime/pg_error.c src/runtime/pg_env.c kernels/cpu/*.c \
   "$EMU/selftest_main.c"; do
   o="$OUT/c_$(basename "$f" .c).o"
   $CC -std=c11 -D_POSIX_C_SOURCE=200809L -Wall -Wextra -fopenmp -fno-trapping-math -fno-math-errno "${COMMON[@]}" \
