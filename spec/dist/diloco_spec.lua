@@ -264,3 +264,130 @@ describe("DiLoCo", function()
     assert.matches("islands=2, but the context has 1", err, 1, true)
   end)
 end)
+
+-- Checkpoints of DiLoCo runs: a shared directory (rank 0's choice), trainers of 4 islands-or-fewer.
+local function shared_dir(tag)
+  local wctx = pg.ParallelContext{ seed = 5 }
+  local t = pg.tensor({ pg.world_rank() == 0 and math.random(1, 2 ^ 24) or 0 })
+  pg.dist.broadcast(t, { ctx = wctx, src = 0 })
+  local dir = ("%s/pg-diloco-%s-%d"):format(os.getenv("TMPDIR") or "/tmp", tag, math.tointeger(t:get(1)))
+  if pg.world_rank() == 0 then os.execute("rm -rf '" .. dir .. "' && mkdir -p '" .. dir .. "'") end
+  pg.dist.barrier({ ctx = wctx })
+  return dir, wctx
+end
+
+-- The whole outer state (p_sync and momentum, every block) and the parameters, as tensors.
+local function whole_outer(dl)
+  local st, ctx = dl:outer_state(), dl.engine.ctx
+  local function whole(t)
+    if ctx:world_size("islands") == 1 then return t:narrow(1, 1, dl.n):clone() end
+    return pg.dist.all_gather(t:clone(), { ctx = ctx, group = "islands" }):narrow(1, 1, dl.n):clone()
+  end
+  return { anchor = whole(st.anchor), momentum = whole(st.momentum), params = dl.engine:flat():clone(),
+           outer_steps = st.outer_steps, ctx = ctx }
+end
+
+-- A Trainer of k islands (H = 2, lr 0.7, momentum 0.9) for `steps` steps, each island reading its own
+-- data, checkpointing into <dir>/island-<i> (save_last; every 2 steps), stopped (as preempted) after
+-- stop_at, resumed from resume(island) when given. Returns the DiLoCo, its whole outer state at the start
+-- of training (after any resume) and at the end.
+local function run(o)
+  local ctx = pg.ParallelContext{ islands = o.k, seed = 5 }
+  local island = ctx:local_rank("islands")
+  local engine = pg.parallelize(pg.nn.GPT(CFG), ctx)
+  local data = pg.testing.fake_data{ batches = 16, batch = 4, seq_len = CFG.seq_len, vocab = CFG.vocab,
+                                     seed = 3 + island % 2, tensors = true, ctx = ctx }
+  local dl = pg.DiLoCo{ outer_every = 2, outer_lr = 0.7, outer_momentum = 0.9 }
+  local start
+  local cbs = { dl, { name = "Probe",
+    on_train_start = function() start = whole_outer(dl) end,
+    on_train_batch_end = function(_, t, out)
+      if out.step_end and o.stop_at and t.state.step == o.stop_at then t.control.should_stop = true end
+    end } }
+  local out = ("%s/island-%d"):format(o.dir, island)
+  cbs[3] = pg.callbacks.ModelCheckpoint{ dir = out, every_n_steps = 2, save_last = true, verbose = false }
+  local trainer = pg.Trainer{ engine = engine, optimizer = adamw(engine), max_steps = o.steps, clip_grad_norm = 1.0,
+    seed = 3, out = pg.testing.capture(), out_dir = out, callbacks = cbs }
+  trainer:fit(data, nil, { resume = o.resume and o.resume(island) or nil })
+  return dl, start, whole_outer(dl), trainer
+end
+
+local function same(a, b, what)
+  assert.equal(a.outer_steps, b.outer_steps, what .. ": outer steps")
+  for _, k in ipairs{ "params", "anchor", "momentum" } do
+    assert.is_true(a[k]:equal(b[k]), ("%s: %s differ (largest difference %g)"):format(what, k,
+      a[k]:max_abs_diff(b[k])))
+  end
+end
+
+describe("DiLoCo checkpoints", function()
+  if world ~= 4 then return end
+  local base, wctx = shared_dir("ckpt")
+  local _, _, straight = run{ k = 2, steps = 7, dir = base .. "/straight" }
+
+  for _, stop in ipairs{ 4, 3 } do
+    it(("resume after step %d (%s) equals the uninterrupted run bit for bit"):format(stop,
+      stop % 2 == 0 and "just after an outer step" or "between two outer steps"), function()
+      local dir = ("%s/stop-%d"):format(base, stop)
+      local _, _, stopped = run{ k = 2, steps = 7, dir = dir, stop_at = stop }
+      assert.equal(stop // 2, stopped.outer_steps)
+      local _, start, got, trainer = run{ k = 2, steps = 7, dir = dir, resume = function() return "last" end }
+      assert.is_not_nil(trainer.state.resumed_from)
+      same(stopped, start, "the resumed state against the stopped run's")
+      same(straight, got, "the resumed run's end against the uninterrupted run's")
+      assert.equal(4, got.outer_steps) -- steps 2, 4, 6 and the final sync at 7
+    end)
+  end
+
+  -- k = 2 saved after step 3 (the islands apart) resumes at k' = 1 and 4: the whole outer state as saved,
+  -- each new island i with old island i mod 2's parameters (and inner state); then it trains on
+  for _, k in ipairs{ 1, 4 } do
+    it(("a checkpoint of 2 islands resumes at %d (outer state resharded, island i from old island i mod 2)")
+      :format(k), function()
+      local dir = base .. "/reshard-" .. k
+      local _, _, stopped = run{ k = 2, steps = 7, dir = dir, stop_at = 3 }
+      -- every island's saved state, to compare with whichever island a new one starts from
+      local params = pg.dist.all_gather(stopped.params, { ctx = stopped.ctx, group = "islands" })
+      local n = stopped.params:numel()
+      local dl, start = run{ k = k, steps = 5, dir = dir .. "/new",
+        resume = function(i) return ("%s/island-%d"):format(dir, i % 2) end }
+      local i = dl.engine.ctx:local_rank("islands")
+      assert.equal(stopped.outer_steps, start.outer_steps)
+      assert.is_true(start.anchor:equal(stopped.anchor), "the resharded p_sync differs from the saved one")
+      assert.is_true(start.momentum:equal(stopped.momentum), "the resharded momentum differs from the saved one")
+      assert.is_true(start.params:equal(params:narrow(1, (i % 2) * n + 1, n)),
+        "island " .. i .. " did not start from old island " .. i % 2 .. "'s parameters")
+      assert.is_true(dl.outer_steps >= 2) -- it went on: the outer step at 4 and the final sync at 5
+    end)
+  end
+
+  it("a resume refuses a checkpoint whose outer file is damaged, on every rank, naming the file", function()
+    local dir = base .. "/damaged"
+    run{ k = 2, steps = 2, dir = dir }
+    pg.dist.barrier({ ctx = wctx })
+    -- one byte of each island's outer file changed (both: an island that loaded would wait for the other)
+    if pg.world_rank() == 0 then
+      for i = 0, 1 do
+        local path = ("%s/island-%d/step-00000002/outer-tp0-pp0.safetensors"):format(dir, i)
+        local f = assert(io.open(path, "r+b"))
+        local size = f:seek("end")
+        f:seek("set", size - 5)
+        local b = f:read(1)
+        f:seek("set", size - 5)
+        f:write(string.char((b:byte() + 1) % 256))
+        f:close()
+      end
+    end
+    pg.dist.barrier({ ctx = wctx })
+    local ok, err = pcall(run, { k = 2, steps = 4, dir = dir, resume = function() return "last" end })
+    assert.is_false(ok)
+    assert.matches("outer%-tp0%-pp0%.safetensors", tostring(err))
+    assert.matches("checksum", tostring(err))
+  end)
+
+  it("leaves nothing behind", function()
+    pg.dist.barrier({ ctx = wctx })
+    if pg.world_rank() == 0 then os.execute("rm -rf '" .. base .. "'") end
+    pg.dist.barrier({ ctx = wctx })
+  end)
+end)
