@@ -9,7 +9,8 @@
 -- --islands=K --outer-every=H trains K islands of world / K ranks (each its own --tensor x --pipeline x
 -- --data layout) that sync every H steps by DiLoCo's outer step (pg.DiLoCo; --outer-lr, --outer-momentum);
 -- --batch is then the batch of all the islands together (the tokens of data = K x --data).
--- --resume=last continues the newest checkpoint under --out; --stop-after=N ends
+-- --resume=last continues the newest checkpoint under --out (with islands, at any --islands: see resume_of);
+-- --stop-after=N ends
 -- the run after step N with a checkpoint, as if preempted. Every run keeps its
 -- final checkpoint (under --out/checkpoints) and ends with the command that
 -- samples it again (scripts/generate.lua --checkpoint=<--out>).
@@ -214,7 +215,22 @@ from_options(function()
 end)
 trainer:print(("pipegoose: %d parameters, %s, %d threads per rank"):format(engine:num_parameters(), tostring(ctx),
   pg.num_threads()))
-trainer:fit(train, val, { resume = opt.resume })
+-- With islands, --resume names island 0's checkpoint ('last': the newest under --out/checkpoints); island i
+-- resumes from the checkpoint of the same name of the saved run's island i mod k (k: the islands it was saved
+-- with, 1 for a run without DiLoCo: every island then starts from that model), under --out/island-<i mod k>.
+local function resume_of(island)
+  local spec = opt.resume
+  if not spec or not diloco then return spec end
+  local ckpt = require "pipegoose.checkpoint"
+  local first = spec == "last" and ckpt.latest(out .. "/checkpoints") or spec
+  if not first then return spec end -- nothing saved yet: every island starts fresh (the trainer says so)
+  first = ckpt.resolve(first)
+  local saved = (ckpt.read_manifest(first).callbacks or {}).DiLoCo
+  local from = island % (saved and saved.islands or 1)
+  if from == 0 then return first end
+  return ("%s/island-%d/checkpoints/%s"):format(out, from, ckpt.fs.basename(first))
+end
+trainer:fit(train, val, { resume = resume_of(ctx:local_rank("islands")) })
 
 -- What this rank sent and received over each group, per optimizer step (pg_comm's counters): data
 -- parallelism's gradient reductions against DiLoCo's outer steps over the islands group.
