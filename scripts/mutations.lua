@@ -738,4 +738,13 @@ return {
   { name = "diloco-sum-not-mean", file = "lua/pipegoose/diloco.lua",
     from = "group = \"islands\", op = \"avg\" }", to = "group = \"islands\", op = \"sum\" }",
     specs = { "dist/diloco#mean of the islands" }, why = "the islands' parameters summed instead of averaged" },
+  { name = "diloco-momentum-not-restored", file = "lua/pipegoose/diloco.lua",
+    from = 'copy_(safetensors.read(header, "momentum", lo, hi - lo))', to = 'copy_(safetensors.read(header, "anchor", lo, hi - lo))',
+    specs = { "dist/diloco#bit for bit" }, why = "a resume takes the outer momentum from the saved p_sync" },
+  { name = "diloco-sync-on-preempt", file = "lua/pipegoose/diloco.lua",
+    from = '  if why == "should_stop" or why == "max_time" then return end\n', to = "",
+    specs = { "dist/diloco#between two outer steps" }, why = "a preempted run syncs at its end, so its resume differs from the uninterrupted run" },
+  { name = "diloco-own-block-saved", file = "lua/pipegoose/diloco.lua",
+    from = "if ctx:world_size(\"islands\") == 1 then return t:narrow(1, 1, self.n) end", to = "do return t end",
+    specs = { "dist/diloco#resumes at 4" }, why = "a checkpoint holds only its island's block of the outer state" },
 }
