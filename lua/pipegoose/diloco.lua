@@ -32,13 +32,20 @@ local SCHEMA = {
   nesterov = opt.boolean{ default = true },
   exchange = opt.enum({ "float32", "bf16", "int8" }, { default = "float32" }),
   fragments = opt.integer{ min = 1, default = 1 },
+  delay = opt.integer{ min = 0 },        -- inner steps a fragment's exchange overlaps (default: 1 when streaming)
+  mixing = opt.number{ min = 0, lt = 1, default = 0.5 }, -- the local share kept when a delayed fragment lands
 }
 
 function DiLoCo.new(opts)
   local o = opt.check("pg.DiLoCo", opts, SCHEMA, { required = true })
-  if o.fragments > 1 then
-    error(("pg.DiLoCo: fragments=%d (streaming DiLoCo) is not built yet; fragments = 1 syncs every parameter at "
-      .. "once"):format(o.fragments), 2)
+  if o.outer_every % o.fragments ~= 0 then
+    error(("pg.DiLoCo: fragments=%d must divide outer_every=%d (fragment f syncs at steps f * H / F mod H)")
+      :format(o.fragments, o.outer_every), 2)
+  end
+  local delay = o.delay or (o.fragments > 1 and 1 or 0)
+  if delay >= o.outer_every then
+    error(("pg.DiLoCo: delay=%d must be less than outer_every=%d (a fragment's exchange ends before its next "
+      .. "starts)"):format(delay, o.outer_every), 2)
   end
   if o.exchange ~= "float32" then
     error(("pg.DiLoCo: exchange='%s' (a quantised exchange) is not built yet; 'float32' is"):format(o.exchange), 2)
@@ -46,24 +53,30 @@ function DiLoCo.new(opts)
   if o.nesterov and o.outer_momentum == 0 then o.nesterov = false end -- the same update; torch refuses the pair
   return setmetatable({
     islands = o.islands, outer_every = o.outer_every, outer_lr = o.outer_lr, outer_momentum = o.outer_momentum,
-    nesterov = o.nesterov, exchange = o.exchange, fragments = o.fragments,
-    outer_steps = 0, -- outer steps done
+    nesterov = o.nesterov, exchange = o.exchange, fragments = o.fragments, delay = delay, mixing = o.mixing,
+    outer_steps = 0, -- fragment syncs done (with fragments = 1: outer steps)
   }, DiLoCo)
 end
 
--- The flat parameter buffer of the engine and this rank's block of it (0-based [lo, hi), padded to k equal blocks).
-local function layout(engine)
+-- The fragments of an engine's flat buffer of n floats: fragment f (1-based here) is the contiguous range
+-- [a, b) = [(f - 1) n / F, f n / F) in flat order, cut into k blocks of ceil((b - a) / k) (the last padded);
+-- island i owns block i: [lo, hi). offset: the step (mod H) at which it starts its sync.
+local function fragments_of(self, engine)
   local ctx = engine.ctx
-  local params = engine:flat()
-  local n = params:numel()
+  local n = engine:flat():numel()
   local k, i = ctx:world_size("islands"), ctx:local_rank("islands")
-  local block = (n + k - 1) // k
-  return params, n, k, i, block
+  local F, H = self.fragments, self.outer_every
+  local out = {}
+  for f = 1, F do
+    local a, b = (f - 1) * n // F, f * n // F
+    local block = (b - a + k - 1) // k
+    local lo, hi = math.min(a + i * block, b), math.min(a + (i + 1) * block, b)
+    out[f] = { a = a, b = b, block = block, lo = lo, hi = hi, offset = (f - 1) * H // F,
+               anchor = core.zeros({ block }), momentum = core.zeros({ block }) }
+  end
+  return out, n, k
 end
 
---- Starts (or restarts) the outer state from the engine's parameters: island
--- 0's are broadcast to every island first, so that all start from the same
--- point whatever their initialisation. Collective over the whole world.
 -- What the outer step needs of an engine (level: error()'s, from check's caller).
 local function check(self, engine, level)
   local ctx = engine.ctx
@@ -77,55 +90,127 @@ local function check(self, engine, level)
   end
 end
 
+-- Binds the engine: the fragments' layout, their outer state zero.
+local function bind(self, engine)
+  self.engine = engine
+  self.frags, self.n, self.k = fragments_of(self, engine)
+  local f1 = self.frags[1] -- with fragments = 1 the owned block of the whole buffer (outer_state's fields)
+  self.lo, self.hi, self.block = f1.lo, f1.hi, f1.block
+end
+
+--- Starts (or restarts) the outer state from the engine's parameters: island
+-- 0's are broadcast to every island first, so that all start from the same
+-- point whatever their initialisation. Collective over the whole world.
 function DiLoCo:attach(engine)
   local ctx = engine.ctx
   check(self, engine, 2)
-  self.engine = engine
-  local params, n, k, i, block = layout(engine)
-  if k > 1 then
+  local params = engine:flat()
+  if ctx:world_size("islands") > 1 then
     core.dist.broadcast(params, { ctx = ctx, group = "islands", src = 0 })
   end
-  local lo, hi = i * block, math.min((i + 1) * block, n)
-  self.anchor = core.zeros({ block })       -- p_sync's owned block (zeros past the end of the buffer)
-  if hi > lo then self.anchor:narrow(1, 1, hi - lo):copy_(params:narrow(1, lo + 1, hi - lo)) end
-  self.momentum = core.zeros({ block })     -- the outer momentum buffer's owned block
-  self.lo, self.hi, self.block, self.n = lo, hi, block, n
+  bind(self, engine)
+  for _, fr in ipairs(self.frags) do
+    if fr.hi > fr.lo then fr.anchor:narrow(1, 1, fr.hi - fr.lo):copy_(params:narrow(1, fr.lo + 1, fr.hi - fr.lo)) end
+  end
 end
 
---- The outer step (see the top of this file). Collective over the whole world.
-function DiLoCo:outer_step()
-  local engine = self.engine
-  if not engine then error("pg.DiLoCo:outer_step: no engine (attach(engine) first, or use it as a callback)", 2) end
-  local ctx = engine.ctx
-  local params, n, k = layout(engine)
-  if n ~= self.n then error("pg.DiLoCo:outer_step: the engine's flat buffer changed size", 2) end
-  local block = self.block
-  local all = params
-  if k * block ~= n then
-    all = core.zeros({ k * block })
-    all:narrow(1, 1, n):copy_(params)
+-- Starts fragment fr's exchange: its parameters, padded to k blocks, reduce-scattered (avg) over the islands
+-- without blocking; the request is finished by finish().
+local function start(self, fr, step)
+  local ctx = self.engine.ctx
+  local k = self.k
+  local buf = core.zeros({ k * fr.block })
+  buf:narrow(1, 1, fr.b - fr.a):copy_(self.engine:flat():narrow(1, fr.a + 1, fr.b - fr.a))
+  fr.pending = { buf = buf, finish_at = step + self.delay, started = step }
+  if k > 1 then
+    fr.pending.req = core.dist.ireduce_scatter(buf, { ctx = ctx, group = "islands", op = "avg" })
   end
-  local mean = core.dist.reduce_scatter(all, { ctx = ctx, group = "islands", op = "avg" })
-  local g = self.anchor:sub(mean)
+end
+
+-- The mean of the islands' parameters in this rank's block of fragment fr (its exchange completed).
+local function pending_mean(self, fr)
+  local p = fr.pending
+  if p.req then p.req:wait(); p.req = nil end
+  if not p.mean then
+    local i = self.engine.ctx:local_rank("islands")
+    p.mean = p.buf:narrow(1, i * fr.block + 1, fr.block):clone()
+    p.buf = nil
+  end
+  return p.mean
+end
+
+-- Finishes fragment fr's sync (see the top of this file): the outer update of the owned block, the blocks
+-- all-gathered, and the fragment's parameters set to them (delay = 0) or merged with the progress made
+-- while the exchange was in flight: p = mixing * p + (1 - mixing) * new (Streaming DiLoCo's rule).
+local function finish(self, fr)
+  local ctx = self.engine.ctx
+  local mean = pending_mean(self, fr)
+  local delayed = fr.pending.finish_at > fr.pending.started
+  fr.pending = nil
+  local g = fr.anchor:sub(mean)
   local d = g
   local m = self.outer_momentum
   if m > 0 then
-    local buf = self.momentum
+    local buf = fr.momentum
     buf:scale_(m):add_(g)
     d = self.nesterov and g:add(buf:scale(m)) or buf
   end
   -- p_sync - lr d written as mean + (g - lr d): the same number (p_sync = mean + g), and exactly the mean when
   -- lr = 1 without momentum (g - d = 0), so that k = 1, H = 1 is plain training to the bit.
   local new = mean:add_(g:sub(d:scale(self.outer_lr)))
-  self.anchor:copy_(new)
-  local full = k > 1 and core.dist.all_gather(new, { ctx = ctx, group = "islands" }) or new
-  params:copy_(full:narrow(1, 1, n))
+  fr.anchor:copy_(new)
+  local full = self.k > 1 and core.dist.all_gather(new, { ctx = ctx, group = "islands" }) or new
+  local len = fr.b - fr.a
+  local p = self.engine:flat():narrow(1, fr.a + 1, len)
+  if delayed then
+    local a = self.mixing
+    p:copy_(p:scale(a):add_(full:narrow(1, 1, len):scale(1 - a)))
+  else
+    p:copy_(full:narrow(1, 1, len))
+  end
   self.outer_steps = self.outer_steps + 1
 end
 
---- The pieces this rank holds (views): { lo, hi (0-based flat range of the owned block), anchor, momentum }.
+--- The outer step of every fragment at once, blocking (delay 0: the islands end with the same parameters).
+-- Exchanges in flight finish first. Collective over the whole world.
+function DiLoCo:outer_step()
+  local engine = self.engine
+  if not engine then error("pg.DiLoCo:outer_step: no engine (attach(engine) first, or use it as a callback)", 2) end
+  if engine:flat():numel() ~= self.n then error("pg.DiLoCo:outer_step: the engine's flat buffer changed size", 2) end
+  for _, fr in ipairs(self.frags) do if fr.pending then finish(self, fr) end end
+  for _, fr in ipairs(self.frags) do
+    start(self, fr, 0)
+    fr.pending.finish_at = 0
+    finish(self, fr)
+  end
+end
+
+--- After optimizer step `step`: the fragments whose exchange lands now finish, then those due start (and
+-- finish at once with delay 0). Collective over the whole world.
+function DiLoCo:after_step(step)
+  local H = self.outer_every
+  for _, fr in ipairs(self.frags) do
+    if fr.pending and fr.pending.finish_at <= step then finish(self, fr) end
+  end
+  for _, fr in ipairs(self.frags) do
+    if step % H == fr.offset then
+      start(self, fr, step)
+      if self.delay == 0 then finish(self, fr) end
+    end
+  end
+end
+
+--- The pieces this rank holds (views): { lo, hi (0-based flat range of the owned block), anchor, momentum,
+-- outer_steps } of the first fragment, and fragments = that record for every fragment (a, b: its flat range).
 function DiLoCo:outer_state()
-  return { lo = self.lo, hi = self.hi, anchor = self.anchor, momentum = self.momentum, outer_steps = self.outer_steps }
+  local list = {}
+  for f, fr in ipairs(self.frags or {}) do
+    list[f] = { a = fr.a, b = fr.b, lo = fr.lo, hi = fr.hi, anchor = fr.anchor, momentum = fr.momentum,
+                offset = fr.offset, pending = fr.pending ~= nil }
+  end
+  local f1 = list[1] or {}
+  return { lo = f1.lo, hi = f1.hi, anchor = f1.anchor, momentum = f1.momentum, outer_steps = self.outer_steps,
+           fragments = list }
 end
 
 -- Callback hooks ------------------------------------------------------------
@@ -134,18 +219,26 @@ function DiLoCo:on_train_start(trainer)
   if self.engine ~= trainer.engine then self:attach(trainer.engine) end
 end
 
--- Right after the inner optimizer's step (state.step counts it): every outer_every-th step syncs.
+-- Right after the inner optimizer's step (state.step counts it).
 function DiLoCo:on_before_zero_grad(trainer)
-  if trainer.state.step % self.outer_every == 0 then self:outer_step() end
+  self:after_step(trainer.state.step)
 end
 
--- A run that ends between syncs ends with one more, so that every island holds the same model; a run
--- stopped early (should_stop, max_time: preempted, to be resumed) keeps the islands apart, so that its
--- checkpoint resumes into exactly the uninterrupted run.
+-- A run that ends with the islands apart (between syncs, or a fragment's exchange in flight) ends with one more
+-- blocking sync of every fragment, so that every island holds the same model; a run stopped early
+-- (should_stop, max_time: preempted, to be resumed) keeps the islands apart, so that its checkpoint resumes
+-- into exactly the uninterrupted run.
 function DiLoCo:on_train_end(trainer)
   local why = trainer.state.stop_reason
   if why == "should_stop" or why == "max_time" then return end
-  if trainer.state.step % self.outer_every ~= 0 then self:outer_step() end
+  local step = trainer.state.step
+  local apart = false
+  for _, fr in ipairs(self.frags) do
+    if fr.pending or step % self.outer_every ~= fr.offset then
+      apart = true
+    end
+  end
+  if apart then self:outer_step() end
 end
 
 -- Each island validates on its share of the validation data (islands split batches as data ranks do): the
@@ -194,8 +287,13 @@ local function writes_outer(ctx) return ctx:world_size("expert") > 1 or ctx:loca
 
 function DiLoCo:state_dict()
   local ctx = self.engine and self.engine.ctx
+  local pending = {}
+  for f, fr in ipairs(self.frags or {}) do
+    if fr.pending then pending[#pending + 1] = { fragment = f, started = fr.pending.started,
+                                                 finish_at = fr.pending.finish_at } end
+  end
   return { outer_steps = self.outer_steps, islands = ctx and ctx:world_size("islands") or 1, numel = self.n,
-           outer_every = self.outer_every }
+           outer_every = self.outer_every, fragments = self.fragments, pending = pending }
 end
 
 -- The scalars; the tensors follow in load_checkpoint_files (the checkpoint code calls it next).
@@ -206,24 +304,40 @@ function DiLoCo:load_state_dict(sd)
   self._loaded = sd
 end
 
--- The whole of an owned-block buffer (padded blocks gathered, cut to n).
-local function whole(self, t)
+-- The whole of a per-fragment owned-block buffer (each fragment's blocks gathered and cut to its length),
+-- [n] in flat order. get(fr) is the fragment's block.
+local function whole(self, get)
   local ctx = self.engine.ctx
-  if ctx:world_size("islands") == 1 then return t:narrow(1, 1, self.n) end
-  return core.dist.all_gather(t, { ctx = ctx, group = "islands" }):narrow(1, 1, self.n)
+  local out = core.zeros({ self.n })
+  for _, fr in ipairs(self.frags) do
+    local t = get(fr)
+    local all = self.k > 1 and core.dist.all_gather(t, { ctx = ctx, group = "islands" }) or t
+    if fr.b > fr.a then out:narrow(1, fr.a + 1, fr.b - fr.a):copy_(all:narrow(1, 1, fr.b - fr.a)) end
+  end
+  return out
 end
 
+-- Exchanges in flight are completed (their means kept for when they land: the numbers do not change) and
+-- saved as pending/<f> (the fragment's whole mean), so that a resume lands them at the same step.
 function DiLoCo:save_checkpoint_files(trainer, dir)
   if not self.engine then return {} end -- saved before the first fit attached: nothing outer yet
   local safetensors = require "pipegoose.safetensors"
   local json = require "pipegoose.checkpoint.json"
-  local anchor, momentum = whole(self, self.anchor), whole(self, self.momentum)
-  local file = outer_file(self.engine.ctx)
-  if not writes_outer(self.engine.ctx) then return {} end
+  local ctx = self.engine.ctx
+  local entries = { { name = "anchor", tensor = whole(self, function(fr) return fr.anchor end) },
+                    { name = "momentum", tensor = whole(self, function(fr) return fr.momentum end) } }
+  for f, fr in ipairs(self.frags) do
+    if fr.pending then
+      local mean = pending_mean(self, fr)
+      local all = self.k > 1 and core.dist.all_gather(mean, { ctx = ctx, group = "islands" }) or mean
+      entries[#entries + 1] = { name = "pending/" .. f, tensor = all:narrow(1, 1, fr.b - fr.a) }
+    end
+  end
+  local file = outer_file(ctx)
+  if not writes_outer(ctx) then return {} end
   local meta = { format = "pipegoose-diloco-outer", outer_steps = self.outer_steps, step = trainer.state.step,
-                 islands = self.engine.ctx:world_size("islands"), numel = self.n }
-  local crc, bytes = safetensors.write(dir .. "/" .. file, { { name = "anchor", tensor = anchor },
-    { name = "momentum", tensor = momentum } }, { pipegoose = json.encode(meta, file) })
+                 islands = ctx:world_size("islands"), numel = self.n, fragments = self.fragments }
+  local crc, bytes = safetensors.write(dir .. "/" .. file, entries, { pipegoose = json.encode(meta, file) })
   return { { file = file, bytes = bytes, crc32 = crc } }
 end
 
@@ -248,11 +362,16 @@ function DiLoCo:load_checkpoint_files(trainer, dir, records)
   local rec
   for _, r in ipairs(records) do if r.file == file then rec = r end end
   local n = engine:flat():numel()
+  local pending = loaded and loaded.pending or {}
   if not loaded then
     problem = ("pg.DiLoCo: %s has outer state files but no DiLoCo state in its manifest"):format(dir)
   elseif not rec then
     problem = ("pg.DiLoCo: %s has no %s (the outer state of this rank's place in the island: the checkpoint was "
       .. "saved with another layout inside an island)"):format(dir, file)
+  elseif #pending > 0 and loaded.fragments ~= self.fragments then
+    problem = ("pg.DiLoCo: %s was saved with fragments=%s and %d exchange(s) in flight; it resumes with "
+      .. "fragments=%s only when saved with none in flight"):format(dir, tostring(loaded.fragments), #pending,
+      tostring(self.fragments))
   else
     problem = validation.check_file(dir, rec)
     if not problem then
@@ -271,15 +390,21 @@ function DiLoCo:load_checkpoint_files(trainer, dir, records)
     end
   end
   ranks.agree_error(trainer, problem)
-  self.engine = engine
-  local _, _, _, i, block = layout(engine)
-  local lo, hi = i * block, math.min((i + 1) * block, n)
-  self.anchor, self.momentum = core.zeros({ block }), core.zeros({ block })
-  if hi > lo then
-    self.anchor:narrow(1, 1, hi - lo):copy_(safetensors.read(header, "anchor", lo, hi - lo))
-    self.momentum:narrow(1, 1, hi - lo):copy_(safetensors.read(header, "momentum", lo, hi - lo))
+  bind(self, engine)
+  for f, fr in ipairs(self.frags) do
+    local len = fr.hi - fr.lo
+    if len > 0 then
+      fr.anchor:narrow(1, 1, len):copy_(safetensors.read(header, "anchor", fr.lo, len))
+      fr.momentum:narrow(1, 1, len):copy_(safetensors.read(header, "momentum", fr.lo, len))
+    end
+    for _, p in ipairs(pending) do
+      if p.fragment == f then
+        local mean = core.zeros({ fr.block })
+        if len > 0 then mean:narrow(1, 1, len):copy_(safetensors.read(header, "pending/" .. f, fr.lo - fr.a, len)) end
+        fr.pending = { mean = mean, started = p.started, finish_at = p.finish_at }
+      end
+    end
   end
-  self.lo, self.hi, self.block, self.n = lo, hi, block, n
   self.outer_steps = loaded.outer_steps
 end
 

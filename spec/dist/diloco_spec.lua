@@ -254,6 +254,127 @@ describe("DiLoCo", function()
     end
   end)
 
+  it("fragments = 4, outer lr 1, momentum 0, delay 0: the fragment due takes the islands' mean, the others stay",
+    function()
+    if world % 4 ~= 0 then pending("needs 4 ranks") return end
+    local ctx = pg.ParallelContext{ islands = 4, seed = 5 }
+    local engine = pg.parallelize(pg.nn.GPT(CFG), ctx)
+    local opt = adamw(engine)
+    local H, F = 4, 4
+    local dl = pg.DiLoCo{ outer_every = H, outer_lr = 1, outer_momentum = 0, fragments = F, delay = 0 }
+    dl:attach(engine)
+    local x, y = rows_of(ctx)
+    local frags = dl:outer_state().fragments
+    assert.equal(F, #frags)
+    for step = 1, 2 * H do
+      inner_step(engine, opt, x, y)
+      local before = islands_params(engine)
+      dl:after_step(step)
+      local after = islands_params(engine)
+      local due = 0
+      for f, fr in ipairs(frags) do
+        assert.equal((f - 1) * H // F, fr.offset)
+        local synced = step % H == fr.offset
+        if synced then due = due + 1 end
+        local spread = false
+        for j = fr.a + 1, fr.b do
+          if synced then
+            local sum, abs = 0, 0
+            for i = 1, 4 do sum, abs = sum + before[i][j], abs + math.abs(before[i][j]) end
+            for i = 1, 4 do
+              assert(math.abs(after[i][j] - sum / 4) <= 4 * EPS32 * abs, ("step %d, fragment %d, element %d, "
+                .. "island %d: %.9g, mean %.9g"):format(step, f, j, i, after[i][j], sum / 4))
+            end
+          else
+            for i = 1, 4 do assert(after[i][j] == before[i][j], "a fragment not due changed") end
+            if before[1][j] ~= before[2][j] then spread = true end
+          end
+        end
+        if not synced and step > 1 then assert.is_true(spread, "the islands agree on a fragment not synced") end
+      end
+      assert.equal(1, due)
+    end
+    assert.equal(2 * F, dl.outer_steps)
+  end)
+
+  it("streaming with delay 1: the update of the mean at the start lands a step later, merged half and half "
+    .. "(float64 reference)", function()
+    if world % 4 ~= 0 then pending("needs 4 ranks") return end
+    local ctx = pg.ParallelContext{ islands = 4, seed = 5 }
+    local engine = pg.parallelize(pg.nn.GPT(CFG), ctx)
+    local opt = adamw(engine)
+    local H, F, lr, m, alpha = 4, 2, 0.7, 0.9, 0.5
+    local dl = pg.DiLoCo{ outer_every = H, outer_lr = lr, outer_momentum = m, fragments = F }
+    assert.equal(1, dl.delay)
+    dl:attach(engine)
+    local n = engine:flat():numel()
+    local anchor, buf, started = engine:flat():totable(), {}, {}
+    for j = 1, n do buf[j] = 0 end
+    local x, y = rows_of(ctx)
+    local frags = dl:outer_state().fragments
+    local landed = 0
+    for step = 1, 3 * H do
+      inner_step(engine, opt, x, y)
+      local local_p = islands_params(engine)
+      dl:after_step(step)
+      local got = islands_params(engine)
+      for f, fr in ipairs(frags) do
+        if started[f] and started[f].step + 1 == step then -- lands now
+          landed = landed + 1
+          local p0 = started[f].p
+          for j = fr.a + 1, fr.b do
+            local mean = (p0[1][j] + p0[2][j] + p0[3][j] + p0[4][j]) / 4
+            local g = anchor[j] - mean
+            buf[j] = m * buf[j] + g
+            local new = anchor[j] - lr * (g + m * buf[j])
+            local spread = (math.abs(p0[1][j]) + math.abs(p0[2][j]) + math.abs(p0[3][j]) + math.abs(p0[4][j])) / 4
+            local scale = math.abs(anchor[j]) + spread + math.abs(g) + math.abs(buf[j]) + math.abs(g + m * buf[j])
+            -- as the reference above, plus the merge's 3 roundings of |p| + |new|
+            local tol = 8 * (landed // F + 1) * EPS32 * scale + 3 * EPS32 * (math.abs(new) + spread) + 1e-30
+            for i = 1, 4 do
+              local want = alpha * local_p[i][j] + (1 - alpha) * new
+              assert(math.abs(got[i][j] - want) <= tol + 2 * EPS32 * math.abs(local_p[i][j]), ("step %d, fragment "
+                .. "%d, element %d, island %d: %.9g, float64 reference %.9g"):format(step, f, j, i, got[i][j], want))
+            end
+            anchor[j] = new
+          end
+          started[f] = nil
+        end
+        if step % H == fr.offset then started[f] = { step = step, p = local_p } end
+      end
+    end
+    assert.equal(F * 3 - 1, landed) -- fragment 1 started at step 12 is still in flight
+    assert.is_true(frags[1].pending == false and dl:outer_state().fragments[1].pending)
+  end)
+
+  it("pg.dist.iall_reduce and ireduce_scatter over the islands equal the blocking calls, counted in comm_stats",
+    function()
+    if world % 2 ~= 0 then pending("needs an even world") return end
+    local ctx = pg.ParallelContext{ islands = 2, seed = 5 }
+    local me = pg.world_rank()
+    local v = {}
+    for j = 1, 10 do v[j] = (me + 1) * j / 7 end
+    local before = ctx:comm_stats().islands
+    local a = pg.dist.iall_reduce(pg.tensor(v), { ctx = ctx, group = "islands", op = "avg" })
+    local b = pg.dist.ireduce_scatter(pg.tensor(v), { ctx = ctx, group = "islands", op = "sum" })
+    local ra = a:wait()
+    while not b:test() do end
+    local rb = b:wait()
+    local after = ctx:comm_stats().islands
+    local want_a = pg.dist.all_reduce(pg.tensor(v), { ctx = ctx, group = "islands", op = "avg" })
+    local want_b = pg.dist.reduce_scatter(pg.tensor(v), { ctx = ctx, group = "islands", op = "sum" })
+    local lo, hi = b:range()
+    assert.equal(ctx:local_rank("islands") * 5, lo)
+    assert.equal(lo + 5, hi)
+    assert.is_true(ra:equal(want_a))
+    assert.is_true(rb:narrow(1, lo + 1, hi - lo):equal(want_b))
+    assert.equal(before.all_reduce.calls + 1, after.all_reduce.calls)
+    assert.equal(before.reduce_scatter.calls + 1, after.reduce_scatter.calls)
+    assert.is_true(after.all_reduce.bytes >= before.all_reduce.bytes + 40)
+    assert.has_error(function() pg.dist.iall_reduce(pg.tensor({ 1, 2 }, { dtype = "int32" }), { ctx = ctx }) end,
+      "iall_reduce: takes a float32 tensor, got int32")
+  end)
+
   it("refuses islands that do not divide the world, and a DiLoCo whose islands differ from the context's", function()
     assert.has_error(function() pg.ParallelContext{ islands = 3 * world } end)
     local ctx = pg.ParallelContext{ self = true, seed = 5 }
@@ -279,11 +400,16 @@ end
 -- The whole outer state (p_sync and momentum, every block) and the parameters, as tensors.
 local function whole_outer(dl)
   local st, ctx = dl:outer_state(), dl.engine.ctx
-  local function whole(t)
-    if ctx:world_size("islands") == 1 then return t:narrow(1, 1, dl.n):clone() end
-    return pg.dist.all_gather(t:clone(), { ctx = ctx, group = "islands" }):narrow(1, 1, dl.n):clone()
+  local function whole(key)
+    local out = pg.zeros({ dl.n })
+    for _, fr in ipairs(st.fragments) do
+      local t = fr[key]:clone()
+      if ctx:world_size("islands") > 1 then t = pg.dist.all_gather(t, { ctx = ctx, group = "islands" }) end
+      out:narrow(1, fr.a + 1, fr.b - fr.a):copy_(t:narrow(1, 1, fr.b - fr.a))
+    end
+    return out
   end
-  return { anchor = whole(st.anchor), momentum = whole(st.momentum), params = dl.engine:flat():clone(),
+  return { anchor = whole("anchor"), momentum = whole("momentum"), params = dl.engine:flat():clone(),
            outer_steps = st.outer_steps, ctx = ctx }
 end
 
@@ -297,7 +423,7 @@ local function run(o)
   local engine = pg.parallelize(pg.nn.GPT(CFG), ctx)
   local data = pg.testing.fake_data{ batches = 16, batch = 4, seq_len = CFG.seq_len, vocab = CFG.vocab,
                                      seed = 3 + island % 2, tensors = true, ctx = ctx }
-  local dl = pg.DiLoCo{ outer_every = 2, outer_lr = 0.7, outer_momentum = 0.9 }
+  local dl = pg.DiLoCo{ outer_every = o.H or 2, outer_lr = 0.7, outer_momentum = 0.9, fragments = o.fragments }
   local start
   local cbs = { dl, { name = "Probe",
     on_train_start = function() start = whole_outer(dl) end,
@@ -338,6 +464,20 @@ describe("DiLoCo checkpoints", function()
       assert.equal(4, got.outer_steps) -- steps 2, 4, 6 and the final sync at 7
     end)
   end
+
+  it("streaming (fragments = 2, H = 4, delay 1): resume with an exchange in flight (saved at step 4) is bitwise",
+    function()
+    local dir = base .. "/streaming"
+    local o = { k = 2, steps = 9, H = 4, fragments = 2 }
+    local _, _, want = run{ k = 2, steps = 9, H = 4, fragments = 2, dir = base .. "/streaming-straight" }
+    o.dir, o.stop_at = dir, 4
+    local dl, _, stopped = run(o)
+    assert.is_true(dl:outer_state().fragments[1].pending, "fragment 1's exchange (started at step 4) in flight")
+    o.stop_at, o.resume = nil, function() return "last" end
+    local _, start, got = run(o)
+    same(stopped, start, "the resumed state against the stopped run's")
+    same(want, got, "the resumed run's end against the uninterrupted run's")
+  end)
 
   -- k = 2 saved after step 3 (the islands apart) resumes at k' = 1 and 4: the whole outer state as saved,
   -- each new island i with old island i mod 2's parameters (and inner state); then it trains on
