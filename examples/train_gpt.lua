@@ -80,7 +80,10 @@ int("--islands", 1, "DiLoCo islands: the world cut into this many blocks of rank
 int("--outer-every", nil, "DiLoCo: inner steps between outer steps (required with --islands > 1).")
 num("--outer-lr", 0.7, "DiLoCo: the outer SGD's learning rate.")
 num("--outer-momentum", 0.9, "DiLoCo: the outer SGD's Nesterov momentum.")
-int("--fragments", 1, "DiLoCo: parameter fragments that sync at staggered steps (streaming; only 1 is built).")
+int("--fragments", 1, "DiLoCo: parameter fragments that sync at staggered steps (streaming DiLoCo; must divide "
+  .. "--outer-every); with more than 1 each fragment's exchange overlaps the next inner step.")
+p:option("--exchange", "DiLoCo: how pseudo-gradients travel: float32, or quantised to bf16 or int8 (blocks of 256 "
+  .. "with an absmax scale).", "float32"):choices{ "float32", "bf16", "int8" }
 p:option("--corpus", "A prepared corpus directory (scripts/prepare_corpus.lua): its tokenizer sizes the model's "
   .. "vocabulary and encodes the prompt; its train and val splits are the data.")
 p:option("--train", "Byte-level training shards, without --corpus (default " .. BYTE_SHARDS.train .. ").")
@@ -179,7 +182,8 @@ from_options(function()
   -- first, so that a run ending between syncs has synced before the final checkpoint
   if diloco then
     callbacks[1] = pg.DiLoCo{ islands = opt.islands, outer_every = opt.outer_every, outer_lr = opt.outer_lr,
-                              outer_momentum = opt.outer_momentum, fragments = opt.fragments }
+                              outer_momentum = opt.outer_momentum, fragments = opt.fragments,
+                              exchange = opt.exchange }
   end
   if island == 0 then callbacks[#callbacks + 1] = pg.callbacks.ProgressBar{} end
   callbacks[#callbacks + 1] = pg.callbacks.LearningRateMonitor{}

@@ -47,9 +47,6 @@ function DiLoCo.new(opts)
     error(("pg.DiLoCo: delay=%d must be less than outer_every=%d (a fragment's exchange ends before its next "
       .. "starts)"):format(delay, o.outer_every), 2)
   end
-  if o.exchange ~= "float32" then
-    error(("pg.DiLoCo: exchange='%s' (a quantised exchange) is not built yet; 'float32' is"):format(o.exchange), 2)
-  end
   if o.nesterov and o.outer_momentum == 0 then o.nesterov = false end -- the same update; torch refuses the pair
   return setmetatable({
     islands = o.islands, outer_every = o.outer_every, outer_lr = o.outer_lr, outer_momentum = o.outer_momentum,
@@ -57,6 +54,22 @@ function DiLoCo.new(opts)
     outer_steps = 0, -- fragment syncs done (with fragments = 1: outer steps)
   }, DiLoCo)
 end
+
+-- The quantised exchanges (exchange = "bf16" | "int8"): each island's pseudo-gradient, coded, goes to the
+-- block's owner by an all-to-all over the islands (a reduce-scatter cannot sum codes); the owner decodes the
+-- k pieces and averages them in float32 (island order), and the outer update of its block, coded the same way,
+-- is all-gathered and added to p_sync on every island. bf16: nearest-even rounding (relative error <= 2^-8);
+-- int8: blocks of INT8_BLOCK values with their absmax scale (core.ops.quantize_int8: error <= scale / 2).
+-- align: a rank's block of a fragment is a whole number of code blocks; words(len): the codes' elements.
+local INT8_BLOCK = 256
+local CODECS = {
+  bf16 = { align = 2, encode = function(t) return core.ops.to_bf16(t) end,
+           decode = function(q) return core.ops.from_bf16(q) end, words = function(len) return len end },
+  int8 = { align = INT8_BLOCK, encode = function(t) return core.ops.quantize_int8(t, INT8_BLOCK) end,
+           decode = function(q) return core.ops.dequantize_int8(q, INT8_BLOCK) end,
+           words = function(len) return len // INT8_BLOCK * (1 + INT8_BLOCK // 4) end },
+}
+DiLoCo.INT8_BLOCK = INT8_BLOCK
 
 -- The fragments of an engine's flat buffer of n floats: fragment f (1-based here) is the contiguous range
 -- [a, b) = [(f - 1) n / F, f n / F) in flat order, cut into k blocks of ceil((b - a) / k) (the last padded);
@@ -69,7 +82,8 @@ local function fragments_of(self, engine)
   local out = {}
   for f = 1, F do
     local a, b = (f - 1) * n // F, f * n // F
-    local block = (b - a + k - 1) // k
+    local align = CODECS[self.exchange] and CODECS[self.exchange].align or 1
+    local block = ((b - a + k - 1) // k + align - 1) // align * align
     local lo, hi = math.min(a + i * block, b), math.min(a + (i + 1) * block, b)
     out[f] = { a = a, b = b, block = block, lo = lo, hi = hi, offset = (f - 1) * H // F,
                anchor = core.zeros({ block }), momentum = core.zeros({ block }) }
@@ -111,6 +125,8 @@ function DiLoCo:attach(engine)
   bind(self, engine)
   for _, fr in ipairs(self.frags) do
     if fr.hi > fr.lo then fr.anchor:narrow(1, 1, fr.hi - fr.lo):copy_(params:narrow(1, fr.lo + 1, fr.hi - fr.lo)) end
+    -- a quantised exchange sends each island's own pseudo-gradient: it needs the whole fragment's p_sync
+    if CODECS[self.exchange] then fr.sync = params:narrow(1, fr.a + 1, fr.b - fr.a):clone() end
   end
 end
 
@@ -119,6 +135,19 @@ end
 local function start(self, fr, step)
   local ctx = self.engine.ctx
   local k = self.k
+  local codec = CODECS[self.exchange]
+  if codec then -- blocking (pg_comm has no nonblocking all-to-all); with delay > 0 it still lands later
+    local len = fr.b - fr.a
+    local delta = core.zeros({ k * fr.block })
+    delta:narrow(1, 1, len):copy_(fr.sync:sub(self.engine:flat():narrow(1, fr.a + 1, len)))
+    local codes = codec.encode(delta)
+    local got = k > 1 and core.dist.all_to_all(codes, { ctx = ctx, group = "islands" }) or codes
+    local per = codec.words(fr.block)
+    local sum = core.zeros({ fr.block })
+    for j = 1, k do sum:add_(codec.decode(got:narrow(1, (j - 1) * per + 1, per))) end
+    fr.pending = { mean = sum:scale_(1 / k), finish_at = step + self.delay, started = step }
+    return
+  end
   local buf = core.zeros({ k * fr.block })
   buf:narrow(1, 1, fr.b - fr.a):copy_(self.engine:flat():narrow(1, fr.a + 1, fr.b - fr.a))
   fr.pending = { buf = buf, finish_at = step + self.delay, started = step }
@@ -147,7 +176,8 @@ local function finish(self, fr)
   local mean = pending_mean(self, fr)
   local delayed = fr.pending.finish_at > fr.pending.started
   fr.pending = nil
-  local g = fr.anchor:sub(mean)
+  local codec = CODECS[self.exchange]
+  local g = codec and mean or fr.anchor:sub(mean) -- a quantised exchange averaged the pseudo-gradients themselves
   local d = g
   local m = self.outer_momentum
   if m > 0 then
@@ -157,10 +187,21 @@ local function finish(self, fr)
   end
   -- p_sync - lr d written as mean + (g - lr d): the same number (p_sync = mean + g), and exactly the mean when
   -- lr = 1 without momentum (g - d = 0), so that k = 1, H = 1 is plain training to the bit.
-  local new = mean:add_(g:sub(d:scale(self.outer_lr)))
-  fr.anchor:copy_(new)
-  local full = self.k > 1 and core.dist.all_gather(new, { ctx = ctx, group = "islands" }) or new
+  local full
   local len = fr.b - fr.a
+  if codec then
+    -- the owned block's update, coded and gathered: every island adds the same decoded numbers to p_sync
+    local codes = codec.encode(d:scale(-self.outer_lr))
+    local all = self.k > 1 and core.dist.all_gather(codes, { ctx = ctx, group = "islands" }) or codes
+    fr.sync:add_(codec.decode(all):narrow(1, 1, len))
+    full = fr.sync
+    fr.anchor:fill_(0)
+    if fr.hi > fr.lo then fr.anchor:narrow(1, 1, fr.hi - fr.lo):copy_(fr.sync:narrow(1, fr.lo - fr.a + 1, fr.hi - fr.lo)) end
+  else
+    local new = mean:add_(g:sub(d:scale(self.outer_lr)))
+    fr.anchor:copy_(new)
+    full = self.k > 1 and core.dist.all_gather(new, { ctx = ctx, group = "islands" }) or new
+  end
   local p = self.engine:flat():narrow(1, fr.a + 1, len)
   if delayed then
     local a = self.mixing
@@ -293,7 +334,7 @@ function DiLoCo:state_dict()
                                                  finish_at = fr.pending.finish_at } end
   end
   return { outer_steps = self.outer_steps, islands = ctx and ctx:world_size("islands") or 1, numel = self.n,
-           outer_every = self.outer_every, fragments = self.fragments, pending = pending }
+           outer_every = self.outer_every, fragments = self.fragments, exchange = self.exchange, pending = pending }
 end
 
 -- The scalars; the tensors follow in load_checkpoint_files (the checkpoint code calls it next).
@@ -368,6 +409,9 @@ function DiLoCo:load_checkpoint_files(trainer, dir, records)
   elseif not rec then
     problem = ("pg.DiLoCo: %s has no %s (the outer state of this rank's place in the island: the checkpoint was "
       .. "saved with another layout inside an island)"):format(dir, file)
+  elseif #pending > 0 and (loaded.exchange or "float32") ~= self.exchange then
+    problem = ("pg.DiLoCo: %s was saved with exchange='%s' and an exchange in flight; it resumes with "
+      .. "exchange='%s' only when saved with none in flight"):format(dir, tostring(loaded.exchange), self.exchange)
   elseif #pending > 0 and loaded.fragments ~= self.fragments then
     problem = ("pg.DiLoCo: %s was saved with fragments=%s and %d exchange(s) in flight; it resumes with "
       .. "fragments=%s only when saved with none in flight"):format(dir, tostring(loaded.fragments), #pending,
@@ -397,6 +441,7 @@ function DiLoCo:load_checkpoint_files(trainer, dir, records)
       fr.anchor:narrow(1, 1, len):copy_(safetensors.read(header, "anchor", fr.lo, len))
       fr.momentum:narrow(1, 1, len):copy_(safetensors.read(header, "momentum", fr.lo, len))
     end
+    if CODECS[self.exchange] then fr.sync = safetensors.read(header, "anchor", fr.a, fr.b - fr.a) end
     for _, p in ipairs(pending) do
       if p.fragment == f then
         local mean = core.zeros({ fr.block })

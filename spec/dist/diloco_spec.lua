@@ -347,6 +347,100 @@ describe("DiLoCo", function()
     assert.is_true(frags[1].pending == false and dl:outer_state().fragments[1].pending)
   end)
 
+  -- The quantised exchanges against a float64 reference of the float32 algorithm, one outer step (lr 0.7,
+  -- momentum 0.9, so d = (1 + m) g): the error of element j is at most lr (1 + m) e_g + e_u, e_g the mean over
+  -- islands of the code's error on island i's pseudo-gradient, e_u its error on the update; bf16: |x| 2^-8
+  -- (nearest even, 8 significant bits); int8: scale / 2 with scale = absmax / 127 of the code block (of
+  -- INT8_BLOCK values; the update's absmax taken from the reference, off by at most lr (1 + m) max e_g), plus
+  -- float32 roundings of the operands. The bytes over the islands group: half of float32's (bf16), and
+  -- (1 + B / 4) words per B values (int8).
+  local function quantised_step(exchange)
+    local ctx = pg.ParallelContext{ islands = 4, seed = 5 }
+    local engine = pg.parallelize(pg.nn.GPT(CFG), ctx)
+    local opt = adamw(engine)
+    local dl = pg.DiLoCo{ outer_every = 2, outer_lr = 0.7, outer_momentum = 0.9, exchange = exchange }
+    dl:attach(engine)
+    local anchor = engine:flat():totable()
+    local x, y = rows_of(ctx)
+    for _ = 1, 2 do inner_step(engine, opt, x, y) end
+    local p = islands_params(engine)
+    local function bytes()
+      local t = 0
+      for _, v in pairs(ctx:comm_stats().islands) do t = t + v.bytes end
+      return t
+    end
+    local b0 = bytes()
+    dl:outer_step()
+    return { dl = dl, engine = engine, anchor = anchor, p = p, bytes = bytes() - b0, got = islands_params(engine) }
+  end
+
+  for _, exchange in ipairs{ "bf16", "int8" } do
+    it(("exchange = %s: within the code's error of the float32 exchange, with %s the bytes"):format(exchange,
+      exchange == "bf16" and "half" or "about a quarter of"), function()
+      if world % 4 ~= 0 then pending("needs 4 ranks") return end
+      local r, f32 = quantised_step(exchange), quantised_step("float32")
+      local lr, m, B = 0.7, 0.9, pg.DiLoCo.INT8_BLOCK
+      local n = #r.anchor
+      local function code_err(v, j0, j1) -- per element of v[j0..j1]: the code's error bound
+        local out = {}
+        if exchange == "bf16" then
+          for j = j0, j1 do out[j] = math.abs(v[j]) * 2 ^ -8 end
+        else
+          for c = j0, j1, B do
+            local amax = 0
+            for j = c, math.min(c + B - 1, j1) do amax = math.max(amax, math.abs(v[j])) end
+            for j = c, math.min(c + B - 1, j1) do out[j] = amax / 127 / 2 * (1 + 2 ^ -20) end
+          end
+        end
+        return out
+      end
+      local eg = {}
+      for j = 1, n do eg[j] = 0 end
+      for i = 1, 4 do
+        local delta = {}
+        for j = 1, n do delta[j] = r.anchor[j] - r.p[i][j] end
+        local e = code_err(delta, 1, n)
+        for j = 1, n do eg[j] = eg[j] + e[j] / 4 end
+      end
+      local u, want = {}, {}
+      for j = 1, n do
+        local g = r.anchor[j] - (r.p[1][j] + r.p[2][j] + r.p[3][j] + r.p[4][j]) / 4
+        u[j] = -lr * (1 + m) * g
+        want[j] = r.anchor[j] + u[j]
+      end
+      local eu = code_err(u, 1, n)
+      local worst, differs = 0, false
+      for j = 1, n do
+        local maxe = 0
+        if exchange == "int8" then
+          local c = (j - 1) // B * B + 1
+          for jj = c, math.min(c + B - 1, n) do maxe = math.max(maxe, eg[jj]) end
+        end
+        local tol = lr * (1 + m) * eg[j] + eu[j] + lr * (1 + m) * maxe / 127
+          + 16 * EPS32 * (math.abs(r.anchor[j]) + math.abs(r.p[1][j]) + math.abs(u[j])) + 1e-30
+        for i = 1, 4 do
+          local err = math.abs(r.got[i][j] - want[j])
+          assert(err <= tol, ("%s, element %d, island %d: %.9g, float64 reference %.9g (bound %.3g)"):format(
+            exchange, j, i, r.got[i][j], want[j], tol))
+          assert(r.got[i][j] == r.got[1][j], "the islands hold different parameters after the sync")
+        end
+        worst = math.max(worst, math.abs(r.got[1][j] - want[j]))
+        if r.got[1][j] ~= f32.got[1][j] then differs = true end
+      end
+      assert.is_true(differs, "the quantised exchange gave the float32 exchange's result: no code was used")
+      -- bytes: reduce-scatter + all-gather of 4 blocks of float32 against all-to-all + all-gather of codes
+      local block32 = (n + 3) // 4
+      assert.equal(2 * 4 * block32 * 4, f32.bytes)
+      if exchange == "bf16" then
+        assert.equal(f32.bytes / 2, r.bytes)
+      else
+        local block8 = (block32 + B - 1) // B * B
+        assert.equal(2 * 4 * (4 * block8 // B) * (1 + B // 4), r.bytes)
+        assert.is_true(r.bytes < f32.bytes * (1 + 4 / B) / 4 * 1.04) -- a quarter, the scales, the padding
+      end
+    end)
+  end
+
   it("pg.dist.iall_reduce and ireduce_scatter over the islands equal the blocking calls, counted in comm_stats",
     function()
     if world % 2 ~= 0 then pending("needs an even world") return end
@@ -423,7 +517,8 @@ local function run(o)
   local engine = pg.parallelize(pg.nn.GPT(CFG), ctx)
   local data = pg.testing.fake_data{ batches = 16, batch = 4, seq_len = CFG.seq_len, vocab = CFG.vocab,
                                      seed = 3 + island % 2, tensors = true, ctx = ctx }
-  local dl = pg.DiLoCo{ outer_every = o.H or 2, outer_lr = 0.7, outer_momentum = 0.9, fragments = o.fragments }
+  local dl = pg.DiLoCo{ outer_every = o.H or 2, outer_lr = 0.7, outer_momentum = 0.9, fragments = o.fragments,
+                        exchange = o.exchange }
   local start
   local cbs = { dl, { name = "Probe",
     on_train_start = function() start = whole_outer(dl) end,
@@ -473,6 +568,17 @@ describe("DiLoCo checkpoints", function()
     o.dir, o.stop_at = dir, 4
     local dl, _, stopped = run(o)
     assert.is_true(dl:outer_state().fragments[1].pending, "fragment 1's exchange (started at step 4) in flight")
+    o.stop_at, o.resume = nil, function() return "last" end
+    local _, start, got = run(o)
+    same(stopped, start, "the resumed state against the stopped run's")
+    same(want, got, "the resumed run's end against the uninterrupted run's")
+  end)
+
+  it("int8 exchange, streaming: resume with an exchange in flight is bitwise", function()
+    local o = { k = 2, steps = 9, H = 4, fragments = 2, exchange = "int8" }
+    local _, _, want = run{ k = 2, steps = 9, H = 4, fragments = 2, exchange = "int8", dir = base .. "/int8-straight" }
+    o.dir, o.stop_at = base .. "/int8", 4
+    local _, _, stopped = run(o)
     o.stop_at, o.resume = nil, function() return "last" end
     local _, start, got = run(o)
     same(stopped, start, "the resumed state against the stopped run's")
