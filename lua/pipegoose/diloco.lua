@@ -18,6 +18,9 @@
 -- blocks all-gathered into every island's buffer. Because p_sync is the same
 -- on every island, the mean of the pseudo-gradients is p_sync minus the mean
 -- of the parameters, so only the owned block of p_sync is ever needed.
+-- Streaming (fragments, delay, mixing) and the quantised exchanges (exchange)
+-- are described where they are built below; docs/DESIGN.md, "Islands and
+-- DiLoCo", has the whole design, checkpoints included.
 local core = require "pipegoose.core"
 local callbacks = require "pipegoose.callbacks"
 local opt = require "pipegoose.options"
@@ -130,8 +133,9 @@ function DiLoCo:attach(engine)
   end
 end
 
--- Starts fragment fr's exchange: its parameters, padded to k blocks, reduce-scattered (avg) over the islands
--- without blocking; the request is finished by finish().
+-- Starts fragment fr's exchange. float32: its parameters, padded to k blocks, reduce-scattered (avg) over the
+-- islands without blocking (the request is waited for when it lands, in finish). bf16 / int8: its coded
+-- pseudo-gradient all-to-all, blocking, averaged into the owned block now (CODECS above).
 local function start(self, fr, step)
   local ctx = self.engine.ctx
   local k = self.k
