@@ -9,7 +9,8 @@
 -- --islands=K --outer-every=H trains K islands of world / K ranks (each its own --tensor x --pipeline x
 -- --data layout) that sync every H steps by DiLoCo's outer step (pg.DiLoCo; --outer-lr, --outer-momentum);
 -- --batch is then the batch of all the islands together (the tokens of data = K x --data).
--- --resume=last continues the newest checkpoint under --out; --stop-after=N ends
+-- --resume=last continues the newest checkpoint under --out (with islands, at any --islands: see resume_of);
+-- --stop-after=N ends
 -- the run after step N with a checkpoint, as if preempted. Every run keeps its
 -- final checkpoint (under --out/checkpoints) and ends with the command that
 -- samples it again (scripts/generate.lua --checkpoint=<--out>).
@@ -81,7 +82,10 @@ int("--islands", 1, "DiLoCo islands: the world cut into this many blocks of rank
 int("--outer-every", nil, "DiLoCo: inner steps between outer steps (required with --islands > 1).")
 num("--outer-lr", 0.7, "DiLoCo: the outer SGD's learning rate.")
 num("--outer-momentum", 0.9, "DiLoCo: the outer SGD's Nesterov momentum.")
-int("--fragments", 1, "DiLoCo: parameter fragments that sync at staggered steps (streaming; only 1 is built).")
+int("--fragments", 1, "DiLoCo: parameter fragments that sync at staggered steps (streaming DiLoCo; must divide "
+  .. "--outer-every); with more than 1 each fragment's exchange overlaps the next inner step.")
+p:option("--exchange", "DiLoCo: how pseudo-gradients travel: float32, or quantised to bf16 or int8 (blocks of 256 "
+  .. "with an absmax scale).", "float32"):choices{ "float32", "bf16", "int8" }
 p:option("--corpus", "A prepared corpus directory (scripts/prepare_corpus.lua): its tokenizer sizes the model's "
   .. "vocabulary and encodes the prompt; its train and val splits are the data.")
 p:option("--train", "Byte-level training shards, without --corpus (default " .. BYTE_SHARDS.train .. ").")
@@ -182,7 +186,8 @@ from_options(function()
   -- first, so that a run ending between syncs has synced before the final checkpoint
   if diloco then
     callbacks[1] = pg.DiLoCo{ islands = opt.islands, outer_every = opt.outer_every, outer_lr = opt.outer_lr,
-                              outer_momentum = opt.outer_momentum, fragments = opt.fragments }
+                              outer_momentum = opt.outer_momentum, fragments = opt.fragments,
+                              exchange = opt.exchange }
   end
   if island == 0 then callbacks[#callbacks + 1] = pg.callbacks.ProgressBar{} end
   callbacks[#callbacks + 1] = pg.callbacks.LearningRateMonitor{}
@@ -219,7 +224,23 @@ from_options(function()
 end)
 trainer:print(("pipegoose: %d parameters, %s, %d threads per rank"):format(engine:num_parameters(), tostring(ctx),
   pg.num_threads()))
-trainer:fit(train, val, { resume = o.resume_path(opt.resume, trainer:get_checkpoint_dir()) })
+-- With islands, --resume names island 0's checkpoint ('last': the newest under --out/checkpoints); island i
+-- resumes from the checkpoint of the same name of the saved run's island i mod k (k: the islands it was saved
+-- with, 1 for a run without DiLoCo: every island then starts from that model), under --out/island-<i mod k>.
+-- 'auto' (scripts/launch.sh's relaunches) is the newest checkpoint that verifies (island 0's), or a fresh start.
+local function resume_of(island)
+  local spec = o.resume_path(opt.resume, diloco and (out .. "/checkpoints") or trainer:get_checkpoint_dir())
+  if not spec or not diloco then return spec end
+  local ckpt = require "pipegoose.checkpoint"
+  local first = spec == "last" and ckpt.latest(out .. "/checkpoints") or spec
+  if not first then return spec end -- nothing saved yet: every island starts fresh (the trainer says so)
+  first = ckpt.resolve(first)
+  local saved = (ckpt.read_manifest(first).callbacks or {}).DiLoCo
+  local from = island % (saved and saved.islands or 1)
+  if from == 0 then return first end
+  return ("%s/island-%d/checkpoints/%s"):format(out, from, ckpt.fs.basename(first))
+end
+trainer:fit(train, val, { resume = resume_of(ctx:local_rank("islands")) })
 
 -- What this rank sent and received over each group, per optimizer step (pg_comm's counters): data
 -- parallelism's gradient reductions against DiLoCo's outer steps over the islands group.

@@ -291,4 +291,30 @@ function Handler:load_state_dict(states)
   end
 end
 
+--- Tensor files for checkpoints (state too large for the manifest's JSON,
+-- different on every rank): each stateful callback with
+-- save_checkpoint_files(trainer, dir) writes its files into dir (the
+-- checkpoint's directory being written; every rank calls this at the same
+-- point) and returns their records { {file=, bytes=, crc32=}, ... }.
+-- Returns { [state_key] = records } (this rank's; the save gathers them).
+function Handler:save_files(trainer, dir)
+  local out = {}
+  for key, i in pairs(self._keys) do
+    local cb = self._list[i]
+    if cb.save_checkpoint_files then out[key] = cb:save_checkpoint_files(trainer, dir) end
+  end
+  return out
+end
+
+--- The other way, after load_state_dict: each callback with
+-- load_checkpoint_files(trainer, dir, records) gets its records from the
+-- manifest (every rank's; an empty list when the checkpoint has none).
+function Handler:load_files(trainer, dir, files)
+  if type(files) ~= "table" then fail(2, "load_files: expects a table {[state_key] = records}, got a %s", type(files)) end
+  for key, i in pairs(self._keys) do
+    local cb = self._list[i]
+    if cb.load_checkpoint_files then cb:load_checkpoint_files(trainer, dir, files[key] or {}) end
+  end
+end
+
 return Handler

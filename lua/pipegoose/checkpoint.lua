@@ -10,6 +10,9 @@
 --   <dir>/optim-tp{t}-pp{p}-dp{d}.safetensors   zero = 1 or 2: by every rank (each holds its own flat slice)
 --   <parent>/latest                             the name of the newest complete checkpoint
 --
+--   <dir>/<callback's files>                    callbacks' tensor state (save_checkpoint_files: pg.DiLoCo's
+--                                               outer-tp{t}-pp{p}.safetensors), listed in manifest.callback_files
+--
 -- Engines without flat buffers (pg.testing's fakes, anything written in Lua)
 -- keep their state_dict in <dir>/rank-{r}.json instead (exact JSON:
 -- checkpoint/json.lua).
@@ -243,12 +246,14 @@ function M.save(trainer, dir)
   local manifest = M.manifest(trainer)
   trainer:call_hook("on_save_checkpoint", manifest, dir)
   local desc = M.save_tensor_state(trainer, tmp)
+  local cb_files = trainer.callback_handler:save_files(trainer, tmp)
   test_kill_point(trainer)
   -- every rank's file records and data position to rank 0 (pg.file.write
   -- synced each file before returning, so after this gather every file is
   -- durable)
   local ctx = trainer.ctx
-  local mine = { rank = rank, files = desc.files, data = manifest.data, tp = 0, pp = 0, dp = 0 }
+  local mine = { rank = rank, files = desc.files, callback_files = cb_files, data = manifest.data, tp = 0, pp = 0,
+                 dp = 0 }
   if ctx and not ctx.fake then
     mine.tp, mine.pp, mine.dp = ctx:local_rank("tensor"), ctx:local_rank("pipeline"), ctx:local_rank("data")
   end
@@ -260,13 +265,20 @@ function M.save(trainer, dir)
     end
   end
   if rank == 0 then
-    local files, data_ranks = {}, {}
+    local files, data_ranks, callback_files = {}, {}, nil
     for _, r in ipairs(all) do
       for _, f in ipairs(r.files or {}) do files[#files + 1] = f end
+      for key, recs in pairs(r.callback_files or {}) do
+        callback_files = callback_files or {}
+        callback_files[key] = callback_files[key] or {}
+        for _, f in ipairs(recs) do table.insert(callback_files[key], f) end
+      end
       if r.tp == 0 and r.pp == 0 and r.data ~= nil then data_ranks[r.dp + 1] = r.data end
     end
     table.sort(files, function(a, b) return a.file < b.file end)
     manifest.tensor_state = { format = desc.format, files = files }
+    for _, recs in pairs(callback_files or {}) do table.sort(recs, function(a, b) return a.file < b.file end) end
+    manifest.callback_files = callback_files
     manifest.data_ranks = data_ranks
     -- never write what loading would refuse: a failure here is a bug in
     -- the writer (or in the checks), found at the save instead of the resume
@@ -368,6 +380,7 @@ function M.load(trainer, path)
   end
   trainer:call_hook("on_load_checkpoint", manifest)
   trainer.callback_handler:load_state_dict(manifest.callbacks or {})
+  trainer.callback_handler:load_files(trainer, dir, manifest.callback_files or {})
   return manifest, dir
 end
 

@@ -133,6 +133,31 @@ describe("examples/train_gpt.lua", function()
     assert.matches("--islands > 1 needs --outer-every=H", out, 1, true)
   end)
 
+  it("--islands=2 stopped after step 3 resumes (--resume=last) at 2 islands and at 1, from the outer state", function()
+    local out_dir = root .. "/islands-resume"
+    local function train(extra)
+      local args = train_args("examples/train_gpt.lua", { "--out=" .. out_dir, "--sample=0", "--outer-every=2" })
+      for _, a in ipairs(extra) do args[#args + 1] = a end
+      return h.sh(h.mpirun_cmd(2, args, 120))
+    end
+    local rc, out = train{ "--islands=2", "--stop-after=3" }
+    assert.equal(0, rc, out)
+    local m = pg.checkpoint.read_manifest(out_dir .. "/island-1/checkpoints/step-00000003")
+    assert.equal(1, m.callbacks.DiLoCo.outer_steps)
+    assert.equal(1, #m.callback_files.DiLoCo)
+    assert.equal("outer-tp0-pp0.safetensors", m.callback_files.DiLoCo[1].file)
+    rc, out = train{ "--islands=2", "--resume=last" }
+    assert.equal(0, rc, out)
+    assert.matches("resumed from " .. out_dir .. "/checkpoints/step-00000003 at step 3", out, 1, true)
+    assert.equal(2, pg.checkpoint.read_manifest(out_dir .. "/island-1/checkpoints/step-00000004").callbacks.DiLoCo
+      .outer_steps)
+    -- one island of data = 2 from island 0's checkpoint at step 3 (the resharded outer state: 1 outer step)
+    rc, out = train{ "--islands=1", "--resume=" .. out_dir .. "/checkpoints/step-00000003", "--steps=6" }
+    assert.equal(0, rc, out)
+    assert.matches("resumed from " .. out_dir .. "/checkpoints/step-00000003 at step 3", out, 1, true)
+    assert.equal(3, pg.checkpoint.read_manifest(out_dir .. "/checkpoints/step-00000006").callbacks.DiLoCo.outer_steps)
+  end)
+
   it("says in --help which ZeRO stages there are, and refuses another", function()
     local rc, out = run{ "examples/train_gpt.lua", "--help" }
     assert.equal(0, rc, out)

@@ -15,6 +15,9 @@
 #include "pg_comm.h"
 #include "pg_size.h"
 
+/* The largest group an ireduce_scatter takes (its counts live on the C stack). */
+#define PG_MAX_GROUP_SIZE_LUA 1024
+
 pg_context *pg_lua_default_context(lua_State *L);
 
 static pg_context *opt_ctx(lua_State *L, int idx) {
@@ -257,12 +260,121 @@ static int l_mpi_allreduce(lua_State *L) {
   return 0;
 }
 
-static const luaL_Reg dist_functions[] = {{"mpi_allreduce", l_mpi_allreduce}, {"mpi_alltoall", l_mpi_alltoall}, {"all_to_all", l_all_to_all},{"all_reduce", l_all_reduce}, {"all_gather", l_all_gather},
+/* ---- nonblocking reductions: iall_reduce, ireduce_scatter -> request ----
+ *
+ * For a reduction overlapped with compute (DiLoCo's streaming fragments):
+ * the members agree on the call first, as a blocking call does (call site,
+ * kind, op, count: pg_agree_batch), then start it (pg_iall_reduce_buf /
+ * pg_ireduce_scatter_buf, counted in comm_stats) and return a request.
+ * request:wait() completes it (the collective deadline applies),
+ * request:test() completes it if it is done and says whether it is. The
+ * tensor is the buffer: it must not be read or written until the request
+ * completes (the request keeps it alive). A request collected while in
+ * flight is waited for first (MPI must not write freed memory). Host float32
+ * tensors only. */
+#define PG_REQUEST_MT "pipegoose.request"
+
+typedef struct {
+  pg_request *req;
+  pg_context *ctx;
+  int64_t lo, hi; /* the tensor's elements the reduction left final: [lo, hi) */
+} lua_request;
+
+static lua_request *check_request(lua_State *L) { return luaL_checkudata(L, 1, PG_REQUEST_MT); }
+
+static int request_wait(lua_State *L) {
+  lua_request *r = check_request(L);
+  if (r->req && pg_wait(&r->req)) return luaL_error(L, "%s", pg_error());
+  lua_getiuservalue(L, 1, 1); /* the tensor */
+  return 1;
+}
+
+static int request_test(lua_State *L) {
+  lua_request *r = check_request(L);
+  int done_ = 1;
+  if (r->req && pg_test(&r->req, &done_)) return luaL_error(L, "%s", pg_error());
+  lua_pushboolean(L, done_);
+  return 1;
+}
+
+static int request_gc(lua_State *L) {
+  lua_request *r = check_request(L);
+  if (r->req) pg_wait(&r->req); /* an error here has no one to go to: the job's watchdog reports it */
+  return 0;
+}
+
+static int request_range(lua_State *L) {
+  lua_request *r = check_request(L);
+  lua_pushinteger(L, (lua_Integer)r->lo);
+  lua_pushinteger(L, (lua_Integer)r->hi);
+  return 2;
+}
+
+static int start_request(lua_State *L, int scatter) {
+  static const char *const keys[] = {"group", "ctx", "op", NULL};
+  const char *name = scatter ? "ireduce_scatter" : "iall_reduce";
+  pg_tensor *t = pg_lua_check_tensor(L, 1);
+  pg_lua_check_keys(L, 2, name, keys);
+  pg_context *c = opt_ctx(L, 2);
+  pg_mode m = opt_mode(L, 2);
+  pg_reduce_op op = opt_op(L, 2);
+  if (t->dtype != PG_FLOAT32) return luaL_error(L, "%s: takes a float32 tensor, got %s", name, pg_dtype_name(t->dtype));
+  if (!t->storage) return luaL_error(L, "%s: the tensor was freed", name);
+  int n = c->group[m].size;
+  int64_t counts[PG_MAX_GROUP_SIZE_LUA];
+  if (scatter) {
+    if (n > PG_MAX_GROUP_SIZE_LUA) return luaL_error(L, "%s: a group of %d ranks (at most %d)", name, n,
+                                                     PG_MAX_GROUP_SIZE_LUA);
+    if (t->numel % n) return luaL_error(L, "%s: %I elements do not split evenly over %d ranks", name,
+                                        (lua_Integer)t->numel, n);
+    for (int j = 0; j < n; j++) counts[j] = t->numel / n;
+  }
+  lua_request *r = lua_newuserdatauv(L, sizeof *r, 2);
+  r->req = NULL;
+  r->ctx = c;
+  int me = c->group[m].rank;
+  r->lo = scatter ? (int64_t)me * (t->numel / n) : 0;
+  r->hi = scatter ? r->lo + t->numel / n : t->numel;
+  luaL_setmetatable(L, PG_REQUEST_MT);
+  lua_pushvalue(L, 1);
+  lua_setiuservalue(L, -2, 1);
+  if (lua_getfield(L, 2, "ctx") != LUA_TNIL) lua_setiuservalue(L, -2, 2); /* the context outlives the request */
+  else lua_pop(L, 1);
+  char site[PG_SITE_MAX] = "";
+  lua_Debug ar;
+  if (lua_getstack(L, 1, &ar) && lua_getinfo(L, "Sl", &ar) && ar.currentline > 0)
+    snprintf(site, sizeof site, "%s:%d", ar.short_src, ar.currentline);
+  int rc = pg_agree_batch(c, m, scatter ? PG_COLL_REDUCE_SCATTER : PG_COLL_ALL_REDUCE, op, t->numel, site);
+  if (rc == PG_OK)
+    rc = scatter ? pg_ireduce_scatter_buf(c, m, pg_tensor_data(t), counts, op, &r->req)
+                 : pg_iall_reduce_buf(c, m, pg_tensor_data(t), t->numel, op, &r->req);
+  done(L, c, rc);
+  return 1;
+}
+
+/* iall_reduce(t, {group=, ctx=, op = "sum" | "avg"}) -> request: t reduced in place once it completes. */
+static int l_iall_reduce(lua_State *L) { return start_request(L, 0); }
+
+/* ireduce_scatter(t, {group=, ctx=, op=}) -> request: t cut into equal pieces, one per member; once it
+ * completes, this member's piece (request:range(), 0-based [lo, hi)) holds the reduction of everyone's, in
+ * its place; the rest of t holds partial results. */
+static int l_ireduce_scatter(lua_State *L) { return start_request(L, 1); }
+
+static const luaL_Reg dist_functions[] = {{"iall_reduce", l_iall_reduce}, {"ireduce_scatter", l_ireduce_scatter}, {"mpi_allreduce", l_mpi_allreduce}, {"mpi_alltoall", l_mpi_alltoall}, {"all_to_all", l_all_to_all},{"all_reduce", l_all_reduce}, {"all_gather", l_all_gather},
                                           {"reduce_scatter", l_reduce_scatter}, {"broadcast", l_broadcast},
                                           {"send", l_send}, {"recv", l_recv}, {"sendrecv", l_sendrecv},
                                           {"barrier", l_barrier}, {NULL, NULL}};
 
 void pg_lua_open_dist(lua_State *L) {
+  if (luaL_newmetatable(L, PG_REQUEST_MT)) {
+    static const luaL_Reg methods[] = {{"wait", request_wait}, {"test", request_test}, {"range", request_range},
+                                       {NULL, NULL}};
+    luaL_newlib(L, methods);
+    lua_setfield(L, -2, "__index");
+    lua_pushcfunction(L, request_gc);
+    lua_setfield(L, -2, "__gc");
+  }
+  lua_pop(L, 1);
   luaL_newlib(L, dist_functions);
   lua_setfield(L, -2, "dist");
 }

@@ -13,6 +13,7 @@
 #include "kernels.h"
 #include "lua_util.h"
 #include "pg_cpu_bf16_gemm.h"
+#include "pg_size.h"
 
 /* ---- argument checks ---- */
 
@@ -403,6 +404,78 @@ static int l_from_f16(lua_State *L) {
   }
   pg_tensor *y = pg_lua_new_tensor(L, PG_FLOAT32, x->ndim, x->shape);
   pg_f16_to_f32(pg_tensor_f32(y), pg_tensor_data(x), x->numel);
+  return 1;
+}
+
+/* ---- int8 block quantisation (DiLoCo's quantised exchange) ----
+ * A block of B values (B a multiple of 4) becomes 1 + B/4 int32 words: the
+ * float32 bits of its scale s = absmax / 127, then the values' int8 codes
+ * q = nearest(x / s) (ties to even; all 0 when the block is all 0), four to a
+ * word, little-endian. x = q * s comes back within s / 2 (plus one rounding of
+ * each product): the error bound the specs use. Words travel through
+ * collectives as int32. */
+
+/* quantize_int8(x, block) -> int32 tensor [numel / block * (1 + block / 4)] */
+static int l_quantize_int8(lua_State *L) {
+  pg_tensor *x = pg_lua_check_tensor(L, 1);
+  lua_Integer B = luaL_checkinteger(L, 2);
+  if (x->dtype != PG_FLOAT32 || x->device != PG_CPU) {
+    char got[128];
+    return luaL_error(L, "ops.quantize_int8: x: expected a cpu float32 tensor, got %s",
+                      pg_tensor_describe(x, got, sizeof got));
+  }
+  if (B < 4 || B % 4 || B > (1 << 20)) return luaL_error(L, "ops.quantize_int8: block=%I must be a multiple of 4 "
+                                                         "from 4 to 2^20", B);
+  if (x->numel % B) return luaL_error(L, "ops.quantize_int8: %I values are not whole blocks of %I",
+                                      (lua_Integer)x->numel, B);
+  int64_t nb = x->numel / B, words;
+  if (pg_mul_overflows(nb, 1 + B / 4, &words)) return luaL_error(L, "ops.quantize_int8: too many values");
+  pg_tensor *y = pg_lua_new_tensor(L, PG_INT32, 1, (int64_t[]){words});
+  const float *a = pg_tensor_f32(x);
+  uint32_t *w = (uint32_t *)pg_tensor_data(y);
+  for (int64_t b = 0; b < nb; b++) {
+    const float *v = a + b * B;
+    uint32_t *o = w + b * (1 + B / 4);
+    float amax = 0;
+    for (int64_t i = 0; i < B; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+    float sc = amax / 127.0f;
+    memcpy(&o[0], &sc, 4);
+    for (int64_t i = 0; i < B; i += 4) {
+      uint32_t word = 0;
+      for (int j = 0; j < 4; j++) {
+        long q = sc > 0 ? lrintf(v[i + j] / sc) : 0;
+        q = q > 127 ? 127 : q < -127 ? -127 : q;
+        word |= (uint32_t)(uint8_t)(int8_t)q << (8 * j);
+      }
+      o[1 + i / 4] = word;
+    }
+  }
+  return 1;
+}
+
+/* dequantize_int8(words, block) -> float32 tensor of the values quantize_int8 coded */
+static int l_dequantize_int8(lua_State *L) {
+  pg_tensor *x = pg_lua_check_tensor(L, 1);
+  lua_Integer B = luaL_checkinteger(L, 2);
+  if (x->dtype != PG_INT32 || x->device != PG_CPU) {
+    char got[128];
+    return luaL_error(L, "ops.dequantize_int8: words: expected a cpu int32 tensor, got %s",
+                      pg_tensor_describe(x, got, sizeof got));
+  }
+  if (B < 4 || B % 4 || B > (1 << 20)) return luaL_error(L, "ops.dequantize_int8: block=%I must be a multiple of 4 "
+                                                         "from 4 to 2^20", B);
+  if (x->numel % (1 + B / 4)) return luaL_error(L, "ops.dequantize_int8: %I words are not whole blocks of %I values",
+                                                (lua_Integer)x->numel, B);
+  int64_t nb = x->numel / (1 + B / 4);
+  pg_tensor *y = pg_lua_new_tensor(L, PG_FLOAT32, 1, (int64_t[]){nb * B});
+  const uint32_t *w = (const uint32_t *)pg_tensor_data(x);
+  float *out = pg_tensor_f32(y);
+  for (int64_t b = 0; b < nb; b++) {
+    const uint32_t *o = w + b * (1 + B / 4);
+    float sc;
+    memcpy(&sc, &o[0], 4);
+    for (int64_t i = 0; i < B; i++) out[b * B + i] = (float)(int8_t)(uint8_t)(o[1 + i / 4] >> (8 * (i % 4))) * sc;
+  }
   return 1;
 }
 
@@ -1005,6 +1078,8 @@ static const luaL_Reg ops_functions[] = {
     {"from_f16", l_from_f16},
     {"to_f16", l_to_f16},
     {"bf16_gemm_path", l_bf16_gemm_path},
+    {"quantize_int8", l_quantize_int8},
+    {"dequantize_int8", l_dequantize_int8},
     {"attention", l_attention},
     {"attention_backward", l_attention_backward},
     {"alibi_slopes", l_alibi_slopes},

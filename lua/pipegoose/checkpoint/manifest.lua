@@ -291,6 +291,31 @@ local function check_records(m)
   end
 end
 
+-- callback_files: { [state key] = { {file=, bytes=, crc32=}, ... } }: the tensor files a callback writes
+-- beside the engine's (Handler:save_files); named like them, never one of theirs or listed twice.
+local function check_callback_files(m)
+  if m.callback_files == nil then return end
+  object("callback_files", m.callback_files)
+  local seen = {}
+  for _, r in ipairs(m.tensor_state.files) do seen[r.file] = "tensor_state.files" end
+  for _, key in ipairs(sorted_keys(m.callback_files)) do
+    local field = ("callback_files[%s]"):format(show(key))
+    must(type(key) == "string" and key ~= "", field, key, "a callback's state key")
+    list(field, m.callback_files[key])
+    for i, r in ipairs(m.callback_files[key]) do
+      local f = ("%s[%d]"):format(field, i)
+      object(f, r)
+      must(M.plain_name(r.file), f .. ".file", r.file,
+        "the name of a file in the checkpoint directory (letters, digits, '_', '.', '-'; no '/', no '..')")
+      if seen[r.file] then fail_check("%s.file '%s' is listed twice (also in %s)", f, r.file, seen[r.file]) end
+      seen[r.file] = f
+      pos_int(f .. ": bytes", r.bytes)
+      must(is_int(r.crc32) and r.crc32 >= 0 and r.crc32 <= 0xFFFFFFFF, f .. ": crc32", r.crc32,
+        "a crc32 (an integer from 0 to 0xffffffff)")
+    end
+  end
+end
+
 local function check_manifest(m)
   nonneg_int("step", m.step)
   nonneg_int("epoch", m.epoch)
@@ -357,6 +382,7 @@ local function check_manifest(m)
     end
   end
   check_records(m)
+  check_callback_files(m)
 end
 
 --- The first problem of a decoded manifest (every field FORMATS.md
@@ -525,7 +551,12 @@ function M.validate(dir, opts)
   local ok, manifest = pcall(M.read_manifest, dir, opts)
   if not ok then return { tostring(manifest) } end
   local problems = {}
-  for _, rec in ipairs(manifest.tensor_state.files) do
+  local recs = {}
+  for _, rec in ipairs(manifest.tensor_state.files) do recs[#recs + 1] = rec end
+  for _, key in ipairs(sorted_keys(manifest.callback_files or {})) do
+    for _, rec in ipairs(manifest.callback_files[key]) do recs[#recs + 1] = rec end
+  end
+  for _, rec in ipairs(recs) do
     if opts.files == nil or opts.files[rec.file] then
       problems[#problems + 1] = M.check_file(dir, rec)
     end
