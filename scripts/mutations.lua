@@ -917,4 +917,14 @@ return {
   { name = "embedding-ids-unchecked", file = "src/lua/lua_ops.c",
     from = "if (t[i] < 0 || (whole && t[i] >= rows)) {", to = "if (t[i] < 0) {",
     specs = { "unit/ops_checks#embedding: an id outside" }, why = "pg.ops.embedding gives zeros for an id past the vocabulary" },
+  ------------------------------------------------------------------ MoE with context parallelism
+  { name = "cp-moe-drop-by-chunk", file = "src/nn/kind_moe.c",
+    from = "    if (moe_drop_cp(m, io, expert, pos, N)) return PG_ERR;", to = "    moe_drop(s, expert, pos, N, io->T);",
+    specs = { "dist/context_parallel#mixtral" }, why = "each context rank drops by its own chunks' capacity" },
+  { name = "cp-moe-jitter-local-row", file = "src/nn/kind_moe.c",
+    from = "if (!(m->ctx && m->ctx->context > 1 && L > 0)) return io->global_row0 + t;", to = "return io->global_row0 + t;",
+    specs = { "dist/context_parallel#mixtral" }, why = "jitter's noise drawn by the local row, not the sequence position" },
+  { name = "cp-moe-totals-data-only", file = "src/nn/kind_moe.c",
+    from = "return m->ctx && m->ctx->context > 1 ? PG_MODE_DATA_CONTEXT : PG_MODE_DATA;", to = "return PG_MODE_DATA;",
+    specs = { "dist/context_parallel#mixtral" }, why = "the load balance over each context rank's chunks only" },
 }
