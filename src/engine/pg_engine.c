@@ -1228,8 +1228,6 @@ static int cp_on(const pg_engine *e) { return e->ctx->context > 1; }
 static int cp_check_engine(const pg_engine *e) {
   if (!cp_on(e)) return PG_OK;
   int C = e->ctx->context;
-  if (e->be->device != PG_CPU)
-    return pg_fail("context=%d: context parallelism runs on the cpu backend only (not %s)", C, e->be->name);
   if (e->flat_padded > e->dense_padded)
     return pg_fail("context=%d with expert parallelism (expert=%d) is not supported (the experts' gradients are "
                    "averaged over expert_data, which does not span the context group): use expert = 1 or context = 1",
