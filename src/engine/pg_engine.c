@@ -1228,12 +1228,10 @@ static int cp_on(const pg_engine *e) { return e->ctx->context > 1; }
 static int cp_check_engine(const pg_engine *e) {
   if (!cp_on(e)) return PG_OK;
   int C = e->ctx->context;
-  if (e->be->device != PG_CPU)
-    return pg_fail("context=%d: context parallelism runs on the cpu backend only (not %s)", C, e->be->name);
-  if (e->flat_padded > e->dense_padded || e->opts.router_experts > 0)
-    return pg_fail("context=%d with a mixture of experts is not supported (expert capacity is per sequence and "
-                   "the routing totals per micro-batch: each context rank would drop tokens by its own chunks): use "
-                   "context = 1", C);
+  if (e->flat_padded > e->dense_padded)
+    return pg_fail("context=%d with expert parallelism (expert=%d) is not supported (the experts' gradients are "
+                   "averaged over expert_data, which does not span the context group): use expert = 1 or context = 1",
+                   C, e->ctx->expert);
   if (e->opts.objective)
     return pg_fail("context=%d with an objective written in Lua is not supported (it would see two chunks of each "
                    "sequence as its rows): use the model's own loss or context = 1", C);
@@ -1325,13 +1323,14 @@ int pg_engine_forward_backward(pg_engine *e, const int32_t *tokens, const int32_
   *loss = e->is_last ? sum / ((double)B * T) : 0;
   if (share_loss(e, loss)) return PG_ERR;
   /* auxiliary losses come from the stages that hold MoE layers (the load-balancing
-   * one from the last MoE layer's): summed over the pipeline, averaged over the data group */
+   * one from the last MoE layer's): summed over the pipeline, averaged over the data group (data x context
+   * under context parallelism: each rank's share of the tokens) */
   aux /= (double)B * T;
   if (e->router && (pg_all_reduce_buf(e->ctx, PG_MODE_PIPELINE, &aux, 1, PG_FLOAT64, PG_REDUCE_SUM) ||
-                    pg_all_reduce_buf(e->ctx, PG_MODE_DATA, &aux, 1, PG_FLOAT64, PG_REDUCE_SUM)))
+                    pg_all_reduce_buf(e->ctx, pg_engine_dense_group(e), &aux, 1, PG_FLOAT64, PG_REDUCE_SUM)))
     return PG_ERR;
   if (e->router) {
-    aux /= e->ctx->data;
+    aux /= dense_size(e);
     /* after backward every stage holds the whole model's totals (the last stage's, sent back), summed over
      * the data group by the last MoE layer */
     int E = e->opts.router_experts;

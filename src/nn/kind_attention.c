@@ -30,6 +30,7 @@ typedef struct attention_state {
    * the micro-batches, the two key/value blocks of the exchange [2][rows, 2 kv_l head_dim] and their gradients,
    * the online softmax's state (acc [rows, out_width], max and sum [B, 2, heads_l, L]) and delta */
   float *cp_lse, *cp_out, *cp_kv[2], *cp_dkv[3], *cp_acc, *cp_mx, *cp_sm, *cp_delta;
+  float *cp_mx0; /* [rows * heads_l] -INFINITY, the running maxima's start (copied, as device memory has no fill) */
 } attention_state;
 
 /* Context parallelism: the module's context splits sequences (pg_io.cp_chunk says how). */
@@ -80,7 +81,12 @@ static int attention_alloc(pg_module *m, int nslots, int max_rows) {
     for (int i = 0; i < 2 && ok; i++) ok = alloc_floats(m, &s->cp_kv[i], kv) != NULL;
     for (int i = 0; i < 3 && ok; i++) ok = alloc_floats(m, &s->cp_dkv[i], kv) != NULL;
     ok = ok && alloc_floats(m, &s->cp_acc, rows * m->out_width) && alloc_floats(m, &s->cp_mx, stats) &&
-         alloc_floats(m, &s->cp_sm, stats) && alloc_floats(m, &s->cp_delta, stats);
+         alloc_floats(m, &s->cp_sm, stats) && alloc_floats(m, &s->cp_delta, stats) &&
+         alloc_floats(m, &s->cp_mx0, stats);
+    float *start = ok ? malloc(stats * sizeof(float)) : NULL;
+    for (size_t i = 0; start && i < stats; i++) start[i] = -INFINITY;
+    ok = start && !BE(m)->ops->copy(BE(m), s->cp_mx0, start, stats * sizeof(float), PG_COPY_HOST_TO_DEVICE);
+    free(start);
     if (!ok) return pg_fail("out of memory for %s (the context-parallel ring)", m->name);
     m->saved_bytes_per_slot += (stats + out) * sizeof(float);
   }
@@ -283,9 +289,16 @@ static int ring_pair_at(const pg_module *m, const pg_io *io, int src, int n, rin
 }
 
 /* Block of this rank's keys and values, packed [rows, 2 kv_l head_dim] (k then v, as in the q|k|v row). */
-static void ring_pack(const pg_module *m, const attention_state *s, int64_t N, const float *x, float *kv) {
+static int ring_pack(const pg_module *m, const attention_state *s, int64_t N, const float *x, float *kv) {
   size_t w = (size_t)2 * s->kv_l * s->o.head_dim, q = (size_t)s->heads_l * s->o.head_dim;
-  for (int64_t i = 0; i < N; i++) memcpy(kv + i * w, x + i * m->in_width + q, w * sizeof(float));
+  return BE(m)->ops->copy2d(BE(m), kv, w * sizeof(float), x + q, (size_t)m->in_width * sizeof(float),
+                            w * sizeof(float), (size_t)N, PG_COPY_DEVICE_TO_DEVICE);
+}
+
+/* The ring's buffers live in the backend's memory (the device's on a device engine): cleared, copied and summed
+ * through the seam. */
+static int ring_zero(const pg_module *m, float *p, int64_t n) {
+  return BE(m)->ops->zero(BE(m), p, (size_t)n * sizeof(float));
 }
 
 /* Starts the step's exchange: block `mine` to the next context rank, the previous one's into `theirs`. */
@@ -308,10 +321,10 @@ static int cp_attention_forward(pg_module *m, attention_state *s, int slot, cons
   int OW = m->out_width, kvs = 2 * s->kv_l * hd;
   int64_t N = (int64_t)io->B * io->T, nkv = N * kvs, nstat = N * s->heads_l;
   float *lse = s->cp_lse + (size_t)slot * m->max_rows * s->heads_l;
-  memset(s->cp_acc, 0, (size_t)N * OW * sizeof(float));
-  memset(s->cp_sm, 0, (size_t)nstat * sizeof(float));
-  for (int64_t i = 0; i < nstat; i++) s->cp_mx[i] = -INFINITY;
-  ring_pack(m, s, N, xf, s->cp_kv[0]);
+  if (ring_zero(m, s->cp_acc, N * OW) || ring_zero(m, s->cp_sm, nstat) ||
+      BE(m)->ops->copy(BE(m), s->cp_mx, s->cp_mx0, (size_t)nstat * sizeof(float), PG_COPY_DEVICE_TO_DEVICE) ||
+      ring_pack(m, s, N, xf, s->cp_kv[0]))
+    return PG_ERR;
   int cur = 0, rc = PG_OK;
   for (int step = 0; step < C && !rc; step++) {
     int src = (r - step + C) % C;
@@ -337,7 +350,9 @@ static int cp_attention_forward(pg_module *m, attention_state *s, int slot, cons
         return PG_ERR;
     }
   /* bf16: the float32 output the backward's delta reads (the slot's output is rounded) */
-  if (s->cp_out) memcpy(s->cp_out + (size_t)slot * m->max_rows * OW, out, (size_t)N * OW * sizeof(float));
+  if (s->cp_out && BE(m)->ops->copy(BE(m), s->cp_out + (size_t)slot * m->max_rows * OW, out,
+                                     (size_t)N * OW * sizeof(float), PG_COPY_DEVICE_TO_DEVICE))
+    return PG_ERR;
   return PG_OK;
 }
 
@@ -359,15 +374,14 @@ static int cp_attention_backward(pg_module *m, attention_state *s, int slot, con
    * (received while the step computes), the sum leaving for the next rank (sent while the next step computes) */
   float *mine = s->cp_dkv[0], *in = s->cp_dkv[1], *outgoing = s->cp_dkv[2];
   pg_request *dsq = NULL, *drq = NULL;
-  memset(dinp, 0, (size_t)N * W * sizeof(float));
-  ring_pack(m, s, N, x, s->cp_kv[0]);
+  if (ring_zero(m, dinp, N * W) || ring_pack(m, s, N, x, s->cp_kv[0])) return PG_ERR;
   int cur = 0, rc = PG_OK;
   for (int step = 0; step < C && !rc; step++) {
     int src = (r - step + C) % C;
     pg_request *sq = NULL, *rq = NULL;
     if (step < C - 1) rc = ring_start(m, s->cp_kv[cur], s->cp_kv[1 - cur], nkv, 1, &sq, &rq);
     const float *kv = s->cp_kv[cur];
-    memset(mine, 0, (size_t)nkv * sizeof(float));
+    rc = rc || ring_zero(m, mine, nkv);
     for (int n = 0; n < 4 * io->B && !rc; n++) {
       ring_pair p;
       if (!ring_pair_at(m, io, src, n, &p)) continue;
@@ -378,8 +392,7 @@ static int cp_attention_backward(pg_module *m, attention_state *s, int slot, con
     }
     if (step < C - 1) rc = ring_wait(&sq, &rq) || rc;
     /* the block's partial sum from the ranks before (none for this rank's own block, step 0) joins ours */
-    if (step > 0 && !rc && !(rc = pg_wait(&drq)))
-      for (int64_t i = 0; i < nkv; i++) mine[i] += in[i];
+    if (step > 0 && !rc && !(rc = pg_wait(&drq))) rc = KERNEL(m, residual_forward, mine, mine, in, nkv);
     /* and goes on to the next rank (the last step: home, to its owner), whose partial for our next block we
      * receive meanwhile */
     if (!rc) rc = ring_wait(&dsq, &drq);
@@ -395,8 +408,8 @@ static int cp_attention_backward(pg_module *m, attention_state *s, int slot, con
   if (rc) return PG_ERR;
   const float *dkv = in; /* this rank's keys' and values' gradient, complete */
   size_t q = (size_t)s->heads_l * hd;
-  for (int64_t i = 0; i < N; i++) memcpy(dinp + i * W + q, dkv + i * kvs, (size_t)kvs * sizeof(float));
-  return PG_OK;
+  return BE(m)->ops->copy2d(BE(m), dinp + q, (size_t)W * sizeof(float), dkv, (size_t)kvs * sizeof(float),
+                            (size_t)kvs * sizeof(float), (size_t)N, PG_COPY_DEVICE_TO_DEVICE);
 }
 
 static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
@@ -482,7 +495,7 @@ static void attention_destroy(pg_module *m) {
   pg_be_release(home_backend(BE(m)), s->sin_t);
   pg_be_release(home_backend(BE(m)), s->slopes);
   float *cp[] = {s->cp_lse, s->cp_out, s->cp_kv[0], s->cp_kv[1], s->cp_dkv[0], s->cp_dkv[1], s->cp_dkv[2], s->cp_acc, s->cp_mx,
-                 s->cp_sm, s->cp_delta};
+                 s->cp_sm, s->cp_delta, s->cp_mx0};
   for (size_t i = 0; i < sizeof cp / sizeof *cp; i++) pg_be_release(BE(m), cp[i]);
   free(s->saved_x);
   attention_release_cache(m);

@@ -34,7 +34,7 @@
  * batch), first choices before second ones, earlier tokens first (GShard's
  * priority); the choices beyond are dropped: they add 0 to the token's output
  * (the residual carries it) and get no gradient. Per sequence, so that every
- * layout (data, micro-batches, experts) drops the same choices. */
+ * layout (data, micro-batches, experts, context) drops the same choices. */
 typedef struct moe_state {
   pg_moe_opts o;
   int hidden_l;          /* this rank's columns of each expert's hidden width */
@@ -63,6 +63,8 @@ typedef struct moe_state {
   int64_t *orows;              /* [2 G]: rows to each member, rows from each member */
   int64_t *ecount;             /* [E] */
   int32_t *fill;               /* [E] choices of each expert in the current sequence */
+  int32_t *cp_all, *cp_seq;    /* context parallelism with capacity: [C rows K] every context rank's choices,
+                                * [C rows K] one whole sequence's choices then kept flags, in sequence order */
   /* precision "bf16" (as linear's bf16_mm): the router's and the experts' products on bf16 operands with float32
    * sums, working weights remade at each call's first forward, the operands rounded into the engine's scratch */
   int bf16;
@@ -171,6 +173,17 @@ static int moe_alloc(pg_module *m, int nslots, int max_rows) {
   if (s->G > 1 && (!alloc_floats(m, &s->xr, S * X * D) || !alloc_floats(m, &s->bufa, X * D) ||
                    !alloc_floats(m, &s->bufb, X * D)))
     return pg_fail("out of memory for %s (expert-parallel buffers)", m->name);
+  if (m->ctx && m->ctx->context > 1 && s->o.capacity_factor > 0) {
+    free(s->cp_all);
+    free(s->cp_seq);
+    size_t C = (size_t)m->ctx->context;
+    if (pg_size_product(3, (int64_t[]){(int64_t)C, R, (int64_t)sizeof(int32_t)}) < 0)
+      return pg_fail("%s: context=%d x %lld choices are too many for the context group's buffers", m->name, (int)C,
+                     (long long)R);
+    s->cp_all = malloc(C * R * sizeof(int32_t));
+    s->cp_seq = malloc(C * R * sizeof(int32_t));
+    if (!s->cp_all || !s->cp_seq) return pg_fail("out of memory for %s (the context group's choices)", m->name);
+  }
   if (s->bf16 && moe_alloc_bf16(m, (int64_t)max_rows > X ? (int64_t)max_rows : X))
     return PG_ERR;
   m->saved_bytes_per_slot += (rows * (E + 1) + R * (1 + D) + X * 2 * H + (s->G > 1 ? X * D : 0)) * sizeof(float) +
@@ -217,8 +230,18 @@ static uint64_t moe_jitter_key(const pg_module *m, const pg_io *io) {
   return pg_rng_subkey(pg_rng_key(m->ctx ? m->ctx->seed : 0, m->name), (uint64_t)io->step);
 }
 
-static float moe_noise(const moe_state *s, uint64_t key, const pg_io *io, int t, int d) {
-  uint64_t at = (uint64_t)(io->global_row0 + t) * (uint64_t)s->o.dim + (uint64_t)d;
+/* Local row t's place in the global batch: with context parallelism (pg_io.cp_chunk) its sequence's place times
+ * the whole length plus its position in the whole sequence (pg_cp_position), as the serial model numbers it. */
+static int64_t moe_global_row(const pg_module *m, const pg_io *io, int t) {
+  int L = io->cp_chunk;
+  if (!(m->ctx && m->ctx->context > 1 && L > 0)) return io->global_row0 + t;
+  int64_t C = m->ctx->context, Tl = 2 * (int64_t)L, seq = io->global_row0 / Tl + t / Tl;
+  return seq * C * Tl + pg_cp_position((int)C, m->ctx->cp_rank, L, t % Tl);
+}
+
+static float moe_noise(const pg_module *m, uint64_t key, const pg_io *io, int t, int d) {
+  const moe_state *s = m->state;
+  uint64_t at = (uint64_t)moe_global_row(m, io, t) * (uint64_t)s->o.dim + (uint64_t)d;
   return (float)(1 - s->o.jitter) + (float)(2 * s->o.jitter) * pg_uniform_at(key, at);
 }
 
@@ -228,7 +251,7 @@ static const float *moe_jitter(pg_module *m, const pg_io *io, const float *x, in
   uint64_t key = moe_jitter_key(m, io);
   int D = s->o.dim;
   for (int t = 0; t < N; t++)
-    for (int d = 0; d < D; d++) s->xj[(size_t)t * D + d] = x[(size_t)t * D + d] * moe_noise(s, key, io, t, d);
+    for (int d = 0; d < D; d++) s->xj[(size_t)t * D + d] = x[(size_t)t * D + d] * moe_noise(m, key, io, t, d);
   return s->xj;
 }
 
@@ -248,6 +271,39 @@ static void moe_drop(moe_state *s, const int32_t *expert, int32_t *pos, int N, i
         if (s->fill[expert[i]]++ >= cap) pos[i] = -1;
       }
   }
+}
+
+/* The same under context parallelism: a sequence's tokens are spread over the context group (chunks r and
+ * 2C-1-r of each, pg_cp_position), so every member's choices are gathered, each whole sequence's put in order,
+ * the rule above applied to it as the serial model does, and each member keeps its own rows' decisions. */
+static int moe_drop_cp(pg_module *m, const pg_io *io, const int32_t *expert, int32_t *pos, int N) {
+  moe_state *s = m->state;
+  if (!(s->o.capacity_factor > 0)) return PG_OK;
+  int C = m->ctx->context, r = m->ctx->cp_rank, L = io->cp_chunk, K = s->o.top_k, Tl = io->T;
+  int64_t n = (int64_t)N * K;
+  memcpy(s->cp_all + (size_t)r * n, expert, (size_t)n * sizeof(int32_t));
+  if (pg_all_gather_buf(m->ctx, PG_MODE_CONTEXT, s->cp_all, n, PG_INT32)) return PG_ERR;
+  int T = C * Tl; /* the whole sequence */
+  for (int b = 0; b < N / Tl; b++) {
+    for (int q = 0; q < C; q++)
+      for (int t = 0; t < Tl; t++)
+        for (int j = 0; j < K; j++)
+          s->cp_seq[pg_cp_position(C, q, L, t) * K + j] = s->cp_all[(size_t)q * n + ((size_t)b * Tl + t) * K + j];
+    /* the serial rule over the sequence's T tokens; cp_seq then says which choices are kept (1) */
+    int E = s->o.experts;
+    double c = ceil(s->o.capacity_factor * T * K / E);
+    int cap = c > INT32_MAX ? INT32_MAX : (int)c;
+    for (int e = 0; e < E; e++) s->fill[e] = 0;
+    for (int j = 0; j < K; j++)
+      for (int t = 0; t < T; t++) {
+        int i = t * K + j;
+        s->cp_seq[i] = s->fill[s->cp_seq[i]]++ < cap;
+      }
+    for (int t = 0; t < Tl; t++)
+      for (int j = 0; j < K; j++)
+        if (!s->cp_seq[pg_cp_position(C, r, L, t) * K + j]) pos[((size_t)b * Tl + t) * K + j] = -1;
+  }
+  return PG_OK;
 }
 
 /* Rows between source-major order (member i's rows for our expert 0, 1, ...,
@@ -343,6 +399,14 @@ static int moe_experts_backward(pg_module *m, const pg_io *io, const float *x, c
   return PG_OK;
 }
 
+/* Context parallelism: this rank's rows are two chunks of each sequence (pg_io.cp_chunk); the routing totals are
+ * then summed over data x context, where the dense gradients are averaged. */
+static int moe_cp_on(const pg_module *m, const pg_io *io) { return m->ctx && m->ctx->context > 1 && io->cp_chunk > 0; }
+static pg_mode moe_totals_group(const pg_module *m) {
+  return m->ctx && m->ctx->context > 1 ? PG_MODE_DATA_CONTEXT : PG_MODE_DATA;
+}
+static int moe_totals_size(const pg_module *m) { return m->ctx ? m->ctx->group[moe_totals_group(m)].size : 1; }
+
 static int moe_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   moe_state *s = m->state;
   if (check_rows(m, slot, io)) return PG_ERR;
@@ -362,7 +426,10 @@ static int moe_forward(pg_module *m, int slot, pg_io *io, const float *x, const 
   for (int i = 0; i < R; i++) pos[i] = 0;
   /* decoding with the key/value cache drops nothing (transformers' Mixtral has no capacity): a capacity per
    * sequence of io->T tokens would differ between a prompt's prefill and its one-token steps */
-  if (!io->decode) moe_drop(s, expert, pos, N, io->T);
+  if (moe_cp_on(m, io)) {
+    if (moe_drop_cp(m, io, expert, pos, N)) return PG_ERR;
+  } else if (!io->decode)
+    moe_drop(s, expert, pos, N, io->T);
   /* group by expert (a counting sort, stable in token then choice order) */
   for (int e = 0; e <= E; e++) off[e] = 0;
   for (int i = 0; i < R; i++)
@@ -435,12 +502,12 @@ static int moe_forward(pg_module *m, int slot, pg_io *io, const float *x, const 
     L = s->o.layers;
     /* the load balance of the global batch, as transformers' over the batch:
      * after the last layer the totals are summed over the data group (each
-     * micro-batch with the same one of the other ranks), and hold the whole
-     * model's and the whole data group's from then on (backward, the engine's
-     * expert_tokens) */
-    Dg = m->ctx ? m->ctx->data : 1;
+     * micro-batch with the same one of the other ranks; over data x context
+     * under context parallelism), and hold the whole model's and the whole
+     * group's from then on (backward, the engine's expert_tokens) */
+    Dg = moe_totals_size(m);
     if (s->o.layer == s->o.layers - 1 &&
-        pg_all_reduce_buf(m->ctx, PG_MODE_DATA, io->router, 2 * (int64_t)E, PG_FLOAT64, PG_REDUCE_SUM))
+        pg_all_reduce_buf(m->ctx, moe_totals_group(m), io->router, 2 * (int64_t)E, PG_FLOAT64, PG_REDUCE_SUM))
       return PG_ERR;
   }
   if (s->o.aux_loss_coef != 0 && (!io->router || s->o.layer == s->o.layers - 1))
@@ -475,7 +542,7 @@ static int moe_backward(pg_module *m, int slot, pg_io *io, const float *dy, cons
   if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, s->dweight, R, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
   /* the router: renormalised weights, load balancing, z-loss */
   const double *totals = io->router ? io->router : s->stats + (size_t)slot * 2 * E;
-  int L = io->router ? s->o.layers : 1, Dg = io->router && m->ctx ? m->ctx->data : 1;
+  int L = io->router ? s->o.layers : 1, Dg = io->router ? moe_totals_size(m) : 1;
   /* the objective counts each micro-batch's auxiliary losses times its rows: d/d aux = rows x dloss; the
    * load balance is the data group's (global totals), whose gradients the data group then averages: times Dg */
   double scale = (double)N * io->dloss;
@@ -489,7 +556,7 @@ static int moe_backward(pg_module *m, int slot, pg_io *io, const float *dy, cons
   if (xr != x) { /* d(x u)/dx = u, the same noise */
     uint64_t key = moe_jitter_key(m, io);
     for (int t = 0; t < N; t++)
-      for (int d = 0; d < D; d++) s->dx_router[(size_t)t * D + d] *= moe_noise(s, key, io, t, d);
+      for (int d = 0; d < D; d++) s->dx_router[(size_t)t * D + d] *= moe_noise(m, key, io, t, d);
   }
   /* the experts, each over its grouped rows */
   for (int i = 0; i < R; i++) {
@@ -551,6 +618,8 @@ static void moe_destroy(pg_module *m) {
   free(s->orows);
   free(s->ecount);
   free(s->fill);
+  free(s->cp_all);
+  free(s->cp_seq);
   float *bufs[] = {s->probs, s->lse, s->weight, s->gu, s->y, s->logits, s->wcat, s->dwcat, s->xg, s->act, s->dyg,
                    s->dxg, s->da, s->dgu, s->dweight, s->dx_router, s->dprob, s->xr, s->bufa, s->bufb, s->xj};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) pg_be_release(BE(m), bufs[i]);

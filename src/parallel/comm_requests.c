@@ -21,6 +21,7 @@ struct pg_request {
   int avg_over;        /* avg: the group size the sum is divided by; 0: sum */
   int *counts;         /* reduce_scatter: every member's count (MPI reads it until completion) */
   int recv;            /* pg_irecv_buf's: the wait names the sender that never sent */
+  staged in;           /* pg_irecv_buf into device memory: the host copy MPI fills, copied over at the wait */
 };
 
 /* A pipeline transfer's deadline, or 0 for none; PG_ERR when PG_COLLECTIVE_TIMEOUT is not a number. */
@@ -102,17 +103,19 @@ int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t n, int ds
 
 static int check_shipped(pg_context *ctx, pg_mode m, const call_rec *mine, double deadline, double limit);
 
-/* The receiving half of a ring exchange (context parallelism's keys and values), host memory only: MPI_Irecv,
- * counted at the start as pg_isend_buf counts its send; pg_wait completes it with the pipeline's deadline. */
+/* The receiving half of a ring exchange (context parallelism's keys and values): MPI_Irecv, counted at the start
+ * as pg_isend_buf counts its send; pg_wait completes it with the pipeline's deadline. Device memory is staged:
+ * MPI fills a host copy, which the wait copies over (comm_unstage). */
 int pg_irecv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, int src, int tag, pg_request **req) {
   if (check_ctx(ctx)) return PG_ERR;
   if (n > PG_MPI_CHUNK) return pg_fail("irecv of %lld elements is too large", (long long)n);
   if (*req) return pg_fail("irecv: the previous transfer of this request was not waited for");
-#ifdef PG_WITH_CUDA
-  if (pg_backend_is_device_memory(buf)) return pg_fail("irecv over the %s group: host memory only", pg_mode_name(m));
-#endif
   pg_request *r = calloc(1, sizeof *r);
   if (!r) return pg_fail("out of memory for a receive request");
+  if (comm_stage(ctx, m, (void **)&buf, (size_t)n * sizeof(float), 0, &r->in)) {
+    free(r);
+    return PG_ERR;
+  }
   r->mode = m;
   r->ctx = ctx;
   r->recv = 1;
@@ -127,12 +130,14 @@ int pg_irecv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, int src, int
   double deadline, limit;
   if (comm_debug_checks() && ctx->group[m].size > 1 &&
       (deadline_of(&deadline, &limit) || check_shipped(ctx, m, &r->rec, deadline, limit))) {
+    comm_unstage(&r->in, PG_ERR, 0);
     free(r);
     return PG_ERR;
   }
   double t0 = pg_wtime();
   int rc = MPI_Irecv(buf, (int)n, MPI_FLOAT, src, tag, ctx->group[m].comm, &r->mpi);
   if (rc != MPI_SUCCESS) {
+    comm_unstage(&r->in, PG_ERR, 0);
     free(r);
     return mpi_fail(rc, "irecv", m);
   }
@@ -203,8 +208,9 @@ int pg_wait(pg_request **req) {
     return comm_give_up(r->ctx, 2, two, msg);
   }
   comm_host_give(r->host);
+  int rc = comm_unstage(&r->in, PG_OK, 1); /* a staged receive: its bytes to the device */
   free(r);
-  return PG_OK;
+  return rc;
 }
 
 /* ---- a bucket's reduction in flight ----

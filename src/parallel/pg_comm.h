@@ -114,7 +114,8 @@ typedef struct pg_request pg_request;
 int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t count, int dst, int tag, pg_request **req);
 int pg_wait(pg_request **req);
 int pg_recv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t count, int src, int tag);
-/* Its non-blocking form (host memory): context parallelism's ring receives the next block while it computes. */
+/* Its non-blocking form: context parallelism's ring receives the next block while it computes (device memory
+ * through a host buffer, copied over by pg_wait). */
 int pg_irecv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t count, int src, int tag, pg_request **req);
 
 /* Nonblocking reductions of float32 host buffers: the engine's gradient
