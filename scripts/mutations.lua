@@ -917,4 +917,12 @@ return {
   { name = "embedding-ids-unchecked", file = "src/lua/lua_ops.c",
     from = "if (t[i] < 0 || (whole && t[i] >= rows)) {", to = "if (t[i] < 0) {",
     specs = { "unit/ops_checks#embedding: an id outside" }, why = "pg.ops.embedding gives zeros for an id past the vocabulary" },
+  { name = "zero3-bf16-piece-unrounded", file = "src/engine/pg_engine.c",
+    from = "if (p->gather_bf16) pg_bf16_from_f32(b16 + u->at[i] + (a - p->offset), shard + (a - mine_lo), z - a);",
+    to = "if (p->gather_bf16) pg_bf16_from_f32(b16 + u->at[i], shard + (a - mine_lo), z - a);",
+    specs = { "dist/zero3#precision bf16" }, why = "a rank's bf16 piece of a weight placed at the weight's start, not at its part" },
+  { name = "zero3-bf16-counts-swapped", file = "src/engine/pg_engine.c",
+    from = "if ((p->gather_bf16 != 0) == bf16 && hi > lo) n += hi - lo;",
+    to = "if ((p->gather_bf16 != 0) != bf16 && hi > lo) n += hi - lo;",
+    specs = { "dist/zero3#precision bf16" }, why = "the bf16 part's counts are the float32 part's" },
 }
