@@ -951,4 +951,12 @@ return {
   { name = "cp-irecv-not-copied-over", file = "src/parallel/comm_requests.c",
     from = "int rc = comm_unstage(&r->in, PG_OK, 1); /* a staged receive", to = "int rc = comm_unstage(&r->in, PG_OK, 0); /* a staged receive",
     specs = { "dist/context_parallel" }, why = "a receive into device memory stays in its host copy (the ring folds a stale block)" },
+  { name = "zero3-bf16-piece-unrounded", file = "src/engine/pg_engine.c",
+    from = "if (p->gather_bf16) pg_bf16_from_f32(b16 + u->at[i] + (a - p->offset), shard + (a - mine_lo), z - a);",
+    to = "if (p->gather_bf16) pg_bf16_from_f32(b16 + u->at[i], shard + (a - mine_lo), z - a);",
+    specs = { "dist/zero3#precision bf16" }, why = "a rank's bf16 piece of a weight placed at the weight's start, not at its part" },
+  { name = "zero3-bf16-counts-swapped", file = "src/engine/pg_engine.c",
+    from = "if ((p->gather_bf16 != 0) == bf16 && hi > lo) n += hi - lo;",
+    to = "if ((p->gather_bf16 != 0) != bf16 && hi > lo) n += hi - lo;",
+    specs = { "dist/zero3#precision bf16" }, why = "the bf16 part's counts are the float32 part's" },
 }

@@ -16,7 +16,9 @@
 --     values a replica holds; the gradients go through the same buckets),
 --     at D = W, micro_batches = 2, reshard_after_forward = false,
 --     recomputation, accumulation over calls, a shared-memory data group,
---     precision bf16 (float32 gathers), a mixture of experts (expert = 1),
+--     precision bf16 (the GEMM weights gathered in bf16: rounding a shard
+--     before the gather gives the bits rounding after it gave), a mixture of
+--     experts (expert = 1),
 --     and on 4 ranks P = 2 x D = 2 (both schedules) and T = 2 x D = 2 with
 --     sequence parallelism;
 --   - refused by name: expert parallelism, modules written in Lua that own
@@ -31,7 +33,12 @@
 --     grads + optimizer = 16 bytes x flat_padded / D + the gathered modules +
 --     the gradient staging, exactly; flat_padded is the parameters plus at
 --     most 15 floats of padding each (the 64-byte alignment) and the data
---     group's rounding.
+--     group's rounding;
+--   - precision bf16: a call's gathers move 2 bytes for each element of a
+--     weight read only as bf16 and 4 for the others, without the flat
+--     buffer's gaps (the float32 gathers: 4 x each unit's range), and the
+--     modules' bf16 working weights are gone (bf16_bytes is ZeRO-2's less 2
+--     bytes x those weights), exactly.
 local pg = require "pipegoose"
 local h = require "helpers"
 
@@ -239,10 +246,45 @@ describe(("ZeRO-3 on %d ranks"):format(W), function()
     same_bits(accumulated(3, {}), accumulated(2, {}), "shared memory")
   end)
 
-  -- precision bf16: float32 gathers, from which the modules round their working weights as under zero 2
+  -- precision bf16: the weights read only as bf16 gathered in bf16, which the modules' products read as the
+  -- working weights they rounded themselves under zero 2
   it("gets ZeRO-2's bits under precision bf16, micro_batches = 2", function()
     local o = function() return PRIVATE{ precision = "bf16", micro_batches = 2 } end
     same_bits(train(dp, o(), { zero = 3 }, x, y), train(dp, o(), { zero = 2 }, x, y), "bf16")
+  end)
+
+  it("gathers in bf16 under precision bf16 and keeps no whole bf16 working copy", function()
+    local function run(precision, zero)
+      local e = pg.parallelize(pg.nn.GPT(CFG), dp, PRIVATE{ precision = precision })
+      local hp = { lr = 1e-2, zero = zero }
+      if zero == 3 then hp.reshard_after_forward = false end
+      pg.optim.AdamW(e, hp)
+      dp:reset_comm_stats()
+      e:zero_grad()
+      e:forward_backward(x, y) -- reshard_after_forward = false: each unit gathered once
+      return { gathered = dp:comm_stats().data.all_gather.bytes, memory = e:memory(), info = e:stats(), engine = e }
+    end
+    local f32, b16, z2 = run("fp32", 3), run("bf16", 3), run("bf16", 2)
+    local span, elems = 0, 0 -- the units' ranges, and their parameters' elements
+    local units = {}
+    for _, p in ipairs(b16.engine:parameters()) do
+      local m = p.name:match("^blocks%.%d+") or p.name:match("^[^.]+")
+      local n = 1
+      for _, s in ipairs(p.shape) do n = n * s end
+      elems = elems + n
+      local u = units[m] or { lo = p.offset, hi = 0 }
+      u.lo, u.hi, units[m] = math.min(u.lo, p.offset), math.max(u.hi, p.offset + n), u
+    end
+    for _, u in pairs(units) do span = span + u.hi - u.lo end
+    local m = b16.info
+    assert.is_true(m.gather_bf16_elems > 0)
+    assert.are.equal(elems, m.gather_bf16_elems + m.gather_float_elems)
+    assert.are.equal(4 * span, f32.gathered)
+    assert.are.equal(2 * m.gather_bf16_elems + 4 * m.gather_float_elems, b16.gathered)
+    assert.are.equal(z2.memory.bf16_bytes - 2 * m.gather_bf16_elems, b16.memory.bf16_bytes)
+    assert.is_true(m.gather_slot_elems < f32.info.gather_slot_elems)
+    assert.are.equal(4 * (m.flat_padded // D + m.gather_slots * m.gather_slot_elems + m.gather_resident_elems),
+      b16.memory.params_bytes)
   end)
 
   -- a mixture of experts (its experts replicated over the data group: expert = 1) gathers its block as any other

@@ -858,21 +858,76 @@ static int unit_buffer(pg_engine *e, pg_gather_unit *u) {
   return PG_OK;
 }
 
+/* The elements of u's set (bf16: the gather_bf16 weights; else the others) inside [a, z) of the flat buffer. */
+static int64_t set_elems_in(const pg_gather_unit *u, int bf16, int64_t a, int64_t z) {
+  int64_t n = 0;
+  for (int i = 0; i < u->nparams; i++) {
+    const pg_param *p = u->params[i];
+    int64_t lo = p->offset > a ? p->offset : a, hi = p->offset + p->numel < z ? p->offset + p->numel : z;
+    if ((p->gather_bf16 != 0) == bf16 && hi > lo) n += hi - lo;
+  }
+  return n;
+}
+
+/* A call's gather of u under bf16 gathers: this rank's piece of each parameter, rounded to bf16 (the bits the
+ * modules' own working copies had: pg_bf16_from_f32) or copied, into its packed place; then the bf16 part's and
+ * the float32 part's all-gathers. Rounding before the gather gives what rounding after it would. */
+static int start_packed_gather(pg_engine *e, pg_gather_unit *u, int64_t *counts) {
+  int D = dense_size(e);
+  int64_t per = e->flat_padded / D, mine_lo = e->param_base, mine_hi = e->param_base + per;
+  uint16_t *b16 = (uint16_t *)u->buf;
+  float *f32 = u->buf + (u->n16 + 1) / 2;
+  const float *shard = e->param_store->data;
+  for (int i = 0; i < u->nparams; i++) {
+    const pg_param *p = u->params[i];
+    int64_t a = p->offset > mine_lo ? p->offset : mine_lo;
+    int64_t z = p->offset + p->numel < mine_hi ? p->offset + p->numel : mine_hi;
+    if (z <= a) continue;
+    if (p->gather_bf16) pg_bf16_from_f32(b16 + u->at[i] + (a - p->offset), shard + (a - mine_lo), z - a);
+    else memcpy(f32 + u->at[i] + (a - p->offset), shard + (a - mine_lo), (size_t)(z - a) * sizeof(float));
+  }
+  for (int set = 1; set >= 0; set--) { /* every member starts the bf16 part first */
+    if ((set ? u->n16 : u->n32) == 0) continue;
+    for (int r = 0; r < D; r++) counts[r] = set_elems_in(u, set, per * r, per * (r + 1));
+    if (pg_iall_gather_v_buf(e->ctx, pg_engine_dense_group(e), set ? (void *)b16 : (void *)f32, counts,
+                             set ? PG_BFLOAT16 : PG_FLOAT32, set ? &u->req16 : &u->req))
+      return PG_ERR;
+  }
+  return PG_OK;
+}
+
 /* Starts unit u's all-gather (nothing when it is gathered or on its way):
  * this rank's piece of [lo, hi) from the shard into its place in the
- * buffer, then the nonblocking all-gather of every member's piece. */
-static int start_gather(pg_engine *e, pg_gather_unit *u) {
-  if (u->gathered || u->req) return PG_OK;
+ * buffer, then the nonblocking all-gather of every member's piece. In a
+ * call (in_call) under bf16 gathers, the packed bf16 and float32 parts;
+ * outside one (a checkpoint's or Lua's read), float32 into a buffer of its
+ * own when the pool's slots are sized for the packed ones. */
+static int start_gather(pg_engine *e, pg_gather_unit *u, int in_call) {
+  if (u->gathered || u->req || u->req16) return PG_OK;
   if (e->gathers_started++ == 0) {
     char what[96]; /* the members agree once per call on the set, then start its gathers in the same order */
     snprintf(what, sizeof what, "zero-3 parameter gathers of %d units", e->nunits);
     if (pg_agree_batch(e->ctx, pg_engine_dense_group(e), PG_COLL_ALL_GATHER, PG_REDUCE_SUM, e->flat_padded, what))
       return PG_ERR;
   }
-  if (unit_buffer(e, u)) return PG_ERR;
+  u->packed = in_call && e->gather16;
+  if (!u->packed && e->gather16 && !u->resident) {
+    if (!(u->buf = malloc((size_t)(u->hi - u->lo) * sizeof(float))))
+      return pg_fail("zero = 3: out of memory gathering module %s (%lld floats)", u->m->name,
+                     (long long)(u->hi - u->lo));
+    u->own_buf = 1;
+  } else if (unit_buffer(e, u)) {
+    return PG_ERR;
+  }
   int D = dense_size(e), me = dense_rank(e);
   int64_t per = e->flat_padded / D, *counts = malloc((size_t)D * sizeof *counts);
   if (!counts) return pg_fail("out of memory starting a parameter gather");
+  e->unit_gathers++;
+  if (u->packed) {
+    int rc = start_packed_gather(e, u, counts);
+    free(counts);
+    return rc;
+  }
   for (int r = 0; r < D; r++) {
     int64_t a = u->lo > per * r ? u->lo : per * r, z = u->hi < per * (r + 1) ? u->hi : per * (r + 1);
     counts[r] = z > a ? z - a : 0;
@@ -880,27 +935,39 @@ static int start_gather(pg_engine *e, pg_gather_unit *u) {
   int64_t a = u->lo > e->param_base ? u->lo : e->param_base;
   if (counts[me])
     memcpy(u->buf + (a - u->lo), (float *)e->param_store->data + (a - e->param_base), (size_t)counts[me] * sizeof(float));
-  e->unit_gathers++;
-  int rc = pg_iall_gather_v_buf(e->ctx, pg_engine_dense_group(e), u->buf, counts, &u->req);
+  int rc = pg_iall_gather_v_buf(e->ctx, pg_engine_dense_group(e), u->buf, counts, PG_FLOAT32, &u->req);
   free(counts);
   return rc;
 }
 
 /* Unit u's parameters usable: its gather started (if not yet) and complete. */
-static int finish_gather(pg_engine *e, pg_gather_unit *u) {
+static int finish_gather(pg_engine *e, pg_gather_unit *u, int in_call) {
   if (u->gathered) return PG_OK;
-  if (start_gather(e, u) || pg_wait(&u->req)) return PG_ERR;
-  for (int i = 0; i < u->nparams; i++) u->params[i]->data = u->buf + (u->params[i]->offset - u->lo);
+  if (start_gather(e, u, in_call) || pg_wait(&u->req16) || pg_wait(&u->req)) return PG_ERR;
+  for (int i = 0; i < u->nparams; i++) {
+    pg_param *p = u->params[i];
+    p->data16 = NULL;
+    if (!u->packed) p->data = u->buf + (p->offset - u->lo);
+    else if (p->gather_bf16) p->data16 = (const uint16_t *)u->buf + u->at[i], p->data = NULL;
+    else p->data = u->buf + (u->n16 + 1) / 2 + u->at[i];
+  }
   u->gathered = 1;
   return PG_OK;
 }
 
 /* Unit u's parameters freed (a gather in flight completes first: MPI writes its buffer). */
 static int release_unit(pg_engine *e, pg_gather_unit *u) {
-  if (pg_wait(&u->req)) return PG_ERR;
-  for (int i = 0; i < u->nparams; i++) u->params[i]->data = NULL;
-  u->gathered = 0;
-  if (!u->resident && u->slot >= 0) {
+  if (pg_wait(&u->req16) || pg_wait(&u->req)) return PG_ERR;
+  for (int i = 0; i < u->nparams; i++) {
+    u->params[i]->data = NULL;
+    u->params[i]->data16 = NULL;
+  }
+  u->gathered = u->packed = 0;
+  if (u->own_buf) {
+    free(u->buf);
+    u->buf = NULL;
+    u->own_buf = 0;
+  } else if (!u->resident && u->slot >= 0) {
     e->gpool_owner[u->slot] = -1;
     u->slot = -1;
     u->buf = NULL;
@@ -938,13 +1005,13 @@ static int gather_for(pg_engine *e, pg_module *m, int step) {
   pg_gather_unit *u = unit_of(e, m);
   if (!u) return PG_ERR;
   int k = (int)(u - e->units), next = k + step;
-  if (start_gather(e, u)) return PG_ERR;
+  if (start_gather(e, u, 1)) return PG_ERR;
   /* from the unit's own hook only: a module inside it runs within the unit's forward or backward (the
    * recomputed forward inside backward must not fetch the unit after it) */
   if (u->m == m && next >= 0 && next < e->nunits && e->units[next].chunk == u->chunk &&
-      start_gather(e, &e->units[next]))
+      start_gather(e, &e->units[next], 1))
     return PG_ERR;
-  return finish_gather(e, u);
+  return finish_gather(e, u, 1);
 }
 
 static int on_forward_begin(void *ud, pg_module *m) { return gather_for(ud, m, +1); }
@@ -971,10 +1038,16 @@ static int add_unit(pg_engine *e, pg_module *m, int chunk) {
   *u = (pg_gather_unit){.m = m, .chunk = chunk, .lo = INT64_MAX, .hi = 0, .slot = -1};
   if (!(u->params = pg_module_collect_params(m, &u->nparams))) return PG_ERR;
   e->nunits++;
+  if (!(u->at = calloc((size_t)u->nparams + 1, sizeof *u->at))) return pg_fail("zero = 3: out of memory");
   for (int i = 0; i < u->nparams; i++) {
     pg_param *p = u->params[i];
     int k = param_index(e, p);
     if (k < 0) return pg_fail("module %s: parameter %s is not this engine's", m->name, p->name);
+    if (i > 0 && p->offset < u->params[i - 1]->offset + u->params[i - 1]->numel) /* the packed sets' order */
+      return pg_fail("zero = 3: module %s: parameter %s lies before the one it follows in the flat buffer", m->name,
+                     p->name);
+    u->at[i] = p->gather_bf16 ? u->n16 : u->n32;
+    *(p->gather_bf16 ? &u->n16 : &u->n32) += p->numel;
     e->param_unit[k] = e->nunits - 1;
     if (p->offset < u->lo) u->lo = p->offset;
     if (p->offset + p->numel > u->hi) u->hi = p->offset + p->numel;
@@ -1007,9 +1080,15 @@ static int collect_units(pg_engine *e, pg_module *root, int chunk) {
 }
 
 static void free_units(pg_engine *e) {
-  for (int k = 0; k < e->nunits && !pg_comm_broken(e->ctx); k++) pg_wait(&e->units[k].req);
+  for (int k = 0; k < e->nunits && !pg_comm_broken(e->ctx); k++) {
+    pg_wait(&e->units[k].req16);
+    pg_wait(&e->units[k].req);
+  }
+  for (int k = 0; k < e->nunits; k++)
+    if (e->units[k].own_buf) free(e->units[k].buf);
   for (int k = 0; k < e->nunits; k++) {
     if (e->units[k].resident) free(e->units[k].buf);
+    free(e->units[k].at);
     free(e->units[k].params); /* the modules' gather_unit flags stay: without ZeRO-3's hooks nobody reads them */
   }
   for (int i = 0; i < e->ngpool; i++) free(e->gpool[i]);
@@ -1036,6 +1115,12 @@ int pg_engine_set_reshard_after_forward(pg_engine *e, int on) {
  * the first step what training holds); the pool's slots hold the largest
  * unit that is not resident. */
 static int make_units(pg_engine *e) {
+  /* precision bf16: the weights read only as bf16 are gathered in bf16 and the modules' whole working copies go
+   * (pg_module_bf16_gathered): one bf16 copy of a unit, while it is gathered, instead of the stage's */
+  if (e->opts.precision == PG_PRECISION_BF16) {
+    e->gather16 = 1;
+    for (int v = 0; v < e->nchunks; v++) pg_module_bf16_gathered(e->chunks[v].stage);
+  }
   if (!(e->units = calloc((size_t)e->nparams + 1, sizeof *e->units)) ||
       !(e->param_unit = calloc((size_t)e->nparams + 1, sizeof *e->param_unit)))
     return pg_fail("zero = 3: out of memory");
@@ -1046,9 +1131,10 @@ static int make_units(pg_engine *e) {
   for (int k = 0; k < e->nunits; k++) {
     pg_gather_unit *u = &e->units[k];
     int64_t n = u->hi - u->lo;
-    if (!u->resident) {
+    if (!u->resident) { /* a slot holds a call's gather: the packed parts under bf16 gathers */
+      int64_t need = e->gather16 ? (u->n16 + 1) / 2 + u->n32 : n;
       pooled++;
-      if (n > e->gpool_elems) e->gpool_elems = n;
+      if (need > e->gpool_elems) e->gpool_elems = need;
       continue;
     }
     if (!(u->buf = malloc((size_t)n * sizeof(float))))
@@ -1065,9 +1151,6 @@ int pg_engine_shard_params(pg_engine *e) {
   if (e->be->device != PG_CPU)
     return pg_fail("zero = 3 gathers parameters over MPI from host memory; the %s backend has zero = 0 and 1",
                    e->be->name);
-  /* precision bf16: the gathers are float32 (the masters' values), the modules round their working weights from
-   * them in their first micro-batch's forward, while the unit is gathered, and keep them (2 bytes a parameter of
-   * the stage: pg_engine_bf16_bytes); bf16 gathers of bf16 shards are not built */
   if (!e->sharded)
     return pg_fail("zero = 3: the gradients must be sharded first (pg_engine_shard_grads)");
   int64_t per = e->flat_padded / dense_size(e), lo = per * dense_rank(e);
@@ -1784,7 +1867,7 @@ static int zero3_gather_param(pg_engine *e, pg_param *p, float *full) {
   int k = own ? param_index(e, own) : -1;
   if (k < 0) return pg_fail("parameter %s is not this engine's", p->name);
   pg_gather_unit *u = &e->units[e->param_unit[k]];
-  if (finish_gather(e, u)) return PG_ERR;
+  if (finish_gather(e, u, 0)) return PG_ERR;
   pg_param view = *p;
   view.data = own->data;
   int rc = pg_engine_gather_param(e, &view, full);
@@ -1797,7 +1880,7 @@ int pg_engine_read_param(pg_engine *e, pg_param *p, float *piece) {
   if (!e->params_sharded) return e->be->ops->copy(e->be, piece, p->data, bytes, PG_COPY_DEVICE_TO_HOST);
   int k = param_index(e, p);
   if (k < 0) return pg_fail("parameter %s is not this engine's", p->name);
-  int rc = finish_gather(e, &e->units[e->param_unit[k]]);
+  int rc = finish_gather(e, &e->units[e->param_unit[k]], 0);
   if (!rc) memcpy(piece, p->data, bytes); /* ZeRO-3 is host memory */
   if (release_units(e)) rc = PG_ERR;
   return rc;

@@ -138,6 +138,14 @@ typedef struct pg_gather_unit {
   int slot;          /* the pool slot it holds, or -1 */
   int gathered;      /* the parameters point into buf (the gather completed) */
   pg_request *req;   /* the gather in flight, or NULL */
+  /* bf16 gathers (pg_engine.gather16): the gather_bf16 weights' n16 elements are gathered as bf16 into the
+   * start of buf and the other parameters' n32 as float32 after them (from float (n16 + 1) / 2), each set packed
+   * in flat order without the gaps between parameters, so a member's piece of its contiguous shard stays
+   * contiguous in both; at[i]: parameter i's first element's place in its set */
+  int64_t n16, n32, *at;
+  int packed;        /* the gather held or in flight is the packed one (a call's; outside one: float32) */
+  int own_buf;       /* buf is this gather's own (a float32 gather of a pooled unit outside a call) */
+  pg_request *req16; /* the bf16 part's gather in flight, or NULL */
 } pg_gather_unit;
 
 typedef struct pg_engine {
@@ -217,6 +225,7 @@ typedef struct pg_engine {
   int ngpool;
   int64_t gpool_elems, gresident_elems;
   int gathers_started;       /* this call: the first agrees on the set (pg_agree_batch) */
+  int gather16;              /* precision bf16: the units' gather_bf16 weights gathered in bf16 */
   long unit_gathers;         /* gathers started since the engine was made */
   int64_t num_parameters; /* of the full model, counted at construction */
   pg_engine_stats stats;

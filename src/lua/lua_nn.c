@@ -779,6 +779,15 @@ static int l_info(lua_State *L) {
   set_int(L, "gather_slot_elems", e->gpool_elems);
   set_int(L, "gather_resident_elems", e->gresident_elems);
   set_int(L, "gather_units", e->nunits);
+  { /* each call's gather of every unit moves 2 bytes x gather_bf16_elems + 4 x gather_float_elems */
+    int64_t n16 = 0, n32 = 0;
+    for (int k = 0; k < e->nunits; k++) {
+      n16 += e->units[k].n16;
+      n32 += e->units[k].n32;
+    }
+    set_int(L, "gather_bf16_elems", e->gather16 ? n16 : 0);
+    set_int(L, "gather_float_elems", e->gather16 ? n32 : n16 + n32);
+  }
   set_int(L, "unit_gathers", e->unit_gathers);
   lua_pushboolean(L, e->reshard_after_forward);
   lua_setfield(L, -2, "reshard_after_forward");

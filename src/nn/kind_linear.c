@@ -266,6 +266,11 @@ static void linear_bf16_need(const pg_module *m, pg_bf16_need *need) {
 
 static size_t linear_bf16_bytes(const pg_module *m) { return ((const linear_state *)m->state)->mm.bytes; }
 
+static void linear_bf16_gathered(pg_module *m) {
+  linear_state *s = m->state;
+  mm_gathered(m, &s->mm, s->w);
+}
+
 /* Sequence parallelism by mode: a plain layer is row-wise; a column-parallel
  * one gathers this rank's rows; a row-parallel one needs every row of its
  * input and reduce-scatters its output to this rank's rows. */
@@ -284,4 +289,5 @@ const pg_module_kind pg_kind_linear = {
     .makes_bf16 = linear_makes_bf16,
     .bf16_need = linear_bf16_need,
     .bf16_bytes = linear_bf16_bytes,
+    .bf16_gathered = linear_bf16_gathered,
 };

@@ -369,6 +369,12 @@ static void lm_head_bf16_need(const pg_module *m, pg_bf16_need *need) {
 
 static size_t lm_head_bf16_bytes(const pg_module *m) { return ((const lm_head_state *)m->state)->mm.bytes; }
 
+/* a tied head reads the embedding's weight, which the embedding reads as float32: it keeps its own copy */
+static void lm_head_bf16_gathered(pg_module *m) {
+  lm_head_state *s = m->state;
+  if (s->owns_w) mm_gathered(m, &s->mm, s->w);
+}
+
 /* A tied head writes the gradient of the embedding's weight, which it does not own. */
 static pg_param *lm_head_borrowed(const pg_module *m) {
   const lm_head_state *s = m->state;
@@ -390,5 +396,6 @@ const pg_module_kind pg_kind_lm_head = {
     .bf16_on = lm_head_bf16_on,
     .bf16_need = lm_head_bf16_need,
     .bf16_bytes = lm_head_bf16_bytes,
+    .bf16_gathered = lm_head_bf16_gathered,
     .borrowed = lm_head_borrowed,
 };

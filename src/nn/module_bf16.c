@@ -40,11 +40,27 @@ int mm_alloc(pg_module *m, bf16_mm *mm, int64_t wnumel, int rows, int64_t in, in
   if (mm->need[0] < 0 || mm->need[1] < 0 || wnumel < 0 || (uint64_t)wnumel > SIZE_MAX / 2)
     return pg_fail("%s: bf16 operands of %d rows x %lld columns are too large", m->name, rows,
                    (long long)(in > out ? in : out));
+  if (mm->gathered) return PG_OK; /* the engine's gathered bits */
   size_t wn = (size_t)(wnumel > 0 ? wnumel : 1);
   if (!(mm->w = home_backend(BE(m))->ops->alloc(home_backend(BE(m)), wn * 2)))
     return pg_fail("%s: no room for its bf16 working weight: %s", m->name, pg_error());
   mm->bytes = wn * 2;
   return PG_OK;
+}
+
+void mm_gathered(pg_module *m, bf16_mm *mm, pg_param *w) {
+  if (!mm->on) return;
+  mm_free(m, mm);
+  mm->gathered = 1;
+  w->gather_bf16 = 1;
+}
+
+/* The working weight a product reads: the engine's gathered bits, or the module's copy. NULL (failed): gathered
+ * but its unit is not (a product outside the engine's hooks). */
+static const uint16_t *mm_weight(pg_module *m, const bf16_mm *mm, const pg_param *w) {
+  if (!mm->gathered) return mm->w;
+  if (!w->data16) pg_fail("%s: its bf16 weight %s is not gathered (zero = 3)", m->name, w->name);
+  return w->data16;
 }
 
 static int mm_scratch(pg_module *m, const pg_io *io) {
@@ -99,11 +115,12 @@ int bf16_product_backward(pg_module *m, const pg_io *io, float *dinp, float *dw,
 /* out[N,OC] = x[N,C] @ w^T (+ bias), x rounded to bf16; refresh: remake the working weight first. */
 int mm_forward(pg_module *m, bf16_mm *mm, const pg_io *io, int refresh, const pg_param *w, float *out,
                const float *x, const float *bias, int N, int C, int OC) {
-  if (refresh) {
+  if (refresh && !mm->gathered) {
     if (KERNEL(m, bf16_from_f32, mm->w, w->data, w->numel)) return mm_fail(m);
     mm->refreshes++;
   }
-  return bf16_product_forward(m, io, out, x, mm->w, bias, N, C, OC);
+  const uint16_t *w16 = mm_weight(m, mm, w);
+  return w16 ? bf16_product_forward(m, io, out, x, w16, bias, N, C, OC) : PG_ERR;
 }
 
 /* A linear-kind product: the backend's float32 kernel, or the bf16 one. */
@@ -111,7 +128,7 @@ int mm_fwd(pg_module *m, bf16_mm *mm, const pg_io *io, const pg_param *w, float 
            const float *bias, int N, int C, int OC) {
   int refresh = io->mb == 0 && !io->recomputing;
   if (N == 0) { /* a sequence-parallel rank without rows: the working weight is still remade for the others */
-    if (mm->on && refresh) {
+    if (mm->on && refresh && !mm->gathered) {
       if (KERNEL(m, bf16_from_f32, mm->w, w->data, w->numel)) return mm_fail(m);
       mm->refreshes++;
     }
@@ -125,7 +142,8 @@ int mm_fwd(pg_module *m, bf16_mm *mm, const pg_io *io, const pg_param *w, float 
 int mm_bwd(pg_module *m, bf16_mm *mm, const pg_io *io, float *dinp, const pg_param *w, float *dbias,
            const float *dy, const float *x, int N, int C, int OC) {
   if (!mm->on) return KERNEL(m, matmul_backward, dinp, w->grad, dbias, dy, x, w->data, N, C, OC);
-  return bf16_product_backward(m, io, dinp, w->grad, dbias, dy, x, mm->w, N, C, OC);
+  const uint16_t *w16 = mm_weight(m, mm, w);
+  return w16 ? bf16_product_backward(m, io, dinp, w->grad, dbias, dy, x, w16, N, C, OC) : PG_ERR;
 }
 
 void mm_need(const bf16_mm *mm, pg_bf16_need *need) {
@@ -201,6 +219,11 @@ int pg_module_set_precision(pg_module *m, pg_precision p) {
 void pg_module_bf16_scratch(const pg_module *m, pg_bf16_need *need) {
   if (m->kind->bf16_need) m->kind->bf16_need(m, need);
   for (int i = 0; i < m->nchildren; i++) pg_module_bf16_scratch(m->children[i], need);
+}
+
+void pg_module_bf16_gathered(pg_module *m) {
+  if (m->kind->bf16_gathered) m->kind->bf16_gathered(m);
+  for (int i = 0; i < m->nchildren; i++) pg_module_bf16_gathered(m->children[i]);
 }
 
 size_t pg_module_bf16_bytes(const pg_module *m) {

@@ -70,6 +70,7 @@ struct pg_module_kind {
   int (*makes_bf16)(const pg_module *m);               /* a product's output: it may be bf16 */
   void (*bf16_need)(const pg_module *m, pg_bf16_need *need); /* raises the engine's bf16 scratch to its need */
   size_t (*bf16_bytes)(const pg_module *m);            /* its bf16 working weights */
+  void (*bf16_gathered)(pg_module *m);                 /* see pg_module_bf16_gathered */
   /* recomputes a part of itself in the rank's arena (selective: attention's
    * probabilities); *bytes: that part for one micro-batch */
   int (*selective)(const pg_module *m, size_t *bytes);
@@ -205,9 +206,12 @@ typedef struct bf16_mm {
   size_t bytes;
   int64_t need[2]; /* scratch elements: [0] the input or output gradient, [1] the input */
   long refreshes;  /* working copies made so far */
+  int gathered;    /* the working weight is the engine's ZeRO-3 gather (pg_param.data16): w stays NULL */
 } bf16_mm;
 
 void mm_free(pg_module *m, bf16_mm *mm);
+/* pg_module_bf16_gathered for one product on weight w: the working weight freed, w gathered in bf16. */
+void mm_gathered(pg_module *m, bf16_mm *mm, pg_param *w);
 int mm_alloc(pg_module *m, bf16_mm *mm, int64_t wnumel, int rows, int64_t in, int64_t out);
 /* Raises the engine's operand scratch to what mm needs (when on). */
 void mm_need(const bf16_mm *mm, pg_bf16_need *need);

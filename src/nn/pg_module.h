@@ -66,6 +66,10 @@ typedef struct pg_param {
                             tensor group by the engine (pg_engine_sync_grads) */
   int64_t offset;    /* in the engine's flat buffers (elements) */
   float *data, *grad;
+  /* ZeRO-3 under precision bf16 (pg_module_bf16_gathered): read only as a bf16 GEMM operand, so the engine
+   * gathers it in bf16 and data16 points at the gathered bits while its unit is gathered (data NULL then) */
+  int gather_bf16;
+  const uint16_t *data16;
 } pg_param;
 
 typedef struct pg_module pg_module;
@@ -520,6 +524,11 @@ typedef enum { PG_PRECISION_FP32 = 0, PG_PRECISION_BF16 } pg_precision;
 int pg_module_set_precision(pg_module *m, pg_precision p);
 /* Bytes of the tree's bf16 working weights (0 in FP32). */
 size_t pg_module_bf16_bytes(const pg_module *m);
+/* ZeRO-3 with bf16 gathers: every module whose GEMM weight is read only as bf16 (linear, an untied lm_head) frees
+ * its working weight and marks the weight gather_bf16; from then on its products read the engine's gathered bits
+ * (pg_param.data16), refreshed by every gather instead of once a call. moe keeps its own copies (its w1 and w3
+ * rows concatenated), so its weights stay float32 gathers. */
+void pg_module_bf16_gathered(pg_module *m);
 /* The scratch precision bf16 needs of the engine, in elements: the rounded GEMM operands (pg_io.bf16_scratch)
  * and the float32 room for widened bf16 activations (pg_io.wide_scratch). */
 typedef struct pg_bf16_need {

@@ -332,8 +332,10 @@ int pg_ireduce_scatter_buf(pg_context *ctx, pg_mode m, float *buf, const int64_t
  * place), and completion leaves every piece in every member's buf. Started
  * like the buckets' reductions: the members agreed for the set with
  * pg_agree_batch, and start them in the same order. Host memory only. */
-int pg_iall_gather_v_buf(pg_context *ctx, pg_mode m, float *buf, const int64_t *counts, pg_request **req) {
+int pg_iall_gather_v_buf(pg_context *ctx, pg_mode m, void *buf, const int64_t *counts, pg_dtype dtype,
+                         pg_request **req) {
   if (check_ctx(ctx)) return PG_ERR;
+  if (mpi_type(dtype) == MPI_DATATYPE_NULL) return pg_fail("a parameter gather of an unknown element type");
   if (*req) return pg_fail("a parameter gather was started twice without a wait");
   if (pg_backend_is_device_memory(buf)) return pg_fail("parameter gathers take host memory");
   pg_group *g = &ctx->group[m];
@@ -348,10 +350,10 @@ int pg_iall_gather_v_buf(pg_context *ctx, pg_mode m, float *buf, const int64_t *
   r->mode = m;
   r->ctx = ctx;
   r->coll = 1;
-  r->buf = buf;
+  r->buf = buf; /* the float32 view is not read: an all-gather has no piece to move nor average */
   r->mpi = MPI_REQUEST_NULL;
   r->rec_req = MPI_REQUEST_NULL;
-  r->rec = comm_make_rec(ctx, m, PG_COLL_ALL_GATHER, PG_FLOAT32, -1, n);
+  r->rec = comm_make_rec(ctx, m, PG_COLL_ALL_GATHER, dtype, -1, n);
   int rc = MPI_SUCCESS;
   double t0 = pg_wtime();
   if (g->size > 1) {
@@ -365,7 +367,8 @@ int pg_iall_gather_v_buf(pg_context *ctx, pg_mode m, float *buf, const int64_t *
       displs[i] = at;
       at += (int)counts[i]; /* the total is at most 2^30 */
     }
-    rc = MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, r->counts, displs, MPI_FLOAT, g->comm, &r->mpi);
+    rc = MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, r->counts, displs, mpi_type(dtype), g->comm,
+                        &r->mpi);
   }
   if (rc != MPI_SUCCESS) {
     free(r->counts);
@@ -373,7 +376,7 @@ int pg_iall_gather_v_buf(pg_context *ctx, pg_mode m, float *buf, const int64_t *
     return mpi_fail(rc, "all_gather", m);
   }
   *req = r;
-  comm_count(ctx, m, PG_COLL_ALL_GATHER, (double)n * sizeof(float), t0); /* the whole buffer, as the others count */
+  comm_count(ctx, m, PG_COLL_ALL_GATHER, (double)n * (double)pg_dtype_size(dtype), t0); /* the whole buffer, as the others count */
   return PG_OK;
 }
 

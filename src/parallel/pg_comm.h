@@ -139,8 +139,10 @@ int pg_test(pg_request **req, int *done);
  * set with pg_agree_batch like the reductions above): buf holds the members'
  * pieces one after another, counts[i] elements for member i, this member's
  * in its place; completion (pg_wait, pg_test) leaves all of them in every
- * member's buf. At most 2^30 elements. */
-int pg_iall_gather_v_buf(pg_context *ctx, pg_mode m, float *buf, const int64_t *counts, pg_request **req);
+ * member's buf. At most 2^30 elements of dtype (float32, or bf16: ZeRO-3's
+ * gathers under precision bf16). */
+int pg_iall_gather_v_buf(pg_context *ctx, pg_mode m, void *buf, const int64_t *counts, pg_dtype dtype,
+                         pg_request **req);
 
 /* Device memory. A device engine attaches its stream to the context
  * (collective over the world, once per context). With one GPU per rank, the
