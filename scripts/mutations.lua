@@ -878,7 +878,7 @@ return {
     specs = { "unit/two_hosts#link goes down" }, why = "a mpirun waiting for a lost host's daemon is left running" },
   ------------------------------------------------------------------ ZeRO-3 (zero = 3, issue 34)
   { name = "zero3-gather-own-piece-only", file = "src/engine/pg_engine.c",
-    from = "  int rc = pg_iall_gather_v_buf(e->ctx, pg_engine_dense_group(e), u->buf, counts, &u->req);",
+    from = "  int rc = pg_iall_gather_v_buf(e->ctx, pg_engine_dense_group(e), u->buf, counts, PG_FLOAT32, &u->req);",
     to = "  int rc = PG_OK;",
     specs = { "dist/zero3#serial model" }, why = "a unit's gather never starts: the other members' pieces are stale slot contents" },
   { name = "zero3-piece-at-shard-start", file = "src/engine/pg_engine.c",
