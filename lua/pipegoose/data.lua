@@ -292,9 +292,13 @@ function M.TokenShards(opts)
   else
     if opts.path == nil then error("TokenShards: path= (or corpus= and split=) is required", 2) end
     if opts.split ~= nil then error("TokenShards: split= goes with corpus=", 2) end
+    if opts.path == "" then error("TokenShards: path= is an empty string (a shard file, a glob or a list of them)", 2) end
+    for i, p in ipairs(type(opts.path) == "table" and opts.path or {}) do
+      if p == "" then error(("TokenShards: path[%d] is an empty string"):format(i), 2) end
+    end
     -- called through pcall so that an error (no file matches, a short file) names the user's line, not this one
     ok, files = pcall(C.expand_paths, opts.path)
-    if not ok then error(files, 2) end
+    if not ok then error("TokenShards: " .. tostring(files):gsub("^TokenShards: ", ""), 2) end
   end
   local loader
   ok, loader = pcall(C.loader, { files = files, batch = opts.batch, seq_len = opts.seq_len, seed = seed,

@@ -319,7 +319,16 @@ describe("TokenShards", function()
     assert.same({ seq(100, 7), seq(108, 7) }, b1[1]:totable())
     assert.same({ seq(500, 7), seq(508, 7) }, b2[1]:totable())
     has(err_of(function() pg.data.TokenShards{ path = path("none_*.bin"), batch = 1, seq_len = 1 } end),
-      path("none_*.bin") .. ": no files match")
+      "TokenShards: " .. path("none_*.bin") .. ": no files match")
+  end)
+
+  it("names itself and the entry when path= is empty", function()
+    has(err_of(function() pg.data.TokenShards{ path = "", batch = 1, seq_len = 1 } end),
+      "TokenShards: path= is an empty string")
+    has(err_of(function() pg.data.TokenShards{ path = {}, batch = 1, seq_len = 1 } end),
+      "TokenShards: no token files given")
+    has(err_of(function() pg.data.TokenShards{ path = { path("g_1.bin"), "" }, batch = 1, seq_len = 1 } end),
+      "TokenShards: path[2] is an empty string")
   end)
 
   it("rejects bad options with messages naming them", function()
