@@ -13,7 +13,15 @@ require "pipegoose.library_file"("local o = dofile(here .. \"options.lua\")(pars
 return function(p)
   local o = {}
   function o.to_int(s) return math.tointeger(tonumber(s)) end
-  function o.int(name, default, help) p:option(name, help, default and tostring(default)):convert(o.to_int) end
+  -- min: the least value the option takes (its error names the option, not a later consumer of the number)
+  function o.int(name, default, help, min)
+    p:option(name, help, default and tostring(default)):convert(function(s)
+      local v = o.to_int(s)
+      if v == nil then return nil, ("%s must be an integer, got '%s'"):format(name, s) end
+      if min and v < min then return nil, ("%s must be at least %d, got %d"):format(name, min, v) end
+      return v
+    end)
+  end
   function o.num(name, default, help) p:option(name, help, default and tostring(default)):convert(tonumber) end
   function o.layout()
     o.int("--tensor", 1, "Tensor-parallel size.")

@@ -56,7 +56,7 @@ p:option("--zero", "ZeRO stage: 0 (none), 1 (the optimizer state sharded over --
 -- bf16 is 30% faster here but its fallback for CPUs without AVX512_BF16 is 7%
 -- slower than fp32. Without --corpus the same defaults train on the byte-level
 -- fortunes.
-int("--steps", 1000, "Optimizer steps.")
+int("--steps", 1000, "Optimizer steps.", 1)
 int("--batch", 16, "Global batch (sequences).")
 int("--seq-len", 128, "Tokens per sequence.")
 int("--dim", 128, "Model width.")
