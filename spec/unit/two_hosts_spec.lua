@@ -172,15 +172,22 @@ PG_PROGRESS=plain PG_TEST_GATE=%d:%s/gate timeout -k 5 %d scripts/mpirun.sh %s -
 job=$!
 until [ -s %s/run/checkpoints/latest ] || ! kill -0 $job 2> /dev/null; do sleep 0.05; done
 %sscripts/netns_hosts.sh kill %s
+( sleep %d; touch %s/hung; kill $job ) > /dev/null 2>&1 &
+guard=$!
 touch %s/gate
 wait $job
-echo "job exit $?"]]):format(c.ckpt_every, dir, h.limit(120), host_args(), train(TPD, dir .. "/run"), dir, dir, ENV,
-      HOST2, dir)
+echo "job exit $?"
+kill $guard 2> /dev/null]]):format(c.ckpt_every, dir, h.limit(120), host_args(), train(TPD, dir .. "/run"), dir, dir,
+      ENV, HOST2, h.limit(10), dir, dir)
     local _, out = h.sh(cmd)
     local code = tonumber(out:match("job exit (%d+)"))
     local _, log = h.sh("cat " .. h.quote(dir .. "/job.log"))
     assert.is_true(code ~= nil and code ~= 0 and code ~= 124, out .. log)
     assert.matches("on node " .. HOST2, log, 1, true) -- Open MPI's notice of the lost daemon names the host
+    -- and scripts/mpirun.sh names its ranks from the map rank 0 wrote (PG_HOST_MAP_FILE)
+    assert.matches("\npipegoose: host " .. HOST2 .. " lost (ranks 4-7)\n", log, 1, true)
+    -- a hang guard (h.limit(10) s after the kill), not a timing assertion
+    assert.is_false(h.sh("test -e " .. h.quote(dir .. "/hung")) == 0, "the job outlived the host by 10 s: " .. log)
     local f = assert(io.open(dir .. "/run/checkpoints/latest"))
     local latest = f:read("l")
     f:close()
