@@ -6,6 +6,7 @@
 --   o.layout()   -- --tensor, --pipeline, --data, --micro-batches
 --   o.resume_path(resume, checkpoints) -- --resume=auto|last|DIR as fit's resume= (nil: a fresh start)
 --   o.test_kill(pg) -- PG_TEST_KILL_AT_STEP's callback, or nil (scripts/launch.sh's spec)
+--   o.test_gate(pg) -- PG_TEST_GATE's callback, or nil (the two-host spec's crashes)
 -- Run by itself (pglua examples/options.lua --help) it says what it is and how it is used.
 require "pipegoose.library_file"("local o = dofile(here .. \"options.lua\")(parser)",
   "options.lua is not a script: the examples load it to add the options they share (integers, numbers, "
@@ -70,6 +71,23 @@ return function(p)
         io.stderr:write(("PG_TEST_KILL_AT_STEP: rank %d kills itself after step %d\n"):format(rank, at))
         io.stderr:flush()
         os.execute("kill -9 " .. require("pipegoose.checkpoint").getpid())
+      end
+    end }
+  end
+  --- Test hook of the two-host spec (spec/unit/two_hosts_spec.lua): PG_TEST_GATE=S:FILE makes every rank wait
+  -- after step S, once its checkpoint of that step is written, until FILE exists, so that the spec takes a host
+  -- away at a known step however fast or slow the steps are (no race between a poll and the training).
+  function o.test_gate(pg)
+    local spec = os.getenv("PG_TEST_GATE")
+    if not spec or spec == "" then return nil end
+    local s, file = spec:match("^(%d+):(.+)$")
+    local at = math.tointeger(tonumber(s))
+    if not at then error(("PG_TEST_GATE: expected STEP:FILE, got '%s'"):format(spec), 0) end
+    local fs = require("pipegoose.checkpoint").fs
+    -- at the next step's start: the trainer saves a step's checkpoint after its on_train_batch_end
+    return pg.callbacks.LambdaCallback{ name = "TestGate", on_train_batch_start = function(t)
+      if t.state.step == at then
+        while not fs.exists(file) do os.execute("sleep 0.05") end
       end
     end }
   end

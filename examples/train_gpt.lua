@@ -207,6 +207,7 @@ from_options(function()
     end }
   end
   callbacks[#callbacks + 1] = o.test_kill(pg)
+  callbacks[#callbacks + 1] = o.test_gate(pg)
   if stop_after then
     callbacks[#callbacks + 1] = pg.callbacks.LambdaCallback{ name = "StopAfter", on_train_batch_end = function(t, o)
       if o.step_end and t.state.step >= stop_after then t.control.should_stop = true end

@@ -32,12 +32,38 @@ args=(--oversubscribe --bind-to none --mca orte_base_help_aggregate 0)
 # report (its daemons on the hosts that remain then end their ranks); the
 # cause, printed last, stays the last line.
 #
+# A host killed outright (its daemon gone): Open MPI aborts the job at once (no watchdog runs) and its notice
+# names the host ("Remote daemon: [[...],1] on node HOST"), not the ranks. pipegoose's world rank 0 writes
+# the rank -> host map it gathers at start-up to PG_HOST_MAP_FILE (exported here, a temporary file; written
+# once, renamed into place), and after the notice this filter prints "pipegoose: host HOST lost (ranks 4-7)"
+# (without a map, as when rank 0 does not share this machine's TMPDIR, "(ranks unknown)").
+#
 # mawk reads a pipe in blocks unless interactive: a report must be seen when it comes.
 awk=(awk)
 awk -W version 2>&1 | grep -q mawk && awk=(awk -W interactive)
 reports_last() {
-  "${awk[@]}" -v pidfile="$1" -v grace="${PG_LOST_HOST_GRACE:-3}" '
+  "${awk[@]}" -v pidfile="$1" -v hostmap="$2" -v grace="${PG_LOST_HOST_GRACE:-3}" '
     function is_rule(s) { return s ~ /^-+$/ && length(s) >= 20 }
+    # the ranks on host h as ranges ("4-7", "0,2-3"), from the map rank 0 wrote
+    function ranks_on(h,   line, f, n, r, out, first, prev, i) {
+      n = 0
+      while ((getline line < hostmap) > 0) if (split(line, f, " ") == 2 && f[2] == h) r[n++] = f[1] + 0
+      close(hostmap)
+      if (n == 0) return "ranks unknown"
+      out = ""; first = r[0]; prev = r[0]
+      for (i = 1; i <= n; i++) {
+        if (i < n && r[i] == prev + 1) { prev = r[i]; continue }
+        out = out (out == "" ? "" : ",") (first == prev ? first : first "-" prev)
+        if (i < n) { first = r[i]; prev = r[i] }
+      }
+      return (n == 1 ? "rank " : "ranks ") out
+    }
+    function lost_host_line() { if (lost_host != "") { print "pipegoose: host " lost_host " lost (" ranks_on(lost_host) ")"; lost_host = ""; fflush() } }
+    # Open MPI 4.1: "Remote daemon: [[J,0],D] on node HOST" in its lost-daemon notice (a box); said once per host
+    /Remote daemon: .* on node [^ ]+/ {
+      h = $0; sub(/.* on node /, "", h); sub(/[ \t].*/, "", h)
+      if (!(h in named)) { named[h] = 1; lost_host = h }
+    }
     /^\[ranks? [0-9,-]+\] [^ ]*pglua: / { reported = 1 }
     /^\[ranks? [0-9,-]+\] [^ ]*pglua: .* on [^ ]+ never (arrived|sent it|received it)/ { lost = 1 }
     lost && /^\[ranks? [0-9,-]+\] [^ ]*pglua: / {
@@ -47,11 +73,11 @@ reports_last() {
              "[ \"$(cat \"" pidfile ".last\" 2> /dev/null)\" = " seq " ] && p=$(cat \"" pidfile "\" 2> /dev/null) && " \
              "[ -n \"$p\" ] && grep -qx \"mpirun\\|orterun\" /proc/$p/comm && kill -KILL $p) > /dev/null 2>&1 &")
     }
-    inbox { box = box "\n" $0; if (is_rule($0)) { if (!(reported && box ~ /MPI_ABORT was invoked/)) print box; inbox = 0; fflush() }; next }
+    inbox { box = box "\n" $0; if (is_rule($0)) { if (!(reported && box ~ /MPI_ABORT was invoked/)) print box; inbox = 0; fflush(); lost_host_line() }; next }
     is_rule($0) { inbox = 1; box = $0; next }
     reported && /ORTE_ERROR_LOG: / && (/show_help\.c/ || /Data unpack would read past end of buffer/) { next }
-    { print; fflush() }
-    END { if (inbox) print box }'
+    { print; fflush(); lost_host_line() }
+    END { if (inbox) print box; lost_host_line() }'
 }
 # mpirun's stderr into the filter, its stdout to ours (fd 3); a pipeline, so the filter's last lines are out
 # before this script ends, and mpirun's exit status is the script's.
@@ -66,8 +92,10 @@ reports_last() {
 # Open MPI's mpirun is orterun under another name).
 trap ':' TERM INT HUP
 pidfile=$(mktemp "${TMPDIR:-/tmp}/pg-mpirun.XXXXXX") || exit 1
+export PG_HOST_MAP_FILE="$pidfile.hosts"
+args+=(-x PG_HOST_MAP_FILE) # a host's daemon starts with a clean environment
 { sh -c 'echo $$ > "$0"; exec mpirun "$@"' "$pidfile" "${args[@]}" "$@" 2>&1 1>&3 3>&- |
-  { trap '' TERM INT HUP; reports_last "$pidfile"; } >&2; } 3>&1
+  { trap '' TERM INT HUP; reports_last "$pidfile" "$PG_HOST_MAP_FILE"; } >&2; } 3>&1
 status=${PIPESTATUS[0]}
-rm -f "$pidfile" "$pidfile.last"
+rm -f "$pidfile" "$pidfile.last" "$PG_HOST_MAP_FILE"
 exit "$status"

@@ -959,4 +959,10 @@ return {
     from = "if ((p->gather_bf16 != 0) == bf16 && hi > lo) n += hi - lo;",
     to = "if ((p->gather_bf16 != 0) != bf16 && hi > lo) n += hi - lo;",
     specs = { "dist/zero3#precision bf16" }, why = "the bf16 part's counts are the float32 part's" },
+  { name = "host-map-rank-off-by-one", file = "src/parallel/pg_context.c",
+    from = 'ok = fprintf(f, "%d %s\\n", r, all', to = 'ok = fprintf(f, "%d %s\\n", r + 1, all',
+    specs = { "unit/two_hosts" }, why = "the rank -> host map's ranks shifted by one (the lost host's ranks misnamed)" },
+  { name = "lost-host-ranks-of-other-hosts", file = "scripts/mpirun.sh",
+    from = "split(line, f, \" \") == 2 && f[2] == h)", to = "split(line, f, \" \") == 2 && f[2] != h)",
+    specs = { "unit/two_hosts" }, why = "the lost host's line names the ranks of the hosts that remain" },
 }

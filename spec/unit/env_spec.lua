@@ -26,6 +26,7 @@ local BAD = {
   { "PG_RANKS_PER_NODE", "2x", "a positive integer (ranks per emulated node)" },
   { "OMP_NUM_THREADS", "-3", "a positive integer (or OpenMP's comma list of them)" },
   { "OMP_NUM_THREADS", "2,,1", "a positive integer (or OpenMP's comma list of them)" },
+  { "PG_HOST_MAP_FILE", "/tmp/a\nb", "a file name (scripts/mpirun.sh sets it)" },
 }
 
 describe("environment variables", function()
@@ -48,6 +49,7 @@ describe("environment variables", function()
     { "PG_COLLECTIVE_TIMEOUT", "0", 0.0 }, { "PG_BF16_GEMM", "fallback", "fallback" },
     { "PG_BF16_GEMM", "", "auto" }, { "PG_PROGRESS", "plain", "plain" },
     { "OMP_NUM_THREADS", "2,1", 2 }, { "PG_RANKS_PER_NODE", "3", 3 },
+    { "PG_HOST_MAP_FILE", "/tmp/hosts map", "/tmp/hosts map" }, { "PG_HOST_MAP_FILE", "", nil },
   }
   for _, case in ipairs(GOOD) do
     local name, value, want = case[1], case[2], case[3]

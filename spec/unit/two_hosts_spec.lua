@@ -138,13 +138,13 @@ describe("two hosts (network namespaces, Open MPI over TCP)", function()
     assert_through_link(two, crossed, { "islands" })
   end)
 
-  it("resume a 2x2x2 run whose second host crashed from its last checkpoint on the first host alone (2x2x1), as on "
-    .. "one machine", function()
-    -- examples/train_gpt.lua across the hosts, a checkpoint every 20 steps; once the first is out the second
-    -- host's processes are killed (a crash: Open MPI ends the job). The run then resumes on the first host with
-    -- the four ranks left (data 2 -> 1: the checkpoint is resliced), and, from a copy of the same checkpoint, on
-    -- this machine without namespaces: the two continuations' losses and gradient norms agree to every printed
-    -- digit (the same ranks, layout and arithmetic; nothing crosses a host).
+  -- The crash test's course (c: the layouts, the checkpoints' spacing, what the resumed run says): examples/
+  -- train_gpt.lua across the hosts, a checkpoint every c.ckpt_every steps; once the first is out the second
+  -- host's processes are killed (a crash: Open MPI ends the job). The run then resumes on the first host with
+  -- the four ranks left, and, from a copy of the same checkpoint, on this machine without namespaces: the two
+  -- continuations' losses and gradient norms agree to every printed digit (the same ranks, layout and
+  -- arithmetic; nothing crosses a host). Returns the crashed job's log.
+  local function crash_and_resume(c)
     local dir = os.tmpname()
     os.remove(dir)
     assert.equal(0, (h.sh("mkdir -p " .. h.quote(dir .. "/ref/checkpoints"))))
@@ -158,30 +158,41 @@ describe("two hosts (network namespaces, Open MPI over TCP)", function()
     local function train(layout, out, extra)
       local args = { "examples/train_gpt.lua", "--train=" .. dir .. "/train.bin", "--val=" .. dir .. "/val.bin",
         "--dim=32", "--layers=2", "--heads=4", "--seq-len=16", "--batch=8", "--steps=60", "--eval-every=1000",
-        "--val-batches=1", "--log-every=1", "--sample=4", "--ckpt-every=20", "--zero=1", "--out=" .. out }
+        "--val-batches=1", "--log-every=1", "--sample=4", "--ckpt-every=" .. c.ckpt_every, "--zero=1", "--out=" .. out }
       for _, a in ipairs(layout) do args[#args + 1] = a end
       for _, a in ipairs(extra or {}) do args[#args + 1] = a end
       return h.pglua_cmd(args)
     end
-    local TPD = { "--tensor=2", "--pipeline=2", "--data=2" }
-    local TP1 = { "--tensor=2", "--pipeline=2", "--data=1", "--resume=last" }
+    local TPD, TP1 = c.crashed, c.resumed
+    -- every rank waits after the first checkpoint's step until the gate file exists (PG_TEST_GATE), which the
+    -- spec makes once the second host is gone: the kill comes at that step however fast the steps are
     local cmd = ([[
-PG_PROGRESS=plain timeout -k 5 %d scripts/mpirun.sh %s -x PG_PROGRESS -np 8 %s > %s/job.log 2>&1 &
+PG_PROGRESS=plain PG_TEST_GATE=%d:%s/gate timeout -k 5 %d scripts/mpirun.sh %s -x PG_PROGRESS -x PG_TEST_GATE -np 8 %s \
+  > %s/job.log 2>&1 &
 job=$!
 until [ -s %s/run/checkpoints/latest ] || ! kill -0 $job 2> /dev/null; do sleep 0.05; done
 %sscripts/netns_hosts.sh kill %s
+( sleep %d; touch %s/hung; kill $job ) > /dev/null 2>&1 &
+guard=$!
+touch %s/gate
 wait $job
-echo "job exit $?"]]):format(h.limit(120), host_args(), train(TPD, dir .. "/run"), dir, dir, ENV, HOST2)
+echo "job exit $?"
+kill $guard 2> /dev/null]]):format(c.ckpt_every, dir, h.limit(120), host_args(), train(TPD, dir .. "/run"), dir, dir,
+      ENV, HOST2, h.limit(10), dir, dir)
     local _, out = h.sh(cmd)
     local code = tonumber(out:match("job exit (%d+)"))
     local _, log = h.sh("cat " .. h.quote(dir .. "/job.log"))
     assert.is_true(code ~= nil and code ~= 0 and code ~= 124, out .. log)
     assert.matches("on node " .. HOST2, log, 1, true) -- Open MPI's notice of the lost daemon names the host
+    -- and scripts/mpirun.sh names its ranks from the map rank 0 wrote (PG_HOST_MAP_FILE)
+    assert.matches("\npipegoose: host " .. HOST2 .. " lost (ranks 4-7)\n", log, 1, true)
+    -- a hang guard (h.limit(10) s after the kill), not a timing assertion
+    assert.is_false(h.sh("test -e " .. h.quote(dir .. "/hung")) == 0, "the job outlived the host by 10 s: " .. log)
     local f = assert(io.open(dir .. "/run/checkpoints/latest"))
     local latest = f:read("l")
     f:close()
     local saved = tonumber(latest:match("^step%-0*(%d+)$"))
-    assert.is_true(saved ~= nil and saved < 60, "the run ended before the crash: " .. latest)
+    assert.equal(c.ckpt_every, saved, "the checkpoint before the crash: " .. latest)
     assert.equal(0, (h.sh(("cp -r %s %s && printf %%s %s > %s"):format(h.quote(dir .. "/run/checkpoints/" .. latest),
       h.quote(dir .. "/ref/checkpoints/"), latest, h.quote(dir .. "/ref/checkpoints/latest")))))
     -- the first host alone (its four slots), then the same on this machine
@@ -190,7 +201,7 @@ echo "job exit $?"]]):format(h.limit(120), host_args(), train(TPD, dir .. "/run"
       h.limit(120), one_host, train(TP1, dir .. "/run")))
     assert.equal(0, rc1, out1)
     assert.matches("resumed from " .. dir .. "/run/checkpoints/" .. latest .. " at step " .. saved, out1, 1, true)
-    assert.matches("resliced into tensor=2 pipeline=2 data=1", out1, 1, true)
+    assert.matches(c.resumed_as, out1, 1, true)
     local rc2, out2 = h.sh(("PG_PROGRESS=plain timeout -k 5 %d scripts/mpirun.sh -x PG_PROGRESS -np 4 %s"):format(
       h.limit(120), train(TP1, dir .. "/ref")))
     assert.equal(0, rc2, out2)
@@ -210,6 +221,27 @@ echo "job exit $?"]]):format(h.limit(120), host_args(), train(TPD, dir .. "/run"
     end
     h.sh("rm -rf " .. h.quote(dir))
     netns("up 2")
+    return log
+  end
+
+  it("resume a 2x2x2 run whose second host crashed from its last checkpoint on the first host alone (2x2x1), as on "
+    .. "one machine", function()
+    -- data 2 -> 1: the checkpoint is resliced
+    crash_and_resume{ ckpt_every = 20,
+      crashed = { "--tensor=2", "--pipeline=2", "--data=2" },
+      resumed = { "--tensor=2", "--pipeline=2", "--data=1", "--resume=last" },
+      resumed_as = "resliced into tensor=2 pipeline=2 data=1" }
+  end)
+
+  it("resume a run of 2 DiLoCo islands (one a host) whose second host crashed from its last checkpoint with the "
+    .. "island that remains, as on one machine", function()
+    -- a checkpoint every outer step (every 10 steps, just after it): island 0's checkpoint holds the whole outer
+    -- state (all-gathered over the islands at the save), so the first host resumes it as 1 island (new island 0
+    -- takes old island 0's inner state; its outer state is the whole saved buffers)
+    crash_and_resume{ ckpt_every = 10,
+      crashed = { "--tensor=2", "--pipeline=2", "--data=1", "--islands=2", "--outer-every=10" },
+      resumed = { "--tensor=2", "--pipeline=2", "--data=1", "--islands=1", "--outer-every=10", "--resume=last" },
+      resumed_as = "resumed from" }
   end)
 
   it("end a DiLoCo run whose second host's link goes down with the watchdog's report naming the ranks and host",

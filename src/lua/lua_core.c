@@ -44,6 +44,7 @@ static int l_env(lua_State *L) {
     case 'd': PG_LUA_CHECK(L, pg_env_double(name, &d)); lua_pushnumber(L, d); return 1;
     case 'l': PG_LUA_CHECK(L, pg_env_long(name, &l)); lua_pushinteger(L, l); return 1;
     case 'b': PG_LUA_CHECK(L, pg_env_bool(name, &b)); lua_pushboolean(L, b); return 1;
+    case 'p': PG_LUA_CHECK(L, pg_env_path(name, &c)); c ? lua_pushstring(L, c) : lua_pushnil(L); return 1;
     default: PG_LUA_CHECK(L, pg_env_choice(name, &c)); lua_pushstring(L, c); return 1;
     }
   }

@@ -249,6 +249,27 @@ const char *pg_host_of_world_rank(int r) {
 
 int pg_host_count(void) { return distinct_hosts; }
 
+/* World rank 0 writes "RANK HOST" a line to PG_HOST_MAP_FILE (scripts/mpirun.sh names it): Open MPI's notice of
+ * a lost host names the host, and the script then names its ranks from this map. Written to a temporary name
+ * and renamed, so a reader sees the whole map or none. A failure is a warning: the map only adds to a report. */
+static void write_host_map(const char *all, int n) {
+  const char *path = NULL;
+  if (pg_env_path("PG_HOST_MAP_FILE", &path) || !path) return; /* a bad value: pg_env_check_all refused it */
+  char tmp[PATH_MAX];
+  if (snprintf(tmp, sizeof tmp, "%s.%ld.tmp", path, (long)getpid()) >= (int)sizeof tmp) {
+    fprintf(stderr, "pipegoose: PG_HOST_MAP_FILE: the name '%.200s' is too long; no rank -> host map\n", path);
+    return;
+  }
+  FILE *f = fopen(tmp, "w");
+  int ok = f != NULL;
+  for (int r = 0; ok && r < n; r++) ok = fprintf(f, "%d %s\n", r, all + (size_t)r * PG_HOST_MAX) > 0;
+  if (f && fclose(f) != 0) ok = 0;
+  if (!ok || rename(tmp, path) != 0) {
+    fprintf(stderr, "pipegoose: PG_HOST_MAP_FILE: cannot write '%.200s'; no rank -> host map\n", path);
+    remove(tmp);
+  }
+}
+
 static int exchange_host_names(void) {
   if (host_names) return PG_OK;
   int n = 1;
@@ -276,6 +297,9 @@ static int exchange_host_names(void) {
   host_names = all;
   host_count = n;
   distinct_hosts = distinct;
+  int me = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &me);
+  if (me == 0) write_host_map(all, n);
   return PG_OK;
 }
 

@@ -8,7 +8,7 @@
 
 #include "pg_error.h"
 
-enum kind { NUMBER = 'd', INTEGER = 'l', BOOLEAN = 'b', CHOICE = 'c', THREADS = 't' };
+enum kind { NUMBER = 'd', INTEGER = 'l', BOOLEAN = 'b', CHOICE = 'c', THREADS = 't', PATH = 'p' };
 
 typedef struct {
   const char *name;
@@ -31,6 +31,7 @@ static const env_var VARS[] = {
     {"PG_SHM", BOOLEAN, 0, 1, 1, NULL, "a boolean (1/0, true/false, yes/no, on/off)"},
     {"PG_BF16_GEMM", CHOICE, 0, 0, 0, BF16_GEMM, "one of auto, onednn, fallback"},
     {"PG_PROGRESS", CHOICE, 0, 0, 0, PROGRESS, "one of auto, tty, plain"},
+    {"PG_HOST_MAP_FILE", PATH, 0, 0, 0, NULL, "a file name (scripts/mpirun.sh sets it)"},
     {"PG_RANKS_PER_NODE", INTEGER, 1, 1 << 20, 0, NULL, "a positive integer (ranks per emulated node)"},
     {"OMP_NUM_THREADS", THREADS, 0, 1 << 16, 0, NULL, "a positive integer (or OpenMP's comma list of them)"},
 };
@@ -131,6 +132,20 @@ static int get_choice(const env_var *v, const char **out) {
   return bad(v, s);
 }
 
+/* Any file name; a newline would break the one-line-per-rank files written to it. */
+static int get_path(const env_var *v, const char **out) {
+  const char *s = value(v);
+  *out = NULL;
+  if (!s) return PG_OK;
+  if (strchr(s, '\n')) return bad(v, s);
+  return *out = s, PG_OK;
+}
+
+int pg_env_path(const char *name, const char **out) {
+  const env_var *v = find(name, PATH, PATH);
+  return v ? get_path(v, out) : PG_ERR;
+}
+
 int pg_env_double(const char *name, double *out) {
   const env_var *v = find(name, NUMBER, NUMBER);
   return v ? get_double(v, out) : PG_ERR;
@@ -161,6 +176,7 @@ int pg_env_check_all(void) {
     int rc = v->kind == NUMBER    ? get_double(v, &d)
              : v->kind == BOOLEAN ? get_bool(v, &b)
              : v->kind == CHOICE  ? get_choice(v, &c)
+             : v->kind == PATH    ? get_path(v, &c)
                                   : get_long(v, &l);
     if (rc) return PG_ERR;
   }

@@ -12,7 +12,7 @@
  * Types: a number (double, with a range), an integer (long, with a range),
  * a boolean (1/0, true/false, yes/no, on/off), a choice (one of a list of
  * words), a thread count (a positive integer, or OpenMP's comma list of them:
- * the first is this level's). */
+ * the first is this level's), a file name (any text without a newline). */
 #ifndef PG_ENV_H
 #define PG_ENV_H
 
@@ -25,11 +25,13 @@ int pg_env_bool(const char *name, int *out);
 /* *out: the chosen word (a static string of the table), the default when unset */
 int pg_env_choice(const char *name, const char **out);
 
+/* *out: the file name (the environment's string), NULL when unset or empty */
+int pg_env_path(const char *name, const char **out);
 /* Checks every variable of the table; PG_ERR names the first bad one. */
 int pg_env_check_all(void);
 
 /* The table's entries, for the Lua binding: the i-th name (NULL past the end)
- * and its type: 'd' number, 'l' integer or thread count, 'b' boolean, 'c' choice. */
+ * and its type: 'd' number, 'l' integer or thread count, 'b' boolean, 'c' choice, 'p' file name. */
 const char *pg_env_name(int i, char *type);
 
 #endif
