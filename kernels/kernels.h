@@ -69,6 +69,12 @@ void pg_bias_backward(float *dbias, const float *dout, int N, int OC);
  * round to inf. bf16 -> float32 is exact. */
 void pg_bf16_from_f32(uint16_t *dst, const float *src, int64_t n);
 void pg_bf16_to_f32(float *dst, const uint16_t *src, int64_t n);
+/* int8 block coding (DiLoCo's quantised exchange): each block of `block` values (a multiple of 4) becomes one
+ * word holding the float32 scale absmax / 127, then block / 4 words of four int8 codes round(v / scale) in
+ * [-127, 127], lowest byte first; an all-zero block has scale 0 and codes 0. So |decoded - v| <= scale / 2.
+ * words: nblocks * (1 + block / 4). */
+void pg_int8_encode(uint32_t *words, const float *src, int64_t nblocks, int64_t block);
+void pg_int8_decode(float *dst, const uint32_t *words, int64_t nblocks, int64_t block);
 static inline uint16_t pg_bf16_round(float f) {
   uint32_t u;
   memcpy(&u, &f, 4);

@@ -935,7 +935,7 @@ return {
   { name = "diloco-quantised-sum", file = "lua/pipegoose/diloco.lua",
     from = "fr.pending = { mean = sum:scale_(1 / k), finish_at", to = "fr.pending = { mean = sum, finish_at",
     specs = { "dist/diloco#exchange = int8" }, why = "the quantised exchange sums the islands' pseudo-gradients instead of averaging them" },
-  { name = "int8-scale-255", file = "src/lua/lua_ops.c",
+  { name = "int8-scale-255", file = "kernels/cpu/bf16.c",
     from = "float sc = amax / 127.0f;", to = "float sc = amax / 255.0f;",
     specs = { "dist/diloco#exchange = int8" }, why = "int8 codes scaled for 8 unsigned bits: large values clamp at 127" },
   ------------------------------------------------------------------ MoE with context parallelism

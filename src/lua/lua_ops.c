@@ -407,13 +407,9 @@ static int l_from_f16(lua_State *L) {
   return 1;
 }
 
-/* ---- int8 block quantisation (DiLoCo's quantised exchange) ----
- * A block of B values (B a multiple of 4) becomes 1 + B/4 int32 words: the
- * float32 bits of its scale s = absmax / 127, then the values' int8 codes
- * q = nearest(x / s) (ties to even; all 0 when the block is all 0), four to a
- * word, little-endian. x = q * s comes back within s / 2 (plus one rounding of
- * each product): the error bound the specs use. Words travel through
- * collectives as int32. */
+/* ---- int8 block quantisation (DiLoCo's quantised exchange): the coding is pg_int8_encode's (kernels.h);
+ * decoded values come back within scale / 2 (plus one rounding of each product), the bound the specs use.
+ * Words travel through collectives as int32. */
 
 /* quantize_int8(x, block) -> int32 tensor [numel / block * (1 + block / 4)] */
 static int l_quantize_int8(lua_State *L) {
@@ -431,25 +427,7 @@ static int l_quantize_int8(lua_State *L) {
   int64_t nb = x->numel / B, words;
   if (pg_mul_overflows(nb, 1 + B / 4, &words)) return luaL_error(L, "ops.quantize_int8: too many values");
   pg_tensor *y = pg_lua_new_tensor(L, PG_INT32, 1, (int64_t[]){words});
-  const float *a = pg_tensor_f32(x);
-  uint32_t *w = (uint32_t *)pg_tensor_data(y);
-  for (int64_t b = 0; b < nb; b++) {
-    const float *v = a + b * B;
-    uint32_t *o = w + b * (1 + B / 4);
-    float amax = 0;
-    for (int64_t i = 0; i < B; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
-    float sc = amax / 127.0f;
-    memcpy(&o[0], &sc, 4);
-    for (int64_t i = 0; i < B; i += 4) {
-      uint32_t word = 0;
-      for (int j = 0; j < 4; j++) {
-        long q = sc > 0 ? lrintf(v[i + j] / sc) : 0;
-        q = q > 127 ? 127 : q < -127 ? -127 : q;
-        word |= (uint32_t)(uint8_t)(int8_t)q << (8 * j);
-      }
-      o[1 + i / 4] = word;
-    }
-  }
+  pg_int8_encode((uint32_t *)pg_tensor_data(y), pg_tensor_f32(x), nb, B);
   return 1;
 }
 
@@ -468,14 +446,7 @@ static int l_dequantize_int8(lua_State *L) {
                                                 (lua_Integer)x->numel, B);
   int64_t nb = x->numel / (1 + B / 4);
   pg_tensor *y = pg_lua_new_tensor(L, PG_FLOAT32, 1, (int64_t[]){nb * B});
-  const uint32_t *w = (const uint32_t *)pg_tensor_data(x);
-  float *out = pg_tensor_f32(y);
-  for (int64_t b = 0; b < nb; b++) {
-    const uint32_t *o = w + b * (1 + B / 4);
-    float sc;
-    memcpy(&sc, &o[0], 4);
-    for (int64_t i = 0; i < B; i++) out[b * B + i] = (float)(int8_t)(uint8_t)(o[1 + i / 4] >> (8 * (i % 4))) * sc;
-  }
+  pg_int8_decode(pg_tensor_f32(y), (const uint32_t *)pg_tensor_data(x), nb, B);
   return 1;
 }
 
