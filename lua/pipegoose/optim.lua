@@ -8,7 +8,8 @@
 -- (zero = 3: the parameters too; every module's parameters are all-gathered
 -- over the data group before its forward and backward and freed after,
 -- reshard_after_forward = false keeps them from the first forward to the end
--- of the call; engine:parameters() then has no tensors, gather_param gathers
+-- of the call, prefetch = false starts a module's gather only when it runs
+-- (no transfer overlaps compute); engine:parameters() then has no tensors, gather_param gathers
 -- one, shard_state().param is the shard; docs/DESIGN.md "ZeRO-3").
 local core = require "pipegoose.core"
 local opt = require "pipegoose.options"
@@ -26,6 +27,7 @@ local ADAMW = {
   eps = opt.number{ finite = false, default = 1e-8 }, weight_decay = opt.number{ finite = false, default = 0.01 },
   zero = opt.integer{ default = 0 },
   reshard_after_forward = opt.boolean{ default = true }, -- zero = 3 only
+  prefetch = opt.boolean{ default = true }, -- zero = 3 only
 }
 local ENGINE = opt.required(opt.check_with("an engine made by pg.parallelize",
   function(e) return type(e) == "table" and type(e.c) == "userdata" end))
@@ -40,12 +42,15 @@ function optim.AdamW(engine, o)
   if zero ~= 0 and zero ~= 1 and zero ~= 2 and zero ~= 3 then
     error(("AdamW: zero must be 0, 1, 2 or 3, got %s"):format(opt.show(zero)), 2)
   end
-  if o.reshard_after_forward == false and zero ~= 3 then
-    error(("AdamW: reshard_after_forward is an option of zero = 3 (the parameters gathered per module), not of "
-      .. "zero = %d"):format(zero), 2)
+  for _, name in ipairs{ "prefetch", "reshard_after_forward" } do
+    if o[name] == false and zero ~= 3 then
+      error(("AdamW: %s is an option of zero = 3 (the parameters gathered per module), not of zero = %d")
+        :format(name, zero), 2)
+    end
   end
   local ok, c = pcall(core.AdamW, engine.c, { lr = o.lr, beta1 = o.betas[1], beta2 = o.betas[2], eps = o.eps,
-                                              weight_decay = o.weight_decay }, zero, o.reshard_after_forward)
+                                              weight_decay = o.weight_decay }, zero, o.reshard_after_forward,
+                                              o.prefetch)
   if not ok then error(c, 2) end
   local self = setmetatable({ c = c, engine = engine, zero = zero }, AdamW)
   engine.optimizer = self

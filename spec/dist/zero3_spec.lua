@@ -15,6 +15,7 @@
 --   - with ZeRO-2 at the same layout: the same bits (a gather copies the
 --     values a replica holds; the gradients go through the same buckets),
 --     at D = W, micro_batches = 2, reshard_after_forward = false,
+--     prefetch = false (the same gathers, each started when its module runs),
 --     recomputation, accumulation over calls, a shared-memory data group,
 --     precision bf16 (the GEMM weights gathered in bf16: rounding a shard
 --     before the gather gives the bits rounding after it gave), a mixture of
@@ -22,7 +23,7 @@
 --     and on 4 ranks P = 2 x D = 2 (both schedules) and T = 2 x D = 2 with
 --     sequence parallelism;
 --   - refused by name: expert parallelism, modules written in Lua that own
---     parameters, reshard_after_forward without zero 3, another stage on a
+--     parameters, reshard_after_forward or prefetch without zero 3, another stage on a
 --     zero-3 engine;
 --   - with PG_TEST_DEVICE=cuda (the emulated device): refused by name (the
 --     gathers and the gradient staging are host memory over MPI);
@@ -56,7 +57,7 @@ local function rel(a, b) return math.abs(a - b) / math.max(math.abs(b), 1e-30) e
 local function train(ctx, opts, hp, xs, ys, cfg)
   local e = pg.parallelize(pg.nn.GPT(cfg or CFG), ctx, opts)
   local o = pg.optim.AdamW(e, { lr = 1e-2, weight_decay = 0.1, zero = hp.zero, -- nil: the engine's
-                                reshard_after_forward = hp.reshard_after_forward })
+                                reshard_after_forward = hp.reshard_after_forward, prefetch = hp.prefetch })
   local r = { losses = {}, engine = e, opt = o }
   for s = 1, 3 do
     e:zero_grad()
@@ -223,6 +224,12 @@ describe(("ZeRO-3 on %d ranks"):format(W), function()
     assert.are.equal(3 * per_step + 2 * (nunits - 1) + 1, ga)
     assert.are.equal(4 * nunits, gb)
     assert.is_false(b.engine:stats().reshard_after_forward)
+    assert.is_true(a.engine:stats().prefetch)
+    -- without prefetch: the same gathers and bits, each gather started when its module runs
+    local d = train(dp, o(), { zero = 3, prefetch = false }, x, y)
+    assert.are.equal(ga, d.engine:stats().unit_gathers) -- read before same_bits gathers parameters to compare
+    same_bits(d, c, "micro_batches = 2, prefetch = false")
+    assert.is_false(d.engine:stats().prefetch)
     assert.is_true(b.engine:stats().gather_slots >= nunits - 1, "every unit held to the end of the call")
   end)
 
@@ -332,6 +339,9 @@ describe(("ZeRO-3 on %d ranks"):format(W), function()
       { zero = 1, reshard_after_forward = false })
     assert.is_false(ok)
     assert.matches("reshard_after_forward is an option of zero = 3", err, 1, true)
+    ok, err = pcall(pg.optim.AdamW, pg.parallelize(pg.nn.GPT(CFG), dp, PRIVATE()), { zero = 2, prefetch = false })
+    assert.is_false(ok)
+    assert.matches("prefetch is an option of zero = 3", err, 1, true)
     -- a module written in Lua writes its gradients through views of the whole buffers
     local m = { name = "custom", in_width = 16 }
     function m:parameters() return { { name = "w", shape = { 16 } } } end

@@ -299,7 +299,7 @@ describe("AdamW", function()
     assert.are.equal(3, pg.optim.AdamW(tiny(), { zero = 3 }).zero)
     assert.has_error(function() pg.optim.AdamW(tiny(), { zero = 4 }) end, "AdamW: zero must be 0, 1, 2 or 3, got 4")
     assert.has_error(function() pg.optim.AdamW(tiny(), { learning_rate = 1 }) end,
-      "AdamW: unknown option 'learning_rate' (known: betas, eps, lr, reshard_after_forward, weight_decay, zero)")
+      "AdamW: unknown option 'learning_rate' (known: betas, eps, lr, prefetch, reshard_after_forward, weight_decay, zero)")
   end)
 end)
 

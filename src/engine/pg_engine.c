@@ -317,6 +317,7 @@ pg_engine *pg_engine_new(pg_context *ctx, pg_module *const *stages, int nchunks,
   e->chunks = chunks;
   e->nchunks = nchunks;
   e->reshard_after_forward = 1; /* FSDP2's default */
+  e->prefetch = 1;
   for (int v = 0; v < nchunks; v++) {
     chunks[v].stage = stages[v];
     /* the model's first and last pieces (placement: pg_schedule_piece) */
@@ -1008,7 +1009,7 @@ static int gather_for(pg_engine *e, pg_module *m, int step) {
   if (start_gather(e, u, 1)) return PG_ERR;
   /* from the unit's own hook only: a module inside it runs within the unit's forward or backward (the
    * recomputed forward inside backward must not fetch the unit after it) */
-  if (u->m == m && next >= 0 && next < e->nunits && e->units[next].chunk == u->chunk &&
+  if (e->prefetch && u->m == m && next >= 0 && next < e->nunits && e->units[next].chunk == u->chunk &&
       start_gather(e, &e->units[next], 1))
     return PG_ERR;
   return finish_gather(e, u, 1);
@@ -1107,6 +1108,13 @@ int pg_engine_set_reshard_after_forward(pg_engine *e, int on) {
   if (e->params_sharded && e->gathers_started)
     return pg_fail("reshard_after_forward cannot change while a call holds gathered parameters");
   e->reshard_after_forward = on != 0;
+  return PG_OK;
+}
+
+int pg_engine_set_prefetch(pg_engine *e, int on) {
+  if (e->params_sharded && e->gathers_started)
+    return pg_fail("prefetch cannot change while a call holds gathered parameters");
+  e->prefetch = on != 0;
   return PG_OK;
 }
 

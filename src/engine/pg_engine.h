@@ -216,6 +216,7 @@ typedef struct pg_engine {
    * they are NULL. */
   int params_sharded;
   int reshard_after_forward; /* 1 (default): release a unit after its forward, gather it again for backward */
+  int prefetch;              /* 1 (default): start the next unit's gather before this one computes */
   int64_t param_base;
   pg_gather_unit *units;     /* in forward order (the chunks' trees) */
   int nunits;
@@ -300,6 +301,9 @@ int pg_engine_shard_params(pg_engine *e);
 /* ZeRO-3's reshard_after_forward (default 1: FSDP2's): 0 keeps a unit gathered from its first forward of a
  * call to the call's end (a pipeline step gathers each unit once instead of twice per micro-batch). */
 int pg_engine_set_reshard_after_forward(pg_engine *e, int on);
+/* ZeRO-3's prefetch (default 1): 0 starts a unit's gather only when the unit is about to run, so no
+ * transfer overlaps compute (the bench's measure of what the prefetch buys). */
+int pg_engine_set_prefetch(pg_engine *e, int on);
 /* The parameter value of flat element off: anywhere without ZeRO-3, inside this rank's shard with it. */
 float *pg_engine_param_at(const pg_engine *e, int64_t off);
 /* Bytes of parameter memory on this rank: the flat buffer, or with ZeRO-3 the

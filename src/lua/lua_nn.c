@@ -791,6 +791,8 @@ static int l_info(lua_State *L) {
   set_int(L, "unit_gathers", e->unit_gathers);
   lua_pushboolean(L, e->reshard_after_forward);
   lua_setfield(L, -2, "reshard_after_forward");
+  lua_pushboolean(L, e->prefetch);
+  lua_setfield(L, -2, "prefetch");
   set_int(L, "grad_staging_slots", e->npool);
   set_int(L, "steps", e->stats.steps);
   set_num(L, "step_seconds", e->stats.step_seconds);

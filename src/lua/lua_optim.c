@@ -1,5 +1,5 @@
 /* Lua bindings for the optimizer: core.AdamW(engine, {lr=, beta1=, beta2=, eps=,
- * weight_decay=}, zero [, reshard_after_forward]) -> optimizer userdata. lua/pipegoose/optim.lua wraps it. */
+ * weight_decay=}, zero [, reshard_after_forward [, prefetch]]) -> optimizer userdata. lua/pipegoose/optim.lua wraps it. */
 #include <float.h>
 #include <math.h>
 
@@ -44,8 +44,9 @@ static int l_new(lua_State *L) {
   pg_adamw_hparams h = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f};
   read_hparams(L, 2, &h);
   int zero = lua_isnoneornil(L, 3) ? 0 : (int)pg_lua_check_int_in(L, 3, "zero", 0, 3);
-  /* zero = 3: reshard_after_forward (default true) */
+  /* zero = 3: reshard_after_forward and prefetch (default true) */
   if (!lua_isnoneornil(L, 4)) PG_LUA_CHECK(L, pg_engine_set_reshard_after_forward(e, lua_toboolean(L, 4)));
+  if (!lua_isnoneornil(L, 5)) PG_LUA_CHECK(L, pg_engine_set_prefetch(e, lua_toboolean(L, 5)));
   adamw_ud *u = lua_newuserdatauv(L, sizeof *u, 1);
   u->o = NULL;
   luaL_setmetatable(L, PG_ADAMW_MT);
