@@ -45,12 +45,13 @@ why_not() {
     echo "unshare --uts inside a network namespace fails: $err"
     return
   fi
-  if ! err=$(ip link add "${probe:0:10}a" type veth peer name "${probe:0:10}b" 2>&1); then
+  # a veth name holds 15 characters: the process id keeps two checks at once apart
+  if ! err=$(ip link add "pgp$$a" type veth peer name "pgp$$b" 2>&1); then
     ip netns del "$probe" 2> /dev/null
     echo "ip link add type veth fails: $err"
     return
   fi
-  ip link del "${probe:0:10}a" 2> /dev/null
+  ip link del "pgp$$a" 2> /dev/null
   ip netns del "$probe" 2> /dev/null
 }
 

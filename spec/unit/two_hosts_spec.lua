@@ -69,12 +69,39 @@ describe("two hosts (network namespaces, Open MPI over TCP)", function()
     return
   end
 
+  -- The hosts have fixed names and addresses, so two runs of this file at once (a sanitizer run beside a CI
+  -- run) would tear down each other's hosts: a run holds an exclusive lock for its whole length, taken by a
+  -- background flock that keeps it while the token file exists and this process lives, and waits up to 15
+  -- minutes for another run to finish.
+  local token = os.tmpname()
+  local function hold_lock()
+    local fh = assert(io.open("/proc/self/stat"))
+    local pid = assert(fh:read("l"):match("^(%d+)"))
+    fh:close()
+    local code, out = h.sh(("flock -w 900 -x /run/lock/pipegoose-two-hosts-spec.lock sh -c "
+      .. "'echo held > \"$0\"; while [ -e \"$0\" ] && kill -0 \"$1\" 2> /dev/null; do sleep 0.2; done' %s %s "
+      .. "> /dev/null 2>&1 &"):format(h.quote(token), pid))
+    assert(code == 0, out)
+    for _ = 1, 9100 do -- 910 s of 0.1 s polls: flock's own wait is 900 s
+      local f = io.open(token)
+      local held = f and f:read("l") == "held"
+      if f then f:close() end
+      if held then return end
+      h.sh("sleep 0.1")
+    end
+    error("two hosts: another run of this spec held /run/lock/pipegoose-two-hosts-spec.lock for 15 minutes")
+  end
+
   -- made once for the file and removed whatever happens (up first removes what a crashed run left)
   lazy_setup(function()
+    hold_lock()
     local code, out = netns("up 2")
     assert(code == 0, out)
   end)
-  lazy_teardown(function() netns("down") end)
+  lazy_teardown(function()
+    netns("down")
+    os.remove(token) -- the lock's holder sees it gone and exits
+  end)
 
   -- The run on one host and across the two; the bytes through host 2's link during the second.
   local function both(args)
