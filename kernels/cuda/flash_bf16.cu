@@ -54,6 +54,16 @@ __device__ void rows_dot(frag_c &c, const uint16_t *a, int64_t lda, const uint16
   }
 }
 
+// The same with A's tiles already in fragments (the forward's query rows, loaded once).
+template <int D> __device__ void rows_dot(frag_c &c, const frag_a *a, const uint16_t *b, int64_t ldb) {
+  wmma::fill_fragment(c, 0.0f);
+  for (int t = 0; t < D / TILE; t++) {
+    frag_b_t fb;
+    wmma::load_matrix_sync(fb, bf(b + t * TILE), (unsigned)ldb);
+    wmma::mma_sync(c, a[t], fb, c);
+  }
+}
+
 // The lane's 8 values of a 16x16 accumulator (row lane / 2, columns (lane % 2) * 8 + e), through the warp's
 // scratch.
 __device__ __forceinline__ void lane_values(float v[8], float *scratch, const frag_c &c, int lane) {
@@ -81,6 +91,8 @@ __global__ void flash_bf16_forward_kernel(float *out, float *lse, const uint16_t
   float *sc = scratch[warp];
   uint16_t *pt = ptile[warp];
   const int row = lane >> 1, col0 = (lane & 1) * 8, qi = q0 + row;
+  frag_a qa[D / TILE];
+  for (int t = 0; t < D / TILE; t++) wmma::load_matrix_sync(qa[t], bf(q + t * TILE), (unsigned)W);
 
   float o[D / TILE][8];
   for (int t = 0; t < D / TILE; t++)
@@ -94,7 +106,7 @@ __global__ void flash_bf16_forward_kernel(float *out, float *lse, const uint16_t
     for (int j = 0; j < STEP_TILES; j++) {
       if (j < nt) {
         frag_c acc;
-        rows_dot<D>(acc, q, W, k + (int64_t)(k0 + j * TILE) * W, W);
+        rows_dot<D>(acc, qa, k + (int64_t)(k0 + j * TILE) * W, W);
         lane_values(s[j], sc, acc, lane);
         for (int e = 0; e < 8; e++) {
           const int kj = k0 + j * TILE + col0 + e;
