@@ -189,4 +189,15 @@ PG_KERNEL(swiglu_bf16_backward, (uint16_t *dinp, const uint16_t *inp, const uint
 PG_KERNEL(residual_bf16_forward, (float *out, const float *a, const uint16_t *x, int64_t n), (out, a, x, n), CALL,
           CALL, PG_SELFTEST(test_bf16_pointwise))
 
+/* ---- flash attention on bf16 q|k|v (kernels.h's pg_flash_bf16_*): the device's tensor-core kernels; the CPU
+ * twin runs the float32 block attention on the widened inputs. Both refuse, naming why, a shape that
+ * pg_flash_bf16_unsupported refuses (pg_backend_flash_bf16_refused): the caller then takes attention_forward /
+ * attention_backward. delta: B NH T floats of scratch. ---- */
+PG_KERNEL(flash_bf16_forward, (float *out, float *lse, const uint16_t *qkv, int B, int T, int NH, int NKV, int HS),
+          (out, lse, qkv, B, T, NH, NKV, HS), OWN, OWN, PG_SELFTEST(test_flash_bf16))
+PG_KERNEL(flash_bf16_backward,
+          (float *dqkv, float *delta, const uint16_t *dout, const float *out, const uint16_t *qkv, const float *lse,
+           int B, int T, int NH, int NKV, int HS),
+          (dqkv, delta, dout, out, qkv, lse, B, T, NH, NKV, HS), OWN, OWN, PG_SELFTEST(test_flash_bf16))
+
 #undef PG_KERNEL

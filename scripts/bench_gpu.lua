@@ -12,12 +12,19 @@
 --   peak gemm_bf16 <GFLOP/s> (n = N)                           (bf16, both)
 --   gpt2-<model> BxT tokens_per_s <v> step_ms <v> mfu_vs_sgemm <v> (fp32, TF32 off)
 --   gpt2-<model> BxT tokens_per_s <v> step_ms <v> mfu_vs_bf16_gemm <v> (bf16 ...)
+--   attention_bf16 T <T> HS <hs> BxNH <B>x<NH> fwd_ms <v> bwd_ms <v> tokens_per_s <v> fwd_tflops <v>
+--       bwd_tflops <v> fwd_vs_bf16_gemm <v> bwd_vs_bf16_gemm <v>          (--attention: the kernel alone)
 -- MFU = 6 x parameters x tokens/s (the matmul FLOPs of forward and
 -- backward, attention's own products left out as in the CPU bench) over the
 -- measured GEMM rate of the run's precision. Against a datasheet's dense bf16
 -- peak (lua/pipegoose/plan/hardware.lua: H100 SXM 989.5 TFLOP/s), multiply by
 -- peak gemm_bf16 / datasheet. On the emulated device (build-emu) use
 -- --model=tiny: it checks the script, not the speed.
+-- --attention=T,T,...: before the training steps, the bf16 tensor-core flash attention kernels
+-- (pg.cuda.flash_bf16_seconds: causal, multi-head) at each T with head sizes 64 and 128, B = --attention-tokens
+-- / T sequences and NH = --attention-dim / HS heads. FLOPs counted as the causal products' useful half:
+-- forward 2 products (Q K^T, P V) of 2 T^2 HS / 2 per (sequence, head), backward 5 (S again, dP, dV, dK, dQ);
+-- the rates against the bf16 GEMM peak of the same run (measured for it whatever --precision says).
 local pg = require "pipegoose"
 local argparse = require "argparse"
 
@@ -34,6 +41,10 @@ parser:option("--steps", "Timed steps.", "10"):convert(to_int)
 parser:option("--warmup", "Untimed steps first.", "2"):convert(to_int)
 parser:option("--peak-n", "The GEMM size n of the peak rate (default 8192; tiny 64)."):convert(to_int)
 parser:option("--precision", "fp32, bf16 or both.", "both"):choices{ "fp32", "bf16", "both" }
+parser:option("--attention", "T list of the bf16 flash attention kernel bench (none: skip; default "
+  .. "1024,4096,8192, tiny 64).")
+parser:option("--attention-tokens", "Tokens (B x T) of each attention bench shape (default 16384; tiny 64)."):convert(to_int)
+parser:option("--attention-dim", "NH x HS of the attention bench (default 2048; tiny 128).", nil):convert(to_int)
 local args = parser:parse()
 local opt = { model = args.model, batch = args.batch, seq = args.seq, steps = args.steps, warmup = args.warmup,
               ["peak-n"] = args.peak_n, precision = args.precision }
@@ -69,6 +80,29 @@ for _, p in ipairs(precisions) do
   else
     peaks.bf16 = pg.cuda.bf16_gemm_gflops(n, reps)
     print(("peak gemm_bf16 %.1f GFLOP/s (n = %d, bf16 inputs, float32 sums)"):format(peaks.bf16, n))
+  end
+end
+
+-- the bf16 flash attention kernels alone, at each T and head size (the bf16 GEMM peak measured if not yet)
+local attention = args.attention or (name == "tiny" and "64" or "1024,4096,8192")
+if attention ~= "none" then
+  local tokens = args.attention_tokens or (name == "tiny" and 64 or 16384)
+  local dim = args.attention_dim or (name == "tiny" and 128 or 2048)
+  if not peaks.bf16 then
+    peaks.bf16 = pg.cuda.bf16_gemm_gflops(n, reps)
+    print(("peak gemm_bf16 %.1f GFLOP/s (n = %d, bf16 inputs, float32 sums)"):format(peaks.bf16, n))
+  end
+  for ts in attention:gmatch("[^,]+") do
+    local at = to_int(ts) or error("bench_gpu.lua: --attention is a list of integers or none, not " .. ts, 0)
+    for _, hs in ipairs{ 64, 128 } do
+      local ab, nh = math.max(1, tokens // at), math.max(1, dim // hs)
+      local fwd, bwd = pg.cuda.flash_bf16_seconds(ab, at, nh, nh, hs, name == "tiny" and 1 or 10)
+      local flop = 2.0 * ab * nh * at * at * hs -- the forward's two causal products
+      print(("attention_bf16 T %d HS %d BxNH %dx%d fwd_ms %.3f bwd_ms %.3f tokens_per_s %.0f fwd_tflops %.1f "
+        .. "bwd_tflops %.1f fwd_vs_bf16_gemm %.3f bwd_vs_bf16_gemm %.3f"):format(at, hs, ab, nh, fwd * 1e3, bwd * 1e3,
+        ab * at / (fwd + bwd), flop / fwd / 1e12, 2.5 * flop / bwd / 1e12, flop / fwd / (peaks.bf16 * 1e9),
+        2.5 * flop / bwd / (peaks.bf16 * 1e9)))
+    end
   end
 end
 

@@ -437,7 +437,8 @@ print(("memory %s %d %d"):format(mg.precision, mg.bf16_bytes, mc.bf16_bytes))
   end
 
   -- scripts/bench_gpu.lua runs on a real GPU (scripts/gpu_check.sh); here its logic, not its speed: both
-  -- precisions' peaks (sgemm, bf16 GemmEx) and training lines, and the rate function's argument check.
+  -- precisions' peaks (sgemm, bf16 GemmEx) and training lines, the flash attention kernels' lines, and the rate
+  -- functions' argument checks.
   it("runs bench_gpu.lua's fp32 and bf16 parts (--model=tiny)", function()
     local rc, out = h.sh(("timeout -k 2 300 %s scripts/bench_gpu.lua --model=tiny --steps=1 --warmup=0 --peak-n=16")
       :format(h.quote(EMU)))
@@ -448,11 +449,19 @@ print(("memory %s %d %d"):format(mg.precision, mg.bf16_bytes, mc.bf16_bytes))
     local fp32 = tonumber(out:match(line .. "mfu_vs_sgemm (%S+) loss %S+ %(fp32"))
     local bf16 = tonumber(out:match(line .. "mfu_vs_bf16_gemm (%S+) loss %S+ %(bf16"))
     assert.is_true(fp32 ~= nil and fp32 >= 0 and bf16 ~= nil and bf16 >= 0, out)
+    -- --attention (tiny: T 64): the bf16 flash attention kernels timed at both head sizes
+    for _, hs in ipairs{ 64, 128 } do
+      local fwd, bwd = out:match(("attention_bf16 T 64 HS %d BxNH 1x%d fwd_ms (%%S+) bwd_ms (%%S+) "):format(hs, 128 // hs))
+      assert.is_true(tonumber(fwd) ~= nil and tonumber(fwd) > 0 and tonumber(bwd) ~= nil and tonumber(bwd) > 0, out)
+    end
     local rc2, out2 = emu([[
 local pg = require "pipegoose"
 print(pcall(pg.cuda.bf16_gemm_gflops, 0))
+print(pcall(pg.cuda.flash_bf16_seconds, 1, 64, 2, 2, 96))
 ]])
     assert.equal(0, rc2, out2)
     assert.matches("false\tbad argument #1 (n): an integer from 1 to 65536 expected, got 0", out2, 1, true)
+    assert.matches("false\tpg.cuda.flash_bf16_seconds: flash_bf16_seconds: the head size is not 64 or 128 (B 1, T 64, "
+      .. "NH 2, NKV 2, HS 96): use the float32 attention", out2, 1, true)
   end)
 end)

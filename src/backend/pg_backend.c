@@ -16,6 +16,7 @@
 #include "pg_cpu_bf16_gemm.h"
 #include "pg_cuda.h"
 #include "pg_error.h"
+#include "pg_size.h"
 
 static void *cpu_alloc(const pg_backend *b, size_t bytes) {
   (void)b;
@@ -119,6 +120,24 @@ static int cpu_matmul_bf16_backward(const pg_backend *b, float *dinp, float *dwe
   return PG_OK;
 }
 
+static int cpu_flash_bf16_forward(const pg_backend *b, float *out, float *lse, const uint16_t *qkv, int B, int T,
+                                  int NH, int NKV, int HS) {
+  (void)b;
+  if (pg_backend_flash_bf16_refused("flash_bf16_forward", B, T, NH, NKV, HS)) return PG_ERR;
+  if (pg_flash_bf16_forward(out, lse, qkv, B, T, NH, NKV, HS)) return pg_fail("flash_bf16_forward: out of memory");
+  return PG_OK;
+}
+
+static int cpu_flash_bf16_backward(const pg_backend *b, float *dqkv, float *delta, const uint16_t *dout,
+                                   const float *out, const uint16_t *qkv, const float *lse, int B, int T, int NH,
+                                   int NKV, int HS) {
+  (void)b;
+  if (pg_backend_flash_bf16_refused("flash_bf16_backward", B, T, NH, NKV, HS)) return PG_ERR;
+  if (pg_flash_bf16_backward(dqkv, delta, dout, out, qkv, lse, B, T, NH, NKV, HS))
+    return pg_fail("flash_bf16_backward: out of memory");
+  return PG_OK;
+}
+
 static const pg_backend_ops cpu_ops = {
     .alloc = cpu_alloc,
     .release = cpu_release,
@@ -176,6 +195,46 @@ int pg_backend_sgemm_gflops(const pg_backend *b, int n, int reps, double *gflops
 
 int pg_backend_bf16_gemm_gflops(const pg_backend *b, int n, int reps, double *gflops) {
   return gemm_gflops(b, 1, n, reps, gflops);
+}
+
+int pg_backend_flash_bf16_refused(const char *what, int B, int T, int NH, int NKV, int HS) {
+  const char *why = pg_flash_bf16_unsupported(B, T, NH, NKV, HS);
+  if (!why) return PG_OK;
+  return pg_fail("%s: %s (B %d, T %d, NH %d, NKV %d, HS %d): use the float32 attention", what, why, B, T, NH, NKV, HS);
+}
+
+int pg_backend_flash_bf16_seconds(const pg_backend *b, int B, int T, int NH, int NKV, int HS, int reps, double *fwd_s,
+                                  double *bwd_s) {
+  if (reps < 1) return pg_fail("flash_bf16_seconds: reps must be positive (reps=%d)", reps);
+  if (pg_backend_flash_bf16_refused("flash_bf16_seconds", B, T, NH, NKV, HS)) return PG_ERR;
+  const int64_t W = (int64_t)(NH + 2 * NKV) * HS, C = (int64_t)NH * HS;
+  const int64_t n_qkv[] = {B, T, W}, n_out[] = {B, T, C}, n_row[] = {B, NH, T};
+  const int64_t nq = pg_size_product(3, n_qkv), no = pg_size_product(3, n_out), nr = pg_size_product(3, n_row);
+  if (nq < 0 || no < 0 || nr < 0)
+    return pg_fail("flash_bf16_seconds: B %d x T %d x %lld columns is too large", B, T, (long long)W);
+  uint16_t *qkv = b->ops->alloc(b, (size_t)nq * sizeof(uint16_t));
+  uint16_t *dout = qkv ? b->ops->alloc(b, (size_t)no * sizeof(uint16_t)) : NULL;
+  float *out = dout ? b->ops->alloc(b, (size_t)no * sizeof(float)) : NULL;
+  float *dqkv = out ? b->ops->alloc(b, (size_t)nq * sizeof(float)) : NULL;
+  float *lse = dqkv ? b->ops->alloc(b, (size_t)nr * 2 * sizeof(float)) : NULL; /* lse, then delta */
+  int rc = lse ? PG_OK : PG_ERR;
+  for (int pass = 0; rc == PG_OK && pass < 2; pass++) { /* 0: forward, 1: backward */
+    double t0 = 0;
+    for (int i = 0; rc == PG_OK && i <= reps; i++) { /* pass 0 warms up */
+      if (i == 1 && (rc = b->ops->sync(b))) break;
+      if (i == 1) t0 = pg_wtime();
+      rc = pass == 0 ? b->ops->flash_bf16_forward(b, out, lse, qkv, B, T, NH, NKV, HS)
+                     : b->ops->flash_bf16_backward(b, dqkv, lse + nr, dout, out, qkv, lse, B, T, NH, NKV, HS);
+      if (rc == PG_OK && i == reps && (rc = b->ops->sync(b)) == PG_OK)
+        *(pass == 0 ? fwd_s : bwd_s) = (pg_wtime() - t0) / reps;
+    }
+  }
+  pg_be_release(b, qkv);
+  pg_be_release(b, dout);
+  pg_be_release(b, out);
+  pg_be_release(b, dqkv);
+  pg_be_release(b, lse);
+  return rc;
 }
 
 const pg_backend *pg_backend_of(const pg_storage *s) {

@@ -86,6 +86,17 @@ int pg_backend_sgemm_gflops(const pg_backend *b, int n, int reps, double *gflops
  * CUBLAS_COMPUTE_32F, or oneDNN / widen-and-sgemm): the peak precision "bf16"'s MFU is measured against. */
 int pg_backend_bf16_gemm_gflops(const pg_backend *b, int n, int reps, double *gflops);
 
+/* PG_OK when the flash_bf16 kernels take this shape, else PG_ERR with an error naming what (e.g.
+ * "flash_bf16_forward: the head size is not 64 or 128 (...)"): kernels.h's pg_flash_bf16_unsupported, the
+ * check both backends' flash_bf16_* adapters make first; a caller falls back to the float32 attention. */
+int pg_backend_flash_bf16_refused(const char *what, int B, int T, int NH, int NKV, int HS);
+/* The flash_bf16 kernels' time on backend b: `reps` forward and `reps` backward passes of causal attention on
+ * B x T rows, NH heads, NKV kv heads of HS (zeroed inputs: the kernels' work does not depend on the values),
+ * after one warm-up of each, each timed on the host around a synchronisation; *fwd_s, *bwd_s the seconds per
+ * pass. */
+int pg_backend_flash_bf16_seconds(const pg_backend *b, int B, int T, int NH, int NKV, int HS, int reps, double *fwd_s,
+                                  double *bwd_s);
+
 /* The backend whose memory holds a storage (cpu, or cuda of its device). */
 const pg_backend *pg_backend_of(const pg_storage *s);
 

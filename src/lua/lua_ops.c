@@ -1126,6 +1126,9 @@ static const luaL_Reg ops_functions[] = {
 #define OPS_swiglu_bf16_forward OPS_BF16_ACTIVATION
 #define OPS_swiglu_bf16_backward OPS_BF16_ACTIVATION
 #define OPS_residual_bf16_forward OPS_BF16_ACTIVATION
+/* the tensor-core attention: the CUDA self-test checks it against its CPU twin; pg.cuda.flash_bf16_seconds times it */
+#define OPS_flash_bf16_forward OPS_NONE("checked by the CUDA self-test against its CPU twin")
+#define OPS_flash_bf16_backward OPS_NONE("checked by the CUDA self-test against its CPU twin")
 
 static const struct {
   const char *kernel;

@@ -108,6 +108,9 @@ extern dim3 blockDim, gridDim;
 void __syncthreads(void);
 int __syncthreads_or(int p);
 unsigned __ballot_sync(unsigned mask, int p);
+/* waits until every live lane of the warp is here (a warp barrier: what one lane wrote before it, the others
+ * see after it) */
+void __syncwarp(unsigned mask = 0xffffffffu);
 /* exchange 8 bytes with lane (lane ^ m) of this warp */
 uint64_t pg_emu_shfl_xor(uint64_t v, int m);
 

@@ -9,7 +9,7 @@
 // made a small GPT step take minutes); elsewhere, and under AddressSanitizer
 // (which must see stack switches), ucontext. Barriers are exact: __syncthreads and __syncthreads_or release when
 // every live thread of the block waits there; warp collectives (__shfl_xor_sync,
-// __ballot_sync) when every live thread of the warp does. Anything else
+// __ballot_sync, __syncwarp, mma.h's wmma operations) when every live thread of the warp does. Anything else
 // (threads of one warp in different collectives, some threads of a block at
 // __syncthreads forever) is reported as a deadlock and aborts.
 //
@@ -39,6 +39,7 @@
 #include "cublas_v2.h"
 #include "cuda_runtime.h"
 #include "kernels.h" // pg_bf16_round / pg_bf16_value: NCCL's bf16 sums
+#include "mma.h"
 #include "nccl.h"
 
 uint3 threadIdx, blockIdx;
@@ -254,6 +255,15 @@ unsigned __ballot_sync(unsigned mask, int p) {
   return bits;
 }
 
+void __syncwarp(unsigned mask) {
+  (void)mask;
+  wait_at(AT_WARP_BARRIER);
+}
+
+// mma.h's warp collectives: the lane, and the wait for the whole warp
+int nvcuda::wmma::pg_emu_wmma_lane() { return linear_tid() % 32; }
+void nvcuda::wmma::pg_emu_wmma_enter() { wait_at(AT_WARP_BARRIER); }
+
 uint64_t pg_emu_shfl_xor(uint64_t v, int m) {
   const int me = linear_tid(), partner = (me / 32 * 32) | ((me % 32) ^ m);
   slots[me] = v;
@@ -390,7 +400,8 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
     last_error = cudaErrorMemoryAllocation;
     return cudaErrorMemoryAllocation;
   }
-  *p = malloc(bytes ? bytes : 1);
+  // aligned as cudaMalloc's (256 bytes): what WMMA's 32-byte tiles and vector loads rely on
+  *p = aligned_alloc(256, bytes ? (bytes + 255) / 256 * 256 : 256);
   if (!*p) return cudaErrorMemoryAllocation;
   memset(*p, 0xA5, bytes); // not zero: kernels must write what they claim to
   allocations[(uintptr_t)*p] = bytes;
