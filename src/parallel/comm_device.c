@@ -253,8 +253,6 @@ int pg_comm_device_overlap(const pg_context *ctx, pg_mode m) {
   return m == PG_MODE_DATA && ctx->comm && ctx->comm->reduce_stream != NULL;
 }
 
-int pg_comm_device_ring(const pg_context *ctx) { return ctx->comm && ctx->comm->ring_stream != NULL; }
-
 void pg_comm_detach_device(pg_context *ctx) {
   if (!ctx->comm) return;
 #ifdef PG_WITH_CUDA

@@ -165,9 +165,6 @@ int pg_comm_attach_device(pg_context *ctx, void *stream);
  * stream (pg_iall_reduce_buf: today the data group's all-reduce, with NCCL):
  * the engine overlaps them with backward. */
 int pg_comm_device_overlap(const pg_context *ctx, pg_mode m);
-/* 1 when the context ring's exchanges of device memory go over NCCL on the context group's own stream
- * (pg_iexchange_buf), overlapping the ring's compute. */
-int pg_comm_device_ring(const pg_context *ctx);
 /* Frees the NCCL communicators (pg_comm_release calls it). */
 void pg_comm_detach_device(pg_context *ctx);
 
