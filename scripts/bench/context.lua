@@ -3,14 +3,10 @@
 --    thread) against context = 1 (1 rank x 2 threads, the same cores): the step time and the activation bytes
 --    per rank (engine:memory()'s peak, the largest rank). The ring keeps no [T, T] probabilities, so the ratio
 --    is well under 1/2: at context = 1 the attention keeps them for backward.
--- 2. The longest sequence that tiny model trains at context = 4 within 24 GB per rank, computed from
---    engine:memory(): its bytes per rank (parameters, gradients, AdamW state, activation peak) measured at two
---    lengths and extrapolated linearly (the ring's memory is linear in T: nothing holds T^2), the answer rounded
---    down to a multiple of 2C; the same from the peak RSS, which also holds the ring's working buffers and MPI's.
+-- The longest sequence it trains within 24 GiB is part cp_longest (scripts/bench/cp_longest.lua).
 local common = require "bench.common"
 
 local emit = common.emit
-local LIMIT = 24 * 2 ^ 30
 
 return function(ctx)
   local function run(name, ranks, threads, C, T)
@@ -34,22 +30,4 @@ return function(ctx)
   end
   emit("context_cp2_vs_cp1", "step_time", two.step_ms / one.step_ms, "%.4f")
   emit("context_cp2_vs_cp1", "activation_bytes", two.peak_activation_bytes / one.peak_activation_bytes, "%.4f")
-
-  local T1, T2 = 2048, 4096
-  local a = run("cp4_t" .. T1, 4, math.max(1, ctx.ncores // 4), 4, T1)
-  local b = a and run("cp4_t" .. T2, 4, math.max(1, ctx.ncores // 4), 4, T2)
-  if not b then return end
-  local function longest(key)
-    local per = (b[key] - a[key]) / (T2 - T1)
-    local fixed = a[key] - per * T1
-    local T = math.floor((LIMIT - fixed) / per)
-    return T - T % 8, per
-  end
-  local t_mem, per_mem = longest("rank_bytes")
-  local t_rss, per_rss = longest("peak_rss_bytes")
-  print(("  longest sequence at context=4 within 24 GB per rank: %d tokens from engine:memory() (%.0f bytes per "
-    .. "token per rank), %d from the peak RSS (%.0f bytes per token), both computed from T = %d and %d"):format(
-    t_mem, per_mem, t_rss, per_rss, T1, T2))
-  emit("context_cp4_24gb", "longest_seq_memory", t_mem, "%d")
-  emit("context_cp4_24gb", "longest_seq_rss", t_rss, "%d")
 end

@@ -60,9 +60,13 @@ return {
       .. "sequence_parallel at tensor = 2 (against tensor = 2 without): activation peak and step time",
     run = require "bench.memory" },
   { name = "context", description = "context parallelism (ring attention), a tiny GPT on one 4096-token sequence:\n"
-      .. "context = 2 against 1 (step time, activation bytes per rank), and the longest sequence it trains at\n"
-      .. "context = 4 within 24 GB per rank (computed from engine:memory() and from the peak RSS)",
+      .. "context = 2 against 1 (step time, activation bytes per rank)",
     run = require "bench.context" },
+  { name = "cp_longest", description = "the longest sequence a tiny GPT trains within 24 GiB in all (its ranks "
+      .. "share it) at context = 4\n(4 ranks x 1 thread) against context = 1, from engine:memory() fitted at "
+      .. "T = 256..2048 and the planner's\nmodel; then 2 real steps at context = 4 (that T, or the longest that "
+      .. "trains in about 3 minutes)",
+    run = require("bench.cp_longest").part },
   { name = "moe", description = "a mixture of experts (4 experts, top-2) over data = 2, expert = 2 against the dense\n"
       .. "model with the same active parameters, and all_to_all against MPI_Alltoall",
     run = require "bench.moe" },

@@ -378,4 +378,5 @@ return {
   ["llmc-model"] = worker_llmc_model,
   slowlink = require("bench.slowlink").worker, -- scripts/bench/slowlink.lua: the part and its worker together
   zero3 = require("bench.zero3").worker,
+  cp_longest = require("bench.cp_longest").worker,
 }

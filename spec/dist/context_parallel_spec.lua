@@ -61,8 +61,9 @@ local MODELS = {
 }
 local NAMES = W == 2 and { "gpt", "llama", "bloom" } or { "gpt", "llama" }
 
--- On the (emulated) device: CP = 2 with the ring's buffers in device memory (its sends and receives staged
--- through the host by pg_comm), the serial model on the device too; the moe kind runs on the cpu backend only.
+-- On the (emulated) device: CP = 2 with the ring's buffers in device memory (its sends and receives grouped NCCL
+-- calls on the context group's stream, overlapping the block kernels: comm_stats' `direct` counts them), the
+-- serial model on the device too; the moe kind runs on the cpu backend only.
 local ON_CPU = DEVICE == "cpu"
 if not ON_CPU then
   LAYOUTS = { { name = "CP=2", context = 2, m = 2 } }
@@ -139,6 +140,12 @@ describe(("context parallelism on %d ranks (%s)"):format(W, DEVICE), function()
         local st = ctx:comm_stats().context
         assert.is_true(st.send.calls > 0 and st.recv.calls == st.send.calls,
           ("%s: ring sends %d, receives %d"):format(layout.name, st.send.calls, st.recv.calls))
+        -- on the device every exchange went over NCCL on the context group's stream (none staged through the
+        -- host); on the host none did
+        local direct = ON_CPU and 0 or st.send.calls
+        assert.is_true(st.send.direct == direct and st.recv.direct == direct,
+          ("%s: of %d ring exchanges %d sends and %d receives went device to device, want %d"):format(layout.name,
+            st.send.calls, st.send.direct, st.recv.direct, direct))
         -- (a mixture of experts with capacity gathers the context group's choices: once per layer and micro-batch)
         assert.equal(name == "mixtral" and 2 * m or 0, st.all_gather.calls)
         for _, p in ipairs(e:parameters()) do

@@ -220,7 +220,8 @@ static int l_stream_seed(lua_State *L) {
   return 1;
 }
 
-/* comm_stats() -> { [mode] = { [kind] = {calls=, bytes=, seconds=} } } for kinds with calls. */
+/* comm_stats() -> { [mode] = { [kind] = {calls=, bytes=, seconds=} } } for kinds with calls; send and recv
+ * also {direct=}: those NCCL carried device to device. */
 static int l_comm_stats(lua_State *L) {
   pg_context *c = pg_lua_check_context(L, 1);
   const pg_comm_stats *st = pg_comm_stats_of(c);
@@ -235,6 +236,10 @@ static int l_comm_stats(lua_State *L) {
       lua_setfield(L, -2, "bytes");
       lua_pushnumber(L, st->seconds[m][k]);
       lua_setfield(L, -2, "seconds");
+      if (k == PG_COLL_SEND || k == PG_COLL_RECV) {
+        lua_pushinteger(L, st->direct[m][k]);
+        lua_setfield(L, -2, "direct");
+      }
       lua_setfield(L, -2, pg_coll_name((pg_coll)k));
     }
     lua_setfield(L, -2, pg_mode_name((pg_mode)m));

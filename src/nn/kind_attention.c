@@ -301,13 +301,12 @@ static int ring_zero(const pg_module *m, float *p, int64_t n) {
   return BE(m)->ops->zero(BE(m), p, (size_t)n * sizeof(float));
 }
 
-/* Starts the step's exchange: block `mine` to the next context rank, the previous one's into `theirs`. */
+/* Starts the step's exchange: block `mine` to the next context rank, the previous one's into `theirs` (on a
+ * device engine with NCCL, on the context group's stream: the compute queued after it runs meanwhile). */
 static int ring_start(pg_module *m, float *mine, float *theirs, int64_t n, int tag, pg_request **sq,
                       pg_request **rq) {
   int C = cp_size(m), r = m->ctx->cp_rank;
-  /* the send first: under PG_DEBUG=1 a receive waits for its sender's record, shipped at the send */
-  return pg_isend_buf(m->ctx, PG_MODE_CONTEXT, mine, n, (r + 1) % C, tag, sq) ||
-         pg_irecv_buf(m->ctx, PG_MODE_CONTEXT, theirs, n, (r + C - 1) % C, tag, rq);
+  return pg_iexchange_buf(m->ctx, PG_MODE_CONTEXT, mine, theirs, n, (r + 1) % C, (r + C - 1) % C, tag, sq, rq);
 }
 
 static int ring_wait(pg_request **sq, pg_request **rq) {

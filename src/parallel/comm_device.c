@@ -157,6 +157,26 @@ ncclComm_t comm_pipeline_link(pg_context *ctx, int peer, int sending, int *peer_
   if (peer == me - 1) return (ncclComm_t)ctx->comm->nccl_prev[sending ? 1 : 0];
   return NULL;
 }
+
+/* The context ring's communicator (split from the world's: every world rank calls it) and its stream, when the
+ * context group has more than one rank. The group's other collectives keep to nccl[] (none for context), so only
+ * the ring's exchanges (pg_iexchange_buf) change transport. */
+static int attach_context_ring(pg_context *ctx) {
+  pg_group *g = &ctx->group[PG_MODE_CONTEXT];
+  if (split(ctx, g->size > 1 ? g->ranks[0] : NCCL_SPLIT_NOCOLOR, g->rank, &ctx->comm->nccl_ring, PG_MODE_CONTEXT))
+    return PG_ERR;
+  if (!ctx->comm->nccl_ring) return PG_OK;
+  cudaStream_t st = NULL;
+  cudaError_t e = cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+  if (e != cudaSuccess) return pg_fail("creating the context ring's stream failed: %s", cudaGetErrorString(e));
+  ctx->comm->ring_stream = st;
+  return PG_OK;
+}
+
+static void detach_context_ring(pg_context *ctx) {
+  if (ctx->comm->ring_stream) cudaStreamDestroy((cudaStream_t)ctx->comm->ring_stream);
+  if (ctx->comm->nccl_ring) ncclCommDestroy((ncclComm_t)ctx->comm->nccl_ring);
+}
 #endif
 
 int pg_comm_attach_device(pg_context *ctx, void *stream) {
@@ -201,6 +221,7 @@ int pg_comm_attach_device(pg_context *ctx, void *stream) {
     if (split(ctx, g->size > 1 ? g->ranks[0] : NCCL_SPLIT_NOCOLOR, g->rank, &ctx->comm->nccl[modes[i]], modes[i]))
       return PG_ERR;
   }
+  if (attach_context_ring(ctx)) return PG_ERR;
   /* Link (s, s + 1) of a pipeline group is named by its lower member's
    * global rank; in two rounds (even s, then odd s) so that a rank is in at
    * most one link per split. */
@@ -244,10 +265,12 @@ void pg_comm_detach_device(pg_context *ctx) {
   if (ctx->comm->nccl_world) ncclCommDestroy((ncclComm_t)ctx->comm->nccl_world);
   if (ctx->comm->send_stream) cudaStreamDestroy((cudaStream_t)ctx->comm->send_stream);
   if (ctx->comm->reduce_stream) cudaStreamDestroy((cudaStream_t)ctx->comm->reduce_stream);
+  detach_context_ring(ctx);
 #endif
   for (int m = 0; m < PG_NUM_MODES; m++) ctx->comm->nccl[m] = NULL;
   for (int d = 0; d < 2; d++) ctx->comm->nccl_next[d] = ctx->comm->nccl_prev[d] = NULL;
   ctx->comm->nccl_world = ctx->comm->send_stream = ctx->comm->reduce_stream = NULL;
+  ctx->comm->nccl_ring = ctx->comm->ring_stream = NULL;
   if (ctx->comm->device_attached && --attached_contexts == 0) host_release_all();
   ctx->comm->device_attached = 0;
   ctx->comm->device_stream = NULL;

@@ -49,6 +49,9 @@ struct pg_comm_state {
    * each carries its transfers in one order; the stream sends are queued on;
    * the stream the data group's overlapped bucket reductions run on */
   void *nccl_world, *nccl_next[2], *nccl_prev[2], *send_stream, *reduce_stream;
+  /* the context ring's (pg_iexchange_buf): the context group's NCCL communicator, kept apart from nccl[] so
+   * that the group's collectives stay as they are, and the stream its exchanges run on */
+  void *nccl_ring, *ring_stream;
   /* The agreement step and the watchdog (comm_agree.c): where the next call
    * comes from (pg.dist's bindings set it: "spec.lua:10"), the records of a
    * call's members (scratch, grown as needed), and the message of a call that
@@ -142,6 +145,7 @@ int comm_unstage(staged *s, int rc, int copy_out);
 /* pg_comm.c */
 int comm_check_dtype(const pg_tensor *t, pg_reduce_op op, int reducing);
 void comm_count(pg_context *ctx, pg_mode m, pg_coll c, double bytes, double t0);
+void comm_count_direct(pg_context *ctx, pg_mode m, pg_coll c, double bytes, double t0);
 void comm_scale_avg(void *buf, int64_t n, int size);
 
 /* comm_ring.c */

@@ -77,7 +77,7 @@ int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t n, int ds
     r->sent = sent;
     r->after = ctx->comm->device_stream;
     *req = r;
-    comm_count(ctx, m, PG_COLL_SEND, (double)n * 4, t0);
+    comm_count_direct(ctx, m, PG_COLL_SEND, (double)n * 4, t0);
     return PG_OK;
   }
 #endif
@@ -144,6 +144,88 @@ int pg_irecv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, int src, int
   *req = r;
   comm_count(ctx, m, PG_COLL_RECV, (double)n * 4, t0);
   return PG_OK;
+}
+
+#ifdef PG_WITH_CUDA
+/* The ring's step over NCCL: the context group's stream waits for what the engine's stream has queued (the block
+ * made, the receiving buffer's last reader done), then sends and receives in one group (each rank sends to the
+ * next and receives from the previous: apart, the sends would wait for receives queued behind them); the
+ * request's event is what pg_wait makes the engine's stream wait for. */
+static int exchange_nccl(pg_context *ctx, const float *send, float *recv, int64_t n, int dst, int src, int tag,
+                         pg_request **req) {
+  pg_mode m = PG_MODE_CONTEXT;
+  pg_request *r = calloc(1, sizeof *r);
+  if (!r) return pg_fail("out of memory for a ring exchange's request");
+  r->mpi = r->rec_req = MPI_REQUEST_NULL;
+  /* PG_DEBUG=1: the send's record shipped to the next rank, the previous rank's checked against the receive, as
+   * the staged pg_isend_buf / pg_irecv_buf do */
+  if (comm_debug_checks()) {
+    r->rec = comm_make_rec(ctx, m, PG_COLL_SEND, PG_FLOAT32, -1, n);
+    r->rec.dst = dst;
+    r->rec.tag = tag;
+    call_rec mine = comm_make_rec(ctx, m, PG_COLL_RECV, -1, -1, 0);
+    mine.src = src;
+    mine.tag = tag;
+    mine.recv_dtype = PG_FLOAT32;
+    mine.recv_count = n;
+    double deadline, limit;
+    int rc = MPI_Isend(&r->rec, (int)sizeof r->rec, MPI_BYTE, dst, PG_AGREE_TAG, ctx->group[m].agree, &r->rec_req);
+    if (rc != MPI_SUCCESS) {
+      free(r);
+      return mpi_fail(rc, "isend", m);
+    }
+    if (deadline_of(&deadline, &limit) || check_shipped(ctx, m, &mine, deadline, limit))
+      return PG_ERR; /* r stays allocated: the record's send may still read it (the context is broken) */
+  }
+  cudaStream_t rs = (cudaStream_t)ctx->comm->ring_stream;
+  ncclComm_t c = (ncclComm_t)ctx->comm->nccl_ring;
+  cudaEvent_t made = NULL, done = NULL;
+  double t0 = pg_wtime();
+  cudaError_t e = cudaEventCreateWithFlags(&made, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaEventRecord(made, NCCL_STREAM(ctx));
+  if (e == cudaSuccess) e = cudaStreamWaitEvent(rs, made, 0);
+  ncclResult_t nr = ncclSuccess;
+  if (e == cudaSuccess && (nr = ncclGroupStart()) == ncclSuccess) {
+    ncclResult_t a = ncclSend(send, (size_t)n, ncclFloat32, dst, c, rs);
+    ncclResult_t b = a == ncclSuccess ? ncclRecv(recv, (size_t)n, ncclFloat32, src, c, rs) : ncclSuccess;
+    ncclResult_t end = ncclGroupEnd(); /* always: the group must be closed */
+    nr = a != ncclSuccess ? a : b != ncclSuccess ? b : end;
+  }
+  if (e == cudaSuccess && nr == ncclSuccess) e = cudaEventRecord(done, rs);
+  if (made) cudaEventDestroy(made);
+  if (e != cudaSuccess || nr != ncclSuccess) {
+    if (done) cudaEventDestroy(done);
+    if (r->rec_req != MPI_REQUEST_NULL) MPI_Wait(&r->rec_req, MPI_STATUS_IGNORE);
+    free(r);
+    return e != cudaSuccess ? pg_fail("queueing a ring exchange over the context group failed: %s",
+                                      cudaGetErrorString(e))
+                            : comm_nccl_done(nr, "the ring's send/recv", m);
+  }
+  r->mode = m;
+  r->ctx = ctx;
+  r->sent = done;
+  r->after = ctx->comm->device_stream;
+  *req = r;
+  comm_count_direct(ctx, m, PG_COLL_SEND, (double)n * 4, t0);
+  comm_count_direct(ctx, m, PG_COLL_RECV, (double)n * 4, t0);
+  return PG_OK;
+}
+#endif
+
+int pg_iexchange_buf(pg_context *ctx, pg_mode m, const float *send, float *recv, int64_t n, int dst, int src,
+                     int tag, pg_request **send_req, pg_request **recv_req) {
+  if (check_ctx(ctx)) return PG_ERR;
+  if (*send_req || *recv_req) return pg_fail("exchange: the previous transfer of this request was not waited for");
+#ifdef PG_WITH_CUDA
+  if (m == PG_MODE_CONTEXT && ctx->comm->nccl_ring && n > 0 && pg_backend_is_device_memory(send) &&
+      pg_backend_is_device_memory(recv)) {
+    if (n > PG_MPI_CHUNK) return pg_fail("exchange of %lld elements is too large", (long long)n);
+    return exchange_nccl(ctx, send, recv, n, dst, src, tag, recv_req);
+  }
+#endif
+  /* the send first: under PG_DEBUG=1 a receive waits for its sender's record, shipped at the send */
+  return pg_isend_buf(ctx, m, send, n, dst, tag, send_req) || pg_irecv_buf(ctx, m, recv, n, src, tag, recv_req);
 }
 
 static void finish_coll(pg_request *r);
@@ -451,7 +533,7 @@ int pg_recv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, int src, int 
   if (link && pg_backend_is_device_memory(buf)) {
     double t0 = pg_wtime();
     if (comm_nccl_done(ncclRecv(buf, (size_t)n, ncclFloat32, peer, link, NCCL_STREAM(ctx)), "recv", m)) return PG_ERR;
-    comm_count(ctx, m, PG_COLL_RECV, (double)n * 4, t0);
+    comm_count_direct(ctx, m, PG_COLL_RECV, (double)n * 4, t0);
     return PG_OK;
   }
 #endif

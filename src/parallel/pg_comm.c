@@ -61,6 +61,12 @@ void comm_count(pg_context *ctx, pg_mode m, pg_coll c, double bytes, double t0) 
   ctx->comm->stats.seconds[m][c] += pg_wtime() - t0;
 }
 
+/* A send or receive NCCL carried device to device (pg_comm_stats.direct). */
+void comm_count_direct(pg_context *ctx, pg_mode m, pg_coll c, double bytes, double t0) {
+  comm_count(ctx, m, c, bytes, t0);
+  ctx->comm->stats.direct[m][c]++;
+}
+
 void comm_scale_avg(void *buf, int64_t n, int size) {
   float *x = buf, s = 1.0f / (float)size;
 #pragma omp parallel for simd schedule(static) if (parallel : n > 32768)

@@ -117,6 +117,13 @@ int pg_recv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t count, int src, 
 /* Its non-blocking form: context parallelism's ring receives the next block while it computes (device memory
  * through a host buffer, copied over by pg_wait). */
 int pg_irecv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t count, int src, int tag, pg_request **req);
+/* One step of a ring: `count` floats of `send` to dst while `recv` takes as many from src (context parallelism's
+ * key/value blocks and their gradients). Both requests are waited for with pg_wait; counted as a send and a
+ * receive. Device memory over the context group with its NCCL communicator: one grouped ncclSend/ncclRecv on the
+ * group's own stream after what the engine's stream has queued (*send_req stays NULL, *recv_req carries its
+ * event: the wait makes the engine's stream wait, the host does not); otherwise pg_isend_buf and pg_irecv_buf. */
+int pg_iexchange_buf(pg_context *ctx, pg_mode m, const float *send, float *recv, int64_t count, int dst, int src,
+                     int tag, pg_request **send_req, pg_request **recv_req);
 
 /* Nonblocking reductions of float32 host buffers: the engine's gradient
  * buckets, reduced while backward goes on (pg_engine.c). They make no
@@ -162,9 +169,13 @@ int pg_comm_device_overlap(const pg_context *ctx, pg_mode m);
 void pg_comm_detach_device(pg_context *ctx);
 
 /* Counters of communication, per mode and kind: calls that reached MPI (a
- * group of one makes no call and is not counted), bytes and wall seconds. */
+ * group of one makes no call and is not counted), bytes and wall seconds;
+ * of the sends and receives, those NCCL carried from device memory to device
+ * memory on a stream (`direct`: the pipeline's neighbour transfers, the
+ * context ring's exchanges), no host staging. */
 typedef struct pg_comm_stats {
   long calls[PG_NUM_MODES][PG_NUM_COLLS];
+  long direct[PG_NUM_MODES][PG_NUM_COLLS]; /* PG_COLL_SEND and PG_COLL_RECV only */
   double bytes[PG_NUM_MODES][PG_NUM_COLLS];
   double seconds[PG_NUM_MODES][PG_NUM_COLLS];
 } pg_comm_stats;
