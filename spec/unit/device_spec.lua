@@ -335,15 +335,61 @@ print(ok, err)
     assert.matches("a module written in Lua runs on the cpu backend only, not cuda", out2)
   end)
 
-  it("refuses a mixture of experts on a device, at parallelize (no device kernels for it yet)", function()
+  -- Mixture of experts on the device (kernels/cuda/moe.cu: routing, capacity, grouping, gather and combine; the
+  -- experts' products one cuBLAS GEMM each) against the cpu backend in one process, same weights and batch, with
+  -- the load-balancing and z-losses and capacity_factor (dropped choices), one and two micro-batches. The routing
+  -- decisions are integer scans of the same logits on both (the self-test checks them bit for bit), and the
+  -- fixture's router margins are far above float32's differences, so both choose the same experts: the per-expert
+  -- token counts are compared exactly. What differs is the products' summation (the emulated cuBLAS sums in double
+  -- and rounds once, OpenBLAS in float32): the GPT case's tolerance, |cuda - cpu| <= 1e-5 |cpu| + 1e-6 max |cpu| on
+  -- the gradients, 1e-6 relative on the losses.
+  it("runs a mixture of experts on the device as the cpu backend does (aux and z-losses, capacity, micro-batches)", function()
+    local rc, out = emu([[
+local pg = require "pipegoose"
+local CFG = { vocab = 61, padded_vocab = 64, seq_len = 16, dim = 16, heads = 2, kv_heads = 2, hidden = 24, layers = 2,
+              experts = 4, top_k = 2, aux_loss_coef = 0.02, z_loss_coef = 0.001 }
+local x = pg.randn({ 4, 17 }, { seed = 3 })
+local ids = {}
+for b = 1, 4 do ids[b] = {} for t = 1, 17 do ids[b][t] = math.floor(math.abs(x:get(b, t)) * 1000) % 61 end end
+local all = pg.tensor(ids, { dtype = "int32" })
+local xs, ys = all:narrow(2, 1, 16), all:narrow(2, 2, 16)
+local function step(device, M, capacity)
+  local cfg = {}
+  for k, v in pairs(CFG) do cfg[k] = v end
+  cfg.capacity_factor = capacity
+  local e = pg.parallelize(pg.nn.Mixtral(cfg), nil, { device = device, micro_batches = M, seed = 5 })
+  e:zero_grad()
+  local loss = e:forward_backward(xs, ys)
+  local _, g = e:flat()
+  return loss, g:to("cpu"), e:losses().expert_tokens
+end
+for _, c in ipairs{ { 1, nil }, { 2, nil }, { 2, 0.75 } } do
+  local M, cap = c[1], c[2]
+  local lc, gc, tc = step("cpu", M, cap)
+  local ld, gd, td = step("cuda", M, cap)
+  local what = ("M=%d capacity %s"):format(M, tostring(cap))
+  local scale = math.max(1, gc:max_abs_diff(pg.zeros(gc:shape())))
+  assert(math.abs(ld - lc) <= 1e-6 * lc, ("%s loss cuda %.9g cpu %.9g"):format(what, ld, lc))
+  assert(gd:allclose(gc, 1e-5, 1e-6 * scale), ("%s gradients: max |diff| %.3g"):format(what, gd:max_abs_diff(gc)))
+  assert(#tc == CFG.experts and #td == CFG.experts, what .. ": no expert_tokens")
+  for e, n in ipairs(tc) do assert(td[e] == n, ("%s expert %d: %s choices, cpu %s"):format(what, e, td[e], n)) end
+  print(("%s loss %.9g vs %.9g, gradients max |diff| %.3g"):format(what, ld, lc, gd:max_abs_diff(gc)))
+end
+print("agree")
+]])
+    assert.equal(0, rc, out)
+    assert.matches("agree", out)
+  end)
+
+  it("refuses by name what the moe kind cannot run on a device yet (jitter), at parallelize", function()
     local rc2, out2 = emu([[
 local pg = require "pipegoose"
-local m = pg.nn.Mixtral{ vocab = 20, dim = 16, layers = 1, heads = 2, hidden = 16, experts = 2, seq_len = 8 }
+local m = pg.nn.Mixtral{ vocab = 20, dim = 16, layers = 1, heads = 2, hidden = 16, experts = 2, seq_len = 8, jitter = 0.1 }
 local ok, err = pcall(pg.parallelize, m, nil, { device = "cuda" })
 print(ok, err)
 ]])
     assert.equal(0, rc2, out2)
-    assert.matches("blocks.0.moe: the moe kind %(mixture of experts%) runs on the cpu backend only for now, not cuda", out2)
+    assert.matches("blocks.0.moe: the moe kind's jitter %(router noise drawn on the host%) runs on the cpu backend only for now, not cuda", out2)
   end)
 
   -- precision = "bf16" on the device against the CPU's bf16 in one process, same weights and batch (two
