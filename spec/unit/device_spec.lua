@@ -381,11 +381,13 @@ print("agree")
     assert.matches("agree", out)
   end)
 
-  it("refuses by name what the moe kind cannot run on a device yet (jitter), at parallelize", function()
+  it("refuses by name what the moe kind cannot run on a device yet (jitter), when its buffers are made", function()
     local rc2, out2 = emu([[
 local pg = require "pipegoose"
 local m = pg.nn.Mixtral{ vocab = 20, dim = 16, layers = 1, heads = 2, hidden = 16, experts = 2, seq_len = 8, jitter = 0.1 }
-local ok, err = pcall(pg.parallelize, m, nil, { device = "cuda" })
+local e = pg.parallelize(m, nil, { device = "cuda" })
+local x = pg.zeros({ 2, 8 }, { dtype = "int32" })
+local ok, err = pcall(e.forward_backward, e, x, x)
 print(ok, err)
 ]])
     assert.equal(0, rc2, out2)
@@ -407,17 +409,20 @@ print(ok, err)
   --     oneDNN held to AVX512_BF16 alike).
   -- Three AdamW steps' losses to 1e-4 relative on both, bf16_check_spec's layout tolerance (measured 9.6e-6 at
   -- step 3: Adam's normalised updates carry the sum-order differences on).
-  -- GPT-2 (GELU, bias gradients of bf16 outputs), LLaMA (SwiGLU, RoPE on bf16 q|k|v) and a bf16 residual
-  -- branch: the device's bf16 activation kernels against the CPU's.
+  -- GPT-2 (GELU, bias gradients of bf16 outputs), LLaMA (SwiGLU, RoPE on bf16 q|k|v), Mixtral (the moe kind's
+  -- router and experts on bf16 operands) and a bf16 residual branch: the device's bf16 kernels against the CPU's.
   local MODELS = {
     gpt2 = 'pg.nn.GPT.load_llmc("spec/fixtures/gpt2_tiny_model.bin")',
     llama = "pg.nn.Llama{ vocab = 61, dim = 16, layers = 2, heads = 2, kv_heads = 1, hidden = 24, seq_len = 16 }",
+    -- the moe kind's bf16 products (router and experts) on its working weights in device memory
+    mixtral = "pg.nn.Mixtral{ vocab = 61, dim = 16, layers = 2, heads = 2, kv_heads = 1, hidden = 24, seq_len = 16, " ..
+      "experts = 4, top_k = 2, aux_loss_coef = 0.02, z_loss_coef = 0.001 }",
     -- a bf16 branch (a plain Linear and GELU) added to the float32 stream
     branch = [=[pg.nn.Sequential{ pg.nn.Embedding{ vocab = 61, dim = 16, positions = 16, name = "embed" },
       pg.nn.Residual(pg.nn.Sequential{ pg.nn.Linear{ ["in"] = 16, out = 16, name = "mix" }, pg.nn.GELU() }),
       pg.nn.LayerNorm(16, { name = "ln_f" }), pg.nn.LMHead{ vocab = 61, dim = 16, tie = false, name = "head" } }]=],
   }
-  for _, model in ipairs{ "gpt2", "llama", "branch" } do
+  for _, model in ipairs{ "gpt2", "llama", "mixtral", "branch" } do
   it("runs precision = \"bf16\" on the device: the CPU's bf16 results, the working weights in device memory (" ..
     model .. ") #bf16", function()
     local rc, out = emu((([[
