@@ -317,6 +317,47 @@ print("checkpoint ok")
     end
   end)
 
+  -- spec/unit/mixtral_spec.lua's fixture and tolerance (1e-5 relative on the losses, their cross-entropy and
+  -- load-balancing parts, and the first gradient norm), 4 of its 10 steps: the moe kind on the device, serially
+  -- and with the experts spread over 2 ranks (the all-to-all NCCL's grouped sends and receives)
+  it("trains the Mixtral fixture (4 experts, top-2, load balancing) on one rank and at D = 2 x E = 2 (model_check --device=cuda)", function()
+    local dir = "spec/fixtures/hf_mixtral_tiny"
+    local ef = assert(io.open(dir .. "/expected.json"))
+    local e = cjson.decode(ef:read("a"))
+    ef:close()
+    local steps = 4
+    for _, c in ipairs{ { 1, {} }, { 2, { "--data=2", "--expert=2" } } } do
+      local args = { "scripts/model_check.lua", "--hf=" .. dir, "--tokens=" .. dir .. "/tokens.bin", "--batch=" .. e.batch,
+                     "--seq-len=" .. e.seq_len, "--steps=" .. steps, "--lr=" .. e.lr, "--beta1=" .. e.beta1,
+                     "--beta2=" .. e.beta2, "--eps=" .. e.eps, "--weight-decay=" .. e.weight_decay, "--device=cuda" }
+      for _, a in ipairs(c[2]) do args[#args + 1] = a end
+      local quoted = {}
+      for i, a in ipairs(args) do quoted[i] = h.quote(a) end
+      local cmd = c[1] == 1 and ("timeout -k 2 400 %s %s"):format(h.quote(EMU), table.concat(quoted, " "))
+        or ("timeout -k 2 400 scripts/mpirun.sh -np %d %s %s"):format(c[1], h.quote(EMU), table.concat(quoted, " "))
+      local rc, out = h.sh(cmd)
+      assert.equal(0, rc, out)
+      local what = table.concat(c[2], " ")
+      local function close(got, want, name)
+        assert.is_true(got and math.abs(got - want) <= 1e-5 * math.abs(want),
+          ("%s %s: %s, PyTorch %.9g\n%s"):format(what, name, tostring(got), want, out))
+      end
+      local seen = 0
+      for k, loss in out:gmatch("step (%d+) loss (%S+)") do
+        k = tonumber(k)
+        seen = seen + 1
+        close(tonumber(loss), e.step_losses[k], "step " .. k .. " loss")
+      end
+      for k, ce, aux in out:gmatch("step (%d+) ce_loss (%S+) aux_loss (%S+)") do
+        k = tonumber(k)
+        close(tonumber(ce), e.step_ce_losses[k], "step " .. k .. " ce_loss")
+        close(tonumber(aux), e.aux_loss_coef * e.step_aux_losses[k], "step " .. k .. " aux_loss")
+      end
+      assert.equal(steps, seen, out)
+      close(tonumber(out:match("grad_norm 1 (%S+)")), e.grad_norms[1], "first gradient norm")
+    end
+  end)
+
   it("refuses a module written in Lua on a device, at parallelize", function()
     local rc2, out2 = emu([[
 local pg = require "pipegoose"
