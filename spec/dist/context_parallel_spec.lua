@@ -62,7 +62,8 @@ local MODELS = {
 local NAMES = W == 2 and { "gpt", "llama", "bloom" } or { "gpt", "llama" }
 
 -- On the (emulated) device: CP = 2 with the ring's buffers in device memory (its sends and receives staged
--- through the host by pg_comm), the serial model on the device too; the moe kind runs on the cpu backend only.
+-- through the host by pg_comm), the serial model on the device too; the Mixtral layouts run on the cpu backend
+-- only (capacity_factor under context parallelism is decided on the host: refused on a device).
 local ON_CPU = DEVICE == "cpu"
 if not ON_CPU then
   LAYOUTS = { { name = "CP=2", context = 2, m = 2 } }
