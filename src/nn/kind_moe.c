@@ -81,14 +81,15 @@ typedef struct moe_state {
 static void moe_free_bf16(pg_module *m) {
   moe_state *s = m->state;
   uint16_t *b[] = {s->gate16, s->w13_16, s->w2_16};
-  for (size_t i = 0; i < sizeof b / sizeof b[0]; i++) pg_be_release(BE(m), b[i]);
+  for (size_t i = 0; i < sizeof b / sizeof b[0]; i++) pg_be_release(home_backend(BE(m)), b[i]);
   s->gate16 = s->w13_16 = s->w2_16 = NULL;
   s->bf16_bytes = 0;
   s->bf16_need = 0;
 }
 
-/* The working weights of precision bf16 (in the backend's memory), and the operand scratch it needs of the
- * engine (pg_module_bf16_scratch). */
+/* The working weights of precision bf16 (in the backend's memory; never a recomputed block's arena: they live
+ * from a call's first forward to its last backward), and the operand scratch it needs of the engine
+ * (pg_module_bf16_scratch). */
 static int moe_alloc_bf16(pg_module *m, int64_t rows) {
   moe_state *s = m->state;
   moe_free_bf16(m);
@@ -99,9 +100,10 @@ static int moe_alloc_bf16(pg_module *m, int64_t rows) {
           n_op = pg_size_product(2, (int64_t[]){rows, wide});
   if (n_gate < 0 || n_w < 0 || n_op < 0 || (uint64_t)(n_gate + n_w + n_w / 2) > SIZE_MAX / 2)
     return pg_fail("%s: its bf16 working weights and operands are too large", m->name);
-  s->gate16 = BE(m)->ops->alloc(BE(m), (size_t)(n_gate > 0 ? n_gate : 1) * 2);
-  s->w13_16 = BE(m)->ops->alloc(BE(m), (size_t)(n_w > 0 ? n_w : 1) * 2);
-  s->w2_16 = BE(m)->ops->alloc(BE(m), (size_t)(n_w / 2 > 0 ? n_w / 2 : 1) * 2);
+  const pg_backend *home = home_backend(BE(m));
+  s->gate16 = home->ops->alloc(home, (size_t)(n_gate > 0 ? n_gate : 1) * 2);
+  s->w13_16 = home->ops->alloc(home, (size_t)(n_w > 0 ? n_w : 1) * 2);
+  s->w2_16 = home->ops->alloc(home, (size_t)(n_w / 2 > 0 ? n_w / 2 : 1) * 2);
   if (!s->gate16 || !s->w13_16 || !s->w2_16) {
     moe_free_bf16(m);
     return pg_fail("out of memory for %s (bf16 working weights)", m->name);
