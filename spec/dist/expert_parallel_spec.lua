@@ -57,11 +57,12 @@ local LAYOUTS = ({
           { name = "D=4 E=4 capacity 0.75", data = 4, expert = 4, capacity = 0.75 },
           { name = "D=2 E=2 x P=2 jitter 0.2", data = 2, expert = 2, pipeline = 2, jitter = 0.2 } },
 })[W]
-if DEVICE ~= "cpu" then -- jitter's noise is drawn on the host: refused on a device (below)
+if DEVICE ~= "cpu" then -- jitter's noise is drawn on the host: refused on a device (below); recomputation without it
   local kept = {}
   for _, l in ipairs(LAYOUTS) do
     if not l.jitter then kept[#kept + 1] = l end
   end
+  kept[#kept + 1] = { name = "D=2 E=2 recompute full", data = 2, expert = 2, recompute = "full" }
   LAYOUTS = kept
 end
 
