@@ -199,5 +199,29 @@ PG_KERNEL(flash_bf16_backward,
           (float *dqkv, float *delta, const uint16_t *dout, const float *out, const uint16_t *qkv, const float *lse,
            int B, int T, int NH, int NKV, int HS),
           (dqkv, delta, dout, out, qkv, lse, B, T, NH, NKV, HS), OWN, OWN, PG_SELFTEST(test_flash_bf16))
+/* ---- mixture of experts (kernels.h's pg_moe_*: routing, capacity, grouping, gather and combine; the experts'
+ * products are the backend's GEMMs) ---- */
+PG_KERNEL(moe_route_forward,
+          (float *probs, float *lse, int32_t *expert, float *weight, const float *logits, int N, int E, int K),
+          (probs, lse, expert, weight, logits, N, E, K), CALL, CALL, PG_SELFTEST(test_moe))
+PG_KERNEL(moe_route_backward,
+          (float *dlogits, const float *dweight, const float *dprob, float zscale, const float *probs,
+           const float *lse, const int32_t *expert, const float *weight, int N, int E, int K),
+          (dlogits, dweight, dprob, zscale, probs, lse, expert, weight, N, E, K), CALL, CALL, PG_SELFTEST(test_moe))
+PG_KERNEL(moe_route_stats,
+          (double *counts, double *psum, const float *probs, const int32_t *expert, int N, int E, int K),
+          (counts, psum, probs, expert, N, E, K), CALL, CALL, PG_SELFTEST(test_moe))
+PG_KERNEL(moe_drop, (int32_t *pos, int32_t *fill, const int32_t *expert, int N, int T, int E, int K, int cap),
+          (pos, fill, expert, N, T, E, K, cap), CALL, CALL, PG_SELFTEST(test_moe))
+PG_KERNEL(moe_group, (int32_t *pos, int32_t *token, int32_t *offsets, const int32_t *expert, int N, int E, int K),
+          (pos, token, offsets, expert, N, E, K), CALL, CALL, PG_SELFTEST(test_moe))
+PG_KERNEL(moe_gather, (float *xg, const float *x, const int32_t *token, int R, int D), (xg, x, token, R, D), CALL,
+          CALL, PG_SELFTEST(test_moe))
+PG_KERNEL(moe_combine, (float *out, const float *ye, const int32_t *pos, const float *weight, int N, int K, int D),
+          (out, ye, pos, weight, N, K, D), CALL, CALL, PG_SELFTEST(test_moe))
+PG_KERNEL(moe_combine_backward,
+          (float *dweight, float *dyg, const float *dy, const float *ye, const int32_t *pos, const float *weight,
+           int N, int K, int D),
+          (dweight, dyg, dy, ye, pos, weight, N, K, D), CALL, CALL, PG_SELFTEST(test_moe))
 
 #undef PG_KERNEL

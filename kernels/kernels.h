@@ -306,6 +306,23 @@ void pg_moe_route_backward(float *dlogits, const float *dweight, const float *dp
                            const float *lse, const int32_t *expert, const float *weight, int N, int E, int K);
 /* counts[e] = how many of the N x K choices are e, psum[e] = sum over rows of probs[n, e] (overwritten). */
 void pg_moe_route_stats(double *counts, double *psum, const float *probs, const int32_t *expert, int N, int E, int K);
+/* Capacity: pos[N K] = 0 for a kept choice, -1 for one past its expert's `cap` choices in its sequence (each T
+ * rows; the last may be shorter): first choices before second ones, earlier tokens first (GShard's priority).
+ * cap = INT32_MAX keeps every choice. fill: scratch of ceil(N / T) x E ints (one row per sequence). */
+void pg_moe_drop(int32_t *pos, int32_t *fill, const int32_t *expert, int N, int T, int E, int K, int cap);
+/* Grouping by expert, stable in token then choice order: every kept choice i (pos[i] >= 0) gets its grouped row
+ * pos[i], token[pos[i]] = i / K its token, offsets[E + 1] each expert's first grouped row (offsets[E]: the rows
+ * kept). Dropped choices keep pos -1. */
+void pg_moe_group(int32_t *pos, int32_t *token, int32_t *offsets, const int32_t *expert, int N, int E, int K);
+/* xg[r, D] = x[token[r], D] for the R grouped rows. */
+void pg_moe_gather(float *xg, const float *x, const int32_t *token, int R, int D);
+/* out[t, D] = sum over the kept choices j of token t, in j order, of weight[t K + j] ye[pos[t K + j], D]
+ * (weight NULL: 1); 0 where every choice was dropped. */
+void pg_moe_combine(float *out, const float *ye, const int32_t *pos, const float *weight, int N, int K, int D);
+/* Its backward for the kept choices i: dweight[i] = dy[i / K] . ye[pos[i]] (summed in order of d; 0 when
+ * dropped) and dyg[pos[i]] = weight[i] dy[i / K] (the grouped rows' output gradients). */
+void pg_moe_combine_backward(float *dweight, float *dyg, const float *dy, const float *ye, const int32_t *pos,
+                             const float *weight, int N, int K, int D);
 
 /* ---- fused softmax + cross-entropy over a vocabulary (slice) ----
  * logits is [N, V]: this rank's slice of the vocabulary, global columns
@@ -467,6 +484,25 @@ int pg_cuda_gelu_forward(const pg_cuda_ctx *ctx, float *out, const float *inp, i
 int pg_cuda_gelu_backward(const pg_cuda_ctx *ctx, float *dinp, const float *inp, const float *dout, int64_t n);
 int pg_cuda_residual_forward(const pg_cuda_ctx *ctx, float *out, const float *a, const float *b, int64_t n);
 int pg_cuda_residual_backward(const pg_cuda_ctx *ctx, float *da, float *db, const float *dout, int64_t n);
+
+/* mixture of experts (kernels/cuda/moe.cu): the CPU contracts above; the same integer decisions from the same
+ * inputs, bit for bit (top-k compares logits; capacity and grouping are integer scans in the CPU's order) */
+int pg_cuda_moe_route_forward(const pg_cuda_ctx *ctx, float *probs, float *lse, int32_t *expert, float *weight,
+                              const float *logits, int N, int E, int K);
+int pg_cuda_moe_route_backward(const pg_cuda_ctx *ctx, float *dlogits, const float *dweight, const float *dprob,
+                               float zscale, const float *probs, const float *lse, const int32_t *expert,
+                               const float *weight, int N, int E, int K);
+int pg_cuda_moe_route_stats(const pg_cuda_ctx *ctx, double *counts, double *psum, const float *probs,
+                            const int32_t *expert, int N, int E, int K);
+int pg_cuda_moe_drop(const pg_cuda_ctx *ctx, int32_t *pos, int32_t *fill, const int32_t *expert, int N, int T, int E,
+                     int K, int cap);
+int pg_cuda_moe_group(const pg_cuda_ctx *ctx, int32_t *pos, int32_t *token, int32_t *offsets, const int32_t *expert,
+                      int N, int E, int K);
+int pg_cuda_moe_gather(const pg_cuda_ctx *ctx, float *xg, const float *x, const int32_t *token, int R, int D);
+int pg_cuda_moe_combine(const pg_cuda_ctx *ctx, float *out, const float *ye, const int32_t *pos, const float *weight,
+                        int N, int K, int D);
+int pg_cuda_moe_combine_backward(const pg_cuda_ctx *ctx, float *dweight, float *dyg, const float *dy, const float *ye,
+                                 const int32_t *pos, const float *weight, int N, int K, int D);
 
 int pg_cuda_xent_row_max(const pg_cuda_ctx *ctx, float *row_max, const float *logits, int N, int V, int valid);
 int pg_cuda_xent_sumexp(const pg_cuda_ctx *ctx, float *sumexp, float *target_logit, const float *logits,

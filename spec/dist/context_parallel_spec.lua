@@ -58,16 +58,22 @@ local MODELS = {
     return pg.nn.Mixtral{ vocab = 61, seq_len = S, dim = 16, heads = 2, kv_heads = 2, hidden = 24, layers = 2,
       experts = 4, top_k = 2, aux_loss_coef = 0.02, z_loss_coef = 0.001, capacity_factor = 0.75, jitter = 0.2 }
   end,
+  -- the same without capacity and jitter (decided and drawn on the host: refused on a device), for the device run
+  mixtral_device = function()
+    return pg.nn.Mixtral{ vocab = 61, seq_len = S, dim = 16, heads = 2, kv_heads = 2, hidden = 24, layers = 2,
+      experts = 4, top_k = 2, aux_loss_coef = 0.02, z_loss_coef = 0.001 }
+  end,
 }
 local NAMES = W == 2 and { "gpt", "llama", "bloom" } or { "gpt", "llama" }
 
 -- On the (emulated) device: CP = 2 with the ring's buffers in device memory (its sends and receives grouped NCCL
 -- calls on the context group's stream, overlapping the block kernels: comm_stats' `direct` counts them), the
--- serial model on the device too; the moe kind runs on the cpu backend only.
+-- serial model on the device too; Mixtral there without capacity_factor and jitter (under context parallelism
+-- decided and drawn on the host: refused on a device).
 local ON_CPU = DEVICE == "cpu"
 if not ON_CPU then
   LAYOUTS = { { name = "CP=2", context = 2, m = 2 } }
-  NAMES = { "gpt", "llama", "bloom" }
+  NAMES = { "gpt", "llama", "bloom", "mixtral_device" }
 end
 
 local B = 4
@@ -130,7 +136,7 @@ describe(("context parallelism on %d ranks (%s)"):format(W, DEVICE), function()
         assert.equal(layout.context, ctx:sizes().context)
         local x, y = mine(ctx, X), mine(ctx, Y)
         -- the load balance is per micro-batch (over the data x context group): the serial model's single one
-        local m = name == "mixtral" and 1 or layout.m
+        local m = name:match("^mixtral") and 1 or layout.m
         local e = pg.parallelize(MODELS[name](), ctx, { micro_batches = m, sequence_parallel = layout.sp,
           recompute = layout.recompute, virtual_stages = layout.virtual_stages, device = DEVICE })
         ctx:reset_comm_stats()
@@ -334,6 +340,18 @@ describe(("context parallelism on %d ranks (%s)"):format(W, DEVICE), function()
       ok, err = pcall(er.forward_backward, er, X, Y)
       assert.is_false(ok)
       assert.matches("recomputed attention with context=2 is not supported", err, 1, true)
+    end)
+  end
+  if not ON_CPU and W == 2 then
+    it("refuses capacity_factor under context parallelism on the device by name, on every rank", function()
+      local ctx = pg.ParallelContext{ context = 2, seed = 5 }
+      local m = pg.nn.Mixtral{ vocab = 61, seq_len = S, dim = 16, heads = 2, kv_heads = 2, hidden = 24, layers = 2,
+                               experts = 4, top_k = 2, capacity_factor = 0.75 }
+      local e = pg.parallelize(m, ctx, { device = DEVICE })
+      local ok, err = pcall(e.forward_backward, e, X, Y)
+      assert.is_false(ok)
+      assert.matches("blocks.0.moe: the moe kind's capacity_factor under context parallelism (decided on the host) "
+        .. "runs on the cpu backend only for now, not cuda", err, 1, true)
     end)
   end
 end)

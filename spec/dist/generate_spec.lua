@@ -32,8 +32,7 @@ local function ids_tensor(rows) return pg.tensor(rows, { dtype = "int32" }) end
 
 for _, layout in ipairs{ "tensor", "pipeline" } do
   describe(("the key/value cache, %s = %d"):format(layout, W), function()
-    -- the moe kind runs on the cpu backend only: no Mixtral on the device
-    for _, name in ipairs(DEVICE and { "gpt2", "llama", "bloom" } or { "gpt2", "llama", "bloom", "mixtral" }) do
+    for _, name in ipairs{ "gpt2", "llama", "bloom", "mixtral" } do
       it(name .. ": decoded logits and greedy ids are the serial engine's", function()
         local dir = "spec/fixtures/hf_" .. name .. "_tiny"
         local ser = pg.parallelize(pg.nn.from_hf(dir), pg.ParallelContext{ data = W, seed = 3 }, {})

@@ -289,7 +289,7 @@ describe(("sequence parallelism on %d ranks (%s)"):format(W, DEVICE), function()
       few_rows(ctx, 3) -- 1 row: rank 0 holds none; 2: one each; 3: one and two
     end)
 
-    if ON_CPU then -- the moe kind and modules written in Lua run on the cpu backend only
+    if ON_CPU then -- the cpu layouts only (the moe kind on a device: device_spec, expert_parallel_spec)
       it("a mixture of experts between sp_gather and sp_scatter (auxiliary losses included)", function()
         local function mixtral()
           return pg.nn.Mixtral{ vocab = 61, seq_len = 8, dim = 24, heads = 4, kv_heads = 2, hidden = 32, layers = 2,

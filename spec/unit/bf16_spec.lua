@@ -279,11 +279,15 @@ describe("precision = bf16 in pg.parallelize #bf16", function()
   end)
 
   it("with recomputation (full, selective) gives the run without it bit for bit: the working weights are not in "
-    .. "the recomputed blocks' shared buffers", function()
+    .. "the recomputed blocks' shared buffers (GPT-2, and Mixtral's experts with their own working weights)", function()
     local x, y = batch()
-    local function run(recompute)
-      local e = pg.parallelize(tiny(), pg.ParallelContext{ seed = 3 }, { precision = "bf16", recompute = recompute,
-                                                                       micro_batches = 2 })
+    local function mixtral()
+      return pg.nn.Mixtral{ vocab = 61, dim = 16, layers = 2, heads = 2, kv_heads = 1, hidden = 24, seq_len = 16,
+                            experts = 4, top_k = 2, aux_loss_coef = 0.02 }
+    end
+    local function run(recompute, model)
+      local e = pg.parallelize(model(), pg.ParallelContext{ seed = 3 }, { precision = "bf16", recompute = recompute,
+                                                                        micro_batches = 2 })
       local opt = pg.optim.AdamW(e, { lr = 1e-2 })
       local losses = {}
       for i = 1, 3 do
@@ -294,11 +298,13 @@ describe("precision = bf16 in pg.parallelize #bf16", function()
       losses[4] = e:loss(x, y)
       return losses, e:flat():clone()
     end
-    local want, w = run("none")
-    for _, how in ipairs{ "full", "selective" } do
-      local got, g = run(how)
-      assert.are.same(want, got, how)
-      assert.is_true(g:equal(w), how .. ": weights")
+    for name, model in pairs{ gpt2 = tiny, mixtral = mixtral } do
+      local want, w = run("none", model)
+      for _, how in ipairs{ "full", "selective" } do
+        local got, g = run(how, model)
+        assert.are.same(want, got, name .. " " .. how)
+        assert.is_true(g:equal(w), name .. " " .. how .. ": weights")
+      end
     end
   end)
 

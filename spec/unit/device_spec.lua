@@ -384,6 +384,47 @@ print("checkpoint ok")
     end
   end)
 
+  -- spec/unit/mixtral_spec.lua's fixture and tolerance (1e-5 relative on the losses, their cross-entropy and
+  -- load-balancing parts, and the first gradient norm), 4 of its 10 steps: the moe kind on the device, serially
+  -- and with the experts spread over 2 ranks (the all-to-all NCCL's grouped sends and receives)
+  it("trains the Mixtral fixture (4 experts, top-2, load balancing) on one rank and at D = 2 x E = 2 (model_check --device=cuda)", function()
+    local dir = "spec/fixtures/hf_mixtral_tiny"
+    local ef = assert(io.open(dir .. "/expected.json"))
+    local e = cjson.decode(ef:read("a"))
+    ef:close()
+    local steps = 4
+    for _, c in ipairs{ { 1, {} }, { 2, { "--data=2", "--expert=2" } } } do
+      local args = { "scripts/model_check.lua", "--hf=" .. dir, "--tokens=" .. dir .. "/tokens.bin", "--batch=" .. e.batch,
+                     "--seq-len=" .. e.seq_len, "--steps=" .. steps, "--lr=" .. e.lr, "--beta1=" .. e.beta1,
+                     "--beta2=" .. e.beta2, "--eps=" .. e.eps, "--weight-decay=" .. e.weight_decay, "--device=cuda" }
+      for _, a in ipairs(c[2]) do args[#args + 1] = a end
+      local quoted = {}
+      for i, a in ipairs(args) do quoted[i] = h.quote(a) end
+      local cmd = c[1] == 1 and ("timeout -k 2 400 %s %s"):format(h.quote(EMU), table.concat(quoted, " "))
+        or ("timeout -k 2 400 scripts/mpirun.sh -np %d %s %s"):format(c[1], h.quote(EMU), table.concat(quoted, " "))
+      local rc, out = h.sh(cmd)
+      assert.equal(0, rc, out)
+      local what = table.concat(c[2], " ")
+      local function close(got, want, name)
+        assert.is_true(got and math.abs(got - want) <= 1e-5 * math.abs(want),
+          ("%s %s: %s, PyTorch %.9g\n%s"):format(what, name, tostring(got), want, out))
+      end
+      local seen = 0
+      for k, loss in out:gmatch("step (%d+) loss (%S+)") do
+        k = tonumber(k)
+        seen = seen + 1
+        close(tonumber(loss), e.step_losses[k], "step " .. k .. " loss")
+      end
+      for k, ce, aux in out:gmatch("step (%d+) ce_loss (%S+) aux_loss (%S+)") do
+        k = tonumber(k)
+        close(tonumber(ce), e.step_ce_losses[k], "step " .. k .. " ce_loss")
+        close(tonumber(aux), e.aux_loss_coef * e.step_aux_losses[k], "step " .. k .. " aux_loss")
+      end
+      assert.equal(steps, seen, out)
+      close(tonumber(out:match("grad_norm 1 (%S+)")), e.grad_norms[1], "first gradient norm")
+    end
+  end)
+
   it("refuses a module written in Lua on a device, at parallelize", function()
     local rc2, out2 = emu([[
 local pg = require "pipegoose"
@@ -402,15 +443,63 @@ print(ok, err)
     assert.matches("a module written in Lua runs on the cpu backend only, not cuda", out2)
   end)
 
-  it("refuses a mixture of experts on a device, at parallelize (no device kernels for it yet)", function()
+  -- Mixture of experts on the device (kernels/cuda/moe.cu: routing, capacity, grouping, gather and combine; the
+  -- experts' products one cuBLAS GEMM each) against the cpu backend in one process, same weights and batch, with
+  -- the load-balancing and z-losses and capacity_factor (dropped choices), one and two micro-batches. The routing
+  -- decisions are integer scans of the same logits on both (the self-test checks them bit for bit), and the
+  -- fixture's router margins are far above float32's differences, so both choose the same experts: the per-expert
+  -- token counts are compared exactly. What differs is the products' summation (the emulated cuBLAS sums in double
+  -- and rounds once, OpenBLAS in float32): the GPT case's tolerance, |cuda - cpu| <= 1e-5 |cpu| + 1e-6 max |cpu| on
+  -- the gradients, 1e-6 relative on the losses.
+  it("runs a mixture of experts on the device as the cpu backend does (aux and z-losses, capacity, micro-batches)", function()
+    local rc, out = emu([[
+local pg = require "pipegoose"
+local CFG = { vocab = 61, padded_vocab = 64, seq_len = 16, dim = 16, heads = 2, kv_heads = 2, hidden = 24, layers = 2,
+              experts = 4, top_k = 2, aux_loss_coef = 0.02, z_loss_coef = 0.001 }
+local x = pg.randn({ 4, 17 }, { seed = 3 })
+local ids = {}
+for b = 1, 4 do ids[b] = {} for t = 1, 17 do ids[b][t] = math.floor(math.abs(x:get(b, t)) * 1000) % 61 end end
+local all = pg.tensor(ids, { dtype = "int32" })
+local xs, ys = all:narrow(2, 1, 16), all:narrow(2, 2, 16)
+local function step(device, M, capacity)
+  local cfg = {}
+  for k, v in pairs(CFG) do cfg[k] = v end
+  cfg.capacity_factor = capacity
+  local e = pg.parallelize(pg.nn.Mixtral(cfg), nil, { device = device, micro_batches = M, seed = 5 })
+  e:zero_grad()
+  local loss = e:forward_backward(xs, ys)
+  local _, g = e:flat()
+  return loss, g:to("cpu"), e:losses().expert_tokens
+end
+for _, c in ipairs{ { 1, nil }, { 2, nil }, { 2, 0.75 } } do
+  local M, cap = c[1], c[2]
+  local lc, gc, tc = step("cpu", M, cap)
+  local ld, gd, td = step("cuda", M, cap)
+  local what = ("M=%d capacity %s"):format(M, tostring(cap))
+  local scale = math.max(1, gc:max_abs_diff(pg.zeros(gc:shape())))
+  assert(math.abs(ld - lc) <= 1e-6 * lc, ("%s loss cuda %.9g cpu %.9g"):format(what, ld, lc))
+  assert(gd:allclose(gc, 1e-5, 1e-6 * scale), ("%s gradients: max |diff| %.3g"):format(what, gd:max_abs_diff(gc)))
+  assert(#tc == CFG.experts and #td == CFG.experts, what .. ": no expert_tokens")
+  for e, n in ipairs(tc) do assert(td[e] == n, ("%s expert %d: %s choices, cpu %s"):format(what, e, td[e], n)) end
+  print(("%s loss %.9g vs %.9g, gradients max |diff| %.3g"):format(what, ld, lc, gd:max_abs_diff(gc)))
+end
+print("agree")
+]])
+    assert.equal(0, rc, out)
+    assert.matches("agree", out)
+  end)
+
+  it("refuses by name what the moe kind cannot run on a device yet (jitter), when its buffers are made", function()
     local rc2, out2 = emu([[
 local pg = require "pipegoose"
-local m = pg.nn.Mixtral{ vocab = 20, dim = 16, layers = 1, heads = 2, hidden = 16, experts = 2, seq_len = 8 }
-local ok, err = pcall(pg.parallelize, m, nil, { device = "cuda" })
+local m = pg.nn.Mixtral{ vocab = 20, dim = 16, layers = 1, heads = 2, hidden = 16, experts = 2, seq_len = 8, jitter = 0.1 }
+local e = pg.parallelize(m, nil, { device = "cuda" })
+local x = pg.zeros({ 2, 8 }, { dtype = "int32" })
+local ok, err = pcall(e.forward_backward, e, x, x)
 print(ok, err)
 ]])
     assert.equal(0, rc2, out2)
-    assert.matches("blocks.0.moe: the moe kind %(mixture of experts%) runs on the cpu backend only for now, not cuda", out2)
+    assert.matches("blocks.0.moe: the moe kind's jitter %(router noise drawn on the host%) runs on the cpu backend only for now, not cuda", out2)
   end)
 
   -- precision = "bf16" on the device against the CPU's bf16 in one process, same weights and batch (two
@@ -428,17 +517,20 @@ print(ok, err)
   --     oneDNN held to AVX512_BF16 alike).
   -- Three AdamW steps' losses to 1e-4 relative on both, bf16_check_spec's layout tolerance (measured 9.6e-6 at
   -- step 3: Adam's normalised updates carry the sum-order differences on).
-  -- GPT-2 (GELU, bias gradients of bf16 outputs), LLaMA (SwiGLU, RoPE on bf16 q|k|v) and a bf16 residual
-  -- branch: the device's bf16 activation kernels against the CPU's.
+  -- GPT-2 (GELU, bias gradients of bf16 outputs), LLaMA (SwiGLU, RoPE on bf16 q|k|v), Mixtral (the moe kind's
+  -- router and experts on bf16 operands) and a bf16 residual branch: the device's bf16 kernels against the CPU's.
   local MODELS = {
     gpt2 = 'pg.nn.GPT.load_llmc("spec/fixtures/gpt2_tiny_model.bin")',
     llama = "pg.nn.Llama{ vocab = 61, dim = 16, layers = 2, heads = 2, kv_heads = 1, hidden = 24, seq_len = 16 }",
+    -- the moe kind's bf16 products (router and experts) on its working weights in device memory
+    mixtral = "pg.nn.Mixtral{ vocab = 61, dim = 16, layers = 2, heads = 2, kv_heads = 1, hidden = 24, seq_len = 16, " ..
+      "experts = 4, top_k = 2, aux_loss_coef = 0.02, z_loss_coef = 0.001 }",
     -- a bf16 branch (a plain Linear and GELU) added to the float32 stream
     branch = [=[pg.nn.Sequential{ pg.nn.Embedding{ vocab = 61, dim = 16, positions = 16, name = "embed" },
       pg.nn.Residual(pg.nn.Sequential{ pg.nn.Linear{ ["in"] = 16, out = 16, name = "mix" }, pg.nn.GELU() }),
       pg.nn.LayerNorm(16, { name = "ln_f" }), pg.nn.LMHead{ vocab = 61, dim = 16, tie = false, name = "head" } }]=],
   }
-  for _, model in ipairs{ "gpt2", "llama", "branch" } do
+  for _, model in ipairs{ "gpt2", "llama", "mixtral", "branch" } do
   it("runs precision = \"bf16\" on the device: the CPU's bf16 results, the working weights in device memory (" ..
     model .. ") #bf16", function()
     local rc, out = emu((([[

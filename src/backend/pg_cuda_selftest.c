@@ -971,6 +971,136 @@ static void test_optim(selftest *st) {
     check_d(st, "sum_squares", d_out, want, 1e-12);
 }
 
+/* ---- mixture of experts (kernels/cuda/moe.cu) ---- */
+
+/* n int32 values of a device buffer against the CPU's: equal, every one. */
+static void check_i32(selftest *st, const char *name, const int32_t *dev, const int32_t *want, int64_t n) {
+  if (st->broken || !dev || !want) return;
+  int32_t *got = h_alloc(st, (size_t)n * sizeof(int32_t));
+  if (!got) return;
+  if (pg_cuda_synchronize() != PG_OK ||
+      pg_cuda_memcpy(got, dev, (size_t)n * sizeof(int32_t), PG_CUDA_DEVICE_TO_HOST) != PG_OK) {
+    broken(st, name, pg_error());
+    return;
+  }
+  st->checks++;
+  for (int64_t i = 0; i < n; i++)
+    if (got[i] != want[i]) {
+      st->failed++;
+      say(st, "  FAIL  %-34s element %lld: got %d, want %d (exact)\n", name, (long long)i, (int)got[i], (int)want[i]);
+      return;
+    }
+  say(st, "  ok    %-34s equal                (exact, %lld values)\n", name, (long long)n);
+}
+
+/* n doubles of a device buffer against the CPU's, bit for bit (the same sums in the same order). */
+static void check_f64(selftest *st, const char *name, const double *dev, const double *want, int64_t n) {
+  if (st->broken || !dev || !want) return;
+  double *got = h_alloc(st, (size_t)n * sizeof(double));
+  if (!got) return;
+  if (pg_cuda_synchronize() != PG_OK ||
+      pg_cuda_memcpy(got, dev, (size_t)n * sizeof(double), PG_CUDA_DEVICE_TO_HOST) != PG_OK) {
+    broken(st, name, pg_error());
+    return;
+  }
+  st->checks++;
+  for (int64_t i = 0; i < n; i++)
+    if (got[i] != want[i]) {
+      st->failed++;
+      say(st, "  FAIL  %-34s element %lld: got %.17g, want %.17g (exact)\n", name, (long long)i, got[i], want[i]);
+      return;
+    }
+  say(st, "  ok    %-34s equal                (exact, %lld values)\n", name, (long long)n);
+}
+
+/* Routing of N rows over E experts (top K; logits with ties, so the lower index must win on both), capacity per
+ * sequence of T rows (tight enough to drop; the last sequence short), grouping, gather and combine, forward and
+ * backward. Decisions and gathers exact; softmax values within expf's few ulp (TOL_POINT); sums over K terms or
+ * over D products (dweight) within TOL_REDUCE. */
+static void test_moe(selftest *st) {
+  const int N = ST_N, E = 7, K = 2, D = ST_C, T = 16, nseq = (N + T - 1) / T, R = N * K;
+  const int cap = 4; /* ceil(c T K / E) for c = 0.875: some choices dropped */
+  const pg_cuda_ctx *ctx = &st->ctx;
+  float *logits = h_rand(st, (int64_t)N * E, -3, 3), *x = h_rand(st, (int64_t)N * D, -1, 1);
+  float *dy = h_rand(st, (int64_t)N * D, -1, 1), *ye = h_rand(st, (int64_t)R * D, -1, 1);
+  float *dprob = h_rand(st, E, -0.1f, 0.1f);
+  float *probs = h_alloc(st, (size_t)N * E * sizeof(float)), *lse = h_alloc(st, (size_t)N * sizeof(float));
+  float *weight = h_alloc(st, (size_t)R * sizeof(float)), *dlogits = h_alloc(st, (size_t)N * E * sizeof(float));
+  float *dweight = h_rand(st, R, -1, 1), *dw_back = h_alloc(st, (size_t)R * sizeof(float));
+  float *xg = h_alloc(st, (size_t)R * D * sizeof(float)), *out = h_alloc(st, (size_t)N * D * sizeof(float));
+  float *dyg = h_alloc(st, (size_t)R * D * sizeof(float)), *sum = h_alloc(st, (size_t)N * D * sizeof(float));
+  int32_t *expert = h_alloc(st, (size_t)R * sizeof(int32_t)), *pos = h_alloc(st, (size_t)R * sizeof(int32_t));
+  int32_t *token = h_alloc(st, (size_t)R * sizeof(int32_t)), *offsets = h_alloc(st, (size_t)(E + 1) * sizeof(int32_t));
+  int32_t *fill = h_alloc(st, (size_t)nseq * E * sizeof(int32_t));
+  double *stats = h_alloc(st, (size_t)2 * E * sizeof(double));
+  if (st->broken) return;
+  for (int n = 0; n < N; n += 5) logits[(int64_t)n * E + 3] = logits[(int64_t)n * E + 5]; /* ties */
+  pg_moe_route_forward(probs, lse, expert, weight, logits, N, E, K);
+  pg_moe_route_stats(stats, stats + E, probs, expert, N, E, K);
+  pg_moe_drop(pos, fill, expert, N, T, E, K, cap);
+  int32_t *pos_dropped = h_alloc(st, (size_t)R * sizeof(int32_t));
+  if (!pos_dropped) return;
+  memcpy(pos_dropped, pos, (size_t)R * sizeof(int32_t));
+  pg_moe_group(pos, token, offsets, expert, N, E, K);
+  const int Rk = offsets[E];
+  pg_moe_gather(xg, x, token, Rk, D);
+  pg_moe_combine(out, ye, pos, weight, N, K, D);
+  pg_moe_combine(sum, ye, pos, NULL, N, K, D);
+  pg_moe_combine_backward(dw_back, dyg, dy, ye, pos, weight, N, K, D);
+  pg_moe_route_backward(dlogits, dweight, dprob, 0.01f, probs, lse, expert, weight, N, E, K);
+  float *d_logits = d_floats(st, logits, (int64_t)N * E), *d_x = d_floats(st, x, (int64_t)N * D);
+  float *d_dy = d_floats(st, dy, (int64_t)N * D), *d_ye = d_floats(st, ye, (int64_t)R * D);
+  float *d_dprob = d_floats(st, dprob, E), *d_dweight = d_floats(st, dweight, R);
+  float *d_probs = d_floats(st, probs, (int64_t)N * E), *d_lse = d_floats(st, lse, N);
+  float *d_weight = d_floats(st, weight, R), *d_dlogits = d_floats(st, probs, (int64_t)N * E);
+  float *d_xg = d_floats(st, ye, (int64_t)R * D), *d_out = d_floats(st, x, (int64_t)N * D);
+  float *d_dyg = d_floats(st, ye, (int64_t)R * D), *d_dwb = d_floats(st, dweight, R);
+  /* every output starts as garbage: the kernels must write all of it (dyg's dropped rows are never read) */
+  int32_t *junk = h_alloc(st, (size_t)R * D * sizeof(int32_t));
+  if (!junk) return;
+  for (int64_t i = 0; i < (int64_t)R * D; i++) junk[i] = 0x7f7f7f7f;
+  int32_t *d_expert = d_put(st, junk, (size_t)R * sizeof(int32_t)), *d_pos = d_put(st, junk, (size_t)R * sizeof(int32_t));
+  int32_t *d_token = d_put(st, junk, (size_t)R * sizeof(int32_t));
+  int32_t *d_off = d_put(st, junk, (size_t)(E + 1) * sizeof(int32_t));
+  int32_t *d_fill = d_put(st, junk, (size_t)nseq * E * sizeof(int32_t));
+  double *d_stats = d_put(st, junk, (size_t)2 * E * sizeof(double));
+  if (st->broken) return;
+  if (launched(st, "moe_route_forward",
+               pg_cuda_moe_route_forward(ctx, d_probs, d_lse, d_expert, d_weight, d_logits, N, E, K))) {
+    check_i32(st, "moe_route_forward.expert", d_expert, expert, R);
+    check_f(st, "moe_route_forward.probs", d_probs, probs, (int64_t)N * E, TOL_POINT);
+    check_f(st, "moe_route_forward.lse", d_lse, lse, N, TOL_POINT);
+    check_f(st, "moe_route_forward.weight", d_weight, weight, R, TOL_POINT);
+  }
+  /* the rest from the CPU's routing, so that each kernel is checked on its own */
+  if (!reload(st, d_probs, probs, (int64_t)N * E) || !reload(st, d_lse, lse, N) || !reload(st, d_weight, weight, R))
+    return;
+  if (launched(st, "moe_route_stats", pg_cuda_moe_route_stats(ctx, d_stats, d_stats + E, d_probs, d_expert, N, E, K)))
+    check_f64(st, "moe_route_stats", d_stats, stats, 2 * E);
+  if (launched(st, "moe_drop", pg_cuda_moe_drop(ctx, d_pos, d_fill, d_expert, N, T, E, K, cap)))
+    check_i32(st, "moe_drop", d_pos, pos_dropped, R);
+  if (launched(st, "moe_group", pg_cuda_moe_group(ctx, d_pos, d_token, d_off, d_expert, N, E, K))) {
+    check_i32(st, "moe_group.pos", d_pos, pos, R);
+    check_i32(st, "moe_group.offsets", d_off, offsets, E + 1);
+    check_i32(st, "moe_group.token", d_token, token, Rk);
+  }
+  if (launched(st, "moe_gather", pg_cuda_moe_gather(ctx, d_xg, d_x, d_token, Rk, D)))
+    check_f(st, "moe_gather", d_xg, xg, (int64_t)Rk * D, 0, 0);
+  if (launched(st, "moe_combine", pg_cuda_moe_combine(ctx, d_out, d_ye, d_pos, d_weight, N, K, D)))
+    check_f(st, "moe_combine", d_out, out, (int64_t)N * D, TOL_REDUCE);
+  if (launched(st, "moe_combine (unweighted)", pg_cuda_moe_combine(ctx, d_out, d_ye, d_pos, NULL, N, K, D)))
+    check_f(st, "moe_combine (unweighted)", d_out, sum, (int64_t)N * D, TOL_REDUCE);
+  if (launched(st, "moe_combine_backward",
+               pg_cuda_moe_combine_backward(ctx, d_dwb, d_dyg, d_dy, d_ye, d_pos, d_weight, N, K, D))) {
+    check_f(st, "moe_combine_backward.dweight", d_dwb, dw_back, R, TOL_REDUCE);
+    check_f(st, "moe_combine_backward.dyg", d_dyg, dyg, (int64_t)Rk * D, TOL_POINT);
+  }
+  if (launched(st, "moe_route_backward",
+               pg_cuda_moe_route_backward(ctx, d_dlogits, d_dweight, d_dprob, 0.01f, d_probs, d_lse, d_expert,
+                                          d_weight, N, E, K)))
+    check_f(st, "moe_route_backward", d_dlogits, dlogits, (int64_t)N * E, TOL_REDUCE);
+}
+
 /* ---- the checklist: every kernel of kernels/kernel_list.h names its test ----
  * A row's PG_SELFTEST(fn) is a reference to fn (a kernel whose test is not
  * written does not compile), PG_NO_SELFTEST("why") a decision with its

@@ -1129,6 +1129,17 @@ static const luaL_Reg ops_functions[] = {
 /* the tensor-core attention: the CUDA self-test checks it against its CPU twin; pg.cuda.flash_bf16_seconds times it */
 #define OPS_flash_bf16_forward OPS_NONE("checked by the CUDA self-test against its CPU twin")
 #define OPS_flash_bf16_backward OPS_NONE("checked by the CUDA self-test against its CPU twin")
+/* mixture of experts: the router has bindings (moe_spec); the rest is checked through the moe kind (moe_spec,
+ * the device spec against the cpu backend) and the CUDA self-test */
+#define OPS_moe_route_forward l_moe_route
+#define OPS_moe_route_backward l_moe_route_backward
+#define OPS_MOE_KIND OPS_NONE("checked through the moe kind and the CUDA self-test")
+#define OPS_moe_route_stats OPS_MOE_KIND
+#define OPS_moe_drop OPS_MOE_KIND
+#define OPS_moe_group OPS_MOE_KIND
+#define OPS_moe_gather OPS_MOE_KIND
+#define OPS_moe_combine OPS_MOE_KIND
+#define OPS_moe_combine_backward OPS_MOE_KIND
 
 static const struct {
   const char *kernel;

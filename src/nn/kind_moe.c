@@ -42,17 +42,18 @@ typedef struct moe_state {
   int64_t X;             /* rows the expert side can receive in one micro-batch */
   pg_param *gate;
   pg_param **w1, **w2, **w3; /* [nl]: experts ep nl .. ep nl + nl - 1 */
-  /* per slot, kept from forward to backward */
+  /* per slot, kept from forward to backward; in the backend's memory unless marked host (a device engine runs
+   * routing, grouping, gather and combine on the device and reads back only sizes and totals) */
   const float **saved_x;
   float *probs, *lse, *weight; /* [nslots][rows * E], [rows], [rows * K] */
   int32_t *expert, *pos;       /* [nslots][rows * K]; pos -1: a dropped choice */
   int32_t *token;              /* [nslots][rows * K]: grouped row -> its token */
-  int32_t *offsets;            /* [nslots][E + 1]: each expert's first grouped row */
+  int32_t *offsets;            /* host [nslots][E + 1]: each expert's first grouped row (GEMM sizes, exchanges) */
   int64_t *cnt;                /* [nslots][G nl]: rows from member i for our expert l, at i nl + l */
   float *xr;                   /* G > 1: [nslots][X * dim] the received rows' inputs, expert-major */
   float *gu;                   /* [nslots][X * 2 hidden_l]: w1 x | w3 x of each row the experts ran */
   float *y;                    /* [nslots][rows * K * dim]: each grouped row's expert output (unweighted) */
-  double *stats;               /* [nslots][2 E]: this layer's choices and summed probabilities */
+  double *stats;               /* host [nslots][2 E]: this layer's choices and summed probabilities */
   /* scratch, one micro-batch */
   float *logits, *wcat, *dwcat, *xg, *act, *dyg, *dxg, *da, *dgu, *dweight, *dx_router;
   float *bufa, *bufb;          /* G > 1: [X * dim] rows in transit */
@@ -62,7 +63,10 @@ typedef struct moe_state {
   int64_t *sc, *rc;            /* [G] counts of an all-to-all */
   int64_t *orows;              /* [2 G]: rows to each member, rows from each member */
   int64_t *ecount;             /* [E] */
-  int32_t *fill;               /* [E] choices of each expert in the current sequence */
+  int32_t *fill;               /* [max_rows E] choices of each expert in each sequence (moe_drop's scratch) */
+  int32_t *off_d;              /* [E + 1] the grouping's offsets, where the backend writes them */
+  double *stats_d;             /* [2 E] the routing totals, likewise */
+  float *lse_h, *dprob_h;      /* host [rows], [E]: the z-loss's lse, the load balance's gradient */
   int32_t *cp_all, *cp_seq;    /* context parallelism with capacity: [C rows K] every context rank's choices,
                                 * [C rows K] one whole sequence's choices then kept flags, in sequence order */
   /* precision "bf16" (as linear's bf16_mm): the router's and the experts' products on bf16 operands with float32
@@ -74,19 +78,21 @@ typedef struct moe_state {
   long refreshes;
 } moe_state;
 
-static void moe_free_bf16(moe_state *s) {
+static void moe_free_bf16(pg_module *m) {
+  moe_state *s = m->state;
   uint16_t *b[] = {s->gate16, s->w13_16, s->w2_16};
-  for (size_t i = 0; i < sizeof b / sizeof b[0]; i++) free(b[i]);
+  for (size_t i = 0; i < sizeof b / sizeof b[0]; i++) pg_be_release(home_backend(BE(m)), b[i]);
   s->gate16 = s->w13_16 = s->w2_16 = NULL;
   s->bf16_bytes = 0;
   s->bf16_need = 0;
 }
 
-/* The working weights of precision bf16 (host memory: moe runs on the cpu backend), and the operand scratch it
- * needs of the engine (pg_module_bf16_scratch). */
+/* The working weights of precision bf16 (in the backend's memory; never a recomputed block's arena: they live
+ * from a call's first forward to its last backward), and the operand scratch it needs of the engine
+ * (pg_module_bf16_scratch). */
 static int moe_alloc_bf16(pg_module *m, int64_t rows) {
   moe_state *s = m->state;
-  moe_free_bf16(s);
+  moe_free_bf16(m);
   int64_t E = s->o.experts, D = s->o.dim, H = s->hidden_l, nl = s->nl;
   int64_t wide = 2 * H > D ? 2 * H : D;
   if (E > wide) wide = E;
@@ -94,11 +100,12 @@ static int moe_alloc_bf16(pg_module *m, int64_t rows) {
           n_op = pg_size_product(2, (int64_t[]){rows, wide});
   if (n_gate < 0 || n_w < 0 || n_op < 0 || (uint64_t)(n_gate + n_w + n_w / 2) > SIZE_MAX / 2)
     return pg_fail("%s: its bf16 working weights and operands are too large", m->name);
-  s->gate16 = malloc((size_t)(n_gate > 0 ? n_gate : 1) * 2);
-  s->w13_16 = malloc((size_t)(n_w > 0 ? n_w : 1) * 2);
-  s->w2_16 = malloc((size_t)(n_w / 2 > 0 ? n_w / 2 : 1) * 2);
+  const pg_backend *home = home_backend(BE(m));
+  s->gate16 = home->ops->alloc(home, (size_t)(n_gate > 0 ? n_gate : 1) * 2);
+  s->w13_16 = home->ops->alloc(home, (size_t)(n_w > 0 ? n_w : 1) * 2);
+  s->w2_16 = home->ops->alloc(home, (size_t)(n_w / 2 > 0 ? n_w / 2 : 1) * 2);
   if (!s->gate16 || !s->w13_16 || !s->w2_16) {
-    moe_free_bf16(s);
+    moe_free_bf16(m);
     return pg_fail("out of memory for %s (bf16 working weights)", m->name);
   }
   s->bf16_bytes = (size_t)(n_gate + n_w + n_w / 2) * 2;
@@ -107,35 +114,58 @@ static int moe_alloc_bf16(pg_module *m, int64_t rows) {
 }
 
 /* The bf16 working weights from the float32 masters (each call's first forward; see bf16_mm). */
-static void moe_refresh_bf16(moe_state *s) {
+static int moe_refresh_bf16(pg_module *m) {
+  moe_state *s = m->state;
   size_t half = (size_t)s->hidden_l * s->o.dim;
-  pg_bf16_from_f32(s->gate16, s->gate->data, s->gate->numel);
-  for (int l = 0; l < s->nl; l++) {
-    pg_bf16_from_f32(s->w13_16 + 2 * half * l, s->w1[l]->data, (int64_t)half);
-    pg_bf16_from_f32(s->w13_16 + 2 * half * l + half, s->w3[l]->data, (int64_t)half);
-    pg_bf16_from_f32(s->w2_16 + half * l, s->w2[l]->data, (int64_t)half);
-  }
+  if (KERNEL(m, bf16_from_f32, s->gate16, s->gate->data, s->gate->numel)) return PG_ERR;
+  for (int l = 0; l < s->nl; l++)
+    if (KERNEL(m, bf16_from_f32, s->w13_16 + 2 * half * l, s->w1[l]->data, (int64_t)half) ||
+        KERNEL(m, bf16_from_f32, s->w13_16 + 2 * half * l + half, s->w3[l]->data, (int64_t)half) ||
+        KERNEL(m, bf16_from_f32, s->w2_16 + half * l, s->w2[l]->data, (int64_t)half))
+      return PG_ERR;
   s->refreshes++;
+  return PG_OK;
 }
 
 /* out[n,OC] = x[n,C] w^T: float32 on w32, or bf16 on w16. */
 static int moe_mm_forward(pg_module *m, const pg_io *io, float *out, const float *x, const float *w32,
                           const uint16_t *w16, int n, int C, int OC) {
   if (((moe_state *)m->state)->bf16) return bf16_product_forward(m, io, out, x, w16, NULL, n, C, OC);
-  pg_matmul_forward(out, x, w32, NULL, n, C, OC);
-  return PG_OK;
+  return KERNEL(m, matmul_forward, out, x, w32, NULL, n, C, OC);
 }
 
 /* dinp = dy w (overwritten), dw += dy^T x; float32 or bf16 as moe_mm_forward. */
 static int moe_mm_backward(pg_module *m, const pg_io *io, float *dinp, float *dw, const float *dy, const float *x,
                            const float *w32, const uint16_t *w16, int n, int C, int OC) {
   if (((moe_state *)m->state)->bf16) return bf16_product_backward(m, io, dinp, dw, NULL, dy, x, w16, n, C, OC);
-  pg_matmul_backward(dinp, dw, NULL, dy, x, w32, n, C, OC);
+  return KERNEL(m, matmul_backward, dinp, dw, NULL, dy, x, w32, n, C, OC);
+}
+
+/* n zeroed int32 in the backend's memory at *arr (the previous ones released); NULL when there is no room. */
+static int32_t *moe_ints(pg_module *m, int32_t **arr, size_t n) {
+  pg_be_release(BE(m), *arr);
+  *arr = BE(m)->ops->alloc(BE(m), (n ? n : 1) * sizeof(int32_t));
+  return *arr;
+}
+
+/* What a device engine cannot run yet, by name (the router's jitter noise and context parallelism's capacity
+ * are drawn and decided on the host). */
+static int moe_device_check(const pg_module *m) {
+  const moe_state *s = m->state;
+  const char *be = BE(m)->name;
+  if (BE(m)->device == PG_CPU) return PG_OK;
+  if (s->o.jitter > 0)
+    return pg_fail("%s: the moe kind's jitter (router noise drawn on the host) runs on the cpu backend only for now, "
+                   "not %s", m->name, be);
+  if (m->ctx && m->ctx->context > 1 && s->o.capacity_factor > 0)
+    return pg_fail("%s: the moe kind's capacity_factor under context parallelism (decided on the host) runs on the "
+                   "cpu backend only for now, not %s", m->name, be);
   return PG_OK;
 }
 
 static int moe_alloc(pg_module *m, int nslots, int max_rows) {
   moe_state *s = m->state;
+  if (moe_device_check(m)) return PG_ERR;
   if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
   int64_t E = s->o.experts, K = s->o.top_k, D = s->o.dim, H = s->hidden_l, R = (int64_t)max_rows * K;
   /* top-k picks an expert at most once per token: a member receives at most
@@ -148,19 +178,21 @@ static int moe_alloc(pg_module *m, int nslots, int max_rows) {
                    (int)K);
   s->X = X;
   size_t S = (size_t)nslots, rows = (size_t)max_rows, G = (size_t)s->G, nl = (size_t)s->nl;
-  free(s->expert);
-  free(s->pos);
-  free(s->token);
   free(s->offsets);
   free(s->stats);
   free(s->cnt);
-  s->expert = malloc(S * R * sizeof(int32_t));
-  s->pos = malloc(S * R * sizeof(int32_t));
-  s->token = malloc(S * R * sizeof(int32_t));
+  free(s->lse_h);
+  free(s->dprob_h);
+  pg_be_release(BE(m), s->stats_d);
   s->offsets = malloc(S * (E + 1) * sizeof(int32_t));
   s->stats = calloc(S * 2 * E, sizeof(double));
   s->cnt = calloc(S * G * nl, sizeof(int64_t));
-  if (!s->expert || !s->pos || !s->token || !s->offsets || !s->stats || !s->cnt ||
+  s->lse_h = malloc(rows * sizeof(float));
+  s->dprob_h = malloc((size_t)E * sizeof(float));
+  s->stats_d = BE(m)->ops->alloc(BE(m), (size_t)E * 2 * sizeof(double));
+  if (!moe_ints(m, &s->expert, S * R) || !moe_ints(m, &s->pos, S * R) || !moe_ints(m, &s->token, S * R) ||
+      !moe_ints(m, &s->fill, rows * E) || !moe_ints(m, &s->off_d, (size_t)E + 1) || !s->offsets || !s->stats ||
+      !s->cnt || !s->lse_h || !s->dprob_h || !s->stats_d ||
       !alloc_floats(m, &s->probs, S * rows * E) || !alloc_floats(m, &s->lse, S * rows) ||
       !alloc_floats(m, &s->weight, S * R) || !alloc_floats(m, &s->gu, S * X * 2 * H) ||
       !alloc_floats(m, &s->y, S * R * D) || !alloc_floats(m, &s->logits, rows * E) ||
@@ -193,16 +225,12 @@ static int moe_alloc(pg_module *m, int nslots, int max_rows) {
 
 /* Expert l's [w1; w3] shards as one [2 hidden_l, dim] matrix, so that one
  * GEMM gives the gate|up rows the SwiGLU kernels take. */
-static void moe_stack_w13(moe_state *s, int l) {
-  size_t n = (size_t)s->hidden_l * s->o.dim;
-  memcpy(s->wcat, s->w1[l]->data, n * sizeof(float));
-  memcpy(s->wcat + n, s->w3[l]->data, n * sizeof(float));
-}
-
-/* The grouped rows' inputs, gathered from x. */
-static void moe_gather(moe_state *s, const float *x, const int32_t *token, int R) {
-  size_t D = (size_t)s->o.dim;
-  for (int r = 0; r < R; r++) memcpy(s->xg + r * D, x + (size_t)token[r] * D, D * sizeof(float));
+static int moe_stack_w13(pg_module *m, int l) {
+  moe_state *s = m->state;
+  size_t n = (size_t)s->hidden_l * s->o.dim * sizeof(float);
+  const pg_backend *be = BE(m);
+  return be->ops->copy(be, s->wcat, s->w1[l]->data, n, PG_COPY_DEVICE_TO_DEVICE) ||
+         be->ops->copy(be, (char *)s->wcat + n, s->w3[l]->data, n, PG_COPY_DEVICE_TO_DEVICE);
 }
 
 /* The load-balancing loss over the micro-batch's totals, and the gradient it
@@ -255,22 +283,12 @@ static const float *moe_jitter(pg_module *m, const pg_io *io, const float *x, in
   return s->xj;
 }
 
-/* The choices beyond an expert's capacity in each sequence of T tokens:
- * their pos becomes -1 (first choices before second ones, earlier tokens
- * first). */
-static void moe_drop(moe_state *s, const int32_t *expert, int32_t *pos, int N, int T) {
-  int E = s->o.experts, K = s->o.top_k;
-  if (!(s->o.capacity_factor > 0)) return;
-  double c = ceil(s->o.capacity_factor * T * K / E);
-  int cap = c > INT32_MAX ? INT32_MAX : (int)c;
-  for (int t0 = 0; t0 < N; t0 += T) {
-    for (int e = 0; e < E; e++) s->fill[e] = 0;
-    for (int j = 0; j < K; j++)
-      for (int t = t0; t < t0 + T && t < N; t++) {
-        int i = t * K + j;
-        if (s->fill[expert[i]]++ >= cap) pos[i] = -1;
-      }
-  }
+/* Each expert's capacity in a sequence of T tokens (kernels.h's pg_moe_drop): ceil(c T K / E) with
+ * capacity_factor c; INT32_MAX keeps every choice. */
+static int moe_capacity(const moe_state *s, int T) {
+  if (!(s->o.capacity_factor > 0)) return INT32_MAX;
+  double c = ceil(s->o.capacity_factor * T * s->o.top_k / s->o.experts);
+  return c > INT32_MAX ? INT32_MAX : (int)c;
 }
 
 /* The same under context parallelism: a sequence's tokens are spread over the context group (chunks r and
@@ -290,9 +308,7 @@ static int moe_drop_cp(pg_module *m, const pg_io *io, const int32_t *expert, int
         for (int j = 0; j < K; j++)
           s->cp_seq[pg_cp_position(C, q, L, t) * K + j] = s->cp_all[(size_t)q * n + ((size_t)b * Tl + t) * K + j];
     /* the serial rule over the sequence's T tokens; cp_seq then says which choices are kept (1) */
-    int E = s->o.experts;
-    double c = ceil(s->o.capacity_factor * T * K / E);
-    int cap = c > INT32_MAX ? INT32_MAX : (int)c;
+    int E = s->o.experts, cap = moe_capacity(s, T);
     for (int e = 0; e < E; e++) s->fill[e] = 0;
     for (int j = 0; j < K; j++)
       for (int t = 0; t < T; t++) {
@@ -309,7 +325,8 @@ static int moe_drop_cp(pg_module *m, const pg_io *io, const int32_t *expert, int
 /* Rows between source-major order (member i's rows for our expert 0, 1, ...,
  * then member i + 1's) and expert-major order (our expert l's rows from
  * member 0, 1, ...); also sets eoff (expert-major starts). */
-static void moe_permute(moe_state *s, const int64_t *cnt, const float *src, float *dst, size_t W, int to_expert) {
+static int moe_permute(pg_module *m, const int64_t *cnt, const float *src, float *dst, size_t W, int to_expert) {
+  moe_state *s = m->state;
   int G = s->G, nl = s->nl;
   s->eoff[0] = 0;
   for (int l = 0; l < nl; l++) {
@@ -318,7 +335,7 @@ static void moe_permute(moe_state *s, const int64_t *cnt, const float *src, floa
     s->eoff[l + 1] = s->eoff[l] + n;
     s->cur[l] = s->eoff[l];
   }
-  if (!src) return;
+  if (!src) return PG_OK;
   int64_t so = 0;
   for (int i = 0; i < G; i++)
     for (int l = 0; l < nl; l++) {
@@ -326,9 +343,10 @@ static void moe_permute(moe_state *s, const int64_t *cnt, const float *src, floa
       s->cur[l] += n;
       const float *a = to_expert ? src + so * W : src + eo * W;
       float *b = to_expert ? dst + eo * W : dst + so * W;
-      memcpy(b, a, (size_t)n * W * sizeof(float));
+      if (n && BE(m)->ops->copy(BE(m), b, a, (size_t)n * W * sizeof(float), PG_COPY_DEVICE_TO_DEVICE)) return PG_ERR;
       so += n;
     }
+  return PG_OK;
 }
 
 /* The all-to-all of rows between the expert group's members: `out_rows[j]`
@@ -360,11 +378,10 @@ static int moe_experts_forward(pg_module *m, const pg_io *io, const float *x, fl
   for (int l = 0; l < s->nl; l++) {
     int64_t r0 = s->eoff[l], n = s->eoff[l + 1] - r0;
     if (!n) continue;
-    if (!s->bf16) moe_stack_w13(s, l);
-    if (moe_mm_forward(m, io, gu + r0 * 2 * H, x + r0 * D, s->wcat, s->w13_16 + 2 * half * l, (int)n, D, 2 * H))
-      return PG_ERR;
-    pg_swiglu_forward(s->act + r0 * H, gu + r0 * 2 * H, (int)n, H);
-    if (moe_mm_forward(m, io, y + r0 * D, s->act + r0 * H, s->w2[l]->data, s->w2_16 + half * l, (int)n, H, D))
+    if (!s->bf16 && moe_stack_w13(m, l)) return PG_ERR;
+    if (moe_mm_forward(m, io, gu + r0 * 2 * H, x + r0 * D, s->wcat, s->w13_16 + 2 * half * l, (int)n, D, 2 * H) ||
+        KERNEL(m, swiglu_forward, s->act + r0 * H, gu + r0 * 2 * H, (int)n, H) ||
+        moe_mm_forward(m, io, y + r0 * D, s->act + r0 * H, s->w2[l]->data, s->w2_16 + half * l, (int)n, H, D))
       return PG_ERR;
   }
   return PG_OK;
@@ -381,20 +398,17 @@ static int moe_experts_backward(pg_module *m, const pg_io *io, const float *x, c
     if (!n) continue;
     const float *gu_e = gu + r0 * 2 * H;
     float *act = s->act + r0 * H, *da = s->da + r0 * H, *dgu = s->dgu + r0 * 2 * H;
-    pg_swiglu_forward(act, gu_e, (int)n, H); /* recomputed: cheaper to keep gate|up only */
-    if (moe_mm_backward(m, io, da, s->w2[l]->grad, dy + r0 * D, act, s->w2[l]->data, s->w2_16 + half * l, (int)n, H,
-                        D))
+    /* act recomputed: cheaper to keep gate|up only */
+    if (KERNEL(m, swiglu_forward, act, gu_e, (int)n, H) ||
+        moe_mm_backward(m, io, da, s->w2[l]->grad, dy + r0 * D, act, s->w2[l]->data, s->w2_16 + half * l, (int)n, H,
+                        D) ||
+        KERNEL(m, swiglu_backward, dgu, gu_e, da, (int)n, H) || (!s->bf16 && moe_stack_w13(m, l)) ||
+        BE(m)->ops->zero(BE(m), s->dwcat, 2 * half * sizeof(float)) ||
+        moe_mm_backward(m, io, dx + r0 * D, s->dwcat, dgu, x + r0 * D, s->wcat, s->w13_16 + 2 * half * l, (int)n, D,
+                        2 * H) ||
+        KERNEL(m, residual_forward, s->w1[l]->grad, s->w1[l]->grad, s->dwcat, (int64_t)half) ||
+        KERNEL(m, residual_forward, s->w3[l]->grad, s->w3[l]->grad, s->dwcat + half, (int64_t)half))
       return PG_ERR;
-    pg_swiglu_backward(dgu, gu_e, da, (int)n, H);
-    if (!s->bf16) moe_stack_w13(s, l);
-    memset(s->dwcat, 0, 2 * half * sizeof(float));
-    if (moe_mm_backward(m, io, dx + r0 * D, s->dwcat, dgu, x + r0 * D, s->wcat, s->w13_16 + 2 * half * l, (int)n, D,
-                        2 * H))
-      return PG_ERR;
-    for (size_t i = 0; i < half; i++) {
-      s->w1[l]->grad[i] += s->dwcat[i];
-      s->w3[l]->grad[i] += s->dwcat[half + i];
-    }
   }
   return PG_OK;
 }
@@ -410,7 +424,7 @@ static int moe_totals_size(const pg_module *m) { return m->ctx ? m->ctx->group[m
 static int moe_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   moe_state *s = m->state;
   if (check_rows(m, slot, io)) return PG_ERR;
-  int N = io->B * io->T, E = s->o.experts, K = s->o.top_k, D = s->o.dim, H = s->hidden_l, R = N * K;
+  int N = io->B * io->T, E = s->o.experts, K = s->o.top_k, D = s->o.dim, H = s->hidden_l;
   size_t rows = (size_t)m->max_rows, Rmax = rows * K;
   float *probs = s->probs + slot * rows * E, *lse = s->lse + slot * rows, *weight = s->weight + slot * Rmax;
   int32_t *expert = s->expert + slot * Rmax, *pos = s->pos + slot * Rmax, *token = s->token + slot * Rmax;
@@ -418,32 +432,26 @@ static int moe_forward(pg_module *m, int slot, pg_io *io, const float *x, const 
   int64_t *cnt = s->cnt + (size_t)slot * s->G * s->nl;
   float *gu = s->gu + slot * (size_t)s->X * 2 * H, *ye = s->y + slot * Rmax * D, *out = slot_out(m, slot);
   double *stats = s->stats + (size_t)slot * 2 * E;
-  if (s->bf16 && io->mb == 0 && !io->recomputing) moe_refresh_bf16(s);
-  /* route: every tensor rank computes the same (router and x replicated) */
-  if (moe_mm_forward(m, io, s->logits, moe_jitter(m, io, x, N), s->gate->data, s->gate16, N, D, E)) return PG_ERR;
-  pg_moe_route_forward(probs, lse, expert, weight, s->logits, N, E, K);
-  pg_moe_route_stats(stats, stats + E, probs, expert, N, E, K);
-  for (int i = 0; i < R; i++) pos[i] = 0;
+  const pg_backend *be = BE(m);
+  if (s->bf16 && io->mb == 0 && !io->recomputing && moe_refresh_bf16(m)) return PG_ERR;
+  /* route: every tensor rank computes the same (router and x replicated); the totals and the grouping's offsets
+   * come back to the host (the auxiliary losses; the experts' GEMM sizes and exchanges) */
+  if (moe_mm_forward(m, io, s->logits, moe_jitter(m, io, x, N), s->gate->data, s->gate16, N, D, E) ||
+      KERNEL(m, moe_route_forward, probs, lse, expert, weight, s->logits, N, E, K) ||
+      KERNEL(m, moe_route_stats, s->stats_d, s->stats_d + E, probs, expert, N, E, K) ||
+      be->ops->copy(be, stats, s->stats_d, 2 * (size_t)E * sizeof(double), PG_COPY_DEVICE_TO_HOST))
+    return PG_ERR;
   /* decoding with the key/value cache drops nothing (transformers' Mixtral has no capacity): a capacity per
    * sequence of io->T tokens would differ between a prompt's prefill and its one-token steps */
-  if (moe_cp_on(m, io)) {
-    if (moe_drop_cp(m, io, expert, pos, N)) return PG_ERR;
-  } else if (!io->decode)
-    moe_drop(s, expert, pos, N, io->T);
-  /* group by expert (a counting sort, stable in token then choice order) */
-  for (int e = 0; e <= E; e++) off[e] = 0;
-  for (int i = 0; i < R; i++)
-    if (pos[i] >= 0) off[expert[i] + 1]++;
-  for (int e = 0; e < E; e++) off[e + 1] += off[e];
-  for (int i = 0; i < R; i++) { /* off[e] walks from e's first row to e + 1's */
-    if (pos[i] < 0) continue;
-    pos[i] = off[expert[i]]++;
-    token[pos[i]] = i / K;
-  }
-  for (int e = E; e > 0; e--) off[e] = off[e - 1];
-  off[0] = 0;
+  int cap = moe_cp_on(m, io) || io->decode ? INT32_MAX : moe_capacity(s, io->T);
+  if (KERNEL(m, moe_drop, pos, s->fill, expert, N, io->T, E, K, cap)) return PG_ERR;
+  if (moe_cp_on(m, io) && moe_drop_cp(m, io, expert, pos, N)) return PG_ERR; /* host memory: moe_device_check */
+  /* group by expert (stable in token then choice order) */
+  if (KERNEL(m, moe_group, pos, token, s->off_d, expert, N, E, K) ||
+      be->ops->copy(be, off, s->off_d, ((size_t)E + 1) * sizeof(int32_t), PG_COPY_DEVICE_TO_HOST))
+    return PG_ERR;
   int Rk = off[E]; /* the choices kept */
-  moe_gather(s, x, token, Rk);
+  if (KERNEL(m, moe_gather, s->xg, x, token, Rk, D)) return PG_ERR;
   if (s->G == 1) {
     for (int e = 0; e <= E; e++) s->eoff[e] = off[e];
     if (moe_experts_forward(m, io, s->xg, gu, ye)) return PG_ERR;
@@ -469,25 +477,14 @@ static int moe_forward(pg_module *m, int slot, pg_io *io, const float *x, const 
     }
     float *xr = s->xr + slot * (size_t)s->X * D;
     if (!rc) rc = moe_exchange(m, s->xg, orows, s->bufa, orows + s->G, (size_t)D);
-    if (!rc) {
-      moe_permute(s, cnt, s->bufa, xr, (size_t)D, 1);
-      rc = moe_experts_forward(m, io, xr, gu, s->bufb);
-      moe_permute(s, cnt, s->bufb, s->bufa, (size_t)D, 0);
-      if (!rc) rc = moe_exchange(m, s->bufa, orows + s->G, ye, orows, (size_t)D);
-    }
+    if (!rc) rc = moe_permute(m, cnt, s->bufa, xr, (size_t)D, 1);
+    if (!rc) rc = moe_experts_forward(m, io, xr, gu, s->bufb);
+    if (!rc) rc = moe_permute(m, cnt, s->bufb, s->bufa, (size_t)D, 0);
+    if (!rc) rc = moe_exchange(m, s->bufa, orows + s->G, ye, orows, (size_t)D);
     if (rc) return PG_ERR;
   }
   /* each token's kept choices, weighted, in choice order */
-  for (int t = 0; t < N; t++) {
-    float *o = out + (size_t)t * D;
-    for (int d = 0; d < D; d++) o[d] = 0;
-    for (int j = 0; j < K; j++) {
-      if (pos[t * K + j] < 0) continue;
-      const float *src = ye + (size_t)pos[t * K + j] * D;
-      float w = weight[t * K + j];
-      for (int d = 0; d < D; d++) o[d] += w * src[d];
-    }
-  }
+  if (KERNEL(m, moe_combine, out, ye, pos, weight, N, K, D)) return PG_ERR;
   /* w2 is row-parallel: each rank holds a partial sum of every expert's output */
   if (pg_tp_reduce_forward(m, out, (int64_t)N * D, PG_FLOAT32)) return PG_ERR;
   s->saved_x[slot] = x;
@@ -514,7 +511,8 @@ static int moe_forward(pg_module *m, int slot, pg_io *io, const float *x, const 
     io->aux_sum += (double)N * s->o.aux_loss_coef * moe_balance(s, totals, N * Dg, L, NULL, 0);
   if (s->o.z_loss_coef != 0) {
     double z = 0;
-    for (int t = 0; t < N; t++) z += (double)lse[t] * lse[t];
+    if (be->ops->copy(be, s->lse_h, lse, (size_t)N * sizeof(float), PG_COPY_DEVICE_TO_HOST)) return PG_ERR;
+    for (int t = 0; t < N; t++) z += (double)s->lse_h[t] * s->lse_h[t];
     io->aux_sum += s->o.z_loss_coef * z / L; /* N x (z / (N L)) */
   }
   return PG_OK;
@@ -530,15 +528,10 @@ static int moe_backward(pg_module *m, int slot, pg_io *io, const float *dy, cons
   int32_t *off = s->offsets + (size_t)slot * (E + 1);
   int64_t *cnt = s->cnt + (size_t)slot * s->G * s->nl;
   float *gu = s->gu + slot * (size_t)s->X * 2 * H, *ye = s->y + slot * Rmax * D;
-  /* d loss / d routing weight: dy . (the expert's full output), summed over the tensor group; 0 when dropped */
-  for (int i = 0; i < R; i++) {
-    float acc = 0;
-    if (pos[i] >= 0) {
-      const float *a = dy + (size_t)(i / K) * D, *b = ye + (size_t)pos[i] * D;
-      for (int d = 0; d < D; d++) acc += a[d] * b[d];
-    }
-    s->dweight[i] = acc;
-  }
+  const pg_backend *be = BE(m);
+  /* d loss / d routing weight: dy . (the expert's full output), summed over the tensor group; 0 when dropped;
+   * and the experts' output gradients, weighted, in grouped order */
+  if (KERNEL(m, moe_combine_backward, s->dweight, s->dyg, dy, ye, pos, weight, N, K, D)) return PG_ERR;
   if (pg_all_reduce_buf(m->ctx, PG_MODE_TENSOR, s->dweight, R, PG_FLOAT32, PG_REDUCE_SUM)) return PG_ERR;
   /* the router: renormalised weights, load balancing, z-loss */
   const double *totals = io->router ? io->router : s->stats + (size_t)slot * 2 * E;
@@ -546,10 +539,12 @@ static int moe_backward(pg_module *m, int slot, pg_io *io, const float *dy, cons
   /* the objective counts each micro-batch's auxiliary losses times its rows: d/d aux = rows x dloss; the
    * load balance is the data group's (global totals), whose gradients the data group then averages: times Dg */
   double scale = (double)N * io->dloss;
-  moe_balance(s, totals, N * Dg, L, s->dprob, scale * Dg * s->o.aux_loss_coef);
+  moe_balance(s, totals, N * Dg, L, s->dprob_h, scale * Dg * s->o.aux_loss_coef);
   float zscale = (float)(scale * s->o.z_loss_coef / ((double)N * L));
-  pg_moe_route_backward(s->logits, s->dweight, s->o.aux_loss_coef != 0 ? s->dprob : NULL, zscale, probs, lse, expert,
-                        weight, N, E, K);
+  if (be->ops->copy(be, s->dprob, s->dprob_h, (size_t)E * sizeof(float), PG_COPY_HOST_TO_DEVICE) ||
+      KERNEL(m, moe_route_backward, s->logits, s->dweight, s->o.aux_loss_coef != 0 ? s->dprob : NULL, zscale, probs,
+             lse, expert, weight, N, E, K))
+    return PG_ERR;
   const float *xr = moe_jitter(m, io, x, N); /* the same noise again */
   if (moe_mm_backward(m, io, s->dx_router, s->gate->grad, s->logits, xr, s->gate->data, s->gate16, N, D, E))
     return PG_ERR;
@@ -559,42 +554,26 @@ static int moe_backward(pg_module *m, int slot, pg_io *io, const float *dy, cons
       for (int d = 0; d < D; d++) s->dx_router[(size_t)t * D + d] *= moe_noise(m, key, io, t, d);
   }
   /* the experts, each over its grouped rows */
-  for (int i = 0; i < R; i++) {
-    if (pos[i] < 0) continue;
-    const float *a = dy + (size_t)(i / K) * D;
-    float *b = s->dyg + (size_t)pos[i] * D, w = weight[i];
-    for (int d = 0; d < D; d++) b[d] = w * a[d];
-  }
   int Rk = off[E];
   if (s->G == 1) {
-    moe_gather(s, x, token, Rk);
+    if (KERNEL(m, moe_gather, s->xg, x, token, Rk, D)) return PG_ERR;
     for (int e = 0; e <= E; e++) s->eoff[e] = off[e];
     if (moe_experts_backward(m, io, s->xg, gu, s->dyg, s->dxg)) return PG_ERR;
   } else {
     int64_t *orows = s->orows;
     moe_rows(s, off, cnt, orows, orows + s->G);
     int rc = moe_exchange(m, s->dyg, orows, s->bufa, orows + s->G, (size_t)D);
-    if (!rc) {
-      moe_permute(s, cnt, s->bufa, s->bufb, (size_t)D, 1);
-      rc = moe_experts_backward(m, io, s->xr + slot * (size_t)s->X * D, gu, s->bufb, s->bufa);
-      moe_permute(s, cnt, s->bufa, s->bufb, (size_t)D, 0);
-      if (!rc) rc = moe_exchange(m, s->bufb, orows + s->G, s->dxg, orows, (size_t)D);
-    }
+    if (!rc) rc = moe_permute(m, cnt, s->bufa, s->bufb, (size_t)D, 1);
+    if (!rc) rc = moe_experts_backward(m, io, s->xr + slot * (size_t)s->X * D, gu, s->bufb, s->bufa);
+    if (!rc) rc = moe_permute(m, cnt, s->bufa, s->bufb, (size_t)D, 0);
+    if (!rc) rc = moe_exchange(m, s->bufb, orows + s->G, s->dxg, orows, (size_t)D);
     if (rc) return PG_ERR;
-  }
-  for (int t = 0; t < N; t++) {
-    float *o = m->dinp + (size_t)t * D;
-    for (int d = 0; d < D; d++) o[d] = 0;
-    for (int j = 0; j < K; j++) {
-      if (pos[t * K + j] < 0) continue;
-      const float *src = s->dxg + (size_t)pos[t * K + j] * D;
-      for (int d = 0; d < D; d++) o[d] += src[d];
-    }
   }
   /* w1/w3 are column-parallel: the experts' input gradient is a partial sum;
    * the router's is whole on every rank and joins after the reduction */
-  if (pg_tp_copy_backward(m, m->dinp, (int64_t)N * D)) return PG_ERR;
-  for (size_t i = 0; i < (size_t)N * D; i++) m->dinp[i] += s->dx_router[i];
+  if (KERNEL(m, moe_combine, m->dinp, s->dxg, pos, NULL, N, K, D) || pg_tp_copy_backward(m, m->dinp, (int64_t)N * D) ||
+      KERNEL(m, residual_forward, m->dinp, m->dinp, s->dx_router, (int64_t)N * D))
+    return PG_ERR;
   *dx = m->dinp;
   return PG_OK;
 }
@@ -605,25 +584,25 @@ static void moe_destroy(pg_module *m) {
   free(s->w1);
   free(s->w2);
   free(s->w3);
-  free(s->expert);
-  free(s->pos);
-  free(s->token);
   free(s->offsets);
   free(s->stats);
   free(s->cnt);
+  free(s->lse_h);
+  free(s->dprob_h);
   free(s->eoff);
   free(s->cur);
   free(s->sc);
   free(s->rc);
   free(s->orows);
   free(s->ecount);
-  free(s->fill);
   free(s->cp_all);
   free(s->cp_seq);
   float *bufs[] = {s->probs, s->lse, s->weight, s->gu, s->y, s->logits, s->wcat, s->dwcat, s->xg, s->act, s->dyg,
                    s->dxg, s->da, s->dgu, s->dweight, s->dx_router, s->dprob, s->xr, s->bufa, s->bufb, s->xj};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) pg_be_release(BE(m), bufs[i]);
-  moe_free_bf16(s);
+  void *ibufs[] = {s->expert, s->pos, s->token, s->fill, s->off_d, s->stats_d};
+  for (size_t i = 0; i < sizeof ibufs / sizeof ibufs[0]; i++) pg_be_release(BE(m), ibufs[i]);
+  moe_free_bf16(m);
 }
 
 pg_module *pg_moe_new(pg_context *ctx, const char *name, const pg_moe_opts *o) {
@@ -664,8 +643,7 @@ pg_module *pg_moe_new(pg_context *ctx, const char *name, const pg_moe_opts *o) {
   s->rc = calloc((size_t)G, sizeof *s->rc);
   s->orows = calloc(2 * (size_t)G, sizeof *s->orows);
   s->ecount = calloc((size_t)E, sizeof *s->ecount);
-  s->fill = calloc((size_t)E, sizeof *s->fill);
-  if (!s->w1 || !s->w2 || !s->w3 || !s->eoff || !s->cur || !s->sc || !s->rc || !s->orows || !s->ecount || !s->fill) {
+  if (!s->w1 || !s->w2 || !s->w3 || !s->eoff || !s->cur || !s->sc || !s->rc || !s->orows || !s->ecount) {
     pg_module_free(m);
     return pg_fail_null("out of memory");
   }
@@ -721,15 +699,15 @@ static void moe_bf16_need(const pg_module *m, pg_bf16_need *need) {
 static size_t moe_bf16_bytes(const pg_module *m) { return ((const moe_state *)m->state)->bf16_bytes; }
 
 /* Routing needs every row of the micro-batch (sp_gather ... sp_scatter under
- * sequence parallelism), and its routing, grouping and auxiliary losses run
- * on the host: no device kernels yet. Its layers share the routing totals
+ * sequence parallelism); routing, grouping, gather and combine are backend
+ * kernels (kernels/cuda/moe.cu on a device; what cannot run there yet is
+ * refused by name in moe_device_check). Its layers share the routing totals
  * (pg_io.router), so parallelize numbers them. */
 const pg_module_kind pg_kind_moe = {
     .ops = {"moe", moe_alloc, moe_forward, moe_backward, moe_destroy},
     .traits = {.name = "moe",
                .assembly = PG_KIND_BUILT,
                .sp = PG_SP_ALL_ROWS,
-               .host_only = "the moe kind (mixture of experts) runs on the cpu backend only for now",
                .flags = PG_KIND_ROUTER},
     .build = build_moe,
     .bf16_on = moe_bf16_on,

@@ -321,7 +321,7 @@ int pg_module_use_recompute_arena(pg_module *m, pg_recompute_arena *a) {
 int pg_module_set_backend(pg_module *m, const pg_backend *be) {
   if (m->be != be && (m->out || m->dinp || m->nslots))
     return pg_fail("%s: the backend must be chosen before the buffers are allocated", m->name);
-  /* kinds computed on the host (Lua callbacks, the moe kind's routing and grouping) say why */
+  /* kinds computed on the host (Lua callbacks) say why */
   if (m->kind->traits.host_only && be->device != PG_CPU)
     return pg_fail("%s: %s, not %s", m->name, m->kind->traits.host_only, be->name);
   m->be = be;
