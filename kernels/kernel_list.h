@@ -189,4 +189,9 @@ PG_KERNEL(swiglu_bf16_backward, (uint16_t *dinp, const uint16_t *inp, const uint
 PG_KERNEL(residual_bf16_forward, (float *out, const float *a, const uint16_t *x, int64_t n), (out, a, x, n), CALL,
           CALL, PG_SELFTEST(test_bf16_pointwise))
 
+/* ---- pg.ops on device tensors: what a module written in Lua calls and no module kind did ---- */
+/* da += dout, db += dout (either NULL: skipped): pg.ops.residual_backward's contract */
+PG_KERNEL(residual_backward, (float *da, float *db, const float *dout, int64_t n), (da, db, dout, n), CALL, CALL,
+          PG_SELFTEST(test_pointwise))
+
 #undef PG_KERNEL

@@ -100,6 +100,13 @@ int pg_backend_tensor(const pg_backend *b, pg_tensor *out, pg_dtype dtype, int n
  * host tensors; otherwise the device side's backend copies). */
 int pg_backend_copy_tensor(pg_tensor *dst, const pg_tensor *src);
 
+/* pg_tensor_narrow_copy and pg_tensor_cat on any device: host tensors
+ * through those; device tensors (all of one backend) by the backend's
+ * strided copies, in its memory. Moving values, no arithmetic: the same bits
+ * everywhere. */
+int pg_backend_narrow_copy(pg_tensor *out, const pg_tensor *t, int dim, int64_t start, int64_t len);
+int pg_backend_cat(pg_tensor *out, const pg_tensor *const *ts, int n, int dim);
+
 /* Zeroed working memory, and its release: shorthands. */
 static inline float *pg_be_floats(const pg_backend *b, size_t n) { return b->ops->alloc(b, n * sizeof(float)); }
 static inline void pg_be_release(const pg_backend *b, void *p) {

@@ -262,9 +262,8 @@ static int l_narrow(lua_State *L) {
                       (lua_Integer)t->shape[dim - 1]);
   int contiguous = 1;
   for (int i = 0; i < dim - 1; i++) contiguous &= t->shape[i] == 1;
-  if (!contiguous) pg_lua_check_tensor(L, 1); /* the copy reads the data: host only */
   int rc = contiguous ? pg_tensor_narrow_view(&out, t, (int)dim - 1, start - 1, len)
-                      : pg_tensor_narrow_copy(&out, t, (int)dim - 1, start - 1, len);
+                      : pg_backend_narrow_copy(&out, t, (int)dim - 1, start - 1, len); /* on t's device */
   PG_LUA_CHECK(L, rc);
   pg_lua_push_tensor(L, &out);
   return 1;
@@ -508,11 +507,11 @@ static int l_cat(lua_State *L) {
   const pg_tensor *ts[4096];
   for (lua_Integer i = 1; i <= n; i++) {
     lua_geti(L, 1, i);
-    ts[i - 1] = pg_lua_check_tensor(L, -1);
+    ts[i - 1] = pg_lua_check_any_tensor(L, -1);
     lua_pop(L, 1); /* the list keeps it alive */
   }
   pg_tensor out;
-  PG_LUA_CHECK(L, pg_tensor_cat(&out, ts, (int)n, dim_arg(L, 2, ts[0])));
+  PG_LUA_CHECK(L, pg_backend_cat(&out, ts, (int)n, dim_arg(L, 2, ts[0]))); /* on their device, all one */
   pg_lua_push_tensor(L, &out);
   return 1;
 }
