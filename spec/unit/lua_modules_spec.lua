@@ -298,11 +298,16 @@ try(pg.cat, { dx, x }, 1)
     end
   end)
 
-  it("see their device in info.device; an objective written in Lua stays on the cpu backend, said by name", function()
+  it("see their device in info.device and make tensors there; an objective written in Lua stays on the cpu", function()
     local rc, out = emu([[
 local pg = require "pipegoose"
 local m = { in_width = 8, out_width = 8 }
-function m:forward(_, x, info) print("device " .. info.device .. " " .. x:device()) return x end
+function m:forward(_, x, info)
+  local z = pg.zeros({ x:shape()[1], 8 }, { device = info.device })
+  local y = pg.ops.residual(x, z)
+  print("device " .. info.device .. " " .. x:device() .. " " .. z:device() .. " " .. y:device())
+  return y
+end
 function m:backward(_, dy) return dy end
 local model = pg.nn.Sequential{ pg.nn.Embedding{ vocab = 16, dim = 8, name = "embed" }, m,
   pg.nn.LMHead{ vocab = 16, dim = 8, tie = false, name = "head" } }
@@ -314,7 +319,7 @@ local ok, err = pcall(pg.parallelize, obj, nil, { device = "cuda", objective = f
 print(ok, err)
 ]])
     assert.equal(0, rc, out)
-    assert.matches("device cuda:0 cuda:0", out, 1, true)
+    assert.matches("device cuda:0 cuda:0 cuda:0 cuda:0", out, 1, true)
     assert.matches("objective written in Lua runs on the cpu backend only, not cuda", out, 1, true)
   end)
 end)
