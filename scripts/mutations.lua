@@ -968,10 +968,10 @@ return {
   ------------------------------------------------------------------ pg.ops and modules written in Lua on the device
   { name = "ops-mixed-device-unchecked", file = "src/lua/lua_ops.c",
     from = "  else if (b != *at)\n", to = "  else if (0)\n",
-    specs = { "unit/lua_modules#refuse mixed-device" }, why = "a call mixing host and device tensors hands host pointers to device kernels" },
+    specs = { "unit/lua_modules#refuse mixed" }, why = "a call mixing host and device tensors hands host pointers to device kernels" },
   { name = "ops-host-only-takes-device", file = "src/lua/lua_ops.c",
     from = "  if (!at) {\n    if (t->storage->device != PG_CPU)", to = "  if (!at) {\n    if (0)",
-    specs = { "unit/lua_modules#refuse mixed-device" }, why = "a binding without a device kernel reads device memory on the host" },
+    specs = { "unit/lua_modules#refuse mixed" }, why = "a binding without a device kernel reads device memory on the host" },
   { name = "ops-device-results-on-host", file = "src/lua/lua_ops.c",
     from = "  if (b->device == PG_CPU) return pg_lua_new_tensor(L, dtype, ndim, shape);",
     to = "  return pg_lua_new_tensor(L, dtype, ndim, shape);",
@@ -984,5 +984,5 @@ return {
     specs = { "unit/device#host tensor to a device engine" }, why = "a Lua module's host result is copied as if it were device memory" },
   { name = "cat-mixed-device-unchecked", file = "src/backend/pg_backend.c",
     from = "    if (pg_backend_of(ts[i]->storage) != b)", to = "    if (0)",
-    specs = { "unit/lua_modules#refuse mixed-device" }, why = "pg.cat copies a host tensor as if it were device memory" },
+    specs = { "unit/lua_modules#refuse mixed" }, why = "pg.cat copies a host tensor as if it were device memory" },
 }

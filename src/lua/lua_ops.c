@@ -70,6 +70,14 @@ static pg_tensor *expect(lua_State *L, int idx, const char *fn, const char *name
   return expect_at(L, idx, fn, name, dtype, ndim, shape, NULL);
 }
 
+/* A float32 tensor of any shape, placed as `at` says. */
+static pg_tensor *f32_arg(lua_State *L, int idx, const char *fn, const char *name, const pg_backend **at) {
+  pg_tensor *t = pg_lua_check_any_tensor(L, idx);
+  int64_t any[PG_MAX_DIMS];
+  for (int i = 0; i < PG_MAX_DIMS; i++) any[i] = -1;
+  return expect_at(L, idx, fn, name, PG_FLOAT32, t->ndim, any, at);
+}
+
 /* Rows of features: a float32 tensor with at least 2 dimensions and last
  * dimension `last` (< 0: any). *rows = the product of the leading ones. */
 static pg_tensor *rows_arg_bf16(lua_State *L, int idx, const char *fn, const char *name, int64_t last, int64_t *rows,
@@ -399,8 +407,9 @@ static int l_linear_backward(lua_State *L) {
 
 /* bf16_round(x) -> float32 tensor of x's values rounded to bfloat16 (nearest, ties to even). */
 static int l_bf16_round(lua_State *L) {
-  pg_tensor *x = pg_lua_check_tensor(L, 1);
-  if (x->dtype != PG_FLOAT32 || x->device != PG_CPU) {
+  pg_tensor *x = pg_lua_check_any_tensor(L, 1);
+  check_place(L, x, "ops.bf16_round", "x", NULL);
+  if (x->dtype != PG_FLOAT32) {
     char got[128];
     return luaL_error(L, "ops.bf16_round: x: expected a cpu float32 tensor, got %s", pg_tensor_describe(x, got, sizeof got));
   }
@@ -429,13 +438,10 @@ static pg_tensor *bf16_weight_arg(lua_State *L, int idx, const char *fn, int64_t
 
 /* to_bf16(x) -> a bfloat16 tensor of x's values (nearest, ties to even). */
 static int l_to_bf16(lua_State *L) {
-  pg_tensor *x = pg_lua_check_tensor(L, 1);
-  if (x->dtype != PG_FLOAT32 || x->device != PG_CPU) {
-    char got[128];
-    return luaL_error(L, "ops.to_bf16: x: expected a cpu float32 tensor, got %s", pg_tensor_describe(x, got, sizeof got));
-  }
-  pg_tensor *y = pg_lua_new_tensor(L, PG_BFLOAT16, x->ndim, x->shape);
-  pg_bf16_from_f32(pg_tensor_data(y), pg_tensor_f32(x), x->numel);
+  const pg_backend *b = NULL;
+  pg_tensor *x = f32_arg(L, 1, "ops.to_bf16", "x", &b);
+  pg_tensor *y = new_on(L, b, PG_BFLOAT16, x->ndim, x->shape);
+  RUN(L, "ops.to_bf16", b, bf16_from_f32, pg_tensor_data(y), pg_tensor_f32(x), x->numel);
   return 1;
 }
 
@@ -444,9 +450,10 @@ static int l_to_bf16(lua_State *L) {
  * |x| >= 65520) is refused, naming `name` (default "x") and the element: an export must not turn a weight
  * into inf. */
 static int l_to_f16(lua_State *L) {
-  pg_tensor *x = pg_lua_check_tensor(L, 1);
+  pg_tensor *x = pg_lua_check_any_tensor(L, 1);
   const char *name = luaL_optstring(L, 2, "x");
-  if (x->dtype != PG_FLOAT32 || x->device != PG_CPU) {
+  check_place(L, x, "ops.to_f16", name, NULL);
+  if (x->dtype != PG_FLOAT32) {
     char got[128];
     return luaL_error(L, "ops.to_f16: %s: expected a cpu float32 tensor, got %s", name,
                       pg_tensor_describe(x, got, sizeof got));
@@ -470,20 +477,21 @@ static int l_to_f16(lua_State *L) {
 
 /* from_bf16(x) -> a float32 tensor of a bfloat16 tensor's values (exact). */
 static int l_from_bf16(lua_State *L) {
-  pg_tensor *x = pg_lua_check_tensor(L, 1);
-  if (x->dtype != PG_BFLOAT16 || x->device != PG_CPU) {
-    char got[128];
-    return luaL_error(L, "ops.from_bf16: x: expected a cpu bfloat16 tensor, got %s", pg_tensor_describe(x, got, sizeof got));
-  }
-  pg_tensor *y = pg_lua_new_tensor(L, PG_FLOAT32, x->ndim, x->shape);
-  pg_bf16_to_f32(pg_tensor_f32(y), pg_tensor_data(x), x->numel);
+  const pg_backend *b = NULL;
+  pg_tensor *x = pg_lua_check_any_tensor(L, 1);
+  int64_t any[PG_MAX_DIMS];
+  for (int i = 0; i < PG_MAX_DIMS; i++) any[i] = -1;
+  expect_at(L, 1, "ops.from_bf16", "x", PG_BFLOAT16, x->ndim, any, &b);
+  pg_tensor *y = new_on(L, b, PG_FLOAT32, x->ndim, x->shape);
+  RUN(L, "ops.from_bf16", b, bf16_to_f32, pg_tensor_f32(y), pg_tensor_data(x), x->numel);
   return 1;
 }
 
 /* from_f16(x) -> a float32 tensor of a float16 tensor's values (exact). */
 static int l_from_f16(lua_State *L) {
-  pg_tensor *x = pg_lua_check_tensor(L, 1);
-  if (x->dtype != PG_FLOAT16 || x->device != PG_CPU) {
+  pg_tensor *x = pg_lua_check_any_tensor(L, 1);
+  check_place(L, x, "ops.from_f16", "x", NULL);
+  if (x->dtype != PG_FLOAT16) {
     char got[128];
     return luaL_error(L, "ops.from_f16: x: expected a cpu float16 tensor, got %s", pg_tensor_describe(x, got, sizeof got));
   }
@@ -498,9 +506,10 @@ static int l_from_f16(lua_State *L) {
 
 /* quantize_int8(x, block) -> int32 tensor [numel / block * (1 + block / 4)] */
 static int l_quantize_int8(lua_State *L) {
-  pg_tensor *x = pg_lua_check_tensor(L, 1);
+  pg_tensor *x = pg_lua_check_any_tensor(L, 1);
   lua_Integer B = luaL_checkinteger(L, 2);
-  if (x->dtype != PG_FLOAT32 || x->device != PG_CPU) {
+  check_place(L, x, "ops.quantize_int8", "x", NULL);
+  if (x->dtype != PG_FLOAT32) {
     char got[128];
     return luaL_error(L, "ops.quantize_int8: x: expected a cpu float32 tensor, got %s",
                       pg_tensor_describe(x, got, sizeof got));
@@ -518,9 +527,10 @@ static int l_quantize_int8(lua_State *L) {
 
 /* dequantize_int8(words, block) -> float32 tensor of the values quantize_int8 coded */
 static int l_dequantize_int8(lua_State *L) {
-  pg_tensor *x = pg_lua_check_tensor(L, 1);
+  pg_tensor *x = pg_lua_check_any_tensor(L, 1);
   lua_Integer B = luaL_checkinteger(L, 2);
-  if (x->dtype != PG_INT32 || x->device != PG_CPU) {
+  check_place(L, x, "ops.dequantize_int8", "words", NULL);
+  if (x->dtype != PG_INT32) {
     char got[128];
     return luaL_error(L, "ops.dequantize_int8: words: expected a cpu int32 tensor, got %s",
                       pg_tensor_describe(x, got, sizeof got));
@@ -861,14 +871,6 @@ static int l_rmsnorm_backward(lua_State *L) {
 }
 
 /* ---- pointwise ---- */
-
-/* A float32 tensor of any shape, placed as `at` says. */
-static pg_tensor *f32_arg(lua_State *L, int idx, const char *fn, const char *name, const pg_backend **at) {
-  pg_tensor *t = pg_lua_check_any_tensor(L, idx);
-  int64_t any[PG_MAX_DIMS];
-  for (int i = 0; i < PG_MAX_DIMS; i++) any[i] = -1;
-  return expect_at(L, idx, fn, name, PG_FLOAT32, t->ndim, any, at);
-}
 
 static int l_gelu(lua_State *L) {
   const pg_backend *b = NULL;
