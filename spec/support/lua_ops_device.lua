@@ -54,6 +54,8 @@ local cases = {
   { "adamw_", EXACT, ops.adamw_, { rn{ OC, C }, rn{ OC, C }, pg.zeros{ OC, C }, pg.zeros{ OC, C }, { lr = 1e-2, step = 1 } } },
   { "sum_squares", { 1e-12, 0 }, ops.sum_squares, { x } },
   { "to_bf16", EXACT, ops.to_bf16, { x } },
+  { "linear_bf16", GEMM, ops.linear_bf16, { x, ops.to_bf16(w), bias } },
+  { "linear_bf16_backward", GEMM, ops.linear_bf16_backward, { dy5, x, w, true, { dw = rn{ OC, C } } } },
   { "from_bf16", EXACT, ops.from_bf16, { ops.to_bf16(x) } },
   { "narrow", EXACT, function(t) return t:narrow(3, 3, 4) end, { x } },
   { "cat", EXACT, function(a, b) return pg.cat({ a, b }, 3), pg.cat({ a, b }, 1) end, { x, dy8 } },

@@ -210,7 +210,7 @@ describe("modules written in Lua on the emulated device", function()
     assert.is_nil(out:match("op [^\n]* FAIL[^\n]*"), out)
     local n = 0
     for _ in out:gmatch("op [^\n]* ok") do n = n + 1 end
-    assert.equal(31, n, out)
+    assert.equal(33, n, out)
   end)
 
   it("a LLaMA with Lua attention and MLP trains on the device as on the CPU (losses, gradients, weights)", function()
@@ -281,7 +281,7 @@ try(ops.linear, dx, w)
 try(ops.linear_backward, pg.zeros{ 4, 3 }:to("cuda"), dx, w:to("cuda"), false, { dw = pg.zeros{ 3, 8 } })
 try(ops.residual, x, dx)
 try(ops.moe_route, dx, 1)
-try(ops.linear_bf16, dx, w:to("cuda"))
+try(ops.bf16_round, dx)
 try(ops.quantize_int8, dx:reshape{ 32 }, 8)
 try(pg.cat, { dx, x }, 1)
 ]])
@@ -292,7 +292,7 @@ try(pg.cat, { dx, x }, 1)
       "ops.linear_backward: dw: a cpu tensor in a call on cuda:0",
       "ops.residual: b: a cuda:0 tensor in a call on cpu",
       "ops.moe_route: logits: expected a cpu tensor, got a cuda:0 one (ops.moe_route has no device kernel",
-      "ops.linear_bf16: x: expected a cpu tensor, got a cuda:0 one (ops.linear_bf16 has no device kernel",
+      "ops.bf16_round: x: expected a cpu tensor, got a cuda:0 one (ops.bf16_round has no device kernel",
       "ops.quantize_int8: x: expected a cpu tensor, got a cuda:0 one (ops.quantize_int8 has no device kernel",
       "cat: tensor 2 is on another device than tensor 1 (cuda:0)",
     } do

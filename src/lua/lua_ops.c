@@ -420,20 +420,19 @@ static int l_bf16_round(lua_State *L) {
   return 1;
 }
 
-/* A tensor's values as bf16: a bfloat16 tensor's own data, else (float32) a
- * rounded copy in a userdata pushed on the stack (collected with it). */
-static const uint16_t *bf16_operand(lua_State *L, const pg_tensor *t) {
+/* A tensor's values as bf16 on backend b: a bfloat16 tensor's own data, else (float32) a rounded copy
+ * (the seam's bf16_from_f32) in a tensor pushed on the stack (collected with it). */
+static const uint16_t *bf16_operand(lua_State *L, const char *fn, const pg_backend *b, const pg_tensor *t) {
   if (t->dtype == PG_BFLOAT16) return pg_tensor_data(t);
-  if ((uint64_t)t->numel > SIZE_MAX / 2 - 1) luaL_error(L, "bf16 copy of %I elements is too large", (lua_Integer)t->numel);
-  uint16_t *h = lua_newuserdatauv(L, (size_t)(t->numel > 0 ? t->numel : 1) * 2, 0);
-  pg_bf16_from_f32(h, pg_tensor_f32(t), t->numel);
-  return h;
+  pg_tensor *h = new_on(L, b, PG_BFLOAT16, t->ndim, t->shape);
+  RUN(L, fn, b, bf16_from_f32, pg_tensor_data(h), pg_tensor_f32(t), t->numel);
+  return pg_tensor_data(h);
 }
 
-/* A weight [rows, C] (rows < 0: any), float32 or bfloat16. */
-static pg_tensor *bf16_weight_arg(lua_State *L, int idx, const char *fn, int64_t C) {
-  pg_tensor *w = pg_lua_check_tensor(L, idx);
-  return expect(L, idx, fn, "w", w->dtype == PG_BFLOAT16 ? PG_BFLOAT16 : PG_FLOAT32, 2, (int64_t[]){-1, C});
+/* A weight [rows, C] (rows < 0: any), float32 or bfloat16, on the call's backend. */
+static pg_tensor *bf16_weight_arg(lua_State *L, int idx, const char *fn, int64_t C, const pg_backend **at) {
+  pg_tensor *w = pg_lua_check_any_tensor(L, idx);
+  return expect_at(L, idx, fn, "w", w->dtype == PG_BFLOAT16 ? PG_BFLOAT16 : PG_FLOAT32, 2, (int64_t[]){-1, C}, at);
 }
 
 /* to_bf16(x) -> a bfloat16 tensor of x's values (nearest, ties to even). */
@@ -560,17 +559,18 @@ static int l_bf16_gemm_path(lua_State *L) {
 static int l_linear_bf16(lua_State *L) {
   const char *fn = "ops.linear_bf16";
   lua_settop(L, 3);
+  const pg_backend *b = NULL;
   int64_t N;
-  pg_tensor *x = rows_arg_bf16(L, 1, fn, "x", -1, &N, 1, NULL);
+  pg_tensor *x = rows_arg_bf16(L, 1, fn, "x", -1, &N, 1, &b);
   int64_t C = x->shape[x->ndim - 1];
-  pg_tensor *w = bf16_weight_arg(L, 2, fn, C);
+  pg_tensor *w = bf16_weight_arg(L, 2, fn, C, &b);
   int64_t OC = w->shape[0];
   if (OC > INT_MAX) return luaL_error(L, "%s: w: %I output features exceed the kernels' int range", fn, (lua_Integer)OC);
-  pg_tensor *b = lua_isnoneornil(L, 3) ? NULL : expect(L, 3, fn, "b", PG_FLOAT32, 1, &OC);
-  const uint16_t *xb = bf16_operand(L, x), *wb = bf16_operand(L, w);
-  pg_tensor *y = new_like(L, pg_backend_cpu(), x, OC);
-  if (pg_matmul_bf16_forward(pg_tensor_f32(y), xb, wb, b ? pg_tensor_f32(b) : NULL, (int)N, (int)C, (int)OC))
-    return luaL_error(L, "%s: %s", fn, pg_bf16_gemm_error());
+  pg_tensor *bias = lua_isnoneornil(L, 3) ? NULL : expect_at(L, 3, fn, "b", PG_FLOAT32, 1, &OC, &b);
+  const uint16_t *xb = bf16_operand(L, fn, b, x), *wb = bf16_operand(L, fn, b, w);
+  pg_tensor *y = new_like(L, b, x, OC);
+  RUN(L, fn, b, matmul_bf16_forward, pg_tensor_f32(y), xb, wb, bias ? pg_tensor_f32(bias) : NULL, (int)N, (int)C,
+      (int)OC);
   return 1;
 }
 
@@ -579,25 +579,24 @@ static int l_linear_bf16(lua_State *L) {
 static int l_linear_bf16_backward(lua_State *L) {
   const char *fn = "ops.linear_bf16_backward";
   lua_settop(L, 5);
+  const pg_backend *b = NULL;
   int64_t N;
-  pg_tensor *x = rows_arg_bf16(L, 2, fn, "x", -1, &N, 1, NULL);
+  pg_tensor *x = rows_arg_bf16(L, 2, fn, "x", -1, &N, 1, &b);
   int64_t C = x->shape[x->ndim - 1];
-  pg_tensor *w = bf16_weight_arg(L, 3, fn, C);
+  pg_tensor *w = bf16_weight_arg(L, 3, fn, C, &b);
   int64_t OC = w->shape[0];
   if (OC > INT_MAX) return luaL_error(L, "%s: w: %I output features exceed the kernels' int range", fn, (lua_Integer)OC);
-  pg_tensor *dy = like_arg(L, 1, fn, "dy", x, OC, PG_FLOAT32, NULL);
+  pg_tensor *dy = like_arg(L, 1, fn, "dy", x, OC, PG_FLOAT32, &b);
   int with_bias = lua_isnoneornil(L, 4) ? 1 : lua_toboolean(L, 4);
   static const char *const keys[] = {"dw", "db", NULL};
   check_acc(L, 5, fn, keys);
-  const uint16_t *dyb = bf16_operand(L, dy), *xb = bf16_operand(L, x), *wb = bf16_operand(L, w);
-  const pg_backend *cpu = pg_backend_cpu();
-  pg_tensor *dx = new_like(L, cpu, x, C), *dw = grad_out(L, 5, fn, "dw", 2, (int64_t[]){OC, C}, &cpu);
+  const uint16_t *dyb = bf16_operand(L, fn, b, dy), *xb = bf16_operand(L, fn, b, x), *wb = bf16_operand(L, fn, b, w);
+  pg_tensor *dx = new_like(L, b, x, C), *dw = grad_out(L, 5, fn, "dw", 2, (int64_t[]){OC, C}, &b);
   pg_tensor *db = NULL;
-  if (with_bias) db = grad_out(L, 5, fn, "db", 1, &OC, &cpu);
+  if (with_bias) db = grad_out(L, 5, fn, "db", 1, &OC, &b);
   else lua_pushnil(L);
-  if (pg_matmul_bf16_backward(pg_tensor_f32(dx), pg_tensor_f32(dw), dyb, xb, wb, (int)N, (int)C, (int)OC))
-    return luaL_error(L, "%s: %s", fn, pg_bf16_gemm_error());
-  if (db) pg_bias_backward(pg_tensor_f32(db), pg_tensor_f32(dy), (int)N, (int)OC);
+  RUN(L, fn, b, matmul_bf16_backward, pg_tensor_f32(dx), pg_tensor_f32(dw), db ? pg_tensor_f32(db) : NULL,
+      pg_tensor_f32(dy), dyb, xb, wb, (int)N, (int)C, (int)OC);
   return 3;
 }
 
