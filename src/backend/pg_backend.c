@@ -178,6 +178,12 @@ int pg_backend_bf16_gemm_gflops(const pg_backend *b, int n, int reps, double *gf
   return gemm_gflops(b, 1, n, reps, gflops);
 }
 
+const char *pg_backend_place(const pg_backend *b, char *buf, size_t n) {
+  if (b->device == PG_CPU) snprintf(buf, n, "cpu");
+  else snprintf(buf, n, "%s:%d", pg_device_name(b->device), b->ordinal);
+  return buf;
+}
+
 const pg_backend *pg_backend_of(const pg_storage *s) {
   return s->device == PG_CPU ? pg_backend_cpu() : pg_backend_cuda(s->device_index);
 }
@@ -246,10 +252,11 @@ int pg_backend_cat(pg_tensor *out, const pg_tensor *const *ts, int n, int dim) {
   if (pg_tensor_cat_shape(ts, n, dim, shape)) return PG_ERR;
   const pg_backend *b = pg_backend_of(ts[0]->storage);
   if (!b) return PG_ERR;
+  char where[48];
   for (int i = 1; i < n; i++)
     if (pg_backend_of(ts[i]->storage) != b)
-      return pg_fail("cat: tensor %d is on another device than tensor 1 (%s:%d): copy them to one device first", i + 1,
-                     pg_device_name(b->device), b->ordinal);
+      return pg_fail("cat: tensor %d is on another device than tensor 1 (%s): copy them to one device first", i + 1,
+                     pg_backend_place(b, where, sizeof where));
   if (pg_backend_tensor(b, out, ts[0]->dtype, ts[0]->ndim, shape)) return PG_ERR;
   rows_around(out, dim, &outer, &inner);
   size_t es = pg_dtype_size(out->dtype), row = (size_t)(shape[dim] * inner) * es, at = 0;

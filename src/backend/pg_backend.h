@@ -86,6 +86,9 @@ int pg_backend_sgemm_gflops(const pg_backend *b, int n, int reps, double *gflops
  * CUBLAS_COMPUTE_32F, or oneDNN / widen-and-sgemm): the peak precision "bf16"'s MFU is measured against. */
 int pg_backend_bf16_gemm_gflops(const pg_backend *b, int n, int reps, double *gflops);
 
+/* buf = "cpu" or "cuda:N": where b's memory is, as t:device() says it (messages, info.device); returns buf. */
+const char *pg_backend_place(const pg_backend *b, char *buf, size_t n);
+
 /* The backend whose memory holds a storage (cpu, or cuda of its device). */
 const pg_backend *pg_backend_of(const pg_storage *s);
 

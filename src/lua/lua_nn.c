@@ -36,13 +36,6 @@ typedef struct lua_module_ud {
   int in_w, out_w;
 } lua_module_ud;
 
-/* "cpu" or "cuda:N": where backend b's memory is (info.device, messages). */
-static const char *backend_place(const pg_backend *b, char *buf, size_t n) {
-  if (b->device == PG_CPU) snprintf(buf, n, "cpu");
-  else snprintf(buf, n, "%s:%d", pg_device_name(b->device), b->ordinal);
-  return buf;
-}
-
 /* Calls module:method(slot, x, info) with x copied into a [rows, in] tensor
  * (rows = B*T, batch-major) on the module's backend be and info = {batch = B,
  * seq_len = T, device = "cpu" | "cuda:N"}; copies the returned [rows, out]
@@ -55,7 +48,7 @@ static int call_lua_module(lua_module_ud *u, const pg_backend *be, const char *m
   lua_State *L = *u->current;
   int top = lua_gettop(L);
   char where[48];
-  backend_place(be, where, sizeof where);
+  pg_backend_place(be, where, sizeof where);
   lua_rawgeti(L, LUA_REGISTRYINDEX, u->ref);
   if (lua_getfield(L, -1, method) != LUA_TFUNCTION) {
     lua_settop(L, top);
@@ -96,7 +89,7 @@ static int call_lua_module(lua_module_ud *u, const pg_backend *be, const char *m
   const pg_backend *rb = pg_backend_of(r->storage);
   if (rb != be) {
     char got[48] = "?";
-    if (rb) backend_place(rb, got, sizeof got);
+    if (rb) pg_backend_place(rb, got, sizeof got);
     lua_settop(L, top);
     return pg_fail("module written in Lua: %s returned a %s tensor, but the engine runs on %s: return one on its "
                    "device (pg.ops on the argument make one there; t:to(info.device) copies)",

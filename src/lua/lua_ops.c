@@ -32,12 +32,6 @@
  * *at NULL, the tensor leads the call, *at becomes its backend; otherwise
  * the tensor must be on *at. */
 
-static const char *backend_place(const pg_backend *b, char *buf, size_t n) {
-  if (b->device == PG_CPU) snprintf(buf, n, "cpu");
-  else snprintf(buf, n, "%s:%d", pg_device_name(b->device), b->ordinal);
-  return buf;
-}
-
 static void check_place(lua_State *L, const pg_tensor *t, const char *fn, const char *name, const pg_backend **at) {
   char here[48], there[48];
   if (!at) {
@@ -51,7 +45,7 @@ static void check_place(lua_State *L, const pg_tensor *t, const char *fn, const 
   if (!*at) *at = b;
   else if (b != *at)
     luaL_error(L, "%s: %s: a %s tensor in a call on %s: the tensors of one call share a device (copy with :to())", fn,
-               name, backend_place(b, here, sizeof here), backend_place(*at, there, sizeof there));
+               name, pg_backend_place(b, here, sizeof here), pg_backend_place(*at, there, sizeof there));
 }
 
 /* A tensor of dtype `dtype` and exactly `shape` (entries < 0: any), placed as `at` says. */
