@@ -1,4 +1,5 @@
-/* Lua bindings for the CPU kernels: pg.ops.*, functional style (every call
+/* Lua bindings for the kernels: pg.ops.*, on host or device tensors (the backend seam's kernels, below:
+ * "where a call runs"), functional style (every call
  * returns new tensors; backward functions return fresh, zero-started
  * parameter gradients, or add into the buffers of an optional trailing
  * table such as {dw=, db=}, the kernels' += contract). Leading dimensions of activations flatten to rows,
