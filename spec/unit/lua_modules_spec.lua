@@ -316,12 +316,20 @@ local model = pg.nn.Sequential{ pg.nn.Embedding{ vocab = 16, dim = 8, name = "em
 local e = pg.parallelize(model, nil, { device = "cuda" })
 local x = pg.tensor({ { 1, 2, 3 } }, { dtype = "int32" })
 e:loss(x, x)
+-- every factory takes device=, with the host tensor's values
+local made = { pg.tensor({ 1, 2 }, { device = "cuda" }), pg.ones({ 2 }, { device = "cuda:0" }),
+  pg.full({ 2 }, 2, { device = "cuda" }), pg.randn({ 2 }, { seed = 3, device = "cuda" }),
+  pg.arange(2, { device = "cuda" }) }
+local host = { pg.tensor{ 1, 2 }, pg.ones{ 2 }, pg.full({ 2 }, 2), pg.randn({ 2 }, { seed = 3 }), pg.arange(2) }
+for i, t in ipairs(made) do assert(t:device() == "cuda:0" and t:to("cpu"):equal(host[i]), i) end
+print("factories on the device")
 local obj = pg.nn.Sequential{ pg.nn.Embedding{ vocab = 16, dim = 8, name = "embed" } }
 local ok, err = pcall(pg.parallelize, obj, nil, { device = "cuda", objective = function() return 0 end })
 print(ok, err)
 ]])
     assert.equal(0, rc, out)
     assert.matches("device cuda:0 cuda:0 cuda:0 cuda:0", out, 1, true)
+    assert.matches("factories on the device", out, 1, true)
     assert.matches("objective written in Lua runs on the cpu backend only, not cuda", out, 1, true)
   end)
 end)
