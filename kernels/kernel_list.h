@@ -223,5 +223,9 @@ PG_KERNEL(moe_combine_backward,
           (float *dweight, float *dyg, const float *dy, const float *ye, const int32_t *pos, const float *weight,
            int N, int K, int D),
           (dweight, dyg, dy, ye, pos, weight, N, K, D), CALL, CALL, PG_SELFTEST(test_moe))
+/* ---- pg.ops on device tensors: what a module written in Lua calls and no module kind did ---- */
+/* da += dout, db += dout (either NULL: skipped): pg.ops.residual_backward's contract */
+PG_KERNEL(residual_backward, (float *da, float *db, const float *dout, int64_t n), (da, db, dout, n), CALL, CALL,
+          PG_SELFTEST(test_pointwise))
 
 #undef PG_KERNEL

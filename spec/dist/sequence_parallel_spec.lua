@@ -289,7 +289,15 @@ describe(("sequence parallelism on %d ranks (%s)"):format(W, DEVICE), function()
       few_rows(ctx, 3) -- 1 row: rank 0 holds none; 2: one each; 3: one and two
     end)
 
-    if ON_CPU then -- the cpu layouts only (the moe kind on a device: device_spec, expert_parallel_spec)
+    -- on the device too: their pg.ops calls run there (spec/unit/lua_modules_spec.lua)
+    it("modules written in Lua (examples/lua_llama.lua) between the transitions", function()
+      local L = dofile("examples/lua_llama.lua")
+      local cfg = { vocab = 61, dim = 24, layers = 2, heads = 4, kv_heads = 2, hidden = 48, seq_len = 8 }
+      against_serial(function() return L.Llama(cfg) end, X, Y, { micro_batches = 2 }, "Lua LLaMA")
+    end)
+
+    if ON_CPU then -- the cpu layouts only (the moe kind on a device: device_spec, expert_parallel_spec; an
+      -- objective written in Lua runs on the cpu backend only)
       it("a mixture of experts between sp_gather and sp_scatter (auxiliary losses included)", function()
         local function mixtral()
           return pg.nn.Mixtral{ vocab = 61, seq_len = 8, dim = 24, heads = 4, kv_heads = 2, hidden = 32, layers = 2,
@@ -297,12 +305,6 @@ describe(("sequence parallelism on %d ranks (%s)"):format(W, DEVICE), function()
         end
         local e = against_serial(mixtral, X, Y, { micro_batches = 2 }, "mixtral")
         assert.is_true(e:losses().aux_loss > 0)
-      end)
-
-      it("modules written in Lua (examples/lua_llama.lua) between the transitions", function()
-        local L = dofile("examples/lua_llama.lua")
-        local cfg = { vocab = 61, dim = 24, layers = 2, heads = 4, kv_heads = 2, hidden = 48, seq_len = 8 }
-        against_serial(function() return L.Llama(cfg) end, X, Y, { micro_batches = 2 }, "Lua LLaMA")
       end)
 
       it("a plain Linear on this rank's rows and an objective written in Lua that takes every row", function()

@@ -196,7 +196,7 @@ print(("alibi agrees: loss %.9g vs %.9g, gradients max |diff| %.3g"):format(ld, 
     assert.matches("alibi agrees", out)
   end)
 
-  it("keeps device tensors on the device: to(), clone(), copy_(), printing, and a clear refusal elsewhere", function()
+  it("keeps device tensors on the device: to(), clone(), copy_(), narrow, printing, and a clear refusal elsewhere", function()
     local rc, out = emu([[
 local pg = require "pipegoose"
 local t = pg.tensor{ { 1, 2, 3 }, { 4, 5, 6 } }
@@ -215,8 +215,8 @@ back:copy_(z)
 assert(back:equal(t))
 local ok, err = pcall(function() return d:sum() end)
 assert(not ok and err:find('the tensor is on cuda:0 %(device memory%); copy it to the host with :to%("cpu"%)'), err)
-ok, err = pcall(function() return d:narrow(2, 1, 1) end)
-assert(not ok and err:find("cuda:0"), err)
+local col = d:narrow(2, 2, 1) -- not contiguous: a copy, made on the device (pg_backend_narrow_copy)
+assert(col:device() == "cuda:0" and col:to("cpu"):equal(t:narrow(2, 2, 1)))
 ok, err = pcall(function() return t:to("tpu") end)
 assert(not ok and err:find("device must be 'cpu', 'cuda' or 'cuda:N', not 'tpu'"), err)
 print("device tensors ok")
@@ -425,22 +425,25 @@ print("checkpoint ok")
     end
   end)
 
-  it("refuses a module written in Lua on a device, at parallelize", function()
+  it("refuses a module written in Lua that returns a host tensor to a device engine, naming both devices", function()
+    -- spec/unit/lua_modules_spec.lua trains modules written in Lua on the device
     local rc2, out2 = emu([[
 local pg = require "pipegoose"
 local ident = { in_width = 16, out_width = 16 }
-function ident:forward(slot, x) return x end
+function ident:forward(slot, x) return x:to("cpu") end
 function ident:backward(slot, dy) return dy end
 local m = pg.nn.Sequential{ name = "" }
 m:add(pg.nn.Embedding{ vocab = 20, dim = 16, positions = 8, name = "embed" })
 m:add(ident)
 m:add(pg.nn.LMHead{ vocab = 20, dim = 16 })
 m.config = { vocab = 20, seq_len = 8, dim = 16 }
-local ok, err = pcall(pg.parallelize, m, nil, { device = "cuda" })
+local e = pg.parallelize(m, nil, { device = "cuda" })
+local x = pg.tensor({ { 1, 2, 3 } }, { dtype = "int32" })
+local ok, err = pcall(e.loss, e, x, x)
 print(ok, err)
 ]])
     assert.equal(0, rc2, out2)
-    assert.matches("a module written in Lua runs on the cpu backend only, not cuda", out2)
+    assert.matches("module written in Lua: forward returned a cpu tensor, but the engine runs on cuda:0", out2, 1, true)
   end)
 
   -- Mixture of experts on the device (kernels/cuda/moe.cu: routing, capacity, grouping, gather and combine; the

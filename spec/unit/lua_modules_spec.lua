@@ -184,3 +184,152 @@ describe("modules written in Lua", function()
     assert.equal(7 * 16, pg.nn.Sequential{ heavy(function(T) return 7 * T end) }:flops(16))
   end)
 end)
+
+-- On the emulated device (make emu: build-emu/pglua; spec/unit/device_spec.lua says what it emulates).
+-- Tolerances, device against CPU in one process: pg.ops results within the CUDA self-test's tolerance of
+-- each kernel (spec/support/lua_ops_device.lua; the same bits where the self-test wants them). Training:
+-- the emulated cuBLAS sums each product in double and rounds once, OpenBLAS sums in float32, so a step's
+-- gradients differ by float32 rounding of sums of up to 64 terms: per tensor max |cuda - cpu| <= 1e-5
+-- max |cpu| (measured <= 1.1e-6), losses 1e-6 relative (measured 4e-9); after 3 AdamW steps (lr 1e-3,
+-- each a normalised step whose direction moves by about the gradients' relative difference) weights
+-- within 1e-6 (measured 1.1e-7: a few float32 roundings at |w| < 0.4).
+describe("modules written in Lua on the emulated device", function()
+  local EMU = os.getenv("PG_EMU_PGLUA") or "build-emu/pglua"
+
+  local function emu(code)
+    local path = h.tmpfile(code)
+    local rc, out = h.sh(("timeout -k 2 300 %s %s"):format(h.quote(EMU), h.quote(path)))
+    os.remove(path)
+    return rc, out
+  end
+
+  it("run pg.ops on device tensors with the CPU's results", function()
+    assert.is_true(h.exists(EMU), EMU .. " is missing: run make emu")
+    local rc, out = h.sh(("timeout -k 2 300 %s spec/support/lua_ops_device.lua"):format(h.quote(EMU)))
+    assert.equal(0, rc, out)
+    assert.is_nil(out:match("op [^\n]* FAIL[^\n]*"), out)
+    local n = 0
+    for _ in out:gmatch("op [^\n]* ok") do n = n + 1 end
+    assert.equal(33, n, out)
+  end)
+
+  it("a LLaMA with Lua attention and MLP trains on the device as on the CPU (losses, gradients, weights)", function()
+    local rc, out = emu([[
+local pg = require "pipegoose"
+local L = dofile("examples/lua_llama.lua")
+local D = "spec/fixtures/hf_llama_tiny"
+local o = require("pipegoose.hf").read_config(D)
+local function run(device)
+  local model = L.Llama(o)
+  model.weights = { format = "hf", path = D }
+  local e = pg.parallelize(model, nil, { micro_batches = 2, device = device })
+  local data = pg.data.TokenShards{ path = D .. "/tokens.bin", batch = 4, seq_len = 16, shuffle = false }
+  local x, y = data:next_batch()
+  local opt = pg.optim.AdamW(e, { lr = 1e-3, betas = { 0.9, 0.95 }, weight_decay = 0.1 })
+  local losses = {}
+  for k = 1, 3 do
+    e:zero_grad()
+    losses[k] = e:forward_backward(x, y)
+    opt:clip_grad_norm(1.8)
+    opt:step()
+  end
+  local w, g = {}, {}
+  for _, p in ipairs(e:parameters()) do
+    assert(p.tensor:device() == (device == "cpu" and "cpu" or "cuda:0"), p.name)
+    w[p.name] = p.tensor:to("cpu")
+  end
+  for _, p in ipairs(e:grads()) do g[p.name] = p.tensor:to("cpu") end
+  return losses, w, g
+end
+local la, wa, ga = run("cpu")
+local lb, wb, gb = run("cuda")
+for k = 1, 3 do print(("step %d %.17g %.17g"):format(k, la[k], lb[k])) end
+local n = 0
+for name, w in pairs(wa) do
+  local gmax = ga[name]:max_abs_diff(pg.zeros(ga[name]:shape()))
+  print(("param %s %.9g %.9g %.9g"):format(name, wb[name]:max_abs_diff(w), gb[name]:max_abs_diff(ga[name]), gmax))
+  n = n + 1
+end
+print("params " .. n)
+]])
+    assert.equal(0, rc, out)
+    local steps = 0
+    for k, a, b in out:gmatch("step (%d) (%S+) (%S+)") do
+      a, b = tonumber(a), tonumber(b)
+      assert(math.abs(a - b) <= 1e-6 * a, ("step %s: cpu %.9g, cuda %.9g"):format(k, a, b))
+      steps = steps + 1
+    end
+    assert.equal(3, steps, out)
+    local params = 0
+    for name, dw, dg, gmax in out:gmatch("param (%S+) (%S+) (%S+) (%S+)") do
+      dw, dg, gmax = tonumber(dw), tonumber(dg), tonumber(gmax)
+      assert(dg <= 1e-5 * gmax, ("%s: gradients differ by %.3g (max |g| %.3g)"):format(name, dg, gmax))
+      assert(dw <= 1e-6, ("%s: weights differ by %.3g"):format(name, dw))
+      params = params + 1
+    end
+    assert.equal(15, params, out) -- 2 blocks of ln1, attn (qkv, proj), ln2, mlp (fc, proj); embed, ln_f, head
+  end)
+
+  it("refuse mixed-device calls and device tensors where there is no device kernel, by name", function()
+    local rc, out = emu([[
+local pg = require "pipegoose"
+local ops = pg.ops
+local x, w = pg.randn({ 4, 8 }, { seed = 1 }), pg.randn({ 3, 8 }, { seed = 2 })
+local dx = x:to("cuda")
+local function try(f, ...) local ok, err = pcall(f, ...) print(ok, err) end
+try(ops.linear, dx, w)
+try(ops.linear_backward, pg.zeros{ 4, 3 }:to("cuda"), dx, w:to("cuda"), false, { dw = pg.zeros{ 3, 8 } })
+try(ops.residual, x, dx)
+try(ops.moe_route, dx, 1)
+try(ops.bf16_round, dx)
+try(ops.quantize_int8, dx:reshape{ 32 }, 8)
+try(pg.cat, { dx, x }, 1)
+]])
+    assert.equal(0, rc, out)
+    assert.is_nil(out:match("true"), out)
+    for _, want in ipairs{
+      "ops.linear: w: a cpu tensor in a call on cuda:0: the tensors of one call share a device",
+      "ops.linear_backward: dw: a cpu tensor in a call on cuda:0",
+      "ops.residual: b: a cuda:0 tensor in a call on cpu",
+      "ops.moe_route: logits: expected a cpu tensor, got a cuda:0 one (ops.moe_route has no device kernel",
+      "ops.bf16_round: x: expected a cpu tensor, got a cuda:0 one (ops.bf16_round has no device kernel",
+      "ops.quantize_int8: x: expected a cpu tensor, got a cuda:0 one (ops.quantize_int8 has no device kernel",
+      "cat: tensor 2 is on another device than tensor 1 (cuda:0)",
+    } do
+      assert.matches(want, out, 1, true)
+    end
+  end)
+
+  it("see their device in info.device and make tensors there; an objective written in Lua stays on the cpu", function()
+    local rc, out = emu([[
+local pg = require "pipegoose"
+local m = { in_width = 8, out_width = 8 }
+function m:forward(_, x, info)
+  local z = pg.zeros({ x:shape()[1], 8 }, { device = info.device })
+  local y = pg.ops.residual(x, z)
+  print("device " .. info.device .. " " .. x:device() .. " " .. z:device() .. " " .. y:device())
+  return y
+end
+function m:backward(_, dy) return dy end
+local model = pg.nn.Sequential{ pg.nn.Embedding{ vocab = 16, dim = 8, name = "embed" }, m,
+  pg.nn.LMHead{ vocab = 16, dim = 8, tie = false, name = "head" } }
+local e = pg.parallelize(model, nil, { device = "cuda" })
+local x = pg.tensor({ { 1, 2, 3 } }, { dtype = "int32" })
+e:loss(x, x)
+-- every factory takes device=, with the host tensor's values
+local made = { pg.tensor({ 1, 2 }, { device = "cuda" }), pg.ones({ 2 }, { device = "cuda:0" }),
+  pg.full({ 2 }, 2, { device = "cuda" }), pg.randn({ 2 }, { seed = 3, device = "cuda" }),
+  pg.arange(2, { device = "cuda" }) }
+local host = { pg.tensor{ 1, 2 }, pg.ones{ 2 }, pg.full({ 2 }, 2), pg.randn({ 2 }, { seed = 3 }), pg.arange(2) }
+for i, t in ipairs(made) do assert(t:device() == "cuda:0" and t:to("cpu"):equal(host[i]), i) end
+print("factories on the device")
+local obj = pg.nn.Sequential{ pg.nn.Embedding{ vocab = 16, dim = 8, name = "embed" } }
+local ok, err = pcall(pg.parallelize, obj, nil, { device = "cuda", objective = function() return 0 end })
+print(ok, err)
+]])
+    assert.equal(0, rc, out)
+    assert.matches("device cuda:0 cuda:0 cuda:0 cuda:0", out, 1, true)
+    assert.matches("factories on the device", out, 1, true)
+    assert.matches("objective written in Lua runs on the cpu backend only, not cuda", out, 1, true)
+  end)
+end)

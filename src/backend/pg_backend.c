@@ -237,6 +237,12 @@ int pg_backend_flash_bf16_seconds(const pg_backend *b, int B, int T, int NH, int
   return rc;
 }
 
+const char *pg_backend_place(const pg_backend *b, char *buf, size_t n) {
+  if (b->device == PG_CPU) snprintf(buf, n, "cpu");
+  else snprintf(buf, n, "%s:%d", pg_device_name(b->device), b->ordinal);
+  return buf;
+}
+
 const pg_backend *pg_backend_of(const pg_storage *s) {
   return s->device == PG_CPU ? pg_backend_cpu() : pg_backend_cuda(s->device_index);
 }
@@ -268,6 +274,61 @@ int pg_backend_copy_tensor(pg_tensor *dst, const pg_tensor *src) {
   if (!b) return PG_ERR;
   return b->ops->copy(b, pg_tensor_data(dst), pg_tensor_data(src), (size_t)src->numel * pg_dtype_size(src->dtype),
                       kind);
+}
+
+/* outer rows of t before `dim`, and the elements of one index of `dim` (the dims after it) */
+static void rows_around(const pg_tensor *t, int dim, int64_t *outer, int64_t *inner) {
+  *outer = *inner = 1;
+  for (int i = 0; i < dim; i++) *outer *= t->shape[i];
+  for (int i = dim + 1; i < t->ndim; i++) *inner *= t->shape[i];
+}
+
+int pg_backend_narrow_copy(pg_tensor *out, const pg_tensor *t, int dim, int64_t start, int64_t len) {
+  if (t->storage->device == PG_CPU) return pg_tensor_narrow_copy(out, t, dim, start, len);
+  if (pg_tensor_check_narrow(t, dim, start, len)) return PG_ERR;
+  const pg_backend *b = pg_backend_of(t->storage);
+  int64_t shape[PG_MAX_DIMS], outer, inner;
+  memcpy(shape, t->shape, sizeof shape);
+  shape[dim] = len;
+  if (!b || pg_backend_tensor(b, out, t->dtype, t->ndim, shape)) return PG_ERR;
+  rows_around(t, dim, &outer, &inner);
+  size_t es = pg_dtype_size(t->dtype), run = (size_t)(len * inner) * es;
+  if (!run || !outer) return PG_OK;
+  int rc = b->ops->copy2d(b, pg_tensor_data(out), run, (const char *)pg_tensor_data(t) + (size_t)(start * inner) * es,
+                          (size_t)(t->shape[dim] * inner) * es, run, (size_t)outer, PG_COPY_DEVICE_TO_DEVICE);
+  if (rc) pg_tensor_release(out);
+  return rc;
+}
+
+int pg_backend_cat(pg_tensor *out, const pg_tensor *const *ts, int n, int dim) {
+  if (n >= 1 && ts[0]->storage->device == PG_CPU) {
+    for (int i = 1; i < n; i++)
+      if (ts[i]->storage->device != PG_CPU)
+        return pg_fail("cat: tensor %d is on the device, tensor 1 on the cpu: copy them to one device first", i + 1);
+    return pg_tensor_cat(out, ts, n, dim);
+  }
+  int64_t shape[PG_MAX_DIMS], outer, inner;
+  if (pg_tensor_cat_shape(ts, n, dim, shape)) return PG_ERR;
+  const pg_backend *b = pg_backend_of(ts[0]->storage);
+  if (!b) return PG_ERR;
+  char where[48];
+  for (int i = 1; i < n; i++)
+    if (pg_backend_of(ts[i]->storage) != b)
+      return pg_fail("cat: tensor %d is on another device than tensor 1 (%s): copy them to one device first", i + 1,
+                     pg_backend_place(b, where, sizeof where));
+  if (pg_backend_tensor(b, out, ts[0]->dtype, ts[0]->ndim, shape)) return PG_ERR;
+  rows_around(out, dim, &outer, &inner);
+  size_t es = pg_dtype_size(out->dtype), row = (size_t)(shape[dim] * inner) * es, at = 0;
+  for (int i = 0; i < n && outer; i++) {
+    size_t run = (size_t)(ts[i]->shape[dim] * inner) * es;
+    if (run && b->ops->copy2d(b, (char *)pg_tensor_data(out) + at, row, pg_tensor_data(ts[i]), run, run, (size_t)outer,
+                              PG_COPY_DEVICE_TO_DEVICE)) {
+      pg_tensor_release(out);
+      return PG_ERR;
+    }
+    at += run;
+  }
+  return PG_OK;
 }
 
 const pg_backend *pg_backend_named(const char *device) {

@@ -96,6 +96,8 @@ int pg_backend_flash_bf16_refused(const char *what, int B, int T, int NH, int NK
  * pass. */
 int pg_backend_flash_bf16_seconds(const pg_backend *b, int B, int T, int NH, int NKV, int HS, int reps, double *fwd_s,
                                   double *bwd_s);
+/* buf = "cpu" or "cuda:N": where b's memory is, as t:device() says it (messages, info.device); returns buf. */
+const char *pg_backend_place(const pg_backend *b, char *buf, size_t n);
 
 /* The backend whose memory holds a storage (cpu, or cuda of its device). */
 const pg_backend *pg_backend_of(const pg_storage *s);
@@ -110,6 +112,13 @@ int pg_backend_tensor(const pg_backend *b, pg_tensor *out, pg_dtype dtype, int n
 /* dst = src element for element, each on any device (pg_tensor_copy between
  * host tensors; otherwise the device side's backend copies). */
 int pg_backend_copy_tensor(pg_tensor *dst, const pg_tensor *src);
+
+/* pg_tensor_narrow_copy and pg_tensor_cat on any device: host tensors
+ * through those; device tensors (all of one backend) by the backend's
+ * strided copies, in its memory. Moving values, no arithmetic: the same bits
+ * everywhere. */
+int pg_backend_narrow_copy(pg_tensor *out, const pg_tensor *t, int dim, int64_t start, int64_t len);
+int pg_backend_cat(pg_tensor *out, const pg_tensor *const *ts, int n, int dim);
 
 /* Zeroed working memory, and its release: shorthands. */
 static inline float *pg_be_floats(const pg_backend *b, size_t n) { return b->ops->alloc(b, n * sizeof(float)); }

@@ -9,10 +9,12 @@
  * runtime (pg_module_build) through a pg_desc that reads the table. */
 #include <limits.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "lua_util.h"
+#include "pg_backend.h"
 #include "pg_engine.h"
 #include "pg_size.h"
 
@@ -35,12 +37,18 @@ typedef struct lua_module_ud {
 } lua_module_ud;
 
 /* Calls module:method(slot, x, info) with x copied into a [rows, in] tensor
- * (rows = B*T, batch-major) and info = {batch = B, seq_len = T}; copies the
- * returned [rows, out] tensor to y. */
-static int call_lua_module(lua_module_ud *u, const char *method, int slot, const pg_io *io, const float *x, int rows,
-                           int in_w, float *y, int out_w) {
+ * (rows = B*T, batch-major) on the module's backend be and info = {batch = B,
+ * seq_len = T, device = "cpu" | "cuda:N"}; copies the returned [rows, out]
+ * tensor, which must be on be too, to y. x and y are be's memory. The
+ * argument is a copy, not a view of the engine's buffer, because the module
+ * may keep it (for its backward) and a view would outlive the buffer when the
+ * engine goes first. */
+static int call_lua_module(lua_module_ud *u, const pg_backend *be, const char *method, int slot, const pg_io *io,
+                           const float *x, int rows, int in_w, float *y, int out_w) {
   lua_State *L = *u->current;
   int top = lua_gettop(L);
+  char where[48];
+  pg_backend_place(be, where, sizeof where);
   lua_rawgeti(L, LUA_REGISTRYINDEX, u->ref);
   if (lua_getfield(L, -1, method) != LUA_TFUNCTION) {
     lua_settop(L, top);
@@ -52,16 +60,19 @@ static int call_lua_module(lua_module_ud *u, const char *method, int slot, const
   pg_tensor *t = lua_newuserdatauv(L, sizeof *t, 0);
   memset(t, 0, sizeof *t);
   luaL_setmetatable(L, PG_TENSOR_MT);
-  if (pg_tensor_init(t, PG_FLOAT32, 2, shape)) {
+  size_t in_bytes = (size_t)rows * in_w * sizeof(float), out_bytes = (size_t)rows * out_w * sizeof(float);
+  if (pg_backend_tensor(be, t, PG_FLOAT32, 2, shape) ||
+      be->ops->copy(be, pg_tensor_data(t), x, in_bytes, PG_COPY_DEVICE_TO_DEVICE)) { /* be's memory to be's */
     lua_settop(L, top);
     return PG_ERR;
   }
-  memcpy(pg_tensor_data(t), x, (size_t)rows * in_w * sizeof(float));
-  lua_createtable(L, 0, 2);
+  lua_createtable(L, 0, 3);
   lua_pushinteger(L, io->B);
   lua_setfield(L, -2, "batch");
   lua_pushinteger(L, io->T);
   lua_setfield(L, -2, "seq_len");
+  lua_pushstring(L, where);
+  lua_setfield(L, -2, "device");
   if (lua_pcall(L, 4, 1, 0) != LUA_OK) {
     int rc = pg_fail("%s", lua_tostring(L, -1));
     lua_settop(L, top);
@@ -75,19 +86,30 @@ static int call_lua_module(lua_module_ud *u, const char *method, int slot, const
     lua_settop(L, top);
     return pg_fail("module written in Lua: %s returned %s, expected %d x %d float32 values", method, d, rows, out_w);
   }
-  memcpy(y, pg_tensor_data(r), (size_t)rows * out_w * sizeof(float));
+  const pg_backend *rb = pg_backend_of(r->storage);
+  if (rb != be) {
+    char got[48] = "?";
+    if (rb) pg_backend_place(rb, got, sizeof got);
+    lua_settop(L, top);
+    return pg_fail("module written in Lua: %s returned a %s tensor, but the engine runs on %s: return one on its "
+                   "device (pg.ops on the argument make one there; t:to(info.device) copies)",
+                   method, got, where);
+  }
+  int rc = be->ops->copy(be, y, pg_tensor_data(r), out_bytes, PG_COPY_DEVICE_TO_DEVICE);
   lua_settop(L, top);
-  return PG_OK;
+  return rc;
 }
 
-static int lua_module_forward(void *ud, int slot, const pg_io *io, const float *x, int rows, float *y) {
+static int lua_module_forward(void *ud, const pg_backend *be, int slot, const pg_io *io, const float *x, int rows,
+                              float *y) {
   lua_module_ud *u = ud;
-  return call_lua_module(u, "forward", slot, io, x, rows, u->in_w, y, u->out_w);
+  return call_lua_module(u, be, "forward", slot, io, x, rows, u->in_w, y, u->out_w);
 }
 
-static int lua_module_backward(void *ud, int slot, const pg_io *io, const float *dy, int rows, float *dx) {
+static int lua_module_backward(void *ud, const pg_backend *be, int slot, const pg_io *io, const float *dy, int rows,
+                               float *dx) {
   lua_module_ud *u = ud;
-  return call_lua_module(u, "backward", slot, io, dy, rows, u->out_w, dx, u->in_w);
+  return call_lua_module(u, be, "backward", slot, io, dy, rows, u->out_w, dx, u->in_w);
 }
 
 static void lua_module_release(void *ud) {

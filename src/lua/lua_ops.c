@@ -1,4 +1,5 @@
-/* Lua bindings for the CPU kernels: pg.ops.*, functional style (every call
+/* Lua bindings for the kernels: pg.ops.*, on host or device tensors (the backend seam's kernels, below:
+ * "where a call runs"), functional style (every call
  * returns new tensors; backward functions return fresh, zero-started
  * parameter gradients, or add into the buffers of an optional trailing
  * table such as {dw=, db=}, the kernels' += contract). Leading dimensions of activations flatten to rows,
@@ -12,26 +13,71 @@
 
 #include "kernels.h"
 #include "lua_util.h"
+#include "pg_backend.h"
 #include "pg_cpu_bf16_gemm.h"
 #include "pg_size.h"
 
-/* ---- argument checks ---- */
+/* ---- where a call runs ----
+ * A call runs where its lead tensor (the first one it checks) lives: host
+ * tensors on the CPU backend, device tensors on theirs, through the backend
+ * seam's kernels (kernels/kernel_list.h). The CPU backend's adapters call
+ * the very kernels of kernels.h, so host results are what they always were,
+ * bit for bit; a device call's equal the CPU's within the CUDA self-test's
+ * tolerance of each kernel. Its outputs are made on the same backend, and
+ * every other tensor of the call must be there too: a mixed call is refused
+ * naming the argument and both devices (nothing is copied behind the
+ * caller's back). A function with no device kernel takes host tensors only
+ * and says so by name.
+ *
+ * `at` in the checks below: NULL, the function runs on host tensors only;
+ * *at NULL, the tensor leads the call, *at becomes its backend; otherwise
+ * the tensor must be on *at. */
 
-/* A CPU tensor of dtype `dtype` and exactly `shape` (entries < 0: any). */
-static pg_tensor *expect(lua_State *L, int idx, const char *fn, const char *name, pg_dtype dtype, int ndim,
-                         const int64_t *shape) {
+static void check_place(lua_State *L, const pg_tensor *t, const char *fn, const char *name, const pg_backend **at) {
+  char here[48], there[48];
+  if (!at) {
+    if (t->storage->device != PG_CPU)
+      luaL_error(L, "%s: %s: expected a cpu tensor, got a %s:%d one (%s has no device kernel: copy it with :to(\"cpu\"))",
+                 fn, name, pg_device_name(t->storage->device), t->storage->device_index, fn);
+    return;
+  }
+  const pg_backend *b = pg_backend_of(t->storage);
+  if (!b) luaL_error(L, "%s: %s: %s", fn, name, pg_error());
+  if (!*at) *at = b;
+  else if (b != *at)
+    luaL_error(L, "%s: %s: a %s tensor in a call on %s: the tensors of one call share a device (copy with :to())", fn,
+               name, pg_backend_place(b, here, sizeof here), pg_backend_place(*at, there, sizeof there));
+}
+
+/* A tensor of dtype `dtype` and exactly `shape` (entries < 0: any), placed as `at` says. */
+static pg_tensor *expect_at(lua_State *L, int idx, const char *fn, const char *name, pg_dtype dtype, int ndim,
+                            const int64_t *shape, const pg_backend **at) {
   char label[96];
   snprintf(label, sizeof label, "%s: %s", fn, name);
-  pg_tensor *t = pg_lua_check_tensor_shape(L, idx, label, dtype, ndim, shape);
-  if (t->device != PG_CPU) luaL_error(L, "%s: expected a cpu tensor, got a %s one", label, pg_device_name(t->device));
+  pg_tensor *t = pg_lua_check_any_tensor_shape(L, idx, label, dtype, ndim, shape);
+  check_place(L, t, fn, name, at);
   return t;
+}
+
+/* The same for a function that runs on host tensors only. */
+static pg_tensor *expect(lua_State *L, int idx, const char *fn, const char *name, pg_dtype dtype, int ndim,
+                         const int64_t *shape) {
+  return expect_at(L, idx, fn, name, dtype, ndim, shape, NULL);
+}
+
+/* A float32 tensor of any shape, placed as `at` says. */
+static pg_tensor *f32_arg(lua_State *L, int idx, const char *fn, const char *name, const pg_backend **at) {
+  pg_tensor *t = pg_lua_check_any_tensor(L, idx);
+  int64_t any[PG_MAX_DIMS];
+  for (int i = 0; i < PG_MAX_DIMS; i++) any[i] = -1;
+  return expect_at(L, idx, fn, name, PG_FLOAT32, t->ndim, any, at);
 }
 
 /* Rows of features: a float32 tensor with at least 2 dimensions and last
  * dimension `last` (< 0: any). *rows = the product of the leading ones. */
 static pg_tensor *rows_arg_bf16(lua_State *L, int idx, const char *fn, const char *name, int64_t last, int64_t *rows,
-                                int bf16_ok) {
-  pg_tensor *t = pg_lua_check_tensor(L, idx);
+                                int bf16_ok, const pg_backend **at) {
+  pg_tensor *t = pg_lua_check_any_tensor(L, idx);
   int dtype_ok = t->dtype == PG_FLOAT32 || (bf16_ok && t->dtype == PG_BFLOAT16);
   if (!dtype_ok || t->ndim < 2 || (last >= 0 && t->shape[t->ndim - 1] != last)) {
     char got[128], want[48];
@@ -40,43 +86,75 @@ static pg_tensor *rows_arg_bf16(lua_State *L, int idx, const char *fn, const cha
     luaL_error(L, "%s: %s: expected a [..., %s] %s tensor (2 or more dimensions), got %s", fn, name, want,
                bf16_ok ? "float32 or bfloat16" : "float32", pg_tensor_describe(t, got, sizeof got));
   }
-  if (t->device != PG_CPU) luaL_error(L, "%s: %s: expected a cpu tensor, got a %s one", fn, name, pg_device_name(t->device));
+  check_place(L, t, fn, name, at);
   int64_t c = t->shape[t->ndim - 1], n = c ? t->numel / c : 0;
   if (n > INT_MAX || c > INT_MAX)
     luaL_error(L, "%s: %s: %I rows of %I exceed the kernels' int range", fn, name, (lua_Integer)n, (lua_Integer)c);
   if (rows) *rows = n;
   return t;
 }
+static pg_tensor *rows_at(lua_State *L, int idx, const char *fn, const char *name, int64_t last, int64_t *rows,
+                          const pg_backend **at) {
+  return rows_arg_bf16(L, idx, fn, name, last, rows, 0, at);
+}
 static pg_tensor *rows_arg(lua_State *L, int idx, const char *fn, const char *name, int64_t last, int64_t *rows) {
-  return rows_arg_bf16(L, idx, fn, name, last, rows, 0);
+  return rows_at(L, idx, fn, name, last, rows, NULL);
 }
 
 /* An argument shaped like `like` with its last dimension replaced by `last`. */
 static pg_tensor *like_arg(lua_State *L, int idx, const char *fn, const char *name, const pg_tensor *like,
-                           int64_t last, pg_dtype dtype) {
+                           int64_t last, pg_dtype dtype, const pg_backend **at) {
   int64_t shape[PG_MAX_DIMS];
   memcpy(shape, like->shape, sizeof shape);
   shape[like->ndim - 1] = last;
-  return expect(L, idx, fn, name, dtype, like->ndim, shape);
+  return expect_at(L, idx, fn, name, dtype, like->ndim, shape, at);
 }
 
 /* An argument shaped like the leading dimensions of `like` (one value per row). */
 static pg_tensor *lead_arg(lua_State *L, int idx, const char *fn, const char *name, const pg_tensor *like,
-                           pg_dtype dtype) {
-  return expect(L, idx, fn, name, dtype, like->ndim - 1, like->shape);
+                           pg_dtype dtype, const pg_backend **at) {
+  return expect_at(L, idx, fn, name, dtype, like->ndim - 1, like->shape, at);
 }
 
-/* New zeroed float32 tensor: `like`'s shape with the last dimension `last`. */
-static pg_tensor *new_like(lua_State *L, const pg_tensor *like, int64_t last) {
+/* New zeroed tensor in backend b's memory, pushed on the stack. */
+static pg_tensor *new_on(lua_State *L, const pg_backend *b, pg_dtype dtype, int ndim, const int64_t *shape) {
+  if (b->device == PG_CPU) return pg_lua_new_tensor(L, dtype, ndim, shape);
+  pg_tensor t;
+  if (pg_backend_tensor(b, &t, dtype, ndim, shape)) luaL_error(L, "%s", pg_error());
+  return pg_lua_push_tensor(L, &t);
+}
+
+/* New zeroed float32 tensor on b: `like`'s shape with the last dimension `last`. */
+static pg_tensor *new_like(lua_State *L, const pg_backend *b, const pg_tensor *like, int64_t last) {
   int64_t shape[PG_MAX_DIMS];
   memcpy(shape, like->shape, sizeof shape);
   shape[like->ndim - 1] = last;
-  return pg_lua_new_tensor(L, PG_FLOAT32, like->ndim, shape);
+  return new_on(L, b, PG_FLOAT32, like->ndim, shape);
 }
 
-/* New zeroed float32 tensor of `like`'s leading dimensions. */
-static pg_tensor *new_lead(lua_State *L, const pg_tensor *like) {
-  return pg_lua_new_tensor(L, PG_FLOAT32, like->ndim - 1, like->shape);
+/* New zeroed float32 tensor on b of `like`'s leading dimensions. */
+static pg_tensor *new_lead(lua_State *L, const pg_backend *b, const pg_tensor *like) {
+  return new_on(L, b, PG_FLOAT32, like->ndim - 1, like->shape);
+}
+
+/* A kernel of the seam on backend b; its error (a device fault, out of memory) raised naming fn. */
+#define RUN(L, fn, b, kernel, ...) ran((L), (fn), (b)->ops->kernel((b), __VA_ARGS__))
+static void ran(lua_State *L, const char *fn, int rc) {
+  if (rc) luaL_error(L, "%s: %s", fn, pg_error());
+}
+
+/* dst = src (the same shape; both on one backend, any). */
+static void copy_into(lua_State *L, const char *fn, pg_tensor *dst, const pg_tensor *src) {
+  ran(L, fn, pg_backend_copy_tensor(dst, src));
+}
+
+/* An int32 tensor's values readable on the host (checks of ids and targets):
+ * its own data, or a host copy pushed on the stack (collected with it). */
+static const int32_t *host_i32(lua_State *L, const char *fn, const pg_tensor *t) {
+  if (t->storage->device == PG_CPU) return pg_tensor_i32(t);
+  pg_tensor *h = pg_lua_new_tensor(L, PG_INT32, t->ndim, t->shape);
+  copy_into(L, fn, h, t);
+  return pg_tensor_i32(h);
 }
 
 static int int_arg(lua_State *L, int idx, const char *fn, const char *name, lua_Integer lo, lua_Integer def,
@@ -118,15 +196,17 @@ static int opt_int_range(lua_State *L, int idx, const char *fn, const char *key,
   return (int)v;
 }
 
-/* A parameter gradient to write: acc[key] when the optional table at idx holds
- * it (the kernel then ACCUMULATES into it, its += contract), else a new zeroed
- * tensor. Either way the tensor is left on the stack. */
-static pg_tensor *grad_out(lua_State *L, int idx, const char *fn, const char *key, int ndim, const int64_t *shape) {
+/* A parameter gradient to write, on the call's backend *at: acc[key] when
+ * the optional table at idx holds it (the kernel then ACCUMULATES into it,
+ * its += contract), else a new zeroed tensor. Either way the tensor is left
+ * on the stack. */
+static pg_tensor *grad_out(lua_State *L, int idx, const char *fn, const char *key, int ndim, const int64_t *shape,
+                           const pg_backend **at) {
   if (!lua_isnoneornil(L, idx)) {
-    if (lua_getfield(L, idx, key) != LUA_TNIL) return expect(L, lua_gettop(L), fn, key, PG_FLOAT32, ndim, shape);
+    if (lua_getfield(L, idx, key) != LUA_TNIL) return expect_at(L, lua_gettop(L), fn, key, PG_FLOAT32, ndim, shape, at);
     lua_pop(L, 1);
   }
-  return pg_lua_new_tensor(L, PG_FLOAT32, ndim, shape);
+  return new_on(L, *at, PG_FLOAT32, ndim, shape);
 }
 
 static void check_acc(lua_State *L, int idx, const char *fn, const char *const *keys) {
@@ -142,7 +222,7 @@ static void check_acc(lua_State *L, int idx, const char *fn, const char *const *
  * whole table, so every id is one of its rows [0, rows); with row_start (one vocabulary shard: ids of other
  * shards give zeros, their shard adds them) an id must still be a vocabulary id, so not negative. */
 static void check_ids(lua_State *L, const char *fn, const char *what, const pg_tensor *ids, int whole, int64_t rows) {
-  const int32_t *t = pg_tensor_i32(ids);
+  const int32_t *t = host_i32(L, fn, ids);
   for (int64_t i = 0; i < ids->numel; i++)
     if (t[i] < 0 || (whole && t[i] >= rows)) {
       if (whole)
@@ -157,11 +237,12 @@ static void check_ids(lua_State *L, const char *fn, const char *what, const pg_t
 /* embedding(tokens_i32[...], weight[rows, C] [, row_start=0]) -> out[..., C] */
 static int l_embedding(lua_State *L) {
   const char *fn = "ops.embedding";
-  pg_tensor *tok = pg_lua_check_tensor(L, 1);
+  const pg_backend *b = NULL;
+  pg_tensor *tok = pg_lua_check_any_tensor(L, 1);
   int64_t any[PG_MAX_DIMS];
   for (int i = 0; i < PG_MAX_DIMS; i++) any[i] = -1;
-  expect(L, 1, fn, "tokens", PG_INT32, tok->ndim, any);
-  pg_tensor *w = expect(L, 2, fn, "weight", PG_FLOAT32, 2, any);
+  expect_at(L, 1, fn, "tokens", PG_INT32, tok->ndim, any, &b);
+  pg_tensor *w = expect_at(L, 2, fn, "weight", PG_FLOAT32, 2, any, &b);
   int row_start = int_arg(L, 3, fn, "row_start", 0, 0, 1);
   if (tok->ndim >= PG_MAX_DIMS) return luaL_error(L, "%s: tokens: too many dimensions", fn);
   if (tok->numel > INT_MAX || w->shape[0] > INT_MAX || w->shape[1] > INT_MAX)
@@ -170,9 +251,9 @@ static int l_embedding(lua_State *L) {
   int64_t shape[PG_MAX_DIMS];
   memcpy(shape, tok->shape, sizeof shape);
   shape[tok->ndim] = w->shape[1];
-  pg_tensor *out = pg_lua_new_tensor(L, PG_FLOAT32, tok->ndim + 1, shape);
-  pg_embedding_forward(pg_tensor_f32(out), pg_tensor_i32(tok), pg_tensor_f32(w), (int)tok->numel, (int)w->shape[1],
-                       row_start, (int)w->shape[0]);
+  pg_tensor *out = new_on(L, b, PG_FLOAT32, tok->ndim + 1, shape);
+  RUN(L, fn, b, embedding_forward, pg_tensor_f32(out), pg_tensor_i32(tok), pg_tensor_f32(w), (int)tok->numel,
+      (int)w->shape[1], row_start, (int)w->shape[0]);
   return 1;
 }
 
@@ -180,18 +261,19 @@ static int l_embedding(lua_State *L) {
 static int l_embedding_backward(lua_State *L) {
   const char *fn = "ops.embedding_backward";
   lua_settop(L, 5); /* results are pushed above the (optional) gradient table */
+  const pg_backend *b = NULL;
   int64_t C;
-  pg_tensor *dout = rows_arg(L, 1, fn, "dout", -1, NULL);
+  pg_tensor *dout = rows_at(L, 1, fn, "dout", -1, NULL, &b);
   C = dout->shape[dout->ndim - 1];
-  pg_tensor *tok = expect(L, 2, fn, "tokens", PG_INT32, dout->ndim - 1, dout->shape);
+  pg_tensor *tok = expect_at(L, 2, fn, "tokens", PG_INT32, dout->ndim - 1, dout->shape, &b);
   int rows = int_arg(L, 3, fn, "rows", 0, 0, 0);
   int row_start = int_arg(L, 4, fn, "row_start", 0, 0, 1);
   check_ids(L, fn, "tokens", tok, lua_isnoneornil(L, 4), rows);
   static const char *const keys[] = {"dweight", NULL};
   check_acc(L, 5, fn, keys);
-  pg_tensor *dw = grad_out(L, 5, fn, "dweight", 2, (int64_t[]){rows, C});
-  pg_embedding_backward(pg_tensor_f32(dw), pg_tensor_f32(dout), pg_tensor_i32(tok), (int)tok->numel, (int)C,
-                        row_start, rows);
+  pg_tensor *dw = grad_out(L, 5, fn, "dweight", 2, (int64_t[]){rows, C}, &b);
+  RUN(L, fn, b, embedding_backward, pg_tensor_f32(dw), pg_tensor_f32(dout), pg_tensor_i32(tok), (int)tok->numel,
+      (int)C, row_start, rows);
   return 1;
 }
 
@@ -207,15 +289,16 @@ static int position_T(lua_State *L, int idx, const char *fn, const pg_tensor *x,
 /* position(x[B,T,C] or [N,C], wpe[Tmax, C], T) -> x + wpe[t] on each row */
 static int l_position(lua_State *L) {
   const char *fn = "ops.position";
+  const pg_backend *b = NULL;
   int64_t N;
-  pg_tensor *x = rows_arg(L, 1, fn, "x", -1, &N);
+  pg_tensor *x = rows_at(L, 1, fn, "x", -1, &N, &b);
   int64_t C = x->shape[x->ndim - 1];
-  pg_tensor *wpe = expect(L, 2, fn, "wpe", PG_FLOAT32, 2, (int64_t[]){-1, C});
+  pg_tensor *wpe = expect_at(L, 2, fn, "wpe", PG_FLOAT32, 2, (int64_t[]){-1, C}, &b);
   int T = position_T(L, 3, fn, x, N);
   if (T > wpe->shape[0]) return luaL_error(L, "%s: T=%d exceeds the %I positions of wpe", fn, T, (lua_Integer)wpe->shape[0]);
-  pg_tensor *out = new_like(L, x, C);
-  memcpy(pg_tensor_f32(out), pg_tensor_f32(x), (size_t)x->numel * sizeof(float));
-  pg_position_forward(pg_tensor_f32(out), pg_tensor_f32(wpe), (int)N, T, (int)C);
+  pg_tensor *out = new_like(L, b, x, C);
+  copy_into(L, fn, out, x);
+  RUN(L, fn, b, position_forward, pg_tensor_f32(out), pg_tensor_f32(wpe), (int)N, T, (int)C);
   return 1;
 }
 
@@ -223,14 +306,15 @@ static int l_position(lua_State *L) {
 static int l_position_backward(lua_State *L) {
   const char *fn = "ops.position_backward";
   lua_settop(L, 3); /* results are pushed above the (optional) gradient table */
+  const pg_backend *b = NULL;
   int64_t N;
-  pg_tensor *dout = rows_arg(L, 1, fn, "dout", -1, &N);
+  pg_tensor *dout = rows_at(L, 1, fn, "dout", -1, &N, &b);
   int64_t C = dout->shape[dout->ndim - 1];
   int T = position_T(L, 2, fn, dout, N);
   static const char *const keys[] = {"dwpe", NULL};
   check_acc(L, 3, fn, keys);
-  pg_tensor *dw = grad_out(L, 3, fn, "dwpe", 2, (int64_t[]){T, C});
-  pg_position_backward(pg_tensor_f32(dw), pg_tensor_f32(dout), (int)N, T, (int)C);
+  pg_tensor *dw = grad_out(L, 3, fn, "dwpe", 2, (int64_t[]){T, C}, &b);
+  RUN(L, fn, b, position_backward, pg_tensor_f32(dw), pg_tensor_f32(dout), (int)N, T, (int)C);
   return 1;
 }
 
@@ -239,14 +323,15 @@ static int l_position_backward(lua_State *L) {
 /* layernorm(x, w[C], b[C]) -> y, mean, rstd (mean and rstd: x's leading shape) */
 static int l_layernorm(lua_State *L) {
   const char *fn = "ops.layernorm";
+  const pg_backend *b = NULL;
   int64_t N;
-  pg_tensor *x = rows_arg(L, 1, fn, "x", -1, &N);
+  pg_tensor *x = rows_at(L, 1, fn, "x", -1, &N, &b);
   int64_t C = x->shape[x->ndim - 1];
-  pg_tensor *w = expect(L, 2, fn, "w", PG_FLOAT32, 1, &C);
-  pg_tensor *b = expect(L, 3, fn, "b", PG_FLOAT32, 1, &C);
-  pg_tensor *y = new_like(L, x, C), *mean = new_lead(L, x), *rstd = new_lead(L, x);
-  pg_layernorm_forward(pg_tensor_f32(y), pg_tensor_f32(mean), pg_tensor_f32(rstd), pg_tensor_f32(x), pg_tensor_f32(w),
-                       pg_tensor_f32(b), (int)N, (int)C);
+  pg_tensor *w = expect_at(L, 2, fn, "w", PG_FLOAT32, 1, &C, &b);
+  pg_tensor *bias = expect_at(L, 3, fn, "b", PG_FLOAT32, 1, &C, &b);
+  pg_tensor *y = new_like(L, b, x, C), *mean = new_lead(L, b, x), *rstd = new_lead(L, b, x);
+  RUN(L, fn, b, layernorm_forward, pg_tensor_f32(y), pg_tensor_f32(mean), pg_tensor_f32(rstd), pg_tensor_f32(x),
+      pg_tensor_f32(w), pg_tensor_f32(bias), (int)N, (int)C);
   return 3;
 }
 
@@ -254,19 +339,20 @@ static int l_layernorm(lua_State *L) {
 static int l_layernorm_backward(lua_State *L) {
   const char *fn = "ops.layernorm_backward";
   lua_settop(L, 6); /* results are pushed above the (optional) gradient table */
+  const pg_backend *b = NULL;
   int64_t N;
-  pg_tensor *x = rows_arg(L, 2, fn, "x", -1, &N);
+  pg_tensor *x = rows_at(L, 2, fn, "x", -1, &N, &b);
   int64_t C = x->shape[x->ndim - 1];
-  pg_tensor *dy = like_arg(L, 1, fn, "dy", x, C, PG_FLOAT32);
-  pg_tensor *w = expect(L, 3, fn, "w", PG_FLOAT32, 1, &C);
-  pg_tensor *mean = lead_arg(L, 4, fn, "mean", x, PG_FLOAT32);
-  pg_tensor *rstd = lead_arg(L, 5, fn, "rstd", x, PG_FLOAT32);
-  pg_tensor *dx = new_like(L, x, C);
+  pg_tensor *dy = like_arg(L, 1, fn, "dy", x, C, PG_FLOAT32, &b);
+  pg_tensor *w = expect_at(L, 3, fn, "w", PG_FLOAT32, 1, &C, &b);
+  pg_tensor *mean = lead_arg(L, 4, fn, "mean", x, PG_FLOAT32, &b);
+  pg_tensor *rstd = lead_arg(L, 5, fn, "rstd", x, PG_FLOAT32, &b);
+  pg_tensor *dx = new_like(L, b, x, C);
   static const char *const keys[] = {"dw", "db", NULL};
   check_acc(L, 6, fn, keys);
-  pg_tensor *dw = grad_out(L, 6, fn, "dw", 1, &C), *db = grad_out(L, 6, fn, "db", 1, &C);
-  pg_layernorm_backward(pg_tensor_f32(dx), pg_tensor_f32(dw), pg_tensor_f32(db), pg_tensor_f32(dy), pg_tensor_f32(x),
-                        pg_tensor_f32(w), pg_tensor_f32(mean), pg_tensor_f32(rstd), (int)N, (int)C);
+  pg_tensor *dw = grad_out(L, 6, fn, "dw", 1, &C, &b), *db = grad_out(L, 6, fn, "db", 1, &C, &b);
+  RUN(L, fn, b, layernorm_backward, pg_tensor_f32(dx), pg_tensor_f32(dw), pg_tensor_f32(db), pg_tensor_f32(dy),
+      pg_tensor_f32(x), pg_tensor_f32(w), pg_tensor_f32(mean), pg_tensor_f32(rstd), (int)N, (int)C);
   return 3;
 }
 
@@ -275,16 +361,17 @@ static int l_layernorm_backward(lua_State *L) {
 /* linear(x[..., C], w[OC, C] [, b[OC]]) -> y[..., OC] */
 static int l_linear(lua_State *L) {
   const char *fn = "ops.linear";
+  const pg_backend *b = NULL;
   int64_t N;
-  pg_tensor *x = rows_arg(L, 1, fn, "x", -1, &N);
+  pg_tensor *x = rows_at(L, 1, fn, "x", -1, &N, &b);
   int64_t C = x->shape[x->ndim - 1];
-  pg_tensor *w = expect(L, 2, fn, "w", PG_FLOAT32, 2, (int64_t[]){-1, C});
+  pg_tensor *w = expect_at(L, 2, fn, "w", PG_FLOAT32, 2, (int64_t[]){-1, C}, &b);
   int64_t OC = w->shape[0];
   if (OC > INT_MAX) return luaL_error(L, "%s: w: %I output features exceed the kernels' int range", fn, (lua_Integer)OC);
-  pg_tensor *b = lua_isnoneornil(L, 3) ? NULL : expect(L, 3, fn, "b", PG_FLOAT32, 1, &OC);
-  pg_tensor *y = new_like(L, x, OC);
-  pg_matmul_forward(pg_tensor_f32(y), pg_tensor_f32(x), pg_tensor_f32(w), b ? pg_tensor_f32(b) : NULL, (int)N, (int)C,
-                    (int)OC);
+  pg_tensor *bias = lua_isnoneornil(L, 3) ? NULL : expect_at(L, 3, fn, "b", PG_FLOAT32, 1, &OC, &b);
+  pg_tensor *y = new_like(L, b, x, OC);
+  RUN(L, fn, b, matmul_forward, pg_tensor_f32(y), pg_tensor_f32(x), pg_tensor_f32(w), bias ? pg_tensor_f32(bias) : NULL,
+      (int)N, (int)C, (int)OC);
   return 1;
 }
 
@@ -292,21 +379,22 @@ static int l_linear(lua_State *L) {
 static int l_linear_backward(lua_State *L) {
   const char *fn = "ops.linear_backward";
   lua_settop(L, 5); /* results are pushed above the (optional) gradient table */
+  const pg_backend *b = NULL;
   int64_t N;
-  pg_tensor *x = rows_arg(L, 2, fn, "x", -1, &N);
+  pg_tensor *x = rows_at(L, 2, fn, "x", -1, &N, &b);
   int64_t C = x->shape[x->ndim - 1];
-  pg_tensor *w = expect(L, 3, fn, "w", PG_FLOAT32, 2, (int64_t[]){-1, C});
+  pg_tensor *w = expect_at(L, 3, fn, "w", PG_FLOAT32, 2, (int64_t[]){-1, C}, &b);
   int64_t OC = w->shape[0];
-  pg_tensor *dy = like_arg(L, 1, fn, "dy", x, OC, PG_FLOAT32);
+  pg_tensor *dy = like_arg(L, 1, fn, "dy", x, OC, PG_FLOAT32, &b);
   int with_bias = lua_isnoneornil(L, 4) ? 1 : lua_toboolean(L, 4);
   static const char *const keys[] = {"dw", "db", NULL};
   check_acc(L, 5, fn, keys);
-  pg_tensor *dx = new_like(L, x, C), *dw = grad_out(L, 5, fn, "dw", 2, (int64_t[]){OC, C});
+  pg_tensor *dx = new_like(L, b, x, C), *dw = grad_out(L, 5, fn, "dw", 2, (int64_t[]){OC, C}, &b);
   pg_tensor *db = NULL;
-  if (with_bias) db = grad_out(L, 5, fn, "db", 1, &OC);
+  if (with_bias) db = grad_out(L, 5, fn, "db", 1, &OC, &b);
   else lua_pushnil(L);
-  pg_matmul_backward(pg_tensor_f32(dx), pg_tensor_f32(dw), db ? pg_tensor_f32(db) : NULL, pg_tensor_f32(dy),
-                     pg_tensor_f32(x), pg_tensor_f32(w), (int)N, (int)C, (int)OC);
+  RUN(L, fn, b, matmul_backward, pg_tensor_f32(dx), pg_tensor_f32(dw), db ? pg_tensor_f32(db) : NULL,
+      pg_tensor_f32(dy), pg_tensor_f32(x), pg_tensor_f32(w), (int)N, (int)C, (int)OC);
   return 3;
 }
 
@@ -314,8 +402,9 @@ static int l_linear_backward(lua_State *L) {
 
 /* bf16_round(x) -> float32 tensor of x's values rounded to bfloat16 (nearest, ties to even). */
 static int l_bf16_round(lua_State *L) {
-  pg_tensor *x = pg_lua_check_tensor(L, 1);
-  if (x->dtype != PG_FLOAT32 || x->device != PG_CPU) {
+  pg_tensor *x = pg_lua_check_any_tensor(L, 1);
+  check_place(L, x, "ops.bf16_round", "x", NULL);
+  if (x->dtype != PG_FLOAT32) {
     char got[128];
     return luaL_error(L, "ops.bf16_round: x: expected a cpu float32 tensor, got %s", pg_tensor_describe(x, got, sizeof got));
   }
@@ -326,31 +415,27 @@ static int l_bf16_round(lua_State *L) {
   return 1;
 }
 
-/* A tensor's values as bf16: a bfloat16 tensor's own data, else (float32) a
- * rounded copy in a userdata pushed on the stack (collected with it). */
-static const uint16_t *bf16_operand(lua_State *L, const pg_tensor *t) {
+/* A tensor's values as bf16 on backend b: a bfloat16 tensor's own data, else (float32) a rounded copy
+ * (the seam's bf16_from_f32) in a tensor pushed on the stack (collected with it). */
+static const uint16_t *bf16_operand(lua_State *L, const char *fn, const pg_backend *b, const pg_tensor *t) {
   if (t->dtype == PG_BFLOAT16) return pg_tensor_data(t);
-  if ((uint64_t)t->numel > SIZE_MAX / 2 - 1) luaL_error(L, "bf16 copy of %I elements is too large", (lua_Integer)t->numel);
-  uint16_t *h = lua_newuserdatauv(L, (size_t)(t->numel > 0 ? t->numel : 1) * 2, 0);
-  pg_bf16_from_f32(h, pg_tensor_f32(t), t->numel);
-  return h;
+  pg_tensor *h = new_on(L, b, PG_BFLOAT16, t->ndim, t->shape);
+  RUN(L, fn, b, bf16_from_f32, pg_tensor_data(h), pg_tensor_f32(t), t->numel);
+  return pg_tensor_data(h);
 }
 
-/* A weight [rows, C] (rows < 0: any), float32 or bfloat16. */
-static pg_tensor *bf16_weight_arg(lua_State *L, int idx, const char *fn, int64_t C) {
-  pg_tensor *w = pg_lua_check_tensor(L, idx);
-  return expect(L, idx, fn, "w", w->dtype == PG_BFLOAT16 ? PG_BFLOAT16 : PG_FLOAT32, 2, (int64_t[]){-1, C});
+/* A weight [rows, C] (rows < 0: any), float32 or bfloat16, on the call's backend. */
+static pg_tensor *bf16_weight_arg(lua_State *L, int idx, const char *fn, int64_t C, const pg_backend **at) {
+  pg_tensor *w = pg_lua_check_any_tensor(L, idx);
+  return expect_at(L, idx, fn, "w", w->dtype == PG_BFLOAT16 ? PG_BFLOAT16 : PG_FLOAT32, 2, (int64_t[]){-1, C}, at);
 }
 
 /* to_bf16(x) -> a bfloat16 tensor of x's values (nearest, ties to even). */
 static int l_to_bf16(lua_State *L) {
-  pg_tensor *x = pg_lua_check_tensor(L, 1);
-  if (x->dtype != PG_FLOAT32 || x->device != PG_CPU) {
-    char got[128];
-    return luaL_error(L, "ops.to_bf16: x: expected a cpu float32 tensor, got %s", pg_tensor_describe(x, got, sizeof got));
-  }
-  pg_tensor *y = pg_lua_new_tensor(L, PG_BFLOAT16, x->ndim, x->shape);
-  pg_bf16_from_f32(pg_tensor_data(y), pg_tensor_f32(x), x->numel);
+  const pg_backend *b = NULL;
+  pg_tensor *x = f32_arg(L, 1, "ops.to_bf16", "x", &b);
+  pg_tensor *y = new_on(L, b, PG_BFLOAT16, x->ndim, x->shape);
+  RUN(L, "ops.to_bf16", b, bf16_from_f32, pg_tensor_data(y), pg_tensor_f32(x), x->numel);
   return 1;
 }
 
@@ -359,9 +444,10 @@ static int l_to_bf16(lua_State *L) {
  * |x| >= 65520) is refused, naming `name` (default "x") and the element: an export must not turn a weight
  * into inf. */
 static int l_to_f16(lua_State *L) {
-  pg_tensor *x = pg_lua_check_tensor(L, 1);
+  pg_tensor *x = pg_lua_check_any_tensor(L, 1);
   const char *name = luaL_optstring(L, 2, "x");
-  if (x->dtype != PG_FLOAT32 || x->device != PG_CPU) {
+  check_place(L, x, "ops.to_f16", name, NULL);
+  if (x->dtype != PG_FLOAT32) {
     char got[128];
     return luaL_error(L, "ops.to_f16: %s: expected a cpu float32 tensor, got %s", name,
                       pg_tensor_describe(x, got, sizeof got));
@@ -385,20 +471,21 @@ static int l_to_f16(lua_State *L) {
 
 /* from_bf16(x) -> a float32 tensor of a bfloat16 tensor's values (exact). */
 static int l_from_bf16(lua_State *L) {
-  pg_tensor *x = pg_lua_check_tensor(L, 1);
-  if (x->dtype != PG_BFLOAT16 || x->device != PG_CPU) {
-    char got[128];
-    return luaL_error(L, "ops.from_bf16: x: expected a cpu bfloat16 tensor, got %s", pg_tensor_describe(x, got, sizeof got));
-  }
-  pg_tensor *y = pg_lua_new_tensor(L, PG_FLOAT32, x->ndim, x->shape);
-  pg_bf16_to_f32(pg_tensor_f32(y), pg_tensor_data(x), x->numel);
+  const pg_backend *b = NULL;
+  pg_tensor *x = pg_lua_check_any_tensor(L, 1);
+  int64_t any[PG_MAX_DIMS];
+  for (int i = 0; i < PG_MAX_DIMS; i++) any[i] = -1;
+  expect_at(L, 1, "ops.from_bf16", "x", PG_BFLOAT16, x->ndim, any, &b);
+  pg_tensor *y = new_on(L, b, PG_FLOAT32, x->ndim, x->shape);
+  RUN(L, "ops.from_bf16", b, bf16_to_f32, pg_tensor_f32(y), pg_tensor_data(x), x->numel);
   return 1;
 }
 
 /* from_f16(x) -> a float32 tensor of a float16 tensor's values (exact). */
 static int l_from_f16(lua_State *L) {
-  pg_tensor *x = pg_lua_check_tensor(L, 1);
-  if (x->dtype != PG_FLOAT16 || x->device != PG_CPU) {
+  pg_tensor *x = pg_lua_check_any_tensor(L, 1);
+  check_place(L, x, "ops.from_f16", "x", NULL);
+  if (x->dtype != PG_FLOAT16) {
     char got[128];
     return luaL_error(L, "ops.from_f16: x: expected a cpu float16 tensor, got %s", pg_tensor_describe(x, got, sizeof got));
   }
@@ -413,9 +500,10 @@ static int l_from_f16(lua_State *L) {
 
 /* quantize_int8(x, block) -> int32 tensor [numel / block * (1 + block / 4)] */
 static int l_quantize_int8(lua_State *L) {
-  pg_tensor *x = pg_lua_check_tensor(L, 1);
+  pg_tensor *x = pg_lua_check_any_tensor(L, 1);
   lua_Integer B = luaL_checkinteger(L, 2);
-  if (x->dtype != PG_FLOAT32 || x->device != PG_CPU) {
+  check_place(L, x, "ops.quantize_int8", "x", NULL);
+  if (x->dtype != PG_FLOAT32) {
     char got[128];
     return luaL_error(L, "ops.quantize_int8: x: expected a cpu float32 tensor, got %s",
                       pg_tensor_describe(x, got, sizeof got));
@@ -433,9 +521,10 @@ static int l_quantize_int8(lua_State *L) {
 
 /* dequantize_int8(words, block) -> float32 tensor of the values quantize_int8 coded */
 static int l_dequantize_int8(lua_State *L) {
-  pg_tensor *x = pg_lua_check_tensor(L, 1);
+  pg_tensor *x = pg_lua_check_any_tensor(L, 1);
   lua_Integer B = luaL_checkinteger(L, 2);
-  if (x->dtype != PG_INT32 || x->device != PG_CPU) {
+  check_place(L, x, "ops.dequantize_int8", "words", NULL);
+  if (x->dtype != PG_INT32) {
     char got[128];
     return luaL_error(L, "ops.dequantize_int8: words: expected a cpu int32 tensor, got %s",
                       pg_tensor_describe(x, got, sizeof got));
@@ -465,17 +554,18 @@ static int l_bf16_gemm_path(lua_State *L) {
 static int l_linear_bf16(lua_State *L) {
   const char *fn = "ops.linear_bf16";
   lua_settop(L, 3);
+  const pg_backend *b = NULL;
   int64_t N;
-  pg_tensor *x = rows_arg_bf16(L, 1, fn, "x", -1, &N, 1);
+  pg_tensor *x = rows_arg_bf16(L, 1, fn, "x", -1, &N, 1, &b);
   int64_t C = x->shape[x->ndim - 1];
-  pg_tensor *w = bf16_weight_arg(L, 2, fn, C);
+  pg_tensor *w = bf16_weight_arg(L, 2, fn, C, &b);
   int64_t OC = w->shape[0];
   if (OC > INT_MAX) return luaL_error(L, "%s: w: %I output features exceed the kernels' int range", fn, (lua_Integer)OC);
-  pg_tensor *b = lua_isnoneornil(L, 3) ? NULL : expect(L, 3, fn, "b", PG_FLOAT32, 1, &OC);
-  const uint16_t *xb = bf16_operand(L, x), *wb = bf16_operand(L, w);
-  pg_tensor *y = new_like(L, x, OC);
-  if (pg_matmul_bf16_forward(pg_tensor_f32(y), xb, wb, b ? pg_tensor_f32(b) : NULL, (int)N, (int)C, (int)OC))
-    return luaL_error(L, "%s: %s", fn, pg_bf16_gemm_error());
+  pg_tensor *bias = lua_isnoneornil(L, 3) ? NULL : expect_at(L, 3, fn, "b", PG_FLOAT32, 1, &OC, &b);
+  const uint16_t *xb = bf16_operand(L, fn, b, x), *wb = bf16_operand(L, fn, b, w);
+  pg_tensor *y = new_like(L, b, x, OC);
+  RUN(L, fn, b, matmul_bf16_forward, pg_tensor_f32(y), xb, wb, bias ? pg_tensor_f32(bias) : NULL, (int)N, (int)C,
+      (int)OC);
   return 1;
 }
 
@@ -484,24 +574,24 @@ static int l_linear_bf16(lua_State *L) {
 static int l_linear_bf16_backward(lua_State *L) {
   const char *fn = "ops.linear_bf16_backward";
   lua_settop(L, 5);
+  const pg_backend *b = NULL;
   int64_t N;
-  pg_tensor *x = rows_arg_bf16(L, 2, fn, "x", -1, &N, 1);
+  pg_tensor *x = rows_arg_bf16(L, 2, fn, "x", -1, &N, 1, &b);
   int64_t C = x->shape[x->ndim - 1];
-  pg_tensor *w = bf16_weight_arg(L, 3, fn, C);
+  pg_tensor *w = bf16_weight_arg(L, 3, fn, C, &b);
   int64_t OC = w->shape[0];
   if (OC > INT_MAX) return luaL_error(L, "%s: w: %I output features exceed the kernels' int range", fn, (lua_Integer)OC);
-  pg_tensor *dy = like_arg(L, 1, fn, "dy", x, OC, PG_FLOAT32);
+  pg_tensor *dy = like_arg(L, 1, fn, "dy", x, OC, PG_FLOAT32, &b);
   int with_bias = lua_isnoneornil(L, 4) ? 1 : lua_toboolean(L, 4);
   static const char *const keys[] = {"dw", "db", NULL};
   check_acc(L, 5, fn, keys);
-  const uint16_t *dyb = bf16_operand(L, dy), *xb = bf16_operand(L, x), *wb = bf16_operand(L, w);
-  pg_tensor *dx = new_like(L, x, C), *dw = grad_out(L, 5, fn, "dw", 2, (int64_t[]){OC, C});
+  const uint16_t *dyb = bf16_operand(L, fn, b, dy), *xb = bf16_operand(L, fn, b, x), *wb = bf16_operand(L, fn, b, w);
+  pg_tensor *dx = new_like(L, b, x, C), *dw = grad_out(L, 5, fn, "dw", 2, (int64_t[]){OC, C}, &b);
   pg_tensor *db = NULL;
-  if (with_bias) db = grad_out(L, 5, fn, "db", 1, &OC);
+  if (with_bias) db = grad_out(L, 5, fn, "db", 1, &OC, &b);
   else lua_pushnil(L);
-  if (pg_matmul_bf16_backward(pg_tensor_f32(dx), pg_tensor_f32(dw), dyb, xb, wb, (int)N, (int)C, (int)OC))
-    return luaL_error(L, "%s: %s", fn, pg_bf16_gemm_error());
-  if (db) pg_bias_backward(pg_tensor_f32(db), pg_tensor_f32(dy), (int)N, (int)OC);
+  RUN(L, fn, b, matmul_bf16_backward, pg_tensor_f32(dx), pg_tensor_f32(dw), db ? pg_tensor_f32(db) : NULL,
+      pg_tensor_f32(dy), dyb, xb, wb, (int)N, (int)C, (int)OC);
   return 3;
 }
 
@@ -509,8 +599,8 @@ static int l_linear_bf16_backward(lua_State *L) {
 
 /* qkv[B, T, (NH + 2 NKV) HS], heads and optional kv_heads (default heads): fills B, T, NH, NKV, HS. */
 static pg_tensor *qkv_arg(lua_State *L, int idx, int heads_idx, const char *fn, int *B, int *T, int *NH, int *NKV,
-                          int *HS) {
-  pg_tensor *qkv = expect(L, idx, fn, "qkv", PG_FLOAT32, 3, (int64_t[]){-1, -1, -1});
+                          int *HS, const pg_backend **at) {
+  pg_tensor *qkv = expect_at(L, idx, fn, "qkv", PG_FLOAT32, 3, (int64_t[]){-1, -1, -1}, at);
   *NH = int_arg(L, heads_idx, fn, "heads", 1, 0, 0);
   *NKV = int_arg(L, heads_idx + 1, fn, "kv_heads", 1, *NH, 1);
   if (*NH % *NKV) luaL_error(L, "%s: kv_heads=%d does not divide heads=%d", fn, *NKV, *NH);
@@ -529,13 +619,15 @@ static pg_tensor *qkv_arg(lua_State *L, int idx, int heads_idx, const char *fn, 
  * slopes: ALiBi's per-head slopes (nil: none) */
 static int l_attention(lua_State *L) {
   const char *fn = "ops.attention";
+  const pg_backend *b = NULL;
   int B, T, NH, NKV, HS;
-  pg_tensor *qkv = qkv_arg(L, 1, 2, fn, &B, &T, &NH, &NKV, &HS);
-  const pg_tensor *slopes = lua_isnoneornil(L, 4) ? NULL : expect(L, 4, fn, "slopes", PG_FLOAT32, 1, (int64_t[]){NH});
-  pg_tensor *out = pg_lua_new_tensor(L, PG_FLOAT32, 3, (int64_t[]){B, T, (int64_t)NH * HS});
-  pg_tensor *att = pg_lua_new_tensor(L, PG_FLOAT32, 4, (int64_t[]){B, NH, T, T});
-  pg_attention_forward(pg_tensor_f32(out), pg_tensor_f32(att), pg_tensor_f32(qkv),
-                       slopes ? pg_tensor_f32(slopes) : NULL, B, T, NH, NKV, HS);
+  pg_tensor *qkv = qkv_arg(L, 1, 2, fn, &B, &T, &NH, &NKV, &HS, &b);
+  const pg_tensor *slopes =
+      lua_isnoneornil(L, 4) ? NULL : expect_at(L, 4, fn, "slopes", PG_FLOAT32, 1, (int64_t[]){NH}, &b);
+  pg_tensor *out = new_on(L, b, PG_FLOAT32, 3, (int64_t[]){B, T, (int64_t)NH * HS});
+  pg_tensor *att = new_on(L, b, PG_FLOAT32, 4, (int64_t[]){B, NH, T, T});
+  RUN(L, fn, b, attention_forward, pg_tensor_f32(out), pg_tensor_f32(att), pg_tensor_f32(qkv),
+      slopes ? pg_tensor_f32(slopes) : NULL, B, T, NH, NKV, HS);
   return 2;
 }
 
@@ -551,16 +643,16 @@ static int l_alibi_slopes(lua_State *L) {
 /* attention_backward(dout[B,T,NH HS], qkv, att[B,NH,T,T], heads [, kv_heads]) -> dqkv */
 static int l_attention_backward(lua_State *L) {
   const char *fn = "ops.attention_backward";
+  const pg_backend *b = NULL;
   int B, T, NH, NKV, HS;
-  pg_tensor *qkv = qkv_arg(L, 2, 4, fn, &B, &T, &NH, &NKV, &HS);
-  pg_tensor *dout = expect(L, 1, fn, "dout", PG_FLOAT32, 3, (int64_t[]){B, T, (int64_t)NH * HS});
-  pg_tensor *att = expect(L, 3, fn, "att", PG_FLOAT32, 4, (int64_t[]){B, NH, T, T});
-  /* the kernel's parallel region has at most omp_get_max_threads() threads */
-  int64_t ns = pg_attention_scratch_floats(T, omp_get_max_threads());
-  pg_tensor *scratch = pg_lua_new_tensor(L, PG_FLOAT32, 1, &ns);
-  pg_tensor *dqkv = pg_lua_new_tensor(L, PG_FLOAT32, 3, qkv->shape);
-  pg_attention_backward(pg_tensor_f32(dqkv), pg_tensor_f32(scratch), pg_tensor_f32(dout), pg_tensor_f32(qkv),
-                        pg_tensor_f32(att), B, T, NH, NKV, HS);
+  pg_tensor *qkv = qkv_arg(L, 2, 4, fn, &B, &T, &NH, &NKV, &HS, &b);
+  pg_tensor *dout = expect_at(L, 1, fn, "dout", PG_FLOAT32, 3, (int64_t[]){B, T, (int64_t)NH * HS}, &b);
+  pg_tensor *att = expect_at(L, 3, fn, "att", PG_FLOAT32, 4, (int64_t[]){B, NH, T, T}, &b);
+  int64_t ns = b->ops->attention_scratch_floats(b, T, NH); /* the CPU's: one [T, T] block per OpenMP thread */
+  pg_tensor *scratch = new_on(L, b, PG_FLOAT32, 1, &ns);
+  pg_tensor *dqkv = new_on(L, b, PG_FLOAT32, 3, qkv->shape);
+  RUN(L, fn, b, attention_backward, pg_tensor_f32(dqkv), pg_tensor_f32(scratch), pg_tensor_f32(dout),
+      pg_tensor_f32(qkv), pg_tensor_f32(att), B, T, NH, NKV, HS);
   return 1;
 }
 
@@ -581,22 +673,24 @@ static int64_t pos_arg(lua_State *L, int idx, const char *fn, const char *name) 
  * acc 0, mx -inf, sm 0) */
 static int l_attention_block_(lua_State *L) {
   const char *fn = "ops.attention_block_";
+  const pg_backend *b = NULL;
   int B, Tq, NH, NKV, HS;
-  pg_tensor *qq = qkv_arg(L, 4, 6, fn, &B, &Tq, &NH, &NKV, &HS);
-  pg_tensor *qkv = expect(L, 5, fn, "qkv_kv", PG_FLOAT32, 3, (int64_t[]){B, -1, qq->shape[2]});
+  pg_tensor *qq = qkv_arg(L, 4, 6, fn, &B, &Tq, &NH, &NKV, &HS, &b);
+  pg_tensor *qkv = expect_at(L, 5, fn, "qkv_kv", PG_FLOAT32, 3, (int64_t[]){B, -1, qq->shape[2]}, &b);
   if (qkv->numel > INT_MAX) return luaL_error(L, "%s: qkv_kv: too large for the kernels' int range", fn);
   int Tk = (int)qkv->shape[1];
-  pg_tensor *acc = expect(L, 1, fn, "acc", PG_FLOAT32, 3, (int64_t[]){B, Tq, (int64_t)NH * HS});
-  pg_tensor *mx = expect(L, 2, fn, "mx", PG_FLOAT32, 3, (int64_t[]){B, NH, Tq});
-  pg_tensor *sm = expect(L, 3, fn, "sm", PG_FLOAT32, 3, (int64_t[]){B, NH, Tq});
+  pg_tensor *acc = expect_at(L, 1, fn, "acc", PG_FLOAT32, 3, (int64_t[]){B, Tq, (int64_t)NH * HS}, &b);
+  pg_tensor *mx = expect_at(L, 2, fn, "mx", PG_FLOAT32, 3, (int64_t[]){B, NH, Tq}, &b);
+  pg_tensor *sm = expect_at(L, 3, fn, "sm", PG_FLOAT32, 3, (int64_t[]){B, NH, Tq}, &b);
   int64_t q_pos0 = pos_arg(L, 8, fn, "q_pos0"), k_pos0 = pos_arg(L, 9, fn, "k_pos0");
-  const pg_tensor *slopes = lua_isnoneornil(L, 10) ? NULL : expect(L, 10, fn, "slopes", PG_FLOAT32, 1, (int64_t[]){NH});
+  const pg_tensor *slopes =
+      lua_isnoneornil(L, 10) ? NULL : expect_at(L, 10, fn, "slopes", PG_FLOAT32, 1, (int64_t[]){NH}, &b);
   const int64_t W = qq->shape[2];
   const float *kv = pg_tensor_f32(qkv);
   if (Tk > 0)
-    pg_attention_block_forward(pg_tensor_f32(acc), pg_tensor_f32(mx), pg_tensor_f32(sm), pg_tensor_f32(qq), W,
-                               kv + (int64_t)NH * HS, kv + (int64_t)(NH + NKV) * HS, W,
-                               slopes ? pg_tensor_f32(slopes) : NULL, B, Tq, Tk, NH, NKV, HS, q_pos0, k_pos0);
+    RUN(L, fn, b, attention_block_forward, pg_tensor_f32(acc), pg_tensor_f32(mx), pg_tensor_f32(sm), pg_tensor_f32(qq),
+        W, kv + (int64_t)NH * HS, kv + (int64_t)(NH + NKV) * HS, W, slopes ? pg_tensor_f32(slopes) : NULL, B, Tq, Tk,
+        NH, NKV, HS, q_pos0, k_pos0);
   lua_settop(L, 1);
   return 1;
 }
@@ -604,34 +698,36 @@ static int l_attention_block_(lua_State *L) {
 /* attention_block_finish(acc[B,Tq,NH HS], mx[B,NH,Tq], sm[B,NH,Tq]) -> out[B,Tq,NH HS], lse[B,NH,Tq] */
 static int l_attention_block_finish(lua_State *L) {
   const char *fn = "ops.attention_block_finish";
-  pg_tensor *mx = expect(L, 2, fn, "mx", PG_FLOAT32, 3, (int64_t[]){-1, -1, -1});
+  const pg_backend *b = NULL;
+  pg_tensor *mx = expect_at(L, 2, fn, "mx", PG_FLOAT32, 3, (int64_t[]){-1, -1, -1}, &b);
   int64_t B = mx->shape[0], NH = mx->shape[1], Tq = mx->shape[2];
-  pg_tensor *acc = expect(L, 1, fn, "acc", PG_FLOAT32, 3, (int64_t[]){B, Tq, -1});
-  pg_tensor *sm = expect(L, 3, fn, "sm", PG_FLOAT32, 3, mx->shape);
+  pg_tensor *acc = expect_at(L, 1, fn, "acc", PG_FLOAT32, 3, (int64_t[]){B, Tq, -1}, &b);
+  pg_tensor *sm = expect_at(L, 3, fn, "sm", PG_FLOAT32, 3, mx->shape, &b);
   if (NH == 0 || acc->shape[2] % NH)
     return luaL_error(L, "%s: acc: width %I is not a multiple of mx's %I heads", fn, (lua_Integer)acc->shape[2],
                       (lua_Integer)NH);
   if (acc->numel > INT_MAX) return luaL_error(L, "%s: acc: too large for the kernels' int range", fn);
-  pg_tensor *out = pg_lua_new_tensor(L, PG_FLOAT32, 3, acc->shape);
-  pg_tensor *lse = pg_lua_new_tensor(L, PG_FLOAT32, 3, mx->shape);
-  pg_attention_block_finish(pg_tensor_f32(out), acc->shape[2], pg_tensor_f32(lse), pg_tensor_f32(acc),
-                            pg_tensor_f32(mx), pg_tensor_f32(sm), (int)B, (int)Tq, (int)NH, (int)(acc->shape[2] / NH));
+  pg_tensor *out = new_on(L, b, PG_FLOAT32, 3, acc->shape);
+  pg_tensor *lse = new_on(L, b, PG_FLOAT32, 3, mx->shape);
+  RUN(L, fn, b, attention_block_finish, pg_tensor_f32(out), acc->shape[2], pg_tensor_f32(lse), pg_tensor_f32(acc),
+      pg_tensor_f32(mx), pg_tensor_f32(sm), (int)B, (int)Tq, (int)NH, (int)(acc->shape[2] / NH));
   return 2;
 }
 
 /* attention_block_delta(dout[B,Tq,NH HS], out[B,Tq,NH HS], heads) -> delta[B,NH,Tq] */
 static int l_attention_block_delta(lua_State *L) {
   const char *fn = "ops.attention_block_delta";
-  pg_tensor *out = expect(L, 2, fn, "out", PG_FLOAT32, 3, (int64_t[]){-1, -1, -1});
-  pg_tensor *dout = expect(L, 1, fn, "dout", PG_FLOAT32, 3, out->shape);
+  const pg_backend *b = NULL;
+  pg_tensor *out = expect_at(L, 2, fn, "out", PG_FLOAT32, 3, (int64_t[]){-1, -1, -1}, &b);
+  pg_tensor *dout = expect_at(L, 1, fn, "dout", PG_FLOAT32, 3, out->shape, &b);
   int NH = int_arg(L, 3, fn, "heads", 1, 0, 0);
   if (out->shape[2] % NH)
     return luaL_error(L, "%s: out: width %I is not a multiple of heads=%d", fn, (lua_Integer)out->shape[2], NH);
   if (out->numel > INT_MAX) return luaL_error(L, "%s: out: too large for the kernels' int range", fn);
   int64_t B = out->shape[0], Tq = out->shape[1];
-  pg_tensor *delta = pg_lua_new_tensor(L, PG_FLOAT32, 3, (int64_t[]){B, NH, Tq});
-  pg_attention_block_delta(pg_tensor_f32(delta), pg_tensor_f32(dout), out->shape[2], pg_tensor_f32(out),
-                           out->shape[2], (int)B, (int)Tq, NH, (int)(out->shape[2] / NH));
+  pg_tensor *delta = new_on(L, b, PG_FLOAT32, 3, (int64_t[]){B, NH, Tq});
+  RUN(L, fn, b, attention_block_delta, pg_tensor_f32(delta), pg_tensor_f32(dout), out->shape[2], pg_tensor_f32(out),
+      out->shape[2], (int)B, (int)Tq, NH, (int)(out->shape[2] / NH));
   return 1;
 }
 
@@ -641,26 +737,28 @@ static int l_attention_block_delta(lua_State *L) {
  * for a diagonal block) */
 static int l_attention_block_backward_(lua_State *L) {
   const char *fn = "ops.attention_block_backward_";
+  const pg_backend *b = NULL;
   int B, Tq, NH, NKV, HS;
-  pg_tensor *qq = qkv_arg(L, 3, 8, fn, &B, &Tq, &NH, &NKV, &HS);
+  pg_tensor *qq = qkv_arg(L, 3, 8, fn, &B, &Tq, &NH, &NKV, &HS, &b);
   const int64_t W = qq->shape[2];
-  pg_tensor *qkv = expect(L, 4, fn, "qkv_kv", PG_FLOAT32, 3, (int64_t[]){B, -1, W});
+  pg_tensor *qkv = expect_at(L, 4, fn, "qkv_kv", PG_FLOAT32, 3, (int64_t[]){B, -1, W}, &b);
   if (qkv->numel > INT_MAX) return luaL_error(L, "%s: qkv_kv: too large for the kernels' int range", fn);
   int Tk = (int)qkv->shape[1];
-  pg_tensor *dq = expect(L, 1, fn, "dqkv_q", PG_FLOAT32, 3, qq->shape);
-  pg_tensor *dkv = expect(L, 2, fn, "dqkv_kv", PG_FLOAT32, 3, qkv->shape);
-  pg_tensor *dout = expect(L, 5, fn, "dout", PG_FLOAT32, 3, (int64_t[]){B, Tq, (int64_t)NH * HS});
-  pg_tensor *lse = expect(L, 6, fn, "lse", PG_FLOAT32, 3, (int64_t[]){B, NH, Tq});
-  pg_tensor *delta = expect(L, 7, fn, "delta", PG_FLOAT32, 3, (int64_t[]){B, NH, Tq});
+  pg_tensor *dq = expect_at(L, 1, fn, "dqkv_q", PG_FLOAT32, 3, qq->shape, &b);
+  pg_tensor *dkv = expect_at(L, 2, fn, "dqkv_kv", PG_FLOAT32, 3, qkv->shape, &b);
+  pg_tensor *dout = expect_at(L, 5, fn, "dout", PG_FLOAT32, 3, (int64_t[]){B, Tq, (int64_t)NH * HS}, &b);
+  pg_tensor *lse = expect_at(L, 6, fn, "lse", PG_FLOAT32, 3, (int64_t[]){B, NH, Tq}, &b);
+  pg_tensor *delta = expect_at(L, 7, fn, "delta", PG_FLOAT32, 3, (int64_t[]){B, NH, Tq}, &b);
   int64_t q_pos0 = pos_arg(L, 10, fn, "q_pos0"), k_pos0 = pos_arg(L, 11, fn, "k_pos0");
-  const pg_tensor *slopes = lua_isnoneornil(L, 12) ? NULL : expect(L, 12, fn, "slopes", PG_FLOAT32, 1, (int64_t[]){NH});
+  const pg_tensor *slopes =
+      lua_isnoneornil(L, 12) ? NULL : expect_at(L, 12, fn, "slopes", PG_FLOAT32, 1, (int64_t[]){NH}, &b);
   const float *kv = pg_tensor_f32(qkv);
   float *dkvp = pg_tensor_f32(dkv);
   if (Tk > 0)
-    pg_attention_block_backward(pg_tensor_f32(dq), W, dkvp + (int64_t)NH * HS, dkvp + (int64_t)(NH + NKV) * HS, W,
-                                pg_tensor_f32(qq), W, kv + (int64_t)NH * HS, kv + (int64_t)(NH + NKV) * HS, W,
-                                pg_tensor_f32(dout), (int64_t)NH * HS, pg_tensor_f32(lse), pg_tensor_f32(delta),
-                                slopes ? pg_tensor_f32(slopes) : NULL, B, Tq, Tk, NH, NKV, HS, q_pos0, k_pos0);
+    RUN(L, fn, b, attention_block_backward, pg_tensor_f32(dq), W, dkvp + (int64_t)NH * HS,
+        dkvp + (int64_t)(NH + NKV) * HS, W, pg_tensor_f32(qq), W, kv + (int64_t)NH * HS, kv + (int64_t)(NH + NKV) * HS,
+        W, pg_tensor_f32(dout), (int64_t)NH * HS, pg_tensor_f32(lse), pg_tensor_f32(delta),
+        slopes ? pg_tensor_f32(slopes) : NULL, B, Tq, Tk, NH, NKV, HS, q_pos0, k_pos0);
   lua_settop(L, 1);
   return 1;
 }
@@ -669,7 +767,8 @@ static int l_attention_block_backward_(lua_State *L) {
 
 /* rope(x[B, T, heads*HS], heads, theta) -> x with every head rotated (rope_backward: by the opposite angle) */
 static int rope_call(lua_State *L, const char *fn, int backward) {
-  pg_tensor *x = expect(L, 1, fn, "x", PG_FLOAT32, 3, (int64_t[]){-1, -1, -1});
+  const pg_backend *b = NULL;
+  pg_tensor *x = expect_at(L, 1, fn, "x", PG_FLOAT32, 3, (int64_t[]){-1, -1, -1}, &b);
   int heads = int_arg(L, 2, fn, "heads", 1, 0, 0);
   lua_Number theta = luaL_checknumber(L, 3);
   if (!(theta > 1)) return luaL_error(L, "%s: theta must be > 1, got %f", fn, (double)theta);
@@ -679,12 +778,21 @@ static int rope_call(lua_State *L, const char *fn, int backward) {
   if (x->numel > INT_MAX) return luaL_error(L, "%s: x: too large for the kernels' int range", fn);
   int B = (int)x->shape[0], T = (int)x->shape[1], HS = (int)(W / heads);
   int64_t table = (int64_t)T * (HS / 2);
+  /* the tables are computed on the host (pg_rope_table, as the attention module does) and copied to x's device */
   pg_tensor *cos_t = pg_lua_new_tensor(L, PG_FLOAT32, 1, &table), *sin_t = pg_lua_new_tensor(L, PG_FLOAT32, 1, &table);
   pg_rope_table(pg_tensor_f32(cos_t), pg_tensor_f32(sin_t), T, HS, (double)theta, NULL);
-  pg_tensor *y = pg_lua_new_tensor(L, PG_FLOAT32, 3, x->shape);
-  memcpy(pg_tensor_f32(y), pg_tensor_f32(x), (size_t)x->numel * sizeof(float));
-  (backward ? pg_rope_backward : pg_rope_forward)(pg_tensor_f32(y), pg_tensor_f32(cos_t), pg_tensor_f32(sin_t), B * T,
-                                                  T, heads, HS, (int)W);
+  if (b->device != PG_CPU) {
+    pg_tensor *dc = new_on(L, b, PG_FLOAT32, 1, &table), *ds = new_on(L, b, PG_FLOAT32, 1, &table);
+    copy_into(L, fn, dc, cos_t);
+    copy_into(L, fn, ds, sin_t);
+    cos_t = dc;
+    sin_t = ds;
+  }
+  pg_tensor *y = new_on(L, b, PG_FLOAT32, 3, x->shape);
+  copy_into(L, fn, y, x);
+  if (backward)
+    RUN(L, fn, b, rope_backward, pg_tensor_f32(y), pg_tensor_f32(cos_t), pg_tensor_f32(sin_t), B * T, T, heads, HS, (int)W);
+  else RUN(L, fn, b, rope_forward, pg_tensor_f32(y), pg_tensor_f32(cos_t), pg_tensor_f32(sin_t), B * T, T, heads, HS, (int)W);
   return 1;
 }
 
@@ -723,15 +831,16 @@ static int l_rope_backward(lua_State *L) { return rope_call(L, "ops.rope_backwar
 /* rmsnorm(x, w[C] [, eps=1e-5]) -> y, rstd (x's leading shape) */
 static int l_rmsnorm(lua_State *L) {
   const char *fn = "ops.rmsnorm";
+  const pg_backend *b = NULL;
   int64_t N;
-  pg_tensor *x = rows_arg(L, 1, fn, "x", -1, &N);
+  pg_tensor *x = rows_at(L, 1, fn, "x", -1, &N, &b);
   int64_t C = x->shape[x->ndim - 1];
-  pg_tensor *w = expect(L, 2, fn, "w", PG_FLOAT32, 1, &C);
+  pg_tensor *w = expect_at(L, 2, fn, "w", PG_FLOAT32, 1, &C, &b);
   lua_Number eps = luaL_optnumber(L, 3, 1e-5);
   if (!(eps >= 0)) return luaL_error(L, "%s: eps must be >= 0, got %f", fn, (double)eps);
-  pg_tensor *y = new_like(L, x, C), *rstd = new_lead(L, x);
-  pg_rmsnorm_forward(pg_tensor_f32(y), pg_tensor_f32(rstd), pg_tensor_f32(x), pg_tensor_f32(w), (int)N, (int)C,
-                     (float)eps);
+  pg_tensor *y = new_like(L, b, x, C), *rstd = new_lead(L, b, x);
+  RUN(L, fn, b, rmsnorm_forward, pg_tensor_f32(y), pg_tensor_f32(rstd), pg_tensor_f32(x), pg_tensor_f32(w), (int)N,
+      (int)C, (float)eps);
   return 2;
 }
 
@@ -739,76 +848,76 @@ static int l_rmsnorm(lua_State *L) {
 static int l_rmsnorm_backward(lua_State *L) {
   const char *fn = "ops.rmsnorm_backward";
   lua_settop(L, 5); /* results are pushed above the (optional) gradient table */
+  const pg_backend *b = NULL;
   int64_t N;
-  pg_tensor *x = rows_arg(L, 2, fn, "x", -1, &N);
+  pg_tensor *x = rows_at(L, 2, fn, "x", -1, &N, &b);
   int64_t C = x->shape[x->ndim - 1];
-  pg_tensor *dy = like_arg(L, 1, fn, "dy", x, C, PG_FLOAT32);
-  pg_tensor *w = expect(L, 3, fn, "w", PG_FLOAT32, 1, &C);
-  pg_tensor *rstd = lead_arg(L, 4, fn, "rstd", x, PG_FLOAT32);
+  pg_tensor *dy = like_arg(L, 1, fn, "dy", x, C, PG_FLOAT32, &b);
+  pg_tensor *w = expect_at(L, 3, fn, "w", PG_FLOAT32, 1, &C, &b);
+  pg_tensor *rstd = lead_arg(L, 4, fn, "rstd", x, PG_FLOAT32, &b);
   static const char *const keys[] = {"dw", NULL};
   check_acc(L, 5, fn, keys);
-  pg_tensor *dx = new_like(L, x, C);
-  pg_tensor *dw = grad_out(L, 5, fn, "dw", 1, &C);
-  pg_rmsnorm_backward(pg_tensor_f32(dx), pg_tensor_f32(dw), pg_tensor_f32(dy), pg_tensor_f32(x), pg_tensor_f32(w),
-                      pg_tensor_f32(rstd), (int)N, (int)C);
+  pg_tensor *dx = new_like(L, b, x, C);
+  pg_tensor *dw = grad_out(L, 5, fn, "dw", 1, &C, &b);
+  RUN(L, fn, b, rmsnorm_backward, pg_tensor_f32(dx), pg_tensor_f32(dw), pg_tensor_f32(dy), pg_tensor_f32(x),
+      pg_tensor_f32(w), pg_tensor_f32(rstd), (int)N, (int)C);
   return 2;
 }
 
 /* ---- pointwise ---- */
 
-static pg_tensor *f32_arg(lua_State *L, int idx, const char *fn, const char *name) {
-  pg_tensor *t = pg_lua_check_tensor(L, idx);
-  int64_t any[PG_MAX_DIMS];
-  for (int i = 0; i < PG_MAX_DIMS; i++) any[i] = -1;
-  return expect(L, idx, fn, name, PG_FLOAT32, t->ndim, any);
-}
-
 static int l_gelu(lua_State *L) {
-  pg_tensor *x = f32_arg(L, 1, "ops.gelu", "x");
-  pg_tensor *y = pg_lua_new_tensor(L, PG_FLOAT32, x->ndim, x->shape);
-  pg_gelu_forward(pg_tensor_f32(y), pg_tensor_f32(x), x->numel);
+  const pg_backend *b = NULL;
+  pg_tensor *x = f32_arg(L, 1, "ops.gelu", "x", &b);
+  pg_tensor *y = new_on(L, b, PG_FLOAT32, x->ndim, x->shape);
+  RUN(L, "ops.gelu", b, gelu_forward, pg_tensor_f32(y), pg_tensor_f32(x), x->numel);
   return 1;
 }
 
 /* gelu_backward(dy, x) -> dx */
 static int l_gelu_backward(lua_State *L) {
-  pg_tensor *x = f32_arg(L, 2, "ops.gelu_backward", "x");
-  pg_tensor *dy = expect(L, 1, "ops.gelu_backward", "dy", PG_FLOAT32, x->ndim, x->shape);
-  pg_tensor *dx = pg_lua_new_tensor(L, PG_FLOAT32, x->ndim, x->shape);
-  pg_gelu_backward(pg_tensor_f32(dx), pg_tensor_f32(x), pg_tensor_f32(dy), x->numel);
+  const char *fn = "ops.gelu_backward";
+  const pg_backend *b = NULL;
+  pg_tensor *x = f32_arg(L, 2, fn, "x", &b);
+  pg_tensor *dy = expect_at(L, 1, fn, "dy", PG_FLOAT32, x->ndim, x->shape, &b);
+  pg_tensor *dx = new_on(L, b, PG_FLOAT32, x->ndim, x->shape);
+  RUN(L, fn, b, gelu_backward, pg_tensor_f32(dx), pg_tensor_f32(x), pg_tensor_f32(dy), x->numel);
   return 1;
 }
 
 /* swiglu(x[..., 2H]) -> silu(x[..., :H]) * x[..., H:] */
 static int l_swiglu(lua_State *L) {
   const char *fn = "ops.swiglu";
+  const pg_backend *b = NULL;
   int64_t N;
-  pg_tensor *x = rows_arg(L, 1, fn, "x", -1, &N);
+  pg_tensor *x = rows_at(L, 1, fn, "x", -1, &N, &b);
   int64_t W = x->shape[x->ndim - 1];
   if (W % 2) return luaL_error(L, "%s: x: last dimension %I is not even (gate | up)", fn, (lua_Integer)W);
-  pg_tensor *y = new_like(L, x, W / 2);
-  pg_swiglu_forward(pg_tensor_f32(y), pg_tensor_f32(x), (int)N, (int)(W / 2));
+  pg_tensor *y = new_like(L, b, x, W / 2);
+  RUN(L, fn, b, swiglu_forward, pg_tensor_f32(y), pg_tensor_f32(x), (int)N, (int)(W / 2));
   return 1;
 }
 
 /* swiglu_backward(dy[..., H], x[..., 2H]) -> dx */
 static int l_swiglu_backward(lua_State *L) {
   const char *fn = "ops.swiglu_backward";
+  const pg_backend *b = NULL;
   int64_t N;
-  pg_tensor *x = rows_arg(L, 2, fn, "x", -1, &N);
+  pg_tensor *x = rows_at(L, 2, fn, "x", -1, &N, &b);
   int64_t W = x->shape[x->ndim - 1];
   if (W % 2) return luaL_error(L, "%s: x: last dimension %I is not even (gate | up)", fn, (lua_Integer)W);
-  pg_tensor *dy = like_arg(L, 1, fn, "dy", x, W / 2, PG_FLOAT32);
-  pg_tensor *dx = new_like(L, x, W);
-  pg_swiglu_backward(pg_tensor_f32(dx), pg_tensor_f32(x), pg_tensor_f32(dy), (int)N, (int)(W / 2));
+  pg_tensor *dy = like_arg(L, 1, fn, "dy", x, W / 2, PG_FLOAT32, &b);
+  pg_tensor *dx = new_like(L, b, x, W);
+  RUN(L, fn, b, swiglu_backward, pg_tensor_f32(dx), pg_tensor_f32(x), pg_tensor_f32(dy), (int)N, (int)(W / 2));
   return 1;
 }
 
 static int l_residual(lua_State *L) {
-  pg_tensor *a = f32_arg(L, 1, "ops.residual", "a");
-  pg_tensor *b = expect(L, 2, "ops.residual", "b", PG_FLOAT32, a->ndim, a->shape);
-  pg_tensor *out = pg_lua_new_tensor(L, PG_FLOAT32, a->ndim, a->shape);
-  pg_residual_forward(pg_tensor_f32(out), pg_tensor_f32(a), pg_tensor_f32(b), a->numel);
+  const pg_backend *b = NULL;
+  pg_tensor *a = f32_arg(L, 1, "ops.residual", "a", &b);
+  pg_tensor *x = expect_at(L, 2, "ops.residual", "b", PG_FLOAT32, a->ndim, a->shape, &b);
+  pg_tensor *out = new_on(L, b, PG_FLOAT32, a->ndim, a->shape);
+  RUN(L, "ops.residual", b, residual_forward, pg_tensor_f32(out), pg_tensor_f32(a), pg_tensor_f32(x), a->numel);
   return 1;
 }
 
@@ -816,12 +925,13 @@ static int l_residual(lua_State *L) {
 static int l_residual_backward(lua_State *L) {
   const char *fn = "ops.residual_backward";
   lua_settop(L, 2); /* results are pushed above the (optional) gradient table */
-  pg_tensor *dout = f32_arg(L, 1, fn, "dout");
+  const pg_backend *b = NULL;
+  pg_tensor *dout = f32_arg(L, 1, fn, "dout", &b);
   static const char *const keys[] = {"da", "db", NULL};
   check_acc(L, 2, fn, keys);
-  pg_tensor *da = grad_out(L, 2, fn, "da", dout->ndim, dout->shape);
-  pg_tensor *db = grad_out(L, 2, fn, "db", dout->ndim, dout->shape);
-  pg_residual_backward(pg_tensor_f32(da), pg_tensor_f32(db), pg_tensor_f32(dout), dout->numel);
+  pg_tensor *da = grad_out(L, 2, fn, "da", dout->ndim, dout->shape, &b);
+  pg_tensor *db = grad_out(L, 2, fn, "db", dout->ndim, dout->shape, &b);
+  RUN(L, fn, b, residual_backward, pg_tensor_f32(da), pg_tensor_f32(db), pg_tensor_f32(dout), dout->numel);
   return 2;
 }
 
@@ -835,13 +945,13 @@ static int l_moe_route(lua_State *L) {
   int E = (int)logits->shape[logits->ndim - 1];
   int K = int_arg(L, 2, fn, "k", 1, 0, 0);
   if (K > E) return luaL_error(L, "%s: k=%d exceeds the %d experts", fn, K, E);
-  pg_tensor *probs = new_like(L, logits, E);
-  pg_tensor *lse = new_lead(L, logits);
+  pg_tensor *probs = new_like(L, pg_backend_cpu(), logits, E);
+  pg_tensor *lse = new_lead(L, pg_backend_cpu(), logits);
   int64_t shape[PG_MAX_DIMS];
   memcpy(shape, logits->shape, sizeof shape);
   shape[logits->ndim - 1] = K;
   pg_tensor *expert = pg_lua_new_tensor(L, PG_INT32, logits->ndim, shape);
-  pg_tensor *weight = new_like(L, logits, K);
+  pg_tensor *weight = new_like(L, pg_backend_cpu(), logits, K);
   pg_moe_route_forward(pg_tensor_f32(probs), pg_tensor_f32(lse), pg_tensor_i32(expert), pg_tensor_f32(weight),
                        pg_tensor_f32(logits), (int)N, E, K);
   return 4;
@@ -857,10 +967,10 @@ static int l_moe_route_backward(lua_State *L) {
   pg_tensor *dweight = rows_arg(L, 1, fn, "dweight", -1, NULL);
   int K = (int)dweight->shape[dweight->ndim - 1];
   if (K < 1 || K > E) return luaL_error(L, "%s: k=%d must be from 1 to the %d experts", fn, K, E);
-  like_arg(L, 1, fn, "dweight", probs, K, PG_FLOAT32);
-  pg_tensor *lse = lead_arg(L, 3, fn, "lse", probs, PG_FLOAT32);
-  pg_tensor *expert = like_arg(L, 4, fn, "expert", probs, K, PG_INT32);
-  pg_tensor *weight = like_arg(L, 5, fn, "weight", probs, K, PG_FLOAT32);
+  like_arg(L, 1, fn, "dweight", probs, K, PG_FLOAT32, NULL);
+  pg_tensor *lse = lead_arg(L, 3, fn, "lse", probs, PG_FLOAT32, NULL);
+  pg_tensor *expert = like_arg(L, 4, fn, "expert", probs, K, PG_INT32, NULL);
+  pg_tensor *weight = like_arg(L, 5, fn, "weight", probs, K, PG_FLOAT32, NULL);
   for (int64_t i = 0; i < expert->numel; i++)
     if (pg_tensor_i32(expert)[i] < 0 || pg_tensor_i32(expert)[i] >= E)
       return luaL_error(L, "%s: expert %d at %I is not one of the %d experts", fn, pg_tensor_i32(expert)[i],
@@ -878,7 +988,7 @@ static int l_moe_route_backward(lua_State *L) {
     lua_pop(L, 1);
     zscale = (float)pg_lua_opt_number(L, 6, "zscale", 0);
   }
-  pg_tensor *dlogits = new_like(L, probs, E);
+  pg_tensor *dlogits = new_like(L, pg_backend_cpu(), probs, E);
   pg_moe_route_backward(pg_tensor_f32(dlogits), pg_tensor_f32(dweight), dprob, zscale, pg_tensor_f32(probs),
                         pg_tensor_f32(lse), pg_tensor_i32(expert), pg_tensor_f32(weight), (int)N, E, K);
   return 1;
@@ -908,26 +1018,29 @@ static xent_opts read_xent_opts(lua_State *L, int idx, const char *fn, int V, in
  *   -> losses[...], dlogits[..., V], loss_sum */
 static int l_cross_entropy(lua_State *L) {
   const char *fn = "ops.cross_entropy";
+  const pg_backend *b = NULL;
   int64_t N;
-  pg_tensor *logits = rows_arg(L, 1, fn, "logits", -1, &N);
+  pg_tensor *logits = rows_at(L, 1, fn, "logits", -1, &N, &b);
   int V = (int)logits->shape[logits->ndim - 1];
-  pg_tensor *tg = lead_arg(L, 2, fn, "targets", logits, PG_INT32);
+  pg_tensor *tg = lead_arg(L, 2, fn, "targets", logits, PG_INT32, &b);
   xent_opts o = read_xent_opts(L, 3, fn, V, 0);
-  const int32_t *t = pg_tensor_i32(tg);
+  const int32_t *t = host_i32(L, fn, tg);
   /* one slice holds the whole vocabulary: every target must be one of its real columns */
   for (int64_t n = 0; n < N; n++)
     if (t[n] < o.vocab_start || (int64_t)t[n] >= (int64_t)o.vocab_start + o.valid)
       return luaL_error(L, "%s: targets: id %d at row %I is outside the vocabulary [%d, %d)", fn, t[n],
                         (lua_Integer)(n + 1), o.vocab_start, o.vocab_start + o.valid);
-  pg_tensor *losses = new_lead(L, logits), *dlogits = new_like(L, logits, V);
+  pg_tensor *losses = new_lead(L, b, logits), *dlogits = new_like(L, b, logits, V);
   int64_t three_n = 3 * N;
-  pg_tensor *stats = pg_lua_new_tensor(L, PG_FLOAT32, 1, &three_n); /* row_max, sumexp, target_logit */
+  pg_tensor *stats = new_on(L, b, PG_FLOAT32, 1, &three_n); /* row_max, sumexp, target_logit */
   float *rmax = pg_tensor_f32(stats), *sumexp = rmax + N, *tl = rmax + 2 * N;
   const float *x = pg_tensor_f32(logits);
-  pg_xent_row_max(rmax, x, (int)N, V, o.valid);
-  pg_xent_sumexp(sumexp, tl, x, rmax, t, (int)N, V, o.valid, o.vocab_start);
-  double total = pg_xent_finish(pg_tensor_f32(losses), pg_tensor_f32(dlogits), x, rmax, sumexp, tl, t, (int)N, V,
-                                o.valid, o.vocab_start, o.dloss);
+  const int32_t *dt = pg_tensor_i32(tg);
+  double total = 0;
+  RUN(L, fn, b, xent_row_max, rmax, x, (int)N, V, o.valid);
+  RUN(L, fn, b, xent_sumexp, sumexp, tl, x, rmax, dt, (int)N, V, o.valid, o.vocab_start);
+  RUN(L, fn, b, xent_finish, pg_tensor_f32(losses), pg_tensor_f32(dlogits), x, rmax, sumexp, tl, dt, (int)N, V,
+      o.valid, o.vocab_start, o.dloss, &total);
   lua_pop(L, 1); /* stats */
   lua_pushnumber(L, total);
   return 3;
@@ -936,28 +1049,30 @@ static int l_cross_entropy(lua_State *L) {
 /* xent_row_max(logits[..., V] [, {valid=V}]) -> row_max[...] */
 static int l_xent_row_max(lua_State *L) {
   const char *fn = "ops.xent_row_max";
+  const pg_backend *b = NULL;
   int64_t N;
-  pg_tensor *logits = rows_arg(L, 1, fn, "logits", -1, &N);
+  pg_tensor *logits = rows_at(L, 1, fn, "logits", -1, &N, &b);
   int V = (int)logits->shape[logits->ndim - 1];
   xent_opts o = read_xent_opts(L, 2, fn, V, 0);
-  pg_tensor *rmax = new_lead(L, logits);
-  pg_xent_row_max(pg_tensor_f32(rmax), pg_tensor_f32(logits), (int)N, V, o.valid);
+  pg_tensor *rmax = new_lead(L, b, logits);
+  RUN(L, fn, b, xent_row_max, pg_tensor_f32(rmax), pg_tensor_f32(logits), (int)N, V, o.valid);
   return 1;
 }
 
 /* xent_sumexp(logits, row_max, targets [, {valid=, vocab_start=}]) -> sumexp, target_logit */
 static int l_xent_sumexp(lua_State *L) {
   const char *fn = "ops.xent_sumexp";
+  const pg_backend *b = NULL;
   int64_t N;
-  pg_tensor *logits = rows_arg(L, 1, fn, "logits", -1, &N);
+  pg_tensor *logits = rows_at(L, 1, fn, "logits", -1, &N, &b);
   int V = (int)logits->shape[logits->ndim - 1];
-  pg_tensor *rmax = lead_arg(L, 2, fn, "row_max", logits, PG_FLOAT32);
-  pg_tensor *tg = lead_arg(L, 3, fn, "targets", logits, PG_INT32);
+  pg_tensor *rmax = lead_arg(L, 2, fn, "row_max", logits, PG_FLOAT32, &b);
+  pg_tensor *tg = lead_arg(L, 3, fn, "targets", logits, PG_INT32, &b);
   xent_opts o = read_xent_opts(L, 4, fn, V, 0);
   check_ids(L, fn, "targets", tg, 0, 0); /* a slice: targets of other slices are theirs, but never negative */
-  pg_tensor *sumexp = new_lead(L, logits), *tl = new_lead(L, logits);
-  pg_xent_sumexp(pg_tensor_f32(sumexp), pg_tensor_f32(tl), pg_tensor_f32(logits), pg_tensor_f32(rmax),
-                 pg_tensor_i32(tg), (int)N, V, o.valid, o.vocab_start);
+  pg_tensor *sumexp = new_lead(L, b, logits), *tl = new_lead(L, b, logits);
+  RUN(L, fn, b, xent_sumexp, pg_tensor_f32(sumexp), pg_tensor_f32(tl), pg_tensor_f32(logits), pg_tensor_f32(rmax),
+      pg_tensor_i32(tg), (int)N, V, o.valid, o.vocab_start);
   return 2;
 }
 
@@ -966,21 +1081,22 @@ static int l_xent_sumexp(lua_State *L) {
  *   kernel's aliasing case, as the engine uses it) and returns logits. */
 static int l_xent_finish(lua_State *L) {
   const char *fn = "ops.xent_finish";
+  const pg_backend *b = NULL;
   int64_t N;
-  pg_tensor *logits = rows_arg(L, 1, fn, "logits", -1, &N);
+  pg_tensor *logits = rows_at(L, 1, fn, "logits", -1, &N, &b);
   int V = (int)logits->shape[logits->ndim - 1];
-  pg_tensor *rmax = lead_arg(L, 2, fn, "row_max", logits, PG_FLOAT32);
-  pg_tensor *sumexp = lead_arg(L, 3, fn, "sumexp", logits, PG_FLOAT32);
-  pg_tensor *tl = lead_arg(L, 4, fn, "target_logit", logits, PG_FLOAT32);
-  pg_tensor *tg = lead_arg(L, 5, fn, "targets", logits, PG_INT32);
+  pg_tensor *rmax = lead_arg(L, 2, fn, "row_max", logits, PG_FLOAT32, &b);
+  pg_tensor *sumexp = lead_arg(L, 3, fn, "sumexp", logits, PG_FLOAT32, &b);
+  pg_tensor *tl = lead_arg(L, 4, fn, "target_logit", logits, PG_FLOAT32, &b);
+  pg_tensor *tg = lead_arg(L, 5, fn, "targets", logits, PG_INT32, &b);
   xent_opts o = read_xent_opts(L, 6, fn, V, 1);
   check_ids(L, fn, "targets", tg, 0, 0);
-  pg_tensor *losses = new_lead(L, logits), *dlogits = logits;
+  pg_tensor *losses = new_lead(L, b, logits), *dlogits = logits;
   if (o.inplace) lua_pushvalue(L, 1);
-  else dlogits = new_like(L, logits, V);
-  double total = pg_xent_finish(pg_tensor_f32(losses), pg_tensor_f32(dlogits), pg_tensor_f32(logits),
-                                pg_tensor_f32(rmax), pg_tensor_f32(sumexp), pg_tensor_f32(tl), pg_tensor_i32(tg), (int)N,
-                                V, o.valid, o.vocab_start, o.dloss);
+  else dlogits = new_like(L, b, logits, V);
+  double total = 0;
+  RUN(L, fn, b, xent_finish, pg_tensor_f32(losses), pg_tensor_f32(dlogits), pg_tensor_f32(logits), pg_tensor_f32(rmax),
+      pg_tensor_f32(sumexp), pg_tensor_f32(tl), pg_tensor_i32(tg), (int)N, V, o.valid, o.vocab_start, o.dloss, &total);
   lua_pushnumber(L, total);
   return 3;
 }
@@ -992,10 +1108,11 @@ static int l_xent_finish(lua_State *L) {
 static int l_adamw_(lua_State *L) {
   const char *fn = "ops.adamw_";
   static const char *const keys[] = {"lr", "beta1", "beta2", "eps", "weight_decay", "step", "grad_scale", NULL};
-  pg_tensor *p = f32_arg(L, 1, fn, "param");
-  pg_tensor *g = expect(L, 2, fn, "grad", PG_FLOAT32, p->ndim, p->shape);
-  pg_tensor *m = expect(L, 3, fn, "m", PG_FLOAT32, p->ndim, p->shape);
-  pg_tensor *v = expect(L, 4, fn, "v", PG_FLOAT32, p->ndim, p->shape);
+  const pg_backend *b = NULL;
+  pg_tensor *p = f32_arg(L, 1, fn, "param", &b);
+  pg_tensor *g = expect_at(L, 2, fn, "grad", PG_FLOAT32, p->ndim, p->shape, &b);
+  pg_tensor *m = expect_at(L, 3, fn, "m", PG_FLOAT32, p->ndim, p->shape, &b);
+  pg_tensor *v = expect_at(L, 4, fn, "v", PG_FLOAT32, p->ndim, p->shape, &b);
   luaL_checktype(L, 5, LUA_TTABLE);
   pg_lua_check_keys(L, 5, fn, keys);
   /* the ranges torch.optim.AdamW checks; grad_scale divides the gradient, so it is positive */
@@ -1006,15 +1123,18 @@ static int l_adamw_(lua_State *L) {
   double wd = opt_number_range(L, 5, fn, "weight_decay", 0.01, 0, HUGE_VAL, 0, 0);
   double scale = opt_number_range(L, 5, fn, "grad_scale", 1.0, 0x1p-126, HUGE_VAL, 0, 0);
   int step = opt_int_range(L, 5, fn, "step", 0, 1, INT_MAX);
-  pg_adamw_update(pg_tensor_f32(p), pg_tensor_f32(g), pg_tensor_f32(m), pg_tensor_f32(v), p->numel, (float)lr,
-                  (float)beta1, (float)beta2, (float)eps, (float)wd, step, (float)scale);
+  RUN(L, fn, b, adamw_update, pg_tensor_f32(p), pg_tensor_f32(g), pg_tensor_f32(m), pg_tensor_f32(v), p->numel,
+      (float)lr, (float)beta1, (float)beta2, (float)eps, (float)wd, step, (float)scale);
   lua_settop(L, 1);
   return 1;
 }
 
 static int l_sum_squares(lua_State *L) {
-  pg_tensor *x = f32_arg(L, 1, "ops.sum_squares", "x");
-  lua_pushnumber(L, pg_sum_squares(pg_tensor_f32(x), x->numel));
+  const pg_backend *b = NULL;
+  pg_tensor *x = f32_arg(L, 1, "ops.sum_squares", "x", &b);
+  double sum = 0;
+  RUN(L, "ops.sum_squares", b, sum_squares, pg_tensor_f32(x), x->numel, &sum);
+  lua_pushnumber(L, sum);
   return 1;
 }
 
@@ -1109,6 +1229,7 @@ static const luaL_Reg ops_functions[] = {
 #define OPS_gelu_forward l_gelu
 #define OPS_gelu_backward l_gelu_backward
 #define OPS_residual_forward l_residual
+#define OPS_residual_backward l_residual_backward
 #define OPS_xent_row_max l_xent_row_max
 #define OPS_xent_sumexp l_xent_sumexp
 #define OPS_xent_finish l_xent_finish

@@ -11,7 +11,7 @@
 
 /* The options table {dtype=} of a constructor (fname names it in errors). */
 static pg_dtype opt_dtype(lua_State *L, int idx, pg_dtype def, const char *fname) {
-  static const char *const keys[] = {"dtype", NULL};
+  static const char *const keys[] = {"dtype", "device", NULL};
   pg_lua_check_keys(L, idx, fname, keys);
   const char *name = pg_lua_opt_string(L, idx, "dtype", NULL);
   if (!name) return def;
@@ -19,6 +19,22 @@ static pg_dtype opt_dtype(lua_State *L, int idx, pg_dtype def, const char *fname
   PG_LUA_CHECK(L, pg_dtype_from_name(name, &d));
   return d;
 }
+
+static int copy_to(lua_State *L, const pg_tensor *t, const pg_backend *b);
+
+/* Where a factory's options at idx put its tensor (device = "cpu" | "cuda" | "cuda:N", as t:to): NULL
+ * for the host. Read before the tensor is pushed (idx may be past the arguments). A module written in Lua
+ * makes its tensors on its engine's device with {device = info.device}. */
+static const pg_backend *opt_device(lua_State *L, int idx, const char *fname) {
+  const char *name = pg_lua_opt_string(L, idx, "device", NULL);
+  if (!name) return NULL;
+  const pg_backend *b = pg_backend_named(name);
+  if (!b) luaL_error(L, "%s: %s", fname, pg_error());
+  return b->device == PG_CPU ? NULL : b;
+}
+
+/* The factory's result: t (on the stack's top, made and filled on the host), or its copy on dev. */
+static int placed(lua_State *L, const pg_backend *dev, const pg_tensor *t) { return dev ? copy_to(L, t, dev) : 1; }
 
 /* Shape from either a table {2, 3} at idx or integers idx, idx+1, ... up to
  * the first non-number. Returns ndim and sets *next to the next argument. */
@@ -83,13 +99,14 @@ static void fill_from_table(lua_State *L, int idx, int depth, int ndim, const in
 static int l_tensor(lua_State *L) {
   luaL_checktype(L, 1, LUA_TTABLE);
   pg_dtype dtype = opt_dtype(L, 2, PG_FLOAT32, "pg.tensor");
+  const pg_backend *dev = opt_device(L, 2, "pg.tensor");
   int64_t shape[PG_MAX_DIMS];
   int ndim = 0;
   infer_shape(L, 1, 0, &ndim, shape);
   pg_tensor *t = pg_lua_new_tensor(L, dtype, ndim, shape);
   int64_t pos = 0;
   fill_from_table(L, 1, 0, ndim, shape, t, &pos);
-  return 1;
+  return placed(L, dev, t);
 }
 
 static int make_filled(lua_State *L, double value, int has_value_arg, const char *fname) {
@@ -98,10 +115,11 @@ static int make_filled(lua_State *L, double value, int has_value_arg, const char
   int ndim = read_shape(L, 1, shape, &next);
   if (has_value_arg) value = luaL_checknumber(L, next++);
   pg_dtype dtype = opt_dtype(L, next, PG_FLOAT32, fname);
+  const pg_backend *dev = opt_device(L, next, fname);
   check_value(L, dtype, value, fname);
   pg_tensor *t = pg_lua_new_tensor(L, dtype, ndim, shape);
   if (value != 0) pg_tensor_fill(t, value);
-  return 1;
+  return placed(L, dev, t);
 }
 
 static int l_zeros(lua_State *L) { return make_filled(L, 0, 0, "pg.zeros"); }
@@ -112,16 +130,17 @@ static int l_randn(lua_State *L) {
   int64_t shape[PG_MAX_DIMS];
   int next;
   int ndim = read_shape(L, 1, shape, &next);
-  static const char *const keys[] = {"seed", "mean", "std", NULL};
+  static const char *const keys[] = {"seed", "mean", "std", "device", NULL};
   pg_lua_check_keys(L, next, "pg.randn", keys);
   uint64_t seed = (uint64_t)pg_lua_opt_int(L, next, "seed", 0);
   double mean = pg_lua_opt_number(L, next, "mean", 0), std = pg_lua_opt_number(L, next, "std", 1);
   if (!isfinite(mean) || !isfinite(std)) return luaL_error(L, "pg.randn: mean and std must be finite, got %f and %f", mean, std);
+  const pg_backend *dev = opt_device(L, next, "pg.randn");
   pg_tensor *t = pg_lua_new_tensor(L, PG_FLOAT32, ndim, shape);
   uint64_t key = pg_rng_key(seed, "pg.randn");
   float *x = pg_tensor_f32(t);
   for (int64_t i = 0; i < t->numel; i++) x[i] = (float)(mean + std * pg_normal_at(key, (uint64_t)i));
-  return 1;
+  return placed(L, dev, t);
 }
 
 static int l_arange(lua_State *L) {
@@ -135,6 +154,7 @@ static int l_arange(lua_State *L) {
   double step = nargs == 3 ? lua_tonumber(L, 3) : 1;
   if (step == 0) return luaL_error(L, "pg.arange: step must not be zero");
   pg_dtype dtype = opt_dtype(L, nargs + 1, all_int ? PG_INT32 : PG_FLOAT32, "pg.arange");
+  const pg_backend *dev = opt_device(L, nargs + 1, "pg.arange");
   double count = ceil((stop - start) / step); /* NaN or past int64 when an end is inf or huge */
   if (count != count || count > (double)PG_MAX_NUMEL)
     return luaL_error(L, "pg.arange(%f, %f, %f): %f elements is not a tensor size", start, stop, step, count);
@@ -145,7 +165,7 @@ static int l_arange(lua_State *L) {
   }
   pg_tensor *t = pg_lua_new_tensor(L, dtype, 1, &n);
   for (int64_t i = 0; i < n; i++) pg_tensor_set_flat(t, i, start + (double)i * step);
-  return 1;
+  return placed(L, dev, t);
 }
 
 /* ---- methods ---- */
@@ -262,9 +282,8 @@ static int l_narrow(lua_State *L) {
                       (lua_Integer)t->shape[dim - 1]);
   int contiguous = 1;
   for (int i = 0; i < dim - 1; i++) contiguous &= t->shape[i] == 1;
-  if (!contiguous) pg_lua_check_tensor(L, 1); /* the copy reads the data: host only */
   int rc = contiguous ? pg_tensor_narrow_view(&out, t, (int)dim - 1, start - 1, len)
-                      : pg_tensor_narrow_copy(&out, t, (int)dim - 1, start - 1, len);
+                      : pg_backend_narrow_copy(&out, t, (int)dim - 1, start - 1, len); /* on t's device */
   PG_LUA_CHECK(L, rc);
   pg_lua_push_tensor(L, &out);
   return 1;
@@ -508,11 +527,11 @@ static int l_cat(lua_State *L) {
   const pg_tensor *ts[4096];
   for (lua_Integer i = 1; i <= n; i++) {
     lua_geti(L, 1, i);
-    ts[i - 1] = pg_lua_check_tensor(L, -1);
+    ts[i - 1] = pg_lua_check_any_tensor(L, -1);
     lua_pop(L, 1); /* the list keeps it alive */
   }
   pg_tensor out;
-  PG_LUA_CHECK(L, pg_tensor_cat(&out, ts, (int)n, dim_arg(L, 2, ts[0])));
+  PG_LUA_CHECK(L, pg_backend_cat(&out, ts, (int)n, dim_arg(L, 2, ts[0]))); /* on their device, all one */
   pg_lua_push_tensor(L, &out);
   return 1;
 }

@@ -51,7 +51,13 @@ pg_tensor *pg_lua_new_tensor(lua_State *L, pg_dtype dtype, int ndim, const int64
 
 pg_tensor *pg_lua_check_tensor_shape(lua_State *L, int idx, const char *name, pg_dtype dtype, int ndim,
                                      const int64_t *shape) {
-  pg_tensor *t = pg_lua_check_tensor(L, idx);
+  pg_lua_check_tensor(L, idx);
+  return pg_lua_check_any_tensor_shape(L, idx, name, dtype, ndim, shape);
+}
+
+pg_tensor *pg_lua_check_any_tensor_shape(lua_State *L, int idx, const char *name, pg_dtype dtype, int ndim,
+                                         const int64_t *shape) {
+  pg_tensor *t = pg_lua_check_any_tensor(L, idx);
   int ok = t->dtype == dtype && t->ndim == ndim;
   for (int i = 0; ok && i < ndim; i++) ok = shape[i] < 0 || t->shape[i] == shape[i];
   if (!ok) {

@@ -33,6 +33,9 @@ pg_tensor *pg_lua_new_tensor(lua_State *L, pg_dtype dtype, int ndim, const int64
 /* A float32 (or int32) tensor argument with an exact shape; name says which argument. */
 pg_tensor *pg_lua_check_tensor_shape(lua_State *L, int idx, const char *name, pg_dtype dtype, int ndim,
                                      const int64_t *shape);
+/* The same on any device (pg.ops' bindings: a device tensor runs on the backend seam's kernels). */
+pg_tensor *pg_lua_check_any_tensor_shape(lua_State *L, int idx, const char *name, pg_dtype dtype, int ndim,
+                                         const int64_t *shape);
 /* Reads a shape from a table of positive integers at idx. Returns ndim. */
 int pg_lua_check_shape(lua_State *L, int idx, int64_t *shape);
 

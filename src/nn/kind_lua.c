@@ -16,7 +16,7 @@ static int custom_forward(pg_module *m, int slot, pg_io *io, const float *x, con
   custom_state *s = m->state;
   if (check_rows(m, slot, io)) return PG_ERR;
   int rows = io->B * io->T;
-  if (s->fns.forward(s->fns.ud, slot, io, x, rows, slot_out(m, slot))) return PG_ERR;
+  if (s->fns.forward(s->fns.ud, home_backend(m->be), slot, io, x, rows, slot_out(m, slot))) return PG_ERR;
   if (s->output == PG_TP_REDUCE && pg_tp_reduce_forward(m, slot_out(m, slot), (int64_t)rows * m->out_width, PG_FLOAT32))
     return PG_ERR;
   *y = slot_out(m, slot);
@@ -26,7 +26,7 @@ static int custom_forward(pg_module *m, int slot, pg_io *io, const float *x, con
 static int custom_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   custom_state *s = m->state;
   int rows = io->B * io->T;
-  if (s->fns.backward(s->fns.ud, slot, io, dy, rows, m->dinp)) return PG_ERR;
+  if (s->fns.backward(s->fns.ud, home_backend(m->be), slot, io, dy, rows, m->dinp)) return PG_ERR;
   if (s->input == PG_TP_COPY && pg_tp_copy_backward(m, m->dinp, (int64_t)rows * m->in_width)) return PG_ERR;
   *dx = m->dinp;
   return PG_OK;
@@ -108,18 +108,20 @@ pg_module *pg_custom_new(pg_context *ctx, const char *name, int in_width, int ou
   return m;
 }
 
-/* Their Lua callbacks read and write host memory, on whole micro-batches (a
- * module written in Lua goes between sp_gather and sp_scatter under sequence
- * parallelism; an objective takes every row). A module written in Lua is
- * "lua" in descriptions (the bindings build it from the Lua table), "custom"
- * in messages; the objective never comes from a description: the bindings
- * end a stage with it. */
+/* Their Lua callbacks take whole micro-batches (a module written in Lua goes
+ * between sp_gather and sp_scatter under sequence parallelism; an objective
+ * takes every row). A module written in Lua runs on any backend: its
+ * callbacks get the module's buffers in the backend's memory (its pg.ops
+ * calls run the seam's kernels there); the objective reads and writes host
+ * memory (targets on the host, losses as host numbers), so it stays on the
+ * CPU. A module written in Lua is "lua" in descriptions (the bindings build
+ * it from the Lua table), "custom" in messages; the objective never comes
+ * from a description: the bindings end a stage with it. */
 const pg_module_kind pg_kind_custom = {
     .ops = {"custom", custom_alloc, custom_forward, custom_backward, custom_destroy},
     .traits = {.name = "lua",
                .assembly = PG_KIND_LUA,
                .sp = PG_SP_ALL_ROWS,
-               .host_only = "a module written in Lua runs on the cpu backend only",
                .flags = PG_KIND_WRITTEN_IN_LUA},
 };
 

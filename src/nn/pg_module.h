@@ -276,10 +276,11 @@ typedef struct pg_moe_opts {
 pg_module *pg_moe_new(pg_context *ctx, const char *name, const pg_moe_opts *o);
 
 /* A module computed by someone else (the Lua bindings run a Lua table):
- * callbacks get the row count and contiguous buffers. */
+ * callbacks get the row count and contiguous buffers in the memory of be,
+ * the module's backend (a device engine's: device memory). */
 typedef struct pg_custom_fns {
-  int (*forward)(void *ud, int slot, const pg_io *io, const float *x, int rows, float *y);
-  int (*backward)(void *ud, int slot, const pg_io *io, const float *dy, int rows, float *dx);
+  int (*forward)(void *ud, const pg_backend *be, int slot, const pg_io *io, const float *x, int rows, float *y);
+  int (*backward)(void *ud, const pg_backend *be, int slot, const pg_io *io, const float *dy, int rows, float *dx);
   void (*release)(void *ud);
   void *ud;
 } pg_custom_fns;

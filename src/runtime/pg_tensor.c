@@ -196,6 +196,10 @@ static int check_narrow(const pg_tensor *t, int dim, int64_t start, int64_t len)
   return PG_OK;
 }
 
+int pg_tensor_check_narrow(const pg_tensor *t, int dim, int64_t start, int64_t len) {
+  return check_narrow(t, dim, start, len);
+}
+
 int pg_tensor_narrow_view(pg_tensor *out, const pg_tensor *t, int dim, int64_t start, int64_t len) {
   if (check_narrow(t, dim, start, len)) return PG_ERR;
   for (int i = 0; i < dim; i++)
@@ -323,12 +327,11 @@ int pg_tensor_max_dim(pg_tensor *values, pg_tensor *indices, const pg_tensor *t,
   return PG_OK;
 }
 
-int pg_tensor_cat(pg_tensor *out, const pg_tensor *const *ts, int n, int dim) {
+int pg_tensor_cat_shape(const pg_tensor *const *ts, int n, int dim, int64_t *shape) {
   if (n < 1) return pg_fail("cat needs at least one tensor");
   const pg_tensor *f = ts[0];
   if (dim < 0 || dim >= f->ndim) return pg_fail("cat: dimension %d out of range for a %d-d tensor", dim + 1, f->ndim);
-  int64_t shape[PG_MAX_DIMS];
-  memcpy(shape, f->shape, sizeof shape);
+  memcpy(shape, f->shape, PG_MAX_DIMS * sizeof *shape);
   shape[dim] = 0;
   for (int i = 0; i < n; i++) {
     const pg_tensor *t = ts[i];
@@ -341,6 +344,13 @@ int pg_tensor_cat(pg_tensor *out, const pg_tensor *const *ts, int n, int dim) {
     }
     if (__builtin_add_overflow(shape[dim], t->shape[dim], &shape[dim])) return pg_fail("cat: the result is too large");
   }
+  return PG_OK;
+}
+
+int pg_tensor_cat(pg_tensor *out, const pg_tensor *const *ts, int n, int dim) {
+  int64_t shape[PG_MAX_DIMS];
+  if (pg_tensor_cat_shape(ts, n, dim, shape)) return PG_ERR;
+  const pg_tensor *f = ts[0];
   if (pg_tensor_init(out, f->dtype, f->ndim, shape)) return PG_ERR;
   int64_t outer, len, inner;
   split_at(out, dim, &outer, &len, &inner);

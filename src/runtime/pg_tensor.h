@@ -95,6 +95,9 @@ int64_t pg_shape_numel(int ndim, const int64_t *shape);
 int pg_tensor_narrow_view(pg_tensor *out, const pg_tensor *t, int dim, int64_t start, int64_t len);
 /* out = new contiguous copy of that slice, any dim. */
 int pg_tensor_narrow_copy(pg_tensor *out, const pg_tensor *t, int dim, int64_t start, int64_t len);
+/* PG_OK when rows [start, start+len) of `dim` are in t, else PG_ERR naming them (narrow's check, for the
+ * device copies of pg_backend.h). */
+int pg_tensor_check_narrow(const pg_tensor *t, int dim, int64_t start, int64_t len);
 /* out = view with another shape of the same numel. */
 int pg_tensor_reshape_view(pg_tensor *out, const pg_tensor *t, int ndim, const int64_t *shape);
 /* out = new contiguous tensor with dims a and b swapped (0-based; torch's
@@ -107,6 +110,8 @@ int pg_tensor_softmax(pg_tensor *out, const pg_tensor *t, int dim);
 int pg_tensor_max_dim(pg_tensor *values, pg_tensor *indices, const pg_tensor *t, int dim);
 /* out = the n tensors joined along dim (same dtype, same sizes elsewhere). */
 int pg_tensor_cat(pg_tensor *out, const pg_tensor *const *ts, int n, int dim);
+/* shape = the shape of that join, or PG_ERR naming the tensor that does not fit (cat's check). */
+int pg_tensor_cat_shape(const pg_tensor *const *ts, int n, int dim, int64_t *shape);
 /* out = a @ b (float32): [M, K] @ [K, N], or batched [B, M, K] @ [B, K, N] or
  * @ [K, N] (b broadcast over the batch); sgemm per batch. */
 int pg_tensor_matmul(pg_tensor *out, const pg_tensor *a, const pg_tensor *b);
