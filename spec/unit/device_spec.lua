@@ -148,6 +148,47 @@ print("agree")
     assert.matches("agree", out)
   end)
 
+  -- The device's AdamW step is one launch over a table of every piece (kernels.h's pg_adamw_piece), decay on the
+  -- matrices only; with the cpu's gradients copied in, the cpu's bits (its per-piece kernel, operation for
+  -- operation). Two engines of one shape step in turn: the device keeps one table and must see the other's pieces.
+  it("takes AdamW steps with the cpu's bits: the fused step, decay on matrices only, two optimizers in turn", function()
+    local rc, out = emu([[
+local pg = require "pipegoose"
+local CFG = { vocab = 61, padded_vocab = 64, seq_len = 16, dim = 32, heads = 4, layers = 2 }
+local all = pg.tensor((function()
+  local ids = {}
+  for b = 1, 2 do ids[b] = {} for t = 1, 17 do ids[b][t] = (b * 31 + t * 7) % 61 end end
+  return ids
+end)(), { dtype = "int32" })
+local xs, ys = all:narrow(2, 1, 16), all:narrow(2, 2, 16)
+local function pair(seed)
+  local r = {}
+  for _, device in ipairs{ "cpu", "cuda" } do
+    local e = pg.parallelize(pg.nn.GPT(CFG), nil, { device = device, seed = seed })
+    r[device] = { e = e, o = pg.optim.AdamW(e, { lr = 1e-2, weight_decay = 0.5 }) }
+  end
+  return r
+end
+local pairs_ = { pair(5), pair(6) }
+for s, k in ipairs{ 1, 2, 1, 2 } do
+  local c, d = pairs_[k].cpu, pairs_[k].cuda
+  c.e:zero_grad()
+  c.e:forward_backward(xs, ys)
+  local _, gc = c.e:flat()
+  local _, gd = d.e:flat()
+  gd:copy_(gc) -- the same gradients on both
+  c.o:step()
+  d.o:step()
+  assert(d.e:flat():to("cpu"):equal(c.e:flat()), ("step %d (engine %d): parameters differ"):format(s, k))
+  local sc, sd = c.o:state_dict(), d.o:state_dict()
+  assert(sd.m:to("cpu"):equal(sc.m) and sd.v:to("cpu"):equal(sc.v), ("step %d: moments differ"):format(s))
+end
+print("same bits")
+]], "PG_EMU_STATS=1")
+    assert.equal(0, rc, out)
+    assert.matches("same bits", out)
+  end)
+
   -- ALiBi (BLOOM's biases): the slopes on the device backend, also where
   -- selective recomputation runs the forward kernel again in backward (the
   -- two layers share one probability buffer)

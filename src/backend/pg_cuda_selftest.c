@@ -885,6 +885,52 @@ static void test_optim(selftest *st) {
     check_d(st, "sum_squares", d_out, want, 1e-12);
 }
 
+/* ---- the fused AdamW step ----
+ * Pieces of a parameter buffer with gaps between them (left as they are), moments packed elsewhere in their order,
+ * decay on some and off on others; lengths from 1 to several chunks, so that chunks start inside pieces, end inside
+ * them and span several, a piece's first element sits anywhere in a chunk and one starts a chunk (at 3 x 4096). The CPU's per-piece kernel on the same
+ * layout: the same bits. */
+static void test_adamw_pieces(selftest *st) {
+  _Static_assert(PG_CUDA_ADAMW_CHUNK == 4096, "the layout below puts a piece's start on chunk 3's first element");
+  static const struct { int64_t gap, n; int decay; } layout[] = {
+      {0, 5, 1}, {12, 1, 0}, {3, 9001, 1}, {0, 1, 0}, {100, 3280, 1}, {7, 4095, 0}, {1, 15000, 1}, {9, 333, 0}};
+  enum { NP = sizeof layout / sizeof layout[0] };
+  const pg_cuda_ctx *ctx = &st->ctx;
+  int64_t at[NP], st_off[NP], np = 0, nm = 0;
+  for (int k = 0; k < NP; k++) {
+    np += layout[k].gap;
+    at[k] = np, st_off[k] = nm;
+    np += layout[k].n, nm += layout[k].n;
+  }
+  np += 11; /* a tail after the last piece */
+  float *p0 = h_rand(st, np, -1, 1), *g = h_rand(st, np, -1, 1), *m0 = h_rand(st, nm, -0.1f, 0.1f);
+  float *v0 = h_rand(st, nm, 0, 0.01f);
+  float *p = h_copy(st, p0, np), *m = h_copy(st, m0, nm), *v = h_copy(st, v0, nm);
+  if (!p0 || !g || !m0 || !v0 || !p || !m || !v) return;
+  float *d_p = d_floats(st, p0, np), *d_g = d_floats(st, g, np), *d_m = d_floats(st, m0, nm);
+  float *d_v = d_floats(st, v0, nm);
+  if (st->broken) return;
+  pg_adamw_piece host[NP], dev[NP];
+  int64_t starts[NP + 1];
+  starts[0] = 0;
+  for (int k = 0; k < NP; k++) {
+    host[k] = (pg_adamw_piece){p + at[k], g + at[k], m + st_off[k], v + st_off[k], layout[k].n, layout[k].decay};
+    dev[k] = (pg_adamw_piece){d_p + at[k], d_g + at[k], d_m + st_off[k], d_v + st_off[k], layout[k].n,
+                              layout[k].decay};
+    starts[k + 1] = starts[k] + layout[k].n;
+  }
+  pg_adamw_update_pieces(host, NP, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3, 0.7f);
+  pg_adamw_piece *d_table = d_put(st, dev, sizeof dev);
+  int64_t *d_starts = d_put(st, starts, sizeof starts);
+  if (st->broken) return;
+  if (launched(st, "adamw_update_pieces", pg_cuda_adamw_update_pieces(ctx, d_table, d_starts, NP, starts[NP], 1e-3f,
+                                                                      0.9f, 0.95f, 1e-8f, 0.1f, 3, 0.7f))) {
+    check_f(st, "adamw_update_pieces.param (gaps kept)", d_p, p, np, 0, 0);
+    check_f(st, "adamw_update_pieces.m", d_m, m, nm, 0, 0);
+    check_f(st, "adamw_update_pieces.v", d_v, v, nm, 0, 0);
+  }
+}
+
 /* ---- the checklist: every kernel of kernels/kernel_list.h names its test ----
  * A row's PG_SELFTEST(fn) is a reference to fn (a kernel whose test is not
  * written does not compile), PG_NO_SELFTEST("why") a decision with its
