@@ -360,6 +360,7 @@ double pg_sum_squares(const float *x, int64_t n);
 typedef struct pg_cuda_ctx {
   void *stream; /* cudaStream_t; NULL = the legacy default stream */
   void *cublas; /* cublasHandle_t; needed by matmul and attention */
+  void *lt;     /* pg_cuda_lt (src/backend/pg_cublas.h), or NULL: precision bf16's products go through GemmEx */
 } pg_cuda_ctx;
 
 /* Error codes: 1..999 a cudaError_t, PG_CUDA_CUBLAS_ERR + s a cublasStatus_t s,

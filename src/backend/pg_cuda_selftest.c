@@ -29,7 +29,8 @@ int pg_cuda_selftest(char *report, size_t n) {
 #include <stdlib.h>
 
 #include "kernels.h"
-#include "pg_cpu_bf16_gemm.h" /* the CPU reference of the bf16 GEMM */
+#include "pg_cpu_bf16_gemm.h"
+#include "pg_cublas.h" /* pg_cuda_lt: the cuBLASLt path's cache */ /* the CPU reference of the bf16 GEMM */
 
 /* ---- the self-test ---- */
 
@@ -372,6 +373,91 @@ static void check_bf16(selftest *st, const char *name, const uint16_t *dev, cons
   say(st, "  ok    %-34s bit for bit (%lld values)\n", name, (long long)n);
 }
 
+/* ---- precision bf16's forward product through cuBLASLt (kernels/cuda/bf16.cu) ----
+ * The context's cuBLASLt path (when it has one) against the CPU's bf16 GEMM, with and without the bias epilogue;
+ * the per-shape cache (a repeat asks no heuristic); operands less aligned than 256 bytes (their own entry); a bias
+ * not 16-byte aligned (GemmEx: no cuBLASLt product); and the GemmEx path of the same products (context without
+ * cuBLASLt) against the CPU too. x [N,C], w [OC,C], b [OC]: host float32, rounded to bf16 here. */
+static void test_bf16_lt(selftest *st, const float *x, const float *w, const float *b, int N, int C, int OC) {
+  pg_cuda_ctx *ctx = &st->ctx;
+  pg_cuda_lt *lt = ctx->lt;
+  if (st->broken) return;
+  if (!lt) {
+    say(st, "  none  %-34s no cuBLASLt in this context (PG_CUBLASLT=0, or it did not load)\n", "matmul_bf16 (cuBLASLt)");
+    return;
+  }
+  /* x twice: at cudaMalloc's 256-byte alignment and one bf16 further; the bias aligned and one float further */
+  const int64_t nx = (int64_t)N * C, nout = (int64_t)N * OC;
+  uint16_t *x16 = h_alloc(st, ((size_t)nx + 1) * 2), *w16 = h_alloc(st, (size_t)OC * C * 2);
+  float *bb = h_alloc(st, ((size_t)OC + 1) * sizeof(float)), *want = h_alloc(st, (size_t)nout * sizeof(float));
+  float *want_nb = h_alloc(st, (size_t)nout * sizeof(float)), *garbage = h_rand(st, nout, 100, 200);
+  if (!x16 || !w16 || !bb || !want || !want_nb || !garbage) return;
+  pg_bf16_from_f32(x16 + 1, x, nx);
+  pg_bf16_from_f32(w16, w, (int64_t)OC * C);
+  memcpy(bb + 1, b, (size_t)OC * sizeof(float));
+  if (pg_matmul_bf16_forward(want, x16 + 1, w16, b, N, C, OC) ||
+      pg_matmul_bf16_forward(want_nb, x16 + 1, w16, NULL, N, C, OC)) {
+    broken(st, "CPU bf16 GEMM", pg_bf16_gemm_error());
+    return;
+  }
+  uint16_t *x_off = d_put(st, x16, ((size_t)nx + 1) * 2), *x_al = d_put(st, x16 + 1, (size_t)nx * 2);
+  uint16_t *d_w16 = d_put(st, w16, (size_t)OC * C * 2);
+  float *b_off = d_floats(st, bb, OC + 1), *d_b2 = d_floats(st, b, OC), *d_out = d_floats(st, garbage, nout);
+  if (st->broken) return;
+  x_off += 1, b_off += 1;
+  /* heuristic queries before each call (the first shape may be test_bf16's, already cached) */
+  long long hq[4];
+  const long long p0 = lt->products;
+  hq[0] = lt->heuristics;
+  if (launched(st, "matmul_bf16_forward (cuBLASLt, bias)",
+               pg_cuda_matmul_bf16_forward(ctx, d_out, x_al, d_w16, d_b2, N, C, OC)))
+    check_f(st, "matmul_bf16_forward (cuBLASLt, bias)", d_out, want, nout, TOL_GEMM);
+  if (!reload(st, d_out, garbage, nout)) return;
+  hq[1] = lt->heuristics;
+  if (launched(st, "matmul_bf16_forward (cuBLASLt, bias)",
+               pg_cuda_matmul_bf16_forward(ctx, d_out, x_al, d_w16, d_b2, N, C, OC)))
+    check_f(st, "matmul_bf16_forward (cuBLASLt, repeat)", d_out, want, nout, TOL_GEMM);
+  if (!reload(st, d_out, garbage, nout)) return;
+  hq[2] = lt->heuristics;
+  if (launched(st, "matmul_bf16_forward (cuBLASLt, no bias)",
+               pg_cuda_matmul_bf16_forward(ctx, d_out, x_al, d_w16, NULL, N, C, OC)))
+    check_f(st, "matmul_bf16_forward (cuBLASLt, no bias)", d_out, want_nb, nout, TOL_GEMM);
+  if (!reload(st, d_out, garbage, nout)) return;
+  hq[3] = lt->heuristics;
+  if (launched(st, "matmul_bf16_forward (cuBLASLt, x off 256)",
+               pg_cuda_matmul_bf16_forward(ctx, d_out, x_off, d_w16, d_b2, N, C, OC)))
+    check_f(st, "matmul_bf16_forward (Lt, x unaligned)", d_out, want, nout, TOL_GEMM);
+  const long long h1 = lt->heuristics, p1 = lt->products;
+  if (!reload(st, d_out, garbage, nout)) return;
+  if (launched(st, "matmul_bf16_forward (bias off 16)",
+               pg_cuda_matmul_bf16_forward(ctx, d_out, x_al, d_w16, b_off, N, C, OC)))
+    check_f(st, "matmul_bf16_forward (GemmEx, bias unaligned)", d_out, want, nout, TOL_GEMM);
+  /* the GemmEx path: the context without its cuBLASLt state */
+  ctx->lt = NULL;
+  if (!reload(st, d_out, garbage, nout)) {
+    ctx->lt = lt;
+    return;
+  }
+  const int rc = pg_cuda_matmul_bf16_forward(ctx, d_out, x_al, d_w16, d_b2, N, C, OC);
+  ctx->lt = lt;
+  if (launched(st, "matmul_bf16_forward (GemmEx)", rc))
+    check_f(st, "matmul_bf16_forward (GemmEx)", d_out, want, nout, TOL_GEMM);
+  if (st->broken) return;
+  /* the repeat asks no heuristic, the other epilogue and the other alignment one each; four cuBLASLt products,
+   * none for the unaligned bias or without the state */
+  const long long repeat = hq[2] - hq[1], other_epilogue = hq[3] - hq[2], other_alignment = h1 - hq[3];
+  st->checks++;
+  if (repeat == 0 && other_epilogue == 1 && other_alignment == 1 && p1 - p0 == 4 && lt->products == p1 &&
+      lt->heuristics == h1) {
+    say(st, "  ok    %-34s a heuristic query per shape, epilogue and alignment\n", "matmul_bf16 (cuBLASLt cache)");
+  } else {
+    st->failed++;
+    say(st, "  FAIL  %-34s queries: repeat %lld, no bias %lld, unaligned x %lld (want 0, 1, 1); %lld products "
+        "(want 4); %lld queries and %lld products after\n", "matmul_bf16 (cuBLASLt cache)", repeat, other_epilogue,
+        other_alignment, p1 - p0, lt->heuristics - h1, lt->products - p1);
+  }
+}
+
 /* Precision bf16: the rounding (bit for bit, ties and specials included) and the GemmEx products against the CPU's
  * bf16 GEMMs on the same bf16 operands (both sum exact products in float32, in other orders: TOL_GEMM). */
 static void test_bf16(selftest *st) {
@@ -417,6 +503,7 @@ static void test_bf16(selftest *st) {
   if (st->broken) return;
   if (launched(st, "matmul_bf16_forward", pg_cuda_matmul_bf16_forward(ctx, d_out, d_r, d_w16, d_b, N, C, OC)))
     check_f(st, "matmul_bf16_forward", d_out, out, (int64_t)N * OC, TOL_GEMM);
+  test_bf16_lt(st, x, w, b, N, C, OC);
   if (launched(st, "matmul_bf16_backward",
                pg_cuda_matmul_bf16_backward(ctx, d_dx, d_dw, d_db, d_dout, d_dout16, d_r, d_w16, N, C, OC))) {
     check_f(st, "matmul_bf16_backward.dinp", d_dx, dx, (int64_t)N * C, TOL_GEMM);

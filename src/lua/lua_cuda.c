@@ -54,7 +54,7 @@ static int l_versions(lua_State *L) {
 }
 
 static int l_selftest(lua_State *L) {
-  size_t cap = 16384;
+  size_t cap = 65536; /* the report: a line per check (about 160 lines of 90 characters now) */
   char *report = malloc(cap);
   if (!report) return luaL_error(L, "pg.cuda.selftest: out of memory");
   int rc = pg_cuda_selftest(report, cap);
