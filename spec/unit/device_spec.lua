@@ -486,9 +486,18 @@ print(("memory %s %d %d"):format(mg.precision, mg.bf16_bytes, mc.bf16_bytes))
     assert.matches("peak sgemm_fp32 %S+ GFLOP/s %(n = 16%)", out)
     assert.matches("peak gemm_bf16 %S+ GFLOP/s %(n = 16, bf16 inputs, float32 sums%)", out)
     local line = "gpt2%-tiny 4x16 tokens_per_s %S+ step_ms %S+ "
-    local fp32 = tonumber(out:match(line .. "mfu_vs_sgemm (%S+) loss %S+ %(fp32"))
-    local bf16 = tonumber(out:match(line .. "mfu_vs_bf16_gemm (%S+) loss %S+ %(bf16"))
+    local fp32, fp32_attn = out:match(line .. "mfu_vs_sgemm (%S+) mfu_attn (%S+) loss %S+ %(fp32")
+    local bf16, bf16_attn = out:match(line .. "mfu_vs_bf16_gemm (%S+) mfu_attn (%S+) loss %S+ %(bf16")
+    fp32, bf16 = tonumber(fp32), tonumber(bf16)
     assert.is_true(fp32 ~= nil and fp32 >= 0 and bf16 ~= nil and bf16 >= 0, out)
+    -- attention's products add to the count
+    assert.is_true(tonumber(fp32_attn) >= fp32 and tonumber(bf16_attn) >= bf16, out)
+    -- the issue's table's shape: LLaMA at several lengths, a step's tokens fixed (the batch = tokens / T)
+    local rc3, out3 = h.sh(("timeout -k 2 300 %s scripts/bench_gpu.lua --model=llama-tiny --seqs=8,16 --tokens=32 "
+      .. "--precision=bf16 --steps=1 --warmup=0 --peak-n=16"):format(h.quote(EMU)))
+    assert.equal(0, rc3, out3)
+    assert.matches("llama%-tiny 4x8 tokens_per_s %S+ step_ms %S+ mfu_vs_bf16_gemm %S+ mfu_attn %S+ loss", out3)
+    assert.matches("llama%-tiny 2x16 tokens_per_s %S+ step_ms %S+ mfu_vs_bf16_gemm %S+ mfu_attn %S+ loss", out3)
     local rc2, out2 = emu([[
 local pg = require "pipegoose"
 print(pcall(pg.cuda.bf16_gemm_gflops, 0))
