@@ -31,8 +31,8 @@ parser:option("--model", "124m, small, tiny, llama-1b or llama-tiny (the tiny on
   .. "emulated device).", "124m"):choices{ "124m", "small", "tiny", "llama-1b", "llama-tiny" }
 parser:option("--batch", "Sequences per step (default 8 for 124m, else 4; or --tokens / T)."):convert(to_int)
 parser:option("--seq", "Tokens per sequence (default: the model's seq_len)."):convert(to_int)
-parser:option("--seqs", "Several sequence lengths, comma-separated (one engine and line each; the model's "
-  .. "seq_len is the longest)."):convert(function(v)
+parser:option("--seqs", "Several sequence lengths, comma-separated (one engine, of seq_len T, and one line "
+  .. "each)."):convert(function(v)
   local list = {}
   for t in v:gmatch("[^,]+") do
     local n = to_int(t)
@@ -71,7 +71,13 @@ local name = opt.model or "124m"
 local model = MODELS[name] or error("bench_gpu.lua: --model is 124m, small, tiny, llama-1b or llama-tiny", 0)
 local cfg = model.cfg
 local seqs = args.seqs or { int("seq", cfg.seq_len) }
-for _, t in ipairs(seqs) do cfg.seq_len = math.max(cfg.seq_len, t) end
+-- the model of one length: seq_len = T (GPT-2's position table has T rows, as bench_torch_gpu.py's)
+local function cfg_for(T)
+  local c = {}
+  for k, v in pairs(cfg) do c[k] = v end
+  c.seq_len = T
+  return c
+end
 local function batch_for(T)
   if opt.tokens then return math.max(1, opt.tokens // T) end
   return int("batch", name == "124m" and 8 or 4)
@@ -116,7 +122,8 @@ for _, precision in ipairs(precisions) do
   for _, T in ipairs(seqs) do
     local B = batch_for(T)
     local x, y = batch_of(B, T)
-    local engine = pg.parallelize(pg.nn[model.family](cfg), nil, { device = "cuda", seed = 1, precision = precision })
+    local engine = pg.parallelize(pg.nn[model.family](cfg_for(T)), nil,
+      { device = "cuda", seed = 1, precision = precision })
     local optim = pg.optim.AdamW(engine, { lr = 1e-4, weight_decay = 0.1 })
     local function step()
       engine:zero_grad()

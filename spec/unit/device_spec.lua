@@ -477,6 +477,37 @@ print(("memory %s %d %d"):format(mg.precision, mg.bf16_bytes, mc.bf16_bytes))
   end)
   end
 
+  -- precision bf16's forward product goes through cuBLASLt (the bias in its epilogue) where it loads; the
+  -- emulated cuBLASLt sums as the emulated GemmEx does and adds the bias once, so the step has the GemmEx path's
+  -- bits (PG_CUBLASLT=0), with one bias pass fewer per linear with a bias (GPT, 2 layers: 8).
+  it("runs precision bf16's forward products through cuBLASLt: PG_CUBLASLT=0's bits, 8 launches fewer #bf16",
+    function()
+    local code = [[
+local pg = require "pipegoose"
+local CFG = { vocab = 61, padded_vocab = 64, seq_len = 16, dim = 32, heads = 4, layers = 2 }
+local e = pg.parallelize(pg.nn.GPT(CFG), nil, { device = "cuda", seed = 5, precision = "bf16" })
+local x = pg.tensor((function()
+  local ids = {}
+  for b = 1, 2 do ids[b] = {} for t = 1, 17 do ids[b][t] = (b * 13 + t * 5) % 61 end end
+  return ids
+end)(), { dtype = "int32" })
+e:zero_grad()
+local loss = e:forward_backward(x:narrow(2, 1, 16), x:narrow(2, 2, 16))
+local _, g = e:flat()
+local gc = g:to("cpu")
+print(("loss %.17g gradsum %.17g gradsq %.17g"):format(loss, gc:abs():sum(), gc:mul(gc):sum()))
+]]
+    local rc1, lt = emu(code, "PG_EMU_STATS=1")
+    local rc2, ex = emu(code, "PG_EMU_STATS=1 PG_CUBLASLT=0")
+    assert.equal(0, rc1, lt)
+    assert.equal(0, rc2, ex)
+    local a, b = lt:match("loss %S+ gradsum %S+ gradsq %S+"), ex:match("loss %S+ gradsum %S+ gradsq %S+")
+    assert.is_truthy(a, lt)
+    assert.equal(b, a)
+    local la, lb = tonumber(lt:match("emu: (%d+) kernel launches")), tonumber(ex:match("emu: (%d+) kernel launches"))
+    assert.equal(lb - 8, la, lt .. ex)
+  end)
+
   -- scripts/bench_gpu.lua runs on a real GPU (scripts/gpu_check.sh); here its logic, not its speed: both
   -- precisions' peaks (sgemm, bf16 GemmEx) and training lines, and the rate function's argument check.
   it("runs bench_gpu.lua's fp32 and bf16 parts (--model=tiny)", function()
