@@ -383,7 +383,8 @@ static void test_bf16_lt(selftest *st, const float *x, const float *w, const flo
   pg_cuda_lt *lt = ctx->lt;
   if (st->broken) return;
   if (!lt) {
-    say(st, "  none  %-34s no cuBLASLt in this context (PG_CUBLASLT=0, or it did not load)\n", "matmul_bf16 (cuBLASLt)");
+    say(st, "  none  %-34s no cuBLASLt in this context (PG_CUBLASLT=0, or it did not load)\n",
+        "matmul_bf16 (cuBLASLt)");
     return;
   }
   /* x twice: at cudaMalloc's 256-byte alignment and one bf16 further; the bias aligned and one float further */
@@ -975,8 +976,8 @@ static void test_optim(selftest *st) {
 /* ---- the fused AdamW step ----
  * Pieces of a parameter buffer with gaps between them (left as they are), moments packed elsewhere in their order,
  * decay on some and off on others; lengths from 1 to several chunks, so that chunks start inside pieces, end inside
- * them and span several, a piece's first element sits anywhere in a chunk and one starts a chunk (at 3 x 4096). The CPU's per-piece kernel on the same
- * layout: the same bits. */
+ * them and span several, a piece's first element sits anywhere in a chunk and one starts a chunk (at 3 x 4096).
+ * The CPU's per-piece kernel on the same layout: the same bits. */
 static void test_adamw_pieces(selftest *st) {
   _Static_assert(PG_CUDA_ADAMW_CHUNK == 4096, "the layout below puts a piece's start on chunk 3's first element");
   static const struct { int64_t gap, n; int decay; } layout[] = {
