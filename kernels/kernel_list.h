@@ -156,6 +156,13 @@ PG_KERNEL(adamw_update,
           PG_SELFTEST(test_optim))
 /* *out (host) = the sum of squares, deterministic (CUDA: fixed chunks in the backend's device scratch) */
 PG_KERNEL(sum_squares, (const float *x, int64_t n, double *out), (x, n, out), OWN, OWN, PG_SELFTEST(test_optim))
+/* the fused step (kernels.h's pg_adamw_piece): the table in host memory, its pointers in this backend's; CUDA keeps
+ * a device copy of the last table (uploaded when it changes) and runs one launch over every piece */
+PG_KERNEL(adamw_update_pieces,
+          (const pg_adamw_piece *pieces, int npieces, float lr, float beta1, float beta2, float eps, float weight_decay,
+           int step, float grad_scale),
+          (pieces, npieces, lr, beta1, beta2, eps, weight_decay, step, grad_scale), CALL, OWN,
+          PG_SELFTEST(test_adamw_pieces))
 
 /* ---- precision bf16 (kernels.h's bf16 contracts; bf16 values are uint16_t bits) ---- */
 /* dst = src rounded to bf16 (nearest, ties to even; NaN kept), the same bits on every backend */

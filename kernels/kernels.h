@@ -355,6 +355,21 @@ double pg_xent_finish(float *losses, float *dlogits, const float *logits, const 
 void pg_adamw_update(float *param, const float *grad, float *m, float *v, int64_t n, float lr, float beta1,
                      float beta2, float eps, float weight_decay, int step, float grad_scale);
 
+/* One piece of a fused AdamW step: n elements of one parameter, its gradient and its moments (pointers in the
+ * memory of the backend that runs the step), with weight decay or without (decay 0: torch's no-decay group). */
+typedef struct pg_adamw_piece {
+  float *param;
+  const float *grad;
+  float *m, *v;
+  int64_t n;
+  int decay; /* 1: weight_decay applies; 0: it does not */
+} pg_adamw_piece;
+
+/* pg_adamw_update on every piece in order, weight_decay where piece.decay and 0 elsewhere: the same bits as one call
+ * per piece (the CUDA twin does the whole table in one launch). */
+void pg_adamw_update_pieces(const pg_adamw_piece *pieces, int npieces, float lr, float beta1, float beta2, float eps,
+                            float weight_decay, int step, float grad_scale);
+
 /* Sum of squares in double, deterministic (fixed chunking). */
 double pg_sum_squares(const float *x, int64_t n);
 
@@ -378,6 +393,7 @@ double pg_sum_squares(const float *x, int64_t n);
 typedef struct pg_cuda_ctx {
   void *stream; /* cudaStream_t; NULL = the legacy default stream */
   void *cublas; /* cublasHandle_t; needed by matmul and attention */
+  void *lt;     /* pg_cuda_lt (src/backend/pg_cublas.h), or NULL: precision bf16's products go through GemmEx */
 } pg_cuda_ctx;
 
 /* Error codes: 1..999 a cudaError_t, PG_CUDA_CUBLAS_ERR + s a cublasStatus_t s,
@@ -518,6 +534,15 @@ int pg_cuda_xent_finish(const pg_cuda_ctx *ctx, float *losses, float *dlogits, c
 int pg_cuda_adamw_update(const pg_cuda_ctx *ctx, float *param, const float *grad, float *m, float *v, int64_t n,
                          float lr, float beta1, float beta2, float eps, float weight_decay, int step,
                          float grad_scale);
+
+/* pg_adamw_update_pieces in one launch: pieces (npieces rows) and starts (npieces + 1: starts[0] = 0, starts[k + 1] =
+ * starts[k] + pieces[k].n, starts[npieces] = total) in device memory; block j updates elements [j C, (j + 1) C) of
+ * the pieces laid end to end (C = PG_CUDA_ADAMW_CHUNK), finding its first piece by bisection of starts. The same
+ * bits as pg_adamw_update per piece. */
+#define PG_CUDA_ADAMW_CHUNK 4096
+int pg_cuda_adamw_update_pieces(const pg_cuda_ctx *ctx, const pg_adamw_piece *pieces, const int64_t *starts,
+                                int npieces, int64_t total, float lr, float beta1, float beta2, float eps,
+                                float weight_decay, int step, float grad_scale);
 
 /* *out (a device double) = sum of squares of x, in PG_CUDA_SUMSQ_BLOCKS fixed
  * chunks; scratch holds PG_CUDA_SUMSQ_BLOCKS device doubles. */

@@ -16,12 +16,22 @@
 #      GemmEx rate, both measured in the same run (BENCH_ARGS to change it), and
 #      where python3 has torch, the same step in PyTorch on the same GPU
 #      (scripts/bench_torch.py --device cuda, fp32, TF32 off) and the ratio;
+#   4b. unless TABLE=0: the issue's bf16 table: GPT-2 124M and LLaMA ~1B (TinyLlama's shape) at T in TABLE_SEQS
+#      (default 1024,2048,4096), TABLE_TOKENS tokens a step (default 16384; the batch is tokens / T), pipegoose
+#      (bench_gpu.lua --precision=bf16) and PyTorch 2.x with its best settings (scripts/bench_torch_gpu.py: bf16
+#      autocast, SDPA flash, torch.compile, fused AdamW) in the same run, each MFU against its own bf16 GEMM rate
+#      measured in the run; printed as one table (tokens/s, MFU, MFU with attention, the ratio). PyTorch is
+#      python3's torch, else a venv made from the wheels in .gpu/wheels (the GPU machine has no network: fill it
+#      here with `pip download torch --dest .gpu/wheels` for its Python and CUDA, and carry .gpu/);
 #   5. unless SPECS=0: the dist specs marked '-- device worlds:' at those
 #      sizes with PG_TEST_DEVICE=cuda (run_tests.sh), on this GPU: each layout
 #      against the serial CPU run. (spec/unit/device_spec.lua is the emulator's:
 #      it counts the emulated device's calls.)
 # Everything it prints also goes to $OUT/gpu_check.log (OUT defaults to
 # build/gpu-check). Exit status 0 when every check passed.
+#
+# DRY=1: only step 4b, on the emulated device (build-emu/pglua, make emu) with the tiny models at T = 8 and 16,
+# and PyTorch's --dry (the CPU) where torch is installed: checks the scripts and the table, not the speed.
 #
 # The machine needs the build's Debian packages (scripts/install-deps.sh) and
 # the CUDA toolkit with cuBLAS and NCCL (CUDA_HOME, default /usr/local/cuda).
@@ -39,6 +49,66 @@ failed=0
 
 say "== gpu_check $(date -u +%FT%TZ) on $(hostname)"
 LD_BEFORE=${LD_LIBRARY_PATH:-} # python3 and torch get the machine's own libraries
+
+# python3 with torch: the machine's, else a venv from .gpu/wheels (no network); empty when neither
+torch_python() {
+  if LD_LIBRARY_PATH=$LD_BEFORE python3 -c 'import torch' 2> /dev/null; then echo python3; return; fi
+  local venv=$OUT/torch-venv
+  if [ -d .gpu/wheels ] && { [ -x "$venv/bin/python" ] || {
+    LD_LIBRARY_PATH=$LD_BEFORE python3 -m venv "$venv" &&
+      LD_LIBRARY_PATH=$LD_BEFORE "$venv/bin/pip" install -q --no-index --find-links .gpu/wheels torch >&2; }; } &&
+    LD_LIBRARY_PATH=$LD_BEFORE "$venv/bin/python" -c 'import torch' 2> /dev/null; then
+    echo "$venv/bin/python"
+  fi
+}
+
+# bf16_table PGLUA SEQS TOKENS MODEL:TORCH_MODEL... (TORCH_ARGS: extra bench_torch_gpu.py arguments, e.g. --dry)
+# One bench_gpu.lua and one bench_torch_gpu.py run per model, then the table of both joined on model and BxT.
+bf16_table() {
+  local pglua=$1 seqs=$2 tokens=$3 status=0 m ours theirs py
+  shift 3
+  : > "$OUT/table_ours.out"
+  : > "$OUT/table_torch.out"
+  py=$(torch_python)
+  for m in "$@"; do
+    ours=${m%%:*} theirs=${m#*:}
+    say "== bf16: bench_gpu.lua --model=$ours --seqs=$seqs --tokens=$tokens"
+    run timeout -k 5 "${BENCH_TIMEOUT:-900}" "$pglua" scripts/bench_gpu.lua --model="$ours" --precision=bf16 \
+      --seqs="$seqs" --tokens="$tokens" ${BENCH_TABLE_ARGS:-} | tee -a "$OUT/table_ours.out" || status=1
+    if [ -n "$py" ]; then
+      say "== bf16: bench_torch_gpu.py --model $theirs --seqs $seqs --tokens $tokens ${TORCH_ARGS:-}"
+      # shellcheck disable=SC2086
+      LD_LIBRARY_PATH=$LD_BEFORE run timeout -k 5 "${BENCH_TIMEOUT:-900}" "$py" scripts/bench_torch_gpu.py \
+        --model "$theirs" --seqs "$seqs" --tokens "$tokens" ${TORCH_ARGS:-} | tee -a "$OUT/table_torch.out" || status=1
+    fi
+  done
+  [ -n "$py" ] || say "   (no PyTorch: python3 has no torch and .gpu/wheels has none)"
+  say "== bf16 table (MFU against each framework's bf16 GEMM rate measured in this run)"
+  awk '
+    FNR == 1 { file++ }
+    file == 1 && $3 == "tokens_per_s" { key = $1 " " $2; order[++n] = key; tps[key] = $4; mfu[key] = $8; mfua[key] = $10 }
+    file == 2 && $1 == "torch" && $4 == "tokens_per_s" { key = $2 " " $3; ttps[key] = $5; tmfu[key] = $9; tmfua[key] = $11 }
+    END {
+      printf "| model | B x T | pipegoose tokens/s | MFU | MFU+attn | PyTorch tokens/s | MFU | MFU+attn | ratio |\n"
+      printf "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+      for (i = 1; i <= n; i++) {
+        k = order[i]; split(k, f, " ")
+        t = (k in ttps) ? ttps[k] : "-"
+        r = (k in ttps && ttps[k] > 0) ? sprintf("%.3f", tps[k] / ttps[k]) : "-"
+        printf "| %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", f[1], f[2], tps[k], mfu[k], mfua[k], t,
+          (k in tmfu) ? tmfu[k] : "-", (k in tmfua) ? tmfua[k] : "-", r
+      }
+    }' "$OUT/table_ours.out" "$OUT/table_torch.out" | tee -a "$LOG"
+  return $status
+}
+
+if [ "${DRY:-0}" = 1 ]; then
+  say "== DRY=1: the bf16 table on the emulated device, tiny models"
+  TORCH_ARGS="--dry ${TORCH_ARGS:-}" BENCH_TABLE_ARGS="--steps=1 --warmup=0 --peak-n=16" \
+    bf16_table "${PGLUA:-build-emu/pglua}" 8,16 32 tiny:gpt2-tiny llama-tiny:llama-tiny || failed=1
+  say "== gpu_check (dry): $([ $failed = 0 ] && echo passed || echo FAILED)"
+  exit $failed
+fi
 if [ -f .gpu/bundle.tar.xz ]; then
   [ -f .gpu/env.sh ] || tar -xJf .gpu/bundle.tar.xz -C .gpu || exit 1
   . .gpu/env.sh
@@ -128,6 +198,11 @@ if [ -z "${BENCH_ARGS:-}" ] && LD_LIBRARY_PATH=$LD_BEFORE python3 -c 'import tor
   theirs=$(sed -n 's/^torch_tokens_per_s \([0-9.]*\)/\1/p' "$OUT/torch.out")
   [ -n "$ours" ] && [ -n "$theirs" ] &&
     say "   pipegoose / PyTorch tokens/s: $(awk -v a="$ours" -v b="$theirs" 'BEGIN { printf "%.3f", a / b }')"
+fi
+
+if [ "${TABLE:-1}" = 1 ]; then
+  bf16_table "$PGLUA" "${TABLE_SEQS:-1024,2048,4096}" "${TABLE_TOKENS:-16384}" 124m:gpt2-124m llama-1b:llama-1b ||
+    failed=1
 fi
 
 if [ "${SPECS:-1}" = 1 ]; then

@@ -26,6 +26,15 @@ void pg_adamw_update(float *param, const float *grad, float *m, float *v, int64_
   }
 }
 
+void pg_adamw_update_pieces(const pg_adamw_piece *pieces, int npieces, float lr, float beta1, float beta2, float eps,
+                            float weight_decay, int step, float grad_scale) {
+  for (int k = 0; k < npieces; k++) {
+    const pg_adamw_piece *pc = &pieces[k];
+    pg_adamw_update(pc->param, pc->grad, pc->m, pc->v, pc->n, lr, beta1, beta2, eps, pc->decay ? weight_decay : 0.0f,
+                    step, grad_scale);
+  }
+}
+
 #define PG_SUMSQ_CHUNKS 64
 #define PG_SUMSQ_LANES 8
 

@@ -148,6 +148,47 @@ print("agree")
     assert.matches("agree", out)
   end)
 
+  -- The device's AdamW step is one launch over a table of every piece (kernels.h's pg_adamw_piece), decay on the
+  -- matrices only; with the cpu's gradients copied in, the cpu's bits (its per-piece kernel, operation for
+  -- operation). Two engines of one shape step in turn: the device keeps one table and must see the other's pieces.
+  it("takes AdamW steps with the cpu's bits: the fused step, decay on matrices only, two optimizers in turn", function()
+    local rc, out = emu([[
+local pg = require "pipegoose"
+local CFG = { vocab = 61, padded_vocab = 64, seq_len = 16, dim = 32, heads = 4, layers = 2 }
+local all = pg.tensor((function()
+  local ids = {}
+  for b = 1, 2 do ids[b] = {} for t = 1, 17 do ids[b][t] = (b * 31 + t * 7) % 61 end end
+  return ids
+end)(), { dtype = "int32" })
+local xs, ys = all:narrow(2, 1, 16), all:narrow(2, 2, 16)
+local function pair(seed)
+  local r = {}
+  for _, device in ipairs{ "cpu", "cuda" } do
+    local e = pg.parallelize(pg.nn.GPT(CFG), nil, { device = device, seed = seed })
+    r[device] = { e = e, o = pg.optim.AdamW(e, { lr = 1e-2, weight_decay = 0.5 }) }
+  end
+  return r
+end
+local pairs_ = { pair(5), pair(6) }
+for s, k in ipairs{ 1, 2, 1, 2 } do
+  local c, d = pairs_[k].cpu, pairs_[k].cuda
+  c.e:zero_grad()
+  c.e:forward_backward(xs, ys)
+  local _, gc = c.e:flat()
+  local _, gd = d.e:flat()
+  gd:copy_(gc) -- the same gradients on both
+  c.o:step()
+  d.o:step()
+  assert(d.e:flat():to("cpu"):equal(c.e:flat()), ("step %d (engine %d): parameters differ"):format(s, k))
+  local sc, sd = c.o:state_dict(), d.o:state_dict()
+  assert(sd.m:to("cpu"):equal(sc.m) and sd.v:to("cpu"):equal(sc.v), ("step %d: moments differ"):format(s))
+end
+print("same bits")
+]], "PG_EMU_STATS=1")
+    assert.equal(0, rc, out)
+    assert.matches("same bits", out)
+  end)
+
   -- ALiBi (BLOOM's biases): the slopes on the device backend, also where
   -- selective recomputation runs the forward kernel again in backward (the
   -- two layers share one probability buffer)
@@ -598,6 +639,37 @@ print(("memory %s %d %d"):format(mg.precision, mg.bf16_bytes, mc.bf16_bytes))
   end)
   end
 
+  -- precision bf16's forward product goes through cuBLASLt (the bias in its epilogue) where it loads; the
+  -- emulated cuBLASLt sums as the emulated GemmEx does and adds the bias once, so the step has the GemmEx path's
+  -- bits (PG_CUBLASLT=0), with one bias pass fewer per linear with a bias (GPT, 2 layers: 8).
+  it("runs precision bf16's forward products through cuBLASLt: PG_CUBLASLT=0's bits, 8 launches fewer #bf16",
+    function()
+    local code = [[
+local pg = require "pipegoose"
+local CFG = { vocab = 61, padded_vocab = 64, seq_len = 16, dim = 32, heads = 4, layers = 2 }
+local e = pg.parallelize(pg.nn.GPT(CFG), nil, { device = "cuda", seed = 5, precision = "bf16" })
+local x = pg.tensor((function()
+  local ids = {}
+  for b = 1, 2 do ids[b] = {} for t = 1, 17 do ids[b][t] = (b * 13 + t * 5) % 61 end end
+  return ids
+end)(), { dtype = "int32" })
+e:zero_grad()
+local loss = e:forward_backward(x:narrow(2, 1, 16), x:narrow(2, 2, 16))
+local _, g = e:flat()
+local gc = g:to("cpu")
+print(("loss %.17g gradsum %.17g gradsq %.17g"):format(loss, gc:abs():sum(), gc:mul(gc):sum()))
+]]
+    local rc1, lt = emu(code, "PG_EMU_STATS=1")
+    local rc2, ex = emu(code, "PG_EMU_STATS=1 PG_CUBLASLT=0")
+    assert.equal(0, rc1, lt)
+    assert.equal(0, rc2, ex)
+    local a, b = lt:match("loss %S+ gradsum %S+ gradsq %S+"), ex:match("loss %S+ gradsum %S+ gradsq %S+")
+    assert.is_truthy(a, lt)
+    assert.equal(b, a)
+    local la, lb = tonumber(lt:match("emu: (%d+) kernel launches")), tonumber(ex:match("emu: (%d+) kernel launches"))
+    assert.equal(lb - 8, la, lt .. ex)
+  end)
+
   -- scripts/bench_gpu.lua runs on a real GPU (scripts/gpu_check.sh); here its logic, not its speed: both
   -- precisions' peaks (sgemm, bf16 GemmEx) and training lines, the flash attention kernels' lines, and the rate
   -- functions' argument checks.
@@ -608,14 +680,23 @@ print(("memory %s %d %d"):format(mg.precision, mg.bf16_bytes, mc.bf16_bytes))
     assert.matches("peak sgemm_fp32 %S+ GFLOP/s %(n = 16%)", out)
     assert.matches("peak gemm_bf16 %S+ GFLOP/s %(n = 16, bf16 inputs, float32 sums%)", out)
     local line = "gpt2%-tiny 4x16 tokens_per_s %S+ step_ms %S+ "
-    local fp32 = tonumber(out:match(line .. "mfu_vs_sgemm (%S+) loss %S+ %(fp32"))
-    local bf16 = tonumber(out:match(line .. "mfu_vs_bf16_gemm (%S+) loss %S+ %(bf16"))
+    local fp32, fp32_attn = out:match(line .. "mfu_vs_sgemm (%S+) mfu_attn (%S+) loss %S+ %(fp32")
+    local bf16, bf16_attn = out:match(line .. "mfu_vs_bf16_gemm (%S+) mfu_attn (%S+) loss %S+ %(bf16")
+    fp32, bf16 = tonumber(fp32), tonumber(bf16)
     assert.is_true(fp32 ~= nil and fp32 >= 0 and bf16 ~= nil and bf16 >= 0, out)
     -- --attention (tiny: T 64): the bf16 flash attention kernels timed at both head sizes
     for _, hs in ipairs{ 64, 128 } do
       local fwd, bwd = out:match(("attention_bf16 T 64 HS %d BxNH 1x%d fwd_ms (%%S+) bwd_ms (%%S+) "):format(hs, 128 // hs))
       assert.is_true(tonumber(fwd) ~= nil and tonumber(fwd) > 0 and tonumber(bwd) ~= nil and tonumber(bwd) > 0, out)
     end
+    -- attention's products add to the count
+    assert.is_true(tonumber(fp32_attn) >= fp32 and tonumber(bf16_attn) >= bf16, out)
+    -- the issue's table's shape: LLaMA at several lengths, a step's tokens fixed (the batch = tokens / T)
+    local rc3, out3 = h.sh(("timeout -k 2 300 %s scripts/bench_gpu.lua --model=llama-tiny --seqs=8,16 --tokens=32 "
+      .. "--precision=bf16 --steps=1 --warmup=0 --peak-n=16"):format(h.quote(EMU)))
+    assert.equal(0, rc3, out3)
+    assert.matches("llama%-tiny 4x8 tokens_per_s %S+ step_ms %S+ mfu_vs_bf16_gemm %S+ mfu_attn %S+ loss", out3)
+    assert.matches("llama%-tiny 2x16 tokens_per_s %S+ step_ms %S+ mfu_vs_bf16_gemm %S+ mfu_attn %S+ loss", out3)
     local rc2, out2 = emu([[
 local pg = require "pipegoose"
 print(pcall(pg.cuda.bf16_gemm_gflops, 0))

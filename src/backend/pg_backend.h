@@ -28,6 +28,7 @@ typedef enum {
 } pg_copy_kind;
 
 typedef struct pg_backend pg_backend;
+typedef struct pg_adamw_piece pg_adamw_piece; /* kernels.h: a piece of the fused AdamW step */
 
 typedef struct pg_backend_ops {
   /* ---- memory ---- */

@@ -22,12 +22,18 @@ const pg_backend *pg_backend_cuda(int ordinal) {
 
 #include "kernels.h"
 #include "pg_cuda.h"
+#include "pg_size.h"
 
 #define PG_CUDA_MAX_DEVICES 64
 
 typedef struct cuda_impl {
   pg_cuda_ctx ctx;
   double *scalars; /* device scratch: 1 result + PG_CUDA_SUMSQ_BLOCKS partials */
+  /* the fused AdamW step's last table (cu_adamw_update_pieces), laid out as the kernel reads it: starts
+   * [adamw_cap + 1] then pieces [adamw_cap]; on the host (to tell whether the next step's is the same) and on the
+   * device */
+  void *adamw_host, *adamw_dev;
+  int adamw_n, adamw_cap;
 } cuda_impl;
 
 static pg_backend backends[PG_CUDA_MAX_DEVICES];
@@ -158,6 +164,70 @@ static int cu_flash_bf16_backward(const pg_backend *b, float *dqkv, float *delta
   if (pg_backend_flash_bf16_refused("flash_bf16_backward", B, T, NH, NKV, HS)) return PG_ERR;
   return kernel_rc(b, "flash_bf16_backward",
                    pg_cuda_flash_bf16_backward(ctx_of(b), dqkv, delta, dout, out, qkv, lse, B, T, NH, NKV, HS));
+}
+
+/* The fused AdamW step's table: starts, then pieces, of a table with room for cap pieces. */
+static int64_t *adamw_starts(void *table) { return table; }
+static pg_adamw_piece *adamw_pieces(void *table, int cap) {
+  return (pg_adamw_piece *)((char *)table + ((size_t)cap + 1) * sizeof(int64_t));
+}
+
+static int same_piece(const pg_adamw_piece *x, const pg_adamw_piece *y) {
+  return x->param == y->param && x->grad == y->grad && x->m == y->m && x->v == y->v && x->n == y->n &&
+         !x->decay == !y->decay;
+}
+
+/* Makes the device table that of `pieces`. An optimizer's pieces are the same every step, so after its first step
+ * this compares and uploads nothing; another table (a second optimizer, storage moved) is uploaded in its place. */
+static int adamw_table(const pg_backend *b, const pg_adamw_piece *pieces, int npieces) {
+  cuda_impl *im = b->impl;
+  if (im->adamw_host && npieces == im->adamw_n) {
+    const pg_adamw_piece *have = adamw_pieces(im->adamw_host, im->adamw_cap);
+    int k = 0;
+    while (k < npieces && same_piece(&have[k], &pieces[k])) k++;
+    if (k == npieces) return PG_OK;
+  }
+  const size_t bytes = ((size_t)npieces + 1) * sizeof(int64_t) + (size_t)npieces * sizeof(pg_adamw_piece);
+  if (npieces > im->adamw_cap) {
+    void *host = malloc(bytes), *dev = host ? cu_alloc(b, bytes) : NULL;
+    if (!dev) {
+      free(host);
+      return host ? PG_ERR : pg_fail("fused AdamW step: out of host memory for a table of %d pieces", npieces);
+    }
+    free(im->adamw_host);
+    if (im->adamw_dev) cu_release(b, im->adamw_dev);
+    im->adamw_host = host, im->adamw_dev = dev, im->adamw_cap = npieces;
+  }
+  im->adamw_n = 0; /* until the upload succeeds */
+  int64_t *starts = adamw_starts(im->adamw_host);
+  pg_adamw_piece *table = adamw_pieces(im->adamw_host, im->adamw_cap);
+  starts[0] = 0;
+  for (int k = 0; k < npieces; k++) {
+    if (pieces[k].n < 0) return pg_fail("fused AdamW step: piece %d has %lld elements", k, (long long)pieces[k].n);
+    if (pg_add_overflows(starts[k], pieces[k].n, &starts[k + 1]))
+      return pg_fail("fused AdamW step: the pieces' sizes overflow int64");
+    table[k] = pieces[k];
+  }
+  /* starts, then (at the same offset as on the host) the pieces */
+  if (cu_copy(b, im->adamw_dev, starts, ((size_t)npieces + 1) * sizeof(int64_t), PG_COPY_HOST_TO_DEVICE) ||
+      cu_copy(b, adamw_pieces(im->adamw_dev, im->adamw_cap), table, (size_t)npieces * sizeof(pg_adamw_piece),
+              PG_COPY_HOST_TO_DEVICE))
+    return PG_ERR;
+  im->adamw_n = npieces;
+  return PG_OK;
+}
+
+static int cu_adamw_update_pieces(const pg_backend *b, const pg_adamw_piece *pieces, int npieces, float lr, float beta1,
+                                  float beta2, float eps, float weight_decay, int step, float grad_scale) {
+  if (npieces < 0) return pg_fail("fused AdamW step: %d pieces", npieces);
+  if (npieces == 0) return PG_OK;
+  if (adamw_table(b, pieces, npieces)) return PG_ERR;
+  cuda_impl *im = b->impl;
+  return kernel_rc(b, "adamw_update_pieces",
+                   pg_cuda_adamw_update_pieces(ctx_of(b), adamw_pieces(im->adamw_dev, im->adamw_cap),
+                                               adamw_starts(im->adamw_dev), npieces,
+                                               adamw_starts(im->adamw_host)[npieces], lr, beta1, beta2, eps,
+                                               weight_decay, step, grad_scale));
 }
 
 static const pg_backend_ops cuda_ops = {

@@ -52,6 +52,53 @@ const pg_cublas_api *pg_cublas(void) {
   if (loaded != 1) return pg_fail_null("%s", failure);
   return &api;
 }
+
+static pg_cublaslt_api lt_api;
+static int lt_loaded; /* 1 ok, -1 failed */
+static char lt_failure[512];
+static pthread_once_t lt_once = PTHREAD_ONCE_INIT;
+
+static void load_lt(void) {
+  const char *names[] = {"libcublasLt.so." PG_CUBLAS_SONAME_MAJOR, "libcublasLt.so"};
+  void *h = NULL;
+  for (size_t i = 0; i < sizeof names / sizeof *names && !h; i++) h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    snprintf(lt_failure, sizeof lt_failure, "cannot load cuBLASLt (libcublasLt.so." PG_CUBLAS_SONAME_MAJOR "): %s",
+             dlerror());
+    lt_loaded = -1;
+    return;
+  }
+  struct {
+    const char *name;
+    void **slot;
+  } syms[] = {{"cublasLtCreate", (void **)&lt_api.Create},
+              {"cublasLtDestroy", (void **)&lt_api.Destroy},
+              {"cublasLtMatmulDescCreate", (void **)&lt_api.MatmulDescCreate},
+              {"cublasLtMatmulDescDestroy", (void **)&lt_api.MatmulDescDestroy},
+              {"cublasLtMatmulDescSetAttribute", (void **)&lt_api.MatmulDescSetAttribute},
+              {"cublasLtMatrixLayoutCreate", (void **)&lt_api.MatrixLayoutCreate},
+              {"cublasLtMatrixLayoutDestroy", (void **)&lt_api.MatrixLayoutDestroy},
+              {"cublasLtMatmulPreferenceCreate", (void **)&lt_api.MatmulPreferenceCreate},
+              {"cublasLtMatmulPreferenceDestroy", (void **)&lt_api.MatmulPreferenceDestroy},
+              {"cublasLtMatmulPreferenceSetAttribute", (void **)&lt_api.MatmulPreferenceSetAttribute},
+              {"cublasLtMatmulAlgoGetHeuristic", (void **)&lt_api.MatmulAlgoGetHeuristic},
+              {"cublasLtMatmul", (void **)&lt_api.Matmul}};
+  for (size_t i = 0; i < sizeof syms / sizeof *syms; i++) {
+    *syms[i].slot = dlsym(h, syms[i].name);
+    if (!*syms[i].slot) {
+      snprintf(lt_failure, sizeof lt_failure, "cuBLASLt lacks %s", syms[i].name);
+      lt_loaded = -1;
+      return;
+    }
+  }
+  lt_loaded = 1;
+}
+
+const pg_cublaslt_api *pg_cublaslt(void) {
+  pthread_once(&lt_once, load_lt);
+  if (lt_loaded != 1) return pg_fail_null("%s", lt_failure);
+  return &lt_api;
+}
 #else
 /* Built without CUDA: nothing to load (this unit only keeps the file list simple). */
 typedef int pg_cublas_unused;

@@ -55,6 +55,7 @@ void pg_cuda_in_use(void) {}
 #include <cublas_v2.h>
 
 #include "pg_cublas.h"
+#include "pg_env.h"
 #include <cuda_runtime.h>
 #include <math.h>
 #include <nccl.h>
@@ -185,11 +186,31 @@ int pg_cuda_ctx_init(pg_cuda_ctx *ctx) {
   }
   ctx->stream = s;
   ctx->cublas = h;
+  /* cuBLASLt when it loads (PG_CUBLASLT=0: not even then); without it precision bf16's products use GemmEx */
+  int want_lt = 1;
+  if (pg_env_bool("PG_CUBLASLT", &want_lt)) {
+    pg_cuda_ctx_destroy(ctx);
+    return PG_ERR;
+  }
+  const pg_cublaslt_api *lt = want_lt ? pg_cublaslt() : NULL;
+  pg_cuda_lt *state = lt ? calloc(1, sizeof *state) : NULL;
+  if (state && lt->Create(&state->handle) != CUBLAS_STATUS_SUCCESS) {
+    free(state);
+    state = NULL;
+  }
+  ctx->lt = state;
   return PG_OK;
 }
 
 void pg_cuda_ctx_destroy(pg_cuda_ctx *ctx) {
   if (!ctx) return;
+  pg_cuda_lt *lt = ctx->lt;
+  if (lt) {
+    pg_cublaslt()->Destroy(lt->handle);
+    if (lt->workspace) cudaFree(lt->workspace);
+    free(lt);
+    ctx->lt = NULL;
+  }
   const pg_cublas_api *b = ctx->cublas ? pg_cublas() : NULL;
   if (b) b->Destroy((cublasHandle_t)ctx->cublas);
   if (ctx->stream) cudaStreamDestroy((cudaStream_t)ctx->stream);

@@ -29,11 +29,12 @@ int pg_cuda_selftest(char *report, size_t n) {
 #include <stdlib.h>
 
 #include "kernels.h"
-#include "pg_cpu_bf16_gemm.h" /* the CPU reference of the bf16 GEMM */
+#include "pg_cpu_bf16_gemm.h"
+#include "pg_cublas.h" /* pg_cuda_lt: the cuBLASLt path's cache */ /* the CPU reference of the bf16 GEMM */
 
 /* ---- the self-test ---- */
 
-#define ST_MAX_BUFS 512 /* every buffer of the run (freed at its end) */
+#define ST_MAX_BUFS 2048 /* every buffer of the run (freed at its end) */
 
 typedef struct selftest {
   char *out;
@@ -372,6 +373,92 @@ static void check_bf16(selftest *st, const char *name, const uint16_t *dev, cons
   say(st, "  ok    %-34s bit for bit (%lld values)\n", name, (long long)n);
 }
 
+/* ---- precision bf16's forward product through cuBLASLt (kernels/cuda/bf16.cu) ----
+ * The context's cuBLASLt path (when it has one) against the CPU's bf16 GEMM, with and without the bias epilogue;
+ * the per-shape cache (a repeat asks no heuristic); operands less aligned than 256 bytes (their own entry); a bias
+ * not 16-byte aligned (GemmEx: no cuBLASLt product); and the GemmEx path of the same products (context without
+ * cuBLASLt) against the CPU too. x [N,C], w [OC,C], b [OC]: host float32, rounded to bf16 here. */
+static void test_bf16_lt(selftest *st, const float *x, const float *w, const float *b, int N, int C, int OC) {
+  pg_cuda_ctx *ctx = &st->ctx;
+  pg_cuda_lt *lt = ctx->lt;
+  if (st->broken) return;
+  if (!lt) {
+    say(st, "  none  %-34s no cuBLASLt in this context (PG_CUBLASLT=0, or it did not load)\n",
+        "matmul_bf16 (cuBLASLt)");
+    return;
+  }
+  /* x twice: at cudaMalloc's 256-byte alignment and one bf16 further; the bias aligned and one float further */
+  const int64_t nx = (int64_t)N * C, nout = (int64_t)N * OC;
+  uint16_t *x16 = h_alloc(st, ((size_t)nx + 1) * 2), *w16 = h_alloc(st, (size_t)OC * C * 2);
+  float *bb = h_alloc(st, ((size_t)OC + 1) * sizeof(float)), *want = h_alloc(st, (size_t)nout * sizeof(float));
+  float *want_nb = h_alloc(st, (size_t)nout * sizeof(float)), *garbage = h_rand(st, nout, 100, 200);
+  if (!x16 || !w16 || !bb || !want || !want_nb || !garbage) return;
+  pg_bf16_from_f32(x16 + 1, x, nx);
+  pg_bf16_from_f32(w16, w, (int64_t)OC * C);
+  memcpy(bb + 1, b, (size_t)OC * sizeof(float));
+  if (pg_matmul_bf16_forward(want, x16 + 1, w16, b, N, C, OC) ||
+      pg_matmul_bf16_forward(want_nb, x16 + 1, w16, NULL, N, C, OC)) {
+    broken(st, "CPU bf16 GEMM", pg_bf16_gemm_error());
+    return;
+  }
+  uint16_t *x_off = d_put(st, x16, ((size_t)nx + 1) * 2), *x_al = d_put(st, x16 + 1, (size_t)nx * 2);
+  uint16_t *d_w16 = d_put(st, w16, (size_t)OC * C * 2);
+  float *b_off = d_floats(st, bb, OC + 1), *d_b2 = d_floats(st, b, OC), *d_out = d_floats(st, garbage, nout);
+  if (st->broken) return;
+  x_off += 1, b_off += 1;
+  /* heuristic queries before each call (the first shape may be test_bf16's, already cached) */
+  long long hq[4];
+  const long long p0 = lt->products;
+  hq[0] = lt->heuristics;
+  if (launched(st, "matmul_bf16_forward (cuBLASLt, bias)",
+               pg_cuda_matmul_bf16_forward(ctx, d_out, x_al, d_w16, d_b2, N, C, OC)))
+    check_f(st, "matmul_bf16_forward (cuBLASLt, bias)", d_out, want, nout, TOL_GEMM);
+  if (!reload(st, d_out, garbage, nout)) return;
+  hq[1] = lt->heuristics;
+  if (launched(st, "matmul_bf16_forward (cuBLASLt, bias)",
+               pg_cuda_matmul_bf16_forward(ctx, d_out, x_al, d_w16, d_b2, N, C, OC)))
+    check_f(st, "matmul_bf16_forward (cuBLASLt, repeat)", d_out, want, nout, TOL_GEMM);
+  if (!reload(st, d_out, garbage, nout)) return;
+  hq[2] = lt->heuristics;
+  if (launched(st, "matmul_bf16_forward (cuBLASLt, no bias)",
+               pg_cuda_matmul_bf16_forward(ctx, d_out, x_al, d_w16, NULL, N, C, OC)))
+    check_f(st, "matmul_bf16_forward (cuBLASLt, no bias)", d_out, want_nb, nout, TOL_GEMM);
+  if (!reload(st, d_out, garbage, nout)) return;
+  hq[3] = lt->heuristics;
+  if (launched(st, "matmul_bf16_forward (cuBLASLt, x off 256)",
+               pg_cuda_matmul_bf16_forward(ctx, d_out, x_off, d_w16, d_b2, N, C, OC)))
+    check_f(st, "matmul_bf16_forward (Lt, x unaligned)", d_out, want, nout, TOL_GEMM);
+  const long long h1 = lt->heuristics, p1 = lt->products;
+  if (!reload(st, d_out, garbage, nout)) return;
+  if (launched(st, "matmul_bf16_forward (bias off 16)",
+               pg_cuda_matmul_bf16_forward(ctx, d_out, x_al, d_w16, b_off, N, C, OC)))
+    check_f(st, "matmul_bf16_forward (GemmEx, bias unaligned)", d_out, want, nout, TOL_GEMM);
+  /* the GemmEx path: the context without its cuBLASLt state */
+  ctx->lt = NULL;
+  if (!reload(st, d_out, garbage, nout)) {
+    ctx->lt = lt;
+    return;
+  }
+  const int rc = pg_cuda_matmul_bf16_forward(ctx, d_out, x_al, d_w16, d_b2, N, C, OC);
+  ctx->lt = lt;
+  if (launched(st, "matmul_bf16_forward (GemmEx)", rc))
+    check_f(st, "matmul_bf16_forward (GemmEx)", d_out, want, nout, TOL_GEMM);
+  if (st->broken) return;
+  /* the repeat asks no heuristic, the other epilogue and the other alignment one each; four cuBLASLt products,
+   * none for the unaligned bias or without the state */
+  const long long repeat = hq[2] - hq[1], other_epilogue = hq[3] - hq[2], other_alignment = h1 - hq[3];
+  st->checks++;
+  if (repeat == 0 && other_epilogue == 1 && other_alignment == 1 && p1 - p0 == 4 && lt->products == p1 &&
+      lt->heuristics == h1) {
+    say(st, "  ok    %-34s a heuristic query per shape, epilogue and alignment\n", "matmul_bf16 (cuBLASLt cache)");
+  } else {
+    st->failed++;
+    say(st, "  FAIL  %-34s queries: repeat %lld, no bias %lld, unaligned x %lld (want 0, 1, 1); %lld products "
+        "(want 4); %lld queries and %lld products after\n", "matmul_bf16 (cuBLASLt cache)", repeat, other_epilogue,
+        other_alignment, p1 - p0, lt->heuristics - h1, lt->products - p1);
+  }
+}
+
 /* Precision bf16: the rounding (bit for bit, ties and specials included) and the GemmEx products against the CPU's
  * bf16 GEMMs on the same bf16 operands (both sum exact products in float32, in other orders: TOL_GEMM). */
 static void test_bf16(selftest *st) {
@@ -417,6 +504,7 @@ static void test_bf16(selftest *st) {
   if (st->broken) return;
   if (launched(st, "matmul_bf16_forward", pg_cuda_matmul_bf16_forward(ctx, d_out, d_r, d_w16, d_b, N, C, OC)))
     check_f(st, "matmul_bf16_forward", d_out, out, (int64_t)N * OC, TOL_GEMM);
+  test_bf16_lt(st, x, w, b, N, C, OC);
   if (launched(st, "matmul_bf16_backward",
                pg_cuda_matmul_bf16_backward(ctx, d_dx, d_dw, d_db, d_dout, d_dout16, d_r, d_w16, N, C, OC))) {
     check_f(st, "matmul_bf16_backward.dinp", d_dx, dx, (int64_t)N * C, TOL_GEMM);
@@ -1099,6 +1187,52 @@ static void test_moe(selftest *st) {
                pg_cuda_moe_route_backward(ctx, d_dlogits, d_dweight, d_dprob, 0.01f, d_probs, d_lse, d_expert,
                                           d_weight, N, E, K)))
     check_f(st, "moe_route_backward", d_dlogits, dlogits, (int64_t)N * E, TOL_REDUCE);
+}
+
+/* ---- the fused AdamW step ----
+ * Pieces of a parameter buffer with gaps between them (left as they are), moments packed elsewhere in their order,
+ * decay on some and off on others; lengths from 1 to several chunks, so that chunks start inside pieces, end inside
+ * them and span several, a piece's first element sits anywhere in a chunk and one starts a chunk (at 3 x 4096).
+ * The CPU's per-piece kernel on the same layout: the same bits. */
+static void test_adamw_pieces(selftest *st) {
+  _Static_assert(PG_CUDA_ADAMW_CHUNK == 4096, "the layout below puts a piece's start on chunk 3's first element");
+  static const struct { int64_t gap, n; int decay; } layout[] = {
+      {0, 5, 1}, {12, 1, 0}, {3, 9001, 1}, {0, 1, 0}, {100, 3280, 1}, {7, 4095, 0}, {1, 15000, 1}, {9, 333, 0}};
+  enum { NP = sizeof layout / sizeof layout[0] };
+  const pg_cuda_ctx *ctx = &st->ctx;
+  int64_t at[NP], st_off[NP], np = 0, nm = 0;
+  for (int k = 0; k < NP; k++) {
+    np += layout[k].gap;
+    at[k] = np, st_off[k] = nm;
+    np += layout[k].n, nm += layout[k].n;
+  }
+  np += 11; /* a tail after the last piece */
+  float *p0 = h_rand(st, np, -1, 1), *g = h_rand(st, np, -1, 1), *m0 = h_rand(st, nm, -0.1f, 0.1f);
+  float *v0 = h_rand(st, nm, 0, 0.01f);
+  float *p = h_copy(st, p0, np), *m = h_copy(st, m0, nm), *v = h_copy(st, v0, nm);
+  if (!p0 || !g || !m0 || !v0 || !p || !m || !v) return;
+  float *d_p = d_floats(st, p0, np), *d_g = d_floats(st, g, np), *d_m = d_floats(st, m0, nm);
+  float *d_v = d_floats(st, v0, nm);
+  if (st->broken) return;
+  pg_adamw_piece host[NP], dev[NP];
+  int64_t starts[NP + 1];
+  starts[0] = 0;
+  for (int k = 0; k < NP; k++) {
+    host[k] = (pg_adamw_piece){p + at[k], g + at[k], m + st_off[k], v + st_off[k], layout[k].n, layout[k].decay};
+    dev[k] = (pg_adamw_piece){d_p + at[k], d_g + at[k], d_m + st_off[k], d_v + st_off[k], layout[k].n,
+                              layout[k].decay};
+    starts[k + 1] = starts[k] + layout[k].n;
+  }
+  pg_adamw_update_pieces(host, NP, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3, 0.7f);
+  pg_adamw_piece *d_table = d_put(st, dev, sizeof dev);
+  int64_t *d_starts = d_put(st, starts, sizeof starts);
+  if (st->broken) return;
+  if (launched(st, "adamw_update_pieces", pg_cuda_adamw_update_pieces(ctx, d_table, d_starts, NP, starts[NP], 1e-3f,
+                                                                      0.9f, 0.95f, 1e-8f, 0.1f, 3, 0.7f))) {
+    check_f(st, "adamw_update_pieces.param (gaps kept)", d_p, p, np, 0, 0);
+    check_f(st, "adamw_update_pieces.m", d_m, m, nm, 0, 0);
+    check_f(st, "adamw_update_pieces.v", d_v, v, nm, 0, 0);
+  }
 }
 
 /* ---- the checklist: every kernel of kernels/kernel_list.h names its test ----

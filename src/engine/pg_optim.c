@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "kernels.h"
 #include "pg_backend.h"
 #include "pg_comm.h"
 #include "pg_error.h"
@@ -125,12 +126,19 @@ int pg_adamw_step(pg_adamw *o) {
   if (pg_engine_sync_grads(e)) return PG_ERR;
   o->step++;
   float *m = o->m->data, *v = o->v->data;
+  /* every owned piece in one table and one backend call (the device runs it as one launch); at most two pieces per
+   * parameter (the dense range, the experts') */
+  pg_adamw_piece *pieces = calloc(2 * (size_t)e->nparams + 1, sizeof *pieces);
+  if (!pieces) return pg_fail("AdamW step: out of memory for the table of %d parameters", e->nparams);
+  int npieces = 0;
   FOR_OWNED_PIECES(o, p, a, b, st, {
-    if (e->be->ops->adamw_update(e->be, pg_engine_param_at(e, a), pg_engine_grad_at(e, a), m + st, v + st, b - a, o->h.lr, o->h.beta1,
-                                 o->h.beta2, o->h.eps, p->weight_decay ? o->h.weight_decay : 0.0f, (int)o->step,
-                                 o->clip_scale))
-      return PG_ERR;
+    pieces[npieces++] = ((pg_adamw_piece){.param = pg_engine_param_at(e, a), .grad = pg_engine_grad_at(e, a),
+                                          .m = m + st, .v = v + st, .n = b - a, .decay = p->weight_decay != 0});
   })
+  int rc = e->be->ops->adamw_update_pieces(e->be, pieces, npieces, o->h.lr, o->h.beta1, o->h.beta2, o->h.eps,
+                                           o->h.weight_decay, (int)o->step, o->clip_scale);
+  free(pieces);
+  if (rc) return PG_ERR;
   o->clip_scale = 1.0f;
   return pg_engine_gather_params(e); /* ZeRO-1: the shards are the collectives' blocks */
 }

@@ -1235,6 +1235,7 @@ static const luaL_Reg ops_functions[] = {
 #define OPS_xent_finish l_xent_finish
 #define OPS_adamw_update l_adamw_
 #define OPS_sum_squares l_sum_squares
+#define OPS_adamw_update_pieces OPS_NONE("the fused step is adamw_update per piece: checked through the optimizer")
 #define OPS_bf16_from_f32 l_to_bf16
 #define OPS_matmul_bf16_forward l_linear_bf16
 #define OPS_matmul_bf16_backward l_linear_bf16_backward

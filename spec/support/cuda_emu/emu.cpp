@@ -36,6 +36,7 @@
 #include <map>
 #include <vector>
 
+#include "cublasLt.h"
 #include "cublas_v2.h"
 #include "cuda_runtime.h"
 #include "kernels.h" // pg_bf16_round / pg_bf16_value: NCCL's bf16 sums
@@ -675,6 +676,197 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
   return CUBLAS_STATUS_SUCCESS;
 }
 
+// ---- cuBLASLt (cublasLt.h here) ----
+
+struct cublasLtContext {
+  int unused;
+};
+struct cublasLtMatmulDescOpaque {
+  cublasComputeType_t compute;
+  cudaDataType scale;
+  int32_t ta, tb;
+  uint32_t epilogue;
+  const void *bias;
+  int32_t bias_type;
+};
+struct cublasLtMatrixLayoutOpaque {
+  cudaDataType type;
+  uint64_t rows, cols;
+  int64_t ld;
+};
+struct cublasLtMatmulPreferenceOpaque {
+  uint64_t max_workspace;
+  uint32_t align[4]; // A, B, C, D
+};
+
+cublasStatus_t cublasLtCreate(cublasLtHandle_t *h) {
+  *h = (cublasLtHandle_t)calloc(1, sizeof(struct cublasLtContext));
+  return *h ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_INITIALIZED;
+}
+cublasStatus_t cublasLtDestroy(cublasLtHandle_t h) {
+  free(h);
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t *d, cublasComputeType_t compute, cudaDataType scale) {
+  *d = new cublasLtMatmulDescOpaque{compute, scale, CUBLAS_OP_N, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT, nullptr, -1};
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) {
+  delete d;
+  return CUBLAS_STATUS_SUCCESS;
+}
+// Each attribute has its type's size, as cuBLASLt checks.
+static cublasStatus_t set_attr_bytes(void *dst, size_t size, const void *buf, size_t bytes) {
+  if (!buf || bytes != size) return CUBLAS_STATUS_INVALID_VALUE;
+  memcpy(dst, buf, size);
+  return CUBLAS_STATUS_SUCCESS;
+}
+#define set_attr(dst, buf, bytes) set_attr_bytes(dst, sizeof *(dst), buf, bytes)
+cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr,
+                                              const void *buf, size_t bytes) {
+  switch (attr) {
+  case CUBLASLT_MATMUL_DESC_TRANSA: return set_attr(&d->ta, buf, bytes);
+  case CUBLASLT_MATMUL_DESC_TRANSB: return set_attr(&d->tb, buf, bytes);
+  case CUBLASLT_MATMUL_DESC_EPILOGUE: return set_attr(&d->epilogue, buf, bytes);
+  case CUBLASLT_MATMUL_DESC_BIAS_POINTER: return set_attr(&d->bias, buf, bytes);
+  case CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE: return set_attr(&d->bias_type, buf, bytes);
+  }
+  return CUBLAS_STATUS_INVALID_VALUE;
+}
+cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t *l, cudaDataType type, uint64_t rows, uint64_t cols,
+                                          int64_t ld) {
+  if (ld < (int64_t)(rows > 1 ? rows : 1)) return CUBLAS_STATUS_INVALID_VALUE;
+  *l = new cublasLtMatrixLayoutOpaque{type, rows, cols, ld};
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) {
+  delete l;
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t *p) {
+  *p = new cublasLtMatmulPreferenceOpaque{0, {256, 256, 256, 256}}; // cuBLASLt's defaults
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) {
+  delete p;
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p,
+                                                    cublasLtMatmulPreferenceAttributes_t attr, const void *buf,
+                                                    size_t bytes) {
+  switch (attr) {
+  case CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES: return set_attr(&p->max_workspace, buf, bytes);
+  case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES: return set_attr(&p->align[0], buf, bytes);
+  case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES: return set_attr(&p->align[1], buf, bytes);
+  case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES: return set_attr(&p->align[2], buf, bytes);
+  case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES: return set_attr(&p->align[3], buf, bytes);
+  }
+  return CUBLAS_STATUS_INVALID_VALUE;
+}
+
+// What the emulation computes: bf16 A and B, float32 C and D, CUBLAS_COMPUTE_32F, float32 scale, D = C (in place),
+// epilogue DEFAULT or BIAS (a float32 bias), op(A) of m x k and op(B) of k x n.
+static bool lt_supported(cublasLtMatmulDesc_t d, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                         cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t dl) {
+  if (d->compute != CUBLAS_COMPUTE_32F || d->scale != CUDA_R_32F || a->type != CUDA_R_16BF ||
+      b->type != CUDA_R_16BF || c->type != CUDA_R_32F || dl->type != CUDA_R_32F || c->rows != dl->rows ||
+      c->cols != dl->cols || c->ld != dl->ld)
+    return false;
+  if (d->epilogue != CUBLASLT_EPILOGUE_DEFAULT &&
+      !(d->epilogue == CUBLASLT_EPILOGUE_BIAS && (d->bias_type == -1 || d->bias_type == CUDA_R_32F)))
+    return false;
+  const uint64_t m = d->ta == CUBLAS_OP_N ? a->rows : a->cols, ka = d->ta == CUBLAS_OP_N ? a->cols : a->rows;
+  const uint64_t kb = d->tb == CUBLAS_OP_N ? b->rows : b->cols, n = d->tb == CUBLAS_OP_N ? b->cols : b->rows;
+  return ka == kb && m == dl->rows && n == dl->cols;
+}
+
+static const uint64_t LT_EMU_ALGO = 0x4c54454d55ull, LT_EMU_WORKSPACE = 4096;
+
+// One algorithm: it needs min(4 KiB, the allowed) of workspace and the alignments the preference promised
+// (kept in the algorithm, as a real one is specialised for them).
+cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmulDesc_t d, cublasLtMatrixLayout_t a,
+                                              cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c,
+                                              cublasLtMatrixLayout_t dl, cublasLtMatmulPreference_t p, int requested,
+                                              cublasLtMatmulHeuristicResult_t results[], int *returned) {
+  if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if (!d || !a || !b || !c || !dl || !p || requested < 1 || !results || !returned) return CUBLAS_STATUS_INVALID_VALUE;
+  *returned = 0;
+  if (!lt_supported(d, a, b, c, dl)) return CUBLAS_STATUS_NOT_SUPPORTED;
+  cublasLtMatmulHeuristicResult_t r;
+  memset(&r, 0, sizeof r);
+  r.algo.data[0] = LT_EMU_ALGO;
+  r.workspaceSize = p->max_workspace < LT_EMU_WORKSPACE ? p->max_workspace : LT_EMU_WORKSPACE;
+  r.algo.data[1] = r.workspaceSize;
+  for (int i = 0; i < 4; i++) r.algo.data[2 + i] = p->align[i];
+  r.state = CUBLAS_STATUS_SUCCESS;
+  r.wavesCount = 1.0f;
+  results[0] = r;
+  *returned = 1;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+static bool aligned_to(const void *ptr, uint64_t a) { return a && (uintptr_t)ptr % a == 0; }
+
+// D = alpha op(A) op(B) + beta C, then the bias added to each row of D: products of the widened bf16 values
+// summed in float32 in order of k, as the emulated GemmEx (so the result is the GemmEx path's: there the bias is
+// written into D first and added with beta = 1, the same float32 addition).
+cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const void *alpha, const void *A,
+                              cublasLtMatrixLayout_t a, const void *B, cublasLtMatrixLayout_t b, const void *beta,
+                              const void *C, cublasLtMatrixLayout_t c, void *D, cublasLtMatrixLayout_t dl,
+                              const cublasLtMatmulAlgo_t *algo, void *workspace, size_t workspace_bytes,
+                              cudaStream_t stream) {
+  n_cublas++;
+  if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if (!d || !a || !b || !c || !dl || !alpha || !beta || !algo || algo->data[0] != LT_EMU_ALGO)
+    return CUBLAS_STATUS_INVALID_VALUE;
+  if (!lt_supported(d, a, b, c, dl) || C != D) {
+    fprintf(stderr, "cuda_emu: cublasLtMatmul: only bf16 x bf16 -> float32 in place with CUBLAS_COMPUTE_32F and the "
+                    "epilogue DEFAULT or BIAS is emulated\n");
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
+  const uint64_t need = algo->data[1];
+  if (workspace_bytes < need || (need && !inside(workspace, need))) {
+    fprintf(stderr, "cuda_emu: cublasLtMatmul: the algorithm needs %llu bytes of device workspace, given %zu\n",
+            (unsigned long long)need, workspace_bytes);
+    return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  if (!aligned_to(A, algo->data[2]) || !aligned_to(B, algo->data[3]) || !aligned_to(D, algo->data[5])) {
+    fprintf(stderr, "cuda_emu: cublasLtMatmul: an operand less aligned than the algorithm was chosen for\n");
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
+  const int m = (int)dl->rows, n = (int)dl->cols, k = (int)(d->ta == CUBLAS_OP_N ? a->cols : a->rows);
+  const int64_t lda = a->ld, ldb = b->ld, ldd = dl->ld;
+  const bool ta = d->ta != CUBLAS_OP_N, tb = d->tb != CUBLAS_OP_N;
+  const uint16_t *a16 = (const uint16_t *)A, *b16 = (const uint16_t *)B;
+  float *d32 = (float *)D;
+  const float *bias = d->epilogue == CUBLASLT_EPILOGUE_BIAS ? (const float *)d->bias : nullptr;
+  if ((k > 0 && (!inside(a16, extent(ta ? k : m, ta ? m : k, (int)lda) * sizeof(uint16_t)) ||
+                 !inside(b16, extent(tb ? n : k, tb ? k : n, (int)ldb) * sizeof(uint16_t)))) ||
+      !inside(d32, extent(m, n, (int)ldd) * sizeof(float)) ||
+      (d->epilogue == CUBLASLT_EPILOGUE_BIAS && !inside(bias, (size_t)m * sizeof(float)))) {
+    fprintf(stderr, "cuda_emu: cublasLtMatmul: a matrix or the bias outside device memory (m %d n %d k %d)\n", m, n,
+            k);
+    return CUBLAS_STATUS_EXECUTION_FAILED;
+  }
+  const float al = *(const float *)alpha, be = *(const float *)beta;
+  pg_emu_submit(stream, [=] {
+    for (int j = 0; j < n; j++)
+      for (int i = 0; i < m; i++) {
+        float s = 0.0f;
+        for (int p = 0; p < k; p++) {
+          const uint16_t av = ta ? a16[p + (long long)i * lda] : a16[i + (long long)p * lda];
+          const uint16_t bv = tb ? b16[j + (long long)p * ldb] : b16[p + (long long)j * ldb];
+          s += pg_bf16_value(av) * pg_bf16_value(bv);
+        }
+        float *o = d32 + i + (long long)j * ldd;
+        float v = al * s + (be == 0.0f ? 0.0f : be * *o); // beta = 0: C is not read
+        if (bias) v += bias[i];
+        *o = v;
+      }
+  });
+  return CUBLAS_STATUS_SUCCESS;
+}
+
 // ---- NCCL ----
 
 ncclResult_t ncclGetVersion(int *version) {
@@ -903,6 +1095,21 @@ ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataT
 // pipegoose opens cuBLAS on first use through a table (src/backend/pg_cublas.h); on
 // the emulator the table holds the stand-ins above.
 #include "pg_cublas.h"
+extern "C" const pg_cublaslt_api *pg_cublaslt(void) {
+  static const pg_cublaslt_api api = {cublasLtCreate,
+                                      cublasLtDestroy,
+                                      cublasLtMatmulDescCreate,
+                                      cublasLtMatmulDescDestroy,
+                                      cublasLtMatmulDescSetAttribute,
+                                      cublasLtMatrixLayoutCreate,
+                                      cublasLtMatrixLayoutDestroy,
+                                      cublasLtMatmulPreferenceCreate,
+                                      cublasLtMatmulPreferenceDestroy,
+                                      cublasLtMatmulPreferenceSetAttribute,
+                                      cublasLtMatmulAlgoGetHeuristic,
+                                      cublasLtMatmul};
+  return &api;
+}
 extern "C" const pg_cublas_api *pg_cublas(void) {
   static const pg_cublas_api api = {cublasCreate,          cublasDestroy, cublasSetStream,
                                     cublasSetMathMode,     cublasGetProperty,
