@@ -219,8 +219,8 @@ int pg_engine_overlaps(const pg_engine *e) {
  * bucket's last gradient kernel is queued; the engine's stream waits for
  * the reduction's event before the optimizer (pg_wait). */
 static int overlap_applies(const pg_engine *e) {
-  /* expert parallelism's second region reduces over expert_data after
-   * backward: its buckets would need that group's shard layout (not yet) */
+  /* expert parallelism's second region reduces over expert_data after backward (zero 0 and 1): its buckets
+   * would need the division by E after their reduction (ZeRO-2's do it as they add into the shard) */
   if (!e->opts.overlap_grad_reduce || dense_size(e) == 1 || e->flat_padded > e->dense_padded) return 0;
   return e->be->device == PG_CPU ? !pg_engine_shares_buffers(e)
                                  : pg_comm_device_overlap(e->ctx, pg_engine_dense_group(e));
