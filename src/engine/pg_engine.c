@@ -281,8 +281,7 @@ static int build_buckets(pg_engine *e) {
       int t = reduced_first(e, p), r = e->sharded && (t || borrowed(e, p));
       pg_mode g = reduction_group(e, p);
       pg_bucket *k = &e->buckets[nb];
-      if (count > 0 &&
-          (k->hi - p->offset > e->opts.bucket_elems || t || r || tied || g != k->mode)) {
+      if (count > 0 && (k->hi - p->offset > e->opts.bucket_elems || t || r || tied || g != k->mode)) {
         k = &e->buckets[++nb]; /* close the open bucket */
         count = tied = 0;
       }
@@ -678,8 +677,8 @@ static int start_bucket(pg_engine *e, pg_bucket *b) {
     char what[96];
     snprintf(what, sizeof what, "overlapped gradient reduction in %d buckets", e->nbuckets);
     /* over the dense group: every member runs the same buckets (the experts' groups are inside it) */
-    if (pg_agree_batch(e->ctx, pg_engine_dense_group(e), e->zero ? PG_COLL_REDUCE_SCATTER : PG_COLL_ALL_REDUCE, PG_REDUCE_AVG,
-                       e->flat_padded, what))
+    if (pg_agree_batch(e->ctx, pg_engine_dense_group(e), e->zero ? PG_COLL_REDUCE_SCATTER : PG_COLL_ALL_REDUCE,
+                       PG_REDUCE_AVG, e->flat_padded, what))
       return PG_ERR;
     e->first_start = pg_wtime();
   }
@@ -981,9 +980,10 @@ static int wait_unit(pg_gather_unit *u) {
   return rc;
 }
 
-/* Starts unit u's all-gather (nothing when it is gathered or on its way):
- * this rank's piece of [lo, hi) from the shard into its place in the
- * buffer, then the nonblocking all-gather of every member's piece. In a
+/* Starts unit u's all-gathers (nothing when it is gathered or on its way):
+ * this rank's piece of each region's range from the shard into its place in
+ * the buffer, then the nonblocking all-gather of every member's piece over
+ * the region's group. In a
  * call (in_call) under bf16 gathers, the packed bf16 and float32 parts;
  * outside one (a checkpoint's or Lua's read), float32 into a buffer of its
  * own when the pool's slots are sized for the packed ones. */
