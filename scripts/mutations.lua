@@ -337,6 +337,9 @@ return {
   { name = "zero3-checkpoint-experts-not-gathered-for-ep", file = "lua/pipegoose/checkpoint/shards.lua",
     from = "if dp == 0 or (ep and p.expert) then gathered[p.name] = t end", to = "if dp == 0 then gathered[p.name] = t end",
     specs = { "dist/expert_parallel#resumes at zero 1" }, why = "at zero 3 the other members of the first expert group have no gathered experts to write" },
+  { name = "shard-state-grad-past-dense", file = "src/lua/lua_optim.c",
+    from = "  int apart = en > 0 && pg_engine_grad_at(e, o->elo) != pg_engine_grad_at(e, o->lo) + dn;", to = "  int apart = 0;",
+    specs = { "dist/expert_parallel#ZeRO%-2" }, why = "zero 1's shard_state().grad runs on past its dense range instead of giving the experts' range apart" },
   ------------------------------------------------------------------ ZeRO-2: the gradient shard and its staging
   { name = "zero2-staging-not-zeroed", file = "src/engine/pg_engine.c",
     from = "  memset(b->stage, 0, (size_t)(b->hi - b->lo) * sizeof(float));\n  b->seq = -1;\n  b->pending = b->nparams;",
