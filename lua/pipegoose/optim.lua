@@ -99,8 +99,11 @@ end
 --- This rank's shard as it lives in the optimizer: { lo, hi (0-based flat
 -- slice [lo, hi)), elo, ehi (the experts' region under expert parallelism,
 -- empty otherwise), step, m, v (both ranges' moments, one after the other),
--- grad } with m, v and grad views of the live moments and of the range's
+-- grad } with m, v and grad views of the live moments and of the ranges'
 -- gradients (writing them changes the optimizer; state_dict() gives copies).
+-- Where the engine keeps the two ranges' gradients apart (zero 1's whole
+-- buffer under expert parallelism) grad is [lo, hi)'s and expert_grad
+-- [elo, ehi)'s.
 function AdamW:shard_state()
   return self.c:state()
 end

@@ -6,10 +6,13 @@
 -- the first step's objective and its two parts, every parameter's gradient,
 -- per-expert token counts, and three AdamW steps (losses and weights), also
 -- with capacity_factor (dropped choices), jitter (router noise every layout
--- draws alike) and full recomputation (the exchanges run again); the expert
--- groups and pg.dist.all_to_all; checkpoints across expert layouts; bad
--- input. The PyTorch fixture at E = 2 and 4, E = 2 x T = 2 and with a
--- pipeline is spec/unit/mixtral_spec.lua's (scripts/model_check.lua --expert).
+-- draws alike), full recomputation (the exchanges run again) and ZeRO-1, 2
+-- and 3 (zero 2 and 3: this rank's shard of the first step's gradients);
+-- ZeRO-2 and ZeRO-3 against ZeRO-1 (below: bits, memory, checkpoints at
+-- zero 3 resuming at zero 1 and back); the expert groups and
+-- pg.dist.all_to_all; checkpoints across expert layouts; bad input. The
+-- PyTorch fixture at E = 2 and 4, E = 2 x T = 2 and with a pipeline is
+-- spec/unit/mixtral_spec.lua's (scripts/model_check.lua --expert).
 --
 -- The serial reference runs in the same process on a context of this rank
 -- alone (self = true); parameter init is a function of (seed, name), and
@@ -47,7 +50,9 @@ local LAYOUTS = ({
           { name = "D=2 E=2 ZeRO-1", data = 2, expert = 2, zero = 1 },
           { name = "D=2 E=2 capacity 1", data = 2, expert = 2, capacity = 1.0 },
           { name = "D=2 E=2 jitter 0.2", data = 2, expert = 2, jitter = 0.2 },
-          { name = "D=2 E=2 recompute full, jitter 0.2", data = 2, expert = 2, jitter = 0.2, recompute = "full" } },
+          { name = "D=2 E=2 recompute full, jitter 0.2", data = 2, expert = 2, jitter = 0.2, recompute = "full" },
+          { name = "D=2 E=2 ZeRO-2", data = 2, expert = 2, zero = 2 },
+          { name = "D=2 E=2 ZeRO-3", data = 2, expert = 2, zero = 3 } },
   [4] = { { name = "D=4 E=1", data = 4, expert = 1 },
           { name = "D=4 E=2", data = 4, expert = 2 },
           { name = "D=4 E=4", data = 4, expert = 4 },
@@ -55,7 +60,10 @@ local LAYOUTS = ({
           { name = "D=2 E=2 x P=2", data = 2, expert = 2, pipeline = 2 },
           { name = "D=4 E=2 ZeRO-1", data = 4, expert = 2, zero = 1 },
           { name = "D=4 E=4 capacity 0.75", data = 4, expert = 4, capacity = 0.75 },
-          { name = "D=2 E=2 x P=2 jitter 0.2", data = 2, expert = 2, pipeline = 2, jitter = 0.2 } },
+          { name = "D=2 E=2 x P=2 jitter 0.2", data = 2, expert = 2, pipeline = 2, jitter = 0.2 },
+          { name = "D=4 E=2 ZeRO-2", data = 4, expert = 2, zero = 2 },
+          { name = "D=4 E=2 ZeRO-3", data = 4, expert = 2, zero = 3 },
+          { name = "D=2 E=2 x P=2 ZeRO-3", data = 2, expert = 2, pipeline = 2, zero = 3 } },
 })[W]
 if DEVICE ~= "cpu" then -- jitter's noise is drawn on the host: refused on a device (below); recomputation without it
   local kept = {}
@@ -87,6 +95,23 @@ end
 
 local function rel(a, b) return math.abs(a - b) / math.max(math.abs(b), 1e-30) end
 
+-- The pieces of every parameter in this rank's ZeRO ranges (the dense one, then the experts'), as
+-- { name =, lo =, n =, grad = } (lo: 0-based element of the parameter; grad: a copy of the shard's).
+local function shard_pieces(e, st)
+  local out = {}
+  for _, r in ipairs{ { lo = st.lo, hi = st.hi, at = 0 }, { lo = st.elo, hi = st.ehi, at = st.hi - st.lo } } do
+    for _, p in ipairs(e:parameters()) do
+      local n = 1
+      for _, d in ipairs(p.shape) do n = n * d end
+      local a, b = math.max(p.offset, r.lo), math.min(p.offset + n, r.hi)
+      if a < b then
+        out[#out + 1] = { name = p.name, lo = a - p.offset, n = b - a, grad = st.grad:narrow(1, r.at + a - r.lo + 1, b - a):clone() }
+      end
+    end
+  end
+  return out
+end
+
 -- One step's numbers and three AdamW steps of a layout (serial = true: on this rank alone).
 local function run(layout)
   local ctx = not layout.serial and pg.ParallelContext{ tensor = layout.tensor, pipeline = layout.pipeline, data = layout.data,
@@ -103,8 +128,10 @@ local function run(layout)
     r.losses[i] = e:forward_backward(xs, ys)
     if i == 1 then
       r.parts = e:losses()
-      if layout.zero ~= 1 then -- ZeRO-1 keeps only its shard of the averaged gradients
+      if (layout.zero or 0) == 0 then -- ZeRO-1 keeps only its shard of the averaged gradients
         for _, p in ipairs(e:parameters()) do r.grads[p.name] = e:gather_param(p.name, true) end
+      elseif layout.zero >= 2 then -- ZeRO-2 and 3 keep only that shard: each parameter's part of it
+        r.shard_grads = shard_pieces(e, opt:shard_state())
       end
     end
     opt:step()
@@ -211,6 +238,12 @@ describe(("expert parallelism (%d ranks)"):format(W), function()
         assert_close(g, want.grads[name], "gradient of " .. name)
         n = n + 1
       end
+      for _, piece in ipairs(got.shard_grads or {}) do -- ZeRO-2 and 3: this rank's shard
+        local full = want.grads[piece.name]
+        assert_close(piece.grad, full:reshape{ full:numel() }:narrow(1, piece.lo + 1, piece.n),
+          ("gradient of %s [%d, %d) in the shard"):format(piece.name, piece.lo, piece.lo + piece.n))
+        n = n + 1
+      end
       if layout.zero ~= 1 then assert.is_true(n > 0, "gradients compared") end
       for i = 2, 3 do
         assert.is_true(rel(got.losses[i], want.losses[i]) <= RTOL,
@@ -238,6 +271,185 @@ describe(("expert parallelism (%d ranks)"):format(W), function()
                      "only for now, not cuda", err, 1, true)
     end)
   end
+end)
+
+-- ZeRO-2 and ZeRO-3 under expert parallelism (expert = 2, data = W): each
+-- region of the flat buffer is sharded over the group that reduces it (the
+-- dense parameters over data, the experts over expert_data: 2 members on 4
+-- ranks, 1 on 2), the layout of ZeRO-1's optimizer state. Three clipped AdamW
+-- steps without shared memory:
+--   - zero 3 gets zero 2's bits (a gather copies what a replica holds; the
+--     gradients go through the same buckets), also at micro_batches = 2,
+--     precision bf16 (the GEMM weights gathered in bf16), full recomputation
+--     and on a shared-memory data group;
+--   - zero 2 gets zero 1's bits where the arithmetic is the same: every
+--     reduction over a group of at most two members (on 2 ranks everything;
+--     on 4 the experts' first-step gradients, averaged over expert_data = 2:
+--     a sum of two terms in either order, times 1/2, times 1/E); the dense
+--     region's reduce-scatter over 4 members adds in MPI's order where
+--     zero 1's ring adds in its own, so there losses agree to 1e-5
+--     relative, first-step gradients to |got - want| <= 1e-5 |want| + 1e-6
+--     max(1, max |want|) and weights after three steps to 1e-4 (the serial
+--     model's comparisons above have the same tolerances and reasons);
+--   - memory: params_bytes is the shard (dense_padded / D + the experts'
+--     region / expert_data) plus two gather slots of the largest block (its
+--     dense range and its experts' range), optimizer_bytes 8 bytes x that
+--     shard (zero 1's), grads_bytes zero 2's, exactly;
+--   - a checkpoint saved at zero 3 loads at zero 1 with the same parameters,
+--     moments and step, bit for bit, and zero 1's at zero 3; each continues
+--     with its saver's next loss, bit for bit.
+describe(("ZeRO-2 and ZeRO-3 with expert = 2 (%d ranks)"):format(W), function()
+  local ctx = pg.ParallelContext{ data = W, expert = 2, seed = 7 }
+  local d = ctx:local_rank("data")
+  local xs, ys = x:narrow(1, d * B // W + 1, B // W), y:narrow(1, d * B // W + 1, B // W)
+
+  -- this rank's first-step gradients of its ranges (zero 1's whole buffer may hold them apart: expert_grad)
+  local function range_grads(o)
+    local st = o:shard_state()
+    local dn, en = st.hi - st.lo, st.ehi - st.elo
+    if st.expert_grad then return st.grad:clone(), st.expert_grad:clone() end
+    return st.grad:narrow(1, 1, dn):clone(), st.grad:narrow(1, dn + 1, en):clone()
+  end
+
+  local function train(zero, opts)
+    opts = opts or {}
+    if opts.shared_memory == nil then opts.shared_memory = false end
+    local e = pg.parallelize(model(), ctx, opts)
+    local o = pg.optim.AdamW(e, { lr = 1e-2, weight_decay = 0.1, zero = zero })
+    local r = { losses = {}, norms = {}, engine = e, opt = o, weights = {} }
+    for i = 1, 3 do
+      e:zero_grad()
+      r.losses[i] = e:forward_backward(xs, ys)
+      r.norms[i] = o:clip_grad_norm(1.0)
+      if i == 1 then r.dense, r.experts = range_grads(o) end
+      o:step()
+    end
+    r.eval = e:loss(xs, ys)
+    r.memory = e:memory()
+    for _, p in ipairs(e:parameters()) do r.weights[p.name] = e:gather_param(p.name) end
+    return r
+  end
+
+  local function same_bits(a, b, what)
+    for i = 1, 3 do
+      assert.are.equal(b.losses[i], a.losses[i], ("%s: loss %d"):format(what, i))
+      assert.are.equal(b.norms[i], a.norms[i], ("%s: gradient norm %d"):format(what, i))
+    end
+    assert.is_true(a.dense:equal(b.dense) and a.experts:equal(b.experts), what .. ": the first step's shard gradients")
+    assert.are.equal(b.eval, a.eval, what .. ": the evaluation loss after the steps")
+    for name, t in pairs(b.weights) do
+      assert.is_true(a.weights[name]:equal(t), ("%s: %s after three steps (off by %g)"):format(what, name,
+        a.weights[name]:max_abs_diff(t)))
+    end
+  end
+
+  -- trained once, in the first test that asks (an error there is that test's failure)
+  local runs
+  local function trained()
+    runs = runs or { train(1), train(2), train(3) }
+    return table.unpack(runs)
+  end
+
+  it("zero 3 gets zero 2's bits, and zero 2 zero 1's where the arithmetic is the same", function()
+    local z1, z2, z3 = trained()
+    same_bits(z3, z2, "zero 3 against zero 2")
+    assert.is_true(z2.experts:equal(z1.experts), "the experts' first-step gradients (averaged over expert_data)")
+    if W == 2 then
+      same_bits(z2, z1, "zero 2 against zero 1")
+      return
+    end
+    for i = 1, 3 do
+      assert.is_true(rel(z2.losses[i], z1.losses[i]) <= RTOL, ("loss %d: %.9g, zero 1 %.9g"):format(i, z2.losses[i],
+        z1.losses[i]))
+    end
+    assert_close(z2.dense, z1.dense, "the dense region's first-step gradients")
+    for name, t in pairs(z1.weights) do assert_close(z2.weights[name], t, name .. " after three steps", W_RTOL, W_ATOL) end
+  end)
+
+  for _, case in ipairs{ { name = "micro_batches = 2", opts = { micro_batches = 2 } },
+                         { name = "precision bf16", opts = { precision = "bf16", micro_batches = 2 } },
+                         { name = "recompute = full", opts = { recompute = "full" } },
+                         { name = "a shared-memory data group", opts = { shared_memory = true } } } do
+    it("zero 3 gets zero 2's bits with " .. case.name, function()
+      local function o() local t = {}; for k, v in pairs(case.opts) do t[k] = v end; return t end
+      same_bits(train(3, o()), train(2, o()), case.name)
+    end)
+  end
+
+  it("says in memory() what it holds: the shards of both regions and the gathered blocks", function()
+    local z1, z2, z3 = trained()
+    local st, info, m = z3.opt:shard_state(), z3.engine:stats(), z3.memory
+    local dn, en = st.hi - st.lo, st.ehi - st.elo
+    -- the dense region [0, dense_padded) cut in D, then the experts' [dense_padded, flat_padded) in expert_data
+    assert.are.equal(dn * W + en * ctx:local_rank("expert_data"), st.elo)
+    assert.are.equal(info.flat_padded - dn * W, en * ctx:world_size("expert_data"))
+    assert.is_true(en > 0)
+    -- the gather units: the embedding, each block (its dense range and its experts' range), the final norm, the head
+    local units, order = {}, {}
+    for _, p in ipairs(z3.engine:parameters()) do
+      local u = p.name:match("^blocks%.%d+") or p.name:match("^[^.]+")
+      local n = 1
+      for _, s in ipairs(p.shape) do n = n * s end
+      if not units[u] then units[u] = { { lo = math.huge, hi = 0 }, { lo = math.huge, hi = 0 } }; order[#order + 1] = u end
+      local r = units[u][p.expert and 2 or 1]
+      r.lo, r.hi = math.min(r.lo, p.offset), math.max(r.hi, p.offset + n)
+    end
+    local largest = 0
+    for _, u in ipairs(order) do
+      local n = 0
+      for _, r in ipairs(units[u]) do if r.hi > 0 then n = n + r.hi - r.lo end end
+      largest = math.max(largest, n)
+    end
+    assert.are.equal(#order, info.gather_units)
+    assert.are.equal(largest, info.gather_slot_elems)
+    assert.are.equal(0, info.gather_resident_elems) -- no tied head
+    assert.are.equal(2, info.gather_slots)
+    assert.are.equal(4 * (dn + en + 2 * largest), m.params_bytes)
+    assert.are.equal(8 * (dn + en), m.optimizer_bytes)
+    assert.are.equal(z1.memory.optimizer_bytes, m.optimizer_bytes)
+    assert.are.equal(z2.memory.grads_bytes, m.grads_bytes)
+    assert.is_true(m.grads_bytes > 4 * (dn + en)) -- the shard and its staging
+  end)
+
+  it("saves a checkpoint at zero 3 that resumes at zero 1 and back, bit for bit", function()
+    local ckpt = pg.checkpoint
+    local t = pg.tensor({ (ckpt.getpid() * 7919 + os.time()) % 1000000007 }, { dtype = "int32" })
+    pg.dist.broadcast(t, { ctx = ctx, src = 0 })
+    local dir = ("%s/pg-expert-zero3-%d"):format(os.getenv("TMPDIR") or "/tmp", math.tointeger(t:item()))
+    local function trainer(zero, steps)
+      local e = pg.parallelize(model(), ctx, { shared_memory = false })
+      local o = pg.optim.AdamW(e, { lr = 1e-2, weight_decay = 0.1, zero = zero })
+      local tr = pg.Trainer{ engine = e, optimizer = o, max_steps = 1, out = pg.testing.capture(), out_dir = dir }
+      tr.next = function()
+        e:zero_grad()
+        local l = e:forward_backward(xs, ys)
+        o:step()
+        return l
+      end
+      for _ = 1, steps do tr.next() end
+      return tr
+    end
+    local function same_state(a, b, what)
+      for _, p in ipairs(a.engine:parameters()) do
+        assert.is_true(a.engine:gather_param(p.name):equal(b.engine:gather_param(p.name)), what .. ": " .. p.name)
+      end
+      local sa, sb = a.optimizer:shard_state(), b.optimizer:shard_state()
+      assert.same({ sa.step, sa.lo, sa.hi, sa.elo, sa.ehi }, { sb.step, sb.lo, sb.hi, sb.elo, sb.ehi })
+      assert.is_true(sa.m:equal(sb.m) and sa.v:equal(sb.v), what .. ": m and v")
+      assert.are.equal(a.next(), b.next(), what .. ": the next step's loss")
+    end
+    local z3t = trainer(3, 3)
+    ckpt.save(z3t, dir .. "/from3")
+    local z1t = trainer(1, 0)
+    ckpt.load(z1t, dir .. "/from3")
+    same_state(z3t, z1t, "zero 3 -> zero 1")
+    ckpt.save(z1t, dir .. "/from1")
+    local z3b = trainer(3, 0)
+    ckpt.load(z3b, dir .. "/from1")
+    same_state(z1t, z3b, "zero 1 -> zero 3")
+    ctx:barrier()
+    if ctx:rank() == 0 then os.execute("rm -rf '" .. dir .. "'") end
+  end)
 end)
 
 -- Checkpoints record each expert once (data rank 0 the dense parameters and

@@ -22,9 +22,9 @@
 --     experts (expert = 1),
 --     and on 4 ranks P = 2 x D = 2 (both schedules) and T = 2 x D = 2 with
 --     sequence parallelism;
---   - refused by name: expert parallelism, modules written in Lua that own
---     parameters, reshard_after_forward or prefetch without zero 3, another stage on a
---     zero-3 engine;
+--   - refused by name: modules written in Lua that own parameters,
+--     reshard_after_forward or prefetch without zero 3, another stage on a
+--     zero-3 engine (expert parallelism: spec/dist/expert_parallel_spec.lua);
 --   - with PG_TEST_DEVICE=cuda (the emulated device): refused by name (the
 --     gathers and the gradient staging are host memory over MPI);
 --   - on 8 ranks T = 2 x P = 2 x D = 2 against the serial model;
@@ -352,13 +352,6 @@ describe(("ZeRO-3 on %d ranks"):format(W), function()
     ok, err = pcall(pg.optim.AdamW, pg.parallelize(lua_model, dp, PRIVATE()), { zero = 3 })
     assert.is_false(ok)
     assert.matches("zero = 3 keeps only a shard of the gradients, but module 'custom' (written in Lua)", err, 1, true)
-    -- expert parallelism: the experts' region is reduced over expert_data, with no ZeRO-2 shard layout yet
-    local moe = pg.nn.Mixtral{ vocab = 61, padded_vocab = 64, seq_len = 8, dim = 16, heads = 2, kv_heads = 2,
-      hidden = 24, layers = 1, experts = 2, top_k = 1 }
-    ok, err = pcall(pg.optim.AdamW, pg.parallelize(moe, pg.ParallelContext{ data = W, expert = 2, seed = 1 }, PRIVATE()),
-      { zero = 3 })
-    assert.is_false(ok)
-    assert.matches("zero = 3 with expert parallelism is not supported yet", err, 1, true)
     ok, err = pcall(pg.optim.AdamW, e, { zero = 4 })
     assert.is_false(ok)
     assert.matches("zero must be 0, 1, 2 or 3, got 4", err, 1, true)

@@ -21,7 +21,62 @@ static int pp_rank(const pg_engine *e) { return e->ctx->pp_rank; }
  * dp-cp group). With context = 1 it is the data group itself (its communicator, its comm_stats row). */
 pg_mode pg_engine_dense_group(const pg_engine *e) { return e->ctx->context > 1 ? PG_MODE_DATA_CONTEXT : PG_MODE_DATA; }
 static int dense_size(const pg_engine *e) { return e->ctx->group[pg_engine_dense_group(e)].size; }
-static int dense_rank(const pg_engine *e) { return e->ctx->group[pg_engine_dense_group(e)].rank; }
+
+/* The flat buffer's two regions (pg_engine.h): 0 the dense parameters, reduced and ZeRO-sharded over the dense
+ * group; 1 the experts this rank holds (expert parallelism; else empty), over expert_data. */
+static pg_mode region_group(const pg_engine *e, int r) { return r ? PG_MODE_EXPERT_DATA : pg_engine_dense_group(e); }
+static int64_t region_lo(const pg_engine *e, int r) { return r ? e->dense_padded : 0; }
+static int64_t region_hi(const pg_engine *e, int r) { return r ? e->flat_padded : e->dense_padded; }
+static int region_of(const pg_engine *e, int64_t off) { return off >= e->dense_padded; }
+
+/* Member q's ZeRO shard of region r (of its group): the region's length is a multiple of the group's size. */
+static void member_shard(const pg_engine *e, int r, int q, int64_t *lo, int64_t *hi) {
+  int64_t per = (region_hi(e, r) - region_lo(e, r)) / e->ctx->group[region_group(e, r)].size;
+  *lo = region_lo(e, r) + per * q;
+  *hi = *lo + per;
+}
+
+/* This rank's range of region r: its shard with ZeRO, else the whole region. */
+static void own_shard(const pg_engine *e, int r, int64_t *lo, int64_t *hi) {
+  if (e->zero) {
+    member_shard(e, r, e->ctx->group[region_group(e, r)].rank, lo, hi);
+  } else {
+    *lo = region_lo(e, r);
+    *hi = region_hi(e, r);
+  }
+}
+
+/* ZeRO-2 and 3 keep this rank's ranges of both regions one after the other (the optimizer state's layout):
+ * their length, where flat element off (inside one of them) sits, and a whole buffer's ranges copied in. */
+static int64_t shard_elems(const pg_engine *e) {
+  int64_t n = 0;
+  for (int r = 0; r < 2; r++) {
+    int64_t lo, hi;
+    own_shard(e, r, &lo, &hi);
+    n += hi - lo;
+  }
+  return n;
+}
+
+static int64_t shard_index(const pg_engine *e, int64_t off) {
+  int64_t lo, hi, at = 0;
+  int r = region_of(e, off);
+  if (r) {
+    own_shard(e, 0, &lo, &hi);
+    at = hi - lo;
+  }
+  own_shard(e, r, &lo, &hi);
+  return at + off - lo;
+}
+
+static void copy_shards(const pg_engine *e, float *shard, const float *whole) {
+  for (int r = 0; r < 2; r++) {
+    int64_t lo, hi;
+    own_shard(e, r, &lo, &hi);
+    memcpy(shard, whole + lo, (size_t)(hi - lo) * sizeof(float));
+    shard += hi - lo;
+  }
+}
 
 /* Sequence parallelism: the rows of a micro-batch of N rows that cross this
  * rank's stage boundaries (its tensor rank's share), and the most of them. */
@@ -70,13 +125,15 @@ static int bind_params(pg_engine *e, uint64_t seed) {
    * padded to a multiple of its group's size: the collectives' blocks are
    * the ZeRO shards. Without expert parameters the second region is empty. */
   int64_t off = 0;
-  for (int pass = 0; pass < 2; pass++) {
+  if (!(e->by_offset = malloc((size_t)(e->nparams + 1) * sizeof *e->by_offset))) return pg_fail("out of memory");
+  for (int pass = 0, n = 0; pass < 2; pass++) {
     if (pass == 1) {
       e->dense_numel = off;
       off = e->dense_padded = round_up(off > 0 ? off : FLAT_ALIGN, (int64_t)FLAT_ALIGN * dense_size(e));
     }
     for (int i = 0; i < e->nparams; i++) {
       if (e->params[i]->expert != pass) continue;
+      e->by_offset[n++] = i;
       e->params[i]->offset = off;
       /* each numel is at most PG_MAX_NUMEL (2^59), so the sum cannot wrap before it is compared */
       off = round_up(off + e->params[i]->numel, FLAT_ALIGN);
@@ -140,10 +197,7 @@ static int reduced_first(const pg_engine *e, const pg_param *p) {
 }
 
 /* The group that reduces p's gradient: a bucket holds parameters of one group. */
-static pg_mode reduction_group(const pg_engine *e, const pg_param *p) {
-  (void)p;
-  return pg_engine_dense_group(e);
-}
+static pg_mode reduction_group(const pg_engine *e, const pg_param *p) { return region_group(e, p->expert); }
 
 /* Whether this step's reduction goes bucket by bucket: on the device only
  * the all-reduce of zero = 0 does (NCCL reduce-scatters equal blocks, a
@@ -165,8 +219,8 @@ int pg_engine_overlaps(const pg_engine *e) {
  * bucket's last gradient kernel is queued; the engine's stream waits for
  * the reduction's event before the optimizer (pg_wait). */
 static int overlap_applies(const pg_engine *e) {
-  /* expert parallelism's second region reduces over expert_data after
-   * backward: its buckets would need that group's shard layout (not yet) */
+  /* expert parallelism's second region reduces over expert_data after backward (zero 0 and 1): its buckets
+   * would need the division by E after their reduction (ZeRO-2's do it as they add into the shard) */
   if (!e->opts.overlap_grad_reduce || dense_size(e) == 1 || e->flat_padded > e->dense_padded) return 0;
   return e->be->device == PG_CPU ? !pg_engine_shares_buffers(e)
                                  : pg_comm_device_overlap(e->ctx, pg_engine_dense_group(e));
@@ -189,11 +243,13 @@ static int borrowed(const pg_engine *e, const pg_param *p) {
 /* Buckets in the order their gradients become final: chunk by chunk from
  * the last (the interleaved schedule finishes its later chunks' backward
  * first), within a chunk from its last parameter back. A bucket takes
- * parameters while it stays within bucket_elems (a larger parameter is a
- * bucket of its own), covers the gaps up to the next bucket (so that the
- * buckets tile [0, flat_padded) and every shard element is reduced), and
- * a parameter reduced first elsewhere (a tied embedding's copy) is a bucket
- * of its own, started at the end after that reduction. */
+ * parameters of one region (the group that reduces them) while it stays
+ * within bucket_elems (a larger parameter is a bucket of its own), covers
+ * the gaps up to the next bucket of its region (so that the buckets tile
+ * each region, and every shard element is reduced: in this order a region's
+ * offsets only fall), and a parameter reduced first elsewhere (a tied
+ * embedding's copy) is a bucket of its own, started at the end after that
+ * reduction. */
 static int build_buckets(pg_engine *e) {
   if (!(overlap_applies(e) || e->sharded) || e->nparams == 0) return PG_OK;
   int *first = calloc((size_t)e->nchunks + 1, sizeof *first);
@@ -215,30 +271,28 @@ static int build_buckets(pg_engine *e) {
     first[v + 1] = first[v] + n;
   }
   int nb = 0, too_large = 0;
+  int64_t next_lo[2] = {region_hi(e, 0), region_hi(e, 1)}; /* the lowest bucket of each region so far */
   for (int v = e->nchunks - 1; v >= 0; v--) {
     int a = first[v], b = first[v + 1];
     if (a == b) continue;
-    int64_t hi = b < e->nparams ? e->params[b]->offset : e->flat_padded;
     int count = 0, tied = 0;
     for (int i = b - 1; i >= a; i--) {
       pg_param *p = e->params[i];
       int t = reduced_first(e, p), r = e->sharded && (t || borrowed(e, p));
       pg_mode g = reduction_group(e, p);
-      if (count > 0 && (hi - p->offset > e->opts.bucket_elems || t || r || tied || g != e->buckets[nb].mode)) {
-        hi = e->buckets[nb].lo; /* close the open bucket */
-        nb++;
+      pg_bucket *k = &e->buckets[nb];
+      if (count > 0 && (k->hi - p->offset > e->opts.bucket_elems || t || r || tied || g != k->mode)) {
+        k = &e->buckets[++nb]; /* close the open bucket */
         count = tied = 0;
       }
-      pg_bucket *k = &e->buckets[nb];
-      if (count == 0) *k = (pg_bucket){.hi = hi, .mode = g, .p1 = i, .slot = -1};
-      k->lo = p->offset;
+      if (count == 0) *k = (pg_bucket){.hi = next_lo[p->expert], .mode = g, .p1 = i, .slot = -1};
+      k->lo = next_lo[p->expert] = p->offset;
       k->p0 = i;
       k->nparams = ++count;
       k->deferred = tied = tied || t;
       k->resident = k->resident || r;
       e->param_bucket[i] = nb;
     }
-    e->buckets[nb].lo = e->params[a]->offset;
     nb++;
   }
   free(first);
@@ -392,6 +446,7 @@ void pg_engine_free(pg_engine *e) {
   pg_be_release(e->be, e->sp_grads);
   free(e->chunks);
   free(e->params);
+  free(e->by_offset);
   pg_shm_close(&e->param_shm);
   pg_shm_close(&e->grad_shm);
   pg_storage_release(e->param_store);
@@ -607,11 +662,12 @@ static int run_action(pg_engine *e, pg_action a, pg_io *ios, int M) {
  * intersection with each member's shard (the shards are contiguous and in
  * rank order, so these are the bucket's pieces one after another). */
 static void bucket_counts(const pg_engine *e, const pg_bucket *b, int64_t *counts) {
-  int D = e->ctx->group[b->mode].size;
-  int64_t per = e->dense_padded / D; /* the whole buffer: no experts' region when buckets apply */
-  for (int r = 0; r < D; r++) {
-    int64_t lo = b->lo > per * r ? b->lo : per * r, hi = b->hi < per * (r + 1) ? b->hi : per * (r + 1);
-    counts[r] = hi > lo ? hi - lo : 0;
+  for (int q = 0; q < e->ctx->group[b->mode].size; q++) {
+    int64_t lo, hi;
+    member_shard(e, region_of(e, b->lo), q, &lo, &hi);
+    if (b->lo > lo) lo = b->lo;
+    if (b->hi < hi) hi = b->hi;
+    counts[q] = hi > lo ? hi - lo : 0;
   }
 }
 
@@ -620,8 +676,9 @@ static int start_bucket(pg_engine *e, pg_bucket *b) {
     /* the members agree once per step on the set (pg_comm.h), then start its buckets in the same order */
     char what[96];
     snprintf(what, sizeof what, "overlapped gradient reduction in %d buckets", e->nbuckets);
-    if (pg_agree_batch(e->ctx, b->mode, e->zero ? PG_COLL_REDUCE_SCATTER : PG_COLL_ALL_REDUCE, PG_REDUCE_AVG,
-                       e->flat_padded, what))
+    /* over the dense group: every member runs the same buckets (the experts' groups are inside it) */
+    if (pg_agree_batch(e->ctx, pg_engine_dense_group(e), e->zero ? PG_COLL_REDUCE_SCATTER : PG_COLL_ALL_REDUCE,
+                       PG_REDUCE_AVG, e->flat_padded, what))
       return PG_ERR;
     e->first_start = pg_wtime();
   }
@@ -648,11 +705,11 @@ static int progress_buckets(pg_engine *e) {
 }
 
 static int param_index(const pg_engine *e, const pg_param *p) {
-  int lo = 0, hi = e->nparams - 1; /* params are in offset order */
+  int lo = 0, hi = e->nparams - 1; /* by_offset is in offset order */
   while (lo <= hi) {
-    int mid = (lo + hi) / 2;
-    if (e->params[mid]->offset == p->offset) return e->params[mid] == p ? mid : -1;
-    if (e->params[mid]->offset < p->offset) lo = mid + 1;
+    int mid = (lo + hi) / 2, k = e->by_offset[mid];
+    if (e->params[k]->offset == p->offset) return e->params[k] == p ? k : -1;
+    if (e->params[k]->offset < p->offset) lo = mid + 1;
     else hi = mid - 1;
   }
   return -1;
@@ -673,16 +730,19 @@ static void aim_grads(pg_engine *e, const pg_bucket *b) {
 }
 
 /* The bucket's reduce-scatter is done: this rank's piece of it is added into
- * the shard (the sum over micro-batches of the reduced gradients), and the
- * staging is zeroed for the next gradients written into it (the kernels
- * add) and, from the pool, handed back. */
+ * the shard (the sum over micro-batches of the reduced gradients; an
+ * expert's divided by E, as pg_engine_sync_grads says why), and the staging
+ * is zeroed for the next gradients written into it (the kernels add) and,
+ * from the pool, handed back. */
 static int complete_bucket(pg_engine *e, pg_bucket *b) {
   if (pg_wait(&b->req)) return PG_ERR;
-  int64_t per = e->flat_padded / dense_size(e);
-  int64_t a = b->lo > e->grad_base ? b->lo : e->grad_base;
-  int64_t z = b->hi < e->grad_base + per ? b->hi : e->grad_base + per;
-  float *acc = e->grad_store->data;
-  for (int64_t x = a; x < z; x++) acc[x - e->grad_base] += b->stage[x - b->lo];
+  int64_t a, z;
+  int region = region_of(e, b->lo);
+  own_shard(e, region, &a, &z);
+  if (b->lo > a) a = b->lo;
+  if (b->hi < z) z = b->hi;
+  float scale = region ? 1.0f / (float)e->ctx->expert : 1.0f, *acc = z > a ? pg_engine_grad_at(e, a) : NULL;
+  for (int64_t x = a; x < z; x++) acc[x - a] += b->stage[x - b->lo] * scale;
   memset(b->stage, 0, (size_t)(b->hi - b->lo) * sizeof(float));
   b->seq = -1;
   b->pending = b->nparams;
@@ -871,40 +931,64 @@ static int64_t set_elems_in(const pg_gather_unit *u, int bf16, int64_t a, int64_
 }
 
 /* A call's gather of u under bf16 gathers: this rank's piece of each parameter, rounded to bf16 (the bits the
- * modules' own working copies had: pg_bf16_from_f32) or copied, into its packed place; then the bf16 part's and
- * the float32 part's all-gathers. Rounding before the gather gives what rounding after it would. */
+ * modules' own working copies had: pg_bf16_from_f32) or copied, into its packed place; then, region by region,
+ * the bf16 part's and the float32 part's all-gathers over the region's group. Rounding before the gather gives
+ * what rounding after it would. */
 static int start_packed_gather(pg_engine *e, pg_gather_unit *u, int64_t *counts) {
-  int D = dense_size(e);
-  int64_t per = e->flat_padded / D, mine_lo = e->param_base, mine_hi = e->param_base + per;
   uint16_t *b16 = (uint16_t *)u->buf;
   float *f32 = u->buf + (u->n16 + 1) / 2;
-  const float *shard = e->param_store->data;
   for (int i = 0; i < u->nparams; i++) {
     const pg_param *p = u->params[i];
-    int64_t a = p->offset > mine_lo ? p->offset : mine_lo;
-    int64_t z = p->offset + p->numel < mine_hi ? p->offset + p->numel : mine_hi;
+    int64_t a, z;
+    own_shard(e, p->expert, &a, &z);
+    if (p->offset > a) a = p->offset;
+    if (p->offset + p->numel < z) z = p->offset + p->numel;
     if (z <= a) continue;
-    if (p->gather_bf16) pg_bf16_from_f32(b16 + u->at[i] + (a - p->offset), shard + (a - mine_lo), z - a);
-    else memcpy(f32 + u->at[i] + (a - p->offset), shard + (a - mine_lo), (size_t)(z - a) * sizeof(float));
+    const float *mine = pg_engine_param_at(e, a);
+    if (p->gather_bf16) pg_bf16_from_f32(b16 + u->at[i] + (a - p->offset), mine, z - a);
+    else memcpy(f32 + u->at[i] + (a - p->offset), mine, (size_t)(z - a) * sizeof(float));
   }
-  for (int set = 1; set >= 0; set--) { /* every member starts the bf16 part first */
-    if ((set ? u->n16 : u->n32) == 0) continue;
-    for (int r = 0; r < D; r++) counts[r] = set_elems_in(u, set, per * r, per * (r + 1));
-    if (pg_iall_gather_v_buf(e->ctx, pg_engine_dense_group(e), set ? (void *)b16 : (void *)f32, counts,
-                             set ? PG_BFLOAT16 : PG_FLOAT32, set ? &u->req16 : &u->req))
-      return PG_ERR;
-  }
+  for (int r = 0; r < 2; r++)
+    for (int set = 1; set >= 0; set--) { /* every member starts the bf16 part first */
+      int64_t before = set_elems_in(u, set, 0, region_lo(e, r)); /* the set's elements of the regions before */
+      if (set_elems_in(u, set, region_lo(e, r), region_hi(e, r)) == 0) continue;
+      for (int q = 0; q < e->ctx->group[region_group(e, r)].size; q++) {
+        int64_t lo, hi;
+        member_shard(e, r, q, &lo, &hi);
+        counts[q] = set_elems_in(u, set, lo, hi);
+      }
+      if (pg_iall_gather_v_buf(e->ctx, region_group(e, r), set ? (void *)(b16 + before) : (void *)(f32 + before),
+                               counts, set ? PG_BFLOAT16 : PG_FLOAT32, set ? &u->req16[r] : &u->reqs[r]))
+        return PG_ERR;
+    }
   return PG_OK;
 }
 
-/* Starts unit u's all-gather (nothing when it is gathered or on its way):
- * this rank's piece of [lo, hi) from the shard into its place in the
- * buffer, then the nonblocking all-gather of every member's piece. In a
+/* Unit u's elements in region r, in all, and where p's start in its float32 gather (region 0's range first). */
+static int64_t unit_len(const pg_gather_unit *u, int r) { return u->hi[r] - u->lo[r]; }
+static int64_t unit_elems(const pg_gather_unit *u) { return unit_len(u, 0) + unit_len(u, 1); }
+static int64_t unit_place(const pg_gather_unit *u, const pg_param *p) {
+  return (p->expert ? unit_len(u, 0) : 0) + p->offset - u->lo[p->expert];
+}
+
+/* Whether any of u's gathers is in flight; waits for them all. */
+static int unit_in_flight(const pg_gather_unit *u) { return u->reqs[0] || u->reqs[1] || u->req16[0] || u->req16[1]; }
+static int wait_unit(pg_gather_unit *u) {
+  int rc = PG_OK;
+  for (int r = 0; r < 2; r++)
+    if (pg_wait(&u->req16[r]) || pg_wait(&u->reqs[r])) rc = PG_ERR;
+  return rc;
+}
+
+/* Starts unit u's all-gathers (nothing when it is gathered or on its way):
+ * this rank's piece of each region's range from the shard into its place in
+ * the buffer, then the nonblocking all-gather of every member's piece over
+ * the region's group. In a
  * call (in_call) under bf16 gathers, the packed bf16 and float32 parts;
  * outside one (a checkpoint's or Lua's read), float32 into a buffer of its
  * own when the pool's slots are sized for the packed ones. */
 static int start_gather(pg_engine *e, pg_gather_unit *u, int in_call) {
-  if (u->gathered || u->req || u->req16) return PG_OK;
+  if (u->gathered || unit_in_flight(u)) return PG_OK;
   if (e->gathers_started++ == 0) {
     char what[96]; /* the members agree once per call on the set, then start its gathers in the same order */
     snprintf(what, sizeof what, "zero-3 parameter gathers of %d units", e->nunits);
@@ -913,30 +997,33 @@ static int start_gather(pg_engine *e, pg_gather_unit *u, int in_call) {
   }
   u->packed = in_call && e->gather16;
   if (!u->packed && e->gather16 && !u->resident) {
-    if (!(u->buf = malloc((size_t)(u->hi - u->lo) * sizeof(float))))
+    if (!(u->buf = malloc((size_t)unit_elems(u) * sizeof(float))))
       return pg_fail("zero = 3: out of memory gathering module %s (%lld floats)", u->m->name,
-                     (long long)(u->hi - u->lo));
+                     (long long)unit_elems(u));
     u->own_buf = 1;
   } else if (unit_buffer(e, u)) {
     return PG_ERR;
   }
-  int D = dense_size(e), me = dense_rank(e);
-  int64_t per = e->flat_padded / D, *counts = malloc((size_t)D * sizeof *counts);
+  int64_t *counts = malloc((size_t)dense_size(e) * sizeof *counts); /* the experts' group is inside the dense one */
   if (!counts) return pg_fail("out of memory starting a parameter gather");
   e->unit_gathers++;
-  if (u->packed) {
-    int rc = start_packed_gather(e, u, counts);
-    free(counts);
-    return rc;
+  int rc = PG_OK;
+  if (u->packed) rc = start_packed_gather(e, u, counts);
+  for (int r = 0; r < 2 && !u->packed && !rc; r++) {
+    if (unit_len(u, r) == 0) continue;
+    const pg_group *g = &e->ctx->group[region_group(e, r)];
+    float *at = u->buf + (r ? unit_len(u, 0) : 0); /* region r's range */
+    for (int q = 0; q < g->size; q++) {
+      int64_t a, z;
+      member_shard(e, r, q, &a, &z);
+      if (u->lo[r] > a) a = u->lo[r];
+      if (u->hi[r] < z) z = u->hi[r];
+      counts[q] = z > a ? z - a : 0;
+      if (q == g->rank && counts[q])
+        memcpy(at + (a - u->lo[r]), pg_engine_param_at(e, a), (size_t)counts[q] * sizeof(float));
+    }
+    rc = pg_iall_gather_v_buf(e->ctx, region_group(e, r), at, counts, PG_FLOAT32, &u->reqs[r]);
   }
-  for (int r = 0; r < D; r++) {
-    int64_t a = u->lo > per * r ? u->lo : per * r, z = u->hi < per * (r + 1) ? u->hi : per * (r + 1);
-    counts[r] = z > a ? z - a : 0;
-  }
-  int64_t a = u->lo > e->param_base ? u->lo : e->param_base;
-  if (counts[me])
-    memcpy(u->buf + (a - u->lo), (float *)e->param_store->data + (a - e->param_base), (size_t)counts[me] * sizeof(float));
-  int rc = pg_iall_gather_v_buf(e->ctx, pg_engine_dense_group(e), u->buf, counts, PG_FLOAT32, &u->req);
   free(counts);
   return rc;
 }
@@ -944,11 +1031,11 @@ static int start_gather(pg_engine *e, pg_gather_unit *u, int in_call) {
 /* Unit u's parameters usable: its gather started (if not yet) and complete. */
 static int finish_gather(pg_engine *e, pg_gather_unit *u, int in_call) {
   if (u->gathered) return PG_OK;
-  if (start_gather(e, u, in_call) || pg_wait(&u->req16) || pg_wait(&u->req)) return PG_ERR;
+  if (start_gather(e, u, in_call) || wait_unit(u)) return PG_ERR;
   for (int i = 0; i < u->nparams; i++) {
     pg_param *p = u->params[i];
     p->data16 = NULL;
-    if (!u->packed) p->data = u->buf + (p->offset - u->lo);
+    if (!u->packed) p->data = u->buf + unit_place(u, p);
     else if (p->gather_bf16) p->data16 = (const uint16_t *)u->buf + u->at[i], p->data = NULL;
     else p->data = u->buf + (u->n16 + 1) / 2 + u->at[i];
   }
@@ -958,7 +1045,7 @@ static int finish_gather(pg_engine *e, pg_gather_unit *u, int in_call) {
 
 /* Unit u's parameters freed (a gather in flight completes first: MPI writes its buffer). */
 static int release_unit(pg_engine *e, pg_gather_unit *u) {
-  if (pg_wait(&u->req16) || pg_wait(&u->req)) return PG_ERR;
+  if (wait_unit(u)) return PG_ERR;
   for (int i = 0; i < u->nparams; i++) {
     u->params[i]->data = NULL;
     u->params[i]->data16 = NULL;
@@ -1030,31 +1117,36 @@ static int on_forward_done(void *ud, pg_module *m) { return unit_done(ud, m); }
 
 static int zero3_backward_done(pg_engine *e, pg_module *m) { return unit_done(e, m); }
 
-/* One gather unit: module m's tree. Its parameters lie in [lo, hi) of the
- * flat buffer (a tree's parameters are consecutive there, chunk order being
- * tree order). A unit owning a weight another module reads (the tied head's
- * embedding) is resident: that module runs outside the owner's hooks. */
+/* One gather unit: module m's tree. Its parameters lie in [lo[r], hi[r]) of
+ * each region of the flat buffer (a tree's parameters of a region are
+ * consecutive there, chunk order being tree order). A unit owning a weight
+ * another module reads (the tied head's embedding) is resident: that module
+ * runs outside the owner's hooks. */
 static int add_unit(pg_engine *e, pg_module *m, int chunk) {
   pg_gather_unit *u = &e->units[e->nunits];
-  *u = (pg_gather_unit){.m = m, .chunk = chunk, .lo = INT64_MAX, .hi = 0, .slot = -1};
+  *u = (pg_gather_unit){.m = m, .chunk = chunk, .lo = {INT64_MAX, INT64_MAX}, .slot = -1};
   if (!(u->params = pg_module_collect_params(m, &u->nparams))) return PG_ERR;
   e->nunits++;
   if (!(u->at = calloc((size_t)u->nparams + 1, sizeof *u->at))) return pg_fail("zero = 3: out of memory");
-  for (int i = 0; i < u->nparams; i++) {
-    pg_param *p = u->params[i];
-    int k = param_index(e, p);
-    if (k < 0) return pg_fail("module %s: parameter %s is not this engine's", m->name, p->name);
-    if (i > 0 && p->offset < u->params[i - 1]->offset + u->params[i - 1]->numel) /* the packed sets' order */
-      return pg_fail("zero = 3: module %s: parameter %s lies before the one it follows in the flat buffer", m->name,
-                     p->name);
-    u->at[i] = p->gather_bf16 ? u->n16 : u->n32;
-    *(p->gather_bf16 ? &u->n16 : &u->n32) += p->numel;
-    e->param_unit[k] = e->nunits - 1;
-    if (p->offset < u->lo) u->lo = p->offset;
-    if (p->offset + p->numel > u->hi) u->hi = p->offset + p->numel;
-    if (borrowed(e, p)) u->resident = 1;
-  }
-  if (u->hi - u->lo > BUCKET_MAX)
+  for (int r = 0; r < 2; r++) /* the packed sets: the dense region's elements, then the experts' */
+    for (int i = 0; i < u->nparams; i++) {
+      pg_param *p = u->params[i];
+      if (p->expert != r) continue;
+      int k = param_index(e, p);
+      if (k < 0) return pg_fail("module %s: parameter %s is not this engine's", m->name, p->name);
+      if (p->offset < u->hi[r]) /* the packed sets' order */
+        return pg_fail("zero = 3: module %s: parameter %s lies before the one it follows in the flat buffer",
+                       m->name, p->name);
+      u->at[i] = p->gather_bf16 ? u->n16 : u->n32;
+      *(p->gather_bf16 ? &u->n16 : &u->n32) += p->numel;
+      e->param_unit[k] = e->nunits - 1;
+      if (p->offset < u->lo[r]) u->lo[r] = p->offset;
+      u->hi[r] = p->offset + p->numel;
+      if (borrowed(e, p)) u->resident = 1;
+    }
+  for (int r = 0; r < 2; r++)
+    if (u->lo[r] > u->hi[r]) u->lo[r] = u->hi[r] = 0; /* no parameter there */
+  if (unit_elems(u) > BUCKET_MAX)
     return pg_fail("zero = 3: module %s has parameters over more than 2^30 elements (one gather): use zero = 2",
                    m->name);
   m->gather_unit = 1;
@@ -1081,10 +1173,7 @@ static int collect_units(pg_engine *e, pg_module *root, int chunk) {
 }
 
 static void free_units(pg_engine *e) {
-  for (int k = 0; k < e->nunits && !pg_comm_broken(e->ctx); k++) {
-    pg_wait(&e->units[k].req16);
-    pg_wait(&e->units[k].req);
-  }
+  for (int k = 0; k < e->nunits && !pg_comm_broken(e->ctx); k++) wait_unit(&e->units[k]);
   for (int k = 0; k < e->nunits; k++)
     if (e->units[k].own_buf) free(e->units[k].buf);
   for (int k = 0; k < e->nunits; k++) {
@@ -1138,7 +1227,7 @@ static int make_units(pg_engine *e) {
   int pooled = 0;
   for (int k = 0; k < e->nunits; k++) {
     pg_gather_unit *u = &e->units[k];
-    int64_t n = u->hi - u->lo;
+    int64_t n = unit_elems(u);
     if (!u->resident) { /* a slot holds a call's gather: the packed parts under bf16 gathers */
       int64_t need = e->gather16 ? (u->n16 + 1) / 2 + u->n32 : n;
       pooled++;
@@ -1161,17 +1250,16 @@ int pg_engine_shard_params(pg_engine *e) {
                    e->be->name);
   if (!e->sharded)
     return pg_fail("zero = 3: the gradients must be sharded first (pg_engine_shard_grads)");
-  int64_t per = e->flat_padded / dense_size(e), lo = per * dense_rank(e);
+  int64_t per = shard_elems(e);
   pg_storage *shard = NULL;
   if (make_units(e) || !(shard = pg_backend_storage(e->be, (size_t)per * sizeof(float)))) {
     free_units(e);
     return shard ? PG_ERR : pg_fail("zero = 3: the parameter shard (%lld floats): %s", (long long)per, pg_error());
   }
-  memcpy(shard->data, (float *)e->param_store->data + lo, (size_t)per * sizeof(float));
+  copy_shards(e, shard->data, e->param_store->data);
   pg_shm_close(&e->param_shm);
   pg_storage_release(e->param_store);
   e->param_store = shard;
-  e->param_base = lo;
   e->params_sharded = 1;
   for (int i = 0; i < e->nparams; i++) e->params[i]->data = NULL;
   return PG_OK;
@@ -1185,13 +1273,11 @@ int pg_engine_shard_params(pg_engine *e) {
 static int zero3_at_construction(pg_engine *e, uint64_t seed) {
   e->zero = 3;
   if (check_shardable(e)) return PG_ERR;
-  int64_t per = e->flat_padded / dense_size(e), lo = per * dense_rank(e);
-  size_t bytes = (size_t)per * sizeof(float);
+  size_t bytes = (size_t)shard_elems(e) * sizeof(float);
   if (!(e->param_store = pg_backend_storage(e->be, bytes)) || !(e->grad_store = pg_backend_storage(e->be, bytes)))
     return pg_fail("zero = 3: the parameter and gradient shards (2 x %zu bytes): %s", bytes, pg_error());
   memset(e->param_store->data, 0, bytes);
   memset(e->grad_store->data, 0, bytes);
-  e->param_base = e->grad_base = lo;
   e->sharded = e->params_sharded = 1; /* pg_engine_write_param keeps the part in the shard */
   for (int i = 0; i < e->nparams; i++) {
     pg_param *p = e->params[i];
@@ -1209,7 +1295,7 @@ static int zero3_at_construction(pg_engine *e, uint64_t seed) {
 }
 
 float *pg_engine_param_at(const pg_engine *e, int64_t off) {
-  return (float *)e->param_store->data + (off - e->param_base);
+  return (float *)e->param_store->data + (e->params_sharded ? shard_index(e, off) : off);
 }
 
 size_t pg_engine_param_bytes(const pg_engine *e) {
@@ -1594,7 +1680,9 @@ int pg_engine_zero_grad(pg_engine *e) {
   return e->be->ops->zero(e->be, e->grad_store->data, e->grad_store->bytes);
 }
 
-float *pg_engine_grad_at(const pg_engine *e, int64_t off) { return (float *)e->grad_store->data + (off - e->grad_base); }
+float *pg_engine_grad_at(const pg_engine *e, int64_t off) {
+  return (float *)e->grad_store->data + (e->sharded ? shard_index(e, off) : off);
+}
 
 size_t pg_engine_grad_bytes(const pg_engine *e) {
   if (!e->sharded) return (size_t)e->flat_padded * sizeof(float);
@@ -1661,9 +1749,6 @@ static int check_shardable(const pg_engine *e) {
       return pg_fail("zero = %d keeps only a shard of the gradients, but module '%s' (written in Lua) writes its "
                      "parameters' gradients into the whole buffer: use zero = 1", e->zero, m->name);
   }
-  if (e->flat_padded > e->dense_padded)
-    return pg_fail("zero = %d with expert parallelism is not supported yet (the experts' gradients are reduced over "
-                   "expert_data, with a shard layout of their own): use zero = 1", e->zero);
   return PG_OK;
 }
 
@@ -1673,13 +1758,11 @@ int pg_engine_shard_grads(pg_engine *e) {
   if (e->grads_pending)
     return pg_fail("zero = %d: gradients of an earlier forward_backward wait for their reduction; make the optimizer "
                    "before training, or call engine:sync_grads() first", e->zero);
-  int64_t lo, hi, per = e->flat_padded / dense_size(e);
-  lo = per * dense_rank(e);
-  hi = lo + per;
+  int64_t per = shard_elems(e);
   pg_storage *shard = pg_backend_storage(e->be, (size_t)per * sizeof(float));
   if (!shard) return pg_fail("zero = 2: the gradient shard (%lld floats): %s", (long long)per, pg_error());
   /* what the buffer holds for the shard (reduced gradients, or zeros) stays */
-  memcpy(shard->data, (float *)e->grad_store->data + lo, (size_t)(hi - lo) * sizeof(float));
+  copy_shards(e, shard->data, e->grad_store->data);
   for (int k = 0; k < e->nbuckets; k++)
     if (pg_wait(&e->buckets[k].req)) {
       pg_storage_release(shard);
@@ -1695,33 +1778,13 @@ int pg_engine_shard_grads(pg_engine *e) {
   pg_shm_close(&e->grad_shm);
   pg_storage_release(e->grad_store);
   e->grad_store = shard;
-  e->grad_base = lo;
   e->sharded = 1;
   return build_buckets(e) || make_staging(e);
 }
 
-void pg_engine_shard(const pg_engine *e, int64_t *lo, int64_t *hi) {
-  if (e->zero && dense_size(e) > 1) {
-    int64_t per = e->dense_padded / dense_size(e);
-    *lo = per * dense_rank(e);
-    *hi = *lo + per;
-  } else {
-    *lo = 0;
-    *hi = e->dense_padded;
-  }
-}
+void pg_engine_shard(const pg_engine *e, int64_t *lo, int64_t *hi) { own_shard(e, 0, lo, hi); }
 
-void pg_engine_expert_shard(const pg_engine *e, int64_t *lo, int64_t *hi) {
-  int n = e->ctx->group[PG_MODE_EXPERT_DATA].size;
-  int64_t len = e->flat_padded - e->dense_padded;
-  if (e->zero && n > 1) {
-    *lo = e->dense_padded + len / n * e->ctx->group[PG_MODE_EXPERT_DATA].rank;
-    *hi = *lo + len / n;
-  } else {
-    *lo = e->dense_padded;
-    *hi = e->flat_padded;
-  }
-}
+void pg_engine_expert_shard(const pg_engine *e, int64_t *lo, int64_t *hi) { own_shard(e, 1, lo, hi); }
 
 /* 1. tied embedding: the first stage's weight and the last stage's copy. */
 static int tied_reduce(pg_engine *e) {
@@ -1897,9 +1960,10 @@ int pg_engine_read_param(pg_engine *e, pg_param *p, float *piece) {
 int pg_engine_write_param(pg_engine *e, pg_param *p, const float *piece) {
   if (!e->params_sharded)
     return e->be->ops->copy(e->be, p->data, piece, (size_t)p->numel * sizeof(float), PG_COPY_HOST_TO_DEVICE);
-  int64_t per = e->flat_padded / dense_size(e);
-  int64_t a = p->offset > e->param_base ? p->offset : e->param_base;
-  int64_t z = p->offset + p->numel < e->param_base + per ? p->offset + p->numel : e->param_base + per;
+  int64_t a, z;
+  own_shard(e, p->expert, &a, &z);
+  if (p->offset > a) a = p->offset;
+  if (p->offset + p->numel < z) z = p->offset + p->numel;
   if (z > a) memcpy(pg_engine_param_at(e, a), piece + (a - p->offset), (size_t)(z - a) * sizeof(float));
   return PG_OK;
 }

@@ -124,28 +124,31 @@ typedef struct pg_bucket {
 } pg_bucket;
 
 /* ZeRO-3 (pg_engine_shard_params): the parameters of one top-level module of
- * a chunk (a transformer block, the embedding, the final norm), gathered over
- * the data group as one all-gather of the flat range [lo, hi) they lie in
- * (each member's piece: the range's intersection with its shard). */
+ * a chunk (a transformer block, the embedding, the final norm), gathered as
+ * one all-gather per region of the flat range [lo[r], hi[r]) they lie in
+ * there (each member's piece: the range's intersection with its shard): the
+ * dense parameters over the dense group, an MoE's experts (expert
+ * parallelism) over expert_data. */
 typedef struct pg_gather_unit {
   pg_module *m;      /* its module (pg_module.gather_unit) */
   pg_param **params; /* every parameter of m's tree */
   int nparams;
   int chunk;         /* whose tree it is in */
-  int64_t lo, hi;
+  int64_t lo[2], hi[2]; /* per region (dense, experts); an empty one lo = hi. buf holds region 0's range, then 1's */
   int resident;      /* owns a weight another module reads (a tied head): gathered once a call, kept to its end */
-  float *buf;        /* [hi - lo]: a resident unit's own, or the pool slot it holds; NULL when not held */
+  float *buf;        /* both ranges: a resident unit's own, or the pool slot it holds; NULL when not held */
   int slot;          /* the pool slot it holds, or -1 */
   int gathered;      /* the parameters point into buf (the gather completed) */
-  pg_request *req;   /* the gather in flight, or NULL */
   /* bf16 gathers (pg_engine.gather16): the gather_bf16 weights' n16 elements are gathered as bf16 into the
    * start of buf and the other parameters' n32 as float32 after them (from float (n16 + 1) / 2), each set packed
-   * in flat order without the gaps between parameters, so a member's piece of its contiguous shard stays
-   * contiguous in both; at[i]: parameter i's first element's place in its set */
+   * in flat order without the gaps between parameters (the dense region's elements first, then the experts'), so
+   * a member's piece of its contiguous shard of a region stays contiguous in both; at[i]: parameter i's first
+   * element's place in its set */
   int64_t n16, n32, *at;
   int packed;        /* the gather held or in flight is the packed one (a call's; outside one: float32) */
   int own_buf;       /* buf is this gather's own (a float32 gather of a pooled unit outside a call) */
-  pg_request *req16; /* the bf16 part's gather in flight, or NULL */
+  pg_request *reqs[2]; /* per region: the float32 part's gather in flight, or NULL */
+  pg_request *req16[2]; /* per region: the bf16 part's gather in flight, or NULL */
 } pg_gather_unit;
 
 typedef struct pg_engine {
@@ -155,6 +158,7 @@ typedef struct pg_engine {
   const pg_backend *be; /* where the stage's buffers, the flat buffers and the optimizer state live */
   int is_first, is_last; /* this rank holds the model's first / last piece */
   pg_param **params;    /* every chunk's, chunk by chunk */
+  int *by_offset;       /* [nparams]: params' indices in flat offset order (the regions interleave the chunks') */
   int nparams;
   pg_storage *param_store, *grad_store;
   pg_recompute_arena *recompute_arena; /* the recomputed blocks' shared buffers, all chunks' (pg_module.h) */
@@ -198,11 +202,12 @@ typedef struct pg_engine {
   int64_t sp_grads_n;
   int grads_pending;   /* gradients added since the last reduction */
   /* ZeRO-2 with data > 1 (pg_engine_shard_grads): grad_store holds only this
-   * rank's shard [grad_base, grad_base + flat_padded / data); gradients are
-   * written into staging buffers, a bucket at a time, reduce-scattered after
-   * every micro-batch's backward and added into the shard. */
+   * rank's shards, ZeRO-1's ranges (pg_engine_shard: the dense region's over
+   * the dense group, then the experts' over expert_data) one after the other
+   * (pg_engine_grad_at); gradients are written into staging buffers, a bucket
+   * at a time, reduce-scattered over their region's group after every
+   * micro-batch's backward and added into the shard. */
   int sharded;
-  int64_t grad_base;
   float **pool;        /* [npool] staging slots of pool_elems floats */
   int *pool_owner;     /* [npool] the bucket holding each, or -1 */
   int npool;
@@ -210,14 +215,12 @@ typedef struct pg_engine {
   int64_t resident_elems; /* staging kept by resident buckets */
   long bucket_seq;
   /* ZeRO-3 with data > 1 (pg_engine_shard_params): param_store holds only
-   * this rank's shard [param_base, param_base + flat_padded / data) of the
-   * parameters (as grad_store the gradients, ZeRO-2); between a unit's
-   * gather and its release its parameters' data point into its buffer, else
-   * they are NULL. */
+   * this rank's shards of the parameters, laid out as grad_store's (ZeRO-2:
+   * pg_engine_param_at); between a unit's gather and its release its
+   * parameters' data point into its buffer, else they are NULL. */
   int params_sharded;
   int reshard_after_forward; /* 1 (default): release a unit after its forward, gather it again for backward */
   int prefetch;              /* 1 (default): start the next unit's gather before this one computes */
-  int64_t param_base;
   pg_gather_unit *units;     /* in forward order (the chunks' trees) */
   int nunits;
   int *param_unit;           /* [nparams]: the unit owning params[i] */
@@ -292,11 +295,12 @@ int pg_engine_shard_grads(pg_engine *e);
 /* ZeRO-3 (the optimizer calls it for zero = 3, after pg_engine_shard_grads):
  * keep only this rank's shard of the parameters too. Every module that owns
  * parameters is a gather unit: before its forward and its backward its
- * parameters are all-gathered over the data group into a slot (the next
- * unit's gather started before, nonblocking: prefetch), and released after
- * (after forward only when reshard_after_forward, else at the end of the
- * call). With data = 1 nothing changes. The device backend, precision bf16
- * and expert parallelism are refused by name. Not collective. */
+ * parameters are all-gathered over the data group (an MoE's experts, under
+ * expert parallelism, over expert_data) into a slot (the next unit's gather
+ * started before, nonblocking: prefetch), and released after (after forward
+ * only when reshard_after_forward, else at the end of the call). With data =
+ * 1 nothing changes. The device backend and modules written in Lua that own
+ * parameters are refused by name. Not collective. */
 int pg_engine_shard_params(pg_engine *e);
 /* ZeRO-3's reshard_after_forward (default 1: FSDP2's): 0 keeps a unit gathered from its first forward of a
  * call to the call's end (a pipeline step gathers each unit once instead of twice per micro-batch). */

@@ -9,7 +9,9 @@
  * zero = 2: the same shards, and the engine keeps only this rank's shard of
  * the gradients (pg_engine_shard_grads): they are written into staging
  * buffers a bucket at a time, reduce-scattered after every micro-batch's
- * backward and added into the shard.
+ * backward and added into the shard. zero = 3 (pg_engine_shard_params):
+ * the parameters too. Under expert parallelism each shard is two ranges, the
+ * dense region's over the data group and the experts' over expert_data.
  *
  * The global gradient norm counts every element of the full model once:
  * sharded tensors summed over the tensor group, replicated tensors (LayerNorm,

@@ -100,7 +100,9 @@ static int l_hparams(lua_State *L) {
 
 /* opt:state() -> { step=, lo=, hi= (0-based flat range of the dense region), elo=, ehi= (of the experts'
  * region; empty without expert parallelism), m=, v= (tensor views: [hi - lo] then [ehi - elo]), grad= (the
- * gradients of [lo, hi), read by the next step), with zero = 3 param= (the parameters of [lo, hi)) } */
+ * gradients of both ranges, as m, read by the next step; where the engine keeps them apart, zero 1's whole buffer
+ * with an experts' region not right after [lo, hi), those of [lo, hi) only and expert_grad= those of [elo, ehi)),
+ * with zero = 3 param= (the parameters of both ranges) } */
 static int l_state(lua_State *L) {
   pg_adamw *o = check_opt(L, 1);
   lua_createtable(L, 0, 7);
@@ -124,9 +126,17 @@ static int l_state(lua_State *L) {
   lua_setfield(L, -2, "v");
   pg_engine *e = o->engine;
   size_t at = (size_t)(pg_engine_grad_at(e, o->lo) - (float *)e->grad_store->data);
-  PG_LUA_CHECK(L, pg_tensor_init_view(&t, e->grad_store, at, PG_FLOAT32, 1, &n));
+  int64_t dn = o->hi - o->lo, en = o->ehi - o->elo;
+  int apart = en > 0 && pg_engine_grad_at(e, o->elo) != pg_engine_grad_at(e, o->lo) + dn;
+  PG_LUA_CHECK(L, pg_tensor_init_view(&t, e->grad_store, at, PG_FLOAT32, 1, apart ? &dn : &n));
   pg_lua_push_tensor(L, &t);
   lua_setfield(L, -2, "grad");
+  if (apart) {
+    at = (size_t)(pg_engine_grad_at(e, o->elo) - (float *)e->grad_store->data);
+    PG_LUA_CHECK(L, pg_tensor_init_view(&t, e->grad_store, at, PG_FLOAT32, 1, &en));
+    pg_lua_push_tensor(L, &t);
+    lua_setfield(L, -2, "expert_grad");
+  }
   if (e->params_sharded) { /* ZeRO-3: the parameters of [lo, hi), all this rank holds of them */
     at = (size_t)(pg_engine_param_at(e, o->lo) - (float *)e->param_store->data);
     PG_LUA_CHECK(L, pg_tensor_init_view(&t, e->param_store, at, PG_FLOAT32, 1, &n));

@@ -38,20 +38,21 @@ local function write_sharded(trainer, dir)
                               slices = slices, ep = extra and extra.ep }
   end
   local params = engine:parameters()
-  -- zero = 3: no rank holds a parameter whole; each is gathered over the data
-  -- group in turn (every data rank takes part, in flat order) for data rank 0
-  -- to write. The files are those of zero = 1 and 2: any stage loads them.
-  local gathered = {}
-  for _, p in ipairs(params) do
-    if not p.tensor then
-      local t = engine:local_param(p.name)
-      if dp == 0 then gathered[p.name] = t end
-    end
-  end
   -- Data rank 0 writes the dense parameters and its experts; under expert
   -- parallelism the other members of the first expert group (data ranks 1 ..
   -- E - 1) write the experts they hold, each in its own file (ep > 0).
   local ep = (l.expert or 1) > 1 and dp > 0 and dp < l.expert and dp or nil
+  -- zero = 3: no rank holds a parameter whole; each is gathered over the data
+  -- group (an expert over expert_data) in turn (every data rank takes part,
+  -- in the parameters' order) for its writer. The files are those of zero =
+  -- 1 and 2: any stage loads them.
+  local gathered = {}
+  for _, p in ipairs(params) do
+    if not p.tensor then
+      local t = engine:local_param(p.name)
+      if dp == 0 or (ep and p.expert) then gathered[p.name] = t end
+    end
+  end
   if dp == 0 or ep then
     local entries, slices = {}, {}
     for _, p in ipairs(params) do
