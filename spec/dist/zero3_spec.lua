@@ -127,6 +127,20 @@ local PRIVATE = function(o) o = o or {}; o.shared_memory = false; return o end
 
 if DEVICE ~= "cpu" then
   local DEV = function(o) o = PRIVATE(o); o.device = DEVICE; return o end
+  -- ranks sharing a GPU (gpu_check.sh on one GPU) have no NCCL: their collectives are staged, zero 2 and 3 refused
+  if pg.node().size > pg.cuda.device_count() then
+    describe(("ZeRO-2 and ZeRO-3 on %d ranks sharing a GPU"):format(W), function()
+      it("is refused by name", function()
+        for _, z in ipairs{ 2, 3 } do
+          local ok, err = pcall(pg.optim.AdamW, pg.parallelize(pg.nn.GPT(CFG), dp, DEV()), { zero = z })
+          assert.is_false(ok)
+          assert.matches(("zero = %d on the cuda backend reduces and gathers over the data group's NCCL stream"):format(z),
+            err, 1, true)
+        end
+      end)
+    end)
+    return
+  end
   describe(("ZeRO-2 and ZeRO-3 on %d ranks on %s"):format(W, DEVICE), function()
     local z1 = train(dp, DEV(), { zero = 1 }, x, y)
     local z2 = train(dp, DEV(), { zero = 2 }, x, y)
