@@ -273,7 +273,8 @@ void pg_gelu_backward(float *dinp, const float *inp, const float *dout, int64_t 
  * out[N, H] = silu(gate) * up, silu(g) = g / (1 + e^-g). */
 void pg_swiglu_forward(float *out, const float *inp, int N, int H);
 void pg_swiglu_backward(float *dinp, const float *inp, const float *dout, int N, int H);
-/* out = a + b (residual). Backward is the identity for both inputs. */
+/* out = a + b (residual; out may be a: ZeRO-2 adds a reduced bucket into the shard in place). Backward is the
+ * identity for both inputs. */
 void pg_residual_forward(float *out, const float *a, const float *b, int64_t n);
 /* The bf16 activations of precision "bf16": the same formulas on the bf16
  * values widened to float32 (exact), each result rounded to bf16 (nearest,

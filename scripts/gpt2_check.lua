@@ -3,7 +3,7 @@
 --
 --   [mpirun -np N] pglua scripts/gpt2_check.lua MODEL STATE [--steps=K] [--lr=] [--beta1=] [--beta2=]
 --       [--eps=] [--weight-decay=] [--clip=] [--tensor=T] [--pipeline=P] [--data=D]
---       [--micro-batches=M] [--schedule=gpipe|1f1b] [--virtual-stages=V] [--zero=0|1|2] [--device=cpu|cuda|cuda:N]
+--       [--micro-batches=M] [--schedule=gpipe|1f1b] [--virtual-stages=V] [--zero=0|1|2|3] [--device=cpu|cuda|cuda:N]
 --       [--recompute=none|full|selective] [--precision=fp32|bf16] [--sequence-parallel]
 --
 -- Prints on rank 0: loss, logits_max_abs_diff, grad <tensor> <max_abs_diff> for

@@ -6,7 +6,8 @@
 #      (10 steps: loss and gradient norm of every step to 1e-5 relative, plus
 #      the script's own loss / logits / gradient checks): one rank, then two
 #      ranks with --tensor=2 and with --data=2 --zero=1 (NCCL when the node has
-#      two GPUs; staged through the host when the ranks share one);
+#      two GPUs; staged through the host when the ranks share one), and with
+#      two GPUs --data=2 --zero=2 and --zero=3;
 #      Then scripts/model_check.lua --device=cuda on the LLaMA fixture (GQA,
 #      RoPE, RMSNorm, SwiGLU), one rank and --tensor=2: 10 steps' losses to 1e-5;
 #      Then precision = "bf16" (cublasGemmEx) against the float64 fixture and
@@ -174,6 +175,12 @@ GPT2_REF=(spec/fixtures/gpt2_tiny_clip_steps.json losses grad_norms)
 check "gpt2_check --device=cuda" 1 "${GPT2_REF[@]}" -- "${GPT2[@]}"
 check "gpt2_check --device=cuda --tensor=2" 2 "${GPT2_REF[@]}" -- "${GPT2[@]}" --tensor=2
 check "gpt2_check --device=cuda --data=2 --zero=1" 2 "${GPT2_REF[@]}" -- "${GPT2[@]}" --data=2 --zero=1
+# ZeRO-2 and 3 reduce and gather with NCCL on the data group's stream: a GPU per rank (refused when ranks share one)
+if [ "$GPUS" -ge 2 ]; then
+  for z in 2 3; do
+    check "gpt2_check --device=cuda --data=2 --zero=$z" 2 "${GPT2_REF[@]}" -- "${GPT2[@]}" --data=2 --zero=$z
+  done
+fi
 # LLaMA (GQA, RoPE, RMSNorm, SwiGLU kernels)
 LLAMA=(scripts/model_check.lua --hf=spec/fixtures/hf_llama_tiny --tokens=spec/fixtures/hf_llama_tiny/tokens.bin
        --clip=1.8 --device=cuda)

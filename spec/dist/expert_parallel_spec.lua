@@ -65,10 +65,11 @@ local LAYOUTS = ({
           { name = "D=4 E=2 ZeRO-3", data = 4, expert = 2, zero = 3 },
           { name = "D=2 E=2 x P=2 ZeRO-3", data = 2, expert = 2, pipeline = 2, zero = 3 } },
 })[W]
-if DEVICE ~= "cpu" then -- jitter's noise is drawn on the host: refused on a device (below); recomputation without it
+if DEVICE ~= "cpu" then -- jitter's noise is drawn on the host: refused on a device (below); recomputation without it;
+  -- zero 2 and 3 shard the experts' region in host memory only (refused on a device: spec/dist/zero3_spec.lua)
   local kept = {}
   for _, l in ipairs(LAYOUTS) do
-    if not l.jitter then kept[#kept + 1] = l end
+    if not l.jitter and (l.zero or 0) < 2 then kept[#kept + 1] = l end
   end
   kept[#kept + 1] = { name = "D=2 E=2 recompute full", data = 2, expert = 2, recompute = "full" }
   LAYOUTS = kept

@@ -9,8 +9,10 @@
 -- both are NCCL's average of the same two terms, element by element, so the
 -- parameters after two AdamW steps are compared bit for bit. With ZeRO-1 the
 -- device keeps the one reduce-scatter at the end (a bucket's pieces of the
--- shards are uneven, NCCL's blocks are not). On the CPU the same run goes
--- through MPI.
+-- shards are uneven, NCCL's blocks are not). With ZeRO-2 every bucket is
+-- reduced during backward on the device too (each member's piece onto its
+-- owner: ncclReduce per piece), overlapped or waited for at once: the same
+-- sums, bit for bit. On the CPU the same run goes through MPI.
 local pg = require "pipegoose"
 
 local DEVICE = os.getenv("PG_TEST_DEVICE") or "cpu"
@@ -53,5 +55,15 @@ describe(("the overlapped reduction on %s, D = 2"):format(DEVICE), function()
     local on, off = train(true, 1), train(false, 1)
     assert.are.equal(DEVICE == "cpu", on.stats.overlap_grad_reduce)
     assert.is_true(on.params:equal(off.params), "parameters after 2 steps")
+  end)
+
+  it("reduces bucket by bucket during backward with zero = 2, overlapped or not, with the same bits", function()
+    local on, off = train(true, 2), train(false, 2)
+    assert.is_true(on.stats.overlap_grad_reduce)
+    assert.is_true(on.stats.grad_buckets > 2, "buckets: " .. on.stats.grad_buckets)
+    -- all but the tied embedding's (resident: the head writes it before the embedding does)
+    assert.are.equal(on.stats.grad_buckets - 1, on.stats.grad_buckets_in_backward)
+    assert.is_true(on.params:equal(off.params), "parameters after 2 steps")
+    assert.are.equal(off.loss, on.loss)
   end)
 end)

@@ -87,6 +87,8 @@ describe("device = 'cuda' on the emulated device", function()
     { 2, { "--pipeline=2", "--micro-batches=2", "--schedule=gpipe" } },
     { 2, { "--pipeline=2", "--micro-batches=2", "--schedule=1f1b" } },
     { 2, { "--data=2", "--zero=1" } },
+    { 2, { "--data=2", "--zero=2" } }, -- buckets reduced onto their owners (ncclReduce per piece)
+    { 2, { "--data=2", "--zero=3" } }, -- and each module gathered (ncclBroadcast per piece)
     { 8, { "--tensor=2", "--pipeline=2", "--data=2", "--zero=1", "--micro-batches=2" } },
   } do
     it(("trains it on %d ranks: %s"):format(layout[1], table.concat(layout[2], " ")), function()
@@ -110,6 +112,20 @@ describe("device = 'cuda' on the emulated device", function()
         .. "through host buffers over MPI instead of NCCL"), out)
     end)
   end
+
+  -- ZeRO-2's buckets and ZeRO-3's gathers are NCCL calls on the data group's stream: staged, they are refused
+  it("refuses zero 2 and 3 by name when ranks outnumber the node's GPUs", function()
+    for _, z in ipairs{ 2, 3 } do
+      local args = { EMU, "scripts/gpt2_check.lua", MODEL, "spec/fixtures/gpt2_tiny_state.bin", "--steps=1",
+                     "--device=cuda", "--data=2", "--zero=" .. z }
+      for i, a in ipairs(args) do args[i] = h.quote(a) end
+      local rc, out = h.sh("PG_EMU_DEVICES=1 timeout -k 2 300 scripts/mpirun.sh -x PG_EMU_DEVICES -np 2 "
+        .. table.concat(args, " "))
+      assert.are_not.equal(0, rc, out)
+      assert.matches(("zero = %d on the cuda backend reduces and gathers over the data group's NCCL stream, which "
+        .. "this context lacks"):format(z), out, 1, true)
+    end
+  end)
 
   it("starts from the cpu engine's bits and computes one step's loss and gradients as the cpu backend does, to float32 rounding", function()
     local rc, out = emu([[

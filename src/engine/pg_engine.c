@@ -69,13 +69,16 @@ static int64_t shard_index(const pg_engine *e, int64_t off) {
   return at + off - lo;
 }
 
-static void copy_shards(const pg_engine *e, float *shard, const float *whole) {
+static int copy_shards(const pg_engine *e, float *shard, const float *whole) {
   for (int r = 0; r < 2; r++) {
     int64_t lo, hi;
     own_shard(e, r, &lo, &hi);
-    memcpy(shard, whole + lo, (size_t)(hi - lo) * sizeof(float));
+    if (hi > lo &&
+        e->be->ops->copy(e->be, shard, whole + lo, (size_t)(hi - lo) * sizeof(float), PG_COPY_DEVICE_TO_DEVICE))
+      return PG_ERR;
     shard += hi - lo;
   }
+  return PG_OK;
 }
 
 /* Sequence parallelism: the rows of a micro-batch of N rows that cross this
@@ -199,10 +202,13 @@ static int reduced_first(const pg_engine *e, const pg_param *p) {
 /* The group that reduces p's gradient: a bucket holds parameters of one group. */
 static pg_mode reduction_group(const pg_engine *e, const pg_param *p) { return region_group(e, p->expert); }
 
-/* Whether this step's reduction goes bucket by bucket: on the device only
- * the all-reduce of zero = 0 does (NCCL reduce-scatters equal blocks, a
- * bucket's pieces of the shards are not). */
-static int buckets_apply(const pg_engine *e) { return e->buckets && (e->be->device == PG_CPU || !e->zero); }
+/* Whether this step's reduction goes bucket by bucket: on the device
+ * zero = 1 keeps the one reduce-scatter of the whole buffer at the end
+ * (NCCL's equal blocks: its shards), and zero = 2 and 3 always go by
+ * buckets (each member's piece reduced onto it, comm_nccl_reduce_v). */
+static int buckets_apply(const pg_engine *e) {
+  return e->buckets && (e->be->device == PG_CPU || !e->zero || e->sharded);
+}
 
 int pg_engine_overlaps(const pg_engine *e) {
   return buckets_apply(e) && (!e->sharded || e->opts.overlap_grad_reduce);
@@ -741,9 +747,17 @@ static int complete_bucket(pg_engine *e, pg_bucket *b) {
   own_shard(e, region, &a, &z);
   if (b->lo > a) a = b->lo;
   if (b->hi < z) z = b->hi;
-  float scale = region ? 1.0f / (float)e->ctx->expert : 1.0f, *acc = z > a ? pg_engine_grad_at(e, a) : NULL;
-  for (int64_t x = a; x < z; x++) acc[x - a] += b->stage[x - b->lo] * scale;
-  memset(b->stage, 0, (size_t)(b->hi - b->lo) * sizeof(float));
+  float *acc = z > a ? pg_engine_grad_at(e, a) : NULL;
+  if (region) { /* the experts' region: host memory only (check_shardable), each term divided by E */
+    float scale = 1.0f / (float)e->ctx->expert;
+    for (int64_t x = a; x < z; x++) acc[x - a] += b->stage[x - b->lo] * scale;
+    memset(b->stage, 0, (size_t)(b->hi - b->lo) * sizeof(float));
+  } else if ((z > a && e->be->ops->residual_forward(e->be, acc, acc, b->stage + (a - b->lo), z - a)) ||
+             e->be->ops->zero(e->be, b->stage, (size_t)(b->hi - b->lo) * sizeof(float))) {
+    /* residual_forward is the backend's elementwise add (out = a + x; in place here): on the device it follows
+     * the reduction on the engine's stream, which pg_wait made wait for it */
+    return PG_ERR;
+  }
   b->seq = -1;
   b->pending = b->nparams;
   if (b->resident) return PG_OK;
@@ -787,7 +801,7 @@ static int stage_bucket(pg_engine *e, pg_bucket *b) {
     if (pool) e->pool = pool;
     int *owner = pool ? realloc(e->pool_owner, (size_t)(e->npool + 1) * sizeof *owner) : NULL;
     if (owner) e->pool_owner = owner;
-    float *slot = owner ? calloc((size_t)e->pool_elems, sizeof(float)) : NULL;
+    float *slot = owner ? pg_be_floats(e->be, (size_t)e->pool_elems) : NULL;
     if (!slot) return pg_fail("zero = 2: out of memory for a gradient staging buffer of %lld floats",
                               (long long)e->pool_elems);
     s = e->npool++;
@@ -897,7 +911,7 @@ static int add_gather_slot(pg_engine *e) {
   if (pool) e->gpool = pool;
   int *owner = pool ? realloc(e->gpool_owner, (size_t)(e->ngpool + 1) * sizeof *owner) : NULL;
   if (owner) e->gpool_owner = owner;
-  float *slot = owner ? malloc((size_t)e->gpool_elems * sizeof(float)) : NULL;
+  float *slot = owner ? pg_be_floats(e->be, (size_t)e->gpool_elems) : NULL;
   if (!slot) {
     pg_fail("zero = 3: out of memory for a parameter gather slot of %lld floats", (long long)e->gpool_elems);
     return -1;
@@ -937,6 +951,7 @@ static int64_t set_elems_in(const pg_gather_unit *u, int bf16, int64_t a, int64_
 static int start_packed_gather(pg_engine *e, pg_gather_unit *u, int64_t *counts) {
   uint16_t *b16 = (uint16_t *)u->buf;
   float *f32 = u->buf + (u->n16 + 1) / 2;
+  const pg_backend *be = e->be; /* the backend's kernel and copy: queued on the device's stream before the gather */
   for (int i = 0; i < u->nparams; i++) {
     const pg_param *p = u->params[i];
     int64_t a, z;
@@ -945,8 +960,10 @@ static int start_packed_gather(pg_engine *e, pg_gather_unit *u, int64_t *counts)
     if (p->offset + p->numel < z) z = p->offset + p->numel;
     if (z <= a) continue;
     const float *mine = pg_engine_param_at(e, a);
-    if (p->gather_bf16) pg_bf16_from_f32(b16 + u->at[i] + (a - p->offset), mine, z - a);
-    else memcpy(f32 + u->at[i] + (a - p->offset), mine, (size_t)(z - a) * sizeof(float));
+    if (p->gather_bf16 ? be->ops->bf16_from_f32(be, b16 + u->at[i] + (a - p->offset), mine, z - a)
+                       : be->ops->copy(be, f32 + u->at[i] + (a - p->offset), mine, (size_t)(z - a) * sizeof(float),
+                                       PG_COPY_DEVICE_TO_DEVICE))
+      return PG_ERR;
   }
   for (int r = 0; r < 2; r++)
     for (int set = 1; set >= 0; set--) { /* every member starts the bf16 part first */
@@ -997,7 +1014,7 @@ static int start_gather(pg_engine *e, pg_gather_unit *u, int in_call) {
   }
   u->packed = in_call && e->gather16;
   if (!u->packed && e->gather16 && !u->resident) {
-    if (!(u->buf = malloc((size_t)unit_elems(u) * sizeof(float))))
+    if (!(u->buf = pg_be_floats(e->be, (size_t)unit_elems(u))))
       return pg_fail("zero = 3: out of memory gathering module %s (%lld floats)", u->m->name,
                      (long long)unit_elems(u));
     u->own_buf = 1;
@@ -1019,10 +1036,12 @@ static int start_gather(pg_engine *e, pg_gather_unit *u, int in_call) {
       if (u->lo[r] > a) a = u->lo[r];
       if (u->hi[r] < z) z = u->hi[r];
       counts[q] = z > a ? z - a : 0;
-      if (q == g->rank && counts[q])
-        memcpy(at + (a - u->lo[r]), pg_engine_param_at(e, a), (size_t)counts[q] * sizeof(float));
+      /* this rank's piece from its shard (on the device: queued on its stream before the gather) */
+      if (q == g->rank && counts[q] && !rc)
+        rc = e->be->ops->copy(e->be, at + (a - u->lo[r]), pg_engine_param_at(e, a), (size_t)counts[q] * sizeof(float),
+                              PG_COPY_DEVICE_TO_DEVICE);
     }
-    rc = pg_iall_gather_v_buf(e->ctx, region_group(e, r), at, counts, PG_FLOAT32, &u->reqs[r]);
+    if (!rc) rc = pg_iall_gather_v_buf(e->ctx, region_group(e, r), at, counts, PG_FLOAT32, &u->reqs[r]);
   }
   free(counts);
   return rc;
@@ -1052,7 +1071,7 @@ static int release_unit(pg_engine *e, pg_gather_unit *u) {
   }
   u->gathered = u->packed = 0;
   if (u->own_buf) {
-    free(u->buf);
+    pg_be_release(e->be, u->buf);
     u->buf = NULL;
     u->own_buf = 0;
   } else if (!u->resident && u->slot >= 0) {
@@ -1175,13 +1194,13 @@ static int collect_units(pg_engine *e, pg_module *root, int chunk) {
 static void free_units(pg_engine *e) {
   for (int k = 0; k < e->nunits && !pg_comm_broken(e->ctx); k++) wait_unit(&e->units[k]);
   for (int k = 0; k < e->nunits; k++)
-    if (e->units[k].own_buf) free(e->units[k].buf);
+    if (e->units[k].own_buf) pg_be_release(e->be, e->units[k].buf);
   for (int k = 0; k < e->nunits; k++) {
-    if (e->units[k].resident) free(e->units[k].buf);
+    if (e->units[k].resident) pg_be_release(e->be, e->units[k].buf);
     free(e->units[k].at);
     free(e->units[k].params); /* the modules' gather_unit flags stay: without ZeRO-3's hooks nobody reads them */
   }
-  for (int i = 0; i < e->ngpool; i++) free(e->gpool[i]);
+  for (int i = 0; i < e->ngpool; i++) pg_be_release(e->be, e->gpool[i]);
   free(e->gpool);
   free(e->gpool_owner);
   free(e->units);
@@ -1234,7 +1253,7 @@ static int make_units(pg_engine *e) {
       if (need > e->gpool_elems) e->gpool_elems = need;
       continue;
     }
-    if (!(u->buf = malloc((size_t)n * sizeof(float))))
+    if (!(u->buf = pg_be_floats(e->be, (size_t)n)))
       return pg_fail("zero = 3: out of memory for a gather buffer of %lld floats", (long long)n);
     e->gresident_elems += n;
   }
@@ -1245,9 +1264,6 @@ static int make_units(pg_engine *e) {
 
 int pg_engine_shard_params(pg_engine *e) {
   if (e->params_sharded || dense_size(e) == 1) return PG_OK; /* one replica: the shard is the whole buffer */
-  if (e->be->device != PG_CPU)
-    return pg_fail("zero = 3 gathers parameters over MPI from host memory; the %s backend has zero = 0 and 1",
-                   e->be->name);
   if (!e->sharded)
     return pg_fail("zero = 3: the gradients must be sharded first (pg_engine_shard_grads)");
   int64_t per = shard_elems(e);
@@ -1256,7 +1272,11 @@ int pg_engine_shard_params(pg_engine *e) {
     free_units(e);
     return shard ? PG_ERR : pg_fail("zero = 3: the parameter shard (%lld floats): %s", (long long)per, pg_error());
   }
-  copy_shards(e, shard->data, e->param_store->data);
+  if (copy_shards(e, shard->data, e->param_store->data)) {
+    free_units(e);
+    pg_storage_release(shard);
+    return PG_ERR;
+  }
   pg_shm_close(&e->param_shm);
   pg_storage_release(e->param_store);
   e->param_store = shard;
@@ -1276,8 +1296,8 @@ static int zero3_at_construction(pg_engine *e, uint64_t seed) {
   size_t bytes = (size_t)shard_elems(e) * sizeof(float);
   if (!(e->param_store = pg_backend_storage(e->be, bytes)) || !(e->grad_store = pg_backend_storage(e->be, bytes)))
     return pg_fail("zero = 3: the parameter and gradient shards (2 x %zu bytes): %s", bytes, pg_error());
-  memset(e->param_store->data, 0, bytes);
-  memset(e->grad_store->data, 0, bytes);
+  if (e->be->ops->zero(e->be, e->param_store->data, bytes) || e->be->ops->zero(e->be, e->grad_store->data, bytes))
+    return PG_ERR;
   e->sharded = e->params_sharded = 1; /* pg_engine_write_param keeps the part in the shard */
   for (int i = 0; i < e->nparams; i++) {
     pg_param *p = e->params[i];
@@ -1313,7 +1333,7 @@ static int reset_buckets(pg_engine *e) {
     b->pending = b->nparams;
     b->seq = -1;
     if (b->stage && !b->resident) { /* ZeRO-2: what a failed call left staged is dropped */
-      memset(b->stage, 0, (size_t)(b->hi - b->lo) * sizeof(float));
+      if (e->be->ops->zero(e->be, b->stage, (size_t)(b->hi - b->lo) * sizeof(float))) return PG_ERR;
       e->pool_owner[b->slot] = -1;
       b->slot = -1;
       b->stage = NULL;
@@ -1676,7 +1696,9 @@ int pg_engine_zero_grad(pg_engine *e) {
   e->grads_pending = 0;
   if (!e->sharded) return e->be->ops->zero(e->be, e->grad_store->data, (size_t)e->flat_padded * sizeof(float));
   for (int k = 0; k < e->nbuckets; k++) /* staging holds nothing between calls; a failed call's is dropped here */
-    if (e->buckets[k].stage) memset(e->buckets[k].stage, 0, (size_t)(e->buckets[k].hi - e->buckets[k].lo) * sizeof(float));
+    if (e->buckets[k].stage &&
+        e->be->ops->zero(e->be, e->buckets[k].stage, (size_t)(e->buckets[k].hi - e->buckets[k].lo) * sizeof(float)))
+      return PG_ERR;
   return e->be->ops->zero(e->be, e->grad_store->data, e->grad_store->bytes);
 }
 
@@ -1709,7 +1731,7 @@ static int make_staging(pg_engine *e) {
       if (n > e->pool_elems) e->pool_elems = n;
       continue;
     }
-    if (!(b->stage = calloc((size_t)n, sizeof(float))))
+    if (!(b->stage = pg_be_floats(e->be, (size_t)n)))
       return pg_fail("zero = 2: out of memory for the staging of %lld gradients", (long long)n);
     e->resident_elems += n;
     aim_grads(e, b);
@@ -1719,7 +1741,7 @@ static int make_staging(pg_engine *e) {
                  !(e->pool_owner = malloc((size_t)pooled * sizeof *e->pool_owner))))
     return pg_fail("zero = 2: out of memory");
   for (int i = 0; i < pooled; i++) {
-    if (!(e->pool[i] = calloc((size_t)e->pool_elems, sizeof(float))))
+    if (!(e->pool[i] = pg_be_floats(e->be, (size_t)e->pool_elems)))
       return pg_fail("zero = 2: out of memory for a gradient staging buffer of %lld floats", (long long)e->pool_elems);
     e->pool_owner[i] = -1;
     e->npool++;
@@ -1729,8 +1751,8 @@ static int make_staging(pg_engine *e) {
 
 static void free_staging(pg_engine *e) {
   for (int k = 0; k < e->nbuckets; k++)
-    if (e->buckets[k].resident) free(e->buckets[k].stage);
-  for (int i = 0; i < e->npool; i++) free(e->pool[i]);
+    if (e->buckets[k].resident) pg_be_release(e->be, e->buckets[k].stage);
+  for (int i = 0; i < e->npool; i++) pg_be_release(e->be, e->pool[i]);
   free(e->pool);
   free(e->pool_owner);
   e->pool = NULL;
@@ -1740,9 +1762,15 @@ static void free_staging(pg_engine *e) {
 
 /* What ZeRO-2 and 3 cannot serve, refused by name (e->zero names the stage). */
 static int check_shardable(const pg_engine *e) {
-  if (e->be->device != PG_CPU)
-    return pg_fail("zero = %d keeps a gradient shard with staging buffers in host memory; the %s backend has "
-                   "zero = 0 and 1", e->zero, e->be->name);
+  /* the device's buckets and gathers are NCCL collectives on the data group's own stream (comm_requests.c) */
+  if (e->be->device != PG_CPU && !pg_comm_device_overlap(e->ctx, pg_engine_dense_group(e)))
+    return pg_fail("zero = %d on the %s backend reduces and gathers over the data group's NCCL stream, which this "
+                   "context lacks (ranks outnumber a node's GPUs, or context parallelism's data x context group): "
+                   "use zero = 1", e->zero, e->be->name);
+  /* the experts' region divides its reduced terms by E on the host (complete_bucket) */
+  if (e->be->device != PG_CPU && e->flat_padded > e->dense_padded)
+    return pg_fail("zero = %d with expert parallelism on the %s backend is not supported yet (the experts' region is "
+                   "sharded in host memory only): use zero = 1", e->zero, e->be->name);
   for (int v = 0; v < e->nchunks; v++) {
     const pg_module *m = pg_module_find_foreign_writer(e->chunks[v].stage);
     if (m)
@@ -1762,7 +1790,10 @@ int pg_engine_shard_grads(pg_engine *e) {
   pg_storage *shard = pg_backend_storage(e->be, (size_t)per * sizeof(float));
   if (!shard) return pg_fail("zero = 2: the gradient shard (%lld floats): %s", (long long)per, pg_error());
   /* what the buffer holds for the shard (reduced gradients, or zeros) stays */
-  copy_shards(e, shard->data, e->grad_store->data);
+  if (copy_shards(e, shard->data, e->grad_store->data)) {
+    pg_storage_release(shard);
+    return PG_ERR;
+  }
   for (int k = 0; k < e->nbuckets; k++)
     if (pg_wait(&e->buckets[k].req)) {
       pg_storage_release(shard);
@@ -1952,7 +1983,7 @@ int pg_engine_read_param(pg_engine *e, pg_param *p, float *piece) {
   int k = param_index(e, p);
   if (k < 0) return pg_fail("parameter %s is not this engine's", p->name);
   int rc = finish_gather(e, &e->units[e->param_unit[k]], 0);
-  if (!rc) memcpy(piece, p->data, bytes); /* ZeRO-3 is host memory */
+  if (!rc) rc = e->be->ops->copy(e->be, piece, p->data, bytes, PG_COPY_DEVICE_TO_HOST);
   if (release_units(e)) rc = PG_ERR;
   return rc;
 }
@@ -1964,8 +1995,9 @@ int pg_engine_write_param(pg_engine *e, pg_param *p, const float *piece) {
   own_shard(e, p->expert, &a, &z);
   if (p->offset > a) a = p->offset;
   if (p->offset + p->numel < z) z = p->offset + p->numel;
-  if (z > a) memcpy(pg_engine_param_at(e, a), piece + (a - p->offset), (size_t)(z - a) * sizeof(float));
-  return PG_OK;
+  if (z <= a) return PG_OK;
+  return e->be->ops->copy(e->be, pg_engine_param_at(e, a), piece + (a - p->offset), (size_t)(z - a) * sizeof(float),
+                          PG_COPY_HOST_TO_DEVICE);
 }
 
 int pg_engine_load_param(pg_engine *e, pg_param *p, const float *full, int64_t full_rows) {

@@ -177,6 +177,42 @@ static void detach_context_ring(pg_context *ctx) {
   if (ctx->comm->ring_stream) cudaStreamDestroy((cudaStream_t)ctx->comm->ring_stream);
   if (ctx->comm->nccl_ring) ncclCommDestroy((ncclComm_t)ctx->comm->nccl_ring);
 }
+
+/* The uneven collectives of ZeRO-2's buckets and ZeRO-3's gathers, in place
+ * on buf (the members' pieces one after another, counts[r] elements for
+ * member r): NCCL's reduce-scatter and all-gather take equal blocks only, so
+ * each member's piece is its own collective, one per member inside one NCCL
+ * group: reduce_v reduces piece r onto member r (ncclReduce, root r),
+ * all_gather_v broadcasts piece r from member r (ncclBroadcast, root r).
+ * Each element crosses the group once as in NCCL's reduce-scatter and
+ * all-gather, without padding the pieces to equal blocks (padding would
+ * need slots and shards sized to D x the largest piece, and the shard
+ * layout is ZeRO-1's). Pieces of 0 elements are skipped: every member
+ * knows the counts, so all skip the same ones. */
+static ncclResult_t nccl_pieces(int reduce, void *buf, const int64_t *counts, int size, ncclDataType_t type,
+                                ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+  size_t es = type == ncclBfloat16 ? 2 : type == ncclFloat64 || type == ncclInt64 ? 8 : 4, at = 0;
+  ncclResult_t r = ncclGroupStart();
+  for (int i = 0; i < size && r == ncclSuccess; i++) {
+    void *piece = (char *)buf + at * es;
+    if (counts[i] > 0)
+      r = reduce ? ncclReduce(piece, piece, (size_t)counts[i], type, op, i, comm, stream)
+                 : ncclBroadcast(piece, piece, (size_t)counts[i], type, i, comm, stream);
+    at += (size_t)counts[i];
+  }
+  ncclResult_t end = ncclGroupEnd(); /* also after a failed call: the group must be closed */
+  return r != ncclSuccess ? r : end;
+}
+
+ncclResult_t comm_nccl_reduce_v(float *buf, const int64_t *counts, int size, ncclRedOp_t op, ncclComm_t comm,
+                                cudaStream_t stream) {
+  return nccl_pieces(1, buf, counts, size, ncclFloat32, op, comm, stream);
+}
+
+ncclResult_t comm_nccl_all_gather_v(void *buf, const int64_t *counts, int size, ncclDataType_t type, ncclComm_t comm,
+                                    cudaStream_t stream) {
+  return nccl_pieces(0, buf, counts, size, type, ncclSum, comm, stream);
+}
 #endif
 
 int pg_comm_attach_device(pg_context *ctx, void *stream) {

@@ -165,6 +165,10 @@ ncclComm_t comm_nccl_for(pg_context *ctx, pg_mode m, const void *buf);
 ncclRedOp_t comm_nccl_op(pg_reduce_op op);
 ncclDataType_t comm_nccl_type(pg_dtype d);
 ncclComm_t comm_pipeline_link(pg_context *ctx, int peer, int sending, int *peer_in_link);
+ncclResult_t comm_nccl_reduce_v(float *buf, const int64_t *counts, int size, ncclRedOp_t op, ncclComm_t comm,
+                                cudaStream_t stream);
+ncclResult_t comm_nccl_all_gather_v(void *buf, const int64_t *counts, int size, ncclDataType_t type, ncclComm_t comm,
+                                    cudaStream_t stream);
 #endif
 
 #endif

@@ -31,6 +31,24 @@ static int deadline_of(double *deadline, double *limit) {
   return PG_OK;
 }
 
+#ifdef PG_WITH_CUDA
+/* Every device transfer queued off the engine's stream starts so: the side stream (a pipeline send's, the
+ * context ring's, the data group's reduction stream) waits for what the engine's stream has queued so far (the
+ * kernels that made the buffer: an event recorded there), and *done is made for the caller to record on the side
+ * stream after its NCCL calls (pg_wait makes the engine's stream wait for it). The first event goes at once: a
+ * stream's wait holds what it needs (CUDA releases an event a stream waits on when the wait is done). */
+static cudaError_t side_stream_after_engine(pg_context *ctx, cudaStream_t side, cudaEvent_t *done) {
+  cudaEvent_t made = NULL;
+  *done = NULL;
+  cudaError_t e = cudaEventCreateWithFlags(&made, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(done, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaEventRecord(made, NCCL_STREAM(ctx));
+  if (e == cudaSuccess) e = cudaStreamWaitEvent(side, made, 0);
+  if (made) cudaEventDestroy(made);
+  return e;
+}
+#endif
+
 int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t n, int dst, int tag, pg_request **req) {
   if (check_ctx(ctx)) return PG_ERR;
   if (n > PG_MPI_CHUNK) return pg_fail("isend of %lld elements is too large", (long long)n);
@@ -57,16 +75,12 @@ int pg_isend_buf(pg_context *ctx, pg_mode m, const float *buf, int64_t n, int ds
   int peer = 0;
   ncclComm_t link = m == PG_MODE_PIPELINE && n > 0 ? comm_pipeline_link(ctx, dst, 1, &peer) : NULL;
   if (link && pg_backend_is_device_memory(buf)) {
-    cudaEvent_t made = NULL, sent = NULL;
+    cudaEvent_t sent = NULL;
     double t0 = pg_wtime();
-    cudaError_t e = cudaEventCreateWithFlags(&made, cudaEventDisableTiming);
-    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&sent, cudaEventDisableTiming);
-    if (e == cudaSuccess) e = cudaEventRecord(made, NCCL_STREAM(ctx));
-    if (e == cudaSuccess) e = cudaStreamWaitEvent((cudaStream_t)ctx->comm->send_stream, made, 0);
+    cudaError_t e = side_stream_after_engine(ctx, (cudaStream_t)ctx->comm->send_stream, &sent);
     ncclResult_t nr = e == cudaSuccess ? ncclSend(buf, (size_t)n, ncclFloat32, peer, link, ctx->comm->send_stream)
                                        : ncclSuccess;
     if (e == cudaSuccess && nr == ncclSuccess) e = cudaEventRecord(sent, (cudaStream_t)ctx->comm->send_stream);
-    if (made) cudaEventDestroy(made);
     if (e != cudaSuccess || nr != ncclSuccess) {
       if (sent) cudaEventDestroy(sent);
       if (r->rec_req != MPI_REQUEST_NULL) MPI_Wait(&r->rec_req, MPI_STATUS_IGNORE);
@@ -179,12 +193,9 @@ static int exchange_nccl(pg_context *ctx, const float *send, float *recv, int64_
   }
   cudaStream_t rs = (cudaStream_t)ctx->comm->ring_stream;
   ncclComm_t c = (ncclComm_t)ctx->comm->nccl_ring;
-  cudaEvent_t made = NULL, done = NULL;
+  cudaEvent_t done = NULL;
   double t0 = pg_wtime();
-  cudaError_t e = cudaEventCreateWithFlags(&made, cudaEventDisableTiming);
-  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
-  if (e == cudaSuccess) e = cudaEventRecord(made, NCCL_STREAM(ctx));
-  if (e == cudaSuccess) e = cudaStreamWaitEvent(rs, made, 0);
+  cudaError_t e = side_stream_after_engine(ctx, rs, &done);
   ncclResult_t nr = ncclSuccess;
   if (e == cudaSuccess && (nr = ncclGroupStart()) == ncclSuccess) {
     ncclResult_t a = ncclSend(send, (size_t)n, ncclFloat32, dst, c, rs);
@@ -193,7 +204,6 @@ static int exchange_nccl(pg_context *ctx, const float *send, float *recv, int64_
     nr = a != ncclSuccess ? a : b != ncclSuccess ? b : end;
   }
   if (e == cudaSuccess && nr == ncclSuccess) e = cudaEventRecord(done, rs);
-  if (made) cudaEventDestroy(made);
   if (e != cudaSuccess || nr != ncclSuccess) {
     if (done) cudaEventDestroy(done);
     if (r->rec_req != MPI_REQUEST_NULL) MPI_Wait(&r->rec_req, MPI_STATUS_IGNORE);
@@ -312,6 +322,57 @@ int pg_agree_batch(pg_context *ctx, pg_mode m, pg_coll kind, pg_reduce_op op, in
   return comm_agree_coll(ctx, m, kind, PG_FLOAT32, op, -1, count);
 }
 
+#ifdef PG_WITH_CUDA
+/* Whether a collective of buf over group m runs on the data group's
+ * reduction stream: device memory, NCCL (one GPU per rank), more than one
+ * member. */
+static int on_reduce_stream(pg_context *ctx, pg_mode m, const void *buf) {
+  return ctx->group[m].size > 1 && m == PG_MODE_DATA && ctx->comm->reduce_stream && comm_nccl_for(ctx, m, buf);
+}
+
+/* Device memory: the NCCL collective (kind: all-reduce of buf[0, n); reduce-
+ * scatter or all-gather of the pieces `counts`, comm_nccl_reduce_v /
+ * _all_gather_v) on the reduction stream, after what the engine's stream has
+ * queued so far (the bucket's last gradient kernel, the copy of this
+ * member's piece of a gather: an event recorded there, waited for by the
+ * reduction stream); the wait makes the engine's stream wait for the
+ * collective's event, so the kernels queued after it come after the
+ * collective and the host never blocks. Each request has its own event:
+ * the engine's stream waits for exactly the bucket or unit it needs. */
+static int start_device(pg_context *ctx, pg_mode m, void *buf, int64_t n, const int64_t *counts, pg_coll kind,
+                        pg_dtype dtype, pg_reduce_op op, pg_request **req) {
+  pg_request *r = calloc(1, sizeof *r);
+  if (!r) return pg_fail("out of memory for a collective request");
+  cudaStream_t rs = (cudaStream_t)ctx->comm->reduce_stream;
+  ncclComm_t comm = (ncclComm_t)ctx->comm->nccl[m];
+  int size = ctx->group[m].size;
+  cudaEvent_t done = NULL;
+  double t0 = pg_wtime();
+  cudaError_t e = side_stream_after_engine(ctx, rs, &done);
+  ncclResult_t nr = ncclSuccess;
+  if (e == cudaSuccess)
+    nr = kind == PG_COLL_ALL_REDUCE ? ncclAllReduce(buf, buf, (size_t)n, ncclFloat32, comm_nccl_op(op), comm, rs)
+         : kind == PG_COLL_REDUCE_SCATTER ? comm_nccl_reduce_v(buf, counts, size, comm_nccl_op(op), comm, rs)
+                                          : comm_nccl_all_gather_v(buf, counts, size, comm_nccl_type(dtype), comm, rs);
+  if (e == cudaSuccess && nr == ncclSuccess) e = cudaEventRecord(done, rs);
+  const char *what = pg_coll_name(kind);
+  if (e != cudaSuccess || nr != ncclSuccess) {
+    if (done) cudaEventDestroy(done);
+    free(r);
+    return e != cudaSuccess ? pg_fail("queueing a bucket's or gather's %s failed: %s", what, cudaGetErrorString(e))
+                            : comm_nccl_done(nr, what, m);
+  }
+  r->mode = m;
+  r->ctx = ctx;
+  r->mpi = r->rec_req = MPI_REQUEST_NULL;
+  r->sent = done;
+  r->after = ctx->comm->device_stream;
+  *req = r;
+  comm_count(ctx, m, kind, (double)n * (double)pg_dtype_size(dtype), t0);
+  return PG_OK;
+}
+#endif
+
 static int start_coll(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op, const int64_t *counts,
                       pg_request **req) {
   if (check_ctx(ctx)) return PG_ERR;
@@ -320,44 +381,12 @@ static int start_coll(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_redu
   if (n > PG_MPI_CHUNK) return pg_fail("a bucket of %lld elements is too large (at most 2^30)", (long long)n);
   pg_group *g = &ctx->group[m];
 #ifdef PG_WITH_CUDA
-  /* Device memory: an NCCL all-reduce on the reduction stream, after what
-   * the engine's stream has queued so far (the bucket's last gradient
-   * kernel: an event recorded there, waited for by the reduction stream);
-   * the wait makes the engine's stream wait for the reduction's event, so
-   * the optimizer's kernels come after it and the host never blocks. */
-  if (!counts && g->size > 1 && n > 0 && m == PG_MODE_DATA && ctx->comm->reduce_stream && comm_nccl_for(ctx, m, buf)) {
-    pg_request *r = calloc(1, sizeof *r);
-    if (!r) return pg_fail("out of memory for a reduction request");
-    cudaStream_t rs = (cudaStream_t)ctx->comm->reduce_stream;
-    cudaEvent_t made = NULL, done = NULL;
-    double t0 = pg_wtime();
-    cudaError_t e = cudaEventCreateWithFlags(&made, cudaEventDisableTiming);
-    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
-    if (e == cudaSuccess) e = cudaEventRecord(made, NCCL_STREAM(ctx));
-    if (e == cudaSuccess) e = cudaStreamWaitEvent(rs, made, 0);
-    ncclResult_t nr = e == cudaSuccess ? ncclAllReduce(buf, buf, (size_t)n, ncclFloat32, comm_nccl_op(op),
-                                                       (ncclComm_t)ctx->comm->nccl[m], rs)
-                                       : ncclSuccess;
-    if (e == cudaSuccess && nr == ncclSuccess) e = cudaEventRecord(done, rs);
-    if (made) cudaEventDestroy(made);
-    if (e != cudaSuccess || nr != ncclSuccess) {
-      if (done) cudaEventDestroy(done);
-      free(r);
-      return e != cudaSuccess ? pg_fail("queueing a bucket's reduction failed: %s", cudaGetErrorString(e))
-                              : comm_nccl_done(nr, "all_reduce", m);
-    }
-    r->mode = m;
-    r->ctx = ctx;
-    r->mpi = r->rec_req = MPI_REQUEST_NULL;
-    r->sent = done;
-    r->after = ctx->comm->device_stream;
-    *req = r;
-    comm_count(ctx, m, PG_COLL_ALL_REDUCE, (double)n * sizeof(float), t0);
-    return PG_OK;
-  }
+  if (n > 0 && on_reduce_stream(ctx, m, buf))
+    return start_device(ctx, m, buf, n, counts, counts ? PG_COLL_REDUCE_SCATTER : PG_COLL_ALL_REDUCE, PG_FLOAT32, op,
+                        req);
 #endif
   if (pg_backend_is_device_memory(buf))
-    return pg_fail("bucket reductions take host memory, or device memory all-reduced over the data group's NCCL");
+    return pg_fail("bucket reductions take host memory, or device memory reduced over the data group's NCCL");
   pg_request *r = calloc(1, sizeof *r);
   if (!r) return pg_fail("out of memory for a reduction request");
   r->mode = m;
@@ -419,7 +448,6 @@ int pg_iall_gather_v_buf(pg_context *ctx, pg_mode m, void *buf, const int64_t *c
   if (check_ctx(ctx)) return PG_ERR;
   if (mpi_type(dtype) == MPI_DATATYPE_NULL) return pg_fail("a parameter gather of an unknown element type");
   if (*req) return pg_fail("a parameter gather was started twice without a wait");
-  if (pg_backend_is_device_memory(buf)) return pg_fail("parameter gathers take host memory");
   pg_group *g = &ctx->group[m];
   int64_t n = 0;
   for (int i = 0; i < g->size; i++) {
@@ -427,6 +455,11 @@ int pg_iall_gather_v_buf(pg_context *ctx, pg_mode m, void *buf, const int64_t *c
     n += counts[i];
   }
   if (n > PG_MPI_CHUNK) return pg_fail("a parameter gather of %lld elements is too large (at most 2^30)", (long long)n);
+#ifdef PG_WITH_CUDA
+  if (n > 0 && on_reduce_stream(ctx, m, buf)) return start_device(ctx, m, buf, n, counts, PG_COLL_ALL_GATHER, dtype, PG_REDUCE_SUM, req);
+#endif
+  if (pg_backend_is_device_memory(buf))
+    return pg_fail("parameter gathers take host memory, or device memory gathered over the data group's NCCL");
   pg_request *r = calloc(1, sizeof *r);
   if (!r) return pg_fail("out of memory for a gather request");
   r->mode = m;

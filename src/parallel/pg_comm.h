@@ -125,7 +125,7 @@ int pg_irecv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t count, int src,
 int pg_iexchange_buf(pg_context *ctx, pg_mode m, const float *send, float *recv, int64_t count, int dst, int src,
                      int tag, pg_request **send_req, pg_request **recv_req);
 
-/* Nonblocking reductions of float32 host buffers: the engine's gradient
+/* Nonblocking reductions of float32 buffers: the engine's gradient
  * buckets, reduced while backward goes on (pg_engine.c). They make no
  * agreement step each: the members agree once for a set of them with
  * pg_agree_batch (kind, op, total count, `what` naming the set, compared
@@ -136,13 +136,17 @@ int pg_iexchange_buf(pg_context *ctx, pg_mode m, const float *send, float *recv,
  * sum times 1 / size (the ring's bits for two members). At most 2^30
  * elements each. pg_test completes the request when it is done (*done = 1,
  * *req = NULL) and lets MPI progress otherwise; pg_wait waits for it with the
- * collective deadline. */
+ * collective deadline. Host memory goes over MPI; device memory of the data
+ * group with NCCL (pg_comm_device_overlap) on the group's reduction stream,
+ * reduce_scatter as one reduce per member's piece, and pg_wait makes the
+ * device engine's stream wait for it (pg_test never completes it). */
 int pg_agree_batch(pg_context *ctx, pg_mode m, pg_coll kind, pg_reduce_op op, int64_t count, const char *what);
 int pg_iall_reduce_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, pg_reduce_op op, pg_request **req);
 int pg_ireduce_scatter_buf(pg_context *ctx, pg_mode m, float *buf, const int64_t *counts, pg_reduce_op op,
                            pg_request **req);
 int pg_test(pg_request **req, int *done);
-/* ZeRO-3's nonblocking parameter gather (float32 host memory, agreed for a
+/* ZeRO-3's nonblocking parameter gather (host memory over MPI, or device
+ * memory as the reductions above: a broadcast per member's piece; agreed for a
  * set with pg_agree_batch like the reductions above): buf holds the members'
  * pieces one after another, counts[i] elements for member i, this member's
  * in its place; completion (pg_wait, pg_test) leaves all of them in every
@@ -161,9 +165,10 @@ int pg_iall_gather_v_buf(pg_context *ctx, pg_mode m, void *buf, const int64_t *c
  * cannot do (uneven blocks, other peers), transfers are staged through pinned
  * host memory over MPI. Said once, on rank 0. */
 int pg_comm_attach_device(pg_context *ctx, void *stream);
-/* 1 when the group's bucket reductions of device memory run on their own
- * stream (pg_iall_reduce_buf: today the data group's all-reduce, with NCCL):
- * the engine overlaps them with backward. */
+/* 1 when the group's bucket reductions and gathers of device memory run on
+ * their own stream (pg_iall_reduce_buf, pg_ireduce_scatter_buf,
+ * pg_iall_gather_v_buf: the data group's, with NCCL): the engine overlaps
+ * them with backward, and ZeRO-2 and 3 on the device need it. */
 int pg_comm_device_overlap(const pg_context *ctx, pg_mode m);
 /* Frees the NCCL communicators (pg_comm_release calls it). */
 void pg_comm_detach_device(pg_context *ctx);

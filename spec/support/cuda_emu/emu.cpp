@@ -1088,6 +1088,22 @@ ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataT
   if (comm->rank == root && send != recv) memmove(recv, send, bytes);
   return MPI_Bcast(recv, (int)count, mpi_of(type), root, comm->comm) ? ncclSystemError : ncclSuccess;
 }
+
+// MPI_Reduce onto the root (in place there when send == recv, as NCCL allows); only the root's recv is written
+ncclResult_t ncclReduce(const void *send, void *recv, size_t count, ncclDataType_t type, ncclRedOp_t op, int root,
+                        ncclComm_t comm, cudaStream_t stream) {
+  drain(stream); // in stream order, then at once (see "Streams" above)
+  n_nccl++;
+  size_t bytes = count * size_of(type);
+  const bool root_here = comm->rank == root;
+  if (root < 0 || root >= comm->size || !on_device(send, bytes) || (root_here && !on_device(recv, bytes)))
+    return ncclInvalidArgument;
+  if (MPI_Reduce(root_here && send == recv ? MPI_IN_PLACE : send, root_here ? recv : nullptr, (int)count,
+                 mpi_of(type), op_of(op, type), root, comm->comm))
+    return ncclSystemError;
+  if (root_here) average(recv, count, type, op, comm->size);
+  return ncclSuccess;
+}
 #endif // PG_EMU_MPI
 
 } // extern "C"

@@ -47,6 +47,9 @@ ncclResult_t ncclAllGather(const void *send, void *recv, size_t sendcount, ncclD
                            cudaStream_t stream);
 ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataType_t type, int root,
                            ncclComm_t comm, cudaStream_t stream);
+/* recv (root only) = the reduction of every member's send (ZeRO-2's uneven reduce-scatter: one per member) */
+ncclResult_t ncclReduce(const void *send, void *recv, size_t count, ncclDataType_t type, ncclRedOp_t op, int root,
+                        ncclComm_t comm, cudaStream_t stream);
 
 #ifdef __cplusplus
 }
