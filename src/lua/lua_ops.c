@@ -525,16 +525,16 @@ static pg_tensor *qkv_arg(lua_State *L, int idx, int heads_idx, const char *fn, 
   return qkv;
 }
 
-/* attention(qkv[B,T,(NH+2NKV)HS], heads [, kv_heads [, slopes[NH]]]) -> out[B,T,NH HS], att[B,NH,T,T];
- * slopes: ALiBi's per-head slopes (nil: none) */
+/* attention(qkv[B,T,(NH+2NKV)HS], heads [, kv_heads [, slopes[NH]]]) -> out[B,T,NH HS], lse[B,NH,T] (the flash
+ * kernel's log-sum-exp of each row's scores); slopes: ALiBi's per-head slopes (nil: none) */
 static int l_attention(lua_State *L) {
   const char *fn = "ops.attention";
   int B, T, NH, NKV, HS;
   pg_tensor *qkv = qkv_arg(L, 1, 2, fn, &B, &T, &NH, &NKV, &HS);
   const pg_tensor *slopes = lua_isnoneornil(L, 4) ? NULL : expect(L, 4, fn, "slopes", PG_FLOAT32, 1, (int64_t[]){NH});
   pg_tensor *out = pg_lua_new_tensor(L, PG_FLOAT32, 3, (int64_t[]){B, T, (int64_t)NH * HS});
-  pg_tensor *att = pg_lua_new_tensor(L, PG_FLOAT32, 4, (int64_t[]){B, NH, T, T});
-  pg_attention_forward(pg_tensor_f32(out), pg_tensor_f32(att), pg_tensor_f32(qkv),
+  pg_tensor *lse = pg_lua_new_tensor(L, PG_FLOAT32, 3, (int64_t[]){B, NH, T});
+  pg_attention_forward(pg_tensor_f32(out), pg_tensor_f32(lse), pg_tensor_f32(qkv),
                        slopes ? pg_tensor_f32(slopes) : NULL, B, T, NH, NKV, HS);
   return 2;
 }
@@ -548,19 +548,22 @@ static int l_alibi_slopes(lua_State *L) {
   return 1;
 }
 
-/* attention_backward(dout[B,T,NH HS], qkv, att[B,NH,T,T], heads [, kv_heads]) -> dqkv */
+/* attention_backward(dout[B,T,NH HS], qkv, out[B,T,NH HS], lse[B,NH,T], heads [, kv_heads [, slopes[NH]]]) ->
+ * dqkv: out and lse as ops.attention gave them (with the same slopes) */
 static int l_attention_backward(lua_State *L) {
   const char *fn = "ops.attention_backward";
   int B, T, NH, NKV, HS;
-  pg_tensor *qkv = qkv_arg(L, 2, 4, fn, &B, &T, &NH, &NKV, &HS);
+  pg_tensor *qkv = qkv_arg(L, 2, 5, fn, &B, &T, &NH, &NKV, &HS);
   pg_tensor *dout = expect(L, 1, fn, "dout", PG_FLOAT32, 3, (int64_t[]){B, T, (int64_t)NH * HS});
-  pg_tensor *att = expect(L, 3, fn, "att", PG_FLOAT32, 4, (int64_t[]){B, NH, T, T});
-  /* the kernel's parallel region has at most omp_get_max_threads() threads */
-  int64_t ns = pg_attention_scratch_floats(T, omp_get_max_threads());
+  pg_tensor *out = expect(L, 3, fn, "out", PG_FLOAT32, 3, (int64_t[]){B, T, (int64_t)NH * HS});
+  pg_tensor *lse = expect(L, 4, fn, "lse", PG_FLOAT32, 3, (int64_t[]){B, NH, T});
+  const pg_tensor *slopes = lua_isnoneornil(L, 7) ? NULL : expect(L, 7, fn, "slopes", PG_FLOAT32, 1, (int64_t[]){NH});
+  int64_t ns = pg_attention_scratch_floats((int64_t)B * T, NH);
   pg_tensor *scratch = pg_lua_new_tensor(L, PG_FLOAT32, 1, &ns);
   pg_tensor *dqkv = pg_lua_new_tensor(L, PG_FLOAT32, 3, qkv->shape);
   pg_attention_backward(pg_tensor_f32(dqkv), pg_tensor_f32(scratch), pg_tensor_f32(dout), pg_tensor_f32(qkv),
-                        pg_tensor_f32(att), B, T, NH, NKV, HS);
+                        pg_tensor_f32(out), pg_tensor_f32(lse), slopes ? pg_tensor_f32(slopes) : NULL, B, T, NH, NKV,
+                        HS);
   return 1;
 }
 
