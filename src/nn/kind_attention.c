@@ -58,7 +58,7 @@ static float *f32_out(pg_module *m, attention_state *s, float *saved, int slot) 
   return m->in_bf16 ? saved + (size_t)m->max_rows * s->heads_l : slot_out(m, slot);
 }
 
-/* Recomputed: whether the buffer still holds this slot's probabilities (no
+/* Recomputed: whether the buffer still holds this slot's lse (and output) (no
  * other micro-batch's, nor another layer's, forward ran since). */
 static int attention_holds(const pg_module *m, const attention_state *s, int slot) {
   if (m->arena) return m->arena->owner == m && m->arena->owner_slot == slot;
