@@ -425,6 +425,19 @@ static int cp_attention_backward(pg_module *m, attention_state *s, int slot, con
                             (size_t)kvs * sizeof(float), (size_t)N, PG_COPY_DEVICE_TO_DEVICE);
 }
 
+/* The whole-sequence core (flash attention, kernels.h): the one place each kernel is called. out and saved:
+ * f32_out and attention_saved of the slot; x the float32 q|k|v. */
+static int core_forward(pg_module *m, const attention_state *s, const pg_io *io, float *out, float *saved,
+                        const float *x) {
+  return KERNEL(m, attention_forward, out, saved, x, s->slopes, io->B, io->T, s->heads_l, s->kv_l, s->o.head_dim);
+}
+
+static int core_backward(pg_module *m, const attention_state *s, const pg_io *io, float *dx, const float *dy,
+                         const float *x, const float *out, const float *saved) {
+  return KERNEL(m, attention_backward, dx, s->scratch, dy, x, out, saved, s->slopes, io->B, io->T, s->heads_l,
+                s->kv_l, s->o.head_dim);
+}
+
 static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   attention_state *s = m->state;
   if (io->decode) return attention_decode(m, slot, io, x, y);
@@ -437,7 +450,7 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
   if (cp_on(m, io) && s->o.recompute)
     return pg_fail("%s: recomputed attention with context=%d is not supported: recompute whole blocks instead", m->name,
                    cp_size(m));
-  int N = io->B * io->T, hd = s->o.head_dim;
+  int N = io->B * io->T;
   int64_t n_in = (int64_t)N * m->in_width;
   float *saved = cp_on(m, io) ? NULL : attention_saved(m, s, slot);
   /* bf16 q|k|v (in_bf16): the core runs on their float32 values (softmax in float32, as torch's math path
@@ -456,7 +469,7 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
   }
   float *out = cp_on(m, io) ? (m->in_bf16 ? io->wide_scratch[1] : slot_out(m, slot)) : f32_out(m, s, saved, slot);
   if ((cp_on(m, io) ? cp_attention_forward(m, s, slot, io, xf, out)
-                    : KERNEL(m, attention_forward, out, saved, xf, s->slopes, io->B, io->T, s->heads_l, s->kv_l, hd)) ||
+                    : core_forward(m, s, io, out, saved, xf)) ||
       (m->in_bf16 && KERNEL(m, bf16_from_f32, bits(slot_out(m, slot)), out, (int64_t)N * m->out_width)))
     return PG_ERR;
   s->saved_x[slot] = x;
@@ -467,7 +480,7 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
 
 static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   attention_state *s = m->state;
-  int N = io->B * io->T, hd = s->o.head_dim;
+  int N = io->B * io->T;
   int64_t n_in = (int64_t)N * m->in_width;
   float *saved = cp_on(m, io) ? NULL : attention_saved(m, s, slot);
   /* bf16 (in_bf16): q|k|v widened into wide_scratch[0] (unless RoPE saved them rotated in float32), the output
@@ -481,17 +494,14 @@ static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy
   /* recompute: another micro-batch's forward ran since; the output written again is the same bits (the next
    * module has used it already; bf16: its float32 copy) */
   float *out = cp_on(m, io) ? NULL : f32_out(m, s, saved, slot);
-  if (s->o.recompute && !attention_holds(m, s, slot) &&
-      KERNEL(m, attention_forward, out, saved, x, s->slopes, io->B, io->T, s->heads_l, s->kv_l, hd))
-    return PG_ERR;
+  if (s->o.recompute && !attention_holds(m, s, slot) && core_forward(m, s, io, out, saved, x)) return PG_ERR;
   attention_claim(m, s, -1); /* backward may overwrite what it reads */
   if (m->in_bf16) {
     if (KERNEL(m, bf16_to_f32, io->wide_scratch[1], cbits(dy), (int64_t)N * m->out_width)) return PG_ERR;
     dy = io->wide_scratch[1];
   }
   if (cp_on(m, io) ? cp_attention_backward(m, s, slot, io, x, dy, dinp)
-                   : KERNEL(m, attention_backward, dinp, s->scratch, dy, x, out, saved, s->slopes, io->B, io->T,
-                            s->heads_l, s->kv_l, hd))
+                   : core_backward(m, s, io, dinp, dy, x, out, saved))
     return PG_ERR;
   /* the gradient of the rotated q and k, rotated back */
   if (s->rotated && rope_rows(m, s, io, dinp, 1)) return PG_ERR;
