@@ -2,12 +2,14 @@
  * of a range of query rows over one block of key rows at a time, folded into
  * an online softmax (running max, running sum, unnormalised output) and
  * finished once every block is in; the backward recomputes the probabilities
- * of a block from the finished log-sum-exp (FlashAttention-2's scheme).
+ * of a block from the finished log-sum-exp (FlashAttention-2's scheme). The
+ * training attention (pg_attention_forward / pg_attention_backward, at the
+ * end) is the same tiles over a whole sequence as one block of itself.
  *
  * Query rows go in tiles of PG_BLK_Q, keys in tiles of PG_BLK_K: the score
  * tile of one (batch row, head) lives on the thread's stack, so no [Tq, Tk]
- * buffer is needed. The products are sgemms over strided rows, as in
- * attention.c, and the score is attention.c's, operation for operation:
+ * buffer is needed. The products are sgemms over strided rows, and the score
+ * is the decode path's (attention.c), operation for operation:
  * sgemm's scale (q . k), then + m (float)(kpos - qpos) with ALiBi, each term
  * rounded separately, then pg_cpu_expf. A tile wholly above the diagonal is
  * skipped; inside a tile the hidden scores get probability 0.
