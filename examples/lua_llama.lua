@@ -57,8 +57,8 @@ function L.Attention(o)
     local rot = pg.cat({ ops.rope(qkv:narrow(3, 1, h * hd), h, theta),
                          ops.rope(qkv:narrow(3, h * hd + 1, kv * hd), kv, theta),
                          qkv:narrow(3, (h + kv) * hd + 1, kv * hd) }, 3)
-    local att_out, att = ops.attention(rot, h, kv)
-    self.saved[slot] = { x = x, rot = rot, att = att, att_out = att_out }
+    local att_out, lse = ops.attention(rot, h, kv) -- lse: each row's log-sum-exp, what the backward needs
+    self.saved[slot] = { x = x, rot = rot, lse = lse, att_out = att_out }
     return ops.linear(att_out, self.params["proj.weight"]):reshape{ B * T, o.dim }
   end
   function m:backward(slot, dy, info)
@@ -69,7 +69,7 @@ function L.Attention(o)
     -- parameter gradients accumulate into the engine's buffers (the += contract)
     local datt = ops.linear_backward(dy:reshape{ B, T, o.dim }, s.att_out, self.params["proj.weight"], false,
       { dw = self.grads["proj.weight"] })
-    local drot = ops.attention_backward(datt, s.rot, s.att, h, kv)
+    local drot = ops.attention_backward(datt, s.rot, s.att_out, s.lse, h, kv)
     local dqkv = pg.cat({ ops.rope_backward(drot:narrow(3, 1, h * hd), h, theta),
                           ops.rope_backward(drot:narrow(3, h * hd + 1, kv * hd), kv, theta),
                           drot:narrow(3, (h + kv) * hd + 1, kv * hd) }, 3)

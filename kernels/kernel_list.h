@@ -66,13 +66,14 @@ PG_KERNEL(matmul_backward,
 
 /* ---- attention (scratch: attention_scratch_floats of pg_backend_ops, written by hand: a size, no kernel) ---- */
 /* slopes: NULL, or NH ALiBi slopes in this backend's memory */
+/* flash-style (kernels.h): the forward keeps lse[B, NH, T] (the rows' log-sum-exp), no [T, T] probabilities */
 PG_KERNEL(attention_forward,
-          (float *out, float *att, const float *qkv, const float *slopes, int B, int T, int NH, int NKV, int HS),
-          (out, att, qkv, slopes, B, T, NH, NKV, HS), CALL, CALL, PG_SELFTEST(test_attention))
+          (float *out, float *lse, const float *qkv, const float *slopes, int B, int T, int NH, int NKV, int HS),
+          (out, lse, qkv, slopes, B, T, NH, NKV, HS), CALL, CALL, PG_SELFTEST(test_attention))
 PG_KERNEL(attention_backward,
-          (float *dqkv, float *scratch, const float *dout, const float *qkv, const float *att, int B, int T, int NH,
-           int NKV, int HS),
-          (dqkv, scratch, dout, qkv, att, B, T, NH, NKV, HS), CALL, CALL, PG_SELFTEST(test_attention))
+          (float *dqkv, float *scratch, const float *dout, const float *qkv, const float *out, const float *lse,
+           const float *slopes, int B, int T, int NH, int NKV, int HS),
+          (dqkv, scratch, dout, qkv, out, lse, slopes, B, T, NH, NKV, HS), CALL, CALL, PG_SELFTEST(test_attention))
 
 /* decoding with a key/value cache: one sequence's new rows at positions pos.. (kernels.h) */
 PG_KERNEL(attention_cached,

@@ -150,20 +150,27 @@ int pg_flash_bf16_backward(float *dqkv, float *delta, const uint16_t *dout, cons
  * part). Query head h attends with key/value head h / (NH / NKV) (NKV
  * divides NH; NKV = NH is multi-head attention, NKV = 1 multi-query).
  * Scores are scaled by 1/sqrt(HS) and masked causally. out is [B, T, NH HS].
- * The heads go through sgemm. */
-
-/* att[B,NH,T,T] keeps the softmax probabilities for backward. slopes: NULL,
- * or ALiBi (BLOOM): NH per-head slopes (pg_alibi_slopes, this call's heads),
- * score[t, j] += slopes[h] * (j - t) after the scaling, before the softmax
- * (transformers adds slopes[h] * j: the same softmax, see attention.c). The
- * backward reads the saved probabilities and needs no slopes. */
-void pg_attention_forward(float *out, float *att, const float *qkv, const float *slopes, int B, int T, int NH, int NKV,
+ *
+ * Training: flash-style (the rows attention_forward / attention_backward of
+ * kernel_list.h), tiled over query and key blocks with an online softmax;
+ * nothing of size T^2 is kept or allocated. slopes: NULL, or ALiBi (BLOOM):
+ * NH per-head slopes (pg_alibi_slopes, this call's heads), score[t, j] +=
+ * slopes[h] * (j - t) after the scaling, before the softmax (transformers
+ * adds slopes[h] * j: the same softmax, see attention.c). The forward writes
+ * out and lse[B, NH, T], the natural-log log-sum-exp of each query row's
+ * scaled (+ ALiBi) causal scores: p[t, j] = exp(s[t, j] - lse[t]); it is
+ * all the backward keeps of the softmax. Deterministic: the same inputs give
+ * the same bits for any thread count (no atomics, every sum in a fixed
+ * order). Another backend's kernel (CUDA fp32, a bf16 one) keeps this
+ * contract. */
+void pg_attention_forward(float *out, float *lse, const float *qkv, const float *slopes, int B, int T, int NH, int NKV,
                           int HS);
-/* dqkv[B,T,(NH+2NKV)HS] (overwritten); scratch holds at least pg_attention_scratch_floats(T, threads)
- * floats, threads = omp_get_max_threads() at the call (one [T, T] block per OpenMP thread). */
-void pg_attention_backward(float *dqkv, float *scratch, const float *dout, const float *qkv, const float *att, int B,
-                           int T, int NH, int NKV, int HS);
-int64_t pg_attention_scratch_floats(int T, int threads);
+/* dqkv[B,T,(NH+2NKV)HS] (overwritten) from dout[B, T, NH HS] and the forward's qkv, out and lse (slopes as
+ * given to the forward); scratch holds at least pg_attention_scratch_floats(B T, NH) floats (FlashAttention-2's
+ * delta, one per query row and head: linear in T). */
+void pg_attention_backward(float *dqkv, float *scratch, const float *dout, const float *qkv, const float *out,
+                           const float *lse, const float *slopes, int B, int T, int NH, int NKV, int HS);
+int64_t pg_attention_scratch_floats(int64_t rows, int NH);
 /* Decoding with a key/value cache, one sequence: qkv [T, (NH + 2 NKV) HS] holds its new rows, at
  * positions pos .. pos + T - 1. Their keys and values are written into kcache and vcache ([pos + T or more,
  * NKV HS]: position-major, the cache of this sequence), then query row t attends causally over the cached
@@ -456,14 +463,17 @@ int pg_cuda_flash_bf16_backward(const pg_cuda_ctx *ctx, float *dqkv, float *delt
                                 const float *out, const uint16_t *qkv, const float *lse, int B, int T, int NH,
                                 int NKV, int HS);
 
-/* att[B,NH,T,T] as on the CPU (probabilities, exact zeros above the diagonal). */
-/* slopes: NULL or NH device floats (ALiBi, as pg_attention_forward). */
-int pg_cuda_attention_forward(const pg_cuda_ctx *ctx, float *out, float *att, const float *qkv, const float *slopes,
+/* The flash attention's contract (pg_attention_forward / pg_attention_backward: out and lse, no [T, T] buffer;
+ * slopes NULL or NH device floats). FlashAttention-2's scheme, deterministic without atomics: the forward one
+ * block per (query tile, b, h); the backward delta, then dK/dV one block per (key tile, b, kv head) walking the
+ * group's heads and the query tiles in order, then dQ in its own pass, one block per (query tile, b, h) walking
+ * the key tiles in order. scratch: at least pg_cuda_attention_scratch_floats(rows = B T, NH) device floats. */
+int pg_cuda_attention_forward(const pg_cuda_ctx *ctx, float *out, float *lse, const float *qkv, const float *slopes,
                               int B, int T, int NH, int NKV, int HS);
-/* scratch: at least pg_cuda_attention_scratch_floats(T, NH) device floats. */
 int pg_cuda_attention_backward(const pg_cuda_ctx *ctx, float *dqkv, float *scratch, const float *dout,
-                               const float *qkv, const float *att, int B, int T, int NH, int NKV, int HS);
-int64_t pg_cuda_attention_scratch_floats(int T, int NH);
+                               const float *qkv, const float *out, const float *lse, const float *slopes, int B, int T,
+                               int NH, int NKV, int HS);
+int64_t pg_cuda_attention_scratch_floats(int64_t rows, int NH);
 /* As pg_attention_cached (kcache, vcache, scores: device floats). */
 int pg_cuda_attention_cached(const pg_cuda_ctx *ctx, float *out, float *scores, float *kcache, float *vcache,
                              const float *qkv, const float *slopes, int T, int pos, int NH, int NKV, int HS);

@@ -35,16 +35,15 @@ for _, a in ipairs(lengths) do
   local W = (NH + 2 * NKV) * HS
   local qkv = pg.randn({ 1, T, W }, { seed = 1 })
   local dout = pg.randn({ 1, T, NH * HS }, { seed = 2 })
-  local out, att, bout, lse
-  local tf = best(function() out, att = ops.attention(qkv, NH, NKV) end)
+  local out, wlse, bout, lse
+  local tf = best(function() out, wlse = ops.attention(qkv, NH, NKV) end)
   local tb = best(function()
     local acc, mx, sm = pg.zeros{ 1, T, NH * HS }, pg.full({ 1, NH, T }, -math.huge), pg.zeros{ 1, NH, T }
     ops.attention_block_(acc, mx, sm, qkv, qkv, NH, NKV, 0, 0)
     bout, lse = ops.attention_block_finish(acc, mx, sm)
   end)
   local diff = bout:max_abs_diff(out)
-  local tg = best(function() ops.attention_backward(dout, qkv, att, NH, NKV) end)
-  att = nil
+  local tg = best(function() ops.attention_backward(dout, qkv, out, wlse, NH, NKV) end)
   collectgarbage()
   local tbg = best(function()
     local delta = ops.attention_block_delta(dout, bout, NH)

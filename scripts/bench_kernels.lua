@@ -1,7 +1,8 @@
 -- Kernel micro-benchmarks: ./pglua scripts/bench_kernels.lua [threads]
 -- Prints sgemm GFLOP/s through ops.linear ([256,768] x [768,2304], the GPT-2
 -- small qkv projection of 256 tokens), the linear backward, and the
--- attention forward + backward time for B=4, T=64, C=768, NH=12.
+-- flash attention's forward + backward time for C=768, NH=12 (GPT-2 small's
+-- heads) at T = 64 .. 1024, B = max(1, 256 / T) sequences.
 local pg = require "pipegoose"
 local argparse = require "argparse"
 local ops = pg.ops
@@ -35,14 +36,18 @@ local dy = pg.randn({ N, OC }, { seed = 3 })
 s = time(10, function() ops.linear_backward(dy, x, w) end)
 print(("linear backward (dx, dw, db):      %8.3f ms  %7.1f GFLOP/s"):format(s * 1e3, 4 * N * C * OC / s / 1e9))
 
-local B, T, Ca, NH = 4, 64, 768, 12
-local qkv = pg.randn({ B, T, 3 * Ca }, { seed = 4 })
-local dout = pg.randn({ B, T, Ca }, { seed = 5 })
-local _, att = ops.attention(qkv, NH)
-local f = time(20, function() ops.attention(qkv, NH) end)
-local bw = time(20, function() ops.attention_backward(dout, qkv, att, NH) end)
-print(("attention B=%d T=%d C=%d NH=%d: forward %.3f ms, backward %.3f ms, total %.3f ms"):format(B, T, Ca, NH,
-  f * 1e3, bw * 1e3, (f + bw) * 1e3))
+local Ca, NH = 768, 12
+for _, T in ipairs({ 64, 128, 256, 512, 1024 }) do
+  local B = math.max(1, 256 // T)
+  local qkv = pg.randn({ B, T, 3 * Ca }, { seed = 4 })
+  local dout = pg.randn({ B, T, Ca }, { seed = 5 })
+  local out, lse = ops.attention(qkv, NH)
+  local reps = T >= 512 and 5 or 20
+  local f = time(reps, function() ops.attention(qkv, NH) end)
+  local bw = time(reps, function() ops.attention_backward(dout, qkv, out, lse, NH) end)
+  print(("attention B=%d T=%d C=%d NH=%d: forward %.3f ms, backward %.3f ms, total %.3f ms"):format(B, T, Ca, NH,
+    f * 1e3, bw * 1e3, (f + bw) * 1e3))
+end
 
 -- bf16 GEMMs (float32 sums) against sgemm on GPT-2 124M's linear shapes for
 -- 256 tokens (batch 4 x 64), inputs already bf16 (as the model's working

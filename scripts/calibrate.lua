@@ -87,13 +87,13 @@ local function attention_table(threads)
     local qkv = pg.randn({ B, T, 3 * C }, { seed = 3 })
     local dy = pg.randn({ B, T, C }, { seed = 4 })
     local flops = 4 * B * T * T * C
-    local _, att = pg.ops.attention(qkv, H)
+    local out, lse = pg.ops.attention(qkv, H)
     local f = timed(function()
-      local out, a = pg.ops.attention(qkv, H)
-      out:free()
-      a:free()
+      local o, l = pg.ops.attention(qkv, H)
+      o:free()
+      l:free()
     end)
-    local b = timed(function() pg.ops.attention_backward(dy, qkv, att, H):free() end)
+    local b = timed(function() pg.ops.attention_backward(dy, qkv, out, lse, H):free() end)
     rows[#rows + 1] = { batch = B, seq = T, heads = H, head_dim = hd, threads = threads, flops = flops / f,
       backward_flops = flops / b }
   end

@@ -2,12 +2,14 @@
  * of a range of query rows over one block of key rows at a time, folded into
  * an online softmax (running max, running sum, unnormalised output) and
  * finished once every block is in; the backward recomputes the probabilities
- * of a block from the finished log-sum-exp (FlashAttention-2's scheme).
+ * of a block from the finished log-sum-exp (FlashAttention-2's scheme). The
+ * training attention (pg_attention_forward / pg_attention_backward, at the
+ * end) is the same tiles over a whole sequence as one block of itself.
  *
  * Query rows go in tiles of PG_BLK_Q, keys in tiles of PG_BLK_K: the score
  * tile of one (batch row, head) lives on the thread's stack, so no [Tq, Tk]
- * buffer is needed. The products are sgemms over strided rows, as in
- * attention.c, and the score is attention.c's, operation for operation:
+ * buffer is needed. The products are sgemms over strided rows, and the score
+ * is the decode path's (attention.c), operation for operation:
  * sgemm's scale (q . k), then + m (float)(kpos - qpos) with ALiBi, each term
  * rounded separately, then pg_cpu_expf. A tile wholly above the diagonal is
  * skipped; inside a tile the hidden scores get probability 0.
@@ -60,7 +62,7 @@ static void score_tile(float *S, const float *q, int64_t ldq, const float *k, in
 }
 
 /* One query tile [i0, i0 + nq) of one (b, h) pair: q at its first query row's head, k and v at the first key
- * row's kv head, acc at its first row's head (rows NH HS apart), mx and sm its Tq values. */
+ * row's kv head, acc at its first row's head (rows NH HS apart), mx and sm at the tile's first row (nq values). */
 static void block_forward_tile(float *acc, float *mx, float *sm, const float *q, int64_t ldq, const float *k,
                                const float *v, int64_t ldk, const float *slope, int i0, int nq, int Tk, int HS,
                                int64_t ldacc, float scale, int64_t q_pos0, int64_t k_pos0) {
@@ -78,20 +80,19 @@ static void block_forward_tile(float *acc, float *mx, float *sm, const float *q,
         memset(s, 0, (size_t)nk * sizeof(float));
         continue;
       }
-      const int i = i0 + r;
-      const float m_old = mx[i], m_new = fmaxf(m_old, pg_cpu_maxf(s, n));
+      const float m_old = mx[r], m_new = fmaxf(m_old, pg_cpu_maxf(s, n));
       if (m_new != m_old) { /* rescale what is summed so far (from -inf: all of it is 0) */
         const float c = pg_cpu_expf(m_old - m_new);
-        float *a = acc + (int64_t)i * ldacc;
+        float *a = acc + (int64_t)(i0 + r) * ldacc;
 #pragma omp simd
         for (int d = 0; d < HS; d++) a[d] *= c;
-        sm[i] *= c;
-        mx[i] = m_new;
+        sm[r] *= c;
+        mx[r] = m_new;
       }
 #pragma omp simd
       for (int c = 0; c < n; c++) s[c] = pg_cpu_expf(s[c] - m_new);
       memset(s + n, 0, (size_t)(nk - n) * sizeof(float));
-      sm[i] += pg_cpu_sumf(s, n);
+      sm[r] += pg_cpu_sumf(s, n);
     }
     /* acc[i0 : i0 + nq] += P V[j0 : j0 + nk] */
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, HS, nk, 1.0f, S, PG_BLK_K, v + (int64_t)j0 * ldk,
@@ -111,13 +112,27 @@ void pg_attention_block_forward(float *acc, float *mx, float *sm, const float *q
   for (int64_t w = 0; w < items; w++) {
     const int64_t bh = w / tiles;
     const int b = (int)(bh / NH), h = (int)(bh % NH), g = h / group, i0 = (int)(w % tiles) * PG_BLK_Q;
-    const int64_t st = bh * Tq; /* mx, sm: [B, NH, Tq] */
+    const int64_t st = bh * Tq + i0; /* mx, sm: [B, NH, Tq] */
     block_forward_tile(acc + (int64_t)b * Tq * ldacc + (int64_t)h * HS, mx + st, sm + st,
                        q + (int64_t)b * Tq * q_stride + (int64_t)h * HS, q_stride,
                        k + (int64_t)b * Tk * kv_stride + (int64_t)g * HS, v + (int64_t)b * Tk * kv_stride + (int64_t)g * HS,
                        kv_stride, slopes ? slopes + h : NULL, i0, pg_cpu_min(PG_BLK_Q, Tq - i0), Tk, HS, ldacc, scale,
                        q_pos0, k_pos0);
   }
+}
+
+/* One row of the finish: o = a / s (o may be a, in place), *lse = m + logf(s); s == 0 (no key seen): o 0, *lse
+ * -INFINITY. */
+static void finish_row(float *o, const float *a, float m, float s, float *lse, int HS) {
+  if (s == 0.0f) {
+    memset(o, 0, (size_t)HS * sizeof(float));
+    *lse = -INFINITY;
+    return;
+  }
+  const float inv = 1.0f / s;
+#pragma omp simd
+  for (int d = 0; d < HS; d++) o[d] = a[d] * inv;
+  *lse = m + logf(s);
 }
 
 void pg_attention_block_finish(float *out, int64_t out_stride, float *lse, const float *acc, const float *mx,
@@ -129,18 +144,8 @@ void pg_attention_block_finish(float *out, int64_t out_stride, float *lse, const
     const int b = bh / NH, h = bh % NH;
     for (int i = 0; i < Tq; i++) {
       const int64_t st = (int64_t)bh * Tq + i, row = (int64_t)b * Tq + i;
-      const float *a = acc + row * ldacc + (int64_t)h * HS;
-      float *o = out + row * out_stride + (int64_t)h * HS;
-      const float s = sm[st];
-      if (s == 0.0f) { /* no key seen */
-        memset(o, 0, (size_t)HS * sizeof(float));
-        lse[st] = -INFINITY;
-        continue;
-      }
-      const float inv = 1.0f / s;
-#pragma omp simd
-      for (int d = 0; d < HS; d++) o[d] = a[d] * inv;
-      lse[st] = mx[st] + logf(s);
+      finish_row(out + row * out_stride + (int64_t)h * HS, acc + row * ldacc + (int64_t)h * HS, mx[st], sm[st],
+                 lse + st, HS);
     }
   }
 }
@@ -287,4 +292,53 @@ void pg_attention_block_backward(float *dq, int64_t dq_stride, float *dk, float 
     }
   }
 #undef PAIR
+}
+
+/* ---- the whole-sequence training attention (kernels.h's pg_attention_forward / pg_attention_backward) ----
+ * The sequence is one block of itself (q_pos0 = k_pos0 = 0, Tq = Tk = T): the forward folds every key tile
+ * into a query tile's online softmax with the ring's tile kernel, the state of the tile (its rows' max and sum)
+ * on the stack and the unnormalised output accumulated in out itself; the backward is the ring's, over the
+ * whole sequence, with FlashAttention-2's delta in the scratch. Nothing of size T^2 is kept or allocated. */
+
+void pg_attention_forward(float *out, float *lse, const float *qkv, const float *slopes, int B, int T, int NH, int NKV,
+                          int HS) {
+  if (bad_block_shape(B, T, T, NH, NKV, HS)) return;
+  const int group = NH / NKV;
+  const int64_t ld = (int64_t)(NH + 2 * NKV) * HS, ldo = (int64_t)NH * HS;
+  const float scale = 1.0f / sqrtf((float)HS);
+  const int64_t tiles = (T + PG_BLK_Q - 1) / PG_BLK_Q, items = (int64_t)B * NH * tiles;
+  /* one thread per (batch row, head, query tile): its rows' sums in a fixed order whatever the thread count */
+#pragma omp parallel for schedule(static)
+  for (int64_t w = 0; w < items; w++) {
+    float mx[PG_BLK_Q], sm[PG_BLK_Q];
+    const int64_t bh = w / tiles;
+    const int b = (int)(bh / NH), h = (int)(bh % NH), g = h / group, i0 = (int)(w % tiles) * PG_BLK_Q;
+    const int nq = pg_cpu_min(PG_BLK_Q, T - i0);
+    const float *row0 = qkv + (int64_t)b * T * ld;
+    float *o = out + (int64_t)b * T * ldo + (int64_t)h * HS;
+    for (int r = 0; r < nq; r++) {
+      memset(o + (int64_t)(i0 + r) * ldo, 0, (size_t)HS * sizeof(float));
+      mx[r] = -INFINITY;
+      sm[r] = 0.0f;
+    }
+    block_forward_tile(o, mx, sm, row0 + (int64_t)h * HS, ld, row0 + (int64_t)(NH + g) * HS,
+                       row0 + (int64_t)(NH + NKV + g) * HS, ld, slopes ? slopes + h : NULL, i0, nq, T, HS, ldo, scale,
+                       0, 0);
+    for (int r = 0; r < nq; r++) {
+      float *orow = o + (int64_t)(i0 + r) * ldo;
+      finish_row(orow, orow, mx[r], sm[r], lse + bh * T + i0 + r, HS);
+    }
+  }
+}
+
+int64_t pg_attention_scratch_floats(int64_t rows, int NH) { return rows * (NH > 0 ? NH : 1); }
+
+void pg_attention_backward(float *dqkv, float *scratch, const float *dout, const float *qkv, const float *out,
+                           const float *lse, const float *slopes, int B, int T, int NH, int NKV, int HS) {
+  if (bad_block_shape(B, T, T, NH, NKV, HS)) return;
+  const int64_t ld = (int64_t)(NH + 2 * NKV) * HS, ldo = (int64_t)NH * HS, kcol = ldo, vcol = (int64_t)(NH + NKV) * HS;
+  memset(dqkv, 0, (size_t)((int64_t)B * T * ld) * sizeof(float)); /* the block backward accumulates */
+  pg_attention_block_delta(scratch, dout, ldo, out, ldo, B, T, NH, HS);
+  pg_attention_block_backward(dqkv, ld, dqkv + kcol, dqkv + vcol, ld, qkv, ld, qkv + kcol, qkv + vcol, ld, dout, ldo,
+                              lse, scratch, slopes, B, T, T, NH, NKV, HS, 0, 0);
 }

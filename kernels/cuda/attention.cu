@@ -2,177 +2,275 @@
 // [B, T, (NH + 2 NKV) HS] (kernels.h): query head h = kvh * G + g (G = NH /
 // NKV query heads per key/value head) attends with key/value head kvh.
 //
-// Every product is a strided-batched sgemm over a grid of (batch row b,
-// key/value head kvh, head in the group g): an operand's matrix for (b, kvh, g)
-// starts at fixed strides along each axis (a key is shared by its group's
-// heads: stride 0 along g). gemm_grid batches the longest axis along which
-// the output moves and loops over the two others (for MHA, G = 1: one call
-// per batch row over the heads, or per head over the batch rows). The
-// products are the CPU kernel's, over whole [T, T] blocks (the CPU skips most
-// of the masked triangle; here the softmax writes exact zeros above the
-// diagonal, so the extra products only add zeros). Softmax and its backward:
-// one warp per row; ALiBi's biases are added in the softmax kernel.
-// Backward, per batch row (the scratch holds one row's
-// NH [T, T] blocks): the key and value gradients of a key/value head are its
-// group's products added in head order (g = 0 writes, beta = 1 for the
-// others: sgemms queued on one stream run in order), no atomics.
+// Training: flash attention in float32 (pg_attention_forward's contract:
+// out and lse, nothing of size T^2), FlashAttention-2's scheme. Query and key
+// rows go in tiles of TB; a block's score tile lives in shared memory, and so
+// do the tiles of the rows it reads again and again (K and V in the forward
+// and the dQ pass, Q and dO in the dK/dV pass) when the head size fits
+// HS_STAGED; larger heads read those rows from global memory (the same
+// arithmetic). Every output element belongs to one thread of one block, which
+// sums its terms in a fixed order: no atomics, the same inputs give the same
+// bits.
+//   forward: a block per (b, h, query tile) folds the key tiles up to the
+//     diagonal into an online softmax (running max m, sum l per row), the
+//     unnormalised output accumulated in out itself, then out /= l and
+//     lse = m + log l.
+//   backward: delta = rowsum(dO * O) (pg_cuda_attention_block_delta); dK, dV:
+//     a block per (b, kv head, key tile) walks the group's query heads and the
+//     query tiles from the diagonal down, in order, recomputing p = exp(s - lse)
+//     and ds = scale p (dO . v - delta); dQ in its own pass: a block per (b, h,
+//     query tile) walks the key tiles up to the diagonal in order.
+// The score is the CPU's operations in that order (scale * (q . k), then +
+// m (kpos - qpos), each rounded); the dot products' order is not the CPU
+// sgemm's (the self-test's tolerance).
 #include "common.cuh"
 
 using namespace pgcu;
 
-// p[0..t] = softmax(p[0..t]) (scores already scaled), p[t+1..T) = 0; t = row % T.
-// slopes (ALiBi, NULL: none): the row's head h = (row / T) % NH adds
-// slopes[h] * (j - t) to score j first, each operation rounded as on the CPU
-// (no FMA). Every lane reads back only the columns it wrote.
-__global__ void att_softmax_kernel(float *att, const float *slopes, int64_t rows, int T, int NH) {
-  const int lane = threadIdx.x % WARP;
-  const int64_t row = (int64_t)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-  if (row >= rows) return;
-  const int t = (int)(row % T);
-  float *p = att + row * T;
-  if (slopes) {
-    const float m = slopes[(row / T) % NH];
-    for (int j = lane; j <= t; j += WARP) p[j] = __fadd_rn(p[j], __fmul_rn(m, (float)(j - t)));
-  }
-  float mx = -INFINITY;
-  for (int j = lane; j <= t; j += WARP) mx = fmaxf(mx, p[j]);
-  mx = warp_max(mx);
-  float s = 0.0f;
-  for (int j = lane; j <= t; j += WARP) {
-    const float e = expf(p[j] - mx);
-    p[j] = e;
-    s += e;
-  }
-  const float inv = 1.0f / warp_sum(s);
-  for (int j = lane; j < T; j += WARP) p[j] = j <= t ? p[j] * inv : 0.0f;
-}
-
-// Softmax backward with the score scale folded in, in place over dP:
-// dS = scale * P (dP - sum_j P dP) for j <= t, 0 above the diagonal.
-__global__ void att_softmax_backward_kernel(float *dS, const float *P, int64_t rows, int T, float scale) {
-  const int lane = threadIdx.x % WARP;
-  const int64_t row = (int64_t)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-  if (row >= rows) return;
-  const int t = (int)(row % T);
-  float *d = dS + row * T;
-  const float *p = P + row * T;
-  float dot = 0.0f;
-  for (int j = lane; j <= t; j += WARP) dot += p[j] * d[j];
-  dot = warp_sum(dot);
-  for (int j = lane; j < T; j += WARP) d[j] = j <= t ? scale * p[j] * (d[j] - dot) : 0.0f;
-}
-
-static unsigned row_blocks(int64_t rows) { return (unsigned)((rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK); }
-
 namespace {
 
-// An sgemm operand over the (b, kvh, g) grid: matrix (b, kvh, g) starts at
-// p + b s[0] + kvh s[1] + g s[2] (floats), rows ld apart.
-struct grid_mat {
-  const float *p;
-  int ld;
-  long long s[3];
-};
-
-// C(b, kvh, g) = alpha op(A(b, kvh, g)) op(B(b, kvh, g)) + beta C(b, kvh, g) over
-// n[0] x n[1] x n[2] matrices, row-major as gemm_rm. The batched axis is the
-// longest one along which C moves (C's matrices must be distinct along it).
-int gemm_grid(cublasHandle_t h, bool ta, bool tb, int M, int N, int K, float alpha, grid_mat A, grid_mat B,
-              float beta, float *C, int ldc, const long long cs[3], const int n[3]) {
-  int ax = -1;
-  for (int d = 0; d < 3; d++)
-    if (cs[d] != 0 && (ax < 0 || n[d] > n[ax])) ax = d;
-  if (ax < 0) { // a single matrix
-    if (n[0] != 1 || n[1] != 1 || n[2] != 1) return PG_CUDA_EINVAL;
-    ax = 0;
-  }
-  const int o1 = ax == 0 ? 1 : 0, o2 = ax == 2 ? 1 : 2; // the two looped axes, in order
-  for (int i = 0; i < n[o1]; i++)
-    for (int j = 0; j < n[o2]; j++) {
-      const long long a0 = i * A.s[o1] + j * A.s[o2], b0 = i * B.s[o1] + j * B.s[o2], c0 = i * cs[o1] + j * cs[o2];
-      if (int rc = gemm_rm_batched(h, ta, tb, M, N, K, alpha, A.p + a0, A.ld, A.s[ax], B.p + b0, B.ld, B.s[ax], beta,
-                                   C + c0, ldc, cs[ax], n[ax]))
-        return rc;
-    }
-  return 0;
-}
+constexpr int TB = 32;                 // query rows and key rows per tile
+constexpr int NT = 128;                // threads per block
+constexpr int NW = NT / WARP;          // warps per block
+constexpr int HS_STAGED = 128;         // head sizes up to this stage their row tiles in shared memory
+constexpr int TP = TB + 1;             // the score tiles' row pitch (no bank conflicts down a column)
 
 bool bad_shape(int B, int T, int NH, int NKV, int HS) {
   return B < 0 || T < 0 || NH < 0 || NKV <= 0 || HS <= 0 || NH % NKV;
 }
 
-} // namespace
+// The fused layout of one (b) sequence's heads.
+struct qkv_layout {
+  int64_t ld, ldo; // row strides of qkv (and dqkv), of out (and dout)
+  int NH, NKV, HS;
+  __device__ int64_t kcol(int g) const { return (int64_t)(NH + g) * HS; }
+  __device__ int64_t vcol(int g) const { return (int64_t)(NH + NKV + g) * HS; }
+};
 
-extern "C" int64_t pg_cuda_attention_scratch_floats(int T, int NH) {
-  // dP, then dS in place, for the NH heads of one batch row
-  return (int64_t)(NH > 0 ? NH : 1) * T * T;
+// Rows [0, n) of one head (rows ld apart from src) into tile ([TB][HS], rows HS apart) when HS fits: returns
+// where to read the rows from, with their stride in *ldt (the tile, or src itself). The caller syncs.
+__device__ const float *stage_rows(float *tile, const float *src, int64_t ld, int n, int HS, int64_t *ldt) {
+  if (HS > HS_STAGED) {
+    *ldt = ld;
+    return src;
+  }
+  for (int e = threadIdx.x; e < n * HS; e += NT) tile[e] = src[(int64_t)(e / HS) * ld + e % HS];
+  *ldt = HS;
+  return tile;
 }
 
-extern "C" int pg_cuda_attention_forward(const pg_cuda_ctx *ctx, float *out, float *att, const float *qkv,
+__device__ __forceinline__ float dot(const float *a, const float *b, int n) {
+  float s = 0.0f;
+  for (int d = 0; d < n; d++) s += a[d] * b[d];
+  return s;
+}
+
+// scale (q . k) (+ m (kpos - qpos)), each operation rounded as on the CPU.
+__device__ __forceinline__ float score(const float *q, const float *k, int HS, float scale, const float *slope, int kpos,
+                                       int qpos) {
+  float s = __fmul_rn(scale, dot(q, k, HS));
+  if (slope) s = __fadd_rn(s, __fmul_rn(*slope, (float)(kpos - qpos)));
+  return s;
+}
+
+__global__ void flash_forward_kernel(float *out, float *lse, const float *qkv, const float *slopes, int T,
+                                     qkv_layout L, float scale) {
+  __shared__ float Ks[TB * HS_STAGED], Vs[TB * HS_STAGED], S[TB * TP], m[TB], l[TB], corr[TB];
+  const int64_t bh = blockIdx.x, b = bh / L.NH;
+  const int h = (int)(bh % L.NH), g = h / (L.NH / L.NKV), HS = L.HS, tid = threadIdx.x;
+  const int warp = tid / WARP, lane = tid % WARP;
+  const int i0 = blockIdx.y * TB, nq = T - i0 < TB ? T - i0 : TB;
+  const float *row0 = qkv + b * T * L.ld, *q = row0 + (int64_t)i0 * L.ld + (int64_t)h * HS;
+  const float *k = row0 + L.kcol(g), *v = row0 + L.vcol(g), *slope = slopes ? slopes + h : nullptr;
+  float *o = out + (b * T + i0) * L.ldo + (int64_t)h * HS;
+  for (int e = tid; e < nq * HS; e += NT) o[(int64_t)(e / HS) * L.ldo + e % HS] = 0.0f;
+  for (int r = tid; r < nq; r += NT) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+  }
+  for (int j0 = 0; j0 < i0 + nq; j0 += TB) { // key tiles up to the diagonal
+    const int nk = T - j0 < TB ? T - j0 : TB;
+    __syncthreads(); // the previous tile read (and the start written)
+    int64_t ldk, ldv;
+    const float *kt = stage_rows(Ks, k + (int64_t)j0 * L.ld, L.ld, nk, HS, &ldk);
+    const float *vt = stage_rows(Vs, v + (int64_t)j0 * L.ld, L.ld, nk, HS, &ldv);
+    __syncthreads();
+    for (int e = tid; e < nq * TB; e += NT) {
+      const int r = e / TB, c = e % TB;
+      S[r * TP + c] = c < nk && j0 + c <= i0 + r
+                          ? score(q + (int64_t)r * L.ld, kt + c * ldk, HS, scale, slope, j0 + c, i0 + r)
+                          : -INFINITY;
+    }
+    __syncthreads();
+    for (int r = warp; r < nq; r += NW) { // a warp per row: the online softmax's step
+      float mt = -INFINITY;
+      for (int c = lane; c < nk; c += WARP) mt = fmaxf(mt, S[r * TP + c]);
+      mt = warp_max(mt);
+      const float m_old = m[r], m_new = fmaxf(m_old, mt);
+      float sum = 0.0f;
+      for (int c = lane; c < TB; c += WARP) {
+        const bool seen = c < nk && j0 + c <= i0 + r;
+        const float p = seen ? expf(S[r * TP + c] - m_new) : 0.0f;
+        S[r * TP + c] = p;
+        sum += p;
+      }
+      sum = warp_sum(sum);
+      if (lane == 0) { // rescale what is summed so far (from -inf: all of it is 0)
+        const float c = m_new != m_old ? expf(m_old - m_new) : 1.0f;
+        corr[r] = c;
+        l[r] = __fadd_rn(__fmul_rn(l[r], c), sum);
+        m[r] = m_new;
+      }
+    }
+    __syncthreads();
+    for (int e = tid; e < nq * HS; e += NT) {
+      const int r = e / HS, d = e % HS;
+      float *od = o + (int64_t)r * L.ldo + d;
+      float acc = __fmul_rn(*od, corr[r]);
+      for (int c = 0; c < nk; c++) acc += S[r * TP + c] * vt[c * ldv + d];
+      *od = acc;
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < nq * HS; e += NT) { // every row has seen key 0: l > 0
+    const int r = e / HS, d = e % HS;
+    o[(int64_t)r * L.ldo + d] *= 1.0f / l[r];
+    if (d == 0) lse[bh * T + i0 + r] = __fadd_rn(m[r], logf(l[r]));
+  }
+}
+
+// The tile of p = exp(s - lse) and ds = scale p (dO . v - delta) of query rows [i0, i0 + nq) against key rows
+// [j0, j0 + nk), 0 where hidden: q, dO (rows ldq, lddo apart), k, v (ldk, ldv) and lse, delta at the tiles'
+// first rows.
+__device__ void tile_grads(float *P, float *dS, const float *q, int64_t ldq, const float *dO, int64_t lddo,
+                           const float *k, int64_t ldk, const float *v, int64_t ldv, const float *lse,
+                           const float *delta, int i0, int nq, int j0, int nk, int HS, float scale,
+                           const float *slope) {
+  for (int e = threadIdx.x; e < TB * TB; e += NT) {
+    const int r = e / TB, c = e % TB;
+    float p = 0.0f, ds = 0.0f;
+    if (r < nq && c < nk && j0 + c <= i0 + r) {
+      p = expf(score(q + r * ldq, k + c * ldk, HS, scale, slope, j0 + c, i0 + r) - lse[r]);
+      ds = __fmul_rn(__fmul_rn(scale, p), dot(dO + r * lddo, v + c * ldv, HS) - delta[r]);
+    }
+    P[r * TP + c] = p;
+    dS[r * TP + c] = ds;
+  }
+}
+
+// dK, dV of key tile blockIdx.y of (b, kv head g) = blockIdx.x: the group's heads in order, their query tiles
+// from the diagonal on, in order.
+__global__ void flash_dkv_kernel(float *dqkv, const float *qkv, const float *dout, const float *lse,
+                                 const float *delta, const float *slopes, int T, qkv_layout L, float scale) {
+  __shared__ float Qs[TB * HS_STAGED], dOs[TB * HS_STAGED], P[TB * TP], dS[TB * TP];
+  const int64_t bg = blockIdx.x, b = bg / L.NKV;
+  const int g = (int)(bg % L.NKV), G = L.NH / L.NKV, HS = L.HS, tid = threadIdx.x;
+  const int j0 = blockIdx.y * TB, nk = T - j0 < TB ? T - j0 : TB;
+  const int64_t base = b * T * L.ld, krow = base + (int64_t)j0 * L.ld;
+  const float *k = qkv + krow + L.kcol(g), *v = qkv + krow + L.vcol(g);
+  float *dk = dqkv + krow + L.kcol(g), *dv = dqkv + krow + L.vcol(g);
+  for (int e = tid; e < nk * HS; e += NT) dk[(int64_t)(e / HS) * L.ld + e % HS] = dv[(int64_t)(e / HS) * L.ld + e % HS] = 0.0f;
+  for (int eh = 0; eh < G; eh++) {
+    const int h = g * G + eh;
+    const float *slope = slopes ? slopes + h : nullptr;
+    const int64_t st = (b * L.NH + h) * T;
+    for (int i0 = j0; i0 < T; i0 += TB) { // query tiles that see the keys: i >= j0
+      const int nq = T - i0 < TB ? T - i0 : TB;
+      __syncthreads(); // the previous tile read
+      int64_t ldq, lddo;
+      const float *qt = stage_rows(Qs, qkv + base + (int64_t)i0 * L.ld + (int64_t)h * HS, L.ld, nq, HS, &ldq);
+      const float *dot_ = stage_rows(dOs, dout + (b * T + i0) * L.ldo + (int64_t)h * HS, L.ldo, nq, HS, &lddo);
+      __syncthreads();
+      tile_grads(P, dS, qt, ldq, dot_, lddo, k, L.ld, v, L.ld, lse + st + i0, delta + st + i0, i0, nq, j0, nk, HS,
+                 scale, slope);
+      __syncthreads();
+      for (int e = tid; e < nk * HS; e += NT) {
+        const int c = e / HS, d = e % HS;
+        float *dvd = dv + (int64_t)c * L.ld + d, *dkd = dk + (int64_t)c * L.ld + d;
+        float sv = *dvd, sk = *dkd;
+        for (int r = 0; r < nq; r++) {
+          sv += P[r * TP + c] * dot_[r * lddo + d];
+          sk += dS[r * TP + c] * qt[r * ldq + d];
+        }
+        *dvd = sv;
+        *dkd = sk;
+      }
+    }
+  }
+}
+
+// dQ of query tile blockIdx.y of (b, h) = blockIdx.x: the key tiles up to the diagonal, in order.
+__global__ void flash_dq_kernel(float *dqkv, const float *qkv, const float *dout, const float *lse,
+                                const float *delta, const float *slopes, int T, qkv_layout L, float scale) {
+  __shared__ float Ks[TB * HS_STAGED], Vs[TB * HS_STAGED], P[TB * TP], dS[TB * TP];
+  const int64_t bh = blockIdx.x, b = bh / L.NH;
+  const int h = (int)(bh % L.NH), g = h / (L.NH / L.NKV), HS = L.HS, tid = threadIdx.x;
+  const int i0 = blockIdx.y * TB, nq = T - i0 < TB ? T - i0 : TB;
+  const int64_t base = b * T * L.ld, qrow = base + (int64_t)i0 * L.ld + (int64_t)h * HS, st = bh * T + i0;
+  const float *q = qkv + qrow, *dO = dout + (b * T + i0) * L.ldo + (int64_t)h * HS;
+  const float *slope = slopes ? slopes + h : nullptr;
+  float *dq = dqkv + qrow;
+  for (int e = tid; e < nq * HS; e += NT) dq[(int64_t)(e / HS) * L.ld + e % HS] = 0.0f;
+  for (int j0 = 0; j0 < i0 + nq; j0 += TB) {
+    const int nk = T - j0 < TB ? T - j0 : TB;
+    __syncthreads();
+    int64_t ldk, ldv;
+    const float *kt = stage_rows(Ks, qkv + base + (int64_t)j0 * L.ld + L.kcol(g), L.ld, nk, HS, &ldk);
+    const float *vt = stage_rows(Vs, qkv + base + (int64_t)j0 * L.ld + L.vcol(g), L.ld, nk, HS, &ldv);
+    __syncthreads();
+    tile_grads(P, dS, q, L.ld, dO, L.ldo, kt, ldk, vt, ldv, lse + st, delta + st, i0, nq, j0, nk, HS, scale, slope);
+    __syncthreads();
+    for (int e = tid; e < nq * HS; e += NT) {
+      const int r = e / HS, d = e % HS;
+      float *dqd = dq + (int64_t)r * L.ld + d;
+      float s = *dqd;
+      for (int c = 0; c < nk; c++) s += dS[r * TP + c] * kt[c * ldk + d];
+      *dqd = s;
+    }
+  }
+}
+
+// The launch grid: x the (b, head) pairs, y the tiles of T; 0 when it does not fit CUDA's limits.
+bool flash_grid(int64_t pairs, int T, dim3 *grid) {
+  const int64_t tiles = ((int64_t)T + TB - 1) / TB;
+  if (pairs > INT32_MAX || tiles > 65535) return false;
+  *grid = dim3((unsigned)pairs, (unsigned)tiles);
+  return true;
+}
+
+} // namespace
+
+extern "C" int64_t pg_cuda_attention_scratch_floats(int64_t rows, int NH) {
+  return rows * (NH > 0 ? NH : 1); // delta, one per query row and head
+}
+
+extern "C" int pg_cuda_attention_forward(const pg_cuda_ctx *ctx, float *out, float *lse, const float *qkv,
                                          const float *slopes, int B, int T, int NH, int NKV, int HS) {
   if (B <= 0 || T <= 0 || NH <= 0) return 0;
   if (bad_shape(B, T, NH, NKV, HS)) return PG_CUDA_EINVAL;
-  cublasHandle_t h = blas_of(ctx);
-  if (!h) return PG_CUDA_EINVAL;
-  const int G = NH / NKV, ld = (NH + 2 * NKV) * HS, ldo = NH * HS;
-  const float scale = 1.0f / sqrtf((float)HS);
-  const long long TT = (long long)T * T, row = (long long)T * ld;
-  const int n[3] = {B, NKV, G};
-  // query head (b, kvh, g): columns (kvh G + g) HS; its key and value heads NH + kvh and NH + NKV + kvh
-  const grid_mat Q = {qkv, ld, {row, (long long)G * HS, HS}};
-  const grid_mat K = {qkv + (int64_t)NH * HS, ld, {row, HS, 0}};
-  const grid_mat V = {qkv + (int64_t)(NH + NKV) * HS, ld, {row, HS, 0}};
-  const long long ps[3] = {(long long)NH * TT, (long long)G * TT, TT}; // att[b, h]
-  // scores S = scale * Q K^T
-  if (int rc = gemm_grid(h, false, true, T, T, HS, scale, Q, K, 0.0f, att, T, ps, n)) return rc;
-  const int64_t rows = (int64_t)B * NH * T;
-  att_softmax_kernel<<<row_blocks(rows), BLOCK, 0, stream_of(ctx)>>>(att, slopes, rows, T, NH);
-  if (int rc = launch_status()) return rc;
-  // out[b, :, h] = P V
-  const grid_mat P = {att, T, {ps[0], ps[1], ps[2]}};
-  const long long os[3] = {(long long)T * ldo, (long long)G * HS, HS};
-  return gemm_grid(h, false, false, T, HS, T, 1.0f, P, V, 0.0f, out, ldo, os, n);
+  dim3 grid;
+  if (!flash_grid((int64_t)B * NH, T, &grid)) return PG_CUDA_EINVAL;
+  const qkv_layout L = {(int64_t)(NH + 2 * NKV) * HS, (int64_t)NH * HS, NH, NKV, HS};
+  flash_forward_kernel<<<grid, NT, 0, stream_of(ctx)>>>(out, lse, qkv, slopes, T, L, 1.0f / sqrtf((float)HS));
+  return launch_status();
 }
 
 extern "C" int pg_cuda_attention_backward(const pg_cuda_ctx *ctx, float *dqkv, float *scratch, const float *dout,
-                                          const float *qkv, const float *att, int B, int T, int NH, int NKV, int HS) {
+                                          const float *qkv, const float *out, const float *lse, const float *slopes,
+                                          int B, int T, int NH, int NKV, int HS) {
   if (B <= 0 || T <= 0 || NH <= 0) return 0;
   if (bad_shape(B, T, NH, NKV, HS)) return PG_CUDA_EINVAL;
-  cublasHandle_t h = blas_of(ctx);
-  if (!h) return PG_CUDA_EINVAL;
-  const int G = NH / NKV, ld = (NH + 2 * NKV) * HS, ldo = NH * HS;
+  dim3 qgrid, kgrid;
+  if (!flash_grid((int64_t)B * NH, T, &qgrid) || !flash_grid((int64_t)B * NKV, T, &kgrid)) return PG_CUDA_EINVAL;
+  const qkv_layout L = {(int64_t)(NH + 2 * NKV) * HS, (int64_t)NH * HS, NH, NKV, HS};
   const float scale = 1.0f / sqrtf((float)HS);
-  const long long TT = (long long)T * T;
-  const int64_t kcol = (int64_t)NH * HS, vcol = (int64_t)(NH + NKV) * HS;
-  const long long qs[3] = {0, (long long)G * HS, HS}, kvs[3] = {0, HS, 0}, ps[3] = {0, (long long)G * TT, TT};
-  const int n[3] = {1, NKV, G};
-  float *dS = scratch;
-  for (int b = 0; b < B; b++) {
-    const int64_t base = (int64_t)b * T * ld;
-    const float *q = qkv + base, *dO = dout + (int64_t)b * T * ldo, *P = att + (int64_t)b * NH * TT;
-    float *dq = dqkv + base;
-    const grid_mat K = {q + kcol, ld, {kvs[0], kvs[1], kvs[2]}};
-    const grid_mat V = {q + vcol, ld, {kvs[0], kvs[1], kvs[2]}}, dOm = {dO, ldo, {qs[0], qs[1], qs[2]}};
-    // dP = dO V^T
-    if (int rc = gemm_grid(h, false, true, T, T, HS, 1.0f, dOm, V, 0.0f, dS, T, ps, n)) return rc;
-    const int64_t rows = (int64_t)NH * T;
-    att_softmax_backward_kernel<<<row_blocks(rows), BLOCK, 0, stream_of(ctx)>>>(dS, P, rows, T, scale);
-    if (int rc = launch_status()) return rc;
-    // dQ = dS K (overwritten)
-    const grid_mat dSm = {dS, T, {ps[0], ps[1], ps[2]}};
-    if (int rc = gemm_grid(h, false, false, T, HS, T, 1.0f, dSm, K, 0.0f, dq, ld, qs, n)) return rc;
-    // dK = sum over the group of dS^T Q, dV = sum of P^T dO: head g = 0 writes, the others add, in order
-    const int n1[3] = {1, NKV, 1};
-    for (int g = 0; g < G; g++) {
-      const float beta = g ? 1.0f : 0.0f;
-      const grid_mat dSg = {dS + g * TT, T, {ps[0], ps[1], 0}}, Pg = {P + g * TT, T, {ps[0], ps[1], 0}};
-      const grid_mat Qg = {q + (int64_t)g * HS, ld, {qs[0], qs[1], 0}};
-      const grid_mat dOg = {dO + (int64_t)g * HS, ldo, {qs[0], qs[1], 0}};
-      if (int rc = gemm_grid(h, true, false, T, HS, T, 1.0f, dSg, Qg, beta, dq + kcol, ld, kvs, n1)) return rc;
-      if (int rc = gemm_grid(h, true, false, T, HS, T, 1.0f, Pg, dOg, beta, dq + vcol, ld, kvs, n1)) return rc;
-    }
-  }
-  return 0;
+  float *delta = scratch;
+  if (int rc = pg_cuda_attention_block_delta(ctx, delta, dout, L.ldo, out, L.ldo, B, T, NH, HS)) return rc;
+  cudaStream_t s = stream_of(ctx);
+  flash_dkv_kernel<<<kgrid, NT, 0, s>>>(dqkv, qkv, dout, lse, delta, slopes, T, L, scale);
+  if (int rc = launch_status()) return rc;
+  flash_dq_kernel<<<qgrid, NT, 0, s>>>(dqkv, qkv, dout, lse, delta, slopes, T, L, scale);
+  return launch_status();
 }
 
 // ---- decoding with a key/value cache (pg_attention_cached) ----

@@ -15,7 +15,7 @@ local tok = pg.tensor({ { 1, 4, 10 }, { 4, 0, 7 } }, { dtype = "int32" })
 local qkv = rn{ B, T, 16 }
 local _, mean, rstd = ops.layernorm(x, g, g)
 local _, rrstd = ops.rmsnorm(x, g)
-local _, att = ops.attention(qkv, 2, 1)
+local aout, alse = ops.attention(qkv, 2, 1)
 local logits = rn{ B, T, V }
 local rmax = ops.xent_row_max(logits)
 local sumexp, tlogit = ops.xent_sumexp(logits, rmax, tok)
@@ -45,7 +45,7 @@ local cases = {
   { "rope", EXACT, ops.rope, { x, 2, 10000 } },
   { "rope_backward", EXACT, ops.rope_backward, { dy8, 2, 10000 } },
   { "attention", GEMM, ops.attention, { qkv, 2, 1 } },
-  { "attention_backward", GEMM, ops.attention_backward, { dy8, qkv, att, 2, 1 } },
+  { "attention_backward", GEMM, ops.attention_backward, { dy8, qkv, aout, alse, 2, 1 } },
   { "cross_entropy", REDUCE, ops.cross_entropy, { rn{ B, T, V }, tok } },
   { "xent_row_max", EXACT, ops.xent_row_max, { logits } },
   { "xent_sumexp", REDUCE, ops.xent_sumexp, { logits, rmax, tok } },

@@ -148,7 +148,7 @@ end
 local function attention_ref(qkv, b_len, t_len, c, nh)
   local hs = c // nh
   local scale = 1 / math.sqrt(hs)
-  local out, att = {}, {}
+  local out, att, lse = {}, {}, {}
   for b = 0, b_len - 1 do
     for h = 0, nh - 1 do
       for t = 0, t_len - 1 do
@@ -167,6 +167,7 @@ local function attention_ref(qkv, b_len, t_len, c, nh)
           sum = sum + p[j]
         end
         local a = ((b * nh + h) * t_len + t) * t_len
+        lse[(b * nh + h) * t_len + t + 1] = mx + math.log(sum)
         for j = 0, t_len - 1 do att[a + j + 1] = j <= t and p[j] / sum or 0 end
         for d = 1, hs do
           local o = 0
@@ -176,7 +177,7 @@ local function attention_ref(qkv, b_len, t_len, c, nh)
       end
     end
   end
-  return out, att
+  return out, lse
 end
 
 -- 0.5 x (1 + tanh u), u = sqrt(2/pi) (x + 0.044715 x^3), written with the
@@ -427,27 +428,31 @@ describe("pg.ops kernels", function()
   end)
 
   describe("attention", function()
-    it("matches the double reference; att is causal with exact zeros and rows summing to 1", function()
+    it("matches the double reference, out and the rows' log-sum-exp (lse)", function()
       local qkv = randn({ B, T, 3 * C }, 22)
-      local out, att = ops.attention(qkv, NH)
+      local out, lse = ops.attention(qkv, NH)
       assert.same({ B, T, C }, out:shape())
-      assert.same({ B, NH, T, T }, att:shape())
-      local rout, ratt = attention_ref(flat(qkv), B, T, C, NH)
+      assert.same({ B, NH, T }, lse:shape())
+      local rout, rlse = attention_ref(flat(qkv), B, T, C, NH)
       assert_close(out, rout, FWD_RTOL, FWD_ATOL, "attention out")
-      assert_close(att, ratt, FWD_RTOL, FWD_ATOL, "attention probabilities")
-      local a = att:totable()
-      for b = 1, B do
-        for h = 1, NH do
-          for t = 1, T do
-            local s = 0
-            for j = 1, T do
-              if j > t then assert.equal(0, a[b][h][t][j]) end -- masked: exactly zero
-              s = s + a[b][h][t][j]
-            end
-            assert.near(1, s, 1e-6) -- a float32 softmax row sums to 1 within 1e-6
-          end
-        end
-      end
+      assert_close(lse, rlse, FWD_RTOL, FWD_ATOL, "attention lse")
+    end)
+
+    -- T = 200: four of the kernel's 64-row query and key tiles, the last one partial
+    it("over several tiles matches the double reference and gives the same bits on 1 thread and on several", function()
+      local b, t, nh, nkv, hs = 2, 200, 4, 2, 8
+      local qkv = randn({ b, t, (nh + 2 * nkv) * hs }, 28)
+      local saved = ops.num_threads()
+      ops.set_num_threads(1)
+      local o1, l1 = ops.attention(qkv, nh, nkv)
+      local R = randn({ b, t, nh * hs }, 29)
+      local d1 = ops.attention_backward(R, qkv, o1, l1, nh, nkv)
+      ops.set_num_threads(8) -- more threads than the 4 (batch row, kv head) pairs: the backward's two passes
+      local o2, l2 = ops.attention(qkv, nh, nkv)
+      local d2 = ops.attention_backward(R, qkv, o2, l2, nh, nkv)
+      ops.set_num_threads(saved)
+      assert.is_true(o1:equal(o2) and l1:equal(l2) and d1:equal(d2), "the same bits for any thread count")
+      assert_close(o1, gqa_ref(flat(qkv), b, t, nh, nkv, hs), FWD_RTOL, FWD_ATOL, "attention out, T=200")
     end)
 
     it("is causal: changing step t leaves the outputs of earlier steps bit for bit", function()
@@ -476,8 +481,8 @@ describe("pg.ops kernels", function()
       local qkv = randn({ B, T, 3 * C }, 24)
       local R = randn({ B, T, C }, 25)
       local r = flat(R)
-      local _, att = ops.attention(qkv, NH)
-      local dqkv = ops.attention_backward(R, qkv, att, NH)
+      local out, lse = ops.attention(qkv, NH)
+      local dqkv = ops.attention_backward(R, qkv, out, lse, NH)
       assert.same({ B, T, 3 * C }, dqkv:shape())
       local num = numgrad(function(v) return dot((attention_ref(v, B, T, C, NH)), r) end, flat(qkv))
       assert_grad(dqkv, num, "attention dqkv")
@@ -486,14 +491,14 @@ describe("pg.ops kernels", function()
     it("handles sequences longer than one 64-row block (T = 70) against the reference", function()
       local b, t, c, nh = 1, 70, 8, 2
       local qkv = randn({ b, t, 3 * c }, 26)
-      local out, att = ops.attention(qkv, nh)
+      local out, lse = ops.attention(qkv, nh)
       local rout = attention_ref(flat(qkv), b, t, c, nh)
       assert_close(out, rout, FWD_RTOL, FWD_ATOL, "attention out, T=70")
       -- backward: compare with finite differences on a few entries of each of
       -- q, k, v at early and late steps (the blocks' boundaries), not all 1680
       local R = randn({ b, t, c }, 27)
       local r = flat(R)
-      local dq = flat(ops.attention_backward(R, qkv, att, nh))
+      local dq = flat(ops.attention_backward(R, qkv, out, lse, nh))
       local v = flat(qkv)
       local f = function(vals) return dot((attention_ref(vals, b, t, c, nh)), r) end
       local checked = 0
@@ -522,12 +527,12 @@ describe("pg.ops kernels", function()
         local hs = 4
         local w = (c.nh + 2 * c.nkv) * hs
         local qkv = randn({ B, T, w }, 40 + c.nkv)
-        local out, att = ops.attention(qkv, c.nh, c.nkv)
+        local out, lse = ops.attention(qkv, c.nh, c.nkv)
         assert.same({ B, T, c.nh * hs }, out:shape())
         assert_close(out, gqa_ref(flat(qkv), B, T, c.nh, c.nkv, hs), FWD_RTOL, FWD_ATOL, "gqa out")
         local R = randn({ B, T, c.nh * hs }, 50 + c.nkv)
         local r = flat(R)
-        local dqkv = ops.attention_backward(R, qkv, att, c.nh, c.nkv)
+        local dqkv = ops.attention_backward(R, qkv, out, lse, c.nh, c.nkv)
         local num = numgrad(function(v) return dot(gqa_ref(v, B, T, c.nh, c.nkv, hs), r) end, flat(qkv))
         assert_grad(dqkv, num, "gqa dqkv")
       end)
@@ -535,11 +540,11 @@ describe("pg.ops kernels", function()
 
     it("with kv_heads = heads is the multi-head kernel, bit for bit", function()
       local qkv = randn({ B, T, 3 * C }, 60)
-      local o1, a1 = ops.attention(qkv, NH)
-      local o2, a2 = ops.attention(qkv, NH, NH)
-      assert.is_true(o1:equal(o2) and a1:equal(a2))
+      local o1, l1 = ops.attention(qkv, NH)
+      local o2, l2 = ops.attention(qkv, NH, NH)
+      assert.is_true(o1:equal(o2) and l1:equal(l2))
       local R = randn({ B, T, C }, 61)
-      assert.is_true(ops.attention_backward(R, qkv, a1, NH):equal(ops.attention_backward(R, qkv, a1, NH, NH)))
+      assert.is_true(ops.attention_backward(R, qkv, o1, l1, NH):equal(ops.attention_backward(R, qkv, o1, l1, NH, NH)))
     end)
   end)
 
@@ -914,8 +919,8 @@ describe("pg.ops kernels", function()
         local demb = ops.embedding_backward(dy, pg.tensor(flat(tok), { dtype = "int32" }), 64, 0) -- row_start: one shard, ids 64.. are another's
         local dpos = ops.position_backward(dy, 16)
         local qkv = randn({ 2, 48, 96 }, 54)
-        local out, att = ops.attention(qkv, 4)
-        local dqkv = ops.attention_backward(randn({ 2, 48, 32 }, 55), qkv, att, 4)
+        local out, att = ops.attention(qkv, 4) -- att: the rows' log-sum-exp
+        local dqkv = ops.attention_backward(randn({ 2, 48, 32 }, 55), qkv, out, att, 4)
         local big = randn({ 100000 }, 56)
         local logits = randn({ 64, 600 }, 57)
         local tg = pg.tensor(flat(pg.arange(0, 64)), { dtype = "int32" })
@@ -961,11 +966,15 @@ describe("pg.ops kernels", function()
       assert.has_error(function() ops.attention(pg.zeros{ B, T, 10 }, 2) end,
         "ops.attention: qkv: last dimension 10 is not (heads + 2 kv_heads) = 6 head widths")
       assert.has_error(function() ops.attention(qkv, 4, 3) end, "ops.attention: kv_heads=3 does not divide heads=4")
-      local _, att = ops.attention(qkv, NH)
-      assert.has_error(function() ops.attention_backward(pg.zeros{ B, 4, C }, qkv, att, NH) end,
+      local out, lse = ops.attention(qkv, NH)
+      assert.has_error(function() ops.attention_backward(pg.zeros{ B, 4, C }, qkv, out, lse, NH) end,
         "ops.attention_backward: dout: expected a [2, 5, 8] float32 tensor, got [2, 4, 8] float32")
-      assert.has_error(function() ops.attention_backward(x, qkv, pg.zeros{ B, NH, T, 4 }, NH) end,
-        "ops.attention_backward: att: expected a [2, 2, 5, 5] float32 tensor, got [2, 2, 5, 4] float32")
+      assert.has_error(function() ops.attention_backward(x, qkv, pg.zeros{ B, 4, C }, lse, NH) end,
+        "ops.attention_backward: out: expected a [2, 5, 8] float32 tensor, got [2, 4, 8] float32")
+      assert.has_error(function() ops.attention_backward(x, qkv, out, pg.zeros{ B, NH, 4 }, NH) end,
+        "ops.attention_backward: lse: expected a [2, 2, 5] float32 tensor, got [2, 2, 4] float32")
+      assert.has_error(function() ops.attention_backward(x, qkv, out, lse, NH, nil, pg.zeros{ 3 }) end,
+        "ops.attention_backward: slopes: expected a [2] float32 tensor, got [3] float32")
       assert.has_error(function() ops.gelu_backward(pg.zeros{ 3 }, x) end,
         "ops.gelu_backward: dy: expected a [2, 5, 8] float32 tensor, got [3] float32")
       assert.has_error(function() ops.residual(x, pg.zeros{ N, C }) end,

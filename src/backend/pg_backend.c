@@ -74,14 +74,9 @@ static int cpu_sync(const pg_backend *b) {
 #define PG_KERNEL(name, params, args, cpu, cuda, selftest) CPU_##cpu(name, params, args)
 #include "kernel_list.h"
 
-static int64_t cpu_attention_scratch_floats(const pg_backend *b, int T, int NH) {
+static int64_t cpu_attention_scratch_floats(const pg_backend *b, int64_t rows, int NH) {
   (void)b;
-  (void)NH;
-  int threads = 1;
-#ifdef _OPENMP
-  threads = omp_get_max_threads(); /* one [T, T] block per OpenMP thread */
-#endif
-  return pg_attention_scratch_floats(T, threads);
+  return pg_attention_scratch_floats(rows, NH);
 }
 
 /* ---- the OWN adapters ---- */

@@ -50,8 +50,8 @@ typedef struct pg_backend_ops {
 #include "kernel_list.h"
 
   /* ---- sizes ---- */
-  /* floats of scratch attention_backward needs for sequences of up to T and NH heads */
-  int64_t (*attention_scratch_floats)(const pg_backend *b, int T, int NH);
+  /* floats of scratch attention_backward needs for up to `rows` query rows (B T) of NH heads */
+  int64_t (*attention_scratch_floats)(const pg_backend *b, int64_t rows, int NH);
 } pg_backend_ops;
 
 struct pg_backend {

@@ -119,9 +119,9 @@ static int cu_sync(const pg_backend *b) { return wait_stream(b, "synchronising")
 #define PG_KERNEL(name, params, args, cpu, cuda, selftest) CUDA_##cuda(name, params, args)
 #include "kernel_list.h"
 
-static int64_t cu_attention_scratch_floats(const pg_backend *b, int T, int NH) {
+static int64_t cu_attention_scratch_floats(const pg_backend *b, int64_t rows, int NH) {
   (void)b;
-  return pg_cuda_attention_scratch_floats(T, NH);
+  return pg_cuda_attention_scratch_floats(rows, NH);
 }
 
 /* ---- the OWN adapters ---- */

@@ -672,59 +672,67 @@ static void test_flash_bf16(selftest *st) {
   }
 }
 
-/* One attention shape: NH query heads, NKV key/value heads of HS columns;
- * slopes: NULL or NH ALiBi slopes (host). */
-static void attention_case(selftest *st, int NH, int NKV, int HS, const float *slopes) {
-  const int B = ST_B, T = ST_T, N = ST_N, W = (NH + 2 * NKV) * HS, C = NH * HS;
+/* One attention shape: B sequences of T rows, NH query heads, NKV key/value heads of HS columns; slopes: NULL or
+ * NH ALiBi slopes (host). The flash kernels: out and lse against the CPU's (sums in another order: TOL_GEMM), the
+ * backward from the CPU's out and lse (the same inputs), then once more for the same bits (no atomics). */
+static void attention_case(selftest *st, int B, int T, int NH, int NKV, int HS, const float *slopes) {
+  const int N = B * T, W = (NH + 2 * NKV) * HS, C = NH * HS;
   const pg_cuda_ctx *ctx = &st->ctx;
-  const int64_t nqkv = (int64_t)N * W, natt = (int64_t)B * NH * T * T;
-  char what[32] = "", name[96];
-  if (NKV != NH) snprintf(what, sizeof what, " (%d/%d heads)", NH, NKV);
-  if (slopes) snprintf(what + strlen(what), sizeof what - strlen(what), " (alibi)");
-#define ST_NAME(s) (snprintf(name, sizeof name, "attention_%s%.31s", s, what), name)
-  float *qkv = h_rand(st, nqkv, -1, 1), *garbage = h_rand(st, nqkv > natt ? nqkv : natt, 100, 200);
-  float *out = h_alloc(st, (size_t)N * C * sizeof(float)), *att = h_alloc(st, (size_t)natt * sizeof(float));
-  if (!qkv || !garbage || !out || !att) return;
-  pg_attention_forward(out, att, qkv, slopes, B, T, NH, NKV, HS);
+  const int64_t nqkv = (int64_t)N * W, nlse = (int64_t)N * NH;
+  char what[64] = "", name[128];
+  snprintf(what, sizeof what, " (T=%d HS=%d", T, HS);
+  if (NKV != NH) snprintf(what + strlen(what), sizeof what - strlen(what), " %d/%d heads", NH, NKV);
+  snprintf(what + strlen(what), sizeof what - strlen(what), slopes ? " alibi)" : ")");
+#define ST_NAME(s) (snprintf(name, sizeof name, "attention_%s%.63s", s, what), name)
+  float *qkv = h_rand(st, nqkv, -1, 1), *garbage = h_rand(st, nqkv, 100, 200);
+  float *out = h_alloc(st, (size_t)N * C * sizeof(float)), *lse = h_alloc(st, (size_t)nlse * sizeof(float));
+  if (!qkv || !garbage || !out || !lse) return;
+  pg_attention_forward(out, lse, qkv, slopes, B, T, NH, NKV, HS);
   float *d_qkv = d_floats(st, qkv, nqkv), *d_out = d_floats(st, garbage, (int64_t)N * C);
-  float *d_att = d_floats(st, garbage, natt), *d_slopes = slopes ? d_floats(st, slopes, NH) : NULL;
+  float *d_lse = d_floats(st, garbage, nlse), *d_slopes = slopes ? d_floats(st, slopes, NH) : NULL;
   if (st->broken) return;
   if (launched(st, ST_NAME("forward"),
-               pg_cuda_attention_forward(ctx, d_out, d_att, d_qkv, d_slopes, B, T, NH, NKV, HS))) {
+               pg_cuda_attention_forward(ctx, d_out, d_lse, d_qkv, d_slopes, B, T, NH, NKV, HS))) {
     check_f(st, ST_NAME("forward.out"), d_out, out, (int64_t)N * C, TOL_GEMM);
-    check_f(st, ST_NAME("forward.att"), d_att, att, natt, TOL_GEMM);
+    check_f(st, ST_NAME("forward.lse"), d_lse, lse, nlse, TOL_GEMM);
   }
   float *dout = h_rand(st, (int64_t)N * C, -1, 1), *dqkv = h_alloc(st, (size_t)nqkv * sizeof(float));
-  float *scratch = h_alloc(st, (size_t)pg_attention_scratch_floats(T, omp_get_max_threads()) * sizeof(float));
-  float *d_scratch = d_floats(st, garbage, pg_cuda_attention_scratch_floats(T, NH));
+  float *scratch = h_alloc(st, (size_t)pg_attention_scratch_floats(N, NH) * sizeof(float));
+  float *d_scratch = d_floats(st, garbage, pg_cuda_attention_scratch_floats(N, NH));
   if (!dout || !dqkv || !scratch || !d_scratch) return;
-  pg_attention_backward(dqkv, scratch, dout, qkv, att, B, T, NH, NKV, HS);
+  pg_attention_backward(dqkv, scratch, dout, qkv, out, lse, slopes, B, T, NH, NKV, HS);
   float *d_dout = d_floats(st, dout, (int64_t)N * C), *d_dqkv = d_floats(st, garbage, nqkv);
-  if (!reload(st, d_att, att, natt)) return; /* the CPU's probabilities: the same inputs */
-  if (launched(st, ST_NAME("backward"),
-               pg_cuda_attention_backward(ctx, d_dqkv, d_scratch, d_dout, d_qkv, d_att, B, T, NH, NKV, HS)))
+  /* the CPU's forward results: the same inputs */
+  if (!reload(st, d_out, out, (int64_t)N * C) || !reload(st, d_lse, lse, nlse)) return;
+  if (launched(st, ST_NAME("backward"), pg_cuda_attention_backward(ctx, d_dqkv, d_scratch, d_dout, d_qkv, d_out,
+                                                                   d_lse, d_slopes, B, T, NH, NKV, HS)))
     check_f(st, ST_NAME("backward.dqkv"), d_dqkv, dqkv, nqkv, TOL_GEMM);
   float *first = d_get(st, d_dqkv, nqkv);
   if (!first || !reload(st, d_dqkv, garbage, nqkv)) return;
-  if (launched(st, ST_NAME("backward (repeat)"),
-               pg_cuda_attention_backward(ctx, d_dqkv, d_scratch, d_dout, d_qkv, d_att, B, T, NH, NKV, HS)))
+  if (launched(st, ST_NAME("backward (repeat)"), pg_cuda_attention_backward(ctx, d_dqkv, d_scratch, d_dout, d_qkv,
+                                                                            d_out, d_lse, d_slopes, B, T, NH, NKV,
+                                                                            HS)))
     check_f(st, ST_NAME("backward.dqkv (repeat)"), d_dqkv, first, nqkv, 0, 0);
 #undef ST_NAME
 }
 
-/* Multi-head, grouped-query (two query heads per key/value head) and
- * multi-query attention; ALiBi with 3 heads (an odd count: slopes 2^-4,
- * 2^-8 and the extra 2^-2, whose biases reach 9 at T = 37) and with 4 of 8
- * heads (grouped-query, the second tensor-parallel rank's slice). */
+/* Multi-head, grouped-query (two query heads per key/value head) and multi-query attention; ALiBi with 3 heads
+ * (an odd count: slopes 2^-4, 2^-8 and the extra 2^-2, whose biases reach 9 at T = 37) and with 4 of 8 heads
+ * (grouped-query, the second tensor-parallel rank's slice); GPT-2's head size 64 (the device's K/V tiles in shared
+ * memory), an odd head size 13, one past the tiles' staging (129: rows read from global memory), and T = 70 (the
+ * CPU's 64-row tiles and the device's 32-row ones both split the sequence, neither at 70). */
 static void test_attention(selftest *st) {
-  attention_case(st, ST_NH, ST_NH, ST_C / ST_NH, NULL);
-  attention_case(st, 4, 2, 12, NULL);
-  attention_case(st, 4, 1, 12, NULL);
+  attention_case(st, ST_B, ST_T, ST_NH, ST_NH, ST_C / ST_NH, NULL);
+  attention_case(st, ST_B, ST_T, 4, 2, 12, NULL);
+  attention_case(st, ST_B, ST_T, 4, 1, 12, NULL);
   float slopes3[ST_NH], slopes8[8];
   pg_alibi_slopes(slopes3, ST_NH);
   pg_alibi_slopes(slopes8, 8);
-  attention_case(st, ST_NH, ST_NH, ST_C / ST_NH, slopes3);
-  attention_case(st, 4, 2, 12, slopes8 + 4);
+  attention_case(st, ST_B, ST_T, ST_NH, ST_NH, ST_C / ST_NH, slopes3);
+  attention_case(st, ST_B, ST_T, 4, 2, 12, slopes8 + 4);
+  attention_case(st, 1, 70, 2, 1, 64, NULL);
+  attention_case(st, ST_B, ST_T, ST_NH, ST_NH, 13, slopes3);
+  attention_case(st, 1, 40, 2, 2, 129, NULL);
 }
 
 /* Decoding with a key/value cache: T new rows at position pos of a cache

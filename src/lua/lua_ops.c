@@ -615,8 +615,8 @@ static pg_tensor *qkv_arg(lua_State *L, int idx, int heads_idx, const char *fn, 
   return qkv;
 }
 
-/* attention(qkv[B,T,(NH+2NKV)HS], heads [, kv_heads [, slopes[NH]]]) -> out[B,T,NH HS], att[B,NH,T,T];
- * slopes: ALiBi's per-head slopes (nil: none) */
+/* attention(qkv[B,T,(NH+2NKV)HS], heads [, kv_heads [, slopes[NH]]]) -> out[B,T,NH HS], lse[B,NH,T] (the flash
+ * kernel's log-sum-exp of each row's scores); slopes: ALiBi's per-head slopes (nil: none) */
 static int l_attention(lua_State *L) {
   const char *fn = "ops.attention";
   const pg_backend *b = NULL;
@@ -625,8 +625,8 @@ static int l_attention(lua_State *L) {
   const pg_tensor *slopes =
       lua_isnoneornil(L, 4) ? NULL : expect_at(L, 4, fn, "slopes", PG_FLOAT32, 1, (int64_t[]){NH}, &b);
   pg_tensor *out = new_on(L, b, PG_FLOAT32, 3, (int64_t[]){B, T, (int64_t)NH * HS});
-  pg_tensor *att = new_on(L, b, PG_FLOAT32, 4, (int64_t[]){B, NH, T, T});
-  RUN(L, fn, b, attention_forward, pg_tensor_f32(out), pg_tensor_f32(att), pg_tensor_f32(qkv),
+  pg_tensor *lse = new_on(L, b, PG_FLOAT32, 3, (int64_t[]){B, NH, T});
+  RUN(L, fn, b, attention_forward, pg_tensor_f32(out), pg_tensor_f32(lse), pg_tensor_f32(qkv),
       slopes ? pg_tensor_f32(slopes) : NULL, B, T, NH, NKV, HS);
   return 2;
 }
@@ -640,19 +640,24 @@ static int l_alibi_slopes(lua_State *L) {
   return 1;
 }
 
-/* attention_backward(dout[B,T,NH HS], qkv, att[B,NH,T,T], heads [, kv_heads]) -> dqkv */
+/* attention_backward(dout[B,T,NH HS], qkv, out[B,T,NH HS], lse[B,NH,T], heads [, kv_heads [, slopes[NH]]]) ->
+ * dqkv: out and lse as ops.attention gave them (with the same slopes) */
 static int l_attention_backward(lua_State *L) {
   const char *fn = "ops.attention_backward";
   const pg_backend *b = NULL;
   int B, T, NH, NKV, HS;
-  pg_tensor *qkv = qkv_arg(L, 2, 4, fn, &B, &T, &NH, &NKV, &HS, &b);
+  pg_tensor *qkv = qkv_arg(L, 2, 5, fn, &B, &T, &NH, &NKV, &HS, &b);
   pg_tensor *dout = expect_at(L, 1, fn, "dout", PG_FLOAT32, 3, (int64_t[]){B, T, (int64_t)NH * HS}, &b);
-  pg_tensor *att = expect_at(L, 3, fn, "att", PG_FLOAT32, 4, (int64_t[]){B, NH, T, T}, &b);
-  int64_t ns = b->ops->attention_scratch_floats(b, T, NH); /* the CPU's: one [T, T] block per OpenMP thread */
+  pg_tensor *out = expect_at(L, 3, fn, "out", PG_FLOAT32, 3, (int64_t[]){B, T, (int64_t)NH * HS}, &b);
+  pg_tensor *lse = expect_at(L, 4, fn, "lse", PG_FLOAT32, 3, (int64_t[]){B, NH, T}, &b);
+  const pg_tensor *slopes =
+      lua_isnoneornil(L, 7) ? NULL : expect_at(L, 7, fn, "slopes", PG_FLOAT32, 1, (int64_t[]){NH}, &b);
+  int64_t ns = b->ops->attention_scratch_floats(b, (int64_t)B * T, NH); /* delta: a float per row and head */
   pg_tensor *scratch = new_on(L, b, PG_FLOAT32, 1, &ns);
   pg_tensor *dqkv = new_on(L, b, PG_FLOAT32, 3, qkv->shape);
   RUN(L, fn, b, attention_backward, pg_tensor_f32(dqkv), pg_tensor_f32(scratch), pg_tensor_f32(dout),
-      pg_tensor_f32(qkv), pg_tensor_f32(att), B, T, NH, NKV, HS);
+      pg_tensor_f32(qkv), pg_tensor_f32(out), pg_tensor_f32(lse), slopes ? pg_tensor_f32(slopes) : NULL, B, T, NH,
+      NKV, HS);
   return 1;
 }
 

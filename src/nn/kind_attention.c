@@ -12,13 +12,14 @@
 typedef struct attention_state {
   pg_attention_opts o;
   int heads_l, kv_l, max_seq;
-  float *att;     /* [nslots][rows * heads_l * max_seq] probabilities */
-  float *scratch; /* backward */
+  float *saved;   /* [nslots][saved_floats]: each row's log-sum-exp [B, heads_l, T] (the flash kernels' lse), and
+                     with bf16 q|k|v the float32 output [rows, out_width] after it (the backward's delta reads it) */
+  float *scratch; /* backward (attention_scratch_floats: linear in the rows) */
   float *rotated; /* with RoPE: [nslots][rows * in_width], q|k rotated, v copied */
   float *cos_t, *sin_t; /* with RoPE: [max_seq, head_dim / 2] on the backend */
   float *slopes;  /* with ALiBi: this rank's heads_l slopes on the backend */
   const float **saved_x;
-  int att_slot;   /* recompute: the micro-batch whose probabilities att holds (-1: none) */
+  int saved_slot; /* recompute: the micro-batch whose lse (and output) saved holds (-1: none) */
   /* decoding (pg_io.decode), on the home backend: keys and values [cache_rows][max_seq][kv_l head_dim],
    * the positions each sequence holds (host), the new rows' q|k|v in float32 (widened, rotated), the scores */
   float *kcache, *vcache, *dec_x, *dec_scores;
@@ -37,19 +38,31 @@ typedef struct attention_state {
 static int cp_size(const pg_module *m) { return m->ctx ? m->ctx->context : 1; }
 static int cp_on(const pg_module *m, const pg_io *io) { return cp_size(m) > 1 && io->cp_chunk > 0; }
 
-/* The probabilities of `slot`: its own with every slot kept; recomputed, the
- * rank's arena (shared by the attentions of every layer) or, in a module
- * without an engine, its one buffer. */
-static float *attention_probs(pg_module *m, attention_state *s, int slot) {
-  if (m->arena) return (float *)m->arena->region;
-  return s->att + (s->o.recompute ? 0 : (size_t)slot * m->max_rows * s->heads_l * s->max_seq);
+/* What the whole-sequence backward keeps of one micro-batch (the CP ring keeps its own): the rows' log-sum-exp,
+ * and with bf16 q|k|v the float32 output. Linear in the rows: no [T, T] probabilities (flash attention). */
+static size_t saved_floats(const pg_module *m, const attention_state *s) {
+  size_t rows = (size_t)m->max_rows;
+  return rows * s->heads_l + (m->in_bf16 ? rows * m->out_width : 0);
 }
 
-/* Recomputed: whether the buffer still holds this slot's probabilities (no
+/* The saved lse (and output) of `slot`: its own with every slot kept; recomputed, the rank's arena (shared by the
+ * attentions of every layer) or, in a module without an engine, its one buffer. */
+static float *attention_saved(pg_module *m, attention_state *s, int slot) {
+  if (m->arena) return (float *)m->arena->region;
+  return s->saved + (s->o.recompute ? 0 : (size_t)slot * saved_floats(m, s));
+}
+
+/* The float32 output the forward writes and the backward reads: the slot's output, or with bf16 q|k|v the copy
+ * after the lse in `saved` (the slot's output is its bf16 rounding). */
+static float *f32_out(pg_module *m, attention_state *s, float *saved, int slot) {
+  return m->in_bf16 ? saved + (size_t)m->max_rows * s->heads_l : slot_out(m, slot);
+}
+
+/* Recomputed: whether the buffer still holds this slot's lse (and output) (no
  * other micro-batch's, nor another layer's, forward ran since). */
 static int attention_holds(const pg_module *m, const attention_state *s, int slot) {
   if (m->arena) return m->arena->owner == m && m->arena->owner_slot == slot;
-  return s->att_slot == slot;
+  return s->saved_slot == slot;
 }
 
 static void attention_claim(pg_module *m, attention_state *s, int slot) {
@@ -57,20 +70,20 @@ static void attention_claim(pg_module *m, attention_state *s, int slot) {
     m->arena->owner = slot >= 0 ? m : NULL;
     m->arena->owner_slot = slot;
   }
-  s->att_slot = slot;
+  s->saved_slot = slot;
 }
 
 static int attention_alloc(pg_module *m, int nslots, int max_rows) {
   attention_state *s = m->state;
   if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
-  /* context parallelism keeps no probabilities: the ring's backward recomputes them from the log-sum-exp */
-  size_t per_slot = cp_size(m) > 1 ? 0 : (size_t)max_rows * s->heads_l * s->max_seq;
+  /* context parallelism keeps its own (cp_lse, cp_out below) */
+  size_t per_slot = cp_size(m) > 1 ? 0 : saved_floats(m, s);
   if (per_slot && (m->arena ? !arena_buffer(m->arena, per_slot * sizeof(float))
-                            : !alloc_floats(m, &s->att, (size_t)(s->o.recompute ? 1 : nslots) * per_slot)))
-    return pg_fail("out of memory for %s (attention probabilities)", m->name);
-  /* the whole-sequence backward's [T, T] blocks; the ring's kernels need none */
+                            : !alloc_floats(m, &s->saved, (size_t)(s->o.recompute ? 1 : nslots) * per_slot)))
+    return pg_fail("out of memory for %s (attention log-sum-exp)", m->name);
+  /* the whole-sequence backward's delta; the ring has its own */
   if (cp_size(m) == 1 &&
-      !alloc_floats(m, &s->scratch, (size_t)KERNEL(m, attention_scratch_floats, s->max_seq, s->heads_l)))
+      !alloc_floats(m, &s->scratch, (size_t)KERNEL(m, attention_scratch_floats, max_rows, s->heads_l)))
     return pg_fail("out of memory for %s (attention backward)", m->name);
   attention_claim(m, s, -1);
   if (!s->o.recompute) m->saved_bytes_per_slot += per_slot * sizeof(float);
@@ -411,6 +424,19 @@ static int cp_attention_backward(pg_module *m, attention_state *s, int slot, con
                             (size_t)kvs * sizeof(float), (size_t)N, PG_COPY_DEVICE_TO_DEVICE);
 }
 
+/* The whole-sequence core (flash attention, kernels.h): the one place each kernel is called. out and saved:
+ * f32_out and attention_saved of the slot; x the float32 q|k|v. */
+static int core_forward(pg_module *m, const attention_state *s, const pg_io *io, float *out, float *saved,
+                        const float *x) {
+  return KERNEL(m, attention_forward, out, saved, x, s->slopes, io->B, io->T, s->heads_l, s->kv_l, s->o.head_dim);
+}
+
+static int core_backward(pg_module *m, const attention_state *s, const pg_io *io, float *dx, const float *dy,
+                         const float *x, const float *out, const float *saved) {
+  return KERNEL(m, attention_backward, dx, s->scratch, dy, x, out, saved, s->slopes, io->B, io->T, s->heads_l,
+                s->kv_l, s->o.head_dim);
+}
+
 static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
   attention_state *s = m->state;
   if (io->decode) return attention_decode(m, slot, io, x, y);
@@ -423,9 +449,9 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
   if (cp_on(m, io) && s->o.recompute)
     return pg_fail("%s: recomputed attention with context=%d is not supported: recompute whole blocks instead", m->name,
                    cp_size(m));
-  int N = io->B * io->T, hd = s->o.head_dim;
+  int N = io->B * io->T;
   int64_t n_in = (int64_t)N * m->in_width;
-  float *att = cp_on(m, io) ? NULL : attention_probs(m, s, slot);
+  float *saved = cp_on(m, io) ? NULL : attention_saved(m, s, slot);
   /* bf16 q|k|v (in_bf16): the core runs on their float32 values (softmax in float32, as torch's math path
    * upcasts), its output rounded once; saved_x keeps the bf16 input, or with RoPE the float32 rotated copy */
   const float *xf = x;
@@ -440,9 +466,9 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
     if (KERNEL(m, bf16_to_f32, io->wide_scratch[0], cbits(x), n_in)) return PG_ERR;
     xf = io->wide_scratch[0];
   }
-  float *out = m->in_bf16 ? io->wide_scratch[1] : slot_out(m, slot);
+  float *out = cp_on(m, io) ? (m->in_bf16 ? io->wide_scratch[1] : slot_out(m, slot)) : f32_out(m, s, saved, slot);
   if ((cp_on(m, io) ? cp_attention_forward(m, s, slot, io, xf, out)
-                    : KERNEL(m, attention_forward, out, att, xf, s->slopes, io->B, io->T, s->heads_l, s->kv_l, hd)) ||
+                    : core_forward(m, s, io, out, saved, xf)) ||
       (m->in_bf16 && KERNEL(m, bf16_from_f32, bits(slot_out(m, slot)), out, (int64_t)N * m->out_width)))
     return PG_ERR;
   s->saved_x[slot] = x;
@@ -453,9 +479,9 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
 
 static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy, const float **dx) {
   attention_state *s = m->state;
-  int N = io->B * io->T, hd = s->o.head_dim;
+  int N = io->B * io->T;
   int64_t n_in = (int64_t)N * m->in_width;
-  float *att = cp_on(m, io) ? NULL : attention_probs(m, s, slot);
+  float *saved = cp_on(m, io) ? NULL : attention_saved(m, s, slot);
   /* bf16 (in_bf16): q|k|v widened into wide_scratch[0] (unless RoPE saved them rotated in float32), the output
    * gradient into [1], the input gradient made in [2] and rounded at the end */
   const float *x = s->saved_x[slot];
@@ -464,19 +490,17 @@ static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy
     if (KERNEL(m, bf16_to_f32, io->wide_scratch[0], cbits(x), n_in)) return PG_ERR;
     x = io->wide_scratch[0];
   }
-  /* recompute: another micro-batch's forward ran since; the output written
-   * again is the same (the next module has used it already; bf16: into scratch, overwritten below) */
-  if (s->o.recompute && !attention_holds(m, s, slot) &&
-      KERNEL(m, attention_forward, m->in_bf16 ? dinp : slot_out(m, slot), att, x, s->slopes, io->B, io->T, s->heads_l,
-             s->kv_l, hd))
-    return PG_ERR;
+  /* recompute: another micro-batch's forward ran since; the output written again is the same bits (the next
+   * module has used it already; bf16: its float32 copy) */
+  float *out = cp_on(m, io) ? NULL : f32_out(m, s, saved, slot);
+  if (s->o.recompute && !attention_holds(m, s, slot) && core_forward(m, s, io, out, saved, x)) return PG_ERR;
   attention_claim(m, s, -1); /* backward may overwrite what it reads */
   if (m->in_bf16) {
     if (KERNEL(m, bf16_to_f32, io->wide_scratch[1], cbits(dy), (int64_t)N * m->out_width)) return PG_ERR;
     dy = io->wide_scratch[1];
   }
   if (cp_on(m, io) ? cp_attention_backward(m, s, slot, io, x, dy, dinp)
-                   : KERNEL(m, attention_backward, dinp, s->scratch, dy, x, att, io->B, io->T, s->heads_l, s->kv_l, hd))
+                   : core_backward(m, s, io, dinp, dy, x, out, saved))
     return PG_ERR;
   /* the gradient of the rotated q and k, rotated back */
   if (s->rotated && rope_rows(m, s, io, dinp, 1)) return PG_ERR;
@@ -487,7 +511,7 @@ static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy
 
 static void attention_destroy(pg_module *m) {
   attention_state *s = m->state;
-  pg_be_release(BE(m), s->att);
+  pg_be_release(BE(m), s->saved);
   pg_be_release(BE(m), s->scratch);
   pg_be_release(BE(m), s->rotated);
   pg_be_release(home_backend(BE(m)), s->cos_t);
@@ -562,11 +586,11 @@ static pg_module *build_attention(pg_context *ctx, const char *name, const pg_de
   return bad ? NULL : pg_attention_new(ctx, name, &o);
 }
 
-/* Selective recomputation: the probabilities of one micro-batch, from the rank's arena. */
+/* Selective recomputation: the saved lse (and float32 output) of one micro-batch, from the rank's arena. */
 static int attention_selective(const pg_module *m, size_t *bytes) {
   const attention_state *s = m->state;
   if (!s->o.recompute) return 0;
-  *bytes = (size_t)m->max_rows * s->heads_l * s->max_seq * sizeof(float);
+  *bytes = saved_floats(m, s) * sizeof(float);
   return 1;
 }
 

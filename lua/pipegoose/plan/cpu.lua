@@ -311,15 +311,15 @@ end
 ---------------------------------------------------------------- memory
 --
 -- What engine:memory() counts, in closed form (fp32, 4 bytes a float), for a
--- rank of a stage with r = b*s rows per micro-batch, tensor size T, the
--- model's max sequence S (attention buffers are sized for it):
+-- rank of a stage with r = b*s rows per micro-batch, tensor size T:
 --   per micro-batch in flight ("slot"), every module keeps its output
 --   (src/nn/pg_module.c, alloc_leaf) and what its backward needs:
 --     GPT layer   residual outputs 2 x h, norm outputs 2 x h and their mean
 --                 and 1/std (2 x 2 floats a row), attention and MLP output
 --                 projections 2 x h (full width after the all-reduce);
 --                 q|k|v 3h/T, attention output h/T, fc and GeLU outputs
---                 2 x ffn/T; softmax probabilities (heads/T) x S a row
+--                 2 x ffn/T; the flash attention's log-sum-exp heads/T a
+--                 row (no [S, S] probabilities: linear in the rows)
 --     LLaMA layer the same with RMSNorm (1 float a row each), q|k|v
 --                 (h + 2kv)/T plus its rotated copy (h + 2kv)/T, gate|up
 --                 2ffn/T and SwiGLU ffn/T
@@ -330,7 +330,7 @@ end
 --   full recomputation keeps each block's output h per slot, and the rank
 --   keeps one micro-batch of one block's inside (fixed_activation_bytes: the
 --   rank's blocks share the buffers, as backward recomputes one at a time);
---   selective keeps one micro-batch of one layer's probabilities.
+--   selective keeps one micro-batch of one layer's log-sum-exp.
 --   Sequence parallelism (L.sp, T > 1): everything counted at full width h
 --   above (residual, norm and projection outputs, the norms' statistics, the
 --   embedding output or received activation, a recomputed block's output,
@@ -341,7 +341,7 @@ end
 
 --- Activation floats per row of one layer: slot part and, with recompute,
 -- fixed part. sp: sequence parallelism (the full-width part kept for 1/T of the rows).
-function M.layer_floats(s, T, S, recompute, sp)
+function M.layer_floats(s, T, recompute, sp)
   local h, kv = s.hidden, models.kv_dim(s)
   local heads = s.heads // T
   local rep = (sp and T > 1) and T or 1
@@ -352,10 +352,10 @@ function M.layer_floats(s, T, S, recompute, sp)
   local split = (s.rope and 2 or 1) * (h + 2 * kv) // T + h // T + (s.gated_mlp and 3 or 2) * s.ffn // T
   local stats = 2 * models.norm_stats(s)
   full, stats = full / rep, stats / rep
-  local probs = heads * S
-  local all = full + split + stats + probs
+  local lse = heads -- the flash attention keeps one float per row and head, whatever S
+  local all = full + split + stats + lse
   if recompute == "full" then return h / rep, all end
-  if recompute == "selective" then return all - probs, probs end
+  if recompute == "selective" then return all - lse, lse end
   return all, 0
 end
 
@@ -365,7 +365,7 @@ end
 function M.stage_bytes(s, L, stage, in_flight, stage_params)
   local r = L.seq * L.b
   local h = s.hidden
-  local slot_f, fixed_f = M.layer_floats(s, L.t, s.seq_len, L.recompute, L.sp)
+  local slot_f, fixed_f = M.layer_floats(s, L.t, L.recompute, L.sp)
   local rep = sp_of(L) and L.t or 1
   local per_slot = stage.layers * slot_f + h / rep -- + the embedding output or the received activation
   if stage.last then per_slot = per_slot + (h + models.norm_stats(s)) / rep + 3 end
