@@ -352,25 +352,46 @@ static void test_matmul(selftest *st) {
   }
 }
 
-/* n bf16 values of a device buffer against the CPU's, bit for bit. */
-static void check_bf16(selftest *st, const char *name, const uint16_t *dev, const uint16_t *want, int64_t n) {
+
+/* n values of elem bytes each (bf16, int32 or double: kind says which, for the message) of a device buffer against
+ * the CPU's, bit for bit: the three exact checks share it. */
+typedef enum { EXACT_BF16, EXACT_I32, EXACT_F64 } exact_kind;
+static void check_exact(selftest *st, const char *name, const void *dev, const void *want, int64_t n,
+                        exact_kind kind) {
   if (st->broken || !dev || !want) return;
-  uint16_t *got = h_alloc(st, (size_t)n * sizeof(uint16_t));
+  const size_t es = kind == EXACT_BF16 ? 2 : kind == EXACT_I32 ? 4 : 8;
+  unsigned char *got = h_alloc(st, (size_t)n * es);
   if (!got) return;
-  if (pg_cuda_synchronize() != PG_OK ||
-      pg_cuda_memcpy(got, dev, (size_t)n * sizeof(uint16_t), PG_CUDA_DEVICE_TO_HOST) != PG_OK) {
+  if (pg_cuda_synchronize() != PG_OK || pg_cuda_memcpy(got, dev, (size_t)n * es, PG_CUDA_DEVICE_TO_HOST) != PG_OK) {
     broken(st, name, pg_error());
     return;
   }
   st->checks++;
+  const unsigned char *w = want;
   for (int64_t i = 0; i < n; i++)
-    if (got[i] != want[i]) {
+    if (memcmp(got + i * es, w + i * es, es)) {
       st->failed++;
-      say(st, "  FAIL  %-34s element %lld: got 0x%04x, want 0x%04x (bit for bit)\n", name, (long long)i, got[i],
-          want[i]);
+      if (kind == EXACT_BF16)
+        say(st, "  FAIL  %-34s element %lld: got 0x%04x, want 0x%04x (bit for bit)\n", name, (long long)i,
+            ((const uint16_t *)got)[i], ((const uint16_t *)want)[i]);
+      else if (kind == EXACT_I32)
+        say(st, "  FAIL  %-34s element %lld: got %d, want %d (exact)\n", name, (long long)i,
+            (int)((const int32_t *)got)[i], (int)((const int32_t *)want)[i]);
+      else
+        say(st, "  FAIL  %-34s element %lld: got %.17g, want %.17g (exact)\n", name, (long long)i,
+            ((const double *)got)[i], ((const double *)want)[i]);
       return;
     }
   say(st, "  ok    %-34s bit for bit (%lld values)\n", name, (long long)n);
+}
+static void check_bf16(selftest *st, const char *name, const uint16_t *dev, const uint16_t *want, int64_t n) {
+  check_exact(st, name, dev, want, n, EXACT_BF16);
+}
+static void check_i32(selftest *st, const char *name, const int32_t *dev, const int32_t *want, int64_t n) {
+  check_exact(st, name, dev, want, n, EXACT_I32);
+}
+static void check_f64(selftest *st, const char *name, const double *dev, const double *want, int64_t n) {
+  check_exact(st, name, dev, want, n, EXACT_F64);
 }
 
 /* ---- precision bf16's forward product through cuBLASLt (kernels/cuda/bf16.cu) ----
@@ -1069,45 +1090,7 @@ static void test_optim(selftest *st) {
 
 /* ---- mixture of experts (kernels/cuda/moe.cu) ---- */
 
-/* n int32 values of a device buffer against the CPU's: equal, every one. */
-static void check_i32(selftest *st, const char *name, const int32_t *dev, const int32_t *want, int64_t n) {
-  if (st->broken || !dev || !want) return;
-  int32_t *got = h_alloc(st, (size_t)n * sizeof(int32_t));
-  if (!got) return;
-  if (pg_cuda_synchronize() != PG_OK ||
-      pg_cuda_memcpy(got, dev, (size_t)n * sizeof(int32_t), PG_CUDA_DEVICE_TO_HOST) != PG_OK) {
-    broken(st, name, pg_error());
-    return;
-  }
-  st->checks++;
-  for (int64_t i = 0; i < n; i++)
-    if (got[i] != want[i]) {
-      st->failed++;
-      say(st, "  FAIL  %-34s element %lld: got %d, want %d (exact)\n", name, (long long)i, (int)got[i], (int)want[i]);
-      return;
-    }
-  say(st, "  ok    %-34s equal                (exact, %lld values)\n", name, (long long)n);
-}
 
-/* n doubles of a device buffer against the CPU's, bit for bit (the same sums in the same order). */
-static void check_f64(selftest *st, const char *name, const double *dev, const double *want, int64_t n) {
-  if (st->broken || !dev || !want) return;
-  double *got = h_alloc(st, (size_t)n * sizeof(double));
-  if (!got) return;
-  if (pg_cuda_synchronize() != PG_OK ||
-      pg_cuda_memcpy(got, dev, (size_t)n * sizeof(double), PG_CUDA_DEVICE_TO_HOST) != PG_OK) {
-    broken(st, name, pg_error());
-    return;
-  }
-  st->checks++;
-  for (int64_t i = 0; i < n; i++)
-    if (got[i] != want[i]) {
-      st->failed++;
-      say(st, "  FAIL  %-34s element %lld: got %.17g, want %.17g (exact)\n", name, (long long)i, got[i], want[i]);
-      return;
-    }
-  say(st, "  ok    %-34s equal                (exact, %lld values)\n", name, (long long)n);
-}
 
 /* Routing of N rows over E experts (top K; logits with ties, so the lower index must win on both), capacity per
  * sequence of T rows (tight enough to drop; the last sequence short), grouping, gather and combine, forward and

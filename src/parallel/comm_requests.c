@@ -31,6 +31,16 @@ static int deadline_of(double *deadline, double *limit) {
   return PG_OK;
 }
 
+/* The record a receive of n floats from src with tag is checked by under PG_DEBUG=1 (against the sender's). */
+static call_rec recv_record(pg_context *ctx, pg_mode m, int src, int tag, int64_t n) {
+  call_rec r = comm_make_rec(ctx, m, PG_COLL_RECV, -1, -1, 0);
+  r.src = src;
+  r.tag = tag;
+  r.recv_dtype = PG_FLOAT32;
+  r.recv_count = n;
+  return r;
+}
+
 #ifdef PG_WITH_CUDA
 /* Every device transfer queued off the engine's stream starts so: the side stream (a pipeline send's, the
  * context ring's, the data group's reduction stream) waits for what the engine's stream has queued so far (the
@@ -133,11 +143,7 @@ int pg_irecv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, int src, int
   r->mode = m;
   r->ctx = ctx;
   r->recv = 1;
-  r->rec = comm_make_rec(ctx, m, PG_COLL_RECV, -1, -1, 0);
-  r->rec.src = src;
-  r->rec.tag = tag;
-  r->rec.recv_dtype = PG_FLOAT32;
-  r->rec.recv_count = n;
+  r->rec = recv_record(ctx, m, src, tag, n);
   r->rec_req = MPI_REQUEST_NULL;
   /* PG_DEBUG=1: the sender's record (shipped at its isend, which a ring starts before its receive) checked
    * against this receive first, as pg_recv_buf does */
@@ -177,11 +183,7 @@ static int exchange_nccl(pg_context *ctx, const float *send, float *recv, int64_
     r->rec = comm_make_rec(ctx, m, PG_COLL_SEND, PG_FLOAT32, -1, n);
     r->rec.dst = dst;
     r->rec.tag = tag;
-    call_rec mine = comm_make_rec(ctx, m, PG_COLL_RECV, -1, -1, 0);
-    mine.src = src;
-    mine.tag = tag;
-    mine.recv_dtype = PG_FLOAT32;
-    mine.recv_count = n;
+    call_rec mine = recv_record(ctx, m, src, tag, n);
     double deadline, limit;
     int rc = MPI_Isend(&r->rec, (int)sizeof r->rec, MPI_BYTE, dst, PG_AGREE_TAG, ctx->group[m].agree, &r->rec_req);
     if (rc != MPI_SUCCESS) {
@@ -551,11 +553,7 @@ static int check_shipped(pg_context *ctx, pg_mode m, const call_rec *mine, doubl
 int pg_recv_buf(pg_context *ctx, pg_mode m, float *buf, int64_t n, int src, int tag) {
   if (check_ctx(ctx)) return PG_ERR;
   if (n > PG_MPI_CHUNK) return pg_fail("recv of %lld elements is too large", (long long)n);
-  call_rec mine = comm_make_rec(ctx, m, PG_COLL_RECV, -1, -1, 0);
-  mine.src = src;
-  mine.tag = tag;
-  mine.recv_dtype = PG_FLOAT32;
-  mine.recv_count = n;
+  call_rec mine = recv_record(ctx, m, src, tag, n);
   double deadline, limit;
   if (deadline_of(&deadline, &limit)) return PG_ERR;
   if (comm_debug_checks() && ctx->group[m].size > 1 && check_shipped(ctx, m, &mine, deadline, limit)) return PG_ERR;
