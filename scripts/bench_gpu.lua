@@ -105,8 +105,10 @@ local PRECISIONS = { fp32 = { "fp32" }, bf16 = { "bf16" }, both = { "fp32", "bf1
 local precisions = PRECISIONS[which] or error("bench_gpu.lua: --precision is fp32, bf16 or both", 0)
 
 -- The peak each precision is measured against: cuBLAS sgemm (TF32 off) and GemmEx (bf16 x bf16 -> float32).
-local n = int("peak-n", name == "tiny" and 64 or 8192)
-local reps = name == "tiny" and 2 or 20
+-- the tiny models check the script on the emulated device: small peaks and attention shapes
+local tiny = name == "tiny" or name == "llama-tiny"
+local n = int("peak-n", tiny and 64 or 8192)
+local reps = tiny and 2 or 20
 local peaks = {}
 for _, p in ipairs(precisions) do
   if p == "fp32" then
@@ -119,10 +121,10 @@ for _, p in ipairs(precisions) do
 end
 
 -- the bf16 flash attention kernels alone, at each T and head size (the bf16 GEMM peak measured if not yet)
-local attention = args.attention or (name == "tiny" and "64" or "1024,4096,8192")
+local attention = args.attention or (tiny and "64" or "1024,4096,8192")
 if attention ~= "none" then
-  local tokens = args.attention_tokens or (name == "tiny" and 64 or 16384)
-  local dim = args.attention_dim or (name == "tiny" and 128 or 2048)
+  local tokens = args.attention_tokens or (tiny and 64 or 16384)
+  local dim = args.attention_dim or (tiny and 128 or 2048)
   if not peaks.bf16 then
     peaks.bf16 = pg.cuda.bf16_gemm_gflops(n, reps)
     print(("peak gemm_bf16 %.1f GFLOP/s (n = %d, bf16 inputs, float32 sums)"):format(peaks.bf16, n))
@@ -131,7 +133,7 @@ if attention ~= "none" then
     local at = to_int(ts) or error("bench_gpu.lua: --attention is a list of integers or none, not " .. ts, 0)
     for _, hs in ipairs{ 64, 128 } do
       local ab, nh = math.max(1, tokens // at), math.max(1, dim // hs)
-      local fwd, bwd = pg.cuda.flash_bf16_seconds(ab, at, nh, nh, hs, name == "tiny" and 1 or 10)
+      local fwd, bwd = pg.cuda.flash_bf16_seconds(ab, at, nh, nh, hs, tiny and 1 or 10)
       local flop = 2.0 * ab * nh * at * at * hs -- the forward's two causal products
       print(("attention_bf16 T %d HS %d BxNH %dx%d fwd_ms %.3f bwd_ms %.3f tokens_per_s %.0f fwd_tflops %.1f "
         .. "bwd_tflops %.1f fwd_vs_bf16_gemm %.3f bwd_vs_bf16_gemm %.3f"):format(at, hs, ab, nh, fwd * 1e3, bwd * 1e3,
