@@ -102,18 +102,7 @@ local function assert_replicas_identical(engine, ctx)
   end
 end
 
--- ZeRO-2's staging buffers live in host memory: the device backend refuses it with one error
-if DEVICE ~= "cpu" and world == 2 then
-  describe("zero = 2 on the device", function()
-    it("is refused when the optimizer is made", function()
-      local ctx = pg.ParallelContext{ data = world, seed = 5 }
-      local engine = pg.parallelize(pg.nn.GPT(CFG), ctx, { device = DEVICE })
-      local ok, err = pcall(adamw, engine, 2)
-      assert.is_false(ok)
-      assert.matches("zero = 2 keeps a gradient shard with staging buffers in host memory", err, 1, true)
-    end)
-  end)
-end
+-- zero = 2 and 3 on the device: spec/dist/zero2_spec.lua and zero3_spec.lua (their device worlds)
 
 if world <= 4 then
   for _, zero in ipairs{ 0, 1 } do
