@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "moe_pick.h"
 #include "pg_cpu.h"
 
 void pg_moe_route_forward(float *probs, float *lse, int32_t *expert, float *weight, const float *logits, int N, int E,
@@ -24,21 +25,12 @@ void pg_moe_route_forward(float *probs, float *lse, int32_t *expert, float *weig
     float inv = (float)(1.0 / sum);
     for (int e = 0; e < E; e++) p[e] *= inv;
     lse[n] = mx + (float)log(sum);
-    /* top K by repeated selection on the logits (softmax is monotone, and a
-     * comparison of the same floats is exact on every backend, whereas expf
-     * may round differently: the device twin makes the same choices from the
-     * same logits); a strict > keeps the lower index on ties, the order
-     * torch.topk returns them in */
+    /* top K by repeated selection on the logits (moe_pick.h: the rule both backends share) */
     int32_t *ex = expert + (int64_t)n * K;
     float *w = weight + (int64_t)n * K;
     float chosen = 0;
     for (int k = 0; k < K; k++) {
-      int best = -1;
-      for (int e = 0; e < E; e++) {
-        int taken = 0;
-        for (int j = 0; j < k; j++) taken |= ex[j] == e;
-        if (!taken && (best < 0 || l[e] > l[best])) best = e;
-      }
+      const int best = pg_moe_pick(l, E, ex, k);
       ex[k] = best;
       w[k] = p[best];
       chosen += p[best];

@@ -9,6 +9,7 @@
 // ulp on a GPU and bit for bit on the emulator. Correctness first: one thread per row (routing), per sequence
 // (capacity) or per output value (gather, combine), and grouping in one block.
 #include "common.cuh"
+#include "moe_pick.h"
 
 using namespace pgcu;
 
@@ -34,12 +35,7 @@ __global__ void moe_route_forward_kernel(float *probs, float *lse, int32_t *expe
     float *w = weight + n * K;
     float chosen = 0;
     for (int k = 0; k < K; k++) {
-      int best = -1;
-      for (int e = 0; e < E; e++) {
-        int taken = 0;
-        for (int j = 0; j < k; j++) taken |= ex[j] == e;
-        if (!taken && (best < 0 || l[e] > l[best])) best = e;
-      }
+      const int best = pg_moe_pick(l, E, ex, k);
       ex[k] = best;
       w[k] = p[best];
       chosen = __fadd_rn(chosen, p[best]);
