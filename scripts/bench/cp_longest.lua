@@ -5,7 +5,8 @@
 -- largest rank's bytes is at most 24 GiB (context = 1: one rank, 24 GiB; context = 4: 6 GiB per rank). A rank's
 -- bytes are engine:memory()'s params + grads + AdamW state + activation peak (the buffers the engine allocates:
 -- the process's own overhead, MPI's and the interpreter's, is left out). They are a polynomial in T of degree
--- two at most (context = 1 keeps the [T, T] probabilities; the ring keeps none: linear), so the part measures
+-- two at most (linear since the flash attention: neither the whole-sequence core nor the ring keeps [T, T]
+-- probabilities; a quadratic term would show a kernel that does), so the part measures
 -- them after one step at T = 256, 512 and 1024 on the layout itself, fits the quadratic through the three,
 -- checks it against T = 2048 (the relative error is printed), and takes the longest T = 8 x 2^k whose predicted
 -- bytes fit. The planner's model (plan/memory.lua's stage_bytes, the same shape and layout) gives its own
@@ -133,7 +134,8 @@ local function planner_bytes(C)
   return function(T)
     local s = plan_models.check{ arch = "gpt", layers = MODEL.layers, hidden = MODEL.dim, heads = MODEL.heads,
       ffn = 4 * MODEL.dim, vocab = MODEL.vocab, seq_len = math.tointeger(T) or 8 }
-    local L = { t = 1, p = 1, d = 1, c = C, b = 1, seq = T, precision = "fp32", zero = 0 }
+    -- flash_attention: pipegoose's whole-sequence core and its ring keep no [T, T] (or [T/C, T]) scores
+    local L = { t = 1, p = 1, d = 1, c = C, b = 1, seq = T, precision = "fp32", zero = 0, flash_attention = true }
     return (plan_memory.stage_bytes(s, L, { layers = MODEL.layers, first = true, last = true }, 1))
   end
 end

@@ -98,7 +98,9 @@ local M = {}
 -- the middle of that range. Not fitted to the comparison in docs/PLANNER.md.
 M.DEFAULTS = {
   gemm_efficiency = 0.75,
-  flash_attention = false, -- the softmax over s x s scores goes through memory
+  -- pipegoose's attention is flash attention on every backend (kernels.h: no [s, s] scores kept or moved);
+  -- false plans an unfused core whose softmax over s x s scores goes through memory (Megatron-LM's 2021 runs)
+  flash_attention = true,
   -- false: the gradient reduction after the last backward (exposed), as the device backend does; true: it
   -- overlaps the last micro-batch's backward, max(0, dp - bwd) exposed (overlap_grad_reduce over MPI)
   dp_overlap = false,

@@ -96,12 +96,13 @@ function M.fsdp_query(row, extra)
 end
 
 --- The planner's query for a row: the paper's model, cluster, batch, T and P
--- and software (no SP, no ZeRO, full recomputation, 1F1B); the micro-batch
+-- and software (no SP, no ZeRO, full recomputation, 1F1B, an unfused attention core: the paper's 2021
+-- Megatron-LM predates fused attention); the micro-batch
 -- size is left to the planner unless the paper prints it.
 function M.query(row, extra)
   local q = { model = row.model, gpus = row.gpus, gpu = "a100-80gb", gpus_per_node = 8, global_batch = row.batch,
     seq_len = 2048, precision = "bf16", tensor = row.t, pipeline = row.p, context = 1, zero = 0, recompute = "full",
-    sequence_parallel = false, schedule = "1f1b", micro_batch_size = row.b } -- the paper's schedule (plan checks the name)
+    sequence_parallel = false, schedule = "1f1b", micro_batch_size = row.b, flash_attention = false } -- the paper's schedule (plan checks the name)
   for k, v in pairs(extra or {}) do q[k] = v end
   return q
 end
