@@ -35,7 +35,8 @@
 --     serial cpu model within the tolerances above (the emulated cuBLAS
 --     sums in double, the cpu's OpenBLAS in float32: float32 rounding of
 --     the same sums, spec/unit/device_spec.lua); expert parallelism still
---     refused by name;
+--     refused by name; a zero-3 checkpoint saved on the device loads at zero 1
+--     on the device and on the cpu bit for bit, and zero 1's back at zero 3;
 --   - on 8 ranks T = 2 x P = 2 x D = 2 against the serial model;
 --   - memory: params_bytes is the shard plus two gather slots of the largest
 --     module and the tied embedding's own (a head reads it outside its
@@ -200,6 +201,51 @@ if DEVICE ~= "cpu" then
         assert.is_true(rel(a2.losses[s], a1.losses[s]) <= 1e-5,
           ("loss %d: zero 2 %.9g, zero 1 %.9g"):format(s, a2.losses[s], a1.losses[s]))
       end
+    end)
+
+    -- The device's checkpoint is the cpu's files: a zero-3 run on the device saves its device shards; zero 1 on
+    -- the device and zero 1 on the cpu load them with the same parameters, moments and step, bit for bit (a
+    -- save copies device memory to the host, a load back: no arithmetic), and zero 1's save loads back at zero 3.
+    it("saves a checkpoint that zero 1 on the device and on the cpu load bit for bit, and back", function()
+      local ckpt = pg.checkpoint
+      local t = pg.tensor({ (ckpt.getpid() * 7919 + os.time()) % 1000000007 }, { dtype = "int32" })
+      pg.dist.broadcast(t, { ctx = dp, src = 0 })
+      local dir = ("%s/pg-zero3-dev-%d"):format(os.getenv("TMPDIR") or "/tmp", math.tointeger(t:item()))
+      local function trainer(zero, steps, opts)
+        local e = pg.parallelize(pg.nn.GPT(CFG), dp, opts)
+        local o = pg.optim.AdamW(e, { lr = 1e-2, weight_decay = 0.1, zero = zero })
+        for _ = 1, steps do
+          e:zero_grad()
+          e:forward_backward(x, y)
+          o:step()
+        end
+        return pg.Trainer{ engine = e, optimizer = o, max_steps = 1, out = pg.testing.capture(), out_dir = dir }
+      end
+      local function same_state(a, b, what)
+        local pa, pb = gathered(a.engine), gathered(b.engine)
+        for name, want in pairs(pa) do
+          assert.is_true(pb[name]:to("cpu"):equal(want:to("cpu")), what .. ": parameter " .. name)
+        end
+        local sa, sb = a.optimizer:shard_state(), b.optimizer:shard_state()
+        assert.same({ sa.step, sa.lo, sa.hi }, { sb.step, sb.lo, sb.hi })
+        assert.is_true(sa.m:to("cpu"):equal(sb.m:to("cpu")) and sa.v:to("cpu"):equal(sb.v:to("cpu")),
+          what .. ": m and v")
+      end
+      local z3t = trainer(3, 3, DEV())
+      assert.are.equal("cuda", z3t.optimizer:shard_state().m:device():match("^%a+"))
+      ckpt.save(z3t, dir .. "/from3")
+      local z1d = trainer(1, 0, DEV())
+      ckpt.load(z1d, dir .. "/from3")
+      same_state(z3t, z1d, "zero 3 on the device -> zero 1 on the device")
+      local z1c = trainer(1, 0, PRIVATE())
+      ckpt.load(z1c, dir .. "/from3")
+      same_state(z3t, z1c, "zero 3 on the device -> zero 1 on the cpu")
+      ckpt.save(z1d, dir .. "/from1")
+      local z3b = trainer(3, 0, DEV())
+      ckpt.load(z3b, dir .. "/from1")
+      same_state(z1d, z3b, "zero 1 on the device -> zero 3 on the device")
+      dp:barrier()
+      if dp:rank() == 0 then os.execute("rm -rf '" .. dir .. "'") end
     end)
 
     -- the experts' region of zero 2 and 3 is sharded in host memory only (its reduced terms divided by E there):
