@@ -187,7 +187,7 @@ function M.part(ctx)
     return
   end
   local ratio = best[CP].T / best[1].T
-  print(("  longest T at context = %d / at context = 1: %d / %d = %.0fx"):format(CP, best[CP].T, best[1].T, ratio))
+  print(("  longest T at context = %d / at context = 1: %d / %d = %.3gx"):format(CP, best[CP].T, best[1].T, ratio))
   emit("cp_longest_cp" .. CP .. "_vs_cp1", "longest_seq_ratio", ratio, "%.4g")
 
   -- what trains here: the probes' step time scaled by (T / 2048)^2
