@@ -126,6 +126,34 @@ local rows = B // D
 local x, y = X:narrow(1, d * rows + 1, rows), Y:narrow(1, d * rows + 1, rows)
 local PRIVATE = function(o) o = o or {}; o.shared_memory = false; return o end
 
+-- Checkpoint round trips: a directory every rank of dp names alike, a Trainer over `steps` AdamW steps at `zero`
+-- (engine options `opts`), and the check that two trainers hold the same parameters, moments and step, bit for
+-- bit (device tensors compared on the host).
+local function checkpoint_dir(tag)
+  local t = pg.tensor({ (pg.checkpoint.getpid() * 7919 + os.time()) % 1000000007 }, { dtype = "int32" })
+  pg.dist.broadcast(t, { ctx = dp, src = 0 })
+  return ("%s/pg-%s-%d"):format(os.getenv("TMPDIR") or "/tmp", tag, math.tointeger(t:item()))
+end
+
+local function checkpoint_trainer(dir, zero, steps, opts)
+  local e = pg.parallelize(pg.nn.GPT(CFG), dp, opts)
+  local o = pg.optim.AdamW(e, { lr = 1e-2, weight_decay = 0.1, zero = zero })
+  for _ = 1, steps do
+    e:zero_grad()
+    e:forward_backward(x, y)
+    o:step()
+  end
+  return pg.Trainer{ engine = e, optimizer = o, max_steps = 1, out = pg.testing.capture(), out_dir = dir }
+end
+
+local function same_state(a, b, what)
+  local pa, pb = gathered(a.engine), gathered(b.engine)
+  for name, want in pairs(pa) do assert.is_true(pb[name]:to("cpu"):equal(want:to("cpu")), what .. ": parameter " .. name) end
+  local sa, sb = a.optimizer:shard_state(), b.optimizer:shard_state()
+  assert.same({ sa.step, sa.lo, sa.hi }, { sb.step, sb.lo, sb.hi })
+  assert.is_true(sa.m:to("cpu"):equal(sb.m:to("cpu")) and sa.v:to("cpu"):equal(sb.v:to("cpu")), what .. ": m and v")
+end
+
 if DEVICE ~= "cpu" then
   local DEV = function(o) o = PRIVATE(o); o.device = DEVICE; return o end
   -- ranks sharing a GPU (gpu_check.sh on one GPU) have no NCCL: their collectives are staged, zero 2 and 3 refused
@@ -208,29 +236,8 @@ if DEVICE ~= "cpu" then
     -- save copies device memory to the host, a load back: no arithmetic), and zero 1's save loads back at zero 3.
     it("saves a checkpoint that zero 1 on the device and on the cpu load bit for bit, and back", function()
       local ckpt = pg.checkpoint
-      local t = pg.tensor({ (ckpt.getpid() * 7919 + os.time()) % 1000000007 }, { dtype = "int32" })
-      pg.dist.broadcast(t, { ctx = dp, src = 0 })
-      local dir = ("%s/pg-zero3-dev-%d"):format(os.getenv("TMPDIR") or "/tmp", math.tointeger(t:item()))
-      local function trainer(zero, steps, opts)
-        local e = pg.parallelize(pg.nn.GPT(CFG), dp, opts)
-        local o = pg.optim.AdamW(e, { lr = 1e-2, weight_decay = 0.1, zero = zero })
-        for _ = 1, steps do
-          e:zero_grad()
-          e:forward_backward(x, y)
-          o:step()
-        end
-        return pg.Trainer{ engine = e, optimizer = o, max_steps = 1, out = pg.testing.capture(), out_dir = dir }
-      end
-      local function same_state(a, b, what)
-        local pa, pb = gathered(a.engine), gathered(b.engine)
-        for name, want in pairs(pa) do
-          assert.is_true(pb[name]:to("cpu"):equal(want:to("cpu")), what .. ": parameter " .. name)
-        end
-        local sa, sb = a.optimizer:shard_state(), b.optimizer:shard_state()
-        assert.same({ sa.step, sa.lo, sa.hi }, { sb.step, sb.lo, sb.hi })
-        assert.is_true(sa.m:to("cpu"):equal(sb.m:to("cpu")) and sa.v:to("cpu"):equal(sb.v:to("cpu")),
-          what .. ": m and v")
-      end
+      local dir = checkpoint_dir("zero3-dev")
+      local function trainer(zero, steps, opts) return checkpoint_trainer(dir, zero, steps, opts) end
       local z3t = trainer(3, 3, DEV())
       assert.are.equal("cuda", z3t.optimizer:shard_state().m:device():match("^%a+"))
       ckpt.save(z3t, dir .. "/from3")
@@ -499,26 +506,8 @@ describe(("ZeRO-3 on %d ranks"):format(W), function()
   -- zero 1's loads back at zero 3 the same way, and zero 3's resliced into one process (zero 0) too.
   it("saves a checkpoint that loads at zero 1 and back, bit for bit, and exports the model", function()
     local ckpt = pg.checkpoint
-    local t = pg.tensor({ (ckpt.getpid() * 7919 + os.time()) % 1000000007 }, { dtype = "int32" })
-    pg.dist.broadcast(t, { ctx = dp, src = 0 })
-    local dir = ("%s/pg-zero3-%d"):format(os.getenv("TMPDIR") or "/tmp", math.tointeger(t:item()))
-    local function trainer(zero, steps)
-      local e = pg.parallelize(pg.nn.GPT(CFG), dp, PRIVATE())
-      local o = pg.optim.AdamW(e, { lr = 1e-2, weight_decay = 0.1, zero = zero })
-      for _ = 1, steps do
-        e:zero_grad()
-        e:forward_backward(x, y)
-        o:step()
-      end
-      return pg.Trainer{ engine = e, optimizer = o, max_steps = 1, out = pg.testing.capture(), out_dir = dir }
-    end
-    local function same_state(a, b, what)
-      local pa, pb = gathered(a.engine), gathered(b.engine)
-      for name, want in pairs(pa) do assert.is_true(pb[name]:equal(want), what .. ": parameter " .. name) end
-      local sa, sb = a.optimizer:shard_state(), b.optimizer:shard_state()
-      assert.same({ sa.step, sa.lo, sa.hi }, { sb.step, sb.lo, sb.hi })
-      assert.is_true(sa.m:equal(sb.m) and sa.v:equal(sb.v), what .. ": m and v")
-    end
+    local dir = checkpoint_dir("zero3")
+    local function trainer(zero, steps) return checkpoint_trainer(dir, zero, steps, PRIVATE()) end
     local z3t = trainer(3, 3)
     ckpt.save(z3t, dir .. "/from3")
     local z1t = trainer(1, 0)
