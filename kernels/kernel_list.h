@@ -201,12 +201,13 @@ PG_KERNEL(residual_bf16_forward, (float *out, const float *a, const uint16_t *x,
  * twin runs the float32 block attention on the widened inputs. Both refuse, naming why, a shape that
  * pg_flash_bf16_unsupported refuses (pg_backend_flash_bf16_refused): the caller then takes attention_forward /
  * attention_backward. delta: B NH T floats of scratch. ---- */
-PG_KERNEL(flash_bf16_forward, (float *out, float *lse, const uint16_t *qkv, int B, int T, int NH, int NKV, int HS),
-          (out, lse, qkv, B, T, NH, NKV, HS), OWN, OWN, PG_SELFTEST(test_flash_bf16))
+PG_KERNEL(flash_bf16_forward,
+          (float *out, float *lse, const uint16_t *qkv, const float *slopes, int B, int T, int NH, int NKV, int HS),
+          (out, lse, qkv, slopes, B, T, NH, NKV, HS), OWN, OWN, PG_SELFTEST(test_flash_bf16))
 PG_KERNEL(flash_bf16_backward,
           (float *dqkv, float *delta, const uint16_t *dout, const float *out, const uint16_t *qkv, const float *lse,
-           int B, int T, int NH, int NKV, int HS),
-          (dqkv, delta, dout, out, qkv, lse, B, T, NH, NKV, HS), OWN, OWN, PG_SELFTEST(test_flash_bf16))
+           const float *slopes, int B, int T, int NH, int NKV, int HS),
+          (dqkv, delta, dout, out, qkv, lse, slopes, B, T, NH, NKV, HS), OWN, OWN, PG_SELFTEST(test_flash_bf16))
 /* ---- mixture of experts (kernels.h's pg_moe_*: routing, capacity, grouping, gather and combine; the experts'
  * products are the backend's GEMMs) ---- */
 PG_KERNEL(moe_route_forward,

@@ -131,18 +131,20 @@ static inline uint16_t pg_f16_round(float f) {
 /* ---- flash attention on bf16 q|k|v (the device's tensor-core kernels, kernels/cuda/flash_bf16.cu) ----
  * Causal self-attention of qkv [B, T, (NH + 2 NKV) HS] bf16 (pg_attention_forward's layout; query head h uses kv
  * head h / (NH / NKV)), without the [T, T] probabilities: out [B, T, NH HS] float32 and lse [B, NH, T] float32,
- * the natural log of the sum over visible keys of exp(score), score = scale (q . k), scale = 1 / sqrtf(HS)
+ * the natural log of the sum over visible keys of exp(score), score = scale (q . k), scale = 1 / sqrtf(HS), plus
+ * with ALiBi (slopes: NH floats, or NULL) slopes[h] (j - i) for query i and key j, as pg_attention_forward's
  * (pg_attention_block_finish's lse: either backward takes either's). Shapes: HS 64 or 128, T a multiple of 16,
  * NKV dividing NH, B and NH at most 65535: pg_flash_bf16_unsupported says why not (NULL: supported), and a
  * caller falls back to the float32 attention. This CPU twin widens q|k|v (exact) and runs the block attention
  * (pg_attention_block_*) in float32: the reference the device's self-test compares with; the device rounds P
  * and dS to bf16 for its products (FlashAttention's rounding). 0, or 1 for a shape refused or when out of memory. */
 const char *pg_flash_bf16_unsupported(int B, int T, int NH, int NKV, int HS);
-int pg_flash_bf16_forward(float *out, float *lse, const uint16_t *qkv, int B, int T, int NH, int NKV, int HS);
+int pg_flash_bf16_forward(float *out, float *lse, const uint16_t *qkv, const float *slopes, int B, int T, int NH,
+                          int NKV, int HS);
 /* dqkv [B, T, (NH + 2 NKV) HS] float32 = the gradient of q|k|v (written, not accumulated) for dout [B, T, NH HS]
  * bf16, with the forward's out and lse; delta: B NH T floats of scratch (FlashAttention-2's rowsum(dout out)). */
 int pg_flash_bf16_backward(float *dqkv, float *delta, const uint16_t *dout, const float *out, const uint16_t *qkv,
-                           const float *lse, int B, int T, int NH, int NKV, int HS);
+                           const float *lse, const float *slopes, int B, int T, int NH, int NKV, int HS);
 
 /* ---- causal self-attention, multi-head / grouped-query ----
  * qkv is [B, T, (NH + 2 NKV) HS]: NH query heads, then NKV key heads, then
@@ -457,11 +459,11 @@ int pg_cuda_matmul_bf16_backward(const pg_cuda_ctx *ctx, float *dinp, float *dwe
 /* pg_flash_bf16_* on the device (device pointers, the same arguments): WMMA bf16 products with float32 sums,
  * online softmax in float32, deterministic backward (no atomics). PG_CUDA_EINVAL for a shape
  * pg_flash_bf16_unsupported refuses, or out, dqkv, dout or qkv not 32-byte aligned (WMMA's tiles). */
-int pg_cuda_flash_bf16_forward(const pg_cuda_ctx *ctx, float *out, float *lse, const uint16_t *qkv, int B, int T,
-                               int NH, int NKV, int HS);
+int pg_cuda_flash_bf16_forward(const pg_cuda_ctx *ctx, float *out, float *lse, const uint16_t *qkv,
+                               const float *slopes, int B, int T, int NH, int NKV, int HS);
 int pg_cuda_flash_bf16_backward(const pg_cuda_ctx *ctx, float *dqkv, float *delta, const uint16_t *dout,
-                                const float *out, const uint16_t *qkv, const float *lse, int B, int T, int NH,
-                                int NKV, int HS);
+                                const float *out, const uint16_t *qkv, const float *lse, const float *slopes, int B,
+                                int T, int NH, int NKV, int HS);
 
 /* The flash attention's contract (pg_attention_forward / pg_attention_backward: out and lse, no [T, T] buffer;
  * slopes NULL or NH device floats). FlashAttention-2's scheme, deterministic without atomics: the forward one

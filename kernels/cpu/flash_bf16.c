@@ -27,7 +27,8 @@ static float *floats(int nsizes, const int64_t *sizes) {
   return malloc(bytes ? (size_t)bytes : 1);
 }
 
-int pg_flash_bf16_forward(float *out, float *lse, const uint16_t *qkv, int B, int T, int NH, int NKV, int HS) {
+int pg_flash_bf16_forward(float *out, float *lse, const uint16_t *qkv, const float *slopes, int B, int T, int NH,
+                          int NKV, int HS) {
   if (pg_flash_bf16_unsupported(B, T, NH, NKV, HS)) return 1;
   const int64_t W = (int64_t)(NH + 2 * NKV) * HS;
   const int64_t n_qkv[] = {B, T, W}, n_acc[] = {B, T, NH, HS}, n_row[] = {2, B, NH, T};
@@ -41,15 +42,15 @@ int pg_flash_bf16_forward(float *out, float *lse, const uint16_t *qkv, int B, in
   pg_bf16_to_f32(x, qkv, (int64_t)B * T * W);
   memset(acc, 0, (size_t)B * T * NH * HS * sizeof(float));
   for (int64_t i = 0; i < nrow; i++) mx[i] = -INFINITY, sm[i] = 0.0f;
-  pg_attention_block_forward(acc, mx, sm, x, W, x + (int64_t)NH * HS, x + (int64_t)(NH + NKV) * HS, W, NULL, B, T, T,
-                             NH, NKV, HS, 0, 0);
+  pg_attention_block_forward(acc, mx, sm, x, W, x + (int64_t)NH * HS, x + (int64_t)(NH + NKV) * HS, W, slopes, B, T,
+                             T, NH, NKV, HS, 0, 0);
   pg_attention_block_finish(out, (int64_t)NH * HS, lse, acc, mx, sm, B, T, NH, HS);
   free(x), free(acc), free(mx);
   return 0;
 }
 
 int pg_flash_bf16_backward(float *dqkv, float *delta, const uint16_t *dout, const float *out, const uint16_t *qkv,
-                           const float *lse, int B, int T, int NH, int NKV, int HS) {
+                           const float *lse, const float *slopes, int B, int T, int NH, int NKV, int HS) {
   if (pg_flash_bf16_unsupported(B, T, NH, NKV, HS)) return 1;
   const int64_t W = (int64_t)(NH + 2 * NKV) * HS, C = (int64_t)NH * HS;
   const int64_t n_qkv[] = {B, T, W}, n_out[] = {B, T, C};
@@ -63,8 +64,8 @@ int pg_flash_bf16_backward(float *dqkv, float *delta, const uint16_t *dout, cons
   memset(dqkv, 0, (size_t)B * T * W * sizeof(float)); /* the block backward accumulates */
   pg_attention_block_delta(delta, g, C, out, C, B, T, NH, HS);
   pg_attention_block_backward(dqkv, W, dqkv + (int64_t)NH * HS, dqkv + (int64_t)(NH + NKV) * HS, W, x, W,
-                              x + (int64_t)NH * HS, x + (int64_t)(NH + NKV) * HS, W, g, C, lse, delta, NULL, B, T, T,
-                              NH, NKV, HS, 0, 0);
+                              x + (int64_t)NH * HS, x + (int64_t)(NH + NKV) * HS, W, g, C, lse, delta, slopes, B, T,
+                              T, NH, NKV, HS, 0, 0);
   free(x), free(g);
   return 0;
 }

@@ -7,7 +7,7 @@
 // scratch: lane l owns row l / 2 and 8 columns (l % 2) * 8 .. + 7 of every 16-column tile, in registers.
 //
 // Forward (one warp per 16 query rows of one head): keys in steps of 64 up to the diagonal; per step the
-// scores S = Q K^T (float32), the running max and sum of an online softmax in float32, P = exp(S - max)
+// scores S = Q K^T (float32; scaled, plus ALiBi's slope (j - i) with slopes), the running max and sum of an online softmax in float32, P = exp(S - max)
 // rounded to bf16 for the product P V (FlashAttention's rounding: the normaliser sums the float32 P), and the
 // output rows rescaled in the lanes' registers. out = acc / sum, lse = max + log(sum).
 // Backward (FlashAttention-2's scheme, deterministic): delta = rowsum(dO * out) per row (one warp per row);
@@ -74,11 +74,18 @@ __device__ __forceinline__ void lane_values(float v[8], float *scratch, const fr
   __syncwarp(); // the scratch is free again
 }
 
+// A visible score: scale (q . k), with ALiBi (slope not NULL) plus slope (kj - qi), each operation rounded as the
+// float32 kernels' (kernels/cuda/attention.cu's score, the CPU's score_tile) are.
+__device__ __forceinline__ float alibi_score(float dot, float scale, const float *slope, int kj, int qi) {
+  const float s = __fmul_rn(dot, scale);
+  return slope ? __fadd_rn(s, __fmul_rn(*slope, (float)(kj - qi))) : s;
+}
+
 // ---- forward ----
 
 template <int D>
-__global__ void flash_bf16_forward_kernel(float *out, float *lse, const uint16_t *qkv, int T, int NH, int NKV,
-                                          float scale) {
+__global__ void flash_bf16_forward_kernel(float *out, float *lse, const uint16_t *qkv, const float *slopes, int T,
+                                          int NH, int NKV, float scale) {
   alignas(32) __shared__ float scratch[WARPS][TILE_ELEMS];
   alignas(32) __shared__ uint16_t ptile[WARPS][TILE * STEP_TILES * TILE];
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
@@ -88,6 +95,7 @@ __global__ void flash_bf16_forward_kernel(float *out, float *lse, const uint16_t
   const uint16_t *base = qkv + (int64_t)b * T * W;
   const uint16_t *q = base + (int64_t)q0 * W + (int64_t)h * D, *k = base + (int64_t)(NH + g) * D;
   const uint16_t *v = base + (int64_t)(NH + NKV + g) * D;
+  const float *slope = slopes ? slopes + h : nullptr;
   float *sc = scratch[warp];
   uint16_t *pt = ptile[warp];
   const int row = lane >> 1, col0 = (lane & 1) * 8, qi = q0 + row;
@@ -110,7 +118,7 @@ __global__ void flash_bf16_forward_kernel(float *out, float *lse, const uint16_t
         lane_values(s[j], sc, acc, lane);
         for (int e = 0; e < 8; e++) {
           const int kj = k0 + j * TILE + col0 + e;
-          s[j][e] = kj <= qi ? s[j][e] * scale : -INFINITY;
+          s[j][e] = kj <= qi ? alibi_score(s[j][e], scale, slope, kj, qi) : -INFINITY;
           mt = fmaxf(mt, s[j][e]);
         }
       } else {
@@ -173,18 +181,21 @@ __global__ void flash_bf16_delta_kernel(float *delta, const uint16_t *dout, cons
 }
 
 // One 16x16 tile of queries q0.. (rows of q and dO at qp, dp) against keys k0.. (rows of k and v at kp, vp):
-// P = exp(scale S - lse) (causal mask), dS = scale P (dO V^T - delta), rounded to bf16 into the warp's pt and
+// P = exp(score - lse) (causal mask; alibi_score), dS = scale P (dO V^T - delta), rounded to bf16 into the warp's pt and
 // dst ([query][key], row-major, 16 apart).
 template <int D>
 __device__ void p_ds_tile(uint16_t *pt, uint16_t *dst, float *sc, const uint16_t *qp, const uint16_t *dp,
                           const uint16_t *kp, const uint16_t *vp, int64_t W, int64_t C, int q0, int k0, float lse_row,
-                          float delta_row, float scale, int lane) {
+                          float delta_row, float scale, const float *slope, int lane) {
   const int row = lane >> 1, col0 = (lane & 1) * 8;
   frag_c acc;
   float p[8], dpv[8];
   rows_dot<D>(acc, qp, W, kp, W);
   lane_values(p, sc, acc, lane);
-  for (int e = 0; e < 8; e++) p[e] = k0 + col0 + e <= q0 + row ? expf(p[e] * scale - lse_row) : 0.0f;
+  for (int e = 0; e < 8; e++) {
+    const int kj = k0 + col0 + e, qi = q0 + row;
+    p[e] = kj <= qi ? expf(alibi_score(p[e], scale, slope, kj, qi) - lse_row) : 0.0f;
+  }
   rows_dot<D>(acc, dp, C, vp, W);
   lane_values(dpv, sc, acc, lane);
   for (int e = 0; e < 8; e++) {
@@ -198,7 +209,7 @@ __device__ void p_ds_tile(uint16_t *pt, uint16_t *dst, float *sc, const uint16_t
 // the diagonal on, in order.
 template <int D>
 __global__ void flash_bf16_dkv_kernel(float *dqkv, const uint16_t *dout, const uint16_t *qkv, const float *lse,
-                                      const float *delta, int T, int NH, int NKV, float scale) {
+                                      const float *delta, const float *slopes, int T, int NH, int NKV, float scale) {
   alignas(32) __shared__ float scratch[WARPS][TILE_ELEMS];
   alignas(32) __shared__ uint16_t ptile[WARPS][TILE_ELEMS], dstile[WARPS][TILE_ELEMS];
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
@@ -217,7 +228,7 @@ __global__ void flash_bf16_dkv_kernel(float *dqkv, const uint16_t *dout, const u
       const uint16_t *qp = base + (int64_t)q0 * W + (int64_t)h * D;
       const uint16_t *dp = dout + ((int64_t)b * T + q0) * C + (int64_t)h * D;
       p_ds_tile<D>(ptile[warp], dstile[warp], scratch[warp], qp, dp, kp, vp, W, C, q0, k0, lse[st + q0 + row],
-                   delta[st + q0 + row], scale, lane);
+                   delta[st + q0 + row], scale, slopes ? slopes + h : nullptr, lane);
       frag_a_t pa, dsa; // P^T and dS^T: the tiles read column-major
       wmma::load_matrix_sync(pa, bf(ptile[warp]), TILE);
       wmma::load_matrix_sync(dsa, bf(dstile[warp]), TILE);
@@ -241,7 +252,7 @@ __global__ void flash_bf16_dkv_kernel(float *dqkv, const uint16_t *dout, const u
 // dQ of 16 query rows of head h: keys up to the diagonal, in order.
 template <int D>
 __global__ void flash_bf16_dq_kernel(float *dqkv, const uint16_t *dout, const uint16_t *qkv, const float *lse,
-                                     const float *delta, int T, int NH, int NKV, float scale) {
+                                     const float *delta, const float *slopes, int T, int NH, int NKV, float scale) {
   alignas(32) __shared__ float scratch[WARPS][TILE_ELEMS];
   alignas(32) __shared__ uint16_t ptile[WARPS][TILE_ELEMS], dstile[WARPS][TILE_ELEMS];
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
@@ -259,7 +270,7 @@ __global__ void flash_bf16_dq_kernel(float *dqkv, const uint16_t *dout, const ui
     const uint16_t *kp = base + (int64_t)k0 * W + (int64_t)(NH + g) * D;
     const uint16_t *vp = base + (int64_t)k0 * W + (int64_t)(NH + NKV + g) * D;
     p_ds_tile<D>(ptile[warp], dstile[warp], scratch[warp], qp, dp, kp, vp, W, C, q0, k0, lse_row, delta_row, scale,
-                 lane);
+                 slopes ? slopes + h : nullptr, lane);
     frag_a dsa;
     wmma::load_matrix_sync(dsa, bf(dstile[warp]), TILE);
     for (int t = 0; t < D / TILE; t++) {
@@ -278,43 +289,46 @@ bool aligned32(const void *p) { return ((uintptr_t)p & 31u) == 0; }
 
 dim3 tiles_grid(int T, int heads, int B) { return dim3((unsigned)((T / TILE + WARPS - 1) / WARPS), heads, B); }
 
-template <int D> int forward_hs(cudaStream_t s, float *out, float *lse, const uint16_t *qkv, int B, int T, int NH,
-                                int NKV) {
+template <int D>
+int forward_hs(cudaStream_t s, float *out, float *lse, const uint16_t *qkv, const float *slopes, int B, int T, int NH,
+               int NKV) {
   // one name per launch: the emulator's rewrite takes the launched name as it stands
   auto forward = flash_bf16_forward_kernel<D>;
-  forward<<<tiles_grid(T, NH, B), WARPS * WARP, 0, s>>>(out, lse, qkv, T, NH, NKV, 1.0f / sqrtf((float)D));
+  forward<<<tiles_grid(T, NH, B), WARPS * WARP, 0, s>>>(out, lse, qkv, slopes, T, NH, NKV, 1.0f / sqrtf((float)D));
   return launch_status();
 }
 
-template <int D> int backward_hs(cudaStream_t s, float *dqkv, const float *delta, const uint16_t *dout,
-                                 const uint16_t *qkv, const float *lse, int B, int T, int NH, int NKV) {
+template <int D>
+int backward_hs(cudaStream_t s, float *dqkv, const float *delta, const uint16_t *dout, const uint16_t *qkv,
+                const float *lse, const float *slopes, int B, int T, int NH, int NKV) {
   const float scale = 1.0f / sqrtf((float)D);
   auto dkv = flash_bf16_dkv_kernel<D>;
-  dkv<<<tiles_grid(T, NKV, B), WARPS * WARP, 0, s>>>(dqkv, dout, qkv, lse, delta, T, NH, NKV, scale);
+  dkv<<<tiles_grid(T, NKV, B), WARPS * WARP, 0, s>>>(dqkv, dout, qkv, lse, delta, slopes, T, NH, NKV, scale);
   if (int rc = launch_status()) return rc;
   auto dq = flash_bf16_dq_kernel<D>;
-  dq<<<tiles_grid(T, NH, B), WARPS * WARP, 0, s>>>(dqkv, dout, qkv, lse, delta, T, NH, NKV, scale);
+  dq<<<tiles_grid(T, NH, B), WARPS * WARP, 0, s>>>(dqkv, dout, qkv, lse, delta, slopes, T, NH, NKV, scale);
   return launch_status();
 }
 
 } // namespace
 
-extern "C" int pg_cuda_flash_bf16_forward(const pg_cuda_ctx *ctx, float *out, float *lse, const uint16_t *qkv, int B,
-                                          int T, int NH, int NKV, int HS) {
+extern "C" int pg_cuda_flash_bf16_forward(const pg_cuda_ctx *ctx, float *out, float *lse, const uint16_t *qkv,
+                                          const float *slopes, int B, int T, int NH, int NKV, int HS) {
   if (pg_flash_bf16_unsupported(B, T, NH, NKV, HS) || !aligned32(out) || !aligned32(qkv)) return PG_CUDA_EINVAL;
   cudaStream_t s = stream_of(ctx);
-  return HS == 64 ? forward_hs<64>(s, out, lse, qkv, B, T, NH, NKV) : forward_hs<128>(s, out, lse, qkv, B, T, NH, NKV);
+  return HS == 64 ? forward_hs<64>(s, out, lse, qkv, slopes, B, T, NH, NKV)
+                  : forward_hs<128>(s, out, lse, qkv, slopes, B, T, NH, NKV);
 }
 
 extern "C" int pg_cuda_flash_bf16_backward(const pg_cuda_ctx *ctx, float *dqkv, float *delta, const uint16_t *dout,
-                                           const float *out, const uint16_t *qkv, const float *lse, int B, int T,
-                                           int NH, int NKV, int HS) {
+                                           const float *out, const uint16_t *qkv, const float *lse,
+                                           const float *slopes, int B, int T, int NH, int NKV, int HS) {
   if (pg_flash_bf16_unsupported(B, T, NH, NKV, HS) || !aligned32(dqkv) || !aligned32(dout) || !aligned32(qkv))
     return PG_CUDA_EINVAL;
   cudaStream_t s = stream_of(ctx);
   const int64_t rows = (int64_t)B * T * NH;
   flash_bf16_delta_kernel<<<grid_for(rows, BLOCK / WARP), BLOCK, 0, s>>>(delta, dout, out, B, T, NH, HS);
   if (int rc = launch_status()) return rc;
-  return HS == 64 ? backward_hs<64>(s, dqkv, delta, dout, qkv, lse, B, T, NH, NKV)
-                  : backward_hs<128>(s, dqkv, delta, dout, qkv, lse, B, T, NH, NKV);
+  return HS == 64 ? backward_hs<64>(s, dqkv, delta, dout, qkv, lse, slopes, B, T, NH, NKV)
+                  : backward_hs<128>(s, dqkv, delta, dout, qkv, lse, slopes, B, T, NH, NKV);
 }

@@ -686,6 +686,112 @@ print(("loss %.17g gradsum %.17g gradsq %.17g"):format(loss, gc:abs():sum(), gc:
     assert.equal(lb - 8, la, lt .. ex)
   end)
 
+  -- precision bf16's attention on tensor cores (kernels/cuda/flash_bf16.cu, kind_attention.c's tensor_cores):
+  -- on a device, bf16 q|k|v of head size 64 or 128 and T a multiple of 16 go to the bf16 flash kernels as
+  -- they are (no float32 copy of q|k|v or dy); PG_FLASH_BF16=0, or any other shape, takes the float32 core on the
+  -- widened inputs. GPT-2 (head size 64, 2 heads), LLaMA (head size 128, GQA 2:1, RoPE) and BLOOM (head size 64,
+  -- 4 heads, ALiBi: the kernels add slope (j - i) as the float32 core does), T = 32:
+  --   * the first step's gradients no further from the float32 run's (precision fp32, same process) than
+  --     1.5x the float32 core's are: the kernels round P and dS to bf16 for their products (and the rotated
+  --     q|k, as autocast's are), 2^-9 relative each, a few more of the bf16 roundings both runs make in every
+  --     layer, so the distance grows by a fraction (measured 1.02x GPT-2, 1.01x LLaMA, 1.00x BLOOM; a wrong mask,
+  --     scale, bias or head mapping is many times it: BLOOM without ALiBi 10x). The first losses within 1e-3 relative (measured 2.3e-5,
+  --     4.8e-5, 2.6e-6);
+  --   * not the float32 core's bits (the tensor-core kernels ran), and the launches the float32 core's
+  --     widenings cost: GPT-2 and BLOOM 3 fewer per layer and step (q|k|v in the forward and the backward, dy), 4 with
+  --     full recomputation's second forward; LLaMA the rotated q|k rounded instead of dy widened, one more with
+  --     full recomputation's second forward;
+  --   * a second engine's bits (no atomics), and recomputation's (full, selective) bits;
+  --   * T = 24, not a multiple of 16: PG_FLASH_BF16=0's bits (the float32 core).
+  it("runs precision bf16's attention on tensor cores where the shape allows (head size 64 and 128, GQA, RoPE, ALiBi) #bf16",
+    function()
+    local code = [[
+local pg = require "pipegoose"
+local MODELS = {
+  gpt2 = function() return pg.nn.GPT{ vocab = 61, padded_vocab = 64, seq_len = 32, dim = 128, heads = 2, layers = 2 } end,
+  llama = function() return pg.nn.Llama{ vocab = 61, dim = 256, layers = 2, heads = 2, kv_heads = 1, hidden = 96, seq_len = 32 } end,
+  bloom = function() return pg.nn.Bloom{ vocab = 61, dim = 256, heads = 4, layers = 2, seq_len = 32 } end,
+}
+local function batch(T)
+  local x, y = pg.zeros({ 2, T }, { dtype = "int32" }), pg.zeros({ 2, T }, { dtype = "int32" })
+  for b = 1, 2 do
+    for s = 1, T do
+      x:set(b, s, (b * 31 + s * 7) % 61)
+      y:set(b, s, (b * 13 + s * 5 + b * s) % 61)
+    end
+  end
+  return x, y
+end
+-- the first step's loss and gradients of a fresh engine
+local function first(model, T, opts)
+  opts.device, opts.seed = "cuda", 7
+  local e = pg.parallelize(MODELS[model](), nil, opts)
+  local x, y = batch(T)
+  e:zero_grad()
+  local loss = e:forward_backward(x, y)
+  local _, g = e:flat()
+  return loss, g:to("cpu"):totable()
+end
+local function same(a, b)
+  for i = 1, #a do if a[i] ~= b[i] then return false end end
+  return #a == #b
+end
+local function dist(a, b) -- |a - b| / |b|
+  local d, n = 0, 0
+  for i = 1, #b do d, n = d + (a[i] - b[i]) ^ 2, n + b[i] ^ 2 end
+  return math.sqrt(d / n)
+end
+for _, model in ipairs{ "gpt2", "llama", "bloom" } do
+  local loss, g = first(model, 32, { precision = "bf16" })
+  local _, g32 = first(model, 32, { precision = "fp32" })
+  local f = assert(io.open(OUT .. model, "w"))
+  for i = 1, #g do f:write(("%.9g\n"):format(g[i])) end
+  f:close()
+  local _, again = first(model, 32, { precision = "bf16" })
+  local _, full = first(model, 32, { precision = "bf16", recompute = "full" })
+  local _, sel = first(model, 32, { precision = "bf16", recompute = "selective" })
+  local l24, g24 = first(model, 24, { precision = "bf16" })
+  local sq = 0
+  for i = 1, #g24 do sq = sq + g24[i] ^ 2 end
+  print(("%s loss %.9g dist_fp32 %.6g rerun %s full %s selective %s t24 %.17g %.17g"):format(model, loss,
+    dist(g, g32), same(again, g), same(full, g), same(sel, g), l24, sq))
+end
+]]
+    local out_tc, out_core = os.tmpname(), os.tmpname()
+    local rc1, tc = emu(code:gsub("OUT", ("%q"):format(out_tc)), "PG_EMU_STATS=1")
+    local rc2, core = emu(code:gsub("OUT", ("%q"):format(out_core)), "PG_EMU_STATS=1 PG_FLASH_BF16=0")
+    assert.equal(0, rc1, tc)
+    assert.equal(0, rc2, core)
+    local function grads(path)
+      local t = {}
+      for line in io.lines(path) do t[#t + 1] = tonumber(line) end
+      os.remove(path)
+      return t
+    end
+    local line = "loss (%S+) dist_fp32 (%S+) rerun (%a+) full (%a+) selective (%a+) t24 (%S+ %S+)"
+    for _, model in ipairs{ "gpt2", "llama", "bloom" } do
+      local lt, dt, rerun, full, sel, t24 = tc:match(model .. " " .. line)
+      local lc, dc, _, _, _, c24 = core:match(model .. " " .. line)
+      assert.is_truthy(lt and lc, tc .. core)
+      lt, dt, lc, dc = tonumber(lt), tonumber(dt), tonumber(lc), tonumber(dc)
+      assert.is_true(math.abs(lt - lc) <= 1e-3 * lc, ("%s: first loss %.9g on tensor cores, %.9g"):format(model, lt, lc))
+      assert.is_true(dc > 0 and dt <= 1.5 * dc,
+        ("%s: the gradients %.3g from float32's on tensor cores, %.3g with the float32 core"):format(model, dt, dc))
+      local a, b = grads(out_tc .. model), grads(out_core .. model)
+      local differ = #a ~= #b
+      for i = 1, #b do differ = differ or a[i] ~= b[i] end
+      assert.is_true(differ, model .. ": the float32 core's bits: did the tensor-core kernels run?")
+      assert.equal("true", rerun, model .. ": a second engine's gradients differ")
+      assert.equal("true", full, model .. ": full recomputation's gradients differ")
+      assert.equal("true", sel, model .. ": selective recomputation's gradients differ")
+      assert.equal(c24, t24, model .. ": T = 24 is not the float32 core's")
+    end
+    -- one step of each engine at T = 32, 2 layers: GPT-2 and BLOOM 2 x (3 + 3 + 4 + 3) fewer, LLaMA 2 x 1 more
+    -- (full recomputation)
+    local nt, nc = tonumber(tc:match("emu: (%d+) kernel launches")), tonumber(core:match("emu: (%d+) kernel launches"))
+    assert.equal(nc - 2 * 2 * (3 + 3 + 4 + 3) + 2 * 1, nt, tc .. core)
+  end)
+
   -- scripts/bench_gpu.lua runs on a real GPU (scripts/gpu_check.sh); here its logic, not its speed: both
   -- precisions' peaks (sgemm, bf16 GemmEx) and training lines, the flash attention kernels' lines, and the rate
   -- functions' argument checks.

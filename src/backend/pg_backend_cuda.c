@@ -152,18 +152,19 @@ static int cu_sum_squares(const pg_backend *b, const float *x, int64_t n, double
   return cu_copy(b, out, d, sizeof(double), PG_COPY_DEVICE_TO_HOST);
 }
 
-static int cu_flash_bf16_forward(const pg_backend *b, float *out, float *lse, const uint16_t *qkv, int B, int T,
-                                 int NH, int NKV, int HS) {
+static int cu_flash_bf16_forward(const pg_backend *b, float *out, float *lse, const uint16_t *qkv,
+                                 const float *slopes, int B, int T, int NH, int NKV, int HS) {
   if (pg_backend_flash_bf16_refused("flash_bf16_forward", B, T, NH, NKV, HS)) return PG_ERR;
-  return kernel_rc(b, "flash_bf16_forward", pg_cuda_flash_bf16_forward(ctx_of(b), out, lse, qkv, B, T, NH, NKV, HS));
+  return kernel_rc(b, "flash_bf16_forward",
+                   pg_cuda_flash_bf16_forward(ctx_of(b), out, lse, qkv, slopes, B, T, NH, NKV, HS));
 }
 
 static int cu_flash_bf16_backward(const pg_backend *b, float *dqkv, float *delta, const uint16_t *dout,
-                                  const float *out, const uint16_t *qkv, const float *lse, int B, int T, int NH,
-                                  int NKV, int HS) {
+                                  const float *out, const uint16_t *qkv, const float *lse, const float *slopes,
+                                  int B, int T, int NH, int NKV, int HS) {
   if (pg_backend_flash_bf16_refused("flash_bf16_backward", B, T, NH, NKV, HS)) return PG_ERR;
-  return kernel_rc(b, "flash_bf16_backward",
-                   pg_cuda_flash_bf16_backward(ctx_of(b), dqkv, delta, dout, out, qkv, lse, B, T, NH, NKV, HS));
+  return kernel_rc(b, "flash_bf16_backward", pg_cuda_flash_bf16_backward(ctx_of(b), dqkv, delta, dout, out, qkv, lse,
+                                                                         slopes, B, T, NH, NKV, HS));
 }
 
 /* The fused AdamW step's table: starts, then pieces, of a table with room for cap pieces. */

@@ -618,11 +618,13 @@ static void test_bf16_pointwise(selftest *st) {
  * p's e^(2 ds) - 1), and dS = P (dP - delta) cancels: an elementwise bound would need the reference's sums of
  * |terms|, so the bound is norm-wise, |err| <= 2^-7 max|want| (the two roundings' 2^-8, doubled for the
  * cancellation; the emulator measures about 2^-10). delta sums HS float32 products of the same values on both
- * sides (1e-4 of its largest). Determinism: a repeated backward gives the same bits. */
+ * sides (1e-4 of its largest). With ALiBi both sides add slope (j - i) to the scaled sum, each rounding once more
+ * (u of the sum and of the bias, at most slope T): ds grows by 2 u (HS X^2 scale + slope T).
+ * Determinism: a repeated backward gives the same bits. */
 #define ST_FLASH_X 2.0
-static double flash_score_err(int HS) {
-  const double u = 0x1p-24, gamma = HS * u / (1 - HS * u);
-  return 2 * gamma * HS * ST_FLASH_X * ST_FLASH_X / sqrt((double)HS);
+static double flash_score_err(int HS, int T, double slope) {
+  const double u = 0x1p-24, gamma = HS * u / (1 - HS * u), sum = HS * ST_FLASH_X * ST_FLASH_X / sqrt((double)HS);
+  return 2 * gamma * sum + (slope > 0 ? 2 * u * (sum + slope * T) : 0);
 }
 
 static double max_abs(const float *x, int64_t n) {
@@ -631,46 +633,51 @@ static double max_abs(const float *x, int64_t n) {
   return m;
 }
 
-static void flash_bf16_case(selftest *st, int B, int T, int NH, int NKV, int HS) {
+static void flash_bf16_case(selftest *st, int B, int T, int NH, int NKV, int HS, int alibi) {
   const int64_t W = (int64_t)(NH + 2 * NKV) * HS, C = (int64_t)NH * HS;
   const int64_t nq = (int64_t)B * T * W, no = (int64_t)B * T * C, nr = (int64_t)B * NH * T;
   const pg_cuda_ctx *ctx = &st->ctx;
   char what[48], name[112];
-  snprintf(what, sizeof what, " (T %d, %d/%d heads, hs %d)", T, NH, NKV, HS);
+  snprintf(what, sizeof what, " (T %d, %d/%d heads, hs %d%s)", T, NH, NKV, HS, alibi ? ", alibi" : "");
 #define ST_NAME(s) (snprintf(name, sizeof name, "flash_bf16_%s%.47s", s, what), name)
   float *x = h_rand(st, nq, -ST_FLASH_X, ST_FLASH_X), *dy = h_rand(st, no, -1, 1);
   float *out = h_alloc(st, (size_t)no * sizeof(float)), *lse = h_alloc(st, (size_t)nr * sizeof(float));
   float *delta = h_alloc(st, (size_t)nr * sizeof(float)), *dx = h_alloc(st, (size_t)nq * sizeof(float));
   float *garbage = h_rand(st, nq, 100, 200);
   uint16_t *x16 = h_alloc(st, (size_t)nq * 2), *dy16 = h_alloc(st, (size_t)no * 2);
-  if (!x || !dy || !out || !lse || !delta || !dx || !garbage || !x16 || !dy16) return;
+  float *slopes = alibi ? h_alloc(st, (size_t)NH * sizeof(float)) : NULL;
+  if (!x || !dy || !out || !lse || !delta || !dx || !garbage || !x16 || !dy16 || (alibi && !slopes)) return;
+  if (slopes) pg_alibi_slopes(slopes, NH);
   pg_bf16_from_f32(x16, x, nq);
   pg_bf16_from_f32(dy16, dy, no);
-  if (pg_flash_bf16_forward(out, lse, x16, B, T, NH, NKV, HS) ||
-      pg_flash_bf16_backward(dx, delta, dy16, out, x16, lse, B, T, NH, NKV, HS)) {
+  if (pg_flash_bf16_forward(out, lse, x16, slopes, B, T, NH, NKV, HS) ||
+      pg_flash_bf16_backward(dx, delta, dy16, out, x16, lse, slopes, B, T, NH, NKV, HS)) {
     broken(st, ST_NAME("CPU twin"), "refused or out of memory");
     return;
   }
   uint16_t *d_x16 = d_put(st, x16, (size_t)nq * 2), *d_dy16 = d_put(st, dy16, (size_t)no * 2);
   float *d_out = d_floats(st, garbage, no), *d_lse = d_floats(st, garbage, nr);
   float *d_delta = d_floats(st, garbage, nr), *d_dx = d_floats(st, garbage, nq);
+  float *d_slopes = slopes ? d_put(st, slopes, (size_t)NH * sizeof(float)) : NULL;
   if (st->broken) return;
-  const double ds = flash_score_err(HS);
-  if (!launched(st, ST_NAME("forward"), pg_cuda_flash_bf16_forward(ctx, d_out, d_lse, d_x16, B, T, NH, NKV, HS)))
+  const double ds = flash_score_err(HS, T, slopes ? slopes[0] : 0); /* slopes[0] the largest */
+  if (!launched(st, ST_NAME("forward"),
+                pg_cuda_flash_bf16_forward(ctx, d_out, d_lse, d_x16, d_slopes, B, T, NH, NKV, HS)))
     return;
   check_f(st, ST_NAME("forward.out"), d_out, out, no, 0, (0x1p-9 + 6 * ds) * ST_FLASH_X);
   check_f(st, ST_NAME("forward.lse"), d_lse, lse, nr, 0, ds + 1e-5);
   /* the backward from the CPU's out and lse (the contract both backwards share) */
   if (!reload(st, d_out, out, no) || !reload(st, d_lse, lse, nr)) return;
   if (!launched(st, ST_NAME("backward"), pg_cuda_flash_bf16_backward(ctx, d_dx, d_delta, d_dy16, d_out, d_x16,
-                                                                       d_lse, B, T, NH, NKV, HS)))
+                                                                       d_lse, d_slopes, B, T, NH, NKV, HS)))
     return;
   check_f(st, ST_NAME("backward.delta"), d_delta, delta, nr, 0, 1e-4 * max_abs(delta, nr) + 1e-6);
   check_f(st, ST_NAME("backward.dqkv"), d_dx, dx, nq, 0, 0x1p-7 * max_abs(dx, nq));
   float *first = d_get(st, d_dx, nq);
   if (!first || !reload(st, d_dx, garbage, nq)) return;
   if (launched(st, ST_NAME("backward (repeat)"), pg_cuda_flash_bf16_backward(ctx, d_dx, d_delta, d_dy16, d_out,
-                                                                               d_x16, d_lse, B, T, NH, NKV, HS)))
+                                                                               d_x16, d_lse, d_slopes, B, T, NH, NKV,
+                                                                               HS)))
     check_f(st, ST_NAME("backward.dqkv (repeat)"), d_dx, first, nq, 0, 0);
 #undef ST_NAME
 }
@@ -678,14 +685,16 @@ static void flash_bf16_case(selftest *st, int B, int T, int NH, int NKV, int HS)
 /* Head sizes 64 and 128, multi-head, grouped-query and multi-query, T not a multiple of a block's 64 rows; a
  * head size the kernels do not take is refused (the caller's fall-back), not computed. */
 static void test_flash_bf16(selftest *st) {
-  flash_bf16_case(st, 2, 48, 3, 3, 64);
-  flash_bf16_case(st, 1, 80, 4, 2, 64);
-  flash_bf16_case(st, 2, 32, 2, 1, 128);
-  flash_bf16_case(st, 1, 80, 2, 2, 128);
+  flash_bf16_case(st, 2, 48, 3, 3, 64, 0);
+  flash_bf16_case(st, 1, 80, 4, 2, 64, 0);
+  flash_bf16_case(st, 2, 32, 2, 1, 128, 0);
+  flash_bf16_case(st, 1, 80, 2, 2, 128, 0);
+  flash_bf16_case(st, 1, 80, 4, 4, 64, 1); /* ALiBi (BLOOM): slopes 2^-2 .. 2^-8 */
+  flash_bf16_case(st, 2, 32, 2, 2, 128, 1);
   if (st->broken) return;
   st->checks++;
   if (pg_flash_bf16_unsupported(1, 32, 2, 2, 96) && pg_flash_bf16_unsupported(1, 40, 2, 2, 64) &&
-      pg_cuda_flash_bf16_forward(&st->ctx, NULL, NULL, NULL, 1, 32, 2, 2, 96) == PG_CUDA_EINVAL) {
+      pg_cuda_flash_bf16_forward(&st->ctx, NULL, NULL, NULL, NULL, 1, 32, 2, 2, 96) == PG_CUDA_EINVAL) {
     say(st, "  ok    %-34s refused (hs 96, T 40)\n", "flash_bf16 shapes");
   } else {
     st->failed++;

@@ -1,5 +1,6 @@
 /* kind_attention.c: the causal self-attention core (multi-head or grouped-query, optional RoPE). */
 #include "module_impl.h"
+#include "pg_env.h"
 #include "pg_size.h"
 
 #include <math.h>
@@ -20,6 +21,7 @@ typedef struct attention_state {
   float *slopes;  /* with ALiBi: this rank's heads_l slopes on the backend */
   const float **saved_x;
   int saved_slot; /* recompute: the micro-batch whose lse (and output) saved holds (-1: none) */
+  int flash_bf16_env; /* PG_FLASH_BF16 (default on): whether tensor_cores may pick the bf16 flash kernels */
   /* decoding (pg_io.decode), on the home backend: keys and values [cache_rows][max_seq][kv_l head_dim],
    * the positions each sequence holds (host), the new rows' q|k|v in float32 (widened, rotated), the scores */
   float *kcache, *vcache, *dec_x, *dec_scores;
@@ -38,11 +40,29 @@ typedef struct attention_state {
 static int cp_size(const pg_module *m) { return m->ctx ? m->ctx->context : 1; }
 static int cp_on(const pg_module *m, const pg_io *io) { return cp_size(m) > 1 && io->cp_chunk > 0; }
 
+/* The lse part of `saved`, rounded up to 8 floats: the float32 output after it starts 32 bytes aligned, as the
+ * tensor-core kernels' tiles need (out_width is a multiple of the head size, 64 or 128, there). */
+static size_t lse_floats(const pg_module *m, const attention_state *s) {
+  return ((size_t)m->max_rows * s->heads_l + 7) / 8 * 8;
+}
+
+/* Whether this call's core runs the bf16 flash kernels on tensor cores (kernels.h's pg_flash_bf16_*, ALiBi's
+ * bias too): on a device, with bf16 q|k|v, the whole sequence (the ring folds
+ * blocks: pg_attention_block_*) and a shape pg_flash_bf16_unsupported takes (head size 64 or 128, T a multiple
+ * of 16); else the float32 core on the widened q|k|v. Then q|k|v (rotated by RoPE, rounded to bf16 as
+ * autocast's are) and dy stay bf16, and P and dS are rounded to bf16 for their products, as FlashAttention's
+ * and PyTorch's SDPA flash backend do: the same layouts agree bitwise, but not with PG_FLASH_BF16=0's float32
+ * core, which they meet within bf16's rounding. */
+static int tensor_cores(const pg_module *m, const attention_state *s, const pg_io *io) {
+  return BE(m)->device == PG_CUDA && m->in_bf16 && s->flash_bf16_env && !cp_on(m, io) &&
+         !pg_flash_bf16_unsupported(io->B, io->T, s->heads_l, s->kv_l, s->o.head_dim);
+}
+
 /* What the whole-sequence backward keeps of one micro-batch (the CP ring keeps its own): the rows' log-sum-exp,
  * and with bf16 q|k|v the float32 output. Linear in the rows: no [T, T] probabilities (flash attention). */
 static size_t saved_floats(const pg_module *m, const attention_state *s) {
   size_t rows = (size_t)m->max_rows;
-  return rows * s->heads_l + (m->in_bf16 ? rows * m->out_width : 0);
+  return lse_floats(m, s) + (m->in_bf16 ? rows * m->out_width : 0);
 }
 
 /* The saved lse (and output) of `slot`: its own with every slot kept; recomputed, the rank's arena (shared by the
@@ -55,7 +75,7 @@ static float *attention_saved(pg_module *m, attention_state *s, int slot) {
 /* The float32 output the forward writes and the backward reads: the slot's output, or with bf16 q|k|v the copy
  * after the lse in `saved` (the slot's output is its bf16 rounding). */
 static float *f32_out(pg_module *m, attention_state *s, float *saved, int slot) {
-  return m->in_bf16 ? saved + (size_t)m->max_rows * s->heads_l : slot_out(m, slot);
+  return m->in_bf16 ? saved + lse_floats(m, s) : slot_out(m, slot);
 }
 
 /* Recomputed: whether the buffer still holds this slot's lse (and output) (no
@@ -75,7 +95,9 @@ static void attention_claim(pg_module *m, attention_state *s, int slot) {
 
 static int attention_alloc(pg_module *m, int nslots, int max_rows) {
   attention_state *s = m->state;
-  if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots)) return PG_ERR;
+  if (alloc_leaf(m, nslots, max_rows) || alloc_ptrs(&s->saved_x, nslots) ||
+      pg_env_bool("PG_FLASH_BF16", &s->flash_bf16_env))
+    return PG_ERR;
   /* context parallelism keeps its own (cp_lse, cp_out below) */
   size_t per_slot = cp_size(m) > 1 ? 0 : saved_floats(m, s);
   if (per_slot && (m->arena ? !arena_buffer(m->arena, per_slot * sizeof(float))
@@ -425,14 +447,21 @@ static int cp_attention_backward(pg_module *m, attention_state *s, int slot, con
 }
 
 /* The whole-sequence core (flash attention, kernels.h): the one place each kernel is called. out and saved:
- * f32_out and attention_saved of the slot; x the float32 q|k|v. */
+ * f32_out and attention_saved of the slot; x the q|k|v and dy the output's gradient, bf16 on tensor cores
+ * (tensor_cores), else float32; dx float32. */
 static int core_forward(pg_module *m, const attention_state *s, const pg_io *io, float *out, float *saved,
                         const float *x) {
+  if (tensor_cores(m, s, io))
+    return KERNEL(m, flash_bf16_forward, out, saved, cbits(x), s->slopes, io->B, io->T, s->heads_l, s->kv_l,
+                  s->o.head_dim);
   return KERNEL(m, attention_forward, out, saved, x, s->slopes, io->B, io->T, s->heads_l, s->kv_l, s->o.head_dim);
 }
 
 static int core_backward(pg_module *m, const attention_state *s, const pg_io *io, float *dx, const float *dy,
                          const float *x, const float *out, const float *saved) {
+  if (tensor_cores(m, s, io))
+    return KERNEL(m, flash_bf16_backward, dx, s->scratch, cbits(dy), out, cbits(x), saved, s->slopes, io->B, io->T,
+                  s->heads_l, s->kv_l, s->o.head_dim);
   return KERNEL(m, attention_backward, dx, s->scratch, dy, x, out, saved, s->slopes, io->B, io->T, s->heads_l,
                 s->kv_l, s->o.head_dim);
 }
@@ -453,16 +482,18 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
   int64_t n_in = (int64_t)N * m->in_width;
   float *saved = cp_on(m, io) ? NULL : attention_saved(m, s, slot);
   /* bf16 q|k|v (in_bf16): the core runs on their float32 values (softmax in float32, as torch's math path
-   * upcasts), its output rounded once; saved_x keeps the bf16 input, or with RoPE the float32 rotated copy */
+   * upcasts), its output rounded once; saved_x keeps the bf16 input, or with RoPE the float32 rotated copy.
+   * On tensor cores the core takes them bf16 as they are, with RoPE rotated in float32 and rounded again. */
   const float *xf = x;
+  int tc = tensor_cores(m, s, io);
   if (s->rotated) { /* q and k rotated by their positions, in a copy (x belongs to its producer) */
-    float *rot = s->rotated + (size_t)slot * m->max_rows * m->in_width;
-    if ((m->in_bf16 ? KERNEL(m, bf16_to_f32, rot, cbits(x), n_in)
+    float *rot = s->rotated + (size_t)slot * m->max_rows * m->in_width, *wide = tc ? io->wide_scratch[0] : rot;
+    if ((m->in_bf16 ? KERNEL(m, bf16_to_f32, wide, cbits(x), n_in)
                     : KERNEL(m, copy, rot, x, (size_t)n_in * sizeof(float), PG_COPY_DEVICE_TO_DEVICE)) ||
-        rope_rows(m, s, io, rot, 0))
+        rope_rows(m, s, io, wide, 0) || (tc && KERNEL(m, bf16_from_f32, bits(rot), wide, n_in)))
       return PG_ERR;
     x = xf = rot;
-  } else if (m->in_bf16) {
+  } else if (m->in_bf16 && !tc) {
     if (KERNEL(m, bf16_to_f32, io->wide_scratch[0], cbits(x), n_in)) return PG_ERR;
     xf = io->wide_scratch[0];
   }
@@ -486,7 +517,8 @@ static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy
    * gradient into [1], the input gradient made in [2] and rounded at the end */
   const float *x = s->saved_x[slot];
   float *dinp = m->in_bf16 ? io->wide_scratch[2] : m->dinp;
-  if (m->in_bf16 && !s->rotated) {
+  int tc = tensor_cores(m, s, io); /* the core takes q|k|v and dy bf16 */
+  if (m->in_bf16 && !s->rotated && !tc) {
     if (KERNEL(m, bf16_to_f32, io->wide_scratch[0], cbits(x), n_in)) return PG_ERR;
     x = io->wide_scratch[0];
   }
@@ -495,7 +527,7 @@ static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy
   float *out = cp_on(m, io) ? NULL : f32_out(m, s, saved, slot);
   if (s->o.recompute && !attention_holds(m, s, slot) && core_forward(m, s, io, out, saved, x)) return PG_ERR;
   attention_claim(m, s, -1); /* backward may overwrite what it reads */
-  if (m->in_bf16) {
+  if (m->in_bf16 && !tc) {
     if (KERNEL(m, bf16_to_f32, io->wide_scratch[1], cbits(dy), (int64_t)N * m->out_width)) return PG_ERR;
     dy = io->wide_scratch[1];
   }

@@ -31,6 +31,7 @@ static const env_var VARS[] = {
     {"PG_SHM", BOOLEAN, 0, 1, 1, NULL, "a boolean (1/0, true/false, yes/no, on/off)"},
     {"PG_BF16_GEMM", CHOICE, 0, 0, 0, BF16_GEMM, "one of auto, onednn, fallback"},
     {"PG_CUBLASLT", BOOLEAN, 0, 1, 1, NULL, "a boolean (1/0, true/false, yes/no, on/off)"},
+    {"PG_FLASH_BF16", BOOLEAN, 0, 1, 1, NULL, "a boolean (1/0, true/false, yes/no, on/off)"},
     {"PG_PROGRESS", CHOICE, 0, 0, 0, PROGRESS, "one of auto, tty, plain"},
     {"PG_HOST_MAP_FILE", PATH, 0, 0, 0, NULL, "a file name (scripts/mpirun.sh sets it)"},
     {"PG_RANKS_PER_NODE", INTEGER, 1, 1 << 20, 0, NULL, "a positive integer (ranks per emulated node)"},
