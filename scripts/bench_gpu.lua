@@ -155,6 +155,11 @@ local function batch_of(B, T)
   return all:narrow(2, 1, T), all:narrow(2, 2, T)
 end
 
+-- which attention core precision bf16 asked for: the tensor-core kernels take head sizes 64 and 128 at T a
+-- multiple of 16 (kind_attention.c's tensor_cores: 124m, small and llama-1b have head size 64; the tiny models'
+-- 8 take the float32 core), PG_FLASH_BF16=0 the float32 core on the widened q|k|v everywhere
+local attention_path = pg.core.env("PG_FLASH_BF16") and "attention on tensor cores where the shape allows"
+  or "attention in float32, PG_FLASH_BF16=0"
 for _, precision in ipairs(precisions) do
   for _, T in ipairs(seqs) do
     local B = batch_for(T)
@@ -188,8 +193,8 @@ for _, precision in ipairs(precisions) do
         .. "%d parameters)"):format(model.label, B, T, tps, dt * 1e3, mfu, mfu_attn, loss, params))
     else
       print(("%s %dx%d tokens_per_s %.0f step_ms %.2f mfu_vs_bf16_gemm %.3f mfu_attn %.3f loss %.4f (bf16 linear "
-        .. "and lm_head products, float32 sums and masters, %d parameters)")
-        :format(model.label, B, T, tps, dt * 1e3, mfu, mfu_attn, loss, params))
+        .. "and lm_head products, float32 sums and masters, %d parameters, %s)")
+        :format(model.label, B, T, tps, dt * 1e3, mfu, mfu_attn, loss, params, attention_path))
     end
     engine, optim = nil, nil
     collectgarbage() -- this engine's device memory goes before the next is made (124M: both would fit, 1B not)

@@ -21,7 +21,8 @@
 #      (default 1024,2048,4096), TABLE_TOKENS tokens a step (default 16384; the batch is tokens / T), pipegoose
 #      (bench_gpu.lua --precision=bf16) and PyTorch 2.x with its best settings (scripts/bench_torch_gpu.py: bf16
 #      autocast, SDPA flash, torch.compile, fused AdamW) in the same run, each MFU against its own bf16 GEMM rate
-#      measured in the run; printed as one table (tokens/s, MFU, MFU with attention, the ratio). PyTorch is
+#      measured in the run; printed as one table (tokens/s, MFU, MFU with attention, the ratio); then GPT-2 124M
+#      again with PG_FLASH_BF16=0 (the float32 attention core instead of the tensor-core kernels). PyTorch is
 #      python3's torch, else a venv made from the wheels in .gpu/wheels (the GPU machine has no network: fill it
 #      here with `pip download torch --dest .gpu/wheels` for its Python and CUDA, and carry .gpu/);
 #   5. unless SPECS=0: the dist specs marked '-- device worlds:' at those
@@ -210,6 +211,10 @@ fi
 if [ "${TABLE:-1}" = 1 ]; then
   bf16_table "$PGLUA" "${TABLE_SEQS:-1024,2048,4096}" "${TABLE_TOKENS:-16384}" 124m:gpt2-124m llama-1b:llama-1b ||
     failed=1
+  # what the tensor-core attention gives: the same GPT-2 124M steps with the float32 core on widened q|k|v
+  say "== bf16 GPT-2 124M with PG_FLASH_BF16=0 (the float32 attention core), T 1024 and 4096"
+  run env PG_FLASH_BF16=0 timeout -k 5 "${BENCH_TIMEOUT:-900}" "$PGLUA" scripts/bench_gpu.lua --model=124m \
+    --precision=bf16 --seqs=1024,4096 --tokens="${TABLE_TOKENS:-16384}" --attention=none || failed=1
 fi
 
 if [ "${SPECS:-1}" = 1 ]; then

@@ -703,7 +703,7 @@ print(("loss %.17g gradsum %.17g gradsq %.17g"):format(loss, gc:abs():sum(), gc:
   --     full recomputation's second forward;
   --   * a second engine's bits (no atomics), and recomputation's (full, selective) bits;
   --   * T = 24, not a multiple of 16: PG_FLASH_BF16=0's bits (the float32 core).
-  it("runs precision bf16's attention on tensor cores where the shape allows (head size 64 and 128, GQA, RoPE, ALiBi) #bf16",
+  it("runs precision bf16's attention on tensor cores where the shape allows (head size 64 and 128, GQA, RoPE, ALiBi)",
     function()
     local code = [[
 local pg = require "pipegoose"
