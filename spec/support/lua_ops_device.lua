@@ -92,3 +92,34 @@ for _, c in ipairs(cases) do
   end
   print(("op %s %s"):format(name, #bad == 0 and "ok" or ("FAIL " .. table.concat(bad, "; "))))
 end
+
+-- the tensor-core attention (ops.flash_bf16, head size 64, T 32, GQA 2:1, ALiBi) against its CPU twin, to the
+-- CUDA self-test's bounds (test_flash_bf16): scores differ by ds = 2 gamma_HS HS X^2 scale (float32 sums of HS
+-- exact products in other orders, X the largest |q|k|v|), out by (2^-9 + 6 ds) X elementwise (P rounded to bf16),
+-- lse by ds + 1e-5, dqkv by 2^-7 of its largest value (P and dS rounded, norm-wise)
+do
+  local FB, FT, FNH, FNKV, HS = 2, 32, 2, 1, 64
+  local q16, do16 = ops.to_bf16(rn({ FB, FT, (FNH + 2 * FNKV) * HS }, 0.5)), ops.to_bf16(rn({ FB, FT, FNH * HS }, 0.5))
+  local slopes = ops.alibi_slopes(FNH)
+  local function amax(t) local m = 0 for _, v in ipairs(flat(t)) do m = math.max(m, math.abs(v)) end return m end
+  local X = amax(ops.from_bf16(q16))
+  local u = 2 ^ -24
+  local ds = 2 * (HS * u / (1 - HS * u)) * HS * X * X / math.sqrt(HS) + 2 * u * (HS * X * X + amax(slopes) * FT)
+  local out, lse = ops.flash_bf16(q16, FNH, FNKV, slopes)
+  local dq = ops.flash_bf16_backward(do16, q16, out, lse, FNH, FNKV, slopes)
+  local function dev(t) return t:to("cuda") end
+  local gout, glse = ops.flash_bf16(dev(q16), FNH, FNKV, dev(slopes))
+  local gdq = ops.flash_bf16_backward(dev(do16), dev(q16), dev(out), dev(lse), FNH, FNKV, dev(slopes))
+  local function report(name, pairs_)
+    local bad = {}
+    for i, p in ipairs(pairs_) do
+      local got, want, atol = p[1], p[2], p[3]
+      if got:device() ~= "cuda:0" then bad[#bad + 1] = ("result %d on %s"):format(i, got:device()) end
+      local e = worst(got:to("cpu"), want, { 0, atol })
+      if e > 0 then bad[#bad + 1] = ("result %d beyond tolerance by %.3g"):format(i, e) end
+    end
+    print(("op %s %s"):format(name, #bad == 0 and "ok" or ("FAIL " .. table.concat(bad, "; "))))
+  end
+  report("flash_bf16", { { gout, out, (2 ^ -9 + 6 * ds) * X }, { glse, lse, ds + 1e-5 } })
+  report("flash_bf16_backward", { { gdq, dq, 2 ^ -7 * amax(dq) } })
+end

@@ -548,6 +548,36 @@ describe("pg.ops kernels", function()
     end)
   end)
 
+  -- ops.flash_bf16 (the tensor-core attention's contract; on the CPU its twin): bf16 q|k|v and dout, float32
+  -- out, lse and dqkv. The CPU twin widens them (exact) and runs the float32 block attention, which is what
+  -- ops.attention runs on the widened tensors: the same bits (T = 32 and 528: one block of queries and several).
+  -- The device's tensor-core kernels against it: spec/support/lua_ops_device.lua and the CUDA self-test.
+  describe("flash_bf16", function()
+    for _, c in ipairs({ { B = 2, T = 32, nh = 2, nkv = 1, hs = 64, alibi = true }, { B = 1, T = 528, nh = 2, nkv = 2, hs = 128 } }) do
+      it(("is ops.attention on the widened q|k|v on the CPU, bit for bit (T %d, %d/%d heads, head size %d%s)")
+        :format(c.T, c.nh, c.nkv, c.hs, c.alibi and ", ALiBi" or ""), function()
+        local q16 = ops.to_bf16(randn({ c.B, c.T, (c.nh + 2 * c.nkv) * c.hs }, 70, 0.5))
+        local d16 = ops.to_bf16(randn({ c.B, c.T, c.nh * c.hs }, 71, 0.5))
+        local s = c.alibi and ops.alibi_slopes(c.nh) or nil
+        local o1, l1 = ops.flash_bf16(q16, c.nh, c.nkv, s)
+        local q = ops.from_bf16(q16)
+        local o2, l2 = ops.attention(q, c.nh, c.nkv, s)
+        assert.is_true(o1:equal(o2) and l1:equal(l2), "out and lse")
+        local g1 = ops.flash_bf16_backward(d16, q16, o1, l1, c.nh, c.nkv, s)
+        assert.is_true(g1:equal(ops.attention_backward(ops.from_bf16(d16), q, o2, l2, c.nh, c.nkv, s)), "dqkv")
+      end)
+    end
+
+    it("refuses by name a shape the tensor-core kernels do not take, and float32 q|k|v", function()
+      assert.matches("ops.flash_bf16: flash_bf16_forward: the head size is not 64 or 128 %(B 1, T 32, NH 2, NKV 2, HS 96%)",
+        h.err_of(ops.flash_bf16, ops.to_bf16(pg.zeros{ 1, 32, 6 * 96 }), 2))
+      assert.matches("ops.flash_bf16: flash_bf16_forward: T is not a positive multiple of 16",
+        h.err_of(ops.flash_bf16, ops.to_bf16(pg.zeros{ 1, 24, 6 * 64 }), 2))
+      assert.matches("ops.flash_bf16: qkv: expected a %[%*, %*, %*%] bfloat16 tensor, got %[1, 32, 384%] float32",
+        h.err_of(ops.flash_bf16, pg.zeros{ 1, 32, 6 * 64 }, 2))
+    end)
+  end)
+
   describe("rotary embeddings, RMSNorm, SwiGLU", function()
     it("rope rotates pairs (i, i + hs/2) by t / theta^(2i/hs); backward is the transpose (finite differences)", function()
       local heads, hs, theta = 2, 6, 10000

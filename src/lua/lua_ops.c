@@ -597,10 +597,10 @@ static int l_linear_bf16_backward(lua_State *L) {
 
 /* ---- attention ---- */
 
-/* qkv[B, T, (NH + 2 NKV) HS], heads and optional kv_heads (default heads): fills B, T, NH, NKV, HS. */
-static pg_tensor *qkv_arg(lua_State *L, int idx, int heads_idx, const char *fn, int *B, int *T, int *NH, int *NKV,
-                          int *HS, const pg_backend **at) {
-  pg_tensor *qkv = expect_at(L, idx, fn, "qkv", PG_FLOAT32, 3, (int64_t[]){-1, -1, -1}, at);
+/* qkv[B, T, (NH + 2 NKV) HS] of `dtype`, heads and optional kv_heads (default heads): fills B, T, NH, NKV, HS. */
+static pg_tensor *qkv_arg_of(lua_State *L, int idx, int heads_idx, const char *fn, pg_dtype dtype, int *B, int *T,
+                             int *NH, int *NKV, int *HS, const pg_backend **at) {
+  pg_tensor *qkv = expect_at(L, idx, fn, "qkv", dtype, 3, (int64_t[]){-1, -1, -1}, at);
   *NH = int_arg(L, heads_idx, fn, "heads", 1, 0, 0);
   *NKV = int_arg(L, heads_idx + 1, fn, "kv_heads", 1, *NH, 1);
   if (*NH % *NKV) luaL_error(L, "%s: kv_heads=%d does not divide heads=%d", fn, *NKV, *NH);
@@ -613,6 +613,11 @@ static pg_tensor *qkv_arg(lua_State *L, int idx, int heads_idx, const char *fn, 
   *T = (int)qkv->shape[1];
   *HS = (int)(W / parts);
   return qkv;
+}
+
+static pg_tensor *qkv_arg(lua_State *L, int idx, int heads_idx, const char *fn, int *B, int *T, int *NH, int *NKV,
+                          int *HS, const pg_backend **at) {
+  return qkv_arg_of(L, idx, heads_idx, fn, PG_FLOAT32, B, T, NH, NKV, HS, at);
 }
 
 /* attention(qkv[B,T,(NH+2NKV)HS], heads [, kv_heads [, slopes[NH]]]) -> out[B,T,NH HS], lse[B,NH,T] (the flash
@@ -657,6 +662,46 @@ static int l_attention_backward(lua_State *L) {
   pg_tensor *dqkv = new_on(L, b, PG_FLOAT32, 3, qkv->shape);
   RUN(L, fn, b, attention_backward, pg_tensor_f32(dqkv), pg_tensor_f32(scratch), pg_tensor_f32(dout),
       pg_tensor_f32(qkv), pg_tensor_f32(out), pg_tensor_f32(lse), slopes ? pg_tensor_f32(slopes) : NULL, B, T, NH,
+      NKV, HS);
+  return 1;
+}
+
+/* flash_bf16(qkv[B,T,(NH+2NKV)HS] bfloat16, heads [, kv_heads [, slopes[NH]]]) -> out[B,T,NH HS], lse[B,NH,T]
+ * (float32): kernels.h's pg_flash_bf16_forward, on a device its tensor-core kernels (P rounded to bf16 for P V),
+ * on the CPU its twin (the float32 block attention on the widened q|k|v). A shape the kernels do not take (head
+ * size not 64 or 128, T not a multiple of 16) is refused, saying which: ops.attention takes any. */
+static int l_flash_bf16(lua_State *L) {
+  const char *fn = "ops.flash_bf16";
+  const pg_backend *b = NULL;
+  int B, T, NH, NKV, HS;
+  pg_tensor *qkv = qkv_arg_of(L, 1, 2, fn, PG_BFLOAT16, &B, &T, &NH, &NKV, &HS, &b);
+  const pg_tensor *slopes =
+      lua_isnoneornil(L, 4) ? NULL : expect_at(L, 4, fn, "slopes", PG_FLOAT32, 1, (int64_t[]){NH}, &b);
+  pg_tensor *out = new_on(L, b, PG_FLOAT32, 3, (int64_t[]){B, T, (int64_t)NH * HS});
+  pg_tensor *lse = new_on(L, b, PG_FLOAT32, 3, (int64_t[]){B, NH, T});
+  RUN(L, fn, b, flash_bf16_forward, pg_tensor_f32(out), pg_tensor_f32(lse), pg_tensor_data(qkv),
+      slopes ? pg_tensor_f32(slopes) : NULL, B, T, NH, NKV, HS);
+  return 2;
+}
+
+/* flash_bf16_backward(dout[B,T,NH HS] bfloat16, qkv bfloat16, out[B,T,NH HS], lse[B,NH,T], heads [, kv_heads
+ * [, slopes[NH]]]) -> dqkv (float32): out and lse as ops.flash_bf16 (or ops.attention on the widened qkv) gave
+ * them; on a device P and dS rounded to bf16 for their products, no atomics (the same bits on a rerun). */
+static int l_flash_bf16_backward(lua_State *L) {
+  const char *fn = "ops.flash_bf16_backward";
+  const pg_backend *b = NULL;
+  int B, T, NH, NKV, HS;
+  pg_tensor *qkv = qkv_arg_of(L, 2, 5, fn, PG_BFLOAT16, &B, &T, &NH, &NKV, &HS, &b);
+  pg_tensor *dout = expect_at(L, 1, fn, "dout", PG_BFLOAT16, 3, (int64_t[]){B, T, (int64_t)NH * HS}, &b);
+  pg_tensor *out = expect_at(L, 3, fn, "out", PG_FLOAT32, 3, (int64_t[]){B, T, (int64_t)NH * HS}, &b);
+  pg_tensor *lse = expect_at(L, 4, fn, "lse", PG_FLOAT32, 3, (int64_t[]){B, NH, T}, &b);
+  const pg_tensor *slopes =
+      lua_isnoneornil(L, 7) ? NULL : expect_at(L, 7, fn, "slopes", PG_FLOAT32, 1, (int64_t[]){NH}, &b);
+  int64_t nd = (int64_t)B * NH * T; /* delta: a float per row and head */
+  pg_tensor *delta = new_on(L, b, PG_FLOAT32, 1, &nd);
+  pg_tensor *dqkv = new_on(L, b, PG_FLOAT32, 3, qkv->shape);
+  RUN(L, fn, b, flash_bf16_backward, pg_tensor_f32(dqkv), pg_tensor_f32(delta), pg_tensor_data(dout),
+      pg_tensor_f32(out), pg_tensor_data(qkv), pg_tensor_f32(lse), slopes ? pg_tensor_f32(slopes) : NULL, B, T, NH,
       NKV, HS);
   return 1;
 }
@@ -1178,6 +1223,8 @@ static const luaL_Reg ops_functions[] = {
     {"dequantize_int8", l_dequantize_int8},
     {"attention", l_attention},
     {"attention_backward", l_attention_backward},
+    {"flash_bf16", l_flash_bf16},
+    {"flash_bf16_backward", l_flash_bf16_backward},
     {"alibi_slopes", l_alibi_slopes},
     {"attention_block_", l_attention_block_},
     {"attention_block_finish", l_attention_block_finish},
@@ -1253,9 +1300,9 @@ static const luaL_Reg ops_functions[] = {
 #define OPS_swiglu_bf16_forward OPS_BF16_ACTIVATION
 #define OPS_swiglu_bf16_backward OPS_BF16_ACTIVATION
 #define OPS_residual_bf16_forward OPS_BF16_ACTIVATION
-/* the tensor-core attention: the CUDA self-test checks it against its CPU twin; pg.cuda.flash_bf16_seconds times it */
-#define OPS_flash_bf16_forward OPS_NONE("checked by the CUDA self-test against its CPU twin")
-#define OPS_flash_bf16_backward OPS_NONE("checked by the CUDA self-test against its CPU twin")
+/* the tensor-core attention (the CUDA self-test checks it against its CPU twin; pg.cuda.flash_bf16_seconds times it) */
+#define OPS_flash_bf16_forward l_flash_bf16
+#define OPS_flash_bf16_backward l_flash_bf16_backward
 /* mixture of experts: the router has bindings (moe_spec); the rest is checked through the moe kind (moe_spec,
  * the device spec against the cpu backend) and the CUDA self-test */
 #define OPS_moe_route_forward l_moe_route
