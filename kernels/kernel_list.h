@@ -174,9 +174,19 @@ PG_KERNEL(bf16_from_f32, (uint16_t *dst, const float *src, int64_t n), (dst, src
 PG_KERNEL(matmul_bf16_forward,
           (float *out, const uint16_t *inp, const uint16_t *weight, const float *bias, int N, int C, int OC),
           (out, inp, weight, bias, N, C, OC), OWN, CALL, PG_SELFTEST(test_bf16))
+/* out16 = the float32 sums of matmul_bf16_forward's product (+ bias) rounded once to bf16 (to nearest even): where
+ * the backend can, the product writes bf16 itself (CUDA: cuBLASLt's bf16 D, converted after the bias, split-K
+ * partial sums reduced in float32 only; one pass fewer), else through sums ([N, OC] float32 scratch) and
+ * bf16_from_f32. The CPU and the emulator give matmul_bf16_forward-then-bf16_from_f32's bits; a GPU's cuBLASLt
+ * picks its own algorithm for bf16 D, whose float32 sums may be ordered otherwise than its float32 one's */
+PG_KERNEL(matmul_bf16_forward_rounded,
+          (uint16_t *out16, float *sums, const uint16_t *inp, const uint16_t *weight, const float *bias, int N, int C,
+           int OC),
+          (out16, sums, inp, weight, bias, N, C, OC), OWN, CALL, PG_SELFTEST(test_bf16))
 /* dinp = dout @ weight (NULL: skip), dweight += dout^T @ inp (NULL: skip), on the bf16 operands; dbias (NULL:
- * skip) += the column sums of the float32 dout_f32 (the bias gradient is not rounded): on the CPU a second
- * kernel, pg_bias_backward */
+ * skip) += the column sums of the float32 dout_f32 (the bias gradient is not rounded), or with dout_f32 NULL of
+ * dout's bf16 values widened (the same sums, no widened copy in memory): on the CPU a second kernel,
+ * pg_bias_backward / pg_bias_backward_bf16 */
 PG_KERNEL(matmul_bf16_backward,
           (float *dinp, float *dweight, float *dbias, const float *dout_f32, const uint16_t *dout,
            const uint16_t *inp, const uint16_t *weight, int N, int C, int OC),

@@ -61,6 +61,8 @@ void pg_matmul_backward(float *dinp, float *dweight, float *dbias, const float *
 
 /* Column sums of dout [N, OC] added to dbias [OC] (a linear layer's bias gradient). */
 void pg_bias_backward(float *dbias, const float *dout, int N, int OC);
+/* The same on bf16 dout, widened (exact): pg_bias_backward's bits on the widened values, without them in memory. */
+void pg_bias_backward_bf16(float *dbias, const uint16_t *dout, int N, int OC);
 
 /* ---- bfloat16 ----
  * A bf16 value is the upper 16 bits of a float32 (uint16_t here). float32 ->
@@ -439,8 +441,9 @@ int pg_cuda_matmul_backward(const pg_cuda_ctx *ctx, float *dinp, float *dweight,
  * CUBLAS_COMPUTE_32F (float32 sums, as torch.autocast's bf16 Linear); the
  * order of the sums is cuBLAS's. Backward: dinp overwritten (NULL: skip),
  * dweight += (NULL: skip), and dbias (NULL: skip) += the column sums of the
- * float32 dout_f32 (pg_cuda_matmul_backward's kernel: the bias gradient is
- * not rounded, as on the CPU). */
+ * float32 dout_f32, or with dout_f32 NULL of the bf16 dout widened
+ * (pg_cuda_matmul_backward's kernel: the bias gradient is not rounded, as on
+ * the CPU). */
 int pg_cuda_bf16_from_f32(const pg_cuda_ctx *ctx, uint16_t *dst, const float *src, int64_t n);
 int pg_cuda_bf16_to_f32(const pg_cuda_ctx *ctx, float *dst, const uint16_t *src, int64_t n);
 /* The bf16 activations (the CPU's pg_*_bf16_* contracts, CUDA's expf as the float32 kernels). */
@@ -453,6 +456,11 @@ int pg_cuda_swiglu_bf16_backward(const pg_cuda_ctx *ctx, uint16_t *dinp, const u
 int pg_cuda_residual_bf16_forward(const pg_cuda_ctx *ctx, float *out, const float *a, const uint16_t *b, int64_t n);
 int pg_cuda_matmul_bf16_forward(const pg_cuda_ctx *ctx, float *out, const uint16_t *inp, const uint16_t *weight,
                                 const float *bias, int N, int C, int OC);
+/* out16 = the float32 product (+ bias) rounded once to bf16: cuBLASLt writing bf16 D where it has an algorithm
+ * (no float32 result in memory; split-K reduced in float32 only), else the GemmEx product into sums [N, OC] and
+ * pg_cuda_bf16_from_f32 (kernel_list.h's matmul_bf16_forward_rounded: which bits hold where). */
+int pg_cuda_matmul_bf16_forward_rounded(const pg_cuda_ctx *ctx, uint16_t *out16, float *sums, const uint16_t *inp,
+                                        const uint16_t *weight, const float *bias, int N, int C, int OC);
 int pg_cuda_matmul_bf16_backward(const pg_cuda_ctx *ctx, float *dinp, float *dweight, float *dbias,
                                  const float *dout_f32, const uint16_t *dout, const uint16_t *inp,
                                  const uint16_t *weight, int N, int C, int OC);

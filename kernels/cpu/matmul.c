@@ -69,9 +69,10 @@ void pg_matmul_backward(float *dinp, float *dweight, float *dbias, const float *
   if (dbias) pg_bias_backward(dbias, dout, N, OC);
 }
 
-void pg_bias_backward(float *dbias, const float *dout, int N, int OC) {
+/* dbias += the column sums of dout (float32 f32, or bf16 b16 widened: the same values, the same order, the same
+ * bits), split by columns: each thread adds all rows in order. */
+static void bias_columns(float *dbias, const float *f32, const uint16_t *b16, int N, int OC) {
   if (N <= 0 || OC <= 0) return;
-  /* Column sums of dout, split by columns: each thread adds all rows in order. */
 #pragma omp parallel if ((int64_t)N * OC > PG_PAR_MIN)
   {
     int c0, c1;
@@ -80,10 +81,19 @@ void pg_bias_backward(float *dbias, const float *dout, int N, int OC) {
       int w = pg_cpu_min(b0 + 64, c1) - b0;
       float acc[64] = {0};
       for (int n = 0; n < N; n++) {
-        const float *d = dout + (int64_t)n * OC + b0;
-        for (int j = 0; j < w; j++) acc[j] += d[j];
+        const int64_t at = (int64_t)n * OC + b0;
+        if (f32)
+          for (int j = 0; j < w; j++) acc[j] += f32[at + j];
+        else
+          for (int j = 0; j < w; j++) acc[j] += pg_bf16_value(b16[at + j]);
       }
       for (int j = 0; j < w; j++) dbias[b0 + j] += acc[j];
     }
   }
+}
+
+void pg_bias_backward(float *dbias, const float *dout, int N, int OC) { bias_columns(dbias, dout, NULL, N, OC); }
+
+void pg_bias_backward_bf16(float *dbias, const uint16_t *dout, int N, int OC) {
+  bias_columns(dbias, NULL, dout, N, OC);
 }

@@ -79,8 +79,9 @@ void lt_workspace(pg_cuda_lt *lt) {
 } // namespace
 
 // 1 when the product was made (or failed: *rc), 0 when cuBLASLt has no algorithm for it (the caller uses GemmEx).
-static int lt_linear_forward(const pg_cuda_ctx *ctx, float *out, const uint16_t *inp, const uint16_t *weight,
-                             const float *bias, int N, int C, int OC, int *rc) {
+// out: float32 (d_type CUDA_R_32F) or bf16 (CUDA_R_16BF: the epilogue rounds the float32 sums plus bias).
+static int lt_linear_forward(const pg_cuda_ctx *ctx, void *out, cudaDataType d_type, const uint16_t *inp,
+                             const uint16_t *weight, const float *bias, int N, int C, int OC, int *rc) {
   pg_cuda_lt *lt = (pg_cuda_lt *)ctx->lt;
   const pg_cublaslt_api *api = pg_cublaslt();
   if (!api) return 0;
@@ -100,7 +101,7 @@ static int lt_linear_forward(const pg_cuda_ctx *ctx, float *out, const uint16_t 
                                                   sizeof bias_type)))) ||
       (st = api->MatrixLayoutCreate(&s.a, CUDA_R_16BF, (uint64_t)C, (uint64_t)OC, C)) ||
       (st = api->MatrixLayoutCreate(&s.b, CUDA_R_16BF, (uint64_t)C, (uint64_t)N, C)) ||
-      (st = api->MatrixLayoutCreate(&s.d, CUDA_R_32F, (uint64_t)OC, (uint64_t)N, OC))) {
+      (st = api->MatrixLayoutCreate(&s.d, d_type, (uint64_t)OC, (uint64_t)N, OC))) {
     *rc = cublas_status(st);
     return 1;
   }
@@ -108,13 +109,17 @@ static int lt_linear_forward(const pg_cuda_ctx *ctx, float *out, const uint16_t 
   pg_cuda_lt_shape *shape = nullptr;
   for (int i = 0; i < lt->nshapes && !shape; i++) {
     pg_cuda_lt_shape *c = &lt->shapes[i];
-    if (c->m == OC && c->n == N && c->k == C && c->epilogue == (int)epilogue && c->align_a == align_a &&
+    if (c->m == OC && c->n == N && c->k == C && c->epilogue == (int)epilogue && c->d_type == (int)d_type &&
+        c->align_a == align_a &&
         c->align_b == align_b && c->align_d == align_d)
       shape = c;
   }
   if (!shape) {
     lt_workspace(lt);
     const uint64_t max_ws = lt->workspace_bytes;
+    // bf16 D: split-K only with its partial sums reduced in float32 (COMPUTE_TYPE), never in bf16 (INPLACE,
+    // OUTPUT_TYPE), so the result is rounded once, as bf16_from_f32 would round the float32 product
+    const uint32_t reductions = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
     cublasLtMatmulHeuristicResult_t r;
     int found = 0;
     memset(&r, 0, sizeof r);
@@ -128,7 +133,10 @@ static int lt_linear_forward(const pg_cuda_ctx *ctx, float *out, const uint16_t 
         (st = api->MatmulPreferenceSetAttribute(s.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d,
                                                 sizeof align_d)) ||
         (st = api->MatmulPreferenceSetAttribute(s.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
-                                                sizeof align_d))) {
+                                                sizeof align_d)) ||
+        (d_type == CUDA_R_16BF && (st = api->MatmulPreferenceSetAttribute(
+                                       s.pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions,
+                                       sizeof reductions)))) {
       *rc = cublas_status(st);
       return 1;
     }
@@ -137,7 +145,7 @@ static int lt_linear_forward(const pg_cuda_ctx *ctx, float *out, const uint16_t 
     // the shape's entry: a new one, or (the cache full) the oldest
     shape = &lt->shapes[lt->nshapes < PG_CUDA_LT_SHAPES ? lt->nshapes++ : lt->next++ % PG_CUDA_LT_SHAPES];
     *shape = pg_cuda_lt_shape{};
-    shape->m = OC, shape->n = N, shape->k = C, shape->epilogue = (int)epilogue;
+    shape->m = OC, shape->n = N, shape->k = C, shape->epilogue = (int)epilogue, shape->d_type = (int)d_type;
     shape->align_a = align_a, shape->align_b = align_b, shape->align_d = align_d;
     shape->usable = st == CUBLAS_STATUS_SUCCESS && found > 0 && r.state == CUBLAS_STATUS_SUCCESS &&
                     r.workspaceSize <= lt->workspace_bytes;
@@ -151,6 +159,12 @@ static int lt_linear_forward(const pg_cuda_ctx *ctx, float *out, const uint16_t 
   return 1;
 }
 
+// Whether the context's cuBLASLt may take the product: a bias vector only 16-byte aligned gets none (cuBLASLt states
+// no alignment preference for it, so no promise is made).
+static bool lt_usable(const pg_cuda_ctx *ctx, const float *bias, int N, int C, int OC) {
+  return ctx && ctx->lt && N > 0 && OC > 0 && C > 0 && (!bias || alignment_of(bias) >= 16);
+}
+
 // The products: common.cuh's linear_forward / linear_backward with bf16
 // operands (gemm_rm's GemmEx overload: float32 products and sums); the
 // forward through cuBLASLt where the context has it (and the bias, if any,
@@ -159,10 +173,23 @@ extern "C" int pg_cuda_matmul_bf16_forward(const pg_cuda_ctx *ctx, float *out, c
                                            const uint16_t *weight, const float *bias, int N, int C, int OC) {
   int rc = 0;
   // a bias vector only 16-byte aligned: cuBLASLt states no alignment preference for it, so no promise is made
-  if (ctx && ctx->lt && N > 0 && OC > 0 && C > 0 && (!bias || alignment_of(bias) >= 16) &&
-      lt_linear_forward(ctx, out, inp, weight, bias, N, C, OC, &rc))
+  if (lt_usable(ctx, bias, N, C, OC) && lt_linear_forward(ctx, out, CUDA_R_32F, inp, weight, bias, N, C, OC, &rc))
     return rc;
   return linear_forward(ctx, out, inp, weight, bias, N, C, OC);
+}
+
+// cuBLASLt writes the bf16 result itself (the epilogue converts the float32 sums plus bias, to nearest even as
+// bf16_from_f32 does): the float32 result never reaches memory. Without an algorithm for bf16 D: the float32
+// product into sums, then the rounding.
+extern "C" int pg_cuda_matmul_bf16_forward_rounded(const pg_cuda_ctx *ctx, uint16_t *out16, float *sums,
+                                                   const uint16_t *inp, const uint16_t *weight, const float *bias,
+                                                   int N, int C, int OC) {
+  int rc = 0;
+  if (lt_usable(ctx, bias, N, C, OC) &&
+      lt_linear_forward(ctx, out16, CUDA_R_16BF, inp, weight, bias, N, C, OC, &rc))
+    return rc;
+  if ((rc = pg_cuda_matmul_bf16_forward(ctx, sums, inp, weight, bias, N, C, OC))) return rc;
+  return pg_cuda_bf16_from_f32(ctx, out16, sums, (int64_t)N * OC);
 }
 
 extern "C" int pg_cuda_matmul_bf16_backward(const pg_cuda_ctx *ctx, float *dinp, float *dweight, float *dbias,

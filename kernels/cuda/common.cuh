@@ -137,6 +137,7 @@ inline cublasHandle_t blas_of(const pg_cuda_ctx *ctx) {
 // dst[c] += sum over r of src[r*ld + c], c < cols (matmul.cu): columns in
 // blocks of 32, rows split over 16 thread rows, partials added in row order.
 int col_sum_add(cudaStream_t s, float *dst, const float *src, int rows, int64_t cols, int64_t ld);
+int col_sum_add(cudaStream_t s, float *dst, const uint16_t *src, int rows, int64_t cols, int64_t ld); // bf16 widened
 
 // out[N,OC] rows = bias[OC] (matmul.cu): the start of a product with a bias,
 // which the GEMM then adds to with beta = 1 (sgemm's and the bf16 GemmEx's).
@@ -164,7 +165,7 @@ int linear_forward(const pg_cuda_ctx *ctx, float *out, const T *inp, const T *we
 
 // Backward: dinp = dout @ weight (NULL: skip), dweight += dout^T @ inp (beta = 1
 // accumulates micro-batches into the float32 gradient), dbias += the column
-// sums of the float32 output gradient dout_f32.
+// sums of the float32 output gradient dout_f32 (NULL: of dout's values, widened).
 template <typename T>
 int linear_backward(const pg_cuda_ctx *ctx, float *dinp, float *dweight, float *dbias, const float *dout_f32,
                     const T *dout, const T *inp, const T *weight, int N, int C, int OC) {
@@ -181,7 +182,7 @@ int linear_backward(const pg_cuda_ctx *ctx, float *dinp, float *dweight, float *
     if (dweight)
       if (int rc = gemm_rm(h, true, false, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f, dweight, C)) return rc;
   }
-  if (dbias) return col_sum_add(s, dbias, dout_f32, N, OC, OC);
+  if (dbias) return dout_f32 ? col_sum_add(s, dbias, dout_f32, N, OC, OC) : col_sum_add(s, dbias, dout, N, OC, OC);
   return 0;
 }
 

@@ -9,14 +9,18 @@ namespace pgcu {
 constexpr int CS_COLS = WARP; // columns per block (one warp wide: coalesced rows)
 constexpr int CS_ROWS = 16;   // thread rows per block
 
-// dst[c] += sum_r src[r*ld + c]. Thread (x, y) adds rows y, y + 16, ... of its
-// column; thread row 0 then adds the 16 partials in order.
-__global__ void col_sum_add_kernel(float *dst, const float *src, int rows, int64_t cols, int64_t ld) {
+__device__ __forceinline__ float widened(float v) { return v; }
+__device__ __forceinline__ float widened(uint16_t v) { return bf16_value(v); }
+
+// dst[c] += sum_r src[r*ld + c] (float32, or bf16 widened: the same sums of the same values). Thread (x, y) adds
+// rows y, y + 16, ... of its column; thread row 0 then adds the 16 partials in order.
+template <typename T>
+__global__ void col_sum_add_kernel(float *dst, const T *src, int rows, int64_t cols, int64_t ld) {
   __shared__ float part[CS_ROWS][CS_COLS + 1];
   const int64_t c = (int64_t)blockIdx.x * CS_COLS + threadIdx.x;
   float acc = 0.0f;
   if (c < cols)
-    for (int r = threadIdx.y; r < rows; r += CS_ROWS) acc += src[(int64_t)r * ld + c];
+    for (int r = threadIdx.y; r < rows; r += CS_ROWS) acc += widened(src[(int64_t)r * ld + c]);
   part[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && c < cols) {
@@ -26,12 +30,22 @@ __global__ void col_sum_add_kernel(float *dst, const float *src, int rows, int64
   }
 }
 
-int col_sum_add(cudaStream_t s, float *dst, const float *src, int rows, int64_t cols, int64_t ld) {
+template <typename T> int col_sum_add_of(cudaStream_t s, float *dst, const T *src, int rows, int64_t cols, int64_t ld) {
   if (rows <= 0 || cols <= 0) return 0;
   const int64_t blocks = (cols + CS_COLS - 1) / CS_COLS;
   if (blocks > 0x7fffffff) return PG_CUDA_EINVAL;
-  col_sum_add_kernel<<<(unsigned)blocks, dim3(CS_COLS, CS_ROWS), 0, s>>>(dst, src, rows, cols, ld);
+  // one name per launch: the emulator's rewrite takes the launched name as it stands
+  auto sum = col_sum_add_kernel<T>;
+  sum<<<(unsigned)blocks, dim3(CS_COLS, CS_ROWS), 0, s>>>(dst, src, rows, cols, ld);
   return launch_status();
+}
+
+int col_sum_add(cudaStream_t s, float *dst, const float *src, int rows, int64_t cols, int64_t ld) {
+  return col_sum_add_of(s, dst, src, rows, cols, ld);
+}
+
+int col_sum_add(cudaStream_t s, float *dst, const uint16_t *src, int rows, int64_t cols, int64_t ld) {
+  return col_sum_add_of(s, dst, src, rows, cols, ld);
 }
 
 // out[n, :] = bias, flat over N*OC elements (then sgemm adds the product, beta = 1).

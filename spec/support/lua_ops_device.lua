@@ -123,3 +123,12 @@ do
   report("flash_bf16", { { gout, out, (2 ^ -9 + 6 * ds) * X }, { glse, lse, ds + 1e-5 } })
   report("flash_bf16_backward", { { gdq, dq, 2 ^ -7 * amax(dq) } })
 end
+
+-- a device view at an offset of 8 bf16 values (16 bytes) is refused by name, not run misaligned
+do
+  local q = ops.to_bf16(pg.zeros{ 2 * 32 * 256 + 8 }):to("cuda")
+  local ok, err = pcall(ops.flash_bf16, q:narrow(1, 9, 2 * 32 * 256):view{ 2, 32, 256 }, 2, 1)
+  local want = "ops.flash_bf16: flash_bf16_forward: qkv is not 32-byte aligned"
+  print(("op flash_bf16 (misaligned view) %s"):format(not ok and tostring(err):find(want, 1, true) and "ok"
+    or ("FAIL " .. tostring(err))))
+end

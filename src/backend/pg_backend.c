@@ -105,13 +105,22 @@ static int cpu_matmul_bf16_forward(const pg_backend *b, float *out, const uint16
   return PG_OK;
 }
 
+/* the product into the float32 scratch, then the rounding: no GEMM here writes bf16 */
+static int cpu_matmul_bf16_forward_rounded(const pg_backend *b, uint16_t *out16, float *sums, const uint16_t *inp,
+                                           const uint16_t *weight, const float *bias, int N, int C, int OC) {
+  if (cpu_matmul_bf16_forward(b, sums, inp, weight, bias, N, C, OC)) return PG_ERR;
+  pg_bf16_from_f32(out16, sums, (int64_t)N * OC);
+  return PG_OK;
+}
+
 static int cpu_matmul_bf16_backward(const pg_backend *b, float *dinp, float *dweight, float *dbias,
                                     const float *dout_f32, const uint16_t *dout, const uint16_t *inp,
                                     const uint16_t *weight, int N, int C, int OC) {
   (void)b;
   if (pg_matmul_bf16_backward(dinp, dweight, dout, inp, weight, N, C, OC))
     return pg_fail("bf16 GEMM: %s", pg_bf16_gemm_error());
-  if (dbias) pg_bias_backward(dbias, dout_f32, N, OC);
+  if (dbias && dout_f32) pg_bias_backward(dbias, dout_f32, N, OC);
+  if (dbias && !dout_f32) pg_bias_backward_bf16(dbias, dout, N, OC);
   return PG_OK;
 }
 

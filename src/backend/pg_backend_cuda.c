@@ -152,9 +152,19 @@ static int cu_sum_squares(const pg_backend *b, const float *x, int64_t n, double
   return cu_copy(b, out, d, sizeof(double), PG_COPY_DEVICE_TO_HOST);
 }
 
+/* The tensor-core kernels' WMMA tiles load and store 32-byte aligned: a buffer that is not (a device view at an
+ * offset) is refused by name here rather than as the kernel's invalid argument. */
+static int flash_misaligned(const char *what, const char *name, const void *p) {
+  if (((uintptr_t)p & 31u) == 0) return PG_OK;
+  return pg_fail("%s: %s is not 32-byte aligned (a device view at an offset?): the tensor-core kernels need it; "
+                 "pass a copy (:clone())", what, name);
+}
+
 static int cu_flash_bf16_forward(const pg_backend *b, float *out, float *lse, const uint16_t *qkv,
                                  const float *slopes, int B, int T, int NH, int NKV, int HS) {
-  if (pg_backend_flash_bf16_refused("flash_bf16_forward", B, T, NH, NKV, HS)) return PG_ERR;
+  if (pg_backend_flash_bf16_refused("flash_bf16_forward", B, T, NH, NKV, HS) ||
+      flash_misaligned("flash_bf16_forward", "qkv", qkv) || flash_misaligned("flash_bf16_forward", "out", out))
+    return PG_ERR;
   return kernel_rc(b, "flash_bf16_forward",
                    pg_cuda_flash_bf16_forward(ctx_of(b), out, lse, qkv, slopes, B, T, NH, NKV, HS));
 }
@@ -162,7 +172,10 @@ static int cu_flash_bf16_forward(const pg_backend *b, float *out, float *lse, co
 static int cu_flash_bf16_backward(const pg_backend *b, float *dqkv, float *delta, const uint16_t *dout,
                                   const float *out, const uint16_t *qkv, const float *lse, const float *slopes,
                                   int B, int T, int NH, int NKV, int HS) {
-  if (pg_backend_flash_bf16_refused("flash_bf16_backward", B, T, NH, NKV, HS)) return PG_ERR;
+  if (pg_backend_flash_bf16_refused("flash_bf16_backward", B, T, NH, NKV, HS) ||
+      flash_misaligned("flash_bf16_backward", "qkv", qkv) || flash_misaligned("flash_bf16_backward", "dout", dout) ||
+      flash_misaligned("flash_bf16_backward", "dqkv", dqkv))
+    return PG_ERR;
   return kernel_rc(b, "flash_bf16_backward", pg_cuda_flash_bf16_backward(ctx_of(b), dqkv, delta, dout, out, qkv, lse,
                                                                          slopes, B, T, NH, NKV, HS));
 }

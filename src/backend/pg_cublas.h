@@ -72,6 +72,7 @@ const pg_cublaslt_api *pg_cublaslt(void);
 #define PG_CUDA_LT_SHAPES 64
 typedef struct pg_cuda_lt_shape {
   int m, n, k, epilogue;              /* column-major D[m,n] = op(A)[m,k] op(B)[k,n] */
+  int d_type;                         /* D's cudaDataType: float32 sums, or bf16 (the rounded product) */
   uint32_t align_a, align_b, align_d; /* the operands' alignments (bytes, up to 256) the algorithm was chosen for */
   int usable;                         /* 0: the heuristic found no algorithm (the product uses GemmEx) */
   cublasLtMatmulAlgo_t algo;

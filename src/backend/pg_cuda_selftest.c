@@ -480,6 +480,9 @@ static void test_bf16_lt(selftest *st, const float *x, const float *w, const flo
   }
 }
 
+static void test_bf16_rounded(selftest *st, const uint16_t *d_x16, const uint16_t *d_w16, const float *d_b,
+                              const float *want, int N, int C, int OC);
+
 /* Precision bf16: the rounding (bit for bit, ties and specials included) and the GemmEx products against the CPU's
  * bf16 GEMMs on the same bf16 operands (both sum exact products in float32, in other orders: TOL_GEMM). */
 static void test_bf16(selftest *st) {
@@ -526,12 +529,30 @@ static void test_bf16(selftest *st) {
   if (launched(st, "matmul_bf16_forward", pg_cuda_matmul_bf16_forward(ctx, d_out, d_r, d_w16, d_b, N, C, OC)))
     check_f(st, "matmul_bf16_forward", d_out, out, (int64_t)N * OC, TOL_GEMM);
   test_bf16_lt(st, x, w, b, N, C, OC);
+  test_bf16_rounded(st, d_r, d_w16, d_b, out, N, C, OC);
   if (launched(st, "matmul_bf16_backward",
                pg_cuda_matmul_bf16_backward(ctx, d_dx, d_dw, d_db, d_dout, d_dout16, d_r, d_w16, N, C, OC))) {
     check_f(st, "matmul_bf16_backward.dinp", d_dx, dx, (int64_t)N * C, TOL_GEMM);
     check_f(st, "matmul_bf16_backward.dweight", d_dw, dw, (int64_t)OC * C, TOL_GEMM);
     check_f(st, "matmul_bf16_backward.dbias", d_db, db, OC, TOL_REDUCE);
   }
+  /* the bias gradient of a bf16 dout without its float32 copy (dout_f32 NULL): its widened values' column sums,
+   * against the CPU's (TOL_REDUCE: other orders) and against the device's own sums of the widened copy (the
+   * same values in the same order: the same bits) */
+  float *db16 = h_copy(st, db0, OC), *dout_w = h_alloc(st, (size_t)N * OC * sizeof(float));
+  if (!db16 || !dout_w || !reload(st, d_db, db0, OC)) return;
+  pg_bias_backward_bf16(db16, dout16, N, OC);
+  pg_bf16_to_f32(dout_w, dout16, (int64_t)N * OC);
+  float *d_dout_w = d_floats(st, dout_w, (int64_t)N * OC), *d_db_w = d_floats(st, db0, OC);
+  if (st->broken) return;
+  if (launched(st, "matmul_bf16_backward (bf16 dbias)",
+               pg_cuda_matmul_bf16_backward(ctx, NULL, NULL, d_db, NULL, d_dout16, d_r, d_w16, N, C, OC)))
+    check_f(st, "matmul_bf16_backward.dbias (bf16)", d_db, db16, OC, TOL_REDUCE);
+  float *from16 = d_get(st, d_db, OC);
+  if (from16 && launched(st, "matmul_bf16_backward (widened dbias)",
+                         pg_cuda_matmul_bf16_backward(ctx, NULL, NULL, d_db_w, d_dout_w, d_dout16, d_r, d_w16, N,
+                                                      C, OC)))
+    check_f(st, "matmul_bf16_backward.dbias (bf16 = widened)", d_db_w, from16, OC, 0, 0);
 }
 
 /* n bf16 values of a device buffer against the CPU's, widened: |got - want| <= atol + rtol |want|. */
@@ -567,6 +588,40 @@ static void check_bf16_close(selftest *st, const char *name, const uint16_t *dev
  * bf16, so a float32 difference of an ulp (CUDA's expf) moves a result by at most one bf16 ulp (2^-7
  * relative: TOL_BF16); the widening and the residual add are exact. */
 #define TOL_BF16 1e-2, 1e-6
+
+/* The rounded product (pg_cuda_matmul_bf16_forward_rounded) through cuBLASLt's bf16 D where the context has it and
+ * through GemmEx and the rounding without it, against the CPU's float32 product `want` rounded: the device's sums
+ * are TOL_GEMM from the CPU's, so a value next to a rounding boundary may land one bf16 step (2^-7 relative at
+ * most) away: TOL_BF16. */
+static void test_bf16_rounded(selftest *st, const uint16_t *d_x16, const uint16_t *d_w16, const float *d_b,
+                              const float *want, int N, int C, int OC) {
+  pg_cuda_ctx *ctx = &st->ctx;
+  const int64_t n = (int64_t)N * OC, nf = (n + 1) / 2; /* nf floats hold the n bf16 values */
+  uint16_t *want16 = h_alloc(st, (size_t)n * sizeof(uint16_t));
+  float *garbage = h_rand(st, n, 100, 200);
+  if (st->broken || !want16 || !garbage) return;
+  pg_bf16_from_f32(want16, want, n);
+  uint16_t *d_out16 = d_put(st, garbage, (size_t)nf * sizeof(float));
+  float *d_sums = d_floats(st, garbage, n);
+  if (st->broken) return;
+  pg_cuda_lt *lt = ctx->lt;
+  for (int pass = 0; pass < 2; pass++) { /* 0: the context's (cuBLASLt if it has it), 1: GemmEx and the rounding */
+    const char *name = pass == 0 && lt ? "matmul_bf16_forward_rounded (Lt)" : "matmul_bf16_forward_rounded";
+    if (pass == 1) ctx->lt = NULL;
+    const long long p0 = lt ? lt->products : 0;
+    const int rc = pg_cuda_matmul_bf16_forward_rounded(ctx, d_out16, d_sums, d_x16, d_w16, d_b, N, C, OC);
+    ctx->lt = lt;
+    if (launched(st, name, rc)) check_bf16_close(st, name, d_out16, want16, n, TOL_BF16);
+    /* whether cuBLASLt wrote the bf16 D itself: its heuristic may offer no algorithm for bf16 D with a float32
+     * bias and float32 split-K reductions (then GemmEx and the rounding ran: correct, one pass more) */
+    if (pass == 0 && lt && lt->products == p0)
+      say(st, "  none  %-34s cuBLASLt offered no algorithm for bf16 D: GemmEx and the rounding ran\n",
+          "matmul_bf16_forward_rounded (Lt)");
+    if (!reload(st, (float *)(void *)d_out16, garbage, nf)) return;
+    if (!lt) return; /* the one path, checked */
+  }
+}
+
 static void test_bf16_pointwise(selftest *st) {
   const int N = ST_N, H = 101;
   const int64_t n = (int64_t)N * H, n2 = 2 * n;

@@ -1291,6 +1291,7 @@ static const luaL_Reg ops_functions[] = {
 #define OPS_bf16_from_f32 l_to_bf16
 #define OPS_matmul_bf16_forward l_linear_bf16
 #define OPS_matmul_bf16_backward l_linear_bf16_backward
+#define OPS_matmul_bf16_forward_rounded OPS_NONE("linear_bf16 then to_bf16: checked through the bf16 modules and the CUDA self-test")
 #define OPS_bf16_to_f32 l_from_bf16
 /* bf16_spec checks the bf16 modules against the float32 bindings' results rounded (ops.gelu, ops.swiglu,
  * ops.residual), and the CUDA self-test checks these kernels against each other */

@@ -84,14 +84,15 @@ static const uint16_t *operand16(pg_module *m, const pg_io *io, int k, const flo
 
 /* The bf16 products on a working weight w16 (any module's: linear's, lm_head's, an expert's), the float32
  * operands rounded into the engine's scratch. out[N,OC] = x[N,C] @ w^T (+ bias), summed in float32 and, where the
- * module's output is bf16 (out_bf16), rounded once into out (through the float32 wide_scratch[0]). */
+ * module's output is bf16 (out_bf16), rounded once into out (matmul_bf16_forward_rounded: by the product itself
+ * where the backend can, else through the float32 wide_scratch[0]). */
 int bf16_product_forward(pg_module *m, const pg_io *io, float *out, const float *x, const uint16_t *w16,
                          const float *bias, int N, int C, int OC) {
   if (mm_scratch(m, io)) return PG_ERR;
   const uint16_t *x16 = operand16(m, io, 0, x, m->in_bf16, (int64_t)N * C);
-  float *sums = m->out_bf16 ? io->wide_scratch[0] : out;
-  if (!x16 || KERNEL(m, matmul_bf16_forward, sums, x16, w16, bias, N, C, OC) ||
-      (m->out_bf16 && KERNEL(m, bf16_from_f32, bits(out), sums, (int64_t)N * OC)))
+  if (!x16 || (m->out_bf16 ? KERNEL(m, matmul_bf16_forward_rounded, bits(out), io->wide_scratch[0], x16, w16, bias,
+                                    N, C, OC)
+                           : KERNEL(m, matmul_bf16_forward, out, x16, w16, bias, N, C, OC)))
     return mm_fail(m);
   return PG_OK;
 }
@@ -103,11 +104,7 @@ int bf16_product_backward(pg_module *m, const pg_io *io, float *dinp, float *dw,
   if (mm_scratch(m, io)) return PG_ERR;
   const uint16_t *dy16 = operand16(m, io, 0, dy, m->out_bf16, (int64_t)N * OC);
   const uint16_t *x16 = dy16 ? operand16(m, io, 1, x, m->in_bf16, (int64_t)N * C) : NULL;
-  const float *dy32 = dy;
-  if (x16 && dbias && m->out_bf16) { /* the bias sums the gradient's values, widened */
-    if (KERNEL(m, bf16_to_f32, io->wide_scratch[0], dy16, (int64_t)N * OC)) return mm_fail(m);
-    dy32 = io->wide_scratch[0];
-  }
+  const float *dy32 = m->out_bf16 ? NULL : dy; /* NULL: the bias sums the bf16 gradient's values, widened */
   if (!x16 || KERNEL(m, matmul_bf16_backward, dinp, dw, dbias, dy32, dy16, x16, w16, N, C, OC)) return mm_fail(m);
   return PG_OK;
 }

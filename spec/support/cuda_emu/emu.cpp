@@ -696,7 +696,8 @@ struct cublasLtMatrixLayoutOpaque {
 };
 struct cublasLtMatmulPreferenceOpaque {
   uint64_t max_workspace;
-  uint32_t align[4]; // A, B, C, D
+  uint32_t align[4];        // A, B, C, D
+  uint32_t reduction_mask; // the split-K reductions allowed (cuBLASLt's default: all)
 };
 
 cublasStatus_t cublasLtCreate(cublasLtHandle_t *h) {
@@ -744,7 +745,7 @@ cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) {
   return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t *p) {
-  *p = new cublasLtMatmulPreferenceOpaque{0, {256, 256, 256, 256}}; // cuBLASLt's defaults
+  *p = new cublasLtMatmulPreferenceOpaque{0, {256, 256, 256, 256}, CUBLASLT_REDUCTION_SCHEME_MASK}; // the defaults
   return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) {
@@ -760,17 +761,18 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p
   case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES: return set_attr(&p->align[1], buf, bytes);
   case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES: return set_attr(&p->align[2], buf, bytes);
   case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES: return set_attr(&p->align[3], buf, bytes);
+  case CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK: return set_attr(&p->reduction_mask, buf, bytes);
   }
   return CUBLAS_STATUS_INVALID_VALUE;
 }
 
-// What the emulation computes: bf16 A and B, float32 C and D, CUBLAS_COMPUTE_32F, float32 scale, D = C (in place),
-// epilogue DEFAULT or BIAS (a float32 bias), op(A) of m x k and op(B) of k x n.
+// What the emulation computes: bf16 A and B, float32 or bf16 C and D (the same type), CUBLAS_COMPUTE_32F, float32
+// scale, D = C (in place), epilogue DEFAULT or BIAS (a float32 bias), op(A) of m x k and op(B) of k x n.
 static bool lt_supported(cublasLtMatmulDesc_t d, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
                          cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t dl) {
   if (d->compute != CUBLAS_COMPUTE_32F || d->scale != CUDA_R_32F || a->type != CUDA_R_16BF ||
-      b->type != CUDA_R_16BF || c->type != CUDA_R_32F || dl->type != CUDA_R_32F || c->rows != dl->rows ||
-      c->cols != dl->cols || c->ld != dl->ld)
+      b->type != CUDA_R_16BF || (dl->type != CUDA_R_32F && dl->type != CUDA_R_16BF) || c->type != dl->type ||
+      c->rows != dl->rows || c->cols != dl->cols || c->ld != dl->ld)
     return false;
   if (d->epilogue != CUBLASLT_EPILOGUE_DEFAULT &&
       !(d->epilogue == CUBLASLT_EPILOGUE_BIAS && (d->bias_type == -1 || d->bias_type == CUDA_R_32F)))
@@ -792,12 +794,18 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmul
   if (!d || !a || !b || !c || !dl || !p || requested < 1 || !results || !returned) return CUBLAS_STATUS_INVALID_VALUE;
   *returned = 0;
   if (!lt_supported(d, a, b, c, dl)) return CUBLAS_STATUS_NOT_SUPPORTED;
+  // a bf16 D: a real heuristic may pick split-K reducing the partial sums in bf16 (INPLACE, OUTPUT_TYPE: a second
+  // rounding) unless the preference excludes them; the emulation offers its algorithm only where it is excluded
+  if (dl->type == CUDA_R_16BF &&
+      (p->reduction_mask & (CUBLASLT_REDUCTION_SCHEME_INPLACE | CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE)))
+    return CUBLAS_STATUS_SUCCESS; // no algorithm found
   cublasLtMatmulHeuristicResult_t r;
   memset(&r, 0, sizeof r);
   r.algo.data[0] = LT_EMU_ALGO;
   r.workspaceSize = p->max_workspace < LT_EMU_WORKSPACE ? p->max_workspace : LT_EMU_WORKSPACE;
   r.algo.data[1] = r.workspaceSize;
   for (int i = 0; i < 4; i++) r.algo.data[2 + i] = p->align[i];
+  r.algo.data[6] = (uint64_t)dl->type; // an algorithm is made for its D type, as a real one is
   r.state = CUBLAS_STATUS_SUCCESS;
   r.wavesCount = 1.0f;
   results[0] = r;
@@ -820,8 +828,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
   if (!d || !a || !b || !c || !dl || !alpha || !beta || !algo || algo->data[0] != LT_EMU_ALGO)
     return CUBLAS_STATUS_INVALID_VALUE;
   if (!lt_supported(d, a, b, c, dl) || C != D) {
-    fprintf(stderr, "cuda_emu: cublasLtMatmul: only bf16 x bf16 -> float32 in place with CUBLAS_COMPUTE_32F and the "
-                    "epilogue DEFAULT or BIAS is emulated\n");
+    fprintf(stderr, "cuda_emu: cublasLtMatmul: only bf16 x bf16 -> float32 or bf16 in place with CUBLAS_COMPUTE_32F "
+                    "and the epilogue DEFAULT or BIAS is emulated\n");
     return CUBLAS_STATUS_NOT_SUPPORTED;
   }
   const uint64_t need = algo->data[1];
@@ -829,6 +837,10 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
     fprintf(stderr, "cuda_emu: cublasLtMatmul: the algorithm needs %llu bytes of device workspace, given %zu\n",
             (unsigned long long)need, workspace_bytes);
     return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  if (algo->data[6] != (uint64_t)dl->type) {
+    fprintf(stderr, "cuda_emu: cublasLtMatmul: an algorithm chosen for another D type\n");
+    return CUBLAS_STATUS_NOT_SUPPORTED;
   }
   if (!aligned_to(A, algo->data[2]) || !aligned_to(B, algo->data[3]) || !aligned_to(D, algo->data[5])) {
     fprintf(stderr, "cuda_emu: cublasLtMatmul: an operand less aligned than the algorithm was chosen for\n");
@@ -838,11 +850,14 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
   const int64_t lda = a->ld, ldb = b->ld, ldd = dl->ld;
   const bool ta = d->ta != CUBLAS_OP_N, tb = d->tb != CUBLAS_OP_N;
   const uint16_t *a16 = (const uint16_t *)A, *b16 = (const uint16_t *)B;
+  const bool d16 = dl->type == CUDA_R_16BF; // bf16 D: the float32 result rounded to nearest even, as cuBLASLt's
+  const size_t d_size = d16 ? sizeof(uint16_t) : sizeof(float);
   float *d32 = (float *)D;
+  uint16_t *dbf = (uint16_t *)D;
   const float *bias = d->epilogue == CUBLASLT_EPILOGUE_BIAS ? (const float *)d->bias : nullptr;
   if ((k > 0 && (!inside(a16, extent(ta ? k : m, ta ? m : k, (int)lda) * sizeof(uint16_t)) ||
                  !inside(b16, extent(tb ? n : k, tb ? k : n, (int)ldb) * sizeof(uint16_t)))) ||
-      !inside(d32, extent(m, n, (int)ldd) * sizeof(float)) ||
+      !inside(D, extent(m, n, (int)ldd) * d_size) ||
       (d->epilogue == CUBLASLT_EPILOGUE_BIAS && !inside(bias, (size_t)m * sizeof(float)))) {
     fprintf(stderr, "cuda_emu: cublasLtMatmul: a matrix or the bias outside device memory (m %d n %d k %d)\n", m, n,
             k);
@@ -858,10 +873,14 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
           const uint16_t bv = tb ? b16[j + (long long)p * ldb] : b16[p + (long long)j * ldb];
           s += pg_bf16_value(av) * pg_bf16_value(bv);
         }
-        float *o = d32 + i + (long long)j * ldd;
-        float v = al * s + (be == 0.0f ? 0.0f : be * *o); // beta = 0: C is not read
+        const long long at = i + (long long)j * ldd;
+        const float c = be == 0.0f ? 0.0f : be * (d16 ? pg_bf16_value(dbf[at]) : d32[at]); // beta = 0: C is not read
+        float v = al * s + c;
         if (bias) v += bias[i];
-        *o = v;
+        if (d16)
+          dbf[at] = pg_bf16_round(v);
+        else
+          d32[at] = v;
       }
   });
   return CUBLAS_STATUS_SUCCESS;
