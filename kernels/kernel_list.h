@@ -210,10 +210,12 @@ PG_KERNEL(residual_bf16_forward, (float *out, const float *a, const uint16_t *x,
 /* ---- flash attention on bf16 q|k|v (kernels.h's pg_flash_bf16_*): the device's tensor-core kernels; the CPU
  * twin runs the float32 block attention on the widened inputs. Both refuse, naming why, a shape that
  * pg_flash_bf16_unsupported refuses (pg_backend_flash_bf16_refused): the caller then takes attention_forward /
- * attention_backward. delta: B NH T floats of scratch. ---- */
+ * attention_backward. delta: B NH T floats of scratch; out16 (NULL: none) the output's bf16 rounding too, written
+ * in the same pass. ---- */
 PG_KERNEL(flash_bf16_forward,
-          (float *out, float *lse, const uint16_t *qkv, const float *slopes, int B, int T, int NH, int NKV, int HS),
-          (out, lse, qkv, slopes, B, T, NH, NKV, HS), OWN, OWN, PG_SELFTEST(test_flash_bf16))
+          (float *out, uint16_t *out16, float *lse, const uint16_t *qkv, const float *slopes, int B, int T, int NH,
+           int NKV, int HS),
+          (out, out16, lse, qkv, slopes, B, T, NH, NKV, HS), OWN, OWN, PG_SELFTEST(test_flash_bf16))
 PG_KERNEL(flash_bf16_backward,
           (float *dqkv, float *delta, const uint16_t *dout, const float *out, const uint16_t *qkv, const float *lse,
            const float *slopes, int B, int T, int NH, int NKV, int HS),

@@ -141,8 +141,8 @@ static inline uint16_t pg_f16_round(float f) {
  * (pg_attention_block_*) in float32: the reference the device's self-test compares with; the device rounds P
  * and dS to bf16 for its products (FlashAttention's rounding). 0, or 1 for a shape refused or when out of memory. */
 const char *pg_flash_bf16_unsupported(int B, int T, int NH, int NKV, int HS);
-int pg_flash_bf16_forward(float *out, float *lse, const uint16_t *qkv, const float *slopes, int B, int T, int NH,
-                          int NKV, int HS);
+int pg_flash_bf16_forward(float *out, uint16_t *out16, float *lse, const uint16_t *qkv, const float *slopes, int B,
+                          int T, int NH, int NKV, int HS); /* out16 (NULL: none): out rounded to bf16 as well */
 /* dqkv [B, T, (NH + 2 NKV) HS] float32 = the gradient of q|k|v (written, not accumulated) for dout [B, T, NH HS]
  * bf16, with the forward's out and lse; delta: B NH T floats of scratch (FlashAttention-2's rowsum(dout out)). */
 int pg_flash_bf16_backward(float *dqkv, float *delta, const uint16_t *dout, const float *out, const uint16_t *qkv,
@@ -467,7 +467,7 @@ int pg_cuda_matmul_bf16_backward(const pg_cuda_ctx *ctx, float *dinp, float *dwe
 /* pg_flash_bf16_* on the device (device pointers, the same arguments): WMMA bf16 products with float32 sums,
  * online softmax in float32, deterministic backward (no atomics). PG_CUDA_EINVAL for a shape
  * pg_flash_bf16_unsupported refuses, or out, dqkv, dout or qkv not 32-byte aligned (WMMA's tiles). */
-int pg_cuda_flash_bf16_forward(const pg_cuda_ctx *ctx, float *out, float *lse, const uint16_t *qkv,
+int pg_cuda_flash_bf16_forward(const pg_cuda_ctx *ctx, float *out, uint16_t *out16, float *lse, const uint16_t *qkv,
                                const float *slopes, int B, int T, int NH, int NKV, int HS);
 int pg_cuda_flash_bf16_backward(const pg_cuda_ctx *ctx, float *dqkv, float *delta, const uint16_t *dout,
                                 const float *out, const uint16_t *qkv, const float *lse, const float *slopes, int B,

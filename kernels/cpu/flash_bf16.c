@@ -27,8 +27,8 @@ static float *floats(int nsizes, const int64_t *sizes) {
   return malloc(bytes ? (size_t)bytes : 1);
 }
 
-int pg_flash_bf16_forward(float *out, float *lse, const uint16_t *qkv, const float *slopes, int B, int T, int NH,
-                          int NKV, int HS) {
+int pg_flash_bf16_forward(float *out, uint16_t *out16, float *lse, const uint16_t *qkv, const float *slopes, int B,
+                          int T, int NH, int NKV, int HS) {
   if (pg_flash_bf16_unsupported(B, T, NH, NKV, HS)) return 1;
   const int64_t W = (int64_t)(NH + 2 * NKV) * HS;
   const int64_t n_qkv[] = {B, T, W}, n_acc[] = {B, T, NH, HS}, n_row[] = {2, B, NH, T};
@@ -45,6 +45,7 @@ int pg_flash_bf16_forward(float *out, float *lse, const uint16_t *qkv, const flo
   pg_attention_block_forward(acc, mx, sm, x, W, x + (int64_t)NH * HS, x + (int64_t)(NH + NKV) * HS, W, slopes, B, T,
                              T, NH, NKV, HS, 0, 0);
   pg_attention_block_finish(out, (int64_t)NH * HS, lse, acc, mx, sm, B, T, NH, HS);
+  if (out16) pg_bf16_from_f32(out16, out, (int64_t)B * T * NH * HS);
   free(x), free(acc), free(mx);
   return 0;
 }

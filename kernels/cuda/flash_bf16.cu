@@ -84,8 +84,8 @@ __device__ __forceinline__ float alibi_score(float dot, float scale, const float
 // ---- forward ----
 
 template <int D>
-__global__ void flash_bf16_forward_kernel(float *out, float *lse, const uint16_t *qkv, const float *slopes, int T,
-                                          int NH, int NKV, float scale) {
+__global__ void flash_bf16_forward_kernel(float *out, uint16_t *out16, float *lse, const uint16_t *qkv,
+                                          const float *slopes, int T, int NH, int NKV, float scale) {
   alignas(32) __shared__ float scratch[WARPS][TILE_ELEMS];
   alignas(32) __shared__ uint16_t ptile[WARPS][TILE * STEP_TILES * TILE];
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
@@ -155,9 +155,13 @@ __global__ void flash_bf16_forward_kernel(float *out, float *lse, const uint16_t
       for (int e = 0; e < 8; e++) o[t][e] = o[t][e] * alpha + pv[e];
     }
   }
-  float *orow = out + ((int64_t)b * T + qi) * C + (int64_t)h * D + col0;
+  const int64_t at = ((int64_t)b * T + qi) * C + (int64_t)h * D + col0;
   for (int t = 0; t < D / TILE; t++)
-    for (int e = 0; e < 8; e++) orow[t * TILE + e] = o[t][e] / l;
+    for (int e = 0; e < 8; e++) {
+      const float v = o[t][e] / l;
+      out[at + t * TILE + e] = v;
+      if (out16) out16[at + t * TILE + e] = bf16_round_bits(v); // the module's bf16 output, in this pass
+    }
   if ((lane & 1) == 0) lse[((int64_t)b * NH + h) * T + qi] = m + logf(l);
 }
 
@@ -290,11 +294,12 @@ bool aligned32(const void *p) { return ((uintptr_t)p & 31u) == 0; }
 dim3 tiles_grid(int T, int heads, int B) { return dim3((unsigned)((T / TILE + WARPS - 1) / WARPS), heads, B); }
 
 template <int D>
-int forward_hs(cudaStream_t s, float *out, float *lse, const uint16_t *qkv, const float *slopes, int B, int T, int NH,
-               int NKV) {
+int forward_hs(cudaStream_t s, float *out, uint16_t *out16, float *lse, const uint16_t *qkv, const float *slopes, int B,
+               int T, int NH, int NKV) {
   // one name per launch: the emulator's rewrite takes the launched name as it stands
   auto forward = flash_bf16_forward_kernel<D>;
-  forward<<<tiles_grid(T, NH, B), WARPS * WARP, 0, s>>>(out, lse, qkv, slopes, T, NH, NKV, 1.0f / sqrtf((float)D));
+  forward<<<tiles_grid(T, NH, B), WARPS * WARP, 0, s>>>(out, out16, lse, qkv, slopes, T, NH, NKV,
+                                                        1.0f / sqrtf((float)D));
   return launch_status();
 }
 
@@ -312,12 +317,13 @@ int backward_hs(cudaStream_t s, float *dqkv, const float *delta, const uint16_t 
 
 } // namespace
 
-extern "C" int pg_cuda_flash_bf16_forward(const pg_cuda_ctx *ctx, float *out, float *lse, const uint16_t *qkv,
-                                          const float *slopes, int B, int T, int NH, int NKV, int HS) {
+extern "C" int pg_cuda_flash_bf16_forward(const pg_cuda_ctx *ctx, float *out, uint16_t *out16, float *lse,
+                                          const uint16_t *qkv, const float *slopes, int B, int T, int NH, int NKV,
+                                          int HS) {
   if (pg_flash_bf16_unsupported(B, T, NH, NKV, HS) || !aligned32(out) || !aligned32(qkv)) return PG_CUDA_EINVAL;
   cudaStream_t s = stream_of(ctx);
-  return HS == 64 ? forward_hs<64>(s, out, lse, qkv, slopes, B, T, NH, NKV)
-                  : forward_hs<128>(s, out, lse, qkv, slopes, B, T, NH, NKV);
+  return HS == 64 ? forward_hs<64>(s, out, out16, lse, qkv, slopes, B, T, NH, NKV)
+                  : forward_hs<128>(s, out, out16, lse, qkv, slopes, B, T, NH, NKV);
 }
 
 extern "C" int pg_cuda_flash_bf16_backward(const pg_cuda_ctx *ctx, float *dqkv, float *delta, const uint16_t *dout,

@@ -124,11 +124,11 @@ static int cpu_matmul_bf16_backward(const pg_backend *b, float *dinp, float *dwe
   return PG_OK;
 }
 
-static int cpu_flash_bf16_forward(const pg_backend *b, float *out, float *lse, const uint16_t *qkv,
+static int cpu_flash_bf16_forward(const pg_backend *b, float *out, uint16_t *out16, float *lse, const uint16_t *qkv,
                                   const float *slopes, int B, int T, int NH, int NKV, int HS) {
   (void)b;
   if (pg_backend_flash_bf16_refused("flash_bf16_forward", B, T, NH, NKV, HS)) return PG_ERR;
-  if (pg_flash_bf16_forward(out, lse, qkv, slopes, B, T, NH, NKV, HS))
+  if (pg_flash_bf16_forward(out, out16, lse, qkv, slopes, B, T, NH, NKV, HS))
     return pg_fail("flash_bf16_forward: out of memory");
   return PG_OK;
 }
@@ -228,7 +228,7 @@ int pg_backend_flash_bf16_seconds(const pg_backend *b, int B, int T, int NH, int
     for (int i = 0; rc == PG_OK && i <= reps; i++) { /* pass 0 warms up */
       if (i == 1 && (rc = b->ops->sync(b))) break;
       if (i == 1) t0 = pg_wtime();
-      rc = pass == 0 ? b->ops->flash_bf16_forward(b, out, lse, qkv, NULL, B, T, NH, NKV, HS)
+      rc = pass == 0 ? b->ops->flash_bf16_forward(b, out, dout, lse, qkv, NULL, B, T, NH, NKV, HS)
                      : b->ops->flash_bf16_backward(b, dqkv, lse + nr, dout, out, qkv, lse, NULL, B, T, NH, NKV, HS);
       if (rc == PG_OK && i == reps && (rc = b->ops->sync(b)) == PG_OK)
         *(pass == 0 ? fwd_s : bwd_s) = (pg_wtime() - t0) / reps;

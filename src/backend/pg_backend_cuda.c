@@ -160,13 +160,13 @@ static int flash_misaligned(const char *what, const char *name, const void *p) {
                  "pass a copy (:clone())", what, name);
 }
 
-static int cu_flash_bf16_forward(const pg_backend *b, float *out, float *lse, const uint16_t *qkv,
+static int cu_flash_bf16_forward(const pg_backend *b, float *out, uint16_t *out16, float *lse, const uint16_t *qkv,
                                  const float *slopes, int B, int T, int NH, int NKV, int HS) {
   if (pg_backend_flash_bf16_refused("flash_bf16_forward", B, T, NH, NKV, HS) ||
       flash_misaligned("flash_bf16_forward", "qkv", qkv) || flash_misaligned("flash_bf16_forward", "out", out))
     return PG_ERR;
   return kernel_rc(b, "flash_bf16_forward",
-                   pg_cuda_flash_bf16_forward(ctx_of(b), out, lse, qkv, slopes, B, T, NH, NKV, HS));
+                   pg_cuda_flash_bf16_forward(ctx_of(b), out, out16, lse, qkv, slopes, B, T, NH, NKV, HS));
 }
 
 static int cu_flash_bf16_backward(const pg_backend *b, float *dqkv, float *delta, const uint16_t *dout,

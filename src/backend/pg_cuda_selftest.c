@@ -705,7 +705,7 @@ static void flash_bf16_case(selftest *st, int B, int T, int NH, int NKV, int HS,
   if (slopes) pg_alibi_slopes(slopes, NH);
   pg_bf16_from_f32(x16, x, nq);
   pg_bf16_from_f32(dy16, dy, no);
-  if (pg_flash_bf16_forward(out, lse, x16, slopes, B, T, NH, NKV, HS) ||
+  if (pg_flash_bf16_forward(out, NULL, lse, x16, slopes, B, T, NH, NKV, HS) ||
       pg_flash_bf16_backward(dx, delta, dy16, out, x16, lse, slopes, B, T, NH, NKV, HS)) {
     broken(st, ST_NAME("CPU twin"), "refused or out of memory");
     return;
@@ -714,12 +714,19 @@ static void flash_bf16_case(selftest *st, int B, int T, int NH, int NKV, int HS,
   float *d_out = d_floats(st, garbage, no), *d_lse = d_floats(st, garbage, nr);
   float *d_delta = d_floats(st, garbage, nr), *d_dx = d_floats(st, garbage, nq);
   float *d_slopes = slopes ? d_put(st, slopes, (size_t)NH * sizeof(float)) : NULL;
+  uint16_t *d_out16 = d_put(st, garbage, (size_t)no * 2);
   if (st->broken) return;
   const double ds = flash_score_err(HS, T, slopes ? slopes[0] : 0); /* slopes[0] the largest */
   if (!launched(st, ST_NAME("forward"),
-                pg_cuda_flash_bf16_forward(ctx, d_out, d_lse, d_x16, d_slopes, B, T, NH, NKV, HS)))
+                pg_cuda_flash_bf16_forward(ctx, d_out, d_out16, d_lse, d_x16, d_slopes, B, T, NH, NKV, HS)))
     return;
   check_f(st, ST_NAME("forward.out"), d_out, out, no, 0, (0x1p-9 + 6 * ds) * ST_FLASH_X);
+  /* the bf16 output written in the same pass: the rounding of the device's own float32 output, bit for bit */
+  float *dev_out = d_get(st, d_out, no);
+  uint16_t *out16 = h_alloc(st, (size_t)no * 2);
+  if (!dev_out || !out16) return;
+  pg_bf16_from_f32(out16, dev_out, no);
+  check_bf16(st, ST_NAME("forward.out16"), d_out16, out16, no);
   check_f(st, ST_NAME("forward.lse"), d_lse, lse, nr, 0, ds + 1e-5);
   /* the backward from the CPU's out and lse (the contract both backwards share) */
   if (!reload(st, d_out, out, no) || !reload(st, d_lse, lse, nr)) return;
@@ -749,7 +756,7 @@ static void test_flash_bf16(selftest *st) {
   if (st->broken) return;
   st->checks++;
   if (pg_flash_bf16_unsupported(1, 32, 2, 2, 96) && pg_flash_bf16_unsupported(1, 40, 2, 2, 64) &&
-      pg_cuda_flash_bf16_forward(&st->ctx, NULL, NULL, NULL, NULL, 1, 32, 2, 2, 96) == PG_CUDA_EINVAL) {
+      pg_cuda_flash_bf16_forward(&st->ctx, NULL, NULL, NULL, NULL, NULL, 1, 32, 2, 2, 96) == PG_CUDA_EINVAL) {
     say(st, "  ok    %-34s refused (hs 96, T 40)\n", "flash_bf16 shapes");
   } else {
     st->failed++;

@@ -679,7 +679,7 @@ static int l_flash_bf16(lua_State *L) {
       lua_isnoneornil(L, 4) ? NULL : expect_at(L, 4, fn, "slopes", PG_FLOAT32, 1, (int64_t[]){NH}, &b);
   pg_tensor *out = new_on(L, b, PG_FLOAT32, 3, (int64_t[]){B, T, (int64_t)NH * HS});
   pg_tensor *lse = new_on(L, b, PG_FLOAT32, 3, (int64_t[]){B, NH, T});
-  RUN(L, fn, b, flash_bf16_forward, pg_tensor_f32(out), pg_tensor_f32(lse), pg_tensor_data(qkv),
+  RUN(L, fn, b, flash_bf16_forward, pg_tensor_f32(out), NULL, pg_tensor_f32(lse), pg_tensor_data(qkv),
       slopes ? pg_tensor_f32(slopes) : NULL, B, T, NH, NKV, HS);
   return 2;
 }

@@ -448,13 +448,16 @@ static int cp_attention_backward(pg_module *m, attention_state *s, int slot, con
 
 /* The whole-sequence core (flash attention, kernels.h): the one place each kernel is called. out and saved:
  * f32_out and attention_saved of the slot; x the q|k|v and dy the output's gradient, bf16 on tensor cores
- * (tensor_cores), else float32; dx float32. */
-static int core_forward(pg_module *m, const attention_state *s, const pg_io *io, float *out, float *saved,
-                        const float *x) {
+ * (tensor_cores), else float32; dx float32. out16 (bf16 q|k|v; NULL: not now): the module's bf16 output, the
+ * rounding of out, which the tensor-core kernel writes in its own pass and the float32 core in one after. */
+static int core_forward(pg_module *m, const attention_state *s, const pg_io *io, float *out, uint16_t *out16,
+                        float *saved, const float *x) {
+  int N = io->B * io->T;
   if (tensor_cores(m, s, io))
-    return KERNEL(m, flash_bf16_forward, out, saved, cbits(x), s->slopes, io->B, io->T, s->heads_l, s->kv_l,
+    return KERNEL(m, flash_bf16_forward, out, out16, saved, cbits(x), s->slopes, io->B, io->T, s->heads_l, s->kv_l,
                   s->o.head_dim);
-  return KERNEL(m, attention_forward, out, saved, x, s->slopes, io->B, io->T, s->heads_l, s->kv_l, s->o.head_dim);
+  return KERNEL(m, attention_forward, out, saved, x, s->slopes, io->B, io->T, s->heads_l, s->kv_l, s->o.head_dim) ||
+         (out16 && KERNEL(m, bf16_from_f32, out16, out, (int64_t)N * m->out_width));
 }
 
 static int core_backward(pg_module *m, const attention_state *s, const pg_io *io, float *dx, const float *dy,
@@ -498,9 +501,10 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
     xf = io->wide_scratch[0];
   }
   float *out = cp_on(m, io) ? (m->in_bf16 ? io->wide_scratch[1] : slot_out(m, slot)) : f32_out(m, s, saved, slot);
-  if ((cp_on(m, io) ? cp_attention_forward(m, s, slot, io, xf, out)
-                    : core_forward(m, s, io, out, saved, xf)) ||
-      (m->in_bf16 && KERNEL(m, bf16_from_f32, bits(slot_out(m, slot)), out, (int64_t)N * m->out_width)))
+  uint16_t *out16 = m->in_bf16 ? bits(slot_out(m, slot)) : NULL; /* bf16: the slot's output, out rounded */
+  if (cp_on(m, io) ? cp_attention_forward(m, s, slot, io, xf, out) ||
+                         (out16 && KERNEL(m, bf16_from_f32, out16, out, (int64_t)N * m->out_width))
+                   : core_forward(m, s, io, out, out16, saved, xf))
     return PG_ERR;
   s->saved_x[slot] = x;
   attention_claim(m, s, slot);
@@ -525,7 +529,7 @@ static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy
   /* recompute: another micro-batch's forward ran since; the output written again is the same bits (the next
    * module has used it already; bf16: its float32 copy) */
   float *out = cp_on(m, io) ? NULL : f32_out(m, s, saved, slot);
-  if (s->o.recompute && !attention_holds(m, s, slot) && core_forward(m, s, io, out, saved, x)) return PG_ERR;
+  if (s->o.recompute && !attention_holds(m, s, slot) && core_forward(m, s, io, out, NULL, saved, x)) return PG_ERR;
   attention_claim(m, s, -1); /* backward may overwrite what it reads */
   if (m->in_bf16 && !tc) {
     if (KERNEL(m, bf16_to_f32, io->wide_scratch[1], cbits(dy), (int64_t)N * m->out_width)) return PG_ERR;
