@@ -216,10 +216,12 @@ PG_KERNEL(flash_bf16_forward,
           (float *out, uint16_t *out16, float *lse, const uint16_t *qkv, const float *slopes, int B, int T, int NH,
            int NKV, int HS),
           (out, out16, lse, qkv, slopes, B, T, NH, NKV, HS), OWN, OWN, PG_SELFTEST(test_flash_bf16))
+/* dqkv float32 and/or (NULL: not written) dqkv16, its bf16 rounding, written in the same pass */
 PG_KERNEL(flash_bf16_backward,
-          (float *dqkv, float *delta, const uint16_t *dout, const float *out, const uint16_t *qkv, const float *lse,
-           const float *slopes, int B, int T, int NH, int NKV, int HS),
-          (dqkv, delta, dout, out, qkv, lse, slopes, B, T, NH, NKV, HS), OWN, OWN, PG_SELFTEST(test_flash_bf16))
+          (float *dqkv, uint16_t *dqkv16, float *delta, const uint16_t *dout, const float *out, const uint16_t *qkv,
+           const float *lse, const float *slopes, int B, int T, int NH, int NKV, int HS),
+          (dqkv, dqkv16, delta, dout, out, qkv, lse, slopes, B, T, NH, NKV, HS), OWN, OWN,
+          PG_SELFTEST(test_flash_bf16))
 /* ---- mixture of experts (kernels.h's pg_moe_*: routing, capacity, grouping, gather and combine; the experts'
  * products are the backend's GEMMs) ---- */
 PG_KERNEL(moe_route_forward,

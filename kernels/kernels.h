@@ -144,9 +144,11 @@ const char *pg_flash_bf16_unsupported(int B, int T, int NH, int NKV, int HS);
 int pg_flash_bf16_forward(float *out, uint16_t *out16, float *lse, const uint16_t *qkv, const float *slopes, int B,
                           int T, int NH, int NKV, int HS); /* out16 (NULL: none): out rounded to bf16 as well */
 /* dqkv [B, T, (NH + 2 NKV) HS] float32 = the gradient of q|k|v (written, not accumulated) for dout [B, T, NH HS]
- * bf16, with the forward's out and lse; delta: B NH T floats of scratch (FlashAttention-2's rowsum(dout out)). */
-int pg_flash_bf16_backward(float *dqkv, float *delta, const uint16_t *dout, const float *out, const uint16_t *qkv,
-                           const float *lse, const float *slopes, int B, int T, int NH, int NKV, int HS);
+ * bf16, with the forward's out and lse; dqkv16 its bf16 rounding; either may be NULL (not written), not both;
+ * delta: B NH T floats of scratch (FlashAttention-2's rowsum(dout out)). */
+int pg_flash_bf16_backward(float *dqkv, uint16_t *dqkv16, float *delta, const uint16_t *dout, const float *out,
+                           const uint16_t *qkv, const float *lse, const float *slopes, int B, int T, int NH, int NKV,
+                           int HS);
 
 /* ---- causal self-attention, multi-head / grouped-query ----
  * qkv is [B, T, (NH + 2 NKV) HS]: NH query heads, then NKV key heads, then
@@ -469,9 +471,9 @@ int pg_cuda_matmul_bf16_backward(const pg_cuda_ctx *ctx, float *dinp, float *dwe
  * pg_flash_bf16_unsupported refuses, or out, dqkv, dout or qkv not 32-byte aligned (WMMA's tiles). */
 int pg_cuda_flash_bf16_forward(const pg_cuda_ctx *ctx, float *out, uint16_t *out16, float *lse, const uint16_t *qkv,
                                const float *slopes, int B, int T, int NH, int NKV, int HS);
-int pg_cuda_flash_bf16_backward(const pg_cuda_ctx *ctx, float *dqkv, float *delta, const uint16_t *dout,
-                                const float *out, const uint16_t *qkv, const float *lse, const float *slopes, int B,
-                                int T, int NH, int NKV, int HS);
+int pg_cuda_flash_bf16_backward(const pg_cuda_ctx *ctx, float *dqkv, uint16_t *dqkv16, float *delta,
+                                const uint16_t *dout, const float *out, const uint16_t *qkv, const float *lse,
+                                const float *slopes, int B, int T, int NH, int NKV, int HS);
 
 /* The flash attention's contract (pg_attention_forward / pg_attention_backward: out and lse, no [T, T] buffer;
  * slopes NULL or NH device floats). FlashAttention-2's scheme, deterministic without atomics: the forward one

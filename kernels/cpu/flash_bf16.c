@@ -50,16 +50,18 @@ int pg_flash_bf16_forward(float *out, uint16_t *out16, float *lse, const uint16_
   return 0;
 }
 
-int pg_flash_bf16_backward(float *dqkv, float *delta, const uint16_t *dout, const float *out, const uint16_t *qkv,
-                           const float *lse, const float *slopes, int B, int T, int NH, int NKV, int HS) {
-  if (pg_flash_bf16_unsupported(B, T, NH, NKV, HS)) return 1;
+int pg_flash_bf16_backward(float *dqkv, uint16_t *dqkv16, float *delta, const uint16_t *dout, const float *out,
+                           const uint16_t *qkv, const float *lse, const float *slopes, int B, int T, int NH, int NKV,
+                           int HS) {
+  if (pg_flash_bf16_unsupported(B, T, NH, NKV, HS) || (!dqkv && !dqkv16)) return 1;
   const int64_t W = (int64_t)(NH + 2 * NKV) * HS, C = (int64_t)NH * HS;
   const int64_t n_qkv[] = {B, T, W}, n_out[] = {B, T, C};
-  float *x = floats(3, n_qkv), *g = floats(3, n_out);
-  if (!x || !g) {
-    free(x), free(g);
+  float *x = floats(3, n_qkv), *g = floats(3, n_out), *own = dqkv ? NULL : floats(3, n_qkv);
+  if (!x || !g || (!dqkv && !own)) {
+    free(x), free(g), free(own);
     return 1;
   }
+  if (!dqkv) dqkv = own; /* the float32 sums, rounded into dqkv16 at the end */
   pg_bf16_to_f32(x, qkv, (int64_t)B * T * W);
   pg_bf16_to_f32(g, dout, (int64_t)B * T * C);
   memset(dqkv, 0, (size_t)B * T * W * sizeof(float)); /* the block backward accumulates */
@@ -67,6 +69,7 @@ int pg_flash_bf16_backward(float *dqkv, float *delta, const uint16_t *dout, cons
   pg_attention_block_backward(dqkv, W, dqkv + (int64_t)NH * HS, dqkv + (int64_t)(NH + NKV) * HS, W, x, W,
                               x + (int64_t)NH * HS, x + (int64_t)(NH + NKV) * HS, W, g, C, lse, delta, slopes, B, T,
                               T, NH, NKV, HS, 0, 0);
-  free(x), free(g);
+  if (dqkv16) pg_bf16_from_f32(dqkv16, dqkv, (int64_t)B * T * W);
+  free(x), free(g), free(own);
   return 0;
 }

@@ -81,6 +81,17 @@ __device__ __forceinline__ float alibi_score(float dot, float scale, const float
   return slope ? __fadd_rn(s, __fmul_rn(*slope, (float)(kj - qi))) : s;
 }
 
+// An accumulator tile stored as float32 at f (rows ld apart; NULL: not) and as its bf16 rounding at h (NULL: not),
+// the latter through the warp's scratch (WMMA stores float32 accumulators only).
+__device__ void store_tile(float *f, uint16_t *h, int64_t ld, const frag_c &c, float *sc, int lane) {
+  if (f) wmma::store_matrix_sync(f, c, (unsigned)ld, wmma::mem_row_major);
+  if (!h) return;
+  float v[8];
+  lane_values(v, sc, c, lane);
+  uint16_t *row = h + (int64_t)(lane >> 1) * ld + (lane & 1) * 8;
+  for (int e = 0; e < 8; e++) row[e] = bf16_round_bits(v[e]);
+}
+
 // ---- forward ----
 
 template <int D>
@@ -212,8 +223,9 @@ __device__ void p_ds_tile(uint16_t *pt, uint16_t *dst, float *sc, const uint16_t
 // dK and dV of 16 key rows of kv head g: over the group's query heads in order, each over the query tiles from
 // the diagonal on, in order.
 template <int D>
-__global__ void flash_bf16_dkv_kernel(float *dqkv, const uint16_t *dout, const uint16_t *qkv, const float *lse,
-                                      const float *delta, const float *slopes, int T, int NH, int NKV, float scale) {
+__global__ void flash_bf16_dkv_kernel(float *dqkv, uint16_t *dqkv16, const uint16_t *dout, const uint16_t *qkv,
+                                      const float *lse, const float *delta, const float *slopes, int T, int NH,
+                                      int NKV, float scale) {
   alignas(32) __shared__ float scratch[WARPS][TILE_ELEMS];
   alignas(32) __shared__ uint16_t ptile[WARPS][TILE_ELEMS], dstile[WARPS][TILE_ELEMS];
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
@@ -245,18 +257,20 @@ __global__ void flash_bf16_dkv_kernel(float *dqkv, const uint16_t *dout, const u
       }
     }
   }
-  float *dkp = dqkv + ((int64_t)b * T + k0) * W + (int64_t)(NH + g) * D;
-  float *dvp = dqkv + ((int64_t)b * T + k0) * W + (int64_t)(NH + NKV + g) * D;
+  const int64_t dk_at = ((int64_t)b * T + k0) * W + (int64_t)(NH + g) * D, dv_at = dk_at + (int64_t)NKV * D;
   for (int t = 0; t < D / TILE; t++) {
-    wmma::store_matrix_sync(dkp + t * TILE, dk[t], (unsigned)W, wmma::mem_row_major);
-    wmma::store_matrix_sync(dvp + t * TILE, dv[t], (unsigned)W, wmma::mem_row_major);
+    store_tile(dqkv ? dqkv + dk_at + t * TILE : nullptr, dqkv16 ? dqkv16 + dk_at + t * TILE : nullptr, W, dk[t],
+               scratch[warp], lane);
+    store_tile(dqkv ? dqkv + dv_at + t * TILE : nullptr, dqkv16 ? dqkv16 + dv_at + t * TILE : nullptr, W, dv[t],
+               scratch[warp], lane);
   }
 }
 
 // dQ of 16 query rows of head h: keys up to the diagonal, in order.
 template <int D>
-__global__ void flash_bf16_dq_kernel(float *dqkv, const uint16_t *dout, const uint16_t *qkv, const float *lse,
-                                     const float *delta, const float *slopes, int T, int NH, int NKV, float scale) {
+__global__ void flash_bf16_dq_kernel(float *dqkv, uint16_t *dqkv16, const uint16_t *dout, const uint16_t *qkv,
+                                     const float *lse, const float *delta, const float *slopes, int T, int NH, int NKV,
+                                     float scale) {
   alignas(32) __shared__ float scratch[WARPS][TILE_ELEMS];
   alignas(32) __shared__ uint16_t ptile[WARPS][TILE_ELEMS], dstile[WARPS][TILE_ELEMS];
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
@@ -283,8 +297,10 @@ __global__ void flash_bf16_dq_kernel(float *dqkv, const uint16_t *dout, const ui
       wmma::mma_sync(dq[t], dsa, kb, dq[t]); // dQ += dS K
     }
   }
-  float *dqp = dqkv + ((int64_t)b * T + q0) * W + (int64_t)h * D;
-  for (int t = 0; t < D / TILE; t++) wmma::store_matrix_sync(dqp + t * TILE, dq[t], (unsigned)W, wmma::mem_row_major);
+  const int64_t dq_at = ((int64_t)b * T + q0) * W + (int64_t)h * D;
+  for (int t = 0; t < D / TILE; t++)
+    store_tile(dqkv ? dqkv + dq_at + t * TILE : nullptr, dqkv16 ? dqkv16 + dq_at + t * TILE : nullptr, W, dq[t],
+               scratch[warp], lane);
 }
 
 // WMMA loads and stores want 32-byte aligned tiles: every tile starts at a multiple of 16 elements from the
@@ -304,14 +320,15 @@ int forward_hs(cudaStream_t s, float *out, uint16_t *out16, float *lse, const ui
 }
 
 template <int D>
-int backward_hs(cudaStream_t s, float *dqkv, const float *delta, const uint16_t *dout, const uint16_t *qkv,
-                const float *lse, const float *slopes, int B, int T, int NH, int NKV) {
+int backward_hs(cudaStream_t s, float *dqkv, uint16_t *dqkv16, const float *delta, const uint16_t *dout,
+                const uint16_t *qkv, const float *lse, const float *slopes, int B, int T, int NH, int NKV) {
   const float scale = 1.0f / sqrtf((float)D);
   auto dkv = flash_bf16_dkv_kernel<D>;
-  dkv<<<tiles_grid(T, NKV, B), WARPS * WARP, 0, s>>>(dqkv, dout, qkv, lse, delta, slopes, T, NH, NKV, scale);
+  dkv<<<tiles_grid(T, NKV, B), WARPS * WARP, 0, s>>>(dqkv, dqkv16, dout, qkv, lse, delta, slopes, T, NH, NKV,
+                                                     scale);
   if (int rc = launch_status()) return rc;
   auto dq = flash_bf16_dq_kernel<D>;
-  dq<<<tiles_grid(T, NH, B), WARPS * WARP, 0, s>>>(dqkv, dout, qkv, lse, delta, slopes, T, NH, NKV, scale);
+  dq<<<tiles_grid(T, NH, B), WARPS * WARP, 0, s>>>(dqkv, dqkv16, dout, qkv, lse, delta, slopes, T, NH, NKV, scale);
   return launch_status();
 }
 
@@ -326,15 +343,17 @@ extern "C" int pg_cuda_flash_bf16_forward(const pg_cuda_ctx *ctx, float *out, ui
                   : forward_hs<128>(s, out, out16, lse, qkv, slopes, B, T, NH, NKV);
 }
 
-extern "C" int pg_cuda_flash_bf16_backward(const pg_cuda_ctx *ctx, float *dqkv, float *delta, const uint16_t *dout,
-                                           const float *out, const uint16_t *qkv, const float *lse,
-                                           const float *slopes, int B, int T, int NH, int NKV, int HS) {
-  if (pg_flash_bf16_unsupported(B, T, NH, NKV, HS) || !aligned32(dqkv) || !aligned32(dout) || !aligned32(qkv))
+extern "C" int pg_cuda_flash_bf16_backward(const pg_cuda_ctx *ctx, float *dqkv, uint16_t *dqkv16, float *delta,
+                                           const uint16_t *dout, const float *out, const uint16_t *qkv,
+                                           const float *lse, const float *slopes, int B, int T, int NH, int NKV,
+                                           int HS) {
+  if (pg_flash_bf16_unsupported(B, T, NH, NKV, HS) || (!dqkv && !dqkv16) || (dqkv && !aligned32(dqkv)) ||
+      !aligned32(dout) || !aligned32(qkv))
     return PG_CUDA_EINVAL;
   cudaStream_t s = stream_of(ctx);
   const int64_t rows = (int64_t)B * T * NH;
   flash_bf16_delta_kernel<<<grid_for(rows, BLOCK / WARP), BLOCK, 0, s>>>(delta, dout, out, B, T, NH, HS);
   if (int rc = launch_status()) return rc;
-  return HS == 64 ? backward_hs<64>(s, dqkv, delta, dout, qkv, lse, slopes, B, T, NH, NKV)
-                  : backward_hs<128>(s, dqkv, delta, dout, qkv, lse, slopes, B, T, NH, NKV);
+  return HS == 64 ? backward_hs<64>(s, dqkv, dqkv16, delta, dout, qkv, lse, slopes, B, T, NH, NKV)
+                  : backward_hs<128>(s, dqkv, dqkv16, delta, dout, qkv, lse, slopes, B, T, NH, NKV);
 }

@@ -133,12 +133,13 @@ static int cpu_flash_bf16_forward(const pg_backend *b, float *out, uint16_t *out
   return PG_OK;
 }
 
-static int cpu_flash_bf16_backward(const pg_backend *b, float *dqkv, float *delta, const uint16_t *dout,
+static int cpu_flash_bf16_backward(const pg_backend *b, float *dqkv, uint16_t *dqkv16, float *delta, const uint16_t *dout,
                                    const float *out, const uint16_t *qkv, const float *lse, const float *slopes,
                                    int B, int T, int NH, int NKV, int HS) {
   (void)b;
   if (pg_backend_flash_bf16_refused("flash_bf16_backward", B, T, NH, NKV, HS)) return PG_ERR;
-  if (pg_flash_bf16_backward(dqkv, delta, dout, out, qkv, lse, slopes, B, T, NH, NKV, HS))
+  if (!dqkv && !dqkv16) return pg_fail("flash_bf16_backward: neither dqkv nor dqkv16 to write");
+  if (pg_flash_bf16_backward(dqkv, dqkv16, delta, dout, out, qkv, lse, slopes, B, T, NH, NKV, HS))
     return pg_fail("flash_bf16_backward: out of memory");
   return PG_OK;
 }
@@ -229,7 +230,8 @@ int pg_backend_flash_bf16_seconds(const pg_backend *b, int B, int T, int NH, int
       if (i == 1 && (rc = b->ops->sync(b))) break;
       if (i == 1) t0 = pg_wtime();
       rc = pass == 0 ? b->ops->flash_bf16_forward(b, out, dout, lse, qkv, NULL, B, T, NH, NKV, HS)
-                     : b->ops->flash_bf16_backward(b, dqkv, lse + nr, dout, out, qkv, lse, NULL, B, T, NH, NKV, HS);
+                     : b->ops->flash_bf16_backward(b, dqkv, NULL, lse + nr, dout, out, qkv, lse, NULL, B, T, NH, NKV,
+                                                   HS);
       if (rc == PG_OK && i == reps && (rc = b->ops->sync(b)) == PG_OK)
         *(pass == 0 ? fwd_s : bwd_s) = (pg_wtime() - t0) / reps;
     }

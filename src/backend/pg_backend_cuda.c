@@ -169,15 +169,16 @@ static int cu_flash_bf16_forward(const pg_backend *b, float *out, uint16_t *out1
                    pg_cuda_flash_bf16_forward(ctx_of(b), out, out16, lse, qkv, slopes, B, T, NH, NKV, HS));
 }
 
-static int cu_flash_bf16_backward(const pg_backend *b, float *dqkv, float *delta, const uint16_t *dout,
+static int cu_flash_bf16_backward(const pg_backend *b, float *dqkv, uint16_t *dqkv16, float *delta, const uint16_t *dout,
                                   const float *out, const uint16_t *qkv, const float *lse, const float *slopes,
                                   int B, int T, int NH, int NKV, int HS) {
   if (pg_backend_flash_bf16_refused("flash_bf16_backward", B, T, NH, NKV, HS) ||
       flash_misaligned("flash_bf16_backward", "qkv", qkv) || flash_misaligned("flash_bf16_backward", "dout", dout) ||
-      flash_misaligned("flash_bf16_backward", "dqkv", dqkv))
+      (dqkv && flash_misaligned("flash_bf16_backward", "dqkv", dqkv)))
     return PG_ERR;
-  return kernel_rc(b, "flash_bf16_backward", pg_cuda_flash_bf16_backward(ctx_of(b), dqkv, delta, dout, out, qkv, lse,
-                                                                         slopes, B, T, NH, NKV, HS));
+  if (!dqkv && !dqkv16) return pg_fail("flash_bf16_backward: neither dqkv nor dqkv16 to write");
+  return kernel_rc(b, "flash_bf16_backward", pg_cuda_flash_bf16_backward(ctx_of(b), dqkv, dqkv16, delta, dout, out,
+                                                                         qkv, lse, slopes, B, T, NH, NKV, HS));
 }
 
 /* The fused AdamW step's table: starts, then pieces, of a table with room for cap pieces. */

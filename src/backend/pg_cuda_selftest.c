@@ -706,7 +706,7 @@ static void flash_bf16_case(selftest *st, int B, int T, int NH, int NKV, int HS,
   pg_bf16_from_f32(x16, x, nq);
   pg_bf16_from_f32(dy16, dy, no);
   if (pg_flash_bf16_forward(out, NULL, lse, x16, slopes, B, T, NH, NKV, HS) ||
-      pg_flash_bf16_backward(dx, delta, dy16, out, x16, lse, slopes, B, T, NH, NKV, HS)) {
+      pg_flash_bf16_backward(dx, NULL, delta, dy16, out, x16, lse, slopes, B, T, NH, NKV, HS)) {
     broken(st, ST_NAME("CPU twin"), "refused or out of memory");
     return;
   }
@@ -730,17 +730,25 @@ static void flash_bf16_case(selftest *st, int B, int T, int NH, int NKV, int HS,
   check_f(st, ST_NAME("forward.lse"), d_lse, lse, nr, 0, ds + 1e-5);
   /* the backward from the CPU's out and lse (the contract both backwards share) */
   if (!reload(st, d_out, out, no) || !reload(st, d_lse, lse, nr)) return;
-  if (!launched(st, ST_NAME("backward"), pg_cuda_flash_bf16_backward(ctx, d_dx, d_delta, d_dy16, d_out, d_x16,
-                                                                       d_lse, d_slopes, B, T, NH, NKV, HS)))
+  if (!launched(st, ST_NAME("backward"), pg_cuda_flash_bf16_backward(ctx, d_dx, NULL, d_delta, d_dy16, d_out,
+                                                                       d_x16, d_lse, d_slopes, B, T, NH, NKV, HS)))
     return;
   check_f(st, ST_NAME("backward.delta"), d_delta, delta, nr, 0, 1e-4 * max_abs(delta, nr) + 1e-6);
   check_f(st, ST_NAME("backward.dqkv"), d_dx, dx, nq, 0, 0x1p-7 * max_abs(dx, nq));
   float *first = d_get(st, d_dx, nq);
   if (!first || !reload(st, d_dx, garbage, nq)) return;
-  if (launched(st, ST_NAME("backward (repeat)"), pg_cuda_flash_bf16_backward(ctx, d_dx, d_delta, d_dy16, d_out,
-                                                                               d_x16, d_lse, d_slopes, B, T, NH, NKV,
-                                                                               HS)))
+  if (launched(st, ST_NAME("backward (repeat)"), pg_cuda_flash_bf16_backward(ctx, d_dx, NULL, d_delta, d_dy16,
+                                                                               d_out, d_x16, d_lse, d_slopes, B, T,
+                                                                               NH, NKV, HS)))
     check_f(st, ST_NAME("backward.dqkv (repeat)"), d_dx, first, nq, 0, 0);
+  /* the bf16 gradient alone (dqkv NULL), written in the same pass: the rounding of the float32 one, bit for bit */
+  uint16_t *want16 = h_alloc(st, (size_t)nq * 2), *d_dx16 = d_put(st, garbage, (size_t)nq * 2);
+  if (!want16 || !d_dx16) return;
+  pg_bf16_from_f32(want16, first, nq);
+  if (launched(st, ST_NAME("backward (bf16 only)"), pg_cuda_flash_bf16_backward(ctx, NULL, d_dx16, d_delta, d_dy16,
+                                                                                  d_out, d_x16, d_lse, d_slopes, B,
+                                                                                  T, NH, NKV, HS)))
+    check_bf16(st, ST_NAME("backward.dqkv16"), d_dx16, want16, nq);
 #undef ST_NAME
 }
 

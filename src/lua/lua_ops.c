@@ -700,7 +700,7 @@ static int l_flash_bf16_backward(lua_State *L) {
   int64_t nd = (int64_t)B * NH * T; /* delta: a float per row and head */
   pg_tensor *delta = new_on(L, b, PG_FLOAT32, 1, &nd);
   pg_tensor *dqkv = new_on(L, b, PG_FLOAT32, 3, qkv->shape);
-  RUN(L, fn, b, flash_bf16_backward, pg_tensor_f32(dqkv), pg_tensor_f32(delta), pg_tensor_data(dout),
+  RUN(L, fn, b, flash_bf16_backward, pg_tensor_f32(dqkv), NULL, pg_tensor_f32(delta), pg_tensor_data(dout),
       pg_tensor_f32(out), pg_tensor_data(qkv), pg_tensor_f32(lse), slopes ? pg_tensor_f32(slopes) : NULL, B, T, NH,
       NKV, HS);
   return 1;

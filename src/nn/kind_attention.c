@@ -460,13 +460,17 @@ static int core_forward(pg_module *m, const attention_state *s, const pg_io *io,
          (out16 && KERNEL(m, bf16_from_f32, out16, out, (int64_t)N * m->out_width));
 }
 
-static int core_backward(pg_module *m, const attention_state *s, const pg_io *io, float *dx, const float *dy,
-                         const float *x, const float *out, const float *saved) {
+/* dx16 (bf16 q|k|v without RoPE; NULL: not now): the module's bf16 input gradient, the rounding of dx, which the
+ * tensor-core kernels write in their own pass instead of dx (not written then), the float32 core in one after. */
+static int core_backward(pg_module *m, const attention_state *s, const pg_io *io, float *dx, uint16_t *dx16,
+                         const float *dy, const float *x, const float *out, const float *saved) {
   if (tensor_cores(m, s, io))
-    return KERNEL(m, flash_bf16_backward, dx, s->scratch, cbits(dy), out, cbits(x), saved, s->slopes, io->B, io->T,
-                  s->heads_l, s->kv_l, s->o.head_dim);
+    return KERNEL(m, flash_bf16_backward, dx16 ? NULL : dx, dx16, s->scratch, cbits(dy), out, cbits(x), saved,
+                  s->slopes, io->B, io->T, s->heads_l, s->kv_l, s->o.head_dim);
+  int64_t n = (int64_t)io->B * io->T * m->in_width;
   return KERNEL(m, attention_backward, dx, s->scratch, dy, x, out, saved, s->slopes, io->B, io->T, s->heads_l,
-                s->kv_l, s->o.head_dim);
+                s->kv_l, s->o.head_dim) ||
+         (dx16 && KERNEL(m, bf16_from_f32, dx16, dx, n));
 }
 
 static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, const float **y) {
@@ -535,12 +539,15 @@ static int attention_backward(pg_module *m, int slot, pg_io *io, const float *dy
     if (KERNEL(m, bf16_to_f32, io->wide_scratch[1], cbits(dy), (int64_t)N * m->out_width)) return PG_ERR;
     dy = io->wide_scratch[1];
   }
+  /* bf16 without RoPE: the core rounds into the module's input gradient itself; else it is rounded below, after
+   * the ring or the rotation back */
+  uint16_t *dinp16 = m->in_bf16 && !s->rotated && !cp_on(m, io) ? bits(m->dinp) : NULL;
   if (cp_on(m, io) ? cp_attention_backward(m, s, slot, io, x, dy, dinp)
-                   : core_backward(m, s, io, dinp, dy, x, out, saved))
+                   : core_backward(m, s, io, dinp, dinp16, dy, x, out, saved))
     return PG_ERR;
   /* the gradient of the rotated q and k, rotated back */
   if (s->rotated && rope_rows(m, s, io, dinp, 1)) return PG_ERR;
-  if (m->in_bf16 && KERNEL(m, bf16_from_f32, bits(m->dinp), dinp, n_in)) return PG_ERR;
+  if (m->in_bf16 && !dinp16 && KERNEL(m, bf16_from_f32, bits(m->dinp), dinp, n_in)) return PG_ERR;
   *dx = m->dinp;
   return PG_OK;
 }
