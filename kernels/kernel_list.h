@@ -114,6 +114,10 @@ PG_KERNEL(rope_forward,
 PG_KERNEL(rope_backward,
           (float *dx, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS, int ld),
           (dx, cos_t, sin_t, N, T, heads, HS, ld), CALL, CALL, PG_SELFTEST(test_rope))
+/* rope_forward on bf16 rows in place: widened, rotated with rope_forward's arithmetic, rounded once */
+PG_KERNEL(rope_bf16_forward,
+          (uint16_t *x, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS, int ld),
+          (x, cos_t, sin_t, N, T, heads, HS, ld), CALL, CALL, PG_SELFTEST(test_rope))
 PG_KERNEL(rmsnorm_forward, (float *out, float *rstd, const float *inp, const float *weight, int N, int C, float eps),
           (out, rstd, inp, weight, N, C, eps), CALL, CALL, PG_SELFTEST(test_rmsnorm))
 PG_KERNEL(rmsnorm_backward,

@@ -269,6 +269,9 @@ void pg_rope_inv_freq(float *inv_freq, int HS, double theta, const pg_rope_scali
 void pg_rope_table(float *cos_t, float *sin_t, int max_T, int HS, double theta, const pg_rope_scaling *scaling);
 void pg_rope_forward(float *x, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS, int ld);
 void pg_rope_backward(float *dx, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS, int ld);
+/* x: bf16 rows (ld apart) = pg_rope_forward of their widened values, rounded to bf16 (one pass, the same bits as
+ * widening, rotating and rounding) */
+void pg_rope_bf16_forward(uint16_t *x, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS, int ld);
 
 /* ---- RMS normalisation (LLaMA) ----
  * out = inp * rstd * weight per row, rstd = 1 / sqrt(mean(inp^2) + eps)
@@ -512,6 +515,8 @@ int pg_cuda_rope_forward(const pg_cuda_ctx *ctx, float *x, const float *cos_t, c
                          int heads, int HS, int ld);
 int pg_cuda_rope_backward(const pg_cuda_ctx *ctx, float *dx, const float *cos_t, const float *sin_t, int N, int T,
                           int heads, int HS, int ld);
+int pg_cuda_rope_bf16_forward(const pg_cuda_ctx *ctx, uint16_t *x, const float *cos_t, const float *sin_t, int N,
+                              int T, int heads, int HS, int ld);
 int pg_cuda_rmsnorm_forward(const pg_cuda_ctx *ctx, float *out, float *rstd, const float *inp, const float *weight,
                             int N, int C, float eps);
 int pg_cuda_rmsnorm_backward(const pg_cuda_ctx *ctx, float *dinp, float *dweight, const float *dout, const float *inp,

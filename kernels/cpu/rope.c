@@ -55,6 +55,24 @@ void pg_rope_table(float *cos_t, float *sin_t, int max_T, int HS, double theta, 
   }
 }
 
+/* pg_rope_forward on bf16 rows: the same products and sums of the widened values, rounded once */
+void pg_rope_bf16_forward(uint16_t *x, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS, int ld) {
+  if (N <= 0 || T <= 0 || heads <= 0 || HS < 2) return;
+  const int half = HS / 2;
+#pragma omp parallel for schedule(static) if ((int64_t)N * heads * HS > PG_PAR_MIN)
+  for (int n = 0; n < N; n++) {
+    const float *c = cos_t + (int64_t)(n % T) * half, *s = sin_t + (int64_t)(n % T) * half;
+    for (int h = 0; h < heads; h++) {
+      uint16_t *v = x + (int64_t)n * ld + (int64_t)h * HS;
+      for (int i = 0; i < half; i++) {
+        float a = pg_bf16_value(v[i]), b = pg_bf16_value(v[i + half]), sn = s[i];
+        v[i] = pg_bf16_round(a * c[i] - b * sn);
+        v[i + half] = pg_bf16_round(b * c[i] + a * sn);
+      }
+    }
+  }
+}
+
 /* sign = +1: rotate by the angle; -1: by its opposite (the transpose). */
 static void rope_apply(float *x, const float *cos_t, const float *sin_t, int N, int T, int heads, int HS, int ld,
                        float sign) {

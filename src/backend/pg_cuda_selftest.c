@@ -1004,6 +1004,23 @@ static void test_rope(selftest *st) {
     check_f(st, "rope_forward (in place)", d_x, x, n, 0, 0);
   if (launched(st, "rope_backward", pg_cuda_rope_backward(ctx, d_dx, d_cos, d_sin, N, T, heads, HS, ld)))
     check_f(st, "rope_backward (in place)", d_dx, dx, n, 0, 0);
+  /* on bf16 rows: the CPU's bits, which are rope_forward's on the widened values, rounded */
+  uint16_t *x16 = h_alloc(st, (size_t)n * 2), *want16 = h_alloc(st, (size_t)n * 2);
+  float *wide = h_alloc(st, (size_t)n * sizeof(float));
+  if (!x16 || !want16 || !wide) return;
+  pg_bf16_from_f32(x16, x0, n);
+  pg_bf16_to_f32(wide, x16, n);
+  pg_rope_forward(wide, cos_t, sin_t, N, T, heads, HS, ld);
+  pg_bf16_from_f32(want16, wide, n);
+  uint16_t *d_x16 = d_put(st, x16, (size_t)n * 2);
+  pg_rope_bf16_forward(x16, cos_t, sin_t, N, T, heads, HS, ld);
+  st->checks++;
+  if (memcmp(x16, want16, (size_t)n * 2)) {
+    st->failed++;
+    say(st, "  FAIL  %-34s the CPU's bf16 rotation is not the widened rotation rounded\n", "rope_bf16_forward (CPU)");
+  }
+  if (d_x16 && launched(st, "rope_bf16_forward", pg_cuda_rope_bf16_forward(ctx, d_x16, d_cos, d_sin, N, T, heads, HS, ld)))
+    check_bf16(st, "rope_bf16_forward (in place)", d_x16, want16, n);
 }
 
 static void test_rmsnorm(selftest *st) {

@@ -1274,6 +1274,7 @@ static const luaL_Reg ops_functions[] = {
 #define OPS_attention_block_backward l_attention_block_backward_
 #define OPS_rope_forward l_rope
 #define OPS_rope_backward l_rope_backward
+#define OPS_rope_bf16_forward OPS_NONE("checked through the attention module and the CUDA self-test")
 #define OPS_rmsnorm_forward l_rmsnorm
 #define OPS_rmsnorm_backward l_rmsnorm_backward
 #define OPS_swiglu_forward l_swiglu

@@ -300,6 +300,14 @@ static int rope_rows(pg_module *m, attention_state *s, const pg_io *io, float *b
   return PG_OK;
 }
 
+/* The same forward rotation on bf16 rows in place (the tensor-core path: the whole sequence, never the ring's
+ * chunks): rope_forward's arithmetic on the widened values, rounded once. */
+static int rope_rows_bf16(pg_module *m, attention_state *s, const pg_io *io, uint16_t *buf) {
+  int hd = s->o.head_dim, W = m->in_width, N = io->B * io->T;
+  return KERNEL(m, rope_bf16_forward, buf, s->cos_t, s->sin_t, N, io->T, s->heads_l, hd, W) ||
+         KERNEL(m, rope_bf16_forward, buf + (size_t)s->heads_l * hd, s->cos_t, s->sin_t, N, io->T, s->kv_l, hd, W);
+}
+
 /* ---------------------------------------------------------------- context parallelism: the ring */
 
 /* Rank r holds chunks r and 2C-1-r of every sequence (pg_cp_position) as its 2L rows. Its queries meet every
@@ -490,14 +498,17 @@ static int attention_forward(pg_module *m, int slot, pg_io *io, const float *x, 
   float *saved = cp_on(m, io) ? NULL : attention_saved(m, s, slot);
   /* bf16 q|k|v (in_bf16): the core runs on their float32 values (softmax in float32, as torch's math path
    * upcasts), its output rounded once; saved_x keeps the bf16 input, or with RoPE the float32 rotated copy.
-   * On tensor cores the core takes them bf16 as they are, with RoPE rotated in float32 and rounded again. */
+   * On tensor cores the core takes them bf16 as they are, with RoPE rotated in a bf16 copy (widened, rotated
+   * and rounded again in one pass, as autocast rounds its rotated q and k). */
   const float *xf = x;
   int tc = tensor_cores(m, s, io);
   if (s->rotated) { /* q and k rotated by their positions, in a copy (x belongs to its producer) */
-    float *rot = s->rotated + (size_t)slot * m->max_rows * m->in_width, *wide = tc ? io->wide_scratch[0] : rot;
-    if ((m->in_bf16 ? KERNEL(m, bf16_to_f32, wide, cbits(x), n_in)
-                    : KERNEL(m, copy, rot, x, (size_t)n_in * sizeof(float), PG_COPY_DEVICE_TO_DEVICE)) ||
-        rope_rows(m, s, io, wide, 0) || (tc && KERNEL(m, bf16_from_f32, bits(rot), wide, n_in)))
+    float *rot = s->rotated + (size_t)slot * m->max_rows * m->in_width;
+    if (tc ? KERNEL(m, copy, rot, x, (size_t)n_in * sizeof(uint16_t), PG_COPY_DEVICE_TO_DEVICE) ||
+                 rope_rows_bf16(m, s, io, bits(rot))
+           : (m->in_bf16 ? KERNEL(m, bf16_to_f32, rot, cbits(x), n_in)
+                         : KERNEL(m, copy, rot, x, (size_t)n_in * sizeof(float), PG_COPY_DEVICE_TO_DEVICE)) ||
+                 rope_rows(m, s, io, rot, 0))
       return PG_ERR;
     x = xf = rot;
   } else if (m->in_bf16 && !tc) {
