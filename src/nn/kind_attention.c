@@ -16,7 +16,8 @@ typedef struct attention_state {
   float *saved;   /* [nslots][saved_floats]: each row's log-sum-exp [B, heads_l, T] (the flash kernels' lse), and
                      with bf16 q|k|v the float32 output [rows, out_width] after it (the backward's delta reads it) */
   float *scratch; /* backward (attention_scratch_floats: linear in the rows) */
-  float *rotated; /* with RoPE: [nslots][rows * in_width], q|k rotated, v copied */
+  float *rotated; /* with RoPE: [nslots][rows * in_width], q|k rotated, v copied (on tensor cores as bf16 bits:
+                     the first half of the slot's room, which stays float32-sized for the other shapes' core) */
   float *cos_t, *sin_t; /* with RoPE: [max_seq, head_dim / 2] on the backend */
   float *slopes;  /* with ALiBi: this rank's heads_l slopes on the backend */
   const float **saved_x;
